@@ -1,0 +1,120 @@
+//! RabbitMQ plumbing: connecting with retry, confirmed publishing, message properties.
+
+use std::time::Duration;
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::{Confirmation, PublisherConfirm};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{Error, Result};
+
+/// Header naming why a task was dead-lettered (a bounded reason code).
+pub const REASON_HEADER: &str = "x-fleet-reason";
+/// Header with the human detail of a dead-lettering (last error, refused field...).
+pub const DETAIL_HEADER: &str = "x-fleet-detail";
+/// Header with the last worker that ran a dead task.
+pub const WORKER_HEADER: &str = "x-fleet-worker";
+/// Header selecting a delay tier on the delay (headers) exchange.
+pub const TIER_HEADER: &str = "x-fleet-tier";
+
+/// Connects once.
+pub async fn connect(url: &str, name: &str) -> Result<Connection> {
+    let props = ConnectionProperties::default().with_connection_name(name.into());
+    Ok(Connection::connect(url, props).await?)
+}
+
+/// Connects, retrying with capped exponential backoff until it works or `shutdown` fires
+/// (then `None`). Each failure is logged. Cancel safe.
+pub async fn connect_retrying(url: &str, name: &str, shutdown: &CancellationToken) -> Option<Connection> {
+    let mut delay = Duration::from_millis(100);
+    loop {
+        match connect(url, name).await {
+            Ok(c) => return Some(c),
+            Err(e) => tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "cannot connect to RabbitMQ"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// A channel in confirm mode.
+pub async fn confirm_channel(conn: &Connection) -> Result<Channel> {
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    Ok(ch)
+}
+
+/// Properties of a task message: JSON, persistent, id, optional headers.
+pub fn task_properties(id: &str, headers: Option<FieldTable>) -> BasicProperties {
+    let p = BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
+        .with_message_id(id.into());
+    match headers {
+        Some(h) => p.with_headers(h),
+        None => p,
+    }
+}
+
+/// Builds a header table from string pairs.
+pub fn headers<'a>(pairs: impl IntoIterator<Item = (&'a str, String)>) -> FieldTable {
+    let mut t = FieldTable::default();
+    for (k, v) in pairs {
+        t.insert(k.into(), AMQPValue::LongString(v.into()));
+    }
+    t
+}
+
+/// Reads a string header.
+pub fn header_str(props: &BasicProperties, key: &str) -> Option<String> {
+    let h = props.headers().as_ref()?;
+    match h.inner().get(key)? {
+        AMQPValue::LongString(s) => Some(s.to_string()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        other => Some(format!("{other:?}")),
+    }
+}
+
+/// Starts a mandatory publish; the returned confirm is awaited later (pipelining).
+pub async fn publish(
+    ch: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: BasicProperties,
+) -> Result<PublisherConfirm> {
+    Ok(ch
+        .basic_publish(
+            ShortString::from(exchange),
+            ShortString::from(routing_key),
+            BasicPublishOptions { mandatory: true, ..Default::default() },
+            body,
+            props,
+        )
+        .await?)
+}
+
+/// Awaits a confirm: `Ok` only for an ack of a routed message.
+pub async fn confirmed(confirm: PublisherConfirm) -> Result<()> {
+    match confirm.await? {
+        Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+        Confirmation::Ack(Some(ret)) => Err(Error::Refused(format!("unroutable: {}", ret.reply_text))),
+        Confirmation::Nack(_) => Err(Error::Refused("nack (queue full)".into())),
+    }
+}
+
+/// Publishes and waits for the confirm.
+pub async fn publish_confirmed(
+    ch: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: BasicProperties,
+) -> Result<()> {
+    confirmed(publish(ch, exchange, routing_key, body, props).await?).await
+}

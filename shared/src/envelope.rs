@@ -1,0 +1,375 @@
+//! The task envelope: what producers publish, in any language.
+//!
+//! Parsing is done field by field from a `serde_json::Value`, not by `#[derive(Deserialize)]`,
+//! so that every refusal names the field at fault (`bad_field: max_attempts: expected a
+//! non-negative integer`) and unknown fields are kept verbatim (forward compatibility). The
+//! schema shipped in `shared/schema/envelope.schema.json` is checked against this code by tests.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Duration, Utc};
+use serde_json::{Map, Value};
+
+use crate::route::Strategy;
+use crate::selector::{Labels, PROTOCOL_LABEL};
+
+/// Envelope format version written by this code.
+pub const VERSION: u64 = 1;
+/// The JSON Schema of the envelope, as shipped for producers in other languages.
+pub const SCHEMA: &str = include_str!("../schema/envelope.schema.json");
+/// Fields this version knows; anything else is kept in `extra`.
+pub const KNOWN_FIELDS: &[&str] = &[
+    "v", "id", "kind", "payload", "labels", "protocol", "lane", "deadline", "timeout_ms",
+    "not_before", "max_attempts", "attempt", "submitted_at", "strategy",
+];
+/// `not_before` further ahead than this is refused as absurd.
+pub const MAX_DELAY: Duration = Duration::days(30);
+
+/// The two lanes. Each has its own ingress queue, group queues, consumers and capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Lane {
+    #[default]
+    Normal,
+    Critical,
+}
+
+impl Lane {
+    pub const ALL: [Lane; 2] = [Lane::Normal, Lane::Critical];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Lane::Normal => "normal",
+            Lane::Critical => "critical",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Lane> {
+        match s {
+            "normal" => Some(Lane::Normal),
+            "critical" => Some(Lane::Critical),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why an envelope was refused. `code()` is the bounded `reason` label of
+/// `fleet_tasks_rejected_total` and the `x-fleet-reason` header; `Display` is the detail.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Reject {
+    #[error("malformed JSON: {0}")]
+    MalformedJson(String),
+    #[error("the envelope must be a JSON object")]
+    NotAnObject,
+    #[error("missing required field `kind`")]
+    MissingKind,
+    #[error("field `{0}`: {1}")]
+    BadField(&'static str, String),
+    #[error("unknown lane `{0}` (use normal or critical)")]
+    UnknownLane(String),
+    #[error("envelope is {size} bytes, over the limit of {limit}")]
+    Oversized { size: usize, limit: usize },
+    #[error("invalid label selector: {0}")]
+    BadSelector(String),
+    #[error("unknown strategy `{0}` (use least_loaded, round_robin or weighted)")]
+    UnknownStrategy(String),
+    #[error("not_before is more than {0} days ahead")]
+    TooFarAhead(i64),
+}
+
+impl Reject {
+    pub fn code(&self) -> &'static str {
+        match self {
+            Reject::MalformedJson(_) => "malformed_json",
+            Reject::NotAnObject => "not_an_object",
+            Reject::MissingKind => "missing_kind",
+            Reject::BadField(..) => "bad_field",
+            Reject::UnknownLane(_) => "unknown_lane",
+            Reject::Oversized { .. } => "oversized",
+            Reject::BadSelector(_) => "bad_selector",
+            Reject::UnknownStrategy(_) => "unknown_strategy",
+            Reject::TooFarAhead(_) => "bad_not_before",
+        }
+    }
+}
+
+/// A task. Only `kind` is required on the wire; [`Envelope::normalize`] fills in the rest.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Envelope {
+    pub id: String,
+    pub kind: String,
+    pub payload: Value,
+    pub labels: Labels,
+    pub protocol: Option<String>,
+    pub lane: Lane,
+    pub deadline: Option<DateTime<Utc>>,
+    pub timeout_ms: Option<u64>,
+    pub not_before: Option<DateTime<Utc>>,
+    pub max_attempts: Option<u32>,
+    /// Attempts already made (0 when first submitted).
+    pub attempt: u32,
+    pub submitted_at: Option<DateTime<Utc>>,
+    pub strategy: Option<Strategy>,
+    /// Unknown fields, kept verbatim.
+    pub extra: Map<String, Value>,
+}
+
+impl Envelope {
+    /// A new envelope with a generated id and defaults.
+    pub fn new(kind: impl Into<String>, payload: Value) -> Self {
+        Envelope {
+            id: new_id(),
+            kind: kind.into(),
+            payload,
+            labels: Labels::default(),
+            protocol: None,
+            lane: Lane::Normal,
+            deadline: None,
+            timeout_ms: None,
+            not_before: None,
+            max_attempts: None,
+            attempt: 0,
+            submitted_at: None,
+            strategy: None,
+            extra: Map::new(),
+        }
+    }
+
+    /// Parses raw bytes, enforcing the size limit first.
+    pub fn from_slice(bytes: &[u8], max_bytes: usize) -> Result<Self, Reject> {
+        if bytes.len() > max_bytes {
+            return Err(Reject::Oversized { size: bytes.len(), limit: max_bytes });
+        }
+        let value: Value = serde_json::from_slice(bytes).map_err(|e| Reject::MalformedJson(e.to_string()))?;
+        Self::from_value(value)
+    }
+
+    /// Parses a JSON value field by field; errors name the field.
+    pub fn from_value(value: Value) -> Result<Self, Reject> {
+        let Value::Object(mut obj) = value else { return Err(Reject::NotAnObject) };
+        let mut take = |k: &str| obj.remove(k).filter(|v| !v.is_null());
+        let kind = match take("kind") {
+            None => return Err(Reject::MissingKind),
+            Some(Value::String(s)) if !s.trim().is_empty() => s,
+            Some(_) => return Err(Reject::BadField("kind", "expected a non-empty string".into())),
+        };
+        let id = match take("id") {
+            None => new_id(),
+            Some(Value::String(s)) if !s.is_empty() && s.len() <= 200 => s,
+            Some(_) => return Err(Reject::BadField("id", "expected a string of 1-200 characters".into())),
+        };
+        let payload = take("payload").unwrap_or(Value::Null);
+        let labels = match take("labels") {
+            None => Labels::default(),
+            Some(Value::Object(m)) => {
+                let mut map = BTreeMap::new();
+                for (k, v) in m {
+                    let Value::String(v) = v else {
+                        return Err(Reject::BadSelector(format!("value of `{k}` must be a string")));
+                    };
+                    map.insert(k, v);
+                }
+                Labels::from_map(map).map_err(|e| Reject::BadSelector(e.to_string()))?
+            }
+            Some(Value::String(s)) => Labels::parse(&s).map_err(|e| Reject::BadSelector(e.to_string()))?,
+            Some(_) => return Err(Reject::BadSelector("`labels` must be an object of strings".into())),
+        };
+        let protocol = match take("protocol") {
+            None => None,
+            Some(Value::String(s)) if !s.is_empty() => Some(s),
+            Some(_) => return Err(Reject::BadField("protocol", "expected a string".into())),
+        };
+        let lane = match take("lane") {
+            None => Lane::Normal,
+            Some(Value::String(s)) => Lane::parse(&s).ok_or(Reject::UnknownLane(s))?,
+            Some(other) => return Err(Reject::UnknownLane(other.to_string())),
+        };
+        let deadline = take("deadline").map(|v| time_field("deadline", v)).transpose()?;
+        let not_before = take("not_before").map(|v| time_field("not_before", v)).transpose()?;
+        let submitted_at = take("submitted_at").map(|v| time_field("submitted_at", v)).transpose()?;
+        let timeout_ms = take("timeout_ms").map(|v| uint_field("timeout_ms", v)).transpose()?;
+        let max_attempts = take("max_attempts")
+            .map(|v| uint_field("max_attempts", v))
+            .transpose()?
+            .map(|n| u32::try_from(n.clamp(1, 1000)).unwrap_or(1000));
+        let attempt = take("attempt").map(|v| uint_field("attempt", v)).transpose()?.unwrap_or(0);
+        let attempt = u32::try_from(attempt).map_err(|_| Reject::BadField("attempt", "too large".into()))?;
+        let strategy = match take("strategy") {
+            None => None,
+            Some(Value::String(s)) => Some(Strategy::parse(&s).ok_or(Reject::UnknownStrategy(s))?),
+            Some(_) => return Err(Reject::BadField("strategy", "expected a string".into())),
+        };
+        if let Some(p) = &protocol {
+            if labels.get(PROTOCOL_LABEL).is_some_and(|l| l != p) {
+                return Err(Reject::BadSelector(format!("`protocol` {p} contradicts label protocol")));
+            }
+        }
+        obj.remove("v");
+        Ok(Envelope {
+            id,
+            kind,
+            payload,
+            labels,
+            protocol,
+            lane,
+            deadline,
+            timeout_ms,
+            not_before,
+            max_attempts,
+            attempt,
+            submitted_at,
+            strategy,
+            extra: obj,
+        })
+    }
+
+    /// Fills the defaults an accepted task carries from then on: `submitted_at`, the absolute
+    /// `deadline` from `timeout_ms`, and `max_attempts`. Refuses absurd `not_before`.
+    pub fn normalize(&mut self, now: DateTime<Utc>, default_max_attempts: u32) -> Result<(), Reject> {
+        let submitted = *self.submitted_at.get_or_insert(now);
+        if self.deadline.is_none() {
+            if let Some(ms) = self.timeout_ms {
+                let ms = i64::try_from(ms).unwrap_or(i64::MAX / 2).min(MAX_DELAY.num_milliseconds() * 12);
+                self.deadline = Some(submitted + Duration::milliseconds(ms));
+            }
+        }
+        if self.max_attempts.is_none() {
+            self.max_attempts = Some(default_max_attempts.max(1));
+        }
+        if let Some(nb) = self.not_before {
+            if nb - now > MAX_DELAY {
+                return Err(Reject::TooFarAhead(MAX_DELAY.num_days()));
+            }
+        }
+        Ok(())
+    }
+
+    /// The selector a worker must satisfy: the task's labels plus `protocol`, if any.
+    pub fn selector(&self) -> Labels {
+        match &self.protocol {
+            Some(p) => self.labels.clone().with(PROTOCOL_LABEL, p),
+            None => self.labels.clone(),
+        }
+    }
+
+    pub fn max_attempts_or(&self, default: u32) -> u32 {
+        self.max_attempts.unwrap_or(default).max(1)
+    }
+
+    pub fn is_expired(&self, now: DateTime<Utc>) -> bool {
+        self.deadline.is_some_and(|d| d <= now)
+    }
+
+    /// The wire form (always includes the version `v`).
+    pub fn to_value(&self) -> Value {
+        let mut m = self.extra.clone();
+        m.insert("v".into(), VERSION.into());
+        m.insert("id".into(), self.id.clone().into());
+        m.insert("kind".into(), self.kind.clone().into());
+        m.insert("payload".into(), self.payload.clone());
+        if !self.labels.is_empty() {
+            m.insert("labels".into(), serde_json::to_value(&self.labels).unwrap_or(Value::Null));
+        }
+        let mut opt = |k: &str, v: Option<Value>| {
+            if let Some(v) = v {
+                m.insert(k.into(), v);
+            }
+        };
+        opt("protocol", self.protocol.clone().map(Value::from));
+        opt("lane", Some(self.lane.as_str().into()));
+        opt("deadline", self.deadline.map(fmt_time));
+        opt("timeout_ms", self.timeout_ms.map(Value::from));
+        opt("not_before", self.not_before.map(fmt_time));
+        opt("max_attempts", self.max_attempts.map(Value::from));
+        opt("attempt", Some(self.attempt.into()));
+        opt("submitted_at", self.submitted_at.map(fmt_time));
+        opt("strategy", self.strategy.map(|s| s.as_str().into()));
+        Value::Object(m)
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(&self.to_value()).unwrap_or_default()
+    }
+}
+
+fn fmt_time(t: DateTime<Utc>) -> Value {
+    Value::String(t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+}
+
+fn time_field(name: &'static str, v: Value) -> Result<DateTime<Utc>, Reject> {
+    match v {
+        Value::String(s) => DateTime::parse_from_rfc3339(&s)
+            .map(|t| t.with_timezone(&Utc))
+            .map_err(|e| Reject::BadField(name, format!("expected an RFC 3339 time: {e}"))),
+        _ => Err(Reject::BadField(name, "expected an RFC 3339 time string".into())),
+    }
+}
+
+fn uint_field(name: &'static str, v: Value) -> Result<u64, Reject> {
+    v.as_u64().ok_or_else(|| Reject::BadField(name, "expected a non-negative integer".into()))
+}
+
+/// A fresh task id.
+pub fn new_id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn minimal_envelope_gets_defaults() {
+        let e = Envelope::from_slice(br#"{"kind":"noop"}"#, 1024).unwrap();
+        assert_eq!(e.kind, "noop");
+        assert_eq!(e.lane, Lane::Normal);
+        assert_eq!(e.id.len(), 32);
+        assert_eq!(e.attempt, 0);
+    }
+
+    #[test]
+    fn round_trip_keeps_unknown_fields() {
+        let v = json!({"id":"a","kind":"echo","payload":{"x":1},"labels":{"gpu":"true"},
+            "lane":"critical","deadline":"2026-12-01T10:00:00Z","max_attempts":5,"future_field":[1,2]});
+        let e = Envelope::from_value(v).unwrap();
+        assert_eq!(e.extra.get("future_field"), Some(&json!([1, 2])));
+        let again = Envelope::from_value(e.to_value()).unwrap();
+        assert_eq!(again, e);
+    }
+
+    #[test]
+    fn refusals_name_the_field() {
+        let r = |b: &[u8]| Envelope::from_slice(b, 1 << 20).unwrap_err();
+        assert_eq!(r(b"{nope").code(), "malformed_json");
+        assert_eq!(r(b"[1]").code(), "not_an_object");
+        assert_eq!(r(br#"{"payload":1}"#).code(), "missing_kind");
+        assert_eq!(r(br#"{"kind":"x","lane":"bulk"}"#).code(), "unknown_lane");
+        assert_eq!(r(br#"{"kind":"x","labels":{"a b":"1"}}"#).code(), "bad_selector");
+        let e = r(br#"{"kind":"x","max_attempts":"five"}"#);
+        assert_eq!(e.code(), "bad_field");
+        assert!(e.to_string().contains("max_attempts"), "{e}");
+        let e = r(br#"{"kind":"x","deadline":"tomorrow"}"#);
+        assert!(e.to_string().contains("deadline"), "{e}");
+        let big = format!(r#"{{"kind":"x","payload":"{}"}}"#, "a".repeat(2000));
+        assert_eq!(Envelope::from_slice(big.as_bytes(), 1000).unwrap_err().code(), "oversized");
+    }
+
+    #[test]
+    fn normalize_resolves_timeout_and_refuses_far_future() {
+        let now = Utc::now();
+        let mut e = Envelope::from_value(json!({"kind":"x","timeout_ms":1500})).unwrap();
+        e.normalize(now, 5).unwrap();
+        assert_eq!(e.deadline, Some(now + Duration::milliseconds(1500)));
+        assert_eq!(e.max_attempts, Some(5));
+        let mut far = Envelope::new("x", Value::Null);
+        far.not_before = Some(now + Duration::days(400));
+        assert_eq!(far.normalize(now, 5).unwrap_err().code(), "bad_not_before");
+    }
+}

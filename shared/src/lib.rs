@@ -1,0 +1,39 @@
+//! fleet's library crate: everything the scheduler, the worker and `fleetctl` share.
+//!
+//! * [`envelope`] — the task envelope (versioned JSON), its parsing with reasons that name the
+//!   bad field, and its JSON Schema.
+//! * [`selector`] — label sets, selector parsing and exact matching, group names.
+//! * [`config`] — settings from the environment and an optional file; errors name the setting.
+//! * [`names`] — the one place that builds every AMQP name and Redis key under the namespace.
+//! * [`topology`] — idempotent declaration of exchanges and queues.
+//! * [`amqp`] / [`store`] — connections with retry and backoff to RabbitMQ and Redis.
+//! * [`scripts`] — the Lua scripts (one atomic decision each); typed wrappers live with their
+//!   concept: [`registry`] (workers, heartbeats, eviction), [`route`] + [`lease`] (choice,
+//!   reservation, in-flight records), [`ratelimit`] (GCRA bucket), [`status`] (task status).
+//! * [`delay`] — the broker delay tiers used for `not_before` and retry backoff.
+//! * [`metrics`] — metric names, their help text and the Prometheus exporter.
+//! * [`telemetry`] — logging set-up; [`http`] — `/metrics`, `/healthz`, `/readyz`.
+
+pub mod amqp;
+pub mod config;
+pub mod delay;
+pub mod envelope;
+pub mod error;
+pub mod http;
+pub mod lease;
+pub mod metrics;
+pub mod names;
+pub mod ratelimit;
+pub mod registry;
+pub mod route;
+pub mod scripts;
+pub mod selector;
+pub mod status;
+pub mod store;
+pub mod telemetry;
+pub mod topology;
+
+pub use envelope::{Envelope, Lane};
+pub use error::{Error, Result};
+pub use names::Names;
+pub use selector::Labels;

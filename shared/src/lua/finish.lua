@@ -1,0 +1,20 @@
+-- finish: a worker releases finished tasks and records their outcome (batch).
+-- KEYS[1]: key prefix
+-- ARGV[1]: worker id   ARGV[2]: group   ARGV[3]: now (ms)   ARGV[4]: status TTL (ms)
+-- ARGV[5]: number of tasks, then per task:
+--   lane, task id, state (succeeded | retrying | dead | expired), field ('result' | 'error'),
+--   text (truncated), success (1 | 0)
+-- returns: number of tasks released
+local w, g, now, st_ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local n = tonumber(ARGV[5])
+local ok, err = 0, 0
+for k = 0, n - 1 do
+  local b = 6 + 6 * k
+  local lane, id, state, field, text, success = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
+  redis.call('ZREM', K_run(g, lane), id)
+  redis.call('SREM', K_wrun(w), lane .. '|' .. id)
+  redis.call('HSET', K_task(id), 'state', state, 'worker', w, 'finished_at', now, field, text)
+  redis.call('PEXPIRE', K_task(id), st_ttl)
+  if success == '1' then ok = ok + 1 else err = err + 1 end
+end
+return n

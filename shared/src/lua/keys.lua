@@ -1,0 +1,47 @@
+-- Prelude of every fleet script: key layout under the namespace prefix KEYS[1]
+-- (`{ns}:`, a Redis Cluster hash tag, so all keys of a fleet share one slot).
+-- Mirrors `Names` in shared/src/names.rs; keep both in step.
+local P = KEYS[1]
+local function K_workers() return P .. 'workers' end
+local function K_worker(id) return P .. 'w:' .. id end
+local function K_wrun(id) return P .. 'wrun:' .. id end
+local function K_groups() return P .. 'groups' end
+local function K_group(g) return P .. 'g:' .. g end
+local function K_gw(g) return P .. 'gw:' .. g end
+local function K_idx(pair) return P .. 'idx:' .. pair end
+local function K_resv(g, lane) return P .. 'resv:' .. g .. ':' .. lane end
+local function K_run(g, lane) return P .. 'run:' .. g .. ':' .. lane end
+local function K_task(id) return P .. 't:' .. id end
+local function K_dedupe(id) return P .. 'dd:' .. id end
+local function K_rr(lane, sel) return P .. 'rr:' .. lane .. ':' .. sel end
+
+-- A worker adds its capacity to its group only while `active` (draining and ejected
+-- workers take nothing new).
+local function contrib(state, cap)
+  if state == 'active' then return tonumber(cap) or 0 end
+  return 0
+end
+
+local function add_capacity(g, dn, dc)
+  if dn ~= 0 then redis.call('HINCRBY', K_group(g), 'cap:normal', dn) end
+  if dc ~= 0 then redis.call('HINCRBY', K_group(g), 'cap:critical', dc) end
+end
+
+-- Removes a worker entirely: its capacity, its running records, its index entries.
+-- Idempotent: a second call finds nothing and does nothing.
+local function remove_worker(id)
+  local wk = K_worker(id)
+  local w = redis.call('HMGET', wk, 'group', 'state', 'cap', 'ccap')
+  redis.call('ZREM', K_workers(), id)
+  if not w[1] then return 0 end
+  local g = w[1]
+  add_capacity(g, -contrib(w[2], w[3]), -contrib(w[2], w[4]))
+  for _, m in ipairs(redis.call('SMEMBERS', K_wrun(id))) do
+    local lane, task = string.match(m, '^(%a+)|(.*)$')
+    if lane then redis.call('ZREM', K_run(g, lane), task) end
+  end
+  redis.call('DEL', K_wrun(id), wk)
+  redis.call('SREM', K_gw(g), id)
+  redis.call('HDEL', K_group(g), 'h:' .. id)
+  return 1
+end

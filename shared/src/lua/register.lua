@@ -1,0 +1,29 @@
+-- register: add (or re-add) a worker to the registry and its capacity to its group.
+-- KEYS[1]: key prefix `{ns}:`
+-- ARGV[1]: worker id          ARGV[2]: instance token (random per process)
+-- ARGV[3]: group name         ARGV[4]: labels as JSON
+-- ARGV[5]: normal capacity    ARGV[6]: critical capacity
+-- ARGV[7]: executor kind      ARGV[8]: now (ms)
+-- ARGV[9]: liveness window (ms): a different instance seen within it is a live duplicate
+-- ARGV[10]: state (active | draining | ejected)
+-- ARGV[11..]: label pairs `k=v` for the label index
+-- returns: 'registered', or an error reply `DUPLICATE ...` when another live process has the id
+local id, inst, g = ARGV[1], ARGV[2], ARGV[3]
+local now, window = tonumber(ARGV[8]), tonumber(ARGV[9])
+local wk = K_worker(id)
+local old = redis.call('HMGET', wk, 'instance', 'hb')
+if old[1] and old[1] ~= inst and tonumber(old[2]) and tonumber(old[2]) > now - window then
+  return redis.error_reply('DUPLICATE worker id ' .. id .. ' is held by a live process (last heartbeat ' .. (now - tonumber(old[2])) .. ' ms ago)')
+end
+remove_worker(id)
+local state = ARGV[10]
+redis.call('HSET', wk, 'id', id, 'instance', inst, 'group', g, 'labels', ARGV[4], 'cap', ARGV[5],
+  'ccap', ARGV[6], 'executor', ARGV[7], 'state', state, 'hb', now, 'started', now, 'ok', 0, 'err', 0,
+  'load', 0, 'cload', 0, 'ewma_ms', 0, 'cpu', 0)
+redis.call('ZADD', K_workers(), now, id)
+redis.call('SADD', K_groups(), g)
+redis.call('SADD', K_gw(g), id)
+redis.call('HSET', K_group(g), 'labels', ARGV[4], 'h:' .. id, 1)
+for i = 11, #ARGV do redis.call('SADD', K_idx(ARGV[i]), g) end
+add_capacity(g, contrib(state, ARGV[5]), contrib(state, ARGV[6]))
+return 'registered'

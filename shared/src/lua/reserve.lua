@@ -1,0 +1,133 @@
+-- reserve: for a batch of tasks, dedupe, choose a group with room and reserve a slot (leased).
+-- KEYS[1]: key prefix
+-- ARGV[1]: now (ms)              ARGV[2]: reservation lease (ms)
+-- ARGV[3]: backlog factor        ARGV[4]: default strategy
+-- ARGV[5]: dedupe window (ms)    ARGV[6]: status TTL (ms)
+-- ARGV[7]: number of tasks, then per task:
+--   id, lane, strategy ('' = default), dedupe (0 skip | 1 set-if-absent | 2 set),
+--   random in [0,1), number of selector pairs n, then n pairs `k=v`
+-- returns: per task 'ok:<group>' | 'full:<group>' (matches, no room: park there) |
+--          'none' (no live group matches) | 'dup' (id seen within the window)
+local now, lease, bf = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local default_strategy, dd_ttl, st_ttl = ARGV[4], ARGV[5], ARGV[6]
+local n = tonumber(ARGV[7])
+
+local gcache, ccache = {}, {}
+local function gstate(g, lane)
+  local key = g .. '|' .. lane
+  local s = gcache[key]
+  if s then return s end
+  local cap = tonumber(redis.call('HGET', K_group(g), 'cap:' .. lane) or '0') or 0
+  s = { cap = cap, used = 0, limit = cap * (1 + bf), health = nil }
+  if cap > 0 then
+    redis.call('ZREMRANGEBYSCORE', K_resv(g, lane), '-inf', now)
+    redis.call('ZREMRANGEBYSCORE', K_run(g, lane), '-inf', now)
+    s.used = redis.call('ZCARD', K_resv(g, lane)) + redis.call('ZCARD', K_run(g, lane))
+  end
+  gcache[key] = s
+  return s
+end
+
+local function health(g, s)
+  if s.health then return s.health end
+  local h = redis.call('HGETALL', K_group(g))
+  local sum, cnt = 0, 0
+  for i = 1, #h, 2 do
+    if string.sub(h[i], 1, 2) == 'h:' then sum = sum + (tonumber(h[i + 1]) or 1); cnt = cnt + 1 end
+  end
+  s.health = (cnt > 0) and math.max(sum / cnt, 0.01) or 1
+  return s.health
+end
+
+local function candidates(sel)
+  local key = table.concat(sel, ',')
+  local c = ccache[key]
+  if c then return c, key end
+  if #sel == 0 then
+    c = redis.call('SMEMBERS', K_groups())
+  else
+    local ks = {}
+    for i, pair in ipairs(sel) do ks[i] = K_idx(pair) end
+    c = redis.call('SINTER', unpack(ks))
+  end
+  table.sort(c)
+  ccache[key] = c
+  return c, key
+end
+
+local out = {}
+local i = 8
+for t = 1, n do
+  local id, lane, strategy, dd, rnd = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4])
+  local nsel = tonumber(ARGV[i + 5])
+  local sel = {}
+  for j = 1, nsel do sel[j] = ARGV[i + 5 + j] end
+  i = i + 6 + nsel
+  if strategy == '' then strategy = default_strategy end
+
+  local dup = false
+  if dd == '1' then
+    dup = not redis.call('SET', K_dedupe(id), '1', 'NX', 'PX', dd_ttl)
+  elseif dd == '2' then
+    redis.call('SET', K_dedupe(id), '1', 'PX', dd_ttl)
+  end
+  if dup then
+    out[t] = 'dup'
+  else
+    local cands, selkey = candidates(sel)
+    local live, open = {}, {}
+    for _, g in ipairs(cands) do
+      local s = gstate(g, lane)
+      if s.cap > 0 then
+        live[#live + 1] = g
+        if s.used < s.limit then open[#open + 1] = g end
+      end
+    end
+    local chosen = nil
+    if #open > 0 then
+      if strategy == 'round_robin' then
+        local ctr = redis.call('INCR', K_rr(lane, selkey))
+        chosen = open[(ctr % #open) + 1]
+      elseif strategy == 'weighted' then
+        local total, w = 0, {}
+        for k, g in ipairs(open) do
+          local s = gstate(g, lane)
+          w[k] = (s.limit - s.used) * health(g, s)
+          total = total + w[k]
+        end
+        local x = rnd * total
+        chosen = open[#open]
+        for k, g in ipairs(open) do
+          x = x - w[k]
+          if x < 0 then chosen = g; break end
+        end
+      else
+        local best = nil
+        for _, g in ipairs(open) do
+          local s = gstate(g, lane)
+          local r = s.used / s.cap
+          if best == nil or r < best then best = r; chosen = g end
+        end
+      end
+    end
+    if chosen then
+      local s = gstate(chosen, lane)
+      s.used = s.used + 1
+      redis.call('ZADD', K_resv(chosen, lane), now + lease, id)
+      redis.call('HSET', K_task(id), 'state', 'queued', 'group', chosen, 'lane', lane, 'queued_at', now)
+      redis.call('PEXPIRE', K_task(id), st_ttl)
+      out[t] = 'ok:' .. chosen
+    elseif #live > 0 then
+      local best, bg = nil, live[1]
+      for _, g in ipairs(live) do
+        local s = gstate(g, lane)
+        local r = s.used / s.cap
+        if best == nil or r < best then best = r; bg = g end
+      end
+      out[t] = 'full:' .. bg
+    else
+      out[t] = 'none'
+    end
+  end
+end
+return out

@@ -1,0 +1,92 @@
+//! Metric names (the public interface dashboards depend on), their help text and the
+//! Prometheus exporter. Label values are bounded: lane, group, outcome, reason, queue, state —
+//! never task ids.
+
+use std::sync::OnceLock;
+
+use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+pub const TASKS_SUBMITTED: &str = "fleet_tasks_submitted_total";
+pub const TASKS_REJECTED: &str = "fleet_tasks_rejected_total";
+pub const TASKS_DISPATCHED: &str = "fleet_tasks_dispatched_total";
+pub const TASKS_COMPLETED: &str = "fleet_tasks_completed_total";
+pub const TASKS_DUPLICATE: &str = "fleet_tasks_duplicate_total";
+pub const TASKS_PARKED: &str = "fleet_tasks_parked_total";
+pub const TASKS_REROUTED: &str = "fleet_tasks_rerouted_total";
+pub const TASKS_REFUSED: &str = "fleet_tasks_refused_total";
+pub const TASK_WAIT: &str = "fleet_task_wait_seconds";
+pub const TASK_RUN: &str = "fleet_task_run_seconds";
+pub const QUEUE_DEPTH: &str = "fleet_queue_depth";
+pub const QUEUE_BOUND: &str = "fleet_queue_bound";
+pub const PRESSURE_STATE: &str = "fleet_pressure_state";
+pub const PENDING: &str = "fleet_pending_tasks";
+pub const GROUP_CAPACITY: &str = "fleet_group_capacity";
+pub const GROUP_LOAD: &str = "fleet_group_load";
+pub const GROUP_RESERVED: &str = "fleet_group_reserved";
+pub const GROUP_BACKLOG: &str = "fleet_group_backlog";
+pub const GROUP_OLDEST_AGE: &str = "fleet_group_oldest_task_age_seconds";
+pub const WORKERS: &str = "fleet_workers";
+pub const WORKER_EVICTIONS: &str = "fleet_worker_evictions_total";
+pub const WORKER_EJECTIONS: &str = "fleet_worker_ejections_total";
+pub const WORKER_INFO: &str = "fleet_worker_info";
+pub const DISPATCH_THROTTLED: &str = "fleet_dispatch_throttled_total";
+pub const PROBE: &str = "fleet_probe_seconds";
+pub const PROBE_FAILURES: &str = "fleet_probe_failures_total";
+pub const REDIS_ERRORS: &str = "fleet_redis_errors_total";
+pub const AMQP_RECONNECTS: &str = "fleet_amqp_reconnects_total";
+
+/// Registers help text for every metric.
+pub fn describe() {
+    describe_counter!(TASKS_SUBMITTED, "Tasks accepted from ingress, by lane.");
+    describe_counter!(TASKS_REJECTED, "Tasks refused as invalid or undeliverable and dead-lettered, by reason.");
+    describe_counter!(TASKS_DISPATCHED, "Tasks published to a group queue, by group and lane.");
+    describe_counter!(TASKS_COMPLETED, "Task attempts ended, by group, lane and outcome (succeeded, failed, retried, dead, expired).");
+    describe_counter!(TASKS_DUPLICATE, "Submissions dropped because their id was seen within the dedupe window.");
+    describe_counter!(TASKS_PARKED, "Tasks parked in a group's wait queue because no matching group had room, by group.");
+    describe_counter!(TASKS_REROUTED, "Tasks moved from a group without live workers to another matching group.");
+    describe_counter!(TASKS_REFUSED, "Submissions refused to producers (HTTP 429/503), by reason.");
+    describe_histogram!(TASK_WAIT, Unit::Seconds, "Time from submission to start, by lane.");
+    describe_histogram!(TASK_RUN, Unit::Seconds, "Handler run time, by group and lane.");
+    describe_gauge!(QUEUE_DEPTH, "Messages ready in a queue, sampled by the scheduler.");
+    describe_gauge!(QUEUE_BOUND, "Configured maximum length of a bounded queue.");
+    describe_gauge!(PRESSURE_STATE, "Backpressure state: 0 green, 1 yellow, 2 red.");
+    describe_gauge!(PENDING, "Pending tasks: ingress backlog + parked + reserved-not-started.");
+    describe_gauge!(GROUP_CAPACITY, "Normal-lane capacity of a group's active, alive workers.");
+    describe_gauge!(GROUP_LOAD, "Normal-lane tasks running in a group.");
+    describe_gauge!(GROUP_RESERVED, "Normal-lane tasks dispatched to a group and not yet started.");
+    describe_gauge!(GROUP_BACKLOG, "Tasks waiting for a group: its queue plus its park queue (autoscaling input).");
+    describe_gauge!(GROUP_OLDEST_AGE, "Age of the oldest task waiting for a group, in seconds (autoscaling input).");
+    describe_gauge!(WORKERS, "Registered workers by state.");
+    describe_counter!(WORKER_EVICTIONS, "Workers evicted by the health checker for missing heartbeats.");
+    describe_counter!(WORKER_EJECTIONS, "Times a worker ejected itself as an outlier (error ratio over the threshold).");
+    describe_gauge!(WORKER_INFO, "Always 1; labels name the worker and its group.");
+    describe_counter!(DISPATCH_THROTTLED, "Dispatches delayed by the rate limit or by Yellow pressure.");
+    describe_histogram!(PROBE, Unit::Seconds, "Round trip of the scheduler's probe task through a group's critical lane.");
+    describe_counter!(PROBE_FAILURES, "Probe tasks that did not come back in time, by group.");
+    describe_counter!(REDIS_ERRORS, "Failed Redis calls (retried).");
+    describe_counter!(AMQP_RECONNECTS, "Reconnections to RabbitMQ.");
+}
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the Prometheus recorder once per process and returns its handle.
+pub fn install() -> PrometheusHandle {
+    HANDLE
+        .get_or_init(|| {
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(
+                    Matcher::Suffix("_seconds".into()),
+                    &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0],
+                )
+                .unwrap_or_else(|_| PrometheusBuilder::new());
+            let recorder = builder.build_recorder();
+            let handle = recorder.handle();
+            if metrics::set_global_recorder(recorder).is_err() {
+                tracing::warn!("a metrics recorder was already installed");
+            }
+            describe();
+            handle
+        })
+        .clone()
+}

@@ -1,0 +1,127 @@
+//! The one place that builds every namespaced AMQP name and Redis key.
+//!
+//! Redis keys are `{<ns>}:<kind>:<id>`: the braces make the namespace a Redis Cluster hash tag,
+//! so every key of one fleet lives in one slot and the Lua scripts may touch keys they derive
+//! from the prefix (the reservation script cannot know its candidate groups before it reads the
+//! label index). The Lua side builds keys with the same layout in `lua/keys.lua`; keep both in step.
+
+use crate::envelope::Lane;
+
+/// AMQP names and Redis keys of one namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Names {
+    ns: String,
+    prefix: String,
+}
+
+impl Names {
+    pub fn new(namespace: &str) -> Self {
+        Names { ns: namespace.to_string(), prefix: format!("{{{namespace}}}:") }
+    }
+
+    pub fn namespace(&self) -> &str {
+        &self.ns
+    }
+
+    // ---- AMQP ----
+
+    /// Producers publish here, routing key = lane.
+    pub fn submit_exchange(&self) -> String {
+        format!("{}.submit", self.ns)
+    }
+    /// Group lane queues, dead letters and the delayed queue are bound here.
+    pub fn tasks_exchange(&self) -> String {
+        format!("{}.tasks", self.ns)
+    }
+    /// Headers exchange in front of the delay tiers (header `x-fleet-tier`).
+    pub fn delay_exchange(&self) -> String {
+        format!("{}.delay", self.ns)
+    }
+    pub fn ingress_queue(&self, lane: Lane) -> String {
+        format!("{}.ingress.{}", self.ns, lane)
+    }
+    pub fn group_queue(&self, group: &str, lane: Lane) -> String {
+        format!("{}.group.{}.{}", self.ns, group, lane)
+    }
+    /// Routing key of a group lane queue on the tasks exchange.
+    pub fn group_key(&self, group: &str, lane: Lane) -> String {
+        format!("group.{group}.{lane}")
+    }
+    /// Bounded durable queue holding a group's tasks while it has no room.
+    pub fn park_queue(&self, group: &str, lane: Lane) -> String {
+        format!("{}.park.{}.{}", self.ns, group, lane)
+    }
+    pub fn park_key(&self, group: &str, lane: Lane) -> String {
+        format!("park.{group}.{lane}")
+    }
+    pub fn dead_queue(&self) -> String {
+        format!("{}.dead", self.ns)
+    }
+    pub const DEAD_KEY: &'static str = "dead";
+    /// Tasks coming back from a delay tier (delayed start, retry backoff) to the scheduler.
+    pub fn delayed_queue(&self) -> String {
+        format!("{}.delayed", self.ns)
+    }
+    pub const DELAYED_KEY: &'static str = "delayed";
+    pub fn delay_queue(&self, tier_ms: u64) -> String {
+        format!("{}.delay.{}", self.ns, tier_ms)
+    }
+
+    // ---- Redis ----
+
+    /// The key prefix every script receives as `KEYS[1]`.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+    pub fn workers(&self) -> String {
+        format!("{}workers", self.prefix)
+    }
+    pub fn worker(&self, id: &str) -> String {
+        format!("{}w:{}", self.prefix, id)
+    }
+    pub fn worker_running(&self, id: &str) -> String {
+        format!("{}wrun:{}", self.prefix, id)
+    }
+    pub fn groups(&self) -> String {
+        format!("{}groups", self.prefix)
+    }
+    pub fn group(&self, group: &str) -> String {
+        format!("{}g:{}", self.prefix, group)
+    }
+    pub fn group_workers(&self, group: &str) -> String {
+        format!("{}gw:{}", self.prefix, group)
+    }
+    pub fn reserved(&self, group: &str, lane: Lane) -> String {
+        format!("{}resv:{}:{}", self.prefix, group, lane)
+    }
+    pub fn running(&self, group: &str, lane: Lane) -> String {
+        format!("{}run:{}:{}", self.prefix, group, lane)
+    }
+    pub fn rate_limit(&self, lane: Lane) -> String {
+        format!("{}rl:{}", self.prefix, lane)
+    }
+    pub fn task(&self, id: &str) -> String {
+        format!("{}t:{}", self.prefix, id)
+    }
+    pub fn dedupe(&self, id: &str) -> String {
+        format!("{}dd:{}", self.prefix, id)
+    }
+    /// Pattern matching every key of the namespace (for tests' clean-up).
+    pub fn all_keys_pattern(&self) -> String {
+        format!("{}*", self.prefix)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_carry_the_namespace() {
+        let n = Names::new("t1");
+        assert_eq!(n.ingress_queue(Lane::Critical), "t1.ingress.critical");
+        assert_eq!(n.group_queue("gpu=true", Lane::Normal), "t1.group.gpu=true.normal");
+        assert_eq!(n.worker("w1"), "{t1}:w:w1");
+        assert_eq!(n.reserved("g", Lane::Normal), "{t1}:resv:g:normal");
+    }
+}

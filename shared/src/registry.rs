@@ -1,0 +1,282 @@
+//! The worker registry in Redis: registration, heartbeats, states, eviction, and the
+//! read side used by the API (`/v1/workers`, `/v1/groups`).
+//!
+//! A group's capacity is kept as a counter per lane that every state change adjusts by the
+//! worker's contribution (its capacity while `active`, else 0), so routing reads one hash
+//! field instead of summing workers. Running and reserved counts are *not* counters but
+//! leased sorted-set members, so they can never drift: an expired lease simply stops counting.
+
+use std::collections::BTreeMap;
+
+use deadpool_redis::redis;
+use serde::Serialize;
+
+use crate::envelope::Lane;
+use crate::error::{Error, Result};
+use crate::selector::Labels;
+use crate::store::{now_ms, Store};
+
+/// A worker's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerState {
+    Active,
+    Draining,
+    Ejected,
+}
+
+impl WorkerState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerState::Active => "active",
+            WorkerState::Draining => "draining",
+            WorkerState::Ejected => "ejected",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "active" => Some(WorkerState::Active),
+            "draining" => Some(WorkerState::Draining),
+            "ejected" => Some(WorkerState::Ejected),
+            _ => None,
+        }
+    }
+}
+
+/// What a worker registers.
+#[derive(Debug, Clone)]
+pub struct Registration {
+    pub id: String,
+    pub instance: String,
+    pub labels: Labels,
+    pub capacity: u32,
+    pub critical_capacity: u32,
+    pub executor: String,
+    pub state: WorkerState,
+}
+
+impl Registration {
+    pub fn group(&self) -> String {
+        self.labels.group_name()
+    }
+}
+
+/// What a heartbeat carries.
+#[derive(Debug, Clone, Default)]
+pub struct Beat {
+    pub running_normal: u32,
+    pub running_critical: u32,
+    pub succeeded: u64,
+    pub failed: u64,
+    pub latency_ewma_ms: f64,
+    pub cpu: f64,
+    pub health: f64,
+    /// Running tasks: (lane, task id); their leases are renewed.
+    pub running: Vec<(Lane, String)>,
+}
+
+/// The answer to a heartbeat.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BeatReply {
+    State(WorkerState),
+    /// The registration is gone (evicted, or Redis lost its data): register again.
+    Gone,
+    /// Another process holds this worker id.
+    Conflict,
+}
+
+/// A worker as the API shows it.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct WorkerView {
+    pub id: String,
+    pub group: String,
+    pub labels: serde_json::Value,
+    pub executor: String,
+    pub state: String,
+    pub capacity: u32,
+    pub critical_capacity: u32,
+    pub running: u32,
+    pub running_critical: u32,
+    pub succeeded: u64,
+    pub failed: u64,
+    pub latency_ewma_ms: f64,
+    pub cpu: f64,
+    pub last_heartbeat_ms_ago: i64,
+}
+
+/// A group as the API shows it.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct GroupView {
+    pub group: String,
+    pub labels: serde_json::Value,
+    pub workers: u32,
+    pub capacity: u32,
+    pub critical_capacity: u32,
+    pub load: u32,
+    pub reserved: u32,
+    pub critical_load: u32,
+    pub critical_reserved: u32,
+}
+
+impl Store {
+    /// Registers a worker. A live process holding the same id makes this fail with a message.
+    pub async fn register(&self, r: &Registration, liveness_ms: i64) -> Result<()> {
+        let labels_json = serde_json::to_string(&r.labels)?;
+        let mut inv = self.scripts.register.prepare_invoke();
+        inv.key(self.names.prefix())
+            .arg(&r.id)
+            .arg(&r.instance)
+            .arg(r.group())
+            .arg(labels_json)
+            .arg(r.capacity)
+            .arg(r.critical_capacity)
+            .arg(&r.executor)
+            .arg(now_ms())
+            .arg(liveness_ms)
+            .arg(r.state.as_str())
+            .arg(r.labels.pairs());
+        match self.invoke::<String>(&inv).await {
+            Ok(_) => Ok(()),
+            Err(Error::Redis(e)) if e.to_string().contains("DUPLICATE") => Err(Error::Other(format!(
+                "worker id `{}` is already registered by a live worker: {}",
+                r.id,
+                e.detail().unwrap_or("duplicate")
+            ))),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub async fn heartbeat(&self, id: &str, instance: &str, lease_ms: i64, b: &Beat) -> Result<BeatReply> {
+        let mut inv = self.scripts.heartbeat.prepare_invoke();
+        inv.key(self.names.prefix())
+            .arg(id)
+            .arg(instance)
+            .arg(now_ms())
+            .arg(lease_ms)
+            .arg(b.running_normal)
+            .arg(b.running_critical)
+            .arg(b.succeeded)
+            .arg(b.failed)
+            .arg(format!("{:.3}", b.latency_ewma_ms))
+            .arg(format!("{:.3}", b.cpu))
+            .arg(format!("{:.3}", b.health));
+        for (lane, task) in &b.running {
+            inv.arg(format!("{lane}|{task}"));
+        }
+        let reply: String = self.invoke(&inv).await?;
+        Ok(match reply.as_str() {
+            "gone" => BeatReply::Gone,
+            "conflict" => BeatReply::Conflict,
+            s => BeatReply::State(WorkerState::parse(s).unwrap_or(WorkerState::Active)),
+        })
+    }
+
+    /// Sets a worker's state; `None` when the worker is unknown.
+    pub async fn set_state(&self, id: &str, state: WorkerState) -> Result<Option<WorkerState>> {
+        let mut inv = self.scripts.set_state.prepare_invoke();
+        inv.key(self.names.prefix()).arg(id).arg(state.as_str());
+        let old: Option<String> = self.invoke(&inv).await?;
+        Ok(old.and_then(|s| WorkerState::parse(&s)))
+    }
+
+    /// A worker's current state, `None` when not registered.
+    pub async fn worker_state(&self, id: &str) -> Result<Option<WorkerState>> {
+        let s: Option<String> = self.query(redis::cmd("HGET").arg(self.names.worker(id)).arg("state")).await?;
+        Ok(s.and_then(|s| WorkerState::parse(&s)))
+    }
+
+    /// Evicts workers silent for longer than `timeout_ms`; returns their ids.
+    pub async fn evict_stale(&self, timeout_ms: i64) -> Result<Vec<String>> {
+        let mut inv = self.scripts.evict.prepare_invoke();
+        inv.key(self.names.prefix()).arg(now_ms()).arg(timeout_ms);
+        self.invoke(&inv).await
+    }
+
+    pub async fn deregister(&self, id: &str, instance: &str) -> Result<bool> {
+        let mut inv = self.scripts.deregister.prepare_invoke();
+        inv.key(self.names.prefix()).arg(id).arg(instance);
+        let n: i64 = self.invoke(&inv).await?;
+        Ok(n == 1)
+    }
+
+    /// All registered workers.
+    pub async fn workers(&self) -> Result<Vec<WorkerView>> {
+        let ids: Vec<String> = self.query(redis::cmd("ZRANGE").arg(self.names.workers()).arg(0).arg(-1)).await?;
+        if ids.is_empty() {
+            return Ok(vec![]);
+        }
+        let mut p = redis::pipe();
+        for id in &ids {
+            p.cmd("HGETALL").arg(self.names.worker(id));
+        }
+        let rows: Vec<BTreeMap<String, String>> = self.pipe(&p).await?;
+        let now = now_ms();
+        let num = |m: &BTreeMap<String, String>, k: &str| m.get(k).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        Ok(rows
+            .into_iter()
+            .filter(|m| m.contains_key("id"))
+            .map(|m| WorkerView {
+                id: m.get("id").cloned().unwrap_or_default(),
+                group: m.get("group").cloned().unwrap_or_default(),
+                labels: m.get("labels").and_then(|l| serde_json::from_str(l).ok()).unwrap_or_default(),
+                executor: m.get("executor").cloned().unwrap_or_default(),
+                state: m.get("state").cloned().unwrap_or_default(),
+                capacity: num(&m, "cap") as u32,
+                critical_capacity: num(&m, "ccap") as u32,
+                running: num(&m, "load") as u32,
+                running_critical: num(&m, "cload") as u32,
+                succeeded: num(&m, "ok") as u64,
+                failed: num(&m, "err") as u64,
+                latency_ewma_ms: num(&m, "ewma_ms"),
+                cpu: num(&m, "cpu"),
+                last_heartbeat_ms_ago: now - num(&m, "hb") as i64,
+            })
+            .collect())
+    }
+
+    /// Names of all groups ever registered in this namespace.
+    pub async fn group_names(&self) -> Result<Vec<String>> {
+        let mut g: Vec<String> = self.query(redis::cmd("SMEMBERS").arg(self.names.groups())).await?;
+        g.sort();
+        Ok(g)
+    }
+
+    /// All groups with capacity, running (load) and reserved counts per lane. Expired leases
+    /// are not counted.
+    pub async fn groups(&self) -> Result<Vec<GroupView>> {
+        let names = self.group_names().await?;
+        if names.is_empty() {
+            return Ok(vec![]);
+        }
+        let now = now_ms();
+        let mut p = redis::pipe();
+        for g in &names {
+            p.cmd("HGETALL").arg(self.names.group(g));
+            p.cmd("SCARD").arg(self.names.group_workers(g));
+            for lane in Lane::ALL {
+                p.cmd("ZCOUNT").arg(self.names.running(g, lane)).arg(now).arg("+inf");
+                p.cmd("ZCOUNT").arg(self.names.reserved(g, lane)).arg(now).arg("+inf");
+            }
+        }
+        let raw: Vec<redis::Value> = self.pipe(&p).await?;
+        let mut out = Vec::with_capacity(names.len());
+        for (i, g) in names.into_iter().enumerate() {
+            let base = i * 6;
+            let h: BTreeMap<String, String> = redis::from_redis_value(raw[base].clone()).unwrap_or_default();
+            let n = |j: usize| -> u32 { redis::from_redis_value::<u32>(raw[base + j].clone()).unwrap_or(0) };
+            let cap = |k: &str| h.get(k).and_then(|v| v.parse::<i64>().ok()).unwrap_or(0).max(0) as u32;
+            out.push(GroupView {
+                labels: h.get("labels").and_then(|l| serde_json::from_str(l).ok()).unwrap_or_default(),
+                workers: n(1),
+                capacity: cap("cap:normal"),
+                critical_capacity: cap("cap:critical"),
+                load: n(2),
+                reserved: n(3),
+                critical_load: n(4),
+                critical_reserved: n(5),
+                group: g,
+            });
+        }
+        Ok(out)
+    }
+}
