@@ -36,6 +36,8 @@ pub struct ReserveRequest {
     pub selector: Labels,
     pub strategy: Option<Strategy>,
     pub dedupe: Dedupe,
+    /// Released from a park queue: may take room even while the group has parked tasks.
+    pub from_park: bool,
 }
 
 /// Parameters of routing common to a batch.
@@ -99,6 +101,7 @@ impl Store {
                     Dedupe::Check => 1,
                     Dedupe::Mark => 2,
                 })
+                .arg(if r.from_park { 1 } else { 0 })
                 .arg(rand::random::<f64>())
                 .arg(pairs.len())
                 .arg(pairs);
@@ -118,6 +121,12 @@ impl Store {
                 }
             })
             .collect())
+    }
+
+    /// Keeps a group's "has parked tasks" flag alive (the park loop calls this while it holds
+    /// tasks), so new work keeps queueing behind parked work.
+    pub async fn mark_parked(&self, group: &str, lane: Lane, ttl_ms: i64) -> Result<()> {
+        self.query::<()>(redis::cmd("SET").arg(self.names.parked(group, lane)).arg(1).arg("PX").arg(ttl_ms)).await
     }
 
     /// Gives back reservations whose publish failed.

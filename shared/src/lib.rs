@@ -37,3 +37,4 @@ pub use envelope::{Envelope, Lane};
 pub use error::{Error, Result};
 pub use names::Names;
 pub use selector::Labels;
+pub use store::Store;

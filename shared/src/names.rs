@@ -97,8 +97,15 @@ impl Names {
     pub fn running(&self, group: &str, lane: Lane) -> String {
         format!("{}run:{}:{}", self.prefix, group, lane)
     }
+    pub fn parked(&self, group: &str, lane: Lane) -> String {
+        format!("{}pk:{}:{}", self.prefix, group, lane)
+    }
     pub fn rate_limit(&self, lane: Lane) -> String {
         format!("{}rl:{}", self.prefix, lane)
+    }
+    /// Bucket of the optional HTTP submission limit.
+    pub fn submit_rate_limit(&self) -> String {
+        format!("{}rl:submit", self.prefix)
     }
     pub fn task(&self, id: &str) -> String {
         format!("{}t:{}", self.prefix, id)

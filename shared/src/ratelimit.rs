@@ -19,8 +19,13 @@ pub struct Grant {
 impl Store {
     /// Takes up to `want` tokens from the lane's bucket.
     pub async fn take_tokens(&self, lane: Lane, rate: f64, burst: u32, want: u32) -> Result<Grant> {
+        self.take_from(&self.names.rate_limit(lane), rate, burst, want).await
+    }
+
+    /// Takes up to `want` tokens from the bucket at `key`.
+    pub async fn take_from(&self, key: &str, rate: f64, burst: u32, want: u32) -> Result<Grant> {
         let mut inv = self.scripts.ratelimit.prepare_invoke();
-        inv.key(self.names.rate_limit(lane)).arg(rate).arg(burst).arg(want);
+        inv.key(key).arg(rate).arg(burst).arg(want);
         let (granted, wait_ms): (u32, u64) = self.invoke(&inv).await?;
         Ok(Grant { granted, wait_ms })
     }

@@ -13,6 +13,7 @@ local function K_resv(g, lane) return P .. 'resv:' .. g .. ':' .. lane end
 local function K_run(g, lane) return P .. 'run:' .. g .. ':' .. lane end
 local function K_task(id) return P .. 't:' .. id end
 local function K_dedupe(id) return P .. 'dd:' .. id end
+local function K_parked(g, lane) return P .. 'pk:' .. g .. ':' .. lane end
 local function K_rr(lane, sel) return P .. 'rr:' .. lane .. ':' .. sel end
 
 -- A worker adds its capacity to its group only while `active` (draining and ejected

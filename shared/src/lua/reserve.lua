@@ -5,7 +5,11 @@
 -- ARGV[5]: dedupe window (ms)    ARGV[6]: status TTL (ms)
 -- ARGV[7]: number of tasks, then per task:
 --   id, lane, strategy ('' = default), dedupe (0 skip | 1 set-if-absent | 2 set),
---   random in [0,1), number of selector pairs n, then n pairs `k=v`
+--   from park (1: released from a park queue, 0: new work), random in [0,1),
+--   number of selector pairs n, then n pairs `k=v`
+-- A group with parked tasks (flag `pk:<group>:<lane>`, set here when a task is parked and
+-- kept alive by the scheduler's park loop) counts as full for new work, so new tasks queue
+-- behind parked ones instead of overtaking them.
 -- returns: per task 'ok:<group>' | 'full:<group>' (matches, no room: park there) |
 --          'none' (no live group matches) | 'dup' (id seen within the window)
 local now, lease, bf = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -26,6 +30,11 @@ local function gstate(g, lane)
   end
   gcache[key] = s
   return s
+end
+
+local function parked(g, lane, s)
+  if s.parked == nil then s.parked = redis.call('EXISTS', K_parked(g, lane)) == 1 end
+  return s.parked
 end
 
 local function health(g, s)
@@ -58,11 +67,12 @@ end
 local out = {}
 local i = 8
 for t = 1, n do
-  local id, lane, strategy, dd, rnd = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4])
-  local nsel = tonumber(ARGV[i + 5])
+  local id, lane, strategy, dd = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local from_park, rnd = ARGV[i + 4] == '1', tonumber(ARGV[i + 5])
+  local nsel = tonumber(ARGV[i + 6])
   local sel = {}
-  for j = 1, nsel do sel[j] = ARGV[i + 5 + j] end
-  i = i + 6 + nsel
+  for j = 1, nsel do sel[j] = ARGV[i + 6 + j] end
+  i = i + 7 + nsel
   if strategy == '' then strategy = default_strategy end
 
   local dup = false
@@ -80,7 +90,7 @@ for t = 1, n do
       local s = gstate(g, lane)
       if s.cap > 0 then
         live[#live + 1] = g
-        if s.used < s.limit then open[#open + 1] = g end
+        if s.used < s.limit and (from_park or not parked(g, lane, s)) then open[#open + 1] = g end
       end
     end
     local chosen = nil
@@ -123,6 +133,10 @@ for t = 1, n do
         local s = gstate(g, lane)
         local r = s.used / s.cap
         if best == nil or r < best then best = r; bg = g end
+      end
+      if not from_park then
+        redis.call('SET', K_parked(bg, lane), '1', 'PX', 3000)
+        gstate(bg, lane).parked = true
       end
       out[t] = 'full:' .. bg
     else

@@ -1,0 +1,193 @@
+//! The scheduler's HTTP API.
+//!
+//! * `POST /v1/tasks` — one envelope or an array → 202 `{"ids": [...]}`; 400 with the reason
+//!   (and the index in an array); 429 + `Retry-After` when the normal lane is Red or the
+//!   submission rate limit is exhausted; 503 + `Retry-After` when the broker refuses (ingress
+//!   full). Accepted tasks go through the same ingress as AMQP producers'.
+//! * `GET /v1/tasks/{id}`, `GET /v1/workers`, `GET /v1/groups`, `GET /v1/pressure`,
+//!   `POST /v1/workers/{id}/drain` (404 for an unknown worker).
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use fleet::registry::WorkerState;
+use fleet::{amqp, metrics as m, Envelope, Lane, Store};
+use lapin::Channel;
+use serde_json::{json, Value};
+use tokio::sync::{watch, RwLock};
+
+use crate::backpressure::{Pressure, Sample};
+use crate::config::SchedulerConfig;
+use crate::probe::ProbeBoard;
+
+#[derive(Clone)]
+pub struct AppState {
+    pub cfg: Arc<SchedulerConfig>,
+    pub store: Store,
+    /// The current session's confirm channel (None while reconnecting).
+    pub publisher: Arc<RwLock<Option<Channel>>>,
+    pub pressure: watch::Receiver<Sample>,
+    pub probes: ProbeBoard,
+}
+
+pub fn routes(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/tasks", post(submit))
+        .route("/v1/tasks/{id}", get(task_status))
+        .route("/v1/workers", get(workers))
+        .route("/v1/workers/{id}/drain", post(drain))
+        .route("/v1/groups", get(groups))
+        .route("/v1/pressure", get(pressure))
+        .with_state(state)
+}
+
+fn error(status: StatusCode, code: &str, detail: impl Into<String>) -> Response {
+    (status, Json(json!({"error": code, "detail": detail.into()}))).into_response()
+}
+
+fn refuse(status: StatusCode, retry_after_s: u64, body: Value) -> Response {
+    (status, [(header::RETRY_AFTER, retry_after_s.max(1).to_string())], Json(body)).into_response()
+}
+
+async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
+    let value: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return error(StatusCode::BAD_REQUEST, "malformed_json", e.to_string()),
+    };
+    let items = match value {
+        Value::Array(a) => a,
+        other => vec![other],
+    };
+    if items.is_empty() {
+        return error(StatusCode::BAD_REQUEST, "empty", "no envelope given");
+    }
+    let now = chrono::Utc::now();
+    let mut envs = Vec::with_capacity(items.len());
+    for (i, item) in items.into_iter().enumerate() {
+        let size = serde_json::to_vec(&item).map(|v| v.len()).unwrap_or(0);
+        if size > st.cfg.common.max_task_bytes {
+            return bad(i, "oversized", format!("envelope is {size} bytes, over the limit of {}", st.cfg.common.max_task_bytes));
+        }
+        let mut env = match Envelope::from_value(item) {
+            Ok(e) => e,
+            Err(r) => return bad(i, r.code(), r.to_string()),
+        };
+        if let Err(r) = env.normalize(now, st.cfg.common.default_max_attempts) {
+            return bad(i, r.code(), r.to_string());
+        }
+        envs.push(env);
+    }
+    let retry_s = st.cfg.red_recheck.as_secs().max(1);
+    if envs.iter().any(|e| e.lane == Lane::Normal) && st.pressure.borrow().state == Pressure::Red {
+        metrics::counter!(m::TASKS_REFUSED, "reason" => "pressure_red").increment(envs.len() as u64);
+        return refuse(StatusCode::TOO_MANY_REQUESTS, retry_s, json!({"error": "pressure_red", "detail": "the fleet is overloaded (pressure Red); retry later"}));
+    }
+    if st.cfg.submit_rate > 0.0 {
+        let want = envs.len() as u32;
+        let burst = (st.cfg.submit_rate as u32).max(want);
+        match st.store.take_from(&st.store.names.submit_rate_limit(), st.cfg.submit_rate, burst, want).await {
+            Ok(g) if g.granted < want => {
+                metrics::counter!(m::TASKS_REFUSED, "reason" => "rate_limited").increment(u64::from(want));
+                let secs = g.wait_ms.div_ceil(1000);
+                return refuse(StatusCode::TOO_MANY_REQUESTS, secs, json!({"error": "rate_limited", "detail": "submission rate limit reached"}));
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "submission limiter unavailable; admitting"),
+        }
+    }
+    let guard = st.publisher.read().await;
+    let Some(ch) = guard.as_ref() else {
+        return refuse(StatusCode::SERVICE_UNAVAILABLE, 1, json!({"error": "not_connected", "detail": "the scheduler is reconnecting to RabbitMQ"}));
+    };
+    let names = st.store.names.clone();
+    let mut confirms = Vec::with_capacity(envs.len());
+    for e in &envs {
+        let r = amqp::publish(ch, &names.submit_exchange(), e.lane.as_str(), &e.to_bytes(), amqp::task_properties(&e.id, None)).await;
+        confirms.push(r);
+    }
+    drop(guard);
+    let mut accepted = Vec::new();
+    let mut refused = Vec::new();
+    for (e, c) in envs.iter().zip(confirms) {
+        let ok = match c {
+            Ok(c) => amqp::confirmed(c).await.is_ok(),
+            Err(_) => false,
+        };
+        if ok {
+            accepted.push(e.id.clone());
+        } else {
+            refused.push(e.id.clone());
+        }
+    }
+    if refused.is_empty() {
+        (StatusCode::ACCEPTED, Json(json!({"ids": accepted}))).into_response()
+    } else {
+        metrics::counter!(m::TASKS_REFUSED, "reason" => "ingress_full").increment(refused.len() as u64);
+        refuse(StatusCode::SERVICE_UNAVAILABLE, 1, json!({"error": "ingress_full", "detail": "the ingress queue is full; retry later", "accepted": accepted, "refused": refused}))
+    }
+}
+
+fn bad(index: usize, code: &str, detail: String) -> Response {
+    (StatusCode::BAD_REQUEST, Json(json!({"error": code, "detail": detail, "index": index}))).into_response()
+}
+
+async fn task_status(State(st): State<AppState>, Path(id): Path<String>) -> Response {
+    match st.store.task_status(&id).await {
+        Ok(Some(mut fields)) => {
+            fields.insert("id".into(), id);
+            Json(fields).into_response()
+        }
+        Ok(None) => error(StatusCode::NOT_FOUND, "unknown_task", format!("no status for task {id} (never seen, or older than the status TTL)")),
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
+    }
+}
+
+async fn workers(State(st): State<AppState>) -> Response {
+    match st.store.workers().await {
+        Ok(w) => Json(w).into_response(),
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
+    }
+}
+
+async fn groups(State(st): State<AppState>) -> Response {
+    let groups = match st.store.groups().await {
+        Ok(g) => g,
+        Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
+    };
+    let probes = st.probes.read().await;
+    let out: Vec<Value> = groups
+        .into_iter()
+        .map(|g| {
+            let p = probes.get(&g.group).cloned();
+            let mut v = serde_json::to_value(&g).unwrap_or_default();
+            if let (Value::Object(o), Some(p)) = (&mut v, p) {
+                o.insert("probe_ok".into(), p.ok.into());
+                o.insert("probe_seconds".into(), json!(p.seconds));
+                o.insert("probe_consecutive_failures".into(), p.consecutive_failures.into());
+            }
+            v
+        })
+        .collect();
+    Json(out).into_response()
+}
+
+async fn drain(State(st): State<AppState>, Path(id): Path<String>) -> Response {
+    match st.store.set_state(&id, WorkerState::Draining).await {
+        Ok(Some(prev)) => {
+            tracing::info!(worker = %id, previous = prev.as_str(), "drain requested through the API");
+            (StatusCode::ACCEPTED, Json(json!({"id": id, "previous_state": prev.as_str(), "state": "draining"}))).into_response()
+        }
+        Ok(None) => error(StatusCode::NOT_FOUND, "unknown_worker", format!("no registered worker with id {id}")),
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
+    }
+}
+
+async fn pressure(State(st): State<AppState>) -> Response {
+    let s = *st.pressure.borrow();
+    Json(s).into_response()
+}

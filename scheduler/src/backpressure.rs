@@ -1,0 +1,190 @@
+//! Admission control: Green / Yellow / Red from two live signals.
+//!
+//! * **pending** — normal-lane ingress backlog + parked tasks + reserved-not-started, against
+//!   `max_pending` (yellow at 0.7, red at 0.9 by default): work accepted but not yet running.
+//! * **load** — running tasks over capacity across the fleet (yellow 0.68, red 0.85): how busy
+//!   the workers are.
+//!
+//! Either signal at red makes Red. Green dispatches freely; Yellow waits the throttle delay
+//! between dispatch batches (so throughput falls smoothly before anything is refused); Red
+//! stops taking normal-lane work from ingress — it stays in the broker, the bounded ingress
+//! fills and producers are refused — and is rechecked every `red_recheck`. The critical lane
+//! is never gated by these signals. (The reference design computed a load signal but never fed
+//! it; here both are sampled every `pressure_interval` from Redis and the broker.)
+
+use std::sync::Arc;
+
+use fleet::registry::GroupView;
+use fleet::topology;
+use fleet::{Lane, Store};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::SchedulerConfig;
+
+/// The pressure state; the discriminant is the `fleet_pressure_state` value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pressure {
+    #[default]
+    Green = 0,
+    Yellow = 1,
+    Red = 2,
+}
+
+/// Thresholds of the controller.
+#[derive(Debug, Clone, Copy)]
+pub struct Thresholds {
+    pub max_pending: u32,
+    pub pending_yellow: f64,
+    pub pending_red: f64,
+    pub load_yellow: f64,
+    pub load_red: f64,
+}
+
+impl Thresholds {
+    pub fn from_config(c: &SchedulerConfig) -> Self {
+        Thresholds {
+            max_pending: c.max_pending,
+            pending_yellow: c.pending_yellow,
+            pending_red: c.pending_red,
+            load_yellow: c.load_yellow,
+            load_red: c.load_red,
+        }
+    }
+
+    /// The state for a pending count and a load ratio (running / capacity).
+    pub fn evaluate(&self, pending: u64, load: f64) -> Pressure {
+        let p = pending as f64 / f64::from(self.max_pending.max(1));
+        let by_pending = if p >= self.pending_red {
+            Pressure::Red
+        } else if p >= self.pending_yellow {
+            Pressure::Yellow
+        } else {
+            Pressure::Green
+        };
+        let by_load = if load >= self.load_red {
+            Pressure::Red
+        } else if load >= self.load_yellow {
+            Pressure::Yellow
+        } else {
+            Pressure::Green
+        };
+        by_pending.max(by_load)
+    }
+}
+
+/// One sample of the signals, as the API shows it.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct Sample {
+    pub state: Pressure,
+    pub pending: u64,
+    pub ingress_backlog: u64,
+    pub parked: u64,
+    pub reserved: u64,
+    pub running: u64,
+    pub capacity: u64,
+    pub load: f64,
+}
+
+/// Computes the signals from group views and queue depths.
+pub fn sample(t: &Thresholds, groups: &[GroupView], ingress_backlog: u64, parked: u64) -> Sample {
+    let reserved: u64 = groups.iter().map(|g| u64::from(g.reserved)).sum();
+    let running: u64 = groups.iter().map(|g| u64::from(g.load)).sum();
+    let capacity: u64 = groups.iter().map(|g| u64::from(g.capacity)).sum();
+    let load = if capacity == 0 { 0.0 } else { running as f64 / capacity as f64 };
+    let pending = ingress_backlog + parked + reserved;
+    Sample { state: t.evaluate(pending, load), pending, ingress_backlog, parked, reserved, running, capacity, load }
+}
+
+/// Samples the signals every `pressure_interval` and publishes the state on a watch channel.
+pub struct Controller {
+    pub cfg: Arc<SchedulerConfig>,
+    pub store: Store,
+    pub conn: Arc<lapin::Connection>,
+    pub tx: watch::Sender<Sample>,
+}
+
+impl Controller {
+    pub async fn run(self, shutdown: CancellationToken) {
+        let t = Thresholds::from_config(&self.cfg);
+        let names = self.cfg.common.names();
+        let mut tick = tokio::time::interval(self.cfg.pressure_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let groups = match self.store.groups().await {
+                Ok(g) => g,
+                Err(e) => {
+                    metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
+                    tracing::warn!(error = %e, "pressure: cannot read groups from Redis");
+                    continue;
+                }
+            };
+            let ingress = topology::depth(&self.conn, &names.ingress_queue(Lane::Normal)).await.unwrap_or(0);
+            let mut parked = 0u64;
+            for g in &groups {
+                parked += u64::from(topology::depth(&self.conn, &names.park_queue(&g.group, Lane::Normal)).await.unwrap_or(0));
+            }
+            let s = sample(&t, &groups, u64::from(ingress), parked);
+            let old = self.tx.borrow().state;
+            if old != s.state {
+                tracing::info!(from = ?old, to = ?s.state, pending = s.pending, load = s.load, "pressure changed");
+            }
+            metrics::gauge!(fleet::metrics::PRESSURE_STATE).set(s.state as u8 as f64);
+            metrics::gauge!(fleet::metrics::PENDING).set(s.pending as f64);
+            self.tx.send_replace(s);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t() -> Thresholds {
+        Thresholds { max_pending: 1000, pending_yellow: 0.7, pending_red: 0.9, load_yellow: 0.68, load_red: 0.85 }
+    }
+
+    #[test]
+    fn pressure_table() {
+        let t = t();
+        assert_eq!(t.evaluate(0, 0.0), Pressure::Green);
+        assert_eq!(t.evaluate(699, 0.0), Pressure::Green);
+        assert_eq!(t.evaluate(700, 0.0), Pressure::Yellow);
+        assert_eq!(t.evaluate(899, 0.0), Pressure::Yellow);
+        assert_eq!(t.evaluate(900, 0.0), Pressure::Red);
+        assert_eq!(t.evaluate(0, 0.67), Pressure::Green);
+        assert_eq!(t.evaluate(0, 0.68), Pressure::Yellow);
+        assert_eq!(t.evaluate(0, 0.85), Pressure::Red);
+        // Either signal at red makes Red; the worse of the two wins.
+        assert_eq!(t.evaluate(700, 0.85), Pressure::Red);
+        assert_eq!(t.evaluate(900, 0.1), Pressure::Red);
+        assert_eq!(t.evaluate(700, 0.68), Pressure::Yellow);
+        assert_eq!(t.evaluate(100, 0.68), Pressure::Yellow);
+    }
+
+    #[test]
+    fn sample_sums_groups() {
+        let g = |cap, load, resv| GroupView {
+            group: "g".into(),
+            labels: serde_json::Value::Null,
+            workers: 1,
+            capacity: cap,
+            critical_capacity: 1,
+            load,
+            reserved: resv,
+            critical_load: 0,
+            critical_reserved: 0,
+        };
+        let s = sample(&t(), &[g(10, 9, 5), g(10, 8, 5)], 600, 100);
+        assert_eq!(s.pending, 710);
+        assert_eq!(s.capacity, 20);
+        assert!((s.load - 0.85).abs() < 1e-9);
+        assert_eq!(s.state, Pressure::Red);
+    }
+}

@@ -1,0 +1,426 @@
+//! Dispatch: turns a batch of deliveries into routed, parked, delayed or dead-lettered tasks.
+//!
+//! One batch = one reservation script call + pipelined publishes + one wait for all publisher
+//! confirms + pipelined acks. A source message is acked only after everything it became is
+//! confirmed by the broker; if any publish fails its reservation is given back and the source
+//! message is requeued, so a task is never lost between two queues (at-least-once).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use fleet::amqp::{self, DETAIL_HEADER, REASON_HEADER, TIER_HEADER};
+use fleet::lease::{Dedupe, ReserveParams, ReserveRequest};
+use fleet::route::Reservation;
+use fleet::{delay, metrics as m, topology, Envelope, Lane, Names, Store};
+use futures::future::join_all;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::{Channel, PublisherConfirm};
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::SchedulerConfig;
+
+/// Where a batch came from; decides gating, dedupe and what "no room" means.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A producer's submission (the routing key's lane is authoritative).
+    Ingress(Lane),
+    /// Back from a delay tier (delayed start or retry backoff).
+    Delayed,
+    /// Released from a group's park queue: tasks that find no room stay held.
+    Park,
+}
+
+/// What became of one delivery.
+enum Fate {
+    /// Publish to the group queue (reserved there).
+    Dispatch(String),
+    /// Publish to the group's park queue.
+    Park(String),
+    /// Publish to a delay tier (ms).
+    Delay(u64),
+    /// Publish to the dead-letter queue with a reason code and detail.
+    Dead(&'static str, String),
+    /// Duplicate id: ack and drop.
+    Duplicate,
+    /// Stays unacked with the caller (park: no room yet).
+    Hold,
+}
+
+/// The result of a batch: deliveries the caller keeps (park source) and whether a park queue
+/// refused a task (its bound reached: the ingress loop should pause).
+#[derive(Default)]
+pub struct Outcome {
+    pub held: Vec<Delivery>,
+    pub park_full: bool,
+    pub dispatched: usize,
+}
+
+/// Shared by every dispatching loop of one AMQP session.
+pub struct Dispatcher {
+    pub cfg: Arc<SchedulerConfig>,
+    pub store: Store,
+    pub names: Names,
+    pub publisher: Channel,
+    pub conn: Arc<lapin::Connection>,
+    parks: Mutex<HashSet<(String, Lane)>>,
+}
+
+impl Dispatcher {
+    pub fn new(cfg: Arc<SchedulerConfig>, store: Store, conn: Arc<lapin::Connection>, publisher: Channel) -> Self {
+        let names = cfg.common.names();
+        Dispatcher { cfg, store, names, publisher, conn, parks: Mutex::new(HashSet::new()) }
+    }
+
+    pub fn params(&self) -> ReserveParams {
+        ReserveParams {
+            lease_ms: self.cfg.reservation_lease.as_millis() as i64,
+            backlog_factor: self.cfg.backlog_factor,
+            strategy: self.cfg.strategy,
+            dedupe_window_ms: self.cfg.dedupe_window.as_millis() as i64,
+            status_ttl_ms: self.cfg.common.status_ttl.as_millis() as i64,
+        }
+    }
+
+    /// Declares a group's park queue once per session.
+    async fn ensure_park(&self, group: &str, lane: Lane) -> fleet::Result<()> {
+        let key = (group.to_string(), lane);
+        if self.parks.lock().await.contains(&key) {
+            return Ok(());
+        }
+        topology::declare_park(&self.publisher, &self.cfg.common, group, lane).await?;
+        self.parks.lock().await.insert(key);
+        Ok(())
+    }
+
+    /// Processes one batch. Cancel safe only in the sense that unacked deliveries return to
+    /// the broker; callers do not cancel it mid-way except at shutdown.
+    pub async fn process(&self, batch: Vec<Delivery>, source: &Source, shutdown: &CancellationToken) -> Outcome {
+        let now = Utc::now();
+        let max_bytes = self.cfg.common.max_task_bytes;
+        let mut envs: Vec<Option<Envelope>> = Vec::with_capacity(batch.len());
+        let mut fates: Vec<Option<Fate>> = Vec::with_capacity(batch.len());
+        let mut to_route: Vec<usize> = Vec::new();
+        let mut dedupe_delayed: Vec<usize> = Vec::new();
+
+        for (i, d) in batch.iter().enumerate() {
+            let parsed = Envelope::from_slice(&d.data, max_bytes).and_then(|mut e| {
+                if let Source::Ingress(lane) = source {
+                    e.lane = *lane;
+                }
+                e.normalize(now, self.cfg.common.default_max_attempts)?;
+                Ok(e)
+            });
+            match parsed {
+                Err(r) => {
+                    envs.push(None);
+                    fates.push(Some(Fate::Dead(r.code(), r.to_string())));
+                }
+                Ok(e) => {
+                    if let Source::Ingress(lane) = source {
+                        metrics::counter!(m::TASKS_SUBMITTED, "lane" => lane.as_str()).increment(1);
+                    }
+                    let fate = if e.is_expired(now) {
+                        Some(Fate::Dead("expired", "deadline passed before dispatch".into()))
+                    } else if let Some(tier) = e.not_before.and_then(|nb| (nb - now).to_std().ok()).and_then(delay::tier_for) {
+                        if matches!(source, Source::Ingress(_)) {
+                            dedupe_delayed.push(i);
+                        }
+                        Some(Fate::Delay(tier))
+                    } else {
+                        to_route.push(i);
+                        None
+                    };
+                    envs.push(Some(e));
+                    fates.push(fate);
+                }
+            }
+        }
+
+        // Delayed submissions are deduplicated now; they are routed without a check later.
+        if !dedupe_delayed.is_empty() {
+            self.dedupe_only(&batch, &envs, &mut fates, &dedupe_delayed).await;
+        }
+
+        // Route and reserve (one script call), retrying while Redis is unreachable.
+        if !to_route.is_empty() {
+            let reqs: Vec<ReserveRequest> = to_route
+                .iter()
+                .filter_map(|&i| {
+                    let e = envs[i].as_ref()?;
+                    let dedupe = match source {
+                        Source::Ingress(_) if batch[i].redelivered => Dedupe::Mark,
+                        Source::Ingress(_) => Dedupe::Check,
+                        _ => Dedupe::Skip,
+                    };
+                    Some(ReserveRequest {
+                        id: e.id.clone(),
+                        lane: e.lane,
+                        selector: e.selector(),
+                        strategy: e.strategy,
+                        dedupe,
+                        from_park: *source == Source::Park,
+                    })
+                })
+                .collect();
+            let answers = match self.reserve_retrying(&reqs, shutdown).await {
+                Some(a) => a,
+                None => {
+                    // Shutting down: leave everything unacked; the broker redelivers.
+                    return Outcome { held: vec![], ..Default::default() };
+                }
+            };
+            for (&i, answer) in to_route.iter().zip(answers) {
+                let e = match envs[i].as_ref() {
+                    Some(e) => e,
+                    None => continue,
+                };
+                fates[i] = Some(match (answer, source) {
+                    (Reservation::Reserved(g), _) => Fate::Dispatch(g),
+                    (Reservation::Duplicate, _) => Fate::Duplicate,
+                    (Reservation::Full(_) | Reservation::NoMatch, Source::Park) => Fate::Hold,
+                    (Reservation::Full(g), _) => Fate::Park(g),
+                    (Reservation::NoMatch, _) => {
+                        let age = (now - e.submitted_at.unwrap_or(now)).to_std().unwrap_or_default();
+                        if age >= self.cfg.no_match_grace {
+                            Fate::Dead("no_matching_worker", format!("no live worker satisfies {{{}}}", e.selector()))
+                        } else {
+                            Fate::Delay(delay::tier_for(Duration::from_millis(1600)).unwrap_or(1600))
+                        }
+                    }
+                });
+            }
+        }
+
+        // Rate limit: take one token per dispatch; wait for the rest (throttled, not failed).
+        let dispatches = fates.iter().filter(|f| matches!(f, Some(Fate::Dispatch(_)))).count() as u32;
+        if dispatches > 0 {
+            let lane = match source {
+                Source::Ingress(l) => *l,
+                _ => envs.iter().flatten().next().map(|e| e.lane).unwrap_or(Lane::Normal),
+            };
+            self.take_tokens(lane, dispatches, shutdown).await;
+        }
+
+        self.publish_and_ack(batch, envs, fates).await
+    }
+
+    async fn dedupe_only(&self, batch: &[Delivery], envs: &[Option<Envelope>], fates: &mut [Option<Fate>], idx: &[usize]) {
+        use deadpool_redis::redis;
+        let mut p = redis::pipe();
+        let ttl = self.cfg.dedupe_window.as_millis() as i64;
+        for &i in idx {
+            if let Some(e) = &envs[i] {
+                let c = p.cmd("SET").arg(self.names.dedupe(&e.id)).arg(1);
+                if !batch[i].redelivered {
+                    c.arg("NX");
+                }
+                c.arg("PX").arg(ttl);
+            }
+        }
+        match self.store.pipe::<Vec<Option<String>>>(&p).await {
+            Ok(r) => {
+                for (&i, ok) in idx.iter().zip(r) {
+                    if ok.is_none() {
+                        fates[i] = Some(Fate::Duplicate);
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "dedupe of delayed tasks failed; accepting them"),
+        }
+    }
+
+    async fn reserve_retrying(&self, reqs: &[ReserveRequest], shutdown: &CancellationToken) -> Option<Vec<Reservation>> {
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match self.store.reserve(reqs, self.params()).await {
+                Ok(a) if a.len() == reqs.len() => return Some(a),
+                Ok(a) => tracing::error!(got = a.len(), want = reqs.len(), "reserve returned a wrong count"),
+                Err(e) => {
+                    metrics::counter!(m::REDIS_ERRORS).increment(1);
+                    tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "reserve failed; retrying");
+                }
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return None,
+                _ = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    async fn take_tokens(&self, lane: Lane, mut want: u32, shutdown: &CancellationToken) {
+        let (rate, burst) = self.cfg.rate_for(lane);
+        let mut throttled = false;
+        while want > 0 {
+            match self.store.take_tokens(lane, rate, burst, want).await {
+                Ok(g) => {
+                    want -= g.granted.min(want);
+                    if want == 0 {
+                        break;
+                    }
+                    if !throttled {
+                        metrics::counter!(m::DISPATCH_THROTTLED).increment(u64::from(want));
+                        throttled = true;
+                    }
+                    let wait = Duration::from_millis(g.wait_ms.max(1));
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(wait) => {}
+                    }
+                }
+                Err(e) => {
+                    // Without Redis the limiter fails open at its own rate: dispatch continues
+                    // but paced, rather than stalling the fleet on a lost limiter.
+                    metrics::counter!(m::REDIS_ERRORS).increment(1);
+                    tracing::warn!(error = %e, "rate limiter unavailable; pacing locally");
+                    let pace = Duration::from_secs_f64(f64::from(want) / rate);
+                    tokio::time::sleep(pace.min(Duration::from_secs(1))).await;
+                    return;
+                }
+            }
+        }
+    }
+
+    async fn publish_and_ack(&self, batch: Vec<Delivery>, envs: Vec<Option<Envelope>>, fates: Vec<Option<Fate>>) -> Outcome {
+        let mut out = Outcome::default();
+        // 1. Start every publish (pipelined).
+        let mut pending: Vec<(usize, Option<PublisherConfirm>)> = Vec::with_capacity(batch.len());
+        for (i, fate) in fates.iter().enumerate() {
+            let Some(fate) = fate else { continue };
+            let d = &batch[i];
+            let env = envs[i].as_ref();
+            let body = env.map(Envelope::to_bytes);
+            let id = env.map(|e| e.id.as_str()).unwrap_or("");
+            let r = match fate {
+                Fate::Dispatch(g) => {
+                    let lane = env.map(|e| e.lane).unwrap_or_default();
+                    amqp::publish(&self.publisher, &self.names.tasks_exchange(), &self.names.group_key(g, lane), body.as_deref().unwrap_or(&d.data), amqp::task_properties(id, None)).await.map(Some)
+                }
+                Fate::Park(g) => {
+                    let lane = env.map(|e| e.lane).unwrap_or_default();
+                    if let Err(e) = self.ensure_park(g, lane).await {
+                        tracing::warn!(error = %e, group = %g, "cannot declare park queue");
+                    }
+                    amqp::publish(&self.publisher, &self.names.tasks_exchange(), &self.names.park_key(g, lane), body.as_deref().unwrap_or(&d.data), amqp::task_properties(id, None)).await.map(Some)
+                }
+                Fate::Delay(tier) => {
+                    let h = amqp::headers([(TIER_HEADER, tier.to_string())]);
+                    amqp::publish(&self.publisher, &self.names.delay_exchange(), "", body.as_deref().unwrap_or(&d.data), amqp::task_properties(id, Some(h))).await.map(Some)
+                }
+                Fate::Dead(reason, detail) => {
+                    let h = amqp::headers([(REASON_HEADER, reason.to_string()), (DETAIL_HEADER, detail.clone())]);
+                    // Keep the producer's bytes for refused envelopes; the normalized one otherwise.
+                    let data = if env.is_some() { body.as_deref().unwrap_or(&d.data) } else { &d.data };
+                    amqp::publish(&self.publisher, &self.names.tasks_exchange(), Names::DEAD_KEY, data, amqp::task_properties(id, Some(h))).await.map(Some)
+                }
+                Fate::Duplicate | Fate::Hold => Ok(None),
+            };
+            match r {
+                Ok(c) => pending.push((i, c)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "publish failed");
+                    pending.push((i, None));
+                    // Mark as failed by a missing confirm on a publishing fate.
+                }
+            }
+        }
+        // 2. Wait for all confirms.
+        let idx: Vec<usize> = pending.iter().map(|(i, _)| *i).collect();
+        let fates_ref = &fates;
+        let results = join_all(pending.into_iter().map(|(i, c)| async move {
+            match c {
+                Some(c) => amqp::confirmed(c).await.map_err(|e| e.to_string()),
+                None if matches!(fates_ref[i], Some(Fate::Duplicate) | Some(Fate::Hold)) => Ok(()),
+                None => Err("publish not sent".to_string()),
+            }
+        }))
+        .await;
+        // 3. Ack what is safely elsewhere now; requeue the rest.
+        let mut unreserve = Vec::new();
+        let mut acks = Vec::new();
+        let mut keep: HashSet<usize> = HashSet::new();
+        for (i, r) in idx.into_iter().zip(results) {
+            let fate = fates[i].as_ref();
+            let env = envs[i].as_ref();
+            match (r, fate) {
+                (_, Some(Fate::Hold)) => {
+                    keep.insert(i);
+                }
+                (Ok(()), Some(f)) => {
+                    self.count(f, env);
+                    acks.push(i);
+                }
+                (Err(e), f) => {
+                    if let (Some(Fate::Dispatch(g)), Some(env)) = (f, env) {
+                        unreserve.push((g.clone(), env.lane, env.id.clone()));
+                    }
+                    if matches!(f, Some(Fate::Park(_))) {
+                        out.park_full = true;
+                    }
+                    tracing::warn!(error = %e, "publish not confirmed; requeueing the source message");
+                    let d = &batch[i];
+                    let _ = d.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;
+                }
+                (Ok(()), None) => {}
+            }
+        }
+        if let Err(e) = self.store.unreserve(&unreserve).await {
+            tracing::warn!(error = %e, "cannot give back reservations (their leases will expire)");
+        }
+        out.dispatched = fates.iter().filter(|f| matches!(f, Some(Fate::Dispatch(_)))).count();
+        let ack_futs = acks.iter().map(|&i| batch[i].acker.ack(BasicAckOptions::default()));
+        for r in join_all(ack_futs).await {
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "ack failed (the message will be redelivered)");
+            }
+        }
+        self.record_dead_status(&fates, &envs).await;
+        for (i, d) in batch.into_iter().enumerate() {
+            if keep.contains(&i) {
+                out.held.push(d);
+            }
+        }
+        out
+    }
+
+    fn count(&self, fate: &Fate, env: Option<&Envelope>) {
+        let lane = env.map(|e| e.lane).unwrap_or_default().as_str();
+        match fate {
+            Fate::Dispatch(g) => {
+                metrics::counter!(m::TASKS_DISPATCHED, "group" => g.clone(), "lane" => lane).increment(1);
+                if let Some(e) = env {
+                    tracing::debug!(task.id = %e.id, group = %g, lane, attempt = e.attempt, "dispatched");
+                }
+            }
+            Fate::Park(g) => metrics::counter!(m::TASKS_PARKED, "group" => g.clone(), "lane" => lane).increment(1),
+            Fate::Dead("expired", _) => {
+                metrics::counter!(m::TASKS_COMPLETED, "group" => "none", "lane" => lane, "outcome" => "expired").increment(1)
+            }
+            Fate::Dead(reason, detail) => {
+                metrics::counter!(m::TASKS_REJECTED, "reason" => *reason).increment(1);
+                tracing::warn!(reason, detail = %detail, task.id = env.map(|e| e.id.as_str()).unwrap_or("?"), "task dead-lettered");
+            }
+            Fate::Duplicate => metrics::counter!(m::TASKS_DUPLICATE).increment(1),
+            Fate::Delay(_) | Fate::Hold => {}
+        }
+    }
+
+    /// Status records for tasks that ended at the scheduler (expired, refused).
+    async fn record_dead_status(&self, fates: &[Option<Fate>], envs: &[Option<Envelope>]) {
+        let ttl = self.cfg.common.status_ttl.as_millis() as i64;
+        for (f, e) in fates.iter().zip(envs) {
+            if let (Some(Fate::Dead(reason, detail)), Some(e)) = (f, e) {
+                let state = if *reason == "expired" { "expired" } else { "dead" };
+                let fields = [("state", state.to_string()), ("reason", reason.to_string()), ("error", detail.clone()), ("lane", e.lane.to_string())];
+                if let Err(err) = self.store.set_status(&e.id, &fields, ttl).await {
+                    tracing::debug!(error = %err, "cannot record status");
+                }
+            }
+        }
+    }
+}
+

@@ -1,0 +1,125 @@
+//! The health checker: evicts silent workers and rescues orphaned groups' tasks.
+//!
+//! * **Eviction** (every `health_interval`): workers whose last heartbeat is older than
+//!   `heartbeat_timeout` are removed by one idempotent script — capacity out of their group,
+//!   running records released — so any number of scheduler replicas may run it. Their
+//!   unacked tasks come back from the broker when their connection dies.
+//! * **Orphans**: a group with no active worker keeps its queued tasks. This loop moves them to
+//!   another group whose labels satisfy them when one has room (counted as rerouted); otherwise
+//!   they stay in the group queue and wait until a worker returns. Nothing is dropped.
+
+use std::sync::Arc;
+
+use fleet::lease::{Dedupe, ReserveRequest};
+use fleet::route::Reservation;
+use fleet::{amqp, metrics as m, topology, Envelope, Lane};
+use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
+use tokio_util::sync::CancellationToken;
+
+use crate::dispatch::Dispatcher;
+
+/// Most tasks moved from one orphaned group queue per tick.
+const ORPHAN_BATCH: usize = 500;
+
+pub async fn run(d: Arc<Dispatcher>, shutdown: CancellationToken) -> fleet::Result<()> {
+    let cfg = d.cfg.clone();
+    let mut tick = tokio::time::interval(cfg.health_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = tick.tick() => {}
+        }
+        match d.store.evict_stale(cfg.heartbeat_timeout.as_millis() as i64).await {
+            Ok(ids) => {
+                for id in &ids {
+                    tracing::warn!(worker = %id, timeout_ms = cfg.heartbeat_timeout.as_millis() as u64, "worker evicted: no heartbeat");
+                }
+                metrics::counter!(m::WORKER_EVICTIONS).increment(ids.len() as u64);
+            }
+            Err(e) => {
+                metrics::counter!(m::REDIS_ERRORS).increment(1);
+                tracing::warn!(error = %e, "eviction check failed");
+            }
+        }
+        if let Err(e) = rescue_orphans(&d).await {
+            tracing::warn!(error = %e, "orphan rescue failed");
+        }
+    }
+}
+
+/// Moves tasks out of group queues whose group has no active capacity, where another group can
+/// take them. Returns how many were moved.
+pub async fn rescue_orphans(d: &Dispatcher) -> fleet::Result<usize> {
+    let groups = d.store.groups().await?;
+    let mut moved = 0;
+    for g in &groups {
+        for lane in Lane::ALL {
+            let cap = match lane {
+                Lane::Normal => g.capacity,
+                Lane::Critical => g.critical_capacity,
+            };
+            if cap > 0 {
+                continue;
+            }
+            let queue = d.names.group_queue(&g.group, lane);
+            if topology::depth(&d.conn, &queue).await.unwrap_or(0) == 0 {
+                continue;
+            }
+            moved += move_queue(d, &g.group, &queue, lane).await?;
+        }
+    }
+    Ok(moved)
+}
+
+async fn move_queue(d: &Dispatcher, group: &str, queue: &str, lane: Lane) -> fleet::Result<usize> {
+    let ch = d.conn.create_channel().await?;
+    let mut moved = 0;
+    for _ in 0..ORPHAN_BATCH {
+        let Some(msg) = ch.basic_get(queue.into(), BasicGetOptions::default()).await? else { break };
+        let delivery = msg.delivery;
+        let env = match Envelope::from_slice(&delivery.data, usize::MAX) {
+            Ok(e) => e,
+            Err(_) => {
+                // Not ours to judge here: leave it for a worker (which dead-letters it).
+                delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
+                break;
+            }
+        };
+        let req = ReserveRequest {
+            id: env.id.clone(),
+            lane,
+            selector: env.selector(),
+            strategy: env.strategy,
+            dedupe: Dedupe::Skip,
+            from_park: true,
+        };
+        let answer = d.store.reserve(std::slice::from_ref(&req), d.params()).await?;
+        match answer.first() {
+            Some(Reservation::Reserved(to)) if to != group => {
+                let r = amqp::publish_confirmed(&d.publisher, &d.names.tasks_exchange(), &d.names.group_key(to.as_str(), lane), &delivery.data, amqp::task_properties(&env.id, None)).await;
+                match r {
+                    Ok(()) => {
+                        delivery.acker.ack(BasicAckOptions::default()).await?;
+                        metrics::counter!(m::TASKS_REROUTED).increment(1);
+                        tracing::info!(task.id = %env.id, from = %group, to = %to, "orphaned task rerouted");
+                        moved += 1;
+                    }
+                    Err(e) => {
+                        let _ = d.store.unreserve(&[(to.clone(), lane, env.id.clone())]).await;
+                        delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
+                        return Err(e);
+                    }
+                }
+            }
+            _ => {
+                // Nowhere to go now: it waits in its queue for a worker to return.
+                delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
+                break;
+            }
+        }
+    }
+    let _ = ch.close(200, "ok".into()).await;
+    Ok(moved)
+}

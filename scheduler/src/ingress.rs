@@ -1,0 +1,88 @@
+//! The consuming loops that feed the dispatcher: each ingress lane and the delayed queue.
+//!
+//! A loop takes the first delivery (waiting), then whatever else the broker has already
+//! pushed (up to `batch_max`, without waiting), and hands the batch to the dispatcher. The
+//! normal ingress lane is gated by backpressure: Red stops consuming (rechecked every
+//! `red_recheck`), Yellow sleeps the throttle delay between batches. The critical lane and the
+//! delayed queue are never gated by normal-lane pressure.
+
+use std::sync::Arc;
+
+use fleet::{metrics as m, Lane};
+use futures::{FutureExt, StreamExt};
+use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::backpressure::{Pressure, Sample};
+use crate::dispatch::{Dispatcher, Source};
+
+pub struct IngressLoop {
+    pub dispatcher: Arc<Dispatcher>,
+    pub source: Source,
+    pub queue: String,
+    pub pressure: watch::Receiver<Sample>,
+}
+
+impl IngressLoop {
+    /// Runs until shutdown (`Ok`) or until the channel fails (`Err`: the session restarts).
+    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
+        let cfg = self.dispatcher.cfg.clone();
+        let ch = self.dispatcher.conn.create_channel().await?;
+        ch.basic_qos(cfg.batch_max.saturating_mul(2), BasicQosOptions::default()).await?;
+        let mut consumer = ch
+            .basic_consume(self.queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+            .await?;
+        let gated = self.source == Source::Ingress(Lane::Normal);
+        tracing::info!(queue = %self.queue, "consuming");
+        loop {
+            if gated {
+                loop {
+                    let state = self.pressure.borrow().state;
+                    if state != Pressure::Red {
+                        break;
+                    }
+                    tokio::select! {
+                        biased;
+                        _ = shutdown.cancelled() => return Ok(()),
+                        _ = tokio::time::sleep(cfg.red_recheck) => {}
+                    }
+                }
+            }
+            let first = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ok(()),
+                d = consumer.next() => d,
+            };
+            let first = match first {
+                Some(Ok(d)) => d,
+                Some(Err(e)) => return Err(e.into()),
+                None => return Err(fleet::Error::Other(format!("consumer of {} ended", self.queue))),
+            };
+            let mut batch = vec![first];
+            while batch.len() < usize::from(cfg.batch_max) {
+                match consumer.next().now_or_never() {
+                    Some(Some(Ok(d))) => batch.push(d),
+                    Some(Some(Err(e))) => return Err(e.into()),
+                    _ => break,
+                }
+            }
+            let out = self.dispatcher.process(batch, &self.source, &shutdown).await;
+            if out.park_full {
+                tracing::warn!(queue = %self.queue, "a park queue is full: pausing intake");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(cfg.red_recheck) => {}
+                }
+            }
+            if gated && self.pressure.borrow().state == Pressure::Yellow {
+                metrics::counter!(m::DISPATCH_THROTTLED).increment(out.dispatched as u64);
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(cfg.throttle) => {}
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,21 @@
+//! fleet's scheduler: decides *whether* to dispatch (backpressure, rate limit) and *where*
+//! (label routing, least-loaded / round-robin / weighted choice, atomic reservation).
+//!
+//! Modules: [`config`], [`backpressure`] (Green/Yellow/Red), [`ingress`] (consuming loops),
+//! [`dispatch`] (route, park, delay, dead-letter a batch), [`park`] (waiting for room),
+//! [`health`] (eviction, orphaned groups), [`probe`] (critical-lane probes), [`stats`]
+//! (gauges for dashboards and autoscalers), [`api`] (HTTP), [`scheduler`] (the process).
+
+pub mod api;
+pub mod backpressure;
+pub mod config;
+pub mod dispatch;
+pub mod health;
+pub mod ingress;
+pub mod park;
+pub mod probe;
+pub mod scheduler;
+pub mod stats;
+
+pub use config::SchedulerConfig;
+pub use scheduler::run;

@@ -1,0 +1,103 @@
+//! Black-box probes: every `probe_interval` the scheduler sends a `noop` task straight into
+//! each live group's critical queue and waits for its status to turn `succeeded`. The round
+//! trip goes to `fleet_probe_seconds{group}`; a probe not back within `probe_timeout` counts in
+//! `fleet_probe_failures_total{group}` and marks the group in `GET /v1/groups`. Probes use the
+//! critical lane, so they keep flowing (and keep telling the truth) while the normal lane is
+//! saturated.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use fleet::{amqp, metrics as m, Envelope, Lane};
+use tokio::sync::RwLock;
+use tokio_util::sync::CancellationToken;
+
+use crate::dispatch::Dispatcher;
+
+/// The last probe result of a group.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ProbeResult {
+    pub ok: bool,
+    pub seconds: Option<f64>,
+    pub at_ms: i64,
+    pub consecutive_failures: u32,
+}
+
+/// Latest probe results by group, shared with the API.
+pub type ProbeBoard = Arc<RwLock<HashMap<String, ProbeResult>>>;
+
+pub async fn run(d: Arc<Dispatcher>, board: ProbeBoard, shutdown: CancellationToken) -> fleet::Result<()> {
+    let mut tick = tokio::time::interval(d.cfg.probe_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = tick.tick() => {}
+        }
+        let groups = match d.store.groups().await {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::debug!(error = %e, "probe: cannot list groups");
+                continue;
+            }
+        };
+        let probes = groups
+            .into_iter()
+            .filter(|g| g.critical_capacity > 0)
+            .map(|g| probe_one(d.clone(), board.clone(), g.group, shutdown.clone()));
+        futures::future::join_all(probes).await;
+    }
+}
+
+async fn probe_one(d: Arc<Dispatcher>, board: ProbeBoard, group: String, shutdown: CancellationToken) {
+    let mut env = Envelope::new("noop", serde_json::json!({"probe": true}));
+    env.id = format!("probe-{}", fleet::envelope::new_id());
+    env.lane = Lane::Critical;
+    env.submitted_at = Some(chrono::Utc::now());
+    env.deadline = Some(chrono::Utc::now() + chrono::Duration::from_std(d.cfg.probe_timeout).unwrap_or_default());
+    env.max_attempts = Some(1);
+    let started = Instant::now();
+    let sent = amqp::publish_confirmed(
+        &d.publisher,
+        &d.names.tasks_exchange(),
+        &d.names.group_key(&group, Lane::Critical),
+        &env.to_bytes(),
+        amqp::task_properties(&env.id, None),
+    )
+    .await;
+    let mut ok = false;
+    if sent.is_ok() {
+        while started.elapsed() < d.cfg.probe_timeout && !shutdown.is_cancelled() {
+            if let Ok(Some(st)) = d.store.task_status(&env.id).await {
+                if st.get("state").map(String::as_str) == Some("succeeded") {
+                    ok = true;
+                    break;
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+    if shutdown.is_cancelled() {
+        return;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let mut b = board.write().await;
+    let prev_fail = b.get(&group).map(|p| p.consecutive_failures).unwrap_or(0);
+    if ok {
+        metrics::histogram!(m::PROBE, "group" => group.clone()).record(secs);
+    } else {
+        metrics::counter!(m::PROBE_FAILURES, "group" => group.clone()).increment(1);
+        tracing::warn!(group = %group, "probe through the critical lane failed");
+    }
+    b.insert(
+        group,
+        ProbeResult {
+            ok,
+            seconds: ok.then_some(secs),
+            at_ms: fleet::store::now_ms(),
+            consecutive_failures: if ok { 0 } else { prev_fail + 1 },
+        },
+    );
+}

@@ -1,0 +1,158 @@
+//! The scheduler process: HTTP server for its whole life, and AMQP *sessions* — a connection
+//! with every loop that needs it — restarted with backoff whenever the connection or any loop
+//! fails. Redis failures inside a loop are retried there; only AMQP failures end a session.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use fleet::http::Readiness;
+use fleet::{amqp, metrics as m, topology, Lane, Store};
+use tokio::net::TcpListener;
+use tokio::sync::{watch, RwLock};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::api::{self, AppState};
+use crate::backpressure::{Controller, Sample};
+use crate::config::SchedulerConfig;
+use crate::dispatch::{Dispatcher, Source};
+use crate::ingress::IngressLoop;
+use crate::probe::ProbeBoard;
+use crate::{health, park, probe, stats};
+
+/// Runs the scheduler until `shutdown` fires. `listener` serves the API and `/metrics`.
+pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let cfg = Arc::new(cfg);
+    let handle = m::install();
+    let store = Store::new(&cfg.common.redis_url, cfg.common.names())?;
+    let ready = Readiness::default();
+    let (ptx, prx) = watch::channel(Sample::default());
+    let publisher: Arc<RwLock<Option<lapin::Channel>>> = Arc::new(RwLock::new(None));
+    let probes: ProbeBoard = Arc::default();
+    let state = AppState { cfg: cfg.clone(), store: store.clone(), publisher: publisher.clone(), pressure: prx.clone(), probes: probes.clone() };
+    let router = fleet::http::common_routes(handle, ready.clone()).merge(api::routes(state));
+    let tracker = TaskTracker::new();
+    tracker.spawn(fleet::http::serve(listener, router, shutdown.clone()));
+    tracker.spawn(redis_watch(store.clone(), ready.clone(), shutdown.clone()));
+
+    let ptx = Arc::new(ptx);
+    let mut backoff = Duration::from_millis(200);
+    while !shutdown.is_cancelled() {
+        let Some(conn) = amqp::connect_retrying(&cfg.common.amqp_url, "fleet-scheduler", &shutdown).await else { break };
+        let conn = Arc::new(conn);
+        match session(cfg.clone(), store.clone(), conn.clone(), ptx.clone(), prx.clone(), publisher.clone(), probes.clone(), &ready, &shutdown).await {
+            Ok(()) => backoff = Duration::from_millis(200),
+            Err(e) => tracing::error!(error = %e, "AMQP session failed"),
+        }
+        ready.set_amqp(false);
+        *publisher.write().await = None;
+        let _ = conn.close(200, "bye".into()).await;
+        if shutdown.is_cancelled() {
+            break;
+        }
+        metrics::counter!(m::AMQP_RECONNECTS).increment(1);
+        tracing::warn!(retry_in_ms = backoff.as_millis() as u64, "reconnecting to RabbitMQ");
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+    tracker.close();
+    if tokio::time::timeout(Duration::from_secs(10), tracker.wait()).await.is_err() {
+        tracing::warn!("some tasks did not stop within 10 s");
+    }
+    tracing::info!("scheduler stopped");
+    Ok(())
+}
+
+/// Keeps the Redis readiness flag true while PING works.
+async fn redis_watch(store: Store, ready: Readiness, shutdown: CancellationToken) {
+    let mut was = None;
+    loop {
+        let ok = store.ping().await;
+        ready.set_redis(ok);
+        if was != Some(ok) {
+            if ok {
+                tracing::info!("Redis reachable");
+            } else {
+                tracing::warn!("Redis unreachable; retrying");
+            }
+            was = Some(ok);
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn session(
+    cfg: Arc<SchedulerConfig>,
+    store: Store,
+    conn: Arc<lapin::Connection>,
+    ptx: Arc<watch::Sender<Sample>>,
+    prx: watch::Receiver<Sample>,
+    publisher_slot: Arc<RwLock<Option<lapin::Channel>>>,
+    probes: ProbeBoard,
+    ready: &Readiness,
+    shutdown: &CancellationToken,
+) -> fleet::Result<()> {
+    let setup = conn.create_channel().await?;
+    topology::declare_core(&setup, &cfg.common).await?;
+    let _ = setup.close(200, "ok".into()).await;
+    let publisher = amqp::confirm_channel(&conn).await?;
+    let api_publisher = amqp::confirm_channel(&conn).await?;
+    *publisher_slot.write().await = Some(api_publisher);
+    ready.set_amqp(true);
+    tracing::info!(namespace = %cfg.common.namespace, "connected to RabbitMQ; topology declared");
+
+    let names = cfg.common.names();
+    let d = Arc::new(Dispatcher::new(cfg.clone(), store.clone(), conn.clone(), publisher));
+    let session = shutdown.child_token();
+    let tracker = TaskTracker::new();
+
+    // Every loop: on error, log and end the session (the supervisor reconnects).
+    macro_rules! spawn_loop {
+        ($name:expr, $fut:expr) => {{
+            let sd = session.clone();
+            let fut = $fut;
+            tracker.spawn(
+                async move {
+                    if let Err(e) = fut.await {
+                        tracing::warn!(error = %e, "loop failed; restarting the session");
+                        sd.cancel();
+                    }
+                }
+                .instrument(tracing::info_span!("loop", name = $name)),
+            );
+        }};
+    }
+
+    let controller = Controller { cfg: cfg.clone(), store: store.clone(), conn: conn.clone(), tx: (*ptx).clone() };
+    let sd = session.clone();
+    tracker.spawn(async move { controller.run(sd).await }.instrument(tracing::info_span!("pressure")));
+    for lane in Lane::ALL {
+        let l = IngressLoop { dispatcher: d.clone(), source: Source::Ingress(lane), queue: names.ingress_queue(lane), pressure: prx.clone() };
+        spawn_loop!(format!("ingress.{lane}"), l.run(session.clone()));
+    }
+    let delayed = IngressLoop { dispatcher: d.clone(), source: Source::Delayed, queue: names.delayed_queue(), pressure: prx.clone() };
+    spawn_loop!("delayed", delayed.run(session.clone()));
+    spawn_loop!("park-discovery", park::discover(d.clone(), tracker.clone(), session.clone()));
+    spawn_loop!("health", health::run(d.clone(), session.clone()));
+    spawn_loop!("stats", stats::run(d.clone(), session.clone()));
+    spawn_loop!("probe", probe::run(d.clone(), probes, session.clone()));
+
+    session.cancelled().await;
+    tracker.close();
+    if tokio::time::timeout(Duration::from_secs(10), tracker.wait()).await.is_err() {
+        tracing::warn!("session loops did not stop within 10 s");
+    }
+    if shutdown.is_cancelled() {
+        Ok(())
+    } else {
+        Err(fleet::Error::Other("session ended".into()))
+    }
+}

@@ -1,0 +1,81 @@
+//! Samples what dashboards and autoscalers read: queue depth per queue, group capacity, load
+//! and reserved, workers by state, and per group the backlog (group queue + park queue) and
+//! the age of its oldest waiting task — the input a KEDA-style autoscaler needs.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use deadpool_redis::redis;
+use fleet::store::now_ms;
+use fleet::{metrics as m, topology, Lane};
+use tokio_util::sync::CancellationToken;
+
+use crate::dispatch::Dispatcher;
+
+pub async fn run(d: Arc<Dispatcher>, shutdown: CancellationToken) -> fleet::Result<()> {
+    let mut tick = tokio::time::interval(d.cfg.stats_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let n = d.names.clone();
+    for lane in Lane::ALL {
+        metrics::gauge!(m::QUEUE_BOUND, "queue" => n.ingress_queue(lane)).set(f64::from(d.cfg.common.ingress_max(lane)));
+    }
+    loop {
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = tick.tick() => {}
+        }
+        if let Err(e) = sample(&d).await {
+            tracing::debug!(error = %e, "stats sample failed");
+        }
+    }
+}
+
+async fn sample(d: &Dispatcher) -> fleet::Result<()> {
+    let n = &d.names;
+    let mut queues = vec![n.dead_queue(), n.delayed_queue()];
+    queues.extend(Lane::ALL.iter().map(|l| n.ingress_queue(*l)));
+    for q in &queues {
+        if let Some(depth) = topology::depth(&d.conn, q).await {
+            metrics::gauge!(m::QUEUE_DEPTH, "queue" => q.clone()).set(f64::from(depth));
+        }
+    }
+    let groups = d.store.groups().await?;
+    let now = now_ms();
+    let lease = d.cfg.reservation_lease.as_millis() as i64;
+    for g in &groups {
+        metrics::gauge!(m::GROUP_CAPACITY, "group" => g.group.clone()).set(f64::from(g.capacity));
+        metrics::gauge!(m::GROUP_LOAD, "group" => g.group.clone()).set(f64::from(g.load));
+        metrics::gauge!(m::GROUP_RESERVED, "group" => g.group.clone()).set(f64::from(g.reserved));
+        let mut backlog = 0u32;
+        for lane in Lane::ALL {
+            for q in [n.group_queue(&g.group, lane), n.park_queue(&g.group, lane)] {
+                if let Some(depth) = topology::depth(&d.conn, &q).await {
+                    metrics::gauge!(m::QUEUE_DEPTH, "queue" => q.clone()).set(f64::from(depth));
+                    backlog += depth;
+                }
+            }
+        }
+        metrics::gauge!(m::GROUP_BACKLOG, "group" => g.group.clone()).set(f64::from(backlog));
+        // Oldest reservation not yet started: its lease expiry minus the lease is when it was
+        // dispatched. Parked tasks are older still; their age is bounded below by this.
+        let oldest: Vec<(String, f64)> = d
+            .store
+            .query(redis::cmd("ZRANGE").arg(n.reserved(&g.group, Lane::Normal)).arg(0).arg(0).arg("WITHSCORES"))
+            .await
+            .unwrap_or_default();
+        let age = oldest.first().map(|(_, exp)| ((now - (*exp as i64 - lease)).max(0) as f64) / 1000.0).unwrap_or(0.0);
+        metrics::gauge!(m::GROUP_OLDEST_AGE, "group" => g.group.clone()).set(if backlog == 0 { 0.0 } else { age });
+    }
+    let workers = d.store.workers().await?;
+    let mut by_state: BTreeMap<&str, u32> = [("active", 0), ("draining", 0), ("ejected", 0)].into_iter().collect();
+    for w in &workers {
+        if let Some(c) = by_state.get_mut(w.state.as_str()) {
+            *c += 1;
+        }
+    }
+    for (state, count) in by_state {
+        metrics::gauge!(m::WORKERS, "state" => state).set(f64::from(count));
+    }
+    Ok(())
+}
