@@ -205,7 +205,7 @@ impl Dispatcher {
             self.take_tokens(lane, dispatches, shutdown).await;
         }
 
-        self.publish_and_ack(batch, envs, fates).await
+        self.publish_and_ack(batch, envs, fates, source).await
     }
 
     async fn dedupe_only(&self, batch: &[Delivery], envs: &[Option<Envelope>], fates: &mut [Option<Fate>], idx: &[usize]) {
@@ -285,7 +285,7 @@ impl Dispatcher {
         }
     }
 
-    async fn publish_and_ack(&self, batch: Vec<Delivery>, envs: Vec<Option<Envelope>>, fates: Vec<Option<Fate>>) -> Outcome {
+    async fn publish_and_ack(&self, batch: Vec<Delivery>, envs: Vec<Option<Envelope>>, fates: Vec<Option<Fate>>, source: &Source) -> Outcome {
         let mut out = Outcome::default();
         // 1. Start every publish (pipelined).
         let mut pending: Vec<(usize, Option<PublisherConfirm>)> = Vec::with_capacity(batch.len());
@@ -378,7 +378,7 @@ impl Dispatcher {
                 tracing::warn!(error = %e, "ack failed (the message will be redelivered)");
             }
         }
-        self.record_dead_status(&fates, &envs).await;
+        self.record_status(&fates, &envs, source).await;
         for (i, d) in batch.into_iter().enumerate() {
             if keep.contains(&i) {
                 out.held.push(d);
@@ -409,18 +409,26 @@ impl Dispatcher {
         }
     }
 
-    /// Status records for tasks that ended at the scheduler (expired, refused).
-    async fn record_dead_status(&self, fates: &[Option<Fate>], envs: &[Option<Envelope>]) {
+    /// Status records for states decided here: expired or refused at the scheduler, and
+    /// delayed submissions waiting for their `not_before`.
+    async fn record_status(&self, fates: &[Option<Fate>], envs: &[Option<Envelope>], source: &Source) {
         let ttl = self.cfg.common.status_ttl.as_millis() as i64;
         for (f, e) in fates.iter().zip(envs) {
-            if let (Some(Fate::Dead(reason, detail)), Some(e)) = (f, e) {
-                let state = if *reason == "expired" { "expired" } else { "dead" };
-                let fields = [("state", state.to_string()), ("reason", reason.to_string()), ("error", detail.clone()), ("lane", e.lane.to_string())];
-                if let Err(err) = self.store.set_status(&e.id, &fields, ttl).await {
-                    tracing::debug!(error = %err, "cannot record status");
+            let fields = match (f, e) {
+                (Some(Fate::Dead(reason, detail)), Some(e)) => {
+                    let state = if *reason == "expired" { "expired" } else { "dead" };
+                    vec![("state", state.to_string()), ("reason", reason.to_string()), ("error", detail.clone()), ("lane", e.lane.to_string())]
                 }
+                (Some(Fate::Delay(_)), Some(e)) if matches!(source, Source::Ingress(_)) => {
+                    let at = e.not_before.map(|t| t.to_rfc3339()).unwrap_or_default();
+                    vec![("state", "delayed".to_string()), ("not_before", at), ("lane", e.lane.to_string())]
+                }
+                _ => continue,
+            };
+            let id = e.as_ref().map(|e| e.id.as_str()).unwrap_or_default();
+            if let Err(err) = self.store.set_status(id, &fields, ttl).await {
+                tracing::debug!(error = %err, "cannot record status");
             }
         }
     }
 }
-

@@ -17,6 +17,9 @@ pub enum Error {
     /// The broker refused a publish (queue full: `reject-publish`, or unroutable).
     #[error("publish refused by the broker: {0}")]
     Refused(String),
+    /// Another live process holds this worker id (refused at registration).
+    #[error("{0}")]
+    DuplicateWorker(String),
     #[error("{0}")]
     Other(String),
 }

@@ -137,7 +137,7 @@ impl Store {
             .arg(r.labels.pairs());
         match self.invoke::<String>(&inv).await {
             Ok(_) => Ok(()),
-            Err(Error::Redis(e)) if e.to_string().contains("DUPLICATE") => Err(Error::Other(format!(
+            Err(Error::Redis(e)) if e.to_string().contains("DUPLICATE") => Err(Error::DuplicateWorker(format!(
                 "worker id `{}` is already registered by a live worker: {}",
                 r.id,
                 e.detail().unwrap_or("duplicate")

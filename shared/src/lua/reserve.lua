@@ -10,7 +10,8 @@
 -- A group with parked tasks (flag `pk:<group>:<lane>`, set here when a task is parked and
 -- kept alive by the scheduler's park loop) counts as full for new work, so new tasks queue
 -- behind parked ones instead of overtaking them.
--- returns: per task 'ok:<group>' | 'full:<group>' (matches, no room: park there) |
+-- returns: per task 'ok:<group>' (status queued) | 'full:<group>' (matches, no room: park
+--          there; status parked) |
 --          'none' (no live group matches) | 'dup' (id seen within the window)
 local now, lease, bf = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local default_strategy, dd_ttl, st_ttl = ARGV[4], ARGV[5], ARGV[6]
@@ -137,6 +138,8 @@ for t = 1, n do
       if not from_park then
         redis.call('SET', K_parked(bg, lane), '1', 'PX', 3000)
         gstate(bg, lane).parked = true
+        redis.call('HSET', K_task(id), 'state', 'parked', 'group', bg, 'lane', lane, 'queued_at', now)
+        redis.call('PEXPIRE', K_task(id), st_ttl)
       end
       out[t] = 'full:' .. bg
     else
