@@ -1,0 +1,225 @@
+#!/usr/bin/env bash
+# ops/services.sh — make sure the local services the fleet needs are installed and running.
+#
+# Idempotent: installs what is missing (Debian packages through apt-get), starts what is
+# down, and leaves alone what already runs. Every wait is bounded; a service that cannot be
+# brought up ends the script with a non-zero status and a message that says why.
+#
+#   ops/services.sh                 Redis + RabbitMQ installed and running (default)
+#   ops/services.sh --tools         the same, plus the check tools: promtool (package
+#                                   prometheus), docker-compose and shellcheck
+#   ops/services.sh --tools-only    only the check tools; leaves the services alone
+#   ops/services.sh --help
+#
+# Environment:
+#   REDIS_PORT          (6379)  port checked / started for Redis on 127.0.0.1
+#   RABBITMQ_NODE_PORT  (5672)  AMQP port checked on 127.0.0.1 (RabbitMQ honours it too)
+#   SERVICES_REDIS_WAIT (30)    seconds to wait for Redis to answer PONG after starting it
+#   SERVICES_RABBITMQ_WAIT (180) seconds to wait for RabbitMQ to finish booting
+#   SERVICES_APT_LOCK_WAIT (300) seconds apt-get waits for the dpkg lock
+set -euo pipefail
+
+# rabbitmqctl, rabbitmq-server and friends live in sbin, which a non-root PATH may lack.
+export PATH="${PATH}:/usr/local/sbin:/usr/sbin:/sbin"
+
+REDIS_HOST=127.0.0.1
+REDIS_PORT="${REDIS_PORT:-6379}"
+AMQP_HOST=127.0.0.1
+AMQP_PORT="${RABBITMQ_NODE_PORT:-5672}"
+REDIS_WAIT="${SERVICES_REDIS_WAIT:-30}"
+RABBITMQ_WAIT="${SERVICES_RABBITMQ_WAIT:-180}"
+APT_LOCK_WAIT="${SERVICES_APT_LOCK_WAIT:-300}"
+
+log() { printf '[services] %s\n' "$*" >&2; }
+die() {
+    printf '[services] ERROR: %s\n' "$*" >&2
+    exit 1
+}
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
+
+# Run a command as root: directly when we are root, through sudo otherwise.
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then
+        "$@"
+    elif command -v sudo >/dev/null 2>&1; then
+        sudo "$@"
+    else
+        die "need root for: $* (not root and sudo is not installed)"
+    fi
+}
+
+have() { command -v "$1" >/dev/null 2>&1; }
+
+APT_UPDATED=0
+apt_install() {
+    have apt-get || die "apt-get not found: install $* by hand (this script knows Debian/Ubuntu only)"
+    if [ "$APT_UPDATED" -eq 0 ]; then
+        log "apt-get update"
+        as_root env DEBIAN_FRONTEND=noninteractive \
+            apt-get -o DPkg::Lock::Timeout="$APT_LOCK_WAIT" update -qq ||
+            die "apt-get update failed"
+        APT_UPDATED=1
+    fi
+    log "apt-get install -y $*"
+    as_root env DEBIAN_FRONTEND=noninteractive \
+        apt-get -o DPkg::Lock::Timeout="$APT_LOCK_WAIT" install -y -qq --no-install-recommends "$@" ||
+        die "apt-get install $* failed"
+}
+
+# ensure_cmd BINARY PACKAGE...: install PACKAGE(s) when BINARY is not on PATH.
+ensure_cmd() {
+    local bin=$1
+    shift
+    if have "$bin"; then
+        return 0
+    fi
+    log "$bin not found: installing $*"
+    apt_install "$@"
+    have "$bin" || die "$bin still not found after installing $*"
+}
+
+# tcp_open HOST PORT: true when something accepts TCP connections there (bounded to 2 s).
+tcp_open() {
+    # shellcheck disable=SC2016 # expanded by the inner bash
+    timeout 2 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$1" "$2" >/dev/null 2>&1
+}
+
+# ---------------------------------------------------------------------------- Redis
+
+redis_up() {
+    [ "$(timeout 5 redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" ping 2>/dev/null)" = "PONG" ]
+}
+
+ensure_redis() {
+    ensure_cmd redis-server redis-server
+    ensure_cmd redis-cli redis-tools
+    if redis_up; then
+        log "redis: up on $REDIS_HOST:$REDIS_PORT"
+        return 0
+    fi
+    if tcp_open "$REDIS_HOST" "$REDIS_PORT"; then
+        die "redis: port $REDIS_PORT is open but does not answer PING with PONG (another program, or a password?)"
+    fi
+    log "redis: down; starting redis-server on $REDIS_HOST:$REDIS_PORT (no persistence)"
+    # As root the daemon runs as root, like any process this script starts; the data dir
+    # is irrelevant because nothing is saved (--save "" --appendonly no).
+    (cd /tmp && redis-server --daemonize yes --bind "$REDIS_HOST" --port "$REDIS_PORT" \
+        --save "" --appendonly no) >&2 ||
+        die "redis: redis-server failed to start"
+    local deadline=$((SECONDS + REDIS_WAIT))
+    until redis_up; do
+        if [ "$SECONDS" -ge "$deadline" ]; then
+            die "redis: started but no PONG from $REDIS_HOST:$REDIS_PORT within ${REDIS_WAIT}s"
+        fi
+        sleep 0.5
+    done
+    log "redis: up on $REDIS_HOST:$REDIS_PORT"
+}
+
+# ---------------------------------------------------------------------------- RabbitMQ
+
+# rmqctl SECONDS ARGS...: rabbitmqctl ARGS, killed after SECONDS. rabbitmqctl must run as
+# root or as the rabbitmq user (the Debian wrapper switches to rabbitmq when called as root,
+# so the Erlang cookie matches).
+rmqctl() {
+    local secs=$1
+    shift
+    if [ "$(id -u)" -eq 0 ] || [ "$(id -un)" = rabbitmq ]; then
+        timeout "$secs" rabbitmqctl "$@"
+    else
+        as_root timeout "$secs" rabbitmqctl "$@"
+    fi
+}
+
+rabbitmq_up() {
+    # The AMQP listener opens late in the boot, so an open port means a usable broker; the
+    # status call covers a broker listening elsewhere than 127.0.0.1.
+    tcp_open "$AMQP_HOST" "$AMQP_PORT" && return 0
+    rmqctl 30 -q status >/dev/null 2>&1
+}
+
+ensure_rabbitmq() {
+    ensure_cmd rabbitmq-server rabbitmq-server
+    ensure_cmd rabbitmqctl rabbitmq-server
+    if rabbitmq_up; then
+        log "rabbitmq: up (AMQP $AMQP_HOST:$AMQP_PORT)"
+        return 0
+    fi
+    log "rabbitmq: down; starting rabbitmq-server -detached"
+    if [ "$(id -u)" -eq 0 ] || [ "$(id -un)" = rabbitmq ]; then
+        rabbitmq-server -detached >&2 || die "rabbitmq: rabbitmq-server -detached failed"
+    else
+        as_root rabbitmq-server -detached >&2 || die "rabbitmq: rabbitmq-server -detached failed"
+    fi
+    # -detached returns before the node exists; await_startup fails fast while the node is
+    # not reachable yet, so retry it until the deadline.
+    local deadline=$((SECONDS + RABBITMQ_WAIT)) left step
+    while :; do
+        left=$((deadline - SECONDS))
+        if [ "$left" -le 0 ]; then
+            die "rabbitmq: not up within ${RABBITMQ_WAIT}s (see /var/log/rabbitmq/ and 'rabbitmqctl status')"
+        fi
+        step=$((left < 60 ? left : 60))
+        if rmqctl "$step" -q -t "$step" await_startup >/dev/null 2>&1; then
+            break
+        fi
+        sleep 2
+    done
+    # The application is up; the listener follows within a moment.
+    deadline=$((SECONDS + 30))
+    until tcp_open "$AMQP_HOST" "$AMQP_PORT"; do
+        if [ "$SECONDS" -ge "$deadline" ]; then
+            log "rabbitmq: node started but nothing listens on $AMQP_HOST:$AMQP_PORT"
+            log "rabbitmq: (a listener bound to another address? check /etc/rabbitmq/rabbitmq.conf)"
+            die "rabbitmq: AMQP port $AMQP_PORT not reachable"
+        fi
+        sleep 1
+    done
+    log "rabbitmq: up (AMQP $AMQP_HOST:$AMQP_PORT)"
+}
+
+# ---------------------------------------------------------------------------- tools
+
+ensure_base() {
+    # curl is what the other ops scripts use to talk HTTP.
+    ensure_cmd curl curl ca-certificates
+}
+
+ensure_tools() {
+    ensure_cmd promtool prometheus
+    ensure_cmd docker-compose docker-compose
+    ensure_cmd shellcheck shellcheck
+    log "tools: $(promtool --version 2>&1 | head -n1)"
+    log "tools: $(docker-compose version --short 2>/dev/null || docker-compose --version 2>&1 | head -n1)"
+    log "tools: shellcheck $(shellcheck --version 2>/dev/null | sed -n 's/^version: //p')"
+}
+
+main() {
+    local services=1 tools=0
+    while [ $# -gt 0 ]; do
+        case "$1" in
+        --tools) tools=1 ;;
+        --tools-only)
+            tools=1
+            services=0
+            ;;
+        -h | --help)
+            usage
+            return 0
+            ;;
+        *) die "unknown argument: $1 (try --help)" ;;
+        esac
+        shift
+    done
+    ensure_base
+    if [ "$tools" -eq 1 ]; then
+        ensure_tools
+    fi
+    if [ "$services" -eq 1 ]; then
+        ensure_redis
+        ensure_rabbitmq
+    fi
+}
+
+main "$@"

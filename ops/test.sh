@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# ops/test.sh — run every test: the one command for CI (.ci/run) and for developers.
+#
+#   1. ops/services.sh        Redis and RabbitMQ installed and running
+#   2. ops/check-config.sh    Prometheus config, alert rules (+ their unit tests), compose
+#                             file, Grafana dashboard, Dockerfile members, shellcheck
+#   3. cargo test --workspace --release [EXTRA ARGS...]   unit, end-to-end and fault tests
+#   4. ops/check-metrics.sh   live /metrics of a scheduler and a worker through promtool
+#
+#   ops/test.sh [ARGS...]     ARGS go to cargo test, e.g. `ops/test.sh -- --nocapture`
+#
+# Stops at the first failing step and exits non-zero.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() {
+    printf '\n==== %s\n' "$*"
+}
+
+start=$SECONDS
+step "services"
+bash ops/services.sh
+step "configuration checks"
+bash ops/check-config.sh
+step "cargo test --workspace --release $*"
+cargo test --workspace --release "$@"
+step "live metrics check"
+bash ops/check-metrics.sh
+printf '\n==== all tests passed in %ss\n' "$((SECONDS - start))"
