@@ -1,0 +1,69 @@
+//! The worker's HTTP endpoints: `/metrics`, `/healthz`, `/readyz` (shared with every binary),
+//! `GET /status` (this worker as it sees itself) and `POST /drain` (lame duck now: the same
+//! drain as SIGTERM, and the process exits when it is done).
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde_json::{json, Value};
+
+use fleet::http::Readiness;
+
+use crate::drain::Control;
+use crate::stats::Stats;
+
+/// What `/status` shows besides the live figures.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    pub worker_id: String,
+    pub group: String,
+    pub labels: fleet::Labels,
+    pub executor: &'static str,
+    pub capacity: u32,
+    pub critical_capacity: u32,
+}
+
+#[derive(Clone)]
+struct Api {
+    identity: Arc<Identity>,
+    control: Control,
+    stats: Arc<Stats>,
+}
+
+pub fn router(prom: PrometheusHandle, ready: Readiness, identity: Identity, control: Control, stats: Arc<Stats>) -> Router {
+    let api = Api { identity: Arc::new(identity), control, stats };
+    Router::new()
+        .route("/status", get(status))
+        .route("/drain", post(drain))
+        .with_state(api)
+        .merge(fleet::http::common_routes(prom, ready))
+}
+
+async fn status(State(api): State<Api>) -> Json<Value> {
+    let (running, running_critical, _) = api.stats.running();
+    let (succeeded, failed) = api.stats.totals();
+    let id = &api.identity;
+    Json(json!({
+        "id": id.worker_id,
+        "group": id.group,
+        "labels": id.labels,
+        "executor": id.executor,
+        "state": api.control.mode().state().as_str(),
+        "capacity": id.capacity,
+        "critical_capacity": id.critical_capacity,
+        "running": running,
+        "running_critical": running_critical,
+        "succeeded": succeeded,
+        "failed": failed,
+        "latency_ewma_ms": api.stats.latency_ewma_ms(),
+    }))
+}
+
+async fn drain(State(api): State<Api>) -> (StatusCode, Json<Value>) {
+    api.control.request_drain("POST /drain");
+    (StatusCode::ACCEPTED, Json(json!({ "id": api.identity.worker_id, "state": "draining" })))
+}

@@ -1,0 +1,428 @@
+//! One attempt of one task: from a delivery to exactly one outcome.
+//!
+//! ```text
+//! delivery ─ parse ──(bad)──────────────────────────────► dead (reason = refusal code), ack
+//!              │
+//!              ├ start recorded (ledger, status running)
+//!              ├ deadline passed? ─────────────────────► expired: dead-letter, ack
+//!              └ run handler, cut at min(deadline, max_task_ms)
+//!                   ├ Ok ─────────────────────────────────► succeeded, ack
+//!                   ├ Retryable, attempts left ───────────► retried: republish via a delay tier, ack
+//!                   ├ Retryable at the last attempt ──────► dead (max_attempts), ack
+//!                   ├ Permanent ──────────────────────────► dead (permanent_error), ack
+//!                   └ deadline reached ───────────────────► expired: dead-letter, ack
+//! any publish refused or channel gone ────────────────────► failed: nack + requeue (the broker keeps it)
+//! ```
+//!
+//! The ack always comes last: after the handler, and after the broker confirmed any retry or
+//! dead-letter copy. A crash anywhere before it leaves the delivery unacked, and the broker
+//! gives it to another worker (at-least-once). A handler panic is caught (the handler runs in
+//! its own task) and counts as a retryable failure.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::Channel;
+use serde_json::Value;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use fleet::amqp::{headers, task_properties, DETAIL_HEADER, REASON_HEADER, TIER_HEADER, WORKER_HEADER};
+use fleet::lease::{truncate, Finished};
+use fleet::metrics as m;
+use fleet::{Envelope, Lane, Names};
+
+use crate::broker::Broker;
+use crate::eject::Ejector;
+use crate::executor::{Handlers, TaskContext, TaskError};
+use crate::ledger::Ledger;
+use crate::retry::Backoff;
+use crate::stats::Stats;
+
+/// Header with the number of attempts a dead task had.
+pub const ATTEMPTS_HEADER: &str = "x-fleet-attempts";
+/// Longest header text (AMQP headers travel in one frame; keep them small).
+const MAX_HEADER_TEXT: usize = 1024;
+
+/// What every attempt needs, shared by all of them.
+pub struct Shared {
+    pub worker_id: Arc<str>,
+    pub group: String,
+    pub names: Names,
+    pub handlers: Handlers,
+    pub broker: Arc<Broker>,
+    pub ledger: Ledger,
+    pub stats: Arc<Stats>,
+    pub ejector: Ejector,
+    pub backoff: Backoff,
+    pub max_task: Duration,
+    pub max_task_bytes: usize,
+    pub default_max_attempts: u32,
+    /// Where handler runs are spawned (the drain waits for them).
+    pub tasks: TaskTracker,
+    /// Cut every run now (hard stop).
+    pub abort: CancellationToken,
+}
+
+/// How an attempt ended, as counted in `fleet_tasks_completed_total{outcome}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Succeeded,
+    Retried,
+    Dead,
+    Expired,
+    /// Could not be recorded in the broker: nacked back to it.
+    Failed,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Succeeded => "succeeded",
+            Outcome::Retried => "retried",
+            Outcome::Dead => "dead",
+            Outcome::Expired => "expired",
+            Outcome::Failed => "failed",
+        }
+    }
+}
+
+/// What to do with a task after its run.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fate {
+    Succeeded(Value),
+    Retry { error: String, delay: Duration },
+    Dead { reason: &'static str, error: String },
+    Expired { detail: String },
+}
+
+/// Decides a task's fate from its run's result. Pure, for tests.
+pub fn decide(
+    result: Result<Value, TaskError>,
+    attempt: u32,
+    max_attempts: u32,
+    time_left: Option<Duration>,
+    backoff: &Backoff,
+) -> Fate {
+    let error = match result {
+        Ok(v) => return Fate::Succeeded(v),
+        Err(TaskError::Expired) => return Fate::Expired { detail: "deadline reached during the run".into() },
+        Err(e) => e,
+    };
+    if time_left == Some(Duration::ZERO) {
+        return Fate::Expired { detail: format!("deadline reached; last error: {error}") };
+    }
+    match error {
+        TaskError::Permanent(e) => Fate::Dead { reason: "permanent_error", error: e },
+        TaskError::Retryable(e) if attempt >= max_attempts => Fate::Dead { reason: "max_attempts", error: e },
+        TaskError::Retryable(e) => {
+            let delay = backoff.delay(attempt);
+            match time_left {
+                // The next attempt could not start before the deadline: expire now rather than
+                // send the task on a trip it cannot finish.
+                Some(left) if left <= delay => {
+                    Fate::Expired { detail: format!("no time left for attempt {}; last error: {e}", attempt + 1) }
+                }
+                _ => Fate::Retry { error: e, delay },
+            }
+        }
+        TaskError::Expired => Fate::Expired { detail: "deadline reached during the run".into() },
+    }
+}
+
+/// Handles one delivery. `channel` keeps the delivery's channel open until it is acked;
+/// `permit` is the lane slot, given back when this returns.
+pub async fn handle(shared: Arc<Shared>, lane: Lane, delivery: Delivery, channel: Channel, permit: OwnedSemaphorePermit) {
+    let _keep = (channel, permit);
+    let env = match Envelope::from_slice(&delivery.data, shared.max_task_bytes) {
+        Ok(env) => env,
+        Err(reject) => return refuse(&shared, lane, delivery, reject).await,
+    };
+    let attempt = env.attempt.saturating_add(1);
+    let span = tracing::info_span!("task", task.id = %env.id, kind = %env.kind, lane = %lane, attempt);
+    attempt_task(shared, lane, delivery, env, attempt).instrument(span).await
+}
+
+async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: Envelope, attempt: u32) {
+    let max_attempts = env.max_attempts_or(shared.default_max_attempts);
+    shared.ledger.start(lane, &env.id, attempt);
+    shared.stats.started(lane, &env.id);
+    let now = Utc::now();
+    if let Some(submitted) = env.submitted_at {
+        let wait = (now - submitted).to_std().unwrap_or(Duration::ZERO);
+        metrics::histogram!(m::TASK_WAIT, "lane" => lane.as_str()).record(wait.as_secs_f64());
+    }
+
+    let fate = if env.is_expired(now) {
+        Fate::Expired { detail: "deadline passed before the task started".into() }
+    } else {
+        let Some((result, took)) = run(&shared, &env, attempt).await else {
+            // Hard stop: no outcome; the broker gets the task back with the connection.
+            shared.ledger.release(lane, &env.id);
+            shared.stats.ended(lane, &env.id);
+            return;
+        };
+        metrics::histogram!(m::TASK_RUN, "group" => shared.group.clone(), "lane" => lane.as_str()).record(took.as_secs_f64());
+        shared.stats.ran(result.is_ok(), took);
+        match &result {
+            Ok(_) => shared.ejector.record(false),
+            Err(TaskError::Permanent(_)) => {}
+            Err(_) => shared.ejector.record(true),
+        }
+        let time_left = env.deadline.map(|d| (d - Utc::now()).to_std().unwrap_or(Duration::ZERO));
+        decide(result, attempt, max_attempts, time_left, &shared.backoff)
+    };
+
+    let outcome = settle(&shared, lane, &delivery, &env, attempt, max_attempts, fate).await;
+    metrics::counter!(m::TASKS_COMPLETED, "group" => shared.group.clone(), "lane" => lane.as_str(), "outcome" => outcome.as_str())
+        .increment(1);
+    shared.stats.ended(lane, &env.id);
+}
+
+/// Runs the handler in its own task, cut at the run deadline. `None` on a hard stop.
+async fn run(shared: &Shared, env: &Envelope, attempt: u32) -> Option<(Result<Value, TaskError>, Duration)> {
+    let started = Instant::now();
+    let to_deadline = env.deadline.map(|d| (d - Utc::now()).to_std().unwrap_or(Duration::ZERO));
+    let (limit, by_deadline) = match to_deadline {
+        Some(left) if left <= shared.max_task => (left, true),
+        _ => (shared.max_task, false),
+    };
+    let Some(handler) = shared.handlers.get(&env.kind) else {
+        return Some((Err(TaskError::Permanent(format!("unknown kind `{}`", env.kind))), started.elapsed()));
+    };
+    let cancel = shared.abort.child_token();
+    let ctx = TaskContext {
+        envelope: env.clone(),
+        attempt,
+        worker_id: shared.worker_id.clone(),
+        deadline: env.deadline,
+        run_deadline: started + limit,
+        cancel: cancel.clone(),
+    };
+    let mut join = shared.tasks.spawn(handler.call(ctx).in_current_span());
+    let result = tokio::select! {
+        biased;
+        r = &mut join => match r {
+            Ok(r) => r,
+            Err(e) if e.is_panic() => {
+                let msg = panic_message(e.into_panic());
+                tracing::error!(panic = %msg, "handler panicked");
+                Err(TaskError::Retryable(format!("handler panicked: {msg}")))
+            }
+            Err(_) => Err(TaskError::retryable("handler task cancelled")),
+        },
+        _ = tokio::time::sleep_until(started + limit) => {
+            cancel.cancel();
+            join.abort();
+            if by_deadline {
+                Err(TaskError::Expired)
+            } else {
+                Err(TaskError::Retryable(format!("run cut at max_task_ms ({} ms)", shared.max_task.as_millis())))
+            }
+        }
+        _ = shared.abort.cancelled() => {
+            cancel.cancel();
+            join.abort();
+            return None;
+        }
+    };
+    Some((result, started.elapsed()))
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".into()
+    }
+}
+
+/// Records the fate in the broker (publish + ack) and in Redis (ledger); returns the outcome.
+async fn settle(
+    shared: &Shared,
+    lane: Lane,
+    delivery: &Delivery,
+    env: &Envelope,
+    attempt: u32,
+    max_attempts: u32,
+    fate: Fate,
+) -> Outcome {
+    // A delivery whose channel died cannot be acked: the broker has it back already, so a
+    // retry or dead-letter copy would only duplicate it.
+    if !delivery.acker.usable() {
+        tracing::warn!("channel closed before the task finished; the broker redelivers it");
+        shared.ledger.release(lane, &env.id);
+        return Outcome::Failed;
+    }
+    let (outcome, state, text, success, published) = match fate {
+        Fate::Succeeded(v) => (Outcome::Succeeded, "succeeded", v.to_string(), true, Ok(())),
+        Fate::Retry { error, delay } => {
+            tracing::info!(error = %error, delay_ms = delay.as_millis() as u64, "attempt failed; retrying");
+            let r = publish_retry(shared, env, attempt, max_attempts, delay, &error).await;
+            (Outcome::Retried, "retrying", error, false, r)
+        }
+        Fate::Dead { reason, error } => {
+            tracing::warn!(reason, error = %error, "task dead");
+            let r = dead_letter(shared, env, attempt, reason, &error).await;
+            (Outcome::Dead, "dead", error, false, r)
+        }
+        Fate::Expired { detail } => {
+            tracing::info!(detail = %detail, "task expired");
+            let r = dead_letter(shared, env, attempt, "expired", &detail).await;
+            (Outcome::Expired, "expired", detail, false, r)
+        }
+    };
+    if let Err(e) = published {
+        tracing::warn!(error = %e, "cannot record the outcome in the broker; task requeued");
+        nack_requeue(delivery).await;
+        shared.ledger.release(lane, &env.id);
+        return Outcome::Failed;
+    }
+    match delivery.acker.ack(BasicAckOptions::default()).await {
+        Ok(true) => {}
+        Ok(false) => tracing::warn!("cannot ack: channel closed; the broker redelivers the task"),
+        Err(e) => tracing::warn!(error = %e, "cannot ack; the broker redelivers the task"),
+    }
+    shared.ledger.finish(Finished { lane, id: env.id.clone(), state, text, success });
+    outcome
+}
+
+/// Sends the task to wait out its backoff in the broker, then back to the scheduler.
+async fn publish_retry(
+    shared: &Shared,
+    env: &Envelope,
+    attempt: u32,
+    max_attempts: u32,
+    delay: Duration,
+    error: &str,
+) -> fleet::Result<()> {
+    let mut next = env.clone();
+    next.attempt = attempt;
+    next.max_attempts = Some(max_attempts);
+    next.not_before = Some(Utc::now() + chrono::Duration::from_std(delay).unwrap_or_default());
+    let body = next.to_bytes();
+    let detail = (DETAIL_HEADER, truncate(error, MAX_HEADER_TEXT));
+    match fleet::delay::tier_for(delay) {
+        Some(tier) => {
+            let h = headers([(TIER_HEADER, tier.to_string()), detail]);
+            shared.broker.publish(&shared.names.delay_exchange(), "", &body, task_properties(&env.id, Some(h))).await
+        }
+        None => {
+            let h = headers([detail]);
+            shared
+                .broker
+                .publish(&shared.names.tasks_exchange(), Names::DELAYED_KEY, &body, task_properties(&env.id, Some(h)))
+                .await
+        }
+    }
+}
+
+/// Publishes the task to the dead-letter queue with its reason.
+async fn dead_letter(shared: &Shared, env: &Envelope, attempt: u32, reason: &str, detail: &str) -> fleet::Result<()> {
+    let mut dead = env.clone();
+    dead.attempt = attempt;
+    let h = headers([
+        (REASON_HEADER, reason.to_string()),
+        (DETAIL_HEADER, truncate(detail, MAX_HEADER_TEXT)),
+        (ATTEMPTS_HEADER, attempt.to_string()),
+        (WORKER_HEADER, shared.worker_id.to_string()),
+    ]);
+    shared
+        .broker
+        .publish(&shared.names.tasks_exchange(), Names::DEAD_KEY, &dead.to_bytes(), task_properties(&env.id, Some(h)))
+        .await
+}
+
+/// An unparseable delivery: dead-lettered as it came, with the refusal's code and detail.
+async fn refuse(shared: &Shared, lane: Lane, delivery: Delivery, reject: fleet::envelope::Reject) {
+    tracing::warn!(lane = %lane, reason = reject.code(), detail = %reject, "unparseable task dead-lettered");
+    metrics::counter!(m::TASKS_REJECTED, "reason" => reject.code()).increment(1);
+    let id = delivery.properties.message_id().as_ref().map(|s| s.to_string()).unwrap_or_default();
+    let h = headers([
+        (REASON_HEADER, reject.code().to_string()),
+        (DETAIL_HEADER, truncate(&reject.to_string(), MAX_HEADER_TEXT)),
+        (WORKER_HEADER, shared.worker_id.to_string()),
+    ]);
+    let r = shared
+        .broker
+        .publish(&shared.names.tasks_exchange(), Names::DEAD_KEY, &delivery.data, task_properties(&id, Some(h)))
+        .await;
+    match r {
+        Ok(()) => {
+            if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
+                tracing::warn!(error = %e, "cannot ack a refused task");
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot dead-letter a refused task; requeued");
+            nack_requeue(&delivery).await;
+        }
+    }
+}
+
+pub(crate) async fn nack_requeue(delivery: &Delivery) {
+    if let Err(e) = delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await {
+        tracing::debug!(error = %e, "nack failed (channel gone: the broker requeues anyway)");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn b() -> Backoff {
+        Backoff::new(Duration::from_millis(100), Duration::from_secs(10))
+    }
+
+    #[test]
+    fn success_and_typed_errors() {
+        assert_eq!(decide(Ok(json!(1)), 1, 3, None, &b()), Fate::Succeeded(json!(1)));
+        assert!(matches!(decide(Err(TaskError::retryable("x")), 1, 3, None, &b()), Fate::Retry { .. }));
+        assert!(matches!(decide(Err(TaskError::retryable("x")), 2, 3, None, &b()), Fate::Retry { .. }));
+        assert_eq!(
+            decide(Err(TaskError::retryable("x")), 3, 3, None, &b()),
+            Fate::Dead { reason: "max_attempts", error: "x".into() }
+        );
+        assert_eq!(
+            decide(Err(TaskError::permanent("bad input")), 1, 3, None, &b()),
+            Fate::Dead { reason: "permanent_error", error: "bad input".into() }
+        );
+        assert!(matches!(decide(Err(TaskError::Expired), 1, 3, None, &b()), Fate::Expired { .. }));
+    }
+
+    #[test]
+    fn retry_delay_is_the_backoff() {
+        for _ in 0..50 {
+            match decide(Err(TaskError::retryable("x")), 3, 5, None, &b()) {
+                Fate::Retry { delay, .. } => assert!(delay <= Duration::from_millis(400)),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn deadline_turns_failures_into_expiry() {
+        assert!(matches!(decide(Err(TaskError::retryable("x")), 1, 5, Some(Duration::ZERO), &b()), Fate::Expired { .. }));
+        assert!(matches!(decide(Err(TaskError::permanent("x")), 1, 5, Some(Duration::ZERO), &b()), Fate::Expired { .. }));
+        // The backoff ceiling of attempt 1 is 100 ms: 1 ms left cannot fit (almost) any retry.
+        let mut expired = 0;
+        for _ in 0..50 {
+            if matches!(decide(Err(TaskError::retryable("x")), 1, 5, Some(Duration::from_micros(1)), &b()), Fate::Expired { .. }) {
+                expired += 1;
+            }
+        }
+        assert!(expired >= 45, "{expired}");
+        assert!(matches!(decide(Err(TaskError::retryable("x")), 1, 5, Some(Duration::from_secs(60)), &b()), Fate::Retry { .. }));
+        assert_eq!(decide(Ok(json!(null)), 1, 5, Some(Duration::ZERO), &b()), Fate::Succeeded(json!(null)));
+    }
+}

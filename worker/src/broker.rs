@@ -1,0 +1,153 @@
+//! The worker's link to RabbitMQ: one connection, re-established on loss (with the topology
+//! declared again), and one publishing channel in confirm mode shared by every task attempt
+//! (retries and dead letters). Each lane consumes on a channel of its own (see [`crate::lane`]).
+//!
+//! Only the lanes wait for a reconnect; a publish never does: with the connection down it
+//! fails at once, the attempt's outcome is `failed` and the task goes back to the broker
+//! (its delivery cannot be acked on a dead connection anyway).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::types::ShortString;
+use lapin::{BasicProperties, Channel, Connection};
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+
+use fleet::config::CommonConfig;
+use fleet::http::Readiness;
+
+/// The connection and the publishing channel.
+pub struct Broker {
+    cfg: CommonConfig,
+    group: String,
+    name: String,
+    readiness: Readiness,
+    /// Stops reconnecting (hard stop, end of the worker).
+    stop: CancellationToken,
+    /// Held across a reconnect on purpose: it serialises reconnects, so two lanes noticing
+    /// the same loss connect once.
+    reconnect: Mutex<()>,
+    /// The latest connection, read without waiting (never held across an await).
+    conn: std::sync::Mutex<Option<Arc<Connection>>>,
+    publisher: Mutex<Option<Channel>>,
+}
+
+impl Broker {
+    pub fn new(cfg: CommonConfig, group: String, worker_id: &str, readiness: Readiness, stop: CancellationToken) -> Self {
+        Broker {
+            cfg,
+            group,
+            name: format!("fleet-worker {worker_id}"),
+            readiness,
+            stop,
+            reconnect: Mutex::new(()),
+            conn: std::sync::Mutex::new(None),
+            publisher: Mutex::new(None),
+        }
+    }
+
+    /// A live connection: the current one, or a new one with the topology declared. Retries
+    /// with backoff until it works; `None` once the broker is stopped. Cancel safe.
+    pub async fn connection(&self) -> Option<Arc<Connection>> {
+        let _one_at_a_time = self.reconnect.lock().await;
+        let last = self.latest();
+        if let Some(c) = last {
+            if c.status().connected() {
+                return Some(c);
+            }
+            tracing::warn!("connection to RabbitMQ lost; reconnecting");
+            metrics::counter!(fleet::metrics::AMQP_RECONNECTS).increment(1);
+        }
+        self.readiness.set_amqp(false);
+        let mut delay = Duration::from_millis(200);
+        let conn = loop {
+            if self.stop.is_cancelled() {
+                return None;
+            }
+            let c = fleet::amqp::connect_retrying(&self.cfg.amqp_url, &self.name, &self.stop).await?;
+            match self.declare(&c).await {
+                Ok(()) => break c,
+                Err(e) => {
+                    tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "cannot declare the topology");
+                    let _ = c.close(200, ShortString::from("declare failed")).await;
+                }
+            }
+            tokio::select! {
+                _ = self.stop.cancelled() => return None,
+                _ = tokio::time::sleep(delay) => {}
+            }
+            delay = (delay * 2).min(Duration::from_secs(5));
+        };
+        if self.stop.is_cancelled() {
+            let _ = conn.close(200, ShortString::from("stopping")).await;
+            return None;
+        }
+        tracing::info!(group = %self.group, "connected to RabbitMQ, topology declared");
+        self.readiness.set_amqp(true);
+        let conn = Arc::new(conn);
+        if let Ok(mut slot) = self.conn.lock() {
+            *slot = Some(conn.clone());
+        }
+        Some(conn)
+    }
+
+    async fn declare(&self, conn: &Connection) -> fleet::Result<()> {
+        let ch = conn.create_channel().await?;
+        fleet::topology::declare_core(&ch, &self.cfg).await?;
+        fleet::topology::declare_group(&ch, &self.cfg, &self.group).await?;
+        let _ = ch.close(200, ShortString::from("declared")).await;
+        Ok(())
+    }
+
+    fn latest(&self) -> Option<Arc<Connection>> {
+        self.conn.lock().ok()?.clone()
+    }
+
+    /// The current connection if it is up; never waits for a reconnect.
+    fn current(&self) -> Option<Arc<Connection>> {
+        self.latest().filter(|c| c.status().connected())
+    }
+
+    /// The publishing channel (confirm mode), opened again if it died.
+    async fn publisher(&self) -> fleet::Result<Channel> {
+        let mut slot = self.publisher.lock().await;
+        if let Some(ch) = slot.as_ref() {
+            if ch.status().connected() {
+                return Ok(ch.clone());
+            }
+        }
+        let conn = self.current().ok_or_else(|| fleet::Error::Other("not connected to RabbitMQ".into()))?;
+        let ch = fleet::amqp::confirm_channel(&conn).await?;
+        *slot = Some(ch.clone());
+        Ok(ch)
+    }
+
+    /// Publishes (mandatory, persistent per `props`) and waits for the broker's confirm.
+    pub async fn publish(&self, exchange: &str, routing_key: &str, body: &[u8], props: BasicProperties) -> fleet::Result<()> {
+        let ch = self.publisher().await?;
+        fleet::amqp::publish_confirmed(&ch, exchange, routing_key, body, props).await
+    }
+
+    /// Closes the connection: the broker requeues every unacknowledged delivery. No reconnect
+    /// follows (stop the broker first).
+    pub async fn close(&self, reason: &str) {
+        self.stop.cancel();
+        let conn = self.conn.lock().ok().and_then(|mut c| c.take());
+        self.readiness.set_amqp(false);
+        if let Some(c) = conn {
+            if c.status().connected() {
+                if let Err(e) = c.close(200, ShortString::from(reason)).await {
+                    tracing::debug!(error = %e, "closing the AMQP connection");
+                }
+            }
+        }
+    }
+
+    /// Declares the topology again on the current connection (after a consumer found its
+    /// queue missing, e.g. deleted by an operator).
+    pub async fn redeclare(&self) -> fleet::Result<()> {
+        let conn = self.current().ok_or_else(|| fleet::Error::Other("not connected to RabbitMQ".into()))?;
+        self.declare(&conn).await
+    }
+}

@@ -1,0 +1,326 @@
+//! The worker's settings, read once from [`Settings`] (environment `FLEET_<NAME>` or config-file
+//! key `<name>`) and passed down by value. A bad value is an error that names the setting.
+//!
+//! ## Long tasks and the broker's consumer timeout
+//!
+//! RabbitMQ closes a consumer's channel when a delivery stays unacknowledged for longer than
+//! its `consumer_timeout` (30 minutes by default), and every other task on that channel then
+//! loses its ack too. So every run is capped at `max_task_ms` (default 25 minutes, a margin
+//! under the broker's limit): a run still going at the cap is cut and counted as a retryable
+//! failure. Tasks that legitimately run longer need *both* a raised `consumer_timeout` on the
+//! broker (`rabbitmq.conf`, or the queue argument `x-consumer-timeout`) *and* a raised
+//! `FLEET_MAX_TASK_MS`, kept below it.
+
+use std::time::Duration;
+
+use fleet::config::{CommonConfig, Settings};
+use fleet::selector::PROTOCOL_LABEL;
+use fleet::Labels;
+
+/// The executor a worker runs tasks with; also its implicit `protocol` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExecutorKind {
+    /// Handlers compiled into the process (`noop`, `echo`, `sleep`, `fail`, `cpu`, and any
+    /// registered with [`crate::WorkerBuilder::handler`]).
+    Builtin,
+    /// POST the envelope to an HTTP endpoint.
+    Http,
+    /// Run a program with the envelope on its stdin.
+    Exec,
+}
+
+impl ExecutorKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExecutorKind::Builtin => "builtin",
+            ExecutorKind::Http => "http",
+            ExecutorKind::Exec => "exec",
+        }
+    }
+}
+
+/// Settings of the `http` executor.
+#[derive(Debug, Clone)]
+pub struct HttpConfig {
+    pub url: String,
+    /// Upper bound of one request; the task's remaining time bounds it further.
+    pub timeout: Duration,
+}
+
+/// Settings of the `exec` executor.
+#[derive(Debug, Clone)]
+pub struct ExecConfig {
+    /// Program and arguments, run without a shell.
+    pub argv: Vec<String>,
+    /// Bytes of stdout kept as the result; the rest is read and discarded.
+    pub max_output: usize,
+    /// Exit code meaning "permanent failure: do not retry".
+    pub permanent_exit: i32,
+}
+
+/// Outlier ejection thresholds (see [`crate::eject`]).
+#[derive(Debug, Clone, Copy)]
+pub struct EjectConfig {
+    /// Outcomes remembered.
+    pub window: usize,
+    /// Outcomes needed before the ratio is trusted.
+    pub min_samples: usize,
+    /// Error ratio above which the worker ejects itself.
+    pub error_ratio: f64,
+    /// How long an ejection lasts.
+    pub cooldown: Duration,
+}
+
+/// Everything a worker needs, validated.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    pub common: CommonConfig,
+    pub worker_id: String,
+    /// The worker's labels including `protocol=<executor>`.
+    pub labels: Labels,
+    /// Normal-lane concurrency (and prefetch).
+    pub capacity: u32,
+    /// Critical-lane concurrency (and prefetch).
+    pub critical_capacity: u32,
+    pub executor: ExecutorKind,
+    pub heartbeat_interval: Duration,
+    /// Liveness window: a registration of the same id seen within it is a live duplicate.
+    pub heartbeat_timeout: Duration,
+    /// Lease of a running-task record; renewed by every heartbeat.
+    pub run_lease: Duration,
+    /// How long running tasks may take to finish once draining.
+    pub drain_grace: Duration,
+    pub retry_base: Duration,
+    pub retry_cap: Duration,
+    /// Cap of one run (see the module docs).
+    pub max_task: Duration,
+    pub eject: EjectConfig,
+    pub http: Option<HttpConfig>,
+    pub exec: Option<ExecConfig>,
+}
+
+/// Largest lane capacity: AMQP's prefetch count is a 16-bit number.
+const MAX_CAPACITY: u32 = u16::MAX as u32;
+
+impl WorkerConfig {
+    /// Reads and validates every worker setting.
+    pub fn from_settings(s: &Settings) -> fleet::Result<Self> {
+        let common = CommonConfig::from_settings(s, "127.0.0.1:9100")?;
+        let worker_id = match s.opt_string("worker_id") {
+            Some(id) => {
+                if !valid_id(&id) {
+                    return Err(s.error("worker_id", format!("`{id}`: use 1-128 of [A-Za-z0-9_.:-]")));
+                }
+                id
+            }
+            None => default_worker_id(),
+        };
+        let executor = match s.choice("executor", "builtin", &["builtin", "http", "exec"])?.as_str() {
+            "http" => ExecutorKind::Http,
+            "exec" => ExecutorKind::Exec,
+            _ => ExecutorKind::Builtin,
+        };
+        let labels = s.labels("labels")?;
+        if let Some(p) = labels.get(PROTOCOL_LABEL) {
+            if p != executor.as_str() {
+                return Err(s.error(
+                    "labels",
+                    format!("label {PROTOCOL_LABEL}={p} contradicts executor {}", executor.as_str()),
+                ));
+            }
+        }
+        let labels = labels.with(PROTOCOL_LABEL, executor.as_str());
+        let capacity = lane_capacity(s, "capacity", 4)?;
+        let critical_capacity = lane_capacity(s, "critical_capacity", 1)?;
+
+        let heartbeat_interval = s.millis("heartbeat_interval_ms", 10_000)?;
+        let heartbeat_timeout = s.millis("heartbeat_timeout_ms", 30_000)?;
+        if heartbeat_timeout <= heartbeat_interval {
+            return Err(s.error("heartbeat_timeout_ms", "must be longer than FLEET_HEARTBEAT_INTERVAL_MS"));
+        }
+        let run_lease = s.millis("run_lease_ms", millis(heartbeat_interval) * 3)?;
+        if run_lease <= heartbeat_interval {
+            return Err(s.error("run_lease_ms", "must be longer than FLEET_HEARTBEAT_INTERVAL_MS"));
+        }
+        let retry_base = s.millis("retry_base_ms", 1_000)?;
+        let retry_cap = s.millis("retry_cap_ms", 600_000)?;
+        if retry_cap < retry_base {
+            return Err(s.error("retry_cap_ms", "must not be shorter than FLEET_RETRY_BASE_MS"));
+        }
+        let eject = EjectConfig {
+            window: s.positive("eject_window", 20usize)?,
+            min_samples: s.positive("eject_min_samples", 10usize)?,
+            error_ratio: s.ratio("eject_error_ratio", 0.5)?,
+            cooldown: s.millis("eject_cooldown_ms", 30_000)?,
+        };
+        if eject.min_samples > eject.window {
+            return Err(s.error("eject_min_samples", "must not exceed FLEET_EJECT_WINDOW"));
+        }
+
+        let http = match executor {
+            ExecutorKind::Http => {
+                let Some(url) = s.opt_string("http_url") else {
+                    return Err(s.error("http_url", "required when FLEET_EXECUTOR=http"));
+                };
+                if !url.starts_with("http://") && !url.starts_with("https://") {
+                    return Err(s.error("http_url", format!("`{url}` is not an http:// URL")));
+                }
+                Some(HttpConfig { url, timeout: s.millis("http_timeout_ms", 30_000)? })
+            }
+            _ => None,
+        };
+        let exec = match executor {
+            ExecutorKind::Exec => {
+                let Some(raw) = s.opt_string("exec_command") else {
+                    return Err(s.error("exec_command", "required when FLEET_EXECUTOR=exec"));
+                };
+                let argv = parse_argv(&raw).map_err(|m| s.error("exec_command", m))?;
+                let permanent_exit: i32 = s.parse("exec_permanent_exit", 65)?;
+                if !(1..=255).contains(&permanent_exit) {
+                    return Err(s.error("exec_permanent_exit", format!("must be 1-255, got {permanent_exit}")));
+                }
+                Some(ExecConfig { argv, max_output: s.positive("exec_max_output", 1usize << 20)?, permanent_exit })
+            }
+            _ => None,
+        };
+
+        Ok(WorkerConfig {
+            common,
+            worker_id,
+            labels,
+            capacity,
+            critical_capacity,
+            executor,
+            heartbeat_interval,
+            heartbeat_timeout,
+            run_lease,
+            drain_grace: s.millis("drain_grace_ms", 30_000)?,
+            retry_base,
+            retry_cap,
+            max_task: s.millis("max_task_ms", 25 * 60 * 1000)?,
+            eject,
+            http,
+            exec,
+        })
+    }
+
+    /// The worker's group: the canonical name of its full label set.
+    pub fn group(&self) -> String {
+        self.labels.group_name()
+    }
+
+    /// A lane's capacity.
+    pub fn lane_capacity(&self, lane: fleet::Lane) -> u32 {
+        match lane {
+            fleet::Lane::Normal => self.capacity,
+            fleet::Lane::Critical => self.critical_capacity,
+        }
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn lane_capacity(s: &Settings, key: &str, default: u32) -> fleet::Result<u32> {
+    let v = s.positive(key, default)?;
+    if v > MAX_CAPACITY {
+        return Err(s.error(key, format!("must be at most {MAX_CAPACITY} (the AMQP prefetch limit), got {v}")));
+    }
+    Ok(v)
+}
+
+fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'))
+}
+
+/// `<hostname>-<6 hex>`: unique per process, recognisable per host.
+fn default_worker_id() -> String {
+    let host = ["/proc/sys/kernel/hostname", "/etc/hostname"]
+        .iter()
+        .find_map(|p| std::fs::read_to_string(p).ok())
+        .map(|h| {
+            h.trim()
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.') { c } else { '-' })
+                .take(100)
+                .collect::<String>()
+        })
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "worker".to_string());
+    format!("{host}-{:06x}", rand::random::<u32>() & 0xff_ffff)
+}
+
+/// An argv: a JSON array of strings, or whitespace-separated words (no shell quoting).
+fn parse_argv(raw: &str) -> Result<Vec<String>, String> {
+    let raw = raw.trim();
+    let argv: Vec<String> = if raw.starts_with('[') {
+        serde_json::from_str(raw).map_err(|e| format!("not a JSON array of strings: {e}"))?
+    } else {
+        raw.split_whitespace().map(str::to_string).collect()
+    };
+    if argv.first().is_none_or(|p| p.is_empty()) {
+        return Err("empty command".into());
+    }
+    Ok(argv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(pairs: &[(&str, &str)]) -> fleet::Result<WorkerConfig> {
+        WorkerConfig::from_settings(&Settings::from_pairs(pairs.iter().map(|(k, v)| (*k, v.to_string()))))
+    }
+
+    #[test]
+    fn defaults() {
+        let c = cfg(&[]).unwrap();
+        assert_eq!(c.capacity, 4);
+        assert_eq!(c.critical_capacity, 1);
+        assert_eq!(c.executor, ExecutorKind::Builtin);
+        assert_eq!(c.group(), "protocol=builtin");
+        assert_eq!(c.run_lease, Duration::from_secs(30));
+        assert_eq!(c.max_task, Duration::from_secs(25 * 60));
+        assert_eq!(c.common.http_addr, "127.0.0.1:9100");
+        assert!(valid_id(&c.worker_id), "{}", c.worker_id);
+    }
+
+    #[test]
+    fn labels_get_the_protocol() {
+        let c = cfg(&[("labels", "zone=a,gpu=true"), ("executor", "exec"), ("exec_command", "cat")]).unwrap();
+        assert_eq!(c.group(), "gpu=true,protocol=exec,zone=a");
+        let e = cfg(&[("labels", "protocol=http")]).unwrap_err().to_string();
+        assert!(e.contains("FLEET_LABELS"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_name_the_setting() {
+        for (pairs, name) in [
+            (vec![("capacity", "0")], "FLEET_CAPACITY"),
+            (vec![("capacity", "70000")], "FLEET_CAPACITY"),
+            (vec![("critical_capacity", "x")], "FLEET_CRITICAL_CAPACITY"),
+            (vec![("executor", "python")], "FLEET_EXECUTOR"),
+            (vec![("executor", "http")], "FLEET_HTTP_URL"),
+            (vec![("executor", "exec")], "FLEET_EXEC_COMMAND"),
+            (vec![("executor", "exec"), ("exec_command", "[1]")], "FLEET_EXEC_COMMAND"),
+            (vec![("heartbeat_interval_ms", "40000")], "FLEET_HEARTBEAT_TIMEOUT_MS"),
+            (vec![("eject_error_ratio", "2")], "FLEET_EJECT_ERROR_RATIO"),
+            (vec![("worker_id", "a b")], "FLEET_WORKER_ID"),
+            (vec![("max_task_ms", "-1")], "FLEET_MAX_TASK_MS"),
+        ] {
+            let e = cfg(&pairs).unwrap_err().to_string();
+            assert!(e.contains(name), "{pairs:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn exec_command_forms() {
+        assert_eq!(parse_argv(r#"["sh", "-c", "echo a b"]"#).unwrap(), vec!["sh", "-c", "echo a b"]);
+        assert_eq!(parse_argv("  /bin/cat  -u ").unwrap(), vec!["/bin/cat", "-u"]);
+        assert!(parse_argv("[]").is_err());
+        assert!(parse_argv("   ").is_err());
+    }
+}

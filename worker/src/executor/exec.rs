@@ -1,0 +1,190 @@
+//! The `exec` executor: runs one program per task, without a shell.
+//!
+//! The argv comes from configuration only; the task reaches the program as the envelope JSON
+//! on its stdin (plus `FLEET_TASK_ID`, `FLEET_TASK_KIND`, `FLEET_TASK_ATTEMPT`,
+//! `FLEET_WORKER_ID` in its environment), so nothing in a task is ever interpreted by a shell.
+//! Stdout is kept up to `exec_max_output` bytes and the rest read and discarded (never
+//! buffered: a chatty program cannot exhaust memory, nor block on a full pipe). Exit 0 →
+//! success with stdout (JSON if it parses, else a string); exit `exec_permanent_exit` →
+//! permanent failure; any other exit or a signal → retryable, with the tail of stderr.
+//! The child is killed when the run is cut (deadline, cap, shutdown): `kill_on_drop`.
+
+use std::process::Stdio;
+
+use futures::future::BoxFuture;
+use serde_json::Value;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::process::Command;
+
+use super::{json_or_string, Handler, TaskContext, TaskError};
+use crate::config::ExecConfig;
+
+/// Bytes of stderr kept for the error text.
+const STDERR_TAIL: usize = 2048;
+
+pub struct ExecHandler {
+    cfg: ExecConfig,
+}
+
+impl ExecHandler {
+    pub fn new(cfg: ExecConfig) -> Self {
+        ExecHandler { cfg }
+    }
+}
+
+impl Handler for ExecHandler {
+    fn call(&self, task: TaskContext) -> BoxFuture<'static, Result<Value, TaskError>> {
+        let cfg = self.cfg.clone();
+        Box::pin(run(cfg, task))
+    }
+}
+
+async fn run(cfg: ExecConfig, task: TaskContext) -> Result<Value, TaskError> {
+    let (program, args) = cfg.argv.split_first().ok_or_else(|| TaskError::permanent("exec: empty command"))?;
+    let mut child = Command::new(program)
+        .args(args)
+        .env("FLEET_TASK_ID", &task.envelope.id)
+        .env("FLEET_TASK_KIND", &task.envelope.kind)
+        .env("FLEET_TASK_ATTEMPT", task.attempt.to_string())
+        .env("FLEET_WORKER_ID", &*task.worker_id)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        // A missing or non-executable program is a configuration fault of this worker, not of
+        // the task: retryable, so another worker (or this one, fixed) may run it.
+        .map_err(|e| TaskError::retryable(format!("exec: cannot start `{program}`: {e}")))?;
+
+    let mut input = task.envelope.to_value();
+    if let Value::Object(m) = &mut input {
+        m.insert("attempt".into(), task.attempt.into());
+    }
+    let input = serde_json::to_vec(&input).unwrap_or_default();
+    let stdin = child.stdin.take();
+    let feed = async move {
+        if let Some(mut stdin) = stdin {
+            // The program may exit without reading its input (broken pipe): not an error.
+            let _ = stdin.write_all(&input).await;
+            let _ = stdin.shutdown().await;
+        }
+    };
+    let stdout = read_capped(child.stdout.take(), cfg.max_output);
+    let stderr = read_tail(child.stderr.take(), STDERR_TAIL);
+    let ((), out, err, status) = tokio::join!(feed, stdout, stderr, child.wait());
+    let status = status.map_err(|e| TaskError::retryable(format!("exec: waiting for `{program}`: {e}")))?;
+
+    match status.code() {
+        Some(0) => Ok(json_or_string(&out)),
+        Some(code) => {
+            let msg = format!("exec: `{program}` exited with {code}: {}", String::from_utf8_lossy(&err).trim());
+            if code == cfg.permanent_exit {
+                Err(TaskError::Permanent(msg))
+            } else {
+                Err(TaskError::Retryable(msg))
+            }
+        }
+        None => Err(TaskError::retryable(format!(
+            "exec: `{program}` killed by a signal ({status}): {}",
+            String::from_utf8_lossy(&err).trim()
+        ))),
+    }
+}
+
+/// Reads a pipe to its end, keeping the first `max` bytes.
+async fn read_capped(pipe: Option<impl AsyncRead + Unpin>, max: usize) -> Vec<u8> {
+    let Some(mut pipe) = pipe else { return Vec::new() };
+    let mut kept = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match pipe.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                let room = max.saturating_sub(kept.len());
+                kept.extend_from_slice(&buf[..n.min(room)]);
+            }
+        }
+    }
+    kept
+}
+
+/// Reads a pipe to its end, keeping the last `max` bytes.
+async fn read_tail(pipe: Option<impl AsyncRead + Unpin>, max: usize) -> Vec<u8> {
+    let Some(mut pipe) = pipe else { return Vec::new() };
+    let mut tail = Vec::new();
+    let mut buf = vec![0u8; 8 * 1024];
+    loop {
+        match pipe.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                tail.extend_from_slice(&buf[..n]);
+                if tail.len() > max {
+                    tail.drain(..tail.len() - max);
+                }
+            }
+        }
+    }
+    tail
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use serde_json::json;
+
+    use super::super::test_support::ctx;
+    use super::*;
+
+    fn handler(argv: &[&str]) -> ExecHandler {
+        ExecHandler::new(ExecConfig {
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            max_output: 1 << 20,
+            permanent_exit: 65,
+        })
+    }
+
+    fn t(payload: Value) -> TaskContext {
+        ctx("job", payload, 1, Duration::from_secs(10))
+    }
+
+    #[tokio::test]
+    async fn cat_returns_the_envelope_verbatim() {
+        let nasty = "$(rm -rf /); echo pwned `id` | tee /tmp/x && \"quoted\" 'single' \n; exit 3";
+        let out = handler(&["cat"]).call(t(json!({"cmd": nasty}))).await.unwrap();
+        assert_eq!(out["payload"]["cmd"], nasty);
+        assert_eq!(out["kind"], "job");
+        assert_eq!(out["attempt"], 1);
+    }
+
+    #[tokio::test]
+    async fn exit_codes_decide_the_fate() {
+        let e = handler(&["false"]).call(t(Value::Null)).await.unwrap_err();
+        assert!(matches!(&e, TaskError::Retryable(m) if m.contains("exited with 1")), "{e:?}");
+        // `sh` here is the program under test, not a shell interpreting the task.
+        let e = handler(&["sh", "-c", "echo broken input >&2; exit 65"]).call(t(Value::Null)).await.unwrap_err();
+        assert!(matches!(&e, TaskError::Permanent(m) if m.contains("broken input")), "{e:?}");
+        let e = handler(&["/nonexistent/program"]).call(t(Value::Null)).await.unwrap_err();
+        assert!(matches!(e, TaskError::Retryable(_)), "{e:?}");
+        let out = handler(&["echo", "plain", "text"]).call(t(Value::Null)).await.unwrap();
+        assert_eq!(out, json!("plain text\n"));
+    }
+
+    #[tokio::test]
+    async fn output_is_capped_and_the_rest_discarded() {
+        let mut h = handler(&["head", "-c", "5000000", "/dev/zero"]);
+        h.cfg.max_output = 1000;
+        let out = h.call(t(Value::Null)).await.unwrap();
+        let s = out.as_str().unwrap();
+        assert_eq!(s.len(), 1000);
+    }
+
+    #[tokio::test]
+    async fn dropped_run_kills_the_child() {
+        let h = handler(&["sleep", "30"]);
+        let started = std::time::Instant::now();
+        let r = tokio::time::timeout(Duration::from_millis(200), h.call(t(Value::Null))).await;
+        assert!(r.is_err());
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+}

@@ -1,0 +1,140 @@
+//! The `http` executor: POSTs the envelope (JSON) to one endpoint for every task.
+//!
+//! The answer decides the fate: 2xx → success with the body (JSON if it parses, else a
+//! string); 4xx → permanent (the request itself is wrong and will stay wrong), except 408
+//! and 429, which say "try later" and are retryable; 5xx, other statuses, connection errors
+//! and timeouts → retryable. The request's timeout is the task's remaining time, bounded by
+//! `http_timeout_ms`. Headers `x-fleet-task-id`, `x-fleet-attempt` and `x-fleet-worker` help
+//! the endpoint deduplicate (delivery is at-least-once).
+
+use futures::future::BoxFuture;
+use serde_json::Value;
+
+use super::{json_or_string, Handler, TaskContext, TaskError};
+use crate::config::HttpConfig;
+
+/// Longest slice of an error body kept in the error text.
+const ERROR_BODY: usize = 512;
+
+pub struct HttpHandler {
+    client: reqwest::Client,
+    cfg: HttpConfig,
+}
+
+impl HttpHandler {
+    pub fn new(cfg: HttpConfig) -> Result<Self, String> {
+        let client = reqwest::Client::builder()
+            .timeout(cfg.timeout)
+            .build()
+            .map_err(|e| format!("http client: {e}"))?;
+        Ok(HttpHandler { client, cfg })
+    }
+}
+
+impl Handler for HttpHandler {
+    fn call(&self, task: TaskContext) -> BoxFuture<'static, Result<Value, TaskError>> {
+        let client = self.client.clone();
+        let url = self.cfg.url.clone();
+        let timeout = task.remaining().min(self.cfg.timeout);
+        Box::pin(async move {
+            let mut wire = task.envelope.to_value();
+            if let Value::Object(m) = &mut wire {
+                m.insert("attempt".into(), task.attempt.into());
+            }
+            let resp = client
+                .post(&url)
+                .timeout(timeout)
+                .header("x-fleet-task-id", task.envelope.id.as_str())
+                .header("x-fleet-attempt", task.attempt.to_string())
+                .header("x-fleet-worker", &*task.worker_id)
+                .json(&wire)
+                .send()
+                .await
+                .map_err(|e| TaskError::retryable(format!("http: {}", describe(&e))))?;
+            let status = resp.status();
+            let body = resp
+                .bytes()
+                .await
+                .map_err(|e| TaskError::retryable(format!("http: reading the body: {}", describe(&e))))?;
+            if status.is_success() {
+                return Ok(json_or_string(&body));
+            }
+            let text = String::from_utf8_lossy(&body[..body.len().min(ERROR_BODY)]).into_owned();
+            let msg = format!("http: {status}: {text}");
+            if status.is_client_error() && status.as_u16() != 408 && status.as_u16() != 429 {
+                Err(TaskError::Permanent(msg))
+            } else {
+                Err(TaskError::Retryable(msg))
+            }
+        })
+    }
+}
+
+fn describe(e: &reqwest::Error) -> String {
+    if e.is_timeout() {
+        "timed out".into()
+    } else if e.is_connect() {
+        format!("cannot connect: {e}")
+    } else {
+        e.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use axum::http::StatusCode;
+    use axum::routing::post;
+    use axum::Router;
+    use serde_json::json;
+
+    use super::super::test_support::ctx;
+    use super::*;
+
+    async fn server() -> String {
+        let app = Router::new()
+            .route("/ok", post(|body: axum::Json<Value>| async move { axum::Json(json!({"got": body.0["payload"]})) }))
+            .route("/text", post(|| async { "plain words" }))
+            .route("/bad", post(|| async { (StatusCode::UNPROCESSABLE_ENTITY, "no such image") }))
+            .route("/busy", post(|| async { (StatusCode::TOO_MANY_REQUESTS, "later") }))
+            .route("/boom", post(|| async { (StatusCode::BAD_GATEWAY, "upstream") }))
+            .route("/slow", post(|| async {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                "late"
+            }));
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, app).await });
+        format!("http://{addr}")
+    }
+
+    fn handler(base: &str, path: &str) -> HttpHandler {
+        HttpHandler::new(HttpConfig { url: format!("{base}{path}"), timeout: Duration::from_secs(10) }).unwrap()
+    }
+
+    #[tokio::test]
+    async fn status_decides_the_fate() {
+        let base = server().await;
+        let t = || ctx("resize", json!({"src": "a.png"}), 1, Duration::from_secs(5));
+        assert_eq!(handler(&base, "/ok").call(t()).await, Ok(json!({"got": {"src": "a.png"}})));
+        assert_eq!(handler(&base, "/text").call(t()).await, Ok(json!("plain words")));
+        let e = handler(&base, "/bad").call(t()).await.unwrap_err();
+        assert!(matches!(&e, TaskError::Permanent(m) if m.contains("422") && m.contains("no such image")), "{e:?}");
+        assert!(matches!(handler(&base, "/busy").call(t()).await, Err(TaskError::Retryable(_))));
+        assert!(matches!(handler(&base, "/boom").call(t()).await, Err(TaskError::Retryable(_))));
+        let short = ctx("resize", json!({}), 1, Duration::from_millis(200));
+        let e = handler(&base, "/slow").call(short).await.unwrap_err();
+        assert!(matches!(&e, TaskError::Retryable(m) if m.contains("timed out")), "{e:?}");
+    }
+
+    #[tokio::test]
+    async fn connection_refused_is_retryable() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        drop(l);
+        let h = handler(&format!("http://{addr}"), "/");
+        let e = h.call(ctx("x", Value::Null, 1, Duration::from_secs(2))).await.unwrap_err();
+        assert!(matches!(e, TaskError::Retryable(_)), "{e:?}");
+    }
+}

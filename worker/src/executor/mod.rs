@@ -1,0 +1,177 @@
+//! Executors: what runs a task.
+//!
+//! A [`Handler`] turns a [`TaskContext`] into a JSON result or a typed [`TaskError`]; the error
+//! type alone decides the task's fate (retry with backoff, dead-letter, expired), never the
+//! text of a message. [`Handlers`] maps a task's `kind` to its handler, with an optional
+//! fallback for kinds nobody registered:
+//!
+//! * `builtin` — the demo/benchmark handlers of [`builtin`] and whatever the embedding program
+//!   registered; an unknown kind is a permanent error.
+//! * `http` — every kind goes to one endpoint ([`http`]).
+//! * `exec` — every kind runs one program ([`exec`]).
+//!
+//! Handlers registered by an embedding program always win over the fallback.
+
+pub mod builtin;
+pub mod exec;
+pub mod http;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use futures::future::BoxFuture;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use fleet::Envelope;
+
+use crate::config::{ExecutorKind, WorkerConfig};
+
+/// How an attempt failed. The variant decides what happens next.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TaskError {
+    /// Worth another attempt (after a backoff) while attempts remain.
+    #[error("{0}")]
+    Retryable(String),
+    /// Will never succeed: dead-letter at once.
+    #[error("{0}")]
+    Permanent(String),
+    /// The task's deadline passed: dead-letter as expired.
+    #[error("deadline passed")]
+    Expired,
+}
+
+impl TaskError {
+    pub fn retryable(msg: impl Into<String>) -> Self {
+        TaskError::Retryable(msg.into())
+    }
+    pub fn permanent(msg: impl Into<String>) -> Self {
+        TaskError::Permanent(msg.into())
+    }
+}
+
+/// What a handler gets for one attempt.
+#[derive(Debug, Clone)]
+pub struct TaskContext {
+    pub envelope: Envelope,
+    /// This attempt's number, from 1.
+    pub attempt: u32,
+    pub worker_id: Arc<str>,
+    /// The task's own deadline, if it has one.
+    pub deadline: Option<DateTime<Utc>>,
+    /// When this run is cut: the earlier of the task's deadline and the worker's
+    /// `max_task_ms` cap. Handlers that do their own I/O use it as their timeout.
+    pub run_deadline: Instant,
+    /// Cancelled when the run is cut (deadline, cap, hard shutdown). Blocking work checks it;
+    /// async work is simply dropped.
+    pub cancel: CancellationToken,
+}
+
+impl TaskContext {
+    /// Time left before the run is cut.
+    pub fn remaining(&self) -> std::time::Duration {
+        self.run_deadline.saturating_duration_since(Instant::now())
+    }
+}
+
+/// Runs tasks of some kind. Implemented by closures too (see [`handler_fn`]).
+pub trait Handler: Send + Sync + 'static {
+    fn call(&self, task: TaskContext) -> BoxFuture<'static, Result<serde_json::Value, TaskError>>;
+}
+
+/// A handler from an async closure.
+pub fn handler_fn<F, Fut>(f: F) -> Arc<dyn Handler>
+where
+    F: Fn(TaskContext) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<serde_json::Value, TaskError>> + Send + 'static,
+{
+    struct FnHandler<F>(F);
+    impl<F, Fut> Handler for FnHandler<F>
+    where
+        F: Fn(TaskContext) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<serde_json::Value, TaskError>> + Send + 'static,
+    {
+        fn call(&self, task: TaskContext) -> BoxFuture<'static, Result<serde_json::Value, TaskError>> {
+            Box::pin((self.0)(task))
+        }
+    }
+    Arc::new(FnHandler(f))
+}
+
+/// Handlers by task kind, plus the fallback for the rest.
+#[derive(Clone, Default)]
+pub struct Handlers {
+    by_kind: HashMap<String, Arc<dyn Handler>>,
+    fallback: Option<Arc<dyn Handler>>,
+}
+
+impl std::fmt::Debug for Handlers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut kinds: Vec<&String> = self.by_kind.keys().collect();
+        kinds.sort();
+        f.debug_struct("Handlers").field("kinds", &kinds).field("fallback", &self.fallback.is_some()).finish()
+    }
+}
+
+impl Handlers {
+    pub fn insert(&mut self, kind: impl Into<String>, h: Arc<dyn Handler>) {
+        self.by_kind.insert(kind.into(), h);
+    }
+
+    pub fn set_fallback(&mut self, h: Arc<dyn Handler>) {
+        self.fallback = Some(h);
+    }
+
+    /// The handler for a kind, `None` when nothing handles it.
+    pub fn get(&self, kind: &str) -> Option<Arc<dyn Handler>> {
+        self.by_kind.get(kind).or(self.fallback.as_ref()).cloned()
+    }
+
+    /// The handlers of the configured executor, under the `custom` ones.
+    pub fn for_config(cfg: &WorkerConfig, custom: Handlers) -> Result<Self, String> {
+        let mut h = Handlers::default();
+        match cfg.executor {
+            ExecutorKind::Builtin => builtin::register(&mut h),
+            ExecutorKind::Http => {
+                let c = cfg.http.clone().ok_or("executor http without settings")?;
+                h.set_fallback(Arc::new(http::HttpHandler::new(c)?));
+            }
+            ExecutorKind::Exec => {
+                let c = cfg.exec.clone().ok_or("executor exec without settings")?;
+                h.set_fallback(Arc::new(exec::ExecHandler::new(c)));
+            }
+        }
+        h.by_kind.extend(custom.by_kind);
+        if custom.fallback.is_some() {
+            h.fallback = custom.fallback;
+        }
+        Ok(h)
+    }
+}
+
+/// Renders a result text: JSON if it parses, else the text as a JSON string.
+pub(crate) fn json_or_string(bytes: &[u8]) -> serde_json::Value {
+    match serde_json::from_slice(bytes) {
+        Ok(v) => v,
+        Err(_) => serde_json::Value::String(String::from_utf8_lossy(bytes).into_owned()),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+
+    pub fn ctx(kind: &str, payload: serde_json::Value, attempt: u32, run_for: std::time::Duration) -> TaskContext {
+        let mut envelope = Envelope::new(kind, payload);
+        envelope.attempt = attempt.saturating_sub(1);
+        TaskContext {
+            envelope,
+            attempt,
+            worker_id: Arc::from("test-worker"),
+            deadline: None,
+            run_deadline: Instant::now() + run_for,
+            cancel: CancellationToken::new(),
+        }
+    }
+}

@@ -1,0 +1,40 @@
+//! fleet's worker: registers in Redis, consumes its group's lane queues from RabbitMQ, runs
+//! tasks with an executor, retries with backoff, ejects itself when it fails too much, and
+//! drains as a lame duck.
+//!
+//! * [`config`] — [`WorkerConfig`] from the `FLEET_*` settings.
+//! * [`worker`] — the [`Worker`] that ties everything together; [`Worker::builder`] embeds
+//!   custom handlers.
+//! * [`lane`] — a consumer per lane with its own channel, prefetch and semaphore.
+//! * [`attempt`] — one attempt of one task: run, decide, publish, ack.
+//! * [`executor`] — the [`Handler`] trait and the `builtin`, `http` and `exec` executors.
+//! * [`retry`] — capped exponential backoff with full jitter.
+//! * [`eject`] — outlier ejection from a sliding window of outcomes.
+//! * [`drain`] — the worker's mode and the lame-duck drain.
+//! * [`registry`] / [`heartbeat`] — registration, heartbeats, re-registration.
+//! * [`ledger`] — batched start/finish writes to Redis, off the hot path.
+//! * [`broker`] — the RabbitMQ connection (re-established on loss) and confirmed publishing.
+//! * [`stats`] — running tasks, totals and latency for the heartbeat.
+//! * [`api`] — `/status`, `/drain` and the common endpoints.
+
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
+
+pub mod api;
+pub mod attempt;
+pub mod broker;
+pub mod config;
+pub mod drain;
+pub mod eject;
+pub mod executor;
+pub mod heartbeat;
+pub mod lane;
+pub mod ledger;
+pub mod registry;
+pub mod retry;
+pub mod stats;
+pub mod worker;
+
+pub use attempt::ATTEMPTS_HEADER;
+pub use config::{ExecutorKind, WorkerConfig};
+pub use executor::{handler_fn, Handler, Handlers, TaskContext, TaskError};
+pub use worker::{Worker, WorkerBuilder};

@@ -1,0 +1,118 @@
+//! What the worker knows about its own work, for its heartbeat: the tasks running now (their
+//! leases are renewed by each beat), outcome totals and a latency EWMA.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use fleet::Lane;
+
+/// Weight of the newest sample in the latency EWMA: about the last ten runs matter.
+const EWMA_ALPHA: f64 = 0.2;
+
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Running tasks: (lane, id) → how many copies (a redelivered duplicate may overlap).
+    running: Mutex<HashMap<(Lane, String), u32>>,
+    succeeded: AtomicU64,
+    failed: AtomicU64,
+    /// f64 bits of the EWMA in milliseconds; NaN bits while there is no sample.
+    ewma_bits: AtomicU64,
+}
+
+impl Stats {
+    pub fn new() -> Self {
+        Stats { ewma_bits: AtomicU64::new(f64::NAN.to_bits()), ..Default::default() }
+    }
+
+    pub fn started(&self, lane: Lane, id: &str) {
+        if let Ok(mut r) = self.running.lock() {
+            *r.entry((lane, id.to_string())).or_insert(0) += 1;
+        }
+    }
+
+    pub fn ended(&self, lane: Lane, id: &str) {
+        if let Ok(mut r) = self.running.lock() {
+            let key = (lane, id.to_string());
+            if let Some(n) = r.get_mut(&key) {
+                *n -= 1;
+                if *n == 0 {
+                    r.remove(&key);
+                }
+            }
+        }
+    }
+
+    /// Records a handler's result and run time.
+    pub fn ran(&self, success: bool, took: Duration) {
+        if success {
+            self.succeeded.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        let ms = took.as_secs_f64() * 1000.0;
+        let _ = self.ewma_bits.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+            let old = f64::from_bits(bits);
+            let new = if old.is_nan() { ms } else { old + EWMA_ALPHA * (ms - old) };
+            Some(new.to_bits())
+        });
+    }
+
+    /// (running normal, running critical, the running tasks).
+    pub fn running(&self) -> (u32, u32, Vec<(Lane, String)>) {
+        let Ok(r) = self.running.lock() else { return (0, 0, vec![]) };
+        let mut normal = 0;
+        let mut critical = 0;
+        for ((lane, _), n) in r.iter() {
+            match lane {
+                Lane::Normal => normal += n,
+                Lane::Critical => critical += n,
+            }
+        }
+        (normal, critical, r.keys().cloned().collect())
+    }
+
+    pub fn totals(&self) -> (u64, u64) {
+        (self.succeeded.load(Ordering::Relaxed), self.failed.load(Ordering::Relaxed))
+    }
+
+    pub fn latency_ewma_ms(&self) -> f64 {
+        let v = f64::from_bits(self.ewma_bits.load(Ordering::Relaxed));
+        if v.is_nan() {
+            0.0
+        } else {
+            v
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn running_counts_duplicates() {
+        let s = Stats::new();
+        s.started(Lane::Normal, "a");
+        s.started(Lane::Normal, "a");
+        s.started(Lane::Critical, "p");
+        let (n, c, list) = s.running();
+        assert_eq!((n, c, list.len()), (2, 1, 2));
+        s.ended(Lane::Normal, "a");
+        s.ended(Lane::Normal, "a");
+        s.ended(Lane::Normal, "zzz");
+        assert_eq!(s.running().0, 0);
+    }
+
+    #[test]
+    fn ewma_moves_toward_samples() {
+        let s = Stats::new();
+        assert_eq!(s.latency_ewma_ms(), 0.0);
+        s.ran(true, Duration::from_millis(100));
+        assert_eq!(s.latency_ewma_ms(), 100.0);
+        s.ran(false, Duration::from_millis(200));
+        assert!((s.latency_ewma_ms() - 120.0).abs() < 1e-9);
+        assert_eq!(s.totals(), (1, 1));
+    }
+}
