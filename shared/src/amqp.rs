@@ -16,8 +16,9 @@ pub const REASON_HEADER: &str = "x-fleet-reason";
 pub const DETAIL_HEADER: &str = "x-fleet-detail";
 /// Header with the last worker that ran a dead task.
 pub const WORKER_HEADER: &str = "x-fleet-worker";
-/// Header selecting a delay tier on the delay (headers) exchange.
-pub const TIER_HEADER: &str = "x-fleet-tier";
+/// Header selecting a delay tier on the delay (headers) exchange. Not `x-` prefixed: RabbitMQ
+/// ignores `x-` headers when matching, which would bind every tier to every message.
+pub const TIER_HEADER: &str = "fleet-tier";
 
 /// Connects once.
 pub async fn connect(url: &str, name: &str) -> Result<Connection> {

@@ -33,7 +33,7 @@ impl Names {
     pub fn tasks_exchange(&self) -> String {
         format!("{}.tasks", self.ns)
     }
-    /// Headers exchange in front of the delay tiers (header `x-fleet-tier`).
+    /// Headers exchange in front of the delay tiers (header `fleet-tier`).
     pub fn delay_exchange(&self) -> String {
         format!("{}.delay", self.ns)
     }

@@ -6,7 +6,7 @@
 //!                                     ├─► <ns>.park.<group>.<lane>         bounded wait for room
 //!                                     ├─► <ns>.delayed                     back from a delay tier
 //!                                     └─► <ns>.dead                        dead letters
-//! anyone    ──► <ns>.delay  (headers x-fleet-tier) ──► <ns>.delay.<ms> ──(TTL, DLX)──► <ns>.delayed
+//! anyone    ──► <ns>.delay  (headers fleet-tier) ──► <ns>.delay.<ms> ──(TTL, DLX)──► <ns>.delayed
 //! ```
 //! Declaring is idempotent, so every process declares what it uses at start-up.
 

@@ -199,3 +199,164 @@ pub fn task(kind: &str, payload: serde_json::Value, labels: &str) -> Envelope {
     e.labels = fleet::Labels::parse(labels).unwrap_or_default();
     e
 }
+
+// ---------------------------------------------------------------- workers
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use fleet_worker::executor::{handler_fn, Handler, TaskError};
+use fleet_worker::{Worker, WorkerConfig};
+
+/// A worker running in this process.
+pub struct WorkerHandle {
+    pub id: String,
+    pub addr: SocketAddr,
+    pub shutdown: CancellationToken,
+    pub force: CancellationToken,
+    pub join: JoinHandle<Result<()>>,
+}
+
+impl WorkerHandle {
+    /// Drains (like SIGTERM) and waits for the worker to return.
+    pub async fn stop(self) -> Result<()> {
+        self.shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(30), self.join).await.context("worker stop timed out")??
+    }
+}
+
+/// Test defaults for workers: fast heartbeats and leases.
+pub const WORKER_DEFAULTS: &[(&str, &str)] = &[
+    ("heartbeat_interval_ms", "500"),
+    ("heartbeat_timeout_ms", "3000"),
+    ("drain_grace_ms", "10000"),
+    ("retry_base_ms", "100"),
+    ("retry_cap_ms", "2000"),
+];
+
+/// Starts a worker in-process with `id`, `labels`, `capacity`, extra settings and handlers.
+pub async fn start_worker(
+    ns: &Ns,
+    id: &str,
+    labels: &str,
+    capacity: u32,
+    extra: &[(&str, &str)],
+    handlers: &[(&str, Arc<dyn Handler>)],
+) -> Result<WorkerHandle> {
+    let cap = capacity.to_string();
+    let mut all: Vec<(&str, &str)> = WORKER_DEFAULTS.to_vec();
+    all.extend_from_slice(&[("worker_id", id), ("labels", labels), ("capacity", cap.as_str())]);
+    all.extend_from_slice(extra);
+    let cfg = WorkerConfig::from_settings(&ns.settings(&all))?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let mut b = Worker::builder(cfg).listener(listener).on_ready(tx);
+    for (k, h) in handlers {
+        b = b.handler(*k, h.clone());
+    }
+    let force = CancellationToken::new();
+    b = b.force_shutdown(force.clone());
+    let shutdown = CancellationToken::new();
+    let sd = shutdown.clone();
+    let join = tokio::spawn(async move { b.run(sd).await });
+    match tokio::time::timeout(Duration::from_secs(20), rx).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(_)) => {
+            let r = tokio::time::timeout(Duration::from_secs(5), join).await;
+            bail!("worker {id} failed to start: {r:?}");
+        }
+        Err(_) => bail!("worker {id} not ready within 20 s"),
+    }
+    Ok(WorkerHandle { id: id.to_string(), addr, shutdown, force, join })
+}
+
+/// Records which task ran where, how often, and the peak concurrency per worker.
+#[derive(Clone, Default)]
+pub struct Recorder {
+    inner: Arc<Mutex<RecState>>,
+}
+
+#[derive(Default)]
+struct RecState {
+    runs: Vec<(String, String, u32)>,
+    running: HashMap<String, u32>,
+    peak: HashMap<String, u32>,
+}
+
+impl Recorder {
+    /// A handler that records (task id, worker id, attempt), sleeps `payload.ms` (default 0)
+    /// and succeeds with the worker id.
+    pub fn handler(&self) -> Arc<dyn Handler> {
+        let rec = self.clone();
+        handler_fn(move |ctx| {
+            let rec = rec.clone();
+            async move {
+                let w = ctx.worker_id.to_string();
+                {
+                    let mut s = rec.inner.lock().map_err(|_| TaskError::retryable("poisoned"))?;
+                    s.runs.push((ctx.envelope.id.clone(), w.clone(), ctx.attempt));
+                    let r = s.running.entry(w.clone()).or_default();
+                    *r += 1;
+                    let now = *r;
+                    let p = s.peak.entry(w.clone()).or_default();
+                    *p = (*p).max(now);
+                }
+                let ms = ctx.envelope.payload.get("ms").and_then(|v| v.as_u64()).unwrap_or(0);
+                if ms > 0 {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+                if let Ok(mut s) = rec.inner.lock() {
+                    if let Some(r) = s.running.get_mut(&w) {
+                        *r -= 1;
+                    }
+                }
+                Ok(serde_json::json!({"worker": w}))
+            }
+        })
+    }
+
+    /// Every run so far: (task id, worker id, attempt).
+    pub fn runs(&self) -> Vec<(String, String, u32)> {
+        self.inner.lock().map(|s| s.runs.clone()).unwrap_or_default()
+    }
+
+    pub fn count(&self) -> usize {
+        self.inner.lock().map(|s| s.runs.len()).unwrap_or(0)
+    }
+
+    pub fn peak(&self, worker: &str) -> u32 {
+        self.inner.lock().ok().and_then(|s| s.peak.get(worker).copied()).unwrap_or(0)
+    }
+
+    /// Runs per task id.
+    pub fn per_task(&self) -> HashMap<String, Vec<String>> {
+        let mut m: HashMap<String, Vec<String>> = HashMap::new();
+        for (t, w, _) in self.runs() {
+            m.entry(t).or_default().push(w);
+        }
+        m
+    }
+}
+
+/// Path of a workspace binary next to the test executable (built by `cargo build --bins`).
+pub fn bin_path(name: &str) -> Result<std::path::PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().and_then(|p| p.parent()).context("no target dir")?;
+    let p = dir.join(name);
+    if !p.exists() {
+        bail!("{} not found: build the binaries first (cargo build --bins)", p.display());
+    }
+    Ok(p)
+}
+
+/// Sum of a counter/gauge in a Prometheus text page over the series whose labels contain
+/// every `k="v"` given.
+pub fn metric_sum(page: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    page.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(name) && (l[name.len()..].starts_with('{') || l[name.len()..].starts_with(' ')))
+        .filter(|l| labels.iter().all(|(k, v)| l.contains(&format!("{k}=\"{v}\""))))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
