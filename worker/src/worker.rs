@@ -146,12 +146,15 @@ impl Worker {
             let control = control.clone();
             let stop = http_stop.clone();
             let shutdown = shutdown.clone();
-            loops.spawn(async move {
-                tokio::select! {
-                    _ = shutdown.cancelled() => control.request_drain("shutdown requested (signal)"),
-                    _ = stop.cancelled() => {}
+            loops.spawn(
+                async move {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => control.request_drain("shutdown requested (signal)"),
+                        _ = stop.cancelled() => {}
+                    }
                 }
-            });
+                .in_current_span(),
+            );
         }
 
         let amqp_stop = force.child_token();
@@ -200,7 +203,7 @@ impl Worker {
         let (ledger, batcher) = Ledger::new(store.clone(), cfg.worker_id.clone(), group.clone(), cfg.run_lease, cfg.common.status_ttl);
         let gone = batcher.gone_signal();
         let ledger_stop = CancellationToken::new();
-        let ledger_done = loops.spawn(batcher.run(ledger_stop.clone()));
+        let ledger_done = loops.spawn(batcher.run(ledger_stop.clone()).in_current_span());
         let heartbeat = Heartbeat {
             registrar: registrar.clone(),
             control: control.clone(),
@@ -211,8 +214,8 @@ impl Worker {
             gone,
             readiness: readiness.clone(),
         };
-        let heartbeat_done = loops.spawn(heartbeat.run(bg_stop.clone()));
-        let ejector_done = loops.spawn(ejector.clone().run(cfg.eject, control.clone(), store.clone(), cfg.worker_id.clone(), bg_stop.clone()));
+        let heartbeat_done = loops.spawn(heartbeat.run(bg_stop.clone()).in_current_span());
+        let ejector_done = loops.spawn(ejector.clone().run(cfg.eject, control.clone(), store.clone(), cfg.worker_id.clone(), bg_stop.clone()).in_current_span());
 
         let shared = Arc::new(Shared {
             worker_id: Arc::from(cfg.worker_id.as_str()),
@@ -242,7 +245,7 @@ impl Worker {
                 control: control.clone(),
                 tasks: tasks.clone(),
             };
-            lanes.push(loops.spawn(consumer.run(bg_stop.clone())));
+            lanes.push(loops.spawn(consumer.run(bg_stop.clone()).in_current_span()));
         }
         drop(shared);
         if let Some(tx) = ready {

@@ -41,7 +41,11 @@ async fn fail(t: TaskContext) -> Result<Value, TaskError> {
     let times = uint(&t.envelope.payload, "times")?.unwrap_or(u64::MAX);
     let permanent = t.envelope.payload.get("permanent").and_then(Value::as_bool).unwrap_or(false);
     if u64::from(t.attempt) <= times {
-        let msg = format!("fail: attempt {} of the {} failing ones", t.attempt, if times == u64::MAX { "all".to_string() } else { times.to_string() });
+        let msg = if times == u64::MAX {
+            format!("fail: attempt {} (every attempt fails)", t.attempt)
+        } else {
+            format!("fail: attempt {} of the first {times} that fail", t.attempt)
+        };
         return Err(if permanent { TaskError::Permanent(msg) } else { TaskError::Retryable(msg) });
     }
     Ok(json!({ "attempt": t.attempt }))
