@@ -159,7 +159,7 @@ pub async fn wait_for_tasks(tasks: &TaskTracker, grace: Duration, force: &Cancel
     if tasks.is_empty() {
         return Finish::Clean;
     }
-    tracing::info!(running = tasks.len(), grace_ms = grace.as_millis() as u64, "waiting for running tasks to finish");
+    tracing::info!(grace_ms = grace.as_millis() as u64, "waiting for running tasks to finish");
     tokio::select! {
         biased;
         _ = force.cancelled() => Finish::Forced,

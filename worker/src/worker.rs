@@ -263,7 +263,8 @@ impl Worker {
             let _ = lane.await;
         }
         let finish = drain::wait_for_tasks(&tasks, cfg.drain_grace, control.force()).await;
-        let left = tasks.len();
+        let (n, c, _) = stats.running();
+        let left = n + c;
         if finish != Finish::Clean {
             tracing::warn!(?finish, running = left, "drain cut short: closing the connection, unacked tasks go back to the broker");
             broker.close("drain cut short").await;

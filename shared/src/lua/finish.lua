@@ -14,6 +14,8 @@ for k = 0, n - 1 do
   redis.call('ZREM', K_run(g, lane), id)
   redis.call('SREM', K_wrun(w), lane .. '|' .. id)
   redis.call('HSET', K_task(id), 'state', state, 'worker', w, 'finished_at', now, field, text)
+  -- A success after failed attempts: the earlier attempt's error no longer describes the task.
+  if success == '1' then redis.call('HDEL', K_task(id), 'error') end
   redis.call('PEXPIRE', K_task(id), st_ttl)
   if success == '1' then ok = ok + 1 else err = err + 1 end
 end

@@ -1,1 +1,530 @@
-fn main(){}
+//! `fleetctl`: submit tasks, read their status, list workers and groups, drain a worker,
+//! inspect and replay dead letters.
+//!
+//! Submitting talks to RabbitMQ directly (exchange `<ns>.submit`, routing key = lane,
+//! persistent, publisher confirms pipelined in windows), exactly as any producer would; the
+//! read and drain commands use the scheduler's HTTP API.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use deadpool_redis::redis;
+use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Connection};
+use serde_json::Value;
+
+use fleet::amqp::{self, DETAIL_HEADER, REASON_HEADER, WORKER_HEADER};
+use fleet::registry::WorkerView;
+use fleet::{Envelope, Labels, Lane, Names, Store};
+use fleet_worker::ATTEMPTS_HEADER;
+
+/// Publishes awaiting confirms at once, at most.
+const CONFIRM_WINDOW: usize = 1000;
+/// Header marking a replayed dead letter.
+const REPLAY_HEADER: &str = "x-fleet-replay";
+
+#[derive(Parser)]
+#[command(name = "fleetctl", version, about = "Control a fleet: submit tasks, read status, list workers and groups, drain, dead letters")]
+struct Cli {
+    #[arg(long, env = "FLEET_AMQP_URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f", global = true)]
+    amqp_url: String,
+    /// Redis, used by `dead replay` to clear a replayed task's dedupe mark.
+    #[arg(long, env = "FLEET_REDIS_URL", default_value = "redis://127.0.0.1:6379", global = true)]
+    redis_url: String,
+    #[arg(long, env = "FLEET_NAMESPACE", default_value = "fleet", global = true)]
+    namespace: String,
+    /// The scheduler's HTTP API.
+    #[arg(long, env = "FLEET_API_URL", default_value = "http://127.0.0.1:8080", global = true)]
+    api: String,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Publish tasks to `<ns>.submit` with publisher confirms; prints `accepted=N refused=M`.
+    Submit(SubmitArgs),
+    /// Show a task's status (GET /v1/tasks/{id}).
+    Status {
+        id: String,
+        /// Poll until the task is succeeded, dead or expired.
+        #[arg(long)]
+        wait: bool,
+        #[arg(long, default_value_t = 60)]
+        timeout_s: u64,
+    },
+    /// List workers (GET /v1/workers).
+    Workers,
+    /// List groups (GET /v1/groups).
+    Groups,
+    /// Drain a worker: it finishes its tasks, takes no new ones, and exits.
+    Drain { id: String },
+    /// Inspect or replay dead letters (`<ns>.dead`).
+    #[command(subcommand)]
+    Dead(DeadCmd),
+}
+
+#[derive(Args)]
+struct SubmitArgs {
+    #[arg(long, required_unless_present = "file", conflicts_with = "file")]
+    kind: Option<String>,
+    #[arg(long, default_value_t = 1)]
+    count: u32,
+    /// Selector `k=v,k=v`: every pair must be on the worker.
+    #[arg(long)]
+    labels: Option<String>,
+    /// Payload (JSON).
+    #[arg(long)]
+    payload: Option<String>,
+    #[arg(long, default_value = "normal")]
+    lane: String,
+    /// Task id (idempotency key); with --count N the ids are ID-1 … ID-N.
+    #[arg(long)]
+    id: Option<String>,
+    /// Executor the task needs (builtin, http, exec).
+    #[arg(long)]
+    protocol: Option<String>,
+    #[arg(long)]
+    max_attempts: Option<u32>,
+    #[arg(long)]
+    timeout_ms: Option<u64>,
+    /// Start no earlier than this many milliseconds from now.
+    #[arg(long)]
+    delay_ms: Option<u64>,
+    /// Envelopes from a file: a JSON array, or one JSON object per line.
+    #[arg(long)]
+    file: Option<std::path::PathBuf>,
+    /// Print each accepted task id on its own line before the summary.
+    #[arg(long)]
+    print_ids: bool,
+}
+
+#[derive(Subcommand)]
+enum DeadCmd {
+    /// Show dead letters without removing them.
+    List {
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+    },
+    /// Send dead letters back to `<ns>.submit` with attempt 0 (removed from the dead queue).
+    Replay {
+        /// The task to replay.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        id: Option<String>,
+        /// Replay every dead letter.
+        #[arg(long)]
+        all: bool,
+    },
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("fleetctl: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<ExitCode> {
+    let names = Names::new(&cli.namespace);
+    match &cli.cmd {
+        Cmd::Submit(a) => submit(&cli, &names, a).await,
+        Cmd::Status { id, wait, timeout_s } => status(&cli, id, *wait, Duration::from_secs(*timeout_s)).await,
+        Cmd::Workers => workers(&cli).await,
+        Cmd::Groups => groups(&cli).await,
+        Cmd::Drain { id } => drain(&cli, id).await,
+        Cmd::Dead(DeadCmd::List { limit }) => dead_list(&cli, &names, *limit).await,
+        Cmd::Dead(DeadCmd::Replay { id, all }) => dead_replay(&cli, &names, id.as_deref(), *all).await,
+    }
+}
+
+// ---- submit ----
+
+async fn submit(cli: &Cli, names: &Names, a: &SubmitArgs) -> Result<ExitCode> {
+    let envelopes = match &a.file {
+        Some(path) => read_file(path)?,
+        None => build(a)?,
+    };
+    let conn = connect(cli).await?;
+    let ch = amqp::confirm_channel(&conn).await.context("opening a confirm channel")?;
+    let exchange = names.submit_exchange();
+    let (mut accepted, mut refused) = (0usize, 0usize);
+    let mut ids = Vec::new();
+    for window in envelopes.chunks(CONFIRM_WINDOW) {
+        // Publish the whole window, then await its confirms: one round trip per window.
+        let mut pending = Vec::with_capacity(window.len());
+        for env in window {
+            let props = amqp::task_properties(&env.id, None);
+            match amqp::publish(&ch, &exchange, env.lane.as_str(), &env.to_bytes(), props).await {
+                Ok(confirm) => pending.push((env.id.as_str(), confirm)),
+                Err(e) => {
+                    eprintln!("fleetctl: publishing {}: {e}", env.id);
+                    refused += 1;
+                }
+            }
+        }
+        for (id, confirm) in pending {
+            match amqp::confirmed(confirm).await {
+                Ok(()) => {
+                    accepted += 1;
+                    ids.push(id.to_string());
+                }
+                Err(e) => {
+                    eprintln!("fleetctl: {id} refused: {e}");
+                    refused += 1;
+                }
+            }
+        }
+    }
+    let _ = conn.close(200, ShortString::from("done")).await;
+    if a.print_ids {
+        for id in &ids {
+            println!("{id}");
+        }
+    }
+    println!("accepted={accepted} refused={refused}");
+    Ok(if refused > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+/// Envelopes from the flags.
+fn build(a: &SubmitArgs) -> Result<Vec<Envelope>> {
+    let kind = a.kind.clone().ok_or_else(|| anyhow!("--kind is required"))?;
+    let payload: Value = match &a.payload {
+        Some(p) => serde_json::from_str(p).context("--payload is not valid JSON")?,
+        None => Value::Null,
+    };
+    let labels = match &a.labels {
+        Some(l) => Labels::parse(l).map_err(|e| anyhow!("--labels: {e}"))?,
+        None => Labels::default(),
+    };
+    let lane = Lane::parse(&a.lane).ok_or_else(|| anyhow!("--lane: `{}` is not normal or critical", a.lane))?;
+    if a.count == 0 {
+        bail!("--count must be at least 1");
+    }
+    let not_before = a.delay_ms.map(|ms| chrono::Utc::now() + chrono::Duration::milliseconds(i64::try_from(ms).unwrap_or(i64::MAX / 2)));
+    let mut out = Vec::with_capacity(a.count as usize);
+    for i in 1..=a.count {
+        let mut e = Envelope::new(kind.clone(), payload.clone());
+        if let Some(id) = &a.id {
+            e.id = if a.count == 1 { id.clone() } else { format!("{id}-{i}") };
+        }
+        e.labels = labels.clone();
+        e.protocol = a.protocol.clone();
+        e.lane = lane;
+        e.max_attempts = a.max_attempts;
+        e.timeout_ms = a.timeout_ms;
+        e.not_before = not_before;
+        // The same checks the scheduler makes, so a mistake is reported here.
+        let e = Envelope::from_value(e.to_value()).map_err(|r| anyhow!("invalid task: {r}"))?;
+        out.push(e);
+    }
+    Ok(out)
+}
+
+/// Envelopes from a JSON array or NDJSON file; each is checked like the scheduler does.
+fn read_file(path: &std::path::Path) -> Result<Vec<Envelope>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let values: Vec<Value> = if text.trim_start().starts_with('[') {
+        serde_json::from_str(&text).with_context(|| format!("{}: not a JSON array", path.display()))?
+    } else {
+        text.lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+            .map(|(n, l)| serde_json::from_str(l).with_context(|| format!("{}:{}: invalid JSON", path.display(), n + 1)))
+            .collect::<Result<_>>()?
+    };
+    values
+        .into_iter()
+        .enumerate()
+        .map(|(i, v)| Envelope::from_value(v).map_err(|r| anyhow!("{}: task {}: {r}", path.display(), i + 1)))
+        .collect()
+}
+
+// ---- API reads ----
+
+fn http() -> Result<reqwest::Client> {
+    reqwest::Client::builder().timeout(Duration::from_secs(10)).build().context("http client")
+}
+
+/// GETs JSON; `Ok(None)` on 404.
+async fn get_json(client: &reqwest::Client, url: &str) -> Result<Option<Value>> {
+    let resp = client.get(url).send().await.with_context(|| format!("GET {url}"))?;
+    let status = resp.status();
+    let body: Value = resp.json().await.unwrap_or(Value::Null);
+    if status == reqwest::StatusCode::NOT_FOUND {
+        return Ok(None);
+    }
+    if !status.is_success() {
+        bail!("GET {url}: {status}: {}", body.get("detail").and_then(Value::as_str).unwrap_or(""));
+    }
+    Ok(Some(body))
+}
+
+fn api(cli: &Cli, path: &str) -> String {
+    format!("{}{path}", cli.api.trim_end_matches('/'))
+}
+
+async fn status(cli: &Cli, id: &str, wait: bool, timeout: Duration) -> Result<ExitCode> {
+    let client = http()?;
+    let url = api(cli, &format!("/v1/tasks/{id}"));
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let found = get_json(&client, &url).await?;
+        let terminal = found
+            .as_ref()
+            .and_then(|v| v.get("state"))
+            .and_then(Value::as_str)
+            .is_some_and(|s| fleet::status::TERMINAL.contains(&s));
+        if !wait || terminal || tokio::time::Instant::now() >= deadline {
+            return Ok(match found {
+                None => {
+                    eprintln!("fleetctl: task {id} not found (never seen, or older than the status TTL)");
+                    ExitCode::FAILURE
+                }
+                Some(v) => {
+                    println!("{}", serde_json::to_string_pretty(&v)?);
+                    if wait && !terminal {
+                        eprintln!("fleetctl: timed out after {} s waiting for task {id} to finish", timeout.as_secs());
+                        ExitCode::FAILURE
+                    } else {
+                        ExitCode::SUCCESS
+                    }
+                }
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+async fn workers(cli: &Cli) -> Result<ExitCode> {
+    let v = get_json(&http()?, &api(cli, "/v1/workers")).await?.unwrap_or(Value::Array(vec![]));
+    let workers: Vec<WorkerView> = serde_json::from_value(v).context("unexpected /v1/workers answer")?;
+    let rows = workers
+        .iter()
+        .map(|w| {
+            vec![
+                w.id.clone(),
+                w.group.clone(),
+                w.state.clone(),
+                format!("{}+{}", w.capacity, w.critical_capacity),
+                format!("{}+{}", w.running, w.running_critical),
+                w.succeeded.to_string(),
+                w.failed.to_string(),
+                format!("{:.1}s ago", w.last_heartbeat_ms_ago as f64 / 1000.0),
+            ]
+        })
+        .collect();
+    print_table(&["ID", "GROUP", "STATE", "CAPACITY(N+C)", "RUNNING(N+C)", "SUCCEEDED", "FAILED", "LAST HEARTBEAT"], rows);
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn groups(cli: &Cli) -> Result<ExitCode> {
+    let v = get_json(&http()?, &api(cli, "/v1/groups")).await?.unwrap_or(Value::Array(vec![]));
+    let groups = v.as_array().cloned().unwrap_or_default();
+    let with_probe = groups.iter().any(|g| g.get("probe_ok").is_some());
+    let n = |g: &Value, k: &str| g.get(k).and_then(Value::as_u64).unwrap_or(0);
+    let rows = groups
+        .iter()
+        .map(|g| {
+            let mut row = vec![
+                g.get("group").and_then(Value::as_str).unwrap_or("").to_string(),
+                n(g, "workers").to_string(),
+                n(g, "capacity").to_string(),
+                n(g, "load").to_string(),
+                n(g, "reserved").to_string(),
+                format!("{}/{}", n(g, "critical_capacity"), n(g, "critical_load")),
+            ];
+            if with_probe {
+                row.push(match g.get("probe_ok").and_then(Value::as_bool) {
+                    Some(true) => match g.get("probe_seconds").and_then(Value::as_f64) {
+                        Some(s) => format!("ok {:.0}ms", s * 1000.0),
+                        None => "ok".into(),
+                    },
+                    Some(false) => format!("FAIL x{}", n(g, "probe_consecutive_failures")),
+                    None => "-".into(),
+                });
+            }
+            row
+        })
+        .collect();
+    let mut headers = vec!["GROUP", "WORKERS", "CAPACITY", "LOAD", "RESERVED", "CRITICAL CAP/LOAD"];
+    if with_probe {
+        headers.push("PROBE");
+    }
+    print_table(&headers, rows);
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn drain(cli: &Cli, id: &str) -> Result<ExitCode> {
+    let url = api(cli, &format!("/v1/workers/{id}/drain"));
+    let resp = http()?.post(&url).send().await.with_context(|| format!("POST {url}"))?;
+    let status = resp.status();
+    let body: Value = resp.json().await.unwrap_or(Value::Null);
+    if status == reqwest::StatusCode::NOT_FOUND {
+        eprintln!("fleetctl: no registered worker with id {id}");
+        return Ok(ExitCode::FAILURE);
+    }
+    if !status.is_success() {
+        bail!("POST {url}: {status}: {}", body.get("detail").and_then(Value::as_str).unwrap_or(""));
+    }
+    let prev = body.get("previous_state").and_then(Value::as_str).unwrap_or("?");
+    println!("worker {id}: draining (was {prev})");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints rows under headers, columns aligned.
+fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    for r in &rows {
+        for (i, c) in r.iter().enumerate() {
+            if let Some(w) = widths.get_mut(i) {
+                *w = (*w).max(c.chars().count());
+            }
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let mut s = String::new();
+        for (i, c) in cells.iter().enumerate() {
+            if i + 1 == cells.len() {
+                s.push_str(c);
+            } else {
+                s.push_str(&format!("{c:<w$}  ", w = widths[i]));
+            }
+        }
+        println!("{}", s.trim_end());
+    };
+    line(headers.iter().map(|h| h.to_string()).collect());
+    for r in rows {
+        line(r);
+    }
+}
+
+// ---- dead letters ----
+
+async fn connect(cli: &Cli) -> Result<Connection> {
+    amqp::connect(&cli.amqp_url, "fleetctl").await.with_context(|| format!("connecting to {}", cli.amqp_url))
+}
+
+/// A dead letter's reason: ours, or the broker's own for messages it dead-lettered.
+fn reason(p: &BasicProperties) -> String {
+    amqp::header_str(p, REASON_HEADER)
+        .or_else(|| amqp::header_str(p, "x-first-death-reason"))
+        .unwrap_or_else(|| "-".into())
+}
+
+fn attempts(p: &BasicProperties, body: &Value) -> String {
+    amqp::header_str(p, ATTEMPTS_HEADER)
+        .or_else(|| body.get("attempt").and_then(Value::as_u64).map(|a| a.to_string()))
+        .unwrap_or_else(|| "-".into())
+}
+
+fn one_line(s: &str, max: usize) -> String {
+    let s: String = s.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
+    if s.chars().count() > max {
+        format!("{}…", s.chars().take(max).collect::<String>())
+    } else {
+        s
+    }
+}
+
+async fn depth(ch: &Channel, queue: &str) -> Result<u32> {
+    let q = ch
+        .queue_declare(ShortString::from(queue), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .await
+        .with_context(|| format!("queue {queue} not found"))?;
+    Ok(q.message_count())
+}
+
+async fn dead_list(cli: &Cli, names: &Names, limit: u32) -> Result<ExitCode> {
+    let conn = connect(cli).await?;
+    let ch = conn.create_channel().await?;
+    let queue = names.dead_queue();
+    let total = depth(&ch, &queue).await?;
+    let mut rows = Vec::new();
+    // Taken without acking: closing the channel puts every one back.
+    for _ in 0..limit.min(total) {
+        let Some(m) = ch.basic_get(ShortString::from(queue.as_str()), BasicGetOptions::default()).await? else { break };
+        let d = m.delivery;
+        let body: Value = serde_json::from_slice(&d.data).unwrap_or(Value::Null);
+        let text = |k: &str| body.get(k).and_then(Value::as_str).map(str::to_string);
+        rows.push(vec![
+            text("id").or_else(|| d.properties.message_id().as_ref().map(|s| s.to_string())).unwrap_or_else(|| "-".into()),
+            text("kind").unwrap_or_else(|| "-".into()),
+            reason(&d.properties),
+            attempts(&d.properties, &body),
+            amqp::header_str(&d.properties, WORKER_HEADER).unwrap_or_else(|| "-".into()),
+            one_line(&amqp::header_str(&d.properties, DETAIL_HEADER).unwrap_or_default(), 100),
+        ]);
+    }
+    let _ = ch.close(200, ShortString::from("list done")).await;
+    let _ = conn.close(200, ShortString::from("done")).await;
+    print_table(&["ID", "KIND", "REASON", "ATTEMPTS", "WORKER", "DETAIL"], rows);
+    if total > limit {
+        eprintln!("({limit} of {total} dead letters shown; use --limit)");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn dead_replay(cli: &Cli, names: &Names, id: Option<&str>, all: bool) -> Result<ExitCode> {
+    let conn = connect(cli).await?;
+    let get = conn.create_channel().await?;
+    let publish = amqp::confirm_channel(&conn).await?;
+    let queue = names.dead_queue();
+    let store = Store::new(&cli.redis_url, names.clone()).ok();
+    // Only what is there now: a replayed task that dies again must not be replayed twice.
+    let total = depth(&get, &queue).await?;
+    let (mut replayed, mut failed) = (0u32, 0u32);
+    for _ in 0..total {
+        let Some(m) = get.basic_get(ShortString::from(queue.as_str()), BasicGetOptions::default()).await? else { break };
+        let d = m.delivery;
+        let Ok(mut env) = Envelope::from_slice(&d.data, usize::MAX) else { continue };
+        if !all && Some(env.id.as_str()) != id {
+            continue;
+        }
+        env.attempt = 0;
+        env.not_before = None;
+        // The scheduler drops ids it has seen within its dedupe window: clear the mark.
+        clear_dedupe(store.as_ref(), names, &env.id).await;
+        let mut h = FieldTable::default();
+        h.insert(REPLAY_HEADER.into(), AMQPValue::LongString("1".into()));
+        let props = amqp::task_properties(&env.id, Some(h));
+        match amqp::publish_confirmed(&publish, &names.submit_exchange(), env.lane.as_str(), &env.to_bytes(), props).await {
+            Ok(()) => {
+                d.acker.ack(BasicAckOptions::default()).await.context("acking the replayed dead letter")?;
+                replayed += 1;
+            }
+            Err(e) => {
+                eprintln!("fleetctl: cannot replay {}: {e}", env.id);
+                failed += 1;
+            }
+        }
+        if !all {
+            break;
+        }
+    }
+    // Everything not replayed goes back to the dead queue.
+    let _ = get.close(200, ShortString::from("replay done")).await;
+    let _ = conn.close(200, ShortString::from("done")).await;
+    println!("replayed={replayed}");
+    if let (Some(id), 0) = (id, replayed) {
+        if failed == 0 {
+            eprintln!("fleetctl: no dead letter with id {id}");
+        }
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(if failed > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+async fn clear_dedupe(store: Option<&Store>, names: &Names, id: &str) {
+    let Some(store) = store else { return };
+    if let Err(e) = store.query::<i64>(redis::cmd("DEL").arg(names.dedupe(id))).await {
+        eprintln!("fleetctl: warning: cannot clear the dedupe mark of {id} ({e}); the scheduler may drop the replay as a duplicate");
+    }
+}
