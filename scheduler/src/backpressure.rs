@@ -11,6 +11,12 @@
 //! fills and producers are refused — and is rechecked every `red_recheck`. The critical lane
 //! is never gated by these signals. (The reference design computed a load signal but never fed
 //! it; here both are sampled every `pressure_interval` from Redis and the broker.)
+//!
+//! **The intake gate leaves the ingress backlog out.** The published state (metric, API, the
+//! HTTP 429) counts the ingress backlog as the design says, but the gate that pauses intake is
+//! computed from the fleet-side part only (parked + reserved, and load): a pause cannot shrink
+//! the ingress backlog, so a gate that counted it would hold itself Red forever once producers
+//! had queued `0.9 × max_pending` tasks — however idle the workers.
 
 use std::sync::Arc;
 
@@ -78,6 +84,8 @@ impl Thresholds {
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct Sample {
     pub state: Pressure,
+    /// The intake gate: the same evaluation without the ingress backlog (see module docs).
+    pub gate: Pressure,
     pub pending: u64,
     pub ingress_backlog: u64,
     pub parked: u64,
@@ -94,7 +102,8 @@ pub fn sample(t: &Thresholds, groups: &[GroupView], ingress_backlog: u64, parked
     let capacity: u64 = groups.iter().map(|g| u64::from(g.capacity)).sum();
     let load = if capacity == 0 { 0.0 } else { running as f64 / capacity as f64 };
     let pending = ingress_backlog + parked + reserved;
-    Sample { state: t.evaluate(pending, load), pending, ingress_backlog, parked, reserved, running, capacity, load }
+    let gate = t.evaluate(parked + reserved, load);
+    Sample { state: t.evaluate(pending, load), gate, pending, ingress_backlog, parked, reserved, running, capacity, load }
 }
 
 /// Samples the signals every `pressure_interval` and publishes the state on a watch channel.
@@ -186,5 +195,8 @@ mod tests {
         assert_eq!(s.capacity, 20);
         assert!((s.load - 0.85).abs() < 1e-9);
         assert_eq!(s.state, Pressure::Red);
+        // A large ingress backlog alone makes the state Red but does not close the gate.
+        let s = sample(&t(), &[g(10, 1, 0)], 950, 0);
+        assert_eq!((s.state, s.gate), (Pressure::Red, Pressure::Green));
     }
 }

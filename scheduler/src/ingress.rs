@@ -39,7 +39,7 @@ impl IngressLoop {
         loop {
             if gated {
                 loop {
-                    let state = self.pressure.borrow().state;
+                    let state = self.pressure.borrow().gate;
                     if state != Pressure::Red {
                         break;
                     }
@@ -76,7 +76,7 @@ impl IngressLoop {
                     _ = tokio::time::sleep(cfg.red_recheck) => {}
                 }
             }
-            if gated && self.pressure.borrow().state == Pressure::Yellow {
+            if gated && self.pressure.borrow().gate == Pressure::Yellow {
                 metrics::counter!(m::DISPATCH_THROTTLED).increment(out.dispatched as u64);
                 tokio::select! {
                     _ = shutdown.cancelled() => return Ok(()),

@@ -102,6 +102,7 @@ async fn session(
 ) -> fleet::Result<()> {
     let setup = conn.create_channel().await?;
     topology::declare_core(&setup, &cfg.common).await?;
+    topology::declare_ingress(&setup, &cfg.common).await?;
     let _ = setup.close(200, "ok".into()).await;
     let publisher = amqp::confirm_channel(&conn).await?;
     let api_publisher = amqp::confirm_channel(&conn).await?;

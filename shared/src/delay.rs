@@ -19,14 +19,14 @@ pub fn tiers() -> impl Iterator<Item = u64> {
     (0..TIERS).map(|i| BASE_MS << i)
 }
 
-/// The tier for a remaining delay: the largest not past it, or `None` when it is due
-/// (less than the shortest tier away).
+/// The tier for a remaining delay: the largest not past it; the shortest tier when less than
+/// that remains (never early, at most 100 ms late); `None` when it is due.
 pub fn tier_for(remaining: Duration) -> Option<u64> {
     let ms = u64::try_from(remaining.as_millis()).unwrap_or(u64::MAX);
-    if ms < BASE_MS {
+    if remaining.is_zero() {
         return None;
     }
-    tiers().take_while(|t| *t <= ms).last()
+    tiers().take_while(|t| *t <= ms).last().or(Some(BASE_MS))
 }
 
 #[cfg(test)]
@@ -35,7 +35,9 @@ mod tests {
 
     #[test]
     fn picks_largest_tier_not_past_due() {
-        assert_eq!(tier_for(Duration::from_millis(50)), None);
+        assert_eq!(tier_for(Duration::ZERO), None);
+        assert_eq!(tier_for(Duration::from_millis(50)), Some(100));
+        assert_eq!(tier_for(Duration::from_micros(10)), Some(100));
         assert_eq!(tier_for(Duration::from_millis(100)), Some(100));
         assert_eq!(tier_for(Duration::from_millis(399)), Some(200));
         assert_eq!(tier_for(Duration::from_secs(1)), Some(800));

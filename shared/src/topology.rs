@@ -66,17 +66,25 @@ async fn bind(ch: &Channel, queue: &str, exchange: &str, key: &str, arguments: F
     Ok(())
 }
 
-/// Declares everything but the per-group queues: exchanges, ingress, delayed, dead, delay tiers.
-pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
+/// Declares the bounded ingress queues (the scheduler's: their bounds are its settings).
+pub async fn declare_ingress(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
     let n = cfg.names();
     exchange(ch, &n.submit_exchange(), ExchangeKind::Direct).await?;
-    exchange(ch, &n.tasks_exchange(), ExchangeKind::Direct).await?;
-    exchange(ch, &n.delay_exchange(), ExchangeKind::Headers).await?;
     for lane in Lane::ALL {
         let q = n.ingress_queue(lane);
         queue(ch, &q, bounded(cfg.queue_type, cfg.ingress_max(lane))).await?;
         bind(ch, &q, &n.submit_exchange(), lane.as_str(), FieldTable::default()).await?;
     }
+    Ok(())
+}
+
+/// Declares what every process uses: exchanges, delayed, dead and the delay tiers (not the
+/// ingress queues — see [`declare_ingress`] — nor the per-group queues).
+pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
+    let n = cfg.names();
+    exchange(ch, &n.submit_exchange(), ExchangeKind::Direct).await?;
+    exchange(ch, &n.tasks_exchange(), ExchangeKind::Direct).await?;
+    exchange(ch, &n.delay_exchange(), ExchangeKind::Headers).await?;
     queue(ch, &n.dead_queue(), args(cfg.queue_type)).await?;
     bind(ch, &n.dead_queue(), &n.tasks_exchange(), Names::DEAD_KEY, FieldTable::default()).await?;
     queue(ch, &n.delayed_queue(), args(cfg.queue_type)).await?;
