@@ -162,7 +162,11 @@ impl WorkerConfig {
                 let Some(url) = s.opt_string("http_url") else {
                     return Err(s.error("http_url", "required when FLEET_EXECUTOR=http"));
                 };
-                if !url.starts_with("http://") && !url.starts_with("https://") {
+                if url.starts_with("https://") {
+                    // reqwest is built without TLS in this workspace (no native-tls / rustls).
+                    return Err(s.error("http_url", format!("`{url}`: https is not supported by this build; use http:// (e.g. to a local TLS-terminating proxy)")));
+                }
+                if !url.starts_with("http://") {
                     return Err(s.error("http_url", format!("`{url}` is not an http:// URL")));
                 }
                 Some(HttpConfig { url, timeout: s.millis("http_timeout_ms", 30_000)? })
@@ -304,6 +308,8 @@ mod tests {
             (vec![("critical_capacity", "x")], "FLEET_CRITICAL_CAPACITY"),
             (vec![("executor", "python")], "FLEET_EXECUTOR"),
             (vec![("executor", "http")], "FLEET_HTTP_URL"),
+            (vec![("executor", "http"), ("http_url", "https://api.example/run")], "FLEET_HTTP_URL"),
+            (vec![("executor", "http"), ("http_url", "ftp://x")], "FLEET_HTTP_URL"),
             (vec![("executor", "exec")], "FLEET_EXEC_COMMAND"),
             (vec![("executor", "exec"), ("exec_command", "[1]")], "FLEET_EXEC_COMMAND"),
             (vec![("heartbeat_interval_ms", "40000")], "FLEET_HEARTBEAT_TIMEOUT_MS"),

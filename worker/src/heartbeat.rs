@@ -75,20 +75,26 @@ impl Heartbeat {
         match store.heartbeat(self.registrar.id(), self.registrar.instance(), lease_ms, &b).await {
             Ok(reply) => {
                 self.readiness.set_redis(true);
-                self.on_reply(reply).await;
+                self.on_reply(reply, &b, lease_ms).await;
             }
             Err(e) => self.redis_error(&e, "heartbeat failed"),
         }
     }
 
-    async fn on_reply(&self, reply: BeatReply) {
+    async fn on_reply(&self, reply: BeatReply, b: &Beat, lease_ms: i64) {
         let mode = self.control.mode();
         match reply {
             BeatReply::Gone => {
                 tracing::warn!("registration lost (Redis data loss or eviction); registering again");
                 match self.registrar.register(mode.state()).await {
-                    // The fresh registration has no running records: renew them at once.
-                    Ok(()) => self.gone.notify_one(),
+                    Ok(()) => {
+                        // The fresh registration has no running records: renew them at once
+                        // (once: a registration lost again waits for the next beat).
+                        let store = self.registrar.store();
+                        if let Err(e) = store.heartbeat(self.registrar.id(), self.registrar.instance(), lease_ms, b).await {
+                            self.redis_error(&e, "heartbeat after registering again failed");
+                        }
+                    }
                     Err(fleet::Error::DuplicateWorker(m)) => self.control.fail(m),
                     Err(e) => self.redis_error(&e, "registering again failed"),
                 }

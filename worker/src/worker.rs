@@ -112,6 +112,7 @@ impl Worker {
         let group = cfg.group();
         let handlers = Handlers::for_config(&cfg, custom).map_err(|e| anyhow!("executor {}: {e}", cfg.executor.as_str()))?;
         let prom = fleet::metrics::install();
+        metrics::describe_counter!(crate::ledger::LEDGER_DROPPED, "Task start/finish records dropped because Redis was unreachable for too long.");
         metrics::gauge!(fleet::metrics::WORKER_INFO, "worker" => cfg.worker_id.clone(), "group" => group.clone()).set(1.0);
 
         let readiness = Readiness::default();

@@ -419,3 +419,55 @@ async fn failing_worker_ejects_itself_and_comes_back() -> Result<()> {
     w.stop().await?;
     f.cleanup().await
 }
+
+/// Runs `rabbitmqctl` (skipping the test when it is not available here).
+async fn rabbitmqctl(args: &[&str]) -> Option<String> {
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        let out = std::process::Command::new("rabbitmqctl").args(&args).output().ok()?;
+        out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+#[tokio::test]
+async fn connection_loss_is_survived() -> Result<()> {
+    if rabbitmqctl(&["status"]).await.is_none() {
+        eprintln!("skipped: rabbitmqctl not available");
+        return Ok(());
+    }
+    let f = Fleet::new("smoke=reconnect").await?;
+    let calls = Arc::new(AtomicU32::new(0));
+    let counter = calls.clone();
+    let slow = handler_fn(move |_t| {
+        counter.fetch_add(1, Ordering::SeqCst);
+        async {
+            tokio::time::sleep(Duration::from_millis(3000)).await;
+            Ok(json!("done"))
+        }
+    });
+    let w = start(Worker::builder(f.settings("w-reconnect", &[])).handler("slow", slow)).await?;
+    let list = rabbitmqctl(&["list_connections", "pid", "client_properties"]).await.context("list_connections")?;
+    let pid = list
+        .lines()
+        .find(|l| l.contains("fleet-worker w-reconnect"))
+        .and_then(|l| l.split_whitespace().next())
+        .context("the worker's connection")?
+        .to_string();
+    let task = env("slow", Value::Null);
+    f.publish(&task).await?;
+    f.wait_state(&task.id, "running").await?;
+    rabbitmqctl(&["close_connection", &pid, "smoke test: simulated connection loss"]).await.context("close_connection")?;
+
+    // The running attempt cannot be acked; the broker redelivers it to the reconnected worker.
+    f.wait_state(&task.id, "succeeded").await?;
+    let after = env("noop", Value::Null);
+    f.publish(&after).await?;
+    f.wait_state(&after.id, "succeeded").await?;
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "ran once before the loss and once after (at-least-once)");
+    assert_eq!(f.depth(&f.names.group_queue(&f.group, Lane::Normal)).await?, 0);
+    w.stop().await?;
+    f.cleanup().await
+}

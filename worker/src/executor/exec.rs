@@ -1,7 +1,7 @@
 //! The `exec` executor: runs one program per task, without a shell.
 //!
 //! The argv comes from configuration only; the task reaches the program as the envelope JSON
-//! on its stdin (plus `FLEET_TASK_ID`, `FLEET_TASK_KIND`, `FLEET_TASK_ATTEMPT`,
+//! on its stdin, with `attempt` set to this attempt's number from 1 (plus `FLEET_TASK_ID`, `FLEET_TASK_KIND`, `FLEET_TASK_ATTEMPT`,
 //! `FLEET_WORKER_ID` in its environment), so nothing in a task is ever interpreted by a shell.
 //! Stdout is kept up to `exec_max_output` bytes and the rest read and discarded (never
 //! buffered: a chatty program cannot exhaust memory, nor block on a full pipe). Exit 0 →

@@ -1,4 +1,5 @@
-//! The `http` executor: POSTs the envelope (JSON) to one endpoint for every task.
+//! The `http` executor: POSTs the envelope (JSON, with `attempt` set to this attempt's number
+//! from 1) to one endpoint for every task.
 //!
 //! The answer decides the fate: 2xx → success with the body (JSON if it parses, else a
 //! string); 4xx → permanent (the request itself is wrong and will stay wrong), except 408
