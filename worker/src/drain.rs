@@ -153,7 +153,8 @@ pub enum Finish {
     Forced,
 }
 
-/// Waits for the tracked tasks to finish, at most `grace`, or until `force` fires.
+/// Waits for the tracked tasks to finish, at most `grace`, or until `force` fires. Closes the
+/// tracker (no new task may be awaited after this); cancel safe.
 pub async fn wait_for_tasks(tasks: &TaskTracker, grace: Duration, force: &CancellationToken) -> Finish {
     tasks.close();
     if tasks.is_empty() {

@@ -192,7 +192,7 @@ impl LaneConsumer {
     }
 }
 
-/// Waits until the mode is `Active`; false when draining or shut down.
+/// Waits until the mode is `Active`; false when draining or shut down. Cancel safe.
 async fn wait_active(mode: &mut watch::Receiver<Mode>, shutdown: &CancellationToken) -> bool {
     loop {
         let now = *mode.borrow_and_update();

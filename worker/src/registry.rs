@@ -63,7 +63,8 @@ impl Registrar {
     }
 
     /// Registers as `active`, retrying while Redis is unreachable. `Ok(false)` when `shutdown`
-    /// fired first. A live duplicate id is an error: retrying cannot fix it.
+    /// fired first. A live duplicate id is an error: retrying cannot fix it. Cancel safe (a
+    /// registration cut short is either done or not; registering again is idempotent).
     pub async fn register_at_startup(&self, shutdown: &CancellationToken) -> Result<bool, RegisterError> {
         let mut delay = Duration::from_millis(100);
         loop {
