@@ -27,22 +27,16 @@ pub struct IngressLoop {
 
 impl IngressLoop {
     /// Runs until shutdown (`Ok`) or until the channel fails (`Err`: the session restarts).
+    ///
+    /// When the gate turns Red the loop closes its channel, which hands every delivery it
+    /// had prefetched back to the queue: waiting work waits *in the broker*, counted against
+    /// the ingress bound, so refusals reach producers. It consumes again once the gate opens.
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
         let cfg = self.dispatcher.cfg.clone();
-        let ch = self.dispatcher.conn.create_channel().await?;
-        ch.basic_qos(cfg.batch_max.saturating_mul(2), BasicQosOptions::default()).await?;
-        let mut consumer = ch
-            .basic_consume(self.queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
-            .await?;
         let gated = self.source == Source::Ingress(Lane::Normal);
-        tracing::info!(queue = %self.queue, "consuming");
         loop {
             if gated {
-                loop {
-                    let state = self.pressure.borrow().gate;
-                    if state != Pressure::Red {
-                        break;
-                    }
+                while self.pressure.borrow().gate == Pressure::Red {
                     tokio::select! {
                         biased;
                         _ = shutdown.cancelled() => return Ok(()),
@@ -50,9 +44,34 @@ impl IngressLoop {
                     }
                 }
             }
+            let ch = self.dispatcher.conn.create_channel().await?;
+            ch.basic_qos(cfg.batch_max, BasicQosOptions::default()).await?;
+            let mut consumer = ch
+                .basic_consume(self.queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+                .await?;
+            tracing::info!(queue = %self.queue, "consuming");
+            let paused = self.consume(&mut consumer, gated, &shutdown).await;
+            let _ = ch.close(200, "paused".into()).await;
+            match paused {
+                Ok(true) => {
+                    tracing::info!(queue = %self.queue, "pressure Red: intake paused; tasks wait in the broker");
+                    metrics::counter!(m::DISPATCH_THROTTLED).increment(1);
+                }
+                Ok(false) => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Consumes batches until shutdown (`Ok(false)`) or the gate turns Red (`Ok(true)`).
+    async fn consume(&self, consumer: &mut lapin::Consumer, gated: bool, shutdown: &CancellationToken) -> fleet::Result<bool> {
+        let cfg = &self.dispatcher.cfg;
+        let mut pressure = self.pressure.clone();
+        loop {
             let first = tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => return Ok(()),
+                _ = shutdown.cancelled() => return Ok(false),
+                _ = pressure.wait_for(|s| s.gate == Pressure::Red), if gated => return Ok(true),
                 d = consumer.next() => d,
             };
             let first = match first {
@@ -68,19 +87,26 @@ impl IngressLoop {
                     _ => break,
                 }
             }
-            let out = self.dispatcher.process(batch, &self.source, &shutdown).await;
+            let out = self.dispatcher.process(batch, &self.source, shutdown).await;
             if out.park_full {
                 tracing::warn!(queue = %self.queue, "a park queue is full: pausing intake");
                 tokio::select! {
-                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = shutdown.cancelled() => return Ok(false),
                     _ = tokio::time::sleep(cfg.red_recheck) => {}
                 }
             }
-            if gated && self.pressure.borrow().gate == Pressure::Yellow {
-                metrics::counter!(m::DISPATCH_THROTTLED).increment(out.dispatched as u64);
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Ok(()),
-                    _ = tokio::time::sleep(cfg.throttle) => {}
+            if gated {
+                let gate = self.pressure.borrow().gate;
+                match gate {
+                    Pressure::Red => return Ok(true),
+                    Pressure::Yellow => {
+                        metrics::counter!(m::DISPATCH_THROTTLED).increment(out.dispatched as u64);
+                        tokio::select! {
+                            _ = shutdown.cancelled() => return Ok(false),
+                            _ = tokio::time::sleep(cfg.throttle) => {}
+                        }
+                    }
+                    Pressure::Green => {}
                 }
             }
         }
