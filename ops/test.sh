@@ -22,6 +22,9 @@ step "services"
 bash ops/services.sh
 step "configuration checks"
 bash ops/check-config.sh
+step "cargo build --workspace --release --bins"
+# The fault tests run fleet-worker and fleetctl as processes (killed, signalled).
+cargo build --workspace --release --bins
 step "cargo test --workspace --release $*"
 cargo test --workspace --release "$@"
 step "live metrics check"

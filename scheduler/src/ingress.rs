@@ -34,7 +34,16 @@ impl IngressLoop {
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
         let cfg = self.dispatcher.cfg.clone();
         let gated = self.source == Source::Ingress(Lane::Normal);
+        let mut paused_once = false;
         loop {
+            if paused_once {
+                tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(cfg.red_recheck) => {}
+                }
+            }
+            paused_once = false;
             if gated {
                 while self.pressure.borrow().gate == Pressure::Red {
                     tokio::select! {
@@ -45,7 +54,13 @@ impl IngressLoop {
                 }
             }
             let ch = self.dispatcher.conn.create_channel().await?;
-            ch.basic_qos(cfg.batch_max, BasicQosOptions::default()).await?;
+            // Prefetched deliveries do not count against the queue's bound, so never prefetch
+            // more than the bound itself (the critical lane's bound is small on purpose).
+            let prefetch = match &self.source {
+                Source::Ingress(lane) => u32::from(cfg.batch_max).min(cfg.common.ingress_max(*lane)).max(1) as u16,
+                _ => cfg.batch_max,
+            };
+            ch.basic_qos(prefetch, BasicQosOptions::default()).await?;
             let mut consumer = ch
                 .basic_consume(self.queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
                 .await?;
@@ -54,8 +69,8 @@ impl IngressLoop {
             let _ = ch.close(200, "paused".into()).await;
             match paused {
                 Ok(true) => {
-                    tracing::info!(queue = %self.queue, "pressure Red: intake paused; tasks wait in the broker");
-                    metrics::counter!(m::DISPATCH_THROTTLED).increment(1);
+                    tracing::info!(queue = %self.queue, "intake paused (pressure Red or park queue full); tasks wait in the broker");
+                    paused_once = true;
                 }
                 Ok(false) => return Ok(()),
                 Err(e) => return Err(e),
@@ -90,10 +105,7 @@ impl IngressLoop {
             let out = self.dispatcher.process(batch, &self.source, shutdown).await;
             if out.park_full {
                 tracing::warn!(queue = %self.queue, "a park queue is full: pausing intake");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Ok(false),
-                    _ = tokio::time::sleep(cfg.red_recheck) => {}
-                }
+                return Ok(true);
             }
             if gated {
                 let gate = self.pressure.borrow().gate;

@@ -24,12 +24,16 @@ use crate::dispatch::{Dispatcher, Source};
 pub const RETRY: Duration = Duration::from_millis(50);
 /// Lifetime of the parked flag; renewed while tasks are held.
 pub const FLAG_TTL_MS: i64 = 3000;
+/// Most tasks a release loop holds out of its park queue. Held tasks are unacked and do not
+/// count against the queue's bound, so this stays small: the bound must mean what it says.
+pub const HOLD_MAX: u16 = 32;
 
 /// Consumes one park queue.
 pub async fn release_loop(d: Arc<Dispatcher>, group: String, lane: Lane, shutdown: CancellationToken) -> fleet::Result<()> {
     let queue = d.names.park_queue(&group, lane);
     let ch = d.conn.create_channel().await?;
-    ch.basic_qos(d.cfg.batch_max, BasicQosOptions::default()).await?;
+    let hold_max = d.cfg.batch_max.min(HOLD_MAX);
+    ch.basic_qos(hold_max, BasicQosOptions::default()).await?;
     let mut consumer = ch.basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
     let mut held = Vec::new();
     loop {
@@ -45,7 +49,7 @@ pub async fn release_loop(d: Arc<Dispatcher>, group: String, lane: Lane, shutdow
                 None => return Err(fleet::Error::Other(format!("consumer of {queue} ended"))),
             }
         }
-        while held.len() < usize::from(d.cfg.batch_max) {
+        while held.len() < usize::from(hold_max) {
             match consumer.next().now_or_never() {
                 Some(Some(Ok(dl))) => held.push(dl),
                 Some(Some(Err(e))) => return Err(e.into()),

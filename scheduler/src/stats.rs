@@ -47,6 +47,9 @@ async fn sample(d: &Dispatcher) -> fleet::Result<()> {
         metrics::gauge!(m::GROUP_CAPACITY, "group" => g.group.clone()).set(f64::from(g.capacity));
         metrics::gauge!(m::GROUP_LOAD, "group" => g.group.clone()).set(f64::from(g.load));
         metrics::gauge!(m::GROUP_RESERVED, "group" => g.group.clone()).set(f64::from(g.reserved));
+        for lane in Lane::ALL {
+            metrics::gauge!(m::QUEUE_BOUND, "queue" => n.park_queue(&g.group, lane)).set(f64::from(d.cfg.common.park_bound(lane)));
+        }
         let mut backlog = 0u32;
         for lane in Lane::ALL {
             for q in [n.group_queue(&g.group, lane), n.park_queue(&g.group, lane)] {

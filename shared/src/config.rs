@@ -157,8 +157,11 @@ pub struct CommonConfig {
     /// Bound of each ingress queue (normal, critical).
     pub ingress_max_normal: u32,
     pub ingress_max_critical: u32,
-    /// Bound of each group's park queue.
+    /// Bound of each group's normal-lane park queue.
     pub park_max: u32,
+    /// Bound of each group's critical-lane park queue: small, so the critical lane cannot be
+    /// used as a second bulk lane — once it is full the critical ingress fills and refuses.
+    pub park_max_critical: u32,
     /// How long task status records live in Redis.
     pub status_ttl: Duration,
     pub default_max_attempts: u32,
@@ -199,6 +202,7 @@ impl CommonConfig {
             ingress_max_normal: s.positive("ingress_max_normal", 10_000u32)?,
             ingress_max_critical: s.positive("ingress_max_critical", 1_000u32)?,
             park_max: s.positive("park_max", 100_000u32)?,
+            park_max_critical: s.positive("park_max_critical", 100u32)?,
             status_ttl: s.millis("status_ttl_ms", 24 * 3600 * 1000)?,
             default_max_attempts: s.positive("max_attempts", 5u32)?,
         })
@@ -206,6 +210,13 @@ impl CommonConfig {
 
     pub fn names(&self) -> crate::names::Names {
         crate::names::Names::new(&self.namespace)
+    }
+
+    pub fn park_bound(&self, lane: crate::Lane) -> u32 {
+        match lane {
+            crate::Lane::Normal => self.park_max,
+            crate::Lane::Critical => self.park_max_critical,
+        }
     }
 
     pub fn ingress_max(&self, lane: crate::Lane) -> u32 {

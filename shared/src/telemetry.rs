@@ -5,6 +5,8 @@ use tracing_subscriber::EnvFilter;
 
 pub fn init(format: &str) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,lapin=warn"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_target(false);
+    use std::io::IsTerminal;
+    let ansi = std::io::stderr().is_terminal();
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_target(false).with_ansi(ansi).with_writer(std::io::stderr);
     let _ = if format == "json" { builder.json().try_init() } else { builder.try_init() };
 }

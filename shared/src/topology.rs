@@ -128,7 +128,7 @@ pub async fn declare_group(ch: &Channel, cfg: &CommonConfig, group: &str) -> Res
 pub async fn declare_park(ch: &Channel, cfg: &CommonConfig, group: &str, lane: Lane) -> Result<()> {
     let n = cfg.names();
     let q = n.park_queue(group, lane);
-    queue(ch, &q, bounded(cfg.queue_type, cfg.park_max)).await?;
+    queue(ch, &q, bounded(cfg.queue_type, cfg.park_bound(lane))).await?;
     bind(ch, &q, &n.tasks_exchange(), &n.park_key(group, lane), FieldTable::default()).await
 }
 
