@@ -43,7 +43,6 @@ impl IngressLoop {
                     _ = tokio::time::sleep(cfg.red_recheck) => {}
                 }
             }
-            paused_once = false;
             if gated {
                 while self.pressure.borrow().gate == Pressure::Red {
                     tokio::select! {

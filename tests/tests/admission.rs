@@ -61,7 +61,7 @@ async fn red_pressure_refuses_normal_work_but_not_critical() -> anyhow::Result<(
         (p["state"] == "red").then_some(p)
     })
     .await?;
-    assert_eq!(p["load"], 1.0);
+    assert!(p["load"].as_f64().unwrap_or(0.0) >= 0.85 || p["pending"].as_u64().unwrap_or(0) >= 900, "{p}");
     let page = reqwest::get(sched.url("/metrics")).await?.text().await?;
     assert_eq!(metric_sum(&page, "fleet_pressure_state", &[]), 2.0);
 
