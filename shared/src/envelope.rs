@@ -362,6 +362,43 @@ mod tests {
     }
 
     #[test]
+    fn schema_matches_the_rust_type() {
+        let schema: Value = serde_json::from_str(SCHEMA).unwrap();
+        let props = schema["properties"].as_object().unwrap();
+        let mut in_schema: Vec<&str> = props.keys().map(String::as_str).collect();
+        let mut in_rust: Vec<&str> = KNOWN_FIELDS.to_vec();
+        in_schema.sort_unstable();
+        in_rust.sort_unstable();
+        assert_eq!(in_schema, in_rust, "schema properties and KNOWN_FIELDS differ");
+        assert_eq!(schema["required"], json!(["kind"]));
+        assert_eq!(schema["additionalProperties"], json!(true), "unknown fields are kept");
+        let lanes: Vec<&str> = Lane::ALL.iter().map(|l| l.as_str()).collect();
+        assert_eq!(props["lane"]["enum"], json!(lanes));
+        let strategies: Vec<&str> = [Strategy::LeastLoaded, Strategy::RoundRobin, Strategy::Weighted].iter().map(|s| s.as_str()).collect();
+        assert_eq!(props["strategy"]["enum"], json!(strategies));
+        // A full envelope written by this code uses only schema fields, with the schema's types.
+        let mut e = Envelope::new("k", json!({"a": 1}));
+        e.labels = Labels::parse("gpu=true").unwrap();
+        e.protocol = Some("http".into());
+        e.deadline = Some(Utc::now());
+        e.timeout_ms = Some(5);
+        e.not_before = Some(Utc::now());
+        e.max_attempts = Some(3);
+        e.submitted_at = Some(Utc::now());
+        e.strategy = Some(Strategy::Weighted);
+        for (k, v) in e.to_value().as_object().unwrap() {
+            let p = &props[k.as_str()];
+            assert!(!p.is_null(), "field {k} is not in the schema");
+            let ok = match p["type"].as_str() {
+                Some("string") => v.is_string(),
+                Some("integer") => v.is_u64(),
+                _ => true,
+            };
+            assert!(ok, "field {k} = {v} does not have the schema's type {}", p["type"]);
+        }
+    }
+
+    #[test]
     fn normalize_resolves_timeout_and_refuses_far_future() {
         let now = Utc::now();
         let mut e = Envelope::from_value(json!({"kind":"x","timeout_ms":1500})).unwrap();
