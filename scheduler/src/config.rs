@@ -38,6 +38,9 @@ pub struct SchedulerConfig {
     pub probe_timeout: Duration,
     pub stats_interval: Duration,
     pub batch_max: u16,
+    /// Concurrent dispatch loops on the normal ingress queue: while one batch waits for its
+    /// publisher confirms the next is already being routed.
+    pub ingress_consumers: u16,
 }
 
 impl SchedulerConfig {
@@ -87,6 +90,7 @@ impl SchedulerConfig {
             probe_timeout: s.millis("probe_timeout_ms", 5_000)?,
             stats_interval: s.millis("stats_interval_ms", 1000)?,
             batch_max: s.positive("batch_max", 256u16)?,
+            ingress_consumers: s.positive("ingress_consumers", 2u16)?,
             common,
         })
     }

@@ -136,8 +136,11 @@ async fn session(
     let sd = session.clone();
     tracker.spawn(async move { controller.run(sd).await }.instrument(tracing::info_span!("pressure")));
     for lane in Lane::ALL {
-        let l = IngressLoop { dispatcher: d.clone(), source: Source::Ingress(lane), queue: names.ingress_queue(lane), pressure: prx.clone() };
-        spawn_loop!(format!("ingress.{lane}"), l.run(session.clone()));
+        let loops = if lane == Lane::Normal { cfg.ingress_consumers } else { 1 };
+        for k in 0..loops {
+            let l = IngressLoop { dispatcher: d.clone(), source: Source::Ingress(lane), queue: names.ingress_queue(lane), pressure: prx.clone() };
+            spawn_loop!(format!("ingress.{lane}.{k}"), l.run(session.clone()));
+        }
     }
     let delayed = IngressLoop { dispatcher: d.clone(), source: Source::Delayed, queue: names.delayed_queue(), pressure: prx.clone() };
     spawn_loop!("delayed", delayed.run(session.clone()));

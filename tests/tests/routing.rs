@@ -99,3 +99,26 @@ async fn worker_never_exceeds_its_capacity() -> anyhow::Result<()> {
     sched.stop().await?;
     ns.cleanup().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_scheduler_replicas_dispatch_each_task_once() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let rec = Recorder::default();
+    let h = [("record", rec.handler())];
+    let s1 = start_scheduler(&ns, &[]).await?;
+    let s2 = start_scheduler(&ns, &[]).await?;
+    let a = start_worker(&ns, "w-a", "zone=a", 4, &[], &h).await?;
+    let b = start_worker(&ns, "w-b", "zone=b", 4, &[], &h).await?;
+    let envs: Vec<_> = (0..600).map(|i| task("record", json!({"ms": 2}), ["zone=a", "zone=b", ""][i % 3])).collect();
+    assert_eq!(ns.submit(&envs).await?, (600, 0));
+    wait_for("600 runs", Duration::from_secs(60), || async { (rec.count() >= 600).then_some(()) }).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(rec.count(), 600, "no task dispatched twice");
+    assert_eq!(rec.per_task().len(), 600);
+    assert!(rec.peak("w-a") <= 4 && rec.peak("w-b") <= 4, "capacity never exceeded");
+    a.stop().await?;
+    b.stop().await?;
+    s1.stop().await?;
+    s2.stop().await?;
+    ns.cleanup().await
+}
