@@ -39,7 +39,7 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
     let ptx = Arc::new(ptx);
     let mut backoff = Duration::from_millis(200);
     while !shutdown.is_cancelled() {
-        let Some(conn) = amqp::connect_retrying(&cfg.common.amqp_url, "fleet-scheduler", &shutdown).await else { break };
+        let Some(conn) = amqp::connect_retrying(&cfg.common.amqp_url, &format!("fleet-scheduler {}", cfg.common.namespace), &shutdown).await else { break };
         let conn = Arc::new(conn);
         match session(cfg.clone(), store.clone(), conn.clone(), ptx.clone(), prx.clone(), publisher.clone(), probes.clone(), &ready, &shutdown).await {
             Ok(()) => backoff = Duration::from_millis(200),
