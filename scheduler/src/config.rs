@@ -90,7 +90,7 @@ impl SchedulerConfig {
             probe_timeout: s.millis("probe_timeout_ms", 5_000)?,
             stats_interval: s.millis("stats_interval_ms", 1000)?,
             batch_max: s.positive("batch_max", 256u16)?,
-            ingress_consumers: s.positive("ingress_consumers", 2u16)?,
+            ingress_consumers: s.positive("ingress_consumers", 4u16)?,
             common,
         })
     }

@@ -29,6 +29,7 @@ async fn main() -> Result<()> {
     match what {
         "throughput" => throughput(n).await,
         "critical" => critical(n.min(1000)).await,
+        "stages" => stages(n).await,
         other => anyhow::bail!("unknown benchmark {other} (throughput | critical)"),
     }
 }
@@ -149,6 +150,57 @@ async fn throughput(n: usize) -> Result<()> {
     println!("ratio fleet / raw 2-hop: {:.2}", rate / two);
     w1.stop().await?;
     w2.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
+/// Each half on its own: the scheduler draining ingress into a group queue (no consumer),
+/// then a worker draining that group queue.
+async fn stages(n: usize) -> Result<()> {
+    use fleet::registry::{Registration, WorkerState};
+    println!("# stages: {n} tasks, quorum queues");
+    let ns = Ns::with_queue_type("quorum").await?;
+    let done = Arc::new(AtomicUsize::new(0));
+    let d2 = done.clone();
+    let count = handler_fn(move |_ctx| {
+        let d = d2.clone();
+        async move {
+            d.fetch_add(1, Ordering::Relaxed);
+            Ok(serde_json::Value::Null)
+        }
+    });
+    // Declare the group's queues and register a placeholder with room for everything.
+    let cfg = ns.common(&[])?;
+    let ch = ns.conn.create_channel().await?;
+    fleet::topology::declare_core(&ch, &cfg).await?;
+    let labels = fleet::Labels::parse("stage=x,protocol=builtin")?;
+    fleet::topology::declare_group(&ch, &cfg, &labels.group_name()).await?;
+    let reg = Registration { id: "placeholder".into(), instance: "p".into(), labels, capacity: n as u32, critical_capacity: 1, executor: "builtin".into(), state: WorkerState::Active };
+    ns.store.register(&reg, 1).await?;
+    let consumers = std::env::var("BENCH_INGRESS_CONSUMERS").unwrap_or_else(|_| "4".into());
+    let sched = start_scheduler(&ns, &[("rate", "1000000"), ("burst", "1000000"), ("ingress_max_normal", "1000000"), ("max_pending", "10000000"), ("load_red", "1"), ("load_yellow", "1"), ("heartbeat_timeout_ms", "600000"), ("ingress_consumers", consumers.as_str())]).await?;
+    let envs: Vec<Envelope> = (0..n).map(|_| { let mut e = Envelope::new("count", json!(null)); e.labels = fleet::Labels::parse("stage=x").unwrap_or_default(); e }).collect();
+    let start = Instant::now();
+    for chunk in envs.chunks(1000) {
+        ns.submit(chunk).await?;
+    }
+    let q = ns.names.group_queue(&reg.group(), Lane::Normal);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while (ns.depth(&q).await as usize) < n && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let t = start.elapsed().as_secs_f64();
+    println!("scheduler: ingress → group queue: {:>8.0} tasks/s ({:.2} s)", n as f64 / t, t);
+    ns.store.deregister("placeholder", "p").await?;
+    let h = [("count", count)];
+    let start = Instant::now();
+    let w = start_worker(&ns, "stage-w", "stage=x", 256, &[], &h).await?;
+    while done.load(Ordering::Relaxed) < n && Instant::now() < deadline + Duration::from_secs(120) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let t = start.elapsed().as_secs_f64();
+    println!("worker   : group queue → done    : {:>8.0} tasks/s ({:.2} s, incl. start-up)", done.load(Ordering::Relaxed) as f64 / t, t);
+    w.stop().await?;
     sched.stop().await?;
     ns.cleanup().await
 }
