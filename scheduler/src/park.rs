@@ -20,22 +20,30 @@ use tokio_util::task::TaskTracker;
 
 use crate::dispatch::{Dispatcher, Source};
 
-/// How often held tasks are offered again.
-pub const RETRY: Duration = Duration::from_millis(50);
+/// How soon held tasks are offered again: from `RETRY_MIN`, doubling while nothing frees up,
+/// up to `RETRY_MAX`. A busy group frees slots every few milliseconds; an idle wait costs
+/// at most 20 reservation calls a second.
+pub const RETRY_MIN: Duration = Duration::from_millis(2);
+pub const RETRY_MAX: Duration = Duration::from_millis(50);
 /// Lifetime of the parked flag; renewed while tasks are held.
 pub const FLAG_TTL_MS: i64 = 3000;
-/// Most tasks a release loop holds out of its park queue. Held tasks are unacked and do not
-/// count against the queue's bound, so this stays small: the bound must mean what it says.
-pub const HOLD_MAX: u16 = 32;
+/// Most tasks a release loop holds out of its park queue: a batch, but never more than a
+/// quarter of the queue's bound — held tasks are unacked and do not count against the bound,
+/// which must mean what it says (the critical lane's is small on purpose).
+pub fn hold_max(batch_max: u16, bound: u32) -> u16 {
+    let quarter = u16::try_from((bound / 4).max(1)).unwrap_or(u16::MAX);
+    batch_max.min(quarter)
+}
 
 /// Consumes one park queue.
 pub async fn release_loop(d: Arc<Dispatcher>, group: String, lane: Lane, shutdown: CancellationToken) -> fleet::Result<()> {
     let queue = d.names.park_queue(&group, lane);
     let ch = d.conn.create_channel().await?;
-    let hold_max = d.cfg.batch_max.min(HOLD_MAX);
+    let hold_max = hold_max(d.cfg.batch_max, d.cfg.common.park_bound(lane));
     ch.basic_qos(hold_max, BasicQosOptions::default()).await?;
     let mut consumer = ch.basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
     let mut held = Vec::new();
+    let mut retry = RETRY_MIN;
     loop {
         if held.is_empty() {
             let next = tokio::select! {
@@ -49,15 +57,26 @@ pub async fn release_loop(d: Arc<Dispatcher>, group: String, lane: Lane, shutdow
                 None => return Err(fleet::Error::Other(format!("consumer of {queue} ended"))),
             }
         }
+        let mut drained = false;
         while held.len() < usize::from(hold_max) {
             match consumer.next().now_or_never() {
                 Some(Some(Ok(dl))) => held.push(dl),
                 Some(Some(Err(e))) => return Err(e.into()),
-                _ => break,
+                _ => {
+                    drained = true;
+                    break;
+                }
             }
         }
         let out = d.process(std::mem::take(&mut held), &Source::Park, &shutdown).await;
         held = out.held;
+        if held.is_empty() && drained {
+            // Everything parked here is on its way: new work may take room directly again.
+            if let Err(e) = d.store.clear_parked(&group, lane).await {
+                tracing::debug!(error = %e, "cannot clear parked flag");
+            }
+        }
+        retry = if out.dispatched > 0 { RETRY_MIN } else { (retry * 2).min(RETRY_MAX) };
         if !held.is_empty() {
             if let Err(e) = d.store.mark_parked(&group, lane, FLAG_TTL_MS).await {
                 tracing::debug!(error = %e, "cannot renew parked flag");
@@ -65,7 +84,7 @@ pub async fn release_loop(d: Arc<Dispatcher>, group: String, lane: Lane, shutdow
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(()),
-                _ = tokio::time::sleep(RETRY) => {}
+                _ = tokio::time::sleep(retry) => {}
             }
         }
     }

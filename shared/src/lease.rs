@@ -129,6 +129,11 @@ impl Store {
         self.query::<()>(redis::cmd("SET").arg(self.names.parked(group, lane)).arg(1).arg("PX").arg(ttl_ms)).await
     }
 
+    /// Clears a group's "has parked tasks" flag (its park loop released everything).
+    pub async fn clear_parked(&self, group: &str, lane: Lane) -> Result<()> {
+        self.query::<()>(redis::cmd("DEL").arg(self.names.parked(group, lane))).await
+    }
+
     /// Gives back reservations whose publish failed.
     pub async fn unreserve(&self, items: &[(String, Lane, String)]) -> Result<()> {
         if items.is_empty() {

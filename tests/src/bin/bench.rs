@@ -23,6 +23,7 @@ use serde_json::json;
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    fleet::telemetry::init("text");
     let args: Vec<String> = std::env::args().collect();
     let what = args.get(1).map(String::as_str).unwrap_or("throughput");
     let n: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(20_000);
@@ -115,26 +116,54 @@ async fn raw_broker(n: usize, hops: usize) -> Result<f64> {
 
 async fn throughput(n: usize) -> Result<()> {
     println!("# throughput: {n} messages/tasks, quorum queues, publisher confirms");
-    let one = raw_broker(n, 1).await?;
-    println!("raw broker, 1 hop : {one:>8.0} msg/s");
-    let two = raw_broker(n, 2).await?;
-    println!("raw broker, 2 hops: {two:>8.0} msg/s");
+    let two = if std::env::var("BENCH_SKIP_RAW").is_ok() {
+        f64::NAN
+    } else {
+        let one = raw_broker(n, 1).await?;
+        println!("raw broker, 1 hop : {one:>8.0} msg/s");
+        let two = raw_broker(n, 2).await?;
+        println!("raw broker, 2 hops: {two:>8.0} msg/s");
+        two
+    };
 
-    let ns = Ns::with_queue_type("quorum").await?;
+    let qt = std::env::var("BENCH_QUEUE_TYPE").unwrap_or_else(|_| "quorum".into());
+    let ns = Ns::with_queue_type(&qt).await?;
     let done = Arc::new(AtomicUsize::new(0));
-    let d2 = done.clone();
-    let count = handler_fn(move |_ctx| {
-        let d = d2.clone();
+    let ids: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
+    let (d2, i2) = (done.clone(), ids.clone());
+    let count = handler_fn(move |ctx| {
+        let (d, i) = (d2.clone(), i2.clone());
         async move {
             d.fetch_add(1, Ordering::Relaxed);
+            if let Ok(mut s) = i.lock() {
+                s.insert(ctx.envelope.id.clone());
+            }
             Ok(serde_json::Value::Null)
         }
     });
     let h = [("count", count)];
-    let sched = start_scheduler(&ns, &[("rate", "1000000"), ("burst", "1000000"), ("ingress_max_normal", "1000000"), ("max_pending", "1000000")]).await?;
+    let bf = std::env::var("BENCH_BACKLOG_FACTOR").unwrap_or_else(|_| "1".into());
+    println!("(backlog_factor {bf}; set BENCH_BACKLOG_FACTOR to change)");
+    let sched = start_scheduler(&ns, &[("rate", "1000000"), ("burst", "1000000"), ("ingress_max_normal", "1000000"), ("max_pending", "1000000"), ("backlog_factor", bf.as_str())]).await?;
     let w1 = start_worker(&ns, "bench-w1", "", 128, &[], &h).await?;
     let w2 = start_worker(&ns, "bench-w2", "", 128, &[], &h).await?;
     let envs: Vec<Envelope> = (0..n).map(|_| Envelope::new("count", json!(null))).collect();
+    // Sample the pressure state during the run (how often the fleet throttled itself).
+    let purl = sched.url("/v1/pressure");
+    let sampling = tokio_util::sync::CancellationToken::new();
+    let sampler = {
+        let stop = sampling.clone();
+        tokio::spawn(async move {
+            let mut seen: std::collections::BTreeMap<String, usize> = Default::default();
+            while !stop.is_cancelled() {
+                if let Ok(p) = get_json(&purl).await {
+                    *seen.entry(format!("gate={} load={:.2}", p["gate"].as_str().unwrap_or("?"), (p["load"].as_f64().unwrap_or(0.0) * 10.0).floor() / 10.0)).or_default() += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            seen
+        })
+    };
     let start = Instant::now();
     for chunk in envs.chunks(1000) {
         ns.submit(chunk).await?;
@@ -148,6 +177,18 @@ async fn throughput(n: usize) -> Result<()> {
     let rate = done.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64();
     println!("fleet end to end  : {rate:>8.0} tasks/s ({} of {n} done in {:.2} s; publishing took {:.2} s)", done.load(Ordering::Relaxed), elapsed.as_secs_f64(), published.as_secs_f64());
     println!("ratio fleet / raw 2-hop: {:.2}", rate / two);
+    let distinct = ids.lock().map(|s| s.len()).unwrap_or(0);
+    println!("runs {} distinct tasks {distinct} (runs beyond distinct = at-least-once redeliveries)", done.load(Ordering::Relaxed));
+    sampling.cancel();
+    println!("pressure samples (every 100 ms): {:?}", sampler.await?);
+    let page = reqwest::get(sched.url("/metrics")).await?.text().await?;
+    println!(
+        "dispatched {} parked {} throttled {} rerouted {}",
+        metric_sum(&page, "fleet_tasks_dispatched_total", &[]),
+        metric_sum(&page, "fleet_tasks_parked_total", &[]),
+        metric_sum(&page, "fleet_dispatch_throttled_total", &[]),
+        metric_sum(&page, "fleet_tasks_rerouted_total", &[])
+    );
     w1.stop().await?;
     w2.stop().await?;
     sched.stop().await?;
