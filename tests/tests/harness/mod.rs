@@ -210,7 +210,7 @@ impl WorkerProcess {
     /// Starts `fleet-worker` in `ns` (its Redis URL taken from the namespace's settings).
     pub fn spawn(ns: &Ns, spec: &ProcessSpec<'_>) -> Result<Self> {
         let bin = bin_path("fleet-worker")?;
-        let log = std::env::temp_dir().join(format!("fleet-{}-{}.log", ns.name, spec.id));
+        let log = std::env::temp_dir().join(format!("fleet-{}-{}-{}.log", ns.name, spec.id, &uuid::Uuid::new_v4().simple().to_string()[..6]));
         let out = std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
         let err = out.try_clone()?;
         let base: HashMap<&str, &str> = ns.base.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
