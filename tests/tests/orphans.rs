@@ -14,8 +14,12 @@ use fleet_tests::*;
 use harness::*;
 use serde_json::json;
 
+/// Tests that reroute take turns: `fleet_tasks_rerouted_total` is one counter per process.
+static REROUTING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn drained_groups_tasks_are_rerouted_to_a_matching_group() -> anyhow::Result<()> {
+    let _turn = REROUTING.lock().await;
     let ns = Ns::new().await?;
     let rec = Recorder::default();
     let h = [(JOB, rec.handler())];
@@ -139,6 +143,56 @@ async fn killed_groups_tasks_wait_for_a_worker_of_the_group() -> anyhow::Result<
 
     back.stop().await?;
     other.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
+/// With the default backlog most of a full group's tasks are parked rather than queued. Its
+/// last worker drains while no other group matches: queued and parked tasks both wait; a
+/// matching group appears: both go there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn queued_and_parked_tasks_wait_then_move_to_a_new_matching_group() -> anyhow::Result<()> {
+    let _turn = REROUTING.lock().await;
+    let ns = Ns::new().await?;
+    let rec = Recorder::default();
+    let h = [(JOB, rec.handler())];
+    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    let a = start_worker(&ns, "w-a", "pool=a,tier=y", 1, WORKER, &h).await?;
+    let qa = ns.names.group_queue("pool=a,protocol=builtin,tier=y", Lane::Normal);
+
+    let envs: Vec<_> = (0..10).map(|i| task(JOB, json!({"i": i, "ms": 500}), "tier=y")).collect();
+    let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
+    assert_eq!(ns.submit(&envs).await?, (10, 0));
+    // Capacity 1, backlog factor 1: one runs, one waits in the queue, the rest are parked.
+    wait_for("one running, one queued", Duration::from_secs(20), || async {
+        (rec.count() == 1 && ns.depth(&qa).await == 1).then_some(())
+    })
+    .await?;
+    let parked = ns.status(&ids[9]).await?.unwrap_or_default();
+    assert_eq!(parked.get("state").map(String::as_str), Some("parked"), "{parked:?}");
+    a.stop().await?;
+    let ran_on_a = rec.count();
+
+    // Nowhere to go: everything waits.
+    let watch = Instant::now();
+    while watch.elapsed() < Duration::from_millis(5 * HEALTH_MS) {
+        assert_eq!(rec.count(), ran_on_a, "nothing runs without a matching worker");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ns.depth(&qa).await >= 1, "the queued task is still queued");
+    assert!(ns.drain_dead().await?.is_empty(), "nothing dead-lettered while waiting");
+
+    // A matching group registers: queued and parked tasks all run there, each once.
+    let b = start_worker(&ns, "w-b", "pool=b,tier=y", 4, WORKER, &h).await?;
+    wait_succeeded(&ns, &ids, Duration::from_secs(30)).await?;
+    let per = rec.per_task();
+    assert_eq!(per.len(), 10);
+    assert!(per.values().all(|w| w.len() == 1), "each task once: {per:?}");
+    assert_eq!(per.values().filter(|w| w[0] == "w-b").count(), 10 - ran_on_a);
+    assert_eq!(ns.depth(&qa).await, 0);
+    assert!(ns.drain_dead().await?.is_empty(), "none dead-lettered");
+
+    b.stop().await?;
     sched.stop().await?;
     ns.cleanup().await
 }
