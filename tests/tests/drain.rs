@@ -92,7 +92,7 @@ async fn sigterm_finishes_running_tasks_and_exits_0() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn drain_through_the_scheduler_api() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
-    let ep = Endpoint::start(1000).await?;
+    let ep = Endpoint::start(1500).await?;
     let sched = start_scheduler(&ns, SCHEDULER).await?;
     let mut w = WorkerProcess::spawn(&ns, &ProcessSpec { id: "w-api", labels: "", capacity: 3, endpoint: &ep.url, extra: &[] })?;
     w.wait_state(&ns.store, "active", Duration::from_secs(20)).await?;
@@ -109,6 +109,7 @@ async fn drain_through_the_scheduler_api() -> anyhow::Result<()> {
     let envs = jobs(18, "", None);
     let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
     assert_eq!(ns.submit(&envs).await?, (18, 0));
+    // (The worker learns of the drain at its next heartbeat; tasks of 1.5 s outlast that.)
     let in_flight = busy(&ep, "w-api", 3).await?;
     let r = client.post(sched.url("/v1/workers/w-api/drain")).send().await?;
     assert_eq!(r.status().as_u16(), 202);

@@ -16,7 +16,7 @@ use fleet_worker::{handler_fn, TaskError};
 use harness::*;
 use serde_json::{json, Value};
 
-const COOLDOWN_MS: u64 = 3000;
+const COOLDOWN_MS: u64 = 4000;
 
 fn worker_state(workers: &Value, id: &str) -> Option<Value> {
     workers.as_array()?.iter().find(|w| w["id"] == id).cloned()
