@@ -69,6 +69,8 @@ pub struct Call {
 #[derive(Default)]
 struct EndpointState {
     calls: Vec<Call>,
+    /// Workers the test killed: their unanswered calls will never be answered.
+    dead: std::collections::HashSet<String>,
 }
 
 /// An HTTP endpoint for the `http` executor: records every `job` call (task id, worker,
@@ -160,6 +162,18 @@ impl Endpoint {
     /// Calls of `worker` started and not yet answered.
     pub fn running(&self, worker: &str) -> Vec<Call> {
         self.calls_of(worker).into_iter().filter(|c| c.answered.is_none()).collect()
+    }
+
+    /// Marks a worker killed (its open calls no longer count as running).
+    pub fn mark_dead(&self, worker: &str) {
+        if let Ok(mut s) = self.state.lock() {
+            s.dead.insert(worker.to_string());
+        }
+    }
+
+    /// False for a worker marked dead.
+    pub fn is_live(&self, worker: &str) -> bool {
+        self.state.lock().map(|s| !s.dead.contains(worker)).unwrap_or(true)
     }
 
     /// Distinct task ids answered at least once.
@@ -381,6 +395,21 @@ pub async fn wait_succeeded(ns: &Ns, ids: &[String], timeout: Duration) -> Resul
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Waits until every task id was answered by the endpoint at least once, no call is running
+/// and `queue` holds nothing ready: every task done as far as the worker side can tell.
+/// (Statuses in Redis may lag: a task a killed worker finished and acked just before the kill
+/// may never have had its `succeeded` written — the ledger writes after the ack, batched.)
+pub async fn wait_settled(ns: &Ns, ep: &Endpoint, ids: &[String], queue: &str, timeout: Duration) -> Result<()> {
+    let n = ids.len();
+    wait_for(&format!("{n} tasks answered by the endpoint, none running, {queue} empty"), timeout, || async {
+        let calls = ep.calls();
+        let done: std::collections::HashSet<&str> = calls.iter().filter(|c| c.answered.is_some()).map(|c| c.id.as_str()).collect();
+        let running = calls.iter().any(|c| c.answered.is_none() && ep.is_live(&c.worker));
+        (ids.iter().all(|id| done.contains(id.as_str())) && !running && ns.depth(queue).await == 0).then_some(())
+    })
+    .await
 }
 
 /// A counter or gauge from a `/metrics` page.
