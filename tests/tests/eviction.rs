@@ -128,15 +128,16 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
     let before = group(&ns.store, &g).await.context("group")?;
     assert_eq!((before.capacity, before.load), (4, 2));
 
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // w-dead stays silent past the timeout (1 s here), w-live beats.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
     let beat = Beat { running_normal: 1, running: vec![(Lane::Normal, "t1".into())], ..Default::default() };
     ns.store.heartbeat("w-live", "i-live", 60_000, &beat).await?;
-    assert_eq!(ns.store.evict_stale(200).await?, vec!["w-dead".to_string()]);
+    assert_eq!(ns.store.evict_stale(1000).await?, vec!["w-dead".to_string()]);
     let after = group(&ns.store, &g).await.context("group")?;
     assert_eq!((after.workers, after.capacity), (1, 2));
     assert_eq!(after.load, 1, "t1 still runs on w-live; only t2 was released");
     // Idempotent: a second checker finds nothing to do.
-    assert!(ns.store.evict_stale(200).await?.is_empty());
+    assert!(ns.store.evict_stale(1000).await?.is_empty());
     assert_eq!(group(&ns.store, &g).await.map(|g| (g.capacity, g.load)), Some((2, 1)));
     ns.cleanup().await
 }
