@@ -203,7 +203,8 @@ pub fn jobs(n: usize, selector: &str, ms: Option<u64>) -> Vec<fleet::Envelope> {
 
 // ------------------------------------------------------------------ worker processes
 
-/// A `fleet-worker` process with the `http` executor, logging to a file.
+/// A `fleet-worker` process with the `http` executor, logging to a file (removed on drop
+/// unless the test is panicking). Killed on drop if still running.
 pub struct WorkerProcess {
     pub id: String,
     pub child: Child,
@@ -328,6 +329,10 @@ impl Drop for WorkerProcess {
         if let Ok(None) = self.child.try_wait() {
             let _ = self.child.kill();
             let _ = self.child.wait();
+        }
+        // The log is kept when the test fails by panicking.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_file(&self.log);
         }
     }
 }
