@@ -7,10 +7,19 @@
 //! * **Orphans**: a group with no active worker keeps its queued tasks. This loop moves them to
 //!   another group whose labels satisfy them when one has room (counted as rerouted); otherwise
 //!   they stay in the group queue and wait until a worker returns. Nothing is dropped.
+//!
+//!   Looking at a task means taking it from its queue. One that cannot move is published again
+//!   to the back of its own queue (then the taken copy is acked) rather than returned with a
+//!   nack: a nack counts as a redelivery, and a quorum group queue dead-letters a message past
+//!   its delivery limit ([`fleet::topology::DELIVERY_LIMIT`]), so a task waiting for its group
+//!   would die after that many ticks; a nack also puts it back at the head, where it would hide
+//!   every task behind it from the next tick. And when no group at all has capacity in the
+//!   lane, the orphaned queues are not touched.
 
 use std::sync::Arc;
 
 use fleet::lease::{Dedupe, ReserveRequest};
+use fleet::registry::GroupView;
 use fleet::route::Reservation;
 use fleet::{amqp, metrics as m, topology, Envelope, Lane};
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
@@ -54,15 +63,16 @@ pub async fn run(d: Arc<Dispatcher>, shutdown: CancellationToken) -> fleet::Resu
 pub async fn rescue_orphans(d: &Dispatcher) -> fleet::Result<usize> {
     let groups = d.store.groups().await?;
     let mut moved = 0;
-    for g in &groups {
-        for lane in Lane::ALL {
-            let cap = match lane {
-                Lane::Normal => g.capacity,
-                Lane::Critical => g.critical_capacity,
-            };
-            if cap > 0 {
-                continue;
-            }
+    for lane in Lane::ALL {
+        let cap = |g: &GroupView| match lane {
+            Lane::Normal => g.capacity,
+            Lane::Critical => g.critical_capacity,
+        };
+        // Nowhere to go: leave the orphans untouched.
+        if !groups.iter().any(|g| cap(g) > 0) {
+            continue;
+        }
+        for g in groups.iter().filter(|g| cap(g) == 0) {
             let queue = d.names.group_queue(&g.group, lane);
             if topology::depth(&d.conn, &queue).await.unwrap_or(0) == 0 {
                 continue;
@@ -73,6 +83,8 @@ pub async fn rescue_orphans(d: &Dispatcher) -> fleet::Result<usize> {
     Ok(moved)
 }
 
+/// Takes tasks from an orphaned queue and reroutes them, until one cannot move (it goes to the
+/// back of the queue; the next tick starts with the task behind it) or a batch is done.
 async fn move_queue(d: &Dispatcher, group: &str, queue: &str, lane: Lane) -> fleet::Result<usize> {
     let ch = d.conn.create_channel().await?;
     let mut moved = 0;
@@ -95,29 +107,35 @@ async fn move_queue(d: &Dispatcher, group: &str, queue: &str, lane: Lane) -> fle
             dedupe: Dedupe::Skip,
             from_park: true,
         };
-        let answer = d.store.reserve(std::slice::from_ref(&req), d.params()).await?;
-        match answer.first() {
-            Some(Reservation::Reserved(to)) if to != group => {
-                let r = amqp::publish_confirmed(&d.publisher, &d.names.tasks_exchange(), &d.names.group_key(to.as_str(), lane), &delivery.data, amqp::task_properties(&env.id, None)).await;
-                match r {
-                    Ok(()) => {
-                        delivery.acker.ack(BasicAckOptions::default()).await?;
-                        metrics::counter!(m::TASKS_REROUTED).increment(1);
-                        tracing::info!(task.id = %env.id, from = %group, to = %to, "orphaned task rerouted");
-                        moved += 1;
-                    }
-                    Err(e) => {
-                        let _ = d.store.unreserve(&[(to.clone(), lane, env.id.clone())]).await;
-                        delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
-                        return Err(e);
-                    }
-                }
+        let answer = d.store.reserve(std::slice::from_ref(&req), d.params()).await;
+        let to = match &answer {
+            Ok(a) => match a.first() {
+                Some(Reservation::Reserved(to)) => Some(to.clone()),
+                _ => None,
+            },
+            Err(_) => None,
+        };
+        // Where it goes: another group, or (no room anywhere, no match, its own group came
+        // back, Redis unreachable) the back of its own queue.
+        let dest = to.clone().unwrap_or_else(|| group.to_string());
+        let r = amqp::publish_confirmed(&d.publisher, &d.names.tasks_exchange(), &d.names.group_key(&dest, lane), &delivery.data, amqp::task_properties(&env.id, None)).await;
+        if let Err(e) = r {
+            if let Some(to) = &to {
+                let _ = d.store.unreserve(&[(to.clone(), lane, env.id.clone())]).await;
             }
-            _ => {
-                // Nowhere to go now: it waits in its queue for a worker to return.
-                delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
-                break;
+            delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
+            return Err(e);
+        }
+        delivery.acker.ack(BasicAckOptions::default()).await?;
+        answer?;
+        match to {
+            Some(to) if to != group => {
+                metrics::counter!(m::TASKS_REROUTED).increment(1);
+                tracing::info!(task.id = %env.id, from = %group, to = %to, "orphaned task rerouted");
+                moved += 1;
             }
+            // Waits in its group's queue for a worker to return.
+            _ => break,
         }
     }
     let _ = ch.close(200, "ok".into()).await;

@@ -138,9 +138,9 @@ impl Store {
         match self.invoke::<String>(&inv).await {
             Ok(_) => Ok(()),
             Err(Error::Redis(e)) if e.to_string().contains("DUPLICATE") => Err(Error::DuplicateWorker(format!(
-                "worker id `{}` is already registered by a live worker: {}",
+                "worker id `{}` is already registered by a live worker ({})",
                 r.id,
-                e.detail().unwrap_or("duplicate")
+                e.detail().unwrap_or("recent heartbeat")
             ))),
             Err(e) => Err(e),
         }
@@ -169,6 +169,14 @@ impl Store {
             "conflict" => BeatReply::Conflict,
             s => BeatReply::State(WorkerState::parse(s).unwrap_or(WorkerState::Active)),
         })
+    }
+
+    /// Who holds a worker id: its instance token and last heartbeat (ms); `None` when the id is
+    /// not registered.
+    pub async fn worker_holder(&self, id: &str) -> Result<Option<(String, i64)>> {
+        let (instance, hb): (Option<String>, Option<i64>) =
+            self.query(redis::cmd("HMGET").arg(self.names.worker(id)).arg("instance").arg("hb")).await?;
+        Ok(instance.zip(hb))
     }
 
     /// Sets a worker's state; `None` when the worker is unknown.

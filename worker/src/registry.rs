@@ -4,7 +4,15 @@
 //! A registration carries a random *instance token* per process. Registering refuses an id
 //! held by another instance that heartbeated within `heartbeat_timeout_ms` (two live
 //! processes with one id would corrupt each other's load figures), and only the owning instance
-//! may heartbeat or deregister. Registration is state that may be lost: when Redis restarts
+//! may heartbeat or deregister.
+//!
+//! A recent heartbeat does not prove the holder alive, though: a worker killed with SIGKILL
+//! and restarted at once with the same id (systemd, a Kubernetes StatefulSet) finds its own
+//! dead predecessor's registration. So at start-up a refused registration is not final at
+//! once: the worker watches the holder. If the holder heartbeats again it is alive and start-up
+//! fails with a message; if it stays silent past the window, its registration counts as stale
+//! and this worker registers in its place (at most `heartbeat_timeout_ms` after the holder's
+//! last beat). Registration is state that may be lost: when Redis restarts
 //! empty or evicts the key, the next heartbeat answers `gone` and the worker registers again
 //! with the same token and its current state.
 
@@ -21,9 +29,12 @@ use crate::config::WorkerConfig;
 #[derive(Debug, thiserror::Error)]
 pub enum RegisterError {
     /// Another live process holds this worker id.
-    #[error("{0} (is another worker running with FLEET_WORKER_ID set to the same id?)")]
+    #[error("{0}; is another worker running with FLEET_WORKER_ID set to the same id?")]
     Duplicate(String),
 }
+
+/// How often the holder of our id is looked at while start-up waits to see whether it is alive.
+const DUPLICATE_POLL: Duration = Duration::from_millis(100);
 
 /// Registers this worker and keeps it registered.
 #[derive(Clone)]
@@ -63,24 +74,43 @@ impl Registrar {
     }
 
     /// Registers as `active`, retrying while Redis is unreachable. `Ok(false)` when `shutdown`
-    /// fired first. A live duplicate id is an error: retrying cannot fix it. Cancel safe (a
+    /// fired first. An id held by another instance is watched (see the module docs): an error
+    /// once the holder proves alive by heartbeating, retrying cannot fix that. Cancel safe (a
     /// registration cut short is either done or not; registering again is idempotent).
     pub async fn register_at_startup(&self, shutdown: &CancellationToken) -> Result<bool, RegisterError> {
         let mut delay = Duration::from_millis(100);
+        // The holder of our id as first seen: (instance, last heartbeat).
+        let mut holder: Option<(String, i64)> = None;
         loop {
+            let mut pause = delay;
             match self.register(WorkerState::Active).await {
                 Ok(()) => return Ok(true),
-                Err(fleet::Error::DuplicateWorker(m)) => return Err(RegisterError::Duplicate(m)),
+                Err(fleet::Error::DuplicateWorker(m)) => {
+                    match self.store.worker_holder(self.id()).await {
+                        Ok(Some(now)) => match &holder {
+                            None => {
+                                tracing::warn!(holder = %now.0, "{m}: waiting to see whether it is alive (a crashed predecessor stays silent)");
+                                holder = Some(now);
+                            }
+                            Some(first) if *first != now => return Err(RegisterError::Duplicate(m)),
+                            Some(_) => {}
+                        },
+                        // Gone meanwhile (deregistered or evicted): register at once.
+                        Ok(None) => continue,
+                        Err(e) => tracing::warn!(error = %e, "cannot read the holder of this worker id"),
+                    }
+                    pause = DUPLICATE_POLL;
+                }
                 Err(e) => {
                     metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
                     tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "cannot register in Redis");
+                    delay = (delay * 2).min(Duration::from_secs(5));
                 }
             }
             tokio::select! {
                 _ = shutdown.cancelled() => return Ok(false),
-                _ = tokio::time::sleep(delay) => {}
+                _ = tokio::time::sleep(pause) => {}
             }
-            delay = (delay * 2).min(Duration::from_secs(5));
         }
     }
 

@@ -29,6 +29,9 @@ local function add_capacity(g, dn, dc)
 end
 
 -- Removes a worker entirely: its capacity, its running records, its index entries.
+-- A running record is released only while the task is still this worker's: a task the broker
+-- redelivered after this worker died may already run on a peer (its status names the peer),
+-- and that record is the peer's.
 -- Idempotent: a second call finds nothing and does nothing.
 local function remove_worker(id)
   local wk = K_worker(id)
@@ -39,7 +42,10 @@ local function remove_worker(id)
   add_capacity(g, -contrib(w[2], w[3]), -contrib(w[2], w[4]))
   for _, m in ipairs(redis.call('SMEMBERS', K_wrun(id))) do
     local lane, task = string.match(m, '^(%a+)|(.*)$')
-    if lane then redis.call('ZREM', K_run(g, lane), task) end
+    if lane then
+      local owner = redis.call('HGET', K_task(task), 'worker')
+      if not owner or owner == id then redis.call('ZREM', K_run(g, lane), task) end
+    end
   end
   redis.call('DEL', K_wrun(id), wk)
   redis.call('SREM', K_gw(g), id)

@@ -7,13 +7,14 @@
 -- ARGV[9]: liveness window (ms): a different instance seen within it is a live duplicate
 -- ARGV[10]: state (active | draining | ejected)
 -- ARGV[11..]: label pairs `k=v` for the label index
--- returns: 'registered', or an error reply `DUPLICATE ...` when another live process has the id
+-- returns: 'registered', or an error reply `DUPLICATE last heartbeat <n> ms ago` when another
+--          instance heartbeated within the window
 local id, inst, g = ARGV[1], ARGV[2], ARGV[3]
 local now, window = tonumber(ARGV[8]), tonumber(ARGV[9])
 local wk = K_worker(id)
 local old = redis.call('HMGET', wk, 'instance', 'hb')
 if old[1] and old[1] ~= inst and tonumber(old[2]) and tonumber(old[2]) > now - window then
-  return redis.error_reply('DUPLICATE worker id ' .. id .. ' is held by a live process (last heartbeat ' .. (now - tonumber(old[2])) .. ' ms ago)')
+  return redis.error_reply('DUPLICATE last heartbeat ' .. (now - tonumber(old[2])) .. ' ms ago')
 end
 remove_worker(id)
 local state = ARGV[10]

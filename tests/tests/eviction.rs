@@ -1,0 +1,143 @@
+//! Eviction of silent workers: a worker process frozen with SIGSTOP is evicted by the health
+//! checker within the heartbeat timeout plus one tick (never before the timeout), its capacity
+//! leaves its group and `fleet_worker_evictions_total` counts it; resumed with SIGCONT it finds
+//! its registration gone and registers again, and no task it held is lost. Eviction releases
+//! only the evicted worker's own running records.
+
+mod harness;
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use fleet::registry::{Beat, Registration, WorkerState};
+use fleet::store::now_ms;
+use fleet::{Labels, Lane};
+use fleet_tests::*;
+use harness::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn silent_worker_is_evicted_and_comes_back_when_it_wakes() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let ep = Endpoint::start(100).await?;
+    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    let mut silent = WorkerProcess::spawn(&ns, &ProcessSpec { id: "w-silent", labels: "pool=ev", capacity: 3, endpoint: &ep.url, extra: &[] })?;
+    silent.wait_state(&ns.store, "active", Duration::from_secs(20)).await?;
+    let mut cfg: Vec<(&str, &str)> = WORKER.to_vec();
+    cfg.extend_from_slice(&[("executor", "http"), ("http_url", ep.url.as_str())]);
+    let awake = start_worker(&ns, "w-awake", "pool=ev", 2, &cfg, &[]).await?;
+    let gname = "pool=ev,protocol=http";
+    wait_for("group capacity 5", Duration::from_secs(10), || async { group(&ns.store, gname).await.filter(|g| g.capacity == 5) }).await?;
+    let metrics_url = sched.url("/metrics");
+    let evictions_before = metric(&metrics_url, "fleet_worker_evictions_total", &[]).await?;
+
+    silent.signal("STOP")?;
+    let stopped_at = Instant::now();
+    // The last heartbeat as Redis recorded it (a beat already sent when the process froze
+    // still lands, so keep reading until the worker is gone).
+    let last_hb = AtomicI64::new(0);
+    let evicted_ms = wait_for("w-silent evicted", Duration::from_secs(15), || async {
+        let ws = ns.store.workers().await.ok()?;
+        let now = now_ms();
+        match ws.iter().find(|w| w.id == "w-silent") {
+            Some(w) => {
+                last_hb.store(now - w.last_heartbeat_ms_ago, Ordering::Relaxed);
+                None
+            }
+            None => Some(now),
+        }
+    })
+    .await?;
+    let last_hb_ms = last_hb.load(Ordering::Relaxed);
+    let silence = evicted_ms - last_hb_ms;
+    println!("eviction: {silence} ms after the last heartbeat (timeout {HEARTBEAT_TIMEOUT_MS} ms, tick {HEALTH_MS} ms); {} ms after SIGSTOP", stopped_at.elapsed().as_millis());
+    assert!(last_hb_ms > 0, "the worker was seen heartbeating");
+    assert!(silence >= HEARTBEAT_TIMEOUT_MS as i64, "evicted early: {silence} ms");
+    // Timeout + one tick, plus slack for a busy test machine.
+    assert!(silence <= (HEARTBEAT_TIMEOUT_MS + HEALTH_MS + 1000) as i64, "evicted late: {silence} ms");
+
+    // Its capacity left the group (registry and API agree) and the counter moved by one.
+    let g = group(&ns.store, gname).await.context("group still known")?;
+    assert_eq!((g.workers, g.capacity), (1, 2));
+    let api: Vec<serde_json::Value> = serde_json::from_value(get_json(&sched.url("/v1/groups")).await?)?;
+    let row = api.iter().find(|r| r["group"] == gname).context("group in /v1/groups")?;
+    assert_eq!((row["workers"].as_u64(), row["capacity"].as_u64()), (Some(1), Some(2)));
+    let ws = get_json(&sched.url("/v1/workers")).await?;
+    assert_eq!(ws.as_array().map(Vec::len), Some(1), "{ws}");
+    let evictions = wait_for("eviction counted", Duration::from_secs(5), || async {
+        let n = metric(&metrics_url, "fleet_worker_evictions_total", &[]).await.ok()?;
+        (n > evictions_before).then_some(n)
+    })
+    .await?;
+    assert_eq!(evictions - evictions_before, 1.0);
+
+    // Work submitted while it is frozen: the broker may push some of it to the frozen
+    // process (its connection is alive); none may be lost.
+    let envs = jobs(8, "pool=ev", None);
+    let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
+    assert_eq!(ns.submit(&envs).await?, (8, 0));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    silent.signal("CONT")?;
+    let resumed = Instant::now();
+    let w = silent.wait_state(&ns.store, "active", Duration::from_secs(10)).await?;
+    println!("eviction: re-registered {} ms after SIGCONT", resumed.elapsed().as_millis());
+    assert_eq!(w.capacity, 3);
+    let g = wait_for("capacity back to 5", Duration::from_secs(10), || async { group(&ns.store, gname).await.filter(|g| g.capacity == 5) }).await?;
+    assert_eq!(g.workers, 2);
+
+    wait_succeeded(&ns, &ids, Duration::from_secs(30)).await?;
+    let per = ep.per_task();
+    for id in &ids {
+        assert_eq!(per.get(id).map(Vec::len), Some(1), "task {id} ran once: {:?}", per.get(id));
+    }
+    assert_eq!(metric(&metrics_url, "fleet_worker_evictions_total", &[]).await? - evictions_before, 1.0, "evicted once");
+
+    silent.signal("TERM")?;
+    let st = silent.wait_exit(Duration::from_secs(20)).await?;
+    assert_eq!(st.code(), Some(0), "log:\n{}", silent.log_tail());
+    awake.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
+/// A task redelivered from a dead worker to a live one is in both workers' running lists;
+/// evicting the dead one must not release the live one's record (load would undercount and
+/// the group be overcommitted until the next heartbeat).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let labels = Labels::parse("pool=lua")?;
+    let g = labels.group_name();
+    let reg = |id: &str, instance: &str| Registration {
+        id: id.into(),
+        instance: instance.into(),
+        labels: labels.clone(),
+        capacity: 2,
+        critical_capacity: 1,
+        executor: "builtin".into(),
+        state: WorkerState::Active,
+    };
+    ns.store.register(&reg("w-dead", "i-dead"), 1500).await?;
+    ns.store.register(&reg("w-live", "i-live"), 1500).await?;
+    let t = |id: &str, attempt: u32| (Lane::Normal, id.to_string(), attempt);
+    ns.store.start("w-dead", &g, 60_000, 60_000, &[t("t1", 1), t("t2", 1)]).await?;
+    // w-dead dies; the broker hands t1 to w-live.
+    ns.store.start("w-live", &g, 60_000, 60_000, &[t("t1", 1)]).await?;
+    let before = group(&ns.store, &g).await.context("group")?;
+    assert_eq!((before.capacity, before.load), (4, 2));
+
+    // w-dead stays silent past the timeout (1 s here), w-live beats.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let beat = Beat { running_normal: 1, running: vec![(Lane::Normal, "t1".into())], ..Default::default() };
+    ns.store.heartbeat("w-live", "i-live", 60_000, &beat).await?;
+    assert_eq!(ns.store.evict_stale(1000).await?, vec!["w-dead".to_string()]);
+    let after = group(&ns.store, &g).await.context("group")?;
+    assert_eq!((after.workers, after.capacity), (1, 2));
+    assert_eq!(after.load, 1, "t1 still runs on w-live; only t2 was released");
+    // Idempotent: a second checker finds nothing to do.
+    assert!(ns.store.evict_stale(1000).await?.is_empty());
+    assert_eq!(group(&ns.store, &g).await.map(|g| (g.capacity, g.load)), Some((2, 1)));
+    ns.cleanup().await
+}
