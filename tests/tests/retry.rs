@@ -145,3 +145,29 @@ async fn backoff_gaps_grow_with_the_attempt_number() -> anyhow::Result<()> {
     sched.stop().await?;
     ns.cleanup().await
 }
+
+/// Retries never outlive the deadline: a task that keeps failing ends `expired` (not dead
+/// after max_attempts, nor retried forever) once its time is up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retries_stop_at_the_deadline() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let sched = start_scheduler(&ns, &[]).await?;
+    let labels = "case=retry-deadline";
+    let w = start_worker(&ns, "w-rd", labels, 2, &[("retry_base_ms", "200"), ("retry_cap_ms", "400"), NO_EJECT], &[]).await?;
+    let mut t = task("fail", json!({}), labels);
+    t.max_attempts = Some(50);
+    t.timeout_ms = Some(1500);
+    let submitted = std::time::Instant::now();
+    ns.submit(std::slice::from_ref(&t)).await?;
+    let st = wait_state(&ns, &t.id, "expired", Duration::from_secs(20)).await?;
+    println!("expired after {} ms: {st:?}", submitted.elapsed().as_millis());
+    let dead = wait_dead(&ns, 1, Duration::from_secs(10)).await?;
+    assert_eq!(dead[0].env.id, t.id);
+    assert_eq!(dead[0].header("x-fleet-reason"), Some("expired"), "{:?}", dead[0].headers);
+    let attempts = dead[0].env.attempt;
+    assert!((2..50).contains(&attempts), "retried within its 1.5 s, then expired: {attempts} attempts");
+    assert!(submitted.elapsed() < Duration::from_secs(10));
+    w.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
