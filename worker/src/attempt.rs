@@ -205,7 +205,10 @@ async fn run(shared: &Shared, env: &Envelope, attempt: u32) -> Option<(Result<Va
         run_deadline: started + limit,
         cancel: cancel.clone(),
     };
-    let mut join = shared.tasks.spawn(handler.call(ctx).in_current_span());
+    // `call` runs inside the spawned task, so a handler that panics while building its future
+    // is caught like one that panics while running it (and never unwinds through this attempt,
+    // which would leave the delivery unacked and the slot taken).
+    let mut join = shared.tasks.spawn(async move { handler.call(ctx).await }.in_current_span());
     let result = tokio::select! {
         biased;
         r = &mut join => match r {
@@ -216,7 +219,11 @@ async fn run(shared: &Shared, env: &Envelope, attempt: u32) -> Option<(Result<Va
                 Err(TaskError::Retryable(format!("handler panicked: {msg}")))
             }
             Err(_) => Err(TaskError::retryable("handler task cancelled")),
-        },
+        }
+        // A handler that times its own I/O by the run deadline (the http executor) fails at
+        // the very instant the run would have been cut: the deadline ended that run, not a
+        // retryable fault (which could otherwise be retried with a sliver of time left).
+        .map_err(|e| if by_deadline && Instant::now() >= started + limit { TaskError::Expired } else { e }),
         _ = tokio::time::sleep_until(started + limit) => {
             cancel.cancel();
             join.abort();
