@@ -26,8 +26,7 @@ struct Hit {
     body: Value,
 }
 
-/// The endpoint: behaves as `payload.mode` says, records every request but the scheduler's
-/// health probes.
+/// The endpoint: behaves as `payload.mode` says and records every request.
 #[derive(Clone, Default)]
 struct Endpoint {
     hits: Arc<Mutex<Vec<Hit>>>,
@@ -36,6 +35,10 @@ struct Endpoint {
 impl Endpoint {
     fn hits(&self, id: &str) -> Vec<Hit> {
         self.hits.lock().map(|h| h.iter().filter(|h| h.id == id).cloned().collect()).unwrap_or_default()
+    }
+
+    fn all(&self) -> Vec<Hit> {
+        self.hits.lock().map(|h| h.clone()).unwrap_or_default()
     }
 
     fn attempts(&self, id: &str) -> Vec<u32> {
@@ -55,10 +58,8 @@ async fn handle(State(ep): State<Endpoint>, headers: HeaderMap, Json(body): Json
     let h = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
     let hit = Hit { id: h("x-fleet-task-id"), attempt: h("x-fleet-attempt").parse().unwrap_or(0), worker: h("x-fleet-worker"), body: body.clone() };
     let attempt = hit.attempt;
-    if !hit.id.starts_with("probe-") {
-        if let Ok(mut hits) = ep.hits.lock() {
-            hits.push(hit.clone());
-        }
+    if let Ok(mut hits) = ep.hits.lock() {
+        hits.push(hit.clone());
     }
     let payload = &body["payload"];
     match payload["mode"].as_str().unwrap_or("") {
@@ -145,6 +146,18 @@ async fn success_body_is_the_result_in_the_status_api() -> anyhow::Result<()> {
     assert_eq!(hits[0].body["payload"], payload);
     assert_eq!(f.endpoint.attempts(&text.id), vec![1]);
     assert_eq!(completed_at_least(&f.metrics(), &f.group, "succeeded", 2).await?, 2);
+
+    // The scheduler's health probes (noop tasks on the critical lane) succeed without ever
+    // reaching the endpoint: it saw exactly the two tasks.
+    let group = f.group.clone();
+    wait_for("a successful probe of the group", Duration::from_secs(15), || async {
+        let groups = get_json(&f.sched.url("/v1/groups")).await.ok()?;
+        groups.as_array()?.iter().any(|g| g["group"] == group.as_str() && g["probe_ok"] == true).then_some(())
+    })
+    .await?;
+    let ids: Vec<String> = f.endpoint.all().into_iter().map(|h| h.id).collect();
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    assert!(ids.contains(&t.id) && ids.contains(&text.id), "{ids:?}");
     f.stop().await
 }
 
