@@ -49,8 +49,11 @@ async fn exhausted_and_permanent_failures_are_dead_lettered_with_headers() -> an
     let st = wait_state(&ns, &exhausted.id, "dead", Duration::from_secs(10)).await?;
     assert_eq!(st.get("error").map(String::as_str), Some(last_error), "{st:?}");
     assert_eq!(st.get("attempt").map(String::as_str), Some("3"));
+    assert_eq!(st.get("reason").map(String::as_str), Some("max_attempts"));
+    assert_eq!(st.get("worker").map(String::as_str), Some("w-dead"));
     let st = wait_state(&ns, &permanent.id, "dead", Duration::from_secs(10)).await?;
     assert_eq!(st.get("attempt").map(String::as_str), Some("1"), "{st:?}");
+    assert_eq!(st.get("reason").map(String::as_str), Some("permanent_error"));
 
     let b = format!("http://{}", w.addr);
     assert_eq!(completed_at_least(&b, &group, "dead", 2).await?, 2);
@@ -135,6 +138,7 @@ async fn fleetctl_lists_and_replays_dead_letters() -> anyhow::Result<()> {
     let st = wait_state(&ns, &envs[0].id, "succeeded", Duration::from_secs(20)).await?;
     assert_eq!(st.get("attempt").map(String::as_str), Some("1"), "{st:?}");
     assert_eq!(st.get("result").map(String::as_str), Some(r#"{"healed_on_attempt":1}"#));
+    assert!(!st.contains_key("reason") && !st.contains_key("error"), "nothing left of the first life: {st:?}");
     assert_eq!(attempts.of(&envs[0].id), vec![1, 2, 1]);
     let left: BTreeSet<String> = peek_dead(&ns).await?.into_iter().map(|d| d.env.id).collect();
     assert_eq!(left, envs[1..].iter().map(|e| e.id.clone()).collect::<BTreeSet<_>>(), "the others stay dead");

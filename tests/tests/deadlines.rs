@@ -44,6 +44,7 @@ async fn expired_tasks_never_run() -> anyhow::Result<()> {
     let st = wait_state(&ns, &queued.id, "expired", Duration::from_secs(15)).await?;
     assert_eq!(st.get("worker").map(String::as_str), Some("w-slow"), "expired at the worker: {st:?}");
     assert_eq!(st.get("error").map(String::as_str), Some("deadline passed before the task started"));
+    assert_eq!(st.get("reason").map(String::as_str), Some("expired"));
     wait_state(&ns, &blocker.id, "succeeded", Duration::from_secs(10)).await?;
 
     let runs = rec.runs();
@@ -123,6 +124,7 @@ async fn a_run_past_its_deadline_is_cut_and_expires() -> anyhow::Result<()> {
         let st = wait_state(&ns, &t.id, "expired", Duration::from_secs(10)).await?;
         assert_eq!(st.get("error").map(String::as_str), Some("deadline reached during the run"), "{st:?}");
         assert_eq!(st.get("attempt").map(String::as_str), Some("1"), "not retried: {st:?}");
+        assert_eq!(st.get("reason").map(String::as_str), Some("expired"));
         let ran_ms = st["finished_at"].parse::<i64>()? - st["started_at"].parse::<i64>()?;
         println!("{}: ran {ran_ms} ms of a 20 s sleep before the 700 ms deadline cut it", t.kind);
         assert!(ran_ms < 2_000, "{} ran {ran_ms} ms: not cut at its deadline", t.kind);

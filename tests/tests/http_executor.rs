@@ -173,6 +173,7 @@ async fn client_error_is_dead_without_a_retry() -> anyhow::Result<()> {
     assert_eq!(dead[0].header("x-fleet-attempts"), Some("1"));
     let st = wait_state(&f.ns, &t.id, "dead", Duration::from_secs(10)).await?;
     assert_eq!(st.get("error").map(String::as_str), Some("http: 400 Bad Request: no such image"));
+    assert_eq!(st.get("reason").map(String::as_str), Some("permanent_error"));
     assert_eq!(f.endpoint.attempts(&t.id), vec![1], "exactly one request");
     assert_eq!(completed_at_least(&f.metrics(), &f.group, "dead", 1).await?, 1);
     assert_eq!(completed(&f.metrics(), &f.group, "retried").await?, 0);

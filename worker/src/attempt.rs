@@ -269,22 +269,22 @@ async fn settle(
         shared.ledger.release(lane, &env.id);
         return Outcome::Failed;
     }
-    let (outcome, state, text, success, published) = match fate {
-        Fate::Succeeded(v) => (Outcome::Succeeded, "succeeded", v.to_string(), true, Ok(())),
+    let (outcome, state, text, success, reason, published) = match fate {
+        Fate::Succeeded(v) => (Outcome::Succeeded, "succeeded", v.to_string(), true, "", Ok(())),
         Fate::Retry { error, delay } => {
             tracing::info!(error = %error, delay_ms = delay.as_millis() as u64, "attempt failed; retrying");
             let r = publish_retry(shared, env, attempt, max_attempts, delay, &error).await;
-            (Outcome::Retried, "retrying", error, false, r)
+            (Outcome::Retried, "retrying", error, false, "", r)
         }
         Fate::Dead { reason, error } => {
             tracing::warn!(reason, error = %error, "task dead");
             let r = dead_letter(shared, env, attempt, reason, &error).await;
-            (Outcome::Dead, "dead", error, false, r)
+            (Outcome::Dead, "dead", error, false, reason, r)
         }
         Fate::Expired { detail } => {
             tracing::info!(detail = %detail, "task expired");
             let r = dead_letter(shared, env, attempt, "expired", &detail).await;
-            (Outcome::Expired, "expired", detail, false, r)
+            (Outcome::Expired, "expired", detail, false, "expired", r)
         }
     };
     if let Err(e) = published {
@@ -298,7 +298,7 @@ async fn settle(
         Ok(false) => tracing::warn!("cannot ack: channel closed; the broker redelivers the task"),
         Err(e) => tracing::warn!(error = %e, "cannot ack; the broker redelivers the task"),
     }
-    shared.ledger.finish(Finished { lane, id: env.id.clone(), state, text, success });
+    shared.ledger.finish(Finished { lane, id: env.id.clone(), state, text, success, reason });
     outcome
 }
 
