@@ -70,6 +70,10 @@ async fn handle(State(ep): State<Endpoint>, headers: HeaderMap, Json(body): Json
         "boom" => (StatusCode::INTERNAL_SERVER_ERROR, "kaput").into_response(),
         "flaky" if attempt < 3 => (StatusCode::SERVICE_UNAVAILABLE, "warming up").into_response(),
         "flaky" => Json(json!({"ok_on": attempt})).into_response(),
+        "endless" => {
+            let chunks = futures::stream::repeat_with(|| Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b'x'; 64 * 1024])));
+            axum::body::Body::from_stream(chunks).into_response()
+        }
         "slow" => {
             tokio::time::sleep(Duration::from_secs(30)).await;
             "too late".into_response()
@@ -122,7 +126,9 @@ async fn success_body_is_the_result_in_the_status_api() -> anyhow::Result<()> {
     let payload = json!({"mode": "ok", "src": "s3://bucket/a.png", "sizes": [64, 128]});
     let t = f.task(payload.clone(), 3);
     let text = f.task(json!({"mode": "text"}), 3);
-    f.ns.submit(&[t.clone(), text.clone()]).await?;
+    let mut endless = f.task(json!({"mode": "endless"}), 1);
+    endless.timeout_ms = Some(20_000);
+    f.ns.submit(&[t.clone(), text.clone(), endless.clone()]).await?;
 
     wait_state(&f.ns, &t.id, "succeeded", Duration::from_secs(20)).await?;
     let st = get_json(&f.sched.url(&format!("/v1/tasks/{}", t.id))).await?;
@@ -136,6 +142,13 @@ async fn success_body_is_the_result_in_the_status_api() -> anyhow::Result<()> {
     wait_state(&f.ns, &text.id, "succeeded", Duration::from_secs(20)).await?;
     let st = get_json(&f.sched.url(&format!("/v1/tasks/{}", text.id))).await?;
     assert_eq!(st["result"], r#""plain words""#);
+    // An endless 200 body: the worker reads its cap, hangs up and succeeds (it neither fills
+    // its memory nor waits out the 20 s deadline); the status keeps the first 4 KiB.
+    let st = wait_state(&f.ns, &endless.id, "succeeded", Duration::from_secs(10)).await?;
+    let result = st.get("result").map(String::as_str).unwrap_or("");
+    assert!(result.starts_with(r#""xxxx"#) && result.len() < 5000, "{} bytes", result.len());
+    let ran_ms = st["finished_at"].parse::<i64>()? - st["started_at"].parse::<i64>()?;
+    assert!(ran_ms < 5_000, "read the endless body for {ran_ms} ms");
 
     // One request each, carrying the envelope and the attempt.
     let hits = f.endpoint.hits(&t.id);
@@ -145,10 +158,10 @@ async fn success_body_is_the_result_in_the_status_api() -> anyhow::Result<()> {
     assert_eq!(hits[0].body["kind"], "resize");
     assert_eq!(hits[0].body["payload"], payload);
     assert_eq!(f.endpoint.attempts(&text.id), vec![1]);
-    assert_eq!(completed_at_least(&f.metrics(), &f.group, "succeeded", 2).await?, 2);
+    assert_eq!(completed_at_least(&f.metrics(), &f.group, "succeeded", 3).await?, 3);
 
     // The scheduler's health probes (noop tasks on the critical lane) succeed without ever
-    // reaching the endpoint: it saw exactly the two tasks.
+    // reaching the endpoint: it saw exactly the three tasks.
     let group = f.group.clone();
     wait_for("a successful probe of the group", Duration::from_secs(15), || async {
         let groups = get_json(&f.sched.url("/v1/groups")).await.ok()?;
@@ -156,8 +169,8 @@ async fn success_body_is_the_result_in_the_status_api() -> anyhow::Result<()> {
     })
     .await?;
     let ids: Vec<String> = f.endpoint.all().into_iter().map(|h| h.id).collect();
-    assert_eq!(ids.len(), 2, "{ids:?}");
-    assert!(ids.contains(&t.id) && ids.contains(&text.id), "{ids:?}");
+    assert_eq!(ids.len(), 3, "{ids:?}");
+    assert!(ids.contains(&t.id) && ids.contains(&text.id) && ids.contains(&endless.id), "{ids:?}");
     f.stop().await
 }
 
