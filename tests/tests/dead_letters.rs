@@ -72,6 +72,8 @@ async fn exhausted_and_permanent_failures_are_dead_lettered_with_headers() -> an
     let again = dead.iter().find(|d| d.env.id == exhausted.id).ok_or_else(|| anyhow::anyhow!("replayed task not dead again"))?;
     assert_eq!(again.header("x-fleet-attempts"), Some("3"), "attempts were reset by the replay");
     assert_eq!(again.header("x-fleet-reason"), Some("max_attempts"));
+    // ... and as a new submission: its wait is measured from the replay, not the first try.
+    assert!(again.env.submitted_at > d.env.submitted_at, "{:?} vs {:?}", again.env.submitted_at, d.env.submitted_at);
 
     w.stop().await?;
     sched.stop().await?;
