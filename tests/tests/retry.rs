@@ -53,8 +53,9 @@ async fn backoff_gaps_grow_with_the_attempt_number() -> anyhow::Result<()> {
     const TASKS: usize = 30;
     const BASE_MS: u64 = 300;
     // Delay tiers are 100 ms apart at the bottom and each hop passes the scheduler: on a busy
-    // 2-core machine a gap may overshoot its ceiling by this much.
-    const SLACK_MS: u64 = 1000;
+    // 2-core machine a gap may overshoot its ceiling by this much (seen: 630 ms with seven
+    // test binaries running at once).
+    const SLACK_MS: u64 = 1500;
     let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &[]).await?;
     let attempts = Attempts::default();
