@@ -60,6 +60,10 @@ pub struct Finished {
     /// The result (success) or the error text, truncated.
     pub text: String,
     pub success: bool,
+    /// Why a task ended `dead` or `expired` (`max_attempts`, `permanent_error`, `expired`: the
+    /// dead letter's `x-fleet-reason`), as the scheduler records for the states it decides;
+    /// empty otherwise.
+    pub reason: &'static str,
 }
 
 /// Longest result or error text kept in a status record.
@@ -174,7 +178,8 @@ impl Store {
                 .arg(f.state)
                 .arg(if f.success { "result" } else { "error" })
                 .arg(truncate(&f.text, MAX_STATUS_TEXT))
-                .arg(if f.success { 1 } else { 0 });
+                .arg(if f.success { 1 } else { 0 })
+                .arg(f.reason);
         }
         let _: i64 = self.invoke(&inv).await?;
         Ok(())

@@ -205,7 +205,10 @@ async fn run(shared: &Shared, env: &Envelope, attempt: u32) -> Option<(Result<Va
         run_deadline: started + limit,
         cancel: cancel.clone(),
     };
-    let mut join = shared.tasks.spawn(handler.call(ctx).in_current_span());
+    // `call` runs inside the spawned task, so a handler that panics while building its future
+    // is caught like one that panics while running it (and never unwinds through this attempt,
+    // which would leave the delivery unacked and the slot taken).
+    let mut join = shared.tasks.spawn(async move { handler.call(ctx).await }.in_current_span());
     let result = tokio::select! {
         biased;
         r = &mut join => match r {
@@ -216,7 +219,11 @@ async fn run(shared: &Shared, env: &Envelope, attempt: u32) -> Option<(Result<Va
                 Err(TaskError::Retryable(format!("handler panicked: {msg}")))
             }
             Err(_) => Err(TaskError::retryable("handler task cancelled")),
-        },
+        }
+        // A handler that times its own I/O by the run deadline (the http executor) fails at
+        // the very instant the run would have been cut: the deadline ended that run, not a
+        // retryable fault (which could otherwise be retried with a sliver of time left).
+        .map_err(|e| if by_deadline && Instant::now() >= started + limit { TaskError::Expired } else { e }),
         _ = tokio::time::sleep_until(started + limit) => {
             cancel.cancel();
             join.abort();
@@ -262,22 +269,22 @@ async fn settle(
         shared.ledger.release(lane, &env.id);
         return Outcome::Failed;
     }
-    let (outcome, state, text, success, published) = match fate {
-        Fate::Succeeded(v) => (Outcome::Succeeded, "succeeded", v.to_string(), true, Ok(())),
+    let (outcome, state, text, success, reason, published) = match fate {
+        Fate::Succeeded(v) => (Outcome::Succeeded, "succeeded", v.to_string(), true, "", Ok(())),
         Fate::Retry { error, delay } => {
             tracing::info!(error = %error, delay_ms = delay.as_millis() as u64, "attempt failed; retrying");
             let r = publish_retry(shared, env, attempt, max_attempts, delay, &error).await;
-            (Outcome::Retried, "retrying", error, false, r)
+            (Outcome::Retried, "retrying", error, false, "", r)
         }
         Fate::Dead { reason, error } => {
             tracing::warn!(reason, error = %error, "task dead");
             let r = dead_letter(shared, env, attempt, reason, &error).await;
-            (Outcome::Dead, "dead", error, false, r)
+            (Outcome::Dead, "dead", error, false, reason, r)
         }
         Fate::Expired { detail } => {
             tracing::info!(detail = %detail, "task expired");
             let r = dead_letter(shared, env, attempt, "expired", &detail).await;
-            (Outcome::Expired, "expired", detail, false, r)
+            (Outcome::Expired, "expired", detail, false, "expired", r)
         }
     };
     if let Err(e) = published {
@@ -291,7 +298,7 @@ async fn settle(
         Ok(false) => tracing::warn!("cannot ack: channel closed; the broker redelivers the task"),
         Err(e) => tracing::warn!(error = %e, "cannot ack; the broker redelivers the task"),
     }
-    shared.ledger.finish(Finished { lane, id: env.id.clone(), state, text, success });
+    shared.ledger.finish(Finished { lane, id: env.id.clone(), state, text, success, reason });
     outcome
 }
 

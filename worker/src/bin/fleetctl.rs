@@ -109,7 +109,7 @@ enum DeadCmd {
         #[arg(long, default_value_t = 20)]
         limit: u32,
     },
-    /// Send dead letters back to `<ns>.submit` with attempt 0 (removed from the dead queue).
+    /// Send dead letters back to `<ns>.submit` as new submissions, attempt 0 (removed from the dead queue).
     Replay {
         /// The task to replay.
         #[arg(required_unless_present = "all", conflicts_with = "all")]
@@ -490,6 +490,11 @@ async fn dead_replay(cli: &Cli, names: &Names, id: Option<&str>, all: bool) -> R
         }
         env.attempt = 0;
         env.not_before = None;
+        // A replay is a new submission: its wait is measured from now (not from the first
+        // submission, which would put days-old waits into the wait-time histogram and its
+        // alerts) and a missing group gets the full no-match grace again. An absolute
+        // deadline is kept: it is the producer's, not the first attempt's.
+        env.submitted_at = None;
         // The scheduler drops ids it has seen within its dedupe window: clear the mark.
         clear_dedupe(store.as_ref(), names, &env.id).await;
         let mut h = FieldTable::default();

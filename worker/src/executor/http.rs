@@ -7,6 +7,11 @@
 //! and timeouts → retryable. The request's timeout is the task's remaining time, bounded by
 //! `http_timeout_ms`. Headers `x-fleet-task-id`, `x-fleet-attempt` and `x-fleet-worker` help
 //! the endpoint deduplicate (delivery is at-least-once).
+//!
+//! The body is read up to [`MAX_BODY`] and the connection dropped after that (like the `exec`
+//! executor's output cap): an endpoint that answers with an endless or enormous body cannot
+//! exhaust the worker's memory nor hold the task until its deadline. The result keeps the
+//! first [`MAX_BODY`] bytes (the status record keeps less still).
 
 use futures::future::BoxFuture;
 use serde_json::Value;
@@ -16,6 +21,8 @@ use crate::config::HttpConfig;
 
 /// Longest slice of an error body kept in the error text.
 const ERROR_BODY: usize = 512;
+/// Bytes of a response body read at most; the rest is never read.
+pub const MAX_BODY: usize = 1 << 20;
 
 pub struct HttpHandler {
     client: reqwest::Client,
@@ -42,7 +49,7 @@ impl Handler for HttpHandler {
             if let Value::Object(m) = &mut wire {
                 m.insert("attempt".into(), task.attempt.into());
             }
-            let resp = client
+            let mut resp = client
                 .post(&url)
                 .timeout(timeout)
                 .header("x-fleet-task-id", task.envelope.id.as_str())
@@ -53,10 +60,17 @@ impl Handler for HttpHandler {
                 .await
                 .map_err(|e| TaskError::retryable(format!("http: {}", describe(&e))))?;
             let status = resp.status();
-            let body = resp
-                .bytes()
-                .await
-                .map_err(|e| TaskError::retryable(format!("http: reading the body: {}", describe(&e))))?;
+            let keep = if status.is_success() { MAX_BODY } else { ERROR_BODY };
+            let mut body = Vec::new();
+            while body.len() < keep {
+                match resp.chunk().await {
+                    Ok(Some(chunk)) => body.extend_from_slice(&chunk[..chunk.len().min(keep - body.len())]),
+                    Ok(None) => break,
+                    Err(e) => return Err(TaskError::retryable(format!("http: reading the body: {}", describe(&e)))),
+                }
+            }
+            // Dropping `resp` here closes the connection on whatever was not read.
+            drop(resp);
             if status.is_success() {
                 return Ok(json_or_string(&body));
             }
@@ -100,6 +114,14 @@ mod tests {
             .route("/bad", post(|| async { (StatusCode::UNPROCESSABLE_ENTITY, "no such image") }))
             .route("/busy", post(|| async { (StatusCode::TOO_MANY_REQUESTS, "later") }))
             .route("/boom", post(|| async { (StatusCode::BAD_GATEWAY, "upstream") }))
+            .route("/endless", post(|| async {
+                let chunks = futures::stream::repeat_with(|| Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b'x'; 64 * 1024])));
+                axum::body::Body::from_stream(chunks)
+            }))
+            .route("/endless-error", post(|| async {
+                let chunks = futures::stream::repeat_with(|| Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b'e'; 64 * 1024])));
+                (StatusCode::BAD_GATEWAY, axum::body::Body::from_stream(chunks))
+            }))
             .route("/slow", post(|| async {
                 tokio::time::sleep(Duration::from_secs(5)).await;
                 "late"
@@ -127,6 +149,18 @@ mod tests {
         let short = ctx("resize", json!({}), 1, Duration::from_millis(200));
         let e = handler(&base, "/slow").call(short).await.unwrap_err();
         assert!(matches!(&e, TaskError::Retryable(m) if m.contains("timed out")), "{e:?}");
+    }
+
+    #[tokio::test]
+    async fn an_endless_body_is_cut_at_the_cap() {
+        let base = server().await;
+        let t = || ctx("x", Value::Null, 1, Duration::from_secs(5));
+        let started = std::time::Instant::now();
+        let out = handler(&base, "/endless").call(t()).await.unwrap();
+        assert_eq!(out.as_str().map(str::len), Some(MAX_BODY));
+        let e = handler(&base, "/endless-error").call(t()).await.unwrap_err();
+        assert!(matches!(&e, TaskError::Retryable(m) if m.starts_with("http: 502") && m.len() < 600), "{e:?}");
+        assert!(started.elapsed() < Duration::from_secs(4), "read until the timeout: {:?}", started.elapsed());
     }
 
     #[tokio::test]

@@ -7,10 +7,15 @@
 //!
 //! * `builtin` — the demo/benchmark handlers of [`builtin`] and whatever the embedding program
 //!   registered; an unknown kind is a permanent error.
-//! * `http` — every kind goes to one endpoint ([`http`]).
-//! * `exec` — every kind runs one program ([`exec`]).
+//! * `http` — every kind (but `noop`, below) goes to one endpoint ([`http`]).
+//! * `exec` — every kind (but `noop`, below) runs one program ([`exec`]).
 //!
 //! Handlers registered by an embedding program always win over the fallback.
+//!
+//! `noop` is answered by the worker itself under every executor: the scheduler's black-box
+//! health probes are `noop` tasks on the critical lane, and they must measure the worker, not
+//! call the operator's endpoint or program (a slow program would fail every probe, and each
+//! failed probe would land in the dead-letter queue).
 
 pub mod builtin;
 pub mod exec;
@@ -136,10 +141,12 @@ impl Handlers {
             ExecutorKind::Http => {
                 let c = cfg.http.clone().ok_or("executor http without settings")?;
                 h.set_fallback(Arc::new(http::HttpHandler::new(c)?));
+                builtin::register_probe(&mut h);
             }
             ExecutorKind::Exec => {
                 let c = cfg.exec.clone().ok_or("executor exec without settings")?;
                 h.set_fallback(Arc::new(exec::ExecHandler::new(c)));
+                builtin::register_probe(&mut h);
             }
         }
         h.by_kind.extend(custom.by_kind);
@@ -155,6 +162,31 @@ pub(crate) fn json_or_string(bytes: &[u8]) -> serde_json::Value {
     match serde_json::from_slice(bytes) {
         Ok(v) => v,
         Err(_) => serde_json::Value::String(String::from_utf8_lossy(bytes).into_owned()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use fleet::config::Settings;
+
+    use super::*;
+
+    fn handlers(pairs: &[(&str, &str)]) -> Handlers {
+        let cfg = WorkerConfig::from_settings(&Settings::from_pairs(pairs.iter().map(|(k, v)| (*k, v.to_string())))).unwrap();
+        Handlers::for_config(&cfg, Handlers::default()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn probes_never_reach_the_endpoint_or_the_program() {
+        for pairs in [
+            vec![("executor", "exec"), ("exec_command", "false")],
+            vec![("executor", "http"), ("http_url", "http://127.0.0.1:9/")],
+        ] {
+            let h = handlers(&pairs);
+            let noop = h.get("noop").unwrap();
+            let probe = test_support::ctx("noop", serde_json::json!({"probe": true}), 1, std::time::Duration::from_secs(1));
+            assert_eq!(noop.call(probe).await, Ok(serde_json::Value::Null), "{pairs:?}");
+        }
     }
 }
 

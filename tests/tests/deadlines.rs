@@ -1,0 +1,151 @@
+//! Deadlines end to end: a task whose deadline has passed never runs — whether it is found
+//! expired by the scheduler (at dispatch) or by the worker (after waiting in its group queue) —
+//! and a run still going at its deadline is cut (the handler is cancelled and dropped) and ends
+//! `expired`, not retried.
+
+mod lifecycle;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fleet_tests::*;
+use fleet_worker::executor::handler_fn;
+use lifecycle::*;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn expired_tasks_never_run() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let rec = Recorder::default();
+    let h = [("record", rec.handler())];
+    let sched = start_scheduler(&ns, &[]).await?;
+    // One slot in the group under test; an idle group beside it keeps the fleet's load (and
+    // so the pressure) low while that slot is busy.
+    let slow = "pool=slow";
+    let w = start_worker(&ns, "w-slow", slow, 1, &[], &h).await?;
+    let idle = start_worker(&ns, "w-idle", "pool=idle", 8, &[], &h).await?;
+
+    // Expired on arrival: the scheduler dead-letters it at dispatch.
+    let mut late = task("record", json!({}), slow);
+    late.deadline = Some(chrono::Utc::now() - chrono::Duration::seconds(1));
+    ns.submit(std::slice::from_ref(&late)).await?;
+    let st = wait_state(&ns, &late.id, "expired", Duration::from_secs(15)).await?;
+    assert_eq!(st.get("reason").map(String::as_str), Some("expired"), "{st:?}");
+    assert_eq!(st.get("error").map(String::as_str), Some("deadline passed before dispatch"));
+
+    // Expires while queued behind a 3 s task on the only slot: the worker drops it unrun.
+    let blocker = task("record", json!({"ms": 3000}), slow);
+    ns.submit(std::slice::from_ref(&blocker)).await?;
+    wait_for("the blocker to start", Duration::from_secs(15), || async { (rec.count() == 1).then_some(()) }).await?;
+    let mut queued = task("record", json!({}), slow);
+    queued.timeout_ms = Some(1000);
+    ns.submit(std::slice::from_ref(&queued)).await?;
+    let st = wait_state(&ns, &queued.id, "expired", Duration::from_secs(15)).await?;
+    assert_eq!(st.get("worker").map(String::as_str), Some("w-slow"), "expired at the worker: {st:?}");
+    assert_eq!(st.get("error").map(String::as_str), Some("deadline passed before the task started"));
+    assert_eq!(st.get("reason").map(String::as_str), Some("expired"));
+    wait_state(&ns, &blocker.id, "succeeded", Duration::from_secs(10)).await?;
+
+    let runs = rec.runs();
+    assert_eq!(runs.len(), 1, "only the blocker ran: {runs:?}");
+    assert_eq!(runs[0].0, blocker.id);
+    let dead = wait_dead(&ns, 2, Duration::from_secs(10)).await?;
+    for d in &dead {
+        assert_eq!(d.header("x-fleet-reason"), Some("expired"), "{}: {:?}", d.env.id, d.headers);
+    }
+    let ids: std::collections::BTreeSet<_> = dead.iter().map(|d| d.env.id.clone()).collect();
+    assert_eq!(ids, [late.id.clone(), queued.id.clone()].into_iter().collect());
+
+    // Counted as expired: once by the scheduler (group "none"), once in the worker's group.
+    let b = base(&sched);
+    assert_eq!(completed_at_least(&b, "none", "expired", 1).await?, 1);
+    assert_eq!(completed_at_least(&b, &group_of(slow, "builtin"), "expired", 1).await?, 1);
+    assert_eq!(completed(&b, &group_of(slow, "builtin"), "succeeded").await?, 1);
+
+    w.stop().await?;
+    idle.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
+/// Records, when a run's future is dropped before it completed, whether its cancellation
+/// token had fired by then.
+struct DropWatch {
+    log: Arc<Mutex<Vec<String>>>,
+    cancel: CancellationToken,
+    completed: bool,
+}
+
+impl Drop for DropWatch {
+    fn drop(&mut self) {
+        if !self.completed {
+            if let Ok(mut l) = self.log.lock() {
+                l.push(format!("dropped, cancelled={}", self.cancel.is_cancelled()));
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_run_past_its_deadline_is_cut_and_expires() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let sched = start_scheduler(&ns, &[]).await?;
+    let log: Arc<Mutex<Vec<String>>> = Arc::default();
+    let starts = Attempts::default();
+    let (l, s) = (log.clone(), starts.clone());
+    let watch = handler_fn(move |ctx| {
+        let (log, starts) = (l.clone(), s.clone());
+        async move {
+            starts.record(&ctx.envelope.id, ctx.attempt);
+            let mut guard = DropWatch { log: log.clone(), cancel: ctx.cancel.clone(), completed: false };
+            tokio::time::sleep(Duration::from_secs(20)).await;
+            guard.completed = true;
+            if let Ok(mut l) = log.lock() {
+                l.push("completed".into());
+            }
+            Ok(json!("slept 20 s"))
+        }
+    });
+    let labels = "case=cut";
+    let group = group_of(labels, "builtin");
+    let w = start_worker(&ns, "w-cut", labels, 4, &[], &[("watch", watch)]).await?;
+
+    let mut builtin = task("sleep", json!({"ms": 20_000}), labels);
+    builtin.timeout_ms = Some(700);
+    builtin.max_attempts = Some(3);
+    let mut custom = task("watch", json!({}), labels);
+    custom.timeout_ms = Some(700);
+    custom.max_attempts = Some(3);
+    let submitted = Instant::now();
+    ns.submit(&[builtin.clone(), custom.clone()]).await?;
+
+    for t in [&builtin, &custom] {
+        let st = wait_state(&ns, &t.id, "expired", Duration::from_secs(10)).await?;
+        assert_eq!(st.get("error").map(String::as_str), Some("deadline reached during the run"), "{st:?}");
+        assert_eq!(st.get("attempt").map(String::as_str), Some("1"), "not retried: {st:?}");
+        assert_eq!(st.get("reason").map(String::as_str), Some("expired"));
+        let ran_ms = st["finished_at"].parse::<i64>()? - st["started_at"].parse::<i64>()?;
+        println!("{}: ran {ran_ms} ms of a 20 s sleep before the 700 ms deadline cut it", t.kind);
+        assert!(ran_ms < 2_000, "{} ran {ran_ms} ms: not cut at its deadline", t.kind);
+    }
+    let took = submitted.elapsed();
+    println!("both expired {} ms after submission", took.as_millis());
+    assert!(took < Duration::from_secs(8), "expiry took {took:?}");
+
+    // The custom handler was cancelled, then dropped, and never got past its sleep.
+    wait_for("the cut run to be dropped", Duration::from_secs(5), || async { (!log.lock().ok()?.is_empty()).then_some(()) }).await?;
+    assert_eq!(*log.lock().map_err(|_| anyhow::anyhow!("poisoned"))?, vec!["dropped, cancelled=true".to_string()]);
+    assert_eq!(starts.of(&custom.id), vec![1], "started once, never retried");
+
+    let dead = wait_dead(&ns, 2, Duration::from_secs(10)).await?;
+    assert!(dead.iter().all(|d| d.header("x-fleet-reason") == Some("expired")), "{dead:?}");
+    let b = format!("http://{}", w.addr);
+    assert_eq!(completed_at_least(&b, &group, "expired", 2).await?, 2);
+    assert_eq!(completed(&b, &group, "retried").await?, 0);
+    assert_eq!(completed(&b, &group, "succeeded").await?, 0);
+
+    w.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}

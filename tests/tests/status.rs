@@ -1,0 +1,191 @@
+//! Task status end to end: `GET /v1/tasks/{id}` on the scheduler follows a task through
+//! queued → running → retrying → (queued →) running → succeeded, and `fleetctl status ID`
+//! (`--wait`) prints the same record as JSON with meaningful exit codes. Each state is held
+//! by the test (gated handler runs, a full worker slot) so it is observed, not raced.
+
+mod lifecycle;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fleet_tests::*;
+use fleet_worker::executor::{handler_fn, TaskError};
+use lifecycle::*;
+use serde_json::{json, Value};
+
+/// Polls a task's status through the API and keeps every change of (state, attempt).
+struct Watcher {
+    seen: Arc<Mutex<Vec<(String, String)>>>,
+    stop: Arc<AtomicBool>,
+    join: tokio::task::JoinHandle<()>,
+}
+
+impl Watcher {
+    fn start(url: String) -> Watcher {
+        let seen: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s, st) = (seen.clone(), stop.clone());
+        let join = tokio::spawn(async move {
+            let client = reqwest::Client::new();
+            while !st.load(Ordering::SeqCst) {
+                if let Ok(r) = client.get(&url).send().await {
+                    if let Ok(v) = r.json::<Value>().await {
+                        let state = v["state"].as_str().unwrap_or("").to_string();
+                        let attempt = v["attempt"].as_str().unwrap_or("").to_string();
+                        if let Ok(mut seen) = s.lock() {
+                            if !state.is_empty() && seen.last() != Some(&(state.clone(), attempt.clone())) {
+                                seen.push((state, attempt));
+                            }
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        });
+        Watcher { seen, stop, join }
+    }
+
+    async fn finish(self) -> Vec<(String, String)> {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.join).await;
+        self.seen.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let sched = start_scheduler(&ns, &[]).await?;
+    let gate = Gate::default();
+    let g = gate.clone();
+    // Each run waits for the test to open its gate; `fail_first` fails attempt 1.
+    let gated = handler_fn(move |ctx| {
+        let g = g.clone();
+        async move {
+            g.pass(&ctx.envelope.id).await;
+            if ctx.envelope.payload["fail_first"] == true && ctx.attempt == 1 {
+                return Err(TaskError::retryable("first attempt fails"));
+            }
+            Ok(json!({"attempt": ctx.attempt}))
+        }
+    });
+    let h = [("gated", gated)];
+    // One slot under test; the idle group keeps the fleet's load, and so the pressure, low.
+    // A long backoff keeps `retrying` visible (the wait is at least one 100 ms delay tier).
+    let w = start_worker(&ns, "w-status", "pool=status", 1, &[("retry_base_ms", "2000"), ("retry_cap_ms", "2000")], &h).await?;
+    let idle = start_worker(&ns, "w-idle", "pool=idle", 8, &[], &h).await?;
+    let api = base(&sched);
+
+    // A holds the only slot.
+    let a = task("gated", json!({}), "pool=status");
+    ns.submit(std::slice::from_ref(&a)).await?;
+    wait_state(&ns, &a.id, "running", Duration::from_secs(15)).await?;
+
+    // B waits in the group queue behind it: queued.
+    let mut b = task("gated", json!({"fail_first": true}), "pool=status");
+    b.max_attempts = Some(3);
+    let watcher = Watcher::start(sched.url(&format!("/v1/tasks/{}", b.id)));
+    ns.submit(std::slice::from_ref(&b)).await?;
+    wait_state(&ns, &b.id, "queued", Duration::from_secs(15)).await?;
+    let st = get_json(&sched.url(&format!("/v1/tasks/{}", b.id))).await?;
+    assert_eq!((st["id"].as_str(), st["state"].as_str(), st["lane"].as_str()), (Some(b.id.as_str()), Some("queued"), Some("normal")), "{st}");
+    assert_eq!(st["group"], group_of("pool=status", "builtin"));
+
+    // fleetctl status: the same record as JSON; exit 0.
+    let (code, out, err) = fleetctl(&ns, &api, &["status", &b.id]).await?;
+    assert_eq!(code, 0, "stderr: {err}");
+    let printed: Value = serde_json::from_str(&out)?;
+    assert_eq!(printed["state"], "queued");
+    assert_eq!(printed["id"], b.id.as_str());
+    // --wait on a task that does not finish in time: prints the last record, exit 1.
+    let (code, out, err) = fleetctl(&ns, &api, &["status", &b.id, "--wait", "--timeout-s", "1"]).await?;
+    assert_eq!(code, 1, "stdout: {out}");
+    assert_eq!(serde_json::from_str::<Value>(&out)?["state"], "queued");
+    assert!(err.contains("timed out"), "{err}");
+
+    // A finishes; B runs (held), fails its first attempt (retrying), comes back and runs
+    // again (held).
+    gate.open(&a.id);
+    wait_state(&ns, &a.id, "succeeded", Duration::from_secs(15)).await?;
+    wait_state(&ns, &b.id, "running", Duration::from_secs(15)).await?;
+    gate.open(&b.id);
+    let st = wait_state(&ns, &b.id, "retrying", Duration::from_secs(15)).await?;
+    assert_eq!(st.get("error").map(String::as_str), Some("first attempt fails"), "{st:?}");
+    assert_eq!(st.get("attempt").map(String::as_str), Some("1"));
+    wait_for("attempt 2 to run", Duration::from_secs(15), || async {
+        let s = ns.status(&b.id).await.ok().flatten()?;
+        (s.get("state").map(String::as_str) == Some("running") && s.get("attempt").map(String::as_str) == Some("2")).then_some(())
+    })
+    .await?;
+
+    // fleetctl status --wait returns once the task is finished: exit 0 with the final record.
+    let waiting = {
+        let (ns_name, api, id) = (ns.name.clone(), api.clone(), b.id.clone());
+        let bin = bin_path("fleetctl")?;
+        tokio::spawn(async move {
+            tokio::process::Command::new(bin)
+                .args(["status", &id, "--wait", "--timeout-s", "30"])
+                .env("FLEET_NAMESPACE", ns_name)
+                .env("FLEET_API_URL", api)
+                .kill_on_drop(true)
+                .output()
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gate.open(&b.id);
+    let out = tokio::time::timeout(Duration::from_secs(40), waiting).await???;
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let fin: Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(fin["state"], "succeeded", "{fin}");
+    assert_eq!(fin["attempt"], "2");
+    assert_eq!(fin["worker"], "w-status");
+    assert_eq!(fin["result"], r#"{"attempt":2}"#);
+    assert!(fin.get("error").is_none(), "the first attempt's error is gone: {fin}");
+    for k in ["queued_at", "started_at", "finished_at"] {
+        assert!(fin[k].as_str().is_some_and(|v| v.parse::<i64>().is_ok()), "{k}: {fin}");
+    }
+
+    // Every state the API showed for B, in order. The `queued` between the retry's return and
+    // attempt 2 lasts milliseconds and may slip between two polls.
+    let seen = watcher.finish().await;
+    println!("B as seen through the API: {seen:?}");
+    let mut states: Vec<(String, String)> = seen.clone();
+    if states.get(3).is_some_and(|(s, _)| s == "queued") {
+        states.remove(3);
+    }
+    let want: Vec<(String, String)> = [("queued", ""), ("running", "1"), ("retrying", "1"), ("running", "2"), ("succeeded", "2")]
+        .iter()
+        .map(|(s, a)| (s.to_string(), a.to_string()))
+        .collect();
+    assert_eq!(states, want, "seen: {seen:?}");
+
+    w.stop().await?;
+    idle.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unknown_tasks_are_404_and_fleetctl_exits_1() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let sched = start_scheduler(&ns, &[]).await?;
+    let r = reqwest::get(sched.url("/v1/tasks/no-such-task")).await?;
+    assert_eq!(r.status().as_u16(), 404);
+    let body: Value = r.json().await?;
+    assert_eq!(body["error"], "unknown_task");
+    let api = base(&sched);
+    for args in [vec!["status", "no-such-task"], vec!["status", "no-such-task", "--wait", "--timeout-s", "1"]] {
+        let (code, out, err) = fleetctl(&ns, &api, &args).await?;
+        assert_eq!(code, 1, "{args:?}: stdout {out}");
+        assert!(out.is_empty(), "{args:?}: {out}");
+        assert!(err.contains("task no-such-task not found"), "{args:?}: {err}");
+    }
+    // No scheduler to ask: an error, exit 1.
+    let (code, _, err) = fleetctl(&ns, "http://127.0.0.1:9", &["status", "x"]).await?;
+    assert_eq!(code, 1);
+    assert!(err.contains("GET http://127.0.0.1:9/v1/tasks/x"), "{err}");
+    sched.stop().await?;
+    ns.cleanup().await
+}
