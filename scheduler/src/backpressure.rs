@@ -119,6 +119,7 @@ impl Controller {
         let t = Thresholds::from_config(&self.cfg);
         let names = self.cfg.common.names();
         let mut tick = tokio::time::interval(self.cfg.pressure_interval);
+        let mut sampler: Option<lapin::Channel> = None;
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
@@ -137,7 +138,12 @@ impl Controller {
             let ingress = topology::depth(&self.conn, &names.ingress_queue(Lane::Normal)).await.unwrap_or(0);
             let mut parked = 0u64;
             for g in &groups {
-                parked += u64::from(topology::depth(&self.conn, &names.park_queue(&g.group, Lane::Normal)).await.unwrap_or(0));
+                if sampler.as_ref().is_none_or(|c| !c.status().connected()) {
+                    sampler = self.conn.create_channel().await.ok();
+                }
+                if let Some(ch) = &sampler {
+                    parked += u64::from(topology::park_depth(ch, &self.cfg.common, &g.group, Lane::Normal).await.unwrap_or(0));
+                }
             }
             let s = sample(&t, &groups, u64::from(ingress), parked);
             let old = self.tx.borrow().state;

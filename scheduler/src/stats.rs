@@ -41,6 +41,7 @@ async fn sample(d: &Dispatcher) -> fleet::Result<()> {
         }
     }
     let groups = d.store.groups().await?;
+    let parks = d.conn.create_channel().await?;
     let now = now_ms();
     let lease = d.cfg.reservation_lease.as_millis() as i64;
     for g in &groups {
@@ -52,11 +53,14 @@ async fn sample(d: &Dispatcher) -> fleet::Result<()> {
         }
         let mut backlog = 0u32;
         for lane in Lane::ALL {
-            for q in [n.group_queue(&g.group, lane), n.park_queue(&g.group, lane)] {
-                if let Some(depth) = topology::depth(&d.conn, &q).await {
-                    metrics::gauge!(m::QUEUE_DEPTH, "queue" => q.clone()).set(f64::from(depth));
-                    backlog += depth;
-                }
+            let q = n.group_queue(&g.group, lane);
+            if let Some(depth) = topology::depth(&d.conn, &q).await {
+                metrics::gauge!(m::QUEUE_DEPTH, "queue" => q).set(f64::from(depth));
+                backlog += depth;
+            }
+            if let Ok(depth) = topology::park_depth(&parks, &d.cfg.common, &g.group, lane).await {
+                metrics::gauge!(m::QUEUE_DEPTH, "queue" => n.park_queue(&g.group, lane)).set(f64::from(depth));
+                backlog += depth;
             }
         }
         metrics::gauge!(m::GROUP_BACKLOG, "group" => g.group.clone()).set(f64::from(backlog));
@@ -70,6 +74,7 @@ async fn sample(d: &Dispatcher) -> fleet::Result<()> {
         let age = oldest.first().map(|(_, exp)| ((now - (*exp as i64 - lease)).max(0) as f64) / 1000.0).unwrap_or(0.0);
         metrics::gauge!(m::GROUP_OLDEST_AGE, "group" => g.group.clone()).set(if backlog == 0 { 0.0 } else { age });
     }
+    let _ = parks.close(200, "ok".into()).await;
     let workers = d.store.workers().await?;
     let mut by_state: BTreeMap<&str, u32> = [("active", 0), ("draining", 0), ("ejected", 0)].into_iter().collect();
     for w in &workers {

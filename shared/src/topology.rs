@@ -132,6 +132,13 @@ pub async fn declare_park(ch: &Channel, cfg: &CommonConfig, group: &str, lane: L
     bind(ch, &q, &n.tasks_exchange(), &n.park_key(group, lane), FieldTable::default()).await
 }
 
+/// Depth of a group's park queue, declaring it if needed (idempotent: same arguments), so
+/// sampling never trips over a park queue that no task has needed yet.
+pub async fn park_depth(ch: &Channel, cfg: &CommonConfig, group: &str, lane: Lane) -> Result<u32> {
+    let q = cfg.names().park_queue(group, lane);
+    queue(ch, &q, bounded(cfg.queue_type, cfg.park_bound(lane))).await
+}
+
 /// Depth of a queue (passive declare), `None` when it does not exist. Uses its own channel
 /// because a passive declare of a missing queue closes the channel.
 pub async fn depth(conn: &lapin::Connection, queue_name: &str) -> Option<u32> {
