@@ -187,6 +187,19 @@ impl Store {
         Ok(old.and_then(|s| WorkerState::parse(&s)))
     }
 
+    /// Ejects an active worker unless it is the last active capacity of its group.
+    /// `Some(true)` ejected, `Some(false)` refused (last one), `None` unknown or not active.
+    pub async fn try_eject(&self, id: &str) -> Result<Option<bool>> {
+        let mut inv = self.scripts.eject.prepare_invoke();
+        inv.key(self.names.prefix()).arg(id);
+        let r: i64 = self.invoke(&inv).await?;
+        Ok(match r {
+            1 => Some(true),
+            0 => Some(false),
+            _ => None,
+        })
+    }
+
     /// A worker's current state, `None` when not registered.
     pub async fn worker_state(&self, id: &str) -> Result<Option<WorkerState>> {
         let s: Option<String> = self.query(redis::cmd("HGET").arg(self.names.worker(id)).arg("state")).await?;

@@ -148,3 +148,19 @@ async fn strategies_choose_as_documented() -> anyhow::Result<()> {
     assert!(to_a * 3 < to_b, "unhealthy group got {to_a} vs {to_b}");
     ns.cleanup().await
 }
+
+#[tokio::test]
+async fn the_last_active_worker_of_a_group_is_never_ejected() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    register(&ns.store, "only", "pool=e,protocol=builtin", 3).await?;
+    assert_eq!(ns.store.try_eject("only").await?, Some(false), "last active worker stays in");
+    assert_eq!(ns.store.groups().await?[0].capacity, 3);
+    register(&ns.store, "peer", "pool=e,protocol=builtin", 2).await?;
+    assert_eq!(ns.store.try_eject("only").await?, Some(true));
+    assert_eq!(ns.store.groups().await?[0].capacity, 2);
+    assert_eq!(ns.store.worker_state("only").await?, Some(WorkerState::Ejected));
+    // With its peer the only active one left, the peer cannot be ejected too.
+    assert_eq!(ns.store.try_eject("peer").await?, Some(false));
+    assert_eq!(ns.store.try_eject("ghost").await?, None);
+    ns.cleanup().await
+}

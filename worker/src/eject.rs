@@ -129,6 +129,20 @@ impl Ejector {
                     continue;
                 }
                 let ratio = self.error_ratio();
+                // Never eject the last active worker of a group: its tasks would find no
+                // worker at all (and end as no_matching_worker) instead of a failing one.
+                match store.try_eject(&worker_id).await {
+                    Ok(Some(false)) => {
+                        tracing::warn!(error_ratio = ratio, "too many errors, but this is the last active worker of its group: staying in");
+                        self.clear();
+                        continue;
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
+                        tracing::warn!(error = %e, "cannot check the group before ejecting; ejecting locally");
+                    }
+                }
                 if !control.eject() {
                     continue;
                 }

@@ -380,6 +380,17 @@ async fn lost_registration_is_restored() -> Result<()> {
 #[tokio::test]
 async fn failing_worker_ejects_itself_and_comes_back() -> Result<()> {
     let f = Fleet::new("smoke=eject").await?;
+    // A peer in the same group: the last active worker of a group is never ejected.
+    let peer = fleet::registry::Registration {
+        id: "w-eject-peer".into(),
+        instance: "peer".into(),
+        labels: fleet::Labels::parse("smoke=eject,protocol=builtin")?,
+        capacity: 1,
+        critical_capacity: 1,
+        executor: "builtin".into(),
+        state: fleet::registry::WorkerState::Active,
+    };
+    f.store.register(&peer, 30_000).await?;
     let cfg = f.settings(
         "w-eject",
         &[("eject_window", "4"), ("eject_min_samples", "4"), ("eject_error_ratio", "0.5"), ("eject_cooldown_ms", "1500")],
