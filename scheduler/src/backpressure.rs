@@ -118,15 +118,9 @@ impl Controller {
     pub async fn run(self, shutdown: CancellationToken) {
         let t = Thresholds::from_config(&self.cfg);
         let names = self.cfg.common.names();
-        let mut tick = tokio::time::interval(self.cfg.pressure_interval);
+        let mut ticker = crate::ticker::Ticker::new(self.cfg.pressure_interval);
         let mut sampler: Option<lapin::Channel> = None;
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => return,
-                _ = tick.tick() => {}
-            }
+        while ticker.tick(&shutdown).await {
             let groups = match self.store.groups().await {
                 Ok(g) => g,
                 Err(e) => {

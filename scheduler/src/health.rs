@@ -32,14 +32,8 @@ const ORPHAN_BATCH: usize = 500;
 
 pub async fn run(d: Arc<Dispatcher>, shutdown: CancellationToken) -> fleet::Result<()> {
     let cfg = d.cfg.clone();
-    let mut tick = tokio::time::interval(cfg.health_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => return Ok(()),
-            _ = tick.tick() => {}
-        }
+    let mut ticker = crate::ticker::Ticker::new(cfg.health_interval);
+    while ticker.tick(&shutdown).await {
         match d.store.evict_stale(cfg.heartbeat_timeout.as_millis() as i64).await {
             Ok(ids) => {
                 for id in &ids {
@@ -56,6 +50,7 @@ pub async fn run(d: Arc<Dispatcher>, shutdown: CancellationToken) -> fleet::Resu
             tracing::warn!(error = %e, "orphan rescue failed");
         }
     }
+    Ok(())
 }
 
 /// Moves tasks out of group queues whose group has no active capacity, where another group can

@@ -16,6 +16,7 @@ pub mod park;
 pub mod probe;
 pub mod scheduler;
 pub mod stats;
+pub mod ticker;
 
 pub use config::SchedulerConfig;
 pub use scheduler::run;

@@ -93,13 +93,8 @@ pub async fn release_loop(d: Arc<Dispatcher>, group: String, lane: Lane, shutdow
 /// Finds groups (from Redis, every 2 s) and starts a release loop for each group and lane.
 pub async fn discover(d: Arc<Dispatcher>, tracker: TaskTracker, shutdown: CancellationToken) -> fleet::Result<()> {
     let mut running: HashSet<(String, Lane)> = HashSet::new();
-    let mut tick = tokio::time::interval(Duration::from_secs(2));
-    loop {
-        tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => return Ok(()),
-            _ = tick.tick() => {}
-        }
+    let mut ticker = crate::ticker::Ticker::new(Duration::from_secs(2));
+    while ticker.tick(&shutdown).await {
         let groups = match d.store.group_names().await {
             Ok(g) => g,
             Err(e) => {
@@ -131,4 +126,5 @@ pub async fn discover(d: Arc<Dispatcher>, tracker: TaskTracker, shutdown: Cancel
             }
         }
     }
+    Ok(())
 }

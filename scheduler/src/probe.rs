@@ -28,14 +28,8 @@ pub struct ProbeResult {
 pub type ProbeBoard = Arc<RwLock<HashMap<String, ProbeResult>>>;
 
 pub async fn run(d: Arc<Dispatcher>, board: ProbeBoard, shutdown: CancellationToken) -> fleet::Result<()> {
-    let mut tick = tokio::time::interval(d.cfg.probe_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => return Ok(()),
-            _ = tick.tick() => {}
-        }
+    let mut ticker = crate::ticker::Ticker::new(d.cfg.probe_interval);
+    while ticker.tick(&shutdown).await {
         let groups = match d.store.groups().await {
             Ok(g) => g,
             Err(e) => {
@@ -49,6 +43,7 @@ pub async fn run(d: Arc<Dispatcher>, board: ProbeBoard, shutdown: CancellationTo
             .map(|g| probe_one(d.clone(), board.clone(), g.group, shutdown.clone()));
         futures::future::join_all(probes).await;
     }
+    Ok(())
 }
 
 async fn probe_one(d: Arc<Dispatcher>, board: ProbeBoard, group: String, shutdown: CancellationToken) {

@@ -13,22 +13,17 @@ use tokio_util::sync::CancellationToken;
 use crate::dispatch::Dispatcher;
 
 pub async fn run(d: Arc<Dispatcher>, shutdown: CancellationToken) -> fleet::Result<()> {
-    let mut tick = tokio::time::interval(d.cfg.stats_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut ticker = crate::ticker::Ticker::new(d.cfg.stats_interval);
     let n = d.names.clone();
     for lane in Lane::ALL {
         metrics::gauge!(m::QUEUE_BOUND, "queue" => n.ingress_queue(lane)).set(f64::from(d.cfg.common.ingress_max(lane)));
     }
-    loop {
-        tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => return Ok(()),
-            _ = tick.tick() => {}
-        }
+    while ticker.tick(&shutdown).await {
         if let Err(e) = sample(&d).await {
             tracing::debug!(error = %e, "stats sample failed");
         }
     }
+    Ok(())
 }
 
 async fn sample(d: &Dispatcher) -> fleet::Result<()> {
