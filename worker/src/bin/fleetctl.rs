@@ -495,6 +495,10 @@ async fn dead_replay(cli: &Cli, names: &Names, id: Option<&str>, all: bool) -> R
         // alerts) and a missing group gets the full no-match grace again. An absolute
         // deadline is kept: it is the producer's, not the first attempt's.
         env.submitted_at = None;
+        // A relative timeout starts again from the replay; only an absolute deadline stays.
+        if env.timeout_ms.is_some() {
+            env.deadline = None;
+        }
         // The scheduler drops ids it has seen within its dedupe window: clear the mark.
         clear_dedupe(store.as_ref(), names, &env.id).await;
         let mut h = FieldTable::default();

@@ -41,7 +41,15 @@ impl Handler for ExecHandler {
 
 async fn run(cfg: ExecConfig, task: TaskContext) -> Result<Value, TaskError> {
     let (program, args) = cfg.argv.split_first().ok_or_else(|| TaskError::permanent("exec: empty command"))?;
-    let mut child = Command::new(program)
+    let mut cmd = Command::new(program);
+    // The worker's own settings (broker and Redis URLs with their credentials) are not the
+    // task's business: the child gets the environment minus every FLEET_* variable.
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("FLEET_") {
+            cmd.env_remove(key);
+        }
+    }
+    let mut child = cmd
         .args(args)
         .env("FLEET_TASK_ID", &task.envelope.id)
         .env("FLEET_TASK_KIND", &task.envelope.kind)
@@ -186,5 +194,16 @@ mod tests {
         let r = tokio::time::timeout(Duration::from_millis(200), h.call(t(Value::Null))).await;
         assert!(r.is_err());
         assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn the_workers_settings_do_not_leak_into_the_child() {
+        // 2021 edition: set_var is safe; the name is unique to this test.
+        std::env::set_var("FLEET_TEST_SECRET_URL", "amqp://user:secret@host");
+        let out = handler(&["env"]).call(t(Value::Null)).await.unwrap();
+        let env = out.as_str().unwrap();
+        assert!(!env.contains("FLEET_TEST_SECRET_URL"), "{env}");
+        assert!(env.contains("FLEET_TASK_ID="), "{env}");
+        assert!(env.contains("PATH="), "{env}");
     }
 }
