@@ -55,6 +55,9 @@ pub struct ReserveParams {
 pub struct Finished {
     pub lane: Lane,
     pub id: String,
+    /// The attempt that ended: a late write from an older attempt never overwrites the status
+    /// of a newer one (ledger batches of different workers may land out of order).
+    pub attempt: u32,
     /// `succeeded`, `retrying`, `dead` or `expired`.
     pub state: &'static str,
     /// The result (success) or the error text, truncated.
@@ -175,6 +178,7 @@ impl Store {
         for f in tasks {
             inv.arg(f.lane.as_str())
                 .arg(&f.id)
+                .arg(f.attempt)
                 .arg(f.state)
                 .arg(if f.success { "result" } else { "error" })
                 .arg(truncate(&f.text, MAX_STATUS_TEXT))

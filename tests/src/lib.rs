@@ -231,6 +231,9 @@ pub const WORKER_DEFAULTS: &[(&str, &str)] = &[
     ("drain_grace_ms", "10000"),
     ("retry_base_ms", "100"),
     ("retry_cap_ms", "2000"),
+    // Leases far longer than the heartbeat: a test machine under load may delay a heartbeat,
+    // and an expiring lease would make load (and pressure) flicker.
+    ("run_lease_ms", "10000"),
 ];
 
 /// Starts a worker in-process with `id`, `labels`, `capacity`, extra settings and handlers.

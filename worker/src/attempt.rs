@@ -298,7 +298,7 @@ async fn settle(
         Ok(false) => tracing::warn!("cannot ack: channel closed; the broker redelivers the task"),
         Err(e) => tracing::warn!(error = %e, "cannot ack; the broker redelivers the task"),
     }
-    shared.ledger.finish(Finished { lane, id: env.id.clone(), state, text, success, reason });
+    shared.ledger.finish(Finished { lane, id: env.id.clone(), attempt, state, text, success, reason });
     outcome
 }
 

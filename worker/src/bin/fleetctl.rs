@@ -533,7 +533,8 @@ async fn dead_replay(cli: &Cli, names: &Names, id: Option<&str>, all: bool) -> R
 
 async fn clear_dedupe(store: Option<&Store>, names: &Names, id: &str) {
     let Some(store) = store else { return };
-    if let Err(e) = store.query::<i64>(redis::cmd("DEL").arg(names.dedupe(id))).await {
+    // The old status (attempt N, dead) goes too: the replay starts again from attempt 1.
+    if let Err(e) = store.query::<i64>(redis::cmd("DEL").arg(names.dedupe(id)).arg(names.task(id))).await {
         eprintln!("fleetctl: warning: cannot clear the dedupe mark of {id} ({e}); the scheduler may drop the replay as a duplicate");
     }
 }
