@@ -372,6 +372,12 @@ impl Dispatcher {
             tracing::warn!(error = %e, "cannot give back reservations (their leases will expire)");
         }
         out.dispatched = fates.iter().filter(|f| matches!(f, Some(Fate::Dispatch(_)))).count();
+        if matches!(source, Source::Ingress(_)) {
+            let handed: Vec<&str> = acks.iter().filter_map(|&i| envs[i].as_ref().map(|e| e.id.as_str())).collect();
+            if let Err(e) = self.store.mark_handed_on(&handed).await {
+                tracing::warn!(error = %e, "cannot mark submissions handed on (a redelivery could run them twice)");
+            }
+        }
         let ack_futs = acks.iter().map(|&i| batch[i].acker.ack(BasicAckOptions::default()));
         for r in join_all(ack_futs).await {
             if let Err(e) = r {

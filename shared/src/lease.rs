@@ -24,7 +24,8 @@ pub enum Dedupe {
     Skip,
     /// Set-if-absent: a seen id is a duplicate.
     Check,
-    /// Set without checking (a redelivered ingress message may have set it itself).
+    /// A redelivered ingress message: a duplicate only if it was already handed on
+    /// ([`Store::mark_handed_on`]); otherwise its mark may be this scheduler's own.
     Mark,
 }
 
@@ -139,6 +140,19 @@ impl Store {
     /// Clears a group's "has parked tasks" flag (its park loop released everything).
     pub async fn clear_parked(&self, group: &str, lane: Lane) -> Result<()> {
         self.query::<()>(redis::cmd("DEL").arg(self.names.parked(group, lane))).await
+    }
+
+    /// Marks ingress submissions as handed on (their publishes are confirmed), just before
+    /// their ingress messages are acked: a redelivery after a lost ack is then a duplicate.
+    pub async fn mark_handed_on(&self, ids: &[&str]) -> Result<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let mut p = redis::pipe();
+        for id in ids {
+            p.cmd("SET").arg(self.names.dedupe(id)).arg("a").arg("XX").arg("KEEPTTL").ignore();
+        }
+        self.pipe::<()>(&p).await
     }
 
     /// Gives back reservations whose publish failed.

@@ -103,6 +103,13 @@ async fn dedupe_and_no_match() -> anyhow::Result<()> {
     assert!(matches!(a[0], Reservation::Reserved(_)));
     let b = ns.store.reserve(&[req("same".into(), Dedupe::Check)], params()).await?;
     assert_eq!(b[0], Reservation::Duplicate);
+    // A redelivered message whose first handling never finished goes ahead...
+    let r = ns.store.reserve(&[req("same".into(), Dedupe::Mark)], params()).await?;
+    assert!(matches!(r[0], Reservation::Reserved(_)), "{r:?}");
+    // ...but once handed on (confirmed, about to be acked), a redelivery is a duplicate.
+    ns.store.mark_handed_on(&["same"]).await?;
+    let r = ns.store.reserve(&[req("same".into(), Dedupe::Mark)], params()).await?;
+    assert_eq!(r[0], Reservation::Duplicate);
     let none = ReserveRequest { selector: Labels::parse("gpu=false")?, ..req("x".into(), Dedupe::Skip) };
     let c = ns.store.reserve(&[none], params()).await?;
     assert_eq!(c[0], Reservation::NoMatch);

@@ -4,7 +4,8 @@
 -- ARGV[3]: backlog factor        ARGV[4]: default strategy
 -- ARGV[5]: dedupe window (ms)    ARGV[6]: status TTL (ms)
 -- ARGV[7]: number of tasks, then per task:
---   id, lane, strategy ('' = default), dedupe (0 skip | 1 set-if-absent | 2 set),
+--   id, lane, strategy ('' = default), dedupe (0 skip | 1 set-if-absent | 2 redelivered:
+--   duplicate only if already handed on),
 --   from park (1: released from a park queue, 0: new work), random in [0,1),
 --   number of selector pairs n, then n pairs `k=v`
 -- A group with parked tasks (flag `pk:<group>:<lane>`, set here when a task is parked and
@@ -76,11 +77,19 @@ for t = 1, n do
   i = i + 7 + nsel
   if strategy == '' then strategy = default_strategy end
 
+  -- Dedupe marks: 'p' while a submission is being handled, 'a' once the scheduler has
+  -- handed it on (confirmed) — set by the scheduler just before it acks the ingress message.
+  -- A redelivered message (its ack was lost: connection or queue failure) is a duplicate only
+  -- if it had been handed on; otherwise it is this scheduler's own unfinished attempt.
   local dup = false
   if dd == '1' then
-    dup = not redis.call('SET', K_dedupe(id), '1', 'NX', 'PX', dd_ttl)
+    dup = not redis.call('SET', K_dedupe(id), 'p', 'NX', 'PX', dd_ttl)
   elseif dd == '2' then
-    redis.call('SET', K_dedupe(id), '1', 'PX', dd_ttl)
+    if redis.call('GET', K_dedupe(id)) == 'a' then
+      dup = true
+    else
+      redis.call('SET', K_dedupe(id), 'p', 'PX', dd_ttl)
+    end
   end
   if dup then
     out[t] = 'dup'
