@@ -55,18 +55,7 @@ OPTIONAL_METRICS=(
 
 bash ops/services.sh --tools
 
-# FLEET_BIN_DIR: use binaries built elsewhere (no cargo build).
-if [ -n "${FLEET_BIN_DIR:-}" ]; then
-    BIN=$FLEET_BIN_DIR
-    log "using the binaries in $BIN (FLEET_BIN_DIR)"
-else
-    log "building release binaries"
-    cargo build --release -p fleet-scheduler -p fleet-worker
-    BIN="$(cargo_target_dir)/release"
-fi
-for b in fleet-scheduler fleet-worker fleetctl; do
-    [ -x "$BIN/$b" ] || die "$BIN/$b not found"
-done
+locate_binaries   # sets BIN (FLEET_BIN_DIR, or a release build)
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/fleet-check-metrics.XXXXXX")
 NS=$(random_namespace fleetcheck)

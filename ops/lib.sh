@@ -308,3 +308,20 @@ delete_namespace() {
     done < <(timeout 30 rabbitmqctl -q list_queues --no-table-headers name 2>/dev/null || true)
     log "namespace $ns: deleted $keys Redis keys and $n queues"
 }
+
+# locate_binaries: sets BIN to the folder holding fleet-scheduler, fleet-worker and fleetctl.
+# FLEET_BIN_DIR names binaries built elsewhere (no cargo build); otherwise a release build.
+locate_binaries() {
+    if [ -n "${FLEET_BIN_DIR:-}" ]; then
+        BIN=$FLEET_BIN_DIR
+        log "using the binaries in $BIN (FLEET_BIN_DIR)"
+    else
+        log "building release binaries"
+        cargo build --release -p fleet-scheduler -p fleet-worker
+        BIN="$(cargo_target_dir)/release"
+    fi
+    local b
+    for b in fleet-scheduler fleet-worker fleetctl; do
+        [ -x "$BIN/$b" ] || die "$BIN/$b not found"
+    done
+}
