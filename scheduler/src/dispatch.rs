@@ -419,6 +419,7 @@ impl Dispatcher {
     /// delayed submissions waiting for their `not_before`.
     async fn record_status(&self, fates: &[Option<Fate>], envs: &[Option<Envelope>], source: &Source) {
         let ttl = self.cfg.common.status_ttl.as_millis() as i64;
+        let mut records = Vec::new();
         for (f, e) in fates.iter().zip(envs) {
             let fields = match (f, e) {
                 (Some(Fate::Dead(reason, detail)), Some(e)) => {
@@ -431,10 +432,10 @@ impl Dispatcher {
                 }
                 _ => continue,
             };
-            let id = e.as_ref().map(|e| e.id.as_str()).unwrap_or_default();
-            if let Err(err) = self.store.set_status(id, &fields, ttl).await {
-                tracing::debug!(error = %err, "cannot record status");
-            }
+            records.push((e.as_ref().map(|e| e.id.as_str()).unwrap_or_default(), fields));
+        }
+        if let Err(err) = self.store.set_statuses(&records, ttl).await {
+            tracing::debug!(error = %err, "cannot record status");
         }
     }
 }

@@ -20,17 +20,22 @@ impl Store {
         Ok(if m.is_empty() { None } else { Some(m) })
     }
 
-    /// Sets status fields directly (states decided outside the scripts: expired at the
-    /// scheduler, dead-lettered on admission).
-    pub async fn set_status(&self, id: &str, fields: &[(&str, String)], ttl_ms: i64) -> Result<()> {
-        let mut p = redis::pipe();
-        let key = self.names.task(id);
-        p.cmd("HSET").arg(&key);
-        for (k, v) in fields {
-            p.arg(*k).arg(v);
+    /// Sets status fields directly, for many tasks in one round trip (states decided outside
+    /// the scripts: expired or refused at the scheduler, delayed submissions).
+    pub async fn set_statuses(&self, records: &[(&str, Vec<(&str, String)>)], ttl_ms: i64) -> Result<()> {
+        if records.is_empty() {
+            return Ok(());
         }
-        p.ignore();
-        p.cmd("PEXPIRE").arg(&key).arg(ttl_ms).ignore();
+        let mut p = redis::pipe();
+        for (id, fields) in records {
+            let key = self.names.task(id);
+            p.cmd("HSET").arg(&key);
+            for (k, v) in fields {
+                p.arg(*k).arg(v);
+            }
+            p.ignore();
+            p.cmd("PEXPIRE").arg(&key).arg(ttl_ms).ignore();
+        }
         self.pipe::<()>(&p).await
     }
 }
