@@ -15,6 +15,9 @@ pub struct SchedulerConfig {
     /// `running + reserved < capacity × (1 + backlog_factor)`. A little backlog keeps workers
     /// fed between dispatch batches; too much recreates the hoarding prefetch prevents.
     pub backlog_factor: f64,
+    /// How long a task may queue in front of a group's workers: a group's room is its
+    /// completion rate × this (Little's law), at least `capacity × (1 + backlog_factor)`.
+    pub target_queue: Duration,
     pub reservation_lease: Duration,
     pub max_pending: u32,
     pub pending_yellow: f64,
@@ -24,8 +27,11 @@ pub struct SchedulerConfig {
     pub throttle: Duration,
     pub red_recheck: Duration,
     pub pressure_interval: Duration,
+    /// Cluster-wide dispatch rate limit per second (0 = off, the default: it protects a
+    /// downstream quota only the operator knows; 3,000/s burst 6,000 is the documented example).
     pub rate: f64,
     pub burst: u32,
+    /// The critical lane's own limit (0 = off, the default).
     pub critical_rate: f64,
     pub critical_burst: u32,
     /// Optional limit on HTTP submissions per second (0 = none); over it the API answers 429.
@@ -41,6 +47,15 @@ pub struct SchedulerConfig {
     /// Concurrent dispatch loops on the normal ingress queue: while one batch waits for its
     /// publisher confirms the next is already being routed.
     pub ingress_consumers: u16,
+}
+
+/// A rate in tokens per second: 0 (off, the default) or more.
+fn non_negative(s: &Settings, key: &str) -> Result<f64> {
+    let v: f64 = s.parse(key, 0.0)?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(s.error(key, format!("must be 0 (off) or a positive number, got {v}")));
+    }
+    Ok(v)
 }
 
 impl SchedulerConfig {
@@ -68,6 +83,7 @@ impl SchedulerConfig {
         Ok(SchedulerConfig {
             strategy: Strategy::parse(&strategy).unwrap_or_default(),
             backlog_factor,
+            target_queue: s.millis("target_queue_ms", 1000)?,
             reservation_lease: s.millis("reservation_lease_ms", 30_000)?,
             max_pending: s.positive("max_pending", 1000u32)?,
             pending_yellow,
@@ -77,9 +93,9 @@ impl SchedulerConfig {
             throttle: s.millis("throttle_ms", 500)?,
             red_recheck: s.millis("red_recheck_ms", 2000)?,
             pressure_interval: s.millis("pressure_interval_ms", 250)?,
-            rate: s.positive("rate", 3000.0)?,
+            rate: non_negative(s, "rate")?,
             burst: s.positive("burst", 6000u32)?,
-            critical_rate: s.positive("critical_rate", 1000.0)?,
+            critical_rate: non_negative(s, "critical_rate")?,
             critical_burst: s.positive("critical_burst", 2000u32)?,
             submit_rate,
             dedupe_window: s.millis("dedupe_window_ms", 3_600_000)?,
@@ -95,7 +111,13 @@ impl SchedulerConfig {
         })
     }
 
-    pub fn rate_for(&self, lane: fleet::Lane) -> (f64, u32) {
+    /// The rate limit of a lane, `None` when off.
+    pub fn rate_for(&self, lane: fleet::Lane) -> Option<(f64, u32)> {
+        let (rate, burst) = self.rate_pair(lane);
+        (rate > 0.0).then_some((rate, burst))
+    }
+
+    fn rate_pair(&self, lane: fleet::Lane) -> (f64, u32) {
         match lane {
             fleet::Lane::Normal => (self.rate, self.burst),
             fleet::Lane::Critical => (self.critical_rate, self.critical_burst),
@@ -110,8 +132,8 @@ mod tests {
     #[test]
     fn bad_values_name_the_setting() {
         for (k, v, name) in [
-            ("rate", "0", "FLEET_RATE"),
             ("rate", "-5", "FLEET_RATE"),
+            ("rate", "fast", "FLEET_RATE"),
             ("burst", "x", "FLEET_BURST"),
             ("strategy", "fastest", "FLEET_STRATEGY"),
             ("pending_red", "2", "FLEET_PENDING_RED"),
@@ -123,7 +145,10 @@ mod tests {
         }
         let ok = SchedulerConfig::from_settings(&Settings::default()).unwrap();
         assert_eq!(ok.max_pending, 1000);
-        assert_eq!(ok.rate, 3000.0);
+        assert_eq!(ok.rate, 0.0, "the rate limit is opt-in");
+        assert_eq!(ok.rate_for(fleet::Lane::Normal), None);
         assert_eq!(ok.burst, 6000);
+        let on = SchedulerConfig::from_settings(&Settings::from_pairs([("rate", "3000".to_string())])).unwrap();
+        assert_eq!(on.rate_for(fleet::Lane::Normal), Some((3000.0, 6000)));
     }
 }

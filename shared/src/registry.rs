@@ -262,6 +262,38 @@ impl Store {
             .collect())
     }
 
+    /// Completed attempts so far of each group, per lane in [`Lane::ALL`] order (counters kept
+    /// by the `finish` script), for measuring completion rates.
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn group_completions(&self, groups: &[String]) -> Result<Vec<[u64; 2]>> {
+        if groups.is_empty() {
+            return Ok(vec![]);
+        }
+        let mut p = redis::pipe();
+        for g in groups {
+            p.cmd("HMGET").arg(self.names.group(g)).arg("done:normal").arg("done:critical");
+        }
+        let raw: Vec<(Option<u64>, Option<u64>)> = self.pipe(&p).await?;
+        Ok(raw.into_iter().map(|(n, c)| [n.unwrap_or(0), c.unwrap_or(0)]).collect())
+    }
+
+    /// Sets each group's room ahead of its workers per lane (tasks; see the `reserve` script).
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn set_rooms(&self, rooms: &[(String, Lane, u64)]) -> Result<()> {
+        if rooms.is_empty() {
+            return Ok(());
+        }
+        let mut p = redis::pipe();
+        for (g, lane, room) in rooms {
+            p.cmd("HSET").arg(self.names.group(g)).arg(format!("room:{lane}")).arg(*room).ignore();
+        }
+        self.pipe::<()>(&p).await
+    }
+
     /// Names of all groups ever registered in this namespace.
     pub async fn group_names(&self) -> Result<Vec<String>> {
         let mut g: Vec<String> = self.query(redis::cmd("SMEMBERS").arg(self.names.groups())).await?;

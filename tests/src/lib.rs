@@ -171,7 +171,6 @@ pub fn test_log() {
 }
 
 pub async fn start_scheduler(ns: &Ns, extra: &[(&str, &str)]) -> Result<SchedulerHandle> {
-    test_log();
     let mut all: Vec<(&str, &str)> = vec![
         ("health_interval_ms", "500"),
         ("heartbeat_timeout_ms", "3000"),
@@ -179,11 +178,16 @@ pub async fn start_scheduler(ns: &Ns, extra: &[(&str, &str)]) -> Result<Schedule
         ("stats_interval_ms", "500"),
         ("probe_interval_ms", "1000"),
         ("red_recheck_ms", "200"),
-        ("rate", "100000"),
-        ("burst", "100000"),
     ];
     all.extend_from_slice(extra);
-    let cfg = fleet_scheduler::SchedulerConfig::from_settings(&ns.settings(&all))?;
+    start_scheduler_exactly(ns, &all).await
+}
+
+/// Starts a scheduler in-process with exactly these settings (the product defaults for the
+/// rest; benchmarks use it to measure the defaults).
+pub async fn start_scheduler_exactly(ns: &Ns, all: &[(&str, &str)]) -> Result<SchedulerHandle> {
+    test_log();
+    let cfg = fleet_scheduler::SchedulerConfig::from_settings(&ns.settings(all))?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let shutdown = CancellationToken::new();
