@@ -84,6 +84,27 @@ impl Store {
     }
 }
 
+/// The permanent form of a Redis error no retry can fix — the password refused
+/// (`WRONGPASS`, `NOAUTH`, authentication failed) — naming `FLEET_REDIS_URL` with the password
+/// hidden; `None` for the rest (refused connection, `READONLY`, timeouts: retried).
+pub fn permanent(e: &Error, url: &str) -> Option<Error> {
+    let redis_error = match e {
+        Error::Redis(r) => r,
+        Error::Pool(deadpool_redis::PoolError::Backend(r)) => r,
+        _ => return None,
+    };
+    let auth = redis_error.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(redis_error.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"));
+    auth.then(|| Error::Permanent {
+        setting: "FLEET_REDIS_URL".into(),
+        message: format!(
+            "Redis refused {} ({}): check the user name and password in the URL",
+            crate::redact::redact(url),
+            crate::redact::redact(&redis_error.to_string())
+        ),
+    })
+}
+
 /// Milliseconds since the Unix epoch, the clock of every lease and heartbeat.
 pub fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
