@@ -87,17 +87,18 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
     }
 }
 
-/// Keeps the Redis readiness flag true while PING works.
+/// Keeps the Redis readiness flag true while Redis takes writes (a write probe every second:
+/// a read-only Redis answers PING but can do no work). Logs each change once.
 async fn redis_watch(store: Store, ready: Readiness, shutdown: CancellationToken) {
     let mut was = None;
     loop {
-        let ok = store.ping().await;
+        let probe = store.write_probe().await;
+        let ok = probe.is_ok();
         ready.set_redis(ok);
         if was != Some(ok) {
-            if ok {
-                tracing::info!("Redis reachable");
-            } else {
-                tracing::warn!("Redis unreachable; retrying");
+            match probe {
+                Ok(()) => tracing::info!("Redis takes writes"),
+                Err(e) => tracing::warn!(setting = "FLEET_REDIS_URL", error = %e, "Redis refuses writes; not ready, retrying every second"),
             }
             was = Some(ok);
         }

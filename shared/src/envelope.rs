@@ -156,11 +156,17 @@ impl Envelope {
         let mut take = |k: &str| obj.remove(k).filter(|v| !v.is_null());
         let kind = match take("kind") {
             None => return Err(Reject::MissingKind),
+            Some(Value::String(s)) if s.chars().any(char::is_control) => {
+                return Err(Reject::BadField("kind", "control characters (newline, NUL, ESC, …) are not allowed".into()))
+            }
             Some(Value::String(s)) if !s.trim().is_empty() => s,
             Some(_) => return Err(Reject::BadField("kind", "expected a non-empty string".into())),
         };
         let id = match take("id") {
             None => new_id(),
+            Some(Value::String(s)) if s.chars().any(char::is_control) => {
+                return Err(Reject::BadField("id", "control characters (newline, NUL, ESC, …) are not allowed".into()))
+            }
             Some(Value::String(s)) if !s.is_empty() && s.len() <= 200 => s,
             Some(_) => return Err(Reject::BadField("id", "expected a string of 1-200 characters".into())),
         };
@@ -351,6 +357,12 @@ mod tests {
         assert_eq!(r(b"[1]").code(), "not_an_object");
         assert_eq!(r(br#"{"payload":1}"#).code(), "missing_kind");
         assert_eq!(r(br#"{"kind":"x","lane":"bulk"}"#).code(), "unknown_lane");
+        // Control characters could forge log lines or never start under exec (NUL).
+        for bad in [r#"{"kind":"echo\nFAKE level=ERROR\u001b[31m"}"#, r#"{"kind":"a\u0000b"}"#, r#"{"kind":"x","id":"a\rb"}"#] {
+            let e = r(bad.as_bytes());
+            assert_eq!(e.code(), "bad_field", "{bad}");
+            assert!(e.to_string().contains("control characters"), "{e}");
+        }
         assert_eq!(r(br#"{"kind":"x","labels":{"a b":"1"}}"#).code(), "bad_selector");
         let e = r(br#"{"kind":"x","max_attempts":"five"}"#);
         assert_eq!(e.code(), "bad_field");

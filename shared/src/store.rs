@@ -73,6 +73,14 @@ impl Store {
         self.query::<String>(&redis::cmd("PING")).await.is_ok()
     }
 
+    /// A write that expires by itself, for readiness: fails while Redis refuses writes
+    /// (`READONLY` replica, out of memory, a closed port).
+    pub async fn write_probe(&self) -> Result<()> {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(self.names.ready_probe_key()).arg(now_ms()).arg("PX").arg(10_000);
+        self.query::<()>(&cmd).await
+    }
+
     /// Deletes every key of the namespace (tests' clean-up).
     pub async fn delete_namespace(&self) -> Result<()> {
         let mut c = self.conn().await?;

@@ -1,5 +1,10 @@
 //! Logging: `tracing` with structured fields; human format by default, JSON with
-//! `FLEET_LOG_FORMAT=json`; level from `RUST_LOG` (default info).
+//! `FLEET_LOG_FORMAT=json`; level from `RUST_LOG` (default `info,lapin=off`).
+//!
+//! lapin's own log lines are off by default: it logs at ERROR what fleet handles and reports
+//! itself, once and naming the setting — raw `Close { reply_code: 403 … }` frame dumps, and
+//! `Connection error: invalid channel state: Closing` on every clean shutdown. `RUST_LOG=
+//! info,lapin=debug` brings them back for debugging.
 //!
 //! Every line goes through one writer that (1) hides URL passwords ([`crate::redact::redact`]),
 //! (2) escapes control characters ([`crate::redact::escape_controls`]) so a task's `kind`, id
@@ -20,7 +25,7 @@ static GUARD: Mutex<Option<WorkerGuard>> = Mutex::new(None);
 
 /// Installs the global subscriber (once; later calls do nothing).
 pub fn init(format: &str) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,lapin=warn"));
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,lapin=off"));
     let (writer, guard) = tracing_appender::non_blocking(Stderr);
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

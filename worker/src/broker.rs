@@ -85,8 +85,8 @@ impl Broker {
             Ok(Some(c)) => c,
             Ok(None) => return None,
             Err(e) => {
-                // No retry can fix it: said once, and the worker stops (see `take_permanent`).
-                tracing::error!(error = %e, "RabbitMQ refused this worker; stopping");
+                // No retry can fix it: the worker stops and reports it once (see
+                // `take_permanent`).
                 if let Ok(mut slot) = self.permanent.lock() {
                     *slot = Some(e);
                 }
