@@ -205,6 +205,8 @@ pub struct CommonConfig {
     pub queue_type: QueueType,
     /// Largest envelope accepted, in bytes.
     pub max_task_bytes: usize,
+    /// Every dimension of an envelope, checked at the door (`limits.max_bytes` = `max_task_bytes`).
+    pub limits: crate::envelope::Limits,
     /// Bound of each ingress queue (normal, critical).
     pub ingress_max_normal: u32,
     pub ingress_max_critical: u32,
@@ -249,7 +251,15 @@ impl CommonConfig {
         if http_addr.parse::<std::net::SocketAddr>().is_err() {
             return Err(Error::config("FLEET_HTTP_ADDR", format!("`{http_addr}` is not host:port")));
         }
+        let limits = crate::envelope::Limits {
+            max_bytes: a.max_task_bytes,
+            max_label_pairs: a.max_label_pairs,
+            max_id_bytes: a.max_id_bytes,
+            max_kind_bytes: a.max_kind_bytes,
+            max_payload_depth: a.max_payload_depth,
+        };
         Ok(CommonConfig {
+            limits,
             amqp_url,
             redis_url,
             namespace,

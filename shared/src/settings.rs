@@ -42,6 +42,18 @@ pub struct CommonArgs {
     /// Largest envelope accepted, in bytes.
     #[arg(long, env = "FLEET_MAX_TASK_BYTES", default_value = "1048576", value_parser = positive::<usize>)]
     pub max_task_bytes: usize,
+    /// Most label pairs in a task's selector.
+    #[arg(long, env = "FLEET_MAX_LABEL_PAIRS", default_value = "16", value_parser = positive::<usize>)]
+    pub max_label_pairs: usize,
+    /// Longest task id, in bytes.
+    #[arg(long, env = "FLEET_MAX_ID_BYTES", default_value = "200", value_parser = positive::<usize>)]
+    pub max_id_bytes: usize,
+    /// Longest task kind, in bytes.
+    #[arg(long, env = "FLEET_MAX_KIND_BYTES", default_value = "128", value_parser = positive::<usize>)]
+    pub max_kind_bytes: usize,
+    /// Deepest nesting of a task's payload.
+    #[arg(long, env = "FLEET_MAX_PAYLOAD_DEPTH", default_value = "32", value_parser = positive::<usize>)]
+    pub max_payload_depth: usize,
     /// Bound (`x-max-length`) of the normal ingress queue; a full queue refuses publishes.
     #[arg(long, env = "FLEET_INGRESS_MAX_NORMAL", default_value = "10000", value_parser = positive::<u32>)]
     pub ingress_max_normal: u32,

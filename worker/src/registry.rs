@@ -47,6 +47,8 @@ pub struct Registrar {
     liveness_ms: i64,
     /// For error messages (password hidden when printed).
     redis_url: String,
+    /// This process holds the id's broker lock: a previous holder is gone, take over at once.
+    takeover: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Registrar {
@@ -64,7 +66,13 @@ impl Registrar {
                 state: WorkerState::Active,
             },
             liveness_ms: i64::try_from(cfg.heartbeat_timeout.as_millis()).unwrap_or(i64::MAX),
+            takeover: Default::default(),
         }
+    }
+
+    /// Says whether this process holds the id's broker lock (see [`crate::broker::Broker::lock_id`]).
+    pub fn set_takeover(&self, held: bool) {
+        self.takeover.store(held, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn id(&self) -> &str {
@@ -127,7 +135,8 @@ impl Registrar {
     pub async fn register(&self, state: WorkerState) -> fleet::Result<()> {
         let mut r = self.registration.clone();
         r.state = state;
-        self.store.register(&r, self.liveness_ms).await
+        let takeover = self.takeover.load(std::sync::atomic::Ordering::Relaxed);
+        self.store.register_with(&r, self.liveness_ms, takeover).await
     }
 
     /// Removes the registration (end of drain); errors are logged.
