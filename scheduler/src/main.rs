@@ -5,7 +5,6 @@
 //! error (login refused, unknown vhost, a queue that exists with other arguments); 1 for any
 //! other failure.
 
-use std::io::Write;
 use std::process::ExitCode;
 
 use fleet::config::Settings;
@@ -21,11 +20,11 @@ async fn main() -> ExitCode {
     }
     let settings = match Settings::from_env() {
         Ok(s) => s.with_command_line(args),
-        Err(e) => return fail(&e.into()),
+        Err(e) => return fleet::error::report("fleet-scheduler", &e.into()),
     };
     let cfg = match fleet_scheduler::SchedulerConfig::from_settings(&settings) {
         Ok(c) => c,
-        Err(e) => return fail(&e.into()),
+        Err(e) => return fleet::error::report("fleet-scheduler", &e.into()),
     };
     fleet::telemetry::init(&cfg.common.log_format);
     for warning in fleet::settings::unknown(&settings) {
@@ -33,7 +32,7 @@ async fn main() -> ExitCode {
     }
     let listener = match fleet::http::bind(&cfg.common.http_addr).await {
         Ok(l) => l,
-        Err(e) => return fail(&e.into()),
+        Err(e) => return fleet::error::report("fleet-scheduler", &e.into()),
     };
     tracing::info!(addr = %cfg.common.http_addr, namespace = %cfg.common.namespace, "fleet-scheduler starting");
     let shutdown = CancellationToken::new();
@@ -45,24 +44,7 @@ async fn main() -> ExitCode {
     });
     let result = fleet_scheduler::run(cfg, listener, shutdown).await;
     signals.abort();
-    match result {
-        Ok(()) => {
-            fleet::telemetry::flush();
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            tracing::error!(error = %format!("{e:#}"), "fleet-scheduler stopped");
-            fleet::telemetry::flush();
-            fail(&e)
-        }
-    }
-}
-
-/// Prints the error (password hidden, one line) and picks the exit code.
-fn fail(e: &anyhow::Error) -> ExitCode {
-    let text = fleet::redact::redact(&format!("{e:#}")).into_owned();
-    let _ = writeln!(std::io::stderr(), "fleet-scheduler: {}", fleet::redact::escape_controls(&text));
-    ExitCode::from(fleet::error::exit_code(e))
+    fleet::error::finish("fleet-scheduler", result)
 }
 
 async fn wait_for_signal() {

@@ -44,3 +44,28 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
         _ => 1,
     }
 }
+
+/// Prints why a binary stops — one line on stderr, passwords hidden, control characters
+/// escaped, a closed stderr ignored — and returns its exit code ([`exit_code`]).
+pub fn report(program: &str, e: &anyhow::Error) -> std::process::ExitCode {
+    use std::io::Write;
+    let text = crate::redact::redact(&format!("{e:#}")).into_owned();
+    let _ = writeln!(std::io::stderr(), "{program}: {}", crate::redact::escape_controls(&text));
+    std::process::ExitCode::from(exit_code(e))
+}
+
+/// The end of a daemon's `main`: an error is logged, the log flushed, the error reported
+/// ([`report`]); `Ok` exits 0.
+pub fn finish(program: &str, result: anyhow::Result<()>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => {
+            crate::telemetry::flush();
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            tracing::error!(error = %format!("{e:#}"), "{program} stopped with an error");
+            crate::telemetry::flush();
+            report(program, &e)
+        }
+    }
+}

@@ -37,6 +37,16 @@ async fn run(bin: &str, args: &[&str], env: &[(&str, &str)], timeout: Duration) 
     ))
 }
 
+/// Waits until `http://addr/readyz` answers 200.
+async fn wait_ready(client: &reqwest::Client, addr: &str) -> Result<()> {
+    let ready = format!("http://{addr}/readyz");
+    wait_for(&format!("{addr} ready"), Duration::from_secs(20), || {
+        let (c, u) = (client.clone(), ready.clone());
+        async move { c.get(&u).send().await.ok().filter(|r| r.status().is_success()).map(|_| ()) }
+    })
+    .await
+}
+
 fn free_addr() -> Result<String> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?.to_string())
@@ -184,12 +194,7 @@ async fn control_characters_never_reach_the_log_raw() -> Result<()> {
         .kill_on_drop(true)
         .spawn()?;
     let client = reqwest::Client::new();
-    let ready = format!("http://{addr}/readyz");
-    wait_for("scheduler ready", Duration::from_secs(20), || {
-        let (c, u) = (client.clone(), ready.clone());
-        async move { c.get(&u).send().await.ok().filter(|r| r.status().is_success()).map(|_| ()) }
-    })
-    .await?;
+    wait_ready(&client, &addr).await?;
     let forged = "echo\nFAKE LOG LINE level=ERROR\u{1b}[31m";
     // Over HTTP: refused at the door, naming the field.
     let r = client.post(format!("http://{addr}/v1/tasks")).json(&serde_json::json!({"kind": forged, "id": "a\u{0}b"})).send().await?;
@@ -238,12 +243,7 @@ async fn worker_with_stderr_closed_drains_on_sigterm() -> Result<()> {
     // Close the reading end: every log write now fails (EPIPE).
     drop(child.stderr.take());
     let client = reqwest::Client::new();
-    let ready = format!("http://{addr}/readyz");
-    wait_for("worker ready", Duration::from_secs(20), || {
-        let (c, u) = (client.clone(), ready.clone());
-        async move { c.get(&u).send().await.ok().filter(|r| r.status().is_success()).map(|_| ()) }
-    })
-    .await?;
+    wait_ready(&client, &addr).await?;
     assert!(harness::worker(&ns.store, "closed-stderr").await.is_some(), "registered");
     let pid = child.id().context("worker pid")?;
     let status = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;

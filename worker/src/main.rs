@@ -6,7 +6,6 @@
 //! 2 for a bad setting or a permanent broker / Redis error (login refused, unknown vhost, a
 //! queue that exists with other arguments); 1 for anything else (a drain cut short).
 
-use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -31,7 +30,7 @@ async fn main() -> ExitCode {
         .and_then(|s| WorkerConfig::from_settings(&s).map(|c| (s, c)))
     {
         Ok(v) => v,
-        Err(e) => return fail(&e.into()),
+        Err(e) => return fleet::error::report("fleet-worker", &e.into()),
     };
     fleet::telemetry::init(&cfg.common.log_format);
     for warning in fleet::settings::unknown(&settings) {
@@ -43,25 +42,7 @@ async fn main() -> ExitCode {
     let signals = tokio::spawn(on_signals(shutdown.clone(), force.clone()));
     let result = Worker::builder(cfg).force_shutdown(force).run(shutdown).await;
     signals.abort();
-    match result {
-        Ok(()) => {
-            fleet::telemetry::flush();
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            tracing::error!(error = %format!("{e:#}"), "fleet-worker stopped with an error");
-            fleet::telemetry::flush();
-            fail(&e)
-        }
-    }
-}
-
-/// Prints the error (password hidden, control characters escaped, one line; a closed stderr
-/// is ignored) and picks the exit code.
-fn fail(e: &anyhow::Error) -> ExitCode {
-    let text = fleet::redact::redact(&format!("{e:#}")).into_owned();
-    let _ = writeln!(std::io::stderr(), "fleet-worker: {}", fleet::redact::escape_controls(&text));
-    ExitCode::from(fleet::error::exit_code(e))
+    fleet::error::finish("fleet-worker", result)
 }
 
 /// First signal: drain. Second: stop now — and if the worker has not returned within
