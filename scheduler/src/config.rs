@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use fleet::config::{CommonConfig, Settings};
 use fleet::route::Strategy;
-use fleet::Result;
+use fleet::settings::SchedulerArgs;
+use fleet::{Error, Result};
 
 /// Everything the scheduler reads at start-up.
 #[derive(Debug, Clone)]
@@ -49,64 +50,49 @@ pub struct SchedulerConfig {
     pub ingress_consumers: u16,
 }
 
-/// A rate in tokens per second: 0 (off, the default) or more.
-fn non_negative(s: &Settings, key: &str) -> Result<f64> {
-    let v: f64 = s.parse(key, 0.0)?;
-    if !v.is_finite() || v < 0.0 {
-        return Err(s.error(key, format!("must be 0 (off) or a positive number, got {v}")));
-    }
-    Ok(v)
-}
-
 impl SchedulerConfig {
+    /// Reads every scheduler setting from `s` (see [`fleet::settings::SchedulerArgs`]).
     pub fn from_settings(s: &Settings) -> Result<Self> {
-        let common = CommonConfig::from_settings(s, "127.0.0.1:8080")?;
-        let strategy = s.choice("strategy", "least_loaded", &["least_loaded", "round_robin", "weighted"])?;
-        let pending_yellow = s.ratio("pending_yellow", 0.7)?;
-        let pending_red = s.ratio("pending_red", 0.9)?;
-        let load_yellow = s.ratio("load_yellow", 0.68)?;
-        let load_red = s.ratio("load_red", 0.85)?;
-        if pending_yellow > pending_red {
-            return Err(s.error("pending_yellow", "must not be above FLEET_PENDING_RED"));
+        Self::from_args(fleet::settings::parse::<SchedulerArgs>(s)?)
+    }
+
+    /// Validates what the declarations cannot check alone (relations between settings).
+    pub fn from_args(a: SchedulerArgs) -> Result<Self> {
+        let common = CommonConfig::from_args(&a.common, a.http_addr.trim().to_string())?;
+        if a.pending_yellow > a.pending_red {
+            return Err(Error::config("FLEET_PENDING_YELLOW", "must not be above FLEET_PENDING_RED"));
         }
-        if load_yellow > load_red {
-            return Err(s.error("load_yellow", "must not be above FLEET_LOAD_RED"));
+        if a.load_yellow > a.load_red {
+            return Err(Error::config("FLEET_LOAD_YELLOW", "must not be above FLEET_LOAD_RED"));
         }
-        let backlog_factor: f64 = s.parse("backlog_factor", 1.0)?;
-        if !(0.0..=100.0).contains(&backlog_factor) {
-            return Err(s.error("backlog_factor", "must be between 0 and 100"));
-        }
-        let submit_rate: f64 = s.parse("submit_rate", 0.0)?;
-        if submit_rate < 0.0 {
-            return Err(s.error("submit_rate", "must not be negative"));
-        }
+        let ms = Duration::from_millis;
         Ok(SchedulerConfig {
-            strategy: Strategy::parse(&strategy).unwrap_or_default(),
-            backlog_factor,
-            target_queue: s.millis("target_queue_ms", 1000)?,
-            reservation_lease: s.millis("reservation_lease_ms", 30_000)?,
-            max_pending: s.positive("max_pending", 1000u32)?,
-            pending_yellow,
-            pending_red,
-            load_yellow,
-            load_red,
-            throttle: s.millis("throttle_ms", 500)?,
-            red_recheck: s.millis("red_recheck_ms", 2000)?,
-            pressure_interval: s.millis("pressure_interval_ms", 250)?,
-            rate: non_negative(s, "rate")?,
-            burst: s.positive("burst", 6000u32)?,
-            critical_rate: non_negative(s, "critical_rate")?,
-            critical_burst: s.positive("critical_burst", 2000u32)?,
-            submit_rate,
-            dedupe_window: s.millis("dedupe_window_ms", 3_600_000)?,
-            health_interval: s.millis("health_interval_ms", 10_000)?,
-            heartbeat_timeout: s.millis("heartbeat_timeout_ms", 30_000)?,
-            no_match_grace: s.millis("no_match_grace_ms", 60_000)?,
-            probe_interval: s.millis("probe_interval_ms", 10_000)?,
-            probe_timeout: s.millis("probe_timeout_ms", 5_000)?,
-            stats_interval: s.millis("stats_interval_ms", 1000)?,
-            batch_max: s.positive("batch_max", 256u16)?,
-            ingress_consumers: s.positive("ingress_consumers", 4u16)?,
+            strategy: Strategy::parse(&a.strategy).unwrap_or_default(),
+            backlog_factor: a.backlog_factor,
+            target_queue: ms(a.target_queue_ms),
+            reservation_lease: ms(a.reservation_lease_ms),
+            max_pending: a.max_pending,
+            pending_yellow: a.pending_yellow,
+            pending_red: a.pending_red,
+            load_yellow: a.load_yellow,
+            load_red: a.load_red,
+            throttle: ms(a.throttle_ms),
+            red_recheck: ms(a.red_recheck_ms),
+            pressure_interval: ms(a.pressure_interval_ms),
+            rate: a.rate,
+            burst: a.burst,
+            critical_rate: a.critical_rate,
+            critical_burst: a.critical_burst,
+            submit_rate: a.submit_rate,
+            dedupe_window: ms(a.dedupe_window_ms),
+            health_interval: ms(a.health_interval_ms),
+            heartbeat_timeout: ms(a.heartbeat_timeout_ms),
+            no_match_grace: ms(a.no_match_grace_ms),
+            probe_interval: ms(a.probe_interval_ms),
+            probe_timeout: ms(a.probe_timeout_ms),
+            stats_interval: ms(a.stats_interval_ms),
+            batch_max: a.batch_max,
+            ingress_consumers: a.ingress_consumers,
             common,
         })
     }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fleet::http::Readiness;
+use backon::BackoffBuilder;
 use fleet::{amqp, metrics as m, topology, Lane, Store};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, RwLock};
@@ -22,7 +23,10 @@ use crate::probe::ProbeBoard;
 use crate::{health, park, probe, stats};
 
 /// Runs the scheduler until `shutdown` fires. `listener` serves the API and `/metrics`.
+/// A [`fleet::Error::Permanent`] (login refused, a queue declared with other arguments) ends
+/// it with that error.
 pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let shutdown = shutdown.child_token();
     let cfg = Arc::new(cfg);
     let handle = m::install();
     let store = Store::new(&cfg.common.redis_url, cfg.common.names())?;
@@ -37,47 +41,64 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
     tracker.spawn(redis_watch(store.clone(), ready.clone(), shutdown.clone()));
 
     let ptx = Arc::new(ptx);
-    let mut backoff = Duration::from_millis(200);
+    let mut result = Ok(());
+    let mut backoff = amqp::reconnect_backoff().build();
     while !shutdown.is_cancelled() {
-        let Some(conn) = amqp::connect_retrying(&cfg.common.amqp_url, &format!("fleet-scheduler {}", cfg.common.namespace), &shutdown).await else { break };
-        let conn = Arc::new(conn);
+        let name = format!("fleet-scheduler {}", cfg.common.namespace);
+        let conn = match amqp::connect_retrying(&cfg.common.amqp_url, &name, &shutdown).await {
+            Ok(Some(conn)) => Arc::new(conn),
+            Ok(None) => break,
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        };
         match session(cfg.clone(), store.clone(), conn.clone(), ptx.clone(), prx.clone(), publisher.clone(), probes.clone(), &ready, &shutdown).await {
-            Ok(()) => backoff = Duration::from_millis(200),
-            Err(e) => tracing::error!(error = %e, "AMQP session failed"),
+            Ok(()) => backoff = amqp::reconnect_backoff().build(),
+            Err(e @ fleet::Error::Permanent { .. }) => result = Err(e),
+            Err(e) => tracing::warn!(error = %e, "AMQP session ended"),
         }
         ready.set_amqp(false);
         *publisher.write().await = None;
         let _ = conn.close(200, "bye".into()).await;
-        if shutdown.is_cancelled() {
+        if shutdown.is_cancelled() || result.is_err() {
             break;
         }
         metrics::counter!(m::AMQP_RECONNECTS).increment(1);
-        tracing::warn!(retry_in_ms = backoff.as_millis() as u64, "reconnecting to RabbitMQ");
+        let wait = backoff.next().unwrap_or(Duration::from_secs(5));
+        tracing::warn!(retry_in_ms = wait.as_millis() as u64, "reconnecting to RabbitMQ");
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(wait) => {}
         }
-        backoff = (backoff * 2).min(Duration::from_secs(5));
     }
+    // A permanent error ends the process: stop the HTTP server and the Redis watch too.
+    shutdown.cancel();
     tracker.close();
     if tokio::time::timeout(Duration::from_secs(10), tracker.wait()).await.is_err() {
         tracing::warn!("some tasks did not stop within 10 s");
     }
-    tracing::info!("scheduler stopped");
-    Ok(())
+    match result {
+        Ok(()) => {
+            tracing::info!("scheduler stopped");
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
-/// Keeps the Redis readiness flag true while PING works.
+/// Keeps the Redis readiness flag true while Redis takes writes (a write probe every second:
+/// a read-only Redis answers PING but can do no work). Logs each change once.
 async fn redis_watch(store: Store, ready: Readiness, shutdown: CancellationToken) {
     let mut was = None;
     loop {
-        let ok = store.ping().await;
+        let probe = store.write_probe().await;
+        let ok = probe.is_ok();
         ready.set_redis(ok);
         if was != Some(ok) {
-            if ok {
-                tracing::info!("Redis reachable");
-            } else {
-                tracing::warn!("Redis unreachable; retrying");
+            match probe {
+                Ok(()) => tracing::info!("Redis takes writes"),
+                Err(e) => tracing::warn!(setting = "FLEET_REDIS_URL", error = %e, "Redis refuses writes; not ready, retrying every second"),
             }
             was = Some(ok);
         }

@@ -80,6 +80,12 @@ impl Names {
     pub fn prefix(&self) -> &str {
         &self.prefix
     }
+    /// Key written by readiness probes: `/readyz` means "Redis takes writes", not only "it
+    /// answers PING" (a read-only replica answers PING).
+    pub fn ready_probe_key(&self) -> String {
+        format!("{}readyz", self.prefix)
+    }
+
     pub fn workers(&self) -> String {
         format!("{}workers", self.prefix)
     }

@@ -126,7 +126,9 @@ impl Heartbeat {
             Ok(Some(WorkerState::Draining)) if self.control.mode() != Mode::Draining => {
                 self.control.request_drain("state set to draining in Redis (drain requested through the API)");
             }
-            Ok(Some(_)) => self.readiness.set_redis(true),
+            // A read proves nothing about writes (a read-only Redis answers it): readiness
+            // is set by the heartbeat, a write.
+            Ok(Some(_)) => {}
             // Gone: the heartbeat sorts it out (and re-registers).
             Ok(None) => self.beat(cpu).await,
             Err(e) => self.redis_error(&e, "cannot read the worker state"),

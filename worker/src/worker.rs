@@ -172,6 +172,9 @@ impl Worker {
         if !connected {
             broker.close("shutdown during start-up").await;
             end_early(loops, http_stop).await;
+            if let Some(e) = broker.take_permanent() {
+                return Err(anyhow!(e));
+            }
             tracing::info!("stopped before start-up completed");
             return Ok(());
         }
@@ -198,7 +201,10 @@ impl Worker {
             Err(e) => {
                 broker.close("start-up failed").await;
                 end_early(loops, http_stop).await;
-                return Err(anyhow!(e));
+                return Err(match e {
+                    crate::registry::RegisterError::Permanent(p) => anyhow!(p),
+                    other => anyhow!(other),
+                });
             }
         }
         readiness.set_redis(true);

@@ -23,6 +23,10 @@ use fleet_worker::ATTEMPTS_HEADER;
 
 /// Publishes awaiting confirms at once, at most.
 const CONFIRM_WINDOW: usize = 1000;
+/// Largest `--delay-ms`: 30 days, the envelope's bound on `not_before`.
+const MAX_DELAY_MS: u64 = 30 * 24 * 3600 * 1000;
+/// Largest `--timeout-ms`: 365 days.
+const MAX_TIMEOUT_MS: u64 = 365 * 24 * 3600 * 1000;
 /// Header marking a replayed dead letter.
 const REPLAY_HEADER: &str = "x-fleet-replay";
 
@@ -53,7 +57,7 @@ enum Cmd {
         /// Poll until the task is succeeded, dead or expired.
         #[arg(long)]
         wait: bool,
-        #[arg(long, default_value_t = 60)]
+        #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
         timeout_s: u64,
     },
     /// List workers (GET /v1/workers).
@@ -65,13 +69,20 @@ enum Cmd {
     /// Inspect or replay dead letters (`<ns>.dead`).
     #[command(subcommand)]
     Dead(DeadCmd),
+    /// Delete a namespace: its queues (with their tasks), its exchanges and its Redis keys.
+    /// Stop its scheduler and workers first.
+    DeleteNamespace {
+        /// Required: the queues' tasks are lost.
+        #[arg(long)]
+        yes: bool,
+    },
 }
 
 #[derive(Args)]
 struct SubmitArgs {
     #[arg(long, required_unless_present = "file", conflicts_with = "file")]
     kind: Option<String>,
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     count: u32,
     /// Selector `k=v,k=v`: every pair must be on the worker.
     #[arg(long)]
@@ -87,12 +98,13 @@ struct SubmitArgs {
     /// Executor the task needs (builtin, http, exec).
     #[arg(long)]
     protocol: Option<String>,
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
     max_attempts: Option<u32>,
-    #[arg(long)]
+    /// Deadline, milliseconds from now (1 ms to 365 days).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_TIMEOUT_MS))]
     timeout_ms: Option<u64>,
-    /// Start no earlier than this many milliseconds from now.
-    #[arg(long)]
+    /// Start no earlier than this many milliseconds from now (at most 30 days, the envelope's limit).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=MAX_DELAY_MS))]
     delay_ms: Option<u64>,
     /// Envelopes from a file: a JSON array, or one JSON object per line.
     #[arg(long)]
@@ -106,7 +118,7 @@ struct SubmitArgs {
 enum DeadCmd {
     /// Show dead letters without removing them.
     List {
-        #[arg(long, default_value_t = 20)]
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
         limit: u32,
     },
     /// Send dead letters back to `<ns>.submit` as new submissions, attempt 0 (removed from the dead queue).
@@ -126,7 +138,7 @@ async fn main() -> ExitCode {
     match run(cli).await {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("fleetctl: {e:#}");
+            eprintln!("fleetctl: {}", fleet::redact::escape_controls(&fleet::redact::redact(&format!("{e:#}"))));
             ExitCode::FAILURE
         }
     }
@@ -142,7 +154,25 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Drain { id } => drain(&cli, id).await,
         Cmd::Dead(DeadCmd::List { limit }) => dead_list(&cli, &names, *limit).await,
         Cmd::Dead(DeadCmd::Replay { id, all }) => dead_replay(&cli, &names, id.as_deref(), *all).await,
+        Cmd::DeleteNamespace { yes } => delete_namespace(&cli, &names, *yes).await,
     }
+}
+
+// ---- delete-namespace ----
+
+async fn delete_namespace(cli: &Cli, names: &Names, yes: bool) -> Result<ExitCode> {
+    if !yes {
+        bail!("this deletes every queue (and task), exchange and Redis key of namespace `{}`: add --yes", cli.namespace);
+    }
+    let store = Store::new(&cli.redis_url, names.clone())?;
+    let groups = store.group_names().await.context("reading the namespace's groups from Redis")?;
+    let conn = connect(cli).await?;
+    let ch = conn.create_channel().await.context("opening a channel")?;
+    fleet::topology::delete_all(&ch, names, &groups).await?;
+    store.delete_namespace().await.context("deleting the namespace's Redis keys")?;
+    let _ = conn.close(200, ShortString::from("bye")).await;
+    println!("namespace {}: deleted the queues of {} group(s), the exchanges and the Redis keys", cli.namespace, groups.len());
+    Ok(ExitCode::SUCCESS)
 }
 
 // ---- submit ----
