@@ -41,6 +41,11 @@ pub struct SchedulerConfig {
     /// Concurrent dispatch loops on the normal ingress queue: while one batch waits for its
     /// publisher confirms the next is already being routed.
     pub ingress_consumers: u16,
+    /// How often the schedule firing loop looks for due ticks.
+    pub schedule_poll: Duration,
+    /// How late a schedule's tick may still be submitted; later it is missed (and handled by
+    /// the schedule's missed-fire policy). Refused fires are retried within it.
+    pub schedule_tolerance: Duration,
 }
 
 impl SchedulerConfig {
@@ -91,6 +96,8 @@ impl SchedulerConfig {
             stats_interval: s.millis("stats_interval_ms", 1000)?,
             batch_max: s.positive("batch_max", 256u16)?,
             ingress_consumers: s.positive("ingress_consumers", 4u16)?,
+            schedule_poll: s.millis("schedule_poll_ms", 200)?,
+            schedule_tolerance: s.millis("schedule_tolerance_ms", 10_000)?,
             common,
         })
     }

@@ -19,7 +19,7 @@ use crate::config::SchedulerConfig;
 use crate::dispatch::{Dispatcher, Source};
 use crate::ingress::IngressLoop;
 use crate::probe::ProbeBoard;
-use crate::{health, park, probe, stats};
+use crate::{health, park, probe, schedule, stats};
 
 /// Runs the scheduler until `shutdown` fires. `listener` serves the API and `/metrics`.
 pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
@@ -31,7 +31,12 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
     let publisher: Arc<RwLock<Option<lapin::Channel>>> = Arc::new(RwLock::new(None));
     let probes: ProbeBoard = Arc::default();
     let state = AppState { cfg: cfg.clone(), store: store.clone(), publisher: publisher.clone(), pressure: prx.clone(), probes: probes.clone() };
-    let router = fleet::http::common_routes(handle, ready.clone()).merge(api::routes(state));
+    let board = schedule::Board::default();
+    let sched_api = schedule::api::ScheduleApi { cfg: cfg.clone(), store: store.clone(), board: board.clone(), publisher: publisher.clone(), pressure: prx.clone() };
+    let router = fleet::http::common_routes(handle, ready.clone())
+        .merge(api::routes(state))
+        .merge(schedule::api::read_routes(sched_api.clone()))
+        .merge(schedule::api::admin_routes(sched_api));
     let tracker = TaskTracker::new();
     tracker.spawn(fleet::http::serve(listener, router, shutdown.clone()));
     tracker.spawn(redis_watch(store.clone(), ready.clone(), shutdown.clone()));
@@ -41,7 +46,7 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
     while !shutdown.is_cancelled() {
         let Some(conn) = amqp::connect_retrying(&cfg.common.amqp_url, &format!("fleet-scheduler {}", cfg.common.namespace), &shutdown).await else { break };
         let conn = Arc::new(conn);
-        match session(cfg.clone(), store.clone(), conn.clone(), ptx.clone(), prx.clone(), publisher.clone(), probes.clone(), &ready, &shutdown).await {
+        match session(cfg.clone(), store.clone(), conn.clone(), ptx.clone(), prx.clone(), publisher.clone(), probes.clone(), board.clone(), &ready, &shutdown).await {
             Ok(()) => backoff = Duration::from_millis(200),
             Err(e) => tracing::error!(error = %e, "AMQP session failed"),
         }
@@ -97,6 +102,7 @@ async fn session(
     prx: watch::Receiver<Sample>,
     publisher_slot: Arc<RwLock<Option<lapin::Channel>>>,
     probes: ProbeBoard,
+    board: schedule::Board,
     ready: &Readiness,
     shutdown: &CancellationToken,
 ) -> fleet::Result<()> {
@@ -148,6 +154,17 @@ async fn session(
     spawn_loop!("health", health::run(d.clone(), session.clone()));
     spawn_loop!("stats", stats::run(d.clone(), session.clone()));
     spawn_loop!("probe", probe::run(d.clone(), probes, session.clone()));
+    let log_publisher = amqp::confirm_channel(&conn).await?;
+    spawn_loop!("schedule-log", schedule::log::follow(conn.clone(), log_publisher, names.clone(), board.clone(), session.clone()));
+    let firing = schedule::fire::Firing {
+        cfg: cfg.clone(),
+        store: store.clone(),
+        board,
+        publisher: amqp::confirm_channel(&conn).await?,
+        pressure: prx.clone(),
+        replica: uuid::Uuid::new_v4().simple().to_string(),
+    };
+    spawn_loop!("schedule-fire", firing.run(session.clone()));
 
     session.cancelled().await;
     tracker.close();
