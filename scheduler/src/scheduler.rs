@@ -112,11 +112,12 @@ async fn session(
     let _ = setup.close(200, "ok".into()).await;
     let publisher = amqp::confirm_channel(&conn).await?;
     let api_publisher = amqp::confirm_channel(&conn).await?;
+    let names = cfg.common.names();
+    let schedules = schedule::log::open(&conn, &api_publisher, &names, board.clone()).await?;
     *publisher_slot.write().await = Some(api_publisher);
     ready.set_amqp(true);
     tracing::info!(namespace = %cfg.common.namespace, "connected to RabbitMQ; topology declared");
 
-    let names = cfg.common.names();
     let d = Arc::new(Dispatcher::new(cfg.clone(), store.clone(), conn.clone(), publisher));
     let session = shutdown.child_token();
     let tracker = TaskTracker::new();
@@ -154,8 +155,7 @@ async fn session(
     spawn_loop!("health", health::run(d.clone(), session.clone()));
     spawn_loop!("stats", stats::run(d.clone(), session.clone()));
     spawn_loop!("probe", probe::run(d.clone(), probes, session.clone()));
-    let log_publisher = amqp::confirm_channel(&conn).await?;
-    spawn_loop!("schedule-log", schedule::log::follow(conn.clone(), log_publisher, names.clone(), board.clone(), session.clone()));
+    spawn_loop!("schedule-log", schedules.run(session.clone()));
     let firing = schedule::fire::Firing {
         cfg: cfg.clone(),
         store: store.clone(),

@@ -22,8 +22,10 @@
 //! schedule's policy: `skip` records them missed (`skipped`); `catch_up` fires the most recent
 //! `catch_up_max` of them now, oldest first, and records the older ones missed
 //! (`catch_up_limit`). Ticks before a schedule was defined, redefined or resumed are never
-//! caught up. After a Redis loss (marks gone) a replica starts again from now minus the
-//! tolerance.
+//! caught up. A replica that finds no mark (a schedule it has not seen fire, or Redis lost the
+//! marks together with the dedupe marks) starts from now: after a Redis loss nothing already
+//! fired fires again, and ticks missed during the loss are not caught up. Replicas that kept
+//! running through the loss keep their cursors in memory and go on without a gap.
 //!
 //! Metrics: `fleet_schedule_fires_total{schedule,trigger}`, `fleet_schedule_misses_total{schedule,reason}`,
 //! `fleet_schedule_lag_seconds{schedule}` (tick to confirmed submission).
@@ -187,7 +189,9 @@ impl Firing {
         let tolerance = chrono::Duration::from_std(self.cfg.schedule_tolerance).unwrap_or_default();
         if tracks.get(name).is_none_or(|t| t.changed_at_ms != entry.changed_at_ms) {
             let last: Option<i64> = self.store.query(redis::cmd("GET").arg(self.store.names.schedule_last(name))).await?;
-            let start_ms = entry.changed_at_ms.max(last.unwrap_or((now - tolerance).timestamp_millis()));
+            // No mark: a new schedule, or Redis lost the marks (and the dedupe marks with
+            // them) — start from now, so nothing already fired is fired again.
+            let start_ms = entry.changed_at_ms.max(last.unwrap_or(now.timestamp_millis()));
             let cursor = Utc.timestamp_millis_opt(start_ms).single().unwrap_or(now);
             tracks.insert(name.to_string(), Track { changed_at_ms: entry.changed_at_ms, cursor, pending: Vec::new() });
         }

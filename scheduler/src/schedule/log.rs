@@ -17,8 +17,8 @@
 //!
 //! Changes are rare (operator actions), so the log is small; it is not compacted. A replica
 //! knows it has caught up when it reads back a `sync` record it appended itself after
-//! subscribing; until then its API refuses changes with 503 and the firing loop waits. A
-//! writer waits until its own replica has applied its record, so a read after a write on the
+//! subscribing; the scheduler reports ready (`/readyz`) only then, and until then its schedule
+//! routes answer 503 and the firing loop waits. A writer waits until its own replica has applied its record, so a read after a write on the
 //! same replica sees it.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -211,13 +211,23 @@ pub async fn append(ch: &Channel, names: &Names, rec: &Record) -> fleet::Result<
     amqp::publish_confirmed(ch, "", &names.schedules_stream(), &body, props).await
 }
 
-/// Follows the log for one AMQP session: replays it from the start into a fresh map, swaps
-/// that into `board` once this replica's own sync marker comes back, then applies each new
-/// record as it arrives. Returns `Ok` at shutdown, `Err` when the channel or consumer fails
-/// (the session restarts and the replay starts over).
-pub async fn follow(conn: Arc<Connection>, publisher: Channel, names: Names, board: Board, shutdown: CancellationToken) -> fleet::Result<()> {
+/// Longest the replay up to this replica's sync marker may take before the session fails.
+const LOAD_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The log's consumer of one AMQP session, after the replay.
+pub struct Follower {
+    ch: Channel,
+    consumer: lapin::Consumer,
+    board: Board,
+}
+
+/// Opens the log for one AMQP session: subscribes from the first record, appends a sync
+/// marker, replays everything before the marker into a fresh map and swaps it into `board`.
+/// The scheduler reports ready only after this, so its API never answers from a partial view.
+/// `Err` when the broker fails or the replay takes over 30 s (the session restarts).
+pub async fn open(conn: &Connection, publisher: &Channel, names: &Names, board: Board) -> fleet::Result<Follower> {
     let ch = conn.create_channel().await?;
-    declare(&ch, &names).await?;
+    declare(&ch, names).await?;
     ch.basic_qos(PREFETCH, BasicQosOptions::default()).await?;
     let mut args = FieldTable::default();
     args.insert("x-stream-offset".into(), AMQPValue::LongString("first".into()));
@@ -225,42 +235,64 @@ pub async fn follow(conn: Arc<Connection>, publisher: Channel, names: Names, boa
         .basic_consume(names.schedules_stream().as_str().into(), "".into(), BasicConsumeOptions::default(), args)
         .await?;
     let marker = Record::new(Change::Sync, 0);
-    append(&publisher, &names, &marker).await?;
-    let mut fresh: Option<(Defs, Vec<String>)> = Some((Defs::new(), Vec::new()));
-    loop {
-        let delivery = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => {
-                let _ = ch.close(200, "bye".into()).await;
-                return Ok(());
+    append(publisher, names, &marker).await?;
+    let (mut defs, mut ids) = (Defs::new(), Vec::new());
+    let replay = async {
+        loop {
+            let Some(rec) = next(&mut consumer).await? else { continue };
+            ids.push(rec.id.clone());
+            if rec.id == marker.id {
+                return Ok::<_, fleet::Error>(());
             }
-            d = consumer.next() => d,
-        };
-        let delivery = match delivery {
-            Some(Ok(d)) => d,
-            Some(Err(e)) => return Err(e.into()),
-            None => return Err(fleet::Error::Other("schedules stream consumer ended".into())),
-        };
-        match serde_json::from_slice::<Record>(&delivery.data) {
-            Ok(rec) => match fresh.as_mut() {
-                Some((defs, ids)) if rec.id == marker.id => {
-                    ids.push(rec.id.clone());
-                    let defs = std::mem::take(defs);
-                    let ids = std::mem::take(ids);
-                    fresh = None;
-                    let n = defs.len();
-                    board.replace(defs, ids);
-                    tracing::info!(schedules = n, "schedule definitions loaded");
-                }
-                Some((defs, ids)) => {
-                    apply(defs, &rec);
-                    ids.push(rec.id);
-                }
-                None => board.apply(&rec),
-            },
-            Err(e) => tracing::warn!(error = %e, "ignoring an unreadable record in the schedules stream"),
+            apply(&mut defs, &rec);
         }
-        delivery.acker.ack(BasicAckOptions::default()).await?;
+    };
+    match tokio::time::timeout(LOAD_TIMEOUT, replay).await {
+        Ok(r) => r?,
+        Err(_) => return Err(fleet::Error::Other("schedules stream: own sync marker not read back within 30 s".into())),
+    }
+    tracing::info!(schedules = defs.len(), "schedule definitions loaded");
+    board.replace(defs, ids);
+    Ok(Follower { ch, consumer, board })
+}
+
+/// The next record (acked); `Ok(None)` for an unreadable one (logged and skipped). Cancel
+/// safe only between records: a record received and not yet acked is redelivered on the next
+/// session.
+async fn next(consumer: &mut lapin::Consumer) -> fleet::Result<Option<Record>> {
+    let delivery = match consumer.next().await {
+        Some(Ok(d)) => d,
+        Some(Err(e)) => return Err(e.into()),
+        None => return Err(fleet::Error::Other("schedules stream consumer ended".into())),
+    };
+    let rec = serde_json::from_slice::<Record>(&delivery.data);
+    delivery.acker.ack(BasicAckOptions::default()).await?;
+    match rec {
+        Ok(r) => Ok(Some(r)),
+        Err(e) => {
+            tracing::warn!(error = %e, "ignoring an unreadable record in the schedules stream");
+            Ok(None)
+        }
+    }
+}
+
+impl Follower {
+    /// Applies each new record as it arrives, until `shutdown` (`Ok`) or a broker failure
+    /// (`Err`: the session restarts and the replay starts over).
+    pub async fn run(mut self, shutdown: CancellationToken) -> fleet::Result<()> {
+        loop {
+            let rec = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => {
+                    let _ = self.ch.close(200, "bye".into()).await;
+                    return Ok(());
+                }
+                r = next(&mut self.consumer) => r?,
+            };
+            if let Some(rec) = rec {
+                self.board.apply(&rec);
+            }
+        }
     }
 }
 
