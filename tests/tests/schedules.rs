@@ -199,6 +199,10 @@ async fn two_replicas_fire_each_of_ten_ticks_once_while_one_is_killed() -> Resul
     }
     let page = metrics_page(&b).await?;
     assert_eq!(metric_sum(&page, "fleet_schedule_misses_total", &[("schedule", &name)]), 0.0);
+    let by_b = metric_sum(&page, "fleet_schedule_fires_total", &[("schedule", &name)]);
+    assert!((1.0..=10.0).contains(&by_b), "the surviving replica fired {by_b} of the ticks");
+    let lag = metric_sum(&page, "fleet_schedule_lag_seconds_sum", &[("schedule", &name)]) / by_b;
+    eprintln!("replica b fired {by_b} of 10 ticks, mean lag tick -> confirmed submission {:.1} ms", lag * 1000.0);
 
     b.stop().await?;
     w.stop().await?;
@@ -251,6 +255,14 @@ async fn skip_and_catch_up_after_every_scheduler_stopped_for_5_s() -> Result<()>
     assert!(skip_gap >= 3, "a 5 s outage with a 2 s tolerance leaves at least 3 ticks unfired, got {skip_gap}");
     assert_eq!(skipped, skip_gap, "every unfired tick of `skip` is counted missed (skipped) exactly once");
     assert_eq!(metric_sum(&page, "fleet_schedule_misses_total", &[("schedule", &skip)]) as usize, skipped);
+
+    // Every fire counted once, with its lag (all three replicas ran in this process).
+    let fired = runs.count(&skip) as f64;
+    assert_eq!(metric_sum(&page, "fleet_schedule_fires_total", &[("schedule", &skip), ("trigger", "cron")]), fired);
+    assert_eq!(metric_sum(&page, "fleet_schedule_lag_seconds_count", &[("schedule", &skip)]), fired);
+    let lag = metric_sum(&page, "fleet_schedule_lag_seconds_sum", &[("schedule", &skip)]) / fired;
+    eprintln!("mean lag tick -> confirmed submission: {:.1} ms over {fired} fires", lag * 1000.0);
+    assert!(lag < 2.0, "on-time fires are submitted within the tolerance, mean lag {lag} s");
 
     let (_, catch_gap, catch_late) = account(&runs, &catch, tol)?;
     let limited = metric_sum(&page, "fleet_schedule_misses_total", &[("schedule", &catch), ("reason", "catch_up_limit")]) as usize;

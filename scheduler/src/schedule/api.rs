@@ -34,6 +34,7 @@ use tokio::sync::{watch, RwLock};
 use super::definition::{tick_label, Schedule, ScheduleSpec};
 use super::fire::{self, Refusal};
 use super::log::{self, Board, Change, Entry, Record};
+use crate::api::error;
 use crate::backpressure::Sample;
 use crate::config::SchedulerConfig;
 
@@ -65,10 +66,6 @@ pub fn admin_routes(st: ScheduleApi) -> Router {
         .route("/v1/schedules/{name}/resume", post(resume))
         .route("/v1/schedules/{name}/fire", post(fire_now))
         .with_state(st)
-}
-
-fn error(status: StatusCode, code: &str, detail: impl Into<String>) -> Response {
-    (status, Json(json!({"error": code, "detail": detail.into()}))).into_response()
 }
 
 fn loading() -> Response {
