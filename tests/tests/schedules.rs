@@ -389,3 +389,56 @@ async fn redis_flushall_loses_no_schedule() -> Result<()> {
     w.stop().await?;
     ns.cleanup().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_red_fleet_refuses_fires_which_are_counted_missed_then_fire_again() -> Result<()> {
+    let ns = Ns::new().await?;
+    let runs = Runs::default();
+    let (release, released) = tokio::sync::watch::channel(false);
+    let block = handler_fn(move |_ctx| {
+        let mut r = released.clone();
+        async move {
+            let _ = tokio::time::timeout(Duration::from_secs(60), r.wait_for(|v| *v)).await;
+            Ok(json!({}))
+        }
+    });
+    // One normal slot: a blocking task fills it, load 1.0 >= 0.85 makes the fleet Red.
+    let w = start_worker(&ns, "w1", LABELS, 1, &[], &[(KIND, runs.handler()), ("block", block)]).await?;
+    let s = start_scheduler(&ns, &[("schedule_tolerance_ms", "1000"), ("schedule_poll_ms", "100")]).await?;
+    ns.submit(&[fleet_tests::task("block", json!({}), LABELS)]).await?;
+    wait_for("pressure red", Duration::from_secs(10), || async {
+        let p = get_json(&s.url("/v1/pressure")).await.ok()?;
+        (p["state"] == "red").then_some(())
+    })
+    .await?;
+
+    let name = format!("red-{}", ns.name);
+    add(&s, &spec(&name, "* * * * * *", json!({}))).await?;
+    let missed = |page: &str| metric_sum(page, "fleet_schedule_misses_total", &[("schedule", &name), ("reason", "pressure_red")]);
+    wait_for("2 ticks missed as pressure_red", Duration::from_secs(15), || async {
+        let page = metrics_page(&s).await.ok()?;
+        (missed(&page) >= 2.0).then_some(())
+    })
+    .await?;
+    // Fire-now is refused the same way, with Retry-After.
+    let r = reqwest::Client::new().post(s.url(&format!("/v1/schedules/{name}/fire"))).send().await?;
+    assert_eq!(r.status().as_u16(), 429);
+    assert!(r.headers().get("retry-after").is_some());
+    assert_eq!(runs.count(&name), 0, "nothing fired while Red");
+
+    release.send_replace(true);
+    wait_for("fires after the fleet turned green", Duration::from_secs(15), || async { (runs.count(&name) >= 2).then_some(()) }).await?;
+    s.stop().await?;
+    // Every tick from the schedule's first to its last fire was either fired once or counted
+    // missed once, and before the first fire only misses.
+    let page = metrics_page_of_process().await;
+    let (fired, gap, late) = account(&runs, &name, chrono::Duration::seconds(1))?;
+    assert_eq!(gap, 0, "no tick missing once the fleet was green again");
+    assert_eq!(late, 0);
+    assert_eq!(metric_sum(&page, "fleet_schedule_fires_total", &[("schedule", &name), ("trigger", "cron")]) as usize, fired);
+    assert_eq!(metric_sum(&page, "fleet_schedule_misses_total", &[("schedule", &name)]), missed(&page), "misses are all pressure_red");
+    assert!(missed(&page) >= 2.0);
+
+    w.stop().await?;
+    ns.cleanup().await
+}
