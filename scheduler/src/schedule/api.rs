@@ -144,6 +144,13 @@ async fn add(State(st): State<ScheduleApi>, body: Bytes) -> Response {
         Ok(s) => s,
         Err(e) => return error(StatusCode::BAD_REQUEST, "bad_schedule", e.to_string()),
     };
+    // The fired task must pass the door's limits (as configured here), checked on the bytes
+    // the ingress will see, with the longest id a fire can have (a fire-now's).
+    let now = chrono::Utc::now();
+    let longest = now.to_rfc3339_opts(SecondsFormat::Millis, true);
+    if let Err(r) = s.envelope(now, &longest, st.cfg.common.default_max_attempts).and_then(|e| fleet::Envelope::parse(&e.to_bytes(), &st.cfg.common.limits).map_err(|r| r.to_string())) {
+        return error(StatusCode::BAD_REQUEST, "bad_schedule", format!("task: {r}"));
+    }
     let name = s.name().to_string();
     if st.board.get(&name).is_some() {
         return error(StatusCode::CONFLICT, "schedule_exists", format!("a schedule named {name} exists; delete it first"));

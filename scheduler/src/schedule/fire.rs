@@ -64,12 +64,14 @@ fn resolve_script() -> &'static Script {
     S.get_or_init(|| Script::new(include_str!("resolve.lua")))
 }
 
-/// Redis server time, ms since the epoch.
+/// Redis server time (fleet's one clock): measures this process's offset against Redis `TIME`
+/// (which also updates `fleet_clock_skew_seconds`) and returns the clock's reading.
+///
+/// # Errors
+/// Redis unreachable or slow.
 pub async fn server_now(store: &Store) -> fleet::Result<DateTime<Utc>> {
-    let (s, us): (i64, i64) = store.query(&redis::cmd("TIME")).await?;
-    Utc.timestamp_millis_opt(s * 1000 + us / 1000)
-        .single()
-        .ok_or_else(|| fleet::Error::Other("Redis TIME out of range".into()))
+    store.measure_clock().await?;
+    Ok(store.clock.now())
 }
 
 /// Why a submission was not accepted; the `reason` label of misses and the API's refusal.
