@@ -46,7 +46,8 @@ pub fn routes(state: AppState) -> Router {
         .with_state(state)
 }
 
-fn error(status: StatusCode, code: &str, detail: impl Into<String>) -> Response {
+/// A JSON error answer `{"error": code, "detail": ...}`.
+pub(crate) fn error(status: StatusCode, code: &str, detail: impl Into<String>) -> Response {
     (status, Json(json!({"error": code, "detail": detail.into()}))).into_response()
 }
 

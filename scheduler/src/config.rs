@@ -48,6 +48,11 @@ pub struct SchedulerConfig {
     /// Concurrent dispatch loops on the normal ingress queue: while one batch waits for its
     /// publisher confirms the next is already being routed.
     pub ingress_consumers: u16,
+    /// How often the schedule firing loop looks for due ticks.
+    pub schedule_poll: Duration,
+    /// How late a schedule's tick may still be submitted; later it is missed (and handled by
+    /// the schedule's missed-fire policy). Refused fires are retried within it.
+    pub schedule_tolerance: Duration,
 }
 
 impl SchedulerConfig {
@@ -93,6 +98,8 @@ impl SchedulerConfig {
             stats_interval: ms(a.stats_interval_ms),
             batch_max: a.batch_max,
             ingress_consumers: a.ingress_consumers,
+            schedule_poll: ms(a.schedule_poll_ms),
+            schedule_tolerance: ms(a.schedule_tolerance_ms),
             common,
         })
     }

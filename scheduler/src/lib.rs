@@ -4,7 +4,8 @@
 //! Modules: [`config`], [`backpressure`] (Green/Yellow/Red), [`ingress`] (consuming loops),
 //! [`dispatch`] (route, park, delay, dead-letter a batch), [`park`] (waiting for room),
 //! [`health`] (eviction, orphaned groups), [`probe`] (critical-lane probes), [`stats`]
-//! (gauges for dashboards and autoscalers), [`api`] (HTTP), [`scheduler`] (the process).
+//! (gauges for dashboards and autoscalers), [`schedule`] (periodic cron schedules), [`api`]
+//! (HTTP), [`scheduler`] (the process).
 
 pub mod api;
 pub mod backpressure;
@@ -14,6 +15,7 @@ pub mod health;
 pub mod ingress;
 pub mod park;
 pub mod probe;
+pub mod schedule;
 pub mod scheduler;
 pub mod stats;
 pub mod ticker;

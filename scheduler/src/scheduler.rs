@@ -20,7 +20,7 @@ use crate::config::SchedulerConfig;
 use crate::dispatch::{Dispatcher, Source};
 use crate::ingress::IngressLoop;
 use crate::probe::ProbeBoard;
-use crate::{health, park, probe, stats};
+use crate::{health, park, probe, schedule, stats};
 
 /// Runs the scheduler until `shutdown` fires. `listener` serves the API and `/metrics`.
 /// A [`fleet::Error::Permanent`] (login refused, a queue declared with other arguments) ends
@@ -35,7 +35,12 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
     let publisher: Arc<RwLock<Option<lapin::Channel>>> = Arc::new(RwLock::new(None));
     let probes: ProbeBoard = Arc::default();
     let state = AppState { cfg: cfg.clone(), store: store.clone(), publisher: publisher.clone(), pressure: prx.clone(), probes: probes.clone() };
-    let router = fleet::http::common_routes(handle, ready.clone()).merge(api::routes(state));
+    let board = schedule::Board::default();
+    let sched_api = schedule::api::ScheduleApi { cfg: cfg.clone(), store: store.clone(), board: board.clone(), publisher: publisher.clone(), pressure: prx.clone() };
+    let router = fleet::http::common_routes(handle, ready.clone())
+        .merge(api::routes(state))
+        .merge(schedule::api::read_routes(sched_api.clone()))
+        .merge(schedule::api::admin_routes(sched_api));
     let tracker = TaskTracker::new();
     tracker.spawn(fleet::http::serve(listener, router, shutdown.clone()));
     tracker.spawn(redis_watch(store.clone(), ready.clone(), shutdown.clone()));
@@ -53,7 +58,7 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
                 break;
             }
         };
-        match session(cfg.clone(), store.clone(), conn.clone(), ptx.clone(), prx.clone(), publisher.clone(), probes.clone(), &ready, &shutdown).await {
+        match session(cfg.clone(), store.clone(), conn.clone(), ptx.clone(), prx.clone(), publisher.clone(), probes.clone(), board.clone(), &ready, &shutdown).await {
             Ok(()) => backoff = amqp::reconnect_backoff().build(),
             Err(e @ fleet::Error::Permanent { .. }) => result = Err(e),
             Err(e) => tracing::warn!(error = %e, "AMQP session ended"),
@@ -118,6 +123,7 @@ async fn session(
     prx: watch::Receiver<Sample>,
     publisher_slot: Arc<RwLock<Option<lapin::Channel>>>,
     probes: ProbeBoard,
+    board: schedule::Board,
     ready: &Readiness,
     shutdown: &CancellationToken,
 ) -> fleet::Result<()> {
@@ -127,11 +133,12 @@ async fn session(
     let _ = setup.close(200, "ok".into()).await;
     let publisher = amqp::confirm_channel(&conn).await?;
     let api_publisher = amqp::confirm_channel(&conn).await?;
+    let names = cfg.common.names();
+    let schedules = schedule::log::open(&conn, &api_publisher, &names, board.clone()).await?;
     *publisher_slot.write().await = Some(api_publisher);
     ready.set_amqp(true);
     tracing::info!(namespace = %cfg.common.namespace, "connected to RabbitMQ; topology declared");
 
-    let names = cfg.common.names();
     let d = Arc::new(Dispatcher::new(cfg.clone(), store.clone(), conn.clone(), publisher));
     let session = shutdown.child_token();
     let tracker = TaskTracker::new();
@@ -169,6 +176,16 @@ async fn session(
     spawn_loop!("health", health::run(d.clone(), session.clone()));
     spawn_loop!("stats", stats::run(d.clone(), session.clone()));
     spawn_loop!("probe", probe::run(d.clone(), probes, session.clone()));
+    spawn_loop!("schedule-log", schedules.run(session.clone()));
+    let firing = schedule::fire::Firing {
+        cfg: cfg.clone(),
+        store: store.clone(),
+        board,
+        publisher: amqp::confirm_channel(&conn).await?,
+        pressure: prx.clone(),
+        replica: uuid::Uuid::new_v4().simple().to_string(),
+    };
+    spawn_loop!("schedule-fire", firing.run(session.clone()));
 
     session.cancelled().await;
     tracker.close();

@@ -37,6 +37,9 @@ pub const REDIS_ERRORS: &str = "fleet_redis_errors_total";
 pub const AMQP_RECONNECTS: &str = "fleet_amqp_reconnects_total";
 pub const CLOCK_SKEW: &str = "fleet_clock_skew_seconds";
 pub const DUPLICATE_DELIVERIES: &str = "fleet_tasks_duplicate_deliveries_total";
+pub const SCHEDULE_FIRES: &str = "fleet_schedule_fires_total";
+pub const SCHEDULE_MISSES: &str = "fleet_schedule_misses_total";
+pub const SCHEDULE_LAG: &str = "fleet_schedule_lag_seconds";
 
 /// Registers help text for every metric.
 pub fn describe() {
@@ -70,6 +73,9 @@ pub fn describe() {
     describe_counter!(AMQP_RECONNECTS, "Reconnections to RabbitMQ.");
     describe_gauge!(CLOCK_SKEW, Unit::Seconds, "This process's clock minus the Redis server's (fleet's one clock), as last measured.");
     describe_counter!(DUPLICATE_DELIVERIES, "Deliveries of an attempt that already ran or runs elsewhere (scheduler crash, consumer timeout, lost ack), acked without running, by lane.");
+    describe_counter!(SCHEDULE_FIRES, "Tasks submitted by periodic schedules, by schedule and trigger (cron, manual).");
+    describe_counter!(SCHEDULE_MISSES, "Schedule ticks not fired, by schedule and reason (skipped, catch_up_limit, pressure_red, ingress_full, error).");
+    describe_histogram!(SCHEDULE_LAG, Unit::Seconds, "Time from a schedule's tick to its confirmed submission, by schedule.");
 }
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();

@@ -134,6 +134,12 @@ pub struct SchedulerArgs {
     /// HTTP submissions per second above which the API answers 429 (0 = no limit).
     #[arg(long, env = "FLEET_SUBMIT_RATE", default_value = "0", value_parser = non_negative_number)]
     pub submit_rate: f64,
+    /// How often periodic schedules are looked at, in milliseconds.
+    #[arg(long, env = "FLEET_SCHEDULE_POLL_MS", default_value = "200", value_parser = positive::<u64>)]
+    pub schedule_poll_ms: u64,
+    /// How long after its tick a periodic fire may still be submitted (then it counts as missed), in milliseconds.
+    #[arg(long, env = "FLEET_SCHEDULE_TOLERANCE_MS", default_value = "10000", value_parser = positive::<u64>)]
+    pub schedule_tolerance_ms: u64,
     /// How long a task id is remembered to drop duplicates, in milliseconds.
     #[arg(long, env = "FLEET_DEDUPE_WINDOW_MS", default_value = "3600000", value_parser = positive::<u64>)]
     pub dedupe_window_ms: u64,

@@ -188,6 +188,7 @@ pub async fn delete_all(ch: &Channel, names: &Names, groups: &[String]) -> Resul
     let mut queues: Vec<String> = Lane::ALL.iter().map(|l| names.ingress_queue(*l)).collect();
     queues.push(names.dead_queue());
     queues.push(names.delayed_queue());
+    queues.push(names.schedules_stream());
     queues.extend(delay::tiers().map(|t| names.delay_queue(t)));
     for g in groups {
         for l in Lane::ALL {

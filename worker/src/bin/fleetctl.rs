@@ -76,6 +76,9 @@ enum Cmd {
         #[arg(long)]
         yes: bool,
     },
+    /// Periodic schedules (the scheduler's /v1/schedules).
+    #[command(subcommand)]
+    Schedule(ScheduleCmd),
 }
 
 #[derive(Args)]
@@ -155,6 +158,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Dead(DeadCmd::List { limit }) => dead_list(&cli, &names, *limit).await,
         Cmd::Dead(DeadCmd::Replay { id, all }) => dead_replay(&cli, &names, id.as_deref(), *all).await,
         Cmd::DeleteNamespace { yes } => delete_namespace(&cli, &names, *yes).await,
+        Cmd::Schedule(c) => schedule(&cli, c).await,
     }
 }
 
@@ -567,4 +571,143 @@ async fn clear_dedupe(store: Option<&Store>, names: &Names, id: &str) {
     if let Err(e) = store.query::<i64>(redis::cmd("DEL").arg(names.dedupe(id)).arg(names.task(id))).await {
         eprintln!("fleetctl: warning: cannot clear the dedupe mark of {id} ({e}); the scheduler may drop the replay as a duplicate");
     }
+}
+
+// ---- schedules ----
+
+#[derive(Subcommand)]
+enum ScheduleCmd {
+    /// Add a schedule (POST /v1/schedules).
+    Add(ScheduleAddArgs),
+    /// List schedules with their next and last ticks.
+    List,
+    /// Stop firing (ticks while paused are never caught up).
+    Pause { name: String },
+    /// Fire again from now on.
+    Resume { name: String },
+    /// Delete a schedule.
+    Rm { name: String },
+    /// Submit the schedule's task now, through admission; prints the task id.
+    FireNow { name: String },
+}
+
+#[derive(Args)]
+struct ScheduleAddArgs {
+    name: String,
+    /// `sec min hour day-of-month month day-of-week [year]`; five fields = classic cron.
+    #[arg(long)]
+    cron: String,
+    /// IANA time zone of the cron fields.
+    #[arg(long, default_value = "UTC")]
+    timezone: String,
+    #[arg(long)]
+    kind: String,
+    /// Payload (JSON).
+    #[arg(long)]
+    payload: Option<String>,
+    /// Selector `k=v,k=v`.
+    #[arg(long)]
+    labels: Option<String>,
+    #[arg(long)]
+    lane: Option<String>,
+    #[arg(long)]
+    protocol: Option<String>,
+    #[arg(long)]
+    timeout_ms: Option<u64>,
+    #[arg(long)]
+    max_attempts: Option<u32>,
+    /// Missed ticks after an outage: `skip` or `catch_up`.
+    #[arg(long, default_value = "skip", value_parser = ["skip", "catch_up"])]
+    missed: String,
+    /// With `--missed catch_up`: at most this many missed ticks are fired.
+    #[arg(long, default_value_t = 1)]
+    catch_up_max: u32,
+    /// Add it paused.
+    #[arg(long)]
+    paused: bool,
+}
+
+/// Sends a schedule request; on an error answer prints the API's reason and returns `None`.
+async fn schedule_call(method: reqwest::Method, url: &str, body: Option<&Value>) -> Result<Option<Value>> {
+    let mut req = http()?.request(method.clone(), url);
+    if let Some(b) = body {
+        req = req.json(b);
+    }
+    let resp = req.send().await.with_context(|| format!("{method} {url}"))?;
+    let status = resp.status();
+    let v: Value = resp.json().await.unwrap_or(Value::Null);
+    if status.is_success() {
+        return Ok(Some(v));
+    }
+    let detail = v.get("detail").and_then(Value::as_str).unwrap_or("");
+    eprintln!("fleetctl: {status}: {detail}");
+    Ok(None)
+}
+
+async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
+    use reqwest::Method;
+    let done = |r: Option<Value>, f: &dyn Fn(&Value)| match r {
+        Some(v) => {
+            f(&v);
+            ExitCode::SUCCESS
+        }
+        None => ExitCode::FAILURE,
+    };
+    Ok(match cmd {
+        ScheduleCmd::Add(a) => {
+            let mut task = serde_json::Map::new();
+            task.insert("kind".into(), a.kind.clone().into());
+            if let Some(p) = &a.payload {
+                task.insert("payload".into(), serde_json::from_str(p).context("--payload is not valid JSON")?);
+            }
+            if let Some(l) = &a.labels {
+                let labels = Labels::parse(l).map_err(|e| anyhow!("--labels: {e}"))?;
+                task.insert("labels".into(), serde_json::to_value(&labels)?);
+            }
+            for (k, v) in [("lane", a.lane.clone().map(Value::from)), ("protocol", a.protocol.clone().map(Value::from)), ("timeout_ms", a.timeout_ms.map(Value::from)), ("max_attempts", a.max_attempts.map(Value::from))] {
+                if let Some(v) = v {
+                    task.insert(k.into(), v);
+                }
+            }
+            let body = serde_json::json!({
+                "name": a.name, "cron": a.cron, "timezone": a.timezone, "task": task,
+                "missed": a.missed, "catch_up_max": a.catch_up_max, "enabled": !a.paused,
+            });
+            let r = schedule_call(Method::POST, &api(cli, "/v1/schedules"), Some(&body)).await?;
+            done(r, &|v| println!("schedule {}: added, next tick {}", a.name, v.get("next_tick").and_then(Value::as_str).unwrap_or("-")))
+        }
+        ScheduleCmd::List => {
+            let r = schedule_call(Method::GET, &api(cli, "/v1/schedules"), None).await?;
+            done(r, &|v| {
+                let s = |x: &Value, k: &str| x.get(k).and_then(Value::as_str).unwrap_or("-").to_string();
+                let rows = v
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|x| {
+                        let state = if x.get("enabled").and_then(Value::as_bool).unwrap_or(true) { "active" } else { "paused" };
+                        let kind = x.pointer("/task/kind").and_then(Value::as_str).unwrap_or("-").to_string();
+                        vec![s(x, "name"), s(x, "cron"), s(x, "timezone"), kind, state.into(), s(x, "missed"), s(x, "next_tick"), s(x, "last_tick")]
+                    })
+                    .collect();
+                print_table(&["NAME", "CRON", "TIMEZONE", "KIND", "STATE", "MISSED", "NEXT TICK", "LAST TICK"], rows);
+            })
+        }
+        ScheduleCmd::Pause { name } => {
+            let r = schedule_call(Method::POST, &api(cli, &format!("/v1/schedules/{name}/pause")), None).await?;
+            done(r, &|_| println!("schedule {name}: paused"))
+        }
+        ScheduleCmd::Resume { name } => {
+            let r = schedule_call(Method::POST, &api(cli, &format!("/v1/schedules/{name}/resume")), None).await?;
+            done(r, &|_| println!("schedule {name}: resumed"))
+        }
+        ScheduleCmd::Rm { name } => {
+            let r = schedule_call(Method::DELETE, &api(cli, &format!("/v1/schedules/{name}")), None).await?;
+            done(r, &|_| println!("schedule {name}: deleted"))
+        }
+        ScheduleCmd::FireNow { name } => {
+            let r = schedule_call(Method::POST, &api(cli, &format!("/v1/schedules/{name}/fire")), None).await?;
+            done(r, &|v| println!("{}", v.get("id").and_then(Value::as_str).unwrap_or("")))
+        }
+    })
 }
