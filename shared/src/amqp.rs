@@ -16,6 +16,9 @@ pub const REASON_HEADER: &str = "x-fleet-reason";
 pub const DETAIL_HEADER: &str = "x-fleet-detail";
 /// Header with the last worker that ran a dead task.
 pub const WORKER_HEADER: &str = "x-fleet-worker";
+/// Marks the scheduler's health probes (published straight to a group's critical queue, never
+/// through ingress, so a producer cannot set it): workers count them apart from user tasks.
+pub const PROBE_HEADER: &str = "x-fleet-probe";
 /// Header selecting a delay tier on the delay (headers) exchange. Not `x-` prefixed: RabbitMQ
 /// ignores `x-` headers when matching, which would bind every tier to every message.
 pub const TIER_HEADER: &str = "fleet-tier";

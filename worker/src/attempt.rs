@@ -145,11 +145,15 @@ pub async fn handle(shared: Arc<Shared>, lane: Lane, delivery: Delivery, channel
         Err(reject) => return refuse(&shared, lane, delivery, reject).await,
     };
     let attempt = env.attempt.saturating_add(1);
+    // Only the scheduler publishes to a group's critical queue with this header.
+    let probe = lane == Lane::Critical && fleet::amqp::header_str(&delivery.properties, fleet::amqp::PROBE_HEADER).is_some();
     let span = tracing::info_span!("task", task.id = %env.id, kind = %env.kind, lane = %lane, attempt);
-    attempt_task(shared, lane, delivery, env, attempt).instrument(span).await
+    attempt_task(shared, lane, delivery, env, attempt, probe).instrument(span).await
 }
 
-async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: Envelope, attempt: u32) {
+/// `probe`: a scheduler health probe, counted in `fleet_probes_completed_total` and left out
+/// of the worker's task figures (metrics, `/status`, `GET /v1/workers`).
+async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: Envelope, attempt: u32, probe: bool) {
     let max_attempts = env.max_attempts_or(shared.default_max_attempts);
     shared.ledger.start(lane, &env.id, attempt);
     shared.stats.started(lane, &env.id);
@@ -169,7 +173,9 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: 
             return;
         };
         metrics::histogram!(m::TASK_RUN, "group" => shared.group.clone(), "lane" => lane.as_str()).record(took.as_secs_f64());
-        shared.stats.ran(result.is_ok(), took);
+        if !probe {
+            shared.stats.ran(result.is_ok(), took);
+        }
         match &result {
             Ok(_) => shared.ejector.record(false),
             Err(TaskError::Permanent(_)) => {}
@@ -179,9 +185,13 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: 
         decide(result, attempt, max_attempts, time_left, &shared.backoff)
     };
 
-    let outcome = settle(&shared, lane, &delivery, &env, attempt, max_attempts, fate).await;
-    metrics::counter!(m::TASKS_COMPLETED, "group" => shared.group.clone(), "lane" => lane.as_str(), "outcome" => outcome.as_str())
-        .increment(1);
+    let outcome = settle(&shared, lane, &delivery, &env, (attempt, max_attempts), fate, probe).await;
+    if probe {
+        metrics::counter!(m::PROBES_COMPLETED, "group" => shared.group.clone(), "outcome" => outcome.as_str()).increment(1);
+    } else {
+        metrics::counter!(m::TASKS_COMPLETED, "group" => shared.group.clone(), "lane" => lane.as_str(), "outcome" => outcome.as_str())
+            .increment(1);
+    }
     shared.stats.ended(lane, &env.id);
 }
 
@@ -253,21 +263,29 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// Records the fate in the broker (publish + ack) and in Redis (ledger); returns the outcome.
+/// A user task's outcome is counted in the worker's figures before its ledger record, so the
+/// batch that writes the record also publishes the figures.
 async fn settle(
     shared: &Shared,
     lane: Lane,
     delivery: &Delivery,
     env: &Envelope,
-    attempt: u32,
-    max_attempts: u32,
+    (attempt, max_attempts): (u32, u32),
     fate: Fate,
+    probe: bool,
 ) -> Outcome {
+    let count = |o: Outcome| {
+        if !probe {
+            shared.stats.outcome(o.as_str());
+        }
+        o
+    };
     // A delivery whose channel died cannot be acked: the broker has it back already, so a
     // retry or dead-letter copy would only duplicate it.
     if !delivery.acker.usable() {
         tracing::warn!("channel closed before the task finished; the broker redelivers it");
         shared.ledger.release(lane, &env.id);
-        return Outcome::Failed;
+        return count(Outcome::Failed);
     }
     let (outcome, state, text, success, reason, published) = match fate {
         Fate::Succeeded(v) => (Outcome::Succeeded, "succeeded", v.to_string(), true, "", Ok(())),
@@ -291,13 +309,14 @@ async fn settle(
         tracing::warn!(error = %e, "cannot record the outcome in the broker; task requeued");
         nack_requeue(delivery).await;
         shared.ledger.release(lane, &env.id);
-        return Outcome::Failed;
+        return count(Outcome::Failed);
     }
     match delivery.acker.ack(BasicAckOptions::default()).await {
         Ok(true) => {}
         Ok(false) => tracing::warn!("cannot ack: channel closed; the broker redelivers the task"),
         Err(e) => tracing::warn!(error = %e, "cannot ack; the broker redelivers the task"),
     }
+    count(outcome);
     shared.ledger.finish(Finished { lane, id: env.id.clone(), attempt, state, text, success, reason });
     outcome
 }

@@ -27,6 +27,8 @@ use fleet::lease::Finished;
 use fleet::store::Store;
 use fleet::Lane;
 
+use crate::stats::Stats;
+
 /// Longest a record waits for its batch.
 pub const FLUSH_EVERY: Duration = Duration::from_millis(5);
 /// Largest batch.
@@ -66,6 +68,7 @@ impl Ledger {
             lease_ms: ms(run_lease),
             status_ttl_ms: ms(status_ttl),
             gone: Arc::new(Notify::new()),
+            figures: None,
         };
         (Ledger { tx }, batcher)
     }
@@ -105,6 +108,9 @@ pub struct Batcher {
     lease_ms: i64,
     status_ttl_ms: i64,
     gone: Arc<Notify>,
+    /// This worker's instance token and figures, published with each batch that finishes
+    /// tasks (so `GET /v1/workers` is current); `None` publishes nothing.
+    figures: Option<(String, Arc<Stats>)>,
 }
 
 fn ms(d: Duration) -> i64 {
@@ -112,6 +118,12 @@ fn ms(d: Duration) -> i64 {
 }
 
 impl Batcher {
+    /// Publishes `stats`' outcome totals with every batch that records finishes.
+    pub fn with_figures(mut self, instance: String, stats: Arc<Stats>) -> Self {
+        self.figures = Some((instance, stats));
+        self
+    }
+
     /// Notified when a start finds the worker's registration gone (the heartbeat registers
     /// again).
     pub fn gone_signal(&self) -> Arc<Notify> {
@@ -217,6 +229,9 @@ impl Batcher {
         if !finishes.is_empty() {
             self.store.finish(&self.worker_id, &self.group, self.status_ttl_ms, finishes).await?;
             finishes.clear();
+            if let Some((instance, stats)) = &self.figures {
+                self.store.set_outcomes(&self.worker_id, instance, &stats.outcomes()).await?;
+            }
         }
         if !releases.is_empty() {
             let names = &self.store.names;

@@ -316,12 +316,20 @@ async fn workers(cli: &Cli) -> Result<ExitCode> {
                 format!("{}+{}", w.capacity, w.critical_capacity),
                 format!("{}+{}", w.running, w.running_critical),
                 w.succeeded.to_string(),
+                w.retried.to_string(),
+                w.dead.to_string(),
+                w.expired.to_string(),
                 w.failed.to_string(),
                 format!("{:.1}s ago", w.last_heartbeat_ms_ago as f64 / 1000.0),
             ]
         })
         .collect();
-    print_table(&["ID", "GROUP", "STATE", "CAPACITY(N+C)", "RUNNING(N+C)", "SUCCEEDED", "FAILED", "LAST HEARTBEAT"], rows);
+    // Outcome columns are user task attempts by the outcome of `fleet_tasks_completed_total`
+    // (probes excluded), published by each worker as it records them.
+    print_table(
+        &["ID", "GROUP", "STATE", "CAPACITY(N+C)", "RUNNING(N+C)", "SUCCEEDED", "RETRIED", "DEAD", "EXPIRED", "FAILED", "LAST HEARTBEAT"],
+        rows,
+    );
     Ok(ExitCode::SUCCESS)
 }
 
@@ -379,31 +387,29 @@ async fn drain(cli: &Cli, id: &str) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Prints rows under headers, columns aligned.
+/// Prints rows under headers as an aligned table (comfy-table; no borders, so the output
+/// stays easy to read in a terminal and to cut with `awk`). Numeric columns are right-aligned.
 fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
-    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
-    for r in &rows {
-        for (i, c) in r.iter().enumerate() {
-            if let Some(w) = widths.get_mut(i) {
-                *w = (*w).max(c.chars().count());
-            }
-        }
-    }
-    let line = |cells: Vec<String>| {
-        let mut s = String::new();
-        for (i, c) in cells.iter().enumerate() {
-            if i + 1 == cells.len() {
-                s.push_str(c);
-            } else {
-                s.push_str(&format!("{c:<w$}  ", w = widths[i]));
-            }
-        }
-        println!("{}", s.trim_end());
-    };
-    line(headers.iter().map(|h| h.to_string()).collect());
+    println!("{}", table(headers, rows).trim_fmt());
+}
+
+fn table(headers: &[&str], rows: Vec<Vec<String>>) -> comfy_table::Table {
+    use comfy_table::{presets, CellAlignment, ContentArrangement, Table};
+    let numeric: Vec<bool> = (0..headers.len())
+        .map(|i| !rows.is_empty() && rows.iter().all(|r| r.get(i).is_some_and(|c| !c.is_empty() && c.chars().all(|ch| ch.is_ascii_digit()))))
+        .collect();
+    let mut t = Table::new();
+    t.load_style(presets::NOTHING).set_content_arrangement(ContentArrangement::Disabled).set_header(headers.to_vec());
     for r in rows {
-        line(r);
+        t.add_row(r);
     }
+    for (i, num) in numeric.iter().enumerate() {
+        if let Some(c) = t.column_mut(i) {
+            c.set_padding((0, 2));
+            c.set_cell_alignment(if *num { CellAlignment::Right } else { CellAlignment::Left });
+        }
+    }
+    t
 }
 
 // ---- dead letters ----
