@@ -71,6 +71,9 @@ impl Heartbeat {
     async fn beat(&self, cpu: &mut CpuSampler) {
         let b = self.collect(cpu);
         let store = self.registrar.store();
+        if let Err(e) = store.measure_clock().await {
+            tracing::debug!(error = %e, "cannot measure the clock against Redis");
+        }
         let lease_ms = i64::try_from(self.run_lease.as_millis()).unwrap_or(i64::MAX);
         match store.heartbeat(self.registrar.id(), self.registrar.instance(), lease_ms, &b).await {
             Ok(reply) => {
