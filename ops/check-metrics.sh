@@ -51,6 +51,7 @@ OPTIONAL_METRICS=(
     fleet_dispatch_throttled_total
     fleet_probe_seconds_bucket
     fleet_probe_failures_total
+    fleet_probes_completed_total
 )
 
 bash ops/services.sh --tools

@@ -205,39 +205,13 @@ curl -fsS --max-time 5 "$SCHED/metrics" >"$LOGS/scheduler.metrics" 2>/dev/null |
 
 # ------------------------------------------------------------------------------- summary
 
-OUTCOMES=(succeeded failed retried dead expired)
 echo
-echo "What ran where (from each worker's /metrics; $TOTAL tasks in ${ELAPSED}s):"
+echo "What ran where ($TOTAL tasks in ${ELAPSED}s): user task attempts by outcome, per worker"
+echo "(the outcomes of fleet_tasks_completed_total; health probes are counted apart, in"
+echo "fleet_probes_completed_total)"
 echo
-cols() { printf '%-24s %-10s %-22s' "$@"; }
-hdr=$(cols WORKER LABELS GROUP)
-for o in "${OUTCOMES[@]}"; do hdr+=$(printf ' %9s' "$o"); done
-hdr+=$(printf ' %9s' attempts)
-echo "$hdr"
-echo "${hdr//?/-}"
-declare -A COL_SUM=()
-grand=0
-for w in gpu cpu; do
-    f="$LOGS/worker-$w.metrics"
-    id=$(label_values "$f" fleet_worker_info worker | head -n1)
-    group=$(label_values "$f" fleet_worker_info group | head -n1)
-    line=$(cols "${id:-$NS-$w-1}" "${LABELS[$w]}" "${group:-?}")
-    rowsum=0
-    for o in "${OUTCOMES[@]}"; do
-        n=$(metric_sum "$f" fleet_tasks_completed_total "outcome=$o")
-        line+=$(printf ' %9s' "$n")
-        COL_SUM[$o]=$((${COL_SUM[$o]:-0} + n))
-        rowsum=$((rowsum + n))
-    done
-    line+=$(printf ' %9s' "$rowsum")
-    grand=$((grand + rowsum))
-    echo "$line"
-done
-echo "${hdr//?/-}"
-line=$(cols "all" "" "")
-for o in "${OUTCOMES[@]}"; do line+=$(printf ' %9s' "${COL_SUM[$o]}"); done
-line+=$(printf ' %9s' "$grand")
-echo "$line"
+echo "\$ fleetctl workers"
+"$BIN/fleetctl" workers || warn "fleetctl workers failed"
 echo
 
 # By lane, and what the scheduler dispatched to each group.
@@ -262,9 +236,6 @@ echo
 
 echo "\$ fleetctl groups"
 "$BIN/fleetctl" groups || warn "fleetctl groups failed"
-echo
-echo "\$ fleetctl workers"
-"$BIN/fleetctl" workers || warn "fleetctl workers failed"
 echo
 
 if [ "$HOLD" -eq 1 ]; then

@@ -13,6 +13,7 @@
 //!   concept: [`registry`] (workers, heartbeats, eviction), [`route`] + [`lease`] (choice,
 //!   reservation, in-flight records), [`ratelimit`] (GCRA bucket), [`status`] (task status).
 //! * [`delay`] — the broker delay tiers used for `not_before` and retry backoff.
+//! * [`producer`] — submitting tasks: refused at once, or paced until accepted.
 //! * [`metrics`] — metric names, their help text and the Prometheus exporter.
 //! * [`telemetry`] — logging set-up; [`http`] — `/metrics`, `/healthz`, `/readyz`.
 
@@ -25,6 +26,7 @@ pub mod http;
 pub mod lease;
 pub mod metrics;
 pub mod names;
+pub mod producer;
 pub mod ratelimit;
 pub mod redact;
 pub mod registry;

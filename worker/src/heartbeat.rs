@@ -79,6 +79,11 @@ impl Heartbeat {
             Ok(reply) => {
                 self.readiness.set_redis(true);
                 self.on_reply(reply, &b, lease_ms).await;
+                // The figures also go out with every ledger batch; this covers a registration
+                // made again (which starts from an empty record).
+                if let Err(e) = store.set_outcomes(self.registrar.id(), self.registrar.instance(), &self.stats.outcomes()).await {
+                    self.redis_error(&e, "cannot publish the task figures");
+                }
             }
             Err(e) => self.redis_error(&e, "heartbeat failed"),
         }

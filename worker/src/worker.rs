@@ -214,6 +214,7 @@ impl Worker {
         let tasks = TaskTracker::new();
         let abort = CancellationToken::new();
         let (ledger, batcher) = Ledger::new(store.clone(), cfg.worker_id.clone(), registrar.instance().to_string(), group.clone(), cfg.run_lease, cfg.common.status_ttl);
+        let batcher = batcher.with_figures(stats.clone());
         let gone = batcher.gone_signal();
         let ledger_stop = CancellationToken::new();
         let ledger_done = loops.spawn(batcher.run(ledger_stop.clone()).in_current_span());

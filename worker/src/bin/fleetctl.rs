@@ -18,6 +18,7 @@ use serde_json::Value;
 
 use fleet::amqp::{self, DETAIL_HEADER, REASON_HEADER, WORKER_HEADER};
 use fleet::registry::WorkerView;
+use fleet::producer::{Pacing, Producer, Submitted};
 use fleet::{Envelope, Labels, Lane, Names, Store};
 use fleet_worker::ATTEMPTS_HEADER;
 
@@ -49,7 +50,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Publish tasks to `<ns>.submit` with publisher confirms; prints `accepted=N refused=M`.
+    /// Publish tasks to `<ns>.submit` with publisher confirms; prints `accepted=N refused=M`
+    /// (exit 1 when any was refused). With --paced, waits for room instead of refusing.
     Submit(SubmitArgs),
     /// Show a task's status (GET /v1/tasks/{id}).
     Status {
@@ -115,6 +117,13 @@ struct SubmitArgs {
     /// Print each accepted task id on its own line before the summary.
     #[arg(long)]
     print_ids: bool,
+    /// Slow down to the fleet's pace instead of reporting refusals: refused tasks are offered
+    /// again with backoff and jitter until every one is accepted (or --within passes).
+    #[arg(long)]
+    paced: bool,
+    /// With --paced: give up on tasks still refused after this long (e.g. 90s, 10m; default 10m).
+    #[arg(long, requires = "paced", value_parser = humantime::parse_duration)]
+    within: Option<Duration>,
 }
 
 #[derive(Subcommand)]
@@ -186,44 +195,53 @@ async fn submit(cli: &Cli, names: &Names, a: &SubmitArgs) -> Result<ExitCode> {
         Some(path) => read_file(path)?,
         None => build(a)?,
     };
-    let conn = connect(cli).await?;
-    let ch = amqp::confirm_channel(&conn).await.context("opening a confirm channel")?;
-    let exchange = names.submit_exchange();
-    let (mut accepted, mut refused) = (0usize, 0usize);
-    let mut ids = Vec::new();
-    for window in envelopes.chunks(CONFIRM_WINDOW) {
-        // Publish the whole window, then await its confirms: one round trip per window.
-        let mut pending = Vec::with_capacity(window.len());
-        for env in window {
-            let props = amqp::task_properties(&env.id, None);
-            match amqp::publish(&ch, &exchange, env.lane.as_str(), &env.to_bytes(), props).await {
-                Ok(confirm) => pending.push((env.id.as_str(), confirm)),
-                Err(e) => {
-                    eprintln!("fleetctl: publishing {}: {e}", env.id);
+    let producer = Producer::connect(&cli.amqp_url, names.clone(), "fleetctl")
+        .await
+        .context("connecting to RabbitMQ (FLEET_AMQP_URL)")?;
+    let (ids, refused) = if a.paced {
+        let within = a.within.unwrap_or(Duration::from_secs(600));
+        let bar = indicatif::ProgressBar::new(envelopes.len() as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{spinner} accepted {pos}/{len} [{bar:30}] {elapsed} (round {msg})")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        // Only on a terminal (indicatif hides itself otherwise); stdout stays the summary.
+        bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+        let report = producer
+            .submit_paced(&envelopes, within, Pacing::default(), |p| {
+                bar.set_position(p.accepted as u64);
+                bar.set_message(p.rounds.to_string());
+            })
+            .await;
+        bar.finish_and_clear();
+        let report = report.context("publishing")?;
+        for (id, why) in &report.refused {
+            eprintln!("fleetctl: {id} still refused after {} ({why})", humantime::format_duration(within));
+        }
+        (report.accepted, report.refused.len())
+    } else {
+        let answers = producer.submit(&envelopes).await.context("publishing")?;
+        let mut ids = Vec::new();
+        let mut refused = 0usize;
+        for (env, a) in envelopes.iter().zip(answers) {
+            match a {
+                Submitted::Accepted => ids.push(env.id.clone()),
+                Submitted::Refused(why) => {
+                    eprintln!("fleetctl: {} refused: {why}", env.id);
                     refused += 1;
                 }
             }
         }
-        for (id, confirm) in pending {
-            match amqp::confirmed(confirm).await {
-                Ok(()) => {
-                    accepted += 1;
-                    ids.push(id.to_string());
-                }
-                Err(e) => {
-                    eprintln!("fleetctl: {id} refused: {e}");
-                    refused += 1;
-                }
-            }
-        }
-    }
-    let _ = conn.close(200, ShortString::from("done")).await;
+        (ids, refused)
+    };
+    producer.close().await;
     if a.print_ids {
         for id in &ids {
             println!("{id}");
         }
     }
-    println!("accepted={accepted} refused={refused}");
+    println!("accepted={} refused={refused}", ids.len());
     Ok(if refused > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }
 
@@ -350,12 +368,20 @@ async fn workers(cli: &Cli) -> Result<ExitCode> {
                 format!("{}+{}", w.capacity, w.critical_capacity),
                 format!("{}+{}", w.running, w.running_critical),
                 w.succeeded.to_string(),
+                w.retried.to_string(),
+                w.dead.to_string(),
+                w.expired.to_string(),
                 w.failed.to_string(),
                 format!("{:.1}s ago", w.last_heartbeat_ms_ago as f64 / 1000.0),
             ]
         })
         .collect();
-    print_table(&["ID", "GROUP", "STATE", "CAPACITY(N+C)", "RUNNING(N+C)", "SUCCEEDED", "FAILED", "LAST HEARTBEAT"], rows);
+    // Outcome columns are user task attempts by the outcome of `fleet_tasks_completed_total`
+    // (probes excluded), published by each worker as it records them.
+    print_table(
+        &["ID", "GROUP", "STATE", "CAPACITY(N+C)", "RUNNING(N+C)", "SUCCEEDED", "RETRIED", "DEAD", "EXPIRED", "FAILED", "LAST HEARTBEAT"],
+        rows,
+    );
     Ok(ExitCode::SUCCESS)
 }
 
@@ -413,31 +439,29 @@ async fn drain(cli: &Cli, id: &str) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Prints rows under headers, columns aligned.
+/// Prints rows under headers as an aligned table (comfy-table; no borders, so the output
+/// stays easy to read in a terminal and to cut with `awk`). Numeric columns are right-aligned.
 fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
-    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
-    for r in &rows {
-        for (i, c) in r.iter().enumerate() {
-            if let Some(w) = widths.get_mut(i) {
-                *w = (*w).max(c.chars().count());
-            }
-        }
-    }
-    let line = |cells: Vec<String>| {
-        let mut s = String::new();
-        for (i, c) in cells.iter().enumerate() {
-            if i + 1 == cells.len() {
-                s.push_str(c);
-            } else {
-                s.push_str(&format!("{c:<w$}  ", w = widths[i]));
-            }
-        }
-        println!("{}", s.trim_end());
-    };
-    line(headers.iter().map(|h| h.to_string()).collect());
+    println!("{}", table(headers, rows).trim_fmt());
+}
+
+fn table(headers: &[&str], rows: Vec<Vec<String>>) -> comfy_table::Table {
+    use comfy_table::{presets, CellAlignment, ContentArrangement, Table};
+    let numeric: Vec<bool> = (0..headers.len())
+        .map(|i| !rows.is_empty() && rows.iter().all(|r| r.get(i).is_some_and(|c| !c.is_empty() && c.chars().all(|ch| ch.is_ascii_digit()))))
+        .collect();
+    let mut t = Table::new();
+    t.load_style(presets::NOTHING).set_content_arrangement(ContentArrangement::Disabled).set_header(headers.to_vec());
     for r in rows {
-        line(r);
+        t.add_row(r);
     }
+    for (i, num) in numeric.iter().enumerate() {
+        if let Some(c) = t.column_mut(i) {
+            c.set_padding((0, 2));
+            c.set_cell_alignment(if *num { CellAlignment::Right } else { CellAlignment::Left });
+        }
+    }
+    t
 }
 
 // ---- dead letters ----
