@@ -182,6 +182,10 @@ async fn timeout_runs_from_submission() -> anyhow::Result<()> {
     late.timeout_ms = Some(1500);
     let mut control = task(KIND, json!({}), "");
     control.timeout_ms = Some(60_000);
+    // The producer stamps its submission time (the documented source of a deadline).
+    let now = chrono::Utc::now();
+    late.submitted_at = Some(now);
+    control.submitted_at = Some(now);
     let published = Instant::now();
     assert_eq!(ns.submit(&[late.clone(), control.clone()]).await?, (2, 0));
     tokio::time::sleep(Duration::from_millis(2500).saturating_sub(published.elapsed())).await;
