@@ -44,6 +44,15 @@ async fn wait_all_succeeded(ns: &Ns, ids: &[String], timeout: Duration) -> anyho
     .await
 }
 
+/// Waits for the first dead letters and takes them all.
+async fn wait_dead(ns: &Ns) -> anyhow::Result<Vec<(Vec<u8>, Option<String>)>> {
+    wait_for("a dead letter", Duration::from_secs(15), || async {
+        let d = ns.drain_dead().await.ok()?;
+        (!d.is_empty()).then_some(d)
+    })
+    .await
+}
+
 fn dead_id(body: &[u8]) -> String {
     serde_json::from_slice::<Value>(body).ok().and_then(|v| v.get("id").and_then(Value::as_str).map(str::to_string)).unwrap_or_default()
 }
@@ -73,11 +82,7 @@ async fn hostile_envelope_mid_batch_loses_nothing() -> anyhow::Result<()> {
     assert_ran_once(&rec, &ids);
     assert_eq!(rec.count(), 120, "120 runs in all");
 
-    let dead = wait_for("the hostile envelope dead-lettered", Duration::from_secs(15), || async {
-        let d = ns.drain_dead().await.ok()?;
-        (!d.is_empty()).then_some(d)
-    })
-    .await?;
+    let dead = wait_dead(&ns).await?;
     assert_eq!(dead.len(), 1, "exactly one dead letter");
     assert_eq!(dead_id(&dead[0].0), hostile_id);
     assert_eq!(dead[0].1.as_deref(), Some("over_limit"));
@@ -108,11 +113,7 @@ async fn reserve_script_error_mid_batch_loses_nothing() -> anyhow::Result<()> {
     let sched = start_scheduler(&ns, &[]).await?;
     wait_runs(&rec, 100, Duration::from_secs(60)).await?;
     wait_all_succeeded(&ns, &ids, Duration::from_secs(30)).await?;
-    let dead = wait_for("the failing task dead-lettered", Duration::from_secs(15), || async {
-        let d = ns.drain_dead().await.ok()?;
-        (!d.is_empty()).then_some(d)
-    })
-    .await?;
+    let dead = wait_dead(&ns).await?;
     ns.wait_groups_idle(Duration::from_secs(15)).await?;
     assert_ran_once(&rec, &ids);
     assert_eq!(rec.count(), 100);
