@@ -394,3 +394,33 @@ impl Ns {
 pub async fn get_json(url: &str) -> Result<serde_json::Value> {
     Ok(reqwest::get(url).await?.error_for_status()?.json().await?)
 }
+
+impl Ns {
+    /// Declares the submit exchange, the core queues and the ingress queues (as a scheduler
+    /// would, with `extra` settings), so a test can publish while no scheduler runs.
+    pub async fn declare_ingress(&self, extra: &[(&str, &str)]) -> Result<()> {
+        let cfg = self.common(extra)?;
+        let ch = self.conn.create_channel().await?;
+        topology::declare_core(&ch, &cfg).await?;
+        topology::declare_ingress(&ch, &cfg).await?;
+        Ok(())
+    }
+
+    /// Waits until every group has nothing reserved and nothing running.
+    pub async fn wait_groups_idle(&self, timeout: Duration) -> Result<()> {
+        wait_for("every group's reserved and load back to 0", timeout, || async {
+            let gs = self.store.groups().await.ok()?;
+            gs.iter().all(|g| g.reserved == 0 && g.load == 0).then_some(())
+        })
+        .await
+    }
+
+    /// Waits until `id`'s status has `state`; returns the status fields.
+    pub async fn wait_state(&self, id: &str, state: &str, timeout: Duration) -> Result<BTreeMap<String, String>> {
+        wait_for(&format!("task {id} {state}"), timeout, || async {
+            let st = self.status(id).await.ok()??;
+            (st.get("state").map(String::as_str) == Some(state)).then_some(st)
+        })
+        .await
+    }
+}
