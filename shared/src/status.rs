@@ -33,7 +33,8 @@ pub fn typed(id: &str, fields: BTreeMap<String, String>) -> Value {
     let mut out = Map::new();
     out.insert("id".into(), Value::String(id.to_string()));
     for (k, v) in fields {
-        if v.is_empty() {
+        // The run record (run_base, run_owner, …) is fleet's own claim bookkeeping.
+        if v.is_empty() || k.starts_with("run_") {
             continue;
         }
         let typed = if INTEGER_FIELDS.contains(&k.as_str()) {

@@ -93,10 +93,10 @@ async fn worker_restarted_after_a_crash_takes_over_its_id() -> anyhow::Result<()
     .await?;
     let silence = took_over - last_hb;
     println!("duplicate id: restarted worker took over {silence} ms after its predecessor's last heartbeat (window {HEARTBEAT_TIMEOUT_MS} ms)");
-    assert!(silence >= HEARTBEAT_TIMEOUT_MS as i64, "took over a registration that was not yet stale: {silence} ms");
-    assert!(silence <= HEARTBEAT_TIMEOUT_MS as i64 + 1500, "took {silence} ms");
+    // The predecessor's broker connection died with it, so its id lock (an exclusive queue) is
+    // free: the restart takes over at once instead of waiting out the heartbeat window.
+    assert!(silence < 5000, "took over {silence} ms after the last heartbeat (must be within 5 s)");
     assert!(second.child.try_wait()?.is_none(), "the restarted worker is running; log:\n{}", second.log_tail());
-    assert!(second.log_tail().contains("waiting to see whether it is alive"), "log:\n{}", second.log_tail());
     let w = second.wait_state(&ns.store, "active", Duration::from_secs(5)).await?;
     assert_eq!(w.capacity, 2);
     let g = group(&ns.store, "pool=p,protocol=http").await.context("group")?;

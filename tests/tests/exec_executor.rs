@@ -76,7 +76,7 @@ async fn exit_zero_succeeds_with_stdout_as_result() -> anyhow::Result<()> {
             get_json(&f.sched.url(&format!("/v1/tasks/{}", js.id))).await?
         }
     };
-    assert_eq!(st["result"], r#"{"sum":3}"#, "stdout that parses as JSON is JSON: {st}");
+    assert_eq!(st["result"], serde_json::json!({"sum": 3}), "stdout that parses as JSON is JSON: {st}");
     assert_eq!(completed_at_least(&f.metrics(), &f.group, "succeeded", 2).await?, 2);
     assert_eq!(completed(&f.metrics(), &f.group, "retried").await?, 0);
     f.stop().await

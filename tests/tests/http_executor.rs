@@ -134,14 +134,15 @@ async fn success_body_is_the_result_in_the_status_api() -> anyhow::Result<()> {
     let st = get_json(&f.sched.url(&format!("/v1/tasks/{}", t.id))).await?;
     assert_eq!(st["id"], t.id.as_str());
     assert_eq!(st["state"], "succeeded");
-    assert_eq!(st["attempt"], "1");
+    assert_eq!(st["attempt"], 1);
     assert_eq!(st["worker"], "w-http-ok");
-    let result: Value = serde_json::from_str(st["result"].as_str().unwrap_or(""))?;
+    // Typed status: the endpoint's JSON body is the result, as JSON.
+    let result: Value = st["result"].clone();
     assert_eq!(result, json!({"echo": payload, "attempt": 1, "worker": "w-http-ok"}), "the endpoint's body is the result");
     // A body that is not JSON is kept as a string.
     wait_state(&f.ns, &text.id, "succeeded", Duration::from_secs(20)).await?;
     let st = get_json(&f.sched.url(&format!("/v1/tasks/{}", text.id))).await?;
-    assert_eq!(st["result"], r#""plain words""#);
+    assert_eq!(st["result"], "plain words", "typed status: the result is the JSON string");
     // An endless 200 body: the worker reads its cap, hangs up and succeeds (it neither fills
     // its memory nor waits out the 20 s deadline); the status keeps the first 4 KiB.
     let st = wait_state(&f.ns, &endless.id, "succeeded", Duration::from_secs(10)).await?;
