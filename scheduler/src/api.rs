@@ -6,6 +6,11 @@
 //!   full). Accepted tasks go through the same ingress as AMQP producers'.
 //! * `GET /v1/tasks/{id}`, `GET /v1/workers`, `GET /v1/groups`, `GET /v1/pressure`,
 //!   `POST /v1/workers/{id}/drain` (404 for an unknown worker).
+//! * Dead letters ([`dead`]): `GET /v1/dead`, `GET /v1/dead/{id}`, `POST /v1/dead/replay`.
+//! * `GET /v1/series`: the last 15 minutes of throughput and wait time ([`crate::series`]).
+//! * The web console at `/ui` ([`crate::console`]).
+
+mod dead;
 
 use std::sync::Arc;
 
@@ -24,6 +29,11 @@ use tokio::sync::{watch, RwLock};
 use crate::backpressure::{Pressure, Sample};
 use crate::config::SchedulerConfig;
 use crate::probe::ProbeBoard;
+use crate::series::Series;
+use crate::stats::GroupBoard;
+
+/// The current session's AMQP connection (None while reconnecting).
+pub type ConnectionSlot = Arc<RwLock<Option<Arc<lapin::Connection>>>>;
 
 #[derive(Clone)]
 pub struct AppState {
@@ -33,6 +43,13 @@ pub struct AppState {
     pub publisher: Arc<RwLock<Option<Channel>>>,
     pub pressure: watch::Receiver<Sample>,
     pub probes: ProbeBoard,
+    /// Backlog, parked and oldest age per group, from the stats loop.
+    pub groups: GroupBoard,
+    pub connection: ConnectionSlot,
+    pub series: Series,
+    /// One dead-queue reader at a time: a listing holds the letters it reads until it ends,
+    /// and a replay running beside it would not see them.
+    pub dead_reader: Arc<tokio::sync::Semaphore>,
 }
 
 pub fn routes(state: AppState) -> Router {
@@ -43,7 +60,11 @@ pub fn routes(state: AppState) -> Router {
         .route("/v1/workers/{id}/drain", post(drain))
         .route("/v1/groups", get(groups))
         .route("/v1/pressure", get(pressure))
+        .route("/v1/series", get(series))
+        .merge(dead::read_routes())
+        .merge(dead::admin_routes())
         .with_state(state)
+        .merge(crate::console::routes())
 }
 
 fn error(status: StatusCode, code: &str, detail: impl Into<String>) -> Response {
@@ -160,15 +181,20 @@ async fn groups(State(st): State<AppState>) -> Response {
         Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
     };
     let probes = st.probes.read().await;
+    let samples = st.groups.read().await;
     let out: Vec<Value> = groups
         .into_iter()
         .map(|g| {
             let p = probes.get(&g.group).cloned();
+            let sample = samples.get(&g.group).cloned();
             let mut v = serde_json::to_value(&g).unwrap_or_default();
             if let (Value::Object(o), Some(p)) = (&mut v, p) {
                 o.insert("probe_ok".into(), p.ok.into());
                 o.insert("probe_seconds".into(), json!(p.seconds));
                 o.insert("probe_consecutive_failures".into(), p.consecutive_failures.into());
+            }
+            if let (Value::Object(o), Some(Value::Object(s))) = (&mut v, sample.map(|s| serde_json::to_value(s).unwrap_or_default())) {
+                o.extend(s);
             }
             v
         })
@@ -187,7 +213,24 @@ async fn drain(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     }
 }
 
+async fn series(State(st): State<AppState>) -> Response {
+    Json(json!({
+        "interval_seconds": st.cfg.series_interval.as_secs_f64(),
+        "window_seconds": crate::series::WINDOW.as_secs(),
+        "points": st.series.points(),
+    }))
+    .into_response()
+}
+
 async fn pressure(State(st): State<AppState>) -> Response {
     let s = *st.pressure.borrow();
-    Json(s).into_response()
+    let mut v = serde_json::to_value(s).unwrap_or_default();
+    if let Value::Object(o) = &mut v {
+        let c = &st.cfg;
+        o.insert(
+            "thresholds".into(),
+            json!({"max_pending": c.max_pending, "pending_yellow": c.pending_yellow, "pending_red": c.pending_red, "load_yellow": c.load_yellow, "load_red": c.load_red}),
+        );
+    }
+    Json(v).into_response()
 }

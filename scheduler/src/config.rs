@@ -37,6 +37,8 @@ pub struct SchedulerConfig {
     pub probe_interval: Duration,
     pub probe_timeout: Duration,
     pub stats_interval: Duration,
+    /// How often the console's throughput and wait-time history takes a point.
+    pub series_interval: Duration,
     pub batch_max: u16,
     /// Concurrent dispatch loops on the normal ingress queue: while one batch waits for its
     /// publisher confirms the next is already being routed.
@@ -89,6 +91,7 @@ impl SchedulerConfig {
             probe_interval: s.millis("probe_interval_ms", 10_000)?,
             probe_timeout: s.millis("probe_timeout_ms", 5_000)?,
             stats_interval: s.millis("stats_interval_ms", 1000)?,
+            series_interval: s.millis("series_interval_ms", 2000)?,
             batch_max: s.positive("batch_max", 256u16)?,
             ingress_consumers: s.positive("ingress_consumers", 4u16)?,
             common,

@@ -13,12 +13,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::api::{self, AppState};
+use crate::api::{self, AppState, ConnectionSlot};
 use crate::backpressure::{Controller, Sample};
 use crate::config::SchedulerConfig;
 use crate::dispatch::{Dispatcher, Source};
 use crate::ingress::IngressLoop;
 use crate::probe::ProbeBoard;
+use crate::series::{self, Series};
+use crate::stats::GroupBoard;
 use crate::{health, park, probe, stats};
 
 /// Runs the scheduler until `shutdown` fires. `listener` serves the API and `/metrics`.
@@ -30,23 +32,40 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
     let (ptx, prx) = watch::channel(Sample::default());
     let publisher: Arc<RwLock<Option<lapin::Channel>>> = Arc::new(RwLock::new(None));
     let probes: ProbeBoard = Arc::default();
-    let state = AppState { cfg: cfg.clone(), store: store.clone(), publisher: publisher.clone(), pressure: prx.clone(), probes: probes.clone() };
-    let router = fleet::http::common_routes(handle, ready.clone()).merge(api::routes(state));
+    let group_board: GroupBoard = Arc::default();
+    let connection: ConnectionSlot = Arc::default();
+    let history = Series::default();
+    let state = AppState {
+        cfg: cfg.clone(),
+        store: store.clone(),
+        publisher: publisher.clone(),
+        pressure: prx.clone(),
+        probes: probes.clone(),
+        groups: group_board.clone(),
+        connection: connection.clone(),
+        series: history.clone(),
+        dead_reader: Arc::new(tokio::sync::Semaphore::new(1)),
+    };
+    let router = fleet::http::common_routes(handle.clone(), ready.clone()).merge(api::routes(state));
     let tracker = TaskTracker::new();
     tracker.spawn(fleet::http::serve(listener, router, shutdown.clone()));
     tracker.spawn(redis_watch(store.clone(), ready.clone(), shutdown.clone()));
+    tracker.spawn(series::run(history, handle, store.clone(), cfg.series_interval, shutdown.clone()).instrument(tracing::info_span!("series")));
 
     let ptx = Arc::new(ptx);
     let mut backoff = Duration::from_millis(200);
     while !shutdown.is_cancelled() {
         let Some(conn) = amqp::connect_retrying(&cfg.common.amqp_url, &format!("fleet-scheduler {}", cfg.common.namespace), &shutdown).await else { break };
         let conn = Arc::new(conn);
-        match session(cfg.clone(), store.clone(), conn.clone(), ptx.clone(), prx.clone(), publisher.clone(), probes.clone(), &ready, &shutdown).await {
+        *connection.write().await = Some(conn.clone());
+        let boards = (probes.clone(), group_board.clone());
+        match session(cfg.clone(), store.clone(), conn.clone(), ptx.clone(), prx.clone(), publisher.clone(), boards, &ready, &shutdown).await {
             Ok(()) => backoff = Duration::from_millis(200),
             Err(e) => tracing::error!(error = %e, "AMQP session failed"),
         }
         ready.set_amqp(false);
         *publisher.write().await = None;
+        *connection.write().await = None;
         let _ = conn.close(200, "bye".into()).await;
         if shutdown.is_cancelled() {
             break;
@@ -96,7 +115,7 @@ async fn session(
     ptx: Arc<watch::Sender<Sample>>,
     prx: watch::Receiver<Sample>,
     publisher_slot: Arc<RwLock<Option<lapin::Channel>>>,
-    probes: ProbeBoard,
+    (probes, group_board): (ProbeBoard, GroupBoard),
     ready: &Readiness,
     shutdown: &CancellationToken,
 ) -> fleet::Result<()> {
@@ -146,7 +165,7 @@ async fn session(
     spawn_loop!("delayed", delayed.run(session.clone()));
     spawn_loop!("park-discovery", park::discover(d.clone(), tracker.clone(), session.clone()));
     spawn_loop!("health", health::run(d.clone(), session.clone()));
-    spawn_loop!("stats", stats::run(d.clone(), session.clone()));
+    spawn_loop!("stats", stats::run(d.clone(), group_board, session.clone()));
     spawn_loop!("probe", probe::run(d.clone(), probes, session.clone()));
 
     session.cancelled().await;

@@ -75,6 +75,10 @@ impl Heartbeat {
         match store.heartbeat(self.registrar.id(), self.registrar.instance(), lease_ms, &b).await {
             Ok(reply) => {
                 self.readiness.set_redis(true);
+                // For the scheduler's console; kept a little longer than a beat apart.
+                if let Err(e) = store.set_waits(self.registrar.id(), &self.stats.waits.encode(), self.interval * 3).await {
+                    tracing::debug!(error = %e, "cannot share the wait histogram");
+                }
                 self.on_reply(reply, &b, lease_ms).await;
             }
             Err(e) => self.redis_error(&e, "heartbeat failed"),
