@@ -9,8 +9,13 @@
 //! * Dead letters ([`dead`]): `GET /v1/dead`, `GET /v1/dead/{id}`, `POST /v1/dead/replay`.
 //! * `GET /v1/series`: the last 15 minutes of throughput and wait time ([`crate::series`]).
 //! * The web console at `/ui` ([`crate::console`]).
+//!
+//! Roles, when `FLEET_API_TOKENS` is set: see [`routes`] and [`guard`].
 
 mod dead;
+pub mod guard;
+
+use guard::Role;
 
 use std::sync::Arc;
 
@@ -52,19 +57,24 @@ pub struct AppState {
     pub dead_reader: Arc<tokio::sync::Semaphore>,
 }
 
+/// The API routes, each behind its role when tokens are configured ([`guard`]): submit needs
+/// `submit`; status, workers, groups, pressure, series and dead-letter reads need `read`;
+/// drain and replay need `admin`. The console's assets are public (they hold no data).
 pub fn routes(state: AppState) -> Router {
-    Router::new()
-        .route("/v1/tasks", post(submit))
-        .route("/v1/tasks/{id}", get(task_status))
-        .route("/v1/workers", get(workers))
-        .route("/v1/workers/{id}/drain", post(drain))
-        .route("/v1/groups", get(groups))
-        .route("/v1/pressure", get(pressure))
-        .route("/v1/series", get(series))
-        .merge(dead::read_routes())
-        .merge(dead::admin_routes())
-        .with_state(state)
-        .merge(crate::console::routes())
+    let auth = state.cfg.auth.clone();
+    let submit_routes = auth.require(Router::new().route("/v1/tasks", post(submit)), Role::Submit);
+    let read_routes = auth.require(
+        Router::new()
+            .route("/v1/tasks/{id}", get(task_status))
+            .route("/v1/workers", get(workers))
+            .route("/v1/groups", get(groups))
+            .route("/v1/pressure", get(pressure))
+            .route("/v1/series", get(series))
+            .merge(dead::read_routes()),
+        Role::Read,
+    );
+    let admin_routes = auth.require(Router::new().route("/v1/workers/{id}/drain", post(drain)).merge(dead::admin_routes()), Role::Admin);
+    submit_routes.merge(read_routes).merge(admin_routes).with_state(state).merge(crate::console::routes())
 }
 
 fn error(status: StatusCode, code: &str, detail: impl Into<String>) -> Response {

@@ -43,6 +43,8 @@ pub struct SchedulerConfig {
     /// Concurrent dispatch loops on the normal ingress queue: while one batch waits for its
     /// publisher confirms the next is already being routed.
     pub ingress_consumers: u16,
+    /// API bearer tokens and their roles (`FLEET_API_TOKENS`; none: the API is open).
+    pub auth: crate::api::guard::ApiAuth,
 }
 
 impl SchedulerConfig {
@@ -94,6 +96,7 @@ impl SchedulerConfig {
             series_interval: s.millis("series_interval_ms", 2000)?,
             batch_max: s.positive("batch_max", 256u16)?,
             ingress_consumers: s.positive("ingress_consumers", 4u16)?,
+            auth: crate::api::guard::ApiAuth::from_settings(s)?,
             common,
         })
     }

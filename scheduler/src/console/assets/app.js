@@ -348,6 +348,9 @@ const RENDER = { overview: renderOverview, groups: renderGroups, workers: render
 let lastOk = 0;
 let timer = null;
 let signedIn = false;
+// Each refresh takes a number; an answer that comes back after a newer refresh started (or
+// after signing out) is dropped, so a slow answer never overwrites a newer page.
+let generation = 0;
 
 function currentView() {
   const v = location.hash.replace("#", "");
@@ -389,9 +392,11 @@ function showMain() {
 
 async function refresh() {
   clearTimeout(timer);
+  const gen = ++generation;
   const view = currentView();
   try {
     await RENDER[view]();
+    if (gen !== generation) return;
     if (!signedIn) showMain();
     lastOk = Date.now();
     $("#unreachable").hidden = true;
@@ -399,6 +404,7 @@ async function refresh() {
     $("#live").classList.remove("stale");
     $("#live").textContent = `live · updated ${new Date(lastOk).toLocaleTimeString()}`;
   } catch (e) {
+    if (gen !== generation) return;
     if (e instanceof Unauthorized) {
       const had = token.get();
       token.clear();
@@ -432,7 +438,7 @@ function boot() {
     $("#token").value = "";
     refreshNow();
   });
-  $("#signout").addEventListener("click", () => { token.clear(); clearTimeout(timer); showLogin(""); });
+  $("#signout").addEventListener("click", () => { token.clear(); clearTimeout(timer); generation++; showLogin(""); });
   $("#task-form").addEventListener("submit", (e) => {
     e.preventDefault();
     if (location.hash !== "#task") location.hash = "#task";
