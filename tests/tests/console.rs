@@ -118,6 +118,27 @@ async fn console_shows_the_fleet_and_acts_on_it() -> Result<()> {
         }
     })
     .await?;
+    // The 15-minute history: every submission taken from ingress counted once (27), the four
+    // failed attempts (two flaky, two of the exhausted task), no refusal, and a wait quantile
+    // for every interval in which attempts started.
+    let series = wait_for("the series to count 27 submissions and 4 failures", Duration::from_secs(15), || {
+        let (admin, url) = (admin.clone(), sched.url("/v1/series"));
+        async move {
+            let v: serde_json::Value = admin.get(&url).bearer_auth(READ_TOKEN).send().await.ok()?.json().await.ok()?;
+            let sum = |k: &str| v["points"].as_array().map(|p| p.iter().filter_map(|p| p[k].as_u64()).sum::<u64>()).unwrap_or(0);
+            (sum("submitted") == 27 && sum("failed") == 4).then_some(v)
+        }
+    })
+    .await?;
+    let points = series["points"].as_array().cloned().unwrap_or_default();
+    let sum = |k: &str| points.iter().filter_map(|p| p[k].as_u64()).sum::<u64>();
+    assert_eq!(sum("refused"), 0);
+    assert!(sum("dispatched") >= 26, "27 submitted, 26 dispatched at least (one of beta's is parked): {}", sum("dispatched"));
+    assert!(sum("succeeded") >= 20 && sum("started") >= 25, "succeeded {} started {}", sum("succeeded"), sum("started"));
+    for p in &points {
+        assert_eq!(p["started"].as_u64().unwrap_or(0) > 0, p["wait_p50"].is_number() && p["wait_p99"].is_number(), "{p}");
+    }
+    assert_eq!(reqwest::get(sched.url("/v1/series")).await?.status(), 401, "the series need a token");
     // Replays will succeed from now on.
     broken.store(false, Ordering::SeqCst);
 

@@ -123,7 +123,10 @@ function notice(text, ok = true) {
 function chart(el, points, defs, windowS, unitFmt) {
   const W = 600, H = 120, L = 40, B = 16;
   const now = Date.now();
-  const from = now - windowS * 1000;
+  // The last 15 minutes, or since the scheduler started when its history is shorter.
+  const first = points.length ? points[0].at_ms - points[0].seconds * 1000 : now;
+  const from = Math.max(now - windowS * 1000, Math.min(first, now - 60000));
+  const span = now - from;
   const value = (p, d) => {
     const v = p[d.key];
     if (v === null || v === undefined) return null;
@@ -132,20 +135,21 @@ function chart(el, points, defs, windowS, unitFmt) {
   let max = 0;
   for (const p of points) for (const d of defs) { const v = value(p, d); if (v !== null) max = Math.max(max, v); }
   if (max === 0) max = 1;
-  const x = (t) => L + ((t - from) / (windowS * 1000)) * (W - L);
+  const x = (t) => L + ((t - from) / span) * (W - L);
   const y = (v) => (H - B) - (v / max) * (H - B - 6);
   const svg = h("svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", role: "img" },
     h("line", { class: "axis", x1: L, y1: H - B, x2: W, y2: H - B }),
     h("text", { x: 2, y: 10 }, unitFmt(max)),
     h("text", { x: 2, y: H - B }, "0"),
-    h("text", { x: L, y: H - 2 }, "−15 min"),
+    h("text", { x: L, y: H - 2 }, `−${fmt.secs(span / 1000)}`),
     h("text", { x: W - 24, y: H - 2 }, "now"));
   for (const d of defs) {
     const pts = points.filter((p) => p.at_ms >= from && value(p, d) !== null).map((p) => `${x(p.at_ms).toFixed(1)},${y(value(p, d)).toFixed(1)}`);
     if (pts.length) svg.append(h("polyline", { points: pts.join(" "), fill: "none", stroke: d.color, "stroke-width": 1.5, "vector-effect": "non-scaling-stroke" }));
   }
-  const last = points[points.length - 1];
   const legend = h("div", { class: "legend" }, defs.map((d) => {
+    // The latest interval's figure; for a quantile, the latest interval that had samples.
+    const last = d.rate ? points[points.length - 1] : [...points].reverse().find((p) => value(p, d) !== null);
     const v = last ? value(last, d) : null;
     return h("span", { vars: { "--sw": d.color }, dataset: { series: d.key } }, `${d.label} `, h("b", {}, v === null ? "–" : unitFmt(v)));
   }));
@@ -365,6 +369,7 @@ function showView() {
 
 function showLogin(message) {
   signedIn = false;
+  $("#notice").hidden = true;
   $("#main").hidden = true;
   $("#nav").hidden = true;
   $("#live").hidden = true;
@@ -414,7 +419,8 @@ async function refresh() {
     if (e instanceof Unreachable) {
       const since = lastOk ? `; last update ${new Date(lastOk).toLocaleTimeString()}` : "";
       const u = $("#unreachable");
-      u.textContent = `The scheduler is unreachable (${e.message})${since}. Retrying every ${REFRESH_MS / 1000} s…`;
+      const why = e.message.startsWith("HTTP") ? ` (${e.message})` : "";
+      u.textContent = `The scheduler is unreachable${why}${since}. Retrying every ${REFRESH_MS / 1000} s…`;
       u.hidden = false;
       $("#main").classList.add("stale");
       $("#live").classList.add("stale");
