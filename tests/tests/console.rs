@@ -8,7 +8,8 @@
 //! against the API, drains a worker with the button, replays dead letters (one by its button,
 //! one by selection), looks tasks up, checks the prompt-only page without a token, a phone-width
 //! and a dark rendering, and — after this test stops the scheduler on its request — the
-//! "unreachable" banner. Screenshots go to `target/ui-screenshots/`. Afterwards this test checks
+//! "unreachable" banner, and then the page of a scheduler without tokens (no prompt at all).
+//! Screenshots go to `target/ui-screenshots/`. Afterwards this test checks
 //! the same facts on the servers: the drained worker left, each replayed task ran exactly once
 //! more and succeeded, the other dead letter is still dead.
 
@@ -178,8 +179,11 @@ async fn console_shows_the_fleet_and_acts_on_it() -> Result<()> {
                 if let Some(s) = sched.take() {
                     s.stop().await?;
                 }
-                stdin.write_all(b"stopped\n").await?;
+                // A scheduler without tokens (today's default): the page must work without one.
+                let open = start_scheduler(&ns, &[("probe_interval_ms", "600000")]).await?;
+                stdin.write_all(format!("stopped http://{}\n", open.addr).as_bytes()).await?;
                 stdin.flush().await?;
+                sched = Some(open);
             }
         }
         anyhow::Ok(child.wait().await?)

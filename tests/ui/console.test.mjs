@@ -6,8 +6,9 @@
 //                       stays_dead, succeeded_task, workers
 //   FLEET_SCREENSHOTS   directory for the screenshots
 //   CHROMIUM            browser binary (default /usr/bin/chromium)
-// Prints "@stop-scheduler" and waits for "stopped" on stdin before checking the banner shown
-// when the scheduler is unreachable. Exits non-zero on the first failed check.
+// Prints "@stop-scheduler" and waits for "stopped URL" on stdin (URL: a scheduler without
+// tokens) before checking the banner shown when the scheduler is unreachable, then the page of
+// the open scheduler. Exits non-zero on the first failed check.
 
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -287,20 +288,36 @@ async function run(ctx) {
 
   // ---- 9. The scheduler goes away: the banner says so.
   console.log("@stop-scheduler");
-  await waitForLine("stopped");
+  const openBase = (await waitForLine("stopped")).split(" ")[1];
   await page.locator("#unreachable").waitFor({ state: "visible", timeout: WAIT_MS });
   if (!(await text(page, "#unreachable")).includes("unreachable")) fail("banner text");
   await shot(page, "13-unreachable");
   log("ok: the unreachable banner shows when the scheduler is down");
 
+  // ---- 10. A scheduler without tokens: no prompt, the fleet at once.
+  const open = await ctx.newPage();
+  await open.emulateMedia({ colorScheme: "light" });
+  await open.goto(`${openBase}/ui#workers`);
+  await open.locator("#main").waitFor({ state: "visible", timeout: WAIT_MS });
+  eq(await open.locator("#login").isVisible(), false, "prompt on an open API");
+  eq(await open.locator("#signout").isVisible(), false, "forget-token link without a token");
+  const live = EXPECT.workers.filter((w) => w !== EXPECT.drain_worker).sort();
+  await until("the open API's workers", async () => {
+    eq((await open.locator("#workers-table tbody tr[data-worker]").evaluateAll((rows) => rows.map((r) => r.dataset.worker))).sort(), live, "workers on the open page");
+    return true;
+  });
+  await shot(open, "14-open-api-workers");
+  log("ok: without tokens configured the page needs none");
+
   if (errors.length) fail(`errors in the page: ${errors.join("; ")}`);
 }
 
+/** Resolves with the first stdin line starting with `want`. */
 function waitForLine(want) {
   return new Promise((resolve, reject) => {
     const rl = createInterface({ input: process.stdin });
     const t = setTimeout(() => { rl.close(); reject(new Error(`no "${want}" on stdin`)); }, 60000);
-    rl.on("line", (l) => { if (l.trim() === want) { clearTimeout(t); rl.close(); resolve(); } });
+    rl.on("line", (l) => { if (l.trim().startsWith(want)) { clearTimeout(t); rl.close(); resolve(l.trim()); } });
   });
 }
 
