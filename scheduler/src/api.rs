@@ -85,36 +85,42 @@ fn refuse(status: StatusCode, retry_after_s: u64, body: Value) -> Response {
     (status, [(header::RETRY_AFTER, retry_after_s.max(1).to_string())], Json(body)).into_response()
 }
 
+/// The envelopes of a request body (one, or a JSON array), each as the producer's exact bytes.
+fn raw_items(body: &[u8]) -> Result<Vec<Box<serde_json::value::RawValue>>, serde_json::Error> {
+    if body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[') {
+        serde_json::from_slice(body)
+    } else {
+        serde_json::from_slice(body).map(|one| vec![one])
+    }
+}
+
 async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
-    let value: Value = match serde_json::from_slice(&body) {
+    let items = match raw_items(&body) {
         Ok(v) => v,
         Err(e) => return error(StatusCode::BAD_REQUEST, "malformed_json", e.to_string()),
-    };
-    let items = match value {
-        Value::Array(a) => a,
-        other => vec![other],
     };
     if items.is_empty() {
         return error(StatusCode::BAD_REQUEST, "empty", "no envelope given");
     }
-    let now = chrono::Utc::now();
+    // Each envelope is checked on the producer's bytes, with the same limits as the AMQP
+    // path, and published unchanged: the id (generated when absent) travels as `message_id`
+    // and the submission time as a header, so nothing fleet adds can push it over a limit.
+    let now = st.store.clock.now();
+    let limits = st.cfg.common.limits;
     let mut envs = Vec::with_capacity(items.len());
-    for (i, item) in items.into_iter().enumerate() {
-        let size = serde_json::to_vec(&item).map(|v| v.len()).unwrap_or(0);
-        if size > st.cfg.common.max_task_bytes {
-            return bad(i, "oversized", format!("envelope is {size} bytes, over the limit of {}", st.cfg.common.max_task_bytes));
-        }
-        let mut env = match Envelope::from_value(item) {
+    for (i, raw) in items.iter().enumerate() {
+        let mut env = match Envelope::parse(raw.get().as_bytes(), &limits) {
             Ok(e) => e,
             Err(r) => return bad(i, r.code(), r.to_string()),
         };
+        let stamped = env.submitted_at.is_none();
         if let Err(r) = env.normalize(now, st.cfg.common.default_max_attempts) {
             return bad(i, r.code(), r.to_string());
         }
-        envs.push(env);
+        envs.push((env, raw.get().as_bytes(), stamped));
     }
     let retry_s = st.cfg.red_recheck.as_secs().max(1);
-    if envs.iter().any(|e| e.lane == Lane::Normal) && st.pressure.borrow().state == Pressure::Red {
+    if envs.iter().any(|(e, ..)| e.lane == Lane::Normal) && st.pressure.borrow().state == Pressure::Red {
         metrics::counter!(m::TASKS_REFUSED, "reason" => "pressure_red").increment(envs.len() as u64);
         return refuse(StatusCode::TOO_MANY_REQUESTS, retry_s, json!({"error": "pressure_red", "detail": "the fleet is overloaded (pressure Red); retry later"}));
     }
@@ -137,14 +143,15 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
     };
     let names = st.store.names.clone();
     let mut confirms = Vec::with_capacity(envs.len());
-    for e in &envs {
-        let r = amqp::publish(ch, &names.submit_exchange(), e.lane.as_str(), &e.to_bytes(), amqp::task_properties(&e.id, None)).await;
+    for (e, bytes, stamped) in &envs {
+        let h = stamped.then(|| amqp::headers([(amqp::SUBMITTED_AT_HEADER, now.timestamp_millis().to_string())]));
+        let r = amqp::publish(ch, &names.submit_exchange(), e.lane.as_str(), bytes, amqp::task_properties(&e.id, h)).await;
         confirms.push(r);
     }
     drop(guard);
     let mut accepted = Vec::new();
     let mut refused = Vec::new();
-    for (e, c) in envs.iter().zip(confirms) {
+    for ((e, ..), c) in envs.iter().zip(confirms) {
         let ok = match c {
             Ok(c) => amqp::confirmed(c).await.is_ok(),
             Err(_) => false,
@@ -179,10 +186,26 @@ async fn task_status(State(st): State<AppState>, Path(id): Path<String>) -> Resp
 }
 
 async fn workers(State(st): State<AppState>) -> Response {
-    match st.store.workers().await {
-        Ok(w) => Json(w).into_response(),
-        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
-    }
+    let workers = match st.store.workers().await {
+        Ok(w) => w,
+        Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
+    };
+    // Each worker's clock skew against Redis, as it reported at its last heartbeat (absent
+    // when not reported yet).
+    let ids: Vec<String> = workers.iter().map(|w| w.id.clone()).collect();
+    let shared = st.store.worker_stats(&ids).await.unwrap_or_default();
+    let out: Vec<Value> = workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let mut v = serde_json::to_value(w).unwrap_or_default();
+            if let (Value::Object(o), Some(skew)) = (&mut v, shared.get(i).and_then(|s| s.skew_ms)) {
+                o.insert("clock_skew_ms".into(), skew.into());
+            }
+            v
+        })
+        .collect();
+    Json(out).into_response()
 }
 
 async fn groups(State(st): State<AppState>) -> Response {

@@ -131,12 +131,15 @@ impl Controller {
             };
             let ingress = topology::depth(&self.conn, &names.ingress_queue(Lane::Normal)).await.unwrap_or(0);
             let mut parked = 0u64;
-            for g in &groups {
+            // Tasks waiting for a matching worker count too: they are pending, and once enough
+            // wait the gate turns Red and producers are refused.
+            let waiting = std::iter::once(crate::dispatch::UNMATCHED);
+            for g in groups.iter().map(|g| g.group.as_str()).chain(waiting) {
                 if sampler.as_ref().is_none_or(|c| !c.status().connected()) {
                     sampler = self.conn.create_channel().await.ok();
                 }
                 if let Some(ch) = &sampler {
-                    parked += u64::from(topology::park_depth(ch, &self.cfg.common, &g.group, Lane::Normal).await.unwrap_or(0));
+                    parked += u64::from(topology::park_depth(ch, &self.cfg.common, g, Lane::Normal).await.unwrap_or(0));
                 }
             }
             let s = sample(&t, &groups, u64::from(ingress), parked);

@@ -9,7 +9,6 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::Utc;
 use fleet::amqp::{self, DETAIL_HEADER, REASON_HEADER, TIER_HEADER};
 use fleet::lease::{Dedupe, ReserveParams, ReserveRequest};
 use fleet::route::Reservation;
@@ -32,7 +31,14 @@ pub enum Source {
     Delayed,
     /// Released from a group's park queue: tasks that find no room stay held.
     Park,
+    /// Released from the waiting-for-worker queue (no live group matched them yet): held
+    /// until one does, dead-lettered `no_matching_worker` once the grace has passed.
+    Unmatched,
 }
+
+/// The pseudo-group whose park queues hold tasks no live group matches yet
+/// (`<ns>.park._unmatched.<lane>`): bounded, durable, counted as pending, nothing circles.
+pub const UNMATCHED: &str = "_unmatched";
 
 /// What became of one delivery.
 enum Fate {
@@ -77,6 +83,7 @@ impl Dispatcher {
 
     pub fn params(&self) -> ReserveParams {
         ReserveParams {
+            token: rand::random(),
             lease_ms: self.cfg.reservation_lease.as_millis() as i64,
             backlog_factor: self.cfg.backlog_factor,
             strategy: self.cfg.strategy,
@@ -99,17 +106,38 @@ impl Dispatcher {
     /// Processes one batch. Cancel safe only in the sense that unacked deliveries return to
     /// the broker; callers do not cancel it mid-way except at shutdown.
     pub async fn process(&self, batch: Vec<Delivery>, source: &Source, shutdown: &CancellationToken) -> Outcome {
-        let now = Utc::now();
-        let max_bytes = self.cfg.common.max_task_bytes;
+        let now = self.store.clock.now();
+        // The size limit is the producer's, checked once on the producer's bytes; fleet's own
+        // copies (delay, park hops) carry fleet's fields too and get the internal guard.
+        let limits = match source {
+            Source::Ingress(_) => self.cfg.common.limits,
+            _ => self.cfg.common.limits.internal(),
+        };
         let mut envs: Vec<Option<Envelope>> = Vec::with_capacity(batch.len());
         let mut fates: Vec<Option<Fate>> = Vec::with_capacity(batch.len());
         let mut to_route: Vec<usize> = Vec::new();
         let mut dedupe_delayed: Vec<usize> = Vec::new();
 
         for (i, d) in batch.iter().enumerate() {
-            let parsed = Envelope::from_slice(&d.data, max_bytes).and_then(|mut e| {
+            // A body without an id takes the AMQP `message_id` (how `POST /v1/tasks` passes
+            // the id it answered with while publishing the producer's bytes unchanged).
+            let message_id = match source {
+                Source::Ingress(_) => d.properties.message_id().as_ref().map(|m| m.to_string()),
+                _ => None,
+            };
+            let parsed = Envelope::parse_with_id(&d.data, &limits, message_id.as_deref()).and_then(|mut e| {
                 if let Source::Ingress(lane) = source {
                     e.lane = *lane;
+                    // A deadline runs from submission: the producer's `submitted_at`, else the
+                    // API's `x-fleet-submitted-at` header (ms), else the AMQP `timestamp`
+                    // property (s), else now (first seen here).
+                    if e.submitted_at.is_none() {
+                        let header = amqp::header_text(&d.properties, amqp::SUBMITTED_AT_HEADER)
+                            .and_then(|ms| ms.parse::<i64>().ok())
+                            .and_then(chrono::DateTime::from_timestamp_millis);
+                        let stamp = d.properties.timestamp().and_then(|t| i64::try_from(t).ok()).and_then(|t| chrono::DateTime::from_timestamp(t, 0));
+                        e.submitted_at = header.or(stamp);
+                    }
                 }
                 e.normalize(now, self.cfg.common.default_max_attempts)?;
                 Ok(e)
@@ -140,14 +168,11 @@ impl Dispatcher {
             }
         }
 
-        // Delayed submissions are deduplicated now; they are routed without a check later.
-        if !dedupe_delayed.is_empty() {
-            self.dedupe_only(&batch, &envs, &mut fates, &dedupe_delayed).await;
-        }
-
-        // Route and reserve (one script call), retrying while Redis is unreachable.
-        if !to_route.is_empty() {
-            let reqs: Vec<ReserveRequest> = to_route
+        // Dedupe (every submission, delayed ones included: they are routed without a check
+        // when due), route and reserve: one script call, retried while Redis is unreachable.
+        let asked: Vec<usize> = dedupe_delayed.iter().chain(&to_route).copied().collect();
+        if !asked.is_empty() {
+            let reqs: Vec<ReserveRequest> = asked
                 .iter()
                 .filter_map(|&i| {
                     let e = envs[i].as_ref()?;
@@ -163,6 +188,7 @@ impl Dispatcher {
                         strategy: e.strategy,
                         dedupe,
                         from_park: *source == Source::Park,
+                        dedupe_only: matches!(fates[i], Some(Fate::Delay(_))),
                     })
                 })
                 .collect();
@@ -173,24 +199,25 @@ impl Dispatcher {
                     return Outcome { held: vec![], ..Default::default() };
                 }
             };
-            for (&i, answer) in to_route.iter().zip(answers) {
+            for (&i, answer) in asked.iter().zip(answers) {
                 let e = match envs[i].as_ref() {
                     Some(e) => e,
                     None => continue,
                 };
+                let age = (now - e.submitted_at.unwrap_or(now)).to_std().unwrap_or_default();
                 fates[i] = Some(match (answer, source) {
+                    (Reservation::Fresh, _) => continue,
+                    (Reservation::Failed(why), _) => Fate::Dead("internal_error", why),
                     (Reservation::Reserved(g), _) => Fate::Dispatch(g),
                     (Reservation::Duplicate, _) => Fate::Duplicate,
                     (Reservation::Full(_) | Reservation::NoMatch, Source::Park) => Fate::Hold,
+                    (Reservation::NoMatch, Source::Unmatched) if age < self.cfg.no_match_grace => Fate::Hold,
                     (Reservation::Full(g), _) => Fate::Park(g),
-                    (Reservation::NoMatch, _) => {
-                        let age = (now - e.submitted_at.unwrap_or(now)).to_std().unwrap_or_default();
-                        if age >= self.cfg.no_match_grace {
-                            Fate::Dead("no_matching_worker", format!("no live worker satisfies {{{}}}", e.selector()))
-                        } else {
-                            Fate::Delay(delay::tier_for(Duration::from_millis(1600)).unwrap_or(1600))
-                        }
+                    (Reservation::NoMatch, _) if age >= self.cfg.no_match_grace => {
+                        Fate::Dead("no_matching_worker", format!("no live worker satisfies {{{}}}", e.selector()))
                     }
+                    // Waits, counted and bounded, until a matching worker registers.
+                    (Reservation::NoMatch, _) => Fate::Park(UNMATCHED.to_string()),
                 });
             }
         }
@@ -208,37 +235,35 @@ impl Dispatcher {
         self.publish_and_ack(batch, envs, fates, source).await
     }
 
-    async fn dedupe_only(&self, batch: &[Delivery], envs: &[Option<Envelope>], fates: &mut [Option<Fate>], idx: &[usize]) {
-        use deadpool_redis::redis;
-        let mut p = redis::pipe();
-        let ttl = self.cfg.dedupe_window.as_millis() as i64;
-        for &i in idx {
-            if let Some(e) = &envs[i] {
-                let c = p.cmd("SET").arg(self.names.dedupe(&e.id)).arg(1);
-                if !batch[i].redelivered {
-                    c.arg("NX");
-                }
-                c.arg("PX").arg(ttl);
-            }
-        }
-        match self.store.pipe::<Vec<Option<String>>>(&p).await {
-            Ok(r) => {
-                for (&i, ok) in idx.iter().zip(r) {
-                    if ok.is_none() {
-                        fates[i] = Some(Fate::Duplicate);
-                    }
-                }
-            }
-            Err(e) => tracing::warn!(error = %e, "dedupe of delayed tasks failed; accepting them"),
-        }
-    }
-
+    /// One reservation call for the batch, retried (same token) while Redis is unreachable.
+    /// A script that fails on the batch (not a connection problem) is retried task by task, so
+    /// one bad task never decides the fate of the others: the one that still fails alone is
+    /// answered [`Reservation::Failed`] (dead-lettered `internal_error`). The batch token
+    /// keeps the marks a failed call left behind from reading as duplicates. `None` once
+    /// `shutdown` fires.
     async fn reserve_retrying(&self, reqs: &[ReserveRequest], shutdown: &CancellationToken) -> Option<Vec<Reservation>> {
         let mut backoff = Duration::from_millis(50);
+        let params = self.params();
         loop {
-            match self.store.reserve(reqs, self.params()).await {
+            match self.store.reserve(reqs, params).await {
                 Ok(a) if a.len() == reqs.len() => return Some(a),
                 Ok(a) => tracing::error!(got = a.len(), want = reqs.len(), "reserve returned a wrong count"),
+                Err(fleet::Error::Redis(e)) if is_script_error(&e) => {
+                    metrics::counter!(m::REDIS_ERRORS).increment(1);
+                    tracing::error!(error = %e, tasks = reqs.len(), "reserve script failed on a batch; retrying task by task");
+                    let mut out = Vec::with_capacity(reqs.len());
+                    for r in reqs {
+                        out.push(match self.store.reserve(std::slice::from_ref(r), params).await {
+                            Ok(mut a) if a.len() == 1 => a.remove(0),
+                            Err(fleet::Error::Redis(e)) if is_script_error(&e) => Reservation::Failed(e.to_string()),
+                            // Redis went away meanwhile: the whole batch again, later.
+                            _ => break,
+                        });
+                    }
+                    if out.len() == reqs.len() {
+                        return Some(out);
+                    }
+                }
                 Err(e) => {
                     metrics::counter!(m::REDIS_ERRORS).increment(1);
                     tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "reserve failed; retrying");
@@ -252,6 +277,15 @@ impl Dispatcher {
         }
     }
 
+}
+
+/// A script that ran and failed (as opposed to a connection that failed): retrying the same
+/// input would fail the same way.
+fn is_script_error(e: &deadpool_redis::redis::RedisError) -> bool {
+    !(e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout() || e.is_unrecoverable_error())
+}
+
+impl Dispatcher {
     async fn take_tokens(&self, lane: Lane, mut want: u32, shutdown: &CancellationToken) {
         let (rate, burst) = self.cfg.rate_for(lane);
         let mut throttled = false;
@@ -425,6 +459,9 @@ impl Dispatcher {
                 (Some(Fate::Dead(reason, detail)), Some(e)) => {
                     let state = if *reason == "expired" { "expired" } else { "dead" };
                     vec![("state", state.to_string()), ("reason", reason.to_string()), ("error", detail.clone()), ("lane", e.lane.to_string())]
+                }
+                (Some(Fate::Park(g)), Some(e)) if g == UNMATCHED && *source != Source::Unmatched => {
+                    vec![("state", "waiting_for_worker".to_string()), ("lane", e.lane.to_string())]
                 }
                 (Some(Fate::Delay(_)), Some(e)) if matches!(source, Source::Ingress(_)) => {
                     let at = e.not_before.map(|t| t.to_rfc3339()).unwrap_or_default();

@@ -101,6 +101,7 @@ async fn move_queue(d: &Dispatcher, group: &str, queue: &str, lane: Lane) -> fle
             strategy: env.strategy,
             dedupe: Dedupe::Skip,
             from_park: true,
+            dedupe_only: false,
         };
         let answer = d.store.reserve(std::slice::from_ref(&req), d.params()).await;
         let to = match &answer {

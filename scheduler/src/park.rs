@@ -18,13 +18,16 @@ use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::dispatch::{Dispatcher, Source};
+use crate::dispatch::{Dispatcher, Source, UNMATCHED};
 
 /// How soon held tasks are offered again: from `RETRY_MIN`, doubling while nothing frees up,
 /// up to `RETRY_MAX`. A busy group frees slots every few milliseconds; an idle wait costs
 /// at most 20 reservation calls a second.
 pub const RETRY_MIN: Duration = Duration::from_millis(2);
 pub const RETRY_MAX: Duration = Duration::from_millis(50);
+/// How often tasks waiting for a matching worker are offered again: a new worker's tasks
+/// start within this, at 4 reservation calls a second per lane while any wait.
+pub const UNMATCHED_RETRY: Duration = Duration::from_millis(250);
 /// Lifetime of the parked flag; renewed while tasks are held.
 pub const FLAG_TTL_MS: i64 = 3000;
 /// Most tasks a release loop holds out of its park queue: a batch, but never more than a
@@ -44,6 +47,10 @@ pub async fn release_loop(d: Arc<Dispatcher>, group: String, lane: Lane, shutdow
     let mut consumer = ch.basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
     let mut held = Vec::new();
     let mut retry = RETRY_MIN;
+    // The waiting-for-worker queue is a park queue of no group: its tasks take no group's
+    // room ahead of others, and no group's "parked" flag is kept for them.
+    let unmatched = group == UNMATCHED;
+    let source = if unmatched { Source::Unmatched } else { Source::Park };
     loop {
         if held.is_empty() {
             let next = tokio::select! {
@@ -68,9 +75,9 @@ pub async fn release_loop(d: Arc<Dispatcher>, group: String, lane: Lane, shutdow
                 }
             }
         }
-        let out = d.process(std::mem::take(&mut held), &Source::Park, &shutdown).await;
+        let out = d.process(std::mem::take(&mut held), &source, &shutdown).await;
         held = out.held;
-        if held.is_empty() && drained {
+        if held.is_empty() && drained && !unmatched {
             // Everything parked here is on its way: new work may take room directly again.
             if let Err(e) = d.store.clear_parked(&group, lane).await {
                 tracing::debug!(error = %e, "cannot clear parked flag");
@@ -78,7 +85,10 @@ pub async fn release_loop(d: Arc<Dispatcher>, group: String, lane: Lane, shutdow
         }
         retry = if out.dispatched > 0 { RETRY_MIN } else { (retry * 2).min(RETRY_MAX) };
         if !held.is_empty() {
-            if let Err(e) = d.store.mark_parked(&group, lane, FLAG_TTL_MS).await {
+            if unmatched {
+                // Nothing frees room here; a worker registering does. Ask a few times a second.
+                retry = UNMATCHED_RETRY;
+            } else if let Err(e) = d.store.mark_parked(&group, lane, FLAG_TTL_MS).await {
                 tracing::debug!(error = %e, "cannot renew parked flag");
             }
             tokio::select! {
@@ -96,7 +106,10 @@ pub async fn discover(d: Arc<Dispatcher>, tracker: TaskTracker, shutdown: Cancel
     let mut ticker = crate::ticker::Ticker::new(Duration::from_secs(2));
     while ticker.tick(&shutdown).await {
         let groups = match d.store.group_names().await {
-            Ok(g) => g,
+            Ok(mut g) => {
+                g.push(UNMATCHED.to_string());
+                g
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "park discovery: cannot list groups");
                 continue;

@@ -59,7 +59,7 @@ async fn probe_one(d: Arc<Dispatcher>, board: ProbeBoard, group: String, shutdow
         &d.names.tasks_exchange(),
         &d.names.group_key(&group, Lane::Critical),
         &env.to_bytes(),
-        amqp::task_properties(&env.id, None),
+        amqp::task_properties(&env.id, Some(amqp::headers([(amqp::PROBE_HEADER, "1".to_string())]))),
     )
     .await;
     let mut ok = false;

@@ -164,8 +164,8 @@ fn delta(before: Option<u64>, now: u64) -> u64 {
 async fn fleet_view(store: &Store) -> fleet::Result<(Vec<WorkerView>, Vec<(String, Counts)>)> {
     let workers = store.workers().await?;
     let ids: Vec<String> = workers.iter().map(|w| w.id.clone()).collect();
-    let hist = store.waits(&ids).await?;
-    let waits = ids.into_iter().zip(hist).filter_map(|(id, h)| h.map(|h| (id, h))).collect();
+    let shared = store.worker_stats(&ids).await?;
+    let waits = ids.into_iter().zip(shared).filter_map(|(id, s)| s.waits.map(|h| (id, h))).collect();
     Ok((workers, waits))
 }
 

@@ -54,6 +54,27 @@ pub async fn confirm_channel(conn: &Connection) -> Result<Channel> {
     Ok(ch)
 }
 
+/// Header on the scheduler's health probes (published straight to a group's critical queue;
+/// producers' tasks are republished by the scheduler with headers of its own, so they cannot
+/// carry it): a probe that fails or expires is dropped, never dead-lettered.
+pub const PROBE_HEADER: &str = "x-fleet-probe";
+
+/// Header set by `POST /v1/tasks` on what it publishes: the submission time (ms since the
+/// epoch) of an envelope without `submitted_at`, so its deadline runs from the HTTP request.
+pub const SUBMITTED_AT_HEADER: &str = "x-fleet-submitted-at";
+
+/// A header's value as text (long or short string, or an integer).
+pub fn header_text(props: &BasicProperties, name: &str) -> Option<String> {
+    let h = props.headers().as_ref()?;
+    match h.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(s.to_string()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        AMQPValue::LongLongInt(i) => Some(i.to_string()),
+        AMQPValue::LongInt(i) => Some(i.to_string()),
+        _ => None,
+    }
+}
+
 /// Properties of a task message: JSON, persistent, id, publish time (AMQP `timestamp`, whole
 /// seconds: a dead letter's age), optional headers.
 pub fn task_properties(id: &str, headers: Option<FieldTable>) -> BasicProperties {

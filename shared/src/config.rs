@@ -154,6 +154,8 @@ pub struct CommonConfig {
     pub queue_type: QueueType,
     /// Largest envelope accepted, in bytes.
     pub max_task_bytes: usize,
+    /// Every dimension of an envelope, checked at the door (`limits.max_bytes` = `max_task_bytes`).
+    pub limits: crate::envelope::Limits,
     /// Bound of each ingress queue (normal, critical).
     pub ingress_max_normal: u32,
     pub ingress_max_critical: u32,
@@ -191,14 +193,24 @@ impl CommonConfig {
         if http_addr.parse::<std::net::SocketAddr>().is_err() {
             return Err(s.error("http_addr", format!("`{http_addr}` is not host:port")));
         }
+        let max_task_bytes = s.positive("max_task_bytes", 1usize << 20)?;
+        let d = crate::envelope::Limits::default();
+        let limits = crate::envelope::Limits {
+            max_bytes: max_task_bytes,
+            max_label_pairs: s.positive("max_label_pairs", d.max_label_pairs)?,
+            max_id_bytes: s.positive("max_id_bytes", d.max_id_bytes)?,
+            max_kind_bytes: s.positive("max_kind_bytes", d.max_kind_bytes)?,
+            max_payload_depth: s.positive("max_payload_depth", d.max_payload_depth)?,
+        };
         Ok(CommonConfig {
+            limits,
             amqp_url,
             redis_url,
             namespace,
             http_addr,
             log_format: s.choice("log_format", "text", &["text", "json"])?,
             queue_type,
-            max_task_bytes: s.positive("max_task_bytes", 1usize << 20)?,
+            max_task_bytes,
             ingress_max_normal: s.positive("ingress_max_normal", 10_000u32)?,
             ingress_max_critical: s.positive("ingress_max_critical", 1_000u32)?,
             park_max: s.positive("park_max", 100_000u32)?,

@@ -81,6 +81,9 @@ pub enum Reject {
     UnknownStrategy(String),
     #[error("not_before is more than {0} days ahead")]
     TooFarAhead(i64),
+    /// A dimension past its limit (label pairs, id or kind bytes, payload depth).
+    #[error("{what} is {got}, over the limit of {limit}")]
+    OverLimit { what: &'static str, got: usize, limit: usize },
 }
 
 impl Reject {
@@ -95,7 +98,67 @@ impl Reject {
             Reject::BadSelector(_) => "bad_selector",
             Reject::UnknownStrategy(_) => "unknown_strategy",
             Reject::TooFarAhead(_) => "bad_not_before",
+            Reject::OverLimit { .. } => "over_limit",
         }
+    }
+}
+
+/// Bounds on every dimension of an envelope, checked at the door (the scheduler's ingress and
+/// `POST /v1/tasks`) before any state is written, so no input can make a Redis script or a log
+/// line misbehave. Each has a setting (`FLEET_MAX_TASK_BYTES`, `FLEET_MAX_LABEL_PAIRS`,
+/// `FLEET_MAX_ID_BYTES`, `FLEET_MAX_KIND_BYTES`, `FLEET_MAX_PAYLOAD_DEPTH`). Label keys and
+/// values are bounded by the selector syntax itself (1-63 bytes of `[A-Za-z0-9_.-/]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest envelope, in bytes as the producer encoded it (checked once, on those bytes:
+    /// what fleet adds later never counts against it).
+    pub max_bytes: usize,
+    /// Most `key=value` pairs in `labels` (the selector).
+    pub max_label_pairs: usize,
+    /// Longest `id`, in bytes (UTF-8).
+    pub max_id_bytes: usize,
+    /// Longest `kind`, in bytes (UTF-8).
+    pub max_kind_bytes: usize,
+    /// Deepest nesting of arrays and objects in `payload` (a scalar payload has depth 0).
+    pub max_payload_depth: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_bytes: 1 << 20, max_label_pairs: 16, max_id_bytes: 200, max_kind_bytes: 128, max_payload_depth: 32 }
+    }
+}
+
+impl Limits {
+    /// The limits for fleet's own copies of an accepted task (group queues, retries, park and
+    /// delay hops): the producer's size limit no longer applies — it was checked once at the
+    /// door, and fleet's fields and JSON re-encoding (`1e2` becomes `100.0`) may add to it —
+    /// only a generous guard against a foreign publish straight to an internal queue.
+    pub fn internal(self) -> Self {
+        Limits { max_bytes: internal_limit(self.max_bytes), ..self }
+    }
+}
+
+/// Largest delivery fleet parses from its own queues: 8 × the producer limit + 64 KiB.
+pub fn internal_limit(max_bytes: usize) -> usize {
+    max_bytes.saturating_mul(8).saturating_add(64 * 1024)
+}
+
+/// Renders text for a log line with control characters escaped (`\n`, `\u{1b}`), so a task's
+/// error or payload cannot forge log lines or colour a terminal.
+pub fn escape(s: &str) -> std::borrow::Cow<'_, str> {
+    if s.chars().any(char::is_control) {
+        std::borrow::Cow::Owned(s.chars().flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] }).collect())
+    } else {
+        std::borrow::Cow::Borrowed(s)
+    }
+}
+
+fn depth(v: &Value) -> usize {
+    match v {
+        Value::Array(a) => 1 + a.iter().map(depth).max().unwrap_or(0),
+        Value::Object(o) => 1 + o.values().map(depth).max().unwrap_or(0),
+        _ => 0,
     }
 }
 
@@ -141,17 +204,41 @@ impl Envelope {
         }
     }
 
-    /// Parses raw bytes, enforcing the size limit first.
+    /// Parses raw bytes with the default [`Limits`] but this size limit (bytes).
     pub fn from_slice(bytes: &[u8], max_bytes: usize) -> Result<Self, Reject> {
-        if bytes.len() > max_bytes {
-            return Err(Reject::Oversized { size: bytes.len(), limit: max_bytes });
-        }
-        let value: Value = serde_json::from_slice(bytes).map_err(|e| Reject::MalformedJson(e.to_string()))?;
-        Self::from_value(value)
+        Self::parse(bytes, &Limits { max_bytes, ..Limits::default() })
     }
 
-    /// Parses a JSON value field by field; errors name the field.
+    /// Parses raw bytes, enforcing every limit: the size first, on these bytes.
+    pub fn parse(bytes: &[u8], limits: &Limits) -> Result<Self, Reject> {
+        Self::parse_with_id(bytes, limits, None)
+    }
+
+    /// [`Envelope::parse`], taking `default_id` (the AMQP `message_id` property) as the id when
+    /// the body has none — and it is a valid id; otherwise one is generated.
+    pub fn parse_with_id(bytes: &[u8], limits: &Limits, default_id: Option<&str>) -> Result<Self, Reject> {
+        if bytes.len() > limits.max_bytes {
+            return Err(Reject::Oversized { size: bytes.len(), limit: limits.max_bytes });
+        }
+        let mut value: Value = serde_json::from_slice(bytes).map_err(|e| Reject::MalformedJson(e.to_string()))?;
+        if let (Value::Object(o), Some(id)) = (&mut value, default_id) {
+            let valid = !id.is_empty() && id.len() <= limits.max_id_bytes && !id.chars().any(char::is_control);
+            if valid && o.get("id").is_none_or(Value::is_null) {
+                o.insert("id".into(), Value::String(id.to_string()));
+            }
+        }
+        Self::from_value_limited(value, limits)
+    }
+
+    /// Parses a JSON value field by field with the default [`Limits`] (size aside); errors name
+    /// the field.
     pub fn from_value(value: Value) -> Result<Self, Reject> {
+        Self::from_value_limited(value, &Limits::default())
+    }
+
+    /// Parses a JSON value field by field, enforcing every limit but the size (which belongs to
+    /// the bytes); errors name the field.
+    pub fn from_value_limited(value: Value, limits: &Limits) -> Result<Self, Reject> {
         let Value::Object(mut obj) = value else { return Err(Reject::NotAnObject) };
         let mut take = |k: &str| obj.remove(k).filter(|v| !v.is_null());
         let kind = match take("kind") {
@@ -159,14 +246,33 @@ impl Envelope {
             Some(Value::String(s)) if !s.trim().is_empty() => s,
             Some(_) => return Err(Reject::BadField("kind", "expected a non-empty string".into())),
         };
+        if kind.len() > limits.max_kind_bytes {
+            return Err(Reject::OverLimit { what: "kind (bytes)", got: kind.len(), limit: limits.max_kind_bytes });
+        }
+        if kind.chars().any(char::is_control) {
+            return Err(Reject::BadField("kind", "control characters are not allowed".into()));
+        }
         let id = match take("id") {
             None => new_id(),
-            Some(Value::String(s)) if !s.is_empty() && s.len() <= 200 => s,
-            Some(_) => return Err(Reject::BadField("id", "expected a string of 1-200 characters".into())),
+            Some(Value::String(s)) if !s.is_empty() => s,
+            Some(_) => return Err(Reject::BadField("id", "expected a non-empty string".into())),
         };
+        if id.len() > limits.max_id_bytes {
+            return Err(Reject::OverLimit { what: "id (bytes)", got: id.len(), limit: limits.max_id_bytes });
+        }
+        if id.chars().any(char::is_control) {
+            return Err(Reject::BadField("id", "control characters are not allowed".into()));
+        }
         let payload = take("payload").unwrap_or(Value::Null);
+        let d = depth(&payload);
+        if d > limits.max_payload_depth {
+            return Err(Reject::OverLimit { what: "payload nesting depth", got: d, limit: limits.max_payload_depth });
+        }
         let labels = match take("labels") {
             None => Labels::default(),
+            Some(Value::Object(m)) if m.len() > limits.max_label_pairs => {
+                return Err(Reject::OverLimit { what: "labels (pairs)", got: m.len(), limit: limits.max_label_pairs })
+            }
             Some(Value::Object(m)) => {
                 let mut map = BTreeMap::new();
                 for (k, v) in m {
@@ -180,6 +286,9 @@ impl Envelope {
             Some(Value::String(s)) => Labels::parse(&s).map_err(|e| Reject::BadSelector(e.to_string()))?,
             Some(_) => return Err(Reject::BadSelector("`labels` must be an object of strings".into())),
         };
+        if labels.len() > limits.max_label_pairs {
+            return Err(Reject::OverLimit { what: "labels (pairs)", got: labels.len(), limit: limits.max_label_pairs });
+        }
         let protocol = match take("protocol") {
             None => None,
             Some(Value::String(s)) if !s.is_empty() => Some(s),
@@ -359,6 +468,43 @@ mod tests {
         assert!(e.to_string().contains("deadline"), "{e}");
         let big = format!(r#"{{"kind":"x","payload":"{}"}}"#, "a".repeat(2000));
         assert_eq!(Envelope::from_slice(big.as_bytes(), 1000).unwrap_err().code(), "oversized");
+    }
+
+    #[test]
+    fn every_dimension_is_bounded() {
+        let l = Limits::default();
+        let r = |v: Value| Envelope::from_value_limited(v, &l).unwrap_err();
+        let labels: serde_json::Map<String, Value> = (0..10_000).map(|i| (format!("k{i}"), json!("v"))).collect();
+        let e = r(json!({"kind":"x","labels":labels}));
+        assert_eq!(e.code(), "over_limit");
+        assert!(e.to_string().contains("labels"), "{e}");
+        assert_eq!(r(json!({"kind":"x","labels":"a=1,b=2,c=3,d=4,e=5,f=6,g=7,h=8,i=9,j=10,k=11,l=12,m=13,n=14,o=15,p=16,q=17"})).code(), "over_limit");
+        assert!(Envelope::from_value_limited(json!({"kind":"x","labels":{"a":"1"}}), &l).is_ok());
+        assert_eq!(r(json!({"kind":"x","id":"é".repeat(101)})).code(), "over_limit", "id is bounded in bytes");
+        assert!(Envelope::from_value_limited(json!({"kind":"x","id":"é".repeat(100)}), &l).is_ok());
+        assert_eq!(r(json!({"kind":"k".repeat(129)})).code(), "over_limit");
+        assert_eq!(r(json!({"kind":"echo\nFAKE LOG LINE level=ERROR\u{1b}[31m"})).code(), "bad_field");
+        assert_eq!(r(json!({"kind":"ex\u{0}ec"})).code(), "bad_field");
+        assert_eq!(r(json!({"kind":"x","id":"a\rb"})).code(), "bad_field");
+        let mut deep = json!(1);
+        for _ in 0..33 {
+            deep = json!([deep]);
+        }
+        assert_eq!(r(json!({"kind":"x","payload":deep})).code(), "over_limit");
+        assert!(Envelope::from_value_limited(json!({"kind":"x","payload":deep[0]}), &l).is_ok());
+        // The size is the producer's bytes; fleet's own copies get the internal guard.
+        let body = format!(r#"{{"kind":"x","payload":"{}"}}"#, "a".repeat(4000));
+        let small = Limits { max_bytes: body.len(), ..l };
+        let mut env = Envelope::parse(body.as_bytes(), &small).unwrap();
+        env.normalize(Utc::now(), 5).unwrap();
+        assert!(env.to_bytes().len() > body.len(), "fleet adds fields");
+        assert!(Envelope::parse(&env.to_bytes(), &small.internal()).is_ok());
+    }
+
+    #[test]
+    fn escape_neutralises_control_characters() {
+        assert_eq!(escape("plain"), "plain");
+        assert_eq!(escape("a\nb\u{1b}[31m"), "a\\nb\\u{1b}[31m");
     }
 
     #[test]

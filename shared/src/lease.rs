@@ -9,13 +9,15 @@
 //!   that dies stops renewing it and its slots come back within one lease even when no health
 //!   checker runs. The health checker releases them at once on eviction.
 
+use std::time::Duration;
+
 use deadpool_redis::redis;
 
 use crate::envelope::Lane;
 use crate::error::Result;
 use crate::route::{Reservation, Strategy};
 use crate::selector::Labels;
-use crate::store::{now_ms, Store};
+use crate::store::Store;
 
 /// Dedupe behaviour of one reservation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,6 +41,9 @@ pub struct ReserveRequest {
     pub dedupe: Dedupe,
     /// Released from a park queue: may take room even while the group has parked tasks.
     pub from_park: bool,
+    /// Dedupe only, no routing (a delayed submission, routed when it is due): the answer is
+    /// [`Reservation::Fresh`] or [`Reservation::Duplicate`].
+    pub dedupe_only: bool,
 }
 
 /// Parameters of routing common to a batch.
@@ -49,6 +54,9 @@ pub struct ReserveParams {
     pub strategy: Strategy,
     pub dedupe_window_ms: i64,
     pub status_ttl_ms: i64,
+    /// Names this batch's dedupe marks (`p:<token>`): a retry of the same batch with the same
+    /// token never takes its own marks for duplicates. New for every batch; reused by retries.
+    pub token: u64,
 }
 
 /// A finished task's outcome as recorded in its status.
@@ -59,7 +67,7 @@ pub struct Finished {
     /// The attempt that ended: a late write from an older attempt never overwrites the status
     /// of a newer one (ledger batches of different workers may land out of order).
     pub attempt: u32,
-    /// `succeeded`, `retrying`, `dead` or `expired`.
+    /// `succeeded`, `retrying`, `dead` or `expired`; empty for a release (no outcome).
     pub state: &'static str,
     /// The result (success) or the error text, truncated.
     pub text: String,
@@ -68,6 +76,66 @@ pub struct Finished {
     /// dead letter's `x-fleet-reason`), as the scheduler records for the states it decides;
     /// empty otherwise.
     pub reason: &'static str,
+}
+
+impl Finished {
+    /// An attempt that ended without an outcome (hard stop): its delivery went back to the
+    /// broker and the next copy runs the same attempt again.
+    pub fn release(lane: Lane, id: String, attempt: u32) -> Self {
+        Finished { lane, id, attempt, state: "", text: String::new(), success: false, reason: "" }
+    }
+}
+
+/// One attempt a worker asks to run.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    pub lane: Lane,
+    pub id: String,
+    /// The envelope's `attempt` + 1: the same for every copy of one delivery.
+    pub base: u32,
+    pub max_attempts: u32,
+    /// This process runs nothing else now (a crash suspect's second claim).
+    pub isolated: bool,
+}
+
+/// The answer to a claim (see `lua/start.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// Run it, as this attempt number (crashes already counted).
+    Run(u32),
+    /// A crash suspect: it was in flight when its worker died. Run it only while this process
+    /// runs nothing else, then claim again with `isolated`.
+    Isolate(u32),
+    /// Another copy of this attempt is running on a live worker: hold this delivery and ask
+    /// again later; never run it meanwhile.
+    Wait,
+    /// A stale or duplicate copy (this attempt finished, or a newer one exists): ack it
+    /// without running.
+    Duplicate,
+    /// Its worker died while running it alone on its last attempt: dead-letter it
+    /// (`worker_lost`) with this attempt count.
+    Dead(u32),
+}
+
+impl Claim {
+    fn parse(s: &str) -> Claim {
+        let num = |p: &str| s.strip_prefix(p).and_then(|n| n.parse::<u32>().ok()).unwrap_or(1);
+        if s.starts_with("run:") {
+            Claim::Run(num("run:"))
+        } else if s.starts_with("iso:") {
+            Claim::Isolate(num("iso:"))
+        } else if s.starts_with("dead:") {
+            Claim::Dead(num("dead:"))
+        } else if s == "wait" {
+            Claim::Wait
+        } else {
+            Claim::Duplicate
+        }
+    }
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// Longest result or error text kept in a status record.
@@ -92,7 +160,7 @@ impl Store {
         }
         let mut inv = self.scripts.reserve.prepare_invoke();
         inv.key(self.names.prefix())
-            .arg(now_ms())
+            .arg(p.token)
             .arg(p.lease_ms)
             .arg(p.backlog_factor)
             .arg(p.strategy.as_str())
@@ -109,7 +177,13 @@ impl Store {
                     Dedupe::Check => 1,
                     Dedupe::Mark => 2,
                 })
-                .arg(if r.from_park { 1 } else { 0 })
+                .arg(if r.dedupe_only {
+                    2
+                } else if r.from_park {
+                    1
+                } else {
+                    0
+                })
                 .arg(rand::random::<f64>())
                 .arg(pairs.len())
                 .arg(pairs);
@@ -124,6 +198,8 @@ impl Store {
                     Reservation::Full(g.to_string())
                 } else if s == "dup" {
                     Reservation::Duplicate
+                } else if s == "new" {
+                    Reservation::Fresh
                 } else {
                     Reservation::NoMatch
                 }
@@ -167,28 +243,42 @@ impl Store {
         self.pipe::<()>(&p).await
     }
 
-    /// Marks tasks started on a worker. Returns false when the worker's registration is gone.
-    pub async fn start(
-        &self,
-        worker: &str,
-        group: &str,
-        lease_ms: i64,
-        status_ttl_ms: i64,
-        tasks: &[(Lane, String, u32)],
-    ) -> Result<bool> {
+    /// Claims task attempts for this worker process before it runs them (one `start` script
+    /// call for the batch): exactly one run per attempt — see [`Claim`]. The bool is false when
+    /// the worker's registration is gone (register again).
+    ///
+    /// # Errors
+    /// Redis unreachable or slow ([`crate::store::CALL_TIMEOUT`]).
+    pub async fn claim(&self, worker: &str, group: &str, instance: &str, run_lease: Duration, status_ttl: Duration, tasks: &[ClaimRequest]) -> Result<(bool, Vec<Claim>)> {
         let mut inv = self.scripts.start.prepare_invoke();
-        inv.key(self.names.prefix()).arg(worker).arg(group).arg(now_ms()).arg(lease_ms).arg(status_ttl_ms).arg(tasks.len());
-        for (lane, id, attempt) in tasks {
-            inv.arg(lane.as_str()).arg(id).arg(*attempt);
+        inv.key(self.names.prefix())
+            .arg(worker)
+            .arg(group)
+            .arg(instance)
+            .arg(millis(run_lease))
+            .arg(millis(status_ttl))
+            .arg(tasks.len());
+        for t in tasks {
+            inv.arg(t.lane.as_str()).arg(&t.id).arg(t.base).arg(t.max_attempts).arg(if t.isolated { 1 } else { 0 });
         }
-        let r: String = self.invoke(&inv).await?;
-        Ok(r == "ok")
+        let raw: Vec<String> = self.invoke(&inv).await?;
+        let mut it = raw.into_iter();
+        let registered = it.next().is_some_and(|s| s == "ok");
+        let claims: Vec<Claim> = it.map(|s| Claim::parse(&s)).collect();
+        if claims.len() != tasks.len() {
+            return Err(crate::Error::Other(format!("start returned {} answers for {} tasks", claims.len(), tasks.len())));
+        }
+        Ok((registered, claims))
     }
 
-    /// Releases finished tasks and records their outcomes.
-    pub async fn finish(&self, worker: &str, group: &str, status_ttl_ms: i64, tasks: &[Finished]) -> Result<()> {
+    /// Releases attempts and records their outcomes (a [`Finished`] with an empty `state` only
+    /// releases: the attempt ended without an outcome and went back to the broker).
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn finish(&self, worker: &str, group: &str, instance: &str, status_ttl: Duration, tasks: &[Finished]) -> Result<()> {
         let mut inv = self.scripts.finish.prepare_invoke();
-        inv.key(self.names.prefix()).arg(worker).arg(group).arg(now_ms()).arg(status_ttl_ms).arg(tasks.len());
+        inv.key(self.names.prefix()).arg(worker).arg(group).arg(instance).arg(millis(status_ttl)).arg(tasks.len());
         for f in tasks {
             inv.arg(f.lane.as_str())
                 .arg(&f.id)

@@ -35,6 +35,8 @@ pub const PROBE: &str = "fleet_probe_seconds";
 pub const PROBE_FAILURES: &str = "fleet_probe_failures_total";
 pub const REDIS_ERRORS: &str = "fleet_redis_errors_total";
 pub const AMQP_RECONNECTS: &str = "fleet_amqp_reconnects_total";
+pub const CLOCK_SKEW: &str = "fleet_clock_skew_seconds";
+pub const DUPLICATE_DELIVERIES: &str = "fleet_tasks_duplicate_deliveries_total";
 
 /// Registers help text for every metric.
 pub fn describe() {
@@ -66,6 +68,8 @@ pub fn describe() {
     describe_counter!(PROBE_FAILURES, "Probe tasks that did not come back in time, by group.");
     describe_counter!(REDIS_ERRORS, "Failed Redis calls (retried).");
     describe_counter!(AMQP_RECONNECTS, "Reconnections to RabbitMQ.");
+    describe_gauge!(CLOCK_SKEW, Unit::Seconds, "This process's clock minus the Redis server's (fleet's one clock), as last measured.");
+    describe_counter!(DUPLICATE_DELIVERIES, "Deliveries of an attempt that already ran or runs elsewhere (scheduler crash, consumer timeout, lost ack), acked without running, by lane.");
 }
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();

@@ -67,6 +67,13 @@ impl Names {
         format!("{}.delay.{}", self.ns, tier_ms)
     }
 
+    /// Exclusive, auto-delete queue a worker process declares to hold its id: the broker
+    /// deletes it the moment that process's connection closes (crash, kill -9), so a worker
+    /// restarted with the same id that can declare it knows its predecessor is gone.
+    pub fn worker_lock_queue(&self, worker_id: &str) -> String {
+        format!("{}.lock.worker.{}", self.ns, worker_id)
+    }
+
     // ---- Redis ----
 
     /// The key prefix every script receives as `KEYS[1]`.

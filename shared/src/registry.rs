@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::envelope::Lane;
 use crate::error::{Error, Result};
 use crate::selector::Labels;
-use crate::store::{now_ms, Store};
+use crate::store::Store;
 
 /// A worker's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -121,6 +121,13 @@ pub struct GroupView {
 impl Store {
     /// Registers a worker. A live process holding the same id makes this fail with a message.
     pub async fn register(&self, r: &Registration, liveness_ms: i64) -> Result<()> {
+        self.register_with(r, liveness_ms, false).await
+    }
+
+    /// Registers a worker; with `takeover` the previous holder of the id is known to be gone
+    /// (this process holds the id's broker lock, see `Names::worker_lock_queue`) and its
+    /// registration is replaced at once instead of after its heartbeat window.
+    pub async fn register_with(&self, r: &Registration, liveness_ms: i64, takeover: bool) -> Result<()> {
         let labels_json = serde_json::to_string(&r.labels)?;
         let mut inv = self.scripts.register.prepare_invoke();
         inv.key(self.names.prefix())
@@ -131,7 +138,7 @@ impl Store {
             .arg(r.capacity)
             .arg(r.critical_capacity)
             .arg(&r.executor)
-            .arg(now_ms())
+            .arg(if takeover { 1 } else { 0 })
             .arg(liveness_ms)
             .arg(r.state.as_str())
             .arg(r.labels.pairs());
@@ -151,7 +158,7 @@ impl Store {
         inv.key(self.names.prefix())
             .arg(id)
             .arg(instance)
-            .arg(now_ms())
+            .arg(0)
             .arg(lease_ms)
             .arg(b.running_normal)
             .arg(b.running_critical)
@@ -209,7 +216,7 @@ impl Store {
     /// Evicts workers silent for longer than `timeout_ms`; returns their ids.
     pub async fn evict_stale(&self, timeout_ms: i64) -> Result<Vec<String>> {
         let mut inv = self.scripts.evict.prepare_invoke();
-        inv.key(self.names.prefix()).arg(now_ms()).arg(timeout_ms);
+        inv.key(self.names.prefix()).arg(0).arg(timeout_ms);
         self.invoke(&inv).await
     }
 
@@ -231,7 +238,7 @@ impl Store {
             p.cmd("HGETALL").arg(self.names.worker(id));
         }
         let rows: Vec<BTreeMap<String, String>> = self.pipe(&p).await?;
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let num = |m: &BTreeMap<String, String>, k: &str| m.get(k).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
         Ok(rows
             .into_iter()
@@ -269,7 +276,7 @@ impl Store {
         if names.is_empty() {
             return Ok(vec![]);
         }
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let mut p = redis::pipe();
         for g in &names {
             p.cmd("HGETALL").arg(self.names.group(g));

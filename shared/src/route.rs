@@ -51,4 +51,8 @@ pub enum Reservation {
     NoMatch,
     /// The task id was seen within the dedupe window.
     Duplicate,
+    /// Dedupe only (no routing asked): not a duplicate.
+    Fresh,
+    /// The reservation script failed on this task alone (its detail): dead-letter it.
+    Failed(String),
 }

@@ -81,6 +81,11 @@ impl Labels {
         self.0.get(key).map(String::as_str)
     }
 
+    /// Number of `key=value` pairs.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }

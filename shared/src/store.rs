@@ -20,6 +20,38 @@ pub struct Store {
     pool: Pool,
     pub names: Names,
     pub scripts: Arc<Scripts>,
+    /// The fleet's one clock (Redis server time), shared by every clone.
+    pub clock: Clock,
+}
+
+/// Skew of this process's clock against Redis above which a warning is logged.
+pub const SKEW_WARN: Duration = Duration::from_secs(1);
+
+/// The fleet's one clock: the Redis server's time, as estimated in this process (its own clock
+/// plus the offset last measured by [`Store::measure_clock`]). Heartbeat ages, leases, eviction
+/// and the rate limiter are computed inside Redis with `TIME`; deadlines and ages that a process
+/// checks itself use this, so a process whose clock is off by a minute neither expires work
+/// early nor evicts its peers. Cheap to clone (one shared offset).
+#[derive(Debug, Clone, Default)]
+pub struct Clock {
+    offset_ms: Arc<std::sync::atomic::AtomicI64>,
+}
+
+impl Clock {
+    /// Redis time now, in milliseconds since the Unix epoch.
+    pub fn now_ms(&self) -> i64 {
+        chrono::Utc::now().timestamp_millis() + self.offset_ms.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Redis time now.
+    pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        chrono::Utc::now() + chrono::Duration::milliseconds(self.offset_ms.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// This process's clock minus Redis's, in milliseconds (positive: this clock is ahead).
+    pub fn skew_ms(&self) -> i64 {
+        -self.offset_ms.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 impl Store {
@@ -34,7 +66,7 @@ impl Store {
         let pool = cfg
             .create_pool(Some(Runtime::Tokio1))
             .map_err(|e| Error::config("FLEET_REDIS_URL", e.to_string()))?;
-        Ok(Store { pool, names, scripts: Arc::new(Scripts::load()) })
+        Ok(Store { pool, names, scripts: Arc::new(Scripts::load()), clock: Clock::default() })
     }
 
     pub async fn conn(&self) -> Result<Connection> {
@@ -66,6 +98,28 @@ impl Store {
             Ok(r) => Ok(r?),
             Err(_) => Err(Error::Other("redis call timed out".into())),
         }
+    }
+
+    /// Measures this process's clock against Redis (`TIME`, halfway through the round trip),
+    /// updates [`Store::clock`] and the `fleet_clock_skew_seconds` gauge, and warns when the
+    /// skew passes [`SKEW_WARN`]. Returns the skew in ms (local − Redis).
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn measure_clock(&self) -> Result<i64> {
+        let t0 = chrono::Utc::now().timestamp_millis();
+        let (secs, micros): (i64, i64) = self.query(&redis::cmd("TIME")).await?;
+        let t1 = chrono::Utc::now().timestamp_millis();
+        let redis_ms = secs * 1000 + micros / 1000;
+        let offset = redis_ms - (t0 + t1) / 2;
+        let before = self.clock.offset_ms.swap(offset, std::sync::atomic::Ordering::Relaxed);
+        let skew = -offset;
+        metrics::gauge!(crate::metrics::CLOCK_SKEW).set(skew as f64 / 1000.0);
+        let warn = SKEW_WARN.as_millis() as i64;
+        if skew.abs() > warn && ((-before).abs() <= warn || before == 0) {
+            tracing::warn!(skew_ms = skew, "this process's clock differs from Redis's by more than {} s; fleet uses Redis time, but check NTP", SKEW_WARN.as_secs());
+        }
+        Ok(skew)
     }
 
     /// PING, for readiness.

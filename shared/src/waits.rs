@@ -3,10 +3,11 @@
 //! `fleet_task_wait_seconds` metric ([`BOUNDS`]).
 //!
 //! The metric lives in each worker's own `/metrics`; the scheduler cannot read it. So each
-//! worker also writes its cumulative bucket counts to a small Redis key at every heartbeat
-//! (`<ns>:wait:<worker>`, expiring with the worker), and the scheduler turns the differences
-//! between two readings into quantiles for its console ([`quantile`]). Like every Redis state it
-//! may be lost: a lost reading only leaves a gap in a chart.
+//! worker also writes its cumulative bucket counts — and its clock skew against Redis — to a
+//! small Redis hash at every heartbeat (`<ns>:wait:<worker>`, expiring with the worker), and the
+//! scheduler turns the differences between two readings into quantiles for its console
+//! ([`quantile`]). Like every Redis state it may be lost: a lost reading only leaves a gap in a
+//! chart.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -68,21 +69,38 @@ pub fn quantile(counts: &[u64], q: f64) -> Option<f64> {
     BOUNDS.last().copied()
 }
 
+/// What a worker shares at each heartbeat (see the module docs).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Shared {
+    /// Cumulative wait bucket counts.
+    pub waits: Option<Counts>,
+    /// The worker's clock minus Redis's, in milliseconds.
+    pub skew_ms: Option<i64>,
+}
+
 impl Store {
-    /// Writes a worker's wait histogram ([`WaitHistogram::encode`]), expiring after `ttl`.
-    pub async fn set_waits(&self, worker: &str, encoded: &str, ttl: Duration) -> Result<()> {
+    /// Writes a worker's wait histogram ([`WaitHistogram::encode`]) and clock skew, expiring
+    /// after `ttl`.
+    pub async fn share_worker_stats(&self, worker: &str, waits: &str, skew_ms: i64, ttl: Duration) -> Result<()> {
+        let key = self.names.waits(worker);
         let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
-        self.query::<()>(redis::cmd("SET").arg(self.names.waits(worker)).arg(encoded).arg("PX").arg(ms)).await
+        let mut p = redis::pipe();
+        p.cmd("HSET").arg(&key).arg("waits").arg(waits).arg("skew_ms").arg(skew_ms).ignore();
+        p.cmd("PEXPIRE").arg(&key).arg(ms).ignore();
+        self.pipe::<()>(&p).await
     }
 
-    /// The wait histograms of these workers, in order (`None`: none written or expired).
-    pub async fn waits(&self, workers: &[String]) -> Result<Vec<Option<Counts>>> {
+    /// What these workers shared, in order (default: nothing written, or expired).
+    pub async fn worker_stats(&self, workers: &[String]) -> Result<Vec<Shared>> {
         if workers.is_empty() {
             return Ok(vec![]);
         }
-        let keys: Vec<String> = workers.iter().map(|w| self.names.waits(w)).collect();
-        let raw: Vec<Option<String>> = self.query(redis::cmd("MGET").arg(keys)).await?;
-        Ok(raw.into_iter().map(|r| r.as_deref().and_then(decode)).collect())
+        let mut p = redis::pipe();
+        for w in workers {
+            p.cmd("HMGET").arg(self.names.waits(w)).arg("waits").arg("skew_ms");
+        }
+        let raw: Vec<(Option<String>, Option<i64>)> = self.pipe(&p).await?;
+        Ok(raw.into_iter().map(|(w, skew_ms)| Shared { waits: w.as_deref().and_then(decode), skew_ms }).collect())
     }
 }
 

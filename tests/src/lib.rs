@@ -163,7 +163,15 @@ impl SchedulerHandle {
 }
 
 /// Starts a scheduler in-process with the namespace's settings plus `extra`.
+/// Logs of in-process fleets to stderr when `FLEET_TEST_LOG` is set (an env filter, e.g. `info`).
+pub fn test_log() {
+    if let Ok(f) = std::env::var("FLEET_TEST_LOG") {
+        let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::new(f)).with_test_writer().try_init();
+    }
+}
+
 pub async fn start_scheduler(ns: &Ns, extra: &[(&str, &str)]) -> Result<SchedulerHandle> {
+    test_log();
     let mut all: Vec<(&str, &str)> = vec![
         ("health_interval_ms", "500"),
         ("heartbeat_timeout_ms", "3000"),

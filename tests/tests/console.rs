@@ -105,17 +105,17 @@ async fn console_shows_the_fleet_and_acts_on_it() -> Result<()> {
         })
         .await?;
     }
-    // Beta: one task running, one reserved in its queue (its backlog), two held back by the
-    // scheduler (parked; the park releaser holds them unacked, so they are not in the backlog).
+    // Beta: one task running, the others waiting in its queue or held back by the scheduler
+    // (parked tasks the park releaser holds unacked are not in the backlog).
     let blocked: Vec<_> = (0..4).map(|i| task("block", json!({"i": i}), "pool=beta")).collect();
     assert_eq!(ns.submit(&blocked).await?, (4, 0));
     let admin = reqwest::Client::new();
-    wait_for("beta's backlog of 1", Duration::from_secs(20), || {
+    wait_for("beta busy with a backlog", Duration::from_secs(20), || {
         let (admin, url, beta) = (admin.clone(), sched.url("/v1/groups"), beta.clone());
         async move {
             let g: serde_json::Value = admin.get(&url).bearer_auth(ADMIN_TOKEN).send().await.ok()?.json().await.ok()?;
             let b = g.as_array()?.iter().find(|g| g["group"] == beta.as_str())?.clone();
-            (b["backlog"] == 1 && b["load"] == 1 && b["reserved"] == 1).then_some(())
+            (b["backlog"].as_u64()? >= 1 && b["load"] == 1).then_some(())
         }
     })
     .await?;
@@ -134,7 +134,8 @@ async fn console_shows_the_fleet_and_acts_on_it() -> Result<()> {
     let points = series["points"].as_array().cloned().unwrap_or_default();
     let sum = |k: &str| points.iter().filter_map(|p| p[k].as_u64()).sum::<u64>();
     assert_eq!(sum("refused"), 0);
-    assert!(sum("dispatched") >= 26, "27 submitted, 26 dispatched at least (one of beta's is parked): {}", sum("dispatched"));
+    let dispatched = sum("dispatched");
+    assert!((24..=27).contains(&dispatched), "alpha's 23 and at least beta's running one, at most all 27: {dispatched}");
     assert!(sum("succeeded") >= 20 && sum("started") >= 25, "succeeded {} started {}", sum("succeeded"), sum("started"));
     for p in &points {
         assert_eq!(p["started"].as_u64().unwrap_or(0) > 0, p["wait_p50"].is_number() && p["wait_p99"].is_number(), "{p}");

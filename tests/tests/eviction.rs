@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
+use fleet::lease::{Claim, ClaimRequest};
 use fleet::registry::{Beat, Registration, WorkerState};
 use fleet::store::now_ms;
 use fleet::{Labels, Lane};
@@ -102,9 +103,10 @@ async fn silent_worker_is_evicted_and_comes_back_when_it_wakes() -> anyhow::Resu
     ns.cleanup().await
 }
 
-/// A task redelivered from a dead worker to a live one is in both workers' running lists;
-/// evicting the dead one must not release the live one's record (load would undercount and
-/// the group be overcommitted until the next heartbeat).
+/// A task redelivered from a dead worker to a live one: the live worker's copy waits while
+/// the dead worker still counts as alive (its run record is its own); eviction releases only
+/// the evicted worker's records, moves its tasks back to `queued`, and the live copy's next
+/// claim counts the crash and runs the task alone (a crash suspect).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
@@ -121,21 +123,33 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
     };
     ns.store.register(&reg("w-dead", "i-dead"), 1500).await?;
     ns.store.register(&reg("w-live", "i-live"), 1500).await?;
-    let t = |id: &str, attempt: u32| (Lane::Normal, id.to_string(), attempt);
-    ns.store.start("w-dead", &g, 60_000, 60_000, &[t("t1", 1), t("t2", 1)]).await?;
-    // w-dead dies; the broker hands t1 to w-live.
-    ns.store.start("w-live", &g, 60_000, 60_000, &[t("t1", 1)]).await?;
+    let t = |id: &str, isolated: bool| ClaimRequest { lane: Lane::Normal, id: id.to_string(), base: 1, max_attempts: 3, isolated };
+    let lease = Duration::from_secs(60);
+    let (_, c) = ns.store.claim("w-dead", &g, "i-dead", lease, lease, &[t("t1", false), t("t2", false)]).await?;
+    assert_eq!(c, vec![Claim::Run(1), Claim::Run(1)]);
+    // w-dead dies; the broker hands t1 to w-live, whose copy must wait: w-dead still counts.
+    let (_, c) = ns.store.claim("w-live", &g, "i-live", lease, lease, &[t("t1", false)]).await?;
+    assert_eq!(c, vec![Claim::Wait]);
     let before = group(&ns.store, &g).await.context("group")?;
     assert_eq!((before.capacity, before.load), (4, 2));
 
     // w-dead stays silent past the timeout (1 s here), w-live beats.
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    let beat = Beat { running_normal: 1, running: vec![(Lane::Normal, "t1".into())], ..Default::default() };
-    ns.store.heartbeat("w-live", "i-live", 60_000, &beat).await?;
+    ns.store.heartbeat("w-live", "i-live", 60_000, &Beat::default()).await?;
     assert_eq!(ns.store.evict_stale(1000).await?, vec!["w-dead".to_string()]);
     let after = group(&ns.store, &g).await.context("group")?;
-    assert_eq!((after.workers, after.capacity), (1, 2));
-    assert_eq!(after.load, 1, "t1 still runs on w-live; only t2 was released");
+    assert_eq!((after.workers, after.capacity, after.load), (1, 2, 0));
+    for id in ["t1", "t2"] {
+        let st = ns.store.task_status(id).await?.context("status")?;
+        assert_eq!(st.get("state").map(String::as_str), Some("queued"), "{id}: {st:?}");
+        assert_eq!(st.get("worker"), None, "{id} names no dead worker: {st:?}");
+    }
+    // The waiting copy now finds its owner gone: the crash counts (attempt 2), run alone.
+    let (_, c) = ns.store.claim("w-live", &g, "i-live", lease, lease, &[t("t1", false)]).await?;
+    assert_eq!(c, vec![Claim::Isolate(2)]);
+    let (_, c) = ns.store.claim("w-live", &g, "i-live", lease, lease, &[t("t1", true)]).await?;
+    assert_eq!(c, vec![Claim::Run(2)]);
+    assert_eq!(group(&ns.store, &g).await.map(|g| (g.capacity, g.load)), Some((2, 1)));
     // Idempotent: a second checker finds nothing to do.
     assert!(ns.store.evict_stale(1000).await?.is_empty());
     assert_eq!(group(&ns.store, &g).await.map(|g| (g.capacity, g.load)), Some((2, 1)));

@@ -11,11 +11,11 @@ use fleet::{Labels, Lane, Store};
 use fleet_tests::{redis_url, Ns};
 
 fn params() -> ReserveParams {
-    ReserveParams { lease_ms: 60_000, backlog_factor: 0.0, strategy: Strategy::LeastLoaded, dedupe_window_ms: 60_000, status_ttl_ms: 60_000 }
+    ReserveParams { lease_ms: 60_000, backlog_factor: 0.0, strategy: Strategy::LeastLoaded, dedupe_window_ms: 60_000, status_ttl_ms: 60_000, token: rand::random() }
 }
 
 fn req(id: String, dedupe: Dedupe) -> ReserveRequest {
-    ReserveRequest { id, lane: Lane::Normal, selector: Labels::parse("gpu=true").unwrap(), strategy: None, dedupe, from_park: false }
+    ReserveRequest { id, lane: Lane::Normal, selector: Labels::parse("gpu=true").unwrap(), strategy: None, dedupe, from_park: false, dedupe_only: false }
 }
 
 async fn register(store: &Store, id: &str, labels: &str, cap: u32) -> anyhow::Result<()> {
@@ -122,7 +122,7 @@ async fn strategies_choose_as_documented() -> anyhow::Result<()> {
     register(&ns.store, "a1", "pool=x,zone=a,protocol=builtin", 100).await?;
     register(&ns.store, "b1", "pool=x,zone=b,protocol=builtin", 100).await?;
     let sel = Labels::parse("pool=x")?;
-    let mk = |id: String, s: Strategy| ReserveRequest { id, lane: Lane::Normal, selector: sel.clone(), strategy: Some(s), dedupe: Dedupe::Skip, from_park: false };
+    let mk = |id: String, s: Strategy| ReserveRequest { id, lane: Lane::Normal, selector: sel.clone(), strategy: Some(s), dedupe: Dedupe::Skip, from_park: false, dedupe_only: false };
 
     // round_robin alternates between the two groups.
     let batch: Vec<_> = (0..10).map(|k| mk(format!("rr{k}"), Strategy::RoundRobin)).collect();

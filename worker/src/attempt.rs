@@ -22,7 +22,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::Utc;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::Channel;
@@ -34,7 +33,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use fleet::amqp::{headers, task_properties, DETAIL_HEADER, REASON_HEADER, TIER_HEADER, WORKER_HEADER};
-use fleet::lease::{truncate, Finished};
+use fleet::lease::{truncate, Claim, ClaimRequest, Finished};
 use fleet::metrics as m;
 use fleet::{Envelope, Lane, Names};
 
@@ -62,8 +61,13 @@ pub struct Shared {
     pub ejector: Ejector,
     pub backoff: Backoff,
     pub max_task: Duration,
+    /// Largest delivery parsed (fleet's own copies: see [`fleet::envelope::internal_limit`]).
     pub max_task_bytes: usize,
     pub default_max_attempts: u32,
+    /// The fleet's clock (Redis time) for deadlines and waits.
+    pub clock: fleet::store::Clock,
+    /// Normal runs hold it shared; a crash suspect holds it alone (runs in isolation).
+    pub isolation: Arc<tokio::sync::RwLock<()>>,
     /// Where handler runs are spawned (the drain waits for them).
     pub tasks: TaskTracker,
     /// Cut every run now (hard stop).
@@ -136,6 +140,9 @@ pub fn decide(
     }
 }
 
+/// How often a held copy asks again whether the run of its attempt elsewhere has ended.
+const WAIT_POLL: Duration = Duration::from_millis(500);
+
 /// Handles one delivery. `channel` keeps the delivery's channel open until it is acked;
 /// `permit` is the lane slot, given back when this returns.
 pub async fn handle(shared: Arc<Shared>, lane: Lane, delivery: Delivery, channel: Channel, permit: OwnedSemaphorePermit) {
@@ -144,16 +151,88 @@ pub async fn handle(shared: Arc<Shared>, lane: Lane, delivery: Delivery, channel
         Ok(env) => env,
         Err(reject) => return refuse(&shared, lane, delivery, reject).await,
     };
-    let attempt = env.attempt.saturating_add(1);
-    let span = tracing::info_span!("task", task.id = %env.id, kind = %env.kind, lane = %lane, attempt);
-    attempt_task(shared, lane, delivery, env, attempt).instrument(span).await
+    let base = env.attempt.saturating_add(1);
+    let span = tracing::info_span!("task", task.id = %fleet::envelope::escape(&env.id), kind = %fleet::envelope::escape(&env.kind), lane = %lane, attempt = base);
+    attempt_task(shared, lane, delivery, env, base).instrument(span).await
 }
 
-async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: Envelope, attempt: u32) {
+/// The run slot an attempt holds: shared with other runs, or alone. Held for its `Drop`.
+#[allow(dead_code)]
+enum RunGuard {
+    Shared(tokio::sync::OwnedRwLockReadGuard<()>),
+    Alone(tokio::sync::OwnedRwLockWriteGuard<()>),
+}
+
+/// Claims the attempt (exactly one run per attempt; see `lua/start.lua`) and takes its run
+/// slot. `None` when this copy must not run; it has then been settled here (a duplicate acked,
+/// a lost task dead-lettered) or left to the broker (its channel is gone).
+async fn claim(shared: &Shared, lane: Lane, delivery: &Delivery, env: &Envelope, base: u32, max_attempts: u32) -> Option<(u32, RunGuard)> {
+    let mut req = ClaimRequest { lane, id: env.id.clone(), base, max_attempts, isolated: false };
+    let mut alone: Option<tokio::sync::OwnedRwLockWriteGuard<()>> = None;
+    loop {
+        let run_as = match shared.ledger.claim(req.clone()).await {
+            // Redis could not answer: run it (at-least-once while Redis is down).
+            None => base,
+            Some(Claim::Run(n)) => n,
+            Some(Claim::Isolate(n)) => {
+                tracing::warn!(attempt = n, "in flight when its worker died: runs alone until it ends or crashes on its own");
+                alone = Some(shared.isolation.clone().write_owned().await);
+                req.isolated = true;
+                continue;
+            }
+            Some(Claim::Wait) => {
+                if !delivery.acker.usable() {
+                    return None;
+                }
+                tokio::select! {
+                    _ = shared.abort.cancelled() => return None,
+                    _ = tokio::time::sleep(WAIT_POLL) => {}
+                }
+                continue;
+            }
+            Some(Claim::Duplicate) => {
+                tracing::info!("a copy of an attempt that already ran or runs elsewhere: acked without running");
+                metrics::counter!(m::DUPLICATE_DELIVERIES, "lane" => lane.as_str()).increment(1);
+                ack(delivery).await;
+                return None;
+            }
+            Some(Claim::Dead(n)) => {
+                let error = "the worker process died while running this task alone, on its last attempt";
+                tracing::warn!(attempt = n, "task dead: its worker died while running it (worker_lost)");
+                match dead_letter(shared, env, n, "worker_lost", error).await {
+                    Ok(()) => {
+                        ack(delivery).await;
+                        metrics::counter!(m::TASKS_COMPLETED, "group" => shared.group.clone(), "lane" => lane.as_str(), "outcome" => "dead").increment(1);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot dead-letter a lost task; requeued");
+                        nack_requeue(delivery).await;
+                    }
+                }
+                return None;
+            }
+        };
+        let slot = match alone {
+            Some(g) => RunGuard::Alone(g),
+            None => RunGuard::Shared(shared.isolation.clone().read_owned().await),
+        };
+        return Some((run_as, slot));
+    }
+}
+
+async fn ack(delivery: &Delivery) {
+    match delivery.acker.ack(BasicAckOptions::default()).await {
+        Ok(true) => {}
+        Ok(false) => tracing::info!("cannot ack: channel closed; the broker redelivers the task and its copy is settled by its run record"),
+        Err(e) => tracing::warn!(error = %e, "cannot ack; the broker redelivers the task"),
+    }
+}
+
+async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: Envelope, base: u32) {
     let max_attempts = env.max_attempts_or(shared.default_max_attempts);
-    shared.ledger.start(lane, &env.id, attempt);
+    let Some((attempt, _slot)) = claim(&shared, lane, &delivery, &env, base, max_attempts).await else { return };
     shared.stats.started(lane, &env.id);
-    let now = Utc::now();
+    let now = shared.clock.now();
     if let Some(submitted) = env.submitted_at {
         let wait = (now - submitted).to_std().unwrap_or(Duration::ZERO);
         metrics::histogram!(m::TASK_WAIT, "lane" => lane.as_str()).record(wait.as_secs_f64());
@@ -164,8 +243,9 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: 
         Fate::Expired { detail: "deadline passed before the task started".into() }
     } else {
         let Some((result, took)) = run(&shared, &env, attempt).await else {
-            // Hard stop: no outcome; the broker gets the task back with the connection.
-            shared.ledger.release(lane, &env.id);
+            // Hard stop: no outcome; the broker gets the task back with the connection, and
+            // its next copy runs this attempt again.
+            shared.ledger.release(Finished::release(lane, env.id.clone(), attempt));
             shared.stats.ended(lane, &env.id);
             return;
         };
@@ -176,7 +256,7 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: 
             Err(TaskError::Permanent(_)) => {}
             Err(_) => shared.ejector.record(true),
         }
-        let time_left = env.deadline.map(|d| (d - Utc::now()).to_std().unwrap_or(Duration::ZERO));
+        let time_left = env.deadline.map(|d| (d - shared.clock.now()).to_std().unwrap_or(Duration::ZERO));
         decide(result, attempt, max_attempts, time_left, &shared.backoff)
     };
 
@@ -189,7 +269,7 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: 
 /// Runs the handler in its own task, cut at the run deadline. `None` on a hard stop.
 async fn run(shared: &Shared, env: &Envelope, attempt: u32) -> Option<(Result<Value, TaskError>, Duration)> {
     let started = Instant::now();
-    let to_deadline = env.deadline.map(|d| (d - Utc::now()).to_std().unwrap_or(Duration::ZERO));
+    let to_deadline = env.deadline.map(|d| (d - shared.clock.now()).to_std().unwrap_or(Duration::ZERO));
     let (limit, by_deadline) = match to_deadline {
         Some(left) if left <= shared.max_task => (left, true),
         _ => (shared.max_task, false),
@@ -253,7 +333,13 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
     }
 }
 
-/// Records the fate in the broker (publish + ack) and in Redis (ledger); returns the outcome.
+/// Records the fate in the broker (publish) and in Redis (outcome), then acks; returns the
+/// outcome. The ack comes last: a crash before it leaves the delivery with the broker, and its
+/// redelivered copy finds the attempt `done` (a duplicate, acked without running).
+///
+/// A delivery whose channel died (consumer timeout, connection loss) is settled all the same:
+/// its copy, redelivered meanwhile, waits on this attempt's run record rather than run, so
+/// this run's outcome is the task's — only the ack is left out (the broker took it back).
 async fn settle(
     shared: &Shared,
     lane: Lane,
@@ -263,43 +349,45 @@ async fn settle(
     max_attempts: u32,
     fate: Fate,
 ) -> Outcome {
-    // A delivery whose channel died cannot be acked: the broker has it back already, so a
-    // retry or dead-letter copy would only duplicate it.
-    if !delivery.acker.usable() {
-        tracing::warn!("channel closed before the task finished; the broker redelivers it");
-        shared.ledger.release(lane, &env.id);
-        return Outcome::Failed;
-    }
+    // The scheduler's health probes never reach the dead-letter queue nor retry: a lost probe
+    // is the scheduler's to count (fleet_probe_failures_total), not a task of the user's.
+    let probe = fleet::amqp::header_text(&delivery.properties, fleet::amqp::PROBE_HEADER).is_some();
+    let fate = match fate {
+        Fate::Retry { error, .. } if probe => Fate::Dead { reason: "max_attempts", error },
+        f => f,
+    };
     let (outcome, state, text, success, reason, published) = match fate {
         Fate::Succeeded(v) => (Outcome::Succeeded, "succeeded", v.to_string(), true, "", Ok(())),
         Fate::Retry { error, delay } => {
-            tracing::info!(error = %error, delay_ms = delay.as_millis() as u64, "attempt failed; retrying");
+            tracing::info!(error = %fleet::envelope::escape(&error), delay_ms = delay.as_millis() as u64, "attempt failed; retrying");
             let r = publish_retry(shared, env, attempt, max_attempts, delay, &error).await;
             (Outcome::Retried, "retrying", error, false, "", r)
         }
         Fate::Dead { reason, error } => {
-            tracing::warn!(reason, error = %error, "task dead");
-            let r = dead_letter(shared, env, attempt, reason, &error).await;
+            tracing::warn!(reason, error = %fleet::envelope::escape(&error), "task dead");
+            let r = if probe { Ok(()) } else { dead_letter(shared, env, attempt, reason, &error).await };
             (Outcome::Dead, "dead", error, false, reason, r)
         }
         Fate::Expired { detail } => {
             tracing::info!(detail = %detail, "task expired");
-            let r = dead_letter(shared, env, attempt, "expired", &detail).await;
+            let r = if probe { Ok(()) } else { dead_letter(shared, env, attempt, "expired", &detail).await };
             (Outcome::Expired, "expired", detail, false, "expired", r)
         }
     };
     if let Err(e) = published {
         tracing::warn!(error = %e, "cannot record the outcome in the broker; task requeued");
         nack_requeue(delivery).await;
-        shared.ledger.release(lane, &env.id);
+        shared.ledger.release(Finished::release(lane, env.id.clone(), attempt));
         return Outcome::Failed;
     }
-    match delivery.acker.ack(BasicAckOptions::default()).await {
-        Ok(true) => {}
-        Ok(false) => tracing::warn!("cannot ack: channel closed; the broker redelivers the task"),
-        Err(e) => tracing::warn!(error = %e, "cannot ack; the broker redelivers the task"),
+    if !shared.ledger.finish(Finished { lane, id: env.id.clone(), attempt, state, text, success, reason }).await {
+        tracing::warn!("outcome not yet written to Redis (retried in the background); acking anyway");
     }
-    shared.ledger.finish(Finished { lane, id: env.id.clone(), attempt, state, text, success, reason });
+    if delivery.acker.usable() {
+        ack(delivery).await;
+    } else {
+        tracing::info!("channel closed before the task finished; outcome recorded, its redelivered copy will be acked as a duplicate");
+    }
     outcome
 }
 
@@ -315,7 +403,7 @@ async fn publish_retry(
     let mut next = env.clone();
     next.attempt = attempt;
     next.max_attempts = Some(max_attempts);
-    next.not_before = Some(Utc::now() + chrono::Duration::from_std(delay).unwrap_or_default());
+    next.not_before = Some(shared.clock.now() + chrono::Duration::from_std(delay).unwrap_or_default());
     let body = next.to_bytes();
     let detail = (DETAIL_HEADER, truncate(error, MAX_HEADER_TEXT));
     match fleet::delay::tier_for(delay) {

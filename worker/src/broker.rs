@@ -21,6 +21,7 @@ use fleet::http::Readiness;
 pub struct Broker {
     cfg: CommonConfig,
     group: String,
+    worker_id: String,
     name: String,
     readiness: Readiness,
     /// Stops reconnecting (hard stop, end of the worker).
@@ -38,6 +39,7 @@ impl Broker {
         Broker {
             cfg,
             group,
+            worker_id: worker_id.to_string(),
             name: format!("fleet-worker {worker_id}"),
             readiness,
             stop,
@@ -97,7 +99,38 @@ impl Broker {
         fleet::topology::declare_core(&ch, &self.cfg).await?;
         fleet::topology::declare_group(&ch, &self.cfg, &self.group).await?;
         let _ = ch.close(200, ShortString::from("declared")).await;
+        // Hold the id's lock on every connection (a no-op failure when another process took
+        // the id over meanwhile: its registration then answers our heartbeat with `conflict`).
+        self.lock_on(conn).await;
         Ok(())
+    }
+
+    /// Declares this worker id's exclusive lock queue on the current connection (see
+    /// `Names::worker_lock_queue`). True when this process holds it — any earlier process
+    /// with this id is gone, its registration may be taken over at once; false when a live
+    /// connection of another process holds it (`RESOURCE_LOCKED`) or the broker is away.
+    pub async fn lock_id(&self) -> bool {
+        match self.current() {
+            Some(c) => self.lock_on(&c).await,
+            None => false,
+        }
+    }
+
+    async fn lock_on(&self, conn: &Connection) -> bool {
+        use lapin::options::QueueDeclareOptions;
+        let Ok(ch) = conn.create_channel().await else { return false };
+        let q = self.cfg.names().worker_lock_queue(&self.worker_id);
+        let opts = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
+        match ch.queue_declare(ShortString::from(q.as_str()), opts, lapin::types::FieldTable::default()).await {
+            Ok(_) => {
+                let _ = ch.close(200, ShortString::from("locked")).await;
+                true
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "worker id lock held by another connection");
+                false
+            }
+        }
     }
 
     fn latest(&self) -> Option<Arc<Connection>> {

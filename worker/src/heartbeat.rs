@@ -71,12 +71,16 @@ impl Heartbeat {
     async fn beat(&self, cpu: &mut CpuSampler) {
         let b = self.collect(cpu);
         let store = self.registrar.store();
+        if let Err(e) = store.measure_clock().await {
+            tracing::debug!(error = %e, "cannot measure the clock against Redis");
+        }
         let lease_ms = i64::try_from(self.run_lease.as_millis()).unwrap_or(i64::MAX);
         match store.heartbeat(self.registrar.id(), self.registrar.instance(), lease_ms, &b).await {
             Ok(reply) => {
                 self.readiness.set_redis(true);
                 // For the scheduler's console; kept a little longer than a beat apart.
-                if let Err(e) = store.set_waits(self.registrar.id(), &self.stats.waits.encode(), self.interval * 3).await {
+                let (waits, skew) = (self.stats.waits.encode(), store.clock.skew_ms());
+                if let Err(e) = store.share_worker_stats(self.registrar.id(), &waits, skew, self.interval * 3).await {
                     tracing::debug!(error = %e, "cannot share the wait histogram");
                 }
                 self.on_reply(reply, &b, lease_ms).await;

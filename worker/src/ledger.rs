@@ -1,51 +1,51 @@
-//! The ledger: a worker's writes of task starts and finishes to Redis, batched off the hot path.
+//! The ledger: a worker's claims and outcomes in Redis, batched across concurrent attempts.
 //!
-//! A task attempt never waits for Redis: it drops a record into a bounded channel and goes on.
-//! One background loop takes records in batches — whatever arrived within [`FLUSH_EVERY`], at
-//! most [`FLUSH_OPS`] — and writes each batch with one `start` script call, then one `finish`
-//! call (starts before finishes, so a task that starts and ends within one batch ends up
-//! finished), then the releases. At a few thousand tasks per second that is a few hundred
-//! Redis calls per second instead of two per task.
+//! Every attempt makes two Redis writes, both awaited, neither made alone:
+//! * a **claim** before it runs (the `start` script: exactly one run per attempt, crash
+//!   counting, status `running`), and
+//! * its **outcome** before its delivery is acked (the `finish` script), so an acked task is
+//!   never left `running` by a crash — write the batch, then ack the batch.
 //!
-//! Redis state may be lost (the broker holds every task), so the trade-offs lean towards
-//! never stalling work: when Redis fails, the batch is retried with capped backoff while new
-//! records wait in the channel; when the channel is full, new records are dropped and
-//! counted. A dropped start only delays the lease renewal of its task until the next
-//! heartbeat, which lists every running task; a dropped finish leaves a running record that
-//! expires with its lease.
+//! One background loop takes whatever records are waiting (at most [`FLUSH_OPS`]) and writes
+//! them with one `start` and one `finish` call; while that call is in flight new records
+//! gather for the next one, so batches grow with load and an idle worker pays no batching
+//! delay. At a few thousand tasks per second that is a few hundred Redis calls per second.
+//!
+//! Redis state may be lost (the broker holds every task), so the trade-offs lean towards never
+//! stalling work: a claim that cannot be written is answered "unknown" at once and the attempt
+//! runs anyway (at-least-once while Redis is down); an outcome that cannot be written is
+//! retried with capped backoff, and its attempt stops waiting for it after [`OUTCOME_WAIT`]
+//! (the ack is not held hostage by a dead Redis). When the channel is full, records are
+//! dropped and counted.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_redis::redis;
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use fleet::lease::Finished;
+use fleet::lease::{Claim, ClaimRequest, Finished};
 use fleet::store::Store;
-use fleet::Lane;
 
-/// Longest a record waits for its batch.
-pub const FLUSH_EVERY: Duration = Duration::from_millis(5);
 /// Largest batch.
-pub const FLUSH_OPS: usize = 128;
+pub const FLUSH_OPS: usize = 256;
 /// Records buffered while Redis is slow or down; beyond that, records are dropped.
 pub const BUFFER: usize = 16_384;
+/// How long an attempt waits for its outcome to be written before it acks anyway.
+pub const OUTCOME_WAIT: Duration = Duration::from_secs(3);
 /// How long the final flush at shutdown keeps retrying.
 const FINAL_FLUSH: Duration = Duration::from_secs(5);
 
 /// One record.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub enum Op {
-    /// A task attempt started: reservation → running record, status `running`.
-    Start { lane: Lane, id: String, attempt: u32 },
-    /// A task attempt ended with an outcome recorded in its status.
-    Finish(Finished),
-    /// A task attempt ended without an outcome (it went back to the broker): only release
-    /// its running record, leave its status as it is.
-    Release { lane: Lane, id: String },
+    /// Claim an attempt before running it.
+    Claim { req: ClaimRequest, reply: oneshot::Sender<Option<Claim>> },
+    /// An attempt ended (with an outcome, or released: see [`Finished::release`]); `written`
+    /// is told once it is in Redis.
+    Finish { fin: Finished, written: Option<oneshot::Sender<()>> },
 }
 
 /// The sending side, used by task attempts. Cheap to clone; never blocks.
@@ -56,21 +56,13 @@ pub struct Ledger {
 
 impl Ledger {
     /// A ledger and its batching loop (run it with [`Batcher::run`]).
-    pub fn new(store: Store, worker_id: String, group: String, run_lease: Duration, status_ttl: Duration) -> (Ledger, Batcher) {
+    pub fn new(store: Store, worker_id: String, instance: String, group: String, run_lease: Duration, status_ttl: Duration) -> (Ledger, Batcher) {
         let (tx, rx) = mpsc::channel(BUFFER);
-        let batcher = Batcher {
-            rx,
-            store,
-            worker_id,
-            group,
-            lease_ms: ms(run_lease),
-            status_ttl_ms: ms(status_ttl),
-            gone: Arc::new(Notify::new()),
-        };
+        let batcher = Batcher { rx, store, worker_id, instance, group, run_lease, status_ttl, gone: Arc::new(Notify::new()) };
         (Ledger { tx }, batcher)
     }
 
-    pub fn record(&self, op: Op) {
+    fn record(&self, op: Op) {
         if let Err(e) = self.tx.try_send(op) {
             metrics::counter!(LEDGER_DROPPED).increment(1);
             match e {
@@ -80,16 +72,25 @@ impl Ledger {
         }
     }
 
-    pub fn start(&self, lane: Lane, id: &str, attempt: u32) {
-        self.record(Op::Start { lane, id: id.to_string(), attempt });
+    /// Claims an attempt. `None` when Redis could not answer (the caller runs the attempt:
+    /// at-least-once). Cancel safe.
+    pub async fn claim(&self, req: ClaimRequest) -> Option<Claim> {
+        let (reply, rx) = oneshot::channel();
+        self.record(Op::Claim { req, reply });
+        rx.await.ok().flatten()
     }
 
-    pub fn finish(&self, f: Finished) {
-        self.record(Op::Finish(f));
+    /// Records an outcome and waits until it is written, at most [`OUTCOME_WAIT`]; true when
+    /// written.
+    pub async fn finish(&self, fin: Finished) -> bool {
+        let (written, rx) = oneshot::channel();
+        self.record(Op::Finish { fin, written: Some(written) });
+        matches!(tokio::time::timeout(OUTCOME_WAIT, rx).await, Ok(Ok(())))
     }
 
-    pub fn release(&self, lane: Lane, id: &str) {
-        self.record(Op::Release { lane, id: id.to_string() });
+    /// Releases an attempt that ended without an outcome (not awaited).
+    pub fn release(&self, fin: Finished) {
+        self.record(Op::Finish { fin, written: None });
     }
 }
 
@@ -101,18 +102,18 @@ pub struct Batcher {
     rx: mpsc::Receiver<Op>,
     store: Store,
     worker_id: String,
+    instance: String,
     group: String,
-    lease_ms: i64,
-    status_ttl_ms: i64,
+    run_lease: Duration,
+    status_ttl: Duration,
     gone: Arc<Notify>,
 }
 
-fn ms(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
+/// Outcomes waiting to be written, with whoever waits for them.
+type Finishes = Vec<(Finished, Option<oneshot::Sender<()>>)>;
 
 impl Batcher {
-    /// Notified when a start finds the worker's registration gone (the heartbeat registers
+    /// Notified when a claim finds the worker's registration gone (the heartbeat registers
     /// again).
     pub fn gone_signal(&self) -> Arc<Notify> {
         self.gone.clone()
@@ -123,21 +124,14 @@ impl Batcher {
         let span = tracing::info_span!("ledger", worker = %self.worker_id);
         async move {
             let mut batch: Vec<Op> = Vec::with_capacity(FLUSH_OPS);
+            let mut finishes: Finishes = Vec::new();
             loop {
                 tokio::select! {
                     biased;
                     _ = shutdown.cancelled() => break,
                     n = self.rx.recv_many(&mut batch, FLUSH_OPS) => if n == 0 { break },
                 }
-                let until = Instant::now() + FLUSH_EVERY;
-                while batch.len() < FLUSH_OPS {
-                    let room = FLUSH_OPS - batch.len();
-                    tokio::select! {
-                        n = self.rx.recv_many(&mut batch, room) => if n == 0 { break },
-                        _ = tokio::time::sleep_until(until) => break,
-                    }
-                }
-                self.flush(&mut batch, None, &shutdown).await;
+                self.flush(&mut batch, &mut finishes, None, &shutdown).await;
             }
             // Final flush: everything still buffered, retried for a bounded time.
             self.rx.close();
@@ -145,89 +139,80 @@ impl Batcher {
             let never = CancellationToken::new();
             while let Ok(op) = self.rx.try_recv() {
                 batch.push(op);
-                if batch.len() >= FLUSH_OPS {
-                    self.flush(&mut batch, Some(give_up), &never).await;
-                }
             }
-            self.flush(&mut batch, Some(give_up), &never).await;
+            self.flush(&mut batch, &mut finishes, Some(give_up), &never).await;
         }
         .instrument(span)
         .await
     }
 
-    /// Writes a batch, retrying with backoff until it is written, `give_up` passes or
-    /// `shutdown` fires (the loop then flushes once more). Empties `batch`.
-    async fn flush(&self, batch: &mut Vec<Op>, give_up: Option<Instant>, shutdown: &CancellationToken) {
-        if batch.is_empty() {
-            return;
-        }
-        let mut starts = Vec::new();
-        let mut finishes = Vec::new();
-        let mut releases = Vec::new();
+    /// Writes a batch: claims once (answered "unknown" on failure), outcomes until written,
+    /// `give_up` passes or `shutdown` fires (left in `finishes` for the final flush).
+    async fn flush(&mut self, batch: &mut Vec<Op>, finishes: &mut Finishes, give_up: Option<Instant>, shutdown: &CancellationToken) {
+        let mut claims = Vec::new();
         for op in batch.drain(..) {
             match op {
-                Op::Start { lane, id, attempt } => starts.push((lane, id, attempt)),
-                Op::Finish(f) => finishes.push(f),
-                Op::Release { lane, id } => releases.push((lane, id)),
+                Op::Claim { req, reply } => claims.push((req, reply)),
+                Op::Finish { fin, written } => finishes.push((fin, written)),
+            }
+        }
+        if !claims.is_empty() {
+            let reqs: Vec<ClaimRequest> = claims.iter().map(|(r, _)| r.clone()).collect();
+            match self.store.claim(&self.worker_id, &self.group, &self.instance, self.run_lease, self.status_ttl, &reqs).await {
+                Ok((registered, answers)) => {
+                    if !registered {
+                        self.gone.notify_one();
+                    }
+                    for ((_, reply), a) in claims.into_iter().zip(answers) {
+                        let _ = reply.send(Some(a));
+                    }
+                }
+                Err(e) => {
+                    metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
+                    tracing::warn!(error = %e, tasks = claims.len(), "cannot claim task attempts in Redis; running them unchecked");
+                    for (_, reply) in claims {
+                        let _ = reply.send(None);
+                    }
+                }
             }
         }
         let mut delay = Duration::from_millis(50);
-        loop {
-            match self.write(&mut starts, &mut finishes, &mut releases).await {
-                Ok(()) => return,
+        while !finishes.is_empty() {
+            let fins: Vec<Finished> = finishes.iter().map(|(f, _)| f.clone()).collect();
+            match self.store.finish(&self.worker_id, &self.group, &self.instance, self.status_ttl, &fins).await {
+                Ok(()) => {
+                    for (_, written) in finishes.drain(..) {
+                        if let Some(w) = written {
+                            let _ = w.send(());
+                        }
+                    }
+                    return;
+                }
                 Err(e) => {
                     metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
-                    tracing::warn!(error = %e, pending = starts.len() + finishes.len() + releases.len(), retry_in_ms = delay.as_millis() as u64, "cannot write task records to Redis");
+                    tracing::warn!(error = %e, pending = finishes.len(), retry_in_ms = delay.as_millis() as u64, "cannot write task outcomes to Redis");
+                }
+            }
+            // Claims arriving meanwhile are not held up by the retry: Redis is failing.
+            while let Ok(op) = self.rx.try_recv() {
+                match op {
+                    Op::Claim { reply, .. } => {
+                        let _ = reply.send(None);
+                    }
+                    Op::Finish { fin, written } => finishes.push((fin, written)),
                 }
             }
             if give_up.is_some_and(|g| Instant::now() + delay > g) {
-                tracing::warn!("giving up on task records at shutdown");
+                tracing::warn!(pending = finishes.len(), "giving up on task outcomes at shutdown");
+                finishes.clear();
                 return;
             }
             tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => {
-                    // Hand the rest back to the final flush.
-                    batch.extend(starts.drain(..).map(|(lane, id, attempt)| Op::Start { lane, id, attempt }));
-                    batch.extend(finishes.drain(..).map(Op::Finish));
-                    batch.extend(releases.drain(..).map(|(lane, id)| Op::Release { lane, id }));
-                    return;
-                }
+                _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(delay) => {}
             }
             delay = (delay * 2).min(Duration::from_secs(5));
         }
-    }
-
-    /// Writes starts, then finishes, then releases; each part is cleared once written, so a
-    /// retry does not repeat it.
-    async fn write(
-        &self,
-        starts: &mut Vec<(Lane, String, u32)>,
-        finishes: &mut Vec<Finished>,
-        releases: &mut Vec<(Lane, String)>,
-    ) -> fleet::Result<()> {
-        if !starts.is_empty() {
-            let registered = self.store.start(&self.worker_id, &self.group, self.lease_ms, self.status_ttl_ms, starts).await?;
-            if !registered {
-                self.gone.notify_one();
-            }
-            starts.clear();
-        }
-        if !finishes.is_empty() {
-            self.store.finish(&self.worker_id, &self.group, self.status_ttl_ms, finishes).await?;
-            finishes.clear();
-        }
-        if !releases.is_empty() {
-            let names = &self.store.names;
-            let mut p = redis::pipe();
-            for (lane, id) in releases.iter() {
-                p.cmd("ZREM").arg(names.running(&self.group, *lane)).arg(id).ignore();
-                p.cmd("SREM").arg(names.worker_running(&self.worker_id)).arg(format!("{lane}|{id}")).ignore();
-            }
-            self.store.pipe::<()>(&p).await?;
-            releases.clear();
-        }
-        Ok(())
     }
 }

@@ -42,6 +42,8 @@ pub struct Registrar {
     store: Store,
     registration: Registration,
     liveness_ms: i64,
+    /// This process holds the id's broker lock: a previous holder is gone, take over at once.
+    takeover: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Registrar {
@@ -58,7 +60,13 @@ impl Registrar {
                 state: WorkerState::Active,
             },
             liveness_ms: i64::try_from(cfg.heartbeat_timeout.as_millis()).unwrap_or(i64::MAX),
+            takeover: Default::default(),
         }
+    }
+
+    /// Says whether this process holds the id's broker lock (see [`crate::broker::Broker::lock_id`]).
+    pub fn set_takeover(&self, held: bool) {
+        self.takeover.store(held, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn id(&self) -> &str {
@@ -118,7 +126,8 @@ impl Registrar {
     pub async fn register(&self, state: WorkerState) -> fleet::Result<()> {
         let mut r = self.registration.clone();
         r.state = state;
-        self.store.register(&r, self.liveness_ms).await
+        let takeover = self.takeover.load(std::sync::atomic::Ordering::Relaxed);
+        self.store.register_with(&r, self.liveness_ms, takeover).await
     }
 
     /// Removes the registration (end of drain); errors are logged.

@@ -178,6 +178,12 @@ impl Worker {
 
         let store = Store::new(&cfg.common.redis_url, cfg.common.names())?;
         let registrar = Registrar::new(&cfg, store.clone());
+        // A predecessor with this id whose connection is closed (crashed) is provably gone:
+        // take its place now rather than after its heartbeat window.
+        registrar.set_takeover(broker.lock_id().await);
+        if let Err(e) = store.measure_clock().await {
+            tracing::debug!(error = %e, "cannot measure the clock against Redis yet");
+        }
         let registered = tokio::select! {
             r = registrar.register_at_startup(&bg_stop) => r,
             _ = control.draining() => Ok(false),
@@ -201,7 +207,7 @@ impl Worker {
         // The running worker.
         let tasks = TaskTracker::new();
         let abort = CancellationToken::new();
-        let (ledger, batcher) = Ledger::new(store.clone(), cfg.worker_id.clone(), group.clone(), cfg.run_lease, cfg.common.status_ttl);
+        let (ledger, batcher) = Ledger::new(store.clone(), cfg.worker_id.clone(), registrar.instance().to_string(), group.clone(), cfg.run_lease, cfg.common.status_ttl);
         let gone = batcher.gone_signal();
         let ledger_stop = CancellationToken::new();
         let ledger_done = loops.spawn(batcher.run(ledger_stop.clone()).in_current_span());
@@ -229,8 +235,10 @@ impl Worker {
             ejector: ejector.clone(),
             backoff: Backoff::new(cfg.retry_base, cfg.retry_cap),
             max_task: cfg.max_task,
-            max_task_bytes: cfg.common.max_task_bytes,
+            max_task_bytes: fleet::envelope::internal_limit(cfg.common.max_task_bytes),
             default_max_attempts: cfg.common.default_max_attempts,
+            clock: store.clock.clone(),
+            isolation: Arc::new(tokio::sync::RwLock::new(())),
             tasks: tasks.clone(),
             abort: abort.clone(),
         });

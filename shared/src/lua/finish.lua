@@ -1,31 +1,44 @@
--- finish: a worker releases finished tasks and records their outcome (batch).
+-- finish: a worker records the outcomes of task attempts, or releases attempts that ended
+-- without one (batch). Called before the deliveries are acked, so an acked task's status is
+-- never left `running` by a crash.
 -- KEYS[1]: key prefix
--- ARGV[1]: worker id   ARGV[2]: group   ARGV[3]: now (ms)   ARGV[4]: status TTL (ms)
+-- ARGV[1]: worker id   ARGV[2]: group   ARGV[3]: instance token   ARGV[4]: status TTL (ms)
 -- ARGV[5]: number of tasks, then per task:
---   lane, task id, attempt, state (succeeded | retrying | dead | expired),
+--   lane, task id, attempt, state (succeeded | retrying | dead | expired; '' = release: the
+--   attempt ended without an outcome and its delivery went back to the broker),
 --   field ('result' | 'error'), text (truncated), success (1 | 0),
 --   reason (why dead or expired; '' otherwise)
 -- The status is written only if no newer attempt has been recorded (batches of different
--- workers may land out of order); the running record is released regardless.
--- returns: number of tasks released
-local w, g, now, st_ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+-- workers may land out of order); the running record is released regardless. The run record
+-- (see start.lua) becomes `done` (later copies of this attempt are duplicates) or `rel`
+-- (the next copy runs the same attempt again) — only while this process still owns it.
+-- returns: number of tasks handled
+local w, g, inst, st_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local now = NOW_MS
 local n = tonumber(ARGV[5])
-local ok, err = 0, 0
 for k = 0, n - 1 do
   local b = 6 + 8 * k
   local lane, id, attempt, state = ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 2]), ARGV[b + 3]
   local field, text, success, reason = ARGV[b + 4], ARGV[b + 5], ARGV[b + 6], ARGV[b + 7]
+  local t = K_task(id)
   redis.call('ZREM', K_run(g, lane), id)
   redis.call('SREM', K_wrun(w), lane .. '|' .. id)
-  local seen = tonumber(redis.call('HGET', K_task(id), 'attempt') or '0') or 0
-  if seen <= attempt then
-    redis.call('HSET', K_task(id), 'state', state, 'worker', w, 'finished_at', now, 'attempt', attempt, field, text)
+  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st')
+  local seen = tonumber(r[1] or '0') or 0
+  local owned = r[2] == inst and r[3] == 'run'
+  if state == '' then
+    if owned then
+      redis.call('HSET', t, 'run_st', 'rel', 'state', 'queued')
+      redis.call('HDEL', t, 'worker', 'started_at')
+    end
+  elseif seen <= attempt then
+    redis.call('HSET', t, 'state', state, 'worker', w, 'finished_at', now, 'attempt', attempt, field, text)
+    if owned or r[2] == false then redis.call('HSET', t, 'run_st', 'done') end
     -- A success after failed attempts: the earlier attempt's error no longer describes the task.
-    if success == '1' then redis.call('HDEL', K_task(id), 'error') end
+    if success == '1' then redis.call('HDEL', t, 'error') end
     -- The reason describes this outcome only (a replayed task may have died before).
-    if reason ~= '' then redis.call('HSET', K_task(id), 'reason', reason) else redis.call('HDEL', K_task(id), 'reason') end
-    redis.call('PEXPIRE', K_task(id), st_ttl)
+    if reason ~= '' then redis.call('HSET', t, 'reason', reason) else redis.call('HDEL', t, 'reason') end
+    redis.call('PEXPIRE', t, st_ttl)
   end
-  if success == '1' then ok = ok + 1 else err = err + 1 end
 end
 return n

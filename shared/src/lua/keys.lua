@@ -2,6 +2,10 @@
 -- (`{ns}:`, a Redis Cluster hash tag, so all keys of a fleet share one slot).
 -- Mirrors `Names` in shared/src/names.rs; keep both in step.
 local P = KEYS[1]
+-- One clock for the whole fleet: the Redis server's (leases, heartbeats, eviction, status
+-- times), so a process with a skewed clock neither evicts its peers nor expires their work.
+local T0 = redis.call('TIME')
+local NOW_MS = tonumber(T0[1]) * 1000 + math.floor(tonumber(T0[2]) / 1000)
 local function K_workers() return P .. 'workers' end
 local function K_worker(id) return P .. 'w:' .. id end
 local function K_wrun(id) return P .. 'wrun:' .. id end
@@ -31,11 +35,13 @@ end
 -- Removes a worker entirely: its capacity, its running records, its index entries.
 -- A running record is released only while the task is still this worker's: a task the broker
 -- redelivered after this worker died may already run on a peer (its status names the peer),
--- and that record is the peer's.
+-- and that record is the peer's. A task this worker was still running goes back to `queued`
+-- (the broker hands its delivery to a peer); its run record keeps naming this instance, so the
+-- next claim of that attempt sees a lost owner and counts the crash (see start.lua).
 -- Idempotent: a second call finds nothing and does nothing.
 local function remove_worker(id)
   local wk = K_worker(id)
-  local w = redis.call('HMGET', wk, 'group', 'state', 'cap', 'ccap')
+  local w = redis.call('HMGET', wk, 'group', 'state', 'cap', 'ccap', 'instance')
   redis.call('ZREM', K_workers(), id)
   if not w[1] then return 0 end
   local g = w[1]
@@ -43,8 +49,12 @@ local function remove_worker(id)
   for _, m in ipairs(redis.call('SMEMBERS', K_wrun(id))) do
     local lane, task = string.match(m, '^(%a+)|(.*)$')
     if lane then
-      local owner = redis.call('HGET', K_task(task), 'worker')
-      if not owner or owner == id then redis.call('ZREM', K_run(g, lane), task) end
+      local t = redis.call('HMGET', K_task(task), 'worker', 'state', 'run_owner', 'run_st')
+      if not t[1] or t[1] == id then redis.call('ZREM', K_run(g, lane), task) end
+      if t[1] == id and t[2] == 'running' and t[3] == w[5] and t[4] == 'run' then
+        redis.call('HSET', K_task(task), 'state', 'queued')
+        redis.call('HDEL', K_task(task), 'worker', 'started_at')
+      end
     end
   end
   redis.call('DEL', K_wrun(id), wk)

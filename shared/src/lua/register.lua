@@ -3,17 +3,18 @@
 -- ARGV[1]: worker id          ARGV[2]: instance token (random per process)
 -- ARGV[3]: group name         ARGV[4]: labels as JSON
 -- ARGV[5]: normal capacity    ARGV[6]: critical capacity
--- ARGV[7]: executor kind      ARGV[8]: now (ms)
+-- ARGV[7]: executor kind      ARGV[8]: takeover (1: the previous holder of the id is provably
+--   gone — its broker connection, which held the id's exclusive lock queue, has closed)
 -- ARGV[9]: liveness window (ms): a different instance seen within it is a live duplicate
 -- ARGV[10]: state (active | draining | ejected)
 -- ARGV[11..]: label pairs `k=v` for the label index
 -- returns: 'registered', or an error reply `DUPLICATE last heartbeat <n> ms ago` when another
 --          instance heartbeated within the window
 local id, inst, g = ARGV[1], ARGV[2], ARGV[3]
-local now, window = tonumber(ARGV[8]), tonumber(ARGV[9])
+local now, window, takeover = NOW_MS, tonumber(ARGV[9]), ARGV[8] == '1'
 local wk = K_worker(id)
 local old = redis.call('HMGET', wk, 'instance', 'hb')
-if old[1] and old[1] ~= inst and tonumber(old[2]) and tonumber(old[2]) > now - window then
+if not takeover and old[1] and old[1] ~= inst and tonumber(old[2]) and tonumber(old[2]) > now - window then
   return redis.error_reply('DUPLICATE last heartbeat ' .. (now - tonumber(old[2])) .. ' ms ago')
 end
 remove_worker(id)

@@ -1,20 +1,29 @@
 -- reserve: for a batch of tasks, dedupe, choose a group with room and reserve a slot (leased).
 -- KEYS[1]: key prefix
--- ARGV[1]: now (ms)              ARGV[2]: reservation lease (ms)
+-- ARGV[1]: batch token (dedupe marks this call writes say `p:<token>`)   ARGV[2]: reservation lease (ms)
 -- ARGV[3]: backlog factor        ARGV[4]: default strategy
 -- ARGV[5]: dedupe window (ms)    ARGV[6]: status TTL (ms)
 -- ARGV[7]: number of tasks, then per task:
 --   id, lane, strategy ('' = default), dedupe (0 skip | 1 set-if-absent | 2 redelivered:
 --   duplicate only if already handed on),
---   from park (1: released from a park queue, 0: new work), random in [0,1),
+--   mode (0: new work, 1: released from a park queue, 2: dedupe only — a delayed submission,
+--   routed when it is due), random in [0,1),
 --   number of selector pairs n, then n pairs `k=v`
 -- A group with parked tasks (flag `pk:<group>:<lane>`, set here when a task is parked and
 -- kept alive by the scheduler's park loop) counts as full for new work, so new tasks queue
 -- behind parked ones instead of overtaking them.
 -- returns: per task 'ok:<group>' (status queued) | 'full:<group>' (matches, no room: park
 --          there; status parked) |
---          'none' (no live group matches) | 'dup' (id seen within the window)
-local now, lease, bf = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+--          'none' (no live group matches) | 'dup' (id seen within the window) |
+--          'new' (mode 2: not a duplicate)
+-- Dedupe marks: 'p:<token>' while a submission is being handled, 'a' once the scheduler has
+-- handed it on (confirmed; set just before it acks the ingress message). A mark written by
+-- this batch's token is its own (a retry of this very batch after a failed call: Redis keeps
+-- what a script wrote before it failed), never a duplicate. A redelivered message (its ack
+-- was lost: connection, queue or scheduler failure) is a duplicate only if it was handed on;
+-- otherwise it is dispatched again, and the worker's run record (start.lua) makes sure the
+-- attempt runs once even if the crashed scheduler had dispatched it too.
+local now, token, lease, bf = NOW_MS, 'p:' .. ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local default_strategy, dd_ttl, st_ttl = ARGV[4], ARGV[5], ARGV[6]
 local n = tonumber(ARGV[7])
 
@@ -70,29 +79,32 @@ local out = {}
 local i = 8
 for t = 1, n do
   local id, lane, strategy, dd = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-  local from_park, rnd = ARGV[i + 4] == '1', tonumber(ARGV[i + 5])
+  local from_park, dedupe_only, rnd = ARGV[i + 4] == '1', ARGV[i + 4] == '2', tonumber(ARGV[i + 5])
   local nsel = tonumber(ARGV[i + 6])
   local sel = {}
   for j = 1, nsel do sel[j] = ARGV[i + 6 + j] end
   i = i + 7 + nsel
   if strategy == '' then strategy = default_strategy end
 
-  -- Dedupe marks: 'p' while a submission is being handled, 'a' once the scheduler has
-  -- handed it on (confirmed) — set by the scheduler just before it acks the ingress message.
-  -- A redelivered message (its ack was lost: connection or queue failure) is a duplicate only
-  -- if it had been handed on; otherwise it is this scheduler's own unfinished attempt.
   local dup = false
   if dd == '1' then
-    dup = not redis.call('SET', K_dedupe(id), 'p', 'NX', 'PX', dd_ttl)
+    local mark = redis.call('GET', K_dedupe(id))
+    if mark then
+      dup = mark ~= token
+    else
+      redis.call('SET', K_dedupe(id), token, 'PX', dd_ttl)
+    end
   elseif dd == '2' then
     if redis.call('GET', K_dedupe(id)) == 'a' then
       dup = true
     else
-      redis.call('SET', K_dedupe(id), 'p', 'PX', dd_ttl)
+      redis.call('SET', K_dedupe(id), token, 'PX', dd_ttl)
     end
   end
   if dup then
     out[t] = 'dup'
+  elseif dedupe_only then
+    out[t] = 'new'
   else
     local cands, selkey = candidates(sel)
     local live, open = {}, {}

@@ -1,22 +1,100 @@
--- start: a worker turns reservations into running tasks (batch).
+-- start: a worker claims task attempts before running them (batch). Exactly one run per
+-- attempt: the claim is a run record in the task's status hash (`run_base`, `run_owner`,
+-- `run_st`, `run_iso`, `attempt`), set only if no live run of that attempt exists.
 -- KEYS[1]: key prefix
--- ARGV[1]: worker id   ARGV[2]: group   ARGV[3]: now (ms)   ARGV[4]: run lease (ms)
--- ARGV[5]: status TTL (ms)   ARGV[6]: number of tasks, then per task: lane, task id, attempt
--- A start older than the attempt already recorded does not overwrite the status.
--- returns: 'ok', or 'gone' when the worker's registration is missing (register again)
-local w, g, now, lease, st_ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+-- ARGV[1]: worker id   ARGV[2]: group   ARGV[3]: instance token of this worker process
+-- ARGV[4]: run lease (ms)   ARGV[5]: status TTL (ms)
+-- ARGV[6]: number of tasks, then per task: lane, task id, base attempt (the envelope's
+--   `attempt` + 1: the same for every copy of one delivery), max attempts, isolated (1: this
+--   process now runs nothing else; 0 otherwise)
+--
+-- A claim of (task, base) against the record:
+--   no record, or an older base ............ a new attempt: run it as attempt `base`
+--   a newer base, or this base done ......... a stale or duplicate copy: 'dup' (ack, never run)
+--   this base released (no outcome) ......... run again, same attempt number
+--   this base running, owner alive .......... another copy runs (scheduler crash, consumer
+--                                             timeout, lost ack): 'wait' until it ends
+--   this base running, owner gone ........... its worker died mid-run: a crash is an attempt.
+--     crashed while running alone (isolated) and attempts used >= max → 'dead' (worker_lost)
+--     otherwise → attempt n + 1, to run isolated ('iso'): a crash beside other tasks does not
+--     say which task caused it, so each suspect runs alone until it finishes or crashes alone
+--     (the poison-pill detection of Sidekiq Pro's reliable fetch).
+-- An owner is alive while its worker id is registered with the same instance token (eviction
+-- and a restarted worker's registration both end that).
+-- returns: { 'ok' | 'gone' (the worker's registration is missing: register again), then per
+--   task 'run:<n>' | 'iso:<n>' | 'wait' | 'dup' | 'dead:<n>' }
+local w, g, inst, lease, st_ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local n = tonumber(ARGV[6])
-for k = 0, n - 1 do
-  local lane, id, attempt = ARGV[7 + 3 * k], ARGV[8 + 3 * k], ARGV[9 + 3 * k]
+local now = NOW_MS
+local out = { 'ok' }
+if redis.call('HGET', K_worker(w), 'instance') ~= inst then out[1] = 'gone' end
+
+local function grant(lane, id, t, base, att, iso)
   redis.call('ZREM', K_resv(g, lane), id)
   redis.call('ZADD', K_run(g, lane), now + lease, id)
   redis.call('SADD', K_wrun(w), lane .. '|' .. id)
-  local seen = tonumber(redis.call('HGET', K_task(id), 'attempt') or '0') or 0
-  if seen <= tonumber(attempt) then
-    redis.call('HSET', K_task(id), 'state', 'running', 'group', g, 'lane', lane, 'worker', w,
-      'attempt', attempt, 'started_at', now)
-    redis.call('PEXPIRE', K_task(id), st_ttl)
-  end
+  redis.call('HSET', t, 'state', 'running', 'group', g, 'lane', lane, 'worker', w, 'attempt', att,
+    'started_at', now, 'run_base', base, 'run_owner', inst, 'run_st', 'run', 'run_iso', iso)
+  redis.call('HDEL', t, 'finished_at')
+  redis.call('PEXPIRE', t, st_ttl)
 end
-if redis.call('EXISTS', K_worker(w)) == 0 then return 'gone' end
-return 'ok'
+
+-- Claims a suspect for this process without running it yet: it runs once the process runs
+-- nothing else (re-claimed with isolated = 1).
+local function suspect(lane, id, t, att)
+  redis.call('HSET', t, 'run_owner', inst, 'worker', w, 'run_st', 'run', 'run_iso', 's',
+    'attempt', att, 'state', 'queued')
+  redis.call('SADD', K_wrun(w), lane .. '|' .. id)
+  redis.call('PEXPIRE', t, st_ttl)
+  return 'iso:' .. att
+end
+
+for k = 0, n - 1 do
+  local b = 7 + 5 * k
+  local lane, id, base, max, isolated = ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), ARGV[b + 4]
+  local t = K_task(id)
+  local r = redis.call('HMGET', t, 'run_base', 'run_owner', 'run_st', 'run_iso', 'attempt', 'worker')
+  local rb = tonumber(r[1])
+  local was_suspect = r[4] == 's' or r[4] == '1'
+  local ans
+  if rb == nil or rb < base then
+    grant(lane, id, t, base, base, isolated)
+    ans = 'run:' .. base
+  elseif rb > base or r[3] == 'done' then
+    ans = 'dup'
+  else
+    local att = tonumber(r[5]) or base
+    if r[3] == 'rel' then
+      -- Released without an outcome (hard stop): the same attempt again, still a suspect if it was.
+      if was_suspect and isolated ~= '1' then
+        ans = suspect(lane, id, t, att)
+      else
+        grant(lane, id, t, base, att, isolated)
+        ans = 'run:' .. att
+      end
+    elseif r[2] == inst then
+      if isolated == '1' then
+        -- This process claimed it as a suspect and now runs it alone.
+        grant(lane, id, t, base, att, '1')
+        ans = 'run:' .. att
+      else
+        ans = 'wait'
+      end
+    elseif r[6] and redis.call('HGET', K_worker(r[6]), 'instance') == r[2] then
+      ans = 'wait'
+    elseif r[4] == 's' then
+      -- Claimed as a suspect by a process that died before running it: no charge.
+      ans = suspect(lane, id, t, att)
+    elseif r[4] == '1' and att >= max then
+      redis.call('HSET', t, 'state', 'dead', 'reason', 'worker_lost', 'run_st', 'done', 'finished_at', now,
+        'error', 'the worker process died while running this task alone, on its last attempt')
+      redis.call('HDEL', t, 'worker')
+      redis.call('PEXPIRE', t, st_ttl)
+      ans = 'dead:' .. att
+    else
+      ans = suspect(lane, id, t, att + 1)
+    end
+  end
+  out[#out + 1] = ans
+end
+return out
