@@ -1,7 +1,8 @@
 """Publish fleet tasks from Python with pika (pip install pika).
 
 Usage: python3 examples/publish.py [count]   (FLEET_AMQP_URL / FLEET_NAMESPACE as for fleet)
-Exits 1 if the broker refused any task (the fleet is full: retry later).
+Exits 1 if the broker refused any task (the fleet is full: retry later), 2 if the namespace
+has no submit exchange yet (no scheduler has run in it: start one first).
 """
 import json
 import os
@@ -39,6 +40,14 @@ for i in range(count):
         accepted += 1
     except (pika.exceptions.NackError, pika.exceptions.UnroutableError):
         refused += 1
+    except pika.exceptions.ChannelClosedByBroker as e:
+        if e.reply_code == 404:
+            # The exchange does not exist: no scheduler has ever started in this namespace
+            # (the scheduler declares `<ns>.submit` and the ingress queues at start-up).
+            print(f"exchange {ns}.submit not found: start fleet-scheduler with FLEET_NAMESPACE={ns} "
+                  f"first (or set FLEET_NAMESPACE to the namespace your fleet uses)", file=sys.stderr)
+            sys.exit(2)
+        raise
 
 conn.close()
 print(f"accepted={accepted} refused={refused}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ops/check-metrics.sh — live check of what the binaries expose on /metrics.
 #
-# Builds the release binaries, starts one scheduler and one worker on free ports under a
+# Builds the binaries (dev profile), starts one scheduler and one worker on free ports under a
 # random namespace (against the local RabbitMQ and Redis, or FLEET_AMQP_URL / FLEET_REDIS_URL),
 # waits for /readyz on both, runs a few tasks through them with fleetctl, then scrapes both
 # /metrics endpoints and:
@@ -9,7 +9,7 @@
 #     as warnings (they fail too with CHECK_METRICS_STRICT=1);
 #   - checks that the metric names the dashboard and the alerts rely on are there.
 # Finally stops both processes with SIGTERM (SIGKILL after STOP_TIMEOUT seconds) and deletes
-# the namespace's Redis keys and queues. A trap stops the processes on every exit path.
+# the namespace's Redis keys, queues and exchanges. A trap stops the processes on every exit path.
 #
 # Environment: READY_TIMEOUT (90 s), DONE_TIMEOUT (120 s), STOP_TIMEOUT (45 s), FLEET_BIN_DIR
 # (prebuilt binaries: skip the build),
@@ -51,6 +51,7 @@ OPTIONAL_METRICS=(
     fleet_dispatch_throttled_total
     fleet_probe_seconds_bucket
     fleet_probe_failures_total
+    fleet_probes_completed_total
 )
 
 bash ops/services.sh --tools

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ops/demo.sh — run the fleet on this machine with a demo workload, without Docker.
 #
-# Makes sure Redis and RabbitMQ run (ops/services.sh), builds the release binaries, starts
+# Makes sure Redis and RabbitMQ run (ops/services.sh), builds the binaries (dev profile), starts
 # one scheduler and two workers in two label groups (gpu=true and gpu=false, capacity 4
 # each), submits a workload with fleetctl, waits until every task succeeded, prints what ran
 # where, `fleetctl groups` and `fleetctl workers`, and stops everything with SIGTERM.
@@ -9,10 +9,11 @@
 #   ops/demo.sh [--count N] [--namespace NS | --random-namespace] [--hold]
 #
 #   --count N             tasks per part of the workload (default 300; see below)
-#   --namespace NS        FLEET_NAMESPACE to use (default: demo). Its Redis keys are cleared
-#                         and its non-empty queues purged first, so reruns start clean.
-#   --random-namespace    a fresh namespace demo-<hex>, deleted again at the end
-#   --hold                keep the fleet running after the summary until Ctrl-C
+#   --namespace NS        FLEET_NAMESPACE to use. Its Redis keys are cleared and its non-empty
+#                         queues purged first, so reruns start clean.
+#   --random-namespace    a fresh namespace demo-<hex>, deleted again at the end (the default:
+#                         the demo never touches a namespace someone else may be using)
+#   --hold                keep the fleet running after the summary until Ctrl-C or SIGTERM
 #
 # Workload: N × sleep {"ms":20} with gpu=true, N × sleep with gpu=false, N × sleep with no
 # selector (either group), 5 × fail {"times":1} (fail once, then succeed on retry) and
@@ -29,8 +30,8 @@ LIB_TAG=demo
 source ops/lib.sh
 
 COUNT=300
-NS=demo
-RANDOM_NS=0
+NS=
+RANDOM_NS=1
 HOLD=0
 DEMO_TIMEOUT=${DEMO_TIMEOUT:-300}
 READY_TIMEOUT=${READY_TIMEOUT:-90}
@@ -43,6 +44,7 @@ while [ $# -gt 0 ]; do
         ;;
     --namespace)
         NS=${2:?--namespace needs a name}
+        RANDOM_NS=0
         shift
         ;;
     --random-namespace) RANDOM_NS=1 ;;
@@ -56,7 +58,10 @@ while [ $# -gt 0 ]; do
     shift
 done
 case "$COUNT" in '' | *[!0-9]*) die "--count must be a number, got '$COUNT'" ;; esac
-[ "$RANDOM_NS" -eq 1 ] && NS=$(random_namespace demo)
+if [ "$RANDOM_NS" -eq 1 ]; then
+    NS=$(random_namespace demo)
+    log "using a fresh namespace $NS (deleted at the end; --namespace NS picks one)"
+fi
 
 bash ops/services.sh
 
@@ -200,39 +205,13 @@ curl -fsS --max-time 5 "$SCHED/metrics" >"$LOGS/scheduler.metrics" 2>/dev/null |
 
 # ------------------------------------------------------------------------------- summary
 
-OUTCOMES=(succeeded failed retried dead expired)
 echo
-echo "What ran where (from each worker's /metrics; $TOTAL tasks in ${ELAPSED}s):"
+echo "What ran where ($TOTAL tasks in ${ELAPSED}s): user task attempts by outcome, per worker"
+echo "(the outcomes of fleet_tasks_completed_total; health probes are counted apart, in"
+echo "fleet_probes_completed_total)"
 echo
-cols() { printf '%-24s %-10s %-22s' "$@"; }
-hdr=$(cols WORKER LABELS GROUP)
-for o in "${OUTCOMES[@]}"; do hdr+=$(printf ' %9s' "$o"); done
-hdr+=$(printf ' %9s' attempts)
-echo "$hdr"
-echo "${hdr//?/-}"
-declare -A COL_SUM=()
-grand=0
-for w in gpu cpu; do
-    f="$LOGS/worker-$w.metrics"
-    id=$(label_values "$f" fleet_worker_info worker | head -n1)
-    group=$(label_values "$f" fleet_worker_info group | head -n1)
-    line=$(cols "${id:-$NS-$w-1}" "${LABELS[$w]}" "${group:-?}")
-    rowsum=0
-    for o in "${OUTCOMES[@]}"; do
-        n=$(metric_sum "$f" fleet_tasks_completed_total "outcome=$o")
-        line+=$(printf ' %9s' "$n")
-        COL_SUM[$o]=$((${COL_SUM[$o]:-0} + n))
-        rowsum=$((rowsum + n))
-    done
-    line+=$(printf ' %9s' "$rowsum")
-    grand=$((grand + rowsum))
-    echo "$line"
-done
-echo "${hdr//?/-}"
-line=$(cols "all" "" "")
-for o in "${OUTCOMES[@]}"; do line+=$(printf ' %9s' "${COL_SUM[$o]}"); done
-line+=$(printf ' %9s' "$grand")
-echo "$line"
+echo "\$ fleetctl workers"
+"$BIN/fleetctl" workers || warn "fleetctl workers failed"
 echo
 
 # By lane, and what the scheduler dispatched to each group.
@@ -258,13 +237,14 @@ echo
 echo "\$ fleetctl groups"
 "$BIN/fleetctl" groups || warn "fleetctl groups failed"
 echo
-echo "\$ fleetctl workers"
-"$BIN/fleetctl" workers || warn "fleetctl workers failed"
-echo
 
 if [ "$HOLD" -eq 1 ]; then
     log "the fleet keeps running; in another shell: export FLEET_API_URL=$SCHED FLEET_NAMESPACE=$NS; then use $BIN/fleetctl. Ctrl-C here stops it"
-    while :; do sleep 3600; done
+    # `wait` returns on a signal (a foreground `sleep` would hold the TERM trap until it ends).
+    while :; do
+        sleep 3600 &
+        wait $! || true
+    done
 fi
 
 stop_procs || warn "a process had to be killed after SIGTERM"

@@ -279,10 +279,10 @@ _local_broker_ok() {
     [ "$(id -u)" -eq 0 ] || [ "$(id -un)" = rabbitmq ]
 }
 
-# delete_namespace NS: best effort, bounded: drop the Redis keys `{NS}:*` and the AMQP queues
-# `NS.*` of a namespace this script made up. Exchanges stay (rabbitmqctl cannot delete them;
-# they are a few bytes each). Queues are deleted one at a time: deleting many quorum queues at
-# once has upset RabbitMQ 3.10.
+# delete_namespace NS: best effort, bounded: drop the Redis keys `{NS}:*`, the AMQP queues
+# `NS.*` and the exchanges of a namespace this script made up. Queues are deleted one at a
+# time: deleting many quorum queues at once has upset RabbitMQ 3.10. The exchanges (which
+# rabbitmqctl cannot delete) go with `fleetctl delete-namespace`.
 delete_namespace() {
     local ns=$1 budget=${2:-90} redis_url=${FLEET_REDIS_URL:-redis://127.0.0.1:6379} keys=0 q n=0
     if command -v redis-cli >/dev/null 2>&1; then
@@ -306,19 +306,25 @@ delete_namespace() {
         fi
         if timeout 30 rabbitmqctl -q delete_queue "$q" </dev/null >/dev/null 2>&1; then n=$((n + 1)); fi
     done < <(timeout 30 rabbitmqctl -q list_queues --no-table-headers name 2>/dev/null || true)
-    log "namespace $ns: deleted $keys Redis keys and $n queues"
+    if [ -n "${BIN:-}" ] && [ -x "$BIN/fleetctl" ]; then
+        timeout 60 "$BIN/fleetctl" --namespace "$ns" --redis-url "$redis_url" delete-namespace --yes >/dev/null 2>&1 ||
+            warn "namespace $ns: fleetctl delete-namespace failed; its exchanges may remain"
+    fi
+    log "namespace $ns: deleted $keys Redis keys, $n queues and its exchanges"
 }
 
 # locate_binaries: sets BIN to the folder holding fleet-scheduler, fleet-worker and fleetctl.
-# FLEET_BIN_DIR names binaries built elsewhere (no cargo build); otherwise a release build.
+# FLEET_BIN_DIR names binaries built elsewhere (no cargo build); otherwise the dev profile
+# build — the one `cargo test` (ops/test.sh) makes too, so the demo and the tests share one
+# build and a new user compiles the workspace once.
 locate_binaries() {
     if [ -n "${FLEET_BIN_DIR:-}" ]; then
         BIN=$FLEET_BIN_DIR
         log "using the binaries in $BIN (FLEET_BIN_DIR)"
     else
-        log "building release binaries"
-        cargo build --release -p fleet-scheduler -p fleet-worker
-        BIN="$(cargo_target_dir)/release"
+        log "building the binaries (dev profile, shared with ops/test.sh; the first build takes a few minutes, later ones seconds)"
+        cargo build -p fleet-scheduler -p fleet-worker
+        BIN="$(cargo_target_dir)/debug"
     fi
     local b
     for b in fleet-scheduler fleet-worker fleetctl; do

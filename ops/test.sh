@@ -21,6 +21,14 @@ step() {
 }
 
 start=$SECONDS
+cat <<'EOF_NOTE'
+ops/test.sh may install Debian packages with apt (root or sudo), once, when they are missing:
+  redis-server, rabbitmq-server   the tests run against real servers on 127.0.0.1
+  prometheus (promtool), docker-compose, shellcheck
+                                  the configuration checks (alert rules and their unit tests,
+                                  the compose file, the shell scripts)
+Already-installed packages and running services are left alone.
+EOF_NOTE
 step "services"
 bash ops/services.sh --browser
 step "configuration checks"

@@ -1,9 +1,12 @@
 //! The scheduler's HTTP API.
 //!
 //! * `POST /v1/tasks` — one envelope or an array → 202 `{"ids": [...]}`; 400 with the reason
-//!   (and the index in an array); 429 + `Retry-After` when the normal lane is Red or the
-//!   submission rate limit is exhausted; 503 + `Retry-After` when the broker refuses (ingress
-//!   full). Accepted tasks go through the same ingress as AMQP producers'.
+//!   (and the index in an array). Admission is the AMQP producers' rule: every task is
+//!   published to the bounded ingress with confirms, and only a broker refusal (ingress at its
+//!   bound) refuses it — 429 + `Retry-After` when the intake gate is Red (the fleet is behind),
+//!   503 + `Retry-After` otherwise; the body lists `accepted` and `refused` ids. The published
+//!   pressure state (which counts the ingress backlog) never refuses by itself. The optional
+//!   submission rate limit (`FLEET_SUBMIT_RATE`) also answers 429.
 //! * `GET /v1/tasks/{id}`, `GET /v1/workers`, `GET /v1/groups`, `GET /v1/pressure`,
 //!   `POST /v1/workers/{id}/drain` (404 for an unknown worker).
 //! * Dead letters ([`dead`]): `GET /v1/dead`, `GET /v1/dead/{id}`, `POST /v1/dead/replay`.
@@ -26,7 +29,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use fleet::registry::WorkerState;
-use fleet::{amqp, metrics as m, Envelope, Lane, Store};
+use fleet::{amqp, metrics as m, Envelope, Store};
 use lapin::Channel;
 use serde_json::{json, Value};
 use tokio::sync::{watch, RwLock};
@@ -77,7 +80,8 @@ pub fn routes(state: AppState) -> Router {
     submit_routes.merge(read_routes).merge(admin_routes).with_state(state).merge(crate::console::routes())
 }
 
-fn error(status: StatusCode, code: &str, detail: impl Into<String>) -> Response {
+/// A JSON error answer `{"error": code, "detail": ...}`.
+pub(crate) fn error(status: StatusCode, code: &str, detail: impl Into<String>) -> Response {
     (status, Json(json!({"error": code, "detail": detail.into()}))).into_response()
 }
 
@@ -119,11 +123,6 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
         }
         envs.push((env, raw.get().as_bytes(), stamped));
     }
-    let retry_s = st.cfg.red_recheck.as_secs().max(1);
-    if envs.iter().any(|(e, ..)| e.lane == Lane::Normal) && st.pressure.borrow().state == Pressure::Red {
-        metrics::counter!(m::TASKS_REFUSED, "reason" => "pressure_red").increment(envs.len() as u64);
-        return refuse(StatusCode::TOO_MANY_REQUESTS, retry_s, json!({"error": "pressure_red", "detail": "the fleet is overloaded (pressure Red); retry later"}));
-    }
     if st.cfg.submit_rate > 0.0 {
         let want = envs.len() as u32;
         let burst = (st.cfg.submit_rate as u32).max(want);
@@ -163,11 +162,18 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
         }
     }
     if refused.is_empty() {
-        (StatusCode::ACCEPTED, Json(json!({"ids": accepted}))).into_response()
-    } else {
-        metrics::counter!(m::TASKS_REFUSED, "reason" => "ingress_full").increment(refused.len() as u64);
-        refuse(StatusCode::SERVICE_UNAVAILABLE, 1, json!({"error": "ingress_full", "detail": "the ingress queue is full; retry later", "accepted": accepted, "refused": refused}))
+        return (StatusCode::ACCEPTED, Json(json!({"ids": accepted}))).into_response();
     }
+    // The broker refused (its ingress bound): the same rule AMQP producers meet. The status
+    // says why the queue is full — the fleet's intake gate is closed (429, retry after the
+    // gate's recheck) or producers simply outpace intake (503).
+    let (status, code, detail, retry_s) = if st.pressure.borrow().gate == Pressure::Red {
+        (StatusCode::TOO_MANY_REQUESTS, "pressure_red", "the fleet is overloaded (intake gate Red) and the ingress queue is full; retry later", st.cfg.red_recheck.as_secs())
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "ingress_full", "the ingress queue is full; retry later", 1)
+    };
+    metrics::counter!(m::TASKS_REFUSED, "reason" => code).increment(refused.len() as u64);
+    refuse(status, retry_s, json!({"error": code, "detail": detail, "accepted": accepted, "refused": refused}))
 }
 
 fn bad(index: usize, code: &str, detail: String) -> Response {
@@ -176,10 +182,7 @@ fn bad(index: usize, code: &str, detail: String) -> Response {
 
 async fn task_status(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     match st.store.task_status(&id).await {
-        Ok(Some(mut fields)) => {
-            fields.insert("id".into(), id);
-            Json(fields).into_response()
-        }
+        Ok(Some(fields)) => Json(fleet::status::typed(&id, fields)).into_response(),
         Ok(None) => error(StatusCode::NOT_FOUND, "unknown_task", format!("no status for task {id} (never seen, or older than the status TTL)")),
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
     }

@@ -12,11 +12,18 @@
 //! is never gated by these signals. (The reference design computed a load signal but never fed
 //! it; here both are sampled every `pressure_interval` from Redis and the broker.)
 //!
-//! **The intake gate leaves the ingress backlog out.** The published state (metric, API, the
-//! HTTP 429) counts the ingress backlog as the design says, but the gate that pauses intake is
-//! computed from the fleet-side part only (parked + reserved, and load): a pause cannot shrink
-//! the ingress backlog, so a gate that counted it would hold itself Red forever once producers
-//! had queued `0.9 × max_pending` tasks — however idle the workers.
+//! **The intake gate answers "workers are behind", not fleet's own bookkeeping.** The published
+//! state (metric, API) counts everything as the design says, but the gate that paces and pauses
+//! intake is computed from the work that waits *beyond* what the groups are draining: tasks
+//! parked (no matching group has room) and tasks waiting for a matching worker. A group's room
+//! follows what it drains (Little's law: completion rate × `FLEET_TARGET_QUEUE_MS`, at least
+//! `capacity × (1 + backlog_factor)`; see [`room_for`]), so reserved work is by construction
+//! work the workers will start within the target time — it never drives the gate, and neither
+//! does load alone: a busy worker is the point, a worker with a queue beyond its room is behind.
+//! The ingress backlog is left out too: a pause cannot shrink it, so a gate that counted it
+//! would hold itself Red forever once producers had queued `0.9 × max_pending` tasks.
+//! Yellow slows dispatch in proportion to how far into Yellow the gate is (up to the throttle
+//! delay per batch); Red pauses normal intake until the gate leaves Red (watched, not polled).
 
 use std::sync::Arc;
 
@@ -95,15 +102,31 @@ pub struct Sample {
     pub load: f64,
 }
 
-/// Computes the signals from group views and queue depths.
+/// Computes the signals from group views and queue depths (`parked` includes the tasks
+/// waiting for a matching worker).
 pub fn sample(t: &Thresholds, groups: &[GroupView], ingress_backlog: u64, parked: u64) -> Sample {
     let reserved: u64 = groups.iter().map(|g| u64::from(g.reserved)).sum();
     let running: u64 = groups.iter().map(|g| u64::from(g.load)).sum();
     let capacity: u64 = groups.iter().map(|g| u64::from(g.capacity)).sum();
     let load = if capacity == 0 { 0.0 } else { running as f64 / capacity as f64 };
     let pending = ingress_backlog + parked + reserved;
-    let gate = t.evaluate(parked + reserved, load);
+    let gate = t.evaluate(parked, 0.0);
     Sample { state: t.evaluate(pending, load), gate, pending, ingress_backlog, parked, reserved, running, capacity, load }
+}
+
+/// How far into Yellow a pending count is, in `[0, 1]` (0 at the yellow threshold, 1 at red):
+/// Yellow waits this fraction of the throttle delay between batches.
+pub fn yellow_depth(t: &Thresholds, parked: u64) -> f64 {
+    let p = parked as f64 / f64::from(t.max_pending.max(1));
+    ((p - t.pending_yellow) / (t.pending_red - t.pending_yellow).max(f64::EPSILON)).clamp(0.0, 1.0)
+}
+
+/// A group's room ahead of its workers (Little's law, L = λ·W): what it completes per second
+/// times the target time a task may queue, and never less than `capacity × (1 + backlog_factor)`
+/// — deep for many tiny tasks, shallow for long ones, with no knob to tune per workload.
+pub fn room_for(capacity: u32, backlog_factor: f64, completions_per_s: f64, target: std::time::Duration) -> u64 {
+    let floor = (f64::from(capacity) * (1.0 + backlog_factor)).ceil();
+    floor.max(completions_per_s * target.as_secs_f64()).round() as u64
 }
 
 /// Samples the signals every `pressure_interval` and publishes the state on a watch channel.
@@ -120,6 +143,7 @@ impl Controller {
         let names = self.cfg.common.names();
         let mut ticker = crate::ticker::Ticker::new(self.cfg.pressure_interval);
         let mut sampler: Option<lapin::Channel> = None;
+        let mut rates = Rates::default();
         while ticker.tick(&shutdown).await {
             let groups = match self.store.groups().await {
                 Ok(g) => g,
@@ -129,6 +153,7 @@ impl Controller {
                     continue;
                 }
             };
+            rates.update(&self.cfg, &self.store, &groups).await;
             let ingress = topology::depth(&self.conn, &names.ingress_queue(Lane::Normal)).await.unwrap_or(0);
             let mut parked = 0u64;
             // Tasks waiting for a matching worker count too: they are pending, and once enough
@@ -150,6 +175,43 @@ impl Controller {
             metrics::gauge!(fleet::metrics::PRESSURE_STATE).set(s.state as u8 as f64);
             metrics::gauge!(fleet::metrics::PENDING).set(s.pending as f64);
             self.tx.send_replace(s);
+        }
+    }
+}
+
+/// Completion rates per group and lane (EWMA over the pressure ticks), and the rooms they set.
+#[derive(Default)]
+struct Rates {
+    last: std::collections::HashMap<String, ([u64; 2], std::time::Instant)>,
+    rate: std::collections::HashMap<String, [f64; 2]>,
+}
+
+impl Rates {
+    /// Weight of the newest interval in the rate average.
+    const ALPHA: f64 = 0.5;
+
+    async fn update(&mut self, cfg: &SchedulerConfig, store: &Store, groups: &[GroupView]) {
+        let names: Vec<String> = groups.iter().map(|g| g.group.clone()).collect();
+        let Ok(done) = store.group_completions(&names).await else { return };
+        let now = std::time::Instant::now();
+        let mut rooms = Vec::with_capacity(groups.len() * 2);
+        for (g, counts) in groups.iter().zip(done) {
+            let rate = self.rate.entry(g.group.clone()).or_default();
+            if let Some((before, at)) = self.last.get(&g.group) {
+                let secs = now.duration_since(*at).as_secs_f64().max(1e-3);
+                for i in 0..2 {
+                    let r = counts[i].saturating_sub(before[i]) as f64 / secs;
+                    rate[i] = Self::ALPHA * r + (1.0 - Self::ALPHA) * rate[i];
+                }
+            }
+            self.last.insert(g.group.clone(), (counts, now));
+            for (i, lane) in Lane::ALL.into_iter().enumerate() {
+                let cap = if lane == Lane::Normal { g.capacity } else { g.critical_capacity };
+                rooms.push((g.group.clone(), lane, room_for(cap, cfg.backlog_factor, rate[i], cfg.target_queue)));
+            }
+        }
+        if let Err(e) = store.set_rooms(&rooms).await {
+            tracing::debug!(error = %e, "cannot set group rooms");
         }
     }
 }
@@ -201,5 +263,21 @@ mod tests {
         // A large ingress backlog alone makes the state Red but does not close the gate.
         let s = sample(&t(), &[g(10, 1, 0)], 950, 0);
         assert_eq!((s.state, s.gate), (Pressure::Red, Pressure::Green));
+        // Busy workers with their room filled are not behind: only work beyond the room is.
+        let s = sample(&t(), &[g(10, 10, 10)], 0, 0);
+        assert_eq!((s.state, s.gate), (Pressure::Red, Pressure::Green));
+        let s = sample(&t(), &[g(10, 10, 10)], 0, 900);
+        assert_eq!(s.gate, Pressure::Red);
+    }
+
+    #[test]
+    fn room_follows_the_drain_rate() {
+        let w = std::time::Duration::from_secs(1);
+        assert_eq!(room_for(8, 1.0, 0.0, w), 16, "never below capacity × (1 + backlog_factor)");
+        assert_eq!(room_for(8, 1.0, 40.0, w), 40, "200 ms tasks on 8 slots: one second of work");
+        assert_eq!(room_for(256, 1.0, 10_000.0, w), 10_000, "no-op tasks: deep");
+        assert_eq!(yellow_depth(&t(), 700), 0.0);
+        assert!((yellow_depth(&t(), 800) - 0.5).abs() < 1e-9);
+        assert_eq!(yellow_depth(&t(), 5000), 1.0);
     }
 }

@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use fleet::config::{CommonConfig, Settings};
 use fleet::route::Strategy;
-use fleet::Result;
+use fleet::settings::SchedulerArgs;
+use fleet::{Error, Result};
 
 /// Everything the scheduler reads at start-up.
 #[derive(Debug, Clone)]
@@ -15,6 +16,9 @@ pub struct SchedulerConfig {
     /// `running + reserved < capacity × (1 + backlog_factor)`. A little backlog keeps workers
     /// fed between dispatch batches; too much recreates the hoarding prefetch prevents.
     pub backlog_factor: f64,
+    /// How long a task may queue in front of a group's workers: a group's room is its
+    /// completion rate × this (Little's law), at least `capacity × (1 + backlog_factor)`.
+    pub target_queue: Duration,
     pub reservation_lease: Duration,
     pub max_pending: u32,
     pub pending_yellow: f64,
@@ -24,8 +28,11 @@ pub struct SchedulerConfig {
     pub throttle: Duration,
     pub red_recheck: Duration,
     pub pressure_interval: Duration,
+    /// Cluster-wide dispatch rate limit per second (0 = off, the default: it protects a
+    /// downstream quota only the operator knows; 3,000/s burst 6,000 is the documented example).
     pub rate: f64,
     pub burst: u32,
+    /// The critical lane's own limit (0 = off, the default).
     pub critical_rate: f64,
     pub critical_burst: u32,
     /// Optional limit on HTTP submissions per second (0 = none); over it the API answers 429.
@@ -45,63 +52,71 @@ pub struct SchedulerConfig {
     pub ingress_consumers: u16,
     /// API bearer tokens and their roles (`FLEET_API_TOKENS`; none: the API is open).
     pub auth: crate::api::guard::ApiAuth,
+    /// How often the schedule firing loop looks for due ticks.
+    pub schedule_poll: Duration,
+    /// How late a schedule's tick may still be submitted; later it is missed (and handled by
+    /// the schedule's missed-fire policy). Refused fires are retried within it.
+    pub schedule_tolerance: Duration,
 }
 
 impl SchedulerConfig {
+    /// Reads every scheduler setting from `s` (see [`fleet::settings::SchedulerArgs`]).
     pub fn from_settings(s: &Settings) -> Result<Self> {
-        let common = CommonConfig::from_settings(s, "127.0.0.1:8080")?;
-        let strategy = s.choice("strategy", "least_loaded", &["least_loaded", "round_robin", "weighted"])?;
-        let pending_yellow = s.ratio("pending_yellow", 0.7)?;
-        let pending_red = s.ratio("pending_red", 0.9)?;
-        let load_yellow = s.ratio("load_yellow", 0.68)?;
-        let load_red = s.ratio("load_red", 0.85)?;
-        if pending_yellow > pending_red {
-            return Err(s.error("pending_yellow", "must not be above FLEET_PENDING_RED"));
+        Self::from_args(fleet::settings::parse::<SchedulerArgs>(s)?)
+    }
+
+    /// Validates what the declarations cannot check alone (relations between settings).
+    pub fn from_args(a: SchedulerArgs) -> Result<Self> {
+        let common = CommonConfig::from_args(&a.common, a.http_addr.trim().to_string())?;
+        if a.pending_yellow > a.pending_red {
+            return Err(Error::config("FLEET_PENDING_YELLOW", "must not be above FLEET_PENDING_RED"));
         }
-        if load_yellow > load_red {
-            return Err(s.error("load_yellow", "must not be above FLEET_LOAD_RED"));
+        if a.load_yellow > a.load_red {
+            return Err(Error::config("FLEET_LOAD_YELLOW", "must not be above FLEET_LOAD_RED"));
         }
-        let backlog_factor: f64 = s.parse("backlog_factor", 1.0)?;
-        if !(0.0..=100.0).contains(&backlog_factor) {
-            return Err(s.error("backlog_factor", "must be between 0 and 100"));
-        }
-        let submit_rate: f64 = s.parse("submit_rate", 0.0)?;
-        if submit_rate < 0.0 {
-            return Err(s.error("submit_rate", "must not be negative"));
-        }
+        let ms = Duration::from_millis;
         Ok(SchedulerConfig {
-            strategy: Strategy::parse(&strategy).unwrap_or_default(),
-            backlog_factor,
-            reservation_lease: s.millis("reservation_lease_ms", 30_000)?,
-            max_pending: s.positive("max_pending", 1000u32)?,
-            pending_yellow,
-            pending_red,
-            load_yellow,
-            load_red,
-            throttle: s.millis("throttle_ms", 500)?,
-            red_recheck: s.millis("red_recheck_ms", 2000)?,
-            pressure_interval: s.millis("pressure_interval_ms", 250)?,
-            rate: s.positive("rate", 3000.0)?,
-            burst: s.positive("burst", 6000u32)?,
-            critical_rate: s.positive("critical_rate", 1000.0)?,
-            critical_burst: s.positive("critical_burst", 2000u32)?,
-            submit_rate,
-            dedupe_window: s.millis("dedupe_window_ms", 3_600_000)?,
-            health_interval: s.millis("health_interval_ms", 10_000)?,
-            heartbeat_timeout: s.millis("heartbeat_timeout_ms", 30_000)?,
-            no_match_grace: s.millis("no_match_grace_ms", 60_000)?,
-            probe_interval: s.millis("probe_interval_ms", 10_000)?,
-            probe_timeout: s.millis("probe_timeout_ms", 5_000)?,
-            stats_interval: s.millis("stats_interval_ms", 1000)?,
-            series_interval: s.millis("series_interval_ms", 2000)?,
-            batch_max: s.positive("batch_max", 256u16)?,
-            ingress_consumers: s.positive("ingress_consumers", 4u16)?,
-            auth: crate::api::guard::ApiAuth::from_settings(s)?,
+            strategy: Strategy::parse(&a.strategy).unwrap_or_default(),
+            backlog_factor: a.backlog_factor,
+            target_queue: ms(a.target_queue_ms),
+            reservation_lease: ms(a.reservation_lease_ms),
+            max_pending: a.max_pending,
+            pending_yellow: a.pending_yellow,
+            pending_red: a.pending_red,
+            load_yellow: a.load_yellow,
+            load_red: a.load_red,
+            throttle: ms(a.throttle_ms),
+            red_recheck: ms(a.red_recheck_ms),
+            pressure_interval: ms(a.pressure_interval_ms),
+            rate: a.rate,
+            burst: a.burst,
+            critical_rate: a.critical_rate,
+            critical_burst: a.critical_burst,
+            submit_rate: a.submit_rate,
+            dedupe_window: ms(a.dedupe_window_ms),
+            health_interval: ms(a.health_interval_ms),
+            heartbeat_timeout: ms(a.heartbeat_timeout_ms),
+            no_match_grace: ms(a.no_match_grace_ms),
+            probe_interval: ms(a.probe_interval_ms),
+            probe_timeout: ms(a.probe_timeout_ms),
+            stats_interval: ms(a.stats_interval_ms),
+            batch_max: a.batch_max,
+            ingress_consumers: a.ingress_consumers,
+            schedule_poll: ms(a.schedule_poll_ms),
+            schedule_tolerance: ms(a.schedule_tolerance_ms),
+            auth: crate::api::guard::ApiAuth::parse(&a.api_tokens)?,
+            series_interval: ms(a.series_interval_ms),
             common,
         })
     }
 
-    pub fn rate_for(&self, lane: fleet::Lane) -> (f64, u32) {
+    /// The rate limit of a lane, `None` when off.
+    pub fn rate_for(&self, lane: fleet::Lane) -> Option<(f64, u32)> {
+        let (rate, burst) = self.rate_pair(lane);
+        (rate > 0.0).then_some((rate, burst))
+    }
+
+    fn rate_pair(&self, lane: fleet::Lane) -> (f64, u32) {
         match lane {
             fleet::Lane::Normal => (self.rate, self.burst),
             fleet::Lane::Critical => (self.critical_rate, self.critical_burst),
@@ -116,8 +131,8 @@ mod tests {
     #[test]
     fn bad_values_name_the_setting() {
         for (k, v, name) in [
-            ("rate", "0", "FLEET_RATE"),
             ("rate", "-5", "FLEET_RATE"),
+            ("rate", "fast", "FLEET_RATE"),
             ("burst", "x", "FLEET_BURST"),
             ("strategy", "fastest", "FLEET_STRATEGY"),
             ("pending_red", "2", "FLEET_PENDING_RED"),
@@ -129,7 +144,10 @@ mod tests {
         }
         let ok = SchedulerConfig::from_settings(&Settings::default()).unwrap();
         assert_eq!(ok.max_pending, 1000);
-        assert_eq!(ok.rate, 3000.0);
+        assert_eq!(ok.rate, 0.0, "the rate limit is opt-in");
+        assert_eq!(ok.rate_for(fleet::Lane::Normal), None);
         assert_eq!(ok.burst, 6000);
+        let on = SchedulerConfig::from_settings(&Settings::from_pairs([("rate", "3000".to_string())])).unwrap();
+        assert_eq!(on.rate_for(fleet::Lane::Normal), Some((3000.0, 6000)));
     }
 }

@@ -168,6 +168,16 @@ impl Dispatcher {
             }
         }
 
+        // Rate limit (opt-in): tokens first, one per task to route, per lane — before any slot
+        // is reserved, so a throttled batch holds no leased room while it waits. (A task that
+        // then turns out a duplicate or parks has spent its token: the limit errs safe.)
+        for lane in Lane::ALL {
+            let want = to_route.iter().filter(|&&i| envs[i].as_ref().is_some_and(|e| e.lane == lane)).count() as u32;
+            if want > 0 {
+                self.take_tokens(lane, want, shutdown).await;
+            }
+        }
+
         // Dedupe (every submission, delayed ones included: they are routed without a check
         // when due), route and reserve: one script call, retried while Redis is unreachable.
         let asked: Vec<usize> = dedupe_delayed.iter().chain(&to_route).copied().collect();
@@ -220,16 +230,6 @@ impl Dispatcher {
                     (Reservation::NoMatch, _) => Fate::Park(UNMATCHED.to_string()),
                 });
             }
-        }
-
-        // Rate limit: take one token per dispatch; wait for the rest (throttled, not failed).
-        let dispatches = fates.iter().filter(|f| matches!(f, Some(Fate::Dispatch(_)))).count() as u32;
-        if dispatches > 0 {
-            let lane = match source {
-                Source::Ingress(l) => *l,
-                _ => envs.iter().flatten().next().map(|e| e.lane).unwrap_or(Lane::Normal),
-            };
-            self.take_tokens(lane, dispatches, shutdown).await;
         }
 
         self.publish_and_ack(batch, envs, fates, source).await
@@ -287,7 +287,7 @@ fn is_script_error(e: &deadpool_redis::redis::RedisError) -> bool {
 
 impl Dispatcher {
     async fn take_tokens(&self, lane: Lane, mut want: u32, shutdown: &CancellationToken) {
-        let (rate, burst) = self.cfg.rate_for(lane);
+        let Some((rate, burst)) = self.cfg.rate_for(lane) else { return };
         let mut throttled = false;
         while want > 0 {
             match self.store.take_tokens(lane, rate, burst, want).await {
@@ -412,8 +412,19 @@ impl Dispatcher {
                 tracing::warn!(error = %e, "cannot mark submissions handed on (a redelivery could run them twice)");
             }
         }
-        let ack_futs = acks.iter().map(|&i| batch[i].acker.ack(BasicAckOptions::default()));
-        for r in join_all(ack_futs).await {
+        // A batch of a consuming loop that holds nothing back (ingress, delayed) is the run of
+        // delivery tags since its previous batch, all settled: when every one is acked, one
+        // `multiple` ack of the last tag does it.
+        let whole = matches!(source, Source::Ingress(_) | Source::Delayed) && acks.len() == batch.len();
+        let ack_results = if whole {
+            match batch.iter().max_by_key(|d| d.delivery_tag) {
+                Some(last) => vec![last.acker.ack(BasicAckOptions { multiple: true }).await],
+                None => vec![],
+            }
+        } else {
+            join_all(acks.iter().map(|&i| batch[i].acker.ack(BasicAckOptions::default()))).await
+        };
+        for r in ack_results {
             if let Err(e) = r {
                 tracing::warn!(error = %e, "ack failed (the message will be redelivered)");
             }

@@ -2,8 +2,9 @@
 //!
 //! A loop takes the first delivery (waiting), then whatever else the broker has already
 //! pushed (up to `batch_max`, without waiting), and hands the batch to the dispatcher. The
-//! normal ingress lane is gated by backpressure: Red stops consuming (rechecked every
-//! `red_recheck`), Yellow sleeps the throttle delay between batches. The critical lane and the
+//! normal ingress lane is gated by backpressure: Red stops consuming (until the pressure
+//! watch shows the gate leaving Red), Yellow sleeps part of the throttle delay between batches (in
+//! proportion to how far into Yellow the gate is). The critical lane and the
 //! delayed queue are never gated by normal-lane pressure.
 
 use std::sync::Arc;
@@ -35,8 +36,10 @@ impl IngressLoop {
         let cfg = self.dispatcher.cfg.clone();
         let gated = self.source == Source::Ingress(Lane::Normal);
         let mut paused_once = false;
+        let mut pressure = self.pressure.clone();
         loop {
-            if paused_once {
+            // After a pause for a full park queue: give its release loop time to drain it.
+            if paused_once && self.pressure.borrow().gate != Pressure::Red {
                 tokio::select! {
                     biased;
                     _ = shutdown.cancelled() => return Ok(()),
@@ -44,10 +47,12 @@ impl IngressLoop {
                 }
             }
             if gated {
+                // Red: wait for the gate to leave Red (every pressure sample can open it).
                 while self.pressure.borrow().gate == Pressure::Red {
                     tokio::select! {
                         biased;
                         _ = shutdown.cancelled() => return Ok(()),
+                        _ = pressure.wait_for(|s| s.gate != Pressure::Red) => {}
                         _ = tokio::time::sleep(cfg.red_recheck) => {}
                     }
                 }
@@ -80,6 +85,16 @@ impl IngressLoop {
     /// Consumes batches until shutdown (`Ok(false)`) or the gate turns Red (`Ok(true)`).
     async fn consume(&self, consumer: &mut lapin::Consumer, gated: bool, shutdown: &CancellationToken) -> fleet::Result<bool> {
         let cfg = &self.dispatcher.cfg;
+        // Under a rate limit a batch is at most one burst: a batch waits for all its tokens,
+        // and several loops sharing one bucket must each get theirs in turn.
+        let lane = match self.source {
+            Source::Ingress(l) => l,
+            _ => Lane::Normal,
+        };
+        let batch_max = match cfg.rate_for(lane) {
+            Some((_, burst)) => usize::try_from(burst).unwrap_or(usize::MAX).clamp(1, usize::from(cfg.batch_max)),
+            None => usize::from(cfg.batch_max),
+        };
         let mut pressure = self.pressure.clone();
         loop {
             let first = tokio::select! {
@@ -94,7 +109,7 @@ impl IngressLoop {
                 None => return Err(fleet::Error::Other(format!("consumer of {} ended", self.queue))),
             };
             let mut batch = vec![first];
-            while batch.len() < usize::from(cfg.batch_max) {
+            while batch.len() < batch_max {
                 match consumer.next().now_or_never() {
                     Some(Some(Ok(d))) => batch.push(d),
                     Some(Some(Err(e))) => return Err(e.into()),
@@ -111,10 +126,14 @@ impl IngressLoop {
                 match gate {
                     Pressure::Red => return Ok(true),
                     Pressure::Yellow => {
+                        // In proportion to how far into Yellow the fleet is: nothing at the
+                        // yellow threshold, the whole throttle delay at red.
+                        let t = crate::backpressure::Thresholds::from_config(cfg);
+                        let depth = crate::backpressure::yellow_depth(&t, self.pressure.borrow().parked);
                         metrics::counter!(m::DISPATCH_THROTTLED).increment(out.dispatched as u64);
                         tokio::select! {
                             _ = shutdown.cancelled() => return Ok(false),
-                            _ = tokio::time::sleep(cfg.throttle) => {}
+                            _ = tokio::time::sleep(cfg.throttle.mul_f64(depth)) => {}
                         }
                     }
                     Pressure::Green => {}

@@ -1,34 +1,50 @@
 //! `fleet-scheduler`: read the config once, serve, run until SIGTERM/SIGINT.
+//!
+//! Exit codes: 0 after a clean stop (and for `--help` / `--version`, which start nothing);
+//! 2 for a bad setting (including an unreadable `FLEET_CONFIG` file) or a permanent broker
+//! error (login refused, unknown vhost, a queue that exists with other arguments); 1 for any
+//! other failure.
 
+use std::process::ExitCode;
+
+use fleet::config::Settings;
+use fleet::settings::{Early, SchedulerArgs};
 use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let settings = fleet::config::Settings::from_env()?;
+async fn main() -> ExitCode {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if let Early::Print(text) = fleet::settings::early::<SchedulerArgs>(&args) {
+        print!("{text}");
+        return ExitCode::SUCCESS;
+    }
+    let settings = match Settings::from_env() {
+        Ok(s) => s.with_command_line(args),
+        Err(e) => return fleet::error::report("fleet-scheduler", &e.into()),
+    };
     let cfg = match fleet_scheduler::SchedulerConfig::from_settings(&settings) {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("fleet-scheduler: {e}");
-            std::process::exit(2);
-        }
+        Err(e) => return fleet::error::report("fleet-scheduler", &e.into()),
     };
     fleet::telemetry::init(&cfg.common.log_format);
+    for warning in fleet::settings::unknown(&settings) {
+        tracing::warn!("{warning}");
+    }
     let listener = match fleet::http::bind(&cfg.common.http_addr).await {
         Ok(l) => l,
-        Err(e) => {
-            eprintln!("fleet-scheduler: {e}");
-            std::process::exit(2);
-        }
+        Err(e) => return fleet::error::report("fleet-scheduler", &e.into()),
     };
     tracing::info!(addr = %cfg.common.http_addr, namespace = %cfg.common.namespace, "fleet-scheduler starting");
     let shutdown = CancellationToken::new();
     let sd = shutdown.clone();
-    tokio::spawn(async move {
+    let signals = tokio::spawn(async move {
         wait_for_signal().await;
         tracing::info!("signal received; shutting down");
         sd.cancel();
     });
-    fleet_scheduler::run(cfg, listener, shutdown).await
+    let result = fleet_scheduler::run(cfg, listener, shutdown).await;
+    signals.abort();
+    fleet::error::finish("fleet-scheduler", result)
 }
 
 async fn wait_for_signal() {

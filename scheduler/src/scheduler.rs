@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fleet::http::Readiness;
+use backon::BackoffBuilder;
 use fleet::{amqp, metrics as m, topology, Lane, Store};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, RwLock};
@@ -21,10 +22,13 @@ use crate::ingress::IngressLoop;
 use crate::probe::ProbeBoard;
 use crate::series::{self, Series};
 use crate::stats::GroupBoard;
-use crate::{health, park, probe, stats};
+use crate::{health, park, probe, schedule, stats};
 
 /// Runs the scheduler until `shutdown` fires. `listener` serves the API and `/metrics`.
+/// A [`fleet::Error::Permanent`] (login refused, a queue declared with other arguments) ends
+/// it with that error.
 pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let shutdown = shutdown.child_token();
     let cfg = Arc::new(cfg);
     let handle = m::install();
     let store = Store::new(&cfg.common.redis_url, cfg.common.names())?;
@@ -46,57 +50,79 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
         series: history.clone(),
         dead_reader: Arc::new(tokio::sync::Semaphore::new(1)),
     };
-    let router = fleet::http::common_routes(handle.clone(), ready.clone()).merge(api::routes(state));
+    let board = schedule::Board::default();
+    let sched_api = schedule::api::ScheduleApi { cfg: cfg.clone(), store: store.clone(), board: board.clone(), publisher: publisher.clone(), pressure: prx.clone() };
+    let router = fleet::http::common_routes(handle.clone(), ready.clone())
+        .merge(api::routes(state))
+        .merge(cfg.auth.require(schedule::api::read_routes(sched_api.clone()), crate::api::guard::Role::Read))
+        .merge(cfg.auth.require(schedule::api::admin_routes(sched_api), crate::api::guard::Role::Admin));
     let tracker = TaskTracker::new();
     tracker.spawn(fleet::http::serve(listener, router, shutdown.clone()));
     tracker.spawn(redis_watch(store.clone(), ready.clone(), shutdown.clone()));
     tracker.spawn(series::run(history, handle, store.clone(), cfg.series_interval, shutdown.clone()).instrument(tracing::info_span!("series")));
 
     let ptx = Arc::new(ptx);
-    let mut backoff = Duration::from_millis(200);
+    let mut result = Ok(());
+    let mut backoff = amqp::reconnect_backoff().build();
     while !shutdown.is_cancelled() {
-        let Some(conn) = amqp::connect_retrying(&cfg.common.amqp_url, &format!("fleet-scheduler {}", cfg.common.namespace), &shutdown).await else { break };
-        let conn = Arc::new(conn);
+        let name = format!("fleet-scheduler {}", cfg.common.namespace);
+        let conn = match amqp::connect_retrying(&cfg.common.amqp_url, &name, &shutdown).await {
+            Ok(Some(conn)) => Arc::new(conn),
+            Ok(None) => break,
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        };
         *connection.write().await = Some(conn.clone());
         let boards = (probes.clone(), group_board.clone());
-        match session(cfg.clone(), store.clone(), conn.clone(), ptx.clone(), prx.clone(), publisher.clone(), boards, &ready, &shutdown).await {
-            Ok(()) => backoff = Duration::from_millis(200),
-            Err(e) => tracing::error!(error = %e, "AMQP session failed"),
+        match session(cfg.clone(), store.clone(), conn.clone(), ptx.clone(), prx.clone(), publisher.clone(), boards, board.clone(), &ready, &shutdown).await {
+            Ok(()) => backoff = amqp::reconnect_backoff().build(),
+            Err(e @ fleet::Error::Permanent { .. }) => result = Err(e),
+            Err(e) => tracing::warn!(error = %e, "AMQP session ended"),
         }
         ready.set_amqp(false);
         *publisher.write().await = None;
         *connection.write().await = None;
         let _ = conn.close(200, "bye".into()).await;
-        if shutdown.is_cancelled() {
+        if shutdown.is_cancelled() || result.is_err() {
             break;
         }
         metrics::counter!(m::AMQP_RECONNECTS).increment(1);
-        tracing::warn!(retry_in_ms = backoff.as_millis() as u64, "reconnecting to RabbitMQ");
+        let wait = backoff.next().unwrap_or(Duration::from_secs(5));
+        tracing::warn!(retry_in_ms = wait.as_millis() as u64, "reconnecting to RabbitMQ");
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(wait) => {}
         }
-        backoff = (backoff * 2).min(Duration::from_secs(5));
     }
+    // A permanent error ends the process: stop the HTTP server and the Redis watch too.
+    shutdown.cancel();
     tracker.close();
     if tokio::time::timeout(Duration::from_secs(10), tracker.wait()).await.is_err() {
         tracing::warn!("some tasks did not stop within 10 s");
     }
-    tracing::info!("scheduler stopped");
-    Ok(())
+    match result {
+        Ok(()) => {
+            tracing::info!("scheduler stopped");
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
-/// Keeps the Redis readiness flag true while PING works.
+/// Keeps the Redis readiness flag true while Redis takes writes (a write probe every second:
+/// a read-only Redis answers PING but can do no work). Logs each change once.
 async fn redis_watch(store: Store, ready: Readiness, shutdown: CancellationToken) {
     let mut was = None;
     loop {
-        let ok = store.ping().await;
+        let probe = store.write_probe().await;
+        let ok = probe.is_ok();
         ready.set_redis(ok);
         if was != Some(ok) {
-            if ok {
-                tracing::info!("Redis reachable");
-            } else {
-                tracing::warn!("Redis unreachable; retrying");
+            match probe {
+                Ok(()) => tracing::info!("Redis takes writes"),
+                Err(e) => tracing::warn!(setting = "FLEET_REDIS_URL", error = %e, "Redis refuses writes; not ready, retrying every second"),
             }
             was = Some(ok);
         }
@@ -116,6 +142,7 @@ async fn session(
     prx: watch::Receiver<Sample>,
     publisher_slot: Arc<RwLock<Option<lapin::Channel>>>,
     (probes, group_board): (ProbeBoard, GroupBoard),
+    board: schedule::Board,
     ready: &Readiness,
     shutdown: &CancellationToken,
 ) -> fleet::Result<()> {
@@ -125,11 +152,12 @@ async fn session(
     let _ = setup.close(200, "ok".into()).await;
     let publisher = amqp::confirm_channel(&conn).await?;
     let api_publisher = amqp::confirm_channel(&conn).await?;
+    let names = cfg.common.names();
+    let schedules = schedule::log::open(&conn, &api_publisher, &names, board.clone()).await?;
     *publisher_slot.write().await = Some(api_publisher);
     ready.set_amqp(true);
     tracing::info!(namespace = %cfg.common.namespace, "connected to RabbitMQ; topology declared");
 
-    let names = cfg.common.names();
     let d = Arc::new(Dispatcher::new(cfg.clone(), store.clone(), conn.clone(), publisher));
     let session = shutdown.child_token();
     let tracker = TaskTracker::new();
@@ -167,6 +195,16 @@ async fn session(
     spawn_loop!("health", health::run(d.clone(), session.clone()));
     spawn_loop!("stats", stats::run(d.clone(), group_board, session.clone()));
     spawn_loop!("probe", probe::run(d.clone(), probes, session.clone()));
+    spawn_loop!("schedule-log", schedules.run(session.clone()));
+    let firing = schedule::fire::Firing {
+        cfg: cfg.clone(),
+        store: store.clone(),
+        board,
+        publisher: amqp::confirm_channel(&conn).await?,
+        pressure: prx.clone(),
+        replica: uuid::Uuid::new_v4().simple().to_string(),
+    };
+    spawn_loop!("schedule-fire", firing.run(session.clone()));
 
     session.cancelled().await;
     tracker.close();

@@ -27,24 +27,53 @@ pub const TIER_HEADER: &str = "fleet-tier";
 /// Connects once.
 pub async fn connect(url: &str, name: &str) -> Result<Connection> {
     let props = ConnectionProperties::default().with_connection_name(name.into());
-    Ok(Connection::connect(url, props).await?)
+    Connection::connect(url, props).await.map_err(|e| classify(e, "FLEET_AMQP_URL", url))
 }
 
-/// Connects, retrying with capped exponential backoff until it works or `shutdown` fires
-/// (then `None`). Each failure is logged. Cancel safe.
-pub async fn connect_retrying(url: &str, name: &str, shutdown: &CancellationToken) -> Option<Connection> {
-    let mut delay = Duration::from_millis(100);
-    loop {
-        match connect(url, name).await {
-            Ok(c) => return Some(c),
-            Err(e) => tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "cannot connect to RabbitMQ"),
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => return None,
-            _ = tokio::time::sleep(delay) => {}
-        }
-        delay = (delay * 2).min(Duration::from_secs(5));
+/// Backoff of every connection retry: exponential from 100 ms, capped at 5 s, with jitter
+/// (so a fleet restarted together does not reconnect in lock-step), never giving up.
+pub fn reconnect_backoff() -> backon::ExponentialBuilder {
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(5))
+        .with_jitter()
+        .without_max_times()
+}
+
+/// Connects, retrying transient failures (refused, reset, timed out) with
+/// [`reconnect_backoff`] until it works or `shutdown` fires (then `Ok(None)`). One warning per
+/// failed attempt, naming `FLEET_AMQP_URL` with the password hidden. A permanent failure (login
+/// refused, unknown vhost) is returned at once as [`Error::Permanent`]. Cancel safe.
+pub async fn connect_retrying(url: &str, name: &str, shutdown: &CancellationToken) -> Result<Option<Connection>> {
+    use backon::Retryable;
+    let shown = crate::redact::redact(url).into_owned();
+    let attempt = (|| connect(url, name))
+        .retry(reconnect_backoff())
+        .sleep(tokio::time::sleep)
+        .when(|e| !matches!(e, Error::Permanent { .. }))
+        .notify(|e, wait| {
+            tracing::warn!(setting = "FLEET_AMQP_URL", url = %shown, error = %e, retry_in_ms = wait.as_millis() as u64, "cannot connect to RabbitMQ; retrying");
+        });
+    tokio::select! {
+        _ = shutdown.cancelled() => Ok(None),
+        r = attempt => r.map(Some),
     }
+}
+
+/// An AMQP error as a fleet error: the ones no retry can fix become [`Error::Permanent`]
+/// naming `setting` (the login refused: 403 ACCESS_REFUSED; an unknown vhost or a missing
+/// permission: 530 NOT_ALLOWED; 406 PRECONDITION_FAILED), the rest stay [`Error::Amqp`].
+pub fn classify(e: lapin::Error, setting: &str, url: &str) -> Error {
+    let lapin::ErrorKind::ProtocolError(amqp) = e.kind() else { return Error::Amqp(e) };
+    let url = crate::redact::redact(url);
+    let text = amqp.get_message().to_string();
+    let message = match amqp.get_id() {
+        403 => format!("RabbitMQ refused the login at {url} ({text}): check the user name and password"),
+        530 => format!("RabbitMQ does not allow this connection to {url} ({text}): check that the vhost exists and the user has permissions on it"),
+        406 => format!("{text}"),
+        _ => return Error::Amqp(e),
+    };
+    Error::Permanent { setting: setting.to_string(), message }
 }
 
 /// A channel in confirm mode.

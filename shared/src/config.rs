@@ -10,38 +10,89 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::selector::Labels;
 
-/// Raw settings: file values overlaid by environment values.
+/// Where a raw setting came from (for the warnings about unknown names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// A `FLEET_*` environment variable.
+    Environment,
+    /// A key of the `FLEET_CONFIG` file.
+    File,
+    /// Given in code ([`Settings::from_pairs`], [`Settings::set`]).
+    Explicit,
+}
+
+/// Raw settings: file values overlaid by environment values, plus the command line. The
+/// declarations in [`crate::settings`] turn them into typed values.
 #[derive(Debug, Clone, Default)]
 pub struct Settings {
     values: HashMap<String, String>,
+    origins: HashMap<String, Origin>,
+    command_line: Vec<std::ffi::OsString>,
 }
 
 impl Settings {
-    /// Loads `FLEET_CONFIG` (if set) then the `FLEET_*` environment.
+    /// Loads `FLEET_CONFIG` (if set) then the `FLEET_*` environment. A missing or malformed
+    /// file is an error naming `FLEET_CONFIG`.
     pub fn from_env() -> Result<Self> {
-        let mut values = HashMap::new();
+        let mut s = Settings::default();
         if let Ok(path) = std::env::var("FLEET_CONFIG") {
             let text = std::fs::read_to_string(&path)
                 .map_err(|e| Error::config("FLEET_CONFIG", format!("cannot read {path}: {e}")))?;
-            values.extend(Self::parse_file(&text)?);
+            for (k, v) in Self::parse_file(&text)? {
+                s.origins.insert(k.clone(), Origin::File);
+                s.values.insert(k, v);
+            }
         }
         for (k, v) in std::env::vars() {
             if let Some(name) = k.strip_prefix("FLEET_") {
                 if name != "CONFIG" {
-                    values.insert(name.to_ascii_lowercase(), v);
+                    let key = name.to_ascii_lowercase();
+                    s.origins.insert(key.clone(), Origin::Environment);
+                    s.values.insert(key, v);
                 }
             }
         }
-        Ok(Settings { values })
+        Ok(s)
     }
 
     /// Settings from explicit pairs (tests, embedding): keys as in the config file.
     pub fn from_pairs<'a>(pairs: impl IntoIterator<Item = (&'a str, String)>) -> Self {
-        Settings { values: pairs.into_iter().map(|(k, v)| (k.to_ascii_lowercase(), v)).collect() }
+        let mut s = Settings::default();
+        for (k, v) in pairs {
+            s.set(k, v);
+        }
+        s
+    }
+
+    /// The process's command line (program name first); its flags win over every other source.
+    pub fn with_command_line(mut self, args: Vec<std::ffi::OsString>) -> Self {
+        self.command_line = args.into_iter().skip(1).collect();
+        self
     }
 
     pub fn set(&mut self, key: &str, value: impl Into<String>) {
-        self.values.insert(key.to_ascii_lowercase(), value.into());
+        let key = key.to_ascii_lowercase();
+        self.origins.insert(key.clone(), Origin::Explicit);
+        self.values.insert(key, value.into());
+    }
+
+    /// Every (key, value), sorted by key.
+    pub fn pairs(&self) -> Vec<(&str, &str)> {
+        let mut v: Vec<(&str, &str)> = self.values.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        v.sort();
+        v
+    }
+
+    /// Every key with where it came from, sorted by key.
+    pub fn origins(&self) -> Vec<(&str, Origin)> {
+        let mut v: Vec<(&str, Origin)> = self.origins.iter().map(|(k, o)| (k.as_str(), *o)).collect();
+        v.sort_by_key(|(k, _)| *k);
+        v
+    }
+
+    /// The command line after the program name.
+    pub fn command_line(&self) -> &[std::ffi::OsString] {
+        &self.command_line
     }
 
     fn parse_file(text: &str) -> Result<HashMap<String, String>> {
@@ -54,7 +105,7 @@ impl Settings {
                 toml::Value::Float(f) => f.to_string(),
                 toml::Value::Boolean(b) => b.to_string(),
                 toml::Value::Array(a) => serde_json::to_string(&a).unwrap_or_default(),
-                other => return Err(Error::config(k.to_ascii_uppercase(), format!("unsupported value {other}"))),
+                other => return Err(Error::config("FLEET_CONFIG", format!("key `{k}`: unsupported value {other}"))),
             };
             out.insert(k.to_ascii_lowercase(), s);
         }
@@ -170,37 +221,42 @@ pub struct CommonConfig {
 }
 
 impl CommonConfig {
+    /// The common settings of `s`, with `http_addr` defaulting to `default_http` (tests and
+    /// embedding; the binaries go through their own declarations in [`crate::settings`]).
     pub fn from_settings(s: &Settings, default_http: &str) -> Result<Self> {
-        let namespace = s.string("namespace", "fleet");
+        let args = crate::settings::parse::<crate::settings::CommonOnly>(s)?.common;
+        Self::from_args(&args, s.string("http_addr", default_http))
+    }
+
+    /// Validates the parsed common settings (the checks the declarations cannot express).
+    pub fn from_args(a: &crate::settings::CommonArgs, http_addr: String) -> Result<Self> {
+        let namespace = a.namespace.trim().to_string();
         if namespace.is_empty()
             || !namespace.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'))
         {
-            return Err(s.error("namespace", format!("`{namespace}`: use letters, digits, _ and -")));
+            return Err(Error::config("FLEET_NAMESPACE", format!("`{namespace}`: use letters, digits, _ and -")));
         }
-        let queue_type = match s.choice("queue_type", "quorum", &["quorum", "classic"])?.as_str() {
-            "classic" => QueueType::Classic,
-            _ => QueueType::Quorum,
-        };
-        let amqp_url = s.string("amqp_url", "amqp://guest:guest@127.0.0.1:5672/%2f");
-        if !amqp_url.starts_with("amqp://") && !amqp_url.starts_with("amqps://") {
-            return Err(s.error("amqp_url", format!("`{amqp_url}` is not an amqp:// URL")));
+        let queue_type = if a.queue_type == "classic" { QueueType::Classic } else { QueueType::Quorum };
+        let amqp_url = a.amqp_url.trim().to_string();
+        let scheme = amqp_url.split("://").next().unwrap_or("").to_ascii_lowercase();
+        if !amqp_url.contains("://") || !matches!(scheme.as_str(), "amqp" | "amqps") {
+            return Err(Error::config("FLEET_AMQP_URL", format!("`{amqp_url}` is not an amqp:// or amqps:// URL")));
         }
-        let redis_url = s.string("redis_url", "redis://127.0.0.1:6379");
-        if !redis_url.starts_with("redis://") && !redis_url.starts_with("rediss://") {
-            return Err(s.error("redis_url", format!("`{redis_url}` is not a redis:// URL")));
+        let redis_url = a.redis_url.trim().to_string();
+        let scheme = redis_url.split("://").next().unwrap_or("").to_ascii_lowercase();
+        if !redis_url.contains("://") || scheme != "redis" {
+            let why = if scheme == "rediss" { "TLS (rediss://) is not supported by this build" } else { "not a redis:// URL" };
+            return Err(Error::config("FLEET_REDIS_URL", format!("`{redis_url}`: {why}")));
         }
-        let http_addr = s.string("http_addr", default_http);
         if http_addr.parse::<std::net::SocketAddr>().is_err() {
-            return Err(s.error("http_addr", format!("`{http_addr}` is not host:port")));
+            return Err(Error::config("FLEET_HTTP_ADDR", format!("`{http_addr}` is not host:port")));
         }
-        let max_task_bytes = s.positive("max_task_bytes", 1usize << 20)?;
-        let d = crate::envelope::Limits::default();
         let limits = crate::envelope::Limits {
-            max_bytes: max_task_bytes,
-            max_label_pairs: s.positive("max_label_pairs", d.max_label_pairs)?,
-            max_id_bytes: s.positive("max_id_bytes", d.max_id_bytes)?,
-            max_kind_bytes: s.positive("max_kind_bytes", d.max_kind_bytes)?,
-            max_payload_depth: s.positive("max_payload_depth", d.max_payload_depth)?,
+            max_bytes: a.max_task_bytes,
+            max_label_pairs: a.max_label_pairs,
+            max_id_bytes: a.max_id_bytes,
+            max_kind_bytes: a.max_kind_bytes,
+            max_payload_depth: a.max_payload_depth,
         };
         Ok(CommonConfig {
             limits,
@@ -208,15 +264,15 @@ impl CommonConfig {
             redis_url,
             namespace,
             http_addr,
-            log_format: s.choice("log_format", "text", &["text", "json"])?,
+            log_format: a.log_format.clone(),
             queue_type,
-            max_task_bytes,
-            ingress_max_normal: s.positive("ingress_max_normal", 10_000u32)?,
-            ingress_max_critical: s.positive("ingress_max_critical", 1_000u32)?,
-            park_max: s.positive("park_max", 100_000u32)?,
-            park_max_critical: s.positive("park_max_critical", 100u32)?,
-            status_ttl: s.millis("status_ttl_ms", 24 * 3600 * 1000)?,
-            default_max_attempts: s.positive("max_attempts", 5u32)?,
+            max_task_bytes: a.max_task_bytes,
+            ingress_max_normal: a.ingress_max_normal,
+            ingress_max_critical: a.ingress_max_critical,
+            park_max: a.park_max,
+            park_max_critical: a.park_max_critical,
+            status_ttl: Duration::from_millis(a.status_ttl_ms),
+            default_max_attempts: a.max_attempts,
         })
     }
 
@@ -250,15 +306,27 @@ mod tests {
         assert!(e.contains("FLEET_CAPACITY"), "{e}");
         let e = s.ratio("ratio", 0.5).unwrap_err().to_string();
         assert!(e.contains("FLEET_RATIO"), "{e}");
-        let s = Settings::from_pairs([("queue_type", "fancy".to_string())]);
-        let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
-        assert!(e.contains("FLEET_QUEUE_TYPE"), "{e}");
+        for (k, v, name) in [
+            ("queue_type", "fancy", "FLEET_QUEUE_TYPE"),
+            ("amqp_url", "AMQPX://u:hunter2@h/", "FLEET_AMQP_URL"),
+            ("redis_url", "rediss://u:hunter2@h/", "FLEET_REDIS_URL"),
+            ("ingress_max_normal", "-1", "FLEET_INGRESS_MAX_NORMAL"),
+            ("namespace", "a b", "FLEET_NAMESPACE"),
+        ] {
+            let s = Settings::from_pairs([(k, v.to_string())]);
+            let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
+            assert!(e.contains(name), "{e}");
+            assert!(!e.contains("hunter2"), "{e}");
+        }
+        // The scheme is case-insensitive.
+        let s = Settings::from_pairs([("amqp_url", "AMQP://u:p@127.0.0.1:5672/%2f".to_string())]);
+        assert!(CommonConfig::from_settings(&s, "127.0.0.1:1").is_ok());
     }
 
     #[test]
     fn file_then_env() {
         let file = Settings::parse_file("capacity = 8\nlabels = \"gpu=true\"\n").unwrap();
-        let s = Settings { values: file };
+        let s = Settings { values: file, ..Settings::default() };
         assert_eq!(s.positive("capacity", 1u32).unwrap(), 8);
         assert_eq!(s.labels("labels").unwrap().group_name(), "gpu=true");
     }

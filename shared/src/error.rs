@@ -22,12 +22,50 @@ pub enum Error {
     DuplicateWorker(String),
     #[error("{0}")]
     Other(String),
+    /// A broker or Redis error no retry can fix (login refused, unknown vhost, a queue that
+    /// exists with other arguments): reported once, naming the setting; the binaries exit 2.
+    #[error("{setting}: {message}")]
+    Permanent { setting: String, message: String },
 }
 
 impl Error {
     pub fn config(setting: impl Into<String>, message: impl Into<String>) -> Self {
-        Error::Config { setting: setting.into(), message: message.into() }
+        Error::Config { setting: setting.into(), message: crate::redact::redact(&message.into()).into_owned() }
     }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The exit code for an error that ends a binary: 2 for a bad setting or a permanent broker /
+/// Redis error (what an operator must fix), 1 for anything else.
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    match e.downcast_ref::<Error>() {
+        Some(Error::Config { .. } | Error::Permanent { .. }) => 2,
+        _ => 1,
+    }
+}
+
+/// Prints why a binary stops — one line on stderr, passwords hidden, control characters
+/// escaped, a closed stderr ignored — and returns its exit code ([`exit_code`]).
+pub fn report(program: &str, e: &anyhow::Error) -> std::process::ExitCode {
+    use std::io::Write;
+    let text = crate::redact::redact(&format!("{e:#}")).into_owned();
+    let _ = writeln!(std::io::stderr(), "{program}: {}", crate::redact::escape_controls(&text));
+    std::process::ExitCode::from(exit_code(e))
+}
+
+/// The end of a daemon's `main`: an error is logged, the log flushed, the error reported
+/// ([`report`]); `Ok` exits 0.
+pub fn finish(program: &str, result: anyhow::Result<()>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => {
+            crate::telemetry::flush();
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            tracing::error!(error = %format!("{e:#}"), "{program} stopped with an error");
+            crate::telemetry::flush();
+            report(program, &e)
+        }
+    }
+}

@@ -4,6 +4,8 @@
 //!   bad field, and its JSON Schema.
 //! * [`selector`] — label sets, selector parsing and exact matching, group names.
 //! * [`config`] — settings from the environment and an optional file; errors name the setting.
+//! * [`settings`] — every setting declared once (flag, variable, default, range, help).
+//! * [`redact`] — hiding URL passwords, escaping control characters in printed text.
 //! * [`names`] — the one place that builds every AMQP name and Redis key under the namespace.
 //! * [`topology`] — idempotent declaration of exchanges and queues.
 //! * [`amqp`] / [`store`] — connections with retry and backoff to RabbitMQ and Redis.
@@ -12,6 +14,7 @@
 //!   reservation, in-flight records), [`ratelimit`] (GCRA bucket), [`status`] (task status).
 //! * [`dead`] — dead letters: listing without removing, replaying as new submissions.
 //! * [`delay`] — the broker delay tiers used for `not_before` and retry backoff.
+//! * [`producer`] — submitting tasks: refused at once, or paced until accepted.
 //! * [`metrics`] — metric names, their help text and the Prometheus exporter.
 //! * [`waits`] — wait-time histograms workers share with the scheduler's console.
 //! * [`telemetry`] — logging set-up; [`http`] — `/metrics`, `/healthz`, `/readyz`.
@@ -26,11 +29,14 @@ pub mod http;
 pub mod lease;
 pub mod metrics;
 pub mod names;
+pub mod producer;
 pub mod ratelimit;
+pub mod redact;
 pub mod registry;
 pub mod route;
 pub mod scripts;
 pub mod selector;
+pub mod settings;
 pub mod status;
 pub mod store;
 pub mod telemetry;

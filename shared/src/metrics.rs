@@ -33,17 +33,21 @@ pub const WORKER_INFO: &str = "fleet_worker_info";
 pub const DISPATCH_THROTTLED: &str = "fleet_dispatch_throttled_total";
 pub const PROBE: &str = "fleet_probe_seconds";
 pub const PROBE_FAILURES: &str = "fleet_probe_failures_total";
+pub const PROBES_COMPLETED: &str = "fleet_probes_completed_total";
 pub const REDIS_ERRORS: &str = "fleet_redis_errors_total";
 pub const AMQP_RECONNECTS: &str = "fleet_amqp_reconnects_total";
 pub const CLOCK_SKEW: &str = "fleet_clock_skew_seconds";
 pub const DUPLICATE_DELIVERIES: &str = "fleet_tasks_duplicate_deliveries_total";
+pub const SCHEDULE_FIRES: &str = "fleet_schedule_fires_total";
+pub const SCHEDULE_MISSES: &str = "fleet_schedule_misses_total";
+pub const SCHEDULE_LAG: &str = "fleet_schedule_lag_seconds";
 
 /// Registers help text for every metric.
 pub fn describe() {
     describe_counter!(TASKS_SUBMITTED, "Tasks accepted from ingress, by lane.");
     describe_counter!(TASKS_REJECTED, "Tasks refused as invalid or undeliverable and dead-lettered, by reason.");
     describe_counter!(TASKS_DISPATCHED, "Tasks published to a group queue, by group and lane.");
-    describe_counter!(TASKS_COMPLETED, "Task attempts ended, by group, lane and outcome (succeeded, failed, retried, dead, expired).");
+    describe_counter!(TASKS_COMPLETED, "User task attempts ended, by group, lane and outcome (succeeded, failed, retried, dead, expired); health probes are counted in fleet_probes_completed_total.");
     describe_counter!(TASKS_DUPLICATE, "Submissions dropped because their id was seen within the dedupe window.");
     describe_counter!(TASKS_PARKED, "Tasks parked in a group's wait queue because no matching group had room, by group.");
     describe_counter!(TASKS_REROUTED, "Tasks moved from a group without live workers to another matching group.");
@@ -65,11 +69,15 @@ pub fn describe() {
     describe_gauge!(WORKER_INFO, "Always 1; labels name the worker and its group.");
     describe_counter!(DISPATCH_THROTTLED, "Dispatches delayed by the rate limit or by Yellow pressure.");
     describe_histogram!(PROBE, Unit::Seconds, "Round trip of the scheduler's probe task through a group's critical lane.");
+    describe_counter!(PROBES_COMPLETED, "Health probes a worker ran, by group and outcome (kept out of fleet_tasks_completed_total).");
     describe_counter!(PROBE_FAILURES, "Probe tasks that did not come back in time, by group.");
     describe_counter!(REDIS_ERRORS, "Failed Redis calls (retried).");
     describe_counter!(AMQP_RECONNECTS, "Reconnections to RabbitMQ.");
     describe_gauge!(CLOCK_SKEW, Unit::Seconds, "This process's clock minus the Redis server's (fleet's one clock), as last measured.");
     describe_counter!(DUPLICATE_DELIVERIES, "Deliveries of an attempt that already ran or runs elsewhere (scheduler crash, consumer timeout, lost ack), acked without running, by lane.");
+    describe_counter!(SCHEDULE_FIRES, "Tasks submitted by periodic schedules, by schedule and trigger (cron, manual).");
+    describe_counter!(SCHEDULE_MISSES, "Schedule ticks not fired, by schedule and reason (skipped, catch_up_limit, pressure_red, ingress_full, error).");
+    describe_histogram!(SCHEDULE_LAG, Unit::Seconds, "Time from a schedule's tick to its confirmed submission, by schedule.");
 }
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();

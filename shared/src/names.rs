@@ -63,6 +63,10 @@ impl Names {
         format!("{}.delayed", self.ns)
     }
     pub const DELAYED_KEY: &'static str = "delayed";
+    /// Stream (durable, replayed from its start) holding the periodic schedules' definitions.
+    pub fn schedules_stream(&self) -> String {
+        format!("{}.schedules", self.ns)
+    }
     pub fn delay_queue(&self, tier_ms: u64) -> String {
         format!("{}.delay.{}", self.ns, tier_ms)
     }
@@ -80,6 +84,12 @@ impl Names {
     pub fn prefix(&self) -> &str {
         &self.prefix
     }
+    /// Key written by readiness probes: `/readyz` means "Redis takes writes", not only "it
+    /// answers PING" (a read-only replica answers PING).
+    pub fn ready_probe_key(&self) -> String {
+        format!("{}readyz", self.prefix)
+    }
+
     pub fn workers(&self) -> String {
         format!("{}workers", self.prefix)
     }
@@ -123,6 +133,14 @@ impl Names {
     }
     pub fn dedupe(&self, id: &str) -> String {
         format!("{}dd:{}", self.prefix, id)
+    }
+    /// Claim / outcome of one tick of a schedule (`tick_ms`: the tick, ms since the epoch).
+    pub fn schedule_tick(&self, schedule: &str, tick_ms: i64) -> String {
+        format!("{}sk:{}:{}", self.prefix, schedule, tick_ms)
+    }
+    /// Latest tick of a schedule that was fired or counted missed (ms since the epoch).
+    pub fn schedule_last(&self, schedule: &str) -> String {
+        format!("{}sl:{}", self.prefix, schedule)
     }
     /// Pattern matching every key of the namespace (for tests' clean-up).
     pub fn all_keys_pattern(&self) -> String {

@@ -97,8 +97,21 @@ pub struct WorkerView {
     pub critical_capacity: u32,
     pub running: u32,
     pub running_critical: u32,
+    /// User task attempts that succeeded (health probes are not counted).
     pub succeeded: u64,
+    /// User task attempts whose outcome could not be recorded (sent back to the broker) —
+    /// the `failed` outcome of `fleet_tasks_completed_total`, not failed handler runs (those
+    /// are `retried` or `dead`).
     pub failed: u64,
+    /// Attempts that failed and were sent to a retry delay.
+    #[serde(default)]
+    pub retried: u64,
+    /// Attempts that ended the task in the dead-letter queue.
+    #[serde(default)]
+    pub dead: u64,
+    /// Attempts dropped because the deadline had passed.
+    #[serde(default)]
+    pub expired: u64,
     pub latency_ewma_ms: f64,
     pub cpu: f64,
     pub last_heartbeat_ms_ago: i64,
@@ -220,6 +233,18 @@ impl Store {
         self.invoke(&inv).await
     }
 
+    /// Publishes a worker's task figures (user task attempts by outcome, as totals) on its
+    /// registration; `false` when this instance does not hold the registration.
+    pub async fn set_outcomes(&self, id: &str, instance: &str, totals: &[(&str, u64)]) -> Result<bool> {
+        let mut inv = self.scripts.outcomes.prepare_invoke();
+        inv.key(self.names.prefix()).arg(id).arg(instance);
+        for (outcome, n) in totals {
+            inv.arg(*outcome).arg(*n);
+        }
+        let written: i64 = self.invoke(&inv).await?;
+        Ok(written == 1)
+    }
+
     pub async fn deregister(&self, id: &str, instance: &str) -> Result<bool> {
         let mut inv = self.scripts.deregister.prepare_invoke();
         inv.key(self.names.prefix()).arg(id).arg(instance);
@@ -253,13 +278,48 @@ impl Store {
                 critical_capacity: num(&m, "ccap") as u32,
                 running: num(&m, "load") as u32,
                 running_critical: num(&m, "cload") as u32,
-                succeeded: num(&m, "ok") as u64,
-                failed: num(&m, "err") as u64,
+                succeeded: num(&m, "n:succeeded") as u64,
+                failed: num(&m, "n:failed") as u64,
+                retried: num(&m, "n:retried") as u64,
+                dead: num(&m, "n:dead") as u64,
+                expired: num(&m, "n:expired") as u64,
                 latency_ewma_ms: num(&m, "ewma_ms"),
                 cpu: num(&m, "cpu"),
                 last_heartbeat_ms_ago: now - num(&m, "hb") as i64,
             })
             .collect())
+    }
+
+    /// Completed attempts so far of each group, per lane in [`Lane::ALL`] order (counters kept
+    /// by the `finish` script), for measuring completion rates.
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn group_completions(&self, groups: &[String]) -> Result<Vec<[u64; 2]>> {
+        if groups.is_empty() {
+            return Ok(vec![]);
+        }
+        let mut p = redis::pipe();
+        for g in groups {
+            p.cmd("HMGET").arg(self.names.group(g)).arg("done:normal").arg("done:critical");
+        }
+        let raw: Vec<(Option<u64>, Option<u64>)> = self.pipe(&p).await?;
+        Ok(raw.into_iter().map(|(n, c)| [n.unwrap_or(0), c.unwrap_or(0)]).collect())
+    }
+
+    /// Sets each group's room ahead of its workers per lane (tasks; see the `reserve` script).
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn set_rooms(&self, rooms: &[(String, Lane, u64)]) -> Result<()> {
+        if rooms.is_empty() {
+            return Ok(());
+        }
+        let mut p = redis::pipe();
+        for (g, lane, room) in rooms {
+            p.cmd("HSET").arg(self.names.group(g)).arg(format!("room:{lane}")).arg(*room).ignore();
+        }
+        self.pipe::<()>(&p).await
     }
 
     /// Names of all groups ever registered in this namespace.

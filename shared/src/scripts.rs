@@ -22,6 +22,7 @@ pub struct Scripts {
     pub start: Script,
     pub finish: Script,
     pub ratelimit: Script,
+    pub outcomes: Script,
 }
 
 impl Scripts {
@@ -37,6 +38,7 @@ impl Scripts {
             start: script!("start.lua"),
             finish: script!("finish.lua"),
             ratelimit: Script::new(include_str!("lua/ratelimit.lua")),
+            outcomes: script!("outcomes.lua"),
         }
     }
 }

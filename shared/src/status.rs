@@ -5,13 +5,65 @@
 
 use std::collections::BTreeMap;
 
+use chrono::{DateTime, SecondsFormat, Utc};
 use deadpool_redis::redis;
+use serde_json::{Map, Value};
 
 use crate::error::Result;
 use crate::store::Store;
 
 /// States that end a task.
 pub const TERMINAL: &[&str] = &["succeeded", "dead", "expired"];
+
+/// Status fields that hold whole numbers.
+const INTEGER_FIELDS: &[&str] = &["attempt", "max_attempts"];
+
+/// A status record as the API answers it (`GET /v1/tasks/{id}`; schema
+/// `shared/schema/status.schema.json`): typed JSON instead of Redis' strings.
+///
+/// * `id` is added; `attempt` (and `max_attempts`) are integers;
+/// * every `*_at` field (stored as Unix milliseconds) and `not_before` become RFC 3339 UTC
+///   strings with millisecond precision (`2026-11-30T10:48:01.123Z`);
+/// * `result` is the handler's JSON value; a result cut at the status text limit
+///   (`lease::MAX_STATUS_TEXT` bytes, no longer valid JSON) stays a string and
+///   `result_truncated: true` says so;
+/// * a field absent from Redis is absent here (never `null` or `""`); any other field is
+///   passed through as a string (forward compatibility).
+pub fn typed(id: &str, fields: BTreeMap<String, String>) -> Value {
+    let mut out = Map::new();
+    out.insert("id".into(), Value::String(id.to_string()));
+    for (k, v) in fields {
+        if v.is_empty() {
+            continue;
+        }
+        let typed = if INTEGER_FIELDS.contains(&k.as_str()) {
+            v.parse::<u64>().map(Value::from).unwrap_or(Value::String(v))
+        } else if k.ends_with("_at") || k == "not_before" {
+            time(&v).map(Value::String).unwrap_or(Value::String(v))
+        } else if k == "result" {
+            match serde_json::from_str::<Value>(&v) {
+                Ok(j) => j,
+                Err(_) => {
+                    out.insert("result_truncated".into(), Value::Bool(true));
+                    Value::String(v)
+                }
+            }
+        } else {
+            Value::String(v)
+        };
+        out.insert(k, typed);
+    }
+    Value::Object(out)
+}
+
+/// Unix milliseconds or an RFC 3339 time → RFC 3339 UTC with milliseconds.
+fn time(v: &str) -> Option<String> {
+    let t: DateTime<Utc> = match v.parse::<i64>() {
+        Ok(ms) => DateTime::from_timestamp_millis(ms)?,
+        Err(_) => DateTime::parse_from_rfc3339(v).ok()?.with_timezone(&Utc),
+    };
+    Some(t.to_rfc3339_opts(SecondsFormat::Millis, true))
+}
 
 impl Store {
     /// A task's status fields, `None` when unknown (never seen, or expired from Redis).
@@ -43,5 +95,45 @@ impl Store {
             p.cmd("PEXPIRE").arg(&key).arg(ttl_ms).ignore();
         }
         self.pipe::<()>(&p).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn rec(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn typed_status_has_numbers_times_and_json() {
+        let v = typed(
+            "t1",
+            rec(&[
+                ("state", "succeeded"),
+                ("attempt", "2"),
+                ("queued_at", "1796028370236"),
+                ("not_before", "2026-12-01T11:00:00+01:00"),
+                ("result", r#"{"hello":"world"}"#),
+                ("worker", "w1"),
+                ("error", ""),
+            ]),
+        );
+        assert_eq!(
+            v,
+            json!({"id": "t1", "state": "succeeded", "attempt": 2, "queued_at": "2026-11-30T08:46:10.236Z",
+                   "not_before": "2026-12-01T10:00:00.000Z", "result": {"hello": "world"}, "worker": "w1"})
+        );
+    }
+
+    #[test]
+    fn a_cut_result_stays_text_and_says_so() {
+        let v = typed("t", rec(&[("result", "{\"a\": \"xxx…")]));
+        assert_eq!(v["result"], "{\"a\": \"xxx…");
+        assert_eq!(v["result_truncated"], true);
+        // A result that is a JSON string is that string.
+        assert_eq!(typed("t", rec(&[("result", "\"ok\"")]))["result"], "ok");
     }
 }

@@ -127,6 +127,14 @@ impl Store {
         self.query::<String>(&redis::cmd("PING")).await.is_ok()
     }
 
+    /// A write that expires by itself, for readiness: fails while Redis refuses writes
+    /// (`READONLY` replica, out of memory, a closed port).
+    pub async fn write_probe(&self) -> Result<()> {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(self.names.ready_probe_key()).arg(now_ms()).arg("PX").arg(10_000);
+        self.query::<()>(&cmd).await
+    }
+
     /// Deletes every key of the namespace (tests' clean-up).
     pub async fn delete_namespace(&self) -> Result<()> {
         let mut c = self.conn().await?;
@@ -136,6 +144,27 @@ impl Store {
         }
         Ok(())
     }
+}
+
+/// The permanent form of a Redis error no retry can fix — the password refused
+/// (`WRONGPASS`, `NOAUTH`, authentication failed) — naming `FLEET_REDIS_URL` with the password
+/// hidden; `None` for the rest (refused connection, `READONLY`, timeouts: retried).
+pub fn permanent(e: &Error, url: &str) -> Option<Error> {
+    let redis_error = match e {
+        Error::Redis(r) => r,
+        Error::Pool(deadpool_redis::PoolError::Backend(r)) => r,
+        _ => return None,
+    };
+    let auth = redis_error.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(redis_error.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"));
+    auth.then(|| Error::Permanent {
+        setting: "FLEET_REDIS_URL".into(),
+        message: format!(
+            "Redis refused {} ({}): check the user name and password in the URL",
+            crate::redact::redact(url),
+            crate::redact::redact(&redis_error.to_string())
+        ),
+    })
 }
 
 /// Milliseconds since the Unix epoch, the clock of every lease and heartbeat.

@@ -1,12 +1,107 @@
 //! Logging: `tracing` with structured fields; human format by default, JSON with
-//! `FLEET_LOG_FORMAT=json`; level from `RUST_LOG` (default info).
+//! `FLEET_LOG_FORMAT=json`; level from `RUST_LOG` (default `info,lapin=off`).
+//!
+//! lapin's own log lines are off by default: it logs at ERROR what fleet handles and reports
+//! itself, once and naming the setting — raw `Close { reply_code: 403 … }` frame dumps, and
+//! `Connection error: invalid channel state: Closing` on every clean shutdown. `RUST_LOG=
+//! info,lapin=debug` brings them back for debugging.
+//!
+//! Every line goes through one writer that (1) hides URL passwords ([`crate::redact::redact`]),
+//! (2) escapes control characters ([`crate::redact::escape_controls`]) so a task's `kind`, id
+//! or error cannot forge lines or colour a terminal (colours are therefore off), and (3) never
+//! blocks or fails the caller: lines are handed to a background thread (`tracing-appender`,
+//! lossy when its buffer is full) and a failed write to stderr (closed, full pipe) is dropped
+//! silently — logging must never kill a task or hold up a shutdown.
 
+use std::io::Write;
+use std::sync::Mutex;
+
+use tracing_appender::non_blocking::{NonBlocking, WorkerGuard};
+use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::EnvFilter;
 
+/// Flushes the background writer when dropped (see [`flush`]).
+static GUARD: Mutex<Option<WorkerGuard>> = Mutex::new(None);
+
+/// Installs the global subscriber (once; later calls do nothing).
 pub fn init(format: &str) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,lapin=warn"));
-    use std::io::IsTerminal;
-    let ansi = std::io::stderr().is_terminal();
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_target(false).with_ansi(ansi).with_writer(std::io::stderr);
-    let _ = if format == "json" { builder.json().try_init() } else { builder.try_init() };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,lapin=off"));
+    let (writer, guard) = tracing_appender::non_blocking(Stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_ansi(false)
+        .log_internal_errors(false)
+        .with_writer(Sanitizing(writer));
+    let installed = if format == "json" { builder.json().try_init().is_ok() } else { builder.try_init().is_ok() };
+    if installed {
+        if let Ok(mut g) = GUARD.lock() {
+            *g = Some(guard);
+        }
+    }
+}
+
+/// Writes out the lines still queued (up to the appender's own timeout). Call before exit.
+pub fn flush() {
+    let guard = GUARD.lock().ok().and_then(|mut g| g.take());
+    drop(guard);
+}
+
+/// stderr, with write errors swallowed (a closed stderr is not the task's problem).
+struct Stderr;
+
+impl Write for Stderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = std::io::stderr().write_all(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = std::io::stderr().flush();
+        Ok(())
+    }
+}
+
+/// The log writer: redacts and escapes each formatted line, then queues it.
+#[derive(Clone)]
+struct Sanitizing(NonBlocking);
+
+impl<'a> MakeWriter<'a> for Sanitizing {
+    type Writer = SanitizingLine;
+    fn make_writer(&'a self) -> Self::Writer {
+        SanitizingLine(self.0.clone())
+    }
+}
+
+struct SanitizingLine(NonBlocking);
+
+impl Write for SanitizingLine {
+    /// Called with one whole formatted event (the formatter writes its buffer at once).
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = self.0.write_all(sanitize(buf).as_bytes());
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// One formatted line, made safe to print: its trailing newline kept, every other control
+/// character escaped, every URL password hidden.
+pub fn sanitize(buf: &[u8]) -> String {
+    let text = String::from_utf8_lossy(buf);
+    let (body, newline) = match text.strip_suffix('\n') {
+        Some(b) => (b, "\n"),
+        None => (text.as_ref(), ""),
+    };
+    let escaped = crate::redact::escape_controls(body);
+    format!("{}{newline}", crate::redact::redact(&escaped))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_line_is_made_safe() {
+        let line = super::sanitize(b"INFO kind=echo\nFAKE level=ERROR \x1b[31m url=AMQP://u:hunter2@h/\n");
+        assert_eq!(line, "INFO kind=echo\\nFAKE level=ERROR \\u{1b}[31m url=AMQP://***@h/\n");
+    }
 }

@@ -18,7 +18,7 @@ use crate::amqp::TIER_HEADER;
 use crate::config::{CommonConfig, QueueType};
 use crate::delay;
 use crate::envelope::Lane;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::names::Names;
 
 /// Redeliveries after which a quorum group queue dead-letters a message that keeps killing
@@ -55,9 +55,26 @@ async fn exchange(ch: &Channel, name: &str, kind: ExchangeKind) -> Result<()> {
     Ok(())
 }
 
-async fn queue(ch: &Channel, name: &str, arguments: FieldTable) -> Result<u32> {
-    let q = ch.queue_declare(ShortString::from(name), durable(), arguments).await?;
-    Ok(q.message_count())
+/// Declares a queue. `bound_setting` names the setting its `x-max-length` comes from, if any.
+/// A queue that exists with other arguments (406 PRECONDITION_FAILED) is a permanent error
+/// naming the setting, the value asked for, the broker's value and what to do.
+async fn queue(ch: &Channel, name: &str, arguments: FieldTable, bound_setting: Option<&str>) -> Result<u32> {
+    match ch.queue_declare(ShortString::from(name), durable(), arguments).await {
+        Ok(q) => Ok(q.message_count()),
+        Err(e) => Err(match crate::amqp::classify(e, "FLEET_QUEUE_TYPE", "") {
+            Error::Permanent { message, .. } if message.contains("inequivalent arg") => {
+                let setting = if message.contains("'x-max-length'") { bound_setting.unwrap_or("FLEET_NAMESPACE") } else { "FLEET_QUEUE_TYPE" };
+                Error::Permanent {
+                    setting: setting.to_string(),
+                    message: format!(
+                        "queue `{name}` already exists with other arguments ({message}; \"received\" is what this process asked for, \"current\" what the broker has). \
+                         Set {setting} to the broker's value, or delete the queue (its messages are lost: `rabbitmqctl delete_queue {name}`), or use another FLEET_NAMESPACE"
+                    ),
+                }
+            }
+            other => other,
+        }),
+    }
 }
 
 async fn bind(ch: &Channel, queue: &str, exchange: &str, key: &str, arguments: FieldTable) -> Result<()> {
@@ -72,7 +89,11 @@ pub async fn declare_ingress(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
     exchange(ch, &n.submit_exchange(), ExchangeKind::Direct).await?;
     for lane in Lane::ALL {
         let q = n.ingress_queue(lane);
-        queue(ch, &q, bounded(cfg.queue_type, cfg.ingress_max(lane))).await?;
+        let setting = match lane {
+            Lane::Normal => "FLEET_INGRESS_MAX_NORMAL",
+            Lane::Critical => "FLEET_INGRESS_MAX_CRITICAL",
+        };
+        queue(ch, &q, bounded(cfg.queue_type, cfg.ingress_max(lane)), Some(setting)).await?;
         bind(ch, &q, &n.submit_exchange(), lane.as_str(), FieldTable::default()).await?;
     }
     Ok(())
@@ -85,9 +106,9 @@ pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
     exchange(ch, &n.submit_exchange(), ExchangeKind::Direct).await?;
     exchange(ch, &n.tasks_exchange(), ExchangeKind::Direct).await?;
     exchange(ch, &n.delay_exchange(), ExchangeKind::Headers).await?;
-    queue(ch, &n.dead_queue(), args(cfg.queue_type)).await?;
+    queue(ch, &n.dead_queue(), args(cfg.queue_type), None).await?;
     bind(ch, &n.dead_queue(), &n.tasks_exchange(), Names::DEAD_KEY, FieldTable::default()).await?;
-    queue(ch, &n.delayed_queue(), args(cfg.queue_type)).await?;
+    queue(ch, &n.delayed_queue(), args(cfg.queue_type), None).await?;
     bind(ch, &n.delayed_queue(), &n.tasks_exchange(), Names::DELAYED_KEY, FieldTable::default()).await?;
     // Delay tiers are classic queues: one TTL per queue expires exactly at the head, and
     // they hold only short-lived copies that are cheap to lose on a node failure compared to
@@ -98,7 +119,7 @@ pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
         a.insert("x-message-ttl".into(), AMQPValue::LongLongInt(tier as i64));
         a.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(n.tasks_exchange().into()));
         a.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(Names::DELAYED_KEY.into()));
-        queue(ch, &q, a).await?;
+        queue(ch, &q, a, None).await?;
         let mut h = FieldTable::default();
         h.insert("x-match".into(), AMQPValue::LongString("all".into()));
         h.insert(TIER_HEADER.into(), AMQPValue::LongString(tier.to_string().into()));
@@ -118,7 +139,7 @@ pub async fn declare_group(ch: &Channel, cfg: &CommonConfig, group: &str) -> Res
         if cfg.queue_type == QueueType::Quorum {
             a.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(DELIVERY_LIMIT));
         }
-        queue(ch, &q, a).await?;
+        queue(ch, &q, a, None).await?;
         bind(ch, &q, &n.tasks_exchange(), &n.group_key(group, lane), FieldTable::default()).await?;
     }
     Ok(())
@@ -128,7 +149,7 @@ pub async fn declare_group(ch: &Channel, cfg: &CommonConfig, group: &str) -> Res
 pub async fn declare_park(ch: &Channel, cfg: &CommonConfig, group: &str, lane: Lane) -> Result<()> {
     let n = cfg.names();
     let q = n.park_queue(group, lane);
-    queue(ch, &q, bounded(cfg.queue_type, cfg.park_bound(lane))).await?;
+    queue(ch, &q, bounded(cfg.queue_type, cfg.park_bound(lane)), Some(park_setting(lane))).await?;
     bind(ch, &q, &n.tasks_exchange(), &n.park_key(group, lane), FieldTable::default()).await
 }
 
@@ -136,7 +157,15 @@ pub async fn declare_park(ch: &Channel, cfg: &CommonConfig, group: &str, lane: L
 /// sampling never trips over a park queue that no task has needed yet.
 pub async fn park_depth(ch: &Channel, cfg: &CommonConfig, group: &str, lane: Lane) -> Result<u32> {
     let q = cfg.names().park_queue(group, lane);
-    queue(ch, &q, bounded(cfg.queue_type, cfg.park_bound(lane))).await
+    queue(ch, &q, bounded(cfg.queue_type, cfg.park_bound(lane)), Some(park_setting(lane))).await
+}
+
+/// The setting a park queue's bound comes from.
+fn park_setting(lane: Lane) -> &'static str {
+    match lane {
+        Lane::Normal => "FLEET_PARK_MAX",
+        Lane::Critical => "FLEET_PARK_MAX_CRITICAL",
+    }
 }
 
 /// Depth of a queue (passive declare), `None` when it does not exist. Uses its own channel
@@ -159,6 +188,7 @@ pub async fn delete_all(ch: &Channel, names: &Names, groups: &[String]) -> Resul
     let mut queues: Vec<String> = Lane::ALL.iter().map(|l| names.ingress_queue(*l)).collect();
     queues.push(names.dead_queue());
     queues.push(names.delayed_queue());
+    queues.push(names.schedules_stream());
     queues.extend(delay::tiers().map(|t| names.delay_queue(t)));
     for g in groups {
         for l in Lane::ALL {

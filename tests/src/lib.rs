@@ -171,7 +171,6 @@ pub fn test_log() {
 }
 
 pub async fn start_scheduler(ns: &Ns, extra: &[(&str, &str)]) -> Result<SchedulerHandle> {
-    test_log();
     let mut all: Vec<(&str, &str)> = vec![
         ("health_interval_ms", "500"),
         ("heartbeat_timeout_ms", "3000"),
@@ -179,11 +178,16 @@ pub async fn start_scheduler(ns: &Ns, extra: &[(&str, &str)]) -> Result<Schedule
         ("stats_interval_ms", "500"),
         ("probe_interval_ms", "1000"),
         ("red_recheck_ms", "200"),
-        ("rate", "100000"),
-        ("burst", "100000"),
     ];
     all.extend_from_slice(extra);
-    let cfg = fleet_scheduler::SchedulerConfig::from_settings(&ns.settings(&all))?;
+    start_scheduler_exactly(ns, &all).await
+}
+
+/// Starts a scheduler in-process with exactly these settings (the product defaults for the
+/// rest; benchmarks use it to measure the defaults).
+pub async fn start_scheduler_exactly(ns: &Ns, all: &[(&str, &str)]) -> Result<SchedulerHandle> {
+    test_log();
+    let cfg = fleet_scheduler::SchedulerConfig::from_settings(&ns.settings(all))?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let shutdown = CancellationToken::new();
@@ -389,4 +393,34 @@ impl Ns {
 /// GETs a JSON document.
 pub async fn get_json(url: &str) -> Result<serde_json::Value> {
     Ok(reqwest::get(url).await?.error_for_status()?.json().await?)
+}
+
+impl Ns {
+    /// Declares the submit exchange, the core queues and the ingress queues (as a scheduler
+    /// would, with `extra` settings), so a test can publish while no scheduler runs.
+    pub async fn declare_ingress(&self, extra: &[(&str, &str)]) -> Result<()> {
+        let cfg = self.common(extra)?;
+        let ch = self.conn.create_channel().await?;
+        topology::declare_core(&ch, &cfg).await?;
+        topology::declare_ingress(&ch, &cfg).await?;
+        Ok(())
+    }
+
+    /// Waits until every group has nothing reserved and nothing running.
+    pub async fn wait_groups_idle(&self, timeout: Duration) -> Result<()> {
+        wait_for("every group's reserved and load back to 0", timeout, || async {
+            let gs = self.store.groups().await.ok()?;
+            gs.iter().all(|g| g.reserved == 0 && g.load == 0).then_some(())
+        })
+        .await
+    }
+
+    /// Waits until `id`'s status has `state`; returns the status fields.
+    pub async fn wait_state(&self, id: &str, state: &str, timeout: Duration) -> Result<BTreeMap<String, String>> {
+        wait_for(&format!("task {id} {state}"), timeout, || async {
+            let st = self.status(id).await.ok()??;
+            (st.get("state").map(String::as_str) == Some(state)).then_some(st)
+        })
+        .await
+    }
 }

@@ -56,7 +56,7 @@ async fn red_pressure_refuses_normal_work_but_not_critical() -> anyhow::Result<(
     let ns = Ns::new().await?;
     let rec = Recorder::default();
     let h = [("record", rec.handler())];
-    let sched = start_scheduler(&ns, &[]).await?;
+    let sched = start_scheduler(&ns, &[("ingress_max_normal", "3")]).await?;
     let w = start_worker(&ns, "w1", "", 1, &[("critical_capacity", "1")], &h).await?;
     // One long task fills the only normal slot: load 1.0 ≥ 0.85 → Red.
     ns.submit(&[task("record", json!({"ms": 4000}), "")]).await?;
@@ -68,12 +68,25 @@ async fn red_pressure_refuses_normal_work_but_not_critical() -> anyhow::Result<(
     .await?;
     assert!(p["load"].as_f64().unwrap_or(0.0) >= 0.85 || p["pending"].as_u64().unwrap_or(0) >= 900, "{p}");
 
+    // Red closes the intake gate; HTTP producers are admitted like AMQP ones — while the
+    // ingress queue has room they are accepted, at its bound refused: 429 pressure_red.
     let c = reqwest::Client::new();
-    let r = c.post(sched.url("/v1/tasks")).json(&json!({"kind": "record"})).send().await?;
-    assert_eq!(r.status().as_u16(), 429);
-    assert!(r.headers().get("retry-after").is_some());
-    let body: serde_json::Value = r.json().await?;
+    let mut accepted = 0;
+    let refusal = loop {
+        let r = c.post(sched.url("/v1/tasks")).json(&json!({"kind": "record"})).send().await?;
+        match r.status().as_u16() {
+            202 => accepted += 1,
+            429 => break r,
+            other => anyhow::bail!("unexpected {other} while Red"),
+        }
+        anyhow::ensure!(accepted < 50, "no refusal after {accepted} tasks at an ingress bound of 3");
+    };
+    assert!(accepted >= 3, "the ingress queue's room is used first ({accepted})");
+    assert!(refusal.headers().get("retry-after").is_some());
+    let body: serde_json::Value = refusal.json().await?;
     assert_eq!(body["error"], "pressure_red");
+    // An AMQP producer is refused at the same moment.
+    assert_eq!(ns.submit_each(&[task("record", json!({}), "")]).await?, vec![false]);
     // The critical lane is not held back by normal-lane pressure.
     let r = c.post(sched.url("/v1/tasks")).json(&json!({"kind": "record", "lane": "critical", "id": "crit-1"})).send().await?;
     assert_eq!(r.status().as_u16(), 202);

@@ -32,7 +32,7 @@ impl Watcher {
                 if let Ok(r) = client.get(&url).send().await {
                     if let Ok(v) = r.json::<Value>().await {
                         let state = v["state"].as_str().unwrap_or("").to_string();
-                        let attempt = v["attempt"].as_str().unwrap_or("").to_string();
+                        let attempt = v["attempt"].as_u64().map(|a| a.to_string()).unwrap_or_default();
                         if let Ok(mut seen) = s.lock() {
                             if !state.is_empty() && seen.last() != Some(&(state.clone(), attempt.clone())) {
                                 seen.push((state, attempt));
@@ -91,6 +91,8 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     let st = get_json(&sched.url(&format!("/v1/tasks/{}", b.id))).await?;
     assert_eq!((st["id"].as_str(), st["state"].as_str(), st["lane"].as_str()), (Some(b.id.as_str()), Some("queued"), Some("normal")), "{st}");
     assert_eq!(st["group"], group_of("pool=status", "builtin"));
+    assert_eq!((st.get("attempt"), st.get("worker"), st.get("result")), (None, None, None), "absent fields absent: {st}");
+    assert_valid_status(&st)?;
 
     // fleetctl status: the same record as JSON; exit 0.
     let (code, out, err) = fleetctl(&ns, &api, &["status", &b.id]).await?;
@@ -139,13 +141,23 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     assert_eq!(out.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&out.stderr));
     let fin: Value = serde_json::from_slice(&out.stdout)?;
     assert_eq!(fin["state"], "succeeded", "{fin}");
-    assert_eq!(fin["attempt"], "2");
+    // Typed JSON (shared/schema/status.schema.json): numbers, RFC 3339 UTC times, the result
+    // as JSON, absent fields absent.
+    assert_eq!(fin["attempt"], 2);
     assert_eq!(fin["worker"], "w-status");
-    assert_eq!(fin["result"], r#"{"attempt":2}"#);
+    assert_eq!(fin["result"], json!({"attempt": 2}));
     assert!(fin.get("error").is_none(), "the first attempt's error is gone: {fin}");
+    assert!(fin.get("reason").is_none() && fin.get("result_truncated").is_none(), "{fin}");
+    let mut times = Vec::new();
     for k in ["queued_at", "started_at", "finished_at"] {
-        assert!(fin[k].as_str().is_some_and(|v| v.parse::<i64>().is_ok()), "{k}: {fin}");
+        let t = fin[k].as_str().unwrap_or_default();
+        assert!(t.ends_with('Z'), "{k} is not UTC: {fin}");
+        times.push(chrono::DateTime::parse_from_rfc3339(t).map_err(|e| anyhow::anyhow!("{k}: {t}: {e}"))?);
     }
+    assert!(times[0] <= times[1] && times[1] <= times[2], "queued ≤ started ≤ finished: {times:?}");
+    let age = chrono::Utc::now() - times[2].with_timezone(&chrono::Utc);
+    assert!(age >= chrono::Duration::zero() && age < chrono::Duration::seconds(60), "finished_at is now-ish: {fin}");
+    assert_valid_status(&fin)?;
 
     // Every state the API showed for B, in order. The `queued` between the retry's return and
     // attempt 2 lasts milliseconds and may slip between two polls.
@@ -188,4 +200,25 @@ async fn unknown_tasks_are_404_and_fleetctl_exits_1() -> anyhow::Result<()> {
     assert!(err.contains("GET http://127.0.0.1:9/v1/tasks/x"), "{err}");
     sched.stop().await?;
     ns.cleanup().await
+}
+
+/// Validates a status answer against the published schema (shared/schema/status.schema.json).
+fn assert_valid_status(v: &Value) -> anyhow::Result<()> {
+    let schema: Value = serde_json::from_str(include_str!("../../shared/schema/status.schema.json"))?;
+    let validator = jsonschema::options()
+        .should_validate_formats(true)
+        .build(&schema)
+        .map_err(|e| anyhow::anyhow!("status schema: {e}"))?;
+    let errors: Vec<String> = validator.iter_errors(v).map(|e| format!("{}: {e}", e.instance_path())).collect();
+    anyhow::ensure!(errors.is_empty(), "status {v} does not match the schema: {errors:?}");
+    Ok(())
+}
+
+#[test]
+fn status_schema_refuses_strings_for_numbers_and_epoch_times() -> anyhow::Result<()> {
+    // The schema must be able to fail: the old all-strings shape is refused.
+    let old = json!({"id": "t", "state": "succeeded", "attempt": "1", "queued_at": "1796028370236", "result": "{\"a\":1}"});
+    assert!(assert_valid_status(&old).is_err());
+    assert!(assert_valid_status(&json!({"state": "queued"})).is_err(), "id is required");
+    assert_valid_status(&json!({"id": "t", "state": "waiting_for_worker", "attempt": 1, "queued_at": "2026-11-30T08:46:10.236Z", "result": {"a": 1}}))
 }

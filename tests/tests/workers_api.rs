@@ -72,13 +72,13 @@ async fn workers_and_groups_api_and_fleetctl_tables() -> anyhow::Result<()> {
     println!("fleetctl workers:\n{out}");
     let lines: Vec<Vec<&str>> = out.lines().map(|l| l.split_whitespace().collect()).collect();
     assert_eq!(lines.len(), 3, "header + 2 rows:\n{out}");
-    assert_eq!(lines[0][..7], ["ID", "GROUP", "STATE", "CAPACITY(N+C)", "RUNNING(N+C)", "SUCCEEDED", "FAILED"]);
+    assert_eq!(lines[0][..10], ["ID", "GROUP", "STATE", "CAPACITY(N+C)", "RUNNING(N+C)", "SUCCEEDED", "RETRIED", "DEAD", "EXPIRED", "FAILED"]);
     assert!(out.lines().next().is_some_and(|h| h.ends_with("LAST HEARTBEAT")));
     let row_a = lines.iter().find(|l| l[0] == "w-a").context("w-a row")?;
-    assert_eq!(row_a[..7], ["w-a", ga, "active", "2+1", "2+0", "0", "0"]);
-    assert!(row_a[7].ends_with("s") && row_a[8] == "ago", "{row_a:?}");
+    assert_eq!(row_a[..10], ["w-a", ga, "active", "2+1", "2+0", "0", "0", "0", "0", "0"]);
+    assert!(row_a[10].ends_with("s") && row_a[11] == "ago", "{row_a:?}");
     let row_b = lines.iter().find(|l| l[0] == "w-b").context("w-b row")?;
-    assert_eq!(row_b[..7], ["w-b", gb, "active", "3+2", "0+0", "0", "0"]);
+    assert_eq!(row_b[..10], ["w-b", gb, "active", "3+2", "0+0", "0", "0", "0", "0", "0"]);
 
     let (code, out, err) = fleetctl(&ns, &api, &["groups"])?;
     assert_eq!(code, 0, "{err}");
@@ -97,7 +97,8 @@ async fn workers_and_groups_api_and_fleetctl_tables() -> anyhow::Result<()> {
     assert_eq!(g.capacity, 2);
     let ws = wait_for("w-a's totals", Duration::from_secs(5), || async {
         let ws = get_json(&workers_url).await.ok()?;
-        (find(&ws, "id", "w-a").ok()?["succeeded"] == 4).then_some(ws)
+        let w = find(&ws, "id", "w-a").ok()?;
+        (w["succeeded"] == 4 && w["running"] == 0).then_some(ws.clone())
     })
     .await?;
     let wa = find(&ws, "id", "w-a")?;
@@ -107,6 +108,51 @@ async fn workers_and_groups_api_and_fleetctl_tables() -> anyhow::Result<()> {
     a.stop().await?;
     b.stop().await?;
     assert_eq!(get_json(&workers_url).await?, json!([]), "both deregistered");
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
+/// `GET /v1/workers` and `fleetctl workers` show current figures (not as of the last
+/// heartbeat, here 20 s away), by the outcomes of `fleet_tasks_completed_total`, and the
+/// scheduler's health probes are counted apart (`fleet_probes_completed_total`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn worker_figures_are_current_and_leave_probes_out() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let rec = Recorder::default();
+    let h = [(JOB, rec.handler())];
+    let sched = start_scheduler(&ns, &[("heartbeat_timeout_ms", "60000"), ("probe_interval_ms", "300")]).await?;
+    let labels = format!("figures={}", ns.name);
+    let w = start_worker(&ns, "w-fig", &labels, 2, &[("heartbeat_interval_ms", "20000"), ("heartbeat_timeout_ms", "60000"), ("run_lease_ms", "60000"), ("critical_capacity", "1")], &h).await?;
+    let group = fleet::Labels::parse(&format!("{labels},protocol=builtin")).map_err(|e| anyhow::anyhow!("{e}"))?.group_name();
+    let metrics_url = format!("http://{}/metrics", sched.addr);
+    let probes = |page: &str| metric_sum(page, "fleet_probes_completed_total", &[("group", group.as_str()), ("outcome", "succeeded")]);
+    wait_for("two probes through the worker", Duration::from_secs(15), || async {
+        let page = reqwest::get(&metrics_url).await.ok()?.text().await.ok()?;
+        (probes(&page) >= 2.0).then_some(())
+    })
+    .await?;
+    let envs = jobs(5, &labels, Some(10));
+    ns.submit(&envs).await?;
+    wait_for("5 runs", Duration::from_secs(20), || async { (rec.count() >= 5).then_some(()) }).await?;
+    let workers_url = format!("http://{}/v1/workers", sched.addr);
+    // Well before the next heartbeat: the figures went out with the outcomes.
+    let ws = wait_for("current figures", Duration::from_secs(3), || async {
+        let ws = get_json(&workers_url).await.ok()?;
+        (find(&ws, "id", "w-fig").ok()?["succeeded"] == 5).then_some(ws)
+    })
+    .await?;
+    let wf = find(&ws, "id", "w-fig")?;
+    let n = |k: &str| wf[k].as_u64();
+    assert_eq!([n("succeeded"), n("retried"), n("dead"), n("expired"), n("failed")], [5, 0, 0, 0, 0].map(Some), "probes not counted: {wf}");
+    let page = reqwest::get(&metrics_url).await?.text().await?;
+    assert!(probes(&page) >= 2.0);
+    assert_eq!(metric_sum(&page, "fleet_tasks_completed_total", &[("group", group.as_str())]), 5.0, "user tasks only");
+    assert_eq!(metric_sum(&page, "fleet_tasks_completed_total", &[("group", group.as_str()), ("lane", "critical")]), 0.0);
+    let (code, out, err) = fleetctl(&ns, &format!("http://{}", sched.addr), &["workers"])?;
+    assert_eq!(code, 0, "{err}");
+    let row: Vec<&str> = out.lines().find(|l| l.starts_with("w-fig")).context("w-fig row")?.split_whitespace().collect();
+    assert_eq!(row[5..10], ["5", "0", "0", "0", "0"], "{out}");
+    w.stop().await?;
     sched.stop().await?;
     ns.cleanup().await
 }

@@ -60,6 +60,7 @@ async fn status(State(api): State<Api>) -> Json<Value> {
         "succeeded": succeeded,
         "failed": failed,
         "latency_ewma_ms": api.stats.latency_ewma_ms(),
+        "outcomes": api.stats.outcomes().into_iter().map(|(o, n)| (o.to_string(), Value::from(n))).collect::<serde_json::Map<_, _>>(),
     }))
 }
 

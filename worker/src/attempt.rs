@@ -153,7 +153,9 @@ pub async fn handle(shared: Arc<Shared>, lane: Lane, delivery: Delivery, channel
     };
     let base = env.attempt.saturating_add(1);
     let span = tracing::info_span!("task", task.id = %fleet::envelope::escape(&env.id), kind = %fleet::envelope::escape(&env.kind), lane = %lane, attempt = base);
-    attempt_task(shared, lane, delivery, env, base).instrument(span).await
+    // Only the scheduler publishes with this header (see `amqp::PROBE_HEADER`).
+    let probe = fleet::amqp::header_text(&delivery.properties, fleet::amqp::PROBE_HEADER).is_some();
+    attempt_task(shared, lane, delivery, env, base, probe).instrument(span).await
 }
 
 /// The run slot an attempt holds: shared with other runs, or alone. Held for its `Drop`.
@@ -202,6 +204,7 @@ async fn claim(shared: &Shared, lane: Lane, delivery: &Delivery, env: &Envelope,
                 match dead_letter(shared, env, n, "worker_lost", error).await {
                     Ok(()) => {
                         ack(delivery).await;
+                        shared.stats.outcome("dead");
                         metrics::counter!(m::TASKS_COMPLETED, "group" => shared.group.clone(), "lane" => lane.as_str(), "outcome" => "dead").increment(1);
                     }
                     Err(e) => {
@@ -228,7 +231,9 @@ async fn ack(delivery: &Delivery) {
     }
 }
 
-async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: Envelope, base: u32) {
+/// `probe`: a scheduler health probe, counted in `fleet_probes_completed_total` and left out
+/// of the worker's task figures (metrics, `/status`, `GET /v1/workers`).
+async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: Envelope, base: u32, probe: bool) {
     let max_attempts = env.max_attempts_or(shared.default_max_attempts);
     let Some((attempt, _slot)) = claim(&shared, lane, &delivery, &env, base, max_attempts).await else { return };
     shared.stats.started(lane, &env.id);
@@ -250,7 +255,9 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: 
             return;
         };
         metrics::histogram!(m::TASK_RUN, "group" => shared.group.clone(), "lane" => lane.as_str()).record(took.as_secs_f64());
-        shared.stats.ran(result.is_ok(), took);
+        if !probe {
+            shared.stats.ran(result.is_ok(), took);
+        }
         match &result {
             Ok(_) => shared.ejector.record(false),
             Err(TaskError::Permanent(_)) => {}
@@ -260,9 +267,13 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: 
         decide(result, attempt, max_attempts, time_left, &shared.backoff)
     };
 
-    let outcome = settle(&shared, lane, &delivery, &env, attempt, max_attempts, fate).await;
-    metrics::counter!(m::TASKS_COMPLETED, "group" => shared.group.clone(), "lane" => lane.as_str(), "outcome" => outcome.as_str())
-        .increment(1);
+    let outcome = settle(&shared, lane, &delivery, &env, (attempt, max_attempts), fate, probe).await;
+    if probe {
+        metrics::counter!(m::PROBES_COMPLETED, "group" => shared.group.clone(), "outcome" => outcome.as_str()).increment(1);
+    } else {
+        metrics::counter!(m::TASKS_COMPLETED, "group" => shared.group.clone(), "lane" => lane.as_str(), "outcome" => outcome.as_str())
+            .increment(1);
+    }
     shared.stats.ended(lane, &env.id);
 }
 
@@ -345,13 +356,20 @@ async fn settle(
     lane: Lane,
     delivery: &Delivery,
     env: &Envelope,
-    attempt: u32,
-    max_attempts: u32,
+    (attempt, max_attempts): (u32, u32),
     fate: Fate,
+    probe: bool,
 ) -> Outcome {
+    // A user task's outcome is counted in the worker's figures before its ledger record, so
+    // the batch that writes the record also publishes the figures.
+    let count = |o: Outcome| {
+        if !probe {
+            shared.stats.outcome(o.as_str());
+        }
+        o
+    };
     // The scheduler's health probes never reach the dead-letter queue nor retry: a lost probe
     // is the scheduler's to count (fleet_probe_failures_total), not a task of the user's.
-    let probe = fleet::amqp::header_text(&delivery.properties, fleet::amqp::PROBE_HEADER).is_some();
     let fate = match fate {
         Fate::Retry { error, .. } if probe => Fate::Dead { reason: "max_attempts", error },
         f => f,
@@ -378,8 +396,9 @@ async fn settle(
         tracing::warn!(error = %e, "cannot record the outcome in the broker; task requeued");
         nack_requeue(delivery).await;
         shared.ledger.release(Finished::release(lane, env.id.clone(), attempt));
-        return Outcome::Failed;
+        return count(Outcome::Failed);
     }
+    count(outcome);
     if !shared.ledger.finish(Finished { lane, id: env.id.clone(), attempt, state, text, success, reason }).await {
         tracing::warn!("outcome not yet written to Redis (retried in the background); acking anyway");
     }

@@ -7,7 +7,6 @@
 //! (its delivery cannot be acked on a dead connection anyway).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use lapin::types::ShortString;
 use lapin::{BasicProperties, Channel, Connection};
@@ -32,6 +31,8 @@ pub struct Broker {
     /// The latest connection, read without waiting (never held across an await).
     conn: std::sync::Mutex<Option<Arc<Connection>>>,
     publisher: Mutex<Option<Channel>>,
+    /// A connection error no retry can fix (login refused, queue arguments that differ).
+    permanent: std::sync::Mutex<Option<fleet::Error>>,
 }
 
 impl Broker {
@@ -46,6 +47,7 @@ impl Broker {
             reconnect: Mutex::new(()),
             conn: std::sync::Mutex::new(None),
             publisher: Mutex::new(None),
+            permanent: std::sync::Mutex::new(None),
         }
     }
 
@@ -62,24 +64,37 @@ impl Broker {
             metrics::counter!(fleet::metrics::AMQP_RECONNECTS).increment(1);
         }
         self.readiness.set_amqp(false);
-        let mut delay = Duration::from_millis(200);
-        let conn = loop {
-            if self.stop.is_cancelled() {
-                return None;
-            }
-            let c = fleet::amqp::connect_retrying(&self.cfg.amqp_url, &self.name, &self.stop).await?;
+        use backon::Retryable;
+        let attempt = || async {
+            let Some(c) = fleet::amqp::connect_retrying(&self.cfg.amqp_url, &self.name, &self.stop).await? else {
+                return Ok(None);
+            };
             match self.declare(&c).await {
-                Ok(()) => break c,
+                Ok(()) => Ok(Some(c)),
                 Err(e) => {
-                    tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "cannot declare the topology");
                     let _ = c.close(200, ShortString::from("declare failed")).await;
+                    Err(e)
                 }
             }
-            tokio::select! {
-                _ = self.stop.cancelled() => return None,
-                _ = tokio::time::sleep(delay) => {}
+        };
+        let connected = attempt
+            .retry(fleet::amqp::reconnect_backoff())
+            .sleep(tokio::time::sleep)
+            .when(|e: &fleet::Error| !matches!(e, fleet::Error::Permanent { .. }) && !self.stop.is_cancelled())
+            .notify(|e, wait| tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "cannot declare the topology; retrying"))
+            .await;
+        let conn = match connected {
+            Ok(Some(c)) => c,
+            Ok(None) => return None,
+            Err(e) => {
+                // No retry can fix it: the worker stops and reports it once (see
+                // `take_permanent`).
+                if let Ok(mut slot) = self.permanent.lock() {
+                    *slot = Some(e);
+                }
+                self.stop.cancel();
+                return None;
             }
-            delay = (delay * 2).min(Duration::from_secs(5));
         };
         if self.stop.is_cancelled() {
             let _ = conn.close(200, ShortString::from("stopping")).await;
@@ -103,6 +118,11 @@ impl Broker {
         // the id over meanwhile: its registration then answers our heartbeat with `conflict`).
         self.lock_on(conn).await;
         Ok(())
+    }
+
+    /// The permanent error that stopped [`Broker::connection`], if one did.
+    pub fn take_permanent(&self) -> Option<fleet::Error> {
+        self.permanent.lock().ok()?.take()
     }
 
     /// Declares this worker id's exclusive lock queue on the current connection (see

@@ -14,6 +14,7 @@
 use std::time::Duration;
 
 use fleet::config::{CommonConfig, Settings};
+use fleet::settings::WorkerArgs;
 use fleet::selector::PROTOCOL_LABEL;
 use fleet::Labels;
 
@@ -99,91 +100,92 @@ pub struct WorkerConfig {
     pub exec: Option<ExecConfig>,
 }
 
-/// Largest lane capacity: AMQP's prefetch count is a 16-bit number.
-const MAX_CAPACITY: u32 = u16::MAX as u32;
-
 impl WorkerConfig {
-    /// Reads and validates every worker setting.
+    /// Reads and validates every worker setting (see [`fleet::settings::WorkerArgs`]).
     pub fn from_settings(s: &Settings) -> fleet::Result<Self> {
-        let common = CommonConfig::from_settings(s, "127.0.0.1:9100")?;
-        let worker_id = match s.opt_string("worker_id") {
+        Self::from_args(fleet::settings::parse::<WorkerArgs>(s)?)
+    }
+
+    /// Validates what the declarations cannot check alone (relations between settings).
+    pub fn from_args(a: WorkerArgs) -> fleet::Result<Self> {
+        fn err(setting: &str, message: impl Into<String>) -> fleet::Error {
+            fleet::Error::config(setting, message)
+        }
+        let common = CommonConfig::from_args(&a.common, a.http_addr.trim().to_string())?;
+        let worker_id = match a.worker_id.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
             Some(id) => {
-                if !valid_id(&id) {
-                    return Err(s.error("worker_id", format!("`{id}`: use 1-128 of [A-Za-z0-9_.:-]")));
+                if !valid_id(id) {
+                    return Err(err("FLEET_WORKER_ID", format!("`{id}`: use 1-128 of [A-Za-z0-9_.:-]")));
                 }
-                id
+                id.to_string()
             }
             None => default_worker_id(),
         };
-        let executor = match s.choice("executor", "builtin", &["builtin", "http", "exec"])?.as_str() {
+        let executor = match a.executor.as_str() {
             "http" => ExecutorKind::Http,
             "exec" => ExecutorKind::Exec,
             _ => ExecutorKind::Builtin,
         };
-        let labels = s.labels("labels")?;
+        let labels = Labels::parse(a.labels.trim()).map_err(|e| err("FLEET_LABELS", e.to_string()))?;
         if let Some(p) = labels.get(PROTOCOL_LABEL) {
             if p != executor.as_str() {
-                return Err(s.error(
-                    "labels",
+                return Err(err(
+                    "FLEET_LABELS",
                     format!("label {PROTOCOL_LABEL}={p} contradicts executor {}", executor.as_str()),
                 ));
             }
         }
         let labels = labels.with(PROTOCOL_LABEL, executor.as_str());
-        let capacity = lane_capacity(s, "capacity", 4)?;
-        let critical_capacity = lane_capacity(s, "critical_capacity", 1)?;
+        let ms = Duration::from_millis;
 
-        let heartbeat_interval = s.millis("heartbeat_interval_ms", 10_000)?;
-        let heartbeat_timeout = s.millis("heartbeat_timeout_ms", 30_000)?;
+        let heartbeat_interval = ms(a.heartbeat_interval_ms);
+        let heartbeat_timeout = ms(a.heartbeat_timeout_ms);
         if heartbeat_timeout <= heartbeat_interval {
-            return Err(s.error("heartbeat_timeout_ms", "must be longer than FLEET_HEARTBEAT_INTERVAL_MS"));
+            return Err(err("FLEET_HEARTBEAT_TIMEOUT_MS", "must be longer than FLEET_HEARTBEAT_INTERVAL_MS"));
         }
-        let run_lease = s.millis("run_lease_ms", millis(heartbeat_interval) * 3)?;
+        let run_lease = ms(a.run_lease_ms.unwrap_or(a.heartbeat_interval_ms.saturating_mul(3)));
         if run_lease <= heartbeat_interval {
-            return Err(s.error("run_lease_ms", "must be longer than FLEET_HEARTBEAT_INTERVAL_MS"));
+            return Err(err("FLEET_RUN_LEASE_MS", "must be longer than FLEET_HEARTBEAT_INTERVAL_MS"));
         }
-        let retry_base = s.millis("retry_base_ms", 1_000)?;
-        let retry_cap = s.millis("retry_cap_ms", 600_000)?;
+        let retry_base = ms(a.retry_base_ms);
+        let retry_cap = ms(a.retry_cap_ms);
         if retry_cap < retry_base {
-            return Err(s.error("retry_cap_ms", "must not be shorter than FLEET_RETRY_BASE_MS"));
+            return Err(err("FLEET_RETRY_CAP_MS", "must not be shorter than FLEET_RETRY_BASE_MS"));
         }
         let eject = EjectConfig {
-            window: s.positive("eject_window", 20usize)?,
-            min_samples: s.positive("eject_min_samples", 10usize)?,
-            error_ratio: s.ratio("eject_error_ratio", 0.5)?,
-            cooldown: s.millis("eject_cooldown_ms", 30_000)?,
+            window: a.eject_window,
+            min_samples: a.eject_min_samples,
+            error_ratio: a.eject_error_ratio,
+            cooldown: ms(a.eject_cooldown_ms),
         };
         if eject.min_samples > eject.window {
-            return Err(s.error("eject_min_samples", "must not exceed FLEET_EJECT_WINDOW"));
+            return Err(err("FLEET_EJECT_MIN_SAMPLES", "must not exceed FLEET_EJECT_WINDOW"));
         }
 
         let http = match executor {
             ExecutorKind::Http => {
-                let Some(url) = s.opt_string("http_url") else {
-                    return Err(s.error("http_url", "required when FLEET_EXECUTOR=http"));
+                let Some(url) = a.http_url.as_deref().map(str::trim).filter(|s| !s.is_empty()) else {
+                    return Err(err("FLEET_HTTP_URL", "required when FLEET_EXECUTOR=http"));
                 };
-                if url.starts_with("https://") {
+                let scheme = url.split("://").next().unwrap_or("").to_ascii_lowercase();
+                if scheme == "https" {
                     // reqwest is built without TLS in this workspace (no native-tls / rustls).
-                    return Err(s.error("http_url", format!("`{url}`: https is not supported by this build; use http:// (e.g. to a local TLS-terminating proxy)")));
+                    return Err(err("FLEET_HTTP_URL", format!("`{url}`: https is not supported by this build; use http:// (e.g. to a local TLS-terminating proxy)")));
                 }
-                if !url.starts_with("http://") {
-                    return Err(s.error("http_url", format!("`{url}` is not an http:// URL")));
+                if !url.contains("://") || scheme != "http" {
+                    return Err(err("FLEET_HTTP_URL", format!("`{url}` is not an http:// URL")));
                 }
-                Some(HttpConfig { url, timeout: s.millis("http_timeout_ms", 30_000)? })
+                Some(HttpConfig { url: url.to_string(), timeout: ms(a.http_timeout_ms) })
             }
             _ => None,
         };
         let exec = match executor {
             ExecutorKind::Exec => {
-                let Some(raw) = s.opt_string("exec_command") else {
-                    return Err(s.error("exec_command", "required when FLEET_EXECUTOR=exec"));
+                let Some(raw) = a.exec_command.as_deref().map(str::trim).filter(|s| !s.is_empty()) else {
+                    return Err(err("FLEET_EXEC_COMMAND", "required when FLEET_EXECUTOR=exec"));
                 };
-                let argv = parse_argv(&raw).map_err(|m| s.error("exec_command", m))?;
-                let permanent_exit: i32 = s.parse("exec_permanent_exit", 65)?;
-                if !(1..=255).contains(&permanent_exit) {
-                    return Err(s.error("exec_permanent_exit", format!("must be 1-255, got {permanent_exit}")));
-                }
-                Some(ExecConfig { argv, max_output: s.positive("exec_max_output", 1usize << 20)?, permanent_exit })
+                let argv = parse_argv(raw).map_err(|m| err("FLEET_EXEC_COMMAND", m))?;
+                Some(ExecConfig { argv, max_output: a.exec_max_output, permanent_exit: a.exec_permanent_exit })
             }
             _ => None,
         };
@@ -192,16 +194,16 @@ impl WorkerConfig {
             common,
             worker_id,
             labels,
-            capacity,
-            critical_capacity,
+            capacity: a.capacity,
+            critical_capacity: a.critical_capacity,
             executor,
             heartbeat_interval,
             heartbeat_timeout,
             run_lease,
-            drain_grace: s.millis("drain_grace_ms", 30_000)?,
+            drain_grace: ms(a.drain_grace_ms),
             retry_base,
             retry_cap,
-            max_task: s.millis("max_task_ms", 25 * 60 * 1000)?,
+            max_task: ms(a.max_task_ms),
             eject,
             http,
             exec,
@@ -220,18 +222,6 @@ impl WorkerConfig {
             fleet::Lane::Critical => self.critical_capacity,
         }
     }
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
-fn lane_capacity(s: &Settings, key: &str, default: u32) -> fleet::Result<u32> {
-    let v = s.positive(key, default)?;
-    if v > MAX_CAPACITY {
-        return Err(s.error(key, format!("must be at most {MAX_CAPACITY} (the AMQP prefetch limit), got {v}")));
-    }
-    Ok(v)
 }
 
 fn valid_id(id: &str) -> bool {

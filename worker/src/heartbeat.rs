@@ -84,6 +84,11 @@ impl Heartbeat {
                     tracing::debug!(error = %e, "cannot share the wait histogram");
                 }
                 self.on_reply(reply, &b, lease_ms).await;
+                // The figures also go out with every ledger batch; this covers a registration
+                // made again (which starts from an empty record).
+                if let Err(e) = store.set_outcomes(self.registrar.id(), self.registrar.instance(), &self.stats.outcomes()).await {
+                    self.redis_error(&e, "cannot publish the task figures");
+                }
             }
             Err(e) => self.redis_error(&e, "heartbeat failed"),
         }
@@ -131,7 +136,9 @@ impl Heartbeat {
             Ok(Some(WorkerState::Draining)) if self.control.mode() != Mode::Draining => {
                 self.control.request_drain("state set to draining in Redis (drain requested through the API)");
             }
-            Ok(Some(_)) => self.readiness.set_redis(true),
+            // A read proves nothing about writes (a read-only Redis answers it): readiness
+            // is set by the heartbeat, a write.
+            Ok(Some(_)) => {}
             // Gone: the heartbeat sorts it out (and re-registers).
             Ok(None) => self.beat(cpu).await,
             Err(e) => self.redis_error(&e, "cannot read the worker state"),

@@ -29,6 +29,8 @@ use tracing::Instrument;
 use fleet::lease::{Claim, ClaimRequest, Finished};
 use fleet::store::Store;
 
+use crate::stats::Stats;
+
 /// Largest batch.
 pub const FLUSH_OPS: usize = 256;
 /// Records buffered while Redis is slow or down; beyond that, records are dropped.
@@ -58,7 +60,7 @@ impl Ledger {
     /// A ledger and its batching loop (run it with [`Batcher::run`]).
     pub fn new(store: Store, worker_id: String, instance: String, group: String, run_lease: Duration, status_ttl: Duration) -> (Ledger, Batcher) {
         let (tx, rx) = mpsc::channel(BUFFER);
-        let batcher = Batcher { rx, store, worker_id, instance, group, run_lease, status_ttl, gone: Arc::new(Notify::new()) };
+        let batcher = Batcher { rx, store, worker_id, instance, group, run_lease, status_ttl, gone: Arc::new(Notify::new()), figures: None };
         (Ledger { tx }, batcher)
     }
 
@@ -107,12 +109,21 @@ pub struct Batcher {
     run_lease: Duration,
     status_ttl: Duration,
     gone: Arc<Notify>,
+    /// This worker's figures, published with each batch of outcomes (so `GET /v1/workers`
+    /// is current); `None` publishes nothing.
+    figures: Option<Arc<Stats>>,
 }
 
 /// Outcomes waiting to be written, with whoever waits for them.
 type Finishes = Vec<(Finished, Option<oneshot::Sender<()>>)>;
 
 impl Batcher {
+    /// Publishes `stats`' outcome totals with every batch of outcomes written.
+    pub fn with_figures(mut self, stats: Arc<Stats>) -> Self {
+        self.figures = Some(stats);
+        self
+    }
+
     /// Notified when a claim finds the worker's registration gone (the heartbeat registers
     /// again).
     pub fn gone_signal(&self) -> Arc<Notify> {
@@ -184,6 +195,11 @@ impl Batcher {
                     for (_, written) in finishes.drain(..) {
                         if let Some(w) = written {
                             let _ = w.send(());
+                        }
+                    }
+                    if let Some(stats) = &self.figures {
+                        if let Err(e) = self.store.set_outcomes(&self.worker_id, &self.instance, &stats.outcomes()).await {
+                            tracing::debug!(error = %e, "cannot publish the task figures (the heartbeat does it again)");
                         }
                     }
                     return;

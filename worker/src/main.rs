@@ -1,40 +1,53 @@
 //! `fleet-worker`: read the settings once, run the worker, drain on SIGTERM/SIGINT; a second
-//! signal ends the drain at once.
+//! signal ends the drain at once, and the process exits within [`HARD_EXIT`] of it whatever
+//! state RabbitMQ and Redis are in.
+//!
+//! Exit codes: 0 after a clean drain (and for `--help` / `--version`, which start nothing);
+//! 2 for a bad setting or a permanent broker / Redis error (login refused, unknown vhost, a
+//! queue that exists with other arguments); 1 for anything else (a drain cut short).
 
 use std::process::ExitCode;
+use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
 use fleet::config::Settings;
+use fleet::settings::{Early, WorkerArgs};
 use fleet_worker::{Worker, WorkerConfig};
+
+/// After a second signal the process ends within this time even if something is stuck.
+const HARD_EXIT: Duration = Duration::from_secs(10);
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cfg = match Settings::from_env().and_then(|s| WorkerConfig::from_settings(&s)) {
-        Ok(cfg) => cfg,
-        Err(e) => {
-            eprintln!("fleet-worker: {e}");
-            return ExitCode::from(2);
-        }
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if let Early::Print(text) = fleet::settings::early::<WorkerArgs>(&args) {
+        print!("{text}");
+        return ExitCode::SUCCESS;
+    }
+    let (settings, cfg) = match Settings::from_env()
+        .map(|s| s.with_command_line(args))
+        .and_then(|s| WorkerConfig::from_settings(&s).map(|c| (s, c)))
+    {
+        Ok(v) => v,
+        Err(e) => return fleet::error::report("fleet-worker", &e.into()),
     };
     fleet::telemetry::init(&cfg.common.log_format);
+    for warning in fleet::settings::unknown(&settings) {
+        tracing::warn!("{warning}");
+    }
 
     let shutdown = CancellationToken::new();
     let force = CancellationToken::new();
     let signals = tokio::spawn(on_signals(shutdown.clone(), force.clone()));
     let result = Worker::builder(cfg).force_shutdown(force).run(shutdown).await;
     signals.abort();
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!(error = %format!("{e:#}"), "fleet-worker stopped with an error");
-            eprintln!("fleet-worker: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    fleet::error::finish("fleet-worker", result)
 }
 
-/// First signal: drain. Second: stop now.
+/// First signal: drain. Second: stop now — and if the worker has not returned within
+/// [`HARD_EXIT`] (a call stuck on a dead server), end the process from a plain thread, which
+/// needs nothing from the async runtime.
 async fn on_signals(shutdown: CancellationToken, force: CancellationToken) {
     signal().await;
     tracing::info!("signal received: draining (send another to stop at once)");
@@ -42,6 +55,11 @@ async fn on_signals(shutdown: CancellationToken, force: CancellationToken) {
     signal().await;
     tracing::warn!("second signal: stopping now");
     force.cancel();
+    std::thread::spawn(|| {
+        std::thread::sleep(HARD_EXIT);
+        fleet::telemetry::flush();
+        std::process::exit(1);
+    });
 }
 
 async fn signal() {

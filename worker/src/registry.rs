@@ -31,6 +31,9 @@ pub enum RegisterError {
     /// Another live process holds this worker id.
     #[error("{0}; is another worker running with FLEET_WORKER_ID set to the same id?")]
     Duplicate(String),
+    /// Redis refused us in a way no retry can fix (password).
+    #[error(transparent)]
+    Permanent(fleet::Error),
 }
 
 /// How often the holder of our id is looked at while start-up waits to see whether it is alive.
@@ -42,6 +45,8 @@ pub struct Registrar {
     store: Store,
     registration: Registration,
     liveness_ms: i64,
+    /// For error messages (password hidden when printed).
+    redis_url: String,
     /// This process holds the id's broker lock: a previous holder is gone, take over at once.
     takeover: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
@@ -50,6 +55,7 @@ impl Registrar {
     pub fn new(cfg: &WorkerConfig, store: Store) -> Self {
         Registrar {
             store,
+            redis_url: cfg.common.redis_url.clone(),
             registration: Registration {
                 id: cfg.worker_id.clone(),
                 instance: uuid::Uuid::new_v4().simple().to_string(),
@@ -110,8 +116,11 @@ impl Registrar {
                     pause = DUPLICATE_POLL;
                 }
                 Err(e) => {
+                    if let Some(p) = fleet::store::permanent(&e, &self.redis_url) {
+                        return Err(RegisterError::Permanent(p));
+                    }
                     metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
-                    tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "cannot register in Redis");
+                    tracing::warn!(setting = "FLEET_REDIS_URL", error = %e, retry_in_ms = delay.as_millis() as u64, "cannot register in Redis; retrying");
                     delay = (delay * 2).min(Duration::from_secs(5));
                 }
             }

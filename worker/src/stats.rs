@@ -22,7 +22,13 @@ pub struct Stats {
     ewma_bits: AtomicU64,
     /// Submission-to-start waits, shared with the scheduler's console at each heartbeat.
     pub waits: WaitHistogram,
+    /// User task attempts by outcome, in the order of [`OUTCOMES`].
+    outcomes: [AtomicU64; 5],
 }
+
+/// The outcomes of `fleet_tasks_completed_total`, as the worker counts them for `/status` and
+/// `GET /v1/workers` (the same words, so every view of a worker agrees).
+pub const OUTCOMES: [&str; 5] = ["succeeded", "retried", "dead", "expired", "failed"];
 
 impl Stats {
     pub fn new() -> Self {
@@ -76,6 +82,18 @@ impl Stats {
         (normal, critical, r.keys().cloned().collect())
     }
 
+    /// Counts one user task attempt's outcome (one of [`OUTCOMES`]; others are ignored).
+    pub fn outcome(&self, name: &str) {
+        if let Some(i) = OUTCOMES.iter().position(|o| *o == name) {
+            self.outcomes[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// User task attempts by outcome, every one of [`OUTCOMES`] in order.
+    pub fn outcomes(&self) -> Vec<(&'static str, u64)> {
+        OUTCOMES.iter().zip(&self.outcomes).map(|(o, n)| (*o, n.load(Ordering::Relaxed))).collect()
+    }
+
     pub fn totals(&self) -> (u64, u64) {
         (self.succeeded.load(Ordering::Relaxed), self.failed.load(Ordering::Relaxed))
     }
@@ -117,5 +135,15 @@ mod tests {
         s.ran(false, Duration::from_millis(200));
         assert!((s.latency_ewma_ms() - 120.0).abs() < 1e-9);
         assert_eq!(s.totals(), (1, 1));
+    }
+
+    #[test]
+    fn outcomes_are_counted_by_name() {
+        let s = Stats::new();
+        s.outcome("succeeded");
+        s.outcome("succeeded");
+        s.outcome("retried");
+        s.outcome("bogus");
+        assert_eq!(s.outcomes(), vec![("succeeded", 2), ("retried", 1), ("dead", 0), ("expired", 0), ("failed", 0)]);
     }
 }

@@ -172,6 +172,9 @@ impl Worker {
         if !connected {
             broker.close("shutdown during start-up").await;
             end_early(loops, http_stop).await;
+            if let Some(e) = broker.take_permanent() {
+                return Err(anyhow!(e));
+            }
             tracing::info!("stopped before start-up completed");
             return Ok(());
         }
@@ -198,7 +201,10 @@ impl Worker {
             Err(e) => {
                 broker.close("start-up failed").await;
                 end_early(loops, http_stop).await;
-                return Err(anyhow!(e));
+                return Err(match e {
+                    crate::registry::RegisterError::Permanent(p) => anyhow!(p),
+                    other => anyhow!(other),
+                });
             }
         }
         readiness.set_redis(true);
@@ -208,6 +214,7 @@ impl Worker {
         let tasks = TaskTracker::new();
         let abort = CancellationToken::new();
         let (ledger, batcher) = Ledger::new(store.clone(), cfg.worker_id.clone(), registrar.instance().to_string(), group.clone(), cfg.run_lease, cfg.common.status_ttl);
+        let batcher = batcher.with_figures(stats.clone());
         let gone = batcher.gone_signal();
         let ledger_stop = CancellationToken::new();
         let ledger_done = loops.spawn(batcher.run(ledger_stop.clone()).in_current_span());

@@ -16,7 +16,6 @@ use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::IntoResponse;
 use axum::{Json, Router};
-use fleet::config::Settings;
 use serde_json::json;
 
 /// What a token may do.
@@ -56,20 +55,20 @@ impl fmt::Debug for ApiAuth {
 }
 
 impl ApiAuth {
-    /// Reads `FLEET_API_TOKENS`; a bad entry names the setting (never the token).
-    pub fn from_settings(s: &Settings) -> fleet::Result<Self> {
+    /// Parses `FLEET_API_TOKENS` (`TOKEN ROLE` entries, comma- or line-separated); a bad entry
+    /// names the setting (never the token).
+    pub fn parse(raw: &str) -> fleet::Result<Self> {
         let mut tokens = Vec::new();
-        let raw = s.opt_string("api_tokens").unwrap_or_default();
         for (i, entry) in raw.split([',', '\n']).map(str::trim).filter(|e| !e.is_empty()).enumerate() {
             let mut parts = entry.split_whitespace();
             let (Some(token), Some(role), None) = (parts.next(), parts.next(), parts.next()) else {
-                return Err(s.error("api_tokens", format!("entry {} is not `TOKEN ROLE`", i + 1)));
+                return Err(fleet::Error::config("FLEET_API_TOKENS", format!("entry {} is not `TOKEN ROLE`", i + 1)));
             };
             let Some(role) = Role::parse(role) else {
-                return Err(s.error("api_tokens", format!("entry {}: role `{role}` is not read, submit or admin", i + 1)));
+                return Err(fleet::Error::config("FLEET_API_TOKENS", format!("entry {}: role `{role}` is not read, submit or admin", i + 1)));
             };
             if token.len() < 16 {
-                return Err(s.error("api_tokens", format!("entry {}: a token needs at least 16 characters", i + 1)));
+                return Err(fleet::Error::config("FLEET_API_TOKENS", format!("entry {}: a token needs at least 16 characters", i + 1)));
             }
             tokens.push((token.as_bytes().to_vec(), role));
         }
@@ -133,13 +132,11 @@ mod tests {
     #[test]
     fn bad_entries_name_the_setting_not_the_token() {
         for bad in ["onlyonefield", "0123456789abcdef root", "short admin", "0123456789abcdef read extra"] {
-            let s = Settings::from_pairs([("api_tokens", bad.to_string())]);
-            let e = ApiAuth::from_settings(&s).map(|_| ()).unwrap_err().to_string();
+            let e = ApiAuth::parse(bad).map(|_| ()).unwrap_err().to_string();
             assert!(e.contains("FLEET_API_TOKENS"), "{bad}: {e}");
             assert!(!e.contains("0123456789abcdef"), "{e}");
         }
-        let s = Settings::from_pairs([("api_tokens", "0123456789abcdef read, fedcba9876543210 admin".to_string())]);
-        let a = ApiAuth::from_settings(&s).unwrap_or_default();
+        let a = ApiAuth::parse("0123456789abcdef read, fedcba9876543210 admin").unwrap_or_default();
         assert_eq!(a.tokens.len(), 2);
         assert!(!format!("{a:?}").contains("0123"));
     }

@@ -16,6 +16,7 @@
 local w, g, inst, st_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local now = NOW_MS
 local n = tonumber(ARGV[5])
+local done = {}
 for k = 0, n - 1 do
   local b = 6 + 8 * k
   local lane, id, attempt, state = ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 2]), ARGV[b + 3]
@@ -31,7 +32,12 @@ for k = 0, n - 1 do
       redis.call('HSET', t, 'run_st', 'rel', 'state', 'queued')
       redis.call('HDEL', t, 'worker', 'started_at')
     end
-  elseif seen <= attempt then
+  else
+    -- Completions per group and lane: the scheduler turns them into each group's room ahead
+    -- of its workers (Little's law; see backpressure.rs).
+    done[lane] = (done[lane] or 0) + 1
+  end
+  if state ~= '' and seen <= attempt then
     redis.call('HSET', t, 'state', state, 'worker', w, 'finished_at', now, 'attempt', attempt, field, text)
     if owned or r[2] == false then redis.call('HSET', t, 'run_st', 'done') end
     -- A success after failed attempts: the earlier attempt's error no longer describes the task.
@@ -41,4 +47,5 @@ for k = 0, n - 1 do
     redis.call('PEXPIRE', t, st_ttl)
   end
 end
+for lane, c in pairs(done) do redis.call('HINCRBY', K_group(g), 'done:' .. lane, c) end
 return n

@@ -32,8 +32,11 @@ local function gstate(g, lane)
   local key = g .. '|' .. lane
   local s = gcache[key]
   if s then return s end
-  local cap = tonumber(redis.call('HGET', K_group(g), 'cap:' .. lane) or '0') or 0
-  s = { cap = cap, used = 0, limit = cap * (1 + bf), health = nil }
+  local h = redis.call('HMGET', K_group(g), 'cap:' .. lane, 'room:' .. lane)
+  local cap = tonumber(h[1] or '0') or 0
+  -- Room ahead of the workers: at least capacity × (1 + backlog factor), more for a group that
+  -- drains fast (the scheduler writes `room:<lane>` from its completion rate, Little's law).
+  s = { cap = cap, used = 0, limit = math.max(cap * (1 + bf), tonumber(h[2] or '0') or 0), health = nil }
   if cap > 0 then
     redis.call('ZREMRANGEBYSCORE', K_resv(g, lane), '-inf', now)
     redis.call('ZREMRANGEBYSCORE', K_run(g, lane), '-inf', now)

@@ -17,10 +17,17 @@ use serde_json::Value;
 use fleet::amqp;
 use fleet::dead;
 use fleet::registry::WorkerView;
+use fleet::producer::{Pacing, Producer, Submitted};
 use fleet::{Envelope, Labels, Lane, Names, Store};
 
 /// Publishes awaiting confirms at once, at most.
 const CONFIRM_WINDOW: usize = 1000;
+/// Largest `--delay-ms`: 30 days, the envelope's bound on `not_before`.
+const MAX_DELAY_MS: u64 = 30 * 24 * 3600 * 1000;
+/// Largest `--timeout-ms`: 365 days.
+const MAX_TIMEOUT_MS: u64 = 365 * 24 * 3600 * 1000;
+/// Header marking a replayed dead letter.
+const REPLAY_HEADER: &str = "x-fleet-replay";
 
 #[derive(Parser)]
 #[command(name = "fleetctl", version, about = "Control a fleet: submit tasks, read status, list workers and groups, drain, dead letters")]
@@ -41,7 +48,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Publish tasks to `<ns>.submit` with publisher confirms; prints `accepted=N refused=M`.
+    /// Publish tasks to `<ns>.submit` with publisher confirms; prints `accepted=N refused=M`
+    /// (exit 1 when any was refused). With --paced, waits for room instead of refusing.
     Submit(SubmitArgs),
     /// Show a task's status (GET /v1/tasks/{id}).
     Status {
@@ -49,7 +57,7 @@ enum Cmd {
         /// Poll until the task is succeeded, dead or expired.
         #[arg(long)]
         wait: bool,
-        #[arg(long, default_value_t = 60)]
+        #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
         timeout_s: u64,
     },
     /// List workers (GET /v1/workers).
@@ -61,13 +69,23 @@ enum Cmd {
     /// Inspect or replay dead letters (`<ns>.dead`).
     #[command(subcommand)]
     Dead(DeadCmd),
+    /// Delete a namespace: its queues (with their tasks), its exchanges and its Redis keys.
+    /// Stop its scheduler and workers first.
+    DeleteNamespace {
+        /// Required: the queues' tasks are lost.
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Periodic schedules (the scheduler's /v1/schedules).
+    #[command(subcommand)]
+    Schedule(ScheduleCmd),
 }
 
 #[derive(Args)]
 struct SubmitArgs {
     #[arg(long, required_unless_present = "file", conflicts_with = "file")]
     kind: Option<String>,
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     count: u32,
     /// Selector `k=v,k=v`: every pair must be on the worker.
     #[arg(long)]
@@ -83,12 +101,13 @@ struct SubmitArgs {
     /// Executor the task needs (builtin, http, exec).
     #[arg(long)]
     protocol: Option<String>,
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
     max_attempts: Option<u32>,
-    #[arg(long)]
+    /// Deadline, milliseconds from now (1 ms to 365 days).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_TIMEOUT_MS))]
     timeout_ms: Option<u64>,
-    /// Start no earlier than this many milliseconds from now.
-    #[arg(long)]
+    /// Start no earlier than this many milliseconds from now (at most 30 days, the envelope's limit).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=MAX_DELAY_MS))]
     delay_ms: Option<u64>,
     /// Envelopes from a file: a JSON array, or one JSON object per line.
     #[arg(long)]
@@ -96,13 +115,20 @@ struct SubmitArgs {
     /// Print each accepted task id on its own line before the summary.
     #[arg(long)]
     print_ids: bool,
+    /// Slow down to the fleet's pace instead of reporting refusals: refused tasks are offered
+    /// again with backoff and jitter until every one is accepted (or --within passes).
+    #[arg(long)]
+    paced: bool,
+    /// With --paced: give up on tasks still refused after this long (e.g. 90s, 10m; default 10m).
+    #[arg(long, requires = "paced", value_parser = humantime::parse_duration)]
+    within: Option<Duration>,
 }
 
 #[derive(Subcommand)]
 enum DeadCmd {
     /// Show dead letters without removing them.
     List {
-        #[arg(long, default_value_t = 20)]
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
         limit: u32,
     },
     /// Send dead letters back to `<ns>.submit` as new submissions, attempt 0 (removed from the dead queue).
@@ -122,7 +148,7 @@ async fn main() -> ExitCode {
     match run(cli).await {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("fleetctl: {e:#}");
+            eprintln!("fleetctl: {}", fleet::redact::escape_controls(&fleet::redact::redact(&format!("{e:#}"))));
             ExitCode::FAILURE
         }
     }
@@ -138,7 +164,26 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Drain { id } => drain(&cli, id).await,
         Cmd::Dead(DeadCmd::List { limit }) => dead_list(&cli, &names, *limit).await,
         Cmd::Dead(DeadCmd::Replay { id, all }) => dead_replay(&cli, &names, id.as_deref(), *all).await,
+        Cmd::DeleteNamespace { yes } => delete_namespace(&cli, &names, *yes).await,
+        Cmd::Schedule(c) => schedule(&cli, c).await,
     }
+}
+
+// ---- delete-namespace ----
+
+async fn delete_namespace(cli: &Cli, names: &Names, yes: bool) -> Result<ExitCode> {
+    if !yes {
+        bail!("this deletes every queue (and task), exchange and Redis key of namespace `{}`: add --yes", cli.namespace);
+    }
+    let store = Store::new(&cli.redis_url, names.clone())?;
+    let groups = store.group_names().await.context("reading the namespace's groups from Redis")?;
+    let conn = connect(cli).await?;
+    let ch = conn.create_channel().await.context("opening a channel")?;
+    fleet::topology::delete_all(&ch, names, &groups).await?;
+    store.delete_namespace().await.context("deleting the namespace's Redis keys")?;
+    let _ = conn.close(200, ShortString::from("bye")).await;
+    println!("namespace {}: deleted the queues of {} group(s), the exchanges and the Redis keys", cli.namespace, groups.len());
+    Ok(ExitCode::SUCCESS)
 }
 
 // ---- submit ----
@@ -148,44 +193,53 @@ async fn submit(cli: &Cli, names: &Names, a: &SubmitArgs) -> Result<ExitCode> {
         Some(path) => read_file(path)?,
         None => build(a)?,
     };
-    let conn = connect(cli).await?;
-    let ch = amqp::confirm_channel(&conn).await.context("opening a confirm channel")?;
-    let exchange = names.submit_exchange();
-    let (mut accepted, mut refused) = (0usize, 0usize);
-    let mut ids = Vec::new();
-    for window in envelopes.chunks(CONFIRM_WINDOW) {
-        // Publish the whole window, then await its confirms: one round trip per window.
-        let mut pending = Vec::with_capacity(window.len());
-        for env in window {
-            let props = amqp::task_properties(&env.id, None);
-            match amqp::publish(&ch, &exchange, env.lane.as_str(), &env.to_bytes(), props).await {
-                Ok(confirm) => pending.push((env.id.as_str(), confirm)),
-                Err(e) => {
-                    eprintln!("fleetctl: publishing {}: {e}", env.id);
+    let producer = Producer::connect(&cli.amqp_url, names.clone(), "fleetctl")
+        .await
+        .context("connecting to RabbitMQ (FLEET_AMQP_URL)")?;
+    let (ids, refused) = if a.paced {
+        let within = a.within.unwrap_or(Duration::from_secs(600));
+        let bar = indicatif::ProgressBar::new(envelopes.len() as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{spinner} accepted {pos}/{len} [{bar:30}] {elapsed} (round {msg})")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        // Only on a terminal (indicatif hides itself otherwise); stdout stays the summary.
+        bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+        let report = producer
+            .submit_paced(&envelopes, within, Pacing::default(), |p| {
+                bar.set_position(p.accepted as u64);
+                bar.set_message(p.rounds.to_string());
+            })
+            .await;
+        bar.finish_and_clear();
+        let report = report.context("publishing")?;
+        for (id, why) in &report.refused {
+            eprintln!("fleetctl: {id} still refused after {} ({why})", humantime::format_duration(within));
+        }
+        (report.accepted, report.refused.len())
+    } else {
+        let answers = producer.submit(&envelopes).await.context("publishing")?;
+        let mut ids = Vec::new();
+        let mut refused = 0usize;
+        for (env, a) in envelopes.iter().zip(answers) {
+            match a {
+                Submitted::Accepted => ids.push(env.id.clone()),
+                Submitted::Refused(why) => {
+                    eprintln!("fleetctl: {} refused: {why}", env.id);
                     refused += 1;
                 }
             }
         }
-        for (id, confirm) in pending {
-            match amqp::confirmed(confirm).await {
-                Ok(()) => {
-                    accepted += 1;
-                    ids.push(id.to_string());
-                }
-                Err(e) => {
-                    eprintln!("fleetctl: {id} refused: {e}");
-                    refused += 1;
-                }
-            }
-        }
-    }
-    let _ = conn.close(200, ShortString::from("done")).await;
+        (ids, refused)
+    };
+    producer.close().await;
     if a.print_ids {
         for id in &ids {
             println!("{id}");
         }
     }
-    println!("accepted={accepted} refused={refused}");
+    println!("accepted={} refused={refused}", ids.len());
     Ok(if refused > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }
 
@@ -312,12 +366,20 @@ async fn workers(cli: &Cli) -> Result<ExitCode> {
                 format!("{}+{}", w.capacity, w.critical_capacity),
                 format!("{}+{}", w.running, w.running_critical),
                 w.succeeded.to_string(),
+                w.retried.to_string(),
+                w.dead.to_string(),
+                w.expired.to_string(),
                 w.failed.to_string(),
                 format!("{:.1}s ago", w.last_heartbeat_ms_ago as f64 / 1000.0),
             ]
         })
         .collect();
-    print_table(&["ID", "GROUP", "STATE", "CAPACITY(N+C)", "RUNNING(N+C)", "SUCCEEDED", "FAILED", "LAST HEARTBEAT"], rows);
+    // Outcome columns are user task attempts by the outcome of `fleet_tasks_completed_total`
+    // (probes excluded), published by each worker as it records them.
+    print_table(
+        &["ID", "GROUP", "STATE", "CAPACITY(N+C)", "RUNNING(N+C)", "SUCCEEDED", "RETRIED", "DEAD", "EXPIRED", "FAILED", "LAST HEARTBEAT"],
+        rows,
+    );
     Ok(ExitCode::SUCCESS)
 }
 
@@ -375,31 +437,29 @@ async fn drain(cli: &Cli, id: &str) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Prints rows under headers, columns aligned.
+/// Prints rows under headers as an aligned table (comfy-table; no borders, so the output
+/// stays easy to read in a terminal and to cut with `awk`). Numeric columns are right-aligned.
 fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
-    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
-    for r in &rows {
-        for (i, c) in r.iter().enumerate() {
-            if let Some(w) = widths.get_mut(i) {
-                *w = (*w).max(c.chars().count());
-            }
-        }
-    }
-    let line = |cells: Vec<String>| {
-        let mut s = String::new();
-        for (i, c) in cells.iter().enumerate() {
-            if i + 1 == cells.len() {
-                s.push_str(c);
-            } else {
-                s.push_str(&format!("{c:<w$}  ", w = widths[i]));
-            }
-        }
-        println!("{}", s.trim_end());
-    };
-    line(headers.iter().map(|h| h.to_string()).collect());
+    println!("{}", table(headers, rows).trim_fmt());
+}
+
+fn table(headers: &[&str], rows: Vec<Vec<String>>) -> comfy_table::Table {
+    use comfy_table::{presets, CellAlignment, ContentArrangement, Table};
+    let numeric: Vec<bool> = (0..headers.len())
+        .map(|i| !rows.is_empty() && rows.iter().all(|r| r.get(i).is_some_and(|c| !c.is_empty() && c.chars().all(|ch| ch.is_ascii_digit()))))
+        .collect();
+    let mut t = Table::new();
+    t.load_style(presets::NOTHING).set_content_arrangement(ContentArrangement::Disabled).set_header(headers.to_vec());
     for r in rows {
-        line(r);
+        t.add_row(r);
     }
+    for (i, num) in numeric.iter().enumerate() {
+        if let Some(c) = t.column_mut(i) {
+            c.set_padding((0, 2));
+            c.set_cell_alignment(if *num { CellAlignment::Right } else { CellAlignment::Left });
+        }
+    }
+    t
 }
 
 // ---- dead letters ----
@@ -461,4 +521,143 @@ async fn dead_replay(cli: &Cli, names: &Names, id: Option<&str>, all: bool) -> R
     }
     println!("replayed={}", report.replayed.len());
     Ok(if report.failed.is_empty() && report.missing.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+// ---- schedules ----
+
+#[derive(Subcommand)]
+enum ScheduleCmd {
+    /// Add a schedule (POST /v1/schedules).
+    Add(ScheduleAddArgs),
+    /// List schedules with their next and last ticks.
+    List,
+    /// Stop firing (ticks while paused are never caught up).
+    Pause { name: String },
+    /// Fire again from now on.
+    Resume { name: String },
+    /// Delete a schedule.
+    Rm { name: String },
+    /// Submit the schedule's task now, through admission; prints the task id.
+    FireNow { name: String },
+}
+
+#[derive(Args)]
+struct ScheduleAddArgs {
+    name: String,
+    /// `sec min hour day-of-month month day-of-week [year]`; five fields = classic cron.
+    #[arg(long)]
+    cron: String,
+    /// IANA time zone of the cron fields.
+    #[arg(long, default_value = "UTC")]
+    timezone: String,
+    #[arg(long)]
+    kind: String,
+    /// Payload (JSON).
+    #[arg(long)]
+    payload: Option<String>,
+    /// Selector `k=v,k=v`.
+    #[arg(long)]
+    labels: Option<String>,
+    #[arg(long)]
+    lane: Option<String>,
+    #[arg(long)]
+    protocol: Option<String>,
+    #[arg(long)]
+    timeout_ms: Option<u64>,
+    #[arg(long)]
+    max_attempts: Option<u32>,
+    /// Missed ticks after an outage: `skip` or `catch_up`.
+    #[arg(long, default_value = "skip", value_parser = ["skip", "catch_up"])]
+    missed: String,
+    /// With `--missed catch_up`: at most this many missed ticks are fired.
+    #[arg(long, default_value_t = 1)]
+    catch_up_max: u32,
+    /// Add it paused.
+    #[arg(long)]
+    paused: bool,
+}
+
+/// Sends a schedule request; on an error answer prints the API's reason and returns `None`.
+async fn schedule_call(method: reqwest::Method, url: &str, body: Option<&Value>) -> Result<Option<Value>> {
+    let mut req = http()?.request(method.clone(), url);
+    if let Some(b) = body {
+        req = req.json(b);
+    }
+    let resp = req.send().await.with_context(|| format!("{method} {url}"))?;
+    let status = resp.status();
+    let v: Value = resp.json().await.unwrap_or(Value::Null);
+    if status.is_success() {
+        return Ok(Some(v));
+    }
+    let detail = v.get("detail").and_then(Value::as_str).unwrap_or("");
+    eprintln!("fleetctl: {status}: {detail}");
+    Ok(None)
+}
+
+async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
+    use reqwest::Method;
+    let done = |r: Option<Value>, f: &dyn Fn(&Value)| match r {
+        Some(v) => {
+            f(&v);
+            ExitCode::SUCCESS
+        }
+        None => ExitCode::FAILURE,
+    };
+    Ok(match cmd {
+        ScheduleCmd::Add(a) => {
+            let mut task = serde_json::Map::new();
+            task.insert("kind".into(), a.kind.clone().into());
+            if let Some(p) = &a.payload {
+                task.insert("payload".into(), serde_json::from_str(p).context("--payload is not valid JSON")?);
+            }
+            if let Some(l) = &a.labels {
+                let labels = Labels::parse(l).map_err(|e| anyhow!("--labels: {e}"))?;
+                task.insert("labels".into(), serde_json::to_value(&labels)?);
+            }
+            for (k, v) in [("lane", a.lane.clone().map(Value::from)), ("protocol", a.protocol.clone().map(Value::from)), ("timeout_ms", a.timeout_ms.map(Value::from)), ("max_attempts", a.max_attempts.map(Value::from))] {
+                if let Some(v) = v {
+                    task.insert(k.into(), v);
+                }
+            }
+            let body = serde_json::json!({
+                "name": a.name, "cron": a.cron, "timezone": a.timezone, "task": task,
+                "missed": a.missed, "catch_up_max": a.catch_up_max, "enabled": !a.paused,
+            });
+            let r = schedule_call(Method::POST, &api(cli, "/v1/schedules"), Some(&body)).await?;
+            done(r, &|v| println!("schedule {}: added, next tick {}", a.name, v.get("next_tick").and_then(Value::as_str).unwrap_or("-")))
+        }
+        ScheduleCmd::List => {
+            let r = schedule_call(Method::GET, &api(cli, "/v1/schedules"), None).await?;
+            done(r, &|v| {
+                let s = |x: &Value, k: &str| x.get(k).and_then(Value::as_str).unwrap_or("-").to_string();
+                let rows = v
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|x| {
+                        let state = if x.get("enabled").and_then(Value::as_bool).unwrap_or(true) { "active" } else { "paused" };
+                        let kind = x.pointer("/task/kind").and_then(Value::as_str).unwrap_or("-").to_string();
+                        vec![s(x, "name"), s(x, "cron"), s(x, "timezone"), kind, state.into(), s(x, "missed"), s(x, "next_tick"), s(x, "last_tick")]
+                    })
+                    .collect();
+                print_table(&["NAME", "CRON", "TIMEZONE", "KIND", "STATE", "MISSED", "NEXT TICK", "LAST TICK"], rows);
+            })
+        }
+        ScheduleCmd::Pause { name } => {
+            let r = schedule_call(Method::POST, &api(cli, &format!("/v1/schedules/{name}/pause")), None).await?;
+            done(r, &|_| println!("schedule {name}: paused"))
+        }
+        ScheduleCmd::Resume { name } => {
+            let r = schedule_call(Method::POST, &api(cli, &format!("/v1/schedules/{name}/resume")), None).await?;
+            done(r, &|_| println!("schedule {name}: resumed"))
+        }
+        ScheduleCmd::Rm { name } => {
+            let r = schedule_call(Method::DELETE, &api(cli, &format!("/v1/schedules/{name}")), None).await?;
+            done(r, &|_| println!("schedule {name}: deleted"))
+        }
+        ScheduleCmd::FireNow { name } => {
+            let r = schedule_call(Method::POST, &api(cli, &format!("/v1/schedules/{name}/fire")), None).await?;
+            done(r, &|v| println!("{}", v.get("id").and_then(Value::as_str).unwrap_or("")))
+        }
+    })
 }

@@ -62,7 +62,16 @@ async fn run(cfg: ExecConfig, task: TaskContext) -> Result<Value, TaskError> {
         .spawn()
         // A missing or non-executable program is a configuration fault of this worker, not of
         // the task: retryable, so another worker (or this one, fixed) may run it.
-        .map_err(|e| TaskError::retryable(format!("exec: cannot start `{program}`: {e}")))?;
+        .map_err(|e| {
+            let msg = format!("exec: cannot start `{program}`: {e}");
+            // InvalidInput: an argument or variable holds a NUL byte (e.g. from the task's
+            // kind) — no retry can start it.
+            if e.kind() == std::io::ErrorKind::InvalidInput {
+                TaskError::Permanent(msg)
+            } else {
+                TaskError::Retryable(msg)
+            }
+        })?;
 
     let mut input = task.envelope.to_value();
     if let Value::Object(m) = &mut input {

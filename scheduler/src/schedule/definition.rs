@@ -1,0 +1,297 @@
+//! A schedule's definition: name, cron expression (with seconds), IANA time zone, the envelope
+//! template each fire submits, the missed-fire policy and whether it is enabled — and the one
+//! piece of calendar arithmetic fleet needs, the next tick after an instant.
+//!
+//! # Ticks across daylight-saving changes
+//!
+//! Cron fields are local wall-clock times in the schedule's zone (`chrono-tz`, the IANA
+//! database). The `cron` crate enumerates local times and maps each to instants with
+//! `TimeZone::with_ymd_and_hms`; its iterator skips a local time that does not exist (spring
+//! forward) but yields *both* instants of a repeated one (fall back), and when started inside
+//! the repeated hour it can yield an instant earlier than the start. [`Schedule::next_after`]
+//! corrects both: a local time fires once, at its first instant, and never at or before the
+//! instant asked about. So a `Europe/Berlin` schedule at `30 2 * * *` does not fire on the
+//! spring-forward day (02:30 does not exist) and fires once, at 02:30 CEST, on the fall-back
+//! day. (The same rule as Vixie cron's and Kubernetes CronJob's documented behaviour for
+//! skipped times; for repeated times cron implementations differ, fleet picks "once".)
+
+use std::str::FromStr;
+
+use chrono::{DateTime, SecondsFormat, TimeZone, Utc};
+use chrono_tz::Tz;
+use fleet::Envelope;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// Longest schedule name (it is part of every fired task's id and of Redis keys).
+pub const MAX_NAME_LEN: usize = 64;
+/// Largest `catch_up_max`: a restart never floods the fleet with more than this per schedule.
+pub const MAX_CATCH_UP: u32 = 1000;
+/// Envelope fields a template may carry; the id and times are the scheduler's.
+pub const TEMPLATE_FIELDS: &[&str] = &["kind", "payload", "labels", "protocol", "lane", "timeout_ms", "max_attempts"];
+/// Candidate local times examined per `next_after` call: the longest run of skipped candidates
+/// is an every-second schedule inside a repeated hour (3,600 × 2).
+const MAX_CANDIDATES: usize = 10_000;
+
+/// What to do with ticks whose tolerance passed while no scheduler could fire them (every
+/// replica stopped, Redis or the broker down).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MissedPolicy {
+    /// Count them as missed and carry on from now (Celery beat, Kubernetes CronJob default).
+    #[default]
+    Skip,
+    /// Fire the most recent `catch_up_max` of them, oldest first; count the older ones missed.
+    CatchUp,
+}
+
+fn default_tz() -> String {
+    "UTC".into()
+}
+fn default_true() -> bool {
+    true
+}
+fn default_catch_up() -> u32 {
+    1
+}
+
+/// A schedule as the API takes it and the definitions log stores it.
+///
+/// ```json
+/// {"name": "nightly", "cron": "0 30 2 * * *", "timezone": "Europe/Berlin",
+///  "task": {"kind": "report", "payload": {"full": true}, "labels": {"gpu": "true"}},
+///  "missed": "catch_up", "catch_up_max": 3, "enabled": true}
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleSpec {
+    /// `[A-Za-z0-9_.-]`, 1..=64 characters.
+    pub name: String,
+    /// Six or seven fields, `sec min hour day-of-month month day-of-week [year]` (the `cron`
+    /// crate's syntax); a classic five-field expression gets second `0` prepended.
+    pub cron: String,
+    /// IANA zone name (`Europe/Berlin`); default `UTC`.
+    #[serde(default = "default_tz")]
+    pub timezone: String,
+    /// Envelope template: `kind` (required), `payload`, `labels`, `protocol`, `lane`,
+    /// `timeout_ms` (relative to the fire), `max_attempts`.
+    pub task: Map<String, Value>,
+    #[serde(default)]
+    pub missed: MissedPolicy,
+    /// Bound of `catch_up` (1..=1000, default 1); ignored by `skip`.
+    #[serde(default = "default_catch_up")]
+    pub catch_up_max: u32,
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+}
+
+/// Why a definition was refused (the API answers 400 with it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Invalid {
+    #[error("name `{0}`: use 1 to 64 of A-Z a-z 0-9 _ . -")]
+    Name(String),
+    #[error("cron `{0}`: {1}")]
+    Cron(String, String),
+    #[error("timezone `{0}` is not an IANA zone name")]
+    Timezone(String),
+    #[error("task: {0}")]
+    Task(String),
+    #[error("catch_up_max must be between 1 and {MAX_CATCH_UP}, got {0}")]
+    CatchUpMax(u32),
+}
+
+/// A validated schedule: its spec plus the parsed expression and zone.
+#[derive(Debug, Clone)]
+pub struct Schedule {
+    pub spec: ScheduleSpec,
+    cron: cron::Schedule,
+    tz: Tz,
+}
+
+impl Schedule {
+    /// Validates a spec: name, expression, zone, template (built into an envelope once).
+    pub fn new(mut spec: ScheduleSpec) -> Result<Self, Invalid> {
+        let n = &spec.name;
+        if n.is_empty() || n.len() > MAX_NAME_LEN || !n.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-')) {
+            return Err(Invalid::Name(n.clone()));
+        }
+        let fields = spec.cron.split_whitespace().count();
+        let expr = if fields == 5 { format!("0 {}", spec.cron.trim()) } else { spec.cron.trim().to_string() };
+        if !(5..=7).contains(&fields) {
+            return Err(Invalid::Cron(spec.cron.clone(), format!("expected 6 or 7 fields (5 for classic cron), got {fields}")));
+        }
+        let cron = cron::Schedule::from_str(&expr).map_err(|e| Invalid::Cron(spec.cron.clone(), e.to_string()))?;
+        spec.cron = expr;
+        let tz = Tz::from_str(&spec.timezone).map_err(|_| Invalid::Timezone(spec.timezone.clone()))?;
+        if !(1..=MAX_CATCH_UP).contains(&spec.catch_up_max) {
+            return Err(Invalid::CatchUpMax(spec.catch_up_max));
+        }
+        if let Some(k) = spec.task.keys().find(|k| !TEMPLATE_FIELDS.contains(&k.as_str())) {
+            return Err(Invalid::Task(format!("field `{k}` cannot be templated (allowed: {})", TEMPLATE_FIELDS.join(", "))));
+        }
+        let s = Schedule { spec, cron, tz };
+        // The template must make a valid envelope now, not at 3 a.m.
+        s.envelope(Utc::now(), "probe", 1).map_err(Invalid::Task)?;
+        Ok(s)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.spec.name
+    }
+
+    /// The first tick strictly after `t`, as an instant; `None` when the expression has no
+    /// more (a past year). See the module docs for the daylight-saving rule.
+    pub fn next_after(&self, t: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        let local = t.with_timezone(&self.tz);
+        for cand in self.cron.after(&local).take(MAX_CANDIDATES) {
+            let first = self.tz.from_local_datetime(&cand.naive_local()).earliest();
+            // The later instant of a repeated local time: that local time already fired.
+            if first.as_ref() != Some(&cand) {
+                continue;
+            }
+            let at = cand.with_timezone(&Utc);
+            if at > t {
+                return Some(at);
+            }
+        }
+        None
+    }
+
+    /// The task a fire submits: the template with id `<name>@<suffix>`, normalised at `now`.
+    /// `Err` carries the envelope's refusal.
+    pub fn envelope(&self, now: DateTime<Utc>, suffix: &str, default_max_attempts: u32) -> Result<Envelope, String> {
+        let mut m = self.spec.task.clone();
+        m.insert("id".into(), format!("{}@{suffix}", self.spec.name).into());
+        let mut env = Envelope::from_value(Value::Object(m)).map_err(|r| r.to_string())?;
+        env.normalize(now, default_max_attempts).map_err(|r| r.to_string())?;
+        Ok(env)
+    }
+
+    /// The task of the cron tick `tick`: id `<name>@<tick, RFC 3339 UTC, seconds>`, the same
+    /// on every replica, so the scheduler's dedupe drops a second copy.
+    pub fn tick_envelope(&self, tick: DateTime<Utc>, now: DateTime<Utc>, default_max_attempts: u32) -> Result<Envelope, String> {
+        self.envelope(now, &tick_label(tick), default_max_attempts)
+    }
+}
+
+/// A tick as it appears in task ids: `2026-11-30T10:00:00Z`.
+pub fn tick_label(tick: DateTime<Utc>) -> String {
+    tick.to_rfc3339_opts(SecondsFormat::Secs, true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn sched(cron: &str, tz: &str) -> Schedule {
+        let spec: ScheduleSpec = serde_json::from_value(json!({"name": "s", "cron": cron, "timezone": tz, "task": {"kind": "noop"}})).unwrap();
+        Schedule::new(spec).unwrap()
+    }
+
+    fn utc(s: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
+    }
+
+    /// Every tick in `(from, to]`, walking a fake clock forward tick by tick.
+    fn ticks(s: &Schedule, from: &str, to: &str) -> Vec<String> {
+        let (mut t, end) = (utc(from), utc(to));
+        let mut out = Vec::new();
+        while let Some(n) = s.next_after(t) {
+            if n > end {
+                break;
+            }
+            out.push(tick_label(n));
+            t = n;
+        }
+        out
+    }
+
+    #[test]
+    fn berlin_spring_forward_skips_the_missing_local_time() {
+        // 2026-03-29: 02:00 CET jumps to 03:00 CEST; 02:30 local does not exist that day.
+        let s = sched("0 30 2 * * *", "Europe/Berlin");
+        assert_eq!(
+            ticks(&s, "2026-03-27T12:00:00Z", "2026-03-30T12:00:00Z"),
+            ["2026-03-28T01:30:00Z", "2026-03-30T00:30:00Z"]
+        );
+        // Hourly: the 02:xx hour is missing, the others fire once each.
+        let h = sched("0 15 * * * *", "Europe/Berlin");
+        assert_eq!(
+            ticks(&h, "2026-03-28T23:00:00Z", "2026-03-29T03:00:00Z"),
+            ["2026-03-28T23:15:00Z", "2026-03-29T00:15:00Z", "2026-03-29T01:15:00Z", "2026-03-29T02:15:00Z"]
+        );
+    }
+
+    #[test]
+    fn berlin_fall_back_fires_a_repeated_local_time_once() {
+        // 2026-10-25: 03:00 CEST falls back to 02:00 CET; 02:30 local happens twice.
+        let s = sched("0 30 2 * * *", "Europe/Berlin");
+        assert_eq!(
+            ticks(&s, "2026-10-23T12:00:00Z", "2026-10-26T12:00:00Z"),
+            ["2026-10-24T00:30:00Z", "2026-10-25T00:30:00Z", "2026-10-26T01:30:00Z"]
+        );
+        // Every 20 minutes across the repeated hour: each local time once, at its first
+        // instant; nothing during the second pass (01:00..02:00 UTC).
+        let m = sched("0 */20 * * * *", "Europe/Berlin");
+        assert_eq!(
+            ticks(&m, "2026-10-24T23:50:00Z", "2026-10-25T02:10:00Z"),
+            [
+                "2026-10-25T00:00:00Z", "2026-10-25T00:20:00Z", "2026-10-25T00:40:00Z", // 02:00, 02:20, 02:40 CEST
+                "2026-10-25T02:00:00Z", // 03:00 CET; 02:xx CET already fired as CEST
+            ]
+        );
+    }
+
+    #[test]
+    fn the_cron_crate_alone_fires_a_repeated_time_twice() {
+        // Why `next_after` filters: the crate yields both instants of 02:30 on 2026-10-25.
+        let s = sched("0 30 2 * * *", "Europe/Berlin");
+        let from = utc("2026-10-24T12:00:00Z").with_timezone(&s.tz);
+        let raw: Vec<String> = s.cron.after(&from).take(3).map(|t| tick_label(t.with_timezone(&Utc))).collect();
+        assert_eq!(raw, ["2026-10-25T00:30:00Z", "2026-10-25T01:30:00Z", "2026-10-26T01:30:00Z"]);
+    }
+
+    #[test]
+    fn asked_from_inside_the_repeated_hour_never_goes_back() {
+        let s = sched("* * * * * *", "Europe/Berlin");
+        // 01:30:00Z is 02:30 CET, the second pass: the next local time not yet fired is 03:00:00 CET.
+        assert_eq!(s.next_after(utc("2026-10-25T01:30:00Z")).map(tick_label).as_deref(), Some("2026-10-25T02:00:00Z"));
+        // Before the change, every second.
+        assert_eq!(s.next_after(utc("2026-10-25T00:59:58Z")).map(tick_label).as_deref(), Some("2026-10-25T00:59:59Z"));
+    }
+
+    #[test]
+    fn utc_every_second_and_five_field_cron() {
+        let s = sched("* * * * * *", "UTC");
+        assert_eq!(ticks(&s, "2026-01-01T00:00:00Z", "2026-01-01T00:00:03Z"), ["2026-01-01T00:00:01Z", "2026-01-01T00:00:02Z", "2026-01-01T00:00:03Z"]);
+        let five = sched("*/15 * * * *", "UTC");
+        assert_eq!(five.spec.cron, "0 */15 * * * *");
+        assert_eq!(five.next_after(utc("2026-01-01T00:07:00Z")).map(tick_label).as_deref(), Some("2026-01-01T00:15:00Z"));
+    }
+
+    #[test]
+    fn bad_definitions_say_what_is_wrong() {
+        let mk = |v: Value| Schedule::new(serde_json::from_value(v).unwrap()).unwrap_err().to_string();
+        assert!(mk(json!({"name": "a b", "cron": "* * * * * *", "task": {"kind": "x"}})).contains("name"));
+        assert!(mk(json!({"name": "a", "cron": "* * *", "task": {"kind": "x"}})).contains("fields"));
+        assert!(mk(json!({"name": "a", "cron": "99 * * * * *", "task": {"kind": "x"}})).contains("cron"));
+        assert!(mk(json!({"name": "a", "cron": "* * * * * *", "timezone": "Mars/Base", "task": {"kind": "x"}})).contains("Mars/Base"));
+        assert!(mk(json!({"name": "a", "cron": "* * * * * *", "task": {"payload": 1}})).contains("kind"));
+        assert!(mk(json!({"name": "a", "cron": "* * * * * *", "task": {"kind": "x", "id": "fixed"}})).contains("`id`"));
+        assert!(mk(json!({"name": "a", "cron": "* * * * * *", "task": {"kind": "x", "lane": "fast"}})).contains("lane"));
+        assert!(mk(json!({"name": "a", "cron": "* * * * * *", "task": {"kind": "x"}, "catch_up_max": 0})).contains("catch_up_max"));
+    }
+
+    #[test]
+    fn a_tick_makes_a_deterministic_envelope() {
+        let s = sched("* * * * * *", "UTC");
+        let tick = utc("2026-01-01T00:00:05Z");
+        let a = s.tick_envelope(tick, Utc::now(), 5).unwrap();
+        let b = s.tick_envelope(tick, Utc::now(), 5).unwrap();
+        assert_eq!(a.id, "s@2026-01-01T00:00:05Z");
+        assert_eq!(a.id, b.id);
+        assert_eq!(a.kind, "noop");
+        assert_eq!(a.max_attempts, Some(5));
+    }
+}

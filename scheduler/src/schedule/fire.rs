@@ -1,0 +1,318 @@
+//! The firing loop: every replica runs it, each tick fires once across all of them.
+//!
+//! # Protocol
+//!
+//! Every `schedule_poll_ms` a replica reads Redis server time (`TIME`, the fleet's one clock)
+//! and, per enabled schedule, lists the ticks between its cursor and now. A tick is *on time*
+//! until `tick + schedule_tolerance_ms`. For each on-time tick the replica runs `claim.lua`, a
+//! set-if-absent of `(schedule, tick)` with a short lease ([`CLAIM_LEASE`]); the claimant
+//! submits the task — the schedule's template with id `<name>@<tick>` — to `<ns>.submit` with
+//! a publisher confirm, exactly as any producer does, then `resolve.lua` records `fired` (kept
+//! for the tolerance plus an hour) and advances the schedule's last mark. The other replicas
+//! see the claim and keep the tick pending; if the claimant dies before resolving, its lease
+//! runs out and another replica claims the tick, and the deterministic id lets the scheduler's
+//! dedupe drop a copy the dead claimant may already have published.
+//!
+//! Admission applies as to any producer: with the fleet Red (normal lane) or the ingress full
+//! (broker nack) the claimant keeps its claim and retries every poll until the tolerance runs
+//! out, then records the tick `missed` (reason `pressure_red` / `ingress_full` / `error`).
+//!
+//! Ticks whose tolerance passed before any replica could fire them — every replica stopped,
+//! Redis or the broker down — are found at (re)start from the last mark and handled by the
+//! schedule's policy: `skip` records them missed (`skipped`); `catch_up` fires the most recent
+//! `catch_up_max` of them now, oldest first, and records the older ones missed
+//! (`catch_up_limit`). Ticks before a schedule was defined, redefined or resumed are never
+//! caught up. A replica that finds no mark (a schedule it has not seen fire, or Redis lost the
+//! marks together with the dedupe marks) starts from now: after a Redis loss nothing already
+//! fired fires again, and ticks missed during the loss are not caught up. Replicas that kept
+//! running through the loss keep their cursors in memory and go on without a gap.
+//!
+//! Metrics: `fleet_schedule_fires_total{schedule,trigger}`, `fleet_schedule_misses_total{schedule,reason}`,
+//! `fleet_schedule_lag_seconds{schedule}` (tick to confirmed submission).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, TimeZone, Utc};
+use deadpool_redis::redis::{self, Script};
+use fleet::{amqp, metrics as m, Envelope, Lane, Store};
+use lapin::Channel;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::definition::{MissedPolicy, Schedule};
+use super::log::{Board, Entry};
+use crate::backpressure::{Pressure, Sample};
+use crate::config::SchedulerConfig;
+use crate::ticker::Ticker;
+
+/// How long a claim holds a tick without being renewed: long enough for a publish and its
+/// confirm, short enough that a crashed claimant's tick is taken over within its tolerance.
+pub const CLAIM_LEASE: Duration = Duration::from_secs(2);
+/// Most ticks of one schedule handled per poll (the rest wait for the next poll). Bounds the
+/// work after a long outage of an every-second schedule.
+const MAX_DUE: usize = 10_000;
+
+fn claim_script() -> &'static Script {
+    static S: OnceLock<Script> = OnceLock::new();
+    S.get_or_init(|| Script::new(include_str!("claim.lua")))
+}
+
+fn resolve_script() -> &'static Script {
+    static S: OnceLock<Script> = OnceLock::new();
+    S.get_or_init(|| Script::new(include_str!("resolve.lua")))
+}
+
+/// Redis server time (fleet's one clock): measures this process's offset against Redis `TIME`
+/// (which also updates `fleet_clock_skew_seconds`) and returns the clock's reading.
+///
+/// # Errors
+/// Redis unreachable or slow.
+pub async fn server_now(store: &Store) -> fleet::Result<DateTime<Utc>> {
+    store.measure_clock().await?;
+    Ok(store.clock.now())
+}
+
+/// Why a submission was not accepted; the `reason` label of misses and the API's refusal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// Normal-lane work while the fleet is Red.
+    PressureRed,
+    /// The broker nacked the publish (ingress full) or could not route it.
+    IngressFull,
+    /// No AMQP channel, or it failed.
+    Error,
+}
+
+impl Refusal {
+    pub fn reason(self) -> &'static str {
+        match self {
+            Refusal::PressureRed => "pressure_red",
+            Refusal::IngressFull => "ingress_full",
+            Refusal::Error => "error",
+        }
+    }
+}
+
+/// Submits one fired task through admission: refused while the normal lane is Red, else
+/// published to `<ns>.submit` (routing key = lane) and confirmed. Not cancel safe (a publish
+/// may be in flight).
+pub async fn submit(ch: &Channel, names: &fleet::Names, pressure: &watch::Receiver<Sample>, env: &Envelope) -> Result<(), Refusal> {
+    if env.lane == Lane::Normal && pressure.borrow().state == Pressure::Red {
+        return Err(Refusal::PressureRed);
+    }
+    let props = amqp::task_properties(&env.id, None);
+    match amqp::publish(ch, &names.submit_exchange(), env.lane.as_str(), &env.to_bytes(), props).await {
+        Ok(c) => match amqp::confirmed(c).await {
+            Ok(()) => Ok(()),
+            Err(fleet::Error::Refused(_)) => Err(Refusal::IngressFull),
+            Err(_) => Err(Refusal::Error),
+        },
+        Err(_) => Err(Refusal::Error),
+    }
+}
+
+/// A tick waiting to be fired by this replica or resolved by another.
+#[derive(Debug, Clone)]
+struct Pending {
+    tick: DateTime<Utc>,
+    deadline: DateTime<Utc>,
+    /// This replica holds the claim.
+    mine: bool,
+    /// Why the last attempt failed.
+    refused: Option<Refusal>,
+}
+
+/// Per-schedule progress of this replica.
+struct Track {
+    changed_at_ms: i64,
+    /// Ticks up to here were listed.
+    cursor: DateTime<Utc>,
+    pending: Vec<Pending>,
+}
+
+/// The firing loop of one AMQP session.
+pub struct Firing {
+    pub cfg: Arc<SchedulerConfig>,
+    pub store: Store,
+    pub board: Board,
+    /// A confirm channel of its own.
+    pub publisher: Channel,
+    pub pressure: watch::Receiver<Sample>,
+    /// This process's id in claims.
+    pub replica: String,
+}
+
+impl Firing {
+    /// Runs until `shutdown`. Redis errors are retried at the next poll; an AMQP channel
+    /// failure ends the session (`Err`). A tick being fired is finished before shutdown is
+    /// honoured, so a stopping replica never leaves a claimed tick half-done.
+    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
+        let mut ticker = Ticker::new(self.cfg.schedule_poll);
+        let mut tracks: HashMap<String, Track> = HashMap::new();
+        let mut redis_down = false;
+        while ticker.tick(&shutdown).await {
+            if !self.board.loaded() {
+                continue;
+            }
+            let now = match server_now(&self.store).await {
+                Ok(t) => t,
+                Err(e) => {
+                    metrics::counter!(m::REDIS_ERRORS).increment(1);
+                    if !redis_down {
+                        tracing::warn!(error = %e, "schedules: cannot read Redis time; retrying");
+                        redis_down = true;
+                    }
+                    continue;
+                }
+            };
+            redis_down = false;
+            let started = Instant::now();
+            let entries = self.board.entries();
+            tracks.retain(|name, _| entries.iter().any(|e| e.schedule.name() == name));
+            for entry in &entries {
+                let now = now + chrono::Duration::from_std(started.elapsed()).unwrap_or_default();
+                if let Err(e) = self.step(entry, now, &mut tracks).await {
+                    metrics::counter!(m::REDIS_ERRORS).increment(1);
+                    tracing::warn!(schedule = entry.schedule.name(), error = %e, "schedule step failed; retrying at the next poll");
+                }
+            }
+            if !self.publisher.status().connected() {
+                return Err(fleet::Error::Other("schedules: publisher channel closed".into()));
+            }
+        }
+        Ok(())
+    }
+
+    async fn step(&self, entry: &Entry, now: DateTime<Utc>, tracks: &mut HashMap<String, Track>) -> fleet::Result<()> {
+        let s = &entry.schedule;
+        let name = s.name();
+        let tolerance = chrono::Duration::from_std(self.cfg.schedule_tolerance).unwrap_or_default();
+        if tracks.get(name).is_none_or(|t| t.changed_at_ms != entry.changed_at_ms) {
+            let last: Option<i64> = self.store.query(redis::cmd("GET").arg(self.store.names.schedule_last(name))).await?;
+            // No mark: a new schedule, or Redis lost the marks (and the dedupe marks with
+            // them) — start from now, so nothing already fired is fired again.
+            let start_ms = entry.changed_at_ms.max(last.unwrap_or(now.timestamp_millis()));
+            let cursor = Utc.timestamp_millis_opt(start_ms).single().unwrap_or(now);
+            tracks.insert(name.to_string(), Track { changed_at_ms: entry.changed_at_ms, cursor, pending: Vec::new() });
+        }
+        let Some(track) = tracks.get_mut(name) else { return Ok(()) };
+        if !entry.enabled() {
+            track.cursor = now;
+            track.pending.clear();
+            return Ok(());
+        }
+        let mut overdue: VecDeque<DateTime<Utc>> = VecDeque::new();
+        let mut listed = 0;
+        while listed < MAX_DUE {
+            let Some(t) = s.next_after(track.cursor) else { break };
+            if t > now {
+                break;
+            }
+            track.cursor = t;
+            listed += 1;
+            if t + tolerance >= now {
+                track.pending.push(Pending { tick: t, deadline: t + tolerance, mine: false, refused: None });
+            } else {
+                overdue.push_back(t);
+            }
+        }
+        if !overdue.is_empty() {
+            let (fire, miss): (usize, &str) = match s.spec.missed {
+                MissedPolicy::Skip => (0, "skipped"),
+                MissedPolicy::CatchUp => ((s.spec.catch_up_max as usize).min(overdue.len()), "catch_up_limit"),
+            };
+            let keep = overdue.split_off(overdue.len() - fire);
+            for t in overdue {
+                if self.resolve(name, t, "missed").await? {
+                    metrics::counter!(m::SCHEDULE_MISSES, "schedule" => name.to_string(), "reason" => miss).increment(1);
+                }
+            }
+            if fire > 0 {
+                tracing::info!(schedule = name, ticks = fire, "catching up missed ticks");
+            }
+            let mut caught: Vec<Pending> = keep.into_iter().map(|t| Pending { tick: t, deadline: now + tolerance, mine: false, refused: None }).collect();
+            caught.append(&mut track.pending);
+            track.pending = caught;
+        }
+        let mut still = Vec::with_capacity(track.pending.len());
+        for mut p in std::mem::take(&mut track.pending) {
+            if self.attempt(s, &mut p, now).await? {
+                still.push(p);
+            }
+        }
+        track.pending = still;
+        Ok(())
+    }
+
+    /// One attempt at a pending tick; `Ok(true)` to keep it pending.
+    async fn attempt(&self, s: &Schedule, p: &mut Pending, now: DateTime<Utc>) -> fleet::Result<bool> {
+        let name = s.name();
+        if now > p.deadline {
+            if p.mine && self.resolve(name, p.tick, "missed").await? {
+                let reason = p.refused.unwrap_or(Refusal::Error).reason();
+                tracing::warn!(schedule = name, tick = %p.tick, reason, "tick missed: not accepted within its tolerance");
+                metrics::counter!(m::SCHEDULE_MISSES, "schedule" => name.to_string(), "reason" => reason).increment(1);
+            }
+            return Ok(false);
+        }
+        let key = self.store.names.schedule_tick(name, p.tick.timestamp_millis());
+        let claimed: i64 = self.store.invoke(claim_script().key(&key).arg(&self.replica).arg(CLAIM_LEASE.as_millis() as u64)).await?;
+        match claimed {
+            2 => return Ok(false),
+            0 => {
+                p.mine = false;
+                return Ok(true);
+            }
+            _ => p.mine = true,
+        }
+        let env = match s.tick_envelope(p.tick, now, self.cfg.common.default_max_attempts) {
+            Ok(e) => e,
+            Err(e) => {
+                // Validated at definition time; only a clock far off could get here.
+                tracing::error!(schedule = name, error = %e, "cannot build the task of a tick");
+                p.refused = Some(Refusal::Error);
+                return Ok(true);
+            }
+        };
+        let sent = Instant::now();
+        match submit(&self.publisher, &self.store.names, &self.pressure, &env).await {
+            Ok(()) => {
+                if self.resolve(name, p.tick, "fired").await? {
+                    let lag = (now - p.tick).to_std().unwrap_or_default() + sent.elapsed();
+                    metrics::counter!(m::SCHEDULE_FIRES, "schedule" => name.to_string(), "trigger" => "cron").increment(1);
+                    metrics::histogram!(m::SCHEDULE_LAG, "schedule" => name.to_string()).record(lag.as_secs_f64());
+                    tracing::debug!(schedule = name, task.id = %env.id, lag_ms = lag.as_millis() as u64, "fired");
+                }
+                Ok(false)
+            }
+            Err(r) => {
+                if p.refused.is_none() {
+                    tracing::info!(schedule = name, tick = %p.tick, reason = r.reason(), "fire refused; retrying within the tolerance");
+                }
+                p.refused = Some(r);
+                Ok(true)
+            }
+        }
+    }
+
+    /// Records a tick's outcome; `true` when this call recorded it (count it).
+    async fn resolve(&self, name: &str, tick: DateTime<Utc>, outcome: &str) -> fleet::Result<bool> {
+        let names = &self.store.names;
+        let ttl = self.cfg.schedule_tolerance + Duration::from_secs(3600);
+        let r: i64 = self
+            .store
+            .invoke(
+                resolve_script()
+                    .key(names.schedule_tick(name, tick.timestamp_millis()))
+                    .key(names.schedule_last(name))
+                    .arg(outcome)
+                    .arg(&self.replica)
+                    .arg(tick.timestamp_millis())
+                    .arg(ttl.as_millis() as u64),
+            )
+            .await?;
+        Ok(r == 1)
+    }
+}

@@ -1,0 +1,294 @@
+//! What an operator sees: `--help` / `--version` that start nothing, exit code 2 with a message
+//! naming the setting for every bad setting and every permanent broker error, passwords never
+//! printed, control characters never reaching a log raw, a worker that drains on SIGTERM with
+//! its stderr closed, `/readyz` 503 while Redis refuses writes.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::CommandFactory;
+use deadpool_redis::redis;
+use fleet::settings::{SchedulerArgs, WorkerArgs};
+use fleet_tests::{amqp_url, bin_path, redis_url, start_scheduler, start_worker, wait_for, Ns};
+use tokio::process::Command;
+
+mod harness;
+
+/// A password no test server uses: it must never appear in any output.
+const SECRET: &str = "Hunter2-never-printed";
+
+/// Runs a binary with only the given `FLEET_*` variables: (exit code, stdout, stderr).
+async fn run(bin: &str, args: &[&str], env: &[(&str, &str)], timeout: Duration) -> Result<(i32, String, String)> {
+    let mut cmd = Command::new(bin_path(bin)?);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("FLEET_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.envs(env.iter().copied()).args(args).stdin(Stdio::null()).kill_on_drop(true);
+    let out = tokio::time::timeout(timeout, cmd.output())
+        .await
+        .with_context(|| format!("{bin} {args:?} {env:?} did not exit within {timeout:?}"))??;
+    Ok((
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// Waits until `http://addr/readyz` answers 200.
+async fn wait_ready(client: &reqwest::Client, addr: &str) -> Result<()> {
+    let ready = format!("http://{addr}/readyz");
+    wait_for(&format!("{addr} ready"), Duration::from_secs(20), || {
+        let (c, u) = (client.clone(), ready.clone());
+        async move { c.get(&u).send().await.ok().filter(|r| r.status().is_success()).map(|_| ()) }
+    })
+    .await
+}
+
+fn free_addr() -> Result<String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.to_string())
+}
+
+#[tokio::test]
+async fn help_and_version_list_every_setting_and_start_nothing() -> Result<()> {
+    let ns = Ns::new().await?;
+    for (bin, cmd) in [("fleet-scheduler", SchedulerArgs::command()), ("fleet-worker", WorkerArgs::command())] {
+        let addr = free_addr()?;
+        let env = [("FLEET_NAMESPACE", ns.name.as_str()), ("FLEET_HTTP_ADDR", addr.as_str()), ("FLEET_QUEUE_TYPE", "classic")];
+        let (code, out, err) = run(bin, &["--help"], &env, Duration::from_secs(10)).await?;
+        assert_eq!(code, 0, "{bin} --help: {err}");
+        let mut listed = 0;
+        for a in cmd.get_arguments() {
+            let (Some(long), Some(var)) = (a.get_long(), a.get_env()) else { continue };
+            let var = var.to_string_lossy();
+            assert!(out.contains(&format!("--{long}")), "{bin} --help lacks --{long}");
+            assert!(out.contains(&format!("env: {var}")), "{bin} --help lacks {var}");
+            for d in a.get_default_values() {
+                let d = d.to_string_lossy();
+                if !d.is_empty() {
+                    assert!(out.contains(&format!("default: {d}")), "{bin} --help lacks the default {d} of {var}");
+                }
+            }
+            listed += 1;
+        }
+        assert!(listed >= 20, "{bin}: only {listed} settings");
+        let (code, out, _) = run(bin, &["--version"], &env, Duration::from_secs(10)).await?;
+        assert_eq!((code, out.trim()), (0, format!("{bin} {}", env!("CARGO_PKG_VERSION")).as_str()));
+        // Nothing listened, nothing was declared in the namespace, nothing registered.
+        assert!(std::net::TcpStream::connect(&addr).is_err(), "{bin} --help bound {addr}");
+    }
+    for q in [ns.names.ingress_queue(fleet::Lane::Normal), ns.names.dead_queue(), ns.names.delayed_queue()] {
+        assert_eq!(fleet::topology::depth(&ns.conn, &q).await, None, "{q} was declared by --help");
+    }
+    let keys: Vec<String> = ns.store.query(redis::cmd("KEYS").arg(ns.names.all_keys_pattern())).await?;
+    assert!(keys.is_empty(), "--help wrote Redis keys: {keys:?}");
+    ns.cleanup().await
+}
+
+#[tokio::test]
+async fn every_bad_setting_exits_2_naming_it() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("fleet-operator-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir)?;
+    let bad_toml = dir.join("bad.toml");
+    std::fs::write(&bad_toml, "capacity = [unclosed\n")?;
+    let bad_toml = bad_toml.to_string_lossy().into_owned();
+    let missing = dir.join("missing.toml").to_string_lossy().into_owned();
+    let leaky_amqp = format!("AMQPX://fleet:{SECRET}@127.0.0.1:5672/%2f");
+    let leaky_redis = format!("rediss://:{SECRET}@127.0.0.1:6379");
+    let cases: Vec<(&str, Vec<(&str, &str)>, &str, &str)> = vec![
+        ("fleet-worker", vec![("FLEET_CAPACITY", "-1")], "FLEET_CAPACITY", "must be a positive integer"),
+        ("fleet-worker", vec![("FLEET_CAPACITY", "70000")], "FLEET_CAPACITY", "at most 65535"),
+        ("fleet-worker", vec![("FLEET_EXECUTOR", "python")], "FLEET_EXECUTOR", "python"),
+        ("fleet-worker", vec![("FLEET_EXECUTOR", "http")], "FLEET_HTTP_URL", "required"),
+        ("fleet-worker", vec![("FLEET_CONFIG", &missing)], "FLEET_CONFIG", "cannot read"),
+        ("fleet-scheduler", vec![("FLEET_CONFIG", &missing)], "FLEET_CONFIG", "cannot read"),
+        ("fleet-scheduler", vec![("FLEET_CONFIG", &bad_toml)], "FLEET_CONFIG", "invalid TOML"),
+        ("fleet-scheduler", vec![("FLEET_PENDING_RED", "2")], "FLEET_PENDING_RED", "between 0 and 1"),
+        ("fleet-scheduler", vec![("FLEET_RATE", "fast")], "FLEET_RATE", "must be a number"),
+        ("fleet-scheduler", vec![("FLEET_AMQP_URL", &leaky_amqp)], "FLEET_AMQP_URL", "not an amqp"),
+        ("fleet-scheduler", vec![("FLEET_REDIS_URL", &leaky_redis)], "FLEET_REDIS_URL", "rediss"),
+        ("fleet-scheduler", vec![("FLEET_HTTP_ADDR", "nowhere")], "FLEET_HTTP_ADDR", "host:port"),
+    ];
+    for (bin, env, setting, words) in cases {
+        let (code, out, err) = run(bin, &[], &env, Duration::from_secs(20)).await?;
+        assert_eq!(code, 2, "{bin} {env:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{bin} {env:?}: one line expected, got:\n{err}");
+        assert!(err.contains(setting) && err.contains(words), "{bin} {env:?}: {err}");
+        assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
+        assert!(!out.contains(SECRET) && !err.contains(SECRET), "password printed: {err}");
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn redeclare_with_another_bound_exits_2_with_both_values() -> Result<()> {
+    let ns = Ns::new().await?;
+    // A scheduler earlier declared the ingress with a bound of 100.
+    let ch = ns.conn.create_channel().await?;
+    fleet::topology::declare_ingress(&ch, &ns.common(&[("ingress_max_normal", "100")])?).await?;
+    let addr = free_addr()?;
+    let env = [
+        ("FLEET_NAMESPACE", ns.name.as_str()),
+        ("FLEET_AMQP_URL", &amqp_url()),
+        ("FLEET_REDIS_URL", &redis_url()),
+        ("FLEET_QUEUE_TYPE", "classic"),
+        ("FLEET_HTTP_ADDR", addr.as_str()),
+        ("FLEET_INGRESS_MAX_NORMAL", "200"),
+    ];
+    let (code, _, err) = run("fleet-scheduler", &[], &env, Duration::from_secs(30)).await?;
+    assert_eq!(code, 2, "{err}");
+    let last = err.lines().last().unwrap_or_default();
+    assert!(last.starts_with("fleet-scheduler: FLEET_INGRESS_MAX_NORMAL"), "{err}");
+    assert!(last.contains("x-max-length") && last.contains("'200'") && last.contains("'100'"), "{err}");
+    assert!(last.contains(&ns.names.ingress_queue(fleet::Lane::Normal)), "{err}");
+    assert_eq!(err.matches("PRECONDITION_FAILED").count(), 2, "reported once (log line + exit message):\n{err}");
+    ns.cleanup().await
+}
+
+#[tokio::test]
+async fn wrong_password_exits_2_once_and_is_never_printed() -> Result<()> {
+    let ns = Ns::new().await?;
+    let url = amqp_url();
+    let Some(rest) = url.split_once('@').map(|(_, r)| r.to_string()) else { bail!("AMQP_ADDR {url} has no userinfo") };
+    let wrong = format!("AMQP://guest:{SECRET}@{rest}");
+    for bin in ["fleet-scheduler", "fleet-worker"] {
+        let addr = free_addr()?;
+        let env = [
+            ("FLEET_NAMESPACE", ns.name.as_str()),
+            ("FLEET_AMQP_URL", wrong.as_str()),
+            ("FLEET_REDIS_URL", &redis_url()),
+            ("FLEET_QUEUE_TYPE", "classic"),
+            ("FLEET_HTTP_ADDR", addr.as_str()),
+        ];
+        let (code, out, err) = run(bin, &[], &env, Duration::from_secs(30)).await?;
+        assert_eq!(code, 2, "{bin}: {err}");
+        assert!(!out.contains(SECRET) && !err.contains(SECRET), "{bin} printed the password:\n{err}");
+        let last = err.lines().last().unwrap_or_default();
+        assert!(last.contains("FLEET_AMQP_URL") && last.contains("refused the login") && last.contains("AMQP://***@"), "{bin}: {err}");
+        assert!(!err.contains("Close {"), "{bin}: raw frame dump:\n{err}");
+        assert_eq!(err.matches("refused the login").count(), 2, "{bin}: reported once (log line + exit message):\n{err}");
+    }
+    ns.cleanup().await
+}
+
+#[tokio::test]
+async fn control_characters_never_reach_the_log_raw() -> Result<()> {
+    let ns = Ns::new().await?;
+    let addr = free_addr()?;
+    let log = std::env::temp_dir().join(format!("fleet-{}-scheduler.log", ns.name));
+    let file = std::fs::File::create(&log)?;
+    let mut child = Command::new(bin_path("fleet-scheduler")?)
+        .env("FLEET_NAMESPACE", &ns.name)
+        .env("FLEET_AMQP_URL", amqp_url())
+        .env("FLEET_REDIS_URL", redis_url())
+        .env("FLEET_QUEUE_TYPE", "classic")
+        .env("FLEET_HTTP_ADDR", &addr)
+        .env("FLEET_PROBE_INTERVAL_MS", "600000")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(file)
+        .kill_on_drop(true)
+        .spawn()?;
+    let client = reqwest::Client::new();
+    wait_ready(&client, &addr).await?;
+    let forged = "echo\nFAKE LOG LINE level=ERROR\u{1b}[31m";
+    // Over HTTP: refused at the door, naming the field.
+    let r = client.post(format!("http://{addr}/v1/tasks")).json(&serde_json::json!({"kind": forged, "id": "a\u{0}b"})).send().await?;
+    assert_eq!(r.status(), 400);
+    let body: serde_json::Value = r.json().await?;
+    assert_eq!(body["error"], "bad_field", "{body}");
+    // Over AMQP: dead-lettered as bad_field.
+    let body = serde_json::json!({"kind": forged, "id": "forged-1"}).to_string();
+    fleet::amqp::publish_confirmed(&ns.publisher, &ns.names.submit_exchange(), "normal", body.as_bytes(), fleet::amqp::task_properties("forged-1", None)).await?;
+    let dead = wait_for("the dead letter", Duration::from_secs(20), || {
+        let ns = &ns;
+        async move { ns.drain_dead().await.ok().filter(|d| !d.is_empty()) }
+    })
+    .await?;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].1.as_deref(), Some("bad_field"), "{dead:?}");
+    child.start_kill()?;
+    let _ = child.wait().await;
+    let text = std::fs::read(&log)?;
+    let text = String::from_utf8_lossy(&text);
+    assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "raw control characters in the log:\n{text}");
+    assert!(!text.lines().any(|l| l.starts_with("FAKE")), "forged line:\n{text}");
+    let _ = std::fs::remove_file(&log);
+    ns.cleanup().await
+}
+
+#[tokio::test]
+async fn worker_with_stderr_closed_drains_on_sigterm() -> Result<()> {
+    let ns = Ns::new().await?;
+    let addr = free_addr()?;
+    let mut child = Command::new(bin_path("fleet-worker")?)
+        .env("FLEET_NAMESPACE", &ns.name)
+        .env("FLEET_AMQP_URL", amqp_url())
+        .env("FLEET_REDIS_URL", redis_url())
+        .env("FLEET_QUEUE_TYPE", "classic")
+        .env("FLEET_HTTP_ADDR", &addr)
+        .env("FLEET_WORKER_ID", "closed-stderr")
+        .env("FLEET_HEARTBEAT_INTERVAL_MS", "200")
+        .env("FLEET_HEARTBEAT_TIMEOUT_MS", "1000")
+        .env("RUST_LOG", "debug")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    // Close the reading end: every log write now fails (EPIPE).
+    drop(child.stderr.take());
+    let client = reqwest::Client::new();
+    wait_ready(&client, &addr).await?;
+    assert!(harness::worker(&ns.store, "closed-stderr").await.is_some(), "registered");
+    let pid = child.id().context("worker pid")?;
+    let status = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
+    assert!(status.success());
+    let exit = tokio::time::timeout(Duration::from_secs(20), child.wait()).await.context("worker still alive 20 s after SIGTERM")??;
+    assert_eq!(exit.code(), Some(0), "a clean drain");
+    assert!(harness::worker(&ns.store, "closed-stderr").await.is_none(), "deregistered");
+    ns.cleanup().await
+}
+
+#[tokio::test]
+async fn readyz_is_503_while_redis_refuses_writes() -> Result<()> {
+    let redis = harness::PrivateRedis::start().await?;
+    let ns = harness::ns_on_redis(&redis.url).await?;
+    let admin = fleet::Store::new(&redis.url, fleet::Names::new("admin"))?;
+    let s = start_scheduler(&ns, &[]).await?;
+    let w = start_worker(&ns, "ro-worker", "", 1, &[("heartbeat_interval_ms", "200"), ("heartbeat_timeout_ms", "1000"), ("run_lease_ms", "2000")], &[]).await?;
+    let client = reqwest::Client::new();
+    let urls = [s.url("/readyz"), format!("http://{}/readyz", w.addr)];
+    let status = |u: String| {
+        let c = client.clone();
+        async move { c.get(&u).send().await.map(|r| r.status().as_u16()).unwrap_or(0) }
+    };
+    for u in &urls {
+        assert_eq!(status(u.clone()).await, 200, "{u}");
+    }
+    // A replica of a dead primary: answers PING, refuses every write with READONLY.
+    let dead_port = free_addr()?.rsplit(':').next().unwrap_or("1").to_string();
+    let _: () = admin.query(redis::cmd("REPLICAOF").arg("127.0.0.1").arg(&dead_port)).await?;
+    for u in &urls {
+        wait_for(&format!("{u} 503"), Duration::from_secs(10), || {
+            let f = status(u.clone());
+            async move { (f.await == 503).then_some(()) }
+        })
+        .await?;
+    }
+    let _: () = admin.query(redis::cmd("REPLICAOF").arg("NO").arg("ONE")).await?;
+    for u in &urls {
+        wait_for(&format!("{u} 200 again"), Duration::from_secs(10), || {
+            let f = status(u.clone());
+            async move { (f.await == 200).then_some(()) }
+        })
+        .await?;
+    }
+    w.stop().await?;
+    s.stop().await?;
+    ns.cleanup().await
+}

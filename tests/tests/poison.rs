@@ -1,0 +1,97 @@
+//! A poison task (issue 10 §3): an exec worker process (capacity 4) whose program kills the
+//! worker process for one payload, `max_attempts` 2, beside 3 innocent 2 s tasks, the worker
+//! restarted (same id) whenever it dies. The poison runs exactly twice and ends `dead` with
+//! reason `worker_lost` (status and dead letter); the innocents succeed.
+
+mod harness;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use fleet_tests::*;
+use harness::*;
+use serde_json::{json, Value};
+
+const SCRIPT: &str = r#"cat >/dev/null
+echo "$FLEET_TASK_ID" >> "$RUNS_FILE"
+case "$FLEET_TASK_KIND" in
+  poison) kill -9 "$PPID"; sleep 10 ;;
+  innocent) sleep 2; echo ok ;;
+esac"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn poison_runs_max_attempts_times_and_spares_the_innocent() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let runs_file = std::env::temp_dir().join(format!("fleet-{}-runs.txt", ns.name));
+    let script = SCRIPT.replace("$RUNS_FILE", &runs_file.display().to_string());
+    let argv = serde_json::to_string(&["sh", "-c", script.as_str()])?;
+    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    let extra: &[(&str, &str)] = &[("executor", "exec"), ("exec_command", argv.as_str())];
+    let spec = ProcessSpec { id: "w-exec", labels: "", capacity: 4, endpoint: "http://127.0.0.1:9/unused", extra };
+    let mut w = WorkerProcess::spawn(&ns, &spec)?;
+    w.wait_state(&ns.store, "active", Duration::from_secs(20)).await?;
+
+    let mut poison = task("poison", json!({}), "");
+    poison.max_attempts = Some(2);
+    let innocents: Vec<fleet::Envelope> = (0..3).map(|i| task("innocent", json!({"i": i}), "")).collect();
+    let innocent_ids: Vec<String> = innocents.iter().map(|e| e.id.clone()).collect();
+    let mut all = innocents.clone();
+    all.push(poison.clone());
+    assert_eq!(ns.submit(&all).await?, (4, 0));
+
+    // Restart the worker (same id) whenever it dies, until every task has its final state.
+    let start = Instant::now();
+    let mut restarts = 0;
+    loop {
+        let p = ns.status(&poison.id).await?.unwrap_or_default();
+        let mut done = p.get("state").map(String::as_str) == Some("dead");
+        for id in &innocent_ids {
+            done &= ns.status(id).await?.unwrap_or_default().get("state").map(String::as_str) == Some("succeeded");
+        }
+        if done {
+            break;
+        }
+        if w.child.try_wait()?.is_some() {
+            restarts += 1;
+            w = WorkerProcess::spawn(&ns, &spec)?;
+        }
+        assert!(start.elapsed() < Duration::from_secs(120), "not settled in 120 s after {restarts} restarts; poison {p:?}; log:\n{}", w.log_tail());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let text = std::fs::read_to_string(&runs_file).unwrap_or_default();
+    let _ = std::fs::remove_file(&runs_file);
+    let mut runs: HashMap<&str, usize> = HashMap::new();
+    for l in text.lines() {
+        *runs.entry(l.trim()).or_default() += 1;
+    }
+    let st = ns.status(&poison.id).await?.unwrap_or_default();
+    println!(
+        "poison: ran {} times, {restarts} worker restarts, status {:?}/{:?}; innocents ran {:?} times",
+        runs.get(poison.id.as_str()).copied().unwrap_or(0),
+        st.get("state"),
+        st.get("reason"),
+        innocent_ids.iter().map(|i| runs.get(i.as_str()).copied().unwrap_or(0)).collect::<Vec<_>>()
+    );
+    assert_eq!(runs.get(poison.id.as_str()).copied(), Some(2), "the poison runs exactly max_attempts times");
+    assert_eq!(restarts, 2, "each run of the poison killed the worker once, nothing else did");
+    assert_eq!(st.get("reason").map(String::as_str), Some("worker_lost"), "{st:?}");
+    for id in &innocent_ids {
+        let n = runs.get(id.as_str()).copied().unwrap_or(0);
+        assert!((1..=3).contains(&n), "innocent {id} ran {n} times");
+    }
+    let dead = wait_for("the poison dead-lettered", Duration::from_secs(15), || async {
+        let d = ns.drain_dead().await.ok()?;
+        (!d.is_empty()).then_some(d)
+    })
+    .await?;
+    assert_eq!(dead.len(), 1, "only the poison is dead-lettered");
+    let id = serde_json::from_slice::<Value>(&dead[0].0)?.get("id").and_then(Value::as_str).map(str::to_string);
+    assert_eq!(id.as_deref(), Some(poison.id.as_str()));
+    assert_eq!(dead[0].1.as_deref(), Some("worker_lost"));
+
+    w.signal("TERM")?;
+    w.wait_exit(Duration::from_secs(30)).await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
