@@ -9,6 +9,8 @@
 #   ops/services.sh --tools         the same, plus the check tools: promtool (package
 #                                   prometheus), docker-compose and shellcheck
 #   ops/services.sh --tools-only    only the check tools; leaves the services alone
+#   ops/services.sh --browser       the same as the default, plus what the console's browser test
+#                                   needs: chromium, node, npm and tests/ui's playwright-core
 #   ops/services.sh --help
 #
 # Environment:
@@ -195,11 +197,28 @@ ensure_tools() {
     log "tools: shellcheck $(shellcheck --version 2>/dev/null | sed -n 's/^version: //p')"
 }
 
+# The console's browser test (tests/tests/console.rs): Debian's chromium, node and npm, and
+# playwright-core from tests/ui/package-lock.json (never `npx playwright install`: the
+# browser is Debian's).
+ensure_browser() {
+    ensure_cmd chromium chromium
+    ensure_cmd node nodejs
+    ensure_cmd npm npm
+    local ui
+    ui="$(dirname "$0")/../tests/ui"
+    if [ ! -d "$ui/node_modules/playwright-core" ]; then
+        log "npm ci in tests/ui (playwright-core)"
+        (cd "$ui" && timeout 300 npm ci --no-audit --no-fund --loglevel=error) || die "npm ci in tests/ui failed"
+    fi
+    log "browser: $(chromium --version 2>/dev/null | head -n1), node $(node --version)"
+}
+
 main() {
-    local services=1 tools=0
+    local services=1 tools=0 browser=0
     while [ $# -gt 0 ]; do
         case "$1" in
         --tools) tools=1 ;;
+        --browser) browser=1 ;;
         --tools-only)
             tools=1
             services=0
@@ -215,6 +234,9 @@ main() {
     ensure_base
     if [ "$tools" -eq 1 ]; then
         ensure_tools
+    fi
+    if [ "$browser" -eq 1 ]; then
+        ensure_browser
     fi
     if [ "$services" -eq 1 ]; then
         ensure_redis

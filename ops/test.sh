@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ops/test.sh — run every test: the one command for CI (.ci/run) and for developers.
 #
-#   1. ops/services.sh        Redis and RabbitMQ installed and running
+#   1. ops/services.sh        Redis and RabbitMQ installed and running; chromium, node and
+#                             playwright-core for the console's browser test (--browser)
 #   2. ops/check-config.sh    Prometheus config, alert rules (+ their unit tests), compose
 #                             file, Grafana dashboard, Dockerfile members, shellcheck
 #   3. cargo test --workspace [EXTRA ARGS...]   unit, end-to-end and fault tests (debug build:
@@ -29,7 +30,7 @@ ops/test.sh may install Debian packages with apt (root or sudo), once, when they
 Already-installed packages and running services are left alone.
 EOF_NOTE
 step "services"
-bash ops/services.sh
+bash ops/services.sh --browser
 step "configuration checks"
 bash ops/check-config.sh
 step "cargo build --workspace --bins"

@@ -9,6 +9,16 @@
 //!   submission rate limit (`FLEET_SUBMIT_RATE`) also answers 429.
 //! * `GET /v1/tasks/{id}`, `GET /v1/workers`, `GET /v1/groups`, `GET /v1/pressure`,
 //!   `POST /v1/workers/{id}/drain` (404 for an unknown worker).
+//! * Dead letters ([`dead`]): `GET /v1/dead`, `GET /v1/dead/{id}`, `POST /v1/dead/replay`.
+//! * `GET /v1/series`: the last 15 minutes of throughput and wait time ([`crate::series`]).
+//! * The web console at `/ui` ([`crate::console`]).
+//!
+//! Roles, when `FLEET_API_TOKENS` is set: see [`routes`] and [`guard`].
+
+mod dead;
+pub mod guard;
+
+use guard::Role;
 
 use std::sync::Arc;
 
@@ -27,6 +37,11 @@ use tokio::sync::{watch, RwLock};
 use crate::backpressure::{Pressure, Sample};
 use crate::config::SchedulerConfig;
 use crate::probe::ProbeBoard;
+use crate::series::Series;
+use crate::stats::GroupBoard;
+
+/// The current session's AMQP connection (None while reconnecting).
+pub type ConnectionSlot = Arc<RwLock<Option<Arc<lapin::Connection>>>>;
 
 #[derive(Clone)]
 pub struct AppState {
@@ -36,17 +51,33 @@ pub struct AppState {
     pub publisher: Arc<RwLock<Option<Channel>>>,
     pub pressure: watch::Receiver<Sample>,
     pub probes: ProbeBoard,
+    /// Backlog, parked and oldest age per group, from the stats loop.
+    pub groups: GroupBoard,
+    pub connection: ConnectionSlot,
+    pub series: Series,
+    /// One dead-queue reader at a time: a listing holds the letters it reads until it ends,
+    /// and a replay running beside it would not see them.
+    pub dead_reader: Arc<tokio::sync::Semaphore>,
 }
 
+/// The API routes, each behind its role when tokens are configured ([`guard`]): submit needs
+/// `submit`; status, workers, groups, pressure, series and dead-letter reads need `read`;
+/// drain and replay need `admin`. The console's assets are public (they hold no data).
 pub fn routes(state: AppState) -> Router {
-    Router::new()
-        .route("/v1/tasks", post(submit))
-        .route("/v1/tasks/{id}", get(task_status))
-        .route("/v1/workers", get(workers))
-        .route("/v1/workers/{id}/drain", post(drain))
-        .route("/v1/groups", get(groups))
-        .route("/v1/pressure", get(pressure))
-        .with_state(state)
+    let auth = state.cfg.auth.clone();
+    let submit_routes = auth.require(Router::new().route("/v1/tasks", post(submit)), Role::Submit);
+    let read_routes = auth.require(
+        Router::new()
+            .route("/v1/tasks/{id}", get(task_status))
+            .route("/v1/workers", get(workers))
+            .route("/v1/groups", get(groups))
+            .route("/v1/pressure", get(pressure))
+            .route("/v1/series", get(series))
+            .merge(dead::read_routes()),
+        Role::Read,
+    );
+    let admin_routes = auth.require(Router::new().route("/v1/workers/{id}/drain", post(drain)).merge(dead::admin_routes()), Role::Admin);
+    submit_routes.merge(read_routes).merge(admin_routes).with_state(state).merge(crate::console::routes())
 }
 
 /// A JSON error answer `{"error": code, "detail": ...}`.
@@ -158,10 +189,26 @@ async fn task_status(State(st): State<AppState>, Path(id): Path<String>) -> Resp
 }
 
 async fn workers(State(st): State<AppState>) -> Response {
-    match st.store.workers().await {
-        Ok(w) => Json(w).into_response(),
-        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
-    }
+    let workers = match st.store.workers().await {
+        Ok(w) => w,
+        Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
+    };
+    // Each worker's clock skew against Redis, as it reported at its last heartbeat (absent
+    // when not reported yet).
+    let ids: Vec<String> = workers.iter().map(|w| w.id.clone()).collect();
+    let shared = st.store.worker_stats(&ids).await.unwrap_or_default();
+    let out: Vec<Value> = workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let mut v = serde_json::to_value(w).unwrap_or_default();
+            if let (Value::Object(o), Some(skew)) = (&mut v, shared.get(i).and_then(|s| s.skew_ms)) {
+                o.insert("clock_skew_ms".into(), skew.into());
+            }
+            v
+        })
+        .collect();
+    Json(out).into_response()
 }
 
 async fn groups(State(st): State<AppState>) -> Response {
@@ -170,15 +217,20 @@ async fn groups(State(st): State<AppState>) -> Response {
         Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
     };
     let probes = st.probes.read().await;
+    let samples = st.groups.read().await;
     let out: Vec<Value> = groups
         .into_iter()
         .map(|g| {
             let p = probes.get(&g.group).cloned();
+            let sample = samples.get(&g.group).cloned();
             let mut v = serde_json::to_value(&g).unwrap_or_default();
             if let (Value::Object(o), Some(p)) = (&mut v, p) {
                 o.insert("probe_ok".into(), p.ok.into());
                 o.insert("probe_seconds".into(), json!(p.seconds));
                 o.insert("probe_consecutive_failures".into(), p.consecutive_failures.into());
+            }
+            if let (Value::Object(o), Some(Value::Object(s))) = (&mut v, sample.map(|s| serde_json::to_value(s).unwrap_or_default())) {
+                o.extend(s);
             }
             v
         })
@@ -197,7 +249,24 @@ async fn drain(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     }
 }
 
+async fn series(State(st): State<AppState>) -> Response {
+    Json(json!({
+        "interval_seconds": st.cfg.series_interval.as_secs_f64(),
+        "window_seconds": crate::series::WINDOW.as_secs(),
+        "points": st.series.points(),
+    }))
+    .into_response()
+}
+
 async fn pressure(State(st): State<AppState>) -> Response {
     let s = *st.pressure.borrow();
-    Json(s).into_response()
+    let mut v = serde_json::to_value(s).unwrap_or_default();
+    if let Value::Object(o) = &mut v {
+        let c = &st.cfg;
+        o.insert(
+            "thresholds".into(),
+            json!({"max_pending": c.max_pending, "pending_yellow": c.pending_yellow, "pending_red": c.pending_red, "load_yellow": c.load_yellow, "load_red": c.load_red}),
+        );
+    }
+    Json(v).into_response()
 }

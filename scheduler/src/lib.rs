@@ -4,12 +4,14 @@
 //! Modules: [`config`], [`backpressure`] (Green/Yellow/Red), [`ingress`] (consuming loops),
 //! [`dispatch`] (route, park, delay, dead-letter a batch), [`park`] (waiting for room),
 //! [`health`] (eviction, orphaned groups), [`probe`] (critical-lane probes), [`stats`]
-//! (gauges for dashboards and autoscalers), [`schedule`] (periodic cron schedules), [`api`]
-//! (HTTP), [`scheduler`] (the process).
+//! (gauges for dashboards and autoscalers), [`schedule`] (periodic cron schedules), [`series`] (the
+//! console's 15-minute history), [`api`] (HTTP), [`console`] (the web console at `/ui`),
+//! [`scheduler`] (the process).
 
 pub mod api;
 pub mod backpressure;
 pub mod config;
+pub mod console;
 pub mod dispatch;
 pub mod health;
 pub mod ingress;
@@ -17,6 +19,7 @@ pub mod park;
 pub mod probe;
 pub mod schedule;
 pub mod scheduler;
+pub mod series;
 pub mod stats;
 pub mod ticker;
 

@@ -14,12 +14,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::api::{self, AppState};
+use crate::api::{self, AppState, ConnectionSlot};
 use crate::backpressure::{Controller, Sample};
 use crate::config::SchedulerConfig;
 use crate::dispatch::{Dispatcher, Source};
 use crate::ingress::IngressLoop;
 use crate::probe::ProbeBoard;
+use crate::series::{self, Series};
+use crate::stats::GroupBoard;
 use crate::{health, park, probe, schedule, stats};
 
 /// Runs the scheduler until `shutdown` fires. `listener` serves the API and `/metrics`.
@@ -34,16 +36,30 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
     let (ptx, prx) = watch::channel(Sample::default());
     let publisher: Arc<RwLock<Option<lapin::Channel>>> = Arc::new(RwLock::new(None));
     let probes: ProbeBoard = Arc::default();
-    let state = AppState { cfg: cfg.clone(), store: store.clone(), publisher: publisher.clone(), pressure: prx.clone(), probes: probes.clone() };
+    let group_board: GroupBoard = Arc::default();
+    let connection: ConnectionSlot = Arc::default();
+    let history = Series::default();
+    let state = AppState {
+        cfg: cfg.clone(),
+        store: store.clone(),
+        publisher: publisher.clone(),
+        pressure: prx.clone(),
+        probes: probes.clone(),
+        groups: group_board.clone(),
+        connection: connection.clone(),
+        series: history.clone(),
+        dead_reader: Arc::new(tokio::sync::Semaphore::new(1)),
+    };
     let board = schedule::Board::default();
     let sched_api = schedule::api::ScheduleApi { cfg: cfg.clone(), store: store.clone(), board: board.clone(), publisher: publisher.clone(), pressure: prx.clone() };
-    let router = fleet::http::common_routes(handle, ready.clone())
+    let router = fleet::http::common_routes(handle.clone(), ready.clone())
         .merge(api::routes(state))
-        .merge(schedule::api::read_routes(sched_api.clone()))
-        .merge(schedule::api::admin_routes(sched_api));
+        .merge(cfg.auth.require(schedule::api::read_routes(sched_api.clone()), crate::api::guard::Role::Read))
+        .merge(cfg.auth.require(schedule::api::admin_routes(sched_api), crate::api::guard::Role::Admin));
     let tracker = TaskTracker::new();
     tracker.spawn(fleet::http::serve(listener, router, shutdown.clone()));
     tracker.spawn(redis_watch(store.clone(), ready.clone(), shutdown.clone()));
+    tracker.spawn(series::run(history, handle, store.clone(), cfg.series_interval, shutdown.clone()).instrument(tracing::info_span!("series")));
 
     let ptx = Arc::new(ptx);
     let mut result = Ok(());
@@ -58,13 +74,16 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
                 break;
             }
         };
-        match session(cfg.clone(), store.clone(), conn.clone(), ptx.clone(), prx.clone(), publisher.clone(), probes.clone(), board.clone(), &ready, &shutdown).await {
+        *connection.write().await = Some(conn.clone());
+        let boards = (probes.clone(), group_board.clone());
+        match session(cfg.clone(), store.clone(), conn.clone(), ptx.clone(), prx.clone(), publisher.clone(), boards, board.clone(), &ready, &shutdown).await {
             Ok(()) => backoff = amqp::reconnect_backoff().build(),
             Err(e @ fleet::Error::Permanent { .. }) => result = Err(e),
             Err(e) => tracing::warn!(error = %e, "AMQP session ended"),
         }
         ready.set_amqp(false);
         *publisher.write().await = None;
+        *connection.write().await = None;
         let _ = conn.close(200, "bye".into()).await;
         if shutdown.is_cancelled() || result.is_err() {
             break;
@@ -122,7 +141,7 @@ async fn session(
     ptx: Arc<watch::Sender<Sample>>,
     prx: watch::Receiver<Sample>,
     publisher_slot: Arc<RwLock<Option<lapin::Channel>>>,
-    probes: ProbeBoard,
+    (probes, group_board): (ProbeBoard, GroupBoard),
     board: schedule::Board,
     ready: &Readiness,
     shutdown: &CancellationToken,
@@ -174,7 +193,7 @@ async fn session(
     spawn_loop!("delayed", delayed.run(session.clone()));
     spawn_loop!("park-discovery", park::discover(d.clone(), tracker.clone(), session.clone()));
     spawn_loop!("health", health::run(d.clone(), session.clone()));
-    spawn_loop!("stats", stats::run(d.clone(), session.clone()));
+    spawn_loop!("stats", stats::run(d.clone(), group_board, session.clone()));
     spawn_loop!("probe", probe::run(d.clone(), probes, session.clone()));
     spawn_loop!("schedule-log", schedules.run(session.clone()));
     let firing = schedule::fire::Firing {

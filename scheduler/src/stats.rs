@@ -2,31 +2,50 @@
 //! and reserved, workers by state, and per group the backlog (group queue + park queue) and
 //! the age of its oldest waiting task — the input a KEDA-style autoscaler needs.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use deadpool_redis::redis;
 use fleet::store::now_ms;
 use fleet::{metrics as m, topology, Lane};
+use tokio::sync::RwLock;
 use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::Dispatcher;
 
-pub async fn run(d: Arc<Dispatcher>, shutdown: CancellationToken) -> fleet::Result<()> {
+/// What the last sample found per group, for `GET /v1/groups` (and the console).
+#[derive(Debug, Clone, Default, serde::Serialize, PartialEq)]
+pub struct GroupSample {
+    /// Tasks waiting for the group: its lane queues plus its park queues.
+    pub backlog: u32,
+    /// Ready messages in the group's normal and critical lane queues.
+    pub queued: u32,
+    pub queued_critical: u32,
+    /// Tasks parked for the group (normal and critical lane).
+    pub parked: u32,
+    pub parked_critical: u32,
+    /// Age of the oldest task dispatched to the group and not yet started, in seconds.
+    pub oldest_task_age_seconds: f64,
+}
+
+/// The last sample per group, shared with the API.
+pub type GroupBoard = Arc<RwLock<HashMap<String, GroupSample>>>;
+
+pub async fn run(d: Arc<Dispatcher>, board: GroupBoard, shutdown: CancellationToken) -> fleet::Result<()> {
     let mut ticker = crate::ticker::Ticker::new(d.cfg.stats_interval);
     let n = d.names.clone();
     for lane in Lane::ALL {
         metrics::gauge!(m::QUEUE_BOUND, "queue" => n.ingress_queue(lane)).set(f64::from(d.cfg.common.ingress_max(lane)));
     }
     while ticker.tick(&shutdown).await {
-        if let Err(e) = sample(&d).await {
+        if let Err(e) = sample(&d, &board).await {
             tracing::debug!(error = %e, "stats sample failed");
         }
     }
     Ok(())
 }
 
-async fn sample(d: &Dispatcher) -> fleet::Result<()> {
+async fn sample(d: &Dispatcher, board: &GroupBoard) -> fleet::Result<()> {
     let n = &d.names;
     let mut queues = vec![n.dead_queue(), n.delayed_queue()];
     queues.extend(Lane::ALL.iter().map(|l| n.ingress_queue(*l)));
@@ -39,7 +58,9 @@ async fn sample(d: &Dispatcher) -> fleet::Result<()> {
     let parks = d.conn.create_channel().await?;
     let now = now_ms();
     let lease = d.cfg.reservation_lease.as_millis() as i64;
+    let mut seen = HashMap::with_capacity(groups.len());
     for g in &groups {
+        let mut gs = GroupSample::default();
         metrics::gauge!(m::GROUP_CAPACITY, "group" => g.group.clone()).set(f64::from(g.capacity));
         metrics::gauge!(m::GROUP_LOAD, "group" => g.group.clone()).set(f64::from(g.load));
         metrics::gauge!(m::GROUP_RESERVED, "group" => g.group.clone()).set(f64::from(g.reserved));
@@ -52,10 +73,12 @@ async fn sample(d: &Dispatcher) -> fleet::Result<()> {
             if let Some(depth) = topology::depth(&d.conn, &q).await {
                 metrics::gauge!(m::QUEUE_DEPTH, "queue" => q).set(f64::from(depth));
                 backlog += depth;
+                *(if lane == Lane::Normal { &mut gs.queued } else { &mut gs.queued_critical }) = depth;
             }
             if let Ok(depth) = topology::park_depth(&parks, &d.cfg.common, &g.group, lane).await {
                 metrics::gauge!(m::QUEUE_DEPTH, "queue" => n.park_queue(&g.group, lane)).set(f64::from(depth));
                 backlog += depth;
+                *(if lane == Lane::Normal { &mut gs.parked } else { &mut gs.parked_critical }) = depth;
             }
         }
         metrics::gauge!(m::GROUP_BACKLOG, "group" => g.group.clone()).set(f64::from(backlog));
@@ -67,8 +90,13 @@ async fn sample(d: &Dispatcher) -> fleet::Result<()> {
             .await
             .unwrap_or_default();
         let age = oldest.first().map(|(_, exp)| ((now - (*exp as i64 - lease)).max(0) as f64) / 1000.0).unwrap_or(0.0);
-        metrics::gauge!(m::GROUP_OLDEST_AGE, "group" => g.group.clone()).set(if backlog == 0 { 0.0 } else { age });
+        let age = if backlog == 0 { 0.0 } else { age };
+        metrics::gauge!(m::GROUP_OLDEST_AGE, "group" => g.group.clone()).set(age);
+        gs.backlog = backlog;
+        gs.oldest_task_age_seconds = age;
+        seen.insert(g.group.clone(), gs);
     }
+    *board.write().await = seen;
     let _ = parks.close(200, "ok".into()).await;
     let workers = d.store.workers().await?;
     let mut by_state: BTreeMap<&str, u32> = [("active", 0), ("draining", 0), ("ejected", 0)].into_iter().collect();

@@ -16,6 +16,10 @@ pub const REASON_HEADER: &str = "x-fleet-reason";
 pub const DETAIL_HEADER: &str = "x-fleet-detail";
 /// Header with the last worker that ran a dead task.
 pub const WORKER_HEADER: &str = "x-fleet-worker";
+/// Header with the attempts a dead task made.
+pub const ATTEMPTS_HEADER: &str = "x-fleet-attempts";
+/// Header marking a replayed dead letter.
+pub const REPLAY_HEADER: &str = "x-fleet-replay";
 /// Header selecting a delay tier on the delay (headers) exchange. Not `x-` prefixed: RabbitMQ
 /// ignores `x-` headers when matching, which would bind every tier to every message.
 pub const TIER_HEADER: &str = "fleet-tier";
@@ -79,7 +83,6 @@ pub async fn confirm_channel(conn: &Connection) -> Result<Channel> {
     Ok(ch)
 }
 
-/// Properties of a task message: JSON, persistent, id, optional headers.
 /// Header on the scheduler's health probes (published straight to a group's critical queue;
 /// producers' tasks are republished by the scheduler with headers of its own, so they cannot
 /// carry it): a probe that fails or expires is dropped, never dead-lettered.
@@ -101,11 +104,15 @@ pub fn header_text(props: &BasicProperties, name: &str) -> Option<String> {
     }
 }
 
+/// Properties of a task message: JSON, persistent, id, publish time (AMQP `timestamp`, whole
+/// seconds: a dead letter's age), optional headers.
 pub fn task_properties(id: &str, headers: Option<FieldTable>) -> BasicProperties {
+    let now = chrono::Utc::now().timestamp().max(0) as u64;
     let p = BasicProperties::default()
         .with_content_type("application/json".into())
         .with_delivery_mode(2)
-        .with_message_id(id.into());
+        .with_message_id(id.into())
+        .with_timestamp(now);
     match headers {
         Some(h) => p.with_headers(h),
         None => p,

@@ -12,13 +12,16 @@
 //! * [`scripts`] — the Lua scripts (one atomic decision each); typed wrappers live with their
 //!   concept: [`registry`] (workers, heartbeats, eviction), [`route`] + [`lease`] (choice,
 //!   reservation, in-flight records), [`ratelimit`] (GCRA bucket), [`status`] (task status).
+//! * [`dead`] — dead letters: listing without removing, replaying as new submissions.
 //! * [`delay`] — the broker delay tiers used for `not_before` and retry backoff.
 //! * [`producer`] — submitting tasks: refused at once, or paced until accepted.
 //! * [`metrics`] — metric names, their help text and the Prometheus exporter.
+//! * [`waits`] — wait-time histograms workers share with the scheduler's console.
 //! * [`telemetry`] — logging set-up; [`http`] — `/metrics`, `/healthz`, `/readyz`.
 
 pub mod amqp;
 pub mod config;
+pub mod dead;
 pub mod delay;
 pub mod envelope;
 pub mod error;
@@ -38,6 +41,7 @@ pub mod status;
 pub mod store;
 pub mod telemetry;
 pub mod topology;
+pub mod waits;
 
 pub use envelope::{Envelope, Lane};
 pub use error::{Error, Result};

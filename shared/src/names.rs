@@ -96,6 +96,10 @@ impl Names {
     pub fn worker(&self, id: &str) -> String {
         format!("{}w:{}", self.prefix, id)
     }
+    /// A worker's wait-time histogram (see `waits`), written at each heartbeat.
+    pub fn waits(&self, id: &str) -> String {
+        format!("{}wait:{}", self.prefix, id)
+    }
     pub fn worker_running(&self, id: &str) -> String {
         format!("{}wrun:{}", self.prefix, id)
     }

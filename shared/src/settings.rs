@@ -134,6 +134,12 @@ pub struct SchedulerArgs {
     /// HTTP submissions per second above which the API answers 429 (0 = no limit).
     #[arg(long, env = "FLEET_SUBMIT_RATE", default_value = "0", value_parser = non_negative_number)]
     pub submit_rate: f64,
+    /// API bearer tokens with their roles, `TOKEN ROLE` entries separated by commas (roles read, submit, admin; admin may do all); none: the API is open.
+    #[arg(long, env = "FLEET_API_TOKENS", default_value = "", hide_env_values = true)]
+    pub api_tokens: String,
+    /// Interval of the console's throughput and wait history (15 minutes kept), in milliseconds.
+    #[arg(long, env = "FLEET_SERIES_INTERVAL_MS", default_value = "2000", value_parser = positive::<u64>)]
+    pub series_interval_ms: u64,
     /// How often periodic schedules are looked at, in milliseconds.
     #[arg(long, env = "FLEET_SCHEDULE_POLL_MS", default_value = "200", value_parser = positive::<u64>)]
     pub schedule_poll_ms: u64,

@@ -73,6 +73,12 @@ impl Store {
         Ok(if m.is_empty() { None } else { Some(m) })
     }
 
+    /// Forgets a task: its dedupe mark and its status record, so the same id may be submitted
+    /// again as new (a dead-letter replay starts again from attempt 1).
+    pub async fn forget_task(&self, id: &str) -> Result<()> {
+        self.query::<i64>(redis::cmd("DEL").arg(self.names.dedupe(id)).arg(self.names.task(id))).await.map(|_| ())
+    }
+
     /// Sets status fields directly, for many tasks in one round trip (states decided outside
     /// the scripts: expired or refused at the scheduler, delayed submissions).
     pub async fn set_statuses(&self, records: &[(&str, Vec<(&str, String)>)], ttl_ms: i64) -> Result<()> {

@@ -45,7 +45,7 @@ use crate::retry::Backoff;
 use crate::stats::Stats;
 
 /// Header with the number of attempts a dead task had.
-pub const ATTEMPTS_HEADER: &str = "x-fleet-attempts";
+pub use fleet::amqp::ATTEMPTS_HEADER;
 /// Longest header text (AMQP headers travel in one frame; keep them small).
 const MAX_HEADER_TEXT: usize = 1024;
 
@@ -241,6 +241,7 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: 
     if let Some(submitted) = env.submitted_at {
         let wait = (now - submitted).to_std().unwrap_or(Duration::ZERO);
         metrics::histogram!(m::TASK_WAIT, "lane" => lane.as_str()).record(wait.as_secs_f64());
+        shared.stats.waits.record(wait);
     }
 
     let fate = if env.is_expired(now) {

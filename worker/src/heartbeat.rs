@@ -78,6 +78,11 @@ impl Heartbeat {
         match store.heartbeat(self.registrar.id(), self.registrar.instance(), lease_ms, &b).await {
             Ok(reply) => {
                 self.readiness.set_redis(true);
+                // For the scheduler's console; kept a little longer than a beat apart.
+                let (waits, skew) = (self.stats.waits.encode(), store.clock.skew_ms());
+                if let Err(e) = store.share_worker_stats(self.registrar.id(), &waits, skew, self.interval * 3).await {
+                    tracing::debug!(error = %e, "cannot share the wait histogram");
+                }
                 self.on_reply(reply, &b, lease_ms).await;
                 // The figures also go out with every ledger batch; this covers a registration
                 // made again (which starts from an empty record).

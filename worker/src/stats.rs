@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use fleet::waits::WaitHistogram;
 use fleet::Lane;
 
 /// Weight of the newest sample in the latency EWMA: about the last ten runs matter.
@@ -19,6 +20,8 @@ pub struct Stats {
     failed: AtomicU64,
     /// f64 bits of the EWMA in milliseconds; NaN bits while there is no sample.
     ewma_bits: AtomicU64,
+    /// Submission-to-start waits, shared with the scheduler's console at each heartbeat.
+    pub waits: WaitHistogram,
     /// User task attempts by outcome, in the order of [`OUTCOMES`].
     outcomes: [AtomicU64; 5],
 }

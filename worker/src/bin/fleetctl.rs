@@ -10,17 +10,15 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use deadpool_redis::redis;
-use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Connection};
+use lapin::types::ShortString;
+use lapin::Connection;
 use serde_json::Value;
 
-use fleet::amqp::{self, DETAIL_HEADER, REASON_HEADER, WORKER_HEADER};
+use fleet::amqp;
+use fleet::dead;
 use fleet::registry::WorkerView;
 use fleet::producer::{Pacing, Producer, Submitted};
 use fleet::{Envelope, Labels, Lane, Names, Store};
-use fleet_worker::ATTEMPTS_HEADER;
 
 /// Publishes awaiting confirms at once, at most.
 const CONFIRM_WINDOW: usize = 1000;
@@ -470,19 +468,6 @@ async fn connect(cli: &Cli) -> Result<Connection> {
     amqp::connect(&cli.amqp_url, "fleetctl").await.with_context(|| format!("connecting to {}", cli.amqp_url))
 }
 
-/// A dead letter's reason: ours, or the broker's own for messages it dead-lettered.
-fn reason(p: &BasicProperties) -> String {
-    amqp::header_str(p, REASON_HEADER)
-        .or_else(|| amqp::header_str(p, "x-first-death-reason"))
-        .unwrap_or_else(|| "-".into())
-}
-
-fn attempts(p: &BasicProperties, body: &Value) -> String {
-    amqp::header_str(p, ATTEMPTS_HEADER)
-        .or_else(|| body.get("attempt").and_then(Value::as_u64).map(|a| a.to_string()))
-        .unwrap_or_else(|| "-".into())
-}
-
 fn one_line(s: &str, max: usize) -> String {
     let s: String = s.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
     if s.chars().count() > max {
@@ -492,109 +477,50 @@ fn one_line(s: &str, max: usize) -> String {
     }
 }
 
-async fn depth(ch: &Channel, queue: &str) -> Result<u32> {
-    let q = ch
-        .queue_declare(ShortString::from(queue), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
-        .await
-        .with_context(|| format!("queue {queue} not found"))?;
-    Ok(q.message_count())
-}
-
 async fn dead_list(cli: &Cli, names: &Names, limit: u32) -> Result<ExitCode> {
     let conn = connect(cli).await?;
-    let ch = conn.create_channel().await?;
-    let queue = names.dead_queue();
-    let total = depth(&ch, &queue).await?;
-    let mut rows = Vec::new();
-    // Taken without acking: closing the channel puts every one back.
-    for _ in 0..limit.min(total) {
-        let Some(m) = ch.basic_get(ShortString::from(queue.as_str()), BasicGetOptions::default()).await? else { break };
-        let d = m.delivery;
-        let body: Value = serde_json::from_slice(&d.data).unwrap_or(Value::Null);
-        let text = |k: &str| body.get(k).and_then(Value::as_str).map(str::to_string);
-        rows.push(vec![
-            text("id").or_else(|| d.properties.message_id().as_ref().map(|s| s.to_string())).unwrap_or_else(|| "-".into()),
-            text("kind").unwrap_or_else(|| "-".into()),
-            reason(&d.properties),
-            attempts(&d.properties, &body),
-            amqp::header_str(&d.properties, WORKER_HEADER).unwrap_or_else(|| "-".into()),
-            one_line(&amqp::header_str(&d.properties, DETAIL_HEADER).unwrap_or_default(), 100),
-        ]);
-    }
-    let _ = ch.close(200, ShortString::from("list done")).await;
+    let listing = dead::list(&conn, names, limit).await.with_context(|| format!("reading {}", names.dead_queue()));
     let _ = conn.close(200, ShortString::from("done")).await;
+    let listing = listing?;
+    let rows = listing
+        .letters
+        .iter()
+        .map(|d| {
+            vec![
+                d.id.clone(),
+                d.kind.clone(),
+                d.reason.clone(),
+                d.attempts.map_or_else(|| "-".into(), |a| a.to_string()),
+                d.worker.clone().unwrap_or_else(|| "-".into()),
+                one_line(&d.detail, 100),
+            ]
+        })
+        .collect();
     print_table(&["ID", "KIND", "REASON", "ATTEMPTS", "WORKER", "DETAIL"], rows);
-    if total > limit {
-        eprintln!("({limit} of {total} dead letters shown; use --limit)");
+    if listing.depth > limit {
+        eprintln!("({limit} of {} dead letters shown; use --limit)", listing.depth);
     }
     Ok(ExitCode::SUCCESS)
 }
 
 async fn dead_replay(cli: &Cli, names: &Names, id: Option<&str>, all: bool) -> Result<ExitCode> {
     let conn = connect(cli).await?;
-    let get = conn.create_channel().await?;
-    let publish = amqp::confirm_channel(&conn).await?;
-    let queue = names.dead_queue();
     let store = Store::new(&cli.redis_url, names.clone()).ok();
-    // Only what is there now: a replayed task that dies again must not be replayed twice.
-    let total = depth(&get, &queue).await?;
-    let (mut replayed, mut failed) = (0u32, 0u32);
-    for _ in 0..total {
-        let Some(m) = get.basic_get(ShortString::from(queue.as_str()), BasicGetOptions::default()).await? else { break };
-        let d = m.delivery;
-        let Ok(mut env) = Envelope::from_slice(&d.data, usize::MAX) else { continue };
-        if !all && Some(env.id.as_str()) != id {
-            continue;
-        }
-        env.attempt = 0;
-        env.not_before = None;
-        // A replay is a new submission: its wait is measured from now (not from the first
-        // submission, which would put days-old waits into the wait-time histogram and its
-        // alerts) and a missing group gets the full no-match grace again. An absolute
-        // deadline is kept: it is the producer's, not the first attempt's.
-        env.submitted_at = None;
-        // A relative timeout starts again from the replay; only an absolute deadline stays.
-        if env.timeout_ms.is_some() {
-            env.deadline = None;
-        }
-        // The scheduler drops ids it has seen within its dedupe window: clear the mark.
-        clear_dedupe(store.as_ref(), names, &env.id).await;
-        let mut h = FieldTable::default();
-        h.insert(REPLAY_HEADER.into(), AMQPValue::LongString("1".into()));
-        let props = amqp::task_properties(&env.id, Some(h));
-        match amqp::publish_confirmed(&publish, &names.submit_exchange(), env.lane.as_str(), &env.to_bytes(), props).await {
-            Ok(()) => {
-                d.acker.ack(BasicAckOptions::default()).await.context("acking the replayed dead letter")?;
-                replayed += 1;
-            }
-            Err(e) => {
-                eprintln!("fleetctl: cannot replay {}: {e}", env.id);
-                failed += 1;
-            }
-        }
-        if !all {
-            break;
-        }
-    }
-    // Everything not replayed goes back to the dead queue.
-    let _ = get.close(200, ShortString::from("replay done")).await;
+    let sel = match (id, all) {
+        (Some(id), false) => dead::Selection::ids([id]),
+        _ => dead::Selection::all(),
+    };
+    let report = dead::replay(&conn, store.as_ref(), names, &sel).await;
     let _ = conn.close(200, ShortString::from("done")).await;
-    println!("replayed={replayed}");
-    if let (Some(id), 0) = (id, replayed) {
-        if failed == 0 {
-            eprintln!("fleetctl: no dead letter with id {id}");
-        }
-        return Ok(ExitCode::FAILURE);
+    let report = report.with_context(|| format!("replaying from {}", names.dead_queue()))?;
+    for (id, why) in &report.failed {
+        eprintln!("fleetctl: cannot replay {id}: {why}");
     }
-    Ok(if failed > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
-}
-
-async fn clear_dedupe(store: Option<&Store>, names: &Names, id: &str) {
-    let Some(store) = store else { return };
-    // The old status (attempt N, dead) goes too: the replay starts again from attempt 1.
-    if let Err(e) = store.query::<i64>(redis::cmd("DEL").arg(names.dedupe(id)).arg(names.task(id))).await {
-        eprintln!("fleetctl: warning: cannot clear the dedupe mark of {id} ({e}); the scheduler may drop the replay as a duplicate");
+    for id in &report.missing {
+        eprintln!("fleetctl: no dead letter with id {id}");
     }
+    println!("replayed={}", report.replayed.len());
+    Ok(if report.failed.is_empty() && report.missing.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
 // ---- schedules ----

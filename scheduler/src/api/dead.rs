@@ -1,0 +1,136 @@
+//! Dead letters over HTTP, through `fleet::dead` (the same code as `fleetctl dead`):
+//!
+//! * `GET /v1/dead?reason=R&kind=K&scan=N` → `{"depth", "scanned", "letters": [...],
+//!   "reasons": {reason: count}, "kinds": {kind: count}}`: the first `N` letters of the dead
+//!   queue (default 500, at most 5000) read without removing them; `letters` holds those
+//!   matching the filters, `reasons`/`kinds` count all scanned ones (the filter's choices).
+//! * `GET /v1/dead/{id}` → that letter (404 if not among the first 5000).
+//! * `POST /v1/dead/replay` with `{"ids": [...]}` or `{"all": true}`, either optionally with
+//!   `"reason"` and `"kind"` filters → 200 `{"replayed": [...], "failed": [[id, why]],
+//!   "missing": [...]}`; 400 for a body that selects nothing.
+//!
+//! 503 while the scheduler has no broker connection.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use fleet::dead::{self, Selection};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::{error, AppState};
+
+/// Default and largest number of letters a listing reads.
+const SCAN_DEFAULT: u32 = 500;
+const SCAN_MAX: u32 = 5000;
+
+/// The routes that only read (role `read`).
+pub fn read_routes() -> Router<AppState> {
+    Router::new().route("/v1/dead", get(list)).route("/v1/dead/{id}", get(one))
+}
+
+/// The routes that act (role `admin`).
+pub fn admin_routes() -> Router<AppState> {
+    Router::new().route("/v1/dead/replay", post(replay))
+}
+
+#[derive(Debug, Deserialize)]
+struct ListQuery {
+    reason: Option<String>,
+    kind: Option<String>,
+    scan: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ReplayBody {
+    ids: Option<Vec<String>>,
+    #[serde(default)]
+    all: bool,
+    reason: Option<String>,
+    kind: Option<String>,
+}
+
+async fn connection(st: &AppState) -> Result<Arc<lapin::Connection>, Response> {
+    st.connection
+        .read()
+        .await
+        .clone()
+        .ok_or_else(|| error(StatusCode::SERVICE_UNAVAILABLE, "not_connected", "the scheduler is reconnecting to RabbitMQ"))
+}
+
+fn broker_error(e: fleet::Error) -> Response {
+    error(StatusCode::SERVICE_UNAVAILABLE, "amqp", e.to_string())
+}
+
+fn blank(s: Option<String>) -> Option<String> {
+    s.filter(|s| !s.is_empty())
+}
+
+async fn list(State(st): State<AppState>, Query(q): Query<ListQuery>) -> Response {
+    let conn = match connection(&st).await {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let scan = q.scan.unwrap_or(SCAN_DEFAULT).clamp(1, SCAN_MAX);
+    let listing = {
+        let Ok(_permit) = st.dead_reader.acquire().await else { return error(StatusCode::SERVICE_UNAVAILABLE, "closed", "shutting down") };
+        match dead::list(&conn, &st.store.names, scan).await {
+            Ok(l) => l,
+            Err(e) => return broker_error(e),
+        }
+    };
+    let mut reasons: BTreeMap<String, u32> = BTreeMap::new();
+    let mut kinds: BTreeMap<String, u32> = BTreeMap::new();
+    for d in &listing.letters {
+        *reasons.entry(d.reason.clone()).or_default() += 1;
+        *kinds.entry(d.kind.clone()).or_default() += 1;
+    }
+    let filter = Selection { ids: None, reason: blank(q.reason), kind: blank(q.kind) };
+    let scanned = listing.letters.len();
+    let letters: Vec<_> = listing.letters.into_iter().filter(|d| filter.matches(d)).collect();
+    Json(json!({"depth": listing.depth, "scanned": scanned, "letters": letters, "reasons": reasons, "kinds": kinds})).into_response()
+}
+
+async fn one(State(st): State<AppState>, Path(id): Path<String>) -> Response {
+    let conn = match connection(&st).await {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let Ok(_permit) = st.dead_reader.acquire().await else { return error(StatusCode::SERVICE_UNAVAILABLE, "closed", "shutting down") };
+    match dead::list(&conn, &st.store.names, SCAN_MAX).await {
+        Ok(l) => match l.letters.into_iter().find(|d| d.id == id) {
+            Some(d) => Json(d).into_response(),
+            None => error(StatusCode::NOT_FOUND, "unknown_dead_letter", format!("no dead letter with id {id} among the first {SCAN_MAX}")),
+        },
+        Err(e) => broker_error(e),
+    }
+}
+
+async fn replay(State(st): State<AppState>, body: axum::body::Bytes) -> Response {
+    let b: ReplayBody = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => return error(StatusCode::BAD_REQUEST, "malformed_json", e.to_string()),
+    };
+    let sel = match (b.ids, b.all) {
+        (Some(ids), false) if !ids.is_empty() => Selection { ids: Some(ids.into_iter().collect()), reason: blank(b.reason), kind: blank(b.kind) },
+        (None, true) => Selection { ids: None, reason: blank(b.reason), kind: blank(b.kind) },
+        _ => return error(StatusCode::BAD_REQUEST, "no_selection", "give a non-empty \"ids\" array or \"all\": true (not both)"),
+    };
+    let conn = match connection(&st).await {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let Ok(_permit) = st.dead_reader.acquire().await else { return error(StatusCode::SERVICE_UNAVAILABLE, "closed", "shutting down") };
+    match dead::replay(&conn, Some(&st.store), &st.store.names, &sel).await {
+        Ok(report) => {
+            tracing::info!(replayed = report.replayed.len(), failed = report.failed.len(), missing = report.missing.len(), "dead letters replayed through the API");
+            Json(report).into_response()
+        }
+        Err(e) => broker_error(e),
+    }
+}

@@ -1,0 +1,470 @@
+// fleet console: a plain ES module, no framework, no build step. Every figure comes from the
+// scheduler's /v1 API with the operator's bearer token; the page refreshes every 2 s.
+
+const REFRESH_MS = 2000;
+const TOKEN_KEY = "fleet.console.token";
+const VIEWS = ["overview", "groups", "workers", "dead", "task"];
+
+const $ = (sel) => document.querySelector(sel);
+
+/** Builds an element: h("td", {class: "num", dataset: {k: "x"}}, "text", child...). Text is
+ *  always set as text, never parsed as HTML (dead letters carry untrusted strings). */
+function h(tag, attrs = {}, ...children) {
+  const svg = ["svg", "polyline", "line", "text", "g"].includes(tag);
+  const el = svg ? document.createElementNS("http://www.w3.org/2000/svg", tag) : document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k === "dataset") Object.assign(el.dataset, v);
+    else if (k === "on") for (const [ev, fn] of Object.entries(v)) el.addEventListener(ev, fn);
+    else if (k === "vars") for (const [p, val] of Object.entries(v)) el.style.setProperty(p, val);
+    else if (k === "checked" || k === "disabled" || k === "value") el[k] = v;
+    else el.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const c of children.flat()) {
+    if (c === undefined || c === null || c === false) continue;
+    el.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return el;
+}
+
+// ---------------------------------------------------------------- token and API
+
+const token = {
+  get() { return sessionStorage.getItem(TOKEN_KEY) || localStorage.getItem(TOKEN_KEY) || ""; },
+  set(t, remember) {
+    this.clear();
+    (remember ? localStorage : sessionStorage).setItem(TOKEN_KEY, t);
+  },
+  clear() { sessionStorage.removeItem(TOKEN_KEY); localStorage.removeItem(TOKEN_KEY); },
+};
+
+class Unauthorized extends Error {}
+class Unreachable extends Error {}
+
+/** Calls the API. Resolves to {status, body}; throws Unauthorized on 401 and Unreachable when
+ *  the scheduler does not answer (or answers 502/503/504 from a proxy). */
+async function api(path, { method = "GET", body } = {}) {
+  const headers = { Accept: "application/json" };
+  const t = token.get();
+  if (t) headers.Authorization = `Bearer ${t}`;
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  let resp;
+  try {
+    resp = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body), cache: "no-store" });
+  } catch (e) {
+    throw new Unreachable(String(e));
+  }
+  if (resp.status === 401) throw new Unauthorized();
+  let data = null;
+  try { data = await resp.json(); } catch { data = null; }
+  if ([502, 504].includes(resp.status)) throw new Unreachable(`HTTP ${resp.status}`);
+  return { status: resp.status, body: data };
+}
+
+function problem(r) {
+  if (r.status === 403) return "your token does not have the role this needs (admin acts, read looks)";
+  return (r.body && (r.body.detail || r.body.error)) || `HTTP ${r.status}`;
+}
+
+// ---------------------------------------------------------------- formatting
+
+const fmt = {
+  n(v) { return v === undefined || v === null ? "–" : Number(v).toLocaleString("en-US"); },
+  pct(v) { return v === undefined || v === null ? "–" : `${(v * 100).toFixed(0)}%`; },
+  secs(s) {
+    if (s === undefined || s === null || Number.isNaN(s)) return "–";
+    if (s < 1) return `${Math.round(s * 1000)} ms`;
+    if (s < 120) return `${s.toFixed(s < 10 ? 1 : 0)} s`;
+    if (s < 7200) return `${Math.round(s / 60)} min`;
+    return `${(s / 3600).toFixed(1)} h`;
+  },
+  rate(v) { return v >= 100 ? v.toFixed(0) : v >= 10 ? v.toFixed(1) : v.toFixed(2); },
+  labels(l) {
+    if (!l || typeof l !== "object") return "–";
+    const pairs = Object.entries(l).map(([k, v]) => `${k}=${v}`);
+    return pairs.length ? pairs.join(", ") : "(none)";
+  },
+  when(ms) {
+    if (!ms) return "–";
+    const n = Number(ms);
+    return Number.isFinite(n) ? new Date(n).toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC") : String(ms);
+  },
+};
+
+function lanes(normal, critical) {
+  return h("span", { class: "lanes" }, String(normal), h("span", { class: "sep" }, "|"), String(critical));
+}
+
+// ---------------------------------------------------------------- confirm and notices
+
+function confirmAction(text) {
+  const d = $("#confirm");
+  $("#confirm-text").textContent = text;
+  return new Promise((resolve) => {
+    d.addEventListener("close", () => resolve(d.returnValue === "ok"), { once: true });
+    d.returnValue = "";
+    d.showModal();
+  });
+}
+
+function notice(text, ok = true) {
+  const n = $("#notice");
+  n.textContent = text;
+  n.className = `banner ${ok ? "ok" : "err"}`;
+  n.hidden = false;
+  clearTimeout(notice.timer);
+  notice.timer = setTimeout(() => { n.hidden = true; }, 8000);
+}
+
+// ---------------------------------------------------------------- charts
+
+/** A small line chart of `defs` ([{key, label, color, rate}]) over the last `window` seconds.
+ *  `rate` divides a point's count by its interval; otherwise the value is drawn as is. */
+function chart(el, points, defs, windowS, unitFmt) {
+  const W = 600, H = 120, L = 40, B = 16;
+  const now = Date.now();
+  // The last 15 minutes, or since the scheduler started when its history is shorter.
+  const first = points.length ? points[0].at_ms - points[0].seconds * 1000 : now;
+  const from = Math.max(now - windowS * 1000, Math.min(first, now - 60000));
+  const span = now - from;
+  const value = (p, d) => {
+    const v = p[d.key];
+    if (v === null || v === undefined) return null;
+    return d.rate ? (p.seconds > 0 ? v / p.seconds : 0) : v;
+  };
+  let max = 0;
+  for (const p of points) for (const d of defs) { const v = value(p, d); if (v !== null) max = Math.max(max, v); }
+  if (max === 0) max = 1;
+  const x = (t) => L + ((t - from) / span) * (W - L);
+  const y = (v) => (H - B) - (v / max) * (H - B - 6);
+  const svg = h("svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", role: "img" },
+    h("line", { class: "axis", x1: L, y1: H - B, x2: W, y2: H - B }),
+    h("text", { x: 2, y: 10 }, unitFmt(max)),
+    h("text", { x: 2, y: H - B }, "0"),
+    h("text", { x: L, y: H - 2 }, `−${fmt.secs(span / 1000)}`),
+    h("text", { x: W - 24, y: H - 2 }, "now"));
+  for (const d of defs) {
+    const pts = points.filter((p) => p.at_ms >= from && value(p, d) !== null).map((p) => `${x(p.at_ms).toFixed(1)},${y(value(p, d)).toFixed(1)}`);
+    if (pts.length) svg.append(h("polyline", { points: pts.join(" "), fill: "none", stroke: d.color, "stroke-width": 1.5, "vector-effect": "non-scaling-stroke" }));
+  }
+  const legend = h("div", { class: "legend" }, defs.map((d) => {
+    // The latest interval's figure; for a quantile, the latest interval that had samples.
+    const last = d.rate ? points[points.length - 1] : [...points].reverse().find((p) => value(p, d) !== null);
+    const v = last ? value(last, d) : null;
+    return h("span", { vars: { "--sw": d.color }, dataset: { series: d.key } }, `${d.label} `, h("b", {}, v === null ? "–" : unitFmt(v)));
+  }));
+  el.replaceChildren(svg, legend);
+}
+
+const css = (v) => getComputedStyle(document.documentElement).getPropertyValue(v).trim();
+
+// ---------------------------------------------------------------- views
+
+async function renderOverview() {
+  const [p, s] = await Promise.all([api("/v1/pressure"), api("/v1/series")]);
+  if (p.status !== 200) throw new Error(problem(p));
+  const pr = p.body;
+  const badge = $("#pressure-state");
+  badge.textContent = pr.state;
+  badge.className = `badge ${pr.state}`;
+  const max = pr.thresholds ? pr.thresholds.max_pending : null;
+  $("#p-pending").textContent = max ? `${fmt.n(pr.pending)} / ${fmt.n(max)}` : fmt.n(pr.pending);
+  $("#p-load").textContent = `${fmt.n(pr.running)} / ${fmt.n(pr.capacity)} (${fmt.pct(pr.load)})`;
+  $("#p-gate").textContent = pr.gate;
+  $("#p-ingress").textContent = fmt.n(pr.ingress_backlog);
+  $("#p-parked").textContent = fmt.n(pr.parked);
+  $("#p-reserved").textContent = fmt.n(pr.reserved);
+  if (s.status !== 200) return;
+  const pts = s.body.points || [];
+  const win = s.body.window_seconds || 900;
+  chart($("#chart-throughput"), pts, [
+    { key: "submitted", label: "submitted", color: css("--c1"), rate: true },
+    { key: "dispatched", label: "dispatched", color: css("--c2"), rate: true },
+    { key: "succeeded", label: "succeeded", color: css("--c3"), rate: true },
+    { key: "failed", label: "failed", color: css("--c4"), rate: true },
+  ], win, (v) => `${fmt.rate(v)}/s`);
+  chart($("#chart-wait"), pts, [
+    { key: "wait_p50", label: "p50", color: css("--c1") },
+    { key: "wait_p99", label: "p99", color: css("--c4") },
+  ], win, fmt.secs);
+  chart($("#chart-refused"), pts, [{ key: "refused", label: "refused", color: css("--c4"), rate: true }], win, (v) => `${fmt.rate(v)}/s`);
+}
+
+function probeCell(g) {
+  if (g.probe_ok === undefined) return h("span", { class: "muted" }, "–");
+  if (g.probe_ok) return h("span", { class: "badge ok" }, `ok ${g.probe_seconds != null ? fmt.secs(g.probe_seconds) : ""}`.trim());
+  return h("span", { class: "badge fail" }, `failing ×${g.probe_consecutive_failures ?? "?"}`);
+}
+
+async function renderGroups() {
+  const r = await api("/v1/groups");
+  if (r.status !== 200) throw new Error(problem(r));
+  const groups = [...r.body].sort((a, b) => (b.backlog ?? 0) - (a.backlog ?? 0) || a.group.localeCompare(b.group));
+  const rows = groups.map((g) => h("tr", { dataset: { group: g.group } },
+    h("td", { class: "mono" }, g.group),
+    h("td", { dataset: { k: "labels" } }, fmt.labels(g.labels)),
+    h("td", { class: "num", dataset: { k: "workers" } }, String(g.workers)),
+    h("td", { dataset: { k: "capacity" } }, lanes(g.capacity, g.critical_capacity)),
+    h("td", { dataset: { k: "load" } }, lanes(g.load, g.critical_load)),
+    h("td", { dataset: { k: "reserved" } }, lanes(g.reserved, g.critical_reserved)),
+    h("td", { class: "num", dataset: { k: "backlog" } }, g.backlog === undefined ? "–" : String(g.backlog)),
+    h("td", { dataset: { k: "queued" } }, lanes(g.queued ?? "–", g.queued_critical ?? "–")),
+    h("td", { dataset: { k: "parked" } }, lanes(g.parked ?? "–", g.parked_critical ?? "–")),
+    h("td", { class: "num", dataset: { k: "oldest" } }, g.oldest_task_age_seconds === undefined ? "–" : fmt.secs(g.oldest_task_age_seconds)),
+    h("td", { dataset: { k: "probe" } }, probeCell(g))));
+  $("#groups-table tbody").replaceChildren(...(rows.length ? rows : [h("tr", { class: "empty" }, h("td", { colspan: 11 }, "No groups registered."))]));
+}
+
+async function drain(id) {
+  if (!(await confirmAction(`Drain worker ${id}? It finishes its running tasks, takes no new ones and leaves the fleet.`))) return;
+  const r = await api(`/v1/workers/${encodeURIComponent(id)}/drain`, { method: "POST", body: {} });
+  if (r.status === 202) notice(`Worker ${id} is draining (was ${r.body.previous_state}).`);
+  else notice(`Cannot drain ${id}: ${problem(r)}`, false);
+  refreshNow();
+}
+
+async function renderWorkers() {
+  const r = await api("/v1/workers");
+  if (r.status !== 200) throw new Error(problem(r));
+  const rows = r.body.map((w) => {
+    const skew = w.clock_skew_ms ?? w.skew_ms;
+    return h("tr", { dataset: { worker: w.id } },
+      h("td", { class: "mono" }, w.id),
+      h("td", { dataset: { k: "state" } }, h("span", { class: `badge ${w.state}` }, w.state)),
+      h("td", { class: "mono" }, w.group),
+      h("td", {}, fmt.labels(w.labels)),
+      h("td", { dataset: { k: "running" } }, lanes(`${w.running}/${w.capacity}`, `${w.running_critical}/${w.critical_capacity}`)),
+      h("td", { class: "num", dataset: { k: "heartbeat" } }, `${fmt.secs(w.last_heartbeat_ms_ago / 1000)} ago`),
+      h("td", { class: "num", dataset: { k: "succeeded" } }, fmt.n(w.succeeded)),
+      h("td", { class: "num", dataset: { k: "failed" } }, fmt.n(w.failed)),
+      h("td", { class: "num", dataset: { k: "skew" } }, skew === undefined || skew === null ? "–" : `${skew} ms`),
+      h("td", {}, h("button", { class: "small drain", disabled: w.state === "draining", on: { click: () => drain(w.id) } }, "Drain")));
+  });
+  $("#workers-table tbody").replaceChildren(...(rows.length ? rows : [h("tr", { class: "empty" }, h("td", { colspan: 10 }, "No workers registered."))]));
+}
+
+// Dead letters: the selection survives refreshes.
+const dead = { selected: new Set(), shown: [] };
+
+function fillSelect(sel, counts) {
+  const current = sel.value;
+  const opts = [h("option", { value: "" }, "any")];
+  for (const [k, n] of Object.entries(counts || {})) opts.push(h("option", { value: k }, `${k} (${n})`));
+  if (current && !(current in (counts || {}))) opts.push(h("option", { value: current }, `${current} (0)`));
+  sel.replaceChildren(...opts);
+  sel.value = current;
+}
+
+async function replay(body, what) {
+  if (!(await confirmAction(`Replay ${what}? Each task is submitted again as new, attempt count reset.`))) return;
+  const r = await api("/v1/dead/replay", { method: "POST", body });
+  if (r.status !== 200) { notice(`Replay failed: ${problem(r)}`, false); return; }
+  const b = r.body;
+  const extra = [b.failed.length ? `${b.failed.length} failed (${b.failed.map(([id, why]) => `${id}: ${why}`).join("; ")})` : "", b.missing.length ? `${b.missing.length} no longer dead` : ""].filter(Boolean).join(", ");
+  notice(`Replayed ${b.replayed.length}${extra ? `; ${extra}` : ""}.`, b.failed.length === 0);
+  for (const id of b.replayed) dead.selected.delete(id);
+  refreshNow();
+}
+
+function showEnvelope(d) {
+  $("#envelope-title").textContent = `Dead letter ${d.id}`;
+  const meta = { reason: d.reason, detail: d.detail, attempts: d.attempts, last_worker: d.worker, dead_at: fmt.when(d.dead_at_ms), replayable: d.replayable };
+  $("#envelope-body").textContent = `${JSON.stringify(meta, null, 2)}\n\nenvelope:\n${JSON.stringify(d.envelope, null, 2)}`;
+  $("#envelope").showModal();
+}
+
+async function renderDead() {
+  const reason = $("#dead-reason").value, kind = $("#dead-kind").value;
+  const q = new URLSearchParams({ reason, kind, scan: "500" });
+  const r = await api(`/v1/dead?${q}`);
+  if (r.status !== 200) throw new Error(problem(r));
+  const b = r.body;
+  fillSelect($("#dead-reason"), b.reasons);
+  fillSelect($("#dead-kind"), b.kinds);
+  dead.shown = b.letters;
+  const ids = new Set(b.letters.map((d) => d.id));
+  for (const id of [...dead.selected]) if (!ids.has(id)) dead.selected.delete(id);
+  const now = Date.now();
+  const rows = b.letters.map((d) => h("tr", { dataset: { task: d.id } },
+    h("td", {}, h("input", { type: "checkbox", class: "pick", checked: dead.selected.has(d.id), disabled: !d.replayable, "aria-label": `select ${d.id}`,
+      on: { change: (e) => { if (e.target.checked) dead.selected.add(d.id); else dead.selected.delete(d.id); updateDeadButtons(); } } })),
+    h("td", { class: "mono" }, d.id),
+    h("td", { dataset: { k: "kind" } }, d.kind),
+    h("td", { dataset: { k: "reason" } }, h("span", { class: "badge dead" }, d.reason)),
+    h("td", { class: "detail", dataset: { k: "detail" } }, d.detail),
+    h("td", { class: "num", dataset: { k: "attempts" } }, d.attempts ?? "–"),
+    h("td", { class: "mono", dataset: { k: "worker" } }, d.worker ?? "–"),
+    h("td", { class: "num", dataset: { k: "age" } }, d.dead_at_ms ? fmt.secs(Math.max(0, now - d.dead_at_ms) / 1000) : "–"),
+    h("td", {},
+      h("button", { class: "small view", on: { click: () => showEnvelope(d) } }, "View"), " ",
+      h("button", { class: "small replay", disabled: !d.replayable, on: { click: () => replay({ ids: [d.id] }, `task ${d.id}`) } }, "Replay"))));
+  $("#dead-table tbody").replaceChildren(...(rows.length ? rows : [h("tr", { class: "empty" }, h("td", { colspan: 9 }, b.depth ? "No dead letter matches the filter." : "No dead letters."))]));
+  const more = b.depth > b.scanned ? ` (first ${b.scanned} of ${b.depth} read)` : "";
+  $("#dead-count").textContent = `${b.letters.length} shown, ${b.depth} in the dead queue${more}`;
+  updateDeadButtons();
+}
+
+function updateDeadButtons() {
+  const n = dead.selected.size;
+  const btn = $("#dead-replay-selected");
+  btn.textContent = `Replay selected (${n})`;
+  btn.disabled = n === 0;
+  $("#dead-replay-all").disabled = dead.shown.length === 0;
+}
+
+function row(k, v) { return [h("dt", {}, k), h("dd", { dataset: { k } }, v)]; }
+
+async function lookupTask(id) {
+  const out = $("#task-result");
+  const r = await api(`/v1/tasks/${encodeURIComponent(id)}`);
+  if (r.status === 404) { out.replaceChildren(h("p", { class: "muted", id: "task-missing" }, `No status for task ${id}: never seen, or older than the status TTL.`)); return; }
+  if (r.status !== 200) { out.replaceChildren(h("p", { class: "error" }, problem(r))); return; }
+  const t = r.body;
+  const time = /(_at|_ms)$/;
+  const known = ["id", "state", "attempt", "max_attempts", "group", "lane", "worker", "reason", "error", "result", "history", "attempts"];
+  const dl = h("dl", { class: "kv", id: "task-fields" },
+    row("id", t.id),
+    row("state", h("span", { class: `badge ${t.state}` }, t.state ?? "–")),
+    ...["attempt", "max_attempts", "group", "lane", "worker", "reason", "error", "result"].filter((k) => t[k] !== undefined).flatMap((k) => row(k, String(t[k]))),
+    ...Object.keys(t).filter((k) => !known.includes(k)).sort().flatMap((k) => row(k, time.test(k) ? fmt.when(t[k]) : String(t[k]))));
+  const parts = [h("div", { class: "card" }, h("h2", {}, "Status"), dl)];
+  let history = t.history ?? t.attempts;
+  if (typeof history === "string") { try { history = JSON.parse(history); } catch { history = null; } }
+  if (Array.isArray(history) && history.length) {
+    const cols = [...new Set(history.flatMap((a) => Object.keys(a)))];
+    parts.push(h("div", { class: "card" }, h("h2", {}, "Attempts"),
+      h("div", { class: "scroll" }, h("table", { id: "task-history" },
+        h("thead", {}, h("tr", {}, cols.map((c) => h("th", {}, c)))),
+        h("tbody", {}, history.map((a) => h("tr", {}, cols.map((c) => h("td", {}, a[c] === undefined ? "" : time.test(c) ? fmt.when(a[c]) : String(a[c]))))))))));
+  } else {
+    parts.push(h("p", { class: "help" }, `Attempt ${t.attempt ?? "–"}: the status keeps the latest attempt's worker, times and outcome; earlier attempts' errors are in the worker logs.`));
+  }
+  out.replaceChildren(...parts);
+}
+
+// ---------------------------------------------------------------- shell
+
+const RENDER = { overview: renderOverview, groups: renderGroups, workers: renderWorkers, dead: renderDead, task: async () => {
+  const id = $("#task-id").value.trim();
+  if (id) await lookupTask(id);
+} };
+
+let lastOk = 0;
+let timer = null;
+let signedIn = false;
+// Each refresh takes a number; an answer that comes back after a newer refresh started (or
+// after signing out) is dropped, so a slow answer never overwrites a newer page.
+let generation = 0;
+
+function currentView() {
+  const v = location.hash.replace("#", "");
+  return VIEWS.includes(v) ? v : "overview";
+}
+
+function showView() {
+  const v = currentView();
+  for (const name of VIEWS) $(`#view-${name}`).hidden = name !== v;
+  for (const a of document.querySelectorAll("#nav a")) a.classList.toggle("active", a.dataset.view === v);
+}
+
+function showLogin(message) {
+  signedIn = false;
+  $("#notice").hidden = true;
+  $("#main").hidden = true;
+  $("#nav").hidden = true;
+  $("#live").hidden = true;
+  $("#signout").hidden = true;
+  $("#unreachable").hidden = true;
+  // Nothing of the fleet stays on the page.
+  for (const tb of document.querySelectorAll("tbody")) tb.replaceChildren();
+  for (const c of document.querySelectorAll(".chart, #task-result")) c.replaceChildren();
+  $("#login").hidden = false;
+  const err = $("#login-error");
+  err.textContent = message || "";
+  err.hidden = !message;
+  $("#token").focus();
+}
+
+function showMain() {
+  signedIn = true;
+  $("#login").hidden = true;
+  $("#main").hidden = false;
+  $("#nav").hidden = false;
+  $("#live").hidden = false;
+  $("#signout").hidden = !token.get();
+  showView();
+}
+
+async function refresh() {
+  clearTimeout(timer);
+  const gen = ++generation;
+  const view = currentView();
+  try {
+    await RENDER[view]();
+    if (gen !== generation) return;
+    if (!signedIn) showMain();
+    lastOk = Date.now();
+    $("#unreachable").hidden = true;
+    $("#main").classList.remove("stale");
+    $("#live").classList.remove("stale");
+    $("#live").textContent = `live · updated ${new Date(lastOk).toLocaleTimeString()}`;
+  } catch (e) {
+    if (gen !== generation) return;
+    if (e instanceof Unauthorized) {
+      const had = token.get();
+      token.clear();
+      showLogin(had ? "That token was refused (401). Enter a valid token." : "");
+      return;
+    }
+    if (e instanceof Unreachable) {
+      const since = lastOk ? `; last update ${new Date(lastOk).toLocaleTimeString()}` : "";
+      const u = $("#unreachable");
+      const why = e.message.startsWith("HTTP") ? ` (${e.message})` : "";
+      u.textContent = `The scheduler is unreachable${why}${since}. Retrying every ${REFRESH_MS / 1000} s…`;
+      u.hidden = false;
+      $("#main").classList.add("stale");
+      $("#live").classList.add("stale");
+      $("#live").textContent = "unreachable";
+    } else {
+      notice(`Cannot load ${view}: ${e.message}`, false);
+    }
+  }
+  timer = setTimeout(refresh, REFRESH_MS);
+}
+
+function refreshNow() { refresh(); }
+
+function boot() {
+  window.addEventListener("hashchange", () => { showView(); refreshNow(); });
+  $("#login-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    const t = $("#token").value.trim();
+    if (!t) return;
+    token.set(t, $("#remember").checked);
+    $("#token").value = "";
+    refreshNow();
+  });
+  $("#signout").addEventListener("click", () => { token.clear(); clearTimeout(timer); generation++; showLogin(""); });
+  $("#task-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    if (location.hash !== "#task") location.hash = "#task";
+    refreshNow();
+  });
+  $("#dead-reason").addEventListener("change", refreshNow);
+  $("#dead-kind").addEventListener("change", refreshNow);
+  $("#dead-all").addEventListener("change", (e) => {
+    for (const d of dead.shown) if (d.replayable) { if (e.target.checked) dead.selected.add(d.id); else dead.selected.delete(d.id); }
+    for (const c of document.querySelectorAll("#dead-table .pick")) if (!c.disabled) c.checked = e.target.checked;
+    updateDeadButtons();
+  });
+  $("#dead-replay-selected").addEventListener("click", () => replay({ ids: [...dead.selected] }, `${dead.selected.size} selected dead letter(s)`));
+  $("#dead-replay-all").addEventListener("click", () => {
+    const reason = $("#dead-reason").value, kind = $("#dead-kind").value;
+    const filter = [reason && `reason ${reason}`, kind && `kind ${kind}`].filter(Boolean).join(", ");
+    replay({ all: true, reason: reason || undefined, kind: kind || undefined }, filter ? `every dead letter with ${filter}` : "every dead letter");
+  });
+  showView();
+  refresh();
+}
+
+boot();

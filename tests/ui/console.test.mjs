@@ -1,0 +1,326 @@
+// Browser half of tests/tests/console.rs: drives fleet's console (/ui) in Debian's chromium with
+// playwright-core and checks it against the API. Environment (set by the Rust test):
+//   FLEET_UI_BASE       scheduler base URL, e.g. http://127.0.0.1:PORT
+//   FLEET_ADMIN_TOKEN   token with role admin; FLEET_READ_TOKEN: role read
+//   FLEET_EXPECT        JSON: busy_group, idle_group, drain_worker, replay_one, replay_selected,
+//                       stays_dead, succeeded_task, workers
+//   FLEET_SCREENSHOTS   directory for the screenshots
+//   CHROMIUM            browser binary (default /usr/bin/chromium)
+// Prints "@stop-scheduler" and waits for "stopped URL" on stdin (URL: a scheduler without
+// tokens) before checking the banner shown when the scheduler is unreachable, then the page of
+// the open scheduler. Exits non-zero on the first failed check.
+
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { createInterface } from "node:readline";
+import { chromium } from "playwright-core";
+
+const BASE = process.env.FLEET_UI_BASE;
+const ADMIN = process.env.FLEET_ADMIN_TOKEN;
+const READ = process.env.FLEET_READ_TOKEN;
+const EXPECT = JSON.parse(process.env.FLEET_EXPECT || "{}");
+const SHOTS = process.env.FLEET_SCREENSHOTS;
+const WAIT_MS = 20000;
+
+const log = (...a) => console.log(...a);
+function fail(msg) { throw new Error(msg); }
+function eq(actual, expected, what) {
+  if (JSON.stringify(actual) !== JSON.stringify(expected)) fail(`${what}: got ${JSON.stringify(actual)}, expected ${JSON.stringify(expected)}`);
+}
+
+/** Polls `check` (returns a value or throws/returns undefined) until it passes or `ms` runs out. */
+async function until(what, check, ms = WAIT_MS) {
+  const end = Date.now() + ms;
+  let last;
+  for (;;) {
+    try {
+      const v = await check();
+      if (v !== undefined && v !== false) return v;
+    } catch (e) { last = e; }
+    if (Date.now() > end) fail(`timed out after ${ms} ms waiting for ${what}${last ? `: ${last.message}` : ""}`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}
+
+async function api(path, token = ADMIN, init = {}) {
+  const headers = token ? { Authorization: `Bearer ${token}` } : {};
+  const r = await fetch(`${BASE}${path}`, { ...init, headers: { ...headers, ...(init.headers || {}) } });
+  let body = null;
+  try { body = await r.json(); } catch { body = null; }
+  return { status: r.status, body };
+}
+
+const shot = (page, name) => page.screenshot({ path: join(SHOTS, `${name}.png`), fullPage: true });
+const text = (page, sel) => page.locator(sel).first().textContent({ timeout: WAIT_MS }).then((t) => (t || "").trim());
+
+async function signIn(page, token) {
+  await page.locator("#login").waitFor({ state: "visible", timeout: WAIT_MS });
+  await page.fill("#token", token);
+  await page.click("#login-form button[type=submit]");
+  await page.locator("#main").waitFor({ state: "visible", timeout: WAIT_MS });
+}
+
+async function go(page, view) {
+  await page.evaluate((v) => { location.hash = `#${v}`; }, view);
+  await page.locator(`#view-${view}`).waitFor({ state: "visible", timeout: WAIT_MS });
+}
+
+async function confirmDialog(page, shotName) {
+  await page.locator("#confirm").waitFor({ state: "visible", timeout: WAIT_MS });
+  if (shotName) await shot(page, shotName);
+  await page.click("#confirm-ok");
+}
+
+const lanes = (n, c) => `${n}|${c}`;
+
+async function main() {
+  const profile = mkdtempSync(join(tmpdir(), "fleet-console-chromium-"));
+  const ctx = await chromium.launchPersistentContext(profile, {
+    executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
+    headless: true,
+    args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+    viewport: { width: 1280, height: 800 },
+    colorScheme: "light",
+  });
+  try {
+    await run(ctx);
+  } finally {
+    await ctx.close();
+    rmSync(profile, { recursive: true, force: true });
+  }
+}
+
+async function run(ctx) {
+  const page = await ctx.newPage();
+  const errors = [];
+  page.on("pageerror", (e) => errors.push(String(e)));
+
+  // ---- 1. No token: the prompt and nothing else.
+  eq((await api("/v1/workers", null)).status, 401, "GET /v1/workers without a token");
+  await page.goto(`${BASE}/ui`);
+  await page.locator("#login").waitFor({ state: "visible", timeout: WAIT_MS });
+  for (const sel of ["#main", "#nav", "#live"]) eq(await page.locator(sel).isVisible(), false, `${sel} visible without a token`);
+  const body = await page.locator("body").innerText();
+  for (const id of [...EXPECT.workers, EXPECT.busy_group, EXPECT.stays_dead]) if (body.includes(id)) fail(`page without a token shows ${id}`);
+  await shot(page, "01-login");
+  log("ok: without a token the page shows only the prompt");
+
+  // A wrong token is refused and the prompt says so.
+  await page.fill("#token", "not-a-valid-token-at-all");
+  await page.click("#login-form button[type=submit]");
+  await until("the refusal message", async () => (await page.locator("#login-error").isVisible()) && (await text(page, "#login-error")).includes("refused"));
+  eq(await page.locator("#main").isVisible(), false, "main after a wrong token");
+
+  // ---- 2. A read token looks but cannot drain.
+  await signIn(page, READ);
+  await go(page, "workers");
+  const readRow = page.locator(`tr[data-worker="${EXPECT.drain_worker}"]`);
+  await readRow.waitFor({ timeout: WAIT_MS });
+  await readRow.locator("button.drain").click();
+  await confirmDialog(page);
+  await until("the 403 notice", async () => (await text(page, "#notice")).includes("role"));
+  eq((await api("/v1/workers")).body.find((w) => w.id === EXPECT.drain_worker)?.state, "active", "worker state after a read token's drain");
+  log("ok: a read token cannot drain (403 shown)");
+  await page.click("#signout");
+  await signIn(page, ADMIN);
+
+  // ---- 3. Overview: pressure as the API has it, charts filled.
+  await go(page, "overview");
+  await until("pressure figures equal to the API's", async () => {
+    const p = (await api("/v1/pressure")).body;
+    eq(await text(page, "#pressure-state"), p.state, "pressure state");
+    eq(await text(page, "#p-pending"), `${p.pending.toLocaleString("en-US")} / ${p.thresholds.max_pending.toLocaleString("en-US")}`, "pending");
+    eq(await text(page, "#p-load"), `${p.running} / ${p.capacity} (${(p.load * 100).toFixed(0)}%)`, "load");
+    eq(await text(page, "#p-gate"), p.gate, "gate");
+    eq(await text(page, "#p-parked"), String(p.parked), "parked");
+    eq(await text(page, "#p-reserved"), String(p.reserved), "reserved");
+    eq([p.running, p.capacity], [1, 7], "pressure: beta's one running task, 4+2+1 capacity");
+    return true;
+  });
+  await until("throughput chart lines", async () => (await page.locator("#chart-throughput polyline").count()) === 4);
+  await until("wait-time chart line", async () => (await page.locator("#chart-wait polyline").count()) >= 1);
+  await until("refusals chart", async () => (await page.locator("#chart-refused [data-series=refused] b").count()) === 1);
+  await shot(page, "02-overview");
+  log("ok: overview shows the API's pressure and the charts");
+
+  // ---- 4. Groups: sorted by backlog, every figure as the API has it.
+  await go(page, "groups");
+  await until("groups equal to the API's", async () => {
+    const groups = (await api("/v1/groups")).body;
+    eq(groups.length, 2, "groups in the API");
+    const order = await page.locator("#groups-table tbody tr").evaluateAll((rows) => rows.map((r) => r.dataset.group));
+    eq(order, [EXPECT.busy_group, EXPECT.idle_group], "group order (largest backlog first)");
+    for (const g of groups) {
+      const row = page.locator(`tr[data-group="${g.group}"]`);
+      const cell = (k) => row.locator(`td[data-k=${k}]`).textContent().then((t) => t.trim());
+      eq(await cell("workers"), String(g.workers), `${g.group} workers`);
+      eq(await cell("capacity"), lanes(g.capacity, g.critical_capacity), `${g.group} capacity`);
+      eq(await cell("load"), lanes(g.load, g.critical_load), `${g.group} load`);
+      eq(await cell("reserved"), lanes(g.reserved, g.critical_reserved), `${g.group} reserved`);
+      eq(await cell("backlog"), String(g.backlog), `${g.group} backlog`);
+      eq(await cell("parked"), lanes(g.parked, g.parked_critical), `${g.group} parked`);
+    }
+    const busy = groups.find((g) => g.group === EXPECT.busy_group);
+    eq([busy.workers, busy.capacity, busy.load, busy.backlog >= 1], [1, 1, 1, true], "beta's figures (busy, with a backlog)");
+    const idle = groups.find((g) => g.group === EXPECT.idle_group);
+    eq([idle.workers, idle.capacity, idle.backlog], [2, 6, 0], "alpha's figures");
+    return true;
+  });
+  await until("a probe result", async () => (await page.locator(`tr[data-group="${EXPECT.busy_group}"] td[data-k=probe] .badge`).count()) === 1);
+  await shot(page, "03-groups");
+  log("ok: groups sorted by backlog with the API's figures");
+
+  // ---- 5. Workers: figures as the API has them; drain one with the button and see it leave.
+  await go(page, "workers");
+  await until("workers equal to the API's", async () => {
+    const workers = (await api("/v1/workers")).body;
+    eq(workers.map((w) => w.id).sort(), [...EXPECT.workers].sort(), "workers in the API");
+    for (const w of workers) {
+      const row = page.locator(`tr[data-worker="${w.id}"]`);
+      const cell = (k) => row.locator(`td[data-k=${k}]`).textContent().then((t) => t.trim());
+      eq(await cell("state"), w.state, `${w.id} state`);
+      eq(await cell("running"), lanes(`${w.running}/${w.capacity}`, `${w.running_critical}/${w.critical_capacity}`), `${w.id} running`);
+      eq(await cell("succeeded"), w.succeeded.toLocaleString("en-US"), `${w.id} succeeded`);
+      eq(await cell("failed"), w.failed.toLocaleString("en-US"), `${w.id} failed`);
+      if (typeof w.clock_skew_ms !== "number") fail(`${w.id}: no clock_skew_ms in the API`);
+      if (!/^-?\d+ ms$/.test(await cell("skew"))) fail(`${w.id} skew cell: ${await cell("skew")}`);
+    }
+    const done = workers.filter((w) => w.group === EXPECT.idle_group).reduce((s, w) => s + w.succeeded, 0);
+    eq(done >= 20, true, `alpha's succeeded total (${done}) covers the 20 echo tasks`);
+    return true;
+  });
+  await shot(page, "04-workers");
+  await page.locator(`tr[data-worker="${EXPECT.drain_worker}"] button.drain`).click();
+  await confirmDialog(page, "05-drain-confirm");
+  await until("the drained worker to leave the page", async () => (await page.locator(`tr[data-worker="${EXPECT.drain_worker}"]`).count()) === 0, 30000);
+  eq((await api("/v1/workers")).body.some((w) => w.id === EXPECT.drain_worker), false, "drained worker still in the API");
+  log("ok: drained a worker with the button; it left");
+
+  // ---- 6. Dead letters: list, filter, view, replay one and a selection.
+  await go(page, "dead");
+  const listing = (await api("/v1/dead")).body;
+  eq(listing.depth, 3, "dead letters in the API");
+  await until("three dead letters on the page", async () => (await page.locator("#dead-table tbody tr[data-task]").count()) === 3);
+  for (const d of listing.letters) {
+    const row = page.locator(`tr[data-task="${d.id}"]`);
+    const cell = (k) => row.locator(`td[data-k=${k}]`).textContent().then((t) => t.trim());
+    eq(await cell("reason"), d.reason, `${d.id} reason`);
+    eq(await cell("kind"), d.kind, `${d.id} kind`);
+    eq(await cell("attempts"), String(d.attempts), `${d.id} attempts`);
+    eq(await cell("worker"), d.worker, `${d.id} worker`);
+    eq(await cell("detail"), d.detail, `${d.id} detail`);
+  }
+  eq(listing.letters.find((d) => d.id === EXPECT.stays_dead)?.reason, "max_attempts", "reason of the exhausted task");
+  await page.selectOption("#dead-reason", "permanent_error");
+  await until("the reason filter", async () => {
+    const ids = await page.locator("#dead-table tbody tr[data-task]").evaluateAll((rows) => rows.map((r) => r.dataset.task).sort());
+    eq(ids, [EXPECT.replay_one, EXPECT.replay_selected].sort(), "rows with reason permanent_error");
+    return true;
+  });
+  await page.selectOption("#dead-kind", "fail");
+  await until("reason and kind filters together", async () => (await text(page, "#dead-table tbody")).includes("No dead letter matches"));
+  await page.selectOption("#dead-kind", "");
+  await until("the kind filter cleared", async () => (await page.locator("#dead-table tbody tr[data-task]").count()) === 2);
+  await shot(page, "06-dead-letters");
+  await page.locator(`tr[data-task="${EXPECT.replay_one}"] button.view`).click();
+  await page.locator("#envelope").waitFor({ state: "visible", timeout: WAIT_MS });
+  const env = await text(page, "#envelope-body");
+  for (const s of [EXPECT.replay_one, '"kind": "flaky"', "downstream refused the request"]) if (!env.includes(s)) fail(`envelope view lacks ${s}`);
+  await shot(page, "07-dead-letter-envelope");
+  await page.click("#envelope button[value=close]");
+
+  await page.locator(`tr[data-task="${EXPECT.replay_one}"] button.replay`).click();
+  await confirmDialog(page, "08-replay-confirm");
+  await until("the replayed letter to leave the list", async () => (await page.locator(`tr[data-task="${EXPECT.replay_one}"]`).count()) === 0);
+  if (!(await text(page, "#notice")).startsWith("Replayed 1")) fail(`notice after a replay: ${await text(page, "#notice")}`);
+  await page.locator(`tr[data-task="${EXPECT.replay_selected}"] input.pick`).check();
+  eq(await text(page, "#dead-replay-selected"), "Replay selected (1)", "selection button");
+  await page.click("#dead-replay-selected");
+  await confirmDialog(page);
+  await until("the selected letter to leave the list", async () => (await page.locator(`tr[data-task="${EXPECT.replay_selected}"]`).count()) === 0);
+  for (const id of [EXPECT.replay_one, EXPECT.replay_selected]) {
+    await until(`${id} to succeed after its replay`, async () => (await api(`/v1/tasks/${id}`)).body?.state === "succeeded");
+  }
+  await page.selectOption("#dead-reason", "");
+  await until("one dead letter left", async () => (await page.locator("#dead-table tbody tr[data-task]").count()) === 1);
+  eq((await api("/v1/dead")).body.letters.map((d) => d.id), [EXPECT.stays_dead], "dead letters left in the API");
+  log("ok: replayed one dead letter and a selection; both succeeded");
+
+  // ---- 7. Task lookup.
+  await go(page, "task");
+  for (const [id, state] of [[EXPECT.replay_one, "succeeded"], [EXPECT.stays_dead, "dead"]]) {
+    await page.fill("#task-id", id);
+    await page.click("#task-form button[type=submit]");
+    const st = (await api(`/v1/tasks/${id}`)).body;
+    eq(st.state, state, `API state of ${id}`);
+    await until(`the status of ${id}`, async () => {
+      eq(await text(page, "#task-fields dd[data-k=id]"), id, "looked-up id");
+      eq(await text(page, "#task-fields dd[data-k=state]"), state, `${id} state`);
+      eq(await text(page, "#task-fields dd[data-k=attempt]"), String(st.attempt), `${id} attempt`);
+      eq(await text(page, "#task-fields dd[data-k=worker]"), st.worker, `${id} worker`);
+      return true;
+    });
+    if (state === "succeeded") await shot(page, "09-task-lookup");
+  }
+  await page.fill("#task-id", "no-such-task");
+  await page.click("#task-form button[type=submit]");
+  await page.locator("#task-missing").waitFor({ timeout: WAIT_MS });
+  log("ok: task lookup shows the API's status records");
+
+  // ---- 8. Phone width and dark theme.
+  await page.setViewportSize({ width: 390, height: 844 });
+  for (const view of ["overview", "groups"]) {
+    await go(page, view);
+    await page.waitForTimeout(300);
+    const overflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+    if (overflow > 1) fail(`${view} is ${overflow}px wider than a phone screen`);
+    await shot(page, `10-phone-${view}`);
+  }
+  await page.setViewportSize({ width: 1280, height: 800 });
+  await page.emulateMedia({ colorScheme: "dark" });
+  await go(page, "overview");
+  const bg = await page.evaluate(() => getComputedStyle(document.body).backgroundColor);
+  const [r, g, b] = bg.match(/\d+/g).map(Number);
+  if (r + g + b > 150) fail(`dark theme background is ${bg}`);
+  await shot(page, "11-dark-overview");
+  await go(page, "workers");
+  await shot(page, "12-dark-workers");
+  log("ok: phone width without horizontal scrolling; dark theme");
+
+  // ---- 9. The scheduler goes away: the banner says so.
+  console.log("@stop-scheduler");
+  const openBase = (await waitForLine("stopped")).split(" ")[1];
+  await page.locator("#unreachable").waitFor({ state: "visible", timeout: WAIT_MS });
+  if (!(await text(page, "#unreachable")).includes("unreachable")) fail("banner text");
+  await shot(page, "13-unreachable");
+  log("ok: the unreachable banner shows when the scheduler is down");
+
+  // ---- 10. A scheduler without tokens: no prompt, the fleet at once.
+  const open = await ctx.newPage();
+  await open.emulateMedia({ colorScheme: "light" });
+  await open.goto(`${openBase}/ui#workers`);
+  await open.locator("#main").waitFor({ state: "visible", timeout: WAIT_MS });
+  eq(await open.locator("#login").isVisible(), false, "prompt on an open API");
+  eq(await open.locator("#signout").isVisible(), false, "forget-token link without a token");
+  const live = EXPECT.workers.filter((w) => w !== EXPECT.drain_worker).sort();
+  await until("the open API's workers", async () => {
+    eq((await open.locator("#workers-table tbody tr[data-worker]").evaluateAll((rows) => rows.map((r) => r.dataset.worker))).sort(), live, "workers on the open page");
+    return true;
+  });
+  await shot(open, "14-open-api-workers");
+  log("ok: without tokens configured the page needs none");
+
+  if (errors.length) fail(`errors in the page: ${errors.join("; ")}`);
+}
+
+/** Resolves with the first stdin line starting with `want`. */
+function waitForLine(want) {
+  return new Promise((resolve, reject) => {
+    const rl = createInterface({ input: process.stdin });
+    const t = setTimeout(() => { rl.close(); reject(new Error(`no "${want}" on stdin`)); }, 60000);
+    rl.on("line", (l) => { if (l.trim().startsWith(want)) { clearTimeout(t); rl.close(); resolve(l.trim()); } });
+  });
+}
+
+main().then(() => process.exit(0), (e) => { console.error(`FAILED: ${e.stack || e}`); process.exit(1); });
