@@ -135,7 +135,15 @@ impl Dispatcher {
                         let header = amqp::header_text(&d.properties, amqp::SUBMITTED_AT_HEADER)
                             .and_then(|ms| ms.parse::<i64>().ok())
                             .and_then(chrono::DateTime::from_timestamp_millis);
-                        let stamp = d.properties.timestamp().and_then(|t| i64::try_from(t).ok()).and_then(|t| chrono::DateTime::from_timestamp(t, 0));
+                        // The AMQP timestamp has whole seconds: it is taken only when the task
+                        // evidently waited (2 s or more); a fresh one runs from now, so the
+                        // truncation never takes up to a second off a short timeout.
+                        let stamp = d
+                            .properties
+                            .timestamp()
+                            .and_then(|t| i64::try_from(t).ok())
+                            .and_then(|t| chrono::DateTime::from_timestamp(t, 0))
+                            .filter(|t| now - *t >= chrono::Duration::seconds(2));
                         e.submitted_at = header.or(stamp);
                     }
                 }

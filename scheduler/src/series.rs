@@ -113,11 +113,14 @@ pub async fn run(series: Series, handle: PrometheusHandle, store: Store, every: 
         let prev = last.as_ref().map(|(_, l)| l);
         for w in &workers {
             let before = prev.and_then(|l| l.totals.get(&w.id)).copied();
+            // Failed attempts: retried, dead-lettered or expired, and those whose outcome could
+            // not be recorded (the workers' per-outcome figures).
+            let failed = w.retried + w.dead + w.expired + w.failed;
             if prev.is_some() {
                 p.succeeded += delta(before.map(|b| b.0), w.succeeded);
-                p.failed += delta(before.map(|b| b.1), w.failed);
+                p.failed += delta(before.map(|b| b.1), failed);
             }
-            next.totals.insert(w.id.clone(), (w.succeeded, w.failed));
+            next.totals.insert(w.id.clone(), (w.succeeded, failed));
         }
         for (id, counts) in waits {
             if let Some(prev) = prev {

@@ -226,7 +226,9 @@ async fn replay_on(conn: &Connection, get: &Channel, store: Option<&Store>, name
 pub fn reset_for_replay(env: &mut Envelope) {
     env.attempt = 0;
     env.not_before = None;
-    env.submitted_at = None;
+    // Submitted now, to the millisecond (the AMQP timestamp the scheduler would fall back on
+    // has whole seconds only).
+    env.submitted_at = Some(chrono::Utc::now());
     if env.timeout_ms.is_some() {
         env.deadline = None;
     }
@@ -274,9 +276,11 @@ mod tests {
         e.attempt = 3;
         e.timeout_ms = Some(1000);
         e.deadline = Some(chrono::Utc::now());
-        e.submitted_at = Some(chrono::Utc::now());
+        let before = chrono::Utc::now() - chrono::Duration::hours(1);
+        e.submitted_at = Some(before);
         reset_for_replay(&mut e);
-        assert_eq!((e.attempt, e.deadline, e.submitted_at, e.not_before), (0, None, None, None));
+        assert_eq!((e.attempt, e.deadline, e.not_before), (0, None, None));
+        assert!(e.submitted_at.is_some_and(|t| t > before), "a replay is a new submission");
         let mut abs = Envelope::new("k", Value::Null);
         let at = chrono::Utc::now();
         abs.deadline = Some(at);
