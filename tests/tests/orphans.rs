@@ -173,7 +173,9 @@ async fn queued_and_parked_tasks_wait_then_move_to_a_new_matching_group() -> any
         (rec.count() == 1 && ns.depth(&qa).await == 1).then_some(())
     })
     .await?;
-    let parked = ns.status(&ids[9]).await?.unwrap_or_default();
+    // The last task's batch may still be on its way (several dispatch loops share the burst):
+    // wait for its status, which must say parked.
+    let parked = wait_for("the last task's status", Duration::from_secs(10), || async { ns.status(&ids[9]).await.ok()? }).await?;
     assert_eq!(parked.get("state").map(String::as_str), Some("parked"), "{parked:?}");
     a.stop().await?;
     let ran_on_a = rec.count();
