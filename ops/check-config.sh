@@ -5,7 +5,7 @@
 #   promtool check rules    ops/prometheus/alerts.yml
 #   promtool test rules     ops/prometheus/alerts.test.yml (alert unit tests)
 #   docker-compose config   docker-compose.yml with the example env file, as on a clean checkout,
-#                           plus: every bind-mounted file and the Dockerfile exist
+#                           plus: every bind-mounted file and every build's Dockerfile exist
 #   Grafana                 dashboard.json is valid JSON with unique panel ids, and every PromQL
 #                           query in it parses (promtool); provisioning YAML parses
 #   Dockerfile              copies every workspace member named in Cargo.toml
@@ -51,12 +51,21 @@ compose_config() {
             missing=1
         fi
     done < <(sed -n 's#^ *- \(/[^:]*\):/.*#\1#p' "$TMP/compose.yml")
-    while IFS= read -r path; do
-        if [ ! -f "$path" ]; then
-            echo "dockerfile does not exist: $path"
-            missing=1
-        fi
-    done < <(sed -n 's#^ *dockerfile: *##p' "$TMP/compose.yml")
+    # A build's dockerfile is relative to its context (made absolute by `config`).
+    "$PY" - "$TMP/compose.yml" <<'EOF' || missing=1
+import os, sys, yaml
+with open(sys.argv[1]) as f:
+    services = yaml.safe_load(f)["services"]
+bad = 0
+for name, svc in services.items():
+    build = svc.get("build")
+    if build:
+        path = os.path.join(build["context"], build.get("dockerfile", "Dockerfile"))
+        if not os.path.isfile(path):
+            print(f"{name}: dockerfile does not exist: {path}")
+            bad = 1
+sys.exit(bad)
+EOF
     return "$missing"
 }
 

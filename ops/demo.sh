@@ -50,7 +50,7 @@ while [ $# -gt 0 ]; do
     --random-namespace) RANDOM_NS=1 ;;
     --hold) HOLD=1 ;;
     -h | --help)
-        sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
+        script_help
         exit 0
         ;;
     *) die "unknown argument: $1 (try --help)" ;;

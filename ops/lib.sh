@@ -1,7 +1,8 @@
 # shellcheck shell=bash
-# ops/lib.sh — helpers shared by ops/check-metrics.sh and ops/demo.sh. Source it; it does
-# nothing by itself. Processes started with start_proc are tracked and stopped by stop_procs,
-# which the EXIT trap installed by install_cleanup_trap also calls, so none outlives the script.
+# ops/lib.sh — helpers shared by ops/check-metrics.sh, ops/demo.sh and ops/compose-test.sh.
+# Source it; it does nothing by itself. Processes started with start_proc are tracked and
+# stopped by stop_procs, which the EXIT trap installed by install_cleanup_trap also calls, so
+# none outlives the script.
 
 LIB_TAG=${LIB_TAG:-ops}
 
@@ -11,6 +12,9 @@ die() {
     printf '[%s] ERROR: %s\n' "$LIB_TAG" "$*" >&2
     exit 1
 }
+
+# script_help: prints the calling script's header comment (line 2 up to `set -euo`) as its --help.
+script_help() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 
 # ------------------------------------------------------------------------- build artefacts
 

@@ -11,6 +11,9 @@
 #   ops/services.sh --tools-only    only the check tools; leaves the services alone
 #   ops/services.sh --browser       the same as the default, plus what the console's browser test
 #                                   needs: chromium, node, npm and tests/ui's playwright-core
+#   ops/services.sh --docker-only   only what ops/compose-test.sh needs: the Docker daemon and
+#                                   CLI (docker.io), docker-compose, debootstrap, objcopy
+#                                   (binutils); leaves the services alone
 #   ops/services.sh --help
 #
 # Environment:
@@ -213,14 +216,27 @@ ensure_browser() {
     log "browser: $(chromium --version 2>/dev/null | head -n1), node $(node --version)"
 }
 
+ensure_docker() {
+    ensure_cmd dockerd docker.io
+    ensure_cmd docker docker.io
+    ensure_cmd docker-compose docker-compose
+    ensure_cmd debootstrap debootstrap
+    ensure_cmd objcopy binutils
+    log "docker: $(docker --version 2>&1 | head -n1); $(docker-compose --version 2>&1 | head -n1)"
+}
+
 main() {
-    local services=1 tools=0 browser=0
+    local services=1 tools=0 browser=0 docker=0
     while [ $# -gt 0 ]; do
         case "$1" in
         --tools) tools=1 ;;
         --browser) browser=1 ;;
         --tools-only)
             tools=1
+            services=0
+            ;;
+        --docker-only)
+            docker=1
             services=0
             ;;
         -h | --help)
@@ -237,6 +253,9 @@ main() {
     fi
     if [ "$browser" -eq 1 ]; then
         ensure_browser
+    fi
+    if [ "$docker" -eq 1 ]; then
+        ensure_docker
     fi
     if [ "$services" -eq 1 ]; then
         ensure_redis

@@ -9,6 +9,9 @@
 #      it compiles several times faster than release on a 2-core machine; speed is measured by
 #      the benchmarks, not by tests)
 #   4. ops/check-metrics.sh   live /metrics of a scheduler and a worker through promtool
+#   5. ops/compose-test.sh    the compose deployment: images built without a registry (the
+#                             fleet image from the debug binaries of step 3), started, scaled,
+#                             checked end to end, removed
 #
 #   ops/test.sh [ARGS...]     ARGS go to cargo test, e.g. `ops/test.sh -- --nocapture`
 #
@@ -40,4 +43,6 @@ step "cargo test --workspace $*"
 cargo test --workspace "$@"
 step "live metrics check"
 FLEET_BIN_DIR=target/debug bash ops/check-metrics.sh
+step "compose deployment"
+FLEET_BIN_DIR=target/debug bash ops/compose-test.sh
 printf '\n==== all tests passed in %ss\n' "$((SECONDS - start))"
