@@ -19,8 +19,8 @@ deadline; a failed check prints why and exits 1.
   prometheus  --url URL --jobs J1,J2,... --targets N --completed C [--timeout S]
       Waits until Prometheus has exactly N active scrape targets, every one with health `up`
       and every `up` sample equal to 1, the jobs J1,... among them, and until
-      sum(fleet_tasks_completed_total{outcome="succeeded",lane="normal"}) equals C (the
-      scheduler's probe tasks run on the critical lane and are left out).
+      sum(fleet_tasks_completed_total{outcome="succeeded"}) equals C (user tasks only: the
+      scheduler's health probes are counted in fleet_probes_completed_total).
 
 The API token comes from FLEET_API_TOKEN (sent as `Authorization: Bearer`, when set).
 """
@@ -188,7 +188,7 @@ def cmd_prometheus(a):
             return False, f"up samples: {up}"
         return True, active
 
-    completed_expr = 'sum(fleet_tasks_completed_total{outcome="succeeded",lane="normal"})'
+    completed_expr = 'sum(fleet_tasks_completed_total{outcome="succeeded"})'
 
     def completed():
         r = query(completed_expr)

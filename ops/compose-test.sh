@@ -23,7 +23,7 @@
 #                   it): each succeeds once, and each of the three containers runs at least
 #                   COMPOSE_MIN_SHARE of them (GET /v1/tasks/{id} says which worker ran it).
 #   8. prometheus   every scrape target (scheduler, 4 workers, RabbitMQ, Prometheus) up, and
-#                   sum(fleet_tasks_completed_total{outcome="succeeded",lane="normal"}) = 2,000.
+#                   sum(fleet_tasks_completed_total{outcome="succeeded"}) = 2,000.
 #   9. drain        COUNT tasks of 200 ms, `docker-compose stop worker` while they run:
 #                   every worker container exits 0; `docker-compose start worker`, and all
 #                   of them succeed on their first attempt: nothing lost, nothing run twice.
