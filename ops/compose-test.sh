@@ -88,6 +88,7 @@ TMP=$(mktemp -d)
 DOCKERD_PID=""
 PROJECT=""
 declare -a TIMES=()
+SECONDS=0
 
 # --------------------------------------------------------------------------- clean-up
 
@@ -131,18 +132,27 @@ cleanup() {
     if [ "$rc" -ne 0 ] && [ -s "$TMP/dockerd.log" ]; then
         show_log_tail "$TMP/dockerd.log" 20
     fi
+    if [ "$rc" -ne 0 ]; then
+        printf '\n== compose-test FAILED after %ss; the steps so far:\n' "$SECONDS" >&2
+        printf '%s\n' "${TIMES[@]}" >&2
+        [ -z "$STEP" ] || printf '%-44s %4ss  (failed)\n' "$STEP" "$((SECONDS - STEP_T0))" >&2
+    fi
     rm -rf "$TMP"
     exit "$rc"
 }
 trap cleanup EXIT
 
 # timed NAME COMMAND...: run COMMAND and remember how long it took.
+STEP=""
+STEP_T0=0
 timed() {
-    local name=$1 t0=$SECONDS
+    STEP=$1
+    STEP_T0=$SECONDS
     shift
-    printf '\n== %s\n' "$name" >&2
+    printf '\n== %s\n' "$STEP" >&2
     "$@"
-    TIMES+=("$(printf '%-44s %4ss' "$name" "$((SECONDS - t0))")")
+    TIMES+=("$(printf '%-44s %4ss' "$STEP" "$((SECONDS - STEP_T0))")")
+    STEP=""
 }
 
 COMPOSE_ENV=("FLEET_BASE_IMAGE=$FLEET_BASE_IMAGE" "FLEET_IMAGE_TAG=$FLEET_IMAGE_TAG")
