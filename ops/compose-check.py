@@ -197,8 +197,9 @@ def cmd_prometheus(a):
 
     active = wait_until("scrape targets up", a.timeout, targets_up, interval=2)
     for t in sorted(active, key=lambda t: (t["labels"]["job"], t["labels"]["instance"])):
-        print(f"  target {t['labels']['job']:<16} {t['labels']['instance']:<24} up")
-    print(wait_until("completed tasks in Prometheus", a.timeout, completed, interval=2)[1])
+        service = t["labels"].get("service", "")
+        print(f"  target {t['labels']['job']:<16} {t['labels']['instance']:<24} {service:<11} up")
+    print(wait_until("completed tasks in Prometheus", a.timeout, completed, interval=2))
 
 
 def main():
