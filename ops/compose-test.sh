@@ -273,6 +273,34 @@ build_fleet_image() {
     }
 }
 
+# The images this script makes, derived ones first (the order in which replaced ones can go).
+IMAGES=("fleet:$FLEET_IMAGE_TAG" "fleet-rabbitmq:$FLEET_IMAGE_TAG" "fleet-redis:$FLEET_IMAGE_TAG"
+    "fleet-prometheus:$FLEET_IMAGE_TAG" "$FLEET_BASE_IMAGE")
+declare -A OLD_IDS=()
+
+# remember_images: the ids IMAGES have now, so the ones a rebuild replaces can be removed.
+remember_images() {
+    local img
+    for img in "${IMAGES[@]}"; do
+        OLD_IDS[$img]=$("${SUDO[@]}" docker image inspect -f '{{.Id}}' "$img" 2>/dev/null || true)
+    done
+}
+
+# remove_replaced_images: removes the images a rebuild has replaced (now without a name),
+# so that runs do not pile them up; one still in use by a container stays.
+remove_replaced_images() {
+    local img old new
+    for img in "${IMAGES[@]}"; do
+        old=${OLD_IDS[$img]:-}
+        new=$("${SUDO[@]}" docker image inspect -f '{{.Id}}' "$img" 2>/dev/null || true)
+        if [ -n "$old" ] && [ "$old" != "$new" ] &&
+            [ -z "$("${SUDO[@]}" docker image inspect -f '{{join .RepoTags ","}}' "$old" 2>/dev/null)" ]; then
+            "${SUDO[@]}" docker rmi "$old" >/dev/null 2>&1 && log "removed the replaced image of $img (${old:7:12})"
+        fi
+    done
+    return 0
+}
+
 image_sizes() {
     local img
     for img in "$FLEET_BASE_IMAGE" "fleet:$FLEET_IMAGE_TAG" "fleet-rabbitmq:$FLEET_IMAGE_TAG" \
@@ -438,10 +466,12 @@ down() {
 start=$SECONDS
 timed "docker daemon" ensure_daemon
 check_disk
+remember_images
 timed "base image" ensure_base_image
 timed "images: rabbitmq, redis, prometheus" build_service_images
 timed "image: fleet (host binaries)" build_fleet_image
 PROJECT=""
+remove_replaced_images
 log "images:"
 image_sizes
 if [ "$BUILD_ONLY" -eq 1 ]; then

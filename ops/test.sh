@@ -30,6 +30,9 @@ ops/test.sh may install Debian packages with apt (root or sudo), once, when they
   prometheus (promtool), docker-compose, shellcheck
                                   the configuration checks (alert rules and their unit tests,
                                   the compose file, the shell scripts)
+  docker.io, debootstrap, binutils
+                                  the compose deployment (ops/compose-test.sh starts its own
+                                  dockerd when none runs, and stops it)
 Already-installed packages and running services are left alone.
 EOF_NOTE
 step "services"
