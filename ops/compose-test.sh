@@ -250,7 +250,7 @@ EOF
 build_service_images() {
     # docker-compose.yml's own build definitions (ops/images/*.Dockerfile, network host).
     PROJECT=${PROJECT:-fleet-build}
-    dc build rabbitmq redis prometheus >"$TMP/build.log" 2>&1 || {
+    dc build --parallel rabbitmq redis prometheus >"$TMP/build.log" 2>&1 || {
         show_log_tail "$TMP/build.log" 60
         die "docker-compose build failed"
     }
