@@ -27,7 +27,7 @@ use fleet::{metrics as m, Envelope, Lane, Names};
 use futures::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
-use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::types::{AMQPValue, FieldTable};
 use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::Dispatcher;
@@ -197,6 +197,7 @@ async fn handle(d: &Dispatcher, delivery: Delivery) -> fleet::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lapin::types::ShortString;
 
     fn death_headers(queue: &str, reason: &str) -> FieldTable {
         let mut first = FieldTable::default();

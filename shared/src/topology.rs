@@ -65,6 +65,13 @@ async fn queue(ch: &Channel, name: &str, arguments: FieldTable, bound_setting: O
     match ch.queue_declare(ShortString::from(name), durable(), arguments).await {
         Ok(q) => Ok(q.message_count()),
         Err(e) => Err(match crate::amqp::classify(e, "FLEET_QUEUE_TYPE", "") {
+            Error::Permanent { message, .. } if message.contains("inequivalent arg") && message.contains("'x-dead-letter-routing-key'") => Error::Permanent {
+                setting: "FLEET_NAMESPACE".to_string(),
+                message: format!(
+                    "queue `{name}` was declared by an older fleet ({message}): group queues now send the broker's own dead letters to `<ns>.dead.broker`. \
+                     Let the queue drain, then delete it (`rabbitmqctl delete_queue {name} --if-empty`) so it is declared again, or use another FLEET_NAMESPACE"
+                ),
+            },
             Error::Permanent { message, .. } if message.contains("inequivalent arg") => {
                 let setting = if message.contains("'x-max-length'") { bound_setting.unwrap_or("FLEET_NAMESPACE") } else { "FLEET_QUEUE_TYPE" };
                 Error::Permanent {

@@ -35,12 +35,7 @@ async fn kill_9_during_5000_short_tasks_leaves_every_status_true() -> anyhow::Re
     ep.mark_dead("w-victim");
     let restarted = WorkerProcess::spawn(&ns, &victim_spec)?;
 
-    let mut last = HashMap::new();
-    let settled = wait_for("every status succeeded", Duration::from_secs(100), || async {
-        last = states(&ns, &ids).await.ok()?;
-        last.values().all(|s| s == "succeeded").then_some(())
-    })
-    .await;
+    let (settled, last) = wait_all_in(&ns, &ids, "succeeded", Duration::from_secs(100)).await?;
     let took = killed.elapsed();
     let calls = ep.calls();
     let mut per_attempt: HashMap<(&str, u32), usize> = HashMap::new();
@@ -62,7 +57,7 @@ async fn kill_9_during_5000_short_tasks_leaves_every_status_true() -> anyhow::Re
         twice_in_attempt.len(),
         dead.len()
     );
-    settled?;
+    assert!(settled, "every status succeeded: {:?}", count_states(&last));
     assert_eq!(lost, 0, "nothing lost");
     assert!(twice_in_attempt.is_empty(), "attempts that ran twice: {twice_in_attempt:?}");
     assert!(ran_again <= 16, "only what the victim had in flight (its capacity) runs again: {ran_again}");

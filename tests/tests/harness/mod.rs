@@ -737,3 +737,19 @@ pub fn count_states(states: &HashMap<String, String>) -> std::collections::BTree
     }
     m
 }
+
+/// Polls the states of `ids` until every one is `want` or `timeout` passes; returns whether
+/// they all got there and the last states read.
+pub async fn wait_all_in(ns: &Ns, ids: &[String], want: &str, timeout: Duration) -> Result<(bool, HashMap<String, String>)> {
+    let start = Instant::now();
+    loop {
+        let last = states(ns, ids).await?;
+        if last.values().all(|s| s == want) {
+            return Ok((true, last));
+        }
+        if start.elapsed() > timeout {
+            return Ok((false, last));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
