@@ -69,16 +69,13 @@ pub struct Call {
 #[derive(Default)]
 struct EndpointState {
     calls: Vec<Call>,
-    /// Health probe calls (kind `noop` with `payload.probe`) received.
-    probes: usize,
     /// Workers the test killed: their unanswered calls will never be answered.
     dead: std::collections::HashSet<String>,
 }
 
 /// An HTTP endpoint for the `http` executor: records every `job` call (task id, worker,
 /// attempt, start and answer times), sleeps `payload.ms` (default given at start) and answers
-/// 200. Any other kind gets 200 at once (a health probe after `probe_ms`, counted) and is not
-/// recorded.
+/// 200. Any other kind gets 200 at once and is not recorded.
 pub struct Endpoint {
     pub url: String,
     state: Arc<Mutex<EndpointState>>,
@@ -90,8 +87,6 @@ pub struct Endpoint {
 struct EndpointCtx {
     state: Arc<Mutex<EndpointState>>,
     default_ms: u64,
-    /// How long a health probe call takes (0: answered at once).
-    probe_ms: u64,
 }
 
 /// Marks a call answered, or leaves it unanswered when the request is dropped.
@@ -112,12 +107,6 @@ impl CallGuard {
 
 async fn endpoint_call(State(ctx): State<EndpointCtx>, headers: HeaderMap, Json(body): Json<Value>) -> (StatusCode, Json<Value>) {
     if body.get("kind").and_then(Value::as_str) != Some(JOB) {
-        if body.pointer("/payload/probe").is_some() {
-            if let Ok(mut s) = ctx.state.lock() {
-                s.probes += 1;
-            }
-            tokio::time::sleep(Duration::from_millis(ctx.probe_ms)).await;
-        }
         return (StatusCode::OK, Json(json!({"ok": true})));
     }
     let id = body.get("id").and_then(Value::as_str).unwrap_or_default().to_string();
@@ -138,15 +127,10 @@ impl Endpoint {
     /// Starts the endpoint on a free loopback port; `default_ms` is the run time of a call
     /// whose payload has no `ms`.
     pub async fn start(default_ms: u64) -> Result<Self> {
-        Self::start_with_probes(default_ms, 0).await
-    }
-
-    /// [`Endpoint::start`] whose health probe calls take `probe_ms` (a slow worker's probes).
-    pub async fn start_with_probes(default_ms: u64, probe_ms: u64) -> Result<Self> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr: SocketAddr = listener.local_addr()?;
         let state = Arc::new(Mutex::new(EndpointState::default()));
-        let ctx = EndpointCtx { state: state.clone(), default_ms, probe_ms };
+        let ctx = EndpointCtx { state: state.clone(), default_ms };
         let router = Router::new().route("/run", post(endpoint_call)).with_state(ctx);
         let stop = CancellationToken::new();
         let sd = stop.clone();
@@ -159,11 +143,6 @@ impl Endpoint {
     /// Every recorded call, in arrival order.
     pub fn calls(&self) -> Vec<Call> {
         self.state.lock().map(|s| s.calls.clone()).unwrap_or_default()
-    }
-
-    /// Health probe calls received.
-    pub fn probes(&self) -> usize {
-        self.state.lock().map(|s| s.probes).unwrap_or(0)
     }
 
     /// Calls of one worker.
