@@ -2,7 +2,8 @@
 # ops/services.sh — make sure the local services the fleet needs are installed and running.
 #
 # Idempotent: installs what is missing (Debian packages through apt-get), starts what is
-# down, and leaves alone what already runs. Every wait is bounded; a service that cannot be
+# down, and leaves alone what already runs. Always: curl, and faketime (libfaketime, for the
+# clock-skew test). Every wait is bounded; a service that cannot be
 # brought up ends the script with a non-zero status and a message that says why.
 #
 #   ops/services.sh                 Redis + RabbitMQ installed and running (default)
@@ -189,6 +190,8 @@ ensure_rabbitmq() {
 ensure_base() {
     # curl is what the other ops scripts use to talk HTTP.
     ensure_cmd curl curl ca-certificates
+    # libfaketime: the clock-skew test runs workers 60 s behind and ahead (tests/tests/clock_skew.rs).
+    ensure_cmd faketime faketime
 }
 
 ensure_tools() {

@@ -26,7 +26,9 @@ step() {
 start=$SECONDS
 cat <<'EOF_NOTE'
 ops/test.sh may install Debian packages with apt (root or sudo), once, when they are missing:
-  redis-server, rabbitmq-server   the tests run against real servers on 127.0.0.1
+  redis-server, rabbitmq-server   the tests run against real servers on 127.0.0.1 (some start
+                                  private nodes of their own on free ports)
+  faketime                        libfaketime: the clock-skew test runs workers 60 s off
   prometheus (promtool), docker-compose, shellcheck
                                   the configuration checks (alert rules and their unit tests,
                                   the compose file, the shell scripts)

@@ -114,7 +114,8 @@ async fn move_queue(d: &Dispatcher, group: &str, queue: &str, lane: Lane) -> fle
         // Where it goes: another group, or (no room anywhere, no match, its own group came
         // back, Redis unreachable) the back of its own queue.
         let dest = to.clone().unwrap_or_else(|| group.to_string());
-        let r = amqp::publish_confirmed(&d.publisher, &d.names.tasks_exchange(), &d.names.group_key(&dest, lane), &delivery.data, amqp::task_properties(&env.id, None)).await;
+        // Properties as they came (message id, headers: a health probe stays one).
+        let r = amqp::publish_confirmed(&d.publisher, &d.names.tasks_exchange(), &d.names.group_key(&dest, lane), &delivery.data, delivery.properties.clone()).await;
         if let Err(e) = r {
             if let Some(to) = &to {
                 let _ = d.store.unreserve(&[(to.clone(), lane, env.id.clone())]).await;

@@ -3,13 +3,15 @@
 //!
 //! Modules: [`config`], [`backpressure`] (Green/Yellow/Red), [`ingress`] (consuming loops),
 //! [`dispatch`] (route, park, delay, dead-letter a batch), [`park`] (waiting for room),
-//! [`health`] (eviction, orphaned groups), [`probe`] (critical-lane probes), [`stats`]
+//! [`health`] (eviction, orphaned groups), [`backstop`] (the broker's own dead letters given a
+//! reason and a status), [`probe`] (critical-lane probes), [`stats`]
 //! (gauges for dashboards and autoscalers), [`schedule`] (periodic cron schedules), [`series`] (the
 //! console's 15-minute history), [`api`] (HTTP), [`console`] (the web console at `/ui`),
 //! [`scheduler`] (the process).
 
 pub mod api;
 pub mod backpressure;
+pub mod backstop;
 pub mod config;
 pub mod console;
 pub mod dispatch;

@@ -22,7 +22,7 @@ use crate::ingress::IngressLoop;
 use crate::probe::ProbeBoard;
 use crate::series::{self, Series};
 use crate::stats::GroupBoard;
-use crate::{health, park, probe, schedule, stats};
+use crate::{backstop, health, park, probe, schedule, stats};
 
 /// Runs the scheduler until `shutdown` fires. `listener` serves the API and `/metrics`.
 /// A [`fleet::Error::Permanent`] (login refused, a queue declared with other arguments) ends
@@ -193,6 +193,7 @@ async fn session(
     spawn_loop!("delayed", delayed.run(session.clone()));
     spawn_loop!("park-discovery", park::discover(d.clone(), tracker.clone(), session.clone()));
     spawn_loop!("health", health::run(d.clone(), session.clone()));
+    spawn_loop!("backstop", backstop::run(d.clone(), session.clone()));
     spawn_loop!("stats", stats::run(d.clone(), group_board, session.clone()));
     spawn_loop!("probe", probe::run(d.clone(), probes, session.clone()));
     spawn_loop!("schedule-log", schedules.run(session.clone()));

@@ -58,6 +58,13 @@ impl Names {
         format!("{}.dead", self.ns)
     }
     pub const DEAD_KEY: &'static str = "dead";
+    /// Internal queue of the dead letters the broker makes itself (a quorum group queue's
+    /// delivery limit): the group queues' dead-letter routing key leads here, and the scheduler
+    /// gives each letter a reason and a status before moving it to [`Names::dead_queue`].
+    pub fn broker_dead_queue(&self) -> String {
+        format!("{}.dead.broker", self.ns)
+    }
+    pub const BROKER_DEAD_KEY: &'static str = "dead.broker";
     /// Tasks coming back from a delay tier (delayed start, retry backoff) to the scheduler.
     pub fn delayed_queue(&self) -> String {
         format!("{}.delayed", self.ns)

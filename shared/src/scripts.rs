@@ -23,6 +23,7 @@ pub struct Scripts {
     pub finish: Script,
     pub ratelimit: Script,
     pub outcomes: Script,
+    pub broker_dead: Script,
 }
 
 impl Scripts {
@@ -39,6 +40,7 @@ impl Scripts {
             finish: script!("finish.lua"),
             ratelimit: Script::new(include_str!("lua/ratelimit.lua")),
             outcomes: script!("outcomes.lua"),
+            broker_dead: script!("broker_dead.lua"),
         }
     }
 }

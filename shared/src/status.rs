@@ -79,6 +79,27 @@ impl Store {
         self.query::<i64>(redis::cmd("DEL").arg(self.names.dedupe(id)).arg(self.names.task(id))).await.map(|_| ())
     }
 
+    /// Records that the broker dead-lettered task `id` itself (see `lua/broker_dead.lua`):
+    /// releases its reservation and running records in `group` (`None`: the group its status
+    /// names) and `lane`, and sets it `dead` with `reason` and `error` — unless its attempt had
+    /// already ended with a final state. Returns true when the status was written, false when
+    /// it was already final (the broker's copy was a stale duplicate).
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn record_broker_dead(&self, id: &str, group: Option<&str>, lane: crate::Lane, reason: &str, error: &str, ttl: std::time::Duration) -> Result<bool> {
+        let mut inv = self.scripts.broker_dead.prepare_invoke();
+        inv.key(self.names.prefix())
+            .arg(id)
+            .arg(group.unwrap_or(""))
+            .arg(lane.as_str())
+            .arg(reason)
+            .arg(crate::lease::truncate(error, crate::lease::MAX_STATUS_TEXT))
+            .arg(ttl.as_millis() as u64);
+        let answer: String = self.invoke(&inv).await?;
+        Ok(answer == "dead")
+    }
+
     /// Sets status fields directly, for many tasks in one round trip (states decided outside
     /// the scripts: expired or refused at the scheduler, delayed submissions).
     pub async fn set_statuses(&self, records: &[(&str, Vec<(&str, String)>)], ttl_ms: i64) -> Result<()> {

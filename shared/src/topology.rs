@@ -5,7 +5,10 @@
 //! scheduler ──► <ns>.tasks  (direct) ─┬─► <ns>.group.<group>.<lane>        per-label task queues
 //!                                     ├─► <ns>.park.<group>.<lane>         bounded wait for room
 //!                                     ├─► <ns>.delayed                     back from a delay tier
-//!                                     └─► <ns>.dead                        dead letters
+//!                                     ├─► <ns>.dead                        dead letters
+//!                                     └─► <ns>.dead.broker                 the broker's own dead
+//!                                         letters (group queues' DLX), given a reason by the
+//!                                         scheduler and moved to <ns>.dead
 //! anyone    ──► <ns>.delay  (headers fleet-tier) ──► <ns>.delay.<ms> ──(TTL, DLX)──► <ns>.delayed
 //! ```
 //! Declaring is idempotent, so every process declares what it uses at start-up.
@@ -62,6 +65,13 @@ async fn queue(ch: &Channel, name: &str, arguments: FieldTable, bound_setting: O
     match ch.queue_declare(ShortString::from(name), durable(), arguments).await {
         Ok(q) => Ok(q.message_count()),
         Err(e) => Err(match crate::amqp::classify(e, "FLEET_QUEUE_TYPE", "") {
+            Error::Permanent { message, .. } if message.contains("inequivalent arg") && message.contains("'x-dead-letter-routing-key'") => Error::Permanent {
+                setting: "FLEET_NAMESPACE".to_string(),
+                message: format!(
+                    "queue `{name}` was declared by an older fleet ({message}): group queues now send the broker's own dead letters to `<ns>.dead.broker`. \
+                     Let the queue drain, then delete it (`rabbitmqctl delete_queue {name} --if-empty`) so it is declared again, or use another FLEET_NAMESPACE"
+                ),
+            },
             Error::Permanent { message, .. } if message.contains("inequivalent arg") => {
                 let setting = if message.contains("'x-max-length'") { bound_setting.unwrap_or("FLEET_NAMESPACE") } else { "FLEET_QUEUE_TYPE" };
                 Error::Permanent {
@@ -108,6 +118,10 @@ pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
     exchange(ch, &n.delay_exchange(), ExchangeKind::Headers).await?;
     queue(ch, &n.dead_queue(), args(cfg.queue_type), None).await?;
     bind(ch, &n.dead_queue(), &n.tasks_exchange(), Names::DEAD_KEY, FieldTable::default()).await?;
+    // Declared by every process before any group queue: a dead letter routed to no queue
+    // would be dropped by the broker.
+    queue(ch, &n.broker_dead_queue(), args(cfg.queue_type), None).await?;
+    bind(ch, &n.broker_dead_queue(), &n.tasks_exchange(), Names::BROKER_DEAD_KEY, FieldTable::default()).await?;
     queue(ch, &n.delayed_queue(), args(cfg.queue_type), None).await?;
     bind(ch, &n.delayed_queue(), &n.tasks_exchange(), Names::DELAYED_KEY, FieldTable::default()).await?;
     // Delay tiers are classic queues: one TTL per queue expires exactly at the head, and
@@ -129,13 +143,18 @@ pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
 }
 
 /// Declares one group's lane queues (both lanes). Returns nothing: idempotent.
+///
+/// What the broker dead-letters from them itself (a quorum queue past [`DELIVERY_LIMIT`])
+/// goes to `<ns>.dead.broker`, not straight to `<ns>.dead`: the scheduler's backstop gives it
+/// `x-fleet-reason` and a true status first (scheduler/src/backstop.rs). Fleet's own dead
+/// letters are published to `<ns>.dead` directly.
 pub async fn declare_group(ch: &Channel, cfg: &CommonConfig, group: &str) -> Result<()> {
     let n = cfg.names();
     for lane in Lane::ALL {
         let q = n.group_queue(group, lane);
         let mut a = args(cfg.queue_type);
         a.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(n.tasks_exchange().into()));
-        a.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(Names::DEAD_KEY.into()));
+        a.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(Names::BROKER_DEAD_KEY.into()));
         if cfg.queue_type == QueueType::Quorum {
             a.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(DELIVERY_LIMIT));
         }
@@ -187,6 +206,7 @@ pub async fn delete_all(ch: &Channel, names: &Names, groups: &[String]) -> Resul
     use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
     let mut queues: Vec<String> = Lane::ALL.iter().map(|l| names.ingress_queue(*l)).collect();
     queues.push(names.dead_queue());
+    queues.push(names.broker_dead_queue());
     queues.push(names.delayed_queue());
     queues.push(names.schedules_stream());
     queues.extend(delay::tiers().map(|t| names.delay_queue(t)));

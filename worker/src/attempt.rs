@@ -168,7 +168,10 @@ enum RunGuard {
 /// Claims the attempt (exactly one run per attempt; see `lua/start.lua`) and takes its run
 /// slot. `None` when this copy must not run; it has then been settled here (a duplicate acked,
 /// a lost task dead-lettered) or left to the broker (its channel is gone).
-async fn claim(shared: &Shared, lane: Lane, delivery: &Delivery, env: &Envelope, base: u32, max_attempts: u32) -> Option<(u32, RunGuard)> {
+///
+/// `probe`: a scheduler health probe that died with its worker is dropped (acked), never
+/// dead-lettered nor counted as a user's task.
+async fn claim(shared: &Shared, lane: Lane, delivery: &Delivery, env: &Envelope, base: u32, max_attempts: u32, probe: bool) -> Option<(u32, RunGuard)> {
     let mut req = ClaimRequest { lane, id: env.id.clone(), base, max_attempts, isolated: false };
     let mut alone: Option<tokio::sync::OwnedRwLockWriteGuard<()>> = None;
     loop {
@@ -196,6 +199,12 @@ async fn claim(shared: &Shared, lane: Lane, delivery: &Delivery, env: &Envelope,
                 tracing::info!("a copy of an attempt that already ran or runs elsewhere: acked without running");
                 metrics::counter!(m::DUPLICATE_DELIVERIES, "lane" => lane.as_str()).increment(1);
                 ack(delivery).await;
+                return None;
+            }
+            Some(Claim::Dead(n)) if probe => {
+                tracing::info!(attempt = n, "a health probe lost with its worker: dropped");
+                ack(delivery).await;
+                metrics::counter!(m::PROBES_COMPLETED, "group" => shared.group.clone(), "outcome" => "dead").increment(1);
                 return None;
             }
             Some(Claim::Dead(n)) => {
@@ -235,7 +244,7 @@ async fn ack(delivery: &Delivery) {
 /// of the worker's task figures (metrics, `/status`, `GET /v1/workers`).
 async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: Envelope, base: u32, probe: bool) {
     let max_attempts = env.max_attempts_or(shared.default_max_attempts);
-    let Some((attempt, _slot)) = claim(&shared, lane, &delivery, &env, base, max_attempts).await else { return };
+    let Some((attempt, _slot)) = claim(&shared, lane, &delivery, &env, base, max_attempts, probe).await else { return };
     shared.stats.started(lane, &env.id);
     let now = shared.clock.now();
     if let Some(submitted) = env.submitted_at {

@@ -22,12 +22,26 @@
 -- what a script wrote before it failed), never a duplicate. A redelivered message (its ack
 -- was lost: connection, queue or scheduler failure) is a duplicate only if it was handed on;
 -- otherwise it is dispatched again, and the worker's run record (start.lua) makes sure the
--- attempt runs once even if the crashed scheduler had dispatched it too.
+-- attempt runs once even if the crashed scheduler had dispatched it too — unless a run record
+-- already exists under another batch's mark (a worker claimed the crashed scheduler's copy):
+-- then it is a duplicate too, and its status (running, succeeded...) is left as it is.
 local now, token, lease, bf = NOW_MS, 'p:' .. ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local default_strategy, dd_ttl, st_ttl = ARGV[4], ARGV[5], ARGV[6]
 local n = tonumber(ARGV[7])
 
 local gcache, ccache = {}, {}
+
+-- The status a dispatch writes (queued, parked) never hides a claimed attempt: a copy made by a
+-- scheduler that took over a crashed one's batch (an ingress or park message it had handed on
+-- but not yet acked) finds the task running or finished, and the worker acks that copy as a
+-- duplicate without touching the status.
+local function set_waiting(id, state, g, lane)
+  local t = K_task(id)
+  local cur = redis.call('HGET', t, 'state')
+  if cur == 'running' or cur == 'succeeded' or cur == 'dead' or cur == 'expired' then return end
+  redis.call('HSET', t, 'state', state, 'group', g, 'lane', lane, 'queued_at', now)
+  redis.call('PEXPIRE', t, st_ttl)
+end
 local function gstate(g, lane)
   local key = g .. '|' .. lane
   local s = gcache[key]
@@ -98,7 +112,13 @@ for t = 1, n do
       redis.call('SET', K_dedupe(id), token, 'PX', dd_ttl)
     end
   elseif dd == '2' then
-    if redis.call('GET', K_dedupe(id)) == 'a' then
+    local mark = redis.call('GET', K_dedupe(id))
+    if mark == 'a' then
+      dup = true
+    elseif mark and mark ~= token and redis.call('HEXISTS', K_task(id), 'run_base') == 1 then
+      -- Being handled by another (crashed) scheduler, which handed it on before its mark
+      -- said so: a worker has already claimed it. Dispatching it again would only make a
+      -- copy for the worker to ack, and writing `queued` would hide the task's true state.
       dup = true
     else
       redis.call('SET', K_dedupe(id), token, 'PX', dd_ttl)
@@ -149,8 +169,7 @@ for t = 1, n do
       local s = gstate(chosen, lane)
       s.used = s.used + 1
       redis.call('ZADD', K_resv(chosen, lane), now + lease, id)
-      redis.call('HSET', K_task(id), 'state', 'queued', 'group', chosen, 'lane', lane, 'queued_at', now)
-      redis.call('PEXPIRE', K_task(id), st_ttl)
+      set_waiting(id, 'queued', chosen, lane)
       out[t] = 'ok:' .. chosen
     elseif #live > 0 then
       local best, bg = nil, live[1]
@@ -162,8 +181,7 @@ for t = 1, n do
       if not from_park then
         redis.call('SET', K_parked(bg, lane), '1', 'PX', 3000)
         gstate(bg, lane).parked = true
-        redis.call('HSET', K_task(id), 'state', 'parked', 'group', bg, 'lane', lane, 'queued_at', now)
-        redis.call('PEXPIRE', K_task(id), st_ttl)
+        set_waiting(id, 'parked', bg, lane)
       end
       out[t] = 'full:' .. bg
     else

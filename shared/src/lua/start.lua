@@ -61,6 +61,9 @@ for k = 0, n - 1 do
     grant(lane, id, t, base, base, isolated)
     ans = 'run:' .. base
   elseif rb > base or r[3] == 'done' then
+    -- A copy (e.g. dispatched again by a scheduler that took over a crashed one's batch):
+    -- the reservation it holds in this group is released with it.
+    redis.call('ZREM', K_resv(g, lane), id)
     ans = 'dup'
   else
     local att = tonumber(r[5]) or base

@@ -224,6 +224,12 @@ pub struct ProcessSpec<'a> {
 impl WorkerProcess {
     /// Starts `fleet-worker` in `ns` (its Redis URL taken from the namespace's settings).
     pub fn spawn(ns: &Ns, spec: &ProcessSpec<'_>) -> Result<Self> {
+        Self::spawn_with_env(ns, spec, &[])
+    }
+
+    /// [`WorkerProcess::spawn`] with more environment variables for the process (e.g.
+    /// `LD_PRELOAD` of libfaketime).
+    pub fn spawn_with_env(ns: &Ns, spec: &ProcessSpec<'_>, env: &[(&str, &str)]) -> Result<Self> {
         let bin = bin_path("fleet-worker")?;
         let log = std::env::temp_dir().join(format!("fleet-{}-{}-{}.log", ns.name, spec.id, &uuid::Uuid::new_v4().simple().to_string()[..6]));
         let out = std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
@@ -259,6 +265,7 @@ impl WorkerProcess {
             cmd.env(format!("FLEET_{}", k.to_ascii_uppercase()), v);
         }
         cmd.env("RUST_LOG", "info,lapin=warn");
+        cmd.envs(env.iter().copied());
         let child = cmd.stdin(Stdio::null()).stdout(out).stderr(err).spawn().context("spawn fleet-worker")?;
         Ok(WorkerProcess { id: spec.id.to_string(), child, log })
     }
@@ -482,4 +489,246 @@ pub async fn ns_on_redis(url: &str) -> Result<Ns> {
 /// The shared Redis URL (for reading it in a message).
 pub fn shared_redis() -> String {
     redis_url()
+}
+
+// ------------------------------------------------------------------ scheduler processes
+
+/// A `fleet-scheduler` process (so a test can SIGKILL it), logging to a file (removed on drop
+/// unless the test is panicking). Killed on drop if still running.
+pub struct SchedulerProcess {
+    pub child: Child,
+    /// `http://127.0.0.1:<port>` of its API and `/metrics`.
+    pub base: String,
+    pub log: PathBuf,
+}
+
+impl SchedulerProcess {
+    /// Starts `fleet-scheduler` with the namespace's settings plus `extra` (config-file keys)
+    /// and waits (up to 30 s) until `/readyz` answers 200.
+    pub async fn spawn(ns: &Ns, extra: &[(&str, &str)]) -> Result<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let log = std::env::temp_dir().join(format!("fleet-{}-scheduler-{port}.log", ns.name));
+        let out = std::fs::File::create(&log)?;
+        let mut cmd = Command::new(bin_path("fleet-scheduler")?);
+        for (k, _) in std::env::vars() {
+            if k.starts_with("FLEET_") {
+                cmd.env_remove(k);
+            }
+        }
+        let addr = format!("127.0.0.1:{port}");
+        for (k, v) in ns.base.iter().map(|(k, v)| (k.as_str(), v.as_str())).chain([("http_addr", addr.as_str())]).chain(extra.iter().copied()) {
+            cmd.env(format!("FLEET_{}", k.to_ascii_uppercase()), v);
+        }
+        cmd.env("RUST_LOG", "info,lapin=warn");
+        let child = cmd.stdin(Stdio::null()).stdout(out.try_clone()?).stderr(out).spawn().context("spawn fleet-scheduler")?;
+        let p = SchedulerProcess { child, base: format!("http://{addr}"), log };
+        let ready = format!("{}/readyz", p.base);
+        wait_for("scheduler process ready", Duration::from_secs(30), || {
+            let u = ready.clone();
+            async move { reqwest::get(&u).await.ok().filter(|r| r.status().is_success()).map(|_| ()) }
+        })
+        .await
+        .with_context(|| std::fs::read_to_string(&p.log).unwrap_or_default())?;
+        Ok(p)
+    }
+
+    /// SIGKILL, and reaps the process.
+    pub fn kill9(&mut self) -> Result<()> {
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(())
+    }
+
+    /// SIGTERM and waits (up to `timeout`) for the exit.
+    pub async fn stop(&mut self, timeout: Duration) -> Result<()> {
+        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+        let start = Instant::now();
+        while self.child.try_wait()?.is_none() {
+            if start.elapsed() > timeout {
+                bail!("scheduler did not exit within {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SchedulerProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_file(&self.log);
+        }
+    }
+}
+
+// ------------------------------------------------------------------ a private RabbitMQ node
+
+/// A free loopback TCP port.
+pub fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A RabbitMQ node of this test alone: its own node name, AMQP and distribution ports, data and
+/// log directories and config files (under a temporary directory removed on drop), no plugins.
+/// Started as its own process group; stopped on drop by that group's id (SIGTERM, then SIGKILL).
+pub struct PrivateRabbit {
+    pub port: u16,
+    child: Child,
+    dir: PathBuf,
+}
+
+impl PrivateRabbit {
+    /// Starts the node with `conf` (rabbitmq.conf lines) and `advanced` (an Erlang term list
+    /// for advanced.config, e.g. `[{rabbit, [{channel_tick_interval, 1000}]}].`) and waits (up
+    /// to 120 s) until it accepts AMQP connections.
+    pub async fn start(conf: &str, advanced: &str) -> Result<Self> {
+        use std::os::unix::process::CommandExt;
+        let dir = std::env::temp_dir().join(format!("fleet-rabbit-{}", &uuid::Uuid::new_v4().simple().to_string()[..10]));
+        std::fs::create_dir_all(&dir)?;
+        let port = free_port()?;
+        let dist = free_port()?;
+        let conf = format!("listeners.tcp.default = 127.0.0.1:{port}\nloopback_users.guest = true\nlog.console = true\nlog.file = false\n{conf}\n");
+        std::fs::write(dir.join("rabbitmq.conf"), conf)?;
+        std::fs::write(dir.join("advanced.config"), advanced)?;
+        std::fs::write(dir.join("enabled_plugins"), "[].\n")?;
+        // The inner script runs the node as the calling user; the packaged wrapper would switch
+        // to user `rabbitmq`.
+        let bin = ["/usr/lib/rabbitmq/bin/rabbitmq-server", "/usr/sbin/rabbitmq-server"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists())
+            .unwrap_or("rabbitmq-server");
+        let node = format!("fleet-t{}@localhost", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let log = std::fs::File::create(dir.join("node.log"))?;
+        let child = Command::new(bin)
+            .env("RABBITMQ_NODENAME", &node)
+            .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
+            .env("RABBITMQ_NODE_PORT", port.to_string())
+            .env("RABBITMQ_DIST_PORT", dist.to_string())
+            .env("RABBITMQ_MNESIA_BASE", dir.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", dir.join("log"))
+            .env("RABBITMQ_CONFIG_FILE", dir.join("rabbitmq.conf"))
+            .env("RABBITMQ_ADVANCED_CONFIG_FILE", dir.join("advanced.config"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", dir.join("enabled_plugins"))
+            .env("RABBITMQ_PLUGINS_EXPAND_DIR", dir.join("plugins-expand"))
+            .env("RABBITMQ_PID_FILE", dir.join("pid"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .process_group(0)
+            .spawn()
+            .context("start rabbitmq-server (is it installed?)")?;
+        let mut r = PrivateRabbit { port, child, dir };
+        let start = Instant::now();
+        loop {
+            if fleet::amqp::connect(&r.url(), "fleet-tests-probe").await.is_ok() {
+                return Ok(r);
+            }
+            if let Ok(Some(status)) = r.child.try_wait() {
+                bail!("rabbitmq-server exited ({status}) before accepting connections: {}", r.log_tail());
+            }
+            if start.elapsed() > Duration::from_secs(120) {
+                bail!("private rabbitmq not up within 120 s: {}", r.log_tail());
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+
+    /// `amqp://guest:guest@127.0.0.1:<port>/%2f`.
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    /// The last lines of the node's console log.
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(self.dir.join("node.log")).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    /// The node's console log.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("node.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for PrivateRabbit {
+    fn drop(&mut self) {
+        let group = format!("-{}", self.child.id());
+        let _ = Command::new("kill").args(["-TERM", "--", &group]).status();
+        for _ in 0..200 {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if let Ok(None) = self.child.try_wait() {
+            let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+            let _ = self.child.wait();
+        }
+        // The Erlang VM may outlive the script by a moment: kill what is left of the group.
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).stderr(Stdio::null()).status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A fresh namespace on another broker (`amqp`) and the shared Redis.
+pub async fn ns_on_broker(amqp: &str) -> Result<Ns> {
+    let name = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
+    let names = fleet::Names::new(&name);
+    let store = Store::new(&redis_url(), names.clone())?;
+    let conn = fleet::amqp::connect(amqp, "fleet-tests").await.context("connect to the private RabbitMQ")?;
+    let publisher = fleet::amqp::confirm_channel(&conn).await?;
+    let base = vec![
+        ("namespace".to_string(), name.clone()),
+        ("amqp_url".to_string(), amqp.to_string()),
+        ("redis_url".to_string(), redis_url()),
+        ("queue_type".to_string(), "classic".to_string()),
+        ("http_addr".to_string(), "127.0.0.1:0".to_string()),
+    ];
+    Ok(Ns { name, names, store, conn, publisher, base })
+}
+
+/// `state` of each id (`-` when it has no status), read in pipelined rounds of 500.
+pub async fn states(ns: &Ns, ids: &[String]) -> Result<HashMap<String, String>> {
+    let mut out = HashMap::with_capacity(ids.len());
+    for chunk in ids.chunks(500) {
+        let mut p = redis::pipe();
+        for id in chunk {
+            p.cmd("HGET").arg(ns.names.task(id)).arg("state");
+        }
+        let got: Vec<Option<String>> = ns.store.pipe(&p).await?;
+        for (id, st) in chunk.iter().zip(got) {
+            out.insert(id.clone(), st.unwrap_or_else(|| "-".into()));
+        }
+    }
+    Ok(out)
+}
+
+/// How many ids are in each state.
+pub fn count_states(states: &HashMap<String, String>) -> std::collections::BTreeMap<String, usize> {
+    let mut m = std::collections::BTreeMap::new();
+    for s in states.values() {
+        *m.entry(s.clone()).or_default() += 1;
+    }
+    m
+}
+
+/// Polls the states of `ids` until every one is `want` or `timeout` passes; returns whether
+/// they all got there and the last states read.
+pub async fn wait_all_in(ns: &Ns, ids: &[String], want: &str, timeout: Duration) -> Result<(bool, HashMap<String, String>)> {
+    let start = Instant::now();
+    loop {
+        let last = states(ns, ids).await?;
+        if last.values().all(|s| s == want) {
+            return Ok((true, last));
+        }
+        if start.elapsed() > timeout {
+            return Ok((false, last));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }

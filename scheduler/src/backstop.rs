@@ -1,0 +1,225 @@
+//! The backstop for dead letters the broker makes itself.
+//!
+//! A quorum group queue dead-letters a message redelivered more than
+//! [`fleet::topology::DELIVERY_LIMIT`] times (RabbitMQ's `x-delivery-limit`) on its own, with
+//! no word from fleet: no `x-fleet-reason`, and a status that still says `queued` or `running`.
+//! The group queues' dead-letter routing key therefore leads to the internal queue
+//! `<ns>.dead.broker`, which this loop consumes. For each letter it
+//!
+//! 1. drops a scheduler health probe (acked, never a user's dead letter);
+//! 2. republishes the message, body and properties unchanged (the broker's `x-death` history
+//!    included), to the dead-letter queue `<ns>.dead` with `x-fleet-reason` = the broker's
+//!    reason (`x-first-death-reason`, e.g. `delivery_limit`) and an `x-fleet-detail`, waiting
+//!    for the publisher confirm;
+//! 3. writes the task's status `dead` with that reason, releasing its reservation and running
+//!    records ([`fleet::Store::record_broker_dead`]) — unless its attempt had already ended with
+//!    a final state, in which case the letter was a stale copy and step 2 is skipped;
+//! 4. acks the letter.
+//!
+//! A crash between 2 and 4 leaves the letter in `<ns>.dead.broker`; its next reading finds the
+//! status final and drops it, so the dead-letter queue gets it once (at-least-once only while
+//! Redis is unreachable). Several scheduler replicas share the queue as competing consumers.
+
+use std::sync::Arc;
+
+use fleet::amqp::{self, DETAIL_HEADER, PROBE_HEADER, REASON_HEADER};
+use fleet::{metrics as m, Envelope, Lane, Names};
+use futures::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use tokio_util::sync::CancellationToken;
+
+use crate::dispatch::Dispatcher;
+
+/// Letters the loop holds unacked at once.
+const PREFETCH: u16 = 32;
+
+/// Consumes `<ns>.dead.broker` until shutdown (`Ok`) or a channel error (`Err`: the session
+/// restarts).
+pub async fn run(d: Arc<Dispatcher>, shutdown: CancellationToken) -> fleet::Result<()> {
+    let queue = d.names.broker_dead_queue();
+    let ch = d.conn.create_channel().await?;
+    ch.basic_qos(PREFETCH, BasicQosOptions::default()).await?;
+    let mut consumer = ch.basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
+    let result = loop {
+        let delivery = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break Ok(()),
+            next = consumer.next() => match next {
+                Some(Ok(delivery)) => delivery,
+                Some(Err(e)) => break Err(e.into()),
+                None => break Err(fleet::Error::Other(format!("consumer of {queue} ended"))),
+            },
+        };
+        if let Err(e) = handle(&d, delivery).await {
+            break Err(e);
+        }
+    };
+    let _ = ch.close(200, "backstop done".into()).await;
+    result
+}
+
+/// What the broker's headers say about a letter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BrokerDeath {
+    /// `x-first-death-reason` (`delivery_limit`, `rejected`, `expired`, `maxlen`); `unknown`.
+    pub reason: String,
+    /// The group and lane of the queue it died in, when that was a group queue.
+    pub from: Option<(String, Lane)>,
+    /// `x-death[0].count` (how many times it died there).
+    pub count: Option<i64>,
+}
+
+/// Reads `x-first-death-reason` and `x-death[0]` (queue, count). `names` parses the queue name
+/// `<ns>.group.<group>.<lane>`.
+pub fn broker_death(names: &Names, headers: Option<&FieldTable>) -> BrokerDeath {
+    let text = |v: &AMQPValue| match v {
+        AMQPValue::LongString(s) => Some(s.to_string()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        _ => None,
+    };
+    let h = headers.map(|h| h.inner());
+    let first = h.and_then(|h| match h.get("x-death") {
+        Some(AMQPValue::FieldArray(a)) => match a.as_slice().first() {
+            Some(AMQPValue::FieldTable(t)) => Some(t.inner().clone()),
+            _ => None,
+        },
+        _ => None,
+    });
+    let reason = h
+        .and_then(|h| h.get("x-first-death-reason").and_then(text))
+        .or_else(|| first.as_ref().and_then(|f| f.get("reason").and_then(text)))
+        .unwrap_or_else(|| "unknown".into());
+    let queue = h
+        .and_then(|h| h.get("x-first-death-queue").and_then(text))
+        .or_else(|| first.as_ref().and_then(|f| f.get("queue").and_then(text)));
+    let from = queue.and_then(|q| group_of(names, &q));
+    let count = first.as_ref().and_then(|f| match f.get("count") {
+        Some(AMQPValue::LongLongInt(n)) => Some(*n),
+        Some(AMQPValue::LongInt(n)) => Some(i64::from(*n)),
+        _ => None,
+    });
+    BrokerDeath { reason, from, count }
+}
+
+/// `<ns>.group.<group>.<lane>` → (group, lane).
+fn group_of(names: &Names, queue: &str) -> Option<(String, Lane)> {
+    let prefix = names.group_queue("", Lane::Normal);
+    let prefix = prefix.strip_suffix(&format!(".{}", Lane::Normal))?;
+    let rest = queue.strip_prefix(prefix)?;
+    let (group, lane) = rest.rsplit_once('.')?;
+    let lane = Lane::ALL.into_iter().find(|l| l.as_str() == lane)?;
+    (!group.is_empty()).then(|| (group.to_string(), lane))
+}
+
+async fn handle(d: &Dispatcher, delivery: Delivery) -> fleet::Result<()> {
+    let props = delivery.properties.clone();
+    let death = broker_death(&d.names, props.headers().as_ref());
+    let parsed = Envelope::from_slice(&delivery.data, usize::MAX).ok();
+    let id = parsed
+        .as_ref()
+        .map(|e| e.id.clone())
+        .or_else(|| props.message_id().as_ref().map(|s| s.to_string()))
+        .unwrap_or_default();
+    // Health probes never become a user's dead letter (nor a status anyone reads).
+    if amqp::header_text(&props, PROBE_HEADER).is_some() {
+        tracing::info!(task.id = %fleet::envelope::escape(&id), reason = %death.reason, "a health probe dead-lettered by the broker: dropped");
+        delivery.acker.ack(BasicAckOptions::default()).await?;
+        return Ok(());
+    }
+    let lane = death.from.as_ref().map(|(_, l)| *l).or_else(|| parsed.as_ref().map(|e| e.lane)).unwrap_or(Lane::Normal);
+    let group = death.from.as_ref().map(|(g, _)| g.clone());
+    let detail = match death.reason.as_str() {
+        "delivery_limit" => format!(
+            "dead-lettered by the broker: delivered more than {} times (the group queue's x-delivery-limit) without an outcome",
+            fleet::topology::DELIVERY_LIMIT
+        ),
+        other => format!("dead-lettered by the broker ({other})"),
+    };
+
+    // A letter whose attempt already ended is a stale copy (also: this loop's own letter, read
+    // again after a crash between publish and ack).
+    if !id.is_empty() {
+        if let Ok(Some(st)) = d.store.task_status(&id).await {
+            let state = st.get("state").map(String::as_str).unwrap_or_default();
+            if st.get("run_st").map(String::as_str) == Some("done") && fleet::status::TERMINAL.contains(&state) {
+                tracing::info!(task.id = %fleet::envelope::escape(&id), state, reason = %death.reason, "the broker dead-lettered a copy of a finished task: dropped");
+                metrics::counter!(m::DUPLICATE_DELIVERIES, "lane" => lane.as_str()).increment(1);
+                delivery.acker.ack(BasicAckOptions::default()).await?;
+                return Ok(());
+            }
+        }
+    }
+
+    let mut headers = props.headers().clone().unwrap_or_default();
+    headers.insert(REASON_HEADER.into(), AMQPValue::LongString(death.reason.clone().into()));
+    headers.insert(DETAIL_HEADER.into(), AMQPValue::LongString(detail.clone().into()));
+    let out = props.clone().with_headers(headers);
+    if let Err(e) = amqp::publish_confirmed(&d.publisher, &d.names.tasks_exchange(), Names::DEAD_KEY, &delivery.data, out).await {
+        tracing::warn!(task.id = %fleet::envelope::escape(&id), error = %e, "cannot move a broker dead letter to the dead-letter queue; requeued");
+        delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
+        // Do not spin on a refusing dead-letter queue.
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        return Ok(());
+    }
+    if !id.is_empty() {
+        let mut written = None;
+        for _ in 0..3 {
+            match d.store.record_broker_dead(&id, group.as_deref(), lane, &death.reason, &detail, d.cfg.common.status_ttl).await {
+                Ok(w) => {
+                    written = Some(w);
+                    break;
+                }
+                Err(e) => {
+                    metrics::counter!(m::REDIS_ERRORS).increment(1);
+                    tracing::warn!(task.id = %fleet::envelope::escape(&id), error = %e, "cannot write the status of a broker dead letter; retrying");
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                }
+            }
+        }
+        if written.is_none() {
+            tracing::warn!(task.id = %fleet::envelope::escape(&id), "status of a broker dead letter not written (Redis unreachable); the letter is in the dead-letter queue with its reason");
+        }
+    }
+    tracing::warn!(
+        task.id = %fleet::envelope::escape(&id),
+        reason = %death.reason,
+        deaths = death.count.unwrap_or(0),
+        group = group.as_deref().unwrap_or("-"),
+        "task dead-lettered by the broker: moved to the dead-letter queue with its reason"
+    );
+    metrics::counter!(m::TASKS_COMPLETED, "group" => group.unwrap_or_default(), "lane" => lane.as_str(), "outcome" => "dead").increment(1);
+    delivery.acker.ack(BasicAckOptions::default()).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::types::ShortString;
+
+    fn death_headers(queue: &str, reason: &str) -> FieldTable {
+        let mut first = FieldTable::default();
+        first.insert("queue".into(), AMQPValue::LongString(queue.into()));
+        first.insert("reason".into(), AMQPValue::LongString(reason.into()));
+        first.insert("count".into(), AMQPValue::LongLongInt(1));
+        let mut h = FieldTable::default();
+        h.insert("x-death".into(), AMQPValue::FieldArray(vec![AMQPValue::FieldTable(first)].into()));
+        h.insert(ShortString::from("x-first-death-reason"), AMQPValue::LongString(reason.into()));
+        h
+    }
+
+    #[test]
+    fn reads_reason_group_and_lane_of_a_broker_dead_letter() {
+        let n = Names::new("ns");
+        let h = death_headers("ns.group.pool=a.b,protocol=builtin.critical", "delivery_limit");
+        let d = broker_death(&n, Some(&h));
+        assert_eq!(d.reason, "delivery_limit");
+        assert_eq!(d.from, Some(("pool=a.b,protocol=builtin".to_string(), Lane::Critical)));
+        assert_eq!(d.count, Some(1));
+        // Not a group queue of this namespace; no headers at all.
+        assert_eq!(broker_death(&n, Some(&death_headers("other.group.g.normal", "rejected"))).from, None);
+        assert_eq!(broker_death(&n, None), BrokerDeath { reason: "unknown".into(), from: None, count: None });
+    }
+}

@@ -1,0 +1,26 @@
+-- broker_dead: the status of a task the broker dead-lettered itself (a quorum group queue's
+-- delivery limit), written by the scheduler's backstop (scheduler/src/backstop.rs) after the
+-- letter is in the dead-letter queue with its reason.
+-- KEYS[1]: key prefix
+-- ARGV[1]: task id   ARGV[2]: group ('': take it from the status)   ARGV[3]: lane
+-- ARGV[4]: reason   ARGV[5]: error text   ARGV[6]: status TTL (ms)
+-- An attempt that already ended (run record `done` with a final state: it succeeded, or a
+-- worker gave it a fate of its own) keeps its status: the broker's copy was a stale duplicate.
+-- Otherwise the task's reservation and running records are released (nobody runs it any more:
+-- the broker dead-letters a message only when it comes back) and it is `dead` with the reason.
+-- returns: 'dead' | 'done' (the status was already final; nothing written)
+local id, g, lane, reason, err, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local t = K_task(id)
+local r = redis.call('HMGET', t, 'state', 'run_st', 'group', 'worker')
+if r[2] == 'done' and (r[1] == 'succeeded' or r[1] == 'dead' or r[1] == 'expired') then return 'done' end
+if g == '' then g = r[3] or '' end
+if g ~= '' then
+  redis.call('ZREM', K_resv(g, lane), id)
+  redis.call('ZREM', K_run(g, lane), id)
+end
+if r[4] then redis.call('SREM', K_wrun(r[4]), lane .. '|' .. id) end
+redis.call('HSET', t, 'state', 'dead', 'reason', reason, 'error', err, 'finished_at', NOW_MS, 'run_st', 'done', 'lane', lane)
+if g ~= '' then redis.call('HSET', t, 'group', g) end
+redis.call('HDEL', t, 'worker')
+redis.call('PEXPIRE', t, ttl)
+return 'dead'
