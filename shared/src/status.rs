@@ -15,6 +15,10 @@ use crate::store::Store;
 /// States that end a task.
 pub const TERMINAL: &[&str] = &["succeeded", "dead", "expired"];
 
+/// Most entries a task's attempt log keeps (the oldest are dropped). Mirrors
+/// `ATTEMPT_LOG_MAX` in `lua/keys.lua`, which writes the log (a unit test keeps them equal).
+pub const ATTEMPT_LOG_MAX: usize = 20;
+
 /// Status fields that hold whole numbers.
 const INTEGER_FIELDS: &[&str] = &["attempt", "max_attempts"];
 
@@ -57,6 +61,35 @@ pub fn typed(id: &str, fields: BTreeMap<String, String>) -> Value {
     Value::Object(out)
 }
 
+/// One attempt log entry as the API answers it (`attempts[]` of `GET /v1/tasks/{id}`): the
+/// stored JSON (`lua/keys.lua` `log_attempt`) with `attempt` an integer and `started_at` /
+/// `finished_at` (Redis-clock Unix milliseconds) as RFC 3339 UTC strings; absent fields stay
+/// absent. `None` for an entry that is not a JSON object. Bytes that are not UTF-8 (an error
+/// text cut inside a character) are replaced, not refused.
+pub fn typed_attempt(raw: &[u8]) -> Option<Value> {
+    let Value::Object(m) = serde_json::from_str::<Value>(&String::from_utf8_lossy(raw)).ok()? else {
+        return None;
+    };
+    let mut out = Map::new();
+    for (k, v) in m {
+        let typed = match (k.as_str(), &v) {
+            ("started_at" | "finished_at", Value::Number(n)) => match n.as_i64().and_then(|ms| time(&ms.to_string())) {
+                Some(t) => Value::String(t),
+                None => continue,
+            },
+            ("attempt", Value::Number(n)) => match n.as_f64() {
+                // cjson writes numbers as floats when it must; an attempt is a whole number.
+                Some(f) if f >= 0.0 && f.fract() == 0.0 => Value::from(f as u64),
+                _ => continue,
+            },
+            (_, Value::String(s)) if s.is_empty() => continue,
+            _ => v,
+        };
+        out.insert(k, typed);
+    }
+    Some(Value::Object(out))
+}
+
 /// Unix milliseconds or an RFC 3339 time → RFC 3339 UTC with milliseconds.
 fn time(v: &str) -> Option<String> {
     let t: DateTime<Utc> = match v.parse::<i64>() {
@@ -73,8 +106,22 @@ impl Store {
         Ok(if m.is_empty() { None } else { Some(m) })
     }
 
+    /// A task's attempt log, oldest first ([`typed_attempt`] entries; at most
+    /// [`ATTEMPT_LOG_MAX`]): one entry per attempt that ended, with its worker, times, outcome
+    /// (`succeeded`, `failed` — another attempt follows —, `dead`, `expired`, `lost` — its
+    /// worker died or left mid-run), error and reason. Empty when none ended yet or the log
+    /// expired with the status record. The log survives a dead-letter replay (the replayed
+    /// run starts again from attempt 1 after the dead one).
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn task_attempts(&self, id: &str) -> Result<Vec<Value>> {
+        let raw: Vec<Vec<u8>> = self.query(redis::cmd("LRANGE").arg(self.names.attempts(id)).arg(0).arg(-1)).await?;
+        Ok(raw.iter().filter_map(|r| typed_attempt(r)).collect())
+    }
+
     /// Forgets a task: its dedupe mark and its status record, so the same id may be submitted
-    /// again as new (a dead-letter replay starts again from attempt 1).
+    /// again as new (a dead-letter replay starts again from attempt 1). The attempt log stays.
     pub async fn forget_task(&self, id: &str) -> Result<()> {
         self.query::<i64>(redis::cmd("DEL").arg(self.names.dedupe(id)).arg(self.names.task(id))).await.map(|_| ())
     }
@@ -127,6 +174,24 @@ mod tests {
             json!({"id": "t1", "state": "succeeded", "attempt": 2, "queued_at": "2026-11-30T08:46:10.236Z",
                    "not_before": "2026-12-01T10:00:00.000Z", "result": {"hello": "world"}, "worker": "w1"})
         );
+    }
+
+    #[test]
+    fn attempt_entries_are_typed() {
+        let e = typed_attempt(br#"{"attempt":2,"worker":"w1","started_at":1796028370236,"finished_at":1796028371000,"outcome":"failed","error":"boom","reason":""}"#);
+        assert_eq!(
+            e,
+            Some(json!({"attempt": 2, "worker": "w1", "started_at": "2026-11-30T08:46:10.236Z",
+                        "finished_at": "2026-11-30T08:46:11.000Z", "outcome": "failed", "error": "boom"}))
+        );
+        assert_eq!(typed_attempt(b"[1]"), None);
+        assert_eq!(typed_attempt(b"not json"), None);
+    }
+
+    #[test]
+    fn the_attempt_log_cap_is_the_scripts() {
+        let line = format!("local ATTEMPT_LOG_MAX = {ATTEMPT_LOG_MAX}\n");
+        assert!(include_str!("lua/keys.lua").contains(&line), "keys.lua and status.rs disagree on the attempt log cap");
     }
 
     #[test]

@@ -92,6 +92,7 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     assert_eq!((st["id"].as_str(), st["state"].as_str(), st["lane"].as_str()), (Some(b.id.as_str()), Some("queued"), Some("normal")), "{st}");
     assert_eq!(st["group"], group_of("pool=status", "builtin"));
     assert_eq!((st.get("attempt"), st.get("worker"), st.get("result")), (None, None, None), "absent fields absent: {st}");
+    assert_eq!(st["attempts"], json!([]), "no attempt ended yet: {st}");
     assert_valid_status(&st)?;
 
     // fleetctl status: the same record as JSON; exit 0.
@@ -157,6 +158,22 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     assert!(times[0] <= times[1] && times[1] <= times[2], "queued ≤ started ≤ finished: {times:?}");
     let age = chrono::Utc::now() - times[2].with_timezone(&chrono::Utc);
     assert!(age >= chrono::Duration::zero() && age < chrono::Duration::seconds(60), "finished_at is now-ish: {fin}");
+    // The attempt log: both attempts, each with its worker, times, outcome and error; the
+    // latest entry is the record's own attempt.
+    let log = fin["attempts"].as_array().cloned().unwrap_or_default();
+    let shape: Vec<_> = log.iter().map(|a| (a["attempt"].clone(), a["worker"].clone(), a["outcome"].clone(), a.get("error").cloned(), a.get("reason").cloned())).collect();
+    assert_eq!(
+        shape,
+        vec![
+            (json!(1), json!("w-status"), json!("failed"), Some(json!("first attempt fails")), None),
+            (json!(2), json!("w-status"), json!("succeeded"), None, None),
+        ],
+        "{fin}"
+    );
+    assert_eq!((&log[1]["started_at"], &log[1]["finished_at"]), (&fin["started_at"], &fin["finished_at"]), "the last entry is the record's attempt: {fin}");
+    let t = |v: &Value| chrono::DateTime::parse_from_rfc3339(v.as_str().unwrap_or_default()).ok();
+    assert!(t(&log[0]["started_at"]) <= t(&log[0]["finished_at"]) && t(&log[0]["finished_at"]) <= t(&log[1]["started_at"]), "attempt 1 ends before attempt 2 starts: {fin}");
+    assert!(t(&log[0]["started_at"]).is_some(), "{fin}");
     assert_valid_status(&fin)?;
 
     // Every state the API showed for B, in order. The `queued` between the retry's return and

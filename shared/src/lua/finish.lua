@@ -12,6 +12,8 @@
 -- workers may land out of order); the running record is released regardless. The run record
 -- (see start.lua) becomes `done` (later copies of this attempt are duplicates) or `rel`
 -- (the next copy runs the same attempt again) — only while this process still owns it.
+-- Every outcome (not a release) is appended to the task's attempt log (keys.lua), even one
+-- that lands after a newer attempt's: it is that attempt's history.
 -- returns: number of tasks handled
 local w, g, inst, st_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local now = NOW_MS
@@ -24,7 +26,7 @@ for k = 0, n - 1 do
   local t = K_task(id)
   redis.call('ZREM', K_run(g, lane), id)
   redis.call('SREM', K_wrun(w), lane .. '|' .. id)
-  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st')
+  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st', 'worker', 'started_at')
   local seen = tonumber(r[1] or '0') or 0
   local owned = r[2] == inst and r[3] == 'run'
   if state == '' then
@@ -36,6 +38,13 @@ for k = 0, n - 1 do
     -- Completions per group and lane: the scheduler turns them into each group's room ahead
     -- of its workers (Little's law; see backpressure.rs).
     done[lane] = (done[lane] or 0) + 1
+    local e = { attempt = attempt, worker = w, finished_at = now, outcome = state }
+    if state == 'retrying' then e.outcome = 'failed' end
+    -- The start time is the record's while it still describes this attempt on this worker.
+    if seen == attempt and r[4] == w then e.started_at = tonumber(r[5]) end
+    if success ~= '1' and text ~= '' then e.error = text end
+    if reason ~= '' then e.reason = reason end
+    log_attempt(id, e, st_ttl)
   end
   if state ~= '' and seen <= attempt then
     redis.call('HSET', t, 'state', state, 'worker', w, 'finished_at', now, 'attempt', attempt, field, text)
