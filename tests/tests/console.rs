@@ -125,12 +125,13 @@ async fn console_shows_the_fleet_and_acts_on_it() -> Result<()> {
     // The 15-minute history: every submission taken from ingress counted once (27), the four
     // failed attempts (two flaky, two of the exhausted task), no refusal, and a wait quantile
     // for every interval in which attempts started.
-    let series = wait_for("the series to count 27 submissions and 4 failures", Duration::from_secs(15), || {
+    let series = wait_for("the series to count 27 submissions, 4 failures and 25 starts", Duration::from_secs(15), || {
         let (admin, url) = (admin.clone(), sched.url("/v1/series"));
         async move {
             let v: serde_json::Value = admin.get(&url).bearer_auth(READ_TOKEN).send().await.ok()?.json().await.ok()?;
             let sum = |k: &str| v["points"].as_array().map(|p| p.iter().filter_map(|p| p[k].as_u64()).sum::<u64>()).unwrap_or(0);
-            (sum("submitted") == 27 && sum("failed") == 4).then_some(v)
+            // Starts reach the series with the workers' next heartbeats: wait for beta's too.
+            (sum("submitted") == 27 && sum("failed") == 4 && sum("started") >= 25).then_some(v)
         }
     })
     .await?;
