@@ -332,6 +332,8 @@ async function run(ctx) {
         eq(await link.count(), 0, `${s.name} has no last task`);
         eq(await txt("last-run"), s.last_outcome ?? "–", `${s.name} last run`);
       }
+      eq(await txt("task"), `${s.task.kind} (${Object.entries(s.task.labels).map(([k, v]) => `${k}=${v}`).join(", ")})`, `${s.name} task`);
+      eq(await txt("missed"), s.missed === "catch_up" ? `catch up (max ${s.catch_up_max})` : s.missed, `${s.name} missed-tick policy`);
       eq(await row.locator(s.enabled ? "button.pause" : "button.resume").count(), 1, `${s.name} pause/resume button`);
     }
     return list;
@@ -340,6 +342,7 @@ async function run(ctx) {
   const active = list.find((s) => s.name === S.active), paused = list.find((s) => s.name === S.paused);
   eq([active.enabled, active.next_tick !== null, active.last_tick, active.last_outcome, active.last_task], [true, true, null, null, null], "nightly: due later, never fired");
   eq([paused.enabled, paused.next_tick, paused.last_outcome, paused.last_task.id, paused.last_task.state], [false, null, "fired", S.paused_task, "succeeded"], "every-second: paused after a successful tick");
+  eq([active.missed, paused.missed, paused.catch_up_max, active.timezone, paused.timezone], ["skip", "catch_up", 2, "Europe/Berlin", "UTC"], "definitions as added");
   if (!/T03:00:00\+01:00|T02:00:00Z|T01:00:00Z/.test(active.next_tick)) fail(`nightly's next tick is not 03:00 in Berlin: ${active.next_tick}`);
   await shot(page, "15-schedules");
 

@@ -357,19 +357,19 @@ async function renderSchedules() {
     const missed = s.missed === "catch_up" ? `catch up (max ${s.catch_up_max})` : s.missed;
     return h("tr", { dataset: { schedule: s.name } },
       h("td", { class: "mono" }, s.name),
-      h("td", { class: "mono", dataset: { k: "cron" } }, s.cron),
-      h("td", { dataset: { k: "timezone" } }, s.timezone),
       h("td", { dataset: { k: "state" } }, h("span", { class: `badge ${s.enabled ? "active" : "paused"}` }, s.enabled ? "active" : "paused")),
-      h("td", { dataset: { k: "next" } }, timeEl(s.next_tick)),
-      h("td", { dataset: { k: "last" } }, timeEl(s.last_tick)),
-      h("td", { dataset: { k: "last-run" } }, lastRun(s)),
-      h("td", { dataset: { k: "task" } }, `${task.kind ?? "–"}${task.labels ? ` (${fmt.labels(task.labels)})` : ""}`),
-      h("td", { dataset: { k: "missed" } }, missed ?? "–"),
       h("td", {},
         h("button", { class: "small run-now", on: { click: () => scheduleAction(s, "fire") } }, "Run now"), " ",
         s.enabled
           ? h("button", { class: "small pause", on: { click: () => scheduleAction(s, "pause") } }, "Pause")
-          : h("button", { class: "small resume", on: { click: () => scheduleAction(s, "resume") } }, "Resume")));
+          : h("button", { class: "small resume", on: { click: () => scheduleAction(s, "resume") } }, "Resume")),
+      h("td", { dataset: { k: "next" } }, timeEl(s.next_tick)),
+      h("td", { dataset: { k: "last" } }, timeEl(s.last_tick)),
+      h("td", { dataset: { k: "last-run" } }, lastRun(s)),
+      h("td", { class: "mono", dataset: { k: "cron" } }, s.cron),
+      h("td", { dataset: { k: "timezone" } }, s.timezone),
+      h("td", { dataset: { k: "task" } }, `${task.kind ?? "–"}${task.labels ? ` (${fmt.labels(task.labels)})` : ""}`),
+      h("td", { dataset: { k: "missed" } }, missed ?? "–"));
   });
   $("#schedules-table tbody").replaceChildren(...(rows.length ? rows : [h("tr", { class: "empty" }, h("td", { colspan: 10 }, "No schedules."))]));
 }
@@ -407,7 +407,7 @@ async function lookupTask(id) {
     h("td", { dataset: { k: "reason" } }, a.reason ?? ""),
     h("td", { class: "detail", dataset: { k: "error" } }, a.error ?? "")));
   const running = t.state === "running" ? h("p", { class: "help" }, `Attempt ${t.attempt} is running on ${t.worker}; it joins the log when it ends.`) : null;
-  parts.push(h("div", { class: "card" }, h("h2", {}, "Attempts ", h("small", {}, "oldest first; the latest 20 are kept as long as the status")),
+  parts.push(h("div", { class: "card attempts" }, h("h2", {}, "Attempts ", h("small", {}, "oldest first; the latest 20 are kept as long as the status")),
     h("div", { class: "scroll" }, h("table", { id: "task-attempts" },
       h("thead", {}, h("tr", {}, ["Attempt", "Worker", "Started", "Finished", "Outcome", "Reason", "Error"].map((c) => h("th", {}, c)))),
       h("tbody", {}, rows.length ? rows : h("tr", { class: "empty" }, h("td", { colspan: 7 }, "No attempt has ended yet."))))), running));
