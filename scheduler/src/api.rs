@@ -180,12 +180,12 @@ fn bad(index: usize, code: &str, detail: String) -> Response {
     (StatusCode::BAD_REQUEST, Json(json!({"error": code, "detail": detail, "index": index}))).into_response()
 }
 
-/// The typed status record plus `attempts`: the task's attempt log, oldest first (see
+/// The typed status record plus `attempts`: every attempt that ended, oldest first (see
 /// [`fleet::Store::task_attempts`]; schema `shared/schema/status.schema.json`).
 async fn task_status(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     match st.store.task_status(&id).await {
         Ok(Some(fields)) => {
-            let attempts = match st.store.task_attempts(&id).await {
+            let attempts = match st.store.task_attempts_of(&id, &fields).await {
                 Ok(a) => a,
                 Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
             };

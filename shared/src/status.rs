@@ -90,6 +90,41 @@ pub fn typed_attempt(raw: &[u8]) -> Option<Value> {
     Some(Value::Object(out))
 }
 
+/// A task's attempts from its two sources: the attempt log (`raw`: the `ta:<id>` list, see
+/// `lua/keys.lua`) and the status record (`record`), which keeps the success that ended the task
+/// (finish.lua logs every other outcome, but not a success it writes into the record: a task
+/// that succeeds at once then costs no log key). The record's success is added unless the log
+/// already has it (same attempt and end); entries are ordered by `finished_at` (Redis time,
+/// so one clock), the latest [`ATTEMPT_LOG_MAX`] kept.
+pub fn attempt_history(record: &BTreeMap<String, String>, raw: &[Vec<u8>]) -> Vec<Value> {
+    let mut out: Vec<Value> = raw.iter().filter_map(|r| typed_attempt(r)).collect();
+    if record.get("state").map(String::as_str) == Some("succeeded") {
+        let mut e = Map::new();
+        if let Some(a) = record.get("attempt").and_then(|a| a.parse::<u64>().ok()) {
+            e.insert("attempt".into(), Value::from(a));
+        }
+        if let Some(w) = record.get("worker").filter(|w| !w.is_empty()) {
+            e.insert("worker".into(), Value::String(w.clone()));
+        }
+        for k in ["started_at", "finished_at"] {
+            if let Some(t) = record.get(k).and_then(|v| time(v)) {
+                e.insert(k.into(), Value::String(t));
+            }
+        }
+        e.insert("outcome".into(), Value::String("succeeded".into()));
+        let e = Value::Object(e);
+        if !out.iter().any(|x| x["outcome"] == "succeeded" && x["attempt"] == e["attempt"] && x["finished_at"] == e["finished_at"]) {
+            out.push(e);
+        }
+    }
+    // RFC 3339 UTC strings of one format sort by time; the sort is stable for equal ends.
+    out.sort_by(|a, b| a["finished_at"].as_str().cmp(&b["finished_at"].as_str()));
+    if out.len() > ATTEMPT_LOG_MAX {
+        out.drain(..out.len() - ATTEMPT_LOG_MAX);
+    }
+    out
+}
+
 /// Unix milliseconds or an RFC 3339 time → RFC 3339 UTC with milliseconds.
 fn time(v: &str) -> Option<String> {
     let t: DateTime<Utc> = match v.parse::<i64>() {
@@ -106,18 +141,27 @@ impl Store {
         Ok(if m.is_empty() { None } else { Some(m) })
     }
 
-    /// A task's attempt log, oldest first ([`typed_attempt`] entries; at most
-    /// [`ATTEMPT_LOG_MAX`]): one entry per attempt that ended, with its worker, times, outcome
-    /// (`succeeded`, `failed` — another attempt follows —, `dead`, `expired`, `lost` — its
-    /// worker died or left mid-run), error and reason. Empty when none ended yet or the log
-    /// expired with the status record. The log survives a dead-letter replay (the replayed
-    /// run starts again from attempt 1 after the dead one).
+    /// A task's attempts, oldest first ([`attempt_history`] of its status record and attempt
+    /// log; at most [`ATTEMPT_LOG_MAX`]): one entry per attempt that ended, with its worker,
+    /// times, outcome (`succeeded`, `failed` — another attempt follows —, `dead`, `expired`,
+    /// `lost` — its worker died or left mid-run), error and reason. Empty when none ended yet or
+    /// the records expired. The log survives a dead-letter replay (the replayed run starts
+    /// again from attempt 1 after the dead one).
     ///
     /// # Errors
     /// Redis unreachable or slow.
     pub async fn task_attempts(&self, id: &str) -> Result<Vec<Value>> {
+        let record = self.task_status(id).await?.unwrap_or_default();
+        self.task_attempts_of(id, &record).await
+    }
+
+    /// [`Store::task_attempts`] with the status record already read (`record`: its fields).
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn task_attempts_of(&self, id: &str, record: &BTreeMap<String, String>) -> Result<Vec<Value>> {
         let raw: Vec<Vec<u8>> = self.query(redis::cmd("LRANGE").arg(self.names.attempts(id)).arg(0).arg(-1)).await?;
-        Ok(raw.iter().filter_map(|r| typed_attempt(r)).collect())
+        Ok(attempt_history(record, &raw))
     }
 
     /// Forgets a task: its dedupe mark and its status record, so the same id may be submitted
@@ -186,6 +230,32 @@ mod tests {
         );
         assert_eq!(typed_attempt(b"[1]"), None);
         assert_eq!(typed_attempt(b"not json"), None);
+    }
+
+    #[test]
+    fn the_records_success_joins_the_log() {
+        let raw = vec![br#"{"attempt":1,"worker":"w1","started_at":1796028370000,"finished_at":1796028370100,"outcome":"failed","error":"boom"}"#.to_vec()];
+        let record = rec(&[("state", "succeeded"), ("attempt", "2"), ("worker", "w2"), ("started_at", "1796028371000"), ("finished_at", "1796028371500"), ("result", "{}")]);
+        let h = attempt_history(&record, &raw);
+        assert_eq!(
+            h,
+            vec![
+                json!({"attempt": 1, "worker": "w1", "started_at": "2026-11-30T08:46:10.000Z", "finished_at": "2026-11-30T08:46:10.100Z", "outcome": "failed", "error": "boom"}),
+                json!({"attempt": 2, "worker": "w2", "started_at": "2026-11-30T08:46:11.000Z", "finished_at": "2026-11-30T08:46:11.500Z", "outcome": "succeeded"}),
+            ]
+        );
+        // Already logged (a success the record did not describe when it was written): once.
+        let mut both = raw.clone();
+        both.push(br#"{"attempt":2,"worker":"w2","started_at":1796028371000,"finished_at":1796028371500,"outcome":"succeeded"}"#.to_vec());
+        assert_eq!(attempt_history(&record, &both), h);
+        // Not succeeded: the log alone; nothing at all: empty.
+        let dead = rec(&[("state", "dead"), ("attempt", "1"), ("worker", "w1")]);
+        assert_eq!(attempt_history(&dead, &raw).len(), 1);
+        assert!(attempt_history(&BTreeMap::new(), &[]).is_empty());
+        // Capped at the latest ATTEMPT_LOG_MAX.
+        let many: Vec<Vec<u8>> = (0..ATTEMPT_LOG_MAX as i64).map(|i| format!(r#"{{"attempt":{},"outcome":"failed","finished_at":{}}}"#, i + 1, 1796028360000 + i).into_bytes()).collect();
+        let h = attempt_history(&record, &many);
+        assert_eq!((h.len(), &h[0]["attempt"], &h[ATTEMPT_LOG_MAX - 1]["outcome"]), (ATTEMPT_LOG_MAX, &json!(2), &json!("succeeded")));
     }
 
     #[test]

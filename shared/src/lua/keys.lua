@@ -25,13 +25,15 @@ local function K_rr(lane, sel) return P .. 'rr:' .. lane .. ':' .. sel end
 -- attempt that ended — {attempt, worker, started_at, finished_at (Redis ms), outcome
 -- (succeeded | failed | dead | expired | lost), error, reason} — written by the script that
 -- records the outcome (finish.lua; a lost attempt by remove_worker or start.lua, whichever
--- notices first). Capped at ATTEMPT_LOG_MAX entries (the oldest dropped); it lives as long as
--- the status record (`ttl_ms`: the status TTL). Mirrors `fleet::status::ATTEMPT_LOG_MAX`.
+-- notices first), except a success the status record keeps (finish.lua says which). Capped at
+-- ATTEMPT_LOG_MAX entries (the oldest dropped); it lives as long as the status record
+-- (`ttl_ms`: the status TTL). Mirrors `fleet::status::ATTEMPT_LOG_MAX`.
 local ATTEMPT_LOG_MAX = 20
 local function log_attempt(id, entry, ttl_ms)
   local k = K_attempts(id)
-  redis.call('RPUSH', k, cjson.encode(entry))
-  redis.call('LTRIM', k, -ATTEMPT_LOG_MAX, -1)
+  if redis.call('RPUSH', k, cjson.encode(entry)) > ATTEMPT_LOG_MAX then
+    redis.call('LTRIM', k, -ATTEMPT_LOG_MAX, -1)
+  end
   redis.call('PEXPIRE', k, ttl_ms)
 end
 

@@ -63,11 +63,16 @@ for k = 0, n - 1 do
   local b = 7 + 5 * k
   local lane, id, base, max, isolated = ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), ARGV[b + 4]
   local t = K_task(id)
-  local r = redis.call('HMGET', t, 'run_base', 'run_owner', 'run_st', 'run_iso', 'attempt', 'worker', 'started_at')
+  local r = redis.call('HMGET', t, 'run_base', 'run_owner', 'run_st', 'run_iso', 'attempt', 'worker', 'started_at', 'state', 'finished_at')
   local rb = tonumber(r[1])
   local was_suspect = r[4] == 's' or r[4] == '1'
   local ans
   if rb == nil or rb < base then
+    -- A newer attempt over a success the record kept (not logged, see finish.lua): log it now.
+    if r[8] == 'succeeded' and rb ~= nil then
+      log_attempt(id, { attempt = tonumber(r[5]), worker = r[6], started_at = tonumber(r[7]),
+        finished_at = tonumber(r[9]), outcome = 'succeeded' }, st_ttl)
+    end
     grant(lane, id, t, base, base, isolated)
     ans = 'run:' .. base
   elseif rb > base or r[3] == 'done' then
