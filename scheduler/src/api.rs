@@ -183,12 +183,8 @@ fn bad(index: usize, code: &str, detail: String) -> Response {
 /// The typed status record plus `attempts`: every attempt that ended, oldest first (see
 /// [`fleet::Store::task_attempts`]; schema `shared/schema/status.schema.json`).
 async fn task_status(State(st): State<AppState>, Path(id): Path<String>) -> Response {
-    match st.store.task_status(&id).await {
-        Ok(Some(fields)) => {
-            let attempts = match st.store.task_attempts_of(&id, &fields).await {
-                Ok(a) => a,
-                Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
-            };
+    match st.store.task_status_with_attempts(&id).await {
+        Ok(Some((fields, attempts))) => {
             let mut v = fleet::status::typed(&id, fields);
             if let Value::Object(o) = &mut v {
                 o.insert("attempts".into(), Value::Array(attempts));

@@ -151,17 +151,23 @@ impl Store {
     /// # Errors
     /// Redis unreachable or slow.
     pub async fn task_attempts(&self, id: &str) -> Result<Vec<Value>> {
-        let record = self.task_status(id).await?.unwrap_or_default();
-        self.task_attempts_of(id, &record).await
+        Ok(self.task_status_with_attempts(id).await?.map(|(_, a)| a).unwrap_or_default())
     }
 
-    /// [`Store::task_attempts`] with the status record already read (`record`: its fields).
+    /// A task's status fields and its attempts ([`Store::task_attempts`]) in one round trip;
+    /// `None` when the status is unknown (never seen, or expired from Redis).
     ///
     /// # Errors
     /// Redis unreachable or slow.
-    pub async fn task_attempts_of(&self, id: &str, record: &BTreeMap<String, String>) -> Result<Vec<Value>> {
-        let raw: Vec<Vec<u8>> = self.query(redis::cmd("LRANGE").arg(self.names.attempts(id)).arg(0).arg(-1)).await?;
-        Ok(attempt_history(record, &raw))
+    pub async fn task_status_with_attempts(&self, id: &str) -> Result<Option<(BTreeMap<String, String>, Vec<Value>)>> {
+        let mut p = redis::pipe();
+        p.cmd("HGETALL").arg(self.names.task(id)).cmd("LRANGE").arg(self.names.attempts(id)).arg(0).arg(-1);
+        let (record, raw): (BTreeMap<String, String>, Vec<Vec<u8>>) = self.pipe(&p).await?;
+        if record.is_empty() {
+            return Ok(None);
+        }
+        let attempts = attempt_history(&record, &raw);
+        Ok(Some((record, attempts)))
     }
 
     /// Forgets a task: its dedupe mark and its status record, so the same id may be submitted

@@ -46,6 +46,15 @@ impl Watcher {
         Watcher { seen, stop, join }
     }
 
+    /// Waits until the watcher has seen (state, attempt) through the API: a state the test
+    /// holds is released only once the API showed it, so no poll can miss it.
+    async fn saw(&self, state: &str, attempt: &str) -> anyhow::Result<()> {
+        wait_for(&format!("the API to show {state} (attempt {attempt})"), Duration::from_secs(15), || async {
+            self.seen.lock().ok()?.iter().any(|(s, a)| s == state && a == attempt).then_some(())
+        })
+        .await
+    }
+
     async fn finish(self) -> Vec<(String, String)> {
         self.stop.store(true, Ordering::SeqCst);
         let _ = tokio::time::timeout(Duration::from_secs(5), self.join).await;
@@ -112,6 +121,7 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     gate.open(&a.id);
     wait_state(&ns, &a.id, "succeeded", Duration::from_secs(15)).await?;
     wait_state(&ns, &b.id, "running", Duration::from_secs(15)).await?;
+    watcher.saw("running", "1").await?;
     gate.open(&b.id);
     let st = wait_state(&ns, &b.id, "retrying", Duration::from_secs(15)).await?;
     assert_eq!(st.get("error").map(String::as_str), Some("first attempt fails"), "{st:?}");
@@ -137,6 +147,7 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
         })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
+    watcher.saw("running", "2").await?;
     gate.open(&b.id);
     let out = tokio::time::timeout(Duration::from_secs(40), waiting).await???;
     assert_eq!(out.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&out.stderr));
