@@ -185,6 +185,14 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     let t = |v: &Value| chrono::DateTime::parse_from_rfc3339(v.as_str().unwrap_or_default()).ok();
     assert!(t(&log[0]["started_at"]) <= t(&log[0]["finished_at"]) && t(&log[0]["finished_at"]) <= t(&log[1]["started_at"]), "attempt 1 ends before attempt 2 starts: {fin}");
     assert!(t(&log[0]["started_at"]).is_some(), "{fin}");
+    // Stored: B's log holds its failed attempt only (the record keeps the success); A, which
+    // succeeded at once, has no log key at all.
+    let len = |id: &str| {
+        let (store, key) = (ns.store.clone(), ns.names.attempts(id));
+        async move { store.query::<i64>(deadpool_redis::redis::cmd("LLEN").arg(key)).await }
+    };
+    assert_eq!((len(&b.id).await?, len(&a.id).await?), (1, 0), "log lengths of B and A");
+    assert_eq!(ns.store.task_attempts(&a.id).await?.iter().map(|e| e["outcome"].clone()).collect::<Vec<_>>(), vec![json!("succeeded")], "A's one attempt, from its record");
     assert_valid_status(&fin)?;
 
     // Every state the API showed for B, in order. The `queued` between the retry's return and
