@@ -1,7 +1,9 @@
 //! Task status end to end: `GET /v1/tasks/{id}` on the scheduler follows a task through
 //! queued → running → retrying → (queued →) running → succeeded, and `fleetctl status ID`
 //! (`--wait`) prints the same record as JSON with meaningful exit codes. Each state is held
-//! by the test (gated handler runs, a full worker slot) so it is observed, not raced.
+//! by the test (gated handler runs, a full worker slot) until the API showed it, so it is
+//! observed, not raced. The record's `attempts` lists every attempt that ended (worker, times,
+//! outcome, error); the attempt log behind it is capped and expires with the status.
 
 mod lifecycle;
 
@@ -257,4 +259,30 @@ fn status_schema_refuses_strings_for_numbers_and_epoch_times() -> anyhow::Result
     assert!(assert_valid_status(&old).is_err());
     assert!(assert_valid_status(&json!({"state": "queued"})).is_err(), "id is required");
     assert_valid_status(&json!({"id": "t", "state": "waiting_for_worker", "attempt": 1, "queued_at": "2026-11-30T08:46:10.236Z", "result": {"a": 1}}))
+}
+
+/// The attempt log at the Redis level: capped at `ATTEMPT_LOG_MAX` (the oldest dropped) and
+/// living as long as the status record (the same TTL, renewed with each outcome).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempt_log_is_capped_and_expires_with_the_status() -> anyhow::Result<()> {
+    use fleet::lease::Finished;
+    use fleet::status::ATTEMPT_LOG_MAX;
+    let ns = Ns::new().await?;
+    let ttl = Duration::from_secs(600);
+    let n = ATTEMPT_LOG_MAX as u32 + 5;
+    for attempt in 1..=n {
+        let f = Finished { lane: fleet::Lane::Normal, id: "capped".into(), attempt, state: "retrying", text: format!("failure {attempt}"), success: false, reason: "" };
+        ns.store.finish("w-cap", "g-cap", "i-cap", ttl, &[f]).await?;
+    }
+    let log = ns.store.task_attempts("capped").await?;
+    let attempts: Vec<u64> = log.iter().filter_map(|a| a["attempt"].as_u64()).collect();
+    assert_eq!(attempts, (6..=u64::from(n)).collect::<Vec<_>>(), "the latest {ATTEMPT_LOG_MAX} attempts, oldest first");
+    assert!(log.iter().all(|a| a["outcome"] == "failed" && a["error"] == format!("failure {}", a["attempt"])), "{log:?}");
+    let pttl = |key: String| {
+        let store = ns.store.clone();
+        async move { store.query::<i64>(deadpool_redis::redis::cmd("PTTL").arg(key)).await }
+    };
+    let (log_ttl, status_ttl) = (pttl(ns.names.attempts("capped")).await?, pttl(ns.names.task("capped")).await?);
+    assert!(log_ttl > 590_000 && log_ttl <= 600_000 && (log_ttl - status_ttl).abs() < 5_000, "log TTL {log_ttl} ms, status TTL {status_ttl} ms");
+    ns.cleanup().await
 }
