@@ -180,9 +180,17 @@ fn bad(index: usize, code: &str, detail: String) -> Response {
     (StatusCode::BAD_REQUEST, Json(json!({"error": code, "detail": detail, "index": index}))).into_response()
 }
 
+/// The typed status record plus `attempts`: every attempt that ended, oldest first (see
+/// [`fleet::Store::task_attempts`]; schema `shared/schema/status.schema.json`).
 async fn task_status(State(st): State<AppState>, Path(id): Path<String>) -> Response {
-    match st.store.task_status(&id).await {
-        Ok(Some(fields)) => Json(fleet::status::typed(&id, fields)).into_response(),
+    match st.store.task_status_with_attempts(&id).await {
+        Ok(Some((fields, attempts))) => {
+            let mut v = fleet::status::typed(&id, fields);
+            if let Value::Object(o) = &mut v {
+                o.insert("attempts".into(), Value::Array(attempts));
+            }
+            Json(v).into_response()
+        }
         Ok(None) => error(StatusCode::NOT_FOUND, "unknown_task", format!("no status for task {id} (never seen, or older than the status TTL)")),
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
     }

@@ -138,6 +138,10 @@ impl Names {
     pub fn task(&self, id: &str) -> String {
         format!("{}t:{}", self.prefix, id)
     }
+    /// A task's attempt log: a capped list of JSON entries (see `status::ATTEMPT_LOG_MAX`).
+    pub fn attempts(&self, id: &str) -> String {
+        format!("{}ta:{}", self.prefix, id)
+    }
     pub fn dedupe(&self, id: &str) -> String {
         format!("{}dd:{}", self.prefix, id)
     }

@@ -15,6 +15,10 @@ use crate::store::Store;
 /// States that end a task.
 pub const TERMINAL: &[&str] = &["succeeded", "dead", "expired"];
 
+/// Most entries a task's attempt log keeps (the oldest are dropped). Mirrors
+/// `ATTEMPT_LOG_MAX` in `lua/keys.lua`, which writes the log (a unit test keeps them equal).
+pub const ATTEMPT_LOG_MAX: usize = 20;
+
 /// Status fields that hold whole numbers.
 const INTEGER_FIELDS: &[&str] = &["attempt", "max_attempts"];
 
@@ -57,6 +61,70 @@ pub fn typed(id: &str, fields: BTreeMap<String, String>) -> Value {
     Value::Object(out)
 }
 
+/// One attempt log entry as the API answers it (`attempts[]` of `GET /v1/tasks/{id}`): the
+/// stored JSON (`lua/keys.lua` `log_attempt`) with `attempt` an integer and `started_at` /
+/// `finished_at` (Redis-clock Unix milliseconds) as RFC 3339 UTC strings; absent fields stay
+/// absent. `None` for an entry that is not a JSON object. Bytes that are not UTF-8 (an error
+/// text cut inside a character) are replaced, not refused.
+pub fn typed_attempt(raw: &[u8]) -> Option<Value> {
+    let Value::Object(m) = serde_json::from_str::<Value>(&String::from_utf8_lossy(raw)).ok()? else {
+        return None;
+    };
+    let mut out = Map::new();
+    for (k, v) in m {
+        let typed = match (k.as_str(), &v) {
+            ("started_at" | "finished_at", Value::Number(n)) => match n.as_i64().and_then(|ms| time(&ms.to_string())) {
+                Some(t) => Value::String(t),
+                None => continue,
+            },
+            ("attempt", Value::Number(n)) => match n.as_f64() {
+                // cjson writes numbers as floats when it must; an attempt is a whole number.
+                Some(f) if f >= 0.0 && f.fract() == 0.0 => Value::from(f as u64),
+                _ => continue,
+            },
+            (_, Value::String(s)) if s.is_empty() => continue,
+            _ => v,
+        };
+        out.insert(k, typed);
+    }
+    Some(Value::Object(out))
+}
+
+/// A task's attempts from its two sources: the attempt log (`raw`: the `ta:<id>` list, see
+/// `lua/keys.lua`) and the status record (`record`), which keeps the success that ended the task
+/// (finish.lua logs every other outcome, but not a success it writes into the record: a task
+/// that succeeds at once then costs no log key). The record's success is added unless the log
+/// already has it (same attempt and end); entries are ordered by `finished_at` (Redis time,
+/// so one clock), the latest [`ATTEMPT_LOG_MAX`] kept.
+pub fn attempt_history(record: &BTreeMap<String, String>, raw: &[Vec<u8>]) -> Vec<Value> {
+    let mut out: Vec<Value> = raw.iter().filter_map(|r| typed_attempt(r)).collect();
+    if record.get("state").map(String::as_str) == Some("succeeded") {
+        let mut e = Map::new();
+        if let Some(a) = record.get("attempt").and_then(|a| a.parse::<u64>().ok()) {
+            e.insert("attempt".into(), Value::from(a));
+        }
+        if let Some(w) = record.get("worker").filter(|w| !w.is_empty()) {
+            e.insert("worker".into(), Value::String(w.clone()));
+        }
+        for k in ["started_at", "finished_at"] {
+            if let Some(t) = record.get(k).and_then(|v| time(v)) {
+                e.insert(k.into(), Value::String(t));
+            }
+        }
+        e.insert("outcome".into(), Value::String("succeeded".into()));
+        let e = Value::Object(e);
+        if !out.iter().any(|x| x["outcome"] == "succeeded" && x["attempt"] == e["attempt"] && x["finished_at"] == e["finished_at"]) {
+            out.push(e);
+        }
+    }
+    // RFC 3339 UTC strings of one format sort by time; the sort is stable for equal ends.
+    out.sort_by(|a, b| a["finished_at"].as_str().cmp(&b["finished_at"].as_str()));
+    if out.len() > ATTEMPT_LOG_MAX {
+        out.drain(..out.len() - ATTEMPT_LOG_MAX);
+    }
+    out
+}
+
 /// Unix milliseconds or an RFC 3339 time → RFC 3339 UTC with milliseconds.
 fn time(v: &str) -> Option<String> {
     let t: DateTime<Utc> = match v.parse::<i64>() {
@@ -73,8 +141,37 @@ impl Store {
         Ok(if m.is_empty() { None } else { Some(m) })
     }
 
+    /// A task's attempts, oldest first ([`attempt_history`] of its status record and attempt
+    /// log; at most [`ATTEMPT_LOG_MAX`]): one entry per attempt that ended, with its worker,
+    /// times, outcome (`succeeded`, `failed` — another attempt follows —, `dead`, `expired`,
+    /// `lost` — its worker died or left mid-run), error and reason. Empty when none ended yet or
+    /// the records expired. The log survives a dead-letter replay (the replayed run starts
+    /// again from attempt 1 after the dead one).
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn task_attempts(&self, id: &str) -> Result<Vec<Value>> {
+        Ok(self.task_status_with_attempts(id).await?.map(|(_, a)| a).unwrap_or_default())
+    }
+
+    /// A task's status fields and its attempts ([`Store::task_attempts`]) in one round trip;
+    /// `None` when the status is unknown (never seen, or expired from Redis).
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn task_status_with_attempts(&self, id: &str) -> Result<Option<(BTreeMap<String, String>, Vec<Value>)>> {
+        let mut p = redis::pipe();
+        p.cmd("HGETALL").arg(self.names.task(id)).cmd("LRANGE").arg(self.names.attempts(id)).arg(0).arg(-1);
+        let (record, raw): (BTreeMap<String, String>, Vec<Vec<u8>>) = self.pipe(&p).await?;
+        if record.is_empty() {
+            return Ok(None);
+        }
+        let attempts = attempt_history(&record, &raw);
+        Ok(Some((record, attempts)))
+    }
+
     /// Forgets a task: its dedupe mark and its status record, so the same id may be submitted
-    /// again as new (a dead-letter replay starts again from attempt 1).
+    /// again as new (a dead-letter replay starts again from attempt 1). The attempt log stays.
     pub async fn forget_task(&self, id: &str) -> Result<()> {
         self.query::<i64>(redis::cmd("DEL").arg(self.names.dedupe(id)).arg(self.names.task(id))).await.map(|_| ())
     }
@@ -148,6 +245,50 @@ mod tests {
             json!({"id": "t1", "state": "succeeded", "attempt": 2, "queued_at": "2026-11-30T08:46:10.236Z",
                    "not_before": "2026-12-01T10:00:00.000Z", "result": {"hello": "world"}, "worker": "w1"})
         );
+    }
+
+    #[test]
+    fn attempt_entries_are_typed() {
+        let e = typed_attempt(br#"{"attempt":2,"worker":"w1","started_at":1796028370236,"finished_at":1796028371000,"outcome":"failed","error":"boom","reason":""}"#);
+        assert_eq!(
+            e,
+            Some(json!({"attempt": 2, "worker": "w1", "started_at": "2026-11-30T08:46:10.236Z",
+                        "finished_at": "2026-11-30T08:46:11.000Z", "outcome": "failed", "error": "boom"}))
+        );
+        assert_eq!(typed_attempt(b"[1]"), None);
+        assert_eq!(typed_attempt(b"not json"), None);
+    }
+
+    #[test]
+    fn the_records_success_joins_the_log() {
+        let raw = vec![br#"{"attempt":1,"worker":"w1","started_at":1796028370000,"finished_at":1796028370100,"outcome":"failed","error":"boom"}"#.to_vec()];
+        let record = rec(&[("state", "succeeded"), ("attempt", "2"), ("worker", "w2"), ("started_at", "1796028371000"), ("finished_at", "1796028371500"), ("result", "{}")]);
+        let h = attempt_history(&record, &raw);
+        assert_eq!(
+            h,
+            vec![
+                json!({"attempt": 1, "worker": "w1", "started_at": "2026-11-30T08:46:10.000Z", "finished_at": "2026-11-30T08:46:10.100Z", "outcome": "failed", "error": "boom"}),
+                json!({"attempt": 2, "worker": "w2", "started_at": "2026-11-30T08:46:11.000Z", "finished_at": "2026-11-30T08:46:11.500Z", "outcome": "succeeded"}),
+            ]
+        );
+        // Already logged (a success the record did not describe when it was written): once.
+        let mut both = raw.clone();
+        both.push(br#"{"attempt":2,"worker":"w2","started_at":1796028371000,"finished_at":1796028371500,"outcome":"succeeded"}"#.to_vec());
+        assert_eq!(attempt_history(&record, &both), h);
+        // Not succeeded: the log alone; nothing at all: empty.
+        let dead = rec(&[("state", "dead"), ("attempt", "1"), ("worker", "w1")]);
+        assert_eq!(attempt_history(&dead, &raw).len(), 1);
+        assert!(attempt_history(&BTreeMap::new(), &[]).is_empty());
+        // Capped at the latest ATTEMPT_LOG_MAX.
+        let many: Vec<Vec<u8>> = (0..ATTEMPT_LOG_MAX as i64).map(|i| format!(r#"{{"attempt":{},"outcome":"failed","finished_at":{}}}"#, i + 1, 1796028360000 + i).into_bytes()).collect();
+        let h = attempt_history(&record, &many);
+        assert_eq!((h.len(), &h[0]["attempt"], &h[ATTEMPT_LOG_MAX - 1]["outcome"]), (ATTEMPT_LOG_MAX, &json!(2), &json!("succeeded")));
+    }
+
+    #[test]
+    fn the_attempt_log_cap_is_the_scripts() {
+        let line = format!("local ATTEMPT_LOG_MAX = {ATTEMPT_LOG_MAX}\n");
+        assert!(include_str!("lua/keys.lua").contains(&line), "keys.lua and status.rs disagree on the attempt log cap");
     }
 
     #[test]

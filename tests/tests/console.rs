@@ -9,6 +9,9 @@
 //! one by selection), looks tasks up, checks the prompt-only page without a token, a phone-width
 //! and a dark rendering, and — after this test stops the scheduler on its request — the
 //! "unreachable" banner, and then the page of a scheduler without tokens (no prompt at all).
+//! Task lookups show the attempt log (every attempt: worker, times, outcome, error) exactly as
+//! the API has it; the schedules page shows each schedule's definition, next and last tick and
+//! last run as the API has them, and runs, pauses and resumes one with its buttons.
 //! Screenshots go to `target/ui-screenshots/`. Afterwards this test checks
 //! the same facts on the servers: the drained worker left, each replayed task ran exactly once
 //! more and succeeded, the other dead letter is still dead.
@@ -122,12 +125,13 @@ async fn console_shows_the_fleet_and_acts_on_it() -> Result<()> {
     // The 15-minute history: every submission taken from ingress counted once (27), the four
     // failed attempts (two flaky, two of the exhausted task), no refusal, and a wait quantile
     // for every interval in which attempts started.
-    let series = wait_for("the series to count 27 submissions and 4 failures", Duration::from_secs(15), || {
+    let series = wait_for("the series to count 27 submissions, 4 failures and 25 starts", Duration::from_secs(15), || {
         let (admin, url) = (admin.clone(), sched.url("/v1/series"));
         async move {
             let v: serde_json::Value = admin.get(&url).bearer_auth(READ_TOKEN).send().await.ok()?.json().await.ok()?;
             let sum = |k: &str| v["points"].as_array().map(|p| p.iter().filter_map(|p| p[k].as_u64()).sum::<u64>()).unwrap_or(0);
-            (sum("submitted") == 27 && sum("failed") == 4).then_some(v)
+            // Starts reach the series with the workers' next heartbeats: wait for beta's too.
+            (sum("submitted") == 27 && sum("failed") == 4 && sum("started") >= 25).then_some(v)
         }
     })
     .await?;
@@ -144,6 +148,48 @@ async fn console_shows_the_fleet_and_acts_on_it() -> Result<()> {
     // Replays will succeed from now on.
     broken.store(false, Ordering::SeqCst);
 
+    // Two schedules: `nightly` (03:00 Berlin, never due during the test) and `every-second`,
+    // which fires until one of its ticks ran and succeeded, then is paused — so its last tick,
+    // last run and task state hold still for the page. Adding needs admin, not read.
+    let nightly = json!({"name": "nightly", "cron": "0 0 3 * * *", "timezone": "Europe/Berlin", "task": {"kind": "echo", "labels": {"pool": "alpha"}, "payload": {"from": "nightly"}}});
+    let every = json!({"name": "every-second", "cron": "* * * * * *", "missed": "catch_up", "catch_up_max": 2, "task": {"kind": "echo", "labels": {"pool": "alpha"}}});
+    let r = admin.post(sched.url("/v1/schedules")).bearer_auth(READ_TOKEN).json(&nightly).send().await?;
+    assert_eq!(r.status(), 403, "a read token cannot add a schedule");
+    for spec in [&nightly, &every] {
+        let r = admin.post(sched.url("/v1/schedules")).bearer_auth(ADMIN_TOKEN).json(spec).send().await?;
+        assert_eq!(r.status(), 201, "POST /v1/schedules {spec}: {}", r.text().await.unwrap_or_default());
+    }
+    wait_for("a tick of every-second to run and succeed", Duration::from_secs(30), || {
+        let (admin, url) = (admin.clone(), sched.url("/v1/schedules/every-second"));
+        async move {
+            let v: serde_json::Value = admin.get(&url).bearer_auth(READ_TOKEN).send().await.ok()?.json().await.ok()?;
+            (v["last_outcome"] == "fired" && v["last_task"]["state"] == "succeeded").then_some(())
+        }
+    })
+    .await?;
+    let r = admin.post(sched.url("/v1/schedules/every-second/fire")).bearer_auth(READ_TOKEN).send().await?;
+    assert_eq!(r.status(), 403, "a read token cannot run a schedule");
+    let r = admin.post(sched.url("/v1/schedules/every-second/pause")).bearer_auth(ADMIN_TOKEN).send().await?;
+    assert_eq!(r.status(), 200);
+    // A tick claimed just before the pause may still resolve: wait until its last run is settled.
+    let every_view = wait_for("every-second's last run to settle after the pause", Duration::from_secs(30), || {
+        let (admin, url) = (admin.clone(), sched.url("/v1/schedules/every-second"));
+        async move {
+            let get = || async {
+                let v: serde_json::Value = admin.get(&url).bearer_auth(READ_TOKEN).send().await.ok()?.json().await.ok()?;
+                Some(v)
+            };
+            let a = get().await?;
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let b = get().await?;
+            (a == b && b["enabled"] == false && b["last_task"]["state"] == "succeeded").then_some(b)
+        }
+    })
+    .await?;
+    let every_task = every_view["last_task"]["id"].as_str().unwrap_or_default().to_string();
+    assert!(every_task.starts_with("every-second@"), "{every_view}");
+    assert_eq!(every_view["next_tick"], serde_json::Value::Null, "a paused schedule has no next tick: {every_view}");
+
     let shots = screenshots_dir();
     std::fs::create_dir_all(&shots)?;
     let expect = json!({
@@ -155,6 +201,7 @@ async fn console_shows_the_fleet_and_acts_on_it() -> Result<()> {
         "stays_dead": exhausted.id,
         "succeeded_task": ok[0].id,
         "workers": [a1.id, a2.id, b1.id],
+        "schedules": {"active": "nightly", "paused": "every-second", "paused_task": every_task},
     });
     let mut child = tokio::process::Command::new("node")
         .arg(ui.join("console.test.mjs"))
@@ -202,6 +249,23 @@ async fn console_shows_the_fleet_and_acts_on_it() -> Result<()> {
     }
     assert_eq!(ns.depth(&queue).await, 1, "only the exhausted task is still dead");
     assert_eq!(ns.status(&exhausted.id).await?.unwrap_or_default().get("state").map(String::as_str), Some("dead"));
+    // The attempt logs the page showed, on the servers: the replayed tasks died once and then
+    // succeeded; the exhausted one failed and then died of max_attempts; all on alpha.
+    let alpha_workers = [a1.id.as_str(), a2.id.as_str()];
+    let outcomes = |id: String| {
+        let store = ns.store.clone();
+        async move {
+            let log = store.task_attempts(&id).await?;
+            anyhow::Ok(log.iter().map(|a| (a["attempt"].as_u64().unwrap_or(0), a["outcome"].as_str().unwrap_or("").to_string(), a["reason"].as_str().unwrap_or("").to_string(), a["worker"].as_str().unwrap_or("").to_string())).collect::<Vec<_>>())
+        }
+    };
+    for id in [&dead_a.id, &dead_b.id] {
+        let log = outcomes(id.clone()).await?;
+        assert_eq!(log.iter().map(|(a, o, r, _)| (*a, o.as_str(), r.as_str())).collect::<Vec<_>>(), vec![(1, "dead", "permanent_error"), (1, "succeeded", "")], "{id}: {log:?}");
+        assert!(log.iter().all(|(_, _, _, w)| alpha_workers.contains(&w.as_str())), "{id}: {log:?}");
+    }
+    let log = outcomes(exhausted.id.clone()).await?;
+    assert_eq!(log.iter().map(|(a, o, r, _)| (*a, o.as_str(), r.as_str())).collect::<Vec<_>>(), vec![(1, "failed", ""), (2, "dead", "max_attempts")], "{log:?}");
 
     release.cancel();
     if let Some(s) = sched.take() {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use fleet::lease::{Claim, ClaimRequest};
+use fleet::lease::{Claim, ClaimRequest, Finished};
 use fleet::registry::{Beat, Registration, WorkerState};
 use fleet::store::now_ms;
 use fleet::{Labels, Lane};
@@ -144,14 +144,36 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
         assert_eq!(st.get("state").map(String::as_str), Some("queued"), "{id}: {st:?}");
         assert_eq!(st.get("worker"), None, "{id} names no dead worker: {st:?}");
     }
+    // The attempt log keeps what the status no longer says: attempt 1 ran on w-dead and was
+    // lost with it (one entry per task, written by the eviction).
+    let lost = |id: &'static str| {
+        let store = ns.store.clone();
+        async move {
+            let log = store.task_attempts(id).await?;
+            let shape: Vec<_> = log.iter().map(|a| (a["attempt"].clone(), a["worker"].clone(), a["outcome"].clone(), a["reason"].clone(), a["started_at"].is_string())).collect();
+            anyhow::Ok(shape)
+        }
+    };
+    let one_lost = vec![(serde_json::json!(1), serde_json::json!("w-dead"), serde_json::json!("lost"), serde_json::json!("worker_lost"), true)];
+    assert_eq!(lost("t1").await?, one_lost);
+    assert_eq!(lost("t2").await?, one_lost);
     // The waiting copy now finds its owner gone: the crash counts (attempt 2), run alone.
     let (_, c) = ns.store.claim("w-live", &g, "i-live", lease, lease, &[t("t1", false)]).await?;
     assert_eq!(c, vec![Claim::Isolate(2)]);
     let (_, c) = ns.store.claim("w-live", &g, "i-live", lease, lease, &[t("t1", true)]).await?;
     assert_eq!(c, vec![Claim::Run(2)]);
     assert_eq!(group(&ns.store, &g).await.map(|g| (g.capacity, g.load)), Some((2, 1)));
+    // The claim that counted the crash did not log it a second time.
+    assert_eq!(lost("t1").await?, one_lost);
     // Idempotent: a second checker finds nothing to do.
     assert!(ns.store.evict_stale(1000).await?.is_empty());
     assert_eq!(group(&ns.store, &g).await.map(|g| (g.capacity, g.load)), Some((2, 1)));
+    // Attempt 2's outcome is appended by the finish that records it.
+    let done = Finished { lane: Lane::Normal, id: "t1".into(), attempt: 2, state: "succeeded", text: "{}".into(), success: true, reason: "" };
+    ns.store.finish("w-live", &g, "i-live", lease, &[done]).await?;
+    let log = ns.store.task_attempts("t1").await?;
+    assert_eq!(log.len(), 2, "{log:?}");
+    assert_eq!((&log[1]["attempt"], &log[1]["worker"], &log[1]["outcome"]), (&serde_json::json!(2), &serde_json::json!("w-live"), &serde_json::json!("succeeded")), "{log:?}");
+    assert!(log[1].get("error").is_none() && log[1].get("reason").is_none() && log[1]["started_at"].is_string(), "{log:?}");
     ns.cleanup().await
 }

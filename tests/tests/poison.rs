@@ -76,9 +76,18 @@ async fn poison_runs_max_attempts_times_and_spares_the_innocent() -> anyhow::Res
     assert_eq!(runs.get(poison.id.as_str()).copied(), Some(2), "the poison runs exactly max_attempts times");
     assert_eq!(restarts, 2, "each run of the poison killed the worker once, nothing else did");
     assert_eq!(st.get("reason").map(String::as_str), Some("worker_lost"), "{st:?}");
+    // The attempt log names both lost attempts of the poison (once each, whichever of the
+    // re-registration and the next claim noticed the loss); an innocent's runs that died beside
+    // it are lost attempts too, and its last attempt succeeded.
+    let shape = |log: Vec<Value>| log.iter().map(|a| format!("{}:{}:{}:{}", a["attempt"], a["outcome"].as_str().unwrap_or(""), a["reason"].as_str().unwrap_or(""), a["worker"].as_str().unwrap_or(""))).collect::<Vec<_>>();
+    let log = shape(ns.store.task_attempts(&poison.id).await?);
+    assert_eq!(log, vec!["1:lost:worker_lost:w-exec", "2:lost:worker_lost:w-exec"], "poison attempt log");
     for id in &innocent_ids {
         let n = runs.get(id.as_str()).copied().unwrap_or(0);
         assert!((1..=3).contains(&n), "innocent {id} ran {n} times");
+        let log = shape(ns.store.task_attempts(id).await?);
+        let (last, before) = log.split_last().map(|(l, b)| (l.clone(), b.to_vec())).unwrap_or_default();
+        assert!(last.ends_with(":succeeded::w-exec") && before.iter().all(|e| e.ends_with(":lost:worker_lost:w-exec")) && log.len() >= n, "innocent {id} ran {n} times; attempt log {log:?}");
     }
     let dead = wait_for("the poison dead-lettered", Duration::from_secs(15), || async {
         let d = ns.drain_dead().await.ok()?;

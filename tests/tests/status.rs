@@ -1,7 +1,9 @@
 //! Task status end to end: `GET /v1/tasks/{id}` on the scheduler follows a task through
 //! queued → running → retrying → (queued →) running → succeeded, and `fleetctl status ID`
 //! (`--wait`) prints the same record as JSON with meaningful exit codes. Each state is held
-//! by the test (gated handler runs, a full worker slot) so it is observed, not raced.
+//! by the test (gated handler runs, a full worker slot) until the API showed it, so it is
+//! observed, not raced. The record's `attempts` lists every attempt that ended (worker, times,
+//! outcome, error); the attempt log behind it is capped and expires with the status.
 
 mod lifecycle;
 
@@ -44,6 +46,15 @@ impl Watcher {
             }
         });
         Watcher { seen, stop, join }
+    }
+
+    /// Waits until the watcher has seen (state, attempt) through the API: a state the test
+    /// holds is released only once the API showed it, so no poll can miss it.
+    async fn saw(&self, state: &str, attempt: &str) -> anyhow::Result<()> {
+        wait_for(&format!("the API to show {state} (attempt {attempt})"), Duration::from_secs(15), || async {
+            self.seen.lock().ok()?.iter().any(|(s, a)| s == state && a == attempt).then_some(())
+        })
+        .await
     }
 
     async fn finish(self) -> Vec<(String, String)> {
@@ -92,6 +103,7 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     assert_eq!((st["id"].as_str(), st["state"].as_str(), st["lane"].as_str()), (Some(b.id.as_str()), Some("queued"), Some("normal")), "{st}");
     assert_eq!(st["group"], group_of("pool=status", "builtin"));
     assert_eq!((st.get("attempt"), st.get("worker"), st.get("result")), (None, None, None), "absent fields absent: {st}");
+    assert_eq!(st["attempts"], json!([]), "no attempt ended yet: {st}");
     assert_valid_status(&st)?;
 
     // fleetctl status: the same record as JSON; exit 0.
@@ -111,6 +123,7 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     gate.open(&a.id);
     wait_state(&ns, &a.id, "succeeded", Duration::from_secs(15)).await?;
     wait_state(&ns, &b.id, "running", Duration::from_secs(15)).await?;
+    watcher.saw("running", "1").await?;
     gate.open(&b.id);
     let st = wait_state(&ns, &b.id, "retrying", Duration::from_secs(15)).await?;
     assert_eq!(st.get("error").map(String::as_str), Some("first attempt fails"), "{st:?}");
@@ -136,6 +149,7 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
         })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
+    watcher.saw("running", "2").await?;
     gate.open(&b.id);
     let out = tokio::time::timeout(Duration::from_secs(40), waiting).await???;
     assert_eq!(out.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&out.stderr));
@@ -157,6 +171,30 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     assert!(times[0] <= times[1] && times[1] <= times[2], "queued ≤ started ≤ finished: {times:?}");
     let age = chrono::Utc::now() - times[2].with_timezone(&chrono::Utc);
     assert!(age >= chrono::Duration::zero() && age < chrono::Duration::seconds(60), "finished_at is now-ish: {fin}");
+    // The attempt log: both attempts, each with its worker, times, outcome and error; the
+    // latest entry is the record's own attempt.
+    let log = fin["attempts"].as_array().cloned().unwrap_or_default();
+    let shape: Vec<_> = log.iter().map(|a| (a["attempt"].clone(), a["worker"].clone(), a["outcome"].clone(), a.get("error").cloned(), a.get("reason").cloned())).collect();
+    assert_eq!(
+        shape,
+        vec![
+            (json!(1), json!("w-status"), json!("failed"), Some(json!("first attempt fails")), None),
+            (json!(2), json!("w-status"), json!("succeeded"), None, None),
+        ],
+        "{fin}"
+    );
+    assert_eq!((&log[1]["started_at"], &log[1]["finished_at"]), (&fin["started_at"], &fin["finished_at"]), "the last entry is the record's attempt: {fin}");
+    let t = |v: &Value| chrono::DateTime::parse_from_rfc3339(v.as_str().unwrap_or_default()).ok();
+    assert!(t(&log[0]["started_at"]) <= t(&log[0]["finished_at"]) && t(&log[0]["finished_at"]) <= t(&log[1]["started_at"]), "attempt 1 ends before attempt 2 starts: {fin}");
+    assert!(t(&log[0]["started_at"]).is_some(), "{fin}");
+    // Stored: B's log holds its failed attempt only (the record keeps the success); A, which
+    // succeeded at once, has no log key at all.
+    let len = |id: &str| {
+        let (store, key) = (ns.store.clone(), ns.names.attempts(id));
+        async move { store.query::<i64>(deadpool_redis::redis::cmd("LLEN").arg(key)).await }
+    };
+    assert_eq!((len(&b.id).await?, len(&a.id).await?), (1, 0), "log lengths of B and A");
+    assert_eq!(ns.store.task_attempts(&a.id).await?.iter().map(|e| e["outcome"].clone()).collect::<Vec<_>>(), vec![json!("succeeded")], "A's one attempt, from its record");
     assert_valid_status(&fin)?;
 
     // Every state the API showed for B, in order. The `queued` between the retry's return and
@@ -221,4 +259,30 @@ fn status_schema_refuses_strings_for_numbers_and_epoch_times() -> anyhow::Result
     assert!(assert_valid_status(&old).is_err());
     assert!(assert_valid_status(&json!({"state": "queued"})).is_err(), "id is required");
     assert_valid_status(&json!({"id": "t", "state": "waiting_for_worker", "attempt": 1, "queued_at": "2026-11-30T08:46:10.236Z", "result": {"a": 1}}))
+}
+
+/// The attempt log at the Redis level: capped at `ATTEMPT_LOG_MAX` (the oldest dropped) and
+/// living as long as the status record (the same TTL, renewed with each outcome).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempt_log_is_capped_and_expires_with_the_status() -> anyhow::Result<()> {
+    use fleet::lease::Finished;
+    use fleet::status::ATTEMPT_LOG_MAX;
+    let ns = Ns::new().await?;
+    let ttl = Duration::from_secs(600);
+    let n = ATTEMPT_LOG_MAX as u32 + 5;
+    for attempt in 1..=n {
+        let f = Finished { lane: fleet::Lane::Normal, id: "capped".into(), attempt, state: "retrying", text: format!("failure {attempt}"), success: false, reason: "" };
+        ns.store.finish("w-cap", "g-cap", "i-cap", ttl, &[f]).await?;
+    }
+    let log = ns.store.task_attempts("capped").await?;
+    let attempts: Vec<u64> = log.iter().filter_map(|a| a["attempt"].as_u64()).collect();
+    assert_eq!(attempts, (6..=u64::from(n)).collect::<Vec<_>>(), "the latest {ATTEMPT_LOG_MAX} attempts, oldest first");
+    assert!(log.iter().all(|a| a["outcome"] == "failed" && a["error"] == format!("failure {}", a["attempt"])), "{log:?}");
+    let pttl = |key: String| {
+        let store = ns.store.clone();
+        async move { store.query::<i64>(deadpool_redis::redis::cmd("PTTL").arg(key)).await }
+    };
+    let (log_ttl, status_ttl) = (pttl(ns.names.attempts("capped")).await?, pttl(ns.names.task("capped")).await?);
+    assert!(log_ttl > 590_000 && log_ttl <= 600_000 && (log_ttl - status_ttl).abs() < 5_000, "log TTL {log_ttl} ms, status TTL {status_ttl} ms");
+    ns.cleanup().await
 }

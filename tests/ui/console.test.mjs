@@ -3,7 +3,8 @@
 //   FLEET_UI_BASE       scheduler base URL, e.g. http://127.0.0.1:PORT
 //   FLEET_ADMIN_TOKEN   token with role admin; FLEET_READ_TOKEN: role read
 //   FLEET_EXPECT        JSON: busy_group, idle_group, drain_worker, replay_one, replay_selected,
-//                       stays_dead, succeeded_task, workers
+//                       stays_dead, succeeded_task, workers, schedules {active, paused,
+//                       paused_task}
 //   FLEET_SCREENSHOTS   directory for the screenshots
 //   CHROMIUM            browser binary (default /usr/bin/chromium)
 // Prints "@stop-scheduler" and waits for "stopped URL" on stdin (URL: a scheduler without
@@ -73,6 +74,34 @@ async function confirmDialog(page, shotName) {
 }
 
 const lanes = (n, c) => `${n}|${c}`;
+// The page's rendering of an API time (RFC 3339 UTC): "2026-11-30 10:48:01.123 UTC".
+const iso = (t) => (t ? t.replace("T", " ").replace(/Z$/, " UTC") : "–");
+
+/** The datetime attribute and text of the <time> in `cell`, or [null, text] without one. */
+async function timeCell(cell) {
+  const t = cell.locator("time");
+  const text = (await cell.textContent()).trim();
+  return (await t.count()) ? [await t.getAttribute("datetime"), text] : [null, text];
+}
+
+/** The attempt table of the task page equals the API's attempt log, row by row. */
+async function checkAttempts(page, st) {
+  const rows = page.locator("#task-attempts tbody tr[data-attempt]");
+  eq(await rows.count(), st.attempts.length, `${st.id}: attempt rows`);
+  for (let i = 0; i < st.attempts.length; i++) {
+    const a = st.attempts[i];
+    const row = rows.nth(i);
+    const cell = (k) => row.locator(`td[data-k=${k}]`);
+    const txt = async (k) => (await cell(k).textContent()).trim();
+    eq(await txt("attempt"), String(a.attempt), `${st.id} row ${i} attempt`);
+    eq(await txt("worker"), a.worker ?? "–", `${st.id} row ${i} worker`);
+    eq(await txt("outcome"), a.outcome, `${st.id} row ${i} outcome`);
+    eq(await txt("reason"), a.reason ?? "", `${st.id} row ${i} reason`);
+    eq(await txt("error"), a.error ?? "", `${st.id} row ${i} error`);
+    eq(await timeCell(cell("started")), a.started_at ? [a.started_at, iso(a.started_at)] : [null, "–"], `${st.id} row ${i} started`);
+    eq(await timeCell(cell("finished")), [a.finished_at, iso(a.finished_at)], `${st.id} row ${i} finished`);
+  }
+}
 
 async function main() {
   const profile = mkdtempSync(join(tmpdir(), "fleet-console-chromium-"));
@@ -249,28 +278,115 @@ async function run(ctx) {
 
   // ---- 7. Task lookup.
   await go(page, "task");
-  for (const [id, state] of [[EXPECT.replay_one, "succeeded"], [EXPECT.stays_dead, "dead"]]) {
+  // The attempt log: the replayed task died once (permanent error) and then succeeded; the
+  // exhausted one failed, then died of max_attempts.
+  const history = [
+    [EXPECT.replay_one, "succeeded", [[1, "dead", "permanent_error"], [1, "succeeded", undefined]]],
+    [EXPECT.stays_dead, "dead", [[1, "failed", undefined], [2, "dead", "max_attempts"]]],
+  ];
+  for (const [id, state, attempts] of history) {
     await page.fill("#task-id", id);
     await page.click("#task-form button[type=submit]");
     const st = (await api(`/v1/tasks/${id}`)).body;
     eq(st.state, state, `API state of ${id}`);
+    eq(st.attempts.map((a) => [a.attempt, a.outcome, a.reason]), attempts, `API attempt log of ${id}`);
+    if (!st.attempts.every((a) => EXPECT.workers.includes(a.worker) && a.finished_at)) fail(`${id}: attempts without a known worker or end: ${JSON.stringify(st.attempts)}`);
     await until(`the status of ${id}`, async () => {
       eq(await text(page, "#task-fields dd[data-k=id]"), id, "looked-up id");
       eq(await text(page, "#task-fields dd[data-k=state]"), state, `${id} state`);
       eq(await text(page, "#task-fields dd[data-k=attempt]"), String(st.attempt), `${id} attempt`);
       eq(await text(page, "#task-fields dd[data-k=worker]"), st.worker, `${id} worker`);
+      await checkAttempts(page, st);
       return true;
     });
     if (state === "succeeded") await shot(page, "09-task-lookup");
+    else await shot(page, "09b-task-lookup-attempts");
   }
   await page.fill("#task-id", "no-such-task");
   await page.click("#task-form button[type=submit]");
   await page.locator("#task-missing").waitFor({ timeout: WAIT_MS });
-  log("ok: task lookup shows the API's status records");
+  log("ok: task lookup shows the API's status records and attempt logs");
+
+  // ---- 7b. Schedules: every figure as the API has it; run now, pause, resume by button.
+  await go(page, "schedules");
+  const S = EXPECT.schedules;
+  const checkSchedules = async () => {
+    const list = (await api("/v1/schedules")).body;
+    eq(list.map((s) => s.name).sort(), [S.active, S.paused].sort(), "schedules in the API");
+    const order = await page.locator("#schedules-table tbody tr").evaluateAll((rows) => rows.map((r) => r.dataset.schedule));
+    eq(order, list.map((s) => s.name).sort(), "schedule rows (by name)");
+    for (const s of list) {
+      const row = page.locator(`tr[data-schedule="${s.name}"]`);
+      const cell = (k) => row.locator(`td[data-k=${k}]`);
+      const txt = async (k) => (await cell(k).textContent()).trim();
+      eq(await txt("cron"), s.cron, `${s.name} cron`);
+      eq(await txt("timezone"), s.timezone, `${s.name} timezone`);
+      eq(await txt("state"), s.enabled ? "active" : "paused", `${s.name} state`);
+      eq(await timeCell(cell("next")), s.next_tick ? [s.next_tick, iso(s.next_tick)] : [null, "–"], `${s.name} next tick`);
+      eq(await timeCell(cell("last")), s.last_tick ? [s.last_tick, iso(s.last_tick)] : [null, "–"], `${s.name} last tick`);
+      const link = cell("last-run").locator("a.task-link");
+      if (s.last_outcome === "fired") {
+        eq(await link.getAttribute("data-task"), s.last_task.id, `${s.name} last task`);
+        eq((await cell("last-run").locator("[data-k=last-state]").textContent()).trim(), s.last_task.state ?? "no status", `${s.name} last task state`);
+      } else {
+        eq(await link.count(), 0, `${s.name} has no last task`);
+        eq(await txt("last-run"), s.last_outcome ?? "–", `${s.name} last run`);
+      }
+      eq(await txt("task"), `${s.task.kind} (${Object.entries(s.task.labels).map(([k, v]) => `${k}=${v}`).join(", ")})`, `${s.name} task`);
+      eq(await txt("missed"), s.missed === "catch_up" ? `catch up (max ${s.catch_up_max})` : s.missed, `${s.name} missed-tick policy`);
+      eq(await row.locator(s.enabled ? "button.pause" : "button.resume").count(), 1, `${s.name} pause/resume button`);
+    }
+    return list;
+  };
+  let list = await until("schedules equal to the API's", checkSchedules);
+  const active = list.find((s) => s.name === S.active), paused = list.find((s) => s.name === S.paused);
+  eq([active.enabled, active.next_tick !== null, active.last_tick, active.last_outcome, active.last_task], [true, true, null, null, null], "nightly: due later, never fired");
+  eq([paused.enabled, paused.next_tick, paused.last_outcome, paused.last_task.id, paused.last_task.state], [false, null, "fired", S.paused_task, "succeeded"], "every-second: paused after a successful tick");
+  eq([active.missed, paused.missed, paused.catch_up_max, active.timezone, paused.timezone], ["skip", "catch_up", 2, "Europe/Berlin", "UTC"], "definitions as added");
+  if (!/T03:00:00\+01:00|T02:00:00Z|T01:00:00Z/.test(active.next_tick)) fail(`nightly's next tick is not 03:00 in Berlin: ${active.next_tick}`);
+  await shot(page, "15-schedules");
+
+  // Run now: one task at once, id <name>@<now>; it succeeds.
+  await page.locator(`tr[data-schedule="${S.active}"] button.run-now`).click();
+  await confirmDialog(page, "16-run-now-confirm");
+  const fired = await until("the run-now notice", async () => {
+    const m = (await text(page, "#notice")).match(/^Schedule nightly fired: task (\S+)\.$/);
+    return m ? m[1] : undefined;
+  });
+  if (!fired.startsWith(`${S.active}@`)) fail(`run-now task id ${fired}`);
+  await until(`${fired} to succeed`, async () => (await api(`/v1/tasks/${encodeURIComponent(fired)}`)).body?.state === "succeeded");
+  // Pause and resume by button; the API agrees after each, and so does the page.
+  await page.locator(`tr[data-schedule="${S.active}"] button.pause`).click();
+  await confirmDialog(page);
+  await until("nightly paused", async () => (await api(`/v1/schedules/${S.active}`)).body.enabled === false);
+  list = await until("the page to show nightly paused", async () => {
+    const l = await checkSchedules();
+    return l.find((s) => s.name === S.active).next_tick === null ? l : undefined;
+  });
+  await page.locator(`tr[data-schedule="${S.active}"] button.resume`).click();
+  await confirmDialog(page);
+  await until("nightly resumed", async () => (await api(`/v1/schedules/${S.active}`)).body.enabled === true);
+  await until("the page to show nightly resumed", async () => {
+    const l = await checkSchedules();
+    return l.find((s) => s.name === S.active).next_tick !== null ? l : undefined;
+  });
+  eq((await api(`/v1/schedules/${S.active}`)).body.last_outcome, null, "run now is not a tick");
+  // The last run's link opens its task with its attempt log.
+  await go(page, "schedules");
+  await page.locator(`tr[data-schedule="${S.paused}"] a.task-link`).click();
+  await page.locator("#view-task").waitFor({ state: "visible", timeout: WAIT_MS });
+  const pst = (await api(`/v1/tasks/${encodeURIComponent(S.paused_task)}`)).body;
+  eq([pst.state, pst.attempts.map((a) => a.outcome)], ["succeeded", ["succeeded"]], `${S.paused_task} status and attempts`);
+  await until(`the task page of ${S.paused_task}`, async () => {
+    eq(await text(page, "#task-fields dd[data-k=id]"), S.paused_task, "task opened from the schedule");
+    await checkAttempts(page, pst);
+    return true;
+  });
+  log("ok: schedules show the API's definitions, ticks and last runs; run now, pause and resume work");
 
   // ---- 8. Phone width and dark theme.
   await page.setViewportSize({ width: 390, height: 844 });
-  for (const view of ["overview", "groups"]) {
+  for (const view of ["overview", "groups", "schedules"]) {
     await go(page, view);
     await page.waitForTimeout(300);
     const overflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);

@@ -1,13 +1,14 @@
-//! The web console at `/ui`: one page (overview, groups, workers, dead letters, task lookup)
-//! that reads and acts through the scheduler's own HTTP API, like Flower, Asynqmon or
-//! Sidekiq's Web UI.
+//! The web console at `/ui`: one page (overview, groups, workers, dead letters, schedules, task
+//! lookup with the attempt log) that reads and acts through the scheduler's own HTTP API, like
+//! Flower, Asynqmon or Sidekiq's Web UI.
 //!
 //! The assets (`assets/`: one HTML page, one stylesheet, one ES module — no framework, no build
 //! step) are compiled into the binary with `include_str!`, so the console works offline and
 //! always matches the API it talks to. The page itself is public: it holds no data. Everything
 //! it shows comes from `/v1/...` with the operator's bearer token (kept in the browser's
-//! session storage), so the API's roles apply — `read` to look, `admin` to drain and replay —
-//! and without a valid token the page shows only the token prompt.
+//! session storage), so the API's roles apply — `read` to look, `admin` to drain, replay and
+//! run, pause or resume schedules — and without a valid token the page shows only the token
+//! prompt.
 //!
 //! The page refreshes every 2 s by polling (one request per view and tick, no server state per
 //! client), shows a banner while the scheduler does not answer, and fits a phone-width screen;

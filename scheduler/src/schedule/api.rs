@@ -4,7 +4,10 @@
 //!
 //! * `GET /v1/schedules` → 200 `[view]`; `GET /v1/schedules/{name}` → 200 view or 404. A view
 //!   is the definition plus `next_tick` and `last_tick` (RFC 3339; the latest tick fired or
-//!   counted missed, `null` if none or Redis lost it).
+//!   counted missed, `null` if none or Redis lost it), `last_outcome` (`fired` | `missed`;
+//!   `null` when unknown: the tick's record is kept for the tolerance + 1 h) and `last_task`
+//!   (`{"id": "<name>@<last_tick>", "state": <its status state or null>}` when fired, else
+//!   `null`). A fire-now's task is not a tick: it is not in the view.
 //! * `POST /v1/schedules` (a definition, see [`ScheduleSpec`]) → 201 view; 400 with the
 //!   reason; 409 when the name exists.
 //! * `DELETE /v1/schedules/{name}` → 200; `POST /v1/schedules/{name}/pause|resume` → 200 view;
@@ -78,13 +81,28 @@ fn unknown(name: &str) -> Response {
 
 async fn view(st: &ScheduleApi, e: &Entry) -> Value {
     let s = &e.schedule;
+    let names = &st.store.names;
     let mut v = serde_json::to_value(&s.spec).unwrap_or_default();
-    let last: Option<i64> = st.store.query(redis::cmd("GET").arg(st.store.names.schedule_last(s.name()))).await.ok().flatten();
-    let last = last.and_then(|ms| chrono::DateTime::from_timestamp_millis(ms)).map(tick_label);
+    let last_ms: Option<i64> = st.store.query(redis::cmd("GET").arg(names.schedule_last(s.name()))).await.ok().flatten();
+    let last = last_ms.and_then(chrono::DateTime::from_timestamp_millis);
+    // The last tick's run: its outcome (kept for the tolerance + 1 h) and, when fired, its task
+    // (id `<name>@<tick>`) with the task's current state from its status record.
+    let mut outcome: Option<String> = None;
+    let mut task = Value::Null;
+    if let (Some(ms), Some(tick)) = (last_ms, last) {
+        outcome = st.store.query::<Option<String>>(redis::cmd("GET").arg(names.schedule_tick(s.name(), ms))).await.ok().flatten().filter(|o| o == "fired" || o == "missed");
+        if outcome.as_deref() == Some("fired") {
+            let id = format!("{}@{}", s.name(), tick_label(tick));
+            let state: Option<String> = st.store.query(redis::cmd("HGET").arg(names.task(&id)).arg("state")).await.ok().flatten();
+            task = json!({"id": id, "state": state});
+        }
+    }
     let next = if s.spec.enabled { s.next_after(chrono::Utc::now()).map(tick_label) } else { None };
     if let Value::Object(o) = &mut v {
         o.insert("next_tick".into(), json!(next));
-        o.insert("last_tick".into(), json!(last));
+        o.insert("last_tick".into(), json!(last.map(tick_label)));
+        o.insert("last_outcome".into(), json!(outcome));
+        o.insert("last_task".into(), task);
     }
     v
 }

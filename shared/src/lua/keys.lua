@@ -16,9 +16,26 @@ local function K_idx(pair) return P .. 'idx:' .. pair end
 local function K_resv(g, lane) return P .. 'resv:' .. g .. ':' .. lane end
 local function K_run(g, lane) return P .. 'run:' .. g .. ':' .. lane end
 local function K_task(id) return P .. 't:' .. id end
+local function K_attempts(id) return P .. 'ta:' .. id end
 local function K_dedupe(id) return P .. 'dd:' .. id end
 local function K_parked(g, lane) return P .. 'pk:' .. g .. ':' .. lane end
 local function K_rr(lane, sel) return P .. 'rr:' .. lane .. ':' .. sel end
+
+-- The attempt log of a task (`ta:<id>`, a list of JSON objects, oldest first): one entry per
+-- attempt that ended — {attempt, worker, started_at, finished_at (Redis ms), outcome
+-- (succeeded | failed | dead | expired | lost), error, reason} — written by the script that
+-- records the outcome (finish.lua; a lost attempt by remove_worker or start.lua, whichever
+-- notices first), except a success the status record keeps (finish.lua says which). Capped at
+-- ATTEMPT_LOG_MAX entries (the oldest dropped); it lives as long as the status record
+-- (`ttl_ms`: the status TTL). Mirrors `fleet::status::ATTEMPT_LOG_MAX`.
+local ATTEMPT_LOG_MAX = 20
+local function log_attempt(id, entry, ttl_ms)
+  local k = K_attempts(id)
+  if redis.call('RPUSH', k, cjson.encode(entry)) > ATTEMPT_LOG_MAX then
+    redis.call('LTRIM', k, -ATTEMPT_LOG_MAX, -1)
+  end
+  redis.call('PEXPIRE', k, ttl_ms)
+end
 
 -- A worker adds its capacity to its group only while `active` (draining and ejected
 -- workers take nothing new).
@@ -49,9 +66,15 @@ local function remove_worker(id)
   for _, m in ipairs(redis.call('SMEMBERS', K_wrun(id))) do
     local lane, task = string.match(m, '^(%a+)|(.*)$')
     if lane then
-      local t = redis.call('HMGET', K_task(task), 'worker', 'state', 'run_owner', 'run_st')
+      local t = redis.call('HMGET', K_task(task), 'worker', 'state', 'run_owner', 'run_st', 'attempt', 'started_at')
       if not t[1] or t[1] == id then redis.call('ZREM', K_run(g, lane), task) end
       if t[1] == id and t[2] == 'running' and t[3] == w[5] and t[4] == 'run' then
+        -- The attempt ended without an outcome: lost with its worker (the next claim counts it).
+        local ttl = redis.call('PTTL', K_task(task))
+        if ttl > 0 then
+          log_attempt(task, { attempt = tonumber(t[5]), worker = id, started_at = tonumber(t[6]),
+            finished_at = NOW_MS, outcome = 'lost', reason = 'worker_lost' }, ttl)
+        end
         redis.call('HSET', K_task(task), 'state', 'queued')
         redis.call('HDEL', K_task(task), 'worker', 'started_at')
       end

@@ -39,6 +39,16 @@ local function grant(lane, id, t, base, att, iso)
   redis.call('PEXPIRE', t, st_ttl)
 end
 
+-- A crash noticed here (its worker re-registered by another process, or its owner gone while
+-- the record still names the worker) goes into the attempt log; an evicted worker's lost
+-- attempt was logged by remove_worker, which also removed the worker's name.
+local function log_lost(id, att, r)
+  if r[6] then
+    log_attempt(id, { attempt = att, worker = r[6], started_at = tonumber(r[7]), finished_at = now,
+      outcome = 'lost', reason = 'worker_lost' }, st_ttl)
+  end
+end
+
 -- Claims a suspect for this process without running it yet: it runs once the process runs
 -- nothing else (re-claimed with isolated = 1).
 local function suspect(lane, id, t, att)
@@ -53,11 +63,16 @@ for k = 0, n - 1 do
   local b = 7 + 5 * k
   local lane, id, base, max, isolated = ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), ARGV[b + 4]
   local t = K_task(id)
-  local r = redis.call('HMGET', t, 'run_base', 'run_owner', 'run_st', 'run_iso', 'attempt', 'worker')
+  local r = redis.call('HMGET', t, 'run_base', 'run_owner', 'run_st', 'run_iso', 'attempt', 'worker', 'started_at', 'state', 'finished_at')
   local rb = tonumber(r[1])
   local was_suspect = r[4] == 's' or r[4] == '1'
   local ans
   if rb == nil or rb < base then
+    -- A newer attempt over a success the record kept (not logged, see finish.lua): log it now.
+    if r[8] == 'succeeded' and rb ~= nil then
+      log_attempt(id, { attempt = tonumber(r[5]), worker = r[6], started_at = tonumber(r[7]),
+        finished_at = tonumber(r[9]), outcome = 'succeeded' }, st_ttl)
+    end
     grant(lane, id, t, base, base, isolated)
     ans = 'run:' .. base
   elseif rb > base or r[3] == 'done' then
@@ -89,12 +104,14 @@ for k = 0, n - 1 do
       -- Claimed as a suspect by a process that died before running it: no charge.
       ans = suspect(lane, id, t, att)
     elseif r[4] == '1' and att >= max then
+      log_lost(id, att, r)
       redis.call('HSET', t, 'state', 'dead', 'reason', 'worker_lost', 'run_st', 'done', 'finished_at', now,
         'error', 'the worker process died while running this task alone, on its last attempt')
       redis.call('HDEL', t, 'worker')
       redis.call('PEXPIRE', t, st_ttl)
       ans = 'dead:' .. att
     else
+      log_lost(id, att, r)
       ans = suspect(lane, id, t, att + 1)
     end
   end

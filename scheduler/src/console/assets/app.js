@@ -3,7 +3,7 @@
 
 const REFRESH_MS = 2000;
 const TOKEN_KEY = "fleet.console.token";
-const VIEWS = ["overview", "groups", "workers", "dead", "task"];
+const VIEWS = ["overview", "groups", "workers", "dead", "schedules", "task"];
 
 const $ = (sel) => document.querySelector(sel);
 
@@ -84,6 +84,8 @@ const fmt = {
     const pairs = Object.entries(l).map(([k, v]) => `${k}=${v}`);
     return pairs.length ? pairs.join(", ") : "(none)";
   },
+  /** An RFC 3339 UTC time from the API, shown as "2026-11-30 10:48:01.123 UTC". */
+  iso(t) { return typeof t === "string" && t ? t.replace("T", " ").replace(/Z$/, " UTC") : "–"; },
   when(ms) {
     if (!ms) return "–";
     const n = Number(ms);
@@ -93,6 +95,11 @@ const fmt = {
 
 function lanes(normal, critical) {
   return h("span", { class: "lanes" }, String(normal), h("span", { class: "sep" }, "|"), String(critical));
+}
+
+/** A <time> element: the API's exact RFC 3339 value in `datetime`, readable text inside. */
+function timeEl(t) {
+  return typeof t === "string" && t ? h("time", { datetime: t }, fmt.iso(t)) : "–";
 }
 
 // ---------------------------------------------------------------- confirm and notices
@@ -312,6 +319,68 @@ function updateDeadButtons() {
   $("#dead-replay-all").disabled = dead.shown.length === 0;
 }
 
+// Schedules (issue 18): list with next and last ticks, run now, pause and resume.
+
+async function scheduleAction(s, action) {
+  const what = {
+    fire: [`Run schedule ${s.name} now? One task is submitted at once, besides its ticks.`, "fire"],
+    pause: [`Pause schedule ${s.name}? Its ticks are not fired until it is resumed.`, "pause"],
+    resume: [`Resume schedule ${s.name}? It fires from its next tick (missed ticks follow its policy).`, "resume"],
+  }[action];
+  if (!(await confirmAction(what[0]))) return;
+  const r = await api(`/v1/schedules/${encodeURIComponent(s.name)}/${what[1]}`, { method: "POST", body: {} });
+  if (action === "fire" && r.status === 202) notice(`Schedule ${s.name} fired: task ${r.body.id}.`);
+  else if (r.status === 200) notice(`Schedule ${s.name} ${action === "pause" ? "paused" : "resumed"}.`);
+  else notice(`Cannot ${action === "fire" ? "run" : action} ${s.name}: ${problem(r)}`, false);
+  refreshNow();
+}
+
+function lastRun(s) {
+  if (!s.last_outcome) return h("span", { class: "muted" }, "–");
+  if (s.last_outcome !== "fired") return h("span", { class: "badge dead" }, s.last_outcome);
+  const t = s.last_task || {};
+  return h("span", {}, h("span", { class: "badge ok" }, "fired"), " ",
+    h("a", { href: "#task", class: "mono task-link", dataset: { task: t.id || "" }, on: { click: (e) => { e.preventDefault(); openTask(t.id); } } }, t.id || "?"),
+    " ", h("span", { class: `badge ${t.state || ""}`, dataset: { k: "last-state" } }, t.state || "no status"));
+}
+
+async function renderSchedules() {
+  const r = await api("/v1/schedules");
+  if (r.status === 503 && r.body && r.body.error === "schedules_loading") {
+    $("#schedules-table tbody").replaceChildren(h("tr", { class: "empty" }, h("td", { colspan: 10 }, "This scheduler has not read the schedule definitions yet.")));
+    return;
+  }
+  if (r.status !== 200) throw new Error(problem(r));
+  const list = [...r.body].sort((a, b) => a.name.localeCompare(b.name));
+  const rows = list.map((s) => {
+    const task = s.task || {};
+    const missed = s.missed === "catch_up" ? `catch up (max ${s.catch_up_max})` : s.missed;
+    return h("tr", { dataset: { schedule: s.name } },
+      h("td", { class: "mono" }, s.name),
+      h("td", { dataset: { k: "state" } }, h("span", { class: `badge ${s.enabled ? "active" : "paused"}` }, s.enabled ? "active" : "paused")),
+      h("td", {},
+        h("button", { class: "small run-now", on: { click: () => scheduleAction(s, "fire") } }, "Run now"), " ",
+        s.enabled
+          ? h("button", { class: "small pause", on: { click: () => scheduleAction(s, "pause") } }, "Pause")
+          : h("button", { class: "small resume", on: { click: () => scheduleAction(s, "resume") } }, "Resume")),
+      h("td", { dataset: { k: "next" } }, timeEl(s.next_tick)),
+      h("td", { dataset: { k: "last" } }, timeEl(s.last_tick)),
+      h("td", { dataset: { k: "last-run" } }, lastRun(s)),
+      h("td", { class: "mono", dataset: { k: "cron" } }, s.cron),
+      h("td", { dataset: { k: "timezone" } }, s.timezone),
+      h("td", { dataset: { k: "task" } }, `${task.kind ?? "–"}${task.labels ? ` (${fmt.labels(task.labels)})` : ""}`),
+      h("td", { dataset: { k: "missed" } }, missed ?? "–"));
+  });
+  $("#schedules-table tbody").replaceChildren(...(rows.length ? rows : [h("tr", { class: "empty" }, h("td", { colspan: 10 }, "No schedules."))]));
+}
+
+function openTask(id) {
+  if (!id) return;
+  $("#task-id").value = id;
+  if (location.hash !== "#task") location.hash = "#task";
+  else refreshNow();
+}
+
 function row(k, v) { return [h("dt", {}, k), h("dd", { dataset: { k } }, v)]; }
 
 async function lookupTask(id) {
@@ -321,30 +390,33 @@ async function lookupTask(id) {
   if (r.status !== 200) { out.replaceChildren(h("p", { class: "error" }, problem(r))); return; }
   const t = r.body;
   const time = /(_at|_ms)$/;
-  const known = ["id", "state", "attempt", "max_attempts", "group", "lane", "worker", "reason", "error", "result", "history", "attempts"];
+  const known = ["id", "state", "attempt", "max_attempts", "group", "lane", "worker", "reason", "error", "result", "attempts"];
   const dl = h("dl", { class: "kv", id: "task-fields" },
     row("id", t.id),
     row("state", h("span", { class: `badge ${t.state}` }, t.state ?? "–")),
     ...["attempt", "max_attempts", "group", "lane", "worker", "reason", "error", "result"].filter((k) => t[k] !== undefined).flatMap((k) => row(k, String(t[k]))),
-    ...Object.keys(t).filter((k) => !known.includes(k)).sort().flatMap((k) => row(k, time.test(k) ? fmt.when(t[k]) : String(t[k]))));
+    ...Object.keys(t).filter((k) => !known.includes(k)).sort().flatMap((k) => row(k, time.test(k) || k === "not_before" ? timeEl(t[k]) : String(t[k]))));
   const parts = [h("div", { class: "card" }, h("h2", {}, "Status"), dl)];
-  let history = t.history ?? t.attempts;
-  if (typeof history === "string") { try { history = JSON.parse(history); } catch { history = null; } }
-  if (Array.isArray(history) && history.length) {
-    const cols = [...new Set(history.flatMap((a) => Object.keys(a)))];
-    parts.push(h("div", { class: "card" }, h("h2", {}, "Attempts"),
-      h("div", { class: "scroll" }, h("table", { id: "task-history" },
-        h("thead", {}, h("tr", {}, cols.map((c) => h("th", {}, c)))),
-        h("tbody", {}, history.map((a) => h("tr", {}, cols.map((c) => h("td", {}, a[c] === undefined ? "" : time.test(c) ? fmt.when(a[c]) : String(a[c]))))))))));
-  } else {
-    parts.push(h("p", { class: "help" }, `Attempt ${t.attempt ?? "–"}: the status keeps the latest attempt's worker, times and outcome; earlier attempts' errors are in the worker logs.`));
-  }
+  const attempts = Array.isArray(t.attempts) ? t.attempts : [];
+  const rows = attempts.map((a) => h("tr", { dataset: { attempt: String(a.attempt) } },
+    h("td", { class: "num", dataset: { k: "attempt" } }, String(a.attempt)),
+    h("td", { class: "mono", dataset: { k: "worker" } }, a.worker ?? "–"),
+    h("td", { dataset: { k: "started" } }, timeEl(a.started_at)),
+    h("td", { dataset: { k: "finished" } }, timeEl(a.finished_at)),
+    h("td", { dataset: { k: "outcome" } }, h("span", { class: `badge ${a.outcome}` }, a.outcome)),
+    h("td", { dataset: { k: "reason" } }, a.reason ?? ""),
+    h("td", { class: "detail", dataset: { k: "error" } }, a.error ?? "")));
+  const running = t.state === "running" ? h("p", { class: "help" }, `Attempt ${t.attempt} is running on ${t.worker}; it joins the log when it ends.`) : null;
+  parts.push(h("div", { class: "card attempts" }, h("h2", {}, "Attempts ", h("small", {}, "oldest first; the latest 20 are kept as long as the status")),
+    h("div", { class: "scroll" }, h("table", { id: "task-attempts" },
+      h("thead", {}, h("tr", {}, ["Attempt", "Worker", "Started", "Finished", "Outcome", "Reason", "Error"].map((c) => h("th", {}, c)))),
+      h("tbody", {}, rows.length ? rows : h("tr", { class: "empty" }, h("td", { colspan: 7 }, "No attempt has ended yet."))))), running));
   out.replaceChildren(...parts);
 }
 
 // ---------------------------------------------------------------- shell
 
-const RENDER = { overview: renderOverview, groups: renderGroups, workers: renderWorkers, dead: renderDead, task: async () => {
+const RENDER = { overview: renderOverview, groups: renderGroups, workers: renderWorkers, dead: renderDead, schedules: renderSchedules, task: async () => {
   const id = $("#task-id").value.trim();
   if (id) await lookupTask(id);
 } };
