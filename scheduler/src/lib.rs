@@ -3,7 +3,8 @@
 //!
 //! Modules: [`config`], [`backpressure`] (Green/Yellow/Red), [`ingress`] (consuming loops),
 //! [`dispatch`] (route, park, delay, dead-letter a batch), [`park`] (waiting for room),
-//! [`health`] (eviction, orphaned groups), [`probe`] (critical-lane probes), [`stats`]
+//! [`health`] (eviction, orphaned groups), [`reclaim`] (departed groups removed), [`probe`]
+//! (critical-lane probes), [`stats`]
 //! (gauges for dashboards and autoscalers), [`schedule`] (periodic cron schedules), [`series`] (the
 //! console's 15-minute history), [`api`] (HTTP), [`console`] (the web console at `/ui`),
 //! [`scheduler`] (the process).
@@ -17,6 +18,7 @@ pub mod health;
 pub mod ingress;
 pub mod park;
 pub mod probe;
+pub mod reclaim;
 pub mod schedule;
 pub mod scheduler;
 pub mod series;

@@ -23,6 +23,7 @@ pub struct Scripts {
     pub finish: Script,
     pub ratelimit: Script,
     pub outcomes: Script,
+    pub reclaim: Script,
 }
 
 impl Scripts {
@@ -39,6 +40,7 @@ impl Scripts {
             finish: script!("finish.lua"),
             ratelimit: Script::new(include_str!("lua/ratelimit.lua")),
             outcomes: script!("outcomes.lua"),
+            reclaim: script!("reclaim.lua"),
         }
     }
 }
