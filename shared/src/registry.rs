@@ -330,11 +330,13 @@ impl Store {
         if rooms.is_empty() {
             return Ok(());
         }
-        let mut p = redis::pipe();
+        // Only groups that exist: a reclaimed group's hash must not come back (`lua/rooms.lua`).
+        let mut inv = self.scripts.rooms.prepare_invoke();
+        inv.key(self.names.prefix());
         for (g, lane, room) in rooms {
-            p.cmd("HSET").arg(self.names.group(g)).arg(format!("room:{lane}")).arg(*room).ignore();
+            inv.arg(g).arg(lane.as_str()).arg(*room);
         }
-        self.pipe::<()>(&p).await
+        self.invoke::<i64>(&inv).await.map(|_| ())
     }
 
     /// Names of all groups ever registered in this namespace.

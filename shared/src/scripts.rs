@@ -24,6 +24,7 @@ pub struct Scripts {
     pub ratelimit: Script,
     pub outcomes: Script,
     pub reclaim: Script,
+    pub rooms: Script,
 }
 
 impl Scripts {
@@ -41,6 +42,7 @@ impl Scripts {
             ratelimit: Script::new(include_str!("lua/ratelimit.lua")),
             outcomes: script!("outcomes.lua"),
             reclaim: script!("reclaim.lua"),
+            rooms: script!("rooms.lua"),
         }
     }
 }

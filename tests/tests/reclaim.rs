@@ -124,7 +124,7 @@ async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
     wait_for("0 groups", Duration::from_secs(60), || async { ns.store.group_names().await.ok()?.is_empty().then_some(()) }).await?;
     let took = drained.elapsed();
     assert!(took >= Duration::from_millis(2000), "reclaimed before the grace: {took:?}");
-    wait_for("160 queues gone", Duration::from_secs(30), || async {
+    let gone = wait_for("160 queues gone", Duration::from_secs(30), || async {
         for g in &names {
             for q in group_queues(&ns, g) {
                 if queue_info(&ns, &q).await.ok()?.is_some() {
@@ -134,7 +134,18 @@ async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
         }
         Some(())
     })
-    .await?;
+    .await;
+    if gone.is_err() {
+        let mut left = Vec::new();
+        for g in &names {
+            for q in group_queues(&ns, g) {
+                if let Some(info) = queue_info(&ns, &q).await? {
+                    left.push((q, info));
+                }
+            }
+        }
+        anyhow::bail!("{} queues left (name, (ready, consumers)): {left:?}", left.len());
+    }
     let back = wait_for("keys back to the baseline", Duration::from_secs(30), || async { (keys(&ns).await.ok()? == baseline).then_some(()) }).await;
     if back.is_err() {
         anyhow::bail!("keys not back to the baseline: {:?}, baseline {baseline:?}", keys(&ns).await?);
