@@ -14,9 +14,12 @@
 //!    registration of a worker of that group wait (it retries) until the queues are gone.
 //! 3. This scheduler stops the group's park loops (their channels close: anything they held
 //!    goes back to its queue), forgets its declared park queues, and waits a settle time
-//!    (twice the slowest sampling interval, 1-10 s) for loops that listed the groups before the
-//!    claim to finish — the samplers declare park queues of the groups they list.
-//! 4. The four queues are deleted with `if-empty`. A queue that is not empty means work arrived:
+//!    (twice the slowest sampling interval, 1-10 s) so that loops that listed the groups before
+//!    the claim are done with them. (None of them creates a group's queue or key: samplers read
+//!    park depths passively, rooms are written only to groups that exist, discovery skips a
+//!    group stopped after its list was read.)
+//! 4. The four queues are deleted with `if-empty`. A queue that is not empty means work arrived
+//!    (and a broker that keeps failing leaves them too):
 //!    the claim is undone (`restore`: the group is back, its grace starts again, the deleted
 //!    queues are declared again) and the group is tried again after another grace.
 //! 5. Done: the tombstone becomes the deletion's time for [`done_hold`]; a worker whose queue
@@ -152,7 +155,7 @@ async fn tick(d: &Dispatcher, loops: &ParkLoops, probes: &ProbeBoard, groups: &[
                 done.push(g);
             }
             Err(why) => {
-                tracing::info!(group = %g, reason = %why, "group not reclaimed: work arrived; trying again after another grace");
+                tracing::info!(group = %g, reason = %why, "group not reclaimed: its queues stay; trying again after another grace");
                 restore(d, loops, &g, &labels, pending_ms).await;
             }
         }
@@ -174,21 +177,56 @@ async fn queues_empty(d: &Dispatcher, group: &str) -> bool {
     true
 }
 
-/// Deletes the group's four queues with `if-empty`; an error says which queue held work (or
-/// what failed). A queue already gone counts as deleted.
-async fn delete_queues(d: &Dispatcher, group: &str) -> Result<(), String> {
+/// Why a group's queues were not all deleted.
+#[derive(Debug)]
+enum NotDeleted {
+    /// A queue held a task (406 PRECONDITION_FAILED on `if-empty`): work arrived.
+    NotEmpty(String),
+    /// The broker kept failing (connection trouble).
+    Failed(String),
+}
+
+impl std::fmt::Display for NotDeleted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotDeleted::NotEmpty(q) => write!(f, "{q} holds a task"),
+            NotDeleted::Failed(e) => write!(f, "broker error: {e}"),
+        }
+    }
+}
+
+/// Attempts per queue deletion: a channel may fail for reasons of its own (lapin reports the
+/// close of a channel whose id it reuses, e.g. a passive declare's 404, on the next one).
+const DELETE_ATTEMPTS: u32 = 5;
+
+/// Deletes the group's four queues with `if-empty` (a queue already gone counts as deleted).
+async fn delete_queues(d: &Dispatcher, group: &str) -> Result<(), NotDeleted> {
     for lane in Lane::ALL {
         for q in [d.names.park_queue(group, lane), d.names.group_queue(group, lane)] {
-            // A failed delete closes its channel: one channel per queue.
-            let ch = d.conn.create_channel().await.map_err(|e| e.to_string())?;
-            let r = ch.queue_delete(q.as_str().into(), QueueDeleteOptions { if_empty: true, ..Default::default() }).await;
-            let _ = ch.close(200, "ok".into()).await;
-            if let Err(e) = r {
-                return Err(format!("{q}: {e}"));
+            let mut attempt = 0;
+            loop {
+                attempt += 1;
+                match delete_if_empty(d, &q).await {
+                    Ok(()) => break,
+                    Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 406) => return Err(NotDeleted::NotEmpty(q)),
+                    Err(e) if attempt >= DELETE_ATTEMPTS => return Err(NotDeleted::Failed(e.to_string())),
+                    Err(e) => {
+                        tracing::debug!(error = %e, queue = %q, "reclaim: queue deletion failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+                    }
+                }
             }
         }
     }
     Ok(())
+}
+
+/// One `queue.delete` with `if-empty` on a channel of its own (a failed delete closes it).
+async fn delete_if_empty(d: &Dispatcher, q: &str) -> lapin::Result<()> {
+    let ch = d.conn.create_channel().await?;
+    let r = ch.queue_delete(q.into(), QueueDeleteOptions { if_empty: true, ..Default::default() }).await;
+    let _ = ch.close(200, "ok".into()).await;
+    r.map(|_| ())
 }
 
 /// Undoes a claim: the group is back in Redis, its queues are declared again (those already
@@ -197,22 +235,31 @@ async fn restore(d: &Dispatcher, loops: &ParkLoops, group: &str, labels: &str, h
     if let Err(e) = d.store.reclaim_restore(group, labels, hold_ms).await {
         tracing::warn!(error = %e, group = %group, "reclaim: cannot restore the group (a worker of the group registering recreates it)");
     }
-    match d.conn.create_channel().await {
-        Ok(ch) => {
-            let mut r = topology::declare_group(&ch, &d.cfg.common, group).await;
-            for lane in Lane::ALL {
-                if r.is_ok() {
-                    r = topology::declare_park(&ch, &d.cfg.common, group, lane).await;
-                }
-            }
-            if let Err(e) = r {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match declare_again(d, group).await {
+            Ok(()) => break,
+            Err(e) if attempt >= DELETE_ATTEMPTS => {
                 tracing::warn!(error = %e, group = %group, "reclaim: cannot declare the group's queues again (its workers and the dispatcher declare them)");
+                break;
             }
-            let _ = ch.close(200, "ok".into()).await;
+            Err(_) => tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await,
         }
-        Err(e) => tracing::warn!(error = %e, "reclaim: no channel to declare the group's queues again"),
     }
     loops.resume(group);
+}
+
+async fn declare_again(d: &Dispatcher, group: &str) -> fleet::Result<()> {
+    let ch = d.conn.create_channel().await?;
+    let mut r = topology::declare_group(&ch, &d.cfg.common, group).await;
+    for lane in Lane::ALL {
+        if r.is_ok() {
+            r = topology::declare_park(&ch, &d.cfg.common, group, lane).await;
+        }
+    }
+    let _ = ch.close(200, "ok".into()).await;
+    r
 }
 
 #[cfg(test)]
