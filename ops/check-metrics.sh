@@ -40,9 +40,11 @@ REQUIRED_METRICS=(
     fleet_group_load
     fleet_group_reserved
     fleet_workers
+    fleet_groups
     fleet_worker_info
 )
 OPTIONAL_METRICS=(
+    fleet_groups_reclaimed_total
     fleet_queue_bound
     fleet_group_backlog
     fleet_group_oldest_task_age_seconds

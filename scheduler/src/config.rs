@@ -41,6 +41,8 @@ pub struct SchedulerConfig {
     pub health_interval: Duration,
     pub heartbeat_timeout: Duration,
     pub no_match_grace: Duration,
+    /// How long a group has had no worker and no task before it is reclaimed (`None`: never).
+    pub group_reclaim_after: Option<Duration>,
     pub probe_interval: Duration,
     pub probe_timeout: Duration,
     pub stats_interval: Duration,
@@ -97,6 +99,7 @@ impl SchedulerConfig {
             health_interval: ms(a.health_interval_ms),
             heartbeat_timeout: ms(a.heartbeat_timeout_ms),
             no_match_grace: ms(a.no_match_grace_ms),
+            group_reclaim_after: (a.group_reclaim_after_ms > 0).then(|| ms(a.group_reclaim_after_ms)),
             probe_interval: ms(a.probe_interval_ms),
             probe_timeout: ms(a.probe_timeout_ms),
             stats_interval: ms(a.stats_interval_ms),

@@ -103,6 +103,12 @@ impl Dispatcher {
         Ok(())
     }
 
+    /// Forgets that a group's park queues were declared: the group was reclaimed and they
+    /// are deleted (the next task parked there declares them again).
+    pub async fn forget_parks(&self, group: &str) {
+        self.parks.lock().await.retain(|(g, _)| g != group);
+    }
+
     /// Processes one batch. Cancel safe only in the sense that unacked deliveries return to
     /// the broker; callers do not cancel it mid-way except at shutdown.
     pub async fn process(&self, batch: Vec<Delivery>, source: &Source, shutdown: &CancellationToken) -> Outcome {

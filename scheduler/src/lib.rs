@@ -4,7 +4,8 @@
 //! Modules: [`config`], [`backpressure`] (Green/Yellow/Red), [`ingress`] (consuming loops),
 //! [`dispatch`] (route, park, delay, dead-letter a batch), [`park`] (waiting for room),
 //! [`health`] (eviction, orphaned groups), [`backstop`] (the broker's own dead letters given a
-//! reason and a status), [`probe`] (critical-lane probes), [`stats`]
+//! reason and a status), [`reclaim`] (departed groups removed), [`probe`] (critical-lane probes),
+//! [`stats`]
 //! (gauges for dashboards and autoscalers), [`schedule`] (periodic cron schedules), [`series`] (the
 //! console's 15-minute history), [`api`] (HTTP), [`console`] (the web console at `/ui`),
 //! [`scheduler`] (the process).
@@ -19,6 +20,7 @@ pub mod health;
 pub mod ingress;
 pub mod park;
 pub mod probe;
+pub mod reclaim;
 pub mod schedule;
 pub mod scheduler;
 pub mod series;

@@ -7,15 +7,16 @@
 //! While it holds tasks the loop keeps the group's "parked" flag alive, so new submissions
 //! queue behind parked ones rather than overtaking them.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fleet::{topology, Lane};
 use futures::{FutureExt, StreamExt};
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
+use tokio::task::JoinHandle;
 use tokio_util::task::TaskTracker;
 
 use crate::dispatch::{Dispatcher, Source, UNMATCHED};
@@ -38,13 +39,36 @@ pub fn hold_max(batch_max: u16, bound: u32) -> u16 {
     batch_max.min(quarter)
 }
 
-/// Consumes one park queue.
+/// Consumes one park queue until `shutdown` (the session's end, or the group's reclaim) fires;
+/// then closes its channel, so tasks it held go back to the queue at once.
 pub async fn release_loop(d: Arc<Dispatcher>, group: String, lane: Lane, shutdown: CancellationToken) -> fleet::Result<()> {
     let queue = d.names.park_queue(&group, lane);
     let ch = d.conn.create_channel().await?;
+    let r = consume(&d, &ch, &queue, &group, lane, &shutdown).await;
+    let _ = ch.close(200, "ok".into()).await;
+    match r? {
+        Ended::Shutdown => Ok(()),
+        // The queue was deleted under the consumer: the group was reclaimed (by another
+        // scheduler replica, or while this loop was being stopped). Not a session failure.
+        Ended::ConsumerEnded if !d.store.group_names().await?.contains(&group) => {
+            tracing::info!(queue = %queue, "park queue deleted: its group was reclaimed");
+            Ok(())
+        }
+        Ended::ConsumerEnded => Err(fleet::Error::Other(format!("consumer of {queue} ended"))),
+    }
+}
+
+/// Why [`consume`] returned.
+enum Ended {
+    Shutdown,
+    /// The broker ended the consumer (its queue was deleted).
+    ConsumerEnded,
+}
+
+async fn consume(d: &Dispatcher, ch: &lapin::Channel, queue: &str, group: &str, lane: Lane, shutdown: &CancellationToken) -> fleet::Result<Ended> {
     let hold_max = hold_max(d.cfg.batch_max, d.cfg.common.park_bound(lane));
     ch.basic_qos(hold_max, BasicQosOptions::default()).await?;
-    let mut consumer = ch.basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
+    let mut consumer = ch.basic_consume(queue.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
     let mut held = Vec::new();
     let mut retry = RETRY_MIN;
     // The waiting-for-worker queue is a park queue of no group: its tasks take no group's
@@ -55,13 +79,13 @@ pub async fn release_loop(d: Arc<Dispatcher>, group: String, lane: Lane, shutdow
         if held.is_empty() {
             let next = tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => return Ok(()),
+                _ = shutdown.cancelled() => return Ok(Ended::Shutdown),
                 n = consumer.next() => n,
             };
             match next {
                 Some(Ok(dl)) => held.push(dl),
                 Some(Err(e)) => return Err(e.into()),
-                None => return Err(fleet::Error::Other(format!("consumer of {queue} ended"))),
+                None => return Ok(Ended::ConsumerEnded),
             }
         }
         let mut drained = false;
@@ -75,11 +99,11 @@ pub async fn release_loop(d: Arc<Dispatcher>, group: String, lane: Lane, shutdow
                 }
             }
         }
-        let out = d.process(std::mem::take(&mut held), &source, &shutdown).await;
+        let out = d.process(std::mem::take(&mut held), &source, shutdown).await;
         held = out.held;
         if held.is_empty() && drained && !unmatched {
             // Everything parked here is on its way: new work may take room directly again.
-            if let Err(e) = d.store.clear_parked(&group, lane).await {
+            if let Err(e) = d.store.clear_parked(group, lane).await {
                 tracing::debug!(error = %e, "cannot clear parked flag");
             }
         }
@@ -88,23 +112,118 @@ pub async fn release_loop(d: Arc<Dispatcher>, group: String, lane: Lane, shutdow
             if unmatched {
                 // Nothing frees room here; a worker registering does. Ask a few times a second.
                 retry = UNMATCHED_RETRY;
-            } else if let Err(e) = d.store.mark_parked(&group, lane, FLAG_TTL_MS).await {
+            } else if let Err(e) = d.store.mark_parked(group, lane, FLAG_TTL_MS).await {
                 tracing::debug!(error = %e, "cannot renew parked flag");
             }
             tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => return Ok(()),
+                _ = shutdown.cancelled() => return Ok(Ended::Shutdown),
                 _ = tokio::time::sleep(retry) => {}
             }
         }
     }
 }
 
+/// The park loops of one session by (group, lane): discovery starts them, a group's reclaim
+/// stops them (see [`crate::reclaim`]).
+#[derive(Default)]
+pub struct ParkLoops {
+    inner: std::sync::Mutex<LoopsState>,
+}
+
+#[derive(Default)]
+struct LoopsState {
+    /// Per loop: its start number (tells a loop from the one that replaced it), its token
+    /// and its task.
+    running: HashMap<(String, Lane), (u64, CancellationToken, Option<JoinHandle<()>>)>,
+    starts: u64,
+    /// Groups stopped for a reclaim, with when: a discovery pass that listed the groups
+    /// before that may hold a stale list, and skips them.
+    stopped: HashMap<String, Instant>,
+}
+
+/// How long a reclaimed group is remembered by [`ParkLoops`].
+const STOPPED_MEMORY: Duration = Duration::from_secs(300);
+
+impl ParkLoops {
+    fn state(&self) -> std::sync::MutexGuard<'_, LoopsState> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Reserves the start of a loop: its token, or `None` when it runs already or its group was
+    /// stopped after `listed_at` (the list it comes from may be stale).
+    fn claim_start(&self, group: &str, lane: Lane, listed_at: Instant, parent: &CancellationToken) -> Option<(u64, CancellationToken)> {
+        let mut st = self.state();
+        let key = (group.to_string(), lane);
+        if st.running.contains_key(&key) || st.stopped.get(group).is_some_and(|at| *at >= listed_at) {
+            return None;
+        }
+        let token = parent.child_token();
+        st.starts += 1;
+        let n = st.starts;
+        st.running.insert(key, (n, token.clone(), None));
+        Some((n, token))
+    }
+
+    fn started(&self, group: &str, lane: Lane, n: u64, handle: JoinHandle<()>) {
+        if let Some((m, _, h)) = self.state().running.get_mut(&(group.to_string(), lane)) {
+            if *m == n {
+                *h = Some(handle);
+            }
+        }
+    }
+
+    /// Forgets a loop that ended by itself (unless another took its place).
+    fn ended(&self, group: &str, lane: Lane, n: u64) {
+        let mut st = self.state();
+        let key = (group.to_string(), lane);
+        if st.running.get(&key).is_some_and(|(m, _, _)| *m == n) {
+            st.running.remove(&key);
+        }
+    }
+
+    /// Stops a group's loops (both lanes) and keeps discovery from starting them again until
+    /// [`ParkLoops::resume`]; waits for them to end (closing their channels), at most `wait`.
+    pub async fn stop_group(&self, group: &str, wait: Duration) {
+        let handles: Vec<JoinHandle<()>> = {
+            let mut st = self.state();
+            let now = Instant::now();
+            st.stopped.retain(|_, at| now.duration_since(*at) < STOPPED_MEMORY);
+            st.stopped.insert(group.to_string(), now);
+            Lane::ALL
+                .iter()
+                .filter_map(|l| st.running.remove(&(group.to_string(), *l)))
+                .filter_map(|(_, t, h)| {
+                    t.cancel();
+                    h
+                })
+                .collect()
+        };
+        let _ = tokio::time::timeout(wait, futures::future::join_all(handles)).await;
+    }
+
+    /// Marks a stopped group's reclaim as ended now (a discovery pass that listed the groups
+    /// before this skips it).
+    pub fn reclaimed(&self, group: &str) {
+        self.state().stopped.insert(group.to_string(), Instant::now());
+    }
+
+    /// Lets discovery start a stopped group's loops again (its reclaim was undone).
+    pub fn resume(&self, group: &str) {
+        self.state().stopped.remove(group);
+    }
+
+    /// Groups and lanes with a loop.
+    pub fn running(&self) -> Vec<(String, Lane)> {
+        self.state().running.keys().cloned().collect()
+    }
+}
+
 /// Finds groups (from Redis, every 2 s) and starts a release loop for each group and lane.
-pub async fn discover(d: Arc<Dispatcher>, tracker: TaskTracker, shutdown: CancellationToken) -> fleet::Result<()> {
-    let mut running: HashSet<(String, Lane)> = HashSet::new();
+pub async fn discover(d: Arc<Dispatcher>, loops: Arc<ParkLoops>, tracker: TaskTracker, shutdown: CancellationToken) -> fleet::Result<()> {
     let mut ticker = crate::ticker::Ticker::new(Duration::from_secs(2));
     while ticker.tick(&shutdown).await {
+        let listed_at = Instant::now();
         let groups = match d.store.group_names().await {
             Ok(mut g) => {
                 g.push(UNMATCHED.to_string());
@@ -117,25 +236,25 @@ pub async fn discover(d: Arc<Dispatcher>, tracker: TaskTracker, shutdown: Cancel
         };
         for g in groups {
             for lane in Lane::ALL {
-                if running.contains(&(g.clone(), lane)) {
-                    continue;
-                }
+                let Some((n, token)) = loops.claim_start(&g, lane, listed_at, &shutdown) else { continue };
                 if let Err(e) = topology::declare_park(&d.publisher, &d.cfg.common, &g, lane).await {
                     tracing::warn!(error = %e, group = %g, "cannot declare park queue");
                     return Err(e);
                 }
-                running.insert((g.clone(), lane));
-                let (d2, g2, sd) = (d.clone(), g.clone(), shutdown.clone());
+                let (d2, g2, sd, l2) = (d.clone(), g.clone(), shutdown.clone(), loops.clone());
                 let span = tracing::info_span!("park", group = %g, lane = %lane);
-                tracker.spawn(tracing::Instrument::instrument(
+                let handle = tracker.spawn(tracing::Instrument::instrument(
                     async move {
-                        if let Err(e) = release_loop(d2, g2, lane, sd.clone()).await {
+                        let r = release_loop(d2, g2.clone(), lane, token).await;
+                        l2.ended(&g2, lane, n);
+                        if let Err(e) = r {
                             tracing::warn!(error = %e, "park loop failed; the session restarts");
                             sd.cancel();
                         }
                     },
                     span,
                 ));
+                loops.started(&g, lane, n, handle);
             }
         }
     }

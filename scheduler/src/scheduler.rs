@@ -22,7 +22,7 @@ use crate::ingress::IngressLoop;
 use crate::probe::ProbeBoard;
 use crate::series::{self, Series};
 use crate::stats::GroupBoard;
-use crate::{backstop, health, park, probe, schedule, stats};
+use crate::{backstop, health, park, probe, reclaim, schedule, stats};
 
 /// Runs the scheduler until `shutdown` fires. `listener` serves the API and `/metrics`.
 /// A [`fleet::Error::Permanent`] (login refused, a queue declared with other arguments) ends
@@ -191,7 +191,9 @@ async fn session(
     }
     let delayed = IngressLoop { dispatcher: d.clone(), source: Source::Delayed, queue: names.delayed_queue(), pressure: prx.clone() };
     spawn_loop!("delayed", delayed.run(session.clone()));
-    spawn_loop!("park-discovery", park::discover(d.clone(), tracker.clone(), session.clone()));
+    let park_loops = Arc::new(park::ParkLoops::default());
+    spawn_loop!("park-discovery", park::discover(d.clone(), park_loops.clone(), tracker.clone(), session.clone()));
+    spawn_loop!("reclaim", reclaim::run(d.clone(), park_loops, probes.clone(), session.clone()));
     spawn_loop!("health", health::run(d.clone(), session.clone()));
     spawn_loop!("backstop", backstop::run(d.clone(), session.clone()));
     spawn_loop!("stats", stats::run(d.clone(), group_board, session.clone()));

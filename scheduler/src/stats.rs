@@ -55,7 +55,6 @@ async fn sample(d: &Dispatcher, board: &GroupBoard) -> fleet::Result<()> {
         }
     }
     let groups = d.store.groups().await?;
-    let parks = d.conn.create_channel().await?;
     let now = now_ms();
     let lease = d.cfg.reservation_lease.as_millis() as i64;
     let mut seen = HashMap::with_capacity(groups.len());
@@ -75,11 +74,12 @@ async fn sample(d: &Dispatcher, board: &GroupBoard) -> fleet::Result<()> {
                 backlog += depth;
                 *(if lane == Lane::Normal { &mut gs.queued } else { &mut gs.queued_critical }) = depth;
             }
-            if let Ok(depth) = topology::park_depth(&parks, &d.cfg.common, &g.group, lane).await {
-                metrics::gauge!(m::QUEUE_DEPTH, "queue" => n.park_queue(&g.group, lane)).set(f64::from(depth));
-                backlog += depth;
-                *(if lane == Lane::Normal { &mut gs.parked } else { &mut gs.parked_critical }) = depth;
-            }
+            // A park queue not declared yet (or deleted with its reclaimed group) holds nothing.
+            let park = n.park_queue(&g.group, lane);
+            let depth = topology::depth(&d.conn, &park).await.unwrap_or(0);
+            metrics::gauge!(m::QUEUE_DEPTH, "queue" => park).set(f64::from(depth));
+            backlog += depth;
+            *(if lane == Lane::Normal { &mut gs.parked } else { &mut gs.parked_critical }) = depth;
         }
         metrics::gauge!(m::GROUP_BACKLOG, "group" => g.group.clone()).set(f64::from(backlog));
         // Oldest reservation not yet started: its lease expiry minus the lease is when it was
@@ -97,7 +97,6 @@ async fn sample(d: &Dispatcher, board: &GroupBoard) -> fleet::Result<()> {
         seen.insert(g.group.clone(), gs);
     }
     *board.write().await = seen;
-    let _ = parks.close(200, "ok".into()).await;
     let workers = d.store.workers().await?;
     let mut by_state: BTreeMap<&str, u32> = [("active", 0), ("draining", 0), ("ejected", 0)].into_iter().collect();
     for w in &workers {

@@ -20,6 +20,10 @@ pub enum Error {
     /// Another live process holds this worker id (refused at registration).
     #[error("{0}")]
     DuplicateWorker(String),
+    /// The worker's group is being reclaimed, or was reclaimed after the worker declared its
+    /// queues (refused at registration): declare the group's queues again, then retry.
+    #[error("group being reclaimed: {0}")]
+    Reclaiming(String),
     #[error("{0}")]
     Other(String),
     /// A broker or Redis error no retry can fix (login refused, unknown vhost, a queue that

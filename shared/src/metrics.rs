@@ -26,6 +26,8 @@ pub const GROUP_LOAD: &str = "fleet_group_load";
 pub const GROUP_RESERVED: &str = "fleet_group_reserved";
 pub const GROUP_BACKLOG: &str = "fleet_group_backlog";
 pub const GROUP_OLDEST_AGE: &str = "fleet_group_oldest_task_age_seconds";
+pub const GROUPS: &str = "fleet_groups";
+pub const GROUPS_RECLAIMED: &str = "fleet_groups_reclaimed_total";
 pub const WORKERS: &str = "fleet_workers";
 pub const WORKER_EVICTIONS: &str = "fleet_worker_evictions_total";
 pub const WORKER_EJECTIONS: &str = "fleet_worker_ejections_total";
@@ -63,6 +65,8 @@ pub fn describe() {
     describe_gauge!(GROUP_RESERVED, "Normal-lane tasks dispatched to a group and not yet started.");
     describe_gauge!(GROUP_BACKLOG, "Tasks waiting for a group: its queue plus its park queue (autoscaling input).");
     describe_gauge!(GROUP_OLDEST_AGE, "Age of the oldest task waiting for a group, in seconds (autoscaling input).");
+    describe_gauge!(GROUPS, "Groups (label sets) the fleet knows: registered and not reclaimed.");
+    describe_counter!(GROUPS_RECLAIMED, "Departed groups reclaimed (no worker and empty queues for FLEET_GROUP_RECLAIM_AFTER_MS): keys, queues and consumers removed.");
     describe_gauge!(WORKERS, "Registered workers by state.");
     describe_counter!(WORKER_EVICTIONS, "Workers evicted by the health checker for missing heartbeats.");
     describe_counter!(WORKER_EJECTIONS, "Times a worker ejected itself as an outlier (error ratio over the threshold).");

@@ -128,6 +128,11 @@ impl Names {
     pub fn parked(&self, group: &str, lane: Lane) -> String {
         format!("{}pk:{}:{}", self.prefix, group, lane)
     }
+    /// Tombstone of a group being reclaimed (`pending`) or reclaimed (the time its queues were
+    /// deleted, ms); it expires by itself. See `lua/reclaim.lua`.
+    pub fn reclaimed(&self, group: &str) -> String {
+        format!("{}rc:{}", self.prefix, group)
+    }
     pub fn rate_limit(&self, lane: Lane) -> String {
         format!("{}rl:{}", self.prefix, lane)
     }

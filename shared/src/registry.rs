@@ -141,6 +141,17 @@ impl Store {
     /// (this process holds the id's broker lock, see `Names::worker_lock_queue`) and its
     /// registration is replaced at once instead of after its heartbeat window.
     pub async fn register_with(&self, r: &Registration, liveness_ms: i64, takeover: bool) -> Result<()> {
+        self.register_declared(r, liveness_ms, takeover, 0).await
+    }
+
+    /// Registers a worker whose group queues were last declared at `declared_at_ms` (Redis
+    /// time, ms since the epoch; 0: the caller declares no queues).
+    ///
+    /// # Errors
+    /// [`Error::DuplicateWorker`] (a live process holds the id), [`Error::Reclaiming`] (the
+    /// group is being reclaimed, or was reclaimed after `declared_at_ms`: declare the queues
+    /// again and retry), Redis errors.
+    pub async fn register_declared(&self, r: &Registration, liveness_ms: i64, takeover: bool, declared_at_ms: i64) -> Result<()> {
         let labels_json = serde_json::to_string(&r.labels)?;
         let mut inv = self.scripts.register.prepare_invoke();
         inv.key(self.names.prefix())
@@ -154,6 +165,7 @@ impl Store {
             .arg(if takeover { 1 } else { 0 })
             .arg(liveness_ms)
             .arg(r.state.as_str())
+            .arg(declared_at_ms)
             .arg(r.labels.pairs());
         match self.invoke::<String>(&inv).await {
             Ok(_) => Ok(()),
@@ -162,6 +174,9 @@ impl Store {
                 r.id,
                 e.detail().unwrap_or("recent heartbeat")
             ))),
+            Err(Error::Redis(e)) if e.to_string().contains("RECLAIMING") => {
+                Err(Error::Reclaiming(format!("group `{}`: {}", r.group(), e.detail().unwrap_or("being reclaimed"))))
+            }
             Err(e) => Err(e),
         }
     }
@@ -315,11 +330,13 @@ impl Store {
         if rooms.is_empty() {
             return Ok(());
         }
-        let mut p = redis::pipe();
+        // Only groups that exist: a reclaimed group's hash must not come back (`lua/rooms.lua`).
+        let mut inv = self.scripts.rooms.prepare_invoke();
+        inv.key(self.names.prefix());
         for (g, lane, room) in rooms {
-            p.cmd("HSET").arg(self.names.group(g)).arg(format!("room:{lane}")).arg(*room).ignore();
+            inv.arg(g).arg(lane.as_str()).arg(*room);
         }
-        self.pipe::<()>(&p).await
+        self.invoke::<i64>(&inv).await.map(|_| ())
     }
 
     /// Names of all groups ever registered in this namespace.
@@ -366,5 +383,65 @@ impl Store {
             });
         }
         Ok(out)
+    }
+}
+
+/// What the claim step of the reclaim script answered for a group (see `lua/reclaim.lua`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReclaimClaim {
+    /// Its keys are gone and its tombstone says `pending`: delete its queues, then call
+    /// [`Store::reclaim_done`] (or [`Store::reclaim_restore`] when a queue holds a task).
+    /// `labels`: the group's labels as JSON, for a restore.
+    Reclaimed { labels: String },
+    /// Empty, but not for the whole grace yet: this many ms are left.
+    Wait(i64),
+    /// Not departed: a worker, or running, reserved or parked work (the reason).
+    Busy(String),
+    /// Not a group (any more): reclaimed by another replica, or never registered.
+    Absent,
+}
+
+impl Store {
+    /// Claims a departed group for reclaim, atomically against a worker registering: its keys
+    /// go only when it has had no worker and no running, reserved or parked record for
+    /// `grace_ms` (Redis time). `hold_ms`: life of the tombstone that keeps workers of the group
+    /// from registering until its queues are deleted.
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn reclaim_claim(&self, group: &str, grace_ms: i64, hold_ms: i64) -> Result<ReclaimClaim> {
+        let (step, detail) = self.reclaim_step("claim", group, &grace_ms.to_string(), hold_ms).await?;
+        Ok(match step.as_str() {
+            "reclaimed" => ReclaimClaim::Reclaimed { labels: detail },
+            "wait" => ReclaimClaim::Wait(detail.parse().unwrap_or(grace_ms)),
+            "absent" => ReclaimClaim::Absent,
+            _ => ReclaimClaim::Busy(detail),
+        })
+    }
+
+    /// Ends a reclaim whose queues are deleted: the tombstone becomes the deletion's time and
+    /// lives `hold_ms` (a worker that declared its queues before it declares them again).
+    ///
+    /// # Errors
+    /// Redis unreachable or slow (the `pending` tombstone then expires after its life).
+    pub async fn reclaim_done(&self, group: &str, hold_ms: i64) -> Result<()> {
+        self.reclaim_step("done", group, "", hold_ms).await.map(|_| ())
+    }
+
+    /// Undoes a claim whose group turned out to hold work (a queue was not empty): the group
+    /// is back with its labels (JSON, as the claim returned them), its grace starting again.
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn reclaim_restore(&self, group: &str, labels: &str, hold_ms: i64) -> Result<()> {
+        self.reclaim_step("restore", group, labels, hold_ms).await.map(|_| ())
+    }
+
+    async fn reclaim_step(&self, step: &str, group: &str, arg: &str, hold_ms: i64) -> Result<(String, String)> {
+        let mut inv = self.scripts.reclaim.prepare_invoke();
+        inv.key(self.names.prefix()).arg(step).arg(group).arg(arg).arg(hold_ms.max(1));
+        let r: Vec<String> = self.invoke(&inv).await?;
+        let mut it = r.into_iter();
+        Ok((it.next().unwrap_or_default(), it.next().unwrap_or_default()))
     }
 }

@@ -24,6 +24,8 @@ pub struct Scripts {
     pub ratelimit: Script,
     pub outcomes: Script,
     pub broker_dead: Script,
+    pub reclaim: Script,
+    pub rooms: Script,
 }
 
 impl Scripts {
@@ -41,6 +43,8 @@ impl Scripts {
             ratelimit: Script::new(include_str!("lua/ratelimit.lua")),
             outcomes: script!("outcomes.lua"),
             broker_dead: script!("broker_dead.lua"),
+            reclaim: script!("reclaim.lua"),
+            rooms: script!("rooms.lua"),
         }
     }
 }

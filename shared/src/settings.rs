@@ -155,6 +155,9 @@ pub struct SchedulerArgs {
     /// Silence after which a worker is evicted, in milliseconds.
     #[arg(long, env = "FLEET_HEARTBEAT_TIMEOUT_MS", default_value = "30000", value_parser = positive::<u64>)]
     pub heartbeat_timeout_ms: u64,
+    /// How long a group (label set) must have had no worker and no task before it is reclaimed — its queues, park consumers and Redis keys removed — in milliseconds (0 = never; a worker of that group registering later recreates it).
+    #[arg(long, env = "FLEET_GROUP_RECLAIM_AFTER_MS", default_value = "600000", value_parser = non_negative::<u64>)]
+    pub group_reclaim_after_ms: u64,
     /// How long a task no group can ever match waits before it is dead-lettered, in milliseconds.
     #[arg(long, env = "FLEET_NO_MATCH_GRACE_MS", default_value = "60000", value_parser = positive::<u64>)]
     pub no_match_grace_ms: u64,
@@ -414,6 +417,18 @@ fn positive<T: TryFrom<u64>>(s: &str) -> Result<T, String> {
     let n: i128 = s.trim().parse().map_err(|_| format!("`{s}` must be a positive integer"))?;
     if n <= 0 {
         return Err(format!("`{s}` must be a positive integer"));
+    }
+    u64::try_from(n)
+        .ok()
+        .and_then(|n| T::try_from(n).ok())
+        .ok_or_else(|| format!("`{s}` is too large"))
+}
+
+/// An integer >= 0 that fits `T`.
+fn non_negative<T: TryFrom<u64>>(s: &str) -> Result<T, String> {
+    let n: i128 = s.trim().parse().map_err(|_| format!("`{s}` must be 0 or a positive integer"))?;
+    if n < 0 {
+        return Err(format!("`{s}` must be 0 or a positive integer"));
     }
     u64::try_from(n)
         .ok()

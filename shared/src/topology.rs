@@ -172,11 +172,17 @@ pub async fn declare_park(ch: &Channel, cfg: &CommonConfig, group: &str, lane: L
     bind(ch, &q, &n.tasks_exchange(), &n.park_key(group, lane), FieldTable::default()).await
 }
 
-/// Depth of a group's park queue, declaring it if needed (idempotent: same arguments), so
-/// sampling never trips over a park queue that no task has needed yet.
+/// Depth of a group's park queue (passive declare); 0 when it does not exist — not yet
+/// declared, or deleted with its reclaimed group. Sampling never creates one: a sampler whose
+/// group list predates a reclaim would bring the deleted queue back. A missing queue closes
+/// `ch` (AMQP 404): callers open another channel when theirs is closed.
 pub async fn park_depth(ch: &Channel, cfg: &CommonConfig, group: &str, lane: Lane) -> Result<u32> {
     let q = cfg.names().park_queue(group, lane);
-    queue(ch, &q, bounded(cfg.queue_type, cfg.park_bound(lane)), Some(park_setting(lane))).await
+    match ch.queue_declare(ShortString::from(q.as_str()), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await {
+        Ok(q) => Ok(q.message_count()),
+        Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404) => Ok(0),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// The setting a park queue's bound comes from.

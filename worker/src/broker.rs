@@ -33,6 +33,10 @@ pub struct Broker {
     publisher: Mutex<Option<Channel>>,
     /// A connection error no retry can fix (login refused, queue arguments that differ).
     permanent: std::sync::Mutex<Option<fleet::Error>>,
+    /// When the group's queues were last declared (this process's clock, ms since the epoch,
+    /// taken before the declaration; 0: never). A registration carries it: a group reclaimed
+    /// after it has had its queues deleted (see `lua/register.lua`).
+    declared_at_ms: std::sync::atomic::AtomicI64,
 }
 
 impl Broker {
@@ -48,6 +52,7 @@ impl Broker {
             conn: std::sync::Mutex::new(None),
             publisher: Mutex::new(None),
             permanent: std::sync::Mutex::new(None),
+            declared_at_ms: std::sync::atomic::AtomicI64::new(0),
         }
     }
 
@@ -110,10 +115,12 @@ impl Broker {
     }
 
     async fn declare(&self, conn: &Connection) -> fleet::Result<()> {
+        let started = fleet::store::now_ms();
         let ch = conn.create_channel().await?;
         fleet::topology::declare_core(&ch, &self.cfg).await?;
         fleet::topology::declare_group(&ch, &self.cfg, &self.group).await?;
         let _ = ch.close(200, ShortString::from("declared")).await;
+        self.declared_at_ms.store(started, std::sync::atomic::Ordering::Relaxed);
         // Hold the id's lock on every connection (a no-op failure when another process took
         // the id over meanwhile: its registration then answers our heartbeat with `conflict`).
         self.lock_on(conn).await;
@@ -199,6 +206,12 @@ impl Broker {
 
     /// Declares the topology again on the current connection (after a consumer found its
     /// queue missing, e.g. deleted by an operator).
+    /// When the group's queues were last declared: this process's clock, ms since the epoch,
+    /// taken before the declaration (0: never).
+    pub fn declared_at_ms(&self) -> i64 {
+        self.declared_at_ms.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     pub async fn redeclare(&self) -> fleet::Result<()> {
         let conn = self.current().ok_or_else(|| fleet::Error::Other("not connected to RabbitMQ".into()))?;
         self.declare(&conn).await

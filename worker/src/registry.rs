@@ -38,6 +38,8 @@ pub enum RegisterError {
 
 /// How often the holder of our id is looked at while start-up waits to see whether it is alive.
 const DUPLICATE_POLL: Duration = Duration::from_millis(100);
+/// How soon registration is tried again while the worker's group is being reclaimed.
+const RECLAIM_POLL: Duration = Duration::from_millis(250);
 
 /// Registers this worker and keeps it registered.
 #[derive(Clone)]
@@ -49,6 +51,8 @@ pub struct Registrar {
     redis_url: String,
     /// This process holds the id's broker lock: a previous holder is gone, take over at once.
     takeover: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Declares the group's queues (again when a reclaim deleted them) and says when.
+    broker: Option<std::sync::Arc<crate::broker::Broker>>,
 }
 
 impl Registrar {
@@ -67,7 +71,16 @@ impl Registrar {
             },
             liveness_ms: i64::try_from(cfg.heartbeat_timeout.as_millis()).unwrap_or(i64::MAX),
             takeover: Default::default(),
+            broker: None,
         }
+    }
+
+    /// The broker link that declares this worker's group queues: registrations then say when
+    /// they were declared, and a group reclaimed since has them declared again (see
+    /// `fleet::registry::Store::register_declared`).
+    pub fn with_broker(mut self, broker: std::sync::Arc<crate::broker::Broker>) -> Self {
+        self.broker = Some(broker);
+        self
     }
 
     /// Says whether this process holds the id's broker lock (see [`crate::broker::Broker::lock_id`]).
@@ -115,6 +128,8 @@ impl Registrar {
                     }
                     pause = DUPLICATE_POLL;
                 }
+                // Its queues are being deleted (they were declared again): soon.
+                Err(fleet::Error::Reclaiming(_)) => pause = RECLAIM_POLL,
                 Err(e) => {
                     if let Some(p) = fleet::store::permanent(&e, &self.redis_url) {
                         return Err(RegisterError::Permanent(p));
@@ -136,7 +151,24 @@ impl Registrar {
         let mut r = self.registration.clone();
         r.state = state;
         let takeover = self.takeover.load(std::sync::atomic::Ordering::Relaxed);
-        self.store.register_with(&r, self.liveness_ms, takeover).await
+        let Some(broker) = &self.broker else {
+            return self.store.register_with(&r, self.liveness_ms, takeover).await;
+        };
+        // The declaration's time on Redis's clock (the fleet's one clock).
+        let declared = match broker.declared_at_ms() {
+            0 => 0,
+            t => t + (self.store.clock.now_ms() - fleet::store::now_ms()),
+        };
+        let result = self.store.register_declared(&r, self.liveness_ms, takeover, declared).await;
+        if let Err(fleet::Error::Reclaiming(why)) = &result {
+            // The group was reclaimed (or is being): its queues may be gone. Declare them
+            // again, so the next attempt registers with queues that exist.
+            tracing::info!(reason = %why, "group reclaimed meanwhile: declaring its queues again before registering");
+            if let Err(e) = broker.redeclare().await {
+                tracing::warn!(error = %e, "cannot declare the group's queues again; retrying");
+            }
+        }
+        result
     }
 
     /// Removes the registration (end of drain); errors are logged.

@@ -180,7 +180,7 @@ impl Worker {
         }
 
         let store = Store::new(&cfg.common.redis_url, cfg.common.names())?;
-        let registrar = Registrar::new(&cfg, store.clone());
+        let registrar = Registrar::new(&cfg, store.clone()).with_broker(broker.clone());
         // A predecessor with this id whose connection is closed (crashed) is provably gone:
         // take its place now rather than after its heartbeat window.
         registrar.set_takeover(broker.lock_id().await);

@@ -20,6 +20,8 @@ local function K_attempts(id) return P .. 'ta:' .. id end
 local function K_dedupe(id) return P .. 'dd:' .. id end
 local function K_parked(g, lane) return P .. 'pk:' .. g .. ':' .. lane end
 local function K_rr(lane, sel) return P .. 'rr:' .. lane .. ':' .. sel end
+-- Tombstone of a group being (or just) reclaimed; see reclaim.lua.
+local function K_reclaim(g) return P .. 'rc:' .. g end
 
 -- The attempt log of a task (`ta:<id>`, a list of JSON objects, oldest first): one entry per
 -- attempt that ended — {attempt, worker, started_at, finished_at (Redis ms), outcome
@@ -83,5 +85,7 @@ local function remove_worker(id)
   redis.call('DEL', K_wrun(id), wk)
   redis.call('SREM', K_gw(g), id)
   redis.call('HDEL', K_group(g), 'h:' .. id)
+  -- The group's last worker left: its reclaim grace starts now (reclaim.lua).
+  if redis.call('SCARD', K_gw(g)) == 0 then redis.call('HSET', K_group(g), 'idle', NOW_MS) end
   return 1
 end

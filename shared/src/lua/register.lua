@@ -7,11 +7,25 @@
 --   gone — its broker connection, which held the id's exclusive lock queue, has closed)
 -- ARGV[9]: liveness window (ms): a different instance seen within it is a live duplicate
 -- ARGV[10]: state (active | draining | ejected)
--- ARGV[11..]: label pairs `k=v` for the label index
+-- ARGV[11]: when this worker last declared its group's queues (server time, ms; 0: the caller
+--   declares no queues)
+-- ARGV[12..]: label pairs `k=v` for the label index
 -- returns: 'registered', or an error reply `DUPLICATE last heartbeat <n> ms ago` when another
---          instance heartbeated within the window
+--          instance heartbeated within the window, or `RECLAIMING <why>` while the group is being
+--          reclaimed (its queues are being deleted) or when the worker's queues were declared
+--          before the reclaim deleted them (within `RECLAIM_MARGIN_MS` of it, for clock error):
+--          declare them again and retry (see reclaim.lua)
+local RECLAIM_MARGIN_MS = 1000
 local id, inst, g = ARGV[1], ARGV[2], ARGV[3]
 local now, window, takeover = NOW_MS, tonumber(ARGV[9]), ARGV[8] == '1'
+local rc = redis.call('GET', K_reclaim(g))
+if rc == 'pending' then
+  return redis.error_reply('RECLAIMING the group is being reclaimed')
+end
+local declared = tonumber(ARGV[11]) or 0
+if rc and declared > 0 and declared <= tonumber(rc) + RECLAIM_MARGIN_MS then
+  return redis.error_reply('RECLAIMING the group queues were deleted after this worker declared them')
+end
 local wk = K_worker(id)
 local old = redis.call('HMGET', wk, 'instance', 'hb')
 if not takeover and old[1] and old[1] ~= inst and tonumber(old[2]) and tonumber(old[2]) > now - window then
@@ -26,6 +40,7 @@ redis.call('ZADD', K_workers(), now, id)
 redis.call('SADD', K_groups(), g)
 redis.call('SADD', K_gw(g), id)
 redis.call('HSET', K_group(g), 'labels', ARGV[4], 'h:' .. id, 1)
-for i = 11, #ARGV do redis.call('SADD', K_idx(ARGV[i]), g) end
+redis.call('HDEL', K_group(g), 'idle')
+for i = 12, #ARGV do redis.call('SADD', K_idx(ARGV[i]), g) end
 add_capacity(g, contrib(state, ARGV[5]), contrib(state, ARGV[6]))
 return 'registered'

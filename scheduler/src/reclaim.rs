@@ -1,0 +1,277 @@
+//! Reclaiming departed groups: a group (label set) with no worker and no task for
+//! `FLEET_GROUP_RECLAIM_AFTER_MS` is removed — its Redis keys, its lane and park queues, this
+//! scheduler's park consumers and its in-memory state — so a fleet whose workers come and go
+//! with unique labels (one pod = one group) does not accumulate them. A worker of that label set
+//! registering later recreates the group as any new group.
+//!
+//! One tick (every `min(grace, FLEET_HEALTH_INTERVAL_MS)`, at least 100 ms):
+//!
+//! 1. Candidates: groups with no worker, no capacity and no running or reserved task whose four
+//!    queues (lane and park, both lanes) hold no ready message (passive declares).
+//! 2. Claim (`lua/reclaim.lua`, atomic against a worker registering): only a group that still
+//!    has no worker and no running, reserved or parked record, and has been so for the whole
+//!    grace (Redis time), loses its keys; a tombstone `rc:<group>` = `pending` then makes the
+//!    registration of a worker of that group wait (it retries) until the queues are gone.
+//! 3. This scheduler stops the group's park loops (their channels close: anything they held
+//!    goes back to its queue), forgets its declared park queues, and waits a settle time
+//!    (twice the slowest sampling interval, 1-10 s) so that loops that listed the groups before
+//!    the claim are done with them. (None of them creates a group's queue or key: samplers read
+//!    park depths passively, rooms are written only to groups that exist, discovery skips a
+//!    group stopped after its list was read.)
+//! 4. The four queues are deleted with `if-empty`. A queue that is not empty means work arrived
+//!    (and a broker that keeps failing leaves them too):
+//!    the claim is undone (`restore`: the group is back, its grace starts again, the deleted
+//!    queues are declared again) and the group is tried again after another grace.
+//! 5. Done: the tombstone becomes the deletion's time for [`done_hold`]; a worker whose queue
+//!    declaration is older must declare them again before it registers (register.lua), so no
+//!    task is ever routed to a queue that no longer exists.
+//!
+//! Several scheduler replicas may run this: one claim wins, the others see the group vanish and
+//! stop their own park loops for it. Every replica sets the `fleet_groups` gauge each tick.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fleet::registry::{GroupView, ReclaimClaim};
+use fleet::{metrics as m, topology, Lane};
+use lapin::options::QueueDeleteOptions;
+use tokio_util::sync::CancellationToken;
+
+use crate::dispatch::Dispatcher;
+use crate::park::ParkLoops;
+use crate::probe::ProbeBoard;
+
+/// Life of the `pending` tombstone beyond the settle time: the longest the queue deletions of
+/// one tick may take before workers of the group may register anyway.
+const PENDING_HOLD: Duration = Duration::from_secs(60);
+
+/// Longest wait for a group's park loops to stop.
+const STOP_WAIT: Duration = Duration::from_secs(10);
+
+/// How long the tombstone of a reclaimed group keeps refusing workers whose queue declaration
+/// is older than the deletion: as long as the grace, between 1 s and 1 min. (A worker that
+/// declares and registers further apart than that — only while Redis is unreachable at its
+/// start — finds its queues gone at its first consume and declares them again.)
+pub fn done_hold(grace: Duration) -> Duration {
+    grace.clamp(Duration::from_secs(1), Duration::from_secs(60))
+}
+
+/// The time a tick waits between claiming groups and deleting their queues: twice the slowest
+/// interval of the loops that declare park queues of the groups they list, 1-10 s.
+pub fn settle(stats: Duration, pressure: Duration) -> Duration {
+    (2 * stats.max(pressure)).clamp(Duration::from_secs(1), Duration::from_secs(10))
+}
+
+/// A group is a candidate when nothing in Redis says it is in use.
+fn departed(g: &GroupView) -> bool {
+    g.workers == 0 && g.capacity == 0 && g.critical_capacity == 0 && g.load == 0 && g.reserved == 0 && g.critical_load == 0 && g.critical_reserved == 0
+}
+
+/// Runs the reclaim loop until `shutdown`; sets `fleet_groups` every tick (also with reclaim
+/// off, `FLEET_GROUP_RECLAIM_AFTER_MS=0`).
+pub async fn run(d: Arc<Dispatcher>, loops: Arc<ParkLoops>, probes: ProbeBoard, shutdown: CancellationToken) -> fleet::Result<()> {
+    let grace = d.cfg.group_reclaim_after;
+    let every = grace.map_or(d.cfg.health_interval, |g| g.min(d.cfg.health_interval)).max(Duration::from_millis(100));
+    let mut ticker = crate::ticker::Ticker::new(every);
+    let mut known: HashSet<String> = HashSet::new();
+    while ticker.tick(&shutdown).await {
+        let groups = match d.store.groups().await {
+            Ok(g) => g,
+            Err(e) => {
+                metrics::counter!(m::REDIS_ERRORS).increment(1);
+                tracing::debug!(error = %e, "reclaim: cannot list groups");
+                continue;
+            }
+        };
+        // Groups another replica reclaimed: stop this replica's loops and state for them.
+        let now: HashSet<String> = groups.iter().map(|g| g.group.clone()).collect();
+        for gone in known.difference(&now) {
+            loops.stop_group(gone, STOP_WAIT).await;
+            loops.reclaimed(gone);
+            d.forget_parks(gone).await;
+            probes.write().await.remove(gone);
+        }
+        known = now;
+        if let Some(grace) = grace {
+            let n = tick(&d, &loops, &probes, &groups, grace, &shutdown).await;
+            for g in &n {
+                known.remove(g);
+            }
+        }
+        metrics::gauge!(m::GROUPS).set(known.len() as f64);
+    }
+    Ok(())
+}
+
+/// One reclaim pass over `groups`; returns the groups reclaimed.
+async fn tick(d: &Dispatcher, loops: &ParkLoops, probes: &ProbeBoard, groups: &[GroupView], grace: Duration, shutdown: &CancellationToken) -> Vec<String> {
+    let grace_ms = i64::try_from(grace.as_millis()).unwrap_or(i64::MAX);
+    let settle = settle(d.cfg.stats_interval, d.cfg.pressure_interval);
+    let pending_ms = i64::try_from((settle + PENDING_HOLD).as_millis()).unwrap_or(i64::MAX);
+    let done_ms = i64::try_from(done_hold(grace).as_millis()).unwrap_or(i64::MAX);
+
+    // 1-2: candidates with empty queues, claimed in Redis.
+    let mut claimed: Vec<(String, String)> = Vec::new();
+    for g in groups.iter().filter(|g| departed(g)) {
+        if !queues_empty(d, &g.group).await {
+            continue;
+        }
+        match d.store.reclaim_claim(&g.group, grace_ms, pending_ms).await {
+            Ok(ReclaimClaim::Reclaimed { labels }) => claimed.push((g.group.clone(), labels)),
+            Ok(ReclaimClaim::Wait(_) | ReclaimClaim::Busy(_) | ReclaimClaim::Absent) => {}
+            Err(e) => {
+                metrics::counter!(m::REDIS_ERRORS).increment(1);
+                tracing::debug!(error = %e, group = %g.group, "reclaim: claim failed");
+            }
+        }
+    }
+    if claimed.is_empty() {
+        return vec![];
+    }
+    // 3: this scheduler lets go of the groups.
+    for (g, _) in &claimed {
+        loops.stop_group(g, STOP_WAIT).await;
+        d.forget_parks(g).await;
+        probes.write().await.remove(g);
+    }
+    tokio::select! {
+        // Shutting down: leave the claims to their tombstones' expiry; the groups' queues stay
+        // (empty) until a worker of the group comes back and declares them again.
+        _ = shutdown.cancelled() => return vec![],
+        _ = tokio::time::sleep(settle) => {}
+    }
+    // 4-5: delete the queues; undo the claim of a group whose queue held work.
+    let mut done = Vec::with_capacity(claimed.len());
+    for (g, labels) in claimed {
+        match delete_queues(d, &g).await {
+            Ok(()) => {
+                if let Err(e) = d.store.reclaim_done(&g, done_ms).await {
+                    tracing::warn!(error = %e, group = %g, "reclaim: cannot mark the group's queues deleted (its tombstone expires by itself)");
+                }
+                loops.reclaimed(&g);
+                metrics::counter!(m::GROUPS_RECLAIMED).increment(1);
+                tracing::info!(group = %g, grace_ms, "group reclaimed: no worker and no task for the grace; its queues, consumers and keys are removed");
+                done.push(g);
+            }
+            Err(why) => {
+                tracing::info!(group = %g, reason = %why, "group not reclaimed: its queues stay; trying again after another grace");
+                restore(d, loops, &g, &labels, pending_ms).await;
+            }
+        }
+    }
+    done
+}
+
+/// True when the group's lane and park queues (both lanes) hold no ready message (a missing
+/// queue is empty). Unacked messages are not counted: those of a park loop keep the group's
+/// parked flag alive (the claim refuses it); those of a worker keep its run records.
+async fn queues_empty(d: &Dispatcher, group: &str) -> bool {
+    for lane in Lane::ALL {
+        for q in [d.names.group_queue(group, lane), d.names.park_queue(group, lane)] {
+            if topology::depth(&d.conn, &q).await.unwrap_or(0) > 0 {
+                return false;
+            }
+        }
+    }
+    true
+}
+
+/// Why a group's queues were not all deleted.
+#[derive(Debug)]
+enum NotDeleted {
+    /// A queue held a task (406 PRECONDITION_FAILED on `if-empty`): work arrived.
+    NotEmpty(String),
+    /// The broker kept failing (connection trouble).
+    Failed(String),
+}
+
+impl std::fmt::Display for NotDeleted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotDeleted::NotEmpty(q) => write!(f, "{q} holds a task"),
+            NotDeleted::Failed(e) => write!(f, "broker error: {e}"),
+        }
+    }
+}
+
+/// Attempts per queue deletion: a channel may fail for reasons of its own (lapin reports the
+/// close of a channel whose id it reuses, e.g. a passive declare's 404, on the next one).
+const DELETE_ATTEMPTS: u32 = 5;
+
+/// Deletes the group's four queues with `if-empty` (a queue already gone counts as deleted).
+async fn delete_queues(d: &Dispatcher, group: &str) -> Result<(), NotDeleted> {
+    for lane in Lane::ALL {
+        for q in [d.names.park_queue(group, lane), d.names.group_queue(group, lane)] {
+            let mut attempt = 0;
+            loop {
+                attempt += 1;
+                match delete_if_empty(d, &q).await {
+                    Ok(()) => break,
+                    Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 406) => return Err(NotDeleted::NotEmpty(q)),
+                    Err(e) if attempt >= DELETE_ATTEMPTS => return Err(NotDeleted::Failed(e.to_string())),
+                    Err(e) => {
+                        tracing::debug!(error = %e, queue = %q, "reclaim: queue deletion failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One `queue.delete` with `if-empty` on a channel of its own (a failed delete closes it).
+async fn delete_if_empty(d: &Dispatcher, q: &str) -> lapin::Result<()> {
+    let ch = d.conn.create_channel().await?;
+    let r = ch.queue_delete(q.into(), QueueDeleteOptions { if_empty: true, ..Default::default() }).await;
+    let _ = ch.close(200, "ok".into()).await;
+    r.map(|_| ())
+}
+
+/// Undoes a claim: the group is back in Redis, its queues are declared again (those already
+/// deleted), and discovery may start its park loops again.
+async fn restore(d: &Dispatcher, loops: &ParkLoops, group: &str, labels: &str, hold_ms: i64) {
+    if let Err(e) = d.store.reclaim_restore(group, labels, hold_ms).await {
+        tracing::warn!(error = %e, group = %group, "reclaim: cannot restore the group (a worker of the group registering recreates it)");
+    }
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match declare_again(d, group).await {
+            Ok(()) => break,
+            Err(e) if attempt >= DELETE_ATTEMPTS => {
+                tracing::warn!(error = %e, group = %group, "reclaim: cannot declare the group's queues again (its workers and the dispatcher declare them)");
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await,
+        }
+    }
+    loops.resume(group);
+}
+
+async fn declare_again(d: &Dispatcher, group: &str) -> fleet::Result<()> {
+    let ch = d.conn.create_channel().await?;
+    let mut r = topology::declare_group(&ch, &d.cfg.common, group).await;
+    for lane in Lane::ALL {
+        if r.is_ok() {
+            r = topology::declare_park(&ch, &d.cfg.common, group, lane).await;
+        }
+    }
+    let _ = ch.close(200, "ok".into()).await;
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holds_and_settle_are_bounded() {
+        assert_eq!(done_hold(Duration::from_millis(200)), Duration::from_secs(1));
+        assert_eq!(done_hold(Duration::from_secs(600)), Duration::from_secs(60));
+        assert_eq!(settle(Duration::from_millis(500), Duration::from_millis(100)), Duration::from_secs(1));
+        assert_eq!(settle(Duration::from_millis(1000), Duration::from_millis(250)), Duration::from_secs(2));
+        assert_eq!(settle(Duration::from_secs(60), Duration::from_millis(250)), Duration::from_secs(10));
+    }
+}
