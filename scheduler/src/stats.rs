@@ -69,11 +69,15 @@ async fn sample(d: &Dispatcher, board: &GroupBoard) -> fleet::Result<()> {
         }
         let mut backlog = 0u32;
         for lane in Lane::ALL {
-            let q = n.group_queue(&g.group, lane);
-            if let Some(depth) = topology::depth(&d.conn, &q).await {
-                metrics::gauge!(m::QUEUE_DEPTH, "queue" => q).set(f64::from(depth));
-                backlog += depth;
-                *(if lane == Lane::Normal { &mut gs.queued } else { &mut gs.queued_critical }) = depth;
+            let mut queued = 0u32;
+            for q in n.group_shard_queues(&g.group, lane, d.cfg.common.shards(lane)) {
+                if let Some(depth) = topology::depth(&d.conn, &q).await {
+                    metrics::gauge!(m::QUEUE_DEPTH, "queue" => q).set(f64::from(depth));
+                    backlog += depth;
+                    queued += depth;
+                }
+            }
+            *(if lane == Lane::Normal { &mut gs.queued } else { &mut gs.queued_critical }) = queued;
             }
             if let Ok(depth) = topology::park_depth(&parks, &d.cfg.common, &g.group, lane).await {
                 metrics::gauge!(m::QUEUE_DEPTH, "queue" => n.park_queue(&g.group, lane)).set(f64::from(depth));

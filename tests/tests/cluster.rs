@@ -1,0 +1,330 @@
+//! fleet past one machine: a three-node RabbitMQ cluster and a Redis master + replica + three
+//! Sentinels (`ops/cluster.sh`, private processes on loopback — the shared servers are never
+//! touched). A steady stream of tasks goes in through the scheduler's API while the broker node
+//! the scheduler is connected to is killed, then the Redis master. Asserts: every task the API
+//! confirmed (202) runs and succeeds (0 lost), no attempt runs twice, the scheduler and every
+//! worker are back at work within 10 s of each kill, and every quorum queue still has a leader.
+//!
+//! `FLEET_CLUSTER_DIR=DIR` reuses a cluster already started with `ops/cluster.sh up DIR`
+//! (it is left running, less the killed node and Redis master); otherwise the test starts its
+//! own and stops it at the end. Skipped (with a message) when rabbitmq-server or redis-server
+//! is not installed.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use fleet::{Names, Store};
+use fleet_tests::*;
+use fleet_worker::executor::{handler_fn, Handler, TaskError};
+use serde_json::json;
+
+/// How soon after a kill every process must be at work again (the issue's bound).
+const BACK_WITHIN: Duration = Duration::from_secs(10);
+/// Tasks per second offered to the API.
+const RATE: u64 = 40;
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+/// A running cluster: its `cluster.env`, and whether this test owns it (then `down` on drop).
+struct Cluster {
+    dir: PathBuf,
+    env: HashMap<String, String>,
+    owned: bool,
+}
+
+impl Cluster {
+    fn script(&self, args: &[&str]) -> Result<String> {
+        let out = std::process::Command::new("bash")
+            .arg(repo_root().join("ops/cluster.sh"))
+            .args(args)
+            .output()
+            .context("run ops/cluster.sh")?;
+        if !out.status.success() {
+            bail!("ops/cluster.sh {args:?}: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    async fn start() -> Result<Option<Self>> {
+        if let Ok(d) = std::env::var("FLEET_CLUSTER_DIR") {
+            let dir = PathBuf::from(d);
+            let env = read_env(&dir.join("cluster.env"))?;
+            return Ok(Some(Cluster { dir, env, owned: false }));
+        }
+        if !Path::new("/usr/lib/rabbitmq/bin/rabbitmq-server").exists() || which("redis-server").is_none() {
+            eprintln!("skipped: rabbitmq-server or redis-server not installed (ops/services.sh installs them)");
+            return Ok(None);
+        }
+        let dir = std::env::temp_dir().join(format!("fleet-cluster-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]));
+        let mut c = Cluster { dir: dir.clone(), env: HashMap::new(), owned: true };
+        let d = dir.to_string_lossy().into_owned();
+        // Up to a few minutes on a loaded 2-core machine (three Erlang VMs booting).
+        let up = tokio::task::spawn_blocking(move || {
+            std::process::Command::new("timeout")
+                .args(["400", "bash"])
+                .arg(repo_root().join("ops/cluster.sh"))
+                .args(["up", &d])
+                .output()
+        })
+        .await??;
+        if !up.status.success() {
+            bail!("ops/cluster.sh up: {}{}", String::from_utf8_lossy(&up.stdout), String::from_utf8_lossy(&up.stderr));
+        }
+        c.env = read_env(&dir.join("cluster.env"))?;
+        Ok(Some(c))
+    }
+
+    fn get(&self, k: &str) -> Result<&str> {
+        self.env.get(k).map(String::as_str).with_context(|| format!("{k} missing from cluster.env"))
+    }
+
+    fn dir(&self) -> String {
+        self.dir.to_string_lossy().into_owned()
+    }
+
+    /// The node (1-3) the named AMQP connection is on, by the server port it connected to.
+    fn node_of(&self, connection_name: &str) -> Result<usize> {
+        let out = self.script(&["ctl", &self.dir(), "list_connections", "port", "client_properties"])?;
+        for line in out.lines() {
+            if line.contains(connection_name) {
+                let port = line.split_whitespace().next().unwrap_or("");
+                for i in 1..=3 {
+                    if self.get(&format!("NODE{i}_PORT"))? == port {
+                        return Ok(i);
+                    }
+                }
+            }
+        }
+        bail!("no connection named {connection_name}: {out}")
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if self.owned {
+            let _ = self.script(&["down", &self.dir()]);
+        }
+    }
+}
+
+fn which(bin: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|p| std::env::split_paths(&p).map(|d| d.join(bin)).find(|f| f.exists()))
+}
+
+fn read_env(path: &Path) -> Result<HashMap<String, String>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
+    Ok(text
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().trim_matches('\'').to_string()))
+        .collect())
+}
+
+/// One run as the handler saw it.
+#[derive(Clone, Debug)]
+struct Run {
+    id: String,
+    worker: String,
+    attempt: u32,
+    at: Instant,
+}
+
+#[derive(Clone, Default)]
+struct Runs(Arc<Mutex<Vec<Run>>>);
+
+impl Runs {
+    fn handler(&self) -> Arc<dyn Handler> {
+        let runs = self.clone();
+        handler_fn(move |ctx| {
+            let runs = runs.clone();
+            async move {
+                let run = Run { id: ctx.envelope.id.clone(), worker: ctx.worker_id.to_string(), attempt: ctx.attempt, at: Instant::now() };
+                runs.0.lock().map_err(|_| TaskError::retryable("poisoned"))?.push(run);
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                Ok(json!({}))
+            }
+        })
+    }
+
+    fn all(&self) -> Vec<Run> {
+        self.0.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// The first run each worker started at or after `t`.
+    fn first_after(&self, t: Instant) -> HashMap<String, Instant> {
+        let mut m: HashMap<String, Instant> = HashMap::new();
+        for r in self.all().into_iter().filter(|r| r.at >= t) {
+            m.entry(r.worker).and_modify(|a| *a = (*a).min(r.at)).or_insert(r.at);
+        }
+        m
+    }
+}
+
+/// The producer: POSTs `RATE` tasks a second to the scheduler's API; a task whose POST was not
+/// answered 202 is offered again (same id) in the next tick, as a producer would. Records the
+/// ids the API confirmed and when the API confirmed anything.
+#[derive(Clone, Default)]
+struct Stream {
+    accepted: Arc<Mutex<Vec<String>>>,
+    accepted_at: Arc<Mutex<Vec<Instant>>>,
+}
+
+async fn produce(url: String, stream: Stream, stop: tokio_util::sync::CancellationToken) {
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(20)).build().unwrap_or_default();
+    let mut pending: Vec<fleet::Envelope> = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(1000 / RATE * 4));
+    while !stop.is_cancelled() {
+        tick.tick().await;
+        for _ in 0..4 {
+            pending.push(task("work", json!({}), "pool=cluster"));
+        }
+        let body: Vec<serde_json::Value> = pending.iter().map(|e| serde_json::to_value(e).unwrap_or_default()).collect();
+        match client.post(&url).json(&body).send().await {
+            Ok(r) if r.status().as_u16() == 202 => {
+                let ids: Vec<String> = pending.drain(..).map(|e| e.id).collect();
+                if let (Ok(mut a), Ok(mut t)) = (stream.accepted.lock(), stream.accepted_at.lock()) {
+                    a.extend(ids);
+                    t.push(Instant::now());
+                }
+            }
+            // Partly accepted (ingress full) or not at all: offer everything again; the
+            // dedupe window drops the copies of what was taken.
+            _ => {}
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
+    let Some(cluster) = Cluster::start().await? else { return Ok(()) };
+    let amqp = cluster.get("FLEET_CLUSTER_AMQP_URL")?.to_string();
+    let redis = cluster.get("FLEET_CLUSTER_REDIS_URL")?.to_string();
+
+    let name = format!("c{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
+    let names = Names::new(&name);
+    let store = Store::new(&redis, names.clone())?;
+    let conn = fleet::endpoints::connect_any(&amqp, "fleet-tests cluster").await?;
+    let publisher = fleet::amqp::confirm_channel(&conn).await?;
+    let base = vec![
+        ("namespace".to_string(), name.clone()),
+        ("amqp_url".to_string(), amqp.clone()),
+        ("redis_url".to_string(), redis.clone()),
+        ("queue_type".to_string(), "quorum".to_string()),
+        ("http_addr".to_string(), "127.0.0.1:0".to_string()),
+    ];
+    let ns = Ns { name: name.clone(), names, store, conn, publisher, base };
+
+    // Heartbeat timeouts of 10 s: a Redis failover (Sentinel's 1 s down-after + election)
+    // must not read as every worker gone silent.
+    let sched = start_scheduler(&ns, &[("dedupe_window_ms", "600000"), ("heartbeat_timeout_ms", "10000")]).await?;
+    let runs = Runs::default();
+    let h = [("work", runs.handler())];
+    let mut workers = Vec::new();
+    for i in 0..3 {
+        workers.push(start_worker(&ns, &format!("cw{i}"), "pool=cluster", 4, &[("heartbeat_timeout_ms", "10000")], &h).await?);
+    }
+    let worker_ids: HashSet<String> = workers.iter().map(|w| w.id.clone()).collect();
+
+    let stream = Stream::default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let producer = tokio::spawn(produce(sched.url("/v1/tasks"), stream.clone(), stop.clone()));
+    wait_for("every worker at work", Duration::from_secs(60), || async {
+        let now = runs.all();
+        worker_ids.iter().all(|w| now.iter().any(|r| &r.worker == w)).then_some(())
+    })
+    .await?;
+
+    // 1. Kill the broker node the scheduler is connected to.
+    let node = cluster.node_of(&format!("fleet-scheduler {name}"))?;
+    let killed_at = Instant::now();
+    cluster.script(&["kill-node", &node.to_string(), &cluster.dir()])?;
+    eprintln!("killed RabbitMQ node {node} (the scheduler's)");
+    let back = wait_back(&runs, &stream, &worker_ids, killed_at).await;
+    eprintln!("after the node kill: {back:?}");
+
+    // 2. Kill the Redis master; Sentinel promotes the replica.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let killed_redis_at = Instant::now();
+    eprintln!("{}", cluster.script(&["kill-redis-master", &cluster.dir()])?.trim());
+    let back_redis = wait_back(&runs, &stream, &worker_ids, killed_redis_at).await;
+    eprintln!("after the Redis master kill: {back_redis:?}");
+
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.cancel();
+    producer.await?;
+    let accepted: Vec<String> = stream.accepted.lock().map(|a| a.clone()).unwrap_or_default();
+    eprintln!("{} tasks confirmed by the API", accepted.len());
+    // Every confirmed task ends succeeded (its status is written before the ack).
+    let lost = wait_for("every confirmed task succeeded", Duration::from_secs(120), || async {
+        let mut missing = Vec::new();
+        for id in &accepted {
+            match ns.status(id).await {
+                Ok(Some(s)) if s.get("state").map(String::as_str) == Some("succeeded") => {}
+                _ => missing.push(id.clone()),
+            }
+        }
+        missing.is_empty().then_some(())
+    })
+    .await;
+    let all = runs.all();
+    let ran: HashSet<&str> = all.iter().map(|r| r.id.as_str()).collect();
+    let never_ran: Vec<&String> = accepted.iter().filter(|id| !ran.contains(id.as_str())).collect();
+    let mut per_attempt: BTreeMap<(String, u32), usize> = BTreeMap::new();
+    for r in &all {
+        *per_attempt.entry((r.id.clone(), r.attempt)).or_default() += 1;
+    }
+    let twice: Vec<_> = per_attempt.iter().filter(|(_, n)| **n > 1).collect();
+    // A quorum queue's record names its current leader ({RaName, Node}); one on a node that is
+    // not running has no leader.
+    let leaderless = cluster.script(&["ctl", &cluster.dir(), "eval", &format!(
+        "Running = rabbit_nodes:all_running(), \
+         length([Q || Q <- rabbit_amqqueue:list(), amqqueue:get_type(Q) =:= rabbit_quorum_queue, \
+         binary:match(element(4, amqqueue:get_name(Q)), <<\"{name}.\">>) =/= nomatch, \
+         not lists:member(element(2, amqqueue:get_pid(Q)), Running)])."
+    )])?;
+
+    for w in workers {
+        w.stop().await?;
+    }
+    sched.stop().await?;
+    let _ = ns.cleanup().await;
+
+    eprintln!("runs {}, confirmed {}, never ran {}, attempts run twice {}", all.len(), accepted.len(), never_ran.len(), twice.len());
+    lost.context("confirmed tasks lost")?;
+    assert!(never_ran.is_empty(), "confirmed tasks that never ran: {never_ran:?}");
+    assert!(twice.is_empty(), "attempts run twice: {twice:?}");
+    assert_eq!(leaderless.trim(), "0", "quorum queues without a leader");
+    for (what, b) in [("node kill", back), ("Redis master kill", back_redis)] {
+        let b = b?;
+        for (who, d) in &b {
+            assert!(*d <= BACK_WITHIN, "after the {what}, {who} was back at work only after {d:?}: {b:?}");
+        }
+    }
+    Ok(())
+}
+
+/// How long after `t` the API confirmed a submission again and each worker started a run
+/// again (waits up to 60 s; a process not back by then is an error).
+async fn wait_back(runs: &Runs, stream: &Stream, workers: &HashSet<String>, t: Instant) -> Result<BTreeMap<String, Duration>> {
+    let done = wait_for("every process back at work", Duration::from_secs(60), || async {
+        let first = runs.first_after(t);
+        let api = stream.accepted_at.lock().ok().and_then(|a| a.iter().copied().find(|x| *x >= t));
+        let all_back = workers.iter().all(|w| first.contains_key(w)) && api.is_some();
+        all_back.then(|| (first, api))
+    })
+    .await?;
+    let (first, api) = done;
+    let mut out = BTreeMap::new();
+    if let Some(a) = api {
+        out.insert("scheduler API".to_string(), a - t);
+    }
+    for (w, at) in first {
+        out.insert(w, at - t);
+    }
+    Ok(out)
+}
