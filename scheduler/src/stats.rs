@@ -78,7 +78,6 @@ async fn sample(d: &Dispatcher, board: &GroupBoard) -> fleet::Result<()> {
                 }
             }
             *(if lane == Lane::Normal { &mut gs.queued } else { &mut gs.queued_critical }) = queued;
-            }
             if let Ok(depth) = topology::park_depth(&parks, &d.cfg.common, &g.group, lane).await {
                 metrics::gauge!(m::QUEUE_DEPTH, "queue" => n.park_queue(&g.group, lane)).set(f64::from(depth));
                 backlog += depth;

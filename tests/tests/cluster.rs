@@ -183,7 +183,7 @@ async fn produce(url: String, stream: Stream, stop: tokio_util::sync::Cancellati
         for _ in 0..4 {
             pending.push(task("work", json!({}), "pool=cluster"));
         }
-        let body: Vec<serde_json::Value> = pending.iter().map(|e| serde_json::to_value(e).unwrap_or_default()).collect();
+        let body: Vec<serde_json::Value> = pending.iter().filter_map(|e| serde_json::from_slice(&e.to_bytes()).ok()).collect();
         match client.post(&url).json(&body).send().await {
             Ok(r) if r.status().as_u16() == 202 => {
                 let ids: Vec<String> = pending.drain(..).map(|e| e.id).collect();

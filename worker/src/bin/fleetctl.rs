@@ -14,7 +14,6 @@ use lapin::types::ShortString;
 use lapin::Connection;
 use serde_json::Value;
 
-use fleet::amqp;
 use fleet::dead;
 use fleet::registry::WorkerView;
 use fleet::producer::{Pacing, Producer, Submitted};
