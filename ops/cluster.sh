@@ -88,10 +88,10 @@ up() {
         echo "ops/cluster.sh: $DIR already holds a cluster (run down first)" >&2
         exit 1
     fi
-    command -v redis-server >/dev/null && [ -x "$RMQ/rabbitmq-server" ] || {
+    if ! command -v redis-server >/dev/null || [ ! -x "$RMQ/rabbitmq-server" ]; then
         echo "ops/cluster.sh: needs redis-server and rabbitmq-server (ops/services.sh)" >&2
         exit 1
-    }
+    fi
     mkdir -p "$DIR"
     chmod 755 "$DIR"
     local tag
@@ -219,6 +219,17 @@ down() {
         if [ -s "$DIR/n$i/pid" ]; then
             kill -9 "$(cat "$DIR/n$i/pid")" 2>/dev/null || true
         fi
+    done
+    # Wait (bounded) for every recorded process to exit before removing their files.
+    for _ in $(seq 1 50); do
+        local alive=0
+        for v in NODE1_PID NODE2_PID NODE3_PID REDIS1_PID REDIS2_PID SENTINEL1_PID SENTINEL2_PID SENTINEL3_PID; do
+            if [ -n "${!v:-}" ] && kill -0 "${!v}" 2>/dev/null; then
+                alive=1
+            fi
+        done
+        [ "$alive" = 0 ] && break
+        sleep 0.2
     done
     case "$DIR" in
         /tmp/*) rm -rf "$DIR" ;;
