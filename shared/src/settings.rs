@@ -45,7 +45,7 @@ pub struct CommonArgs {
     /// Type of the task queues.
     #[arg(long, env = "FLEET_QUEUE_TYPE", default_value = "quorum", value_parser = ["quorum", "classic"])]
     pub queue_type: String,
-    /// Where a new quorum queue's leader goes (`x-queue-leader-locator`, RabbitMQ 3.10+): `balanced` spreads leaders over a cluster's nodes; `none` sets no argument (quorum queues created before fleet set it refuse a redeclare with it).
+    /// Where a new quorum queue's leader goes (`x-queue-leader-locator`, RabbitMQ 3.10+): `balanced` spreads leaders over a cluster's nodes; `none` sets no argument. A namespace whose queues predate the argument is detected and declared without it.
     #[arg(long, env = "FLEET_QUEUE_LEADER_LOCATOR", default_value = "balanced", value_parser = ["balanced", "client-local", "none"])]
     pub queue_leader_locator: String,
     /// Largest envelope accepted, in bytes.

@@ -30,6 +30,45 @@ fn durable() -> QueueDeclareOptions {
     QueueDeclareOptions { durable: true, ..Default::default() }
 }
 
+/// Namespaces whose quorum queues were created before fleet set `x-queue-leader-locator`
+/// (found by [`probe_leader_locator`]): their queues are declared without it, since RabbitMQ
+/// refuses a redeclare whose arguments differ (406 `inequivalent arg`).
+static LOCATOR_PREDATES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+fn locator_predates(ns: &str) -> bool {
+    LOCATOR_PREDATES.lock().map(|v| v.iter().any(|n| n == ns)).unwrap_or(false)
+}
+
+/// Finds out, once per connection and before anything else is declared, whether this
+/// namespace's queues predate the leader locator: declares `<ns>.dead` (a queue every version
+/// has, with the arguments [`declare_core`] gives it) on a channel of its own; a 406 naming
+/// `x-queue-leader-locator` means an older fleet created it, and then no queue of the namespace
+/// gets the argument in this process (new leaders are still placed by the broker's default;
+/// an operator may set `queue_leader_locator = balanced` in rabbitmq.conf). Any other failure
+/// is left to [`declare_core`] to report.
+///
+/// # Errors
+/// Opening the channel failed (connection lost).
+pub async fn probe_leader_locator(conn: &lapin::Connection, cfg: &CommonConfig) -> Result<()> {
+    if cfg.queue_type != QueueType::Quorum || cfg.leader_locator.is_none() || locator_predates(&cfg.namespace) {
+        return Ok(());
+    }
+    let ch = conn.create_channel().await?;
+    match ch.queue_declare(ShortString::from(cfg.names().dead_queue()), durable(), args(cfg)).await {
+        Ok(_) => {
+            let _ = ch.close(200, "ok".into()).await;
+        }
+        Err(e) if e.to_string().contains("x-queue-leader-locator") => {
+            tracing::info!(namespace = %cfg.namespace, "this namespace's quorum queues predate x-queue-leader-locator; declaring them without it");
+            if let Ok(mut v) = LOCATOR_PREDATES.lock() {
+                v.push(cfg.namespace.clone());
+            }
+        }
+        Err(_) => {}
+    }
+    Ok(())
+}
+
 /// Arguments every task queue of type `qt` gets: for quorum queues the type and, unless
 /// `FLEET_QUEUE_LEADER_LOCATOR` is `none`, `x-queue-leader-locator` (RabbitMQ ≥ 3.10:
 /// `balanced` places each new queue's Raft leader on the node with the fewest leaders, so one
@@ -39,7 +78,7 @@ fn args(cfg: &CommonConfig) -> FieldTable {
     let mut t = FieldTable::default();
     if cfg.queue_type == QueueType::Quorum {
         t.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
-        if let Some(l) = cfg.leader_locator.as_deref() {
+        if let Some(l) = cfg.leader_locator.as_deref().filter(|_| !locator_predates(&cfg.namespace)) {
             t.insert("x-queue-leader-locator".into(), AMQPValue::LongString(l.into()));
         }
     }

@@ -67,3 +67,28 @@ async fn a_malformed_node_list_stops_start_up_with_exit_2() -> Result<()> {
     }
     Ok(())
 }
+
+/// A namespace whose quorum queues were declared without `x-queue-leader-locator` (an older
+/// fleet) still starts: RabbitMQ would refuse the redeclare with the new argument, so the
+/// scheduler and workers find that out first and declare without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn queues_older_than_the_leader_locator_are_redeclared_without_it() -> Result<()> {
+    let ns = Ns::with_queue_type("quorum").await?;
+    let rec = Recorder::default();
+    let h = [("record", rec.handler())];
+    let old = [("queue_leader_locator", "none")];
+    let sched = start_scheduler(&ns, &old).await?;
+    let w = start_worker(&ns, "old", "pool=locator", 2, &old, &h).await?;
+    w.stop().await?;
+    sched.stop().await?;
+    // Today's defaults (balanced) on the same namespace.
+    let sched = start_scheduler(&ns, &[]).await?;
+    let w = start_worker(&ns, "new", "pool=locator", 2, &[], &h).await?;
+    let envs: Vec<_> = (0..20).map(|i| task("record", json!({"i": i}), "pool=locator")).collect();
+    assert_eq!(ns.submit(&envs).await?, (20, 0));
+    wait_for("20 runs", Duration::from_secs(60), || async { (rec.count() >= 20).then_some(()) }).await?;
+    assert_eq!(rec.per_task().len(), 20);
+    w.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
