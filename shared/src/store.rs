@@ -14,6 +14,9 @@ use crate::sentinel::{Conn, Pool};
 /// Longest a single Redis call may take before it counts as failed.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// Longest [`Store::invoke_replicated`] waits for a replica to acknowledge a write.
+pub const REPLICA_WAIT: Duration = Duration::from_millis(500);
+
 /// Handle on the fleet's Redis state. Cheap to clone.
 #[derive(Clone)]
 pub struct Store {
@@ -93,6 +96,26 @@ impl Store {
     pub async fn invoke<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> Result<T> {
         let mut c = self.conn().await?;
         let r = tokio::time::timeout(CALL_TIMEOUT, inv.invoke_async(&mut c)).await;
+        self.settle(c, r)
+    }
+
+    /// [`Store::invoke`], then — behind Sentinel — `WAIT 1 <REPLICA_WAIT>` on the same
+    /// connection: the call returns once a replica has every write so far (or the wait ran
+    /// out: best effort, a replica that is down does not stop the fleet). Redis replication is
+    /// asynchronous, so without it a write the master answered in the moment before it died
+    /// is lost with it; used for task outcomes (a status `succeeded` that reverted to
+    /// `queued` after a failover). Direct URLs skip the wait.
+    pub async fn invoke_replicated<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> Result<T> {
+        let mut c = self.conn().await?;
+        let r = tokio::time::timeout(CALL_TIMEOUT, inv.invoke_async(&mut c)).await;
+        if !self.pool.is_sentinel() || !matches!(r, Ok(Ok(_))) {
+            return self.settle(c, r);
+        }
+        let wait = redis::cmd("WAIT").arg(1).arg(REPLICA_WAIT.as_millis() as u64).to_owned();
+        let acked = tokio::time::timeout(CALL_TIMEOUT, wait.query_async::<i64>(&mut c)).await;
+        if !matches!(acked, Ok(Ok(n)) if n >= 1) {
+            tracing::debug!(?acked, "no replica acknowledged the write in time");
+        }
         self.settle(c, r)
     }
 
