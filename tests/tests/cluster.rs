@@ -164,6 +164,8 @@ impl Runs {
 struct Stream {
     accepted: Arc<Mutex<Vec<String>>>,
     accepted_at: Arc<Mutex<Vec<Instant>>>,
+    /// Answers other than 202: (when, status or error, body start, how long the call took).
+    others: Arc<Mutex<Vec<(Instant, String, Duration)>>>,
 }
 
 async fn produce(url: String, stream: Stream, stop: tokio_util::sync::CancellationToken) {
@@ -176,18 +178,30 @@ async fn produce(url: String, stream: Stream, stop: tokio_util::sync::Cancellati
             pending.push(task("work", json!({}), "pool=cluster"));
         }
         let body: Vec<serde_json::Value> = pending.iter().filter_map(|e| serde_json::from_slice(&e.to_bytes()).ok()).collect();
+        let sent = Instant::now();
         match client.post(&url).json(&body).send().await {
-            Ok(r) if r.status().as_u16() == 202 => {
+            Ok(r) if r.status().as_u16() != 202 => {
+                let status = r.status().as_u16();
+                let text: String = r.text().await.unwrap_or_default().chars().take(120).collect();
+                if let Ok(mut o) = stream.others.lock() {
+                    o.push((sent, format!("{status} {text}"), sent.elapsed()));
+                }
+            }
+            Err(e) => {
+                if let Ok(mut o) = stream.others.lock() {
+                    o.push((sent, e.to_string(), sent.elapsed()));
+                }
+            }
+            Ok(_) => {
                 let ids: Vec<String> = pending.drain(..).map(|e| e.id).collect();
                 if let (Ok(mut a), Ok(mut t)) = (stream.accepted.lock(), stream.accepted_at.lock()) {
                     a.extend(ids);
                     t.push(Instant::now());
                 }
             }
-            // Partly accepted (ingress full) or not at all: offer everything again; the
-            // dedupe window drops the copies of what was taken.
-            _ => {}
         }
+        // Not 202 (partly accepted, or not at all): everything is offered again next tick;
+        // the dedupe window drops the copies of what was taken.
     }
 }
 
@@ -245,6 +259,12 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
     eprintln!("{}", cluster.script(&["kill-redis-master", &cluster.dir()])?.trim());
     let back_redis = wait_back(&runs, &stream, &worker_ids, killed_redis_at).await;
     eprintln!("after the Redis master kill: {back_redis:?}");
+    if let Ok(o) = stream.others.lock() {
+        for (at, what, took) in o.iter() {
+            let rel = |t0: Instant| if *at >= t0 { format!("+{:?}", *at - t0) } else { format!("-{:?}", t0 - *at) };
+            eprintln!("API answer {} after the node kill / {} after the Redis kill, took {took:?}: {what}", rel(killed_at), rel(killed_redis_at));
+        }
+    }
 
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop.cancel();
