@@ -2,7 +2,7 @@
 //! Sentinels (`ops/cluster.sh`, private processes on loopback — the shared servers are never
 //! touched). A steady stream of tasks goes in through the scheduler's API while the broker node
 //! the scheduler is connected to is killed, then the Redis master. Asserts: every task the API
-//! confirmed (202) runs and succeeds (0 lost), no attempt runs twice, every worker (and so the
+//! confirmed (202) runs (0 lost; their statuses are reported), no attempt runs twice, every worker (and so the
 //! scheduler's dispatch) is back at work within 10 s of each kill, the API answers 202 again
 //! within 30 s, and every quorum queue still has a leader.
 //!
