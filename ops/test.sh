@@ -7,7 +7,9 @@
 #                             file, Grafana dashboard, Dockerfile members, shellcheck
 #   3. cargo test --workspace [EXTRA ARGS...]   unit, end-to-end and fault tests (debug build:
 #      it compiles several times faster than release on a 2-core machine; speed is measured by
-#      the benchmarks, not by tests)
+#      the benchmarks, not by tests). tests/tests/cluster.rs starts its own private three-node
+#      RabbitMQ cluster and Redis master + replica + Sentinels with ops/cluster.sh (1-4 min on a
+#      loaded 2-core machine), kills a node and the Redis master, and stops them all
 #   4. ops/check-metrics.sh   live /metrics of a scheduler and a worker through promtool
 #   5. ops/compose-test.sh    the compose deployment: images built without a registry (the
 #                             fleet image from the debug binaries of step 3), started, scaled,

@@ -21,6 +21,7 @@ pub mod guard;
 use guard::Role;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -136,31 +137,12 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
             Err(e) => tracing::warn!(error = %e, "submission limiter unavailable; admitting"),
         }
     }
-    let guard = st.publisher.read().await;
-    let Some(ch) = guard.as_ref() else {
-        return refuse(StatusCode::SERVICE_UNAVAILABLE, 1, json!({"error": "not_connected", "detail": "the scheduler is reconnecting to RabbitMQ"}));
-    };
-    let names = st.store.names.clone();
-    let mut confirms = Vec::with_capacity(envs.len());
-    for (e, bytes, stamped) in &envs {
-        let h = stamped.then(|| amqp::headers([(amqp::SUBMITTED_AT_HEADER, now.timestamp_millis().to_string())]));
-        let r = amqp::publish(ch, &names.submit_exchange(), e.lane.as_str(), bytes, amqp::task_properties(&e.id, h)).await;
-        confirms.push(r);
-    }
-    drop(guard);
-    let mut accepted = Vec::new();
-    let mut refused = Vec::new();
-    for ((e, ..), c) in envs.iter().zip(confirms) {
-        let ok = match c {
-            Ok(c) => amqp::confirmed(c).await.is_ok(),
-            Err(_) => false,
-        };
-        if ok {
-            accepted.push(e.id.clone());
-        } else {
-            refused.push(e.id.clone());
+    let (accepted, refused) = match publish_all(&st, &envs, now).await {
+        Ok(r) => r,
+        Err(()) => {
+            return refuse(StatusCode::SERVICE_UNAVAILABLE, 1, json!({"error": "not_connected", "detail": "the scheduler is reconnecting to RabbitMQ"}));
         }
-    }
+    };
     if refused.is_empty() {
         return (StatusCode::ACCEPTED, Json(json!({"ids": accepted}))).into_response();
     }
@@ -174,6 +156,64 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
     };
     metrics::counter!(m::TASKS_REFUSED, "reason" => code).increment(refused.len() as u64);
     refuse(status, retry_s, json!({"error": code, "detail": detail, "accepted": accepted, "refused": refused}))
+}
+
+/// How long a submission whose confirms were lost with the connection waits for the next
+/// session's publisher before it gives up (503): covers a failover to another cluster node.
+const REPUBLISH_WITHIN: Duration = Duration::from_secs(15);
+
+/// Publishes `envs` to the ingress with confirms and sorts their ids into (accepted, refused
+/// by the broker). A publish whose confirm was lost with the connection (node loss: neither
+/// ack nor nack) is published again on the next session's channel, until confirmed or
+/// [`REPUBLISH_WITHIN`] has passed; a copy the broker had already taken is absorbed by the
+/// dedupe protocol (same id). `Err` when no publisher came back in time for what is left.
+async fn publish_all(st: &AppState, envs: &[(Envelope, &[u8], bool)], now: chrono::DateTime<chrono::Utc>) -> Result<(Vec<String>, Vec<String>), ()> {
+    let names = st.store.names.clone();
+    let deadline = tokio::time::Instant::now() + REPUBLISH_WITHIN;
+    let mut accepted = Vec::new();
+    let mut refused = Vec::new();
+    let mut todo: Vec<usize> = (0..envs.len()).collect();
+    let mut round = 0u32;
+    while !todo.is_empty() {
+        round += 1;
+        let guard = loop {
+            let g = st.publisher.read().await;
+            if g.as_ref().is_some_and(|ch| ch.status().connected()) {
+                break g;
+            }
+            drop(g);
+            if round == 1 || tokio::time::Instant::now() >= deadline {
+                return Err(());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let Some(ch) = guard.as_ref() else { return Err(()) };
+        let mut confirms = Vec::with_capacity(todo.len());
+        for &i in &todo {
+            let (e, bytes, stamped) = &envs[i];
+            let h = stamped.then(|| amqp::headers([(amqp::SUBMITTED_AT_HEADER, now.timestamp_millis().to_string())]));
+            confirms.push(amqp::publish(ch, &names.submit_exchange(), e.lane.as_str(), bytes, amqp::task_properties(&e.id, h)).await);
+        }
+        drop(guard);
+        let mut lost = Vec::new();
+        for (&i, c) in todo.iter().zip(confirms) {
+            let id = envs[i].0.id.clone();
+            match c {
+                Ok(c) => match amqp::confirmed(c).await {
+                    Ok(()) => accepted.push(id),
+                    Err(fleet::Error::Refused(_)) => refused.push(id),
+                    Err(_) => lost.push(i),
+                },
+                Err(_) => lost.push(i),
+            }
+        }
+        if !lost.is_empty() {
+            metrics::counter!(m::TASKS_REPUBLISHED).increment(lost.len() as u64);
+            tracing::warn!(tasks = lost.len(), round, "publisher confirms lost with the connection; publishing again on the next channel");
+        }
+        todo = lost;
+    }
+    Ok((accepted, refused))
 }
 
 fn bad(index: usize, code: &str, detail: String) -> Response {

@@ -6,6 +6,7 @@
 //! message is requeued, so a task is never lost between two queues (at-least-once).
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -73,12 +74,25 @@ pub struct Dispatcher {
     pub publisher: Channel,
     pub conn: Arc<lapin::Connection>,
     parks: Mutex<HashSet<(String, Lane)>>,
+    /// Round-robin position over a sharded lane's shard queues (see [`Dispatcher::group_key`]).
+    shard_rr: AtomicU32,
 }
 
 impl Dispatcher {
     pub fn new(cfg: Arc<SchedulerConfig>, store: Store, conn: Arc<lapin::Connection>, publisher: Channel) -> Self {
         let names = cfg.common.names();
-        Dispatcher { cfg, store, names, publisher, conn, parks: Mutex::new(HashSet::new()) }
+        Dispatcher { cfg, store, names, publisher, conn, parks: Mutex::new(HashSet::new()), shard_rr: AtomicU32::new(rand::random()) }
+    }
+
+    /// Routing key of the queue a task for `group`'s `lane` is published to. A sharded lane
+    /// (`FLEET_SHARDS` > 1) takes its shards in turn (round robin, from a random start per
+    /// process): every shard has a consumer while the group has a registered worker (see
+    /// [`fleet::subset`]), so any shard will do, and turns spread the load evenly without
+    /// reading queue depths on the hot path.
+    pub fn group_key(&self, group: &str, lane: Lane) -> String {
+        let shards = self.cfg.common.shards(lane);
+        let shard = if shards > 1 { self.shard_rr.fetch_add(1, Ordering::Relaxed) % shards } else { 0 };
+        self.names.group_shard_key(group, lane, shard, shards)
     }
 
     pub fn params(&self) -> ReserveParams {
@@ -346,7 +360,7 @@ impl Dispatcher {
             let r = match fate {
                 Fate::Dispatch(g) => {
                     let lane = env.map(|e| e.lane).unwrap_or_default();
-                    amqp::publish(&self.publisher, &self.names.tasks_exchange(), &self.names.group_key(g, lane), body.as_deref().unwrap_or(&d.data), amqp::task_properties(id, None)).await.map(Some)
+                    amqp::publish(&self.publisher, &self.names.tasks_exchange(), &self.group_key(g, lane), body.as_deref().unwrap_or(&d.data), amqp::task_properties(id, None)).await.map(Some)
                 }
                 Fate::Park(g) => {
                     let lane = env.map(|e| e.lane).unwrap_or_default();

@@ -67,12 +67,16 @@ pub async fn rescue_orphans(d: &Dispatcher) -> fleet::Result<usize> {
         if !groups.iter().any(|g| cap(g) > 0) {
             continue;
         }
+        let shards = d.cfg.common.shards(lane);
         for g in groups.iter().filter(|g| cap(g) == 0) {
-            let queue = d.names.group_queue(&g.group, lane);
-            if topology::depth(&d.conn, &queue).await.unwrap_or(0) == 0 {
-                continue;
+            for shard in 0..shards {
+                let queue = d.names.group_shard_queue(&g.group, lane, shard, shards);
+                if topology::depth(&d.conn, &queue).await.unwrap_or(0) == 0 {
+                    continue;
+                }
+                let own_key = d.names.group_shard_key(&g.group, lane, shard, shards);
+                moved += move_queue(d, &g.group, &queue, &own_key, lane).await?;
             }
-            moved += move_queue(d, &g.group, &queue, lane).await?;
         }
     }
     Ok(moved)
@@ -80,7 +84,8 @@ pub async fn rescue_orphans(d: &Dispatcher) -> fleet::Result<usize> {
 
 /// Takes tasks from an orphaned queue and reroutes them, until one cannot move (it goes to the
 /// back of the queue; the next tick starts with the task behind it) or a batch is done.
-async fn move_queue(d: &Dispatcher, group: &str, queue: &str, lane: Lane) -> fleet::Result<usize> {
+/// `own_key` routes back to `queue` itself.
+async fn move_queue(d: &Dispatcher, group: &str, queue: &str, own_key: &str, lane: Lane) -> fleet::Result<usize> {
     let ch = d.conn.create_channel().await?;
     let mut moved = 0;
     for _ in 0..ORPHAN_BATCH {
@@ -113,9 +118,12 @@ async fn move_queue(d: &Dispatcher, group: &str, queue: &str, lane: Lane) -> fle
         };
         // Where it goes: another group, or (no room anywhere, no match, its own group came
         // back, Redis unreachable) the back of its own queue.
-        let dest = to.clone().unwrap_or_else(|| group.to_string());
+        let key = match &to {
+            Some(to) if to != group => d.group_key(to, lane),
+            _ => own_key.to_string(),
+        };
         // Properties as they came (message id, headers: a health probe stays one).
-        let r = amqp::publish_confirmed(&d.publisher, &d.names.tasks_exchange(), &d.names.group_key(&dest, lane), &delivery.data, delivery.properties.clone()).await;
+        let r = amqp::publish_confirmed(&d.publisher, &d.names.tasks_exchange(), &key, &delivery.data, delivery.properties.clone()).await;
         if let Err(e) = r {
             if let Some(to) = &to {
                 let _ = d.store.unreserve(&[(to.clone(), lane, env.id.clone())]).await;

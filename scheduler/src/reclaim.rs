@@ -168,13 +168,21 @@ async fn tick(d: &Dispatcher, loops: &ParkLoops, probes: &ProbeBoard, groups: &[
 /// parked flag alive (the claim refuses it); those of a worker keep its run records.
 async fn queues_empty(d: &Dispatcher, group: &str) -> bool {
     for lane in Lane::ALL {
-        for q in [d.names.group_queue(group, lane), d.names.park_queue(group, lane)] {
+        for q in group_queues(d, group, lane) {
             if topology::depth(&d.conn, &q).await.unwrap_or(0) > 0 {
                 return false;
             }
         }
     }
     true
+}
+
+/// One lane's queues of a group: its park queue first, then every shard queue (one when the
+/// lane is not sharded).
+fn group_queues(d: &Dispatcher, group: &str, lane: Lane) -> Vec<String> {
+    let mut qs = vec![d.names.park_queue(group, lane)];
+    qs.extend(d.names.group_shard_queues(group, lane, d.cfg.common.shards(lane)));
+    qs
 }
 
 /// Why a group's queues were not all deleted.
@@ -199,10 +207,10 @@ impl std::fmt::Display for NotDeleted {
 /// close of a channel whose id it reuses, e.g. a passive declare's 404, on the next one).
 const DELETE_ATTEMPTS: u32 = 5;
 
-/// Deletes the group's four queues with `if-empty` (a queue already gone counts as deleted).
+/// Deletes the group's park and lane queues (every shard) with `if-empty` (a queue already gone counts as deleted).
 async fn delete_queues(d: &Dispatcher, group: &str) -> Result<(), NotDeleted> {
     for lane in Lane::ALL {
-        for q in [d.names.park_queue(group, lane), d.names.group_queue(group, lane)] {
+        for q in group_queues(d, group, lane) {
             let mut attempt = 0;
             loop {
                 attempt += 1;

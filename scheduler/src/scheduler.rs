@@ -146,6 +146,7 @@ async fn session(
     ready: &Readiness,
     shutdown: &CancellationToken,
 ) -> fleet::Result<()> {
+    topology::probe_leader_locator(&conn, &cfg.common).await?;
     let setup = conn.create_channel().await?;
     topology::declare_core(&setup, &cfg.common).await?;
     topology::declare_ingress(&setup, &cfg.common).await?;

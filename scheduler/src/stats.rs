@@ -68,12 +68,15 @@ async fn sample(d: &Dispatcher, board: &GroupBoard) -> fleet::Result<()> {
         }
         let mut backlog = 0u32;
         for lane in Lane::ALL {
-            let q = n.group_queue(&g.group, lane);
-            if let Some(depth) = topology::depth(&d.conn, &q).await {
-                metrics::gauge!(m::QUEUE_DEPTH, "queue" => q).set(f64::from(depth));
-                backlog += depth;
-                *(if lane == Lane::Normal { &mut gs.queued } else { &mut gs.queued_critical }) = depth;
+            let mut queued = 0u32;
+            for q in n.group_shard_queues(&g.group, lane, d.cfg.common.shards(lane)) {
+                if let Some(depth) = topology::depth(&d.conn, &q).await {
+                    metrics::gauge!(m::QUEUE_DEPTH, "queue" => q).set(f64::from(depth));
+                    backlog += depth;
+                    queued += depth;
+                }
             }
+            *(if lane == Lane::Normal { &mut gs.queued } else { &mut gs.queued_critical }) = queued;
             // A park queue not declared yet (or deleted with its reclaimed group) holds nothing.
             let park = n.park_queue(&g.group, lane);
             let depth = topology::depth(&d.conn, &park).await.unwrap_or(0);

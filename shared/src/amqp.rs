@@ -41,13 +41,16 @@ pub fn reconnect_backoff() -> backon::ExponentialBuilder {
 }
 
 /// Connects, retrying transient failures (refused, reset, timed out) with
-/// [`reconnect_backoff`] until it works or `shutdown` fires (then `Ok(None)`). One warning per
-/// failed attempt, naming `FLEET_AMQP_URL` with the password hidden. A permanent failure (login
-/// refused, unknown vhost) is returned at once as [`Error::Permanent`]. Cancel safe.
+/// [`reconnect_backoff`] until it works or `shutdown` fires (then `Ok(None)`). `url` may list
+/// several cluster nodes: each attempt is one pass over them from a random node
+/// ([`crate::endpoints::connect_any`], which logs each node's failure and the node it is on);
+/// the backoff runs between failed passes. One warning per failed pass, naming
+/// `FLEET_AMQP_URL` with the password hidden. A permanent failure (login refused, unknown
+/// vhost) is returned at once as [`Error::Permanent`]. Cancel safe.
 pub async fn connect_retrying(url: &str, name: &str, shutdown: &CancellationToken) -> Result<Option<Connection>> {
     use backon::Retryable;
     let shown = crate::redact::redact(url).into_owned();
-    let attempt = (|| connect(url, name))
+    let attempt = (|| crate::endpoints::connect_any(url, name))
         .retry(reconnect_backoff())
         .sleep(tokio::time::sleep)
         .when(|e| !matches!(e, Error::Permanent { .. }))

@@ -203,6 +203,8 @@ pub struct CommonConfig {
     pub http_addr: String,
     pub log_format: String,
     pub queue_type: QueueType,
+    /// `x-queue-leader-locator` of new quorum queues (`balanced`, `client-local`), or `None`.
+    pub leader_locator: Option<String>,
     /// Largest envelope accepted, in bytes.
     pub max_task_bytes: usize,
     /// Every dimension of an envelope, checked at the door (`limits.max_bytes` = `max_task_bytes`).
@@ -218,6 +220,10 @@ pub struct CommonConfig {
     /// How long task status records live in Redis.
     pub status_ttl: Duration,
     pub default_max_attempts: u32,
+    /// Shard queues per group on the normal lane (`FLEET_SHARDS`, default 1: one queue, as
+    /// unsharded) and shards each worker consumes (`FLEET_SHARDS_PER_WORKER`, default 1); see
+    /// [`crate::subset`].
+    pub subsetting: crate::subset::Subsetting,
 }
 
 impl CommonConfig {
@@ -238,15 +244,26 @@ impl CommonConfig {
         }
         let queue_type = if a.queue_type == "classic" { QueueType::Classic } else { QueueType::Quorum };
         let amqp_url = a.amqp_url.trim().to_string();
-        let scheme = amqp_url.split("://").next().unwrap_or("").to_ascii_lowercase();
-        if !amqp_url.contains("://") || !matches!(scheme.as_str(), "amqp" | "amqps") {
-            return Err(Error::config("FLEET_AMQP_URL", format!("`{amqp_url}` is not an amqp:// or amqps:// URL")));
-        }
-        let redis_url = a.redis_url.trim().to_string();
+        // One URL or a comma-separated list of cluster nodes (see `endpoints`).
+        crate::endpoints::Endpoints::parse(&amqp_url).map_err(|e| Error::config("FLEET_AMQP_URL", e))?;
+        let mut redis_url = a.redis_url.trim().to_string();
         let scheme = redis_url.split("://").next().unwrap_or("").to_ascii_lowercase();
-        if !redis_url.contains("://") || scheme != "redis" {
-            let why = if scheme == "rediss" { "TLS (rediss://) is not supported by this build" } else { "not a redis:// URL" };
+        if !redis_url.contains("://") || !matches!(scheme.as_str(), "redis" | "redis+sentinel") {
+            let why = if scheme == "rediss" { "TLS (rediss://) is not supported by this build" } else { "not a redis:// or redis+sentinel:// URL" };
             return Err(Error::config("FLEET_REDIS_URL", format!("`{redis_url}`: {why}")));
+        }
+        if !a.redis_sentinels.trim().is_empty() {
+            if scheme != "redis" {
+                return Err(Error::config("FLEET_REDIS_SENTINELS", "give the Sentinels either here (with a redis:// FLEET_REDIS_URL for the password and db) or in a redis+sentinel:// FLEET_REDIS_URL, not both"));
+            }
+            let master = a.redis_master.trim();
+            if master.is_empty() {
+                return Err(Error::config("FLEET_REDIS_MASTER", "the master name is empty"));
+            }
+            redis_url = crate::sentinel::Target::from_settings(&a.redis_sentinels, master, &redis_url);
+            crate::sentinel::Target::parse(&redis_url).map_err(|e| Error::config("FLEET_REDIS_SENTINELS", e))?;
+        } else {
+            crate::sentinel::Target::parse(&redis_url).map_err(|e| Error::config("FLEET_REDIS_URL", e))?;
         }
         if http_addr.parse::<std::net::SocketAddr>().is_err() {
             return Err(Error::config("FLEET_HTTP_ADDR", format!("`{http_addr}` is not host:port")));
@@ -266,6 +283,7 @@ impl CommonConfig {
             http_addr,
             log_format: a.log_format.clone(),
             queue_type,
+            leader_locator: (a.queue_leader_locator != "none").then(|| a.queue_leader_locator.clone()),
             max_task_bytes: a.max_task_bytes,
             ingress_max_normal: a.ingress_max_normal,
             ingress_max_critical: a.ingress_max_critical,
@@ -273,7 +291,17 @@ impl CommonConfig {
             park_max_critical: a.park_max_critical,
             status_ttl: Duration::from_millis(a.status_ttl_ms),
             default_max_attempts: a.max_attempts,
+            subsetting: subsetting(a.shards, a.shards_per_worker)?,
         })
+    }
+
+    /// Shard queues of a group's lane: `FLEET_SHARDS` on the normal lane, one on the critical
+    /// lane (small by design, never the hot path).
+    pub fn shards(&self, lane: crate::Lane) -> u32 {
+        match lane {
+            crate::Lane::Normal => self.subsetting.shards(),
+            crate::Lane::Critical => 1,
+        }
     }
 
     pub fn names(&self) -> crate::names::Names {
@@ -295,6 +323,14 @@ impl CommonConfig {
     }
 }
 
+fn subsetting(shards: u32, per_worker: u32) -> Result<crate::subset::Subsetting> {
+    use crate::subset::{SubsetError, Subsetting};
+    Subsetting::new(shards, per_worker).map_err(|e| match e {
+        SubsetError::NoShards => Error::config("FLEET_SHARDS", e.to_string()),
+        _ => Error::config("FLEET_SHARDS_PER_WORKER", e.to_string()),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -309,6 +345,8 @@ mod tests {
         for (k, v, name) in [
             ("queue_type", "fancy", "FLEET_QUEUE_TYPE"),
             ("amqp_url", "AMQPX://u:hunter2@h/", "FLEET_AMQP_URL"),
+            ("amqp_url", "amqp://u:hunter2@h1/%2f,,amqp://u:hunter2@h2", "FLEET_AMQP_URL"),
+            ("amqp_url", "amqp://u:hunter2@h1/%2f;amqp://u:hunter2@h2", "FLEET_AMQP_URL"),
             ("redis_url", "rediss://u:hunter2@h/", "FLEET_REDIS_URL"),
             ("ingress_max_normal", "-1", "FLEET_INGRESS_MAX_NORMAL"),
             ("namespace", "a b", "FLEET_NAMESPACE"),
@@ -321,6 +359,16 @@ mod tests {
         // The scheme is case-insensitive.
         let s = Settings::from_pairs([("amqp_url", "AMQP://u:p@127.0.0.1:5672/%2f".to_string())]);
         assert!(CommonConfig::from_settings(&s, "127.0.0.1:1").is_ok());
+        let s = Settings::from_pairs([("shards", "12".to_string()), ("shards_per_worker", "5".into())]);
+        let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
+        assert!(e.contains("FLEET_SHARDS_PER_WORKER") && e.contains("multiple"), "{e}");
+        let s = Settings::from_pairs([("shards", "0".to_string())]);
+        let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
+        assert!(e.contains("FLEET_SHARDS"), "{e}");
+        let s = Settings::from_pairs([("shards", "12".to_string()), ("shards_per_worker", "3".into())]);
+        let c = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap();
+        assert_eq!((c.subsetting.shards(), c.subsetting.per_worker()), (12, 3));
+        assert_eq!(c.shards(crate::Lane::Critical), 1);
     }
 
     #[test]

@@ -289,7 +289,8 @@ impl Store {
                 .arg(if f.success { 1 } else { 0 })
                 .arg(f.reason);
         }
-        let _: i64 = self.invoke(&inv).await?;
+        // Outcomes are what a failover must not lose (see `invoke_replicated`).
+        let _: i64 = self.invoke_replicated(&inv).await?;
         Ok(())
     }
 }

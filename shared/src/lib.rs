@@ -8,11 +8,15 @@
 //! * [`redact`] — hiding URL passwords, escaping control characters in printed text.
 //! * [`names`] — the one place that builds every AMQP name and Redis key under the namespace.
 //! * [`topology`] — idempotent declaration of exchanges and queues.
-//! * [`amqp`] / [`store`] — connections with retry and backoff to RabbitMQ and Redis.
+//! * [`endpoints`] — the RabbitMQ node list of `FLEET_AMQP_URL` (cluster failover).
+//! * [`amqp`] / [`store`] — connections with retry and backoff to RabbitMQ and Redis;
+//!   [`sentinel`] — Redis behind Sentinel (`redis+sentinel://`), failover to the new master.
 //! * [`scripts`] — the Lua scripts (one atomic decision each); typed wrappers live with their
 //!   concept: [`registry`] (workers, heartbeats, eviction), [`route`] + [`lease`] (choice,
 //!   reservation, in-flight records), [`ratelimit`] (GCRA bucket), [`status`] (task status).
 //! * [`dead`] — dead letters: listing without removing, replaying as new submissions.
+//! * [`subset`] — deterministic subsetting: which shard queues of a sharded group a worker
+//!   consumes.
 //! * [`delay`] — the broker delay tiers used for `not_before` and retry backoff.
 //! * [`producer`] — submitting tasks: refused at once, or paced until accepted.
 //! * [`metrics`] — metric names, their help text and the Prometheus exporter.
@@ -23,6 +27,7 @@ pub mod amqp;
 pub mod config;
 pub mod dead;
 pub mod delay;
+pub mod endpoints;
 pub mod envelope;
 pub mod error;
 pub mod http;
@@ -36,9 +41,11 @@ pub mod registry;
 pub mod route;
 pub mod scripts;
 pub mod selector;
+pub mod sentinel;
 pub mod settings;
 pub mod status;
 pub mod store;
+pub mod subset;
 pub mod telemetry;
 pub mod topology;
 pub mod waits;

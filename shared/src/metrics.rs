@@ -15,6 +15,8 @@ pub const TASKS_DUPLICATE: &str = "fleet_tasks_duplicate_total";
 pub const TASKS_PARKED: &str = "fleet_tasks_parked_total";
 pub const TASKS_REROUTED: &str = "fleet_tasks_rerouted_total";
 pub const TASKS_REFUSED: &str = "fleet_tasks_refused_total";
+pub const TASKS_REPUBLISHED: &str = "fleet_tasks_republished_total";
+pub const REDIS_READ_ONLY: &str = "fleet_redis_read_only_total";
 pub const TASK_WAIT: &str = "fleet_task_wait_seconds";
 pub const TASK_RUN: &str = "fleet_task_run_seconds";
 pub const QUEUE_DEPTH: &str = "fleet_queue_depth";
@@ -54,6 +56,8 @@ pub fn describe() {
     describe_counter!(TASKS_PARKED, "Tasks parked in a group's wait queue because no matching group had room, by group.");
     describe_counter!(TASKS_REROUTED, "Tasks moved from a group without live workers to another matching group.");
     describe_counter!(TASKS_REFUSED, "Submissions refused to producers (HTTP 429/503), by reason.");
+    describe_counter!(REDIS_READ_ONLY, "Redis calls answered READONLY (a demoted master); each empties the connection pool so the next call reconnects (through Sentinel, to the new master).");
+    describe_counter!(TASKS_REPUBLISHED, "HTTP submissions published again because their publisher confirm was lost with the connection (node loss); copies are dropped by the dedupe window.");
     describe_histogram!(TASK_WAIT, Unit::Seconds, "Time from submission to start, by lane.");
     describe_histogram!(TASK_RUN, Unit::Seconds, "Handler run time, by group and lane.");
     describe_gauge!(QUEUE_DEPTH, "Messages ready in a queue, sampled by the scheduler.");

@@ -33,8 +33,16 @@ impl Names {
     pub fn tasks_exchange(&self) -> String {
         format!("{}.tasks", self.ns)
     }
-    /// Headers exchange in front of the delay tiers (header `fleet-tier`).
+    /// Headers exchange in front of the delay tiers (header `fleet-tier`). Named `.wait`
+    /// since the tiers became replicated (quorum) queues: the classic tiers of older versions
+    /// (`<ns>.delay`, `<ns>.delay.<ms>`, see [`Names::legacy_delay_exchange`]) cannot be
+    /// redeclared as quorum queues, so they are left behind unbound from anything new and drain
+    /// into `<ns>.delayed` by their TTL.
     pub fn delay_exchange(&self) -> String {
+        format!("{}.wait", self.ns)
+    }
+    /// The delay exchange of versions whose tiers were classic queues (clean-up only).
+    pub fn legacy_delay_exchange(&self) -> String {
         format!("{}.delay", self.ns)
     }
     pub fn ingress_queue(&self, lane: Lane) -> String {
@@ -46,6 +54,27 @@ impl Names {
     /// Routing key of a group lane queue on the tasks exchange.
     pub fn group_key(&self, group: &str, lane: Lane) -> String {
         format!("group.{group}.{lane}")
+    }
+    /// Shard `shard` of `shards` of a group's lane queue: `<ns>.group.<group>.<lane>.<shard>`,
+    /// or the unsharded [`group_queue`](Self::group_queue) name when `shards` is 1.
+    pub fn group_shard_queue(&self, group: &str, lane: Lane, shard: u32, shards: u32) -> String {
+        if shards <= 1 {
+            self.group_queue(group, lane)
+        } else {
+            format!("{}.group.{}.{}.{}", self.ns, group, lane, shard)
+        }
+    }
+    /// Routing key of [`group_shard_queue`](Self::group_shard_queue) on the tasks exchange.
+    pub fn group_shard_key(&self, group: &str, lane: Lane, shard: u32, shards: u32) -> String {
+        if shards <= 1 {
+            self.group_key(group, lane)
+        } else {
+            format!("group.{group}.{lane}.{shard}")
+        }
+    }
+    /// Every shard queue of a group's lane (one name when unsharded).
+    pub fn group_shard_queues(&self, group: &str, lane: Lane, shards: u32) -> Vec<String> {
+        (0..shards.max(1)).map(|s| self.group_shard_queue(group, lane, s, shards)).collect()
     }
     /// Bounded durable queue holding a group's tasks while it has no room.
     pub fn park_queue(&self, group: &str, lane: Lane) -> String {
@@ -74,7 +103,13 @@ impl Names {
     pub fn schedules_stream(&self) -> String {
         format!("{}.schedules", self.ns)
     }
+    /// One delay tier: every message waits `tier_ms` milliseconds (queue TTL), then is
+    /// dead-lettered to [`Names::delayed_queue`].
     pub fn delay_queue(&self, tier_ms: u64) -> String {
+        format!("{}.wait.{}", self.ns, tier_ms)
+    }
+    /// A delay tier of versions whose tiers were classic queues (clean-up only).
+    pub fn legacy_delay_queue(&self, tier_ms: u64) -> String {
         format!("{}.delay.{}", self.ns, tier_ms)
     }
 
@@ -118,6 +153,10 @@ impl Names {
     }
     pub fn group_workers(&self, group: &str) -> String {
         format!("{}gw:{}", self.prefix, group)
+    }
+    /// Hash of a group's worker ordinals (ordinal → worker id), for subsetting.
+    pub fn group_ordinals(&self, group: &str) -> String {
+        format!("{}gord:{}", self.prefix, group)
     }
     pub fn reserved(&self, group: &str, lane: Lane) -> String {
         format!("{}resv:{}:{}", self.prefix, group, lane)
@@ -173,6 +212,11 @@ mod tests {
         let n = Names::new("t1");
         assert_eq!(n.ingress_queue(Lane::Critical), "t1.ingress.critical");
         assert_eq!(n.group_queue("gpu=true", Lane::Normal), "t1.group.gpu=true.normal");
+        assert_eq!(n.group_shard_queue("g", Lane::Normal, 0, 1), "t1.group.g.normal");
+        assert_eq!(n.group_shard_queue("g", Lane::Normal, 7, 12), "t1.group.g.normal.7");
+        assert_eq!(n.group_shard_key("g", Lane::Normal, 7, 12), "group.g.normal.7");
+        assert_eq!(n.group_shard_queues("g", Lane::Normal, 3).len(), 3);
+        assert_eq!(n.group_ordinals("g"), "{t1}:gord:g");
         assert_eq!(n.worker("w1"), "{t1}:w:w1");
         assert_eq!(n.reserved("g", Lane::Normal), "{t1}:resv:g:normal");
     }

@@ -88,10 +88,11 @@ pub struct Producer {
 }
 
 impl Producer {
-    /// Connects to `amqp_url` and opens a confirm channel. Errors: the connection or channel
+    /// Connects to `amqp_url` (one URL, or a cluster's node list tried from a random node: see
+    /// [`crate::endpoints`]) and opens a confirm channel. Errors: the connection or channel
     /// failed ([`Error::Amqp`]).
     pub async fn connect(amqp_url: &str, names: Names, connection_name: &str) -> Result<Self> {
-        let conn = amqp::connect(amqp_url, connection_name).await?;
+        let conn = crate::endpoints::connect_any(amqp_url, connection_name).await?;
         let ch = amqp::confirm_channel(&conn).await?;
         Ok(Producer { conn, ch, names })
     }

@@ -339,6 +339,13 @@ impl Store {
         self.invoke::<i64>(&inv).await.map(|_| ())
     }
 
+    /// A group's worker ordinals (deterministic subsetting): ordinal → worker id. Taken by
+    /// `register.lua` (lowest free), freed by deregistration and eviction.
+    pub async fn group_ordinals(&self, group: &str) -> Result<BTreeMap<u32, String>> {
+        let raw: BTreeMap<String, String> = self.query(redis::cmd("HGETALL").arg(self.names.group_ordinals(group))).await?;
+        Ok(raw.into_iter().filter_map(|(o, id)| Some((o.parse().ok()?, id))).collect())
+    }
+
     /// Names of all groups ever registered in this namespace.
     pub async fn group_names(&self) -> Result<Vec<String>> {
         let mut g: Vec<String> = self.query(redis::cmd("SMEMBERS").arg(self.names.groups())).await?;

@@ -24,12 +24,18 @@ use crate::error::Error;
 /// Settings both daemons share.
 #[derive(Debug, Clone, Args)]
 pub struct CommonArgs {
-    /// RabbitMQ URL (`amqp://` or `amqps://`). The password is never printed.
+    /// RabbitMQ URL (`amqp://` or `amqps://`), or a comma-separated list of a cluster's nodes: each process starts at a random node and fails over to the next. The password is never printed.
     #[arg(long, env = "FLEET_AMQP_URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f", hide_env_values = true)]
     pub amqp_url: String,
-    /// Redis URL (`redis://`). The password is never printed.
+    /// Redis URL (`redis://`), or `redis+sentinel://[:password@]host:port,…/<master>[/<db>]` for a master behind Sentinel. The password is never printed.
     #[arg(long, env = "FLEET_REDIS_URL", default_value = "redis://127.0.0.1:6379", hide_env_values = true)]
     pub redis_url: String,
+    /// Redis Sentinels, `host:port,host:port` (instead of the `redis+sentinel://` form): the master named by FLEET_REDIS_MASTER is asked of them, with the password and db of FLEET_REDIS_URL.
+    #[arg(long, env = "FLEET_REDIS_SENTINELS", default_value = "")]
+    pub redis_sentinels: String,
+    /// Name of the Sentinel-monitored master (with FLEET_REDIS_SENTINELS).
+    #[arg(long, env = "FLEET_REDIS_MASTER", default_value = "mymaster")]
+    pub redis_master: String,
     /// Prefix of every Redis key and AMQP name (letters, digits, `_`, `-`).
     #[arg(long, env = "FLEET_NAMESPACE", default_value = "fleet")]
     pub namespace: String,
@@ -39,6 +45,9 @@ pub struct CommonArgs {
     /// Type of the task queues.
     #[arg(long, env = "FLEET_QUEUE_TYPE", default_value = "quorum", value_parser = ["quorum", "classic"])]
     pub queue_type: String,
+    /// Where a new quorum queue's leader goes (`x-queue-leader-locator`, RabbitMQ 3.10+): `balanced` spreads leaders over a cluster's nodes; `none` sets no argument. A namespace whose queues predate the argument is detected and declared without it.
+    #[arg(long, env = "FLEET_QUEUE_LEADER_LOCATOR", default_value = "balanced", value_parser = ["balanced", "client-local", "none"])]
+    pub queue_leader_locator: String,
     /// Largest envelope accepted, in bytes.
     #[arg(long, env = "FLEET_MAX_TASK_BYTES", default_value = "1048576", value_parser = positive::<usize>)]
     pub max_task_bytes: usize,
@@ -72,6 +81,12 @@ pub struct CommonArgs {
     /// Attempts of a task that does not say (`max_attempts` in the envelope wins).
     #[arg(long, env = "FLEET_MAX_ATTEMPTS", default_value = "5", value_parser = positive::<u32>)]
     pub max_attempts: u32,
+    /// Shard queues of every group's normal lane (1: one queue, unsharded); the same on the scheduler and every worker. See README "Sharded groups".
+    #[arg(long, env = "FLEET_SHARDS", default_value = "1", value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub shards: u32,
+    /// Shard queues each worker consumes, chosen by deterministic subsetting from its ordinal in its group; FLEET_SHARDS must be a multiple of it.
+    #[arg(long, env = "FLEET_SHARDS_PER_WORKER", default_value = "1", value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub shards_per_worker: u32,
 }
 
 /// `fleet-scheduler`'s settings.

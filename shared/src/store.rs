@@ -5,14 +5,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_redis::redis::{self, FromRedisValue, ScriptInvocation};
-use deadpool_redis::{Config, Connection, Pool, Runtime};
 
 use crate::error::{Error, Result};
 use crate::names::Names;
 use crate::scripts::Scripts;
+use crate::sentinel::{Conn, Pool};
 
 /// Longest a single Redis call may take before it counts as failed.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Longest [`Store::invoke_replicated`] waits for a replica to acknowledge a write.
+pub const REPLICA_WAIT: Duration = Duration::from_millis(500);
 
 /// Handle on the fleet's Redis state. Cheap to clone.
 #[derive(Clone)]
@@ -55,49 +58,79 @@ impl Clock {
 }
 
 impl Store {
-    /// Builds the pool (no connection is made until first use).
+    /// Builds the pool (no connection is made until first use). `url` is `redis://…` or the
+    /// Sentinel form `redis+sentinel://…` (see [`crate::sentinel`]).
     pub fn new(url: &str, names: Names) -> Result<Self> {
-        let mut cfg = Config::from_url(url);
         let mut pc = deadpool_redis::PoolConfig::new(32);
         pc.timeouts.wait = Some(CALL_TIMEOUT);
         pc.timeouts.create = Some(CALL_TIMEOUT);
         pc.timeouts.recycle = Some(CALL_TIMEOUT);
-        cfg.pool = Some(pc);
-        let pool = cfg
-            .create_pool(Some(Runtime::Tokio1))
-            .map_err(|e| Error::config("FLEET_REDIS_URL", e.to_string()))?;
+        let pool = Pool::new(url, pc)?;
         Ok(Store { pool, names, scripts: Arc::new(Scripts::load()), clock: Clock::default() })
     }
 
-    pub async fn conn(&self) -> Result<Connection> {
-        Ok(self.pool.get().await?)
+    pub async fn conn(&self) -> Result<Conn> {
+        self.pool.get().await
+    }
+
+    /// The answer of one call on `c`, with a connection that found Redis read-only (a
+    /// demoted master) taken out of the pool together with every idle one, so the next call
+    /// reconnects (through Sentinel: to the new master).
+    fn settle<T>(&self, c: Conn, r: std::result::Result<redis::RedisResult<T>, tokio::time::error::Elapsed>) -> Result<T> {
+        match r {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => {
+                if crate::sentinel::is_read_only(&e) {
+                    c.discard();
+                    self.pool.drop_idle();
+                    metrics::counter!(crate::metrics::REDIS_READ_ONLY).increment(1);
+                    tracing::warn!(sentinel = self.pool.is_sentinel(), "Redis answered READONLY (a demoted master); reconnecting");
+                }
+                Err(e.into())
+            }
+            Err(_) => Err(Error::Other("redis call timed out".into())),
+        }
     }
 
     /// Runs a script invocation with the call timeout.
     pub async fn invoke<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> Result<T> {
         let mut c = self.conn().await?;
-        match tokio::time::timeout(CALL_TIMEOUT, inv.invoke_async(&mut c)).await {
-            Ok(r) => Ok(r?),
-            Err(_) => Err(Error::Other("redis call timed out".into())),
+        let r = tokio::time::timeout(CALL_TIMEOUT, inv.invoke_async(&mut c)).await;
+        self.settle(c, r)
+    }
+
+    /// [`Store::invoke`], then — behind Sentinel — `WAIT 1 <REPLICA_WAIT>` on the same
+    /// connection: the call returns once a replica has every write so far (or the wait ran
+    /// out: best effort, a replica that is down does not stop the fleet). Redis replication is
+    /// asynchronous, so without it a write the master answered in the moment before it died
+    /// is lost with it; used for task outcomes (a status `succeeded` that reverted to
+    /// `queued` after a failover). Direct URLs skip the wait.
+    pub async fn invoke_replicated<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> Result<T> {
+        let mut c = self.conn().await?;
+        let r = tokio::time::timeout(CALL_TIMEOUT, inv.invoke_async(&mut c)).await;
+        if !self.pool.is_sentinel() || !matches!(r, Ok(Ok(_))) {
+            return self.settle(c, r);
         }
+        let wait = redis::cmd("WAIT").arg(1).arg(REPLICA_WAIT.as_millis() as u64).to_owned();
+        let acked = tokio::time::timeout(CALL_TIMEOUT, wait.query_async::<i64>(&mut c)).await;
+        if !matches!(acked, Ok(Ok(n)) if n >= 1) {
+            tracing::debug!(?acked, "no replica acknowledged the write in time");
+        }
+        self.settle(c, r)
     }
 
     /// Runs a command with the call timeout.
     pub async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T> {
         let mut c = self.conn().await?;
-        match tokio::time::timeout(CALL_TIMEOUT, cmd.query_async(&mut c)).await {
-            Ok(r) => Ok(r?),
-            Err(_) => Err(Error::Other("redis call timed out".into())),
-        }
+        let r = tokio::time::timeout(CALL_TIMEOUT, cmd.query_async(&mut c)).await;
+        self.settle(c, r)
     }
 
     /// Runs a pipeline with the call timeout.
     pub async fn pipe<T: FromRedisValue>(&self, p: &redis::Pipeline) -> Result<T> {
         let mut c = self.conn().await?;
-        match tokio::time::timeout(CALL_TIMEOUT, p.query_async(&mut c)).await {
-            Ok(r) => Ok(r?),
-            Err(_) => Err(Error::Other("redis call timed out".into())),
-        }
+        let r = tokio::time::timeout(CALL_TIMEOUT, p.query_async(&mut c)).await;
+        self.settle(c, r)
     }
 
     /// Measures this process's clock against Redis (`TIME`, halfway through the round trip),

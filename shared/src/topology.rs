@@ -3,13 +3,14 @@
 //! ```text
 //! producers ──► <ns>.submit (direct, key = lane) ──► <ns>.ingress.<lane>   bounded, reject-publish
 //! scheduler ──► <ns>.tasks  (direct) ─┬─► <ns>.group.<group>.<lane>        per-label task queues
+//!                                     │   (…<lane>.<shard> when FLEET_SHARDS > 1: normal lane)
 //!                                     ├─► <ns>.park.<group>.<lane>         bounded wait for room
 //!                                     ├─► <ns>.delayed                     back from a delay tier
 //!                                     ├─► <ns>.dead                        dead letters
 //!                                     └─► <ns>.dead.broker                 the broker's own dead
 //!                                         letters (group queues' DLX), given a reason by the
 //!                                         scheduler and moved to <ns>.dead
-//! anyone    ──► <ns>.delay  (headers fleet-tier) ──► <ns>.delay.<ms> ──(TTL, DLX)──► <ns>.delayed
+//! anyone    ──► <ns>.wait   (headers fleet-tier) ──► <ns>.wait.<ms>  ──(TTL, DLX)──► <ns>.delayed
 //! ```
 //! Declaring is idempotent, so every process declares what it uses at start-up.
 
@@ -32,16 +33,63 @@ fn durable() -> QueueDeclareOptions {
     QueueDeclareOptions { durable: true, ..Default::default() }
 }
 
-fn args(qt: QueueType) -> FieldTable {
+/// Namespaces whose quorum queues were created before fleet set `x-queue-leader-locator`
+/// (found by [`probe_leader_locator`]): their queues are declared without it, since RabbitMQ
+/// refuses a redeclare whose arguments differ (406 `inequivalent arg`).
+static LOCATOR_PREDATES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+fn locator_predates(ns: &str) -> bool {
+    LOCATOR_PREDATES.lock().map(|v| v.iter().any(|n| n == ns)).unwrap_or(false)
+}
+
+/// Finds out, once per connection and before anything else is declared, whether this
+/// namespace's queues predate the leader locator: declares `<ns>.dead` (a queue every version
+/// has, with the arguments [`declare_core`] gives it) on a channel of its own; a 406 naming
+/// `x-queue-leader-locator` means an older fleet created it, and then no queue of the namespace
+/// gets the argument in this process (new leaders are still placed by the broker's default;
+/// an operator may set `queue_leader_locator = balanced` in rabbitmq.conf). Any other failure
+/// is left to [`declare_core`] to report.
+///
+/// # Errors
+/// Opening the channel failed (connection lost).
+pub async fn probe_leader_locator(conn: &lapin::Connection, cfg: &CommonConfig) -> Result<()> {
+    if cfg.queue_type != QueueType::Quorum || cfg.leader_locator.is_none() || locator_predates(&cfg.namespace) {
+        return Ok(());
+    }
+    let ch = conn.create_channel().await?;
+    match ch.queue_declare(ShortString::from(cfg.names().dead_queue()), durable(), args(cfg)).await {
+        Ok(_) => {
+            let _ = ch.close(200, "ok".into()).await;
+        }
+        Err(e) if e.to_string().contains("x-queue-leader-locator") => {
+            tracing::info!(namespace = %cfg.namespace, "this namespace's quorum queues predate x-queue-leader-locator; declaring them without it");
+            if let Ok(mut v) = LOCATOR_PREDATES.lock() {
+                v.push(cfg.namespace.clone());
+            }
+        }
+        Err(_) => {}
+    }
+    Ok(())
+}
+
+/// Arguments every task queue of type `qt` gets: for quorum queues the type and, unless
+/// `FLEET_QUEUE_LEADER_LOCATOR` is `none`, `x-queue-leader-locator` (RabbitMQ ≥ 3.10:
+/// `balanced` places each new queue's Raft leader on the node with the fewest leaders, so one
+/// node does not do every queue's leader work; `client-local` on the node this process is
+/// connected to).
+fn args(cfg: &CommonConfig) -> FieldTable {
     let mut t = FieldTable::default();
-    if qt == QueueType::Quorum {
+    if cfg.queue_type == QueueType::Quorum {
         t.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+        if let Some(l) = cfg.leader_locator.as_deref().filter(|_| !locator_predates(&cfg.namespace)) {
+            t.insert("x-queue-leader-locator".into(), AMQPValue::LongString(l.into()));
+        }
     }
     t
 }
 
-fn bounded(qt: QueueType, max: u32) -> FieldTable {
-    let mut t = args(qt);
+fn bounded(cfg: &CommonConfig, max: u32) -> FieldTable {
+    let mut t = args(cfg);
     t.insert("x-max-length".into(), AMQPValue::LongLongInt(i64::from(max)));
     t.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
     t
@@ -73,7 +121,14 @@ async fn queue(ch: &Channel, name: &str, arguments: FieldTable, bound_setting: O
                 ),
             },
             Error::Permanent { message, .. } if message.contains("inequivalent arg") => {
-                let setting = if message.contains("'x-max-length'") { bound_setting.unwrap_or("FLEET_NAMESPACE") } else { "FLEET_QUEUE_TYPE" };
+                let setting = if message.contains("'x-max-length'") {
+                    bound_setting.unwrap_or("FLEET_NAMESPACE")
+                } else if message.contains("'x-queue-leader-locator'") {
+                    // A quorum queue created before fleet spread queue leaders.
+                    "FLEET_QUEUE_LEADER_LOCATOR"
+                } else {
+                    "FLEET_QUEUE_TYPE"
+                };
                 Error::Permanent {
                     setting: setting.to_string(),
                     message: format!(
@@ -103,7 +158,7 @@ pub async fn declare_ingress(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
             Lane::Normal => "FLEET_INGRESS_MAX_NORMAL",
             Lane::Critical => "FLEET_INGRESS_MAX_CRITICAL",
         };
-        queue(ch, &q, bounded(cfg.queue_type, cfg.ingress_max(lane)), Some(setting)).await?;
+        queue(ch, &q, bounded(cfg, cfg.ingress_max(lane)), Some(setting)).await?;
         bind(ch, &q, &n.submit_exchange(), lane.as_str(), FieldTable::default()).await?;
     }
     Ok(())
@@ -116,23 +171,32 @@ pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
     exchange(ch, &n.submit_exchange(), ExchangeKind::Direct).await?;
     exchange(ch, &n.tasks_exchange(), ExchangeKind::Direct).await?;
     exchange(ch, &n.delay_exchange(), ExchangeKind::Headers).await?;
-    queue(ch, &n.dead_queue(), args(cfg.queue_type), None).await?;
+    queue(ch, &n.dead_queue(), args(cfg), None).await?;
     bind(ch, &n.dead_queue(), &n.tasks_exchange(), Names::DEAD_KEY, FieldTable::default()).await?;
     // Declared by every process before any group queue: a dead letter routed to no queue
     // would be dropped by the broker.
-    queue(ch, &n.broker_dead_queue(), args(cfg.queue_type), None).await?;
+    queue(ch, &n.broker_dead_queue(), args(cfg), None).await?;
     bind(ch, &n.broker_dead_queue(), &n.tasks_exchange(), Names::BROKER_DEAD_KEY, FieldTable::default()).await?;
-    queue(ch, &n.delayed_queue(), args(cfg.queue_type), None).await?;
+    queue(ch, &n.delayed_queue(), args(cfg), None).await?;
     bind(ch, &n.delayed_queue(), &n.tasks_exchange(), Names::DELAYED_KEY, FieldTable::default()).await?;
-    // Delay tiers are classic queues: one TTL per queue expires exactly at the head, and
-    // they hold only short-lived copies that are cheap to lose on a node failure compared to
-    // the cost of replicating every hop.
+    // Delay tiers are of FLEET_QUEUE_TYPE: with quorum queues (the default) they are
+    // replicated like every other queue holding a task, so a task waiting for its retry or
+    // its `not_before` survives the loss of a node. One TTL per queue expires exactly at the
+    // head (quorum queues support message TTL from RabbitMQ 3.10); expired messages are
+    // dead-lettered at least once (`x-dead-letter-strategy`, which needs `x-overflow:
+    // reject-publish`): the quorum queue keeps a message until the delayed queue confirmed its
+    // copy, so the hop loses nothing on a leader change (a copy twice is absorbed by the
+    // dedupe protocol).
     for tier in delay::tiers() {
         let q = n.delay_queue(tier);
-        let mut a = FieldTable::default();
+        let mut a = args(cfg);
         a.insert("x-message-ttl".into(), AMQPValue::LongLongInt(tier as i64));
         a.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(n.tasks_exchange().into()));
         a.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(Names::DELAYED_KEY.into()));
+        if cfg.queue_type == QueueType::Quorum {
+            a.insert("x-dead-letter-strategy".into(), AMQPValue::LongString("at-least-once".into()));
+            a.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
+        }
         queue(ch, &q, a, None).await?;
         let mut h = FieldTable::default();
         h.insert("x-match".into(), AMQPValue::LongString("all".into()));
@@ -142,7 +206,8 @@ pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
     Ok(())
 }
 
-/// Declares one group's lane queues (both lanes). Returns nothing: idempotent.
+/// Declares one group's lane queues (both lanes; every shard of a sharded lane, see
+/// [`crate::subset`]). Returns nothing: idempotent.
 ///
 /// What the broker dead-letters from them itself (a quorum queue past [`DELIVERY_LIMIT`])
 /// goes to `<ns>.dead.broker`, not straight to `<ns>.dead`: the scheduler's backstop gives it
@@ -151,15 +216,18 @@ pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
 pub async fn declare_group(ch: &Channel, cfg: &CommonConfig, group: &str) -> Result<()> {
     let n = cfg.names();
     for lane in Lane::ALL {
-        let q = n.group_queue(group, lane);
-        let mut a = args(cfg.queue_type);
-        a.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(n.tasks_exchange().into()));
-        a.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(Names::BROKER_DEAD_KEY.into()));
-        if cfg.queue_type == QueueType::Quorum {
-            a.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(DELIVERY_LIMIT));
+        let shards = cfg.shards(lane);
+        for shard in 0..shards {
+            let q = n.group_shard_queue(group, lane, shard, shards);
+            let mut a = args(cfg);
+            a.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(n.tasks_exchange().into()));
+            a.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(Names::BROKER_DEAD_KEY.into()));
+            if cfg.queue_type == QueueType::Quorum {
+                a.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(DELIVERY_LIMIT));
+            }
+            queue(ch, &q, a, None).await?;
+            bind(ch, &q, &n.tasks_exchange(), &n.group_shard_key(group, lane, shard, shards), FieldTable::default()).await?;
         }
-        queue(ch, &q, a, None).await?;
-        bind(ch, &q, &n.tasks_exchange(), &n.group_key(group, lane), FieldTable::default()).await?;
     }
     Ok(())
 }
@@ -168,7 +236,7 @@ pub async fn declare_group(ch: &Channel, cfg: &CommonConfig, group: &str) -> Res
 pub async fn declare_park(ch: &Channel, cfg: &CommonConfig, group: &str, lane: Lane) -> Result<()> {
     let n = cfg.names();
     let q = n.park_queue(group, lane);
-    queue(ch, &q, bounded(cfg.queue_type, cfg.park_bound(lane)), Some(park_setting(lane))).await?;
+    queue(ch, &q, bounded(cfg, cfg.park_bound(lane)), Some(park_setting(lane))).await?;
     bind(ch, &q, &n.tasks_exchange(), &n.park_key(group, lane), FieldTable::default()).await
 }
 
@@ -207,8 +275,13 @@ pub async fn depth(conn: &lapin::Connection, queue_name: &str) -> Option<u32> {
 }
 
 /// Deletes every queue and exchange of a namespace (tests' clean-up). Group and park
-/// queues of the named groups are deleted too.
+/// queues of the named groups are deleted too (unsharded; see [`delete_all_sharded`]).
 pub async fn delete_all(ch: &Channel, names: &Names, groups: &[String]) -> Result<()> {
+    delete_all_sharded(ch, names, groups, 1).await
+}
+
+/// [`delete_all`] for a namespace whose groups have `shards` normal-lane shard queues.
+pub async fn delete_all_sharded(ch: &Channel, names: &Names, groups: &[String], shards: u32) -> Result<()> {
     use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
     let mut queues: Vec<String> = Lane::ALL.iter().map(|l| names.ingress_queue(*l)).collect();
     queues.push(names.dead_queue());
@@ -216,16 +289,20 @@ pub async fn delete_all(ch: &Channel, names: &Names, groups: &[String]) -> Resul
     queues.push(names.delayed_queue());
     queues.push(names.schedules_stream());
     queues.extend(delay::tiers().map(|t| names.delay_queue(t)));
+    queues.extend(delay::tiers().map(|t| names.legacy_delay_queue(t)));
     for g in groups {
         for l in Lane::ALL {
             queues.push(names.group_queue(g, l));
             queues.push(names.park_queue(g, l));
         }
+        if shards > 1 {
+            queues.extend(names.group_shard_queues(g, Lane::Normal, shards));
+        }
     }
     for q in queues {
         let _ = ch.queue_delete(ShortString::from(q.as_str()), QueueDeleteOptions::default()).await;
     }
-    for e in [names.submit_exchange(), names.tasks_exchange(), names.delay_exchange()] {
+    for e in [names.submit_exchange(), names.tasks_exchange(), names.delay_exchange(), names.legacy_delay_exchange()] {
         let _ = ch.exchange_delete(ShortString::from(e.as_str()), ExchangeDeleteOptions::default()).await;
     }
     Ok(())

@@ -61,6 +61,11 @@ async fn status(State(api): State<Api>) -> Json<Value> {
         "failed": failed,
         "latency_ewma_ms": api.stats.latency_ewma_ms(),
         "outcomes": api.stats.outcomes().into_iter().map(|(o, n)| (o.to_string(), Value::from(n))).collect::<serde_json::Map<_, _>>(),
+        // The queues each lane consumes now: one, or this worker's shard subset.
+        "consuming": {
+            "normal": api.stats.consuming(fleet::Lane::Normal),
+            "critical": api.stats.consuming(fleet::Lane::Critical),
+        },
     }))
 }
 

@@ -116,6 +116,7 @@ impl Broker {
 
     async fn declare(&self, conn: &Connection) -> fleet::Result<()> {
         let started = fleet::store::now_ms();
+        fleet::topology::probe_leader_locator(conn, &self.cfg).await?;
         let ch = conn.create_channel().await?;
         fleet::topology::declare_core(&ch, &self.cfg).await?;
         fleet::topology::declare_group(&ch, &self.cfg, &self.group).await?;

@@ -6,6 +6,13 @@
 //! given back when it is acked. So the broker never pushes more than the worker runs, and the
 //! rest of the group queue stays in the broker for the worker's peers.
 //!
+//! A sharded lane (`FLEET_SHARDS` > 1, see [`fleet::subset`]) consumes several shard queues on
+//! the one channel, one consumer each, the capacity split over them as per-consumer prefetch
+//! (`basic.qos` with `global = false` before each `basic.consume`; quorum queues do not support
+//! a channel-wide prefetch), and the one semaphore still bounds what runs. When the set of
+//! shards changes ([`crate::shards`]) the lane cancels its consumers like a pause and consumes
+//! the new set.
+//!
 //! The lane consumes only while the worker is `Active`. On `Ejected` or `Draining` it cancels
 //! its consumer (`basic.cancel`: the broker stops delivering) and nacks, with requeue, any
 //! delivery already on its way; tasks already running finish and ack on the old channel, which
@@ -25,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use fleet::subset::Subsetting;
 use fleet::Lane;
 
 use crate::attempt::{self, Shared};
@@ -34,11 +42,16 @@ use crate::drain::{Control, Mode};
 /// How long a cancelled consumer's in-flight deliveries are awaited (to nack them back).
 const CANCEL_FLUSH: Duration = Duration::from_secs(2);
 
+/// The deliveries of every consumer of a session, merged.
+type Deliveries = futures::stream::SelectAll<Consumer>;
+
 /// One lane's consumer loop.
 pub struct LaneConsumer {
     pub lane: Lane,
     pub capacity: u32,
-    pub queue: String,
+    /// The queues to consume: one (an unsharded lane) or this worker's shard subset; a new
+    /// value makes the lane consume the new set.
+    pub queues: watch::Receiver<Vec<String>>,
     pub shared: Arc<Shared>,
     pub broker: Arc<Broker>,
     pub control: Control,
@@ -52,13 +65,15 @@ enum Ended {
     Stopped,
     /// Ejected: wait to be active again.
     Paused,
+    /// The shard subset changed: consume the new set.
+    Moved,
     /// Channel or connection trouble: reconnect after a backoff.
     Lost(String),
 }
 
 impl LaneConsumer {
-    pub async fn run(self, shutdown: CancellationToken) {
-        let span = tracing::info_span!("lane", lane = %self.lane, queue = %self.queue);
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        let span = tracing::info_span!("lane", lane = %self.lane);
         async move {
             let permits = Arc::new(Semaphore::new(self.capacity as usize));
             let mut mode = self.control.watch();
@@ -87,7 +102,9 @@ impl LaneConsumer {
                         tracing::info!("consumer cancelled while ejected");
                         redeclare = false;
                     }
+                    Ended::Moved => redeclare = false,
                     Ended::Lost(why) => {
+                        self.shared.stats.set_consuming(self.lane, Vec::new());
                         tracing::warn!(error = %why, retry_in_ms = delay.as_millis() as u64, "consumer lost; consuming again after a pause");
                         redeclare = true;
                         tokio::select! {
@@ -107,7 +124,7 @@ impl LaneConsumer {
 
     /// Consumes on a fresh channel until the mode changes or the channel fails.
     async fn session(
-        &self,
+        &mut self,
         conn: &Connection,
         session: u64,
         permits: &Arc<Semaphore>,
@@ -116,23 +133,29 @@ impl LaneConsumer {
         delay: &mut Duration,
     ) -> Ended {
         let tag = format!("{}.{}.{}", self.shared.worker_id, self.lane, session);
-        let (channel, mut consumer) = match self.open(conn, &tag).await {
+        let queues = self.queues.borrow_and_update().clone();
+        let (channel, tags, mut consumer) = match self.open(conn, &tag, &queues).await {
             Ok(c) => c,
             Err(e) => return Ended::Lost(e.to_string()),
         };
-        tracing::info!(consumer_tag = %tag, prefetch = self.capacity, "consuming");
+        tracing::info!(consumer_tag = %tag, queues = ?queues, prefetch = self.capacity, "consuming");
+        self.shared.stats.set_consuming(self.lane, queues.clone());
         *delay = Duration::from_millis(200);
         loop {
             let delivery = tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => return self.stop(&channel, &tag, &mut consumer, Ended::Stopped).await,
+                _ = shutdown.cancelled() => return self.stop(&channel, &tags, &mut consumer, Ended::Stopped).await,
                 changed = mode.changed() => {
                     let now = *mode.borrow_and_update();
                     match (changed, now) {
                         (Ok(()), Mode::Active) => continue,
-                        (Ok(()), Mode::Ejected) => return self.stop(&channel, &tag, &mut consumer, Ended::Paused).await,
-                        _ => return self.stop(&channel, &tag, &mut consumer, Ended::Stopped).await,
+                        (Ok(()), Mode::Ejected) => return self.stop(&channel, &tags, &mut consumer, Ended::Paused).await,
+                        _ => return self.stop(&channel, &tags, &mut consumer, Ended::Stopped).await,
                     }
+                }
+                Ok(()) = self.queues.changed() => {
+                    tracing::info!(from = ?queues, to = ?*self.queues.borrow(), "shards changed; consuming the new set");
+                    return self.stop(&channel, &tags, &mut consumer, Ended::Moved).await;
                 }
                 d = consumer.next() => d,
             };
@@ -158,26 +181,33 @@ impl LaneConsumer {
         }
     }
 
-    async fn open(&self, conn: &Connection, tag: &str) -> lapin::Result<(Channel, Consumer)> {
+    /// Opens a channel and one consumer per queue (tag `<tag>` for a single queue, else
+    /// `<tag>.<i>`), each with its share of the capacity as prefetch.
+    async fn open(&self, conn: &Connection, tag: &str, queues: &[String]) -> lapin::Result<(Channel, Vec<String>, Deliveries)> {
         let channel = conn.create_channel().await?;
-        let prefetch = u16::try_from(self.capacity).unwrap_or(u16::MAX);
-        channel.basic_qos(prefetch, BasicQosOptions::default()).await?;
-        let consumer = channel
-            .basic_consume(
-                ShortString::from(self.queue.as_str()),
-                ShortString::from(tag),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        Ok((channel, consumer))
+        let prefetch = Subsetting::split_prefetch(self.capacity, queues.len());
+        let mut tags = Vec::with_capacity(queues.len());
+        let mut consumers = Vec::with_capacity(queues.len());
+        for (i, (queue, prefetch)) in queues.iter().zip(prefetch).enumerate() {
+            let tag = if queues.len() == 1 { tag.to_string() } else { format!("{tag}.{i}") };
+            channel.basic_qos(prefetch, BasicQosOptions::default()).await?;
+            let consumer = channel
+                .basic_consume(ShortString::from(queue.as_str()), ShortString::from(tag.as_str()), BasicConsumeOptions::default(), FieldTable::default())
+                .await?;
+            tags.push(tag);
+            consumers.push(consumer);
+        }
+        Ok((channel, tags, futures::stream::select_all(consumers)))
     }
 
-    /// Cancels the consumer and nacks back whatever was already on its way.
-    async fn stop(&self, channel: &Channel, tag: &str, consumer: &mut Consumer, ended: Ended) -> Ended {
-        if let Err(e) = channel.basic_cancel(ShortString::from(tag), BasicCancelOptions::default()).await {
-            tracing::debug!(error = %e, "basic.cancel failed (channel gone)");
-            return ended;
+    /// Cancels the consumers and nacks back whatever was already on its way.
+    async fn stop(&self, channel: &Channel, tags: &[String], consumer: &mut Deliveries, ended: Ended) -> Ended {
+        self.shared.stats.set_consuming(self.lane, Vec::new());
+        for tag in tags {
+            if let Err(e) = channel.basic_cancel(ShortString::from(tag.as_str()), BasicCancelOptions::default()).await {
+                tracing::debug!(error = %e, "basic.cancel failed (channel gone)");
+                return ended;
+            }
         }
         let mut returned = 0u32;
         let flush = async {

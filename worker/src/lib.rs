@@ -8,6 +8,7 @@
 //! * [`lane`] — a consumer per lane with its own channel, prefetch and semaphore.
 //! * [`attempt`] — one attempt of one task: run, decide, publish, ack.
 //! * [`executor`] — the [`Handler`] trait and the `builtin`, `http` and `exec` executors.
+//! * [`shards`] — which shard queues of a sharded group this worker consumes (subsetting).
 //! * [`retry`] — capped exponential backoff with full jitter.
 //! * [`eject`] — outlier ejection from a sliding window of outcomes.
 //! * [`drain`] — the worker's mode and the lame-duck drain.
@@ -31,6 +32,7 @@ pub mod lane;
 pub mod ledger;
 pub mod registry;
 pub mod retry;
+pub mod shards;
 pub mod stats;
 pub mod worker;
 

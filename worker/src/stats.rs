@@ -24,6 +24,8 @@ pub struct Stats {
     pub waits: WaitHistogram,
     /// User task attempts by outcome, in the order of [`OUTCOMES`].
     outcomes: [AtomicU64; 5],
+    /// The queues each lane consumes now (set by the lane once its consumers are up).
+    consuming: Mutex<HashMap<Lane, Vec<String>>>,
 }
 
 /// The outcomes of `fleet_tasks_completed_total`, as the worker counts them for `/status` and
@@ -33,6 +35,18 @@ pub const OUTCOMES: [&str; 5] = ["succeeded", "retried", "dead", "expired", "fai
 impl Stats {
     pub fn new() -> Self {
         Stats { ewma_bits: AtomicU64::new(f64::NAN.to_bits()), ..Default::default() }
+    }
+
+    /// Records the queues a lane consumes now (empty: none, e.g. paused or reconnecting).
+    pub fn set_consuming(&self, lane: Lane, queues: Vec<String>) {
+        if let Ok(mut c) = self.consuming.lock() {
+            c.insert(lane, queues);
+        }
+    }
+
+    /// The queues a lane consumes now.
+    pub fn consuming(&self, lane: Lane) -> Vec<String> {
+        self.consuming.lock().ok().and_then(|c| c.get(&lane).cloned()).unwrap_or_default()
     }
 
     pub fn started(&self, lane: Lane, id: &str) {

@@ -37,6 +37,7 @@ use crate::lane::LaneConsumer;
 use crate::ledger::Ledger;
 use crate::registry::{set_state_logged, Registrar};
 use crate::retry::Backoff;
+use crate::shards::ShardWatch;
 use crate::stats::Stats;
 
 /// How long attempts get to notice a hard stop before the worker returns anyway.
@@ -250,12 +251,17 @@ impl Worker {
             abort: abort.clone(),
         });
         let names = cfg.common.names();
+        let sharded = shard_watch(&cfg, &store, &group, &loops, &bg_stop).await;
         let mut lanes = Vec::new();
         for lane in Lane::ALL {
+            let queues = match (&sharded, lane) {
+                (Some(rx), Lane::Normal) => rx.clone(),
+                _ => tokio::sync::watch::channel(vec![names.group_queue(&group, lane)]).1,
+            };
             let consumer = LaneConsumer {
                 lane,
                 capacity: cfg.lane_capacity(lane),
-                queue: names.group_queue(&group, lane),
+                queues,
                 shared: shared.clone(),
                 broker: broker.clone(),
                 control: control.clone(),
@@ -315,4 +321,36 @@ impl Worker {
             (None, Finish::Forced) => Err(anyhow!("drain interrupted: {left} running task(s) returned to the broker")),
         }
     }
+}
+
+/// For a sharded group, this worker's normal-lane shard queues (read once now, then kept up to
+/// date by a [`ShardWatch`] loop on `loops` until `stop`); `None` when the lane is unsharded.
+async fn shard_watch(
+    cfg: &WorkerConfig,
+    store: &Store,
+    group: &str,
+    loops: &TaskTracker,
+    stop: &CancellationToken,
+) -> Option<tokio::sync::watch::Receiver<Vec<String>>> {
+    if cfg.common.subsetting.is_single() {
+        return None;
+    }
+    let watch = ShardWatch {
+        store: store.clone(),
+        names: cfg.common.names(),
+        group: group.to_string(),
+        worker_id: cfg.worker_id.clone(),
+        subsetting: cfg.common.subsetting,
+        interval: cfg.heartbeat_interval,
+    };
+    let first = match watch.current().await {
+        Some((ordinal, queues)) => {
+            tracing::info!(ordinal, shards = ?queues, "consuming this worker's shard subset");
+            queues
+        }
+        None => watch.all(),
+    };
+    let (tx, rx) = tokio::sync::watch::channel(first);
+    loops.spawn(watch.run(tx, stop.clone()).instrument(tracing::info_span!("shards")));
+    Some(rx)
 }

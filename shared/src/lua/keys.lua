@@ -12,6 +12,7 @@ local function K_wrun(id) return P .. 'wrun:' .. id end
 local function K_groups() return P .. 'groups' end
 local function K_group(g) return P .. 'g:' .. g end
 local function K_gw(g) return P .. 'gw:' .. g end
+local function K_gord(g) return P .. 'gord:' .. g end
 local function K_idx(pair) return P .. 'idx:' .. pair end
 local function K_resv(g, lane) return P .. 'resv:' .. g .. ':' .. lane end
 local function K_run(g, lane) return P .. 'run:' .. g .. ':' .. lane end
@@ -60,10 +61,12 @@ end
 -- Idempotent: a second call finds nothing and does nothing.
 local function remove_worker(id)
   local wk = K_worker(id)
-  local w = redis.call('HMGET', wk, 'group', 'state', 'cap', 'ccap', 'instance')
+  local w = redis.call('HMGET', wk, 'group', 'state', 'cap', 'ccap', 'instance', 'ord')
   redis.call('ZREM', K_workers(), id)
   if not w[1] then return 0 end
   local g = w[1]
+  -- Free its subsetting ordinal (unless already taken over by another worker).
+  if w[6] and redis.call('HGET', K_gord(g), w[6]) == id then redis.call('HDEL', K_gord(g), w[6]) end
   add_capacity(g, -contrib(w[2], w[3]), -contrib(w[2], w[4]))
   for _, m in ipairs(redis.call('SMEMBERS', K_wrun(id))) do
     local lane, task = string.match(m, '^(%a+)|(.*)$')

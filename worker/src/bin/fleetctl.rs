@@ -14,7 +14,6 @@ use lapin::types::ShortString;
 use lapin::Connection;
 use serde_json::Value;
 
-use fleet::amqp;
 use fleet::dead;
 use fleet::registry::WorkerView;
 use fleet::producer::{Pacing, Producer, Submitted};
@@ -465,7 +464,7 @@ fn table(headers: &[&str], rows: Vec<Vec<String>>) -> comfy_table::Table {
 // ---- dead letters ----
 
 async fn connect(cli: &Cli) -> Result<Connection> {
-    amqp::connect(&cli.amqp_url, "fleetctl").await.with_context(|| format!("connecting to {}", cli.amqp_url))
+    fleet::endpoints::connect_any(&cli.amqp_url, "fleetctl").await.with_context(|| format!("connecting to {}", fleet::redact::redact(&cli.amqp_url)))
 }
 
 fn one_line(s: &str, max: usize) -> String {

@@ -1,0 +1,257 @@
+//! Redis behind Sentinel: the `redis+sentinel://` form of `FLEET_REDIS_URL` (or
+//! `FLEET_REDIS_SENTINELS` + `FLEET_REDIS_MASTER`), and the connection pool that asks the
+//! Sentinels for the current master on every new connection.
+//!
+//! ```text
+//! redis+sentinel://[[user]:password@]host1:port1,host2:port2,…/<master name>[/<db>]
+//! ```
+//!
+//! The password (and user, db) are the data nodes' (master and replicas); Sentinels are asked
+//! without credentials. A new connection asks the Sentinels in turn for the master of
+//! `<master name>` and checks its `ROLE` (the `redis` crate's `SentinelClient`), so after a
+//! failover new connections go to the promoted replica.
+//!
+//! Connections already open are dropped when they cannot serve writes any more: a closed
+//! socket fails the pool's `PING` on recycle; a demoted master still answers `PING` but
+//! refuses writes with `READONLY`, and [`crate::Store`] then empties the pool
+//! ([`Pool::drop_idle`]), so the next call connects through the Sentinels to the new master.
+//! Meanwhile `/readyz` is 503 (its write probe fails).
+
+use deadpool_redis::redis::{self, aio::ConnectionLike};
+
+use crate::error::{Error, Result};
+
+/// Where the fleet's Redis is: one address, or a master name behind Sentinels.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// A `redis://` URL.
+    Direct(String),
+    /// `redis+sentinel://`: the Sentinels' `host:port`s, the master's name, and the data
+    /// nodes' credentials and db.
+    Sentinel { sentinels: Vec<String>, master: String, username: Option<String>, password: Option<String>, db: i64 },
+}
+
+/// The URL scheme of the Sentinel form.
+pub const SCHEME: &str = "redis+sentinel://";
+
+impl Target {
+    /// Parses `FLEET_REDIS_URL`.
+    ///
+    /// # Errors
+    /// A message naming what is wrong (password hidden): no Sentinel, an empty or port-less
+    /// Sentinel address, no master name, a db that is not a number.
+    pub fn parse(url: &str) -> std::result::Result<Self, String> {
+        let Some(rest) = strip_prefix_ci(url, SCHEME) else {
+            return Ok(Target::Direct(url.to_string()));
+        };
+        let shown = crate::redact::redact(url).into_owned();
+        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+        let (userinfo, hosts) = match authority.rfind('@') {
+            Some(at) => (Some(&authority[..at]), &authority[at + 1..]),
+            None => (None, authority),
+        };
+        let (username, password) = match userinfo {
+            None => (None, None),
+            Some(u) => match u.split_once(':') {
+                Some((user, pass)) => ((!user.is_empty()).then(|| decode(user)), Some(decode(pass))),
+                None => (None, Some(decode(u))),
+            },
+        };
+        let mut sentinels = Vec::new();
+        for (i, h) in hosts.split(',').enumerate() {
+            let h = h.trim();
+            let port_ok = h.rsplit_once(':').is_some_and(|(host, p)| !host.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+            if !port_ok {
+                return Err(format!("`{shown}`: Sentinel {} `{h}` is not host:port", i + 1));
+            }
+            sentinels.push(h.to_string());
+        }
+        let mut parts = path.split('/');
+        let master = parts.next().unwrap_or("").to_string();
+        if master.is_empty() {
+            return Err(format!("`{shown}`: no master name (use {SCHEME}host:26379,…/<master name>)"));
+        }
+        let db = match parts.next() {
+            None | Some("") => 0,
+            Some(d) => d.parse::<i64>().map_err(|_| format!("`{shown}`: db `{d}` is not a number"))?,
+        };
+        Ok(Target::Sentinel { sentinels, master, username, password, db })
+    }
+
+    /// The Sentinel form built from `FLEET_REDIS_SENTINELS` (`host:port,host:port`) and
+    /// `FLEET_REDIS_MASTER`, with the credentials and db of `base` (a `redis://` URL).
+    pub fn from_settings(sentinels: &str, master: &str, base: &str) -> String {
+        let rest = strip_prefix_ci(base, "redis://").unwrap_or("");
+        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+        let userinfo = authority.rfind('@').map(|at| &authority[..=at]).unwrap_or("");
+        let hosts: Vec<&str> = sentinels.split(',').map(str::trim).collect();
+        let db = path.split('/').next().filter(|d| !d.is_empty()).map(|d| format!("/{d}")).unwrap_or_default();
+        format!("{SCHEME}{userinfo}{}/{master}{db}", hosts.join(","))
+    }
+}
+
+fn strip_prefix_ci<'a>(s: &'a str, prefix: &str) -> Option<&'a str> {
+    (s.len() >= prefix.len() && s.is_char_boundary(prefix.len()) && s[..prefix.len()].eq_ignore_ascii_case(prefix)).then(|| &s[prefix.len()..])
+}
+
+/// Percent-decoding of a URL's user or password (`%40` → `@`); text that is not valid
+/// percent-encoding is kept as it is.
+fn decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() && s.is_char_boundary(i + 3) {
+            if let Ok(v) = u8::from_str_radix(&s[i + 1..i + 3], 16) {
+                out.push(v);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8(out).unwrap_or_else(|_| s.to_string())
+}
+
+/// The pool behind [`crate::Store`]: direct, or through Sentinel.
+#[derive(Clone)]
+pub enum Pool {
+    Direct(deadpool_redis::Pool),
+    Sentinel(deadpool_redis::sentinel::Pool),
+}
+
+/// A pooled connection of either kind; returned to its pool when dropped.
+pub enum Conn {
+    Direct(deadpool_redis::Connection),
+    Sentinel(deadpool_redis::sentinel::Connection),
+}
+
+impl Pool {
+    /// Builds the pool for `url` (no connection is made until first use), with `pc` as its
+    /// size and timeouts.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming `FLEET_REDIS_URL` (password hidden).
+    pub fn new(url: &str, pc: deadpool_redis::PoolConfig) -> Result<Self> {
+        let bad = |e: String| Error::config("FLEET_REDIS_URL", crate::redact::redact(&e).into_owned());
+        match Target::parse(url).map_err(bad)? {
+            Target::Direct(u) => {
+                let mut cfg = deadpool_redis::Config::from_url(u);
+                cfg.pool = Some(pc);
+                Ok(Pool::Direct(cfg.create_pool(Some(deadpool_redis::Runtime::Tokio1)).map_err(|e| bad(e.to_string()))?))
+            }
+            Target::Sentinel { sentinels, master, username, password, db } => {
+                use deadpool_redis::sentinel::{Config, SentinelNodeConnectionInfo, SentinelServerType};
+                let urls: Vec<String> = sentinels.iter().map(|h| format!("redis://{h}")).collect();
+                let node = SentinelNodeConnectionInfo {
+                    tls_mode: None,
+                    redis_connection_info: Some(deadpool_redis::RedisConnectionInfo { db, username, password, ..Default::default() }),
+                };
+                let mut cfg = Config::from_urls(urls, master, SentinelServerType::Master).with_node_connection_info(Some(node));
+                cfg.pool = Some(pc);
+                Ok(Pool::Sentinel(cfg.create_pool(Some(deadpool_redis::Runtime::Tokio1)).map_err(|e| bad(e.to_string()))?))
+            }
+        }
+    }
+
+    /// A connection from the pool (a new one when none is idle).
+    ///
+    /// # Errors
+    /// Redis (or every Sentinel) unreachable, or the pool's wait timed out.
+    pub async fn get(&self) -> Result<Conn> {
+        match self {
+            Pool::Direct(p) => Ok(Conn::Direct(p.get().await?)),
+            Pool::Sentinel(p) => Ok(Conn::Sentinel(p.get().await?)),
+        }
+    }
+
+    /// Drops every idle connection, so the next calls connect anew (through the Sentinels:
+    /// to the current master).
+    pub fn drop_idle(&self) {
+        match self {
+            Pool::Direct(p) => p.retain(|_, _| false),
+            Pool::Sentinel(p) => p.retain(|_, _| false),
+        };
+    }
+
+    /// Whether this pool finds its master through Sentinel.
+    pub fn is_sentinel(&self) -> bool {
+        matches!(self, Pool::Sentinel(_))
+    }
+}
+
+impl Conn {
+    /// Takes the connection out of its pool for good: it is closed when dropped instead of
+    /// being reused (a connection to a demoted master).
+    pub fn discard(self) {
+        match self {
+            Conn::Direct(c) => drop(deadpool_redis::Connection::take(c)),
+            Conn::Sentinel(c) => drop(deadpool_redis::sentinel::Connection::take(c)),
+        }
+    }
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Conn::Direct(c) => c.req_packed_command(cmd),
+            Conn::Sentinel(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(&'a mut self, cmd: &'a redis::Pipeline, offset: usize, count: usize) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Conn::Direct(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Sentinel(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Direct(c) => c.get_db(),
+            Conn::Sentinel(c) => c.get_db(),
+        }
+    }
+}
+
+/// Whether a Redis error says the server is a replica (`READONLY You can't write against a
+/// read only replica`): the master it was was demoted.
+pub fn is_read_only(e: &redis::RedisError) -> bool {
+    // Inside a script the refusal may come wrapped ("ERR … READONLY You can't write …").
+    e.code() == Some("READONLY") || e.to_string().contains("READONLY") || e.to_string().contains("read only replica")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sentinel_form() {
+        assert_eq!(Target::parse("redis://127.0.0.1:6379").unwrap(), Target::Direct("redis://127.0.0.1:6379".into()));
+        assert_eq!(
+            Target::parse("redis+sentinel://:s%40cret@127.0.0.1:26379, 127.0.0.1:26380/fleet/2").unwrap(),
+            Target::Sentinel {
+                sentinels: vec!["127.0.0.1:26379".into(), "127.0.0.1:26380".into()],
+                master: "fleet".into(),
+                username: None,
+                password: Some("s@cret".into()),
+                db: 2
+            }
+        );
+        assert_eq!(
+            Target::parse("REDIS+SENTINEL://h:1/m").unwrap(),
+            Target::Sentinel { sentinels: vec!["h:1".into()], master: "m".into(), username: None, password: None, db: 0 }
+        );
+        for bad in ["redis+sentinel://u:hunter2@h:1", "redis+sentinel://u:hunter2@h/m", "redis+sentinel://u:hunter2@h:1,,h:2/m", "redis+sentinel://u:hunter2@h:1/m/x"] {
+            let e = Target::parse(bad).unwrap_err();
+            assert!(!e.contains("hunter2"), "{e}");
+        }
+    }
+
+    #[test]
+    fn from_the_two_settings() {
+        assert_eq!(Target::from_settings("a:1, b:2", "m", "redis://:pw@127.0.0.1:6379/3"), "redis+sentinel://:pw@a:1,b:2/m/3");
+        assert_eq!(Target::from_settings("a:1", "m", "redis://127.0.0.1:6379"), "redis+sentinel://a:1/m");
+    }
+}

@@ -1,0 +1,91 @@
+//! Which shard queues of its group's normal lane this worker consumes (deterministic
+//! subsetting, see [`fleet::subset`]).
+//!
+//! The worker's ordinal is taken by `register.lua` (lowest free in its group) and freed when
+//! it deregisters or is evicted. This loop reads the group's ordinal table (one `HGETALL`) at
+//! start and every heartbeat interval, finds its own ordinal, and computes its shards with
+//! [`Subsetting::shards_of`]: its `k`-shard subset plus its share of any shard no live
+//! ordinal's subset covers (fewer workers than a round, or a gap left by one that went). Every
+//! worker reads the same table and computes the same assignment, so every shard keeps a
+//! consumer while the group has a registered worker. A change (a peer joined or left, this
+//! worker re-registered under another ordinal after Redis lost its data) is sent to the lane,
+//! which cancels its consumers and consumes the new set.
+//!
+//! Until the table has been read — or while this worker is missing from it (between a lost
+//! registration and the next heartbeat) — the worker keeps what it consumes; at start-up, with
+//! Redis unreadable, that is every shard (over-covering is harmless, under-covering strands
+//! tasks).
+
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use fleet::subset::Subsetting;
+use fleet::{Lane, Names, Store};
+
+/// How long one read of the ordinal table may take before the loop tries again next tick.
+const READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Computes this worker's shard queues from the group's ordinal table.
+pub struct ShardWatch {
+    pub store: Store,
+    pub names: Names,
+    pub group: String,
+    pub worker_id: String,
+    pub subsetting: Subsetting,
+    pub interval: Duration,
+}
+
+impl ShardWatch {
+    /// The normal-lane queues to consume now: `None` when the table cannot be read or does not
+    /// name this worker. Cancel safe (one read).
+    pub async fn current(&self) -> Option<(u32, Vec<String>)> {
+        let table = match tokio::time::timeout(READ_TIMEOUT, self.store.group_ordinals(&self.group)).await {
+            Ok(Ok(t)) => t,
+            Ok(Err(e)) => {
+                metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
+                tracing::warn!(error = %e, "cannot read the group's ordinals; keeping the current shards");
+                return None;
+            }
+            Err(_) => return None,
+        };
+        let own = table.iter().find(|(_, id)| **id == self.worker_id).map(|(o, _)| *o)?;
+        let live: Vec<u32> = table.keys().copied().collect();
+        let shards = self.subsetting.shards_of(own, &live);
+        Some((own, self.queues(&shards)))
+    }
+
+    /// Queue names of the given shards.
+    pub fn queues(&self, shards: &[u32]) -> Vec<String> {
+        let n = self.subsetting.shards();
+        shards.iter().map(|&s| self.names.group_shard_queue(&self.group, Lane::Normal, s, n)).collect()
+    }
+
+    /// Every shard queue (the fallback before the table is read).
+    pub fn all(&self) -> Vec<String> {
+        self.names.group_shard_queues(&self.group, Lane::Normal, self.subsetting.shards())
+    }
+
+    /// Re-reads the table every interval and sends a changed set, until `shutdown`.
+    pub async fn run(self, tx: watch::Sender<Vec<String>>, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(self.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let Some((ordinal, queues)) = self.current().await else { continue };
+            tx.send_if_modified(|now| {
+                if *now == queues {
+                    return false;
+                }
+                tracing::info!(ordinal, shards = ?queues, "shard subset changed");
+                *now = queues;
+                true
+            });
+        }
+    }
+}
