@@ -95,6 +95,17 @@ impl Settings {
         &self.command_line
     }
 
+    /// Settings from the text of a config file (TOML, flat `key = value`), as `FLEET_CONFIG`
+    /// names it. Errors name `FLEET_CONFIG` or the bad key.
+    pub fn from_toml(text: &str) -> Result<Self> {
+        let mut s = Settings::default();
+        for (k, v) in Self::parse_file(text)? {
+            s.origins.insert(k.clone(), Origin::File);
+            s.values.insert(k, v);
+        }
+        Ok(s)
+    }
+
     fn parse_file(text: &str) -> Result<HashMap<String, String>> {
         let table: toml::Table = text.parse().map_err(|e| Error::config("FLEET_CONFIG", format!("invalid TOML: {e}")))?;
         let mut out = HashMap::new();
@@ -218,6 +229,12 @@ pub struct CommonConfig {
     /// How long task status records live in Redis.
     pub status_ttl: Duration,
     pub default_max_attempts: u32,
+    /// TLS client settings for `amqps://` (`FLEET_AMQP_TLS_*`).
+    pub amqp_tls: crate::tls::TlsConfig,
+    /// TLS client settings for `rediss://` (`FLEET_REDIS_TLS_*`).
+    pub redis_tls: crate::tls::TlsConfig,
+    /// Who may call the HTTP API (`FLEET_API_TOKENS`, ...).
+    pub auth: crate::auth::ApiAuth,
 }
 
 impl CommonConfig {
@@ -244,9 +261,8 @@ impl CommonConfig {
         }
         let redis_url = a.redis_url.trim().to_string();
         let scheme = redis_url.split("://").next().unwrap_or("").to_ascii_lowercase();
-        if !redis_url.contains("://") || scheme != "redis" {
-            let why = if scheme == "rediss" { "TLS (rediss://) is not supported by this build" } else { "not a redis:// URL" };
-            return Err(Error::config("FLEET_REDIS_URL", format!("`{redis_url}`: {why}")));
+        if !redis_url.contains("://") || !matches!(scheme.as_str(), "redis" | "rediss") {
+            return Err(Error::config("FLEET_REDIS_URL", format!("`{redis_url}` is not a redis:// or rediss:// URL")));
         }
         if http_addr.parse::<std::net::SocketAddr>().is_err() {
             return Err(Error::config("FLEET_HTTP_ADDR", format!("`{http_addr}` is not host:port")));
@@ -258,8 +274,22 @@ impl CommonConfig {
             max_kind_bytes: a.max_kind_bytes,
             max_payload_depth: a.max_payload_depth,
         };
+        let auth = crate::auth::ApiAuth::from_args(a, &http_addr)?;
         Ok(CommonConfig {
             limits,
+            amqp_tls: crate::tls::TlsConfig::from_files(
+                "FLEET_AMQP_TLS",
+                a.amqp_tls_ca_file.as_deref(),
+                a.amqp_tls_cert_file.as_deref(),
+                a.amqp_tls_key_file.as_deref(),
+            )?,
+            redis_tls: crate::tls::TlsConfig::from_files(
+                "FLEET_REDIS_TLS",
+                a.redis_tls_ca_file.as_deref(),
+                a.redis_tls_cert_file.as_deref(),
+                a.redis_tls_key_file.as_deref(),
+            )?,
+            auth,
             amqp_url,
             redis_url,
             namespace,
@@ -309,7 +339,7 @@ mod tests {
         for (k, v, name) in [
             ("queue_type", "fancy", "FLEET_QUEUE_TYPE"),
             ("amqp_url", "AMQPX://u:hunter2@h/", "FLEET_AMQP_URL"),
-            ("redis_url", "rediss://u:hunter2@h/", "FLEET_REDIS_URL"),
+            ("redis_url", "redisx://u:hunter2@h/", "FLEET_REDIS_URL"),
             ("ingress_max_normal", "-1", "FLEET_INGRESS_MAX_NORMAL"),
             ("namespace", "a b", "FLEET_NAMESPACE"),
         ] {
@@ -320,6 +350,15 @@ mod tests {
         }
         // The scheme is case-insensitive.
         let s = Settings::from_pairs([("amqp_url", "AMQP://u:p@127.0.0.1:5672/%2f".to_string())]);
+        assert!(CommonConfig::from_settings(&s, "127.0.0.1:1").is_ok());
+    }
+
+    #[test]
+    fn url_errors_hide_the_password() {
+        let s = Settings::from_pairs([("amqp_url", "http://u:s3cret@h".to_string())]);
+        let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
+        assert!(e.contains("FLEET_AMQP_URL") && !e.contains("s3cret"), "{e}");
+        let s = Settings::from_pairs([("redis_url", "rediss://u:s3cret@127.0.0.1:6380".to_string())]);
         assert!(CommonConfig::from_settings(&s, "127.0.0.1:1").is_ok());
     }
 

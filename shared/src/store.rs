@@ -5,9 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_redis::redis::{self, FromRedisValue, ScriptInvocation};
-use deadpool_redis::{Config, Connection, Pool, Runtime};
+use deadpool_redis::{Connection, Pool, Runtime};
 
 use crate::error::{Error, Result};
+use crate::tls::TlsConfig;
 use crate::names::Names;
 use crate::scripts::Scripts;
 
@@ -55,16 +56,32 @@ impl Clock {
 }
 
 impl Store {
-    /// Builds the pool (no connection is made until first use).
+    /// Builds the pool (no connection is made until first use), trusting the system roots
+    /// for `rediss://`.
     pub fn new(url: &str, names: Names) -> Result<Self> {
-        let mut cfg = Config::from_url(url);
-        let mut pc = deadpool_redis::PoolConfig::new(32);
-        pc.timeouts.wait = Some(CALL_TIMEOUT);
-        pc.timeouts.create = Some(CALL_TIMEOUT);
-        pc.timeouts.recycle = Some(CALL_TIMEOUT);
-        cfg.pool = Some(pc);
-        let pool = cfg
-            .create_pool(Some(Runtime::Tokio1))
+        Self::with_tls(url, names, &TlsConfig::default())
+    }
+
+    /// Builds the pool; a `rediss://` URL uses `tls` (extra CA, client certificate) and
+    /// verifies the server's name against the URL's host. User and password in the URL
+    /// (`rediss://user:pass@host`) authenticate an ACL user. A failed handshake shows up as a
+    /// `Pool` error at the first call.
+    pub fn with_tls(url: &str, names: Names, tls: &TlsConfig) -> Result<Self> {
+        let url_error = |e: deadpool_redis::redis::RedisError| Error::config("FLEET_REDIS_URL", format!("{}: {e}", crate::redact::redact(url)));
+        let info = if url.trim().get(..9).is_some_and(|p| p.eq_ignore_ascii_case("rediss://")) {
+            crate::tls::install_crypto_provider();
+            redis::Client::build_with_tls(url, tls.to_redis()).map_err(url_error)?.get_connection_info().clone()
+        } else {
+            redis::IntoConnectionInfo::into_connection_info(url).map_err(url_error)?
+        };
+        let manager = deadpool_redis::Manager::new(info).map_err(url_error)?;
+        let pool = Pool::builder(manager)
+            .max_size(32)
+            .wait_timeout(Some(CALL_TIMEOUT))
+            .create_timeout(Some(CALL_TIMEOUT))
+            .recycle_timeout(Some(CALL_TIMEOUT))
+            .runtime(Runtime::Tokio1)
+            .build()
             .map_err(|e| Error::config("FLEET_REDIS_URL", e.to_string()))?;
         Ok(Store { pool, names, scripts: Arc::new(Scripts::load()), clock: Clock::default() })
     }

@@ -122,7 +122,7 @@ async fn http_submit_answers_202_400_429_503() -> anyhow::Result<()> {
     let body: serde_json::Value = r.json().await?;
     assert_eq!(body["error"], "unknown_lane");
     assert_eq!(body["index"], 1);
-    let r = c.post(&url).body("{oops").send().await?;
+    let r = c.post(&url).header("content-type", "application/json").body("{oops").send().await?;
     assert_eq!(r.status().as_u16(), 400);
     let r = c.post(&url).json(&json!({"kind": "x", "not_before": "2099-01-01T00:00:00Z"})).send().await?;
     assert_eq!(r.status().as_u16(), 400);
