@@ -12,7 +12,7 @@ fuzz_target!(|data: &[u8]| {
         Ok(envs) => {
             assert!(!envs.is_empty());
             for e in &envs {
-                assert!(fleet::Envelope::from_slice(&e.to_bytes(), usize::MAX).is_ok());
+                assert!(fleet::Envelope::from_slice(&e.envelope.to_bytes(), usize::MAX).is_ok());
             }
         }
         Err(b) => assert!(!b.code.is_empty()),
