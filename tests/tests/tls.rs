@@ -257,10 +257,12 @@ async fn a_certificate_for_another_host_name_is_refused() -> Result<()> {
         .err()
         .context("a certificate for another name accepted by amqp")?;
     assert!(is_name_mismatch(&e.to_string()), "amqp: {e}");
+    eprintln!("amqp, certificate for another name: {e}");
     let redis_tls = tls(pki.settings("redis_tls", false), "redis_tls")?;
     let s = Store::with_tls(&format!("rediss://localhost:{port}"), Names::new("x"), &redis_tls)?;
     let e = s.query::<String>(&redis::cmd("PING")).await.err().context("a certificate for another name accepted by redis")?;
     assert!(is_name_mismatch(&e.to_string()), "redis: {e}");
+    eprintln!("redis, certificate for another name: {e}");
     // The same CA's certificate for the right name is accepted (the CA is not the problem).
     let good = Pki::for_server_names(&["localhost"])?;
     let good_port = tls_listener(&good).await?;
@@ -284,6 +286,7 @@ async fn a_certificate_for_another_host_name_is_refused() -> Result<()> {
     let st = wait_state(&ns, &t.id, "dead").await?;
     let err = st.get("error").cloned().unwrap_or_default();
     assert!(is_name_mismatch(&err), "http executor: {err}");
+    eprintln!("http executor, certificate for another name: {err}");
     assert_eq!(runs.load(Ordering::SeqCst), 0, "the endpoint must never be called");
     worker.stop().await?;
     sched.stop().await?;
