@@ -9,8 +9,9 @@
 #      it compiles several times faster than release on a 2-core machine; speed is measured by
 #      the benchmarks, not by tests)
 #   4. ops/check-metrics.sh   live /metrics of a scheduler and a worker through promtool
-#   5. ops/fuzz.sh N          every fuzz target for N s when FLEET_FUZZ_SECONDS=N (default 0 = skipped
-#                             until the fuzz build has been timed on CI; 20 is the intended value)
+#   5. ops/fuzz.sh N          every fuzz target (envelope, selector, config, submit_body) for
+#                             N = FLEET_FUZZ_SECONDS s (default 20; 0 skips); installs cargo-fuzz
+#                             when missing and builds in fuzz/target (its own release build)
 #
 #   ops/test.sh [ARGS...]     ARGS go to cargo test, e.g. `ops/test.sh -- --nocapture`
 #
@@ -42,8 +43,8 @@ step "cargo test --workspace $*"
 cargo test --workspace "$@"
 step "live metrics check"
 FLEET_BIN_DIR=target/debug bash ops/check-metrics.sh
-if [ "${FLEET_FUZZ_SECONDS:-0}" != 0 ]; then
-    step "fuzz (${FLEET_FUZZ_SECONDS:-0} s per target)"
-    bash ops/fuzz.sh "${FLEET_FUZZ_SECONDS:-0}"
+if [ "${FLEET_FUZZ_SECONDS:-20}" != 0 ]; then
+    step "fuzz (${FLEET_FUZZ_SECONDS:-20} s per target)"
+    bash ops/fuzz.sh "${FLEET_FUZZ_SECONDS:-20}"
 fi
 printf '\n==== all tests passed in %ss\n' "$((SECONDS - start))"
