@@ -14,6 +14,10 @@
 #   5. ops/compose-test.sh    the compose deployment: images built without a registry (the
 #                             fleet image from the debug binaries of step 3), started, scaled,
 #                             checked end to end, removed
+#   6. ops/fuzz.sh N          every fuzz target (envelope, selector, config, submit_body) for
+#                             N = FLEET_FUZZ_SECONDS s (default 0: off, since its
+#                             cold release build takes ~20 min; CI leaves it off); installs cargo-fuzz
+#                             when missing and builds in fuzz/target (its own release build)
 #
 #   ops/test.sh [ARGS...]     ARGS go to cargo test, e.g. `ops/test.sh -- --nocapture`
 #
@@ -52,4 +56,8 @@ step "live metrics check"
 FLEET_BIN_DIR=target/debug bash ops/check-metrics.sh
 step "compose deployment"
 FLEET_BIN_DIR=target/debug bash ops/compose-test.sh
+if [ "${FLEET_FUZZ_SECONDS:-0}" != 0 ]; then
+    step "fuzz (${FLEET_FUZZ_SECONDS:-0} s per target)"
+    bash ops/fuzz.sh "${FLEET_FUZZ_SECONDS:-0}"
+fi
 printf '\n==== all tests passed in %ss\n' "$((SECONDS - start))"

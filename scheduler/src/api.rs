@@ -13,12 +13,10 @@
 //! * `GET /v1/series`: the last 15 minutes of throughput and wait time ([`crate::series`]).
 //! * The web console at `/ui` ([`crate::console`]).
 //!
-//! Roles, when `FLEET_API_TOKENS` is set: see [`routes`] and [`guard`].
+//! Roles ([`fleet::auth`], when tokens are configured): see [`routes`]. A POST without
+//! `Content-Type: application/json` gets 415.
 
 mod dead;
-pub mod guard;
-
-use guard::Role;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +27,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use fleet::auth::{ApiAuth, Role};
 use fleet::registry::WorkerState;
 use fleet::{amqp, metrics as m, Envelope, Store};
 use lapin::Channel;
@@ -61,11 +60,12 @@ pub struct AppState {
     pub dead_reader: Arc<tokio::sync::Semaphore>,
 }
 
-/// The API routes, each behind its role when tokens are configured ([`guard`]): submit needs
-/// `submit`; status, workers, groups, pressure, series and dead-letter reads need `read`;
-/// drain and replay need `admin`. The console's assets are public (they hold no data).
+/// The API routes, each behind its role when tokens are configured ([`fleet::auth`]): submit
+/// needs `submit`; status, workers, groups, pressure, series and dead-letter reads need `read`;
+/// drain and replay need `admin`; every POST must be JSON (415 otherwise). The console's
+/// assets are public (they hold no data).
 pub fn routes(state: AppState) -> Router {
-    let auth = state.cfg.auth.clone();
+    let auth: ApiAuth = state.cfg.common.auth.clone();
     let submit_routes = auth.require(Router::new().route("/v1/tasks", post(submit)), Role::Submit);
     let read_routes = auth.require(
         Router::new()
@@ -78,7 +78,12 @@ pub fn routes(state: AppState) -> Router {
         Role::Read,
     );
     let admin_routes = auth.require(Router::new().route("/v1/workers/{id}/drain", post(drain)).merge(dead::admin_routes()), Role::Admin);
-    submit_routes.merge(read_routes).merge(admin_routes).with_state(state).merge(crate::console::routes())
+    submit_routes
+        .merge(read_routes)
+        .merge(admin_routes)
+        .layer(axum::middleware::from_fn(fleet::auth::json_only))
+        .with_state(state)
+        .merge(crate::console::routes())
 }
 
 /// A JSON error answer `{"error": code, "detail": ...}`.
@@ -90,40 +95,19 @@ fn refuse(status: StatusCode, retry_after_s: u64, body: Value) -> Response {
     (status, [(header::RETRY_AFTER, retry_after_s.max(1).to_string())], Json(body)).into_response()
 }
 
-/// The envelopes of a request body (one, or a JSON array), each as the producer's exact bytes.
-fn raw_items(body: &[u8]) -> Result<Vec<Box<serde_json::value::RawValue>>, serde_json::Error> {
-    if body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[') {
-        serde_json::from_slice(body)
-    } else {
-        serde_json::from_slice(body).map(|one| vec![one])
-    }
-}
-
 async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
-    let items = match raw_items(&body) {
-        Ok(v) => v,
-        Err(e) => return error(StatusCode::BAD_REQUEST, "malformed_json", e.to_string()),
-    };
-    if items.is_empty() {
-        return error(StatusCode::BAD_REQUEST, "empty", "no envelope given");
-    }
     // Each envelope is checked on the producer's bytes, with the same limits as the AMQP
     // path, and published unchanged: the id (generated when absent) travels as `message_id`
     // and the submission time as a header, so nothing fleet adds can push it over a limit.
     let now = st.store.clock.now();
-    let limits = st.cfg.common.limits;
-    let mut envs = Vec::with_capacity(items.len());
-    for (i, raw) in items.iter().enumerate() {
-        let mut env = match Envelope::parse(raw.get().as_bytes(), &limits) {
-            Ok(e) => e,
-            Err(r) => return bad(i, r.code(), r.to_string()),
-        };
-        let stamped = env.submitted_at.is_none();
-        if let Err(r) = env.normalize(now, st.cfg.common.default_max_attempts) {
-            return bad(i, r.code(), r.to_string());
-        }
-        envs.push((env, raw.get().as_bytes(), stamped));
-    }
+    let parsed = match fleet::submit::parse_body(&body, &st.cfg.common.limits, st.cfg.common.default_max_attempts, now) {
+        Ok(p) => p,
+        Err(b) => match b.index {
+            Some(i) => return bad(i, b.code, b.detail),
+            None => return error(StatusCode::BAD_REQUEST, b.code, b.detail),
+        },
+    };
+    let envs: Vec<_> = parsed.iter().map(|p| (&p.envelope, p.raw.get().as_bytes(), p.stamped)).collect();
     if st.cfg.submit_rate > 0.0 {
         let want = envs.len() as u32;
         let burst = (st.cfg.submit_rate as u32).max(want);
@@ -167,7 +151,7 @@ const REPUBLISH_WITHIN: Duration = Duration::from_secs(15);
 /// ack nor nack) is published again on the next session's channel, until confirmed or
 /// [`REPUBLISH_WITHIN`] has passed; a copy the broker had already taken is absorbed by the
 /// dedupe protocol (same id). `Err` when no publisher came back in time for what is left.
-async fn publish_all(st: &AppState, envs: &[(Envelope, &[u8], bool)], now: chrono::DateTime<chrono::Utc>) -> Result<(Vec<String>, Vec<String>), ()> {
+async fn publish_all(st: &AppState, envs: &[(&Envelope, &[u8], bool)], now: chrono::DateTime<chrono::Utc>) -> Result<(Vec<String>, Vec<String>), ()> {
     let names = st.store.names.clone();
     let deadline = tokio::time::Instant::now() + REPUBLISH_WITHIN;
     let mut accepted = Vec::new();

@@ -52,8 +52,6 @@ pub struct SchedulerConfig {
     /// Concurrent dispatch loops on the normal ingress queue: while one batch waits for its
     /// publisher confirms the next is already being routed.
     pub ingress_consumers: u16,
-    /// API bearer tokens and their roles (`FLEET_API_TOKENS`; none: the API is open).
-    pub auth: crate::api::guard::ApiAuth,
     /// How often the schedule firing loop looks for due ticks.
     pub schedule_poll: Duration,
     /// How late a schedule's tick may still be submitted; later it is missed (and handled by
@@ -107,7 +105,6 @@ impl SchedulerConfig {
             ingress_consumers: a.ingress_consumers,
             schedule_poll: ms(a.schedule_poll_ms),
             schedule_tolerance: ms(a.schedule_tolerance_ms),
-            auth: crate::api::guard::ApiAuth::parse(&a.api_tokens)?,
             series_interval: ms(a.series_interval_ms),
             common,
         })

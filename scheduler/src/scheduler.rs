@@ -23,6 +23,7 @@ use crate::probe::ProbeBoard;
 use crate::series::{self, Series};
 use crate::stats::GroupBoard;
 use crate::{backstop, health, park, probe, reclaim, schedule, stats};
+use fleet::auth::Role;
 
 /// Runs the scheduler until `shutdown` fires. `listener` serves the API and `/metrics`.
 /// A [`fleet::Error::Permanent`] (login refused, a queue declared with other arguments) ends
@@ -31,7 +32,7 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
     let shutdown = shutdown.child_token();
     let cfg = Arc::new(cfg);
     let handle = m::install();
-    let store = Store::new(&cfg.common.redis_url, cfg.common.names())?;
+    let store = Store::with_tls(&cfg.common.redis_url, cfg.common.names(), &cfg.common.redis_tls)?;
     let ready = Readiness::default();
     let (ptx, prx) = watch::channel(Sample::default());
     let publisher: Arc<RwLock<Option<lapin::Channel>>> = Arc::new(RwLock::new(None));
@@ -52,10 +53,12 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
     };
     let board = schedule::Board::default();
     let sched_api = schedule::api::ScheduleApi { cfg: cfg.clone(), store: store.clone(), board: board.clone(), publisher: publisher.clone(), pressure: prx.clone() };
-    let router = fleet::http::common_routes(handle.clone(), ready.clone())
-        .merge(api::routes(state))
-        .merge(cfg.auth.require(schedule::api::read_routes(sched_api.clone()), crate::api::guard::Role::Read))
-        .merge(cfg.auth.require(schedule::api::admin_routes(sched_api), crate::api::guard::Role::Admin));
+    let auth = &cfg.common.auth;
+    let schedule_routes = auth
+        .require(schedule::api::read_routes(sched_api.clone()), Role::Read)
+        .merge(auth.require(schedule::api::admin_routes(sched_api), Role::Admin))
+        .layer(axum::middleware::from_fn(fleet::auth::json_only));
+    let router = fleet::http::common_routes(handle.clone(), ready.clone(), auth).merge(api::routes(state)).merge(schedule_routes);
     let tracker = TaskTracker::new();
     tracker.spawn(fleet::http::serve(listener, router, shutdown.clone()));
     tracker.spawn(redis_watch(store.clone(), ready.clone(), shutdown.clone()));
@@ -66,7 +69,7 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
     let mut backoff = amqp::reconnect_backoff().build();
     while !shutdown.is_cancelled() {
         let name = format!("fleet-scheduler {}", cfg.common.namespace);
-        let conn = match amqp::connect_retrying(&cfg.common.amqp_url, &name, &shutdown).await {
+        let conn = match amqp::connect_retrying(&cfg.common.amqp_url, &name, &cfg.common.amqp_tls, &shutdown).await {
             Ok(Some(conn)) => Arc::new(conn),
             Ok(None) => break,
             Err(e) => {

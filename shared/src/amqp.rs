@@ -9,6 +9,7 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
+use crate::tls::TlsConfig;
 
 /// Header naming why a task was dead-lettered (a bounded reason code).
 pub const REASON_HEADER: &str = "x-fleet-reason";
@@ -24,10 +25,25 @@ pub const REPLAY_HEADER: &str = "x-fleet-replay";
 /// ignores `x-` headers when matching, which would bind every tier to every message.
 pub const TIER_HEADER: &str = "fleet-tier";
 
-/// Connects once.
+/// Connects once, trusting the system roots for `amqps://`.
 pub async fn connect(url: &str, name: &str) -> Result<Connection> {
+    connect_with(url, name, &TlsConfig::default()).await
+}
+
+/// Connects once; an `amqps://` URL uses `tls` (extra CA, client certificate) and verifies the
+/// server's name against the URL's host. A failed TLS handshake is an `Amqp` error whose text
+/// says why (for example `invalid peer certificate: UnknownIssuer` for a wrong CA).
+pub async fn connect_with(url: &str, name: &str, tls: &TlsConfig) -> Result<Connection> {
     let props = ConnectionProperties::default().with_connection_name(name.into());
-    Connection::connect(url, props).await.map_err(|e| classify(e, "FLEET_AMQP_URL", url))
+    let conn = if tls.is_default() {
+        Connection::connect(url, props).await
+    } else {
+        match lapin::runtime::default_runtime() {
+            Ok(rt) => Connection::connect_with_config(url, props, tls.to_lapin(), rt).await,
+            Err(e) => Err(e),
+        }
+    };
+    conn.map_err(|e| classify(e, "FLEET_AMQP_URL", url))
 }
 
 /// Backoff of every connection retry: exponential from 100 ms, capped at 5 s, with jitter
@@ -40,17 +56,18 @@ pub fn reconnect_backoff() -> backon::ExponentialBuilder {
         .without_max_times()
 }
 
-/// Connects, retrying transient failures (refused, reset, timed out) with
-/// [`reconnect_backoff`] until it works or `shutdown` fires (then `Ok(None)`). `url` may list
-/// several cluster nodes: each attempt is one pass over them from a random node
-/// ([`crate::endpoints::connect_any`], which logs each node's failure and the node it is on);
-/// the backoff runs between failed passes. One warning per failed pass, naming
-/// `FLEET_AMQP_URL` with the password hidden. A permanent failure (login refused, unknown
-/// vhost) is returned at once as [`Error::Permanent`]. Cancel safe.
-pub async fn connect_retrying(url: &str, name: &str, shutdown: &CancellationToken) -> Result<Option<Connection>> {
+/// Connects (with `tls` for `amqps://`, see [`connect_with`]), retrying transient failures
+/// (refused, reset, timed out, a failed TLS handshake) with [`reconnect_backoff`] until it
+/// works or `shutdown` fires (then `Ok(None)`). `url` may list several cluster nodes: each
+/// attempt is one pass over them from a random node ([`crate::endpoints::connect_any`], which
+/// logs each node's failure and the node it is on); the backoff runs between failed passes.
+/// One warning per failed pass, naming `FLEET_AMQP_URL` with the password hidden. A permanent
+/// failure (login refused, unknown vhost) is returned at once as [`Error::Permanent`]. Cancel
+/// safe.
+pub async fn connect_retrying(url: &str, name: &str, tls: &TlsConfig, shutdown: &CancellationToken) -> Result<Option<Connection>> {
     use backon::Retryable;
     let shown = crate::redact::redact(url).into_owned();
-    let attempt = (|| crate::endpoints::connect_any(url, name))
+    let attempt = (|| crate::endpoints::connect_any(url, name, tls))
         .retry(reconnect_backoff())
         .sleep(tokio::time::sleep)
         .when(|e| !matches!(e, Error::Permanent { .. }))

@@ -95,6 +95,17 @@ impl Settings {
         &self.command_line
     }
 
+    /// Settings from the text of a config file (TOML, flat `key = value`), as `FLEET_CONFIG`
+    /// names it. Errors name `FLEET_CONFIG` or the bad key.
+    pub fn from_toml(text: &str) -> Result<Self> {
+        let mut s = Settings::default();
+        for (k, v) in Self::parse_file(text)? {
+            s.origins.insert(k.clone(), Origin::File);
+            s.values.insert(k, v);
+        }
+        Ok(s)
+    }
+
     fn parse_file(text: &str) -> Result<HashMap<String, String>> {
         let table: toml::Table = text.parse().map_err(|e| Error::config("FLEET_CONFIG", format!("invalid TOML: {e}")))?;
         let mut out = HashMap::new();
@@ -224,6 +235,12 @@ pub struct CommonConfig {
     /// unsharded) and shards each worker consumes (`FLEET_SHARDS_PER_WORKER`, default 1); see
     /// [`crate::subset`].
     pub subsetting: crate::subset::Subsetting,
+    /// TLS client settings for `amqps://` (`FLEET_AMQP_TLS_*`).
+    pub amqp_tls: crate::tls::TlsConfig,
+    /// TLS client settings for `rediss://` (`FLEET_REDIS_TLS_*`).
+    pub redis_tls: crate::tls::TlsConfig,
+    /// Who may call the HTTP API (`FLEET_API_TOKENS`, ...).
+    pub auth: crate::auth::ApiAuth,
 }
 
 impl CommonConfig {
@@ -248,9 +265,8 @@ impl CommonConfig {
         crate::endpoints::Endpoints::parse(&amqp_url).map_err(|e| Error::config("FLEET_AMQP_URL", e))?;
         let mut redis_url = a.redis_url.trim().to_string();
         let scheme = redis_url.split("://").next().unwrap_or("").to_ascii_lowercase();
-        if !redis_url.contains("://") || !matches!(scheme.as_str(), "redis" | "redis+sentinel") {
-            let why = if scheme == "rediss" { "TLS (rediss://) is not supported by this build" } else { "not a redis:// or redis+sentinel:// URL" };
-            return Err(Error::config("FLEET_REDIS_URL", format!("`{redis_url}`: {why}")));
+        if !redis_url.contains("://") || !matches!(scheme.as_str(), "redis" | "rediss" | "redis+sentinel") {
+            return Err(Error::config("FLEET_REDIS_URL", format!("`{redis_url}` is not a redis://, rediss:// or redis+sentinel:// URL")));
         }
         if !a.redis_sentinels.trim().is_empty() {
             if scheme != "redis" {
@@ -275,8 +291,22 @@ impl CommonConfig {
             max_kind_bytes: a.max_kind_bytes,
             max_payload_depth: a.max_payload_depth,
         };
+        let auth = crate::auth::ApiAuth::from_args(a, &http_addr)?;
         Ok(CommonConfig {
             limits,
+            amqp_tls: crate::tls::TlsConfig::from_files(
+                "FLEET_AMQP_TLS",
+                a.amqp_tls_ca_file.as_deref(),
+                a.amqp_tls_cert_file.as_deref(),
+                a.amqp_tls_key_file.as_deref(),
+            )?,
+            redis_tls: crate::tls::TlsConfig::from_files(
+                "FLEET_REDIS_TLS",
+                a.redis_tls_ca_file.as_deref(),
+                a.redis_tls_cert_file.as_deref(),
+                a.redis_tls_key_file.as_deref(),
+            )?,
+            auth,
             amqp_url,
             redis_url,
             namespace,
@@ -347,7 +377,7 @@ mod tests {
             ("amqp_url", "AMQPX://u:hunter2@h/", "FLEET_AMQP_URL"),
             ("amqp_url", "amqp://u:hunter2@h1/%2f,,amqp://u:hunter2@h2", "FLEET_AMQP_URL"),
             ("amqp_url", "amqp://u:hunter2@h1/%2f;amqp://u:hunter2@h2", "FLEET_AMQP_URL"),
-            ("redis_url", "rediss://u:hunter2@h/", "FLEET_REDIS_URL"),
+            ("redis_url", "redisx://u:hunter2@h/", "FLEET_REDIS_URL"),
             ("ingress_max_normal", "-1", "FLEET_INGRESS_MAX_NORMAL"),
             ("namespace", "a b", "FLEET_NAMESPACE"),
         ] {
@@ -369,6 +399,15 @@ mod tests {
         let c = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap();
         assert_eq!((c.subsetting.shards(), c.subsetting.per_worker()), (12, 3));
         assert_eq!(c.shards(crate::Lane::Critical), 1);
+    }
+
+    #[test]
+    fn url_errors_hide_the_password() {
+        let s = Settings::from_pairs([("amqp_url", "http://u:s3cret@h".to_string())]);
+        let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
+        assert!(e.contains("FLEET_AMQP_URL") && !e.contains("s3cret"), "{e}");
+        let s = Settings::from_pairs([("redis_url", "rediss://u:s3cret@127.0.0.1:6380".to_string())]);
+        assert!(CommonConfig::from_settings(&s, "127.0.0.1:1").is_ok());
     }
 
     #[test]

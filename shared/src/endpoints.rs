@@ -77,13 +77,13 @@ impl Endpoints {
 /// A malformed list ([`Error::Config`] naming `FLEET_AMQP_URL`); a permanent refusal (login,
 /// vhost) at once as [`Error::Permanent`] (every node of a cluster shares users and vhosts);
 /// otherwise, when no node answered, the last node's error.
-pub async fn connect_any(list: &str, name: &str) -> Result<lapin::Connection> {
+pub async fn connect_any(list: &str, name: &str, tls: &crate::tls::TlsConfig) -> Result<lapin::Connection> {
     let nodes = Endpoints::parse(list).map_err(|e| Error::config("FLEET_AMQP_URL", e))?;
     let many = nodes.nodes().len() > 1;
     let mut last = Error::Other("no RabbitMQ node given".into());
     for node in nodes.rotation() {
         let shown = redact(node);
-        match crate::amqp::connect(node, name).await {
+        match crate::amqp::connect_with(node, name, tls).await {
             Ok(c) => {
                 if many {
                     tracing::info!(node = %shown, connection = name, "connected to RabbitMQ node");

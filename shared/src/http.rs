@@ -29,13 +29,15 @@ impl Readiness {
     }
 }
 
-/// Router with the three common endpoints.
-pub fn common_routes(handle: PrometheusHandle, ready: Readiness) -> Router {
-    Router::new()
-        .route("/metrics", get(move || {
-            let h = handle.clone();
-            async move { ([("content-type", "text/plain; version=0.0.4")], h.render()) }
-        }))
+/// Router with the three common endpoints: `/healthz` and `/readyz` always open, `/metrics`
+/// behind role `read` when `FLEET_METRICS_AUTH=read` (and tokens are configured).
+pub fn common_routes(handle: PrometheusHandle, ready: Readiness, auth: &crate::auth::ApiAuth) -> Router {
+    let metrics = Router::new().route("/metrics", get(move || {
+        let h = handle.clone();
+        async move { ([("content-type", "text/plain; version=0.0.4")], h.render()) }
+    }));
+    let metrics = if auth.metrics_need_read() { auth.require(metrics, crate::auth::Role::Read) } else { metrics };
+    metrics
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(move || {
             let r = ready.clone();

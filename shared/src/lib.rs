@@ -21,9 +21,12 @@
 //! * [`producer`] — submitting tasks: refused at once, or paced until accepted.
 //! * [`metrics`] — metric names, their help text and the Prometheus exporter.
 //! * [`waits`] — wait-time histograms workers share with the scheduler's console.
+//! * [`auth`] — API bearer tokens and roles, the axum guard; [`tls`] — TLS client settings.
+//! * [`submit`] — parsing of an HTTP submission body (one envelope or an array).
 //! * [`telemetry`] — logging set-up; [`http`] — `/metrics`, `/healthz`, `/readyz`.
 
 pub mod amqp;
+pub mod auth;
 pub mod config;
 pub mod dead;
 pub mod delay;
@@ -46,7 +49,9 @@ pub mod settings;
 pub mod status;
 pub mod store;
 pub mod subset;
+pub mod submit;
 pub mod telemetry;
+pub mod tls;
 pub mod topology;
 pub mod waits;
 

@@ -92,7 +92,7 @@ impl Producer {
     /// [`crate::endpoints`]) and opens a confirm channel. Errors: the connection or channel
     /// failed ([`Error::Amqp`]).
     pub async fn connect(amqp_url: &str, names: Names, connection_name: &str) -> Result<Self> {
-        let conn = crate::endpoints::connect_any(amqp_url, connection_name).await?;
+        let conn = crate::endpoints::connect_any(amqp_url, connection_name, &crate::tls::TlsConfig::default()).await?;
         let ch = amqp::confirm_channel(&conn).await?;
         Ok(Producer { conn, ch, names })
     }

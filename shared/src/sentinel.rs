@@ -129,13 +129,21 @@ pub enum Conn {
 
 impl Pool {
     /// Builds the pool for `url` (no connection is made until first use), with `pc` as its
-    /// size and timeouts.
+    /// size and timeouts; a `rediss://` URL uses `tls` (extra CA, client certificate) and
+    /// verifies the server's name against the URL's host.
     ///
     /// # Errors
     /// [`Error::Config`] naming `FLEET_REDIS_URL` (password hidden).
-    pub fn new(url: &str, pc: deadpool_redis::PoolConfig) -> Result<Self> {
+    pub fn new(url: &str, pc: deadpool_redis::PoolConfig, tls: &crate::tls::TlsConfig) -> Result<Self> {
         let bad = |e: String| Error::config("FLEET_REDIS_URL", crate::redact::redact(&e).into_owned());
         match Target::parse(url).map_err(bad)? {
+            Target::Direct(u) if u.trim().get(..9).is_some_and(|p| p.eq_ignore_ascii_case("rediss://")) => {
+                crate::tls::install_crypto_provider();
+                let info = redis::Client::build_with_tls(u.as_str(), tls.to_redis()).map_err(|e| bad(e.to_string()))?.get_connection_info().clone();
+                let manager = deadpool_redis::Manager::new(info).map_err(|e| bad(e.to_string()))?;
+                let pool = deadpool_redis::Pool::builder(manager).config(pc).runtime(deadpool_redis::Runtime::Tokio1).build();
+                Ok(Pool::Direct(pool.map_err(|e| bad(e.to_string()))?))
+            }
             Target::Direct(u) => {
                 let mut cfg = deadpool_redis::Config::from_url(u);
                 cfg.pool = Some(pc);

@@ -87,6 +87,36 @@ pub struct CommonArgs {
     /// Shard queues each worker consumes, chosen by deterministic subsetting from its ordinal in its group; FLEET_SHARDS must be a multiple of it.
     #[arg(long, env = "FLEET_SHARDS_PER_WORKER", default_value = "1", value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub shards_per_worker: u32,
+    /// `amqps://`: PEM file of CA certificates trusted besides the system roots (a private CA).
+    #[arg(long, env = "FLEET_AMQP_TLS_CA_FILE", value_parser = pem_certificates)]
+    pub amqp_tls_ca_file: Option<String>,
+    /// `amqps://`: PEM client certificate chain for mutual TLS (with FLEET_AMQP_TLS_KEY_FILE).
+    #[arg(long, env = "FLEET_AMQP_TLS_CERT_FILE", value_parser = pem_certificates)]
+    pub amqp_tls_cert_file: Option<String>,
+    /// `amqps://`: PEM private key of the client certificate (PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "FLEET_AMQP_TLS_KEY_FILE", value_parser = pem_private_key)]
+    pub amqp_tls_key_file: Option<String>,
+    /// `rediss://`: PEM file of CA certificates; when set, Redis is trusted through it alone.
+    #[arg(long, env = "FLEET_REDIS_TLS_CA_FILE", value_parser = pem_certificates)]
+    pub redis_tls_ca_file: Option<String>,
+    /// `rediss://`: PEM client certificate chain for mutual TLS (with FLEET_REDIS_TLS_KEY_FILE).
+    #[arg(long, env = "FLEET_REDIS_TLS_CERT_FILE", value_parser = pem_certificates)]
+    pub redis_tls_cert_file: Option<String>,
+    /// `rediss://`: PEM private key of the client certificate (PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "FLEET_REDIS_TLS_KEY_FILE", value_parser = pem_private_key)]
+    pub redis_tls_key_file: Option<String>,
+    /// API bearer tokens with their roles, `TOKEN ROLE` entries separated by commas or newlines (roles read, submit, admin; admin may do all; tokens of 16+ characters); none: the API is open.
+    #[arg(long, env = "FLEET_API_TOKENS", default_value = "", hide_env_values = true)]
+    pub api_tokens: String,
+    /// File of API tokens, one `TOKEN ROLE` per line (`#` comments); adds to FLEET_API_TOKENS.
+    #[arg(long, env = "FLEET_API_TOKENS_FILE")]
+    pub api_tokens_file: Option<String>,
+    /// Who may read `/metrics`: anyone, or a token with role `read`.
+    #[arg(long, env = "FLEET_METRICS_AUTH", default_value = "open", value_parser = ["open", "read"])]
+    pub metrics_auth: String,
+    /// Serve an API without tokens on a non-loopback FLEET_HTTP_ADDR (refused otherwise).
+    #[arg(long, env = "FLEET_ALLOW_UNAUTHENTICATED", default_value = "false", value_parser = boolean, action = clap::ArgAction::Set)]
+    pub allow_unauthenticated: bool,
 }
 
 /// `fleet-scheduler`'s settings.
@@ -149,9 +179,6 @@ pub struct SchedulerArgs {
     /// HTTP submissions per second above which the API answers 429 (0 = no limit).
     #[arg(long, env = "FLEET_SUBMIT_RATE", default_value = "0", value_parser = non_negative_number)]
     pub submit_rate: f64,
-    /// API bearer tokens with their roles, `TOKEN ROLE` entries separated by commas (roles read, submit, admin; admin may do all); none: the API is open.
-    #[arg(long, env = "FLEET_API_TOKENS", default_value = "", hide_env_values = true)]
-    pub api_tokens: String,
     /// Interval of the console's throughput and wait history (15 minutes kept), in milliseconds.
     #[arg(long, env = "FLEET_SERIES_INTERVAL_MS", default_value = "2000", value_parser = positive::<u64>)]
     pub series_interval_ms: u64,
@@ -250,12 +277,24 @@ pub struct WorkerArgs {
     /// How long an ejection lasts, in milliseconds.
     #[arg(long, env = "FLEET_EJECT_COOLDOWN_MS", default_value = "30000", value_parser = positive::<u64>)]
     pub eject_cooldown_ms: u64,
-    /// http executor: the endpoint tasks are POSTed to (`http://`; required with FLEET_EXECUTOR=http).
+    /// http executor: the endpoint tasks are POSTed to (`http://` or `https://`; required with FLEET_EXECUTOR=http).
     #[arg(long, env = "FLEET_HTTP_URL", hide_env_values = true)]
     pub http_url: Option<String>,
     /// http executor: upper bound of one request, in milliseconds.
     #[arg(long, env = "FLEET_HTTP_TIMEOUT_MS", default_value = "30000", value_parser = positive::<u64>)]
     pub http_timeout_ms: u64,
+    /// http executor, `https://`: PEM file of CA certificates trusted besides the system roots.
+    #[arg(long, env = "FLEET_HTTP_TLS_CA_FILE", value_parser = pem_certificates)]
+    pub http_tls_ca_file: Option<String>,
+    /// http executor, `https://`: PEM client certificate chain for mutual TLS (with FLEET_HTTP_TLS_KEY_FILE).
+    #[arg(long, env = "FLEET_HTTP_TLS_CERT_FILE", value_parser = pem_certificates)]
+    pub http_tls_cert_file: Option<String>,
+    /// http executor, `https://`: PEM private key of the client certificate.
+    #[arg(long, env = "FLEET_HTTP_TLS_KEY_FILE", value_parser = pem_private_key)]
+    pub http_tls_key_file: Option<String>,
+    /// http executor: follow redirects (at most 5); off, a 3xx answer is a failed attempt.
+    #[arg(long, env = "FLEET_HTTP_FOLLOW_REDIRECTS", default_value = "false", value_parser = boolean, action = clap::ArgAction::Set)]
+    pub http_follow_redirects: bool,
     /// exec executor: program and arguments, a JSON array or words, run without a shell (required with FLEET_EXECUTOR=exec).
     #[arg(long, env = "FLEET_EXEC_COMMAND")]
     pub exec_command: Option<String>,
@@ -277,7 +316,7 @@ pub struct CommonOnly {
 
 /// Variables that are fleet's but no daemon setting: `fleetctl`'s and docker compose's.
 const OTHER_VARIABLES: &[&str] =
-    &["FLEET_CONFIG", "FLEET_API_URL", "FLEET_ENV_FILE", "FLEET_IMAGE_TAG", "FLEET_BIN_DIR"];
+    &["FLEET_CONFIG", "FLEET_API_URL", "FLEET_API_TOKEN", "FLEET_ENV_FILE", "FLEET_IMAGE_TAG", "FLEET_BIN_DIR"];
 
 /// What the command line asked for besides running.
 pub enum Early {
@@ -485,6 +524,26 @@ fn non_negative_number(s: &str) -> Result<f64, String> {
         return Err(format!("`{s}` must not be negative"));
     }
     Ok(v)
+}
+
+/// `true`/`false` (also `1`/`0`, `yes`/`no`, `on`/`off`).
+fn boolean(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        _ => Err(format!("`{s}` must be true or false")),
+    }
+}
+
+/// A readable PEM file holding at least one certificate (the path is kept; the file is read
+/// again, once, when the TLS settings are built).
+fn pem_certificates(path: &str) -> Result<String, String> {
+    crate::tls::read_certificates(path.trim()).map(|_| path.trim().to_string())
+}
+
+/// A readable PEM file holding a private key.
+fn pem_private_key(path: &str) -> Result<String, String> {
+    crate::tls::read_private_key(path.trim()).map(|_| path.trim().to_string())
 }
 
 fn fraction_up_to_100(s: &str) -> Result<f64, String> {

@@ -7,6 +7,7 @@ use std::time::Duration;
 use deadpool_redis::redis::{self, FromRedisValue, ScriptInvocation};
 
 use crate::error::{Error, Result};
+use crate::tls::TlsConfig;
 use crate::names::Names;
 use crate::scripts::Scripts;
 use crate::sentinel::{Conn, Pool};
@@ -58,14 +59,23 @@ impl Clock {
 }
 
 impl Store {
-    /// Builds the pool (no connection is made until first use). `url` is `redis://…` or the
-    /// Sentinel form `redis+sentinel://…` (see [`crate::sentinel`]).
+    /// Builds the pool (no connection is made until first use), trusting the system roots
+    /// for `rediss://`. `url` is `redis://…`, `rediss://…` or the Sentinel form
+    /// `redis+sentinel://…` (see [`crate::sentinel`]).
     pub fn new(url: &str, names: Names) -> Result<Self> {
+        Self::with_tls(url, names, &TlsConfig::default())
+    }
+
+    /// Builds the pool; a `rediss://` URL uses `tls` (extra CA, client certificate) and
+    /// verifies the server's name against the URL's host. User and password in the URL
+    /// (`rediss://user:pass@host`) authenticate an ACL user. A failed handshake shows up as a
+    /// `Pool` error at the first call.
+    pub fn with_tls(url: &str, names: Names, tls: &TlsConfig) -> Result<Self> {
         let mut pc = deadpool_redis::PoolConfig::new(32);
         pc.timeouts.wait = Some(CALL_TIMEOUT);
         pc.timeouts.create = Some(CALL_TIMEOUT);
         pc.timeouts.recycle = Some(CALL_TIMEOUT);
-        let pool = Pool::new(url, pc)?;
+        let pool = Pool::new(url, pc, tls)?;
         Ok(Store { pool, names, scripts: Arc::new(Scripts::load()), clock: Clock::default() })
     }
 

@@ -15,6 +15,8 @@ use lapin::options::BasicGetOptions;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+pub mod servers;
+
 pub fn amqp_url() -> String {
     std::env::var("AMQP_ADDR").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
@@ -41,18 +43,27 @@ impl Ns {
     }
 
     pub async fn with_queue_type(qt: &str) -> Result<Self> {
+        Self::on(&amqp_url(), &redis_url(), qt, &[]).await
+    }
+
+    /// A fresh namespace on the given servers; `extra` settings (TLS files, ...) join the base
+    /// every component starts from and serve the test's own connections too.
+    pub async fn on(amqp_url: &str, redis_url: &str, qt: &str, extra: &[(String, String)]) -> Result<Self> {
         let name = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
         let names = Names::new(&name);
-        let store = Store::new(&redis_url(), names.clone())?;
-        let conn = amqp::connect(&amqp_url(), "fleet-tests").await.context("connect to RabbitMQ")?;
-        let publisher = amqp::confirm_channel(&conn).await?;
-        let base = vec![
+        let mut base = vec![
             ("namespace".to_string(), name.clone()),
-            ("amqp_url".to_string(), amqp_url()),
-            ("redis_url".to_string(), redis_url()),
+            ("amqp_url".to_string(), amqp_url.to_string()),
+            ("redis_url".to_string(), redis_url.to_string()),
             ("queue_type".to_string(), qt.to_string()),
             ("http_addr".to_string(), "127.0.0.1:0".to_string()),
         ];
+        base.extend_from_slice(extra);
+        let s = Settings::from_pairs(base.iter().map(|(k, v)| (k.as_str(), v.clone())));
+        let store = Store::with_tls(redis_url, names.clone(), &tls_config(&s, "redis_tls")?)?;
+        let amqp_tls = tls_config(&s, "amqp_tls")?;
+        let conn = amqp::connect_with(amqp_url, "fleet-tests", &amqp_tls).await.context("connect to RabbitMQ")?;
+        let publisher = amqp::confirm_channel(&conn).await?;
         // The topology is declared by the scheduler and workers a test starts (with the
         // test's own bounds), not here.
         Ok(Ns { name, names, store, conn, publisher, base })
@@ -364,6 +375,34 @@ pub fn bin_path(name: &str) -> Result<std::path::PathBuf> {
     Ok(p)
 }
 
+/// Runs a binary with only the given `FLEET_*` settings (the test's own are removed) and
+/// returns (exit code, stderr) once it exits, failing after 20 s. For start-up refusals.
+pub fn run_to_exit(name: &str, env: &[(&str, &str)]) -> Result<(i32, String)> {
+    let mut cmd = std::process::Command::new(bin_path(name)?);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("FLEET_") {
+            cmd.env_remove(k);
+        }
+    }
+    let mut child = cmd.envs(env.iter().copied()).stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn()?;
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait()? {
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                std::io::Read::read_to_string(&mut e, &mut err)?;
+            }
+            return Ok((status.code().unwrap_or(-1), err));
+        }
+        if start.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("{name} did not exit within 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Sum of a counter/gauge in a Prometheus text page over the series whose labels contain
 /// every `k="v"` given.
 pub fn metric_sum(page: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
@@ -423,4 +462,13 @@ impl Ns {
         })
         .await
     }
+}
+
+/// The TLS settings `<prefix>_ca_file`, `_cert_file`, `_key_file` of `s` (prefix `amqp_tls`,
+/// `redis_tls`, `http_tls`) as the binaries build them, errors naming `FLEET_<PREFIX>_*_FILE`.
+pub fn tls_config(s: &Settings, prefix: &str) -> Result<fleet::tls::TlsConfig> {
+    let file = |what: &str| s.opt_string(&format!("{prefix}_{what}_file"));
+    let (ca, cert, key) = (file("ca"), file("cert"), file("key"));
+    let var_prefix = format!("FLEET_{}", prefix.to_ascii_uppercase());
+    Ok(fleet::tls::TlsConfig::from_files(&var_prefix, ca.as_deref(), cert.as_deref(), key.as_deref())?)
 }

@@ -78,6 +78,14 @@ async fn red_pressure_refuses_normal_work_but_not_critical() -> anyhow::Result<(
         match r.status().as_u16() {
             202 => accepted += 1,
             429 => break r,
+            // The ingress filled before the pressure loop (every 250 ms) closed the intake
+            // gate: a busy machine can lag one interval. Wait for the gate, then go on.
+            503 => {
+                wait_for("intake gate red", Duration::from_secs(10), || async {
+                    get_json(&sched.url("/v1/pressure")).await.ok().filter(|p| p["gate"] == "red").map(|_| ())
+                })
+                .await?;
+            }
             other => anyhow::bail!("unexpected {other} while Red"),
         }
         anyhow::ensure!(accepted < 200, "no refusal after {accepted} tasks at an ingress bound of 3");
@@ -122,7 +130,7 @@ async fn http_submit_answers_202_400_429_503() -> anyhow::Result<()> {
     let body: serde_json::Value = r.json().await?;
     assert_eq!(body["error"], "unknown_lane");
     assert_eq!(body["index"], 1);
-    let r = c.post(&url).body("{oops").send().await?;
+    let r = c.post(&url).header("content-type", "application/json").body("{oops").send().await?;
     assert_eq!(r.status().as_u16(), 400);
     let r = c.post(&url).json(&json!({"kind": "x", "not_before": "2099-01-01T00:00:00Z"})).send().await?;
     assert_eq!(r.status().as_u16(), 400);
@@ -143,8 +151,9 @@ async fn http_submit_answers_202_400_429_503() -> anyhow::Result<()> {
     w.stop().await?;
     sched.stop().await?;
 
-    // The submission rate limit answers 429 with Retry-After.
-    let sched = start_scheduler(&ns, &[("submit_rate", "1"), ("ingress_max_normal", "5")]).await?;
+    // The submission rate limit answers 429 with Retry-After. 0.1/s: the bucket refills in
+    // 10 s, so a loaded machine's pause between the two calls cannot refill it.
+    let sched = start_scheduler(&ns, &[("submit_rate", "0.1"), ("ingress_max_normal", "5")]).await?;
     let url = sched.url("/v1/tasks");
     let first = c.post(&url).json(&json!({"kind": "record"})).send().await?;
     assert_eq!(first.status().as_u16(), 202);

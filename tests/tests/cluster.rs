@@ -222,7 +222,7 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
     let name = format!("c{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
     let names = Names::new(&name);
     let store = Store::new(&redis, names.clone())?;
-    let conn = fleet::endpoints::connect_any(&amqp, "fleet-tests cluster").await?;
+    let conn = fleet::endpoints::connect_any(&amqp, "fleet-tests cluster", &fleet::tls::TlsConfig::default()).await?;
     let publisher = fleet::amqp::confirm_channel(&conn).await?;
     let base = vec![
         ("namespace".to_string(), name.clone()),

@@ -101,7 +101,7 @@ async fn drain_through_the_scheduler_api() -> anyhow::Result<()> {
     wait_for("group capacity 6", Duration::from_secs(10), || async { group(&ns.store, "protocol=http").await.filter(|g| g.capacity == 6) }).await?;
 
     let client = reqwest::Client::new();
-    let r = client.post(sched.url("/v1/workers/nope/drain")).send().await?;
+    let r = client.post(sched.url("/v1/workers/nope/drain")).json(&serde_json::json!({})).send().await?;
     assert_eq!(r.status().as_u16(), 404);
     let body: serde_json::Value = r.json().await?;
     assert_eq!(body, json!({"error": "unknown_worker", "detail": "no registered worker with id nope"}));
@@ -111,7 +111,7 @@ async fn drain_through_the_scheduler_api() -> anyhow::Result<()> {
     assert_eq!(ns.submit(&envs).await?, (18, 0));
     // (The worker learns of the drain at its next heartbeat; tasks of 1.5 s outlast that.)
     let in_flight = busy(&ep, "w-api", 3).await?;
-    let r = client.post(sched.url("/v1/workers/w-api/drain")).send().await?;
+    let r = client.post(sched.url("/v1/workers/w-api/drain")).json(&serde_json::json!({})).send().await?;
     assert_eq!(r.status().as_u16(), 202);
     let body: serde_json::Value = r.json().await?;
     assert_eq!(body, json!({"id": "w-api", "previous_state": "active", "state": "draining"}));
@@ -121,7 +121,7 @@ async fn drain_through_the_scheduler_api() -> anyhow::Result<()> {
 
     assert_drained(&ns, &ep, &ids, "w-api", &in_flight).await?;
     // Asking again: the worker is gone.
-    let r = client.post(sched.url("/v1/workers/w-api/drain")).send().await?;
+    let r = client.post(sched.url("/v1/workers/w-api/drain")).json(&serde_json::json!({})).send().await?;
     assert_eq!(r.status().as_u16(), 404);
     peer.stop().await?;
     sched.stop().await?;

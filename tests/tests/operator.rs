@@ -97,7 +97,7 @@ async fn every_bad_setting_exits_2_naming_it() -> Result<()> {
     let bad_toml = bad_toml.to_string_lossy().into_owned();
     let missing = dir.join("missing.toml").to_string_lossy().into_owned();
     let leaky_amqp = format!("AMQPX://fleet:{SECRET}@127.0.0.1:5672/%2f");
-    let leaky_redis = format!("rediss://:{SECRET}@127.0.0.1:6379");
+    let leaky_redis = format!("redis+tls://:{SECRET}@127.0.0.1:6379");
     let cases: Vec<(&str, Vec<(&str, &str)>, &str, &str)> = vec![
         ("fleet-worker", vec![("FLEET_CAPACITY", "-1")], "FLEET_CAPACITY", "must be a positive integer"),
         ("fleet-worker", vec![("FLEET_CAPACITY", "70000")], "FLEET_CAPACITY", "at most 65535"),
@@ -109,7 +109,7 @@ async fn every_bad_setting_exits_2_naming_it() -> Result<()> {
         ("fleet-scheduler", vec![("FLEET_PENDING_RED", "2")], "FLEET_PENDING_RED", "between 0 and 1"),
         ("fleet-scheduler", vec![("FLEET_RATE", "fast")], "FLEET_RATE", "must be a number"),
         ("fleet-scheduler", vec![("FLEET_AMQP_URL", &leaky_amqp)], "FLEET_AMQP_URL", "not an amqp"),
-        ("fleet-scheduler", vec![("FLEET_REDIS_URL", &leaky_redis)], "FLEET_REDIS_URL", "rediss"),
+        ("fleet-scheduler", vec![("FLEET_REDIS_URL", &leaky_redis)], "FLEET_REDIS_URL", "not a redis:// or rediss:// URL"),
         ("fleet-scheduler", vec![("FLEET_HTTP_ADDR", "nowhere")], "FLEET_HTTP_ADDR", "host:port"),
     ];
     for (bin, env, setting, words) in cases {

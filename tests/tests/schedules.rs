@@ -75,7 +75,8 @@ async fn post(url: &str, body: Option<&Value>) -> Result<(u16, Value)> {
     let c = reqwest::Client::new();
     let r = match body {
         Some(b) => c.post(url).json(b).send().await?,
-        None => c.post(url).send().await?,
+        // The API takes only JSON bodies on POST (415 otherwise).
+        None => c.post(url).json(&serde_json::json!({})).send().await?,
     };
     let status = r.status().as_u16();
     Ok((status, r.json().await.unwrap_or(Value::Null)))
@@ -421,7 +422,7 @@ async fn a_red_fleet_refuses_fires_which_are_counted_missed_then_fire_again() ->
     })
     .await?;
     // Fire-now is refused the same way, with Retry-After.
-    let r = reqwest::Client::new().post(s.url(&format!("/v1/schedules/{name}/fire"))).send().await?;
+    let r = reqwest::Client::new().post(s.url(&format!("/v1/schedules/{name}/fire"))).json(&serde_json::json!({})).send().await?;
     assert_eq!(r.status().as_u16(), 429);
     assert!(r.headers().get("retry-after").is_some());
     assert_eq!(runs.count(&name), 0, "nothing fired while Red");

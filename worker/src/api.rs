@@ -1,6 +1,7 @@
 //! The worker's HTTP endpoints: `/metrics`, `/healthz`, `/readyz` (shared with every binary),
 //! `GET /status` (this worker as it sees itself) and `POST /drain` (lame duck now: the same
-//! drain as SIGTERM, and the process exits when it is done).
+//! drain as SIGTERM, and the process exits when it is done). With API tokens configured
+//! `/status` needs `read` and `/drain` needs `admin` ([`fleet::auth`]).
 
 use std::sync::Arc;
 
@@ -11,6 +12,7 @@ use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::{json, Value};
 
+use fleet::auth::{ApiAuth, Role};
 use fleet::http::Readiness;
 
 use crate::drain::Control;
@@ -34,13 +36,16 @@ struct Api {
     stats: Arc<Stats>,
 }
 
-pub fn router(prom: PrometheusHandle, ready: Readiness, identity: Identity, control: Control, stats: Arc<Stats>) -> Router {
+/// The worker's router: `GET /status` needs role `read`, `POST /drain` role `admin` (see
+/// [`fleet::auth`]); POST bodies must be JSON.
+pub fn router(prom: PrometheusHandle, ready: Readiness, identity: Identity, control: Control, stats: Arc<Stats>, auth: &ApiAuth) -> Router {
     let api = Api { identity: Arc::new(identity), control, stats };
-    Router::new()
-        .route("/status", get(status))
-        .route("/drain", post(drain))
+    let read = auth.require(Router::new().route("/status", get(status)), Role::Read);
+    let admin = auth.require(Router::new().route("/drain", post(drain)), Role::Admin);
+    read.merge(admin)
         .with_state(api)
-        .merge(fleet::http::common_routes(prom, ready))
+        .merge(fleet::http::common_routes(prom, ready, auth))
+        .layer(axum::middleware::from_fn(fleet::auth::json_only))
 }
 
 async fn status(State(api): State<Api>) -> Json<Value> {

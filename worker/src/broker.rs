@@ -71,7 +71,7 @@ impl Broker {
         self.readiness.set_amqp(false);
         use backon::Retryable;
         let attempt = || async {
-            let Some(c) = fleet::amqp::connect_retrying(&self.cfg.amqp_url, &self.name, &self.stop).await? else {
+            let Some(c) = fleet::amqp::connect_retrying(&self.cfg.amqp_url, &self.name, &self.cfg.amqp_tls, &self.stop).await? else {
                 return Ok(None);
             };
             match self.declare(&c).await {

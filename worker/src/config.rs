@@ -46,6 +46,11 @@ pub struct HttpConfig {
     pub url: String,
     /// Upper bound of one request; the task's remaining time bounds it further.
     pub timeout: Duration,
+    /// CA and client certificate for an `https://` endpoint (`FLEET_HTTP_TLS_*`).
+    pub tls: fleet::tls::TlsConfig,
+    /// Follow redirects (at most 10)? Off by default (`FLEET_HTTP_FOLLOW_REDIRECTS`): a
+    /// redirect would send the task's payload to a host the operator did not name.
+    pub follow_redirects: bool,
 }
 
 /// Settings of the `exec` executor.
@@ -168,14 +173,20 @@ impl WorkerConfig {
                     return Err(err("FLEET_HTTP_URL", "required when FLEET_EXECUTOR=http"));
                 };
                 let scheme = url.split("://").next().unwrap_or("").to_ascii_lowercase();
-                if scheme == "https" {
-                    // reqwest is built without TLS in this workspace (no native-tls / rustls).
-                    return Err(err("FLEET_HTTP_URL", format!("`{url}`: https is not supported by this build; use http:// (e.g. to a local TLS-terminating proxy)")));
+                if !url.contains("://") || !matches!(scheme.as_str(), "http" | "https") {
+                    return Err(err("FLEET_HTTP_URL", format!("`{url}` is not an http:// or https:// URL")));
                 }
-                if !url.contains("://") || scheme != "http" {
-                    return Err(err("FLEET_HTTP_URL", format!("`{url}` is not an http:// URL")));
-                }
-                Some(HttpConfig { url: url.to_string(), timeout: ms(a.http_timeout_ms) })
+                Some(HttpConfig {
+                    url: url.to_string(),
+                    timeout: ms(a.http_timeout_ms),
+                    tls: fleet::tls::TlsConfig::from_files(
+                        "FLEET_HTTP_TLS",
+                        a.http_tls_ca_file.as_deref(),
+                        a.http_tls_cert_file.as_deref(),
+                        a.http_tls_key_file.as_deref(),
+                    )?,
+                    follow_redirects: a.http_follow_redirects,
+                })
             }
             _ => None,
         };
@@ -298,7 +309,8 @@ mod tests {
             (vec![("critical_capacity", "x")], "FLEET_CRITICAL_CAPACITY"),
             (vec![("executor", "python")], "FLEET_EXECUTOR"),
             (vec![("executor", "http")], "FLEET_HTTP_URL"),
-            (vec![("executor", "http"), ("http_url", "https://api.example/run")], "FLEET_HTTP_URL"),
+            (vec![("executor", "http"), ("http_url", "ftp://api.example/run")], "FLEET_HTTP_URL"),
+            (vec![("executor", "http"), ("http_url", "https://api.example/run"), ("http_tls_ca_file", "/nonexistent.pem")], "FLEET_HTTP_TLS_CA_FILE"),
             (vec![("executor", "http"), ("http_url", "ftp://x")], "FLEET_HTTP_URL"),
             (vec![("executor", "exec")], "FLEET_EXEC_COMMAND"),
             (vec![("executor", "exec"), ("exec_command", "[1]")], "FLEET_EXEC_COMMAND"),

@@ -139,7 +139,7 @@ impl Worker {
             capacity: cfg.capacity,
             critical_capacity: cfg.critical_capacity,
         };
-        let router = api::router(prom, readiness.clone(), identity, control.clone(), stats.clone());
+        let router = api::router(prom, readiness.clone(), identity, control.clone(), stats.clone(), &cfg.common.auth);
         loops.spawn(fleet::http::serve(listener, router, http_stop.clone()).instrument(tracing::info_span!("http", addr = %http_addr)));
         tracing::info!(group = %group, http = %http_addr, capacity = cfg.capacity, critical_capacity = cfg.critical_capacity, executor = cfg.executor.as_str(), "starting");
 
@@ -180,7 +180,7 @@ impl Worker {
             return Ok(());
         }
 
-        let store = Store::new(&cfg.common.redis_url, cfg.common.names())?;
+        let store = Store::with_tls(&cfg.common.redis_url, cfg.common.names(), &cfg.common.redis_tls)?;
         let registrar = Registrar::new(&cfg, store.clone()).with_broker(broker.clone());
         // A predecessor with this id whose connection is closed (crashed) is provably gone:
         // take its place now rather than after its heartbeat window.

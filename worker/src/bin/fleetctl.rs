@@ -41,6 +41,23 @@ struct Cli {
     /// The scheduler's HTTP API.
     #[arg(long, env = "FLEET_API_URL", default_value = "http://127.0.0.1:8080", global = true)]
     api: String,
+    /// Bearer token for the API: role `read` for status, workers and groups, `admin` for drain.
+    /// Set it in the environment (`--api-token` would show in the process list).
+    #[arg(long, env = "FLEET_API_TOKEN", hide = true, hide_env_values = true, global = true)]
+    api_token: Option<String>,
+    /// TLS for `amqps://` and `rediss://`: PEM CA and client certificate + key files.
+    #[arg(long, env = "FLEET_AMQP_TLS_CA_FILE", global = true)]
+    amqp_tls_ca_file: Option<String>,
+    #[arg(long, env = "FLEET_AMQP_TLS_CERT_FILE", global = true)]
+    amqp_tls_cert_file: Option<String>,
+    #[arg(long, env = "FLEET_AMQP_TLS_KEY_FILE", global = true)]
+    amqp_tls_key_file: Option<String>,
+    #[arg(long, env = "FLEET_REDIS_TLS_CA_FILE", global = true)]
+    redis_tls_ca_file: Option<String>,
+    #[arg(long, env = "FLEET_REDIS_TLS_CERT_FILE", global = true)]
+    redis_tls_cert_file: Option<String>,
+    #[arg(long, env = "FLEET_REDIS_TLS_KEY_FILE", global = true)]
+    redis_tls_key_file: Option<String>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -174,7 +191,7 @@ async fn delete_namespace(cli: &Cli, names: &Names, yes: bool) -> Result<ExitCod
     if !yes {
         bail!("this deletes every queue (and task), exchange and Redis key of namespace `{}`: add --yes", cli.namespace);
     }
-    let store = Store::new(&cli.redis_url, names.clone())?;
+    let store = store(cli, names)?;
     let groups = store.group_names().await.context("reading the namespace's groups from Redis")?;
     let conn = connect(cli).await?;
     let ch = conn.create_channel().await.context("opening a channel")?;
@@ -298,8 +315,29 @@ fn read_file(path: &std::path::Path) -> Result<Vec<Envelope>> {
 
 // ---- API reads ----
 
-fn http() -> Result<reqwest::Client> {
-    reqwest::Client::builder().timeout(Duration::from_secs(10)).build().context("http client")
+/// The API client, sending `FLEET_API_TOKEN` as a bearer token when set.
+fn http(cli: &Cli) -> Result<reqwest::Client> {
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(token) = cli.api_token.as_deref().map(str::trim).filter(|t| !t.is_empty()) {
+        let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| anyhow!("FLEET_API_TOKEN: not a valid header value"))?;
+        value.set_sensitive(true);
+        headers.insert(reqwest::header::AUTHORIZATION, value);
+    }
+    fleet::tls::install_crypto_provider();
+    reqwest::Client::builder().use_rustls_tls().default_headers(headers).timeout(Duration::from_secs(10)).build().context("http client")
+}
+
+/// TLS settings of `FLEET_AMQP_TLS` or `FLEET_REDIS_TLS` from the flags, validated like the
+/// daemons' (errors name the setting).
+fn tls(var_prefix: &str, files: [&Option<String>; 3]) -> Result<fleet::tls::TlsConfig> {
+    let [ca, cert, key] = files.map(|f| f.as_deref().map(str::trim).filter(|p| !p.is_empty()));
+    Ok(fleet::tls::TlsConfig::from_files(var_prefix, ca, cert, key)?)
+}
+
+/// The Redis store, over TLS for `rediss://` with the `FLEET_REDIS_TLS_*` files.
+fn store(cli: &Cli, names: &Names) -> Result<Store> {
+    let redis_tls = tls("FLEET_REDIS_TLS", [&cli.redis_tls_ca_file, &cli.redis_tls_cert_file, &cli.redis_tls_key_file])?;
+    Ok(Store::with_tls(&cli.redis_url, names.clone(), &redis_tls)?)
 }
 
 /// GETs JSON; `Ok(None)` on 404.
@@ -321,7 +359,7 @@ fn api(cli: &Cli, path: &str) -> String {
 }
 
 async fn status(cli: &Cli, id: &str, wait: bool, timeout: Duration) -> Result<ExitCode> {
-    let client = http()?;
+    let client = http(cli)?;
     let url = api(cli, &format!("/v1/tasks/{id}"));
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
@@ -353,7 +391,7 @@ async fn status(cli: &Cli, id: &str, wait: bool, timeout: Duration) -> Result<Ex
 }
 
 async fn workers(cli: &Cli) -> Result<ExitCode> {
-    let v = get_json(&http()?, &api(cli, "/v1/workers")).await?.unwrap_or(Value::Array(vec![]));
+    let v = get_json(&http(cli)?, &api(cli, "/v1/workers")).await?.unwrap_or(Value::Array(vec![]));
     let workers: Vec<WorkerView> = serde_json::from_value(v).context("unexpected /v1/workers answer")?;
     let rows = workers
         .iter()
@@ -383,7 +421,7 @@ async fn workers(cli: &Cli) -> Result<ExitCode> {
 }
 
 async fn groups(cli: &Cli) -> Result<ExitCode> {
-    let v = get_json(&http()?, &api(cli, "/v1/groups")).await?.unwrap_or(Value::Array(vec![]));
+    let v = get_json(&http(cli)?, &api(cli, "/v1/groups")).await?.unwrap_or(Value::Array(vec![]));
     let groups = v.as_array().cloned().unwrap_or_default();
     let with_probe = groups.iter().any(|g| g.get("probe_ok").is_some());
     let n = |g: &Value, k: &str| g.get(k).and_then(Value::as_u64).unwrap_or(0);
@@ -421,7 +459,7 @@ async fn groups(cli: &Cli) -> Result<ExitCode> {
 
 async fn drain(cli: &Cli, id: &str) -> Result<ExitCode> {
     let url = api(cli, &format!("/v1/workers/{id}/drain"));
-    let resp = http()?.post(&url).send().await.with_context(|| format!("POST {url}"))?;
+    let resp = http(cli)?.post(&url).json(&serde_json::json!({})).send().await.with_context(|| format!("POST {url}"))?;
     let status = resp.status();
     let body: Value = resp.json().await.unwrap_or(Value::Null);
     if status == reqwest::StatusCode::NOT_FOUND {
@@ -464,7 +502,8 @@ fn table(headers: &[&str], rows: Vec<Vec<String>>) -> comfy_table::Table {
 // ---- dead letters ----
 
 async fn connect(cli: &Cli) -> Result<Connection> {
-    fleet::endpoints::connect_any(&cli.amqp_url, "fleetctl").await.with_context(|| format!("connecting to {}", fleet::redact::redact(&cli.amqp_url)))
+    let tls = tls("FLEET_AMQP_TLS", [&cli.amqp_tls_ca_file, &cli.amqp_tls_cert_file, &cli.amqp_tls_key_file])?;
+    fleet::endpoints::connect_any(&cli.amqp_url, "fleetctl", &tls).await.with_context(|| format!("connecting to {}", fleet::redact::redact(&cli.amqp_url)))
 }
 
 fn one_line(s: &str, max: usize) -> String {
@@ -504,7 +543,7 @@ async fn dead_list(cli: &Cli, names: &Names, limit: u32) -> Result<ExitCode> {
 
 async fn dead_replay(cli: &Cli, names: &Names, id: Option<&str>, all: bool) -> Result<ExitCode> {
     let conn = connect(cli).await?;
-    let store = Store::new(&cli.redis_url, names.clone()).ok();
+    let store = store(cli, names).ok();
     let sel = match (id, all) {
         (Some(id), false) => dead::Selection::ids([id]),
         _ => dead::Selection::all(),
@@ -577,10 +616,14 @@ struct ScheduleAddArgs {
 }
 
 /// Sends a schedule request; on an error answer prints the API's reason and returns `None`.
-async fn schedule_call(method: reqwest::Method, url: &str, body: Option<&Value>) -> Result<Option<Value>> {
-    let mut req = http()?.request(method.clone(), url);
-    if let Some(b) = body {
-        req = req.json(b);
+/// A POST always carries a JSON body (`{}` when there is nothing to say): the API takes no
+/// other content type.
+async fn schedule_call(cli: &Cli, method: reqwest::Method, url: &str, body: Option<&Value>) -> Result<Option<Value>> {
+    let mut req = http(cli)?.request(method.clone(), url);
+    match body {
+        Some(b) => req = req.json(b),
+        None if method == reqwest::Method::POST => req = req.json(&serde_json::json!({})),
+        None => {}
     }
     let resp = req.send().await.with_context(|| format!("{method} {url}"))?;
     let status = resp.status();
@@ -622,11 +665,11 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
                 "name": a.name, "cron": a.cron, "timezone": a.timezone, "task": task,
                 "missed": a.missed, "catch_up_max": a.catch_up_max, "enabled": !a.paused,
             });
-            let r = schedule_call(Method::POST, &api(cli, "/v1/schedules"), Some(&body)).await?;
+            let r = schedule_call(cli, Method::POST, &api(cli, "/v1/schedules"), Some(&body)).await?;
             done(r, &|v| println!("schedule {}: added, next tick {}", a.name, v.get("next_tick").and_then(Value::as_str).unwrap_or("-")))
         }
         ScheduleCmd::List => {
-            let r = schedule_call(Method::GET, &api(cli, "/v1/schedules"), None).await?;
+            let r = schedule_call(cli, Method::GET, &api(cli, "/v1/schedules"), None).await?;
             done(r, &|v| {
                 let s = |x: &Value, k: &str| x.get(k).and_then(Value::as_str).unwrap_or("-").to_string();
                 let rows = v
@@ -643,19 +686,19 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
             })
         }
         ScheduleCmd::Pause { name } => {
-            let r = schedule_call(Method::POST, &api(cli, &format!("/v1/schedules/{name}/pause")), None).await?;
+            let r = schedule_call(cli, Method::POST, &api(cli, &format!("/v1/schedules/{name}/pause")), None).await?;
             done(r, &|_| println!("schedule {name}: paused"))
         }
         ScheduleCmd::Resume { name } => {
-            let r = schedule_call(Method::POST, &api(cli, &format!("/v1/schedules/{name}/resume")), None).await?;
+            let r = schedule_call(cli, Method::POST, &api(cli, &format!("/v1/schedules/{name}/resume")), None).await?;
             done(r, &|_| println!("schedule {name}: resumed"))
         }
         ScheduleCmd::Rm { name } => {
-            let r = schedule_call(Method::DELETE, &api(cli, &format!("/v1/schedules/{name}")), None).await?;
+            let r = schedule_call(cli, Method::DELETE, &api(cli, &format!("/v1/schedules/{name}")), None).await?;
             done(r, &|_| println!("schedule {name}: deleted"))
         }
         ScheduleCmd::FireNow { name } => {
-            let r = schedule_call(Method::POST, &api(cli, &format!("/v1/schedules/{name}/fire")), None).await?;
+            let r = schedule_call(cli, Method::POST, &api(cli, &format!("/v1/schedules/{name}/fire")), None).await?;
             done(r, &|v| println!("{}", v.get("id").and_then(Value::as_str).unwrap_or("")))
         }
     })

@@ -8,6 +8,10 @@
 //! `http_timeout_ms`. Headers `x-fleet-task-id`, `x-fleet-attempt` and `x-fleet-worker` help
 //! the endpoint deduplicate (delivery is at-least-once).
 //!
+//! `https://` endpoints are verified with rustls against the system roots plus
+//! `FLEET_HTTP_TLS_CA_FILE`; redirects are not followed unless `FLEET_HTTP_FOLLOW_REDIRECTS=true`
+//! (a 3xx is then an answer like any other: not 2xx, not 4xx → retryable).
+//!
 //! The body is read up to [`MAX_BODY`] and the connection dropped after that (like the `exec`
 //! executor's output cap): an endpoint that answers with an endless or enormous body cannot
 //! exhaust the worker's memory nor hold the task until its deadline. The result keeps the
@@ -30,11 +34,22 @@ pub struct HttpHandler {
 }
 
 impl HttpHandler {
+    /// The client: rustls with the system roots plus `cfg.tls`'s CA, the client certificate
+    /// when set, and redirects only when `cfg.follow_redirects`.
     pub fn new(cfg: HttpConfig) -> Result<Self, String> {
-        let client = reqwest::Client::builder()
-            .timeout(cfg.timeout)
-            .build()
-            .map_err(|e| format!("http client: {e}"))?;
+        fleet::tls::install_crypto_provider();
+        let redirects = if cfg.follow_redirects { reqwest::redirect::Policy::limited(10) } else { reqwest::redirect::Policy::none() };
+        let mut builder = reqwest::Client::builder().use_rustls_tls().timeout(cfg.timeout).redirect(redirects);
+        if let Some(ca) = &cfg.tls.ca_pem {
+            for cert in reqwest::Certificate::from_pem_bundle(ca).map_err(|e| format!("FLEET_HTTP_TLS_CA_FILE: {e}"))? {
+                builder = builder.add_root_certificate(cert);
+            }
+        }
+        if let Some(id) = &cfg.tls.identity {
+            let pem = [id.cert_pem.as_slice(), b"\n", id.key_pem.as_slice()].concat();
+            builder = builder.identity(reqwest::Identity::from_pem(&pem).map_err(|e| format!("FLEET_HTTP_TLS_CERT_FILE: {e}"))?);
+        }
+        let client = builder.build().map_err(|e| format!("http client: {e}"))?;
         Ok(HttpHandler { client, cfg })
     }
 }
@@ -85,13 +100,28 @@ impl Handler for HttpHandler {
     }
 }
 
+/// The error and its causes (a failed TLS handshake says why only in a cause), with any
+/// password in the URL masked.
 fn describe(e: &reqwest::Error) -> String {
-    if e.is_timeout() {
+    let mut text = if e.is_timeout() {
         "timed out".into()
     } else if e.is_connect() {
         format!("cannot connect: {e}")
     } else {
         e.to_string()
+    };
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        let c_text = c.to_string();
+        if !text.contains(&c_text) {
+            text.push_str(": ");
+            text.push_str(&c_text);
+        }
+        cause = c.source();
+    }
+    match e.url() {
+        Some(u) => text.replace(u.as_str(), &fleet::redact::redact(u.as_str())),
+        None => text,
     }
 }
 
@@ -133,7 +163,7 @@ mod tests {
     }
 
     fn handler(base: &str, path: &str) -> HttpHandler {
-        HttpHandler::new(HttpConfig { url: format!("{base}{path}"), timeout: Duration::from_secs(10) }).unwrap()
+        HttpHandler::new(HttpConfig { url: format!("{base}{path}"), timeout: Duration::from_secs(10), tls: Default::default(), follow_redirects: false }).unwrap()
     }
 
     #[tokio::test]

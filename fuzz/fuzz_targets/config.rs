@@ -1,0 +1,37 @@
+//! Settings: a config file's text (TOML) and environment-style `KEY=value` lines go through
+//! every binary's config reader; bad values must come back as errors naming a setting, never
+//! a panic. Keys naming files are dropped (the fuzzer must not read /dev/zero or the disk).
+#![no_main]
+
+use fleet::config::Settings;
+use libfuzzer_sys::fuzz_target;
+
+fn check(s: &Settings) {
+    for r in [
+        fleet_scheduler::SchedulerConfig::from_settings(s).map(|_| ()),
+        fleet_worker::WorkerConfig::from_settings(s).map(|_| ()),
+    ] {
+        if let Err(e) = r {
+            assert!(e.to_string().contains("FLEET_"), "error names no setting: {e}");
+        }
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else { return };
+    // As a config file.
+    if let Ok(mut s) = Settings::from_toml(text) {
+        for key in ["config", "api_tokens_file", "amqp_tls_ca_file", "amqp_tls_cert_file", "amqp_tls_key_file", "redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file", "http_tls_ca_file", "http_tls_cert_file", "http_tls_key_file"] {
+            s.set(key, "");
+        }
+        check(&s);
+    }
+    // As environment lines.
+    let pairs: Vec<(&str, String)> = text
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .filter(|(k, _)| !k.to_ascii_lowercase().ends_with("_file") && !k.eq_ignore_ascii_case("config"))
+        .map(|(k, v)| (k, v.to_string()))
+        .collect();
+    check(&Settings::from_pairs(pairs));
+});
