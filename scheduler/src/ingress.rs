@@ -129,7 +129,8 @@ impl IngressLoop {
                         // In proportion to how far into Yellow the fleet is: nothing at the
                         // yellow threshold, the whole throttle delay at red.
                         let t = crate::backpressure::Thresholds::from_config(cfg);
-                        let depth = crate::backpressure::yellow_depth(&t, self.pressure.borrow().parked);
+                        let waiting = { let p = self.pressure.borrow(); p.parked + p.behind };
+                        let depth = crate::backpressure::yellow_depth(&t, waiting);
                         metrics::counter!(m::DISPATCH_THROTTLED).increment(out.dispatched as u64);
                         tokio::select! {
                             _ = shutdown.cancelled() => return Ok(false),
