@@ -28,7 +28,8 @@
 //! The ingress backlog is left out too: a pause cannot shrink it, so a gate that counted it
 //! would hold itself Red forever once producers had queued `0.9 × max_pending` tasks.
 //! Yellow slows dispatch in proportion to how far into Yellow the gate is (up to the throttle
-//! delay per batch); Red pauses normal intake until the gate leaves Red (watched, not polled).
+//! delay per batch); Red pauses normal intake until the gate is back to Green (watched, not
+//! polled; the hysteresis keeps a burst from flapping the intake channel open and shut).
 
 use std::sync::Arc;
 
