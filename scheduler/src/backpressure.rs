@@ -28,8 +28,9 @@
 //! The ingress backlog is left out too: a pause cannot shrink it, so a gate that counted it
 //! would hold itself Red forever once producers had queued `0.9 × max_pending` tasks.
 //! Yellow slows dispatch in proportion to how far into Yellow the gate is (up to the throttle
-//! delay per batch); Red pauses normal intake until the gate is back to Green (watched, not
-//! polled; the hysteresis keeps a burst from flapping the intake channel open and shut).
+//! delay per batch); Red pauses normal intake until the gate leaves Red (watched, not polled).
+//! Once Red, the gate stays Red until its count falls below the yellow threshold
+//! (hysteresis: a burst does not flap the intake channel open and shut).
 
 use std::sync::Arc;
 
@@ -207,7 +208,14 @@ impl Controller {
                 };
                 behind_total += behind(u64::from(queued), u64::from(g.load), room);
             }
-            let s = sample(&t, &groups, u64::from(ingress), parked, behind_total);
+            let mut s = sample(&t, &groups, u64::from(ingress), parked, behind_total);
+            // Hysteresis (a thermostat's): once Red, the gate stays Red until the count falls
+            // below the yellow threshold — reopening at the first sample under red would flap
+            // intake open and shut under a burst, each closing handing a full prefetch back to
+            // the broker, while the work beyond the rooms still keeps the workers busy.
+            if self.tx.borrow().gate == Pressure::Red && s.gate == Pressure::Yellow {
+                s.gate = Pressure::Red;
+            }
             let old = self.tx.borrow().state;
             if old != s.state {
                 tracing::info!(from = ?old, to = ?s.state, pending = s.pending, load = s.load, "pressure changed");

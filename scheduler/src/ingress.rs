@@ -3,7 +3,7 @@
 //! A loop takes the first delivery (waiting), then whatever else the broker has already
 //! pushed (up to `batch_max`, without waiting), and hands the batch to the dispatcher. The
 //! normal ingress lane is gated by backpressure: Red stops consuming (until the pressure
-//! watch shows the gate back to Green), Yellow sleeps part of the throttle delay between batches (in
+//! watch shows the gate leaving Red), Yellow sleeps part of the throttle delay between batches (in
 //! proportion to how far into Yellow the gate is). The critical lane and the
 //! delayed queue are never gated by normal-lane pressure.
 
@@ -22,7 +22,7 @@ use crate::dispatch::{Dispatcher, Source};
 /// Why a consuming loop paused intake.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Paused {
-    /// The intake gate turned Red: resume once it is Green again.
+    /// The intake gate turned Red: resume once it leaves Red.
     Red,
     /// A park queue refused a task (its bound reached): resume after `red_recheck`, giving its
     /// release loop time to drain it.
@@ -41,20 +41,15 @@ impl IngressLoop {
     ///
     /// When the gate turns Red the loop closes its channel, which hands every delivery it
     /// had prefetched back to the queue: waiting work waits *in the broker*, counted against
-    /// the ingress bound, so refusals reach producers. It consumes again once the gate is back
-    /// to Green — hysteresis, as a thermostat's: resuming at the first sample below Red would
-    /// flap the channel open and shut under a burst, each closing handing a full prefetch
-    /// back to the broker, while the work beyond the room (at least the yellow share of
-    /// `max_pending`) still keeps the workers busy meanwhile.
+    /// the ingress bound, so refusals reach producers. It consumes again once the gate leaves
+    /// Red (which the gate holds down to the yellow threshold: no flapping under a burst).
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
         let cfg = self.dispatcher.cfg.clone();
         let gated = self.source == Source::Ingress(Lane::Normal);
         let mut park_full_pause = false;
-        let mut red_pause = false;
         let mut pressure = self.pressure.clone();
         loop {
             // After a pause for a full park queue: give its release loop time to drain it.
-            // (After a Red pause, intake resumes once the gate is Green.)
             if park_full_pause {
                 tokio::select! {
                     biased;
@@ -63,14 +58,13 @@ impl IngressLoop {
                 }
             }
             if gated {
-                // Red: wait for the gate to leave Red — to Green after a Red pause (every
-                // pressure sample can open it).
-                let closed = |g: Pressure| g == Pressure::Red || (red_pause && g != Pressure::Green);
-                while closed(self.pressure.borrow().gate) {
+                // Red: wait for the gate to leave Red (every pressure sample can open it; the
+                // gate itself holds Red down to the yellow threshold — see backpressure.rs).
+                while self.pressure.borrow().gate == Pressure::Red {
                     tokio::select! {
                         biased;
                         _ = shutdown.cancelled() => return Ok(()),
-                        _ = pressure.wait_for(|s| !closed(s.gate)) => {}
+                        _ = pressure.wait_for(|s| s.gate != Pressure::Red) => {}
                         _ = tokio::time::sleep(cfg.red_recheck) => {}
                     }
                 }
@@ -93,7 +87,6 @@ impl IngressLoop {
                 Ok(Some(why)) => {
                     tracing::info!(queue = %self.queue, ?why, "intake paused; tasks wait in the broker");
                     park_full_pause = why == Paused::ParkFull;
-                    red_pause = why == Paused::Red;
                 }
                 Ok(None) => return Ok(()),
                 Err(e) => return Err(e),

@@ -8,6 +8,8 @@ use std::time::Duration;
 use fleet::{Envelope, Lane};
 use fleet_tests::*;
 use fleet_worker::executor::handler_fn;
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -43,6 +45,20 @@ async fn critical_work_and_probes_flow_while_normal_lane_is_saturated() -> anyho
     wait_for("pressure red", Duration::from_secs(10), || async {
         let p = get_json(&sched.url("/v1/pressure")).await.ok()?;
         (p["gate"] == "red").then_some(())
+    })
+    .await?;
+    // The ingress loops act on that sample once their current batch is done (the behind tasks
+    // now go straight to the group queue, so a loop may still be publishing them): the flood
+    // must find intake closed — no consumer left on the normal ingress queue.
+    let ingress = ns.names.ingress_queue(Lane::Normal);
+    wait_for("normal intake paused", Duration::from_secs(10), || async {
+        let ch = ns.conn.create_channel().await.ok()?;
+        let q = ch
+            .queue_declare(ingress.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+            .await
+            .ok()?;
+        let _ = ch.close(200, "ok".into()).await;
+        (q.consumer_count() == 0).then_some(())
     })
     .await?;
     let flood: Vec<Envelope> = (0..60).map(|_| task("stamp", json!({"ms": 10}), "")).collect();
