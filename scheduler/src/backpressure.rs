@@ -335,7 +335,7 @@ mod tests {
         let s = sample(&t(), &[g(10, 10, 10)], 0, 900, 0);
         assert_eq!(s.gate, Pressure::Red);
         // Tasks dispatched straight to a group's queue beyond its room close it too.
-        let s = sample(&t(), &[g(10, 10, 0)], 0, 400, behind(910, 10, 20));
+        let s = sample(&t(), &[g(10, 10, 0)], 0, 400, behind(510, 10, 20));
         assert_eq!((s.behind, s.gate), (500, Pressure::Red));
         assert_eq!(behind(5, 10, 20), 0, "within the room: not behind");
     }
