@@ -147,8 +147,8 @@ pub fn room_for(capacity: u32, backlog_factor: f64, completions_per_s: f64, targ
 
 /// The room of a group whose completion rate is not measured yet, as a multiple of the floor
 /// `capacity × (1 + backlog_factor)`: a first burst takes this much before anything parks
-/// (the worker-side analogue is TCP's initial window — start with a few segments' worth
-/// rather than one, then follow what is measured).
+/// (as TCP's initial window, RFC 6928: start with a few segments' worth rather than one,
+/// then follow what is measured).
 pub const SEED_FACTOR: f64 = 4.0;
 
 /// [`room_for`] with the seed: `None` = no completion measured yet.
