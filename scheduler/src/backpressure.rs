@@ -15,15 +15,22 @@
 //! **The intake gate answers "workers are behind", not fleet's own bookkeeping.** The published
 //! state (metric, API) counts everything as the design says, but the gate that paces and pauses
 //! intake is computed from the work that waits *beyond* what the groups are draining: tasks
-//! parked (no matching group has room) and tasks waiting for a matching worker. A group's room
+//! parked (no matching group has room), tasks waiting for a matching worker, and tasks in a
+//! group's queue beyond its room (`behind`: a task only one group can take is dispatched
+//! straight to that group's queue even past its room — see `reserve.lua`'s direct dispatch —
+//! so its excess is counted there, read from the broker's queue depth). A group's room
 //! follows what it drains (Little's law: completion rate × `FLEET_TARGET_QUEUE_MS`, at least
-//! `capacity × (1 + backlog_factor)`; see [`room_for`]), so reserved work is by construction
-//! work the workers will start within the target time — it never drives the gate, and neither
-//! does load alone: a busy worker is the point, a worker with a queue beyond its room is behind.
+//! `capacity × (1 + backlog_factor)`; see [`room_for`]; a group with no completion measured
+//! yet starts at [`SEED_FACTOR`] × that floor, and an idle group keeps its last rate), so work
+//! within the room is by construction work the workers will start within the target time — it
+//! never drives the gate, and neither does load alone: a busy worker is the point, a worker
+//! with a queue beyond its room is behind.
 //! The ingress backlog is left out too: a pause cannot shrink it, so a gate that counted it
 //! would hold itself Red forever once producers had queued `0.9 × max_pending` tasks.
 //! Yellow slows dispatch in proportion to how far into Yellow the gate is (up to the throttle
 //! delay per batch); Red pauses normal intake until the gate leaves Red (watched, not polled).
+//! Once Red, the gate stays Red until its count falls below the yellow threshold
+//! (hysteresis: a burst does not flap the intake channel open and shut).
 
 use std::sync::Arc;
 
@@ -96,6 +103,8 @@ pub struct Sample {
     pub pending: u64,
     pub ingress_backlog: u64,
     pub parked: u64,
+    /// Tasks in group queues beyond each group's room (summed over groups; normal lane).
+    pub behind: u64,
     pub reserved: u64,
     pub running: u64,
     pub capacity: u64,
@@ -103,21 +112,28 @@ pub struct Sample {
 }
 
 /// Computes the signals from group views and queue depths (`parked` includes the tasks
-/// waiting for a matching worker).
-pub fn sample(t: &Thresholds, groups: &[GroupView], ingress_backlog: u64, parked: u64) -> Sample {
+/// waiting for a matching worker; `behind` is [`behind`] summed over the groups).
+pub fn sample(t: &Thresholds, groups: &[GroupView], ingress_backlog: u64, parked: u64, behind: u64) -> Sample {
     let reserved: u64 = groups.iter().map(|g| u64::from(g.reserved)).sum();
     let running: u64 = groups.iter().map(|g| u64::from(g.load)).sum();
     let capacity: u64 = groups.iter().map(|g| u64::from(g.capacity)).sum();
     let load = if capacity == 0 { 0.0 } else { running as f64 / capacity as f64 };
     let pending = ingress_backlog + parked + reserved;
-    let gate = t.evaluate(parked, 0.0);
-    Sample { state: t.evaluate(pending, load), gate, pending, ingress_backlog, parked, reserved, running, capacity, load }
+    let gate = t.evaluate(parked + behind, 0.0);
+    Sample { state: t.evaluate(pending, load), gate, pending, ingress_backlog, parked, behind, reserved, running, capacity, load }
 }
 
-/// How far into Yellow a pending count is, in `[0, 1]` (0 at the yellow threshold, 1 at red):
-/// Yellow waits this fraction of the throttle delay between batches.
-pub fn yellow_depth(t: &Thresholds, parked: u64) -> f64 {
-    let p = parked as f64 / f64::from(t.max_pending.max(1));
+/// Tasks of one group beyond its room: what waits in its queue (`queued`, the broker's ready
+/// count) plus what runs, less the room (tasks). Broker depth, not the reservation count: a
+/// reservation's lease may lapse while its task still waits.
+pub fn behind(queued: u64, running: u64, room: u64) -> u64 {
+    (queued + running).saturating_sub(room)
+}
+
+/// How far into Yellow the gate's count (parked + behind) is, in `[0, 1]` (0 at the yellow
+/// threshold, 1 at red): Yellow waits this fraction of the throttle delay between batches.
+pub fn yellow_depth(t: &Thresholds, waiting: u64) -> f64 {
+    let p = waiting as f64 / f64::from(t.max_pending.max(1));
     ((p - t.pending_yellow) / (t.pending_red - t.pending_yellow).max(f64::EPSILON)).clamp(0.0, 1.0)
 }
 
@@ -127,6 +143,20 @@ pub fn yellow_depth(t: &Thresholds, parked: u64) -> f64 {
 pub fn room_for(capacity: u32, backlog_factor: f64, completions_per_s: f64, target: std::time::Duration) -> u64 {
     let floor = (f64::from(capacity) * (1.0 + backlog_factor)).ceil();
     floor.max(completions_per_s * target.as_secs_f64()).round() as u64
+}
+
+/// The room of a group whose completion rate is not measured yet, as a multiple of the floor
+/// `capacity × (1 + backlog_factor)`: a first burst takes this much before anything parks
+/// (as TCP's initial window, RFC 6928: start with a few segments' worth rather than one,
+/// then follow what is measured).
+pub const SEED_FACTOR: f64 = 4.0;
+
+/// [`room_for`] with the seed: `None` = no completion measured yet.
+pub fn room_seeded(capacity: u32, backlog_factor: f64, completions_per_s: Option<f64>, target: std::time::Duration) -> u64 {
+    match completions_per_s {
+        Some(r) => room_for(capacity, backlog_factor, r, target),
+        None => (f64::from(capacity) * (1.0 + backlog_factor) * SEED_FACTOR).ceil() as u64,
+    }
 }
 
 /// Samples the signals every `pressure_interval` and publishes the state on a watch channel.
@@ -153,9 +183,10 @@ impl Controller {
                     continue;
                 }
             };
-            rates.update(&self.cfg, &self.store, &groups).await;
+            let rooms = rates.update(&self.cfg, &self.store, &groups).await;
             let ingress = topology::depth(&self.conn, &names.ingress_queue(Lane::Normal)).await.unwrap_or(0);
             let mut parked = 0u64;
+            let mut behind_total = 0u64;
             // Tasks waiting for a matching worker count too: they are pending, and once enough
             // wait the gate turns Red and producers are refused.
             let waiting = std::iter::once(crate::dispatch::UNMATCHED);
@@ -167,7 +198,24 @@ impl Controller {
                     parked += u64::from(topology::park_depth(ch, &self.cfg.common, g, Lane::Normal).await.unwrap_or(0));
                 }
             }
-            let s = sample(&t, &groups, u64::from(ingress), parked);
+            for g in &groups {
+                let room = rooms.get(&g.group).copied().unwrap_or_else(|| room_seeded(g.capacity, self.cfg.backlog_factor, None, self.cfg.target_queue));
+                // A group queue that is not declared yet holds nothing (the passive declare's
+                // error closes the channel; the next sample opens another).
+                let queued = match &sampler {
+                    Some(ch) if ch.status().connected() => topology::ready_count(ch, &names.group_queue(&g.group, Lane::Normal)).await.unwrap_or(0),
+                    _ => 0,
+                };
+                behind_total += behind(u64::from(queued), u64::from(g.load), room);
+            }
+            let mut s = sample(&t, &groups, u64::from(ingress), parked, behind_total);
+            // Hysteresis (a thermostat's): once Red, the gate stays Red until the count falls
+            // below the yellow threshold — reopening at the first sample under red would flap
+            // intake open and shut under a burst, each closing handing a full prefetch back to
+            // the broker, while the work beyond the rooms still keeps the workers busy.
+            if self.tx.borrow().gate == Pressure::Red && s.gate == Pressure::Yellow {
+                s.gate = Pressure::Red;
+            }
             let old = self.tx.borrow().state;
             if old != s.state {
                 tracing::info!(from = ?old, to = ?s.state, pending = s.pending, load = s.load, "pressure changed");
@@ -180,39 +228,57 @@ impl Controller {
 }
 
 /// Completion rates per group and lane (EWMA over the pressure ticks), and the rooms they set.
+/// A rate is `None` until the group's first completions are measured (its room is seeded);
+/// the first measurement is taken as it is, later ones are averaged; an interval with no
+/// completions and nothing running or reserved keeps the last rate (an idle group can still
+/// drain what it drained before: its room does not decay to the floor between bursts).
 #[derive(Default)]
 struct Rates {
     last: std::collections::HashMap<String, ([u64; 2], std::time::Instant)>,
-    rate: std::collections::HashMap<String, [f64; 2]>,
+    rate: std::collections::HashMap<String, [Option<f64>; 2]>,
 }
 
 impl Rates {
     /// Weight of the newest interval in the rate average.
     const ALPHA: f64 = 0.5;
 
-    async fn update(&mut self, cfg: &SchedulerConfig, store: &Store, groups: &[GroupView]) {
+    /// Measures, writes every group's rooms to Redis, and returns the normal-lane rooms.
+    async fn update(&mut self, cfg: &SchedulerConfig, store: &Store, groups: &[GroupView]) -> std::collections::HashMap<String, u64> {
+        let mut normal = std::collections::HashMap::new();
         let names: Vec<String> = groups.iter().map(|g| g.group.clone()).collect();
-        let Ok(done) = store.group_completions(&names).await else { return };
+        let Ok(done) = store.group_completions(&names).await else { return normal };
         let now = std::time::Instant::now();
         let mut rooms = Vec::with_capacity(groups.len() * 2);
         for (g, counts) in groups.iter().zip(done) {
             let rate = self.rate.entry(g.group.clone()).or_default();
             if let Some((before, at)) = self.last.get(&g.group) {
                 let secs = now.duration_since(*at).as_secs_f64().max(1e-3);
+                let busy = [g.load + g.reserved > 0, g.critical_load + g.critical_reserved > 0];
                 for i in 0..2 {
-                    let r = counts[i].saturating_sub(before[i]) as f64 / secs;
-                    rate[i] = Self::ALPHA * r + (1.0 - Self::ALPHA) * rate[i];
+                    let n = counts[i].saturating_sub(before[i]);
+                    let r = n as f64 / secs;
+                    rate[i] = match rate[i] {
+                        None if n > 0 => Some(r),
+                        None => None,
+                        Some(old) if n == 0 && !busy[i] => Some(old),
+                        Some(old) => Some(Self::ALPHA * r + (1.0 - Self::ALPHA) * old),
+                    };
                 }
             }
             self.last.insert(g.group.clone(), (counts, now));
             for (i, lane) in Lane::ALL.into_iter().enumerate() {
                 let cap = if lane == Lane::Normal { g.capacity } else { g.critical_capacity };
-                rooms.push((g.group.clone(), lane, room_for(cap, cfg.backlog_factor, rate[i], cfg.target_queue)));
+                let room = room_seeded(cap, cfg.backlog_factor, rate[i], cfg.target_queue);
+                if lane == Lane::Normal {
+                    normal.insert(g.group.clone(), room);
+                }
+                rooms.push((g.group.clone(), lane, room));
             }
         }
         if let Err(e) = store.set_rooms(&rooms).await {
             tracing::debug!(error = %e, "cannot set group rooms");
         }
+        normal
     }
 }
 
@@ -255,19 +321,23 @@ mod tests {
             critical_load: 0,
             critical_reserved: 0,
         };
-        let s = sample(&t(), &[g(10, 9, 5), g(10, 8, 5)], 600, 100);
+        let s = sample(&t(), &[g(10, 9, 5), g(10, 8, 5)], 600, 100, 0);
         assert_eq!(s.pending, 710);
         assert_eq!(s.capacity, 20);
         assert!((s.load - 0.85).abs() < 1e-9);
         assert_eq!(s.state, Pressure::Red);
         // A large ingress backlog alone makes the state Red but does not close the gate.
-        let s = sample(&t(), &[g(10, 1, 0)], 950, 0);
+        let s = sample(&t(), &[g(10, 1, 0)], 950, 0, 0);
         assert_eq!((s.state, s.gate), (Pressure::Red, Pressure::Green));
         // Busy workers with their room filled are not behind: only work beyond the room is.
-        let s = sample(&t(), &[g(10, 10, 10)], 0, 0);
+        let s = sample(&t(), &[g(10, 10, 10)], 0, 0, 0);
         assert_eq!((s.state, s.gate), (Pressure::Red, Pressure::Green));
-        let s = sample(&t(), &[g(10, 10, 10)], 0, 900);
+        let s = sample(&t(), &[g(10, 10, 10)], 0, 900, 0);
         assert_eq!(s.gate, Pressure::Red);
+        // Tasks dispatched straight to a group's queue beyond its room close it too.
+        let s = sample(&t(), &[g(10, 10, 0)], 0, 400, behind(510, 10, 20));
+        assert_eq!((s.behind, s.gate), (500, Pressure::Red));
+        assert_eq!(behind(5, 10, 20), 0, "within the room: not behind");
     }
 
     #[test]
@@ -276,6 +346,8 @@ mod tests {
         assert_eq!(room_for(8, 1.0, 0.0, w), 16, "never below capacity × (1 + backlog_factor)");
         assert_eq!(room_for(8, 1.0, 40.0, w), 40, "200 ms tasks on 8 slots: one second of work");
         assert_eq!(room_for(256, 1.0, 10_000.0, w), 10_000, "no-op tasks: deep");
+        assert_eq!(room_seeded(8, 1.0, None, w), 64, "nothing measured yet: SEED_FACTOR × the floor");
+        assert_eq!(room_seeded(8, 1.0, Some(0.0), w), 16, "measured: Little's law");
         assert_eq!(yellow_depth(&t(), 700), 0.0);
         assert!((yellow_depth(&t(), 800) - 0.5).abs() < 1e-9);
         assert_eq!(yellow_depth(&t(), 5000), 1.0);

@@ -103,6 +103,7 @@ impl Dispatcher {
             strategy: self.cfg.strategy,
             dedupe_window_ms: self.cfg.dedupe_window.as_millis() as i64,
             status_ttl_ms: self.cfg.common.status_ttl.as_millis() as i64,
+            direct: true,
         }
     }
 

@@ -19,6 +19,16 @@ use tokio_util::sync::CancellationToken;
 use crate::backpressure::{Pressure, Sample};
 use crate::dispatch::{Dispatcher, Source};
 
+/// Why a consuming loop paused intake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Paused {
+    /// The intake gate turned Red: resume once it leaves Red.
+    Red,
+    /// A park queue refused a task (its bound reached): resume after `red_recheck`, giving its
+    /// release loop time to drain it.
+    ParkFull,
+}
+
 pub struct IngressLoop {
     pub dispatcher: Arc<Dispatcher>,
     pub source: Source,
@@ -31,15 +41,16 @@ impl IngressLoop {
     ///
     /// When the gate turns Red the loop closes its channel, which hands every delivery it
     /// had prefetched back to the queue: waiting work waits *in the broker*, counted against
-    /// the ingress bound, so refusals reach producers. It consumes again once the gate opens.
+    /// the ingress bound, so refusals reach producers. It consumes again once the gate leaves
+    /// Red (which the gate holds down to the yellow threshold: no flapping under a burst).
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
         let cfg = self.dispatcher.cfg.clone();
         let gated = self.source == Source::Ingress(Lane::Normal);
-        let mut paused_once = false;
+        let mut park_full_pause = false;
         let mut pressure = self.pressure.clone();
         loop {
             // After a pause for a full park queue: give its release loop time to drain it.
-            if paused_once && self.pressure.borrow().gate != Pressure::Red {
+            if park_full_pause {
                 tokio::select! {
                     biased;
                     _ = shutdown.cancelled() => return Ok(()),
@@ -47,7 +58,8 @@ impl IngressLoop {
                 }
             }
             if gated {
-                // Red: wait for the gate to leave Red (every pressure sample can open it).
+                // Red: wait for the gate to leave Red (every pressure sample can open it; the
+                // gate itself holds Red down to the yellow threshold — see backpressure.rs).
                 while self.pressure.borrow().gate == Pressure::Red {
                     tokio::select! {
                         biased;
@@ -72,18 +84,18 @@ impl IngressLoop {
             let paused = self.consume(&mut consumer, gated, &shutdown).await;
             let _ = ch.close(200, "paused".into()).await;
             match paused {
-                Ok(true) => {
-                    tracing::info!(queue = %self.queue, "intake paused (pressure Red or park queue full); tasks wait in the broker");
-                    paused_once = true;
+                Ok(Some(why)) => {
+                    tracing::info!(queue = %self.queue, ?why, "intake paused; tasks wait in the broker");
+                    park_full_pause = why == Paused::ParkFull;
                 }
-                Ok(false) => return Ok(()),
+                Ok(None) => return Ok(()),
                 Err(e) => return Err(e),
             }
         }
     }
 
-    /// Consumes batches until shutdown (`Ok(false)`) or the gate turns Red (`Ok(true)`).
-    async fn consume(&self, consumer: &mut lapin::Consumer, gated: bool, shutdown: &CancellationToken) -> fleet::Result<bool> {
+    /// Consumes batches until shutdown (`Ok(None)`) or a pause (`Ok(Some(why))`).
+    async fn consume(&self, consumer: &mut lapin::Consumer, gated: bool, shutdown: &CancellationToken) -> fleet::Result<Option<Paused>> {
         let cfg = &self.dispatcher.cfg;
         // Under a rate limit a batch is at most one burst: a batch waits for all its tokens,
         // and several loops sharing one bucket must each get theirs in turn.
@@ -99,8 +111,8 @@ impl IngressLoop {
         loop {
             let first = tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => return Ok(false),
-                _ = pressure.wait_for(|s| s.gate == Pressure::Red), if gated => return Ok(true),
+                _ = shutdown.cancelled() => return Ok(None),
+                _ = pressure.wait_for(|s| s.gate == Pressure::Red), if gated => return Ok(Some(Paused::Red)),
                 d = consumer.next() => d,
             };
             let first = match first {
@@ -119,20 +131,21 @@ impl IngressLoop {
             let out = self.dispatcher.process(batch, &self.source, shutdown).await;
             if out.park_full {
                 tracing::warn!(queue = %self.queue, "a park queue is full: pausing intake");
-                return Ok(true);
+                return Ok(Some(Paused::ParkFull));
             }
             if gated {
                 let gate = self.pressure.borrow().gate;
                 match gate {
-                    Pressure::Red => return Ok(true),
+                    Pressure::Red => return Ok(Some(Paused::Red)),
                     Pressure::Yellow => {
                         // In proportion to how far into Yellow the fleet is: nothing at the
                         // yellow threshold, the whole throttle delay at red.
                         let t = crate::backpressure::Thresholds::from_config(cfg);
-                        let depth = crate::backpressure::yellow_depth(&t, self.pressure.borrow().parked);
+                        let waiting = { let p = self.pressure.borrow(); p.parked + p.behind };
+                        let depth = crate::backpressure::yellow_depth(&t, waiting);
                         metrics::counter!(m::DISPATCH_THROTTLED).increment(out.dispatched as u64);
                         tokio::select! {
-                            _ = shutdown.cancelled() => return Ok(false),
+                            _ = shutdown.cancelled() => return Ok(None),
                             _ = tokio::time::sleep(cfg.throttle.mul_f64(depth)) => {}
                         }
                     }

@@ -57,6 +57,11 @@ pub struct ReserveParams {
     /// Names this batch's dedupe marks (`p:<token>`): a retry of the same batch with the same
     /// token never takes its own marks for duplicates. New for every batch; reused by retries.
     pub token: u64,
+    /// Direct dispatch: a normal-lane task that only one live group can take is reserved there even
+    /// beyond the group's room (no routing choice to protect; the group's consumers' prefetch
+    /// bounds what they hold), unless tasks already park for that group. The scheduler sets
+    /// it; `false` makes every task need room (the script's bound alone).
+    pub direct: bool,
 }
 
 /// A finished task's outcome as recorded in its status.
@@ -166,6 +171,7 @@ impl Store {
             .arg(p.strategy.as_str())
             .arg(p.dedupe_window_ms)
             .arg(p.status_ttl_ms)
+            .arg(u8::from(p.direct))
             .arg(reqs.len());
         for r in reqs {
             let pairs = r.selector.pairs();
@@ -188,21 +194,17 @@ impl Store {
                 .arg(pairs.len())
                 .arg(pairs);
         }
-        let raw: Vec<String> = self.invoke(&inv).await?;
+        // One `{answer, group}` pair per task (see `lua/reserve.lua`).
+        let raw: Vec<(String, String)> = self.invoke(&inv).await?;
         Ok(raw
             .into_iter()
-            .map(|s| {
-                if let Some(g) = s.strip_prefix("ok:") {
-                    Reservation::Reserved(g.to_string())
-                } else if let Some(g) = s.strip_prefix("full:") {
-                    Reservation::Full(g.to_string())
-                } else if s == "dup" {
-                    Reservation::Duplicate
-                } else if s == "new" {
-                    Reservation::Fresh
-                } else {
-                    Reservation::NoMatch
-                }
+            .map(|(answer, group)| match answer.as_str() {
+                "reserved" => Reservation::Reserved(group),
+                "full" => Reservation::Full(group),
+                "dup" => Reservation::Duplicate,
+                "fresh" => Reservation::Fresh,
+                "none" => Reservation::NoMatch,
+                other => Reservation::Failed(format!("reserve script answered {other:?}")),
             })
             .collect())
     }

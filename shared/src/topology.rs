@@ -274,6 +274,16 @@ pub async fn depth(conn: &lapin::Connection, queue_name: &str) -> Option<u32> {
     r
 }
 
+/// A queue's ready messages (those no consumer holds) on an open channel, by passive
+/// declare; `None` when the queue does not exist — the broker then closes `ch`, so callers
+/// open another for their next question.
+pub async fn ready_count(ch: &Channel, queue_name: &str) -> Option<u32> {
+    ch.queue_declare(ShortString::from(queue_name), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .await
+        .ok()
+        .map(|q| q.message_count())
+}
+
 /// Deletes every queue and exchange of a namespace (tests' clean-up). Group and park
 /// queues of the named groups are deleted too (unsharded; see [`delete_all_sharded`]).
 pub async fn delete_all(ch: &Channel, names: &Names, groups: &[String]) -> Result<()> {

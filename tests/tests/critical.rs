@@ -8,6 +8,8 @@ use std::time::Duration;
 use fleet::{Envelope, Lane};
 use fleet_tests::*;
 use fleet_worker::executor::handler_fn;
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -30,17 +32,33 @@ async fn critical_work_and_probes_flow_while_normal_lane_is_saturated() -> anyho
     let sched = start_scheduler(&ns, &[("ingress_max_normal", "20"), ("max_pending", "10"), ("probe_interval_ms", "300")]).await?;
     let w = start_worker(&ns, "w1", "", 2, &[("critical_capacity", "1")], &h).await?;
 
-    // Fill both normal slots with long tasks and the group's room (2 slots × 2) behind them,
-    // park 10 more (max_pending 10: the workers are behind, the gate turns Red), then flood
-    // the normal lane far past its bound.
+    // Fill both normal slots with long tasks and queue 30 more behind them: the only group
+    // takes them straight into its queue (one candidate: no park hop), past its room (no
+    // completion measured yet: 2 slots × 2 × the seed factor 4 = 16), so 2 + 30 - 16 = 16
+    // wait beyond it (max_pending 10: the workers are behind, the gate turns Red); then
+    // flood the normal lane far past its bound.
     let long: Vec<Envelope> = (0..2).map(|_| task("stamp", json!({"ms": 4000}), "")).collect();
     ns.submit(&long).await?;
     wait_for("normal slots busy", Duration::from_secs(10), || async { (starts.lock().ok()?.len() == 2).then_some(()) }).await?;
-    let behind: Vec<Envelope> = (0..12).map(|_| task("stamp", json!({"ms": 10}), "")).collect();
+    let behind: Vec<Envelope> = (0..30).map(|_| task("stamp", json!({"ms": 10}), "")).collect();
     ns.submit(&behind).await?;
     wait_for("pressure red", Duration::from_secs(10), || async {
         let p = get_json(&sched.url("/v1/pressure")).await.ok()?;
         (p["gate"] == "red").then_some(())
+    })
+    .await?;
+    // The ingress loops act on that sample once their current batch is done (the behind tasks
+    // now go straight to the group queue, so a loop may still be publishing them): the flood
+    // must find intake closed — no consumer left on the normal ingress queue.
+    let ingress = ns.names.ingress_queue(Lane::Normal);
+    wait_for("normal intake paused", Duration::from_secs(10), || async {
+        let ch = ns.conn.create_channel().await.ok()?;
+        let q = ch
+            .queue_declare(ingress.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+            .await
+            .ok()?;
+        let _ = ch.close(200, "ok".into()).await;
+        (q.consumer_count() == 0).then_some(())
     })
     .await?;
     let flood: Vec<Envelope> = (0..60).map(|_| task("stamp", json!({"ms": 10}), "")).collect();

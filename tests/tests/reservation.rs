@@ -11,7 +11,7 @@ use fleet::{Labels, Lane, Store};
 use fleet_tests::{redis_url, Ns};
 
 fn params() -> ReserveParams {
-    ReserveParams { lease_ms: 60_000, backlog_factor: 0.0, strategy: Strategy::LeastLoaded, dedupe_window_ms: 60_000, status_ttl_ms: 60_000, token: rand::random() }
+    ReserveParams { lease_ms: 60_000, backlog_factor: 0.0, strategy: Strategy::LeastLoaded, dedupe_window_ms: 60_000, status_ttl_ms: 60_000, token: rand::random(), direct: false }
 }
 
 fn req(id: String, dedupe: Dedupe) -> ReserveRequest {

@@ -3,7 +3,12 @@
 -- ARGV[1]: batch token (dedupe marks this call writes say `p:<token>`)   ARGV[2]: reservation lease (ms)
 -- ARGV[3]: backlog factor        ARGV[4]: default strategy
 -- ARGV[5]: dedupe window (ms)    ARGV[6]: status TTL (ms)
--- ARGV[7]: number of tasks, then per task:
+-- ARGV[7]: direct dispatch (1: a normal-lane task only one live group can take is reserved
+--          there even beyond its room — no routing choice to protect, and the group's
+--          consumers' prefetch bounds what they hold; the scheduler's intake gate counts what
+--          waits in the group queue beyond its room. The critical lane, which no gate paces,
+--          keeps its room and its small park bound. 0: every task needs room.)
+-- ARGV[8]: number of tasks, then per task:
 --   id, lane, strategy ('' = default), dedupe (0 skip | 1 set-if-absent | 2 redelivered:
 --   duplicate only if already handed on),
 --   mode (0: new work, 1: released from a park queue, 2: dedupe only — a delayed submission,
@@ -11,11 +16,12 @@
 --   number of selector pairs n, then n pairs `k=v`
 -- A group with parked tasks (flag `pk:<group>:<lane>`, set here when a task is parked and
 -- kept alive by the scheduler's park loop) counts as full for new work, so new tasks queue
--- behind parked ones instead of overtaking them.
--- returns: per task 'ok:<group>' (status queued) | 'full:<group>' (matches, no room: park
---          there; status parked) |
---          'none' (no live group matches) | 'dup' (id seen within the window) |
---          'new' (mode 2: not a duplicate)
+-- behind parked ones instead of overtaking them (a single-candidate task too: it parks
+-- behind them rather than going direct).
+-- returns: per task a pair { answer, group }: { 'reserved', g } (status queued) |
+--          { 'full', g } (matches, no room: park there; status parked) |
+--          { 'none', '' } (no live group matches) | { 'dup', '' } (id seen within the window) |
+--          { 'fresh', '' } (mode 2: not a duplicate)
 -- Dedupe marks: 'p:<token>' while a submission is being handled, 'a' once the scheduler has
 -- handed it on (confirmed; set just before it acks the ingress message). A mark written by
 -- this batch's token is its own (a retry of this very batch after a failed call: Redis keeps
@@ -27,7 +33,8 @@
 -- then it is a duplicate too, and its status (running, succeeded...) is left as it is.
 local now, token, lease, bf = NOW_MS, 'p:' .. ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local default_strategy, dd_ttl, st_ttl = ARGV[4], ARGV[5], ARGV[6]
-local n = tonumber(ARGV[7])
+local direct = ARGV[7] == '1'
+local n = tonumber(ARGV[8])
 
 local gcache, ccache = {}, {}
 
@@ -93,7 +100,7 @@ local function candidates(sel)
 end
 
 local out = {}
-local i = 8
+local i = 9
 for t = 1, n do
   local id, lane, strategy, dd = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local from_park, dedupe_only, rnd = ARGV[i + 4] == '1', ARGV[i + 4] == '2', tonumber(ARGV[i + 5])
@@ -125,9 +132,9 @@ for t = 1, n do
     end
   end
   if dup then
-    out[t] = 'dup'
+    out[t] = { 'dup', '' }
   elseif dedupe_only then
-    out[t] = 'new'
+    out[t] = { 'fresh', '' }
   else
     local cands, selkey = candidates(sel)
     local live, open = {}, {}
@@ -165,12 +172,18 @@ for t = 1, n do
         end
       end
     end
+    if not chosen and direct and #live == 1 and lane == 'normal' then
+      -- One candidate: no routing choice to protect, so no park hop — unless tasks already
+      -- park for it (they keep their place in line).
+      local g = live[1]
+      if from_park or not parked(g, lane, gstate(g, lane)) then chosen = g end
+    end
     if chosen then
       local s = gstate(chosen, lane)
       s.used = s.used + 1
       redis.call('ZADD', K_resv(chosen, lane), now + lease, id)
       set_waiting(id, 'queued', chosen, lane)
-      out[t] = 'ok:' .. chosen
+      out[t] = { 'reserved', chosen }
     elseif #live > 0 then
       local best, bg = nil, live[1]
       for _, g in ipairs(live) do
@@ -183,9 +196,9 @@ for t = 1, n do
         gstate(bg, lane).parked = true
         set_waiting(id, 'parked', bg, lane)
       end
-      out[t] = 'full:' .. bg
+      out[t] = { 'full', bg }
     else
-      out[t] = 'none'
+      out[t] = { 'none', '' }
     end
   end
 end

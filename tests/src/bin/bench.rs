@@ -1,8 +1,12 @@
 //! Benchmarks that print figures (not timed tests: this machine is shared and noisy, so
 //! compare ratios measured in the same run).
 //!
-//! * `bench throughput [N]` — raw RabbitMQ over one and two durable, confirmed hops (the
-//!   ceiling), then fleet moving N no-op tasks producer → scheduler → worker, all in one run.
+//! * `bench throughput [N]` — fleet at the product defaults, then the raw RabbitMQ ceiling
+//!   (one and two durable, confirmed hops), all in one run: a burst of N no-op tasks, 1,000
+//!   tasks/s offered steadily, idle submit→start latency (fleet vs raw two-hop), a burst over
+//!   10 groups with mixed selectors, the split of 200 ms tasks over two groups of different
+//!   speed, and RSS samples under a 10x overload (`BENCH_RSS_SECS`, 60; 0 skips it).
+//! * `bench rss [SECONDS]` — the RSS stage alone (needs `cargo build --release --bins`).
 //! * `bench critical [N]` — critical-lane submit→start wait, p50/p99, idle and under a 10×
 //!   normal-lane overload, side by side.
 //!
@@ -31,7 +35,8 @@ async fn main() -> Result<()> {
         "throughput" => throughput(n).await,
         "critical" => critical(n.min(1000)).await,
         "stages" => stages(n).await,
-        other => anyhow::bail!("unknown benchmark {other} (throughput | critical)"),
+        "rss" => rss(n as u64).await,
+        other => anyhow::bail!("unknown benchmark {other} (throughput | critical | stages | rss SECONDS)"),
     }
 }
 
@@ -47,7 +52,74 @@ fn quorum() -> FieldTable {
 const RAW_PREFETCH: u16 = 2000;
 const RAW_ACK_EVERY: usize = 64;
 
+/// How a benchmark offers its messages.
+#[derive(Clone, Copy, Debug)]
+enum Offer {
+    /// All at once (windows of 1,000 confirms).
+    Burst,
+    /// `rate` per second, in slices of 10 ms (each slice published, then its confirms awaited).
+    Steady(f64),
+    /// One at a time: publish, await the confirm, wait this long (idle latency).
+    OneEvery(Duration),
+}
+
+/// Publishes `n` messages as `offer` says; `publish(k)` sends `k` of them and awaits their
+/// confirms.
+async fn offer<F, Fut>(n: usize, offer: Offer, mut publish: F) -> Result<()>
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
+    match offer {
+        Offer::Burst => {
+            let mut left = n;
+            while left > 0 {
+                let k = left.min(1000);
+                publish(k).await?;
+                left -= k;
+            }
+        }
+        Offer::Steady(rate) => {
+            let mut tick = tokio::time::interval(Duration::from_millis(10));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            let start = Instant::now();
+            let mut sent = 0usize;
+            while sent < n {
+                tick.tick().await;
+                let due = ((start.elapsed().as_secs_f64() * rate) as usize + 1).min(n);
+                if due > sent {
+                    publish(due - sent).await?;
+                    sent = due;
+                }
+            }
+        }
+        Offer::OneEvery(gap) => {
+            for _ in 0..n {
+                publish(1).await?;
+                tokio::time::sleep(gap).await;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Microseconds since the Unix epoch (the clock both fleet's `submitted_at` and the raw
+/// client's bodies use).
+fn now_us() -> i64 {
+    chrono::Utc::now().timestamp_micros()
+}
+
+/// A raw run's figures: delivery rate over the whole run, and submit→delivery at the last hop.
+struct Raw {
+    rate: f64,
+    lat_ms: Vec<f64>,
+}
+
 async fn raw_broker(n: usize, hops: usize) -> Result<f64> {
+    Ok(raw_run(n, hops, Offer::Burst).await?.rate)
+}
+
+async fn raw_run(n: usize, hops: usize, how: Offer) -> Result<Raw> {
     let conn = amqp::connect(&amqp_url(), "bench-raw").await?;
     let tag = uuid::Uuid::new_v4().simple().to_string();
     let queues: Vec<String> = (0..hops).map(|i| format!("bench.{tag}.{i}")).collect();
@@ -56,6 +128,7 @@ async fn raw_broker(n: usize, hops: usize) -> Result<f64> {
         setup.queue_declare(q.as_str().into(), QueueDeclareOptions { durable: true, ..Default::default() }, quorum()).await?;
     }
     let done = Arc::new(AtomicUsize::new(0));
+    let lat: Arc<Mutex<Vec<f64>>> = Arc::default();
     let mut tasks = Vec::new();
     for (i, q) in queues.iter().enumerate() {
         let ch = conn.create_channel().await?;
@@ -63,7 +136,7 @@ async fn raw_broker(n: usize, hops: usize) -> Result<f64> {
         let next = queues.get(i + 1).cloned();
         let pubch = amqp::confirm_channel(&conn).await?;
         let mut consumer = ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
-        let done = done.clone();
+        let (done, lat) = (done.clone(), lat.clone());
         tasks.push(tokio::spawn(async move {
             // Forwarding hop: publish, and let a second task await confirms in order and ack
             // (pipelined, as fleet's scheduler does).
@@ -72,16 +145,12 @@ async fn raw_broker(n: usize, hops: usize) -> Result<f64> {
             // run of deliveries (whatever has been confirmed when the queue of confirms is
             // momentarily empty, at most RAW_ACK_EVERY at a time).
             let acker = tokio::spawn(async move {
-                let mut last: Option<lapin::message::Delivery> = None;
                 let mut pending = 0;
                 while let Some((c, d)) = rx.recv().await {
                     let _ = amqp::confirmed(c).await;
-                    last = Some(d);
                     pending += 1;
                     if pending >= RAW_ACK_EVERY || rx.is_empty() {
-                        if let Some(d) = last.take() {
-                            let _ = d.acker.ack(BasicAckOptions { multiple: true }).await;
-                        }
+                        let _ = d.acker.ack(BasicAckOptions { multiple: true }).await;
                         pending = 0;
                     }
                 }
@@ -93,6 +162,11 @@ async fn raw_broker(n: usize, hops: usize) -> Result<f64> {
                         let _ = tx.send((c, d));
                     }
                 } else {
+                    if let Some(sent) = std::str::from_utf8(&d.data).ok().and_then(|b| b.split(' ').next()).and_then(|b| b.parse::<i64>().ok()) {
+                        if let Ok(mut v) = lat.lock() {
+                            v.push((now_us() - sent) as f64 / 1000.0);
+                        }
+                    }
                     unacked += 1;
                     let finished = done.fetch_add(1, Ordering::Relaxed) + 1 >= n;
                     if unacked >= RAW_ACK_EVERY || finished {
@@ -108,25 +182,31 @@ async fn raw_broker(n: usize, hops: usize) -> Result<f64> {
         }));
     }
     let pubch = amqp::confirm_channel(&conn).await?;
-    let body = Envelope::new("noop", json!(null)).to_bytes();
     let start = Instant::now();
-    let mut confirms = Vec::with_capacity(1000);
-    for _ in 0..n {
-        confirms.push(amqp::publish(&pubch, "", &queues[0], &body, amqp::task_properties("x", None)).await?);
-        if confirms.len() >= 1000 {
-            for c in confirms.drain(..) {
+    let first = queues[0].clone();
+    offer(n, how, |k| {
+        let (pubch, first) = (pubch.clone(), first.clone());
+        async move {
+            let mut confirms = Vec::with_capacity(k);
+            for _ in 0..k {
+                // The body: the submission time (µs; the last hop measures submit→delivery),
+                // then an envelope, so raw messages weigh what fleet's do.
+                let body = format!("{} {}", now_us(), String::from_utf8_lossy(&Envelope::new("noop", json!(null)).to_bytes()));
+                confirms.push(amqp::publish(&pubch, "", &first, body.as_bytes(), amqp::task_properties("x", None)).await?);
+            }
+            for c in confirms {
                 amqp::confirmed(c).await?;
             }
+            Ok(())
         }
-    }
-    for c in confirms.drain(..) {
-        amqp::confirmed(c).await?;
-    }
+    })
+    .await?;
     let deadline = Instant::now() + Duration::from_secs(120);
     while done.load(Ordering::Relaxed) < n && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let rate = done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64();
+    let lat_ms = lat.lock().map(|v| v.clone()).unwrap_or_default();
     for t in tasks {
         t.abort();
     }
@@ -134,40 +214,145 @@ async fn raw_broker(n: usize, hops: usize) -> Result<f64> {
         let _ = setup.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
     }
     let _ = conn.close(200, "bye".into()).await;
-    Ok(rate)
+    Ok(Raw { rate, lat_ms })
 }
 
+/// A fleet for one benchmark: a scheduler and workers in this process, a handler `count`
+/// that records every run (count, distinct ids, submit→start wait, which worker) and sleeps
+/// `payload.ms` if given.
+struct Rig {
+    ns: Ns,
+    sched: SchedulerHandle,
+    workers: Vec<WorkerHandle>,
+    done: Arc<AtomicUsize>,
+    ids: Arc<Mutex<std::collections::HashSet<String>>>,
+    lat_ms: Arc<Mutex<Vec<f64>>>,
+    by_worker: Arc<Mutex<std::collections::BTreeMap<String, usize>>>,
+}
+
+impl Rig {
+    async fn start(qt: &str, settings: &[(&str, &str)], workers: &[(&str, &str, u32)]) -> Result<Rig> {
+        let ns = Ns::with_queue_type(qt).await?;
+        let done = Arc::new(AtomicUsize::new(0));
+        let ids: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
+        let lat_ms: Arc<Mutex<Vec<f64>>> = Arc::default();
+        let by_worker: Arc<Mutex<std::collections::BTreeMap<String, usize>>> = Arc::default();
+        let (d2, i2, l2, b2) = (done.clone(), ids.clone(), lat_ms.clone(), by_worker.clone());
+        let count = handler_fn(move |ctx| {
+            let (d, i, l, b) = (d2.clone(), i2.clone(), l2.clone(), b2.clone());
+            async move {
+                if let Some(s) = ctx.envelope.submitted_at {
+                    if let Ok(mut v) = l.lock() {
+                        v.push((now_us() - s.timestamp_micros()) as f64 / 1000.0);
+                    }
+                }
+                if let Ok(mut m) = b.lock() {
+                    *m.entry(ctx.worker_id.to_string()).or_default() += 1;
+                }
+                if let Ok(mut s) = i.lock() {
+                    s.insert(ctx.envelope.id.clone());
+                }
+                if let Some(ms) = ctx.envelope.payload.get("ms").and_then(|v| v.as_u64()) {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+                d.fetch_add(1, Ordering::Relaxed);
+                Ok(serde_json::Value::Null)
+            }
+        });
+        let h = [("count", count)];
+        let sched = start_scheduler_exactly(&ns, settings).await?;
+        let mut ws = Vec::new();
+        for (id, labels, cap) in workers {
+            ws.push(start_worker(&ns, id, labels, *cap, &[], &h).await?);
+        }
+        Ok(Rig { ns, sched, workers: ws, done, ids, lat_ms, by_worker })
+    }
+
+    /// Offers `n` envelopes made by `mk(k)` (k = 0..n; `submitted_at` set as each is
+    /// published), waits until they have all run (at most `within`); the rate over the whole
+    /// run, from the first publish to the last completion, and the elapsed time.
+    async fn run(&self, n: usize, how: Offer, within: Duration, mk: impl Fn(usize) -> Envelope) -> Result<(f64, f64)> {
+        let base = self.done.load(Ordering::Relaxed);
+        if let Ok(mut v) = self.lat_ms.lock() {
+            v.clear();
+        }
+        let next = std::cell::Cell::new(0usize);
+        let (ns, mk, next) = (&self.ns, &mk, &next);
+        let start = Instant::now();
+        offer(n, how, |k| async move {
+            let envs: Vec<Envelope> = (0..k)
+                .map(|_| {
+                    let i = next.get();
+                    next.set(i + 1);
+                    let mut e = mk(i);
+                    e.submitted_at = Some(chrono::Utc::now());
+                    e
+                })
+                .collect();
+            ns.submit(&envs).await.map(|_| ())
+        })
+        .await?;
+        let deadline = Instant::now() + within;
+        while self.done.load(Ordering::Relaxed) < base + n && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let t = start.elapsed().as_secs_f64();
+        Ok(((self.done.load(Ordering::Relaxed) - base) as f64 / t, t))
+    }
+
+    fn latencies(&self) -> Vec<f64> {
+        self.lat_ms.lock().map(|v| v.clone()).unwrap_or_default()
+    }
+
+    fn once(&self) -> (usize, usize) {
+        (self.done.load(Ordering::Relaxed), self.ids.lock().map(|s| s.len()).unwrap_or(0))
+    }
+
+    async fn metrics(&self) -> Result<String> {
+        let page = reqwest::get(self.sched.url("/metrics")).await?.text().await?;
+        Ok(format!(
+            "dispatched {} parked {} throttled {} rerouted {}",
+            metric_sum(&page, "fleet_tasks_dispatched_total", &[]),
+            metric_sum(&page, "fleet_tasks_parked_total", &[]),
+            metric_sum(&page, "fleet_dispatch_throttled_total", &[]),
+            metric_sum(&page, "fleet_tasks_rerouted_total", &[])
+        ))
+    }
+
+    async fn stop(self) -> Result<()> {
+        for w in self.workers {
+            w.stop().await?;
+        }
+        self.sched.stop().await?;
+        self.ns.cleanup().await
+    }
+}
+
+fn p50_p99(v: &[f64]) -> (f64, f64) {
+    let mut v = v.to_vec();
+    (pct(&mut v, 0.5), pct(&mut v, 0.99))
+}
+
+/// Everything issue 11 measures, in one run: fleet at the product defaults against the raw
+/// broker's two-hop ceiling measured in the same run.
 async fn throughput(n: usize) -> Result<()> {
     println!("# throughput: {n} messages/tasks, quorum queues, publisher confirms");
-    // fleet first: deleting the raw stage's full quorum queues keeps the broker's quorum
-    // machinery busy for a while, which skews (and can redeliver in) whatever runs next.
     let qt = std::env::var("BENCH_QUEUE_TYPE").unwrap_or_else(|_| "quorum".into());
-    let ns = Ns::with_queue_type(&qt).await?;
-    let done = Arc::new(AtomicUsize::new(0));
-    let ids: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
-    let (d2, i2) = (done.clone(), ids.clone());
-    let count = handler_fn(move |ctx| {
-        let (d, i) = (d2.clone(), i2.clone());
-        async move {
-            d.fetch_add(1, Ordering::Relaxed);
-            if let Ok(mut s) = i.lock() {
-                s.insert(ctx.envelope.id.clone());
-            }
-            Ok(serde_json::Value::Null)
-        }
-    });
-    let h = [("count", count)];
     // The product's defaults, but for an ingress bound that holds the whole burst.
     let bound = n.max(10_000).to_string();
     let settings = [("ingress_max_normal", bound.as_str()), ("queue_type", qt.as_str())];
     println!("scheduler settings: {settings:?}; everything else (admission included) at its default");
-    println!("workers: 2 × capacity 128 (no-op tasks), settings {:?}", fleet_tests::WORKER_DEFAULTS);
-    let sched = start_scheduler_exactly(&ns, &settings).await?;
-    let w1 = start_worker(&ns, "bench-w1", "", 128, &[], &h).await?;
-    let w2 = start_worker(&ns, "bench-w2", "", 128, &[], &h).await?;
-    let envs: Vec<Envelope> = (0..n).map(|_| Envelope::new("count", json!(null))).collect();
+    println!("workers: settings {:?} (+ worker_id, labels, capacity as listed per stage)", fleet_tests::WORKER_DEFAULTS);
+    let steady_n: usize = std::env::var("BENCH_STEADY_N").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000);
+    let idle_n = 200;
+
+    // fleet first: deleting the raw stage's full quorum queues keeps the broker's quorum
+    // machinery busy for a while, which skews (and can redeliver in) whatever runs next.
+    // 1. Burst, one group (2 workers × 128), no-op tasks.
+    println!("\n## 1. burst of {n} no-op tasks, 2 workers × capacity 128 (one group)");
+    let rig = Rig::start(&qt, &settings, &[("bench-w1", "", 128), ("bench-w2", "", 128)]).await?;
     // Sample the pressure state during the run (how often the fleet throttled itself).
-    let purl = sched.url("/v1/pressure");
+    let purl = rig.sched.url("/v1/pressure");
     let sampling = tokio_util::sync::CancellationToken::new();
     let sampler = {
         let stop = sampling.clone();
@@ -182,43 +367,192 @@ async fn throughput(n: usize) -> Result<()> {
             seen
         })
     };
-    let start = Instant::now();
-    for chunk in envs.chunks(1000) {
-        ns.submit(chunk).await?;
-    }
-    let published = start.elapsed();
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while done.load(Ordering::Relaxed) < n && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let elapsed = start.elapsed();
-    let rate = done.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64();
-    println!("fleet end to end  : {rate:>8.0} tasks/s ({} of {n} done in {:.2} s; publishing took {:.2} s)", done.load(Ordering::Relaxed), elapsed.as_secs_f64(), published.as_secs_f64());
-    let two = if std::env::var("BENCH_SKIP_RAW").is_ok() {
-        f64::NAN
+    let (burst, t) = rig.run(n, Offer::Burst, Duration::from_secs(300), |_| Envelope::new("count", json!(null))).await?;
+    sampling.cancel();
+    let (runs, distinct) = rig.once();
+    println!("fleet burst       : {burst:>8.0} tasks/s ({runs} runs of {n} in {t:.2} s)");
+    println!("runs {runs} distinct tasks {distinct} (runs beyond distinct = at-least-once redeliveries)");
+    println!("pressure samples (every 100 ms): {:?}", sampler.await?);
+    println!("{}", rig.metrics().await?);
+
+    // 2. Steady 1,000 tasks/s offered, same fleet.
+    println!("\n## 2. steady: {steady_n} no-op tasks offered at 1,000/s, same fleet");
+    let (steady, t) = rig.run(steady_n, Offer::Steady(1000.0), Duration::from_secs(120), |_| Envelope::new("count", json!(null))).await?;
+    let (s50, s99) = p50_p99(&rig.latencies());
+    println!("fleet steady      : {steady:>8.0} tasks/s ({t:.2} s); submit→start p50 {s50:.2} ms p99 {s99:.2} ms");
+
+    // 3. Idle latency, same fleet: one task at a time.
+    println!("\n## 3. idle submit→start latency: {idle_n} tasks, one every 10 ms, same fleet");
+    rig.run(idle_n, Offer::OneEvery(Duration::from_millis(10)), Duration::from_secs(30), |_| Envelope::new("count", json!(null))).await?;
+    let (f50, f99) = p50_p99(&rig.latencies());
+    println!("fleet idle        : p50 {f50:.2} ms p99 {f99:.2} ms (n={})", rig.latencies().len());
+    let (runs, distinct) = rig.once();
+    println!("runs {runs} distinct tasks {distinct} (stages 1-3)");
+    rig.stop().await?;
+
+    // 4. Ten groups, mixed selectors.
+    println!("\n## 4. burst of {n} no-op tasks over 10 groups (10 workers × capacity 26): a third pinned to one zone (1 candidate), a third to a tier (5 candidates), a third anywhere (10)");
+    let ws: Vec<(String, String)> = (0..10).map(|i| (format!("bench-g{i}"), format!("zone=z{i},tier={}", if i < 5 { "a" } else { "b" }))).collect();
+    let wrefs: Vec<(&str, &str, u32)> = ws.iter().map(|(id, l)| (id.as_str(), l.as_str(), 26)).collect();
+    let rig = Rig::start(&qt, &settings, &wrefs).await?;
+    let (groups10, t) = rig
+        .run(n, Offer::Burst, Duration::from_secs(300), |k| match k % 3 {
+            0 => task("count", json!(null), &format!("zone=z{}", k % 10)),
+            1 => task("count", json!(null), if k % 2 == 0 { "tier=a" } else { "tier=b" }),
+            _ => task("count", json!(null), ""),
+        })
+        .await?;
+    let (runs, distinct) = rig.once();
+    println!("fleet 10 groups   : {groups10:>8.0} tasks/s ({runs} runs, {distinct} distinct, {t:.2} s)");
+    println!("{}", rig.metrics().await?);
+    rig.stop().await?;
+
+    // 5. 200 ms tasks on two groups of different speed (16 vs 4 slots).
+    let long_n = 200;
+    println!("\n## 5. split: a burst of {long_n} tasks of 200 ms that both groups can take; fast group 16 slots, slow group 4");
+    let rig = Rig::start(&qt, &settings, &[("bench-fast", "pool=long,speed=fast", 16), ("bench-slow", "pool=long,speed=slow", 4)]).await?;
+    let (_, t) = rig.run(long_n, Offer::Burst, Duration::from_secs(120), |_| task("count", json!({"ms": 200}), "pool=long")).await?;
+    let split = rig.by_worker.lock().map(|m| m.clone()).unwrap_or_default();
+    let fast = split.get("bench-fast").copied().unwrap_or(0);
+    let slow = split.get("bench-slow").copied().unwrap_or(0);
+    // What an ideal split would finish in: all 20 slots busy until the end.
+    let ideal = (long_n as f64 / 20.0).ceil() * 0.2;
+    println!(
+        "split: fast {fast} ({:.0}%), slow {slow} ({:.0}%) — by capacity 80% / 20%; done in {t:.2} s (ideal {ideal:.2} s; everything on the fast group {:.2} s)",
+        100.0 * fast as f64 / long_n as f64,
+        100.0 * slow as f64 / long_n as f64,
+        (long_n as f64 / 16.0).ceil() * 0.2
+    );
+    println!("{}", rig.metrics().await?);
+    rig.stop().await?;
+
+    // Raw broker, same run.
+    let (one, two, raw_steady, raw_idle) = if std::env::var("BENCH_SKIP_RAW").is_ok() {
+        (f64::NAN, f64::NAN, Raw { rate: f64::NAN, lat_ms: vec![] }, Raw { rate: f64::NAN, lat_ms: vec![] })
     } else {
+        println!("\n## raw broker (this process, same run)");
         let one = raw_broker(n, 1).await?;
         println!("raw broker, 1 hop : {one:>8.0} msg/s");
         let two = raw_broker(n, 2).await?;
         println!("raw broker, 2 hops: {two:>8.0} msg/s");
-        two
+        let raw_steady = raw_run(steady_n, 2, Offer::Steady(1000.0)).await?;
+        let (r50, r99) = p50_p99(&raw_steady.lat_ms);
+        println!("raw 2 hops steady : {:>8.0} msg/s; submit→delivery p50 {r50:.2} ms p99 {r99:.2} ms", raw_steady.rate);
+        let raw_idle = raw_run(idle_n, 2, Offer::OneEvery(Duration::from_millis(10))).await?;
+        (one, two, raw_steady, raw_idle)
     };
-    println!("ratio fleet / raw 2-hop: {:.2}", rate / two);
-    let distinct = ids.lock().map(|s| s.len()).unwrap_or(0);
-    println!("runs {} distinct tasks {distinct} (runs beyond distinct = at-least-once redeliveries)", done.load(Ordering::Relaxed));
-    sampling.cancel();
-    println!("pressure samples (every 100 ms): {:?}", sampler.await?);
-    let page = reqwest::get(sched.url("/metrics")).await?.text().await?;
-    println!(
-        "dispatched {} parked {} throttled {} rerouted {}",
-        metric_sum(&page, "fleet_tasks_dispatched_total", &[]),
-        metric_sum(&page, "fleet_tasks_parked_total", &[]),
-        metric_sum(&page, "fleet_dispatch_throttled_total", &[]),
-        metric_sum(&page, "fleet_tasks_rerouted_total", &[])
-    );
-    w1.stop().await?;
-    w2.stop().await?;
-    sched.stop().await?;
+    let (r50, r99) = p50_p99(&raw_idle.lat_ms);
+    let _ = one;
+    println!("\n## summary (fleet / raw 2-hop, same run; goal ≥ 0.85)");
+    println!("burst {n}            : fleet {burst:>7.0} / raw {two:>7.0} = {:.2}", burst / two);
+    println!("steady 1,000/s offered: fleet {steady:>7.0} / raw {:>7.0} = {:.2}", raw_steady.rate, steady / raw_steady.rate);
+    println!("10 groups, burst     : fleet {groups10:>7.0} / raw {two:>7.0} = {:.2}", groups10 / two);
+    println!("idle submit→start    : fleet p50 {f50:.2} ms p99 {f99:.2} ms | raw 2-hop p50 {r50:.2} ms p99 {r99:.2} ms | Δp50 {:+.2} ms (goal ≤ +0.5) Δp99 {:+.2} ms (goal ≤ +1.5)", f50 - r50, f99 - r99);
+    println!("split of 200 × 200 ms: fast {fast} / slow {slow}");
+
+    let rss_secs: u64 = std::env::var("BENCH_RSS_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
+    if rss_secs > 0 {
+        rss(rss_secs).await?;
+    }
+    Ok(())
+}
+
+/// Resident set size of a process (kB), from `/proc/<pid>/status`.
+fn rss_kb(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The release binaries next to this benchmark's executable.
+fn sibling_bin(name: &str) -> Result<std::path::PathBuf> {
+    let exe = std::env::current_exe()?;
+    let p = exe.parent().map(|d| d.join(name)).ok_or_else(|| anyhow::anyhow!("no directory"))?;
+    anyhow::ensure!(p.exists(), "{} not found: cargo build --release --bins", p.display());
+    Ok(p)
+}
+
+/// RSS of a scheduler and two workers (separate processes, product defaults) while the normal
+/// lane is offered 10× what the workers drain (2 × 4 slots × 200 ms tasks = 40/s; offered
+/// 400/s) for `secs` seconds: a sample every 5 s.
+async fn rss(secs: u64) -> Result<()> {
+    println!("\n## RSS under a 10x overload for {secs} s (short version of the issue's 10 minutes): scheduler + 2 workers as processes, product defaults, capacity 4 each, `sleep` 200 ms tasks, 400/s offered");
+    let ns = Ns::with_queue_type("quorum").await?;
+    let env: Vec<(String, String)> = ns.base.iter().filter(|(k, _)| k != "http_addr").map(|(k, v)| (format!("FLEET_{}", k.to_uppercase()), v.clone())).collect();
+    let spawn = |bin: &str, extra: Vec<(String, String)>| -> Result<std::process::Child> {
+        let mut c = std::process::Command::new(sibling_bin(bin)?);
+        c.envs(env.iter().cloned()).envs(extra).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+        Ok(c.spawn()?)
+    };
+    let sched_port = free_port()?;
+    let mut procs = vec![("scheduler", spawn("fleet-scheduler", vec![("FLEET_HTTP_ADDR".into(), format!("127.0.0.1:{sched_port}"))])?)];
+    for i in 0..2 {
+        let port = free_port()?;
+        procs.push((
+            if i == 0 { "worker-1" } else { "worker-2" },
+            spawn("fleet-worker", vec![("FLEET_HTTP_ADDR".into(), format!("127.0.0.1:{port}")), ("FLEET_CAPACITY".into(), "4".into()), ("FLEET_WORKER_ID".into(), format!("rss-w{i}"))])?,
+        ));
+    }
+    wait_for("scheduler ready", Duration::from_secs(30), || async move {
+        reqwest::get(format!("http://127.0.0.1:{sched_port}/readyz")).await.ok().filter(|r| r.status().is_success()).map(|_| ())
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let start = Instant::now();
+    let (mut ok, mut refused) = (0usize, 0usize);
+    let mut next_sample = Duration::ZERO;
+    let mut peak: std::collections::BTreeMap<&str, u64> = Default::default();
+    let mut first: std::collections::BTreeMap<&str, u64> = Default::default();
+    // 40 every 100 ms = 400/s offered (an interval, so publishing time does not slow it).
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    while start.elapsed() < Duration::from_secs(secs) {
+        tick.tick().await;
+        let envs: Vec<Envelope> = (0..40).map(|_| Envelope::new("sleep", json!({"ms": 200}))).collect();
+        if let Ok(r) = ns.submit_each(&envs).await {
+            ok += r.iter().filter(|b| **b).count();
+            refused += r.iter().filter(|b| !**b).count();
+        }
+        if start.elapsed() >= next_sample {
+            let mut line = format!("t={:>3}s", start.elapsed().as_secs());
+            for (name, c) in &procs {
+                let kb = rss_kb(c.id()).unwrap_or(0);
+                line.push_str(&format!("  {name} {:.1} MB", kb as f64 / 1024.0));
+                first.entry(name).or_insert(kb);
+                let e = peak.entry(name).or_default();
+                *e = (*e).max(kb);
+            }
+            let p = get_json(&format!("http://127.0.0.1:{sched_port}/v1/pressure")).await.unwrap_or_default();
+            line.push_str(&format!("  (pressure {} gate {}, accepted {ok} refused {refused})", p["state"], p["gate"]));
+            println!("{line}");
+            next_sample += Duration::from_secs(5);
+        }
+    }
+    println!("offered {} in {:.1} s ({:.0}/s; the workers drain 40/s)", ok + refused, start.elapsed().as_secs_f64(), (ok + refused) as f64 / start.elapsed().as_secs_f64());
+    for (name, kb) in &peak {
+        println!("peak RSS {name}: {:.1} MB (first sample {:.1} MB; goal < 64 MB and flat)", *kb as f64 / 1024.0, first.get(name).copied().unwrap_or(0) as f64 / 1024.0);
+    }
+    for (_, c) in &mut procs {
+        let _ = std::process::Command::new("kill").arg("-TERM").arg(c.id().to_string()).status();
+    }
+    for (name, c) in &mut procs {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match c.try_wait() {
+                Ok(Some(_)) => break,
+                _ if Instant::now() > deadline => {
+                    println!("{name} did not stop within 20 s; killing it");
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    break;
+                }
+                _ => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
     ns.cleanup().await
 }
 
