@@ -143,7 +143,7 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
     let names = st.store.names.clone();
     let mut confirms = Vec::with_capacity(envs.len());
     for (e, bytes, stamped) in &envs {
-        let h = stamped.then(|| amqp::headers([(amqp::SUBMITTED_AT_HEADER, now.timestamp_millis().to_string())]));
+        let h = stamped.then(|| amqp::headers([(fleet::headers::SUBMITTED_AT, now.timestamp_millis().to_string())]));
         let r = amqp::publish(ch, &names.submit_exchange(), e.lane.as_str(), bytes, amqp::task_properties(&e.id, h)).await;
         confirms.push(r);
     }

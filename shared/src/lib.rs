@@ -8,6 +8,7 @@
 //! * [`redact`] — hiding URL passwords, escaping control characters in printed text.
 //! * [`names`] — the one place that builds every AMQP name and Redis key under the namespace.
 //! * [`topology`] — idempotent declaration of exchanges and queues.
+//! * [`headers`] — every `x-fleet-*` header name (AMQP messages, HTTP executor requests).
 //! * [`amqp`] / [`store`] — connections with retry and backoff to RabbitMQ and Redis.
 //! * [`scripts`] — the Lua scripts (one atomic decision each); typed wrappers live with their
 //!   concept: [`registry`] (workers, heartbeats, eviction), [`route`] + [`lease`] (choice,
@@ -17,6 +18,7 @@
 //! * [`producer`] — submitting tasks: refused at once, or paced until accepted.
 //! * [`metrics`] — metric names, their help text and the Prometheus exporter.
 //! * [`waits`] — wait-time histograms workers share with the scheduler's console.
+//! * [`ticker`] — the one shape of every periodic loop (an interval that ends with shutdown).
 //! * [`telemetry`] — logging set-up; [`http`] — `/metrics`, `/healthz`, `/readyz`.
 
 pub mod amqp;
@@ -25,6 +27,7 @@ pub mod dead;
 pub mod delay;
 pub mod envelope;
 pub mod error;
+pub mod headers;
 pub mod http;
 pub mod lease;
 pub mod metrics;
@@ -40,6 +43,7 @@ pub mod settings;
 pub mod status;
 pub mod store;
 pub mod telemetry;
+pub mod ticker;
 pub mod topology;
 pub mod waits;
 

@@ -34,7 +34,6 @@ pub mod retry;
 pub mod stats;
 pub mod worker;
 
-pub use attempt::ATTEMPTS_HEADER;
 pub use config::{ExecutorKind, WorkerConfig};
 pub use executor::{handler_fn, Handler, Handlers, TaskContext, TaskError};
 pub use worker::{Worker, WorkerBuilder};
