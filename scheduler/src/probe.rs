@@ -9,11 +9,15 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use fleet::ticker::Ticker;
 use fleet::{amqp, metrics as m, Envelope, Lane};
 use tokio::sync::RwLock;
 use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::Dispatcher;
+
+/// How often a probe's task status is read while it waits for `succeeded`.
+const STATUS_POLL: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// The last probe result of a group.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -28,7 +32,7 @@ pub struct ProbeResult {
 pub type ProbeBoard = Arc<RwLock<HashMap<String, ProbeResult>>>;
 
 pub async fn run(d: Arc<Dispatcher>, board: ProbeBoard, shutdown: CancellationToken) -> fleet::Result<()> {
-    let mut ticker = crate::ticker::Ticker::new(d.cfg.probe_interval);
+    let mut ticker = Ticker::new(d.cfg.probe_interval);
     while ticker.tick(&shutdown).await {
         let groups = match d.store.groups().await {
             Ok(g) => g,
@@ -59,19 +63,19 @@ async fn probe_one(d: Arc<Dispatcher>, board: ProbeBoard, group: String, shutdow
         &d.names.tasks_exchange(),
         &d.names.group_key(&group, Lane::Critical),
         &env.to_bytes(),
-        amqp::task_properties(&env.id, Some(amqp::headers([(amqp::PROBE_HEADER, "1".to_string())]))),
+        amqp::task_properties(&env.id, Some(amqp::headers([(fleet::headers::PROBE, "1".to_string())]))),
     )
     .await;
     let mut ok = false;
     if sent.is_ok() {
-        while started.elapsed() < d.cfg.probe_timeout && !shutdown.is_cancelled() {
+        let mut poll = Ticker::new(STATUS_POLL);
+        while started.elapsed() < d.cfg.probe_timeout && poll.tick(&shutdown).await {
             if let Ok(Some(st)) = d.store.task_status(&env.id).await {
                 if st.get("state").map(String::as_str) == Some("succeeded") {
                     ok = true;
                     break;
                 }
             }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
     }
     if shutdown.is_cancelled() {

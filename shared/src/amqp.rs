@@ -11,19 +11,12 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{Error, Result};
 use crate::tls::TlsConfig;
 
-/// Header naming why a task was dead-lettered (a bounded reason code).
-pub const REASON_HEADER: &str = "x-fleet-reason";
-/// Header with the human detail of a dead-lettering (last error, refused field...).
-pub const DETAIL_HEADER: &str = "x-fleet-detail";
-/// Header with the last worker that ran a dead task.
-pub const WORKER_HEADER: &str = "x-fleet-worker";
-/// Header with the attempts a dead task made.
-pub const ATTEMPTS_HEADER: &str = "x-fleet-attempts";
-/// Header marking a replayed dead letter.
-pub const REPLAY_HEADER: &str = "x-fleet-replay";
-/// Header selecting a delay tier on the delay (headers) exchange. Not `x-` prefixed: RabbitMQ
-/// ignores `x-` headers when matching, which would bind every tier to every message.
-pub const TIER_HEADER: &str = "fleet-tier";
+// The header names moved to `crate::headers` (one place for every `x-fleet-*` name); these
+// aliases keep `fleet::amqp::*_HEADER` working for code written against the old path.
+pub use crate::headers::{
+    ATTEMPTS as ATTEMPTS_HEADER, DETAIL as DETAIL_HEADER, PROBE as PROBE_HEADER, REASON as REASON_HEADER,
+    REPLAY as REPLAY_HEADER, SUBMITTED_AT as SUBMITTED_AT_HEADER, TIER as TIER_HEADER, WORKER as WORKER_HEADER,
+};
 
 /// Connects once, trusting the system roots for `amqps://`.
 pub async fn connect(url: &str, name: &str) -> Result<Connection> {
@@ -102,15 +95,6 @@ pub async fn confirm_channel(conn: &Connection) -> Result<Channel> {
     ch.confirm_select(ConfirmSelectOptions::default()).await?;
     Ok(ch)
 }
-
-/// Header on the scheduler's health probes (published straight to a group's critical queue;
-/// producers' tasks are republished by the scheduler with headers of its own, so they cannot
-/// carry it): a probe that fails or expires is dropped, never dead-lettered.
-pub const PROBE_HEADER: &str = "x-fleet-probe";
-
-/// Header set by `POST /v1/tasks` on what it publishes: the submission time (ms since the
-/// epoch) of an envelope without `submitted_at`, so its deadline runs from the HTTP request.
-pub const SUBMITTED_AT_HEADER: &str = "x-fleet-submitted-at";
 
 /// A header's value as text (long or short string, or an integer).
 pub fn header_text(props: &BasicProperties, name: &str) -> Option<String> {

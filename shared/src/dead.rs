@@ -26,7 +26,8 @@ use lapin::{BasicProperties, Channel, Connection};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::amqp::{self, ATTEMPTS_HEADER, DETAIL_HEADER, REASON_HEADER, REPLAY_HEADER, WORKER_HEADER};
+use crate::amqp;
+use crate::headers;
 use crate::error::Result;
 use crate::{Envelope, Names, Store};
 
@@ -110,10 +111,10 @@ pub fn describe(props: &BasicProperties, data: &[u8]) -> DeadLetter {
     let body: Value = serde_json::from_slice(data).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(data).into_owned()));
     let text = |k: &str| body.get(k).and_then(Value::as_str).map(str::to_string);
     let id = text("id").or_else(|| props.message_id().as_ref().map(|s| s.to_string())).unwrap_or_else(|| "-".into());
-    let reason = amqp::header_str(props, REASON_HEADER)
+    let reason = amqp::header_str(props, headers::REASON)
         .or_else(|| amqp::header_str(props, "x-first-death-reason"))
         .unwrap_or_else(|| "-".into());
-    let attempts = amqp::header_str(props, ATTEMPTS_HEADER)
+    let attempts = amqp::header_str(props, headers::ATTEMPTS)
         .and_then(|a| a.parse().ok())
         .or_else(|| body.get("attempt").and_then(Value::as_u64));
     let dead_at_ms = props.timestamp().map(|s| (s as i64).saturating_mul(1000)).or_else(|| death_time_ms(props));
@@ -121,9 +122,9 @@ pub fn describe(props: &BasicProperties, data: &[u8]) -> DeadLetter {
         id,
         kind: text("kind").unwrap_or_else(|| "-".into()),
         reason,
-        detail: amqp::header_str(props, DETAIL_HEADER).unwrap_or_default(),
+        detail: amqp::header_str(props, headers::DETAIL).unwrap_or_default(),
         attempts,
-        worker: amqp::header_str(props, WORKER_HEADER),
+        worker: amqp::header_str(props, headers::WORKER),
         dead_at_ms,
         replayable: parsed.is_ok(),
         envelope: body,
@@ -206,7 +207,7 @@ async fn replay_on(conn: &Connection, get: &Channel, store: Option<&Store>, name
                 tracing::warn!(task.id = %env.id, error = %e, "cannot clear the dedupe mark of a replayed task; the scheduler may drop it as a duplicate");
             }
         }
-        let props = amqp::task_properties(&env.id, Some(amqp::headers([(REPLAY_HEADER, "1".to_string())])));
+        let props = amqp::task_properties(&env.id, Some(amqp::headers([(headers::REPLAY, "1".to_string())])));
         match amqp::publish_confirmed(&publish, &names.submit_exchange(), env.lane.as_str(), &env.to_bytes(), props).await {
             Ok(()) => {
                 d.acker.ack(BasicAckOptions::default()).await?;
@@ -245,7 +246,7 @@ mod tests {
     #[test]
     fn describes_an_exhausted_task() {
         let body = br#"{"id":"t-1","kind":"resize","payload":{},"attempt":3}"#;
-        let p = props(&[(REASON_HEADER, "max_attempts"), (DETAIL_HEADER, "boom"), (ATTEMPTS_HEADER, "3"), (WORKER_HEADER, "w-1")]);
+        let p = props(&[(headers::REASON, "max_attempts"), (headers::DETAIL, "boom"), (headers::ATTEMPTS, "3"), (headers::WORKER, "w-1")]);
         let d = describe(&p, body);
         assert_eq!((d.id.as_str(), d.kind.as_str(), d.reason.as_str(), d.detail.as_str()), ("t-1", "resize", "max_attempts", "boom"));
         assert_eq!((d.attempts, d.worker.as_deref(), d.replayable), (Some(3), Some("w-1"), true));
@@ -254,14 +255,14 @@ mod tests {
 
     #[test]
     fn describes_a_body_that_is_not_an_envelope() {
-        let d = describe(&props(&[(REASON_HEADER, "malformed_json")]), b"{not json");
+        let d = describe(&props(&[(headers::REASON, "malformed_json")]), b"{not json");
         assert_eq!((d.id.as_str(), d.kind.as_str(), d.replayable), ("m-1", "-", false));
         assert_eq!(d.envelope, Value::String("{not json".into()));
     }
 
     #[test]
     fn selection_matches_every_condition() {
-        let d = describe(&props(&[(REASON_HEADER, "max_attempts")]), br#"{"id":"a","kind":"k"}"#);
+        let d = describe(&props(&[(headers::REASON, "max_attempts")]), br#"{"id":"a","kind":"k"}"#);
         assert!(Selection::all().matches(&d));
         assert!(Selection::ids(["a", "b"]).matches(&d));
         assert!(!Selection::ids(["b"]).matches(&d));

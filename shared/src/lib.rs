@@ -11,6 +11,8 @@
 //! * [`endpoints`] — the RabbitMQ node list of `FLEET_AMQP_URL` (cluster failover).
 //! * [`amqp`] / [`store`] — connections with retry and backoff to RabbitMQ and Redis;
 //!   [`sentinel`] — Redis behind Sentinel (`redis+sentinel://`), failover to the new master.
+//! * [`headers`] — every `x-fleet-*` header name (AMQP messages, HTTP executor requests).
+//! * [`amqp`] / [`store`] — connections with retry and backoff to RabbitMQ and Redis.
 //! * [`scripts`] — the Lua scripts (one atomic decision each); typed wrappers live with their
 //!   concept: [`registry`] (workers, heartbeats, eviction), [`route`] + [`lease`] (choice,
 //!   reservation, in-flight records), [`ratelimit`] (GCRA bucket), [`status`] (task status).
@@ -23,6 +25,7 @@
 //! * [`waits`] — wait-time histograms workers share with the scheduler's console.
 //! * [`auth`] — API bearer tokens and roles, the axum guard; [`tls`] — TLS client settings.
 //! * [`submit`] — parsing of an HTTP submission body (one envelope or an array).
+//! * [`ticker`] — the one shape of every periodic loop (an interval that ends with shutdown).
 //! * [`telemetry`] — logging set-up; [`http`] — `/metrics`, `/healthz`, `/readyz`.
 
 pub mod amqp;
@@ -33,6 +36,7 @@ pub mod delay;
 pub mod endpoints;
 pub mod envelope;
 pub mod error;
+pub mod headers;
 pub mod http;
 pub mod lease;
 pub mod metrics;
@@ -52,6 +56,7 @@ pub mod subset;
 pub mod submit;
 pub mod telemetry;
 pub mod tls;
+pub mod ticker;
 pub mod topology;
 pub mod waits;
 

@@ -186,7 +186,6 @@ impl Store {
         inv.key(self.names.prefix())
             .arg(id)
             .arg(instance)
-            .arg(0)
             .arg(lease_ms)
             .arg(b.running_normal)
             .arg(b.running_critical)
@@ -244,7 +243,7 @@ impl Store {
     /// Evicts workers silent for longer than `timeout_ms`; returns their ids.
     pub async fn evict_stale(&self, timeout_ms: i64) -> Result<Vec<String>> {
         let mut inv = self.scripts.evict.prepare_invoke();
-        inv.key(self.names.prefix()).arg(0).arg(timeout_ms);
+        inv.key(self.names.prefix()).arg(timeout_ms);
         self.invoke(&inv).await
     }
 

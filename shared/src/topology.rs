@@ -18,7 +18,7 @@ use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptio
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, ExchangeKind};
 
-use crate::amqp::TIER_HEADER;
+use crate::headers;
 use crate::config::{CommonConfig, QueueType};
 use crate::delay;
 use crate::envelope::Lane;
@@ -200,7 +200,7 @@ pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
         queue(ch, &q, a, None).await?;
         let mut h = FieldTable::default();
         h.insert("x-match".into(), AMQPValue::LongString("all".into()));
-        h.insert(TIER_HEADER.into(), AMQPValue::LongString(tier.to_string().into()));
+        h.insert(headers::TIER.into(), AMQPValue::LongString(tier.to_string().into()));
         bind(ch, &q, &n.delay_exchange(), "", h).await?;
     }
     Ok(())

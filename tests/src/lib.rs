@@ -110,7 +110,7 @@ impl Ns {
         let ch = self.conn.create_channel().await?;
         let mut out = Vec::new();
         while let Some(m) = ch.basic_get(self.names.dead_queue().as_str().into(), BasicGetOptions { no_ack: true }).await? {
-            let reason = amqp::header_str(&m.delivery.properties, amqp::REASON_HEADER);
+            let reason = amqp::header_str(&m.delivery.properties, fleet::headers::REASON);
             out.push((m.delivery.data, reason));
         }
         Ok(out)
@@ -449,6 +449,28 @@ impl Ns {
     pub async fn wait_groups_idle(&self, timeout: Duration) -> Result<()> {
         wait_for("every group's reserved and load back to 0", timeout, || async {
             let gs = self.store.groups().await.ok()?;
+            gs.iter().all(|g| g.reserved == 0 && g.load == 0).then_some(())
+        })
+        .await
+    }
+
+    /// Waits until the work in this namespace has settled: both ingress queues and every
+    /// registered group's queues hold no ready message, and every group has nothing reserved
+    /// and nothing running. After it no further run can start (the barrier that replaces a
+    /// quiet period before asserting that nothing ran twice).
+    pub async fn wait_settled(&self, timeout: Duration) -> Result<()> {
+        wait_for("queues empty and every group idle", timeout, || async {
+            let gs = self.store.groups().await.ok()?;
+            for lane in Lane::ALL {
+                if self.depth(&self.names.ingress_queue(lane)).await > 0 {
+                    return None;
+                }
+                for g in &gs {
+                    if self.depth(&self.names.group_queue(&g.group, lane)).await > 0 {
+                        return None;
+                    }
+                }
+            }
             gs.iter().all(|g| g.reserved == 0 && g.load == 0).then_some(())
         })
         .await

@@ -47,8 +47,23 @@ async fn metrics_match_a_known_workload_exactly() -> anyhow::Result<()> {
         }
     })
     .await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let page = reqwest::get(&url).await?.text().await.unwrap_or(page);
+    // Barriers instead of a quiet period: the work has settled, every dead letter (failed,
+    // refused, expired) is in the dead-letter queue, and the scheduler has counted the expired
+    // ones (it counts after the dead letter's confirm); then the page is read again.
+    ns.wait_settled(Duration::from_secs(30)).await?;
+    let dead_queue = ns.names.dead_queue();
+    let n_dead = u32::try_from(n_fail + n_bad + n_expired)?;
+    wait_for("every dead letter queued", Duration::from_secs(30), || async { (ns.depth(&dead_queue).await >= n_dead).then_some(()) }).await?;
+    let page = wait_for("the expired tasks counted", Duration::from_secs(30), || {
+        let url = url.clone();
+        async move {
+            let p = reqwest::get(&url).await.ok()?.text().await.ok()?;
+            let expired = metric_sum(&p, "fleet_tasks_completed_total", &[("lane", "normal"), ("outcome", "expired")]) as usize;
+            (expired >= n_expired).then_some(p)
+        }
+    })
+    .await
+    .unwrap_or(page);
     let c = |outcome: &str| metric_sum(&page, "fleet_tasks_completed_total", &[("lane", "normal"), ("outcome", outcome)]) as usize;
     assert_eq!(c("succeeded"), n_ok);
     assert_eq!(c("retried"), n_fail, "one retry each (max_attempts 2)");

@@ -27,7 +27,7 @@ async fn thousand_tasks_run_once_on_matching_workers() -> anyhow::Result<()> {
     let (ok, refused) = ns.submit(&envs).await?;
     assert_eq!((ok, refused), (1000, 0));
     wait_for("1000 runs", Duration::from_secs(60), || async { (rec.count() >= 1000).then_some(()) }).await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    ns.wait_settled(Duration::from_secs(30)).await?;
 
     let per = rec.per_task();
     assert_eq!(per.len(), 1000, "every task ran");
@@ -112,7 +112,7 @@ async fn two_scheduler_replicas_dispatch_each_task_once() -> anyhow::Result<()> 
     let envs: Vec<_> = (0..600).map(|i| task("record", json!({"ms": 2}), ["zone=a", "zone=b", ""][i % 3])).collect();
     assert_eq!(ns.submit(&envs).await?, (600, 0));
     wait_for("600 runs", Duration::from_secs(60), || async { (rec.count() >= 600).then_some(()) }).await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    ns.wait_settled(Duration::from_secs(30)).await?;
     assert_eq!(rec.count(), 600, "no task dispatched twice");
     assert_eq!(rec.per_task().len(), 600);
     assert!(rec.peak("w-a") <= 4 && rec.peak("w-b") <= 4, "capacity never exceeded");

@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use fleet::amqp::{headers, task_properties, DETAIL_HEADER, REASON_HEADER, TIER_HEADER, WORKER_HEADER};
+use fleet::amqp::{headers, task_properties, ATTEMPTS_HEADER, DETAIL_HEADER, REASON_HEADER, TIER_HEADER, WORKER_HEADER};
 use fleet::lease::{truncate, Claim, ClaimRequest, Finished};
 use fleet::metrics as m;
 use fleet::{Envelope, Lane, Names};
@@ -44,8 +44,6 @@ use crate::ledger::Ledger;
 use crate::retry::Backoff;
 use crate::stats::Stats;
 
-/// Header with the number of attempts a dead task had.
-pub use fleet::amqp::ATTEMPTS_HEADER;
 /// Longest header text (AMQP headers travel in one frame; keep them small).
 const MAX_HEADER_TEXT: usize = 1024;
 

@@ -17,12 +17,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Notify;
-use tokio::time::{Instant, MissedTickBehavior};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use fleet::http::Readiness;
 use fleet::registry::{Beat, BeatReply, WorkerState};
+use fleet::ticker::Ticker;
 
 use crate::drain::{Control, Mode};
 use crate::eject::Ejector;
@@ -49,18 +50,16 @@ impl Heartbeat {
     pub async fn run(self, shutdown: CancellationToken) {
         let span = tracing::info_span!("heartbeat", worker = %self.registrar.id());
         async move {
-            let mut beat = tokio::time::interval(self.interval);
-            beat.set_missed_tick_behavior(MissedTickBehavior::Delay);
-            let mut poll = tokio::time::interval(STATE_POLL);
-            poll.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            let mut beat = Ticker::new(self.interval);
+            let mut poll = Ticker::new(STATE_POLL);
             let mut cpu = CpuSampler::new();
             loop {
                 tokio::select! {
                     biased;
                     _ = shutdown.cancelled() => return,
                     _ = self.gone.notified() => self.beat(&mut cpu).await,
-                    _ = beat.tick() => self.beat(&mut cpu).await,
-                    _ = poll.tick() => self.poll(&mut cpu).await,
+                    _ = beat.next() => self.beat(&mut cpu).await,
+                    _ = poll.next() => self.poll(&mut cpu).await,
                 }
             }
         }
@@ -193,9 +192,17 @@ impl CpuSampler {
         s
     }
 
+    /// Utilisation since the previous sample, `0..=1` (0 on the first sample, where `/proc`
+    /// is unavailable, or when no wall time passed).
     pub fn sample(&mut self) -> f64 {
         let Some(cpu) = process_cpu_seconds() else { return 0.0 };
-        let now = Instant::now();
+        self.sample_at(Instant::now(), cpu)
+    }
+
+    /// [`Self::sample`] with the reading given: `cpu` is the process's CPU seconds (user +
+    /// system) at `now`. The change in CPU seconds over the wall seconds, per core, clamped
+    /// to `[0, 1]`.
+    fn sample_at(&mut self, now: Instant, cpu: f64) -> f64 {
         let util = match self.last {
             Some((t, c)) => {
                 let wall = now.duration_since(t).as_secs_f64();
@@ -254,15 +261,39 @@ mod tests {
         assert!(process_cpu_seconds().is_some(), "Linux has /proc/self/stat");
     }
 
+    /// The computation itself, on given readings: CPU seconds over wall seconds per core.
     #[test]
-    fn sampler_stays_in_range() {
+    fn sampler_divides_cpu_time_by_wall_time_and_cores() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut s = CpuSampler { last: None, cores: 2.0 };
+        assert_eq!(s.sample_at(at(0), 10.0), 0.0, "the first sample has nothing to compare with");
+        assert_eq!(s.sample_at(at(1000), 11.5), 0.75, "1.5 CPU s in 1 s on 2 cores");
+        assert_eq!(s.sample_at(at(3000), 12.5), 0.25, "1 CPU s in 2 s on 2 cores");
+        assert_eq!(s.sample_at(at(4000), 12.5), 0.0, "idle");
+        assert_eq!(s.sample_at(at(4000), 13.0), 0.0, "no wall time passed");
+        assert_eq!(s.sample_at(at(4500), 16.0), 1.0, "more than every core (a coarse /proc tick) is clamped");
+        assert_eq!(s.sample_at(at(5000), 15.0), 0.0, "a counter going back is clamped");
+        let mut one = CpuSampler { last: None, cores: 1.0 };
+        one.sample_at(at(0), 0.0);
+        assert_eq!(one.sample_at(at(500), 0.25), 0.5);
+    }
+
+    /// Live: busy work in this process shows as a utilisation above zero. Spins until
+    /// `/proc` counts at least 50 ms more CPU time (bounded by 30 s of wall time).
+    #[test]
+    fn sampler_sees_busy_work() {
         let mut s = CpuSampler::new();
+        let start = process_cpu_seconds().unwrap_or(0.0);
+        let give_up = std::time::Instant::now() + Duration::from_secs(30);
         let mut x = 0u64;
-        for i in 0..3_000_000u64 {
-            x = x.wrapping_mul(31).wrapping_add(i);
+        while process_cpu_seconds().unwrap_or(0.0) < start + 0.05 && std::time::Instant::now() < give_up {
+            for i in 0..100_000u64 {
+                x = x.wrapping_mul(31).wrapping_add(i);
+            }
         }
-        assert!(x != 1);
+        std::hint::black_box(x);
         let u = s.sample();
-        assert!((0.0..=1.0).contains(&u), "{u}");
+        assert!(u > 0.0 && u <= 1.0, "{u}");
     }
 }

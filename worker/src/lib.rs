@@ -36,7 +36,6 @@ pub mod shards;
 pub mod stats;
 pub mod worker;
 
-pub use attempt::ATTEMPTS_HEADER;
 pub use config::{ExecutorKind, WorkerConfig};
 pub use executor::{handler_fn, Handler, Handlers, TaskContext, TaskError};
 pub use worker::{Worker, WorkerBuilder};

@@ -1,26 +1,27 @@
 -- heartbeat: a worker's liveness and statistics; renews the leases of its running tasks.
 -- KEYS[1]: key prefix
--- ARGV[1]: worker id   ARGV[2]: instance token   ARGV[3]: (unused, was the client clock)   ARGV[4]: run lease (ms)
--- ARGV[5]: running normal   ARGV[6]: running critical   ARGV[7]: succeeded total
--- ARGV[8]: failed total     ARGV[9]: latency EWMA (ms)  ARGV[10]: CPU utilisation 0..1
--- ARGV[11]: health 0..1 (for weighted routing)
--- ARGV[12..]: running tasks as `lane|task id`
+-- ARGV[1]: worker id   ARGV[2]: instance token   ARGV[3]: run lease (ms)
+-- ARGV[4]: running normal   ARGV[5]: running critical   ARGV[6]: succeeded total
+-- ARGV[7]: failed total     ARGV[8]: latency EWMA (ms)  ARGV[9]: CPU utilisation 0..1
+-- ARGV[10]: health 0..1 (for weighted routing)
+-- ARGV[11..]: running tasks as `lane|task id`
+-- The clock is Redis's (NOW_MS, from TIME), never the client's.
 -- returns: the worker's state ('active' | 'draining' | 'ejected'), 'gone' when the
 --          registration is missing (Redis lost it: register again), 'conflict' when another
 --          instance holds the id
-local id, inst, now, lease = ARGV[1], ARGV[2], NOW_MS, tonumber(ARGV[4])
+local id, inst, now, lease = ARGV[1], ARGV[2], NOW_MS, tonumber(ARGV[3])
 local wk = K_worker(id)
 local w = redis.call('HMGET', wk, 'instance', 'group', 'state')
 if not w[1] then return 'gone' end
 if w[1] ~= inst then return 'conflict' end
 local g = w[2]
-redis.call('HSET', wk, 'hb', now, 'load', ARGV[5], 'cload', ARGV[6], 'ok', ARGV[7], 'err', ARGV[8],
-  'ewma_ms', ARGV[9], 'cpu', ARGV[10])
+redis.call('HSET', wk, 'hb', now, 'load', ARGV[4], 'cload', ARGV[5], 'ok', ARGV[6], 'err', ARGV[7],
+  'ewma_ms', ARGV[8], 'cpu', ARGV[9])
 redis.call('ZADD', K_workers(), now, id)
-redis.call('HSET', K_group(g), 'h:' .. id, ARGV[11])
+redis.call('HSET', K_group(g), 'h:' .. id, ARGV[10])
 -- Renew only what still runs here: a task listed when the beat was collected may have
 -- finished (finish.lua) before this script runs; re-adding it would leak a slot for a lease.
-for i = 12, #ARGV do
+for i = 11, #ARGV do
   local lane, task = string.match(ARGV[i], '^(%a+)|(.*)$')
   if lane then
     local r = redis.call('HMGET', K_task(task), 'run_owner', 'run_st')

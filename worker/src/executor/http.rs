@@ -67,9 +67,9 @@ impl Handler for HttpHandler {
             let mut resp = client
                 .post(&url)
                 .timeout(timeout)
-                .header("x-fleet-task-id", task.envelope.id.as_str())
-                .header("x-fleet-attempt", task.attempt.to_string())
-                .header("x-fleet-worker", &*task.worker_id)
+                .header(fleet::headers::TASK_ID, task.envelope.id.as_str())
+                .header(fleet::headers::ATTEMPT, task.attempt.to_string())
+                .header(fleet::headers::WORKER, &*task.worker_id)
                 .json(&wire)
                 .send()
                 .await

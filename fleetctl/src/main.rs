@@ -25,8 +25,6 @@ const CONFIRM_WINDOW: usize = 1000;
 const MAX_DELAY_MS: u64 = 30 * 24 * 3600 * 1000;
 /// Largest `--timeout-ms`: 365 days.
 const MAX_TIMEOUT_MS: u64 = 365 * 24 * 3600 * 1000;
-/// Header marking a replayed dead letter.
-const REPLAY_HEADER: &str = "x-fleet-replay";
 
 #[derive(Parser)]
 #[command(name = "fleetctl", version, about = "Control a fleet: submit tasks, read status, list workers and groups, drain, dead letters")]
