@@ -19,8 +19,6 @@ use fleet::registry::WorkerView;
 use fleet::producer::{Pacing, Producer, Submitted};
 use fleet::{Envelope, Labels, Lane, Names, Store};
 
-/// Publishes awaiting confirms at once, at most.
-const CONFIRM_WINDOW: usize = 1000;
 /// Largest `--delay-ms`: 30 days, the envelope's bound on `not_before`.
 const MAX_DELAY_MS: u64 = 30 * 24 * 3600 * 1000;
 /// Largest `--timeout-ms`: 365 days.

@@ -510,14 +510,6 @@ fn ratio(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
-fn positive_number(s: &str) -> Result<f64, String> {
-    let v = number(s)?;
-    if v <= 0.0 {
-        return Err(format!("`{s}` must be a positive number"));
-    }
-    Ok(v)
-}
-
 fn non_negative_number(s: &str) -> Result<f64, String> {
     let v = number(s)?;
     if v < 0.0 {
