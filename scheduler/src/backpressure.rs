@@ -200,13 +200,19 @@ impl Controller {
             }
             for g in &groups {
                 let room = rooms.get(&g.group).copied().unwrap_or_else(|| room_seeded(g.capacity, self.cfg.backlog_factor, None, self.cfg.target_queue));
-                // A group queue that is not declared yet holds nothing (the passive declare's
-                // error closes the channel; the next sample opens another).
-                let queued = match &sampler {
-                    Some(ch) if ch.status().connected() => topology::ready_count(ch, &names.group_queue(&g.group, Lane::Normal)).await.unwrap_or(0),
-                    _ => 0,
-                };
-                behind_total += behind(u64::from(queued), u64::from(g.load), room);
+                // Every shard of the group's normal lane (one queue when unsharded). A queue
+                // that is not declared yet holds nothing; the passive declare's error closes
+                // the channel, so it is reopened before the next queue.
+                let mut queued = 0u64;
+                for q in names.group_shard_queues(&g.group, Lane::Normal, self.cfg.common.shards(Lane::Normal)) {
+                    if sampler.as_ref().is_none_or(|c| !c.status().connected()) {
+                        sampler = self.conn.create_channel().await.ok();
+                    }
+                    if let Some(ch) = &sampler {
+                        queued += u64::from(topology::ready_count(ch, &q).await.unwrap_or(0));
+                    }
+                }
+                behind_total += behind(queued, u64::from(g.load), room);
             }
             let mut s = sample(&t, &groups, u64::from(ingress), parked, behind_total);
             // Hysteresis (a thermostat's): once Red, the gate stays Red until the count falls
@@ -246,6 +252,11 @@ impl Rates {
     async fn update(&mut self, cfg: &SchedulerConfig, store: &Store, groups: &[GroupView]) -> std::collections::HashMap<String, u64> {
         let mut normal = std::collections::HashMap::new();
         let names: Vec<String> = groups.iter().map(|g| g.group.clone()).collect();
+        // Groups that are gone (reclaimed, see crate::reclaim) are forgotten: memory stays
+        // bounded by the live groups, and a group that comes back starts from a seeded room.
+        let live: std::collections::HashSet<&str> = names.iter().map(String::as_str).collect();
+        self.rate.retain(|g, _| live.contains(g.as_str()));
+        self.last.retain(|g, _| live.contains(g.as_str()));
         let Ok(done) = store.group_completions(&names).await else { return normal };
         let now = std::time::Instant::now();
         let mut rooms = Vec::with_capacity(groups.len() * 2);

@@ -103,11 +103,17 @@ pub fn broker_death(names: &Names, headers: Option<&FieldTable>) -> BrokerDeath 
     BrokerDeath { reason, from, count }
 }
 
-/// `<ns>.group.<group>.<lane>` → (group, lane).
+/// `<ns>.group.<group>.<lane>`, or a shard `<ns>.group.<group>.normal.<n>` (see
+/// [`Names::group_shard_queue`]) → (group, lane).
 fn group_of(names: &Names, queue: &str) -> Option<(String, Lane)> {
     let prefix = names.group_queue("", Lane::Normal);
     let prefix = prefix.strip_suffix(&format!(".{}", Lane::Normal))?;
     let rest = queue.strip_prefix(prefix)?;
+    let shard_suffix = format!(".{}.", Lane::Normal);
+    let rest = match rest.rsplit_once('.') {
+        Some((head, n)) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) && format!("{head}.").ends_with(&shard_suffix) => head,
+        _ => rest,
+    };
     let (group, lane) = rest.rsplit_once('.')?;
     let lane = Lane::ALL.into_iter().find(|l| l.as_str() == lane)?;
     (!group.is_empty()).then(|| (group.to_string(), lane))
@@ -218,6 +224,9 @@ mod tests {
         assert_eq!(d.reason, "delivery_limit");
         assert_eq!(d.from, Some(("pool=a.b,protocol=builtin".to_string(), Lane::Critical)));
         assert_eq!(d.count, Some(1));
+        // A shard queue of a sharded group's normal lane.
+        let d = broker_death(&n, Some(&death_headers("ns.group.gpu=true.normal.7", "delivery_limit")));
+        assert_eq!(d.from, Some(("gpu=true".to_string(), Lane::Normal)));
         // Not a group queue of this namespace; no headers at all.
         assert_eq!(broker_death(&n, Some(&death_headers("other.group.g.normal", "rejected"))).from, None);
         assert_eq!(broker_death(&n, None), BrokerDeath { reason: "unknown".into(), from: None, count: None });

@@ -137,7 +137,8 @@ impl Dispatcher {
         let mut envs: Vec<Option<Envelope>> = Vec::with_capacity(batch.len());
         let mut fates: Vec<Option<Fate>> = Vec::with_capacity(batch.len());
         let mut to_route: Vec<usize> = Vec::new();
-        let mut dedupe_delayed: Vec<usize> = Vec::new();
+        // Submissions that are only checked against the dedupe marks (delayed or expired ones).
+        let mut dedupe_first: Vec<usize> = Vec::new();
 
         for (i, d) in batch.iter().enumerate() {
             // A body without an id takes the AMQP `message_id` (how `POST /v1/tasks` passes
@@ -181,10 +182,16 @@ impl Dispatcher {
                         metrics::counter!(m::TASKS_SUBMITTED, "lane" => lane.as_str()).increment(1);
                     }
                     let fate = if e.is_expired(now) {
+                        // A copy of a task already handed on (a redelivery, a resubmitted id)
+                        // must not turn its true state into `expired`: checked like a delayed
+                        // submission, it is a duplicate if the dedupe protocol says so.
+                        if matches!(source, Source::Ingress(_)) {
+                            dedupe_first.push(i);
+                        }
                         Some(Fate::Dead("expired", "deadline passed before dispatch".into()))
                     } else if let Some(tier) = e.not_before.and_then(|nb| (nb - now).to_std().ok()).and_then(delay::tier_for) {
                         if matches!(source, Source::Ingress(_)) {
-                            dedupe_delayed.push(i);
+                            dedupe_first.push(i);
                         }
                         Some(Fate::Delay(tier))
                     } else {
@@ -207,9 +214,9 @@ impl Dispatcher {
             }
         }
 
-        // Dedupe (every submission, delayed ones included: they are routed without a check
-        // when due), route and reserve: one script call, retried while Redis is unreachable.
-        let asked: Vec<usize> = dedupe_delayed.iter().chain(&to_route).copied().collect();
+        // Dedupe (every submission, delayed and expired ones included: a delayed one is routed
+        // without a check when due), route and reserve: one script call, retried while Redis is unreachable.
+        let asked: Vec<usize> = dedupe_first.iter().chain(&to_route).copied().collect();
         if !asked.is_empty() {
             let reqs: Vec<ReserveRequest> = asked
                 .iter()
@@ -227,7 +234,7 @@ impl Dispatcher {
                         strategy: e.strategy,
                         dedupe,
                         from_park: *source == Source::Park,
-                        dedupe_only: matches!(fates[i], Some(Fate::Delay(_))),
+                        dedupe_only: matches!(fates[i], Some(Fate::Delay(_)) | Some(Fate::Dead("expired", _))),
                     })
                 })
                 .collect();

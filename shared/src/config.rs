@@ -281,6 +281,18 @@ impl CommonConfig {
         } else {
             crate::sentinel::Target::parse(&redis_url).map_err(|e| Error::config("FLEET_REDIS_URL", e))?;
         }
+        // TLS reaches Redis directly (`rediss://`) only: the Sentinel pool speaks plain TCP to
+        // the Sentinels and the master, so TLS files with it are refused rather than ignored.
+        if matches!(crate::sentinel::Target::parse(&redis_url), Ok(crate::sentinel::Target::Sentinel { .. })) {
+            let tls_set = [
+                ("FLEET_REDIS_TLS_CA_FILE", &a.redis_tls_ca_file),
+                ("FLEET_REDIS_TLS_CERT_FILE", &a.redis_tls_cert_file),
+                ("FLEET_REDIS_TLS_KEY_FILE", &a.redis_tls_key_file),
+            ];
+            if let Some((name, _)) = tls_set.iter().find(|(_, v)| v.is_some()) {
+                return Err(Error::config(*name, "TLS to Redis behind Sentinel is not supported by this build: use a rediss:// FLEET_REDIS_URL, or unset the FLEET_REDIS_TLS_* files"));
+            }
+        }
         if http_addr.parse::<std::net::SocketAddr>().is_err() {
             return Err(Error::config("FLEET_HTTP_ADDR", format!("`{http_addr}` is not host:port")));
         }
@@ -399,6 +411,16 @@ mod tests {
         let c = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap();
         assert_eq!((c.subsetting.shards(), c.subsetting.per_worker()), (12, 3));
         assert_eq!(c.shards(crate::Lane::Critical), 1);
+    }
+
+    #[test]
+    fn redis_tls_behind_sentinel_is_refused_not_ignored() {
+        let s = Settings::from_pairs([
+            ("redis_url", "redis+sentinel://:pw@127.0.0.1:26379/mymaster".to_string()),
+            ("redis_tls_ca_file", "/any/ca.pem".to_string()),
+        ]);
+        let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
+        assert!(e.contains("FLEET_REDIS_TLS_CA_FILE") && e.contains("Sentinel") && !e.contains("pw@"), "{e}");
     }
 
     #[test]

@@ -63,6 +63,22 @@ async fn expired_tasks_never_run() -> anyhow::Result<()> {
     assert_eq!(completed_at_least(&b, &group_of(slow, "builtin"), "expired", 1).await?, 1);
     assert_eq!(completed(&b, &group_of(slow, "builtin"), "succeeded").await?, 1);
 
+    // A copy of the succeeded blocker (same id) that arrives past its deadline is a duplicate:
+    // its status stays `succeeded` and nothing is dead-lettered for it.
+    let mut copy = blocker.clone();
+    copy.deadline = Some(chrono::Utc::now() - chrono::Duration::seconds(1));
+    ns.submit(std::slice::from_ref(&copy)).await?;
+    wait_for("the late copy dropped as a duplicate", Duration::from_secs(15), || async {
+        let page = reqwest::get(format!("{}/metrics", base(&sched))).await.ok()?.text().await.ok()?;
+        (metric_sum(&page, "fleet_tasks_duplicate_total", &[]) >= 1.0).then_some(())
+    })
+    .await?;
+    let st = ns.status(&blocker.id).await?.unwrap_or_default();
+    assert_eq!(st.get("state").map(String::as_str), Some("succeeded"), "{st:?}");
+    assert_eq!(completed(&b, "none", "expired").await?, 1, "the copy is not counted expired");
+    assert_eq!(ns.depth(&ns.names.dead_queue()).await, 2, "the two expired letters only; the copy made none");
+    assert_eq!(rec.runs().len(), 1);
+
     w.stop().await?;
     idle.stop().await?;
     sched.stop().await?;

@@ -83,8 +83,16 @@ async fn metrics_match_a_known_workload_exactly() -> anyhow::Result<()> {
     assert_eq!(reasons.iter().filter(|r| *r == "max_attempts").count(), n_fail);
     assert_eq!(reasons.iter().filter(|r| *r == "malformed_json").count(), n_bad);
     assert_eq!(reasons.iter().filter(|r| *r == "expired").count(), n_expired);
-    // Gauges sampled by the scheduler.
-    let sp = reqwest::get(sched.url("/metrics")).await?.text().await?;
+    // Gauges sampled by the scheduler: its stats loop sets them on its next tick.
+    let metrics_url = sched.url("/metrics");
+    let sp = wait_for("the group gauges sampled", Duration::from_secs(30), || {
+        let url = metrics_url.clone();
+        async move {
+            let p = reqwest::get(&url).await.ok()?.text().await.ok()?;
+            (metric_sum(&p, "fleet_group_capacity", &[("group", group)]) > 0.0).then_some(p)
+        }
+    })
+    .await?;
     assert_eq!(metric_sum(&sp, "fleet_group_capacity", &[("group", group)]), 4.0);
     assert_eq!(metric_sum(&sp, "fleet_workers", &[("state", "active")]), 1.0);
     assert_eq!(metric_sum(&sp, "fleet_pressure_state", &[]), 0.0);

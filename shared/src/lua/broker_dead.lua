@@ -11,7 +11,7 @@
 -- returns: 'dead' | 'done' (the status was already final; nothing written)
 local id, g, lane, reason, err, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local t = K_task(id)
-local r = redis.call('HMGET', t, 'state', 'run_st', 'group', 'worker')
+local r = redis.call('HMGET', t, 'state', 'run_st', 'group', 'worker', 'attempt', 'started_at')
 if r[2] == 'done' and (r[1] == 'succeeded' or r[1] == 'dead' or r[1] == 'expired') then return 'done' end
 if g == '' then g = r[3] or '' end
 if g ~= '' then
@@ -19,6 +19,9 @@ if g ~= '' then
   redis.call('ZREM', K_run(g, lane), id)
 end
 if r[4] then redis.call('SREM', K_wrun(r[4]), lane .. '|' .. id) end
+-- The attempt log (see keys.lua) records this end too: every attempt that ended is listed.
+log_attempt(id, { attempt = tonumber(r[5]), worker = r[4] or nil, started_at = tonumber(r[6]), finished_at = NOW_MS,
+  outcome = 'dead', reason = reason, error = err }, ttl)
 redis.call('HSET', t, 'state', 'dead', 'reason', reason, 'error', err, 'finished_at', NOW_MS, 'run_st', 'done', 'lane', lane)
 if g ~= '' then redis.call('HSET', t, 'group', g) end
 redis.call('HDEL', t, 'worker')

@@ -64,5 +64,9 @@ for k = 0, n - 1 do
     redis.call('PEXPIRE', t, st_ttl)
   end
 end
-for lane, c in pairs(done) do redis.call('HINCRBY', K_group(g), 'done:' .. lane, c) end
+-- Completion counts feed the group's room (Little's law); a group reclaimed meanwhile is not
+-- brought back by a late finish.
+if redis.call('EXISTS', K_group(g)) == 1 then
+  for lane, c in pairs(done) do redis.call('HINCRBY', K_group(g), 'done:' .. lane, c) end
+end
 return n
