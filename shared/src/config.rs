@@ -415,11 +415,15 @@ mod tests {
 
     #[test]
     fn redis_tls_behind_sentinel_is_refused_not_ignored() {
+        // A PEM file the settings accept (its blocks are read, not verified, at parse time).
+        let ca = std::env::temp_dir().join(format!("fleet-config-test-ca-{}.pem", std::process::id()));
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\nMIIBdzCCAR2gAwIB\n-----END CERTIFICATE-----\n").unwrap();
         let s = Settings::from_pairs([
             ("redis_url", "redis+sentinel://:pw@127.0.0.1:26379/mymaster".to_string()),
-            ("redis_tls_ca_file", "/any/ca.pem".to_string()),
+            ("redis_tls_ca_file", ca.display().to_string()),
         ]);
         let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
+        let _ = std::fs::remove_file(&ca);
         assert!(e.contains("FLEET_REDIS_TLS_CA_FILE") && e.contains("Sentinel") && !e.contains("pw@"), "{e}");
     }
 
