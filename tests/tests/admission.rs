@@ -153,6 +153,9 @@ async fn http_submit_answers_202_400_429_503() -> anyhow::Result<()> {
 
     // The submission rate limit answers 429 with Retry-After. 0.1/s: the bucket refills in
     // 10 s, so a loaded machine's pause between the two calls cannot refill it.
+    // A namespace of its own: the full ingress above must not answer for the limiter here.
+    ns.cleanup().await?;
+    let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &[("submit_rate", "0.1"), ("ingress_max_normal", "5")]).await?;
     let url = sched.url("/v1/tasks");
     let first = c.post(&url).json(&json!({"kind": "record"})).send().await?;
