@@ -121,6 +121,11 @@ impl Ns {
         topology::depth(&self.conn, queue).await.unwrap_or(0)
     }
 
+    /// Depth of a queue by passive declare, `None` when it does not exist.
+    pub async fn depth_of(&self, queue: &str) -> Option<u32> {
+        topology::depth(&self.conn, queue).await
+    }
+
     /// Status fields of a task.
     pub async fn status(&self, id: &str) -> Result<Option<BTreeMap<String, String>>> {
         Ok(self.store.task_status(id).await?)
