@@ -345,7 +345,7 @@ async fn delete_namespace_deletes_every_shard_and_waiting_queue() -> Result<()> 
         queues.push(n.park_queue(&group, lane));
         queues.push(n.park_queue("_unmatched", lane));
     }
-    queues.extend([n.dead_queue(), n.broker_dead_queue(), n.delayed_queue()]);
+    queues.extend([n.dead_queue(), n.broker_dead_queue(), n.delayed_queue(), n.schedules_stream()]);
     queues.extend(fleet::delay::tiers().map(|t| n.delay_queue(t)));
     let mut left = Vec::new();
     for q in &queues {
