@@ -29,11 +29,23 @@ const MAX_TIMEOUT_MS: u64 = 365 * 24 * 3600 * 1000;
 struct Cli {
     #[arg(long, env = "FLEET_AMQP_URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f", global = true)]
     amqp_url: String,
-    /// Redis, used by `dead replay` to clear a replayed task's dedupe mark.
-    #[arg(long, env = "FLEET_REDIS_URL", default_value = "redis://127.0.0.1:6379", global = true)]
+    /// Redis, used by `dead replay` (to clear a replayed task's dedupe mark) and
+    /// `delete-namespace`. With FLEET_REDIS_SENTINELS it carries only the password and db.
+    #[arg(long, env = "FLEET_REDIS_URL", default_value = "redis://127.0.0.1:6379", global = true, hide_env_values = true)]
     redis_url: String,
+    /// Redis Sentinels `host:port,host:port`, asked for the master FLEET_REDIS_MASTER (as the
+    /// daemons do; see `fleet::config::redis_url`).
+    #[arg(long, env = "FLEET_REDIS_SENTINELS", default_value = "", global = true)]
+    redis_sentinels: String,
+    /// Name of the Sentinel-monitored master (with FLEET_REDIS_SENTINELS).
+    #[arg(long, env = "FLEET_REDIS_MASTER", default_value = "mymaster", global = true)]
+    redis_master: String,
     #[arg(long, env = "FLEET_NAMESPACE", default_value = "fleet", global = true)]
     namespace: String,
+    /// Shard queues of every group's normal lane, as the namespace's scheduler and workers
+    /// have it (their FLEET_SHARDS): `delete-namespace` deletes that many per group.
+    #[arg(long, env = "FLEET_SHARDS", default_value = "1", global = true, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    shards: u32,
     /// The scheduler's HTTP API.
     #[arg(long, env = "FLEET_API_URL", default_value = "http://127.0.0.1:8080", global = true)]
     api: String,
@@ -191,7 +203,8 @@ async fn delete_namespace(cli: &Cli, names: &Names, yes: bool) -> Result<ExitCod
     let groups = store.group_names().await.context("reading the namespace's groups from Redis")?;
     let conn = connect(cli).await?;
     let ch = conn.create_channel().await.context("opening a channel")?;
-    fleet::topology::delete_all(&ch, names, &groups).await?;
+    // Every shard queue of every group, and the waiting-for-worker park queues.
+    fleet::topology::delete_all_sharded(&ch, names, &groups, cli.shards).await?;
     store.delete_namespace().await.context("deleting the namespace's Redis keys")?;
     let _ = conn.close(200, ShortString::from("bye")).await;
     println!("namespace {}: deleted the queues of {} group(s), the exchanges and the Redis keys", cli.namespace, groups.len());
@@ -205,7 +218,8 @@ async fn submit(cli: &Cli, names: &Names, a: &SubmitArgs) -> Result<ExitCode> {
         Some(path) => read_file(path)?,
         None => build(a)?,
     };
-    let producer = Producer::connect(&cli.amqp_url, names.clone(), "fleetctl")
+    let tls = amqp_tls(cli)?;
+    let producer = Producer::connect_with(&cli.amqp_url, names.clone(), "fleetctl", &tls)
         .await
         .context("connecting to RabbitMQ (FLEET_AMQP_URL)")?;
     let (ids, refused) = if a.paced {
@@ -330,10 +344,21 @@ fn tls(var_prefix: &str, files: [&Option<String>; 3]) -> Result<fleet::tls::TlsC
     Ok(fleet::tls::TlsConfig::from_files(var_prefix, ca, cert, key)?)
 }
 
+/// The `FLEET_AMQP_TLS_*` settings, for every AMQP connection fleetctl makes.
+fn amqp_tls(cli: &Cli) -> Result<fleet::tls::TlsConfig> {
+    tls("FLEET_AMQP_TLS", [&cli.amqp_tls_ca_file, &cli.amqp_tls_cert_file, &cli.amqp_tls_key_file])
+}
+
+/// The Redis URL, built like the daemons': FLEET_REDIS_URL, or with FLEET_REDIS_SENTINELS the
+/// `redis+sentinel://` form naming FLEET_REDIS_MASTER ([`fleet::config::redis_url`]).
+fn redis_url(cli: &Cli) -> Result<String> {
+    Ok(fleet::config::redis_url(&cli.redis_url, &cli.redis_sentinels, &cli.redis_master)?)
+}
+
 /// The Redis store, over TLS for `rediss://` with the `FLEET_REDIS_TLS_*` files.
 fn store(cli: &Cli, names: &Names) -> Result<Store> {
     let redis_tls = tls("FLEET_REDIS_TLS", [&cli.redis_tls_ca_file, &cli.redis_tls_cert_file, &cli.redis_tls_key_file])?;
-    Ok(Store::with_tls(&cli.redis_url, names.clone(), &redis_tls)?)
+    Ok(Store::with_tls(&redis_url(cli)?, names.clone(), &redis_tls)?)
 }
 
 /// GETs JSON; `Ok(None)` on 404.
@@ -498,7 +523,7 @@ fn table(headers: &[&str], rows: Vec<Vec<String>>) -> comfy_table::Table {
 // ---- dead letters ----
 
 async fn connect(cli: &Cli) -> Result<Connection> {
-    let tls = tls("FLEET_AMQP_TLS", [&cli.amqp_tls_ca_file, &cli.amqp_tls_cert_file, &cli.amqp_tls_key_file])?;
+    let tls = amqp_tls(cli)?;
     fleet::endpoints::connect_any(&cli.amqp_url, "fleetctl", &tls).await.with_context(|| format!("connecting to {}", fleet::redact::redact(&cli.amqp_url)))
 }
 
@@ -698,4 +723,46 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
             done(r, &|v| println!("{}", v.get("id").and_then(Value::as_str).unwrap_or("")))
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cli(args: &[&str]) -> Cli {
+        let mut argv = vec!["fleetctl"];
+        argv.extend_from_slice(args);
+        argv.push("workers");
+        Cli::parse_from(argv)
+    }
+
+    /// With FLEET_REDIS_SENTINELS, fleetctl's Redis URL is the daemons' Sentinel form: the
+    /// Sentinels, the master, and the password and db of FLEET_REDIS_URL.
+    #[test]
+    fn redis_url_is_built_like_the_daemons() {
+        let c = cli(&["--redis-url", "redis://:s3cret@127.0.0.1:6379/2", "--redis-sentinels", "10.0.0.1:26379, 10.0.0.2:26379", "--redis-master", "prod"]);
+        let url = redis_url(&c).unwrap();
+        assert_eq!(url, "redis+sentinel://:s3cret@10.0.0.1:26379,10.0.0.2:26379/prod/2");
+        assert_eq!(url, fleet::sentinel::Target::from_settings("10.0.0.1:26379, 10.0.0.2:26379", "prod", "redis://:s3cret@127.0.0.1:6379/2"));
+        // The default master name, no db.
+        let c = cli(&["--redis-url", "redis://127.0.0.1:6379", "--redis-sentinels", "s1:26379"]);
+        assert_eq!(redis_url(&c).unwrap(), "redis+sentinel://s1:26379/mymaster");
+        // Without Sentinels: FLEET_REDIS_URL as given.
+        let c = cli(&["--redis-url", "redis://10.1.1.1:6380/1"]);
+        assert_eq!(redis_url(&c).unwrap(), "redis://10.1.1.1:6380/1");
+        // The daemons' checks, naming the setting.
+        let c = cli(&["--redis-url", "rediss://h:6379", "--redis-sentinels", "s1:26379"]);
+        assert!(redis_url(&c).unwrap_err().to_string().contains("FLEET_REDIS_SENTINELS"));
+        let c = cli(&["--redis-url", "redis://h:6379", "--redis-sentinels", "s1:26379", "--redis-master", " "]);
+        assert!(redis_url(&c).unwrap_err().to_string().contains("FLEET_REDIS_MASTER"));
+        let c = cli(&["--redis-url", "redis://h:6379", "--redis-sentinels", "nohostport"]);
+        assert!(redis_url(&c).unwrap_err().to_string().contains("FLEET_REDIS_SENTINELS"));
+    }
+
+    #[test]
+    fn shards_default_to_one_and_are_range_checked() {
+        assert_eq!(cli(&[]).shards, 1);
+        assert_eq!(cli(&["--shards", "4"]).shards, 4);
+        assert!(Cli::try_parse_from(["fleetctl", "--shards", "0", "workers"]).is_err());
+    }
 }

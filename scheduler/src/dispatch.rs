@@ -39,7 +39,7 @@ pub enum Source {
 
 /// The pseudo-group whose park queues hold tasks no live group matches yet
 /// (`<ns>.park._unmatched.<lane>`): bounded, durable, counted as pending, nothing circles.
-pub const UNMATCHED: &str = "_unmatched";
+pub const UNMATCHED: &str = fleet::Names::UNMATCHED_GROUP;
 
 /// What became of one delivery.
 enum Fate {

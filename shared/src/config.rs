@@ -243,6 +243,35 @@ pub struct CommonConfig {
     pub auth: crate::auth::ApiAuth,
 }
 
+/// The Redis URL a process connects with, from `FLEET_REDIS_URL`, `FLEET_REDIS_SENTINELS` and
+/// `FLEET_REDIS_MASTER` (the daemons' and `fleetctl`'s): `redis_url` itself (`redis://`,
+/// `rediss://` or `redis+sentinel://`) when `sentinels` is empty; otherwise the
+/// `redis+sentinel://[user:password@]s1:port,s2:port/<master>[/<db>]` form built by
+/// [`crate::sentinel::Target::from_settings`], the credentials and db taken from a `redis://`
+/// `redis_url`. Errors ([`Error::Config`]) name the setting: a URL of another scheme, Sentinels
+/// given both ways, an empty master name, a Sentinel that is not `host:port`.
+pub fn redis_url(redis_url: &str, sentinels: &str, master: &str) -> Result<String> {
+    let redis_url = redis_url.trim().to_string();
+    let scheme = redis_url.split("://").next().unwrap_or("").to_ascii_lowercase();
+    if !redis_url.contains("://") || !matches!(scheme.as_str(), "redis" | "rediss" | "redis+sentinel") {
+        return Err(Error::config("FLEET_REDIS_URL", format!("`{redis_url}` is not a redis://, rediss:// or redis+sentinel:// URL")));
+    }
+    if sentinels.trim().is_empty() {
+        crate::sentinel::Target::parse(&redis_url).map_err(|e| Error::config("FLEET_REDIS_URL", e))?;
+        return Ok(redis_url);
+    }
+    if scheme != "redis" {
+        return Err(Error::config("FLEET_REDIS_SENTINELS", "give the Sentinels either here (with a redis:// FLEET_REDIS_URL for the password and db) or in a redis+sentinel:// FLEET_REDIS_URL, not both"));
+    }
+    let master = master.trim();
+    if master.is_empty() {
+        return Err(Error::config("FLEET_REDIS_MASTER", "the master name is empty"));
+    }
+    let url = crate::sentinel::Target::from_settings(sentinels, master, &redis_url);
+    crate::sentinel::Target::parse(&url).map_err(|e| Error::config("FLEET_REDIS_SENTINELS", e))?;
+    Ok(url)
+}
+
 impl CommonConfig {
     /// The common settings of `s`, with `http_addr` defaulting to `default_http` (tests and
     /// embedding; the binaries go through their own declarations in [`crate::settings`]).
@@ -263,24 +292,7 @@ impl CommonConfig {
         let amqp_url = a.amqp_url.trim().to_string();
         // One URL or a comma-separated list of cluster nodes (see `endpoints`).
         crate::endpoints::Endpoints::parse(&amqp_url).map_err(|e| Error::config("FLEET_AMQP_URL", e))?;
-        let mut redis_url = a.redis_url.trim().to_string();
-        let scheme = redis_url.split("://").next().unwrap_or("").to_ascii_lowercase();
-        if !redis_url.contains("://") || !matches!(scheme.as_str(), "redis" | "rediss" | "redis+sentinel") {
-            return Err(Error::config("FLEET_REDIS_URL", format!("`{redis_url}` is not a redis://, rediss:// or redis+sentinel:// URL")));
-        }
-        if !a.redis_sentinels.trim().is_empty() {
-            if scheme != "redis" {
-                return Err(Error::config("FLEET_REDIS_SENTINELS", "give the Sentinels either here (with a redis:// FLEET_REDIS_URL for the password and db) or in a redis+sentinel:// FLEET_REDIS_URL, not both"));
-            }
-            let master = a.redis_master.trim();
-            if master.is_empty() {
-                return Err(Error::config("FLEET_REDIS_MASTER", "the master name is empty"));
-            }
-            redis_url = crate::sentinel::Target::from_settings(&a.redis_sentinels, master, &redis_url);
-            crate::sentinel::Target::parse(&redis_url).map_err(|e| Error::config("FLEET_REDIS_SENTINELS", e))?;
-        } else {
-            crate::sentinel::Target::parse(&redis_url).map_err(|e| Error::config("FLEET_REDIS_URL", e))?;
-        }
+        let redis_url = redis_url(&a.redis_url, &a.redis_sentinels, &a.redis_master)?;
         // TLS reaches Redis directly (`rediss://`) only: the Sentinel pool speaks plain TCP to
         // the Sentinels and the master, so TLS files with it are refused rather than ignored.
         if matches!(crate::sentinel::Target::parse(&redis_url), Ok(crate::sentinel::Target::Sentinel { .. })) {

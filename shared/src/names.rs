@@ -80,6 +80,9 @@ impl Names {
     pub fn park_queue(&self, group: &str, lane: Lane) -> String {
         format!("{}.park.{}.{}", self.ns, group, lane)
     }
+    /// The pseudo-group whose park queues (`<ns>.park._unmatched.<lane>`) hold the tasks no
+    /// live group matches yet (the scheduler's waiting-for-worker tasks).
+    pub const UNMATCHED_GROUP: &'static str = "_unmatched";
     pub fn park_key(&self, group: &str, lane: Lane) -> String {
         format!("park.{group}.{lane}")
     }

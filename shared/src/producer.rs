@@ -89,10 +89,19 @@ pub struct Producer {
 
 impl Producer {
     /// Connects to `amqp_url` (one URL, or a cluster's node list tried from a random node: see
-    /// [`crate::endpoints`]) and opens a confirm channel. Errors: the connection or channel
-    /// failed ([`Error::Amqp`]).
+    /// [`crate::endpoints`]) without client TLS settings (an `amqps://` URL then trusts the
+    /// system roots only) and opens a confirm channel: [`Producer::connect_with`] with
+    /// [`TlsConfig::default`](crate::tls::TlsConfig). Errors: the connection or channel failed
+    /// ([`Error::Amqp`]).
     pub async fn connect(amqp_url: &str, names: Names, connection_name: &str) -> Result<Self> {
-        let conn = crate::endpoints::connect_any(amqp_url, connection_name, &crate::tls::TlsConfig::default()).await?;
+        Self::connect_with(amqp_url, names, connection_name, &crate::tls::TlsConfig::default()).await
+    }
+
+    /// [`Producer::connect`] with TLS client settings for `amqps://` (`FLEET_AMQP_TLS_*`: a
+    /// private CA, a client certificate for mutual TLS). Errors: the connection (including the
+    /// TLS handshake) or the channel failed ([`Error::Amqp`]).
+    pub async fn connect_with(amqp_url: &str, names: Names, connection_name: &str, tls: &crate::tls::TlsConfig) -> Result<Self> {
+        let conn = crate::endpoints::connect_any(amqp_url, connection_name, tls).await?;
         let ch = amqp::confirm_channel(&conn).await?;
         Ok(Producer { conn, ch, names })
     }

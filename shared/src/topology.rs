@@ -284,13 +284,20 @@ pub async fn ready_count(ch: &Channel, queue_name: &str) -> Option<u32> {
         .map(|q| q.message_count())
 }
 
-/// Deletes every queue and exchange of a namespace (tests' clean-up). Group and park
-/// queues of the named groups are deleted too (unsharded; see [`delete_all_sharded`]).
+/// Deletes every queue and exchange of an unsharded namespace: [`delete_all_sharded`] with
+/// `shards` = 1.
 pub async fn delete_all(ch: &Channel, names: &Names, groups: &[String]) -> Result<()> {
     delete_all_sharded(ch, names, groups, 1).await
 }
 
-/// [`delete_all`] for a namespace whose groups have `shards` normal-lane shard queues.
+/// Deletes every queue (with its messages) and exchange of a namespace whose groups have
+/// `shards` normal-lane shard queues (`FLEET_SHARDS`): ingress, dead, broker dead, delayed,
+/// schedules stream, delay tiers (current and legacy), the lane queues (unsharded and every
+/// shard) and park queues of `groups`, and the park queues of the waiting-for-worker
+/// pseudo-group [`Names::UNMATCHED_GROUP`]. Deleting a queue or exchange that does not exist
+/// is no error (RabbitMQ answers delete-ok), so a `shards` above the real count is harmless;
+/// one below it leaves the higher shards behind. Errors of single deletes are ignored (best
+/// effort); returns `Ok` always.
 pub async fn delete_all_sharded(ch: &Channel, names: &Names, groups: &[String], shards: u32) -> Result<()> {
     use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
     let mut queues: Vec<String> = Lane::ALL.iter().map(|l| names.ingress_queue(*l)).collect();
@@ -309,6 +316,7 @@ pub async fn delete_all_sharded(ch: &Channel, names: &Names, groups: &[String], 
             queues.extend(names.group_shard_queues(g, Lane::Normal, shards));
         }
     }
+    queues.extend(Lane::ALL.iter().map(|l| names.park_queue(Names::UNMATCHED_GROUP, *l)));
     for q in queues {
         let _ = ch.queue_delete(ShortString::from(q.as_str()), QueueDeleteOptions::default()).await;
     }

@@ -121,16 +121,38 @@ impl Ns {
         topology::depth(&self.conn, queue).await.unwrap_or(0)
     }
 
+    /// Depth of a queue by passive declare, `None` when it does not exist.
+    pub async fn depth_of(&self, queue: &str) -> Option<u32> {
+        topology::depth(&self.conn, queue).await
+    }
+
     /// Status fields of a task.
     pub async fn status(&self, id: &str) -> Result<Option<BTreeMap<String, String>>> {
         Ok(self.store.task_status(id).await?)
     }
 
-    /// Deletes every queue, exchange and key of the namespace.
+    /// Normal-lane shard queues of the namespace's most sharded group: shard queues
+    /// `<ns>.group.<g>.normal.<i>` are numbered from 0, so the first `i` of any group whose
+    /// queue does not exist (passive declare) is its count; 1 when no group is sharded.
+    async fn shard_count(&self, groups: &[String]) -> u32 {
+        let mut most = 1;
+        for g in groups {
+            let mut n = 0;
+            while n < 1024 && topology::depth(&self.conn, &self.names.group_shard_queue(g, Lane::Normal, n, 2)).await.is_some() {
+                n += 1;
+            }
+            most = most.max(n);
+        }
+        most
+    }
+
+    /// Deletes every queue, exchange and key of the namespace: every shard queue of every
+    /// group (however many shards the test used) and the waiting-for-worker park queues too.
     pub async fn cleanup(self) -> Result<()> {
         let groups = self.store.group_names().await.unwrap_or_default();
+        let shards = self.shard_count(&groups).await;
         let ch = self.conn.create_channel().await?;
-        topology::delete_all(&ch, &self.names, &groups).await?;
+        topology::delete_all_sharded(&ch, &self.names, &groups, shards).await?;
         self.store.delete_namespace().await?;
         let _ = self.conn.close(200, "bye".into()).await;
         Ok(())

@@ -109,7 +109,7 @@ async fn every_bad_setting_exits_2_naming_it() -> Result<()> {
         ("fleet-scheduler", vec![("FLEET_PENDING_RED", "2")], "FLEET_PENDING_RED", "between 0 and 1"),
         ("fleet-scheduler", vec![("FLEET_RATE", "fast")], "FLEET_RATE", "must be a number"),
         ("fleet-scheduler", vec![("FLEET_AMQP_URL", &leaky_amqp)], "FLEET_AMQP_URL", "not an amqp"),
-        ("fleet-scheduler", vec![("FLEET_REDIS_URL", &leaky_redis)], "FLEET_REDIS_URL", "not a redis:// or rediss:// URL"),
+        ("fleet-scheduler", vec![("FLEET_REDIS_URL", &leaky_redis)], "FLEET_REDIS_URL", "not a redis://, rediss:// or redis+sentinel:// URL"),
         ("fleet-scheduler", vec![("FLEET_HTTP_ADDR", "nowhere")], "FLEET_HTTP_ADDR", "host:port"),
     ];
     for (bin, env, setting, words) in cases {
@@ -290,5 +290,76 @@ async fn readyz_is_503_while_redis_refuses_writes() -> Result<()> {
     }
     w.stop().await?;
     s.stop().await?;
+    ns.cleanup().await
+}
+
+/// `fleetctl delete-namespace --yes` with FLEET_SHARDS=4 leaves no queue of the namespace
+/// behind: every shard queue of the group (each holding a task), its park queues, the
+/// waiting-for-worker park queue `<ns>.park._unmatched.normal` (holding a task no worker
+/// matches), ingress, dead, delayed and the delay tiers are gone, and so are the exchanges.
+/// The names are built here from `Names` and checked one by one with passive declares.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_namespace_deletes_every_shard_and_waiting_queue() -> Result<()> {
+    use fleet::{amqp, Lane};
+    let ns = Ns::new().await?;
+    let shards = [("shards", "4")];
+    let sched = start_scheduler(&ns, &shards).await?;
+    let worker = start_worker(&ns, "w-del", "zone=del", 1, &shards, &[]).await?;
+    let groups = ns.store.group_names().await?;
+    assert_eq!(groups.len(), 1, "{groups:?}");
+    let group = groups[0].clone();
+    // A task no worker matches: it waits for a worker in the _unmatched park queue.
+    let waiting = fleet_tests::task("noop", serde_json::json!({}), "zone=nowhere");
+    assert_eq!(ns.submit(std::slice::from_ref(&waiting)).await?, (1, 0));
+    wait_for("the task waiting for a worker", Duration::from_secs(30), || async {
+        ns.status(&waiting.id).await.ok().flatten().filter(|s| s.get("state").map(String::as_str) == Some("waiting_for_worker"))
+    })
+    .await?;
+    worker.stop().await?;
+    sched.stop().await?;
+    // One task in each shard queue (nobody consumes them now).
+    let n = &ns.names;
+    let shard_queues = n.group_shard_queues(&group, Lane::Normal, 4);
+    assert_eq!(shard_queues.len(), 4);
+    for s in 0..4 {
+        let t = fleet_tests::task("noop", serde_json::json!({}), "zone=del");
+        amqp::publish_confirmed(&ns.publisher, &n.tasks_exchange(), &n.group_shard_key(&group, Lane::Normal, s, 4), &t.to_bytes(), amqp::task_properties(&t.id, None)).await?;
+    }
+    let unmatched = n.park_queue("_unmatched", Lane::Normal);
+    // Before the delete each holds its task (the waiting one is back as soon as the stopped
+    // scheduler's consumer is gone).
+    for q in shard_queues.iter().chain([&unmatched]) {
+        wait_for(&format!("{q} holding 1 task"), Duration::from_secs(10), || async { (ns.depth_of(q).await == Some(1)).then_some(()) }).await?;
+    }
+
+    let url = (amqp_url(), redis_url());
+    let env = [("FLEET_AMQP_URL", url.0.as_str()), ("FLEET_REDIS_URL", url.1.as_str()), ("FLEET_NAMESPACE", ns.name.as_str()), ("FLEET_SHARDS", "4")];
+    let (code, out, err) = run("fleetctl", &["delete-namespace", "--yes"], &env, Duration::from_secs(60)).await?;
+    assert_eq!(code, 0, "stdout {out} stderr {err}");
+    assert!(out.contains("deleted the queues of 1 group(s)"), "{out}");
+
+    let mut queues = shard_queues.clone();
+    for lane in Lane::ALL {
+        queues.push(n.ingress_queue(lane));
+        queues.push(n.group_queue(&group, lane));
+        queues.push(n.park_queue(&group, lane));
+        queues.push(n.park_queue("_unmatched", lane));
+    }
+    queues.extend([n.dead_queue(), n.broker_dead_queue(), n.delayed_queue(), n.schedules_stream()]);
+    queues.extend(fleet::delay::tiers().map(|t| n.delay_queue(t)));
+    let mut left = Vec::new();
+    for q in &queues {
+        if let Some(d) = ns.depth_of(q).await {
+            left.push(format!("{q} ({d} messages)"));
+        }
+    }
+    assert!(left.is_empty(), "queues left behind: {left:?}");
+    for e in [n.submit_exchange(), n.tasks_exchange(), n.delay_exchange()] {
+        let ch = ns.conn.create_channel().await?;
+        let passive = lapin::options::ExchangeDeclareOptions { passive: true, ..Default::default() };
+        let r = ch.exchange_declare(e.as_str().into(), lapin::ExchangeKind::Direct, passive, Default::default()).await;
+        assert!(r.is_err(), "exchange {e} left behind");
+    }
+    assert!(ns.store.group_names().await?.is_empty(), "the Redis keys are gone");
     ns.cleanup().await
 }

@@ -3,7 +3,8 @@
 //! runs tasks over them; a wrong CA fails with the documented error and a missing client
 //! certificate is refused; a certificate for another host name is refused by all three
 //! clients. The http executor calls an https endpoint (test CA), redirects off unless asked.
-//! Bad TLS files stop start-up with exit 2 naming the setting.
+//! Bad TLS files stop start-up with exit 2 naming the setting. `fleetctl submit` publishes
+//! over the TLS-only broker with the `FLEET_AMQP_TLS_*` files (and fails without them).
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -18,7 +19,7 @@ use fleet::config::Settings;
 use fleet::tls::TlsConfig;
 use fleet::{amqp, Names, Store};
 use fleet_tests::servers::{Pki, TestRedis, TlsRabbit};
-use fleet_tests::{run_to_exit, start_scheduler, start_worker, task, wait_for, Ns};
+use fleet_tests::{bin_path, run_to_exit, start_scheduler, start_worker, task, wait_for, Ns};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::{json, Value};
@@ -35,6 +36,19 @@ fn with_ca(pki: &Pki, prefix: &str, ca: &str, client: bool) -> Result<TlsConfig>
     let mut s = pki.settings(prefix, client);
     s[0].1 = ca.to_string();
     tls(s, prefix)
+}
+
+/// Runs `fleetctl` with only the given `FLEET_*` variables: (exit code, stdout, stderr).
+async fn fleetctl(args: &[&str], env: &[(&str, &str)]) -> Result<(i32, String, String)> {
+    let mut cmd = tokio::process::Command::new(bin_path("fleetctl")?);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("FLEET_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.envs(env.iter().copied()).args(args).stdin(std::process::Stdio::null()).kill_on_drop(true);
+    let out = tokio::time::timeout(Duration::from_secs(60), cmd.output()).await.with_context(|| format!("fleetctl {args:?} did not exit within 60 s"))??;
+    Ok((out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned()))
 }
 
 async fn wait_state(ns: &Ns, id: &str, state: &str) -> Result<std::collections::BTreeMap<String, String>> {
@@ -95,6 +109,25 @@ async fn fleet_runs_over_mutual_tls_to_rabbitmq_and_redis() -> Result<()> {
         assert_eq!(st.get("worker").map(String::as_str), Some("w-tls"));
     }
     wait_state(&ns, "via-api", "succeeded").await?;
+
+    // fleetctl submit over the TLS-only broker. Without the FLEET_AMQP_TLS_* files the
+    // broker's certificate (private CA) is not trusted: exit 1 with the reason, nothing sent.
+    let url = rabbit.url();
+    let base = [("FLEET_AMQP_URL", url.as_str()), ("FLEET_NAMESPACE", ns.name.as_str())];
+    let submit = ["submit", "--kind", "noop", "--labels", "zone=tls", "--count", "3", "--id", "via-fleetctl"];
+    let (code, out, err) = fleetctl(&submit, &base).await?;
+    assert_eq!(code, 1, "fleetctl without the TLS files: stdout {out} stderr {err}");
+    assert!(err.contains("invalid peer certificate: UnknownIssuer"), "{err}");
+    // With them (CA + client certificate, the broker wants mutual TLS): accepted, and they run.
+    let files = [("FLEET_AMQP_TLS_CA_FILE", pki.ca.as_str()), ("FLEET_AMQP_TLS_CERT_FILE", pki.client_cert.as_str()), ("FLEET_AMQP_TLS_KEY_FILE", pki.client_key.as_str())];
+    let env: Vec<(&str, &str)> = base.iter().chain(files.iter()).copied().collect();
+    let (code, out, err) = fleetctl(&submit, &env).await?;
+    assert_eq!(code, 0, "fleetctl submit over TLS: stdout {out} stderr {err}");
+    assert_eq!(out.trim(), "accepted=3 refused=0", "{err}");
+    for i in 1..=3 {
+        let st = wait_state(&ns, &format!("via-fleetctl-{i}"), "succeeded").await?;
+        assert_eq!(st.get("worker").map(String::as_str), Some("w-tls"));
+    }
 
     worker.stop().await?;
     sched.stop().await?;
