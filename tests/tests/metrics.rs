@@ -89,7 +89,8 @@ async fn metrics_match_a_known_workload_exactly() -> anyhow::Result<()> {
         let url = metrics_url.clone();
         async move {
             let p = reqwest::get(&url).await.ok()?.text().await.ok()?;
-            (metric_sum(&p, "fleet_group_capacity", &[("group", group)]) > 0.0).then_some(p)
+            let sampled = metric_sum(&p, "fleet_group_capacity", &[("group", group)]) > 0.0 && metric_sum(&p, "fleet_workers", &[("state", "active")]) > 0.0;
+            sampled.then_some(p)
         }
     })
     .await?;
