@@ -6,13 +6,12 @@
 mod harness;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
 use chrono::{DateTime, Datelike, SecondsFormat, Timelike, Utc};
-use fleet_tests::{bin_path, get_json, metric_sum, start_scheduler, start_worker, wait_for, Ns, SchedulerHandle};
+use fleet_tests::{get_json, metric_sum, start_scheduler, start_worker, wait_for, Ns, SchedulerHandle};
 use fleet_worker::executor::{handler_fn, Handler, TaskError};
 use serde_json::{json, Value};
 
@@ -102,58 +101,6 @@ async fn metrics_page(s: &SchedulerHandle) -> Result<String> {
     Ok(reqwest::get(s.url("/metrics")).await?.text().await?)
 }
 
-/// A `fleet-scheduler` process (so a test can SIGKILL it). Killed on drop.
-struct SchedulerProcess {
-    child: Child,
-    base: String,
-    log: std::path::PathBuf,
-}
-
-impl SchedulerProcess {
-    async fn spawn(ns: &Ns, extra: &[(&str, &str)]) -> Result<Self> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        let log = std::env::temp_dir().join(format!("fleet-{}-scheduler-{port}.log", ns.name));
-        let out = std::fs::File::create(&log)?;
-        let mut cmd = Command::new(bin_path("fleet-scheduler")?);
-        for (k, _) in std::env::vars() {
-            if k.starts_with("FLEET_") {
-                cmd.env_remove(k);
-            }
-        }
-        let addr = format!("127.0.0.1:{port}");
-        for (k, v) in ns.base.iter().map(|(k, v)| (k.as_str(), v.as_str())).chain([("http_addr", addr.as_str()), ("probe_interval_ms", "600000")]).chain(extra.iter().copied()) {
-            cmd.env(format!("FLEET_{}", k.to_ascii_uppercase()), v);
-        }
-        cmd.env("RUST_LOG", "info,lapin=warn");
-        let child = cmd.stdin(Stdio::null()).stdout(out.try_clone()?).stderr(out).spawn().context("spawn fleet-scheduler")?;
-        let p = SchedulerProcess { child, base: format!("http://{addr}"), log };
-        let ready = format!("{}/readyz", p.base);
-        wait_for("scheduler process ready", Duration::from_secs(20), || {
-            let u = ready.clone();
-            async move { reqwest::get(&u).await.ok().filter(|r| r.status().is_success()).map(|_| ()) }
-        })
-        .await
-        .with_context(|| std::fs::read_to_string(&p.log).unwrap_or_default())?;
-        Ok(p)
-    }
-
-    fn kill9(&mut self) -> Result<()> {
-        self.child.kill()?;
-        self.child.wait()?;
-        Ok(())
-    }
-}
-
-impl Drop for SchedulerProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_file(&self.log);
-        }
-    }
-}
-
 /// Ten consecutive whole seconds starting 3 to 15 s from now, inside one minute (so one cron
 /// expression names exactly them): the first of them.
 fn ten_second_window() -> DateTime<Utc> {
@@ -171,7 +118,8 @@ async fn two_replicas_fire_each_of_ten_ticks_once_while_one_is_killed() -> Resul
     let w = start_worker(&ns, "w1", LABELS, 8, &[], &[(KIND, runs.handler())]).await?;
     // Tolerance above the claim lease: a tick claimed by the killed replica is taken over.
     let settings = [("schedule_tolerance_ms", "5000"), ("schedule_poll_ms", "100")];
-    let mut a = SchedulerProcess::spawn(&ns, &settings).await?;
+    // The killed replica runs as a process (the harness's); no probes from it.
+    let mut a = harness::SchedulerProcess::spawn(&ns, &[settings[0], settings[1], ("probe_interval_ms", "600000")]).await?;
     let b = start_scheduler(&ns, &settings).await?;
 
     let start = ten_second_window();
