@@ -37,6 +37,7 @@ use fleet::lease::{truncate, Claim, ClaimRequest, Finished};
 use fleet::metrics as m;
 use fleet::{Envelope, Lane, Names};
 
+use crate::acks::Slot;
 use crate::broker::Broker;
 use crate::eject::Ejector;
 use crate::executor::{Handlers, TaskContext, TaskError};
@@ -141,9 +142,10 @@ pub fn decide(
 /// How often a held copy asks again whether the run of its attempt elsewhere has ended.
 const WAIT_POLL: Duration = Duration::from_millis(500);
 
-/// Handles one delivery. `channel` keeps the delivery's channel open until it is acked;
+/// Handles one delivery. `slot` is its place in its channel's ack window (dropped unacked when
+/// it is settled another way); `channel` keeps the delivery's channel open until it is acked;
 /// `permit` is the lane slot, given back when this returns.
-pub async fn handle(shared: Arc<Shared>, lane: Lane, delivery: Delivery, channel: Channel, permit: OwnedSemaphorePermit) {
+pub async fn handle(shared: Arc<Shared>, lane: Lane, delivery: Delivery, slot: Slot, channel: Channel, permit: OwnedSemaphorePermit) {
     let _keep = (channel, permit);
     let env = match Envelope::from_slice(&delivery.data, shared.max_task_bytes) {
         Ok(env) => env,
@@ -153,7 +155,7 @@ pub async fn handle(shared: Arc<Shared>, lane: Lane, delivery: Delivery, channel
     let span = tracing::info_span!("task", task.id = %fleet::envelope::escape(&env.id), kind = %fleet::envelope::escape(&env.kind), lane = %lane, attempt = base);
     // Only the scheduler publishes with this header (see `amqp::PROBE_HEADER`).
     let probe = fleet::amqp::header_text(&delivery.properties, fleet::amqp::PROBE_HEADER).is_some();
-    attempt_task(shared, lane, delivery, env, base, probe).instrument(span).await
+    attempt_task(shared, lane, delivery, slot, env, base, probe).instrument(span).await
 }
 
 /// The run slot an attempt holds: shared with other runs, or alone. Held for its `Drop`.
@@ -169,7 +171,7 @@ enum RunGuard {
 ///
 /// `probe`: a scheduler health probe that died with its worker is dropped (acked), never
 /// dead-lettered nor counted as a user's task.
-async fn claim(shared: &Shared, lane: Lane, delivery: &Delivery, env: &Envelope, base: u32, max_attempts: u32, probe: bool) -> Option<(u32, RunGuard)> {
+async fn claim(shared: &Shared, lane: Lane, delivery: &Delivery, slot: &mut Slot, env: &Envelope, base: u32, max_attempts: u32, probe: bool) -> Option<(u32, RunGuard)> {
     let mut req = ClaimRequest { lane, id: env.id.clone(), base, max_attempts, isolated: false };
     let mut alone: Option<tokio::sync::OwnedRwLockWriteGuard<()>> = None;
     loop {
@@ -196,12 +198,12 @@ async fn claim(shared: &Shared, lane: Lane, delivery: &Delivery, env: &Envelope,
             Some(Claim::Duplicate) => {
                 tracing::info!("a copy of an attempt that already ran or runs elsewhere: acked without running");
                 metrics::counter!(m::DUPLICATE_DELIVERIES, "lane" => lane.as_str()).increment(1);
-                ack(delivery).await;
+                slot.ack().await;
                 return None;
             }
             Some(Claim::Dead(n)) if probe => {
                 tracing::info!(attempt = n, "a health probe lost with its worker: dropped");
-                ack(delivery).await;
+                slot.ack().await;
                 metrics::counter!(m::PROBES_COMPLETED, "group" => shared.group.clone(), "outcome" => "dead").increment(1);
                 return None;
             }
@@ -210,7 +212,7 @@ async fn claim(shared: &Shared, lane: Lane, delivery: &Delivery, env: &Envelope,
                 tracing::warn!(attempt = n, "task dead: its worker died while running it (worker_lost)");
                 match dead_letter(shared, env, n, "worker_lost", error).await {
                     Ok(()) => {
-                        ack(delivery).await;
+                        slot.ack().await;
                         shared.stats.outcome("dead");
                         metrics::counter!(m::TASKS_COMPLETED, "group" => shared.group.clone(), "lane" => lane.as_str(), "outcome" => "dead").increment(1);
                     }
@@ -230,19 +232,11 @@ async fn claim(shared: &Shared, lane: Lane, delivery: &Delivery, env: &Envelope,
     }
 }
 
-async fn ack(delivery: &Delivery) {
-    match delivery.acker.ack(BasicAckOptions::default()).await {
-        Ok(true) => {}
-        Ok(false) => tracing::info!("cannot ack: channel closed; the broker redelivers the task and its copy is settled by its run record"),
-        Err(e) => tracing::warn!(error = %e, "cannot ack; the broker redelivers the task"),
-    }
-}
-
 /// `probe`: a scheduler health probe, counted in `fleet_probes_completed_total` and left out
 /// of the worker's task figures (metrics, `/status`, `GET /v1/workers`).
-async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: Envelope, base: u32, probe: bool) {
+async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, mut slot: Slot, env: Envelope, base: u32, probe: bool) {
     let max_attempts = env.max_attempts_or(shared.default_max_attempts);
-    let Some((attempt, _slot)) = claim(&shared, lane, &delivery, &env, base, max_attempts, probe).await else { return };
+    let Some((attempt, _slot)) = claim(&shared, lane, &delivery, &mut slot, &env, base, max_attempts, probe).await else { return };
     shared.stats.started(lane, &env.id);
     let now = shared.clock.now();
     if let Some(submitted) = env.submitted_at {
@@ -274,7 +268,7 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, env: 
         decide(result, attempt, max_attempts, time_left, &shared.backoff)
     };
 
-    let outcome = settle(&shared, lane, &delivery, &env, (attempt, max_attempts), fate, probe).await;
+    let outcome = settle(&shared, lane, &delivery, &mut slot, &env, (attempt, max_attempts), fate, probe).await;
     if probe {
         metrics::counter!(m::PROBES_COMPLETED, "group" => shared.group.clone(), "outcome" => outcome.as_str()).increment(1);
     } else {
@@ -362,6 +356,7 @@ async fn settle(
     shared: &Shared,
     lane: Lane,
     delivery: &Delivery,
+    slot: &mut Slot,
     env: &Envelope,
     (attempt, max_attempts): (u32, u32),
     fate: Fate,
@@ -409,8 +404,8 @@ async fn settle(
     if !shared.ledger.finish(Finished { lane, id: env.id.clone(), attempt, state, text, success, reason }).await {
         tracing::warn!("outcome not yet written to Redis (retried in the background); acking anyway");
     }
-    if delivery.acker.usable() {
-        ack(delivery).await;
+    if slot.usable() {
+        slot.ack().await;
     } else {
         tracing::info!("channel closed before the task finished; outcome recorded, its redelivered copy will be acked as a duplicate");
     }

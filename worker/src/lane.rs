@@ -35,6 +35,7 @@ use tracing::Instrument;
 use fleet::subset::Subsetting;
 use fleet::Lane;
 
+use crate::acks::AckWindow;
 use crate::attempt::{self, Shared};
 use crate::broker::Broker;
 use crate::drain::{Control, Mode};
@@ -141,6 +142,8 @@ impl LaneConsumer {
         tracing::info!(consumer_tag = %tag, queues = ?queues, prefetch = self.capacity, "consuming");
         self.shared.stats.set_consuming(self.lane, queues.clone());
         *delay = Duration::from_millis(200);
+        // Acks of this channel's deliveries, coalesced into `multiple` acks (see crate::acks).
+        let acks = AckWindow::default();
         loop {
             let delivery = tokio::select! {
                 biased;
@@ -164,6 +167,7 @@ impl LaneConsumer {
                 Some(Err(e)) => return Ended::Lost(e.to_string()),
                 None => return Ended::Lost("consumer cancelled by the broker (queue deleted?)".into()),
             };
+            let slot = acks.slot(&delivery);
             // A free slot first; the prefetch makes waiting rare (only after a reconnect, while
             // tasks of the lost channel still run).
             let permit = tokio::select! {
@@ -177,7 +181,7 @@ impl LaneConsumer {
                 continue; // the next turn sees the mode change or shutdown
             };
             let shared = self.shared.clone();
-            self.tasks.spawn(attempt::handle(shared, self.lane, delivery, channel.clone(), permit).in_current_span());
+            self.tasks.spawn(attempt::handle(shared, self.lane, delivery, slot, channel.clone(), permit).in_current_span());
         }
     }
 

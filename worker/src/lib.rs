@@ -20,6 +20,7 @@
 
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod acks;
 pub mod api;
 pub mod attempt;
 pub mod broker;

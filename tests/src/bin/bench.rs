@@ -109,6 +109,52 @@ fn now_us() -> i64 {
     chrono::Utc::now().timestamp_micros()
 }
 
+/// CPU time of the processes a run loads: the RabbitMQ node (beam.smp on :5672), Redis (on
+/// :6379) and this process (the scheduler, the workers and the producer all run here). On a
+/// machine of two cores the busiest of them sets the pace, so CPU per task says where a run's
+/// time goes even when other work shares the machine (wall-clock rates do not).
+struct CpuMeter {
+    pids: [(&'static str, Option<u32>); 3],
+}
+
+impl CpuMeter {
+    fn new() -> Self {
+        let listener = |port: u16| -> Option<u32> {
+            let out = std::process::Command::new("ss").args(["-ltnpH", &format!("sport = :{port}")]).output().ok()?;
+            let text = String::from_utf8_lossy(&out.stdout);
+            let at = text.find("pid=")? + 4;
+            text[at..].split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+        };
+        CpuMeter { pids: [("rabbitmq", listener(5672)), ("redis", listener(6379)), ("fleet+bench", Some(std::process::id()))] }
+    }
+
+    /// utime + stime of each process, seconds (`/proc/<pid>/stat` fields 14 and 15, in
+    /// clock ticks of 1/100 s).
+    fn read(&self) -> [f64; 3] {
+        let mut out = [f64::NAN; 3];
+        for (k, (_, pid)) in self.pids.iter().enumerate() {
+            let Some(pid) = pid else { continue };
+            let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+            // The command name (field 2) may hold spaces: count fields after its ')'.
+            let Some(rest) = s.rfind(')').map(|i| &s[i + 2..]) else { continue };
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            if let (Some(u), Some(st)) = (f.get(11).and_then(|v| v.parse::<f64>().ok()), f.get(12).and_then(|v| v.parse::<f64>().ok())) {
+                out[k] = (u + st) / 100.0;
+            }
+        }
+        out
+    }
+
+    /// CPU ms per 1,000 tasks of each process between `before` and now.
+    fn report(&self, label: &str, before: [f64; 3], n: usize) -> String {
+        let after = self.read();
+        let per = |k: usize| (after[k] - before[k]) * 1000.0 * 1000.0 / n.max(1) as f64;
+        let parts: Vec<String> = self.pids.iter().enumerate().map(|(k, (name, _))| format!("{name} {:.0}", per(k))).collect();
+        let total: f64 = (0..3).map(per).filter(|v| v.is_finite()).sum();
+        format!("{label:<18}: CPU ms per 1,000 tasks: {} (total {total:.0})", parts.join(", "))
+    }
+}
+
 /// A raw run's figures: delivery rate over the whole run, and submit→delivery at the last hop.
 struct Raw {
     rate: f64,
@@ -367,12 +413,16 @@ async fn throughput(n: usize) -> Result<()> {
             seen
         })
     };
+    let cpu = CpuMeter::new();
+    let cpu0 = cpu.read();
     let (burst, t) = rig.run(n, Offer::Burst, Duration::from_secs(300), |_| Envelope::new("count", json!(null))).await?;
+    let cpu_burst = cpu.report("fleet burst", cpu0, n);
     sampling.cancel();
     let (runs, distinct) = rig.once();
     println!("fleet burst       : {burst:>8.0} tasks/s ({runs} runs of {n} in {t:.2} s)");
     println!("runs {runs} distinct tasks {distinct} (runs beyond distinct = at-least-once redeliveries)");
     println!("pressure samples (every 100 ms): {:?}", sampler.await?);
+    println!("{cpu_burst}");
     println!("{}", rig.metrics().await?);
 
     // 2. Steady 1,000 tasks/s offered, same fleet.
@@ -395,6 +445,8 @@ async fn throughput(n: usize) -> Result<()> {
     let ws: Vec<(String, String)> = (0..10).map(|i| (format!("bench-g{i}"), format!("zone=z{i},tier={}", if i < 5 { "a" } else { "b" }))).collect();
     let wrefs: Vec<(&str, &str, u32)> = ws.iter().map(|(id, l)| (id.as_str(), l.as_str(), 26)).collect();
     let rig = Rig::start(&qt, &settings, &wrefs).await?;
+    let cpu = CpuMeter::new();
+    let cpu0 = cpu.read();
     let (groups10, t) = rig
         .run(n, Offer::Burst, Duration::from_secs(300), |k| match k % 3 {
             0 => task("count", json!(null), &format!("zone=z{}", k % 10)),
@@ -404,6 +456,7 @@ async fn throughput(n: usize) -> Result<()> {
         .await?;
     let (runs, distinct) = rig.once();
     println!("fleet 10 groups   : {groups10:>8.0} tasks/s ({runs} runs, {distinct} distinct, {t:.2} s)");
+    println!("{}", cpu.report("fleet 10 groups", cpu0, n));
     println!("{}", rig.metrics().await?);
     rig.stop().await?;
 
@@ -433,8 +486,11 @@ async fn throughput(n: usize) -> Result<()> {
         println!("\n## raw broker (this process, same run)");
         let one = raw_broker(n, 1).await?;
         println!("raw broker, 1 hop : {one:>8.0} msg/s");
+        let cpu = CpuMeter::new();
+        let cpu0 = cpu.read();
         let two = raw_broker(n, 2).await?;
         println!("raw broker, 2 hops: {two:>8.0} msg/s");
+        println!("{}", cpu.report("raw 2 hops", cpu0, n));
         let raw_steady = raw_run(steady_n, 2, Offer::Steady(1000.0)).await?;
         let (r50, r99) = p50_p99(&raw_steady.lat_ms);
         println!("raw 2 hops steady : {:>8.0} msg/s; submit→delivery p50 {r50:.2} ms p99 {r99:.2} ms", raw_steady.rate);
