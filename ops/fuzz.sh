@@ -6,8 +6,8 @@
 #                                         (default 60 s, every target; 0 builds only)
 #
 #   --release    optimised build (opt-level 3, one codegen unit, as `cargo fuzz build`
-#                defaults to): several times more executions per second, but its cold build
-#                is about four times longer — for long runs, not for CI
+#                defaults to): more executions per second, but its cold build took ~21 min
+#                on a 2-core machine — for long runs, not for CI
 #   --binaries   the `config` target also checks the scheduler's and the worker's own settings
 #                (SchedulerConfig/WorkerConfig::from_settings; cargo feature `binaries`: ~30
 #                more crates, among them reqwest and chrono-tz); without it, fleet-shared's
@@ -18,8 +18,9 @@
 # the crate that owns the parser. Seeds come from fuzz/corpus/<target>/ (read only); new
 # inputs go to a temporary directory.
 #
-# The default build is `cargo fuzz build --dev` (no optimisation, debug assertions and overflow
-# checks on, coverage instrumentation as always) without a sanitizer (-s none): fleet forbids
+# The default build is `cargo fuzz build --dev` (no optimisation but libFuzzer's own C++, see
+# fuzz/Cargo.toml; debug assertions and overflow checks on; coverage instrumentation as always;
+# 8.7 min of CPU cold, fleet-shared and its dependencies) without a sanitizer (-s none): fleet forbids
 # `unsafe` (workspace lint), so AddressSanitizer has nothing to find that a panic would not
 # show. It goes to fuzz/target (fuzz/Cargo.lock pins the versions), and a warm fuzz/target is
 # not rebuilt: `cargo fuzz run` is given the same flags as the build. cargo-fuzz needs nightly
