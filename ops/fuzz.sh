@@ -18,11 +18,11 @@
 # the crate that owns the parser. Seeds come from fuzz/corpus/<target>/ (read only); new
 # inputs go to a temporary directory.
 #
-# The default build is `cargo fuzz build --dev` (no optimisation but libFuzzer's own C++, see
-# fuzz/Cargo.toml; debug assertions and overflow checks on; coverage instrumentation as always;
-# 8.7 min of CPU cold, fleet-shared and its dependencies) without a sanitizer (-s none): fleet forbids
-# `unsafe` (workspace lint), so AddressSanitizer has nothing to find that a panic would not
-# show. It goes to fuzz/target (fuzz/Cargo.lock pins the versions), and a warm fuzz/target is
+# The default build is `cargo fuzz build --dev`: no optimisation but for libFuzzer's own C++
+# (see fuzz/Cargo.toml), debug assertions and overflow checks on, coverage instrumentation as
+# always; about 9 min of CPU cold (fleet-shared and its dependencies). No sanitizer (-s none):
+# fleet forbids `unsafe` (workspace lint), so AddressSanitizer has nothing to find that a
+# panic would not show. It goes to fuzz/target (fuzz/Cargo.lock pins the versions), and a warm fuzz/target is
 # not rebuilt: `cargo fuzz run` is given the same flags as the build. cargo-fuzz needs nightly
 # flags; on a stable toolchain RUSTC_BOOTSTRAP=1 enables them. cargo-fuzz itself is installed
 # (`cargo install --locked`, about 2 min of CPU) when missing.
