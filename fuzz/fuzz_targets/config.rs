@@ -1,16 +1,27 @@
 //! Settings: a config file's text (TOML) and environment-style `KEY=value` lines go through
 //! every binary's config reader; bad values must come back as errors naming a setting, never
 //! a panic. Keys naming files are dropped (the fuzzer must not read /dev/zero or the disk).
+//! Every declaration (common, scheduler, worker: all in fleet-shared) and the common checks
+//! always; the scheduler's and the worker's relation checks (`from_settings`) with the cargo
+//! feature `binaries` (`ops/fuzz.sh --binaries`), which builds those two crates too.
 #![no_main]
 
 use fleet::config::Settings;
 use libfuzzer_sys::fuzz_target;
 
 fn check(s: &Settings) {
-    for r in [
+    let results = [
+        fleet::config::CommonConfig::from_settings(s, "127.0.0.1:0").map(|_| ()),
+        #[cfg(not(feature = "binaries"))]
+        fleet::settings::parse::<fleet::settings::SchedulerArgs>(s).map(|_| ()),
+        #[cfg(not(feature = "binaries"))]
+        fleet::settings::parse::<fleet::settings::WorkerArgs>(s).map(|_| ()),
+        #[cfg(feature = "binaries")]
         fleet_scheduler::SchedulerConfig::from_settings(s).map(|_| ()),
+        #[cfg(feature = "binaries")]
         fleet_worker::WorkerConfig::from_settings(s).map(|_| ()),
-    ] {
+    ];
+    for r in results {
         if let Err(e) = r {
             assert!(e.to_string().contains("FLEET_"), "error names no setting: {e}");
         }
