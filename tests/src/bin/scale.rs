@@ -1,0 +1,808 @@
+//! Scale figures of fleet's Redis side (issue 16, part 5). Two benchmarks that print figures,
+//! not timed tests (the machine is shared and noisy: read the Redis-side figures, which do not
+//! depend on the client's share of the CPU, before the wall-clock ones).
+//!
+//! * `scale sim` — 1,000 simulated workers in 50 groups registered through fleet's own `Store`
+//!   (`register.lua`), then reservations through `reserve.lua` in batches exactly as the
+//!   scheduler's dispatch builds them (`Dedupe::Check`, direct dispatch, the product defaults of
+//!   lease, backlog factor, strategy, dedupe window and status TTL), for three selector shapes
+//!   (one candidate group, ten, all fifty) and several batch sizes; then heartbeats
+//!   (`heartbeat.lua`) paced at the default interval (10 s: 100 beats/s for 1,000 workers),
+//!   each renewing the leases of 4 tasks the worker claimed (`start.lua`), and a burst of
+//!   heartbeats for the ceiling. Each phase reads `INFO commandstats`, `INFO cpu` and
+//!   `INFO stats` before and after: EVALSHA µs per call (the script's time inside Redis), inner
+//!   commands per reservation, Redis process CPU (`used_cpu_sys + used_cpu_user`) per
+//!   reservation and per heartbeat, bytes in and out. Its own random namespace on the shared
+//!   Redis (`REDIS_URL`, default 127.0.0.1:6379), deleted at the end; `--private` starts a
+//!   `redis-server` of its own instead, whose counters see no other client.
+//! * `scale run [N]` — the per-task Redis cost of a real fleet: a private `redis-server` (so the
+//!   counters see nothing else; `SLOWLOG` at threshold 0 names every top-level call's script by
+//!   its SHA), the shared RabbitMQ, a scheduler at the product defaults and 2 workers (product
+//!   heartbeat settings) in this process; an idle window first (the fleet's fixed cost per
+//!   second: heartbeats, pressure and stats ticks, probes), then N no-op tasks as a burst and N
+//!   offered at a steady rate; per task: top-level calls by script, commands executed (inner
+//!   ones included), bytes in and out, Redis CPU, the idle cost over the same time subtracted.
+//!
+//! Run: `cargo run --release -p fleet-tests --bin scale -- sim` and `… -- run 3000`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use deadpool_redis::redis;
+use fleet::lease::{ClaimRequest, Claim, Dedupe, ReserveParams, ReserveRequest};
+use fleet::registry::{Beat, BeatReply, Registration, WorkerState};
+use fleet::route::{Reservation, Strategy};
+use fleet::{Envelope, Labels, Lane, Names, Store};
+use fleet_tests::servers::TestRedis;
+use fleet_tests::*;
+use fleet_worker::executor::handler_fn;
+
+#[derive(Parser)]
+#[command(name = "scale", about = "fleet's Redis side at scale: a 1,000-worker simulation and the per-task cost of a real run")]
+struct Cli {
+    #[command(subcommand)]
+    what: What,
+}
+
+#[derive(Subcommand)]
+enum What {
+    /// 1,000 simulated workers: reservations/s through reserve.lua, Redis CPU per heartbeat.
+    Sim(SimArgs),
+    /// Scheduler + 2 workers on a private Redis: Redis calls, commands, bytes and CPU per task.
+    Run(RunArgs),
+}
+
+#[derive(Parser, Clone)]
+struct SimArgs {
+    /// Simulated workers.
+    #[arg(long, default_value = "1000")]
+    workers: usize,
+    /// Groups (label sets) they form.
+    #[arg(long, default_value = "50")]
+    groups: usize,
+    /// Normal-lane capacity of each worker (the product default).
+    #[arg(long, default_value = "4")]
+    capacity: u32,
+    /// Dispatch batch sizes to measure (the scheduler's FLEET_BATCH_MAX is 256).
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64,256,512")]
+    batches: Vec<usize>,
+    /// Concurrent callers (the scheduler's FLEET_INGRESS_CONSUMERS is 4 dispatch loops).
+    #[arg(long, default_value = "4")]
+    callers: usize,
+    /// Reservations per (selector, batch) measurement.
+    #[arg(long, default_value = "60000")]
+    reservations: usize,
+    /// Longest a single measurement runs, seconds (batch 1 stops here).
+    #[arg(long, default_value = "6")]
+    max_secs: f64,
+    /// Heartbeat interval of the simulated workers, ms (the product default).
+    #[arg(long, default_value = "10000")]
+    heartbeat_interval_ms: u64,
+    /// How long heartbeats are paced at that interval, seconds.
+    #[arg(long, default_value = "30")]
+    beat_secs: u64,
+    /// Tasks each worker runs while it heartbeats (their leases are renewed by each beat).
+    #[arg(long, default_value = "4")]
+    running: usize,
+    /// Heartbeats of the burst (as fast as Redis answers).
+    #[arg(long, default_value = "10000")]
+    burst_beats: usize,
+    /// Start a private redis-server instead of using REDIS_URL (no other client in the counters).
+    #[arg(long)]
+    private: bool,
+}
+
+#[derive(Parser, Clone)]
+struct RunArgs {
+    /// Tasks per phase (burst, then steady).
+    #[arg(default_value = "3000")]
+    n: usize,
+    /// Steady phase: tasks offered per second.
+    #[arg(long, default_value = "500")]
+    rate: f64,
+    /// Slots of each of the two workers.
+    #[arg(long, default_value = "64")]
+    capacity: u32,
+    /// Idle window measured before the load, seconds.
+    #[arg(long, default_value = "20")]
+    idle_secs: u64,
+    /// Queue type (the product default is quorum).
+    #[arg(long, default_value = "quorum")]
+    queue_type: String,
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    fleet::telemetry::init("text");
+    match Cli::parse().what {
+        What::Sim(a) => sim(a).await,
+        What::Run(a) => run(a).await,
+    }
+}
+
+// ------------------------------------------------------------------ Redis counters
+
+/// What `INFO cpu stats commandstats` says at one moment.
+#[derive(Debug, Clone, Default)]
+struct Counters {
+    /// Command name → (calls, µs), `INFO` itself left out.
+    cmds: BTreeMap<String, (u64, u64)>,
+    /// `used_cpu_sys + used_cpu_user`, seconds (the whole redis-server process).
+    cpu: f64,
+    net_in: u64,
+    net_out: u64,
+    at: Option<Instant>,
+}
+
+impl Counters {
+    async fn read(store: &Store) -> Result<Self> {
+        let text: String = store.query(redis::cmd("INFO").arg("cpu").arg("stats").arg("commandstats")).await?;
+        let mut c = Counters { at: Some(Instant::now()), ..Default::default() };
+        for line in text.lines() {
+            let line = line.trim();
+            if let Some(rest) = line.strip_prefix("cmdstat_") {
+                let Some((name, fields)) = rest.split_once(':') else { continue };
+                if name == "info" {
+                    continue;
+                }
+                let field = |k: &str| fields.split(',').find_map(|f| f.strip_prefix(k)?.strip_prefix('=')?.parse::<u64>().ok()).unwrap_or(0);
+                c.cmds.insert(name.to_string(), (field("calls"), field("usec")));
+            } else if let Some((k, v)) = line.split_once(':') {
+                match k {
+                    "used_cpu_sys" | "used_cpu_user" => c.cpu += v.parse::<f64>().unwrap_or(0.0),
+                    "total_net_input_bytes" => c.net_in = v.parse().unwrap_or(0),
+                    "total_net_output_bytes" => c.net_out = v.parse().unwrap_or(0),
+                    _ => {}
+                }
+            }
+        }
+        Ok(c)
+    }
+
+    /// `self − before`.
+    fn since(&self, before: &Counters) -> Delta {
+        let mut cmds = BTreeMap::new();
+        for (k, &(calls, usec)) in &self.cmds {
+            let (c0, u0) = before.cmds.get(k).copied().unwrap_or((0, 0));
+            if calls > c0 {
+                cmds.insert(k.clone(), (calls - c0, usec.saturating_sub(u0)));
+            }
+        }
+        let secs = match (self.at, before.at) {
+            (Some(a), Some(b)) => a.duration_since(b).as_secs_f64(),
+            _ => 0.0,
+        };
+        Delta { cmds, cpu: self.cpu - before.cpu, net_in: self.net_in.saturating_sub(before.net_in), net_out: self.net_out.saturating_sub(before.net_out), secs }
+    }
+}
+
+/// Counters over one phase.
+#[derive(Debug, Clone, Default)]
+struct Delta {
+    cmds: BTreeMap<String, (u64, u64)>,
+    cpu: f64,
+    net_in: u64,
+    net_out: u64,
+    secs: f64,
+}
+
+impl Delta {
+    fn calls(&self, cmd: &str) -> u64 {
+        self.cmds.get(cmd).map(|c| c.0).unwrap_or(0)
+    }
+    fn usec(&self, cmd: &str) -> u64 {
+        self.cmds.get(cmd).map(|c| c.1).unwrap_or(0)
+    }
+    /// Commands that are not scripts (run inside them, or sent on their own).
+    fn plain_calls(&self) -> u64 {
+        self.cmds.iter().filter(|(k, _)| !matches!(k.as_str(), "evalsha" | "eval" | "script|load" | "slowlog|get" | "slowlog|reset" | "config|set")).map(|(_, c)| c.0).sum()
+    }
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+// ------------------------------------------------------------------ sim
+
+/// The simulated fleet: worker ids, their groups and instance tokens.
+struct Fleet {
+    workers: Vec<(String, String, String)>,
+    groups: Vec<String>,
+}
+
+fn group_labels(g: usize, groups: usize) -> Labels {
+    let zones = (groups / 10).max(1);
+    Labels::parse(&format!("pool=g{g:02},zone=z{},protocol=builtin", g % zones)).unwrap_or_default()
+}
+
+/// The scheduler's reservation parameters at the product defaults (scheduler/src/dispatch.rs
+/// `Dispatcher::params`, defaults of shared/src/settings.rs).
+fn default_params() -> ReserveParams {
+    ReserveParams {
+        token: rand::random(),
+        lease_ms: 30_000,
+        backlog_factor: 1.0,
+        strategy: Strategy::LeastLoaded,
+        dedupe_window_ms: 3_600_000,
+        status_ttl_ms: 86_400_000,
+        direct: true,
+    }
+}
+
+async fn sim(a: SimArgs) -> Result<()> {
+    let private = if a.private { Some(TestRedis::start(None, None).await?) } else { None };
+    let url = private.as_ref().map(|r| r.url(None)).unwrap_or_else(redis_url);
+    let ns = format!("scale{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
+    let store = Store::new(&url, Names::new(&ns))?;
+    let info: String = store.query(redis::cmd("INFO").arg("server")).await?;
+    let version = info.lines().find_map(|l| l.strip_prefix("redis_version:")).unwrap_or("?").trim().to_string();
+    println!("scale sim: Redis {version} at {url} ({}), namespace {ns}", if a.private { "private redis-server, no other client" } else { "SHARED server: other clients' calls land in the same counters" });
+    println!(
+        "settings: {} workers in {} groups (capacity {} normal + 1 critical each), {} concurrent callers, batches {:?}, {} reservations per measurement (at most {} s), reserve params: lease 30000 ms, backlog factor 1.0, least_loaded, dedupe window 3600000 ms (Check), status TTL 86400000 ms, direct dispatch on; heartbeat interval {} ms for {} s, {} running tasks per worker",
+        a.workers, a.groups, a.capacity, a.callers, a.batches, a.reservations, a.max_secs, a.heartbeat_interval_ms, a.beat_secs, a.running
+    );
+    let r = sim_inner(&a, &store).await;
+    let cleaned = store.delete_namespace().await;
+    drop(private);
+    r?;
+    cleaned.context("delete the namespace")?;
+    println!("namespace {ns} deleted");
+    Ok(())
+}
+
+async fn sim_inner(a: &SimArgs, store: &Store) -> Result<()> {
+    let fleet = register_fleet(a, store).await?;
+    // Every group has room for everything this benchmark reserves: the steady state of a fleet
+    // whose workers keep up (the scheduler writes `room:<lane>` from the completion rate). A
+    // group without room would answer `full` (park) for multi-candidate tasks instead.
+    let rooms: Vec<(String, Lane, u64)> = fleet.groups.iter().map(|g| (g.clone(), Lane::Normal, 1_000_000_000)).collect();
+    store.set_rooms(&rooms).await?;
+
+    println!("\n## Reservations through reserve.lua (EVALSHA), {} callers", a.callers);
+    println!("| selector | candidates | batch | reservations | wall s | reservations/s | call p50 / p99 ms | EVALSHA µs/call | Redis µs/reservation (script) | ceiling reservations/s (1e6 / script µs) | inner commands/reservation | Redis CPU µs/reservation | bytes in / out per reservation | foreign EVALSHA |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let shapes: [(&str, usize); 3] = [("pool=gK (one group)", 1), ("zone=zK (ten groups)", 10), ("none (all groups)", a.groups)];
+    let mut best = 0.0f64;
+    for (si, (shape, cands)) in shapes.iter().enumerate() {
+        for &batch in &a.batches {
+            let want = if batch < 16 { a.reservations / 4 } else { a.reservations };
+            let m = measure_reserve(a, store, &fleet, si, batch, want).await?;
+            let script_us = m.delta.usec("evalsha") as f64 / m.done.max(1) as f64;
+            best = best.max(m.done as f64 / m.wall);
+            println!(
+                "| {shape} | {} | {batch} | {} | {:.2} | **{:.0}** | {:.2} / {:.2} | {:.0} | {:.2} | {:.0} | {:.1} | {:.2} | {:.0} / {:.0} | {} |",
+                (*cands).min(a.groups),
+                m.done,
+                m.wall,
+                m.done as f64 / m.wall,
+                m.p50,
+                m.p99,
+                m.delta.usec("evalsha") as f64 / m.delta.calls("evalsha").max(1) as f64,
+                script_us,
+                if script_us > 0.0 { 1e6 / script_us } else { 0.0 },
+                m.delta.plain_calls() as f64 / m.done.max(1) as f64,
+                m.delta.cpu * 1e6 / m.done.max(1) as f64,
+                m.delta.net_in as f64 / m.done.max(1) as f64,
+                m.delta.net_out as f64 / m.done.max(1) as f64,
+                m.delta.calls("evalsha").saturating_sub(m.calls as u64),
+            );
+            if si == 0 && batch == 256 {
+                let mut inner: Vec<(String, f64)> =
+                    m.delta.cmds.iter().filter(|(k, _)| k.as_str() != "evalsha").map(|(k, c)| (k.clone(), c.0 as f64 / m.done.max(1) as f64)).collect();
+                inner.sort_by(|x, y| y.1.partial_cmp(&x.1).unwrap_or(std::cmp::Ordering::Equal));
+                let list: Vec<String> = inner.iter().filter(|(_, v)| *v >= 0.01).map(|(k, v)| format!("{k} {v:.2}")).collect();
+                println!("<!-- one group, batch 256: commands per reservation: {} -->", list.join(", "));
+            }
+        }
+    }
+    println!("\nbest reservations/s: {best:.0} (goal ≥ 50,000)");
+
+    heartbeats(a, store, &fleet).await
+}
+
+async fn register_fleet(a: &SimArgs, store: &Store) -> Result<Fleet> {
+    let groups: Vec<String> = (0..a.groups).map(|g| group_labels(g, a.groups).group_name()).collect();
+    let mut workers = Vec::with_capacity(a.workers);
+    for i in 0..a.workers {
+        let g = i % a.groups;
+        workers.push((format!("sim-{g:02}-{:04}", i / a.groups), groups[g].clone(), uuid::Uuid::new_v4().simple().to_string()));
+    }
+    let before = Counters::read(store).await?;
+    let start = Instant::now();
+    let next = Arc::new(AtomicUsize::new(0));
+    let ws = Arc::new(workers);
+    let mut joins = Vec::new();
+    for _ in 0..a.callers {
+        let (store, next, ws, groups_n, cap) = (store.clone(), next.clone(), ws.clone(), a.groups, a.capacity);
+        joins.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some((id, _, inst)) = ws.get(i) else { return Ok::<_, anyhow::Error>(()) };
+                let r = Registration {
+                    id: id.clone(),
+                    instance: inst.clone(),
+                    labels: group_labels(i % groups_n, groups_n),
+                    capacity: cap,
+                    critical_capacity: 1,
+                    executor: "builtin".into(),
+                    state: WorkerState::Active,
+                };
+                store.register(&r, 30_000).await?;
+            }
+        }));
+    }
+    for j in joins {
+        j.await??;
+    }
+    let wall = start.elapsed().as_secs_f64();
+    let d = Counters::read(store).await?.since(&before);
+    let workers = Arc::try_unwrap(ws).map_err(|_| anyhow::anyhow!("workers still shared"))?;
+    let views = store.groups().await?;
+    let cap: u32 = views.iter().map(|g| g.capacity).sum();
+    if views.len() != a.groups || cap != a.workers as u32 * a.capacity {
+        bail!("registered {} groups with capacity {cap}; expected {} groups, {}", views.len(), a.groups, a.workers as u32 * a.capacity);
+    }
+    println!(
+        "\n## Registration (register.lua)\n{} workers in {} groups registered in {:.2} s ({:.0}/s); EVALSHA {:.0} µs/call; groups {} with total capacity {cap}",
+        a.workers,
+        a.groups,
+        wall,
+        a.workers as f64 / wall,
+        d.usec("evalsha") as f64 / d.calls("evalsha").max(1) as f64,
+        views.len()
+    );
+    Ok(Fleet { workers, groups })
+}
+
+struct ReserveRun {
+    done: usize,
+    calls: usize,
+    wall: f64,
+    p50: f64,
+    p99: f64,
+    delta: Delta,
+}
+
+/// Selector of task `i` for shape `shape` (0: one group, 1: one zone, 2: none).
+fn selector(shape: usize, i: usize, groups: usize) -> Labels {
+    let zones = (groups / 10).max(1);
+    match shape {
+        0 => Labels::parse(&format!("pool=g{:02}", (i * 7919) % groups)).unwrap_or_default(),
+        1 => Labels::parse(&format!("zone=z{}", i % zones)).unwrap_or_default(),
+        _ => Labels::default(),
+    }
+}
+
+async fn measure_reserve(a: &SimArgs, store: &Store, fleet: &Fleet, shape: usize, batch: usize, want: usize) -> Result<ReserveRun> {
+    let tag = format!("r{shape}b{batch}");
+    let next = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicUsize::new(0));
+    let lat = Arc::new(Mutex::new(Vec::<f64>::new()));
+    let limit = Duration::from_secs_f64(a.max_secs);
+    let before = Counters::read(store).await?;
+    let start = Instant::now();
+    let mut joins = Vec::new();
+    for _ in 0..a.callers {
+        let (store, next, done, lat, tag, groups) = (store.clone(), next.clone(), done.clone(), lat.clone(), tag.clone(), a.groups);
+        joins.push(tokio::spawn(async move {
+            let mut calls = 0usize;
+            loop {
+                let first = next.fetch_add(batch, Ordering::Relaxed);
+                if first >= want || start.elapsed() > limit {
+                    return Ok::<_, anyhow::Error>(calls);
+                }
+                let reqs: Vec<ReserveRequest> = (first..(first + batch).min(want))
+                    .map(|i| ReserveRequest {
+                        id: format!("{tag}-{i}"),
+                        lane: Lane::Normal,
+                        selector: selector(shape, i, groups),
+                        strategy: None,
+                        dedupe: Dedupe::Check,
+                        from_park: false,
+                        dedupe_only: false,
+                    })
+                    .collect();
+                let t0 = Instant::now();
+                let answers = store.reserve(&reqs, default_params()).await?;
+                if let Ok(mut l) = lat.lock() {
+                    l.push(t0.elapsed().as_secs_f64() * 1000.0);
+                }
+                calls += 1;
+                let reserved = answers.iter().filter(|r| matches!(r, Reservation::Reserved(_))).count();
+                if reserved != reqs.len() {
+                    bail!("{} of {} reservations answered {:?}", reqs.len() - reserved, reqs.len(), answers.iter().find(|r| !matches!(r, Reservation::Reserved(_))));
+                }
+                done.fetch_add(reserved, Ordering::Relaxed);
+            }
+        }));
+    }
+    let mut calls = 0;
+    for j in joins {
+        calls += j.await??;
+    }
+    let wall = start.elapsed().as_secs_f64();
+    let delta = Counters::read(store).await?.since(&before);
+    let n = done.load(Ordering::Relaxed);
+    let mut l = lat.lock().map(|v| v.clone()).unwrap_or_default();
+    let (p50, p99) = (pct(&mut l, 0.5), pct(&mut l, 0.99));
+    // Clean up what this measurement wrote: dedupe marks, statuses, reservations.
+    let mut keys: Vec<String> = Vec::with_capacity(2 * n);
+    for i in 0..n {
+        keys.push(store.names.dedupe(&format!("{tag}-{i}")));
+        keys.push(store.names.task(&format!("{tag}-{i}")));
+    }
+    for g in &fleet.groups {
+        keys.push(store.names.reserved(g, Lane::Normal));
+    }
+    for chunk in keys.chunks(1000) {
+        let _: () = store.query(redis::cmd("UNLINK").arg(chunk)).await?;
+    }
+    Ok(ReserveRun { done: n, calls, wall, p50, p99, delta })
+}
+
+async fn heartbeats(a: &SimArgs, store: &Store, fleet: &Fleet) -> Result<()> {
+    let run_lease = Duration::from_millis(3 * a.heartbeat_interval_ms);
+    let status_ttl = Duration::from_millis(86_400_000);
+    // Each worker claims `running` tasks of its group, as a worker starting them would.
+    let mut running: Vec<Vec<(Lane, String)>> = Vec::with_capacity(fleet.workers.len());
+    for (w, (id, group, inst)) in fleet.workers.iter().enumerate() {
+        let ids: Vec<String> = (0..a.running).map(|k| format!("hb{w}-{k}")).collect();
+        let sel = Labels::parse(&format!("pool={}", group.split(',').find_map(|p| p.strip_prefix("pool=")).unwrap_or(""))).unwrap_or_default();
+        let reqs: Vec<ReserveRequest> = ids
+            .iter()
+            .map(|t| ReserveRequest { id: t.clone(), lane: Lane::Normal, selector: sel.clone(), strategy: None, dedupe: Dedupe::Check, from_park: false, dedupe_only: false })
+            .collect();
+        let got = store.reserve(&reqs, default_params()).await?;
+        if !got.iter().all(|r| r == &Reservation::Reserved(group.clone())) {
+            bail!("reserving {id}'s tasks in {group}: {got:?}");
+        }
+        let claims: Vec<ClaimRequest> = ids.iter().map(|t| ClaimRequest { lane: Lane::Normal, id: t.clone(), base: 1, max_attempts: 5, isolated: false }).collect();
+        let (registered, c) = store.claim(id, group, inst, run_lease, status_ttl, &claims).await?;
+        if !registered || !c.iter().all(|c| *c == Claim::Run(1)) {
+            bail!("claiming {id}'s tasks: registered {registered}, {c:?}");
+        }
+        running.push(ids.into_iter().map(|t| (Lane::Normal, t)).collect());
+    }
+    let running = Arc::new(running);
+    let workers = Arc::new(fleet.workers.clone());
+    let beat_of = |w: usize, running: &[Vec<(Lane, String)>], with: bool| Beat {
+        running_normal: if with { a.running as u32 } else { 0 },
+        running_critical: 0,
+        succeeded: 1000 + w as u64,
+        failed: 3,
+        latency_ewma_ms: 12.5,
+        cpu: 0.42,
+        health: 0.99,
+        running: if with { running[w].clone() } else { vec![] },
+    };
+
+    // The server's own cost with none of this benchmark's calls, to subtract.
+    let idle_secs = 5u64;
+    let c0 = Counters::read(store).await?;
+    tokio::time::sleep(Duration::from_secs(idle_secs)).await;
+    let idle = Counters::read(store).await?.since(&c0);
+    let idle_cpu_per_s = idle.cpu / idle.secs.max(1e-9);
+
+    // Paced: every worker once per interval, evenly spread (one beat every interval / workers).
+    let per_beat = Duration::from_secs_f64(a.heartbeat_interval_ms as f64 / 1000.0 / fleet.workers.len() as f64);
+    let total = (a.beat_secs as f64 / per_beat.as_secs_f64()) as usize;
+    let mut tick = tokio::time::interval(per_beat);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let before = Counters::read(store).await?;
+    let start = Instant::now();
+    let mut lat = Vec::with_capacity(total);
+    let lease_ms = run_lease.as_millis() as i64;
+    for k in 0..total {
+        tick.tick().await;
+        let w = k % workers.len();
+        let (id, _, inst) = &workers[w];
+        let t0 = Instant::now();
+        let reply = store.heartbeat(id, inst, lease_ms, &beat_of(w, &running, true)).await?;
+        lat.push(t0.elapsed().as_secs_f64() * 1000.0);
+        if reply != BeatReply::State(WorkerState::Active) {
+            bail!("heartbeat of {id} answered {reply:?}");
+        }
+    }
+    let wall = start.elapsed().as_secs_f64();
+    let d = Counters::read(store).await?.since(&before);
+    let cpu_net = d.cpu - idle_cpu_per_s * d.secs;
+    println!("\n## Heartbeats (heartbeat.lua), paced at the default interval");
+    println!(
+        "{total} heartbeats in {wall:.1} s = {:.1}/s ({} workers every {} ms), each renewing {} running tasks; call p50 / p99 {:.2} / {:.2} ms",
+        total as f64 / wall,
+        fleet.workers.len(),
+        a.heartbeat_interval_ms,
+        a.running,
+        pct(&mut lat.clone(), 0.5),
+        pct(&mut lat, 0.99)
+    );
+    println!(
+        "EVALSHA {:.1} µs/call ({} calls, {} foreign); inner commands per heartbeat {:.1}; Redis CPU {:.4} s over {:.1} s = {:.1} µs/heartbeat raw, {:.1} µs/heartbeat after the idle server's {:.4} s/s (measured {idle_secs} s before); Redis CPU share at 100 beats/s: {:.2} %; bytes in / out per heartbeat {:.0} / {:.0}",
+        d.usec("evalsha") as f64 / d.calls("evalsha").max(1) as f64,
+        d.calls("evalsha"),
+        d.calls("evalsha").saturating_sub(total as u64),
+        d.plain_calls() as f64 / total.max(1) as f64,
+        d.cpu,
+        d.secs,
+        d.cpu * 1e6 / total.max(1) as f64,
+        cpu_net * 1e6 / total.max(1) as f64,
+        idle_cpu_per_s,
+        cpu_net / d.secs.max(1e-9) * 100.0,
+        d.net_in as f64 / total.max(1) as f64,
+        d.net_out as f64 / total.max(1) as f64,
+    );
+
+    // Burst: as fast as Redis answers, with and without running tasks to renew.
+    for with in [true, false] {
+        let next = Arc::new(AtomicUsize::new(0));
+        let before = Counters::read(store).await?;
+        let start = Instant::now();
+        let mut joins = Vec::new();
+        for _ in 0..a.callers {
+            let (store, next, workers, running, n, with, nrun) = (store.clone(), next.clone(), workers.clone(), running.clone(), a.burst_beats, with, a.running);
+            joins.push(tokio::spawn(async move {
+                loop {
+                    let k = next.fetch_add(1, Ordering::Relaxed);
+                    if k >= n {
+                        return Ok::<_, anyhow::Error>(());
+                    }
+                    let w = k % workers.len();
+                    let (id, _, inst) = &workers[w];
+                    let b = Beat {
+                        running_normal: if with { nrun as u32 } else { 0 },
+                        running_critical: 0,
+                        succeeded: 1000 + w as u64,
+                        failed: 3,
+                        latency_ewma_ms: 12.5,
+                        cpu: 0.42,
+                        health: 0.99,
+                        running: if with { running[w].clone() } else { vec![] },
+                    };
+                    let reply = store.heartbeat(id, inst, lease_ms, &b).await?;
+                    if reply != BeatReply::State(WorkerState::Active) {
+                        bail!("heartbeat of {id} answered {reply:?}");
+                    }
+                }
+            }));
+        }
+        for j in joins {
+            j.await??;
+        }
+        let wall = start.elapsed().as_secs_f64();
+        let d = Counters::read(store).await?.since(&before);
+        let n = a.burst_beats as f64;
+        println!(
+            "burst, {} running tasks each: {} heartbeats in {wall:.2} s = {:.0}/s; EVALSHA {:.1} µs/call; Redis CPU {:.1} µs/heartbeat; inner commands {:.1}/heartbeat",
+            if with { a.running } else { 0 },
+            a.burst_beats,
+            n / wall,
+            d.usec("evalsha") as f64 / d.calls("evalsha").max(1) as f64,
+            d.cpu * 1e6 / n,
+            d.plain_calls() as f64 / n
+        );
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------ run
+
+/// Names of fleet's scripts by SHA (what `SLOWLOG` shows as EVALSHA's first argument).
+fn script_names() -> BTreeMap<String, &'static str> {
+    let s = fleet::scripts::Scripts::load();
+    [
+        ("register", &s.register),
+        ("heartbeat", &s.heartbeat),
+        ("set_state", &s.set_state),
+        ("eject", &s.eject),
+        ("evict", &s.evict),
+        ("deregister", &s.deregister),
+        ("reserve", &s.reserve),
+        ("start", &s.start),
+        ("finish", &s.finish),
+        ("ratelimit", &s.ratelimit),
+        ("outcomes", &s.outcomes),
+        ("broker_dead", &s.broker_dead),
+        ("reclaim", &s.reclaim),
+        ("rooms", &s.rooms),
+    ]
+    .into_iter()
+    .map(|(n, sc)| (sc.get_hash().to_string(), n))
+    .collect()
+}
+
+/// Top-level calls in the slow log (threshold 0: every call) by script or command name:
+/// (calls, µs). Empties the log.
+async fn slowlog(store: &Store, shas: &BTreeMap<String, &'static str>) -> Result<(BTreeMap<String, (u64, u64)>, usize)> {
+    type Entry = (i64, i64, i64, Vec<Vec<u8>>, redis::Value, redis::Value);
+    let raw: Vec<Entry> = store.query(redis::cmd("SLOWLOG").arg("GET").arg(10_000_000)).await?;
+    let _: () = store.query(&redis::cmd("SLOWLOG").arg("RESET").to_owned()).await?;
+    let mut out: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for (_, _, us, args, _, _) in &raw {
+        let cmd = args.first().map(|a| String::from_utf8_lossy(a).to_ascii_lowercase()).unwrap_or_default();
+        let name = if cmd == "evalsha" {
+            let sha = args.get(1).map(|a| String::from_utf8_lossy(a).to_string()).unwrap_or_default();
+            format!("EVALSHA {}", shas.get(&sha).copied().unwrap_or("?"))
+        } else if matches!(cmd.as_str(), "slowlog" | "info" | "config") {
+            continue;
+        } else {
+            cmd.to_uppercase()
+        };
+        let e = out.entry(name).or_default();
+        e.0 += 1;
+        e.1 += *us as u64;
+    }
+    Ok((out, raw.len()))
+}
+
+/// Idle figures per second, to subtract from a phase.
+struct Idle {
+    delta: Delta,
+    top: BTreeMap<String, (u64, u64)>,
+}
+
+async fn run(a: RunArgs) -> Result<()> {
+    let redis_srv = TestRedis::start(None, None).await?;
+    let url = redis_srv.url(None);
+    let ns = Ns::on(&amqp_url(), &url, &a.queue_type, &[]).await?;
+    println!("scale run: private redis-server at {url}, RabbitMQ {}, namespace {}, queue type {}", fleet::redact::redact(&amqp_url()), ns.name, a.queue_type);
+    let r = run_inner(&a, &ns).await;
+    let cleaned = ns.cleanup().await;
+    drop(redis_srv);
+    r?;
+    cleaned
+}
+
+async fn run_inner(a: &RunArgs, ns: &Ns) -> Result<()> {
+    let _: () = ns.store.query(redis::cmd("CONFIG").arg("SET").arg("slowlog-log-slower-than").arg(0)).await?;
+    let _: () = ns.store.query(redis::cmd("CONFIG").arg("SET").arg("slowlog-max-len").arg(1_000_000)).await?;
+    let shas = script_names();
+    let done = Arc::new(AtomicUsize::new(0));
+    let d2 = done.clone();
+    let count = handler_fn(move |_ctx| {
+        let d = d2.clone();
+        async move {
+            d.fetch_add(1, Ordering::Relaxed);
+            Ok(serde_json::Value::Null)
+        }
+    });
+    let bound = (2 * a.n).max(10_000).to_string();
+    let sched_settings = [("ingress_max_normal", bound.as_str())];
+    let sched = start_scheduler_exactly(ns, &sched_settings).await?;
+    // Product heartbeat settings (the test harness's defaults are faster).
+    let wset = [("heartbeat_interval_ms", "10000"), ("heartbeat_timeout_ms", "30000"), ("run_lease_ms", "30000")];
+    let h = [("count", count)];
+    let mut ws = Vec::new();
+    for id in ["scale-w1", "scale-w2"] {
+        ws.push(start_worker(ns, id, "pool=a", a.capacity, &wset, &h).await?);
+    }
+    println!(
+        "settings: scheduler at the product defaults but ingress_max_normal = {bound}; 2 workers `pool=a` × {} slots, heartbeat 10000 ms, run lease 30000 ms; no-op tasks with selector pool=a; {} per phase",
+        a.capacity, a.n
+    );
+    let r = run_phases(a, ns, &shas, &done).await;
+    for w in ws {
+        w.stop().await?;
+    }
+    sched.stop().await?;
+    r
+}
+
+async fn run_phases(a: &RunArgs, ns: &Ns, shas: &BTreeMap<String, &'static str>, done: &Arc<AtomicUsize>) -> Result<()> {
+    // Let start-up settle (declarations, first ticks), then measure the idle fleet.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    slowlog(&ns.store, shas).await?;
+    let c0 = Counters::read(&ns.store).await?;
+    tokio::time::sleep(Duration::from_secs(a.idle_secs)).await;
+    let idle_delta = Counters::read(&ns.store).await?.since(&c0);
+    let (idle_top, _) = slowlog(&ns.store, shas).await?;
+    let idle = Idle { delta: idle_delta, top: idle_top };
+    println!("\n## Idle fleet ({} s): what it costs Redis per second with no task", a.idle_secs);
+    let s = idle.delta.secs.max(1e-9);
+    println!(
+        "top-level calls/s {:.1}, commands executed/s {:.1}, bytes in/s {:.0}, out/s {:.0}, Redis CPU {:.2} %",
+        idle.top.values().map(|v| v.0).sum::<u64>() as f64 / s,
+        (idle.delta.plain_calls()) as f64 / s,
+        idle.delta.net_in as f64 / s,
+        idle.delta.net_out as f64 / s,
+        idle.delta.cpu / s * 100.0
+    );
+    let list: Vec<String> = idle.top.iter().map(|(k, v)| format!("{k} {:.2}/s", v.0 as f64 / s)).collect();
+    println!("by call: {}", list.join(", "));
+
+    for (phase, rate) in [("burst", None), ("steady", Some(a.rate))] {
+        let base = done.load(Ordering::Relaxed);
+        let c0 = Counters::read(&ns.store).await?;
+        let start = Instant::now();
+        let tag = uuid::Uuid::new_v4().simple().to_string()[..6].to_string();
+        let mk = |i: usize| {
+            let mut e = task("count", serde_json::json!({}), "pool=a");
+            e.id = format!("{phase}-{tag}-{i}");
+            e
+        };
+        match rate {
+            None => {
+                let mut sent = 0;
+                while sent < a.n {
+                    let k = (a.n - sent).min(1000);
+                    let envs: Vec<Envelope> = (sent..sent + k).map(mk).collect();
+                    let (ok, refused) = ns.submit(&envs).await?;
+                    if refused > 0 || ok != k {
+                        bail!("{refused} of {k} submissions refused");
+                    }
+                    sent += k;
+                }
+            }
+            Some(r) => {
+                let mut tick = tokio::time::interval(Duration::from_millis(10));
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+                let mut sent = 0;
+                while sent < a.n {
+                    tick.tick().await;
+                    let due = ((start.elapsed().as_secs_f64() * r) as usize + 1).min(a.n);
+                    if due > sent {
+                        let envs: Vec<Envelope> = (sent..due).map(mk).collect();
+                        let (ok, refused) = ns.submit(&envs).await?;
+                        if refused > 0 || ok != envs.len() {
+                            bail!("{refused} of {} submissions refused", envs.len());
+                        }
+                        sent = due;
+                    }
+                }
+            }
+        }
+        wait_for(&format!("{} tasks of the {phase} phase run", a.n), Duration::from_secs(600), || {
+            let d = done.load(Ordering::Relaxed);
+            async move { (d >= base + a.n).then_some(()) }
+        })
+        .await?;
+        let ran = start.elapsed().as_secs_f64();
+        // Outcomes are written with the acks, reservations turned into runs and released:
+        // wait until nothing is reserved or running any more, and the last task's status.
+        ns.wait_groups_idle(Duration::from_secs(120)).await?;
+        ns.wait_state(&format!("{phase}-{tag}-{}", a.n - 1), "succeeded", Duration::from_secs(60)).await?;
+        let d = Counters::read(&ns.store).await?.since(&c0);
+        let (top, entries) = slowlog(&ns.store, shas).await?;
+        let ran_total = done.load(Ordering::Relaxed) - base;
+        if ran_total != a.n {
+            bail!("{phase}: {ran_total} runs for {} tasks", a.n);
+        }
+        let n = a.n as f64;
+        let f = d.secs / idle.delta.secs.max(1e-9);
+        let calls_top: u64 = top.values().map(|v| v.0).sum();
+        let idle_top: u64 = idle.top.values().map(|v| v.0).sum();
+        println!("\n## {phase}: {} no-op tasks{}, all run in {ran:.2} s ({:.0} tasks/s), counters over {:.2} s", a.n, rate.map(|r| format!(" offered at {r}/s")).unwrap_or_default(), n / ran, d.secs);
+        println!("per task, the idle fleet's cost over the same time subtracted (raw in brackets):");
+        println!(
+            "* top-level Redis calls: {:.3} ({:.3})\n* commands executed (inside scripts and on their own): {:.2} ({:.2})\n* bytes into Redis: {:.0} ({:.0}); out of Redis: {:.0} ({:.0})\n* Redis CPU: {:.1} µs ({:.1} µs)\n* slow-log entries {entries} (log bound 1,000,000)",
+            (calls_top as f64 - idle_top as f64 * f) / n,
+            calls_top as f64 / n,
+            (d.plain_calls() as f64 - idle.delta.plain_calls() as f64 * f) / n,
+            d.plain_calls() as f64 / n,
+            (d.net_in as f64 - idle.delta.net_in as f64 * f) / n,
+            d.net_in as f64 / n,
+            (d.net_out as f64 - idle.delta.net_out as f64 * f) / n,
+            d.net_out as f64 / n,
+            (d.cpu - idle.delta.cpu * f) * 1e6 / n,
+            d.cpu * 1e6 / n,
+        );
+        println!("| top-level call | calls | per task | µs/call (inside Redis) | µs/task |");
+        println!("|---|---|---|---|---|");
+        for (k, (c, us)) in &top {
+            println!("| {k} | {c} | {:.3} | {:.1} | {:.2} |", *c as f64 / n, *us as f64 / (*c).max(1) as f64, *us as f64 / n);
+        }
+        let mut inner: Vec<(&String, &(u64, u64))> = d.cmds.iter().filter(|(k, _)| !matches!(k.as_str(), "evalsha" | "slowlog|get" | "slowlog|reset")).collect();
+        inner.sort_by(|x, y| y.1 .0.cmp(&x.1 .0));
+        let list: Vec<String> = inner.iter().take(20).map(|(k, c)| format!("{k} {:.2}", c.0 as f64 / n)).collect();
+        println!("commands per task (raw): {}", list.join(", "));
+    }
+    Ok(())
+}
