@@ -140,7 +140,8 @@ struct Counters {
 
 impl Counters {
     async fn read(store: &Store) -> Result<Self> {
-        let text: String = store.query(redis::cmd("INFO").arg("cpu").arg("stats").arg("commandstats")).await?;
+        let info = redis::cmd("INFO").arg("cpu").arg("stats").arg("commandstats").to_owned();
+        let text: String = retrying(|| store.query(&info)).await?;
         let mut c = Counters { at: Some(Instant::now()), ..Default::default() };
         for line in text.lines() {
             let line = line.trim();
@@ -203,6 +204,32 @@ impl Delta {
     }
 }
 
+/// Calls retried after an error (a call timed out while this loaded machine starved Redis).
+static RETRIES: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs `f` until it succeeds, at most 10 times: as the scheduler's dispatch does, a failed
+/// reservation call is retried with the same batch token (its own dedupe marks are not
+/// duplicates), and heartbeats are idempotent.
+async fn retrying<T, F, Fut>(mut f: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = fleet::Result<T>>,
+{
+    let mut attempt = 0;
+    loop {
+        match f().await {
+            Ok(v) => return Ok(v),
+            Err(e) if attempt < 9 => {
+                attempt += 1;
+                RETRIES.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, attempt, "call failed; retrying");
+                tokio::time::sleep(Duration::from_millis(200 * attempt)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 fn pct(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
@@ -212,6 +239,25 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 }
 
 // ------------------------------------------------------------------ sim
+
+/// Deletes every key of the namespace with `SCAN` + `UNLINK` (never a `KEYS` that blocks a
+/// shared server), each call with the store's timeout and retried.
+async fn delete_keys(store: &Store) -> Result<()> {
+    let pattern = store.names.all_keys_pattern();
+    let mut cursor = 0u64;
+    loop {
+        let scan = redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000).to_owned();
+        let (next, keys): (u64, Vec<String>) = retrying(|| store.query(&scan)).await?;
+        if !keys.is_empty() {
+            let unlink = redis::cmd("UNLINK").arg(&keys).to_owned();
+            let _: () = retrying(|| store.query(&unlink)).await?;
+        }
+        if next == 0 {
+            return Ok(());
+        }
+        cursor = next;
+    }
+}
 
 /// The simulated fleet: worker ids, their groups and instance tokens.
 struct Fleet {
@@ -251,7 +297,7 @@ async fn sim(a: SimArgs) -> Result<()> {
         a.workers, a.groups, a.capacity, a.callers, a.batches, a.reservations, a.max_secs, a.heartbeat_interval_ms, a.beat_secs, a.running
     );
     let r = sim_inner(&a, &store).await;
-    let cleaned = store.delete_namespace().await;
+    let cleaned = delete_keys(&store).await;
     drop(private);
     r?;
     cleaned.context("delete the namespace")?;
@@ -259,7 +305,36 @@ async fn sim(a: SimArgs) -> Result<()> {
     Ok(())
 }
 
+/// This machine's Redis speed right now, to read the other figures against: Redis CPU per
+/// command of a Lua loop of `INCR`s (the cheapest call a script makes) and per plain pipelined
+/// `SET`. The scripts' costs divided by these are machine-independent ratios.
+async fn calibrate(store: &Store) -> Result<(f64, f64)> {
+    let key = format!("{}calibrate", store.names.prefix());
+    let lua = redis::Script::new("for i = 1, tonumber(ARGV[1]) do redis.call('INCR', KEYS[1]) end return 1");
+    let before = Counters::read(store).await?;
+    for _ in 0..100 {
+        let mut inv = lua.prepare_invoke();
+        inv.key(&key).arg(1000);
+        let _: i64 = retrying(|| store.invoke(&inv)).await?;
+    }
+    let d = Counters::read(store).await?.since(&before);
+    let per_lua_call = d.cpu * 1e6 / 100_000.0;
+    let before = Counters::read(store).await?;
+    for _ in 0..100 {
+        let mut p = redis::pipe();
+        for i in 0..100 {
+            p.cmd("SET").arg(format!("{key}:{i}")).arg(i).ignore();
+        }
+        let _: () = retrying(|| store.pipe(&p)).await?;
+    }
+    let d = Counters::read(store).await?.since(&before);
+    let per_set = d.cpu * 1e6 / 10_000.0;
+    println!("\n## Calibration (this machine now)\nRedis CPU per INCR inside a Lua loop: {per_lua_call:.2} µs; per pipelined SET (100 a pipeline): {per_set:.2} µs");
+    Ok((per_lua_call, per_set))
+}
+
 async fn sim_inner(a: &SimArgs, store: &Store) -> Result<()> {
+    let (per_lua_call, _) = calibrate(store).await?;
     let fleet = register_fleet(a, store).await?;
     // Every group has room for everything this benchmark reserves: the steady state of a fleet
     // whose workers keep up (the scheduler writes `room:<lane>` from the completion rate). A
@@ -300,11 +375,18 @@ async fn sim_inner(a: &SimArgs, store: &Store) -> Result<()> {
                     m.delta.cmds.iter().filter(|(k, _)| k.as_str() != "evalsha").map(|(k, c)| (k.clone(), c.0 as f64 / m.done.max(1) as f64)).collect();
                 inner.sort_by(|x, y| y.1.partial_cmp(&x.1).unwrap_or(std::cmp::Ordering::Equal));
                 let list: Vec<String> = inner.iter().filter(|(_, v)| *v >= 0.01).map(|(k, v)| format!("{k} {v:.2}")).collect();
-                println!("<!-- one group, batch 256: commands per reservation: {} -->", list.join(", "));
+                let inner_us: u64 = m.delta.cmds.iter().filter(|(k, _)| k.as_str() != "evalsha").map(|(_, c)| c.1).sum();
+                println!(
+                    "<!-- one group, batch 256: commands per reservation: {}; the inner commands' own time is {:.0} % of the scripts' time (the rest: Lua, argument and reply conversion) -->",
+                    list.join(", "),
+                    inner_us as f64 * 100.0 / m.delta.usec("evalsha").max(1) as f64
+                );
             }
         }
     }
-    println!("\nbest reservations/s: {best:.0} (goal ≥ 50,000)");
+    println!("\nbest reservations/s: {best:.0} (goal ≥ 50,000); calls retried after an error so far: {}", RETRIES.load(Ordering::Relaxed));
+    println!("(Redis CPU per reservation ÷ {per_lua_call:.2} µs = its cost in Lua INCR-equivalents, a ratio that holds on any machine)");
+    let _ = calibrate(store).await?;
 
     heartbeats(a, store, &fleet).await
 }
@@ -336,7 +418,7 @@ async fn register_fleet(a: &SimArgs, store: &Store) -> Result<Fleet> {
                     executor: "builtin".into(),
                     state: WorkerState::Active,
                 };
-                store.register(&r, 30_000).await?;
+                retrying(|| store.register(&r, 30_000)).await?;
             }
         }));
     }
@@ -412,7 +494,8 @@ async fn measure_reserve(a: &SimArgs, store: &Store, fleet: &Fleet, shape: usize
                     })
                     .collect();
                 let t0 = Instant::now();
-                let answers = store.reserve(&reqs, default_params()).await?;
+                let params = default_params();
+                let answers = retrying(|| store.reserve(&reqs, params)).await?;
                 if let Ok(mut l) = lat.lock() {
                     l.push(t0.elapsed().as_secs_f64() * 1000.0);
                 }
@@ -461,12 +544,13 @@ async fn heartbeats(a: &SimArgs, store: &Store, fleet: &Fleet) -> Result<()> {
             .iter()
             .map(|t| ReserveRequest { id: t.clone(), lane: Lane::Normal, selector: sel.clone(), strategy: None, dedupe: Dedupe::Check, from_park: false, dedupe_only: false })
             .collect();
-        let got = store.reserve(&reqs, default_params()).await?;
+        let params = default_params();
+        let got = retrying(|| store.reserve(&reqs, params)).await?;
         if !got.iter().all(|r| r == &Reservation::Reserved(group.clone())) {
             bail!("reserving {id}'s tasks in {group}: {got:?}");
         }
         let claims: Vec<ClaimRequest> = ids.iter().map(|t| ClaimRequest { lane: Lane::Normal, id: t.clone(), base: 1, max_attempts: 5, isolated: false }).collect();
-        let (registered, c) = store.claim(id, group, inst, run_lease, status_ttl, &claims).await?;
+        let (registered, c) = retrying(|| store.claim(id, group, inst, run_lease, status_ttl, &claims)).await?;
         if !registered || !c.iter().all(|c| *c == Claim::Run(1)) {
             bail!("claiming {id}'s tasks: registered {registered}, {c:?}");
         }
@@ -506,7 +590,8 @@ async fn heartbeats(a: &SimArgs, store: &Store, fleet: &Fleet) -> Result<()> {
         let w = k % workers.len();
         let (id, _, inst) = &workers[w];
         let t0 = Instant::now();
-        let reply = store.heartbeat(id, inst, lease_ms, &beat_of(w, &running, true)).await?;
+        let b = beat_of(w, &running, true);
+        let reply = retrying(|| store.heartbeat(id, inst, lease_ms, &b)).await?;
         lat.push(t0.elapsed().as_secs_f64() * 1000.0);
         if reply != BeatReply::State(WorkerState::Active) {
             bail!("heartbeat of {id} answered {reply:?}");
@@ -567,7 +652,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, fleet: &Fleet) -> Result<()> {
                         health: 0.99,
                         running: if with { running[w].clone() } else { vec![] },
                     };
-                    let reply = store.heartbeat(id, inst, lease_ms, &b).await?;
+                    let reply = retrying(|| store.heartbeat(id, inst, lease_ms, &b)).await?;
                     if reply != BeatReply::State(WorkerState::Active) {
                         bail!("heartbeat of {id} answered {reply:?}");
                     }
@@ -590,6 +675,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, fleet: &Fleet) -> Result<()> {
             d.plain_calls() as f64 / n
         );
     }
+    println!("calls retried after an error: {}; machine load average at the end: {}", RETRIES.load(Ordering::Relaxed), std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim());
     Ok(())
 }
 
@@ -619,28 +705,63 @@ fn script_names() -> BTreeMap<String, &'static str> {
     .collect()
 }
 
-/// Top-level calls in the slow log (threshold 0: every call) by script or command name:
-/// (calls, µs). Empties the log.
-async fn slowlog(store: &Store, shas: &BTreeMap<String, &'static str>) -> Result<(BTreeMap<String, (u64, u64)>, usize)> {
-    type Entry = (i64, i64, i64, Vec<Vec<u8>>, redis::Value, redis::Value);
-    let raw: Vec<Entry> = store.query(redis::cmd("SLOWLOG").arg("GET").arg(10_000_000)).await?;
-    let _: () = store.query(&redis::cmd("SLOWLOG").arg("RESET").to_owned()).await?;
-    let mut out: BTreeMap<String, (u64, u64)> = BTreeMap::new();
-    for (_, _, us, args, _, _) in &raw {
-        let cmd = args.first().map(|a| String::from_utf8_lossy(a).to_ascii_lowercase()).unwrap_or_default();
-        let name = if cmd == "evalsha" {
-            let sha = args.get(1).map(|a| String::from_utf8_lossy(a).to_string()).unwrap_or_default();
-            format!("EVALSHA {}", shas.get(&sha).copied().unwrap_or("?"))
-        } else if matches!(cmd.as_str(), "slowlog" | "info" | "config") {
-            continue;
-        } else {
-            cmd.to_uppercase()
-        };
-        let e = out.entry(name).or_default();
-        e.0 += 1;
-        e.1 += *us as u64;
+/// Top-level calls by script or command name, (calls, µs), taken from the slow log (threshold
+/// 0: every call) in small bites: a poller moves the log's entries here every 200 ms
+/// (`SLOWLOG GET` + `SLOWLOG RESET` in one `MULTI`, so no entry falls between them and no reply
+/// grows large).
+#[derive(Clone)]
+struct SlowLog {
+    store: Store,
+    shas: Arc<BTreeMap<String, &'static str>>,
+    acc: Arc<Mutex<(BTreeMap<String, (u64, u64)>, usize)>>,
+}
+
+impl SlowLog {
+    fn new(store: Store) -> Self {
+        SlowLog { store, shas: Arc::new(script_names()), acc: Arc::default() }
     }
-    Ok((out, raw.len()))
+
+    /// Moves the log's entries into the tally.
+    async fn poll(&self) -> Result<()> {
+        type Entry = (i64, i64, i64, Vec<Vec<u8>>, redis::Value, redis::Value);
+        let mut p = redis::pipe();
+        p.atomic().cmd("SLOWLOG").arg("GET").arg(1_000_000).cmd("SLOWLOG").arg("RESET").ignore();
+        let (raw,): (Vec<Entry>,) = retrying(|| self.store.pipe(&p)).await?;
+        let mut acc = self.acc.lock().map_err(|_| anyhow::anyhow!("slow-log tally poisoned"))?;
+        acc.1 += raw.len();
+        for (_, _, us, args, _, _) in &raw {
+            let cmd = args.first().map(|a| String::from_utf8_lossy(a).to_ascii_lowercase()).unwrap_or_default();
+            let name = if cmd == "evalsha" {
+                let sha = args.get(1).map(|a| String::from_utf8_lossy(a).to_string()).unwrap_or_default();
+                format!("EVALSHA {}", self.shas.get(&sha).copied().unwrap_or("?"))
+            } else if matches!(cmd.as_str(), "slowlog" | "info" | "config" | "multi" | "exec") {
+                continue;
+            } else {
+                cmd.to_uppercase()
+            };
+            let e = acc.0.entry(name).or_default();
+            e.0 += 1;
+            e.1 += *us as u64;
+        }
+        Ok(())
+    }
+
+    /// The tally since the last take (after a last poll), and how many entries it read.
+    async fn take(&self) -> Result<(BTreeMap<String, (u64, u64)>, usize)> {
+        self.poll().await?;
+        let mut acc = self.acc.lock().map_err(|_| anyhow::anyhow!("slow-log tally poisoned"))?;
+        Ok(std::mem::take(&mut *acc))
+    }
+
+    /// Polls every 200 ms until `stop`.
+    async fn run(self, stop: tokio_util::sync::CancellationToken) -> Result<()> {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(Duration::from_millis(200)) => self.poll().await?,
+            }
+        }
+    }
 }
 
 /// Idle figures per second, to subtract from a phase.
@@ -664,7 +785,9 @@ async fn run(a: RunArgs) -> Result<()> {
 async fn run_inner(a: &RunArgs, ns: &Ns) -> Result<()> {
     let _: () = ns.store.query(redis::cmd("CONFIG").arg("SET").arg("slowlog-log-slower-than").arg(0)).await?;
     let _: () = ns.store.query(redis::cmd("CONFIG").arg("SET").arg("slowlog-max-len").arg(1_000_000)).await?;
-    let shas = script_names();
+    let slow = SlowLog::new(ns.store.clone());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let poller = tokio::spawn(slow.clone().run(stop.clone()));
     let done = Arc::new(AtomicUsize::new(0));
     let d2 = done.clone();
     let count = handler_fn(move |_ctx| {
@@ -688,22 +811,25 @@ async fn run_inner(a: &RunArgs, ns: &Ns) -> Result<()> {
         "settings: scheduler at the product defaults but ingress_max_normal = {bound}; 2 workers `pool=a` × {} slots, heartbeat 10000 ms, run lease 30000 ms; no-op tasks with selector pool=a; {} per phase",
         a.capacity, a.n
     );
-    let r = run_phases(a, ns, &shas, &done).await;
+    let r = run_phases(a, ns, &slow, &done).await;
+    stop.cancel();
+    let polled = poller.await;
     for w in ws {
         w.stop().await?;
     }
     sched.stop().await?;
-    r
+    r?;
+    polled?
 }
 
-async fn run_phases(a: &RunArgs, ns: &Ns, shas: &BTreeMap<String, &'static str>, done: &Arc<AtomicUsize>) -> Result<()> {
+async fn run_phases(a: &RunArgs, ns: &Ns, slow: &SlowLog, done: &Arc<AtomicUsize>) -> Result<()> {
     // Let start-up settle (declarations, first ticks), then measure the idle fleet.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    slowlog(&ns.store, shas).await?;
+    slow.take().await?;
     let c0 = Counters::read(&ns.store).await?;
     tokio::time::sleep(Duration::from_secs(a.idle_secs)).await;
     let idle_delta = Counters::read(&ns.store).await?.since(&c0);
-    let (idle_top, _) = slowlog(&ns.store, shas).await?;
+    let (idle_top, _) = slow.take().await?;
     let idle = Idle { delta: idle_delta, top: idle_top };
     println!("\n## Idle fleet ({} s): what it costs Redis per second with no task", a.idle_secs);
     let s = idle.delta.secs.max(1e-9);
@@ -720,6 +846,7 @@ async fn run_phases(a: &RunArgs, ns: &Ns, shas: &BTreeMap<String, &'static str>,
 
     for (phase, rate) in [("burst", None), ("steady", Some(a.rate))] {
         let base = done.load(Ordering::Relaxed);
+        slow.take().await?;
         let c0 = Counters::read(&ns.store).await?;
         let start = Instant::now();
         let tag = uuid::Uuid::new_v4().simple().to_string()[..6].to_string();
@@ -770,7 +897,7 @@ async fn run_phases(a: &RunArgs, ns: &Ns, shas: &BTreeMap<String, &'static str>,
         ns.wait_groups_idle(Duration::from_secs(120)).await?;
         ns.wait_state(&format!("{phase}-{tag}-{}", a.n - 1), "succeeded", Duration::from_secs(60)).await?;
         let d = Counters::read(&ns.store).await?.since(&c0);
-        let (top, entries) = slowlog(&ns.store, shas).await?;
+        let (top, entries) = slow.take().await?;
         let ran_total = done.load(Ordering::Relaxed) - base;
         if ran_total != a.n {
             bail!("{phase}: {ran_total} runs for {} tasks", a.n);
