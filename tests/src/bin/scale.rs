@@ -126,6 +126,29 @@ async fn main() -> Result<()> {
 
 // ------------------------------------------------------------------ Redis counters
 
+/// This benchmark's own connection for reading counters: a response timeout of 30 s, not the
+/// `redis` crate's default 500 ms that fleet's pool runs with (a starved Redis on a loaded
+/// machine answers `INFO` or `SLOWLOG GET` slower than that).
+#[derive(Clone)]
+struct Probe {
+    conn: redis::aio::MultiplexedConnection,
+}
+
+impl Probe {
+    async fn connect(url: &str) -> Result<Self> {
+        let client = redis::Client::open(url)?;
+        let cfg = redis::AsyncConnectionConfig::new()
+            .set_response_timeout(Some(Duration::from_secs(30)))
+            .set_connection_timeout(Some(Duration::from_secs(10)));
+        Ok(Probe { conn: client.get_multiplexed_async_connection_with_config(&cfg).await? })
+    }
+
+    async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T> {
+        let mut c = self.conn.clone();
+        Ok(cmd.query_async(&mut c).await?)
+    }
+}
+
 /// What `INFO cpu stats commandstats` says at one moment.
 #[derive(Debug, Clone, Default)]
 struct Counters {
@@ -139,9 +162,9 @@ struct Counters {
 }
 
 impl Counters {
-    async fn read(store: &Store) -> Result<Self> {
+    async fn read(probe: &Probe) -> Result<Self> {
         let info = redis::cmd("INFO").arg("cpu").arg("stats").arg("commandstats").to_owned();
-        let text: String = retrying(|| store.query(&info)).await?;
+        let text: String = probe.query(&info).await?;
         let mut c = Counters { at: Some(Instant::now()), ..Default::default() };
         for line in text.lines() {
             let line = line.trim();
@@ -296,7 +319,8 @@ async fn sim(a: SimArgs) -> Result<()> {
         "settings: {} workers in {} groups (capacity {} normal + 1 critical each), {} concurrent callers, batches {:?}, {} reservations per measurement (at most {} s), reserve params: lease 30000 ms, backlog factor 1.0, least_loaded, dedupe window 3600000 ms (Check), status TTL 86400000 ms, direct dispatch on; heartbeat interval {} ms for {} s, {} running tasks per worker",
         a.workers, a.groups, a.capacity, a.callers, a.batches, a.reservations, a.max_secs, a.heartbeat_interval_ms, a.beat_secs, a.running
     );
-    let r = sim_inner(&a, &store).await;
+    let probe = Probe::connect(&url).await?;
+    let r = sim_inner(&a, &store, &probe).await;
     let cleaned = delete_keys(&store).await;
     drop(private);
     r?;
@@ -308,18 +332,18 @@ async fn sim(a: SimArgs) -> Result<()> {
 /// This machine's Redis speed right now, to read the other figures against: Redis CPU per
 /// command of a Lua loop of `INCR`s (the cheapest call a script makes) and per plain pipelined
 /// `SET`. The scripts' costs divided by these are machine-independent ratios.
-async fn calibrate(store: &Store) -> Result<(f64, f64)> {
+async fn calibrate(store: &Store, probe: &Probe) -> Result<(f64, f64)> {
     let key = format!("{}calibrate", store.names.prefix());
     let lua = redis::Script::new("for i = 1, tonumber(ARGV[1]) do redis.call('INCR', KEYS[1]) end return 1");
-    let before = Counters::read(store).await?;
+    let before = Counters::read(probe).await?;
     for _ in 0..100 {
         let mut inv = lua.prepare_invoke();
         inv.key(&key).arg(1000);
         let _: i64 = retrying(|| store.invoke(&inv)).await?;
     }
-    let d = Counters::read(store).await?.since(&before);
+    let d = Counters::read(probe).await?.since(&before);
     let per_lua_call = d.cpu * 1e6 / 100_000.0;
-    let before = Counters::read(store).await?;
+    let before = Counters::read(probe).await?;
     for _ in 0..100 {
         let mut p = redis::pipe();
         for i in 0..100 {
@@ -327,15 +351,15 @@ async fn calibrate(store: &Store) -> Result<(f64, f64)> {
         }
         let _: () = retrying(|| store.pipe(&p)).await?;
     }
-    let d = Counters::read(store).await?.since(&before);
+    let d = Counters::read(probe).await?.since(&before);
     let per_set = d.cpu * 1e6 / 10_000.0;
     println!("\n## Calibration (this machine now)\nRedis CPU per INCR inside a Lua loop: {per_lua_call:.2} µs; per pipelined SET (100 a pipeline): {per_set:.2} µs");
     Ok((per_lua_call, per_set))
 }
 
-async fn sim_inner(a: &SimArgs, store: &Store) -> Result<()> {
-    let (per_lua_call, _) = calibrate(store).await?;
-    let fleet = register_fleet(a, store).await?;
+async fn sim_inner(a: &SimArgs, store: &Store, probe: &Probe) -> Result<()> {
+    let (per_lua_call, _) = calibrate(store, probe).await?;
+    let fleet = register_fleet(a, store, probe).await?;
     // Every group has room for everything this benchmark reserves: the steady state of a fleet
     // whose workers keep up (the scheduler writes `room:<lane>` from the completion rate). A
     // group without room would answer `full` (park) for multi-candidate tasks instead.
@@ -350,7 +374,7 @@ async fn sim_inner(a: &SimArgs, store: &Store) -> Result<()> {
     for (si, (shape, cands)) in shapes.iter().enumerate() {
         for &batch in &a.batches {
             let want = if batch < 16 { a.reservations / 4 } else { a.reservations };
-            let m = measure_reserve(a, store, &fleet, si, batch, want).await?;
+            let m = measure_reserve(a, store, probe, &fleet, si, batch, want).await?;
             let script_us = m.delta.usec("evalsha") as f64 / m.done.max(1) as f64;
             best = best.max(m.done as f64 / m.wall);
             println!(
@@ -386,19 +410,19 @@ async fn sim_inner(a: &SimArgs, store: &Store) -> Result<()> {
     }
     println!("\nbest reservations/s: {best:.0} (goal ≥ 50,000); calls retried after an error so far: {}", RETRIES.load(Ordering::Relaxed));
     println!("(Redis CPU per reservation ÷ {per_lua_call:.2} µs = its cost in Lua INCR-equivalents, a ratio that holds on any machine)");
-    let _ = calibrate(store).await?;
+    let _ = calibrate(store, probe).await?;
 
-    heartbeats(a, store, &fleet).await
+    heartbeats(a, store, probe, &fleet).await
 }
 
-async fn register_fleet(a: &SimArgs, store: &Store) -> Result<Fleet> {
+async fn register_fleet(a: &SimArgs, store: &Store, probe: &Probe) -> Result<Fleet> {
     let groups: Vec<String> = (0..a.groups).map(|g| group_labels(g, a.groups).group_name()).collect();
     let mut workers = Vec::with_capacity(a.workers);
     for i in 0..a.workers {
         let g = i % a.groups;
         workers.push((format!("sim-{g:02}-{:04}", i / a.groups), groups[g].clone(), uuid::Uuid::new_v4().simple().to_string()));
     }
-    let before = Counters::read(store).await?;
+    let before = Counters::read(probe).await?;
     let start = Instant::now();
     let next = Arc::new(AtomicUsize::new(0));
     let ws = Arc::new(workers);
@@ -426,7 +450,7 @@ async fn register_fleet(a: &SimArgs, store: &Store) -> Result<Fleet> {
         j.await??;
     }
     let wall = start.elapsed().as_secs_f64();
-    let d = Counters::read(store).await?.since(&before);
+    let d = Counters::read(probe).await?.since(&before);
     let workers = Arc::try_unwrap(ws).map_err(|_| anyhow::anyhow!("workers still shared"))?;
     let views = store.groups().await?;
     let cap: u32 = views.iter().map(|g| g.capacity).sum();
@@ -464,13 +488,13 @@ fn selector(shape: usize, i: usize, groups: usize) -> Labels {
     }
 }
 
-async fn measure_reserve(a: &SimArgs, store: &Store, fleet: &Fleet, shape: usize, batch: usize, want: usize) -> Result<ReserveRun> {
+async fn measure_reserve(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet, shape: usize, batch: usize, want: usize) -> Result<ReserveRun> {
     let tag = format!("r{shape}b{batch}");
     let next = Arc::new(AtomicUsize::new(0));
     let done = Arc::new(AtomicUsize::new(0));
     let lat = Arc::new(Mutex::new(Vec::<f64>::new()));
     let limit = Duration::from_secs_f64(a.max_secs);
-    let before = Counters::read(store).await?;
+    let before = Counters::read(probe).await?;
     let start = Instant::now();
     let mut joins = Vec::new();
     for _ in 0..a.callers {
@@ -513,7 +537,7 @@ async fn measure_reserve(a: &SimArgs, store: &Store, fleet: &Fleet, shape: usize
         calls += j.await??;
     }
     let wall = start.elapsed().as_secs_f64();
-    let delta = Counters::read(store).await?.since(&before);
+    let delta = Counters::read(probe).await?.since(&before);
     let n = done.load(Ordering::Relaxed);
     let mut l = lat.lock().map(|v| v.clone()).unwrap_or_default();
     let (p50, p99) = (pct(&mut l, 0.5), pct(&mut l, 0.99));
@@ -532,7 +556,7 @@ async fn measure_reserve(a: &SimArgs, store: &Store, fleet: &Fleet, shape: usize
     Ok(ReserveRun { done: n, calls, wall, p50, p99, delta })
 }
 
-async fn heartbeats(a: &SimArgs, store: &Store, fleet: &Fleet) -> Result<()> {
+async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) -> Result<()> {
     let run_lease = Duration::from_millis(3 * a.heartbeat_interval_ms);
     let status_ttl = Duration::from_millis(86_400_000);
     // Each worker claims `running` tasks of its group, as a worker starting them would.
@@ -571,9 +595,9 @@ async fn heartbeats(a: &SimArgs, store: &Store, fleet: &Fleet) -> Result<()> {
 
     // The server's own cost with none of this benchmark's calls, to subtract.
     let idle_secs = 5u64;
-    let c0 = Counters::read(store).await?;
+    let c0 = Counters::read(probe).await?;
     tokio::time::sleep(Duration::from_secs(idle_secs)).await;
-    let idle = Counters::read(store).await?.since(&c0);
+    let idle = Counters::read(probe).await?.since(&c0);
     let idle_cpu_per_s = idle.cpu / idle.secs.max(1e-9);
 
     // Paced: every worker once per interval, evenly spread (one beat every interval / workers).
@@ -581,7 +605,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, fleet: &Fleet) -> Result<()> {
     let total = (a.beat_secs as f64 / per_beat.as_secs_f64()) as usize;
     let mut tick = tokio::time::interval(per_beat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let before = Counters::read(store).await?;
+    let before = Counters::read(probe).await?;
     let start = Instant::now();
     let mut lat = Vec::with_capacity(total);
     let lease_ms = run_lease.as_millis() as i64;
@@ -598,7 +622,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, fleet: &Fleet) -> Result<()> {
         }
     }
     let wall = start.elapsed().as_secs_f64();
-    let d = Counters::read(store).await?.since(&before);
+    let d = Counters::read(probe).await?.since(&before);
     let cpu_net = d.cpu - idle_cpu_per_s * d.secs;
     println!("\n## Heartbeats (heartbeat.lua), paced at the default interval");
     println!(
@@ -629,7 +653,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, fleet: &Fleet) -> Result<()> {
     // Burst: as fast as Redis answers, with and without running tasks to renew.
     for with in [true, false] {
         let next = Arc::new(AtomicUsize::new(0));
-        let before = Counters::read(store).await?;
+        let before = Counters::read(probe).await?;
         let start = Instant::now();
         let mut joins = Vec::new();
         for _ in 0..a.callers {
@@ -663,7 +687,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, fleet: &Fleet) -> Result<()> {
             j.await??;
         }
         let wall = start.elapsed().as_secs_f64();
-        let d = Counters::read(store).await?.since(&before);
+        let d = Counters::read(probe).await?.since(&before);
         let n = a.burst_beats as f64;
         println!(
             "burst, {} running tasks each: {} heartbeats in {wall:.2} s = {:.0}/s; EVALSHA {:.1} µs/call; Redis CPU {:.1} µs/heartbeat; inner commands {:.1}/heartbeat",
@@ -705,36 +729,47 @@ fn script_names() -> BTreeMap<String, &'static str> {
     .collect()
 }
 
-/// Top-level calls by script or command name, (calls, µs), taken from the slow log (threshold
-/// 0: every call) in small bites: a poller moves the log's entries here every 200 ms
-/// (`SLOWLOG GET` + `SLOWLOG RESET` in one `MULTI`, so no entry falls between them and no reply
-/// grows large).
+/// Top-level calls by script or command name, (calls, µs), read from the slow log (threshold
+/// 0: every call) in small bites: a poller reads the newest 3,000 entries every 100 ms and
+/// tallies those it has not seen (by entry id), so no reply grows large; entries that fell out
+/// of a bite are counted as missed. Its replies are traffic too: phases that measure bytes run
+/// without it.
 #[derive(Clone)]
 struct SlowLog {
-    store: Store,
+    probe: Probe,
     shas: Arc<BTreeMap<String, &'static str>>,
-    acc: Arc<Mutex<(BTreeMap<String, (u64, u64)>, usize)>>,
+    /// (tally, entries read, entries missed, last id seen)
+    acc: Arc<Mutex<(BTreeMap<String, (u64, u64)>, usize, i64, i64)>>,
+    /// The poller reads the log only while this is set.
+    on: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl SlowLog {
-    fn new(store: Store) -> Self {
-        SlowLog { store, shas: Arc::new(script_names()), acc: Arc::default() }
+    fn new(probe: Probe) -> Self {
+        SlowLog { probe, shas: Arc::new(script_names()), acc: Arc::new(Mutex::new((BTreeMap::new(), 0, 0, -1))), on: Arc::default() }
     }
 
-    /// Moves the log's entries into the tally.
+    /// Tallies the entries written since the last poll.
     async fn poll(&self) -> Result<()> {
         type Entry = (i64, i64, i64, Vec<Vec<u8>>, redis::Value, redis::Value);
-        let mut p = redis::pipe();
-        p.atomic().cmd("SLOWLOG").arg("GET").arg(1_000_000).cmd("SLOWLOG").arg("RESET").ignore();
-        let (raw,): (Vec<Entry>,) = retrying(|| self.store.pipe(&p)).await?;
+        let get = redis::cmd("SLOWLOG").arg("GET").arg(3000).to_owned();
+        let raw: Vec<Entry> = self.probe.query(&get).await?;
         let mut acc = self.acc.lock().map_err(|_| anyhow::anyhow!("slow-log tally poisoned"))?;
-        acc.1 += raw.len();
-        for (_, _, us, args, _, _) in &raw {
+        let last = acc.3;
+        let fresh: Vec<&Entry> = raw.iter().filter(|e| e.0 > last).collect();
+        if let (Some(oldest), true) = (fresh.iter().map(|e| e.0).min(), last >= 0) {
+            acc.2 += (oldest - last - 1).max(0);
+        }
+        if let Some(newest) = raw.iter().map(|e| e.0).max() {
+            acc.3 = acc.3.max(newest);
+        }
+        acc.1 += fresh.len();
+        for (_, _, us, args, _, _) in fresh {
             let cmd = args.first().map(|a| String::from_utf8_lossy(a).to_ascii_lowercase()).unwrap_or_default();
             let name = if cmd == "evalsha" {
                 let sha = args.get(1).map(|a| String::from_utf8_lossy(a).to_string()).unwrap_or_default();
                 format!("EVALSHA {}", self.shas.get(&sha).copied().unwrap_or("?"))
-            } else if matches!(cmd.as_str(), "slowlog" | "info" | "config" | "multi" | "exec") {
+            } else if matches!(cmd.as_str(), "slowlog" | "info" | "config") {
                 continue;
             } else {
                 cmd.to_uppercase()
@@ -746,28 +781,29 @@ impl SlowLog {
         Ok(())
     }
 
-    /// The tally since the last take (after a last poll), and how many entries it read.
-    async fn take(&self) -> Result<(BTreeMap<String, (u64, u64)>, usize)> {
+    /// The tally since the last take (after a last poll): (calls by name, entries read, missed).
+    async fn take(&self) -> Result<(BTreeMap<String, (u64, u64)>, usize, i64)> {
         self.poll().await?;
         let mut acc = self.acc.lock().map_err(|_| anyhow::anyhow!("slow-log tally poisoned"))?;
-        Ok(std::mem::take(&mut *acc))
+        let out = (std::mem::take(&mut acc.0), acc.1, acc.2);
+        acc.1 = 0;
+        acc.2 = 0;
+        Ok(out)
     }
 
-    /// Polls every 200 ms until `stop`.
+    /// Polls every 100 ms until `stop`.
     async fn run(self, stop: tokio_util::sync::CancellationToken) -> Result<()> {
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return Ok(()),
-                _ = tokio::time::sleep(Duration::from_millis(200)) => self.poll().await?,
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                    if self.on.load(Ordering::Relaxed) {
+                        self.poll().await?;
+                    }
+                }
             }
         }
     }
-}
-
-/// Idle figures per second, to subtract from a phase.
-struct Idle {
-    delta: Delta,
-    top: BTreeMap<String, (u64, u64)>,
 }
 
 async fn run(a: RunArgs) -> Result<()> {
@@ -775,17 +811,18 @@ async fn run(a: RunArgs) -> Result<()> {
     let url = redis_srv.url(None);
     let ns = Ns::on(&amqp_url(), &url, &a.queue_type, &[]).await?;
     println!("scale run: private redis-server at {url}, RabbitMQ {}, namespace {}, queue type {}", fleet::redact::redact(&amqp_url()), ns.name, a.queue_type);
-    let r = run_inner(&a, &ns).await;
+    let probe = Probe::connect(&url).await?;
+    let r = run_inner(&a, &ns, &probe).await;
     let cleaned = ns.cleanup().await;
     drop(redis_srv);
     r?;
     cleaned
 }
 
-async fn run_inner(a: &RunArgs, ns: &Ns) -> Result<()> {
+async fn run_inner(a: &RunArgs, ns: &Ns, probe: &Probe) -> Result<()> {
     let _: () = ns.store.query(redis::cmd("CONFIG").arg("SET").arg("slowlog-log-slower-than").arg(0)).await?;
     let _: () = ns.store.query(redis::cmd("CONFIG").arg("SET").arg("slowlog-max-len").arg(1_000_000)).await?;
-    let slow = SlowLog::new(ns.store.clone());
+    let slow = SlowLog::new(probe.clone());
     let stop = tokio_util::sync::CancellationToken::new();
     let poller = tokio::spawn(slow.clone().run(stop.clone()));
     let done = Arc::new(AtomicUsize::new(0));
@@ -811,7 +848,7 @@ async fn run_inner(a: &RunArgs, ns: &Ns) -> Result<()> {
         "settings: scheduler at the product defaults but ingress_max_normal = {bound}; 2 workers `pool=a` × {} slots, heartbeat 10000 ms, run lease 30000 ms; no-op tasks with selector pool=a; {} per phase",
         a.capacity, a.n
     );
-    let r = run_phases(a, ns, &slow, &done).await;
+    let r = run_phases(a, ns, probe, &slow, &done).await;
     stop.cancel();
     let polled = poller.await;
     for w in ws {
@@ -822,32 +859,38 @@ async fn run_inner(a: &RunArgs, ns: &Ns) -> Result<()> {
     polled?
 }
 
-async fn run_phases(a: &RunArgs, ns: &Ns, slow: &SlowLog, done: &Arc<AtomicUsize>) -> Result<()> {
-    // Let start-up settle (declarations, first ticks), then measure the idle fleet.
+async fn run_phases(a: &RunArgs, ns: &Ns, probe: &Probe, slow: &SlowLog, done: &Arc<AtomicUsize>) -> Result<()> {
+    // Let start-up settle (declarations, first ticks), then measure the idle fleet: counters
+    // without the slow-log poller (its replies are traffic), then the calls with it.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    slow.take().await?;
-    let c0 = Counters::read(&ns.store).await?;
+    let c0 = Counters::read(probe).await?;
     tokio::time::sleep(Duration::from_secs(a.idle_secs)).await;
-    let idle_delta = Counters::read(&ns.store).await?.since(&c0);
-    let (idle_top, _) = slow.take().await?;
-    let idle = Idle { delta: idle_delta, top: idle_top };
+    let idle = Counters::read(probe).await?.since(&c0);
+    slow.on.store(true, Ordering::Relaxed);
+    slow.take().await?;
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(a.idle_secs)).await;
+    let (idle_top, _, idle_missed) = slow.take().await?;
+    let idle_top_secs = t0.elapsed().as_secs_f64();
+    slow.on.store(false, Ordering::Relaxed);
     println!("\n## Idle fleet ({} s): what it costs Redis per second with no task", a.idle_secs);
-    let s = idle.delta.secs.max(1e-9);
+    let s = idle.secs.max(1e-9);
     println!(
-        "top-level calls/s {:.1}, commands executed/s {:.1}, bytes in/s {:.0}, out/s {:.0}, Redis CPU {:.2} %",
-        idle.top.values().map(|v| v.0).sum::<u64>() as f64 / s,
-        (idle.delta.plain_calls()) as f64 / s,
-        idle.delta.net_in as f64 / s,
-        idle.delta.net_out as f64 / s,
-        idle.delta.cpu / s * 100.0
+        "top-level calls/s {:.1} (slow log, {idle_missed} entries missed), commands executed/s {:.1}, bytes in/s {:.0}, out/s {:.0}, Redis CPU {:.2} %",
+        idle_top.values().map(|v| v.0).sum::<u64>() as f64 / idle_top_secs,
+        idle.plain_calls() as f64 / s,
+        idle.net_in as f64 / s,
+        idle.net_out as f64 / s,
+        idle.cpu / s * 100.0
     );
-    let list: Vec<String> = idle.top.iter().map(|(k, v)| format!("{k} {:.2}/s", v.0 as f64 / s)).collect();
+    let list: Vec<String> = idle_top.iter().map(|(k, v)| format!("{k} {:.2}/s", v.0 as f64 / idle_top_secs)).collect();
     println!("by call: {}", list.join(", "));
 
-    for (phase, rate) in [("burst", None), ("steady", Some(a.rate))] {
+    for (phase, rate, calls) in [("burst", None, false), ("steady", Some(a.rate), false), ("burst-calls", None, true)] {
         let base = done.load(Ordering::Relaxed);
+        slow.on.store(calls, Ordering::Relaxed);
         slow.take().await?;
-        let c0 = Counters::read(&ns.store).await?;
+        let c0 = Counters::read(probe).await?;
         let start = Instant::now();
         let tag = uuid::Uuid::new_v4().simple().to_string()[..6].to_string();
         let mk = |i: usize| {
@@ -896,37 +939,48 @@ async fn run_phases(a: &RunArgs, ns: &Ns, slow: &SlowLog, done: &Arc<AtomicUsize
         // wait until nothing is reserved or running any more, and the last task's status.
         ns.wait_groups_idle(Duration::from_secs(120)).await?;
         ns.wait_state(&format!("{phase}-{tag}-{}", a.n - 1), "succeeded", Duration::from_secs(60)).await?;
-        let d = Counters::read(&ns.store).await?.since(&c0);
-        let (top, entries) = slow.take().await?;
+        let d = Counters::read(probe).await?.since(&c0);
+        let (top, entries, missed) = slow.take().await?;
+        slow.on.store(false, Ordering::Relaxed);
         let ran_total = done.load(Ordering::Relaxed) - base;
         if ran_total != a.n {
             bail!("{phase}: {ran_total} runs for {} tasks", a.n);
         }
         let n = a.n as f64;
-        let f = d.secs / idle.delta.secs.max(1e-9);
-        let calls_top: u64 = top.values().map(|v| v.0).sum();
-        let idle_top: u64 = idle.top.values().map(|v| v.0).sum();
+        let f = d.secs / idle.secs.max(1e-9);
         println!("\n## {phase}: {} no-op tasks{}, all run in {ran:.2} s ({:.0} tasks/s), counters over {:.2} s", a.n, rate.map(|r| format!(" offered at {r}/s")).unwrap_or_default(), n / ran, d.secs);
+        if calls {
+            let calls_top: u64 = top.values().map(|v| v.0).sum();
+            let idle_top_n: u64 = idle_top.values().map(|v| v.0).sum();
+            let fi = d.secs / idle_top_secs.max(1e-9);
+            println!(
+                "top-level Redis calls per task: {:.3} after the idle fleet's over the same time ({:.3} raw); slow-log entries {entries}, missed {missed}",
+                (calls_top as f64 - idle_top_n as f64 * fi) / n,
+                calls_top as f64 / n
+            );
+            println!("| top-level call | calls | per task (raw) | idle calls over the same time | µs/call (inside Redis) |");
+            println!("|---|---|---|---|---|");
+            for (k, (c, us)) in &top {
+                let idle_c = idle_top.get(k).map(|v| v.0 as f64 * fi).unwrap_or(0.0);
+                println!("| {k} | {c} | {:.3} | {idle_c:.0} | {:.1} |", *c as f64 / n, *us as f64 / (*c).max(1) as f64);
+            }
+            continue;
+        }
         println!("per task, the idle fleet's cost over the same time subtracted (raw in brackets):");
         println!(
-            "* top-level Redis calls: {:.3} ({:.3})\n* commands executed (inside scripts and on their own): {:.2} ({:.2})\n* bytes into Redis: {:.0} ({:.0}); out of Redis: {:.0} ({:.0})\n* Redis CPU: {:.1} µs ({:.1} µs)\n* slow-log entries {entries} (log bound 1,000,000)",
-            (calls_top as f64 - idle_top as f64 * f) / n,
-            calls_top as f64 / n,
-            (d.plain_calls() as f64 - idle.delta.plain_calls() as f64 * f) / n,
+            "* commands executed (inside scripts and on their own): {:.2} ({:.2}); EVALSHA calls {:.3} ({:.3})\n* bytes into Redis: {:.0} ({:.0}); out of Redis: {:.0} ({:.0})\n* Redis CPU: {:.1} µs ({:.1} µs)",
+            (d.plain_calls() as f64 - idle.plain_calls() as f64 * f) / n,
             d.plain_calls() as f64 / n,
-            (d.net_in as f64 - idle.delta.net_in as f64 * f) / n,
+            (d.calls("evalsha") as f64 - idle.calls("evalsha") as f64 * f) / n,
+            d.calls("evalsha") as f64 / n,
+            (d.net_in as f64 - idle.net_in as f64 * f) / n,
             d.net_in as f64 / n,
-            (d.net_out as f64 - idle.delta.net_out as f64 * f) / n,
+            (d.net_out as f64 - idle.net_out as f64 * f) / n,
             d.net_out as f64 / n,
-            (d.cpu - idle.delta.cpu * f) * 1e6 / n,
+            (d.cpu - idle.cpu * f) * 1e6 / n,
             d.cpu * 1e6 / n,
         );
-        println!("| top-level call | calls | per task | µs/call (inside Redis) | µs/task |");
-        println!("|---|---|---|---|---|");
-        for (k, (c, us)) in &top {
-            println!("| {k} | {c} | {:.3} | {:.1} | {:.2} |", *c as f64 / n, *us as f64 / (*c).max(1) as f64, *us as f64 / n);
-        }
-        let mut inner: Vec<(&String, &(u64, u64))> = d.cmds.iter().filter(|(k, _)| !matches!(k.as_str(), "evalsha" | "slowlog|get" | "slowlog|reset")).collect();
+        let mut inner: Vec<(&String, &(u64, u64))> = d.cmds.iter().filter(|(k, _)| k.as_str() != "evalsha").collect();
         inner.sort_by(|x, y| y.1 .0.cmp(&x.1 .0));
         let list: Vec<String> = inner.iter().take(20).map(|(k, c)| format!("{k} {:.2}", c.0 as f64 / n)).collect();
         println!("commands per task (raw): {}", list.join(", "));
