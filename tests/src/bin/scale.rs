@@ -636,7 +636,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
         pct(&mut lat, 0.99)
     );
     println!(
-        "EVALSHA {:.1} µs/call ({} calls, {} foreign); inner commands per heartbeat {:.1}; Redis CPU {:.4} s over {:.1} s = {:.1} µs/heartbeat raw, {:.1} µs/heartbeat after the idle server's {:.4} s/s (measured {idle_secs} s before); Redis CPU share at 100 beats/s: {:.2} %; bytes in / out per heartbeat {:.0} / {:.0}",
+        "EVALSHA {:.1} µs/call ({} calls, {} foreign); inner commands per heartbeat {:.1}; Redis CPU {:.4} s over {:.1} s = {:.1} µs/heartbeat raw, {:.1} µs/heartbeat after the idle server's {:.4} s/s (measured {idle_secs} s before); Redis CPU share at that rate: {:.2} %; bytes in / out per heartbeat {:.0} / {:.0}",
         d.usec("evalsha") as f64 / d.calls("evalsha").max(1) as f64,
         d.calls("evalsha"),
         d.calls("evalsha").saturating_sub(total as u64),
