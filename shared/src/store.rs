@@ -60,8 +60,9 @@ impl Clock {
 
 impl Store {
     /// Builds the pool (no connection is made until first use), trusting the system roots
-    /// for `rediss://`. `url` is `redis://…`, `rediss://…` or the Sentinel form
-    /// `redis+sentinel://…` (see [`crate::sentinel`]).
+    /// for `rediss://`. `url` is `redis://…`, `rediss://…`, the Sentinel form
+    /// `redis+sentinel://…` or the Redis Cluster form `redis+cluster://…` (see
+    /// [`crate::sentinel`]).
     pub fn new(url: &str, names: Names) -> Result<Self> {
         Self::with_tls(url, names, &TlsConfig::default())
     }
