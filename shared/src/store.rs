@@ -115,7 +115,7 @@ impl Store {
     /// out: best effort, a replica that is down does not stop the fleet). Redis replication is
     /// asynchronous, so without it a write the master answered in the moment before it died
     /// is lost with it; used for task outcomes (a status `succeeded` that reverted to
-    /// `queued` after a failover). Direct URLs skip the wait.
+    /// `queued` after a failover). Direct and Cluster URLs skip the wait.
     pub async fn invoke_replicated<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> Result<T> {
         let mut c = self.conn().await?;
         let r = tokio::time::timeout(CALL_TIMEOUT, inv.invoke_async(&mut c)).await;
