@@ -245,7 +245,7 @@ pub struct CommonConfig {
 
 /// The Redis URL a process connects with, from `FLEET_REDIS_URL`, `FLEET_REDIS_SENTINELS` and
 /// `FLEET_REDIS_MASTER` (the daemons' and `fleetctl`'s): `redis_url` itself (`redis://`,
-/// `rediss://` or `redis+sentinel://`) when `sentinels` is empty; otherwise the
+/// `rediss://`, `redis+sentinel://` or `redis+cluster://`) when `sentinels` is empty; otherwise the
 /// `redis+sentinel://[user:password@]s1:port,s2:port/<master>[/<db>]` form built by
 /// [`crate::sentinel::Target::from_settings`], the credentials and db taken from a `redis://`
 /// `redis_url`. Errors ([`Error::Config`]) name the setting: a URL of another scheme, Sentinels
@@ -253,8 +253,8 @@ pub struct CommonConfig {
 pub fn redis_url(redis_url: &str, sentinels: &str, master: &str) -> Result<String> {
     let redis_url = redis_url.trim().to_string();
     let scheme = redis_url.split("://").next().unwrap_or("").to_ascii_lowercase();
-    if !redis_url.contains("://") || !matches!(scheme.as_str(), "redis" | "rediss" | "redis+sentinel") {
-        return Err(Error::config("FLEET_REDIS_URL", format!("`{redis_url}` is not a redis://, rediss:// or redis+sentinel:// URL")));
+    if !redis_url.contains("://") || !matches!(scheme.as_str(), "redis" | "rediss" | "redis+sentinel" | "redis+cluster") {
+        return Err(Error::config("FLEET_REDIS_URL", format!("`{redis_url}` is not a redis://, rediss://, redis+sentinel:// or redis+cluster:// URL")));
     }
     if sentinels.trim().is_empty() {
         crate::sentinel::Target::parse(&redis_url).map_err(|e| Error::config("FLEET_REDIS_URL", e))?;
@@ -293,16 +293,18 @@ impl CommonConfig {
         // One URL or a comma-separated list of cluster nodes (see `endpoints`).
         crate::endpoints::Endpoints::parse(&amqp_url).map_err(|e| Error::config("FLEET_AMQP_URL", e))?;
         let redis_url = redis_url(&a.redis_url, &a.redis_sentinels, &a.redis_master)?;
-        // TLS reaches Redis directly (`rediss://`) only: the Sentinel pool speaks plain TCP to
-        // the Sentinels and the master, so TLS files with it are refused rather than ignored.
-        if matches!(crate::sentinel::Target::parse(&redis_url), Ok(crate::sentinel::Target::Sentinel { .. })) {
+        // TLS reaches Redis directly (`rediss://`) only: the Sentinel and Cluster pools speak
+        // plain TCP, so TLS files with them are refused rather than ignored.
+        let target = crate::sentinel::Target::parse(&redis_url);
+        if matches!(target, Ok(crate::sentinel::Target::Sentinel { .. } | crate::sentinel::Target::Cluster { .. })) {
+            let what = if matches!(target, Ok(crate::sentinel::Target::Cluster { .. })) { "a Redis Cluster" } else { "Redis behind Sentinel" };
             let tls_set = [
                 ("FLEET_REDIS_TLS_CA_FILE", &a.redis_tls_ca_file),
                 ("FLEET_REDIS_TLS_CERT_FILE", &a.redis_tls_cert_file),
                 ("FLEET_REDIS_TLS_KEY_FILE", &a.redis_tls_key_file),
             ];
             if let Some((name, _)) = tls_set.iter().find(|(_, v)| v.is_some()) {
-                return Err(Error::config(*name, "TLS to Redis behind Sentinel is not supported by this build: use a rediss:// FLEET_REDIS_URL, or unset the FLEET_REDIS_TLS_* files"));
+                return Err(Error::config(*name, format!("TLS to {what} is not supported by this build: use a rediss:// FLEET_REDIS_URL, or unset the FLEET_REDIS_TLS_* files")));
             }
         }
         if http_addr.parse::<std::net::SocketAddr>().is_err() {
@@ -437,6 +439,25 @@ mod tests {
         let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
         let _ = std::fs::remove_file(&ca);
         assert!(e.contains("FLEET_REDIS_TLS_CA_FILE") && e.contains("Sentinel") && !e.contains("pw@"), "{e}");
+    }
+
+    #[test]
+    fn the_redis_cluster_form() {
+        let s = Settings::from_pairs([("redis_url", "redis+cluster://:pw@127.0.0.1:7000,127.0.0.1:7001".to_string())]);
+        let c = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap();
+        assert_eq!(c.redis_url, "redis+cluster://:pw@127.0.0.1:7000,127.0.0.1:7001");
+        let ca = std::env::temp_dir().join(format!("fleet-config-test-cluster-ca-{}.pem", std::process::id()));
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\nMIIBdzCCAR2gAwIB\n-----END CERTIFICATE-----\n").unwrap();
+        let s = Settings::from_pairs([
+            ("redis_url", "redis+cluster://:pw@127.0.0.1:7000".to_string()),
+            ("redis_tls_ca_file", ca.display().to_string()),
+        ]);
+        let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
+        let _ = std::fs::remove_file(&ca);
+        assert!(e.contains("FLEET_REDIS_TLS_CA_FILE") && e.contains("Redis Cluster") && !e.contains("pw@"), "{e}");
+        let s = Settings::from_pairs([("redis_url", "redis+cluster://:pw@127.0.0.1:7000/3".to_string())]);
+        let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
+        assert!(e.contains("FLEET_REDIS_URL") && e.contains("database 0") && !e.contains("pw@"), "{e}");
     }
 
     #[test]

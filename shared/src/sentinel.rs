@@ -1,13 +1,14 @@
-//! Redis behind Sentinel: the `redis+sentinel://` form of `FLEET_REDIS_URL` (or
-//! `FLEET_REDIS_SENTINELS` + `FLEET_REDIS_MASTER`), and the connection pool that asks the
-//! Sentinels for the current master on every new connection.
+//! Where the fleet's Redis is, and the connection pool for it: one server (`redis://`,
+//! `rediss://`), a master behind Sentinel (the `redis+sentinel://` form of `FLEET_REDIS_URL`, or
+//! `FLEET_REDIS_SENTINELS` + `FLEET_REDIS_MASTER`), or a Redis Cluster (`redis+cluster://`).
 //!
 //! ```text
 //! redis+sentinel://[[user]:password@]host1:port1,host2:port2,…/<master name>[/<db>]
+//! redis+cluster://[[user]:password@]host1:port1,host2:port2,…
 //! ```
 //!
-//! The password (and user, db) are the data nodes' (master and replicas); Sentinels are asked
-//! without credentials. A new connection asks the Sentinels in turn for the master of
+//! **Sentinel.** The password (and user, db) are the data nodes' (master and replicas); Sentinels
+//! are asked without credentials. A new connection asks the Sentinels in turn for the master of
 //! `<master name>` and checks its `ROLE` (the `redis` crate's `SentinelClient`), so after a
 //! failover new connections go to the promoted replica.
 //!
@@ -16,6 +17,15 @@
 //! refuses writes with `READONLY`, and [`crate::Store`] then empties the pool
 //! ([`Pool::drop_idle`]), so the next call connects through the Sentinels to the new master.
 //! Meanwhile `/readyz` is 503 (its write probe fails).
+//!
+//! **Cluster.** The hosts are seed nodes (any of the cluster's masters or replicas; one is
+//! enough, more survive a seed being down); the `redis` crate's cluster client (`cluster-async`)
+//! reads the slot map from them, sends each command and script to the master of its first
+//! key's slot and follows `MOVED`/`ASK` redirections itself. Every key of a namespace carries the
+//! hash tag `{<namespace>}` ([`crate::Names`]), so a namespace lives in **one hash slot**, on one
+//! master: the scripts may touch keys they build from the prefix (`KEYS[1]`), and a namespace's
+//! Redis work is bounded by that one master's core (see the README, "Redis Cluster"). Redis
+//! Cluster has database 0 only; credentials apply to every node.
 
 use deadpool_redis::redis::{self, aio::ConnectionLike};
 
@@ -29,43 +39,39 @@ pub enum Target {
     /// `redis+sentinel://`: the Sentinels' `host:port`s, the master's name, and the data
     /// nodes' credentials and db.
     Sentinel { sentinels: Vec<String>, master: String, username: Option<String>, password: Option<String>, db: i64 },
+    /// `redis+cluster://`: seed nodes' `host:port`s and the credentials of every node.
+    Cluster { nodes: Vec<String>, username: Option<String>, password: Option<String> },
 }
 
 /// The URL scheme of the Sentinel form.
 pub const SCHEME: &str = "redis+sentinel://";
 
+/// The URL scheme of the Redis Cluster form.
+pub const CLUSTER_SCHEME: &str = "redis+cluster://";
+
 impl Target {
     /// Parses `FLEET_REDIS_URL`.
     ///
     /// # Errors
-    /// A message naming what is wrong (password hidden): no Sentinel, an empty or port-less
-    /// Sentinel address, no master name, a db that is not a number.
+    /// A message naming what is wrong (password hidden): no Sentinel or cluster node, an empty
+    /// or port-less address, no master name, a db that is not a number (Sentinel) or not 0
+    /// (Cluster).
     pub fn parse(url: &str) -> std::result::Result<Self, String> {
+        if let Some(rest) = strip_prefix_ci(url, CLUSTER_SCHEME) {
+            let shown = crate::redact::redact(url).into_owned();
+            let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+            let (username, password, nodes) = split_authority(authority, &shown, "cluster node")?;
+            if !matches!(path, "" | "0") {
+                return Err(format!("`{shown}`: a Redis Cluster has database 0 only (no /<db> in {CLUSTER_SCHEME})"));
+            }
+            return Ok(Target::Cluster { nodes, username, password });
+        }
         let Some(rest) = strip_prefix_ci(url, SCHEME) else {
             return Ok(Target::Direct(url.to_string()));
         };
         let shown = crate::redact::redact(url).into_owned();
         let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-        let (userinfo, hosts) = match authority.rfind('@') {
-            Some(at) => (Some(&authority[..at]), &authority[at + 1..]),
-            None => (None, authority),
-        };
-        let (username, password) = match userinfo {
-            None => (None, None),
-            Some(u) => match u.split_once(':') {
-                Some((user, pass)) => ((!user.is_empty()).then(|| decode(user)), Some(decode(pass))),
-                None => (None, Some(decode(u))),
-            },
-        };
-        let mut sentinels = Vec::new();
-        for (i, h) in hosts.split(',').enumerate() {
-            let h = h.trim();
-            let port_ok = h.rsplit_once(':').is_some_and(|(host, p)| !host.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
-            if !port_ok {
-                return Err(format!("`{shown}`: Sentinel {} `{h}` is not host:port", i + 1));
-            }
-            sentinels.push(h.to_string());
-        }
+        let (username, password, sentinels) = split_authority(authority, &shown, "Sentinel")?;
         let mut parts = path.split('/');
         let master = parts.next().unwrap_or("").to_string();
         if master.is_empty() {
@@ -88,6 +94,32 @@ impl Target {
         let db = path.split('/').next().filter(|d| !d.is_empty()).map(|d| format!("/{d}")).unwrap_or_default();
         format!("{SCHEME}{userinfo}{}/{master}{db}", hosts.join(","))
     }
+}
+
+/// `[[user]:password@]host:port,host:port,…` → (user, password, the `host:port`s), each
+/// address checked; `what` names an address in the message (`shown`: the URL, password hidden).
+fn split_authority(authority: &str, shown: &str, what: &str) -> std::result::Result<(Option<String>, Option<String>, Vec<String>), String> {
+    let (userinfo, hosts) = match authority.rfind('@') {
+        Some(at) => (Some(&authority[..at]), &authority[at + 1..]),
+        None => (None, authority),
+    };
+    let (username, password) = match userinfo {
+        None => (None, None),
+        Some(u) => match u.split_once(':') {
+            Some((user, pass)) => ((!user.is_empty()).then(|| decode(user)), Some(decode(pass))),
+            None => (None, Some(decode(u))),
+        },
+    };
+    let mut addrs = Vec::new();
+    for (i, h) in hosts.split(',').enumerate() {
+        let h = h.trim();
+        let port_ok = h.rsplit_once(':').is_some_and(|(host, p)| !host.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+        if !port_ok {
+            return Err(format!("`{shown}`: {what} {} `{h}` is not host:port", i + 1));
+        }
+        addrs.push(h.to_string());
+    }
+    Ok((username, password, addrs))
 }
 
 fn strip_prefix_ci<'a>(s: &'a str, prefix: &str) -> Option<&'a str> {
@@ -114,17 +146,21 @@ fn decode(s: &str) -> String {
     String::from_utf8(out).unwrap_or_else(|_| s.to_string())
 }
 
-/// The pool behind [`crate::Store`]: direct, or through Sentinel.
+/// The pool behind [`crate::Store`]: direct, through Sentinel, or to a Redis Cluster.
 #[derive(Clone)]
 pub enum Pool {
     Direct(deadpool_redis::Pool),
     Sentinel(deadpool_redis::sentinel::Pool),
+    /// Each pooled connection is a cluster client's: one multiplexed connection per node,
+    /// commands routed by slot.
+    Cluster(deadpool_redis::cluster::Pool),
 }
 
-/// A pooled connection of either kind; returned to its pool when dropped.
+/// A pooled connection of any kind; returned to its pool when dropped.
 pub enum Conn {
     Direct(deadpool_redis::Connection),
     Sentinel(deadpool_redis::sentinel::Connection),
+    Cluster(deadpool_redis::cluster::Connection),
 }
 
 impl Pool {
@@ -160,6 +196,17 @@ impl Pool {
                 cfg.pool = Some(pc);
                 Ok(Pool::Sentinel(cfg.create_pool(Some(deadpool_redis::Runtime::Tokio1)).map_err(|e| bad(e.to_string()))?))
             }
+            Target::Cluster { nodes, username, password } => {
+                let redis_info = deadpool_redis::RedisConnectionInfo { db: 0, username, password, ..Default::default() };
+                let mut seeds = Vec::with_capacity(nodes.len());
+                for node in &nodes {
+                    // `parse` checked `host:port`.
+                    let (host, port) = node.rsplit_once(':').and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?))).ok_or_else(|| bad(format!("cluster node `{node}` is not host:port")))?;
+                    seeds.push(deadpool_redis::ConnectionInfo { addr: deadpool_redis::ConnectionAddr::Tcp(host.to_string(), port), redis: redis_info.clone() });
+                }
+                let cfg = deadpool_redis::cluster::Config { urls: None, connections: Some(seeds), pool: Some(pc), read_from_replicas: false };
+                Ok(Pool::Cluster(cfg.create_pool(Some(deadpool_redis::Runtime::Tokio1)).map_err(|e| bad(e.to_string()))?))
+            }
         }
     }
 
@@ -171,21 +218,29 @@ impl Pool {
         match self {
             Pool::Direct(p) => Ok(Conn::Direct(p.get().await?)),
             Pool::Sentinel(p) => Ok(Conn::Sentinel(p.get().await?)),
+            Pool::Cluster(p) => Ok(Conn::Cluster(p.get().await?)),
         }
     }
 
     /// Drops every idle connection, so the next calls connect anew (through the Sentinels:
     /// to the current master).
     pub fn drop_idle(&self) {
+        // (How many were dropped is not needed: `RetainResult`s of different types.)
         match self {
-            Pool::Direct(p) => p.retain(|_, _| false),
-            Pool::Sentinel(p) => p.retain(|_, _| false),
-        };
+            Pool::Direct(p) => drop(p.retain(|_, _| false)),
+            Pool::Sentinel(p) => drop(p.retain(|_, _| false)),
+            Pool::Cluster(p) => drop(p.retain(|_, _| false)),
+        }
     }
 
     /// Whether this pool finds its master through Sentinel.
     pub fn is_sentinel(&self) -> bool {
         matches!(self, Pool::Sentinel(_))
+    }
+
+    /// Whether this pool talks to a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, Pool::Cluster(_))
     }
 }
 
@@ -196,6 +251,7 @@ impl Conn {
         match self {
             Conn::Direct(c) => drop(deadpool_redis::Connection::take(c)),
             Conn::Sentinel(c) => drop(deadpool_redis::sentinel::Connection::take(c)),
+            Conn::Cluster(c) => drop(deadpool_redis::cluster::Connection::take(c)),
         }
     }
 }
@@ -205,6 +261,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Direct(c) => c.req_packed_command(cmd),
             Conn::Sentinel(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -212,6 +269,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Direct(c) => c.req_packed_commands(cmd, offset, count),
             Conn::Sentinel(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
         }
     }
 
@@ -219,6 +277,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Direct(c) => c.get_db(),
             Conn::Sentinel(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
         }
     }
 }
@@ -252,6 +311,22 @@ mod tests {
             Target::Sentinel { sentinels: vec!["h:1".into()], master: "m".into(), username: None, password: None, db: 0 }
         );
         for bad in ["redis+sentinel://u:hunter2@h:1", "redis+sentinel://u:hunter2@h/m", "redis+sentinel://u:hunter2@h:1,,h:2/m", "redis+sentinel://u:hunter2@h:1/m/x"] {
+            let e = Target::parse(bad).unwrap_err();
+            assert!(!e.contains("hunter2"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_cluster_form() {
+        assert_eq!(
+            Target::parse("redis+cluster://:s%40cret@127.0.0.1:7000, 127.0.0.1:7001").unwrap(),
+            Target::Cluster { nodes: vec!["127.0.0.1:7000".into(), "127.0.0.1:7001".into()], username: None, password: Some("s@cret".into()) }
+        );
+        assert_eq!(
+            Target::parse("REDIS+CLUSTER://u:p@h:1/").unwrap(),
+            Target::Cluster { nodes: vec!["h:1".into()], username: Some("u".into()), password: Some("p".into()) }
+        );
+        for bad in ["redis+cluster://u:hunter2@h", "redis+cluster://u:hunter2@h:1/2", "redis+cluster://u:hunter2@h:1,,h:2", "redis+cluster://u:hunter2@"] {
             let e = Target::parse(bad).unwrap_err();
             assert!(!e.contains("hunter2"), "{e}");
         }

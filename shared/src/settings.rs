@@ -27,7 +27,7 @@ pub struct CommonArgs {
     /// RabbitMQ URL (`amqp://` or `amqps://`), or a comma-separated list of a cluster's nodes: each process starts at a random node and fails over to the next. The password is never printed.
     #[arg(long, env = "FLEET_AMQP_URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f", hide_env_values = true)]
     pub amqp_url: String,
-    /// Redis URL (`redis://`), or `redis+sentinel://[:password@]host:port,…/<master>[/<db>]` for a master behind Sentinel. The password is never printed.
+    /// Redis URL (`redis://`), `redis+sentinel://[:password@]host:port,…/<master>[/<db>]` for a master behind Sentinel, or `redis+cluster://[:password@]host:port,…` (seed nodes) for a Redis Cluster. The password is never printed.
     #[arg(long, env = "FLEET_REDIS_URL", default_value = "redis://127.0.0.1:6379", hide_env_values = true)]
     pub redis_url: String,
     /// Redis Sentinels, `host:port,host:port` (instead of the `redis+sentinel://` form): the master named by FLEET_REDIS_MASTER is asked of them, with the password and db of FLEET_REDIS_URL.

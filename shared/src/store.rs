@@ -60,8 +60,9 @@ impl Clock {
 
 impl Store {
     /// Builds the pool (no connection is made until first use), trusting the system roots
-    /// for `rediss://`. `url` is `redis://…`, `rediss://…` or the Sentinel form
-    /// `redis+sentinel://…` (see [`crate::sentinel`]).
+    /// for `rediss://`. `url` is `redis://…`, `rediss://…`, the Sentinel form
+    /// `redis+sentinel://…` or the Redis Cluster form `redis+cluster://…` (see
+    /// [`crate::sentinel`]).
     pub fn new(url: &str, names: Names) -> Result<Self> {
         Self::with_tls(url, names, &TlsConfig::default())
     }
@@ -114,7 +115,7 @@ impl Store {
     /// out: best effort, a replica that is down does not stop the fleet). Redis replication is
     /// asynchronous, so without it a write the master answered in the moment before it died
     /// is lost with it; used for task outcomes (a status `succeeded` that reverted to
-    /// `queued` after a failover). Direct URLs skip the wait.
+    /// `queued` after a failover). Direct and Cluster URLs skip the wait.
     pub async fn invoke_replicated<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> Result<T> {
         let mut c = self.conn().await?;
         let r = tokio::time::timeout(CALL_TIMEOUT, inv.invoke_async(&mut c)).await;

@@ -1,7 +1,7 @@
-//! Private servers for the security tests: a test PKI made at test time (rcgen), a RabbitMQ
-//! node with a TLS-only listener and a `redis-server` with a TLS-only port, each on free
-//! loopback ports, in a temporary directory, stopped by pid (process group) on drop. The
-//! shared servers are never touched.
+//! Private servers for the security tests — a test PKI made at test time (rcgen), a RabbitMQ
+//! node with a TLS-only listener and a `redis-server` with a TLS-only port — and a three-master
+//! Redis Cluster, each on free loopback ports, in a temporary directory, stopped by pid
+//! (process group) on drop. The shared servers are never touched.
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -258,5 +258,106 @@ impl TestRedis {
 impl Drop for TestRedis {
     fn drop(&mut self) {
         kill_group(&mut self.child);
+    }
+}
+
+/// A Redis Cluster of this test alone: `masters` × `redis-server --cluster-enabled yes` on free
+/// loopback ports (their cluster buses on free ports too, `--cluster-port`), no persistence, in
+/// a temporary directory, joined by `redis-cli --cluster create … --cluster-replicas 0`, so the
+/// 16,384 slots are split evenly between the masters. Stopped by pid (process group) on drop.
+pub struct RedisCluster {
+    pub ports: Vec<u16>,
+    children: Vec<Child>,
+    dir: TempDir,
+}
+
+impl RedisCluster {
+    /// Starts the masters and creates the cluster; returns once every node reports
+    /// `cluster_state:ok` with every slot assigned (bounded: 60 s).
+    pub async fn start(masters: usize) -> Result<Self> {
+        // Built first, so the servers started so far are stopped if a later step fails.
+        let mut c = RedisCluster { ports: Vec::new(), children: Vec::new(), dir: TempDir::new("redis-cluster")? };
+        for _ in 0..masters {
+            let dir = &c.dir;
+            let (port, bus) = (free_port()?, free_port()?);
+            let child = Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--cluster-port", &bus.to_string(), "--bind", "127.0.0.1"])
+                .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "5000", "--save", "", "--appendonly", "no"])
+                .args(["--cluster-config-file", &dir.path(&format!("nodes-{port}.conf")), "--dir", &dir.path(""), "--logfile", &dir.path(&format!("redis-{port}.log"))])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .process_group(0)
+                .spawn()
+                .context("start redis-server (is it installed?)")?;
+            c.children.push(child);
+            c.ports.push(port);
+        }
+        let start = std::time::Instant::now();
+        for &port in &c.ports {
+            while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+                if start.elapsed() > Duration::from_secs(20) {
+                    bail!("redis-server on {port} not up within 20 s: {}", c.log_tail(port));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        let nodes: Vec<String> = c.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let create = tokio::task::spawn_blocking(move || {
+            Command::new("timeout")
+                .args(["60", "redis-cli", "--cluster", "create"])
+                .args(&nodes)
+                .args(["--cluster-replicas", "0", "--cluster-yes"])
+                .stdin(Stdio::null())
+                .output()
+        })
+        .await??;
+        if !create.status.success() {
+            bail!("redis-cli --cluster create: {}{}", String::from_utf8_lossy(&create.stdout), String::from_utf8_lossy(&create.stderr));
+        }
+        loop {
+            let mut ok = true;
+            for &port in &c.ports {
+                let info = c.cli(port, &["CLUSTER", "INFO"]).await?;
+                ok &= info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384") && info.contains(&format!("cluster_known_nodes:{masters}"));
+            }
+            if ok {
+                return Ok(c);
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                bail!("the Redis Cluster is not ok within 60 s: {}", c.cli(c.ports[0], &["CLUSTER", "INFO"]).await?);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// `redis+cluster://127.0.0.1:<p1>,127.0.0.1:<p2>,…` (every master as a seed node).
+    pub fn url(&self) -> String {
+        let nodes: Vec<String> = self.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        format!("redis+cluster://{}", nodes.join(","))
+    }
+
+    /// `redis-cli -p <port> ARGS…` against one node (no redirection): its raw output.
+    pub async fn cli(&self, port: u16, args: &[&str]) -> Result<String> {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let out = tokio::task::spawn_blocking(move || Command::new("timeout").args(["10", "redis-cli", "-p", &port.to_string()]).args(&args).stdin(Stdio::null()).output())
+            .await??;
+        if !out.status.success() {
+            bail!("redis-cli -p {port}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    fn log_tail(&self, port: u16) -> String {
+        let text = std::fs::read_to_string(self.dir.path(&format!("redis-{port}.log"))).unwrap_or_default();
+        text.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            kill_group(c);
+        }
     }
 }
