@@ -389,7 +389,7 @@ async fn status(cli: &Cli, id: &str, wait: bool, timeout: Duration) -> Result<Ex
             .as_ref()
             .and_then(|v| v.get("state"))
             .and_then(Value::as_str)
-            .is_some_and(|s| fleet::status::TERMINAL.contains(&s));
+            .is_some_and(fleet::status::TaskState::is_terminal_word);
         if !wait || terminal || tokio::time::Instant::now() >= deadline {
             return Ok(match found {
                 None => {

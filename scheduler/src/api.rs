@@ -274,7 +274,7 @@ async fn drain(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     match st.store.set_state(&id, WorkerState::Draining).await {
         Ok(Some(prev)) => {
             tracing::info!(worker = %id, previous = prev.as_str(), "drain requested through the API");
-            (StatusCode::ACCEPTED, Json(json!({"id": id, "previous_state": prev.as_str(), "state": "draining"}))).into_response()
+            (StatusCode::ACCEPTED, Json(json!({"id": id, "previous_state": prev, "state": WorkerState::Draining}))).into_response()
         }
         Ok(None) => error(StatusCode::NOT_FOUND, "unknown_worker", format!("no registered worker with id {id}")),
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),

@@ -13,7 +13,7 @@ use std::time::Duration;
 use fleet::amqp::{self, DETAIL_HEADER, REASON_HEADER, TIER_HEADER};
 use fleet::lease::{Dedupe, ReserveParams, ReserveRequest};
 use fleet::route::Reservation;
-use fleet::{delay, metrics as m, topology, Envelope, Lane, Names, Store};
+use fleet::{delay, metrics as m, status, topology, Envelope, Lane, Names, Store};
 use futures::future::join_all;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
@@ -497,28 +497,20 @@ impl Dispatcher {
     }
 
     /// Status records for states decided here: expired or refused at the scheduler, and
-    /// delayed submissions waiting for their `not_before`.
+    /// delayed submissions waiting for their `not_before` (the writers of `fleet::status`).
     async fn record_status(&self, fates: &[Option<Fate>], envs: &[Option<Envelope>], source: &Source) {
-        let ttl = self.cfg.common.status_ttl.as_millis() as i64;
-        let mut records = Vec::new();
+        let mut writes = status::Writes::new();
         for (f, e) in fates.iter().zip(envs) {
-            let fields = match (f, e) {
+            match (f, e) {
                 (Some(Fate::Dead(reason, detail)), Some(e)) => {
-                    let state = if *reason == "expired" { "expired" } else { "dead" };
-                    vec![("state", state.to_string()), ("reason", reason.to_string()), ("error", detail.clone()), ("lane", e.lane.to_string())]
+                    writes.ended(&e.id, e.lane, reason.parse().unwrap_or(status::DeadReason::InternalError), detail)
                 }
-                (Some(Fate::Park(g)), Some(e)) if g == UNMATCHED && *source != Source::Unmatched => {
-                    vec![("state", "waiting_for_worker".to_string()), ("lane", e.lane.to_string())]
-                }
-                (Some(Fate::Delay(_)), Some(e)) if matches!(source, Source::Ingress(_)) => {
-                    let at = e.not_before.map(|t| t.to_rfc3339()).unwrap_or_default();
-                    vec![("state", "delayed".to_string()), ("not_before", at), ("lane", e.lane.to_string())]
-                }
+                (Some(Fate::Park(g)), Some(e)) if g == UNMATCHED && *source != Source::Unmatched => writes.waiting_for_worker(&e.id, e.lane),
+                (Some(Fate::Delay(_)), Some(e)) if matches!(source, Source::Ingress(_)) => writes.delayed(&e.id, e.lane, e.not_before),
                 _ => continue,
-            };
-            records.push((e.as_ref().map(|e| e.id.as_str()).unwrap_or_default(), fields));
+            }
         }
-        if let Err(err) = self.store.set_statuses(&records, ttl).await {
+        if let Err(err) = self.store.write_statuses(&writes, self.cfg.common.status_ttl).await {
             tracing::debug!(error = %err, "cannot record status");
         }
     }

@@ -34,7 +34,7 @@ pub async fn run(d: Arc<Dispatcher>, shutdown: CancellationToken) -> fleet::Resu
     let cfg = d.cfg.clone();
     let mut ticker = crate::ticker::Ticker::new(cfg.health_interval);
     while ticker.tick(&shutdown).await {
-        match d.store.evict_stale(cfg.heartbeat_timeout.as_millis() as i64).await {
+        match d.store.evict_stale(cfg.heartbeat_timeout).await {
             Ok(ids) => {
                 for id in &ids {
                     tracing::warn!(worker = %id, timeout_ms = cfg.heartbeat_timeout.as_millis() as u64, "worker evicted: no heartbeat");

@@ -106,10 +106,8 @@ pub async fn run(d: Arc<Dispatcher>, loops: Arc<ParkLoops>, probes: ProbeBoard, 
 
 /// One reclaim pass over `groups`; returns the groups reclaimed.
 async fn tick(d: &Dispatcher, loops: &ParkLoops, probes: &ProbeBoard, groups: &[GroupView], grace: Duration, shutdown: &CancellationToken) -> Vec<String> {
-    let grace_ms = i64::try_from(grace.as_millis()).unwrap_or(i64::MAX);
     let settle = settle(d.cfg.stats_interval, d.cfg.pressure_interval);
-    let pending_ms = i64::try_from((settle + PENDING_HOLD).as_millis()).unwrap_or(i64::MAX);
-    let done_ms = i64::try_from(done_hold(grace).as_millis()).unwrap_or(i64::MAX);
+    let (pending, tombstone_life) = (settle + PENDING_HOLD, done_hold(grace));
 
     // 1-2: candidates with empty queues, claimed in Redis.
     let mut claimed: Vec<(String, String)> = Vec::new();
@@ -117,7 +115,7 @@ async fn tick(d: &Dispatcher, loops: &ParkLoops, probes: &ProbeBoard, groups: &[
         if !queues_empty(d, &g.group).await {
             continue;
         }
-        match d.store.reclaim_claim(&g.group, grace_ms, pending_ms).await {
+        match d.store.reclaim_claim(&g.group, grace, pending).await {
             Ok(ReclaimClaim::Reclaimed { labels }) => claimed.push((g.group.clone(), labels)),
             Ok(ReclaimClaim::Wait(_) | ReclaimClaim::Busy(_) | ReclaimClaim::Absent) => {}
             Err(e) => {
@@ -146,17 +144,17 @@ async fn tick(d: &Dispatcher, loops: &ParkLoops, probes: &ProbeBoard, groups: &[
     for (g, labels) in claimed {
         match delete_queues(d, &g).await {
             Ok(()) => {
-                if let Err(e) = d.store.reclaim_done(&g, done_ms).await {
+                if let Err(e) = d.store.reclaim_done(&g, tombstone_life).await {
                     tracing::warn!(error = %e, group = %g, "reclaim: cannot mark the group's queues deleted (its tombstone expires by itself)");
                 }
                 loops.reclaimed(&g);
                 metrics::counter!(m::GROUPS_RECLAIMED).increment(1);
-                tracing::info!(group = %g, grace_ms, "group reclaimed: no worker and no task for the grace; its queues, consumers and keys are removed");
+                tracing::info!(group = %g, grace_ms = grace.as_millis() as u64, "group reclaimed: no worker and no task for the grace; its queues, consumers and keys are removed");
                 done.push(g);
             }
             Err(why) => {
                 tracing::info!(group = %g, reason = %why, "group not reclaimed: its queues stay; trying again after another grace");
-                restore(d, loops, &g, &labels, pending_ms).await;
+                restore(d, loops, &g, &labels, pending).await;
             }
         }
     }
@@ -239,8 +237,8 @@ async fn delete_if_empty(d: &Dispatcher, q: &str) -> lapin::Result<()> {
 
 /// Undoes a claim: the group is back in Redis, its queues are declared again (those already
 /// deleted), and discovery may start its park loops again.
-async fn restore(d: &Dispatcher, loops: &ParkLoops, group: &str, labels: &str, hold_ms: i64) {
-    if let Err(e) = d.store.reclaim_restore(group, labels, hold_ms).await {
+async fn restore(d: &Dispatcher, loops: &ParkLoops, group: &str, labels: &str, hold: Duration) {
+    if let Err(e) = d.store.reclaim_restore(group, labels, hold).await {
         tracing::warn!(error = %e, group = %group, "reclaim: cannot restore the group (a worker of the group registering recreates it)");
     }
     let mut attempt = 0;

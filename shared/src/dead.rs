@@ -28,6 +28,7 @@ use serde_json::Value;
 
 use crate::amqp;
 use crate::headers;
+use crate::status::DeadReason;
 use crate::error::Result;
 use crate::{Envelope, Names, Store};
 
@@ -38,9 +39,11 @@ pub struct DeadLetter {
     pub id: String,
     /// The envelope's `kind`; `-` for a body that is not an envelope.
     pub kind: String,
-    /// Why it died: fleet's `x-fleet-reason` (`max_attempts`, `permanent_error`,
-    /// `no_matching_worker`, `worker_lost`, a refusal code...) or the broker's own
-    /// (`x-first-death-reason`, e.g. `delivery_limit`).
+    /// Why it died: fleet's `x-fleet-reason` (a [`DeadReason`]: `max_attempts`,
+    /// `permanent_error`, `no_matching_worker`, `worker_lost`, a refusal code...) or the
+    /// broker's own (`x-first-death-reason`, e.g. `delivery_limit`); `-` when the letter has
+    /// neither. Kept as the letter says it: a letter from another version or another producer
+    /// may carry a word this version does not know ([`DeadLetter::dead_reason`] types it).
     pub reason: String,
     /// The last error or the refusal's detail (at most 1 KiB).
     pub detail: String,
@@ -54,6 +57,14 @@ pub struct DeadLetter {
     pub replayable: bool,
     /// The message body: the envelope as JSON, or the raw text of a body that is not JSON.
     pub envelope: Value,
+}
+
+impl DeadLetter {
+    /// [`DeadLetter::reason`] as a [`DeadReason`]; `None` for a word this version does not know
+    /// (or `-`).
+    pub fn dead_reason(&self) -> Option<DeadReason> {
+        self.reason.parse().ok()
+    }
 }
 
 /// A bounded view of the dead queue.
@@ -249,6 +260,7 @@ mod tests {
         let p = props(&[(headers::REASON, "max_attempts"), (headers::DETAIL, "boom"), (headers::ATTEMPTS, "3"), (headers::WORKER, "w-1")]);
         let d = describe(&p, body);
         assert_eq!((d.id.as_str(), d.kind.as_str(), d.reason.as_str(), d.detail.as_str()), ("t-1", "resize", "max_attempts", "boom"));
+        assert_eq!(d.dead_reason(), Some(DeadReason::MaxAttempts));
         assert_eq!((d.attempts, d.worker.as_deref(), d.replayable), (Some(3), Some("w-1"), true));
         assert!(d.dead_at_ms.is_some(), "task_properties stamps the publish time");
     }

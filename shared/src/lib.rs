@@ -14,8 +14,9 @@
 //! * [`headers`] — every `x-fleet-*` header name (AMQP messages, HTTP executor requests).
 //! * [`amqp`] / [`store`] — connections with retry and backoff to RabbitMQ and Redis.
 //! * [`scripts`] — the Lua scripts (one atomic decision each); typed wrappers live with their
-//!   concept: [`registry`] (workers, heartbeats, eviction), [`route`] + [`lease`] (choice,
-//!   reservation, in-flight records), [`ratelimit`] (GCRA bucket), [`status`] (task status).
+//!   concept: [`registry`] (workers, heartbeats, eviction, reclaim — a folder with its Lua),
+//!   [`route`] + [`lease`] (choice, reservation, in-flight records), [`ratelimit`] (GCRA
+//!   bucket), [`status`] (task states, dead-letter reasons, one writer per transition).
 //! * [`dead`] — dead letters: listing without removing, replaying as new submissions.
 //! * [`subset`] — deterministic subsetting: which shard queues of a sharded group a worker
 //!   consumes.

@@ -3,7 +3,8 @@
 //! Redis keys are `{<ns>}:<kind>:<id>`: the braces make the namespace a Redis Cluster hash tag,
 //! so every key of one fleet lives in one slot and the Lua scripts may touch keys they derive
 //! from the prefix (the reservation script cannot know its candidate groups before it reads the
-//! label index). The Lua side builds keys with the same layout in `lua/keys.lua`; keep both in step.
+//! label index). The Lua side builds keys with the same layout in `lua/keys.lua` (its `K_*`
+//! functions); a test runs those in Redis and compares them with these, so the two cannot drift.
 
 use crate::envelope::Lane;
 
@@ -167,11 +168,19 @@ impl Names {
     pub fn running(&self, group: &str, lane: Lane) -> String {
         format!("{}run:{}:{}", self.prefix, group, lane)
     }
+    /// The label index: the set of groups whose labels hold the pair `k=v`.
+    pub fn label_index(&self, pair: &str) -> String {
+        format!("{}idx:{}", self.prefix, pair)
+    }
+    /// The round-robin counter of a lane and a selector (its pairs joined by `,`).
+    pub fn round_robin(&self, lane: Lane, selector: &str) -> String {
+        format!("{}rr:{}:{}", self.prefix, lane, selector)
+    }
     pub fn parked(&self, group: &str, lane: Lane) -> String {
         format!("{}pk:{}:{}", self.prefix, group, lane)
     }
     /// Tombstone of a group being reclaimed (`pending`) or reclaimed (the time its queues were
-    /// deleted, ms); it expires by itself. See `lua/reclaim.lua`.
+    /// deleted, ms); it expires by itself. See `registry/reclaim.lua`.
     pub fn reclaimed(&self, group: &str) -> String {
         format!("{}rc:{}", self.prefix, group)
     }
@@ -222,5 +231,42 @@ mod tests {
         assert_eq!(n.group_ordinals("g"), "{t1}:gord:g");
         assert_eq!(n.worker("w1"), "{t1}:w:w1");
         assert_eq!(n.reserved("g", Lane::Normal), "{t1}:resv:g:normal");
+    }
+
+    /// Every key builder of `lua/keys.lua`, run in Redis (EVAL of the prelude), renders the
+    /// same key as its counterpart here.
+    #[tokio::test]
+    async fn the_scripts_key_layout_is_names() -> crate::Result<()> {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let n = Names::new(&format!("keys-{}", uuid::Uuid::new_v4().simple()));
+        let store = crate::Store::new(&url, n.clone())?;
+        let (l, c) = (Lane::Normal, Lane::Critical);
+        let pairs: Vec<(&str, String)> = vec![
+            ("K_workers()", n.workers()),
+            ("K_worker('w1')", n.worker("w1")),
+            ("K_wrun('w1')", n.worker_running("w1")),
+            ("K_groups()", n.groups()),
+            ("K_group('g=1')", n.group("g=1")),
+            ("K_gw('g=1')", n.group_workers("g=1")),
+            ("K_gord('g=1')", n.group_ordinals("g=1")),
+            ("K_idx('a=b')", n.label_index("a=b")),
+            ("K_resv('g=1', 'normal')", n.reserved("g=1", l)),
+            ("K_run('g=1', 'critical')", n.running("g=1", c)),
+            ("K_task('t-1')", n.task("t-1")),
+            ("K_attempts('t-1')", n.attempts("t-1")),
+            ("K_dedupe('t-1')", n.dedupe("t-1")),
+            ("K_parked('g=1', 'normal')", n.parked("g=1", l)),
+            ("K_rr('normal', 'a=b,c=d')", n.round_robin(l, "a=b,c=d")),
+            ("K_reclaim('g=1')", n.reclaimed("g=1")),
+        ];
+        let calls: Vec<&str> = pairs.iter().map(|(call, _)| *call).collect();
+        let script = format!("{}\nreturn {{ {} }}", crate::scripts::PRELUDE, calls.join(", "));
+        let lua: Vec<String> = store.query(deadpool_redis::redis::cmd("EVAL").arg(script).arg(1).arg(n.prefix())).await?;
+        let rust: Vec<String> = pairs.iter().map(|(_, k)| k.clone()).collect();
+        assert_eq!(lua, rust, "keys.lua and Names disagree on the key layout");
+        // Every builder of keys.lua is compared above.
+        let builders = crate::scripts::PRELUDE.lines().filter(|l| l.starts_with("local function K_")).count();
+        assert_eq!(builders, pairs.len(), "a key builder of keys.lua is missing from this test");
+        Ok(())
     }
 }

@@ -215,3 +215,9 @@ pub fn permanent(e: &Error, url: &str) -> Option<Error> {
 pub fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
 }
+
+/// A duration in whole milliseconds, as scripts and `PX`/`PEXPIRE` take it (saturating): the
+/// one conversion from the `Duration`s of the Store API.
+pub fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}

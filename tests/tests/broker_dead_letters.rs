@@ -37,9 +37,10 @@ async fn delivery_limit_dead_letters_get_a_reason_and_a_true_status() -> anyhow:
     // A task as the scheduler hands it to a group (reserved there, status queued), and a probe.
     let env = task("job", json!({"x": 1}), "pool=bs");
     let id = env.id.clone();
-    ns.store
-        .set_statuses(&[(id.as_str(), vec![("state", "queued".to_string()), ("group", group.to_string()), ("lane", "normal".to_string()), ("attempt", "0".to_string())])], 600_000)
-        .await?;
+    // The status a dispatch would have written (reserve.lua): seeded by hand, no scheduler here.
+    let mut seed = deadpool_redis::redis::cmd("HSET");
+    seed.arg(ns.names.task(&id)).arg("state").arg("queued").arg("group").arg(group).arg("lane").arg("normal").arg("attempt").arg(0);
+    ns.store.query::<i64>(&seed).await?;
     amqp::publish_confirmed(&ns.publisher, &ns.names.tasks_exchange(), &ns.names.group_key(group, Lane::Normal), &env.to_bytes(), amqp::task_properties(&id, None)).await?;
     let mut probe = fleet::Envelope::new("noop", json!({"probe": true}));
     probe.id = format!("probe-{}", ns.name);

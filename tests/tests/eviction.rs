@@ -121,8 +121,8 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
         executor: "builtin".into(),
         state: WorkerState::Active,
     };
-    ns.store.register(&reg("w-dead", "i-dead"), 1500).await?;
-    ns.store.register(&reg("w-live", "i-live"), 1500).await?;
+    ns.store.register(&reg("w-dead", "i-dead"), Duration::from_millis(1500)).await?;
+    ns.store.register(&reg("w-live", "i-live"), Duration::from_millis(1500)).await?;
     let t = |id: &str, isolated: bool| ClaimRequest { lane: Lane::Normal, id: id.to_string(), base: 1, max_attempts: 3, isolated };
     let lease = Duration::from_secs(60);
     let (_, c) = ns.store.claim("w-dead", &g, "i-dead", lease, lease, &[t("t1", false), t("t2", false)]).await?;
@@ -135,8 +135,8 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
 
     // w-dead stays silent past the timeout (1 s here), w-live beats.
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    ns.store.heartbeat("w-live", "i-live", 60_000, &Beat::default()).await?;
-    assert_eq!(ns.store.evict_stale(1000).await?, vec!["w-dead".to_string()]);
+    ns.store.heartbeat("w-live", "i-live", Duration::from_secs(60), &Beat::default()).await?;
+    assert_eq!(ns.store.evict_stale(Duration::from_secs(1)).await?, vec!["w-dead".to_string()]);
     let after = group(&ns.store, &g).await.context("group")?;
     assert_eq!((after.workers, after.capacity, after.load), (1, 2, 0));
     for id in ["t1", "t2"] {
@@ -166,7 +166,7 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
     // The claim that counted the crash did not log it a second time.
     assert_eq!(lost("t1").await?, one_lost);
     // Idempotent: a second checker finds nothing to do.
-    assert!(ns.store.evict_stale(1000).await?.is_empty());
+    assert!(ns.store.evict_stale(Duration::from_secs(1)).await?.is_empty());
     assert_eq!(group(&ns.store, &g).await.map(|g| (g.capacity, g.load)), Some((2, 1)));
     // Attempt 2's outcome is appended by the finish that records it.
     let done = Finished { lane: Lane::Normal, id: "t1".into(), attempt: 2, state: "succeeded", text: "{}".into(), success: true, reason: "" };

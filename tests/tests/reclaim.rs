@@ -275,32 +275,32 @@ async fn registration_waits_for_a_reclaim_and_its_deleted_queues() -> anyhow::Re
     let s = &ns.store;
     let now = || s.clock.now_ms();
     s.measure_clock().await?;
-    s.register_declared(&reg("w1"), 30_000, false, now()).await?;
-    assert!(matches!(s.reclaim_claim(&g, 0, 60_000).await?, ReclaimClaim::Busy(_)), "a group with a worker is kept");
+    s.register_declared(&reg("w1"), Duration::from_secs(30), false, now()).await?;
+    assert!(matches!(s.reclaim_claim(&g, Duration::from_millis(0), Duration::from_secs(60)).await?, ReclaimClaim::Busy(_)), "a group with a worker is kept");
     assert!(s.deregister("w1", "i-w1").await?);
     // Grace not over.
-    assert!(matches!(s.reclaim_claim(&g, 60_000, 60_000).await?, ReclaimClaim::Wait(_)));
-    let ReclaimClaim::Reclaimed { labels: json } = s.reclaim_claim(&g, 0, 60_000).await? else { anyhow::bail!("not reclaimed") };
+    assert!(matches!(s.reclaim_claim(&g, Duration::from_secs(60), Duration::from_secs(60)).await?, ReclaimClaim::Wait(_)));
+    let ReclaimClaim::Reclaimed { labels: json } = s.reclaim_claim(&g, Duration::from_millis(0), Duration::from_secs(60)).await? else { anyhow::bail!("not reclaimed") };
     assert_eq!(serde_json::from_str::<serde_json::Value>(&json)?, json!({"pod": "race", "protocol": "builtin"}));
     assert!(s.group_names().await?.is_empty());
     let declared_before = now();
-    let r = s.register_declared(&reg("w2"), 30_000, false, declared_before).await;
+    let r = s.register_declared(&reg("w2"), Duration::from_secs(30), false, declared_before).await;
     assert!(matches!(r, Err(fleet::Error::Reclaiming(_))), "refused while the queues are deleted: {r:?}");
     assert!(s.group_names().await?.is_empty(), "a refused registration recreates nothing");
-    s.reclaim_done(&g, 60_000).await?;
-    let r = s.register_declared(&reg("w2"), 30_000, false, declared_before).await;
+    s.reclaim_done(&g, Duration::from_secs(60)).await?;
+    let r = s.register_declared(&reg("w2"), Duration::from_secs(30), false, declared_before).await;
     assert!(matches!(r, Err(fleet::Error::Reclaiming(_))), "its queues were deleted after it declared them: {r:?}");
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    s.register_declared(&reg("w2"), 30_000, false, now()).await?;
+    s.register_declared(&reg("w2"), Duration::from_secs(30), false, now()).await?;
     assert_eq!(s.group_names().await?, vec![g.clone()]);
     assert_eq!(harness::group(s, &g).await.map(|v| (v.workers, v.capacity)), Some((1, 1)));
     // A claim undone (work arrived): the group is back with its label index.
     assert!(s.deregister("w2", "i-w2").await?);
-    let ReclaimClaim::Reclaimed { labels: json } = s.reclaim_claim(&g, 0, 60_000).await? else { anyhow::bail!("not reclaimed") };
-    s.reclaim_restore(&g, &json, 60_000).await?;
+    let ReclaimClaim::Reclaimed { labels: json } = s.reclaim_claim(&g, Duration::from_millis(0), Duration::from_secs(60)).await? else { anyhow::bail!("not reclaimed") };
+    s.reclaim_restore(&g, &json, Duration::from_secs(60)).await?;
     assert_eq!(s.group_names().await?, vec![g.clone()]);
     let idx: Vec<String> = s.query(redis::cmd("SMEMBERS").arg(format!("{}idx:pod=race", ns.names.prefix()))).await?;
     assert_eq!(idx, vec![g.clone()]);
-    assert!(matches!(s.reclaim_claim(&g, 60_000, 60_000).await?, ReclaimClaim::Wait(_)), "its grace starts again");
+    assert!(matches!(s.reclaim_claim(&g, Duration::from_secs(60), Duration::from_secs(60)).await?, ReclaimClaim::Wait(_)), "its grace starts again");
     ns.cleanup().await
 }

@@ -28,7 +28,7 @@ async fn register(store: &Store, id: &str, labels: &str, cap: u32) -> anyhow::Re
         executor: "builtin".into(),
         state: WorkerState::Active,
     };
-    store.register(&r, 30_000).await?;
+    store.register(&r, std::time::Duration::from_secs(30)).await?;
     Ok(())
 }
 

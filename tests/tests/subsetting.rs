@@ -207,26 +207,26 @@ async fn ordinals_are_lowest_free_and_freed_by_deregistration_and_eviction() -> 
     };
     let group = labels.group_name();
     for id in ["a", "b", "c"] {
-        ns.store.register(&reg(id), 60_000).await?;
+        ns.store.register(&reg(id), Duration::from_secs(60)).await?;
     }
     let ord = |m: BTreeMap<u32, String>| m.into_iter().map(|(o, id)| (id, o)).collect::<BTreeMap<String, u32>>();
     let want = |p: &[(&str, u32)]| p.iter().map(|(id, o)| (id.to_string(), *o)).collect::<BTreeMap<String, u32>>();
     assert_eq!(ord(ns.store.group_ordinals(&group).await?), want(&[("a", 0), ("b", 1), ("c", 2)]));
     // Registering again (e.g. after a lost heartbeat) keeps the ordinal.
-    ns.store.register(&reg("a"), 60_000).await?;
+    ns.store.register(&reg("a"), Duration::from_secs(60)).await?;
     assert_eq!(ord(ns.store.group_ordinals(&group).await?), want(&[("a", 0), ("b", 1), ("c", 2)]));
     assert!(ns.store.deregister("b", "inst-b").await?);
     assert_eq!(ord(ns.store.group_ordinals(&group).await?), want(&[("a", 0), ("c", 2)]));
-    ns.store.register(&reg("d"), 60_000).await?;
-    ns.store.register(&reg("e"), 60_000).await?;
+    ns.store.register(&reg("d"), Duration::from_secs(60)).await?;
+    ns.store.register(&reg("e"), Duration::from_secs(60)).await?;
     assert_eq!(ord(ns.store.group_ordinals(&group).await?), want(&[("a", 0), ("c", 2), ("d", 1), ("e", 3)]));
     // Eviction (every worker silent past a 1 ms timeout) frees every ordinal.
     tokio::time::sleep(Duration::from_millis(5)).await;
-    let mut evicted = ns.store.evict_stale(1).await?;
+    let mut evicted = ns.store.evict_stale(Duration::from_millis(1)).await?;
     evicted.sort();
     assert_eq!(evicted, vec!["a", "c", "d", "e"]);
     assert!(ns.store.group_ordinals(&group).await?.is_empty());
-    ns.store.register(&reg("f"), 60_000).await?;
+    ns.store.register(&reg("f"), Duration::from_secs(60)).await?;
     assert_eq!(ord(ns.store.group_ordinals(&group).await?), want(&[("f", 0)]));
     ns.cleanup().await
 }

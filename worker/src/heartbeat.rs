@@ -73,8 +73,7 @@ impl Heartbeat {
         if let Err(e) = store.measure_clock().await {
             tracing::debug!(error = %e, "cannot measure the clock against Redis");
         }
-        let lease_ms = i64::try_from(self.run_lease.as_millis()).unwrap_or(i64::MAX);
-        match store.heartbeat(self.registrar.id(), self.registrar.instance(), lease_ms, &b).await {
+        match store.heartbeat(self.registrar.id(), self.registrar.instance(), self.run_lease, &b).await {
             Ok(reply) => {
                 self.readiness.set_redis(true);
                 // For the scheduler's console; kept a little longer than a beat apart.
@@ -82,7 +81,7 @@ impl Heartbeat {
                 if let Err(e) = store.share_worker_stats(self.registrar.id(), &waits, skew, self.interval * 3).await {
                     tracing::debug!(error = %e, "cannot share the wait histogram");
                 }
-                self.on_reply(reply, &b, lease_ms).await;
+                self.on_reply(reply, &b).await;
                 // The figures also go out with every ledger batch; this covers a registration
                 // made again (which starts from an empty record).
                 if let Err(e) = store.set_outcomes(self.registrar.id(), self.registrar.instance(), &self.stats.outcomes()).await {
@@ -93,7 +92,7 @@ impl Heartbeat {
         }
     }
 
-    async fn on_reply(&self, reply: BeatReply, b: &Beat, lease_ms: i64) {
+    async fn on_reply(&self, reply: BeatReply, b: &Beat) {
         let mode = self.control.mode();
         match reply {
             BeatReply::Gone => {
@@ -103,7 +102,7 @@ impl Heartbeat {
                         // The fresh registration has no running records: renew them at once
                         // (once: a registration lost again waits for the next beat).
                         let store = self.registrar.store();
-                        if let Err(e) = store.heartbeat(self.registrar.id(), self.registrar.instance(), lease_ms, b).await {
+                        if let Err(e) = store.heartbeat(self.registrar.id(), self.registrar.instance(), self.run_lease, b).await {
                             self.redis_error(&e, "heartbeat after registering again failed");
                         }
                     }

@@ -46,7 +46,7 @@ const RECLAIM_POLL: Duration = Duration::from_millis(250);
 pub struct Registrar {
     store: Store,
     registration: Registration,
-    liveness_ms: i64,
+    liveness: std::time::Duration,
     /// For error messages (password hidden when printed).
     redis_url: String,
     /// This process holds the id's broker lock: a previous holder is gone, take over at once.
@@ -69,7 +69,7 @@ impl Registrar {
                 executor: cfg.executor.as_str().to_string(),
                 state: WorkerState::Active,
             },
-            liveness_ms: i64::try_from(cfg.heartbeat_timeout.as_millis()).unwrap_or(i64::MAX),
+            liveness: cfg.heartbeat_timeout,
             takeover: Default::default(),
             broker: None,
         }
@@ -152,14 +152,14 @@ impl Registrar {
         r.state = state;
         let takeover = self.takeover.load(std::sync::atomic::Ordering::Relaxed);
         let Some(broker) = &self.broker else {
-            return self.store.register_with(&r, self.liveness_ms, takeover).await;
+            return self.store.register_with(&r, self.liveness, takeover).await;
         };
         // The declaration's time on Redis's clock (the fleet's one clock).
         let declared = match broker.declared_at_ms() {
             0 => 0,
             t => t + (self.store.clock.now_ms() - fleet::store::now_ms()),
         };
-        let result = self.store.register_declared(&r, self.liveness_ms, takeover, declared).await;
+        let result = self.store.register_declared(&r, self.liveness, takeover, declared).await;
         if let Err(fleet::Error::Reclaiming(why)) = &result {
             // The group was reclaimed (or is being): its queues may be gone. Declare them
             // again, so the next attempt registers with queues that exist.

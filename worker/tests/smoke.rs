@@ -390,7 +390,7 @@ async fn failing_worker_ejects_itself_and_comes_back() -> Result<()> {
         executor: "builtin".into(),
         state: fleet::registry::WorkerState::Active,
     };
-    f.store.register(&peer, 30_000).await?;
+    f.store.register(&peer, Duration::from_secs(30)).await?;
     let cfg = f.settings(
         "w-eject",
         &[("eject_window", "4"), ("eject_min_samples", "4"), ("eject_error_ratio", "0.5"), ("eject_cooldown_ms", "1500")],

@@ -8,11 +8,11 @@
 -- worker gave it a fate of its own) keeps its status: the broker's copy was a stale duplicate.
 -- Otherwise the task's reservation and running records are released (nobody runs it any more:
 -- the broker dead-letters a message only when it comes back) and it is `dead` with the reason.
--- returns: 'dead' | 'done' (the status was already final; nothing written)
+-- returns: 'dead' (S.dead, the state written) | 'done' (the status was already final; nothing written)
 local id, g, lane, reason, err, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local t = K_task(id)
 local r = redis.call('HMGET', t, 'state', 'run_st', 'group', 'worker', 'attempt', 'started_at')
-if r[2] == 'done' and (r[1] == 'succeeded' or r[1] == 'dead' or r[1] == 'expired') then return 'done' end
+if r[2] == 'done' and is_final(r[1]) then return 'done' end
 if g == '' then g = r[3] or '' end
 if g ~= '' then
   redis.call('ZREM', K_resv(g, lane), id)
@@ -21,9 +21,8 @@ end
 if r[4] then redis.call('SREM', K_wrun(r[4]), lane .. '|' .. id) end
 -- The attempt log (see keys.lua) records this end too: every attempt that ended is listed.
 log_attempt(id, { attempt = tonumber(r[5]), worker = r[4] or nil, started_at = tonumber(r[6]), finished_at = NOW_MS,
-  outcome = 'dead', reason = reason, error = err }, ttl)
-redis.call('HSET', t, 'state', 'dead', 'reason', reason, 'error', err, 'finished_at', NOW_MS, 'run_st', 'done', 'lane', lane)
-if g ~= '' then redis.call('HSET', t, 'group', g) end
-redis.call('HDEL', t, 'worker')
-redis.call('PEXPIRE', t, ttl)
-return 'dead'
+  outcome = O.dead, reason = reason, error = err }, ttl)
+local fields = { 'lane', lane }
+if g ~= '' then fields[3], fields[4] = 'group', g end
+status_dead(id, reason, err, ttl, fields)
+return S.dead

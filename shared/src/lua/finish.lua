@@ -34,8 +34,7 @@ for k = 0, n - 1 do
   local owned = r[2] == inst and r[3] == 'run'
   if state == '' then
     if owned then
-      redis.call('HSET', t, 'run_st', 'rel', 'state', 'queued')
-      redis.call('HDEL', t, 'worker', 'started_at')
+      status_requeued(id, 'rel')
     end
   else
     -- Completions per group and lane: the scheduler turns them into each group's room ahead
@@ -45,9 +44,9 @@ for k = 0, n - 1 do
     local same = seen == attempt and r[4] == w
     -- A success the record itself keeps (worker, start, end: the common case) is not logged:
     -- the API adds it from the record. Every other outcome goes into the log.
-    if not (state == 'succeeded' and same) then
+    if not (state == S.succeeded and same) then
       local e = { attempt = attempt, worker = w, finished_at = now, outcome = state }
-      if state == 'retrying' then e.outcome = 'failed' end
+      if state == S.retrying then e.outcome = O.failed end
       if same then e.started_at = tonumber(r[5]) end
       if success ~= '1' and text ~= '' then e.error = text end
       if reason ~= '' then e.reason = reason end
@@ -55,13 +54,7 @@ for k = 0, n - 1 do
     end
   end
   if state ~= '' and seen <= attempt then
-    redis.call('HSET', t, 'state', state, 'worker', w, 'finished_at', now, 'attempt', attempt, field, text)
-    if owned or r[2] == false then redis.call('HSET', t, 'run_st', 'done') end
-    -- A success after failed attempts: the earlier attempt's error no longer describes the task.
-    if success == '1' then redis.call('HDEL', t, 'error') end
-    -- The reason describes this outcome only (a replayed task may have died before).
-    if reason ~= '' then redis.call('HSET', t, 'reason', reason) else redis.call('HDEL', t, 'reason') end
-    redis.call('PEXPIRE', t, st_ttl)
+    status_finished(id, state, w, attempt, field, text, success == '1', reason, owned or r[2] == false, st_ttl)
   end
 end
 -- Completion counts feed the group's room (Little's law); a group reclaimed meanwhile is not

@@ -40,55 +40,87 @@ local function log_attempt(id, entry, ttl_ms)
   redis.call('PEXPIRE', k, ttl_ms)
 end
 
--- A worker adds its capacity to its group only while `active` (draining and ejected
--- workers take nothing new).
-local function contrib(state, cap)
-  if state == 'active' then return tonumber(cap) or 0 end
-  return 0
+-- Task states, dead-letter reasons and attempt outcomes, as stored: the words of
+-- `fleet::status::{TaskState, DeadReason, AttemptOutcome}` (a unit test checks these tables
+-- and every such word in the scripts against the enums, so scripts spell them S.x, R.x, O.x).
+local S = { queued = 'queued', parked = 'parked', running = 'running', retrying = 'retrying', succeeded = 'succeeded', dead = 'dead', expired = 'expired' }
+local R = { worker_lost = 'worker_lost' }
+local O = { succeeded = 'succeeded', failed = 'failed', dead = 'dead', expired = 'expired', lost = 'lost' }
+
+-- A state that ends the task (`TaskState::is_terminal`).
+local function is_final(state)
+  return state == S.succeeded or state == S.dead or state == S.expired
 end
 
-local function add_capacity(g, dn, dc)
-  if dn ~= 0 then redis.call('HINCRBY', K_group(g), 'cap:normal', dn) end
-  if dc ~= 0 then redis.call('HINCRBY', K_group(g), 'cap:critical', dc) end
+-- ---- Status writers: the only code that sets a task's `state` (one function per transition;
+-- the Rust side's are in `fleet::status`). `ttl_ms`: the status TTL. ----
+
+-- Dispatched (S.queued, reserved in group g) or waiting for room (S.parked): never over a
+-- claimed attempt — a copy made by a scheduler that took over a crashed one's batch finds the
+-- task running or finished, and the worker acks that copy as a duplicate.
+local function status_waiting(id, state, g, lane, ttl_ms)
+  local t = K_task(id)
+  local cur = redis.call('HGET', t, 'state')
+  if cur == S.running or is_final(cur) then return end
+  redis.call('HSET', t, 'state', state, 'group', g, 'lane', lane, 'queued_at', NOW_MS)
+  redis.call('PEXPIRE', t, ttl_ms)
+end
+local function status_queued(id, g, lane, ttl_ms) status_waiting(id, S.queued, g, lane, ttl_ms) end
+local function status_parked(id, g, lane, ttl_ms) status_waiting(id, S.parked, g, lane, ttl_ms) end
+
+-- Claimed: attempt `att` runs on worker w (process inst) in group g; the run record (`run_*`,
+-- see start.lua) says which copy of which attempt runs and whether alone (`iso`).
+local function status_running(id, g, lane, w, att, base, inst, iso, ttl_ms)
+  local t = K_task(id)
+  redis.call('HSET', t, 'state', S.running, 'group', g, 'lane', lane, 'worker', w, 'attempt', att,
+    'started_at', NOW_MS, 'run_base', base, 'run_owner', inst, 'run_st', 'run', 'run_iso', iso)
+  redis.call('HDEL', t, 'finished_at')
+  redis.call('PEXPIRE', t, ttl_ms)
 end
 
--- Removes a worker entirely: its capacity, its running records, its index entries.
--- A running record is released only while the task is still this worker's: a task the broker
--- redelivered after this worker died may already run on a peer (its status names the peer),
--- and that record is the peer's. A task this worker was still running goes back to `queued`
--- (the broker hands its delivery to a peer); its run record keeps naming this instance, so the
--- next claim of that attempt sees a lost owner and counts the crash (see start.lua).
--- Idempotent: a second call finds nothing and does nothing.
-local function remove_worker(id)
-  local wk = K_worker(id)
-  local w = redis.call('HMGET', wk, 'group', 'state', 'cap', 'ccap', 'instance', 'ord')
-  redis.call('ZREM', K_workers(), id)
-  if not w[1] then return 0 end
-  local g = w[1]
-  -- Free its subsetting ordinal (unless already taken over by another worker).
-  if w[6] and redis.call('HGET', K_gord(g), w[6]) == id then redis.call('HDEL', K_gord(g), w[6]) end
-  add_capacity(g, -contrib(w[2], w[3]), -contrib(w[2], w[4]))
-  for _, m in ipairs(redis.call('SMEMBERS', K_wrun(id))) do
-    local lane, task = string.match(m, '^(%a+)|(.*)$')
-    if lane then
-      local t = redis.call('HMGET', K_task(task), 'worker', 'state', 'run_owner', 'run_st', 'attempt', 'started_at')
-      if not t[1] or t[1] == id then redis.call('ZREM', K_run(g, lane), task) end
-      if t[1] == id and t[2] == 'running' and t[3] == w[5] and t[4] == 'run' then
-        -- The attempt ended without an outcome: lost with its worker (the next claim counts it).
-        local ttl = redis.call('PTTL', K_task(task))
-        if ttl > 0 then
-          log_attempt(task, { attempt = tonumber(t[5]), worker = id, started_at = tonumber(t[6]),
-            finished_at = NOW_MS, outcome = 'lost', reason = 'worker_lost' }, ttl)
-        end
-        redis.call('HSET', K_task(task), 'state', 'queued')
-        redis.call('HDEL', K_task(task), 'worker', 'started_at')
-      end
-    end
+-- A crash suspect claimed by process inst of worker w, to run once that process runs nothing
+-- else (start.lua): still S.queued, its run record held.
+local function status_suspect(id, w, inst, att, ttl_ms)
+  local t = K_task(id)
+  redis.call('HSET', t, 'run_owner', inst, 'worker', w, 'run_st', 'run', 'run_iso', 's',
+    'attempt', att, 'state', S.queued)
+  redis.call('PEXPIRE', t, ttl_ms)
+end
+
+-- Back in the broker after an attempt that ended without an outcome: its worker died or left
+-- (remove_worker; `run_st` nil: the record stays the lost owner's, so the next claim counts
+-- the crash) or it was released (finish.lua; `run_st` 'rel': the next copy runs the attempt again).
+local function status_requeued(id, run_st)
+  local t = K_task(id)
+  if run_st then
+    redis.call('HSET', t, 'run_st', run_st, 'state', S.queued)
+  else
+    redis.call('HSET', t, 'state', S.queued)
   end
-  redis.call('DEL', K_wrun(id), wk)
-  redis.call('SREM', K_gw(g), id)
-  redis.call('HDEL', K_group(g), 'h:' .. id)
-  -- The group's last worker left: its reclaim grace starts now (reclaim.lua).
-  if redis.call('SCARD', K_gw(g)) == 0 then redis.call('HSET', K_group(g), 'idle', NOW_MS) end
-  return 1
+  redis.call('HDEL', t, 'worker', 'started_at')
+end
+
+-- An attempt's outcome (finish.lua): `state` is S.succeeded, S.retrying, S.dead or S.expired,
+-- written by worker w for attempt `att`; `field` ('result' | 'error') holds `text`; `reason`
+-- ('' for none) why dead or expired; `done`: this process owns the run record (or none exists),
+-- which then says the attempt is over.
+local function status_finished(id, state, w, att, field, text, success, reason, done, ttl_ms)
+  local t = K_task(id)
+  redis.call('HSET', t, 'state', state, 'worker', w, 'finished_at', NOW_MS, 'attempt', att, field, text)
+  if done then redis.call('HSET', t, 'run_st', 'done') end
+  -- A success after failed attempts: the earlier attempt's error no longer describes the task.
+  if success then redis.call('HDEL', t, 'error') end
+  -- The reason describes this outcome only (a replayed task may have died before).
+  if reason ~= '' then redis.call('HSET', t, 'reason', reason) else redis.call('HDEL', t, 'reason') end
+  redis.call('PEXPIRE', t, ttl_ms)
+end
+
+-- Dead outside a worker's outcome (start.lua: R.worker_lost; broker_dead.lua: the broker's
+-- reason): the attempt is over and no worker holds it. `fields`: more fields to set (or nil).
+local function status_dead(id, reason, err, ttl_ms, fields)
+  local t = K_task(id)
+  redis.call('HSET', t, 'state', S.dead, 'reason', reason, 'error', err, 'finished_at', NOW_MS, 'run_st', 'done')
+  if fields and #fields > 0 then redis.call('HSET', t, unpack(fields)) end
+  redis.call('HDEL', t, 'worker')
+  redis.call('PEXPIRE', t, ttl_ms)
 end

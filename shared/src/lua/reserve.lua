@@ -38,17 +38,8 @@ local n = tonumber(ARGV[8])
 
 local gcache, ccache = {}, {}
 
--- The status a dispatch writes (queued, parked) never hides a claimed attempt: a copy made by a
--- scheduler that took over a crashed one's batch (an ingress or park message it had handed on
--- but not yet acked) finds the task running or finished, and the worker acks that copy as a
--- duplicate without touching the status.
-local function set_waiting(id, state, g, lane)
-  local t = K_task(id)
-  local cur = redis.call('HGET', t, 'state')
-  if cur == 'running' or cur == 'succeeded' or cur == 'dead' or cur == 'expired' then return end
-  redis.call('HSET', t, 'state', state, 'group', g, 'lane', lane, 'queued_at', now)
-  redis.call('PEXPIRE', t, st_ttl)
-end
+-- The status a dispatch writes (queued, parked: keys.lua status_queued / status_parked) never
+-- hides a claimed attempt.
 local function gstate(g, lane)
   local key = g .. '|' .. lane
   local s = gcache[key]
@@ -182,7 +173,7 @@ for t = 1, n do
       local s = gstate(chosen, lane)
       s.used = s.used + 1
       redis.call('ZADD', K_resv(chosen, lane), now + lease, id)
-      set_waiting(id, 'queued', chosen, lane)
+      status_queued(id, chosen, lane, st_ttl)
       out[t] = { 'reserved', chosen }
     elseif #live > 0 then
       local best, bg = nil, live[1]
@@ -194,7 +185,7 @@ for t = 1, n do
       if not from_park then
         redis.call('SET', K_parked(bg, lane), '1', 'PX', 3000)
         gstate(bg, lane).parked = true
-        set_waiting(id, 'parked', bg, lane)
+        status_parked(id, bg, lane, st_ttl)
       end
       out[t] = { 'full', bg }
     else

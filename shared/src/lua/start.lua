@@ -33,10 +33,7 @@ local function grant(lane, id, t, base, att, iso)
   redis.call('ZREM', K_resv(g, lane), id)
   redis.call('ZADD', K_run(g, lane), now + lease, id)
   redis.call('SADD', K_wrun(w), lane .. '|' .. id)
-  redis.call('HSET', t, 'state', 'running', 'group', g, 'lane', lane, 'worker', w, 'attempt', att,
-    'started_at', now, 'run_base', base, 'run_owner', inst, 'run_st', 'run', 'run_iso', iso)
-  redis.call('HDEL', t, 'finished_at')
-  redis.call('PEXPIRE', t, st_ttl)
+  status_running(id, g, lane, w, att, base, inst, iso, st_ttl)
 end
 
 -- A crash noticed here (its worker re-registered by another process, or its owner gone while
@@ -45,17 +42,15 @@ end
 local function log_lost(id, att, r)
   if r[6] then
     log_attempt(id, { attempt = att, worker = r[6], started_at = tonumber(r[7]), finished_at = now,
-      outcome = 'lost', reason = 'worker_lost' }, st_ttl)
+      outcome = O.lost, reason = R.worker_lost }, st_ttl)
   end
 end
 
 -- Claims a suspect for this process without running it yet: it runs once the process runs
 -- nothing else (re-claimed with isolated = 1).
 local function suspect(lane, id, t, att)
-  redis.call('HSET', t, 'run_owner', inst, 'worker', w, 'run_st', 'run', 'run_iso', 's',
-    'attempt', att, 'state', 'queued')
+  status_suspect(id, w, inst, att, st_ttl)
   redis.call('SADD', K_wrun(w), lane .. '|' .. id)
-  redis.call('PEXPIRE', t, st_ttl)
   return 'iso:' .. att
 end
 
@@ -69,9 +64,9 @@ for k = 0, n - 1 do
   local ans
   if rb == nil or rb < base then
     -- A newer attempt over a success the record kept (not logged, see finish.lua): log it now.
-    if r[8] == 'succeeded' and rb ~= nil then
+    if r[8] == S.succeeded and rb ~= nil then
       log_attempt(id, { attempt = tonumber(r[5]), worker = r[6], started_at = tonumber(r[7]),
-        finished_at = tonumber(r[9]), outcome = 'succeeded' }, st_ttl)
+        finished_at = tonumber(r[9]), outcome = O.succeeded }, st_ttl)
     end
     grant(lane, id, t, base, base, isolated)
     ans = 'run:' .. base
@@ -105,10 +100,7 @@ for k = 0, n - 1 do
       ans = suspect(lane, id, t, att)
     elseif r[4] == '1' and att >= max then
       log_lost(id, att, r)
-      redis.call('HSET', t, 'state', 'dead', 'reason', 'worker_lost', 'run_st', 'done', 'finished_at', now,
-        'error', 'the worker process died while running this task alone, on its last attempt')
-      redis.call('HDEL', t, 'worker')
-      redis.call('PEXPIRE', t, st_ttl)
+      status_dead(id, R.worker_lost, 'the worker process died while running this task alone, on its last attempt', st_ttl)
       ans = 'dead:' .. att
     else
       log_lost(id, att, r)

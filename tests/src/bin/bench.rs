@@ -634,7 +634,7 @@ async fn stages(n: usize) -> Result<()> {
     let labels = fleet::Labels::parse("stage=x,protocol=builtin")?;
     fleet::topology::declare_group(&ch, &cfg, &labels.group_name()).await?;
     let reg = Registration { id: "placeholder".into(), instance: "p".into(), labels, capacity: n as u32, critical_capacity: 1, executor: "builtin".into(), state: WorkerState::Active };
-    ns.store.register(&reg, 1).await?;
+    ns.store.register(&reg, Duration::from_millis(1)).await?;
     let consumers = std::env::var("BENCH_INGRESS_CONSUMERS").unwrap_or_else(|_| "4".into());
     let sched = start_scheduler(&ns, &[("rate", "1000000"), ("burst", "1000000"), ("ingress_max_normal", "1000000"), ("max_pending", "10000000"), ("load_red", "1"), ("load_yellow", "1"), ("heartbeat_timeout_ms", "600000"), ("ingress_consumers", consumers.as_str())]).await?;
     let envs: Vec<Envelope> = (0..n).map(|_| { let mut e = Envelope::new("count", json!(null)); e.labels = fleet::Labels::parse("stage=x").unwrap_or_default(); e }).collect();

@@ -1,7 +1,4 @@
-//! Task status records (`t:<id>` hashes with a TTL): queued, running, retrying, succeeded,
-//! dead, expired — with attempts, worker, timestamps and a truncated result or error. They
-//! are written by the same scripts that reserve, start and finish (no extra round trips).
-//! Status is state that may be lost: the task itself always lives in the broker.
+//! Reading status records: the typed JSON of `GET /v1/tasks/{id}` and the attempt history.
 
 use std::collections::BTreeMap;
 
@@ -9,15 +6,9 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use deadpool_redis::redis;
 use serde_json::{Map, Value};
 
+use super::{AttemptOutcome, TaskState, ATTEMPT_LOG_MAX};
 use crate::error::Result;
 use crate::store::Store;
-
-/// States that end a task.
-pub const TERMINAL: &[&str] = &["succeeded", "dead", "expired"];
-
-/// Most entries a task's attempt log keeps (the oldest are dropped). Mirrors
-/// `ATTEMPT_LOG_MAX` in `lua/keys.lua`, which writes the log (a unit test keeps them equal).
-pub const ATTEMPT_LOG_MAX: usize = 20;
 
 /// Status fields that hold whole numbers.
 const INTEGER_FIELDS: &[&str] = &["attempt", "max_attempts"];
@@ -98,7 +89,7 @@ pub fn typed_attempt(raw: &[u8]) -> Option<Value> {
 /// so one clock), the latest [`ATTEMPT_LOG_MAX`] kept.
 pub fn attempt_history(record: &BTreeMap<String, String>, raw: &[Vec<u8>]) -> Vec<Value> {
     let mut out: Vec<Value> = raw.iter().filter_map(|r| typed_attempt(r)).collect();
-    if record.get("state").map(String::as_str) == Some("succeeded") {
+    if record.get("state").and_then(|s| s.parse::<TaskState>().ok()) == Some(TaskState::Succeeded) {
         let mut e = Map::new();
         if let Some(a) = record.get("attempt").and_then(|a| a.parse::<u64>().ok()) {
             e.insert("attempt".into(), Value::from(a));
@@ -111,9 +102,9 @@ pub fn attempt_history(record: &BTreeMap<String, String>, raw: &[Vec<u8>]) -> Ve
                 e.insert(k.into(), Value::String(t));
             }
         }
-        e.insert("outcome".into(), Value::String("succeeded".into()));
+        e.insert("outcome".into(), Value::String(AttemptOutcome::Succeeded.to_string()));
         let e = Value::Object(e);
-        if !out.iter().any(|x| x["outcome"] == "succeeded" && x["attempt"] == e["attempt"] && x["finished_at"] == e["finished_at"]) {
+        if !out.iter().any(|x| x["outcome"] == AttemptOutcome::Succeeded.as_str() && x["attempt"] == e["attempt"] && x["finished_at"] == e["finished_at"]) {
             out.push(e);
         }
     }
@@ -168,52 +159,6 @@ impl Store {
         }
         let attempts = attempt_history(&record, &raw);
         Ok(Some((record, attempts)))
-    }
-
-    /// Forgets a task: its dedupe mark and its status record, so the same id may be submitted
-    /// again as new (a dead-letter replay starts again from attempt 1). The attempt log stays.
-    pub async fn forget_task(&self, id: &str) -> Result<()> {
-        self.query::<i64>(redis::cmd("DEL").arg(self.names.dedupe(id)).arg(self.names.task(id))).await.map(|_| ())
-    }
-
-    /// Records that the broker dead-lettered task `id` itself (see `lua/broker_dead.lua`):
-    /// releases its reservation and running records in `group` (`None`: the group its status
-    /// names) and `lane`, and sets it `dead` with `reason` and `error` — unless its attempt had
-    /// already ended with a final state. Returns true when the status was written, false when
-    /// it was already final (the broker's copy was a stale duplicate).
-    ///
-    /// # Errors
-    /// Redis unreachable or slow.
-    pub async fn record_broker_dead(&self, id: &str, group: Option<&str>, lane: crate::Lane, reason: &str, error: &str, ttl: std::time::Duration) -> Result<bool> {
-        let mut inv = self.scripts.broker_dead.prepare_invoke();
-        inv.key(self.names.prefix())
-            .arg(id)
-            .arg(group.unwrap_or(""))
-            .arg(lane.as_str())
-            .arg(reason)
-            .arg(crate::lease::truncate(error, crate::lease::MAX_STATUS_TEXT))
-            .arg(ttl.as_millis() as u64);
-        let answer: String = self.invoke(&inv).await?;
-        Ok(answer == "dead")
-    }
-
-    /// Sets status fields directly, for many tasks in one round trip (states decided outside
-    /// the scripts: expired or refused at the scheduler, delayed submissions).
-    pub async fn set_statuses(&self, records: &[(&str, Vec<(&str, String)>)], ttl_ms: i64) -> Result<()> {
-        if records.is_empty() {
-            return Ok(());
-        }
-        let mut p = redis::pipe();
-        for (id, fields) in records {
-            let key = self.names.task(id);
-            p.cmd("HSET").arg(&key);
-            for (k, v) in fields {
-                p.arg(*k).arg(v);
-            }
-            p.ignore();
-            p.cmd("PEXPIRE").arg(&key).arg(ttl_ms).ignore();
-        }
-        self.pipe::<()>(&p).await
     }
 }
 
@@ -288,7 +233,7 @@ mod tests {
     #[test]
     fn the_attempt_log_cap_is_the_scripts() {
         let line = format!("local ATTEMPT_LOG_MAX = {ATTEMPT_LOG_MAX}\n");
-        assert!(include_str!("lua/keys.lua").contains(&line), "keys.lua and status.rs disagree on the attempt log cap");
+        assert!(include_str!("../lua/keys.lua").contains(&line), "keys.lua and fleet::status disagree on the attempt log cap");
     }
 
     #[test]

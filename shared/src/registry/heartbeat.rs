@@ -1,0 +1,65 @@
+//! Heartbeats: a worker's liveness and figures, and the renewal of its running tasks'
+//! leases (`heartbeat.lua`). A worker that stops beating is evicted ([`super::evict`]).
+
+use std::time::Duration;
+
+
+use super::WorkerState;
+use crate::envelope::Lane;
+use crate::error::Result;
+use crate::store::{millis, Store};
+
+/// What a heartbeat carries.
+#[derive(Debug, Clone, Default)]
+pub struct Beat {
+    pub running_normal: u32,
+    pub running_critical: u32,
+    pub succeeded: u64,
+    pub failed: u64,
+    pub latency_ewma_ms: f64,
+    pub cpu: f64,
+    pub health: f64,
+    /// Running tasks: (lane, task id); their leases are renewed.
+    pub running: Vec<(Lane, String)>,
+}
+
+/// The answer to a heartbeat.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BeatReply {
+    State(WorkerState),
+    /// The registration is gone (evicted, or Redis lost its data): register again.
+    Gone,
+    /// Another process holds this worker id.
+    Conflict,
+}
+
+impl Store {
+    /// A worker's heartbeat: its figures, and its running tasks' leases renewed for `lease`
+    /// (Redis time). See `heartbeat.lua`.
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn heartbeat(&self, id: &str, instance: &str, lease: Duration, b: &Beat) -> Result<BeatReply> {
+        let mut inv = self.scripts.heartbeat.prepare_invoke();
+        inv.key(self.names.prefix())
+            .arg(id)
+            .arg(instance)
+            .arg(millis(lease))
+            .arg(b.running_normal)
+            .arg(b.running_critical)
+            .arg(b.succeeded)
+            .arg(b.failed)
+            .arg(format!("{:.3}", b.latency_ewma_ms))
+            .arg(format!("{:.3}", b.cpu))
+            .arg(format!("{:.3}", b.health));
+        for (lane, task) in &b.running {
+            inv.arg(format!("{lane}|{task}"));
+        }
+        let reply: String = self.invoke(&inv).await?;
+        Ok(match reply.as_str() {
+            "gone" => BeatReply::Gone,
+            "conflict" => BeatReply::Conflict,
+            s => BeatReply::State(WorkerState::parse(s).unwrap_or(WorkerState::Active)),
+        })
+    }
+}

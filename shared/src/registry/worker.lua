@@ -1,0 +1,54 @@
+-- Prelude of the registry's scripts (after lua/keys.lua): a worker's capacity in its group
+-- and the removal of a worker (deregister, eviction, re-registration). See `fleet::registry`.
+
+-- A worker adds its capacity to its group only while `active` (draining and ejected
+-- workers take nothing new).
+local function contrib(state, cap)
+  if state == 'active' then return tonumber(cap) or 0 end
+  return 0
+end
+
+local function add_capacity(g, dn, dc)
+  if dn ~= 0 then redis.call('HINCRBY', K_group(g), 'cap:normal', dn) end
+  if dc ~= 0 then redis.call('HINCRBY', K_group(g), 'cap:critical', dc) end
+end
+
+-- Removes a worker entirely: its capacity, its running records, its index entries.
+-- A running record is released only while the task is still this worker's: a task the broker
+-- redelivered after this worker died may already run on a peer (its status names the peer),
+-- and that record is the peer's. A task this worker was still running goes back to `queued`
+-- (the broker hands its delivery to a peer); its run record keeps naming this instance, so the
+-- next claim of that attempt sees a lost owner and counts the crash (see start.lua).
+-- Idempotent: a second call finds nothing and does nothing.
+local function remove_worker(id)
+  local wk = K_worker(id)
+  local w = redis.call('HMGET', wk, 'group', 'state', 'cap', 'ccap', 'instance', 'ord')
+  redis.call('ZREM', K_workers(), id)
+  if not w[1] then return 0 end
+  local g = w[1]
+  -- Free its subsetting ordinal (unless already taken over by another worker).
+  if w[6] and redis.call('HGET', K_gord(g), w[6]) == id then redis.call('HDEL', K_gord(g), w[6]) end
+  add_capacity(g, -contrib(w[2], w[3]), -contrib(w[2], w[4]))
+  for _, m in ipairs(redis.call('SMEMBERS', K_wrun(id))) do
+    local lane, task = string.match(m, '^(%a+)|(.*)$')
+    if lane then
+      local t = redis.call('HMGET', K_task(task), 'worker', 'state', 'run_owner', 'run_st', 'attempt', 'started_at')
+      if not t[1] or t[1] == id then redis.call('ZREM', K_run(g, lane), task) end
+      if t[1] == id and t[2] == S.running and t[3] == w[5] and t[4] == 'run' then
+        -- The attempt ended without an outcome: lost with its worker (the next claim counts it).
+        local ttl = redis.call('PTTL', K_task(task))
+        if ttl > 0 then
+          log_attempt(task, { attempt = tonumber(t[5]), worker = id, started_at = tonumber(t[6]),
+            finished_at = NOW_MS, outcome = O.lost, reason = R.worker_lost }, ttl)
+        end
+        status_requeued(task, nil)
+      end
+    end
+  end
+  redis.call('DEL', K_wrun(id), wk)
+  redis.call('SREM', K_gw(g), id)
+  redis.call('HDEL', K_group(g), 'h:' .. id)
+  -- The group's last worker left: its reclaim grace starts now (reclaim.lua).
+  if redis.call('SCARD', K_gw(g)) == 0 then redis.call('HSET', K_group(g), 'idle', NOW_MS) end
+  return 1
+end

@@ -1,0 +1,220 @@
+//! Registration: a worker joins its group (its capacity counted while `active`), moves
+//! between states, publishes its figures and leaves; and the read side of `/v1/workers`.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use deadpool_redis::redis;
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::selector::Labels;
+use crate::store::{millis, Store};
+
+/// A worker's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerState {
+    Active,
+    Draining,
+    Ejected,
+}
+
+impl WorkerState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerState::Active => "active",
+            WorkerState::Draining => "draining",
+            WorkerState::Ejected => "ejected",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "active" => Some(WorkerState::Active),
+            "draining" => Some(WorkerState::Draining),
+            "ejected" => Some(WorkerState::Ejected),
+            _ => None,
+        }
+    }
+}
+
+/// What a worker registers.
+#[derive(Debug, Clone)]
+pub struct Registration {
+    pub id: String,
+    pub instance: String,
+    pub labels: Labels,
+    pub capacity: u32,
+    pub critical_capacity: u32,
+    pub executor: String,
+    pub state: WorkerState,
+}
+
+impl Registration {
+    pub fn group(&self) -> String {
+        self.labels.group_name()
+    }
+}
+
+/// A worker as the API shows it.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct WorkerView {
+    pub id: String,
+    pub group: String,
+    pub labels: serde_json::Value,
+    pub executor: String,
+    pub state: String,
+    pub capacity: u32,
+    pub critical_capacity: u32,
+    pub running: u32,
+    pub running_critical: u32,
+    /// User task attempts that succeeded (health probes are not counted).
+    pub succeeded: u64,
+    /// User task attempts whose outcome could not be recorded (sent back to the broker) —
+    /// the `failed` outcome of `fleet_tasks_completed_total`, not failed handler runs (those
+    /// are `retried` or `dead`).
+    pub failed: u64,
+    /// Attempts that failed and were sent to a retry delay.
+    #[serde(default)]
+    pub retried: u64,
+    /// Attempts that ended the task in the dead-letter queue.
+    #[serde(default)]
+    pub dead: u64,
+    /// Attempts dropped because the deadline had passed.
+    #[serde(default)]
+    pub expired: u64,
+    pub latency_ewma_ms: f64,
+    pub cpu: f64,
+    pub last_heartbeat_ms_ago: i64,
+}
+
+impl Store {
+    /// Registers a worker. A live process holding the same id (one that heartbeated within
+    /// `liveness`) makes this fail with a message.
+    pub async fn register(&self, r: &Registration, liveness: Duration) -> Result<()> {
+        self.register_with(r, liveness, false).await
+    }
+
+    /// Registers a worker; with `takeover` the previous holder of the id is known to be gone
+    /// (this process holds the id's broker lock, see `Names::worker_lock_queue`) and its
+    /// registration is replaced at once instead of after its heartbeat window.
+    pub async fn register_with(&self, r: &Registration, liveness: Duration, takeover: bool) -> Result<()> {
+        self.register_declared(r, liveness, takeover, 0).await
+    }
+
+    /// Registers a worker whose group queues were last declared at `declared_at_ms` (Redis
+    /// time, ms since the epoch; 0: the caller declares no queues).
+    ///
+    /// # Errors
+    /// [`Error::DuplicateWorker`] (a live process holds the id), [`Error::Reclaiming`] (the
+    /// group is being reclaimed, or was reclaimed after `declared_at_ms`: declare the queues
+    /// again and retry), Redis errors.
+    pub async fn register_declared(&self, r: &Registration, liveness: Duration, takeover: bool, declared_at_ms: i64) -> Result<()> {
+        let labels_json = serde_json::to_string(&r.labels)?;
+        let mut inv = self.scripts.register.prepare_invoke();
+        inv.key(self.names.prefix())
+            .arg(&r.id)
+            .arg(&r.instance)
+            .arg(r.group())
+            .arg(labels_json)
+            .arg(r.capacity)
+            .arg(r.critical_capacity)
+            .arg(&r.executor)
+            .arg(if takeover { 1 } else { 0 })
+            .arg(millis(liveness))
+            .arg(r.state.as_str())
+            .arg(declared_at_ms)
+            .arg(r.labels.pairs());
+        match self.invoke::<String>(&inv).await {
+            Ok(_) => Ok(()),
+            Err(Error::Redis(e)) if e.to_string().contains("DUPLICATE") => Err(Error::DuplicateWorker(format!(
+                "worker id `{}` is already registered by a live worker ({})",
+                r.id,
+                e.detail().unwrap_or("recent heartbeat")
+            ))),
+            Err(Error::Redis(e)) if e.to_string().contains("RECLAIMING") => {
+                Err(Error::Reclaiming(format!("group `{}`: {}", r.group(), e.detail().unwrap_or("being reclaimed"))))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Who holds a worker id: its instance token and last heartbeat (ms); `None` when the id is
+    /// not registered.
+    pub async fn worker_holder(&self, id: &str) -> Result<Option<(String, i64)>> {
+        let (instance, hb): (Option<String>, Option<i64>) =
+            self.query(redis::cmd("HMGET").arg(self.names.worker(id)).arg("instance").arg("hb")).await?;
+        Ok(instance.zip(hb))
+    }
+
+    /// Sets a worker's state; `None` when the worker is unknown.
+    pub async fn set_state(&self, id: &str, state: WorkerState) -> Result<Option<WorkerState>> {
+        let mut inv = self.scripts.set_state.prepare_invoke();
+        inv.key(self.names.prefix()).arg(id).arg(state.as_str());
+        let old: Option<String> = self.invoke(&inv).await?;
+        Ok(old.and_then(|s| WorkerState::parse(&s)))
+    }
+
+    /// A worker's current state, `None` when not registered.
+    pub async fn worker_state(&self, id: &str) -> Result<Option<WorkerState>> {
+        let s: Option<String> = self.query(redis::cmd("HGET").arg(self.names.worker(id)).arg("state")).await?;
+        Ok(s.and_then(|s| WorkerState::parse(&s)))
+    }
+
+    /// Publishes a worker's task figures (user task attempts by outcome, as totals) on its
+    /// registration; `false` when this instance does not hold the registration.
+    pub async fn set_outcomes(&self, id: &str, instance: &str, totals: &[(&str, u64)]) -> Result<bool> {
+        let mut inv = self.scripts.outcomes.prepare_invoke();
+        inv.key(self.names.prefix()).key(self.names.worker(id)).arg(id).arg(instance);
+        for (outcome, n) in totals {
+            inv.arg(*outcome).arg(*n);
+        }
+        let written: i64 = self.invoke(&inv).await?;
+        Ok(written == 1)
+    }
+
+    pub async fn deregister(&self, id: &str, instance: &str) -> Result<bool> {
+        let mut inv = self.scripts.deregister.prepare_invoke();
+        inv.key(self.names.prefix()).arg(id).arg(instance);
+        let n: i64 = self.invoke(&inv).await?;
+        Ok(n == 1)
+    }
+
+    /// All registered workers.
+    pub async fn workers(&self) -> Result<Vec<WorkerView>> {
+        let ids: Vec<String> = self.query(redis::cmd("ZRANGE").arg(self.names.workers()).arg(0).arg(-1)).await?;
+        if ids.is_empty() {
+            return Ok(vec![]);
+        }
+        let mut p = redis::pipe();
+        for id in &ids {
+            p.cmd("HGETALL").arg(self.names.worker(id));
+        }
+        let rows: Vec<BTreeMap<String, String>> = self.pipe(&p).await?;
+        let now = self.clock.now_ms();
+        let num = |m: &BTreeMap<String, String>, k: &str| m.get(k).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        Ok(rows
+            .into_iter()
+            .filter(|m| m.contains_key("id"))
+            .map(|m| WorkerView {
+                id: m.get("id").cloned().unwrap_or_default(),
+                group: m.get("group").cloned().unwrap_or_default(),
+                labels: m.get("labels").and_then(|l| serde_json::from_str(l).ok()).unwrap_or_default(),
+                executor: m.get("executor").cloned().unwrap_or_default(),
+                state: m.get("state").cloned().unwrap_or_default(),
+                capacity: num(&m, "cap") as u32,
+                critical_capacity: num(&m, "ccap") as u32,
+                running: num(&m, "load") as u32,
+                running_critical: num(&m, "cload") as u32,
+                succeeded: num(&m, "n:succeeded") as u64,
+                failed: num(&m, "n:failed") as u64,
+                retried: num(&m, "n:retried") as u64,
+                dead: num(&m, "n:dead") as u64,
+                expired: num(&m, "n:expired") as u64,
+                latency_ewma_ms: num(&m, "ewma_ms"),
+                cpu: num(&m, "cpu"),
+                last_heartbeat_ms_ago: now - num(&m, "hb") as i64,
+            })
+            .collect())
+    }
+}

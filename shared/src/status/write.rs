@@ -1,0 +1,138 @@
+//! The Rust writers of status records, one function per transition decided outside the
+//! scripts (the scripts' writers are the `status_*` functions of `lua/keys.lua`). Nothing else
+//! in Rust writes a task's `state`.
+//!
+//! The scheduler decides a batch's fates together, so its transitions are collected in a
+//! [`Writes`] and written in one round trip ([`Store::write_statuses`]).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use deadpool_redis::redis;
+
+use super::{DeadReason, TaskState};
+use crate::envelope::Lane;
+use crate::error::Result;
+use crate::store::{millis, Store};
+
+/// Status transitions of a batch, written together by [`Store::write_statuses`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Writes {
+    records: Vec<(String, Vec<(&'static str, String)>)>,
+}
+
+impl Writes {
+    pub fn new() -> Self {
+        Writes::default()
+    }
+
+    /// No transition collected.
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty()
+    }
+
+    /// Collected transitions: (task id, fields in the order written).
+    pub fn records(&self) -> &[(String, Vec<(&'static str, String)>)] {
+        &self.records
+    }
+
+    /// → [`TaskState::Dead`] (or [`TaskState::Expired`] for [`DeadReason::Expired`]): the
+    /// scheduler dead-lettered the task itself (refused, expired before dispatch, no matching
+    /// worker), with `reason` and `detail` (the dead letter's `x-fleet-reason` and detail).
+    pub fn ended(&mut self, id: &str, lane: Lane, reason: DeadReason, detail: &str) {
+        let state = if reason == DeadReason::Expired { TaskState::Expired } else { TaskState::Dead };
+        self.push(id, state, vec![("reason", reason.to_string()), ("error", detail.to_string()), ("lane", lane.to_string())]);
+    }
+
+    /// → [`TaskState::WaitingForWorker`]: no live group matches the task yet.
+    pub fn waiting_for_worker(&mut self, id: &str, lane: Lane) {
+        self.push(id, TaskState::WaitingForWorker, vec![("lane", lane.to_string())]);
+    }
+
+    /// → [`TaskState::Delayed`]: waits in a delay tier for `not_before` (stored as RFC 3339;
+    /// empty when unknown).
+    pub fn delayed(&mut self, id: &str, lane: Lane, not_before: Option<DateTime<Utc>>) {
+        let at = not_before.map(|t| t.to_rfc3339()).unwrap_or_default();
+        self.push(id, TaskState::Delayed, vec![("not_before", at), ("lane", lane.to_string())]);
+    }
+
+    fn push(&mut self, id: &str, state: TaskState, mut fields: Vec<(&'static str, String)>) {
+        fields.insert(0, ("state", state.to_string()));
+        self.records.push((id.to_string(), fields));
+    }
+}
+
+impl Store {
+    /// Writes a batch's status transitions ([`Writes`]) in one round trip; each record then
+    /// lives `ttl` (the status TTL).
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn write_statuses(&self, writes: &Writes, ttl: Duration) -> Result<()> {
+        if writes.is_empty() {
+            return Ok(());
+        }
+        let mut p = redis::pipe();
+        for (id, fields) in &writes.records {
+            let key = self.names.task(id);
+            p.cmd("HSET").arg(&key);
+            for (k, v) in fields {
+                p.arg(*k).arg(v);
+            }
+            p.ignore();
+            p.cmd("PEXPIRE").arg(&key).arg(millis(ttl)).ignore();
+        }
+        self.pipe::<()>(&p).await
+    }
+
+    /// → unknown: forgets a task, its dedupe mark and its status record, so the same id may be
+    /// submitted again as new (a dead-letter replay starts again from attempt 1). The attempt
+    /// log stays.
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn forget_task(&self, id: &str) -> Result<()> {
+        self.query::<i64>(redis::cmd("DEL").arg(self.names.dedupe(id)).arg(self.names.task(id))).await.map(|_| ())
+    }
+
+    /// → [`TaskState::Dead`]: the broker dead-lettered task `id` itself (see
+    /// `lua/broker_dead.lua`): releases its reservation and running records in `group` (`None`:
+    /// the group its status names) and `lane`, and sets it dead with `reason` (the broker's
+    /// word, e.g. [`DeadReason::DeliveryLimit`]; kept as given, the broker's set is open) and
+    /// `error` — unless its attempt had already ended with a final state. Returns true when
+    /// the status was written, false when it was already final (the broker's copy was a stale
+    /// duplicate).
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn record_broker_dead(&self, id: &str, group: Option<&str>, lane: Lane, reason: &str, error: &str, ttl: Duration) -> Result<bool> {
+        let mut inv = self.scripts.broker_dead.prepare_invoke();
+        inv.key(self.names.prefix())
+            .arg(id)
+            .arg(group.unwrap_or(""))
+            .arg(lane.as_str())
+            .arg(reason)
+            .arg(crate::lease::truncate(error, crate::lease::MAX_STATUS_TEXT))
+            .arg(millis(ttl));
+        let answer: String = self.invoke(&inv).await?;
+        Ok(answer == TaskState::Dead.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scheduler_transitions_write_their_state_first() {
+        let mut w = Writes::new();
+        w.ended("a", Lane::Normal, DeadReason::NoMatchingWorker, "none");
+        w.ended("b", Lane::Critical, DeadReason::Expired, "late");
+        w.waiting_for_worker("c", Lane::Normal);
+        w.delayed("d", Lane::Normal, None);
+        let states: Vec<(&str, &str)> = w.records().iter().map(|(id, f)| (id.as_str(), f[0].1.as_str())).collect();
+        assert_eq!(states, [("a", "dead"), ("b", "expired"), ("c", "waiting_for_worker"), ("d", "delayed")]);
+        assert_eq!(w.records()[0].1[1], ("reason", "no_matching_worker".to_string()));
+        assert!(w.records().iter().all(|(_, f)| f[0].0 == "state"));
+    }
+}
