@@ -171,7 +171,7 @@ impl Controller {
     pub async fn run(self, shutdown: CancellationToken) {
         let t = Thresholds::from_config(&self.cfg);
         let names = self.cfg.common.names();
-        let mut ticker = crate::ticker::Ticker::new(self.cfg.pressure_interval);
+        let mut ticker = fleet::ticker::Ticker::new(self.cfg.pressure_interval);
         let mut sampler: Option<lapin::Channel> = None;
         let mut rates = Rates::default();
         while ticker.tick(&shutdown).await {

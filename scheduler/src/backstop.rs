@@ -35,29 +35,38 @@ use crate::dispatch::Dispatcher;
 /// Letters the loop holds unacked at once.
 const PREFETCH: u16 = 32;
 
-/// Consumes `<ns>.dead.broker` until shutdown (`Ok`) or a channel error (`Err`: the session
-/// restarts).
-pub async fn run(d: Arc<Dispatcher>, shutdown: CancellationToken) -> fleet::Result<()> {
-    let queue = d.names.broker_dead_queue();
-    let ch = d.conn.create_channel().await?;
-    ch.basic_qos(PREFETCH, BasicQosOptions::default()).await?;
-    let mut consumer = ch.basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
-    let result = loop {
-        let delivery = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => break Ok(()),
-            next = consumer.next() => match next {
-                Some(Ok(delivery)) => delivery,
-                Some(Err(e)) => break Err(e.into()),
-                None => break Err(fleet::Error::Other(format!("consumer of {queue} ended"))),
-            },
+/// The backstop loop.
+pub struct Backstop {
+    pub d: Arc<Dispatcher>,
+}
+
+impl Backstop {
+    /// Consumes `<ns>.dead.broker` until shutdown (`Ok`) or a channel error (`Err`: the
+    /// session restarts).
+    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
+        let d = &self.d;
+        let queue = d.names.broker_dead_queue();
+        let ch = d.conn.create_channel().await?;
+        ch.basic_qos(PREFETCH, BasicQosOptions::default()).await?;
+        let mut consumer = ch.basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
+        let result = loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break Ok(()),
+                next = consumer.next() => match next {
+                    Some(Ok(delivery)) => {
+                        if let Err(e) = handle(d, delivery).await {
+                            break Err(e);
+                        }
+                    }
+                    Some(Err(e)) => break Err(e.into()),
+                    None => break Err(fleet::Error::Other(format!("consumer of {queue} ended"))),
+                },
+            }
         };
-        if let Err(e) = handle(&d, delivery).await {
-            break Err(e);
-        }
-    };
-    let _ = ch.close(200, "backstop done".into()).await;
-    result
+        let _ = ch.close(200, "backstop done".into()).await;
+        result
+    }
 }
 
 /// What the broker's headers say about a letter.

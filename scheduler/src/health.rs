@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use fleet::lease::{Dedupe, ReserveRequest};
 use fleet::registry::GroupView;
+use fleet::ticker::Ticker;
 use fleet::route::Reservation;
 use fleet::{amqp, metrics as m, topology, Envelope, Lane};
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
@@ -30,10 +31,26 @@ use crate::dispatch::Dispatcher;
 /// Most tasks moved from one orphaned group queue per tick.
 const ORPHAN_BATCH: usize = 500;
 
-pub async fn run(d: Arc<Dispatcher>, shutdown: CancellationToken) -> fleet::Result<()> {
-    let cfg = d.cfg.clone();
-    let mut ticker = crate::ticker::Ticker::new(cfg.health_interval);
-    while ticker.tick(&shutdown).await {
+/// The health checker's loop: eviction, then orphan rescue, every `health_interval`.
+pub struct HealthCheck {
+    pub d: Arc<Dispatcher>,
+}
+
+impl HealthCheck {
+    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
+        let mut ticker = Ticker::new(self.d.cfg.health_interval);
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = ticker.next() => self.tick().await,
+            }
+        }
+        Ok(())
+    }
+
+    async fn tick(&self) {
+        let (d, cfg) = (&self.d, &self.d.cfg);
         match d.store.evict_stale(cfg.heartbeat_timeout).await {
             Ok(ids) => {
                 for id in &ids {
@@ -46,11 +63,10 @@ pub async fn run(d: Arc<Dispatcher>, shutdown: CancellationToken) -> fleet::Resu
                 tracing::warn!(error = %e, "eviction check failed");
             }
         }
-        if let Err(e) = rescue_orphans(&d).await {
+        if let Err(e) = rescue_orphans(d).await {
             tracing::warn!(error = %e, "orphan rescue failed");
         }
     }
-    Ok(())
 }
 
 /// Moves tasks out of group queues whose group has no active capacity, where another group can

@@ -8,7 +8,11 @@
 //! [`stats`]
 //! (gauges for dashboards and autoscalers), [`schedule`] (periodic cron schedules), [`series`] (the
 //! console's 15-minute history), [`api`] (HTTP), [`console`] (the web console at `/ui`),
-//! [`scheduler`] (the process).
+//! [`scheduler`] (the process, its shutdown stages and its loops).
+//!
+//! Every loop has one shape: a struct with `async fn run(self, shutdown: CancellationToken)`
+//! whose `select! { biased; … }` checks shutdown first; periodic ones tick with
+//! [`fleet::ticker::Ticker`].
 
 pub mod api;
 pub mod backpressure;
@@ -25,7 +29,6 @@ pub mod schedule;
 pub mod scheduler;
 pub mod series;
 pub mod stats;
-pub mod ticker;
 
 pub use config::SchedulerConfig;
 pub use scheduler::run;

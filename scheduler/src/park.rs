@@ -11,13 +11,14 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use fleet::shutdown::Stage;
+use fleet::ticker::Ticker;
 use fleet::{topology, Lane};
 use futures::{FutureExt, StreamExt};
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 use tokio::task::JoinHandle;
-use tokio_util::task::TaskTracker;
 
 use crate::dispatch::{Dispatcher, Source, UNMATCHED};
 
@@ -39,22 +40,32 @@ pub fn hold_max(batch_max: u16, bound: u32) -> u16 {
     batch_max.min(quarter)
 }
 
-/// Consumes one park queue until `shutdown` (the session's end, or the group's reclaim) fires;
-/// then closes its channel, so tasks it held go back to the queue at once.
-pub async fn release_loop(d: Arc<Dispatcher>, group: String, lane: Lane, shutdown: CancellationToken) -> fleet::Result<()> {
-    let queue = d.names.park_queue(&group, lane);
-    let ch = d.conn.create_channel().await?;
-    let r = consume(&d, &ch, &queue, &group, lane, &shutdown).await;
-    let _ = ch.close(200, "ok".into()).await;
-    match r? {
-        Ended::Shutdown => Ok(()),
-        // The queue was deleted under the consumer: the group was reclaimed (by another
-        // scheduler replica, or while this loop was being stopped). Not a session failure.
-        Ended::ConsumerEnded if !d.store.group_names().await?.contains(&group) => {
-            tracing::info!(queue = %queue, "park queue deleted: its group was reclaimed");
-            Ok(())
+/// The release loop of one park queue.
+pub struct Release {
+    pub d: Arc<Dispatcher>,
+    pub group: String,
+    pub lane: Lane,
+}
+
+impl Release {
+    /// Consumes the park queue until `shutdown` (the session's end, or the group's reclaim)
+    /// fires; then closes its channel, so tasks it held go back to the queue at once.
+    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
+        let Release { d, group, lane } = self;
+        let queue = d.names.park_queue(&group, lane);
+        let ch = d.conn.create_channel().await?;
+        let r = consume(&d, &ch, &queue, &group, lane, &shutdown).await;
+        let _ = ch.close(200, "ok".into()).await;
+        match r? {
+            Ended::Shutdown => Ok(()),
+            // The queue was deleted under the consumer: the group was reclaimed (by another
+            // scheduler replica, or while this loop was being stopped). Not a session failure.
+            Ended::ConsumerEnded if !d.store.group_names().await?.contains(&group) => {
+                tracing::info!(queue = %queue, "park queue deleted: its group was reclaimed");
+                Ok(())
+            }
+            Ended::ConsumerEnded => Err(fleet::Error::Other(format!("consumer of {queue} ended"))),
         }
-        Ended::ConsumerEnded => Err(fleet::Error::Other(format!("consumer of {queue} ended"))),
     }
 }
 
@@ -219,10 +230,32 @@ impl ParkLoops {
     }
 }
 
-/// Finds groups (from Redis, every 2 s) and starts a release loop for each group and lane.
-pub async fn discover(d: Arc<Dispatcher>, loops: Arc<ParkLoops>, tracker: TaskTracker, shutdown: CancellationToken) -> fleet::Result<()> {
-    let mut ticker = crate::ticker::Ticker::new(Duration::from_secs(2));
-    while ticker.tick(&shutdown).await {
+/// How often discovery lists the groups.
+const DISCOVERY_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Finds groups (from Redis, every 2 s) and starts a [`Release`] loop for each group and lane,
+/// on `stage` (the session's).
+pub struct Discovery {
+    pub d: Arc<Dispatcher>,
+    pub loops: Arc<ParkLoops>,
+    pub stage: Stage,
+}
+
+impl Discovery {
+    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
+        let mut ticker = Ticker::new(DISCOVERY_INTERVAL);
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = ticker.next() => self.tick(&shutdown).await?,
+            }
+        }
+        Ok(())
+    }
+
+    async fn tick(&self, shutdown: &CancellationToken) -> fleet::Result<()> {
+        let Discovery { d, loops, stage } = self;
         let listed_at = Instant::now();
         let groups = match d.store.group_names().await {
             Ok(mut g) => {
@@ -231,32 +264,29 @@ pub async fn discover(d: Arc<Dispatcher>, loops: Arc<ParkLoops>, tracker: TaskTr
             }
             Err(e) => {
                 tracing::warn!(error = %e, "park discovery: cannot list groups");
-                continue;
+                return Ok(());
             }
         };
         for g in groups {
             for lane in Lane::ALL {
-                let Some((n, token)) = loops.claim_start(&g, lane, listed_at, &shutdown) else { continue };
+                let Some((n, token)) = loops.claim_start(&g, lane, listed_at, shutdown) else { continue };
                 if let Err(e) = topology::declare_park(&d.publisher, &d.cfg.common, &g, lane).await {
                     tracing::warn!(error = %e, group = %g, "cannot declare park queue");
                     return Err(e);
                 }
-                let (d2, g2, sd, l2) = (d.clone(), g.clone(), shutdown.clone(), loops.clone());
-                let span = tracing::info_span!("park", group = %g, lane = %lane);
-                let handle = tracker.spawn(tracing::Instrument::instrument(
-                    async move {
-                        let r = release_loop(d2, g2.clone(), lane, token).await;
-                        l2.ended(&g2, lane, n);
-                        if let Err(e) = r {
-                            tracing::warn!(error = %e, "park loop failed; the session restarts");
-                            sd.cancel();
-                        }
-                    },
-                    span,
-                ));
+                let release = Release { d: d.clone(), group: g.clone(), lane };
+                let (g2, sd, l2) = (g.clone(), shutdown.clone(), loops.clone());
+                let handle = stage.spawn(tracing::info_span!("park", group = %g, lane = %lane), async move {
+                    let r = release.run(token).await;
+                    l2.ended(&g2, lane, n);
+                    if let Err(e) = r {
+                        tracing::warn!(error = %e, "park loop failed; the session restarts");
+                        sd.cancel();
+                    }
+                });
                 loops.started(&g, lane, n, handle);
             }
         }
+        Ok(())
     }
-    Ok(())
 }

@@ -31,23 +31,39 @@ pub struct ProbeResult {
 /// Latest probe results by group, shared with the API.
 pub type ProbeBoard = Arc<RwLock<HashMap<String, ProbeResult>>>;
 
-pub async fn run(d: Arc<Dispatcher>, board: ProbeBoard, shutdown: CancellationToken) -> fleet::Result<()> {
-    let mut ticker = Ticker::new(d.cfg.probe_interval);
-    while ticker.tick(&shutdown).await {
-        let groups = match d.store.groups().await {
+/// The probe loop: one probe per live group every `probe_interval`, awaited together.
+pub struct Prober {
+    pub d: Arc<Dispatcher>,
+    pub board: ProbeBoard,
+}
+
+impl Prober {
+    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
+        let mut ticker = Ticker::new(self.d.cfg.probe_interval);
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = ticker.next() => self.tick(&shutdown).await,
+            }
+        }
+        Ok(())
+    }
+
+    async fn tick(&self, shutdown: &CancellationToken) {
+        let groups = match self.d.store.groups().await {
             Ok(g) => g,
             Err(e) => {
                 tracing::debug!(error = %e, "probe: cannot list groups");
-                continue;
+                return;
             }
         };
         let probes = groups
             .into_iter()
             .filter(|g| g.critical_capacity > 0)
-            .map(|g| probe_one(d.clone(), board.clone(), g.group, shutdown.clone()));
+            .map(|g| probe_one(self.d.clone(), self.board.clone(), g.group, shutdown.clone()));
         futures::future::join_all(probes).await;
     }
-    Ok(())
 }
 
 async fn probe_one(d: Arc<Dispatcher>, board: ProbeBoard, group: String, shutdown: CancellationToken) {

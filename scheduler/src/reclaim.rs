@@ -34,6 +34,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fleet::registry::{GroupView, ReclaimClaim};
+use fleet::ticker::Ticker;
 use fleet::{metrics as m, topology, Lane};
 use lapin::options::QueueDeleteOptions;
 use tokio_util::sync::CancellationToken;
@@ -68,20 +69,39 @@ fn departed(g: &GroupView) -> bool {
     g.workers == 0 && g.capacity == 0 && g.critical_capacity == 0 && g.load == 0 && g.reserved == 0 && g.critical_load == 0 && g.critical_reserved == 0
 }
 
-/// Runs the reclaim loop until `shutdown`; sets `fleet_groups` every tick (also with reclaim
-/// off, `FLEET_GROUP_RECLAIM_AFTER_MS=0`).
-pub async fn run(d: Arc<Dispatcher>, loops: Arc<ParkLoops>, probes: ProbeBoard, shutdown: CancellationToken) -> fleet::Result<()> {
-    let grace = d.cfg.group_reclaim_after;
-    let every = grace.map_or(d.cfg.health_interval, |g| g.min(d.cfg.health_interval)).max(Duration::from_millis(100));
-    let mut ticker = crate::ticker::Ticker::new(every);
-    let mut known: HashSet<String> = HashSet::new();
-    while ticker.tick(&shutdown).await {
+/// The reclaim loop: sets `fleet_groups` every tick (also with reclaim off,
+/// `FLEET_GROUP_RECLAIM_AFTER_MS=0`) and reclaims departed groups.
+pub struct Reclaimer {
+    pub d: Arc<Dispatcher>,
+    pub loops: Arc<ParkLoops>,
+    pub probes: ProbeBoard,
+}
+
+impl Reclaimer {
+    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
+        let grace = self.d.cfg.group_reclaim_after;
+        let every = grace.map_or(self.d.cfg.health_interval, |g| g.min(self.d.cfg.health_interval)).max(Duration::from_millis(100));
+        let mut ticker = Ticker::new(every);
+        let mut known: HashSet<String> = HashSet::new();
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = ticker.next() => self.tick(&mut known, &shutdown).await,
+            }
+        }
+        Ok(())
+    }
+
+    /// One tick; `known` holds the groups seen at the previous one.
+    async fn tick(&self, known: &mut HashSet<String>, shutdown: &CancellationToken) {
+        let Reclaimer { d, loops, probes } = self;
         let groups = match d.store.groups().await {
             Ok(g) => g,
             Err(e) => {
                 metrics::counter!(m::REDIS_ERRORS).increment(1);
                 tracing::debug!(error = %e, "reclaim: cannot list groups");
-                continue;
+                return;
             }
         };
         // Groups another replica reclaimed: stop this replica's loops and state for them.
@@ -92,20 +112,19 @@ pub async fn run(d: Arc<Dispatcher>, loops: Arc<ParkLoops>, probes: ProbeBoard, 
             d.forget_parks(gone).await;
             probes.write().await.remove(gone);
         }
-        known = now;
-        if let Some(grace) = grace {
-            let n = tick(&d, &loops, &probes, &groups, grace, &shutdown).await;
+        *known = now;
+        if let Some(grace) = d.cfg.group_reclaim_after {
+            let n = pass(d, loops, probes, &groups, grace, shutdown).await;
             for g in &n {
                 known.remove(g);
             }
         }
         metrics::gauge!(m::GROUPS).set(known.len() as f64);
     }
-    Ok(())
 }
 
 /// One reclaim pass over `groups`; returns the groups reclaimed.
-async fn tick(d: &Dispatcher, loops: &ParkLoops, probes: &ProbeBoard, groups: &[GroupView], grace: Duration, shutdown: &CancellationToken) -> Vec<String> {
+async fn pass(d: &Dispatcher, loops: &ParkLoops, probes: &ProbeBoard, groups: &[GroupView], grace: Duration, shutdown: &CancellationToken) -> Vec<String> {
     let settle = settle(d.cfg.stats_interval, d.cfg.pressure_interval);
     let (pending, tombstone_life) = (settle + PENDING_HOLD, done_hold(grace));
 
@@ -134,6 +153,7 @@ async fn tick(d: &Dispatcher, loops: &ParkLoops, probes: &ProbeBoard, groups: &[
         probes.write().await.remove(g);
     }
     tokio::select! {
+        biased;
         // Shutting down: leave the claims to their tombstones' expiry; the groups' queues stay
         // (empty) until a worker of the group comes back and declares them again.
         _ = shutdown.cancelled() => return vec![],

@@ -1,6 +1,11 @@
 //! The scheduler process: HTTP server for its whole life, and AMQP *sessions* — a connection
 //! with every loop that needs it — restarted with backoff whenever the connection or any loop
 //! fails. Redis failures inside a loop are retried there; only AMQP failures end a session.
+//!
+//! Two shutdown stages ([`fleet::shutdown`]): the process's (HTTP, Redis watch, series), built
+//! first and stopped last, and each session's (every AMQP loop), stopped when the session
+//! ends. Every loop is a struct with `async fn run(self, shutdown)`, spawned on its stage in a
+//! span of its name.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,9 +15,9 @@ use backon::BackoffBuilder;
 use fleet::{amqp, metrics as m, topology, Lane, Store};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, RwLock};
+use fleet::shutdown::Stage;
+use fleet::ticker::Ticker;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
-use tracing::Instrument;
 
 use crate::api::{self, AppState, ConnectionSlot};
 use crate::backpressure::{Controller, Sample};
@@ -23,13 +28,21 @@ use crate::probe::ProbeBoard;
 use crate::series::{self, Series};
 use crate::stats::GroupBoard;
 use crate::{backstop, health, park, probe, reclaim, schedule, stats};
+
+/// How long the loops of a stage get to stop before the scheduler goes on without them.
+const STOP_WAIT: Duration = Duration::from_secs(10);
+/// How often Redis is checked for taking writes.
+const REDIS_WATCH: Duration = Duration::from_secs(1);
 use fleet::auth::Role;
 
 /// Runs the scheduler until `shutdown` fires. `listener` serves the API and `/metrics`.
 /// A [`fleet::Error::Permanent`] (login refused, a queue declared with other arguments) ends
 /// it with that error.
 pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let shutdown = shutdown.child_token();
+    // The process stage: its signal is a child of `shutdown`, so a permanent error can end the
+    // process without touching the caller's token.
+    let process = Stage::with_parent("process", &shutdown);
+    let shutdown = process.token();
     let cfg = Arc::new(cfg);
     let handle = m::install();
     let store = Store::with_tls(&cfg.common.redis_url, cfg.common.names(), &cfg.common.redis_tls)?;
@@ -59,10 +72,10 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
         .merge(auth.require(schedule::api::admin_routes(sched_api), Role::Admin))
         .layer(axum::middleware::from_fn(fleet::auth::json_only));
     let router = fleet::http::common_routes(handle.clone(), ready.clone(), auth).merge(api::routes(state)).merge(schedule_routes);
-    let tracker = TaskTracker::new();
-    tracker.spawn(fleet::http::serve(listener, router, shutdown.clone()));
-    tracker.spawn(redis_watch(store.clone(), ready.clone(), shutdown.clone()));
-    tracker.spawn(series::run(history, handle, store.clone(), cfg.series_interval, shutdown.clone()).instrument(tracing::info_span!("series")));
+    process.spawn(tracing::info_span!("http"), fleet::http::serve(listener, router, shutdown.clone()));
+    process.spawn(tracing::info_span!("redis-watch"), RedisWatch { store: store.clone(), ready: ready.clone() }.run(shutdown.clone()));
+    let recorder = series::Recorder::new(history, handle, store.clone(), cfg.series_interval);
+    process.spawn(tracing::info_span!("series"), recorder.run(shutdown.clone()));
 
     let ptx = Arc::new(ptx);
     let mut result = Ok(());
@@ -95,16 +108,13 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
         let wait = backoff.next().unwrap_or(Duration::from_secs(5));
         tracing::warn!(retry_in_ms = wait.as_millis() as u64, "reconnecting to RabbitMQ");
         tokio::select! {
+            biased;
             _ = shutdown.cancelled() => break,
             _ = tokio::time::sleep(wait) => {}
         }
     }
     // A permanent error ends the process: stop the HTTP server and the Redis watch too.
-    shutdown.cancel();
-    tracker.close();
-    if tokio::time::timeout(Duration::from_secs(10), tracker.wait()).await.is_err() {
-        tracing::warn!("some tasks did not stop within 10 s");
-    }
+    process.stop_within(STOP_WAIT).await;
     match result {
         Ok(()) => {
             tracing::info!("scheduler stopped");
@@ -116,22 +126,35 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
 
 /// Keeps the Redis readiness flag true while Redis takes writes (a write probe every second:
 /// a read-only Redis answers PING but can do no work). Logs each change once.
-async fn redis_watch(store: Store, ready: Readiness, shutdown: CancellationToken) {
-    let mut was = None;
-    loop {
-        let probe = store.write_probe().await;
+struct RedisWatch {
+    store: Store,
+    ready: Readiness,
+}
+
+impl RedisWatch {
+    async fn run(self, shutdown: CancellationToken) {
+        let mut ticker = Ticker::new(REDIS_WATCH);
+        let mut was = None;
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = ticker.next() => self.tick(&mut was).await,
+            }
+        }
+    }
+
+    /// One probe; `was` is the previous answer (a change is logged).
+    async fn tick(&self, was: &mut Option<bool>) {
+        let probe = self.store.write_probe().await;
         let ok = probe.is_ok();
-        ready.set_redis(ok);
-        if was != Some(ok) {
+        self.ready.set_redis(ok);
+        if *was != Some(ok) {
             match probe {
                 Ok(()) => tracing::info!("Redis takes writes"),
                 Err(e) => tracing::warn!(setting = "FLEET_REDIS_URL", error = %e, "Redis refuses writes; not ready, retrying every second"),
             }
-            was = Some(ok);
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            *was = Some(ok);
         }
     }
 }
@@ -163,46 +186,42 @@ async fn session(
     tracing::info!(namespace = %cfg.common.namespace, "connected to RabbitMQ; topology declared");
 
     let d = Arc::new(Dispatcher::new(cfg.clone(), store.clone(), conn.clone(), publisher));
-    let session = shutdown.child_token();
-    let tracker = TaskTracker::new();
+    // The session's stage: ends with the process, or when any of its loops fails.
+    let session = Stage::with_parent("session", shutdown);
 
     // Every loop: on error, log and end the session (the supervisor reconnects).
     macro_rules! spawn_loop {
-        ($name:expr, $fut:expr) => {{
-            let sd = session.clone();
-            let fut = $fut;
-            tracker.spawn(
-                async move {
-                    if let Err(e) = fut.await {
-                        tracing::warn!(error = %e, "loop failed; restarting the session");
-                        sd.cancel();
-                    }
+        ($name:expr, $loop:expr) => {{
+            let sd = session.token();
+            let fut = $loop.run(session.token());
+            session.spawn(tracing::info_span!("loop", name = $name), async move {
+                if let Err(e) = fut.await {
+                    tracing::warn!(error = %e, "loop failed; restarting the session");
+                    sd.cancel();
                 }
-                .instrument(tracing::info_span!("loop", name = $name)),
-            );
+            });
         }};
     }
 
     let controller = Controller { cfg: cfg.clone(), store: store.clone(), conn: conn.clone(), tx: (*ptx).clone() };
-    let sd = session.clone();
-    tracker.spawn(async move { controller.run(sd).await }.instrument(tracing::info_span!("pressure")));
+    session.spawn(tracing::info_span!("pressure"), controller.run(session.token()));
     for lane in Lane::ALL {
         let loops = if lane == Lane::Normal { cfg.ingress_consumers } else { 1 };
         for k in 0..loops {
             let l = IngressLoop { dispatcher: d.clone(), source: Source::Ingress(lane), queue: names.ingress_queue(lane), pressure: prx.clone() };
-            spawn_loop!(format!("ingress.{lane}.{k}"), l.run(session.clone()));
+            spawn_loop!(format!("ingress.{lane}.{k}"), l);
         }
     }
     let delayed = IngressLoop { dispatcher: d.clone(), source: Source::Delayed, queue: names.delayed_queue(), pressure: prx.clone() };
-    spawn_loop!("delayed", delayed.run(session.clone()));
+    spawn_loop!("delayed", delayed);
     let park_loops = Arc::new(park::ParkLoops::default());
-    spawn_loop!("park-discovery", park::discover(d.clone(), park_loops.clone(), tracker.clone(), session.clone()));
-    spawn_loop!("reclaim", reclaim::run(d.clone(), park_loops, probes.clone(), session.clone()));
-    spawn_loop!("health", health::run(d.clone(), session.clone()));
-    spawn_loop!("backstop", backstop::run(d.clone(), session.clone()));
-    spawn_loop!("stats", stats::run(d.clone(), group_board, session.clone()));
-    spawn_loop!("probe", probe::run(d.clone(), probes, session.clone()));
-    spawn_loop!("schedule-log", schedules.run(session.clone()));
+    spawn_loop!("park-discovery", park::Discovery { d: d.clone(), loops: park_loops.clone(), stage: session.clone() });
+    spawn_loop!("reclaim", reclaim::Reclaimer { d: d.clone(), loops: park_loops, probes: probes.clone() });
+    spawn_loop!("health", health::HealthCheck { d: d.clone() });
+    spawn_loop!("backstop", backstop::Backstop { d: d.clone() });
+    spawn_loop!("stats", stats::Sampler { d: d.clone(), board: group_board });
+    spawn_loop!("probe", probe::Prober { d: d.clone(), board: probes });
+    spawn_loop!("schedule-log", schedules);
     let firing = schedule::fire::Firing {
         cfg: cfg.clone(),
         store: store.clone(),
@@ -211,13 +230,10 @@ async fn session(
         pressure: prx.clone(),
         replica: uuid::Uuid::new_v4().simple().to_string(),
     };
-    spawn_loop!("schedule-fire", firing.run(session.clone()));
+    spawn_loop!("schedule-fire", firing);
 
-    session.cancelled().await;
-    tracker.close();
-    if tokio::time::timeout(Duration::from_secs(10), tracker.wait()).await.is_err() {
-        tracing::warn!("session loops did not stop within 10 s");
-    }
+    session.stopping().await;
+    session.stop_within(STOP_WAIT).await;
     if shutdown.is_cancelled() {
         Ok(())
     } else {

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use fleet::metrics as m;
 use fleet::registry::WorkerView;
 use fleet::store::now_ms;
+use fleet::ticker::Ticker;
 use fleet::waits::{self, Counts};
 use fleet::Store;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -92,24 +93,52 @@ struct Last {
     waits: HashMap<String, Counts>,
 }
 
-/// Samples into `series` every `every` until `shutdown`.
-pub async fn run(series: Series, handle: PrometheusHandle, store: Store, every: Duration, shutdown: CancellationToken) {
-    let keep = (WINDOW.as_millis() / every.as_millis().max(1)).max(1) as usize;
-    let mut ticker = crate::ticker::Ticker::new(every);
-    let mut last: Option<(Instant, Last)> = None;
-    while ticker.tick(&shutdown).await {
-        let own = own_counters(&handle.render());
-        let (workers, waits) = match fleet_view(&store).await {
+/// The sampling loop: a point into `series` every `every`, until `shutdown`.
+pub struct Recorder {
+    pub series: Series,
+    pub handle: PrometheusHandle,
+    pub store: Store,
+    pub every: Duration,
+    /// The previous reading (none before the first).
+    last: Option<(Instant, Last)>,
+}
+
+impl Recorder {
+    pub fn new(series: Series, handle: PrometheusHandle, store: Store, every: Duration) -> Self {
+        Recorder { series, handle, store, every, last: None }
+    }
+
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        let mut ticker = Ticker::new(self.every);
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = ticker.next() => self.tick().await,
+            }
+        }
+    }
+
+    /// Points kept: the window's worth.
+    fn keep(&self) -> usize {
+        (WINDOW.as_millis() / self.every.as_millis().max(1)).max(1) as usize
+    }
+
+    async fn tick(&mut self) {
+        let keep = self.keep();
+        let own = own_counters(&self.handle.render());
+        let (workers, waits) = match fleet_view(&self.store).await {
             Ok(v) => v,
             Err(e) => {
                 tracing::debug!(error = %e, "series: cannot read the fleet view");
-                continue;
+                return;
             }
         };
         let now = Instant::now();
         let mut next = Last { own, ..Default::default() };
         let mut p = Point { at_ms: now_ms(), ..Default::default() };
         let mut started = vec![0u64; waits::BOUNDS.len() + 1];
+        let last = &mut self.last;
         let prev = last.as_ref().map(|(_, l)| l);
         for w in &workers {
             let before = prev.and_then(|l| l.totals.get(&w.id)).copied();
@@ -148,9 +177,9 @@ pub async fn run(series: Series, handle: PrometheusHandle, store: Store, every: 
             p.started = started.iter().sum();
             p.wait_p50 = waits::quantile(&started, 0.5);
             p.wait_p99 = waits::quantile(&started, 0.99);
-            series.push(p, keep);
+            self.series.push(p, keep);
         }
-        last = Some((now, next));
+        *last = Some((now, next));
     }
 }
 

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use deadpool_redis::redis;
 use fleet::store::now_ms;
+use fleet::ticker::Ticker;
 use fleet::{metrics as m, topology, Lane};
 use tokio::sync::RwLock;
 use tokio_util::sync::CancellationToken;
@@ -31,18 +32,32 @@ pub struct GroupSample {
 /// The last sample per group, shared with the API.
 pub type GroupBoard = Arc<RwLock<HashMap<String, GroupSample>>>;
 
-pub async fn run(d: Arc<Dispatcher>, board: GroupBoard, shutdown: CancellationToken) -> fleet::Result<()> {
-    let mut ticker = crate::ticker::Ticker::new(d.cfg.stats_interval);
-    let n = d.names.clone();
-    for lane in Lane::ALL {
-        metrics::gauge!(m::QUEUE_BOUND, "queue" => n.ingress_queue(lane)).set(f64::from(d.cfg.common.ingress_max(lane)));
-    }
-    while ticker.tick(&shutdown).await {
-        if let Err(e) = sample(&d, &board).await {
-            tracing::debug!(error = %e, "stats sample failed");
+/// The sampling loop: every `stats_interval`.
+pub struct Sampler {
+    pub d: Arc<Dispatcher>,
+    pub board: GroupBoard,
+}
+
+impl Sampler {
+    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
+        let d = &self.d;
+        let mut ticker = Ticker::new(d.cfg.stats_interval);
+        for lane in Lane::ALL {
+            metrics::gauge!(m::QUEUE_BOUND, "queue" => d.names.ingress_queue(lane)).set(f64::from(d.cfg.common.ingress_max(lane)));
         }
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = ticker.next() => {
+                    if let Err(e) = sample(d, &self.board).await {
+                        tracing::debug!(error = %e, "stats sample failed");
+                    }
+                }
+            }
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 async fn sample(d: &Dispatcher, board: &GroupBoard) -> fleet::Result<()> {

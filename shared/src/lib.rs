@@ -26,7 +26,8 @@
 //! * [`waits`] — wait-time histograms workers share with the scheduler's console.
 //! * [`auth`] — API bearer tokens and roles, the axum guard; [`tls`] — TLS client settings.
 //! * [`submit`] — parsing of an HTTP submission body (one envelope or an array).
-//! * [`ticker`] — the one shape of every periodic loop (an interval that ends with shutdown).
+//! * [`ticker`] — the one shape of every periodic loop (an interval that ends with shutdown);
+//!   [`shutdown`] — the stages a process's loops are stopped in, in order.
 //! * [`telemetry`] — logging set-up; [`http`] — `/metrics`, `/healthz`, `/readyz`.
 
 pub mod amqp;
@@ -51,6 +52,7 @@ pub mod scripts;
 pub mod selector;
 pub mod sentinel;
 pub mod settings;
+pub mod shutdown;
 pub mod status;
 pub mod store;
 pub mod subset;

@@ -1,20 +1,26 @@
-//! The shape every periodic loop of the fleet shares.
+//! The tick of every periodic loop of the fleet.
 //!
-//! A loop that only ticks: `while ticker.tick(&shutdown).await { … }`. A loop that also waits
-//! on other events puts the tick in its own `select!`, shutdown first:
+//! Every loop has one shape (see [`crate::shutdown`]): a struct with
+//! `async fn run(self, shutdown: CancellationToken)`, its events in one `select!`, shutdown
+//! first, the work of a tick in a method of its own:
 //!
 //! ```ignore
+//! let mut ticker = Ticker::new(self.interval);
 //! loop {
 //!     tokio::select! {
 //!         biased;
 //!         _ = shutdown.cancelled() => break,
-//!         _ = other_event => …,
-//!         _ = ticker.next() => …,
+//!         _ = other_event => self.on_event().await,
+//!         _ = ticker.next() => self.tick().await,
 //!     }
 //! }
 //! ```
 //!
-//! Both are cancel safe. Built on [`tokio::time::Interval`] with
+//! A tick's work, once started, finishes before shutdown is seen (a `select!` arm's body is
+//! not cancelled). [`Ticker::tick`] is the same wait as a plain call, for a bounded poll inside
+//! a tick (`while ticker.tick(&shutdown).await { … }`).
+//!
+//! Both waits are cancel safe. Built on [`tokio::time::Interval`] with
 //! [`MissedTickBehavior::Delay`]: the first tick completes at once, and a tick missed because
 //! the loop body ran long is delayed (the next one comes `period` after it), never bunched up.
 

@@ -8,6 +8,7 @@
 //!              └ run handler, cut at min(deadline, max_task_ms)
 //!                   ├ Ok ─────────────────────────────────► succeeded, ack
 //!                   ├ Retryable, attempts left ───────────► retried: republish via a delay tier, ack
+//!                   │   (the policy, backoff and tiers: [`crate::retry`])
 //!                   ├ Retryable at the last attempt ──────► dead (max_attempts), ack
 //!                   ├ Permanent ──────────────────────────► dead (permanent_error), ack
 //!                   └ deadline reached ───────────────────► expired: dead-letter, ack
@@ -28,13 +29,12 @@ use lapin::Channel;
 use serde_json::Value;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use fleet::amqp::{headers, task_properties, ATTEMPTS_HEADER, DETAIL_HEADER, REASON_HEADER, TIER_HEADER, WORKER_HEADER};
+use fleet::amqp::{headers, task_properties, ATTEMPTS_HEADER, DETAIL_HEADER, REASON_HEADER, WORKER_HEADER};
 use fleet::lease::{truncate, Claim, ClaimRequest, Finished};
 use fleet::metrics as m;
+use fleet::shutdown::Stage;
 use fleet::{Envelope, Lane, Names};
 
 use crate::acks::Slot;
@@ -42,11 +42,11 @@ use crate::broker::Broker;
 use crate::eject::Ejector;
 use crate::executor::{Handlers, TaskContext, TaskError};
 use crate::ledger::Ledger;
-use crate::retry::Backoff;
+use crate::retry::{self, Backoff, Fate};
 use crate::stats::Stats;
 
 /// Longest header text (AMQP headers travel in one frame; keep them small).
-const MAX_HEADER_TEXT: usize = 1024;
+pub(crate) const MAX_HEADER_TEXT: usize = 1024;
 
 /// What every attempt needs, shared by all of them.
 pub struct Shared {
@@ -67,10 +67,9 @@ pub struct Shared {
     pub clock: fleet::store::Clock,
     /// Normal runs hold it shared; a crash suspect holds it alone (runs in isolation).
     pub isolation: Arc<tokio::sync::RwLock<()>>,
-    /// Where handler runs are spawned (the drain waits for them).
-    pub tasks: TaskTracker,
-    /// Cut every run now (hard stop).
-    pub abort: CancellationToken,
+    /// The stage attempts and handler runs are spawned on: the drain waits for it within the
+    /// grace, and stopping it cuts every run now (hard stop).
+    pub work: Stage,
 }
 
 /// How an attempt ended, as counted in `fleet_tasks_completed_total{outcome}`.
@@ -93,49 +92,6 @@ impl Outcome {
             Outcome::Expired => "expired",
             Outcome::Failed => "failed",
         }
-    }
-}
-
-/// What to do with a task after its run.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Fate {
-    Succeeded(Value),
-    Retry { error: String, delay: Duration },
-    Dead { reason: &'static str, error: String },
-    Expired { detail: String },
-}
-
-/// Decides a task's fate from its run's result. Pure, for tests.
-pub fn decide(
-    result: Result<Value, TaskError>,
-    attempt: u32,
-    max_attempts: u32,
-    time_left: Option<Duration>,
-    backoff: &Backoff,
-) -> Fate {
-    let error = match result {
-        Ok(v) => return Fate::Succeeded(v),
-        Err(TaskError::Expired) => return Fate::Expired { detail: "deadline reached during the run".into() },
-        Err(e) => e,
-    };
-    if time_left == Some(Duration::ZERO) {
-        return Fate::Expired { detail: format!("deadline reached; last error: {error}") };
-    }
-    match error {
-        TaskError::Permanent(e) => Fate::Dead { reason: "permanent_error", error: e },
-        TaskError::Retryable(e) if attempt >= max_attempts => Fate::Dead { reason: "max_attempts", error: e },
-        TaskError::Retryable(e) => {
-            let delay = backoff.delay(attempt);
-            match time_left {
-                // The next attempt could not start before the deadline: expire now rather than
-                // send the task on a trip it cannot finish.
-                Some(left) if left <= delay => {
-                    Fate::Expired { detail: format!("no time left for attempt {}; last error: {e}", attempt + 1) }
-                }
-                _ => Fate::Retry { error: e, delay },
-            }
-        }
-        TaskError::Expired => Fate::Expired { detail: "deadline reached during the run".into() },
     }
 }
 
@@ -190,7 +146,7 @@ async fn claim(shared: &Shared, lane: Lane, delivery: &Delivery, slot: &mut Slot
                     return None;
                 }
                 tokio::select! {
-                    _ = shared.abort.cancelled() => return None,
+                    _ = shared.work.stopping() => return None,
                     _ = tokio::time::sleep(WAIT_POLL) => {}
                 }
                 continue;
@@ -265,7 +221,7 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, mut s
             Err(_) => shared.ejector.record(true),
         }
         let time_left = env.deadline.map(|d| (d - shared.clock.now()).to_std().unwrap_or(Duration::ZERO));
-        decide(result, attempt, max_attempts, time_left, &shared.backoff)
+        retry::decide(result, attempt, max_attempts, time_left, &shared.backoff)
     };
 
     let outcome = settle(&shared, lane, &delivery, &mut slot, &env, (attempt, max_attempts), fate, probe).await;
@@ -289,7 +245,7 @@ async fn run(shared: &Shared, env: &Envelope, attempt: u32) -> Option<(Result<Va
     let Some(handler) = shared.handlers.get(&env.kind) else {
         return Some((Err(TaskError::Permanent(format!("unknown kind `{}`", env.kind))), started.elapsed()));
     };
-    let cancel = shared.abort.child_token();
+    let cancel = shared.work.token().child_token();
     let ctx = TaskContext {
         envelope: env.clone(),
         attempt,
@@ -301,7 +257,7 @@ async fn run(shared: &Shared, env: &Envelope, attempt: u32) -> Option<(Result<Va
     // `call` runs inside the spawned task, so a handler that panics while building its future
     // is caught like one that panics while running it (and never unwinds through this attempt,
     // which would leave the delivery unacked and the slot taken).
-    let mut join = shared.tasks.spawn(async move { handler.call(ctx).await }.in_current_span());
+    let mut join = shared.work.spawn_here(async move { handler.call(ctx).await });
     let result = tokio::select! {
         biased;
         r = &mut join => match r {
@@ -326,7 +282,7 @@ async fn run(shared: &Shared, env: &Envelope, attempt: u32) -> Option<(Result<Va
                 Err(TaskError::Retryable(format!("run cut at max_task_ms ({} ms)", shared.max_task.as_millis())))
             }
         }
-        _ = shared.abort.cancelled() => {
+        _ = shared.work.stopping() => {
             cancel.cancel();
             join.abort();
             return None;
@@ -380,7 +336,7 @@ async fn settle(
         Fate::Succeeded(v) => (Outcome::Succeeded, "succeeded", v.to_string(), true, "", Ok(())),
         Fate::Retry { error, delay } => {
             tracing::info!(error = %fleet::envelope::escape(&error), delay_ms = delay.as_millis() as u64, "attempt failed; retrying");
-            let r = publish_retry(shared, env, attempt, max_attempts, delay, &error).await;
+            let r = retry::publish(shared, env, attempt, max_attempts, delay, &error).await;
             (Outcome::Retried, "retrying", error, false, "", r)
         }
         Fate::Dead { reason, error } => {
@@ -410,36 +366,6 @@ async fn settle(
         tracing::info!("channel closed before the task finished; outcome recorded, its redelivered copy will be acked as a duplicate");
     }
     outcome
-}
-
-/// Sends the task to wait out its backoff in the broker, then back to the scheduler.
-async fn publish_retry(
-    shared: &Shared,
-    env: &Envelope,
-    attempt: u32,
-    max_attempts: u32,
-    delay: Duration,
-    error: &str,
-) -> fleet::Result<()> {
-    let mut next = env.clone();
-    next.attempt = attempt;
-    next.max_attempts = Some(max_attempts);
-    next.not_before = Some(shared.clock.now() + chrono::Duration::from_std(delay).unwrap_or_default());
-    let body = next.to_bytes();
-    let detail = (DETAIL_HEADER, truncate(error, MAX_HEADER_TEXT));
-    match fleet::delay::tier_for(delay) {
-        Some(tier) => {
-            let h = headers([(TIER_HEADER, tier.to_string()), detail]);
-            shared.broker.publish(&shared.names.delay_exchange(), "", &body, task_properties(&env.id, Some(h))).await
-        }
-        None => {
-            let h = headers([detail]);
-            shared
-                .broker
-                .publish(&shared.names.tasks_exchange(), Names::DELAYED_KEY, &body, task_properties(&env.id, Some(h)))
-                .await
-        }
-    }
 }
 
 /// Publishes the task to the dead-letter queue with its reason.
@@ -488,58 +414,5 @@ async fn refuse(shared: &Shared, lane: Lane, delivery: Delivery, reject: fleet::
 pub(crate) async fn nack_requeue(delivery: &Delivery) {
     if let Err(e) = delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await {
         tracing::debug!(error = %e, "nack failed (channel gone: the broker requeues anyway)");
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use serde_json::json;
-
-    use super::*;
-
-    fn b() -> Backoff {
-        Backoff::new(Duration::from_millis(100), Duration::from_secs(10))
-    }
-
-    #[test]
-    fn success_and_typed_errors() {
-        assert_eq!(decide(Ok(json!(1)), 1, 3, None, &b()), Fate::Succeeded(json!(1)));
-        assert!(matches!(decide(Err(TaskError::retryable("x")), 1, 3, None, &b()), Fate::Retry { .. }));
-        assert!(matches!(decide(Err(TaskError::retryable("x")), 2, 3, None, &b()), Fate::Retry { .. }));
-        assert_eq!(
-            decide(Err(TaskError::retryable("x")), 3, 3, None, &b()),
-            Fate::Dead { reason: "max_attempts", error: "x".into() }
-        );
-        assert_eq!(
-            decide(Err(TaskError::permanent("bad input")), 1, 3, None, &b()),
-            Fate::Dead { reason: "permanent_error", error: "bad input".into() }
-        );
-        assert!(matches!(decide(Err(TaskError::Expired), 1, 3, None, &b()), Fate::Expired { .. }));
-    }
-
-    #[test]
-    fn retry_delay_is_the_backoff() {
-        for _ in 0..50 {
-            match decide(Err(TaskError::retryable("x")), 3, 5, None, &b()) {
-                Fate::Retry { delay, .. } => assert!(delay <= Duration::from_millis(400)),
-                other => panic!("{other:?}"),
-            }
-        }
-    }
-
-    #[test]
-    fn deadline_turns_failures_into_expiry() {
-        assert!(matches!(decide(Err(TaskError::retryable("x")), 1, 5, Some(Duration::ZERO), &b()), Fate::Expired { .. }));
-        assert!(matches!(decide(Err(TaskError::permanent("x")), 1, 5, Some(Duration::ZERO), &b()), Fate::Expired { .. }));
-        // The backoff ceiling of attempt 1 is 100 ms: 1 ms left cannot fit (almost) any retry.
-        let mut expired = 0;
-        for _ in 0..50 {
-            if matches!(decide(Err(TaskError::retryable("x")), 1, 5, Some(Duration::from_micros(1)), &b()), Fate::Expired { .. }) {
-                expired += 1;
-            }
-        }
-        assert!(expired >= 45, "{expired}");
-        assert!(matches!(decide(Err(TaskError::retryable("x")), 1, 5, Some(Duration::from_secs(60)), &b()), Fate::Retry { .. }));
-        assert_eq!(decide(Ok(json!(null)), 1, 5, Some(Duration::ZERO), &b()), Fate::Succeeded(json!(null)));
     }
 }

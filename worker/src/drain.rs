@@ -1,24 +1,52 @@
-//! The worker's mode and the lame-duck drain.
+//! The worker's mode, its shutdown stages and the lame-duck drain.
 //!
 //! A worker is `Active` (consuming), `Ejected` (outlier cool-down: alive, not consuming, comes
 //! back) or `Draining` (lame duck: alive, not consuming, finishing its running tasks, then
 //! gone). Draining is final. It starts on SIGTERM/SIGINT (the `shutdown` token of
-//! [`crate::Worker::run`]), on `POST /drain`, or when the worker sees its state set to
-//! `draining` in Redis (`POST /v1/workers/{id}/drain` on the scheduler).
+//! [`crate::Worker::start`]), on `POST /drain`, when the worker sees its state set to
+//! `draining` in Redis (`POST /v1/workers/{id}/drain` on the scheduler), or on a fatal
+//! conflict ([`Control::fail`]).
 //!
-//! Drain order: state `draining` in Redis at once (its capacity leaves the group, so the
-//! scheduler stops routing to it) → consumers cancelled (the broker stops delivering; a
-//! delivery already on the wire is nacked back) → running tasks get `drain_grace_ms` to finish
-//! → ledger flushed, deregistered, exit 0. Past the grace, or on a second signal, the AMQP
-//! connection is closed instead: the broker requeues every unacknowledged task for another
-//! worker (at-least-once), and the exit code is 1.
+//! Every loop of the worker runs on one of five [`Stages`] ([`fleet::shutdown`]), built in
+//! this order and stopped in the reverse one by [`Drain::run`]:
+//!
+//! ```text
+//! stage       loops                                   drain step
+//! intake      lane consumers                          1 state `draining` in Redis at once (its
+//!                                                       capacity leaves the group: the scheduler
+//!                                                       stops routing to it); 2 consumers
+//!                                                       cancelled (the broker stops delivering; a
+//!                                                       delivery already on the wire is nacked back)
+//! work        task attempts and handler runs          3 running tasks get `drain_grace_ms`
+//! background  heartbeat, ejection, shard watch        4 stopped (a late beat would register again)
+//! ledger      batched start/finish writes             5 flushed
+//!             —                                       6 deregistered; AMQP connection closed
+//! serve       HTTP (`/healthz` to the end), signals   7 stopped; exit 0
+//! ```
+//!
+//! Past the grace, or on a second signal (the `force` token), the AMQP connection is closed
+//! instead at step 3: the broker requeues every unacknowledged task for another worker
+//! (at-least-once), the work stage is stopped (cutting every run), and the exit code is 1. A
+//! fatal conflict skips the state change and the deregistration (the id belongs to another
+//! process now) and fails too.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use anyhow::anyhow;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
+
+use fleet::registry::WorkerState;
+use fleet::shutdown::{Shutdown, Stage};
+use fleet::store::Store;
+
+use crate::broker::Broker;
+use crate::registry::{set_state_logged, Registrar};
+use crate::stats::Stats;
+
+/// How long attempts get to notice a hard stop before the worker returns anyway.
+const ABORT_WAIT: Duration = Duration::from_secs(2);
 
 /// What the worker is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,8 +57,7 @@ pub enum Mode {
 }
 
 impl Mode {
-    pub fn state(self) -> fleet::registry::WorkerState {
-        use fleet::registry::WorkerState;
+    pub fn state(self) -> WorkerState {
         match self {
             Mode::Active => WorkerState::Active,
             Mode::Ejected => WorkerState::Ejected,
@@ -153,19 +180,106 @@ pub enum Finish {
     Forced,
 }
 
-/// Waits for the tracked tasks to finish, at most `grace`, or until `force` fires. Closes the
-/// tracker (no new task may be awaited after this); cancel safe.
-pub async fn wait_for_tasks(tasks: &TaskTracker, grace: Duration, force: &CancellationToken) -> Finish {
-    tasks.close();
-    if tasks.is_empty() {
+/// Waits for the work stage's tasks to finish, at most `grace`, or until `force` fires. Closes
+/// the stage (no new task may be awaited after this); cancel safe.
+pub async fn wait_for_tasks(work: &Stage, grace: Duration, force: &CancellationToken) -> Finish {
+    work.close();
+    if work.is_empty() {
         return Finish::Clean;
     }
     tracing::info!(grace_ms = grace.as_millis() as u64, "waiting for running tasks to finish");
     tokio::select! {
         biased;
         _ = force.cancelled() => Finish::Forced,
-        _ = tasks.wait() => Finish::Clean,
+        _ = work.wait() => Finish::Clean,
         _ = tokio::time::sleep(grace) => Finish::GraceExceeded,
+    }
+}
+
+/// The worker's shutdown stages (see the module docs): built `serve` first and `intake` last,
+/// so an early stop ([`Shutdown::stop`]) ends them intake first, serve last.
+pub struct Stages {
+    /// All of them, for an early stop (start-up cut short): last built first.
+    pub all: Shutdown,
+    pub serve: Stage,
+    pub ledger: Stage,
+    pub background: Stage,
+    pub work: Stage,
+    pub intake: Stage,
+}
+
+impl Stages {
+    pub fn new() -> Self {
+        let all = Shutdown::new();
+        let serve = all.stage("serve");
+        let ledger = all.stage("ledger");
+        let background = all.stage("background");
+        let work = all.stage("work");
+        let intake = all.stage("intake");
+        Stages { all, serve, ledger, background, work, intake }
+    }
+}
+
+impl Default for Stages {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// What the drain sequence stops and tells, built by [`crate::Worker::start`].
+pub struct Drain {
+    pub control: Control,
+    pub stages: Stages,
+    pub store: Store,
+    pub worker_id: String,
+    pub registrar: Registrar,
+    pub broker: Arc<Broker>,
+    pub stats: Arc<Stats>,
+}
+
+impl Drain {
+    /// The drain sequence (see the module docs), once a drain was requested. `Ok` after a clean
+    /// drain; an error when running tasks were returned to the broker (grace exceeded, forced)
+    /// or for a fatal conflict.
+    pub async fn run(self, grace: Duration) -> anyhow::Result<()> {
+        let Drain { control, stages, store, worker_id, registrar, broker, stats } = self;
+        let fatal = control.fatal();
+        if fatal.is_none() {
+            set_state_logged(&store, &worker_id, WorkerState::Draining).await;
+        }
+        // The lanes see the mode change (and the stage's signal), cancel their consumers, end.
+        stages.intake.stop().await;
+        let finish = wait_for_tasks(&stages.work, grace, control.force()).await;
+        let (n, c, _) = stats.running();
+        let left = n + c;
+        if finish != Finish::Clean {
+            tracing::warn!(?finish, running = left, "drain cut short: closing the connection, unacked tasks go back to the broker");
+            broker.close("drain cut short").await;
+            stages.work.cancel();
+            let _ = tokio::time::timeout(ABORT_WAIT, stages.work.wait()).await;
+        }
+        // Heartbeat, ejection and shard watch stop before deregistering (a late beat would
+        // register again); then the ledger writes what it holds.
+        stages.background.stop().await;
+        stages.ledger.stop().await;
+        if fatal.is_none() {
+            registrar.deregister().await;
+        }
+        broker.close("drained").await;
+        stages.serve.stop().await;
+
+        match (fatal, finish) {
+            (Some(f), _) => Err(anyhow!(f)),
+            (None, Finish::Clean) => {
+                tracing::info!("drained");
+                Ok(())
+            }
+            (None, Finish::GraceExceeded) => Err(anyhow!(
+                "drain grace of {} ms exceeded: {left} running task(s) returned to the broker",
+                grace.as_millis()
+            )),
+            (None, Finish::Forced) => Err(anyhow!("drain interrupted: {left} running task(s) returned to the broker")),
+        }
     }
 }
 
@@ -191,14 +305,14 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn grace_bounds_the_wait() {
-        let tasks = TaskTracker::new();
+        let work = Stage::new("work");
         let force = CancellationToken::new();
-        tasks.spawn(tokio::time::sleep(Duration::from_secs(5)));
-        assert_eq!(wait_for_tasks(&tasks, Duration::from_secs(1), &force).await, Finish::GraceExceeded);
-        assert_eq!(wait_for_tasks(&tasks, Duration::from_secs(10), &force).await, Finish::Clean);
-        tasks.reopen();
-        tasks.spawn(tokio::time::sleep(Duration::from_secs(5)));
+        work.spawn_here(tokio::time::sleep(Duration::from_secs(5)));
+        assert_eq!(wait_for_tasks(&work, Duration::from_secs(1), &force).await, Finish::GraceExceeded);
+        assert_eq!(wait_for_tasks(&work, Duration::from_secs(10), &force).await, Finish::Clean);
+        let work = Stage::new("work");
+        work.spawn_here(tokio::time::sleep(Duration::from_secs(5)));
         force.cancel();
-        assert_eq!(wait_for_tasks(&tasks, Duration::from_secs(10), &force).await, Finish::Forced);
+        assert_eq!(wait_for_tasks(&work, Duration::from_secs(10), &force).await, Finish::Forced);
     }
 }

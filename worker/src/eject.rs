@@ -15,7 +15,6 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
 use fleet::registry::WorkerState;
 use fleet::store::Store;
@@ -112,66 +111,76 @@ impl Ejector {
             w.clear();
         }
     }
+}
 
-    /// Waits for trips and runs the eject → cool-down → reactivate cycle until `shutdown`.
-    pub async fn run(self, cfg: EjectConfig, control: Control, store: Store, worker_id: String, shutdown: CancellationToken) {
-        let span = tracing::info_span!("eject", worker = %worker_id);
-        async move {
-            loop {
-                tokio::select! {
-                    biased;
-                    _ = shutdown.cancelled() => return,
-                    _ = self.tripped.notified() => {}
-                }
-                // A trip recorded before a cool-down ended (tasks finishing while ejected) is
-                // stale: only the window as it is now counts.
-                if control.mode() != Mode::Active || !self.is_tripped() {
-                    continue;
-                }
-                let ratio = self.error_ratio();
-                // Never eject the last active worker of a group: its tasks would find no
-                // worker at all (and end as no_matching_worker) instead of a failing one.
-                match store.try_eject(&worker_id).await {
-                    Ok(Some(false)) => {
-                        tracing::warn!(error_ratio = ratio, "too many errors, but this is the last active worker of its group: staying in");
-                        self.clear();
-                        continue;
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
-                        tracing::warn!(error = %e, "cannot check the group before ejecting; ejecting locally");
-                    }
-                }
-                if !control.eject() {
-                    continue;
-                }
-                metrics::counter!(fleet::metrics::WORKER_EJECTIONS).increment(1);
-                tracing::warn!(error_ratio = ratio, cooldown_ms = cfg.cooldown.as_millis() as u64, "too many errors: ejecting this worker");
-                crate::registry::set_state_logged(&store, &worker_id, WorkerState::Ejected).await;
-                tokio::select! {
-                    biased;
-                    _ = shutdown.cancelled() => return,
-                    _ = control.draining() => continue,
-                    _ = tokio::time::sleep(cfg.cooldown) => {}
-                }
-                self.clear();
-                if !control.reactivate() {
-                    continue;
-                }
-                // An operator may have asked for a drain while we were ejected: the previous
-                // state tells; honour it instead of overwriting it.
-                if crate::registry::set_state_logged(&store, &worker_id, WorkerState::Active).await
-                    == Some(WorkerState::Draining)
-                {
-                    control.request_drain("state draining set while ejected");
-                    continue;
-                }
-                tracing::info!("cool-down over: active again");
+/// The ejection loop: waits for the window to trip and runs the eject → cool-down → reactivate
+/// cycle, until `shutdown`.
+pub struct Ejection {
+    pub ejector: Ejector,
+    pub cfg: EjectConfig,
+    pub control: Control,
+    pub store: Store,
+    pub worker_id: String,
+}
+
+impl Ejection {
+    pub async fn run(self, shutdown: CancellationToken) {
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = self.ejector.tripped.notified() => self.on_trip(&shutdown).await,
             }
         }
-        .instrument(span)
-        .await
+    }
+
+    /// One trip: eject (unless stale, or the last active worker of the group), cool down, come
+    /// back. Returns early on shutdown or a drain.
+    async fn on_trip(&self, shutdown: &CancellationToken) {
+        let Ejection { ejector, cfg, control, store, worker_id } = self;
+        // A trip recorded before a cool-down ended (tasks finishing while ejected) is stale:
+        // only the window as it is now counts.
+        if control.mode() != Mode::Active || !ejector.is_tripped() {
+            return;
+        }
+        let ratio = ejector.error_ratio();
+        // Never eject the last active worker of a group: its tasks would find no worker at all
+        // (and end as no_matching_worker) instead of a failing one.
+        match store.try_eject(worker_id).await {
+            Ok(Some(false)) => {
+                tracing::warn!(error_ratio = ratio, "too many errors, but this is the last active worker of its group: staying in");
+                ejector.clear();
+                return;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
+                tracing::warn!(error = %e, "cannot check the group before ejecting; ejecting locally");
+            }
+        }
+        if !control.eject() {
+            return;
+        }
+        metrics::counter!(fleet::metrics::WORKER_EJECTIONS).increment(1);
+        tracing::warn!(error_ratio = ratio, cooldown_ms = cfg.cooldown.as_millis() as u64, "too many errors: ejecting this worker");
+        crate::registry::set_state_logged(store, worker_id, WorkerState::Ejected).await;
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return,
+            _ = control.draining() => return,
+            _ = tokio::time::sleep(cfg.cooldown) => {}
+        }
+        ejector.clear();
+        if !control.reactivate() {
+            return;
+        }
+        // An operator may have asked for a drain while we were ejected: the previous state
+        // tells; honour it instead of overwriting it.
+        if crate::registry::set_state_logged(store, worker_id, WorkerState::Active).await == Some(WorkerState::Draining) {
+            control.request_drain("state draining set while ejected");
+            return;
+        }
+        tracing::info!("cool-down over: active again");
     }
 }
 

@@ -19,7 +19,6 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
 use fleet::http::Readiness;
 use fleet::registry::{Beat, BeatReply, WorkerState};
@@ -48,23 +47,18 @@ pub struct Heartbeat {
 
 impl Heartbeat {
     pub async fn run(self, shutdown: CancellationToken) {
-        let span = tracing::info_span!("heartbeat", worker = %self.registrar.id());
-        async move {
-            let mut beat = Ticker::new(self.interval);
-            let mut poll = Ticker::new(STATE_POLL);
-            let mut cpu = CpuSampler::new();
-            loop {
-                tokio::select! {
-                    biased;
-                    _ = shutdown.cancelled() => return,
-                    _ = self.gone.notified() => self.beat(&mut cpu).await,
-                    _ = beat.next() => self.beat(&mut cpu).await,
-                    _ = poll.next() => self.poll(&mut cpu).await,
-                }
+        let mut beat = Ticker::new(self.interval);
+        let mut poll = Ticker::new(STATE_POLL);
+        let mut cpu = CpuSampler::new();
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = self.gone.notified() => self.beat(&mut cpu).await,
+                _ = beat.next() => self.beat(&mut cpu).await,
+                _ = poll.next() => self.poll(&mut cpu).await,
             }
         }
-        .instrument(span)
-        .await
     }
 
     async fn beat(&self, cpu: &mut CpuSampler) {

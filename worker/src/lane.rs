@@ -29,9 +29,8 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection, Consumer};
 use tokio::sync::{watch, Semaphore};
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
-use tracing::Instrument;
 
+use fleet::shutdown::Stage;
 use fleet::subset::Subsetting;
 use fleet::Lane;
 
@@ -57,7 +56,7 @@ pub struct LaneConsumer {
     pub broker: Arc<Broker>,
     pub control: Control,
     /// Where task attempts are spawned (the drain waits for them).
-    pub tasks: TaskTracker,
+    pub work: Stage,
 }
 
 /// Why a consume session ended.
@@ -74,53 +73,48 @@ enum Ended {
 
 impl LaneConsumer {
     pub async fn run(mut self, shutdown: CancellationToken) {
-        let span = tracing::info_span!("lane", lane = %self.lane);
-        async move {
-            let permits = Arc::new(Semaphore::new(self.capacity as usize));
-            let mut mode = self.control.watch();
-            let mut delay = Duration::from_millis(200);
-            let mut session = 0u64;
-            let mut redeclare = false;
-            loop {
-                if !wait_active(&mut mode, &shutdown).await {
-                    return;
+        let permits = Arc::new(Semaphore::new(self.capacity as usize));
+        let mut mode = self.control.watch();
+        let mut delay = Duration::from_millis(200);
+        let mut session = 0u64;
+        let mut redeclare = false;
+        loop {
+            if !wait_active(&mut mode, &shutdown).await {
+                return;
+            }
+            let conn = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return,
+                _ = self.control.draining() => return,
+                c = self.broker.connection() => match c { Some(c) => c, None => return },
+            };
+            if redeclare {
+                if let Err(e) = self.broker.redeclare().await {
+                    tracing::warn!(error = %e, "cannot declare the topology again");
                 }
-                let conn = tokio::select! {
-                    biased;
-                    _ = shutdown.cancelled() => return,
-                    _ = self.control.draining() => return,
-                    c = self.broker.connection() => match c { Some(c) => c, None => return },
-                };
-                if redeclare {
-                    if let Err(e) = self.broker.redeclare().await {
-                        tracing::warn!(error = %e, "cannot declare the topology again");
-                    }
+            }
+            session += 1;
+            match self.session(&conn, session, &permits, &mut mode, &shutdown, &mut delay).await {
+                Ended::Stopped => return,
+                Ended::Paused => {
+                    tracing::info!("consumer cancelled while ejected");
+                    redeclare = false;
                 }
-                session += 1;
-                match self.session(&conn, session, &permits, &mut mode, &shutdown, &mut delay).await {
-                    Ended::Stopped => return,
-                    Ended::Paused => {
-                        tracing::info!("consumer cancelled while ejected");
-                        redeclare = false;
+                Ended::Moved => redeclare = false,
+                Ended::Lost(why) => {
+                    self.shared.stats.set_consuming(self.lane, Vec::new());
+                    tracing::warn!(error = %why, retry_in_ms = delay.as_millis() as u64, "consumer lost; consuming again after a pause");
+                    redeclare = true;
+                    tokio::select! {
+                        biased;
+                        _ = shutdown.cancelled() => return,
+                        _ = self.control.draining() => return,
+                        _ = tokio::time::sleep(jitter(delay)) => {}
                     }
-                    Ended::Moved => redeclare = false,
-                    Ended::Lost(why) => {
-                        self.shared.stats.set_consuming(self.lane, Vec::new());
-                        tracing::warn!(error = %why, retry_in_ms = delay.as_millis() as u64, "consumer lost; consuming again after a pause");
-                        redeclare = true;
-                        tokio::select! {
-                            biased;
-                            _ = shutdown.cancelled() => return,
-                            _ = self.control.draining() => return,
-                            _ = tokio::time::sleep(jitter(delay)) => {}
-                        }
-                        delay = (delay * 2).min(Duration::from_secs(10));
-                    }
+                    delay = (delay * 2).min(Duration::from_secs(10));
                 }
             }
         }
-        .instrument(span)
-        .await
     }
 
     /// Consumes on a fresh channel until the mode changes or the channel fails.
@@ -181,7 +175,7 @@ impl LaneConsumer {
                 continue; // the next turn sees the mode change or shutdown
             };
             let shared = self.shared.clone();
-            self.tasks.spawn(attempt::handle(shared, self.lane, delivery, slot, channel.clone(), permit).in_current_span());
+            self.work.spawn_here(attempt::handle(shared, self.lane, delivery, slot, channel.clone(), permit));
         }
     }
 

@@ -24,7 +24,6 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
 use fleet::lease::{Claim, ClaimRequest, Finished};
 use fleet::store::Store;
@@ -132,29 +131,24 @@ impl Batcher {
 
     /// Batches and writes until `shutdown`, then writes what is left (bounded in time).
     pub async fn run(mut self, shutdown: CancellationToken) {
-        let span = tracing::info_span!("ledger", worker = %self.worker_id);
-        async move {
-            let mut batch: Vec<Op> = Vec::with_capacity(FLUSH_OPS);
-            let mut finishes: Finishes = Vec::new();
-            loop {
-                tokio::select! {
-                    biased;
-                    _ = shutdown.cancelled() => break,
-                    n = self.rx.recv_many(&mut batch, FLUSH_OPS) => if n == 0 { break },
-                }
-                self.flush(&mut batch, &mut finishes, None, &shutdown).await;
+        let mut batch: Vec<Op> = Vec::with_capacity(FLUSH_OPS);
+        let mut finishes: Finishes = Vec::new();
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                n = self.rx.recv_many(&mut batch, FLUSH_OPS) => if n == 0 { break },
             }
-            // Final flush: everything still buffered, retried for a bounded time.
-            self.rx.close();
-            let give_up = Instant::now() + FINAL_FLUSH;
-            let never = CancellationToken::new();
-            while let Ok(op) = self.rx.try_recv() {
-                batch.push(op);
-            }
-            self.flush(&mut batch, &mut finishes, Some(give_up), &never).await;
+            self.flush(&mut batch, &mut finishes, None, &shutdown).await;
         }
-        .instrument(span)
-        .await
+        // Final flush: everything still buffered, retried for a bounded time.
+        self.rx.close();
+        let give_up = Instant::now() + FINAL_FLUSH;
+        let never = CancellationToken::new();
+        while let Ok(op) = self.rx.try_recv() {
+            batch.push(op);
+        }
+        self.flush(&mut batch, &mut finishes, Some(give_up), &never).await;
     }
 
     /// Writes a batch: claims once (answered "unknown" on failure), outcomes until written,

@@ -3,15 +3,16 @@
 //! drains as a lame duck.
 //!
 //! * [`config`] — [`WorkerConfig`] from the `FLEET_*` settings.
-//! * [`worker`] — the [`Worker`] that ties everything together; [`Worker::builder`] embeds
-//!   custom handlers.
+//! * [`worker`] — the [`Worker`]: build ([`Worker::builder`], which also embeds custom
+//!   handlers) → [`Worker::start`] → [`Running::drain`].
 //! * [`lane`] — a consumer per lane with its own channel, prefetch and semaphore.
 //! * [`attempt`] — one attempt of one task: run, decide, publish, ack.
 //! * [`executor`] — the [`Handler`] trait and the `builtin`, `http` and `exec` executors.
 //! * [`shards`] — which shard queues of a sharded group this worker consumes (subsetting).
-//! * [`retry`] — capped exponential backoff with full jitter.
+//! * [`retry`] — whether a failed task runs again, when (capped exponential backoff with full
+//!   jitter) and where it waits (the broker's delay tiers).
 //! * [`eject`] — outlier ejection from a sliding window of outcomes.
-//! * [`drain`] — the worker's mode and the lame-duck drain.
+//! * [`drain`] — the worker's mode, its shutdown stages and the lame-duck drain sequence.
 //! * [`registry`] / [`heartbeat`] — registration, heartbeats, re-registration.
 //! * [`ledger`] — batched start/finish writes to Redis, off the hot path.
 //! * [`broker`] — the RabbitMQ connection (re-established on loss) and confirmed publishing.
@@ -39,4 +40,4 @@ pub mod worker;
 
 pub use config::{ExecutorKind, WorkerConfig};
 pub use executor::{handler_fn, Handler, Handlers, TaskContext, TaskError};
-pub use worker::{Worker, WorkerBuilder};
+pub use worker::{Running, Worker, WorkerBuilder};

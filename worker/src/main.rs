@@ -37,10 +37,20 @@ async fn main() -> ExitCode {
         tracing::warn!("{warning}");
     }
 
+    // Build → start → drain (linkerd2-proxy's `main.rs`): the first signal asks for the drain
+    // (as `POST /drain` or the scheduler's drain request do), the second one forces it.
     let shutdown = CancellationToken::new();
     let force = CancellationToken::new();
     let signals = tokio::spawn(on_signals(shutdown.clone(), force.clone()));
-    let result = Worker::builder(cfg).force_shutdown(force).run(shutdown).await;
+    let grace = cfg.drain_grace;
+    let result = match Worker::builder(cfg).force_shutdown(force).start(shutdown).await {
+        Ok(Some(running)) => {
+            running.draining().await;
+            running.drain(grace).await
+        }
+        Ok(None) => Ok(()),
+        Err(e) => Err(e),
+    };
     signals.abort();
     fleet::error::finish("fleet-worker", result)
 }

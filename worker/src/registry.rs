@@ -140,6 +140,7 @@ impl Registrar {
                 }
             }
             tokio::select! {
+                biased;
                 _ = shutdown.cancelled() => return Ok(false),
                 _ = tokio::time::sleep(pause) => {}
             }

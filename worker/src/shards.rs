@@ -22,6 +22,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use fleet::subset::Subsetting;
+use fleet::ticker::Ticker;
 use fleet::{Lane, Names, Store};
 
 /// How long one read of the ordinal table may take before the loop tries again next tick.
@@ -69,23 +70,26 @@ impl ShardWatch {
 
     /// Re-reads the table every interval and sends a changed set, until `shutdown`.
     pub async fn run(self, tx: watch::Sender<Vec<String>>, shutdown: CancellationToken) {
-        let mut tick = tokio::time::interval(self.interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut ticker = Ticker::new(self.interval);
         loop {
             tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => return,
-                _ = tick.tick() => {}
+                _ = shutdown.cancelled() => break,
+                _ = ticker.next() => self.tick(&tx).await,
             }
-            let Some((ordinal, queues)) = self.current().await else { continue };
-            tx.send_if_modified(|now| {
-                if *now == queues {
-                    return false;
-                }
-                tracing::info!(ordinal, shards = ?queues, "shard subset changed");
-                *now = queues;
-                true
-            });
         }
+    }
+
+    /// Reads the table once and sends the set if it changed.
+    async fn tick(&self, tx: &watch::Sender<Vec<String>>) {
+        let Some((ordinal, queues)) = self.current().await else { return };
+        tx.send_if_modified(|now| {
+            if *now == queues {
+                return false;
+            }
+            tracing::info!(ordinal, shards = ?queues, "shard subset changed");
+            *now = queues;
+            true
+        });
     }
 }

@@ -1,27 +1,30 @@
-//! The [`Worker`]: start-up, the loops that make it up, and its end.
+//! The [`Worker`]: build → start (spawn) → drain, the shape of linkerd2-proxy's `main.rs`
+//! (`let drain = app.spawn(); … drain.drain().await`).
 //!
 //! ```text
-//! start-up:  HTTP up (healthz) → RabbitMQ (retrying; topology) → Redis registration (retrying;
-//!            a live duplicate id is fatal) → ready
-//! running:   lane normal ┐                  ┌ ledger (batched start/finish to Redis)
-//!            lane critical┴─ task attempts ─┤ heartbeat (+ state poll, re-registration)
-//!                                           └ ejector (outlier cool-down)
-//! the end:   drain (see [`crate::drain`]) → loops stopped → ledger flushed → deregistered →
-//!            connection closed
+//! start:   HTTP up (healthz) → RabbitMQ (retrying; topology) → Redis registration (retrying;
+//!          a live duplicate id is fatal) → loops spawned on their stages → ready → [`Running`]
+//! running: lane normal ┐                  ┌ ledger (batched start/finish to Redis)
+//!          lane critical┴─ task attempts ─┤ heartbeat (+ state poll, re-registration)
+//!                                         ├ ejection (outlier cool-down)
+//!                                         └ shard watch (sharded groups)
+//! drain:   [`Running::drain`]: the sequence in [`crate::drain`] — consumers cancelled →
+//!          running tasks finished within the grace → loops stopped → ledger flushed →
+//!          deregistered → connection closed → HTTP stopped
 //! ```
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{anyhow, Context as _};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use fleet::http::Readiness;
-use fleet::registry::WorkerState;
+use fleet::shutdown::Stage;
 use fleet::store::Store;
 use fleet::Lane;
 
@@ -29,19 +32,16 @@ use crate::api;
 use crate::attempt::Shared;
 use crate::broker::Broker;
 use crate::config::WorkerConfig;
-use crate::drain::{self, Control, Finish};
-use crate::eject::Ejector;
+use crate::drain::{Control, Drain, Stages};
+use crate::eject::{Ejection, Ejector};
 use crate::executor::{Handler, Handlers};
 use crate::heartbeat::Heartbeat;
 use crate::lane::LaneConsumer;
 use crate::ledger::Ledger;
-use crate::registry::{set_state_logged, Registrar};
+use crate::registry::Registrar;
 use crate::retry::Backoff;
 use crate::shards::ShardWatch;
 use crate::stats::Stats;
-
-/// How long attempts get to notice a hard stop before the worker returns anyway.
-const ABORT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A worker process (or an in-process worker in tests). Build with [`Worker::builder`].
 pub struct Worker {
@@ -91,6 +91,11 @@ impl WorkerBuilder {
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         self.build().run(shutdown).await
     }
+
+    /// Builds and starts (see [`Worker::start`]).
+    pub async fn start(self, shutdown: CancellationToken) -> anyhow::Result<Option<Running>> {
+        self.build().start(shutdown).await
+    }
 }
 
 impl Worker {
@@ -100,15 +105,29 @@ impl Worker {
         }
     }
 
-    /// Runs until drained. Cancelling `shutdown` drains, like SIGTERM. `Ok` after a clean
-    /// drain; an error for a start-up failure (unreachable config, duplicate id), a drain cut
-    /// short (grace exceeded, forced) or a fatal conflict.
+    /// Starts, waits for a drain to be requested, and drains with `drain_grace_ms`: cancelling
+    /// `shutdown` drains, like SIGTERM. `Ok` after a clean drain (or a stop during start-up);
+    /// an error for a start-up failure (unreachable config, duplicate id), a drain cut short
+    /// (grace exceeded, forced) or a fatal conflict.
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
-        let span = tracing::info_span!("worker", worker = %self.cfg.worker_id);
-        self.run_inner(shutdown).instrument(span).await
+        let grace = self.cfg.drain_grace;
+        let Some(running) = self.start(shutdown).await? else { return Ok(()) };
+        running.draining().await;
+        running.drain(grace).await
     }
 
-    async fn run_inner(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+    /// Starts the worker: HTTP, RabbitMQ, registration, then every loop spawned on its stage
+    /// (see [`crate::drain`]). Returns once it consumes, or `Ok(None)` when a drain was asked
+    /// for during start-up (nothing is left running then). Cancelling `shutdown` later asks for
+    /// a drain, like `POST /drain`. Errors: a bad executor setting, an HTTP address that cannot
+    /// be bound, a permanent broker or Redis error, another live process holding the id.
+    pub async fn start(self, shutdown: CancellationToken) -> anyhow::Result<Option<Running>> {
+        let span = tracing::info_span!("worker", worker = %self.cfg.worker_id);
+        let drain = self.start_inner(shutdown).instrument(span.clone()).await?;
+        Ok(drain.map(|drain| Running { span, drain }))
+    }
+
+    async fn start_inner(self, shutdown: CancellationToken) -> anyhow::Result<Option<Drain>> {
         let Worker { cfg, custom, listener, ready, force } = self;
         let group = cfg.group();
         let handlers = Handlers::for_config(&cfg, custom).map_err(|e| anyhow!("executor {}: {e}", cfg.executor.as_str()))?;
@@ -120,12 +139,9 @@ impl Worker {
         let control = Control::new(force.clone());
         let stats = Arc::new(Stats::new());
         let ejector = Ejector::new(&cfg.eject);
+        let stages = Stages::new();
 
-        // Loops that live as long as the worker; stopped in order at the end.
-        let http_stop = CancellationToken::new();
-        let bg_stop = CancellationToken::new();
-        let loops = TaskTracker::new();
-
+        // Serve: HTTP, and the shutdown token turned into a drain request.
         let listener = match listener {
             Some(l) => l,
             None => fleet::http::bind(&cfg.common.http_addr).await?,
@@ -140,46 +156,29 @@ impl Worker {
             critical_capacity: cfg.critical_capacity,
         };
         let router = api::router(prom, readiness.clone(), identity, control.clone(), stats.clone(), &cfg.common.auth);
-        loops.spawn(fleet::http::serve(listener, router, http_stop.clone()).instrument(tracing::info_span!("http", addr = %http_addr)));
+        stages.serve.spawn(tracing::info_span!("http", addr = %http_addr), fleet::http::serve(listener, router, stages.serve.token()));
         tracing::info!(group = %group, http = %http_addr, capacity = cfg.capacity, critical_capacity = cfg.critical_capacity, executor = cfg.executor.as_str(), "starting");
+        let requests = DrainRequests { shutdown, control: control.clone() };
+        stages.serve.spawn(tracing::Span::current(), requests.run(stages.serve.token()));
 
-        // The shutdown token (signals, tests) drains like the API does.
-        {
-            let control = control.clone();
-            let stop = http_stop.clone();
-            let shutdown = shutdown.clone();
-            loops.spawn(
-                async move {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => control.request_drain("shutdown requested (signal)"),
-                        _ = stop.cancelled() => {}
-                    }
-                }
-                .in_current_span(),
-            );
-        }
-
-        let amqp_stop = force.child_token();
-        let broker = Arc::new(Broker::new(cfg.common.clone(), group.clone(), &cfg.worker_id, readiness.clone(), amqp_stop));
+        // RabbitMQ (the force token ends its reconnecting).
+        let broker = Arc::new(Broker::new(cfg.common.clone(), group.clone(), &cfg.worker_id, readiness.clone(), force.child_token()));
         let connected = tokio::select! {
-            c = broker.connection() => c.is_some(),
+            biased;
             _ = control.draining() => false,
-        };
-        let end_early = |loops: TaskTracker, http_stop: CancellationToken| async move {
-            http_stop.cancel();
-            loops.close();
-            loops.wait().await;
+            c = broker.connection() => c.is_some(),
         };
         if !connected {
             broker.close("shutdown during start-up").await;
-            end_early(loops, http_stop).await;
+            stages.all.stop().await;
             if let Some(e) = broker.take_permanent() {
                 return Err(anyhow!(e));
             }
             tracing::info!("stopped before start-up completed");
-            return Ok(());
+            return Ok(None);
         }
 
+        // Redis registration.
         let store = Store::with_tls(&cfg.common.redis_url, cfg.common.names(), &cfg.common.redis_tls)?;
         let registrar = Registrar::new(&cfg, store.clone()).with_broker(broker.clone());
         // A predecessor with this id whose connection is closed (crashed) is provably gone:
@@ -188,37 +187,33 @@ impl Worker {
         if let Err(e) = store.measure_clock().await {
             tracing::debug!(error = %e, "cannot measure the clock against Redis yet");
         }
+        let stop = stages.background.token();
         let registered = tokio::select! {
-            r = registrar.register_at_startup(&bg_stop) => r,
+            biased;
             _ = control.draining() => Ok(false),
+            r = registrar.register_at_startup(&stop) => r,
         };
-        match registered {
-            Ok(true) => {}
-            Ok(false) => {
-                broker.close("shutdown during start-up").await;
-                end_early(loops, http_stop).await;
-                return Ok(());
-            }
-            Err(e) => {
-                broker.close("start-up failed").await;
-                end_early(loops, http_stop).await;
-                return Err(match e {
-                    crate::registry::RegisterError::Permanent(p) => anyhow!(p),
-                    other => anyhow!(other),
-                });
-            }
+        let failed = match registered {
+            Ok(true) => None,
+            Ok(false) => Some(("shutdown during start-up", None)),
+            Err(crate::registry::RegisterError::Permanent(p)) => Some(("start-up failed", Some(anyhow!(p)))),
+            Err(e) => Some(("start-up failed", Some(anyhow!(e)))),
+        };
+        if let Some((why, error)) = failed {
+            broker.close(why).await;
+            stages.all.stop().await;
+            return error.map_or(Ok(None), Err);
         }
         readiness.set_redis(true);
         tracing::info!(worker = %cfg.worker_id, instance = registrar.instance(), "registered");
 
-        // The running worker.
-        let tasks = TaskTracker::new();
-        let abort = CancellationToken::new();
+        // Ledger.
         let (ledger, batcher) = Ledger::new(store.clone(), cfg.worker_id.clone(), registrar.instance().to_string(), group.clone(), cfg.run_lease, cfg.common.status_ttl);
         let batcher = batcher.with_figures(stats.clone());
         let gone = batcher.gone_signal();
-        let ledger_stop = CancellationToken::new();
-        let ledger_done = loops.spawn(batcher.run(ledger_stop.clone()).in_current_span());
+        stages.ledger.spawn(tracing::info_span!("ledger"), batcher.run(stages.ledger.token()));
+
+        // Background: heartbeat, ejection, shard watch.
         let heartbeat = Heartbeat {
             registrar: registrar.clone(),
             control: control.clone(),
@@ -229,9 +224,12 @@ impl Worker {
             gone,
             readiness: readiness.clone(),
         };
-        let heartbeat_done = loops.spawn(heartbeat.run(bg_stop.clone()).in_current_span());
-        let ejector_done = loops.spawn(ejector.clone().run(cfg.eject, control.clone(), store.clone(), cfg.worker_id.clone(), bg_stop.clone()).in_current_span());
+        stages.background.spawn(tracing::info_span!("heartbeat"), heartbeat.run(stages.background.token()));
+        let ejection = Ejection { ejector: ejector.clone(), cfg: cfg.eject, control: control.clone(), store: store.clone(), worker_id: cfg.worker_id.clone() };
+        stages.background.spawn(tracing::info_span!("eject"), ejection.run(stages.background.token()));
+        let sharded = shard_watch(&cfg, &store, &group, &stages.background).await;
 
+        // Work and intake: the lanes and the attempts they spawn.
         let shared = Arc::new(Shared {
             worker_id: Arc::from(cfg.worker_id.as_str()),
             group: group.clone(),
@@ -247,12 +245,9 @@ impl Worker {
             default_max_attempts: cfg.common.default_max_attempts,
             clock: store.clock.clone(),
             isolation: Arc::new(tokio::sync::RwLock::new(())),
-            tasks: tasks.clone(),
-            abort: abort.clone(),
+            work: stages.work.clone(),
         });
         let names = cfg.common.names();
-        let sharded = shard_watch(&cfg, &store, &group, &loops, &bg_stop).await;
-        let mut lanes = Vec::new();
         for lane in Lane::ALL {
             let queues = match (&sharded, lane) {
                 (Some(rx), Lane::Normal) => rx.clone(),
@@ -265,73 +260,64 @@ impl Worker {
                 shared: shared.clone(),
                 broker: broker.clone(),
                 control: control.clone(),
-                tasks: tasks.clone(),
+                work: stages.work.clone(),
             };
-            lanes.push(loops.spawn(consumer.run(bg_stop.clone()).in_current_span()));
+            stages.intake.spawn(tracing::info_span!("lane", lane = %lane), consumer.run(stages.intake.token()));
         }
         drop(shared);
         if let Some(tx) = ready {
             let _ = tx.send(http_addr);
         }
+        Ok(Some(Drain { control, stages, store, worker_id: cfg.worker_id.clone(), registrar, broker, stats }))
+    }
+}
 
-        // Until a drain starts.
-        control.draining().await;
-        let fatal = control.fatal();
-        if fatal.is_none() {
-            set_state_logged(&store, &cfg.worker_id, WorkerState::Draining).await;
-        }
-        // The lanes see the mode change, cancel their consumers and end.
-        for lane in lanes {
-            let _ = lane.await;
-        }
-        let finish = drain::wait_for_tasks(&tasks, cfg.drain_grace, control.force()).await;
-        let (n, c, _) = stats.running();
-        let left = n + c;
-        if finish != Finish::Clean {
-            tracing::warn!(?finish, running = left, "drain cut short: closing the connection, unacked tasks go back to the broker");
-            broker.close("drain cut short").await;
-            abort.cancel();
-            let _ = tokio::time::timeout(ABORT_WAIT, tasks.wait()).await;
-        }
+/// A started worker: its loops run until [`Running::drain`].
+pub struct Running {
+    span: tracing::Span,
+    drain: Drain,
+}
 
-        // Heartbeat and ejector stop before deregistering (a late beat would register again).
-        bg_stop.cancel();
-        let _ = heartbeat_done.await;
-        let _ = ejector_done.await;
-        ledger_stop.cancel();
-        let _ = ledger_done.await;
-        if fatal.is_none() {
-            registrar.deregister().await;
-        }
-        broker.close("drained").await;
-        http_stop.cancel();
-        loops.close();
-        loops.wait().await;
+impl Running {
+    /// Resolves once a drain has been asked for: the `shutdown` token of [`Worker::start`],
+    /// `POST /drain`, the state `draining` set in Redis, or a fatal conflict. Cancel safe.
+    pub async fn draining(&self) {
+        self.drain.control.draining().await
+    }
 
-        match (fatal, finish) {
-            (Some(f), _) => Err(anyhow!(f)),
-            (None, Finish::Clean) => {
-                tracing::info!("drained");
-                Ok(())
-            }
-            (None, Finish::GraceExceeded) => Err(anyhow!(
-                "drain grace of {} ms exceeded: {left} running task(s) returned to the broker",
-                cfg.drain_grace.as_millis()
-            )),
-            (None, Finish::Forced) => Err(anyhow!("drain interrupted: {left} running task(s) returned to the broker")),
+    /// Asks for a drain (idempotent: the first reason is kept and logged).
+    pub fn request_drain(&self, reason: &str) {
+        self.drain.control.request_drain(reason)
+    }
+
+    /// Drains as a lame duck (asking for it first if nobody did; see [`crate::drain`]), running
+    /// tasks getting `grace` to finish. `Ok` after a clean drain; an error when tasks were
+    /// returned to the broker (grace exceeded, the force token) or for a fatal conflict.
+    pub async fn drain(self, grace: Duration) -> anyhow::Result<()> {
+        self.drain.control.request_drain("drain requested");
+        self.drain.run(grace).instrument(self.span).await
+    }
+}
+
+/// Turns the `shutdown` token (signals, tests) into a drain request, like `POST /drain`.
+struct DrainRequests {
+    shutdown: CancellationToken,
+    control: Control,
+}
+
+impl DrainRequests {
+    async fn run(self, stop: CancellationToken) {
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => {}
+            _ = self.shutdown.cancelled() => self.control.request_drain("shutdown requested (signal)"),
         }
     }
 }
 
 /// For a sharded group, this worker's normal-lane shard queues (read once now, then kept up to
-/// date by a [`ShardWatch`] loop on `loops` until `stop`); `None` when the lane is unsharded.
-async fn shard_watch(
-    cfg: &WorkerConfig,
-    store: &Store,
-    group: &str,
-    loops: &TaskTracker,
-    stop: &CancellationToken,
-) -> Option<tokio::sync::watch::Receiver<Vec<String>>> {
+/// date by a [`ShardWatch`] loop on `stage`); `None` when the lane is unsharded.
+async fn shard_watch(cfg: &WorkerConfig, store: &Store, group: &str, stage: &Stage) -> Option<tokio::sync::watch::Receiver<Vec<String>>> {
     if cfg.common.subsetting.is_single() {
         return None;
     }
@@ -351,6 +337,6 @@ async fn shard_watch(
         None => watch.all(),
     };
     let (tx, rx) = tokio::sync::watch::channel(first);
-    loops.spawn(watch.run(tx, stop.clone()).instrument(tracing::info_span!("shards")));
+    stage.spawn(tracing::info_span!("shards"), watch.run(tx, stage.token()));
     Some(rx)
 }

@@ -45,7 +45,7 @@ use super::definition::{MissedPolicy, Schedule};
 use super::log::{Board, Entry};
 use crate::backpressure::{Pressure, Sample};
 use crate::config::SchedulerConfig;
-use crate::ticker::Ticker;
+use fleet::ticker::Ticker;
 
 /// How long a claim holds a tick without being renewed: long enough for a publish and its
 /// confirm, short enough that a crashed claimant's tick is taken over within its tolerance.
@@ -152,35 +152,45 @@ impl Firing {
         let mut ticker = Ticker::new(self.cfg.schedule_poll);
         let mut tracks: HashMap<String, Track> = HashMap::new();
         let mut redis_down = false;
-        while ticker.tick(&shutdown).await {
-            if !self.board.loaded() {
-                continue;
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = ticker.next() => self.tick(&mut tracks, &mut redis_down).await?,
             }
-            let now = match server_now(&self.store).await {
-                Ok(t) => t,
-                Err(e) => {
-                    metrics::counter!(m::REDIS_ERRORS).increment(1);
-                    if !redis_down {
-                        tracing::warn!(error = %e, "schedules: cannot read Redis time; retrying");
-                        redis_down = true;
-                    }
-                    continue;
+        }
+        Ok(())
+    }
+
+    /// One poll: fires what is due. `redis_down` keeps the warning to one per outage.
+    async fn tick(&self, tracks: &mut HashMap<String, Track>, redis_down: &mut bool) -> fleet::Result<()> {
+        if !self.board.loaded() {
+            return Ok(());
+        }
+        let now = match server_now(&self.store).await {
+            Ok(t) => t,
+            Err(e) => {
+                metrics::counter!(m::REDIS_ERRORS).increment(1);
+                if !*redis_down {
+                    tracing::warn!(error = %e, "schedules: cannot read Redis time; retrying");
+                    *redis_down = true;
                 }
-            };
-            redis_down = false;
-            let started = Instant::now();
-            let entries = self.board.entries();
-            tracks.retain(|name, _| entries.iter().any(|e| e.schedule.name() == name));
-            for entry in &entries {
-                let now = now + chrono::Duration::from_std(started.elapsed()).unwrap_or_default();
-                if let Err(e) = self.step(entry, now, &mut tracks).await {
-                    metrics::counter!(m::REDIS_ERRORS).increment(1);
-                    tracing::warn!(schedule = entry.schedule.name(), error = %e, "schedule step failed; retrying at the next poll");
-                }
+                return Ok(());
             }
-            if !self.publisher.status().connected() {
-                return Err(fleet::Error::Other("schedules: publisher channel closed".into()));
+        };
+        *redis_down = false;
+        let started = Instant::now();
+        let entries = self.board.entries();
+        tracks.retain(|name, _| entries.iter().any(|e| e.schedule.name() == name));
+        for entry in &entries {
+            let now = now + chrono::Duration::from_std(started.elapsed()).unwrap_or_default();
+            if let Err(e) = self.step(entry, now, tracks).await {
+                metrics::counter!(m::REDIS_ERRORS).increment(1);
+                tracing::warn!(schedule = entry.schedule.name(), error = %e, "schedule step failed; retrying at the next poll");
             }
+        }
+        if !self.publisher.status().connected() {
+            return Err(fleet::Error::Other("schedules: publisher channel closed".into()));
         }
         Ok(())
     }

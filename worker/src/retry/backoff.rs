@@ -1,12 +1,5 @@
-//! Retry backoff: capped exponential with *full jitter* (AWS Architecture Blog, "Exponential
-//! Backoff and Jitter"): the wait before attempt `n + 1` is uniform in
-//! `[0, min(cap, base × 2^(n−1))]`.
-//!
-//! Why full jitter: when a dependency fails, every task that touched it fails at about the same
-//! time; a deterministic backoff brings them all back at the same time again (a retry storm).
-//! Spreading each wait over the whole interval de-synchronises them, at the price of some
-//! retries coming back early; the cap bounds the wait for tasks that fail many times. The wait
-//! itself happens in the broker's delay tiers ([`fleet::delay`]), never in this process.
+//! When: capped exponential backoff with full jitter (the algorithm is described in
+//! [`crate::retry`]).
 
 use std::time::Duration;
 

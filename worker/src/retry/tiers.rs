@@ -1,0 +1,45 @@
+//! Where: a task waiting out its backoff waits in the broker, in the largest delay tier not past
+//! its due time ([`fleet::delay`]: powers of two from 100 ms, each dead-lettering back to the
+//! scheduler, which sends it on another hop or routes it again once due).
+
+use std::time::Duration;
+
+use fleet::amqp::{headers, task_properties, DETAIL_HEADER, TIER_HEADER};
+use fleet::lease::truncate;
+use fleet::{Envelope, Names};
+
+pub use fleet::delay::{tier_for, tiers};
+
+use crate::attempt::{Shared, MAX_HEADER_TEXT};
+
+/// Sends the task to wait out its backoff `delay` in the broker (attempt `attempt` failed with
+/// `error`), then back to the scheduler. Errors: the publish was refused or not confirmed.
+pub(crate) async fn publish(
+    shared: &Shared,
+    env: &Envelope,
+    attempt: u32,
+    max_attempts: u32,
+    delay: Duration,
+    error: &str,
+) -> fleet::Result<()> {
+    let mut next = env.clone();
+    next.attempt = attempt;
+    next.max_attempts = Some(max_attempts);
+    next.not_before = Some(shared.clock.now() + chrono::Duration::from_std(delay).unwrap_or_default());
+    let body = next.to_bytes();
+    let detail = (DETAIL_HEADER, truncate(error, MAX_HEADER_TEXT));
+    match tier_for(delay) {
+        Some(tier) => {
+            let h = headers([(TIER_HEADER, tier.to_string()), detail]);
+            shared.broker.publish(&shared.names.delay_exchange(), "", &body, task_properties(&env.id, Some(h))).await
+        }
+        None => {
+            let h = headers([detail]);
+            shared
+                .broker
+                .publish(&shared.names.tasks_exchange(), Names::DELAYED_KEY, &body, task_properties(&env.id, Some(h)))
+                .await
+        }
+    }
+}
+
