@@ -45,7 +45,6 @@ pub struct Endpoint {
     pub url: String,
     state: Arc<Mutex<EndpointState>>,
     stop: CancellationToken,
-    default_ms: u64,
 }
 
 #[derive(Clone)]
@@ -102,7 +101,7 @@ impl Endpoint {
         tokio::spawn(async move {
             let _ = axum::serve(listener, router).with_graceful_shutdown(async move { sd.cancelled().await }).await;
         });
-        Ok(Endpoint { url: format!("http://{addr}/run"), state, stop, default_ms })
+        Ok(Endpoint { url: format!("http://{addr}/run"), state, stop })
     }
 
     /// Settings of an in-process worker that calls this endpoint with the `http` executor

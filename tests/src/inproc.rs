@@ -21,6 +21,7 @@ pub struct SchedulerHandle {
 }
 
 impl SchedulerHandle {
+    /// `http://addr<path>` of its API.
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
     }
@@ -31,7 +32,6 @@ impl SchedulerHandle {
     }
 }
 
-/// Starts a scheduler in-process with the namespace's settings plus `extra`.
 /// Logs of in-process fleets to stderr when `FLEET_TEST_LOG` is set (an env filter, e.g. `info`).
 pub fn test_log() {
     if let Ok(f) = std::env::var("FLEET_TEST_LOG") {
@@ -39,6 +39,8 @@ pub fn test_log() {
     }
 }
 
+/// Starts a scheduler in-process with the namespace's settings, fast test timings (health,
+/// pressure, stats, probes) and then `extra`; returns once `/readyz` answers 200.
 pub async fn start_scheduler(ns: &Ns, extra: &[(&str, &str)]) -> Result<SchedulerHandle> {
     let mut all: Vec<(&str, &str)> = vec![
         ("health_interval_ms", "500"),

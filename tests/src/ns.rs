@@ -93,18 +93,9 @@ impl Ns {
     /// Publishes envelopes to the submit exchange (routing key = lane) with confirms.
     /// Returns (accepted, refused).
     pub async fn submit(&self, envs: &[Envelope]) -> Result<(usize, usize)> {
-        let mut confirms = Vec::with_capacity(envs.len());
-        for e in envs {
-            confirms.push(amqp::publish(&self.publisher, &self.names.submit_exchange(), e.lane.as_str(), &e.to_bytes(), amqp::task_properties(&e.id, None)).await?);
-        }
-        let (mut ok, mut refused) = (0, 0);
-        for c in confirms {
-            match amqp::confirmed(c).await {
-                Ok(()) => ok += 1,
-                Err(_) => refused += 1,
-            }
-        }
-        Ok((ok, refused))
+        let each = self.submit_each(envs).await?;
+        let ok = each.iter().filter(|accepted| **accepted).count();
+        Ok((ok, each.len() - ok))
     }
 
     /// Publishes raw bytes to the submit exchange.

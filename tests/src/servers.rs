@@ -92,6 +92,20 @@ impl Pki {
         })
     }
 
+    /// A TLS acceptor presenting this PKI's server certificate (no client certificates asked),
+    /// for a test's own TLS servers.
+    pub fn server_acceptor(&self) -> Result<tokio_rustls::TlsAcceptor> {
+        use rustls_pki_types::pem::PemObject;
+        use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+        let certs = CertificateDer::pem_file_iter(&self.server_cert)?.collect::<Result<Vec<_>, _>>()?;
+        let key = PrivateKeyDer::from_pem_file(&self.server_key)?;
+        let cfg = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_single_cert(certs, key)?;
+        Ok(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(cfg)))
+    }
+
     /// Settings `<prefix>_ca_file` (+ the client pair when `client`), e.g. prefix `amqp_tls`.
     pub fn settings(&self, prefix: &str, client: bool) -> Vec<(String, String)> {
         let mut v = vec![(format!("{prefix}_ca_file"), self.ca.clone())];

@@ -143,8 +143,8 @@ async fn every_endpoint_needs_its_role() -> Result<()> {
     ns.cleanup().await
 }
 
-#[test]
-fn open_api_on_a_public_address_refuses_to_start() -> Result<()> {
+#[tokio::test]
+async fn open_api_on_a_public_address_refuses_to_start() -> Result<()> {
     for bin in ["fleet-scheduler", "fleet-worker"] {
         let (code, err) = run_to_exit(bin, &[("FLEET_HTTP_ADDR", "0.0.0.0:0")]).await?;
         assert_eq!(code, 2, "{bin}: {err}");

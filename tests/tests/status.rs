@@ -136,7 +136,8 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     // (the task still running), so --wait really waits.
     let tap = ApiTap::start(&api).await?;
     let before = tap.answered();
-    let waiting = fleetctl(&ns, &tap.url, &["status", &b.id, "--wait", "--timeout-s", "30"]);
+    let args = ["status", b.id.as_str(), "--wait", "--timeout-s", "30"];
+    let waiting = fleetctl(&ns, &tap.url, &args);
     let release = async {
         tap.wait_answered(before + 1, Duration::from_secs(30)).await?;
         watcher.saw("running", "2").await?;

@@ -19,8 +19,6 @@ use fleet::config::Settings;
 use fleet::tls::TlsConfig;
 use fleet::{amqp, Names, Store};
 use fleet_tests::*;
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::{json, Value};
 
 const REDIS_ADMIN_PASSWORD: &str = "redis-admin-pw-0123456789";
@@ -118,8 +116,8 @@ async fn fleet_runs_over_mutual_tls_to_rabbitmq_and_redis() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn bad_tls_files_stop_start_up_naming_the_setting() -> Result<()> {
+#[tokio::test]
+async fn bad_tls_files_stop_start_up_naming_the_setting() -> Result<()> {
     let pki = Pki::new()?;
     let junk = pki.dir.write("junk.pem", "-----BEGIN CERTIFICATE-----\nnot base64 at all!\n-----END CERTIFICATE-----\n")?;
     let empty = pki.dir.write("empty.pem", "just words\n")?;
@@ -145,13 +143,7 @@ fn bad_tls_files_stop_start_up_naming_the_setting() -> Result<()> {
 /// An https endpoint with the test CA's server certificate: `/run` answers `{"ok": true}` and
 /// counts calls; `/moved` redirects (307) to `/run`.
 async fn https_endpoint(pki: &Pki, runs: Arc<AtomicU32>) -> Result<u16> {
-    let certs = CertificateDer::pem_file_iter(&pki.server_cert)?.collect::<Result<Vec<_>, _>>()?;
-    let key = PrivateKeyDer::from_pem_file(&pki.server_key)?;
-    let cfg = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)?;
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let acceptor = pki.server_acceptor()?;
     let app = Router::new()
         .route(
             "/run",
@@ -233,13 +225,7 @@ async fn http_executor_calls_https_endpoints_and_follows_no_redirects() -> Resul
 /// A TLS listener on 127.0.0.1 presenting `pki`'s server certificate: it completes handshakes
 /// (when the client accepts the certificate) and closes. Enough to see a client refuse it.
 async fn tls_listener(pki: &Pki) -> Result<u16> {
-    let certs = CertificateDer::pem_file_iter(&pki.server_cert)?.collect::<Result<Vec<_>, _>>()?;
-    let key = PrivateKeyDer::from_pem_file(&pki.server_key)?;
-    let cfg = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)?;
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let acceptor = pki.server_acceptor()?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let port = listener.local_addr()?.port();
     tokio::spawn(async move {
