@@ -1,7 +1,7 @@
-//! Private servers for the security tests — a test PKI made at test time (rcgen), a RabbitMQ
-//! node with a TLS-only listener and a `redis-server` with a TLS-only port — and a three-master
-//! Redis Cluster, each on free loopback ports, in a temporary directory, stopped by pid
-//! (process group) on drop. The shared servers are never touched.
+//! Private servers for tests that kill, flush or reconfigure a server, or need TLS: a test PKI
+//! made at test time (rcgen), a RabbitMQ node (plain or TLS-only listener) and a
+//! `redis-server` (plain or TLS-only port), each on free loopback ports, in a temporary
+//! directory, stopped by process group on drop. The shared servers are never touched.
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -92,6 +92,20 @@ impl Pki {
         })
     }
 
+    /// A TLS acceptor presenting this PKI's server certificate (no client certificates asked),
+    /// for a test's own TLS servers.
+    pub fn server_acceptor(&self) -> Result<tokio_rustls::TlsAcceptor> {
+        use rustls_pki_types::pem::PemObject;
+        use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+        let certs = CertificateDer::pem_file_iter(&self.server_cert)?.collect::<Result<Vec<_>, _>>()?;
+        let key = PrivateKeyDer::from_pem_file(&self.server_key)?;
+        let cfg = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_single_cert(certs, key)?;
+        Ok(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(cfg)))
+    }
+
     /// Settings `<prefix>_ca_file` (+ the client pair when `client`), e.g. prefix `amqp_tls`.
     pub fn settings(&self, prefix: &str, client: bool) -> Vec<(String, String)> {
         let mut v = vec![(format!("{prefix}_ca_file"), self.ca.clone())];
@@ -125,28 +139,57 @@ fn kill_group(child: &mut Child) {
     let _ = child.wait();
 }
 
-/// A RabbitMQ node of this test alone with a TLS-only listener on `port`
-/// (`amqps://guest:guest@localhost:<port>/%2f`). With `require_client_cert` the node verifies
-/// peers and refuses a client without a certificate (`fail_if_no_peer_cert`).
-pub struct TlsRabbit {
+/// A RabbitMQ node of this test alone: its own node name, AMQP and distribution ports, data
+/// and log directories and config files (in a temporary directory removed on drop), no
+/// plugins; started as its own process group and stopped on drop by that group's id (SIGTERM,
+/// then SIGKILL). Either a plain listener ([`PrivateRabbit::start`]) or a TLS-only one
+/// ([`PrivateRabbit::start_tls`]).
+pub struct PrivateRabbit {
     pub port: u16,
+    tls: bool,
     child: Child,
     dir: TempDir,
 }
 
-impl TlsRabbit {
-    /// Starts the node and waits (up to 120 s) until its TLS port accepts connections.
-    pub async fn start(pki: &Pki, require_client_cert: bool) -> Result<Self> {
-        let dir = TempDir::new("rabbit")?;
+impl PrivateRabbit {
+    /// Starts a node with a plain listener, `conf` (more rabbitmq.conf lines) and `advanced`
+    /// (an Erlang term list for advanced.config, e.g.
+    /// `[{rabbit, [{channel_tick_interval, 1000}]}].`) and waits (up to 120 s) until it
+    /// accepts AMQP connections.
+    pub async fn start(conf: &str, advanced: &str) -> Result<Self> {
         let port = free_port()?;
-        let dist = free_port()?;
+        let conf = format!("listeners.tcp.default = 127.0.0.1:{port}\n{conf}\n");
+        let mut r = Self::spawn(port, false, &conf, advanced)?;
+        let url = r.url();
+        r.wait_up(|| {
+            let url = url.clone();
+            async move { fleet::amqp::connect(&url, "fleet-tests-probe").await.is_ok() }
+        })
+        .await?;
+        Ok(r)
+    }
+
+    /// Starts a node with a TLS-only listener (`amqps://guest:guest@localhost:<port>/%2f`)
+    /// and waits (up to 120 s) until its TLS port accepts connections. With
+    /// `require_client_cert` the node verifies peers and refuses a client without a
+    /// certificate (`fail_if_no_peer_cert`).
+    pub async fn start_tls(pki: &Pki, require_client_cert: bool) -> Result<Self> {
+        let port = free_port()?;
         let conf = format!(
             "listeners.tcp = none\nlisteners.ssl.default = 127.0.0.1:{port}\nssl_options.cacertfile = {}\nssl_options.certfile = {}\n\
-             ssl_options.keyfile = {}\nssl_options.verify = verify_peer\nssl_options.fail_if_no_peer_cert = {require_client_cert}\n\
-             loopback_users.guest = true\nlog.console = true\nlog.file = false\n",
+             ssl_options.keyfile = {}\nssl_options.verify = verify_peer\nssl_options.fail_if_no_peer_cert = {require_client_cert}\n",
             pki.ca, pki.server_cert, pki.server_key
         );
+        let mut r = Self::spawn(port, true, &conf, "[].\n")?;
+        r.wait_up(|| async move { tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() }).await?;
+        Ok(r)
+    }
+
+    fn spawn(port: u16, tls: bool, conf: &str, advanced: &str) -> Result<Self> {
+        let dir = TempDir::new("rabbit")?;
+        let conf = format!("{conf}loopback_users.guest = true\nlog.console = true\nlog.file = false\n");
         let conf_path = dir.write("rabbitmq.conf", &conf)?;
+        let advanced_path = dir.write("advanced.config", advanced)?;
         let plugins = dir.write("enabled_plugins", "[].\n")?;
         // The inner script runs the node as the calling user; the packaged wrapper would switch
         // to user `rabbitmq` (needing the world-readable files above).
@@ -154,16 +197,19 @@ impl TlsRabbit {
             .into_iter()
             .find(|p| Path::new(p).exists())
             .unwrap_or("rabbitmq-server");
-        let node = format!("fleet-tls-{}@localhost", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let node = format!("fleet-t{}@localhost", &uuid::Uuid::new_v4().simple().to_string()[..8]);
         let log = std::fs::File::create(dir.path("node.log"))?;
         let child = Command::new(bin)
             .env("RABBITMQ_NODENAME", &node)
-            .env("RABBITMQ_NODE_PORT", free_port()?.to_string())
-            .env("RABBITMQ_DIST_PORT", dist.to_string())
+            .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
+            .env("RABBITMQ_NODE_PORT", if tls { free_port()? } else { port }.to_string())
+            .env("RABBITMQ_DIST_PORT", free_port()?.to_string())
             .env("RABBITMQ_MNESIA_BASE", dir.path("mnesia"))
             .env("RABBITMQ_LOG_BASE", dir.path("log"))
             .env("RABBITMQ_CONFIG_FILE", &conf_path)
+            .env("RABBITMQ_ADVANCED_CONFIG_FILE", &advanced_path)
             .env("RABBITMQ_ENABLED_PLUGINS_FILE", &plugins)
+            .env("RABBITMQ_PLUGINS_EXPAND_DIR", dir.path("plugins-expand"))
             .env("RABBITMQ_PID_FILE", dir.path("pid"))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -171,48 +217,73 @@ impl TlsRabbit {
             .process_group(0)
             .spawn()
             .context("start rabbitmq-server (is it installed?)")?;
-        let mut r = TlsRabbit { port, child, dir };
+        Ok(PrivateRabbit { port, tls, child, dir })
+    }
+
+    /// Polls `up` until it says yes, failing (with the log's tail) when the node exits first
+    /// or after 120 s.
+    async fn wait_up<F, Fut>(&mut self, up: F) -> Result<()>
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
         let start = std::time::Instant::now();
         loop {
-            if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
-                return Ok(r);
+            if up().await {
+                return Ok(());
             }
-            if let Ok(Some(status)) = r.child.try_wait() {
-                bail!("rabbitmq-server exited ({status}) before listening: {}", r.log_tail());
+            if let Ok(Some(status)) = self.child.try_wait() {
+                bail!("rabbitmq-server exited ({status}) before accepting connections: {}", self.log_tail());
             }
             if start.elapsed() > Duration::from_secs(120) {
-                bail!("rabbitmq TLS listener not up within 120 s: {}", r.log_tail());
+                bail!("private rabbitmq not up within 120 s: {}", self.log_tail());
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 
+    /// `amqp://guest:guest@127.0.0.1:<port>/%2f`, or for a TLS node
     /// `amqps://guest:guest@localhost:<port>/%2f` (the name `localhost` is in the certificate).
     pub fn url(&self) -> String {
-        format!("amqps://guest:guest@localhost:{}/%2f", self.port)
+        if self.tls {
+            format!("amqps://guest:guest@localhost:{}/%2f", self.port)
+        } else {
+            format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+        }
     }
 
+    /// The node's console log.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path("node.log")).unwrap_or_default()
+    }
+
+    /// The last 30 lines of the node's console log.
     pub fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(self.dir.path("node.log")).unwrap_or_default();
-        text.lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+        let text = self.log();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
     }
 }
 
-impl Drop for TlsRabbit {
+impl Drop for PrivateRabbit {
     fn drop(&mut self) {
         kill_group(&mut self.child);
+        // The Erlang VM may outlive the script by a moment: kill what is left of the group.
+        let _ = Command::new("kill").args(["-KILL", "--", &format!("-{}", self.child.id())]).stderr(Stdio::null()).status();
     }
 }
 
-/// A `redis-server` of this test alone: with `tls` (PKI, client certificates required?) only a
-/// TLS port (`--port 0 --tls-port P`), else a plain port; an optional `requirepass`.
-pub struct TestRedis {
+/// A `redis-server` of this test alone (no persistence), so the test may flush or stop it
+/// without touching the shared server: with `tls` (PKI, client certificates required?) only
+/// a TLS port (`--port 0 --tls-port P`), else a plain port; an optional `requirepass`.
+/// Killed (its process group) on drop.
+pub struct PrivateRedis {
     pub port: u16,
     tls: bool,
     child: Child,
 }
 
-impl TestRedis {
+impl PrivateRedis {
     pub async fn start(tls: Option<(&Pki, bool)>, password: Option<&str>) -> Result<Self> {
         let port = free_port()?;
         let mut cmd = Command::new("redis-server");
@@ -231,7 +302,7 @@ impl TestRedis {
             cmd.args(["--requirepass", p]);
         }
         let child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).process_group(0).spawn().context("start redis-server")?;
-        let mut r = TestRedis { port, tls: tls.is_some(), child };
+        let mut r = PrivateRedis { port, tls: tls.is_some(), child };
         let start = std::time::Instant::now();
         while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
             if let Ok(Some(status)) = r.child.try_wait() {
@@ -245,17 +316,25 @@ impl TestRedis {
         Ok(r)
     }
 
-    /// `redis[s]://[default:password@]localhost:<port>`.
+    /// `redis://[default:password@]127.0.0.1:<port>`, or for a TLS server
+    /// `rediss://[default:password@]localhost:<port>` (the name in the certificate).
     pub fn url(&self, password: Option<&str>) -> String {
-        let scheme = if self.tls { "rediss" } else { "redis" };
+        let (scheme, host) = if self.tls { ("rediss", "localhost") } else { ("redis", "127.0.0.1") };
         match password {
-            Some(p) => format!("{scheme}://default:{p}@localhost:{}", self.port),
-            None => format!("{scheme}://localhost:{}", self.port),
+            Some(p) => format!("{scheme}://default:{p}@{host}:{}", self.port),
+            None => format!("{scheme}://{host}:{}", self.port),
         }
+    }
+
+    /// FLUSHALL on this server only (a plain server without a password).
+    pub async fn flushall(&self) -> Result<()> {
+        let store = fleet::Store::new(&self.url(None), fleet::Names::new("private"))?;
+        store.query::<()>(&deadpool_redis::redis::cmd("FLUSHALL")).await?;
+        Ok(())
     }
 }
 
-impl Drop for TestRedis {
+impl Drop for PrivateRedis {
     fn drop(&mut self) {
         kill_group(&mut self.child);
     }

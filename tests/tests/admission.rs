@@ -31,6 +31,7 @@ async fn overload_is_refused_and_every_accepted_task_completes() -> anyhow::Resu
             }
         }
         max_depth = max_depth.max(ns.depth(&ns.names.ingress_queue(Lane::Normal)).await);
+        // Pacing of the offered load (40 every ~100 ms), part of the scenario, not a wait.
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     println!("overload: accepted {} refused {} max ingress depth {max_depth} (bound {bound})", accepted.len(), refused);
@@ -42,7 +43,8 @@ async fn overload_is_refused_and_every_accepted_task_completes() -> anyhow::Resu
     assert!(max_depth <= bound + returned, "ingress depth {max_depth} passed its bound {bound} + {returned} returned");
     let n = accepted.len();
     wait_for("every accepted task", Duration::from_secs(90), || async { (rec.count() >= n).then_some(()) }).await?;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Barrier: queues empty and nothing reserved or running, so no further run can start.
+    ns.wait_settled(Duration::from_secs(30)).await?;
     let ran: HashSet<String> = rec.per_task().into_keys().collect();
     assert_eq!(ran, accepted, "accepted = completed, exactly");
     assert_eq!(rec.count(), n, "none ran twice");
@@ -178,7 +180,8 @@ async fn rate_limit_holds_across_two_replicas() -> anyhow::Result<()> {
     let w = start_worker(&ns, "w1", "", 64, &[], &h).await?;
     let envs: Vec<_> = (0..3000).map(|_| task("record", json!({}), "")).collect();
     ns.submit(&envs).await?;
-    // Skip the first second (burst), then count 10 s of dispatches.
+    // Skip the first second (burst), then count 10 s of dispatches: the two sleeps are the
+    // measurement window of the scenario, not waits for an event.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let before = rec.count();
     tokio::time::sleep(Duration::from_secs(10)).await;
@@ -231,7 +234,14 @@ async fn delayed_task_never_starts_early_and_duplicates_run_once() -> anyhow::Re
     assert!(started >= due, "started {started} before its not_before {due}");
     assert!(started - due < chrono::Duration::milliseconds(1500), "started too late: {started} vs {due}");
 
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Barriers: both duplicates counted, and nothing queued, reserved or running, so no
+    // further run of the id can start.
+    wait_for("2 duplicates counted", Duration::from_secs(15), || async {
+        let page = metrics_page(&sched.url("")).await.ok()?;
+        (metric_sum(&page, "fleet_tasks_duplicate_total", &[]) >= 2.0).then_some(())
+    })
+    .await?;
+    ns.wait_settled(Duration::from_secs(15)).await?;
     let runs = rec.per_task();
     assert_eq!(runs.get(&dup.id).map(Vec::len), Some(1), "a duplicate id runs once");
     let page = reqwest::get(sched.url("/metrics")).await?.text().await?;

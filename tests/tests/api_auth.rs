@@ -3,11 +3,10 @@
 //! behind `read` when asked; POST bodies other than JSON → 415; `fleetctl` sends
 //! `FLEET_API_TOKEN`; a non-loopback bind without a token refuses to start (exit 2).
 
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{ensure, Result};
-use fleet_tests::{bin_path, run_to_exit, start_scheduler, start_worker, wait_for, Ns};
+use fleet_tests::*;
 use reqwest::{Method, StatusCode};
 use serde_json::json;
 
@@ -112,31 +111,27 @@ async fn every_endpoint_needs_its_role() -> Result<()> {
     assert!(ns.status("plain-1").await?.is_none() && ns.status("plain-2").await?.is_none());
 
     // fleetctl: the read token from FLEET_API_TOKEN lists the worker; without it, a 401.
-    let fleetctl = |token: Option<&str>, args: &[&str]| -> Result<(i32, String, String)> {
-        let mut cmd = Command::new(bin_path("fleetctl")?);
-        for (k, _) in std::env::vars() {
-            if k.starts_with("FLEET_") {
-                cmd.env_remove(k);
-            }
+    let api = sched.url("");
+    let fleetctl = |token: Option<&'static str>, args: &'static [&'static str]| {
+        let (ns, api) = (&ns, api.clone());
+        async move {
+            let env: Vec<(&str, &str)> = token.map(|t| ("FLEET_API_TOKEN", t)).into_iter().collect();
+            fleetctl_with(ns, &api, &env, args).await
         }
-        if let Some(t) = token {
-            cmd.env("FLEET_API_TOKEN", t);
-        }
-        let out = cmd.env("FLEET_API_URL", sched.url("")).env("FLEET_NAMESPACE", &ns.name).args(args).stdin(Stdio::null()).output()?;
-        Ok((out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned()))
     };
-    let (code, out, err) = fleetctl(Some(READ), &["workers"])?;
+
+    let (code, out, err) = fleetctl(Some(READ), &["workers"]).await?;
     assert_eq!(code, 0, "stderr: {err}");
     assert!(out.contains("w-auth"), "{out}");
-    let (code, _, err) = fleetctl(None, &["workers"])?;
+    let (code, _, err) = fleetctl(None, &["workers"]).await?;
     assert_ne!(code, 0);
     assert!(err.contains("401"), "{err}");
-    let (code, _, err) = fleetctl(Some(READ), &["drain", "w-auth"])?;
+    let (code, _, err) = fleetctl(Some(READ), &["drain", "w-auth"]).await?;
     assert_ne!(code, 0);
     assert!(err.contains("403") && !err.contains(READ), "{err}");
 
     // Drain with admin: through the scheduler (fleetctl), then the worker's own endpoint.
-    let (code, out, err) = fleetctl(Some(ADMIN), &["drain", "w-auth"])?;
+    let (code, out, err) = fleetctl(Some(ADMIN), &["drain", "w-auth"]).await?;
     assert_eq!(code, 0, "stderr: {err}");
     assert!(out.contains("draining"), "{out}");
     assert_eq!(call(&c, Method::POST, &wurl("/drain"), None, true).await?, StatusCode::UNAUTHORIZED);
@@ -148,14 +143,14 @@ async fn every_endpoint_needs_its_role() -> Result<()> {
     ns.cleanup().await
 }
 
-#[test]
-fn open_api_on_a_public_address_refuses_to_start() -> Result<()> {
+#[tokio::test]
+async fn open_api_on_a_public_address_refuses_to_start() -> Result<()> {
     for bin in ["fleet-scheduler", "fleet-worker"] {
-        let (code, err) = run_to_exit(bin, &[("FLEET_HTTP_ADDR", "0.0.0.0:0")])?;
+        let (code, err) = run_to_exit(bin, &[("FLEET_HTTP_ADDR", "0.0.0.0:0")]).await?;
         assert_eq!(code, 2, "{bin}: {err}");
         ensure!(err.contains("FLEET_API_TOKENS") && err.contains("FLEET_ALLOW_UNAUTHENTICATED"), "{bin}: {err}");
         // A malformed token entry names the setting and never echoes the token.
-        let (code, err) = run_to_exit(bin, &[("FLEET_API_TOKENS", "sekrit-sekrit-sekrit superuser")])?;
+        let (code, err) = run_to_exit(bin, &[("FLEET_API_TOKENS", "sekrit-sekrit-sekrit superuser")]).await?;
         assert_eq!(code, 2, "{bin}: {err}");
         ensure!(err.contains("FLEET_API_TOKENS") && !err.contains("sekrit"), "{bin}: {err}");
     }

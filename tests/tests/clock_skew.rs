@@ -5,12 +5,9 @@
 //! with `timeout_ms` 30000 that all succeed, and reports its skew in
 //! `fleet_clock_skew_seconds` (≈ -60 and ≈ +60).
 
-mod harness;
-
 use std::time::{Duration, Instant};
 
 use fleet_tests::*;
-use harness::*;
 
 const LIBFAKETIME: &[&str] = &["/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1", "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1", "/usr/lib/faketime/libfaketime.so.1"];
 

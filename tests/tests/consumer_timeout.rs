@@ -6,15 +6,12 @@
 //! duplicates. Exactly one start, status `succeeded` attempt 1, nothing dead-lettered, never
 //! two runs at once.
 
-mod harness;
-
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fleet_tests::*;
 use fleet_worker::executor::{handler_fn, Handler};
-use harness::*;
 use serde_json::json;
 
 #[derive(Default)]
@@ -43,7 +40,7 @@ fn long_handler(runs: Arc<Runs>) -> Arc<dyn Handler> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn task_longer_than_consumer_timeout_runs_once() -> anyhow::Result<()> {
     let rabbit = PrivateRabbit::start("consumer_timeout = 3000", "[{rabbit, [{channel_tick_interval, 500}]}].\n").await?;
-    let ns = ns_on_broker(&rabbit.url()).await?;
+    let ns = Ns::on_broker(&rabbit.url()).await?;
     let runs = Arc::new(Runs::default());
     let h = [("long", long_handler(runs.clone()))];
     let sched = start_scheduler(&ns, SCHEDULER).await?;
@@ -57,7 +54,9 @@ async fn task_longer_than_consumer_timeout_runs_once() -> anyhow::Result<()> {
     assert_eq!(ns.submit(&[env]).await?, (1, 0));
     let st = ns.wait_state(&id, "succeeded", Duration::from_secs(40)).await?;
     let done_after = published.elapsed();
-    // Watch a while longer: no copy may start after the success either.
+    // Watch a while longer: no copy may start after the success either. A scenario period,
+    // not a wait for an event: longer than the broker's 3 s consumer timeout, so a timeout
+    // fired by a copy still held would show.
     tokio::time::sleep(Duration::from_secs(4)).await;
     let timeouts = rabbit.log().matches("delivery acknowledgement on channel").count();
     let starts = runs.starts.lock().map(|s| s.clone()).unwrap_or_default();

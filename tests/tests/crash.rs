@@ -2,23 +2,18 @@
 //! unacknowledged tasks to a peer, the health checker evicts it, and every accepted task ends
 //! `succeeded`; only tasks that were in flight on the dead worker run twice.
 
-mod harness;
-
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use fleet_tests::*;
-use harness::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn kill_9_mid_flight_loses_no_task() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let ep = Endpoint::start(300).await?;
     let sched = start_scheduler(&ns, SCHEDULER).await?;
-    let mut victim = WorkerProcess::spawn(&ns, &ProcessSpec { id: "w-victim", labels: "", capacity: 4, endpoint: &ep.url, extra: &[] })?;
-    victim.wait_state(&ns.store, "active", Duration::from_secs(20)).await?;
-    let mut peer_cfg: Vec<(&str, &str)> = WORKER.to_vec();
-    peer_cfg.extend_from_slice(&[("executor", "http"), ("http_url", ep.url.as_str())]);
+    let mut victim = WorkerProcess::start(&ns, &ProcessSpec { id: "w-victim", labels: "", capacity: 4, endpoint: &ep.url, extra: &[] }).await?;
+    let peer_cfg = ep.worker_settings();
     let peer = start_worker(&ns, "w-peer", "", 4, &peer_cfg, &[]).await?;
     let gname = "protocol=http";
     let g = wait_for("group capacity 8", Duration::from_secs(10), || async {

@@ -142,6 +142,7 @@ async fn critical_flood_beyond_its_bound_is_refused() -> anyhow::Result<()> {
                 refused += 1;
             }
         }
+        // Pacing of the flood, part of the scenario.
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     println!("critical flood: {} accepted, {refused} refused", accepted.len());

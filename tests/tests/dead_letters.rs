@@ -3,8 +3,6 @@
 //! `fleetctl dead list` shows it and `fleetctl dead replay` sends it back with its attempts
 //! reset.
 
-mod lifecycle;
-
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -12,7 +10,6 @@ use std::time::Duration;
 
 use fleet_tests::*;
 use fleet_worker::executor::{handler_fn, TaskError};
-use lifecycle::*;
 use serde_json::json;
 
 const FAST_RETRY: [(&str, &str); 3] = [("retry_base_ms", "50"), ("retry_cap_ms", "200"), NO_EJECT];
@@ -46,12 +43,12 @@ async fn exhausted_and_permanent_failures_are_dead_lettered_with_headers() -> an
     assert_eq!(p.header("x-fleet-detail"), Some("fail: attempt 1 of the first 1 that fail"));
     assert_eq!(p.header("x-fleet-attempts"), Some("1"), "a permanent error is not retried");
 
-    let st = wait_state(&ns, &exhausted.id, "dead", Duration::from_secs(10)).await?;
+    let st = ns.wait_state(&exhausted.id, "dead", Duration::from_secs(10)).await?;
     assert_eq!(st.get("error").map(String::as_str), Some(last_error), "{st:?}");
     assert_eq!(st.get("attempt").map(String::as_str), Some("3"));
     assert_eq!(st.get("reason").map(String::as_str), Some("max_attempts"));
     assert_eq!(st.get("worker").map(String::as_str), Some("w-dead"));
-    let st = wait_state(&ns, &permanent.id, "dead", Duration::from_secs(10)).await?;
+    let st = ns.wait_state(&permanent.id, "dead", Duration::from_secs(10)).await?;
     assert_eq!(st.get("attempt").map(String::as_str), Some("1"), "{st:?}");
     assert_eq!(st.get("reason").map(String::as_str), Some("permanent_error"));
 
@@ -62,7 +59,7 @@ async fn exhausted_and_permanent_failures_are_dead_lettered_with_headers() -> an
 
     // A replay starts the count again: the task gets three fresh attempts (fails them all,
     // `times` is 9) and dies again at attempt 3, not at 4.
-    let api = base(&sched);
+    let api = sched.url("");
     let (code, out, err) = fleetctl(&ns, &api, &["dead", "replay", &exhausted.id]).await?;
     assert_eq!(code, 0, "stdout: {out} stderr: {err}");
     assert_eq!(out.trim(), "replayed=1");
@@ -113,7 +110,7 @@ async fn fleetctl_lists_and_replays_dead_letters() -> anyhow::Result<()> {
         assert_eq!(attempts.of(&e.id), vec![1, 2], "task {}", e.id);
     }
 
-    let api = base(&sched);
+    let api = sched.url("");
     let (code, out, err) = fleetctl(&ns, &api, &["dead", "list"]).await?;
     assert_eq!(code, 0, "stderr: {err}");
     println!("{out}");
@@ -137,7 +134,7 @@ async fn fleetctl_lists_and_replays_dead_letters() -> anyhow::Result<()> {
     healed.store(true, Ordering::SeqCst);
     let (code, out, err) = fleetctl(&ns, &api, &["dead", "replay", &envs[0].id]).await?;
     assert_eq!((code, out.trim()), (0, "replayed=1"), "stderr: {err}");
-    let st = wait_state(&ns, &envs[0].id, "succeeded", Duration::from_secs(20)).await?;
+    let st = ns.wait_state(&envs[0].id, "succeeded", Duration::from_secs(20)).await?;
     assert_eq!(st.get("attempt").map(String::as_str), Some("1"), "{st:?}");
     assert_eq!(st.get("result").map(String::as_str), Some(r#"{"healed_on_attempt":1}"#));
     assert!(!st.contains_key("reason") && !st.contains_key("error"), "nothing left of the first life: {st:?}");
@@ -155,7 +152,7 @@ async fn fleetctl_lists_and_replays_dead_letters() -> anyhow::Result<()> {
     let (code, out, err) = fleetctl(&ns, &api, &["dead", "replay", "--all"]).await?;
     assert_eq!((code, out.trim()), (0, "replayed=2"), "stderr: {err}");
     for e in &envs[1..] {
-        wait_state(&ns, &e.id, "succeeded", Duration::from_secs(20)).await?;
+        ns.wait_state(&e.id, "succeeded", Duration::from_secs(20)).await?;
         assert_eq!(attempts.of(&e.id), vec![1, 2, 1], "task {}", e.id);
     }
     assert_eq!(ns.depth(&ns.names.dead_queue()).await, 0, "the dead queue is empty");

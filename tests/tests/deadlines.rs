@@ -3,14 +3,11 @@
 //! and a run still going at its deadline is cut (the handler is cancelled and dropped) and ends
 //! `expired`, not retried.
 
-mod lifecycle;
-
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fleet_tests::*;
 use fleet_worker::executor::handler_fn;
-use lifecycle::*;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -30,7 +27,7 @@ async fn expired_tasks_never_run() -> anyhow::Result<()> {
     let mut late = task("record", json!({}), slow);
     late.deadline = Some(chrono::Utc::now() - chrono::Duration::seconds(1));
     ns.submit(std::slice::from_ref(&late)).await?;
-    let st = wait_state(&ns, &late.id, "expired", Duration::from_secs(15)).await?;
+    let st = ns.wait_state(&late.id, "expired", Duration::from_secs(15)).await?;
     assert_eq!(st.get("reason").map(String::as_str), Some("expired"), "{st:?}");
     assert_eq!(st.get("error").map(String::as_str), Some("deadline passed before dispatch"));
 
@@ -41,11 +38,11 @@ async fn expired_tasks_never_run() -> anyhow::Result<()> {
     let mut queued = task("record", json!({}), slow);
     queued.timeout_ms = Some(1000);
     ns.submit(std::slice::from_ref(&queued)).await?;
-    let st = wait_state(&ns, &queued.id, "expired", Duration::from_secs(15)).await?;
+    let st = ns.wait_state(&queued.id, "expired", Duration::from_secs(15)).await?;
     assert_eq!(st.get("worker").map(String::as_str), Some("w-slow"), "expired at the worker: {st:?}");
     assert_eq!(st.get("error").map(String::as_str), Some("deadline passed before the task started"));
     assert_eq!(st.get("reason").map(String::as_str), Some("expired"));
-    wait_state(&ns, &blocker.id, "succeeded", Duration::from_secs(10)).await?;
+    ns.wait_state(&blocker.id, "succeeded", Duration::from_secs(10)).await?;
 
     let runs = rec.runs();
     assert_eq!(runs.len(), 1, "only the blocker ran: {runs:?}");
@@ -58,7 +55,7 @@ async fn expired_tasks_never_run() -> anyhow::Result<()> {
     assert_eq!(ids, [late.id.clone(), queued.id.clone()].into_iter().collect());
 
     // Counted as expired: once by the scheduler (group "none"), once in the worker's group.
-    let b = base(&sched);
+    let b = sched.url("");
     assert_eq!(completed_at_least(&b, "none", "expired", 1).await?, 1);
     assert_eq!(completed_at_least(&b, &group_of(slow, "builtin"), "expired", 1).await?, 1);
     assert_eq!(completed(&b, &group_of(slow, "builtin"), "succeeded").await?, 1);
@@ -69,7 +66,7 @@ async fn expired_tasks_never_run() -> anyhow::Result<()> {
     copy.deadline = Some(chrono::Utc::now() - chrono::Duration::seconds(1));
     ns.submit(std::slice::from_ref(&copy)).await?;
     wait_for("the late copy dropped as a duplicate", Duration::from_secs(15), || async {
-        let page = reqwest::get(format!("{}/metrics", base(&sched))).await.ok()?.text().await.ok()?;
+        let page = reqwest::get(format!("{}/metrics", sched.url(""))).await.ok()?.text().await.ok()?;
         (metric_sum(&page, "fleet_tasks_duplicate_total", &[]) >= 1.0).then_some(())
     })
     .await?;
@@ -137,7 +134,7 @@ async fn a_run_past_its_deadline_is_cut_and_expires() -> anyhow::Result<()> {
     ns.submit(&[builtin.clone(), custom.clone()]).await?;
 
     for t in [&builtin, &custom] {
-        let st = wait_state(&ns, &t.id, "expired", Duration::from_secs(10)).await?;
+        let st = ns.wait_state(&t.id, "expired", Duration::from_secs(10)).await?;
         assert_eq!(st.get("error").map(String::as_str), Some("deadline reached during the run"), "{st:?}");
         assert_eq!(st.get("attempt").map(String::as_str), Some("1"), "not retried: {st:?}");
         assert_eq!(st.get("reason").map(String::as_str), Some("expired"));

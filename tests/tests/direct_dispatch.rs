@@ -6,9 +6,8 @@
 use std::time::Duration;
 
 use fleet::lease::{Dedupe, ReserveParams, ReserveRequest};
-use fleet::registry::{Registration, WorkerState};
 use fleet::route::{Reservation, Strategy};
-use fleet::{Labels, Lane, Store};
+use fleet::{Labels, Lane};
 use fleet_tests::*;
 use serde_json::json;
 
@@ -20,25 +19,11 @@ fn req(id: String, selector: &str) -> ReserveRequest {
     ReserveRequest { id, lane: Lane::Normal, selector: Labels::parse(selector).unwrap_or_default(), strategy: None, dedupe: Dedupe::Skip, from_park: false, dedupe_only: false }
 }
 
-async fn register(store: &Store, id: &str, labels: &str, cap: u32) -> anyhow::Result<()> {
-    let r = Registration {
-        id: id.into(),
-        instance: format!("i-{id}"),
-        labels: Labels::parse(labels)?,
-        capacity: cap,
-        critical_capacity: 1,
-        executor: "builtin".into(),
-        state: WorkerState::Active,
-    };
-    store.register(&r, Duration::from_secs(30)).await?;
-    Ok(())
-}
-
 #[tokio::test]
 async fn one_candidate_is_reserved_beyond_room_a_choice_is_not() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
-    register(&ns.store, "a", "pool=x,zone=a,protocol=builtin", 2).await?;
-    register(&ns.store, "b", "pool=x,zone=b,protocol=builtin", 2).await?;
+    register_worker(&ns.store, "a", "pool=x,zone=a,protocol=builtin", 2).await?;
+    register_worker(&ns.store, "b", "pool=x,zone=b,protocol=builtin", 2).await?;
     let a = "pool=x,protocol=builtin,zone=a".to_string();
 
     // One candidate (zone=a), room 2 (backlog factor 0): all 10 reserved there with direct

@@ -2,14 +2,11 @@
 //! a worker finishes the tasks it is running, starts none, deregisters and exits 0, while the
 //! rest of the queue completes on its peers — each task exactly once.
 
-mod harness;
-
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use fleet_tests::*;
-use harness::*;
 use serde_json::json;
 
 /// Waits until `worker` runs `n` tasks at the endpoint, all started within the last 300 ms
@@ -43,20 +40,13 @@ async fn assert_drained(ns: &Ns, ep: &Endpoint, ids: &[String], drained: &str, i
     Ok(())
 }
 
-fn peer_settings(url: &str) -> Vec<(&str, &str)> {
-    let mut cfg: Vec<(&str, &str)> = WORKER.to_vec();
-    cfg.extend_from_slice(&[("executor", "http"), ("http_url", url)]);
-    cfg
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_finishes_running_tasks_and_exits_0() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let ep = Endpoint::start(1000).await?;
     let sched = start_scheduler(&ns, SCHEDULER).await?;
-    let mut w = WorkerProcess::spawn(&ns, &ProcessSpec { id: "w-term", labels: "", capacity: 3, endpoint: &ep.url, extra: &[] })?;
-    w.wait_state(&ns.store, "active", Duration::from_secs(20)).await?;
-    let cfg = peer_settings(&ep.url);
+    let mut w = WorkerProcess::start(&ns, &ProcessSpec { id: "w-term", labels: "", capacity: 3, endpoint: &ep.url, extra: &[] }).await?;
+    let cfg = ep.worker_settings();
     let peer = start_worker(&ns, "w-peer", "", 3, &cfg, &[]).await?;
     let gname = "protocol=http";
     wait_for("group capacity 6", Duration::from_secs(10), || async { group(&ns.store, gname).await.filter(|g| g.capacity == 6) }).await?;
@@ -94,9 +84,8 @@ async fn drain_through_the_scheduler_api() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let ep = Endpoint::start(1500).await?;
     let sched = start_scheduler(&ns, SCHEDULER).await?;
-    let mut w = WorkerProcess::spawn(&ns, &ProcessSpec { id: "w-api", labels: "", capacity: 3, endpoint: &ep.url, extra: &[] })?;
-    w.wait_state(&ns.store, "active", Duration::from_secs(20)).await?;
-    let cfg = peer_settings(&ep.url);
+    let mut w = WorkerProcess::start(&ns, &ProcessSpec { id: "w-api", labels: "", capacity: 3, endpoint: &ep.url, extra: &[] }).await?;
+    let cfg = ep.worker_settings();
     let peer = start_worker(&ns, "w-peer", "", 3, &cfg, &[]).await?;
     wait_for("group capacity 6", Duration::from_secs(10), || async { group(&ns.store, "protocol=http").await.filter(|g| g.capacity == 6) }).await?;
 
@@ -138,7 +127,7 @@ async fn fleetctl_drain() -> anyhow::Result<()> {
     let w = start_worker(&ns, "w-ctl", "pool=ctl", 2, WORKER, &h).await?;
     let peer = start_worker(&ns, "w-ctl-peer", "pool=ctl", 2, WORKER, &h).await?;
 
-    let (code, _, err) = fleetctl(&ns, &api, &["drain", "ghost"])?;
+    let (code, _, err) = fleetctl(&ns, &api, &["drain", "ghost"]).await?;
     assert_eq!(code, 1);
     assert!(err.contains("no registered worker with id ghost"), "stderr: {err}");
 
@@ -148,7 +137,7 @@ async fn fleetctl_drain() -> anyhow::Result<()> {
     let mine = |rec: &Recorder| rec.runs().into_iter().filter(|r| r.1 == "w-ctl").map(|r| r.0).collect::<HashSet<String>>();
     let in_flight = wait_for("w-ctl running 2", Duration::from_secs(20), || async { Some(mine(&rec)).filter(|m| m.len() == 2) }).await?;
 
-    let (code, out, err) = fleetctl(&ns, &api, &["drain", "w-ctl"])?;
+    let (code, out, err) = fleetctl(&ns, &api, &["drain", "w-ctl"]).await?;
     assert_eq!(code, 0, "stderr: {err}");
     assert_eq!(out.trim(), "worker w-ctl: draining (was active)");
     // The in-process worker's `run` returns Ok: a clean drain.

@@ -3,14 +3,11 @@
 //! worker restarted with its id right after a crash takes over its silent predecessor's
 //! registration once the liveness window has passed, instead of being refused.
 
-mod harness;
-
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use deadpool_redis::redis;
 use fleet_tests::*;
-use harness::*;
 use serde_json::json;
 
 async fn instance(ns: &Ns, id: &str) -> anyhow::Result<Option<String>> {
@@ -79,8 +76,7 @@ async fn worker_restarted_after_a_crash_takes_over_its_id() -> anyhow::Result<()
     sched_cfg.push(("heartbeat_timeout_ms", "60000"));
     let sched = start_scheduler(&ns, &sched_cfg).await?;
     let spec = ProcessSpec { id: "w-phoenix", labels: "pool=p", capacity: 2, endpoint: &ep.url, extra: &[] };
-    let mut first = WorkerProcess::spawn(&ns, &spec)?;
-    first.wait_state(&ns.store, "active", Duration::from_secs(20)).await?;
+    let mut first = WorkerProcess::start(&ns, &spec).await?;
     let old = instance(&ns, "w-phoenix").await?.context("registered")?;
     first.kill9()?;
     let (_, last_hb) = ns.store.worker_holder("w-phoenix").await?.context("still registered")?;

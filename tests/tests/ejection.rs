@@ -2,8 +2,6 @@
 //! `/v1/workers`, its capacity out of the group), its peer takes the work (retries included),
 //! and after the cool-down it is `active` again and takes tasks again.
 
-mod harness;
-
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -13,7 +11,6 @@ use anyhow::Context;
 use fleet::Envelope;
 use fleet_tests::*;
 use fleet_worker::{handler_fn, TaskError};
-use harness::*;
 use serde_json::{json, Value};
 
 const COOLDOWN_MS: u64 = 4000;

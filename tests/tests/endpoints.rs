@@ -32,7 +32,8 @@ async fn a_dead_node_in_the_list_is_skipped() -> Result<()> {
     let envs: Vec<_> = (0..100).map(|i| task("record", json!({"i": i}), "pool=list")).collect();
     assert_eq!(ns.submit(&envs).await?, (100, 0));
     wait_for("100 runs", Duration::from_secs(60), || async { (rec.count() >= 100).then_some(()) }).await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Barrier: queues empty and nothing reserved or running, so no further run can start.
+    ns.wait_settled(Duration::from_secs(30)).await?;
     assert_eq!(rec.per_task().len(), 100);
     assert_eq!(rec.count(), 100, "no task ran twice");
     for w in workers {

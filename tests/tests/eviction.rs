@@ -4,8 +4,6 @@
 //! its registration gone and registers again, and no task it held is lost. Eviction releases
 //! only the evicted worker's own running records.
 
-mod harness;
-
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -16,17 +14,14 @@ use fleet::registry::{Beat, Registration, WorkerState};
 use fleet::store::now_ms;
 use fleet::{Labels, Lane};
 use fleet_tests::*;
-use harness::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn silent_worker_is_evicted_and_comes_back_when_it_wakes() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let ep = Endpoint::start(100).await?;
     let sched = start_scheduler(&ns, SCHEDULER).await?;
-    let mut silent = WorkerProcess::spawn(&ns, &ProcessSpec { id: "w-silent", labels: "pool=ev", capacity: 3, endpoint: &ep.url, extra: &[] })?;
-    silent.wait_state(&ns.store, "active", Duration::from_secs(20)).await?;
-    let mut cfg: Vec<(&str, &str)> = WORKER.to_vec();
-    cfg.extend_from_slice(&[("executor", "http"), ("http_url", ep.url.as_str())]);
+    let mut silent = WorkerProcess::start(&ns, &ProcessSpec { id: "w-silent", labels: "pool=ev", capacity: 3, endpoint: &ep.url, extra: &[] }).await?;
+    let cfg = ep.worker_settings();
     let awake = start_worker(&ns, "w-awake", "pool=ev", 2, &cfg, &[]).await?;
     let gname = "pool=ev,protocol=http";
     wait_for("group capacity 5", Duration::from_secs(10), || async { group(&ns.store, gname).await.filter(|g| g.capacity == 5) }).await?;
@@ -78,7 +73,12 @@ async fn silent_worker_is_evicted_and_comes_back_when_it_wakes() -> anyhow::Resu
     let envs = jobs(8, "pool=ev", None);
     let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
     assert_eq!(ns.submit(&envs).await?, (8, 0));
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Barrier: the scheduler has taken all eight in (each has a status) while the worker is
+    // still frozen.
+    wait_for("every task admitted", Duration::from_secs(15), || async {
+        states(&ns, &ids).await.ok()?.values().all(|s| s != "-").then_some(())
+    })
+    .await?;
 
     silent.signal("CONT")?;
     let resumed = Instant::now();
@@ -133,10 +133,14 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
     let before = group(&ns.store, &g).await.context("group")?;
     assert_eq!((before.capacity, before.load), (4, 2));
 
-    // w-dead stays silent past the timeout (1 s here), w-live beats.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    ns.store.heartbeat("w-live", "i-live", Duration::from_secs(60), &Beat::default()).await?;
-    assert_eq!(ns.store.evict_stale(Duration::from_secs(1)).await?, vec!["w-dead".to_string()]);
+    // w-dead stays silent past the timeout (1 s here), w-live beats: the first sweep that
+    // evicts anyone evicts w-dead alone.
+    let evicted = wait_for("a stale worker evicted", Duration::from_secs(10), || async {
+        ns.store.heartbeat("w-live", "i-live", Duration::from_secs(60), &Beat::default()).await.ok()?;
+        ns.store.evict_stale(Duration::from_secs(1)).await.ok().filter(|v| !v.is_empty())
+    })
+    .await?;
+    assert_eq!(evicted, vec!["w-dead".to_string()]);
     let after = group(&ns.store, &g).await.context("group")?;
     assert_eq!((after.workers, after.capacity, after.load), (1, 2, 0));
     for id in ["t1", "t2"] {

@@ -6,42 +6,17 @@
 //! Some tests configure `sh -c SCRIPT` as *the program* to get exit codes: the script is the
 //! operator's configuration, never built from a task.
 
-mod lifecycle;
-
 use std::time::{Duration, Instant};
 
 use fleet_tests::*;
-use lifecycle::*;
 use serde_json::{json, Value};
 
-/// A fleet of one scheduler and one exec worker running `argv`.
-struct Fleet {
-    ns: Ns,
-    sched: SchedulerHandle,
-    worker: WorkerHandle,
-    group: String,
-}
-
-impl Fleet {
-    async fn start(case: &str, argv: &[&str]) -> anyhow::Result<Fleet> {
-        let ns = Ns::new().await?;
-        let sched = start_scheduler(&ns, &[]).await?;
-        let labels = format!("case={case}");
-        let command = serde_json::to_string(argv)?;
-        let settings = [("executor", "exec"), ("exec_command", command.as_str()), ("retry_base_ms", "50"), ("retry_cap_ms", "200"), NO_EJECT];
-        let worker = start_worker(&ns, &format!("w-exec-{case}"), &labels, 4, &settings, &[]).await?;
-        Ok(Fleet { ns, sched, worker, group: group_of(&labels, "exec") })
-    }
-
-    fn metrics(&self) -> String {
-        format!("http://{}", self.worker.addr)
-    }
-
-    async fn stop(self) -> anyhow::Result<()> {
-        self.worker.stop().await?;
-        self.sched.stop().await?;
-        self.ns.cleanup().await
-    }
+/// A scheduler and one exec worker running `argv`.
+async fn exec_fleet(case: &str, argv: &[&str]) -> anyhow::Result<Fleet> {
+    let labels = format!("case={case}");
+    let command = serde_json::to_string(argv)?;
+    let settings = [("executor", "exec"), ("exec_command", command.as_str()), ("retry_base_ms", "50"), ("retry_cap_ms", "200"), NO_EJECT];
+    Fleet::start(&format!("w-exec-{case}"), &labels, 4, &settings, &[]).await
 }
 
 fn job(kind: &str, max_attempts: u32) -> fleet::Envelope {
@@ -63,34 +38,34 @@ esac"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn exit_zero_succeeds_with_stdout_as_result() -> anyhow::Result<()> {
-    let f = Fleet::start("ok", &["sh", "-c", SCRIPT]).await?;
+    let f = exec_fleet("ok", &["sh", "-c", SCRIPT]).await?;
     let (text, js) = (job("text", 3), job("json", 3));
     f.ns.submit(&[text.clone(), js.clone()]).await?;
-    let st = wait_state(&f.ns, &text.id, "succeeded", Duration::from_secs(20)).await?;
+    let st = f.ns.wait_state(&text.id, "succeeded", Duration::from_secs(20)).await?;
     assert_eq!(st.get("result").map(String::as_str), Some(r#""done on attempt 1""#), "stdout as a string: {st:?}");
     let st = get_json(&f.sched.url(&format!("/v1/tasks/{}", js.id))).await;
     let st = match st {
         Ok(v) if v["state"] == "succeeded" => v,
         _ => {
-            wait_state(&f.ns, &js.id, "succeeded", Duration::from_secs(20)).await?;
+            f.ns.wait_state(&js.id, "succeeded", Duration::from_secs(20)).await?;
             get_json(&f.sched.url(&format!("/v1/tasks/{}", js.id))).await?
         }
     };
     assert_eq!(st["result"], serde_json::json!({"sum": 3}), "stdout that parses as JSON is JSON: {st}");
-    assert_eq!(completed_at_least(&f.metrics(), &f.group, "succeeded", 2).await?, 2);
-    assert_eq!(completed(&f.metrics(), &f.group, "retried").await?, 0);
+    assert_eq!(completed_at_least(&f.worker_url(), &f.group, "succeeded", 2).await?, 2);
+    assert_eq!(completed(&f.worker_url(), &f.group, "retried").await?, 0);
     f.stop().await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn nonzero_exits_are_retried_and_the_permanent_code_is_dead_at_once() -> anyhow::Result<()> {
-    let f = Fleet::start("codes", &["sh", "-c", SCRIPT]).await?;
+    let f = exec_fleet("codes", &["sh", "-c", SCRIPT]).await?;
     let permanent = job("permanent", 3);
     let flaky = job("flaky", 5);
     let broken = job("broken", 3);
     f.ns.submit(&[permanent.clone(), flaky.clone(), broken.clone()]).await?;
 
-    let st = wait_state(&f.ns, &flaky.id, "succeeded", Duration::from_secs(20)).await?;
+    let st = f.ns.wait_state(&flaky.id, "succeeded", Duration::from_secs(20)).await?;
     assert_eq!(st.get("attempt").map(String::as_str), Some("3"), "{st:?}");
     assert_eq!(st.get("result").map(String::as_str), Some(r#""third time lucky\n""#));
 
@@ -104,10 +79,10 @@ async fn nonzero_exits_are_retried_and_the_permanent_code_is_dead_at_once() -> a
     assert_eq!(d.header("x-fleet-reason"), Some("max_attempts"), "{:?}", d.headers);
     assert_eq!(d.header("x-fleet-attempts"), Some("3"));
     assert_eq!(d.header("x-fleet-detail"), Some("exec: `sh` exited with 3: always broken"));
-    let st = wait_state(&f.ns, &broken.id, "dead", Duration::from_secs(10)).await?;
+    let st = f.ns.wait_state(&broken.id, "dead", Duration::from_secs(10)).await?;
     assert_eq!(st.get("error").map(String::as_str), Some("exec: `sh` exited with 3: always broken"));
 
-    let m = f.metrics();
+    let m = f.worker_url();
     assert_eq!(completed_at_least(&m, &f.group, "retried", 4).await?, 4, "flaky twice, broken twice");
     assert_eq!(completed_at_least(&m, &f.group, "dead", 2).await?, 2);
     assert_eq!(completed_at_least(&m, &f.group, "succeeded", 1).await?, 1);
@@ -127,7 +102,7 @@ fn processes_with(marker: &str) -> Vec<u32> {
 async fn a_run_past_its_deadline_kills_the_program() -> anyhow::Result<()> {
     // `sleep 30.<random>`: a 30 s sleep whose command line only this test uses.
     let marker = format!("30.{:06}", rand::random::<u32>() % 1_000_000);
-    let f = Fleet::start("sleep", &["sleep", &marker]).await?;
+    let f = exec_fleet("sleep", &["sleep", &marker]).await?;
     let mut t = job("nap", 3);
     t.timeout_ms = Some(1000);
     let submitted = Instant::now();
@@ -139,7 +114,7 @@ async fn a_run_past_its_deadline_kills_the_program() -> anyhow::Result<()> {
     .await?;
     assert_eq!(pids.len(), 1, "one program for one task: {pids:?}");
 
-    let st = wait_state(&f.ns, &t.id, "expired", Duration::from_secs(10)).await?;
+    let st = f.ns.wait_state(&t.id, "expired", Duration::from_secs(10)).await?;
     let took = submitted.elapsed();
     println!("`sleep {marker}` with a 1 s timeout expired {} ms after submission", took.as_millis());
     assert!(took < Duration::from_secs(3), "expired after {took:?}");
@@ -148,14 +123,14 @@ async fn a_run_past_its_deadline_kills_the_program() -> anyhow::Result<()> {
     wait_for("the program to be killed", Duration::from_secs(3), || async { processes_with(&marker).is_empty().then_some(()) }).await?;
     let dead = wait_dead(&f.ns, 1, Duration::from_secs(10)).await?;
     assert_eq!(dead[0].header("x-fleet-reason"), Some("expired"));
-    assert_eq!(completed_at_least(&f.metrics(), &f.group, "expired", 1).await?, 1);
-    assert_eq!(completed(&f.metrics(), &f.group, "retried").await?, 0);
+    assert_eq!(completed_at_least(&f.worker_url(), &f.group, "expired", 1).await?, 1);
+    assert_eq!(completed(&f.worker_url(), &f.group, "retried").await?, 0);
     f.stop().await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn shell_metacharacters_in_a_task_are_inert() -> anyhow::Result<()> {
-    let f = Fleet::start("cat", &["cat"]).await?;
+    let f = exec_fleet("cat", &["cat"]).await?;
     let ns = &f.ns.name;
     let trap = format!("/tmp/pwned-{ns}");
     let cmd = format!("$(touch {trap}); echo pwned");
@@ -168,7 +143,7 @@ async fn shell_metacharacters_in_a_task_are_inert() -> anyhow::Result<()> {
     t.max_attempts = Some(1);
     f.ns.submit(std::slice::from_ref(&t)).await?;
 
-    let st = wait_state(&f.ns, &t.id, "succeeded", Duration::from_secs(20)).await?;
+    let st = f.ns.wait_state(&t.id, "succeeded", Duration::from_secs(20)).await?;
     // `cat` echoes the envelope: the task's text came back byte for byte.
     let echoed: Value = serde_json::from_str(st.get("result").map(String::as_str).unwrap_or(""))?;
     assert_eq!(echoed["payload"], payload);

@@ -3,13 +3,10 @@
 //! later tasks on the same worker succeed. Covers a panic inside the handler's future and one
 //! raised by the handler before it even returns its future.
 
-mod lifecycle;
-
 use std::time::Duration;
 
 use fleet_tests::*;
 use fleet_worker::executor::{handler_fn, TaskError};
-use lifecycle::*;
 use serde_json::{json, Value};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -58,7 +55,7 @@ async fn a_panicking_handler_fails_its_task_and_the_worker_carries_on() -> anyho
         assert_eq!(d.header("x-fleet-reason"), Some("max_attempts"), "{}: {:?}", t.kind, d.headers);
         assert_eq!(d.header("x-fleet-detail"), Some(msg));
         assert_eq!(d.header("x-fleet-attempts"), Some("2"));
-        let st = wait_state(&ns, &t.id, "dead", Duration::from_secs(10)).await?;
+        let st = ns.wait_state(&t.id, "dead", Duration::from_secs(10)).await?;
         assert_eq!(st.get("error").map(String::as_str), Some(msg));
         assert_eq!(attempts.of(&t.id), vec![1, 2], "{}: retried once after the panic", t.kind);
     }
@@ -71,7 +68,7 @@ async fn a_panicking_handler_fails_its_task_and_the_worker_carries_on() -> anyho
     let envs: Vec<_> = (0..20).map(|i| task("echo", json!({"i": i}), labels)).collect();
     ns.submit(&envs).await?;
     for e in &envs {
-        let st = wait_state(&ns, &e.id, "succeeded", Duration::from_secs(20)).await?;
+        let st = ns.wait_state(&e.id, "succeeded", Duration::from_secs(20)).await?;
         assert_eq!(st.get("worker").map(String::as_str), Some("w-panic"));
     }
     assert_eq!(completed_at_least(&m, &group, "succeeded", 20).await?, 20);

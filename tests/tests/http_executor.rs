@@ -3,8 +3,6 @@
 //! body as result, 4xx dead at once, 5xx (and 429) retried until max_attempts, and an endpoint
 //! slower than the deadline is cut there and the task expires.
 
-mod lifecycle;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,7 +12,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use fleet_tests::*;
-use lifecycle::*;
 use serde_json::{json, Value};
 
 /// One request the endpoint received: task id and attempt (from the headers), worker, body.
@@ -82,55 +79,34 @@ async fn handle(State(ep): State<Endpoint>, headers: HeaderMap, Json(body): Json
     }
 }
 
-struct Fleet {
-    ns: Ns,
-    sched: SchedulerHandle,
-    worker: WorkerHandle,
-    endpoint: Endpoint,
-    group: String,
+/// A scheduler and one `http` worker calling the test's recording endpoint.
+async fn http_fleet(case: &str) -> anyhow::Result<(Fleet, Endpoint)> {
+    let endpoint = Endpoint::default();
+    let url = endpoint.clone().serve().await?;
+    let labels = format!("case={case}");
+    let id = format!("w-http-{case}");
+    let settings = [("executor", "http"), ("http_url", url.as_str()), ("retry_base_ms", "50"), ("retry_cap_ms", "200"), NO_EJECT];
+    Ok((Fleet::start(&id, &labels, 4, &settings, &[]).await?, endpoint))
 }
 
-impl Fleet {
-    async fn start(case: &str) -> anyhow::Result<Fleet> {
-        let ns = Ns::new().await?;
-        let endpoint = Endpoint::default();
-        let url = endpoint.clone().serve().await?;
-        let sched = start_scheduler(&ns, &[]).await?;
-        let labels = format!("case={case}");
-        let id = format!("w-http-{case}");
-        let settings = [("executor", "http"), ("http_url", url.as_str()), ("retry_base_ms", "50"), ("retry_cap_ms", "200"), NO_EJECT];
-        let worker = start_worker(&ns, &id, &labels, 4, &settings, &[]).await?;
-        Ok(Fleet { ns, sched, worker, endpoint, group: group_of(&labels, "http") })
-    }
-
-    fn task(&self, payload: Value, max_attempts: u32) -> fleet::Envelope {
-        let mut t = task("resize", payload, "");
-        t.max_attempts = Some(max_attempts);
-        t
-    }
-
-    fn metrics(&self) -> String {
-        format!("http://{}", self.worker.addr)
-    }
-
-    async fn stop(self) -> anyhow::Result<()> {
-        self.worker.stop().await?;
-        self.sched.stop().await?;
-        self.ns.cleanup().await
-    }
+/// A `resize` task with `payload`.
+fn resize(payload: Value, max_attempts: u32) -> fleet::Envelope {
+    let mut t = task("resize", payload, "");
+    t.max_attempts = Some(max_attempts);
+    t
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn success_body_is_the_result_in_the_status_api() -> anyhow::Result<()> {
-    let f = Fleet::start("ok").await?;
+    let (f, endpoint) = http_fleet("ok").await?;
     let payload = json!({"mode": "ok", "src": "s3://bucket/a.png", "sizes": [64, 128]});
-    let t = f.task(payload.clone(), 3);
-    let text = f.task(json!({"mode": "text"}), 3);
-    let mut endless = f.task(json!({"mode": "endless"}), 1);
+    let t = resize(payload.clone(), 3);
+    let text = resize(json!({"mode": "text"}), 3);
+    let mut endless = resize(json!({"mode": "endless"}), 1);
     endless.timeout_ms = Some(20_000);
     f.ns.submit(&[t.clone(), text.clone(), endless.clone()]).await?;
 
-    wait_state(&f.ns, &t.id, "succeeded", Duration::from_secs(20)).await?;
+    f.ns.wait_state(&t.id, "succeeded", Duration::from_secs(20)).await?;
     let st = get_json(&f.sched.url(&format!("/v1/tasks/{}", t.id))).await?;
     assert_eq!(st["id"], t.id.as_str());
     assert_eq!(st["state"], "succeeded");
@@ -140,26 +116,26 @@ async fn success_body_is_the_result_in_the_status_api() -> anyhow::Result<()> {
     let result: Value = st["result"].clone();
     assert_eq!(result, json!({"echo": payload, "attempt": 1, "worker": "w-http-ok"}), "the endpoint's body is the result");
     // A body that is not JSON is kept as a string.
-    wait_state(&f.ns, &text.id, "succeeded", Duration::from_secs(20)).await?;
+    f.ns.wait_state(&text.id, "succeeded", Duration::from_secs(20)).await?;
     let st = get_json(&f.sched.url(&format!("/v1/tasks/{}", text.id))).await?;
     assert_eq!(st["result"], "plain words", "typed status: the result is the JSON string");
     // An endless 200 body: the worker reads its cap, hangs up and succeeds (it neither fills
     // its memory nor waits out the 20 s deadline); the status keeps the first 4 KiB.
-    let st = wait_state(&f.ns, &endless.id, "succeeded", Duration::from_secs(10)).await?;
+    let st = f.ns.wait_state(&endless.id, "succeeded", Duration::from_secs(10)).await?;
     let result = st.get("result").map(String::as_str).unwrap_or("");
     assert!(result.starts_with(r#""xxxx"#) && result.len() < 5000, "{} bytes", result.len());
     let ran_ms = st["finished_at"].parse::<i64>()? - st["started_at"].parse::<i64>()?;
     assert!(ran_ms < 5_000, "read the endless body for {ran_ms} ms");
 
     // One request each, carrying the envelope and the attempt.
-    let hits = f.endpoint.hits(&t.id);
+    let hits = endpoint.hits(&t.id);
     assert_eq!(hits.len(), 1, "{hits:?}");
     assert_eq!((hits[0].attempt, hits[0].worker.as_str()), (1, "w-http-ok"));
     assert_eq!(hits[0].body["id"], t.id.as_str());
     assert_eq!(hits[0].body["kind"], "resize");
     assert_eq!(hits[0].body["payload"], payload);
-    assert_eq!(f.endpoint.attempts(&text.id), vec![1]);
-    assert_eq!(completed_at_least(&f.metrics(), &f.group, "succeeded", 3).await?, 3);
+    assert_eq!(endpoint.attempts(&text.id), vec![1]);
+    assert_eq!(completed_at_least(&f.worker_url(), &f.group, "succeeded", 3).await?, 3);
 
     // The scheduler's health probes (noop tasks on the critical lane) succeed without ever
     // reaching the endpoint: it saw exactly the three tasks.
@@ -169,7 +145,7 @@ async fn success_body_is_the_result_in_the_status_api() -> anyhow::Result<()> {
         groups.as_array()?.iter().any(|g| g["group"] == group.as_str() && g["probe_ok"] == true).then_some(())
     })
     .await?;
-    let ids: Vec<String> = f.endpoint.all().into_iter().map(|h| h.id).collect();
+    let ids: Vec<String> = endpoint.all().into_iter().map(|h| h.id).collect();
     assert_eq!(ids.len(), 3, "{ids:?}");
     assert!(ids.contains(&t.id) && ids.contains(&text.id) && ids.contains(&endless.id), "{ids:?}");
     f.stop().await
@@ -177,29 +153,29 @@ async fn success_body_is_the_result_in_the_status_api() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn client_error_is_dead_without_a_retry() -> anyhow::Result<()> {
-    let f = Fleet::start("bad").await?;
-    let t = f.task(json!({"mode": "bad"}), 3);
+    let (f, endpoint) = http_fleet("bad").await?;
+    let t = resize(json!({"mode": "bad"}), 3);
     f.ns.submit(std::slice::from_ref(&t)).await?;
     let dead = wait_dead(&f.ns, 1, Duration::from_secs(20)).await?;
     assert_eq!(dead[0].env.id, t.id);
     assert_eq!(dead[0].header("x-fleet-reason"), Some("permanent_error"), "{:?}", dead[0].headers);
     assert_eq!(dead[0].header("x-fleet-detail"), Some("http: 400 Bad Request: no such image"));
     assert_eq!(dead[0].header("x-fleet-attempts"), Some("1"));
-    let st = wait_state(&f.ns, &t.id, "dead", Duration::from_secs(10)).await?;
+    let st = f.ns.wait_state(&t.id, "dead", Duration::from_secs(10)).await?;
     assert_eq!(st.get("error").map(String::as_str), Some("http: 400 Bad Request: no such image"));
     assert_eq!(st.get("reason").map(String::as_str), Some("permanent_error"));
-    assert_eq!(f.endpoint.attempts(&t.id), vec![1], "exactly one request");
-    assert_eq!(completed_at_least(&f.metrics(), &f.group, "dead", 1).await?, 1);
-    assert_eq!(completed(&f.metrics(), &f.group, "retried").await?, 0);
+    assert_eq!(endpoint.attempts(&t.id), vec![1], "exactly one request");
+    assert_eq!(completed_at_least(&f.worker_url(), &f.group, "dead", 1).await?, 1);
+    assert_eq!(completed(&f.worker_url(), &f.group, "retried").await?, 0);
     f.stop().await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn server_errors_are_retried_up_to_max_attempts() -> anyhow::Result<()> {
-    let f = Fleet::start("boom").await?;
-    let boom = f.task(json!({"mode": "boom"}), 3);
-    let busy = f.task(json!({"mode": "busy"}), 2);
-    let flaky = f.task(json!({"mode": "flaky"}), 5);
+    let (f, endpoint) = http_fleet("boom").await?;
+    let boom = resize(json!({"mode": "boom"}), 3);
+    let busy = resize(json!({"mode": "busy"}), 2);
+    let flaky = resize(json!({"mode": "flaky"}), 5);
     f.ns.submit(&[boom.clone(), busy.clone(), flaky.clone()]).await?;
 
     let dead = wait_dead(&f.ns, 2, Duration::from_secs(30)).await?;
@@ -208,17 +184,17 @@ async fn server_errors_are_retried_up_to_max_attempts() -> anyhow::Result<()> {
     assert_eq!(d.header("x-fleet-reason"), Some("max_attempts"), "{:?}", d.headers);
     assert_eq!(d.header("x-fleet-detail"), Some("http: 500 Internal Server Error: kaput"));
     assert_eq!(d.header("x-fleet-attempts"), Some("3"));
-    assert_eq!(f.endpoint.attempts(&boom.id), vec![1, 2, 3], "requests = max_attempts");
+    assert_eq!(endpoint.attempts(&boom.id), vec![1, 2, 3], "requests = max_attempts");
     // 429 says "later", not "wrong": retried like a 5xx.
     let d = find(&busy.id)?;
     assert_eq!(d.header("x-fleet-reason"), Some("max_attempts"), "{:?}", d.headers);
-    assert_eq!(f.endpoint.attempts(&busy.id), vec![1, 2]);
+    assert_eq!(endpoint.attempts(&busy.id), vec![1, 2]);
     // A 503 that clears up: succeeded on the third attempt.
-    let st = wait_state(&f.ns, &flaky.id, "succeeded", Duration::from_secs(20)).await?;
+    let st = f.ns.wait_state(&flaky.id, "succeeded", Duration::from_secs(20)).await?;
     assert_eq!(st.get("result").map(String::as_str), Some(r#"{"ok_on":3}"#), "{st:?}");
-    assert_eq!(f.endpoint.attempts(&flaky.id), vec![1, 2, 3]);
+    assert_eq!(endpoint.attempts(&flaky.id), vec![1, 2, 3]);
 
-    let m = f.metrics();
+    let m = f.worker_url();
     assert_eq!(completed_at_least(&m, &f.group, "retried", 2 + 1 + 2).await?, 5);
     assert_eq!(completed_at_least(&m, &f.group, "dead", 2).await?, 2);
     assert_eq!(completed_at_least(&m, &f.group, "succeeded", 1).await?, 1);
@@ -227,11 +203,11 @@ async fn server_errors_are_retried_up_to_max_attempts() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_slow_endpoint_is_cut_at_the_deadline() -> anyhow::Result<()> {
-    let f = Fleet::start("slow").await?;
-    let mut t = f.task(json!({"mode": "slow"}), 3);
+    let (f, endpoint) = http_fleet("slow").await?;
+    let mut t = resize(json!({"mode": "slow"}), 3);
     t.timeout_ms = Some(800);
     f.ns.submit(std::slice::from_ref(&t)).await?;
-    let st = wait_state(&f.ns, &t.id, "expired", Duration::from_secs(10)).await?;
+    let st = f.ns.wait_state(&t.id, "expired", Duration::from_secs(10)).await?;
     let ran_ms = st["finished_at"].parse::<i64>()? - st["started_at"].parse::<i64>()?;
     println!("request cut after {ran_ms} ms (deadline 800 ms after submission): {st:?}");
     assert!(ran_ms < 2_000, "the request ran {ran_ms} ms: not cut at the deadline");
@@ -239,8 +215,8 @@ async fn a_slow_endpoint_is_cut_at_the_deadline() -> anyhow::Result<()> {
     assert_eq!(st.get("attempt").map(String::as_str), Some("1"));
     let dead = wait_dead(&f.ns, 1, Duration::from_secs(10)).await?;
     assert_eq!(dead[0].header("x-fleet-reason"), Some("expired"));
-    assert_eq!(f.endpoint.attempts(&t.id), vec![1], "one request, no retry");
-    assert_eq!(completed_at_least(&f.metrics(), &f.group, "expired", 1).await?, 1);
-    assert_eq!(completed(&f.metrics(), &f.group, "retried").await?, 0);
+    assert_eq!(endpoint.attempts(&t.id), vec![1], "one request, no retry");
+    assert_eq!(completed_at_least(&f.worker_url(), &f.group, "expired", 1).await?, 1);
+    assert_eq!(completed(&f.worker_url(), &f.group, "retried").await?, 0);
     f.stop().await
 }

@@ -10,10 +10,8 @@ use anyhow::{bail, Context, Result};
 use clap::CommandFactory;
 use deadpool_redis::redis;
 use fleet::settings::{SchedulerArgs, WorkerArgs};
-use fleet_tests::{amqp_url, bin_path, redis_url, start_scheduler, start_worker, wait_for, Ns};
+use fleet_tests::*;
 use tokio::process::Command;
-
-mod harness;
 
 /// A password no test server uses: it must never appear in any output.
 const SECRET: &str = "Hunter2-never-printed";
@@ -244,21 +242,21 @@ async fn worker_with_stderr_closed_drains_on_sigterm() -> Result<()> {
     drop(child.stderr.take());
     let client = reqwest::Client::new();
     wait_ready(&client, &addr).await?;
-    assert!(harness::worker(&ns.store, "closed-stderr").await.is_some(), "registered");
+    assert!(worker(&ns.store, "closed-stderr").await.is_some(), "registered");
     let pid = child.id().context("worker pid")?;
     let status = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
     assert!(status.success());
     let exit = tokio::time::timeout(Duration::from_secs(20), child.wait()).await.context("worker still alive 20 s after SIGTERM")??;
     assert_eq!(exit.code(), Some(0), "a clean drain");
-    assert!(harness::worker(&ns.store, "closed-stderr").await.is_none(), "deregistered");
+    assert!(worker(&ns.store, "closed-stderr").await.is_none(), "deregistered");
     ns.cleanup().await
 }
 
 #[tokio::test]
 async fn readyz_is_503_while_redis_refuses_writes() -> Result<()> {
-    let redis = harness::PrivateRedis::start().await?;
-    let ns = harness::ns_on_redis(&redis.url).await?;
-    let admin = fleet::Store::new(&redis.url, fleet::Names::new("admin"))?;
+    let redis = PrivateRedis::start(None, None).await?;
+    let ns = Ns::on_redis(&redis.url(None)).await?;
+    let admin = fleet::Store::new(&redis.url(None), fleet::Names::new("admin"))?;
     let s = start_scheduler(&ns, &[]).await?;
     let w = start_worker(&ns, "ro-worker", "", 1, &[("heartbeat_interval_ms", "200"), ("heartbeat_timeout_ms", "1000"), ("run_lease_ms", "2000")], &[]).await?;
     let client = reqwest::Client::new();

@@ -3,15 +3,12 @@
 //! (`fleet_tasks_rerouted_total`), or, when no other group matches, they wait in the queue
 //! until a worker of the group returns.
 
-mod harness;
-
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use fleet::Lane;
 use fleet_tests::*;
-use harness::*;
 use serde_json::json;
 
 /// Tests that reroute take turns: `fleet_tasks_rerouted_total` is one counter per process.
@@ -83,10 +80,8 @@ async fn killed_groups_tasks_wait_for_a_worker_of_the_group() -> anyhow::Result<
     let mut sched_cfg = SCHEDULER.to_vec();
     sched_cfg.extend_from_slice(&[("backlog_factor", "20"), ("health_interval_ms", health.as_str())]);
     let sched = start_scheduler(&ns, &sched_cfg).await?;
-    let mut solo = WorkerProcess::spawn(&ns, &ProcessSpec { id: "w-solo", labels: "pool=solo", capacity: 2, endpoint: &ep.url, extra: &[] })?;
-    solo.wait_state(&ns.store, "active", Duration::from_secs(20)).await?;
-    let mut cfg: Vec<(&str, &str)> = WORKER.to_vec();
-    cfg.extend_from_slice(&[("executor", "http"), ("http_url", ep.url.as_str())]);
+    let mut solo = WorkerProcess::start(&ns, &ProcessSpec { id: "w-solo", labels: "pool=solo", capacity: 2, endpoint: &ep.url, extra: &[] }).await?;
+    let cfg = ep.worker_settings();
     let other = start_worker(&ns, "w-other", "pool=other", 2, &cfg, &[]).await?;
     let gname = "pool=solo,protocol=http";
     let q = ns.names.group_queue(gname, Lane::Normal);

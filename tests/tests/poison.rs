@@ -3,13 +3,10 @@
 //! restarted (same id) whenever it dies. The poison runs exactly twice and ends `dead` with
 //! reason `worker_lost` (status and dead letter); the innocents succeed.
 
-mod harness;
-
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use fleet_tests::*;
-use harness::*;
 use serde_json::{json, Value};
 
 const SCRIPT: &str = r#"cat >/dev/null
@@ -28,8 +25,7 @@ async fn poison_runs_max_attempts_times_and_spares_the_innocent() -> anyhow::Res
     let sched = start_scheduler(&ns, SCHEDULER).await?;
     let extra: &[(&str, &str)] = &[("executor", "exec"), ("exec_command", argv.as_str())];
     let spec = ProcessSpec { id: "w-exec", labels: "", capacity: 4, endpoint: "http://127.0.0.1:9/unused", extra };
-    let mut w = WorkerProcess::spawn(&ns, &spec)?;
-    w.wait_state(&ns.store, "active", Duration::from_secs(20)).await?;
+    let mut w = WorkerProcess::start(&ns, &spec).await?;
 
     let mut poison = task("poison", json!({}), "");
     poison.max_attempts = Some(2);

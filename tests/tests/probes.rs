@@ -6,13 +6,10 @@
 //! deadline: they expire — and none reaches the dead-letter queue, none is counted in the
 //! user-task figures (`fleet_tasks_completed_total`, `GET /v1/workers`).
 
-mod harness;
-
 use std::time::{Duration, Instant};
 
 use fleet::amqp;
 use fleet_tests::*;
-use harness::*;
 use lapin::options::BasicGetOptions;
 use serde_json::Value;
 

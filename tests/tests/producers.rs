@@ -2,14 +2,11 @@
 //! reported; `--paced`: every task accepted at the fleet's pace, each run exactly once), and
 //! HTTP and AMQP producers admitted by the same rule under the same flood.
 
-mod lifecycle;
-
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use fleet::producer::{Pacing, Producer, Submitted};
 use fleet_tests::*;
-use lifecycle::{base, fleetctl};
 use serde_json::json;
 
 /// A small fleet that is easy to overload: a 10-deep ingress, Red at 9 pending, and one
@@ -23,7 +20,7 @@ async fn paced_submit_gets_every_task_accepted_and_run_once() -> anyhow::Result<
     let h = [("record", rec.handler())];
     let sched = start_scheduler(&ns, SMALL).await?;
     let w = start_worker(&ns, "w1", "", 2, &[], &h).await?;
-    let api = base(&sched);
+    let api = sched.url("");
     let payload = json!({"ms": 20}).to_string();
 
     // Plain submit: 150 tasks at once against a 10-deep ingress; refusals are reported.
@@ -55,7 +52,8 @@ async fn paced_submit_gets_every_task_accepted_and_run_once() -> anyhow::Result<
     // Every accepted task runs exactly once: the plain ones accepted and all 150 paced ones.
     let want = plain_ok + 150;
     wait_for("every accepted task to run", Duration::from_secs(60), || async { (rec.count() >= want).then_some(()) }).await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Barrier: queues empty and nothing reserved or running, so no further run can start.
+    ns.wait_settled(Duration::from_secs(30)).await?;
     let runs = rec.per_task();
     let paced: HashSet<String> = (1..=150).map(|i| format!("{paced_id}-{i}")).collect();
     let ran_paced: HashSet<String> = runs.keys().filter(|id| id.starts_with(&paced_id)).cloned().collect();
@@ -144,7 +142,8 @@ async fn http_and_amqp_producers_are_admitted_alike() -> anyhow::Result<()> {
     // Everything accepted on either path runs, once.
     let want: HashSet<String> = amqp_ok.iter().chain(&http_ok).cloned().collect();
     wait_for("every accepted task to run", Duration::from_secs(60), || async { (rec.count() >= want.len()).then_some(()) }).await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Barrier: queues empty and nothing reserved or running, so no further run can start.
+    ns.wait_settled(Duration::from_secs(30)).await?;
     let runs = rec.per_task();
     assert_eq!(runs.keys().cloned().collect::<HashSet<_>>(), want);
     assert!(runs.values().all(|w| w.len() == 1), "none ran twice");

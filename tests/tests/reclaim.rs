@@ -5,8 +5,6 @@
 //! label set recreates the group and runs its tasks; a worker cannot register while its
 //! group's queues are being deleted, nor with a queue declaration older than the deletion.
 
-mod harness;
-
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -15,7 +13,6 @@ use deadpool_redis::redis;
 use fleet::registry::{ReclaimClaim, Registration, WorkerState};
 use fleet::{Labels, Lane};
 use fleet_tests::*;
-use harness::*;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use serde_json::json;
@@ -293,7 +290,7 @@ async fn registration_waits_for_a_reclaim_and_its_deleted_queues() -> anyhow::Re
     tokio::time::sleep(Duration::from_millis(1100)).await;
     s.register_declared(&reg("w2"), Duration::from_secs(30), false, now()).await?;
     assert_eq!(s.group_names().await?, vec![g.clone()]);
-    assert_eq!(harness::group(s, &g).await.map(|v| (v.workers, v.capacity)), Some((1, 1)));
+    assert_eq!(group(s, &g).await.map(|v| (v.workers, v.capacity)), Some((1, 1)));
     // A claim undone (work arrived): the group is back with its label index.
     assert!(s.deregister("w2", "i-w2").await?);
     let ReclaimClaim::Reclaimed { labels: json } = s.reclaim_claim(&g, Duration::from_millis(0), Duration::from_secs(60)).await? else { anyhow::bail!("not reclaimed") };

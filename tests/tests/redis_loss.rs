@@ -2,19 +2,16 @@
 //! own — never the shared one): every worker registers again within about one heartbeat, the
 //! group's capacity comes back, and every task completes exactly once.
 
-mod harness;
-
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use fleet_tests::*;
-use harness::*;
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn workers_register_again_and_every_task_completes() -> anyhow::Result<()> {
-    let redis = PrivateRedis::start().await?;
-    let ns = ns_on_redis(&redis.url).await?;
+    let redis = PrivateRedis::start(None, None).await?;
+    let ns = Ns::on_redis(&redis.url(None)).await?;
     let rec = Recorder::default();
     let h = [(JOB, rec.handler())];
     let sched = start_scheduler(&ns, SCHEDULER).await?;

@@ -5,10 +5,10 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
 use fleet::lease::{Dedupe, ReserveParams, ReserveRequest};
-use fleet::registry::{Registration, WorkerState};
+use fleet::registry::WorkerState;
 use fleet::route::{Reservation, Strategy};
 use fleet::{Labels, Lane, Store};
-use fleet_tests::{redis_url, Ns};
+use fleet_tests::{redis_url, register_worker, Ns};
 
 fn params() -> ReserveParams {
     ReserveParams { lease_ms: 60_000, backlog_factor: 0.0, strategy: Strategy::LeastLoaded, dedupe_window_ms: 60_000, status_ttl_ms: 60_000, token: rand::random(), direct: false }
@@ -18,26 +18,12 @@ fn req(id: String, dedupe: Dedupe) -> ReserveRequest {
     ReserveRequest { id, lane: Lane::Normal, selector: Labels::parse("gpu=true").unwrap(), strategy: None, dedupe, from_park: false, dedupe_only: false }
 }
 
-async fn register(store: &Store, id: &str, labels: &str, cap: u32) -> anyhow::Result<()> {
-    let r = Registration {
-        id: id.into(),
-        instance: format!("i-{id}"),
-        labels: Labels::parse(labels)?,
-        capacity: cap,
-        critical_capacity: 1,
-        executor: "builtin".into(),
-        state: WorkerState::Active,
-    };
-    store.register(&r, std::time::Duration::from_secs(30)).await?;
-    Ok(())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_reservations_never_exceed_capacity() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     // Capacity 10 in one group (two workers, 6 + 4).
-    register(&ns.store, "w1", "gpu=true,protocol=builtin", 6).await?;
-    register(&ns.store, "w2", "gpu=true,protocol=builtin", 4).await?;
+    register_worker(&ns.store, "w1", "gpu=true,protocol=builtin", 6).await?;
+    register_worker(&ns.store, "w2", "gpu=true,protocol=builtin", 4).await?;
     let group = "gpu=true,protocol=builtin".to_string();
 
     // A watcher reads the outstanding count from Redis throughout.
@@ -98,7 +84,7 @@ async fn concurrent_reservations_never_exceed_capacity() -> anyhow::Result<()> {
 #[tokio::test]
 async fn dedupe_and_no_match() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
-    register(&ns.store, "w1", "gpu=true,protocol=builtin", 5).await?;
+    register_worker(&ns.store, "w1", "gpu=true,protocol=builtin", 5).await?;
     let a = ns.store.reserve(&[req("same".into(), Dedupe::Check)], params()).await?;
     assert!(matches!(a[0], Reservation::Reserved(_)));
     let b = ns.store.reserve(&[req("same".into(), Dedupe::Check)], params()).await?;
@@ -119,8 +105,8 @@ async fn dedupe_and_no_match() -> anyhow::Result<()> {
 #[tokio::test]
 async fn strategies_choose_as_documented() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
-    register(&ns.store, "a1", "pool=x,zone=a,protocol=builtin", 100).await?;
-    register(&ns.store, "b1", "pool=x,zone=b,protocol=builtin", 100).await?;
+    register_worker(&ns.store, "a1", "pool=x,zone=a,protocol=builtin", 100).await?;
+    register_worker(&ns.store, "b1", "pool=x,zone=b,protocol=builtin", 100).await?;
     let sel = Labels::parse("pool=x")?;
     let mk = |id: String, s: Strategy| ReserveRequest { id, lane: Lane::Normal, selector: sel.clone(), strategy: Some(s), dedupe: Dedupe::Skip, from_park: false, dedupe_only: false };
 
@@ -159,10 +145,10 @@ async fn strategies_choose_as_documented() -> anyhow::Result<()> {
 #[tokio::test]
 async fn the_last_active_worker_of_a_group_is_never_ejected() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
-    register(&ns.store, "only", "pool=e,protocol=builtin", 3).await?;
+    register_worker(&ns.store, "only", "pool=e,protocol=builtin", 3).await?;
     assert_eq!(ns.store.try_eject("only").await?, Some(false), "last active worker stays in");
     assert_eq!(ns.store.groups().await?[0].capacity, 3);
-    register(&ns.store, "peer", "pool=e,protocol=builtin", 2).await?;
+    register_worker(&ns.store, "peer", "pool=e,protocol=builtin", 2).await?;
     assert_eq!(ns.store.try_eject("only").await?, Some(true));
     assert_eq!(ns.store.groups().await?[0].capacity, 2);
     assert_eq!(ns.store.worker_state("only").await?, Some(WorkerState::Ejected));

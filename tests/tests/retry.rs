@@ -2,14 +2,11 @@
 //! and back through the scheduler to the group, until it succeeds or runs out of attempts; the
 //! waits grow with the attempt number (capped exponential, full jitter).
 
-mod lifecycle;
-
 use std::collections::HashMap;
 use std::time::Duration;
 
 use fleet_tests::*;
 use fleet_worker::executor::{handler_fn, TaskError};
-use lifecycle::*;
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -24,7 +21,7 @@ async fn fail_twice_then_succeed_on_attempt_three() -> anyhow::Result<()> {
     t.max_attempts = Some(3);
     ns.submit(std::slice::from_ref(&t)).await?;
 
-    let st = wait_state(&ns, &t.id, "succeeded", Duration::from_secs(30)).await?;
+    let st = ns.wait_state(&t.id, "succeeded", Duration::from_secs(30)).await?;
     assert_eq!(st.get("attempt").map(String::as_str), Some("3"), "{st:?}");
     assert_eq!(st.get("worker").map(String::as_str), Some("w-retry"));
     let result: serde_json::Value = serde_json::from_str(st.get("result").map(String::as_str).unwrap_or("null"))?;
@@ -92,7 +89,7 @@ async fn backoff_gaps_grow_with_the_attempt_number() -> anyhow::Result<()> {
         .collect();
     assert_eq!(ns.submit(&envs).await?, (TASKS, 0));
     for e in &envs {
-        wait_state(&ns, &e.id, "succeeded", Duration::from_secs(60)).await?;
+        ns.wait_state(&e.id, "succeeded", Duration::from_secs(60)).await?;
     }
 
     // Per task: attempts 1, 2, 3, 4 exactly once each and in order.
@@ -160,7 +157,7 @@ async fn retries_stop_at_the_deadline() -> anyhow::Result<()> {
     t.timeout_ms = Some(1500);
     let submitted = std::time::Instant::now();
     ns.submit(std::slice::from_ref(&t)).await?;
-    let st = wait_state(&ns, &t.id, "expired", Duration::from_secs(20)).await?;
+    let st = ns.wait_state(&t.id, "expired", Duration::from_secs(20)).await?;
     println!("expired after {} ms: {st:?}", submitted.elapsed().as_millis());
     let dead = wait_dead(&ns, 1, Duration::from_secs(10)).await?;
     assert_eq!(dead[0].env.id, t.id);

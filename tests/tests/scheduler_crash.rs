@@ -4,13 +4,10 @@
 //! 0 lost, 0 ran twice within one attempt (the claim in `start.lua` turns the survivor's second
 //! dispatch of the dead scheduler's batch into duplicates that are acked without running).
 
-mod harness;
-
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use fleet_tests::*;
-use harness::*;
 use serde_json::json;
 
 const KIND: &str = "rec";

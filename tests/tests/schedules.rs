@@ -3,15 +3,13 @@
 //! after every scheduler stopped for 5 s, pause/resume and fire-now through `fleetctl`, and
 //! definitions surviving a Redis FLUSHALL (on a private `redis-server`).
 
-mod harness;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
 use chrono::{DateTime, Datelike, SecondsFormat, Timelike, Utc};
-use fleet_tests::{get_json, metric_sum, start_scheduler, start_worker, wait_for, Ns, SchedulerHandle};
+use fleet_tests::*;
 use fleet_worker::executor::{handler_fn, Handler, TaskError};
 use serde_json::{json, Value};
 
@@ -119,7 +117,7 @@ async fn two_replicas_fire_each_of_ten_ticks_once_while_one_is_killed() -> Resul
     // Tolerance above the claim lease: a tick claimed by the killed replica is taken over.
     let settings = [("schedule_tolerance_ms", "5000"), ("schedule_poll_ms", "100")];
     // The killed replica runs as a process (the harness's); no probes from it.
-    let mut a = harness::SchedulerProcess::spawn(&ns, &[settings[0], settings[1], ("probe_interval_ms", "600000")]).await?;
+    let mut a = SchedulerProcess::spawn(&ns, &[settings[0], settings[1], ("probe_interval_ms", "600000")]).await?;
     let b = start_scheduler(&ns, &settings).await?;
 
     let start = ten_second_window();
@@ -241,30 +239,29 @@ async fn paused_fires_nothing_and_fleetctl_manages_schedules() -> Result<()> {
     let s = start_scheduler(&ns, &[("schedule_tolerance_ms", "2000"), ("schedule_poll_ms", "100")]).await?;
     let api = s.url("");
     let name = format!("p-{}", ns.name);
-    let ctl = |args: &[&str]| harness::fleetctl(&ns, &api, args);
 
     // Refusals name the problem; nothing is recorded.
     let (st, body) = post(&s.url("/v1/schedules"), Some(&spec(&name, "61 * * * * *", json!({})))).await?;
     assert_eq!((st, body["error"].as_str()), (400, Some("bad_schedule")), "{body}");
-    let (code, _, err) = ctl(&["schedule", "add", &name, "--cron", "* * * * * *", "--kind", KIND, "--timezone", "Mars/Olympus"])?;
+    let (code, _, err) = fleetctl(&ns, &api, &["schedule", "add", &name, "--cron", "* * * * * *", "--kind", KIND, "--timezone", "Mars/Olympus"]).await?;
     assert_eq!(code, 1);
     assert!(err.contains("Mars/Olympus"), "{err}");
 
     // Added paused: nothing fires.
-    let (code, out, err) = ctl(&["schedule", "add", &name, "--cron", "* * * * * *", "--kind", KIND, "--labels", LABELS, "--payload", r#"{"x":1}"#, "--paused"])?;
+    let (code, out, err) = fleetctl(&ns, &api, &["schedule", "add", &name, "--cron", "* * * * * *", "--kind", KIND, "--labels", LABELS, "--payload", r#"{"x":1}"#, "--paused"]).await?;
     assert_eq!(code, 0, "{out}{err}");
-    let (code, _, err) = ctl(&["schedule", "add", &name, "--cron", "* * * * * *", "--kind", KIND])?;
+    let (code, _, err) = fleetctl(&ns, &api, &["schedule", "add", &name, "--cron", "* * * * * *", "--kind", KIND]).await?;
     assert_eq!(code, 1);
     assert!(err.contains("exists"), "{err}");
     tokio::time::sleep(Duration::from_secs(3)).await; // a paused schedule must stay silent this long
     assert_eq!(runs.count(&name), 0, "a paused schedule fired");
-    let (code, out, _) = ctl(&["schedule", "list"])?;
+    let (code, out, _) = fleetctl(&ns, &api, &["schedule", "list"]).await?;
     assert_eq!(code, 0);
     let row = out.lines().find(|l| l.contains(&name)).context("schedule list row")?;
     assert!(row.contains("paused"), "{row}");
 
     // Fire now works while paused (an operator's explicit action), through admission.
-    let (code, out, err) = ctl(&["schedule", "fire-now", &name])?;
+    let (code, out, err) = fleetctl(&ns, &api, &["schedule", "fire-now", &name]).await?;
     assert_eq!(code, 0, "{err}");
     let manual = out.trim().to_string();
     assert!(manual.starts_with(&format!("{name}@")), "{out}");
@@ -272,10 +269,10 @@ async fn paused_fires_nothing_and_fleetctl_manages_schedules() -> Result<()> {
 
     // Resumed: fires from now on, nothing of the paused time.
     let resumed_at = Utc::now();
-    let (code, _, err) = ctl(&["schedule", "resume", &name])?;
+    let (code, _, err) = fleetctl(&ns, &api, &["schedule", "resume", &name]).await?;
     assert_eq!(code, 0, "{err}");
     wait_for("2 fires after resume", Duration::from_secs(10), || async { (runs.count(&name) >= 2).then_some(()) }).await?;
-    let (code, _, err) = ctl(&["schedule", "pause", &name])?;
+    let (code, _, err) = fleetctl(&ns, &api, &["schedule", "pause", &name]).await?;
     assert_eq!(code, 0, "{err}");
     let paused_at = Utc::now();
     let n = runs.count(&name);
@@ -287,11 +284,11 @@ async fn paused_fires_nothing_and_fleetctl_manages_schedules() -> Result<()> {
     }
 
     // Remove: gone from the list, and unknown afterwards.
-    let (code, _, err) = ctl(&["schedule", "rm", &name])?;
+    let (code, _, err) = fleetctl(&ns, &api, &["schedule", "rm", &name]).await?;
     assert_eq!(code, 0, "{err}");
     let list = get_json(&s.url("/v1/schedules")).await?;
     assert_eq!(list, json!([]));
-    let (code, _, err) = ctl(&["schedule", "pause", &name])?;
+    let (code, _, err) = fleetctl(&ns, &api, &["schedule", "pause", &name]).await?;
     assert_eq!(code, 1);
     assert!(err.contains("no schedule"), "{err}");
 
@@ -302,10 +299,10 @@ async fn paused_fires_nothing_and_fleetctl_manages_schedules() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_flushall_loses_no_schedule() -> Result<()> {
-    let redis = harness::PrivateRedis::start().await?;
-    let ns = harness::ns_on_redis(&redis.url).await?;
+    let redis = PrivateRedis::start(None, None).await?;
+    let ns = Ns::on_redis(&redis.url(None)).await?;
     let runs = Runs::default();
-    let w = start_worker(&ns, "w1", LABELS, 8, harness::WORKER, &[(KIND, runs.handler())]).await?;
+    let w = start_worker(&ns, "w1", LABELS, 8, WORKER, &[(KIND, runs.handler())]).await?;
     let settings = [("schedule_tolerance_ms", "3000"), ("schedule_poll_ms", "100")];
     let s = start_scheduler(&ns, &settings).await?;
     let name = format!("f-{}", ns.name);

@@ -5,12 +5,11 @@
 //! everything captured (logs, API answers, `/metrics`, fleetctl output, the exec child's
 //! environment as the task result) is searched for each secret.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
 use anyhow::Result;
-use fleet_tests::servers::{free_port, TempDir, TestRedis};
-use fleet_tests::{amqp_url, bin_path, run_to_exit, wait_for, Ns};
+use fleet_tests::*;
 use serde_json::json;
 
 const ADMIN: &str = "sekrit-admin-token-7d1f2a90";
@@ -28,16 +27,9 @@ impl Proc {
     fn spawn(dir: &TempDir, name: &str, bin: &str, env: &[(String, String)]) -> Result<Proc> {
         let log = dir.path(&format!("{name}.log"));
         let out = std::fs::File::create(&log)?;
-        let mut cmd = Command::new(bin_path(bin)?);
-        for (k, _) in std::env::vars() {
-            if k.starts_with("FLEET_") {
-                cmd.env_remove(k);
-            }
-        }
-        let child = cmd
+        let child = fleet_command(bin)?
             .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env("RUST_LOG", "debug,lapin=info,h2=info,hyper=info,reqwest=info")
-            .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out)
             .spawn()?;
@@ -60,20 +52,15 @@ impl Proc {
     }
 }
 
-fn fleetctl(env: &[(&str, &str)], args: &[&str]) -> Result<String> {
-    let mut cmd = Command::new(bin_path("fleetctl")?);
-    for (k, _) in std::env::vars() {
-        if k.starts_with("FLEET_") {
-            cmd.env_remove(k);
-        }
-    }
-    let out = cmd.envs(env.iter().copied()).args(args).stdin(Stdio::null()).output()?;
-    Ok(format!("$ fleetctl {args:?} → {}\n{}{}", out.status, String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+/// Runs `fleetctl` with only the variables `env`; its exit code and output as one text.
+async fn fleetctl(env: &[(&str, &str)], args: &[&str]) -> Result<String> {
+    let (code, out, err) = run_bin("fleetctl", env, args).await?;
+    Ok(format!("$ fleetctl {args:?} → exit {code}\n{out}{err}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_secret_in_any_output() -> Result<()> {
-    let redis = TestRedis::start(None, Some(REDIS_PW)).await?;
+    let redis = PrivateRedis::start(None, Some(REDIS_PW)).await?;
     let redis_url = redis.url(Some(REDIS_PW));
     let ns = Ns::on(&amqp_url(), &redis_url, "classic", &[]).await?;
     let dir = TempDir::new("secrets")?;
@@ -151,23 +138,23 @@ async fn no_secret_in_any_output() -> Result<()> {
     let api = format!("http://127.0.0.1:{sp}");
     let ctl: Vec<(&str, &str)> = vec![("FLEET_API_URL", &api), ("FLEET_API_TOKEN", ADMIN), ("FLEET_NAMESPACE", &ns.name), ("FLEET_REDIS_URL", &redis_url)];
     for args in [&["status", "env-1"][..], &["workers"], &["groups"], &["dead", "list"]] {
-        captured += &fleetctl(&ctl, args)?;
+        captured += &fleetctl(&ctl, args).await?;
     }
     let bad_amqp = format!("amqp://guest:{AMQP_PW}@127.0.0.1:5672/%2f");
     let mut ctl_bad = ctl.clone();
     ctl_bad.push(("FLEET_AMQP_URL", &bad_amqp));
-    let out = fleetctl(&ctl_bad, &["submit", "--kind", "x"])?;
+    let out = fleetctl(&ctl_bad, &["submit", "--kind", "x"]).await?;
     assert!(out.contains("amqp://***@127.0.0.1"), "{out}");
     captured += &out;
     let mut ctl_wrong = ctl.clone();
     ctl_wrong.retain(|(k, _)| *k != "FLEET_API_TOKEN");
     ctl_wrong.push(("FLEET_API_TOKEN", SUBMIT));
-    captured += &fleetctl(&ctl_wrong, &["workers"])?;
-    captured += &fleetctl(&ctl, &["drain", "w-secret"])?;
+    captured += &fleetctl(&ctl_wrong, &["workers"]).await?;
+    captured += &fleetctl(&ctl, &["drain", "w-secret"]).await?;
 
     // Bad settings holding secrets: the refusal names the setting, not the secret.
     for (k, v) in [("FLEET_REDIS_URL", format!("http://default:{REDIS_PW}@h")), ("FLEET_AMQP_URL", format!("mqtt://guest:{AMQP_PW}@h")), ("FLEET_API_TOKENS", format!("{ADMIN} root"))] {
-        let (code, err) = run_to_exit("fleet-scheduler", &[(k, v.as_str())])?;
+        let (code, err) = run_to_exit("fleet-scheduler", &[(k, v.as_str())]).await?;
         assert_eq!(code, 2, "{k}: {err}");
         assert!(err.contains(k), "{err}");
         captured += &err;

@@ -8,12 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use fleet::{Names, Store};
-use fleet_tests::wait_for;
-
-fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?.port())
-}
+use fleet_tests::{free_port, wait_for};
 
 /// Private processes, killed on drop.
 struct Procs(Vec<Child>);

@@ -5,15 +5,12 @@
 //! observed, not raced. The record's `attempts` lists every attempt that ended (worker, times,
 //! outcome, error); the attempt log behind it is capped and expires with the status.
 
-mod lifecycle;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fleet_tests::*;
 use fleet_worker::executor::{handler_fn, TaskError};
-use lifecycle::*;
 use serde_json::{json, Value};
 
 /// Polls a task's status through the API and keeps every change of (state, attempt).
@@ -86,19 +83,19 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     // A long backoff keeps `retrying` visible (the wait is at least one 100 ms delay tier).
     let w = start_worker(&ns, "w-status", "pool=status", 1, &[("retry_base_ms", "2000"), ("retry_cap_ms", "2000")], &h).await?;
     let idle = start_worker(&ns, "w-idle", "pool=idle", 8, &[], &h).await?;
-    let api = base(&sched);
+    let api = sched.url("");
 
     // A holds the only slot.
     let a = task("gated", json!({}), "pool=status");
     ns.submit(std::slice::from_ref(&a)).await?;
-    wait_state(&ns, &a.id, "running", Duration::from_secs(15)).await?;
+    ns.wait_state(&a.id, "running", Duration::from_secs(15)).await?;
 
     // B waits in the group queue behind it: queued.
     let mut b = task("gated", json!({"fail_first": true}), "pool=status");
     b.max_attempts = Some(3);
     let watcher = Watcher::start(sched.url(&format!("/v1/tasks/{}", b.id)));
     ns.submit(std::slice::from_ref(&b)).await?;
-    wait_state(&ns, &b.id, "queued", Duration::from_secs(15)).await?;
+    ns.wait_state(&b.id, "queued", Duration::from_secs(15)).await?;
     let st = get_json(&sched.url(&format!("/v1/tasks/{}", b.id))).await?;
     assert_eq!((st["id"].as_str(), st["state"].as_str(), st["lane"].as_str()), (Some(b.id.as_str()), Some("queued"), Some("normal")), "{st}");
     assert_eq!(st["group"], group_of("pool=status", "builtin"));
@@ -121,11 +118,11 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     // A finishes; B runs (held), fails its first attempt (retrying), comes back and runs
     // again (held).
     gate.open(&a.id);
-    wait_state(&ns, &a.id, "succeeded", Duration::from_secs(15)).await?;
-    wait_state(&ns, &b.id, "running", Duration::from_secs(15)).await?;
+    ns.wait_state(&a.id, "succeeded", Duration::from_secs(15)).await?;
+    ns.wait_state(&b.id, "running", Duration::from_secs(15)).await?;
     watcher.saw("running", "1").await?;
     gate.open(&b.id);
-    let st = wait_state(&ns, &b.id, "retrying", Duration::from_secs(15)).await?;
+    let st = ns.wait_state(&b.id, "retrying", Duration::from_secs(15)).await?;
     assert_eq!(st.get("error").map(String::as_str), Some("first attempt fails"), "{st:?}");
     assert_eq!(st.get("attempt").map(String::as_str), Some("1"));
     wait_for("attempt 2 to run", Duration::from_secs(15), || async {
@@ -135,25 +132,23 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     .await?;
 
     // fleetctl status --wait returns once the task is finished: exit 0 with the final record.
-    let waiting = {
-        let (ns_name, api, id) = (ns.name.clone(), api.clone(), b.id.clone());
-        let bin = bin_path("fleetctl")?;
-        tokio::spawn(async move {
-            tokio::process::Command::new(bin)
-                .args(["status", &id, "--wait", "--timeout-s", "30"])
-                .env("FLEET_NAMESPACE", ns_name)
-                .env("FLEET_API_URL", api)
-                .kill_on_drop(true)
-                .output()
-                .await
-        })
+    // It asks through a tap, and the held run is let go only once fleetctl got an answer
+    // (the task still running), so --wait really waits.
+    let tap = ApiTap::start(&api).await?;
+    let before = tap.answered();
+    let args = ["status", b.id.as_str(), "--wait", "--timeout-s", "30"];
+    let waiting = fleetctl(&ns, &tap.url, &args);
+    let release = async {
+        tap.wait_answered(before + 1, Duration::from_secs(30)).await?;
+        watcher.saw("running", "2").await?;
+        gate.open(&b.id);
+        anyhow::Ok(())
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    watcher.saw("running", "2").await?;
-    gate.open(&b.id);
-    let out = tokio::time::timeout(Duration::from_secs(40), waiting).await???;
-    assert_eq!(out.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&out.stderr));
-    let fin: Value = serde_json::from_slice(&out.stdout)?;
+    let (out, released) = tokio::join!(waiting, release);
+    released?;
+    let (code, stdout, stderr) = out?;
+    assert_eq!(code, 0, "stderr: {stderr}");
+    let fin: Value = serde_json::from_str(&stdout)?;
     assert_eq!(fin["state"], "succeeded", "{fin}");
     // Typed JSON (shared/schema/status.schema.json): numbers, RFC 3339 UTC times, the result
     // as JSON, absent fields absent.
@@ -225,7 +220,7 @@ async fn unknown_tasks_are_404_and_fleetctl_exits_1() -> anyhow::Result<()> {
     assert_eq!(r.status().as_u16(), 404);
     let body: Value = r.json().await?;
     assert_eq!(body["error"], "unknown_task");
-    let api = base(&sched);
+    let api = sched.url("");
     for args in [vec!["status", "no-such-task"], vec!["status", "no-such-task", "--wait", "--timeout-s", "1"]] {
         let (code, out, err) = fleetctl(&ns, &api, &args).await?;
         assert_eq!(code, 1, "{args:?}: stdout {out}");

@@ -118,7 +118,8 @@ async fn ten_workers_on_twelve_shards_run_5000_tasks_exactly_once() -> Result<()
         Some(())
     })
     .await?;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Barrier: queues empty and nothing reserved or running, so no further run can start.
+    ns.wait_settled(Duration::from_secs(30)).await?;
 
     let per = rec.per_task();
     let ids: BTreeSet<&String> = envs.iter().map(|e| &e.id).collect();
@@ -176,7 +177,8 @@ async fn a_leavers_ordinal_goes_to_the_next_worker_and_no_shard_is_left_unconsum
     let envs: Vec<_> = (0..300).map(|i| task("record", json!({"i": i}), labels)).collect();
     assert_eq!(ns.submit(&envs).await?, (300, 0));
     wait_for("300 runs", Duration::from_secs(60), || async { (rec.count() >= 300).then_some(()) }).await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Barrier: queues empty and nothing reserved or running, so no further run can start.
+    ns.wait_settled(Duration::from_secs(30)).await?;
     assert_eq!(rec.per_task().len(), 300);
     assert_eq!(rec.count(), 300, "no task ran twice");
     for q in ns.names.group_shard_queues(group, Lane::Normal, 12) {

@@ -3,12 +3,9 @@
 //! kill -9 and restarted with the same id takes work again within 5 s, although its
 //! predecessor's heartbeat window is 30 s.
 
-mod harness;
-
 use std::time::{Duration, Instant};
 
 use fleet_tests::*;
-use harness::*;
 
 /// Issue 10 §5a: a worker running a 20 s task is killed and not replaced; once it is evicted
 /// (within one heartbeat window) the task's status is `queued` and names no worker.
@@ -17,8 +14,7 @@ async fn evicted_workers_task_is_queued_again() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let ep = Endpoint::start(20_000).await?;
     let sched = start_scheduler(&ns, SCHEDULER).await?;
-    let mut victim = WorkerProcess::spawn(&ns, &ProcessSpec { id: "w-victim", labels: "", capacity: 1, endpoint: &ep.url, extra: &[] })?;
-    victim.wait_state(&ns.store, "active", Duration::from_secs(20)).await?;
+    let mut victim = WorkerProcess::start(&ns, &ProcessSpec { id: "w-victim", labels: "", capacity: 1, endpoint: &ep.url, extra: &[] }).await?;
     let envs = jobs(1, "", None);
     let id = envs[0].id.clone();
     assert_eq!(ns.submit(&envs).await?, (1, 0));
@@ -52,12 +48,11 @@ async fn restarted_worker_takes_over_within_5_s() -> anyhow::Result<()> {
     let slow: &[(&str, &str)] = &[("heartbeat_timeout_ms", "30000"), ("health_interval_ms", "300"), ("probe_interval_ms", "600000")];
     let sched = start_scheduler(&ns, slow).await?;
     let spec = ProcessSpec { id: "w-t", labels: "", capacity: 2, endpoint: &ep.url, extra: &[("heartbeat_timeout_ms", "30000")] };
-    let mut first = WorkerProcess::spawn(&ns, &spec)?;
-    first.wait_state(&ns.store, "active", Duration::from_secs(20)).await?;
+    let mut first = WorkerProcess::start(&ns, &spec).await?;
     let warm = jobs(2, "", None);
     let warm_ids: Vec<String> = warm.iter().map(|e| e.id.clone()).collect();
     assert_eq!(ns.submit(&warm).await?, (2, 0));
-    harness::wait_succeeded(&ns, &warm_ids, Duration::from_secs(20)).await?;
+    wait_succeeded(&ns, &warm_ids, Duration::from_secs(20)).await?;
 
     first.kill9()?;
     let restarted = Instant::now();
@@ -70,7 +65,7 @@ async fn restarted_worker_takes_over_within_5_s() -> anyhow::Result<()> {
     })
     .await?;
     let took = first_run.saturating_duration_since(restarted);
-    harness::wait_succeeded(&ns, &ids, Duration::from_secs(30)).await?;
+    wait_succeeded(&ns, &ids, Duration::from_secs(30)).await?;
     second.wait_state(&ns.store, "active", Duration::from_secs(5)).await?;
     println!("takeover: restarted worker ran its first task {} ms after the restart", took.as_millis());
     assert!(took <= Duration::from_secs(5), "takeover took {took:?}; log:\n{}", second.log_tail());

@@ -18,10 +18,7 @@ use deadpool_redis::redis;
 use fleet::config::Settings;
 use fleet::tls::TlsConfig;
 use fleet::{amqp, Names, Store};
-use fleet_tests::servers::{Pki, TestRedis, TlsRabbit};
-use fleet_tests::{bin_path, run_to_exit, start_scheduler, start_worker, task, wait_for, Ns};
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use fleet_tests::*;
 use serde_json::{json, Value};
 
 const REDIS_ADMIN_PASSWORD: &str = "redis-admin-pw-0123456789";
@@ -38,30 +35,12 @@ fn with_ca(pki: &Pki, prefix: &str, ca: &str, client: bool) -> Result<TlsConfig>
     tls(s, prefix)
 }
 
-/// Runs `fleetctl` with only the given `FLEET_*` variables: (exit code, stdout, stderr).
-async fn fleetctl(args: &[&str], env: &[(&str, &str)]) -> Result<(i32, String, String)> {
-    let mut cmd = tokio::process::Command::new(bin_path("fleetctl")?);
-    for (k, _) in std::env::vars() {
-        if k.starts_with("FLEET_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.envs(env.iter().copied()).args(args).stdin(std::process::Stdio::null()).kill_on_drop(true);
-    let out = tokio::time::timeout(Duration::from_secs(60), cmd.output()).await.with_context(|| format!("fleetctl {args:?} did not exit within 60 s"))??;
-    Ok((out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned()))
-}
 
-async fn wait_state(ns: &Ns, id: &str, state: &str) -> Result<std::collections::BTreeMap<String, String>> {
-    wait_for(&format!("task {id} {state}"), Duration::from_secs(60), || async {
-        ns.status(id).await.ok().flatten().filter(|s| s.get("state").map(String::as_str) == Some(state))
-    })
-    .await
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fleet_runs_over_mutual_tls_to_rabbitmq_and_redis() -> Result<()> {
     let pki = Pki::new()?;
-    let (rabbit, redis) = tokio::try_join!(TlsRabbit::start(&pki, true), TestRedis::start(Some((&pki, true)), Some(REDIS_ADMIN_PASSWORD)))?;
+    let (rabbit, redis) = tokio::try_join!(PrivateRabbit::start_tls(&pki, true), PrivateRedis::start(Some((&pki, true)), Some(REDIS_ADMIN_PASSWORD)))?;
     let client_redis = tls(pki.settings("redis_tls", true), "redis_tls")?;
     let client_amqp = tls(pki.settings("amqp_tls", true), "amqp_tls")?;
 
@@ -105,27 +84,27 @@ async fn fleet_runs_over_mutual_tls_to_rabbitmq_and_redis() -> Result<()> {
     let r = reqwest::Client::new().post(sched.url("/v1/tasks")).json(&json!({"kind": "noop", "id": "via-api", "labels": {"zone": "tls"}})).send().await?;
     assert_eq!(r.status(), reqwest::StatusCode::ACCEPTED);
     for e in &envs {
-        let st = wait_state(&ns, &e.id, "succeeded").await?;
+        let st = ns.wait_state(&e.id, "succeeded", Duration::from_secs(60)).await?;
         assert_eq!(st.get("worker").map(String::as_str), Some("w-tls"));
     }
-    wait_state(&ns, "via-api", "succeeded").await?;
+    ns.wait_state("via-api", "succeeded", Duration::from_secs(60)).await?;
 
     // fleetctl submit over the TLS-only broker. Without the FLEET_AMQP_TLS_* files the
     // broker's certificate (private CA) is not trusted: exit 1 with the reason, nothing sent.
     let url = rabbit.url();
     let base = [("FLEET_AMQP_URL", url.as_str()), ("FLEET_NAMESPACE", ns.name.as_str())];
     let submit = ["submit", "--kind", "noop", "--labels", "zone=tls", "--count", "3", "--id", "via-fleetctl"];
-    let (code, out, err) = fleetctl(&submit, &base).await?;
+    let (code, out, err) = run_bin("fleetctl", &base, &submit).await?;
     assert_eq!(code, 1, "fleetctl without the TLS files: stdout {out} stderr {err}");
     assert!(err.contains("invalid peer certificate: UnknownIssuer"), "{err}");
     // With them (CA + client certificate, the broker wants mutual TLS): accepted, and they run.
     let files = [("FLEET_AMQP_TLS_CA_FILE", pki.ca.as_str()), ("FLEET_AMQP_TLS_CERT_FILE", pki.client_cert.as_str()), ("FLEET_AMQP_TLS_KEY_FILE", pki.client_key.as_str())];
     let env: Vec<(&str, &str)> = base.iter().chain(files.iter()).copied().collect();
-    let (code, out, err) = fleetctl(&submit, &env).await?;
+    let (code, out, err) = run_bin("fleetctl", &env, &submit).await?;
     assert_eq!(code, 0, "fleetctl submit over TLS: stdout {out} stderr {err}");
     assert_eq!(out.trim(), "accepted=3 refused=0", "{err}");
     for i in 1..=3 {
-        let st = wait_state(&ns, &format!("via-fleetctl-{i}"), "succeeded").await?;
+        let st = ns.wait_state(&format!("via-fleetctl-{i}"), "succeeded", Duration::from_secs(60)).await?;
         assert_eq!(st.get("worker").map(String::as_str), Some("w-tls"));
     }
 
@@ -137,8 +116,8 @@ async fn fleet_runs_over_mutual_tls_to_rabbitmq_and_redis() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn bad_tls_files_stop_start_up_naming_the_setting() -> Result<()> {
+#[tokio::test]
+async fn bad_tls_files_stop_start_up_naming_the_setting() -> Result<()> {
     let pki = Pki::new()?;
     let junk = pki.dir.write("junk.pem", "-----BEGIN CERTIFICATE-----\nnot base64 at all!\n-----END CERTIFICATE-----\n")?;
     let empty = pki.dir.write("empty.pem", "just words\n")?;
@@ -149,13 +128,13 @@ fn bad_tls_files_stop_start_up_naming_the_setting() -> Result<()> {
             ("FLEET_AMQP_TLS_CERT_FILE", pki.client_cert.as_str(), "FLEET_AMQP_TLS_KEY_FILE"),
             ("FLEET_REDIS_TLS_CA_FILE", empty.as_str(), "no PEM certificate"),
         ] {
-            let (code, err) = run_to_exit(bin, &[(key, value)])?;
+            let (code, err) = run_to_exit(bin, &[(key, value)]).await?;
             assert_eq!(code, 2, "{bin} {key}: {err}");
             assert!(err.contains(key) || err.contains(says), "{bin} {key}: {err}");
             assert!(err.contains(says), "{bin} {key}: {err}");
         }
     }
-    let (code, err) = run_to_exit("fleet-worker", &[("FLEET_EXECUTOR", "http"), ("FLEET_HTTP_URL", "https://localhost:1/x"), ("FLEET_HTTP_TLS_CA_FILE", junk.as_str())])?;
+    let (code, err) = run_to_exit("fleet-worker", &[("FLEET_EXECUTOR", "http"), ("FLEET_HTTP_URL", "https://localhost:1/x"), ("FLEET_HTTP_TLS_CA_FILE", junk.as_str())]).await?;
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("FLEET_HTTP_TLS_CA_FILE"), "{err}");
     Ok(())
@@ -164,13 +143,7 @@ fn bad_tls_files_stop_start_up_naming_the_setting() -> Result<()> {
 /// An https endpoint with the test CA's server certificate: `/run` answers `{"ok": true}` and
 /// counts calls; `/moved` redirects (307) to `/run`.
 async fn https_endpoint(pki: &Pki, runs: Arc<AtomicU32>) -> Result<u16> {
-    let certs = CertificateDer::pem_file_iter(&pki.server_cert)?.collect::<Result<Vec<_>, _>>()?;
-    let key = PrivateKeyDer::from_pem_file(&pki.server_key)?;
-    let cfg = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)?;
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let acceptor = pki.server_acceptor()?;
     let app = Router::new()
         .route(
             "/run",
@@ -224,22 +197,22 @@ async fn http_executor_calls_https_endpoints_and_follows_no_redirects() -> Resul
     let (ok, wrong, moved_t, follow_t) = (job("ok"), job("wrongca"), job("moved"), job("follow"));
 
     ns.submit(std::slice::from_ref(&ok)).await?;
-    wait_state(&ns, &ok.id, "succeeded").await?;
+    ns.wait_state(&ok.id, "succeeded", Duration::from_secs(60)).await?;
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 
     ns.submit(std::slice::from_ref(&wrong)).await?;
-    let st = wait_state(&ns, &wrong.id, "dead").await?;
+    let st = ns.wait_state(&wrong.id, "dead", Duration::from_secs(60)).await?;
     let err = st.get("error").cloned().unwrap_or_default();
     assert!(err.contains("invalid peer certificate: UnknownIssuer"), "{err}");
 
     ns.submit(std::slice::from_ref(&moved_t)).await?;
-    let st = wait_state(&ns, &moved_t.id, "dead").await?;
+    let st = ns.wait_state(&moved_t.id, "dead", Duration::from_secs(60)).await?;
     let err = st.get("error").cloned().unwrap_or_default();
     assert!(err.contains("307"), "{err}");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "a redirect was followed with redirects off");
 
     ns.submit(std::slice::from_ref(&follow_t)).await?;
-    wait_state(&ns, &follow_t.id, "succeeded").await?;
+    ns.wait_state(&follow_t.id, "succeeded", Duration::from_secs(60)).await?;
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 
     for w in workers {
@@ -252,13 +225,7 @@ async fn http_executor_calls_https_endpoints_and_follows_no_redirects() -> Resul
 /// A TLS listener on 127.0.0.1 presenting `pki`'s server certificate: it completes handshakes
 /// (when the client accepts the certificate) and closes. Enough to see a client refuse it.
 async fn tls_listener(pki: &Pki) -> Result<u16> {
-    let certs = CertificateDer::pem_file_iter(&pki.server_cert)?.collect::<Result<Vec<_>, _>>()?;
-    let key = PrivateKeyDer::from_pem_file(&pki.server_key)?;
-    let cfg = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)?;
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let acceptor = pki.server_acceptor()?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let port = listener.local_addr()?.port();
     tokio::spawn(async move {
@@ -316,7 +283,7 @@ async fn a_certificate_for_another_host_name_is_refused() -> Result<()> {
     let mut t = task("call", json!({}), "case=mismatch");
     t.max_attempts = Some(1);
     ns.submit(std::slice::from_ref(&t)).await?;
-    let st = wait_state(&ns, &t.id, "dead").await?;
+    let st = ns.wait_state(&t.id, "dead", Duration::from_secs(60)).await?;
     let err = st.get("error").cloned().unwrap_or_default();
     assert!(is_name_mismatch(&err), "http executor: {err}");
     eprintln!("http executor, certificate for another name: {err}");

@@ -29,6 +29,7 @@ async fn no_worker_backlog_is_bounded_and_released() -> anyhow::Result<()> {
                 refused += 1;
             }
         }
+        // Pacing of the offered load, part of the scenario.
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let waiting_q = format!("{}.park._unmatched.normal", ns.name);

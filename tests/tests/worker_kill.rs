@@ -3,13 +3,10 @@
 //! outcomes are written before their acks), each attempt ran once, nothing was lost. Tasks in
 //! flight on the killed worker count that crash as an attempt and run again as the next one.
 
-mod harness;
-
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use fleet_tests::*;
-use harness::*;
 
 const TOTAL: usize = 5_000;
 

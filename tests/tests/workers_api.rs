@@ -1,13 +1,10 @@
 //! What operators see: `GET /v1/workers` and `GET /v1/groups` (state, labels, capacity, load,
 //! reserved, last heartbeat) and the `fleetctl workers` / `fleetctl groups` tables.
 
-mod harness;
-
 use std::time::Duration;
 
 use anyhow::Context;
 use fleet_tests::*;
-use harness::*;
 use serde_json::{json, Value};
 
 fn find<'a>(rows: &'a Value, key: &str, value: &str) -> anyhow::Result<&'a Value> {
@@ -67,7 +64,7 @@ async fn workers_and_groups_api_and_fleetctl_tables() -> anyhow::Result<()> {
 
     // The same through fleetctl.
     let api = format!("http://{}", sched.addr);
-    let (code, out, err) = fleetctl(&ns, &api, &["workers"])?;
+    let (code, out, err) = fleetctl(&ns, &api, &["workers"]).await?;
     assert_eq!(code, 0, "{err}");
     println!("fleetctl workers:\n{out}");
     let lines: Vec<Vec<&str>> = out.lines().map(|l| l.split_whitespace().collect()).collect();
@@ -80,7 +77,7 @@ async fn workers_and_groups_api_and_fleetctl_tables() -> anyhow::Result<()> {
     let row_b = lines.iter().find(|l| l[0] == "w-b").context("w-b row")?;
     assert_eq!(row_b[..10], ["w-b", gb, "active", "3+2", "0+0", "0", "0", "0", "0", "0"]);
 
-    let (code, out, err) = fleetctl(&ns, &api, &["groups"])?;
+    let (code, out, err) = fleetctl(&ns, &api, &["groups"]).await?;
     assert_eq!(code, 0, "{err}");
     println!("fleetctl groups:\n{out}");
     let lines: Vec<Vec<&str>> = out.lines().map(|l| l.split_whitespace().collect()).collect();
@@ -148,7 +145,7 @@ async fn worker_figures_are_current_and_leave_probes_out() -> anyhow::Result<()>
     assert!(probes(&page) >= 2.0);
     assert_eq!(metric_sum(&page, "fleet_tasks_completed_total", &[("group", group.as_str())]), 5.0, "user tasks only");
     assert_eq!(metric_sum(&page, "fleet_tasks_completed_total", &[("group", group.as_str()), ("lane", "critical")]), 0.0);
-    let (code, out, err) = fleetctl(&ns, &format!("http://{}", sched.addr), &["workers"])?;
+    let (code, out, err) = fleetctl(&ns, &format!("http://{}", sched.addr), &["workers"]).await?;
     assert_eq!(code, 0, "{err}");
     let row: Vec<&str> = out.lines().find(|l| l.starts_with("w-fig")).context("w-fig row")?.split_whitespace().collect();
     assert_eq!(row[5..10], ["5", "0", "0", "0", "0"], "{out}");

@@ -443,7 +443,7 @@ async fn register_fleet(a: &SimArgs, store: &Store, probe: &Probe) -> Result<Fle
                     executor: "builtin".into(),
                     state: WorkerState::Active,
                 };
-                retrying(|| store.register(&r, 30_000)).await?;
+                retrying(|| store.register(&r, std::time::Duration::from_secs(30))).await?;
             }
         }));
     }

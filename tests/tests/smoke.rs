@@ -2,203 +2,102 @@
 //! `AMQP_ADDR` / `REDIS_URL`, loopback by default). No scheduler: tasks are published
 //! straight to the worker's group queue, outcomes read from Redis status and the dead queue.
 //! Each test runs under its own namespace with classic queues and cleans up after itself.
-
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! (Moved from worker/tests/smoke.rs onto the shared harness.)
 
 use std::collections::BTreeMap;
-use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context, Result};
-use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
-use lapin::types::{FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Connection};
+use anyhow::{Context, Result};
+use lapin::BasicProperties;
 use serde_json::{json, Value};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use fleet::config::Settings;
 use fleet::registry::WorkerState;
-use fleet::{Envelope, Lane, Names, Store};
-use fleet_worker::{handler_fn, TaskError, Worker, WorkerConfig};
+use fleet::{Envelope, Lane};
+use fleet_tests::*;
+use fleet_worker::{handler_fn, TaskError, Worker, WorkerBuilder, WorkerConfig};
 
 const WAIT: Duration = Duration::from_secs(15);
 
-fn amqp_url() -> String {
-    std::env::var("AMQP_ADDR").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
+/// The smoke worker's settings: four slots, fast heartbeats, quick retries, three attempts.
+const SMOKE: &[(&str, &str)] = &[
+    ("capacity", "4"),
+    ("heartbeat_interval_ms", "200"),
+    ("heartbeat_timeout_ms", "1000"),
+    ("retry_base_ms", "50"),
+    ("retry_cap_ms", "80"),
+    ("max_attempts", "3"),
+    ("drain_grace_ms", "5000"),
+];
 
-/// One namespace: its names, store, a confirm channel, and clean-up.
-struct Fleet {
-    ns: String,
-    names: Names,
-    store: Store,
-    conn: Connection,
-    ch: Channel,
+/// A namespace and the one group its smoke worker serves (labels `labels`, builtin executor).
+struct Smoke {
+    ns: Ns,
     labels: String,
     group: String,
 }
 
-impl Fleet {
+impl Smoke {
     async fn new(labels: &str) -> Result<Self> {
-        let ns = format!("wt{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
-        let names = Names::new(&ns);
-        let store = Store::new(&redis_url(), names.clone())?;
-        let conn = fleet::amqp::connect(&amqp_url(), "worker smoke test").await?;
-        let ch = fleet::amqp::confirm_channel(&conn).await?;
-        let group = fleet::Labels::parse(labels)?.with("protocol", "builtin").group_name();
-        Ok(Fleet { ns, names, store, conn, ch, labels: labels.to_string(), group })
+        Ok(Smoke { ns: Ns::new().await?, labels: labels.to_string(), group: group_of(labels, "builtin") })
     }
 
-    fn settings(&self, id: &str, extra: &[(&str, &str)]) -> WorkerConfig {
-        let mut pairs: Vec<(&str, String)> = vec![
-            ("namespace", self.ns.clone()),
-            ("amqp_url", amqp_url()),
-            ("redis_url", redis_url()),
-            ("queue_type", "classic".into()),
-            ("worker_id", id.into()),
-            ("labels", self.labels.clone()),
-            ("capacity", "4".into()),
-            ("heartbeat_interval_ms", "200".into()),
-            ("heartbeat_timeout_ms", "1000".into()),
-            ("retry_base_ms", "50".into()),
-            ("retry_cap_ms", "80".into()),
-            ("max_attempts", "3".into()),
-            ("drain_grace_ms", "5000".into()),
-        ];
-        for (k, v) in extra {
-            pairs.retain(|(pk, _)| pk != k);
-            pairs.push((k, v.to_string()));
-        }
-        WorkerConfig::from_settings(&Settings::from_pairs(pairs)).unwrap()
+    /// Worker `id`'s config: the namespace's settings, [`SMOKE`], then `extra`.
+    fn config(&self, id: &str, extra: &[(&str, &str)]) -> Result<WorkerConfig> {
+        let mut all: Vec<(&str, &str)> = SMOKE.to_vec();
+        all.extend_from_slice(&[("worker_id", id), ("labels", self.labels.as_str())]);
+        all.extend_from_slice(extra);
+        Ok(WorkerConfig::from_settings(&self.ns.settings(&all))?)
+    }
+
+    async fn start(&self, id: &str, builder: WorkerBuilder) -> Result<WorkerHandle> {
+        spawn_worker(id, builder).await
     }
 
     /// Publishes an envelope straight to the group queue.
     async fn publish(&self, env: &Envelope) -> Result<()> {
-        self.publish_raw(&env.id, &env.to_bytes(), env.lane).await
-    }
-
-    async fn publish_raw(&self, id: &str, body: &[u8], lane: Lane) -> Result<()> {
-        fleet::amqp::publish_confirmed(
-            &self.ch,
-            &self.names.tasks_exchange(),
-            &self.names.group_key(&self.group, lane),
-            body,
-            fleet::amqp::task_properties(id, None),
-        )
-        .await?;
-        Ok(())
+        self.ns.publish_to_group(&self.group, env.lane, &env.id, &env.to_bytes()).await
     }
 
     async fn status(&self, id: &str) -> Result<BTreeMap<String, String>> {
-        Ok(self.store.task_status(id).await?.unwrap_or_default())
+        Ok(self.ns.status(id).await?.unwrap_or_default())
     }
 
-    /// Waits until the task's status is `state`.
     async fn wait_state(&self, id: &str, state: &str) -> Result<BTreeMap<String, String>> {
-        eventually(&format!("task {id} {state}"), || async {
-            let s = self.status(id).await?;
-            Ok((s.get("state").map(String::as_str) == Some(state)).then_some(s))
-        })
-        .await
+        self.ns.wait_state(id, state, WAIT).await
     }
 
-    /// Takes (and acks) messages from a queue until `n` are in hand.
+    /// Takes (and acks) `n` messages from a queue: properties and body as JSON (a body that
+    /// is not JSON as a JSON string).
     async fn take(&self, queue: &str, n: usize) -> Result<Vec<(BasicProperties, Value)>> {
-        let mut out = Vec::new();
-        tokio::time::timeout(WAIT, async {
-            while out.len() < n {
-                match self.ch.basic_get(ShortString::from(queue), BasicGetOptions::default()).await? {
-                    Some(m) => {
-                        let body: Value = serde_json::from_slice(&m.delivery.data).unwrap_or(Value::Null);
-                        let raw = String::from_utf8_lossy(&m.delivery.data).into_owned();
-                        m.delivery.acker.ack(BasicAckOptions::default()).await?;
-                        let body = if body.is_null() { Value::String(raw) } else { body };
-                        out.push((m.delivery.properties.clone(), body));
-                    }
-                    None => tokio::time::sleep(Duration::from_millis(50)).await,
-                }
-            }
-            anyhow::Ok(())
-        })
-        .await
-        .map_err(|_| anyhow!("{queue}: {} of {n} messages in time", out.len()))??;
-        Ok(out)
+        let got = self.ns.take(queue, n, WAIT).await?;
+        Ok(got
+            .into_iter()
+            .map(|(p, data)| {
+                let body = serde_json::from_slice(&data).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&data).into_owned()));
+                (p, body)
+            })
+            .collect())
     }
 
-    async fn depth(&self, queue: &str) -> Result<u32> {
-        let q = self
-            .ch
-            .queue_declare(ShortString::from(queue), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
-            .await?;
-        Ok(q.message_count())
+    /// Ready messages in the group's normal queue (`None` when it does not exist).
+    async fn depth(&self) -> Option<u32> {
+        self.ns.depth_of(&self.ns.names.group_queue(&self.group, Lane::Normal)).await
+    }
+
+    async fn worker_state(&self, id: &str) -> Option<WorkerState> {
+        self.ns.store.worker_state(id).await.ok().flatten()
     }
 
     async fn cleanup(self) -> Result<()> {
-        let ch = self.conn.create_channel().await?;
-        fleet::topology::delete_all(&ch, &self.names, std::slice::from_ref(&self.group)).await?;
-        self.store.delete_namespace().await?;
-        let _ = self.conn.close(200, ShortString::from("bye")).await;
-        Ok(())
-    }
-}
-
-/// A running worker.
-struct Running {
-    shutdown: CancellationToken,
-    force: CancellationToken,
-    handle: JoinHandle<Result<()>>,
-    #[allow(dead_code)]
-    addr: SocketAddr,
-}
-
-async fn start(builder: fleet_worker::WorkerBuilder) -> Result<Running> {
-    if std::env::var_os("RUST_LOG").is_some() {
-        fleet::telemetry::init("text");
-    }
-    let shutdown = CancellationToken::new();
-    let force = CancellationToken::new();
-    let (tx, rx) = oneshot::channel();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let w = builder.listener(listener).on_ready(tx).force_shutdown(force.clone()).build();
-    let handle = tokio::spawn(w.run(shutdown.clone()));
-    let addr = tokio::time::timeout(WAIT, rx).await.context("worker not ready in time")?.context("worker ended before ready")?;
-    Ok(Running { shutdown, force, handle, addr })
-}
-
-impl Running {
-    async fn stop(self) -> Result<()> {
-        self.shutdown.cancel();
-        tokio::time::timeout(WAIT, self.handle).await.context("worker did not stop in time")??
-    }
-}
-
-async fn eventually<T, F, Fut>(what: &str, mut f: F) -> Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<Option<T>>>,
-{
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        if let Some(v) = f().await? {
-            return Ok(v);
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("timed out waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.ns.cleanup().await
     }
 }
 
 fn env(kind: &str, payload: Value) -> Envelope {
-    let mut e = Envelope::new(kind, payload);
+    let mut e = task(kind, payload, "");
     e.submitted_at = Some(chrono::Utc::now());
     e
 }
@@ -209,8 +108,8 @@ fn header(p: &BasicProperties, k: &str) -> String {
 
 #[tokio::test]
 async fn outcomes_reach_redis_and_the_dead_queue() -> Result<()> {
-    let f = Fleet::new("smoke=outcomes").await?;
-    let w = start(Worker::builder(f.settings("w-outcomes", &[]))).await?;
+    let f = Smoke::new("smoke=outcomes").await?;
+    let w = f.start("w-outcomes", Worker::builder(f.config("w-outcomes", &[])?)).await?;
 
     let ok = env("echo", json!({"hello": "world"}));
     let perm = env("fail", json!({"permanent": true}));
@@ -226,7 +125,7 @@ async fn outcomes_reach_redis_and_the_dead_queue() -> Result<()> {
     for e in [&ok, &perm, &unknown, &expired, &last, &retry, &critical] {
         f.publish(e).await?;
     }
-    f.publish_raw("garbage-1", b"{not json", Lane::Normal).await?;
+    f.ns.publish_to_group(&f.group, Lane::Normal, "garbage-1", b"{not json").await?;
 
     let s = f.wait_state(&ok.id, "succeeded").await?;
     assert_eq!(s["result"], r#"{"hello":"world"}"#);
@@ -240,7 +139,7 @@ async fn outcomes_reach_redis_and_the_dead_queue() -> Result<()> {
     f.wait_state(&retry.id, "retrying").await?;
 
     // Dead letters: one per dead/expired task, plus the garbage, with reasons.
-    let dead = f.take(&f.names.dead_queue(), 5).await?;
+    let dead = f.take(&f.ns.names.dead_queue(), 5).await?;
     let mut reasons: BTreeMap<String, String> = BTreeMap::new();
     for (p, body) in &dead {
         let id = body.get("id").and_then(Value::as_str).unwrap_or("garbage-1").to_string();
@@ -257,7 +156,7 @@ async fn outcomes_reach_redis_and_the_dead_queue() -> Result<()> {
     assert_eq!(reasons["garbage-1"], "malformed_json");
 
     // The retry went back towards the scheduler with attempt 1 and a not_before.
-    let delayed = f.take(&f.names.delayed_queue(), 1).await?;
+    let delayed = f.take(&f.ns.names.delayed_queue(), 1).await?;
     let back = Envelope::from_value(delayed[0].1.clone())?;
     assert_eq!(back.id, retry.id);
     assert_eq!(back.attempt, 1);
@@ -269,77 +168,72 @@ async fn outcomes_reach_redis_and_the_dead_queue() -> Result<()> {
     assert!(!s.contains_key("error"), "the first attempt's error is gone: {s:?}");
 
     // Registered while running; load released.
-    let workers = f.store.workers().await?;
+    let workers = f.ns.store.workers().await?;
     assert_eq!(workers.iter().map(|w| w.id.as_str()).collect::<Vec<_>>(), vec!["w-outcomes"]);
-    assert_eq!(f.depth(&f.names.group_queue(&f.group, Lane::Normal)).await?, 0);
+    assert_eq!(f.depth().await, Some(0));
 
     w.stop().await?;
-    assert!(f.store.workers().await?.is_empty(), "deregistered after the drain");
+    assert!(f.ns.store.workers().await?.is_empty(), "deregistered after the drain");
     f.cleanup().await
 }
 
 #[tokio::test]
 async fn drain_lets_running_tasks_finish() -> Result<()> {
-    let f = Fleet::new("smoke=drain").await?;
-    let w = start(Worker::builder(f.settings("w-drain", &[]))).await?;
+    let f = Smoke::new("smoke=drain").await?;
+    let w = f.start("w-drain", Worker::builder(f.config("w-drain", &[])?)).await?;
     let slow = env("sleep", json!({"ms": 1200}));
     f.publish(&slow).await?;
     f.wait_state(&slow.id, "running").await?;
     w.shutdown.cancel();
     // Draining at once, in Redis too.
-    eventually("state draining", || async {
-        Ok((f.store.worker_state("w-drain").await? == Some(WorkerState::Draining)).then_some(()))
-    })
-    .await?;
+    wait_for("state draining", WAIT, || async { (f.worker_state("w-drain").await == Some(WorkerState::Draining)).then_some(()) }).await?;
     // Work published now is not taken.
     let late = env("noop", Value::Null);
     f.publish(&late).await?;
-    tokio::time::timeout(WAIT, w.handle).await??.context("clean drain")?;
+    tokio::time::timeout(WAIT, w.join).await??.context("clean drain")?;
     assert_eq!(f.status(&slow.id).await?["state"], "succeeded");
     assert!(f.status(&late.id).await?.is_empty(), "never started");
-    assert_eq!(f.depth(&f.names.group_queue(&f.group, Lane::Normal)).await?, 1);
-    assert!(f.store.workers().await?.is_empty());
+    assert_eq!(f.depth().await, Some(1));
+    assert!(f.ns.store.workers().await?.is_empty());
     f.cleanup().await
 }
 
 #[tokio::test]
 async fn grace_exceeded_returns_tasks_to_the_broker() -> Result<()> {
-    let f = Fleet::new("smoke=grace").await?;
-    let w = start(Worker::builder(f.settings("w-grace", &[("drain_grace_ms", "300")]))).await?;
+    let f = Smoke::new("smoke=grace").await?;
+    let w = f.start("w-grace", Worker::builder(f.config("w-grace", &[("drain_grace_ms", "300")])?)).await?;
     let slow = env("sleep", json!({"ms": 20000}));
     f.publish(&slow).await?;
     f.wait_state(&slow.id, "running").await?;
     w.shutdown.cancel();
-    let err = tokio::time::timeout(WAIT, w.handle).await??.expect_err("grace exceeded is an error");
+    let err = tokio::time::timeout(WAIT, w.join).await??.expect_err("grace exceeded is an error");
     assert!(err.to_string().contains("grace"), "{err}");
     // The unacked task is back in its queue.
-    eventually("task requeued", || async {
-        Ok((f.depth(&f.names.group_queue(&f.group, Lane::Normal)).await? == 1).then_some(()))
-    })
-    .await?;
+    wait_for("task requeued", WAIT, || async { (f.depth().await == Some(1)).then_some(()) }).await?;
     f.cleanup().await
 }
 
 #[tokio::test]
 async fn second_signal_forces_the_end() -> Result<()> {
-    let f = Fleet::new("smoke=force").await?;
-    let w = start(Worker::builder(f.settings("w-force", &[("drain_grace_ms", "60000")]))).await?;
+    let f = Smoke::new("smoke=force").await?;
+    let w = f.start("w-force", Worker::builder(f.config("w-force", &[("drain_grace_ms", "60000")])?)).await?;
     let slow = env("sleep", json!({"ms": 20000}));
     f.publish(&slow).await?;
     f.wait_state(&slow.id, "running").await?;
     w.shutdown.cancel();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The second signal comes once the first has taken effect: the worker is draining.
+    wait_for("state draining", WAIT, || async { (f.worker_state("w-force").await == Some(WorkerState::Draining)).then_some(()) }).await?;
     w.force.cancel();
-    let err = tokio::time::timeout(Duration::from_secs(5), w.handle).await??.expect_err("forced");
+    let err = tokio::time::timeout(Duration::from_secs(5), w.join).await??.expect_err("forced");
     assert!(err.to_string().contains("interrupted"), "{err}");
     f.cleanup().await
 }
 
 #[tokio::test]
 async fn duplicate_live_id_is_refused() -> Result<()> {
-    let f = Fleet::new("smoke=dup").await?;
-    let first = start(Worker::builder(f.settings("w-dup", &[]))).await?;
-    let second = Worker::builder(f.settings("w-dup", &[]))
+    let f = Smoke::new("smoke=dup").await?;
+    let first = f.start("w-dup", Worker::builder(f.config("w-dup", &[])?)).await?;
+    let second = Worker::builder(f.config("w-dup", &[])?)
         .listener(tokio::net::TcpListener::bind("127.0.0.1:0").await?)
         .build()
         .run(CancellationToken::new());
@@ -351,25 +245,25 @@ async fn duplicate_live_id_is_refused() -> Result<()> {
 
 #[tokio::test]
 async fn drain_asked_in_redis_takes_effect_within_a_second() -> Result<()> {
-    let f = Fleet::new("smoke=apidrain").await?;
-    let w = start(Worker::builder(f.settings("w-api", &[("heartbeat_interval_ms", "5000"), ("heartbeat_timeout_ms", "15000")]))).await?;
+    let f = Smoke::new("smoke=apidrain").await?;
+    let w = f.start("w-api", Worker::builder(f.config("w-api", &[("heartbeat_interval_ms", "5000"), ("heartbeat_timeout_ms", "15000")])?)).await?;
     let asked = tokio::time::Instant::now();
-    f.store.set_state("w-api", WorkerState::Draining).await?;
-    tokio::time::timeout(WAIT, w.handle).await??.context("clean drain")?;
+    f.ns.store.set_state("w-api", WorkerState::Draining).await?;
+    tokio::time::timeout(WAIT, w.join).await??.context("clean drain")?;
     assert!(asked.elapsed() < Duration::from_secs(3), "{:?}", asked.elapsed());
     f.cleanup().await
 }
 
 #[tokio::test]
 async fn lost_registration_is_restored() -> Result<()> {
-    let f = Fleet::new("smoke=gone").await?;
-    let w = start(Worker::builder(f.settings("w-gone", &[]))).await?;
+    let f = Smoke::new("smoke=gone").await?;
+    let w = f.start("w-gone", Worker::builder(f.config("w-gone", &[])?)).await?;
     let slow = env("sleep", json!({"ms": 1500}));
     f.publish(&slow).await?;
     f.wait_state(&slow.id, "running").await?;
-    f.store.delete_namespace().await?; // Redis "restarted empty"
-    eventually("registered again", || async {
-        Ok(f.store.workers().await?.iter().any(|w| w.id == "w-gone" && w.running == 1).then_some(()))
+    f.ns.store.delete_namespace().await?; // Redis "restarted empty"
+    wait_for("registered again", WAIT, || async {
+        f.ns.store.workers().await.ok()?.iter().any(|w| w.id == "w-gone" && w.running == 1).then_some(())
     })
     .await?;
     f.wait_state(&slow.id, "succeeded").await?;
@@ -379,7 +273,7 @@ async fn lost_registration_is_restored() -> Result<()> {
 
 #[tokio::test]
 async fn failing_worker_ejects_itself_and_comes_back() -> Result<()> {
-    let f = Fleet::new("smoke=eject").await?;
+    let f = Smoke::new("smoke=eject").await?;
     // A peer in the same group: the last active worker of a group is never ejected.
     let peer = fleet::registry::Registration {
         id: "w-eject-peer".into(),
@@ -390,11 +284,11 @@ async fn failing_worker_ejects_itself_and_comes_back() -> Result<()> {
         executor: "builtin".into(),
         state: fleet::registry::WorkerState::Active,
     };
-    f.store.register(&peer, Duration::from_secs(30)).await?;
-    let cfg = f.settings(
+    f.ns.store.register(&peer, Duration::from_secs(30)).await?;
+    let cfg = f.config(
         "w-eject",
         &[("eject_window", "4"), ("eject_min_samples", "4"), ("eject_error_ratio", "0.5"), ("eject_cooldown_ms", "1500")],
-    );
+    )?;
     let calls = Arc::new(AtomicU32::new(0));
     let counter = calls.clone();
     let flaky = handler_fn(move |_t| {
@@ -402,7 +296,7 @@ async fn failing_worker_ejects_itself_and_comes_back() -> Result<()> {
         async { Err::<Value, _>(TaskError::retryable("flaky")) }
     });
     let panicky = handler_fn(|_t| async { panic!("handler bug") });
-    let w = start(Worker::builder(cfg).handler("flaky", flaky).handler("panicky", panicky)).await?;
+    let w = f.start("w-eject", Worker::builder(cfg).handler("flaky", flaky).handler("panicky", panicky)).await?;
     let mut ids = Vec::new();
     for kind in ["flaky", "flaky", "flaky", "panicky"] {
         let mut e = env(kind, Value::Null);
@@ -414,18 +308,16 @@ async fn failing_worker_ejects_itself_and_comes_back() -> Result<()> {
         f.wait_state(id, "dead").await?;
     }
     assert!(f.status(&ids[3]).await?["error"].contains("panicked"));
-    eventually("ejected", || async {
-        Ok((f.store.worker_state("w-eject").await? == Some(WorkerState::Ejected)).then_some(()))
-    })
-    .await?;
-    // While ejected nothing is taken.
+    wait_for("ejected", WAIT, || async { (f.worker_state("w-eject").await == Some(WorkerState::Ejected)).then_some(()) }).await?;
+    // While ejected nothing is taken: its consumers are cancelled, so the task lies ready in
+    // the queue (not delivered to anyone) and has no status.
     let waiting = env("noop", Value::Null);
     f.publish(&waiting).await?;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_for("the task ready in the queue", WAIT, || async { (f.depth().await == Some(1)).then_some(()) }).await?;
     assert!(f.status(&waiting.id).await?.is_empty());
     // After the cool-down it is active and consumes again.
     f.wait_state(&waiting.id, "succeeded").await?;
-    assert_eq!(f.store.worker_state("w-eject").await?, Some(WorkerState::Active));
+    assert_eq!(f.worker_state("w-eject").await, Some(WorkerState::Active));
     assert_eq!(calls.load(Ordering::SeqCst), 3);
     w.stop().await?;
     f.cleanup().await
@@ -449,7 +341,7 @@ async fn connection_loss_is_survived() -> Result<()> {
         eprintln!("skipped: rabbitmqctl not available");
         return Ok(());
     }
-    let f = Fleet::new("smoke=reconnect").await?;
+    let f = Smoke::new("smoke=reconnect").await?;
     let calls = Arc::new(AtomicU32::new(0));
     let counter = calls.clone();
     let slow = handler_fn(move |_t| {
@@ -459,7 +351,7 @@ async fn connection_loss_is_survived() -> Result<()> {
             Ok(json!("done"))
         }
     });
-    let w = start(Worker::builder(f.settings("w-reconnect", &[])).handler("slow", slow)).await?;
+    let w = f.start("w-reconnect", Worker::builder(f.config("w-reconnect", &[])?).handler("slow", slow)).await?;
     let list = rabbitmqctl(&["list_connections", "pid", "client_properties"]).await.context("list_connections")?;
     let pid = list
         .lines()
@@ -479,9 +371,9 @@ async fn connection_loss_is_survived() -> Result<()> {
     let after = env("noop", Value::Null);
     f.publish(&after).await?;
     f.wait_state(&after.id, "succeeded").await?;
-    eventually("the redelivered copy settled", || async { Ok((f.depth(&f.names.group_queue(&f.group, Lane::Normal)).await? == 0).then_some(())) }).await?;
+    wait_for("the redelivered copy settled", WAIT, || async { (f.depth().await == Some(0)).then_some(()) }).await?;
     assert_eq!(calls.load(Ordering::SeqCst), 1, "one run: the redelivered copy of the running attempt never ran");
-    assert_eq!(f.depth(&f.names.group_queue(&f.group, Lane::Normal)).await?, 0);
+    assert_eq!(f.depth().await, Some(0));
     w.stop().await?;
     f.cleanup().await
 }
