@@ -6,8 +6,6 @@
 //! `{<namespace>}`, on one master, and the fleet wrote nothing anywhere else — the single-slot
 //! layout the Lua scripts rely on, and the per-namespace ceiling the README documents.
 
-mod harness;
-
 use std::collections::{BTreeMap, HashSet};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -15,8 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use deadpool_redis::redis;
 use fleet_tests::servers::RedisCluster;
-use fleet_tests::wait_for;
-use harness::*;
+use fleet_tests::*;
 
 const TASKS: usize = 300;
 
@@ -65,7 +62,7 @@ async fn a_namespace_runs_end_to_end_in_one_hash_slot() -> Result<()> {
     let cluster = RedisCluster::start(3).await?;
     let url = cluster.url();
     eprintln!("Redis Cluster up in {:?}: {url}", t0.elapsed());
-    let ns = ns_on_redis(&url).await?;
+    let ns = Ns::on_redis(&url).await?;
     let ep = Endpoint::start(10).await?;
     let mut sched = SchedulerProcess::spawn(&ns, SCHEDULER).await?;
     let mut workers = Vec::new();

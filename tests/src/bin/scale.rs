@@ -38,7 +38,7 @@ use fleet::lease::{ClaimRequest, Claim, Dedupe, ReserveParams, ReserveRequest};
 use fleet::registry::{Beat, BeatReply, Registration, WorkerState};
 use fleet::route::{Reservation, Strategy};
 use fleet::{Envelope, Labels, Lane, Names, Store};
-use fleet_tests::servers::TestRedis;
+use fleet_tests::servers::PrivateRedis;
 use fleet_tests::*;
 use fleet_worker::executor::handler_fn;
 
@@ -309,7 +309,7 @@ fn default_params() -> ReserveParams {
 }
 
 async fn sim(a: SimArgs) -> Result<()> {
-    let private = if a.private { Some(TestRedis::start(None, None).await?) } else { None };
+    let private = if a.private { Some(PrivateRedis::start(None, None).await?) } else { None };
     let url = private.as_ref().map(|r| r.url(None)).unwrap_or_else(redis_url);
     let ns = format!("scale{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
     let store = Store::new(&url, Names::new(&ns))?;
@@ -609,7 +609,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
     let before = Counters::read(probe).await?;
     let start = Instant::now();
     let mut lat = Vec::with_capacity(total);
-    let lease_ms = run_lease.as_millis() as i64;
+    let lease_ms = run_lease;
     for k in 0..total {
         tick.tick().await;
         let w = k % workers.len();
@@ -808,7 +808,7 @@ impl SlowLog {
 }
 
 async fn run(a: RunArgs) -> Result<()> {
-    let redis_srv = TestRedis::start(None, None).await?;
+    let redis_srv = PrivateRedis::start(None, None).await?;
     let url = redis_srv.url(None);
     let ns = Ns::on(&amqp_url(), &url, &a.queue_type, &[]).await?;
     println!("scale run: private redis-server at {url}, RabbitMQ {}, namespace {}, queue type {}", fleet::redact::redact(&amqp_url()), ns.name, a.queue_type);
