@@ -107,7 +107,7 @@ async fn every_bad_setting_exits_2_naming_it() -> Result<()> {
         ("fleet-scheduler", vec![("FLEET_PENDING_RED", "2")], "FLEET_PENDING_RED", "between 0 and 1"),
         ("fleet-scheduler", vec![("FLEET_RATE", "fast")], "FLEET_RATE", "must be a number"),
         ("fleet-scheduler", vec![("FLEET_AMQP_URL", &leaky_amqp)], "FLEET_AMQP_URL", "not an amqp"),
-        ("fleet-scheduler", vec![("FLEET_REDIS_URL", &leaky_redis)], "FLEET_REDIS_URL", "not a redis://, rediss:// or redis+sentinel:// URL"),
+        ("fleet-scheduler", vec![("FLEET_REDIS_URL", &leaky_redis)], "FLEET_REDIS_URL", "not a redis://, rediss://, redis+sentinel:// or redis+cluster:// URL"),
         ("fleet-scheduler", vec![("FLEET_HTTP_ADDR", "nowhere")], "FLEET_HTTP_ADDR", "host:port"),
     ];
     for (bin, env, setting, words) in cases {
