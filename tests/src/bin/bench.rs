@@ -155,6 +155,47 @@ impl CpuMeter {
     }
 }
 
+/// Redis's own account of a stage (`INFO commandstats`: calls and µs of CPU per command),
+/// read with `redis-cli` so the bench adds no connection of its own to the pool it measures.
+struct RedisCalls(std::collections::BTreeMap<String, (u64, u64)>);
+
+impl RedisCalls {
+    fn read() -> Self {
+        let mut m = std::collections::BTreeMap::new();
+        let out = std::process::Command::new("redis-cli").args(["INFO", "commandstats"]).output();
+        if let Ok(out) = out {
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                let Some((name, rest)) = line.strip_prefix("cmdstat_").and_then(|l| l.split_once(':')) else { continue };
+                let field = |k: &str| rest.split(',').find_map(|kv| kv.strip_prefix(k)?.strip_prefix('=')?.parse::<u64>().ok()).unwrap_or(0);
+                m.insert(name.to_string(), (field("calls"), field("usec")));
+            }
+        }
+        RedisCalls(m)
+    }
+
+    /// Commands and Redis CPU per task since `self`, the busiest commands first.
+    fn report(&self, label: &str, n: usize) -> String {
+        let now = RedisCalls::read();
+        let mut rows: Vec<(String, f64, f64)> = now
+            .0
+            .iter()
+            .map(|(k, &(c, u))| {
+                let (c0, u0) = self.0.get(k).copied().unwrap_or((0, 0));
+                (k.clone(), c.saturating_sub(c0) as f64 / n.max(1) as f64, u.saturating_sub(u0) as f64 / n.max(1) as f64)
+            })
+            .filter(|r| r.1 > 0.0)
+            .collect();
+        rows.sort_by(|a, b| b.2.total_cmp(&a.2));
+        // Commands a script runs are counted under their own names too, and their time is in
+        // the script's: the total counts commands (not script calls) and sums the time of
+        // scripts and of commands sent on their own, which Redis does not tell apart.
+        let script = |k: &str| k.starts_with("eval") || k.starts_with("fcall");
+        let calls: f64 = rows.iter().filter(|r| !script(&r.0)).map(|r| r.1).sum();
+        let top: Vec<String> = rows.iter().take(10).map(|(k, c, u)| format!("{k} {c:.2}×{u:.1}µs")).collect();
+        format!("{label:<18}: Redis per task: {calls:.2} commands; by command (calls × µs of CPU, a script's µs include its commands): {}", top.join(", "))
+    }
+}
+
 /// A raw run's figures: delivery rate over the whole run, and submit→delivery at the last hop.
 struct Raw {
     rate: f64,
@@ -415,14 +456,17 @@ async fn throughput(n: usize) -> Result<()> {
     };
     let cpu = CpuMeter::new();
     let cpu0 = cpu.read();
+    let calls0 = RedisCalls::read();
     let (burst, t) = rig.run(n, Offer::Burst, Duration::from_secs(300), |_| Envelope::new("count", json!(null))).await?;
     let cpu_burst = cpu.report("fleet burst", cpu0, n);
+    let calls_burst = calls0.report("fleet burst", n);
     sampling.cancel();
     let (runs, distinct) = rig.once();
     println!("fleet burst       : {burst:>8.0} tasks/s ({runs} runs of {n} in {t:.2} s)");
     println!("runs {runs} distinct tasks {distinct} (runs beyond distinct = at-least-once redeliveries)");
     println!("pressure samples (every 100 ms): {:?}", sampler.await?);
     println!("{cpu_burst}");
+    println!("{calls_burst}");
     println!("{}", rig.metrics().await?);
 
     // 2. Steady 1,000 tasks/s offered, same fleet.
