@@ -104,6 +104,7 @@ impl Dispatcher {
             dedupe_window_ms: self.cfg.dedupe_window.as_millis() as i64,
             status_ttl_ms: self.cfg.common.status_ttl.as_millis() as i64,
             direct: true,
+            park_flag_ttl_ms: crate::park::FLAG_TTL_MS,
         }
     }
 

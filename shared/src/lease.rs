@@ -62,6 +62,9 @@ pub struct ReserveParams {
     /// bounds what they hold), unless tasks already park for that group. The scheduler sets
     /// it; `false` makes every task need room (the script's bound alone).
     pub direct: bool,
+    /// How long a group's "has parked tasks" flag lives unless renewed (ms): set here when a
+    /// task parks, kept alive by the scheduler's park loop while it holds tasks.
+    pub park_flag_ttl_ms: i64,
 }
 
 /// A finished task's outcome as recorded in its status.
@@ -172,6 +175,7 @@ impl Store {
             .arg(p.dedupe_window_ms)
             .arg(p.status_ttl_ms)
             .arg(u8::from(p.direct))
+            .arg(p.park_flag_ttl_ms)
             .arg(reqs.len());
         for r in reqs {
             let pairs = r.selector.pairs();

@@ -156,11 +156,35 @@ pub enum Pool {
     Cluster(deadpool_redis::cluster::Pool),
 }
 
-/// A pooled connection of any kind; returned to its pool when dropped.
+/// A pooled connection of any kind; returned to its pool when dropped — or a clone of the
+/// process's shared connection ([`Shared`]).
 pub enum Conn {
     Direct(deadpool_redis::Connection),
     Sentinel(deadpool_redis::sentinel::Connection),
     Cluster(deadpool_redis::cluster::Connection),
+    Shared(Shared),
+}
+
+/// The connection every call of a process goes through: one multiplexed connection taken out
+/// of the pool (or a cluster client's, one per node), cloned per call. The `redis` crate
+/// pipelines concurrent requests on it and matches replies in order, so it needs no checkout:
+/// a pooled connection costs an `UNWATCH` + `PING` round trip on every checkout (deadpool's
+/// recycle check), which doubled the Redis commands and round trips of every call. A shared
+/// connection that fails (closed socket, timeout, `READONLY`) is dropped by
+/// [`crate::Store`] and the next call takes a fresh one from the pool. Not for commands that
+/// block their connection (`WAIT`, `BLPOP`): those take a pooled connection of their own.
+#[derive(Clone)]
+pub enum Shared {
+    Multiplexed(redis::aio::MultiplexedConnection),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+/// Connection settings of a direct connection: the `redis` crate's own response timeout
+/// (500 ms by default) would fail a call that [`crate::store::CALL_TIMEOUT`] still allows.
+fn connection_config() -> redis::AsyncConnectionConfig {
+    redis::AsyncConnectionConfig::new()
+        .set_response_timeout(Some(crate::store::CALL_TIMEOUT))
+        .set_connection_timeout(Some(crate::store::CALL_TIMEOUT))
 }
 
 impl Pool {
@@ -176,14 +200,14 @@ impl Pool {
             Target::Direct(u) if u.trim().get(..9).is_some_and(|p| p.eq_ignore_ascii_case("rediss://")) => {
                 crate::tls::install_crypto_provider();
                 let info = redis::Client::build_with_tls(u.as_str(), tls.to_redis()).map_err(|e| bad(e.to_string()))?.get_connection_info().clone();
-                let manager = deadpool_redis::Manager::new(info).map_err(|e| bad(e.to_string()))?;
+                let manager = deadpool_redis::Manager::new_with_config(info, connection_config()).map_err(|e| bad(e.to_string()))?;
                 let pool = deadpool_redis::Pool::builder(manager).config(pc).runtime(deadpool_redis::Runtime::Tokio1).build();
                 Ok(Pool::Direct(pool.map_err(|e| bad(e.to_string()))?))
             }
             Target::Direct(u) => {
-                let mut cfg = deadpool_redis::Config::from_url(u);
-                cfg.pool = Some(pc);
-                Ok(Pool::Direct(cfg.create_pool(Some(deadpool_redis::Runtime::Tokio1)).map_err(|e| bad(e.to_string()))?))
+                let manager = deadpool_redis::Manager::new_with_config(u.as_str(), connection_config()).map_err(|e| bad(e.to_string()))?;
+                let pool = deadpool_redis::Pool::builder(manager).config(pc).runtime(deadpool_redis::Runtime::Tokio1).build();
+                Ok(Pool::Direct(pool.map_err(|e| bad(e.to_string()))?))
             }
             Target::Sentinel { sentinels, master, username, password, db } => {
                 use deadpool_redis::sentinel::{Config, SentinelNodeConnectionInfo, SentinelServerType};
@@ -252,6 +276,17 @@ impl Conn {
             Conn::Direct(c) => drop(deadpool_redis::Connection::take(c)),
             Conn::Sentinel(c) => drop(deadpool_redis::sentinel::Connection::take(c)),
             Conn::Cluster(c) => drop(deadpool_redis::cluster::Connection::take(c)),
+            Conn::Shared(_) => {}
+        }
+    }
+
+    /// Takes the connection out of its pool to share it (see [`Shared`]).
+    pub fn into_shared(self) -> Shared {
+        match self {
+            Conn::Direct(c) => Shared::Multiplexed(deadpool_redis::Connection::take(c)),
+            Conn::Sentinel(c) => Shared::Multiplexed(deadpool_redis::sentinel::Connection::take(c)),
+            Conn::Cluster(c) => Shared::Cluster(deadpool_redis::cluster::Connection::take(c)),
+            Conn::Shared(s) => s,
         }
     }
 }
@@ -262,6 +297,8 @@ impl ConnectionLike for Conn {
             Conn::Direct(c) => c.req_packed_command(cmd),
             Conn::Sentinel(c) => c.req_packed_command(cmd),
             Conn::Cluster(c) => c.req_packed_command(cmd),
+            Conn::Shared(Shared::Multiplexed(c)) => c.req_packed_command(cmd),
+            Conn::Shared(Shared::Cluster(c)) => c.req_packed_command(cmd),
         }
     }
 
@@ -270,6 +307,8 @@ impl ConnectionLike for Conn {
             Conn::Direct(c) => c.req_packed_commands(cmd, offset, count),
             Conn::Sentinel(c) => c.req_packed_commands(cmd, offset, count),
             Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Shared(Shared::Multiplexed(c)) => c.req_packed_commands(cmd, offset, count),
+            Conn::Shared(Shared::Cluster(c)) => c.req_packed_commands(cmd, offset, count),
         }
     }
 
@@ -278,6 +317,8 @@ impl ConnectionLike for Conn {
             Conn::Direct(c) => c.get_db(),
             Conn::Sentinel(c) => c.get_db(),
             Conn::Cluster(c) => c.get_db(),
+            Conn::Shared(Shared::Multiplexed(c)) => c.get_db(),
+            Conn::Shared(Shared::Cluster(c)) => c.get_db(),
         }
     }
 }

@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::tls::TlsConfig;
 use crate::names::Names;
 use crate::scripts::Scripts;
-use crate::sentinel::{Conn, Pool};
+use crate::sentinel::{Conn, Pool, Shared};
 
 /// Longest a single Redis call may take before it counts as failed.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(3);
@@ -22,6 +22,9 @@ pub const REPLICA_WAIT: Duration = Duration::from_millis(500);
 #[derive(Clone)]
 pub struct Store {
     pool: Pool,
+    /// The shared connection every call clones (see [`Shared`]); `None` until the first call
+    /// and after a failure.
+    shared: Arc<std::sync::Mutex<Option<Shared>>>,
     pub names: Names,
     pub scripts: Arc<Scripts>,
     /// The fleet's one clock (Redis server time), shared by every clone.
@@ -77,11 +80,30 @@ impl Store {
         pc.timeouts.create = Some(CALL_TIMEOUT);
         pc.timeouts.recycle = Some(CALL_TIMEOUT);
         let pool = Pool::new(url, pc, tls)?;
-        Ok(Store { pool, names, scripts: Arc::new(Scripts::load()), clock: Clock::default() })
+        Ok(Store { pool, shared: Arc::default(), names, scripts: Arc::new(Scripts::load()), clock: Clock::default() })
     }
 
+    /// A clone of the shared connection, connecting it first if there is none.
+    ///
+    /// # Errors
+    /// Redis unreachable (or every Sentinel), or the connect timed out.
     pub async fn conn(&self) -> Result<Conn> {
-        self.pool.get().await
+        if let Some(s) = self.shared.lock().ok().and_then(|g| g.clone()) {
+            return Ok(Conn::Shared(s));
+        }
+        let s = self.pool.get().await?.into_shared();
+        if let Ok(mut g) = self.shared.lock() {
+            // Another call may have connected meanwhile: keep the first, so every call shares one.
+            return Ok(Conn::Shared(g.get_or_insert(s).clone()));
+        }
+        Ok(Conn::Shared(s))
+    }
+
+    /// Forgets the shared connection: the next call connects anew.
+    fn reset(&self) {
+        if let Ok(mut g) = self.shared.lock() {
+            *g = None;
+        }
     }
 
     /// The answer of one call on `c`, with a connection that found Redis read-only (a
@@ -93,13 +115,22 @@ impl Store {
             Ok(Err(e)) => {
                 if crate::sentinel::is_read_only(&e) {
                     c.discard();
+                    self.reset();
                     self.pool.drop_idle();
                     metrics::counter!(crate::metrics::REDIS_READ_ONLY).increment(1);
                     tracing::warn!(sentinel = self.pool.is_sentinel(), "Redis answered READONLY (a demoted master); reconnecting");
+                } else if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout() || e.is_unrecoverable_error() {
+                    // The connection, not the call, failed: the next call connects anew.
+                    self.reset();
                 }
                 Err(e.into())
             }
-            Err(_) => Err(Error::Other("redis call timed out".into())),
+            Err(_) => {
+                // A connection that stopped answering (a half-open socket) would time out
+                // every later call too.
+                self.reset();
+                Err(Error::Other("redis call timed out".into()))
+            }
         }
     }
 
@@ -117,7 +148,11 @@ impl Store {
     /// is lost with it; used for task outcomes (a status `succeeded` that reverted to
     /// `queued` after a failover). Direct and Cluster URLs skip the wait.
     pub async fn invoke_replicated<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> Result<T> {
-        let mut c = self.conn().await?;
+        if !self.pool.is_sentinel() {
+            return self.invoke(inv).await;
+        }
+        // `WAIT` blocks its connection: a pooled one of its own, not the shared one.
+        let mut c = self.pool.get().await?;
         let r = tokio::time::timeout(CALL_TIMEOUT, inv.invoke_async(&mut c)).await;
         if !self.pool.is_sentinel() || !matches!(r, Ok(Ok(_))) {
             return self.settle(c, r);

@@ -12,7 +12,7 @@ use fleet_tests::*;
 use serde_json::json;
 
 fn params(direct: bool) -> ReserveParams {
-    ReserveParams { lease_ms: 60_000, backlog_factor: 0.0, strategy: Strategy::LeastLoaded, dedupe_window_ms: 60_000, status_ttl_ms: 60_000, token: rand::random(), direct }
+    ReserveParams { lease_ms: 60_000, backlog_factor: 0.0, strategy: Strategy::LeastLoaded, dedupe_window_ms: 60_000, status_ttl_ms: 60_000, token: rand::random(), direct, park_flag_ttl_ms: 3000 }
 }
 
 fn req(id: String, selector: &str) -> ReserveRequest {

@@ -11,7 +11,7 @@ use fleet::{Labels, Lane, Store};
 use fleet_tests::{redis_url, register_worker, Ns};
 
 fn params() -> ReserveParams {
-    ReserveParams { lease_ms: 60_000, backlog_factor: 0.0, strategy: Strategy::LeastLoaded, dedupe_window_ms: 60_000, status_ttl_ms: 60_000, token: rand::random(), direct: false }
+    ReserveParams { lease_ms: 60_000, backlog_factor: 0.0, strategy: Strategy::LeastLoaded, dedupe_window_ms: 60_000, status_ttl_ms: 60_000, token: rand::random(), direct: false, park_flag_ttl_ms: 3000 }
 }
 
 fn req(id: String, dedupe: Dedupe) -> ReserveRequest {

@@ -29,7 +29,7 @@ for k = 0, n - 1 do
   local t = K_task(id)
   redis.call('ZREM', K_run(g, lane), id)
   redis.call('SREM', K_wrun(w), lane .. '|' .. id)
-  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st', 'worker', 'started_at')
+  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st', 'worker', 'started_at', 'error', 'reason')
   local seen = tonumber(r[1] or '0') or 0
   local owned = r[2] == inst and r[3] == 'run'
   if state == '' then
@@ -54,7 +54,8 @@ for k = 0, n - 1 do
     end
   end
   if state ~= '' and seen <= attempt then
-    status_finished(id, state, w, attempt, field, text, success == '1', reason, owned or r[2] == false, st_ttl)
+    status_finished(id, state, w, attempt, field, text, success == '1', reason, owned or r[2] == false, st_ttl,
+      { error = r[6] ~= false, reason = r[7] ~= false })
   end
 end
 -- Completion counts feed the group's room (Little's law); a group reclaimed meanwhile is not

@@ -70,12 +70,16 @@ local function status_parked(id, g, lane, ttl_ms) status_waiting(id, S.parked, g
 
 -- Claimed: attempt `att` runs on worker w (process inst) in group g; the run record (`run_*`,
 -- see start.lua) says which copy of which attempt runs and whether alone (`iso`).
-local function status_running(id, g, lane, w, att, base, inst, iso, ttl_ms)
+-- `prior`: what the caller read of the record — `exists` (a `state` field: the record and
+-- its TTL, set at dispatch, are there) and `finished` (a `finished_at` of an earlier attempt)
+-- — so a fresh claim costs one HSET: no HDEL of a field that is not there, and the TTL set
+-- at dispatch stands (a record that expired while its task waited gets a new one).
+local function status_running(id, g, lane, w, att, base, inst, iso, ttl_ms, prior)
   local t = K_task(id)
   redis.call('HSET', t, 'state', S.running, 'group', g, 'lane', lane, 'worker', w, 'attempt', att,
     'started_at', NOW_MS, 'run_base', base, 'run_owner', inst, 'run_st', 'run', 'run_iso', iso)
-  redis.call('HDEL', t, 'finished_at')
-  redis.call('PEXPIRE', t, ttl_ms)
+  if prior.finished then redis.call('HDEL', t, 'finished_at') end
+  if not prior.exists then redis.call('PEXPIRE', t, ttl_ms) end
 end
 
 -- A crash suspect claimed by process inst of worker w, to run once that process runs nothing
@@ -103,15 +107,24 @@ end
 -- An attempt's outcome (finish.lua): `state` is S.succeeded, S.retrying, S.dead or S.expired,
 -- written by worker w for attempt `att`; `field` ('result' | 'error') holds `text`; `reason`
 -- ('' for none) why dead or expired; `done`: this process owns the run record (or none exists),
--- which then says the attempt is over.
-local function status_finished(id, state, w, att, field, text, success, reason, done, ttl_ms)
+-- which then says the attempt is over. `prior`: which of `error` and `reason` the record holds
+-- now (read by the caller), so only fields that are there are deleted. One HSET, one PEXPIRE
+-- (the TTL runs from the end) and, rarely, one HDEL.
+local function status_finished(id, state, w, att, field, text, success, reason, done, ttl_ms, prior)
   local t = K_task(id)
-  redis.call('HSET', t, 'state', state, 'worker', w, 'finished_at', NOW_MS, 'attempt', att, field, text)
-  if done then redis.call('HSET', t, 'run_st', 'done') end
+  local set = { 'state', state, 'worker', w, 'finished_at', NOW_MS, 'attempt', att, field, text }
+  if done then set[#set + 1] = 'run_st'; set[#set + 1] = 'done' end
+  local del = {}
   -- A success after failed attempts: the earlier attempt's error no longer describes the task.
-  if success then redis.call('HDEL', t, 'error') end
+  if success and prior.error and field ~= 'error' then del[#del + 1] = 'error' end
   -- The reason describes this outcome only (a replayed task may have died before).
-  if reason ~= '' then redis.call('HSET', t, 'reason', reason) else redis.call('HDEL', t, 'reason') end
+  if reason ~= '' then
+    set[#set + 1] = 'reason'; set[#set + 1] = reason
+  elseif prior.reason then
+    del[#del + 1] = 'reason'
+  end
+  redis.call('HSET', t, unpack(set))
+  if #del > 0 then redis.call('HDEL', t, unpack(del)) end
   redis.call('PEXPIRE', t, ttl_ms)
 end
 

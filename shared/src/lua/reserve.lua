@@ -8,7 +8,9 @@
 --          consumers' prefetch bounds what they hold; the scheduler's intake gate counts what
 --          waits in the group queue beyond its room. The critical lane, which no gate paces,
 --          keeps its room and its small park bound. 0: every task needs room.)
--- ARGV[8]: number of tasks, then per task:
+-- ARGV[8]: how long a group's "has parked tasks" flag lives (ms) unless the scheduler's park
+--          loop renews it (`park::FLAG_TTL_MS`)
+-- ARGV[9]: number of tasks, then per task:
 --   id, lane, strategy ('' = default), dedupe (0 skip | 1 set-if-absent | 2 redelivered:
 --   duplicate only if already handed on),
 --   mode (0: new work, 1: released from a park queue, 2: dedupe only — a delayed submission,
@@ -34,7 +36,8 @@
 local now, token, lease, bf = NOW_MS, 'p:' .. ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local default_strategy, dd_ttl, st_ttl = ARGV[4], ARGV[5], ARGV[6]
 local direct = ARGV[7] == '1'
-local n = tonumber(ARGV[8])
+local park_ttl = ARGV[8]
+local n = tonumber(ARGV[9])
 
 local gcache, ccache = {}, {}
 
@@ -91,7 +94,7 @@ local function candidates(sel)
 end
 
 local out = {}
-local i = 9
+local i = 10
 for t = 1, n do
   local id, lane, strategy, dd = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local from_park, dedupe_only, rnd = ARGV[i + 4] == '1', ARGV[i + 4] == '2', tonumber(ARGV[i + 5])
@@ -103,12 +106,10 @@ for t = 1, n do
 
   local dup = false
   if dd == '1' then
-    local mark = redis.call('GET', K_dedupe(id))
-    if mark then
-      dup = mark ~= token
-    else
-      redis.call('SET', K_dedupe(id), token, 'PX', dd_ttl)
-    end
+    -- Set-if-absent and read in one command (SET … NX GET, Redis 7.0): the old mark, or
+    -- false when this call set it.
+    local mark = redis.call('SET', K_dedupe(id), token, 'PX', dd_ttl, 'NX', 'GET')
+    if mark then dup = mark ~= token end
   elseif dd == '2' then
     local mark = redis.call('GET', K_dedupe(id))
     if mark == 'a' then
@@ -183,7 +184,7 @@ for t = 1, n do
         if best == nil or r < best then best = r; bg = g end
       end
       if not from_park then
-        redis.call('SET', K_parked(bg, lane), '1', 'PX', 3000)
+        redis.call('SET', K_parked(bg, lane), '1', 'PX', park_ttl)
         gstate(bg, lane).parked = true
         status_parked(id, bg, lane, st_ttl)
       end

@@ -29,11 +29,12 @@ local now = NOW_MS
 local out = { 'ok' }
 if redis.call('HGET', K_worker(w), 'instance') ~= inst then out[1] = 'gone' end
 
-local function grant(lane, id, t, base, att, iso)
+-- `r`: the record as read below (its `state` and `finished_at` tell status_running what to do).
+local function grant(lane, id, t, base, att, iso, r)
   redis.call('ZREM', K_resv(g, lane), id)
   redis.call('ZADD', K_run(g, lane), now + lease, id)
   redis.call('SADD', K_wrun(w), lane .. '|' .. id)
-  status_running(id, g, lane, w, att, base, inst, iso, st_ttl)
+  status_running(id, g, lane, w, att, base, inst, iso, st_ttl, { exists = r[8] ~= false, finished = r[9] ~= false })
 end
 
 -- A crash noticed here (its worker re-registered by another process, or its owner gone while
@@ -68,7 +69,7 @@ for k = 0, n - 1 do
       log_attempt(id, { attempt = tonumber(r[5]), worker = r[6], started_at = tonumber(r[7]),
         finished_at = tonumber(r[9]), outcome = O.succeeded }, st_ttl)
     end
-    grant(lane, id, t, base, base, isolated)
+    grant(lane, id, t, base, base, isolated, r)
     ans = 'run:' .. base
   elseif rb > base or r[3] == 'done' then
     -- A copy (e.g. dispatched again by a scheduler that took over a crashed one's batch):
@@ -82,13 +83,13 @@ for k = 0, n - 1 do
       if was_suspect and isolated ~= '1' then
         ans = suspect(lane, id, t, att)
       else
-        grant(lane, id, t, base, att, isolated)
+        grant(lane, id, t, base, att, isolated, r)
         ans = 'run:' .. att
       end
     elseif r[2] == inst then
       if isolated == '1' then
         -- This process claimed it as a suspect and now runs it alone.
-        grant(lane, id, t, base, att, '1')
+        grant(lane, id, t, base, att, '1', r)
         ans = 'run:' .. att
       else
         ans = 'wait'

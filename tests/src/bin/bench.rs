@@ -435,9 +435,10 @@ async fn throughput(n: usize) -> Result<()> {
 
     // fleet first: deleting the raw stage's full quorum queues keeps the broker's quorum
     // machinery busy for a while, which skews (and can redeliver in) whatever runs next.
-    // 1. Burst, one group (2 workers × 128), no-op tasks.
-    println!("\n## 1. burst of {n} no-op tasks, 2 workers × capacity 128 (one group)");
-    let rig = Rig::start(&qt, &settings, &[("bench-w1", "", 128), ("bench-w2", "", 128)]).await?;
+    // 1. Burst, one group (2 workers), no-op tasks.
+    let cap: u32 = std::env::var("BENCH_CAPACITY").ok().and_then(|v| v.parse().ok()).unwrap_or(128);
+    println!("\n## 1. burst of {n} no-op tasks, 2 workers × capacity {cap} (one group)");
+    let rig = Rig::start(&qt, &settings, &[("bench-w1", "", cap), ("bench-w2", "", cap)]).await?;
     // Sample the pressure state during the run (how often the fleet throttled itself).
     let purl = rig.sched.url("/v1/pressure");
     let sampling = tokio_util::sync::CancellationToken::new();

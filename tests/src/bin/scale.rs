@@ -305,6 +305,7 @@ fn default_params() -> ReserveParams {
         dedupe_window_ms: 3_600_000,
         status_ttl_ms: 86_400_000,
         direct: true,
+        park_flag_ttl_ms: 3_000,
     }
 }
 
