@@ -414,6 +414,7 @@ impl Dispatcher {
         let mut unreserve = Vec::new();
         let mut acks = Vec::new();
         let mut keep: HashSet<usize> = HashSet::new();
+        let mut tally = Tally::default();
         for (i, r) in idx.into_iter().zip(results) {
             let fate = fates[i].as_ref();
             let env = envs[i].as_ref();
@@ -422,7 +423,7 @@ impl Dispatcher {
                     keep.insert(i);
                 }
                 (Ok(()), Some(f)) => {
-                    self.count(f, env);
+                    tally.count(f, env);
                     acks.push(i);
                 }
                 (Err(e), f) => {
@@ -439,6 +440,7 @@ impl Dispatcher {
                 (Ok(()), None) => {}
             }
         }
+        tally.flush();
         if let Err(e) = self.store.unreserve(&unreserve).await {
             tracing::warn!(error = %e, "cannot give back reservations (their leases will expire)");
         }
@@ -475,16 +477,27 @@ impl Dispatcher {
         out
     }
 
-    fn count(&self, fate: &Fate, env: Option<&Envelope>) {
+}
+
+/// A batch's dispatched and parked tasks per (group, lane), counted once per batch: a labelled
+/// counter is a registry lookup (label hashing, a `String` for the group) per increment.
+#[derive(Default)]
+struct Tally {
+    dispatched: std::collections::HashMap<(String, &'static str), u64>,
+    parked: std::collections::HashMap<(String, &'static str), u64>,
+}
+
+impl Tally {
+    fn count(&mut self, fate: &Fate, env: Option<&Envelope>) {
         let lane = env.map(|e| e.lane).unwrap_or_default().as_str();
         match fate {
             Fate::Dispatch(g) => {
-                metrics::counter!(m::TASKS_DISPATCHED, "group" => g.clone(), "lane" => lane).increment(1);
+                *self.dispatched.entry((g.clone(), lane)).or_default() += 1;
                 if let Some(e) = env {
                     tracing::debug!(task.id = %e.id, group = %g, lane, attempt = e.attempt, "dispatched");
                 }
             }
-            Fate::Park(g) => metrics::counter!(m::TASKS_PARKED, "group" => g.clone(), "lane" => lane).increment(1),
+            Fate::Park(g) => *self.parked.entry((g.clone(), lane)).or_default() += 1,
             Fate::Dead("expired", _) => {
                 metrics::counter!(m::TASKS_COMPLETED, "group" => "none", "lane" => lane, "outcome" => "expired").increment(1)
             }
@@ -496,6 +509,18 @@ impl Dispatcher {
             Fate::Delay(_) | Fate::Hold => {}
         }
     }
+
+    fn flush(self) {
+        for ((group, lane), n) in self.dispatched {
+            metrics::counter!(m::TASKS_DISPATCHED, "group" => group, "lane" => lane).increment(n);
+        }
+        for ((group, lane), n) in self.parked {
+            metrics::counter!(m::TASKS_PARKED, "group" => group, "lane" => lane).increment(n);
+        }
+    }
+}
+
+impl Dispatcher {
 
     /// Status records for states decided here: expired or refused at the scheduler, and
     /// delayed submissions waiting for their `not_before` (the writers of `fleet::status`).

@@ -18,14 +18,22 @@ pub fn metric_sum(page: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
 }
 
 
+/// The harness's one HTTP client (connection pool and TLS roots loaded once): `reqwest::get`
+/// builds a client per call, which reads every system root certificate each time — enough
+/// CPU, at a poll every 100 ms, to show in the benchmark's figures.
+pub fn http() -> &'static reqwest::Client {
+    static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
+    CLIENT.get_or_init(reqwest::Client::new)
+}
+
 /// GETs a JSON document.
 pub async fn get_json(url: &str) -> Result<serde_json::Value> {
-    Ok(reqwest::get(url).await?.error_for_status()?.json().await?)
+    Ok(http().get(url).send().await?.error_for_status()?.json().await?)
 }
 
 /// The Prometheus page of a scheduler or worker (`http://addr`).
 pub async fn metrics_page(base: &str) -> Result<String> {
-    Ok(reqwest::get(format!("{base}/metrics")).await?.error_for_status()?.text().await?)
+    Ok(http().get(format!("{base}/metrics")).send().await?.error_for_status()?.text().await?)
 }
 
 /// `fleet_tasks_completed_total` of one group's normal lane and outcome, in this process.
@@ -46,6 +54,6 @@ pub async fn completed_at_least(base: &str, group: &str, outcome: &str, n: u64) 
 
 /// A counter or gauge from a `/metrics` page.
 pub async fn metric(url: &str, name: &str, labels: &[(&str, &str)]) -> Result<f64> {
-    let page = reqwest::get(url).await?.text().await?;
+    let page = http().get(url).send().await?.text().await?;
     Ok(metric_sum(&page, name, labels))
 }

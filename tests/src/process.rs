@@ -252,7 +252,7 @@ impl SchedulerProcess {
         let ready = format!("{}/readyz", p.base);
         wait_for("scheduler process ready", Duration::from_secs(30), || {
             let u = ready.clone();
-            async move { reqwest::get(&u).await.ok().filter(|r| r.status().is_success()).map(|_| ()) }
+            async move { crate::metrics::http().get(&u).send().await.ok().filter(|r| r.status().is_success()).map(|_| ()) }
         })
         .await
         .with_context(|| std::fs::read_to_string(&p.log).unwrap_or_default())?;

@@ -396,7 +396,7 @@ impl Rig {
     }
 
     async fn metrics(&self) -> Result<String> {
-        let page = reqwest::get(self.sched.url("/metrics")).await?.text().await?;
+        let page = http().get(self.sched.url("/metrics")).send().await?.text().await?;
         Ok(format!(
             "dispatched {} parked {} throttled {} rerouted {}",
             metric_sum(&page, "fleet_tasks_dispatched_total", &[]),
@@ -598,7 +598,7 @@ async fn rss(secs: u64) -> Result<()> {
         ));
     }
     wait_for("scheduler ready", Duration::from_secs(30), || async move {
-        reqwest::get(format!("http://127.0.0.1:{sched_port}/readyz")).await.ok().filter(|r| r.status().is_success()).map(|_| ())
+        http().get(format!("http://127.0.0.1:{sched_port}/readyz")).send().await.ok().filter(|r| r.status().is_success()).map(|_| ())
     })
     .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
