@@ -10,7 +10,7 @@
 #                on a 2-core machine — for long runs, not for CI
 #   --binaries   the `config` target also checks the scheduler's and the worker's own settings
 #                (SchedulerConfig/WorkerConfig::from_settings; cargo feature `binaries`: ~30
-#                more crates, among them reqwest and chrono-tz); without it, fleet-shared's
+#                more crates, among them reqwest and chrono-tz); without it, the fleet lib's
 #                common settings only
 #
 # Fails on any crash (panic, overflow, stack exhaustion, a 10 s timeout, 2 GB of memory); the
@@ -20,7 +20,7 @@
 #
 # The default build is `cargo fuzz build --dev`: no optimisation but for libFuzzer's own C++
 # (see fuzz/Cargo.toml), debug assertions and overflow checks on, coverage instrumentation as
-# always; about 9 min of CPU cold (fleet-shared and its dependencies). No sanitizer (-s none):
+# always; about 9 min of CPU cold (the fleet lib and its dependencies). No sanitizer (-s none):
 # fleet forbids `unsafe` (workspace lint), so AddressSanitizer has nothing to find that a
 # panic would not show. It goes to fuzz/target (fuzz/Cargo.lock pins the versions), and a warm fuzz/target is
 # not rebuilt: `cargo fuzz run` is given the same flags as the build. cargo-fuzz needs nightly

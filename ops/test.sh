@@ -17,7 +17,7 @@
 #   6. ops/fuzz.sh N          every fuzz target (envelope, selector, config, submit_body) for
 #                             N = FLEET_FUZZ_SECONDS s (default 20; 0 skips the step); fails on
 #                             any crash. Installs cargo-fuzz when missing; builds in fuzz/target
-#                             (an unoptimised instrumented build of fleet-shared and its
+#                             (an unoptimised instrumented build of the fleet lib and its
 #                             dependencies, not rebuilt when warm). Runs alone, after the rest:
 #                             the suite is CPU-bound
 #

@@ -1,7 +1,7 @@
 //! Settings: a config file's text (TOML) and environment-style `KEY=value` lines go through
 //! every binary's config reader; bad values must come back as errors naming a setting, never
 //! a panic. Keys naming files are dropped (the fuzzer must not read /dev/zero or the disk).
-//! Every declaration (common, scheduler, worker: all in fleet-shared) and the common checks
+//! Every declaration (common, scheduler, worker: all in the fleet lib) and the common checks
 //! always; the scheduler's and the worker's relation checks (`from_settings`) with the cargo
 //! feature `binaries` (`ops/fuzz.sh --binaries`), which builds those two crates too.
 #![no_main]

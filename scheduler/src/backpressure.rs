@@ -36,7 +36,7 @@ use std::sync::Arc;
 
 use fleet::registry::GroupView;
 use fleet::topology;
-use fleet::{Lane, Store};
+use fleet::{Lane, PerLane, Store};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -240,8 +240,8 @@ impl Controller {
 /// drain what it drained before: its room does not decay to the floor between bursts).
 #[derive(Default)]
 struct Rates {
-    last: std::collections::HashMap<String, ([u64; 2], std::time::Instant)>,
-    rate: std::collections::HashMap<String, [Option<f64>; 2]>,
+    last: std::collections::HashMap<String, (PerLane<u64>, std::time::Instant)>,
+    rate: std::collections::HashMap<String, PerLane<Option<f64>>>,
 }
 
 impl Rates {
@@ -264,22 +264,21 @@ impl Rates {
             let rate = self.rate.entry(g.group.clone()).or_default();
             if let Some((before, at)) = self.last.get(&g.group) {
                 let secs = now.duration_since(*at).as_secs_f64().max(1e-3);
-                let busy = [g.load + g.reserved > 0, g.critical_load + g.critical_reserved > 0];
-                for i in 0..2 {
-                    let n = counts[i].saturating_sub(before[i]);
+                let busy = g.in_flight().map(|n| n > 0);
+                for lane in Lane::ALL {
+                    let n = counts[lane].saturating_sub(before[lane]);
                     let r = n as f64 / secs;
-                    rate[i] = match rate[i] {
+                    rate[lane] = match rate[lane] {
                         None if n > 0 => Some(r),
                         None => None,
-                        Some(old) if n == 0 && !busy[i] => Some(old),
+                        Some(old) if n == 0 && !busy[lane] => Some(old),
                         Some(old) => Some(Self::ALPHA * r + (1.0 - Self::ALPHA) * old),
                     };
                 }
             }
             self.last.insert(g.group.clone(), (counts, now));
-            for (i, lane) in Lane::ALL.into_iter().enumerate() {
-                let cap = if lane == Lane::Normal { g.capacity } else { g.critical_capacity };
-                let room = room_seeded(cap, cfg.backlog_factor, rate[i], cfg.target_queue);
+            for (lane, cap) in g.capacities().iter() {
+                let room = room_seeded(*cap, cfg.backlog_factor, rate[lane], cfg.target_queue);
                 if lane == Lane::Normal {
                     normal.insert(g.group.clone(), room);
                 }

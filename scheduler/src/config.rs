@@ -5,7 +5,7 @@ use std::time::Duration;
 use fleet::config::{CommonConfig, Settings};
 use fleet::route::Strategy;
 use fleet::settings::SchedulerArgs;
-use fleet::{Error, Result};
+use fleet::{Error, PerLane, Result};
 
 /// Everything the scheduler reads at start-up.
 #[derive(Debug, Clone)]
@@ -28,13 +28,12 @@ pub struct SchedulerConfig {
     pub throttle: Duration,
     pub red_recheck: Duration,
     pub pressure_interval: Duration,
-    /// Cluster-wide dispatch rate limit per second (0 = off, the default: it protects a
-    /// downstream quota only the operator knows; 3,000/s burst 6,000 is the documented example).
-    pub rate: f64,
-    pub burst: u32,
-    /// The critical lane's own limit (0 = off, the default).
-    pub critical_rate: f64,
-    pub critical_burst: u32,
+    /// Each lane's cluster-wide dispatch rate limit per second (0 = off, the default: it
+    /// protects a downstream quota only the operator knows; 3,000/s burst 6,000 is the
+    /// documented example for the normal lane): `FLEET_RATE`, `FLEET_CRITICAL_RATE`.
+    pub rate: PerLane<f64>,
+    /// Each lane's burst (tokens): `FLEET_BURST`, `FLEET_CRITICAL_BURST`.
+    pub burst: PerLane<u32>,
     /// Optional limit on HTTP submissions per second (0 = none); over it the API answers 429.
     pub submit_rate: f64,
     pub dedupe_window: Duration,
@@ -88,10 +87,8 @@ impl SchedulerConfig {
             throttle: ms(a.throttle_ms),
             red_recheck: ms(a.red_recheck_ms),
             pressure_interval: ms(a.pressure_interval_ms),
-            rate: a.rate,
-            burst: a.burst,
-            critical_rate: a.critical_rate,
-            critical_burst: a.critical_burst,
+            rate: PerLane { normal: a.rate, critical: a.critical_rate },
+            burst: PerLane { normal: a.burst, critical: a.critical_burst },
             submit_rate: a.submit_rate,
             dedupe_window: ms(a.dedupe_window_ms),
             health_interval: ms(a.health_interval_ms),
@@ -112,15 +109,7 @@ impl SchedulerConfig {
 
     /// The rate limit of a lane, `None` when off.
     pub fn rate_for(&self, lane: fleet::Lane) -> Option<(f64, u32)> {
-        let (rate, burst) = self.rate_pair(lane);
-        (rate > 0.0).then_some((rate, burst))
-    }
-
-    fn rate_pair(&self, lane: fleet::Lane) -> (f64, u32) {
-        match lane {
-            fleet::Lane::Normal => (self.rate, self.burst),
-            fleet::Lane::Critical => (self.critical_rate, self.critical_burst),
-        }
+        (self.rate[lane] > 0.0).then_some((self.rate[lane], self.burst[lane]))
     }
 }
 
@@ -144,9 +133,9 @@ mod tests {
         }
         let ok = SchedulerConfig::from_settings(&Settings::default()).unwrap();
         assert_eq!(ok.max_pending, 1000);
-        assert_eq!(ok.rate, 0.0, "the rate limit is opt-in");
+        assert_eq!(ok.rate.normal, 0.0, "the rate limit is opt-in");
         assert_eq!(ok.rate_for(fleet::Lane::Normal), None);
-        assert_eq!(ok.burst, 6000);
+        assert_eq!(ok.burst.normal, 6000);
         let on = SchedulerConfig::from_settings(&Settings::from_pairs([("rate", "3000".to_string())])).unwrap();
         assert_eq!(on.rate_for(fleet::Lane::Normal), Some((3000.0, 6000)));
     }

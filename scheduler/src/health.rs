@@ -75,10 +75,7 @@ pub async fn rescue_orphans(d: &Dispatcher) -> fleet::Result<usize> {
     let groups = d.store.groups().await?;
     let mut moved = 0;
     for lane in Lane::ALL {
-        let cap = |g: &GroupView| match lane {
-            Lane::Normal => g.capacity,
-            Lane::Critical => g.critical_capacity,
-        };
+        let cap = |g: &GroupView| g.capacities()[lane];
         // Nowhere to go: leave the orphans untouched.
         if !groups.iter().any(|g| cap(g) > 0) {
             continue;

@@ -73,7 +73,7 @@ impl IngressLoop {
             // Prefetched deliveries do not count against the queue's bound, so never prefetch
             // more than the bound itself (the critical lane's bound is small on purpose).
             let prefetch = match &self.source {
-                Source::Ingress(lane) => u32::from(cfg.batch_max).min(cfg.common.ingress_max(*lane)).max(1) as u16,
+                Source::Ingress(lane) => u32::from(cfg.batch_max).min(cfg.common.ingress_max[*lane]).max(1) as u16,
                 _ => cfg.batch_max,
             };
             ch.basic_qos(prefetch, BasicQosOptions::default()).await?;

@@ -77,7 +77,7 @@ enum Ended {
 }
 
 async fn consume(d: &Dispatcher, ch: &lapin::Channel, queue: &str, group: &str, lane: Lane, shutdown: &CancellationToken) -> fleet::Result<Ended> {
-    let hold_max = hold_max(d.cfg.batch_max, d.cfg.common.park_bound(lane));
+    let hold_max = hold_max(d.cfg.batch_max, d.cfg.common.park_max[lane]);
     ch.basic_qos(hold_max, BasicQosOptions::default()).await?;
     let mut consumer = ch.basic_consume(queue.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
     let mut held = Vec::new();

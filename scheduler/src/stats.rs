@@ -43,7 +43,7 @@ impl Sampler {
         let d = &self.d;
         let mut ticker = Ticker::new(d.cfg.stats_interval);
         for lane in Lane::ALL {
-            metrics::gauge!(m::QUEUE_BOUND, "queue" => d.names.ingress_queue(lane)).set(f64::from(d.cfg.common.ingress_max(lane)));
+            metrics::gauge!(m::QUEUE_BOUND, "queue" => d.names.ingress_queue(lane)).set(f64::from(d.cfg.common.ingress_max[lane]));
         }
         loop {
             tokio::select! {
@@ -79,7 +79,7 @@ async fn sample(d: &Dispatcher, board: &GroupBoard) -> fleet::Result<()> {
         metrics::gauge!(m::GROUP_LOAD, "group" => g.group.clone()).set(f64::from(g.load));
         metrics::gauge!(m::GROUP_RESERVED, "group" => g.group.clone()).set(f64::from(g.reserved));
         for lane in Lane::ALL {
-            metrics::gauge!(m::QUEUE_BOUND, "queue" => n.park_queue(&g.group, lane)).set(f64::from(d.cfg.common.park_bound(lane)));
+            metrics::gauge!(m::QUEUE_BOUND, "queue" => n.park_queue(&g.group, lane)).set(f64::from(d.cfg.common.park_max[lane]));
         }
         let mut backlog = 0u32;
         for lane in Lane::ALL {

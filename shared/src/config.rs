@@ -220,14 +220,13 @@ pub struct CommonConfig {
     pub max_task_bytes: usize,
     /// Every dimension of an envelope, checked at the door (`limits.max_bytes` = `max_task_bytes`).
     pub limits: crate::envelope::Limits,
-    /// Bound of each ingress queue (normal, critical).
-    pub ingress_max_normal: u32,
-    pub ingress_max_critical: u32,
-    /// Bound of each group's normal-lane park queue.
-    pub park_max: u32,
-    /// Bound of each group's critical-lane park queue: small, so the critical lane cannot be
+    /// Bound of each lane's ingress queue (messages): `FLEET_INGRESS_MAX_NORMAL`,
+    /// `FLEET_INGRESS_MAX_CRITICAL`.
+    pub ingress_max: crate::PerLane<u32>,
+    /// Bound of each group's park queue per lane (messages): `FLEET_PARK_MAX`,
+    /// `FLEET_PARK_MAX_CRITICAL`. The critical one is small, so the critical lane cannot be
     /// used as a second bulk lane — once it is full the critical ingress fills and refuses.
-    pub park_max_critical: u32,
+    pub park_max: crate::PerLane<u32>,
     /// How long task status records live in Redis.
     pub status_ttl: Duration,
     pub default_max_attempts: u32,
@@ -341,10 +340,8 @@ impl CommonConfig {
             queue_type,
             leader_locator: (a.queue_leader_locator != "none").then(|| a.queue_leader_locator.clone()),
             max_task_bytes: a.max_task_bytes,
-            ingress_max_normal: a.ingress_max_normal,
-            ingress_max_critical: a.ingress_max_critical,
-            park_max: a.park_max,
-            park_max_critical: a.park_max_critical,
+            ingress_max: crate::PerLane { normal: a.ingress_max_normal, critical: a.ingress_max_critical },
+            park_max: crate::PerLane { normal: a.park_max, critical: a.park_max_critical },
             status_ttl: Duration::from_millis(a.status_ttl_ms),
             default_max_attempts: a.max_attempts,
             subsetting: subsetting(a.shards, a.shards_per_worker)?,
@@ -362,20 +359,6 @@ impl CommonConfig {
 
     pub fn names(&self) -> crate::names::Names {
         crate::names::Names::new(&self.namespace)
-    }
-
-    pub fn park_bound(&self, lane: crate::Lane) -> u32 {
-        match lane {
-            crate::Lane::Normal => self.park_max,
-            crate::Lane::Critical => self.park_max_critical,
-        }
-    }
-
-    pub fn ingress_max(&self, lane: crate::Lane) -> u32 {
-        match lane {
-            crate::Lane::Normal => self.ingress_max_normal,
-            crate::Lane::Critical => self.ingress_max_critical,
-        }
     }
 }
 

@@ -59,6 +59,55 @@ impl std::fmt::Display for Lane {
     }
 }
 
+/// One value per lane (a capacity, a rate limit, a counter), where a pair of fields
+/// `x`/`critical_x` would otherwise be carried. Indexable by [`Lane`]: `caps[lane]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PerLane<T> {
+    pub normal: T,
+    pub critical: T,
+}
+
+impl<T> PerLane<T> {
+    /// The value of `lane`.
+    pub fn get(&self, lane: Lane) -> &T {
+        match lane {
+            Lane::Normal => &self.normal,
+            Lane::Critical => &self.critical,
+        }
+    }
+
+    /// The value of `lane`, to change it.
+    pub fn get_mut(&mut self, lane: Lane) -> &mut T {
+        match lane {
+            Lane::Normal => &mut self.normal,
+            Lane::Critical => &mut self.critical,
+        }
+    }
+
+    /// Each lane with its value, in [`Lane::ALL`] order.
+    pub fn iter(&self) -> impl Iterator<Item = (Lane, &T)> {
+        Lane::ALL.into_iter().map(move |l| (l, self.get(l)))
+    }
+
+    /// Each lane's value through `f`.
+    pub fn map<U>(self, mut f: impl FnMut(T) -> U) -> PerLane<U> {
+        PerLane { normal: f(self.normal), critical: f(self.critical) }
+    }
+}
+
+impl<T> std::ops::Index<Lane> for PerLane<T> {
+    type Output = T;
+    fn index(&self, lane: Lane) -> &T {
+        self.get(lane)
+    }
+}
+
+impl<T> std::ops::IndexMut<Lane> for PerLane<T> {
+    fn index_mut(&mut self, lane: Lane) -> &mut T {
+        self.get_mut(lane)
+    }
+}
+
 /// Why an envelope was refused. `code()` is the bounded `reason` label of
 /// `fleet_tasks_rejected_total` and the `x-fleet-reason` header; `Display` is the detail.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -542,6 +591,16 @@ mod tests {
             };
             assert!(ok, "field {k} = {v} does not have the schema's type {}", p["type"]);
         }
+    }
+
+    #[test]
+    fn per_lane_values() {
+        let mut caps = PerLane { normal: 4u32, critical: 1 };
+        assert_eq!((caps[Lane::Normal], *caps.get(Lane::Critical)), (4, 1));
+        caps[Lane::Critical] += 1;
+        *caps.get_mut(Lane::Normal) = 5;
+        assert_eq!(caps.iter().collect::<Vec<_>>(), vec![(Lane::Normal, &5), (Lane::Critical, &2)]);
+        assert_eq!(caps.map(|c| c * 2), PerLane { normal: 10, critical: 4 });
     }
 
     #[test]

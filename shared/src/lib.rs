@@ -1,7 +1,7 @@
 //! fleet's library crate: everything the scheduler, the worker and `fleetctl` share.
 //!
 //! * [`envelope`] — the task envelope (versioned JSON), its parsing with reasons that name the
-//!   bad field, and its JSON Schema.
+//!   bad field, and its JSON Schema; the lanes ([`Lane`], one value per lane: [`PerLane`]).
 //! * [`selector`] — label sets, selector parsing and exact matching, group names.
 //! * [`config`] — settings from the environment and an optional file; errors name the setting.
 //! * [`settings`] — every setting declared once (flag, variable, default, range, help).
@@ -63,7 +63,7 @@ pub mod ticker;
 pub mod topology;
 pub mod waits;
 
-pub use envelope::{Envelope, Lane};
+pub use envelope::{Envelope, Lane, PerLane};
 pub use error::{Error, Result};
 pub use names::Names;
 pub use selector::Labels;

@@ -602,7 +602,7 @@ mod tests {
     }
 
     /// README's settings tables are generated: this fails when they drift. To regenerate:
-    /// `UPDATE_README=1 cargo test -p fleet-shared readme_settings`.
+    /// `UPDATE_README=1 cargo test -p fleet readme_settings`.
     #[test]
     fn readme_settings_table_is_current() {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md");
@@ -618,7 +618,7 @@ mod tests {
                 let updated = format!("{}{want}{}", &readme[..a + begin.len()], &readme[b..]);
                 std::fs::write(&path, updated).unwrap();
             } else {
-                panic!("README.md's settings table is out of date; run UPDATE_README=1 cargo test -p fleet-shared readme_settings\nexpected:\n{want}");
+                panic!("README.md's settings table is out of date; run UPDATE_README=1 cargo test -p fleet readme_settings\nexpected:\n{want}");
             }
         }
     }

@@ -21,7 +21,7 @@ use lapin::{Channel, ExchangeKind};
 use crate::headers;
 use crate::config::{CommonConfig, QueueType};
 use crate::delay;
-use crate::envelope::Lane;
+use crate::envelope::{Lane, PerLane};
 use crate::error::{Error, Result};
 use crate::names::Names;
 
@@ -154,11 +154,7 @@ pub async fn declare_ingress(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
     exchange(ch, &n.submit_exchange(), ExchangeKind::Direct).await?;
     for lane in Lane::ALL {
         let q = n.ingress_queue(lane);
-        let setting = match lane {
-            Lane::Normal => "FLEET_INGRESS_MAX_NORMAL",
-            Lane::Critical => "FLEET_INGRESS_MAX_CRITICAL",
-        };
-        queue(ch, &q, bounded(cfg, cfg.ingress_max(lane)), Some(setting)).await?;
+        queue(ch, &q, bounded(cfg, cfg.ingress_max[lane]), Some(INGRESS_MAX_SETTING[lane])).await?;
         bind(ch, &q, &n.submit_exchange(), lane.as_str(), FieldTable::default()).await?;
     }
     Ok(())
@@ -236,7 +232,7 @@ pub async fn declare_group(ch: &Channel, cfg: &CommonConfig, group: &str) -> Res
 pub async fn declare_park(ch: &Channel, cfg: &CommonConfig, group: &str, lane: Lane) -> Result<()> {
     let n = cfg.names();
     let q = n.park_queue(group, lane);
-    queue(ch, &q, bounded(cfg, cfg.park_bound(lane)), Some(park_setting(lane))).await?;
+    queue(ch, &q, bounded(cfg, cfg.park_max[lane]), Some(PARK_MAX_SETTING[lane])).await?;
     bind(ch, &q, &n.tasks_exchange(), &n.park_key(group, lane), FieldTable::default()).await
 }
 
@@ -253,13 +249,9 @@ pub async fn park_depth(ch: &Channel, cfg: &CommonConfig, group: &str, lane: Lan
     }
 }
 
-/// The setting a park queue's bound comes from.
-fn park_setting(lane: Lane) -> &'static str {
-    match lane {
-        Lane::Normal => "FLEET_PARK_MAX",
-        Lane::Critical => "FLEET_PARK_MAX_CRITICAL",
-    }
-}
+/// The settings the bounds come from ([`CommonConfig::ingress_max`], [`CommonConfig::park_max`]).
+const INGRESS_MAX_SETTING: PerLane<&str> = PerLane { normal: "FLEET_INGRESS_MAX_NORMAL", critical: "FLEET_INGRESS_MAX_CRITICAL" };
+const PARK_MAX_SETTING: PerLane<&str> = PerLane { normal: "FLEET_PARK_MAX", critical: "FLEET_PARK_MAX_CRITICAL" };
 
 /// Depth of a queue (passive declare), `None` when it does not exist. Uses its own channel
 /// because a passive declare of a missing queue closes the channel.

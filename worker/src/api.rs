@@ -25,8 +25,8 @@ pub struct Identity {
     pub group: String,
     pub labels: fleet::Labels,
     pub executor: &'static str,
-    pub capacity: u32,
-    pub critical_capacity: u32,
+    /// Each lane's capacity (shown as `capacity` and `critical_capacity`).
+    pub capacity: fleet::PerLane<u32>,
 }
 
 #[derive(Clone)]
@@ -49,7 +49,7 @@ pub fn router(prom: PrometheusHandle, ready: Readiness, identity: Identity, cont
 }
 
 async fn status(State(api): State<Api>) -> Json<Value> {
-    let (running, running_critical, _) = api.stats.running();
+    let (running, _) = api.stats.running();
     let (succeeded, failed) = api.stats.totals();
     let id = &api.identity;
     Json(json!({
@@ -58,10 +58,10 @@ async fn status(State(api): State<Api>) -> Json<Value> {
         "labels": id.labels,
         "executor": id.executor,
         "state": api.control.mode().state().as_str(),
-        "capacity": id.capacity,
-        "critical_capacity": id.critical_capacity,
-        "running": running,
-        "running_critical": running_critical,
+        "capacity": id.capacity.normal,
+        "critical_capacity": id.capacity.critical,
+        "running": running.normal,
+        "running_critical": running.critical,
         "succeeded": succeeded,
         "failed": failed,
         "latency_ewma_ms": api.stats.latency_ewma_ms(),

@@ -16,7 +16,7 @@ use std::time::Duration;
 use fleet::config::{CommonConfig, Settings};
 use fleet::settings::WorkerArgs;
 use fleet::selector::PROTOCOL_LABEL;
-use fleet::Labels;
+use fleet::{Labels, PerLane};
 
 /// The executor a worker runs tasks with; also its implicit `protocol` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,10 +84,8 @@ pub struct WorkerConfig {
     pub worker_id: String,
     /// The worker's labels including `protocol=<executor>`.
     pub labels: Labels,
-    /// Normal-lane concurrency (and prefetch).
-    pub capacity: u32,
-    /// Critical-lane concurrency (and prefetch).
-    pub critical_capacity: u32,
+    /// Each lane's concurrency (and prefetch): `FLEET_CAPACITY`, `FLEET_CRITICAL_CAPACITY`.
+    pub capacity: PerLane<u32>,
     pub executor: ExecutorKind,
     pub heartbeat_interval: Duration,
     /// Liveness window: a registration of the same id seen within it is a live duplicate.
@@ -205,8 +203,7 @@ impl WorkerConfig {
             common,
             worker_id,
             labels,
-            capacity: a.capacity,
-            critical_capacity: a.critical_capacity,
+            capacity: PerLane { normal: a.capacity, critical: a.critical_capacity },
             executor,
             heartbeat_interval,
             heartbeat_timeout,
@@ -224,14 +221,6 @@ impl WorkerConfig {
     /// The worker's group: the canonical name of its full label set.
     pub fn group(&self) -> String {
         self.labels.group_name()
-    }
-
-    /// A lane's capacity.
-    pub fn lane_capacity(&self, lane: fleet::Lane) -> u32 {
-        match lane {
-            fleet::Lane::Normal => self.capacity,
-            fleet::Lane::Critical => self.critical_capacity,
-        }
     }
 }
 
@@ -283,8 +272,8 @@ mod tests {
     #[test]
     fn defaults() {
         let c = cfg(&[]).unwrap();
-        assert_eq!(c.capacity, 4);
-        assert_eq!(c.critical_capacity, 1);
+        assert_eq!(c.capacity.normal, 4);
+        assert_eq!(c.capacity.critical, 1);
         assert_eq!(c.executor, ExecutorKind::Builtin);
         assert_eq!(c.group(), "protocol=builtin");
         assert_eq!(c.run_lease, Duration::from_secs(30));

@@ -250,8 +250,8 @@ impl Drain {
         // The lanes see the mode change (and the stage's signal), cancel their consumers, end.
         stages.intake.stop().await;
         let finish = wait_for_tasks(&stages.work, grace, control.force()).await;
-        let (n, c, _) = stats.running();
-        let left = n + c;
+        let (counts, _) = stats.running();
+        let left = counts.normal + counts.critical;
         if finish != Finish::Clean {
             tracing::warn!(?finish, running = left, "drain cut short: closing the connection, unacked tasks go back to the broker");
             broker.close("drain cut short").await;

@@ -138,12 +138,11 @@ impl Heartbeat {
     }
 
     fn collect(&self, cpu: &mut CpuSampler) -> Beat {
-        let (running_normal, running_critical, running) = self.stats.running();
+        let (load, running) = self.stats.running();
         let (succeeded, failed) = self.stats.totals();
         let cpu = cpu.sample();
         Beat {
-            running_normal,
-            running_critical,
+            load,
             succeeded,
             failed,
             latency_ewma_ms: self.stats.latency_ewma_ms(),

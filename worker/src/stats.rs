@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use fleet::waits::WaitHistogram;
-use fleet::Lane;
+use fleet::{Lane, PerLane};
 
 /// Weight of the newest sample in the latency EWMA: about the last ten runs matter.
 const EWMA_ALPHA: f64 = 0.2;
@@ -25,7 +25,7 @@ pub struct Stats {
     /// User task attempts by outcome, in the order of [`OUTCOMES`].
     outcomes: [AtomicU64; 5],
     /// The queues each lane consumes now (set by the lane once its consumers are up).
-    consuming: Mutex<HashMap<Lane, Vec<String>>>,
+    consuming: Mutex<PerLane<Vec<String>>>,
 }
 
 /// The outcomes of `fleet_tasks_completed_total`, as the worker counts them for `/status` and
@@ -40,13 +40,13 @@ impl Stats {
     /// Records the queues a lane consumes now (empty: none, e.g. paused or reconnecting).
     pub fn set_consuming(&self, lane: Lane, queues: Vec<String>) {
         if let Ok(mut c) = self.consuming.lock() {
-            c.insert(lane, queues);
+            c[lane] = queues;
         }
     }
 
     /// The queues a lane consumes now.
     pub fn consuming(&self, lane: Lane) -> Vec<String> {
-        self.consuming.lock().ok().and_then(|c| c.get(&lane).cloned()).unwrap_or_default()
+        self.consuming.lock().map(|c| c[lane].clone()).unwrap_or_default()
     }
 
     pub fn started(&self, lane: Lane, id: &str) {
@@ -82,18 +82,14 @@ impl Stats {
         });
     }
 
-    /// (running normal, running critical, the running tasks).
-    pub fn running(&self) -> (u32, u32, Vec<(Lane, String)>) {
-        let Ok(r) = self.running.lock() else { return (0, 0, vec![]) };
-        let mut normal = 0;
-        let mut critical = 0;
+    /// (how many run in each lane, the running tasks).
+    pub fn running(&self) -> (PerLane<u32>, Vec<(Lane, String)>) {
+        let Ok(r) = self.running.lock() else { return (PerLane::default(), vec![]) };
+        let mut counts = PerLane::default();
         for ((lane, _), n) in r.iter() {
-            match lane {
-                Lane::Normal => normal += n,
-                Lane::Critical => critical += n,
-            }
+            counts[*lane] += n;
         }
-        (normal, critical, r.keys().cloned().collect())
+        (counts, r.keys().cloned().collect())
     }
 
     /// Counts one user task attempt's outcome (one of [`OUTCOMES`]; others are ignored).
@@ -132,12 +128,12 @@ mod tests {
         s.started(Lane::Normal, "a");
         s.started(Lane::Normal, "a");
         s.started(Lane::Critical, "p");
-        let (n, c, list) = s.running();
+        let (PerLane { normal: n, critical: c }, list) = s.running();
         assert_eq!((n, c, list.len()), (2, 1, 2));
         s.ended(Lane::Normal, "a");
         s.ended(Lane::Normal, "a");
         s.ended(Lane::Normal, "zzz");
-        assert_eq!(s.running().0, 0);
+        assert_eq!(s.running().0.normal, 0);
     }
 
     #[test]

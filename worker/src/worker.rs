@@ -153,11 +153,10 @@ impl Worker {
             labels: cfg.labels.clone(),
             executor: cfg.executor.as_str(),
             capacity: cfg.capacity,
-            critical_capacity: cfg.critical_capacity,
         };
         let router = api::router(prom, readiness.clone(), identity, control.clone(), stats.clone(), &cfg.common.auth);
         stages.serve.spawn(tracing::info_span!("http", addr = %http_addr), fleet::http::serve(listener, router, stages.serve.token()));
-        tracing::info!(group = %group, http = %http_addr, capacity = cfg.capacity, critical_capacity = cfg.critical_capacity, executor = cfg.executor.as_str(), "starting");
+        tracing::info!(group = %group, http = %http_addr, capacity = cfg.capacity.normal, critical_capacity = cfg.capacity.critical, executor = cfg.executor.as_str(), "starting");
         let requests = DrainRequests { shutdown, control: control.clone() };
         stages.serve.spawn(tracing::Span::current(), requests.run(stages.serve.token()));
 
@@ -255,7 +254,7 @@ impl Worker {
             };
             let consumer = LaneConsumer {
                 lane,
-                capacity: cfg.lane_capacity(lane),
+                capacity: cfg.capacity[lane],
                 queues,
                 shared: shared.clone(),
                 broker: broker.clone(),

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use deadpool_redis::redis;
 use serde::Serialize;
 
-use crate::envelope::Lane;
+use crate::envelope::{Lane, PerLane};
 use crate::error::Result;
 use crate::store::Store;
 
@@ -24,13 +24,26 @@ pub struct GroupView {
     pub critical_reserved: u32,
 }
 
+impl GroupView {
+    /// Each lane's capacity (`capacity`, `critical_capacity`).
+    pub fn capacities(&self) -> PerLane<u32> {
+        PerLane { normal: self.capacity, critical: self.critical_capacity }
+    }
+
+    /// Each lane's tasks running or reserved (`load + reserved`, `critical_load +
+    /// critical_reserved`).
+    pub fn in_flight(&self) -> PerLane<u32> {
+        PerLane { normal: self.load + self.reserved, critical: self.critical_load + self.critical_reserved }
+    }
+}
+
 impl Store {
-    /// Completed attempts so far of each group, per lane in [`Lane::ALL`] order (counters kept
-    /// by the `finish` script), for measuring completion rates.
+    /// Completed attempts so far of each group, per lane (counters kept by the `finish`
+    /// script), for measuring completion rates; in the order of `groups`.
     ///
     /// # Errors
     /// Redis unreachable or slow.
-    pub async fn group_completions(&self, groups: &[String]) -> Result<Vec<[u64; 2]>> {
+    pub async fn group_completions(&self, groups: &[String]) -> Result<Vec<PerLane<u64>>> {
         if groups.is_empty() {
             return Ok(vec![]);
         }
@@ -39,7 +52,7 @@ impl Store {
             p.cmd("HMGET").arg(self.names.group(g)).arg("done:normal").arg("done:critical");
         }
         let raw: Vec<(Option<u64>, Option<u64>)> = self.pipe(&p).await?;
-        Ok(raw.into_iter().map(|(n, c)| [n.unwrap_or(0), c.unwrap_or(0)]).collect())
+        Ok(raw.into_iter().map(|(n, c)| PerLane { normal: n.unwrap_or(0), critical: c.unwrap_or(0) }).collect())
     }
 
     /// Sets each group's room ahead of its workers per lane (tasks; see the `reserve` script).

@@ -5,15 +5,15 @@ use std::time::Duration;
 
 
 use super::WorkerState;
-use crate::envelope::Lane;
+use crate::envelope::{Lane, PerLane};
 use crate::error::Result;
 use crate::store::{millis, Store};
 
 /// What a heartbeat carries.
 #[derive(Debug, Clone, Default)]
 pub struct Beat {
-    pub running_normal: u32,
-    pub running_critical: u32,
+    /// Tasks running per lane (copies of a redelivered duplicate count each).
+    pub load: PerLane<u32>,
     pub succeeded: u64,
     pub failed: u64,
     pub latency_ewma_ms: f64,
@@ -45,8 +45,8 @@ impl Store {
             .arg(id)
             .arg(instance)
             .arg(millis(lease))
-            .arg(b.running_normal)
-            .arg(b.running_critical)
+            .arg(b.load.normal)
+            .arg(b.load.critical)
             .arg(b.succeeded)
             .arg(b.failed)
             .arg(format!("{:.3}", b.latency_ewma_ms))

@@ -37,7 +37,7 @@ use deadpool_redis::redis;
 use fleet::lease::{ClaimRequest, Claim, Dedupe, ReserveParams, ReserveRequest};
 use fleet::registry::{Beat, BeatReply, Registration, WorkerState};
 use fleet::route::{Reservation, Strategy};
-use fleet::{Envelope, Labels, Lane, Names, Store};
+use fleet::{Envelope, Labels, Lane, Names, PerLane, Store};
 use fleet_tests::servers::PrivateRedis;
 use fleet_tests::*;
 use fleet_worker::executor::handler_fn;
@@ -585,8 +585,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
     let running = Arc::new(running);
     let workers = Arc::new(fleet.workers.clone());
     let beat_of = |w: usize, running: &[Vec<(Lane, String)>], with: bool| Beat {
-        running_normal: if with { a.running as u32 } else { 0 },
-        running_critical: 0,
+        load: PerLane { normal: if with { a.running as u32 } else { 0 }, critical: 0 },
         succeeded: 1000 + w as u64,
         failed: 3,
         latency_ewma_ms: 12.5,
@@ -669,8 +668,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
                     let w = k % workers.len();
                     let (id, _, inst) = &workers[w];
                     let b = Beat {
-                        running_normal: if with { nrun as u32 } else { 0 },
-                        running_critical: 0,
+                        load: PerLane { normal: if with { nrun as u32 } else { 0 }, critical: 0 },
                         succeeded: 1000 + w as u64,
                         failed: 3,
                         latency_ewma_ms: 12.5,
