@@ -166,6 +166,18 @@ impl Store {
         if reqs.is_empty() {
             return Ok(vec![]);
         }
+        // The batch's distinct selectors, sent once each; every task names its own by index.
+        let mut selectors: Vec<Vec<String>> = Vec::new();
+        let mut index: std::collections::HashMap<&Labels, usize> = std::collections::HashMap::new();
+        let which: Vec<usize> = reqs
+            .iter()
+            .map(|r| {
+                *index.entry(&r.selector).or_insert_with(|| {
+                    selectors.push(r.selector.pairs());
+                    selectors.len()
+                })
+            })
+            .collect();
         let mut inv = self.scripts.reserve.prepare_invoke();
         inv.key(self.names.prefix())
             .arg(p.token)
@@ -176,9 +188,13 @@ impl Store {
             .arg(p.status_ttl_ms)
             .arg(u8::from(p.direct))
             .arg(p.park_flag_ttl_ms)
-            .arg(reqs.len());
-        for r in reqs {
-            let pairs = r.selector.pairs();
+            .arg(rand::random::<u32>())
+            .arg(selectors.len());
+        for pairs in &selectors {
+            inv.arg(pairs.len()).arg(pairs);
+        }
+        inv.arg(reqs.len());
+        for (r, k) in reqs.iter().zip(which) {
             inv.arg(&r.id)
                 .arg(r.lane.as_str())
                 .arg(r.strategy.map(Strategy::as_str).unwrap_or(""))
@@ -194,21 +210,22 @@ impl Store {
                 } else {
                     0
                 })
-                .arg(rand::random::<f64>())
-                .arg(pairs.len())
-                .arg(pairs);
+                .arg(k);
         }
-        // One `{answer, group}` pair per task (see `lua/reserve.lua`).
-        let raw: Vec<(String, String)> = self.invoke(&inv).await?;
+        // Two entries per task, answer then group (see `lua/reserve.lua`).
+        let raw: Vec<String> = self.invoke(&inv).await?;
         Ok(raw
-            .into_iter()
-            .map(|(answer, group)| match answer.as_str() {
-                "reserved" => Reservation::Reserved(group),
-                "full" => Reservation::Full(group),
-                "dup" => Reservation::Duplicate,
-                "fresh" => Reservation::Fresh,
-                "none" => Reservation::NoMatch,
-                other => Reservation::Failed(format!("reserve script answered {other:?}")),
+            .chunks(2)
+            .map(|pair| match pair {
+                [answer, group] => match answer.as_str() {
+                    "reserved" => Reservation::Reserved(group.clone()),
+                    "full" => Reservation::Full(group.clone()),
+                    "dup" => Reservation::Duplicate,
+                    "fresh" => Reservation::Fresh,
+                    "none" => Reservation::NoMatch,
+                    other => Reservation::Failed(format!("reserve script answered {other:?}")),
+                },
+                _ => Reservation::Failed("reserve script answered an odd number of entries".into()),
             })
             .collect())
     }

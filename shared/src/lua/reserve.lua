@@ -10,20 +10,22 @@
 --          keeps its room and its small park bound. 0: every task needs room.)
 -- ARGV[8]: how long a group's "has parked tasks" flag lives (ms) unless the scheduler's park
 --          loop renews it (`park::FLAG_TTL_MS`)
--- ARGV[9]: number of tasks, then per task:
+-- ARGV[9]: random seed of this call (the weighted strategy's draws)
+-- ARGV[10]: number of distinct selectors m, then per selector: number of pairs n, then n pairs
+--   `k=v` (a batch's tasks mostly share a few selectors: each is sent and resolved once)
+-- then: number of tasks, then per task:
 --   id, lane, strategy ('' = default), dedupe (0 skip | 1 set-if-absent | 2 redelivered:
 --   duplicate only if already handed on),
 --   mode (0: new work, 1: released from a park queue, 2: dedupe only — a delayed submission,
---   routed when it is due), random in [0,1),
---   number of selector pairs n, then n pairs `k=v`
+--   routed when it is due), selector index (1-based, into the selectors above)
 -- A group with parked tasks (flag `pk:<group>:<lane>`, set here when a task is parked and
 -- kept alive by the scheduler's park loop) counts as full for new work, so new tasks queue
 -- behind parked ones instead of overtaking them (a single-candidate task too: it parks
 -- behind them rather than going direct).
--- returns: per task a pair { answer, group }: { 'reserved', g } (status queued) |
---          { 'full', g } (matches, no room: park there; status parked) |
---          { 'none', '' } (no live group matches) | { 'dup', '' } (id seen within the window) |
---          { 'fresh', '' } (mode 2: not a duplicate)
+-- returns: per task two entries, answer then group (a flat list: no table per task):
+--          'reserved', g (status queued) | 'full', g (matches, no room: park there; status
+--          parked) | 'none', '' (no live group matches) | 'dup', '' (id seen within the
+--          window) | 'fresh', '' (mode 2: not a duplicate)
 -- Dedupe marks: 'p:<token>' while a submission is being handled, 'a' once the scheduler has
 -- handed it on (confirmed; set just before it acks the ingress message). A mark written by
 -- this batch's token is its own (a retry of this very batch after a failed call: Redis keeps
@@ -37,7 +39,7 @@ local now, token, lease, bf = NOW_MS, 'p:' .. ARGV[1], tonumber(ARGV[2]), tonumb
 local default_strategy, dd_ttl, st_ttl = ARGV[4], ARGV[5], ARGV[6]
 local direct = ARGV[7] == '1'
 local park_ttl = ARGV[8]
-local n = tonumber(ARGV[9])
+math.randomseed(tonumber(ARGV[9]))
 
 local gcache, ccache = {}, {}
 
@@ -77,32 +79,43 @@ local function health(g, s)
   return s.health
 end
 
-local function candidates(sel)
-  local key = table.concat(sel, ',')
-  local c = ccache[key]
-  if c then return c, key end
-  if #sel == 0 then
+-- The selectors of the batch, each resolved to its sorted candidate groups once.
+local sels = {}
+local i = 11
+for k = 1, tonumber(ARGV[10]) do
+  local np = tonumber(ARGV[i])
+  local pairs_ = {}
+  for j = 1, np do pairs_[j] = ARGV[i + j] end
+  sels[k] = { pairs = pairs_, key = table.concat(pairs_, ',') }
+  i = i + 1 + np
+end
+
+local function candidates(k)
+  local sel = sels[k]
+  local c = ccache[k]
+  if c then return c, sel.key end
+  if #sel.pairs == 0 then
     c = redis.call('SMEMBERS', K_groups())
   else
     local ks = {}
-    for i, pair in ipairs(sel) do ks[i] = K_idx(pair) end
+    for j, pair in ipairs(sel.pairs) do ks[j] = K_idx(pair) end
     c = redis.call('SINTER', unpack(ks))
   end
   table.sort(c)
-  ccache[key] = c
-  return c, key
+  ccache[k] = c
+  return c, sel.key
 end
 
+local n = tonumber(ARGV[i])
+i = i + 1
 local out = {}
-local i = 10
 for t = 1, n do
   local id, lane, strategy, dd = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-  local from_park, dedupe_only, rnd = ARGV[i + 4] == '1', ARGV[i + 4] == '2', tonumber(ARGV[i + 5])
-  local nsel = tonumber(ARGV[i + 6])
-  local sel = {}
-  for j = 1, nsel do sel[j] = ARGV[i + 6 + j] end
-  i = i + 7 + nsel
+  local from_park, dedupe_only = ARGV[i + 4] == '1', ARGV[i + 4] == '2'
+  local selk = tonumber(ARGV[i + 5])
+  i = i + 6
   if strategy == '' then strategy = default_strategy end
+  local o = 2 * t - 1
 
   local dup = false
   if dd == '1' then
@@ -124,11 +137,11 @@ for t = 1, n do
     end
   end
   if dup then
-    out[t] = { 'dup', '' }
+    out[o], out[o + 1] = 'dup', ''
   elseif dedupe_only then
-    out[t] = { 'fresh', '' }
+    out[o], out[o + 1] = 'fresh', ''
   else
-    local cands, selkey = candidates(sel)
+    local cands, selkey = candidates(selk)
     local live, open = {}, {}
     for _, g in ipairs(cands) do
       local s = gstate(g, lane)
@@ -149,7 +162,7 @@ for t = 1, n do
           w[k] = (s.limit - s.used) * health(g, s)
           total = total + w[k]
         end
-        local x = rnd * total
+        local x = math.random() * total
         chosen = open[#open]
         for k, g in ipairs(open) do
           x = x - w[k]
@@ -175,7 +188,7 @@ for t = 1, n do
       s.used = s.used + 1
       redis.call('ZADD', K_resv(chosen, lane), now + lease, id)
       status_queued(id, chosen, lane, st_ttl)
-      out[t] = { 'reserved', chosen }
+      out[o], out[o + 1] = 'reserved', chosen
     elseif #live > 0 then
       local best, bg = nil, live[1]
       for _, g in ipairs(live) do
@@ -188,9 +201,9 @@ for t = 1, n do
         gstate(bg, lane).parked = true
         status_parked(id, bg, lane, st_ttl)
       end
-      out[t] = { 'full', bg }
+      out[o], out[o + 1] = 'full', bg
     else
-      out[t] = { 'none', '' }
+      out[o], out[o + 1] = 'none', ''
     end
   end
 end
