@@ -106,6 +106,30 @@ local function candidates(k)
   return c, sel.key
 end
 
+-- The live candidates (capacity > 0) of selector k on a lane, as their state tables (each
+-- with its group name `g`), resolved once per batch: the per-task loops then touch numbers only.
+local lcache = {}
+local function live_groups(k, lane)
+  local per = lcache[k]
+  if not per then per = {}; lcache[k] = per end
+  local cands, selkey = candidates(k)
+  local live = per[lane]
+  if not live then
+    live = {}
+    for _, g in ipairs(cands) do
+      local st = gstate(g, lane)
+      if st.cap > 0 then st.g = g; live[#live + 1] = st end
+    end
+    per[lane] = live
+  end
+  return live, selkey
+end
+
+-- Open for a task: room left, and (new work) no parked tasks to overtake.
+local function is_open(st, lane, from_park)
+  return st.used < st.limit and (from_park or not parked(st.g, lane, st))
+end
+
 local n = tonumber(ARGV[i])
 i = i + 1
 local out = {}
@@ -141,47 +165,45 @@ for t = 1, n do
   elseif dedupe_only then
     out[o], out[o + 1] = 'fresh', ''
   else
-    local cands, selkey = candidates(selk)
-    local live, open = {}, {}
-    for _, g in ipairs(cands) do
-      local s = gstate(g, lane)
-      if s.cap > 0 then
-        live[#live + 1] = g
-        if s.used < s.limit and (from_park or not parked(g, lane, s)) then open[#open + 1] = g end
-      end
-    end
+    local live, selkey = live_groups(selk, lane)
     local chosen = nil
-    if #open > 0 then
-      if strategy == 'round_robin' then
+    if strategy == 'round_robin' or strategy == 'weighted' then
+      local opened = {}
+      for _, st in ipairs(live) do
+        if is_open(st, lane, from_park) then opened[#opened + 1] = st end
+      end
+      if #opened > 0 and strategy == 'round_robin' then
         local ctr = redis.call('INCR', K_rr(lane, selkey))
-        chosen = open[(ctr % #open) + 1]
-      elseif strategy == 'weighted' then
+        chosen = opened[(ctr % #opened) + 1].g
+      elseif #opened > 0 then
         local total, w = 0, {}
-        for k, g in ipairs(open) do
-          local s = gstate(g, lane)
-          w[k] = (s.limit - s.used) * health(g, s)
+        for k, st in ipairs(opened) do
+          w[k] = (st.limit - st.used) * health(st.g, st)
           total = total + w[k]
         end
         local x = math.random() * total
-        chosen = open[#open]
-        for k, g in ipairs(open) do
+        chosen = opened[#opened].g
+        for k, st in ipairs(opened) do
           x = x - w[k]
-          if x < 0 then chosen = g; break end
+          if x < 0 then chosen = st.g; break end
         end
-      else
-        local best = nil
-        for _, g in ipairs(open) do
-          local s = gstate(g, lane)
-          local r = s.used / s.cap
-          if best == nil or r < best then best = r; chosen = g end
+      end
+    else
+      -- least_loaded: the open group with the lowest share of its capacity in use (no table
+      -- per task: this loop runs for every task over every candidate).
+      local best = nil
+      for _, st in ipairs(live) do
+        if is_open(st, lane, from_park) then
+          local r = st.used / st.cap
+          if best == nil or r < best then best = r; chosen = st.g end
         end
       end
     end
     if not chosen and direct and #live == 1 and lane == 'normal' then
       -- One candidate: no routing choice to protect, so no park hop — unless tasks already
       -- park for it (they keep their place in line).
-      local g = live[1]
-      if from_park or not parked(g, lane, gstate(g, lane)) then chosen = g end
+      local st = live[1]
+      if from_park or not parked(st.g, lane, st) then chosen = st.g end
     end
     if chosen then
       local s = gstate(chosen, lane)
@@ -190,11 +212,10 @@ for t = 1, n do
       status_queued(id, chosen, lane, st_ttl)
       out[o], out[o + 1] = 'reserved', chosen
     elseif #live > 0 then
-      local best, bg = nil, live[1]
-      for _, g in ipairs(live) do
-        local s = gstate(g, lane)
-        local r = s.used / s.cap
-        if best == nil or r < best then best = r; bg = g end
+      local best, bg = nil, live[1].g
+      for _, st in ipairs(live) do
+        local r = st.used / st.cap
+        if best == nil or r < best then best = r; bg = st.g end
       end
       if not from_park then
         redis.call('SET', K_parked(bg, lane), '1', 'PX', park_ttl)
