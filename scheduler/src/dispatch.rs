@@ -49,8 +49,9 @@ enum Fate {
     Park(String),
     /// Publish to a delay tier (ms).
     Delay(u64),
-    /// Publish to the dead-letter queue with a reason code and detail.
-    Dead(&'static str, String),
+    /// Publish to the dead-letter queue with its reason (the `x-fleet-reason` header and the
+    /// status's `reason`) and a detail.
+    Dead(status::DeadReason, String),
     /// Duplicate id: ack and drop.
     Duplicate,
     /// Stays unacked with the caller (park: no room yet).
@@ -176,7 +177,7 @@ impl Dispatcher {
             match parsed {
                 Err(r) => {
                     envs.push(None);
-                    fates.push(Some(Fate::Dead(r.code(), r.to_string())));
+                    fates.push(Some(Fate::Dead(status::DeadReason::from(&r), r.to_string())));
                 }
                 Ok(e) => {
                     if let Source::Ingress(lane) = source {
@@ -189,7 +190,7 @@ impl Dispatcher {
                         if matches!(source, Source::Ingress(_)) {
                             dedupe_first.push(i);
                         }
-                        Some(Fate::Dead("expired", "deadline passed before dispatch".into()))
+                        Some(Fate::Dead(status::DeadReason::Expired, "deadline passed before dispatch".into()))
                     } else if let Some(tier) = e.not_before.and_then(|nb| (nb - now).to_std().ok()).and_then(delay::tier_for) {
                         if matches!(source, Source::Ingress(_)) {
                             dedupe_first.push(i);
@@ -235,7 +236,7 @@ impl Dispatcher {
                         strategy: e.strategy,
                         dedupe,
                         from_park: *source == Source::Park,
-                        dedupe_only: matches!(fates[i], Some(Fate::Delay(_)) | Some(Fate::Dead("expired", _))),
+                        dedupe_only: matches!(fates[i], Some(Fate::Delay(_)) | Some(Fate::Dead(status::DeadReason::Expired, _))),
                     })
                 })
                 .collect();
@@ -254,14 +255,14 @@ impl Dispatcher {
                 let age = (now - e.submitted_at.unwrap_or(now)).to_std().unwrap_or_default();
                 fates[i] = Some(match (answer, source) {
                     (Reservation::Fresh, _) => continue,
-                    (Reservation::Failed(why), _) => Fate::Dead("internal_error", why),
+                    (Reservation::Failed(why), _) => Fate::Dead(status::DeadReason::InternalError, why),
                     (Reservation::Reserved(g), _) => Fate::Dispatch(g),
                     (Reservation::Duplicate, _) => Fate::Duplicate,
                     (Reservation::Full(_) | Reservation::NoMatch, Source::Park) => Fate::Hold,
                     (Reservation::NoMatch, Source::Unmatched) if age < self.cfg.no_match_grace => Fate::Hold,
                     (Reservation::Full(g), _) => Fate::Park(g),
                     (Reservation::NoMatch, _) if age >= self.cfg.no_match_grace => {
-                        Fate::Dead("no_matching_worker", format!("no live worker satisfies {{{}}}", e.selector()))
+                        Fate::Dead(status::DeadReason::NoMatchingWorker, format!("no live worker satisfies {{{}}}", e.selector()))
                     }
                     // Waits, counted and bounded, until a matching worker registers.
                     (Reservation::NoMatch, _) => Fate::Park(UNMATCHED.to_string()),
@@ -498,12 +499,12 @@ impl Tally {
                 }
             }
             Fate::Park(g) => *self.parked.entry((g.clone(), lane)).or_default() += 1,
-            Fate::Dead("expired", _) => {
+            Fate::Dead(status::DeadReason::Expired, _) => {
                 metrics::counter!(m::TASKS_COMPLETED, "group" => "none", "lane" => lane, "outcome" => "expired").increment(1)
             }
             Fate::Dead(reason, detail) => {
-                metrics::counter!(m::TASKS_REJECTED, "reason" => *reason).increment(1);
-                tracing::warn!(reason, detail = %detail, task.id = env.map(|e| e.id.as_str()).unwrap_or("?"), "task dead-lettered");
+                metrics::counter!(m::TASKS_REJECTED, "reason" => reason.as_str()).increment(1);
+                tracing::warn!(reason = reason.as_str(), detail = %detail, task.id = env.map(|e| e.id.as_str()).unwrap_or("?"), "task dead-lettered");
             }
             Fate::Duplicate => metrics::counter!(m::TASKS_DUPLICATE).increment(1),
             Fate::Delay(_) | Fate::Hold => {}
@@ -529,7 +530,7 @@ impl Dispatcher {
         for (f, e) in fates.iter().zip(envs) {
             match (f, e) {
                 (Some(Fate::Dead(reason, detail)), Some(e)) => {
-                    writes.ended(&e.id, e.lane, reason.parse().unwrap_or(status::DeadReason::InternalError), detail)
+                    writes.ended(&e.id, e.lane, *reason, detail)
                 }
                 (Some(Fate::Park(g)), Some(e)) if g == UNMATCHED && *source != Source::Unmatched => writes.waiting_for_worker(&e.id, e.lane),
                 (Some(Fate::Delay(_)), Some(e)) if matches!(source, Source::Ingress(_)) => writes.delayed(&e.id, e.lane, e.not_before),

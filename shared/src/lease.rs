@@ -17,6 +17,7 @@ use crate::envelope::Lane;
 use crate::error::Result;
 use crate::route::{Reservation, Strategy};
 use crate::selector::Labels;
+use crate::status::{DeadReason, TaskState};
 use crate::store::Store;
 
 /// Dedupe behaviour of one reservation.
@@ -75,22 +76,22 @@ pub struct Finished {
     /// The attempt that ended: a late write from an older attempt never overwrites the status
     /// of a newer one (ledger batches of different workers may land out of order).
     pub attempt: u32,
-    /// `succeeded`, `retrying`, `dead` or `expired`; empty for a release (no outcome).
-    pub state: &'static str,
+    /// `Succeeded`, `Retrying`, `Dead` or `Expired`; `None` for a release (no outcome).
+    pub state: Option<TaskState>,
     /// The result (success) or the error text, truncated.
     pub text: String,
     pub success: bool,
     /// Why a task ended `dead` or `expired` (`max_attempts`, `permanent_error`, `expired`: the
     /// dead letter's `x-fleet-reason`), as the scheduler records for the states it decides;
-    /// empty otherwise.
-    pub reason: &'static str,
+    /// `None` otherwise.
+    pub reason: Option<DeadReason>,
 }
 
 impl Finished {
     /// An attempt that ended without an outcome (hard stop): its delivery went back to the
     /// broker and the next copy runs the same attempt again.
     pub fn release(lane: Lane, id: String, attempt: u32) -> Self {
-        Finished { lane, id, attempt, state: "", text: String::new(), success: false, reason: "" }
+        Finished { lane, id, attempt, state: None, text: String::new(), success: false, reason: None }
     }
 }
 
@@ -126,19 +127,17 @@ pub enum Claim {
 }
 
 impl Claim {
-    fn parse(s: &str) -> Claim {
-        let num = |p: &str| s.strip_prefix(p).and_then(|n| n.parse::<u32>().ok()).unwrap_or(1);
-        if s.starts_with("run:") {
-            Claim::Run(num("run:"))
-        } else if s.starts_with("iso:") {
-            Claim::Isolate(num("iso:"))
-        } else if s.starts_with("dead:") {
-            Claim::Dead(num("dead:"))
-        } else if s == "wait" {
-            Claim::Wait
-        } else {
-            Claim::Duplicate
-        }
+    /// One answer of `start.lua`: its word and attempt number. `None` for a word the script
+    /// never says (a script and binary out of step: the claim fails as a whole).
+    fn from_answer(word: &str, attempt: u32) -> Option<Claim> {
+        Some(match word {
+            "run" => Claim::Run(attempt),
+            "iso" => Claim::Isolate(attempt),
+            "dlq" => Claim::Dead(attempt),
+            "wait" => Claim::Wait,
+            "dup" => Claim::Duplicate,
+            _ => return None,
+        })
     }
 }
 
@@ -284,10 +283,20 @@ impl Store {
         for t in tasks {
             inv.arg(t.lane.as_str()).arg(&t.id).arg(t.base).arg(t.max_attempts).arg(if t.isolated { 1 } else { 0 });
         }
-        let raw: Vec<String> = self.invoke(&inv).await?;
-        let mut it = raw.into_iter();
-        let registered = it.next().is_some_and(|s| s == "ok");
-        let claims: Vec<Claim> = it.map(|s| Claim::parse(&s)).collect();
+        // 'ok' | 'gone', then (word, attempt) per task.
+        let raw: Vec<redis::Value> = self.invoke(&inv).await?;
+        let registered = raw.first().is_some_and(|v| redis::from_redis_value_ref::<String>(v).is_ok_and(|s| s == "ok"));
+        let mut claims = Vec::with_capacity(tasks.len());
+        for pair in raw.get(1..).unwrap_or_default().chunks(2) {
+            let answer = match pair {
+                [w, n] => redis::from_redis_value_ref::<String>(w).ok().zip(redis::from_redis_value_ref::<u32>(n).ok()).and_then(|(w, n)| Claim::from_answer(&w, n)),
+                _ => None,
+            };
+            match answer {
+                Some(c) => claims.push(c),
+                None => return Err(crate::Error::Other(format!("start answered {pair:?}, not a claim"))),
+            }
+        }
         if claims.len() != tasks.len() {
             return Err(crate::Error::Other(format!("start returned {} answers for {} tasks", claims.len(), tasks.len())));
         }
@@ -306,11 +315,11 @@ impl Store {
             inv.arg(f.lane.as_str())
                 .arg(&f.id)
                 .arg(f.attempt)
-                .arg(f.state)
+                .arg(f.state.map(TaskState::as_str).unwrap_or(""))
                 .arg(if f.success { "result" } else { "error" })
                 .arg(truncate(&f.text, MAX_STATUS_TEXT))
                 .arg(if f.success { 1 } else { 0 })
-                .arg(f.reason);
+                .arg(f.reason.map(DeadReason::as_str).unwrap_or(""));
         }
         // Outcomes are what a failover must not lose (see `invoke_replicated`).
         let _: i64 = self.invoke_replicated(&inv).await?;

@@ -35,6 +35,7 @@ use fleet::amqp::{headers, task_properties, ATTEMPTS_HEADER, DETAIL_HEADER, REAS
 use fleet::lease::{truncate, Claim, ClaimRequest, Finished};
 use fleet::metrics as m;
 use fleet::shutdown::Stage;
+use fleet::status::{DeadReason, TaskState};
 use fleet::{Envelope, Lane, Names};
 
 use crate::acks::Slot;
@@ -329,25 +330,25 @@ async fn settle(
     // The scheduler's health probes never reach the dead-letter queue nor retry: a lost probe
     // is the scheduler's to count (fleet_probe_failures_total), not a task of the user's.
     let fate = match fate {
-        Fate::Retry { error, .. } if probe => Fate::Dead { reason: "max_attempts", error },
+        Fate::Retry { error, .. } if probe => Fate::Dead { reason: DeadReason::MaxAttempts, error },
         f => f,
     };
     let (outcome, state, text, success, reason, published) = match fate {
-        Fate::Succeeded(v) => (Outcome::Succeeded, "succeeded", v.to_string(), true, "", Ok(())),
+        Fate::Succeeded(v) => (Outcome::Succeeded, TaskState::Succeeded, v.to_string(), true, None, Ok(())),
         Fate::Retry { error, delay } => {
             tracing::info!(error = %fleet::envelope::escape(&error), delay_ms = delay.as_millis() as u64, "attempt failed; retrying");
             let r = retry::publish(shared, env, attempt, max_attempts, delay, &error).await;
-            (Outcome::Retried, "retrying", error, false, "", r)
+            (Outcome::Retried, TaskState::Retrying, error, false, None, r)
         }
         Fate::Dead { reason, error } => {
-            tracing::warn!(reason, error = %fleet::envelope::escape(&error), "task dead");
-            let r = if probe { Ok(()) } else { dead_letter(shared, env, attempt, reason, &error).await };
-            (Outcome::Dead, "dead", error, false, reason, r)
+            tracing::warn!(reason = reason.as_str(), error = %fleet::envelope::escape(&error), "task dead");
+            let r = if probe { Ok(()) } else { dead_letter(shared, env, attempt, reason.as_str(), &error).await };
+            (Outcome::Dead, TaskState::Dead, error, false, Some(reason), r)
         }
         Fate::Expired { detail } => {
             tracing::info!(detail = %detail, "task expired");
-            let r = if probe { Ok(()) } else { dead_letter(shared, env, attempt, "expired", &detail).await };
-            (Outcome::Expired, "expired", detail, false, "expired", r)
+            let r = if probe { Ok(()) } else { dead_letter(shared, env, attempt, DeadReason::Expired.as_str(), &detail).await };
+            (Outcome::Expired, TaskState::Expired, detail, false, Some(DeadReason::Expired), r)
         }
     };
     if let Err(e) = published {
@@ -357,7 +358,7 @@ async fn settle(
         return count(Outcome::Failed);
     }
     count(outcome);
-    if !shared.ledger.finish(Finished { lane, id: env.id.clone(), attempt, state, text, success, reason }).await {
+    if !shared.ledger.finish(Finished { lane, id: env.id.clone(), attempt, state: Some(state), text, success, reason }).await {
         tracing::warn!("outcome not yet written to Redis (retried in the background); acking anyway");
     }
     if slot.usable() {

@@ -22,7 +22,8 @@
 -- An owner is alive while its worker id is registered with the same instance token (eviction
 -- and a restarted worker's registration both end that).
 -- returns: { 'ok' | 'gone' (the worker's registration is missing: register again), then per
---   task 'run:<n>' | 'iso:<n>' | 'wait' | 'dup' | 'dead:<n>' }
+--   task two entries, the answer and its attempt number: 'run', n | 'iso', n | 'wait', 0 |
+--   'dup', 0 | 'dlq', n (dead-letter it) } (`fleet::lease::Claim`)
 local w, g, inst, lease, st_ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local n = tonumber(ARGV[6])
 local now = NOW_MS
@@ -52,7 +53,7 @@ end
 local function suspect(lane, id, t, att)
   status_suspect(id, w, inst, att, st_ttl)
   redis.call('SADD', K_wrun(w), lane .. '|' .. id)
-  return 'iso:' .. att
+  return 'iso', att
 end
 
 for k = 0, n - 1 do
@@ -62,7 +63,7 @@ for k = 0, n - 1 do
   local r = redis.call('HMGET', t, 'run_base', 'run_owner', 'run_st', 'run_iso', 'attempt', 'worker', 'started_at', 'state', 'finished_at')
   local rb = tonumber(r[1])
   local was_suspect = r[4] == 's' or r[4] == '1'
-  local ans
+  local ans, num = nil, 0
   if rb == nil or rb < base then
     -- A newer attempt over a success the record kept (not logged, see finish.lua): log it now.
     if r[8] == S.succeeded and rb ~= nil then
@@ -70,7 +71,7 @@ for k = 0, n - 1 do
         finished_at = tonumber(r[9]), outcome = O.succeeded }, st_ttl)
     end
     grant(lane, id, t, base, base, isolated, r)
-    ans = 'run:' .. base
+    ans, num = 'run', base
   elseif rb > base or r[3] == 'done' then
     -- A copy (e.g. dispatched again by a scheduler that took over a crashed one's batch):
     -- the reservation it holds in this group is released with it.
@@ -81,16 +82,16 @@ for k = 0, n - 1 do
     if r[3] == 'rel' then
       -- Released without an outcome (hard stop): the same attempt again, still a suspect if it was.
       if was_suspect and isolated ~= '1' then
-        ans = suspect(lane, id, t, att)
+        ans, num = suspect(lane, id, t, att)
       else
         grant(lane, id, t, base, att, isolated, r)
-        ans = 'run:' .. att
+        ans, num = 'run', att
       end
     elseif r[2] == inst then
       if isolated == '1' then
         -- This process claimed it as a suspect and now runs it alone.
         grant(lane, id, t, base, att, '1', r)
-        ans = 'run:' .. att
+        ans, num = 'run', att
       else
         ans = 'wait'
       end
@@ -98,16 +99,17 @@ for k = 0, n - 1 do
       ans = 'wait'
     elseif r[4] == 's' then
       -- Claimed as a suspect by a process that died before running it: no charge.
-      ans = suspect(lane, id, t, att)
+      ans, num = suspect(lane, id, t, att)
     elseif r[4] == '1' and att >= max then
       log_lost(id, att, r)
       status_dead(id, R.worker_lost, 'the worker process died while running this task alone, on its last attempt', st_ttl)
-      ans = 'dead:' .. att
+      ans, num = 'dlq', att
     else
       log_lost(id, att, r)
-      ans = suspect(lane, id, t, att + 1)
+      ans, num = suspect(lane, id, t, att + 1)
     end
   end
   out[#out + 1] = ans
+  out[#out + 1] = num
 end
 return out

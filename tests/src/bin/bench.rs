@@ -427,7 +427,11 @@ async fn throughput(n: usize) -> Result<()> {
     let qt = std::env::var("BENCH_QUEUE_TYPE").unwrap_or_else(|_| "quorum".into());
     // The product's defaults, but for an ingress bound that holds the whole burst.
     let bound = n.max(10_000).to_string();
-    let settings = [("ingress_max_normal", bound.as_str()), ("queue_type", qt.as_str())];
+    // BENCH_SCHEDULER="k=v,k=v" adds scheduler settings, for experiments only (printed).
+    let extra = std::env::var("BENCH_SCHEDULER").unwrap_or_default();
+    let mut settings: Vec<(&str, &str)> = vec![("ingress_max_normal", bound.as_str()), ("queue_type", qt.as_str())];
+    settings.extend(extra.split(',').filter_map(|kv| kv.split_once('=')));
+    let settings = settings.as_slice();
     println!("scheduler settings: {settings:?}; everything else (admission included) at its default");
     println!("workers: settings {:?} (+ worker_id, labels, capacity as listed per stage)", fleet_tests::WORKER_DEFAULTS);
     let steady_n: usize = std::env::var("BENCH_STEADY_N").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000);
@@ -438,7 +442,7 @@ async fn throughput(n: usize) -> Result<()> {
     // 1. Burst, one group (2 workers), no-op tasks.
     let cap: u32 = std::env::var("BENCH_CAPACITY").ok().and_then(|v| v.parse().ok()).unwrap_or(128);
     println!("\n## 1. burst of {n} no-op tasks, 2 workers × capacity {cap} (one group)");
-    let rig = Rig::start(&qt, &settings, &[("bench-w1", "", cap), ("bench-w2", "", cap)]).await?;
+    let rig = Rig::start(&qt, settings, &[("bench-w1", "", cap), ("bench-w2", "", cap)]).await?;
     // Sample the pressure state during the run (how often the fleet throttled itself).
     let purl = rig.sched.url("/v1/pressure");
     let sampling = tokio_util::sync::CancellationToken::new();
@@ -489,7 +493,7 @@ async fn throughput(n: usize) -> Result<()> {
     println!("\n## 4. burst of {n} no-op tasks over 10 groups (10 workers × capacity 26): a third pinned to one zone (1 candidate), a third to a tier (5 candidates), a third anywhere (10)");
     let ws: Vec<(String, String)> = (0..10).map(|i| (format!("bench-g{i}"), format!("zone=z{i},tier={}", if i < 5 { "a" } else { "b" }))).collect();
     let wrefs: Vec<(&str, &str, u32)> = ws.iter().map(|(id, l)| (id.as_str(), l.as_str(), 26)).collect();
-    let rig = Rig::start(&qt, &settings, &wrefs).await?;
+    let rig = Rig::start(&qt, settings, &wrefs).await?;
     let cpu = CpuMeter::new();
     let cpu0 = cpu.read();
     let (groups10, t) = rig
@@ -508,7 +512,7 @@ async fn throughput(n: usize) -> Result<()> {
     // 5. 200 ms tasks on two groups of different speed (16 vs 4 slots).
     let long_n = 200;
     println!("\n## 5. split: a burst of {long_n} tasks of 200 ms that both groups can take; fast group 16 slots, slow group 4");
-    let rig = Rig::start(&qt, &settings, &[("bench-fast", "pool=long,speed=fast", 16), ("bench-slow", "pool=long,speed=slow", 4)]).await?;
+    let rig = Rig::start(&qt, settings, &[("bench-fast", "pool=long,speed=fast", 16), ("bench-slow", "pool=long,speed=slow", 4)]).await?;
     let (_, t) = rig.run(long_n, Offer::Burst, Duration::from_secs(120), |_| task("count", json!({"ms": 200}), "pool=long")).await?;
     let split = rig.by_worker.lock().map(|m| m.clone()).unwrap_or_default();
     let fast = split.get("bench-fast").copied().unwrap_or(0);

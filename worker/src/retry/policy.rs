@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use fleet::status::DeadReason;
+
 use crate::executor::TaskError;
 use crate::retry::Backoff;
 
@@ -13,7 +15,7 @@ use crate::retry::Backoff;
 pub enum Fate {
     Succeeded(Value),
     Retry { error: String, delay: Duration },
-    Dead { reason: &'static str, error: String },
+    Dead { reason: DeadReason, error: String },
     Expired { detail: String },
 }
 
@@ -34,8 +36,8 @@ pub fn decide(
         return Fate::Expired { detail: format!("deadline reached; last error: {error}") };
     }
     match error {
-        TaskError::Permanent(e) => Fate::Dead { reason: "permanent_error", error: e },
-        TaskError::Retryable(e) if attempt >= max_attempts => Fate::Dead { reason: "max_attempts", error: e },
+        TaskError::Permanent(e) => Fate::Dead { reason: DeadReason::PermanentError, error: e },
+        TaskError::Retryable(e) if attempt >= max_attempts => Fate::Dead { reason: DeadReason::MaxAttempts, error: e },
         TaskError::Retryable(e) => {
             let delay = backoff.delay(attempt);
             match time_left {
@@ -69,11 +71,11 @@ mod tests {
         assert!(matches!(decide(Err(TaskError::retryable("x")), 2, 3, None, &b()), Fate::Retry { .. }));
         assert_eq!(
             decide(Err(TaskError::retryable("x")), 3, 3, None, &b()),
-            Fate::Dead { reason: "max_attempts", error: "x".into() }
+            Fate::Dead { reason: DeadReason::MaxAttempts, error: "x".into() }
         );
         assert_eq!(
             decide(Err(TaskError::permanent("bad input")), 1, 3, None, &b()),
-            Fate::Dead { reason: "permanent_error", error: "bad input".into() }
+            Fate::Dead { reason: DeadReason::PermanentError, error: "bad input".into() }
         );
         assert!(matches!(decide(Err(TaskError::Expired), 1, 3, None, &b()), Fate::Expired { .. }));
     }
