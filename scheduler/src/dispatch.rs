@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fleet::amqp::{self, DETAIL_HEADER, REASON_HEADER, TIER_HEADER};
-use fleet::lease::{Dedupe, ReserveParams, ReserveRequest};
-use fleet::route::Reservation;
+use fleet::dedupe::Dedupe;
+use fleet::route::{Reservation, ReserveParams, ReserveRequest};
 use fleet::{delay, metrics as m, status, topology, Envelope, Lane, Names, Store};
 use futures::future::join_all;
 use lapin::message::Delivery;
@@ -105,7 +105,7 @@ impl Dispatcher {
             dedupe_window_ms: self.cfg.dedupe_window.as_millis() as i64,
             status_ttl_ms: self.cfg.common.status_ttl.as_millis() as i64,
             direct: true,
-            park_flag_ttl_ms: crate::park::FLAG_TTL_MS,
+            park_flag_ttl_ms: fleet::park::FLAG_TTL_MS,
         }
     }
 

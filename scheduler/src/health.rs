@@ -18,7 +18,8 @@
 
 use std::sync::Arc;
 
-use fleet::lease::{Dedupe, ReserveRequest};
+use fleet::dedupe::Dedupe;
+use fleet::route::ReserveRequest;
 use fleet::registry::GroupView;
 use fleet::ticker::Ticker;
 use fleet::route::Reservation;

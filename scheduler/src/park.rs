@@ -30,8 +30,6 @@ pub const RETRY_MAX: Duration = Duration::from_millis(50);
 /// How often tasks waiting for a matching worker are offered again: a new worker's tasks
 /// start within this, at 4 reservation calls a second per lane while any wait.
 pub const UNMATCHED_RETRY: Duration = Duration::from_millis(250);
-/// Lifetime of the parked flag; renewed while tasks are held.
-pub const FLAG_TTL_MS: i64 = 3000;
 /// Most tasks a release loop holds out of its park queue: a batch, but never more than a
 /// quarter of the queue's bound — held tasks are unacked and do not count against the bound,
 /// which must mean what it says (the critical lane's is small on purpose).
@@ -123,7 +121,7 @@ async fn consume(d: &Dispatcher, ch: &lapin::Channel, queue: &str, group: &str, 
             if unmatched {
                 // Nothing frees room here; a worker registering does. Ask a few times a second.
                 retry = UNMATCHED_RETRY;
-            } else if let Err(e) = d.store.mark_parked(group, lane, FLAG_TTL_MS).await {
+            } else if let Err(e) = d.store.mark_parked(group, lane, fleet::park::FLAG_TTL_MS).await {
                 tracing::debug!(error = %e, "cannot renew parked flag");
             }
             tokio::select! {

@@ -5,7 +5,6 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use deadpool_redis::redis;
 use fleet::store::now_ms;
 use fleet::ticker::Ticker;
 use fleet::{metrics as m, topology, Lane};
@@ -102,12 +101,8 @@ async fn sample(d: &Dispatcher, board: &GroupBoard) -> fleet::Result<()> {
         metrics::gauge!(m::GROUP_BACKLOG, "group" => g.group.clone()).set(f64::from(backlog));
         // Oldest reservation not yet started: its lease expiry minus the lease is when it was
         // dispatched. Parked tasks are older still; their age is bounded below by this.
-        let oldest: Vec<(String, f64)> = d
-            .store
-            .query(redis::cmd("ZRANGE").arg(n.reserved(&g.group, Lane::Normal)).arg(0).arg(0).arg("WITHSCORES"))
-            .await
-            .unwrap_or_default();
-        let age = oldest.first().map(|(_, exp)| ((now - (*exp as i64 - lease)).max(0) as f64) / 1000.0).unwrap_or(0.0);
+        let oldest = d.store.oldest_reservation(&g.group, Lane::Normal).await.ok().flatten();
+        let age = oldest.map(|(_, exp)| ((now - (exp - lease)).max(0) as f64) / 1000.0).unwrap_or(0.0);
         let age = if backlog == 0 { 0.0 } else { age };
         metrics::gauge!(m::GROUP_OLDEST_AGE, "group" => g.group.clone()).set(age);
         gs.backlog = backlog;

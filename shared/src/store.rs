@@ -201,6 +201,24 @@ impl Store {
         Ok(skew)
     }
 
+    /// The latest tick of a schedule that was fired or counted missed (Redis-clock ms), `None`
+    /// before its first (or after Redis lost the marks).
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn schedule_last(&self, schedule: &str) -> Result<Option<i64>> {
+        self.query(redis::cmd("GET").arg(self.names.schedule_last(schedule))).await
+    }
+
+    /// What became of one tick of a schedule (`fired` or `missed`; `None`: not decided, or its
+    /// mark expired).
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn schedule_tick(&self, schedule: &str, tick_ms: i64) -> Result<Option<String>> {
+        self.query(redis::cmd("GET").arg(self.names.schedule_tick(schedule, tick_ms))).await
+    }
+
     /// PING, for readiness.
     pub async fn ping(&self) -> bool {
         self.query::<String>(&redis::cmd("PING")).await.is_ok()

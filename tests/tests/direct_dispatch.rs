@@ -5,7 +5,8 @@
 
 use std::time::Duration;
 
-use fleet::lease::{Dedupe, ReserveParams, ReserveRequest};
+use fleet::dedupe::Dedupe;
+use fleet::route::{ReserveParams, ReserveRequest};
 use fleet::route::{Reservation, Strategy};
 use fleet::{Labels, Lane};
 use fleet_tests::*;

@@ -4,7 +4,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
-use fleet::lease::{Dedupe, ReserveParams, ReserveRequest};
+use fleet::dedupe::Dedupe;
+use fleet::route::{ReserveParams, ReserveRequest};
 use fleet::registry::WorkerState;
 use fleet::route::{Reservation, Strategy};
 use fleet::{Labels, Lane, Store};

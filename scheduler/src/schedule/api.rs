@@ -28,7 +28,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use chrono::SecondsFormat;
-use deadpool_redis::redis;
 use fleet::{metrics as m, Store};
 use lapin::Channel;
 use serde_json::{json, Value};
@@ -81,19 +80,18 @@ fn unknown(name: &str) -> Response {
 
 async fn view(st: &ScheduleApi, e: &Entry) -> Value {
     let s = &e.schedule;
-    let names = &st.store.names;
     let mut v = serde_json::to_value(&s.spec).unwrap_or_default();
-    let last_ms: Option<i64> = st.store.query(redis::cmd("GET").arg(names.schedule_last(s.name()))).await.ok().flatten();
+    let last_ms = st.store.schedule_last(s.name()).await.ok().flatten();
     let last = last_ms.and_then(chrono::DateTime::from_timestamp_millis);
     // The last tick's run: its outcome (kept for the tolerance + 1 h) and, when fired, its task
     // (id `<name>@<tick>`) with the task's current state from its status record.
     let mut outcome: Option<String> = None;
     let mut task = Value::Null;
     if let (Some(ms), Some(tick)) = (last_ms, last) {
-        outcome = st.store.query::<Option<String>>(redis::cmd("GET").arg(names.schedule_tick(s.name(), ms))).await.ok().flatten().filter(|o| o == "fired" || o == "missed");
+        outcome = st.store.schedule_tick(s.name(), ms).await.ok().flatten().filter(|o| o == "fired" || o == "missed");
         if outcome.as_deref() == Some("fired") {
             let id = format!("{}@{}", s.name(), tick_label(tick));
-            let state: Option<String> = st.store.query(redis::cmd("HGET").arg(names.task(&id)).arg("state")).await.ok().flatten();
+            let state = st.store.task_state(&id).await.ok().flatten();
             task = json!({"id": id, "state": state});
         }
     }

@@ -35,7 +35,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, TimeZone, Utc};
-use deadpool_redis::redis::{self, Script};
+use deadpool_redis::redis::Script;
 use fleet::{amqp, metrics as m, Envelope, Lane, Store};
 use lapin::Channel;
 use tokio::sync::watch;
@@ -200,7 +200,7 @@ impl Firing {
         let name = s.name();
         let tolerance = chrono::Duration::from_std(self.cfg.schedule_tolerance).unwrap_or_default();
         if tracks.get(name).is_none_or(|t| t.changed_at_ms != entry.changed_at_ms) {
-            let last: Option<i64> = self.store.query(redis::cmd("GET").arg(self.store.names.schedule_last(name))).await?;
+            let last = self.store.schedule_last(name).await?;
             // No mark: a new schedule, or Redis lost the marks (and the dedupe marks with
             // them) — start from now, so nothing already fired is fired again.
             let start_ms = entry.changed_at_ms.max(last.unwrap_or(now.timestamp_millis()));

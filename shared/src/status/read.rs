@@ -126,6 +126,14 @@ fn time(v: &str) -> Option<String> {
 }
 
 impl Store {
+    /// A task's state alone (`None`: unknown, or expired from Redis), as stored.
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn task_state(&self, id: &str) -> Result<Option<String>> {
+        self.query(redis::cmd("HGET").arg(self.names.task(id)).arg("state")).await
+    }
+
     /// A task's status fields, `None` when unknown (never seen, or expired from Redis).
     pub async fn task_status(&self, id: &str) -> Result<Option<BTreeMap<String, String>>> {
         let m: BTreeMap<String, String> = self.query(redis::cmd("HGETALL").arg(self.names.task(id))).await?;

@@ -1,11 +1,16 @@
 //! Routing: which group gets a task.
 //!
-//! The choice and the reservation are one Lua script (`lua/reserve.lua`), so that any number
+//! The choice and the reservation are one Lua script (`reserve.lua`, beside this file; its Rust
+//! side in [`reserve`]), so that any number
 //! of scheduler replicas can route concurrently without over-reserving. Candidate groups come
 //! from a label index (`idx:<k>=<v>` sets, intersected), so routing cost grows with the number
 //! of *matching groups*, never with the number of workers. A group has room while
 //! `running + reserved < capacity × (1 + backlog_factor)`; reservations carry a lease, so a
 //! scheduler that dies after reserving leaks nothing for longer than the lease.
+
+pub mod reserve;
+
+pub use reserve::{ReserveParams, ReserveRequest};
 
 /// How to choose among the groups with room.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]

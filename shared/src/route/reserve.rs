@@ -1,0 +1,142 @@
+//! Reserving room for a batch of tasks: the Rust side of `reserve.lua` (beside this file), the
+//! one script that dedupes ([`crate::dedupe`]), chooses a group ([`super`]) and reserves a
+//! leased slot there — or names the group to park behind ([`crate::park`]) — for every task of
+//! a dispatch batch, atomically.
+
+use deadpool_redis::redis;
+
+use super::{Reservation, Strategy};
+use crate::dedupe::Dedupe;
+use crate::envelope::Lane;
+use crate::error::Result;
+use crate::selector::Labels;
+use crate::store::Store;
+
+/// One task to route.
+#[derive(Debug, Clone)]
+pub struct ReserveRequest {
+    pub id: String,
+    pub lane: Lane,
+    pub selector: Labels,
+    pub strategy: Option<Strategy>,
+    pub dedupe: Dedupe,
+    /// Released from a park queue: may take room even while the group has parked tasks.
+    pub from_park: bool,
+    /// Dedupe only, no routing (a delayed submission, routed when it is due): the answer is
+    /// [`Reservation::Fresh`] or [`Reservation::Duplicate`].
+    pub dedupe_only: bool,
+}
+
+/// Parameters of routing common to a batch.
+#[derive(Debug, Clone, Copy)]
+pub struct ReserveParams {
+    pub lease_ms: i64,
+    pub backlog_factor: f64,
+    pub strategy: Strategy,
+    pub dedupe_window_ms: i64,
+    pub status_ttl_ms: i64,
+    /// Names this batch's dedupe marks (`p:<token>`): a retry of the same batch with the same
+    /// token never takes its own marks for duplicates. New for every batch; reused by retries.
+    pub token: u64,
+    /// Direct dispatch: a normal-lane task that only one live group can take is reserved there even
+    /// beyond the group's room (no routing choice to protect; the group's consumers' prefetch
+    /// bounds what they hold), unless tasks already park for that group. The scheduler sets
+    /// it; `false` makes every task need room (the script's bound alone).
+    pub direct: bool,
+    /// How long a group's "has parked tasks" flag lives unless renewed (ms): set here when a
+    /// task parks, kept alive by the scheduler's park loop while it holds tasks.
+    pub park_flag_ttl_ms: i64,
+}
+
+impl Store {
+    /// Routes and reserves a batch in one script call; one answer per request, in order.
+    pub async fn reserve(&self, reqs: &[ReserveRequest], p: ReserveParams) -> Result<Vec<Reservation>> {
+        if reqs.is_empty() {
+            return Ok(vec![]);
+        }
+        // The batch's distinct selectors, sent once each; every task names its own by index.
+        let mut selectors: Vec<Vec<String>> = Vec::new();
+        let mut index: std::collections::HashMap<&Labels, usize> = std::collections::HashMap::new();
+        let which: Vec<usize> = reqs
+            .iter()
+            .map(|r| {
+                *index.entry(&r.selector).or_insert_with(|| {
+                    selectors.push(r.selector.pairs());
+                    selectors.len()
+                })
+            })
+            .collect();
+        let mut inv = self.scripts.reserve.prepare_invoke();
+        inv.key(self.names.prefix())
+            .arg(p.token)
+            .arg(p.lease_ms)
+            .arg(p.backlog_factor)
+            .arg(p.strategy.as_str())
+            .arg(p.dedupe_window_ms)
+            .arg(p.status_ttl_ms)
+            .arg(u8::from(p.direct))
+            .arg(p.park_flag_ttl_ms)
+            .arg(rand::random::<u32>())
+            .arg(selectors.len());
+        for pairs in &selectors {
+            inv.arg(pairs.len()).arg(pairs);
+        }
+        inv.arg(reqs.len());
+        for (r, k) in reqs.iter().zip(which) {
+            inv.arg(&r.id)
+                .arg(r.lane.as_str())
+                .arg(r.strategy.map(Strategy::as_str).unwrap_or(""))
+                .arg(match r.dedupe {
+                    Dedupe::Skip => 0,
+                    Dedupe::Check => 1,
+                    Dedupe::Mark => 2,
+                })
+                .arg(if r.dedupe_only {
+                    2
+                } else if r.from_park {
+                    1
+                } else {
+                    0
+                })
+                .arg(k);
+        }
+        // Two entries per task, answer then group (see `reserve.lua`).
+        let raw: Vec<String> = self.invoke(&inv).await?;
+        Ok(raw
+            .chunks(2)
+            .map(|pair| match pair {
+                [answer, group] => match answer.as_str() {
+                    "reserved" => Reservation::Reserved(group.clone()),
+                    "full" => Reservation::Full(group.clone()),
+                    "dup" => Reservation::Duplicate,
+                    "fresh" => Reservation::Fresh,
+                    "none" => Reservation::NoMatch,
+                    other => Reservation::Failed(format!("reserve script answered {other:?}")),
+                },
+                _ => Reservation::Failed("reserve script answered an odd number of entries".into()),
+            })
+            .collect())
+    }
+
+    /// The oldest reservation of a group's lane not started yet: its task id and lease expiry
+    /// (Redis-clock ms); `None` when there is none.
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn oldest_reservation(&self, group: &str, lane: Lane) -> Result<Option<(String, i64)>> {
+        let first: Vec<(String, f64)> = self.query(redis::cmd("ZRANGE").arg(self.names.reserved(group, lane)).arg(0).arg(0).arg("WITHSCORES")).await?;
+        Ok(first.into_iter().next().map(|(id, exp)| (id, exp as i64)))
+    }
+
+    /// Gives back reservations whose publish failed.
+    pub async fn unreserve(&self, items: &[(String, Lane, String)]) -> Result<()> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        let mut p = redis::pipe();
+        for (group, lane, id) in items {
+            p.cmd("ZREM").arg(self.names.reserved(group, *lane)).arg(id).ignore();
+        }
+        self.pipe::<()>(&p).await
+    }
+}
