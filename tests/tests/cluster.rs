@@ -4,7 +4,8 @@
 //! the scheduler is connected to is killed, then the Redis master. Asserts: every task the API
 //! confirmed (202) runs (0 lost; their statuses are reported), no attempt runs twice, every worker (and so the
 //! scheduler's dispatch) and the API (its 202 answers) are back at work within 10 s of each
-//! kill, every status that was `succeeded` before the Redis failover still is after it, and
+//! kill (the end of a stall, see `back_at_work`), no two 202 answers across a kill are more
+//! than 10 s apart, every status that was `succeeded` before the Redis failover still is after it, and
 //! every quorum queue still has a leader.
 //!
 //! `FLEET_CLUSTER_DIR=DIR` reuses a cluster already started with `ops/cluster.sh up DIR`
@@ -89,6 +90,16 @@ impl Cluster {
 
     fn dir(&self) -> String {
         self.dir.to_string_lossy().into_owned()
+    }
+
+    /// The queues of namespace `ns` with their type, leader, members, members online, messages
+    /// and consumers (`rabbitmqctl list_queues`), or why they could not be listed: what a
+    /// failure message shows.
+    fn queues(&self, ns: &str) -> String {
+        match self.script(&["ctl", &self.dir(), "list_queues", "name", "type", "leader", "members", "online", "messages", "consumers"]) {
+            Ok(out) => out.lines().filter(|l| l.starts_with(&format!("{ns}."))).collect::<Vec<_>>().join("\n"),
+            Err(e) => format!("(cannot list the queues: {e:#})"),
+        }
     }
 
     /// The node (1-3) the named AMQP connection is on, by the server port it connected to.
@@ -260,6 +271,12 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
     eprintln!("killed RabbitMQ node {node} (the scheduler's)");
     let back = wait_back(&runs, &stream, &worker_ids, killed_at).await;
     eprintln!("after the node kill: {back:?}");
+    if back.is_err() {
+        eprintln!("the namespace's queues now:\n{}", cluster.queues(&name));
+    }
+    if let Ok(b) = &back {
+        eprintln!("across the node kill, the longest time between two 202 answers of the API: {:?}", b.get(API).map(|d| d.longest_gap));
+    }
 
     // 2. Kill the Redis master; Sentinel promotes the replica. The statuses already
     // `succeeded` now must still be after the failover: a worker's outcomes wait for a
@@ -271,6 +288,12 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
     eprintln!("{}", cluster.script(&["kill-redis-master", &cluster.dir()])?.trim());
     let back_redis = wait_back(&runs, &stream, &worker_ids, killed_redis_at).await;
     eprintln!("after the Redis master kill: {back_redis:?}");
+    if back_redis.is_err() {
+        eprintln!("the namespace's queues now:\n{}", cluster.queues(&name));
+    }
+    if let Ok(b) = &back_redis {
+        eprintln!("across the Redis failover, the longest time between two 202 answers of the API: {:?}", b.get(API).map(|d| d.longest_gap));
+    }
     if let Ok(o) = stream.others.lock() {
         for (at, what, took) in o.iter() {
             let rel = |t0: Instant| if *at >= t0 { format!("+{:?}", *at - t0) } else { format!("-{:?}", t0 - *at) };
@@ -350,8 +373,12 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
         for (who, d) in &b {
             // Workers start runs only when the scheduler dispatches again, so their bound is
             // the scheduler's too.
-            assert!(*d <= BACK_WITHIN, "after the {what}, {who} was back at work only after {d:?}: {b:?}");
+            assert!(d.at <= BACK_WITHIN, "after the {what}, {who} was back at work only after {:?}: {b:?}", d.at);
         }
+        // The API answered 202 again within the bound: no two answers across the kill are
+        // further apart.
+        let api = b.get(API).map(|d| d.longest_gap).unwrap_or(Duration::MAX);
+        assert!(api <= BACK_WITHIN, "across the {what}, the API answered no 202 for {api:?}: {b:?}");
     }
     Ok(())
 }
@@ -371,41 +398,107 @@ async fn succeeded_now(ns: &Ns, stream: &Stream) -> Result<Vec<String>> {
     tokio::time::timeout(Duration::from_secs(30), read).await.context("reading the statuses before the Redis kill")
 }
 
-/// How long after `t` each process was back at work: for every worker (its run starts) and
-/// the API (its 202 answers), the end of its longest stall between `t` and `t + WATCH`,
-/// measured from `t` (a process the kill did not stall is back at its first event). Waits
-/// until every process has an event past `t + WATCH`; one that has none within 60 s more is
-/// an error.
-async fn wait_back(runs: &Runs, stream: &Stream, workers: &HashSet<String>, t: Instant) -> Result<BTreeMap<String, Duration>> {
+/// A gap between two events of one process (run starts, 202 answers) longer than this is a
+/// stall; shorter ones are the stream's own jitter (the API answers about ten times a second,
+/// each worker starts runs several times a second).
+const STALL: Duration = Duration::from_secs(2);
+
+/// How one process came through a kill, from its events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Back {
+    /// When it was at work again, measured from the kill: the end of its longest stall (the
+    /// time from the kill to its first event counts as one), or its first event after the
+    /// kill when nothing stalled it. `Duration::MAX` when it has no event after the kill.
+    at: Duration,
+    /// The longest time between two consecutive events across the kill: from its last event
+    /// before the kill (the kill itself when there is none) to its first event past the
+    /// watch window. `Duration::MAX` when it has no event after the kill.
+    longest_gap: Duration,
+}
+
+/// [`Back`] of the `events` of one process (any order) for a kill at `t`, watched until `end`.
+///
+/// The end of the longest gap is not taken when no gap is a stall: a process the kill did
+/// not stop still has a longest gap — some 100 ms of jitter, anywhere in the window — and its
+/// end would read as "back only after" up to the whole window.
+fn back_at_work(events: &[Instant], t: Instant, end: Instant) -> Back {
+    let mut events = events.to_vec();
+    events.sort();
+    let mut prev_any = events.iter().rev().find(|e| **e < t).copied().unwrap_or(t);
+    let mut prev = t;
+    let (mut first, mut stall, mut longest_gap): (Option<Duration>, Option<(Duration, Duration)>, Option<Duration>) = (None, None, None);
+    for e in events.into_iter().filter(|e| *e >= t) {
+        first.get_or_insert(e - t);
+        let gap = e - prev;
+        if gap > STALL && stall.is_none_or(|(longest, _)| gap > longest) {
+            stall = Some((gap, e - t));
+        }
+        longest_gap = Some(longest_gap.unwrap_or_default().max(e - prev_any));
+        (prev, prev_any) = (e, e);
+        if e > end {
+            break;
+        }
+    }
+    Back { at: stall.map(|(_, at)| at).or(first).unwrap_or(Duration::MAX), longest_gap: longest_gap.unwrap_or(Duration::MAX) }
+}
+
+/// How each process came through a kill at `t` ([`Back`]): every worker (its run starts) and
+/// the API (its 202 answers), watched for `WATCH`. Waits until every process has an event
+/// past `t + WATCH`; one that has none within 60 s more is an error.
+async fn wait_back(runs: &Runs, stream: &Stream, workers: &HashSet<String>, t: Instant) -> Result<BTreeMap<String, Back>> {
     const WATCH: Duration = Duration::from_secs(15);
     let end = t + WATCH;
-    wait_for("every process at work past the watch window", WATCH + Duration::from_secs(60), || async {
+    let missing = || {
         let all = runs.all();
-        let api = stream.accepted_at.lock().map(|a| a.iter().any(|x| *x >= end)).unwrap_or(false);
-        (api && workers.iter().all(|w| all.iter().any(|r| &r.worker == w && r.at >= end))).then_some(())
-    })
-    .await?;
-    let stall_end = |mut events: Vec<Instant>| -> Duration {
-        events.retain(|e| *e >= t);
-        events.sort();
-        let (mut prev, mut longest, mut back) = (t, Duration::ZERO, Duration::ZERO);
-        for e in events.into_iter().take_while(|e| *e <= end + WATCH) {
-            if e - prev > longest {
-                longest = e - prev;
-                back = e - t;
-            }
-            prev = e;
-            if e > end {
-                break;
-            }
+        let mut out: Vec<&str> = workers.iter().filter(|w| !all.iter().any(|r| &r.worker == *w && r.at >= end)).map(String::as_str).collect();
+        if !stream.accepted_at.lock().map(|a| a.iter().any(|x| *x >= end)).unwrap_or(false) {
+            out.push(API);
         }
-        back
+        out.sort();
+        out.join(", ")
     };
+    wait_for("every process at work past the watch window", WATCH + Duration::from_secs(60), || async { missing().is_empty().then_some(()) })
+        .await
+        .with_context(|| format!("not at work: {}", missing()))?;
     let mut out = BTreeMap::new();
-    out.insert("scheduler API".to_string(), stall_end(stream.accepted_at.lock().map(|a| a.clone()).unwrap_or_default()));
+    out.insert(API.to_string(), back_at_work(&stream.accepted_at.lock().map(|a| a.clone()).unwrap_or_default(), t, end));
     let all = runs.all();
     for w in workers {
-        out.insert(w.clone(), stall_end(all.iter().filter(|r| &r.worker == w).map(|r| r.at).collect()));
+        let starts: Vec<Instant> = all.iter().filter(|r| &r.worker == w).map(|r| r.at).collect();
+        out.insert(w.clone(), back_at_work(&starts, t, end));
     }
     Ok(out)
+}
+
+/// The name of the scheduler's API among the processes of [`wait_back`].
+const API: &str = "scheduler API";
+
+#[test]
+fn back_at_work_is_the_end_of_a_stall_or_the_first_event() {
+    let t = Instant::now();
+    let end = t + Duration::from_secs(15);
+    let ms = |m: u64| t + Duration::from_millis(m);
+    // A steady stream with its longest gap (150 ms) late in the window: not stalled, back at
+    // its first event; the gap across the kill counts from the last event before it.
+    let mut steady: Vec<Instant> = (0..170).map(|i| ms(100 * i + 50)).collect();
+    steady.push(ms(14_300));
+    steady.retain(|e| *e != ms(14_250));
+    let before = t.checked_sub(Duration::from_millis(60)).unwrap_or(t);
+    steady.push(before);
+    let b = back_at_work(&steady, t, end);
+    assert_eq!(b.at, Duration::from_millis(50));
+    assert_eq!(b.longest_gap, Duration::from_millis(150));
+    // Stalled from the kill to 3.2 s, then 1 s gaps: back at 3.2 s.
+    let mut stalled = vec![before, ms(3_200)];
+    stalled.extend((1..14).map(|i| ms(3_200 + 1_000 * i)));
+    let b = back_at_work(&stalled, t, end);
+    assert_eq!(b.at, Duration::from_millis(3_200));
+    assert_eq!(b.longest_gap, Duration::from_millis(3_260));
+    // A stall in the middle of the window: back at its end.
+    let mid: Vec<Instant> = [100, 200, 5_000, 12_000, 12_100, 15_100].into_iter().map(ms).collect();
+    let b = back_at_work(&mid, t, end);
+    assert_eq!(b.at, Duration::from_millis(12_000));
+    assert_eq!(b.longest_gap, Duration::from_millis(7_000));
+    // Nothing after the kill: never back.
+    assert_eq!(back_at_work(&[before], t, end), Back { at: Duration::MAX, longest_gap: Duration::MAX });
 }
