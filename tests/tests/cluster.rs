@@ -102,6 +102,16 @@ impl Cluster {
         }
     }
 
+    /// Whether every quorum queue of namespace `ns` has all three members online. A quorum
+    /// queue declared a moment before a node dies may not have started its members on the
+    /// other nodes yet; the test kills a node of a settled cluster, as a real outage finds it.
+    fn quorum_settled(&self, ns: &str) -> bool {
+        let Ok(out) = self.script(&["ctl", &self.dir(), "list_queues", "name", "type", "members", "online"]) else { return false };
+        let count = |list: &str| list.trim_matches(|c| c == '[' || c == ']').split(',').filter(|m| !m.trim().is_empty()).count();
+        let rows: Vec<Vec<&str>> = out.lines().filter(|l| l.starts_with(&format!("{ns}."))).map(|l| l.split('\t').collect()).collect();
+        !rows.is_empty() && rows.iter().all(|c| c.get(1) != Some(&"quorum") || (c.get(2).map(|m| count(m)) == Some(3) && c.get(3).map(|m| count(m)) == Some(3)))
+    }
+
     /// The node (1-3) the named AMQP connection is on, by the server port it connected to.
     fn node_of(&self, connection_name: &str) -> Result<usize> {
         let out = self.script(&["ctl", &self.dir(), "list_connections", "port", "client_properties"])?;
@@ -263,6 +273,8 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
         worker_ids.iter().all(|w| now.iter().any(|r| &r.worker == w)).then_some(())
     })
     .await?;
+
+    wait_for("every quorum queue with its three members online", Duration::from_secs(60), || async { cluster.quorum_settled(&name).then_some(()) }).await?;
 
     // 1. Kill the broker node the scheduler is connected to.
     let node = cluster.node_of(&format!("fleet-scheduler {name}"))?;
