@@ -2,6 +2,7 @@
 //! until the test lets it go: the events tests wait on instead of sleeping.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -125,4 +126,19 @@ impl Attempts {
     pub fn count(&self) -> usize {
         self.inner.lock().map(|v| v.len()).unwrap_or(0)
     }
+}
+
+/// A no-op handler that counts its runs (benchmarks: the cheapest task there is), and the
+/// counter it bumps.
+pub fn counting() -> (Arc<AtomicUsize>, Arc<dyn Handler>) {
+    let done = Arc::new(AtomicUsize::new(0));
+    let d2 = done.clone();
+    let h = handler_fn(move |_ctx| {
+        let d = d2.clone();
+        async move {
+            d.fetch_add(1, Ordering::Relaxed);
+            Ok(serde_json::Value::Null)
+        }
+    });
+    (done, h)
 }

@@ -667,15 +667,7 @@ async fn stages(n: usize) -> Result<()> {
     use fleet::registry::{Registration, WorkerState};
     println!("# stages: {n} tasks, quorum queues");
     let ns = Ns::with_queue_type("quorum").await?;
-    let done = Arc::new(AtomicUsize::new(0));
-    let d2 = done.clone();
-    let count = handler_fn(move |_ctx| {
-        let d = d2.clone();
-        async move {
-            d.fetch_add(1, Ordering::Relaxed);
-            Ok(serde_json::Value::Null)
-        }
-    });
+    let (done, count) = counting();
     // Declare the group's queues and register a placeholder with room for everything.
     let cfg = ns.common(&[])?;
     let ch = ns.conn.create_channel().await?;

@@ -42,7 +42,6 @@ use fleet::route::{Reservation, Strategy};
 use fleet::{Envelope, Labels, Lane, Names, PerLane, Store};
 use fleet_tests::servers::PrivateRedis;
 use fleet_tests::*;
-use fleet_worker::executor::handler_fn;
 
 #[derive(Parser)]
 #[command(name = "scale", about = "fleet's Redis side at scale: a 1,000-worker simulation and the per-task cost of a real run")]
@@ -827,15 +826,7 @@ async fn run_inner(a: &RunArgs, ns: &Ns, probe: &Probe) -> Result<()> {
     let slow = SlowLog::new(probe.clone());
     let stop = tokio_util::sync::CancellationToken::new();
     let poller = tokio::spawn(slow.clone().run(stop.clone()));
-    let done = Arc::new(AtomicUsize::new(0));
-    let d2 = done.clone();
-    let count = handler_fn(move |_ctx| {
-        let d = d2.clone();
-        async move {
-            d.fetch_add(1, Ordering::Relaxed);
-            Ok(serde_json::Value::Null)
-        }
-    });
+    let (done, count) = counting();
     let bound = (2 * a.n).max(10_000).to_string();
     let sched_settings = [("ingress_max_normal", bound.as_str())];
     let sched = start_scheduler_exactly(ns, &sched_settings).await?;
