@@ -109,13 +109,29 @@ impl Dispatcher {
         }
     }
 
+    /// Declares a group's park queue on a channel of its own: a declare the broker refuses (a
+    /// queue left with other arguments) closes its channel, and on the publishing channel
+    /// that would fail every publish awaiting its confirm.
+    ///
+    /// # Errors
+    /// The channel cannot be opened, or the broker refuses the declare (the setting to fix is
+    /// named, see [`topology::declare_park`]).
+    pub async fn declare_park(&self, group: &str, lane: Lane) -> fleet::Result<()> {
+        let ch = self.conn.create_channel().await?;
+        let declared = topology::declare_park(&ch, &self.cfg.common, group, lane).await;
+        if ch.status().connected() {
+            let _ = ch.close(200, "declared".into()).await;
+        }
+        declared
+    }
+
     /// Declares a group's park queue once per session.
     async fn ensure_park(&self, group: &str, lane: Lane) -> fleet::Result<()> {
         let key = (group.to_string(), lane);
         if self.parks.lock().await.contains(&key) {
             return Ok(());
         }
-        topology::declare_park(&self.publisher, &self.cfg.common, group, lane).await?;
+        self.declare_park(group, lane).await?;
         self.parks.lock().await.insert(key);
         Ok(())
     }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use fleet::shutdown::Stage;
 use fleet::ticker::Ticker;
-use fleet::{topology, Lane};
+use fleet::Lane;
 use futures::{FutureExt, StreamExt};
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
@@ -268,7 +268,7 @@ impl Discovery {
         for g in groups {
             for lane in Lane::ALL {
                 let Some((n, token)) = loops.claim_start(&g, lane, listed_at, shutdown) else { continue };
-                if let Err(e) = topology::declare_park(&d.publisher, &d.cfg.common, &g, lane).await {
+                if let Err(e) = d.declare_park(&g, lane).await {
                     tracing::warn!(error = %e, group = %g, "cannot declare park queue");
                     return Err(e);
                 }
