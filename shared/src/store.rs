@@ -146,7 +146,7 @@ impl Store {
     /// out: best effort, a replica that is down does not stop the fleet). Redis replication is
     /// asynchronous, so without it a write the master answered in the moment before it died
     /// is lost with it; used for task outcomes (a status `succeeded` that reverted to
-    /// `queued` after a failover). Direct and Cluster URLs skip the wait.
+    /// `queued` after a failover). Direct and Cluster URLs skip the wait (a plain [`Store::invoke`]).
     pub async fn invoke_replicated<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> Result<T> {
         if !self.pool.is_sentinel() {
             return self.invoke(inv).await;
@@ -154,7 +154,7 @@ impl Store {
         // `WAIT` blocks its connection: a pooled one of its own, not the shared one.
         let mut c = self.pool.get().await?;
         let r = tokio::time::timeout(CALL_TIMEOUT, inv.invoke_async(&mut c)).await;
-        if !self.pool.is_sentinel() || !matches!(r, Ok(Ok(_))) {
+        if !matches!(r, Ok(Ok(_))) {
             return self.settle(c, r);
         }
         let wait = redis::cmd("WAIT").arg(1).arg(REPLICA_WAIT.as_millis() as u64).to_owned();
