@@ -149,11 +149,13 @@ impl Store {
     }
 
     /// Releases attempts and records their outcomes (a [`Finished`] with an empty `state` only
-    /// releases: the attempt ended without an outcome and went back to the broker).
+    /// releases: the attempt ended without an outcome and went back to the broker), and
+    /// publishes the worker's task `figures` (pairs outcome, total; may be empty) in the same
+    /// call, so `GET /v1/workers` is current without a round trip of its own.
     ///
     /// # Errors
     /// Redis unreachable or slow.
-    pub async fn finish(&self, worker: &str, group: &str, instance: &str, status_ttl: Duration, tasks: &[Finished]) -> Result<()> {
+    pub async fn finish(&self, worker: &str, group: &str, instance: &str, status_ttl: Duration, tasks: &[Finished], figures: &[(&str, u64)]) -> Result<()> {
         let mut inv = self.scripts.finish.prepare_invoke();
         inv.key(self.names.prefix()).arg(worker).arg(group).arg(instance).arg(millis(status_ttl)).arg(tasks.len());
         for f in tasks {
@@ -165,6 +167,9 @@ impl Store {
                 .arg(truncate(&f.text, MAX_STATUS_TEXT))
                 .arg(if f.success { 1 } else { 0 })
                 .arg(f.reason.map(DeadReason::as_str).unwrap_or(""));
+        }
+        for (outcome, n) in figures {
+            inv.arg(*outcome).arg(*n);
         }
         // Outcomes are what a failover must not lose (see `invoke_replicated`).
         let _: i64 = self.invoke_replicated(&inv).await?;

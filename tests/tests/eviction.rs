@@ -174,7 +174,7 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
     assert_eq!(group(&ns.store, &g).await.map(|g| (g.capacity, g.load)), Some((2, 1)));
     // Attempt 2's outcome is appended by the finish that records it.
     let done = Finished { lane: Lane::Normal, id: "t1".into(), attempt: 2, state: Some(fleet::status::TaskState::Succeeded), text: "{}".into(), success: true, reason: None };
-    ns.store.finish("w-live", &g, "i-live", lease, &[done]).await?;
+    ns.store.finish("w-live", &g, "i-live", lease, &[done], &[]).await?;
     let log = ns.store.task_attempts("t1").await?;
     assert_eq!(log.len(), 2, "{log:?}");
     assert_eq!((&log[1]["attempt"], &log[1]["worker"], &log[1]["outcome"]), (&serde_json::json!(2), &serde_json::json!("w-live"), &serde_json::json!("succeeded")), "{log:?}");

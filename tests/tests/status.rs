@@ -267,7 +267,7 @@ async fn attempt_log_is_capped_and_expires_with_the_status() -> anyhow::Result<(
     let n = ATTEMPT_LOG_MAX as u32 + 5;
     for attempt in 1..=n {
         let f = Finished { lane: fleet::Lane::Normal, id: "capped".into(), attempt, state: Some(fleet::status::TaskState::Retrying), text: format!("failure {attempt}"), success: false, reason: None };
-        ns.store.finish("w-cap", "g-cap", "i-cap", ttl, &[f]).await?;
+        ns.store.finish("w-cap", "g-cap", "i-cap", ttl, &[f], &[]).await?;
     }
     let log = ns.store.task_attempts("capped").await?;
     let attempts: Vec<u64> = log.iter().filter_map(|a| a["attempt"].as_u64()).collect();

@@ -36,7 +36,7 @@ use fleet::lease::{truncate, Claim, ClaimRequest, Finished};
 use fleet::metrics as m;
 use fleet::shutdown::Stage;
 use fleet::status::{DeadReason, TaskState};
-use fleet::{Envelope, Lane, Names};
+use fleet::{Envelope, Lane, Names, PerLane};
 
 use crate::acks::Slot;
 use crate::broker::Broker;
@@ -71,6 +71,38 @@ pub struct Shared {
     /// The stage attempts and handler runs are spawned on: the drain waits for it within the
     /// grace, and stopping it cuts every run now (hard stop).
     pub work: Stage,
+    /// Per-task metric handles, registered once.
+    pub meters: PerLane<Meters>,
+}
+
+/// One lane's per-task metric handles, registered once per worker: a labelled
+/// `metrics::counter!` is a registry lookup (label hashing, a `String` for the group) per call,
+/// which every task paid three times.
+pub struct Meters {
+    /// `fleet_task_wait_seconds{lane}`: submission to start.
+    wait: metrics::Histogram,
+    /// `fleet_task_run_seconds{group, lane}`: the handler's run.
+    run: metrics::Histogram,
+    /// `fleet_tasks_completed_total{group, lane, outcome}`, one per [`Outcome`] (in
+    /// [`Outcome::ALL`] order).
+    completed: [metrics::Counter; 5],
+}
+
+impl Meters {
+    /// The handles of `group`'s `lane` (the recorder must be installed first:
+    /// [`fleet::metrics::install`]).
+    pub fn new(group: &str, lane: Lane) -> Self {
+        let l = lane.as_str();
+        Meters {
+            wait: metrics::histogram!(m::TASK_WAIT, "lane" => l),
+            run: metrics::histogram!(m::TASK_RUN, "group" => group.to_string(), "lane" => l),
+            completed: Outcome::ALL.map(|o| metrics::counter!(m::TASKS_COMPLETED, "group" => group.to_string(), "lane" => l, "outcome" => o.as_str())),
+        }
+    }
+
+    fn completed(&self, o: Outcome) -> &metrics::Counter {
+        &self.completed[o as usize]
+    }
 }
 
 /// How an attempt ended, as counted in `fleet_tasks_completed_total{outcome}`.
@@ -85,6 +117,9 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in discriminant order.
+    pub const ALL: [Outcome; 5] = [Outcome::Succeeded, Outcome::Retried, Outcome::Dead, Outcome::Expired, Outcome::Failed];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Succeeded => "succeeded",
@@ -171,7 +206,7 @@ async fn claim(shared: &Shared, lane: Lane, delivery: &Delivery, slot: &mut Slot
                     Ok(()) => {
                         slot.ack().await;
                         shared.stats.outcome("dead");
-                        metrics::counter!(m::TASKS_COMPLETED, "group" => shared.group.clone(), "lane" => lane.as_str(), "outcome" => "dead").increment(1);
+                        shared.meters[lane].completed(Outcome::Dead).increment(1);
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "cannot dead-letter a lost task; requeued");
@@ -198,7 +233,7 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, mut s
     let now = shared.clock.now();
     if let Some(submitted) = env.submitted_at {
         let wait = (now - submitted).to_std().unwrap_or(Duration::ZERO);
-        metrics::histogram!(m::TASK_WAIT, "lane" => lane.as_str()).record(wait.as_secs_f64());
+        shared.meters[lane].wait.record(wait.as_secs_f64());
         shared.stats.waits.record(wait);
     }
 
@@ -212,7 +247,7 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, mut s
             shared.stats.ended(lane, &env.id);
             return;
         };
-        metrics::histogram!(m::TASK_RUN, "group" => shared.group.clone(), "lane" => lane.as_str()).record(took.as_secs_f64());
+        shared.meters[lane].run.record(took.as_secs_f64());
         if !probe {
             shared.stats.ran(result.is_ok(), took);
         }
@@ -229,8 +264,7 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, mut s
     if probe {
         metrics::counter!(m::PROBES_COMPLETED, "group" => shared.group.clone(), "outcome" => outcome.as_str()).increment(1);
     } else {
-        metrics::counter!(m::TASKS_COMPLETED, "group" => shared.group.clone(), "lane" => lane.as_str(), "outcome" => outcome.as_str())
-            .increment(1);
+        shared.meters[lane].completed(outcome).increment(1);
     }
     shared.stats.ended(lane, &env.id);
 }

@@ -10,6 +10,9 @@
 //! them with one `start` and one `finish` call; while that call is in flight new records
 //! gather for the next one, so batches grow with load and an idle worker pays no batching
 //! delay. At a few thousand tasks per second that is a few hundred Redis calls per second.
+//! A claim made while the ledger holds no record at all (an idle worker) is written by its
+//! attempt directly: the batch would be that one claim, and the hand-offs to and from the
+//! loop would only add to the time from delivery to start.
 //!
 //! Redis state may be lost (the broker holds every task), so the trade-offs lean towards never
 //! stalling work: a claim that cannot be written is answered "unknown" at once and the attempt
@@ -18,6 +21,7 @@
 //! (the ack is not held hostage by a dead Redis). When the channel is full, records are
 //! dropped and counted.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,18 +57,64 @@ pub enum Op {
 #[derive(Clone)]
 pub struct Ledger {
     tx: mpsc::Sender<Op>,
+    writer: Arc<Writer>,
+}
+
+/// What writing claims needs, shared by the batching loop and direct claims.
+struct Writer {
+    store: Store,
+    worker_id: String,
+    instance: String,
+    group: String,
+    run_lease: Duration,
+    status_ttl: Duration,
+    gone: Arc<Notify>,
+    /// Records sent to the loop and not yet written, plus direct claims in flight: 0 means
+    /// the ledger is idle.
+    busy: AtomicUsize,
+}
+
+impl Writer {
+    /// Writes claims (one `start` call); `None` answers every one "unknown" (Redis failed).
+    async fn claim(&self, reqs: &[ClaimRequest]) -> Option<Vec<Claim>> {
+        match self.store.claim(&self.worker_id, &self.group, &self.instance, self.run_lease, self.status_ttl, reqs).await {
+            Ok((registered, answers)) => {
+                if !registered {
+                    self.gone.notify_one();
+                }
+                Some(answers)
+            }
+            Err(e) => {
+                metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
+                tracing::warn!(error = %e, tasks = reqs.len(), "cannot claim task attempts in Redis; running them unchecked");
+                None
+            }
+        }
+    }
+}
+
+/// Holds one unit of [`Writer::busy`] until dropped (a cancelled direct claim gives it back).
+struct Busy<'a>(&'a AtomicUsize);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Ledger {
     /// A ledger and its batching loop (run it with [`Batcher::run`]).
     pub fn new(store: Store, worker_id: String, instance: String, group: String, run_lease: Duration, status_ttl: Duration) -> (Ledger, Batcher) {
         let (tx, rx) = mpsc::channel(BUFFER);
-        let batcher = Batcher { rx, store, worker_id, instance, group, run_lease, status_ttl, gone: Arc::new(Notify::new()), figures: None };
-        (Ledger { tx }, batcher)
+        let writer = Arc::new(Writer { store, worker_id, instance, group, run_lease, status_ttl, gone: Arc::new(Notify::new()), busy: AtomicUsize::new(0) });
+        let batcher = Batcher { rx, writer: writer.clone(), figures: None };
+        (Ledger { tx, writer }, batcher)
     }
 
     fn record(&self, op: Op) {
+        self.writer.busy.fetch_add(1, Ordering::AcqRel);
         if let Err(e) = self.tx.try_send(op) {
+            self.writer.busy.fetch_sub(1, Ordering::AcqRel);
             metrics::counter!(LEDGER_DROPPED).increment(1);
             match e {
                 mpsc::error::TrySendError::Full(_) => tracing::warn!("ledger buffer full (Redis down?): task record dropped"),
@@ -73,9 +123,14 @@ impl Ledger {
         }
     }
 
-    /// Claims an attempt. `None` when Redis could not answer (the caller runs the attempt:
-    /// at-least-once). Cancel safe.
+    /// Claims an attempt: directly when the ledger is idle, else in the loop's next batch.
+    /// `None` when Redis could not answer (the caller runs the attempt: at-least-once).
+    /// Cancel safe.
     pub async fn claim(&self, req: ClaimRequest) -> Option<Claim> {
+        if self.writer.busy.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            let _busy = Busy(&self.writer.busy);
+            return self.writer.claim(std::slice::from_ref(&req)).await.and_then(|mut a| a.pop());
+        }
         let (reply, rx) = oneshot::channel();
         self.record(Op::Claim { req, reply });
         rx.await.ok().flatten()
@@ -101,13 +156,7 @@ pub const LEDGER_DROPPED: &str = "fleet_worker_ledger_dropped_total";
 /// The batching loop.
 pub struct Batcher {
     rx: mpsc::Receiver<Op>,
-    store: Store,
-    worker_id: String,
-    instance: String,
-    group: String,
-    run_lease: Duration,
-    status_ttl: Duration,
-    gone: Arc<Notify>,
+    writer: Arc<Writer>,
     /// This worker's figures, published with each batch of outcomes (so `GET /v1/workers`
     /// is current); `None` publishes nothing.
     figures: Option<Arc<Stats>>,
@@ -126,7 +175,7 @@ impl Batcher {
     /// Notified when a claim finds the worker's registration gone (the heartbeat registers
     /// again).
     pub fn gone_signal(&self) -> Arc<Notify> {
-        self.gone.clone()
+        self.writer.gone.clone()
     }
 
     /// Batches and writes until `shutdown`, then writes what is left (bounded in time).
@@ -152,8 +201,18 @@ impl Batcher {
     }
 
     /// Writes a batch: claims once (answered "unknown" on failure), outcomes until written,
-    /// `give_up` passes or `shutdown` fires (left in `finishes` for the final flush).
+    /// `give_up` passes or `shutdown` fires (left in `finishes` for the final flush). The
+    /// first try sends the claims and the outcomes (with this worker's figures) together: on
+    /// the one multiplexed Redis connection they go out as a pipeline and cost one round trip.
     async fn flush(&mut self, batch: &mut Vec<Op>, finishes: &mut Finishes, give_up: Option<Instant>, shutdown: &CancellationToken) {
+        let taken = batch.len();
+        let more = self.write(batch, finishes, give_up, shutdown).await;
+        self.writer.busy.fetch_sub(taken + more, Ordering::AcqRel);
+    }
+
+    /// [`Batcher::flush`]'s work; returns how many more records it took from the channel
+    /// while retrying.
+    async fn write(&mut self, batch: &mut Vec<Op>, finishes: &mut Finishes, give_up: Option<Instant>, shutdown: &CancellationToken) -> usize {
         let mut claims = Vec::new();
         for op in batch.drain(..) {
             match op {
@@ -161,50 +220,50 @@ impl Batcher {
                 Op::Finish { fin, written } => finishes.push((fin, written)),
             }
         }
-        if !claims.is_empty() {
-            let reqs: Vec<ClaimRequest> = claims.iter().map(|(r, _)| r.clone()).collect();
-            match self.store.claim(&self.worker_id, &self.group, &self.instance, self.run_lease, self.status_ttl, &reqs).await {
-                Ok((registered, answers)) => {
-                    if !registered {
-                        self.gone.notify_one();
-                    }
+        let reqs: Vec<ClaimRequest> = claims.iter().map(|(r, _)| r.clone()).collect();
+        let fins: Vec<Finished> = finishes.iter().map(|(f, _)| f.clone()).collect();
+        let figures = self.figures.as_ref().map(|s| s.outcomes()).unwrap_or_default();
+        let w = &self.writer;
+        let claimed = async {
+            if reqs.is_empty() {
+                return None;
+            }
+            Some(w.claim(&reqs).await)
+        };
+        let written = async {
+            if fins.is_empty() {
+                return Ok(());
+            }
+            w.store.finish(&w.worker_id, &w.group, &w.instance, w.status_ttl, &fins, &figures).await
+        };
+        let (claimed, written) = tokio::join!(claimed, written);
+        if let Some(answers) = claimed {
+            match answers {
+                Some(answers) => {
                     for ((_, reply), a) in claims.into_iter().zip(answers) {
                         let _ = reply.send(Some(a));
                     }
                 }
-                Err(e) => {
-                    metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
-                    tracing::warn!(error = %e, tasks = claims.len(), "cannot claim task attempts in Redis; running them unchecked");
+                None => {
                     for (_, reply) in claims {
                         let _ = reply.send(None);
                     }
                 }
             }
         }
-        let mut delay = Duration::from_millis(50);
-        while !finishes.is_empty() {
-            let fins: Vec<Finished> = finishes.iter().map(|(f, _)| f.clone()).collect();
-            match self.store.finish(&self.worker_id, &self.group, &self.instance, self.status_ttl, &fins).await {
-                Ok(()) => {
-                    for (_, written) in finishes.drain(..) {
-                        if let Some(w) = written {
-                            let _ = w.send(());
-                        }
-                    }
-                    if let Some(stats) = &self.figures {
-                        if let Err(e) = self.store.set_outcomes(&self.worker_id, &self.instance, &stats.outcomes()).await {
-                            tracing::debug!(error = %e, "cannot publish the task figures (the heartbeat does it again)");
-                        }
-                    }
-                    return;
-                }
-                Err(e) => {
-                    metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
-                    tracing::warn!(error = %e, pending = finishes.len(), retry_in_ms = delay.as_millis() as u64, "cannot write task outcomes to Redis");
-                }
+        match written {
+            Ok(()) => return told(finishes, 0),
+            Err(e) => {
+                metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
+                tracing::warn!(error = %e, pending = finishes.len(), "cannot write task outcomes to Redis; retrying");
             }
+        }
+        let mut more = 0;
+        let mut delay = Duration::from_millis(50);
+        loop {
             // Claims arriving meanwhile are not held up by the retry: Redis is failing.
             while let Ok(op) = self.rx.try_recv() {
+                more += 1;
                 match op {
                     Op::Claim { reply, .. } => {
                         let _ = reply.send(None);
@@ -215,14 +274,34 @@ impl Batcher {
             if give_up.is_some_and(|g| Instant::now() + delay > g) {
                 tracing::warn!(pending = finishes.len(), "giving up on task outcomes at shutdown");
                 finishes.clear();
-                return;
+                return more;
             }
             tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => return,
+                _ = shutdown.cancelled() => return more,
                 _ = tokio::time::sleep(delay) => {}
             }
             delay = (delay * 2).min(Duration::from_secs(5));
+            let fins: Vec<Finished> = finishes.iter().map(|(f, _)| f.clone()).collect();
+            let figures = self.figures.as_ref().map(|s| s.outcomes()).unwrap_or_default();
+            let w = &self.writer;
+            match w.store.finish(&w.worker_id, &w.group, &w.instance, w.status_ttl, &fins, &figures).await {
+                Ok(()) => return told(finishes, more),
+                Err(e) => {
+                    metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
+                    tracing::warn!(error = %e, pending = finishes.len(), retry_in_ms = delay.as_millis() as u64, "cannot write task outcomes to Redis");
+                }
+            }
         }
     }
+}
+
+/// Tells whoever waits for the outcomes in `finishes` that they are written; returns `more`.
+fn told(finishes: &mut Finishes, more: usize) -> usize {
+    for (_, written) in finishes.drain(..) {
+        if let Some(w) = written {
+            let _ = w.send(());
+        }
+    }
+    more
 }

@@ -26,10 +26,10 @@ use tracing::Instrument;
 use fleet::http::Readiness;
 use fleet::shutdown::Stage;
 use fleet::store::Store;
-use fleet::Lane;
+use fleet::{Lane, PerLane};
 
 use crate::api;
-use crate::attempt::Shared;
+use crate::attempt::{Meters, Shared};
 use crate::broker::Broker;
 use crate::config::WorkerConfig;
 use crate::drain::{Control, Drain, Stages};
@@ -245,6 +245,7 @@ impl Worker {
             clock: store.clock.clone(),
             isolation: Arc::new(tokio::sync::RwLock::new(())),
             work: stages.work.clone(),
+            meters: PerLane { normal: Meters::new(&group, Lane::Normal), critical: Meters::new(&group, Lane::Critical) },
         });
         let names = cfg.common.names();
         for lane in Lane::ALL {

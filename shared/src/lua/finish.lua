@@ -8,6 +8,9 @@
 --   attempt ended without an outcome and its delivery went back to the broker),
 --   field ('result' | 'error'), text (truncated), success (1 | 0),
 --   reason (why dead or expired; '' otherwise)
+-- then the worker's task figures, pairs outcome, total (e.g. 'succeeded', 550), published with
+--   the batch so `GET /v1/workers` is current (written only while this process holds the
+--   worker's registration: a worker that is gone is not re-created)
 -- The status is written only if no newer attempt has been recorded (batches of different
 -- workers may land out of order); the running record is released regardless. The run record
 -- (see start.lua) becomes `done` (later copies of this attempt are duplicates) or `rel`
@@ -62,5 +65,11 @@ end
 -- brought back by a late finish.
 if redis.call('EXISTS', K_group(g)) == 1 then
   for lane, c in pairs(done) do redis.call('HINCRBY', K_group(g), 'done:' .. lane, c) end
+end
+local f = 6 + 8 * n
+if f < #ARGV and redis.call('HGET', K_worker(w), 'instance') == inst then
+  local set = {}
+  for i = f, #ARGV - 1, 2 do set[#set + 1] = 'n:' .. ARGV[i]; set[#set + 1] = ARGV[i + 1] end
+  redis.call('HSET', K_worker(w), unpack(set))
 end
 return n
