@@ -10,7 +10,8 @@
 //! stops taking normal-lane work from ingress — it stays in the broker, the bounded ingress
 //! fills and producers are refused — and is rechecked every `red_recheck`. The critical lane
 //! is never gated by these signals. (The reference design computed a load signal but never fed
-//! it; here both are sampled every `pressure_interval` from Redis and the broker.)
+//! it; here both are computed from every [fleet view](crate::view), sampled every
+//! `pressure_interval` from Redis and the broker.)
 //!
 //! **The intake gate answers "workers are behind", not fleet's own bookkeeping.** The published
 //! state (metric, API) counts everything as the design says, but the gate that paces and pauses
@@ -35,12 +36,13 @@
 use std::sync::Arc;
 
 use fleet::registry::GroupView;
-use fleet::topology;
 use fleet::{Lane, PerLane, Store};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::SchedulerConfig;
+use crate::session::Session;
+use crate::view::ViewRx;
 
 /// The pressure state; the discriminant is the `fleet_pressure_state` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, serde::Serialize)]
@@ -159,62 +161,56 @@ pub fn room_seeded(capacity: u32, backlog_factor: f64, completions_per_s: Option
     }
 }
 
-/// Samples the signals every `pressure_interval` and publishes the state on a watch channel.
+/// Computes the signals from every new [fleet view](crate::view) (sampled every
+/// `pressure_interval`, or more often when another reader of the view needs it) and publishes
+/// the state on a watch channel. Groups and queue depths come from the view; the completion
+/// counters ([`Rates`]) are read from Redis here, when the view arrives. No new view (Redis
+/// unreadable) means no new sample: the last state stands.
 pub struct Controller {
-    pub cfg: Arc<SchedulerConfig>,
-    pub store: Store,
-    pub conn: Arc<lapin::Connection>,
+    pub session: Arc<Session>,
+    pub view: ViewRx,
     pub tx: watch::Sender<Sample>,
 }
 
 impl Controller {
-    pub async fn run(self, shutdown: CancellationToken) {
-        let t = Thresholds::from_config(&self.cfg);
-        let names = self.cfg.common.names();
-        let mut ticker = fleet::ticker::Ticker::new(self.cfg.pressure_interval);
-        let mut sampler: Option<lapin::Channel> = None;
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        let cfg = self.session.cfg.clone();
+        let t = Thresholds::from_config(&cfg);
+        let names = &self.session.names;
         let mut rates = Rates::default();
-        while ticker.tick(&shutdown).await {
-            let groups = match self.store.groups().await {
-                Ok(g) => g,
-                Err(e) => {
-                    metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
-                    tracing::warn!(error = %e, "pressure: cannot read groups from Redis");
-                    continue;
-                }
+        let mut last = None;
+        loop {
+            // The next view (the loop's tick): `None` at shutdown; an error when the view loop
+            // is gone, which ends the session.
+            let view = match self.view.after(last, &shutdown).await {
+                Ok(Some(v)) => v,
+                Ok(None) | Err(_) => break,
             };
-            let rooms = rates.update(&self.cfg, &self.store, &groups).await;
-            let ingress = topology::depth(&self.conn, &names.ingress_queue(Lane::Normal)).await.unwrap_or(0);
+            last = Some(view.sampled_at);
+            let groups = &view.groups;
+            let rooms = rates.update(&cfg, &self.session.store, groups).await;
+            let ingress = view.depth(&names.ingress_queue(Lane::Normal)).unwrap_or(0);
             let mut parked = 0u64;
             let mut behind_total = 0u64;
             // Tasks waiting for a matching worker count too: they are pending, and once enough
-            // wait the gate turns Red and producers are refused.
+            // wait the gate turns Red and producers are refused. A park queue not declared yet
+            // holds nothing.
             let waiting = std::iter::once(crate::dispatch::UNMATCHED);
             for g in groups.iter().map(|g| g.group.as_str()).chain(waiting) {
-                if sampler.as_ref().is_none_or(|c| !c.status().connected()) {
-                    sampler = self.conn.create_channel().await.ok();
-                }
-                if let Some(ch) = &sampler {
-                    parked += u64::from(topology::park_depth(ch, &self.cfg.common, g, Lane::Normal).await.unwrap_or(0));
-                }
+                parked += u64::from(view.depth(&names.park_queue(g, Lane::Normal)).unwrap_or(0));
             }
-            for g in &groups {
-                let room = rooms.get(&g.group).copied().unwrap_or_else(|| room_seeded(g.capacity, self.cfg.backlog_factor, None, self.cfg.target_queue));
+            for g in groups {
+                let room = rooms.get(&g.group).copied().unwrap_or_else(|| room_seeded(g.capacity, cfg.backlog_factor, None, cfg.target_queue));
                 // Every shard of the group's normal lane (one queue when unsharded). A queue
-                // that is not declared yet holds nothing; the passive declare's error closes
-                // the channel, so it is reopened before the next queue.
-                let mut queued = 0u64;
-                for q in names.group_shard_queues(&g.group, Lane::Normal, self.cfg.common.shards(Lane::Normal)) {
-                    if sampler.as_ref().is_none_or(|c| !c.status().connected()) {
-                        sampler = self.conn.create_channel().await.ok();
-                    }
-                    if let Some(ch) = &sampler {
-                        queued += u64::from(topology::ready_count(ch, &q).await.unwrap_or(0));
-                    }
-                }
+                // that is not declared yet holds nothing.
+                let queued: u64 = names
+                    .group_shard_queues(&g.group, Lane::Normal, cfg.common.shards(Lane::Normal))
+                    .iter()
+                    .map(|q| u64::from(view.depth(q).unwrap_or(0)))
+                    .sum();
                 behind_total += behind(queued, u64::from(g.load), room);
             }
-            let mut s = sample(&t, &groups, u64::from(ingress), parked, behind_total);
+            let mut s = sample(&t, groups, u64::from(ingress), parked, behind_total);
             // Hysteresis (a thermostat's): once Red, the gate stays Red until the count falls
             // below the yellow threshold — reopening at the first sample under red would flap
             // intake open and shut under a burst, each closing handing a full prefetch back to

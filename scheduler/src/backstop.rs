@@ -30,23 +30,23 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, Bas
 use lapin::types::{AMQPValue, FieldTable};
 use tokio_util::sync::CancellationToken;
 
-use crate::dispatch::Dispatcher;
+use crate::session::Session;
 
 /// Letters the loop holds unacked at once.
 const PREFETCH: u16 = 32;
 
 /// The backstop loop.
 pub struct Backstop {
-    pub d: Arc<Dispatcher>,
+    pub session: Arc<Session>,
 }
 
 impl Backstop {
     /// Consumes `<ns>.dead.broker` until shutdown (`Ok`) or a channel error (`Err`: the
     /// session restarts).
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
-        let d = &self.d;
-        let queue = d.names.broker_dead_queue();
-        let ch = d.conn.create_channel().await?;
+        let s = &self.session;
+        let queue = s.names.broker_dead_queue();
+        let ch = s.conn.create_channel().await?;
         ch.basic_qos(PREFETCH, BasicQosOptions::default()).await?;
         let mut consumer = ch.basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
         let result = loop {
@@ -55,7 +55,7 @@ impl Backstop {
                 _ = shutdown.cancelled() => break Ok(()),
                 next = consumer.next() => match next {
                     Some(Ok(delivery)) => {
-                        if let Err(e) = handle(d, delivery).await {
+                        if let Err(e) = handle(s, delivery).await {
                             break Err(e);
                         }
                     }
@@ -128,9 +128,9 @@ fn group_of(names: &Names, queue: &str) -> Option<(String, Lane)> {
     (!group.is_empty()).then(|| (group.to_string(), lane))
 }
 
-async fn handle(d: &Dispatcher, delivery: Delivery) -> fleet::Result<()> {
+async fn handle(s: &Session, delivery: Delivery) -> fleet::Result<()> {
     let props = delivery.properties.clone();
-    let death = broker_death(&d.names, props.headers().as_ref());
+    let death = broker_death(&s.names, props.headers().as_ref());
     let parsed = Envelope::from_slice(&delivery.data, usize::MAX).ok();
     let id = parsed
         .as_ref()
@@ -156,7 +156,7 @@ async fn handle(d: &Dispatcher, delivery: Delivery) -> fleet::Result<()> {
     // A letter whose attempt already ended is a stale copy (also: this loop's own letter, read
     // again after a crash between publish and ack).
     if !id.is_empty() {
-        if let Ok(Some(st)) = d.store.task_status(&id).await {
+        if let Ok(Some(st)) = s.store.task_status(&id).await {
             let state = st.get("state").map(String::as_str).unwrap_or_default();
             if st.get("run_st").map(String::as_str) == Some("done") && fleet::status::TERMINAL.contains(&state) {
                 tracing::info!(task.id = %fleet::envelope::escape(&id), state, reason = %death.reason, "the broker dead-lettered a copy of a finished task: dropped");
@@ -171,7 +171,7 @@ async fn handle(d: &Dispatcher, delivery: Delivery) -> fleet::Result<()> {
     headers.insert(REASON_HEADER.into(), AMQPValue::LongString(death.reason.clone().into()));
     headers.insert(DETAIL_HEADER.into(), AMQPValue::LongString(detail.clone().into()));
     let out = props.clone().with_headers(headers);
-    if let Err(e) = amqp::publish_confirmed(&d.publisher, &d.names.tasks_exchange(), Names::DEAD_KEY, &delivery.data, out).await {
+    if let Err(e) = amqp::publish_confirmed(&s.publisher, &s.names.tasks_exchange(), Names::DEAD_KEY, &delivery.data, out).await {
         tracing::warn!(task.id = %fleet::envelope::escape(&id), error = %e, "cannot move a broker dead letter to the dead-letter queue; requeued");
         delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
         // Do not spin on a refusing dead-letter queue.
@@ -181,7 +181,7 @@ async fn handle(d: &Dispatcher, delivery: Delivery) -> fleet::Result<()> {
     if !id.is_empty() {
         let mut written = None;
         for _ in 0..3 {
-            match d.store.record_broker_dead(&id, group.as_deref(), lane, &death.reason, &detail, d.cfg.common.status_ttl).await {
+            match s.store.record_broker_dead(&id, group.as_deref(), lane, &death.reason, &detail, s.cfg.common.status_ttl).await {
                 Ok(w) => {
                     written = Some(w);
                     break;

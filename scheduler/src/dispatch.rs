@@ -13,15 +13,14 @@ use std::time::Duration;
 use fleet::amqp::{self, DETAIL_HEADER, REASON_HEADER, TIER_HEADER};
 use fleet::dedupe::Dedupe;
 use fleet::route::{Reservation, ReserveParams, ReserveRequest};
-use fleet::{delay, metrics as m, status, topology, Envelope, Lane, Names, Store};
+use fleet::{delay, metrics as m, status, Envelope, Lane, Names};
 use futures::future::join_all;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
-use lapin::{Channel, PublisherConfirm};
-use tokio::sync::Mutex;
+use lapin::PublisherConfirm;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::SchedulerConfig;
+use crate::session::Session;
 
 /// Where a batch came from; decides gating, dedupe and what "no room" means.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,22 +66,17 @@ pub struct Outcome {
     pub dispatched: usize,
 }
 
-/// Shared by every dispatching loop of one AMQP session.
+/// The dispatch logic of one AMQP session, shared by every dispatching loop (ingress, delayed,
+/// park release, orphan moves): what it publishes on and reads from is the [`Session`].
 pub struct Dispatcher {
-    pub cfg: Arc<SchedulerConfig>,
-    pub store: Store,
-    pub names: Names,
-    pub publisher: Channel,
-    pub conn: Arc<lapin::Connection>,
-    parks: Mutex<HashSet<(String, Lane)>>,
+    pub session: Arc<Session>,
     /// Round-robin position over a sharded lane's shard queues (see [`Dispatcher::group_key`]).
     shard_rr: AtomicU32,
 }
 
 impl Dispatcher {
-    pub fn new(cfg: Arc<SchedulerConfig>, store: Store, conn: Arc<lapin::Connection>, publisher: Channel) -> Self {
-        let names = cfg.common.names();
-        Dispatcher { cfg, store, names, publisher, conn, parks: Mutex::new(HashSet::new()), shard_rr: AtomicU32::new(rand::random()) }
+    pub fn new(session: Arc<Session>) -> Self {
+        Dispatcher { session, shard_rr: AtomicU32::new(rand::random()) }
     }
 
     /// Routing key of the queue a task for `group`'s `lane` is published to. A sharded lane
@@ -91,66 +85,34 @@ impl Dispatcher {
     /// [`fleet::subset`]), so any shard will do, and turns spread the load evenly without
     /// reading queue depths on the hot path.
     pub fn group_key(&self, group: &str, lane: Lane) -> String {
-        let shards = self.cfg.common.shards(lane);
+        let shards = self.session.cfg.common.shards(lane);
         let shard = if shards > 1 { self.shard_rr.fetch_add(1, Ordering::Relaxed) % shards } else { 0 };
-        self.names.group_shard_key(group, lane, shard, shards)
+        self.session.names.group_shard_key(group, lane, shard, shards)
     }
 
     pub fn params(&self) -> ReserveParams {
+        let cfg = &self.session.cfg;
         ReserveParams {
             token: rand::random(),
-            lease_ms: self.cfg.reservation_lease.as_millis() as i64,
-            backlog_factor: self.cfg.backlog_factor,
-            strategy: self.cfg.strategy,
-            dedupe_window_ms: self.cfg.dedupe_window.as_millis() as i64,
-            status_ttl_ms: self.cfg.common.status_ttl.as_millis() as i64,
+            lease_ms: cfg.reservation_lease.as_millis() as i64,
+            backlog_factor: cfg.backlog_factor,
+            strategy: cfg.strategy,
+            dedupe_window_ms: cfg.dedupe_window.as_millis() as i64,
+            status_ttl_ms: cfg.common.status_ttl.as_millis() as i64,
             direct: true,
             park_flag_ttl_ms: fleet::park::FLAG_TTL_MS,
         }
     }
 
-    /// Declares a group's park queue on a channel of its own: a declare the broker refuses (a
-    /// queue left with other arguments) closes its channel, and on the publishing channel
-    /// that would fail every publish awaiting its confirm.
-    ///
-    /// # Errors
-    /// The channel cannot be opened, or the broker refuses the declare (the setting to fix is
-    /// named, see [`topology::declare_park`]).
-    pub async fn declare_park(&self, group: &str, lane: Lane) -> fleet::Result<()> {
-        let ch = self.conn.create_channel().await?;
-        let declared = topology::declare_park(&ch, &self.cfg.common, group, lane).await;
-        if ch.status().connected() {
-            let _ = ch.close(200, "declared".into()).await;
-        }
-        declared
-    }
-
-    /// Declares a group's park queue once per session.
-    async fn ensure_park(&self, group: &str, lane: Lane) -> fleet::Result<()> {
-        let key = (group.to_string(), lane);
-        if self.parks.lock().await.contains(&key) {
-            return Ok(());
-        }
-        self.declare_park(group, lane).await?;
-        self.parks.lock().await.insert(key);
-        Ok(())
-    }
-
-    /// Forgets that a group's park queues were declared: the group was reclaimed and they
-    /// are deleted (the next task parked there declares them again).
-    pub async fn forget_parks(&self, group: &str) {
-        self.parks.lock().await.retain(|(g, _)| g != group);
-    }
-
     /// Processes one batch. Cancel safe only in the sense that unacked deliveries return to
     /// the broker; callers do not cancel it mid-way except at shutdown.
     pub async fn process(&self, batch: Vec<Delivery>, source: &Source, shutdown: &CancellationToken) -> Outcome {
-        let now = self.store.clock.now();
+        let now = self.session.store.clock.now();
         // The size limit is the producer's, checked once on the producer's bytes; fleet's own
         // copies (delay, park hops) carry fleet's fields too and get the internal guard.
         let limits = match source {
-            Source::Ingress(_) => self.cfg.common.limits,
-            _ => self.cfg.common.limits.internal(),
+            Source::Ingress(_) => self.session.cfg.common.limits,
+            _ => self.session.cfg.common.limits.internal(),
         };
         let mut envs: Vec<Option<Envelope>> = Vec::with_capacity(batch.len());
         let mut fates: Vec<Option<Fate>> = Vec::with_capacity(batch.len());
@@ -187,7 +149,7 @@ impl Dispatcher {
                         e.submitted_at = header.or(stamp);
                     }
                 }
-                e.normalize(now, self.cfg.common.default_max_attempts)?;
+                e.normalize(now, self.session.cfg.common.default_max_attempts)?;
                 Ok(e)
             });
             match parsed {
@@ -275,9 +237,9 @@ impl Dispatcher {
                     (Reservation::Reserved(g), _) => Fate::Dispatch(g),
                     (Reservation::Duplicate, _) => Fate::Duplicate,
                     (Reservation::Full(_) | Reservation::NoMatch, Source::Park) => Fate::Hold,
-                    (Reservation::NoMatch, Source::Unmatched) if age < self.cfg.no_match_grace => Fate::Hold,
+                    (Reservation::NoMatch, Source::Unmatched) if age < self.session.cfg.no_match_grace => Fate::Hold,
                     (Reservation::Full(g), _) => Fate::Park(g),
-                    (Reservation::NoMatch, _) if age >= self.cfg.no_match_grace => {
+                    (Reservation::NoMatch, _) if age >= self.session.cfg.no_match_grace => {
                         Fate::Dead(status::DeadReason::NoMatchingWorker, format!("no live worker satisfies {{{}}}", e.selector()))
                     }
                     // Waits, counted and bounded, until a matching worker registers.
@@ -299,7 +261,7 @@ impl Dispatcher {
         let mut backoff = Duration::from_millis(50);
         let params = self.params();
         loop {
-            match self.store.reserve(reqs, params).await {
+            match self.session.store.reserve(reqs, params).await {
                 Ok(a) if a.len() == reqs.len() => return Some(a),
                 Ok(a) => tracing::error!(got = a.len(), want = reqs.len(), "reserve returned a wrong count"),
                 Err(fleet::Error::Redis(e)) if is_script_error(&e) => {
@@ -307,7 +269,7 @@ impl Dispatcher {
                     tracing::error!(error = %e, tasks = reqs.len(), "reserve script failed on a batch; retrying task by task");
                     let mut out = Vec::with_capacity(reqs.len());
                     for r in reqs {
-                        out.push(match self.store.reserve(std::slice::from_ref(r), params).await {
+                        out.push(match self.session.store.reserve(std::slice::from_ref(r), params).await {
                             Ok(mut a) if a.len() == 1 => a.remove(0),
                             Err(fleet::Error::Redis(e)) if is_script_error(&e) => Reservation::Failed(e.to_string()),
                             // Redis went away meanwhile: the whole batch again, later.
@@ -341,10 +303,10 @@ fn is_script_error(e: &deadpool_redis::redis::RedisError) -> bool {
 
 impl Dispatcher {
     async fn take_tokens(&self, lane: Lane, mut want: u32, shutdown: &CancellationToken) {
-        let Some((rate, burst)) = self.cfg.rate_for(lane) else { return };
+        let Some((rate, burst)) = self.session.cfg.rate_for(lane) else { return };
         let mut throttled = false;
         while want > 0 {
-            match self.store.take_tokens(lane, rate, burst, want).await {
+            match self.session.store.take_tokens(lane, rate, burst, want).await {
                 Ok(g) => {
                     want -= g.granted.min(want);
                     if want == 0 {
@@ -386,24 +348,24 @@ impl Dispatcher {
             let r = match fate {
                 Fate::Dispatch(g) => {
                     let lane = env.map(|e| e.lane).unwrap_or_default();
-                    amqp::publish(&self.publisher, &self.names.tasks_exchange(), &self.group_key(g, lane), body.as_deref().unwrap_or(&d.data), amqp::task_properties(id, None)).await.map(Some)
+                    amqp::publish(&self.session.publisher, &self.session.names.tasks_exchange(), &self.group_key(g, lane), body.as_deref().unwrap_or(&d.data), amqp::task_properties(id, None)).await.map(Some)
                 }
                 Fate::Park(g) => {
                     let lane = env.map(|e| e.lane).unwrap_or_default();
-                    if let Err(e) = self.ensure_park(g, lane).await {
+                    if let Err(e) = self.session.ensure_park(g, lane).await {
                         tracing::warn!(error = %e, group = %g, "cannot declare park queue");
                     }
-                    amqp::publish(&self.publisher, &self.names.tasks_exchange(), &self.names.park_key(g, lane), body.as_deref().unwrap_or(&d.data), amqp::task_properties(id, None)).await.map(Some)
+                    amqp::publish(&self.session.publisher, &self.session.names.tasks_exchange(), &self.session.names.park_key(g, lane), body.as_deref().unwrap_or(&d.data), amqp::task_properties(id, None)).await.map(Some)
                 }
                 Fate::Delay(tier) => {
                     let h = amqp::headers([(TIER_HEADER, tier.to_string())]);
-                    amqp::publish(&self.publisher, &self.names.delay_exchange(), "", body.as_deref().unwrap_or(&d.data), amqp::task_properties(id, Some(h))).await.map(Some)
+                    amqp::publish(&self.session.publisher, &self.session.names.delay_exchange(), "", body.as_deref().unwrap_or(&d.data), amqp::task_properties(id, Some(h))).await.map(Some)
                 }
                 Fate::Dead(reason, detail) => {
                     let h = amqp::headers([(REASON_HEADER, reason.to_string()), (DETAIL_HEADER, detail.clone())]);
                     // Keep the producer's bytes for refused envelopes; the normalized one otherwise.
                     let data = if env.is_some() { body.as_deref().unwrap_or(&d.data) } else { &d.data };
-                    amqp::publish(&self.publisher, &self.names.tasks_exchange(), Names::DEAD_KEY, data, amqp::task_properties(id, Some(h))).await.map(Some)
+                    amqp::publish(&self.session.publisher, &self.session.names.tasks_exchange(), Names::DEAD_KEY, data, amqp::task_properties(id, Some(h))).await.map(Some)
                 }
                 Fate::Duplicate | Fate::Hold => Ok(None),
             };
@@ -458,13 +420,13 @@ impl Dispatcher {
             }
         }
         tally.flush();
-        if let Err(e) = self.store.unreserve(&unreserve).await {
+        if let Err(e) = self.session.store.unreserve(&unreserve).await {
             tracing::warn!(error = %e, "cannot give back reservations (their leases will expire)");
         }
         out.dispatched = fates.iter().filter(|f| matches!(f, Some(Fate::Dispatch(_)))).count();
         if matches!(source, Source::Ingress(_)) {
             let handed: Vec<&str> = acks.iter().filter_map(|&i| envs[i].as_ref().map(|e| e.id.as_str())).collect();
-            if let Err(e) = self.store.mark_handed_on(&handed).await {
+            if let Err(e) = self.session.store.mark_handed_on(&handed).await {
                 tracing::warn!(error = %e, "cannot mark submissions handed on (a redelivery could run them twice)");
             }
         }
@@ -553,7 +515,7 @@ impl Dispatcher {
                 _ => continue,
             }
         }
-        if let Err(err) = self.store.write_statuses(&writes, self.cfg.common.status_ttl).await {
+        if let Err(err) = self.session.store.write_statuses(&writes, self.session.cfg.common.status_ttl).await {
             tracing::debug!(error = %err, "cannot record status");
         }
     }

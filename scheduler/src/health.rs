@@ -17,42 +17,54 @@
 //!   lane, the orphaned queues are not touched.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use fleet::dedupe::Dedupe;
 use fleet::route::ReserveRequest;
 use fleet::registry::GroupView;
 use fleet::ticker::Ticker;
 use fleet::route::Reservation;
-use fleet::{amqp, metrics as m, topology, Envelope, Lane};
+use fleet::{amqp, metrics as m, Envelope, Lane};
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
 use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::Dispatcher;
+use crate::session::Session;
+use crate::view::{FleetView, ViewRx};
 
 /// Most tasks moved from one orphaned group queue per tick.
 const ORPHAN_BATCH: usize = 500;
 
 /// The health checker's loop: eviction, then orphan rescue, every `health_interval`.
+/// Eviction is a script on the present state; orphan rescue reads the groups and queue depths
+/// of the [fleet view](crate::view) — one sampled after the eviction, so an evicted worker's
+/// group is already seen without it — and moves tasks through the dispatcher (a reservation
+/// per task).
 pub struct HealthCheck {
-    pub d: Arc<Dispatcher>,
+    pub session: Arc<Session>,
+    pub dispatcher: Arc<Dispatcher>,
+    pub view: ViewRx,
 }
 
 impl HealthCheck {
-    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
-        let mut ticker = Ticker::new(self.d.cfg.health_interval);
+    pub async fn run(mut self, shutdown: CancellationToken) -> fleet::Result<()> {
+        let mut ticker = Ticker::new(self.session.cfg.health_interval);
         loop {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
-                _ = ticker.next() => self.tick().await,
+                _ = ticker.next() => self.tick(&shutdown).await?,
             }
         }
         Ok(())
     }
 
-    async fn tick(&self) {
-        let (d, cfg) = (&self.d, &self.d.cfg);
-        match d.store.evict_stale(cfg.heartbeat_timeout).await {
+    /// One tick. `Err` only when the view loop is gone (the session is ending).
+    async fn tick(&mut self, shutdown: &CancellationToken) -> fleet::Result<()> {
+        let (s, cfg) = (&self.session, &self.session.cfg);
+        // Eviction is one script on the present state (not the fleet view): idempotent, and
+        // safe for any number of replicas.
+        match s.store.evict_stale(cfg.heartbeat_timeout).await {
             Ok(ids) => {
                 for id in &ids {
                     tracing::warn!(worker = %id, timeout_ms = cfg.heartbeat_timeout.as_millis() as u64, "worker evicted: no heartbeat");
@@ -64,16 +76,20 @@ impl HealthCheck {
                 tracing::warn!(error = %e, "eviction check failed");
             }
         }
-        if let Err(e) = rescue_orphans(d).await {
+        // A view sampled after the eviction (none while Redis is unreadable: no rescue then).
+        let Some(view) = self.view.since(Some(Instant::now()), shutdown).await? else { return Ok(()) };
+        if let Err(e) = rescue_orphans(&self.dispatcher, &view).await {
             tracing::warn!(error = %e, "orphan rescue failed");
         }
+        Ok(())
     }
 }
 
-/// Moves tasks out of group queues whose group has no active capacity, where another group can
-/// take them. Returns how many were moved.
-pub async fn rescue_orphans(d: &Dispatcher) -> fleet::Result<usize> {
-    let groups = d.store.groups().await?;
+/// Moves tasks out of group queues whose group has no active capacity (in `view`), where
+/// another group can take them. Returns how many were moved.
+pub async fn rescue_orphans(d: &Dispatcher, view: &FleetView) -> fleet::Result<usize> {
+    let s = &d.session;
+    let groups = &view.groups;
     let mut moved = 0;
     for lane in Lane::ALL {
         let cap = |g: &GroupView| g.capacities()[lane];
@@ -81,14 +97,15 @@ pub async fn rescue_orphans(d: &Dispatcher) -> fleet::Result<usize> {
         if !groups.iter().any(|g| cap(g) > 0) {
             continue;
         }
-        let shards = d.cfg.common.shards(lane);
+        let shards = s.cfg.common.shards(lane);
         for g in groups.iter().filter(|g| cap(g) == 0) {
             for shard in 0..shards {
-                let queue = d.names.group_shard_queue(&g.group, lane, shard, shards);
-                if topology::depth(&d.conn, &queue).await.unwrap_or(0) == 0 {
+                let queue = s.names.group_shard_queue(&g.group, lane, shard, shards);
+                // Empty (or missing) when the view was sampled: the next tick looks again.
+                if view.depth(&queue).unwrap_or(0) == 0 {
                     continue;
                 }
-                let own_key = d.names.group_shard_key(&g.group, lane, shard, shards);
+                let own_key = s.names.group_shard_key(&g.group, lane, shard, shards);
                 moved += move_queue(d, &g.group, &queue, &own_key, lane).await?;
             }
         }
@@ -100,7 +117,7 @@ pub async fn rescue_orphans(d: &Dispatcher) -> fleet::Result<usize> {
 /// back of the queue; the next tick starts with the task behind it) or a batch is done.
 /// `own_key` routes back to `queue` itself.
 async fn move_queue(d: &Dispatcher, group: &str, queue: &str, own_key: &str, lane: Lane) -> fleet::Result<usize> {
-    let ch = d.conn.create_channel().await?;
+    let ch = d.session.conn.create_channel().await?;
     let mut moved = 0;
     for _ in 0..ORPHAN_BATCH {
         let Some(msg) = ch.basic_get(queue.into(), BasicGetOptions::default()).await? else { break };
@@ -122,7 +139,7 @@ async fn move_queue(d: &Dispatcher, group: &str, queue: &str, own_key: &str, lan
             from_park: true,
             dedupe_only: false,
         };
-        let answer = d.store.reserve(std::slice::from_ref(&req), d.params()).await;
+        let answer = d.session.store.reserve(std::slice::from_ref(&req), d.params()).await;
         let to = match &answer {
             Ok(a) => match a.first() {
                 Some(Reservation::Reserved(to)) => Some(to.clone()),
@@ -137,10 +154,10 @@ async fn move_queue(d: &Dispatcher, group: &str, queue: &str, own_key: &str, lan
             _ => own_key.to_string(),
         };
         // Properties as they came (message id, headers: a health probe stays one).
-        let r = amqp::publish_confirmed(&d.publisher, &d.names.tasks_exchange(), &key, &delivery.data, delivery.properties.clone()).await;
+        let r = amqp::publish_confirmed(&d.session.publisher, &d.session.names.tasks_exchange(), &key, &delivery.data, delivery.properties.clone()).await;
         if let Err(e) = r {
             if let Some(to) = &to {
-                let _ = d.store.unreserve(&[(to.clone(), lane, env.id.clone())]).await;
+                let _ = d.session.store.unreserve(&[(to.clone(), lane, env.id.clone())]).await;
             }
             delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
             return Err(e);

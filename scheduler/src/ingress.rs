@@ -44,7 +44,7 @@ impl IngressLoop {
     /// the ingress bound, so refusals reach producers. It consumes again once the gate leaves
     /// Red (which the gate holds down to the yellow threshold: no flapping under a burst).
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
-        let cfg = self.dispatcher.cfg.clone();
+        let cfg = self.dispatcher.session.cfg.clone();
         let gated = self.source == Source::Ingress(Lane::Normal);
         let mut park_full_pause = false;
         let mut pressure = self.pressure.clone();
@@ -69,7 +69,7 @@ impl IngressLoop {
                     }
                 }
             }
-            let ch = self.dispatcher.conn.create_channel().await?;
+            let ch = self.dispatcher.session.conn.create_channel().await?;
             // Prefetched deliveries do not count against the queue's bound, so never prefetch
             // more than the bound itself (the critical lane's bound is small on purpose).
             let prefetch = match &self.source {
@@ -96,7 +96,7 @@ impl IngressLoop {
 
     /// Consumes batches until shutdown (`Ok(None)`) or a pause (`Ok(Some(why))`).
     async fn consume(&self, consumer: &mut lapin::Consumer, gated: bool, shutdown: &CancellationToken) -> fleet::Result<Option<Paused>> {
-        let cfg = &self.dispatcher.cfg;
+        let cfg = &self.dispatcher.session.cfg;
         // Under a rate limit a batch is at most one burst: a batch waits for all its tokens,
         // and several loops sharing one bucket must each get theirs in turn.
         let lane = match self.source {

@@ -1,8 +1,11 @@
 //! fleet's scheduler: decides *whether* to dispatch (backpressure, rate limit) and *where*
 //! (label routing, least-loaded / round-robin / weighted choice, atomic reservation).
 //!
-//! Modules: [`config`], [`backpressure`] (Green/Yellow/Red), [`ingress`] (consuming loops),
-//! [`dispatch`] (route, park, delay, dead-letter a batch), [`park`] (waiting for room),
+//! Modules: [`config`], [`session`] (what one AMQP session's loops share: connection,
+//! publishing channel, store, names, config), [`view`] (groups and queue depths sampled once
+//! per tick for every loop that reads them), [`backpressure`] (Green/Yellow/Red), [`ingress`]
+//! (consuming loops), [`dispatch`] (route, park, delay, dead-letter a batch), [`park`]
+//! (waiting for room),
 //! [`health`] (eviction, orphaned groups), [`backstop`] (the broker's own dead letters given a
 //! reason and a status), [`reclaim`] (departed groups removed), [`probe`] (critical-lane probes),
 //! [`stats`]
@@ -28,7 +31,9 @@ pub mod reclaim;
 pub mod schedule;
 pub mod scheduler;
 pub mod series;
+pub mod session;
 pub mod stats;
+pub mod view;
 
 pub use config::SchedulerConfig;
 pub use scheduler::run;

@@ -21,6 +21,8 @@ use tokio_util::sync::CancellationToken;
 use tokio::task::JoinHandle;
 
 use crate::dispatch::{Dispatcher, Source, UNMATCHED};
+use crate::session::Session;
+use crate::view::ViewRx;
 
 /// How soon held tasks are offered again: from `RETRY_MIN`, doubling while nothing frees up,
 /// up to `RETRY_MAX`. A busy group frees slots every few milliseconds; an idle wait costs
@@ -50,15 +52,16 @@ impl Release {
     /// fires; then closes its channel, so tasks it held go back to the queue at once.
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
         let Release { d, group, lane } = self;
-        let queue = d.names.park_queue(&group, lane);
-        let ch = d.conn.create_channel().await?;
+        let queue = d.session.names.park_queue(&group, lane);
+        let ch = d.session.conn.create_channel().await?;
         let r = consume(&d, &ch, &queue, &group, lane, &shutdown).await;
         let _ = ch.close(200, "ok".into()).await;
         match r? {
             Ended::Shutdown => Ok(()),
             // The queue was deleted under the consumer: the group was reclaimed (by another
             // scheduler replica, or while this loop was being stopped). Not a session failure.
-            Ended::ConsumerEnded if !d.store.group_names().await?.contains(&group) => {
+            // (Asked of Redis now, not of the fleet view: the view may predate the reclaim.)
+            Ended::ConsumerEnded if !d.session.store.group_names().await?.contains(&group) => {
                 tracing::info!(queue = %queue, "park queue deleted: its group was reclaimed");
                 Ok(())
             }
@@ -75,7 +78,7 @@ enum Ended {
 }
 
 async fn consume(d: &Dispatcher, ch: &lapin::Channel, queue: &str, group: &str, lane: Lane, shutdown: &CancellationToken) -> fleet::Result<Ended> {
-    let hold_max = hold_max(d.cfg.batch_max, d.cfg.common.park_max[lane]);
+    let hold_max = hold_max(d.session.cfg.batch_max, d.session.cfg.common.park_max[lane]);
     ch.basic_qos(hold_max, BasicQosOptions::default()).await?;
     let mut consumer = ch.basic_consume(queue.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
     let mut held = Vec::new();
@@ -112,7 +115,7 @@ async fn consume(d: &Dispatcher, ch: &lapin::Channel, queue: &str, group: &str, 
         held = out.held;
         if held.is_empty() && drained && !unmatched {
             // Everything parked here is on its way: new work may take room directly again.
-            if let Err(e) = d.store.clear_parked(group, lane).await {
+            if let Err(e) = d.session.store.clear_parked(group, lane).await {
                 tracing::debug!(error = %e, "cannot clear parked flag");
             }
         }
@@ -121,7 +124,7 @@ async fn consume(d: &Dispatcher, ch: &lapin::Channel, queue: &str, group: &str, 
             if unmatched {
                 // Nothing frees room here; a worker registering does. Ask a few times a second.
                 retry = UNMATCHED_RETRY;
-            } else if let Err(e) = d.store.mark_parked(group, lane, fleet::park::FLAG_TTL_MS).await {
+            } else if let Err(e) = d.session.store.mark_parked(group, lane, fleet::park::FLAG_TTL_MS).await {
                 tracing::debug!(error = %e, "cannot renew parked flag");
             }
             tokio::select! {
@@ -140,11 +143,14 @@ pub struct ParkLoops {
     inner: std::sync::Mutex<LoopsState>,
 }
 
+/// A running loop: its start number, its token and its task.
+type RunningLoop = (u64, CancellationToken, Option<JoinHandle<()>>);
+
 #[derive(Default)]
 struct LoopsState {
     /// Per loop: its start number (tells a loop from the one that replaced it), its token
     /// and its task.
-    running: HashMap<(String, Lane), (u64, CancellationToken, Option<JoinHandle<()>>)>,
+    running: HashMap<(String, Lane), RunningLoop>,
     starts: u64,
     /// Groups stopped for a reclaim, with when: a discovery pass that listed the groups
     /// before that may hold a stale list, and skips them.
@@ -228,52 +234,52 @@ impl ParkLoops {
     }
 }
 
-/// How often discovery lists the groups.
-const DISCOVERY_INTERVAL: Duration = Duration::from_secs(2);
+/// How often discovery looks at the groups (of the fleet view).
+pub const DISCOVERY_INTERVAL: Duration = Duration::from_secs(2);
 
-/// Finds groups (from Redis, every 2 s) and starts a [`Release`] loop for each group and lane,
-/// on `stage` (the session's).
+/// Finds groups (in the [fleet view](crate::view), every 2 s) and starts a [`Release`] loop
+/// for each group and lane, on `stage` (the session's). Park queues are declared on channels
+/// of their own ([`Session::declare_park`]); the release loops dispatch through `dispatcher`.
 pub struct Discovery {
-    pub d: Arc<Dispatcher>,
+    pub session: Arc<Session>,
+    pub dispatcher: Arc<Dispatcher>,
     pub loops: Arc<ParkLoops>,
     pub stage: Stage,
+    pub view: ViewRx,
 }
 
 impl Discovery {
-    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
+    pub async fn run(mut self, shutdown: CancellationToken) -> fleet::Result<()> {
         let mut ticker = Ticker::new(DISCOVERY_INTERVAL);
+        let mut last = None;
         loop {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
-                _ = ticker.next() => self.tick(&shutdown).await?,
+                _ = ticker.next() => self.tick(&mut last, &shutdown).await?,
             }
         }
         Ok(())
     }
 
-    async fn tick(&self, shutdown: &CancellationToken) -> fleet::Result<()> {
-        let Discovery { d, loops, stage } = self;
-        let listed_at = Instant::now();
-        let groups = match d.store.group_names().await {
-            Ok(mut g) => {
-                g.push(UNMATCHED.to_string());
-                g
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "park discovery: cannot list groups");
-                return Ok(());
-            }
-        };
+    /// One pass over a view newer than the previous pass's (`last`: when that one was
+    /// sampled). The view's `sampled_at` is when its list was read: a group stopped for a
+    /// reclaim after it is skipped (the list may be stale).
+    async fn tick(&mut self, last: &mut Option<Instant>, shutdown: &CancellationToken) -> fleet::Result<()> {
+        let Some(view) = self.view.after(*last, shutdown).await? else { return Ok(()) };
+        *last = Some(view.sampled_at);
+        let Discovery { session, dispatcher, loops, stage, .. } = &*self;
+        let listed_at = view.sampled_at;
+        let groups = view.group_names().chain(std::iter::once(UNMATCHED));
         for g in groups {
             for lane in Lane::ALL {
-                let Some((n, token)) = loops.claim_start(&g, lane, listed_at, shutdown) else { continue };
-                if let Err(e) = d.declare_park(&g, lane).await {
+                let Some((n, token)) = loops.claim_start(g, lane, listed_at, shutdown) else { continue };
+                if let Err(e) = session.declare_park(g, lane).await {
                     tracing::warn!(error = %e, group = %g, "cannot declare park queue");
                     return Err(e);
                 }
-                let release = Release { d: d.clone(), group: g.clone(), lane };
-                let (g2, sd, l2) = (g.clone(), shutdown.clone(), loops.clone());
+                let release = Release { d: dispatcher.clone(), group: g.to_string(), lane };
+                let (g2, sd, l2) = (g.to_string(), shutdown.clone(), loops.clone());
                 let handle = stage.spawn(tracing::info_span!("park", group = %g, lane = %lane), async move {
                     let r = release.run(token).await;
                     l2.ended(&g2, lane, n);
@@ -282,7 +288,7 @@ impl Discovery {
                         sd.cancel();
                     }
                 });
-                loops.started(&g, lane, n, handle);
+                loops.started(g, lane, n, handle);
             }
         }
         Ok(())

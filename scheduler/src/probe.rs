@@ -14,7 +14,8 @@ use fleet::{amqp, metrics as m, Envelope, Lane};
 use tokio::sync::RwLock;
 use tokio_util::sync::CancellationToken;
 
-use crate::dispatch::Dispatcher;
+use crate::session::Session;
+use crate::view::ViewRx;
 
 /// How often a probe's task status is read while it waits for `succeeded`.
 const STATUS_POLL: std::time::Duration = std::time::Duration::from_millis(20);
@@ -31,53 +32,55 @@ pub struct ProbeResult {
 /// Latest probe results by group, shared with the API.
 pub type ProbeBoard = Arc<RwLock<HashMap<String, ProbeResult>>>;
 
-/// The probe loop: one probe per live group every `probe_interval`, awaited together.
+/// The probe loop: one probe per live group (of the latest [fleet view](crate::view)) every
+/// `probe_interval`, awaited together.
 pub struct Prober {
-    pub d: Arc<Dispatcher>,
+    pub session: Arc<Session>,
     pub board: ProbeBoard,
+    pub view: ViewRx,
 }
 
 impl Prober {
-    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
-        let mut ticker = Ticker::new(self.d.cfg.probe_interval);
+    pub async fn run(mut self, shutdown: CancellationToken) -> fleet::Result<()> {
+        let mut ticker = Ticker::new(self.session.cfg.probe_interval);
+        let mut last = None;
         loop {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
-                _ = ticker.next() => self.tick(&shutdown).await,
+                _ = ticker.next() => self.tick(&mut last, &shutdown).await?,
             }
         }
         Ok(())
     }
 
-    async fn tick(&self, shutdown: &CancellationToken) {
-        let groups = match self.d.store.groups().await {
-            Ok(g) => g,
-            Err(e) => {
-                tracing::debug!(error = %e, "probe: cannot list groups");
-                return;
-            }
-        };
-        let probes = groups
-            .into_iter()
+    /// One tick on a view newer than the previous tick's (`last`: when that one was sampled).
+    /// `Err` only when the view loop is gone (the session is ending).
+    async fn tick(&mut self, last: &mut Option<Instant>, shutdown: &CancellationToken) -> fleet::Result<()> {
+        let Some(view) = self.view.after(*last, shutdown).await? else { return Ok(()) };
+        *last = Some(view.sampled_at);
+        let probes = view
+            .groups
+            .iter()
             .filter(|g| g.critical_capacity > 0)
-            .map(|g| probe_one(self.d.clone(), self.board.clone(), g.group, shutdown.clone()));
+            .map(|g| probe_one(self.session.clone(), self.board.clone(), g.group.clone(), shutdown.clone()));
         futures::future::join_all(probes).await;
+        Ok(())
     }
 }
 
-async fn probe_one(d: Arc<Dispatcher>, board: ProbeBoard, group: String, shutdown: CancellationToken) {
+async fn probe_one(s: Arc<Session>, board: ProbeBoard, group: String, shutdown: CancellationToken) {
     let mut env = Envelope::new("noop", serde_json::json!({"probe": true}));
     env.id = format!("probe-{}", fleet::envelope::new_id());
     env.lane = Lane::Critical;
     env.submitted_at = Some(chrono::Utc::now());
-    env.deadline = Some(chrono::Utc::now() + chrono::Duration::from_std(d.cfg.probe_timeout).unwrap_or_default());
+    env.deadline = Some(chrono::Utc::now() + chrono::Duration::from_std(s.cfg.probe_timeout).unwrap_or_default());
     env.max_attempts = Some(1);
     let started = Instant::now();
     let sent = amqp::publish_confirmed(
-        &d.publisher,
-        &d.names.tasks_exchange(),
-        &d.names.group_key(&group, Lane::Critical),
+        &s.publisher,
+        &s.names.tasks_exchange(),
+        &s.names.group_key(&group, Lane::Critical),
         &env.to_bytes(),
         amqp::task_properties(&env.id, Some(amqp::headers([(fleet::headers::PROBE, "1".to_string())]))),
     )
@@ -85,8 +88,8 @@ async fn probe_one(d: Arc<Dispatcher>, board: ProbeBoard, group: String, shutdow
     let mut ok = false;
     if sent.is_ok() {
         let mut poll = Ticker::new(STATUS_POLL);
-        while started.elapsed() < d.cfg.probe_timeout && poll.tick(&shutdown).await {
-            if let Ok(Some(st)) = d.store.task_status(&env.id).await {
+        while started.elapsed() < s.cfg.probe_timeout && poll.tick(&shutdown).await {
+            if let Ok(Some(st)) = s.store.task_status(&env.id).await {
                 if st.get("state").map(String::as_str) == Some("succeeded") {
                     ok = true;
                     break;

@@ -4,20 +4,24 @@
 //! with unique labels (one pod = one group) does not accumulate them. A worker of that label set
 //! registering later recreates the group as any new group.
 //!
-//! One tick (every `min(grace, FLEET_HEALTH_INTERVAL_MS)`, at least 100 ms):
+//! One tick (every `min(grace, FLEET_HEALTH_INTERVAL_MS)`, at least 100 ms, see [`interval`]):
 //!
-//! 1. Candidates: groups with no worker, no capacity and no running or reserved task whose four
-//!    queues (lane and park, both lanes) hold no ready message (passive declares).
+//! 1. Candidates: groups of the [fleet view](crate::view) — one sampled after the previous tick
+//!    ended, so a group this loop reclaimed is not seen again — with no worker, no capacity and
+//!    no running or reserved task whose four queues (lane and park, both lanes) hold no ready
+//!    message. The queues are asked now (passive declares), not read from the view: a
+//!    candidate's queues must be empty when it is claimed, not a tick ago.
 //! 2. Claim (`lua/reclaim.lua`, atomic against a worker registering): only a group that still
 //!    has no worker and no running, reserved or parked record, and has been so for the whole
 //!    grace (Redis time), loses its keys; a tombstone `rc:<group>` = `pending` then makes the
 //!    registration of a worker of that group wait (it retries) until the queues are gone.
 //! 3. This scheduler stops the group's park loops (their channels close: anything they held
 //!    goes back to its queue), forgets its declared park queues, and waits a settle time
-//!    (twice the slowest sampling interval, 1-10 s) so that loops that listed the groups before
-//!    the claim are done with them. (None of them creates a group's queue or key: samplers read
-//!    park depths passively, rooms are written only to groups that exist, discovery skips a
-//!    group stopped after its list was read.)
+//!    (twice the slowest sampling interval, 1-10 s; the fleet view ticks at least as often, so
+//!    a view sampled before the claim is superseded within it) so that loops that read a view
+//!    sampled before the claim are done with it. (None of them creates a group's queue or key:
+//!    the view reads park depths passively, rooms are written only to groups that exist,
+//!    discovery skips a group stopped after its view was sampled.)
 //! 4. The four queues are deleted with `if-empty`. A queue that is not empty means work arrived
 //!    (and a broker that keeps failing leaves them too):
 //!    the claim is undone (`restore`: the group is back, its grace starts again, the deleted
@@ -31,7 +35,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fleet::registry::{GroupView, ReclaimClaim};
 use fleet::ticker::Ticker;
@@ -39,9 +43,11 @@ use fleet::{metrics as m, topology, Lane};
 use lapin::options::QueueDeleteOptions;
 use tokio_util::sync::CancellationToken;
 
-use crate::dispatch::Dispatcher;
+use crate::config::SchedulerConfig;
 use crate::park::ParkLoops;
 use crate::probe::ProbeBoard;
+use crate::session::Session;
+use crate::view::ViewRx;
 
 /// Life of the `pending` tombstone beyond the settle time: the longest the queue deletions of
 /// one tick may take before workers of the group may register anyway.
@@ -69,72 +75,80 @@ fn departed(g: &GroupView) -> bool {
     g.workers == 0 && g.capacity == 0 && g.critical_capacity == 0 && g.load == 0 && g.reserved == 0 && g.critical_load == 0 && g.critical_reserved == 0
 }
 
+/// The reclaim loop's tick: `min(grace, health_interval)`, at least 100 ms (the health
+/// interval alone when reclaim is off).
+pub fn interval(cfg: &SchedulerConfig) -> Duration {
+    let grace = cfg.group_reclaim_after;
+    grace.map_or(cfg.health_interval, |g| g.min(cfg.health_interval)).max(Duration::from_millis(100))
+}
+
 /// The reclaim loop: sets `fleet_groups` every tick (also with reclaim off,
 /// `FLEET_GROUP_RECLAIM_AFTER_MS=0`) and reclaims departed groups.
 pub struct Reclaimer {
-    pub d: Arc<Dispatcher>,
+    pub session: Arc<Session>,
     pub loops: Arc<ParkLoops>,
     pub probes: ProbeBoard,
+    pub view: ViewRx,
 }
 
 impl Reclaimer {
-    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
-        let grace = self.d.cfg.group_reclaim_after;
-        let every = grace.map_or(self.d.cfg.health_interval, |g| g.min(self.d.cfg.health_interval)).max(Duration::from_millis(100));
-        let mut ticker = Ticker::new(every);
+    pub async fn run(mut self, shutdown: CancellationToken) -> fleet::Result<()> {
+        let mut ticker = Ticker::new(interval(&self.session.cfg));
         let mut known: HashSet<String> = HashSet::new();
+        let mut ended: Option<Instant> = None;
         loop {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
-                _ = ticker.next() => self.tick(&mut known, &shutdown).await,
+                _ = ticker.next() => {
+                    self.tick(&mut known, ended, &shutdown).await?;
+                    ended = Some(Instant::now());
+                }
             }
         }
         Ok(())
     }
 
-    /// One tick; `known` holds the groups seen at the previous one.
-    async fn tick(&self, known: &mut HashSet<String>, shutdown: &CancellationToken) {
-        let Reclaimer { d, loops, probes } = self;
-        let groups = match d.store.groups().await {
-            Ok(g) => g,
-            Err(e) => {
-                metrics::counter!(m::REDIS_ERRORS).increment(1);
-                tracing::debug!(error = %e, "reclaim: cannot list groups");
-                return;
-            }
-        };
+    /// One tick on a view sampled after the previous tick ended (`ended`); `known` holds the
+    /// groups seen at the previous one. Waits while no such view comes (Redis unreadable):
+    /// a failed sample never reads as "every group gone". `Err` only when the view loop is
+    /// gone (the session is ending).
+    async fn tick(&mut self, known: &mut HashSet<String>, ended: Option<Instant>, shutdown: &CancellationToken) -> fleet::Result<()> {
+        let Some(view) = self.view.since(ended, shutdown).await? else { return Ok(()) };
+        let Reclaimer { session: s, loops, probes, .. } = &*self;
+        let groups = &view.groups;
         // Groups another replica reclaimed: stop this replica's loops and state for them.
         let now: HashSet<String> = groups.iter().map(|g| g.group.clone()).collect();
         for gone in known.difference(&now) {
             loops.stop_group(gone, STOP_WAIT).await;
             loops.reclaimed(gone);
-            d.forget_parks(gone).await;
+            s.forget_parks(gone).await;
             probes.write().await.remove(gone);
         }
         *known = now;
-        if let Some(grace) = d.cfg.group_reclaim_after {
-            let n = pass(d, loops, probes, &groups, grace, shutdown).await;
+        if let Some(grace) = s.cfg.group_reclaim_after {
+            let n = pass(s, loops, probes, groups, grace, shutdown).await;
             for g in &n {
                 known.remove(g);
             }
         }
         metrics::gauge!(m::GROUPS).set(known.len() as f64);
+        Ok(())
     }
 }
 
 /// One reclaim pass over `groups`; returns the groups reclaimed.
-async fn pass(d: &Dispatcher, loops: &ParkLoops, probes: &ProbeBoard, groups: &[GroupView], grace: Duration, shutdown: &CancellationToken) -> Vec<String> {
-    let settle = settle(d.cfg.stats_interval, d.cfg.pressure_interval);
+async fn pass(s: &Session, loops: &ParkLoops, probes: &ProbeBoard, groups: &[GroupView], grace: Duration, shutdown: &CancellationToken) -> Vec<String> {
+    let settle = settle(s.cfg.stats_interval, s.cfg.pressure_interval);
     let (pending, tombstone_life) = (settle + PENDING_HOLD, done_hold(grace));
 
     // 1-2: candidates with empty queues, claimed in Redis.
     let mut claimed: Vec<(String, String)> = Vec::new();
     for g in groups.iter().filter(|g| departed(g)) {
-        if !queues_empty(d, &g.group).await {
+        if !queues_empty(s, &g.group).await {
             continue;
         }
-        match d.store.reclaim_claim(&g.group, grace, pending).await {
+        match s.store.reclaim_claim(&g.group, grace, pending).await {
             Ok(ReclaimClaim::Reclaimed { labels }) => claimed.push((g.group.clone(), labels)),
             Ok(ReclaimClaim::Wait(_) | ReclaimClaim::Busy(_) | ReclaimClaim::Absent) => {}
             Err(e) => {
@@ -149,7 +163,7 @@ async fn pass(d: &Dispatcher, loops: &ParkLoops, probes: &ProbeBoard, groups: &[
     // 3: this scheduler lets go of the groups.
     for (g, _) in &claimed {
         loops.stop_group(g, STOP_WAIT).await;
-        d.forget_parks(g).await;
+        s.forget_parks(g).await;
         probes.write().await.remove(g);
     }
     tokio::select! {
@@ -162,9 +176,9 @@ async fn pass(d: &Dispatcher, loops: &ParkLoops, probes: &ProbeBoard, groups: &[
     // 4-5: delete the queues; undo the claim of a group whose queue held work.
     let mut done = Vec::with_capacity(claimed.len());
     for (g, labels) in claimed {
-        match delete_queues(d, &g).await {
+        match delete_queues(s, &g).await {
             Ok(()) => {
-                if let Err(e) = d.store.reclaim_done(&g, tombstone_life).await {
+                if let Err(e) = s.store.reclaim_done(&g, tombstone_life).await {
                     tracing::warn!(error = %e, group = %g, "reclaim: cannot mark the group's queues deleted (its tombstone expires by itself)");
                 }
                 loops.reclaimed(&g);
@@ -174,7 +188,7 @@ async fn pass(d: &Dispatcher, loops: &ParkLoops, probes: &ProbeBoard, groups: &[
             }
             Err(why) => {
                 tracing::info!(group = %g, reason = %why, "group not reclaimed: its queues stay; trying again after another grace");
-                restore(d, loops, &g, &labels, pending).await;
+                restore(s, loops, &g, &labels, pending).await;
             }
         }
     }
@@ -184,10 +198,12 @@ async fn pass(d: &Dispatcher, loops: &ParkLoops, probes: &ProbeBoard, groups: &[
 /// True when the group's lane and park queues (both lanes) hold no ready message (a missing
 /// queue is empty). Unacked messages are not counted: those of a park loop keep the group's
 /// parked flag alive (the claim refuses it); those of a worker keep its run records.
-async fn queues_empty(d: &Dispatcher, group: &str) -> bool {
+/// Asked of the broker now, not read from the fleet view: a task may have arrived since the
+/// view was sampled, and these queues are about to be deleted.
+async fn queues_empty(s: &Session, group: &str) -> bool {
     for lane in Lane::ALL {
-        for q in group_queues(d, group, lane) {
-            if topology::depth(&d.conn, &q).await.unwrap_or(0) > 0 {
+        for q in group_queues(s, group, lane) {
+            if topology::depth(&s.conn, &q).await.unwrap_or(0) > 0 {
                 return false;
             }
         }
@@ -197,9 +213,9 @@ async fn queues_empty(d: &Dispatcher, group: &str) -> bool {
 
 /// One lane's queues of a group: its park queue first, then every shard queue (one when the
 /// lane is not sharded).
-fn group_queues(d: &Dispatcher, group: &str, lane: Lane) -> Vec<String> {
-    let mut qs = vec![d.names.park_queue(group, lane)];
-    qs.extend(d.names.group_shard_queues(group, lane, d.cfg.common.shards(lane)));
+fn group_queues(s: &Session, group: &str, lane: Lane) -> Vec<String> {
+    let mut qs = vec![s.names.park_queue(group, lane)];
+    qs.extend(s.names.group_shard_queues(group, lane, s.cfg.common.shards(lane)));
     qs
 }
 
@@ -226,13 +242,13 @@ impl std::fmt::Display for NotDeleted {
 const DELETE_ATTEMPTS: u32 = 5;
 
 /// Deletes the group's park and lane queues (every shard) with `if-empty` (a queue already gone counts as deleted).
-async fn delete_queues(d: &Dispatcher, group: &str) -> Result<(), NotDeleted> {
+async fn delete_queues(s: &Session, group: &str) -> Result<(), NotDeleted> {
     for lane in Lane::ALL {
-        for q in group_queues(d, group, lane) {
+        for q in group_queues(s, group, lane) {
             let mut attempt = 0;
             loop {
                 attempt += 1;
-                match delete_if_empty(d, &q).await {
+                match delete_if_empty(s, &q).await {
                     Ok(()) => break,
                     Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 406) => return Err(NotDeleted::NotEmpty(q)),
                     Err(e) if attempt >= DELETE_ATTEMPTS => return Err(NotDeleted::Failed(e.to_string())),
@@ -248,8 +264,8 @@ async fn delete_queues(d: &Dispatcher, group: &str) -> Result<(), NotDeleted> {
 }
 
 /// One `queue.delete` with `if-empty` on a channel of its own (a failed delete closes it).
-async fn delete_if_empty(d: &Dispatcher, q: &str) -> lapin::Result<()> {
-    let ch = d.conn.create_channel().await?;
+async fn delete_if_empty(s: &Session, q: &str) -> lapin::Result<()> {
+    let ch = s.conn.create_channel().await?;
     let r = ch.queue_delete(q.into(), QueueDeleteOptions { if_empty: true, ..Default::default() }).await;
     let _ = ch.close(200, "ok".into()).await;
     r.map(|_| ())
@@ -257,14 +273,14 @@ async fn delete_if_empty(d: &Dispatcher, q: &str) -> lapin::Result<()> {
 
 /// Undoes a claim: the group is back in Redis, its queues are declared again (those already
 /// deleted), and discovery may start its park loops again.
-async fn restore(d: &Dispatcher, loops: &ParkLoops, group: &str, labels: &str, hold: Duration) {
-    if let Err(e) = d.store.reclaim_restore(group, labels, hold).await {
+async fn restore(s: &Session, loops: &ParkLoops, group: &str, labels: &str, hold: Duration) {
+    if let Err(e) = s.store.reclaim_restore(group, labels, hold).await {
         tracing::warn!(error = %e, group = %group, "reclaim: cannot restore the group (a worker of the group registering recreates it)");
     }
     let mut attempt = 0;
     loop {
         attempt += 1;
-        match declare_again(d, group).await {
+        match declare_again(s, group).await {
             Ok(()) => break,
             Err(e) if attempt >= DELETE_ATTEMPTS => {
                 tracing::warn!(error = %e, group = %group, "reclaim: cannot declare the group's queues again (its workers and the dispatcher declare them)");
@@ -276,12 +292,12 @@ async fn restore(d: &Dispatcher, loops: &ParkLoops, group: &str, labels: &str, h
     loops.resume(group);
 }
 
-async fn declare_again(d: &Dispatcher, group: &str) -> fleet::Result<()> {
-    let ch = d.conn.create_channel().await?;
-    let mut r = topology::declare_group(&ch, &d.cfg.common, group).await;
+async fn declare_again(s: &Session, group: &str) -> fleet::Result<()> {
+    let ch = s.conn.create_channel().await?;
+    let mut r = topology::declare_group(&ch, &s.cfg.common, group).await;
     for lane in Lane::ALL {
         if r.is_ok() {
-            r = topology::declare_park(&ch, &d.cfg.common, group, lane).await;
+            r = topology::declare_park(&ch, &s.cfg.common, group, lane).await;
         }
     }
     let _ = ch.close(200, "ok".into()).await;

@@ -1,6 +1,9 @@
 //! The scheduler process: HTTP server for its whole life, and AMQP *sessions* — a connection
 //! with every loop that needs it — restarted with backoff whenever the connection or any loop
 //! fails. Redis failures inside a loop are retried there; only AMQP failures end a session.
+//! A session's loops share a [`Session`] (connection, publishing channel, store, names,
+//! config); those that dispatch share a [`Dispatcher`] over it, and those that look at every
+//! group read the session's [fleet view](crate::view).
 //!
 //! Two shutdown stages ([`fleet::shutdown`]): the process's (HTTP, Redis watch, series), built
 //! first and stopped last, and each session's (every AMQP loop), stopped when the session
@@ -26,8 +29,9 @@ use crate::dispatch::{Dispatcher, Source};
 use crate::ingress::IngressLoop;
 use crate::probe::ProbeBoard;
 use crate::series::{self, Series};
+use crate::session::Session;
 use crate::stats::GroupBoard;
-use crate::{backstop, health, park, probe, reclaim, schedule, stats};
+use crate::{backstop, health, park, probe, reclaim, schedule, stats, view};
 
 /// How long the loops of a stage get to stop before the scheduler goes on without them.
 const STOP_WAIT: Duration = Duration::from_secs(10);
@@ -185,7 +189,9 @@ async fn session(
     ready.set_amqp(true);
     tracing::info!(namespace = %cfg.common.namespace, "connected to RabbitMQ; topology declared");
 
-    let d = Arc::new(Dispatcher::new(cfg.clone(), store.clone(), conn.clone(), publisher));
+    // What the session's loops share, and the dispatch logic over it.
+    let shared = Arc::new(Session::new(cfg.clone(), store.clone(), conn.clone(), publisher));
+    let d = Arc::new(Dispatcher::new(shared.clone()));
     // The session's stage: ends with the process, or when any of its loops fails.
     let session = Stage::with_parent("session", shutdown);
 
@@ -203,7 +209,11 @@ async fn session(
         }};
     }
 
-    let controller = Controller { cfg: cfg.clone(), store: store.clone(), conn: conn.clone(), tx: (*ptx).clone() };
+    // One view of the fleet (groups, queue depths) per tick, read by pressure, health, probes,
+    // stats, park discovery and reclaim.
+    let (view_tx, view) = view::channel();
+    spawn_loop!("view", view::ViewLoop { session: shared.clone(), tx: view_tx });
+    let controller = Controller { session: shared.clone(), view: view.clone(), tx: (*ptx).clone() };
     session.spawn(tracing::info_span!("pressure"), controller.run(session.token()));
     for lane in Lane::ALL {
         let loops = if lane == Lane::Normal { cfg.ingress_consumers } else { 1 };
@@ -215,12 +225,13 @@ async fn session(
     let delayed = IngressLoop { dispatcher: d.clone(), source: Source::Delayed, queue: names.delayed_queue(), pressure: prx.clone() };
     spawn_loop!("delayed", delayed);
     let park_loops = Arc::new(park::ParkLoops::default());
-    spawn_loop!("park-discovery", park::Discovery { d: d.clone(), loops: park_loops.clone(), stage: session.clone() });
-    spawn_loop!("reclaim", reclaim::Reclaimer { d: d.clone(), loops: park_loops, probes: probes.clone() });
-    spawn_loop!("health", health::HealthCheck { d: d.clone() });
-    spawn_loop!("backstop", backstop::Backstop { d: d.clone() });
-    spawn_loop!("stats", stats::Sampler { d: d.clone(), board: group_board });
-    spawn_loop!("probe", probe::Prober { d: d.clone(), board: probes });
+    let discovery = park::Discovery { session: shared.clone(), dispatcher: d.clone(), loops: park_loops.clone(), stage: session.clone(), view: view.clone() };
+    spawn_loop!("park-discovery", discovery);
+    spawn_loop!("reclaim", reclaim::Reclaimer { session: shared.clone(), loops: park_loops, probes: probes.clone(), view: view.clone() });
+    spawn_loop!("health", health::HealthCheck { session: shared.clone(), dispatcher: d.clone(), view: view.clone() });
+    spawn_loop!("backstop", backstop::Backstop { session: shared.clone() });
+    spawn_loop!("stats", stats::Sampler { session: shared.clone(), board: group_board, view: view.clone() });
+    spawn_loop!("probe", probe::Prober { session: shared.clone(), board: probes, view });
     spawn_loop!("schedule-log", schedules);
     let firing = schedule::fire::Firing {
         cfg: cfg.clone(),

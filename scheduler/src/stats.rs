@@ -1,17 +1,23 @@
 //! Samples what dashboards and autoscalers read: queue depth per queue, group capacity, load
 //! and reserved, workers by state, and per group the backlog (group queue + park queue) and
 //! the age of its oldest waiting task — the input a KEDA-style autoscaler needs.
+//!
+//! Groups and queue depths come from the [fleet view](crate::view) (a view newer than the one
+//! of the previous tick); the oldest reservation of each group and the workers by state are
+//! read from Redis here (only this loop needs them).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::time::Instant;
 
 use fleet::store::now_ms;
 use fleet::ticker::Ticker;
-use fleet::{metrics as m, topology, Lane};
+use fleet::{metrics as m, Lane};
 use tokio::sync::RwLock;
 use tokio_util::sync::CancellationToken;
 
-use crate::dispatch::Dispatcher;
+use crate::session::Session;
+use crate::view::{FleetView, ViewRx};
 
 /// What the last sample found per group, for `GET /v1/groups` (and the console).
 #[derive(Debug, Clone, Default, serde::Serialize, PartialEq)]
@@ -33,23 +39,27 @@ pub type GroupBoard = Arc<RwLock<HashMap<String, GroupSample>>>;
 
 /// The sampling loop: every `stats_interval`.
 pub struct Sampler {
-    pub d: Arc<Dispatcher>,
+    pub session: Arc<Session>,
     pub board: GroupBoard,
+    pub view: ViewRx,
 }
 
 impl Sampler {
-    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
-        let d = &self.d;
-        let mut ticker = Ticker::new(d.cfg.stats_interval);
+    pub async fn run(mut self, shutdown: CancellationToken) -> fleet::Result<()> {
+        let s = self.session.clone();
+        let mut ticker = Ticker::new(s.cfg.stats_interval);
         for lane in Lane::ALL {
-            metrics::gauge!(m::QUEUE_BOUND, "queue" => d.names.ingress_queue(lane)).set(f64::from(d.cfg.common.ingress_max[lane]));
+            metrics::gauge!(m::QUEUE_BOUND, "queue" => s.names.ingress_queue(lane)).set(f64::from(s.cfg.common.ingress_max[lane]));
         }
+        let mut last: Option<Instant> = None;
         loop {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
                 _ = ticker.next() => {
-                    if let Err(e) = sample(d, &self.board).await {
+                    let Some(view) = self.view.after(last, &shutdown).await? else { continue };
+                    last = Some(view.sampled_at);
+                    if let Err(e) = sample(&s, &view, &self.board).await {
                         tracing::debug!(error = %e, "stats sample failed");
                     }
                 }
@@ -59,32 +69,32 @@ impl Sampler {
     }
 }
 
-async fn sample(d: &Dispatcher, board: &GroupBoard) -> fleet::Result<()> {
-    let n = &d.names;
+async fn sample(s: &Session, view: &FleetView, board: &GroupBoard) -> fleet::Result<()> {
+    let n = &s.names;
     let mut queues = vec![n.dead_queue(), n.delayed_queue()];
     queues.extend(Lane::ALL.iter().map(|l| n.ingress_queue(*l)));
     for q in &queues {
-        if let Some(depth) = topology::depth(&d.conn, q).await {
+        if let Some(depth) = view.depth(q) {
             metrics::gauge!(m::QUEUE_DEPTH, "queue" => q.clone()).set(f64::from(depth));
         }
     }
-    let groups = d.store.groups().await?;
+    let groups = &view.groups;
     let now = now_ms();
-    let lease = d.cfg.reservation_lease.as_millis() as i64;
+    let lease = s.cfg.reservation_lease.as_millis() as i64;
     let mut seen = HashMap::with_capacity(groups.len());
-    for g in &groups {
+    for g in groups {
         let mut gs = GroupSample::default();
         metrics::gauge!(m::GROUP_CAPACITY, "group" => g.group.clone()).set(f64::from(g.capacity));
         metrics::gauge!(m::GROUP_LOAD, "group" => g.group.clone()).set(f64::from(g.load));
         metrics::gauge!(m::GROUP_RESERVED, "group" => g.group.clone()).set(f64::from(g.reserved));
         for lane in Lane::ALL {
-            metrics::gauge!(m::QUEUE_BOUND, "queue" => n.park_queue(&g.group, lane)).set(f64::from(d.cfg.common.park_max[lane]));
+            metrics::gauge!(m::QUEUE_BOUND, "queue" => n.park_queue(&g.group, lane)).set(f64::from(s.cfg.common.park_max[lane]));
         }
         let mut backlog = 0u32;
         for lane in Lane::ALL {
             let mut queued = 0u32;
-            for q in n.group_shard_queues(&g.group, lane, d.cfg.common.shards(lane)) {
-                if let Some(depth) = topology::depth(&d.conn, &q).await {
+            for q in n.group_shard_queues(&g.group, lane, s.cfg.common.shards(lane)) {
+                if let Some(depth) = view.depth(&q) {
                     metrics::gauge!(m::QUEUE_DEPTH, "queue" => q).set(f64::from(depth));
                     backlog += depth;
                     queued += depth;
@@ -93,7 +103,7 @@ async fn sample(d: &Dispatcher, board: &GroupBoard) -> fleet::Result<()> {
             *(if lane == Lane::Normal { &mut gs.queued } else { &mut gs.queued_critical }) = queued;
             // A park queue not declared yet (or deleted with its reclaimed group) holds nothing.
             let park = n.park_queue(&g.group, lane);
-            let depth = topology::depth(&d.conn, &park).await.unwrap_or(0);
+            let depth = view.depth(&park).unwrap_or(0);
             metrics::gauge!(m::QUEUE_DEPTH, "queue" => park).set(f64::from(depth));
             backlog += depth;
             *(if lane == Lane::Normal { &mut gs.parked } else { &mut gs.parked_critical }) = depth;
@@ -101,7 +111,7 @@ async fn sample(d: &Dispatcher, board: &GroupBoard) -> fleet::Result<()> {
         metrics::gauge!(m::GROUP_BACKLOG, "group" => g.group.clone()).set(f64::from(backlog));
         // Oldest reservation not yet started: its lease expiry minus the lease is when it was
         // dispatched. Parked tasks are older still; their age is bounded below by this.
-        let oldest = d.store.oldest_reservation(&g.group, Lane::Normal).await.ok().flatten();
+        let oldest = s.store.oldest_reservation(&g.group, Lane::Normal).await.ok().flatten();
         let age = oldest.map(|(_, exp)| ((now - (exp - lease)).max(0) as f64) / 1000.0).unwrap_or(0.0);
         let age = if backlog == 0 { 0.0 } else { age };
         metrics::gauge!(m::GROUP_OLDEST_AGE, "group" => g.group.clone()).set(age);
@@ -110,7 +120,7 @@ async fn sample(d: &Dispatcher, board: &GroupBoard) -> fleet::Result<()> {
         seen.insert(g.group.clone(), gs);
     }
     *board.write().await = seen;
-    let workers = d.store.workers().await?;
+    let workers = s.store.workers().await?;
     let mut by_state: BTreeMap<&str, u32> = [("active", 0), ("draining", 0), ("ejected", 0)].into_iter().collect();
     for w in &workers {
         if let Some(c) = by_state.get_mut(w.state.as_str()) {

@@ -1,0 +1,250 @@
+//! The fleet view: one loop reads every group from Redis and the depth of every queue the
+//! session's loops look at from the broker, once per tick, and publishes the result as an
+//! `Arc<FleetView>` on a [`tokio::sync::watch`] channel. The loops that used to list every
+//! group on their own tick — pressure ([`crate::backpressure::Controller`]), health
+//! ([`crate::health`]), probes ([`crate::probe`]), stats ([`crate::stats`]), park discovery
+//! ([`crate::park::Discovery`]) and reclaim ([`crate::reclaim`]) — read the latest view instead.
+//!
+//! **Shape.** [`FleetView`]: `sampled_at` (a monotonic [`Instant`] taken *before* Redis is
+//! read: a change made before it is in the view), `groups` (every group's
+//! [`GroupView`], sorted by name: workers, capacity, running and reserved tasks per lane —
+//! counts of tasks) and the depths (ready messages, by passive declare) of: both ingress
+//! queues, the dead-letter and delayed queues, every group's park queue and shard queues (one
+//! per lane when unsharded) in both lanes, and the normal-lane park queue of the
+//! waiting-for-worker pseudo-group ([`crate::dispatch::UNMATCHED`]). A queue that does not
+//! exist (or whose depth the broker did not give) has no depth ([`FleetView::depth`] is
+//! `None`); each reader decides what that means, as it did when it read the broker itself.
+//!
+//! **Tick.** [`interval`]: the smallest interval of the loops that read the view —
+//! `pressure_interval` (250 ms by default, and the smallest by default: stats 1 s, park
+//! discovery 2 s, health and probes 10 s), unless an operator sets another consumer's interval
+//! below it. Every consumer then finds a view at most one of its own ticks old, and the
+//! pressure controller, which runs once per view, keeps measuring every `pressure_interval`.
+//! One channel serves every passive declare of a tick (reopened after a missing queue's 404
+//! closes it), where the stats loop used to open one per queue.
+//!
+//! **Failures.** A tick whose Redis read fails publishes nothing: the last good view stays,
+//! and the readers that wait for a newer one ([`ViewRx::since`], [`ViewRx::after`]) wait —
+//! an unreadable Redis is never taken for "no groups", so nothing is evicted, reclaimed or
+//! stopped on a failed sample. Before the first good sample the channel holds `None`, and the
+//! readers wait for one.
+//!
+//! **Fresher reads.** The view is a snapshot up to one tick old. What must act on the present
+//! reads it directly: eviction is one script ([`fleet::Store::evict_stale`]); reclaim checks the
+//! queues of each candidate passively and claims it with a script that checks Redis again
+//! before anything is deleted; a park release loop whose queue vanished asks Redis whether its
+//! group was reclaimed; the reservation script decides every dispatch.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fleet::registry::GroupView;
+use fleet::ticker::Ticker;
+use fleet::{metrics as m, topology, Lane};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::SchedulerConfig;
+use crate::dispatch::UNMATCHED;
+use crate::session::Session;
+
+/// One sample of the fleet: groups from Redis and queue depths from the broker.
+#[derive(Debug, Clone)]
+pub struct FleetView {
+    /// When the sample began, before Redis was read.
+    pub sampled_at: Instant,
+    /// Every group, sorted by name.
+    pub groups: Vec<GroupView>,
+    /// Ready messages per queue name; a queue missing here did not exist (or did not answer).
+    depths: HashMap<String, u32>,
+}
+
+impl FleetView {
+    /// Ready messages in `queue` when the view was sampled; `None` when the queue did not
+    /// exist, or is not one the view samples.
+    pub fn depth(&self, queue: &str) -> Option<u32> {
+        self.depths.get(queue).copied()
+    }
+
+    /// The names of every group, sorted.
+    pub fn group_names(&self) -> impl Iterator<Item = &str> {
+        self.groups.iter().map(|g| g.group.as_str())
+    }
+}
+
+/// The tick of the view: the smallest interval of its readers (see the module docs).
+pub fn interval(cfg: &SchedulerConfig) -> Duration {
+    [cfg.pressure_interval, cfg.stats_interval, cfg.health_interval, cfg.probe_interval, crate::park::DISCOVERY_INTERVAL, crate::reclaim::interval(cfg)]
+        .into_iter()
+        .min()
+        .unwrap_or(cfg.pressure_interval)
+        .max(Duration::from_millis(1))
+}
+
+/// A new view channel: the sending end for [`ViewLoop`], the reading end for the loops.
+pub fn channel() -> (watch::Sender<Option<Arc<FleetView>>>, ViewRx) {
+    let (tx, rx) = watch::channel(None);
+    (tx, ViewRx(rx))
+}
+
+/// The reading end of the view channel (cheap to clone, one per loop).
+#[derive(Clone)]
+pub struct ViewRx(watch::Receiver<Option<Arc<FleetView>>>);
+
+impl ViewRx {
+    /// Waits for a view sampled at or after `at` (any view with `None`). `Ok(None)` once
+    /// `shutdown` fires.
+    ///
+    /// # Errors
+    /// The view loop is gone (the session is ending).
+    pub async fn since(&mut self, at: Option<Instant>, shutdown: &CancellationToken) -> fleet::Result<Option<Arc<FleetView>>> {
+        self.wait(|v| at.is_none_or(|at| v.sampled_at >= at), shutdown).await
+    }
+
+    /// Waits for a view sampled strictly after `at` (one newer than the view a loop last
+    /// used; any view with `None`). `Ok(None)` once `shutdown` fires.
+    ///
+    /// # Errors
+    /// The view loop is gone (the session is ending).
+    pub async fn after(&mut self, at: Option<Instant>, shutdown: &CancellationToken) -> fleet::Result<Option<Arc<FleetView>>> {
+        self.wait(|v| at.is_none_or(|at| v.sampled_at > at), shutdown).await
+    }
+
+    async fn wait(&mut self, fresh: impl Fn(&FleetView) -> bool, shutdown: &CancellationToken) -> fleet::Result<Option<Arc<FleetView>>> {
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => Ok(None),
+            r = self.0.wait_for(|v| v.as_deref().is_some_and(&fresh)) => match r {
+                Ok(v) => Ok(v.clone()),
+                Err(_) => Err(fleet::Error::Other("the fleet view loop ended".into())),
+            },
+        }
+    }
+}
+
+/// The sampling loop: one [`FleetView`] every [`interval`].
+pub struct ViewLoop {
+    pub session: Arc<Session>,
+    pub tx: watch::Sender<Option<Arc<FleetView>>>,
+}
+
+impl ViewLoop {
+    /// Samples until `shutdown`; a failed Redis read skips the tick (the last view stays).
+    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
+        let mut ticker = Ticker::new(interval(&self.session.cfg));
+        let mut depths = Depths { conn: &self.session.conn, ch: None };
+        let mut failing = false;
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = ticker.next() => match self.sample(&mut depths).await {
+                    Ok(view) => {
+                        if failing {
+                            tracing::info!(groups = view.groups.len(), "fleet view: groups readable again");
+                            failing = false;
+                        }
+                        self.tx.send_replace(Some(Arc::new(view)));
+                    }
+                    Err(e) => {
+                        metrics::counter!(m::REDIS_ERRORS).increment(1);
+                        if !failing {
+                            tracing::warn!(error = %e, "fleet view: cannot read groups from Redis; keeping the last view");
+                            failing = true;
+                        }
+                    }
+                },
+            }
+        }
+        if let Some(ch) = depths.ch.take() {
+            if ch.status().connected() {
+                let _ = ch.close(200, "ok".into()).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// One sample. Fails only when Redis cannot be read; a queue the broker does not answer
+    /// for has no depth.
+    async fn sample(&self, depths: &mut Depths<'_>) -> fleet::Result<FleetView> {
+        let (s, n) = (&self.session, &self.session.names);
+        let sampled_at = Instant::now();
+        let groups = s.store.groups().await?;
+        let mut queues = vec![n.dead_queue(), n.delayed_queue()];
+        queues.extend(Lane::ALL.iter().map(|l| n.ingress_queue(*l)));
+        for g in &groups {
+            for lane in Lane::ALL {
+                queues.push(n.park_queue(&g.group, lane));
+                queues.extend(n.group_shard_queues(&g.group, lane, s.cfg.common.shards(lane)));
+            }
+        }
+        // Tasks waiting for a matching worker (normal lane: what the pressure counts).
+        queues.push(n.park_queue(UNMATCHED, Lane::Normal));
+        let mut out = HashMap::with_capacity(queues.len());
+        for q in queues {
+            if let Some(d) = depths.read(&q).await {
+                out.insert(q, d);
+            }
+        }
+        Ok(FleetView { sampled_at, groups, depths: out })
+    }
+}
+
+/// Passive declares on one channel, reopened when a missing queue's 404 closed it.
+struct Depths<'a> {
+    conn: &'a lapin::Connection,
+    ch: Option<lapin::Channel>,
+}
+
+impl Depths<'_> {
+    async fn read(&mut self, queue: &str) -> Option<u32> {
+        if self.ch.as_ref().is_none_or(|c| !c.status().connected()) {
+            self.ch = self.conn.create_channel().await.ok();
+        }
+        topology::ready_count(self.ch.as_ref()?, queue).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(at: Instant) -> Arc<FleetView> {
+        Arc::new(FleetView { sampled_at: at, groups: vec![], depths: HashMap::from([("q".to_string(), 3)]) })
+    }
+
+    #[tokio::test]
+    async fn readers_wait_for_a_fresh_view_and_stop_at_shutdown() {
+        let (tx, mut rx) = channel();
+        let shutdown = CancellationToken::new();
+        let t0 = Instant::now();
+        tx.send_replace(Some(view(t0)));
+        let v = rx.since(None, &shutdown).await.unwrap().unwrap();
+        assert_eq!((v.sampled_at, v.depth("q"), v.depth("other")), (t0, Some(3), None));
+        assert!(rx.since(Some(t0), &shutdown).await.unwrap().is_some(), "since is inclusive");
+        // Nothing newer than t0 yet: waits; a newer view ends the wait.
+        let waiting = tokio::spawn({
+            let (mut rx, sd) = (rx.clone(), shutdown.clone());
+            async move { rx.after(Some(t0), &sd).await.map(|v| v.map(|v| v.sampled_at)) }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished());
+        let t1 = t0 + Duration::from_millis(1);
+        tx.send_replace(Some(view(t1)));
+        assert_eq!(waiting.await.unwrap().unwrap(), Some(t1));
+        // Shutdown ends a wait with no view; a dropped sender is an error.
+        shutdown.cancel();
+        assert!(rx.after(Some(t1), &shutdown).await.unwrap().is_none());
+        drop(tx);
+        assert!(rx.after(Some(t1), &CancellationToken::new()).await.is_err());
+    }
+
+    #[test]
+    fn interval_is_the_smallest_readers_interval() {
+        let mut cfg = SchedulerConfig::from_settings(&fleet::config::Settings::default()).unwrap();
+        assert_eq!(interval(&cfg), cfg.pressure_interval);
+        cfg.stats_interval = Duration::from_millis(100);
+        assert_eq!(interval(&cfg), Duration::from_millis(100));
+    }
+}
