@@ -187,6 +187,15 @@ fn connection_config() -> redis::AsyncConnectionConfig {
         .set_connection_timeout(Some(crate::store::CALL_TIMEOUT))
 }
 
+/// `TCP_NODELAY` on a direct connection (the `redis` crate leaves Nagle's algorithm on by
+/// default). The shared connection pipelines the concurrent calls of a whole process: with
+/// Nagle (RFC 896) a request written while an earlier one is unanswered waits in the kernel
+/// until that reply's ACK arrives, so pipelined calls went out one round trip apart. Redis
+/// sets `TCP_NODELAY` on its side of every connection for the same reason.
+fn no_delay(info: redis::ConnectionInfo) -> redis::ConnectionInfo {
+    info.set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true))
+}
+
 impl Pool {
     /// Builds the pool for `url` (no connection is made until first use), with `pc` as its
     /// size and timeouts; a `rediss://` URL uses `tls` (extra CA, client certificate) and
@@ -200,12 +209,14 @@ impl Pool {
             Target::Direct(u) if u.trim().get(..9).is_some_and(|p| p.eq_ignore_ascii_case("rediss://")) => {
                 crate::tls::install_crypto_provider();
                 let info = redis::Client::build_with_tls(u.as_str(), tls.to_redis()).map_err(|e| bad(e.to_string()))?.get_connection_info().clone();
+                let info = no_delay(info);
                 let manager = deadpool_redis::Manager::new_with_config(info, connection_config()).map_err(|e| bad(e.to_string()))?;
                 let pool = deadpool_redis::Pool::builder(manager).config(pc).runtime(deadpool_redis::Runtime::Tokio1).build();
                 Ok(Pool::Direct(pool.map_err(|e| bad(e.to_string()))?))
             }
             Target::Direct(u) => {
-                let manager = deadpool_redis::Manager::new_with_config(u.as_str(), connection_config()).map_err(|e| bad(e.to_string()))?;
+                let info = no_delay(redis::IntoConnectionInfo::into_connection_info(u.as_str()).map_err(|e| bad(e.to_string()))?);
+                let manager = deadpool_redis::Manager::new_with_config(info, connection_config()).map_err(|e| bad(e.to_string()))?;
                 let pool = deadpool_redis::Pool::builder(manager).config(pc).runtime(deadpool_redis::Runtime::Tokio1).build();
                 Ok(Pool::Direct(pool.map_err(|e| bad(e.to_string()))?))
             }
