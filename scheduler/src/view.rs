@@ -133,7 +133,7 @@ impl ViewLoop {
     /// Samples until `shutdown`; a failed Redis read skips the tick (the last view stays).
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
         let mut ticker = Ticker::new(interval(&self.session.cfg));
-        let mut depths = Depths { conn: &self.session.conn, ch: None };
+        let mut depths = Depths { conn: &self.session.conn, ch: None, missing: HashMap::new() };
         let mut failing = false;
         loop {
             tokio::select! {
@@ -173,17 +173,24 @@ impl ViewLoop {
         let groups = s.store.groups().await?;
         let mut queues = vec![n.dead_queue(), n.delayed_queue()];
         queues.extend(Lane::ALL.iter().map(|l| n.ingress_queue(*l)));
+        let mut parks = Vec::new();
         for g in &groups {
             for lane in Lane::ALL {
-                queues.push(n.park_queue(&g.group, lane));
+                parks.push(n.park_queue(&g.group, lane));
                 queues.extend(n.group_shard_queues(&g.group, lane, s.cfg.common.shards(lane)));
             }
         }
         // Tasks waiting for a matching worker (normal lane: what the pressure counts).
-        queues.push(n.park_queue(UNMATCHED, Lane::Normal));
-        let mut out = HashMap::with_capacity(queues.len());
+        parks.push(n.park_queue(UNMATCHED, Lane::Normal));
+        let mut out = HashMap::with_capacity(queues.len() + parks.len());
         for q in queues {
-            if let Some(d) = depths.read(&q).await {
+            if let Some(d) = depths.read(&q, true).await {
+                out.insert(q, d);
+            }
+        }
+        for q in parks {
+            let always = s.declared_park(&q).await;
+            if let Some(d) = depths.read(&q, always).await {
                 out.insert(q, d);
             }
         }
@@ -191,18 +198,38 @@ impl ViewLoop {
     }
 }
 
+/// How long a park queue the broker did not have is taken as still missing before it is
+/// asked again (the park discovery interval): a passive declare of a missing queue costs the
+/// channel (the broker closes it with 404), and most groups have no park queue most of the
+/// time — asking every tick opened and closed a channel per such queue four times a second.
+/// A park queue this session declared itself is always read, and so is every other queue
+/// (group queues are declared by their workers, which may register a moment before).
+const MISSING_RECHECK: Duration = crate::park::DISCOVERY_INTERVAL;
+
 /// Passive declares on one channel, reopened when a missing queue's 404 closed it.
 struct Depths<'a> {
     conn: &'a lapin::Connection,
     ch: Option<lapin::Channel>,
+    /// Queues found missing, and when.
+    missing: HashMap<String, Instant>,
 }
 
 impl Depths<'_> {
-    async fn read(&mut self, queue: &str) -> Option<u32> {
+    /// The depth of `queue`; unless `always`, a queue found missing less than
+    /// [`MISSING_RECHECK`] ago is taken as still missing without asking.
+    async fn read(&mut self, queue: &str, always: bool) -> Option<u32> {
+        if !always && self.missing.get(queue).is_some_and(|at| at.elapsed() < MISSING_RECHECK) {
+            return None;
+        }
         if self.ch.as_ref().is_none_or(|c| !c.status().connected()) {
             self.ch = self.conn.create_channel().await.ok();
         }
-        topology::ready_count(self.ch.as_ref()?, queue).await
+        let depth = topology::ready_count(self.ch.as_ref()?, queue).await;
+        match depth {
+            Some(_) => self.missing.remove(queue),
+            None => self.missing.insert(queue.to_string(), Instant::now()),
+        };
+        depth
     }
 }
 
