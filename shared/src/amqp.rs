@@ -83,7 +83,7 @@ pub fn classify(e: lapin::Error, setting: &str, url: &str) -> Error {
     let message = match amqp.get_id() {
         403 => format!("RabbitMQ refused the login at {url} ({text}): check the user name and password"),
         530 => format!("RabbitMQ does not allow this connection to {url} ({text}): check that the vhost exists and the user has permissions on it"),
-        406 => format!("{text}"),
+        406 => text.to_string(),
         _ => return Error::Amqp(e),
     };
     Error::Permanent { setting: setting.to_string(), message }

@@ -96,9 +96,12 @@ impl Target {
     }
 }
 
+/// The parts of a URL's authority: user, password and the `host:port`s.
+type Authority = (Option<String>, Option<String>, Vec<String>);
+
 /// `[[user]:password@]host:port,host:port,…` → (user, password, the `host:port`s), each
 /// address checked; `what` names an address in the message (`shown`: the URL, password hidden).
-fn split_authority(authority: &str, shown: &str, what: &str) -> std::result::Result<(Option<String>, Option<String>, Vec<String>), String> {
+fn split_authority(authority: &str, shown: &str, what: &str) -> std::result::Result<Authority, String> {
     let (userinfo, hosts) = match authority.rfind('@') {
         Some(at) => (Some(&authority[..at]), &authority[at + 1..]),
         None => (None, authority),

@@ -389,7 +389,7 @@ pub fn unknown(settings: &Settings) -> Vec<String> {
     let mut out = Vec::new();
     for (key, origin) in settings.origins() {
         let var = format!("FLEET_{}", key.to_ascii_uppercase());
-        if known.iter().any(|k| *k == var) || var.ends_with("_PORT") {
+        if known.contains(&var) || var.ends_with("_PORT") {
             continue;
         }
         let closest = known

@@ -82,7 +82,7 @@ impl Subsetting {
         if per_worker == 0 || per_worker > shards {
             return Err(SubsetError::PerWorker { shards, per_worker });
         }
-        if shards % per_worker != 0 {
+        if !shards.is_multiple_of(per_worker) {
             return Err(SubsetError::NotMultiple { shards, per_worker });
         }
         Ok(Subsetting { shards, per_worker })
