@@ -11,13 +11,6 @@ use fleet::config::Settings;
 use fleet::settings::{Early, SchedulerArgs};
 use tokio_util::sync::CancellationToken;
 
-/// The process's allocator: mimalloc (Leijen, Zorn, de Moura, "Mimalloc: Free List Sharding
-/// in Action", APLAS 2019). Every task allocates and frees its envelope, frames and records on
-/// several threads (tokio's workers, lapin's I/O thread); glibc malloc spent about a tenth of
-/// the process's CPU on that in a profile of a burst (see BENCHMARKS.md).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[tokio::main]
 async fn main() -> ExitCode {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();

@@ -25,13 +25,6 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, Queu
 use lapin::types::{AMQPValue, FieldTable};
 use serde_json::json;
 
-/// The process's allocator: mimalloc (Leijen, Zorn, de Moura, "Mimalloc: Free List Sharding
-/// in Action", APLAS 2019). Every task allocates and frees its envelope, frames and records on
-/// several threads (tokio's workers, lapin's I/O thread); glibc malloc spent about a tenth of
-/// the process's CPU on that in a profile of a burst (see BENCHMARKS.md).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[tokio::main]
 async fn main() -> Result<()> {
     fleet::telemetry::init("text");
