@@ -456,8 +456,11 @@ impl Envelope {
     }
 }
 
+/// An envelope time as RFC 3339 (UTC, `Z`) with microseconds: `submitted_at` is what every
+/// wait (`fleet_task_wait_seconds`) is measured from, and a millisecond string would add up to
+/// 1 ms (0.5 on average) to waits that are themselves about a millisecond on an idle fleet.
 fn fmt_time(t: DateTime<Utc>) -> Value {
-    Value::String(t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+    Value::String(t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true))
 }
 
 fn time_field(name: &'static str, v: Value) -> Result<DateTime<Utc>, Reject> {
@@ -500,6 +503,17 @@ mod tests {
         assert_eq!(e.extra.get("future_field"), Some(&json!([1, 2])));
         let again = Envelope::from_value(e.to_value()).unwrap();
         assert_eq!(again, e);
+    }
+
+    #[test]
+    fn submitted_at_keeps_microseconds() {
+        // Waits are measured from it: a millisecond string added up to 1 ms to each.
+        let t = DateTime::parse_from_rfc3339("2026-12-01T10:00:00.123456Z").unwrap().with_timezone(&Utc);
+        let mut e = Envelope::new("noop", json!(null));
+        e.submitted_at = Some(t + chrono::Duration::nanoseconds(789));
+        assert_eq!(e.to_value()["submitted_at"], json!("2026-12-01T10:00:00.123456Z"));
+        let again = Envelope::from_slice(&e.to_bytes(), 1024).unwrap();
+        assert_eq!(again.submitted_at, Some(t));
     }
 
     #[test]

@@ -202,12 +202,31 @@ struct Raw {
     lat_ms: Vec<f64>,
 }
 
-async fn raw_broker(n: usize, hops: usize) -> Result<f64> {
-    Ok(raw_run(n, hops, Offer::Burst).await?.rate)
+/// How the raw client spreads its hops over AMQP connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Conns {
+    /// One connection for the producer and every hop (one lapin I/O thread: the thread that
+    /// just wrote a publish is awake when the broker's delivery comes back).
+    Shared,
+    /// A connection of its own for the producer and for each hop, as a producer, a forwarding
+    /// service and a consumer in three processes have (fleet's producer, scheduler and worker
+    /// each hold their own).
+    PerHop,
 }
 
-async fn raw_run(n: usize, hops: usize, how: Offer) -> Result<Raw> {
-    let conn = amqp::connect(&amqp_url(), "bench-raw").await?;
+async fn raw_broker(n: usize, hops: usize, conns: Conns) -> Result<f64> {
+    Ok(raw_run(n, hops, Offer::Burst, conns).await?.rate)
+}
+
+async fn raw_run(n: usize, hops: usize, how: Offer, conns: Conns) -> Result<Raw> {
+    let conn = Arc::new(amqp::connect(&amqp_url(), "bench-raw").await?);
+    let mut hop_conns = Vec::new();
+    for i in 0..hops {
+        hop_conns.push(match conns {
+            Conns::Shared => conn.clone(),
+            Conns::PerHop => Arc::new(amqp::connect(&amqp_url(), &format!("bench-raw-hop{i}")).await?),
+        });
+    }
     let tag = uuid::Uuid::new_v4().simple().to_string();
     let queues: Vec<String> = (0..hops).map(|i| format!("bench.{tag}.{i}")).collect();
     let setup = conn.create_channel().await?;
@@ -218,10 +237,11 @@ async fn raw_run(n: usize, hops: usize, how: Offer) -> Result<Raw> {
     let lat: Arc<Mutex<Vec<f64>>> = Arc::default();
     let mut tasks = Vec::new();
     for (i, q) in queues.iter().enumerate() {
-        let ch = conn.create_channel().await?;
+        let hop = &hop_conns[i];
+        let ch = hop.create_channel().await?;
         ch.basic_qos(RAW_PREFETCH, BasicQosOptions::default()).await?;
         let next = queues.get(i + 1).cloned();
-        let pubch = amqp::confirm_channel(&conn).await?;
+        let pubch = amqp::confirm_channel(hop).await?;
         let mut consumer = ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
         let (done, lat) = (done.clone(), lat.clone());
         tasks.push(tokio::spawn(async move {
@@ -299,6 +319,11 @@ async fn raw_run(n: usize, hops: usize, how: Offer) -> Result<Raw> {
     }
     for q in &queues {
         let _ = setup.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
+    }
+    if conns == Conns::PerHop {
+        for c in &hop_conns {
+            let _ = c.close(200, "bye".into()).await;
+        }
     }
     let _ = conn.close(200, "bye".into()).await;
     Ok(Raw { rate, lat_ms })
@@ -529,26 +554,41 @@ async fn throughput(n: usize) -> Result<()> {
     rig.stop().await?;
 
     // Raw broker, same run.
-    let (one, two, raw_steady, raw_idle) = if std::env::var("BENCH_SKIP_RAW").is_ok() {
-        (f64::NAN, f64::NAN, Raw { rate: f64::NAN, lat_ms: vec![] }, Raw { rate: f64::NAN, lat_ms: vec![] })
+    let (one, two, raw_steady, raw_idle, raw_idle_shared) = if std::env::var("BENCH_SKIP_RAW").is_ok() {
+        let none = || Raw { rate: f64::NAN, lat_ms: vec![] };
+        (f64::NAN, f64::NAN, none(), none(), none())
     } else {
         println!("\n## raw broker (this process, same run)");
-        let one = raw_broker(n, 1).await?;
+        let one = raw_broker(n, 1, Conns::Shared).await?;
         println!("raw broker, 1 hop : {one:>8.0} msg/s");
         let cpu = CpuMeter::new();
         let cpu0 = cpu.read();
-        let two = raw_broker(n, 2).await?;
-        println!("raw broker, 2 hops: {two:>8.0} msg/s");
+        let shared = raw_broker(n, 2, Conns::Shared).await?;
+        println!("raw broker, 2 hops: {shared:>8.0} msg/s (one connection)");
         println!("{}", cpu.report("raw 2 hops", cpu0, n));
-        let raw_steady = raw_run(steady_n, 2, Offer::Steady(1000.0)).await?;
+        let cpu0 = cpu.read();
+        let per_hop = raw_broker(n, 2, Conns::PerHop).await?;
+        println!("raw broker, 2 hops: {per_hop:>8.0} msg/s (a connection per hop)");
+        println!("{}", cpu.report("raw 2 hops, per hop", cpu0, n));
+        // The broker's ceiling is the better of the two.
+        let two = shared.max(per_hop);
+        let raw_steady = raw_run(steady_n, 2, Offer::Steady(1000.0), Conns::PerHop).await?;
         let (r50, r99) = p50_p99(&raw_steady.lat_ms);
-        println!("raw 2 hops steady : {:>8.0} msg/s; submit→delivery p50 {r50:.2} ms p99 {r99:.2} ms", raw_steady.rate);
-        let raw_idle = raw_run(idle_n, 2, Offer::OneEvery(Duration::from_millis(10))).await?;
-        (one, two, raw_steady, raw_idle)
+        println!("raw 2 hops steady : {:>8.0} msg/s; submit→delivery p50 {r50:.2} ms p99 {r99:.2} ms (a connection per hop)", raw_steady.rate);
+        let raw_idle_shared = raw_run(idle_n, 2, Offer::OneEvery(Duration::from_millis(10)), Conns::Shared).await?;
+        let (r50, r99) = p50_p99(&raw_idle_shared.lat_ms);
+        println!("raw 2 hops idle   : submit→delivery p50 {r50:.2} ms p99 {r99:.2} ms (one connection)");
+        let raw_idle = raw_run(idle_n, 2, Offer::OneEvery(Duration::from_millis(10)), Conns::PerHop).await?;
+        let (r50, r99) = p50_p99(&raw_idle.lat_ms);
+        println!("raw 2 hops idle   : submit→delivery p50 {r50:.2} ms p99 {r99:.2} ms (a connection per hop)");
+        (one, two, raw_steady, raw_idle, raw_idle_shared)
     };
-    let (r50, r99) = p50_p99(&raw_idle.lat_ms);
+    // The goal is measured against the raw client's better figure of its two layouts.
+    let (p50h, p99h) = p50_p99(&raw_idle.lat_ms);
+    let (p50s, p99s) = p50_p99(&raw_idle_shared.lat_ms);
+    let (r50, r99) = (p50h.min(p50s), p99h.min(p99s));
     let _ = one;
-    println!("\n## summary (fleet / raw 2-hop, same run; goal ≥ 0.85)");
+    println!("\n## summary (fleet / raw 2-hop, same run; goal ≥ 0.85; raw = the better of its two connection layouts)");
     println!("burst {n}            : fleet {burst:>7.0} / raw {two:>7.0} = {:.2}", burst / two);
     println!("steady 1,000/s offered: fleet {steady:>7.0} / raw {:>7.0} = {:.2}", raw_steady.rate, steady / raw_steady.rate);
     println!("10 groups, burst     : fleet {groups10:>7.0} / raw {two:>7.0} = {:.2}", groups10 / two);
