@@ -175,7 +175,7 @@ async fn publish_all(st: &AppState, envs: &[(&Envelope, &[u8], bool)], now: chro
         let mut confirms = Vec::with_capacity(todo.len());
         for &i in &todo {
             let (e, bytes, stamped) = &envs[i];
-            let h = stamped.then(|| amqp::headers([(fleet::headers::SUBMITTED_AT, now.timestamp_millis().to_string())]));
+            let h = stamped.then(|| amqp::headers([(fleet::headers::SUBMITTED_AT, fleet::headers::submitted_at_value(now))]));
             confirms.push(amqp::publish(ch, &names.submit_exchange(), e.lane.as_str(), bytes, amqp::task_properties(&e.id, h)).await);
         }
         drop(guard);

@@ -134,9 +134,7 @@ impl Dispatcher {
                     // API's `x-fleet-submitted-at` header (ms), else the AMQP `timestamp`
                     // property (s), else now (first seen here).
                     if e.submitted_at.is_none() {
-                        let header = amqp::header_text(&d.properties, amqp::SUBMITTED_AT_HEADER)
-                            .and_then(|ms| ms.parse::<i64>().ok())
-                            .and_then(chrono::DateTime::from_timestamp_millis);
+                        let header = amqp::header_text(&d.properties, amqp::SUBMITTED_AT_HEADER).and_then(|ms| fleet::headers::parse_submitted_at(&ms));
                         // The AMQP timestamp has whole seconds: it is taken only when the task
                         // evidently waited (2 s or more); a fresh one runs from now, so the
                         // truncation never takes up to a second off a short timeout.
