@@ -221,8 +221,6 @@ impl Batcher {
             }
         }
         let reqs: Vec<ClaimRequest> = claims.iter().map(|(r, _)| r.clone()).collect();
-        let fins: Vec<Finished> = finishes.iter().map(|(f, _)| f.clone()).collect();
-        let figures = self.figures.as_ref().map(|s| s.outcomes()).unwrap_or_default();
         let w = &self.writer;
         let claimed = async {
             if reqs.is_empty() {
@@ -231,10 +229,10 @@ impl Batcher {
             Some(w.claim(&reqs).await)
         };
         let written = async {
-            if fins.is_empty() {
+            if finishes.is_empty() {
                 return Ok(());
             }
-            w.store.finish(&w.worker_id, &w.group, &w.instance, w.status_ttl, &fins, &figures).await
+            self.finish(finishes).await
         };
         let (claimed, written) = tokio::join!(claimed, written);
         if let Some(answers) = claimed {
@@ -282,10 +280,7 @@ impl Batcher {
                 _ = tokio::time::sleep(delay) => {}
             }
             delay = (delay * 2).min(Duration::from_secs(5));
-            let fins: Vec<Finished> = finishes.iter().map(|(f, _)| f.clone()).collect();
-            let figures = self.figures.as_ref().map(|s| s.outcomes()).unwrap_or_default();
-            let w = &self.writer;
-            match w.store.finish(&w.worker_id, &w.group, &w.instance, w.status_ttl, &fins, &figures).await {
+            match self.finish(finishes).await {
                 Ok(()) => return told(finishes, more),
                 Err(e) => {
                     metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
@@ -293,6 +288,16 @@ impl Batcher {
                 }
             }
         }
+    }
+}
+
+impl Batcher {
+    /// Writes the outcomes in `finishes` with the worker's current task figures (one `finish` call).
+    async fn finish(&self, finishes: &Finishes) -> fleet::Result<()> {
+        let fins: Vec<Finished> = finishes.iter().map(|(f, _)| f.clone()).collect();
+        let figures = self.figures.as_ref().map(|s| s.outcomes()).unwrap_or_default();
+        let w = &self.writer;
+        w.store.finish(&w.worker_id, &w.group, &w.instance, w.status_ttl, &fins, &figures).await
     }
 }
 
