@@ -2,7 +2,8 @@
 //! compare ratios measured in the same run).
 //!
 //! * `bench throughput [N]` — fleet at the product defaults, then the raw RabbitMQ ceiling
-//!   (one and two durable, confirmed hops), all in one run: a burst of N no-op tasks, 1,000
+//!   (one and two durable, confirmed hops; two hops both on one connection and with a
+//!   connection per hop, the better of the two is the ceiling), all in one run: a burst of N no-op tasks, 1,000
 //!   tasks/s offered steadily, idle submit→start latency (fleet vs raw two-hop), a burst over
 //!   10 groups with mixed selectors, the split of 200 ms tasks over two groups of different
 //!   speed, and RSS samples under a 10x overload (`BENCH_RSS_SECS`, 60; 0 skips it).
