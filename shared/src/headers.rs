@@ -26,6 +26,13 @@ pub const PROBE: &str = "x-fleet-probe";
 /// Set by `POST /v1/tasks` on what it publishes: the submission time (ms since the epoch) of an
 /// envelope without `submitted_at`, so its deadline runs from the HTTP request.
 pub const SUBMITTED_AT: &str = "x-fleet-submitted-at";
+/// Selects a delay tier on the delay (headers) exchange. Not `x-` prefixed: RabbitMQ ignores
+/// `x-` headers when matching, which would bind every tier to every message.
+pub const TIER: &str = "fleet-tier";
+/// HTTP executor request header: the task's id.
+pub const TASK_ID: &str = "x-fleet-task-id";
+/// HTTP executor request header: the attempt number, from 1.
+pub const ATTEMPT: &str = "x-fleet-attempt";
 
 /// The [`SUBMITTED_AT`] value of `t`: milliseconds since the epoch with three decimals
 /// (`1796093365123.456`), so a wait measured from it is not up to 1 ms too long. A reader of
@@ -67,10 +74,3 @@ mod tests {
         }
     }
 }
-/// Selects a delay tier on the delay (headers) exchange. Not `x-` prefixed: RabbitMQ ignores
-/// `x-` headers when matching, which would bind every tier to every message.
-pub const TIER: &str = "fleet-tier";
-/// HTTP executor request header: the task's id.
-pub const TASK_ID: &str = "x-fleet-task-id";
-/// HTTP executor request header: the attempt number, from 1.
-pub const ATTEMPT: &str = "x-fleet-attempt";
