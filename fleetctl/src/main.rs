@@ -587,7 +587,7 @@ async fn dead_replay(cli: &Cli, names: &Names, id: Option<&str>, all: bool) -> R
 #[derive(Subcommand)]
 enum ScheduleCmd {
     /// Add a schedule (POST /v1/schedules).
-    Add(ScheduleAddArgs),
+    Add(Box<ScheduleAddArgs>),
     /// List schedules with their next and last ticks.
     List,
     /// Stop firing (ticks while paused are never caught up).

@@ -96,7 +96,9 @@ async fn every_bad_setting_exits_2_naming_it() -> Result<()> {
     let missing = dir.join("missing.toml").to_string_lossy().into_owned();
     let leaky_amqp = format!("AMQPX://fleet:{SECRET}@127.0.0.1:5672/%2f");
     let leaky_redis = format!("redis+tls://:{SECRET}@127.0.0.1:6379");
-    let cases: Vec<(&str, Vec<(&str, &str)>, &str, &str)> = vec![
+    // (binary, environment, the setting its error names, what the error says)
+    type Case<'a> = (&'a str, Vec<(&'a str, &'a str)>, &'a str, &'a str);
+    let cases: Vec<Case> = vec![
         ("fleet-worker", vec![("FLEET_CAPACITY", "-1")], "FLEET_CAPACITY", "must be a positive integer"),
         ("fleet-worker", vec![("FLEET_CAPACITY", "70000")], "FLEET_CAPACITY", "at most 65535"),
         ("fleet-worker", vec![("FLEET_EXECUTOR", "python")], "FLEET_EXECUTOR", "python"),

@@ -19,7 +19,10 @@ const LABELS: &str = "role=cron";
 
 /// Every run of a scheduled task: id → (attempts seen, `submitted_at` of the first).
 #[derive(Clone, Default)]
-struct Runs(Arc<Mutex<BTreeMap<String, (u32, DateTime<Utc>)>>>);
+struct Runs(Arc<Mutex<BTreeMap<String, RunsOf>>>);
+
+/// One task's runs: (attempts seen, `submitted_at` of the first).
+type RunsOf = (u32, DateTime<Utc>);
 
 impl Runs {
     fn handler(&self) -> Arc<dyn Handler> {

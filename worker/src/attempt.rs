@@ -157,13 +157,25 @@ enum RunGuard {
     Alone(tokio::sync::OwnedRwLockWriteGuard<()>),
 }
 
+/// One delivery and its parsed envelope, as claiming and settling its attempt see them.
+#[derive(Clone, Copy)]
+struct Task<'a> {
+    shared: &'a Shared,
+    lane: Lane,
+    delivery: &'a Delivery,
+    env: &'a Envelope,
+    /// A scheduler health probe (see [`attempt_task`]).
+    probe: bool,
+}
+
 /// Claims the attempt (exactly one run per attempt; see `lua/start.lua`) and takes its run
 /// slot. `None` when this copy must not run; it has then been settled here (a duplicate acked,
 /// a lost task dead-lettered) or left to the broker (its channel is gone).
 ///
-/// `probe`: a scheduler health probe that died with its worker is dropped (acked), never
-/// dead-lettered nor counted as a user's task.
-async fn claim(shared: &Shared, lane: Lane, delivery: &Delivery, slot: &mut Slot, env: &Envelope, base: u32, max_attempts: u32, probe: bool) -> Option<(u32, RunGuard)> {
+/// A scheduler health probe that died with its worker is dropped (acked), never dead-lettered
+/// nor counted as a user's task.
+async fn claim(task: Task<'_>, slot: &mut Slot, base: u32, max_attempts: u32) -> Option<(u32, RunGuard)> {
+    let Task { shared, lane, delivery, env, probe } = task;
     let mut req = ClaimRequest { lane, id: env.id.clone(), base, max_attempts, isolated: false };
     let mut alone: Option<tokio::sync::OwnedRwLockWriteGuard<()>> = None;
     loop {
@@ -228,7 +240,8 @@ async fn claim(shared: &Shared, lane: Lane, delivery: &Delivery, slot: &mut Slot
 /// of the worker's task figures (metrics, `/status`, `GET /v1/workers`).
 async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, mut slot: Slot, env: Envelope, base: u32, probe: bool) {
     let max_attempts = env.max_attempts_or(shared.default_max_attempts);
-    let Some((attempt, _slot)) = claim(&shared, lane, &delivery, &mut slot, &env, base, max_attempts, probe).await else { return };
+    let task = Task { shared: &shared, lane, delivery: &delivery, env: &env, probe };
+    let Some((attempt, _slot)) = claim(task, &mut slot, base, max_attempts).await else { return };
     shared.stats.started(lane, &env.id);
     let now = shared.clock.now();
     if let Some(submitted) = env.submitted_at {
@@ -260,7 +273,7 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, mut s
         retry::decide(result, attempt, max_attempts, time_left, &shared.backoff)
     };
 
-    let outcome = settle(&shared, lane, &delivery, &mut slot, &env, (attempt, max_attempts), fate, probe).await;
+    let outcome = settle(task, &mut slot, (attempt, max_attempts), fate).await;
     if probe {
         metrics::counter!(m::PROBES_COMPLETED, "group" => shared.group.clone(), "outcome" => outcome.as_str()).increment(1);
     } else {
@@ -343,16 +356,8 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
 /// A delivery whose channel died (consumer timeout, connection loss) is settled all the same:
 /// its copy, redelivered meanwhile, waits on this attempt's run record rather than run, so
 /// this run's outcome is the task's — only the ack is left out (the broker took it back).
-async fn settle(
-    shared: &Shared,
-    lane: Lane,
-    delivery: &Delivery,
-    slot: &mut Slot,
-    env: &Envelope,
-    (attempt, max_attempts): (u32, u32),
-    fate: Fate,
-    probe: bool,
-) -> Outcome {
+async fn settle(task: Task<'_>, slot: &mut Slot, (attempt, max_attempts): (u32, u32), fate: Fate) -> Outcome {
+    let Task { shared, lane, delivery, env, probe } = task;
     // A user task's outcome is counted in the worker's figures before its ledger record, so
     // the batch that writes the record also publishes the figures.
     let count = |o: Outcome| {

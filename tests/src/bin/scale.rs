@@ -730,6 +730,9 @@ fn script_names() -> BTreeMap<String, &'static str> {
     .collect()
 }
 
+/// A slow log's account: (per command: calls, µs; entries read, entries missed, last id seen).
+type SlowLogTally = (BTreeMap<String, (u64, u64)>, usize, i64, i64);
+
 /// Calls by script or command name, (calls, µs), read from the slow log (threshold 0: every
 /// call; Redis 7.0 logs the commands scripts run too, so EVALSHA rows are the clients' calls) in small bites: a poller reads the newest 3,000 entries every 100 ms and
 /// tallies those it has not seen (by entry id), so no reply grows large; entries that fell out
@@ -739,8 +742,7 @@ fn script_names() -> BTreeMap<String, &'static str> {
 struct SlowLog {
     probe: Probe,
     shas: Arc<BTreeMap<String, &'static str>>,
-    /// (tally, entries read, entries missed, last id seen)
-    acc: Arc<Mutex<(BTreeMap<String, (u64, u64)>, usize, i64, i64)>>,
+    acc: Arc<Mutex<SlowLogTally>>,
     /// The poller reads the log only while this is set.
     on: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -974,7 +976,7 @@ async fn run_phases(a: &RunArgs, ns: &Ns, probe: &Probe, slow: &SlowLog, done: &
             d.cpu * 1e6 / n,
         );
         let mut inner: Vec<(&String, &(u64, u64))> = d.cmds.iter().filter(|(k, _)| k.as_str() != "evalsha").collect();
-        inner.sort_by(|x, y| y.1 .0.cmp(&x.1 .0));
+        inner.sort_by_key(|x| std::cmp::Reverse(x.1 .0));
         let list: Vec<String> = inner.iter().take(20).map(|(k, c)| format!("{k} {:.2}", c.0 as f64 / n)).collect();
         println!("commands per task (raw): {}", list.join(", "));
     }
