@@ -70,14 +70,14 @@ impl Session {
         Ok(())
     }
 
-    /// Forgets that a group's park queues were declared: the group was reclaimed and they
-    /// are deleted (the next task parked there declares them again).
-    /// Whether this session declared `queue` as a park queue (its name as
-    /// [`fleet::Names::park_queue`] gives it).
-    pub async fn declared_park(&self, queue: &str) -> bool {
-        self.parks.lock().await.iter().any(|(g, l)| self.names.park_queue(g, *l) == queue)
+    /// The names of the park queues this session declared (as [`fleet::Names::park_queue`]
+    /// gives them).
+    pub async fn declared_parks(&self) -> std::collections::HashSet<String> {
+        self.parks.lock().await.iter().map(|(g, l)| self.names.park_queue(g, *l)).collect()
     }
 
+    /// Forgets that a group's park queues were declared: the group was reclaimed and they
+    /// are deleted (the next task parked there declares them again).
     pub async fn forget_parks(&self, group: &str) {
         self.parks.lock().await.retain(|(g, _)| g != group);
     }

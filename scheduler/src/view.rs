@@ -188,8 +188,9 @@ impl ViewLoop {
                 out.insert(q, d);
             }
         }
+        let declared = s.declared_parks().await;
         for q in parks {
-            let always = s.declared_park(&q).await;
+            let always = declared.contains(&q);
             if let Some(d) = depths.read(&q, always).await {
                 out.insert(q, d);
             }

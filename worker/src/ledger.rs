@@ -210,6 +210,14 @@ impl Batcher {
         self.writer.busy.fetch_sub(taken + more, Ordering::AcqRel);
     }
 
+    /// Writes the outcomes in `finishes` with the worker's current task figures (one `finish` call).
+    async fn finish(&self, finishes: &Finishes) -> fleet::Result<()> {
+        let fins: Vec<Finished> = finishes.iter().map(|(f, _)| f.clone()).collect();
+        let figures = self.figures.as_ref().map(|s| s.outcomes()).unwrap_or_default();
+        let w = &self.writer;
+        w.store.finish(&w.worker_id, &w.group, &w.instance, w.status_ttl, &fins, &figures).await
+    }
+
     /// [`Batcher::flush`]'s work; returns how many more records it took from the channel
     /// while retrying.
     async fn write(&mut self, batch: &mut Vec<Op>, finishes: &mut Finishes, give_up: Option<Instant>, shutdown: &CancellationToken) -> usize {
@@ -288,16 +296,6 @@ impl Batcher {
                 }
             }
         }
-    }
-}
-
-impl Batcher {
-    /// Writes the outcomes in `finishes` with the worker's current task figures (one `finish` call).
-    async fn finish(&self, finishes: &Finishes) -> fleet::Result<()> {
-        let fins: Vec<Finished> = finishes.iter().map(|(f, _)| f.clone()).collect();
-        let figures = self.figures.as_ref().map(|s| s.outcomes()).unwrap_or_default();
-        let w = &self.writer;
-        w.store.finish(&w.worker_id, &w.group, &w.instance, w.status_ttl, &fins, &figures).await
     }
 }
 
