@@ -21,7 +21,7 @@ use anyhow::Result;
 use fleet::{amqp, Envelope, Lane};
 use fleet_tests::*;
 use fleet_worker::executor::handler_fn;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use serde_json::json;
@@ -52,6 +52,127 @@ fn quorum() -> FieldTable {
 /// (prefetch 500 → 2000 and single acks → runs of 64 raised the two-hop figure).
 const RAW_PREFETCH: u16 = 2000;
 const RAW_ACK_EVERY: usize = 64;
+
+/// fleet's Redis work per task, done by the raw two-hop client (the "floor" stage): the
+/// forwarder reserves each batch it holds (`reserve.lua`: dedupe mark, leased reservation,
+/// status `queued`) and marks a run handed on before acking it, as fleet's scheduler does; the
+/// consumer claims each batch (`start.lua`: run record, status `running`) and records its
+/// outcome (`finish.lua`), as fleet's worker does — the same `Store` calls with the product's
+/// default settings, and nothing else of fleet (no envelope parsing, no tasks spawned). fleet
+/// does all of this and more, so on a machine where the broker, Redis and the clients share the
+/// cores (every stage here is CPU-bound) its rate is a ceiling for fleet's burst.
+struct Floor {
+    store: fleet::Store,
+    worker: String,
+    group: String,
+    instance: String,
+    selector: fleet::Labels,
+    params: fleet::route::ReserveParams,
+    run_lease: Duration,
+    status_ttl: Duration,
+    batch_max: usize,
+    next_id: AtomicUsize,
+    /// Answers other than reserved / run (none expected: the group has room for every task).
+    anomalies: AtomicUsize,
+}
+
+impl Floor {
+    /// Registers one worker (its group the only candidate, capacity for the whole run) in a
+    /// fresh namespace; the settings are the scheduler's and the worker's defaults.
+    async fn start(ns: &Ns, n: usize) -> Result<Floor> {
+        let sched = fleet_scheduler::SchedulerConfig::from_settings(&ns.settings(&[]))?;
+        let labels = fleet::Labels::parse("bench=floor")?;
+        let wcfg = fleet_worker::config::WorkerConfig::from_settings(&ns.settings(&[("worker_id", "floor"), ("labels", "bench=floor")]))?;
+        let reg = fleet::registry::Registration {
+            id: "floor".into(),
+            instance: uuid::Uuid::new_v4().simple().to_string(),
+            labels: labels.clone(),
+            capacity: u32::try_from(n).unwrap_or(u32::MAX),
+            critical_capacity: 1,
+            executor: "builtin".into(),
+            state: fleet::registry::WorkerState::Active,
+        };
+        ns.store.register(&reg, Duration::from_secs(600)).await?;
+        Ok(Floor {
+            store: ns.store.clone(),
+            worker: reg.id.clone(),
+            group: reg.group(),
+            instance: reg.instance.clone(),
+            selector: labels,
+            params: fleet::route::ReserveParams {
+                token: 0,
+                lease_ms: sched.reservation_lease.as_millis() as i64,
+                backlog_factor: sched.backlog_factor,
+                strategy: sched.strategy,
+                dedupe_window_ms: sched.dedupe_window.as_millis() as i64,
+                status_ttl_ms: sched.common.status_ttl.as_millis() as i64,
+                direct: true,
+                park_flag_ttl_ms: fleet::park::FLAG_TTL_MS,
+            },
+            run_lease: wcfg.run_lease,
+            status_ttl: wcfg.common.status_ttl,
+            batch_max: usize::from(sched.batch_max),
+            next_id: AtomicUsize::new(0),
+            anomalies: AtomicUsize::new(0),
+        })
+    }
+
+    /// Reserves `k` new tasks; their ids, in order.
+    async fn reserve(&self, k: usize) -> Vec<String> {
+        let first = self.next_id.fetch_add(k, Ordering::Relaxed);
+        let ids: Vec<String> = (first..first + k).map(|i| format!("floor-{i}")).collect();
+        let reqs: Vec<fleet::route::ReserveRequest> = ids
+            .iter()
+            .map(|id| fleet::route::ReserveRequest {
+                id: id.clone(),
+                lane: Lane::Normal,
+                selector: self.selector.clone(),
+                strategy: None,
+                dedupe: fleet::dedupe::Dedupe::Check,
+                from_park: false,
+                dedupe_only: false,
+            })
+            .collect();
+        let reserved = match self.store.reserve(&reqs, fleet::route::ReserveParams { token: rand::random(), ..self.params }).await {
+            Ok(answers) => answers.iter().filter(|a| matches!(a, fleet::route::Reservation::Reserved(_))).count(),
+            Err(_) => 0,
+        };
+        self.anomalies.fetch_add(k - reserved, Ordering::Relaxed);
+        ids
+    }
+
+    async fn handed_on(&self, ids: &[String]) {
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        if self.store.mark_handed_on(&ids).await.is_err() {
+            self.anomalies.fetch_add(ids.len(), Ordering::Relaxed);
+        }
+    }
+
+    /// Claims a batch, then records every claimed task succeeded.
+    async fn run(&self, batch: &[lapin::message::Delivery]) {
+        let ids: Vec<String> = batch.iter().map(|d| d.properties.message_id().as_ref().map(|m| m.to_string()).unwrap_or_default()).collect();
+        let reqs: Vec<fleet::lease::ClaimRequest> =
+            ids.iter().map(|id| fleet::lease::ClaimRequest { lane: Lane::Normal, id: id.clone(), base: 1, max_attempts: 5, isolated: false }).collect();
+        let runs = match self.store.claim(&self.worker, &self.group, &self.instance, self.run_lease, self.status_ttl, &reqs).await {
+            Ok((true, answers)) => answers.iter().filter(|a| **a == fleet::lease::Claim::Run(1)).count(),
+            _ => 0,
+        };
+        let fins: Vec<fleet::lease::Finished> = ids
+            .into_iter()
+            .map(|id| fleet::lease::Finished {
+                lane: Lane::Normal,
+                id,
+                attempt: 1,
+                state: Some(fleet::status::TaskState::Succeeded),
+                text: "null".into(),
+                success: true,
+                reason: None,
+            })
+            .collect();
+        let finished = self.store.finish(&self.worker, &self.group, &self.instance, self.status_ttl, &fins, &[]).await.is_ok();
+        self.anomalies.fetch_add(batch.len() - if finished { runs } else { 0 }, Ordering::Relaxed);
+    }
+}
 
 /// How a benchmark offers its messages.
 #[derive(Clone, Copy, Debug)]
@@ -216,10 +337,12 @@ enum Conns {
 }
 
 async fn raw_broker(n: usize, hops: usize, conns: Conns) -> Result<f64> {
-    Ok(raw_run(n, hops, Offer::Burst, conns).await?.rate)
+    Ok(raw_run(n, hops, Offer::Burst, conns, None).await?.rate)
 }
 
-async fn raw_run(n: usize, hops: usize, how: Offer, conns: Conns) -> Result<Raw> {
+/// The raw client; with `floor`, a two-hop client that also does fleet's Redis work per task
+/// (see [`Floor`]).
+async fn raw_run(n: usize, hops: usize, how: Offer, conns: Conns, floor: Option<Arc<Floor>>) -> Result<Raw> {
     let conn = Arc::new(amqp::connect(&amqp_url(), "bench-raw").await?);
     let mut hop_conns = Vec::new();
     for i in 0..hops {
@@ -245,45 +368,75 @@ async fn raw_run(n: usize, hops: usize, how: Offer, conns: Conns) -> Result<Raw>
         let pubch = amqp::confirm_channel(hop).await?;
         let mut consumer = ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
         let (done, lat) = (done.clone(), lat.clone());
+        let floor = floor.clone();
         tasks.push(tokio::spawn(async move {
             // Forwarding hop: publish, and let a second task await confirms in order and ack
             // (pipelined, as fleet's scheduler does).
-            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(lapin::PublisherConfirm, lapin::message::Delivery)>();
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(lapin::PublisherConfirm, lapin::message::Delivery, String)>();
             // Confirms come back in order; ack what is confirmed with one `multiple` ack per
             // run of deliveries (whatever has been confirmed when the queue of confirms is
-            // momentarily empty, at most RAW_ACK_EVERY at a time).
+            // momentarily empty, at most RAW_ACK_EVERY at a time). With `floor`, the run's
+            // submissions are marked handed on first, as fleet's scheduler does.
+            let marks = floor.clone();
             let acker = tokio::spawn(async move {
-                let mut pending = 0;
-                while let Some((c, d)) = rx.recv().await {
+                let mut run: Vec<String> = Vec::new();
+                while let Some((c, d, id)) = rx.recv().await {
                     let _ = amqp::confirmed(c).await;
-                    pending += 1;
-                    if pending >= RAW_ACK_EVERY || rx.is_empty() {
+                    run.push(id);
+                    if run.len() >= RAW_ACK_EVERY || rx.is_empty() {
+                        if let Some(f) = &marks {
+                            f.handed_on(&run).await;
+                        }
                         let _ = d.acker.ack(BasicAckOptions { multiple: true }).await;
-                        pending = 0;
+                        run.clear();
                     }
                 }
             });
             let mut unacked = 0;
-            while let Some(Ok(d)) = consumer.next().await {
-                if let Some(nq) = &next {
-                    if let Ok(c) = amqp::publish(&pubch, "", nq, &d.data, amqp::task_properties("x", None)).await {
-                        let _ = tx.send((c, d));
+            while let Some(Ok(first)) = consumer.next().await {
+                // Without `floor` one delivery at a time; with it, what the broker has already
+                // pushed too (as fleet's dispatch loops and worker ledger batch their Redis calls).
+                let mut batch = vec![first];
+                if let Some(f) = &floor {
+                    let most = if next.is_some() { f.batch_max } else { RAW_ACK_EVERY };
+                    while batch.len() < most {
+                        match consumer.next().now_or_never() {
+                            Some(Some(Ok(d))) => batch.push(d),
+                            _ => break,
+                        }
                     }
-                } else {
+                }
+                if let Some(nq) = &next {
+                    let ids = match &floor {
+                        Some(f) => f.reserve(batch.len()).await,
+                        None => vec!["x".to_string()],
+                    };
+                    for (d, id) in batch.into_iter().zip(ids) {
+                        if let Ok(c) = amqp::publish(&pubch, "", nq, &d.data, amqp::task_properties(&id, None)).await {
+                            let _ = tx.send((c, d, id));
+                        }
+                    }
+                    continue;
+                }
+                if let Some(f) = &floor {
+                    f.run(&batch).await;
+                }
+                let mut finished = false;
+                for d in batch {
                     if let Some(sent) = std::str::from_utf8(&d.data).ok().and_then(|b| b.split(' ').next()).and_then(|b| b.parse::<i64>().ok()) {
                         if let Ok(mut v) = lat.lock() {
                             v.push((now_us() - sent) as f64 / 1000.0);
                         }
                     }
                     unacked += 1;
-                    let finished = done.fetch_add(1, Ordering::Relaxed) + 1 >= n;
+                    finished = done.fetch_add(1, Ordering::Relaxed) + 1 >= n;
                     if unacked >= RAW_ACK_EVERY || finished {
                         let _ = d.acker.ack(BasicAckOptions { multiple: true }).await;
                         unacked = 0;
                     }
-                    if finished {
-                        break;
-                    }
+                }
+                if finished {
+                    break;
                 }
             }
             acker.abort();
@@ -555,9 +708,9 @@ async fn throughput(n: usize) -> Result<()> {
     rig.stop().await?;
 
     // Raw broker, same run.
-    let (one, two, raw_steady, raw_idle, raw_idle_shared) = if std::env::var("BENCH_SKIP_RAW").is_ok() {
+    let (one, two, floor_rate, raw_steady, raw_idle, raw_idle_shared) = if std::env::var("BENCH_SKIP_RAW").is_ok() {
         let none = || Raw { rate: f64::NAN, lat_ms: vec![] };
-        (f64::NAN, f64::NAN, none(), none(), none())
+        (f64::NAN, f64::NAN, f64::NAN, none(), none(), none())
     } else {
         println!("\n## raw broker (this process, same run)");
         let one = raw_broker(n, 1, Conns::Shared).await?;
@@ -571,18 +724,28 @@ async fn throughput(n: usize) -> Result<()> {
         let per_hop = raw_broker(n, 2, Conns::PerHop).await?;
         println!("raw broker, 2 hops: {per_hop:>8.0} msg/s (a connection per hop)");
         println!("{}", cpu.report("raw 2 hops, per hop", cpu0, n));
+        // The same client doing fleet's Redis work per task (a connection per hop).
+        let ns = Ns::with_queue_type(&qt).await?;
+        let floor = Arc::new(Floor::start(&ns, n).await?);
+        let cpu0 = cpu.read();
+        let calls0 = RedisCalls::read();
+        let floor_rate = raw_run(n, 2, Offer::Burst, Conns::PerHop, Some(floor.clone())).await?.rate;
+        println!("raw 2 hops + fleet's Redis work: {floor_rate:>8.0} msg/s ({} anomalies: answers other than reserved / run)", floor.anomalies.load(Ordering::Relaxed));
+        println!("{}", cpu.report("raw + fleet Redis", cpu0, n));
+        println!("{}", calls0.report("raw + fleet Redis", n));
+        ns.cleanup().await?;
         // The broker's ceiling is the better of the two.
         let two = shared.max(per_hop);
-        let raw_steady = raw_run(steady_n, 2, Offer::Steady(1000.0), Conns::PerHop).await?;
+        let raw_steady = raw_run(steady_n, 2, Offer::Steady(1000.0), Conns::PerHop, None).await?;
         let (r50, r99) = p50_p99(&raw_steady.lat_ms);
         println!("raw 2 hops steady : {:>8.0} msg/s; submit→delivery p50 {r50:.2} ms p99 {r99:.2} ms (a connection per hop)", raw_steady.rate);
-        let raw_idle_shared = raw_run(idle_n, 2, Offer::OneEvery(Duration::from_millis(10)), Conns::Shared).await?;
+        let raw_idle_shared = raw_run(idle_n, 2, Offer::OneEvery(Duration::from_millis(10)), Conns::Shared, None).await?;
         let (r50, r99) = p50_p99(&raw_idle_shared.lat_ms);
         println!("raw 2 hops idle   : submit→delivery p50 {r50:.2} ms p99 {r99:.2} ms (one connection)");
-        let raw_idle = raw_run(idle_n, 2, Offer::OneEvery(Duration::from_millis(10)), Conns::PerHop).await?;
+        let raw_idle = raw_run(idle_n, 2, Offer::OneEvery(Duration::from_millis(10)), Conns::PerHop, None).await?;
         let (r50, r99) = p50_p99(&raw_idle.lat_ms);
         println!("raw 2 hops idle   : submit→delivery p50 {r50:.2} ms p99 {r99:.2} ms (a connection per hop)");
-        (one, two, raw_steady, raw_idle, raw_idle_shared)
+        (one, two, floor_rate, raw_steady, raw_idle, raw_idle_shared)
     };
     // The goal is measured against the raw client's better figure of its two layouts.
     let (p50h, p99h) = p50_p99(&raw_idle.lat_ms);
@@ -595,6 +758,7 @@ async fn throughput(n: usize) -> Result<()> {
     println!("10 groups, burst     : fleet {groups10:>7.0} / raw {two:>7.0} = {:.2}", groups10 / two);
     println!("idle submit→start    : fleet p50 {f50:.2} ms p99 {f99:.2} ms | raw 2-hop p50 {r50:.2} ms p99 {r99:.2} ms | Δp50 {:+.2} ms (goal ≤ +0.5) Δp99 {:+.2} ms (goal ≤ +1.5)", f50 - r50, f99 - r99);
     println!("split of 200 × 200 ms: fast {fast} / slow {slow}");
+    println!("floor: raw 2-hop + fleet's Redis work {floor_rate:>7.0} / raw {two:>7.0} = {:.2} (a ceiling for fleet on this machine; fleet / floor = {:.2})", floor_rate / two, burst / floor_rate);
 
     let rss_secs: u64 = std::env::var("BENCH_RSS_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
     if rss_secs > 0 {
