@@ -175,7 +175,9 @@ impl LaneConsumer {
                 continue; // the next turn sees the mode change or shutdown
             };
             let shared = self.shared.clone();
-            self.work.spawn_here(attempt::handle(shared, self.lane, delivery, slot, channel.clone(), permit));
+            // Boxed: an attempt's future is ~14 KB (its claim, run and settle paths), and the
+            // span and task-tracker wrappers and tokio's task cell would each move it whole.
+            self.work.spawn_here(Box::pin(attempt::handle(shared, self.lane, delivery, slot, channel.clone(), permit)));
         }
     }
 
