@@ -35,6 +35,9 @@ use crate::{backstop, health, park, probe, reclaim, schedule, stats, view};
 
 /// How long the loops of a stage get to stop before the scheduler goes on without them.
 const STOP_WAIT: Duration = Duration::from_secs(10);
+/// How long a connection close is awaited: a broker that does not answer (paused,
+/// partitioned) must not keep the scheduler from exiting or reconnecting.
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
 /// How often Redis is checked for taking writes.
 const REDIS_WATCH: Duration = Duration::from_secs(1);
 use fleet::auth::Role;
@@ -104,7 +107,9 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
         ready.set_amqp(false);
         *publisher.write().await = None;
         *connection.write().await = None;
-        let _ = conn.close(200, "bye".into()).await;
+        if tokio::time::timeout(CLOSE_WAIT, conn.close(200, "bye".into())).await.is_err() {
+            tracing::warn!(limit_ms = CLOSE_WAIT.as_millis() as u64, "RabbitMQ did not answer the connection close; going on without it");
+        }
         if shutdown.is_cancelled() || result.is_err() {
             break;
         }

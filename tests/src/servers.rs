@@ -265,6 +265,16 @@ impl PrivateRabbit {
     }
 }
 
+impl PrivateRabbit {
+    /// Sends `sig` (`STOP` freezes the node: connections stay open, nothing answers; `CONT`
+    /// wakes it) to the node's whole process group.
+    pub fn signal_group(&self, sig: &str) -> Result<()> {
+        let st = Command::new("kill").args([format!("-{sig}"), "--".into(), format!("-{}", self.child.id())]).status()?;
+        anyhow::ensure!(st.success(), "kill -{sig} of process group {} failed: {st}", self.child.id());
+        Ok(())
+    }
+}
+
 impl Drop for PrivateRabbit {
     fn drop(&mut self) {
         kill_group(&mut self.child);

@@ -153,3 +153,39 @@ async fn fleetctl_drain() -> anyhow::Result<()> {
     sched.stop().await?;
     ns.cleanup().await
 }
+
+/// A worker and a scheduler told to stop while their broker does not answer — frozen with
+/// SIGSTOP: connections stay open and nothing replies, neither `basic.cancel` nor
+/// `connection.close` — still return: the worker drains and deregisters, every step that
+/// waits on a server bounded (worker/src/drain.rs `STEP_LIMIT`), and the scheduler's session
+/// stop and connection close are bounded too. A private node: the test freezes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_and_scheduler_stop_while_their_broker_is_frozen() -> anyhow::Result<()> {
+    let rabbit = PrivateRabbit::start("", "[].\n").await?;
+    let ns = Ns::on_broker(&rabbit.url()).await?;
+    let sched = start_scheduler(&ns, &[]).await?;
+    let w = start_worker(&ns, "w-frozen", "pool=frozen", 2, &[], &[]).await?;
+    wait_for("w-frozen registered", Duration::from_secs(15), || async {
+        ns.store.workers().await.ok()?.iter().any(|w| w.id == "w-frozen").then_some(())
+    })
+    .await?;
+
+    rabbit.signal_group("STOP")?;
+    let asked = Instant::now();
+    let worker = tokio::time::timeout(Duration::from_secs(40), w.stop()).await;
+    let worker_took = asked.elapsed();
+    let asked = Instant::now();
+    let scheduler = tokio::time::timeout(Duration::from_secs(40), sched.stop()).await;
+    let scheduler_took = asked.elapsed();
+    rabbit.signal_group("CONT")?;
+    println!("with a frozen broker: the worker returned after {} ms, the scheduler after {} ms", worker_took.as_millis(), scheduler_took.as_millis());
+    worker.context("the worker did not return within 40 s")??;
+    scheduler.context("the scheduler did not return within 40 s")??;
+    // The worker waits on its cancels (2 s, both lanes at once) and its connection close (5 s);
+    // the scheduler on its session's loops (at most 10 s) and its connection close (5 s).
+    assert!(worker_took < Duration::from_secs(20), "worker drain took {worker_took:?}");
+    assert!(scheduler_took < Duration::from_secs(20), "scheduler stop took {scheduler_took:?}");
+    let left = ns.store.workers().await?;
+    assert!(left.iter().all(|w| w.id != "w-frozen"), "still registered: {:?}", left.iter().map(|w| &w.id).collect::<Vec<_>>());
+    ns.cleanup().await
+}

@@ -198,8 +198,12 @@ impl Broker {
         self.readiness.set_amqp(false);
         if let Some(c) = conn {
             if c.status().connected() {
-                if let Err(e) = c.close(200, ShortString::from(reason)).await {
-                    tracing::debug!(error = %e, "closing the AMQP connection");
+                // Bounded: a broker that does not answer (paused, partitioned) must not keep
+                // the worker from exiting; the socket closes with the process.
+                match tokio::time::timeout(crate::drain::STEP_LIMIT, c.close(200, ShortString::from(reason))).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::debug!(error = %e, "closing the AMQP connection"),
+                    Err(_) => tracing::warn!(limit_ms = crate::drain::STEP_LIMIT.as_millis() as u64, "RabbitMQ did not answer the connection close; going on without it"),
                 }
             }
         }

@@ -29,6 +29,12 @@
 //! (at-least-once), the work stage is stopped (cutting every run), and the exit code is 1. A
 //! fatal conflict skips the state change and the deregistration (the id belongs to another
 //! process now) and fails too.
+//!
+//! Every step that waits on the broker or Redis is bounded ([`STEP_LIMIT`], the ledger
+//! [`LEDGER_LIMIT`]; the connection close in [`Broker::close`]): a worker told to stop while
+//! RabbitMQ does not answer (paused, partitioned, overloaded) still exits, after a warning
+//! naming the step — what it could not tell the broker, the broker learns from the closed
+//! connection.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -47,6 +53,13 @@ use crate::stats::Stats;
 
 /// How long attempts get to notice a hard stop before the worker returns anyway.
 const ABORT_WAIT: Duration = Duration::from_secs(2);
+
+/// The most a drain step that waits on a server (consumer cancels, background loops, the
+/// HTTP server) may take before the drain goes on without it.
+pub const STEP_LIMIT: Duration = Duration::from_secs(5);
+
+/// The ledger's step: its last writes may retry a Redis call (3 s each) before giving up.
+pub const LEDGER_LIMIT: Duration = Duration::from_secs(10);
 
 /// What the worker is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -248,7 +261,7 @@ impl Drain {
             set_state_logged(&store, &worker_id, WorkerState::Draining).await;
         }
         // The lanes see the mode change (and the stage's signal), cancel their consumers, end.
-        stages.intake.stop().await;
+        stages.intake.stop_within(STEP_LIMIT).await;
         let finish = wait_for_tasks(&stages.work, grace, control.force()).await;
         let (counts, _) = stats.running();
         let left = counts.normal + counts.critical;
@@ -260,13 +273,13 @@ impl Drain {
         }
         // Heartbeat, ejection and shard watch stop before deregistering (a late beat would
         // register again); then the ledger writes what it holds.
-        stages.background.stop().await;
-        stages.ledger.stop().await;
+        stages.background.stop_within(STEP_LIMIT).await;
+        stages.ledger.stop_within(LEDGER_LIMIT).await;
         if fatal.is_none() {
             registrar.deregister().await;
         }
         broker.close("drained").await;
-        stages.serve.stop().await;
+        stages.serve.stop_within(STEP_LIMIT).await;
 
         match (fatal, finish) {
             (Some(f), _) => Err(anyhow!(f)),

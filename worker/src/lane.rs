@@ -39,7 +39,7 @@ use crate::attempt::{self, Shared};
 use crate::broker::Broker;
 use crate::drain::{Control, Mode};
 
-/// How long a cancelled consumer's in-flight deliveries are awaited (to nack them back).
+/// How long `basic.cancel` is awaited, and then a cancelled consumer's in-flight deliveries (to nack them back).
 const CANCEL_FLUSH: Duration = Duration::from_secs(2);
 
 /// The deliveries of every consumer of a session, merged.
@@ -204,9 +204,18 @@ impl LaneConsumer {
     async fn stop(&self, channel: &Channel, tags: &[String], consumer: &mut Deliveries, ended: Ended) -> Ended {
         self.shared.stats.set_consuming(self.lane, Vec::new());
         for tag in tags {
-            if let Err(e) = channel.basic_cancel(ShortString::from(tag.as_str()), BasicCancelOptions::default()).await {
-                tracing::debug!(error = %e, "basic.cancel failed (channel gone)");
-                return ended;
+            // Bounded: a broker that does not answer must not hold up a drain (the channel
+            // closes with the connection, which returns what it delivered).
+            match tokio::time::timeout(CANCEL_FLUSH, channel.basic_cancel(ShortString::from(tag.as_str()), BasicCancelOptions::default())).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "basic.cancel failed (channel gone)");
+                    return ended;
+                }
+                Err(_) => {
+                    tracing::warn!(consumer_tag = %tag, limit_ms = CANCEL_FLUSH.as_millis() as u64, "RabbitMQ did not answer basic.cancel; going on without it");
+                    return ended;
+                }
             }
         }
         let mut returned = 0u32;
