@@ -59,6 +59,21 @@ pub struct SchedulerConfig {
 }
 
 impl SchedulerConfig {
+    /// What every reservation batch of this scheduler passes to `reserve.lua`, with a fresh
+    /// batch token (direct dispatch on).
+    pub fn reserve_params(&self) -> fleet::route::ReserveParams {
+        fleet::route::ReserveParams {
+            token: rand::random(),
+            lease_ms: self.reservation_lease.as_millis() as i64,
+            backlog_factor: self.backlog_factor,
+            strategy: self.strategy,
+            dedupe_window_ms: self.dedupe_window.as_millis() as i64,
+            status_ttl_ms: self.common.status_ttl.as_millis() as i64,
+            direct: true,
+            park_flag_ttl_ms: fleet::park::FLAG_TTL_MS,
+        }
+    }
+
     /// Reads every scheduler setting from `s` (see [`fleet::settings::SchedulerArgs`]).
     pub fn from_settings(s: &Settings) -> Result<Self> {
         Self::from_args(fleet::settings::parse::<SchedulerArgs>(s)?)

@@ -91,17 +91,7 @@ impl Dispatcher {
     }
 
     pub fn params(&self) -> ReserveParams {
-        let cfg = &self.session.cfg;
-        ReserveParams {
-            token: rand::random(),
-            lease_ms: cfg.reservation_lease.as_millis() as i64,
-            backlog_factor: cfg.backlog_factor,
-            strategy: cfg.strategy,
-            dedupe_window_ms: cfg.dedupe_window.as_millis() as i64,
-            status_ttl_ms: cfg.common.status_ttl.as_millis() as i64,
-            direct: true,
-            park_flag_ttl_ms: fleet::park::FLAG_TTL_MS,
-        }
+        self.session.cfg.reserve_params()
     }
 
     /// Processes one batch. Cancel safe only in the sense that unacked deliveries return to
