@@ -277,6 +277,8 @@ impl PrivateRabbit {
 
 impl Drop for PrivateRabbit {
     fn drop(&mut self) {
+        // A node a test froze (SIGSTOP) would leave SIGTERM pending: wake it first.
+        let _ = Command::new("kill").args(["-CONT", "--", &format!("-{}", self.child.id())]).stderr(Stdio::null()).status();
         kill_group(&mut self.child);
         // The Erlang VM may outlive the script by a moment: kill what is left of the group.
         let _ = Command::new("kill").args(["-KILL", "--", &format!("-{}", self.child.id())]).stderr(Stdio::null()).status();

@@ -30,11 +30,15 @@
 //! fatal conflict skips the state change and the deregistration (the id belongs to another
 //! process now) and fails too.
 //!
-//! Every step that waits on the broker or Redis is bounded ([`STEP_LIMIT`], the ledger
-//! [`LEDGER_LIMIT`]; the connection close in [`Broker::close`]): a worker told to stop while
+//! Every step that waits on the broker is bounded ([`STEP_LIMIT`]; the consumer cancels and
+//! the connection close in `lane` and [`Broker::close`]): a worker told to stop while
 //! RabbitMQ does not answer (paused, partitioned, overloaded) still exits, after a warning
 //! naming the step — what it could not tell the broker, the broker learns from the closed
-//! connection.
+//! connection. The ledger's stage is waited for in full: it talks to Redis only, each of its
+//! writes is bounded by the store's own timeouts and its last flush by its retry limit, and
+//! cutting it short would leave the outcome of an acked task unrecorded. A background loop past
+//! its limit (its only unbounded wait, a queue redeclaration after its group was reclaimed,
+//! never registers afterwards) is left to end with the process.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -57,9 +61,6 @@ const ABORT_WAIT: Duration = Duration::from_secs(2);
 /// The most a drain step that waits on a server (consumer cancels, background loops, the
 /// HTTP server) may take before the drain goes on without it.
 pub const STEP_LIMIT: Duration = Duration::from_secs(5);
-
-/// The ledger's step: its last writes may retry a Redis call (3 s each) before giving up.
-pub const LEDGER_LIMIT: Duration = Duration::from_secs(10);
 
 /// What the worker is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -274,7 +275,7 @@ impl Drain {
         // Heartbeat, ejection and shard watch stop before deregistering (a late beat would
         // register again); then the ledger writes what it holds.
         stages.background.stop_within(STEP_LIMIT).await;
-        stages.ledger.stop_within(LEDGER_LIMIT).await;
+        stages.ledger.stop().await;
         if fatal.is_none() {
             registrar.deregister().await;
         }

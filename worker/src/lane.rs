@@ -203,20 +203,20 @@ impl LaneConsumer {
     /// Cancels the consumers and nacks back whatever was already on its way.
     async fn stop(&self, channel: &Channel, tags: &[String], consumer: &mut Deliveries, ended: Ended) -> Ended {
         self.shared.stats.set_consuming(self.lane, Vec::new());
-        for tag in tags {
-            // Bounded: a broker that does not answer must not hold up a drain (the channel
-            // closes with the connection, which returns what it delivered).
-            match tokio::time::timeout(CANCEL_FLUSH, channel.basic_cancel(ShortString::from(tag.as_str()), BasicCancelOptions::default())).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
+        // All cancels at once, bounded: a broker that does not answer must not hold up a
+        // drain (the channel closes with the connection, which returns what it delivered).
+        let cancels = futures::future::join_all(tags.iter().map(|tag| channel.basic_cancel(ShortString::from(tag.as_str()), BasicCancelOptions::default())));
+        match tokio::time::timeout(CANCEL_FLUSH, cancels).await {
+            Ok(results) => {
+                if let Some(e) = results.into_iter().find_map(Result::err) {
                     tracing::debug!(error = %e, "basic.cancel failed (channel gone)");
                     return ended;
                 }
-                Err(_) => {
-                    tracing::warn!(consumer_tag = %tag, limit_ms = CANCEL_FLUSH.as_millis() as u64, "RabbitMQ did not answer basic.cancel; going on without it");
-                    return ended;
-                }
             }
+            // Go on to the flush: what the consumers deliver meanwhile is nacked back rather
+            // than held by a channel nobody reads (an ejection or a shard move keeps the
+            // connection open). The cancels were sent; the broker applies them when it answers.
+            Err(_) => tracing::warn!(consumers = tags.len(), limit_ms = CANCEL_FLUSH.as_millis() as u64, "RabbitMQ did not answer basic.cancel; returning what it delivers, then going on"),
         }
         let mut returned = 0u32;
         let flush = async {

@@ -53,7 +53,8 @@ fn quorum() -> FieldTable {
 const RAW_PREFETCH: u16 = 2000;
 const RAW_ACK_EVERY: usize = 64;
 
-/// fleet's Redis work per task, done by the raw two-hop client (the "floor" stage): the
+/// fleet's Redis work per task — the same calls, in batches at least as large — done by the
+/// raw two-hop client (the "floor" stage): the
 /// forwarder reserves each batch it holds (`reserve.lua`: dedupe mark, leased reservation,
 /// status `queued`) and marks a run handed on before acking it, as fleet's scheduler does; the
 /// consumer claims each batch (`start.lua`: run record, status `running`) and records its
@@ -78,9 +79,10 @@ struct Floor {
 
 impl Floor {
     /// Registers one worker (its group the only candidate, capacity for the whole run) in a
-    /// fresh namespace; the settings are the scheduler's and the worker's defaults.
-    async fn start(ns: &Ns, n: usize) -> Result<Floor> {
-        let sched = fleet_scheduler::SchedulerConfig::from_settings(&ns.settings(&[]))?;
+    /// fresh namespace; the scheduler's settings are the ones fleet ran with (`settings`: the
+    /// ingress bound and any `BENCH_SCHEDULER` experiment), the worker's its defaults.
+    async fn start(ns: &Ns, settings: &[(&str, &str)], n: usize) -> Result<Floor> {
+        let sched = fleet_scheduler::SchedulerConfig::from_settings(&ns.settings(settings))?;
         let labels = fleet::Labels::parse("bench=floor")?;
         let wcfg = fleet_worker::config::WorkerConfig::from_settings(&ns.settings(&[("worker_id", "floor"), ("labels", "bench=floor")]))?;
         let reg = fleet::registry::Registration {
@@ -733,7 +735,7 @@ async fn throughput(n: usize) -> Result<()> {
         println!("{}", cpu.report("raw 2 hops, per hop", cpu0, n));
         // The same client doing fleet's Redis work per task (a connection per hop).
         let ns = Ns::with_queue_type(&qt).await?;
-        let floor = Arc::new(Floor::start(&ns, n).await?);
+        let floor = Arc::new(Floor::start(&ns, settings, n).await?);
         let cpu0 = cpu.read();
         let calls0 = RedisCalls::read();
         let floor_rate = raw_run(n, 2, Offer::Burst, Conns::PerHop, Some(floor.clone())).await?.rate;
@@ -754,7 +756,7 @@ async fn throughput(n: usize) -> Result<()> {
         println!("raw 2 hops idle   : submit→delivery p50 {r50:.2} ms p99 {r99:.2} ms (a connection per hop)");
         // The floor at idle: reserve and claim on the path, as fleet has them.
         let ns = Ns::with_queue_type(&qt).await?;
-        let floor = Arc::new(Floor::start(&ns, idle_n).await?);
+        let floor = Arc::new(Floor::start(&ns, settings, idle_n).await?);
         let floor_idle = raw_run(idle_n, 2, Offer::OneEvery(Duration::from_millis(10)), Conns::PerHop, Some(floor.clone())).await?;
         let (l50, l99) = p50_p99(&floor_idle.lat_ms);
         println!("raw + fleet Redis idle: submit→claimed p50 {l50:.2} ms p99 {l99:.2} ms ({} anomalies; Δp50 {:+.2} ms over the raw per-hop client)", floor.anomalies.load(Ordering::Relaxed), l50 - r50);
