@@ -54,8 +54,7 @@ const RAW_PREFETCH: u16 = 2000;
 const RAW_ACK_EVERY: usize = 64;
 
 /// fleet's Redis work per task — the same calls, in batches at least as large — done by the
-/// raw two-hop client (the "floor" stage): the
-/// forwarder reserves each batch it holds (`reserve.lua`: dedupe mark, leased reservation,
+/// raw two-hop client (the "floor" stage): the forwarder reserves each batch it holds (`reserve.lua`: dedupe mark, leased reservation,
 /// status `queued`) and marks a run handed on before acking it, as fleet's scheduler does; the
 /// consumer claims each batch (`start.lua`: run record, status `running`) and records its
 /// outcome (`finish.lua`), as fleet's worker does — the same `Store` calls with the product's
@@ -340,6 +339,16 @@ enum Conns {
 
 async fn raw_broker(n: usize, hops: usize, conns: Conns) -> Result<f64> {
     Ok(raw_run(n, hops, Offer::Burst, conns, None).await?.rate)
+}
+
+/// The floor ([`Floor`]) in a namespace of its own, `n` messages offered `how` over a
+/// connection per hop; its figures and how many answers were not reserved / run.
+async fn floor_run(qt: &str, settings: &[(&str, &str)], n: usize, how: Offer) -> Result<(Raw, usize)> {
+    let ns = Ns::with_queue_type(qt).await?;
+    let floor = Arc::new(Floor::start(&ns, settings, n).await?);
+    let raw = raw_run(n, 2, how, Conns::PerHop, Some(floor.clone())).await?;
+    ns.cleanup().await?;
+    Ok((raw, floor.anomalies.load(Ordering::Relaxed)))
 }
 
 /// The raw client; with `floor`, a two-hop client that also does fleet's Redis work per task
@@ -734,15 +743,13 @@ async fn throughput(n: usize) -> Result<()> {
         println!("raw broker, 2 hops: {per_hop:>8.0} msg/s (a connection per hop)");
         println!("{}", cpu.report("raw 2 hops, per hop", cpu0, n));
         // The same client doing fleet's Redis work per task (a connection per hop).
-        let ns = Ns::with_queue_type(&qt).await?;
-        let floor = Arc::new(Floor::start(&ns, settings, n).await?);
         let cpu0 = cpu.read();
         let calls0 = RedisCalls::read();
-        let floor_rate = raw_run(n, 2, Offer::Burst, Conns::PerHop, Some(floor.clone())).await?.rate;
-        println!("raw 2 hops + fleet's Redis work: {floor_rate:>8.0} msg/s ({} anomalies: answers other than reserved / run)", floor.anomalies.load(Ordering::Relaxed));
+        let (floor_burst, anomalies) = floor_run(&qt, settings, n, Offer::Burst).await?;
+        let floor_rate = floor_burst.rate;
+        println!("raw 2 hops + fleet's Redis work: {floor_rate:>8.0} msg/s ({anomalies} anomalies: answers other than reserved / run)");
         println!("{}", cpu.report("raw + fleet Redis", cpu0, n));
         println!("{}", calls0.report("raw + fleet Redis", n));
-        ns.cleanup().await?;
         // The broker's ceiling is the better of the two.
         let two = shared.max(per_hop);
         let raw_steady = raw_run(steady_n, 2, Offer::Steady(1000.0), Conns::PerHop, None).await?;
@@ -755,12 +762,9 @@ async fn throughput(n: usize) -> Result<()> {
         let (r50, r99) = p50_p99(&raw_idle.lat_ms);
         println!("raw 2 hops idle   : submit→delivery p50 {r50:.2} ms p99 {r99:.2} ms (a connection per hop)");
         // The floor at idle: reserve and claim on the path, as fleet has them.
-        let ns = Ns::with_queue_type(&qt).await?;
-        let floor = Arc::new(Floor::start(&ns, settings, idle_n).await?);
-        let floor_idle = raw_run(idle_n, 2, Offer::OneEvery(Duration::from_millis(10)), Conns::PerHop, Some(floor.clone())).await?;
+        let (floor_idle, anomalies) = floor_run(&qt, settings, idle_n, Offer::OneEvery(Duration::from_millis(10))).await?;
         let (l50, l99) = p50_p99(&floor_idle.lat_ms);
-        println!("raw + fleet Redis idle: submit→claimed p50 {l50:.2} ms p99 {l99:.2} ms ({} anomalies; Δp50 {:+.2} ms over the raw per-hop client)", floor.anomalies.load(Ordering::Relaxed), l50 - r50);
-        ns.cleanup().await?;
+        println!("raw + fleet Redis idle: submit→claimed p50 {l50:.2} ms p99 {l99:.2} ms ({anomalies} anomalies; Δp50 {:+.2} ms over the raw per-hop client)", l50 - r50);
         (one, two, floor_rate, raw_steady, raw_idle, raw_idle_shared)
     };
     // The goal is measured against the raw client's better figure of its two layouts.
