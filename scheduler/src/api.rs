@@ -172,12 +172,13 @@ async fn publish_all(st: &AppState, envs: &[(&Envelope, &[u8], bool)], now: chro
             tokio::time::sleep(Duration::from_millis(100)).await;
         };
         let Some(ch) = guard.as_ref() else { return Err(()) };
-        let mut confirms = Vec::with_capacity(todo.len());
-        for &i in &todo {
+        let exchange = names.submit_exchange();
+        let msgs = todo.iter().map(|&i| {
             let (e, bytes, stamped) = &envs[i];
             let h = stamped.then(|| amqp::headers([(fleet::headers::SUBMITTED_AT, fleet::headers::submitted_at_value(now))]));
-            confirms.push(amqp::publish(ch, &names.submit_exchange(), e.lane.as_str(), bytes, amqp::task_properties(&e.id, h)).await);
-        }
+            amqp::Outgoing { exchange: &exchange, routing_key: e.lane.as_str(), body: bytes, props: amqp::task_properties(&e.id, h) }
+        });
+        let confirms = amqp::publish_batch(ch, msgs).await;
         drop(guard);
         let mut lost = Vec::new();
         for (&i, c) in todo.iter().zip(confirms) {

@@ -325,44 +325,54 @@ impl Dispatcher {
 
     async fn publish_and_ack(&self, batch: Vec<Delivery>, envs: Vec<Option<Envelope>>, fates: Vec<Option<Fate>>, source: &Source) -> Outcome {
         let mut out = Outcome::default();
-        // 1. Start every publish (pipelined).
+        // 1. Start every publish, all together (one hand-off to the connection's I/O loop per
+        // batch, not per task: see `amqp::publish_batch`). A park queue is declared first.
+        let names = &self.session.names;
+        let (tasks_x, delay_x) = (names.tasks_exchange(), names.delay_exchange());
         let mut pending: Vec<(usize, Option<PublisherConfirm>)> = Vec::with_capacity(batch.len());
+        // Per publish: its delivery, exchange, routing key and body (the normalised envelope;
+        // the producer's bytes for a refused one); its properties apart (moved into the publish).
+        let mut heads: Vec<(usize, &str, String, Option<Vec<u8>>)> = Vec::with_capacity(batch.len());
+        let mut props = Vec::with_capacity(batch.len());
         for (i, fate) in fates.iter().enumerate() {
             let Some(fate) = fate else { continue };
-            let d = &batch[i];
             let env = envs[i].as_ref();
-            let body = env.map(Envelope::to_bytes);
             let id = env.map(|e| e.id.as_str()).unwrap_or("");
-            let r = match fate {
-                Fate::Dispatch(g) => {
-                    let lane = env.map(|e| e.lane).unwrap_or_default();
-                    amqp::publish(&self.session.publisher, &self.session.names.tasks_exchange(), &self.group_key(g, lane), body.as_deref().unwrap_or(&d.data), amqp::task_properties(id, None)).await.map(Some)
-                }
+            let lane = env.map(|e| e.lane).unwrap_or_default();
+            let (exchange, key, headers) = match fate {
+                Fate::Dispatch(g) => (tasks_x.as_str(), self.group_key(g, lane), None),
                 Fate::Park(g) => {
-                    let lane = env.map(|e| e.lane).unwrap_or_default();
                     if let Err(e) = self.session.ensure_park(g, lane).await {
                         tracing::warn!(error = %e, group = %g, "cannot declare park queue");
                     }
-                    amqp::publish(&self.session.publisher, &self.session.names.tasks_exchange(), &self.session.names.park_key(g, lane), body.as_deref().unwrap_or(&d.data), amqp::task_properties(id, None)).await.map(Some)
+                    (tasks_x.as_str(), names.park_key(g, lane), None)
                 }
-                Fate::Delay(tier) => {
-                    let h = amqp::headers([(TIER_HEADER, tier.to_string())]);
-                    amqp::publish(&self.session.publisher, &self.session.names.delay_exchange(), "", body.as_deref().unwrap_or(&d.data), amqp::task_properties(id, Some(h))).await.map(Some)
-                }
+                Fate::Delay(tier) => (delay_x.as_str(), String::new(), Some(amqp::headers([(TIER_HEADER, tier.to_string())]))),
                 Fate::Dead(reason, detail) => {
-                    let h = amqp::headers([(REASON_HEADER, reason.to_string()), (DETAIL_HEADER, detail.clone())]);
-                    // Keep the producer's bytes for refused envelopes; the normalized one otherwise.
-                    let data = if env.is_some() { body.as_deref().unwrap_or(&d.data) } else { &d.data };
-                    amqp::publish(&self.session.publisher, &self.session.names.tasks_exchange(), Names::DEAD_KEY, data, amqp::task_properties(id, Some(h))).await.map(Some)
+                    (tasks_x.as_str(), Names::DEAD_KEY.to_string(), Some(amqp::headers([(REASON_HEADER, reason.to_string()), (DETAIL_HEADER, detail.clone())])))
                 }
-                Fate::Duplicate | Fate::Hold => Ok(None),
-            };
-            match r {
-                Ok(c) => pending.push((i, c)),
-                Err(e) => {
-                    tracing::warn!(error = %e, "publish failed");
+                Fate::Duplicate | Fate::Hold => {
                     pending.push((i, None));
-                    // Mark as failed by a missing confirm on a publishing fate.
+                    continue;
+                }
+            };
+            heads.push((i, exchange, key, env.map(Envelope::to_bytes)));
+            props.push(amqp::task_properties(id, headers));
+        }
+        let msgs = heads.iter().zip(props).map(|((i, exchange, key, body), props)| amqp::Outgoing {
+            exchange,
+            routing_key: key,
+            body: body.as_deref().unwrap_or(&batch[*i].data),
+            props,
+        });
+        let sent = amqp::publish_batch(&self.session.publisher, msgs).await;
+        for ((i, ..), r) in heads.iter().zip(sent) {
+            match r {
+                Ok(c) => pending.push((*i, Some(c))),
+                Err(e) => {
+                    // A missing confirm on a publishing fate marks it failed (step 3).
+                    tracing::warn!(error = %e, "publish failed");
+                    pending.push((*i, None));
                 }
             }
         }

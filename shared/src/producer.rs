@@ -114,11 +114,14 @@ impl Producer {
         let exchange = self.names.submit_exchange();
         let mut out = Vec::with_capacity(envs.len());
         for window in envs.chunks(CONFIRM_WINDOW) {
-            let mut pending = Vec::with_capacity(window.len());
-            for env in window {
-                let props = amqp::task_properties(&env.id, None);
-                pending.push(amqp::publish(&self.ch, &exchange, env.lane.as_str(), &env.to_bytes(), props).await);
-            }
+            let bodies: Vec<Vec<u8>> = window.iter().map(Envelope::to_bytes).collect();
+            let msgs = window.iter().zip(&bodies).map(|(env, body)| amqp::Outgoing {
+                exchange: &exchange,
+                routing_key: env.lane.as_str(),
+                body,
+                props: amqp::task_properties(&env.id, None),
+            });
+            let pending = amqp::publish_batch(&self.ch, msgs).await;
             for p in pending {
                 out.push(match p {
                     Ok(confirm) => match amqp::confirmed(confirm).await {

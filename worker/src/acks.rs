@@ -123,11 +123,12 @@ impl AckWindow {
             Ok(mut w) => w.take(),
             Err(_) => return,
         };
-        if let Some(acker) = multiple {
-            report(acker.ack(BasicAckOptions { multiple: true }).await);
-        }
-        for acker in single {
-            report(acker.ack(BasicAckOptions::default()).await);
+        // All at once: each ack returns when the connection's I/O loop has written it, so acks
+        // awaited one by one would cost a hand-off to that thread each (see
+        // `fleet::amqp::publish_batch`). The `multiple` one and the single ones cover disjoint tags.
+        let acks = multiple.map(|a| (a, true)).into_iter().chain(single.into_iter().map(|a| (a, false)));
+        for r in futures::future::join_all(acks.map(|(acker, multiple)| async move { acker.ack(BasicAckOptions { multiple }).await })).await {
+            report(r);
         }
     }
 }
