@@ -138,11 +138,11 @@ const WAIT_POLL: Duration = Duration::from_millis(500);
 /// Handles one delivery. `slot` is its place in its channel's ack window (dropped unacked when
 /// it is settled another way); `channel` keeps the delivery's channel open until it is acked;
 /// `permit` is the lane slot, given back when this returns.
-pub async fn handle(shared: Arc<Shared>, lane: Lane, delivery: Delivery, slot: Slot, channel: Channel, permit: OwnedSemaphorePermit) {
+pub async fn handle(shared: Arc<Shared>, lane: Lane, delivery: Delivery, slot: Slot, channel: Arc<Channel>, permit: OwnedSemaphorePermit) {
     let _keep = (channel, permit);
     let env = match Envelope::from_slice(&delivery.data, shared.max_task_bytes) {
         Ok(env) => env,
-        Err(reject) => return refuse(&shared, lane, delivery, reject).await,
+        Err(reject) => return Box::pin(refuse(&shared, lane, delivery, reject)).await,
     };
     let base = env.attempt.saturating_add(1);
     let span = tracing::info_span!("task", task.id = %fleet::envelope::escape(&env.id), kind = %fleet::envelope::escape(&env.kind), lane = %lane, attempt = base);
@@ -215,7 +215,7 @@ async fn claim(task: Task<'_>, slot: &mut Slot, base: u32, max_attempts: u32) ->
             Some(Claim::Dead(n)) => {
                 let error = "the worker process died while running this task alone, on its last attempt";
                 tracing::warn!(attempt = n, "task dead: its worker died while running it (worker_lost)");
-                match dead_letter(shared, env, n, "worker_lost", error).await {
+                match Box::pin(dead_letter(shared, env, n, "worker_lost", error)).await {
                     Ok(()) => {
                         slot.ack().await;
                         shared.stats.outcome("dead");
@@ -378,17 +378,17 @@ async fn settle(task: Task<'_>, slot: &mut Slot, (attempt, max_attempts): (u32, 
         Fate::Succeeded(v) => (Outcome::Succeeded, TaskState::Succeeded, v.to_string(), true, None, Ok(())),
         Fate::Retry { error, delay } => {
             tracing::info!(error = %fleet::envelope::escape(&error), delay_ms = delay.as_millis() as u64, "attempt failed; retrying");
-            let r = retry::publish(shared, env, attempt, max_attempts, delay, &error).await;
+            let r = Box::pin(retry::publish(shared, env, attempt, max_attempts, delay, &error)).await;
             (Outcome::Retried, TaskState::Retrying, error, false, None, r)
         }
         Fate::Dead { reason, error } => {
             tracing::warn!(reason = reason.as_str(), error = %fleet::envelope::escape(&error), "task dead");
-            let r = if probe { Ok(()) } else { dead_letter(shared, env, attempt, reason.as_str(), &error).await };
+            let r = if probe { Ok(()) } else { Box::pin(dead_letter(shared, env, attempt, reason.as_str(), &error)).await };
             (Outcome::Dead, TaskState::Dead, error, false, Some(reason), r)
         }
         Fate::Expired { detail } => {
             tracing::info!(detail = %detail, "task expired");
-            let r = if probe { Ok(()) } else { dead_letter(shared, env, attempt, DeadReason::Expired.as_str(), &detail).await };
+            let r = if probe { Ok(()) } else { Box::pin(dead_letter(shared, env, attempt, DeadReason::Expired.as_str(), &detail)).await };
             (Outcome::Expired, TaskState::Expired, detail, false, Some(DeadReason::Expired), r)
         }
     };

@@ -129,7 +129,9 @@ impl Ledger {
     pub async fn claim(&self, req: ClaimRequest) -> Option<Claim> {
         if self.writer.busy.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
             let _busy = Busy(&self.writer.busy);
-            return self.writer.claim(std::slice::from_ref(&req)).await.and_then(|mut a| a.pop());
+            // Boxed: the Redis call's future is most of an attempt's size otherwise, and every
+            // attempt would carry (and move) it though only an idle worker's claims take this path.
+            return Box::pin(self.writer.claim(std::slice::from_ref(&req))).await.and_then(|mut a| a.pop());
         }
         let (reply, rx) = oneshot::channel();
         self.record(Op::Claim { req, reply });
