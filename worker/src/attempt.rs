@@ -17,15 +17,14 @@
 //!
 //! The ack always comes last: after the handler, and after the broker confirmed any retry or
 //! dead-letter copy. A crash anywhere before it leaves the delivery unacked, and the broker
-//! gives it to another worker (at-least-once). A handler panic is caught (`catch_unwind`
-//! around the handler's future) and counts as a retryable failure.
+//! gives it to another worker (at-least-once). A handler panic is caught (the handler runs in
+//! its own task) and counts as a retryable failure.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
-use futures::FutureExt;
 use lapin::Channel;
 use serde_json::Value;
 use tokio::sync::OwnedSemaphorePermit;
@@ -69,8 +68,8 @@ pub struct Shared {
     pub clock: fleet::store::Clock,
     /// Normal runs hold it shared; a crash suspect holds it alone (runs in isolation).
     pub isolation: Arc<tokio::sync::RwLock<()>>,
-    /// The stage attempts (and the handler runs within them) are spawned on: the drain waits
-    /// for it within the grace, and stopping it cuts every run now (hard stop).
+    /// The stage attempts and handler runs are spawned on: the drain waits for it within the
+    /// grace, and stopping it cuts every run now (hard stop).
     pub work: Stage,
     /// Per-task metric handles, registered once.
     pub meters: PerLane<Meters>,
@@ -283,7 +282,7 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, mut s
     shared.stats.ended(lane, &env.id);
 }
 
-/// Runs the handler, cut at the run deadline. `None` on a hard stop.
+/// Runs the handler in its own task, cut at the run deadline. `None` on a hard stop.
 async fn run(shared: &Shared, env: &Envelope, attempt: u32) -> Option<(Result<Value, TaskError>, Duration)> {
     let started = Instant::now();
     let to_deadline = env.deadline.map(|d| (d - shared.clock.now()).to_std().unwrap_or(Duration::ZERO));
@@ -303,23 +302,20 @@ async fn run(shared: &Shared, env: &Envelope, attempt: u32) -> Option<(Result<Va
         run_deadline: started + limit,
         cancel: cancel.clone(),
     };
-    // The handler runs inside this attempt's task (no task of its own: a spawn and a join
-    // wake per task cost more than a no-op handler does), under `catch_unwind`: `call` is
-    // made inside the guarded future, so a handler that panics while building its future is
-    // caught like one that panics while running it, and neither unwinds through this attempt
-    // (which would leave the delivery unacked and the slot taken). Dropping the future when
-    // the run is cut cancels the handler at its next await, as an abort would.
-    let call = std::panic::AssertUnwindSafe(async move { handler.call(ctx).await }).catch_unwind();
-    tokio::pin!(call);
+    // `call` runs inside the spawned task, so a handler that panics while building its future
+    // is caught like one that panics while running it (and never unwinds through this attempt,
+    // which would leave the delivery unacked and the slot taken).
+    let mut join = shared.work.spawn_here(async move { handler.call(ctx).await });
     let result = tokio::select! {
         biased;
-        r = &mut call => match r {
+        r = &mut join => match r {
             Ok(r) => r,
-            Err(panic) => {
-                let msg = panic_message(panic);
+            Err(e) if e.is_panic() => {
+                let msg = panic_message(e.into_panic());
                 tracing::error!(panic = %msg, "handler panicked");
                 Err(TaskError::Retryable(format!("handler panicked: {msg}")))
             }
+            Err(_) => Err(TaskError::retryable("handler task cancelled")),
         }
         // A handler that times its own I/O by the run deadline (the http executor) fails at
         // the very instant the run would have been cut: the deadline ended that run, not a
@@ -327,6 +323,7 @@ async fn run(shared: &Shared, env: &Envelope, attempt: u32) -> Option<(Result<Va
         .map_err(|e| if by_deadline && Instant::now() >= started + limit { TaskError::Expired } else { e }),
         _ = tokio::time::sleep_until(started + limit) => {
             cancel.cancel();
+            join.abort();
             if by_deadline {
                 Err(TaskError::Expired)
             } else {
@@ -335,6 +332,7 @@ async fn run(shared: &Shared, env: &Envelope, attempt: u32) -> Option<(Result<Va
         }
         _ = shared.work.stopping() => {
             cancel.cancel();
+            join.abort();
             return None;
         }
     };
