@@ -162,3 +162,35 @@ async fn a_run_past_its_deadline_is_cut_and_expires() -> anyhow::Result<()> {
     sched.stop().await?;
     ns.cleanup().await
 }
+
+/// A handler that blocks its thread (an embedder's synchronous code, not on `spawn_blocking`)
+/// is still cut at its deadline: the handler runs in a task of its own, so the attempt's timer
+/// fires on another thread while the handler's is blocked, and the task ends `expired` on time
+/// — the cap that keeps every run under RabbitMQ's consumer timeout. (Run inside the attempt's
+/// own task, the cut would wait for the handler to return.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_blocking_handler_is_cut_at_its_deadline() -> anyhow::Result<()> {
+    const BLOCKS: Duration = Duration::from_secs(4);
+    let ns = Ns::new().await?;
+    let sched = start_scheduler(&ns, &[]).await?;
+    let blocking = handler_fn(|_ctx| async move {
+        std::thread::sleep(BLOCKS);
+        Ok(json!("blocked"))
+    });
+    let labels = "case=blocking";
+    let w = start_worker(&ns, "w-blocking", labels, 2, &[], &[("block", blocking)]).await?;
+    let mut t = task("block", json!({}), labels);
+    t.timeout_ms = Some(500);
+    t.max_attempts = Some(3);
+    ns.submit(std::slice::from_ref(&t)).await?;
+    let st = ns.wait_state(&t.id, "expired", Duration::from_secs(10)).await?;
+    let ran_ms = st["finished_at"].parse::<i64>()? - st["started_at"].parse::<i64>()?;
+    println!("a handler blocking its thread for {} ms was cut after {ran_ms} ms (deadline 500 ms)", BLOCKS.as_millis());
+    assert!(ran_ms < 2_000, "ran {ran_ms} ms: the cut waited for the blocked handler");
+    assert_eq!(st.get("attempt").map(String::as_str), Some("1"), "not retried: {st:?}");
+    // The stop waits for the blocked thread to come back (an aborted task ends at its next
+    // await, and this one has none until the sleep returns).
+    w.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
