@@ -30,7 +30,6 @@ use axum::{Json, Router};
 use fleet::auth::{ApiAuth, Role};
 use fleet::registry::WorkerState;
 use fleet::{amqp, metrics as m, Envelope, Store};
-use lapin::Channel;
 use serde_json::{json, Value};
 use tokio::sync::{watch, RwLock};
 
@@ -48,7 +47,7 @@ pub struct AppState {
     pub cfg: Arc<SchedulerConfig>,
     pub store: Store,
     /// The current session's confirm channel (None while reconnecting).
-    pub publisher: Arc<RwLock<Option<Channel>>>,
+    pub publisher: Arc<RwLock<Option<fleet::amqp::Publisher>>>,
     pub pressure: watch::Receiver<Sample>,
     pub probes: ProbeBoard,
     /// Backlog, parked and oldest age per group, from the stats loop.

@@ -55,7 +55,7 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
     let store = Store::with_tls(&cfg.common.redis_url, cfg.common.names(), &cfg.common.redis_tls)?;
     let ready = Readiness::default();
     let (ptx, prx) = watch::channel(Sample::default());
-    let publisher: Arc<RwLock<Option<lapin::Channel>>> = Arc::new(RwLock::new(None));
+    let publisher: Arc<RwLock<Option<fleet::amqp::Publisher>>> = Arc::new(RwLock::new(None));
     let probes: ProbeBoard = Arc::default();
     let group_board: GroupBoard = Arc::default();
     let connection: ConnectionSlot = Arc::default();
@@ -175,7 +175,7 @@ async fn session(
     conn: Arc<lapin::Connection>,
     ptx: Arc<watch::Sender<Sample>>,
     prx: watch::Receiver<Sample>,
-    publisher_slot: Arc<RwLock<Option<lapin::Channel>>>,
+    publisher_slot: Arc<RwLock<Option<fleet::amqp::Publisher>>>,
     (probes, group_board): (ProbeBoard, GroupBoard),
     board: schedule::Board,
     ready: &Readiness,

@@ -16,7 +16,6 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use fleet::{topology, Lane, Names, Store};
-use lapin::Channel;
 use tokio::sync::Mutex;
 
 use crate::config::SchedulerConfig;
@@ -29,13 +28,13 @@ pub struct Session {
     /// The connection of the session (loops open their own channels on it).
     pub conn: Arc<lapin::Connection>,
     /// The publishing confirm channel: publishes only, never a declare.
-    pub publisher: Channel,
+    pub publisher: fleet::amqp::Publisher,
     /// Park queues declared in this session, by (group, lane).
     parks: Mutex<HashSet<(String, Lane)>>,
 }
 
 impl Session {
-    pub fn new(cfg: Arc<SchedulerConfig>, store: Store, conn: Arc<lapin::Connection>, publisher: Channel) -> Self {
+    pub fn new(cfg: Arc<SchedulerConfig>, store: Store, conn: Arc<lapin::Connection>, publisher: fleet::amqp::Publisher) -> Self {
         let names = cfg.common.names();
         Session { cfg, store, names, conn, publisher, parks: Mutex::new(HashSet::new()) }
     }

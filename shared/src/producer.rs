@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use lapin::types::ShortString;
-use lapin::{Channel, Connection};
+use lapin::Connection;
 use tokio::time::Instant;
 
 use crate::amqp;
@@ -83,7 +83,7 @@ impl Default for Pacing {
 /// A connection to RabbitMQ with a confirm channel, publishing to one namespace.
 pub struct Producer {
     conn: Connection,
-    ch: Channel,
+    ch: amqp::Publisher,
     names: Names,
 }
 

@@ -28,7 +28,7 @@ pub struct Ns {
     pub names: Names,
     pub store: Store,
     pub conn: lapin::Connection,
-    pub publisher: lapin::Channel,
+    pub publisher: amqp::Publisher,
     /// Settings every component of this test starts from.
     pub base: Vec<(String, String)>,
 }

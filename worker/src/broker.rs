@@ -9,7 +9,8 @@
 use std::sync::Arc;
 
 use lapin::types::ShortString;
-use lapin::{BasicProperties, Channel, Connection};
+use fleet::amqp::Publisher;
+use lapin::{BasicProperties, Connection};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
@@ -30,7 +31,7 @@ pub struct Broker {
     reconnect: Mutex<()>,
     /// The latest connection, read without waiting (never held across an await).
     conn: std::sync::Mutex<Option<Arc<Connection>>>,
-    publisher: Mutex<Option<Channel>>,
+    publisher: Mutex<Option<Publisher>>,
     /// A connection error no retry can fix (login refused, queue arguments that differ).
     permanent: std::sync::Mutex<Option<fleet::Error>>,
     /// When the group's queues were last declared (this process's clock, ms since the epoch,
@@ -171,7 +172,7 @@ impl Broker {
     }
 
     /// The publishing channel (confirm mode), opened again if it died.
-    async fn publisher(&self) -> fleet::Result<Channel> {
+    async fn publisher(&self) -> fleet::Result<Publisher> {
         let mut slot = self.publisher.lock().await;
         if let Some(ch) = slot.as_ref() {
             if ch.status().connected() {

@@ -29,7 +29,6 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use chrono::SecondsFormat;
 use fleet::{metrics as m, Store};
-use lapin::Channel;
 use serde_json::{json, Value};
 use tokio::sync::{watch, RwLock};
 
@@ -50,7 +49,7 @@ pub struct ScheduleApi {
     pub store: Store,
     pub board: Board,
     /// The current session's confirm channel (None while reconnecting).
-    pub publisher: Arc<RwLock<Option<Channel>>>,
+    pub publisher: Arc<RwLock<Option<fleet::amqp::Publisher>>>,
     pub pressure: watch::Receiver<Sample>,
 }
 

@@ -37,7 +37,6 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, TimeZone, Utc};
 use deadpool_redis::redis::Script;
 use fleet::{amqp, metrics as m, Envelope, Lane, Store};
-use lapin::Channel;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -98,7 +97,7 @@ impl Refusal {
 /// Submits one fired task through admission: refused while the normal lane is Red, else
 /// published to `<ns>.submit` (routing key = lane) and confirmed. Not cancel safe (a publish
 /// may be in flight).
-pub async fn submit(ch: &Channel, names: &fleet::Names, pressure: &watch::Receiver<Sample>, env: &Envelope) -> Result<(), Refusal> {
+pub async fn submit(ch: &fleet::amqp::Publisher, names: &fleet::Names, pressure: &watch::Receiver<Sample>, env: &Envelope) -> Result<(), Refusal> {
     if env.lane == Lane::Normal && pressure.borrow().state == Pressure::Red {
         return Err(Refusal::PressureRed);
     }
@@ -138,7 +137,7 @@ pub struct Firing {
     pub store: Store,
     pub board: Board,
     /// A confirm channel of its own.
-    pub publisher: Channel,
+    pub publisher: fleet::amqp::Publisher,
     pub pressure: watch::Receiver<Sample>,
     /// This process's id in claims.
     pub replica: String,

@@ -205,7 +205,7 @@ pub async fn declare(ch: &Channel, names: &Names) -> fleet::Result<()> {
 }
 
 /// Appends a record with a publisher confirm. `Err(Refused)` when the broker did not take it.
-pub async fn append(ch: &Channel, names: &Names, rec: &Record) -> fleet::Result<()> {
+pub async fn append(ch: &amqp::Publisher, names: &Names, rec: &Record) -> fleet::Result<()> {
     let body = serde_json::to_vec(rec)?;
     let props = BasicProperties::default().with_content_type("application/json".into()).with_delivery_mode(2).with_message_id(rec.id.as_str().into());
     amqp::publish_confirmed(ch, "", &names.schedules_stream(), &body, props).await
@@ -225,7 +225,7 @@ pub struct Follower {
 /// marker, replays everything before the marker into a fresh map and swaps it into `board`.
 /// The scheduler reports ready only after this, so its API never answers from a partial view.
 /// `Err` when the broker fails or the replay takes over 30 s (the session restarts).
-pub async fn open(conn: &Connection, publisher: &Channel, names: &Names, board: Board) -> fleet::Result<Follower> {
+pub async fn open(conn: &Connection, publisher: &amqp::Publisher, names: &Names, board: Board) -> fleet::Result<Follower> {
     let ch = conn.create_channel().await?;
     declare(&ch, names).await?;
     ch.basic_qos(PREFETCH, BasicQosOptions::default()).await?;
