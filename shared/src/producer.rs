@@ -80,6 +80,19 @@ impl Default for Pacing {
     }
 }
 
+/// Publishes envelopes to a namespace's submit exchange (`exchange`, routing key = lane), all
+/// together ([`amqp::publish_batch`]); their confirms to await, in order.
+pub async fn publish_envelopes(p: &amqp::Publisher, exchange: &str, envs: &[Envelope]) -> Vec<Result<lapin::PublisherConfirm>> {
+    let bodies: Vec<Vec<u8>> = envs.iter().map(Envelope::to_bytes).collect();
+    let msgs = envs.iter().zip(&bodies).map(|(env, body)| amqp::Outgoing {
+        exchange,
+        routing_key: env.lane.as_str(),
+        body,
+        props: amqp::task_properties(&env.id, None),
+    });
+    amqp::publish_batch(p, msgs).await
+}
+
 /// A connection to RabbitMQ with a confirm channel, publishing to one namespace.
 pub struct Producer {
     conn: Connection,
@@ -114,15 +127,7 @@ impl Producer {
         let exchange = self.names.submit_exchange();
         let mut out = Vec::with_capacity(envs.len());
         for window in envs.chunks(CONFIRM_WINDOW) {
-            let bodies: Vec<Vec<u8>> = window.iter().map(Envelope::to_bytes).collect();
-            let msgs = window.iter().zip(&bodies).map(|(env, body)| amqp::Outgoing {
-                exchange: &exchange,
-                routing_key: env.lane.as_str(),
-                body,
-                props: amqp::task_properties(&env.id, None),
-            });
-            let pending = amqp::publish_batch(&self.ch, msgs).await;
-            for p in pending {
+            for p in publish_envelopes(&self.ch, &exchange, window).await {
                 out.push(match p {
                     Ok(confirm) => match amqp::confirmed(confirm).await {
                         Ok(()) => Submitted::Accepted,

@@ -186,16 +186,8 @@ impl Ns {
     }
     /// Publishes each envelope and reports, per envelope, whether the broker accepted it.
     pub async fn submit_each(&self, envs: &[Envelope]) -> Result<Vec<bool>> {
-        let exchange = self.names.submit_exchange();
-        let bodies: Vec<Vec<u8>> = envs.iter().map(Envelope::to_bytes).collect();
-        let msgs = envs.iter().zip(&bodies).map(|(e, body)| amqp::Outgoing {
-            exchange: &exchange,
-            routing_key: e.lane.as_str(),
-            body,
-            props: amqp::task_properties(&e.id, None),
-        });
         let mut out = Vec::with_capacity(envs.len());
-        for c in amqp::publish_batch(&self.publisher, msgs).await {
+        for c in fleet::producer::publish_envelopes(&self.publisher, &self.names.submit_exchange(), envs).await {
             out.push(amqp::confirmed(c?).await.is_ok());
         }
         Ok(out)
