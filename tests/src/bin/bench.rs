@@ -54,13 +54,14 @@ const RAW_PREFETCH: u16 = 2000;
 const RAW_ACK_EVERY: usize = 64;
 
 /// fleet's Redis work per task — the same calls, in batches at least as large — done by the
-/// raw two-hop client (the "floor" stage): the forwarder reserves each batch it holds (`reserve.lua`: dedupe mark, leased reservation,
-/// status `queued`) and marks a run handed on before acking it, as fleet's scheduler does; the
-/// consumer claims each batch (`start.lua`: run record, status `running`) and records its
-/// outcome (`finish.lua`), as fleet's worker does — the same `Store` calls with the product's
-/// default settings, and nothing else of fleet (no envelope parsing, no tasks spawned). fleet
-/// does all of this and more, so on a machine where the broker, Redis and the clients share the
-/// cores (every stage here is CPU-bound) its rate is a ceiling for fleet's burst.
+/// raw two-hop client (the "floor" stage): the forwarder reserves each batch it holds
+/// (`reserve.lua`: dedupe mark, leased reservation, status `queued`) and marks a run handed on
+/// before acking it, as fleet's scheduler does; the consumer claims each batch (`start.lua`:
+/// run record, status `running`) and records its outcome (`finish.lua`), as fleet's worker
+/// does — the same `Store` calls with the product's default settings, and nothing else of
+/// fleet (no envelope parsing, no tasks spawned). fleet does all of this and more, so on a
+/// machine where the broker, Redis and the clients share the cores (every stage here is
+/// CPU-bound) its rate is a ceiling for fleet's burst.
 struct Floor {
     store: fleet::Store,
     worker: String,
@@ -737,8 +738,8 @@ async fn throughput(n: usize) -> Result<()> {
     println!("{}", rig.metrics().await?);
     rig.stop().await?;
 
-    // Raw broker, same run. `budget`: CPU per 1,000 tasks of the raw per-hop client and of the
-    // floor, for the summary's budget line.
+    // Raw broker, same run. `budget`: CPU per 1,000 tasks of the raw client (its faster layout)
+    // and of the floor, for the summary's budget line.
     let mut budget: Option<([f64; 3], [f64; 3])> = None;
     let (one, two, floor_rate, raw_steady, raw_idle, raw_idle_shared) = if std::env::var("BENCH_SKIP_RAW").is_ok() {
         let none = || Raw { rate: f64::NAN, lat_ms: vec![] };
