@@ -122,8 +122,15 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
     }
     let (accepted, refused) = match publish_all(&st, &envs, now).await {
         Ok(r) => r,
-        Err(()) => {
-            return refuse(StatusCode::SERVICE_UNAVAILABLE, 1, json!({"error": "not_connected", "detail": "the scheduler is reconnecting to RabbitMQ"}));
+        Err(Unfinished { accepted, refused, unknown }) => {
+            // What was confirmed before the connection went is said too: those tasks run. The
+            // `unknown` ones may or may not have reached the broker; submitting them again with
+            // these ids is safe (a copy is dropped as a duplicate), with new ids it is not.
+            return refuse(
+                StatusCode::SERVICE_UNAVAILABLE,
+                1,
+                json!({"error": "not_connected", "detail": "the scheduler is reconnecting to RabbitMQ", "accepted": accepted, "refused": refused, "unknown": unknown}),
+            );
         }
     };
     if refused.is_empty() {
@@ -141,6 +148,14 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
     refuse(status, retry_s, json!({"error": code, "detail": detail, "accepted": accepted, "refused": refused}))
 }
 
+/// A submission [`publish_all`] could not finish: ids confirmed, refused by the broker, and
+/// of unknown fate (published on a connection that went before its confirm, or never published).
+struct Unfinished {
+    accepted: Vec<String>,
+    refused: Vec<String>,
+    unknown: Vec<String>,
+}
+
 /// How long a submission whose confirms were lost with the connection waits for the next
 /// session's publisher before it gives up (503): covers a failover to another cluster node.
 const REPUBLISH_WITHIN: Duration = Duration::from_secs(15);
@@ -149,8 +164,9 @@ const REPUBLISH_WITHIN: Duration = Duration::from_secs(15);
 /// by the broker). A publish whose confirm was lost with the connection (node loss: neither
 /// ack nor nack) is published again on the next session's channel, until confirmed or
 /// [`REPUBLISH_WITHIN`] has passed; a copy the broker had already taken is absorbed by the
-/// dedupe protocol (same id). `Err` when no publisher came back in time for what is left.
-async fn publish_all(st: &AppState, envs: &[(&Envelope, &[u8], bool)], now: chrono::DateTime<chrono::Utc>) -> Result<(Vec<String>, Vec<String>), ()> {
+/// dedupe protocol (same id). `Err` when no publisher came back in time for what is left:
+/// what was settled so far and the ids whose fate is unknown.
+async fn publish_all(st: &AppState, envs: &[(&Envelope, &[u8], bool)], now: chrono::DateTime<chrono::Utc>) -> Result<(Vec<String>, Vec<String>), Unfinished> {
     let names = st.store.names.clone();
     let deadline = tokio::time::Instant::now() + REPUBLISH_WITHIN;
     let mut accepted = Vec::new();
@@ -166,11 +182,15 @@ async fn publish_all(st: &AppState, envs: &[(&Envelope, &[u8], bool)], now: chro
             }
             drop(g);
             if round == 1 || tokio::time::Instant::now() >= deadline {
-                return Err(());
+                let unknown = todo.iter().map(|&i| envs[i].0.id.clone()).collect();
+                return Err(Unfinished { accepted, refused, unknown });
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         };
-        let Some(ch) = guard.as_ref() else { return Err(()) };
+        let Some(ch) = guard.as_ref() else {
+            let unknown = todo.iter().map(|&i| envs[i].0.id.clone()).collect();
+            return Err(Unfinished { accepted, refused, unknown });
+        };
         let exchange = names.submit_exchange();
         let msgs = todo.iter().map(|&i| {
             let (e, bytes, stamped) = &envs[i];

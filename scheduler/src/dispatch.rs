@@ -57,13 +57,33 @@ enum Fate {
     Hold,
 }
 
-/// The result of a batch: deliveries the caller keeps (park source) and whether a park queue
-/// refused a task (its bound reached: the ingress loop should pause).
+/// The result of a batch: deliveries the caller keeps (park source), whether a park queue
+/// refused a task (its bound reached: the ingress loop should pause), and whether publishes
+/// failed (their sources were requeued).
 #[derive(Default)]
 pub struct Outcome {
     pub held: Vec<Delivery>,
     pub park_full: bool,
     pub dispatched: usize,
+    /// Publishes not confirmed in this batch (their sources went back to their queue).
+    pub failed: usize,
+}
+
+impl Outcome {
+    /// Ends a consuming loop when its batch failed because the session's publishing channel
+    /// is closed (the broker closed it alone, e.g. a 404 on a deleted exchange, while the
+    /// connection stays up): every later publish would fail too and each requeued source
+    /// would come straight back, a loop that dispatches nothing forever. The error ends the
+    /// session, which opens a new publisher.
+    ///
+    /// # Errors
+    /// `Other` naming the publisher, when `failed > 0` and it is closed.
+    pub fn check_publisher(&self, session: &Session) -> fleet::Result<()> {
+        if self.failed > 0 && !session.publisher.status().connected() {
+            return Err(fleet::Error::Other("the dispatch publisher channel is closed".into()));
+        }
+        Ok(())
+    }
 }
 
 /// The dispatch logic of one AMQP session, shared by every dispatching loop (ingress, delayed,
@@ -410,6 +430,7 @@ impl Dispatcher {
                     if matches!(f, Some(Fate::Park(_))) {
                         out.park_full = true;
                     }
+                    out.failed += 1;
                     tracing::warn!(error = %e, "publish not confirmed; requeueing the source message");
                     let d = &batch[i];
                     let _ = d.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;

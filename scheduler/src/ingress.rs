@@ -129,6 +129,7 @@ impl IngressLoop {
                 }
             }
             let out = self.dispatcher.process(batch, &self.source, shutdown).await;
+            out.check_publisher(&self.dispatcher.session)?;
             if out.park_full {
                 tracing::warn!(queue = %self.queue, "a park queue is full: pausing intake");
                 return Ok(Some(Paused::ParkFull));

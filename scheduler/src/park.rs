@@ -112,15 +112,19 @@ async fn consume(d: &Dispatcher, ch: &lapin::Channel, queue: &str, group: &str, 
             }
         }
         let out = d.process(std::mem::take(&mut held), &source, shutdown).await;
+        out.check_publisher(&d.session)?;
+        // A publish that failed (e.g. the target park queue at its bound) requeued its source,
+        // which comes straight back: wait as for a held task rather than spin on it.
+        let refused = out.failed > 0;
         held = out.held;
-        if held.is_empty() && drained && !unmatched {
+        if held.is_empty() && drained && !refused && !unmatched {
             // Everything parked here is on its way: new work may take room directly again.
             if let Err(e) = d.session.store.clear_parked(group, lane).await {
                 tracing::debug!(error = %e, "cannot clear parked flag");
             }
         }
         retry = if out.dispatched > 0 { RETRY_MIN } else { (retry * 2).min(RETRY_MAX) };
-        if !held.is_empty() {
+        if !held.is_empty() || refused {
             if unmatched {
                 // Nothing frees room here; a worker registering does. Ask a few times a second.
                 retry = UNMATCHED_RETRY;

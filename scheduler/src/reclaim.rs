@@ -22,7 +22,13 @@
 //!    sampled before the claim are done with it. (None of them creates a group's queue or key:
 //!    the view reads park depths passively, rooms are written only to groups that exist,
 //!    discovery skips a group stopped after its view was sampled.)
-//! 4. The four queues are deleted with `if-empty`. A queue that is not empty means work arrived
+//! 4. Each of the queues is unbound from `<ns>.tasks` (a task routed to it from then on comes
+//!    back to its publisher, mandatory, and its source is requeued), asked once more for its
+//!    ready messages and consumers, and deleted if it has neither — with `if-empty` as well
+//!    when it is a classic queue. Quorum queues (the default) refuse `if-empty` and `if-unused`
+//!    with a connection-level error (540 NOT_IMPLEMENTED, RabbitMQ 3.10), which would close the
+//!    scheduler's whole connection; unbinding first is what makes the check and the delete one
+//!    step for them. A queue that is not empty means work arrived
 //!    (and a broker that keeps failing leaves them too):
 //!    the claim is undone (`restore`: the group is back, its grace starts again, the deleted
 //!    queues are declared again) and the group is tried again after another grace.
@@ -40,7 +46,9 @@ use std::time::{Duration, Instant};
 use fleet::registry::{GroupView, ReclaimClaim};
 use fleet::ticker::Ticker;
 use fleet::{metrics as m, topology, Lane};
-use lapin::options::QueueDeleteOptions;
+use fleet::config::QueueType;
+use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::SchedulerConfig;
@@ -222,16 +230,17 @@ fn group_queues(s: &Session, group: &str, lane: Lane) -> Vec<String> {
 /// Why a group's queues were not all deleted.
 #[derive(Debug)]
 enum NotDeleted {
-    /// A queue held a task (406 PRECONDITION_FAILED on `if-empty`): work arrived.
+    /// A queue held a task or had a consumer (our own check, or 406 PRECONDITION_FAILED on a
+    /// classic queue's `if-empty`): work arrived.
     NotEmpty(String),
-    /// The broker kept failing (connection trouble).
+    /// The broker kept failing (connection trouble) or refused the operation.
     Failed(String),
 }
 
 impl std::fmt::Display for NotDeleted {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            NotDeleted::NotEmpty(q) => write!(f, "{q} holds a task"),
+            NotDeleted::NotEmpty(q) => write!(f, "{q} holds a task or has a consumer"),
             NotDeleted::Failed(e) => write!(f, "broker error: {e}"),
         }
     }
@@ -241,17 +250,33 @@ impl std::fmt::Display for NotDeleted {
 /// close of a channel whose id it reuses, e.g. a passive declare's 404, on the next one).
 const DELETE_ATTEMPTS: u32 = 5;
 
-/// Deletes the group's park and lane queues (every shard) with `if-empty` (a queue already gone counts as deleted).
+/// One lane's queues of a group with the key binding each to `<ns>.tasks`: its park queue,
+/// then every shard queue.
+fn group_bindings(s: &Session, group: &str, lane: Lane) -> Vec<(String, String)> {
+    let n = &s.names;
+    let shards = s.cfg.common.shards(lane);
+    let mut qs = vec![(n.park_queue(group, lane), n.park_key(group, lane))];
+    qs.extend((0..shards).map(|k| (n.group_shard_queue(group, lane, k, shards), n.group_shard_key(group, lane, k, shards))));
+    qs
+}
+
+/// Deletes the group's park and lane queues (every shard) that hold no task and have no
+/// consumer (a queue already gone counts as deleted); see step 4 of the module's account.
 async fn delete_queues(s: &Session, group: &str) -> Result<(), NotDeleted> {
     for lane in Lane::ALL {
-        for q in group_queues(s, group, lane) {
+        for (q, key) in group_bindings(s, group, lane) {
             let mut attempt = 0;
             loop {
                 attempt += 1;
-                match delete_if_empty(s, &q).await {
-                    Ok(()) => break,
+                match delete_unbound(s, &q, &key).await {
+                    Ok(Gone::Deleted) => break,
+                    Ok(Gone::InUse) => return Err(NotDeleted::NotEmpty(q)),
                     Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 406) => return Err(NotDeleted::NotEmpty(q)),
-                    Err(e) if attempt >= DELETE_ATTEMPTS => return Err(NotDeleted::Failed(e.to_string())),
+                    // Any other answer of the broker's (e.g. 540 NOT_IMPLEMENTED) will not change
+                    // on a retry.
+                    Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(_)) || attempt >= DELETE_ATTEMPTS => {
+                        return Err(NotDeleted::Failed(e.to_string()));
+                    }
                     Err(e) => {
                         tracing::debug!(error = %e, queue = %q, "reclaim: queue deletion failed; retrying");
                         tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
@@ -263,12 +288,40 @@ async fn delete_queues(s: &Session, group: &str) -> Result<(), NotDeleted> {
     Ok(())
 }
 
-/// One `queue.delete` with `if-empty` on a channel of its own (a failed delete closes it).
-async fn delete_if_empty(s: &Session, q: &str) -> lapin::Result<()> {
+/// What [`delete_unbound`] found.
+enum Gone {
+    /// Deleted (or already gone).
+    Deleted,
+    /// It holds a ready message or has a consumer: left (unbound; `restore` binds it again).
+    InUse,
+}
+
+/// Unbinds `q` from `<ns>.tasks` (`key`), then deletes it if it holds no ready message and has
+/// no consumer, on a channel of its own (a failed operation closes it). Once unbound nothing
+/// reaches the queue — every fleet publish to a group queue goes through `<ns>.tasks` — so the
+/// count it answers cannot change before the delete. A classic queue is deleted with
+/// `if-empty` as well; a quorum queue cannot be (see the module's account, step 4).
+///
+/// # Errors
+/// The broker's: 404 of a queue already gone is `Ok(Deleted)`.
+async fn delete_unbound(s: &Session, q: &str, key: &str) -> lapin::Result<Gone> {
     let ch = s.conn.create_channel().await?;
-    let r = ch.queue_delete(q.into(), QueueDeleteOptions { if_empty: true, ..Default::default() }).await;
+    let r: lapin::Result<Gone> = async {
+        ch.queue_unbind(q.into(), s.names.tasks_exchange().into(), key.into(), FieldTable::default()).await?;
+        let state = ch.queue_declare(q.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await?;
+        if state.message_count() > 0 || state.consumer_count() > 0 {
+            return Ok(Gone::InUse);
+        }
+        let if_empty = s.cfg.common.queue_type == QueueType::Classic;
+        ch.queue_delete(q.into(), QueueDeleteOptions { if_empty, ..Default::default() }).await?;
+        Ok(Gone::Deleted)
+    }
+    .await;
     let _ = ch.close(200, "ok".into()).await;
-    r.map(|_| ())
+    match r {
+        Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404) => Ok(Gone::Deleted),
+        r => r,
+    }
 }
 
 /// Undoes a claim: the group is back in Redis, its queues are declared again (those already

@@ -117,7 +117,7 @@ async fn queue(ch: &Channel, name: &str, arguments: FieldTable, bound_setting: O
                 setting: "FLEET_NAMESPACE".to_string(),
                 message: format!(
                     "queue `{name}` was declared by an older fleet ({message}): group queues now send the broker's own dead letters to `<ns>.dead.broker`. \
-                     Let the queue drain, then delete it (`rabbitmqctl delete_queue {name} --if-empty`) so it is declared again, or use another FLEET_NAMESPACE"
+                     Let the queue drain, then delete it (`rabbitmqctl delete_queue {name}`; add `--if-empty` for a classic queue — quorum queues refuse it) so it is declared again, or use another FLEET_NAMESPACE"
                 ),
             },
             Error::Permanent { message, .. } if message.contains("inequivalent arg") => {

@@ -344,6 +344,23 @@ impl PrivateRedis {
         store.query::<()>(&deadpool_redis::redis::cmd("FLUSHALL")).await?;
         Ok(())
     }
+
+    /// Refuses (`denied`) or allows again every Lua script call on this server only
+    /// (`ACL SETUSER default -eval -evalsha ...` / `+@all`): each of fleet's shared decisions
+    /// then fails at once with NOPERM while plain reads such as `TIME` are answered — a Redis
+    /// that fails one kind of call, deterministically.
+    pub async fn deny_scripts(&self, denied: bool) -> Result<()> {
+        let store = fleet::Store::new(&self.url(None), fleet::Names::new("private"))?;
+        let mut cmd = deadpool_redis::redis::cmd("ACL");
+        cmd.arg("SETUSER").arg("default");
+        if denied {
+            cmd.arg("-eval").arg("-evalsha").arg("-eval_ro").arg("-evalsha_ro").arg("-fcall").arg("-fcall_ro");
+        } else {
+            cmd.arg("+@all");
+        }
+        store.query::<()>(&cmd).await?;
+        Ok(())
+    }
 }
 
 impl Drop for PrivateRedis {

@@ -301,3 +301,72 @@ async fn registration_waits_for_a_reclaim_and_its_deleted_queues() -> anyhow::Re
     assert!(matches!(s.reclaim_claim(&g, Duration::from_secs(60), Duration::from_secs(60)).await?, ReclaimClaim::Wait(_)), "its grace starts again");
     ns.cleanup().await
 }
+
+/// Reclaim with quorum queues (the default `FLEET_QUEUE_TYPE`). RabbitMQ refuses
+/// `queue.delete` with `if-empty` on a quorum queue with a connection-level error (540
+/// NOT_IMPLEMENTED), which closed the scheduler's whole connection at every reclaim attempt and
+/// never reclaimed the group. Now: a departed group's queues are unbound, found empty and
+/// deleted with the scheduler's connection intact; a group whose quorum queue holds a task is
+/// kept, and the task runs once when a worker returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn quorum_groups_are_reclaimed_without_closing_the_connection() -> anyhow::Result<()> {
+    let _turn = TURN.lock().await;
+    let ns = Ns::with_queue_type("quorum").await?;
+    let mut cfg = scheduler_cfg();
+    cfg.push(("backlog_factor", "20"));
+    let sched = start_scheduler(&ns, &cfg).await?;
+    let rec = Recorder::default();
+    let h = [(JOB, rec.handler())];
+    let reconnects = || async { Ok::<f64, anyhow::Error>(metric_sum(&reqwest::get(sched.url("/metrics")).await?.text().await?, "fleet_amqp_reconnects_total", &[])) };
+    let before = reconnects().await?;
+
+    // A departed group with empty queues: reclaimed, its quorum queues gone.
+    let gone = "pod=qgone,protocol=builtin";
+    let w = start_worker(&ns, "w-qgone", "pod=qgone", 1, WORKER, &h).await?;
+    let env = task(JOB, json!({"ms": 10}), "pod=qgone");
+    assert_eq!(ns.submit(std::slice::from_ref(&env)).await?, (1, 0));
+    wait_succeeded(&ns, std::slice::from_ref(&env.id), Duration::from_secs(30)).await?;
+
+    // A departed group whose quorum queue holds tasks: kept.
+    let kept = "pod=qkept,protocol=builtin";
+    let q = ns.names.group_queue(kept, Lane::Normal);
+    let a = start_worker(&ns, "w-qkept-1", "pod=qkept", 1, WORKER, &h).await?;
+    let envs: Vec<_> = (0..5).map(|i| task(JOB, json!({"i": i, "ms": 300}), "pod=qkept")).collect();
+    let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
+    assert_eq!(ns.submit(&envs).await?, (5, 0));
+    wait_for("tasks queued for the kept group", Duration::from_secs(20), || async { (ns.depth(&q).await >= 3).then_some(()) }).await?;
+    w.stop().await?;
+    a.stop().await?;
+    let queued = ns.depth(&q).await;
+    assert!(queued >= 2, "tasks left in the queue: {queued}");
+    let ran_before = rec.count();
+    let kept_ran = rec.per_task().keys().filter(|id| ids.contains(id)).count();
+
+    wait_for("the empty group reclaimed", Duration::from_secs(30), || async { (ns.store.group_names().await.ok()? == vec![kept.to_string()]).then_some(()) }).await?;
+    wait_for("its queues gone", Duration::from_secs(30), || async {
+        for q in group_queues(&ns, gone) {
+            if queue_info(&ns, &q).await.ok()?.is_some() {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await?;
+    // Two more graces: the kept group stays with its tasks, nothing ran, no reconnection.
+    tokio::time::sleep(Duration::from_millis(2 * 2000 + 1000)).await;
+    assert_eq!(ns.store.group_names().await?, vec![kept.to_string()], "the group with tasks is kept");
+    assert_eq!(ns.depth(&q).await, queued, "its tasks are still queued");
+    assert_eq!(rec.count(), ran_before);
+    assert_eq!(reconnects().await? - before, 0.0, "the scheduler's connection was never closed");
+
+    let b = start_worker(&ns, "w-qkept-2", "pod=qkept", 2, WORKER, &h).await?;
+    wait_succeeded(&ns, &ids, Duration::from_secs(30)).await?;
+    let per = rec.per_task();
+    assert!(per.values().all(|w| w.len() == 1), "each task once: {per:?}");
+    assert_eq!(per.values().filter(|w| w[0] == "w-qkept-2").count(), 5 - kept_ran);
+    assert!(ns.drain_dead().await?.is_empty());
+
+    b.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}

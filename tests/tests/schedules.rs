@@ -339,6 +339,34 @@ async fn redis_flushall_loses_no_schedule() -> Result<()> {
     ns.cleanup().await
 }
 
+/// Redis fails the schedule's calls while ticks are due: for 3 s every script call is refused
+/// (ACL), while `TIME` is still answered — so each poll reads the time, moves past the due
+/// ticks, and its tick claim fails. Those ticks stay pending and fire once Redis answers,
+/// within their tolerance, each once — before, a failed call dropped them (neither fired nor
+/// counted missed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failed_tick_claims_lose_no_tick() -> Result<()> {
+    let redis = PrivateRedis::start(None, None).await?;
+    let ns = Ns::on_redis(&redis.url(None)).await?;
+    let runs = Runs::default();
+    let w = start_worker(&ns, "w1", LABELS, 8, WORKER, &[(KIND, runs.handler())]).await?;
+    let s = start_scheduler(&ns, &[("schedule_tolerance_ms", "15000"), ("schedule_poll_ms", "100")]).await?;
+    let name = format!("p-{}", ns.name);
+    add(&s, &spec(&name, "* * * * * *", json!({}))).await?;
+    wait_for("2 fires", Duration::from_secs(15), || async { (runs.count(&name) >= 2).then_some(()) }).await?;
+    redis.deny_scripts(true).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    redis.deny_scripts(false).await?;
+    let n = runs.count(&name);
+    wait_for("4 fires after the outage", Duration::from_secs(40), || async { (runs.count(&name) >= n + 4).then_some(()) }).await?;
+    s.stop().await?;
+    let (fired, missed, _) = account(&runs, &name, chrono::Duration::seconds(15))?;
+    println!("script outage: {fired} ticks fired, {missed} between the first and the last did not");
+    ensure!(missed == 0, "{missed} ticks between the first and the last fired tick never ran");
+    w.stop().await?;
+    ns.cleanup().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_red_fleet_refuses_fires_which_are_counted_missed_then_fire_again() -> Result<()> {
     let ns = Ns::new().await?;

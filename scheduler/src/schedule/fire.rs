@@ -233,26 +233,41 @@ impl Firing {
                 MissedPolicy::CatchUp => ((s.spec.catch_up_max as usize).min(overdue.len()), "catch_up_limit"),
             };
             let keep = overdue.split_off(overdue.len() - fire);
+            if fire > 0 {
+                tracing::info!(schedule = name, ticks = fire, "catching up missed ticks");
+            }
+            // The ticks to catch up join the pending ones before any Redis call below: the
+            // cursor has passed them, so a failed call must not drop them.
+            let mut caught: Vec<Pending> = keep.into_iter().map(|t| Pending { tick: t, deadline: now + tolerance, mine: false, refused: None }).collect();
+            caught.append(&mut track.pending);
+            track.pending = caught;
             for t in overdue {
+                // A failure here leaves the rest of these ticks unrecorded (never fired either:
+                // they are past their tolerance) and ends the step; the pending ones stay.
                 if self.resolve(name, t, "missed").await? {
                     metrics::counter!(m::SCHEDULE_MISSES, "schedule" => name.to_string(), "reason" => miss).increment(1);
                 }
             }
-            if fire > 0 {
-                tracing::info!(schedule = name, ticks = fire, "catching up missed ticks");
-            }
-            let mut caught: Vec<Pending> = keep.into_iter().map(|t| Pending { tick: t, deadline: now + tolerance, mine: false, refused: None }).collect();
-            caught.append(&mut track.pending);
-            track.pending = caught;
         }
+        // A failed attempt (Redis unreachable or slow) keeps its tick and every tick after it
+        // pending, to be tried again at the next poll within their tolerance.
         let mut still = Vec::with_capacity(track.pending.len());
-        for mut p in std::mem::take(&mut track.pending) {
-            if self.attempt(s, &mut p, now).await? {
-                still.push(p);
+        let mut pending = std::mem::take(&mut track.pending).into_iter();
+        let mut failed = None;
+        while let Some(mut p) = pending.next() {
+            match self.attempt(s, &mut p, now).await {
+                Ok(true) => still.push(p),
+                Ok(false) => {}
+                Err(e) => {
+                    still.push(p);
+                    still.extend(pending);
+                    failed = Some(e);
+                    break;
+                }
             }
         }
         track.pending = still;
-        Ok(())
+        failed.map_or(Ok(()), Err)
     }
 
     /// One attempt at a pending tick; `Ok(true)` to keep it pending.
