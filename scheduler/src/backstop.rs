@@ -18,7 +18,8 @@
 //!
 //! A crash between 2 and 4 leaves the letter in `<ns>.dead.broker`; its next reading finds the
 //! status final and drops it, so the dead-letter queue gets it once (at-least-once only while
-//! Redis is unreachable). Several scheduler replicas share the queue as competing consumers.
+//! Redis is unreachable). While Redis refuses step 3 the letter is held, not acked: the status
+//! is never left saying `queued` or `running` for a task that is in `<ns>.dead`. Several scheduler replicas share the queue as competing consumers.
 
 use std::sync::Arc;
 
@@ -34,6 +35,10 @@ use crate::session::Session;
 
 /// Letters the loop holds unacked at once.
 const PREFETCH: u16 = 32;
+/// Retries of a letter's status write while Redis fails: from `STATUS_RETRY_MIN`, doubling
+/// up to `STATUS_RETRY_MAX`.
+const STATUS_RETRY_MIN: std::time::Duration = std::time::Duration::from_millis(200);
+const STATUS_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The backstop loop.
 pub struct Backstop {
@@ -55,7 +60,7 @@ impl Backstop {
                 _ = shutdown.cancelled() => break Ok(()),
                 next = consumer.next() => match next {
                     Some(Ok(delivery)) => {
-                        if let Err(e) = handle(s, delivery).await {
+                        if let Err(e) = handle(s, delivery, &shutdown).await {
                             break Err(e);
                         }
                     }
@@ -128,7 +133,9 @@ fn group_of(names: &Names, queue: &str) -> Option<(String, Lane)> {
     (!group.is_empty()).then(|| (group.to_string(), lane))
 }
 
-async fn handle(s: &Session, delivery: Delivery) -> fleet::Result<()> {
+/// One letter, steps 1-4 of the module's account. Returns without acking when `shutdown`
+/// fires while Redis refuses its status (the letter goes back to its queue with the channel).
+async fn handle(s: &Session, delivery: Delivery, shutdown: &CancellationToken) -> fleet::Result<()> {
     let props = delivery.properties.clone();
     let death = broker_death(&s.names, props.headers().as_ref());
     let parsed = Envelope::from_slice(&delivery.data, usize::MAX).ok();
@@ -178,23 +185,26 @@ async fn handle(s: &Session, delivery: Delivery) -> fleet::Result<()> {
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
         return Ok(());
     }
+    // The letter is acked only once its status says `dead`: acked before, a Redis outage
+    // would leave the task `queued` or `running` for good, with nothing left in any queue to
+    // correct it. Until Redis answers the loop holds this letter (the others wait in their
+    // queue); a stop meanwhile leaves it unacked, and its next reading moves it again (a
+    // second copy in `<ns>.dead`, dropped as a duplicate when replayed).
     if !id.is_empty() {
-        let mut written = None;
-        for _ in 0..3 {
-            match s.store.record_broker_dead(&id, group.as_deref(), lane, &death.reason, &detail, s.cfg.common.status_ttl).await {
-                Ok(w) => {
-                    written = Some(w);
-                    break;
-                }
-                Err(e) => {
-                    metrics::counter!(m::REDIS_ERRORS).increment(1);
-                    tracing::warn!(task.id = %fleet::envelope::escape(&id), error = %e, "cannot write the status of a broker dead letter; retrying");
-                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-                }
+        let mut backoff = STATUS_RETRY_MIN;
+        let mut warned = false;
+        while let Err(e) = s.store.record_broker_dead(&id, group.as_deref(), lane, &death.reason, &detail, s.cfg.common.status_ttl).await {
+            metrics::counter!(m::REDIS_ERRORS).increment(1);
+            if !warned {
+                tracing::warn!(task.id = %fleet::envelope::escape(&id), error = %e, "cannot write the status of a broker dead letter; holding it until Redis answers");
+                warned = true;
             }
-        }
-        if written.is_none() {
-            tracing::warn!(task.id = %fleet::envelope::escape(&id), "status of a broker dead letter not written (Redis unreachable); the letter is in the dead-letter queue with its reason");
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(STATUS_RETRY_MAX);
         }
     }
     tracing::warn!(

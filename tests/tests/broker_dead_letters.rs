@@ -93,3 +93,42 @@ async fn delivery_limit_dead_letters_get_a_reason_and_a_true_status() -> anyhow:
     topology::delete_all(&ch, &ns.names, &groups).await?;
     ns.cleanup().await
 }
+
+/// A broker dead letter while Redis refuses fleet's scripts (ACL, on a Redis of this test):
+/// the backstop moves it to `<ns>.dead` but holds it, unacked, until its status can be
+/// written — then the status says `dead`. Before, after three quick retries it was acked with
+/// its status still `queued`, for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_broker_dead_letter_waits_for_redis_to_get_its_true_status() -> anyhow::Result<()> {
+    let redis = PrivateRedis::start(None, None).await?;
+    let ns = Ns::on(&amqp_url(), &redis.url(None), "quorum", &[]).await?;
+    let sched = start_scheduler(&ns, &[("probe_interval_ms", "600000")]).await?;
+    let group = "pool=bsr,protocol=builtin";
+    let setup = ns.conn.create_channel().await?;
+    topology::declare_group(&setup, &ns.common(&[])?, group).await?;
+    let env = task("job", json!({"x": 1}), "pool=bsr");
+    let id = env.id.clone();
+    let mut seed = deadpool_redis::redis::cmd("HSET");
+    seed.arg(ns.names.task(&id)).arg("state").arg("queued").arg("group").arg(group).arg("lane").arg("normal").arg("attempt").arg(0);
+    ns.store.query::<i64>(&seed).await?;
+    amqp::publish_confirmed(&ns.publisher, &ns.names.tasks_exchange(), &ns.names.group_key(group, Lane::Normal), &env.to_bytes(), amqp::task_properties(&id, None)).await?;
+
+    redis.deny_scripts(true).await?;
+    let delivered = bounce(&ns.conn, &ns.names.group_queue(group, Lane::Normal)).await?;
+    assert_eq!(delivered as i64, topology::DELIVERY_LIMIT + 1, "the broker's limit");
+    wait_for("the letter in the dead-letter queue", Duration::from_secs(20), || async { (ns.depth(&ns.names.dead_queue()).await == 1).then_some(()) }).await?;
+    // Redis refuses for 3 s more: the status cannot say `dead` yet, and the letter is held.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let st = ns.status(&id).await?.unwrap_or_default();
+    assert_eq!(st.get("state").map(String::as_str), Some("queued"), "{st:?}");
+    redis.deny_scripts(false).await?;
+    let st = ns.wait_state(&id, "dead", Duration::from_secs(20)).await?;
+    assert_eq!(st.get("reason").map(String::as_str), Some("delivery_limit"), "{st:?}");
+    assert_eq!(ns.depth(&ns.names.dead_queue()).await, 1, "the task in the dead-letter queue once");
+
+    let _ = setup.close(200, "ok".into()).await;
+    sched.stop().await?;
+    let ch = ns.conn.create_channel().await?;
+    topology::delete_all(&ch, &ns.names, &[group.to_string()]).await?;
+    ns.cleanup().await
+}
