@@ -39,6 +39,8 @@ const PREFETCH: u16 = 32;
 /// up to `STATUS_RETRY_MAX`.
 const STATUS_RETRY_MIN: std::time::Duration = std::time::Duration::from_millis(200);
 const STATUS_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+/// How often a letter held that way is warned about again.
+const STATUS_REWARN: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The backstop loop.
 pub struct Backstop {
@@ -192,12 +194,16 @@ async fn handle(s: &Session, delivery: Delivery, shutdown: &CancellationToken) -
     // second copy in `<ns>.dead`, dropped as a duplicate when replayed).
     if !id.is_empty() {
         let mut backoff = STATUS_RETRY_MIN;
-        let mut warned = false;
+        let (mut tries, mut warned_at) = (0u32, None::<std::time::Instant>);
         while let Err(e) = s.store.record_broker_dead(&id, group.as_deref(), lane, &death.reason, &detail, s.cfg.common.status_ttl).await {
             metrics::counter!(m::REDIS_ERRORS).increment(1);
-            if !warned {
-                tracing::warn!(task.id = %fleet::envelope::escape(&id), error = %e, "cannot write the status of a broker dead letter; holding it until Redis answers");
-                warned = true;
+            tries += 1;
+            // Any error is retried, not only a lost connection: an ACL or script error is an
+            // operator's to fix, and a letter acked before would leave its status lying. Said
+            // again every minute while it lasts (the other letters wait in their queue).
+            if warned_at.is_none_or(|t| t.elapsed() >= STATUS_REWARN) {
+                tracing::warn!(task.id = %fleet::envelope::escape(&id), error = %e, tries, "cannot write the status of a broker dead letter; holding it (and the letters behind it) until Redis takes it");
+                warned_at = Some(std::time::Instant::now());
             }
             tokio::select! {
                 biased;

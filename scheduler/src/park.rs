@@ -123,7 +123,8 @@ async fn consume(d: &Dispatcher, ch: &lapin::Channel, queue: &str, group: &str, 
                 tracing::debug!(error = %e, "cannot clear parked flag");
             }
         }
-        retry = if out.dispatched > 0 { RETRY_MIN } else { (retry * 2).min(RETRY_MAX) };
+        // `dispatched` counts decisions; a refused publish backs off like a held task.
+        retry = if out.dispatched > 0 && !refused { RETRY_MIN } else { (retry * 2).min(RETRY_MAX) };
         if !held.is_empty() || refused {
             if unmatched {
                 // Nothing frees room here; a worker registering does. Ask a few times a second.

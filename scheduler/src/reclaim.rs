@@ -23,15 +23,18 @@
 //!    the view reads park depths passively, rooms are written only to groups that exist,
 //!    discovery skips a group stopped after its view was sampled.)
 //! 4. Each of the queues is unbound from `<ns>.tasks` (a task routed to it from then on comes
-//!    back to its publisher, mandatory, and its source is requeued), asked once more for its
-//!    ready messages and consumers, and deleted if it has neither — with `if-empty` as well
-//!    when it is a classic queue. Quorum queues (the default) refuse `if-empty` and `if-unused`
-//!    with a connection-level error (540 NOT_IMPLEMENTED, RabbitMQ 3.10), which would close the
+//!    back to its publisher, mandatory, and its source is requeued), asked for a message with
+//!    `basic.get` (served by a quorum queue's leader, unlike a passive declare's count, which
+//!    reads 0 when the leader is slow or lost) and for its consumers, and deleted if it has
+//!    neither — with `if-empty` as well when it is a classic queue. A park queue's consumers
+//!    (other scheduler replicas, which stop theirs at their next tick) are waited for, up to
+//!    two reclaim ticks. Quorum queues (the default) refuse `if-empty` and `if-unused` with a
+//!    connection-level error (540 NOT_IMPLEMENTED, RabbitMQ 3.10), which would close the
 //!    scheduler's whole connection; unbinding first is what makes the check and the delete one
-//!    step for them. A queue that is not empty means work arrived
-//!    (and a broker that keeps failing leaves them too):
-//!    the claim is undone (`restore`: the group is back, its grace starts again, the deleted
-//!    queues are declared again) and the group is tried again after another grace.
+//!    step for them. A queue that is not empty means work arrived (and a broker that keeps
+//!    failing leaves them too): the claim is undone (`restore`: the queues are declared and
+//!    bound again, then the group is back, its grace starting again) and the group is tried
+//!    again after another grace.
 //! 5. Done: the tombstone becomes the deletion's time for [`done_hold`]; a worker whose queue
 //!    declaration is older must declare them again before it registers (register.lua), so no
 //!    task is ever routed to a queue that no longer exists.
@@ -47,7 +50,7 @@ use fleet::registry::{GroupView, ReclaimClaim};
 use fleet::ticker::Ticker;
 use fleet::{metrics as m, topology, Lane};
 use fleet::config::QueueType;
-use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+use lapin::options::{BasicGetOptions, BasicNackOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
@@ -196,7 +199,7 @@ async fn pass(s: &Session, loops: &ParkLoops, probes: &ProbeBoard, groups: &[Gro
             }
             Err(why) => {
                 tracing::info!(group = %g, reason = %why, "group not reclaimed: its queues stay; trying again after another grace");
-                restore(s, loops, &g, &labels, pending).await;
+                restore(s, loops, &g, &labels, pending, tombstone_life).await;
             }
         }
     }
@@ -230,8 +233,8 @@ fn group_queues(s: &Session, group: &str, lane: Lane) -> Vec<String> {
 /// Why a group's queues were not all deleted.
 #[derive(Debug)]
 enum NotDeleted {
-    /// A queue held a task or had a consumer (our own check, or 406 PRECONDITION_FAILED on a
-    /// classic queue's `if-empty`): work arrived.
+    /// A queue held a task or kept a consumer (406 PRECONDITION_FAILED on a classic queue's
+    /// `if-empty` too): work arrived.
     NotEmpty(String),
     /// The broker kept failing (connection trouble) or refused the operation.
     Failed(String),
@@ -240,7 +243,7 @@ enum NotDeleted {
 impl std::fmt::Display for NotDeleted {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            NotDeleted::NotEmpty(q) => write!(f, "{q} holds a task or has a consumer"),
+            NotDeleted::NotEmpty(q) => write!(f, "{q} holds a task or keeps a consumer"),
             NotDeleted::Failed(e) => write!(f, "broker error: {e}"),
         }
     }
@@ -250,34 +253,42 @@ impl std::fmt::Display for NotDeleted {
 /// close of a channel whose id it reuses, e.g. a passive declare's 404, on the next one).
 const DELETE_ATTEMPTS: u32 = 5;
 
-/// One lane's queues of a group with the key binding each to `<ns>.tasks`: its park queue,
-/// then every shard queue.
-fn group_bindings(s: &Session, group: &str, lane: Lane) -> Vec<(String, String)> {
+/// How often a park queue's consumers are asked for while other scheduler replicas stop theirs.
+const CONSUMERS_POLL: Duration = Duration::from_millis(250);
+
+/// One lane's queues of a group with the key binding each to `<ns>.tasks`, and whether it is
+/// the park queue: its park queue, then every shard queue.
+fn group_bindings(s: &Session, group: &str, lane: Lane) -> Vec<(String, String, bool)> {
     let n = &s.names;
     let shards = s.cfg.common.shards(lane);
-    let mut qs = vec![(n.park_queue(group, lane), n.park_key(group, lane))];
-    qs.extend((0..shards).map(|k| (n.group_shard_queue(group, lane, k, shards), n.group_shard_key(group, lane, k, shards))));
+    let mut qs = vec![(n.park_queue(group, lane), n.park_key(group, lane), true)];
+    qs.extend((0..shards).map(|k| (n.group_shard_queue(group, lane, k, shards), n.group_shard_key(group, lane, k, shards), false)));
     qs
 }
 
-/// Deletes the group's park and lane queues (every shard) that hold no task and have no
+/// Deletes the group's park and lane queues (every shard) that hold no task and keep no
 /// consumer (a queue already gone counts as deleted); see step 4 of the module's account.
 async fn delete_queues(s: &Session, group: &str) -> Result<(), NotDeleted> {
+    // Every replica consumes every group's park queue; the others stop theirs at their next
+    // reclaim tick, once they see the group gone.
+    let consumers_until = Instant::now() + (2 * interval(&s.cfg) + Duration::from_secs(1)).min(Duration::from_secs(20));
     for lane in Lane::ALL {
-        for (q, key) in group_bindings(s, group, lane) {
+        for (q, key, park) in group_bindings(s, group, lane) {
+            let wait = if park { Some(consumers_until) } else { None };
             let mut attempt = 0;
             loop {
                 attempt += 1;
-                match delete_unbound(s, &q, &key).await {
+                match delete_unbound(s, &q, &key, wait).await {
                     Ok(Gone::Deleted) => break,
                     Ok(Gone::InUse) => return Err(NotDeleted::NotEmpty(q)),
-                    Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 406) => return Err(NotDeleted::NotEmpty(q)),
-                    // Any other answer of the broker's (e.g. 540 NOT_IMPLEMENTED) will not change
-                    // on a retry.
-                    Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(_)) || attempt >= DELETE_ATTEMPTS => {
+                    Err(Step::Broker(e)) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 406) => return Err(NotDeleted::NotEmpty(q)),
+                    // The broker's answer to the operation itself (e.g. 540 NOT_IMPLEMENTED) will
+                    // not change on a retry; a channel that could not be opened might.
+                    Err(Step::Broker(e)) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(_)) || attempt >= DELETE_ATTEMPTS => {
                         return Err(NotDeleted::Failed(e.to_string()));
                     }
-                    Err(e) => {
+                    Err(Step::Channel(e)) if attempt >= DELETE_ATTEMPTS => return Err(NotDeleted::Failed(e.to_string())),
+                    Err(Step::Broker(e) | Step::Channel(e)) => {
                         tracing::debug!(error = %e, queue = %q, "reclaim: queue deletion failed; retrying");
                         tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
                     }
@@ -292,55 +303,102 @@ async fn delete_queues(s: &Session, group: &str) -> Result<(), NotDeleted> {
 enum Gone {
     /// Deleted (or already gone).
     Deleted,
-    /// It holds a ready message or has a consumer: left (unbound; `restore` binds it again).
+    /// It holds a message or keeps a consumer: left, unbound (`restore` binds it again).
     InUse,
 }
 
-/// Unbinds `q` from `<ns>.tasks` (`key`), then deletes it if it holds no ready message and has
-/// no consumer, on a channel of its own (a failed operation closes it). Once unbound nothing
-/// reaches the queue — every fleet publish to a group queue goes through `<ns>.tasks` — so the
-/// count it answers cannot change before the delete. A classic queue is deleted with
-/// `if-empty` as well; a quorum queue cannot be (see the module's account, step 4).
+/// Where [`delete_unbound`] failed: opening its channel (retried whatever the error: lapin
+/// may report there an earlier channel's close), or an operation on it.
+enum Step {
+    Channel(lapin::Error),
+    Broker(lapin::Error),
+}
+
+/// Unbinds `q` from `<ns>.tasks` (`key`) — every fleet publish to a group queue goes through
+/// that exchange, so from then on nothing reaches it — then deletes it if it holds no message
+/// and keeps no consumer, on a channel of its own (a failed operation closes it).
+///
+/// Emptiness is asked with `basic.get`, not read from a passive declare: a quorum queue's
+/// declare answers 0 when its leader is slow or lost (RabbitMQ reports what it could not
+/// ask as nothing), while a `basic.get` is served by the leader or fails. A message it gets
+/// goes straight back (nack, requeue) and the queue is in use. A consumer may hold messages
+/// unacked, so a queue with one is not deleted either; a park queue's consumers (other
+/// scheduler replicas) are waited for until `consumers_until`. Classic queues are deleted with
+/// `if-empty` as well; quorum queues refuse it (see the module's account, step 4).
 ///
 /// # Errors
-/// The broker's: 404 of a queue already gone is `Ok(Deleted)`.
-async fn delete_unbound(s: &Session, q: &str, key: &str) -> lapin::Result<Gone> {
-    let ch = s.conn.create_channel().await?;
+/// The broker's. A 404 (the queue is gone) is `Ok(Deleted)` once a passive declare on a
+/// fresh channel confirms it.
+async fn delete_unbound(s: &Session, q: &str, key: &str, consumers_until: Option<Instant>) -> Result<Gone, Step> {
+    let ch = s.conn.create_channel().await.map_err(Step::Channel)?;
     let r: lapin::Result<Gone> = async {
         ch.queue_unbind(q.into(), s.names.tasks_exchange().into(), key.into(), FieldTable::default()).await?;
-        let state = ch.queue_declare(q.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await?;
-        if state.message_count() > 0 || state.consumer_count() > 0 {
-            return Ok(Gone::InUse);
+        loop {
+            if let Some(m) = ch.basic_get(q.into(), BasicGetOptions { no_ack: false }).await? {
+                m.delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
+                return Ok(Gone::InUse);
+            }
+            let state = ch.queue_declare(q.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await?;
+            if state.consumer_count() == 0 {
+                break;
+            }
+            // A consumer that leaves hands back what it held: ask for messages again.
+            if !consumers_until.is_some_and(|t| Instant::now() + CONSUMERS_POLL < t) {
+                return Ok(Gone::InUse);
+            }
+            tokio::time::sleep(CONSUMERS_POLL).await;
         }
         let if_empty = s.cfg.common.queue_type == QueueType::Classic;
-        ch.queue_delete(q.into(), QueueDeleteOptions { if_empty, ..Default::default() }).await?;
+        let left = ch.queue_delete(q.into(), QueueDeleteOptions { if_empty, ..Default::default() }).await?;
+        if left > 0 {
+            // Not expected: nothing routes here and `basic.get` found it empty.
+            tracing::error!(queue = %q, messages = left, "reclaim: a deleted queue still held messages");
+        }
         Ok(Gone::Deleted)
     }
     .await;
     let _ = ch.close(200, "ok".into()).await;
     match r {
-        Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404) => Ok(Gone::Deleted),
-        r => r,
+        Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404) => {
+            if topology::depth(&s.conn, q).await.is_none() {
+                Ok(Gone::Deleted)
+            } else {
+                Err(Step::Channel(e))
+            }
+        }
+        r => r.map_err(Step::Broker),
     }
 }
 
-/// Undoes a claim: the group is back in Redis, its queues are declared again (those already
-/// deleted), and discovery may start its park loops again.
-async fn restore(s: &Session, loops: &ParkLoops, group: &str, labels: &str, hold: Duration) {
-    if let Err(e) = s.store.reclaim_restore(group, labels, hold).await {
-        tracing::warn!(error = %e, group = %group, "reclaim: cannot restore the group (a worker of the group registering recreates it)");
-    }
+/// Undoes a claim: the group's queues are declared — and so bound — again first (those
+/// already deleted, and those left unbound), then the group is back in Redis with its grace
+/// restarted and discovery may start its park loops again. In that order, a worker waiting
+/// for the tombstone never registers onto an unbound queue. When they cannot be declared again
+/// (the connection is gone), the claim ends as if the queues were deleted: the group stays
+/// gone and a worker of it must declare its queues, binding them, before it registers
+/// (`register.lua`); what the unbound queues hold waits there for that worker.
+async fn restore(s: &Session, loops: &ParkLoops, group: &str, labels: &str, hold: Duration, tombstone_life: Duration) {
     let mut attempt = 0;
-    loop {
+    let declared = loop {
         attempt += 1;
         match declare_again(s, group).await {
-            Ok(()) => break,
+            Ok(()) => break true,
             Err(e) if attempt >= DELETE_ATTEMPTS => {
-                tracing::warn!(error = %e, group = %group, "reclaim: cannot declare the group's queues again (its workers and the dispatcher declare them)");
-                break;
+                tracing::warn!(error = %e, group = %group, "reclaim: cannot declare the group's queues again; the group stays reclaimed and its workers declare them when they return");
+                break false;
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await,
         }
+    };
+    if !declared {
+        if let Err(e) = s.store.reclaim_done(group, tombstone_life).await {
+            tracing::warn!(error = %e, group = %group, "reclaim: cannot mark the group's queues gone (its tombstone expires by itself)");
+        }
+        loops.reclaimed(group);
+        return;
+    }
+    if let Err(e) = s.store.reclaim_restore(group, labels, hold).await {
+        tracing::warn!(error = %e, group = %group, "reclaim: cannot restore the group (a worker of the group registering recreates it)");
     }
     loops.resume(group);
 }

@@ -370,3 +370,45 @@ async fn quorum_groups_are_reclaimed_without_closing_the_connection() -> anyhow:
     sched.stop().await?;
     ns.cleanup().await
 }
+
+/// The race inside a reclaim, on quorum queues: a task reaches a claimed group's queue after
+/// the claim and before the deletion (published straight to the queue, past the unbind). The
+/// queue is found holding it: the claim is undone, the queue is bound to `<ns>.tasks` again
+/// and the group is back; the task runs once when a worker of the group returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_task_arriving_during_a_reclaim_keeps_the_group_bound() -> anyhow::Result<()> {
+    let _turn = TURN.lock().await;
+    let ns = Ns::with_queue_type("quorum").await?;
+    let sched = start_scheduler(&ns, &scheduler_cfg()).await?;
+    let rec = Recorder::default();
+    let h = [(JOB, rec.handler())];
+    let g = "pod=race,protocol=builtin";
+    let q = ns.names.group_queue(g, Lane::Normal);
+    let w = start_worker(&ns, "w-race-1", "pod=race", 1, WORKER, &h).await?;
+    w.stop().await?;
+    // The claim removes the group's keys; its queues are deleted a settle time (≥ 1 s) later.
+    wait_for("the group claimed", Duration::from_secs(30), || async { (!ns.store.group_names().await.ok()?.contains(&g.to_string())).then_some(()) }).await?;
+    let env = task(JOB, json!({"ms": 10}), "pod=race");
+    fleet::amqp::publish_confirmed(&ns.publisher, "", &q, &env.to_bytes(), fleet::amqp::task_properties(&env.id, None))
+        .await
+        .context("the task reaches the group's queue before its deletion")?;
+    wait_for("the group restored", Duration::from_secs(30), || async { ns.store.group_names().await.ok()?.contains(&g.to_string()).then_some(()) }).await?;
+    assert_eq!(ns.depth(&q).await, 1, "the task is still queued");
+    // Bound again: a mandatory publish through `<ns>.tasks` with the group's key is routed.
+    let probe = task(JOB, json!({"ms": 10}), "pod=race");
+    fleet::amqp::publish_confirmed(&ns.publisher, &ns.names.tasks_exchange(), &ns.names.group_key(g, Lane::Normal), &probe.to_bytes(), fleet::amqp::task_properties(&probe.id, None))
+        .await
+        .context("the group's queue is bound to the tasks exchange again")?;
+    assert_eq!(rec.count(), 0);
+
+    let back = start_worker(&ns, "w-race-2", "pod=race", 2, WORKER, &h).await?;
+    wait_succeeded(&ns, &[env.id.clone(), probe.id.clone()], Duration::from_secs(30)).await?;
+    let per = rec.per_task();
+    assert_eq!(per.len(), 2);
+    for id in [&env.id, &probe.id] {
+        assert_eq!(per.get(id), Some(&vec!["w-race-2".to_string()]), "{id} ran once on the returning worker: {per:?}");
+    }
+    back.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}

@@ -121,6 +121,8 @@ struct Pending {
     mine: bool,
     /// Why the last attempt failed.
     refused: Option<Refusal>,
+    /// Its task was accepted; only recording it `fired` is left (that write failed).
+    submitted: bool,
 }
 
 /// Per-schedule progress of this replica.
@@ -222,7 +224,7 @@ impl Firing {
             track.cursor = t;
             listed += 1;
             if t + tolerance >= now {
-                track.pending.push(Pending { tick: t, deadline: t + tolerance, mine: false, refused: None });
+                track.pending.push(Pending { tick: t, deadline: t + tolerance, mine: false, refused: None, submitted: false });
             } else {
                 overdue.push_back(t);
             }
@@ -238,7 +240,7 @@ impl Firing {
             }
             // The ticks to catch up join the pending ones before any Redis call below: the
             // cursor has passed them, so a failed call must not drop them.
-            let mut caught: Vec<Pending> = keep.into_iter().map(|t| Pending { tick: t, deadline: now + tolerance, mine: false, refused: None }).collect();
+            let mut caught: Vec<Pending> = keep.into_iter().map(|t| Pending { tick: t, deadline: now + tolerance, mine: false, refused: None, submitted: false }).collect();
             caught.append(&mut track.pending);
             track.pending = caught;
             for t in overdue {
@@ -273,6 +275,12 @@ impl Firing {
     /// One attempt at a pending tick; `Ok(true)` to keep it pending.
     async fn attempt(&self, s: &Schedule, p: &mut Pending, now: DateTime<Utc>) -> fleet::Result<bool> {
         let name = s.name();
+        if p.submitted {
+            // Its task went out; a Redis error kept it from being recorded `fired`. Whatever
+            // the deadline, that is all that is left (its task runs: never `missed`).
+            self.resolve(name, p.tick, "fired").await?;
+            return Ok(false);
+        }
         if now > p.deadline {
             if p.mine && self.resolve(name, p.tick, "missed").await? {
                 let reason = p.refused.unwrap_or(Refusal::Error).reason();
@@ -303,6 +311,7 @@ impl Firing {
         let sent = Instant::now();
         match submit(&self.publisher, &self.store.names, &self.pressure, &env).await {
             Ok(()) => {
+                p.submitted = true;
                 if self.resolve(name, p.tick, "fired").await? {
                     let lag = (now - p.tick).to_std().unwrap_or_default() + sent.elapsed();
                     metrics::counter!(m::SCHEDULE_FIRES, "schedule" => name.to_string(), "trigger" => "cron").increment(1);
