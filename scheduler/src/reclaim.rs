@@ -343,7 +343,7 @@ async fn delete_unbound(s: &Session, q: &str, key: &str, consumers_until: Option
                 break;
             }
             // A consumer that leaves hands back what it held: ask for messages again.
-            if !consumers_until.is_some_and(|t| Instant::now() + CONSUMERS_POLL < t) {
+            if consumers_until.is_none_or(|t| Instant::now() + CONSUMERS_POLL >= t) {
                 return Ok(Gone::InUse);
             }
             tokio::time::sleep(CONSUMERS_POLL).await;
