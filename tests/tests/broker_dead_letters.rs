@@ -26,22 +26,27 @@ async fn bounce(conn: &lapin::Connection, queue: &str) -> anyhow::Result<usize> 
     Ok(deliveries)
 }
 
+/// Declares `group`'s queues and puts one task in its normal lane as the scheduler would hand
+/// it over: the status a dispatch writes (reserve.lua: queued there) seeded by hand, then the
+/// message published through `<ns>.tasks`. Returns the declaring channel and the task's id.
+async fn hand_to_group(ns: &Ns, group: &str, selector: &str) -> anyhow::Result<(lapin::Channel, String)> {
+    let setup = ns.conn.create_channel().await?;
+    topology::declare_group(&setup, &ns.common(&[])?, group).await?;
+    let env = task("job", json!({"x": 1}), selector);
+    let mut seed = deadpool_redis::redis::cmd("HSET");
+    seed.arg(ns.names.task(&env.id)).arg("state").arg("queued").arg("group").arg(group).arg("lane").arg("normal").arg("attempt").arg(0);
+    ns.store.query::<i64>(&seed).await?;
+    amqp::publish_confirmed(&ns.publisher, &ns.names.tasks_exchange(), &ns.names.group_key(group, Lane::Normal), &env.to_bytes(), amqp::task_properties(&env.id, None)).await?;
+    Ok((setup, env.id))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn delivery_limit_dead_letters_get_a_reason_and_a_true_status() -> anyhow::Result<()> {
     let ns = Ns::with_queue_type("quorum").await?;
     let sched = start_scheduler(&ns, &[("probe_interval_ms", "600000")]).await?;
     let group = "pool=bs,protocol=builtin";
-    let setup = ns.conn.create_channel().await?;
-    topology::declare_group(&setup, &ns.common(&[])?, group).await?;
-
     // A task as the scheduler hands it to a group (reserved there, status queued), and a probe.
-    let env = task("job", json!({"x": 1}), "pool=bs");
-    let id = env.id.clone();
-    // The status a dispatch would have written (reserve.lua): seeded by hand, no scheduler here.
-    let mut seed = deadpool_redis::redis::cmd("HSET");
-    seed.arg(ns.names.task(&id)).arg("state").arg("queued").arg("group").arg(group).arg("lane").arg("normal").arg("attempt").arg(0);
-    ns.store.query::<i64>(&seed).await?;
-    amqp::publish_confirmed(&ns.publisher, &ns.names.tasks_exchange(), &ns.names.group_key(group, Lane::Normal), &env.to_bytes(), amqp::task_properties(&id, None)).await?;
+    let (setup, id) = hand_to_group(&ns, group, "pool=bs").await?;
     let mut probe = fleet::Envelope::new("noop", json!({"probe": true}));
     probe.id = format!("probe-{}", ns.name);
     probe.lane = Lane::Critical;
@@ -104,14 +109,7 @@ async fn a_broker_dead_letter_waits_for_redis_to_get_its_true_status() -> anyhow
     let ns = Ns::on(&amqp_url(), &redis.url(None), "quorum", &[]).await?;
     let sched = start_scheduler(&ns, &[("probe_interval_ms", "600000")]).await?;
     let group = "pool=bsr,protocol=builtin";
-    let setup = ns.conn.create_channel().await?;
-    topology::declare_group(&setup, &ns.common(&[])?, group).await?;
-    let env = task("job", json!({"x": 1}), "pool=bsr");
-    let id = env.id.clone();
-    let mut seed = deadpool_redis::redis::cmd("HSET");
-    seed.arg(ns.names.task(&id)).arg("state").arg("queued").arg("group").arg(group).arg("lane").arg("normal").arg("attempt").arg(0);
-    ns.store.query::<i64>(&seed).await?;
-    amqp::publish_confirmed(&ns.publisher, &ns.names.tasks_exchange(), &ns.names.group_key(group, Lane::Normal), &env.to_bytes(), amqp::task_properties(&id, None)).await?;
+    let (setup, id) = hand_to_group(&ns, group, "pool=bsr").await?;
 
     redis.deny_scripts(true).await?;
     let delivered = bounce(&ns.conn, &ns.names.group_queue(group, Lane::Normal)).await?;

@@ -63,6 +63,17 @@ async fn groups_gauge(sched: &SchedulerHandle) -> anyhow::Result<f64> {
     Ok(metric_sum(&page, "fleet_groups", &[]))
 }
 
+/// The tasks `ids` of a kept group all succeed once a worker returns: every task recorded ran
+/// exactly once, `on_returning` of them on the returning `worker`; nothing dead-lettered.
+async fn each_ran_once(ns: &Ns, rec: &Recorder, ids: &[String], worker: &str, on_returning: usize) -> anyhow::Result<()> {
+    wait_succeeded(ns, ids, Duration::from_secs(30)).await?;
+    let per = rec.per_task();
+    assert!(per.values().all(|w| w.len() == 1), "each task once: {per:?}");
+    assert_eq!(per.values().filter(|w| w[0] == worker).count(), on_returning);
+    assert!(ns.drain_dead().await?.is_empty());
+    Ok(())
+}
+
 /// The scenario: 40 workers with a unique label each run a task and drain. After the
 /// grace: 0 groups, their 160 queues gone (with the scheduler's 80 park consumers), the
 /// namespace's keys back to the count before the first worker, `fleet_groups` 0.
@@ -192,12 +203,8 @@ async fn a_group_with_queued_tasks_is_kept_and_they_run() -> anyhow::Result<()> 
     assert_eq!(groups_gauge(&sched).await?, 1.0);
 
     let b = start_worker(&ns, "w-kept-2", "pod=kept", 2, WORKER, &h).await?;
-    wait_succeeded(&ns, &ids, Duration::from_secs(30)).await?;
-    let per = rec.per_task();
-    assert_eq!(per.len(), 6);
-    assert!(per.values().all(|w| w.len() == 1), "each task once: {per:?}");
-    assert_eq!(per.values().filter(|w| w[0] == "w-kept-2").count(), 6 - ran_before);
-    assert!(ns.drain_dead().await?.is_empty());
+    each_ran_once(&ns, &rec, &ids, "w-kept-2", 6 - ran_before).await?;
+    assert_eq!(rec.per_task().len(), 6);
 
     b.stop().await?;
     sched.stop().await?;
@@ -360,11 +367,7 @@ async fn quorum_groups_are_reclaimed_without_closing_the_connection() -> anyhow:
     assert_eq!(reconnects().await? - before, 0.0, "the scheduler's connection was never closed");
 
     let b = start_worker(&ns, "w-qkept-2", "pod=qkept", 2, WORKER, &h).await?;
-    wait_succeeded(&ns, &ids, Duration::from_secs(30)).await?;
-    let per = rec.per_task();
-    assert!(per.values().all(|w| w.len() == 1), "each task once: {per:?}");
-    assert_eq!(per.values().filter(|w| w[0] == "w-qkept-2").count(), 5 - kept_ran);
-    assert!(ns.drain_dead().await?.is_empty());
+    each_ran_once(&ns, &rec, &ids, "w-qkept-2", 5 - kept_ran).await?;
 
     b.stop().await?;
     sched.stop().await?;
