@@ -25,16 +25,17 @@
 //! 4. Each of the queues is unbound from `<ns>.tasks` (a task routed to it from then on comes
 //!    back to its publisher, mandatory, and its source is requeued), asked for a message with
 //!    `basic.get` (served by a quorum queue's leader, unlike a passive declare's count, which
-//!    reads 0 when the leader is slow or lost) and for its consumers, and deleted if it has
-//!    neither — with `if-empty` as well when it is a classic queue. A park queue's consumers
-//!    (other scheduler replicas, which stop theirs at their next tick) are waited for, up to
-//!    two reclaim ticks. Quorum queues (the default) refuse `if-empty` and `if-unused` with a
-//!    connection-level error (540 NOT_IMPLEMENTED, RabbitMQ 3.10), which would close the
-//!    scheduler's whole connection; unbinding first is what makes the check and the delete one
-//!    step for them. A queue that is not empty means work arrived (and a broker that keeps
-//!    failing leaves them too): the claim is undone (`restore`: the queues are declared and
-//!    bound again, then the group is back, its grace starting again) and the group is tried
-//!    again after another grace.
+//!    reads 0 when the leader is slow or lost; a message found is put back as a copy), and —
+//!    a lane queue — for its consumers, and deleted if it has neither, with `if-empty` as well
+//!    when it is a classic queue (other replicas' park consumers are cancelled by the deletion,
+//!    which their park loops expect). Each deletion is bounded ([`DELETE_LIMIT`]). Quorum
+//!    queues (the default) refuse `if-empty` and `if-unused` with a connection-level error
+//!    (540 NOT_IMPLEMENTED, RabbitMQ 3.10), which would close the scheduler's whole
+//!    connection; unbinding first is what makes the check and the delete one step for them. A
+//!    queue that is not empty means work arrived (and a broker that keeps failing leaves them
+//!    too): the claim is undone (`restore`: the queues are declared and bound again, then the
+//!    group is back, its grace starting again) and the group is tried again after another
+//!    grace.
 //! 5. Done: the tombstone becomes the deletion's time for [`done_hold`]; a worker whose queue
 //!    declaration is older must declare them again before it registers (register.lua), so no
 //!    task is ever routed to a queue that no longer exists.
@@ -50,7 +51,8 @@ use fleet::registry::{GroupView, ReclaimClaim};
 use fleet::ticker::Ticker;
 use fleet::{metrics as m, topology, Lane};
 use fleet::config::QueueType;
-use lapin::options::{BasicGetOptions, BasicNackOptions, QueueDeclareOptions, QueueDeleteOptions};
+use fleet::amqp;
+use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
@@ -253,8 +255,9 @@ impl std::fmt::Display for NotDeleted {
 /// close of a channel whose id it reuses, e.g. a passive declare's 404, on the next one).
 const DELETE_ATTEMPTS: u32 = 5;
 
-/// How often a park queue's consumers are asked for while other scheduler replicas stop theirs.
-const CONSUMERS_POLL: Duration = Duration::from_millis(250);
+/// Longest one queue's deletion (unbind, look, delete) may take before it counts as failed: a
+/// pass must end well within the `pending` tombstone's life ([`PENDING_HOLD`]).
+const DELETE_LIMIT: Duration = Duration::from_secs(5);
 
 /// One lane's queues of a group with the key binding each to `<ns>.tasks`, and whether it is
 /// the park queue: its park queue, then every shard queue.
@@ -266,29 +269,27 @@ fn group_bindings(s: &Session, group: &str, lane: Lane) -> Vec<(String, String, 
     qs
 }
 
-/// Deletes the group's park and lane queues (every shard) that hold no task and keep no
-/// consumer (a queue already gone counts as deleted); see step 4 of the module's account.
+/// Deletes the group's park and lane queues (every shard) that hold no task (a queue already
+/// gone counts as deleted); see step 4 of the module's account.
 async fn delete_queues(s: &Session, group: &str) -> Result<(), NotDeleted> {
-    // Every replica consumes every group's park queue; the others stop theirs at their next
-    // reclaim tick, once they see the group gone.
-    let consumers_until = Instant::now() + (2 * interval(&s.cfg) + Duration::from_secs(1)).min(Duration::from_secs(20));
     for lane in Lane::ALL {
         for (q, key, park) in group_bindings(s, group, lane) {
-            let wait = if park { Some(consumers_until) } else { None };
             let mut attempt = 0;
             loop {
                 attempt += 1;
-                match delete_unbound(s, &q, &key, wait).await {
+                let r = match tokio::time::timeout(DELETE_LIMIT, delete_unbound(s, &q, &key, park)).await {
+                    Ok(r) => r,
+                    Err(_) => Err(Step::Retry(format!("no answer within {} s", DELETE_LIMIT.as_secs()))),
+                };
+                match r {
                     Ok(Gone::Deleted) => break,
                     Ok(Gone::InUse) => return Err(NotDeleted::NotEmpty(q)),
                     Err(Step::Broker(e)) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 406) => return Err(NotDeleted::NotEmpty(q)),
                     // The broker's answer to the operation itself (e.g. 540 NOT_IMPLEMENTED) will
-                    // not change on a retry; a channel that could not be opened might.
-                    Err(Step::Broker(e)) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(_)) || attempt >= DELETE_ATTEMPTS => {
-                        return Err(NotDeleted::Failed(e.to_string()));
-                    }
-                    Err(Step::Channel(e)) if attempt >= DELETE_ATTEMPTS => return Err(NotDeleted::Failed(e.to_string())),
-                    Err(Step::Broker(e) | Step::Channel(e)) => {
+                    // not change on a retry.
+                    Err(Step::Broker(e)) => return Err(NotDeleted::Failed(e.to_string())),
+                    Err(Step::Retry(e)) if attempt >= DELETE_ATTEMPTS => return Err(NotDeleted::Failed(e)),
+                    Err(Step::Retry(e)) => {
                         tracing::debug!(error = %e, queue = %q, "reclaim: queue deletion failed; retrying");
                         tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
                     }
@@ -303,50 +304,61 @@ async fn delete_queues(s: &Session, group: &str) -> Result<(), NotDeleted> {
 enum Gone {
     /// Deleted (or already gone).
     Deleted,
-    /// It holds a message or keeps a consumer: left, unbound (`restore` binds it again).
+    /// It holds a message, or a lane queue keeps a consumer: left (`restore` binds it again).
     InUse,
 }
 
-/// Where [`delete_unbound`] failed: opening its channel (retried whatever the error: lapin
-/// may report there an earlier channel's close), or an operation on it.
+/// Why [`delete_unbound`] failed.
 enum Step {
-    Channel(lapin::Error),
+    /// Worth another try: a channel that could not be opened (lapin may report there an
+    /// earlier channel's close), a 404 not confirmed, no answer in time.
+    Retry(String),
+    /// The broker refused an operation.
     Broker(lapin::Error),
 }
 
 /// Unbinds `q` from `<ns>.tasks` (`key`) — every fleet publish to a group queue goes through
 /// that exchange, so from then on nothing reaches it — then deletes it if it holds no message
-/// and keeps no consumer, on a channel of its own (a failed operation closes it).
+/// and, a lane queue (not a `park` queue), keeps no consumer; on a channel of its own (a
+/// failed operation closes it).
 ///
 /// Emptiness is asked with `basic.get`, not read from a passive declare: a quorum queue's
-/// declare answers 0 when its leader is slow or lost (RabbitMQ reports what it could not
-/// ask as nothing), while a `basic.get` is served by the leader or fails. A message it gets
-/// goes straight back (nack, requeue) and the queue is in use. A consumer may hold messages
-/// unacked, so a queue with one is not deleted either; a park queue's consumers (other
-/// scheduler replicas) are waited for until `consumers_until`. Classic queues are deleted with
-/// `if-empty` as well; quorum queues refuse it (see the module's account, step 4).
+/// declare answers 0 when its leader is slow or lost (RabbitMQ reports what it could not ask
+/// as nothing), while a `basic.get` is served by the leader or fails. A message it gets is
+/// put back as a confirmed copy through `<ns>.tasks` (the queue bound again first) and the
+/// one taken acked, not nacked: a quorum queue counts a nack as a delivery and dead-letters
+/// past `x-delivery-limit`, so a task waiting for its group's workers would die after that
+/// many reclaim attempts (the same reason as `health.rs`'s orphan moves). A lane queue's
+/// consumer (a worker's, even one evicted while frozen) may hold tasks unacked: such a queue is
+/// kept. A park queue's consumers are scheduler replicas' park loops, which hold nothing for a
+/// claimed group (the claim requires no parked task) and stop when the deletion cancels them.
+/// Classic queues are deleted with `if-empty` as well; quorum queues refuse it (see the
+/// module's account, step 4).
 ///
 /// # Errors
-/// The broker's. A 404 (the queue is gone) is `Ok(Deleted)` once a passive declare on a
-/// fresh channel confirms it.
-async fn delete_unbound(s: &Session, q: &str, key: &str, consumers_until: Option<Instant>) -> Result<Gone, Step> {
-    let ch = s.conn.create_channel().await.map_err(Step::Channel)?;
+/// [`Step`]. A 404 (the queue is gone) is `Ok(Deleted)` once a passive declare on a fresh
+/// channel confirms it.
+async fn delete_unbound(s: &Session, q: &str, key: &str, park: bool) -> Result<Gone, Step> {
+    let ch = s.conn.create_channel().await.map_err(|e| Step::Retry(e.to_string()))?;
+    let tasks = s.names.tasks_exchange();
     let r: lapin::Result<Gone> = async {
-        ch.queue_unbind(q.into(), s.names.tasks_exchange().into(), key.into(), FieldTable::default()).await?;
-        loop {
-            if let Some(m) = ch.basic_get(q.into(), BasicGetOptions { no_ack: false }).await? {
-                m.delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
-                return Ok(Gone::InUse);
-            }
+        ch.queue_unbind(q.into(), tasks.as_str().into(), key.into(), FieldTable::default()).await?;
+        if let Some(m) = ch.basic_get(q.into(), BasicGetOptions { no_ack: false }).await? {
+            ch.queue_bind(q.into(), tasks.as_str().into(), key.into(), QueueBindOptions::default(), FieldTable::default()).await?;
+            match amqp::publish_confirmed(&s.publisher, &tasks, key, &m.delivery.data, m.delivery.properties.clone()).await {
+                Ok(()) => m.delivery.acker.ack(BasicAckOptions::default()).await?,
+                Err(e) => {
+                    tracing::warn!(queue = %q, error = %e, "reclaim: cannot put a task back as a copy; requeueing it (one delivery more)");
+                    m.delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?
+                }
+            };
+            return Ok(Gone::InUse);
+        }
+        if !park {
             let state = ch.queue_declare(q.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await?;
-            if state.consumer_count() == 0 {
-                break;
-            }
-            // A consumer that leaves hands back what it held: ask for messages again.
-            if consumers_until.is_none_or(|t| Instant::now() + CONSUMERS_POLL >= t) {
+            if state.consumer_count() > 0 {
                 return Ok(Gone::InUse);
             }
-            tokio::time::sleep(CONSUMERS_POLL).await;
         }
         let if_empty = s.cfg.common.queue_type == QueueType::Classic;
         let left = ch.queue_delete(q.into(), QueueDeleteOptions { if_empty, ..Default::default() }).await?;
@@ -359,14 +371,24 @@ async fn delete_unbound(s: &Session, q: &str, key: &str, consumers_until: Option
     .await;
     let _ = ch.close(200, "ok".into()).await;
     match r {
-        Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404) => {
-            if topology::depth(&s.conn, q).await.is_none() {
-                Ok(Gone::Deleted)
-            } else {
-                Err(Step::Channel(e))
-            }
-        }
+        Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404) => match queue_exists(s, q).await {
+            Ok(false) => Ok(Gone::Deleted),
+            Ok(true) => Err(Step::Retry(format!("{e} (the queue exists)"))),
+            Err(e2) => Err(Step::Retry(format!("{e}; and then {e2}"))),
+        },
         r => r.map_err(Step::Broker),
+    }
+}
+
+/// Whether `q` exists (passive declare on a fresh channel): only a 404 says no.
+async fn queue_exists(s: &Session, q: &str) -> lapin::Result<bool> {
+    let ch = s.conn.create_channel().await?;
+    let r = ch.queue_declare(q.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await;
+    let _ = ch.close(200, "ok".into()).await;
+    match r {
+        Ok(_) => Ok(true),
+        Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404) => Ok(false),
+        Err(e) => Err(e),
     }
 }
 
@@ -374,9 +396,10 @@ async fn delete_unbound(s: &Session, q: &str, key: &str, consumers_until: Option
 /// already deleted, and those left unbound), then the group is back in Redis with its grace
 /// restarted and discovery may start its park loops again. In that order, a worker waiting
 /// for the tombstone never registers onto an unbound queue. When they cannot be declared again
-/// (the connection is gone), the claim ends as if the queues were deleted: the group stays
-/// gone and a worker of it must declare its queues, binding them, before it registers
-/// (`register.lua`); what the unbound queues hold waits there for that worker.
+/// (the connection is gone) the group is back all the same — what its queues hold stays
+/// visible to the fleet view, the orphan rescue and the API — but its tombstone becomes the
+/// time of now (`restore_undeclared`): a worker of the group declares, and binds, its queues
+/// before it registers.
 async fn restore(s: &Session, loops: &ParkLoops, group: &str, labels: &str, hold: Duration, tombstone_life: Duration) {
     let mut attempt = 0;
     let declared = loop {
@@ -384,20 +407,14 @@ async fn restore(s: &Session, loops: &ParkLoops, group: &str, labels: &str, hold
         match declare_again(s, group).await {
             Ok(()) => break true,
             Err(e) if attempt >= DELETE_ATTEMPTS => {
-                tracing::warn!(error = %e, group = %group, "reclaim: cannot declare the group's queues again; the group stays reclaimed and its workers declare them when they return");
+                tracing::warn!(error = %e, group = %group, "reclaim: cannot declare the group's queues again; its workers declare them before they register");
                 break false;
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await,
         }
     };
-    if !declared {
-        if let Err(e) = s.store.reclaim_done(group, tombstone_life).await {
-            tracing::warn!(error = %e, group = %group, "reclaim: cannot mark the group's queues gone (its tombstone expires by itself)");
-        }
-        loops.reclaimed(group);
-        return;
-    }
-    if let Err(e) = s.store.reclaim_restore(group, labels, hold).await {
+    let r = if declared { s.store.reclaim_restore(group, labels, hold).await } else { s.store.reclaim_restore_undeclared(group, labels, tombstone_life).await };
+    if let Err(e) = r {
         tracing::warn!(error = %e, group = %group, "reclaim: cannot restore the group (a worker of the group registering recreates it)");
     }
     loops.resume(group);

@@ -306,6 +306,18 @@ async fn registration_waits_for_a_reclaim_and_its_deleted_queues() -> anyhow::Re
     let idx: Vec<String> = s.query(redis::cmd("SMEMBERS").arg(format!("{}idx:pod=race", ns.names.prefix()))).await?;
     assert_eq!(idx, vec![g.clone()]);
     assert!(matches!(s.reclaim_claim(&g, Duration::from_secs(60), Duration::from_secs(60)).await?, ReclaimClaim::Wait(_)), "its grace starts again");
+    // A claim undone whose queues could not be declared again: the group is back, and a worker
+    // whose queue declaration is older must declare them (and so bind them) again first.
+    let ReclaimClaim::Reclaimed { labels: json } = s.reclaim_claim(&g, Duration::from_millis(0), Duration::from_secs(60)).await? else { anyhow::bail!("not reclaimed") };
+    let declared_before = now();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    s.reclaim_restore_undeclared(&g, &json, Duration::from_secs(60)).await?;
+    assert_eq!(s.group_names().await?, vec![g.clone()]);
+    let r = s.register_declared(&reg("w3"), Duration::from_secs(30), false, declared_before).await;
+    assert!(matches!(r, Err(fleet::Error::Reclaiming(_))), "its queues may be unbound: declare them again: {r:?}");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    s.register_declared(&reg("w3"), Duration::from_secs(30), false, now()).await?;
+    assert_eq!(group(s, &g).await.map(|v| (v.workers, v.capacity)), Some((1, 1)));
     ns.cleanup().await
 }
 
@@ -411,6 +423,7 @@ async fn a_task_arriving_during_a_reclaim_keeps_the_group_bound() -> anyhow::Res
     for id in [&env.id, &probe.id] {
         assert_eq!(per.get(id), Some(&vec!["w-race-2".to_string()]), "{id} ran once on the returning worker: {per:?}");
     }
+    assert!(ns.drain_dead().await?.is_empty());
     back.stop().await?;
     sched.stop().await?;
     ns.cleanup().await

@@ -278,7 +278,9 @@ impl Firing {
         if p.submitted {
             // Its task went out; a Redis error kept it from being recorded `fired`. Whatever
             // the deadline, that is all that is left (its task runs: never `missed`).
-            self.resolve(name, p.tick, "fired").await?;
+            if self.resolve(name, p.tick, "fired").await? {
+                metrics::counter!(m::SCHEDULE_FIRES, "schedule" => name.to_string(), "trigger" => "cron").increment(1);
+            }
             return Ok(false);
         }
         if now > p.deadline {

@@ -1,9 +1,10 @@
 -- reclaim: remove a departed group — no worker, no running, reserved or parked record — once it
 -- has been empty for a grace, in three steps around the scheduler deleting its queues.
 -- KEYS[1]: key prefix
--- ARGV[1]: step: 'claim' | 'done' | 'restore'
+-- ARGV[1]: step: 'claim' | 'done' | 'restore' | 'restore_undeclared'
 -- ARGV[2]: group
--- ARGV[3]: claim: the grace (ms) | restore: the group's labels as JSON (what claim returned)
+-- ARGV[3]: claim: the grace (ms) | restore, restore_undeclared: the group's labels as JSON (what
+--   claim returned)
 -- ARGV[4]: life of the tombstone `rc:<group>` (ms)
 --
 -- claim: atomic against a worker registering: while the group has a worker (or running,
@@ -19,6 +20,9 @@
 --   before it registers. returns { 'done', time ms }
 -- restore: a queue held a task after all (work arrived): the group comes back, its grace starts
 --   again. returns { 'restored', '' }
+-- restore_undeclared: the same, but the scheduler could not declare the group's queues again
+--   (some may be unbound or deleted): the tombstone becomes the time of now, as in done, so a
+--   worker of the group declares (and binds) them again before it registers.
 local step, g = ARGV[1], ARGV[2]
 local hold = tonumber(ARGV[4])
 local rc = K_reclaim(g)
@@ -36,11 +40,15 @@ if step == 'done' then
   return { 'done', tostring(NOW_MS) }
 end
 
-if step == 'restore' then
+if step == 'restore' or step == 'restore_undeclared' then
   redis.call('SADD', K_groups(), g)
   redis.call('HSET', K_group(g), 'labels', ARGV[3], 'idle', NOW_MS)
   index(ARGV[3], true)
-  redis.call('DEL', rc)
+  if step == 'restore' then
+    redis.call('DEL', rc)
+  else
+    redis.call('SET', rc, NOW_MS, 'PX', hold)
+  end
   return { 'restored', '' }
 end
 

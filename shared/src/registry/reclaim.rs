@@ -58,6 +58,17 @@ impl Store {
         self.reclaim_step("restore", group, labels, hold).await.map(|_| ())
     }
 
+    /// [`Store::reclaim_restore`] for a group whose queues the scheduler could not declare
+    /// again (some may be unbound or deleted): the group is back, and its tombstone becomes
+    /// the time of now for `hold`, so a worker of the group declares — and binds — its queues
+    /// again before it registers.
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn reclaim_restore_undeclared(&self, group: &str, labels: &str, hold: Duration) -> Result<()> {
+        self.reclaim_step("restore_undeclared", group, labels, hold).await.map(|_| ())
+    }
+
     async fn reclaim_step(&self, step: &str, group: &str, arg: &str, hold: Duration) -> Result<(String, String)> {
         let mut inv = self.scripts.reclaim.prepare_invoke();
         inv.key(self.names.prefix()).arg(step).arg(group).arg(arg).arg(millis(hold).max(1));
