@@ -255,8 +255,9 @@ impl std::fmt::Display for NotDeleted {
 /// close of a channel whose id it reuses, e.g. a passive declare's 404, on the next one).
 const DELETE_ATTEMPTS: u32 = 5;
 
-/// Longest one queue's deletion (unbind, look, delete) may take before it counts as failed: a
-/// pass must end well within the `pending` tombstone's life ([`PENDING_HOLD`]).
+/// Longest each step of one queue's deletion (opening its channel; unbind, look, delete;
+/// closing) may take before the deletion counts as failed, not retried: a pass must end well
+/// within the `pending` tombstone's life ([`PENDING_HOLD`]).
 const DELETE_LIMIT: Duration = Duration::from_secs(5);
 
 /// One lane's queues of a group with the key binding each to `<ns>.tasks`, and whether it is
@@ -277,17 +278,15 @@ async fn delete_queues(s: &Session, group: &str) -> Result<(), NotDeleted> {
             let mut attempt = 0;
             loop {
                 attempt += 1;
-                let r = match tokio::time::timeout(DELETE_LIMIT, delete_unbound(s, &q, &key, park)).await {
-                    Ok(r) => r,
-                    Err(_) => Err(Step::Retry(format!("no answer within {} s", DELETE_LIMIT.as_secs()))),
-                };
-                match r {
+                match delete_unbound(s, &q, &key, park).await {
                     Ok(Gone::Deleted) => break,
                     Ok(Gone::InUse) => return Err(NotDeleted::NotEmpty(q)),
                     Err(Step::Broker(e)) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 406) => return Err(NotDeleted::NotEmpty(q)),
                     // The broker's answer to the operation itself (e.g. 540 NOT_IMPLEMENTED) will
-                    // not change on a retry.
+                    // not change on a retry; after no answer in time, a message `basic.get` took
+                    // may still be held: never try to delete that queue again now.
                     Err(Step::Broker(e)) => return Err(NotDeleted::Failed(e.to_string())),
+                    Err(Step::Slow) => return Err(NotDeleted::Failed(format!("{q}: no answer within {} s", DELETE_LIMIT.as_secs()))),
                     Err(Step::Retry(e)) if attempt >= DELETE_ATTEMPTS => return Err(NotDeleted::Failed(e)),
                     Err(Step::Retry(e)) => {
                         tracing::debug!(error = %e, queue = %q, "reclaim: queue deletion failed; retrying");
@@ -311,10 +310,12 @@ enum Gone {
 /// Why [`delete_unbound`] failed.
 enum Step {
     /// Worth another try: a channel that could not be opened (lapin may report there an
-    /// earlier channel's close), a 404 not confirmed, no answer in time.
+    /// earlier channel's close), a 404 not confirmed.
     Retry(String),
     /// The broker refused an operation.
     Broker(lapin::Error),
+    /// No answer within [`DELETE_LIMIT`].
+    Slow,
 }
 
 /// Unbinds `q` from `<ns>.tasks` (`key`) — every fleet publish to a group queue goes through
@@ -339,9 +340,12 @@ enum Step {
 /// [`Step`]. A 404 (the queue is gone) is `Ok(Deleted)` once a passive declare on a fresh
 /// channel confirms it.
 async fn delete_unbound(s: &Session, q: &str, key: &str, park: bool) -> Result<Gone, Step> {
-    let ch = s.conn.create_channel().await.map_err(|e| Step::Retry(e.to_string()))?;
+    let ch = match tokio::time::timeout(DELETE_LIMIT, s.conn.create_channel()).await {
+        Ok(ch) => ch.map_err(|e| Step::Retry(e.to_string()))?,
+        Err(_) => return Err(Step::Slow),
+    };
     let tasks = s.names.tasks_exchange();
-    let r: lapin::Result<Gone> = async {
+    let work = async {
         ch.queue_unbind(q.into(), tasks.as_str().into(), key.into(), FieldTable::default()).await?;
         if let Some(m) = ch.basic_get(q.into(), BasicGetOptions { no_ack: false }).await? {
             ch.queue_bind(q.into(), tasks.as_str().into(), key.into(), QueueBindOptions::default(), FieldTable::default()).await?;
@@ -367,9 +371,16 @@ async fn delete_unbound(s: &Session, q: &str, key: &str, park: bool) -> Result<G
             tracing::error!(queue = %q, messages = left, "reclaim: a deleted queue still held messages");
         }
         Ok(Gone::Deleted)
-    }
-    .await;
-    let _ = ch.close(200, "ok".into()).await;
+    };
+    let r: lapin::Result<Gone> = match tokio::time::timeout(DELETE_LIMIT, work).await {
+        Ok(r) => r,
+        Err(_) => {
+            // Closing the channel hands back whatever it still holds.
+            let _ = tokio::time::timeout(DELETE_LIMIT, ch.close(200, "slow".into())).await;
+            return Err(Step::Slow);
+        }
+    };
+    let _ = tokio::time::timeout(DELETE_LIMIT, ch.close(200, "ok".into())).await;
     match r {
         Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404) => match queue_exists(s, q).await {
             Ok(false) => Ok(Gone::Deleted),
