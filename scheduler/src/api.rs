@@ -178,16 +178,15 @@ async fn publish_all(st: &AppState, envs: &[(&Envelope, &[u8], bool)], now: chro
         let guard = loop {
             let g = st.publisher.read().await;
             if g.as_ref().is_some_and(|ch| ch.status().connected()) {
-                break g;
+                break Some(g);
             }
             drop(g);
             if round == 1 || tokio::time::Instant::now() >= deadline {
-                let unknown = todo.iter().map(|&i| envs[i].0.id.clone()).collect();
-                return Err(Unfinished { accepted, refused, unknown });
+                break None;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         };
-        let Some(ch) = guard.as_ref() else {
+        let Some(ch) = guard.as_ref().and_then(|g| g.as_ref()) else {
             let unknown = todo.iter().map(|&i| envs[i].0.id.clone()).collect();
             return Err(Unfinished { accepted, refused, unknown });
         };

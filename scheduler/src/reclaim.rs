@@ -215,21 +215,13 @@ async fn pass(s: &Session, loops: &ParkLoops, probes: &ProbeBoard, groups: &[Gro
 /// view was sampled, and these queues are about to be deleted.
 async fn queues_empty(s: &Session, group: &str) -> bool {
     for lane in Lane::ALL {
-        for q in group_queues(s, group, lane) {
+        for (q, _, _) in group_bindings(s, group, lane) {
             if topology::depth(&s.conn, &q).await.unwrap_or(0) > 0 {
                 return false;
             }
         }
     }
     true
-}
-
-/// One lane's queues of a group: its park queue first, then every shard queue (one when the
-/// lane is not sharded).
-fn group_queues(s: &Session, group: &str, lane: Lane) -> Vec<String> {
-    let mut qs = vec![s.names.park_queue(group, lane)];
-    qs.extend(s.names.group_shard_queues(group, lane, s.cfg.common.shards(lane)));
-    qs
 }
 
 /// Why a group's queues were not all deleted.
@@ -261,7 +253,7 @@ const DELETE_ATTEMPTS: u32 = 5;
 const DELETE_LIMIT: Duration = Duration::from_secs(5);
 
 /// One lane's queues of a group with the key binding each to `<ns>.tasks`, and whether it is
-/// the park queue: its park queue, then every shard queue.
+/// the park queue: its park queue, then every shard queue (one when the lane is not sharded).
 fn group_bindings(s: &Session, group: &str, lane: Lane) -> Vec<(String, String, bool)> {
     let n = &s.names;
     let shards = s.cfg.common.shards(lane);
@@ -281,7 +273,7 @@ async fn delete_queues(s: &Session, group: &str) -> Result<(), NotDeleted> {
                 match delete_unbound(s, &q, &key, park).await {
                     Ok(Gone::Deleted) => break,
                     Ok(Gone::InUse) => return Err(NotDeleted::NotEmpty(q)),
-                    Err(Step::Broker(e)) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 406) => return Err(NotDeleted::NotEmpty(q)),
+                    Err(Step::Broker(e)) if amqp::reply_code(&e) == Some(406) => return Err(NotDeleted::NotEmpty(q)),
                     // The broker's answer to the operation itself (e.g. 540 NOT_IMPLEMENTED) will
                     // not change on a retry; after no answer in time, a message `basic.get` took
                     // may still be held: never try to delete that queue again now.
@@ -382,7 +374,7 @@ async fn delete_unbound(s: &Session, q: &str, key: &str, park: bool) -> Result<G
     };
     let _ = tokio::time::timeout(DELETE_LIMIT, ch.close(200, "ok".into())).await;
     match r {
-        Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404) => match queue_exists(s, q).await {
+        Err(e) if amqp::reply_code(&e) == Some(404) => match queue_exists(s, q).await {
             Ok(false) => Ok(Gone::Deleted),
             Ok(true) => Err(Step::Retry(format!("{e} (the queue exists)"))),
             Err(e2) => Err(Step::Retry(format!("{e}; and then {e2}"))),
@@ -398,7 +390,7 @@ async fn queue_exists(s: &Session, q: &str) -> lapin::Result<bool> {
     let _ = ch.close(200, "ok".into()).await;
     match r {
         Ok(_) => Ok(true),
-        Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404) => Ok(false),
+        Err(e) if amqp::reply_code(&e) == Some(404) => Ok(false),
         Err(e) => Err(e),
     }
 }

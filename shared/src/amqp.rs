@@ -89,6 +89,16 @@ pub fn classify(e: lapin::Error, setting: &str, url: &str) -> Error {
     Error::Permanent { setting: setting.to_string(), message }
 }
 
+/// The reply code of a broker's refusal that closed a channel or connection (404 NOT_FOUND,
+/// 406 PRECONDITION_FAILED, 540 NOT_IMPLEMENTED, ... — AMQP 0-9-1 §1.2), `None` for any other
+/// error (I/O, a channel already closed).
+pub fn reply_code(e: &lapin::Error) -> Option<u16> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(a) => Some(a.get_id()),
+        _ => None,
+    }
+}
+
 /// A channel in confirm mode, for publishing from any number of tasks at once.
 ///
 /// Publisher confirms (RabbitMQ's extension to AMQP 0-9-1) number a channel's messages in the

@@ -244,7 +244,7 @@ pub async fn park_depth(ch: &Channel, cfg: &CommonConfig, group: &str, lane: Lan
     let q = cfg.names().park_queue(group, lane);
     match ch.queue_declare(ShortString::from(q.as_str()), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await {
         Ok(q) => Ok(q.message_count()),
-        Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404) => Ok(0),
+        Err(e) if crate::amqp::reply_code(&e) == Some(404) => Ok(0),
         Err(e) => Err(e.into()),
     }
 }
