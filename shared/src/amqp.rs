@@ -23,20 +23,41 @@ pub async fn connect(url: &str, name: &str) -> Result<Connection> {
     connect_with(url, name, &TlsConfig::default()).await
 }
 
+/// How long one connection attempt may take, TCP connect, TLS and the AMQP handshake
+/// (`Connection.Start` to `Connection.Open-Ok`) together: RabbitMQ's own `handshake_timeout`
+/// (10 s). lapin bounds none of it, so a node that accepts the socket but never answers — a
+/// frozen (SIGSTOP) or wedged node, a proxy with no backend — would hold the attempt, and with
+/// it every reconnect loop, forever.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Connects once; an `amqps://` URL uses `tls` (extra CA, client certificate) and verifies the
 /// server's name against the URL's host. A failed TLS handshake is an `Amqp` error whose text
 /// says why (for example `invalid peer certificate: UnknownIssuer` for a wrong CA).
+///
+/// # Errors
+/// [`Error::Other`] (transient: retried by [`connect_retrying`]) when the attempt takes longer
+/// than [`CONNECT_TIMEOUT`]; lapin's I/O thread of that attempt ends when the node closes the
+/// socket (RabbitMQ does so after its own handshake timeout).
 pub async fn connect_with(url: &str, name: &str, tls: &TlsConfig) -> Result<Connection> {
     let props = ConnectionProperties::default().with_connection_name(name.into());
-    let conn = if tls.is_default() {
-        Connection::connect(url, props).await
-    } else {
-        match lapin::runtime::default_runtime() {
-            Ok(rt) => Connection::connect_with_config(url, props, tls.to_lapin(), rt).await,
-            Err(e) => Err(e),
+    let attempt = async {
+        if tls.is_default() {
+            Connection::connect(url, props).await
+        } else {
+            match lapin::runtime::default_runtime() {
+                Ok(rt) => Connection::connect_with_config(url, props, tls.to_lapin(), rt).await,
+                Err(e) => Err(e),
+            }
         }
     };
-    conn.map_err(|e| classify(e, "FLEET_AMQP_URL", url))
+    match tokio::time::timeout(CONNECT_TIMEOUT, attempt).await {
+        Ok(conn) => conn.map_err(|e| classify(e, "FLEET_AMQP_URL", url)),
+        Err(_) => Err(Error::Other(format!(
+            "no answer from RabbitMQ at {} within {} s (connect, TLS and AMQP handshake)",
+            crate::redact::redact(url),
+            CONNECT_TIMEOUT.as_secs()
+        ))),
+    }
 }
 
 /// Backoff of every connection retry: exponential from 100 ms, capped at 5 s, with jitter

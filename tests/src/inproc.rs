@@ -34,6 +34,7 @@ impl SchedulerHandle {
 
 /// Logs of in-process fleets to stderr when `FLEET_TEST_LOG` is set (an env filter, e.g. `info`).
 pub fn test_log() {
+    crate::wait::watchdog();
     if let Ok(f) = std::env::var("FLEET_TEST_LOG") {
         let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::new(f)).with_test_writer().try_init();
     }

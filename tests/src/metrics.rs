@@ -23,7 +23,8 @@ pub fn metric_sum(page: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
 /// CPU, at a poll every 100 ms, to show in the benchmark's figures.
 pub fn http() -> &'static reqwest::Client {
     static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
-    CLIENT.get_or_init(reqwest::Client::new)
+    // Every request bounded (30 s): a component that stops answering fails the test that asked.
+    CLIENT.get_or_init(|| reqwest::Client::builder().timeout(std::time::Duration::from_secs(30)).build().unwrap_or_default())
 }
 
 /// GETs a JSON document.

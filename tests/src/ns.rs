@@ -57,8 +57,12 @@ impl Ns {
     /// A fresh namespace on the given servers; `extra` settings (TLS files, ...) join the base
     /// every component starts from and serve the test's own connections too.
     pub async fn on(amqp_url: &str, redis_url: &str, qt: &str, extra: &[(String, String)]) -> Result<Self> {
+        crate::wait::watchdog();
         let name = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
         let names = Names::new(&name);
+        if let (Ok(mut r), Some(test)) = (crate::wait::RUNNING.lock(), std::thread::current().name()) {
+            r.push(format!("{test} ({name})"));
+        }
         let mut base = vec![
             ("namespace".to_string(), name.clone()),
             ("amqp_url".to_string(), amqp_url.to_string()),
@@ -134,13 +138,17 @@ impl Ns {
 
     /// Takes every message in the dead-letter queue: (envelope bytes, reason header).
     pub async fn drain_dead(&self) -> Result<Vec<(Vec<u8>, Option<String>)>> {
-        let ch = self.conn.create_channel().await?;
-        let mut out = Vec::new();
-        while let Some(m) = ch.basic_get(self.names.dead_queue().as_str().into(), BasicGetOptions { no_ack: true }).await? {
-            let reason = amqp::header_str(&m.delivery.properties, fleet::headers::REASON);
-            out.push((m.delivery.data, reason));
-        }
-        Ok(out)
+        tokio::time::timeout(Duration::from_secs(60), async {
+            let ch = self.conn.create_channel().await?;
+            let mut out = Vec::new();
+            while let Some(m) = ch.basic_get(self.names.dead_queue().as_str().into(), BasicGetOptions { no_ack: true }).await? {
+                let reason = amqp::header_str(&m.delivery.properties, fleet::headers::REASON);
+                out.push((m.delivery.data, reason));
+            }
+            anyhow::Ok(out)
+        })
+        .await
+        .context("draining the dead-letter queue took over 60 s")?
     }
 
     /// Depth of a queue (0 if missing).
@@ -176,21 +184,35 @@ impl Ns {
     /// Deletes every queue, exchange and key of the namespace: every shard queue of every
     /// group (however many shards the test used) and the waiting-for-worker park queues too.
     pub async fn cleanup(self) -> Result<()> {
-        let groups = self.store.group_names().await.unwrap_or_default();
-        let shards = self.shard_count(&groups).await;
-        let ch = self.conn.create_channel().await?;
-        topology::delete_all_sharded(&ch, &self.names, &groups, shards).await?;
-        self.store.delete_namespace().await?;
-        let _ = self.conn.close(200, "bye".into()).await;
+        if let Ok(mut r) = crate::wait::RUNNING.lock() {
+            r.retain(|t| !t.ends_with(&format!("({})", self.name)));
+        }
+        // Bounded, like every wait of the harness: a broker or Redis that stops answering
+        // fails the test here instead of holding the suite.
+        tokio::time::timeout(Duration::from_secs(60), async {
+            let groups = self.store.group_names().await.unwrap_or_default();
+            let shards = self.shard_count(&groups).await;
+            let ch = self.conn.create_channel().await?;
+            topology::delete_all_sharded(&ch, &self.names, &groups, shards).await?;
+            self.store.delete_namespace().await?;
+            anyhow::Ok(())
+        })
+        .await
+        .with_context(|| format!("cleaning up namespace {} took over 60 s", self.name))??;
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.conn.close(200, "bye".into())).await;
         Ok(())
     }
     /// Publishes each envelope and reports, per envelope, whether the broker accepted it.
     pub async fn submit_each(&self, envs: &[Envelope]) -> Result<Vec<bool>> {
-        let mut out = Vec::with_capacity(envs.len());
-        for c in fleet::producer::publish_envelopes(&self.publisher, &self.names.submit_exchange(), envs).await {
-            out.push(amqp::confirmed(c?).await.is_ok());
-        }
-        Ok(out)
+        tokio::time::timeout(Duration::from_secs(60), async {
+            let mut out = Vec::with_capacity(envs.len());
+            for c in fleet::producer::publish_envelopes(&self.publisher, &self.names.submit_exchange(), envs).await {
+                out.push(amqp::confirmed(c?).await.is_ok());
+            }
+            anyhow::Ok(out)
+        })
+        .await
+        .context("publishing took over 60 s (no confirm from the broker)")?
     }
     /// Declares the submit exchange, the core queues and the ingress queues (as a scheduler
     /// would, with `extra` settings), so a test can publish while no scheduler runs.

@@ -16,15 +16,22 @@ where
 }
 
 /// [`wait_for`] polling every `every` (for checks that read many keys at a time).
+///
+/// The whole wait is bounded, each check included: a check that never answers (a broker or
+/// Redis call with no reply) is abandoned at the deadline and the wait fails saying so, so a
+/// stuck call fails its test instead of hanging the suite.
 pub async fn wait_for_every<T, F, Fut>(what: &str, timeout: Duration, every: Duration, mut check: F) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
 {
+    let deadline = tokio::time::Instant::now() + timeout;
     let start = Instant::now();
     loop {
-        if let Some(v) = check().await {
-            return Ok(v);
+        match tokio::time::timeout_at(deadline, check()).await {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(_) => bail!("timed out after {timeout:?} waiting for {what} (its last check got no answer)"),
         }
         if start.elapsed() > timeout {
             bail!("timed out after {timeout:?} waiting for {what}");
@@ -32,3 +39,30 @@ where
         tokio::time::sleep(every).await;
     }
 }
+
+/// Bounds the whole test binary: once its first test has used the harness for `FLEET_TEST_DEADLINE_S`
+/// seconds (default 600; the longest binary, the cluster tests, takes about 190 s), it prints the
+/// tests still running and exits with code 101, so a wait with no bound fails its own binary
+/// with a name instead of holding the suite until CI's limit. Started once, by the first
+/// namespace or in-process component; 0 turns it off.
+pub fn watchdog() {
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    STARTED.call_once(|| {
+        let secs = std::env::var("FLEET_TEST_DEADLINE_S").ok().and_then(|s| s.parse::<u64>().ok()).unwrap_or(600);
+        if secs == 0 {
+            return;
+        }
+        let _ = std::thread::Builder::new().name("fleet-test-watchdog".into()).spawn(move || {
+            std::thread::sleep(Duration::from_secs(secs));
+            let running = RUNNING.lock().map(|r| r.join(", ")).unwrap_or_default();
+            eprintln!(
+                "fleet-tests watchdog: this test binary has run for {secs} s (FLEET_TEST_DEADLINE_S); \
+                 a wait in it has no bound. Tests that made a namespace and did not clean it up: [{running}]. Exiting 101."
+            );
+            std::process::exit(101);
+        });
+    });
+}
+
+/// Names of the tests (their threads' names) holding a namespace, for [`watchdog`]'s message.
+pub(crate) static RUNNING: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());

@@ -43,6 +43,60 @@ async fn a_dead_node_in_the_list_is_skipped() -> Result<()> {
     ns.cleanup().await
 }
 
+/// A "node" that accepts connections and never says a word (a frozen RabbitMQ node, a proxy
+/// without a backend): it holds every socket it accepted, open and silent, until dropped.
+async fn silent_node() -> Result<(u16, tokio::task::JoinHandle<()>)> {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = l.local_addr()?.port();
+    let held = tokio::spawn(async move {
+        let mut sockets = Vec::new();
+        while let Ok((s, _)) = l.accept().await {
+            sockets.push(s);
+        }
+    });
+    Ok((port, held))
+}
+
+/// One attempt at a node that accepts the socket but never answers the AMQP handshake ends
+/// after `fleet::amqp::CONNECT_TIMEOUT` with an error naming the node (lapin alone waits
+/// forever), and a scheduler and a worker given that node beside a live one connect to the
+/// live one and run tasks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_silent_node_in_the_list_is_given_up_on() -> Result<()> {
+    let (port, held) = silent_node().await?;
+    let silent = format!("amqp://guest:s3cret@127.0.0.1:{port}/%2f");
+    let t = std::time::Instant::now();
+    let attempt = tokio::time::timeout(fleet::amqp::CONNECT_TIMEOUT + Duration::from_secs(10), fleet::amqp::connect(&silent, "silent-probe")).await;
+    let took = t.elapsed();
+    let Ok(attempt) = attempt else { panic!("the attempt at a silent node was still waiting after {took:?}") };
+    let err = attempt.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains(&format!("127.0.0.1:{port}")) && err.contains("no answer"), "{err}");
+    assert!(!err.contains("s3cret"), "the password leaked: {err}");
+    assert!(took >= fleet::amqp::CONNECT_TIMEOUT && took < fleet::amqp::CONNECT_TIMEOUT + Duration::from_secs(5), "gave up after {took:?}");
+
+    let ns = Ns::new().await?;
+    let list = format!("{silent},{}", amqp_url());
+    let with_list = [("amqp_url", list.as_str())];
+    let rec = Recorder::default();
+    let h = [("record", rec.handler())];
+    // Each process starts at a random node of the list: with three, one of them dials the
+    // silent node first all but surely (7 in 8), and every one must end up connected.
+    let sched = start_scheduler(&ns, &with_list).await?;
+    let w1 = start_worker(&ns, "w1", "pool=silent", 2, &with_list, &h).await?;
+    let w2 = start_worker(&ns, "w2", "pool=silent", 2, &with_list, &h).await?;
+    let envs: Vec<_> = (0..20).map(|i| task("record", json!({"i": i}), "pool=silent")).collect();
+    assert_eq!(ns.submit(&envs).await?, (20, 0));
+    wait_for("20 runs", Duration::from_secs(60), || async { (rec.count() >= 20).then_some(()) }).await?;
+    ns.wait_settled(Duration::from_secs(30)).await?;
+    assert_eq!(rec.per_task().len(), 20);
+    assert_eq!(rec.count(), 20, "no task ran twice");
+    w1.stop().await?;
+    w2.stop().await?;
+    sched.stop().await?;
+    held.abort();
+    ns.cleanup().await
+}
+
 #[tokio::test]
 async fn a_malformed_node_list_stops_start_up_with_exit_2() -> Result<()> {
     let bin = bin_path("fleet-scheduler")?;
