@@ -175,18 +175,20 @@ async fn publish_all(st: &AppState, envs: &[(&Envelope, &[u8], bool)], now: chro
     let mut round = 0u32;
     while !todo.is_empty() {
         round += 1;
-        let guard = loop {
-            let g = st.publisher.read().await;
-            if g.as_ref().is_some_and(|ch| ch.status().connected()) {
-                break Some(g);
+        // A clone of the session's publisher, the lock released at once: a publish the broker
+        // holds back (a memory alarm) must not hold the scheduler's stop, which takes the
+        // write lock.
+        let publisher = loop {
+            let p = st.publisher.read().await.clone();
+            if p.as_ref().is_some_and(|ch| ch.status().connected()) {
+                break p;
             }
-            drop(g);
             if round == 1 || tokio::time::Instant::now() >= deadline {
                 break None;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         };
-        let Some(ch) = guard.as_ref().and_then(|g| g.as_ref()) else {
+        let Some(ch) = publisher.as_ref() else {
             let unknown = todo.iter().map(|&i| envs[i].0.id.clone()).collect();
             return Err(Unfinished { accepted, refused, unknown });
         };
@@ -197,7 +199,6 @@ async fn publish_all(st: &AppState, envs: &[(&Envelope, &[u8], bool)], now: chro
             amqp::Outgoing { exchange: &exchange, routing_key: e.lane.as_str(), body: bytes, props: amqp::task_properties(&e.id, h) }
         });
         let confirms = amqp::publish_batch(ch, msgs).await;
-        drop(guard);
         let mut lost = Vec::new();
         for (&i, c) in todo.iter().zip(confirms) {
             let id = envs[i].0.id.clone();

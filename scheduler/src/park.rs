@@ -88,6 +88,12 @@ async fn consume(d: &Dispatcher, ch: &lapin::Channel, queue: &str, group: &str, 
     let unmatched = group == UNMATCHED;
     let source = if unmatched { Source::Unmatched } else { Source::Park };
     loop {
+        // With a full hold the consumer is not polled, so its end would go unseen: a channel
+        // the broker closed (its consumer timeout, while a full group held tasks here longer)
+        // has handed them back to the queue, and acking them here can only fail.
+        if !ch.status().connected() {
+            return Err(fleet::Error::Other(format!("the channel consuming {queue} was closed by the broker")));
+        }
         if held.is_empty() {
             let next = tokio::select! {
                 biased;

@@ -181,15 +181,25 @@ async fn session(
     ready: &Readiness,
     shutdown: &CancellationToken,
 ) -> fleet::Result<()> {
-    topology::probe_leader_locator(&conn, &cfg.common).await?;
-    let setup = conn.create_channel().await?;
-    topology::declare_core(&setup, &cfg.common).await?;
-    topology::declare_ingress(&setup, &cfg.common).await?;
-    let _ = setup.close(200, "ok".into()).await;
-    let publisher = amqp::confirm_channel(&conn).await?;
-    let api_publisher = amqp::confirm_channel(&conn).await?;
     let names = cfg.common.names();
-    let schedules = schedule::log::open(&conn, &api_publisher, &names, board.clone()).await?;
+    // The set-up waits on the broker (declares, a confirm on the schedules stream, whose
+    // leader may be missing) on a live connection that heartbeats would never end: a stop
+    // ends it instead.
+    let setup = async {
+        topology::probe_leader_locator(&conn, &cfg.common).await?;
+        let setup = conn.create_channel().await?;
+        topology::declare_core(&setup, &cfg.common).await?;
+        topology::declare_ingress(&setup, &cfg.common).await?;
+        let _ = setup.close(200, "ok".into()).await;
+        let publisher = amqp::confirm_channel(&conn).await?;
+        let api_publisher = amqp::confirm_channel(&conn).await?;
+        let schedules = schedule::log::open(&conn, &api_publisher, &names, board.clone()).await?;
+        Ok::<_, fleet::Error>((publisher, api_publisher, schedules))
+    };
+    let (publisher, api_publisher, schedules) = tokio::select! {
+        r = setup => r?,
+        _ = shutdown.cancelled() => return Ok(()),
+    };
     *publisher_slot.write().await = Some(api_publisher);
     ready.set_amqp(true);
     tracing::info!(namespace = %cfg.common.namespace, "connected to RabbitMQ; topology declared");

@@ -136,6 +136,8 @@ fn kill_group(child: &mut Child) {
         std::thread::sleep(Duration::from_millis(50));
     }
     let _ = Command::new("kill").args(["-KILL", "--", &format!("-{}", child.id())]).status();
+    // The direct child at least, even if `kill` could not run: the wait below must end.
+    let _ = child.kill();
     let _ = child.wait();
 }
 
@@ -146,6 +148,8 @@ fn kill_group(child: &mut Child) {
 /// ([`PrivateRabbit::start_tls`]).
 pub struct PrivateRabbit {
     pub port: u16,
+    /// The node's name (`fleet-t<8 hex>@localhost`), for [`PrivateRabbit::ctl`].
+    pub node: String,
     tls: bool,
     child: Child,
     dir: TempDir,
@@ -217,7 +221,7 @@ impl PrivateRabbit {
             .process_group(0)
             .spawn()
             .context("start rabbitmq-server (is it installed?)")?;
-        Ok(PrivateRabbit { port, tls, child, dir })
+        Ok(PrivateRabbit { port, node, tls, child, dir })
     }
 
     /// Polls `up` until it says yes, failing (with the log's tail) when the node exits first
@@ -266,6 +270,22 @@ impl PrivateRabbit {
 }
 
 impl PrivateRabbit {
+    /// Runs `rabbitmqctl -n <node> args...` against this node (the inner script, as the
+    /// calling user: the packaged wrapper would switch to user `rabbitmq` and its cookie) and
+    /// returns its standard output; fails with its output when it exits non-zero or takes
+    /// over 60 s.
+    pub async fn ctl(&self, args: &[&str]) -> Result<String> {
+        let bin = ["/usr/lib/rabbitmq/bin/rabbitmqctl", "/usr/sbin/rabbitmqctl"]
+            .into_iter()
+            .find(|p| Path::new(p).exists())
+            .unwrap_or("rabbitmqctl");
+        let run = tokio::process::Command::new(bin).arg("-n").arg(&self.node).args(args).stdin(Stdio::null()).kill_on_drop(true).output();
+        let out = tokio::time::timeout(Duration::from_secs(60), run).await.context("rabbitmqctl took over 60 s")??;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        anyhow::ensure!(out.status.success(), "rabbitmqctl {args:?}: {}{}", text, String::from_utf8_lossy(&out.stderr));
+        Ok(text)
+    }
+
     /// Sends `sig` (`STOP` freezes the node: connections stay open, nothing answers; `CONT`
     /// wakes it) to the node's whole process group.
     pub fn signal_group(&self, sig: &str) -> Result<()> {

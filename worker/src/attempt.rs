@@ -185,11 +185,19 @@ async fn claim(task: Task<'_>, slot: &mut Slot, base: u32, max_attempts: u32) ->
             Some(Claim::Run(n)) => n,
             Some(Claim::Isolate(n)) => {
                 tracing::warn!(attempt = n, "in flight when its worker died: runs alone until it ends or crashes on its own");
-                alone = Some(shared.isolation.clone().write_owned().await);
+                // Already held when a re-claim answers `iso` again (the record changed owner
+                // in between): taking the write lock a second time would wait on itself.
+                if alone.is_none() {
+                    alone = Some(shared.isolation.clone().write_owned().await);
+                }
                 req.isolated = true;
                 continue;
             }
             Some(Claim::Wait) => {
+                // Another live process runs it now: wait holding nothing, so this process
+                // runs its other tasks meanwhile (a claim that answers `iso` again retakes it).
+                alone = None;
+                req.isolated = false;
                 if !delivery.acker.usable() {
                     return None;
                 }

@@ -132,14 +132,13 @@ async fn change(st: &ScheduleApi, change: Change) -> Result<(), Response> {
         Err(e) => return Err(error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string())),
     };
     let rec = Record::new(change, at);
-    {
-        let guard = st.publisher.read().await;
-        let Some(ch) = guard.as_ref() else {
-            return Err(error(StatusCode::SERVICE_UNAVAILABLE, "not_connected", "the scheduler is reconnecting to RabbitMQ"));
-        };
-        if let Err(e) = log::append(ch, &st.store.names, &rec).await {
-            return Err(error(StatusCode::SERVICE_UNAVAILABLE, "not_recorded", format!("the broker did not take the change: {e}")));
-        }
+    // A clone of the publisher, the lock released at once: a publish the broker holds back
+    // (a memory alarm) must not hold the scheduler's stop, which takes the write lock.
+    let Some(ch) = st.publisher.read().await.clone() else {
+        return Err(error(StatusCode::SERVICE_UNAVAILABLE, "not_connected", "the scheduler is reconnecting to RabbitMQ"));
+    };
+    if let Err(e) = log::append(&ch, &st.store.names, &rec).await {
+        return Err(error(StatusCode::SERVICE_UNAVAILABLE, "not_recorded", format!("the broker did not take the change: {e}")));
     }
     if !st.board.wait_applied(&rec.id, APPLY_TIMEOUT).await {
         return Err(error(StatusCode::GATEWAY_TIMEOUT, "not_applied", "the change is recorded but this scheduler has not applied it yet"));
@@ -233,12 +232,11 @@ async fn fire_now(State(st): State<ScheduleApi>, Path(name): Path<String>) -> Re
         Ok(env) => env,
         Err(detail) => return error(StatusCode::INTERNAL_SERVER_ERROR, "bad_template", detail),
     };
-    let guard = st.publisher.read().await;
-    let Some(ch) = guard.as_ref() else {
+    // A clone, the lock released at once (see `change`).
+    let Some(ch) = st.publisher.read().await.clone() else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "not_connected", "the scheduler is reconnecting to RabbitMQ");
     };
-    let r = fire::submit(ch, &st.store.names, &st.pressure, &env).await;
-    drop(guard);
+    let r = fire::submit(&ch, &st.store.names, &st.pressure, &env).await;
     let retry = st.cfg.red_recheck.as_secs().max(1).to_string();
     match r {
         Ok(()) => {

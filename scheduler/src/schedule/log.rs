@@ -224,7 +224,8 @@ pub struct Follower {
 /// Opens the log for one AMQP session: subscribes from the first record, appends a sync
 /// marker, replays everything before the marker into a fresh map and swaps it into `board`.
 /// The scheduler reports ready only after this, so its API never answers from a partial view.
-/// `Err` when the broker fails or the replay takes over 30 s (the session restarts).
+/// `Err` when the broker fails or the marker's confirm and the replay take over 30 s (the
+/// session restarts).
 pub async fn open(conn: &Connection, publisher: &amqp::Publisher, names: &Names, board: Board) -> fleet::Result<Follower> {
     let ch = conn.create_channel().await?;
     declare(&ch, names).await?;
@@ -235,9 +236,10 @@ pub async fn open(conn: &Connection, publisher: &amqp::Publisher, names: &Names,
         .basic_consume(names.schedules_stream().as_str().into(), "".into(), BasicConsumeOptions::default(), args)
         .await?;
     let marker = Record::new(Change::Sync, 0);
-    append(publisher, names, &marker).await?;
     let (mut defs, mut ids) = (Defs::new(), Vec::new());
+    // The marker's confirm inside the limit too: a stream without a leader never confirms.
     let replay = async {
+        append(publisher, names, &marker).await?;
         loop {
             let Some(rec) = next(&mut consumer).await? else { continue };
             ids.push(rec.id.clone());
