@@ -61,11 +61,17 @@ impl Release {
             // The queue was deleted under the consumer: the group was reclaimed (by another
             // scheduler replica, or while this loop was being stopped). Not a session failure.
             // (Asked of Redis now, not of the fleet view: the view may predate the reclaim.)
-            Ended::ConsumerEnded if !d.session.store.group_names().await?.contains(&group) => {
+            Ended::ConsumerCancelled if !d.session.store.group_names().await?.contains(&group) => {
                 tracing::info!(queue = %queue, "park queue deleted: its group was reclaimed");
                 Ok(())
             }
-            Ended::ConsumerEnded => Err(fleet::Error::Other(format!("consumer of {queue} ended"))),
+            Ended::ConsumerCancelled => Err(fleet::Error::Other(format!("consumer of {queue} ended"))),
+            // Only this loop ends: discovery starts it again on its next pass (the group is
+            // still in the view), on a fresh channel.
+            Ended::ChannelClosed => {
+                tracing::warn!(queue = %queue, "the broker closed this park loop's channel (its consumer timeout?); the loop starts again");
+                Ok(())
+            }
         }
     }
 }
@@ -74,7 +80,10 @@ impl Release {
 enum Ended {
     Shutdown,
     /// The broker ended the consumer (its queue was deleted).
-    ConsumerEnded,
+    ConsumerCancelled,
+    /// The broker closed the loop's channel (e.g. its consumer timeout, while a full group held
+    /// tasks here longer): what the loop held is back in the queue.
+    ChannelClosed,
 }
 
 async fn consume(d: &Dispatcher, ch: &lapin::Channel, queue: &str, group: &str, lane: Lane, shutdown: &CancellationToken) -> fleet::Result<Ended> {
@@ -92,7 +101,7 @@ async fn consume(d: &Dispatcher, ch: &lapin::Channel, queue: &str, group: &str, 
         // the broker closed (its consumer timeout, while a full group held tasks here longer)
         // has handed them back to the queue, and acking them here can only fail.
         if !ch.status().connected() {
-            return Err(fleet::Error::Other(format!("the channel consuming {queue} was closed by the broker")));
+            return Ok(Ended::ChannelClosed);
         }
         if held.is_empty() {
             let next = tokio::select! {
@@ -103,7 +112,7 @@ async fn consume(d: &Dispatcher, ch: &lapin::Channel, queue: &str, group: &str, 
             match next {
                 Some(Ok(dl)) => held.push(dl),
                 Some(Err(e)) => return Err(e.into()),
-                None => return Ok(Ended::ConsumerEnded),
+                None => return Ok(Ended::ConsumerCancelled),
             }
         }
         let mut drained = false;

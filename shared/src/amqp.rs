@@ -24,11 +24,11 @@ pub async fn connect(url: &str, name: &str) -> Result<Connection> {
 }
 
 /// How long one connection attempt may take, TCP connect, TLS and the AMQP handshake
-/// (`Connection.Start` to `Connection.Open-Ok`) together: RabbitMQ's own `handshake_timeout`
-/// (10 s). lapin bounds none of it, so a node that accepts the socket but never answers — a
-/// frozen (SIGSTOP) or wedged node, a proxy with no backend — would hold the attempt, and with
-/// it every reconnect loop, forever.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// (`Connection.Start` to `Connection.Open-Ok`) together: what RabbitMQ itself allows a client
+/// after TCP (`ssl_handshake_timeout` 5 s + `handshake_timeout` 10 s). lapin bounds none of
+/// it, so a node that accepts the socket but never answers — a frozen (SIGSTOP) or wedged node,
+/// a proxy with no backend — would hold the attempt, and with it every reconnect loop, forever.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Connects once; an `amqps://` URL uses `tls` (extra CA, client certificate) and verifies the
 /// server's name against the URL's host. A failed TLS handshake is an `Amqp` error whose text
@@ -36,8 +36,12 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 ///
 /// # Errors
 /// [`Error::Other`] (transient: retried by [`connect_retrying`]) when the attempt takes longer
-/// than [`CONNECT_TIMEOUT`]; lapin's I/O thread of that attempt ends when the node closes the
-/// socket (RabbitMQ does so after its own handshake timeout).
+/// than [`CONNECT_TIMEOUT`]. The abandoned attempt's socket and lapin I/O thread stay until
+/// the peer closes the socket or the TCP connection fails: at once for a node that comes back
+/// (it finishes the handshake, then closes), after the node's own handshake timeout for a
+/// slow RabbitMQ, and never for a peer that holds the socket open in silence — one thread and
+/// one socket per attempt then, about one per 15-20 s per reconnecting process (a frozen node
+/// stops accepting once its listen backlog is full, which ends the growth).
 pub async fn connect_with(url: &str, name: &str, tls: &TlsConfig) -> Result<Connection> {
     let props = ConnectionProperties::default().with_connection_name(name.into());
     let attempt = async {
@@ -53,7 +57,7 @@ pub async fn connect_with(url: &str, name: &str, tls: &TlsConfig) -> Result<Conn
     match tokio::time::timeout(CONNECT_TIMEOUT, attempt).await {
         Ok(conn) => conn.map_err(|e| classify(e, "FLEET_AMQP_URL", url)),
         Err(_) => Err(Error::Other(format!(
-            "no answer from RabbitMQ at {} within {} s (connect, TLS and AMQP handshake)",
+            "no answer from RabbitMQ at {} within {} s (TCP, TLS and the AMQP handshake)",
             crate::redact::redact(url),
             CONNECT_TIMEOUT.as_secs()
         ))),

@@ -105,14 +105,16 @@ impl Producer {
     /// [`crate::endpoints`]) without client TLS settings (an `amqps://` URL then trusts the
     /// system roots only) and opens a confirm channel: [`Producer::connect_with`] with
     /// [`TlsConfig::default`](crate::tls::TlsConfig). Errors: the connection or channel failed
-    /// ([`Error::Amqp`]).
+    /// ([`Error::Amqp`]), no node answered within [`amqp::CONNECT_TIMEOUT`] ([`Error::Other`]),
+    /// the login or vhost was refused ([`Error::Permanent`]).
     pub async fn connect(amqp_url: &str, names: Names, connection_name: &str) -> Result<Self> {
         Self::connect_with(amqp_url, names, connection_name, &crate::tls::TlsConfig::default()).await
     }
 
     /// [`Producer::connect`] with TLS client settings for `amqps://` (`FLEET_AMQP_TLS_*`: a
     /// private CA, a client certificate for mutual TLS). Errors: the connection (including the
-    /// TLS handshake) or the channel failed ([`Error::Amqp`]).
+    /// TLS handshake) or the channel failed ([`Error::Amqp`]); as [`Producer::connect`] for
+    /// a silent node or a refused login.
     pub async fn connect_with(amqp_url: &str, names: Names, connection_name: &str, tls: &crate::tls::TlsConfig) -> Result<Self> {
         let conn = crate::endpoints::connect_any(amqp_url, connection_name, tls).await?;
         let ch = amqp::confirm_channel(&conn).await?;

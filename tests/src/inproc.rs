@@ -68,7 +68,9 @@ pub async fn start_scheduler_exactly(ns: &Ns, all: &[(&str, &str)]) -> Result<Sc
     let h = SchedulerHandle { addr, shutdown, join };
     let client = reqwest::Client::new();
     let url = h.url("/readyz");
-    wait_for("scheduler ready", Duration::from_secs(20), || {
+    // 40 s: a scheduler given a list of nodes may first spend `fleet::amqp::CONNECT_TIMEOUT`
+    // on one that never answers.
+    wait_for("scheduler ready", Duration::from_secs(40), || {
         let (c, u) = (client.clone(), url.clone());
         async move { c.get(&u).send().await.ok().filter(|r| r.status().is_success()).map(|_| ()) }
     })
@@ -128,7 +130,7 @@ pub async fn start_worker(
 
 /// Starts a worker from a builder (handlers added, config made by the caller) on a free
 /// loopback port with its own shutdown and force tokens; returns once the worker is ready
-/// (fails after 20 s, or with the worker's error when it ends before).
+/// (fails after 40 s, or with the worker's error when it ends before).
 pub async fn spawn_worker(id: &str, builder: fleet_worker::WorkerBuilder) -> Result<WorkerHandle> {
     test_log();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -139,13 +141,14 @@ pub async fn spawn_worker(id: &str, builder: fleet_worker::WorkerBuilder) -> Res
     let shutdown = CancellationToken::new();
     let sd = shutdown.clone();
     let join = tokio::spawn(async move { b.run(sd).await });
-    match tokio::time::timeout(Duration::from_secs(20), rx).await {
+    // 40 s, as for a scheduler (a node that never answers may cost CONNECT_TIMEOUT first).
+    match tokio::time::timeout(Duration::from_secs(40), rx).await {
         Ok(Ok(_)) => {}
         Ok(Err(_)) => {
             let r = tokio::time::timeout(Duration::from_secs(5), join).await;
             bail!("worker {id} failed to start: {r:?}");
         }
-        Err(_) => bail!("worker {id} not ready within 20 s"),
+        Err(_) => bail!("worker {id} not ready within 40 s"),
     }
     Ok(WorkerHandle { id: id.to_string(), addr, shutdown, force, join })
 }

@@ -150,6 +150,7 @@ impl WorkerProcess {
         cmd.env("RUST_LOG", "info,lapin=warn");
         cmd.envs(env.iter().copied());
         let child = cmd.stdout(out).stderr(err).spawn().context("spawn fleet-worker")?;
+        crate::servers::register(child.id(), false);
         Ok(WorkerProcess { id: spec.id.to_string(), child, log })
     }
 
@@ -248,6 +249,7 @@ impl SchedulerProcess {
         }
         cmd.env("RUST_LOG", "info,lapin=warn");
         let child = cmd.stdout(out.try_clone()?).stderr(out).spawn().context("spawn fleet-scheduler")?;
+        crate::servers::register(child.id(), false);
         let p = SchedulerProcess { child, base: format!("http://{addr}"), log };
         let ready = format!("{}/readyz", p.base);
         wait_for("scheduler process ready", Duration::from_secs(30), || {

@@ -127,6 +127,26 @@ fn make_ca(name: &str) -> Result<(rcgen::Certificate, KeyPair)> {
 }
 
 /// Kills a child's whole process group (the child was started as its group leader).
+/// Processes this test binary started, as `kill` targets (`-<pgid>` for a private server's
+/// process group, `<pid>` for a fleet process), for [`kill_registered_groups`].
+static STARTED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Remembers a started process (`group`: it leads its own process group) until the binary ends.
+pub(crate) fn register(pid: u32, group: bool) {
+    if let Ok(mut s) = STARTED.lock() {
+        s.push(if group { format!("-{pid}") } else { pid.to_string() });
+    }
+}
+
+/// SIGKILLs every process (group) [`register`]ed that may still run: the watchdog's exit runs
+/// no `Drop`. One already gone is skipped by `kill`.
+pub(crate) fn kill_registered_groups() {
+    let targets = STARTED.lock().map(|s| s.clone()).unwrap_or_default();
+    for t in targets {
+        let _ = Command::new("kill").args(["-KILL", "--", &t]).stdout(Stdio::null()).stderr(Stdio::null()).status();
+    }
+}
+
 fn kill_group(child: &mut Child) {
     let _ = Command::new("kill").args(["-TERM", "--", &format!("-{}", child.id())]).status();
     for _ in 0..100 {
@@ -221,6 +241,7 @@ impl PrivateRabbit {
             .process_group(0)
             .spawn()
             .context("start rabbitmq-server (is it installed?)")?;
+        register(child.id(), true);
         Ok(PrivateRabbit { port, node, tls, child, dir })
     }
 
@@ -334,6 +355,7 @@ impl PrivateRedis {
             cmd.args(["--requirepass", p]);
         }
         let child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).process_group(0).spawn().context("start redis-server")?;
+        register(child.id(), true);
         let mut r = PrivateRedis { port, tls: tls.is_some(), child };
         let start = std::time::Instant::now();
         while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
@@ -418,6 +440,7 @@ impl RedisCluster {
                 .process_group(0)
                 .spawn()
                 .context("start redis-server (is it installed?)")?;
+            register(child.id(), true);
             c.children.push(child);
             c.ports.push(port);
         }

@@ -28,6 +28,8 @@ use serde_json::json;
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    // A benchmark runs as long as it is asked to: the test binaries' watchdog is not for it.
+    fleet_tests::no_watchdog();
     fleet::telemetry::init("text");
     let args: Vec<String> = std::env::args().collect();
     let what = args.get(1).map(String::as_str).unwrap_or("throughput");

@@ -119,6 +119,8 @@ struct RunArgs {
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    // A benchmark runs as long as it is asked to: the test binaries' watchdog is not for it.
+    fleet_tests::no_watchdog();
     fleet::telemetry::init("text");
     match Cli::parse().what {
         What::Sim(a) => sim(a).await,
