@@ -310,8 +310,14 @@ async fn series(State(st): State<AppState>) -> Response {
     .into_response()
 }
 
+/// `GET /v1/pressure`: the last sample of the signals, with `age_ms` (how old it is; `null`
+/// before the first) and `stale`: true when no sample was taken for [`stale_after`] — the
+/// scheduler cannot read the fleet (RabbitMQ or Redis lost, or not answering), so the figures
+/// are the last it knew, not the fleet's now.
 async fn pressure(State(st): State<AppState>) -> Response {
     let s = *st.pressure.borrow();
+    let age_ms = (s.sampled_at_ms > 0).then(|| (fleet::store::now_ms() - s.sampled_at_ms).max(0));
+    let stale = age_ms.is_none_or(|a| a > stale_after(&st.cfg).as_millis() as i64);
     let mut v = serde_json::to_value(s).unwrap_or_default();
     if let Value::Object(o) = &mut v {
         let c = &st.cfg;
@@ -319,6 +325,14 @@ async fn pressure(State(st): State<AppState>) -> Response {
             "thresholds".into(),
             json!({"max_pending": c.max_pending, "pending_yellow": c.pending_yellow, "pending_red": c.pending_red, "load_yellow": c.load_yellow, "load_red": c.load_red}),
         );
+        o.insert("age_ms".into(), json!(age_ms));
+        o.insert("stale".into(), json!(stale));
     }
     Json(v).into_response()
+}
+
+/// How old the pressure sample may be before the API calls it stale: five pressure intervals,
+/// at least 5 s (a sample follows each fleet view, which a loaded Redis may delay a little).
+pub fn stale_after(cfg: &crate::config::SchedulerConfig) -> Duration {
+    (cfg.pressure_interval * 5).max(Duration::from_secs(5))
 }

@@ -111,6 +111,9 @@ pub struct Sample {
     pub running: u64,
     pub capacity: u64,
     pub load: f64,
+    /// When this sample was taken (this process's clock, ms since the Unix epoch); 0 before
+    /// the first. The API shows its age and calls it stale when no sample came for a while.
+    pub sampled_at_ms: i64,
 }
 
 /// Computes the signals from group views and queue depths (`parked` includes the tasks
@@ -122,7 +125,7 @@ pub fn sample(t: &Thresholds, groups: &[GroupView], ingress_backlog: u64, parked
     let load = if capacity == 0 { 0.0 } else { running as f64 / capacity as f64 };
     let pending = ingress_backlog + parked + reserved;
     let gate = t.evaluate(parked + behind, 0.0);
-    Sample { state: t.evaluate(pending, load), gate, pending, ingress_backlog, parked, behind, reserved, running, capacity, load }
+    Sample { state: t.evaluate(pending, load), gate, pending, ingress_backlog, parked, behind, reserved, running, capacity, load, sampled_at_ms: fleet::store::now_ms() }
 }
 
 /// Tasks of one group beyond its room: what waits in its queue (`queued`, the broker's ready

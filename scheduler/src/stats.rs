@@ -10,7 +10,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
-use fleet::store::now_ms;
 use fleet::ticker::Ticker;
 use fleet::{metrics as m, Lane};
 use tokio::sync::RwLock;
@@ -79,7 +78,9 @@ async fn sample(s: &Session, view: &FleetView, board: &GroupBoard) -> fleet::Res
         }
     }
     let groups = &view.groups;
-    let now = now_ms();
+    // Redis time: the reservations' expiries below are stamped in it (a skewed scheduler clock
+    // would shift every age, or clamp it to 0).
+    let now = s.store.clock.now_ms();
     let lease = s.cfg.reservation_lease.as_millis() as i64;
     let mut seen = HashMap::with_capacity(groups.len());
     for g in groups {

@@ -49,3 +49,34 @@ async fn a_publish_held_by_a_memory_alarm_does_not_hold_the_stop() -> anyhow::Re
     drop(rabbit);
     Ok(())
 }
+
+/// A frozen broker (SIGSTOP: connections stay open, nothing answers): the scheduler cannot
+/// sample the fleet, and `GET /v1/pressure` says its figures are stale instead of serving the
+/// last ones as current (the console shows "stale" from it); once the node wakes, fresh again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pressure_says_stale_while_the_broker_is_frozen() -> anyhow::Result<()> {
+    let rabbit = PrivateRabbit::start("", "[].\n").await?;
+    let ns = Ns::on_broker(&rabbit.url()).await?;
+    let sched = start_scheduler(&ns, &[]).await?;
+    let url = sched.url("/v1/pressure");
+    let fresh = |p: &serde_json::Value| p["stale"] == false && p["age_ms"].as_i64().is_some_and(|a| a < 5_000);
+    wait_for("a fresh pressure sample", Duration::from_secs(20), || async { get_json(&url).await.ok().filter(|p| fresh(p)) }).await?;
+
+    rabbit.signal_group("STOP")?;
+    let frozen = Instant::now();
+    // Stale after five pressure intervals, at least 5 s (`fleet_scheduler::api::stale_after`).
+    let p = wait_for("the sample called stale", Duration::from_secs(20), || async {
+        get_json(&url).await.ok().filter(|p| p["stale"] == true)
+    })
+    .await;
+    rabbit.signal_group("CONT")?;
+    let p = p?;
+    println!("frozen broker: stale after {:.1} s, age_ms {}", frozen.elapsed().as_secs_f64(), p["age_ms"]);
+    assert!(p["age_ms"].as_i64().is_some_and(|a| a >= 5_000), "{p}");
+
+    wait_for("a fresh sample after the node woke", Duration::from_secs(60), || async { get_json(&url).await.ok().filter(|p| fresh(p)) }).await?;
+    sched.stop().await?;
+    ns.cleanup().await?;
+    drop(rabbit);
+    Ok(())
+}

@@ -211,10 +211,19 @@ async function run(ctx) {
       eq(await cell("state"), w.state, `${w.id} state`);
       eq(await cell("running"), lanes(`${w.running}/${w.capacity}`, `${w.running_critical}/${w.critical_capacity}`), `${w.id} running`);
       eq(await cell("succeeded"), w.succeeded.toLocaleString("en-US"), `${w.id} succeeded`);
-      eq(await cell("failed"), w.failed.toLocaleString("en-US"), `${w.id} failed`);
+      // Every attempt that did not succeed, not only the API's `failed` (outcome not recorded).
+      eq(await cell("failed"), (w.retried + w.dead + w.expired + w.failed).toLocaleString("en-US"), `${w.id} failed`);
       if (typeof w.clock_skew_ms !== "number") fail(`${w.id}: no clock_skew_ms in the API`);
       if (!/^-?\d+ ms$/.test(await cell("skew"))) fail(`${w.id} skew cell: ${await cell("skew")}`);
     }
+    // alpha ran the four failing attempts (two flaky tasks once each, the exhausted task twice):
+    // the Failed cells of its workers add up to them (the column once showed 0 for a worker
+    // whose every task failed).
+    const failedCells = [];
+    for (const w of workers.filter((w) => w.group === EXPECT.idle_group)) {
+      failedCells.push(Number((await page.locator(`tr[data-worker="${w.id}"] td[data-k=failed]`).textContent()).trim().replace(/,/g, "")));
+    }
+    eq(failedCells.reduce((s, n) => s + n, 0), 4, `alpha's Failed cells (${failedCells})`);
     const done = workers.filter((w) => w.group === EXPECT.idle_group).reduce((s, w) => s + w.succeeded, 0);
     eq(done >= 20, true, `alpha's succeeded total (${done}) covers the 20 echo tasks`);
     return true;

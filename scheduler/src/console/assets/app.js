@@ -40,6 +40,8 @@ const token = {
 
 class Unauthorized extends Error {}
 class Unreachable extends Error {}
+/** The scheduler answers, but its figures are old: it cannot read the fleet. */
+class Stale extends Error {}
 
 /** Calls the API. Resolves to {status, body}; throws Unauthorized on 401 and Unreachable when
  *  the scheduler does not answer (or answers 502/503/504 from a proxy). */
@@ -181,6 +183,10 @@ async function renderOverview() {
   $("#p-ingress").textContent = fmt.n(pr.ingress_backlog);
   $("#p-parked").textContent = fmt.n(pr.parked);
   $("#p-reserved").textContent = fmt.n(pr.reserved);
+  if (pr.stale) {
+    const age = pr.age_ms === null || pr.age_ms === undefined ? "since it started" : `for ${fmt.secs(pr.age_ms / 1000)}`;
+    throw new Stale(`no fresh sample of the fleet ${age}: the scheduler cannot read RabbitMQ or Redis; these are the last figures it had`);
+  }
   if (s.status !== 200) return;
   const pts = s.body.points || [];
   const win = s.body.window_seconds || 900;
@@ -230,6 +236,12 @@ async function drain(id) {
   refreshNow();
 }
 
+/** A worker's attempts that did not succeed: retried, dead, expired, and those whose outcome
+ * could not be recorded (the API's `failed` is only the last kind). */
+function notSucceeded(w) {
+  return (w.retried ?? 0) + (w.dead ?? 0) + (w.expired ?? 0) + (w.failed ?? 0);
+}
+
 async function renderWorkers() {
   const r = await api("/v1/workers");
   if (r.status !== 200) throw new Error(problem(r));
@@ -243,7 +255,7 @@ async function renderWorkers() {
       h("td", { dataset: { k: "running" } }, lanes(`${w.running}/${w.capacity}`, `${w.running_critical}/${w.critical_capacity}`)),
       h("td", { class: "num", dataset: { k: "heartbeat" } }, `${fmt.secs(w.last_heartbeat_ms_ago / 1000)} ago`),
       h("td", { class: "num", dataset: { k: "succeeded" } }, fmt.n(w.succeeded)),
-      h("td", { class: "num", dataset: { k: "failed" } }, fmt.n(w.failed)),
+      h("td", { class: "num", dataset: { k: "failed" } }, fmt.n(notSucceeded(w))),
       h("td", { class: "num", dataset: { k: "skew" } }, skew === undefined || skew === null ? "–" : `${skew} ms`),
       h("td", {}, h("button", { class: "small drain", disabled: w.state === "draining", on: { click: () => drain(w.id) } }, "Drain")));
   });
@@ -488,7 +500,14 @@ async function refresh() {
       showLogin(had ? "That token was refused (401). Enter a valid token." : "");
       return;
     }
-    if (e instanceof Unreachable) {
+    if (e instanceof Stale) {
+      const u = $("#unreachable");
+      u.textContent = `Stale: ${e.message}. Retrying every ${REFRESH_MS / 1000} s…`;
+      u.hidden = false;
+      $("#main").classList.add("stale");
+      $("#live").classList.add("stale");
+      $("#live").textContent = "stale";
+    } else if (e instanceof Unreachable) {
       const since = lastOk ? `; last update ${new Date(lastOk).toLocaleTimeString()}` : "";
       const u = $("#unreachable");
       const why = e.message.startsWith("HTTP") ? ` (${e.message})` : "";
