@@ -167,6 +167,19 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
     let (_, c) = ns.store.claim("w-live", &g, "i-live", lease, lease, &[t("t1", true)]).await?;
     assert_eq!(c, vec![Claim::Run(2)]);
     assert_eq!(group(&ns.store, &g).await.map(|g| (g.capacity, g.load)), Some((2, 1)));
+    // w-dead wakes (it was frozen, not dead), its run of attempt 1 fails, and it publishes a
+    // retry: a copy with base 2 over run_base 1. Attempt 2 is w-live's, running: the late copy
+    // is a duplicate, never a second run of attempt 2 (it was granted Run(2) before).
+    let late = |id: &str| ClaimRequest { lane: Lane::Normal, id: id.to_string(), base: 2, max_attempts: 3, isolated: false };
+    let (_, c) = ns.store.claim("w-live", &g, "i-live", lease, lease, &[late("t1")]).await?;
+    assert_eq!(c, vec![Claim::Duplicate], "a late retry of attempt 1 ran beside attempt 2");
+    assert_eq!(group(&ns.store, &g).await.map(|g| (g.capacity, g.load)), Some((2, 1)));
+    // A retry nobody overtook still runs: t2 is queued at attempt 1, and its retry is attempt 2.
+    let (_, c) = ns.store.claim("w-live", &g, "i-live", lease, lease, &[late("t2")]).await?;
+    assert_eq!(c, vec![Claim::Run(2)]);
+    let t2_done = Finished { lane: Lane::Normal, id: "t2".into(), attempt: 2, state: Some(fleet::status::TaskState::Succeeded), text: "{}".into(), success: true, reason: None };
+    ns.store.finish("w-live", &g, "i-live", lease, &[t2_done], &[]).await?;
+    assert_eq!(group(&ns.store, &g).await.map(|g| (g.capacity, g.load)), Some((2, 1)));
     // The claim that counted the crash did not log it a second time.
     assert_eq!(lost("t1").await?, one_lost);
     // Idempotent: a second checker finds nothing to do.
@@ -175,6 +188,9 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
     // Attempt 2's outcome is appended by the finish that records it.
     let done = Finished { lane: Lane::Normal, id: "t1".into(), attempt: 2, state: Some(fleet::status::TaskState::Succeeded), text: "{}".into(), success: true, reason: None };
     ns.store.finish("w-live", &g, "i-live", lease, &[done], &[]).await?;
+    // After attempt 2's success, the late copy is still a duplicate (it ran again before).
+    let (_, c) = ns.store.claim("w-live", &g, "i-live", lease, lease, &[late("t1")]).await?;
+    assert_eq!(c, vec![Claim::Duplicate], "a late retry ran a task that had succeeded");
     let log = ns.store.task_attempts("t1").await?;
     assert_eq!(log.len(), 2, "{log:?}");
     assert_eq!((&log[1]["attempt"], &log[1]["worker"], &log[1]["outcome"]), (&serde_json::json!(2), &serde_json::json!("w-live"), &serde_json::json!("succeeded")), "{log:?}");

@@ -9,7 +9,9 @@
 --   process now runs nothing else; 0 otherwise)
 --
 -- A claim of (task, base) against the record:
---   no record, or an older base ............ a new attempt: run it as attempt `base`
+--   no record, or an older base ............ a new attempt: run it as attempt `base` — unless
+--     the record counts that attempt already (attempt >= base: a peer took the task over as a
+--     crash suspect after this copy's worker was evicted, and the copy is its late retry): 'dup'
 --   a newer base, or this base done ......... a stale or duplicate copy: 'dup' (ack, never run)
 --   this base released (no outcome) ......... run again, same attempt number
 --   this base running, owner alive .......... another copy runs (scheduler crash, consumer
@@ -64,7 +66,12 @@ for k = 0, n - 1 do
   local rb = tonumber(r[1])
   local was_suspect = r[4] == 's' or r[4] == '1'
   local ans, num = nil, 0
-  if rb == nil or rb < base then
+  -- A newer base is a new attempt only if the record has not counted that attempt already: a
+  -- worker that was evicted (frozen past its heartbeat timeout) and woke may publish a retry
+  -- of attempt n after a peer took the task over as attempt n + 1 (a crash suspect) — its
+  -- copy carries base n + 1 over run_base n, and would run beside the peer's run (or again
+  -- after its success).
+  if rb == nil or (rb < base and (tonumber(r[5]) or 0) < base) then
     -- A newer attempt over a success the record kept (not logged, see finish.lua): log it now.
     if r[8] == S.succeeded and rb ~= nil then
       log_attempt(id, { attempt = tonumber(r[5]), worker = r[6], started_at = tonumber(r[7]),
@@ -72,9 +79,9 @@ for k = 0, n - 1 do
     end
     grant(lane, id, t, base, base, isolated, r)
     ans, num = 'run', base
-  elseif rb > base or r[3] == 'done' then
-    -- A copy (e.g. dispatched again by a scheduler that took over a crashed one's batch):
-    -- the reservation it holds in this group is released with it.
+  elseif rb ~= base or r[3] == 'done' then
+    -- A copy (e.g. dispatched again by a scheduler that took over a crashed one's batch, or
+    -- the late retry above): the reservation it holds in this group is released with it.
     redis.call('ZREM', K_resv(g, lane), id)
     ans = 'dup'
   else
