@@ -141,3 +141,39 @@ async fn failing_worker_is_ejected_and_returns_after_the_cooldown() -> anyhow::R
     sched.stop().await?;
     ns.cleanup().await
 }
+
+/// `draining` is final in Redis: once an operator's drain is recorded, neither an ejection that
+/// trips before the worker saw the drain nor a heartbeat correcting the state from an older
+/// read can turn it back (the drain was lost: after the cool-down the worker went back to
+/// `active`). The write answers `draining`, which makes the worker drain; the group's capacity
+/// does not move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_in_redis_outlasts_ejection_and_state_corrections() -> anyhow::Result<()> {
+    use fleet::registry::{Registration, WorkerState};
+    let ns = Ns::new().await?;
+    let labels = fleet::Labels::parse("pool=final")?;
+    let g = labels.group_name();
+    let reg = Registration {
+        id: "w-final".into(),
+        instance: "i-final".into(),
+        labels,
+        capacity: 2,
+        critical_capacity: 1,
+        executor: "builtin".into(),
+        state: WorkerState::Active,
+    };
+    ns.store.register(&reg, Duration::from_secs(30)).await?;
+    let capacity = || async { group(&ns.store, &g).await.map(|g| g.capacity) };
+    assert_eq!(capacity().await, Some(2));
+    assert_eq!(ns.store.set_state("w-final", WorkerState::Draining).await?, Some(WorkerState::Active));
+    assert_eq!(capacity().await, Some(0));
+    // The worker's own writes, as the ejection and the heartbeat's correction make them.
+    for own in [WorkerState::Ejected, WorkerState::Active] {
+        assert_eq!(ns.store.set_state("w-final", own).await?, Some(WorkerState::Draining), "writing {own:?}");
+        assert_eq!(ns.store.worker_state("w-final").await?, Some(WorkerState::Draining), "after writing {own:?}");
+        assert_eq!(capacity().await, Some(0), "capacity after writing {own:?}");
+    }
+    // The ejection's own script refuses a worker that is not active.
+    assert_eq!(ns.store.try_eject("w-final").await?, None);
+    ns.cleanup().await
+}

@@ -158,12 +158,17 @@ impl Ejection {
                 tracing::warn!(error = %e, "cannot check the group before ejecting; ejecting locally");
             }
         }
+        // Redis first: a drain an operator asked for there (final, see `set_state.lua`) wins
+        // over the ejection, even when this worker has not seen it yet.
+        if crate::registry::set_state_logged(store, worker_id, WorkerState::Ejected).await == Some(WorkerState::Draining) {
+            control.request_drain("state draining set in Redis (drain requested through the API)");
+            return;
+        }
         if !control.eject() {
             return;
         }
         metrics::counter!(fleet::metrics::WORKER_EJECTIONS).increment(1);
         tracing::warn!(error_ratio = ratio, cooldown_ms = cfg.cooldown.as_millis() as u64, "too many errors: ejecting this worker");
-        crate::registry::set_state_logged(store, worker_id, WorkerState::Ejected).await;
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => return,

@@ -118,7 +118,10 @@ impl Heartbeat {
             self.control.request_drain("state set to draining in Redis (drain requested through the API)");
         } else if stored != mode.state() {
             tracing::info!(stored = stored.as_str(), ours = mode.state().as_str(), "correcting the worker state in Redis");
-            set_state_logged(self.registrar.store(), self.registrar.id(), mode.state()).await;
+            // A drain asked since `stored` was read is kept by the script, and obeyed here.
+            if set_state_logged(self.registrar.store(), self.registrar.id(), mode.state()).await == Some(WorkerState::Draining) && mode != Mode::Draining {
+                self.control.request_drain("state set to draining in Redis (drain requested through the API)");
+            }
         }
     }
 

@@ -2,10 +2,15 @@
 -- KEYS[1]: key prefix
 -- ARGV[1]: worker id   ARGV[2]: new state
 -- returns: the previous state, or false (nil) when the worker is unknown
+-- `draining` is final: a drain asked through the API is never undone by the worker's own
+-- writes (an ejection tripping before the worker saw the drain, a heartbeat correcting the
+-- state from an older read); the state stays `draining` and the answer says so, and the
+-- worker drains. A worker leaves `draining` only by leaving the fleet.
 local wk = K_worker(ARGV[1])
 local w = redis.call('HMGET', wk, 'group', 'state', 'cap', 'ccap')
 if not w[1] then return false end
 local old, new = w[2], ARGV[2]
+if old == 'draining' then return old end
 if old ~= new then
   add_capacity(w[1], contrib(new, w[3]) - contrib(old, w[3]), contrib(new, w[4]) - contrib(old, w[4]))
   redis.call('HSET', wk, 'state', new)
