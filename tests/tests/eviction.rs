@@ -197,3 +197,49 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
     assert!(log[1].get("error").is_none() && log[1].get("reason").is_none() && log[1]["started_at"].is_string(), "{log:?}");
     ns.cleanup().await
 }
+
+/// A worker evicted while frozen (its run going on) wakes, registers again with the same
+/// process token and beats with the run listed: the task says `running` on it again, and a
+/// copy of it (a redelivery) waits for that run instead of taking it over beside it as a crash
+/// suspect (the eviction had dropped the task's worker, which is how a claim judges the owner
+/// alive).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_woken_worker_that_registers_again_keeps_its_run() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let labels = Labels::parse("pool=woken")?;
+    let g = labels.group_name();
+    let reg = |id: &str, instance: &str| Registration {
+        id: id.into(),
+        instance: instance.into(),
+        labels: labels.clone(),
+        capacity: 2,
+        critical_capacity: 1,
+        executor: "builtin".into(),
+        state: WorkerState::Active,
+    };
+    ns.store.register(&reg("w-frozen", "i-frozen"), Duration::from_millis(1500)).await?;
+    ns.store.register(&reg("w-peer", "i-peer"), Duration::from_millis(1500)).await?;
+    let t1 = ClaimRequest { lane: Lane::Normal, id: "t1".into(), base: 1, max_attempts: 3, isolated: false };
+    let lease = Duration::from_secs(60);
+    let (_, c) = ns.store.claim("w-frozen", &g, "i-frozen", lease, lease, std::slice::from_ref(&t1)).await?;
+    assert_eq!(c, vec![Claim::Run(1)]);
+    let evicted = wait_for("the frozen worker evicted", Duration::from_secs(10), || async {
+        ns.store.heartbeat("w-peer", "i-peer", lease, &Beat::default()).await.ok()?;
+        ns.store.evict_stale(Duration::from_secs(1)).await.ok().filter(|v| !v.is_empty())
+    })
+    .await?;
+    assert_eq!(evicted, vec!["w-frozen".to_string()]);
+    let st = ns.store.task_status("t1").await?.context("status")?;
+    assert_eq!((st.get("state").map(String::as_str), st.get("worker")), (Some("queued"), None), "{st:?}");
+
+    // It wakes: registers again (same process) and beats with its run.
+    ns.store.register(&reg("w-frozen", "i-frozen"), Duration::from_millis(1500)).await?;
+    let beat = Beat { running: vec![(Lane::Normal, "t1".to_string())], ..Beat::default() };
+    ns.store.heartbeat("w-frozen", "i-frozen", lease, &beat).await?;
+    let st = ns.store.task_status("t1").await?.context("status")?;
+    assert_eq!((st.get("state").map(String::as_str), st.get("worker").map(String::as_str)), (Some("running"), Some("w-frozen")), "{st:?}");
+    // A copy reaches the peer: the owner is alive and running it.
+    let (_, c) = ns.store.claim("w-peer", &g, "i-peer", lease, lease, std::slice::from_ref(&t1)).await?;
+    assert_eq!(c, vec![Claim::Wait], "a copy ran beside the woken worker's run");
+    ns.cleanup().await
+}

@@ -104,6 +104,13 @@ local function status_requeued(id, run_st)
   redis.call('HDEL', t, 'worker', 'started_at')
 end
 
+-- Running again as far as anyone can tell: the run of process `inst` (still its owner) of
+-- worker w went on while an eviction wrote it back to S.queued (heartbeat.lua, after the
+-- worker registered again). Its start time went with the eviction.
+local function status_resumed(id, w)
+  redis.call('HSET', K_task(id), 'state', S.running, 'worker', w)
+end
+
 -- An attempt's outcome (finish.lua): `state` is S.succeeded, S.retrying, S.dead or S.expired,
 -- written by worker w for attempt `att`; `field` ('result' | 'error') holds `text`; `reason`
 -- ('' for none) why dead or expired; `done`: this process owns the run record (or none exists),

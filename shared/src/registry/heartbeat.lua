@@ -24,10 +24,17 @@ redis.call('HSET', K_group(g), 'h:' .. id, ARGV[10])
 for i = 11, #ARGV do
   local lane, task = string.match(ARGV[i], '^(%a+)|(.*)$')
   if lane then
-    local r = redis.call('HMGET', K_task(task), 'run_owner', 'run_st')
+    local r = redis.call('HMGET', K_task(task), 'run_owner', 'run_st', 'worker')
     if r[1] == inst and r[2] == 'run' then
       redis.call('ZADD', K_run(g, lane), now + lease, task)
       redis.call('SADD', K_wrun(id), ARGV[i])
+      if not r[3] then
+        -- Still running here after this process was evicted (frozen past the heartbeat
+        -- timeout) and registered again: the eviction wrote it back to queued and dropped its
+        -- worker. Say it runs, and where: a copy's claim judges the owner alive by that name
+        -- (start.lua), and would otherwise run the task beside this run.
+        status_resumed(task, id)
+      end
     end
   end
 end
