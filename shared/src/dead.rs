@@ -128,7 +128,10 @@ pub fn describe(props: &BasicProperties, data: &[u8]) -> DeadLetter {
     let attempts = amqp::header_str(props, headers::ATTEMPTS)
         .and_then(|a| a.parse().ok())
         .or_else(|| body.get("attempt").and_then(Value::as_u64));
-    let dead_at_ms = props.timestamp().map(|s| (s as i64).saturating_mul(1000)).or_else(|| death_time_ms(props));
+    // The broker's own death time first: a letter it dead-lettered (delivery limit, TTL) keeps
+    // the timestamp of its last publish — when it was dispatched, not when it died — also
+    // after the backstop republishes it with the same properties.
+    let dead_at_ms = death_time_ms(props).or_else(|| props.timestamp().map(|s| (s as i64).saturating_mul(1000)));
     DeadLetter {
         id,
         kind: text("kind").unwrap_or_else(|| "-".into()),
@@ -221,7 +224,12 @@ async fn replay_on(conn: &Connection, get: &Channel, store: Option<&Store>, name
         let props = amqp::task_properties(&env.id, Some(amqp::headers([(headers::REPLAY, "1".to_string())])));
         match amqp::publish_confirmed(&publish, &names.submit_exchange(), env.lane.as_str(), &env.to_bytes(), props).await {
             Ok(()) => {
-                d.acker.ack(BasicAckOptions::default()).await?;
+                // Replayed either way: a failed ack leaves the letter to come back to the dead
+                // queue (where a later replay could send it once more), and the replays before
+                // and after it still count — not an error for the whole call.
+                if let Err(e) = d.acker.ack(BasicAckOptions::default()).await {
+                    tracing::warn!(task.id = %env.id, error = %e, "replayed, but its dead letter could not be removed; it goes back to the dead queue");
+                }
                 report.replayed.push(env.id);
             }
             Err(e) => report.failed.push((env.id, e.to_string())),
@@ -263,6 +271,20 @@ mod tests {
         assert_eq!(d.dead_reason(), Some(DeadReason::MaxAttempts));
         assert_eq!((d.attempts, d.worker.as_deref(), d.replayable), (Some(3), Some("w-1"), true));
         assert!(d.dead_at_ms.is_some(), "task_properties stamps the publish time");
+    }
+
+    #[test]
+    fn a_broker_dead_letter_is_dated_by_its_death_not_its_dispatch() {
+        let mut death = FieldTable::default();
+        death.insert("time".into(), AMQPValue::Timestamp(2_000));
+        death.insert("reason".into(), AMQPValue::LongString("delivery_limit".into()));
+        let mut h = FieldTable::default();
+        h.insert("x-death".into(), AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()));
+        let p = BasicProperties::default().with_timestamp(1_000).with_headers(h);
+        let d = describe(&p, br#"{"id":"t-2","kind":"k","payload":{}}"#);
+        assert_eq!(d.dead_at_ms, Some(2_000_000), "dated by x-death's time, not the dispatch timestamp");
+        let d = describe(&BasicProperties::default().with_timestamp(1_000), br#"{"id":"t-3","kind":"k","payload":{}}"#);
+        assert_eq!(d.dead_at_ms, Some(1_000_000), "a worker's dead letter: its publish time");
     }
 
     #[test]
