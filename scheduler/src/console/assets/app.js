@@ -63,6 +63,24 @@ async function api(path, { method = "GET", body } = {}) {
   return { status: resp.status, body: data };
 }
 
+/** Calls the API for an action. A scheduler that does not answer (or a proxy's 502/504, or
+ *  the scheduler's own 504 "recorded, not applied yet") leaves the outcome unknown: the notice
+ *  says so, instead of nothing at all. Resolves to null then. */
+async function actionApi(what, path, opts) {
+  try {
+    return await api(path, opts);
+  } catch (e) {
+    if (e instanceof Unauthorized) {
+      token.clear();
+      showLogin("That token was refused (401). Enter a valid token.");
+      return null;
+    }
+    notice(`${what}: the scheduler did not answer (${e.message}); whether it happened is unknown — look before trying again.`, false);
+    refreshNow();
+    return null;
+  }
+}
+
 function problem(r) {
   if (r.status === 403) return "your token does not have the role this needs (admin acts, read looks)";
   return (r.body && (r.body.detail || r.body.error)) || `HTTP ${r.status}`;
@@ -230,7 +248,8 @@ async function renderGroups() {
 
 async function drain(id) {
   if (!(await confirmAction(`Drain worker ${id}? It finishes its running tasks, takes no new ones and leaves the fleet.`))) return;
-  const r = await api(`/v1/workers/${encodeURIComponent(id)}/drain`, { method: "POST", body: {} });
+  const r = await actionApi(`Drain ${id}`, `/v1/workers/${encodeURIComponent(id)}/drain`, { method: "POST", body: {} });
+  if (!r) return;
   if (r.status === 202) notice(`Worker ${id} is draining (was ${r.body.previous_state}).`);
   else notice(`Cannot drain ${id}: ${problem(r)}`, false);
   refreshNow();
@@ -276,7 +295,8 @@ function fillSelect(sel, counts) {
 
 async function replay(body, what) {
   if (!(await confirmAction(`Replay ${what}? Each task is submitted again as new, attempt count reset.`))) return;
-  const r = await api("/v1/dead/replay", { method: "POST", body });
+  const r = await actionApi(`Replay ${what}`, "/v1/dead/replay", { method: "POST", body });
+  if (!r) return;
   if (r.status !== 200) { notice(`Replay failed: ${problem(r)}`, false); return; }
   const b = r.body;
   const extra = [b.failed.length ? `${b.failed.length} failed (${b.failed.map(([id, why]) => `${id}: ${why}`).join("; ")})` : "", b.missing.length ? `${b.missing.length} no longer dead` : ""].filter(Boolean).join(", ");
@@ -340,7 +360,8 @@ async function scheduleAction(s, action) {
     resume: [`Resume schedule ${s.name}? It fires from its next tick (missed ticks follow its policy).`, "resume"],
   }[action];
   if (!(await confirmAction(what[0]))) return;
-  const r = await api(`/v1/schedules/${encodeURIComponent(s.name)}/${what[1]}`, { method: "POST", body: {} });
+  const r = await actionApi(`${action} ${s.name}`, `/v1/schedules/${encodeURIComponent(s.name)}/${what[1]}`, { method: "POST", body: {} });
+  if (!r) return;
   if (action === "fire" && r.status === 202) notice(`Schedule ${s.name} fired: task ${r.body.id}.`);
   else if (r.status === 200) notice(`Schedule ${s.name} ${action === "pause" ? "paused" : "resumed"}.`);
   else notice(`Cannot ${action === "fire" ? "run" : action} ${s.name}: ${problem(r)}`, false);
