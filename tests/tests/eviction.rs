@@ -243,3 +243,35 @@ async fn a_woken_worker_that_registers_again_keeps_its_run() -> anyhow::Result<(
     assert_eq!(c, vec![Claim::Wait], "a copy ran beside the woken worker's run");
     ns.cleanup().await
 }
+
+/// A crash suspect whose claimer never heard the answer (a Redis timeout after the script ran)
+/// was run unchecked under its old number; its retry must still run, not be taken for the late
+/// retry of an evicted worker (a duplicate, acked: the task would be lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_an_unheard_suspect_claim_still_runs() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let labels = Labels::parse("pool=unheard")?;
+    let g = labels.group_name();
+    let reg = Registration {
+        id: "w-b".into(),
+        instance: "i-b".into(),
+        labels,
+        capacity: 2,
+        critical_capacity: 1,
+        executor: "builtin".into(),
+        state: WorkerState::Active,
+    };
+    ns.store.register(&reg, Duration::from_secs(30)).await?;
+    let lease = Duration::from_secs(60);
+    let copy = |base: u32| ClaimRequest { lane: Lane::Normal, id: "t9".into(), base, max_attempts: 5, isolated: false };
+    // A worker that is gone (never registered here) ran attempt 1.
+    let (_, c) = ns.store.claim("w-gone", &g, "i-gone", lease, lease, &[copy(1)]).await?;
+    assert_eq!(c, vec![Claim::Run(1)]);
+    // w-b's claim of the redelivered copy makes it a suspect as attempt 2 — an answer w-b
+    // does not hear: it runs the copy as attempt 1, which fails, and publishes the retry.
+    let (_, c) = ns.store.claim("w-b", &g, "i-b", lease, lease, &[copy(1)]).await?;
+    assert_eq!(c, vec![Claim::Isolate(2)]);
+    let (_, c) = ns.store.claim("w-b", &g, "i-b", lease, lease, &[copy(2)]).await?;
+    assert_eq!(c, vec![Claim::Run(2)], "the retry of an unheard suspect claim was dropped");
+    ns.cleanup().await
+}

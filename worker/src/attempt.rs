@@ -178,12 +178,16 @@ async fn claim(task: Task<'_>, slot: &mut Slot, base: u32, max_attempts: u32) ->
     let Task { shared, lane, delivery, env, probe } = task;
     let mut req = ClaimRequest { lane, id: env.id.clone(), base, max_attempts, isolated: false };
     let mut alone: Option<tokio::sync::OwnedRwLockWriteGuard<()>> = None;
+    // The attempt number Redis last gave this copy: a crash suspect's is one past its base.
+    let mut known = base;
     loop {
         let run_as = match shared.ledger.claim(req.clone()).await {
-            // Redis could not answer: run it (at-least-once while Redis is down).
-            None => base,
+            // Redis could not answer: run it (at-least-once while Redis is down), under the
+            // number it last gave (its retry, base + 1 past it, is then a new attempt).
+            None => known,
             Some(Claim::Run(n)) => n,
             Some(Claim::Isolate(n)) => {
+                known = n;
                 tracing::warn!(attempt = n, "in flight when its worker died: runs alone until it ends or crashes on its own");
                 // Already held when a re-claim answers `iso` again (the record changed owner
                 // in between): taking the write lock a second time would wait on itself.

@@ -10,8 +10,8 @@
 --
 -- A claim of (task, base) against the record:
 --   no record, or an older base ............ a new attempt: run it as attempt `base` — unless
---     the record counts that attempt already (attempt >= base: a peer took the task over as a
---     crash suspect after this copy's worker was evicted, and the copy is its late retry): 'dup'
+--     the record counts that attempt already (attempt >= base, a suspect granted: a peer took
+--     the task over after this copy's worker was evicted, and the copy is its late retry): 'dup'
 --   a newer base, or this base done ......... a stale or duplicate copy: 'dup' (ack, never run)
 --   this base released (no outcome) ......... run again, same attempt number
 --   this base running, owner alive .......... another copy runs (scheduler crash, consumer
@@ -71,7 +71,10 @@ for k = 0, n - 1 do
   -- of attempt n after a peer took the task over as attempt n + 1 (a crash suspect) — its
   -- copy carries base n + 1 over run_base n, and would run beside the peer's run (or again
   -- after its success).
-  if rb == nil or (rb < base and (tonumber(r[5]) or 0) < base) then
+  -- A suspect claimed but never granted (run_iso 's') does not count: its claimer may not have
+  -- heard the answer (a Redis timeout) and run the copy unchecked under its old number, whose
+  -- retry must then run.
+  if rb == nil or (rb < base and ((tonumber(r[5]) or 0) < base or r[4] == 's')) then
     -- A newer attempt over a success the record kept (not logged, see finish.lua): log it now.
     if r[8] == S.succeeded and rb ~= nil then
       log_attempt(id, { attempt = tonumber(r[5]), worker = r[6], started_at = tonumber(r[7]),
