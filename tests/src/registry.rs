@@ -91,6 +91,12 @@ pub fn group_of(labels: &str, executor: &str) -> String {
 /// `i-<id>`, `labels`, `capacity` normal slots and 1 critical, builtin executor, active, a
 /// 30 s heartbeat timeout): for tests of the Redis side alone.
 pub async fn register_worker(store: &Store, id: &str, labels: &str, capacity: u32) -> Result<()> {
+    register_worker_for(store, id, labels, capacity, Duration::from_secs(30)).await
+}
+
+/// [`register_worker`] with its heartbeat timeout (`timeout`: short for eviction tests). The
+/// same process registering again (after an eviction) is this call again.
+pub async fn register_worker_for(store: &Store, id: &str, labels: &str, capacity: u32, timeout: Duration) -> Result<()> {
     let r = fleet::registry::Registration {
         id: id.into(),
         instance: format!("i-{id}"),
@@ -100,6 +106,6 @@ pub async fn register_worker(store: &Store, id: &str, labels: &str, capacity: u3
         executor: "builtin".into(),
         state: fleet::registry::WorkerState::Active,
     };
-    store.register(&r, std::time::Duration::from_secs(30)).await?;
+    store.register(&r, timeout).await?;
     Ok(())
 }

@@ -149,20 +149,10 @@ async fn failing_worker_is_ejected_and_returns_after_the_cooldown() -> anyhow::R
 /// does not move.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_in_redis_outlasts_ejection_and_state_corrections() -> anyhow::Result<()> {
-    use fleet::registry::{Registration, WorkerState};
+    use fleet::registry::WorkerState;
     let ns = Ns::new().await?;
-    let labels = fleet::Labels::parse("pool=final")?;
-    let g = labels.group_name();
-    let reg = Registration {
-        id: "w-final".into(),
-        instance: "i-final".into(),
-        labels,
-        capacity: 2,
-        critical_capacity: 1,
-        executor: "builtin".into(),
-        state: WorkerState::Active,
-    };
-    ns.store.register(&reg, Duration::from_secs(30)).await?;
+    let g = fleet::Labels::parse("pool=final")?.group_name();
+    register_worker(&ns.store, "w-final", "pool=final", 2).await?;
     let capacity = || async { group(&ns.store, &g).await.map(|g| g.capacity) };
     assert_eq!(capacity().await, Some(2));
     assert_eq!(ns.store.set_state("w-final", WorkerState::Draining).await?, Some(WorkerState::Active));

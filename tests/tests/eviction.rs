@@ -206,25 +206,16 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_woken_worker_that_registers_again_keeps_its_run() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
-    let labels = Labels::parse("pool=woken")?;
-    let g = labels.group_name();
-    let reg = |id: &str, instance: &str| Registration {
-        id: id.into(),
-        instance: instance.into(),
-        labels: labels.clone(),
-        capacity: 2,
-        critical_capacity: 1,
-        executor: "builtin".into(),
-        state: WorkerState::Active,
-    };
-    ns.store.register(&reg("w-frozen", "i-frozen"), Duration::from_millis(1500)).await?;
-    ns.store.register(&reg("w-peer", "i-peer"), Duration::from_millis(1500)).await?;
+    let g = Labels::parse("pool=woken")?.group_name();
+    let register = |id: &'static str| register_worker_for(&ns.store, id, "pool=woken", 2, Duration::from_millis(1500));
+    register("w-frozen").await?;
+    register("w-peer").await?;
     let t1 = ClaimRequest { lane: Lane::Normal, id: "t1".into(), base: 1, max_attempts: 3, isolated: false };
     let lease = Duration::from_secs(60);
-    let (_, c) = ns.store.claim("w-frozen", &g, "i-frozen", lease, lease, std::slice::from_ref(&t1)).await?;
+    let (_, c) = ns.store.claim("w-frozen", &g, "i-w-frozen", lease, lease, std::slice::from_ref(&t1)).await?;
     assert_eq!(c, vec![Claim::Run(1)]);
     let evicted = wait_for("the frozen worker evicted", Duration::from_secs(10), || async {
-        ns.store.heartbeat("w-peer", "i-peer", lease, &Beat::default()).await.ok()?;
+        ns.store.heartbeat("w-peer", "i-w-peer", lease, &Beat::default()).await.ok()?;
         ns.store.evict_stale(Duration::from_secs(1)).await.ok().filter(|v| !v.is_empty())
     })
     .await?;
@@ -233,13 +224,13 @@ async fn a_woken_worker_that_registers_again_keeps_its_run() -> anyhow::Result<(
     assert_eq!((st.get("state").map(String::as_str), st.get("worker")), (Some("queued"), None), "{st:?}");
 
     // It wakes: registers again (same process) and beats with its run.
-    ns.store.register(&reg("w-frozen", "i-frozen"), Duration::from_millis(1500)).await?;
+    register("w-frozen").await?;
     let beat = Beat { running: vec![(Lane::Normal, "t1".to_string())], ..Beat::default() };
-    ns.store.heartbeat("w-frozen", "i-frozen", lease, &beat).await?;
+    ns.store.heartbeat("w-frozen", "i-w-frozen", lease, &beat).await?;
     let st = ns.store.task_status("t1").await?.context("status")?;
     assert_eq!((st.get("state").map(String::as_str), st.get("worker").map(String::as_str)), (Some("running"), Some("w-frozen")), "{st:?}");
     // A copy reaches the peer: the owner is alive and running it.
-    let (_, c) = ns.store.claim("w-peer", &g, "i-peer", lease, lease, std::slice::from_ref(&t1)).await?;
+    let (_, c) = ns.store.claim("w-peer", &g, "i-w-peer", lease, lease, std::slice::from_ref(&t1)).await?;
     assert_eq!(c, vec![Claim::Wait], "a copy ran beside the woken worker's run");
     ns.cleanup().await
 }
@@ -250,18 +241,8 @@ async fn a_woken_worker_that_registers_again_keeps_its_run() -> anyhow::Result<(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_after_an_unheard_suspect_claim_still_runs() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
-    let labels = Labels::parse("pool=unheard")?;
-    let g = labels.group_name();
-    let reg = Registration {
-        id: "w-b".into(),
-        instance: "i-b".into(),
-        labels,
-        capacity: 2,
-        critical_capacity: 1,
-        executor: "builtin".into(),
-        state: WorkerState::Active,
-    };
-    ns.store.register(&reg, Duration::from_secs(30)).await?;
+    let g = Labels::parse("pool=unheard")?.group_name();
+    register_worker(&ns.store, "w-b", "pool=unheard", 2).await?;
     let lease = Duration::from_secs(60);
     let copy = |base: u32| ClaimRequest { lane: Lane::Normal, id: "t9".into(), base, max_attempts: 5, isolated: false };
     // A worker that is gone (never registered here) ran attempt 1.
@@ -269,9 +250,9 @@ async fn a_retry_after_an_unheard_suspect_claim_still_runs() -> anyhow::Result<(
     assert_eq!(c, vec![Claim::Run(1)]);
     // w-b's claim of the redelivered copy makes it a suspect as attempt 2 — an answer w-b
     // does not hear: it runs the copy as attempt 1, which fails, and publishes the retry.
-    let (_, c) = ns.store.claim("w-b", &g, "i-b", lease, lease, &[copy(1)]).await?;
+    let (_, c) = ns.store.claim("w-b", &g, "i-w-b", lease, lease, &[copy(1)]).await?;
     assert_eq!(c, vec![Claim::Isolate(2)]);
-    let (_, c) = ns.store.claim("w-b", &g, "i-b", lease, lease, &[copy(2)]).await?;
+    let (_, c) = ns.store.claim("w-b", &g, "i-w-b", lease, lease, &[copy(2)]).await?;
     assert_eq!(c, vec![Claim::Run(2)], "the retry of an unheard suspect claim was dropped");
     ns.cleanup().await
 }
