@@ -327,7 +327,7 @@ locate_binaries() {
         log "using the binaries in $BIN (FLEET_BIN_DIR)"
     else
         log "building the binaries (dev profile, shared with ops/test.sh; the first build takes a few minutes, later ones seconds)"
-        cargo build -p fleet-scheduler -p fleet-worker -p fleetctl
+        cargo build --workspace --bins
         BIN="$(cargo_target_dir)/debug"
     fi
     local b

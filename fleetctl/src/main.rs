@@ -15,8 +15,8 @@ use lapin::Connection;
 use serde_json::Value;
 
 use fleet::dead;
-use fleet::registry::WorkerView;
 use fleet::producer::{Pacing, Producer, Submitted};
+use fleet::registry::WorkerView;
 use fleet::{Envelope, Labels, Lane, Names, Store};
 
 /// Largest `--delay-ms`: 30 days, the envelope's bound on `not_before`.
@@ -25,20 +25,40 @@ const MAX_DELAY_MS: u64 = 30 * 24 * 3600 * 1000;
 const MAX_TIMEOUT_MS: u64 = 365 * 24 * 3600 * 1000;
 
 #[derive(Parser)]
-#[command(name = "fleetctl", version, about = "Control a fleet: submit tasks, read status, list workers and groups, drain, dead letters")]
+#[command(
+    name = "fleetctl",
+    version,
+    about = "Control a fleet: submit tasks, read status, list workers and groups, drain, dead letters"
+)]
 struct Cli {
-    #[arg(long, env = "FLEET_AMQP_URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f", global = true)]
+    #[arg(
+        long,
+        env = "FLEET_AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        global = true
+    )]
     amqp_url: String,
     /// Redis, used by `dead replay` (to clear a replayed task's dedupe mark) and
     /// `delete-namespace`. With FLEET_REDIS_SENTINELS it carries only the password and db.
-    #[arg(long, env = "FLEET_REDIS_URL", default_value = "redis://127.0.0.1:6379", global = true, hide_env_values = true)]
+    #[arg(
+        long,
+        env = "FLEET_REDIS_URL",
+        default_value = "redis://127.0.0.1:6379",
+        global = true,
+        hide_env_values = true
+    )]
     redis_url: String,
     /// Redis Sentinels `host:port,host:port`, asked for the master FLEET_REDIS_MASTER (as the
     /// daemons do; see `fleet::config::redis_url`).
     #[arg(long, env = "FLEET_REDIS_SENTINELS", default_value = "", global = true)]
     redis_sentinels: String,
     /// Name of the Sentinel-monitored master (with FLEET_REDIS_SENTINELS).
-    #[arg(long, env = "FLEET_REDIS_MASTER", default_value = "mymaster", global = true)]
+    #[arg(
+        long,
+        env = "FLEET_REDIS_MASTER",
+        default_value = "mymaster",
+        global = true
+    )]
     redis_master: String,
     #[arg(long, env = "FLEET_NAMESPACE", default_value = "fleet", global = true)]
     namespace: String,
@@ -47,11 +67,22 @@ struct Cli {
     #[arg(long, env = "FLEET_SHARDS", default_value = "1", global = true, value_parser = clap::value_parser!(u32).range(1..=1024))]
     shards: u32,
     /// The scheduler's HTTP API.
-    #[arg(long, env = "FLEET_API_URL", default_value = "http://127.0.0.1:8080", global = true)]
+    #[arg(
+        long,
+        env = "FLEET_API_URL",
+        default_value = "http://127.0.0.1:8080",
+        global = true
+    )]
     api: String,
     /// Bearer token for the API: role `read` for status, workers and groups, `admin` for drain.
     /// Set it in the environment (`--api-token` would show in the process list).
-    #[arg(long, env = "FLEET_API_TOKEN", hide = true, hide_env_values = true, global = true)]
+    #[arg(
+        long,
+        env = "FLEET_API_TOKEN",
+        hide = true,
+        hide_env_values = true,
+        global = true
+    )]
     api_token: Option<String>,
     /// TLS for `amqps://` and `rediss://`: PEM CA and client certificate + key files.
     #[arg(long, env = "FLEET_AMQP_TLS_CA_FILE", global = true)]
@@ -172,7 +203,10 @@ async fn main() -> ExitCode {
     match run(cli).await {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("fleetctl: {}", fleet::redact::escape_controls(&fleet::redact::redact(&format!("{e:#}"))));
+            eprintln!(
+                "fleetctl: {}",
+                fleet::redact::escape_controls(&fleet::redact::redact(&format!("{e:#}")))
+            );
             ExitCode::FAILURE
         }
     }
@@ -182,12 +216,18 @@ async fn run(cli: Cli) -> Result<ExitCode> {
     let names = Names::new(&cli.namespace);
     match &cli.cmd {
         Cmd::Submit(a) => submit(&cli, &names, a).await,
-        Cmd::Status { id, wait, timeout_s } => status(&cli, id, *wait, Duration::from_secs(*timeout_s)).await,
+        Cmd::Status {
+            id,
+            wait,
+            timeout_s,
+        } => status(&cli, id, *wait, Duration::from_secs(*timeout_s)).await,
         Cmd::Workers => workers(&cli).await,
         Cmd::Groups => groups(&cli).await,
         Cmd::Drain { id } => drain(&cli, id).await,
         Cmd::Dead(DeadCmd::List { limit }) => dead_list(&cli, &names, *limit).await,
-        Cmd::Dead(DeadCmd::Replay { id, all }) => dead_replay(&cli, &names, id.as_deref(), *all).await,
+        Cmd::Dead(DeadCmd::Replay { id, all }) => {
+            dead_replay(&cli, &names, id.as_deref(), *all).await
+        }
         Cmd::DeleteNamespace { yes } => delete_namespace(&cli, &names, *yes).await,
         Cmd::Schedule(c) => schedule(&cli, c).await,
     }
@@ -200,14 +240,24 @@ async fn delete_namespace(cli: &Cli, names: &Names, yes: bool) -> Result<ExitCod
         bail!("this deletes every queue (and task), exchange and Redis key of namespace `{}`: add --yes", cli.namespace);
     }
     let store = store(cli, names)?;
-    let groups = store.group_names().await.context("reading the namespace's groups from Redis")?;
+    let groups = store
+        .group_names()
+        .await
+        .context("reading the namespace's groups from Redis")?;
     let conn = connect(cli).await?;
     let ch = conn.create_channel().await.context("opening a channel")?;
     // Every shard queue of every group, and the waiting-for-worker park queues.
     fleet::topology::delete_all_sharded(&ch, names, &groups, cli.shards).await?;
-    store.delete_namespace().await.context("deleting the namespace's Redis keys")?;
+    store
+        .delete_namespace()
+        .await
+        .context("deleting the namespace's Redis keys")?;
     let _ = conn.close(200, ShortString::from("bye")).await;
-    println!("namespace {}: deleted the queues of {} group(s), the exchanges and the Redis keys", cli.namespace, groups.len());
+    println!(
+        "namespace {}: deleted the queues of {} group(s), the exchanges and the Redis keys",
+        cli.namespace,
+        groups.len()
+    );
     Ok(ExitCode::SUCCESS)
 }
 
@@ -226,9 +276,11 @@ async fn submit(cli: &Cli, names: &Names, a: &SubmitArgs) -> Result<ExitCode> {
         let within = a.within.unwrap_or(Duration::from_secs(600));
         let bar = indicatif::ProgressBar::new(envelopes.len() as u64);
         bar.set_style(
-            indicatif::ProgressStyle::with_template("{spinner} accepted {pos}/{len} [{bar:30}] {elapsed} (round {msg})")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-                .progress_chars("=> "),
+            indicatif::ProgressStyle::with_template(
+                "{spinner} accepted {pos}/{len} [{bar:30}] {elapsed} (round {msg})",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
         );
         // Only on a terminal (indicatif hides itself otherwise); stdout stays the summary.
         bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
@@ -241,7 +293,10 @@ async fn submit(cli: &Cli, names: &Names, a: &SubmitArgs) -> Result<ExitCode> {
         bar.finish_and_clear();
         let report = report.context("publishing")?;
         for (id, why) in &report.refused {
-            eprintln!("fleetctl: {id} still refused after {} ({why})", humantime::format_duration(within));
+            eprintln!(
+                "fleetctl: {id} still refused after {} ({why})",
+                humantime::format_duration(within)
+            );
         }
         (report.accepted, report.refused.len())
     } else {
@@ -266,12 +321,19 @@ async fn submit(cli: &Cli, names: &Names, a: &SubmitArgs) -> Result<ExitCode> {
         }
     }
     println!("accepted={} refused={refused}", ids.len());
-    Ok(if refused > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+    Ok(if refused > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 /// Envelopes from the flags.
 fn build(a: &SubmitArgs) -> Result<Vec<Envelope>> {
-    let kind = a.kind.clone().ok_or_else(|| anyhow!("--kind is required"))?;
+    let kind = a
+        .kind
+        .clone()
+        .ok_or_else(|| anyhow!("--kind is required"))?;
     let payload: Value = match &a.payload {
         Some(p) => serde_json::from_str(p).context("--payload is not valid JSON")?,
         None => Value::Null,
@@ -280,16 +342,24 @@ fn build(a: &SubmitArgs) -> Result<Vec<Envelope>> {
         Some(l) => Labels::parse(l).map_err(|e| anyhow!("--labels: {e}"))?,
         None => Labels::default(),
     };
-    let lane = Lane::parse(&a.lane).ok_or_else(|| anyhow!("--lane: `{}` is not normal or critical", a.lane))?;
+    let lane = Lane::parse(&a.lane)
+        .ok_or_else(|| anyhow!("--lane: `{}` is not normal or critical", a.lane))?;
     if a.count == 0 {
         bail!("--count must be at least 1");
     }
-    let not_before = a.delay_ms.map(|ms| chrono::Utc::now() + chrono::Duration::milliseconds(i64::try_from(ms).unwrap_or(i64::MAX / 2)));
+    let not_before = a.delay_ms.map(|ms| {
+        chrono::Utc::now()
+            + chrono::Duration::milliseconds(i64::try_from(ms).unwrap_or(i64::MAX / 2))
+    });
     let mut out = Vec::with_capacity(a.count as usize);
     for i in 1..=a.count {
         let mut e = Envelope::new(kind.clone(), payload.clone());
         if let Some(id) = &a.id {
-            e.id = if a.count == 1 { id.clone() } else { format!("{id}-{i}") };
+            e.id = if a.count == 1 {
+                id.clone()
+            } else {
+                format!("{id}-{i}")
+            };
         }
         e.labels = labels.clone();
         e.protocol = a.protocol.clone();
@@ -306,20 +376,27 @@ fn build(a: &SubmitArgs) -> Result<Vec<Envelope>> {
 
 /// Envelopes from a JSON array or NDJSON file; each is checked like the scheduler does.
 fn read_file(path: &std::path::Path) -> Result<Vec<Envelope>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let values: Vec<Value> = if text.trim_start().starts_with('[') {
-        serde_json::from_str(&text).with_context(|| format!("{}: not a JSON array", path.display()))?
+        serde_json::from_str(&text)
+            .with_context(|| format!("{}: not a JSON array", path.display()))?
     } else {
         text.lines()
             .enumerate()
             .filter(|(_, l)| !l.trim().is_empty())
-            .map(|(n, l)| serde_json::from_str(l).with_context(|| format!("{}:{}: invalid JSON", path.display(), n + 1)))
+            .map(|(n, l)| {
+                serde_json::from_str(l)
+                    .with_context(|| format!("{}:{}: invalid JSON", path.display(), n + 1))
+            })
             .collect::<Result<_>>()?
     };
     values
         .into_iter()
         .enumerate()
-        .map(|(i, v)| Envelope::from_value(v).map_err(|r| anyhow!("{}: task {}: {r}", path.display(), i + 1)))
+        .map(|(i, v)| {
+            Envelope::from_value(v).map_err(|r| anyhow!("{}: task {}: {r}", path.display(), i + 1))
+        })
         .collect()
 }
 
@@ -328,49 +405,91 @@ fn read_file(path: &std::path::Path) -> Result<Vec<Envelope>> {
 /// The API client, sending `FLEET_API_TOKEN` as a bearer token when set.
 fn http(cli: &Cli) -> Result<reqwest::Client> {
     let mut headers = reqwest::header::HeaderMap::new();
-    if let Some(token) = cli.api_token.as_deref().map(str::trim).filter(|t| !t.is_empty()) {
-        let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| anyhow!("FLEET_API_TOKEN: not a valid header value"))?;
+    if let Some(token) = cli
+        .api_token
+        .as_deref()
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+    {
+        let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}"))
+            .map_err(|_| anyhow!("FLEET_API_TOKEN: not a valid header value"))?;
         value.set_sensitive(true);
         headers.insert(reqwest::header::AUTHORIZATION, value);
     }
     fleet::tls::install_crypto_provider();
-    reqwest::Client::builder().use_rustls_tls().default_headers(headers).timeout(Duration::from_secs(10)).build().context("http client")
+    reqwest::Client::builder()
+        .use_rustls_tls()
+        .default_headers(headers)
+        .timeout(Duration::from_secs(10))
+        .build()
+        .context("http client")
 }
 
 /// TLS settings of `FLEET_AMQP_TLS` or `FLEET_REDIS_TLS` from the flags, validated like the
 /// daemons' (errors name the setting).
 fn tls(var_prefix: &str, files: [&Option<String>; 3]) -> Result<fleet::tls::TlsConfig> {
     let [ca, cert, key] = files.map(|f| f.as_deref().map(str::trim).filter(|p| !p.is_empty()));
-    Ok(fleet::tls::TlsConfig::from_files(var_prefix, ca, cert, key)?)
+    Ok(fleet::tls::TlsConfig::from_files(
+        var_prefix, ca, cert, key,
+    )?)
 }
 
 /// The `FLEET_AMQP_TLS_*` settings, for every AMQP connection fleetctl makes.
 fn amqp_tls(cli: &Cli) -> Result<fleet::tls::TlsConfig> {
-    tls("FLEET_AMQP_TLS", [&cli.amqp_tls_ca_file, &cli.amqp_tls_cert_file, &cli.amqp_tls_key_file])
+    tls(
+        "FLEET_AMQP_TLS",
+        [
+            &cli.amqp_tls_ca_file,
+            &cli.amqp_tls_cert_file,
+            &cli.amqp_tls_key_file,
+        ],
+    )
 }
 
 /// The Redis URL, built like the daemons': FLEET_REDIS_URL, or with FLEET_REDIS_SENTINELS the
 /// `redis+sentinel://` form naming FLEET_REDIS_MASTER ([`fleet::config::redis_url`]).
 fn redis_url(cli: &Cli) -> Result<String> {
-    Ok(fleet::config::redis_url(&cli.redis_url, &cli.redis_sentinels, &cli.redis_master)?)
+    Ok(fleet::config::redis_url(
+        &cli.redis_url,
+        &cli.redis_sentinels,
+        &cli.redis_master,
+    )?)
 }
 
 /// The Redis store, over TLS for `rediss://` with the `FLEET_REDIS_TLS_*` files.
 fn store(cli: &Cli, names: &Names) -> Result<Store> {
-    let redis_tls = tls("FLEET_REDIS_TLS", [&cli.redis_tls_ca_file, &cli.redis_tls_cert_file, &cli.redis_tls_key_file])?;
-    Ok(Store::with_tls(&redis_url(cli)?, names.clone(), &redis_tls)?)
+    let redis_tls = tls(
+        "FLEET_REDIS_TLS",
+        [
+            &cli.redis_tls_ca_file,
+            &cli.redis_tls_cert_file,
+            &cli.redis_tls_key_file,
+        ],
+    )?;
+    Ok(Store::with_tls(
+        &redis_url(cli)?,
+        names.clone(),
+        &redis_tls,
+    )?)
 }
 
 /// GETs JSON; `Ok(None)` on 404.
 async fn get_json(client: &reqwest::Client, url: &str) -> Result<Option<Value>> {
-    let resp = client.get(url).send().await.with_context(|| format!("GET {url}"))?;
+    let resp = client
+        .get(url)
+        .send()
+        .await
+        .with_context(|| format!("GET {url}"))?;
     let status = resp.status();
     let body: Value = resp.json().await.unwrap_or(Value::Null);
     if status == reqwest::StatusCode::NOT_FOUND {
         return Ok(None);
     }
     if !status.is_success() {
-        bail!("GET {url}: {status}: {}", body.get("detail").and_then(Value::as_str).unwrap_or(""));
+        bail!(
+            "GET {url}: {status}: {}",
+            body.get("detail").and_then(Value::as_str).unwrap_or("")
+        );
     }
     Ok(Some(body))
 }
@@ -393,13 +512,18 @@ async fn status(cli: &Cli, id: &str, wait: bool, timeout: Duration) -> Result<Ex
         if !wait || terminal || tokio::time::Instant::now() >= deadline {
             return Ok(match found {
                 None => {
-                    eprintln!("fleetctl: task {id} not found (never seen, or older than the status TTL)");
+                    eprintln!(
+                        "fleetctl: task {id} not found (never seen, or older than the status TTL)"
+                    );
                     ExitCode::FAILURE
                 }
                 Some(v) => {
                     println!("{}", serde_json::to_string_pretty(&v)?);
                     if wait && !terminal {
-                        eprintln!("fleetctl: timed out after {} s waiting for task {id} to finish", timeout.as_secs());
+                        eprintln!(
+                            "fleetctl: timed out after {} s waiting for task {id} to finish",
+                            timeout.as_secs()
+                        );
                         ExitCode::FAILURE
                     } else {
                         ExitCode::SUCCESS
@@ -412,8 +536,11 @@ async fn status(cli: &Cli, id: &str, wait: bool, timeout: Duration) -> Result<Ex
 }
 
 async fn workers(cli: &Cli) -> Result<ExitCode> {
-    let v = get_json(&http(cli)?, &api(cli, "/v1/workers")).await?.unwrap_or(Value::Array(vec![]));
-    let workers: Vec<WorkerView> = serde_json::from_value(v).context("unexpected /v1/workers answer")?;
+    let v = get_json(&http(cli)?, &api(cli, "/v1/workers"))
+        .await?
+        .unwrap_or(Value::Array(vec![]));
+    let workers: Vec<WorkerView> =
+        serde_json::from_value(v).context("unexpected /v1/workers answer")?;
     let rows = workers
         .iter()
         .map(|w| {
@@ -435,14 +562,28 @@ async fn workers(cli: &Cli) -> Result<ExitCode> {
     // Outcome columns are user task attempts by the outcome of `fleet_tasks_completed_total`
     // (probes excluded), published by each worker as it records them.
     print_table(
-        &["ID", "GROUP", "STATE", "CAPACITY(N+C)", "RUNNING(N+C)", "SUCCEEDED", "RETRIED", "DEAD", "EXPIRED", "FAILED", "LAST HEARTBEAT"],
+        &[
+            "ID",
+            "GROUP",
+            "STATE",
+            "CAPACITY(N+C)",
+            "RUNNING(N+C)",
+            "SUCCEEDED",
+            "RETRIED",
+            "DEAD",
+            "EXPIRED",
+            "FAILED",
+            "LAST HEARTBEAT",
+        ],
         rows,
     );
     Ok(ExitCode::SUCCESS)
 }
 
 async fn groups(cli: &Cli) -> Result<ExitCode> {
-    let v = get_json(&http(cli)?, &api(cli, "/v1/groups")).await?.unwrap_or(Value::Array(vec![]));
+    let v = get_json(&http(cli)?, &api(cli, "/v1/groups"))
+        .await?
+        .unwrap_or(Value::Array(vec![]));
     let groups = v.as_array().cloned().unwrap_or_default();
     let with_probe = groups.iter().any(|g| g.get("probe_ok").is_some());
     let n = |g: &Value, k: &str| g.get(k).and_then(Value::as_u64).unwrap_or(0);
@@ -450,7 +591,10 @@ async fn groups(cli: &Cli) -> Result<ExitCode> {
         .iter()
         .map(|g| {
             let mut row = vec![
-                g.get("group").and_then(Value::as_str).unwrap_or("").to_string(),
+                g.get("group")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string(),
                 n(g, "workers").to_string(),
                 n(g, "capacity").to_string(),
                 n(g, "load").to_string(),
@@ -470,7 +614,14 @@ async fn groups(cli: &Cli) -> Result<ExitCode> {
             row
         })
         .collect();
-    let mut headers = vec!["GROUP", "WORKERS", "CAPACITY", "LOAD", "RESERVED", "CRITICAL CAP/LOAD"];
+    let mut headers = vec![
+        "GROUP",
+        "WORKERS",
+        "CAPACITY",
+        "LOAD",
+        "RESERVED",
+        "CRITICAL CAP/LOAD",
+    ];
     if with_probe {
         headers.push("PROBE");
     }
@@ -480,7 +631,12 @@ async fn groups(cli: &Cli) -> Result<ExitCode> {
 
 async fn drain(cli: &Cli, id: &str) -> Result<ExitCode> {
     let url = api(cli, &format!("/v1/workers/{id}/drain"));
-    let resp = http(cli)?.post(&url).json(&serde_json::json!({})).send().await.with_context(|| format!("POST {url}"))?;
+    let resp = http(cli)?
+        .post(&url)
+        .json(&serde_json::json!({}))
+        .send()
+        .await
+        .with_context(|| format!("POST {url}"))?;
     let status = resp.status();
     let body: Value = resp.json().await.unwrap_or(Value::Null);
     if status == reqwest::StatusCode::NOT_FOUND {
@@ -488,9 +644,15 @@ async fn drain(cli: &Cli, id: &str) -> Result<ExitCode> {
         return Ok(ExitCode::FAILURE);
     }
     if !status.is_success() {
-        bail!("POST {url}: {status}: {}", body.get("detail").and_then(Value::as_str).unwrap_or(""));
+        bail!(
+            "POST {url}: {status}: {}",
+            body.get("detail").and_then(Value::as_str).unwrap_or("")
+        );
     }
-    let prev = body.get("previous_state").and_then(Value::as_str).unwrap_or("?");
+    let prev = body
+        .get("previous_state")
+        .and_then(Value::as_str)
+        .unwrap_or("?");
     println!("worker {id}: draining (was {prev})");
     Ok(ExitCode::SUCCESS)
 }
@@ -504,17 +666,29 @@ fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
 fn table(headers: &[&str], rows: Vec<Vec<String>>) -> comfy_table::Table {
     use comfy_table::{presets, CellAlignment, ContentArrangement, Table};
     let numeric: Vec<bool> = (0..headers.len())
-        .map(|i| !rows.is_empty() && rows.iter().all(|r| r.get(i).is_some_and(|c| !c.is_empty() && c.chars().all(|ch| ch.is_ascii_digit()))))
+        .map(|i| {
+            !rows.is_empty()
+                && rows.iter().all(|r| {
+                    r.get(i)
+                        .is_some_and(|c| !c.is_empty() && c.chars().all(|ch| ch.is_ascii_digit()))
+                })
+        })
         .collect();
     let mut t = Table::new();
-    t.load_style(presets::NOTHING).set_content_arrangement(ContentArrangement::Disabled).set_header(headers.to_vec());
+    t.load_style(presets::NOTHING)
+        .set_content_arrangement(ContentArrangement::Disabled)
+        .set_header(headers.to_vec());
     for r in rows {
         t.add_row(r);
     }
     for (i, num) in numeric.iter().enumerate() {
         if let Some(c) = t.column_mut(i) {
             c.set_padding((0, 2));
-            c.set_cell_alignment(if *num { CellAlignment::Right } else { CellAlignment::Left });
+            c.set_cell_alignment(if *num {
+                CellAlignment::Right
+            } else {
+                CellAlignment::Left
+            });
         }
     }
     t
@@ -524,11 +698,16 @@ fn table(headers: &[&str], rows: Vec<Vec<String>>) -> comfy_table::Table {
 
 async fn connect(cli: &Cli) -> Result<Connection> {
     let tls = amqp_tls(cli)?;
-    fleet::endpoints::connect_any(&cli.amqp_url, "fleetctl", &tls).await.with_context(|| format!("connecting to {}", fleet::redact::redact(&cli.amqp_url)))
+    fleet::endpoints::connect_any(&cli.amqp_url, "fleetctl", &tls)
+        .await
+        .with_context(|| format!("connecting to {}", fleet::redact::redact(&cli.amqp_url)))
 }
 
 fn one_line(s: &str, max: usize) -> String {
-    let s: String = s.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
+    let s: String = s
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
     if s.chars().count() > max {
         format!("{}…", s.chars().take(max).collect::<String>())
     } else {
@@ -538,7 +717,9 @@ fn one_line(s: &str, max: usize) -> String {
 
 async fn dead_list(cli: &Cli, names: &Names, limit: u32) -> Result<ExitCode> {
     let conn = connect(cli).await?;
-    let listing = dead::list(&conn, names, limit).await.with_context(|| format!("reading {}", names.dead_queue()));
+    let listing = dead::list(&conn, names, limit)
+        .await
+        .with_context(|| format!("reading {}", names.dead_queue()));
     let _ = conn.close(200, ShortString::from("done")).await;
     let listing = listing?;
     let rows = listing
@@ -555,9 +736,15 @@ async fn dead_list(cli: &Cli, names: &Names, limit: u32) -> Result<ExitCode> {
             ]
         })
         .collect();
-    print_table(&["ID", "KIND", "REASON", "ATTEMPTS", "WORKER", "DETAIL"], rows);
+    print_table(
+        &["ID", "KIND", "REASON", "ATTEMPTS", "WORKER", "DETAIL"],
+        rows,
+    );
     if listing.depth > limit {
-        eprintln!("({limit} of {} dead letters shown; use --limit)", listing.depth);
+        eprintln!(
+            "({limit} of {} dead letters shown; use --limit)",
+            listing.depth
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -579,7 +766,11 @@ async fn dead_replay(cli: &Cli, names: &Names, id: Option<&str>, all: bool) -> R
         eprintln!("fleetctl: no dead letter with id {id}");
     }
     println!("replayed={}", report.replayed.len());
-    Ok(if report.failed.is_empty() && report.missing.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if report.failed.is_empty() && report.missing.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 // ---- schedules ----
@@ -639,14 +830,22 @@ struct ScheduleAddArgs {
 /// Sends a schedule request; on an error answer prints the API's reason and returns `None`.
 /// A POST always carries a JSON body (`{}` when there is nothing to say): the API takes no
 /// other content type.
-async fn schedule_call(cli: &Cli, method: reqwest::Method, url: &str, body: Option<&Value>) -> Result<Option<Value>> {
+async fn schedule_call(
+    cli: &Cli,
+    method: reqwest::Method,
+    url: &str,
+    body: Option<&Value>,
+) -> Result<Option<Value>> {
     let mut req = http(cli)?.request(method.clone(), url);
     match body {
         Some(b) => req = req.json(b),
         None if method == reqwest::Method::POST => req = req.json(&serde_json::json!({})),
         None => {}
     }
-    let resp = req.send().await.with_context(|| format!("{method} {url}"))?;
+    let resp = req
+        .send()
+        .await
+        .with_context(|| format!("{method} {url}"))?;
     let status = resp.status();
     let v: Value = resp.json().await.unwrap_or(Value::Null);
     if status.is_success() {
@@ -671,13 +870,21 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
             let mut task = serde_json::Map::new();
             task.insert("kind".into(), a.kind.clone().into());
             if let Some(p) = &a.payload {
-                task.insert("payload".into(), serde_json::from_str(p).context("--payload is not valid JSON")?);
+                task.insert(
+                    "payload".into(),
+                    serde_json::from_str(p).context("--payload is not valid JSON")?,
+                );
             }
             if let Some(l) = &a.labels {
                 let labels = Labels::parse(l).map_err(|e| anyhow!("--labels: {e}"))?;
                 task.insert("labels".into(), serde_json::to_value(&labels)?);
             }
-            for (k, v) in [("lane", a.lane.clone().map(Value::from)), ("protocol", a.protocol.clone().map(Value::from)), ("timeout_ms", a.timeout_ms.map(Value::from)), ("max_attempts", a.max_attempts.map(Value::from))] {
+            for (k, v) in [
+                ("lane", a.lane.clone().map(Value::from)),
+                ("protocol", a.protocol.clone().map(Value::from)),
+                ("timeout_ms", a.timeout_ms.map(Value::from)),
+                ("max_attempts", a.max_attempts.map(Value::from)),
+            ] {
                 if let Some(v) = v {
                     task.insert(k.into(), v);
                 }
@@ -686,41 +893,105 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
                 "name": a.name, "cron": a.cron, "timezone": a.timezone, "task": task,
                 "missed": a.missed, "catch_up_max": a.catch_up_max, "enabled": !a.paused,
             });
-            let r = schedule_call(cli, Method::POST, &api(cli, "/v1/schedules"), Some(&body)).await?;
-            done(r, &|v| println!("schedule {}: added, next tick {}", a.name, v.get("next_tick").and_then(Value::as_str).unwrap_or("-")))
+            let r =
+                schedule_call(cli, Method::POST, &api(cli, "/v1/schedules"), Some(&body)).await?;
+            done(r, &|v| {
+                println!(
+                    "schedule {}: added, next tick {}",
+                    a.name,
+                    v.get("next_tick").and_then(Value::as_str).unwrap_or("-")
+                )
+            })
         }
         ScheduleCmd::List => {
             let r = schedule_call(cli, Method::GET, &api(cli, "/v1/schedules"), None).await?;
             done(r, &|v| {
-                let s = |x: &Value, k: &str| x.get(k).and_then(Value::as_str).unwrap_or("-").to_string();
+                let s = |x: &Value, k: &str| {
+                    x.get(k).and_then(Value::as_str).unwrap_or("-").to_string()
+                };
                 let rows = v
                     .as_array()
                     .into_iter()
                     .flatten()
                     .map(|x| {
-                        let state = if x.get("enabled").and_then(Value::as_bool).unwrap_or(true) { "active" } else { "paused" };
-                        let kind = x.pointer("/task/kind").and_then(Value::as_str).unwrap_or("-").to_string();
-                        vec![s(x, "name"), s(x, "cron"), s(x, "timezone"), kind, state.into(), s(x, "missed"), s(x, "next_tick"), s(x, "last_tick")]
+                        let state = if x.get("enabled").and_then(Value::as_bool).unwrap_or(true) {
+                            "active"
+                        } else {
+                            "paused"
+                        };
+                        let kind = x
+                            .pointer("/task/kind")
+                            .and_then(Value::as_str)
+                            .unwrap_or("-")
+                            .to_string();
+                        vec![
+                            s(x, "name"),
+                            s(x, "cron"),
+                            s(x, "timezone"),
+                            kind,
+                            state.into(),
+                            s(x, "missed"),
+                            s(x, "next_tick"),
+                            s(x, "last_tick"),
+                        ]
                     })
                     .collect();
-                print_table(&["NAME", "CRON", "TIMEZONE", "KIND", "STATE", "MISSED", "NEXT TICK", "LAST TICK"], rows);
+                print_table(
+                    &[
+                        "NAME",
+                        "CRON",
+                        "TIMEZONE",
+                        "KIND",
+                        "STATE",
+                        "MISSED",
+                        "NEXT TICK",
+                        "LAST TICK",
+                    ],
+                    rows,
+                );
             })
         }
         ScheduleCmd::Pause { name } => {
-            let r = schedule_call(cli, Method::POST, &api(cli, &format!("/v1/schedules/{name}/pause")), None).await?;
+            let r = schedule_call(
+                cli,
+                Method::POST,
+                &api(cli, &format!("/v1/schedules/{name}/pause")),
+                None,
+            )
+            .await?;
             done(r, &|_| println!("schedule {name}: paused"))
         }
         ScheduleCmd::Resume { name } => {
-            let r = schedule_call(cli, Method::POST, &api(cli, &format!("/v1/schedules/{name}/resume")), None).await?;
+            let r = schedule_call(
+                cli,
+                Method::POST,
+                &api(cli, &format!("/v1/schedules/{name}/resume")),
+                None,
+            )
+            .await?;
             done(r, &|_| println!("schedule {name}: resumed"))
         }
         ScheduleCmd::Rm { name } => {
-            let r = schedule_call(cli, Method::DELETE, &api(cli, &format!("/v1/schedules/{name}")), None).await?;
+            let r = schedule_call(
+                cli,
+                Method::DELETE,
+                &api(cli, &format!("/v1/schedules/{name}")),
+                None,
+            )
+            .await?;
             done(r, &|_| println!("schedule {name}: deleted"))
         }
         ScheduleCmd::FireNow { name } => {
-            let r = schedule_call(cli, Method::POST, &api(cli, &format!("/v1/schedules/{name}/fire")), None).await?;
-            done(r, &|v| println!("{}", v.get("id").and_then(Value::as_str).unwrap_or("")))
+            let r = schedule_call(
+                cli,
+                Method::POST,
+                &api(cli, &format!("/v1/schedules/{name}/fire")),
+                None,
+            )
+            .await?;
+            done(r, &|v| {
+                println!("{}", v.get("id").and_then(Value::as_str).unwrap_or(""))
+            })
         }
     })
 }
@@ -740,23 +1011,71 @@ mod tests {
     /// Sentinels, the master, and the password and db of FLEET_REDIS_URL.
     #[test]
     fn redis_url_is_built_like_the_daemons() {
-        let c = cli(&["--redis-url", "redis://:s3cret@127.0.0.1:6379/2", "--redis-sentinels", "10.0.0.1:26379, 10.0.0.2:26379", "--redis-master", "prod"]);
+        let c = cli(&[
+            "--redis-url",
+            "redis://:s3cret@127.0.0.1:6379/2",
+            "--redis-sentinels",
+            "10.0.0.1:26379, 10.0.0.2:26379",
+            "--redis-master",
+            "prod",
+        ]);
         let url = redis_url(&c).unwrap();
-        assert_eq!(url, "redis+sentinel://:s3cret@10.0.0.1:26379,10.0.0.2:26379/prod/2");
-        assert_eq!(url, fleet::sentinel::Target::from_settings("10.0.0.1:26379, 10.0.0.2:26379", "prod", "redis://:s3cret@127.0.0.1:6379/2"));
+        assert_eq!(
+            url,
+            "redis+sentinel://:s3cret@10.0.0.1:26379,10.0.0.2:26379/prod/2"
+        );
+        assert_eq!(
+            url,
+            fleet::sentinel::Target::from_settings(
+                "10.0.0.1:26379, 10.0.0.2:26379",
+                "prod",
+                "redis://:s3cret@127.0.0.1:6379/2"
+            )
+        );
         // The default master name, no db.
-        let c = cli(&["--redis-url", "redis://127.0.0.1:6379", "--redis-sentinels", "s1:26379"]);
+        let c = cli(&[
+            "--redis-url",
+            "redis://127.0.0.1:6379",
+            "--redis-sentinels",
+            "s1:26379",
+        ]);
         assert_eq!(redis_url(&c).unwrap(), "redis+sentinel://s1:26379/mymaster");
         // Without Sentinels: FLEET_REDIS_URL as given.
         let c = cli(&["--redis-url", "redis://10.1.1.1:6380/1"]);
         assert_eq!(redis_url(&c).unwrap(), "redis://10.1.1.1:6380/1");
         // The daemons' checks, naming the setting.
-        let c = cli(&["--redis-url", "rediss://h:6379", "--redis-sentinels", "s1:26379"]);
-        assert!(redis_url(&c).unwrap_err().to_string().contains("FLEET_REDIS_SENTINELS"));
-        let c = cli(&["--redis-url", "redis://h:6379", "--redis-sentinels", "s1:26379", "--redis-master", " "]);
-        assert!(redis_url(&c).unwrap_err().to_string().contains("FLEET_REDIS_MASTER"));
-        let c = cli(&["--redis-url", "redis://h:6379", "--redis-sentinels", "nohostport"]);
-        assert!(redis_url(&c).unwrap_err().to_string().contains("FLEET_REDIS_SENTINELS"));
+        let c = cli(&[
+            "--redis-url",
+            "rediss://h:6379",
+            "--redis-sentinels",
+            "s1:26379",
+        ]);
+        assert!(redis_url(&c)
+            .unwrap_err()
+            .to_string()
+            .contains("FLEET_REDIS_SENTINELS"));
+        let c = cli(&[
+            "--redis-url",
+            "redis://h:6379",
+            "--redis-sentinels",
+            "s1:26379",
+            "--redis-master",
+            " ",
+        ]);
+        assert!(redis_url(&c)
+            .unwrap_err()
+            .to_string()
+            .contains("FLEET_REDIS_MASTER"));
+        let c = cli(&[
+            "--redis-url",
+            "redis://h:6379",
+            "--redis-sentinels",
+            "nohostport",
+        ]);
+        assert!(redis_url(&c)
+            .unwrap_err()
+            .to_string()
+            .contains("FLEET_REDIS_SENTINELS"));
     }
 
     #[test]

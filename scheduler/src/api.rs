@@ -76,7 +76,12 @@ pub fn routes(state: AppState) -> Router {
             .merge(dead::read_routes()),
         Role::Read,
     );
-    let admin_routes = auth.require(Router::new().route("/v1/workers/{id}/drain", post(drain)).merge(dead::admin_routes()), Role::Admin);
+    let admin_routes = auth.require(
+        Router::new()
+            .route("/v1/workers/{id}/drain", post(drain))
+            .merge(dead::admin_routes()),
+        Role::Admin,
+    );
     submit_routes
         .merge(read_routes)
         .merge(admin_routes)
@@ -87,11 +92,20 @@ pub fn routes(state: AppState) -> Router {
 
 /// A JSON error answer `{"error": code, "detail": ...}`.
 pub(crate) fn error(status: StatusCode, code: &str, detail: impl Into<String>) -> Response {
-    (status, Json(json!({"error": code, "detail": detail.into()}))).into_response()
+    (
+        status,
+        Json(json!({"error": code, "detail": detail.into()})),
+    )
+        .into_response()
 }
 
 fn refuse(status: StatusCode, retry_after_s: u64, body: Value) -> Response {
-    (status, [(header::RETRY_AFTER, retry_after_s.max(1).to_string())], Json(body)).into_response()
+    (
+        status,
+        [(header::RETRY_AFTER, retry_after_s.max(1).to_string())],
+        Json(body),
+    )
+        .into_response()
 }
 
 async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
@@ -99,22 +113,44 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
     // path, and published unchanged: the id (generated when absent) travels as `message_id`
     // and the submission time as a header, so nothing fleet adds can push it over a limit.
     let now = st.store.clock.now();
-    let parsed = match fleet::submit::parse_body(&body, &st.cfg.common.limits, st.cfg.common.default_max_attempts, now) {
+    let parsed = match fleet::submit::parse_body(
+        &body,
+        &st.cfg.common.limits,
+        st.cfg.common.default_max_attempts,
+        now,
+    ) {
         Ok(p) => p,
         Err(b) => match b.index {
             Some(i) => return bad(i, b.code, b.detail),
             None => return error(StatusCode::BAD_REQUEST, b.code, b.detail),
         },
     };
-    let envs: Vec<_> = parsed.iter().map(|p| (&p.envelope, p.raw.get().as_bytes(), p.stamped)).collect();
+    let envs: Vec<_> = parsed
+        .iter()
+        .map(|p| (&p.envelope, p.raw.get().as_bytes(), p.stamped))
+        .collect();
     if st.cfg.submit_rate > 0.0 {
         let want = envs.len() as u32;
         let burst = (st.cfg.submit_rate as u32).max(want);
-        match st.store.take_from(&st.store.names.submit_rate_limit(), st.cfg.submit_rate, burst, want).await {
+        match st
+            .store
+            .take_from(
+                &st.store.names.submit_rate_limit(),
+                st.cfg.submit_rate,
+                burst,
+                want,
+            )
+            .await
+        {
             Ok(g) if g.granted < want => {
-                metrics::counter!(m::TASKS_REFUSED, "reason" => "rate_limited").increment(u64::from(want));
+                metrics::counter!(m::TASKS_REFUSED, "reason" => "rate_limited")
+                    .increment(u64::from(want));
                 let secs = g.wait_ms.div_ceil(1000);
-                return refuse(StatusCode::TOO_MANY_REQUESTS, secs, json!({"error": "rate_limited", "detail": "submission rate limit reached"}));
+                return refuse(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    secs,
+                    json!({"error": "rate_limited", "detail": "submission rate limit reached"}),
+                );
             }
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "submission limiter unavailable; admitting"),
@@ -122,7 +158,11 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
     }
     let (accepted, refused) = match publish_all(&st, &envs, now).await {
         Ok(r) => r,
-        Err(Unfinished { accepted, refused, unknown }) => {
+        Err(Unfinished {
+            accepted,
+            refused,
+            unknown,
+        }) => {
             // What was confirmed before the connection went is said too: those tasks run. The
             // `unknown` ones may or may not have reached the broker; submitting them again with
             // these ids is safe (a copy is dropped as a duplicate), with new ids it is not.
@@ -140,12 +180,26 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
     // says why the queue is full — the fleet's intake gate is closed (429, retry after the
     // gate's recheck) or producers simply outpace intake (503).
     let (status, code, detail, retry_s) = if st.pressure.borrow().gate == Pressure::Red {
-        (StatusCode::TOO_MANY_REQUESTS, "pressure_red", "the fleet is overloaded (intake gate Red) and the ingress queue is full; retry later", st.cfg.red_recheck.as_secs())
+        (
+            StatusCode::TOO_MANY_REQUESTS,
+            "pressure_red",
+            "the fleet is overloaded (intake gate Red) and the ingress queue is full; retry later",
+            st.cfg.red_recheck.as_secs(),
+        )
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "ingress_full", "the ingress queue is full; retry later", 1)
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ingress_full",
+            "the ingress queue is full; retry later",
+            1,
+        )
     };
     metrics::counter!(m::TASKS_REFUSED, "reason" => code).increment(refused.len() as u64);
-    refuse(status, retry_s, json!({"error": code, "detail": detail, "accepted": accepted, "refused": refused}))
+    refuse(
+        status,
+        retry_s,
+        json!({"error": code, "detail": detail, "accepted": accepted, "refused": refused}),
+    )
 }
 
 /// A submission [`publish_all`] could not finish: ids confirmed, refused by the broker, and
@@ -166,7 +220,11 @@ const REPUBLISH_WITHIN: Duration = Duration::from_secs(15);
 /// [`REPUBLISH_WITHIN`] has passed; a copy the broker had already taken is absorbed by the
 /// dedupe protocol (same id). `Err` when no publisher came back in time for what is left:
 /// what was settled so far and the ids whose fate is unknown.
-async fn publish_all(st: &AppState, envs: &[(&Envelope, &[u8], bool)], now: chrono::DateTime<chrono::Utc>) -> Result<(Vec<String>, Vec<String>), Unfinished> {
+async fn publish_all(
+    st: &AppState,
+    envs: &[(&Envelope, &[u8], bool)],
+    now: chrono::DateTime<chrono::Utc>,
+) -> Result<(Vec<String>, Vec<String>), Unfinished> {
     let names = st.store.names.clone();
     let deadline = tokio::time::Instant::now() + REPUBLISH_WITHIN;
     let mut accepted = Vec::new();
@@ -190,13 +248,27 @@ async fn publish_all(st: &AppState, envs: &[(&Envelope, &[u8], bool)], now: chro
         };
         let Some(ch) = publisher.as_ref() else {
             let unknown = todo.iter().map(|&i| envs[i].0.id.clone()).collect();
-            return Err(Unfinished { accepted, refused, unknown });
+            return Err(Unfinished {
+                accepted,
+                refused,
+                unknown,
+            });
         };
         let exchange = names.submit_exchange();
         let msgs = todo.iter().map(|&i| {
             let (e, bytes, stamped) = &envs[i];
-            let h = stamped.then(|| amqp::headers([(fleet::headers::SUBMITTED_AT, fleet::headers::submitted_at_value(now))]));
-            amqp::Outgoing { exchange: &exchange, routing_key: e.lane.as_str(), body: bytes, props: amqp::task_properties(&e.id, h) }
+            let h = stamped.then(|| {
+                amqp::headers([(
+                    fleet::headers::SUBMITTED_AT,
+                    fleet::headers::submitted_at_value(now),
+                )])
+            });
+            amqp::Outgoing {
+                exchange: &exchange,
+                routing_key: e.lane.as_str(),
+                body: bytes,
+                props: amqp::task_properties(&e.id, h),
+            }
         });
         let confirms = amqp::publish_batch(ch, msgs).await;
         let mut lost = Vec::new();
@@ -213,7 +285,11 @@ async fn publish_all(st: &AppState, envs: &[(&Envelope, &[u8], bool)], now: chro
         }
         if !lost.is_empty() {
             metrics::counter!(m::TASKS_REPUBLISHED).increment(lost.len() as u64);
-            tracing::warn!(tasks = lost.len(), round, "publisher confirms lost with the connection; publishing again on the next channel");
+            tracing::warn!(
+                tasks = lost.len(),
+                round,
+                "publisher confirms lost with the connection; publishing again on the next channel"
+            );
         }
         todo = lost;
     }
@@ -221,7 +297,11 @@ async fn publish_all(st: &AppState, envs: &[(&Envelope, &[u8], bool)], now: chro
 }
 
 fn bad(index: usize, code: &str, detail: String) -> Response {
-    (StatusCode::BAD_REQUEST, Json(json!({"error": code, "detail": detail, "index": index}))).into_response()
+    (
+        StatusCode::BAD_REQUEST,
+        Json(json!({"error": code, "detail": detail, "index": index})),
+    )
+        .into_response()
 }
 
 /// The typed status record plus `attempts`: every attempt that ended, oldest first (see
@@ -235,7 +315,11 @@ async fn task_status(State(st): State<AppState>, Path(id): Path<String>) -> Resp
             }
             Json(v).into_response()
         }
-        Ok(None) => error(StatusCode::NOT_FOUND, "unknown_task", format!("no status for task {id} (never seen, or older than the status TTL)")),
+        Ok(None) => error(
+            StatusCode::NOT_FOUND,
+            "unknown_task",
+            format!("no status for task {id} (never seen, or older than the status TTL)"),
+        ),
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
     }
 }
@@ -254,7 +338,8 @@ async fn workers(State(st): State<AppState>) -> Response {
         .enumerate()
         .map(|(i, w)| {
             let mut v = serde_json::to_value(w).unwrap_or_default();
-            if let (Value::Object(o), Some(skew)) = (&mut v, shared.get(i).and_then(|s| s.skew_ms)) {
+            if let (Value::Object(o), Some(skew)) = (&mut v, shared.get(i).and_then(|s| s.skew_ms))
+            {
                 o.insert("clock_skew_ms".into(), skew.into());
             }
             v
@@ -279,9 +364,15 @@ async fn groups(State(st): State<AppState>) -> Response {
             if let (Value::Object(o), Some(p)) = (&mut v, p) {
                 o.insert("probe_ok".into(), p.ok.into());
                 o.insert("probe_seconds".into(), json!(p.seconds));
-                o.insert("probe_consecutive_failures".into(), p.consecutive_failures.into());
+                o.insert(
+                    "probe_consecutive_failures".into(),
+                    p.consecutive_failures.into(),
+                );
             }
-            if let (Value::Object(o), Some(Value::Object(s))) = (&mut v, sample.map(|s| serde_json::to_value(s).unwrap_or_default())) {
+            if let (Value::Object(o), Some(Value::Object(s))) = (
+                &mut v,
+                sample.map(|s| serde_json::to_value(s).unwrap_or_default()),
+            ) {
                 o.extend(s);
             }
             v
@@ -294,9 +385,17 @@ async fn drain(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     match st.store.set_state(&id, WorkerState::Draining).await {
         Ok(Some(prev)) => {
             tracing::info!(worker = %id, previous = prev.as_str(), "drain requested through the API");
-            (StatusCode::ACCEPTED, Json(json!({"id": id, "previous_state": prev, "state": WorkerState::Draining}))).into_response()
+            (
+                StatusCode::ACCEPTED,
+                Json(json!({"id": id, "previous_state": prev, "state": WorkerState::Draining})),
+            )
+                .into_response()
         }
-        Ok(None) => error(StatusCode::NOT_FOUND, "unknown_worker", format!("no registered worker with id {id}")),
+        Ok(None) => error(
+            StatusCode::NOT_FOUND,
+            "unknown_worker",
+            format!("no registered worker with id {id}"),
+        ),
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
     }
 }

@@ -118,14 +118,36 @@ pub struct Sample {
 
 /// Computes the signals from group views and queue depths (`parked` includes the tasks
 /// waiting for a matching worker; `behind` is [`behind`] summed over the groups).
-pub fn sample(t: &Thresholds, groups: &[GroupView], ingress_backlog: u64, parked: u64, behind: u64) -> Sample {
+pub fn sample(
+    t: &Thresholds,
+    groups: &[GroupView],
+    ingress_backlog: u64,
+    parked: u64,
+    behind: u64,
+) -> Sample {
     let reserved: u64 = groups.iter().map(|g| u64::from(g.reserved)).sum();
     let running: u64 = groups.iter().map(|g| u64::from(g.load)).sum();
     let capacity: u64 = groups.iter().map(|g| u64::from(g.capacity)).sum();
-    let load = if capacity == 0 { 0.0 } else { running as f64 / capacity as f64 };
+    let load = if capacity == 0 {
+        0.0
+    } else {
+        running as f64 / capacity as f64
+    };
     let pending = ingress_backlog + parked + reserved;
     let gate = t.evaluate(parked + behind, 0.0);
-    Sample { state: t.evaluate(pending, load), gate, pending, ingress_backlog, parked, behind, reserved, running, capacity, load, sampled_at_ms: fleet::store::now_ms() }
+    Sample {
+        state: t.evaluate(pending, load),
+        gate,
+        pending,
+        ingress_backlog,
+        parked,
+        behind,
+        reserved,
+        running,
+        capacity,
+        load,
+        sampled_at_ms: fleet::store::now_ms(),
+    }
 }
 
 /// Tasks of one group beyond its room: what waits in its queue (`queued`, the broker's ready
@@ -145,7 +167,12 @@ pub fn yellow_depth(t: &Thresholds, waiting: u64) -> f64 {
 /// A group's room ahead of its workers (Little's law, L = λ·W): what it completes per second
 /// times the target time a task may queue, and never less than `capacity × (1 + backlog_factor)`
 /// — deep for many tiny tasks, shallow for long ones, with no knob to tune per workload.
-pub fn room_for(capacity: u32, backlog_factor: f64, completions_per_s: f64, target: std::time::Duration) -> u64 {
+pub fn room_for(
+    capacity: u32,
+    backlog_factor: f64,
+    completions_per_s: f64,
+    target: std::time::Duration,
+) -> u64 {
     let floor = (f64::from(capacity) * (1.0 + backlog_factor)).ceil();
     floor.max(completions_per_s * target.as_secs_f64()).round() as u64
 }
@@ -157,7 +184,12 @@ pub fn room_for(capacity: u32, backlog_factor: f64, completions_per_s: f64, targ
 pub const SEED_FACTOR: f64 = 4.0;
 
 /// [`room_for`] with the seed: `None` = no completion measured yet.
-pub fn room_seeded(capacity: u32, backlog_factor: f64, completions_per_s: Option<f64>, target: std::time::Duration) -> u64 {
+pub fn room_seeded(
+    capacity: u32,
+    backlog_factor: f64,
+    completions_per_s: Option<f64>,
+    target: std::time::Duration,
+) -> u64 {
     match completions_per_s {
         Some(r) => room_for(capacity, backlog_factor, r, target),
         None => (f64::from(capacity) * (1.0 + backlog_factor) * SEED_FACTOR).ceil() as u64,
@@ -203,7 +235,9 @@ impl Controller {
                 parked += u64::from(view.depth(&names.park_queue(g, Lane::Normal)).unwrap_or(0));
             }
             for g in groups {
-                let room = rooms.get(&g.group).copied().unwrap_or_else(|| room_seeded(g.capacity, cfg.backlog_factor, None, cfg.target_queue));
+                let room = rooms.get(&g.group).copied().unwrap_or_else(|| {
+                    room_seeded(g.capacity, cfg.backlog_factor, None, cfg.target_queue)
+                });
                 // Every shard of the group's normal lane (one queue when unsharded). A queue
                 // that is not declared yet holds nothing.
                 let queued: u64 = names
@@ -248,7 +282,12 @@ impl Rates {
     const ALPHA: f64 = 0.5;
 
     /// Measures, writes every group's rooms to Redis, and returns the normal-lane rooms.
-    async fn update(&mut self, cfg: &SchedulerConfig, store: &Store, groups: &[GroupView]) -> std::collections::HashMap<String, u64> {
+    async fn update(
+        &mut self,
+        cfg: &SchedulerConfig,
+        store: &Store,
+        groups: &[GroupView],
+    ) -> std::collections::HashMap<String, u64> {
         let mut normal = std::collections::HashMap::new();
         let names: Vec<String> = groups.iter().map(|g| g.group.clone()).collect();
         // Groups that are gone (reclaimed, see crate::reclaim) are forgotten: memory stays
@@ -256,7 +295,9 @@ impl Rates {
         let live: std::collections::HashSet<&str> = names.iter().map(String::as_str).collect();
         self.rate.retain(|g, _| live.contains(g.as_str()));
         self.last.retain(|g, _| live.contains(g.as_str()));
-        let Ok(done) = store.group_completions(&names).await else { return normal };
+        let Ok(done) = store.group_completions(&names).await else {
+            return normal;
+        };
         let now = std::time::Instant::now();
         let mut rooms = Vec::with_capacity(groups.len() * 2);
         for (g, counts) in groups.iter().zip(done) {
@@ -296,7 +337,13 @@ mod tests {
     use super::*;
 
     fn t() -> Thresholds {
-        Thresholds { max_pending: 1000, pending_yellow: 0.7, pending_red: 0.9, load_yellow: 0.68, load_red: 0.85 }
+        Thresholds {
+            max_pending: 1000,
+            pending_yellow: 0.7,
+            pending_red: 0.9,
+            load_yellow: 0.68,
+            load_red: 0.85,
+        }
     }
 
     #[test]
@@ -352,11 +399,27 @@ mod tests {
     #[test]
     fn room_follows_the_drain_rate() {
         let w = std::time::Duration::from_secs(1);
-        assert_eq!(room_for(8, 1.0, 0.0, w), 16, "never below capacity × (1 + backlog_factor)");
-        assert_eq!(room_for(8, 1.0, 40.0, w), 40, "200 ms tasks on 8 slots: one second of work");
+        assert_eq!(
+            room_for(8, 1.0, 0.0, w),
+            16,
+            "never below capacity × (1 + backlog_factor)"
+        );
+        assert_eq!(
+            room_for(8, 1.0, 40.0, w),
+            40,
+            "200 ms tasks on 8 slots: one second of work"
+        );
         assert_eq!(room_for(256, 1.0, 10_000.0, w), 10_000, "no-op tasks: deep");
-        assert_eq!(room_seeded(8, 1.0, None, w), 64, "nothing measured yet: SEED_FACTOR × the floor");
-        assert_eq!(room_seeded(8, 1.0, Some(0.0), w), 16, "measured: Little's law");
+        assert_eq!(
+            room_seeded(8, 1.0, None, w),
+            64,
+            "nothing measured yet: SEED_FACTOR × the floor"
+        );
+        assert_eq!(
+            room_seeded(8, 1.0, Some(0.0), w),
+            16,
+            "measured: Little's law"
+        );
         assert_eq!(yellow_depth(&t(), 700), 0.0);
         assert!((yellow_depth(&t(), 800) - 0.5).abs() < 1e-9);
         assert_eq!(yellow_depth(&t(), 5000), 1.0);

@@ -55,7 +55,14 @@ impl Backstop {
         let queue = s.names.broker_dead_queue();
         let ch = s.conn.create_channel().await?;
         ch.basic_qos(PREFETCH, BasicQosOptions::default()).await?;
-        let mut consumer = ch.basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
+        let mut consumer = ch
+            .basic_consume(
+                queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
         let result = loop {
             tokio::select! {
                 biased;
@@ -116,7 +123,11 @@ pub fn broker_death(names: &Names, headers: Option<&FieldTable>) -> BrokerDeath 
         Some(AMQPValue::LongInt(n)) => Some(i64::from(*n)),
         _ => None,
     });
-    BrokerDeath { reason, from, count }
+    BrokerDeath {
+        reason,
+        from,
+        count,
+    }
 }
 
 /// `<ns>.group.<group>.<lane>`, or a shard `<ns>.group.<group>.normal.<n>` (see
@@ -127,7 +138,13 @@ fn group_of(names: &Names, queue: &str) -> Option<(String, Lane)> {
     let rest = queue.strip_prefix(prefix)?;
     let shard_suffix = format!(".{}.", Lane::Normal);
     let rest = match rest.rsplit_once('.') {
-        Some((head, n)) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) && format!("{head}.").ends_with(&shard_suffix) => head,
+        Some((head, n))
+            if !n.is_empty()
+                && n.bytes().all(|b| b.is_ascii_digit())
+                && format!("{head}.").ends_with(&shard_suffix) =>
+        {
+            head
+        }
         _ => rest,
     };
     let (group, lane) = rest.rsplit_once('.')?;
@@ -137,7 +154,11 @@ fn group_of(names: &Names, queue: &str) -> Option<(String, Lane)> {
 
 /// One letter, steps 1-4 of the module's account. Returns without acking when `shutdown`
 /// fires while Redis refuses its status (the letter goes back to its queue with the channel).
-async fn handle(s: &Session, delivery: Delivery, shutdown: &CancellationToken) -> fleet::Result<()> {
+async fn handle(
+    s: &Session,
+    delivery: Delivery,
+    shutdown: &CancellationToken,
+) -> fleet::Result<()> {
     let props = delivery.properties.clone();
     let death = broker_death(&s.names, props.headers().as_ref());
     let parsed = Envelope::from_slice(&delivery.data, usize::MAX).ok();
@@ -152,7 +173,12 @@ async fn handle(s: &Session, delivery: Delivery, shutdown: &CancellationToken) -
         delivery.acker.ack(BasicAckOptions::default()).await?;
         return Ok(());
     }
-    let lane = death.from.as_ref().map(|(_, l)| *l).or_else(|| parsed.as_ref().map(|e| e.lane)).unwrap_or(Lane::Normal);
+    let lane = death
+        .from
+        .as_ref()
+        .map(|(_, l)| *l)
+        .or_else(|| parsed.as_ref().map(|e| e.lane))
+        .unwrap_or(Lane::Normal);
     let group = death.from.as_ref().map(|(g, _)| g.clone());
     let detail = match death.reason.as_str() {
         "delivery_limit" => format!(
@@ -167,7 +193,9 @@ async fn handle(s: &Session, delivery: Delivery, shutdown: &CancellationToken) -
     if !id.is_empty() {
         if let Ok(Some(st)) = s.store.task_status(&id).await {
             let state = st.get("state").map(String::as_str).unwrap_or_default();
-            if st.get("run_st").map(String::as_str) == Some("done") && fleet::status::TERMINAL.contains(&state) {
+            if st.get("run_st").map(String::as_str) == Some("done")
+                && fleet::status::TERMINAL.contains(&state)
+            {
                 tracing::info!(task.id = %fleet::envelope::escape(&id), state, reason = %death.reason, "the broker dead-lettered a copy of a finished task: dropped");
                 metrics::counter!(m::DUPLICATE_DELIVERIES, "lane" => lane.as_str()).increment(1);
                 delivery.acker.ack(BasicAckOptions::default()).await?;
@@ -177,12 +205,32 @@ async fn handle(s: &Session, delivery: Delivery, shutdown: &CancellationToken) -
     }
 
     let mut headers = props.headers().clone().unwrap_or_default();
-    headers.insert(REASON_HEADER.into(), AMQPValue::LongString(death.reason.clone().into()));
-    headers.insert(DETAIL_HEADER.into(), AMQPValue::LongString(detail.clone().into()));
+    headers.insert(
+        REASON_HEADER.into(),
+        AMQPValue::LongString(death.reason.clone().into()),
+    );
+    headers.insert(
+        DETAIL_HEADER.into(),
+        AMQPValue::LongString(detail.clone().into()),
+    );
     let out = props.clone().with_headers(headers);
-    if let Err(e) = amqp::publish_confirmed(&s.publisher, &s.names.tasks_exchange(), Names::DEAD_KEY, &delivery.data, out).await {
+    if let Err(e) = amqp::publish_confirmed(
+        &s.publisher,
+        &s.names.tasks_exchange(),
+        Names::DEAD_KEY,
+        &delivery.data,
+        out,
+    )
+    .await
+    {
         tracing::warn!(task.id = %fleet::envelope::escape(&id), error = %e, "cannot move a broker dead letter to the dead-letter queue; requeued");
-        delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
+        delivery
+            .acker
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..Default::default()
+            })
+            .await?;
         // Do not spin on a refusing dead-letter queue.
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
         return Ok(());
@@ -195,7 +243,18 @@ async fn handle(s: &Session, delivery: Delivery, shutdown: &CancellationToken) -
     if !id.is_empty() {
         let mut backoff = STATUS_RETRY_MIN;
         let (mut tries, mut warned_at) = (0u32, None::<std::time::Instant>);
-        while let Err(e) = s.store.record_broker_dead(&id, group.as_deref(), lane, &death.reason, &detail, s.cfg.common.status_ttl).await {
+        while let Err(e) = s
+            .store
+            .record_broker_dead(
+                &id,
+                group.as_deref(),
+                lane,
+                &death.reason,
+                &detail,
+                s.cfg.common.status_ttl,
+            )
+            .await
+        {
             metrics::counter!(m::REDIS_ERRORS).increment(1);
             tries += 1;
             // Any error is retried, not only a lost connection: an ACL or script error is an
@@ -236,24 +295,52 @@ mod tests {
         first.insert("reason".into(), AMQPValue::LongString(reason.into()));
         first.insert("count".into(), AMQPValue::LongLongInt(1));
         let mut h = FieldTable::default();
-        h.insert("x-death".into(), AMQPValue::FieldArray(vec![AMQPValue::FieldTable(first)].into()));
-        h.insert(ShortString::from("x-first-death-reason"), AMQPValue::LongString(reason.into()));
+        h.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(vec![AMQPValue::FieldTable(first)].into()),
+        );
+        h.insert(
+            ShortString::from("x-first-death-reason"),
+            AMQPValue::LongString(reason.into()),
+        );
         h
     }
 
     #[test]
     fn reads_reason_group_and_lane_of_a_broker_dead_letter() {
         let n = Names::new("ns");
-        let h = death_headers("ns.group.pool=a.b,protocol=builtin.critical", "delivery_limit");
+        let h = death_headers(
+            "ns.group.pool=a.b,protocol=builtin.critical",
+            "delivery_limit",
+        );
         let d = broker_death(&n, Some(&h));
         assert_eq!(d.reason, "delivery_limit");
-        assert_eq!(d.from, Some(("pool=a.b,protocol=builtin".to_string(), Lane::Critical)));
+        assert_eq!(
+            d.from,
+            Some(("pool=a.b,protocol=builtin".to_string(), Lane::Critical))
+        );
         assert_eq!(d.count, Some(1));
         // A shard queue of a sharded group's normal lane.
-        let d = broker_death(&n, Some(&death_headers("ns.group.gpu=true.normal.7", "delivery_limit")));
+        let d = broker_death(
+            &n,
+            Some(&death_headers(
+                "ns.group.gpu=true.normal.7",
+                "delivery_limit",
+            )),
+        );
         assert_eq!(d.from, Some(("gpu=true".to_string(), Lane::Normal)));
         // Not a group queue of this namespace; no headers at all.
-        assert_eq!(broker_death(&n, Some(&death_headers("other.group.g.normal", "rejected"))).from, None);
-        assert_eq!(broker_death(&n, None), BrokerDeath { reason: "unknown".into(), from: None, count: None });
+        assert_eq!(
+            broker_death(&n, Some(&death_headers("other.group.g.normal", "rejected"))).from,
+            None
+        );
+        assert_eq!(
+            broker_death(&n, None),
+            BrokerDeath {
+                reason: "unknown".into(),
+                from: None,
+                count: None
+            }
+        );
     }
 }

@@ -83,10 +83,16 @@ impl SchedulerConfig {
     pub fn from_args(a: SchedulerArgs) -> Result<Self> {
         let common = CommonConfig::from_args(&a.common, a.http_addr.trim().to_string())?;
         if a.pending_yellow > a.pending_red {
-            return Err(Error::config("FLEET_PENDING_YELLOW", "must not be above FLEET_PENDING_RED"));
+            return Err(Error::config(
+                "FLEET_PENDING_YELLOW",
+                "must not be above FLEET_PENDING_RED",
+            ));
         }
         if a.load_yellow > a.load_red {
-            return Err(Error::config("FLEET_LOAD_YELLOW", "must not be above FLEET_LOAD_RED"));
+            return Err(Error::config(
+                "FLEET_LOAD_YELLOW",
+                "must not be above FLEET_LOAD_RED",
+            ));
         }
         let ms = Duration::from_millis;
         Ok(SchedulerConfig {
@@ -102,14 +108,21 @@ impl SchedulerConfig {
             throttle: ms(a.throttle_ms),
             red_recheck: ms(a.red_recheck_ms),
             pressure_interval: ms(a.pressure_interval_ms),
-            rate: PerLane { normal: a.rate, critical: a.critical_rate },
-            burst: PerLane { normal: a.burst, critical: a.critical_burst },
+            rate: PerLane {
+                normal: a.rate,
+                critical: a.critical_rate,
+            },
+            burst: PerLane {
+                normal: a.burst,
+                critical: a.critical_burst,
+            },
             submit_rate: a.submit_rate,
             dedupe_window: ms(a.dedupe_window_ms),
             health_interval: ms(a.health_interval_ms),
             heartbeat_timeout: ms(a.heartbeat_timeout_ms),
             no_match_grace: ms(a.no_match_grace_ms),
-            group_reclaim_after: (a.group_reclaim_after_ms > 0).then(|| ms(a.group_reclaim_after_ms)),
+            group_reclaim_after: (a.group_reclaim_after_ms > 0)
+                .then(|| ms(a.group_reclaim_after_ms)),
             probe_interval: ms(a.probe_interval_ms),
             probe_timeout: ms(a.probe_timeout_ms),
             stats_interval: ms(a.stats_interval_ms),
@@ -151,7 +164,9 @@ mod tests {
         assert_eq!(ok.rate.normal, 0.0, "the rate limit is opt-in");
         assert_eq!(ok.rate_for(fleet::Lane::Normal), None);
         assert_eq!(ok.burst.normal, 6000);
-        let on = SchedulerConfig::from_settings(&Settings::from_pairs([("rate", "3000".to_string())])).unwrap();
+        let on =
+            SchedulerConfig::from_settings(&Settings::from_pairs([("rate", "3000".to_string())]))
+                .unwrap();
         assert_eq!(on.rate_for(fleet::Lane::Normal), Some((3000.0, 6000)));
     }
 }

@@ -80,7 +80,9 @@ impl Outcome {
     /// `Other` naming the publisher, when `failed > 0` and it is closed.
     pub fn check_publisher(&self, session: &Session) -> fleet::Result<()> {
         if self.failed > 0 && !session.publisher.status().connected() {
-            return Err(fleet::Error::Other("the dispatch publisher channel is closed".into()));
+            return Err(fleet::Error::Other(
+                "the dispatch publisher channel is closed".into(),
+            ));
         }
         Ok(())
     }
@@ -96,7 +98,10 @@ pub struct Dispatcher {
 
 impl Dispatcher {
     pub fn new(session: Arc<Session>) -> Self {
-        Dispatcher { session, shard_rr: AtomicU32::new(rand::random()) }
+        Dispatcher {
+            session,
+            shard_rr: AtomicU32::new(rand::random()),
+        }
     }
 
     /// Routing key of the queue a task for `group`'s `lane` is published to. A sharded lane
@@ -106,8 +111,14 @@ impl Dispatcher {
     /// reading queue depths on the hot path.
     pub fn group_key(&self, group: &str, lane: Lane) -> String {
         let shards = self.session.cfg.common.shards(lane);
-        let shard = if shards > 1 { self.shard_rr.fetch_add(1, Ordering::Relaxed) % shards } else { 0 };
-        self.session.names.group_shard_key(group, lane, shard, shards)
+        let shard = if shards > 1 {
+            self.shard_rr.fetch_add(1, Ordering::Relaxed) % shards
+        } else {
+            0
+        };
+        self.session
+            .names
+            .group_shard_key(group, lane, shard, shards)
     }
 
     pub fn params(&self) -> ReserveParams {
@@ -116,7 +127,12 @@ impl Dispatcher {
 
     /// Processes one batch. Cancel safe only in the sense that unacked deliveries return to
     /// the broker; callers do not cancel it mid-way except at shutdown.
-    pub async fn process(&self, batch: Vec<Delivery>, source: &Source, shutdown: &CancellationToken) -> Outcome {
+    pub async fn process(
+        &self,
+        batch: Vec<Delivery>,
+        source: &Source,
+        shutdown: &CancellationToken,
+    ) -> Outcome {
         let now = self.session.store.clock.now();
         // The size limit is the producer's, checked once on the producer's bytes; fleet's own
         // copies (delay, park hops) carry fleet's fields too and get the internal guard.
@@ -137,33 +153,40 @@ impl Dispatcher {
                 Source::Ingress(_) => d.properties.message_id().as_ref().map(|m| m.to_string()),
                 _ => None,
             };
-            let parsed = Envelope::parse_with_id(&d.data, &limits, message_id.as_deref()).and_then(|mut e| {
-                if let Source::Ingress(lane) = source {
-                    e.lane = *lane;
-                    // A deadline runs from submission: the producer's `submitted_at`, else the
-                    // API's `x-fleet-submitted-at` header (ms), else the AMQP `timestamp`
-                    // property (s), else now (first seen here).
-                    if e.submitted_at.is_none() {
-                        let header = amqp::header_text(&d.properties, amqp::SUBMITTED_AT_HEADER).and_then(|ms| fleet::headers::parse_submitted_at(&ms));
-                        // The AMQP timestamp has whole seconds: it is taken only when the task
-                        // evidently waited (2 s or more); a fresh one runs from now, so the
-                        // truncation never takes up to a second off a short timeout.
-                        let stamp = d
-                            .properties
-                            .timestamp()
-                            .and_then(|t| i64::try_from(t).ok())
-                            .and_then(|t| chrono::DateTime::from_timestamp(t, 0))
-                            .filter(|t| now - *t >= chrono::Duration::seconds(2));
-                        e.submitted_at = header.or(stamp);
+            let parsed = Envelope::parse_with_id(&d.data, &limits, message_id.as_deref()).and_then(
+                |mut e| {
+                    if let Source::Ingress(lane) = source {
+                        e.lane = *lane;
+                        // A deadline runs from submission: the producer's `submitted_at`, else the
+                        // API's `x-fleet-submitted-at` header (ms), else the AMQP `timestamp`
+                        // property (s), else now (first seen here).
+                        if e.submitted_at.is_none() {
+                            let header =
+                                amqp::header_text(&d.properties, amqp::SUBMITTED_AT_HEADER)
+                                    .and_then(|ms| fleet::headers::parse_submitted_at(&ms));
+                            // The AMQP timestamp has whole seconds: it is taken only when the task
+                            // evidently waited (2 s or more); a fresh one runs from now, so the
+                            // truncation never takes up to a second off a short timeout.
+                            let stamp = d
+                                .properties
+                                .timestamp()
+                                .and_then(|t| i64::try_from(t).ok())
+                                .and_then(|t| chrono::DateTime::from_timestamp(t, 0))
+                                .filter(|t| now - *t >= chrono::Duration::seconds(2));
+                            e.submitted_at = header.or(stamp);
+                        }
                     }
-                }
-                e.normalize(now, self.session.cfg.common.default_max_attempts)?;
-                Ok(e)
-            });
+                    e.normalize(now, self.session.cfg.common.default_max_attempts)?;
+                    Ok(e)
+                },
+            );
             match parsed {
                 Err(r) => {
                     envs.push(None);
-                    fates.push(Some(Fate::Dead(status::DeadReason::from(&r), r.to_string())));
+                    fates.push(Some(Fate::Dead(
+                        status::DeadReason::from(&r),
+                        r.to_string(),
+                    )));
                 }
                 Ok(e) => {
                     if let Source::Ingress(lane) = source {
@@ -176,8 +199,15 @@ impl Dispatcher {
                         if matches!(source, Source::Ingress(_)) {
                             dedupe_first.push(i);
                         }
-                        Some(Fate::Dead(status::DeadReason::Expired, "deadline passed before dispatch".into()))
-                    } else if let Some(tier) = e.not_before.and_then(|nb| (nb - now).to_std().ok()).and_then(delay::tier_for) {
+                        Some(Fate::Dead(
+                            status::DeadReason::Expired,
+                            "deadline passed before dispatch".into(),
+                        ))
+                    } else if let Some(tier) = e
+                        .not_before
+                        .and_then(|nb| (nb - now).to_std().ok())
+                        .and_then(delay::tier_for)
+                    {
                         if matches!(source, Source::Ingress(_)) {
                             dedupe_first.push(i);
                         }
@@ -196,7 +226,10 @@ impl Dispatcher {
         // is reserved, so a throttled batch holds no leased room while it waits. (A task that
         // then turns out a duplicate or parks has spent its token: the limit errs safe.)
         for lane in Lane::ALL {
-            let want = to_route.iter().filter(|&&i| envs[i].as_ref().is_some_and(|e| e.lane == lane)).count() as u32;
+            let want = to_route
+                .iter()
+                .filter(|&&i| envs[i].as_ref().is_some_and(|e| e.lane == lane))
+                .count() as u32;
             if want > 0 {
                 self.take_tokens(lane, want, shutdown).await;
             }
@@ -222,7 +255,10 @@ impl Dispatcher {
                         strategy: e.strategy,
                         dedupe,
                         from_park: *source == Source::Park,
-                        dedupe_only: matches!(fates[i], Some(Fate::Delay(_)) | Some(Fate::Dead(status::DeadReason::Expired, _))),
+                        dedupe_only: matches!(
+                            fates[i],
+                            Some(Fate::Delay(_)) | Some(Fate::Dead(status::DeadReason::Expired, _))
+                        ),
                     })
                 })
                 .collect();
@@ -230,7 +266,10 @@ impl Dispatcher {
                 Some(a) => a,
                 None => {
                     // Shutting down: leave everything unacked; the broker redelivers.
-                    return Outcome { held: vec![], ..Default::default() };
+                    return Outcome {
+                        held: vec![],
+                        ..Default::default()
+                    };
                 }
             };
             for (&i, answer) in asked.iter().zip(answers) {
@@ -238,17 +277,28 @@ impl Dispatcher {
                     Some(e) => e,
                     None => continue,
                 };
-                let age = (now - e.submitted_at.unwrap_or(now)).to_std().unwrap_or_default();
+                let age = (now - e.submitted_at.unwrap_or(now))
+                    .to_std()
+                    .unwrap_or_default();
                 fates[i] = Some(match (answer, source) {
                     (Reservation::Fresh, _) => continue,
-                    (Reservation::Failed(why), _) => Fate::Dead(status::DeadReason::InternalError, why),
+                    (Reservation::Failed(why), _) => {
+                        Fate::Dead(status::DeadReason::InternalError, why)
+                    }
                     (Reservation::Reserved(g), _) => Fate::Dispatch(g),
                     (Reservation::Duplicate, _) => Fate::Duplicate,
                     (Reservation::Full(_) | Reservation::NoMatch, Source::Park) => Fate::Hold,
-                    (Reservation::NoMatch, Source::Unmatched) if age < self.session.cfg.no_match_grace => Fate::Hold,
+                    (Reservation::NoMatch, Source::Unmatched)
+                        if age < self.session.cfg.no_match_grace =>
+                    {
+                        Fate::Hold
+                    }
                     (Reservation::Full(g), _) => Fate::Park(g),
                     (Reservation::NoMatch, _) if age >= self.session.cfg.no_match_grace => {
-                        Fate::Dead(status::DeadReason::NoMatchingWorker, format!("no live worker satisfies {{{}}}", e.selector()))
+                        Fate::Dead(
+                            status::DeadReason::NoMatchingWorker,
+                            format!("no live worker satisfies {{{}}}", e.selector()),
+                        )
                     }
                     // Waits, counted and bounded, until a matching worker registers.
                     (Reservation::NoMatch, _) => Fate::Park(UNMATCHED.to_string()),
@@ -265,24 +315,41 @@ impl Dispatcher {
     /// answered [`Reservation::Failed`] (dead-lettered `internal_error`). The batch token
     /// keeps the marks a failed call left behind from reading as duplicates. `None` once
     /// `shutdown` fires.
-    async fn reserve_retrying(&self, reqs: &[ReserveRequest], shutdown: &CancellationToken) -> Option<Vec<Reservation>> {
+    async fn reserve_retrying(
+        &self,
+        reqs: &[ReserveRequest],
+        shutdown: &CancellationToken,
+    ) -> Option<Vec<Reservation>> {
         let mut backoff = Duration::from_millis(50);
         let params = self.params();
         loop {
             match self.session.store.reserve(reqs, params).await {
                 Ok(a) if a.len() == reqs.len() => return Some(a),
-                Ok(a) => tracing::error!(got = a.len(), want = reqs.len(), "reserve returned a wrong count"),
+                Ok(a) => tracing::error!(
+                    got = a.len(),
+                    want = reqs.len(),
+                    "reserve returned a wrong count"
+                ),
                 Err(fleet::Error::Redis(e)) if is_script_error(&e) => {
                     metrics::counter!(m::REDIS_ERRORS).increment(1);
                     tracing::error!(error = %e, tasks = reqs.len(), "reserve script failed on a batch; retrying task by task");
                     let mut out = Vec::with_capacity(reqs.len());
                     for r in reqs {
-                        out.push(match self.session.store.reserve(std::slice::from_ref(r), params).await {
-                            Ok(mut a) if a.len() == 1 => a.remove(0),
-                            Err(fleet::Error::Redis(e)) if is_script_error(&e) => Reservation::Failed(e.to_string()),
-                            // Redis went away meanwhile: the whole batch again, later.
-                            _ => break,
-                        });
+                        out.push(
+                            match self
+                                .session
+                                .store
+                                .reserve(std::slice::from_ref(r), params)
+                                .await
+                            {
+                                Ok(mut a) if a.len() == 1 => a.remove(0),
+                                Err(fleet::Error::Redis(e)) if is_script_error(&e) => {
+                                    Reservation::Failed(e.to_string())
+                                }
+                                // Redis went away meanwhile: the whole batch again, later.
+                                _ => break,
+                            },
+                        );
                     }
                     if out.len() == reqs.len() {
                         return Some(out);
@@ -300,21 +367,31 @@ impl Dispatcher {
             backoff = (backoff * 2).min(Duration::from_secs(2));
         }
     }
-
 }
 
 /// A script that ran and failed (as opposed to a connection that failed): retrying the same
 /// input would fail the same way.
 fn is_script_error(e: &deadpool_redis::redis::RedisError) -> bool {
-    !(e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout() || e.is_unrecoverable_error())
+    !(e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_timeout()
+        || e.is_unrecoverable_error())
 }
 
 impl Dispatcher {
     async fn take_tokens(&self, lane: Lane, mut want: u32, shutdown: &CancellationToken) {
-        let Some((rate, burst)) = self.session.cfg.rate_for(lane) else { return };
+        let Some((rate, burst)) = self.session.cfg.rate_for(lane) else {
+            return;
+        };
         let mut throttled = false;
         while want > 0 {
-            match self.session.store.take_tokens(lane, rate, burst, want).await {
+            match self
+                .session
+                .store
+                .take_tokens(lane, rate, burst, want)
+                .await
+            {
                 Ok(g) => {
                     want -= g.granted.min(want);
                     if want == 0 {
@@ -343,7 +420,13 @@ impl Dispatcher {
         }
     }
 
-    async fn publish_and_ack(&self, batch: Vec<Delivery>, envs: Vec<Option<Envelope>>, fates: Vec<Option<Fate>>, source: &Source) -> Outcome {
+    async fn publish_and_ack(
+        &self,
+        batch: Vec<Delivery>,
+        envs: Vec<Option<Envelope>>,
+        fates: Vec<Option<Fate>>,
+        source: &Source,
+    ) -> Outcome {
         let mut out = Outcome::default();
         // 1. Start every publish, all together (one hand-off to the connection's I/O loop per
         // batch, not per task: see `amqp::publish_batch`). A park queue is declared first.
@@ -352,7 +435,8 @@ impl Dispatcher {
         let mut pending: Vec<(usize, Option<PublisherConfirm>)> = Vec::with_capacity(batch.len());
         // Per publish: its delivery, exchange, routing key and body (the normalised envelope;
         // the producer's bytes for a refused one); its properties apart (moved into the publish).
-        let mut heads: Vec<(usize, &str, String, Option<Vec<u8>>)> = Vec::with_capacity(batch.len());
+        let mut heads: Vec<(usize, &str, String, Option<Vec<u8>>)> =
+            Vec::with_capacity(batch.len());
         let mut props = Vec::with_capacity(batch.len());
         for (i, fate) in fates.iter().enumerate() {
             let Some(fate) = fate else { continue };
@@ -367,10 +451,19 @@ impl Dispatcher {
                     }
                     (tasks_x.as_str(), names.park_key(g, lane), None)
                 }
-                Fate::Delay(tier) => (delay_x.as_str(), String::new(), Some(amqp::headers([(TIER_HEADER, tier.to_string())]))),
-                Fate::Dead(reason, detail) => {
-                    (tasks_x.as_str(), Names::DEAD_KEY.to_string(), Some(amqp::headers([(REASON_HEADER, reason.to_string()), (DETAIL_HEADER, detail.clone())])))
-                }
+                Fate::Delay(tier) => (
+                    delay_x.as_str(),
+                    String::new(),
+                    Some(amqp::headers([(TIER_HEADER, tier.to_string())])),
+                ),
+                Fate::Dead(reason, detail) => (
+                    tasks_x.as_str(),
+                    Names::DEAD_KEY.to_string(),
+                    Some(amqp::headers([
+                        (REASON_HEADER, reason.to_string()),
+                        (DETAIL_HEADER, detail.clone()),
+                    ])),
+                ),
                 Fate::Duplicate | Fate::Hold => {
                     pending.push((i, None));
                     continue;
@@ -379,12 +472,15 @@ impl Dispatcher {
             heads.push((i, exchange, key, env.map(Envelope::to_bytes)));
             props.push(amqp::task_properties(id, headers));
         }
-        let msgs = heads.iter().zip(props).map(|((i, exchange, key, body), props)| amqp::Outgoing {
-            exchange,
-            routing_key: key,
-            body: body.as_deref().unwrap_or(&batch[*i].data),
-            props,
-        });
+        let msgs = heads
+            .iter()
+            .zip(props)
+            .map(|((i, exchange, key, body), props)| amqp::Outgoing {
+                exchange,
+                routing_key: key,
+                body: body.as_deref().unwrap_or(&batch[*i].data),
+                props,
+            });
         let sent = amqp::publish_batch(&self.session.publisher, msgs).await;
         for ((i, ..), r) in heads.iter().zip(sent) {
             match r {
@@ -433,7 +529,13 @@ impl Dispatcher {
                     out.failed += 1;
                     tracing::warn!(error = %e, "publish not confirmed; requeueing the source message");
                     let d = &batch[i];
-                    let _ = d.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;
+                    let _ = d
+                        .acker
+                        .nack(BasicNackOptions {
+                            requeue: true,
+                            ..Default::default()
+                        })
+                        .await;
                 }
                 (Ok(()), None) => {}
             }
@@ -442,9 +544,15 @@ impl Dispatcher {
         if let Err(e) = self.session.store.unreserve(&unreserve).await {
             tracing::warn!(error = %e, "cannot give back reservations (their leases will expire)");
         }
-        out.dispatched = fates.iter().filter(|f| matches!(f, Some(Fate::Dispatch(_)))).count();
+        out.dispatched = fates
+            .iter()
+            .filter(|f| matches!(f, Some(Fate::Dispatch(_))))
+            .count();
         if matches!(source, Source::Ingress(_)) {
-            let handed: Vec<&str> = acks.iter().filter_map(|&i| envs[i].as_ref().map(|e| e.id.as_str())).collect();
+            let handed: Vec<&str> = acks
+                .iter()
+                .filter_map(|&i| envs[i].as_ref().map(|e| e.id.as_str()))
+                .collect();
             if let Err(e) = self.session.store.mark_handed_on(&handed).await {
                 tracing::warn!(error = %e, "cannot mark submissions handed on (a redelivery could run them twice)");
             }
@@ -452,14 +560,19 @@ impl Dispatcher {
         // A batch of a consuming loop that holds nothing back (ingress, delayed) is the run of
         // delivery tags since its previous batch, all settled: when every one is acked, one
         // `multiple` ack of the last tag does it.
-        let whole = matches!(source, Source::Ingress(_) | Source::Delayed) && acks.len() == batch.len();
+        let whole =
+            matches!(source, Source::Ingress(_) | Source::Delayed) && acks.len() == batch.len();
         let ack_results = if whole {
             match batch.iter().max_by_key(|d| d.delivery_tag) {
                 Some(last) => vec![last.acker.ack(BasicAckOptions { multiple: true }).await],
                 None => vec![],
             }
         } else {
-            join_all(acks.iter().map(|&i| batch[i].acker.ack(BasicAckOptions::default()))).await
+            join_all(
+                acks.iter()
+                    .map(|&i| batch[i].acker.ack(BasicAckOptions::default())),
+            )
+            .await
         };
         for r in ack_results {
             if let Err(e) = r {
@@ -474,7 +587,6 @@ impl Dispatcher {
         }
         out
     }
-
 }
 
 /// A batch's dispatched and parked tasks per (group, lane), counted once per batch: a labelled
@@ -519,22 +631,37 @@ impl Tally {
 }
 
 impl Dispatcher {
-
     /// Status records for states decided here: expired or refused at the scheduler, and
     /// delayed submissions waiting for their `not_before` (the writers of `fleet::status`).
-    async fn record_status(&self, fates: &[Option<Fate>], envs: &[Option<Envelope>], source: &Source) {
+    async fn record_status(
+        &self,
+        fates: &[Option<Fate>],
+        envs: &[Option<Envelope>],
+        source: &Source,
+    ) {
         let mut writes = status::Writes::new();
         for (f, e) in fates.iter().zip(envs) {
             match (f, e) {
                 (Some(Fate::Dead(reason, detail)), Some(e)) => {
                     writes.ended(&e.id, e.lane, *reason, detail)
                 }
-                (Some(Fate::Park(g)), Some(e)) if g == UNMATCHED && *source != Source::Unmatched => writes.waiting_for_worker(&e.id, e.lane),
-                (Some(Fate::Delay(_)), Some(e)) if matches!(source, Source::Ingress(_)) => writes.delayed(&e.id, e.lane, e.not_before),
+                (Some(Fate::Park(g)), Some(e))
+                    if g == UNMATCHED && *source != Source::Unmatched =>
+                {
+                    writes.waiting_for_worker(&e.id, e.lane)
+                }
+                (Some(Fate::Delay(_)), Some(e)) if matches!(source, Source::Ingress(_)) => {
+                    writes.delayed(&e.id, e.lane, e.not_before)
+                }
                 _ => continue,
             }
         }
-        if let Err(err) = self.session.store.write_statuses(&writes, self.session.cfg.common.status_ttl).await {
+        if let Err(err) = self
+            .session
+            .store
+            .write_statuses(&writes, self.session.cfg.common.status_ttl)
+            .await
+        {
             tracing::debug!(error = %err, "cannot record status");
         }
     }

@@ -20,10 +20,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use fleet::dedupe::Dedupe;
-use fleet::route::ReserveRequest;
 use fleet::registry::GroupView;
-use fleet::ticker::Ticker;
 use fleet::route::Reservation;
+use fleet::route::ReserveRequest;
+use fleet::ticker::Ticker;
 use fleet::{amqp, metrics as m, Envelope, Lane};
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
 use tokio_util::sync::CancellationToken;
@@ -77,7 +77,9 @@ impl HealthCheck {
             }
         }
         // A view sampled after the eviction (none while Redis is unreadable: no rescue then).
-        let Some(view) = self.view.since(Some(Instant::now()), shutdown).await? else { return Ok(()) };
+        let Some(view) = self.view.since(Some(Instant::now()), shutdown).await? else {
+            return Ok(());
+        };
         if let Err(e) = rescue_orphans(&self.dispatcher, &view).await {
             tracing::warn!(error = %e, "orphan rescue failed");
         }
@@ -116,17 +118,34 @@ pub async fn rescue_orphans(d: &Dispatcher, view: &FleetView) -> fleet::Result<u
 /// Takes tasks from an orphaned queue and reroutes them, until one cannot move (it goes to the
 /// back of the queue; the next tick starts with the task behind it) or a batch is done.
 /// `own_key` routes back to `queue` itself.
-async fn move_queue(d: &Dispatcher, group: &str, queue: &str, own_key: &str, lane: Lane) -> fleet::Result<usize> {
+async fn move_queue(
+    d: &Dispatcher,
+    group: &str,
+    queue: &str,
+    own_key: &str,
+    lane: Lane,
+) -> fleet::Result<usize> {
     let ch = d.session.conn.create_channel().await?;
     let mut moved = 0;
     for _ in 0..ORPHAN_BATCH {
-        let Some(msg) = ch.basic_get(queue.into(), BasicGetOptions::default()).await? else { break };
+        let Some(msg) = ch
+            .basic_get(queue.into(), BasicGetOptions::default())
+            .await?
+        else {
+            break;
+        };
         let delivery = msg.delivery;
         let env = match Envelope::from_slice(&delivery.data, usize::MAX) {
             Ok(e) => e,
             Err(_) => {
                 // Not ours to judge here: leave it for a worker (which dead-letters it).
-                delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
+                delivery
+                    .acker
+                    .nack(BasicNackOptions {
+                        requeue: true,
+                        ..Default::default()
+                    })
+                    .await?;
                 break;
             }
         };
@@ -139,7 +158,11 @@ async fn move_queue(d: &Dispatcher, group: &str, queue: &str, own_key: &str, lan
             from_park: true,
             dedupe_only: false,
         };
-        let answer = d.session.store.reserve(std::slice::from_ref(&req), d.params()).await;
+        let answer = d
+            .session
+            .store
+            .reserve(std::slice::from_ref(&req), d.params())
+            .await;
         let to = match &answer {
             Ok(a) => match a.first() {
                 Some(Reservation::Reserved(to)) => Some(to.clone()),
@@ -154,12 +177,29 @@ async fn move_queue(d: &Dispatcher, group: &str, queue: &str, own_key: &str, lan
             _ => own_key.to_string(),
         };
         // Properties as they came (message id, headers: a health probe stays one).
-        let r = amqp::publish_confirmed(&d.session.publisher, &d.session.names.tasks_exchange(), &key, &delivery.data, delivery.properties.clone()).await;
+        let r = amqp::publish_confirmed(
+            &d.session.publisher,
+            &d.session.names.tasks_exchange(),
+            &key,
+            &delivery.data,
+            delivery.properties.clone(),
+        )
+        .await;
         if let Err(e) = r {
             if let Some(to) = &to {
-                let _ = d.session.store.unreserve(&[(to.clone(), lane, env.id.clone())]).await;
+                let _ = d
+                    .session
+                    .store
+                    .unreserve(&[(to.clone(), lane, env.id.clone())])
+                    .await;
             }
-            delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
+            delivery
+                .acker
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..Default::default()
+                })
+                .await?;
             return Err(e);
         }
         delivery.acker.ack(BasicAckOptions::default()).await?;

@@ -73,12 +73,19 @@ impl IngressLoop {
             // Prefetched deliveries do not count against the queue's bound, so never prefetch
             // more than the bound itself (the critical lane's bound is small on purpose).
             let prefetch = match &self.source {
-                Source::Ingress(lane) => u32::from(cfg.batch_max).min(cfg.common.ingress_max[*lane]).max(1) as u16,
+                Source::Ingress(lane) => u32::from(cfg.batch_max)
+                    .min(cfg.common.ingress_max[*lane])
+                    .max(1) as u16,
                 _ => cfg.batch_max,
             };
             ch.basic_qos(prefetch, BasicQosOptions::default()).await?;
             let mut consumer = ch
-                .basic_consume(self.queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+                .basic_consume(
+                    self.queue.as_str().into(),
+                    "".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
                 .await?;
             tracing::info!(queue = %self.queue, "consuming");
             let paused = self.consume(&mut consumer, gated, &shutdown).await;
@@ -95,7 +102,12 @@ impl IngressLoop {
     }
 
     /// Consumes batches until shutdown (`Ok(None)`) or a pause (`Ok(Some(why))`).
-    async fn consume(&self, consumer: &mut lapin::Consumer, gated: bool, shutdown: &CancellationToken) -> fleet::Result<Option<Paused>> {
+    async fn consume(
+        &self,
+        consumer: &mut lapin::Consumer,
+        gated: bool,
+        shutdown: &CancellationToken,
+    ) -> fleet::Result<Option<Paused>> {
         let cfg = &self.dispatcher.session.cfg;
         // Under a rate limit a batch is at most one burst: a batch waits for all its tokens,
         // and several loops sharing one bucket must each get theirs in turn.
@@ -104,7 +116,9 @@ impl IngressLoop {
             _ => Lane::Normal,
         };
         let batch_max = match cfg.rate_for(lane) {
-            Some((_, burst)) => usize::try_from(burst).unwrap_or(usize::MAX).clamp(1, usize::from(cfg.batch_max)),
+            Some((_, burst)) => usize::try_from(burst)
+                .unwrap_or(usize::MAX)
+                .clamp(1, usize::from(cfg.batch_max)),
             None => usize::from(cfg.batch_max),
         };
         let mut pressure = self.pressure.clone();
@@ -118,7 +132,12 @@ impl IngressLoop {
             let first = match first {
                 Some(Ok(d)) => d,
                 Some(Err(e)) => return Err(e.into()),
-                None => return Err(fleet::Error::Other(format!("consumer of {} ended", self.queue))),
+                None => {
+                    return Err(fleet::Error::Other(format!(
+                        "consumer of {} ended",
+                        self.queue
+                    )))
+                }
             };
             let mut batch = vec![first];
             while batch.len() < batch_max {
@@ -142,7 +161,10 @@ impl IngressLoop {
                         // In proportion to how far into Yellow the fleet is: nothing at the
                         // yellow threshold, the whole throttle delay at red.
                         let t = crate::backpressure::Thresholds::from_config(cfg);
-                        let waiting = { let p = self.pressure.borrow(); p.parked + p.behind };
+                        let waiting = {
+                            let p = self.pressure.borrow();
+                            p.parked + p.behind
+                        };
                         let depth = crate::backpressure::yellow_depth(&t, waiting);
                         metrics::counter!(m::DISPATCH_THROTTLED).increment(out.dispatched as u64);
                         tokio::select! {

@@ -17,8 +17,8 @@ use fleet::Lane;
 use futures::{FutureExt, StreamExt};
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use tokio_util::sync::CancellationToken;
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::{Dispatcher, Source, UNMATCHED};
 use crate::session::Session;
@@ -65,7 +65,9 @@ impl Release {
                 tracing::info!(queue = %queue, "park queue deleted: its group was reclaimed");
                 Ok(())
             }
-            Ended::ConsumerCancelled => Err(fleet::Error::Other(format!("consumer of {queue} ended"))),
+            Ended::ConsumerCancelled => {
+                Err(fleet::Error::Other(format!("consumer of {queue} ended")))
+            }
             // Only this loop ends: discovery starts it again on its next pass (the group is
             // still in the view), on a fresh channel.
             Ended::ChannelClosed => {
@@ -86,16 +88,34 @@ enum Ended {
     ChannelClosed,
 }
 
-async fn consume(d: &Dispatcher, ch: &lapin::Channel, queue: &str, group: &str, lane: Lane, shutdown: &CancellationToken) -> fleet::Result<Ended> {
+async fn consume(
+    d: &Dispatcher,
+    ch: &lapin::Channel,
+    queue: &str,
+    group: &str,
+    lane: Lane,
+    shutdown: &CancellationToken,
+) -> fleet::Result<Ended> {
     let hold_max = hold_max(d.session.cfg.batch_max, d.session.cfg.common.park_max[lane]);
     ch.basic_qos(hold_max, BasicQosOptions::default()).await?;
-    let mut consumer = ch.basic_consume(queue.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
     let mut held = Vec::new();
     let mut retry = RETRY_MIN;
     // The waiting-for-worker queue is a park queue of no group: its tasks take no group's
     // room ahead of others, and no group's "parked" flag is kept for them.
     let unmatched = group == UNMATCHED;
-    let source = if unmatched { Source::Unmatched } else { Source::Park };
+    let source = if unmatched {
+        Source::Unmatched
+    } else {
+        Source::Park
+    };
     loop {
         // With a full hold the consumer is not polled, so its end would go unseen: a channel
         // the broker closed (its consumer timeout, while a full group held tasks here longer)
@@ -126,7 +146,9 @@ async fn consume(d: &Dispatcher, ch: &lapin::Channel, queue: &str, group: &str, 
                 }
             }
         }
-        let out = d.process(std::mem::take(&mut held), &source, shutdown).await;
+        let out = d
+            .process(std::mem::take(&mut held), &source, shutdown)
+            .await;
         out.check_publisher(&d.session)?;
         // A publish that failed (e.g. the target park queue at its bound) requeued its source,
         // which comes straight back: wait as for a held task rather than spin on it.
@@ -139,12 +161,21 @@ async fn consume(d: &Dispatcher, ch: &lapin::Channel, queue: &str, group: &str, 
             }
         }
         // `dispatched` counts decisions; a refused publish backs off like a held task.
-        retry = if out.dispatched > 0 && !refused { RETRY_MIN } else { (retry * 2).min(RETRY_MAX) };
+        retry = if out.dispatched > 0 && !refused {
+            RETRY_MIN
+        } else {
+            (retry * 2).min(RETRY_MAX)
+        };
         if !held.is_empty() || refused {
             if unmatched {
                 // Nothing frees room here; a worker registering does. Ask a few times a second.
                 retry = UNMATCHED_RETRY;
-            } else if let Err(e) = d.session.store.mark_parked(group, lane, fleet::park::FLAG_TTL_MS).await {
+            } else if let Err(e) = d
+                .session
+                .store
+                .mark_parked(group, lane, fleet::park::FLAG_TTL_MS)
+                .await
+            {
                 tracing::debug!(error = %e, "cannot renew parked flag");
             }
             tokio::select! {
@@ -182,15 +213,24 @@ const STOPPED_MEMORY: Duration = Duration::from_secs(300);
 
 impl ParkLoops {
     fn state(&self) -> std::sync::MutexGuard<'_, LoopsState> {
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Reserves the start of a loop: its token, or `None` when it runs already or its group was
     /// stopped after `listed_at` (the list it comes from may be stale).
-    fn claim_start(&self, group: &str, lane: Lane, listed_at: Instant, parent: &CancellationToken) -> Option<(u64, CancellationToken)> {
+    fn claim_start(
+        &self,
+        group: &str,
+        lane: Lane,
+        listed_at: Instant,
+        parent: &CancellationToken,
+    ) -> Option<(u64, CancellationToken)> {
         let mut st = self.state();
         let key = (group.to_string(), lane);
-        if st.running.contains_key(&key) || st.stopped.get(group).is_some_and(|at| *at >= listed_at) {
+        if st.running.contains_key(&key) || st.stopped.get(group).is_some_and(|at| *at >= listed_at)
+        {
             return None;
         }
         let token = parent.child_token();
@@ -223,7 +263,8 @@ impl ParkLoops {
         let handles: Vec<JoinHandle<()>> = {
             let mut st = self.state();
             let now = Instant::now();
-            st.stopped.retain(|_, at| now.duration_since(*at) < STOPPED_MEMORY);
+            st.stopped
+                .retain(|_, at| now.duration_since(*at) < STOPPED_MEMORY);
             st.stopped.insert(group.to_string(), now);
             Lane::ALL
                 .iter()
@@ -240,7 +281,9 @@ impl ParkLoops {
     /// Marks a stopped group's reclaim as ended now (a discovery pass that listed the groups
     /// before this skips it).
     pub fn reclaimed(&self, group: &str) {
-        self.state().stopped.insert(group.to_string(), Instant::now());
+        self.state()
+            .stopped
+            .insert(group.to_string(), Instant::now());
     }
 
     /// Lets discovery start a stopped group's loops again (its reclaim was undone).
@@ -285,29 +328,50 @@ impl Discovery {
     /// One pass over a view newer than the previous pass's (`last`: when that one was
     /// sampled). The view's `sampled_at` is when its list was read: a group stopped for a
     /// reclaim after it is skipped (the list may be stale).
-    async fn tick(&mut self, last: &mut Option<Instant>, shutdown: &CancellationToken) -> fleet::Result<()> {
-        let Some(view) = self.view.after(*last, shutdown).await? else { return Ok(()) };
+    async fn tick(
+        &mut self,
+        last: &mut Option<Instant>,
+        shutdown: &CancellationToken,
+    ) -> fleet::Result<()> {
+        let Some(view) = self.view.after(*last, shutdown).await? else {
+            return Ok(());
+        };
         *last = Some(view.sampled_at);
-        let Discovery { session, dispatcher, loops, stage, .. } = &*self;
+        let Discovery {
+            session,
+            dispatcher,
+            loops,
+            stage,
+            ..
+        } = &*self;
         let listed_at = view.sampled_at;
         let groups = view.group_names().chain(std::iter::once(UNMATCHED));
         for g in groups {
             for lane in Lane::ALL {
-                let Some((n, token)) = loops.claim_start(g, lane, listed_at, shutdown) else { continue };
+                let Some((n, token)) = loops.claim_start(g, lane, listed_at, shutdown) else {
+                    continue;
+                };
                 if let Err(e) = session.declare_park(g, lane).await {
                     tracing::warn!(error = %e, group = %g, "cannot declare park queue");
                     return Err(e);
                 }
-                let release = Release { d: dispatcher.clone(), group: g.to_string(), lane };
+                let release = Release {
+                    d: dispatcher.clone(),
+                    group: g.to_string(),
+                    lane,
+                };
                 let (g2, sd, l2) = (g.to_string(), shutdown.clone(), loops.clone());
-                let handle = stage.spawn(tracing::info_span!("park", group = %g, lane = %lane), async move {
-                    let r = release.run(token).await;
-                    l2.ended(&g2, lane, n);
-                    if let Err(e) = r {
-                        tracing::warn!(error = %e, "park loop failed; the session restarts");
-                        sd.cancel();
-                    }
-                });
+                let handle = stage.spawn(
+                    tracing::info_span!("park", group = %g, lane = %lane),
+                    async move {
+                        let r = release.run(token).await;
+                        l2.ended(&g2, lane, n);
+                        if let Err(e) = r {
+                            tracing::warn!(error = %e, "park loop failed; the session restarts");
+                            sd.cancel();
+                        }
+                    },
+                );
                 loops.started(g, lane, n, handle);
             }
         }

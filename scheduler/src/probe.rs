@@ -56,14 +56,27 @@ impl Prober {
 
     /// One tick on a view newer than the previous tick's (`last`: when that one was sampled).
     /// `Err` only when the view loop is gone (the session is ending).
-    async fn tick(&mut self, last: &mut Option<Instant>, shutdown: &CancellationToken) -> fleet::Result<()> {
-        let Some(view) = self.view.after(*last, shutdown).await? else { return Ok(()) };
+    async fn tick(
+        &mut self,
+        last: &mut Option<Instant>,
+        shutdown: &CancellationToken,
+    ) -> fleet::Result<()> {
+        let Some(view) = self.view.after(*last, shutdown).await? else {
+            return Ok(());
+        };
         *last = Some(view.sampled_at);
         let probes = view
             .groups
             .iter()
             .filter(|g| g.critical_capacity > 0)
-            .map(|g| probe_one(self.session.clone(), self.board.clone(), g.group.clone(), shutdown.clone()));
+            .map(|g| {
+                probe_one(
+                    self.session.clone(),
+                    self.board.clone(),
+                    g.group.clone(),
+                    shutdown.clone(),
+                )
+            });
         futures::future::join_all(probes).await;
         Ok(())
     }
@@ -74,7 +87,9 @@ async fn probe_one(s: Arc<Session>, board: ProbeBoard, group: String, shutdown: 
     env.id = format!("probe-{}", fleet::envelope::new_id());
     env.lane = Lane::Critical;
     env.submitted_at = Some(chrono::Utc::now());
-    env.deadline = Some(chrono::Utc::now() + chrono::Duration::from_std(s.cfg.probe_timeout).unwrap_or_default());
+    env.deadline = Some(
+        chrono::Utc::now() + chrono::Duration::from_std(s.cfg.probe_timeout).unwrap_or_default(),
+    );
     env.max_attempts = Some(1);
     let started = Instant::now();
     let sent = amqp::publish_confirmed(
@@ -82,7 +97,10 @@ async fn probe_one(s: Arc<Session>, board: ProbeBoard, group: String, shutdown: 
         &s.names.tasks_exchange(),
         &s.names.group_key(&group, Lane::Critical),
         &env.to_bytes(),
-        amqp::task_properties(&env.id, Some(amqp::headers([(fleet::headers::PROBE, "1".to_string())]))),
+        amqp::task_properties(
+            &env.id,
+            Some(amqp::headers([(fleet::headers::PROBE, "1".to_string())])),
+        ),
     )
     .await;
     let mut ok = false;

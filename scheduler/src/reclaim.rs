@@ -47,12 +47,15 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use fleet::amqp;
+use fleet::config::QueueType;
 use fleet::registry::{GroupView, ReclaimClaim};
 use fleet::ticker::Ticker;
 use fleet::{metrics as m, topology, Lane};
-use fleet::config::QueueType;
-use fleet::amqp;
-use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
@@ -85,14 +88,22 @@ pub fn settle(stats: Duration, pressure: Duration) -> Duration {
 
 /// A group is a candidate when nothing in Redis says it is in use.
 fn departed(g: &GroupView) -> bool {
-    g.workers == 0 && g.capacity == 0 && g.critical_capacity == 0 && g.load == 0 && g.reserved == 0 && g.critical_load == 0 && g.critical_reserved == 0
+    g.workers == 0
+        && g.capacity == 0
+        && g.critical_capacity == 0
+        && g.load == 0
+        && g.reserved == 0
+        && g.critical_load == 0
+        && g.critical_reserved == 0
 }
 
 /// The reclaim loop's tick: `min(grace, health_interval)`, at least 100 ms (the health
 /// interval alone when reclaim is off).
 pub fn interval(cfg: &SchedulerConfig) -> Duration {
     let grace = cfg.group_reclaim_after;
-    grace.map_or(cfg.health_interval, |g| g.min(cfg.health_interval)).max(Duration::from_millis(100))
+    grace
+        .map_or(cfg.health_interval, |g| g.min(cfg.health_interval))
+        .max(Duration::from_millis(100))
 }
 
 /// The reclaim loop: sets `fleet_groups` every tick (also with reclaim off,
@@ -126,9 +137,21 @@ impl Reclaimer {
     /// groups seen at the previous one. Waits while no such view comes (Redis unreadable):
     /// a failed sample never reads as "every group gone". `Err` only when the view loop is
     /// gone (the session is ending).
-    async fn tick(&mut self, known: &mut HashSet<String>, ended: Option<Instant>, shutdown: &CancellationToken) -> fleet::Result<()> {
-        let Some(view) = self.view.since(ended, shutdown).await? else { return Ok(()) };
-        let Reclaimer { session: s, loops, probes, .. } = &*self;
+    async fn tick(
+        &mut self,
+        known: &mut HashSet<String>,
+        ended: Option<Instant>,
+        shutdown: &CancellationToken,
+    ) -> fleet::Result<()> {
+        let Some(view) = self.view.since(ended, shutdown).await? else {
+            return Ok(());
+        };
+        let Reclaimer {
+            session: s,
+            loops,
+            probes,
+            ..
+        } = &*self;
         let groups = &view.groups;
         // Groups another replica reclaimed: stop this replica's loops and state for them.
         let now: HashSet<String> = groups.iter().map(|g| g.group.clone()).collect();
@@ -151,7 +174,14 @@ impl Reclaimer {
 }
 
 /// One reclaim pass over `groups`; returns the groups reclaimed.
-async fn pass(s: &Session, loops: &ParkLoops, probes: &ProbeBoard, groups: &[GroupView], grace: Duration, shutdown: &CancellationToken) -> Vec<String> {
+async fn pass(
+    s: &Session,
+    loops: &ParkLoops,
+    probes: &ProbeBoard,
+    groups: &[GroupView],
+    grace: Duration,
+    shutdown: &CancellationToken,
+) -> Vec<String> {
     let settle = settle(s.cfg.stats_interval, s.cfg.pressure_interval);
     let (pending, tombstone_life) = (settle + PENDING_HOLD, done_hold(grace));
 
@@ -258,7 +288,13 @@ fn group_bindings(s: &Session, group: &str, lane: Lane) -> Vec<(String, String, 
     let n = &s.names;
     let shards = s.cfg.common.shards(lane);
     let mut qs = vec![(n.park_queue(group, lane), n.park_key(group, lane), true)];
-    qs.extend((0..shards).map(|k| (n.group_shard_queue(group, lane, k, shards), n.group_shard_key(group, lane, k, shards), false)));
+    qs.extend((0..shards).map(|k| {
+        (
+            n.group_shard_queue(group, lane, k, shards),
+            n.group_shard_key(group, lane, k, shards),
+            false,
+        )
+    }));
     qs
 }
 
@@ -273,13 +309,22 @@ async fn delete_queues(s: &Session, group: &str) -> Result<(), NotDeleted> {
                 match delete_unbound(s, &q, &key, park).await {
                     Ok(Gone::Deleted) => break,
                     Ok(Gone::InUse) => return Err(NotDeleted::NotEmpty(q)),
-                    Err(Step::Broker(e)) if amqp::reply_code(&e) == Some(406) => return Err(NotDeleted::NotEmpty(q)),
+                    Err(Step::Broker(e)) if amqp::reply_code(&e) == Some(406) => {
+                        return Err(NotDeleted::NotEmpty(q))
+                    }
                     // The broker's answer to the operation itself (e.g. 540 NOT_IMPLEMENTED) will
                     // not change on a retry; after no answer in time, a message `basic.get` took
                     // may still be held: never try to delete that queue again now.
                     Err(Step::Broker(e)) => return Err(NotDeleted::Failed(e.to_string())),
-                    Err(Step::Slow) => return Err(NotDeleted::Failed(format!("{q}: no answer within {} s", DELETE_LIMIT.as_secs()))),
-                    Err(Step::Retry(e)) if attempt >= DELETE_ATTEMPTS => return Err(NotDeleted::Failed(e)),
+                    Err(Step::Slow) => {
+                        return Err(NotDeleted::Failed(format!(
+                            "{q}: no answer within {} s",
+                            DELETE_LIMIT.as_secs()
+                        )))
+                    }
+                    Err(Step::Retry(e)) if attempt >= DELETE_ATTEMPTS => {
+                        return Err(NotDeleted::Failed(e))
+                    }
                     Err(Step::Retry(e)) => {
                         tracing::debug!(error = %e, queue = %q, "reclaim: queue deletion failed; retrying");
                         tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
@@ -338,26 +383,73 @@ async fn delete_unbound(s: &Session, q: &str, key: &str, park: bool) -> Result<G
     };
     let tasks = s.names.tasks_exchange();
     let work = async {
-        ch.queue_unbind(q.into(), tasks.as_str().into(), key.into(), FieldTable::default()).await?;
-        if let Some(m) = ch.basic_get(q.into(), BasicGetOptions { no_ack: false }).await? {
-            ch.queue_bind(q.into(), tasks.as_str().into(), key.into(), QueueBindOptions::default(), FieldTable::default()).await?;
-            match amqp::publish_confirmed(&s.publisher, &tasks, key, &m.delivery.data, m.delivery.properties.clone()).await {
+        ch.queue_unbind(
+            q.into(),
+            tasks.as_str().into(),
+            key.into(),
+            FieldTable::default(),
+        )
+        .await?;
+        if let Some(m) = ch
+            .basic_get(q.into(), BasicGetOptions { no_ack: false })
+            .await?
+        {
+            ch.queue_bind(
+                q.into(),
+                tasks.as_str().into(),
+                key.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+            match amqp::publish_confirmed(
+                &s.publisher,
+                &tasks,
+                key,
+                &m.delivery.data,
+                m.delivery.properties.clone(),
+            )
+            .await
+            {
                 Ok(()) => m.delivery.acker.ack(BasicAckOptions::default()).await?,
                 Err(e) => {
                     tracing::warn!(queue = %q, error = %e, "reclaim: cannot put a task back as a copy; requeueing it (one delivery more)");
-                    m.delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?
+                    m.delivery
+                        .acker
+                        .nack(BasicNackOptions {
+                            requeue: true,
+                            ..Default::default()
+                        })
+                        .await?
                 }
             };
             return Ok(Gone::InUse);
         }
         if !park {
-            let state = ch.queue_declare(q.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await?;
+            let state = ch
+                .queue_declare(
+                    q.into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await?;
             if state.consumer_count() > 0 {
                 return Ok(Gone::InUse);
             }
         }
         let if_empty = s.cfg.common.queue_type == QueueType::Classic;
-        let left = ch.queue_delete(q.into(), QueueDeleteOptions { if_empty, ..Default::default() }).await?;
+        let left = ch
+            .queue_delete(
+                q.into(),
+                QueueDeleteOptions {
+                    if_empty,
+                    ..Default::default()
+                },
+            )
+            .await?;
         if left > 0 {
             // Not expected: nothing routes here and `basic.get` found it empty.
             tracing::error!(queue = %q, messages = left, "reclaim: a deleted queue still held messages");
@@ -386,7 +478,16 @@ async fn delete_unbound(s: &Session, q: &str, key: &str, park: bool) -> Result<G
 /// Whether `q` exists (passive declare on a fresh channel): only a 404 says no.
 async fn queue_exists(s: &Session, q: &str) -> lapin::Result<bool> {
     let ch = s.conn.create_channel().await?;
-    let r = ch.queue_declare(q.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await;
+    let r = ch
+        .queue_declare(
+            q.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
     let _ = ch.close(200, "ok".into()).await;
     match r {
         Ok(_) => Ok(true),
@@ -403,7 +504,14 @@ async fn queue_exists(s: &Session, q: &str) -> lapin::Result<bool> {
 /// visible to the fleet view, the orphan rescue and the API — but its tombstone becomes the
 /// time of now (`restore_undeclared`): a worker of the group declares, and binds, its queues
 /// before it registers.
-async fn restore(s: &Session, loops: &ParkLoops, group: &str, labels: &str, hold: Duration, tombstone_life: Duration) {
+async fn restore(
+    s: &Session,
+    loops: &ParkLoops,
+    group: &str,
+    labels: &str,
+    hold: Duration,
+    tombstone_life: Duration,
+) {
     let mut attempt = 0;
     let declared = loop {
         attempt += 1;
@@ -416,7 +524,13 @@ async fn restore(s: &Session, loops: &ParkLoops, group: &str, labels: &str, hold
             Err(_) => tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await,
         }
     };
-    let r = if declared { s.store.reclaim_restore(group, labels, hold).await } else { s.store.reclaim_restore_undeclared(group, labels, tombstone_life).await };
+    let r = if declared {
+        s.store.reclaim_restore(group, labels, hold).await
+    } else {
+        s.store
+            .reclaim_restore_undeclared(group, labels, tombstone_life)
+            .await
+    };
     if let Err(e) = r {
         tracing::warn!(error = %e, group = %group, "reclaim: cannot restore the group (a worker of the group registering recreates it)");
     }
@@ -441,10 +555,22 @@ mod tests {
 
     #[test]
     fn holds_and_settle_are_bounded() {
-        assert_eq!(done_hold(Duration::from_millis(200)), Duration::from_secs(1));
+        assert_eq!(
+            done_hold(Duration::from_millis(200)),
+            Duration::from_secs(1)
+        );
         assert_eq!(done_hold(Duration::from_secs(600)), Duration::from_secs(60));
-        assert_eq!(settle(Duration::from_millis(500), Duration::from_millis(100)), Duration::from_secs(1));
-        assert_eq!(settle(Duration::from_millis(1000), Duration::from_millis(250)), Duration::from_secs(2));
-        assert_eq!(settle(Duration::from_secs(60), Duration::from_millis(250)), Duration::from_secs(10));
+        assert_eq!(
+            settle(Duration::from_millis(500), Duration::from_millis(100)),
+            Duration::from_secs(1)
+        );
+        assert_eq!(
+            settle(Duration::from_millis(1000), Duration::from_millis(250)),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            settle(Duration::from_secs(60), Duration::from_millis(250)),
+            Duration::from_secs(10)
+        );
     }
 }

@@ -13,13 +13,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use fleet::http::Readiness;
 use backon::BackoffBuilder;
+use fleet::http::Readiness;
+use fleet::shutdown::Stage;
+use fleet::ticker::Ticker;
 use fleet::{amqp, metrics as m, topology, Lane, Store};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, RwLock};
-use fleet::shutdown::Stage;
-use fleet::ticker::Ticker;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{self, AppState, ConnectionSlot};
@@ -45,14 +45,22 @@ use fleet::auth::Role;
 /// Runs the scheduler until `shutdown` fires. `listener` serves the API and `/metrics`.
 /// A [`fleet::Error::Permanent`] (login refused, a queue declared with other arguments) ends
 /// it with that error.
-pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
+pub async fn run(
+    cfg: SchedulerConfig,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     // The process stage: its signal is a child of `shutdown`, so a permanent error can end the
     // process without touching the caller's token.
     let process = Stage::with_parent("process", &shutdown);
     let shutdown = process.token();
     let cfg = Arc::new(cfg);
     let handle = m::install();
-    let store = Store::with_tls(&cfg.common.redis_url, cfg.common.names(), &cfg.common.redis_tls)?;
+    let store = Store::with_tls(
+        &cfg.common.redis_url,
+        cfg.common.names(),
+        &cfg.common.redis_tls,
+    )?;
     let ready = Readiness::default();
     let (ptx, prx) = watch::channel(Sample::default());
     let publisher: Arc<RwLock<Option<fleet::amqp::Publisher>>> = Arc::new(RwLock::new(None));
@@ -72,24 +80,52 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
         dead_reader: Arc::new(tokio::sync::Semaphore::new(1)),
     };
     let board = schedule::Board::default();
-    let sched_api = schedule::api::ScheduleApi { cfg: cfg.clone(), store: store.clone(), board: board.clone(), publisher: publisher.clone(), pressure: prx.clone() };
+    let sched_api = schedule::api::ScheduleApi {
+        cfg: cfg.clone(),
+        store: store.clone(),
+        board: board.clone(),
+        publisher: publisher.clone(),
+        pressure: prx.clone(),
+    };
     let auth = &cfg.common.auth;
     let schedule_routes = auth
         .require(schedule::api::read_routes(sched_api.clone()), Role::Read)
         .merge(auth.require(schedule::api::admin_routes(sched_api), Role::Admin))
         .layer(axum::middleware::from_fn(fleet::auth::json_only));
-    let router = fleet::http::common_routes(handle.clone(), ready.clone(), auth).merge(api::routes(state)).merge(schedule_routes);
-    process.spawn(tracing::info_span!("http"), fleet::http::serve(listener, router, shutdown.clone()));
-    process.spawn(tracing::info_span!("redis-watch"), RedisWatch { store: store.clone(), ready: ready.clone() }.run(shutdown.clone()));
+    let router = fleet::http::common_routes(handle.clone(), ready.clone(), auth)
+        .merge(api::routes(state))
+        .merge(schedule_routes);
+    process.spawn(
+        tracing::info_span!("http"),
+        fleet::http::serve(listener, router, shutdown.clone()),
+    );
+    process.spawn(
+        tracing::info_span!("redis-watch"),
+        RedisWatch {
+            store: store.clone(),
+            ready: ready.clone(),
+        }
+        .run(shutdown.clone()),
+    );
     let recorder = series::Recorder::new(history, handle, store.clone(), cfg.series_interval);
-    process.spawn(tracing::info_span!("series"), recorder.run(shutdown.clone()));
+    process.spawn(
+        tracing::info_span!("series"),
+        recorder.run(shutdown.clone()),
+    );
 
     let ptx = Arc::new(ptx);
     let mut result = Ok(());
     let mut backoff = amqp::reconnect_backoff().build();
     while !shutdown.is_cancelled() {
         let name = format!("fleet-scheduler {}", cfg.common.namespace);
-        let conn = match amqp::connect_retrying(&cfg.common.amqp_url, &name, &cfg.common.amqp_tls, &shutdown).await {
+        let conn = match amqp::connect_retrying(
+            &cfg.common.amqp_url,
+            &name,
+            &cfg.common.amqp_tls,
+            &shutdown,
+        )
+        .await
+        {
             Ok(Some(conn)) => Arc::new(conn),
             Ok(None) => break,
             Err(e) => {
@@ -99,7 +135,20 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
         };
         *connection.write().await = Some(conn.clone());
         let boards = (probes.clone(), group_board.clone());
-        match session(cfg.clone(), store.clone(), conn.clone(), ptx.clone(), prx.clone(), publisher.clone(), boards, board.clone(), &ready, &shutdown).await {
+        match session(
+            cfg.clone(),
+            store.clone(),
+            conn.clone(),
+            ptx.clone(),
+            prx.clone(),
+            publisher.clone(),
+            boards,
+            board.clone(),
+            &ready,
+            &shutdown,
+        )
+        .await
+        {
             Ok(()) => backoff = amqp::reconnect_backoff().build(),
             Err(e @ fleet::Error::Permanent { .. }) => result = Err(e),
             Err(e) => tracing::warn!(error = %e, "AMQP session ended"),
@@ -107,15 +156,24 @@ pub async fn run(cfg: SchedulerConfig, listener: TcpListener, shutdown: Cancella
         ready.set_amqp(false);
         *publisher.write().await = None;
         *connection.write().await = None;
-        if tokio::time::timeout(CLOSE_WAIT, conn.close(200, "bye".into())).await.is_err() {
-            tracing::warn!(limit_ms = CLOSE_WAIT.as_millis() as u64, "RabbitMQ did not answer the connection close; going on without it");
+        if tokio::time::timeout(CLOSE_WAIT, conn.close(200, "bye".into()))
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                limit_ms = CLOSE_WAIT.as_millis() as u64,
+                "RabbitMQ did not answer the connection close; going on without it"
+            );
         }
         if shutdown.is_cancelled() || result.is_err() {
             break;
         }
         metrics::counter!(m::AMQP_RECONNECTS).increment(1);
         let wait = backoff.next().unwrap_or(Duration::from_secs(5));
-        tracing::warn!(retry_in_ms = wait.as_millis() as u64, "reconnecting to RabbitMQ");
+        tracing::warn!(
+            retry_in_ms = wait.as_millis() as u64,
+            "reconnecting to RabbitMQ"
+        );
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => break,
@@ -161,7 +219,9 @@ impl RedisWatch {
         if *was != Some(ok) {
             match probe {
                 Ok(()) => tracing::info!("Redis takes writes"),
-                Err(e) => tracing::warn!(setting = "FLEET_REDIS_URL", error = %e, "Redis refuses writes; not ready, retrying every second"),
+                Err(e) => {
+                    tracing::warn!(setting = "FLEET_REDIS_URL", error = %e, "Redis refuses writes; not ready, retrying every second")
+                }
             }
             *was = Some(ok);
         }
@@ -205,7 +265,12 @@ async fn session(
     tracing::info!(namespace = %cfg.common.namespace, "connected to RabbitMQ; topology declared");
 
     // What the session's loops share, and the dispatch logic over it.
-    let shared = Arc::new(Session::new(cfg.clone(), store.clone(), conn.clone(), publisher));
+    let shared = Arc::new(Session::new(
+        cfg.clone(),
+        store.clone(),
+        conn.clone(),
+        publisher,
+    ));
     let d = Arc::new(Dispatcher::new(shared.clone()));
     // The session's stage: ends with the process, or when any of its loops fails.
     let session = Stage::with_parent("session", shutdown);
@@ -227,26 +292,93 @@ async fn session(
     // One view of the fleet (groups, queue depths) per tick, read by pressure, health, probes,
     // stats, park discovery and reclaim.
     let (view_tx, view) = view::channel();
-    spawn_loop!("view", view::ViewLoop { session: shared.clone(), tx: view_tx });
-    let controller = Controller { session: shared.clone(), view: view.clone(), tx: (*ptx).clone() };
-    session.spawn(tracing::info_span!("pressure"), controller.run(session.token()));
+    spawn_loop!(
+        "view",
+        view::ViewLoop {
+            session: shared.clone(),
+            tx: view_tx
+        }
+    );
+    let controller = Controller {
+        session: shared.clone(),
+        view: view.clone(),
+        tx: (*ptx).clone(),
+    };
+    session.spawn(
+        tracing::info_span!("pressure"),
+        controller.run(session.token()),
+    );
     for lane in Lane::ALL {
-        let loops = if lane == Lane::Normal { cfg.ingress_consumers } else { 1 };
+        let loops = if lane == Lane::Normal {
+            cfg.ingress_consumers
+        } else {
+            1
+        };
         for k in 0..loops {
-            let l = IngressLoop { dispatcher: d.clone(), source: Source::Ingress(lane), queue: names.ingress_queue(lane), pressure: prx.clone() };
+            let l = IngressLoop {
+                dispatcher: d.clone(),
+                source: Source::Ingress(lane),
+                queue: names.ingress_queue(lane),
+                pressure: prx.clone(),
+            };
             spawn_loop!(format!("ingress.{lane}.{k}"), l);
         }
     }
-    let delayed = IngressLoop { dispatcher: d.clone(), source: Source::Delayed, queue: names.delayed_queue(), pressure: prx.clone() };
+    let delayed = IngressLoop {
+        dispatcher: d.clone(),
+        source: Source::Delayed,
+        queue: names.delayed_queue(),
+        pressure: prx.clone(),
+    };
     spawn_loop!("delayed", delayed);
     let park_loops = Arc::new(park::ParkLoops::default());
-    let discovery = park::Discovery { session: shared.clone(), dispatcher: d.clone(), loops: park_loops.clone(), stage: session.clone(), view: view.clone() };
+    let discovery = park::Discovery {
+        session: shared.clone(),
+        dispatcher: d.clone(),
+        loops: park_loops.clone(),
+        stage: session.clone(),
+        view: view.clone(),
+    };
     spawn_loop!("park-discovery", discovery);
-    spawn_loop!("reclaim", reclaim::Reclaimer { session: shared.clone(), loops: park_loops, probes: probes.clone(), view: view.clone() });
-    spawn_loop!("health", health::HealthCheck { session: shared.clone(), dispatcher: d.clone(), view: view.clone() });
-    spawn_loop!("backstop", backstop::Backstop { session: shared.clone() });
-    spawn_loop!("stats", stats::Sampler { session: shared.clone(), board: group_board, view: view.clone() });
-    spawn_loop!("probe", probe::Prober { session: shared.clone(), board: probes, view });
+    spawn_loop!(
+        "reclaim",
+        reclaim::Reclaimer {
+            session: shared.clone(),
+            loops: park_loops,
+            probes: probes.clone(),
+            view: view.clone()
+        }
+    );
+    spawn_loop!(
+        "health",
+        health::HealthCheck {
+            session: shared.clone(),
+            dispatcher: d.clone(),
+            view: view.clone()
+        }
+    );
+    spawn_loop!(
+        "backstop",
+        backstop::Backstop {
+            session: shared.clone()
+        }
+    );
+    spawn_loop!(
+        "stats",
+        stats::Sampler {
+            session: shared.clone(),
+            board: group_board,
+            view: view.clone()
+        }
+    );
+    spawn_loop!(
+        "probe",
+        probe::Prober {
+            session: shared.clone(),
+            board: probes,
+            view
+        }
+    );
     spawn_loop!("schedule-log", schedules);
     let firing = schedule::fire::Firing {
         cfg: cfg.clone(),

@@ -62,7 +62,10 @@ pub struct Series {
 impl Series {
     /// The points, oldest first.
     pub fn points(&self) -> Vec<Point> {
-        self.inner.lock().map(|r| r.iter().cloned().collect()).unwrap_or_default()
+        self.inner
+            .lock()
+            .map(|r| r.iter().cloned().collect())
+            .unwrap_or_default()
     }
 
     fn push(&self, p: Point, keep: usize) {
@@ -105,7 +108,13 @@ pub struct Recorder {
 
 impl Recorder {
     pub fn new(series: Series, handle: PrometheusHandle, store: Store, every: Duration) -> Self {
-        Recorder { series, handle, store, every, last: None }
+        Recorder {
+            series,
+            handle,
+            store,
+            every,
+            last: None,
+        }
     }
 
     pub async fn run(mut self, shutdown: CancellationToken) {
@@ -135,8 +144,14 @@ impl Recorder {
             }
         };
         let now = Instant::now();
-        let mut next = Last { own, ..Default::default() };
-        let mut p = Point { at_ms: now_ms(), ..Default::default() };
+        let mut next = Last {
+            own,
+            ..Default::default()
+        };
+        let mut p = Point {
+            at_ms: now_ms(),
+            ..Default::default()
+        };
         let mut started = vec![0u64; waits::BOUNDS.len() + 1];
         let last = &mut self.last;
         let prev = last.as_ref().map(|(_, l)| l);
@@ -197,7 +212,11 @@ async fn fleet_view(store: &Store) -> fleet::Result<(Vec<WorkerView>, Vec<(Strin
     let workers = store.workers().await?;
     let ids: Vec<String> = workers.iter().map(|w| w.id.clone()).collect();
     let shared = store.worker_stats(&ids).await?;
-    let waits = ids.into_iter().zip(shared).filter_map(|(id, s)| s.waits.map(|h| (id, h))).collect();
+    let waits = ids
+        .into_iter()
+        .zip(shared)
+        .filter_map(|(id, s)| s.waits.map(|h| (id, h)))
+        .collect();
     Ok((workers, waits))
 }
 
@@ -235,7 +254,14 @@ mod tests {
                     fleet_tasks_submitted_total_other 100\n\
                     fleet_tasks_refused_total{reason=\"pressure_red\"} 3\n";
         let own = own_counters(page);
-        assert_eq!(own, Own { submitted: 9.0, dispatched: 0.0, refused: 3.0 });
+        assert_eq!(
+            own,
+            Own {
+                submitted: 9.0,
+                dispatched: 0.0,
+                refused: 3.0
+            }
+        );
     }
 
     #[test]
@@ -249,8 +275,17 @@ mod tests {
     fn ring_keeps_the_window() {
         let s = Series::default();
         for i in 0..5 {
-            s.push(Point { at_ms: i, ..Default::default() }, 3);
+            s.push(
+                Point {
+                    at_ms: i,
+                    ..Default::default()
+                },
+                3,
+            );
         }
-        assert_eq!(s.points().iter().map(|p| p.at_ms).collect::<Vec<_>>(), vec![2, 3, 4]);
+        assert_eq!(
+            s.points().iter().map(|p| p.at_ms).collect::<Vec<_>>(),
+            vec![2, 3, 4]
+        );
     }
 }

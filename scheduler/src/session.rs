@@ -34,9 +34,21 @@ pub struct Session {
 }
 
 impl Session {
-    pub fn new(cfg: Arc<SchedulerConfig>, store: Store, conn: Arc<lapin::Connection>, publisher: fleet::amqp::Publisher) -> Self {
+    pub fn new(
+        cfg: Arc<SchedulerConfig>,
+        store: Store,
+        conn: Arc<lapin::Connection>,
+        publisher: fleet::amqp::Publisher,
+    ) -> Self {
         let names = cfg.common.names();
-        Session { cfg, store, names, conn, publisher, parks: Mutex::new(HashSet::new()) }
+        Session {
+            cfg,
+            store,
+            names,
+            conn,
+            publisher,
+            parks: Mutex::new(HashSet::new()),
+        }
     }
 
     /// Declares a group's park queue on a channel of its own: a declare the broker refuses (a
@@ -72,7 +84,12 @@ impl Session {
     /// The names of the park queues this session declared (as [`fleet::Names::park_queue`]
     /// gives them).
     pub async fn declared_parks(&self) -> std::collections::HashSet<String> {
-        self.parks.lock().await.iter().map(|(g, l)| self.names.park_queue(g, *l)).collect()
+        self.parks
+            .lock()
+            .await
+            .iter()
+            .map(|(g, l)| self.names.park_queue(g, *l))
+            .collect()
     }
 
     /// Forgets that a group's park queues were declared: the group was reclaimed and they

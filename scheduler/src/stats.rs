@@ -48,7 +48,8 @@ impl Sampler {
         let s = self.session.clone();
         let mut ticker = Ticker::new(s.cfg.stats_interval);
         for lane in Lane::ALL {
-            metrics::gauge!(m::QUEUE_BOUND, "queue" => s.names.ingress_queue(lane)).set(f64::from(s.cfg.common.ingress_max[lane]));
+            metrics::gauge!(m::QUEUE_BOUND, "queue" => s.names.ingress_queue(lane))
+                .set(f64::from(s.cfg.common.ingress_max[lane]));
         }
         let mut last: Option<Instant> = None;
         loop {
@@ -89,7 +90,8 @@ async fn sample(s: &Session, view: &FleetView, board: &GroupBoard) -> fleet::Res
         metrics::gauge!(m::GROUP_LOAD, "group" => g.group.clone()).set(f64::from(g.load));
         metrics::gauge!(m::GROUP_RESERVED, "group" => g.group.clone()).set(f64::from(g.reserved));
         for lane in Lane::ALL {
-            metrics::gauge!(m::QUEUE_BOUND, "queue" => n.park_queue(&g.group, lane)).set(f64::from(s.cfg.common.park_max[lane]));
+            metrics::gauge!(m::QUEUE_BOUND, "queue" => n.park_queue(&g.group, lane))
+                .set(f64::from(s.cfg.common.park_max[lane]));
         }
         let mut backlog = 0u32;
         for lane in Lane::ALL {
@@ -101,19 +103,34 @@ async fn sample(s: &Session, view: &FleetView, board: &GroupBoard) -> fleet::Res
                     queued += depth;
                 }
             }
-            *(if lane == Lane::Normal { &mut gs.queued } else { &mut gs.queued_critical }) = queued;
+            *(if lane == Lane::Normal {
+                &mut gs.queued
+            } else {
+                &mut gs.queued_critical
+            }) = queued;
             // A park queue not declared yet (or deleted with its reclaimed group) holds nothing.
             let park = n.park_queue(&g.group, lane);
             let depth = view.depth(&park).unwrap_or(0);
             metrics::gauge!(m::QUEUE_DEPTH, "queue" => park).set(f64::from(depth));
             backlog += depth;
-            *(if lane == Lane::Normal { &mut gs.parked } else { &mut gs.parked_critical }) = depth;
+            *(if lane == Lane::Normal {
+                &mut gs.parked
+            } else {
+                &mut gs.parked_critical
+            }) = depth;
         }
         metrics::gauge!(m::GROUP_BACKLOG, "group" => g.group.clone()).set(f64::from(backlog));
         // Oldest reservation not yet started: its lease expiry minus the lease is when it was
         // dispatched. Parked tasks are older still; their age is bounded below by this.
-        let oldest = s.store.oldest_reservation(&g.group, Lane::Normal).await.ok().flatten();
-        let age = oldest.map(|(_, exp)| ((now - (exp - lease)).max(0) as f64) / 1000.0).unwrap_or(0.0);
+        let oldest = s
+            .store
+            .oldest_reservation(&g.group, Lane::Normal)
+            .await
+            .ok()
+            .flatten();
+        let age = oldest
+            .map(|(_, exp)| ((now - (exp - lease)).max(0) as f64) / 1000.0)
+            .unwrap_or(0.0);
         let age = if backlog == 0 { 0.0 } else { age };
         metrics::gauge!(m::GROUP_OLDEST_AGE, "group" => g.group.clone()).set(age);
         gs.backlog = backlog;
@@ -122,7 +139,9 @@ async fn sample(s: &Session, view: &FleetView, board: &GroupBoard) -> fleet::Res
     }
     *board.write().await = seen;
     let workers = s.store.workers().await?;
-    let mut by_state: BTreeMap<&str, u32> = [("active", 0), ("draining", 0), ("ejected", 0)].into_iter().collect();
+    let mut by_state: BTreeMap<&str, u32> = [("active", 0), ("draining", 0), ("ejected", 0)]
+        .into_iter()
+        .collect();
     for w in &workers {
         if let Some(c) = by_state.get_mut(w.state.as_str()) {
             *c += 1;

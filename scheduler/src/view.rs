@@ -75,11 +75,18 @@ impl FleetView {
 
 /// The tick of the view: the smallest interval of its readers (see the module docs).
 pub fn interval(cfg: &SchedulerConfig) -> Duration {
-    [cfg.pressure_interval, cfg.stats_interval, cfg.health_interval, cfg.probe_interval, crate::park::DISCOVERY_INTERVAL, crate::reclaim::interval(cfg)]
-        .into_iter()
-        .min()
-        .unwrap_or(cfg.pressure_interval)
-        .max(Duration::from_millis(1))
+    [
+        cfg.pressure_interval,
+        cfg.stats_interval,
+        cfg.health_interval,
+        cfg.probe_interval,
+        crate::park::DISCOVERY_INTERVAL,
+        crate::reclaim::interval(cfg),
+    ]
+    .into_iter()
+    .min()
+    .unwrap_or(cfg.pressure_interval)
+    .max(Duration::from_millis(1))
 }
 
 /// A new view channel: the sending end for [`ViewLoop`], the reading end for the loops.
@@ -98,8 +105,13 @@ impl ViewRx {
     ///
     /// # Errors
     /// The view loop is gone (the session is ending).
-    pub async fn since(&mut self, at: Option<Instant>, shutdown: &CancellationToken) -> fleet::Result<Option<Arc<FleetView>>> {
-        self.wait(|v| at.is_none_or(|at| v.sampled_at >= at), shutdown).await
+    pub async fn since(
+        &mut self,
+        at: Option<Instant>,
+        shutdown: &CancellationToken,
+    ) -> fleet::Result<Option<Arc<FleetView>>> {
+        self.wait(|v| at.is_none_or(|at| v.sampled_at >= at), shutdown)
+            .await
     }
 
     /// Waits for a view sampled strictly after `at` (one newer than the view a loop last
@@ -107,11 +119,20 @@ impl ViewRx {
     ///
     /// # Errors
     /// The view loop is gone (the session is ending).
-    pub async fn after(&mut self, at: Option<Instant>, shutdown: &CancellationToken) -> fleet::Result<Option<Arc<FleetView>>> {
-        self.wait(|v| at.is_none_or(|at| v.sampled_at > at), shutdown).await
+    pub async fn after(
+        &mut self,
+        at: Option<Instant>,
+        shutdown: &CancellationToken,
+    ) -> fleet::Result<Option<Arc<FleetView>>> {
+        self.wait(|v| at.is_none_or(|at| v.sampled_at > at), shutdown)
+            .await
     }
 
-    async fn wait(&mut self, fresh: impl Fn(&FleetView) -> bool, shutdown: &CancellationToken) -> fleet::Result<Option<Arc<FleetView>>> {
+    async fn wait(
+        &mut self,
+        fresh: impl Fn(&FleetView) -> bool,
+        shutdown: &CancellationToken,
+    ) -> fleet::Result<Option<Arc<FleetView>>> {
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => Ok(None),
@@ -133,7 +154,11 @@ impl ViewLoop {
     /// Samples until `shutdown`; a failed Redis read skips the tick (the last view stays).
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
         let mut ticker = Ticker::new(interval(&self.session.cfg));
-        let mut depths = Depths { conn: &self.session.conn, ch: None, missing: HashMap::new() };
+        let mut depths = Depths {
+            conn: &self.session.conn,
+            ch: None,
+            missing: HashMap::new(),
+        };
         let mut failing = false;
         loop {
             tokio::select! {
@@ -195,7 +220,11 @@ impl ViewLoop {
                 out.insert(q, d);
             }
         }
-        Ok(FleetView { sampled_at, groups, depths: out })
+        Ok(FleetView {
+            sampled_at,
+            groups,
+            depths: out,
+        })
     }
 }
 
@@ -219,7 +248,12 @@ impl Depths<'_> {
     /// The depth of `queue`; unless `always`, a queue found missing less than
     /// [`MISSING_RECHECK`] ago is taken as still missing without asking.
     async fn read(&mut self, queue: &str, always: bool) -> Option<u32> {
-        if !always && self.missing.get(queue).is_some_and(|at| at.elapsed() < MISSING_RECHECK) {
+        if !always
+            && self
+                .missing
+                .get(queue)
+                .is_some_and(|at| at.elapsed() < MISSING_RECHECK)
+        {
             return None;
         }
         if self.ch.as_ref().is_none_or(|c| !c.status().connected()) {
@@ -239,7 +273,11 @@ mod tests {
     use super::*;
 
     fn view(at: Instant) -> Arc<FleetView> {
-        Arc::new(FleetView { sampled_at: at, groups: vec![], depths: HashMap::from([("q".to_string(), 3)]) })
+        Arc::new(FleetView {
+            sampled_at: at,
+            groups: vec![],
+            depths: HashMap::from([("q".to_string(), 3)]),
+        })
     }
 
     #[tokio::test]
@@ -249,12 +287,22 @@ mod tests {
         let t0 = Instant::now();
         tx.send_replace(Some(view(t0)));
         let v = rx.since(None, &shutdown).await.unwrap().unwrap();
-        assert_eq!((v.sampled_at, v.depth("q"), v.depth("other")), (t0, Some(3), None));
-        assert!(rx.since(Some(t0), &shutdown).await.unwrap().is_some(), "since is inclusive");
+        assert_eq!(
+            (v.sampled_at, v.depth("q"), v.depth("other")),
+            (t0, Some(3), None)
+        );
+        assert!(
+            rx.since(Some(t0), &shutdown).await.unwrap().is_some(),
+            "since is inclusive"
+        );
         // Nothing newer than t0 yet: waits; a newer view ends the wait.
         let waiting = tokio::spawn({
             let (mut rx, sd) = (rx.clone(), shutdown.clone());
-            async move { rx.after(Some(t0), &sd).await.map(|v| v.map(|v| v.sampled_at)) }
+            async move {
+                rx.after(Some(t0), &sd)
+                    .await
+                    .map(|v| v.map(|v| v.sampled_at))
+            }
         });
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!waiting.is_finished());

@@ -3,9 +3,9 @@
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{Confirmation, PublisherConfirm};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::{Confirmation, PublisherConfirm};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
@@ -14,8 +14,9 @@ use crate::tls::TlsConfig;
 // The header names moved to `crate::headers` (one place for every `x-fleet-*` name); these
 // aliases keep `fleet::amqp::*_HEADER` working for code written against the old path.
 pub use crate::headers::{
-    ATTEMPTS as ATTEMPTS_HEADER, DETAIL as DETAIL_HEADER, PROBE as PROBE_HEADER, REASON as REASON_HEADER,
-    REPLAY as REPLAY_HEADER, SUBMITTED_AT as SUBMITTED_AT_HEADER, TIER as TIER_HEADER, WORKER as WORKER_HEADER,
+    ATTEMPTS as ATTEMPTS_HEADER, DETAIL as DETAIL_HEADER, PROBE as PROBE_HEADER,
+    REASON as REASON_HEADER, REPLAY as REPLAY_HEADER, SUBMITTED_AT as SUBMITTED_AT_HEADER,
+    TIER as TIER_HEADER, WORKER as WORKER_HEADER,
 };
 
 /// Connects once, trusting the system roots for `amqps://`.
@@ -82,7 +83,12 @@ pub fn reconnect_backoff() -> backon::ExponentialBuilder {
 /// One warning per failed pass, naming `FLEET_AMQP_URL` with the password hidden. A permanent
 /// failure (login refused, unknown vhost) is returned at once as [`Error::Permanent`]. Cancel
 /// safe.
-pub async fn connect_retrying(url: &str, name: &str, tls: &TlsConfig, shutdown: &CancellationToken) -> Result<Option<Connection>> {
+pub async fn connect_retrying(
+    url: &str,
+    name: &str,
+    tls: &TlsConfig,
+    shutdown: &CancellationToken,
+) -> Result<Option<Connection>> {
     use backon::Retryable;
     let shown = crate::redact::redact(url).into_owned();
     let attempt = (|| crate::endpoints::connect_any(url, name, tls))
@@ -102,7 +108,9 @@ pub async fn connect_retrying(url: &str, name: &str, tls: &TlsConfig, shutdown: 
 /// naming `setting` (the login refused: 403 ACCESS_REFUSED; an unknown vhost or a missing
 /// permission: 530 NOT_ALLOWED; 406 PRECONDITION_FAILED), the rest stay [`Error::Amqp`].
 pub fn classify(e: lapin::Error, setting: &str, url: &str) -> Error {
-    let lapin::ErrorKind::ProtocolError(amqp) = e.kind() else { return Error::Amqp(e) };
+    let lapin::ErrorKind::ProtocolError(amqp) = e.kind() else {
+        return Error::Amqp(e);
+    };
     let url = crate::redact::redact(url);
     let text = amqp.get_message().to_string();
     let message = match amqp.get_id() {
@@ -111,7 +119,10 @@ pub fn classify(e: lapin::Error, setting: &str, url: &str) -> Error {
         406 => text.to_string(),
         _ => return Error::Amqp(e),
     };
-    Error::Permanent { setting: setting.to_string(), message }
+    Error::Permanent {
+        setting: setting.to_string(),
+        message,
+    }
 }
 
 /// The reply code of a broker's refusal that closed a channel or connection (404 NOT_FOUND,
@@ -144,7 +155,10 @@ pub struct Publisher {
 impl Publisher {
     /// The channel (which must be in confirm mode for confirms to mean anything).
     pub fn new(channel: Channel) -> Self {
-        Publisher { channel, order: Default::default() }
+        Publisher {
+            channel,
+            order: Default::default(),
+        }
     }
 }
 
@@ -233,7 +247,10 @@ async fn start_publish(
         .basic_publish(
             ShortString::from(exchange),
             ShortString::from(routing_key),
-            BasicPublishOptions { mandatory: true, ..Default::default() },
+            BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            },
             body,
             props,
         )
@@ -259,16 +276,25 @@ pub struct Outgoing<'a> {
 /// confirm order) is the input order: each publish queues its frames on its first poll, and
 /// `join_all` polls them first in order — and no other publish on `p` comes between them (see
 /// [`Publisher`]).
-pub async fn publish_batch<'a>(p: &Publisher, msgs: impl IntoIterator<Item = Outgoing<'a>>) -> Vec<Result<PublisherConfirm>> {
+pub async fn publish_batch<'a>(
+    p: &Publisher,
+    msgs: impl IntoIterator<Item = Outgoing<'a>>,
+) -> Vec<Result<PublisherConfirm>> {
     let _order = p.order.lock().await;
-    futures::future::join_all(msgs.into_iter().map(|m| start_publish(&p.channel, m.exchange, m.routing_key, m.body, m.props))).await
+    futures::future::join_all(
+        msgs.into_iter()
+            .map(|m| start_publish(&p.channel, m.exchange, m.routing_key, m.body, m.props)),
+    )
+    .await
 }
 
 /// Awaits a confirm: `Ok` only for an ack of a routed message.
 pub async fn confirmed(confirm: PublisherConfirm) -> Result<()> {
     match confirm.await? {
         Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
-        Confirmation::Ack(Some(ret)) => Err(Error::Refused(format!("unroutable: {}", ret.reply_text))),
+        Confirmation::Ack(Some(ret)) => {
+            Err(Error::Refused(format!("unroutable: {}", ret.reply_text)))
+        }
         Confirmation::Nack(_) => Err(Error::Refused("nack (queue full)".into())),
     }
 }

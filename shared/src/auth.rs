@@ -84,17 +84,26 @@ impl Tokens {
     /// comments are skipped. Errors give the entry's number, never its text.
     pub fn parse(text: &str) -> std::result::Result<Tokens, String> {
         let mut out = Vec::new();
-        let entries = text.lines().map(|l| l.split('#').next().unwrap_or("")).flat_map(|l| l.split(','));
+        let entries = text
+            .lines()
+            .map(|l| l.split('#').next().unwrap_or(""))
+            .flat_map(|l| l.split(','));
         for (n, entry) in entries.map(str::trim).filter(|e| !e.is_empty()).enumerate() {
             let mut parts = entry.split_whitespace();
             let (Some(token), Some(role), None) = (parts.next(), parts.next(), parts.next()) else {
                 return Err(format!("entry {}: expected `TOKEN ROLE`", n + 1));
             };
             let Some(role) = Role::parse(role) else {
-                return Err(format!("entry {}: role must be read, submit or admin", n + 1));
+                return Err(format!(
+                    "entry {}: role must be read, submit or admin",
+                    n + 1
+                ));
             };
             if token.len() < MIN_TOKEN_LEN {
-                return Err(format!("entry {}: token shorter than {MIN_TOKEN_LEN} characters", n + 1));
+                return Err(format!(
+                    "entry {}: token shorter than {MIN_TOKEN_LEN} characters",
+                    n + 1
+                ));
             }
             out.push((token.as_bytes().to_vec(), role));
         }
@@ -143,7 +152,13 @@ struct AuthInner {
 impl ApiAuth {
     /// An API guarded by `tokens` (empty = open).
     pub fn new(tokens: Tokens, metrics_need_read: bool) -> Self {
-        ApiAuth { inner: Arc::new(AuthInner { tokens, metrics_need_read, allow_unauthenticated: false }) }
+        ApiAuth {
+            inner: Arc::new(AuthInner {
+                tokens,
+                metrics_need_read,
+                allow_unauthenticated: false,
+            }),
+        }
     }
 
     /// Builds the API's guard from the declared settings `FLEET_API_TOKENS`,
@@ -154,22 +169,40 @@ impl ApiAuth {
     /// [`crate::Error::Config`] naming the setting (never a token): a malformed entry, an
     /// unreadable file, a non-loopback bind without tokens.
     pub fn from_args(a: &crate::settings::CommonArgs, http_addr: &str) -> Result<Self> {
-        let mut tokens = Tokens::parse(&a.api_tokens).map_err(|e| Error::config("FLEET_API_TOKENS", e))?;
-        if let Some(path) = a.api_tokens_file.as_deref().map(str::trim).filter(|p| !p.is_empty()) {
-            let text = std::fs::read_to_string(path).map_err(|e| Error::config("FLEET_API_TOKENS_FILE", format!("cannot read {path}: {e}")))?;
-            let more = Tokens::parse(&text).map_err(|e| Error::config("FLEET_API_TOKENS_FILE", format!("{path}: {e}")))?;
+        let mut tokens =
+            Tokens::parse(&a.api_tokens).map_err(|e| Error::config("FLEET_API_TOKENS", e))?;
+        if let Some(path) = a
+            .api_tokens_file
+            .as_deref()
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+        {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                Error::config("FLEET_API_TOKENS_FILE", format!("cannot read {path}: {e}"))
+            })?;
+            let more = Tokens::parse(&text)
+                .map_err(|e| Error::config("FLEET_API_TOKENS_FILE", format!("{path}: {e}")))?;
             tokens.0.extend(more.0);
         }
         let metrics_need_read = a.metrics_auth == "read";
         let allow_unauthenticated = a.allow_unauthenticated;
-        let loopback = http_addr.parse::<std::net::SocketAddr>().map(|a| a.ip().is_loopback()).unwrap_or(false);
+        let loopback = http_addr
+            .parse::<std::net::SocketAddr>()
+            .map(|a| a.ip().is_loopback())
+            .unwrap_or(false);
         if tokens.is_empty() && !loopback && !allow_unauthenticated {
             return Err(Error::config(
                 "FLEET_API_TOKENS",
                 format!("no API token configured while FLEET_HTTP_ADDR={http_addr} is reachable from other hosts; set FLEET_API_TOKENS or FLEET_API_TOKENS_FILE, or FLEET_ALLOW_UNAUTHENTICATED=true to serve an open API"),
             ));
         }
-        Ok(ApiAuth { inner: Arc::new(AuthInner { tokens, metrics_need_read, allow_unauthenticated }) })
+        Ok(ApiAuth {
+            inner: Arc::new(AuthInner {
+                tokens,
+                metrics_need_read,
+                allow_unauthenticated,
+            }),
+        })
     }
 
     /// True when no token is configured (every caller is let in).
@@ -192,7 +225,11 @@ impl ApiAuth {
     /// Checks a request's headers for `needed`: `Ok(Some(role))` for a token that grants it,
     /// `Ok(None)` on an open API, `Err` with the 401/403 answer otherwise.
     #[allow(clippy::result_large_err)]
-    pub fn check(&self, headers: &HeaderMap, needed: Role) -> std::result::Result<Option<Role>, Response> {
+    pub fn check(
+        &self,
+        headers: &HeaderMap,
+        needed: Role,
+    ) -> std::result::Result<Option<Role>, Response> {
         if self.is_open() {
             return Ok(None);
         }
@@ -203,7 +240,9 @@ impl ApiAuth {
             .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
             .map(|(_, t)| t.trim());
         let Some(token) = presented else {
-            return Err(unauthorized("missing bearer token (Authorization: Bearer <token>)"));
+            return Err(unauthorized(
+                "missing bearer token (Authorization: Bearer <token>)",
+            ));
         };
         match self.inner.tokens.role_of(token.as_bytes()) {
             None => Err(unauthorized("unknown token")),
@@ -218,12 +257,23 @@ impl ApiAuth {
 
     /// `router` with every route admitting only callers whose token grants `needed` (a route
     /// layer: unmatched paths still answer 404). Build one sub-router per role and merge them.
-    pub fn require<S: Clone + Send + Sync + 'static>(&self, router: axum::Router<S>, needed: Role) -> axum::Router<S> {
-        router.route_layer(middleware::from_fn_with_state((self.clone(), needed), guard))
+    pub fn require<S: Clone + Send + Sync + 'static>(
+        &self,
+        router: axum::Router<S>,
+        needed: Role,
+    ) -> axum::Router<S> {
+        router.route_layer(middleware::from_fn_with_state(
+            (self.clone(), needed),
+            guard,
+        ))
     }
 }
 
-async fn guard(State((auth, needed)): State<(ApiAuth, Role)>, req: Request, next: Next) -> Response {
+async fn guard(
+    State((auth, needed)): State<(ApiAuth, Role)>,
+    req: Request,
+    next: Next,
+) -> Response {
     match auth.check(req.headers(), needed) {
         Ok(_) => next.run(req).await,
         Err(resp) => resp,
@@ -231,7 +281,12 @@ async fn guard(State((auth, needed)): State<(ApiAuth, Role)>, req: Request, next
 }
 
 fn unauthorized(detail: &str) -> Response {
-    (StatusCode::UNAUTHORIZED, [(header::WWW_AUTHENTICATE, "Bearer")], Json(serde_json::json!({"error": "unauthorized", "detail": detail}))).into_response()
+    (
+        StatusCode::UNAUTHORIZED,
+        [(header::WWW_AUTHENTICATE, "Bearer")],
+        Json(serde_json::json!({"error": "unauthorized", "detail": detail})),
+    )
+        .into_response()
 }
 
 /// Middleware: a `POST` without `Content-Type: application/json` gets 415. Apply with
@@ -273,7 +328,12 @@ mod tests {
 
     #[test]
     fn errors_never_echo_the_token() {
-        for bad in ["sekritsekritsekrit", "sekritsekritsekrit root", "sekrit admin", "a b c"] {
+        for bad in [
+            "sekritsekritsekrit",
+            "sekritsekritsekrit root",
+            "sekrit admin",
+            "a b c",
+        ] {
             let e = Tokens::parse(bad).unwrap_err();
             assert!(!e.contains("sekrit"), "{e}");
         }
@@ -281,24 +341,59 @@ mod tests {
 
     #[test]
     fn admin_implies_read_and_submit_only_admin_does() {
-        assert!(Role::Admin.grants(Role::Read) && Role::Admin.grants(Role::Submit) && Role::Admin.grants(Role::Admin));
-        assert!(!Role::Submit.grants(Role::Read) && !Role::Read.grants(Role::Submit) && !Role::Read.grants(Role::Admin));
+        assert!(
+            Role::Admin.grants(Role::Read)
+                && Role::Admin.grants(Role::Submit)
+                && Role::Admin.grants(Role::Admin)
+        );
+        assert!(
+            !Role::Submit.grants(Role::Read)
+                && !Role::Read.grants(Role::Submit)
+                && !Role::Read.grants(Role::Admin)
+        );
     }
 
     #[test]
     fn open_api_only_on_loopback() {
         let args = |pairs: &[(&'static str, &str)]| {
-            let s = crate::config::Settings::from_pairs(pairs.iter().map(|(k, v)| (*k, v.to_string())));
-            crate::settings::parse::<crate::settings::CommonOnly>(&s).unwrap().common
+            let s =
+                crate::config::Settings::from_pairs(pairs.iter().map(|(k, v)| (*k, v.to_string())));
+            crate::settings::parse::<crate::settings::CommonOnly>(&s)
+                .unwrap()
+                .common
         };
         let open = args(&[]);
-        assert!(ApiAuth::from_args(&open, "127.0.0.1:8080").unwrap().is_open());
+        assert!(ApiAuth::from_args(&open, "127.0.0.1:8080")
+            .unwrap()
+            .is_open());
         assert!(ApiAuth::from_args(&open, "[::1]:8080").unwrap().is_open());
-        let e = ApiAuth::from_args(&open, "0.0.0.0:8080").unwrap_err().to_string();
-        assert!(e.contains("FLEET_API_TOKENS") && e.contains("FLEET_ALLOW_UNAUTHENTICATED"), "{e}");
-        assert!(ApiAuth::from_args(&args(&[("allow_unauthenticated", "true")]), "0.0.0.0:8080").unwrap().is_open());
-        assert!(!ApiAuth::from_args(&args(&[("api_tokens", "0123456789abcdef admin")]), "0.0.0.0:8080").unwrap().is_open());
-        let e = ApiAuth::from_args(&args(&[("api_tokens", "0123456789abcdef root")]), "127.0.0.1:1").unwrap_err().to_string();
-        assert!(e.contains("FLEET_API_TOKENS") && !e.contains("0123456789abcdef"), "{e}");
+        let e = ApiAuth::from_args(&open, "0.0.0.0:8080")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("FLEET_API_TOKENS") && e.contains("FLEET_ALLOW_UNAUTHENTICATED"),
+            "{e}"
+        );
+        assert!(
+            ApiAuth::from_args(&args(&[("allow_unauthenticated", "true")]), "0.0.0.0:8080")
+                .unwrap()
+                .is_open()
+        );
+        assert!(!ApiAuth::from_args(
+            &args(&[("api_tokens", "0123456789abcdef admin")]),
+            "0.0.0.0:8080"
+        )
+        .unwrap()
+        .is_open());
+        let e = ApiAuth::from_args(
+            &args(&[("api_tokens", "0123456789abcdef root")]),
+            "127.0.0.1:1",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("FLEET_API_TOKENS") && !e.contains("0123456789abcdef"),
+            "{e}"
+        );
     }
 }

@@ -78,14 +78,19 @@ impl Settings {
 
     /// Every (key, value), sorted by key.
     pub fn pairs(&self) -> Vec<(&str, &str)> {
-        let mut v: Vec<(&str, &str)> = self.values.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let mut v: Vec<(&str, &str)> = self
+            .values
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
         v.sort();
         v
     }
 
     /// Every key with where it came from, sorted by key.
     pub fn origins(&self) -> Vec<(&str, Origin)> {
-        let mut v: Vec<(&str, Origin)> = self.origins.iter().map(|(k, o)| (k.as_str(), *o)).collect();
+        let mut v: Vec<(&str, Origin)> =
+            self.origins.iter().map(|(k, o)| (k.as_str(), *o)).collect();
         v.sort_by_key(|(k, _)| *k);
         v
     }
@@ -107,7 +112,9 @@ impl Settings {
     }
 
     fn parse_file(text: &str) -> Result<HashMap<String, String>> {
-        let table: toml::Table = text.parse().map_err(|e| Error::config("FLEET_CONFIG", format!("invalid TOML: {e}")))?;
+        let table: toml::Table = text
+            .parse()
+            .map_err(|e| Error::config("FLEET_CONFIG", format!("invalid TOML: {e}")))?;
         let mut out = HashMap::new();
         for (k, v) in table {
             let s = match v {
@@ -116,7 +123,12 @@ impl Settings {
                 toml::Value::Float(f) => f.to_string(),
                 toml::Value::Boolean(b) => b.to_string(),
                 toml::Value::Array(a) => serde_json::to_string(&a).unwrap_or_default(),
-                other => return Err(Error::config("FLEET_CONFIG", format!("key `{k}`: unsupported value {other}"))),
+                other => {
+                    return Err(Error::config(
+                        "FLEET_CONFIG",
+                        format!("key `{k}`: unsupported value {other}"),
+                    ))
+                }
             };
             out.insert(k.to_ascii_lowercase(), s);
         }
@@ -124,7 +136,10 @@ impl Settings {
     }
 
     fn raw(&self, key: &str) -> Option<&str> {
-        self.values.get(key).map(String::as_str).filter(|s| !s.trim().is_empty())
+        self.values
+            .get(key)
+            .map(String::as_str)
+            .filter(|s| !s.trim().is_empty())
     }
 
     fn name(key: &str) -> String {
@@ -146,7 +161,10 @@ impl Settings {
     {
         match self.raw(key) {
             None => Ok(default),
-            Some(s) => s.trim().parse().map_err(|e| Error::config(Self::name(key), format!("`{s}`: {e}"))),
+            Some(s) => s
+                .trim()
+                .parse()
+                .map_err(|e| Error::config(Self::name(key), format!("`{s}`: {e}"))),
         }
     }
 
@@ -158,7 +176,10 @@ impl Settings {
     {
         let v = self.parse(key, default)?;
         if v <= T::default() {
-            return Err(Error::config(Self::name(key), format!("must be greater than zero, got {v}")));
+            return Err(Error::config(
+                Self::name(key),
+                format!("must be greater than zero, got {v}"),
+            ));
         }
         Ok(v)
     }
@@ -167,7 +188,10 @@ impl Settings {
     pub fn ratio(&self, key: &str, default: f64) -> Result<f64> {
         let v: f64 = self.parse(key, default)?;
         if !(0.0..=1.0).contains(&v) {
-            return Err(Error::config(Self::name(key), format!("must be between 0 and 1, got {v}")));
+            return Err(Error::config(
+                Self::name(key),
+                format!("must be between 0 and 1, got {v}"),
+            ));
         }
         Ok(v)
     }
@@ -178,7 +202,8 @@ impl Settings {
     }
 
     pub fn labels(&self, key: &str) -> Result<Labels> {
-        Labels::parse(self.raw(key).unwrap_or("")).map_err(|e| Error::config(Self::name(key), e.to_string()))
+        Labels::parse(self.raw(key).unwrap_or(""))
+            .map_err(|e| Error::config(Self::name(key), e.to_string()))
     }
 
     /// A value out of a fixed set.
@@ -187,7 +212,10 @@ impl Settings {
         if allowed.contains(&v.as_str()) {
             Ok(v)
         } else {
-            Err(Error::config(Self::name(key), format!("`{v}` is not one of {}", allowed.join(", "))))
+            Err(Error::config(
+                Self::name(key),
+                format!("`{v}` is not one of {}", allowed.join(", ")),
+            ))
         }
     }
 
@@ -251,12 +279,22 @@ pub struct CommonConfig {
 /// given both ways, an empty master name, a Sentinel that is not `host:port`.
 pub fn redis_url(redis_url: &str, sentinels: &str, master: &str) -> Result<String> {
     let redis_url = redis_url.trim().to_string();
-    let scheme = redis_url.split("://").next().unwrap_or("").to_ascii_lowercase();
-    if !redis_url.contains("://") || !matches!(scheme.as_str(), "redis" | "rediss" | "redis+sentinel" | "redis+cluster") {
+    let scheme = redis_url
+        .split("://")
+        .next()
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    if !redis_url.contains("://")
+        || !matches!(
+            scheme.as_str(),
+            "redis" | "rediss" | "redis+sentinel" | "redis+cluster"
+        )
+    {
         return Err(Error::config("FLEET_REDIS_URL", format!("`{redis_url}` is not a redis://, rediss://, redis+sentinel:// or redis+cluster:// URL")));
     }
     if sentinels.trim().is_empty() {
-        crate::sentinel::Target::parse(&redis_url).map_err(|e| Error::config("FLEET_REDIS_URL", e))?;
+        crate::sentinel::Target::parse(&redis_url)
+            .map_err(|e| Error::config("FLEET_REDIS_URL", e))?;
         return Ok(redis_url);
     }
     if scheme != "redis" {
@@ -264,7 +302,10 @@ pub fn redis_url(redis_url: &str, sentinels: &str, master: &str) -> Result<Strin
     }
     let master = master.trim();
     if master.is_empty() {
-        return Err(Error::config("FLEET_REDIS_MASTER", "the master name is empty"));
+        return Err(Error::config(
+            "FLEET_REDIS_MASTER",
+            "the master name is empty",
+        ));
     }
     let url = crate::sentinel::Target::from_settings(sentinels, master, &redis_url);
     crate::sentinel::Target::parse(&url).map_err(|e| Error::config("FLEET_REDIS_SENTINELS", e))?;
@@ -283,20 +324,37 @@ impl CommonConfig {
     pub fn from_args(a: &crate::settings::CommonArgs, http_addr: String) -> Result<Self> {
         let namespace = a.namespace.trim().to_string();
         if namespace.is_empty()
-            || !namespace.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'))
+            || !namespace
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'))
         {
-            return Err(Error::config("FLEET_NAMESPACE", format!("`{namespace}`: use letters, digits, _ and -")));
+            return Err(Error::config(
+                "FLEET_NAMESPACE",
+                format!("`{namespace}`: use letters, digits, _ and -"),
+            ));
         }
-        let queue_type = if a.queue_type == "classic" { QueueType::Classic } else { QueueType::Quorum };
+        let queue_type = if a.queue_type == "classic" {
+            QueueType::Classic
+        } else {
+            QueueType::Quorum
+        };
         let amqp_url = a.amqp_url.trim().to_string();
         // One URL or a comma-separated list of cluster nodes (see `endpoints`).
-        crate::endpoints::Endpoints::parse(&amqp_url).map_err(|e| Error::config("FLEET_AMQP_URL", e))?;
+        crate::endpoints::Endpoints::parse(&amqp_url)
+            .map_err(|e| Error::config("FLEET_AMQP_URL", e))?;
         let redis_url = redis_url(&a.redis_url, &a.redis_sentinels, &a.redis_master)?;
         // TLS reaches Redis directly (`rediss://`) only: the Sentinel and Cluster pools speak
         // plain TCP, so TLS files with them are refused rather than ignored.
         let target = crate::sentinel::Target::parse(&redis_url);
-        if matches!(target, Ok(crate::sentinel::Target::Sentinel { .. } | crate::sentinel::Target::Cluster { .. })) {
-            let what = if matches!(target, Ok(crate::sentinel::Target::Cluster { .. })) { "a Redis Cluster" } else { "Redis behind Sentinel" };
+        if matches!(
+            target,
+            Ok(crate::sentinel::Target::Sentinel { .. } | crate::sentinel::Target::Cluster { .. })
+        ) {
+            let what = if matches!(target, Ok(crate::sentinel::Target::Cluster { .. })) {
+                "a Redis Cluster"
+            } else {
+                "Redis behind Sentinel"
+            };
             let tls_set = [
                 ("FLEET_REDIS_TLS_CA_FILE", &a.redis_tls_ca_file),
                 ("FLEET_REDIS_TLS_CERT_FILE", &a.redis_tls_cert_file),
@@ -307,7 +365,10 @@ impl CommonConfig {
             }
         }
         if http_addr.parse::<std::net::SocketAddr>().is_err() {
-            return Err(Error::config("FLEET_HTTP_ADDR", format!("`{http_addr}` is not host:port")));
+            return Err(Error::config(
+                "FLEET_HTTP_ADDR",
+                format!("`{http_addr}` is not host:port"),
+            ));
         }
         let limits = crate::envelope::Limits {
             max_bytes: a.max_task_bytes,
@@ -338,10 +399,17 @@ impl CommonConfig {
             http_addr,
             log_format: a.log_format.clone(),
             queue_type,
-            leader_locator: (a.queue_leader_locator != "none").then(|| a.queue_leader_locator.clone()),
+            leader_locator: (a.queue_leader_locator != "none")
+                .then(|| a.queue_leader_locator.clone()),
             max_task_bytes: a.max_task_bytes,
-            ingress_max: crate::PerLane { normal: a.ingress_max_normal, critical: a.ingress_max_critical },
-            park_max: crate::PerLane { normal: a.park_max, critical: a.park_max_critical },
+            ingress_max: crate::PerLane {
+                normal: a.ingress_max_normal,
+                critical: a.ingress_max_critical,
+            },
+            park_max: crate::PerLane {
+                normal: a.park_max,
+                critical: a.park_max_critical,
+            },
             status_ttl: Duration::from_millis(a.status_ttl_ms),
             default_max_attempts: a.max_attempts,
             subsetting: subsetting(a.shards, a.shards_per_worker)?,
@@ -384,27 +452,50 @@ mod tests {
         for (k, v, name) in [
             ("queue_type", "fancy", "FLEET_QUEUE_TYPE"),
             ("amqp_url", "AMQPX://u:hunter2@h/", "FLEET_AMQP_URL"),
-            ("amqp_url", "amqp://u:hunter2@h1/%2f,,amqp://u:hunter2@h2", "FLEET_AMQP_URL"),
-            ("amqp_url", "amqp://u:hunter2@h1/%2f;amqp://u:hunter2@h2", "FLEET_AMQP_URL"),
+            (
+                "amqp_url",
+                "amqp://u:hunter2@h1/%2f,,amqp://u:hunter2@h2",
+                "FLEET_AMQP_URL",
+            ),
+            (
+                "amqp_url",
+                "amqp://u:hunter2@h1/%2f;amqp://u:hunter2@h2",
+                "FLEET_AMQP_URL",
+            ),
             ("redis_url", "redisx://u:hunter2@h/", "FLEET_REDIS_URL"),
             ("ingress_max_normal", "-1", "FLEET_INGRESS_MAX_NORMAL"),
             ("namespace", "a b", "FLEET_NAMESPACE"),
         ] {
             let s = Settings::from_pairs([(k, v.to_string())]);
-            let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
+            let e = CommonConfig::from_settings(&s, "127.0.0.1:1")
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(name), "{e}");
             assert!(!e.contains("hunter2"), "{e}");
         }
         // The scheme is case-insensitive.
         let s = Settings::from_pairs([("amqp_url", "AMQP://u:p@127.0.0.1:5672/%2f".to_string())]);
         assert!(CommonConfig::from_settings(&s, "127.0.0.1:1").is_ok());
-        let s = Settings::from_pairs([("shards", "12".to_string()), ("shards_per_worker", "5".into())]);
-        let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
-        assert!(e.contains("FLEET_SHARDS_PER_WORKER") && e.contains("multiple"), "{e}");
+        let s = Settings::from_pairs([
+            ("shards", "12".to_string()),
+            ("shards_per_worker", "5".into()),
+        ]);
+        let e = CommonConfig::from_settings(&s, "127.0.0.1:1")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("FLEET_SHARDS_PER_WORKER") && e.contains("multiple"),
+            "{e}"
+        );
         let s = Settings::from_pairs([("shards", "0".to_string())]);
-        let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
+        let e = CommonConfig::from_settings(&s, "127.0.0.1:1")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("FLEET_SHARDS"), "{e}");
-        let s = Settings::from_pairs([("shards", "12".to_string()), ("shards_per_worker", "3".into())]);
+        let s = Settings::from_pairs([
+            ("shards", "12".to_string()),
+            ("shards_per_worker", "3".into()),
+        ]);
         let c = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap();
         assert_eq!((c.subsetting.shards(), c.subsetting.per_worker()), (12, 3));
         assert_eq!(c.shards(crate::Lane::Critical), 1);
@@ -413,49 +504,99 @@ mod tests {
     #[test]
     fn redis_tls_behind_sentinel_is_refused_not_ignored() {
         // A PEM file the settings accept (its blocks are read, not verified, at parse time).
-        let ca = std::env::temp_dir().join(format!("fleet-config-test-ca-{}.pem", std::process::id()));
-        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\nMIIBdzCCAR2gAwIB\n-----END CERTIFICATE-----\n").unwrap();
+        let ca =
+            std::env::temp_dir().join(format!("fleet-config-test-ca-{}.pem", std::process::id()));
+        std::fs::write(
+            &ca,
+            "-----BEGIN CERTIFICATE-----\nMIIBdzCCAR2gAwIB\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
         let s = Settings::from_pairs([
-            ("redis_url", "redis+sentinel://:pw@127.0.0.1:26379/mymaster".to_string()),
+            (
+                "redis_url",
+                "redis+sentinel://:pw@127.0.0.1:26379/mymaster".to_string(),
+            ),
             ("redis_tls_ca_file", ca.display().to_string()),
         ]);
-        let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
+        let e = CommonConfig::from_settings(&s, "127.0.0.1:1")
+            .unwrap_err()
+            .to_string();
         let _ = std::fs::remove_file(&ca);
-        assert!(e.contains("FLEET_REDIS_TLS_CA_FILE") && e.contains("Sentinel") && !e.contains("pw@"), "{e}");
+        assert!(
+            e.contains("FLEET_REDIS_TLS_CA_FILE") && e.contains("Sentinel") && !e.contains("pw@"),
+            "{e}"
+        );
     }
 
     #[test]
     fn the_redis_cluster_form() {
-        let s = Settings::from_pairs([("redis_url", "redis+cluster://:pw@127.0.0.1:7000,127.0.0.1:7001".to_string())]);
+        let s = Settings::from_pairs([(
+            "redis_url",
+            "redis+cluster://:pw@127.0.0.1:7000,127.0.0.1:7001".to_string(),
+        )]);
         let c = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap();
-        assert_eq!(c.redis_url, "redis+cluster://:pw@127.0.0.1:7000,127.0.0.1:7001");
-        let ca = std::env::temp_dir().join(format!("fleet-config-test-cluster-ca-{}.pem", std::process::id()));
-        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\nMIIBdzCCAR2gAwIB\n-----END CERTIFICATE-----\n").unwrap();
+        assert_eq!(
+            c.redis_url,
+            "redis+cluster://:pw@127.0.0.1:7000,127.0.0.1:7001"
+        );
+        let ca = std::env::temp_dir().join(format!(
+            "fleet-config-test-cluster-ca-{}.pem",
+            std::process::id()
+        ));
+        std::fs::write(
+            &ca,
+            "-----BEGIN CERTIFICATE-----\nMIIBdzCCAR2gAwIB\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
         let s = Settings::from_pairs([
-            ("redis_url", "redis+cluster://:pw@127.0.0.1:7000".to_string()),
+            (
+                "redis_url",
+                "redis+cluster://:pw@127.0.0.1:7000".to_string(),
+            ),
             ("redis_tls_ca_file", ca.display().to_string()),
         ]);
-        let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
+        let e = CommonConfig::from_settings(&s, "127.0.0.1:1")
+            .unwrap_err()
+            .to_string();
         let _ = std::fs::remove_file(&ca);
-        assert!(e.contains("FLEET_REDIS_TLS_CA_FILE") && e.contains("Redis Cluster") && !e.contains("pw@"), "{e}");
-        let s = Settings::from_pairs([("redis_url", "redis+cluster://:pw@127.0.0.1:7000/3".to_string())]);
-        let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
-        assert!(e.contains("FLEET_REDIS_URL") && e.contains("database 0") && !e.contains("pw@"), "{e}");
+        assert!(
+            e.contains("FLEET_REDIS_TLS_CA_FILE")
+                && e.contains("Redis Cluster")
+                && !e.contains("pw@"),
+            "{e}"
+        );
+        let s = Settings::from_pairs([(
+            "redis_url",
+            "redis+cluster://:pw@127.0.0.1:7000/3".to_string(),
+        )]);
+        let e = CommonConfig::from_settings(&s, "127.0.0.1:1")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("FLEET_REDIS_URL") && e.contains("database 0") && !e.contains("pw@"),
+            "{e}"
+        );
     }
 
     #[test]
     fn url_errors_hide_the_password() {
         let s = Settings::from_pairs([("amqp_url", "http://u:s3cret@h".to_string())]);
-        let e = CommonConfig::from_settings(&s, "127.0.0.1:1").unwrap_err().to_string();
+        let e = CommonConfig::from_settings(&s, "127.0.0.1:1")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("FLEET_AMQP_URL") && !e.contains("s3cret"), "{e}");
-        let s = Settings::from_pairs([("redis_url", "rediss://u:s3cret@127.0.0.1:6380".to_string())]);
+        let s =
+            Settings::from_pairs([("redis_url", "rediss://u:s3cret@127.0.0.1:6380".to_string())]);
         assert!(CommonConfig::from_settings(&s, "127.0.0.1:1").is_ok());
     }
 
     #[test]
     fn file_then_env() {
         let file = Settings::parse_file("capacity = 8\nlabels = \"gpu=true\"\n").unwrap();
-        let s = Settings { values: file, ..Settings::default() };
+        let s = Settings {
+            values: file,
+            ..Settings::default()
+        };
         assert_eq!(s.positive("capacity", 1u32).unwrap(), 8);
         assert_eq!(s.labels("labels").unwrap().group_name(), "gpu=true");
     }

@@ -27,9 +27,9 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::amqp;
+use crate::error::Result;
 use crate::headers;
 use crate::status::DeadReason;
-use crate::error::Result;
 use crate::{Envelope, Names, Store};
 
 /// One dead letter as operators see it.
@@ -95,7 +95,10 @@ impl Selection {
 
     /// The letters of these task ids.
     pub fn ids<I: IntoIterator<Item = S>, S: Into<String>>(ids: I) -> Self {
-        Selection { ids: Some(ids.into_iter().map(Into::into).collect()), ..Default::default() }
+        Selection {
+            ids: Some(ids.into_iter().map(Into::into).collect()),
+            ..Default::default()
+        }
     }
 
     pub fn matches(&self, d: &DeadLetter) -> bool {
@@ -119,9 +122,12 @@ pub struct ReplayReport {
 /// Reads a dead letter's fields from its properties and body.
 pub fn describe(props: &BasicProperties, data: &[u8]) -> DeadLetter {
     let parsed = Envelope::from_slice(data, usize::MAX);
-    let body: Value = serde_json::from_slice(data).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(data).into_owned()));
+    let body: Value = serde_json::from_slice(data)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(data).into_owned()));
     let text = |k: &str| body.get(k).and_then(Value::as_str).map(str::to_string);
-    let id = text("id").or_else(|| props.message_id().as_ref().map(|s| s.to_string())).unwrap_or_else(|| "-".into());
+    let id = text("id")
+        .or_else(|| props.message_id().as_ref().map(|s| s.to_string()))
+        .unwrap_or_else(|| "-".into());
     let reason = amqp::header_str(props, headers::REASON)
         .or_else(|| amqp::header_str(props, "x-first-death-reason"))
         .unwrap_or_else(|| "-".into());
@@ -131,7 +137,8 @@ pub fn describe(props: &BasicProperties, data: &[u8]) -> DeadLetter {
     // The broker's own death time first: a letter it dead-lettered (delivery limit, TTL) keeps
     // the timestamp of its last publish — when it was dispatched, not when it died — also
     // after the backstop republishes it with the same properties.
-    let dead_at_ms = death_time_ms(props).or_else(|| props.timestamp().map(|s| (s as i64).saturating_mul(1000)));
+    let dead_at_ms =
+        death_time_ms(props).or_else(|| props.timestamp().map(|s| (s as i64).saturating_mul(1000)));
     DeadLetter {
         id,
         kind: text("kind").unwrap_or_else(|| "-".into()),
@@ -148,8 +155,12 @@ pub fn describe(props: &BasicProperties, data: &[u8]) -> DeadLetter {
 /// The broker's `x-death[0].time` (seconds) for a message the broker itself dead-lettered.
 fn death_time_ms(props: &BasicProperties) -> Option<i64> {
     let h = props.headers().as_ref()?;
-    let AMQPValue::FieldArray(deaths) = h.inner().get("x-death")? else { return None };
-    let AMQPValue::FieldTable(first) = deaths.as_slice().first()? else { return None };
+    let AMQPValue::FieldArray(deaths) = h.inner().get("x-death")? else {
+        return None;
+    };
+    let AMQPValue::FieldTable(first) = deaths.as_slice().first()? else {
+        return None;
+    };
     match first.inner().get("time")? {
         AMQPValue::Timestamp(t) => Some((*t as i64).saturating_mul(1000)),
         _ => None,
@@ -159,7 +170,14 @@ fn death_time_ms(props: &BasicProperties) -> Option<i64> {
 /// Messages ready in a queue (passive declare: an error if the queue does not exist).
 async fn depth(ch: &Channel, queue: &str) -> Result<u32> {
     let q = ch
-        .queue_declare(ShortString::from(queue), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .queue_declare(
+            ShortString::from(queue),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await?;
     Ok(q.message_count())
 }
@@ -172,7 +190,15 @@ pub async fn list(conn: &Connection, names: &Names, scan: u32) -> Result<Listing
         let depth = depth(&ch, &queue).await?;
         let mut letters = Vec::new();
         for _ in 0..scan.min(depth) {
-            let Some(m) = ch.basic_get(ShortString::from(queue.as_str()), BasicGetOptions::default()).await? else { break };
+            let Some(m) = ch
+                .basic_get(
+                    ShortString::from(queue.as_str()),
+                    BasicGetOptions::default(),
+                )
+                .await?
+            else {
+                break;
+            };
             letters.push(describe(&m.delivery.properties, &m.delivery.data));
         }
         Ok(Listing { depth, letters })
@@ -186,7 +212,12 @@ pub async fn list(conn: &Connection, names: &Names, scan: u32) -> Result<Listing
 /// Replays the selected dead letters (see the module docs). `store` clears each replayed
 /// task's dedupe mark and old status; without it (Redis down) the scheduler may drop a replay
 /// whose id it saw within its dedupe window, so callers should pass one.
-pub async fn replay(conn: &Connection, store: Option<&Store>, names: &Names, sel: &Selection) -> Result<ReplayReport> {
+pub async fn replay(
+    conn: &Connection,
+    store: Option<&Store>,
+    names: &Names,
+    sel: &Selection,
+) -> Result<ReplayReport> {
     let get = conn.create_channel().await?;
     let result = replay_on(conn, &get, store, names, sel).await;
     // Everything not replayed goes back to the dead queue.
@@ -194,14 +225,28 @@ pub async fn replay(conn: &Connection, store: Option<&Store>, names: &Names, sel
     result
 }
 
-async fn replay_on(conn: &Connection, get: &Channel, store: Option<&Store>, names: &Names, sel: &Selection) -> Result<ReplayReport> {
+async fn replay_on(
+    conn: &Connection,
+    get: &Channel,
+    store: Option<&Store>,
+    names: &Names,
+    sel: &Selection,
+) -> Result<ReplayReport> {
     let publish = amqp::confirm_channel(conn).await?;
     let queue = names.dead_queue();
     let total = depth(get, &queue).await?;
     let mut report = ReplayReport::default();
     let mut seen = BTreeSet::new();
     for _ in 0..total {
-        let Some(m) = get.basic_get(ShortString::from(queue.as_str()), BasicGetOptions::default()).await? else { break };
+        let Some(m) = get
+            .basic_get(
+                ShortString::from(queue.as_str()),
+                BasicGetOptions::default(),
+            )
+            .await?
+        else {
+            break;
+        };
         let d = m.delivery;
         let letter = describe(&d.properties, &d.data);
         if !sel.matches(&letter) {
@@ -211,7 +256,9 @@ async fn replay_on(conn: &Connection, get: &Channel, store: Option<&Store>, name
         let mut env = match Envelope::from_slice(&d.data, usize::MAX) {
             Ok(e) => e,
             Err(r) => {
-                report.failed.push((letter.id, format!("not a valid envelope: {r}")));
+                report
+                    .failed
+                    .push((letter.id, format!("not a valid envelope: {r}")));
                 continue;
             }
         };
@@ -221,8 +268,19 @@ async fn replay_on(conn: &Connection, get: &Channel, store: Option<&Store>, name
                 tracing::warn!(task.id = %env.id, error = %e, "cannot clear the dedupe mark of a replayed task; the scheduler may drop it as a duplicate");
             }
         }
-        let props = amqp::task_properties(&env.id, Some(amqp::headers([(headers::REPLAY, "1".to_string())])));
-        match amqp::publish_confirmed(&publish, &names.submit_exchange(), env.lane.as_str(), &env.to_bytes(), props).await {
+        let props = amqp::task_properties(
+            &env.id,
+            Some(amqp::headers([(headers::REPLAY, "1".to_string())])),
+        );
+        match amqp::publish_confirmed(
+            &publish,
+            &names.submit_exchange(),
+            env.lane.as_str(),
+            &env.to_bytes(),
+            props,
+        )
+        .await
+        {
             Ok(()) => {
                 // Replayed either way: a failed ack leaves the letter to come back to the dead
                 // queue (where a later replay could send it once more), and the replays before
@@ -237,7 +295,11 @@ async fn replay_on(conn: &Connection, get: &Channel, store: Option<&Store>, name
     }
     let _ = publish.close(200, ShortString::from("replay done")).await;
     if let Some(ids) = &sel.ids {
-        report.missing = ids.iter().filter(|id| !seen.contains(*id)).cloned().collect();
+        report.missing = ids
+            .iter()
+            .filter(|id| !seen.contains(*id))
+            .cloned()
+            .collect();
     }
     Ok(report)
 }
@@ -259,50 +321,105 @@ mod tests {
     use super::*;
 
     fn props(h: &[(&str, &str)]) -> BasicProperties {
-        amqp::task_properties("m-1", Some(amqp::headers(h.iter().map(|(k, v)| (*k, v.to_string())))))
+        amqp::task_properties(
+            "m-1",
+            Some(amqp::headers(h.iter().map(|(k, v)| (*k, v.to_string())))),
+        )
     }
 
     #[test]
     fn describes_an_exhausted_task() {
         let body = br#"{"id":"t-1","kind":"resize","payload":{},"attempt":3}"#;
-        let p = props(&[(headers::REASON, "max_attempts"), (headers::DETAIL, "boom"), (headers::ATTEMPTS, "3"), (headers::WORKER, "w-1")]);
+        let p = props(&[
+            (headers::REASON, "max_attempts"),
+            (headers::DETAIL, "boom"),
+            (headers::ATTEMPTS, "3"),
+            (headers::WORKER, "w-1"),
+        ]);
         let d = describe(&p, body);
-        assert_eq!((d.id.as_str(), d.kind.as_str(), d.reason.as_str(), d.detail.as_str()), ("t-1", "resize", "max_attempts", "boom"));
+        assert_eq!(
+            (
+                d.id.as_str(),
+                d.kind.as_str(),
+                d.reason.as_str(),
+                d.detail.as_str()
+            ),
+            ("t-1", "resize", "max_attempts", "boom")
+        );
         assert_eq!(d.dead_reason(), Some(DeadReason::MaxAttempts));
-        assert_eq!((d.attempts, d.worker.as_deref(), d.replayable), (Some(3), Some("w-1"), true));
-        assert!(d.dead_at_ms.is_some(), "task_properties stamps the publish time");
+        assert_eq!(
+            (d.attempts, d.worker.as_deref(), d.replayable),
+            (Some(3), Some("w-1"), true)
+        );
+        assert!(
+            d.dead_at_ms.is_some(),
+            "task_properties stamps the publish time"
+        );
     }
 
     #[test]
     fn a_broker_dead_letter_is_dated_by_its_death_not_its_dispatch() {
         let mut death = FieldTable::default();
         death.insert("time".into(), AMQPValue::Timestamp(2_000));
-        death.insert("reason".into(), AMQPValue::LongString("delivery_limit".into()));
+        death.insert(
+            "reason".into(),
+            AMQPValue::LongString("delivery_limit".into()),
+        );
         let mut h = FieldTable::default();
-        h.insert("x-death".into(), AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()));
-        let p = BasicProperties::default().with_timestamp(1_000).with_headers(h);
+        h.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
+        );
+        let p = BasicProperties::default()
+            .with_timestamp(1_000)
+            .with_headers(h);
         let d = describe(&p, br#"{"id":"t-2","kind":"k","payload":{}}"#);
-        assert_eq!(d.dead_at_ms, Some(2_000_000), "dated by x-death's time, not the dispatch timestamp");
-        let d = describe(&BasicProperties::default().with_timestamp(1_000), br#"{"id":"t-3","kind":"k","payload":{}}"#);
-        assert_eq!(d.dead_at_ms, Some(1_000_000), "a worker's dead letter: its publish time");
+        assert_eq!(
+            d.dead_at_ms,
+            Some(2_000_000),
+            "dated by x-death's time, not the dispatch timestamp"
+        );
+        let d = describe(
+            &BasicProperties::default().with_timestamp(1_000),
+            br#"{"id":"t-3","kind":"k","payload":{}}"#,
+        );
+        assert_eq!(
+            d.dead_at_ms,
+            Some(1_000_000),
+            "a worker's dead letter: its publish time"
+        );
     }
 
     #[test]
     fn describes_a_body_that_is_not_an_envelope() {
         let d = describe(&props(&[(headers::REASON, "malformed_json")]), b"{not json");
-        assert_eq!((d.id.as_str(), d.kind.as_str(), d.replayable), ("m-1", "-", false));
+        assert_eq!(
+            (d.id.as_str(), d.kind.as_str(), d.replayable),
+            ("m-1", "-", false)
+        );
         assert_eq!(d.envelope, Value::String("{not json".into()));
     }
 
     #[test]
     fn selection_matches_every_condition() {
-        let d = describe(&props(&[(headers::REASON, "max_attempts")]), br#"{"id":"a","kind":"k"}"#);
+        let d = describe(
+            &props(&[(headers::REASON, "max_attempts")]),
+            br#"{"id":"a","kind":"k"}"#,
+        );
         assert!(Selection::all().matches(&d));
         assert!(Selection::ids(["a", "b"]).matches(&d));
         assert!(!Selection::ids(["b"]).matches(&d));
-        let by_reason = Selection { reason: Some("max_attempts".into()), kind: Some("k".into()), ..Default::default() };
+        let by_reason = Selection {
+            reason: Some("max_attempts".into()),
+            kind: Some("k".into()),
+            ..Default::default()
+        };
         assert!(by_reason.matches(&d));
-        assert!(!Selection { kind: Some("other".into()), ..by_reason }.matches(&d));
+        assert!(!Selection {
+            kind: Some("other".into()),
+            ..by_reason
+        }
+        .matches(&d));
     }
 
     #[test]
@@ -315,11 +432,18 @@ mod tests {
         e.submitted_at = Some(before);
         reset_for_replay(&mut e);
         assert_eq!((e.attempt, e.deadline, e.not_before), (0, None, None));
-        assert!(e.submitted_at.is_some_and(|t| t > before), "a replay is a new submission");
+        assert!(
+            e.submitted_at.is_some_and(|t| t > before),
+            "a replay is a new submission"
+        );
         let mut abs = Envelope::new("k", Value::Null);
         let at = chrono::Utc::now();
         abs.deadline = Some(at);
         reset_for_replay(&mut abs);
-        assert_eq!(abs.deadline, Some(at), "an absolute deadline is the producer's");
+        assert_eq!(
+            abs.deadline,
+            Some(at),
+            "an absolute deadline is the producer's"
+        );
     }
 }

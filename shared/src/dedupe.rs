@@ -42,7 +42,12 @@ impl Store {
         }
         let mut p = redis::pipe();
         for id in ids {
-            p.cmd("SET").arg(self.names.dedupe(id)).arg("a").arg("XX").arg("KEEPTTL").ignore();
+            p.cmd("SET")
+                .arg(self.names.dedupe(id))
+                .arg("a")
+                .arg("XX")
+                .arg("KEEPTTL")
+                .ignore();
         }
         self.pipe::<()>(&p).await
     }

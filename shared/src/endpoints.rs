@@ -31,22 +31,33 @@ impl Endpoints {
             let url = raw.trim();
             let n = i + 1;
             if url.is_empty() {
-                return Err(format!("node {n} of the list is empty (use `amqp://…,amqp://…`)"));
+                return Err(format!(
+                    "node {n} of the list is empty (use `amqp://…,amqp://…`)"
+                ));
             }
             let scheme = url.split("://").next().unwrap_or("").to_ascii_lowercase();
             if !url.contains("://") || !matches!(scheme.as_str(), "amqp" | "amqps") {
-                return Err(format!("node {n} `{}` is not an amqp:// or amqps:// URL", redact(url)));
+                return Err(format!(
+                    "node {n} `{}` is not an amqp:// or amqps:// URL",
+                    redact(url)
+                ));
             }
             match url.parse::<lapin::uri::AMQPUri>() {
                 Err(e) => {
                     // The parser's message may quote the URL: never show its password.
                     let e = e.replace(url, &redact(url));
-                    return Err(format!("node {n} `{}` is not a valid AMQP URL: {e}", redact(url)));
+                    return Err(format!(
+                        "node {n} `{}` is not a valid AMQP URL: {e}",
+                        redact(url)
+                    ));
                 }
                 // Two URLs joined by something else than a comma parse as one with the second
                 // in its vhost (`/;amqp://…`): refused rather than retried forever.
                 Ok(u) if u.vhost.contains("://") => {
-                    return Err(format!("node {n} `{}` holds several URLs: separate the nodes with commas", redact(url)));
+                    return Err(format!(
+                        "node {n} `{}` holds several URLs: separate the nodes with commas",
+                        redact(url)
+                    ));
                 }
                 Ok(_) => {}
             }
@@ -63,8 +74,14 @@ impl Endpoints {
     /// Every node once, starting at a random one and wrapping around.
     pub fn rotation(&self) -> Vec<&str> {
         let n = self.nodes.len();
-        let start = if n > 1 { rand::rng().random_range(0..n) } else { 0 };
-        (0..n).map(|j| self.nodes[(start + j) % n].as_str()).collect()
+        let start = if n > 1 {
+            rand::rng().random_range(0..n)
+        } else {
+            0
+        };
+        (0..n)
+            .map(|j| self.nodes[(start + j) % n].as_str())
+            .collect()
     }
 }
 
@@ -77,7 +94,11 @@ impl Endpoints {
 /// A malformed list ([`Error::Config`] naming `FLEET_AMQP_URL`); a permanent refusal (login,
 /// vhost) at once as [`Error::Permanent`] (every node of a cluster shares users and vhosts);
 /// otherwise, when no node answered, the last node's error.
-pub async fn connect_any(list: &str, name: &str, tls: &crate::tls::TlsConfig) -> Result<lapin::Connection> {
+pub async fn connect_any(
+    list: &str,
+    name: &str,
+    tls: &crate::tls::TlsConfig,
+) -> Result<lapin::Connection> {
     let nodes = Endpoints::parse(list).map_err(|e| Error::config("FLEET_AMQP_URL", e))?;
     let many = nodes.nodes().len() > 1;
     let mut last = Error::Other("no RabbitMQ node given".into());
@@ -108,13 +129,31 @@ mod tests {
 
     #[test]
     fn a_list_of_nodes() {
-        let e = Endpoints::parse("amqp://u:p@h1:5672/%2f, amqp://u:p@h2:5673/%2f,amqps://u:p@h3/v").unwrap();
-        assert_eq!(e.nodes(), ["amqp://u:p@h1:5672/%2f", "amqp://u:p@h2:5673/%2f", "amqps://u:p@h3/v"]);
+        let e = Endpoints::parse("amqp://u:p@h1:5672/%2f, amqp://u:p@h2:5673/%2f,amqps://u:p@h3/v")
+            .unwrap();
+        assert_eq!(
+            e.nodes(),
+            [
+                "amqp://u:p@h1:5672/%2f",
+                "amqp://u:p@h2:5673/%2f",
+                "amqps://u:p@h3/v"
+            ]
+        );
         let mut r = e.rotation();
         assert_eq!(r.len(), 3);
         r.sort_unstable();
-        assert_eq!(r, ["amqp://u:p@h1:5672/%2f", "amqp://u:p@h2:5673/%2f", "amqps://u:p@h3/v"]);
-        assert_eq!(Endpoints::parse("amqp://127.0.0.1").unwrap().rotation(), ["amqp://127.0.0.1"]);
+        assert_eq!(
+            r,
+            [
+                "amqp://u:p@h1:5672/%2f",
+                "amqp://u:p@h2:5673/%2f",
+                "amqps://u:p@h3/v"
+            ]
+        );
+        assert_eq!(
+            Endpoints::parse("amqp://127.0.0.1").unwrap().rotation(),
+            ["amqp://127.0.0.1"]
+        );
     }
 
     #[test]

@@ -19,14 +19,38 @@ pub const VERSION: u64 = 1;
 pub const SCHEMA: &str = include_str!("../schema/envelope.schema.json");
 /// Fields this version knows; anything else is kept in `extra`.
 pub const KNOWN_FIELDS: &[&str] = &[
-    "v", "id", "kind", "payload", "labels", "protocol", "lane", "deadline", "timeout_ms",
-    "not_before", "max_attempts", "attempt", "submitted_at", "strategy",
+    "v",
+    "id",
+    "kind",
+    "payload",
+    "labels",
+    "protocol",
+    "lane",
+    "deadline",
+    "timeout_ms",
+    "not_before",
+    "max_attempts",
+    "attempt",
+    "submitted_at",
+    "strategy",
 ];
 /// `not_before` further ahead than this is refused as absurd.
 pub const MAX_DELAY: Duration = Duration::days(30);
 
 /// The two lanes. Each has its own ingress queue, group queues, consumers and capacity.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Lane {
     #[default]
@@ -91,7 +115,10 @@ impl<T> PerLane<T> {
 
     /// Each lane's value through `f`.
     pub fn map<U>(self, mut f: impl FnMut(T) -> U) -> PerLane<U> {
-        PerLane { normal: f(self.normal), critical: f(self.critical) }
+        PerLane {
+            normal: f(self.normal),
+            critical: f(self.critical),
+        }
     }
 }
 
@@ -132,7 +159,11 @@ pub enum Reject {
     TooFarAhead(i64),
     /// A dimension past its limit (label pairs, id or kind bytes, payload depth).
     #[error("{what} is {got}, over the limit of {limit}")]
-    OverLimit { what: &'static str, got: usize, limit: usize },
+    OverLimit {
+        what: &'static str,
+        got: usize,
+        limit: usize,
+    },
 }
 
 impl Reject {
@@ -174,7 +205,13 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_bytes: 1 << 20, max_label_pairs: 16, max_id_bytes: 200, max_kind_bytes: 128, max_payload_depth: 32 }
+        Limits {
+            max_bytes: 1 << 20,
+            max_label_pairs: 16,
+            max_id_bytes: 200,
+            max_kind_bytes: 128,
+            max_payload_depth: 32,
+        }
     }
 }
 
@@ -184,7 +221,10 @@ impl Limits {
     /// door, and fleet's fields and JSON re-encoding (`1e2` becomes `100.0`) may add to it —
     /// only a generous guard against a foreign publish straight to an internal queue.
     pub fn internal(self) -> Self {
-        Limits { max_bytes: internal_limit(self.max_bytes), ..self }
+        Limits {
+            max_bytes: internal_limit(self.max_bytes),
+            ..self
+        }
     }
 }
 
@@ -197,7 +237,17 @@ pub fn internal_limit(max_bytes: usize) -> usize {
 /// error or payload cannot forge log lines or colour a terminal.
 pub fn escape(s: &str) -> std::borrow::Cow<'_, str> {
     if s.chars().any(char::is_control) {
-        std::borrow::Cow::Owned(s.chars().flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] }).collect())
+        std::borrow::Cow::Owned(
+            s.chars()
+                .flat_map(|c| {
+                    if c.is_control() {
+                        c.escape_default().collect::<Vec<_>>()
+                    } else {
+                        vec![c]
+                    }
+                })
+                .collect(),
+        )
     } else {
         std::borrow::Cow::Borrowed(s)
     }
@@ -255,7 +305,13 @@ impl Envelope {
 
     /// Parses raw bytes with the default [`Limits`] but this size limit (bytes).
     pub fn from_slice(bytes: &[u8], max_bytes: usize) -> Result<Self, Reject> {
-        Self::parse(bytes, &Limits { max_bytes, ..Limits::default() })
+        Self::parse(
+            bytes,
+            &Limits {
+                max_bytes,
+                ..Limits::default()
+            },
+        )
     }
 
     /// Parses raw bytes, enforcing every limit: the size first, on these bytes.
@@ -265,13 +321,23 @@ impl Envelope {
 
     /// [`Envelope::parse`], taking `default_id` (the AMQP `message_id` property) as the id when
     /// the body has none — and it is a valid id; otherwise one is generated.
-    pub fn parse_with_id(bytes: &[u8], limits: &Limits, default_id: Option<&str>) -> Result<Self, Reject> {
+    pub fn parse_with_id(
+        bytes: &[u8],
+        limits: &Limits,
+        default_id: Option<&str>,
+    ) -> Result<Self, Reject> {
         if bytes.len() > limits.max_bytes {
-            return Err(Reject::Oversized { size: bytes.len(), limit: limits.max_bytes });
+            return Err(Reject::Oversized {
+                size: bytes.len(),
+                limit: limits.max_bytes,
+            });
         }
-        let mut value: Value = serde_json::from_slice(bytes).map_err(|e| Reject::MalformedJson(e.to_string()))?;
+        let mut value: Value =
+            serde_json::from_slice(bytes).map_err(|e| Reject::MalformedJson(e.to_string()))?;
         if let (Value::Object(o), Some(id)) = (&mut value, default_id) {
-            let valid = !id.is_empty() && id.len() <= limits.max_id_bytes && !id.chars().any(char::is_control);
+            let valid = !id.is_empty()
+                && id.len() <= limits.max_id_bytes
+                && !id.chars().any(char::is_control);
             if valid && o.get("id").is_none_or(Value::is_null) {
                 o.insert("id".into(), Value::String(id.to_string()));
             }
@@ -288,18 +354,32 @@ impl Envelope {
     /// Parses a JSON value field by field, enforcing every limit but the size (which belongs to
     /// the bytes); errors name the field.
     pub fn from_value_limited(value: Value, limits: &Limits) -> Result<Self, Reject> {
-        let Value::Object(mut obj) = value else { return Err(Reject::NotAnObject) };
+        let Value::Object(mut obj) = value else {
+            return Err(Reject::NotAnObject);
+        };
         let mut take = |k: &str| obj.remove(k).filter(|v| !v.is_null());
         let kind = match take("kind") {
             None => return Err(Reject::MissingKind),
             Some(Value::String(s)) if !s.trim().is_empty() => s,
-            Some(_) => return Err(Reject::BadField("kind", "expected a non-empty string".into())),
+            Some(_) => {
+                return Err(Reject::BadField(
+                    "kind",
+                    "expected a non-empty string".into(),
+                ))
+            }
         };
         if kind.len() > limits.max_kind_bytes {
-            return Err(Reject::OverLimit { what: "kind (bytes)", got: kind.len(), limit: limits.max_kind_bytes });
+            return Err(Reject::OverLimit {
+                what: "kind (bytes)",
+                got: kind.len(),
+                limit: limits.max_kind_bytes,
+            });
         }
         if kind.chars().any(char::is_control) {
-            return Err(Reject::BadField("kind", "control characters are not allowed".into()));
+            return Err(Reject::BadField(
+                "kind",
+                "control characters are not allowed".into(),
+            ));
         }
         let id = match take("id") {
             None => new_id(),
@@ -307,36 +387,63 @@ impl Envelope {
             Some(_) => return Err(Reject::BadField("id", "expected a non-empty string".into())),
         };
         if id.len() > limits.max_id_bytes {
-            return Err(Reject::OverLimit { what: "id (bytes)", got: id.len(), limit: limits.max_id_bytes });
+            return Err(Reject::OverLimit {
+                what: "id (bytes)",
+                got: id.len(),
+                limit: limits.max_id_bytes,
+            });
         }
         if id.chars().any(char::is_control) {
-            return Err(Reject::BadField("id", "control characters are not allowed".into()));
+            return Err(Reject::BadField(
+                "id",
+                "control characters are not allowed".into(),
+            ));
         }
         let payload = take("payload").unwrap_or(Value::Null);
         let d = depth(&payload);
         if d > limits.max_payload_depth {
-            return Err(Reject::OverLimit { what: "payload nesting depth", got: d, limit: limits.max_payload_depth });
+            return Err(Reject::OverLimit {
+                what: "payload nesting depth",
+                got: d,
+                limit: limits.max_payload_depth,
+            });
         }
         let labels = match take("labels") {
             None => Labels::default(),
             Some(Value::Object(m)) if m.len() > limits.max_label_pairs => {
-                return Err(Reject::OverLimit { what: "labels (pairs)", got: m.len(), limit: limits.max_label_pairs })
+                return Err(Reject::OverLimit {
+                    what: "labels (pairs)",
+                    got: m.len(),
+                    limit: limits.max_label_pairs,
+                })
             }
             Some(Value::Object(m)) => {
                 let mut map = BTreeMap::new();
                 for (k, v) in m {
                     let Value::String(v) = v else {
-                        return Err(Reject::BadSelector(format!("value of `{k}` must be a string")));
+                        return Err(Reject::BadSelector(format!(
+                            "value of `{k}` must be a string"
+                        )));
                     };
                     map.insert(k, v);
                 }
                 Labels::from_map(map).map_err(|e| Reject::BadSelector(e.to_string()))?
             }
-            Some(Value::String(s)) => Labels::parse(&s).map_err(|e| Reject::BadSelector(e.to_string()))?,
-            Some(_) => return Err(Reject::BadSelector("`labels` must be an object of strings".into())),
+            Some(Value::String(s)) => {
+                Labels::parse(&s).map_err(|e| Reject::BadSelector(e.to_string()))?
+            }
+            Some(_) => {
+                return Err(Reject::BadSelector(
+                    "`labels` must be an object of strings".into(),
+                ))
+            }
         };
         if labels.len() > limits.max_label_pairs {
-            return Err(Reject::OverLimit { what: "labels (pairs)", got: labels.len(), limit: limits.max_label_pairs });
+            return Err(Reject::OverLimit {
+                what: "labels (pairs)",
+                got: labels.len(),
+                limit: limits.max_label_pairs,
+            });
         }
         let protocol = match take("protocol") {
             None => None,
@@ -348,16 +455,28 @@ impl Envelope {
             Some(Value::String(s)) => Lane::parse(&s).ok_or(Reject::UnknownLane(s))?,
             Some(other) => return Err(Reject::UnknownLane(other.to_string())),
         };
-        let deadline = take("deadline").map(|v| time_field("deadline", v)).transpose()?;
-        let not_before = take("not_before").map(|v| time_field("not_before", v)).transpose()?;
-        let submitted_at = take("submitted_at").map(|v| time_field("submitted_at", v)).transpose()?;
-        let timeout_ms = take("timeout_ms").map(|v| uint_field("timeout_ms", v)).transpose()?;
+        let deadline = take("deadline")
+            .map(|v| time_field("deadline", v))
+            .transpose()?;
+        let not_before = take("not_before")
+            .map(|v| time_field("not_before", v))
+            .transpose()?;
+        let submitted_at = take("submitted_at")
+            .map(|v| time_field("submitted_at", v))
+            .transpose()?;
+        let timeout_ms = take("timeout_ms")
+            .map(|v| uint_field("timeout_ms", v))
+            .transpose()?;
         let max_attempts = take("max_attempts")
             .map(|v| uint_field("max_attempts", v))
             .transpose()?
             .map(|n| u32::try_from(n.clamp(1, 1000)).unwrap_or(1000));
-        let attempt = take("attempt").map(|v| uint_field("attempt", v)).transpose()?.unwrap_or(0);
-        let attempt = u32::try_from(attempt).map_err(|_| Reject::BadField("attempt", "too large".into()))?;
+        let attempt = take("attempt")
+            .map(|v| uint_field("attempt", v))
+            .transpose()?
+            .unwrap_or(0);
+        let attempt =
+            u32::try_from(attempt).map_err(|_| Reject::BadField("attempt", "too large".into()))?;
         let strategy = match take("strategy") {
             None => None,
             Some(Value::String(s)) => Some(Strategy::parse(&s).ok_or(Reject::UnknownStrategy(s))?),
@@ -365,7 +484,9 @@ impl Envelope {
         };
         if let Some(p) = &protocol {
             if labels.get(PROTOCOL_LABEL).is_some_and(|l| l != p) {
-                return Err(Reject::BadSelector(format!("`protocol` {p} contradicts label protocol")));
+                return Err(Reject::BadSelector(format!(
+                    "`protocol` {p} contradicts label protocol"
+                )));
             }
         }
         obj.remove("v");
@@ -389,11 +510,17 @@ impl Envelope {
 
     /// Fills the defaults an accepted task carries from then on: `submitted_at`, the absolute
     /// `deadline` from `timeout_ms`, and `max_attempts`. Refuses absurd `not_before`.
-    pub fn normalize(&mut self, now: DateTime<Utc>, default_max_attempts: u32) -> Result<(), Reject> {
+    pub fn normalize(
+        &mut self,
+        now: DateTime<Utc>,
+        default_max_attempts: u32,
+    ) -> Result<(), Reject> {
         let submitted = *self.submitted_at.get_or_insert(now);
         if self.deadline.is_none() {
             if let Some(ms) = self.timeout_ms {
-                let ms = i64::try_from(ms).unwrap_or(i64::MAX / 2).min(MAX_DELAY.num_milliseconds() * 12);
+                let ms = i64::try_from(ms)
+                    .unwrap_or(i64::MAX / 2)
+                    .min(MAX_DELAY.num_milliseconds() * 12);
                 self.deadline = Some(submitted + Duration::milliseconds(ms));
             }
         }
@@ -432,7 +559,10 @@ impl Envelope {
         m.insert("kind".into(), self.kind.clone().into());
         m.insert("payload".into(), self.payload.clone());
         if !self.labels.is_empty() {
-            m.insert("labels".into(), serde_json::to_value(&self.labels).unwrap_or(Value::Null));
+            m.insert(
+                "labels".into(),
+                serde_json::to_value(&self.labels).unwrap_or(Value::Null),
+            );
         }
         let mut opt = |k: &str, v: Option<Value>| {
             if let Some(v) = v {
@@ -468,12 +598,16 @@ fn time_field(name: &'static str, v: Value) -> Result<DateTime<Utc>, Reject> {
         Value::String(s) => DateTime::parse_from_rfc3339(&s)
             .map(|t| t.with_timezone(&Utc))
             .map_err(|e| Reject::BadField(name, format!("expected an RFC 3339 time: {e}"))),
-        _ => Err(Reject::BadField(name, "expected an RFC 3339 time string".into())),
+        _ => Err(Reject::BadField(
+            name,
+            "expected an RFC 3339 time string".into(),
+        )),
     }
 }
 
 fn uint_field(name: &'static str, v: Value) -> Result<u64, Reject> {
-    v.as_u64().ok_or_else(|| Reject::BadField(name, "expected a non-negative integer".into()))
+    v.as_u64()
+        .ok_or_else(|| Reject::BadField(name, "expected a non-negative integer".into()))
 }
 
 /// A fresh task id.
@@ -508,10 +642,15 @@ mod tests {
     #[test]
     fn submitted_at_keeps_microseconds() {
         // Waits are measured from it: a millisecond string added up to 1 ms to each.
-        let t = DateTime::parse_from_rfc3339("2026-12-01T10:00:00.123456Z").unwrap().with_timezone(&Utc);
+        let t = DateTime::parse_from_rfc3339("2026-12-01T10:00:00.123456Z")
+            .unwrap()
+            .with_timezone(&Utc);
         let mut e = Envelope::new("noop", json!(null));
         e.submitted_at = Some(t + chrono::Duration::nanoseconds(789));
-        assert_eq!(e.to_value()["submitted_at"], json!("2026-12-01T10:00:00.123456Z"));
+        assert_eq!(
+            e.to_value()["submitted_at"],
+            json!("2026-12-01T10:00:00.123456Z")
+        );
         let again = Envelope::from_slice(&e.to_bytes(), 1024).unwrap();
         assert_eq!(again.submitted_at, Some(t));
     }
@@ -523,30 +662,46 @@ mod tests {
         assert_eq!(r(b"[1]").code(), "not_an_object");
         assert_eq!(r(br#"{"payload":1}"#).code(), "missing_kind");
         assert_eq!(r(br#"{"kind":"x","lane":"bulk"}"#).code(), "unknown_lane");
-        assert_eq!(r(br#"{"kind":"x","labels":{"a b":"1"}}"#).code(), "bad_selector");
+        assert_eq!(
+            r(br#"{"kind":"x","labels":{"a b":"1"}}"#).code(),
+            "bad_selector"
+        );
         let e = r(br#"{"kind":"x","max_attempts":"five"}"#);
         assert_eq!(e.code(), "bad_field");
         assert!(e.to_string().contains("max_attempts"), "{e}");
         let e = r(br#"{"kind":"x","deadline":"tomorrow"}"#);
         assert!(e.to_string().contains("deadline"), "{e}");
         let big = format!(r#"{{"kind":"x","payload":"{}"}}"#, "a".repeat(2000));
-        assert_eq!(Envelope::from_slice(big.as_bytes(), 1000).unwrap_err().code(), "oversized");
+        assert_eq!(
+            Envelope::from_slice(big.as_bytes(), 1000)
+                .unwrap_err()
+                .code(),
+            "oversized"
+        );
     }
 
     #[test]
     fn every_dimension_is_bounded() {
         let l = Limits::default();
         let r = |v: Value| Envelope::from_value_limited(v, &l).unwrap_err();
-        let labels: serde_json::Map<String, Value> = (0..10_000).map(|i| (format!("k{i}"), json!("v"))).collect();
+        let labels: serde_json::Map<String, Value> =
+            (0..10_000).map(|i| (format!("k{i}"), json!("v"))).collect();
         let e = r(json!({"kind":"x","labels":labels}));
         assert_eq!(e.code(), "over_limit");
         assert!(e.to_string().contains("labels"), "{e}");
         assert_eq!(r(json!({"kind":"x","labels":"a=1,b=2,c=3,d=4,e=5,f=6,g=7,h=8,i=9,j=10,k=11,l=12,m=13,n=14,o=15,p=16,q=17"})).code(), "over_limit");
         assert!(Envelope::from_value_limited(json!({"kind":"x","labels":{"a":"1"}}), &l).is_ok());
-        assert_eq!(r(json!({"kind":"x","id":"é".repeat(101)})).code(), "over_limit", "id is bounded in bytes");
+        assert_eq!(
+            r(json!({"kind":"x","id":"é".repeat(101)})).code(),
+            "over_limit",
+            "id is bounded in bytes"
+        );
         assert!(Envelope::from_value_limited(json!({"kind":"x","id":"é".repeat(100)}), &l).is_ok());
         assert_eq!(r(json!({"kind":"k".repeat(129)})).code(), "over_limit");
-        assert_eq!(r(json!({"kind":"echo\nFAKE LOG LINE level=ERROR\u{1b}[31m"})).code(), "bad_field");
+        assert_eq!(
+            r(json!({"kind":"echo\nFAKE LOG LINE level=ERROR\u{1b}[31m"})).code(),
+            "bad_field"
+        );
         assert_eq!(r(json!({"kind":"ex\u{0}ec"})).code(), "bad_field");
         assert_eq!(r(json!({"kind":"x","id":"a\rb"})).code(), "bad_field");
         let mut deep = json!(1);
@@ -557,7 +712,10 @@ mod tests {
         assert!(Envelope::from_value_limited(json!({"kind":"x","payload":deep[0]}), &l).is_ok());
         // The size is the producer's bytes; fleet's own copies get the internal guard.
         let body = format!(r#"{{"kind":"x","payload":"{}"}}"#, "a".repeat(4000));
-        let small = Limits { max_bytes: body.len(), ..l };
+        let small = Limits {
+            max_bytes: body.len(),
+            ..l
+        };
         let mut env = Envelope::parse(body.as_bytes(), &small).unwrap();
         env.normalize(Utc::now(), 5).unwrap();
         assert!(env.to_bytes().len() > body.len(), "fleet adds fields");
@@ -578,12 +736,26 @@ mod tests {
         let mut in_rust: Vec<&str> = KNOWN_FIELDS.to_vec();
         in_schema.sort_unstable();
         in_rust.sort_unstable();
-        assert_eq!(in_schema, in_rust, "schema properties and KNOWN_FIELDS differ");
+        assert_eq!(
+            in_schema, in_rust,
+            "schema properties and KNOWN_FIELDS differ"
+        );
         assert_eq!(schema["required"], json!(["kind"]));
-        assert_eq!(schema["additionalProperties"], json!(true), "unknown fields are kept");
+        assert_eq!(
+            schema["additionalProperties"],
+            json!(true),
+            "unknown fields are kept"
+        );
         let lanes: Vec<&str> = Lane::ALL.iter().map(|l| l.as_str()).collect();
         assert_eq!(props["lane"]["enum"], json!(lanes));
-        let strategies: Vec<&str> = [Strategy::LeastLoaded, Strategy::RoundRobin, Strategy::Weighted].iter().map(|s| s.as_str()).collect();
+        let strategies: Vec<&str> = [
+            Strategy::LeastLoaded,
+            Strategy::RoundRobin,
+            Strategy::Weighted,
+        ]
+        .iter()
+        .map(|s| s.as_str())
+        .collect();
         assert_eq!(props["strategy"]["enum"], json!(strategies));
         // A full envelope written by this code uses only schema fields, with the schema's types.
         let mut e = Envelope::new("k", json!({"a": 1}));
@@ -603,18 +775,34 @@ mod tests {
                 Some("integer") => v.is_u64(),
                 _ => true,
             };
-            assert!(ok, "field {k} = {v} does not have the schema's type {}", p["type"]);
+            assert!(
+                ok,
+                "field {k} = {v} does not have the schema's type {}",
+                p["type"]
+            );
         }
     }
 
     #[test]
     fn per_lane_values() {
-        let mut caps = PerLane { normal: 4u32, critical: 1 };
+        let mut caps = PerLane {
+            normal: 4u32,
+            critical: 1,
+        };
         assert_eq!((caps[Lane::Normal], *caps.get(Lane::Critical)), (4, 1));
         caps[Lane::Critical] += 1;
         *caps.get_mut(Lane::Normal) = 5;
-        assert_eq!(caps.iter().collect::<Vec<_>>(), vec![(Lane::Normal, &5), (Lane::Critical, &2)]);
-        assert_eq!(caps.map(|c| c * 2), PerLane { normal: 10, critical: 4 });
+        assert_eq!(
+            caps.iter().collect::<Vec<_>>(),
+            vec![(Lane::Normal, &5), (Lane::Critical, &2)]
+        );
+        assert_eq!(
+            caps.map(|c| c * 2),
+            PerLane {
+                normal: 10,
+                critical: 4
+            }
+        );
     }
 
     #[test]

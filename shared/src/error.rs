@@ -34,7 +34,10 @@ pub enum Error {
 
 impl Error {
     pub fn config(setting: impl Into<String>, message: impl Into<String>) -> Self {
-        Error::Config { setting: setting.into(), message: crate::redact::redact(&message.into()).into_owned() }
+        Error::Config {
+            setting: setting.into(),
+            message: crate::redact::redact(&message.into()).into_owned(),
+        }
     }
 }
 
@@ -54,7 +57,11 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
 pub fn report(program: &str, e: &anyhow::Error) -> std::process::ExitCode {
     use std::io::Write;
     let text = crate::redact::redact(&format!("{e:#}")).into_owned();
-    let _ = writeln!(std::io::stderr(), "{program}: {}", crate::redact::escape_controls(&text));
+    let _ = writeln!(
+        std::io::stderr(),
+        "{program}: {}",
+        crate::redact::escape_controls(&text)
+    );
     std::process::ExitCode::from(exit_code(e))
 }
 

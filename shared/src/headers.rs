@@ -38,7 +38,11 @@ pub const ATTEMPT: &str = "x-fleet-attempt";
 /// (`1796093365123.456`), so a wait measured from it is not up to 1 ms too long. A reader of
 /// whole milliseconds (an older scheduler) refuses it and falls back to the AMQP timestamp.
 pub fn submitted_at_value(t: chrono::DateTime<chrono::Utc>) -> String {
-    format!("{}.{:03}", t.timestamp_millis(), t.timestamp_subsec_micros() % 1000)
+    format!(
+        "{}.{:03}",
+        t.timestamp_millis(),
+        t.timestamp_subsec_micros() % 1000
+    )
 }
 
 /// Reads a [`SUBMITTED_AT`] value: whole or fractional milliseconds since the epoch (µs kept;
@@ -51,7 +55,9 @@ pub fn parse_submitted_at(v: &str) -> Option<chrono::DateTime<chrono::Utc>> {
     let ms: i64 = ms.parse().ok()?;
     let us = match frac {
         None => 0,
-        Some(f) if (1..=3).contains(&f.len()) && f.bytes().all(|b| b.is_ascii_digit()) => f.parse::<i64>().ok()? * 10_i64.pow(3 - f.len() as u32),
+        Some(f) if (1..=3).contains(&f.len()) && f.bytes().all(|b| b.is_ascii_digit()) => {
+            f.parse::<i64>().ok()? * 10_i64.pow(3 - f.len() as u32)
+        }
         Some(_) => return None,
     };
     chrono::DateTime::from_timestamp_micros(ms.checked_mul(1000)?.checked_add(us)?)
@@ -67,8 +73,14 @@ mod tests {
         assert_eq!(submitted_at_value(t), "1796093365123.456");
         assert_eq!(parse_submitted_at(&submitted_at_value(t)), Some(t));
         // Whole milliseconds (an older API) still read.
-        assert_eq!(parse_submitted_at("1796093365123"), chrono::DateTime::from_timestamp_millis(1_796_093_365_123));
-        assert_eq!(parse_submitted_at("1796093365123.4"), chrono::DateTime::from_timestamp_micros(1_796_093_365_123_400));
+        assert_eq!(
+            parse_submitted_at("1796093365123"),
+            chrono::DateTime::from_timestamp_millis(1_796_093_365_123)
+        );
+        assert_eq!(
+            parse_submitted_at("1796093365123.4"),
+            chrono::DateTime::from_timestamp_micros(1_796_093_365_123_400)
+        );
         for bad in ["", "x", "12.", "12.3456", "12.-1", "1e3"] {
             assert_eq!(parse_submitted_at(bad), None, "{bad}");
         }

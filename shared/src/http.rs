@@ -31,15 +31,26 @@ impl Readiness {
 
 /// Router with the three common endpoints: `/healthz` and `/readyz` always open, `/metrics`
 /// behind role `read` when `FLEET_METRICS_AUTH=read` (and tokens are configured).
-pub fn common_routes(handle: PrometheusHandle, ready: Readiness, auth: &crate::auth::ApiAuth) -> Router {
-    let metrics = Router::new().route("/metrics", get(move || {
-        let h = handle.clone();
-        async move { ([("content-type", "text/plain; version=0.0.4")], h.render()) }
-    }));
-    let metrics = if auth.metrics_need_read() { auth.require(metrics, crate::auth::Role::Read) } else { metrics };
-    metrics
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(move || {
+pub fn common_routes(
+    handle: PrometheusHandle,
+    ready: Readiness,
+    auth: &crate::auth::ApiAuth,
+) -> Router {
+    let metrics = Router::new().route(
+        "/metrics",
+        get(move || {
+            let h = handle.clone();
+            async move { ([("content-type", "text/plain; version=0.0.4")], h.render()) }
+        }),
+    );
+    let metrics = if auth.metrics_need_read() {
+        auth.require(metrics, crate::auth::Role::Read)
+    } else {
+        metrics
+    };
+    metrics.route("/healthz", get(|| async { "ok" })).route(
+        "/readyz",
+        get(move || {
             let r = ready.clone();
             async move {
                 if r.ready() {
@@ -48,20 +59,23 @@ pub fn common_routes(handle: PrometheusHandle, ready: Readiness, auth: &crate::a
                     (StatusCode::SERVICE_UNAVAILABLE, "not ready")
                 }
             }
-        }))
+        }),
+    )
 }
 
 /// Binds `addr` (an error names `FLEET_HTTP_ADDR`) and returns the listener, so callers learn
 /// the port before serving (port 0 picks a free one).
 pub async fn bind(addr: &str) -> crate::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| crate::Error::config("FLEET_HTTP_ADDR", format!("cannot listen on {addr}: {e}")))
+    tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        crate::Error::config("FLEET_HTTP_ADDR", format!("cannot listen on {addr}: {e}"))
+    })
 }
 
 /// Serves until `shutdown` fires.
 pub async fn serve(listener: tokio::net::TcpListener, router: Router, shutdown: CancellationToken) {
-    let r = axum::serve(listener, router).with_graceful_shutdown(async move { shutdown.cancelled().await }).await;
+    let r = axum::serve(listener, router)
+        .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        .await;
     if let Err(e) = r {
         tracing::error!(error = %e, "http server failed");
     }

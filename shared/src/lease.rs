@@ -41,7 +41,15 @@ impl Finished {
     /// An attempt that ended without an outcome (hard stop): its delivery went back to the
     /// broker and the next copy runs the same attempt again.
     pub fn release(lane: Lane, id: String, attempt: u32) -> Self {
-        Finished { lane, id, attempt, state: None, text: String::new(), success: false, reason: None }
+        Finished {
+            lane,
+            id,
+            attempt,
+            state: None,
+            text: String::new(),
+            success: false,
+            reason: None,
+        }
     }
 }
 
@@ -116,7 +124,15 @@ impl Store {
     ///
     /// # Errors
     /// Redis unreachable or slow ([`crate::store::CALL_TIMEOUT`]).
-    pub async fn claim(&self, worker: &str, group: &str, instance: &str, run_lease: Duration, status_ttl: Duration, tasks: &[ClaimRequest]) -> Result<(bool, Vec<Claim>)> {
+    pub async fn claim(
+        &self,
+        worker: &str,
+        group: &str,
+        instance: &str,
+        run_lease: Duration,
+        status_ttl: Duration,
+        tasks: &[ClaimRequest],
+    ) -> Result<(bool, Vec<Claim>)> {
         let mut inv = self.scripts.start.prepare_invoke();
         inv.key(self.names.prefix())
             .arg(worker)
@@ -126,24 +142,41 @@ impl Store {
             .arg(millis(status_ttl))
             .arg(tasks.len());
         for t in tasks {
-            inv.arg(t.lane.as_str()).arg(&t.id).arg(t.base).arg(t.max_attempts).arg(if t.isolated { 1 } else { 0 });
+            inv.arg(t.lane.as_str())
+                .arg(&t.id)
+                .arg(t.base)
+                .arg(t.max_attempts)
+                .arg(if t.isolated { 1 } else { 0 });
         }
         // 'ok' | 'gone', then (word, attempt) per task.
         let raw: Vec<redis::Value> = self.invoke(&inv).await?;
-        let registered = raw.first().is_some_and(|v| redis::from_redis_value_ref::<String>(v).is_ok_and(|s| s == "ok"));
+        let registered = raw
+            .first()
+            .is_some_and(|v| redis::from_redis_value_ref::<String>(v).is_ok_and(|s| s == "ok"));
         let mut claims = Vec::with_capacity(tasks.len());
         for pair in raw.get(1..).unwrap_or_default().chunks(2) {
             let answer = match pair {
-                [w, n] => redis::from_redis_value_ref::<String>(w).ok().zip(redis::from_redis_value_ref::<u32>(n).ok()).and_then(|(w, n)| Claim::from_answer(&w, n)),
+                [w, n] => redis::from_redis_value_ref::<String>(w)
+                    .ok()
+                    .zip(redis::from_redis_value_ref::<u32>(n).ok())
+                    .and_then(|(w, n)| Claim::from_answer(&w, n)),
                 _ => None,
             };
             match answer {
                 Some(c) => claims.push(c),
-                None => return Err(crate::Error::Other(format!("start answered {pair:?}, not a claim"))),
+                None => {
+                    return Err(crate::Error::Other(format!(
+                        "start answered {pair:?}, not a claim"
+                    )))
+                }
             }
         }
         if claims.len() != tasks.len() {
-            return Err(crate::Error::Other(format!("start returned {} answers for {} tasks", claims.len(), tasks.len())));
+            return Err(crate::Error::Other(format!(
+                "start returned {} answers for {} tasks",
+                claims.len(),
+                tasks.len()
+            )));
         }
         Ok((registered, claims))
     }
@@ -155,9 +188,22 @@ impl Store {
     ///
     /// # Errors
     /// Redis unreachable or slow.
-    pub async fn finish(&self, worker: &str, group: &str, instance: &str, status_ttl: Duration, tasks: &[Finished], figures: &[(&str, u64)]) -> Result<()> {
+    pub async fn finish(
+        &self,
+        worker: &str,
+        group: &str,
+        instance: &str,
+        status_ttl: Duration,
+        tasks: &[Finished],
+        figures: &[(&str, u64)],
+    ) -> Result<()> {
         let mut inv = self.scripts.finish.prepare_invoke();
-        inv.key(self.names.prefix()).arg(worker).arg(group).arg(instance).arg(millis(status_ttl)).arg(tasks.len());
+        inv.key(self.names.prefix())
+            .arg(worker)
+            .arg(group)
+            .arg(instance)
+            .arg(millis(status_ttl))
+            .arg(tasks.len());
         for f in tasks {
             inv.arg(f.lane.as_str())
                 .arg(&f.id)

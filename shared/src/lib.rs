@@ -57,11 +57,11 @@ pub mod settings;
 pub mod shutdown;
 pub mod status;
 pub mod store;
-pub mod subset;
 pub mod submit;
+pub mod subset;
 pub mod telemetry;
-pub mod tls;
 pub mod ticker;
+pub mod tls;
 pub mod topology;
 pub mod waits;
 

@@ -49,43 +49,123 @@ pub const SCHEDULE_LAG: &str = "fleet_schedule_lag_seconds";
 /// Registers help text for every metric.
 pub fn describe() {
     describe_counter!(TASKS_SUBMITTED, "Tasks accepted from ingress, by lane.");
-    describe_counter!(TASKS_REJECTED, "Tasks refused as invalid or undeliverable and dead-lettered, by reason.");
-    describe_counter!(TASKS_DISPATCHED, "Tasks published to a group queue, by group and lane.");
+    describe_counter!(
+        TASKS_REJECTED,
+        "Tasks refused as invalid or undeliverable and dead-lettered, by reason."
+    );
+    describe_counter!(
+        TASKS_DISPATCHED,
+        "Tasks published to a group queue, by group and lane."
+    );
     describe_counter!(TASKS_COMPLETED, "User task attempts ended, by group, lane and outcome (succeeded, failed, retried, dead, expired); health probes are counted in fleet_probes_completed_total.");
-    describe_counter!(TASKS_DUPLICATE, "Submissions dropped because their id was seen within the dedupe window.");
-    describe_counter!(TASKS_PARKED, "Tasks parked in a group's wait queue because no matching group had room, by group.");
-    describe_counter!(TASKS_REROUTED, "Tasks moved from a group without live workers to another matching group.");
-    describe_counter!(TASKS_REFUSED, "Submissions refused to producers (HTTP 429/503), by reason.");
+    describe_counter!(
+        TASKS_DUPLICATE,
+        "Submissions dropped because their id was seen within the dedupe window."
+    );
+    describe_counter!(
+        TASKS_PARKED,
+        "Tasks parked in a group's wait queue because no matching group had room, by group."
+    );
+    describe_counter!(
+        TASKS_REROUTED,
+        "Tasks moved from a group without live workers to another matching group."
+    );
+    describe_counter!(
+        TASKS_REFUSED,
+        "Submissions refused to producers (HTTP 429/503), by reason."
+    );
     describe_counter!(REDIS_READ_ONLY, "Redis calls answered READONLY (a demoted master); each empties the connection pool so the next call reconnects (through Sentinel, to the new master).");
     describe_counter!(TASKS_REPUBLISHED, "HTTP submissions published again because their publisher confirm was lost with the connection (node loss); copies are dropped by the dedupe window.");
-    describe_histogram!(TASK_WAIT, Unit::Seconds, "Time from submission to start, by lane.");
-    describe_histogram!(TASK_RUN, Unit::Seconds, "Handler run time, by group and lane.");
-    describe_gauge!(QUEUE_DEPTH, "Messages ready in a queue, sampled by the scheduler.");
+    describe_histogram!(
+        TASK_WAIT,
+        Unit::Seconds,
+        "Time from submission to start, by lane."
+    );
+    describe_histogram!(
+        TASK_RUN,
+        Unit::Seconds,
+        "Handler run time, by group and lane."
+    );
+    describe_gauge!(
+        QUEUE_DEPTH,
+        "Messages ready in a queue, sampled by the scheduler."
+    );
     describe_gauge!(QUEUE_BOUND, "Configured maximum length of a bounded queue.");
-    describe_gauge!(PRESSURE_STATE, "Backpressure state: 0 green, 1 yellow, 2 red.");
-    describe_gauge!(PENDING, "Pending tasks: ingress backlog + parked + reserved-not-started.");
-    describe_gauge!(GROUP_CAPACITY, "Normal-lane capacity of a group's active, alive workers.");
+    describe_gauge!(
+        PRESSURE_STATE,
+        "Backpressure state: 0 green, 1 yellow, 2 red."
+    );
+    describe_gauge!(
+        PENDING,
+        "Pending tasks: ingress backlog + parked + reserved-not-started."
+    );
+    describe_gauge!(
+        GROUP_CAPACITY,
+        "Normal-lane capacity of a group's active, alive workers."
+    );
     describe_gauge!(GROUP_LOAD, "Normal-lane tasks running in a group.");
-    describe_gauge!(GROUP_RESERVED, "Normal-lane tasks dispatched to a group and not yet started.");
-    describe_gauge!(GROUP_BACKLOG, "Tasks waiting for a group: its queue plus its park queue (autoscaling input).");
-    describe_gauge!(GROUP_OLDEST_AGE, "Age of the oldest task waiting for a group, in seconds (autoscaling input).");
-    describe_gauge!(GROUPS, "Groups (label sets) the fleet knows: registered and not reclaimed.");
+    describe_gauge!(
+        GROUP_RESERVED,
+        "Normal-lane tasks dispatched to a group and not yet started."
+    );
+    describe_gauge!(
+        GROUP_BACKLOG,
+        "Tasks waiting for a group: its queue plus its park queue (autoscaling input)."
+    );
+    describe_gauge!(
+        GROUP_OLDEST_AGE,
+        "Age of the oldest task waiting for a group, in seconds (autoscaling input)."
+    );
+    describe_gauge!(
+        GROUPS,
+        "Groups (label sets) the fleet knows: registered and not reclaimed."
+    );
     describe_counter!(GROUPS_RECLAIMED, "Departed groups reclaimed (no worker and empty queues for FLEET_GROUP_RECLAIM_AFTER_MS): keys, queues and consumers removed.");
     describe_gauge!(WORKERS, "Registered workers by state.");
-    describe_counter!(WORKER_EVICTIONS, "Workers evicted by the health checker for missing heartbeats.");
-    describe_counter!(WORKER_EJECTIONS, "Times a worker ejected itself as an outlier (error ratio over the threshold).");
-    describe_gauge!(WORKER_INFO, "Always 1; labels name the worker and its group.");
-    describe_counter!(DISPATCH_THROTTLED, "Dispatches delayed by the rate limit or by Yellow pressure.");
-    describe_histogram!(PROBE, Unit::Seconds, "Round trip of the scheduler's probe task through a group's critical lane.");
+    describe_counter!(
+        WORKER_EVICTIONS,
+        "Workers evicted by the health checker for missing heartbeats."
+    );
+    describe_counter!(
+        WORKER_EJECTIONS,
+        "Times a worker ejected itself as an outlier (error ratio over the threshold)."
+    );
+    describe_gauge!(
+        WORKER_INFO,
+        "Always 1; labels name the worker and its group."
+    );
+    describe_counter!(
+        DISPATCH_THROTTLED,
+        "Dispatches delayed by the rate limit or by Yellow pressure."
+    );
+    describe_histogram!(
+        PROBE,
+        Unit::Seconds,
+        "Round trip of the scheduler's probe task through a group's critical lane."
+    );
     describe_counter!(PROBES_COMPLETED, "Health probes a worker ran, by group and outcome (kept out of fleet_tasks_completed_total).");
-    describe_counter!(PROBE_FAILURES, "Probe tasks that did not come back in time, by group.");
+    describe_counter!(
+        PROBE_FAILURES,
+        "Probe tasks that did not come back in time, by group."
+    );
     describe_counter!(REDIS_ERRORS, "Failed Redis calls (retried).");
     describe_counter!(AMQP_RECONNECTS, "Reconnections to RabbitMQ.");
-    describe_gauge!(CLOCK_SKEW, Unit::Seconds, "This process's clock minus the Redis server's (fleet's one clock), as last measured.");
+    describe_gauge!(
+        CLOCK_SKEW,
+        Unit::Seconds,
+        "This process's clock minus the Redis server's (fleet's one clock), as last measured."
+    );
     describe_counter!(DUPLICATE_DELIVERIES, "Deliveries of an attempt that already ran or runs elsewhere (scheduler crash, consumer timeout, lost ack), acked without running, by lane.");
-    describe_counter!(SCHEDULE_FIRES, "Tasks submitted by periodic schedules, by schedule and trigger (cron, manual).");
+    describe_counter!(
+        SCHEDULE_FIRES,
+        "Tasks submitted by periodic schedules, by schedule and trigger (cron, manual)."
+    );
     describe_counter!(SCHEDULE_MISSES, "Schedule ticks not fired, by schedule and reason (skipped, catch_up_limit, pressure_red, ingress_full, error).");
-    describe_histogram!(SCHEDULE_LAG, Unit::Seconds, "Time from a schedule's tick to its confirmed submission, by schedule.");
+    describe_histogram!(
+        SCHEDULE_LAG,
+        Unit::Seconds,
+        "Time from a schedule's tick to its confirmed submission, by schedule."
+    );
 }
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -95,10 +175,7 @@ pub fn install() -> PrometheusHandle {
     HANDLE
         .get_or_init(|| {
             let builder = PrometheusBuilder::new()
-                .set_buckets_for_metric(
-                    Matcher::Suffix("_seconds".into()),
-                    &crate::waits::BOUNDS,
-                )
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &crate::waits::BOUNDS)
                 .unwrap_or_else(|_| PrometheusBuilder::new());
             let recorder = builder.build_recorder();
             let handle = recorder.handle();

@@ -17,7 +17,10 @@ pub struct Names {
 
 impl Names {
     pub fn new(namespace: &str) -> Self {
-        Names { ns: namespace.to_string(), prefix: format!("{{{namespace}}}:") }
+        Names {
+            ns: namespace.to_string(),
+            prefix: format!("{{{namespace}}}:"),
+        }
     }
 
     pub fn namespace(&self) -> &str {
@@ -75,7 +78,9 @@ impl Names {
     }
     /// Every shard queue of a group's lane (one name when unsharded).
     pub fn group_shard_queues(&self, group: &str, lane: Lane, shards: u32) -> Vec<String> {
-        (0..shards.max(1)).map(|s| self.group_shard_queue(group, lane, s, shards)).collect()
+        (0..shards.max(1))
+            .map(|s| self.group_shard_queue(group, lane, s, shards))
+            .collect()
     }
     /// Bounded durable queue holding a group's tasks while it has no room.
     pub fn park_queue(&self, group: &str, lane: Lane) -> String {
@@ -223,10 +228,22 @@ mod tests {
     fn names_carry_the_namespace() {
         let n = Names::new("t1");
         assert_eq!(n.ingress_queue(Lane::Critical), "t1.ingress.critical");
-        assert_eq!(n.group_queue("gpu=true", Lane::Normal), "t1.group.gpu=true.normal");
-        assert_eq!(n.group_shard_queue("g", Lane::Normal, 0, 1), "t1.group.g.normal");
-        assert_eq!(n.group_shard_queue("g", Lane::Normal, 7, 12), "t1.group.g.normal.7");
-        assert_eq!(n.group_shard_key("g", Lane::Normal, 7, 12), "group.g.normal.7");
+        assert_eq!(
+            n.group_queue("gpu=true", Lane::Normal),
+            "t1.group.gpu=true.normal"
+        );
+        assert_eq!(
+            n.group_shard_queue("g", Lane::Normal, 0, 1),
+            "t1.group.g.normal"
+        );
+        assert_eq!(
+            n.group_shard_queue("g", Lane::Normal, 7, 12),
+            "t1.group.g.normal.7"
+        );
+        assert_eq!(
+            n.group_shard_key("g", Lane::Normal, 7, 12),
+            "group.g.normal.7"
+        );
         assert_eq!(n.group_shard_queues("g", Lane::Normal, 3).len(), 3);
         assert_eq!(n.group_ordinals("g"), "{t1}:gord:g");
         assert_eq!(n.worker("w1"), "{t1}:w:w1");
@@ -260,13 +277,31 @@ mod tests {
             ("K_reclaim('g=1')", n.reclaimed("g=1")),
         ];
         let calls: Vec<&str> = pairs.iter().map(|(call, _)| *call).collect();
-        let script = format!("{}\nreturn {{ {} }}", crate::scripts::PRELUDE, calls.join(", "));
-        let lua: Vec<String> = store.query(deadpool_redis::redis::cmd("EVAL").arg(script).arg(1).arg(n.prefix())).await?;
+        let script = format!(
+            "{}\nreturn {{ {} }}",
+            crate::scripts::PRELUDE,
+            calls.join(", ")
+        );
+        let lua: Vec<String> = store
+            .query(
+                deadpool_redis::redis::cmd("EVAL")
+                    .arg(script)
+                    .arg(1)
+                    .arg(n.prefix()),
+            )
+            .await?;
         let rust: Vec<String> = pairs.iter().map(|(_, k)| k.clone()).collect();
         assert_eq!(lua, rust, "keys.lua and Names disagree on the key layout");
         // Every builder of keys.lua is compared above.
-        let builders = crate::scripts::PRELUDE.lines().filter(|l| l.starts_with("local function K_")).count();
-        assert_eq!(builders, pairs.len(), "a key builder of keys.lua is missing from this test");
+        let builders = crate::scripts::PRELUDE
+            .lines()
+            .filter(|l| l.starts_with("local function K_"))
+            .count();
+        assert_eq!(
+            builders,
+            pairs.len(),
+            "a key builder of keys.lua is missing from this test"
+        );
         Ok(())
     }
 }

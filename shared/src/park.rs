@@ -21,11 +21,19 @@ impl Store {
     /// Keeps a group's "has parked tasks" flag alive (the park loop calls this while it holds
     /// tasks), so new work keeps queueing behind parked work.
     pub async fn mark_parked(&self, group: &str, lane: Lane, ttl_ms: i64) -> Result<()> {
-        self.query::<()>(redis::cmd("SET").arg(self.names.parked(group, lane)).arg(1).arg("PX").arg(ttl_ms)).await
+        self.query::<()>(
+            redis::cmd("SET")
+                .arg(self.names.parked(group, lane))
+                .arg(1)
+                .arg("PX")
+                .arg(ttl_ms),
+        )
+        .await
     }
 
     /// Clears a group's "has parked tasks" flag (its park loop released everything).
     pub async fn clear_parked(&self, group: &str, lane: Lane) -> Result<()> {
-        self.query::<()>(redis::cmd("DEL").arg(self.names.parked(group, lane))).await
+        self.query::<()>(redis::cmd("DEL").arg(self.names.parked(group, lane)))
+            .await
     }
 }

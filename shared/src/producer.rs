@@ -76,13 +76,20 @@ impl Default for Pacing {
     /// 50 ms to 2 s: a full ingress queue frees room as fast as workers finish, often within
     /// milliseconds; two seconds bounds how late a paced producer notices room.
     fn default() -> Self {
-        Pacing { min_delay: Duration::from_millis(50), max_delay: Duration::from_secs(2) }
+        Pacing {
+            min_delay: Duration::from_millis(50),
+            max_delay: Duration::from_secs(2),
+        }
     }
 }
 
 /// Publishes envelopes to a namespace's submit exchange (`exchange`, routing key = lane), all
 /// together ([`amqp::publish_batch`]); their confirms to await, in order.
-pub async fn publish_envelopes(p: &amqp::Publisher, exchange: &str, envs: &[Envelope]) -> Vec<Result<lapin::PublisherConfirm>> {
+pub async fn publish_envelopes(
+    p: &amqp::Publisher,
+    exchange: &str,
+    envs: &[Envelope],
+) -> Vec<Result<lapin::PublisherConfirm>> {
     let bodies: Vec<Vec<u8>> = envs.iter().map(Envelope::to_bytes).collect();
     let msgs = envs.iter().zip(&bodies).map(|(env, body)| amqp::Outgoing {
         exchange,
@@ -108,14 +115,25 @@ impl Producer {
     /// ([`Error::Amqp`]), no node answered within [`amqp::CONNECT_TIMEOUT`] ([`Error::Other`]),
     /// the login or vhost was refused ([`Error::Permanent`]).
     pub async fn connect(amqp_url: &str, names: Names, connection_name: &str) -> Result<Self> {
-        Self::connect_with(amqp_url, names, connection_name, &crate::tls::TlsConfig::default()).await
+        Self::connect_with(
+            amqp_url,
+            names,
+            connection_name,
+            &crate::tls::TlsConfig::default(),
+        )
+        .await
     }
 
     /// [`Producer::connect`] with TLS client settings for `amqps://` (`FLEET_AMQP_TLS_*`: a
     /// private CA, a client certificate for mutual TLS). Errors: the connection (including the
     /// TLS handshake) or the channel failed ([`Error::Amqp`]); as [`Producer::connect`] for
     /// a silent node or a refused login.
-    pub async fn connect_with(amqp_url: &str, names: Names, connection_name: &str, tls: &crate::tls::TlsConfig) -> Result<Self> {
+    pub async fn connect_with(
+        amqp_url: &str,
+        names: Names,
+        connection_name: &str,
+        tls: &crate::tls::TlsConfig,
+    ) -> Result<Self> {
         let conn = crate::endpoints::connect_any(amqp_url, connection_name, tls).await?;
         let ch = amqp::confirm_channel(&conn).await?;
         Ok(Producer { conn, ch, names })
@@ -136,7 +154,9 @@ impl Producer {
                         Err(Error::Refused(why)) => Submitted::Refused(why),
                         Err(e) => return Err(e),
                     },
-                    Err(Error::Amqp(e)) if !self.ch.status().connected() => return Err(Error::Amqp(e)),
+                    Err(Error::Amqp(e)) if !self.ch.status().connected() => {
+                        return Err(Error::Amqp(e))
+                    }
                     Err(e) => Submitted::Refused(e.to_string()),
                 });
             }
@@ -163,7 +183,11 @@ impl Producer {
             .without_max_times();
         let mut delays = builder.build();
         let mut todo: Vec<&Envelope> = envs.iter().collect();
-        let mut report = PacedReport { accepted: Vec::with_capacity(envs.len()), refused: vec![], rounds: 0 };
+        let mut report = PacedReport {
+            accepted: Vec::with_capacity(envs.len()),
+            refused: vec![],
+            rounds: 0,
+        };
         loop {
             report.rounds += 1;
             let batch: Vec<Envelope> = todo.iter().map(|e| (*e).clone()).collect();
@@ -180,7 +204,11 @@ impl Producer {
                     }
                 }
             }
-            progress(Progress { accepted: report.accepted.len(), total: envs.len(), rounds: report.rounds });
+            progress(Progress {
+                accepted: report.accepted.len(),
+                total: envs.len(),
+                rounds: report.rounds,
+            });
             if refused.is_empty() {
                 return Ok(report);
             }
@@ -190,7 +218,11 @@ impl Producer {
             let delay = delays.next().unwrap_or(pacing.max_delay);
             let now = Instant::now();
             if now >= deadline {
-                report.refused = refused.into_iter().zip(last_reason).map(|(e, why)| (e.id.clone(), why)).collect();
+                report.refused = refused
+                    .into_iter()
+                    .zip(last_reason)
+                    .map(|(e, why)| (e.id.clone(), why))
+                    .collect();
                 return Ok(report);
             }
             tokio::time::sleep(delay.min(deadline - now)).await;

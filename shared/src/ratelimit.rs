@@ -19,7 +19,8 @@ pub struct Grant {
 impl Store {
     /// Takes up to `want` tokens from the lane's bucket.
     pub async fn take_tokens(&self, lane: Lane, rate: f64, burst: u32, want: u32) -> Result<Grant> {
-        self.take_from(&self.names.rate_limit(lane), rate, burst, want).await
+        self.take_from(&self.names.rate_limit(lane), rate, burst, want)
+            .await
     }
 
     /// Takes up to `want` tokens from the bucket at `key`.

@@ -25,7 +25,12 @@ pub fn redact(text: &str) -> Cow<'_, str> {
         let (head, tail) = rest.split_at(i + 3);
         out.push_str(head);
         let end = tail
-            .find(|c: char| matches!(c, '/' | '?' | '#' | '"' | '\'' | '<' | '>' | ',' | '`' | ')') || c.is_whitespace())
+            .find(|c: char| {
+                matches!(
+                    c,
+                    '/' | '?' | '#' | '"' | '\'' | '<' | '>' | ',' | '`' | ')'
+                ) || c.is_whitespace()
+            })
             .unwrap_or(tail.len());
         let authority = &tail[..end];
         match authority.rfind('@') {
@@ -72,8 +77,14 @@ mod tests {
 
     #[test]
     fn hides_userinfo_of_any_scheme() {
-        assert_eq!(redact("AMQP://user:secret@h:5672/%2f"), "AMQP://***@h:5672/%2f");
-        assert_eq!(redact("url=redis://:pw@127.0.0.1:6379 and amqps://a:b@x"), "url=redis://***@127.0.0.1:6379 and amqps://***@x");
+        assert_eq!(
+            redact("AMQP://user:secret@h:5672/%2f"),
+            "AMQP://***@h:5672/%2f"
+        );
+        assert_eq!(
+            redact("url=redis://:pw@127.0.0.1:6379 and amqps://a:b@x"),
+            "url=redis://***@127.0.0.1:6379 and amqps://***@x"
+        );
         assert_eq!(redact("`amqp://u:p@h`: bad"), "`amqp://***@h`: bad");
         assert_eq!(redact("http://h/a@b"), "http://h/a@b");
         assert_eq!(redact("no url here"), "no url here");
@@ -82,7 +93,10 @@ mod tests {
 
     #[test]
     fn escapes_controls() {
-        assert_eq!(escape_controls("echo\nFAKE\u{1b}[31m\0"), "echo\\nFAKE\\u{1b}[31m\\0");
+        assert_eq!(
+            escape_controls("echo\nFAKE\u{1b}[31m\0"),
+            "echo\\nFAKE\\u{1b}[31m\\0"
+        );
         assert_eq!(escape_controls("plain ünïcode"), "plain ünïcode");
     }
 }

@@ -14,7 +14,11 @@ pub const REGISTRY_PRELUDE: &str = include_str!("registry/worker.lua");
 
 macro_rules! script {
     ($file:literal) => {
-        Script::new(concat!(include_str!("lua/keys.lua"), "\n", include_str!(concat!("lua/", $file))))
+        Script::new(concat!(
+            include_str!("lua/keys.lua"),
+            "\n",
+            include_str!(concat!("lua/", $file))
+        ))
     };
     (registry $file:literal) => {
         Script::new(concat!(
@@ -31,13 +35,28 @@ macro_rules! script {
 pub const SOURCES: &[(&str, &str)] = &[
     ("lua/keys.lua", include_str!("lua/keys.lua")),
     ("registry/worker.lua", include_str!("registry/worker.lua")),
-    ("registry/register.lua", include_str!("registry/register.lua")),
-    ("registry/heartbeat.lua", include_str!("registry/heartbeat.lua")),
-    ("registry/set_state.lua", include_str!("registry/set_state.lua")),
+    (
+        "registry/register.lua",
+        include_str!("registry/register.lua"),
+    ),
+    (
+        "registry/heartbeat.lua",
+        include_str!("registry/heartbeat.lua"),
+    ),
+    (
+        "registry/set_state.lua",
+        include_str!("registry/set_state.lua"),
+    ),
     ("registry/eject.lua", include_str!("registry/eject.lua")),
     ("registry/evict.lua", include_str!("registry/evict.lua")),
-    ("registry/deregister.lua", include_str!("registry/deregister.lua")),
-    ("registry/outcomes.lua", include_str!("registry/outcomes.lua")),
+    (
+        "registry/deregister.lua",
+        include_str!("registry/deregister.lua"),
+    ),
+    (
+        "registry/outcomes.lua",
+        include_str!("registry/outcomes.lua"),
+    ),
     ("registry/reclaim.lua", include_str!("registry/reclaim.lua")),
     ("route/reserve.lua", include_str!("route/reserve.lua")),
     ("lua/start.lua", include_str!("lua/start.lua")),
@@ -74,7 +93,11 @@ impl Scripts {
             eject: script!(registry "eject.lua"),
             evict: script!(registry "evict.lua"),
             deregister: script!(registry "deregister.lua"),
-            reserve: Script::new(concat!(include_str!("lua/keys.lua"), "\n", include_str!("route/reserve.lua"))),
+            reserve: Script::new(concat!(
+                include_str!("lua/keys.lua"),
+                "\n",
+                include_str!("route/reserve.lua")
+            )),
             start: script!("start.lua"),
             finish: script!("finish.lua"),
             ratelimit: Script::new(include_str!("lua/ratelimit.lua")),

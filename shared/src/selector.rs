@@ -12,7 +12,18 @@ use std::fmt;
 pub const PROTOCOL_LABEL: &str = "protocol";
 
 /// A set of `key=value` labels, kept sorted so its rendering is canonical.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 #[serde(transparent)]
 pub struct Labels(pub BTreeMap<String, String>);
 
@@ -32,7 +43,8 @@ pub enum SelectorError {
 fn valid_token(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 63
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b'/'))
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b'/'))
 }
 
 impl Labels {
@@ -44,7 +56,9 @@ impl Labels {
     pub fn parse(text: &str) -> Result<Self, SelectorError> {
         let mut map = BTreeMap::new();
         for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let (k, v) = item.split_once('=').ok_or_else(|| SelectorError::NotPair(item.to_string()))?;
+            let (k, v) = item
+                .split_once('=')
+                .ok_or_else(|| SelectorError::NotPair(item.to_string()))?;
             let (k, v) = (k.trim(), v.trim());
             Self::check(k, v)?;
             if map.insert(k.to_string(), v.to_string()).is_some() {
@@ -133,10 +147,25 @@ mod tests {
 
     #[test]
     fn refuses_bad_input() {
-        assert_eq!(Labels::parse("gpu"), Err(SelectorError::NotPair("gpu".into())));
-        assert!(matches!(Labels::parse("g pu=1"), Err(SelectorError::BadKey(_))));
-        assert!(matches!(Labels::parse("gpu="), Err(SelectorError::BadValue(..))));
-        assert!(matches!(Labels::parse("a=1,a=2"), Err(SelectorError::Duplicate(_))));
-        assert!(matches!(Labels::parse("a=1|x"), Err(SelectorError::BadValue(..))));
+        assert_eq!(
+            Labels::parse("gpu"),
+            Err(SelectorError::NotPair("gpu".into()))
+        );
+        assert!(matches!(
+            Labels::parse("g pu=1"),
+            Err(SelectorError::BadKey(_))
+        ));
+        assert!(matches!(
+            Labels::parse("gpu="),
+            Err(SelectorError::BadValue(..))
+        ));
+        assert!(matches!(
+            Labels::parse("a=1,a=2"),
+            Err(SelectorError::Duplicate(_))
+        ));
+        assert!(matches!(
+            Labels::parse("a=1|x"),
+            Err(SelectorError::BadValue(..))
+        ));
     }
 }

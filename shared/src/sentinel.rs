@@ -38,9 +38,19 @@ pub enum Target {
     Direct(String),
     /// `redis+sentinel://`: the Sentinels' `host:port`s, the master's name, and the data
     /// nodes' credentials and db.
-    Sentinel { sentinels: Vec<String>, master: String, username: Option<String>, password: Option<String>, db: i64 },
+    Sentinel {
+        sentinels: Vec<String>,
+        master: String,
+        username: Option<String>,
+        password: Option<String>,
+        db: i64,
+    },
     /// `redis+cluster://`: seed nodes' `host:port`s and the credentials of every node.
-    Cluster { nodes: Vec<String>, username: Option<String>, password: Option<String> },
+    Cluster {
+        nodes: Vec<String>,
+        username: Option<String>,
+        password: Option<String>,
+    },
 }
 
 /// The URL scheme of the Sentinel form.
@@ -62,9 +72,15 @@ impl Target {
             let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
             let (username, password, nodes) = split_authority(authority, &shown, "cluster node")?;
             if !matches!(path, "" | "0") {
-                return Err(format!("`{shown}`: a Redis Cluster has database 0 only (no /<db> in {CLUSTER_SCHEME})"));
+                return Err(format!(
+                    "`{shown}`: a Redis Cluster has database 0 only (no /<db> in {CLUSTER_SCHEME})"
+                ));
             }
-            return Ok(Target::Cluster { nodes, username, password });
+            return Ok(Target::Cluster {
+                nodes,
+                username,
+                password,
+            });
         }
         let Some(rest) = strip_prefix_ci(url, SCHEME) else {
             return Ok(Target::Direct(url.to_string()));
@@ -75,13 +91,23 @@ impl Target {
         let mut parts = path.split('/');
         let master = parts.next().unwrap_or("").to_string();
         if master.is_empty() {
-            return Err(format!("`{shown}`: no master name (use {SCHEME}host:26379,…/<master name>)"));
+            return Err(format!(
+                "`{shown}`: no master name (use {SCHEME}host:26379,…/<master name>)"
+            ));
         }
         let db = match parts.next() {
             None | Some("") => 0,
-            Some(d) => d.parse::<i64>().map_err(|_| format!("`{shown}`: db `{d}` is not a number"))?,
+            Some(d) => d
+                .parse::<i64>()
+                .map_err(|_| format!("`{shown}`: db `{d}` is not a number"))?,
         };
-        Ok(Target::Sentinel { sentinels, master, username, password, db })
+        Ok(Target::Sentinel {
+            sentinels,
+            master,
+            username,
+            password,
+            db,
+        })
     }
 
     /// The Sentinel form built from `FLEET_REDIS_SENTINELS` (`host:port,host:port`) and
@@ -89,9 +115,17 @@ impl Target {
     pub fn from_settings(sentinels: &str, master: &str, base: &str) -> String {
         let rest = strip_prefix_ci(base, "redis://").unwrap_or("");
         let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-        let userinfo = authority.rfind('@').map(|at| &authority[..=at]).unwrap_or("");
+        let userinfo = authority
+            .rfind('@')
+            .map(|at| &authority[..=at])
+            .unwrap_or("");
         let hosts: Vec<&str> = sentinels.split(',').map(str::trim).collect();
-        let db = path.split('/').next().filter(|d| !d.is_empty()).map(|d| format!("/{d}")).unwrap_or_default();
+        let db = path
+            .split('/')
+            .next()
+            .filter(|d| !d.is_empty())
+            .map(|d| format!("/{d}"))
+            .unwrap_or_default();
         format!("{SCHEME}{userinfo}{}/{master}{db}", hosts.join(","))
     }
 }
@@ -101,7 +135,11 @@ type Authority = (Option<String>, Option<String>, Vec<String>);
 
 /// `[[user]:password@]host:port,host:port,…` → (user, password, the `host:port`s), each
 /// address checked; `what` names an address in the message (`shown`: the URL, password hidden).
-fn split_authority(authority: &str, shown: &str, what: &str) -> std::result::Result<Authority, String> {
+fn split_authority(
+    authority: &str,
+    shown: &str,
+    what: &str,
+) -> std::result::Result<Authority, String> {
     let (userinfo, hosts) = match authority.rfind('@') {
         Some(at) => (Some(&authority[..at]), &authority[at + 1..]),
         None => (None, authority),
@@ -116,9 +154,14 @@ fn split_authority(authority: &str, shown: &str, what: &str) -> std::result::Res
     let mut addrs = Vec::new();
     for (i, h) in hosts.split(',').enumerate() {
         let h = h.trim();
-        let port_ok = h.rsplit_once(':').is_some_and(|(host, p)| !host.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+        let port_ok = h
+            .rsplit_once(':')
+            .is_some_and(|(host, p)| !host.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
         if !port_ok {
-            return Err(format!("`{shown}`: {what} {} `{h}` is not host:port", i + 1));
+            return Err(format!(
+                "`{shown}`: {what} {} `{h}` is not host:port",
+                i + 1
+            ));
         }
         addrs.push(h.to_string());
     }
@@ -126,7 +169,10 @@ fn split_authority(authority: &str, shown: &str, what: &str) -> std::result::Res
 }
 
 fn strip_prefix_ci<'a>(s: &'a str, prefix: &str) -> Option<&'a str> {
-    (s.len() >= prefix.len() && s.is_char_boundary(prefix.len()) && s[..prefix.len()].eq_ignore_ascii_case(prefix)).then(|| &s[prefix.len()..])
+    (s.len() >= prefix.len()
+        && s.is_char_boundary(prefix.len())
+        && s[..prefix.len()].eq_ignore_ascii_case(prefix))
+    .then(|| &s[prefix.len()..])
 }
 
 /// Percent-decoding of a URL's user or password (`%40` → `@`); text that is not valid
@@ -206,44 +252,107 @@ impl Pool {
     ///
     /// # Errors
     /// [`Error::Config`] naming `FLEET_REDIS_URL` (password hidden).
-    pub fn new(url: &str, pc: deadpool_redis::PoolConfig, tls: &crate::tls::TlsConfig) -> Result<Self> {
-        let bad = |e: String| Error::config("FLEET_REDIS_URL", crate::redact::redact(&e).into_owned());
+    pub fn new(
+        url: &str,
+        pc: deadpool_redis::PoolConfig,
+        tls: &crate::tls::TlsConfig,
+    ) -> Result<Self> {
+        let bad =
+            |e: String| Error::config("FLEET_REDIS_URL", crate::redact::redact(&e).into_owned());
         match Target::parse(url).map_err(bad)? {
-            Target::Direct(u) if u.trim().get(..9).is_some_and(|p| p.eq_ignore_ascii_case("rediss://")) => {
+            Target::Direct(u)
+                if u.trim()
+                    .get(..9)
+                    .is_some_and(|p| p.eq_ignore_ascii_case("rediss://")) =>
+            {
                 crate::tls::install_crypto_provider();
-                let info = redis::Client::build_with_tls(u.as_str(), tls.to_redis()).map_err(|e| bad(e.to_string()))?.get_connection_info().clone();
+                let info = redis::Client::build_with_tls(u.as_str(), tls.to_redis())
+                    .map_err(|e| bad(e.to_string()))?
+                    .get_connection_info()
+                    .clone();
                 let info = no_delay(info);
-                let manager = deadpool_redis::Manager::new_with_config(info, connection_config()).map_err(|e| bad(e.to_string()))?;
-                let pool = deadpool_redis::Pool::builder(manager).config(pc).runtime(deadpool_redis::Runtime::Tokio1).build();
+                let manager = deadpool_redis::Manager::new_with_config(info, connection_config())
+                    .map_err(|e| bad(e.to_string()))?;
+                let pool = deadpool_redis::Pool::builder(manager)
+                    .config(pc)
+                    .runtime(deadpool_redis::Runtime::Tokio1)
+                    .build();
                 Ok(Pool::Direct(pool.map_err(|e| bad(e.to_string()))?))
             }
             Target::Direct(u) => {
-                let info = no_delay(redis::IntoConnectionInfo::into_connection_info(u.as_str()).map_err(|e| bad(e.to_string()))?);
-                let manager = deadpool_redis::Manager::new_with_config(info, connection_config()).map_err(|e| bad(e.to_string()))?;
-                let pool = deadpool_redis::Pool::builder(manager).config(pc).runtime(deadpool_redis::Runtime::Tokio1).build();
+                let info = no_delay(
+                    redis::IntoConnectionInfo::into_connection_info(u.as_str())
+                        .map_err(|e| bad(e.to_string()))?,
+                );
+                let manager = deadpool_redis::Manager::new_with_config(info, connection_config())
+                    .map_err(|e| bad(e.to_string()))?;
+                let pool = deadpool_redis::Pool::builder(manager)
+                    .config(pc)
+                    .runtime(deadpool_redis::Runtime::Tokio1)
+                    .build();
                 Ok(Pool::Direct(pool.map_err(|e| bad(e.to_string()))?))
             }
-            Target::Sentinel { sentinels, master, username, password, db } => {
-                use deadpool_redis::sentinel::{Config, SentinelNodeConnectionInfo, SentinelServerType};
+            Target::Sentinel {
+                sentinels,
+                master,
+                username,
+                password,
+                db,
+            } => {
+                use deadpool_redis::sentinel::{
+                    Config, SentinelNodeConnectionInfo, SentinelServerType,
+                };
                 let urls: Vec<String> = sentinels.iter().map(|h| format!("redis://{h}")).collect();
                 let node = SentinelNodeConnectionInfo {
                     tls_mode: None,
-                    redis_connection_info: Some(deadpool_redis::RedisConnectionInfo { db, username, password, ..Default::default() }),
+                    redis_connection_info: Some(deadpool_redis::RedisConnectionInfo {
+                        db,
+                        username,
+                        password,
+                        ..Default::default()
+                    }),
                 };
-                let mut cfg = Config::from_urls(urls, master, SentinelServerType::Master).with_node_connection_info(Some(node));
+                let mut cfg = Config::from_urls(urls, master, SentinelServerType::Master)
+                    .with_node_connection_info(Some(node));
                 cfg.pool = Some(pc);
-                Ok(Pool::Sentinel(cfg.create_pool(Some(deadpool_redis::Runtime::Tokio1)).map_err(|e| bad(e.to_string()))?))
+                Ok(Pool::Sentinel(
+                    cfg.create_pool(Some(deadpool_redis::Runtime::Tokio1))
+                        .map_err(|e| bad(e.to_string()))?,
+                ))
             }
-            Target::Cluster { nodes, username, password } => {
-                let redis_info = deadpool_redis::RedisConnectionInfo { db: 0, username, password, ..Default::default() };
+            Target::Cluster {
+                nodes,
+                username,
+                password,
+            } => {
+                let redis_info = deadpool_redis::RedisConnectionInfo {
+                    db: 0,
+                    username,
+                    password,
+                    ..Default::default()
+                };
                 let mut seeds = Vec::with_capacity(nodes.len());
                 for node in &nodes {
                     // `parse` checked `host:port`.
-                    let (host, port) = node.rsplit_once(':').and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?))).ok_or_else(|| bad(format!("cluster node `{node}` is not host:port")))?;
-                    seeds.push(deadpool_redis::ConnectionInfo { addr: deadpool_redis::ConnectionAddr::Tcp(host.to_string(), port), redis: redis_info.clone() });
+                    let (host, port) = node
+                        .rsplit_once(':')
+                        .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
+                        .ok_or_else(|| bad(format!("cluster node `{node}` is not host:port")))?;
+                    seeds.push(deadpool_redis::ConnectionInfo {
+                        addr: deadpool_redis::ConnectionAddr::Tcp(host.to_string(), port),
+                        redis: redis_info.clone(),
+                    });
                 }
-                let cfg = deadpool_redis::cluster::Config { urls: None, connections: Some(seeds), pool: Some(pc), read_from_replicas: false };
-                Ok(Pool::Cluster(cfg.create_pool(Some(deadpool_redis::Runtime::Tokio1)).map_err(|e| bad(e.to_string()))?))
+                let cfg = deadpool_redis::cluster::Config {
+                    urls: None,
+                    connections: Some(seeds),
+                    pool: Some(pc),
+                    read_from_replicas: false,
+                };
+                Ok(Pool::Cluster(
+                    cfg.create_pool(Some(deadpool_redis::Runtime::Tokio1))
+                        .map_err(|e| bad(e.to_string()))?,
+                ))
             }
         }
     }
@@ -306,7 +415,10 @@ impl Conn {
 }
 
 impl ConnectionLike for Conn {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
         match self {
             Conn::Direct(c) => c.req_packed_command(cmd),
             Conn::Sentinel(c) => c.req_packed_command(cmd),
@@ -316,7 +428,12 @@ impl ConnectionLike for Conn {
         }
     }
 
-    fn req_packed_commands<'a>(&'a mut self, cmd: &'a redis::Pipeline, offset: usize, count: usize) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
         match self {
             Conn::Direct(c) => c.req_packed_commands(cmd, offset, count),
             Conn::Sentinel(c) => c.req_packed_commands(cmd, offset, count),
@@ -341,7 +458,9 @@ impl ConnectionLike for Conn {
 /// read only replica`): the master it was was demoted.
 pub fn is_read_only(e: &redis::RedisError) -> bool {
     // Inside a script the refusal may come wrapped ("ERR … READONLY You can't write …").
-    e.code() == Some("READONLY") || e.to_string().contains("READONLY") || e.to_string().contains("read only replica")
+    e.code() == Some("READONLY")
+        || e.to_string().contains("READONLY")
+        || e.to_string().contains("read only replica")
 }
 
 #[cfg(test)]
@@ -350,9 +469,13 @@ mod tests {
 
     #[test]
     fn the_sentinel_form() {
-        assert_eq!(Target::parse("redis://127.0.0.1:6379").unwrap(), Target::Direct("redis://127.0.0.1:6379".into()));
         assert_eq!(
-            Target::parse("redis+sentinel://:s%40cret@127.0.0.1:26379, 127.0.0.1:26380/fleet/2").unwrap(),
+            Target::parse("redis://127.0.0.1:6379").unwrap(),
+            Target::Direct("redis://127.0.0.1:6379".into())
+        );
+        assert_eq!(
+            Target::parse("redis+sentinel://:s%40cret@127.0.0.1:26379, 127.0.0.1:26380/fleet/2")
+                .unwrap(),
             Target::Sentinel {
                 sentinels: vec!["127.0.0.1:26379".into(), "127.0.0.1:26380".into()],
                 master: "fleet".into(),
@@ -363,9 +486,20 @@ mod tests {
         );
         assert_eq!(
             Target::parse("REDIS+SENTINEL://h:1/m").unwrap(),
-            Target::Sentinel { sentinels: vec!["h:1".into()], master: "m".into(), username: None, password: None, db: 0 }
+            Target::Sentinel {
+                sentinels: vec!["h:1".into()],
+                master: "m".into(),
+                username: None,
+                password: None,
+                db: 0
+            }
         );
-        for bad in ["redis+sentinel://u:hunter2@h:1", "redis+sentinel://u:hunter2@h/m", "redis+sentinel://u:hunter2@h:1,,h:2/m", "redis+sentinel://u:hunter2@h:1/m/x"] {
+        for bad in [
+            "redis+sentinel://u:hunter2@h:1",
+            "redis+sentinel://u:hunter2@h/m",
+            "redis+sentinel://u:hunter2@h:1,,h:2/m",
+            "redis+sentinel://u:hunter2@h:1/m/x",
+        ] {
             let e = Target::parse(bad).unwrap_err();
             assert!(!e.contains("hunter2"), "{e}");
         }
@@ -375,13 +509,26 @@ mod tests {
     fn the_cluster_form() {
         assert_eq!(
             Target::parse("redis+cluster://:s%40cret@127.0.0.1:7000, 127.0.0.1:7001").unwrap(),
-            Target::Cluster { nodes: vec!["127.0.0.1:7000".into(), "127.0.0.1:7001".into()], username: None, password: Some("s@cret".into()) }
+            Target::Cluster {
+                nodes: vec!["127.0.0.1:7000".into(), "127.0.0.1:7001".into()],
+                username: None,
+                password: Some("s@cret".into())
+            }
         );
         assert_eq!(
             Target::parse("REDIS+CLUSTER://u:p@h:1/").unwrap(),
-            Target::Cluster { nodes: vec!["h:1".into()], username: Some("u".into()), password: Some("p".into()) }
+            Target::Cluster {
+                nodes: vec!["h:1".into()],
+                username: Some("u".into()),
+                password: Some("p".into())
+            }
         );
-        for bad in ["redis+cluster://u:hunter2@h", "redis+cluster://u:hunter2@h:1/2", "redis+cluster://u:hunter2@h:1,,h:2", "redis+cluster://u:hunter2@"] {
+        for bad in [
+            "redis+cluster://u:hunter2@h",
+            "redis+cluster://u:hunter2@h:1/2",
+            "redis+cluster://u:hunter2@h:1,,h:2",
+            "redis+cluster://u:hunter2@",
+        ] {
             let e = Target::parse(bad).unwrap_err();
             assert!(!e.contains("hunter2"), "{e}");
         }
@@ -389,7 +536,13 @@ mod tests {
 
     #[test]
     fn from_the_two_settings() {
-        assert_eq!(Target::from_settings("a:1, b:2", "m", "redis://:pw@127.0.0.1:6379/3"), "redis+sentinel://:pw@a:1,b:2/m/3");
-        assert_eq!(Target::from_settings("a:1", "m", "redis://127.0.0.1:6379"), "redis+sentinel://a:1/m");
+        assert_eq!(
+            Target::from_settings("a:1, b:2", "m", "redis://:pw@127.0.0.1:6379/3"),
+            "redis+sentinel://:pw@a:1,b:2/m/3"
+        );
+        assert_eq!(
+            Target::from_settings("a:1", "m", "redis://127.0.0.1:6379"),
+            "redis+sentinel://a:1/m"
+        );
     }
 }

@@ -25,10 +25,20 @@ use crate::error::Error;
 #[derive(Debug, Clone, Args)]
 pub struct CommonArgs {
     /// RabbitMQ URL (`amqp://` or `amqps://`), or a comma-separated list of a cluster's nodes: each process starts at a random node and fails over to the next. The password is never printed.
-    #[arg(long, env = "FLEET_AMQP_URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "FLEET_AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        hide_env_values = true
+    )]
     pub amqp_url: String,
     /// Redis URL (`redis://`), `redis+sentinel://[:password@]host:port,…/<master>[/<db>]` for a master behind Sentinel, or `redis+cluster://[:password@]host:port,…` (seed nodes) for a Redis Cluster. The password is never printed.
-    #[arg(long, env = "FLEET_REDIS_URL", default_value = "redis://127.0.0.1:6379", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "FLEET_REDIS_URL",
+        default_value = "redis://127.0.0.1:6379",
+        hide_env_values = true
+    )]
     pub redis_url: String,
     /// Redis Sentinels, `host:port,host:port` (instead of the `redis+sentinel://` form): the master named by FLEET_REDIS_MASTER is asked of them, with the password and db of FLEET_REDIS_URL.
     #[arg(long, env = "FLEET_REDIS_SENTINELS", default_value = "")]
@@ -106,7 +116,12 @@ pub struct CommonArgs {
     #[arg(long, env = "FLEET_REDIS_TLS_KEY_FILE", value_parser = pem_private_key)]
     pub redis_tls_key_file: Option<String>,
     /// API bearer tokens with their roles, `TOKEN ROLE` entries separated by commas or newlines (roles read, submit, admin; admin may do all; tokens of 16+ characters); none: the API is open.
-    #[arg(long, env = "FLEET_API_TOKENS", default_value = "", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "FLEET_API_TOKENS",
+        default_value = "",
+        hide_env_values = true
+    )]
     pub api_tokens: String,
     /// File of API tokens, one `TOKEN ROLE` per line (`#` comments); adds to FLEET_API_TOKENS.
     #[arg(long, env = "FLEET_API_TOKENS_FILE")]
@@ -121,7 +136,12 @@ pub struct CommonArgs {
 
 /// `fleet-scheduler`'s settings.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "fleet-scheduler", version, about = "fleet's scheduler: admits, routes and dispatches tasks", args_override_self = true)]
+#[command(
+    name = "fleet-scheduler",
+    version,
+    about = "fleet's scheduler: admits, routes and dispatches tasks",
+    args_override_self = true
+)]
 pub struct SchedulerArgs {
     #[command(flatten)]
     pub common: CommonArgs,
@@ -222,7 +242,12 @@ pub struct SchedulerArgs {
 
 /// `fleet-worker`'s settings.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "fleet-worker", version, about = "fleet's worker: runs the tasks of its group", args_override_self = true)]
+#[command(
+    name = "fleet-worker",
+    version,
+    about = "fleet's worker: runs the tasks of its group",
+    args_override_self = true
+)]
 pub struct WorkerArgs {
     #[command(flatten)]
     pub common: CommonArgs,
@@ -315,8 +340,14 @@ pub struct CommonOnly {
 }
 
 /// Variables that are fleet's but no daemon setting: `fleetctl`'s and docker compose's.
-const OTHER_VARIABLES: &[&str] =
-    &["FLEET_CONFIG", "FLEET_API_URL", "FLEET_API_TOKEN", "FLEET_ENV_FILE", "FLEET_IMAGE_TAG", "FLEET_BIN_DIR"];
+const OTHER_VARIABLES: &[&str] = &[
+    "FLEET_CONFIG",
+    "FLEET_API_URL",
+    "FLEET_API_TOKEN",
+    "FLEET_ENV_FILE",
+    "FLEET_IMAGE_TAG",
+    "FLEET_BIN_DIR",
+];
 
 /// What the command line asked for besides running.
 pub enum Early {
@@ -330,7 +361,12 @@ pub enum Early {
 /// any connection made. Errors in the command line are left for [`parse`].
 pub fn early<T: Parser>(args: &[OsString]) -> Early {
     match T::command().ignore_errors(true).try_get_matches_from(args) {
-        Err(e) if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion) => {
+        Err(e)
+            if matches!(
+                e.kind(),
+                clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion
+            ) =>
+        {
             Early::Print(e.render().to_string())
         }
         _ => Early::Run,
@@ -347,7 +383,10 @@ pub fn parse<T: Parser>(settings: &Settings) -> crate::Result<T> {
         if value.trim().is_empty() {
             continue;
         }
-        if cmd.get_arguments().any(|a| a.get_long() == Some(flag(key).as_str())) {
+        if cmd
+            .get_arguments()
+            .any(|a| a.get_long() == Some(flag(key).as_str()))
+        {
             argv.push(format!("--{}={}", flag(key), value.trim()).into());
         }
     }
@@ -366,12 +405,23 @@ fn config_error(cmd: &clap::Command, e: &clap::Error) -> Error {
         Some(clap::error::ContextValue::String(s)) => s.clone(),
         _ => String::new(),
     };
-    let long = arg.trim_start_matches("--").split([' ', '=']).next().unwrap_or("").to_string();
+    let long = arg
+        .trim_start_matches("--")
+        .split([' ', '='])
+        .next()
+        .unwrap_or("")
+        .to_string();
     let setting = cmd
         .get_arguments()
         .find(|a| a.get_long() == Some(long.as_str()))
         .and_then(|a| a.get_env().map(|v| v.to_string_lossy().into_owned()))
-        .unwrap_or_else(|| if arg.is_empty() { "command line".to_string() } else { arg.clone() });
+        .unwrap_or_else(|| {
+            if arg.is_empty() {
+                "command line".to_string()
+            } else {
+                arg.clone()
+            }
+        });
     let rendered = e.render().to_string();
     let message = rendered
         .lines()
@@ -401,7 +451,9 @@ pub fn unknown(settings: &Settings) -> Vec<String> {
             .unwrap_or_default();
         let what = match origin {
             crate::config::Origin::Environment => format!("unknown variable {var} is ignored"),
-            crate::config::Origin::File => format!("unknown key `{key}` in the FLEET_CONFIG file is ignored"),
+            crate::config::Origin::File => {
+                format!("unknown key `{key}` in the FLEET_CONFIG file is ignored")
+            }
             crate::config::Origin::Explicit => format!("unknown setting `{key}` is ignored"),
         };
         out.push(format!("{what}{closest}"));
@@ -437,19 +489,31 @@ pub fn markdown_table() -> String {
         ("`fleet-scheduler`", SchedulerArgs::command(), false),
         ("`fleet-worker`", WorkerArgs::command(), false),
     ] {
-        out.push_str(&format!("\n{title}:\n\n| variable | flag, file key | default | meaning |\n|---|---|---|---|\n"));
+        out.push_str(&format!(
+            "\n{title}:\n\n| variable | flag, file key | default | meaning |\n|---|---|---|---|\n"
+        ));
         for a in cmd.get_arguments() {
-            let (Some(long), Some(env)) = (a.get_long(), a.get_env()) else { continue };
+            let (Some(long), Some(env)) = (a.get_long(), a.get_env()) else {
+                continue;
+            };
             if common.iter().any(|c| c == long) != only_common {
                 continue;
             }
-            let default: Vec<String> = a.get_default_values().iter().map(|d| d.to_string_lossy().into_owned()).collect();
+            let default: Vec<String> = a
+                .get_default_values()
+                .iter()
+                .map(|d| d.to_string_lossy().into_owned())
+                .collect();
             let default = match default.first() {
                 Some(d) if !d.is_empty() => format!("`{d}`"),
                 _ => String::new(),
             };
             let mut help = a.get_help().map(|h| h.to_string()).unwrap_or_default();
-            let choices: Vec<String> = a.get_possible_values().iter().map(|p| format!("`{}`", p.get_name())).collect();
+            let choices: Vec<String> = a
+                .get_possible_values()
+                .iter()
+                .map(|p| format!("`{}`", p.get_name()))
+                .collect();
             if !choices.is_empty() {
                 help.push_str(&format!("; one of {}", choices.join(", ")));
             }
@@ -468,7 +532,10 @@ pub fn markdown_table() -> String {
 
 /// An integer > 0 that fits `T`.
 fn positive<T: TryFrom<u64>>(s: &str) -> Result<T, String> {
-    let n: i128 = s.trim().parse().map_err(|_| format!("`{s}` must be a positive integer"))?;
+    let n: i128 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` must be a positive integer"))?;
     if n <= 0 {
         return Err(format!("`{s}` must be a positive integer"));
     }
@@ -480,7 +547,10 @@ fn positive<T: TryFrom<u64>>(s: &str) -> Result<T, String> {
 
 /// An integer >= 0 that fits `T`.
 fn non_negative<T: TryFrom<u64>>(s: &str) -> Result<T, String> {
-    let n: i128 = s.trim().parse().map_err(|_| format!("`{s}` must be 0 or a positive integer"))?;
+    let n: i128 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` must be 0 or a positive integer"))?;
     if n < 0 {
         return Err(format!("`{s}` must be 0 or a positive integer"));
     }
@@ -493,13 +563,20 @@ fn non_negative<T: TryFrom<u64>>(s: &str) -> Result<T, String> {
 fn lane_capacity(s: &str) -> Result<u32, String> {
     let v: u32 = positive(s)?;
     if v > u32::from(u16::MAX) {
-        return Err(format!("`{s}` must be at most {} (the AMQP prefetch limit)", u16::MAX));
+        return Err(format!(
+            "`{s}` must be at most {} (the AMQP prefetch limit)",
+            u16::MAX
+        ));
     }
     Ok(v)
 }
 
 fn number(s: &str) -> Result<f64, String> {
-    s.trim().parse::<f64>().ok().filter(|v| v.is_finite()).ok_or_else(|| format!("`{s}` must be a number"))
+    s.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite())
+        .ok_or_else(|| format!("`{s}` must be a number"))
 }
 
 fn ratio(s: &str) -> Result<f64, String> {
@@ -559,7 +636,14 @@ mod tests {
             for a in cmd.get_arguments() {
                 let Some(long) = a.get_long() else { continue };
                 let env = a.get_env().map(|e| e.to_string_lossy().into_owned());
-                assert_eq!(env, Some(format!("FLEET_{}", long.replace('-', "_").to_ascii_uppercase())), "{long}");
+                assert_eq!(
+                    env,
+                    Some(format!(
+                        "FLEET_{}",
+                        long.replace('-', "_").to_ascii_uppercase()
+                    )),
+                    "{long}"
+                );
             }
         }
     }
@@ -568,10 +652,16 @@ mod tests {
     fn numbers_say_what_they_expect() {
         let s = Settings::from_pairs([("capacity", "-1".to_string())]);
         let e = parse::<WorkerArgs>(&s).unwrap_err().to_string();
-        assert!(e.contains("FLEET_CAPACITY") && e.contains("must be a positive integer"), "{e}");
+        assert!(
+            e.contains("FLEET_CAPACITY") && e.contains("must be a positive integer"),
+            "{e}"
+        );
         let s = Settings::from_pairs([("pending_red", "1.5".to_string())]);
         let e = parse::<SchedulerArgs>(&s).unwrap_err().to_string();
-        assert!(e.contains("FLEET_PENDING_RED") && e.contains("between 0 and 1"), "{e}");
+        assert!(
+            e.contains("FLEET_PENDING_RED") && e.contains("between 0 and 1"),
+            "{e}"
+        );
         let s = Settings::from_pairs([("strategy", "fastest".to_string())]);
         let e = parse::<SchedulerArgs>(&s).unwrap_err().to_string();
         assert!(e.contains("FLEET_STRATEGY") && e.contains("fastest"), "{e}");
@@ -579,8 +669,11 @@ mod tests {
 
     #[test]
     fn command_line_beats_settings() {
-        let s = Settings::from_pairs([("capacity", "3".to_string())])
-            .with_command_line(vec!["fleet-worker".into(), "--capacity".into(), "7".into()]);
+        let s = Settings::from_pairs([("capacity", "3".to_string())]).with_command_line(vec![
+            "fleet-worker".into(),
+            "--capacity".into(),
+            "7".into(),
+        ]);
         assert_eq!(parse::<WorkerArgs>(&s).unwrap().capacity, 7);
         let s = Settings::from_pairs([("capacity", "3".to_string())]);
         assert_eq!(parse::<WorkerArgs>(&s).unwrap().capacity, 3);
@@ -591,14 +684,25 @@ mod tests {
         let s = Settings::from_pairs([("capacty", "8".to_string()), ("capacity", "8".to_string())]);
         let w = unknown(&s);
         assert_eq!(w.len(), 1, "{w:?}");
-        assert!(w[0].contains("capacty") && w[0].contains("FLEET_CAPACITY"), "{w:?}");
+        assert!(
+            w[0].contains("capacty") && w[0].contains("FLEET_CAPACITY"),
+            "{w:?}"
+        );
     }
 
     #[test]
     fn help_and_version_are_early() {
-        assert!(matches!(early::<WorkerArgs>(&["fleet-worker".into(), "--help".into()]), Early::Print(t) if t.contains("FLEET_CAPACITY")));
-        assert!(matches!(early::<SchedulerArgs>(&["fleet-scheduler".into(), "--version".into()]), Early::Print(_)));
-        assert!(matches!(early::<SchedulerArgs>(&["fleet-scheduler".into()]), Early::Run));
+        assert!(
+            matches!(early::<WorkerArgs>(&["fleet-worker".into(), "--help".into()]), Early::Print(t) if t.contains("FLEET_CAPACITY"))
+        );
+        assert!(matches!(
+            early::<SchedulerArgs>(&["fleet-scheduler".into(), "--version".into()]),
+            Early::Print(_)
+        ));
+        assert!(matches!(
+            early::<SchedulerArgs>(&["fleet-scheduler".into()]),
+            Early::Run
+        ));
     }
 
     /// README's settings tables are generated: this fails when they drift. To regenerate:

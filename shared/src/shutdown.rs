@@ -46,13 +46,21 @@ pub struct Stage {
 impl Stage {
     /// A stage on its own (not part of a [`Shutdown`]); `name` is for logs.
     pub fn new(name: &'static str) -> Self {
-        Stage { name, token: CancellationToken::new(), tracker: TaskTracker::new() }
+        Stage {
+            name,
+            token: CancellationToken::new(),
+            tracker: TaskTracker::new(),
+        }
     }
 
     /// A stage on its own whose signal also fires when `parent` is cancelled (a stage inside a
     /// larger one: a session within a process).
     pub fn with_parent(name: &'static str, parent: &CancellationToken) -> Self {
-        Stage { name, token: parent.child_token(), tracker: TaskTracker::new() }
+        Stage {
+            name,
+            token: parent.child_token(),
+            tracker: TaskTracker::new(),
+        }
     }
 
     /// The stage's name, for logs.
@@ -128,7 +136,12 @@ impl Stage {
     pub async fn stop_within(&self, limit: Duration) -> bool {
         let done = tokio::time::timeout(limit, self.stop()).await.is_ok();
         if !done {
-            tracing::warn!(stage = self.name, limit_ms = limit.as_millis() as u64, running = self.tracker.len(), "loops did not stop in time");
+            tracing::warn!(
+                stage = self.name,
+                limit_ms = limit.as_millis() as u64,
+                running = self.tracker.len(),
+                "loops did not stop in time"
+            );
         }
         done
     }
@@ -148,13 +161,21 @@ impl Shutdown {
     /// Adds a stage; it is stopped before every stage added earlier.
     pub fn stage(&self, name: &'static str) -> Stage {
         let stage = Stage::new(name);
-        self.stages.lock().unwrap_or_else(PoisonError::into_inner).push(stage.clone());
+        self.stages
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(stage.clone());
         stage
     }
 
     /// Fires every stage's signal at once (a hard stop); [`Shutdown::stop`] still waits.
     pub fn cancel(&self) {
-        for s in self.stages.lock().unwrap_or_else(PoisonError::into_inner).iter() {
+        for s in self
+            .stages
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+        {
             s.cancel();
         }
     }
@@ -162,7 +183,11 @@ impl Shutdown {
     /// Stops every stage not stopped yet, last-built first, each once the previous one is done.
     /// Cancel safe.
     pub async fn stop(&self) {
-        let stages: Vec<Stage> = self.stages.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let stages: Vec<Stage> = self
+            .stages
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
         for s in stages.iter().rev() {
             s.stop().await;
         }
@@ -188,11 +213,17 @@ mod tests {
                 token.cancelled().await;
                 // A loop that takes a while to wind down still ends before the next stage stops.
                 tokio::time::sleep(Duration::from_millis(10)).await;
-                order.lock().unwrap().push((name, clock.fetch_add(1, Ordering::SeqCst)));
+                order
+                    .lock()
+                    .unwrap()
+                    .push((name, clock.fetch_add(1, Ordering::SeqCst)));
             });
         }
         shutdown.stop().await;
-        assert_eq!(*order.lock().unwrap(), vec![("intake", 0), ("background", 1), ("serve", 2)]);
+        assert_eq!(
+            *order.lock().unwrap(),
+            vec![("intake", 0), ("background", 1), ("serve", 2)]
+        );
     }
 
     #[tokio::test(start_paused = true)]

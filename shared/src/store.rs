@@ -7,10 +7,10 @@ use std::time::Duration;
 use deadpool_redis::redis::{self, FromRedisValue, ScriptInvocation};
 
 use crate::error::{Error, Result};
-use crate::tls::TlsConfig;
 use crate::names::Names;
 use crate::scripts::Scripts;
 use crate::sentinel::{Conn, Pool, Shared};
+use crate::tls::TlsConfig;
 
 /// Longest a single Redis call may take before it counts as failed.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(3);
@@ -47,12 +47,16 @@ pub struct Clock {
 impl Clock {
     /// Redis time now, in milliseconds since the Unix epoch.
     pub fn now_ms(&self) -> i64 {
-        chrono::Utc::now().timestamp_millis() + self.offset_ms.load(std::sync::atomic::Ordering::Relaxed)
+        chrono::Utc::now().timestamp_millis()
+            + self.offset_ms.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Redis time now.
     pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
-        chrono::Utc::now() + chrono::Duration::milliseconds(self.offset_ms.load(std::sync::atomic::Ordering::Relaxed))
+        chrono::Utc::now()
+            + chrono::Duration::milliseconds(
+                self.offset_ms.load(std::sync::atomic::Ordering::Relaxed),
+            )
     }
 
     /// This process's clock minus Redis's, in milliseconds (positive: this clock is ahead).
@@ -80,7 +84,13 @@ impl Store {
         pc.timeouts.create = Some(CALL_TIMEOUT);
         pc.timeouts.recycle = Some(CALL_TIMEOUT);
         let pool = Pool::new(url, pc, tls)?;
-        Ok(Store { pool, shared: Arc::default(), names, scripts: Arc::new(Scripts::load()), clock: Clock::default() })
+        Ok(Store {
+            pool,
+            shared: Arc::default(),
+            names,
+            scripts: Arc::new(Scripts::load()),
+            clock: Clock::default(),
+        })
     }
 
     /// A clone of the shared connection, connecting it first if there is none.
@@ -109,7 +119,11 @@ impl Store {
     /// The answer of one call on `c`, with a connection that found Redis read-only (a
     /// demoted master) taken out of the pool together with every idle one, so the next call
     /// reconnects (through Sentinel: to the new master).
-    fn settle<T>(&self, c: Conn, r: std::result::Result<redis::RedisResult<T>, tokio::time::error::Elapsed>) -> Result<T> {
+    fn settle<T>(
+        &self,
+        c: Conn,
+        r: std::result::Result<redis::RedisResult<T>, tokio::time::error::Elapsed>,
+    ) -> Result<T> {
         match r {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => {
@@ -118,8 +132,16 @@ impl Store {
                     self.reset();
                     self.pool.drop_idle();
                     metrics::counter!(crate::metrics::REDIS_READ_ONLY).increment(1);
-                    tracing::warn!(sentinel = self.pool.is_sentinel(), "Redis answered READONLY (a demoted master); reconnecting");
-                } else if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout() || e.is_unrecoverable_error() {
+                    tracing::warn!(
+                        sentinel = self.pool.is_sentinel(),
+                        "Redis answered READONLY (a demoted master); reconnecting"
+                    );
+                } else if e.is_io_error()
+                    || e.is_connection_dropped()
+                    || e.is_connection_refusal()
+                    || e.is_timeout()
+                    || e.is_unrecoverable_error()
+                {
                     // The connection, not the call, failed: the next call connects anew.
                     self.reset();
                 }
@@ -147,7 +169,10 @@ impl Store {
     /// asynchronous, so without it a write the master answered in the moment before it died
     /// is lost with it; used for task outcomes (a status `succeeded` that reverted to
     /// `queued` after a failover). Direct and Cluster URLs skip the wait (a plain [`Store::invoke`]).
-    pub async fn invoke_replicated<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> Result<T> {
+    pub async fn invoke_replicated<T: FromRedisValue>(
+        &self,
+        inv: &ScriptInvocation<'_>,
+    ) -> Result<T> {
         if !self.pool.is_sentinel() {
             return self.invoke(inv).await;
         }
@@ -157,7 +182,10 @@ impl Store {
         if !matches!(r, Ok(Ok(_))) {
             return self.settle(c, r);
         }
-        let wait = redis::cmd("WAIT").arg(1).arg(REPLICA_WAIT.as_millis() as u64).to_owned();
+        let wait = redis::cmd("WAIT")
+            .arg(1)
+            .arg(REPLICA_WAIT.as_millis() as u64)
+            .to_owned();
         let acked = tokio::time::timeout(CALL_TIMEOUT, wait.query_async::<i64>(&mut c)).await;
         if !matches!(acked, Ok(Ok(n)) if n >= 1) {
             tracing::debug!(?acked, "no replica acknowledged the write in time");
@@ -191,7 +219,10 @@ impl Store {
         let t1 = chrono::Utc::now().timestamp_millis();
         let redis_ms = secs * 1000 + micros / 1000;
         let offset = redis_ms - (t0 + t1) / 2;
-        let before = self.clock.offset_ms.swap(offset, std::sync::atomic::Ordering::Relaxed);
+        let before = self
+            .clock
+            .offset_ms
+            .swap(offset, std::sync::atomic::Ordering::Relaxed);
         let skew = -offset;
         metrics::gauge!(crate::metrics::CLOCK_SKEW).set(skew as f64 / 1000.0);
         let warn = SKEW_WARN.as_millis() as i64;
@@ -207,7 +238,8 @@ impl Store {
     /// # Errors
     /// Redis unreachable or slow.
     pub async fn schedule_last(&self, schedule: &str) -> Result<Option<i64>> {
-        self.query(redis::cmd("GET").arg(self.names.schedule_last(schedule))).await
+        self.query(redis::cmd("GET").arg(self.names.schedule_last(schedule)))
+            .await
     }
 
     /// What became of one tick of a schedule (`fired` or `missed`; `None`: not decided, or its
@@ -216,7 +248,8 @@ impl Store {
     /// # Errors
     /// Redis unreachable or slow.
     pub async fn schedule_tick(&self, schedule: &str, tick_ms: i64) -> Result<Option<String>> {
-        self.query(redis::cmd("GET").arg(self.names.schedule_tick(schedule, tick_ms))).await
+        self.query(redis::cmd("GET").arg(self.names.schedule_tick(schedule, tick_ms)))
+            .await
     }
 
     /// PING, for readiness.
@@ -228,14 +261,20 @@ impl Store {
     /// (`READONLY` replica, out of memory, a closed port).
     pub async fn write_probe(&self) -> Result<()> {
         let mut cmd = redis::cmd("SET");
-        cmd.arg(self.names.ready_probe_key()).arg(now_ms()).arg("PX").arg(10_000);
+        cmd.arg(self.names.ready_probe_key())
+            .arg(now_ms())
+            .arg("PX")
+            .arg(10_000);
         self.query::<()>(&cmd).await
     }
 
     /// Deletes every key of the namespace (tests' clean-up).
     pub async fn delete_namespace(&self) -> Result<()> {
         let mut c = self.conn().await?;
-        let keys: Vec<String> = redis::cmd("KEYS").arg(self.names.all_keys_pattern()).query_async(&mut c).await?;
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(self.names.all_keys_pattern())
+            .query_async(&mut c)
+            .await?;
         for chunk in keys.chunks(500) {
             let _: () = redis::cmd("DEL").arg(chunk).query_async(&mut c).await?;
         }

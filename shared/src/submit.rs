@@ -33,23 +33,45 @@ pub struct Submitted {
 /// # Errors
 /// [`BadSubmission`] for malformed JSON, an empty array, or the first envelope over a limit
 /// or invalid (its index given). Never panics, whatever the bytes.
-pub fn parse_body(body: &[u8], limits: &Limits, default_max_attempts: u32, now: DateTime<Utc>) -> Result<Vec<Submitted>, BadSubmission> {
-    let items: Vec<Box<RawValue>> = if body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[') {
-        serde_json::from_slice(body)
-    } else {
-        serde_json::from_slice(body).map(|one| vec![one])
-    }
-    .map_err(|e| BadSubmission { code: "malformed_json", detail: e.to_string(), index: None })?;
+pub fn parse_body(
+    body: &[u8],
+    limits: &Limits,
+    default_max_attempts: u32,
+    now: DateTime<Utc>,
+) -> Result<Vec<Submitted>, BadSubmission> {
+    let items: Vec<Box<RawValue>> =
+        if body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[') {
+            serde_json::from_slice(body)
+        } else {
+            serde_json::from_slice(body).map(|one| vec![one])
+        }
+        .map_err(|e| BadSubmission {
+            code: "malformed_json",
+            detail: e.to_string(),
+            index: None,
+        })?;
     if items.is_empty() {
-        return Err(BadSubmission { code: "empty", detail: "no envelope given".into(), index: None });
+        return Err(BadSubmission {
+            code: "empty",
+            detail: "no envelope given".into(),
+            index: None,
+        });
     }
     let mut out = Vec::with_capacity(items.len());
     for (i, raw) in items.into_iter().enumerate() {
-        let bad = |r: crate::envelope::Reject| BadSubmission { code: r.code(), detail: r.to_string(), index: Some(i) };
+        let bad = |r: crate::envelope::Reject| BadSubmission {
+            code: r.code(),
+            detail: r.to_string(),
+            index: Some(i),
+        };
         let mut envelope = Envelope::parse(raw.get().as_bytes(), limits).map_err(bad)?;
         let stamped = envelope.submitted_at.is_none();
         envelope.normalize(now, default_max_attempts).map_err(bad)?;
-        out.push(Submitted { envelope, raw, stamped });
+        out.push(Submitted {
+            envelope,
+            raw,
+            stamped,
+        });
     }
     Ok(out)
 }
@@ -65,11 +87,23 @@ mod tests {
         assert_eq!(parse_body(br#"{"kind":"a"}"#, &l, 5, now).unwrap().len(), 1);
         let two = parse_body(br#" [{"kind":"a"}, {"kind":"b"}]"#, &l, 5, now).unwrap();
         assert_eq!(two[1].raw.get(), r#"{"kind":"b"}"#);
-        let e = parse_body(br#"[{"kind":"a"},{"kind":"b","lane":"bulk"}]"#, &l, 5, now).unwrap_err();
+        let e =
+            parse_body(br#"[{"kind":"a"},{"kind":"b","lane":"bulk"}]"#, &l, 5, now).unwrap_err();
         assert_eq!(e.index, Some(1));
         assert_eq!(parse_body(b"[]", &l, 5, now).unwrap_err().code, "empty");
-        assert_eq!(parse_body(b"{oops", &l, 5, now).unwrap_err().code, "malformed_json");
-        let small = Limits { max_bytes: 10, ..Limits::default() };
-        assert_eq!(parse_body(br#"{"kind":"aaaaaaaaaaaaaaaaaaaaaaaa"}"#, &small, 5, now).unwrap_err().code, "oversized");
+        assert_eq!(
+            parse_body(b"{oops", &l, 5, now).unwrap_err().code,
+            "malformed_json"
+        );
+        let small = Limits {
+            max_bytes: 10,
+            ..Limits::default()
+        };
+        assert_eq!(
+            parse_body(br#"{"kind":"aaaaaaaaaaaaaaaaaaaaaaaa"}"#, &small, 5, now)
+                .unwrap_err()
+                .code,
+            "oversized"
+        );
     }
 }

@@ -65,7 +65,10 @@ pub struct Subsetting {
 impl Default for Subsetting {
     /// One shard, consumed by every worker: an unsharded group.
     fn default() -> Self {
-        Subsetting { shards: 1, per_worker: 1 }
+        Subsetting {
+            shards: 1,
+            per_worker: 1,
+        }
     }
 }
 
@@ -129,7 +132,10 @@ impl Subsetting {
     /// `ordinals` is empty.
     pub fn assign(&self, ordinals: &[u32]) -> BTreeMap<u32, Vec<u32>> {
         let live: BTreeSet<u32> = ordinals.iter().copied().collect();
-        let mut out: BTreeMap<u32, BTreeSet<u32>> = live.iter().map(|&i| (i, self.subset(i).into_iter().collect())).collect();
+        let mut out: BTreeMap<u32, BTreeSet<u32>> = live
+            .iter()
+            .map(|&i| (i, self.subset(i).into_iter().collect()))
+            .collect();
         let covered: BTreeSet<u32> = out.values().flatten().copied().collect();
         let order: Vec<u32> = live.iter().copied().collect();
         if !order.is_empty() {
@@ -140,7 +146,9 @@ impl Subsetting {
                 }
             }
         }
-        out.into_iter().map(|(i, s)| (i, s.into_iter().collect())).collect()
+        out.into_iter()
+            .map(|(i, s)| (i, s.into_iter().collect()))
+            .collect()
     }
 
     /// The shards the worker with `ordinal` consumes when `ordinals` are live (its own
@@ -210,7 +218,11 @@ mod tests {
         assert_eq!(subsets, want);
         let count = per_shard(&s, subsets.into_iter());
         assert!(count.iter().all(|&c| c == 2 || c == 3), "{count:?}");
-        assert_eq!(count.iter().filter(|&&c| c == 3).count(), 6, "round 2 doubles six shards: {count:?}");
+        assert_eq!(
+            count.iter().filter(|&&c| c == 3).count(),
+            6,
+            "round 2 doubles six shards: {count:?}"
+        );
         assert_eq!(count.iter().sum::<u32>(), 30);
         // Nothing is left uncovered, so the assignment adds nothing.
         let ords: Vec<u32> = (0..10).collect();
@@ -233,9 +245,15 @@ mod tests {
                 let c = s.subset_count();
                 // A round's subsets are disjoint and cover every shard.
                 for round in 0..3 {
-                    let mut seen: Vec<u32> = (round * c..(round + 1) * c).flat_map(|i| s.subset(i)).collect();
+                    let mut seen: Vec<u32> = (round * c..(round + 1) * c)
+                        .flat_map(|i| s.subset(i))
+                        .collect();
                     seen.sort_unstable();
-                    assert_eq!(seen, (0..shards).collect::<Vec<_>>(), "S={shards} k={k} round {round}");
+                    assert_eq!(
+                        seen,
+                        (0..shards).collect::<Vec<_>>(),
+                        "S={shards} k={k} round {round}"
+                    );
                 }
                 for n in 1..=40u32 {
                     let ords: Vec<u32> = (0..n).collect();
@@ -243,14 +261,20 @@ mod tests {
                     let (min, max) = (plain.iter().min().unwrap(), plain.iter().max().unwrap());
                     assert!(max - min <= 1, "S={shards} k={k} n={n}: {plain:?}");
                     if n % c == 0 {
-                        assert!(plain.iter().all(|&x| x == n / c), "full rounds: S={shards} k={k} n={n}: {plain:?}");
+                        assert!(
+                            plain.iter().all(|&x| x == n / c),
+                            "full rounds: S={shards} k={k} n={n}: {plain:?}"
+                        );
                     }
                     // With coverage: every shard has a consumer, still balanced.
                     let a = s.assign(&ords);
                     assert_eq!(a.len(), n as usize);
                     let cov = per_shard(&s, a.into_values());
                     let (min, max) = (cov.iter().min().unwrap(), cov.iter().max().unwrap());
-                    assert!(*min >= 1, "uncovered shard: S={shards} k={k} n={n}: {cov:?}");
+                    assert!(
+                        *min >= 1,
+                        "uncovered shard: S={shards} k={k} n={n}: {cov:?}"
+                    );
                     assert!(max - min <= 1, "S={shards} k={k} n={n}: {cov:?}");
                 }
             }
@@ -286,9 +310,27 @@ mod tests {
     #[test]
     fn bad_layouts_are_refused() {
         assert_eq!(Subsetting::new(0, 1), Err(SubsetError::NoShards));
-        assert_eq!(Subsetting::new(4, 0), Err(SubsetError::PerWorker { shards: 4, per_worker: 0 }));
-        assert_eq!(Subsetting::new(4, 5), Err(SubsetError::PerWorker { shards: 4, per_worker: 5 }));
-        assert_eq!(Subsetting::new(12, 5), Err(SubsetError::NotMultiple { shards: 12, per_worker: 5 }));
+        assert_eq!(
+            Subsetting::new(4, 0),
+            Err(SubsetError::PerWorker {
+                shards: 4,
+                per_worker: 0
+            })
+        );
+        assert_eq!(
+            Subsetting::new(4, 5),
+            Err(SubsetError::PerWorker {
+                shards: 4,
+                per_worker: 5
+            })
+        );
+        assert_eq!(
+            Subsetting::new(12, 5),
+            Err(SubsetError::NotMultiple {
+                shards: 12,
+                per_worker: 5
+            })
+        );
         let one = Subsetting::default();
         assert!(one.is_single());
         assert_eq!(one.subset(41), vec![0]);

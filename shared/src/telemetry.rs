@@ -25,7 +25,8 @@ static GUARD: Mutex<Option<WorkerGuard>> = Mutex::new(None);
 
 /// Installs the global subscriber (once; later calls do nothing).
 pub fn init(format: &str) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,lapin=off"));
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,lapin=off"));
     let (writer, guard) = tracing_appender::non_blocking(Stderr);
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -33,7 +34,11 @@ pub fn init(format: &str) {
         .with_ansi(false)
         .log_internal_errors(false)
         .with_writer(Sanitizing(writer));
-    let installed = if format == "json" { builder.json().try_init().is_ok() } else { builder.try_init().is_ok() };
+    let installed = if format == "json" {
+        builder.json().try_init().is_ok()
+    } else {
+        builder.try_init().is_ok()
+    };
     if installed {
         if let Ok(mut g) = GUARD.lock() {
             *g = Some(guard);
@@ -101,7 +106,11 @@ pub fn sanitize(buf: &[u8]) -> String {
 mod tests {
     #[test]
     fn a_line_is_made_safe() {
-        let line = super::sanitize(b"INFO kind=echo\nFAKE level=ERROR \x1b[31m url=AMQP://u:hunter2@h/\n");
-        assert_eq!(line, "INFO kind=echo\\nFAKE level=ERROR \\u{1b}[31m url=AMQP://***@h/\n");
+        let line =
+            super::sanitize(b"INFO kind=echo\nFAKE level=ERROR \x1b[31m url=AMQP://u:hunter2@h/\n");
+        assert_eq!(
+            line,
+            "INFO kind=echo\\nFAKE level=ERROR \\u{1b}[31m url=AMQP://***@h/\n"
+        );
     }
 }

@@ -80,7 +80,11 @@ mod tests {
         // The body overruns by 2.5 periods: the next tick is at once, then one period later.
         tokio::time::sleep(period * 5 / 2).await;
         let late = t.next().await;
-        assert_eq!(late - start, period * 2, "the missed tick is reported as due when it was");
+        assert_eq!(
+            late - start,
+            period * 2,
+            "the missed tick is reported as due when it was"
+        );
         assert_eq!(start.elapsed(), period * 7 / 2);
         t.next().await;
         assert_eq!(start.elapsed(), period * 9 / 2, "delayed, not bunched up");

@@ -29,7 +29,10 @@ pub struct ClientIdentity {
 
 impl fmt::Debug for ClientIdentity {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ClientIdentity").field("cert_pem_bytes", &self.cert_pem.len()).field("key_pem", &"<redacted>").finish()
+        f.debug_struct("ClientIdentity")
+            .field("cert_pem_bytes", &self.cert_pem.len())
+            .field("key_pem", &"<redacted>")
+            .finish()
     }
 }
 
@@ -50,7 +53,12 @@ impl TlsConfig {
     /// # Errors
     /// [`crate::Error::Config`] naming the setting when a file cannot be read, holds no PEM
     /// certificate (CA, cert) or no private key (key), or when only one of cert and key is set.
-    pub fn from_files(var_prefix: &str, ca: Option<&str>, cert: Option<&str>, key: Option<&str>) -> Result<Self> {
+    pub fn from_files(
+        var_prefix: &str,
+        ca: Option<&str>,
+        cert: Option<&str>,
+        key: Option<&str>,
+    ) -> Result<Self> {
         let name = |what: &str| format!("{var_prefix}_{what}_FILE");
         let ca_pem = match ca {
             Some(path) => Some(read_certificates(path).map_err(|e| Error::config(name("CA"), e))?),
@@ -58,8 +66,18 @@ impl TlsConfig {
         };
         let identity = match (cert, key) {
             (None, None) => None,
-            (Some(_), None) => return Err(Error::config(name("KEY"), format!("is required when {} is set", name("CERT")))),
-            (None, Some(_)) => return Err(Error::config(name("CERT"), format!("is required when {} is set", name("KEY")))),
+            (Some(_), None) => {
+                return Err(Error::config(
+                    name("KEY"),
+                    format!("is required when {} is set", name("CERT")),
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(Error::config(
+                    name("CERT"),
+                    format!("is required when {} is set", name("KEY")),
+                ))
+            }
             (Some(cert), Some(key)) => Some(ClientIdentity {
                 cert_pem: read_certificates(cert).map_err(|e| Error::config(name("CERT"), e))?,
                 key_pem: read_private_key(key).map_err(|e| Error::config(name("KEY"), e))?,
@@ -76,8 +94,17 @@ impl TlsConfig {
     /// The settings as lapin (amq-protocol-tcp) takes them.
     pub fn to_lapin(&self) -> lapin::tcp::OwnedTLSConfig {
         lapin::tcp::OwnedTLSConfig {
-            identity: self.identity.as_ref().map(|i| lapin::tcp::OwnedIdentity::PKCS8 { pem: i.cert_pem.clone(), key: i.key_pem.clone() }),
-            cert_chain: self.ca_pem.as_ref().map(|c| String::from_utf8_lossy(c).into_owned()),
+            identity: self
+                .identity
+                .as_ref()
+                .map(|i| lapin::tcp::OwnedIdentity::PKCS8 {
+                    pem: i.cert_pem.clone(),
+                    key: i.key_pem.clone(),
+                }),
+            cert_chain: self
+                .ca_pem
+                .as_ref()
+                .map(|c| String::from_utf8_lossy(c).into_owned()),
         }
     }
 
@@ -88,7 +115,10 @@ impl TlsConfig {
             client_tls: self
                 .identity
                 .as_ref()
-                .map(|i| deadpool_redis::redis::ClientTlsConfig { client_cert: i.cert_pem.clone(), client_key: i.key_pem.clone() }),
+                .map(|i| deadpool_redis::redis::ClientTlsConfig {
+                    client_cert: i.cert_pem.clone(),
+                    client_key: i.key_pem.clone(),
+                }),
             root_cert: self.ca_pem.clone(),
         }
     }
@@ -100,7 +130,8 @@ impl TlsConfig {
 /// A message naming the path: unreadable, no certificate, or an invalid PEM block.
 pub fn read_certificates(path: &str) -> std::result::Result<Vec<u8>, String> {
     let pem = std::fs::read(path).map_err(|e| format!("cannot read {path}: {e}"))?;
-    let certs: std::result::Result<Vec<CertificateDer<'_>>, _> = CertificateDer::pem_slice_iter(&pem).collect();
+    let certs: std::result::Result<Vec<CertificateDer<'_>>, _> =
+        CertificateDer::pem_slice_iter(&pem).collect();
     match certs {
         Ok(c) if !c.is_empty() => Ok(pem),
         Ok(_) => Err(format!("{path}: no PEM certificate in the file")),
@@ -143,33 +174,66 @@ mod tests {
 
     #[test]
     fn bad_files_name_the_setting() {
-        let e = TlsConfig::from_files("FLEET_AMQP_TLS", Some("/nonexistent/ca.pem"), None, None).unwrap_err().to_string();
-        assert!(e.contains("FLEET_AMQP_TLS_CA_FILE") && e.contains("cannot read"), "{e}");
+        let e = TlsConfig::from_files("FLEET_AMQP_TLS", Some("/nonexistent/ca.pem"), None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("FLEET_AMQP_TLS_CA_FILE") && e.contains("cannot read"),
+            "{e}"
+        );
 
         let not_pem = tmp("notpem", "hello\n");
-        let e = TlsConfig::from_files("FLEET_REDIS_TLS", Some(&not_pem), None, None).unwrap_err().to_string();
-        assert!(e.contains("FLEET_REDIS_TLS_CA_FILE") && e.contains("no PEM certificate"), "{e}");
+        let e = TlsConfig::from_files("FLEET_REDIS_TLS", Some(&not_pem), None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("FLEET_REDIS_TLS_CA_FILE") && e.contains("no PEM certificate"),
+            "{e}"
+        );
 
-        let e = TlsConfig::from_files("FLEET_REDIS_TLS", None, Some(&not_pem), None).unwrap_err().to_string();
-        assert!(e.contains("FLEET_REDIS_TLS_KEY_FILE") && e.contains("required"), "{e}");
+        let e = TlsConfig::from_files("FLEET_REDIS_TLS", None, Some(&not_pem), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("FLEET_REDIS_TLS_KEY_FILE") && e.contains("required"),
+            "{e}"
+        );
 
         let cert = tmp("cert", CERT);
-        let e = TlsConfig::from_files("FLEET_AMQP_TLS", None, Some(&cert), Some(&not_pem)).unwrap_err().to_string();
-        assert!(e.contains("FLEET_AMQP_TLS_KEY_FILE") && e.contains("no PEM private key"), "{e}");
+        let e = TlsConfig::from_files("FLEET_AMQP_TLS", None, Some(&cert), Some(&not_pem))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("FLEET_AMQP_TLS_KEY_FILE") && e.contains("no PEM private key"),
+            "{e}"
+        );
 
-        assert!(TlsConfig::from_files("FLEET_AMQP_TLS", None, None, None).unwrap().is_default());
+        assert!(TlsConfig::from_files("FLEET_AMQP_TLS", None, None, None)
+            .unwrap()
+            .is_default());
     }
 
     #[test]
     fn settings_check_the_files_at_parse_time() {
-        let s = crate::config::Settings::from_pairs([("amqp_tls_ca_file", "/nonexistent/ca.pem".to_string())]);
-        let e = crate::settings::parse::<crate::settings::CommonOnly>(&s).unwrap_err().to_string();
-        assert!(e.contains("FLEET_AMQP_TLS_CA_FILE") && e.contains("cannot read"), "{e}");
+        let s = crate::config::Settings::from_pairs([(
+            "amqp_tls_ca_file",
+            "/nonexistent/ca.pem".to_string(),
+        )]);
+        let e = crate::settings::parse::<crate::settings::CommonOnly>(&s)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("FLEET_AMQP_TLS_CA_FILE") && e.contains("cannot read"),
+            "{e}"
+        );
     }
 
     #[test]
     fn debug_hides_the_key() {
-        let i = ClientIdentity { cert_pem: b"c".to_vec(), key_pem: b"-----BEGIN PRIVATE KEY-----SECRET".to_vec() };
+        let i = ClientIdentity {
+            cert_pem: b"c".to_vec(),
+            key_pem: b"-----BEGIN PRIVATE KEY-----SECRET".to_vec(),
+        };
         assert!(!format!("{i:?}").contains("SECRET"));
     }
 }

@@ -18,11 +18,11 @@ use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptio
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, ExchangeKind};
 
-use crate::headers;
 use crate::config::{CommonConfig, QueueType};
 use crate::delay;
 use crate::envelope::{Lane, PerLane};
 use crate::error::{Error, Result};
+use crate::headers;
 use crate::names::Names;
 
 /// Redeliveries after which a quorum group queue dead-letters a message that keeps killing
@@ -30,7 +30,10 @@ use crate::names::Names;
 pub const DELIVERY_LIMIT: i64 = 20;
 
 fn durable() -> QueueDeclareOptions {
-    QueueDeclareOptions { durable: true, ..Default::default() }
+    QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    }
 }
 
 /// Namespaces whose quorum queues were created before fleet set `x-queue-leader-locator`
@@ -39,7 +42,10 @@ fn durable() -> QueueDeclareOptions {
 static LOCATOR_PREDATES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
 
 fn locator_predates(ns: &str) -> bool {
-    LOCATOR_PREDATES.lock().map(|v| v.iter().any(|n| n == ns)).unwrap_or(false)
+    LOCATOR_PREDATES
+        .lock()
+        .map(|v| v.iter().any(|n| n == ns))
+        .unwrap_or(false)
 }
 
 /// Finds out, once per connection and before anything else is declared, whether this
@@ -53,11 +59,21 @@ fn locator_predates(ns: &str) -> bool {
 /// # Errors
 /// Opening the channel failed (connection lost).
 pub async fn probe_leader_locator(conn: &lapin::Connection, cfg: &CommonConfig) -> Result<()> {
-    if cfg.queue_type != QueueType::Quorum || cfg.leader_locator.is_none() || locator_predates(&cfg.namespace) {
+    if cfg.queue_type != QueueType::Quorum
+        || cfg.leader_locator.is_none()
+        || locator_predates(&cfg.namespace)
+    {
         return Ok(());
     }
     let ch = conn.create_channel().await?;
-    match ch.queue_declare(ShortString::from(cfg.names().dead_queue()), durable(), args(cfg)).await {
+    match ch
+        .queue_declare(
+            ShortString::from(cfg.names().dead_queue()),
+            durable(),
+            args(cfg),
+        )
+        .await
+    {
         Ok(_) => {
             let _ = ch.close(200, "ok".into()).await;
         }
@@ -80,9 +96,19 @@ pub async fn probe_leader_locator(conn: &lapin::Connection, cfg: &CommonConfig) 
 fn args(cfg: &CommonConfig) -> FieldTable {
     let mut t = FieldTable::default();
     if cfg.queue_type == QueueType::Quorum {
-        t.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
-        if let Some(l) = cfg.leader_locator.as_deref().filter(|_| !locator_predates(&cfg.namespace)) {
-            t.insert("x-queue-leader-locator".into(), AMQPValue::LongString(l.into()));
+        t.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        if let Some(l) = cfg
+            .leader_locator
+            .as_deref()
+            .filter(|_| !locator_predates(&cfg.namespace))
+        {
+            t.insert(
+                "x-queue-leader-locator".into(),
+                AMQPValue::LongString(l.into()),
+            );
         }
     }
     t
@@ -90,8 +116,14 @@ fn args(cfg: &CommonConfig) -> FieldTable {
 
 fn bounded(cfg: &CommonConfig, max: u32) -> FieldTable {
     let mut t = args(cfg);
-    t.insert("x-max-length".into(), AMQPValue::LongLongInt(i64::from(max)));
-    t.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
+    t.insert(
+        "x-max-length".into(),
+        AMQPValue::LongLongInt(i64::from(max)),
+    );
+    t.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
     t
 }
 
@@ -99,7 +131,10 @@ async fn exchange(ch: &Channel, name: &str, kind: ExchangeKind) -> Result<()> {
     ch.exchange_declare(
         ShortString::from(name),
         kind,
-        ExchangeDeclareOptions { durable: true, ..Default::default() },
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
         FieldTable::default(),
     )
     .await?;
@@ -109,7 +144,12 @@ async fn exchange(ch: &Channel, name: &str, kind: ExchangeKind) -> Result<()> {
 /// Declares a queue. `bound_setting` names the setting its `x-max-length` comes from, if any.
 /// A queue that exists with other arguments (406 PRECONDITION_FAILED) is a permanent error
 /// naming the setting, the value asked for, the broker's value and what to do.
-async fn queue(ch: &Channel, name: &str, arguments: FieldTable, bound_setting: Option<&str>) -> Result<u32> {
+async fn queue(
+    ch: &Channel,
+    name: &str,
+    arguments: FieldTable,
+    bound_setting: Option<&str>,
+) -> Result<u32> {
     match ch.queue_declare(ShortString::from(name), durable(), arguments).await {
         Ok(q) => Ok(q.message_count()),
         Err(e) => Err(match crate::amqp::classify(e, "FLEET_QUEUE_TYPE", "") {
@@ -142,9 +182,21 @@ async fn queue(ch: &Channel, name: &str, arguments: FieldTable, bound_setting: O
     }
 }
 
-async fn bind(ch: &Channel, queue: &str, exchange: &str, key: &str, arguments: FieldTable) -> Result<()> {
-    ch.queue_bind(ShortString::from(queue), ShortString::from(exchange), ShortString::from(key), QueueBindOptions::default(), arguments)
-        .await?;
+async fn bind(
+    ch: &Channel,
+    queue: &str,
+    exchange: &str,
+    key: &str,
+    arguments: FieldTable,
+) -> Result<()> {
+    ch.queue_bind(
+        ShortString::from(queue),
+        ShortString::from(exchange),
+        ShortString::from(key),
+        QueueBindOptions::default(),
+        arguments,
+    )
+    .await?;
     Ok(())
 }
 
@@ -154,8 +206,21 @@ pub async fn declare_ingress(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
     exchange(ch, &n.submit_exchange(), ExchangeKind::Direct).await?;
     for lane in Lane::ALL {
         let q = n.ingress_queue(lane);
-        queue(ch, &q, bounded(cfg, cfg.ingress_max[lane]), Some(INGRESS_MAX_SETTING[lane])).await?;
-        bind(ch, &q, &n.submit_exchange(), lane.as_str(), FieldTable::default()).await?;
+        queue(
+            ch,
+            &q,
+            bounded(cfg, cfg.ingress_max[lane]),
+            Some(INGRESS_MAX_SETTING[lane]),
+        )
+        .await?;
+        bind(
+            ch,
+            &q,
+            &n.submit_exchange(),
+            lane.as_str(),
+            FieldTable::default(),
+        )
+        .await?;
     }
     Ok(())
 }
@@ -168,13 +233,34 @@ pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
     exchange(ch, &n.tasks_exchange(), ExchangeKind::Direct).await?;
     exchange(ch, &n.delay_exchange(), ExchangeKind::Headers).await?;
     queue(ch, &n.dead_queue(), args(cfg), None).await?;
-    bind(ch, &n.dead_queue(), &n.tasks_exchange(), Names::DEAD_KEY, FieldTable::default()).await?;
+    bind(
+        ch,
+        &n.dead_queue(),
+        &n.tasks_exchange(),
+        Names::DEAD_KEY,
+        FieldTable::default(),
+    )
+    .await?;
     // Declared by every process before any group queue: a dead letter routed to no queue
     // would be dropped by the broker.
     queue(ch, &n.broker_dead_queue(), args(cfg), None).await?;
-    bind(ch, &n.broker_dead_queue(), &n.tasks_exchange(), Names::BROKER_DEAD_KEY, FieldTable::default()).await?;
+    bind(
+        ch,
+        &n.broker_dead_queue(),
+        &n.tasks_exchange(),
+        Names::BROKER_DEAD_KEY,
+        FieldTable::default(),
+    )
+    .await?;
     queue(ch, &n.delayed_queue(), args(cfg), None).await?;
-    bind(ch, &n.delayed_queue(), &n.tasks_exchange(), Names::DELAYED_KEY, FieldTable::default()).await?;
+    bind(
+        ch,
+        &n.delayed_queue(),
+        &n.tasks_exchange(),
+        Names::DELAYED_KEY,
+        FieldTable::default(),
+    )
+    .await?;
     // Delay tiers are of FLEET_QUEUE_TYPE: with quorum queues (the default) they are
     // replicated like every other queue holding a task, so a task waiting for its retry or
     // its `not_before` survives the loss of a node. One TTL per queue expires exactly at the
@@ -187,16 +273,31 @@ pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
         let q = n.delay_queue(tier);
         let mut a = args(cfg);
         a.insert("x-message-ttl".into(), AMQPValue::LongLongInt(tier as i64));
-        a.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(n.tasks_exchange().into()));
-        a.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(Names::DELAYED_KEY.into()));
+        a.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString(n.tasks_exchange().into()),
+        );
+        a.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(Names::DELAYED_KEY.into()),
+        );
         if cfg.queue_type == QueueType::Quorum {
-            a.insert("x-dead-letter-strategy".into(), AMQPValue::LongString("at-least-once".into()));
-            a.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
+            a.insert(
+                "x-dead-letter-strategy".into(),
+                AMQPValue::LongString("at-least-once".into()),
+            );
+            a.insert(
+                "x-overflow".into(),
+                AMQPValue::LongString("reject-publish".into()),
+            );
         }
         queue(ch, &q, a, None).await?;
         let mut h = FieldTable::default();
         h.insert("x-match".into(), AMQPValue::LongString("all".into()));
-        h.insert(headers::TIER.into(), AMQPValue::LongString(tier.to_string().into()));
+        h.insert(
+            headers::TIER.into(),
+            AMQPValue::LongString(tier.to_string().into()),
+        );
         bind(ch, &q, &n.delay_exchange(), "", h).await?;
     }
     Ok(())
@@ -216,13 +317,29 @@ pub async fn declare_group(ch: &Channel, cfg: &CommonConfig, group: &str) -> Res
         for shard in 0..shards {
             let q = n.group_shard_queue(group, lane, shard, shards);
             let mut a = args(cfg);
-            a.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(n.tasks_exchange().into()));
-            a.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(Names::BROKER_DEAD_KEY.into()));
+            a.insert(
+                "x-dead-letter-exchange".into(),
+                AMQPValue::LongString(n.tasks_exchange().into()),
+            );
+            a.insert(
+                "x-dead-letter-routing-key".into(),
+                AMQPValue::LongString(Names::BROKER_DEAD_KEY.into()),
+            );
             if cfg.queue_type == QueueType::Quorum {
-                a.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(DELIVERY_LIMIT));
+                a.insert(
+                    "x-delivery-limit".into(),
+                    AMQPValue::LongLongInt(DELIVERY_LIMIT),
+                );
             }
             queue(ch, &q, a, None).await?;
-            bind(ch, &q, &n.tasks_exchange(), &n.group_shard_key(group, lane, shard, shards), FieldTable::default()).await?;
+            bind(
+                ch,
+                &q,
+                &n.tasks_exchange(),
+                &n.group_shard_key(group, lane, shard, shards),
+                FieldTable::default(),
+            )
+            .await?;
         }
     }
     Ok(())
@@ -232,8 +349,21 @@ pub async fn declare_group(ch: &Channel, cfg: &CommonConfig, group: &str) -> Res
 pub async fn declare_park(ch: &Channel, cfg: &CommonConfig, group: &str, lane: Lane) -> Result<()> {
     let n = cfg.names();
     let q = n.park_queue(group, lane);
-    queue(ch, &q, bounded(cfg, cfg.park_max[lane]), Some(PARK_MAX_SETTING[lane])).await?;
-    bind(ch, &q, &n.tasks_exchange(), &n.park_key(group, lane), FieldTable::default()).await
+    queue(
+        ch,
+        &q,
+        bounded(cfg, cfg.park_max[lane]),
+        Some(PARK_MAX_SETTING[lane]),
+    )
+    .await?;
+    bind(
+        ch,
+        &q,
+        &n.tasks_exchange(),
+        &n.park_key(group, lane),
+        FieldTable::default(),
+    )
+    .await
 }
 
 /// Depth of a group's park queue (passive declare); 0 when it does not exist — not yet
@@ -242,7 +372,17 @@ pub async fn declare_park(ch: &Channel, cfg: &CommonConfig, group: &str, lane: L
 /// `ch` (AMQP 404): callers open another channel when theirs is closed.
 pub async fn park_depth(ch: &Channel, cfg: &CommonConfig, group: &str, lane: Lane) -> Result<u32> {
     let q = cfg.names().park_queue(group, lane);
-    match ch.queue_declare(ShortString::from(q.as_str()), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await {
+    match ch
+        .queue_declare(
+            ShortString::from(q.as_str()),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+    {
         Ok(q) => Ok(q.message_count()),
         Err(e) if crate::amqp::reply_code(&e) == Some(404) => Ok(0),
         Err(e) => Err(e.into()),
@@ -250,15 +390,28 @@ pub async fn park_depth(ch: &Channel, cfg: &CommonConfig, group: &str, lane: Lan
 }
 
 /// The settings the bounds come from ([`CommonConfig::ingress_max`], [`CommonConfig::park_max`]).
-const INGRESS_MAX_SETTING: PerLane<&str> = PerLane { normal: "FLEET_INGRESS_MAX_NORMAL", critical: "FLEET_INGRESS_MAX_CRITICAL" };
-const PARK_MAX_SETTING: PerLane<&str> = PerLane { normal: "FLEET_PARK_MAX", critical: "FLEET_PARK_MAX_CRITICAL" };
+const INGRESS_MAX_SETTING: PerLane<&str> = PerLane {
+    normal: "FLEET_INGRESS_MAX_NORMAL",
+    critical: "FLEET_INGRESS_MAX_CRITICAL",
+};
+const PARK_MAX_SETTING: PerLane<&str> = PerLane {
+    normal: "FLEET_PARK_MAX",
+    critical: "FLEET_PARK_MAX_CRITICAL",
+};
 
 /// Depth of a queue (passive declare), `None` when it does not exist. Uses its own channel
 /// because a passive declare of a missing queue closes the channel.
 pub async fn depth(conn: &lapin::Connection, queue_name: &str) -> Option<u32> {
     let ch = conn.create_channel().await.ok()?;
     let r = ch
-        .queue_declare(ShortString::from(queue_name), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .queue_declare(
+            ShortString::from(queue_name),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await
         .ok()
         .map(|q| q.message_count());
@@ -270,10 +423,17 @@ pub async fn depth(conn: &lapin::Connection, queue_name: &str) -> Option<u32> {
 /// declare; `None` when the queue does not exist — the broker then closes `ch`, so callers
 /// open another for their next question.
 pub async fn ready_count(ch: &Channel, queue_name: &str) -> Option<u32> {
-    ch.queue_declare(ShortString::from(queue_name), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
-        .await
-        .ok()
-        .map(|q| q.message_count())
+    ch.queue_declare(
+        ShortString::from(queue_name),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .ok()
+    .map(|q| q.message_count())
 }
 
 /// Deletes every queue and exchange of an unsharded namespace: [`delete_all_sharded`] with
@@ -290,7 +450,12 @@ pub async fn delete_all(ch: &Channel, names: &Names, groups: &[String]) -> Resul
 /// is no error (RabbitMQ answers delete-ok), so a `shards` above the real count is harmless;
 /// one below it leaves the higher shards behind. Errors of single deletes are ignored (best
 /// effort); returns `Ok` always.
-pub async fn delete_all_sharded(ch: &Channel, names: &Names, groups: &[String], shards: u32) -> Result<()> {
+pub async fn delete_all_sharded(
+    ch: &Channel,
+    names: &Names,
+    groups: &[String],
+    shards: u32,
+) -> Result<()> {
     use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
     let mut queues: Vec<String> = Lane::ALL.iter().map(|l| names.ingress_queue(*l)).collect();
     queues.push(names.dead_queue());
@@ -308,12 +473,28 @@ pub async fn delete_all_sharded(ch: &Channel, names: &Names, groups: &[String], 
             queues.extend(names.group_shard_queues(g, Lane::Normal, shards));
         }
     }
-    queues.extend(Lane::ALL.iter().map(|l| names.park_queue(Names::UNMATCHED_GROUP, *l)));
+    queues.extend(
+        Lane::ALL
+            .iter()
+            .map(|l| names.park_queue(Names::UNMATCHED_GROUP, *l)),
+    );
     for q in queues {
-        let _ = ch.queue_delete(ShortString::from(q.as_str()), QueueDeleteOptions::default()).await;
+        let _ = ch
+            .queue_delete(ShortString::from(q.as_str()), QueueDeleteOptions::default())
+            .await;
     }
-    for e in [names.submit_exchange(), names.tasks_exchange(), names.delay_exchange(), names.legacy_delay_exchange()] {
-        let _ = ch.exchange_delete(ShortString::from(e.as_str()), ExchangeDeleteOptions::default()).await;
+    for e in [
+        names.submit_exchange(),
+        names.tasks_exchange(),
+        names.delay_exchange(),
+        names.legacy_delay_exchange(),
+    ] {
+        let _ = ch
+            .exchange_delete(
+                ShortString::from(e.as_str()),
+                ExchangeDeleteOptions::default(),
+            )
+            .await;
     }
     Ok(())
 }

@@ -18,7 +18,9 @@ use crate::error::Result;
 use crate::store::Store;
 
 /// Upper bounds of the buckets, in seconds (the last bucket, past 300 s, is open).
-pub const BOUNDS: [f64; 15] = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0];
+pub const BOUNDS: [f64; 15] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
 
 /// Counts per bucket (not cumulative): `BOUNDS.len() + 1` of them.
 pub type Counts = Vec<u64>;
@@ -38,13 +40,20 @@ impl WaitHistogram {
 
     /// The counts since the process started, as `c0,c1,…,c15`.
     pub fn encode(&self) -> String {
-        self.counts.iter().map(|c| c.load(Ordering::Relaxed).to_string()).collect::<Vec<_>>().join(",")
+        self.counts
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed).to_string())
+            .collect::<Vec<_>>()
+            .join(",")
     }
 }
 
 /// Parses [`WaitHistogram::encode`]'s text; `None` for anything else.
 pub fn decode(s: &str) -> Option<Counts> {
-    let v: Vec<u64> = s.split(',').map(|c| c.trim().parse().ok()).collect::<Option<_>>()?;
+    let v: Vec<u64> = s
+        .split(',')
+        .map(|c| c.trim().parse().ok())
+        .collect::<Option<_>>()?;
     (v.len() == BOUNDS.len() + 1).then_some(v)
 }
 
@@ -60,7 +69,9 @@ pub fn quantile(counts: &[u64], q: f64) -> Option<f64> {
     let mut below = 0u64;
     for (i, c) in counts.iter().enumerate() {
         if *c > 0 && (below + c) as f64 >= rank {
-            let Some(hi) = BOUNDS.get(i) else { return BOUNDS.last().copied() };
+            let Some(hi) = BOUNDS.get(i) else {
+                return BOUNDS.last().copied();
+            };
             let lo = if i == 0 { 0.0 } else { BOUNDS[i - 1] };
             return Some(lo + (hi - lo) * ((rank - below as f64) / *c as f64).clamp(0.0, 1.0));
         }
@@ -81,11 +92,23 @@ pub struct Shared {
 impl Store {
     /// Writes a worker's wait histogram ([`WaitHistogram::encode`]) and clock skew, expiring
     /// after `ttl`.
-    pub async fn share_worker_stats(&self, worker: &str, waits: &str, skew_ms: i64, ttl: Duration) -> Result<()> {
+    pub async fn share_worker_stats(
+        &self,
+        worker: &str,
+        waits: &str,
+        skew_ms: i64,
+        ttl: Duration,
+    ) -> Result<()> {
         let key = self.names.waits(worker);
         let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
         let mut p = redis::pipe();
-        p.cmd("HSET").arg(&key).arg("waits").arg(waits).arg("skew_ms").arg(skew_ms).ignore();
+        p.cmd("HSET")
+            .arg(&key)
+            .arg("waits")
+            .arg(waits)
+            .arg("skew_ms")
+            .arg(skew_ms)
+            .ignore();
         p.cmd("PEXPIRE").arg(&key).arg(ms).ignore();
         self.pipe::<()>(&p).await
     }
@@ -97,10 +120,19 @@ impl Store {
         }
         let mut p = redis::pipe();
         for w in workers {
-            p.cmd("HMGET").arg(self.names.waits(w)).arg("waits").arg("skew_ms");
+            p.cmd("HMGET")
+                .arg(self.names.waits(w))
+                .arg("waits")
+                .arg("skew_ms");
         }
         let raw: Vec<(Option<String>, Option<i64>)> = self.pipe(&p).await?;
-        Ok(raw.into_iter().map(|(w, skew_ms)| Shared { waits: w.as_deref().and_then(decode), skew_ms }).collect())
+        Ok(raw
+            .into_iter()
+            .map(|(w, skew_ms)| Shared {
+                waits: w.as_deref().and_then(decode),
+                skew_ms,
+            })
+            .collect())
     }
 }
 

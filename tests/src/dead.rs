@@ -25,7 +25,8 @@ impl DeadLetter {
 }
 
 fn to_dead_letter(d: &lapin::message::Delivery) -> Result<DeadLetter> {
-    let env = Envelope::from_slice(&d.data, usize::MAX).map_err(|r| anyhow::anyhow!("dead letter is not an envelope: {r}"))?;
+    let env = Envelope::from_slice(&d.data, usize::MAX)
+        .map_err(|r| anyhow::anyhow!("dead letter is not an envelope: {r}"))?;
     let mut headers = BTreeMap::new();
     if let Some(h) = d.properties.headers().as_ref() {
         for (k, v) in h.inner() {
@@ -45,7 +46,13 @@ fn to_dead_letter(d: &lapin::message::Delivery) -> Result<DeadLetter> {
 pub async fn peek_dead(ns: &Ns) -> Result<Vec<DeadLetter>> {
     let ch = ns.conn.create_channel().await?;
     let mut out = Vec::new();
-    while let Some(m) = ch.basic_get(ns.names.dead_queue().as_str().into(), BasicGetOptions { no_ack: false }).await? {
+    while let Some(m) = ch
+        .basic_get(
+            ns.names.dead_queue().as_str().into(),
+            BasicGetOptions { no_ack: false },
+        )
+        .await?
+    {
         out.push(to_dead_letter(&m.delivery)?);
     }
     ch.close(200, "peeked".into()).await?;
@@ -56,7 +63,13 @@ pub async fn peek_dead(ns: &Ns) -> Result<Vec<DeadLetter>> {
 pub async fn take_dead(ns: &Ns) -> Result<Vec<DeadLetter>> {
     let ch = ns.conn.create_channel().await?;
     let mut out = Vec::new();
-    while let Some(m) = ch.basic_get(ns.names.dead_queue().as_str().into(), BasicGetOptions { no_ack: false }).await? {
+    while let Some(m) = ch
+        .basic_get(
+            ns.names.dead_queue().as_str().into(),
+            BasicGetOptions { no_ack: false },
+        )
+        .await?
+    {
         out.push(to_dead_letter(&m.delivery)?);
         m.delivery.acker.ack(BasicAckOptions::default()).await?;
     }
@@ -74,7 +87,11 @@ pub async fn wait_dead(ns: &Ns, n: usize, timeout: Duration) -> Result<Vec<DeadL
     .await?;
     let d = peek_dead(ns).await?;
     if d.len() != n {
-        bail!("expected {n} dead letters, found {}: {:?}", d.len(), d.iter().map(|d| &d.env.id).collect::<Vec<_>>());
+        bail!(
+            "expected {n} dead letters, found {}: {:?}",
+            d.len(),
+            d.iter().map(|d| &d.env.id).collect::<Vec<_>>()
+        );
     }
     Ok(d)
 }

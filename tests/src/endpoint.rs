@@ -69,18 +69,44 @@ impl CallGuard {
     }
 }
 
-async fn endpoint_call(State(ctx): State<EndpointCtx>, headers: HeaderMap, Json(body): Json<Value>) -> (StatusCode, Json<Value>) {
+async fn endpoint_call(
+    State(ctx): State<EndpointCtx>,
+    headers: HeaderMap,
+    Json(body): Json<Value>,
+) -> (StatusCode, Json<Value>) {
     if body.get("kind").and_then(Value::as_str) != Some(JOB) {
         return (StatusCode::OK, Json(json!({"ok": true})));
     }
-    let id = body.get("id").and_then(Value::as_str).unwrap_or_default().to_string();
+    let id = body
+        .get("id")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
     let attempt = body.get("attempt").and_then(Value::as_u64).unwrap_or(0) as u32;
-    let worker = headers.get("x-fleet-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
-    let ms = body.pointer("/payload/ms").and_then(Value::as_u64).unwrap_or(ctx.default_ms);
+    let worker = headers
+        .get("x-fleet-worker")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let ms = body
+        .pointer("/payload/ms")
+        .and_then(Value::as_u64)
+        .unwrap_or(ctx.default_ms);
     let guard = {
-        let Ok(mut s) = ctx.state.lock() else { return (StatusCode::INTERNAL_SERVER_ERROR, Json(json!({}))) };
-        s.calls.push(Call { id, worker: worker.clone(), attempt, at: Instant::now(), answered: None });
-        CallGuard { state: ctx.state.clone(), index: s.calls.len() - 1 }
+        let Ok(mut s) = ctx.state.lock() else {
+            return (StatusCode::INTERNAL_SERVER_ERROR, Json(json!({})));
+        };
+        s.calls.push(Call {
+            id,
+            worker: worker.clone(),
+            attempt,
+            at: Instant::now(),
+            answered: None,
+        });
+        CallGuard {
+            state: ctx.state.clone(),
+            index: s.calls.len() - 1,
+        }
     };
     tokio::time::sleep(Duration::from_millis(ms)).await;
     guard.answered();
@@ -94,14 +120,25 @@ impl Endpoint {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr: SocketAddr = listener.local_addr()?;
         let state = Arc::new(Mutex::new(EndpointState::default()));
-        let ctx = EndpointCtx { state: state.clone(), default_ms };
-        let router = Router::new().route("/run", post(endpoint_call)).with_state(ctx);
+        let ctx = EndpointCtx {
+            state: state.clone(),
+            default_ms,
+        };
+        let router = Router::new()
+            .route("/run", post(endpoint_call))
+            .with_state(ctx);
         let stop = CancellationToken::new();
         let sd = stop.clone();
         tokio::spawn(async move {
-            let _ = axum::serve(listener, router).with_graceful_shutdown(async move { sd.cancelled().await }).await;
+            let _ = axum::serve(listener, router)
+                .with_graceful_shutdown(async move { sd.cancelled().await })
+                .await;
         });
-        Ok(Endpoint { url: format!("http://{addr}/run"), state, stop })
+        Ok(Endpoint {
+            url: format!("http://{addr}/run"),
+            state,
+            stop,
+        })
     }
 
     /// Settings of an in-process worker that calls this endpoint with the `http` executor
@@ -114,12 +151,18 @@ impl Endpoint {
 
     /// Every recorded call, in arrival order.
     pub fn calls(&self) -> Vec<Call> {
-        self.state.lock().map(|s| s.calls.clone()).unwrap_or_default()
+        self.state
+            .lock()
+            .map(|s| s.calls.clone())
+            .unwrap_or_default()
     }
 
     /// Calls of one worker.
     pub fn calls_of(&self, worker: &str) -> Vec<Call> {
-        self.calls().into_iter().filter(|c| c.worker == worker).collect()
+        self.calls()
+            .into_iter()
+            .filter(|c| c.worker == worker)
+            .collect()
     }
 
     /// Calls per task id, in arrival order.
@@ -133,7 +176,10 @@ impl Endpoint {
 
     /// Calls of `worker` started and not yet answered.
     pub fn running(&self, worker: &str) -> Vec<Call> {
-        self.calls_of(worker).into_iter().filter(|c| c.answered.is_none()).collect()
+        self.calls_of(worker)
+            .into_iter()
+            .filter(|c| c.answered.is_none())
+            .collect()
     }
 
     /// Marks a worker killed (its open calls no longer count as running).
@@ -145,12 +191,19 @@ impl Endpoint {
 
     /// False for a worker marked dead.
     pub fn is_live(&self, worker: &str) -> bool {
-        self.state.lock().map(|s| !s.dead.contains(worker)).unwrap_or(true)
+        self.state
+            .lock()
+            .map(|s| !s.dead.contains(worker))
+            .unwrap_or(true)
     }
 
     /// Distinct task ids answered at least once.
     pub fn answered_ids(&self) -> std::collections::HashSet<String> {
-        self.calls().into_iter().filter(|c| c.answered.is_some()).map(|c| c.id).collect()
+        self.calls()
+            .into_iter()
+            .filter(|c| c.answered.is_some())
+            .map(|c| c.id)
+            .collect()
     }
 }
 
@@ -177,14 +230,33 @@ pub fn jobs(n: usize, selector: &str, ms: Option<u64>) -> Vec<fleet::Envelope> {
 /// and `queue` holds nothing ready: every task done as far as the worker side can tell.
 /// (Statuses in Redis may lag: a task a killed worker finished and acked just before the kill
 /// may never have had its `succeeded` written — the ledger writes after the ack, batched.)
-pub async fn wait_settled(ns: &Ns, ep: &Endpoint, ids: &[String], queue: &str, timeout: Duration) -> Result<()> {
+pub async fn wait_settled(
+    ns: &Ns,
+    ep: &Endpoint,
+    ids: &[String],
+    queue: &str,
+    timeout: Duration,
+) -> Result<()> {
     let n = ids.len();
-    wait_for(&format!("{n} tasks answered by the endpoint, none running, {queue} empty"), timeout, || async {
-        let calls = ep.calls();
-        let done: std::collections::HashSet<&str> = calls.iter().filter(|c| c.answered.is_some()).map(|c| c.id.as_str()).collect();
-        let running = calls.iter().any(|c| c.answered.is_none() && ep.is_live(&c.worker));
-        (ids.iter().all(|id| done.contains(id.as_str())) && !running && ns.depth(queue).await == 0).then_some(())
-    })
+    wait_for(
+        &format!("{n} tasks answered by the endpoint, none running, {queue} empty"),
+        timeout,
+        || async {
+            let calls = ep.calls();
+            let done: std::collections::HashSet<&str> = calls
+                .iter()
+                .filter(|c| c.answered.is_some())
+                .map(|c| c.id.as_str())
+                .collect();
+            let running = calls
+                .iter()
+                .any(|c| c.answered.is_none() && ep.is_live(&c.worker));
+            (ids.iter().all(|id| done.contains(id.as_str()))
+                && !running
+                && ns.depth(queue).await == 0)
+                .then_some(())
+        },
+    )
     .await
 }
 
@@ -205,14 +277,22 @@ impl ApiTap {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr: SocketAddr = listener.local_addr()?;
         let answered = Arc::new(AtomicUsize::new(0));
-        let (n, up, client) = (answered.clone(), upstream.trim_end_matches('/').to_string(), reqwest::Client::new());
+        let (n, up, client) = (
+            answered.clone(),
+            upstream.trim_end_matches('/').to_string(),
+            reqwest::Client::new(),
+        );
         let router = Router::new().fallback(move |uri: axum::http::Uri| {
             let (n, up, client) = (n.clone(), up.clone(), client.clone());
             async move {
-                let path = uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
+                let path = uri
+                    .path_and_query()
+                    .map(|p| p.as_str().to_string())
+                    .unwrap_or_else(|| "/".into());
                 let answer = match client.get(format!("{up}{path}")).send().await {
                     Ok(r) => {
-                        let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+                        let status = StatusCode::from_u16(r.status().as_u16())
+                            .unwrap_or(StatusCode::BAD_GATEWAY);
                         (status, r.bytes().await.unwrap_or_default())
                     }
                     Err(_) => (StatusCode::BAD_GATEWAY, Default::default()),
@@ -224,9 +304,15 @@ impl ApiTap {
         let stop = CancellationToken::new();
         let sd = stop.clone();
         tokio::spawn(async move {
-            let _ = axum::serve(listener, router).with_graceful_shutdown(async move { sd.cancelled().await }).await;
+            let _ = axum::serve(listener, router)
+                .with_graceful_shutdown(async move { sd.cancelled().await })
+                .await;
         });
-        Ok(ApiTap { url: format!("http://{addr}"), answered, stop })
+        Ok(ApiTap {
+            url: format!("http://{addr}"),
+            answered,
+            stop,
+        })
     }
 
     /// How many requests were answered so far.
@@ -236,7 +322,12 @@ impl ApiTap {
 
     /// Waits until at least `n` requests were answered.
     pub async fn wait_answered(&self, n: usize, timeout: Duration) -> Result<()> {
-        wait_for(&format!("{n} request(s) through the API tap"), timeout, || async { (self.answered() >= n).then_some(()) }).await
+        wait_for(
+            &format!("{n} request(s) through the API tap"),
+            timeout,
+            || async { (self.answered() >= n).then_some(()) },
+        )
+        .await
     }
 }
 

@@ -31,15 +31,24 @@ impl Recorder {
             async move {
                 let w = ctx.worker_id.to_string();
                 {
-                    let mut s = rec.inner.lock().map_err(|_| TaskError::retryable("poisoned"))?;
-                    s.runs.push((ctx.envelope.id.clone(), w.clone(), ctx.attempt));
+                    let mut s = rec
+                        .inner
+                        .lock()
+                        .map_err(|_| TaskError::retryable("poisoned"))?;
+                    s.runs
+                        .push((ctx.envelope.id.clone(), w.clone(), ctx.attempt));
                     let r = s.running.entry(w.clone()).or_default();
                     *r += 1;
                     let now = *r;
                     let p = s.peak.entry(w.clone()).or_default();
                     *p = (*p).max(now);
                 }
-                let ms = ctx.envelope.payload.get("ms").and_then(|v| v.as_u64()).unwrap_or(0);
+                let ms = ctx
+                    .envelope
+                    .payload
+                    .get("ms")
+                    .and_then(|v| v.as_u64())
+                    .unwrap_or(0);
                 if ms > 0 {
                     tokio::time::sleep(Duration::from_millis(ms)).await;
                 }
@@ -55,7 +64,10 @@ impl Recorder {
 
     /// Every run so far: (task id, worker id, attempt).
     pub fn runs(&self) -> Vec<(String, String, u32)> {
-        self.inner.lock().map(|s| s.runs.clone()).unwrap_or_default()
+        self.inner
+            .lock()
+            .map(|s| s.runs.clone())
+            .unwrap_or_default()
     }
 
     pub fn count(&self) -> usize {
@@ -63,7 +75,11 @@ impl Recorder {
     }
 
     pub fn peak(&self, worker: &str) -> u32 {
-        self.inner.lock().ok().and_then(|s| s.peak.get(worker).copied()).unwrap_or(0)
+        self.inner
+            .lock()
+            .ok()
+            .and_then(|s| s.peak.get(worker).copied())
+            .unwrap_or(0)
     }
 
     /// Runs per task id.
@@ -85,7 +101,9 @@ pub struct Gate {
 impl Gate {
     fn sem(&self, id: &str) -> Arc<Semaphore> {
         let mut m = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        m.entry(id.to_string()).or_insert_with(|| Arc::new(Semaphore::new(0))).clone()
+        m.entry(id.to_string())
+            .or_insert_with(|| Arc::new(Semaphore::new(0)))
+            .clone()
     }
 
     /// Waits until the test lets one run of task `id` through.
@@ -120,7 +138,11 @@ impl Attempts {
 
     /// The attempt numbers seen for a task, in order.
     pub fn of(&self, id: &str) -> Vec<u32> {
-        self.all().into_iter().filter(|(t, _, _)| t == id).map(|(_, a, _)| a).collect()
+        self.all()
+            .into_iter()
+            .filter(|(t, _, _)| t == id)
+            .map(|(_, a, _)| a)
+            .collect()
     }
 
     pub fn count(&self) -> usize {

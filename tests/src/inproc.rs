@@ -28,7 +28,9 @@ impl SchedulerHandle {
 
     pub async fn stop(self) -> Result<()> {
         self.shutdown.cancel();
-        tokio::time::timeout(Duration::from_secs(20), self.join).await.context("scheduler stop timed out")??
+        tokio::time::timeout(Duration::from_secs(20), self.join)
+            .await
+            .context("scheduler stop timed out")??
     }
 }
 
@@ -36,7 +38,10 @@ impl SchedulerHandle {
 pub fn test_log() {
     crate::wait::watchdog();
     if let Ok(f) = std::env::var("FLEET_TEST_LOG") {
-        let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::new(f)).with_test_writer().try_init();
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(f))
+            .with_test_writer()
+            .try_init();
     }
 }
 
@@ -65,14 +70,25 @@ pub async fn start_scheduler_exactly(ns: &Ns, all: &[(&str, &str)]) -> Result<Sc
     let shutdown = CancellationToken::new();
     let sd = shutdown.clone();
     let join = tokio::spawn(async move { fleet_scheduler::run(cfg, listener, sd).await });
-    let h = SchedulerHandle { addr, shutdown, join };
+    let h = SchedulerHandle {
+        addr,
+        shutdown,
+        join,
+    };
     let client = reqwest::Client::new();
     let url = h.url("/readyz");
     // 40 s: a scheduler given a list of nodes may first spend `fleet::amqp::CONNECT_TIMEOUT`
     // on one that never answers.
     wait_for("scheduler ready", Duration::from_secs(40), || {
         let (c, u) = (client.clone(), url.clone());
-        async move { c.get(&u).send().await.ok().filter(|r| r.status().is_success()).map(|_| ()) }
+        async move {
+            c.get(&u)
+                .send()
+                .await
+                .ok()
+                .filter(|r| r.status().is_success())
+                .map(|_| ())
+        }
     })
     .await?;
     Ok(h)
@@ -91,7 +107,9 @@ impl WorkerHandle {
     /// Drains (like SIGTERM) and waits for the worker to return.
     pub async fn stop(self) -> Result<()> {
         self.shutdown.cancel();
-        tokio::time::timeout(Duration::from_secs(30), self.join).await.context("worker stop timed out")??
+        tokio::time::timeout(Duration::from_secs(30), self.join)
+            .await
+            .context("worker stop timed out")??
     }
 }
 
@@ -118,7 +136,11 @@ pub async fn start_worker(
 ) -> Result<WorkerHandle> {
     let cap = capacity.to_string();
     let mut all: Vec<(&str, &str)> = WORKER_DEFAULTS.to_vec();
-    all.extend_from_slice(&[("worker_id", id), ("labels", labels), ("capacity", cap.as_str())]);
+    all.extend_from_slice(&[
+        ("worker_id", id),
+        ("labels", labels),
+        ("capacity", cap.as_str()),
+    ]);
     all.extend_from_slice(extra);
     let cfg = WorkerConfig::from_settings(&ns.settings(&all))?;
     let mut b = Worker::builder(cfg);
@@ -137,7 +159,10 @@ pub async fn spawn_worker(id: &str, builder: fleet_worker::WorkerBuilder) -> Res
     let addr = listener.local_addr()?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     let force = CancellationToken::new();
-    let b = builder.listener(listener).on_ready(tx).force_shutdown(force.clone());
+    let b = builder
+        .listener(listener)
+        .on_ready(tx)
+        .force_shutdown(force.clone());
     let shutdown = CancellationToken::new();
     let sd = shutdown.clone();
     let join = tokio::spawn(async move { b.run(sd).await });
@@ -150,9 +175,14 @@ pub async fn spawn_worker(id: &str, builder: fleet_worker::WorkerBuilder) -> Res
         }
         Err(_) => bail!("worker {id} not ready within 40 s"),
     }
-    Ok(WorkerHandle { id: id.to_string(), addr, shutdown, force, join })
+    Ok(WorkerHandle {
+        id: id.to_string(),
+        addr,
+        shutdown,
+        force,
+        join,
+    })
 }
-
 
 /// The fixture of tests about what one worker does with tasks: a namespace, a scheduler and
 /// one worker in this process, and the worker's group name. Stopped (worker, scheduler) and
@@ -169,12 +199,28 @@ impl Fleet {
     /// A fresh namespace, a scheduler with the test defaults, and worker `id` with `labels`,
     /// `capacity`, `extra` settings (its executor from `executor`, `builtin` by default) and
     /// `handlers`.
-    pub async fn start(id: &str, labels: &str, capacity: u32, extra: &[(&str, &str)], handlers: &[(&str, Arc<dyn Handler>)]) -> Result<Fleet> {
+    pub async fn start(
+        id: &str,
+        labels: &str,
+        capacity: u32,
+        extra: &[(&str, &str)],
+        handlers: &[(&str, Arc<dyn Handler>)],
+    ) -> Result<Fleet> {
         let ns = Ns::new().await?;
         let sched = start_scheduler(&ns, &[]).await?;
         let worker = start_worker(&ns, id, labels, capacity, extra, handlers).await?;
-        let executor = extra.iter().rev().find(|(k, _)| *k == "executor").map(|(_, v)| *v).unwrap_or("builtin");
-        Ok(Fleet { group: crate::group_of(labels, executor), ns, sched, worker })
+        let executor = extra
+            .iter()
+            .rev()
+            .find(|(k, _)| *k == "executor")
+            .map(|(_, v)| *v)
+            .unwrap_or("builtin");
+        Ok(Fleet {
+            group: crate::group_of(labels, executor),
+            ns,
+            sched,
+            worker,
+        })
     }
 
     /// `http://addr` of the worker (its `/metrics`, `/status`).

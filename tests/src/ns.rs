@@ -56,11 +56,18 @@ impl Ns {
 
     /// A fresh namespace on the given servers; `extra` settings (TLS files, ...) join the base
     /// every component starts from and serve the test's own connections too.
-    pub async fn on(amqp_url: &str, redis_url: &str, qt: &str, extra: &[(String, String)]) -> Result<Self> {
+    pub async fn on(
+        amqp_url: &str,
+        redis_url: &str,
+        qt: &str,
+        extra: &[(String, String)],
+    ) -> Result<Self> {
         crate::wait::watchdog();
         let name = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
         let names = Names::new(&name);
-        if let (Ok(mut r), Some(test)) = (crate::wait::RUNNING.lock(), std::thread::current().name()) {
+        if let (Ok(mut r), Some(test)) =
+            (crate::wait::RUNNING.lock(), std::thread::current().name())
+        {
             r.push(format!("{test} ({name})"));
         }
         let mut base = vec![
@@ -74,11 +81,20 @@ impl Ns {
         let s = Settings::from_pairs(base.iter().map(|(k, v)| (k.as_str(), v.clone())));
         let store = Store::with_tls(redis_url, names.clone(), &tls_config(&s, "redis_tls")?)?;
         let amqp_tls = tls_config(&s, "amqp_tls")?;
-        let conn = amqp::connect_with(amqp_url, "fleet-tests", &amqp_tls).await.context("connect to RabbitMQ")?;
+        let conn = amqp::connect_with(amqp_url, "fleet-tests", &amqp_tls)
+            .await
+            .context("connect to RabbitMQ")?;
         let publisher = amqp::confirm_channel(&conn).await?;
         // The topology is declared by the scheduler and workers a test starts (with the
         // test's own bounds), not here.
-        Ok(Ns { name, names, store, conn, publisher, base })
+        Ok(Ns {
+            name,
+            names,
+            store,
+            conn,
+            publisher,
+            base,
+        })
     }
 
     /// Settings = this namespace's base + the given overrides.
@@ -91,7 +107,10 @@ impl Ns {
     }
 
     pub fn common(&self, extra: &[(&str, &str)]) -> Result<CommonConfig> {
-        Ok(CommonConfig::from_settings(&self.settings(extra), "127.0.0.1:0")?)
+        Ok(CommonConfig::from_settings(
+            &self.settings(extra),
+            "127.0.0.1:0",
+        )?)
     }
 
     /// Publishes envelopes to the submit exchange (routing key = lane) with confirms.
@@ -104,25 +123,55 @@ impl Ns {
 
     /// Publishes raw bytes to the submit exchange.
     pub async fn submit_raw(&self, lane: Lane, body: &[u8]) -> Result<()> {
-        amqp::publish_confirmed(&self.publisher, &self.names.submit_exchange(), lane.as_str(), body, amqp::task_properties("raw", None)).await?;
+        amqp::publish_confirmed(
+            &self.publisher,
+            &self.names.submit_exchange(),
+            lane.as_str(),
+            body,
+            amqp::task_properties("raw", None),
+        )
+        .await?;
         Ok(())
     }
 
     /// Publishes `body` (task `id`) straight to `group`'s queue of `lane` through the tasks
     /// exchange, with a confirm: what the scheduler does, for tests that run no scheduler.
-    pub async fn publish_to_group(&self, group: &str, lane: Lane, id: &str, body: &[u8]) -> Result<()> {
-        amqp::publish_confirmed(&self.publisher, &self.names.tasks_exchange(), &self.names.group_key(group, lane), body, amqp::task_properties(id, None)).await?;
+    pub async fn publish_to_group(
+        &self,
+        group: &str,
+        lane: Lane,
+        id: &str,
+        body: &[u8],
+    ) -> Result<()> {
+        amqp::publish_confirmed(
+            &self.publisher,
+            &self.names.tasks_exchange(),
+            &self.names.group_key(group, lane),
+            body,
+            amqp::task_properties(id, None),
+        )
+        .await?;
         Ok(())
     }
 
     /// Takes (and acks) messages from `queue` until `n` are in hand: (properties, body) each,
     /// in queue order; fails after `timeout` naming how many came.
-    pub async fn take(&self, queue: &str, n: usize, timeout: Duration) -> Result<Vec<(lapin::BasicProperties, Vec<u8>)>> {
+    pub async fn take(
+        &self,
+        queue: &str,
+        n: usize,
+        timeout: Duration,
+    ) -> Result<Vec<(lapin::BasicProperties, Vec<u8>)>> {
         let ch = self.conn.create_channel().await?;
         let out = std::sync::Mutex::new(Vec::new());
         let r = wait_for(&format!("{n} messages in {queue}"), timeout, || async {
             while out.lock().map(|v| v.len() < n).unwrap_or(false) {
-                let Ok(Some(m)) = ch.basic_get(queue.into(), BasicGetOptions { no_ack: true }).await else { break };
+                let Ok(Some(m)) = ch
+                    .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+                    .await
+                else {
+                    break;
+                };
                 if let Ok(mut v) = out.lock() {
                     v.push((m.delivery.properties.clone(), m.delivery.data));
                 }
@@ -141,7 +190,13 @@ impl Ns {
         tokio::time::timeout(Duration::from_secs(60), async {
             let ch = self.conn.create_channel().await?;
             let mut out = Vec::new();
-            while let Some(m) = ch.basic_get(self.names.dead_queue().as_str().into(), BasicGetOptions { no_ack: true }).await? {
+            while let Some(m) = ch
+                .basic_get(
+                    self.names.dead_queue().as_str().into(),
+                    BasicGetOptions { no_ack: true },
+                )
+                .await?
+            {
                 let reason = amqp::header_str(&m.delivery.properties, fleet::headers::REASON);
                 out.push((m.delivery.data, reason));
             }
@@ -173,7 +228,14 @@ impl Ns {
         let mut most = 1;
         for g in groups {
             let mut n = 0;
-            while n < 1024 && topology::depth(&self.conn, &self.names.group_shard_queue(g, Lane::Normal, n, 2)).await.is_some() {
+            while n < 1024
+                && topology::depth(
+                    &self.conn,
+                    &self.names.group_shard_queue(g, Lane::Normal, n, 2),
+                )
+                .await
+                .is_some()
+            {
                 n += 1;
             }
             most = most.max(n);
@@ -199,14 +261,21 @@ impl Ns {
         })
         .await
         .with_context(|| format!("cleaning up namespace {} took over 60 s", self.name))??;
-        let _ = tokio::time::timeout(Duration::from_secs(5), self.conn.close(200, "bye".into())).await;
+        let _ =
+            tokio::time::timeout(Duration::from_secs(5), self.conn.close(200, "bye".into())).await;
         Ok(())
     }
     /// Publishes each envelope and reports, per envelope, whether the broker accepted it.
     pub async fn submit_each(&self, envs: &[Envelope]) -> Result<Vec<bool>> {
         tokio::time::timeout(Duration::from_secs(60), async {
             let mut out = Vec::with_capacity(envs.len());
-            for c in fleet::producer::publish_envelopes(&self.publisher, &self.names.submit_exchange(), envs).await {
+            for c in fleet::producer::publish_envelopes(
+                &self.publisher,
+                &self.names.submit_exchange(),
+                envs,
+            )
+            .await
+            {
                 out.push(amqp::confirmed(c?).await.is_ok());
             }
             anyhow::Ok(out)
@@ -226,10 +295,16 @@ impl Ns {
 
     /// Waits until every group has nothing reserved and nothing running.
     pub async fn wait_groups_idle(&self, timeout: Duration) -> Result<()> {
-        wait_for("every group's reserved and load back to 0", timeout, || async {
-            let gs = self.store.groups().await.ok()?;
-            gs.iter().all(|g| g.reserved == 0 && g.load == 0).then_some(())
-        })
+        wait_for(
+            "every group's reserved and load back to 0",
+            timeout,
+            || async {
+                let gs = self.store.groups().await.ok()?;
+                gs.iter()
+                    .all(|g| g.reserved == 0 && g.load == 0)
+                    .then_some(())
+            },
+        )
         .await
     }
 
@@ -250,14 +325,21 @@ impl Ns {
                     }
                 }
             }
-            gs.iter().all(|g| g.reserved == 0 && g.load == 0).then_some(())
+            gs.iter()
+                .all(|g| g.reserved == 0 && g.load == 0)
+                .then_some(())
         })
         .await
     }
 
     /// Waits until `id`'s status has `state`; returns the status fields. The error names the
     /// last status read.
-    pub async fn wait_state(&self, id: &str, state: &str, timeout: Duration) -> Result<BTreeMap<String, String>> {
+    pub async fn wait_state(
+        &self,
+        id: &str,
+        state: &str,
+        timeout: Duration,
+    ) -> Result<BTreeMap<String, String>> {
         let r = wait_for(&format!("task {id} {state}"), timeout, || async {
             let st = self.status(id).await.ok()??;
             (st.get("state").map(String::as_str) == Some(state)).then_some(st)
@@ -274,11 +356,13 @@ impl Ns {
 
     /// A task's `state` field, `None` without a status.
     pub async fn state_of(&self, id: &str) -> Option<String> {
-        self.status(id).await.ok().flatten().and_then(|s| s.get("state").cloned())
+        self.status(id)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|s| s.get("state").cloned())
     }
 }
-
-
 
 /// An envelope of `kind` with a selector.
 pub fn task(kind: &str, payload: serde_json::Value, labels: &str) -> Envelope {
@@ -293,5 +377,10 @@ pub fn tls_config(s: &Settings, prefix: &str) -> Result<fleet::tls::TlsConfig> {
     let file = |what: &str| s.opt_string(&format!("{prefix}_{what}_file"));
     let (ca, cert, key) = (file("ca"), file("cert"), file("key"));
     let var_prefix = format!("FLEET_{}", prefix.to_ascii_uppercase());
-    Ok(fleet::tls::TlsConfig::from_files(&var_prefix, ca.as_deref(), cert.as_deref(), key.as_deref())?)
+    Ok(fleet::tls::TlsConfig::from_files(
+        &var_prefix,
+        ca.as_deref(),
+        cert.as_deref(),
+        key.as_deref(),
+    )?)
 }

@@ -18,10 +18,16 @@ use crate::{wait_for, worker, Ns};
 /// Path of a workspace binary next to the test executable (built by `cargo build --bins`).
 pub fn bin_path(name: &str) -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
-    let dir = exe.parent().and_then(|p| p.parent()).context("no target dir")?;
+    let dir = exe
+        .parent()
+        .and_then(|p| p.parent())
+        .context("no target dir")?;
     let p = dir.join(name);
     if !p.exists() {
-        bail!("{} not found: build the binaries first (cargo build --bins)", p.display());
+        bail!(
+            "{} not found: build the binaries first (cargo build --bins)",
+            p.display()
+        );
     }
     Ok(p)
 }
@@ -42,13 +48,21 @@ pub fn fleet_command(name: &str) -> Result<Command> {
 /// Runs the binary `name` with exactly the variables `env` (besides the inherited non-`FLEET_*`
 /// ones) and `args`; returns (exit code, -1 on a signal; stdout; stderr) once it exits, failing
 /// after 60 s (the process is killed then).
-pub async fn run_bin(name: &str, env: &[(&str, &str)], args: &[&str]) -> Result<(i32, String, String)> {
+pub async fn run_bin(
+    name: &str,
+    env: &[(&str, &str)],
+    args: &[&str],
+) -> Result<(i32, String, String)> {
     let mut cmd = tokio::process::Command::from(fleet_command(name)?);
     cmd.envs(env.iter().copied()).args(args).kill_on_drop(true);
     let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
         .await
         .with_context(|| format!("{name} {args:?} did not exit within 60 s"))??;
-    Ok((out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned()))
+    Ok((
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
 }
 
 /// Runs a binary with only the given `FLEET_*` settings and no arguments; returns (exit code,
@@ -77,7 +91,12 @@ pub async fn fleetctl(ns: &Ns, api: &str, args: &[&str]) -> Result<(i32, String,
 }
 
 /// [`fleetctl`] with more variables (e.g. `FLEET_API_TOKEN`).
-pub async fn fleetctl_with(ns: &Ns, api: &str, more: &[(&str, &str)], args: &[&str]) -> Result<(i32, String, String)> {
+pub async fn fleetctl_with(
+    ns: &Ns,
+    api: &str,
+    more: &[(&str, &str)],
+    args: &[&str],
+) -> Result<(i32, String, String)> {
     let env = fleetctl_env(ns, api);
     let mut all: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     all.extend_from_slice(more);
@@ -112,25 +131,48 @@ impl WorkerProcess {
     /// `active`.
     pub async fn start(ns: &Ns, spec: &ProcessSpec<'_>) -> Result<Self> {
         let mut w = Self::spawn(ns, spec)?;
-        w.wait_state(&ns.store, "active", Duration::from_secs(20)).await?;
+        w.wait_state(&ns.store, "active", Duration::from_secs(20))
+            .await?;
         Ok(w)
     }
 
     /// [`WorkerProcess::spawn`] with more environment variables for the process (e.g.
     /// `LD_PRELOAD` of libfaketime).
     pub fn spawn_with_env(ns: &Ns, spec: &ProcessSpec<'_>, env: &[(&str, &str)]) -> Result<Self> {
-        let log = std::env::temp_dir().join(format!("fleet-{}-{}-{}.log", ns.name, spec.id, &uuid::Uuid::new_v4().simple().to_string()[..6]));
-        let out = std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
+        let log = std::env::temp_dir().join(format!(
+            "fleet-{}-{}-{}.log",
+            ns.name,
+            spec.id,
+            &uuid::Uuid::new_v4().simple().to_string()[..6]
+        ));
+        let out =
+            std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
         let err = out.try_clone()?;
-        let base: HashMap<&str, &str> = ns.base.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let base: HashMap<&str, &str> = ns
+            .base
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
         // Nothing of the test runner's own FLEET_* environment leaks in.
         let mut cmd = fleet_command("fleet-worker")?;
         let capacity = spec.capacity.to_string();
         let mut settings: Vec<(&str, &str)> = vec![
-            ("namespace", base.get("namespace").copied().unwrap_or_default()),
-            ("amqp_url", base.get("amqp_url").copied().unwrap_or_default()),
-            ("redis_url", base.get("redis_url").copied().unwrap_or_default()),
-            ("queue_type", base.get("queue_type").copied().unwrap_or("classic")),
+            (
+                "namespace",
+                base.get("namespace").copied().unwrap_or_default(),
+            ),
+            (
+                "amqp_url",
+                base.get("amqp_url").copied().unwrap_or_default(),
+            ),
+            (
+                "redis_url",
+                base.get("redis_url").copied().unwrap_or_default(),
+            ),
+            (
+                "queue_type",
+                base.get("queue_type").copied().unwrap_or("classic"),
+            ),
             ("http_addr", "127.0.0.1:0"),
             ("executor", "http"),
             ("http_url", spec.endpoint),
@@ -149,9 +191,17 @@ impl WorkerProcess {
         }
         cmd.env("RUST_LOG", "info,lapin=warn");
         cmd.envs(env.iter().copied());
-        let child = cmd.stdout(out).stderr(err).spawn().context("spawn fleet-worker")?;
+        let child = cmd
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .context("spawn fleet-worker")?;
         crate::servers::register(child.id(), false);
-        Ok(WorkerProcess { id: spec.id.to_string(), child, log })
+        Ok(WorkerProcess {
+            id: spec.id.to_string(),
+            child,
+            log,
+        })
     }
 
     pub fn pid(&self) -> u32 {
@@ -160,7 +210,10 @@ impl WorkerProcess {
 
     /// Sends a signal by name (`TERM`, `STOP`, `CONT`) with `kill(1)`.
     pub fn signal(&self, sig: &str) -> Result<()> {
-        let st = Command::new("kill").arg(format!("-{sig}")).arg(self.pid().to_string()).status()?;
+        let st = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid().to_string())
+            .status()?;
         if !st.success() {
             bail!("kill -{sig} {} failed: {st}", self.pid());
         }
@@ -177,7 +230,10 @@ impl WorkerProcess {
     /// Waits for the process to exit.
     pub async fn wait_exit(&mut self, timeout: Duration) -> Result<ExitStatus> {
         let child = &mut self.child;
-        let r = wait_for(&format!("{} to exit", self.id), timeout, || std::future::ready(child.try_wait().ok().flatten())).await;
+        let r = wait_for(&format!("{} to exit", self.id), timeout, || {
+            std::future::ready(child.try_wait().ok().flatten())
+        })
+        .await;
         r.with_context(|| format!("log:\n{}", self.log_tail()))
     }
 
@@ -189,7 +245,12 @@ impl WorkerProcess {
     }
 
     /// Waits until the worker is registered in `state`.
-    pub async fn wait_state(&mut self, store: &Store, state: &str, timeout: Duration) -> Result<WorkerView> {
+    pub async fn wait_state(
+        &mut self,
+        store: &Store,
+        state: &str,
+        timeout: Duration,
+    ) -> Result<WorkerView> {
         let start = Instant::now();
         loop {
             if let Some(w) = worker(store, &self.id).await {
@@ -198,10 +259,18 @@ impl WorkerProcess {
                 }
             }
             if let Some(st) = self.child.try_wait()? {
-                bail!("{} exited ({st}) before reaching state {state}; log:\n{}", self.id, self.log_tail());
+                bail!(
+                    "{} exited ({st}) before reaching state {state}; log:\n{}",
+                    self.id,
+                    self.log_tail()
+                );
             }
             if start.elapsed() > timeout {
-                bail!("{} not {state} within {timeout:?}; log:\n{}", self.id, self.log_tail());
+                bail!(
+                    "{} not {state} within {timeout:?}; log:\n{}",
+                    self.id,
+                    self.log_tail()
+                );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -239,22 +308,46 @@ impl SchedulerProcess {
     /// Starts `fleet-scheduler` with the namespace's settings plus `extra` (config-file keys)
     /// and waits (up to 30 s) until `/readyz` answers 200.
     pub async fn spawn(ns: &Ns, extra: &[(&str, &str)]) -> Result<Self> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
         let log = std::env::temp_dir().join(format!("fleet-{}-scheduler-{port}.log", ns.name));
         let out = std::fs::File::create(&log)?;
         let mut cmd = fleet_command("fleet-scheduler")?;
         let addr = format!("127.0.0.1:{port}");
-        for (k, v) in ns.base.iter().map(|(k, v)| (k.as_str(), v.as_str())).chain([("http_addr", addr.as_str())]).chain(extra.iter().copied()) {
+        for (k, v) in ns
+            .base
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .chain([("http_addr", addr.as_str())])
+            .chain(extra.iter().copied())
+        {
             cmd.env(format!("FLEET_{}", k.to_ascii_uppercase()), v);
         }
         cmd.env("RUST_LOG", "info,lapin=warn");
-        let child = cmd.stdout(out.try_clone()?).stderr(out).spawn().context("spawn fleet-scheduler")?;
+        let child = cmd
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .context("spawn fleet-scheduler")?;
         crate::servers::register(child.id(), false);
-        let p = SchedulerProcess { child, base: format!("http://{addr}"), log };
+        let p = SchedulerProcess {
+            child,
+            base: format!("http://{addr}"),
+            log,
+        };
         let ready = format!("{}/readyz", p.base);
         wait_for("scheduler process ready", Duration::from_secs(30), || {
             let u = ready.clone();
-            async move { crate::metrics::http().get(&u).send().await.ok().filter(|r| r.status().is_success()).map(|_| ()) }
+            async move {
+                crate::metrics::http()
+                    .get(&u)
+                    .send()
+                    .await
+                    .ok()
+                    .filter(|r| r.status().is_success())
+                    .map(|_| ())
+            }
         })
         .await
         .with_context(|| std::fs::read_to_string(&p.log).unwrap_or_default())?;
@@ -270,9 +363,15 @@ impl SchedulerProcess {
 
     /// SIGTERM and waits (up to `timeout`) for the exit.
     pub async fn stop(&mut self, timeout: Duration) -> Result<()> {
-        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status();
         let child = &mut self.child;
-        wait_for("the scheduler process to exit", timeout, || std::future::ready(child.try_wait().ok().flatten())).await?;
+        wait_for("the scheduler process to exit", timeout, || {
+            std::future::ready(child.try_wait().ok().flatten())
+        })
+        .await?;
         Ok(())
     }
 }

@@ -17,17 +17,26 @@ pub async fn worker(store: &Store, id: &str) -> Option<WorkerView> {
 
 /// A group's view, `None` when unknown.
 pub async fn group(store: &Store, name: &str) -> Option<GroupView> {
-    store.groups().await.ok()?.into_iter().find(|g| g.group == name)
+    store
+        .groups()
+        .await
+        .ok()?
+        .into_iter()
+        .find(|g| g.group == name)
 }
 
 /// Waits until no worker with `id` is registered; returns when that was seen.
 pub async fn wait_gone(store: &Store, id: &str, timeout: Duration) -> Result<Instant> {
-    wait_for(&format!("worker {id} gone from the registry"), timeout, || async {
-        match store.workers().await {
-            Ok(ws) if !ws.iter().any(|w| w.id == id) => Some(Instant::now()),
-            _ => None,
-        }
-    })
+    wait_for(
+        &format!("worker {id} gone from the registry"),
+        timeout,
+        || async {
+            match store.workers().await {
+                Ok(ws) if !ws.iter().any(|w| w.id == id) => Some(Instant::now()),
+                _ => None,
+            }
+        },
+    )
     .await
 }
 
@@ -36,8 +45,16 @@ pub async fn wait_gone(store: &Store, id: &str, timeout: Duration) -> Result<Ins
 pub async fn wait_succeeded(ns: &Ns, ids: &[String], timeout: Duration) -> Result<()> {
     let (all, last) = wait_all_in(ns, ids, "succeeded", timeout).await?;
     if !all {
-        let left: Vec<&String> = ids.iter().filter(|id| last.get(*id).map(String::as_str) != Some("succeeded")).collect();
-        bail!("{} of {} tasks not succeeded within {timeout:?}, e.g. {:?}", left.len(), ids.len(), &left[..left.len().min(3)]);
+        let left: Vec<&String> = ids
+            .iter()
+            .filter(|id| last.get(*id).map(String::as_str) != Some("succeeded"))
+            .collect();
+        bail!(
+            "{} of {} tasks not succeeded within {timeout:?}, e.g. {:?}",
+            left.len(),
+            ids.len(),
+            &left[..left.len().min(3)]
+        );
     }
     Ok(())
 }
@@ -69,7 +86,12 @@ pub fn count_states(states: &HashMap<String, String>) -> BTreeMap<String, usize>
 
 /// Polls the states of `ids` (every 200 ms: a check reads them all) until every one is
 /// `want` or `timeout` passes; returns whether they all got there and the last states read.
-pub async fn wait_all_in(ns: &Ns, ids: &[String], want: &str, timeout: Duration) -> Result<(bool, HashMap<String, String>)> {
+pub async fn wait_all_in(
+    ns: &Ns,
+    ids: &[String],
+    want: &str,
+    timeout: Duration,
+) -> Result<(bool, HashMap<String, String>)> {
     let what = format!("{} tasks {want}", ids.len());
     let r = wait_for_every(&what, timeout, Duration::from_millis(200), || async {
         let last = states(ns, ids).await.ok()?;
@@ -84,7 +106,10 @@ pub async fn wait_all_in(ns: &Ns, ids: &[String], want: &str, timeout: Duration)
 
 /// A worker's group name for its labels and executor (as the worker computes it).
 pub fn group_of(labels: &str, executor: &str) -> String {
-    fleet::Labels::parse(labels).unwrap_or_default().with("protocol", executor).group_name()
+    fleet::Labels::parse(labels)
+        .unwrap_or_default()
+        .with("protocol", executor)
+        .group_name()
 }
 
 /// Registers worker `id` straight in the store, as a worker process would (instance
@@ -96,7 +121,13 @@ pub async fn register_worker(store: &Store, id: &str, labels: &str, capacity: u3
 
 /// [`register_worker`] with its heartbeat timeout (`timeout`: short for eviction tests). The
 /// same process registering again (after an eviction) is this call again.
-pub async fn register_worker_for(store: &Store, id: &str, labels: &str, capacity: u32, timeout: Duration) -> Result<()> {
+pub async fn register_worker_for(
+    store: &Store,
+    id: &str,
+    labels: &str,
+    capacity: u32,
+    timeout: Duration,
+) -> Result<()> {
     let r = fleet::registry::Registration {
         id: id.into(),
         instance: format!("i-{id}"),

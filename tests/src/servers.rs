@@ -72,13 +72,18 @@ impl Pki {
         let (ca, ca_key) = make_ca("fleet test CA")?;
         let (other, _) = make_ca("some other CA")?;
         let server_key = KeyPair::generate()?;
-        let mut sp = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())?;
-        sp.distinguished_name.push(DnType::CommonName, names.first().copied().unwrap_or("localhost"));
+        let mut sp =
+            CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())?;
+        sp.distinguished_name.push(
+            DnType::CommonName,
+            names.first().copied().unwrap_or("localhost"),
+        );
         sp.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         let server = sp.signed_by(&server_key, &ca, &ca_key)?;
         let client_key = KeyPair::generate()?;
         let mut cp = CertificateParams::new(Vec::<String>::new())?;
-        cp.distinguished_name.push(DnType::CommonName, "fleet-client");
+        cp.distinguished_name
+            .push(DnType::CommonName, "fleet-client");
         cp.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
         let client = cp.signed_by(&client_key, &ca, &ca_key)?;
         Ok(Pki {
@@ -97,12 +102,15 @@ impl Pki {
     pub fn server_acceptor(&self) -> Result<tokio_rustls::TlsAcceptor> {
         use rustls_pki_types::pem::PemObject;
         use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-        let certs = CertificateDer::pem_file_iter(&self.server_cert)?.collect::<Result<Vec<_>, _>>()?;
+        let certs =
+            CertificateDer::pem_file_iter(&self.server_cert)?.collect::<Result<Vec<_>, _>>()?;
         let key = PrivateKeyDer::from_pem_file(&self.server_key)?;
-        let cfg = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
-            .with_safe_default_protocol_versions()?
-            .with_no_client_auth()
-            .with_single_cert(certs, key)?;
+        let cfg = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+            rustls::crypto::aws_lc_rs::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)?;
         Ok(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(cfg)))
     }
 
@@ -134,7 +142,11 @@ static STARTED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new()
 /// Remembers a started process (`group`: it leads its own process group) until the binary ends.
 pub(crate) fn register(pid: u32, group: bool) {
     if let Ok(mut s) = STARTED.lock() {
-        s.push(if group { format!("-{pid}") } else { pid.to_string() });
+        s.push(if group {
+            format!("-{pid}")
+        } else {
+            pid.to_string()
+        });
     }
 }
 
@@ -143,19 +155,27 @@ pub(crate) fn register(pid: u32, group: bool) {
 pub(crate) fn kill_registered_groups() {
     let targets = STARTED.lock().map(|s| s.clone()).unwrap_or_default();
     for t in targets {
-        let _ = Command::new("kill").args(["-KILL", "--", &t]).stdout(Stdio::null()).stderr(Stdio::null()).status();
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &t])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
     }
 }
 
 fn kill_group(child: &mut Child) {
-    let _ = Command::new("kill").args(["-TERM", "--", &format!("-{}", child.id())]).status();
+    let _ = Command::new("kill")
+        .args(["-TERM", "--", &format!("-{}", child.id())])
+        .status();
     for _ in 0..100 {
         if let Ok(Some(_)) = child.try_wait() {
             return;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    let _ = Command::new("kill").args(["-KILL", "--", &format!("-{}", child.id())]).status();
+    let _ = Command::new("kill")
+        .args(["-KILL", "--", &format!("-{}", child.id())])
+        .status();
     // The direct child at least, even if `kill` could not run: the wait below must end.
     let _ = child.kill();
     let _ = child.wait();
@@ -187,7 +207,11 @@ impl PrivateRabbit {
         let url = r.url();
         r.wait_up(|| {
             let url = url.clone();
-            async move { fleet::amqp::connect(&url, "fleet-tests-probe").await.is_ok() }
+            async move {
+                fleet::amqp::connect(&url, "fleet-tests-probe")
+                    .await
+                    .is_ok()
+            }
         })
         .await?;
         Ok(r)
@@ -205,28 +229,43 @@ impl PrivateRabbit {
             pki.ca, pki.server_cert, pki.server_key
         );
         let mut r = Self::spawn(port, true, &conf, "[].\n")?;
-        r.wait_up(|| async move { tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() }).await?;
+        r.wait_up(|| async move {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+        })
+        .await?;
         Ok(r)
     }
 
     fn spawn(port: u16, tls: bool, conf: &str, advanced: &str) -> Result<Self> {
         let dir = TempDir::new("rabbit")?;
-        let conf = format!("{conf}loopback_users.guest = true\nlog.console = true\nlog.file = false\n");
+        let conf =
+            format!("{conf}loopback_users.guest = true\nlog.console = true\nlog.file = false\n");
         let conf_path = dir.write("rabbitmq.conf", &conf)?;
         let advanced_path = dir.write("advanced.config", advanced)?;
         let plugins = dir.write("enabled_plugins", "[].\n")?;
         // The inner script runs the node as the calling user; the packaged wrapper would switch
         // to user `rabbitmq` (needing the world-readable files above).
-        let bin = ["/usr/lib/rabbitmq/bin/rabbitmq-server", "/usr/sbin/rabbitmq-server"]
-            .into_iter()
-            .find(|p| Path::new(p).exists())
-            .unwrap_or("rabbitmq-server");
-        let node = format!("fleet-t{}@localhost", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let bin = [
+            "/usr/lib/rabbitmq/bin/rabbitmq-server",
+            "/usr/sbin/rabbitmq-server",
+        ]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .unwrap_or("rabbitmq-server");
+        let node = format!(
+            "fleet-t{}@localhost",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
         let log = std::fs::File::create(dir.path("node.log"))?;
         let child = Command::new(bin)
             .env("RABBITMQ_NODENAME", &node)
             .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
-            .env("RABBITMQ_NODE_PORT", if tls { free_port()? } else { port }.to_string())
+            .env(
+                "RABBITMQ_NODE_PORT",
+                if tls { free_port()? } else { port }.to_string(),
+            )
             .env("RABBITMQ_DIST_PORT", free_port()?.to_string())
             .env("RABBITMQ_MNESIA_BASE", dir.path("mnesia"))
             .env("RABBITMQ_LOG_BASE", dir.path("log"))
@@ -242,7 +281,13 @@ impl PrivateRabbit {
             .spawn()
             .context("start rabbitmq-server (is it installed?)")?;
         register(child.id(), true);
-        Ok(PrivateRabbit { port, node, tls, child, dir })
+        Ok(PrivateRabbit {
+            port,
+            node,
+            tls,
+            child,
+            dir,
+        })
     }
 
     /// Polls `up` until it says yes, failing (with the log's tail) when the node exits first
@@ -258,7 +303,10 @@ impl PrivateRabbit {
                 return Ok(());
             }
             if let Ok(Some(status)) = self.child.try_wait() {
-                bail!("rabbitmq-server exited ({status}) before accepting connections: {}", self.log_tail());
+                bail!(
+                    "rabbitmq-server exited ({status}) before accepting connections: {}",
+                    self.log_tail()
+                );
             }
             if start.elapsed() > Duration::from_secs(120) {
                 bail!("private rabbitmq not up within 120 s: {}", self.log_tail());
@@ -300,18 +348,41 @@ impl PrivateRabbit {
             .into_iter()
             .find(|p| Path::new(p).exists())
             .unwrap_or("rabbitmqctl");
-        let run = tokio::process::Command::new(bin).arg("-n").arg(&self.node).args(args).stdin(Stdio::null()).kill_on_drop(true).output();
-        let out = tokio::time::timeout(Duration::from_secs(60), run).await.context("rabbitmqctl took over 60 s")??;
+        let run = tokio::process::Command::new(bin)
+            .arg("-n")
+            .arg(&self.node)
+            .args(args)
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .context("rabbitmqctl took over 60 s")??;
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        anyhow::ensure!(out.status.success(), "rabbitmqctl {args:?}: {}{}", text, String::from_utf8_lossy(&out.stderr));
+        anyhow::ensure!(
+            out.status.success(),
+            "rabbitmqctl {args:?}: {}{}",
+            text,
+            String::from_utf8_lossy(&out.stderr)
+        );
         Ok(text)
     }
 
     /// Sends `sig` (`STOP` freezes the node: connections stay open, nothing answers; `CONT`
     /// wakes it) to the node's whole process group.
     pub fn signal_group(&self, sig: &str) -> Result<()> {
-        let st = Command::new("kill").args([format!("-{sig}"), "--".into(), format!("-{}", self.child.id())]).status()?;
-        anyhow::ensure!(st.success(), "kill -{sig} of process group {} failed: {st}", self.child.id());
+        let st = Command::new("kill")
+            .args([
+                format!("-{sig}"),
+                "--".into(),
+                format!("-{}", self.child.id()),
+            ])
+            .status()?;
+        anyhow::ensure!(
+            st.success(),
+            "kill -{sig} of process group {} failed: {st}",
+            self.child.id()
+        );
         Ok(())
     }
 }
@@ -319,10 +390,16 @@ impl PrivateRabbit {
 impl Drop for PrivateRabbit {
     fn drop(&mut self) {
         // A node a test froze (SIGSTOP) would leave SIGTERM pending: wake it first.
-        let _ = Command::new("kill").args(["-CONT", "--", &format!("-{}", self.child.id())]).stderr(Stdio::null()).status();
+        let _ = Command::new("kill")
+            .args(["-CONT", "--", &format!("-{}", self.child.id())])
+            .stderr(Stdio::null())
+            .status();
         kill_group(&mut self.child);
         // The Erlang VM may outlive the script by a moment: kill what is left of the group.
-        let _ = Command::new("kill").args(["-KILL", "--", &format!("-{}", self.child.id())]).stderr(Stdio::null()).status();
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", self.child.id())])
+            .stderr(Stdio::null())
+            .status();
     }
 }
 
@@ -344,8 +421,18 @@ impl PrivateRedis {
         match tls {
             Some((pki, require_client_cert)) => {
                 cmd.args(["--port", "0", "--tls-port", &port.to_string()])
-                    .args(["--tls-cert-file", &pki.server_cert, "--tls-key-file", &pki.server_key, "--tls-ca-cert-file", &pki.ca])
-                    .args(["--tls-auth-clients", if require_client_cert { "yes" } else { "no" }]);
+                    .args([
+                        "--tls-cert-file",
+                        &pki.server_cert,
+                        "--tls-key-file",
+                        &pki.server_key,
+                        "--tls-ca-cert-file",
+                        &pki.ca,
+                    ])
+                    .args([
+                        "--tls-auth-clients",
+                        if require_client_cert { "yes" } else { "no" },
+                    ]);
             }
             None => {
                 cmd.args(["--port", &port.to_string()]);
@@ -354,11 +441,24 @@ impl PrivateRedis {
         if let Some(p) = password {
             cmd.args(["--requirepass", p]);
         }
-        let child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).process_group(0).spawn().context("start redis-server")?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .context("start redis-server")?;
         register(child.id(), true);
-        let mut r = PrivateRedis { port, tls: tls.is_some(), child };
+        let mut r = PrivateRedis {
+            port,
+            tls: tls.is_some(),
+            child,
+        };
         let start = std::time::Instant::now();
-        while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+        while tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+        {
             if let Ok(Some(status)) = r.child.try_wait() {
                 bail!("redis-server exited ({status}): is it built with TLS?");
             }
@@ -373,7 +473,11 @@ impl PrivateRedis {
     /// `redis://[default:password@]127.0.0.1:<port>`, or for a TLS server
     /// `rediss://[default:password@]localhost:<port>` (the name in the certificate).
     pub fn url(&self, password: Option<&str>) -> String {
-        let (scheme, host) = if self.tls { ("rediss", "localhost") } else { ("redis", "127.0.0.1") };
+        let (scheme, host) = if self.tls {
+            ("rediss", "localhost")
+        } else {
+            ("redis", "127.0.0.1")
+        };
         match password {
             Some(p) => format!("{scheme}://default:{p}@{host}:{}", self.port),
             None => format!("{scheme}://{host}:{}", self.port),
@@ -383,7 +487,9 @@ impl PrivateRedis {
     /// FLUSHALL on this server only (a plain server without a password).
     pub async fn flushall(&self) -> Result<()> {
         let store = fleet::Store::new(&self.url(None), fleet::Names::new("private"))?;
-        store.query::<()>(&deadpool_redis::redis::cmd("FLUSHALL")).await?;
+        store
+            .query::<()>(&deadpool_redis::redis::cmd("FLUSHALL"))
+            .await?;
         Ok(())
     }
 
@@ -396,7 +502,12 @@ impl PrivateRedis {
         let mut cmd = deadpool_redis::redis::cmd("ACL");
         cmd.arg("SETUSER").arg("default");
         if denied {
-            cmd.arg("-eval").arg("-evalsha").arg("-eval_ro").arg("-evalsha_ro").arg("-fcall").arg("-fcall_ro");
+            cmd.arg("-eval")
+                .arg("-evalsha")
+                .arg("-eval_ro")
+                .arg("-evalsha_ro")
+                .arg("-fcall")
+                .arg("-fcall_ro");
         } else {
             cmd.arg("+@all");
         }
@@ -426,14 +537,41 @@ impl RedisCluster {
     /// `cluster_state:ok` with every slot assigned (bounded: 60 s).
     pub async fn start(masters: usize) -> Result<Self> {
         // Built first, so the servers started so far are stopped if a later step fails.
-        let mut c = RedisCluster { ports: Vec::new(), children: Vec::new(), dir: TempDir::new("redis-cluster")? };
+        let mut c = RedisCluster {
+            ports: Vec::new(),
+            children: Vec::new(),
+            dir: TempDir::new("redis-cluster")?,
+        };
         for _ in 0..masters {
             let dir = &c.dir;
             let (port, bus) = (free_port()?, free_port()?);
             let child = Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--cluster-port", &bus.to_string(), "--bind", "127.0.0.1"])
-                .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "5000", "--save", "", "--appendonly", "no"])
-                .args(["--cluster-config-file", &dir.path(&format!("nodes-{port}.conf")), "--dir", &dir.path(""), "--logfile", &dir.path(&format!("redis-{port}.log"))])
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--cluster-port",
+                    &bus.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                ])
+                .args([
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    "5000",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                .args([
+                    "--cluster-config-file",
+                    &dir.path(&format!("nodes-{port}.conf")),
+                    "--dir",
+                    &dir.path(""),
+                    "--logfile",
+                    &dir.path(&format!("redis-{port}.log")),
+                ])
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
@@ -446,9 +584,15 @@ impl RedisCluster {
         }
         let start = std::time::Instant::now();
         for &port in &c.ports {
-            while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+            while tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_err()
+            {
                 if start.elapsed() > Duration::from_secs(20) {
-                    bail!("redis-server on {port} not up within 20 s: {}", c.log_tail(port));
+                    bail!(
+                        "redis-server on {port} not up within 20 s: {}",
+                        c.log_tail(port)
+                    );
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
@@ -464,19 +608,28 @@ impl RedisCluster {
         })
         .await??;
         if !create.status.success() {
-            bail!("redis-cli --cluster create: {}{}", String::from_utf8_lossy(&create.stdout), String::from_utf8_lossy(&create.stderr));
+            bail!(
+                "redis-cli --cluster create: {}{}",
+                String::from_utf8_lossy(&create.stdout),
+                String::from_utf8_lossy(&create.stderr)
+            );
         }
         loop {
             let mut ok = true;
             for &port in &c.ports {
                 let info = c.cli(port, &["CLUSTER", "INFO"]).await?;
-                ok &= info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384") && info.contains(&format!("cluster_known_nodes:{masters}"));
+                ok &= info.contains("cluster_state:ok")
+                    && info.contains("cluster_slots_ok:16384")
+                    && info.contains(&format!("cluster_known_nodes:{masters}"));
             }
             if ok {
                 return Ok(c);
             }
             if start.elapsed() > Duration::from_secs(60) {
-                bail!("the Redis Cluster is not ok within 60 s: {}", c.cli(c.ports[0], &["CLUSTER", "INFO"]).await?);
+                bail!(
+                    "the Redis Cluster is not ok within 60 s: {}",
+                    c.cli(c.ports[0], &["CLUSTER", "INFO"]).await?
+                );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -484,24 +637,45 @@ impl RedisCluster {
 
     /// `redis+cluster://127.0.0.1:<p1>,127.0.0.1:<p2>,…` (every master as a seed node).
     pub fn url(&self) -> String {
-        let nodes: Vec<String> = self.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let nodes: Vec<String> = self
+            .ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
         format!("redis+cluster://{}", nodes.join(","))
     }
 
     /// `redis-cli -p <port> ARGS…` against one node (no redirection): its raw output.
     pub async fn cli(&self, port: u16, args: &[&str]) -> Result<String> {
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        let out = tokio::task::spawn_blocking(move || Command::new("timeout").args(["10", "redis-cli", "-p", &port.to_string()]).args(&args).stdin(Stdio::null()).output())
-            .await??;
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new("timeout")
+                .args(["10", "redis-cli", "-p", &port.to_string()])
+                .args(&args)
+                .stdin(Stdio::null())
+                .output()
+        })
+        .await??;
         if !out.status.success() {
-            bail!("redis-cli -p {port}: {}", String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "redis-cli -p {port}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
     fn log_tail(&self, port: u16) -> String {
-        let text = std::fs::read_to_string(self.dir.path(&format!("redis-{port}.log"))).unwrap_or_default();
-        text.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+        let text = std::fs::read_to_string(self.dir.path(&format!("redis-{port}.log")))
+            .unwrap_or_default();
+        text.lines()
+            .rev()
+            .take(20)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 }
 

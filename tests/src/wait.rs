@@ -23,7 +23,12 @@ where
 /// The whole wait is bounded, each check included: a check that never answers (a broker or
 /// Redis call with no reply) is abandoned at the deadline and the wait fails saying so, so a
 /// stuck call fails its test instead of hanging the suite.
-pub async fn wait_for_every<T, F, Fut>(what: &str, timeout: Duration, every: Duration, mut check: F) -> Result<T>
+pub async fn wait_for_every<T, F, Fut>(
+    what: &str,
+    timeout: Duration,
+    every: Duration,
+    mut check: F,
+) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
@@ -37,7 +42,9 @@ where
         match tokio::time::timeout_at(limit, check()).await {
             Ok(Some(v)) => return Ok(v),
             Ok(None) => {}
-            Err(_) => bail!("timed out after {timeout:?} waiting for {what}: its last check got no answer"),
+            Err(_) => bail!(
+                "timed out after {timeout:?} waiting for {what}: its last check got no answer"
+            ),
         }
         if start.elapsed() > timeout {
             bail!("timed out after {timeout:?} waiting for {what}");

@@ -14,7 +14,8 @@ async fn overload_is_refused_and_every_accepted_task_completes() -> anyhow::Resu
     let rec = Recorder::default();
     let h = [("record", rec.handler())];
     let bound = 100u32;
-    let sched = start_scheduler(&ns, &[("ingress_max_normal", "100"), ("max_pending", "60")]).await?;
+    let sched =
+        start_scheduler(&ns, &[("ingress_max_normal", "100"), ("max_pending", "60")]).await?;
     let w = start_worker(&ns, "w1", "", 4, &[], &h).await?;
     // Fleet capacity: 4 slots × 100 ms = 40 tasks/s. Offer ~10× that for 3 s.
     let mut accepted: HashSet<String> = HashSet::new();
@@ -22,7 +23,9 @@ async fn overload_is_refused_and_every_accepted_task_completes() -> anyhow::Resu
     let mut max_depth = 0u32;
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(3) {
-        let envs: Vec<Envelope> = (0..40).map(|_| task("record", json!({"ms": 100}), "")).collect();
+        let envs: Vec<Envelope> = (0..40)
+            .map(|_| task("record", json!({"ms": 100}), ""))
+            .collect();
         for (e, ok) in envs.iter().zip(ns.submit_each(&envs).await?) {
             if ok {
                 accepted.insert(e.id.clone());
@@ -34,15 +37,25 @@ async fn overload_is_refused_and_every_accepted_task_completes() -> anyhow::Resu
         // Pacing of the offered load (40 every ~100 ms), part of the scenario, not a wait.
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    println!("overload: accepted {} refused {} max ingress depth {max_depth} (bound {bound})", accepted.len(), refused);
+    println!(
+        "overload: accepted {} refused {} max ingress depth {max_depth} (bound {bound})",
+        accepted.len(),
+        refused
+    );
     assert!(refused > 0, "producers must be refused under 10x overload");
     // New publishes are refused at the bound. When Red pauses intake, the deliveries the
     // scheduler had prefetched (4 loops × at most `bound` each) return to the queue on top of
     // it: that, and no more, is the most the queue may hold.
     let returned = 4 * bound;
-    assert!(max_depth <= bound + returned, "ingress depth {max_depth} passed its bound {bound} + {returned} returned");
+    assert!(
+        max_depth <= bound + returned,
+        "ingress depth {max_depth} passed its bound {bound} + {returned} returned"
+    );
     let n = accepted.len();
-    wait_for("every accepted task", Duration::from_secs(90), || async { (rec.count() >= n).then_some(()) }).await?;
+    wait_for("every accepted task", Duration::from_secs(90), || async {
+        (rec.count() >= n).then_some(())
+    })
+    .await?;
     // Barrier: queues empty and nothing reserved or running, so no further run can start.
     ns.wait_settled(Duration::from_secs(30)).await?;
     let ran: HashSet<String> = rec.per_task().into_keys().collect();
@@ -62,21 +75,39 @@ async fn red_pressure_refuses_normal_work_but_not_critical() -> anyhow::Result<(
     let w = start_worker(&ns, "w1", "", 1, &[("critical_capacity", "1")], &h).await?;
     // One long task fills the only normal slot: load 1.0 ≥ 0.85 → the published state is Red.
     // The intake gate closes once work waits beyond the group's room (parked ≥ 0.9 × 10).
-    ns.submit(&[task("record", json!({"ms": 4000}), "")]).await?;
-    let p = wait_for("pressure red in the API and the metric", Duration::from_secs(10), || async {
-        let p = get_json(&sched.url("/v1/pressure")).await.ok()?;
-        let page = reqwest::get(sched.url("/metrics")).await.ok()?.text().await.ok()?;
-        (p["state"] == "red" && metric_sum(&page, "fleet_pressure_state", &[]) == 2.0).then_some(p)
-    })
+    ns.submit(&[task("record", json!({"ms": 4000}), "")])
+        .await?;
+    let p = wait_for(
+        "pressure red in the API and the metric",
+        Duration::from_secs(10),
+        || async {
+            let p = get_json(&sched.url("/v1/pressure")).await.ok()?;
+            let page = reqwest::get(sched.url("/metrics"))
+                .await
+                .ok()?
+                .text()
+                .await
+                .ok()?;
+            (p["state"] == "red" && metric_sum(&page, "fleet_pressure_state", &[]) == 2.0)
+                .then_some(p)
+        },
+    )
     .await?;
-    assert!(p["load"].as_f64().unwrap_or(0.0) >= 0.85 || p["pending"].as_u64().unwrap_or(0) >= 900, "{p}");
+    assert!(
+        p["load"].as_f64().unwrap_or(0.0) >= 0.85 || p["pending"].as_u64().unwrap_or(0) >= 900,
+        "{p}"
+    );
 
     // Red closes the intake gate; HTTP producers are admitted like AMQP ones — while the
     // ingress queue has room they are accepted, at its bound refused: 429 pressure_red.
     let c = reqwest::Client::new();
     let mut accepted = 0;
     let refusal = loop {
-        let r = c.post(sched.url("/v1/tasks")).json(&json!({"kind": "record"})).send().await?;
+        let r = c
+            .post(sched.url("/v1/tasks"))
+            .json(&json!({"kind": "record"}))
+            .send()
+            .await?;
         match r.status().as_u16() {
             202 => accepted += 1,
             429 => break r,
@@ -84,22 +115,39 @@ async fn red_pressure_refuses_normal_work_but_not_critical() -> anyhow::Result<(
             // gate: a busy machine can lag one interval. Wait for the gate, then go on.
             503 => {
                 wait_for("intake gate red", Duration::from_secs(10), || async {
-                    get_json(&sched.url("/v1/pressure")).await.ok().filter(|p| p["gate"] == "red").map(|_| ())
+                    get_json(&sched.url("/v1/pressure"))
+                        .await
+                        .ok()
+                        .filter(|p| p["gate"] == "red")
+                        .map(|_| ())
                 })
                 .await?;
             }
             other => anyhow::bail!("unexpected {other} while Red"),
         }
-        anyhow::ensure!(accepted < 200, "no refusal after {accepted} tasks at an ingress bound of 3");
+        anyhow::ensure!(
+            accepted < 200,
+            "no refusal after {accepted} tasks at an ingress bound of 3"
+        );
     };
-    assert!(accepted >= 3, "the ingress queue's room is used first ({accepted})");
+    assert!(
+        accepted >= 3,
+        "the ingress queue's room is used first ({accepted})"
+    );
     assert!(refusal.headers().get("retry-after").is_some());
     let body: serde_json::Value = refusal.json().await?;
     assert_eq!(body["error"], "pressure_red");
     // An AMQP producer is refused at the same moment.
-    assert_eq!(ns.submit_each(&[task("record", json!({}), "")]).await?, vec![false]);
+    assert_eq!(
+        ns.submit_each(&[task("record", json!({}), "")]).await?,
+        vec![false]
+    );
     // The critical lane is not held back by normal-lane pressure.
-    let r = c.post(sched.url("/v1/tasks")).json(&json!({"kind": "record", "lane": "critical", "id": "crit-1"})).send().await?;
+    let r = c
+        .post(sched.url("/v1/tasks"))
+        .json(&json!({"kind": "record", "lane": "critical", "id": "crit-1"}))
+        .send()
+        .await?;
     assert_eq!(r.status().as_u16(), 202);
     wait_for("critical task done", Duration::from_secs(10), || async {
         rec.per_task().contains_key("crit-1").then_some(())
@@ -116,25 +164,51 @@ async fn http_submit_answers_202_400_429_503() -> anyhow::Result<()> {
     let rec = Recorder::default();
     let h = [("record", rec.handler())];
     // A starved rate limit and a tiny ingress: intake stalls, so ingress fills.
-    let sched = start_scheduler(&ns, &[("rate", "0.01"), ("burst", "1"), ("batch_max", "1"), ("ingress_max_normal", "5")]).await?;
+    let sched = start_scheduler(
+        &ns,
+        &[
+            ("rate", "0.01"),
+            ("burst", "1"),
+            ("batch_max", "1"),
+            ("ingress_max_normal", "5"),
+        ],
+    )
+    .await?;
     let w = start_worker(&ns, "w1", "", 4, &[], &h).await?;
     let c = reqwest::Client::new();
     let url = sched.url("/v1/tasks");
 
-    let r = c.post(&url).json(&json!([{"kind": "record"}, {"kind": "record", "id": "mine"}])).send().await?;
+    let r = c
+        .post(&url)
+        .json(&json!([{"kind": "record"}, {"kind": "record", "id": "mine"}]))
+        .send()
+        .await?;
     assert_eq!(r.status().as_u16(), 202);
     let body: serde_json::Value = r.json().await?;
     assert_eq!(body["ids"].as_array().map(Vec::len), Some(2));
     assert_eq!(body["ids"][1], "mine");
 
-    let r = c.post(&url).json(&json!([{"kind": "record"}, {"kind": "record", "lane": "bulk"}])).send().await?;
+    let r = c
+        .post(&url)
+        .json(&json!([{"kind": "record"}, {"kind": "record", "lane": "bulk"}]))
+        .send()
+        .await?;
     assert_eq!(r.status().as_u16(), 400);
     let body: serde_json::Value = r.json().await?;
     assert_eq!(body["error"], "unknown_lane");
     assert_eq!(body["index"], 1);
-    let r = c.post(&url).header("content-type", "application/json").body("{oops").send().await?;
+    let r = c
+        .post(&url)
+        .header("content-type", "application/json")
+        .body("{oops")
+        .send()
+        .await?;
     assert_eq!(r.status().as_u16(), 400);
-    let r = c.post(&url).json(&json!({"kind": "x", "not_before": "2099-01-01T00:00:00Z"})).send().await?;
+    let r = c
+        .post(&url)
+        .json(&json!({"kind": "x", "not_before": "2099-01-01T00:00:00Z"}))
+        .send()
+        .await?;
     assert_eq!(r.status().as_u16(), 400);
 
     let mut saw_503 = false;
@@ -158,7 +232,8 @@ async fn http_submit_answers_202_400_429_503() -> anyhow::Result<()> {
     // A namespace of its own: the full ingress above must not answer for the limiter here.
     ns.cleanup().await?;
     let ns = Ns::new().await?;
-    let sched = start_scheduler(&ns, &[("submit_rate", "0.1"), ("ingress_max_normal", "5")]).await?;
+    let sched =
+        start_scheduler(&ns, &[("submit_rate", "0.1"), ("ingress_max_normal", "5")]).await?;
     let url = sched.url("/v1/tasks");
     let first = c.post(&url).json(&json!({"kind": "record"})).send().await?;
     assert_eq!(first.status().as_u16(), 202);
@@ -187,7 +262,10 @@ async fn rate_limit_holds_across_two_replicas() -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_secs(10)).await;
     let rate = (rec.count() - before) as f64 / 10.0;
     println!("rate limit 200/s across 2 replicas: measured {rate:.1}/s");
-    assert!((170.0..=230.0).contains(&rate), "dispatched {rate}/s, limit 200/s ±15%");
+    assert!(
+        (170.0..=230.0).contains(&rate),
+        "dispatched {rate}/s, limit 200/s ±15%"
+    );
     let page = reqwest::get(s1.url("/metrics")).await?.text().await?;
     assert!(metric_sum(&page, "fleet_dispatch_throttled_total", &[]) > 0.0);
     w.force.cancel();
@@ -220,7 +298,10 @@ async fn delayed_task_never_starts_early_and_duplicates_run_once() -> anyhow::Re
     let due = chrono::Utc::now() + chrono::Duration::milliseconds(1500);
     delayed.not_before = Some(due);
     ns.submit(&[delayed.clone()]).await?;
-    let st = wait_for("delayed status", Duration::from_secs(5), || async { ns.status(&delayed.id).await.ok().flatten() }).await?;
+    let st = wait_for("delayed status", Duration::from_secs(5), || async {
+        ns.status(&delayed.id).await.ok().flatten()
+    })
+    .await?;
     assert_eq!(st.get("state").map(String::as_str), Some("delayed"));
 
     let mut dup = task("record", json!({}), "");
@@ -228,11 +309,22 @@ async fn delayed_task_never_starts_early_and_duplicates_run_once() -> anyhow::Re
     ns.submit(&[dup.clone(), dup.clone(), dup.clone()]).await?;
 
     let started = wait_for("delayed task start", Duration::from_secs(15), || async {
-        starts.lock().ok()?.iter().find(|(id, _)| *id == delayed.id).map(|(_, t)| *t)
+        starts
+            .lock()
+            .ok()?
+            .iter()
+            .find(|(id, _)| *id == delayed.id)
+            .map(|(_, t)| *t)
     })
     .await?;
-    assert!(started >= due, "started {started} before its not_before {due}");
-    assert!(started - due < chrono::Duration::milliseconds(1500), "started too late: {started} vs {due}");
+    assert!(
+        started >= due,
+        "started {started} before its not_before {due}"
+    );
+    assert!(
+        started - due < chrono::Duration::milliseconds(1500),
+        "started too late: {started} vs {due}"
+    );
 
     // Barriers: both duplicates counted, and nothing queued, reserved or running, so no
     // further run of the id can start.
@@ -243,7 +335,11 @@ async fn delayed_task_never_starts_early_and_duplicates_run_once() -> anyhow::Re
     .await?;
     ns.wait_settled(Duration::from_secs(15)).await?;
     let runs = rec.per_task();
-    assert_eq!(runs.get(&dup.id).map(Vec::len), Some(1), "a duplicate id runs once");
+    assert_eq!(
+        runs.get(&dup.id).map(Vec::len),
+        Some(1),
+        "a duplicate id runs once"
+    );
     let page = reqwest::get(sched.url("/metrics")).await?.text().await?;
     assert_eq!(metric_sum(&page, "fleet_tasks_duplicate_total", &[]), 2.0);
     w.stop().await?;

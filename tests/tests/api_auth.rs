@@ -16,13 +16,21 @@ const SUBMIT: &str = "submit-0123456789abcdef";
 /// Given through `FLEET_API_TOKENS_FILE`, not the setting.
 const FILE_READ: &str = "file-read-0123456789abcdef";
 
-async fn call(c: &reqwest::Client, method: Method, url: &str, token: Option<&str>, json_body: bool) -> Result<StatusCode> {
+async fn call(
+    c: &reqwest::Client,
+    method: Method,
+    url: &str,
+    token: Option<&str>,
+    json_body: bool,
+) -> Result<StatusCode> {
     let mut rq = c.request(method, url);
     if let Some(t) = token {
         rq = rq.bearer_auth(t);
     }
     if json_body {
-        rq = rq.json(&json!({"kind": "noop", "id": format!("auth-{}", uuid::Uuid::new_v4().simple())}));
+        rq = rq.json(
+            &json!({"kind": "noop", "id": format!("auth-{}", uuid::Uuid::new_v4().simple())}),
+        );
     }
     Ok(rq.send().await?.status())
 }
@@ -33,7 +41,11 @@ async fn every_endpoint_needs_its_role() -> Result<()> {
     let dir = fleet_tests::servers::TempDir::new("tokens")?;
     let file = dir.write("tokens", &format!("# operators\n{FILE_READ} read\n"))?;
     let tokens = format!("{ADMIN} admin, {READ} read, {SUBMIT} submit");
-    let auth: [(&str, &str); 3] = [("api_tokens", &tokens), ("api_tokens_file", &file), ("metrics_auth", "read")];
+    let auth: [(&str, &str); 3] = [
+        ("api_tokens", &tokens),
+        ("api_tokens_file", &file),
+        ("metrics_auth", "read"),
+    ];
     let sched = start_scheduler(&ns, &auth).await?;
     let worker = start_worker(&ns, "w-auth", "zone=a", 2, &auth, &[]).await?;
     let wurl = |p: &str| format!("http://{}{p}", worker.addr);
@@ -42,34 +54,88 @@ async fn every_endpoint_needs_its_role() -> Result<()> {
     // (method, url, needed role's token, a token of another role, JSON body?)
     let cases: Vec<(Method, String, &str, &str, bool)> = vec![
         (Method::POST, sched.url("/v1/tasks"), SUBMIT, READ, true),
-        (Method::GET, sched.url("/v1/tasks/whatever"), READ, SUBMIT, false),
+        (
+            Method::GET,
+            sched.url("/v1/tasks/whatever"),
+            READ,
+            SUBMIT,
+            false,
+        ),
         (Method::GET, sched.url("/v1/workers"), READ, SUBMIT, false),
         (Method::GET, sched.url("/v1/groups"), READ, SUBMIT, false),
         (Method::GET, sched.url("/v1/pressure"), READ, SUBMIT, false),
         (Method::GET, sched.url("/metrics"), READ, SUBMIT, false),
-        (Method::POST, sched.url("/v1/workers/no-such-worker/drain"), ADMIN, READ, true),
+        (
+            Method::POST,
+            sched.url("/v1/workers/no-such-worker/drain"),
+            ADMIN,
+            READ,
+            true,
+        ),
         (Method::GET, wurl("/status"), READ, SUBMIT, false),
         (Method::GET, wurl("/metrics"), READ, SUBMIT, false),
         // The console's and the operator's routes (landed beside the first ones).
         (Method::GET, sched.url("/v1/series"), READ, SUBMIT, false),
         (Method::GET, sched.url("/v1/dead"), READ, SUBMIT, false),
-        (Method::GET, sched.url("/v1/dead/no-such-letter"), READ, SUBMIT, false),
-        (Method::POST, sched.url("/v1/dead/replay"), ADMIN, READ, true),
+        (
+            Method::GET,
+            sched.url("/v1/dead/no-such-letter"),
+            READ,
+            SUBMIT,
+            false,
+        ),
+        (
+            Method::POST,
+            sched.url("/v1/dead/replay"),
+            ADMIN,
+            READ,
+            true,
+        ),
         (Method::GET, sched.url("/v1/schedules"), READ, SUBMIT, false),
-        (Method::POST, sched.url("/v1/schedules/no-such-schedule/pause"), ADMIN, READ, true),
+        (
+            Method::POST,
+            sched.url("/v1/schedules/no-such-schedule/pause"),
+            ADMIN,
+            READ,
+            true,
+        ),
     ];
     for (m, url, right, wrong, body) in &cases {
         let what = format!("{m} {url}");
-        assert_eq!(call(&c, m.clone(), url, None, *body).await?, StatusCode::UNAUTHORIZED, "{what} without a token");
-        assert_eq!(call(&c, m.clone(), url, Some("not-a-configured-token-at-all"), *body).await?, StatusCode::UNAUTHORIZED, "{what} unknown token");
-        assert_eq!(call(&c, m.clone(), url, Some(wrong), *body).await?, StatusCode::FORBIDDEN, "{what} wrong role");
+        assert_eq!(
+            call(&c, m.clone(), url, None, *body).await?,
+            StatusCode::UNAUTHORIZED,
+            "{what} without a token"
+        );
+        assert_eq!(
+            call(
+                &c,
+                m.clone(),
+                url,
+                Some("not-a-configured-token-at-all"),
+                *body
+            )
+            .await?,
+            StatusCode::UNAUTHORIZED,
+            "{what} unknown token"
+        );
+        assert_eq!(
+            call(&c, m.clone(), url, Some(wrong), *body).await?,
+            StatusCode::FORBIDDEN,
+            "{what} wrong role"
+        );
         let ok = call(&c, m.clone(), url, Some(right), *body).await?;
         // Authorised: the handler answers (an unknown task or worker is its 404, not ours).
         if url.contains("whatever") || url.contains("no-such-") {
             assert_eq!(ok, StatusCode::NOT_FOUND, "{what} right role");
         } else if url.ends_with("/replay") {
             // A noop envelope is no replay request: the handler's own 400, past the guard.
-            assert!(ok != StatusCode::UNAUTHORIZED && ok != StatusCode::FORBIDDEN && ok != StatusCode::UNSUPPORTED_MEDIA_TYPE, "{what} right role: {ok}");
+            assert!(
+                ok != StatusCode::UNAUTHORIZED
+                    && ok != StatusCode::FORBIDDEN
+                    && ok != StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "{what} right role: {ok}"
+            );
         } else {
             assert!(ok.is_success(), "{what} right role: {ok}");
         }
@@ -78,34 +144,84 @@ async fn every_endpoint_needs_its_role() -> Result<()> {
         assert_eq!(as_admin, ok, "{what} as admin");
     }
     // The token from the file works like the others.
-    assert_eq!(call(&c, Method::GET, &sched.url("/v1/workers"), Some(FILE_READ), false).await?, StatusCode::OK);
+    assert_eq!(
+        call(
+            &c,
+            Method::GET,
+            &sched.url("/v1/workers"),
+            Some(FILE_READ),
+            false
+        )
+        .await?,
+        StatusCode::OK
+    );
     // A submit token cannot read; a read token cannot submit.
-    let r = c.get(sched.url("/v1/workers")).bearer_auth(SUBMIT).send().await?;
+    let r = c
+        .get(sched.url("/v1/workers"))
+        .bearer_auth(SUBMIT)
+        .send()
+        .await?;
     assert_eq!(r.status(), StatusCode::FORBIDDEN);
     let body: serde_json::Value = r.json().await?;
     assert_eq!(body["error"], "forbidden");
     // A 401 says how to authenticate.
     let r = c.get(sched.url("/v1/workers")).send().await?;
-    assert_eq!(r.headers().get("www-authenticate").and_then(|v| v.to_str().ok()), Some("Bearer"));
+    assert_eq!(
+        r.headers()
+            .get("www-authenticate")
+            .and_then(|v| v.to_str().ok()),
+        Some("Bearer")
+    );
 
     // Health is open on both.
-    for url in [sched.url("/healthz"), sched.url("/readyz"), wurl("/healthz"), wurl("/readyz")] {
+    for url in [
+        sched.url("/healthz"),
+        sched.url("/readyz"),
+        wurl("/healthz"),
+        wurl("/readyz"),
+    ] {
         assert_eq!(c.get(&url).send().await?.status(), StatusCode::OK, "{url}");
     }
 
     // Only JSON on POST: text/plain (what a cross-site form or no-cors fetch sends) and a
     // missing content type are 415 even with the right token; nothing is submitted.
-    let plain = c.post(sched.url("/v1/tasks")).bearer_auth(SUBMIT).header("content-type", "text/plain").body(r#"{"kind":"noop","id":"plain-1"}"#).send().await?;
+    let plain = c
+        .post(sched.url("/v1/tasks"))
+        .bearer_auth(SUBMIT)
+        .header("content-type", "text/plain")
+        .body(r#"{"kind":"noop","id":"plain-1"}"#)
+        .send()
+        .await?;
     assert_eq!(plain.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
-    let bare = c.post(sched.url("/v1/tasks")).bearer_auth(SUBMIT).body(r#"{"kind":"noop","id":"plain-2"}"#).send().await?;
+    let bare = c
+        .post(sched.url("/v1/tasks"))
+        .bearer_auth(SUBMIT)
+        .body(r#"{"kind":"noop","id":"plain-2"}"#)
+        .send()
+        .await?;
     assert_eq!(bare.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
-    let form = c.post(wurl("/drain")).bearer_auth(ADMIN).header("content-type", "application/x-www-form-urlencoded").body("a=b").send().await?;
+    let form = c
+        .post(wurl("/drain"))
+        .bearer_auth(ADMIN)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body("a=b")
+        .send()
+        .await?;
     assert_eq!(form.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
     // A JSON submit goes through and runs; the refused ones never existed.
-    let r = c.post(sched.url("/v1/tasks")).bearer_auth(SUBMIT).json(&json!({"kind": "noop", "id": "json-1"})).send().await?;
+    let r = c
+        .post(sched.url("/v1/tasks"))
+        .bearer_auth(SUBMIT)
+        .json(&json!({"kind": "noop", "id": "json-1"}))
+        .send()
+        .await?;
     assert_eq!(r.status(), StatusCode::ACCEPTED);
     wait_for("json-1 succeeded", Duration::from_secs(30), || async {
-        ns.status("json-1").await.ok().flatten().filter(|s| s.get("state").map(String::as_str) == Some("succeeded"))
+        ns.status("json-1")
+            .await
+            .ok()
+            .flatten()
+            .filter(|s| s.get("state").map(String::as_str) == Some("succeeded"))
     })
     .await?;
     assert!(ns.status("plain-1").await?.is_none() && ns.status("plain-2").await?.is_none());
@@ -115,7 +231,8 @@ async fn every_endpoint_needs_its_role() -> Result<()> {
     let fleetctl = |token: Option<&'static str>, args: &'static [&'static str]| {
         let (ns, api) = (&ns, api.clone());
         async move {
-            let env: Vec<(&str, &str)> = token.map(|t| ("FLEET_API_TOKEN", t)).into_iter().collect();
+            let env: Vec<(&str, &str)> =
+                token.map(|t| ("FLEET_API_TOKEN", t)).into_iter().collect();
             fleetctl_with(ns, &api, &env, args).await
         }
     };
@@ -134,9 +251,18 @@ async fn every_endpoint_needs_its_role() -> Result<()> {
     let (code, out, err) = fleetctl(Some(ADMIN), &["drain", "w-auth"]).await?;
     assert_eq!(code, 0, "stderr: {err}");
     assert!(out.contains("draining"), "{out}");
-    assert_eq!(call(&c, Method::POST, &wurl("/drain"), None, true).await?, StatusCode::UNAUTHORIZED);
-    assert_eq!(call(&c, Method::POST, &wurl("/drain"), Some(READ), true).await?, StatusCode::FORBIDDEN);
-    assert_eq!(call(&c, Method::POST, &wurl("/drain"), Some(ADMIN), true).await?, StatusCode::ACCEPTED);
+    assert_eq!(
+        call(&c, Method::POST, &wurl("/drain"), None, true).await?,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        call(&c, Method::POST, &wurl("/drain"), Some(READ), true).await?,
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(
+        call(&c, Method::POST, &wurl("/drain"), Some(ADMIN), true).await?,
+        StatusCode::ACCEPTED
+    );
 
     worker.stop().await?;
     sched.stop().await?;
@@ -148,11 +274,21 @@ async fn open_api_on_a_public_address_refuses_to_start() -> Result<()> {
     for bin in ["fleet-scheduler", "fleet-worker"] {
         let (code, err) = run_to_exit(bin, &[("FLEET_HTTP_ADDR", "0.0.0.0:0")]).await?;
         assert_eq!(code, 2, "{bin}: {err}");
-        ensure!(err.contains("FLEET_API_TOKENS") && err.contains("FLEET_ALLOW_UNAUTHENTICATED"), "{bin}: {err}");
+        ensure!(
+            err.contains("FLEET_API_TOKENS") && err.contains("FLEET_ALLOW_UNAUTHENTICATED"),
+            "{bin}: {err}"
+        );
         // A malformed token entry names the setting and never echoes the token.
-        let (code, err) = run_to_exit(bin, &[("FLEET_API_TOKENS", "sekrit-sekrit-sekrit superuser")]).await?;
+        let (code, err) = run_to_exit(
+            bin,
+            &[("FLEET_API_TOKENS", "sekrit-sekrit-sekrit superuser")],
+        )
+        .await?;
         assert_eq!(code, 2, "{bin}: {err}");
-        ensure!(err.contains("FLEET_API_TOKENS") && !err.contains("sekrit"), "{bin}: {err}");
+        ensure!(
+            err.contains("FLEET_API_TOKENS") && !err.contains("sekrit"),
+            "{bin}: {err}"
+        );
     }
     Ok(())
 }

@@ -21,18 +21,33 @@ async fn bad_envelopes_are_dead_lettered_with_reasons() -> anyhow::Result<()> {
         ("malformed_json", b"{not json".to_vec()),
         ("not_an_object", b"[1,2,3]".to_vec()),
         ("missing_kind", br#"{"payload":{}}"#.to_vec()),
-        ("bad_field", br#"{"kind":"record","max_attempts":"many"}"#.to_vec()),
-        ("unknown_lane", br#"{"kind":"record","lane":"bulk"}"#.to_vec()),
+        (
+            "bad_field",
+            br#"{"kind":"record","max_attempts":"many"}"#.to_vec(),
+        ),
+        (
+            "unknown_lane",
+            br#"{"kind":"record","lane":"bulk"}"#.to_vec(),
+        ),
         ("oversized", big.into_bytes()),
-        ("bad_selector", br#"{"kind":"record","labels":{"gpu":"t r u e"}}"#.to_vec()),
-        ("bad_field", br#"{"kind":"record","deadline":"next tuesday"}"#.to_vec()),
+        (
+            "bad_selector",
+            br#"{"kind":"record","labels":{"gpu":"t r u e"}}"#.to_vec(),
+        ),
+        (
+            "bad_field",
+            br#"{"kind":"record","deadline":"next tuesday"}"#.to_vec(),
+        ),
     ];
     for (_, body) in &bad {
         ns.submit_raw(Lane::Normal, body).await?;
     }
     let good: Vec<_> = (0..20).map(|_| task("record", json!({}), "")).collect();
     ns.submit(&good).await?;
-    wait_for("good tasks", Duration::from_secs(30), || async { (rec.count() >= 20).then_some(()) }).await?;
+    wait_for("good tasks", Duration::from_secs(30), || async {
+        (rec.count() >= 20).then_some(())
+    })
+    .await?;
 
     let dead = wait_for("dead letters", Duration::from_secs(10), || {
         let ns = &ns;
@@ -56,8 +71,22 @@ async fn bad_envelopes_are_dead_lettered_with_reasons() -> anyhow::Result<()> {
     assert_eq!(rec.count(), 20);
 
     let page = reqwest::get(sched.url("/metrics")).await?.text().await?;
-    assert_eq!(metric_sum(&page, "fleet_tasks_rejected_total", &[("reason", "bad_field")]) as usize, 2);
-    assert_eq!(metric_sum(&page, "fleet_tasks_rejected_total", &[("reason", "oversized")]) as usize, 1);
+    assert_eq!(
+        metric_sum(
+            &page,
+            "fleet_tasks_rejected_total",
+            &[("reason", "bad_field")]
+        ) as usize,
+        2
+    );
+    assert_eq!(
+        metric_sum(
+            &page,
+            "fleet_tasks_rejected_total",
+            &[("reason", "oversized")]
+        ) as usize,
+        1
+    );
     w.stop().await?;
     sched.stop().await?;
     ns.cleanup().await

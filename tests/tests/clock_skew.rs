@@ -9,14 +9,22 @@ use std::time::{Duration, Instant};
 
 use fleet_tests::*;
 
-const LIBFAKETIME: &[&str] = &["/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1", "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1", "/usr/lib/faketime/libfaketime.so.1"];
+const LIBFAKETIME: &[&str] = &[
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/faketime/libfaketime.so.1",
+];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn workers_60_s_off_keep_registration_and_run_tasks() -> anyhow::Result<()> {
     let lib = LIBFAKETIME
         .iter()
         .find(|p| std::path::Path::new(p).exists())
-        .ok_or_else(|| anyhow::anyhow!("libfaketime not found (apt-get install faketime; ops/services.sh does)"))?;
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "libfaketime not found (apt-get install faketime; ops/services.sh does)"
+            )
+        })?;
     let ns = Ns::new().await?;
     let ep = Endpoint::start(50).await?;
     let sched = start_scheduler(&ns, SCHEDULER).await?;
@@ -26,13 +34,28 @@ async fn workers_60_s_off_keep_registration_and_run_tasks() -> anyhow::Result<()
         let labels = format!("clock={}", &id[2..]);
         let addr = format!("127.0.0.1:{port}");
         let extra: &[(&str, &str)] = &[("http_addr", addr.as_str())];
-        let spec = ProcessSpec { id, labels: &labels, capacity: 2, endpoint: &ep.url, extra };
+        let spec = ProcessSpec {
+            id,
+            labels: &labels,
+            capacity: 2,
+            endpoint: &ep.url,
+            extra,
+        };
         // Wall clock shifted; the monotonic clock (tokio's timers) left alone.
-        let env = [("LD_PRELOAD", *lib), ("FAKETIME", offset), ("FAKETIME_DONT_FAKE_MONOTONIC", "1")];
-        workers.push((WorkerProcess::spawn_with_env(&ns, &spec, &env)?, port, offset));
+        let env = [
+            ("LD_PRELOAD", *lib),
+            ("FAKETIME", offset),
+            ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+        ];
+        workers.push((
+            WorkerProcess::spawn_with_env(&ns, &spec, &env)?,
+            port,
+            offset,
+        ));
     }
     for (w, _, _) in workers.iter_mut() {
-        w.wait_state(&ns.store, "active", Duration::from_secs(30)).await?;
+        w.wait_state(&ns.store, "active", Duration::from_secs(30))
+            .await?;
     }
 
     // Watch the registry over 10 heartbeat intervals: both present and fresh at every look.
@@ -43,7 +66,14 @@ async fn workers_60_s_off_keep_registration_and_run_tasks() -> anyhow::Result<()
     while start.elapsed() < watch {
         let ws = ns.store.workers().await?;
         for (w, _, _) in &workers {
-            let v = ws.iter().find(|v| v.id == w.id).ok_or_else(|| anyhow::anyhow!("{} missing from the registry after {:?}; log:\n{}", w.id, start.elapsed(), w.log_tail()))?;
+            let v = ws.iter().find(|v| v.id == w.id).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "{} missing from the registry after {:?}; log:\n{}",
+                    w.id,
+                    start.elapsed(),
+                    w.log_tail()
+                )
+            })?;
             worst_age = worst_age.max(v.last_heartbeat_ms_ago);
         }
         looks += 1;
@@ -64,7 +94,12 @@ async fn workers_60_s_off_keep_registration_and_run_tasks() -> anyhow::Result<()
 
     let evictions = metric(&sched.url("/metrics"), "fleet_worker_evictions_total", &[]).await?;
     for (w, port, offset) in &workers {
-        let skew = metric(&format!("http://127.0.0.1:{port}/metrics"), "fleet_clock_skew_seconds", &[]).await?;
+        let skew = metric(
+            &format!("http://127.0.0.1:{port}/metrics"),
+            "fleet_clock_skew_seconds",
+            &[],
+        )
+        .await?;
         let log = std::fs::read_to_string(&w.log).unwrap_or_default();
         let registered = log.matches(" registered").count();
         let lost = log.matches("registration lost").count();
@@ -75,14 +110,27 @@ async fn workers_60_s_off_keep_registration_and_run_tasks() -> anyhow::Result<()
             w.id,
             watch.as_secs_f64()
         );
-        assert_eq!(registered, 1, "{} registered once; log:\n{}", w.id, w.log_tail());
+        assert_eq!(
+            registered,
+            1,
+            "{} registered once; log:\n{}",
+            w.id,
+            w.log_tail()
+        );
         assert_eq!(lost, 0, "{} never lost its registration", w.id);
         assert_eq!(ran, 5, "{} ran its 5 tasks once each", w.id);
         let want: f64 = offset.parse()?;
-        assert!((skew - want).abs() < 3.0, "{}: skew {skew} s, expected about {want} s", w.id);
+        assert!(
+            (skew - want).abs() < 3.0,
+            "{}: skew {skew} s, expected about {want} s",
+            w.id
+        );
     }
     assert_eq!(evictions, 0.0, "no worker evicted");
-    assert!(worst_age < 1500, "heartbeats stayed fresh by Redis time: worst age {worst_age} ms");
+    assert!(
+        worst_age < 1500,
+        "heartbeats stayed fresh by Redis time: worst age {worst_age} ms"
+    );
 
     for (w, _, _) in workers.iter_mut() {
         w.signal("TERM")?;

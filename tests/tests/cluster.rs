@@ -31,7 +31,10 @@ const BACK_WITHIN: Duration = Duration::from_secs(10);
 const RATE: u64 = 40;
 
 fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
 }
 
 /// A running cluster: its `cluster.env`, and whether this test owns it (then `down` on drop).
@@ -50,7 +53,11 @@ impl Cluster {
             .output()
             .context("run ops/cluster.sh")?;
         if !out.status.success() {
-            bail!("ops/cluster.sh {args:?}: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "ops/cluster.sh {args:?}: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
@@ -59,14 +66,27 @@ impl Cluster {
         if let Ok(d) = std::env::var("FLEET_CLUSTER_DIR") {
             let dir = PathBuf::from(d);
             let env = read_env(&dir.join("cluster.env"))?;
-            return Ok(Some(Cluster { dir, env, owned: false }));
+            return Ok(Some(Cluster {
+                dir,
+                env,
+                owned: false,
+            }));
         }
-        if !Path::new("/usr/lib/rabbitmq/bin/rabbitmq-server").exists() || which("redis-server").is_none() {
+        if !Path::new("/usr/lib/rabbitmq/bin/rabbitmq-server").exists()
+            || which("redis-server").is_none()
+        {
             eprintln!("skipped: rabbitmq-server or redis-server not installed (ops/services.sh installs them)");
             return Ok(None);
         }
-        let dir = std::env::temp_dir().join(format!("fleet-cluster-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]));
-        let mut c = Cluster { dir: dir.clone(), env: HashMap::new(), owned: true };
+        let dir = std::env::temp_dir().join(format!(
+            "fleet-cluster-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        ));
+        let mut c = Cluster {
+            dir: dir.clone(),
+            env: HashMap::new(),
+            owned: true,
+        };
         let d = dir.to_string_lossy().into_owned();
         // Up to a few minutes on a loaded 2-core machine (three Erlang VMs booting).
         let up = tokio::task::spawn_blocking(move || {
@@ -78,14 +98,21 @@ impl Cluster {
         })
         .await??;
         if !up.status.success() {
-            bail!("ops/cluster.sh up: {}{}", String::from_utf8_lossy(&up.stdout), String::from_utf8_lossy(&up.stderr));
+            bail!(
+                "ops/cluster.sh up: {}{}",
+                String::from_utf8_lossy(&up.stdout),
+                String::from_utf8_lossy(&up.stderr)
+            );
         }
         c.env = read_env(&dir.join("cluster.env"))?;
         Ok(Some(c))
     }
 
     fn get(&self, k: &str) -> Result<&str> {
-        self.env.get(k).map(String::as_str).with_context(|| format!("{k} missing from cluster.env"))
+        self.env
+            .get(k)
+            .map(String::as_str)
+            .with_context(|| format!("{k} missing from cluster.env"))
     }
 
     fn dir(&self) -> String {
@@ -96,8 +123,23 @@ impl Cluster {
     /// and consumers (`rabbitmqctl list_queues`), or why they could not be listed: what a
     /// failure message shows.
     fn queues(&self, ns: &str) -> String {
-        match self.script(&["ctl", &self.dir(), "list_queues", "name", "type", "leader", "members", "online", "messages", "consumers"]) {
-            Ok(out) => out.lines().filter(|l| l.starts_with(&format!("{ns}."))).collect::<Vec<_>>().join("\n"),
+        match self.script(&[
+            "ctl",
+            &self.dir(),
+            "list_queues",
+            "name",
+            "type",
+            "leader",
+            "members",
+            "online",
+            "messages",
+            "consumers",
+        ]) {
+            Ok(out) => out
+                .lines()
+                .filter(|l| l.starts_with(&format!("{ns}.")))
+                .collect::<Vec<_>>()
+                .join("\n"),
             Err(e) => format!("(cannot list the queues: {e:#})"),
         }
     }
@@ -106,15 +148,45 @@ impl Cluster {
     /// queue declared a moment before a node dies may not have started its members on the
     /// other nodes yet; the test kills a node of a settled cluster, as a real outage finds it.
     fn quorum_settled(&self, ns: &str) -> bool {
-        let Ok(out) = self.script(&["ctl", &self.dir(), "list_queues", "name", "type", "members", "online"]) else { return false };
-        let count = |list: &str| list.trim_matches(|c| c == '[' || c == ']').split(',').filter(|m| !m.trim().is_empty()).count();
-        let rows: Vec<Vec<&str>> = out.lines().filter(|l| l.starts_with(&format!("{ns}."))).map(|l| l.split('\t').collect()).collect();
-        !rows.is_empty() && rows.iter().all(|c| c.get(1) != Some(&"quorum") || (c.get(2).map(|m| count(m)) == Some(3) && c.get(3).map(|m| count(m)) == Some(3)))
+        let Ok(out) = self.script(&[
+            "ctl",
+            &self.dir(),
+            "list_queues",
+            "name",
+            "type",
+            "members",
+            "online",
+        ]) else {
+            return false;
+        };
+        let count = |list: &str| {
+            list.trim_matches(|c| c == '[' || c == ']')
+                .split(',')
+                .filter(|m| !m.trim().is_empty())
+                .count()
+        };
+        let rows: Vec<Vec<&str>> = out
+            .lines()
+            .filter(|l| l.starts_with(&format!("{ns}.")))
+            .map(|l| l.split('\t').collect())
+            .collect();
+        !rows.is_empty()
+            && rows.iter().all(|c| {
+                c.get(1) != Some(&"quorum")
+                    || (c.get(2).map(|m| count(m)) == Some(3)
+                        && c.get(3).map(|m| count(m)) == Some(3))
+            })
     }
 
     /// The node (1-3) the named AMQP connection is on, by the server port it connected to.
     fn node_of(&self, connection_name: &str) -> Result<usize> {
-        let out = self.script(&["ctl", &self.dir(), "list_connections", "port", "client_properties"])?;
+        let out = self.script(&[
+            "ctl",
+            &self.dir(),
+            "list_connections",
+            "port",
+            "client_properties",
+        ])?;
         for line in out.lines() {
             if line.contains(connection_name) {
                 let port = line.split_whitespace().next().unwrap_or("");
@@ -138,7 +210,11 @@ impl Drop for Cluster {
 }
 
 fn which(bin: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH").and_then(|p| std::env::split_paths(&p).map(|d| d.join(bin)).find(|f| f.exists()))
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join(bin))
+            .find(|f| f.exists())
+    })
 }
 
 fn read_env(path: &Path) -> Result<HashMap<String, String>> {
@@ -146,7 +222,12 @@ fn read_env(path: &Path) -> Result<HashMap<String, String>> {
     Ok(text
         .lines()
         .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.trim().to_string(), v.trim().trim_matches('\'').to_string()))
+        .map(|(k, v)| {
+            (
+                k.trim().to_string(),
+                v.trim().trim_matches('\'').to_string(),
+            )
+        })
         .collect())
 }
 
@@ -168,8 +249,16 @@ impl Runs {
         handler_fn(move |ctx| {
             let runs = runs.clone();
             async move {
-                let run = Run { id: ctx.envelope.id.clone(), worker: ctx.worker_id.to_string(), attempt: ctx.attempt, at: Instant::now() };
-                runs.0.lock().map_err(|_| TaskError::retryable("poisoned"))?.push(run);
+                let run = Run {
+                    id: ctx.envelope.id.clone(),
+                    worker: ctx.worker_id.to_string(),
+                    attempt: ctx.attempt,
+                    at: Instant::now(),
+                };
+                runs.0
+                    .lock()
+                    .map_err(|_| TaskError::retryable("poisoned"))?
+                    .push(run);
                 tokio::time::sleep(Duration::from_millis(30)).await;
                 Ok(json!({}))
             }
@@ -193,7 +282,10 @@ struct Stream {
 }
 
 async fn produce(url: String, stream: Stream, stop: tokio_util::sync::CancellationToken) {
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(20)).build().unwrap_or_default();
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap_or_default();
     let mut pending: Vec<fleet::Envelope> = Vec::new();
     let mut tick = tokio::time::interval(Duration::from_millis(1000 / RATE * 4));
     while !stop.is_cancelled() {
@@ -201,12 +293,21 @@ async fn produce(url: String, stream: Stream, stop: tokio_util::sync::Cancellati
         for _ in 0..4 {
             pending.push(task("work", json!({}), "pool=cluster"));
         }
-        let body: Vec<serde_json::Value> = pending.iter().filter_map(|e| serde_json::from_slice(&e.to_bytes()).ok()).collect();
+        let body: Vec<serde_json::Value> = pending
+            .iter()
+            .filter_map(|e| serde_json::from_slice(&e.to_bytes()).ok())
+            .collect();
         let sent = Instant::now();
         match client.post(&url).json(&body).send().await {
             Ok(r) if r.status().as_u16() != 202 => {
                 let status = r.status().as_u16();
-                let text: String = r.text().await.unwrap_or_default().chars().take(120).collect();
+                let text: String = r
+                    .text()
+                    .await
+                    .unwrap_or_default()
+                    .chars()
+                    .take(120)
+                    .collect();
                 if let Ok(mut o) = stream.others.lock() {
                     o.push((sent, format!("{status} {text}"), sent.elapsed()));
                 }
@@ -223,7 +324,8 @@ async fn produce(url: String, stream: Stream, stop: tokio_util::sync::Cancellati
                     }
                 }
                 let ids: Vec<String> = pending.drain(..).map(|e| e.id).collect();
-                if let (Ok(mut a), Ok(mut t)) = (stream.accepted.lock(), stream.accepted_at.lock()) {
+                if let (Ok(mut a), Ok(mut t)) = (stream.accepted.lock(), stream.accepted_at.lock())
+                {
                     a.extend(ids);
                     t.push(Instant::now());
                 }
@@ -236,14 +338,21 @@ async fn produce(url: String, stream: Stream, stop: tokio_util::sync::Cancellati
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
-    let Some(cluster) = Cluster::start().await? else { return Ok(()) };
+    let Some(cluster) = Cluster::start().await? else {
+        return Ok(());
+    };
     let amqp = cluster.get("FLEET_CLUSTER_AMQP_URL")?.to_string();
     let redis = cluster.get("FLEET_CLUSTER_REDIS_URL")?.to_string();
 
     let name = format!("c{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
     let names = Names::new(&name);
     let store = Store::new(&redis, names.clone())?;
-    let conn = fleet::endpoints::connect_any(&amqp, "fleet-tests cluster", &fleet::tls::TlsConfig::default()).await?;
+    let conn = fleet::endpoints::connect_any(
+        &amqp,
+        "fleet-tests cluster",
+        &fleet::tls::TlsConfig::default(),
+    )
+    .await?;
     let publisher = fleet::amqp::confirm_channel(&conn).await?;
     let base = vec![
         ("namespace".to_string(), name.clone()),
@@ -252,29 +361,65 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
         ("queue_type".to_string(), "quorum".to_string()),
         ("http_addr".to_string(), "127.0.0.1:0".to_string()),
     ];
-    let ns = Ns { name: name.clone(), names, store, conn, publisher, base };
+    let ns = Ns {
+        name: name.clone(),
+        names,
+        store,
+        conn,
+        publisher,
+        base,
+    };
 
     // Heartbeat timeouts of 10 s: a Redis failover (Sentinel's 1 s down-after + election)
     // must not read as every worker gone silent.
-    let sched = start_scheduler(&ns, &[("dedupe_window_ms", "600000"), ("heartbeat_timeout_ms", "10000")]).await?;
+    let sched = start_scheduler(
+        &ns,
+        &[
+            ("dedupe_window_ms", "600000"),
+            ("heartbeat_timeout_ms", "10000"),
+        ],
+    )
+    .await?;
     let runs = Runs::default();
     let h = [("work", runs.handler())];
     let mut workers = Vec::new();
     for i in 0..3 {
-        workers.push(start_worker(&ns, &format!("cw{i}"), "pool=cluster", 4, &[("heartbeat_timeout_ms", "10000")], &h).await?);
+        workers.push(
+            start_worker(
+                &ns,
+                &format!("cw{i}"),
+                "pool=cluster",
+                4,
+                &[("heartbeat_timeout_ms", "10000")],
+                &h,
+            )
+            .await?,
+        );
     }
     let worker_ids: HashSet<String> = workers.iter().map(|w| w.id.clone()).collect();
 
     let stream = Stream::default();
     let stop = tokio_util::sync::CancellationToken::new();
-    let producer = tokio::spawn(produce(sched.url("/v1/tasks"), stream.clone(), stop.clone()));
+    let producer = tokio::spawn(produce(
+        sched.url("/v1/tasks"),
+        stream.clone(),
+        stop.clone(),
+    ));
     wait_for("every worker at work", Duration::from_secs(60), || async {
         let now = runs.all();
-        worker_ids.iter().all(|w| now.iter().any(|r| &r.worker == w)).then_some(())
+        worker_ids
+            .iter()
+            .all(|w| now.iter().any(|r| &r.worker == w))
+            .then_some(())
     })
     .await?;
 
-    wait_for("every quorum queue with its three members online", Duration::from_secs(60), || async { cluster.quorum_settled(&name).then_some(()) }).await?;
+    wait_for(
+        "every quorum queue with its three members online",
+        Duration::from_secs(60),
+        || async { cluster.quorum_settled(&name).then_some(()) },
+    )
+    .await?;
 
     // 1. Kill the broker node the scheduler is connected to.
     let node = cluster.node_of(&format!("fleet-scheduler {name}"))?;
@@ -287,7 +432,10 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
         eprintln!("the namespace's queues now:\n{}", cluster.queues(&name));
     }
     if let Ok(b) = &back {
-        eprintln!("across the node kill, the longest time between two 202 answers of the API: {:?}", b.get(API).map(|d| d.longest_gap));
+        eprintln!(
+            "across the node kill, the longest time between two 202 answers of the API: {:?}",
+            b.get(API).map(|d| d.longest_gap)
+        );
     }
 
     // 2. Kill the Redis master; Sentinel promotes the replica. The statuses already
@@ -297,18 +445,32 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
     let done_before = succeeded_now(&ns, &stream).await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let killed_redis_at = Instant::now();
-    eprintln!("{}", cluster.script(&["kill-redis-master", &cluster.dir()])?.trim());
+    eprintln!(
+        "{}",
+        cluster
+            .script(&["kill-redis-master", &cluster.dir()])?
+            .trim()
+    );
     let back_redis = wait_back(&runs, &stream, &worker_ids, killed_redis_at).await;
     eprintln!("after the Redis master kill: {back_redis:?}");
     if back_redis.is_err() {
         eprintln!("the namespace's queues now:\n{}", cluster.queues(&name));
     }
     if let Ok(b) = &back_redis {
-        eprintln!("across the Redis failover, the longest time between two 202 answers of the API: {:?}", b.get(API).map(|d| d.longest_gap));
+        eprintln!(
+            "across the Redis failover, the longest time between two 202 answers of the API: {:?}",
+            b.get(API).map(|d| d.longest_gap)
+        );
     }
     if let Ok(o) = stream.others.lock() {
         for (at, what, took) in o.iter() {
-            let rel = |t0: Instant| if *at >= t0 { format!("+{:?}", *at - t0) } else { format!("-{:?}", t0 - *at) };
+            let rel = |t0: Instant| {
+                if *at >= t0 {
+                    format!("+{:?}", *at - t0)
+                } else {
+                    format!("-{:?}", t0 - *at)
+                }
+            };
             eprintln!("API answer {} after the node kill / {} after the Redis kill, took {took:?}: {what}", rel(killed_at), rel(killed_redis_at));
         }
     }
@@ -316,13 +478,21 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop.cancel();
     producer.await?;
-    let accepted: Vec<String> = stream.accepted.lock().map(|a| a.clone()).unwrap_or_default();
+    let accepted: Vec<String> = stream
+        .accepted
+        .lock()
+        .map(|a| a.clone())
+        .unwrap_or_default();
     eprintln!("{} tasks confirmed by the API", accepted.len());
     // Every confirmed task runs (the broker's part: nothing lost).
-    wait_for("every confirmed task ran", Duration::from_secs(120), || async {
-        let ran: HashSet<String> = runs.all().into_iter().map(|r| r.id).collect();
-        accepted.iter().all(|id| ran.contains(id)).then_some(())
-    })
+    wait_for(
+        "every confirmed task ran",
+        Duration::from_secs(120),
+        || async {
+            let ran: HashSet<String> = runs.all().into_iter().map(|r| r.id).collect();
+            accepted.iter().all(|id| ran.contains(id)).then_some(())
+        },
+    )
     .await
     .context("confirmed tasks lost")?;
     // Their statuses (Redis's part): a status written to the old master in the moment before
@@ -332,10 +502,18 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
     loop {
         states.clear();
         for id in &accepted {
-            let s = ns.status(id).await.ok().flatten().and_then(|s| s.get("state").cloned()).unwrap_or_else(|| "none".into());
+            let s = ns
+                .status(id)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|s| s.get("state").cloned())
+                .unwrap_or_else(|| "none".into());
             *states.entry(s).or_default() += 1;
         }
-        if states.get("succeeded") == Some(&accepted.len()) || settle.elapsed() > Duration::from_secs(30) {
+        if states.get("succeeded") == Some(&accepted.len())
+            || settle.elapsed() > Duration::from_secs(30)
+        {
             break;
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -343,15 +521,28 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
     eprintln!("statuses of the confirmed tasks: {states:?}");
     let mut reverted: Vec<(String, String)> = Vec::new();
     for id in &done_before {
-        let s = ns.status(id).await.ok().flatten().and_then(|s| s.get("state").cloned()).unwrap_or_else(|| "none".into());
+        let s = ns
+            .status(id)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|s| s.get("state").cloned())
+            .unwrap_or_else(|| "none".into());
         if s != "succeeded" {
             reverted.push((id.clone(), s));
         }
     }
-    eprintln!("{} statuses were succeeded before the Redis failover; {} of them still are", done_before.len(), done_before.len() - reverted.len());
+    eprintln!(
+        "{} statuses were succeeded before the Redis failover; {} of them still are",
+        done_before.len(),
+        done_before.len() - reverted.len()
+    );
     let all = runs.all();
     let ran: HashSet<&str> = all.iter().map(|r| r.id.as_str()).collect();
-    let never_ran: Vec<&String> = accepted.iter().filter(|id| !ran.contains(id.as_str())).collect();
+    let never_ran: Vec<&String> = accepted
+        .iter()
+        .filter(|id| !ran.contains(id.as_str()))
+        .collect();
     let mut per_attempt: BTreeMap<(String, u32), usize> = BTreeMap::new();
     for r in &all {
         *per_attempt.entry((r.id.clone(), r.attempt)).or_default() += 1;
@@ -359,12 +550,17 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
     let twice: Vec<_> = per_attempt.iter().filter(|(_, n)| **n > 1).collect();
     // A quorum queue's record names its current leader ({RaName, Node}); one on a node that is
     // not running has no leader.
-    let leaderless = cluster.script(&["ctl", &cluster.dir(), "eval", &format!(
-        "Running = rabbit_nodes:all_running(), \
+    let leaderless = cluster.script(&[
+        "ctl",
+        &cluster.dir(),
+        "eval",
+        &format!(
+            "Running = rabbit_nodes:all_running(), \
          length([Q || Q <- rabbit_amqqueue:list(), amqqueue:get_type(Q) =:= rabbit_quorum_queue, \
          binary:match(element(4, amqqueue:get_name(Q)), <<\"{name}.\">>) =/= nomatch, \
          not lists:member(element(2, amqqueue:get_pid(Q)), Running)])."
-    )])?;
+        ),
+    ])?;
 
     eprintln!("stopping the fleet");
     for w in workers {
@@ -374,40 +570,77 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
     // Bounded: the test's own connection may have been on the killed node.
     let _ = tokio::time::timeout(Duration::from_secs(30), ns.cleanup()).await;
 
-    eprintln!("runs {}, confirmed {}, never ran {}, attempts run twice {}", all.len(), accepted.len(), never_ran.len(), twice.len());
-    assert!(never_ran.is_empty(), "confirmed tasks that never ran: {never_ran:?}");
+    eprintln!(
+        "runs {}, confirmed {}, never ran {}, attempts run twice {}",
+        all.len(),
+        accepted.len(),
+        never_ran.len(),
+        twice.len()
+    );
+    assert!(
+        never_ran.is_empty(),
+        "confirmed tasks that never ran: {never_ran:?}"
+    );
     assert!(twice.is_empty(), "attempts run twice: {twice:?}");
-    assert!(!done_before.is_empty(), "no status was succeeded before the Redis failover");
-    assert_eq!(reverted.len(), 0, "statuses succeeded before the Redis failover and not after it: {reverted:?}");
+    assert!(
+        !done_before.is_empty(),
+        "no status was succeeded before the Redis failover"
+    );
+    assert_eq!(
+        reverted.len(),
+        0,
+        "statuses succeeded before the Redis failover and not after it: {reverted:?}"
+    );
     assert_eq!(leaderless.trim(), "0", "quorum queues without a leader");
     for (what, b) in [("node kill", back), ("Redis master kill", back_redis)] {
         let b = b?;
         for (who, d) in &b {
             // Workers start runs only when the scheduler dispatches again, so their bound is
             // the scheduler's too.
-            assert!(d.at <= BACK_WITHIN, "after the {what}, {who} was back at work only after {:?}: {b:?}", d.at);
+            assert!(
+                d.at <= BACK_WITHIN,
+                "after the {what}, {who} was back at work only after {:?}: {b:?}",
+                d.at
+            );
         }
         // The API answered 202 again within the bound: no two answers across the kill are
         // further apart.
         let api = b.get(API).map(|d| d.longest_gap).unwrap_or(Duration::MAX);
-        assert!(api <= BACK_WITHIN, "across the {what}, the API answered no 202 for {api:?}: {b:?}");
+        assert!(
+            api <= BACK_WITHIN,
+            "across the {what}, the API answered no 202 for {api:?}: {b:?}"
+        );
     }
     Ok(())
 }
 
 /// The confirmed tasks whose status is `succeeded` now (read through Sentinel, bounded).
 async fn succeeded_now(ns: &Ns, stream: &Stream) -> Result<Vec<String>> {
-    let accepted: Vec<String> = stream.accepted.lock().map(|a| a.clone()).unwrap_or_default();
+    let accepted: Vec<String> = stream
+        .accepted
+        .lock()
+        .map(|a| a.clone())
+        .unwrap_or_default();
     let read = async {
         let mut done = Vec::new();
         for id in accepted {
-            if ns.status(&id).await.ok().flatten().and_then(|s| s.get("state").cloned()).as_deref() == Some("succeeded") {
+            if ns
+                .status(&id)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|s| s.get("state").cloned())
+                .as_deref()
+                == Some("succeeded")
+            {
                 done.push(id);
             }
         }
         done
     };
-    tokio::time::timeout(Duration::from_secs(30), read).await.context("reading the statuses before the Redis kill")
+    tokio::time::timeout(Duration::from_secs(30), read)
+        .await
+        .context("reading the statuses before the Redis kill")
 }
 
 /// A gap between two events of one process (run starts, 202 answers) longer than this is a
@@ -438,7 +671,11 @@ fn back_at_work(events: &[Instant], t: Instant, end: Instant) -> Back {
     events.sort();
     let mut prev_any = events.iter().rev().find(|e| **e < t).copied().unwrap_or(t);
     let mut prev = t;
-    let (mut first, mut stall, mut longest_gap): (Option<Duration>, Option<(Duration, Duration)>, Option<Duration>) = (None, None, None);
+    let (mut first, mut stall, mut longest_gap): (
+        Option<Duration>,
+        Option<(Duration, Duration)>,
+        Option<Duration>,
+    ) = (None, None, None);
     for e in events.into_iter().filter(|e| *e >= t) {
         first.get_or_insert(e - t);
         let gap = e - prev;
@@ -451,32 +688,68 @@ fn back_at_work(events: &[Instant], t: Instant, end: Instant) -> Back {
             break;
         }
     }
-    Back { at: stall.map(|(_, at)| at).or(first).unwrap_or(Duration::MAX), longest_gap: longest_gap.unwrap_or(Duration::MAX) }
+    Back {
+        at: stall.map(|(_, at)| at).or(first).unwrap_or(Duration::MAX),
+        longest_gap: longest_gap.unwrap_or(Duration::MAX),
+    }
 }
 
 /// How each process came through a kill at `t` ([`Back`]): every worker (its run starts) and
 /// the API (its 202 answers), watched for `WATCH`. Waits until every process has an event
 /// past `t + WATCH`; one that has none within 60 s more is an error.
-async fn wait_back(runs: &Runs, stream: &Stream, workers: &HashSet<String>, t: Instant) -> Result<BTreeMap<String, Back>> {
+async fn wait_back(
+    runs: &Runs,
+    stream: &Stream,
+    workers: &HashSet<String>,
+    t: Instant,
+) -> Result<BTreeMap<String, Back>> {
     const WATCH: Duration = Duration::from_secs(15);
     let end = t + WATCH;
     let missing = || {
         let all = runs.all();
-        let mut out: Vec<&str> = workers.iter().filter(|w| !all.iter().any(|r| &r.worker == *w && r.at >= end)).map(String::as_str).collect();
-        if !stream.accepted_at.lock().map(|a| a.iter().any(|x| *x >= end)).unwrap_or(false) {
+        let mut out: Vec<&str> = workers
+            .iter()
+            .filter(|w| !all.iter().any(|r| &r.worker == *w && r.at >= end))
+            .map(String::as_str)
+            .collect();
+        if !stream
+            .accepted_at
+            .lock()
+            .map(|a| a.iter().any(|x| *x >= end))
+            .unwrap_or(false)
+        {
             out.push(API);
         }
         out.sort();
         out.join(", ")
     };
-    wait_for("every process at work past the watch window", WATCH + Duration::from_secs(60), || async { missing().is_empty().then_some(()) })
-        .await
-        .with_context(|| format!("not at work: {}", missing()))?;
+    wait_for(
+        "every process at work past the watch window",
+        WATCH + Duration::from_secs(60),
+        || async { missing().is_empty().then_some(()) },
+    )
+    .await
+    .with_context(|| format!("not at work: {}", missing()))?;
     let mut out = BTreeMap::new();
-    out.insert(API.to_string(), back_at_work(&stream.accepted_at.lock().map(|a| a.clone()).unwrap_or_default(), t, end));
+    out.insert(
+        API.to_string(),
+        back_at_work(
+            &stream
+                .accepted_at
+                .lock()
+                .map(|a| a.clone())
+                .unwrap_or_default(),
+            t,
+            end,
+        ),
+    );
     let all = runs.all();
     for w in workers {
-        let starts: Vec<Instant> = all.iter().filter(|r| &r.worker == w).map(|r| r.at).collect();
+        let starts: Vec<Instant> = all
+            .iter()
+            .filter(|r| &r.worker == w)
+            .map(|r| r.at)
+            .collect();
         out.insert(w.clone(), back_at_work(&starts, t, end));
     }
     Ok(out)
@@ -507,10 +780,19 @@ fn back_at_work_is_the_end_of_a_stall_or_the_first_event() {
     assert_eq!(b.at, Duration::from_millis(3_200));
     assert_eq!(b.longest_gap, Duration::from_millis(3_260));
     // A stall in the middle of the window: back at its end.
-    let mid: Vec<Instant> = [100, 200, 5_000, 12_000, 12_100, 15_100].into_iter().map(ms).collect();
+    let mid: Vec<Instant> = [100, 200, 5_000, 12_000, 12_100, 15_100]
+        .into_iter()
+        .map(ms)
+        .collect();
     let b = back_at_work(&mid, t, end);
     assert_eq!(b.at, Duration::from_millis(12_000));
     assert_eq!(b.longest_gap, Duration::from_millis(7_000));
     // Nothing after the kill: never back.
-    assert_eq!(back_at_work(&[before], t, end), Back { at: Duration::MAX, longest_gap: Duration::MAX });
+    assert_eq!(
+        back_at_work(&[before], t, end),
+        Back {
+            at: Duration::MAX,
+            longest_gap: Duration::MAX
+        }
+    );
 }

@@ -26,7 +26,12 @@ fn long_handler(runs: Arc<Runs>) -> Arc<dyn Handler> {
         let runs = runs.clone();
         async move {
             if let Ok(mut s) = runs.starts.lock() {
-                s.push((ctx.envelope.id.clone(), ctx.worker_id.to_string(), ctx.attempt, Instant::now()));
+                s.push((
+                    ctx.envelope.id.clone(),
+                    ctx.worker_id.to_string(),
+                    ctx.attempt,
+                    Instant::now(),
+                ));
             }
             let now = runs.running.fetch_add(1, Ordering::SeqCst) + 1;
             runs.peak.fetch_max(now, Ordering::SeqCst);
@@ -39,7 +44,11 @@ fn long_handler(runs: Arc<Runs>) -> Arc<dyn Handler> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn task_longer_than_consumer_timeout_runs_once() -> anyhow::Result<()> {
-    let rabbit = PrivateRabbit::start("consumer_timeout = 3000", "[{rabbit, [{channel_tick_interval, 500}]}].\n").await?;
+    let rabbit = PrivateRabbit::start(
+        "consumer_timeout = 3000",
+        "[{rabbit, [{channel_tick_interval, 500}]}].\n",
+    )
+    .await?;
     let ns = Ns::on_broker(&rabbit.url()).await?;
     let runs = Arc::new(Runs::default());
     let h = [("long", long_handler(runs.clone()))];
@@ -52,16 +61,26 @@ async fn task_longer_than_consumer_timeout_runs_once() -> anyhow::Result<()> {
     let id = env.id.clone();
     let published = Instant::now();
     assert_eq!(ns.submit(&[env]).await?, (1, 0));
-    let st = ns.wait_state(&id, "succeeded", Duration::from_secs(40)).await?;
+    let st = ns
+        .wait_state(&id, "succeeded", Duration::from_secs(40))
+        .await?;
     let done_after = published.elapsed();
     // Watch a while longer: no copy may start after the success either. A scenario period,
     // not a wait for an event: longer than the broker's 3 s consumer timeout, so a timeout
     // fired by a copy still held would show.
     tokio::time::sleep(Duration::from_secs(4)).await;
-    let timeouts = rabbit.log().matches("delivery acknowledgement on channel").count();
+    let timeouts = rabbit
+        .log()
+        .matches("delivery acknowledgement on channel")
+        .count();
     let starts = runs.starts.lock().map(|s| s.clone()).unwrap_or_default();
     let dead = ns.drain_dead().await?;
-    let dups = metric(&format!("http://{}/metrics", w1.addr), "fleet_tasks_duplicate_deliveries_total", &[]).await?;
+    let dups = metric(
+        &format!("http://{}/metrics", w1.addr),
+        "fleet_tasks_duplicate_deliveries_total",
+        &[],
+    )
+    .await?;
     println!(
         "consumer timeout (3 s, 8 s task): succeeded after {:.1} s; broker consumer timeouts {timeouts}; starts {} {:?}; \
          peak concurrent runs {}; status {:?} attempt {:?}; duplicate deliveries acked {dups}; dead letters {}",
@@ -73,15 +92,28 @@ async fn task_longer_than_consumer_timeout_runs_once() -> anyhow::Result<()> {
         st.get("attempt"),
         dead.len()
     );
-    assert!(timeouts >= 1, "the broker's consumer timeout fired (else this test proves nothing); node log:\n{}", rabbit.log_tail());
+    assert!(
+        timeouts >= 1,
+        "the broker's consumer timeout fired (else this test proves nothing); node log:\n{}",
+        rabbit.log_tail()
+    );
     assert_eq!(starts.len(), 1, "exactly one start");
     assert_eq!(starts[0].2, 1, "as attempt 1");
-    assert_eq!(runs.peak.load(Ordering::SeqCst), 1, "never two runs at once");
+    assert_eq!(
+        runs.peak.load(Ordering::SeqCst),
+        1,
+        "never two runs at once"
+    );
     assert_eq!(st.get("attempt").map(String::as_str), Some("1"));
     assert!(dead.is_empty(), "nothing dead-lettered");
     assert!(dups >= 1.0, "the redelivered copy was acked as a duplicate");
-    let q = ns.names.group_queue("protocol=builtin", fleet::Lane::Normal);
-    wait_for("the group queue empty", Duration::from_secs(15), || async { (ns.depth(&q).await == 0).then_some(()) }).await?;
+    let q = ns
+        .names
+        .group_queue("protocol=builtin", fleet::Lane::Normal);
+    wait_for("the group queue empty", Duration::from_secs(15), || async {
+        (ns.depth(&q).await == 0).then_some(())
+    })
+    .await?;
 
     w1.stop().await?;
     w2.stop().await?;

@@ -23,13 +23,26 @@ async fn critical_work_and_probes_flow_while_normal_lane_is_saturated() -> anyho
             if let Ok(mut m) = s.lock() {
                 m.insert(ctx.envelope.id.clone(), chrono::Utc::now());
             }
-            let ms = ctx.envelope.payload.get("ms").and_then(|v| v.as_u64()).unwrap_or(0);
+            let ms = ctx
+                .envelope
+                .payload
+                .get("ms")
+                .and_then(|v| v.as_u64())
+                .unwrap_or(0);
             tokio::time::sleep(Duration::from_millis(ms)).await;
             Ok(serde_json::Value::Null)
         }
     });
     let h = [("stamp", stamp)];
-    let sched = start_scheduler(&ns, &[("ingress_max_normal", "20"), ("max_pending", "10"), ("probe_interval_ms", "300")]).await?;
+    let sched = start_scheduler(
+        &ns,
+        &[
+            ("ingress_max_normal", "20"),
+            ("max_pending", "10"),
+            ("probe_interval_ms", "300"),
+        ],
+    )
+    .await?;
     let w = start_worker(&ns, "w1", "", 2, &[("critical_capacity", "1")], &h).await?;
 
     // Fill both normal slots with long tasks and queue 30 more behind them: the only group
@@ -37,10 +50,17 @@ async fn critical_work_and_probes_flow_while_normal_lane_is_saturated() -> anyho
     // completion measured yet: 2 slots × 2 × the seed factor 4 = 16), so 2 + 30 - 16 = 16
     // wait beyond it (max_pending 10: the workers are behind, the gate turns Red); then
     // flood the normal lane far past its bound.
-    let long: Vec<Envelope> = (0..2).map(|_| task("stamp", json!({"ms": 4000}), "")).collect();
+    let long: Vec<Envelope> = (0..2)
+        .map(|_| task("stamp", json!({"ms": 4000}), ""))
+        .collect();
     ns.submit(&long).await?;
-    wait_for("normal slots busy", Duration::from_secs(10), || async { (starts.lock().ok()?.len() == 2).then_some(()) }).await?;
-    let behind: Vec<Envelope> = (0..30).map(|_| task("stamp", json!({"ms": 10}), "")).collect();
+    wait_for("normal slots busy", Duration::from_secs(10), || async {
+        (starts.lock().ok()?.len() == 2).then_some(())
+    })
+    .await?;
+    let behind: Vec<Envelope> = (0..30)
+        .map(|_| task("stamp", json!({"ms": 10}), ""))
+        .collect();
     ns.submit(&behind).await?;
     wait_for("pressure red", Duration::from_secs(10), || async {
         let p = get_json(&sched.url("/v1/pressure")).await.ok()?;
@@ -56,17 +76,30 @@ async fn critical_work_and_probes_flow_while_normal_lane_is_saturated() -> anyho
     let waiting = wait_for("normal intake paused", Duration::from_secs(10), || async {
         let ch = ns.conn.create_channel().await.ok()?;
         let q = ch
-            .queue_declare(ingress.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+            .queue_declare(
+                ingress.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
             .await
             .ok()?;
         let _ = ch.close(200, "ok".into()).await;
         (q.consumer_count() == 0).then_some(q.message_count() as usize)
     })
     .await?;
-    let flood: Vec<Envelope> = (0..60).map(|_| task("stamp", json!({"ms": 10}), "")).collect();
+    let flood: Vec<Envelope> = (0..60)
+        .map(|_| task("stamp", json!({"ms": 10}), ""))
+        .collect();
     let accepted = ns.submit_each(&flood).await?;
     let refused = accepted.iter().filter(|a| !**a).count();
-    assert_eq!(refused, 60 - (20 - waiting), "the normal flood is refused past the ingress bound of 20 ({waiting} already waiting)");
+    assert_eq!(
+        refused,
+        60 - (20 - waiting),
+        "the normal flood is refused past the ingress bound of 20 ({waiting} already waiting)"
+    );
 
     // Critical tasks start and finish while the long normal tasks still run.
     let mut crit = Vec::new();
@@ -92,7 +125,10 @@ async fn critical_work_and_probes_flow_while_normal_lane_is_saturated() -> anyho
     let last_crit_start = crit.iter().filter_map(|e| m.get(&e.id)).max().copied();
     assert!(last_crit_start.is_some());
     if let (Some(f), Some(c)) = (first_flood_start, last_crit_start) {
-        assert!(c < f, "every critical task starts before any queued normal task");
+        assert!(
+            c < f,
+            "every critical task starts before any queued normal task"
+        );
     }
     // The long tasks are still running: the critical work got through during the flood.
     let long_running = long.iter().all(|e| m.contains_key(&e.id));
@@ -123,7 +159,15 @@ async fn critical_flood_beyond_its_bound_is_refused() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let rec = Recorder::default();
     let h = [("record", rec.handler())];
-    let sched = start_scheduler(&ns, &[("ingress_max_critical", "5"), ("park_max_critical", "5"), ("probe_interval_ms", "60000")]).await?;
+    let sched = start_scheduler(
+        &ns,
+        &[
+            ("ingress_max_critical", "5"),
+            ("park_max_critical", "5"),
+            ("probe_interval_ms", "60000"),
+        ],
+    )
+    .await?;
     let w = start_worker(&ns, "w1", "", 2, &[("critical_capacity", "1")], &h).await?;
     let flood: Vec<Envelope> = (0..200)
         .map(|_| {
@@ -145,11 +189,22 @@ async fn critical_flood_beyond_its_bound_is_refused() -> anyhow::Result<()> {
         // Pacing of the flood, part of the scenario.
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    println!("critical flood: {} accepted, {refused} refused", accepted.len());
-    assert!(refused > 100, "a critical flood must be refused, not queued without limit ({refused} refused)");
+    println!(
+        "critical flood: {} accepted, {refused} refused",
+        accepted.len()
+    );
+    assert!(
+        refused > 100,
+        "a critical flood must be refused, not queued without limit ({refused} refused)"
+    );
     // What was accepted still runs.
     let n = accepted.len();
-    wait_for("accepted critical tasks", Duration::from_secs(60), || async { (rec.count() >= n).then_some(()) }).await?;
+    wait_for(
+        "accepted critical tasks",
+        Duration::from_secs(60),
+        || async { (rec.count() >= n).then_some(()) },
+    )
+    .await?;
     assert_eq!(rec.count(), n);
     w.stop().await?;
     sched.stop().await?;

@@ -6,18 +6,35 @@
 use std::time::Duration;
 
 use fleet::dedupe::Dedupe;
-use fleet::route::{ReserveParams, ReserveRequest};
 use fleet::route::{Reservation, Strategy};
+use fleet::route::{ReserveParams, ReserveRequest};
 use fleet::{Labels, Lane};
 use fleet_tests::*;
 use serde_json::json;
 
 fn params(direct: bool) -> ReserveParams {
-    ReserveParams { lease_ms: 60_000, backlog_factor: 0.0, strategy: Strategy::LeastLoaded, dedupe_window_ms: 60_000, status_ttl_ms: 60_000, token: rand::random(), direct, park_flag_ttl_ms: 3000 }
+    ReserveParams {
+        lease_ms: 60_000,
+        backlog_factor: 0.0,
+        strategy: Strategy::LeastLoaded,
+        dedupe_window_ms: 60_000,
+        status_ttl_ms: 60_000,
+        token: rand::random(),
+        direct,
+        park_flag_ttl_ms: 3000,
+    }
 }
 
 fn req(id: String, selector: &str) -> ReserveRequest {
-    ReserveRequest { id, lane: Lane::Normal, selector: Labels::parse(selector).unwrap_or_default(), strategy: None, dedupe: Dedupe::Skip, from_park: false, dedupe_only: false }
+    ReserveRequest {
+        id,
+        lane: Lane::Normal,
+        selector: Labels::parse(selector).unwrap_or_default(),
+        strategy: None,
+        dedupe: Dedupe::Skip,
+        from_park: false,
+        dedupe_only: false,
+    }
 }
 
 #[tokio::test]
@@ -40,44 +57,80 @@ async fn one_candidate_is_reserved_beyond_room_a_choice_is_not() -> anyhow::Resu
     let batch: Vec<_> = (0..4).map(|k| req(format!("c{k}"), "pool=x")).collect();
     let got = ns.store.reserve(&batch, params(true)).await?;
     let b = "pool=x,protocol=builtin,zone=b".to_string();
-    assert_eq!(got[..2], [Reservation::Reserved(b.clone()), Reservation::Reserved(b.clone())]);
-    assert!(matches!(got[2], Reservation::Full(_)) && matches!(got[3], Reservation::Full(_)), "{got:?}");
+    assert_eq!(
+        got[..2],
+        [
+            Reservation::Reserved(b.clone()),
+            Reservation::Reserved(b.clone())
+        ]
+    );
+    assert!(
+        matches!(got[2], Reservation::Full(_)) && matches!(got[3], Reservation::Full(_)),
+        "{got:?}"
+    );
 
     // Tasks parked for a group keep their place: a single-candidate task parks behind them.
     ns.store.mark_parked(&b, Lane::Normal, 3000).await?;
-    let got = ns.store.reserve(&[req("behind".into(), "zone=b")], params(true)).await?;
+    let got = ns
+        .store
+        .reserve(&[req("behind".into(), "zone=b")], params(true))
+        .await?;
     assert_eq!(got, vec![Reservation::Full(b.clone())]);
     // ...and a task released from that park queue goes direct.
-    let released = ReserveRequest { from_park: true, ..req("released".into(), "zone=b") };
+    let released = ReserveRequest {
+        from_park: true,
+        ..req("released".into(), "zone=b")
+    };
     let got = ns.store.reserve(&[released], params(true)).await?;
     assert_eq!(got, vec![Reservation::Reserved(b)]);
     ns.cleanup().await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_burst_for_one_group_parks_nothing_and_an_overload_still_closes_the_gate() -> anyhow::Result<()> {
+async fn a_burst_for_one_group_parks_nothing_and_an_overload_still_closes_the_gate(
+) -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let rec = Recorder::default();
     let h = [("record", rec.handler())];
-    let sched = start_scheduler(&ns, &[("ingress_max_normal", "2000"), ("max_pending", "100")]).await?;
+    let sched = start_scheduler(
+        &ns,
+        &[("ingress_max_normal", "2000"), ("max_pending", "100")],
+    )
+    .await?;
     let w = start_worker(&ns, "w1", "", 8, &[], &h).await?;
     // 1,000 no-op tasks for the only group: none takes the park hop.
     let burst: Vec<_> = (0..1000).map(|_| task("record", json!({}), "")).collect();
     ns.submit(&burst).await?;
-    wait_for("the burst", Duration::from_secs(60), || async { (rec.count() >= 1000).then_some(()) }).await?;
+    wait_for("the burst", Duration::from_secs(60), || async {
+        (rec.count() >= 1000).then_some(())
+    })
+    .await?;
     let page = reqwest::get(sched.url("/metrics")).await?.text().await?;
-    assert_eq!(metric_sum(&page, "fleet_tasks_parked_total", &[]), 0.0, "no park hop for a single candidate");
-    assert_eq!(metric_sum(&page, "fleet_tasks_dispatched_total", &[]), 1000.0);
+    assert_eq!(
+        metric_sum(&page, "fleet_tasks_parked_total", &[]),
+        0.0,
+        "no park hop for a single candidate"
+    );
+    assert_eq!(
+        metric_sum(&page, "fleet_tasks_dispatched_total", &[]),
+        1000.0
+    );
     assert_eq!(rec.per_task().len(), 1000);
 
     // 400 tasks of 500 ms on 8 slots: what waits in the group queue beyond its room (the
     // gate's `behind`) closes the gate (max_pending 100 → Red at 90).
-    let slow: Vec<_> = (0..400).map(|_| task("record", json!({"ms": 500}), "")).collect();
+    let slow: Vec<_> = (0..400)
+        .map(|_| task("record", json!({"ms": 500}), ""))
+        .collect();
     ns.submit(&slow).await?;
-    let p = wait_for("gate red from the group queue", Duration::from_secs(20), || async {
-        let p = get_json(&sched.url("/v1/pressure")).await.ok()?;
-        (p["gate"] == "red").then_some(p)
-    })
+    let p = wait_for(
+        "gate red from the group queue",
+        Duration::from_secs(20),
+        || async {
+            let p = get_json(&sched.url("/v1/pressure")).await.ok()?;
+            (p["gate"] == "red").then_some(p)
+        },
+    )
     .await?;
     assert!(p["behind"].as_u64().unwrap_or(0) >= 90, "{p}");
     assert_eq!(p["parked"].as_u64(), Some(0), "{p}");

@@ -64,49 +64,86 @@ async fn failing_worker_is_ejected_and_returns_after_the_cooldown() -> anyhow::R
     let mut good_cfg: Vec<(&str, &str)> = WORKER.to_vec();
     good_cfg.extend_from_slice(retry);
     let bad = start_worker(&ns, "w-bad", "pool=ej", 2, &bad_cfg, &[(JOB, bad_handler)]).await?;
-    let good = start_worker(&ns, "w-good", "pool=ej", 2, &good_cfg, &[(JOB, rec.handler())]).await?;
+    let good = start_worker(
+        &ns,
+        "w-good",
+        "pool=ej",
+        2,
+        &good_cfg,
+        &[(JOB, rec.handler())],
+    )
+    .await?;
     let gname = "pool=ej,protocol=builtin";
-    wait_for("group capacity 4", Duration::from_secs(10), || async { group(&ns.store, gname).await.filter(|g| g.capacity == 4) }).await?;
+    wait_for("group capacity 4", Duration::from_secs(10), || async {
+        group(&ns.store, gname).await.filter(|g| g.capacity == 4)
+    })
+    .await?;
     let metrics_url = format!("http://{}/metrics", bad.addr);
     let ejections_before = metric(&metrics_url, "fleet_worker_ejections_total", &[]).await?;
 
     let first = batch(20, 0);
     assert_eq!(ns.submit(&first).await?, (20, 0));
     let workers_url = sched.url("/v1/workers");
-    let seen = wait_for("w-bad ejected in /v1/workers", Duration::from_secs(20), || async {
-        let ws = get_json(&workers_url).await.ok()?;
-        (worker_state(&ws, "w-bad")?["state"] == "ejected").then(Instant::now)
-    })
+    let seen = wait_for(
+        "w-bad ejected in /v1/workers",
+        Duration::from_secs(20),
+        || async {
+            let ws = get_json(&workers_url).await.ok()?;
+            (worker_state(&ws, "w-bad")?["state"] == "ejected").then(Instant::now)
+        },
+    )
     .await?;
     // Ejected: alive and registered, but its capacity is out of the group.
     let g = group(&ns.store, gname).await.context("group")?;
     assert_eq!((g.workers, g.capacity), (2, 2));
     let fails = failed.lock().map(|f| f.len()).unwrap_or(0);
-    assert!(fails >= 4, "ejected after {fails} failures; needs the minimum of 4 samples");
+    assert!(
+        fails >= 4,
+        "ejected after {fails} failures; needs the minimum of 4 samples"
+    );
 
     // The peer does all the work, retries included; nothing dies.
     let want: HashSet<String> = first.iter().map(|e| e.id.clone()).collect();
-    wait_succeeded(&ns, &first.iter().map(|e| e.id.clone()).collect::<Vec<_>>(), Duration::from_secs(30)).await?;
-    assert!(seen.elapsed() < Duration::from_millis(COOLDOWN_MS), "the work finished during the cool-down");
+    wait_succeeded(
+        &ns,
+        &first.iter().map(|e| e.id.clone()).collect::<Vec<_>>(),
+        Duration::from_secs(30),
+    )
+    .await?;
+    assert!(
+        seen.elapsed() < Duration::from_millis(COOLDOWN_MS),
+        "the work finished during the cool-down"
+    );
     let per = rec.per_task();
     assert_eq!(per.keys().cloned().collect::<HashSet<_>>(), want);
     for (id, ws) in &per {
         assert_eq!(ws, &vec!["w-good".to_string()], "task {id}");
     }
-    let failed_ids: HashSet<String> = failed.lock().map(|f| f.iter().cloned().collect()).unwrap_or_default();
+    let failed_ids: HashSet<String> = failed
+        .lock()
+        .map(|f| f.iter().cloned().collect())
+        .unwrap_or_default();
     assert!(failed_ids.is_subset(&want));
     let fails = failed.lock().map(|f| f.len()).unwrap_or(0);
     // The registry shows the failures (after a heartbeat).
-    wait_for("w-bad's failures in /v1/workers", Duration::from_secs(5), || async {
-        let ws = get_json(&workers_url).await.ok()?;
-        let w = worker_state(&ws, "w-bad")?;
-        // Failed runs show as the outcome they had: retried (the peer then ran them).
-        (w["retried"] == fails as u64 && w["succeeded"] == 0).then_some(())
-    })
+    wait_for(
+        "w-bad's failures in /v1/workers",
+        Duration::from_secs(5),
+        || async {
+            let ws = get_json(&workers_url).await.ok()?;
+            let w = worker_state(&ws, "w-bad")?;
+            // Failed runs show as the outcome they had: retried (the peer then ran them).
+            (w["retried"] == fails as u64 && w["succeeded"] == 0).then_some(())
+        },
+    )
     .await?;
     for id in &failed_ids {
         let st = ns.status(id).await?.unwrap_or_default();
-        assert_eq!(st.get("state").map(String::as_str), Some("succeeded"), "{id}: {st:?}");
+        assert_eq!(
+            st.get("state").map(String::as_str),
+            Some("succeeded"),
+            "{id}: {st:?}"
+        );
         assert_eq!(st.get("worker").map(String::as_str), Some("w-good"));
     }
 
@@ -117,20 +154,41 @@ async fn failing_worker_is_ejected_and_returns_after_the_cooldown() -> anyhow::R
     })
     .await?;
     let ejected_for = active - seen;
-    println!("ejection: after {fails} failures; ejected for {} ms (cool-down {COOLDOWN_MS} ms)", ejected_for.as_millis());
-    assert!(ejected_for + Duration::from_millis(300) >= Duration::from_millis(COOLDOWN_MS), "back early: {ejected_for:?}");
-    let g = wait_for("capacity back to 4", Duration::from_secs(5), || async { group(&ns.store, gname).await.filter(|g| g.capacity == 4) }).await?;
+    println!(
+        "ejection: after {fails} failures; ejected for {} ms (cool-down {COOLDOWN_MS} ms)",
+        ejected_for.as_millis()
+    );
+    assert!(
+        ejected_for + Duration::from_millis(300) >= Duration::from_millis(COOLDOWN_MS),
+        "back early: {ejected_for:?}"
+    );
+    let g = wait_for("capacity back to 4", Duration::from_secs(5), || async {
+        group(&ns.store, gname).await.filter(|g| g.capacity == 4)
+    })
+    .await?;
     assert_eq!(g.workers, 2);
-    assert_eq!(metric(&metrics_url, "fleet_worker_ejections_total", &[]).await? - ejections_before, 1.0, "ejected once");
+    assert_eq!(
+        metric(&metrics_url, "fleet_worker_ejections_total", &[]).await? - ejections_before,
+        1.0,
+        "ejected once"
+    );
 
     // Healthy again, it takes its share of new work.
     broken.store(false, Ordering::SeqCst);
     let second = batch(12, 100);
     assert_eq!(ns.submit(&second).await?, (12, 0));
-    wait_succeeded(&ns, &second.iter().map(|e| e.id.clone()).collect::<Vec<_>>(), Duration::from_secs(30)).await?;
+    wait_succeeded(
+        &ns,
+        &second.iter().map(|e| e.id.clone()).collect::<Vec<_>>(),
+        Duration::from_secs(30),
+    )
+    .await?;
     let per = rec.per_task();
     assert_eq!(per.len(), 32);
-    assert!(per.values().all(|w| w.len() == 1), "each task succeeded once");
+    assert!(
+        per.values().all(|w| w.len() == 1),
+        "each task succeeded once"
+    );
     let on_bad = second.iter().filter(|e| per[&e.id][0] == "w-bad").count();
     println!("ejection: w-bad ran {on_bad} of 12 tasks after coming back");
     assert!(on_bad >= 1, "the returned worker takes work");
@@ -155,12 +213,23 @@ async fn a_drain_in_redis_outlasts_ejection_and_state_corrections() -> anyhow::R
     register_worker(&ns.store, "w-final", "pool=final", 2).await?;
     let capacity = || async { group(&ns.store, &g).await.map(|g| g.capacity) };
     assert_eq!(capacity().await, Some(2));
-    assert_eq!(ns.store.set_state("w-final", WorkerState::Draining).await?, Some(WorkerState::Active));
+    assert_eq!(
+        ns.store.set_state("w-final", WorkerState::Draining).await?,
+        Some(WorkerState::Active)
+    );
     assert_eq!(capacity().await, Some(0));
     // The worker's own writes, as the ejection and the heartbeat's correction make them.
     for own in [WorkerState::Ejected, WorkerState::Active] {
-        assert_eq!(ns.store.set_state("w-final", own).await?, Some(WorkerState::Draining), "writing {own:?}");
-        assert_eq!(ns.store.worker_state("w-final").await?, Some(WorkerState::Draining), "after writing {own:?}");
+        assert_eq!(
+            ns.store.set_state("w-final", own).await?,
+            Some(WorkerState::Draining),
+            "writing {own:?}"
+        );
+        assert_eq!(
+            ns.store.worker_state("w-final").await?,
+            Some(WorkerState::Draining),
+            "after writing {own:?}"
+        );
         assert_eq!(capacity().await, Some(0), "capacity after writing {own:?}");
     }
     // The ejection's own script refuses a worker that is not active.

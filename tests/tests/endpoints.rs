@@ -18,7 +18,11 @@ fn dead_port() -> Result<u16> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dead_node_in_the_list_is_skipped() -> Result<()> {
     let ns = Ns::new().await?;
-    let list = format!("amqp://guest:guest@127.0.0.1:{}/%2f,{}", dead_port()?, amqp_url());
+    let list = format!(
+        "amqp://guest:guest@127.0.0.1:{}/%2f,{}",
+        dead_port()?,
+        amqp_url()
+    );
     let with_list = [("amqp_url", list.as_str())];
     let rec = Recorder::default();
     let h = [("record", rec.handler())];
@@ -29,9 +33,14 @@ async fn a_dead_node_in_the_list_is_skipped() -> Result<()> {
     for i in 0..4 {
         workers.push(start_worker(&ns, &format!("w{i}"), "pool=list", 2, &with_list, &h).await?);
     }
-    let envs: Vec<_> = (0..100).map(|i| task("record", json!({"i": i}), "pool=list")).collect();
+    let envs: Vec<_> = (0..100)
+        .map(|i| task("record", json!({"i": i}), "pool=list"))
+        .collect();
     assert_eq!(ns.submit(&envs).await?, (100, 0));
-    wait_for("100 runs", Duration::from_secs(60), || async { (rec.count() >= 100).then_some(()) }).await?;
+    wait_for("100 runs", Duration::from_secs(60), || async {
+        (rec.count() >= 100).then_some(())
+    })
+    .await?;
     // Barrier: queues empty and nothing reserved or running, so no further run can start.
     ns.wait_settled(Duration::from_secs(30)).await?;
     assert_eq!(rec.per_task().len(), 100);
@@ -66,13 +75,26 @@ async fn a_silent_node_in_the_list_is_given_up_on() -> Result<()> {
     let (port, held) = silent_node().await?;
     let silent = format!("amqp://guest:s3cret@127.0.0.1:{port}/%2f");
     let t = std::time::Instant::now();
-    let attempt = tokio::time::timeout(fleet::amqp::CONNECT_TIMEOUT + Duration::from_secs(10), fleet::amqp::connect(&silent, "silent-probe")).await;
+    let attempt = tokio::time::timeout(
+        fleet::amqp::CONNECT_TIMEOUT + Duration::from_secs(10),
+        fleet::amqp::connect(&silent, "silent-probe"),
+    )
+    .await;
     let took = t.elapsed();
-    let Ok(attempt) = attempt else { panic!("the attempt at a silent node was still waiting after {took:?}") };
+    let Ok(attempt) = attempt else {
+        panic!("the attempt at a silent node was still waiting after {took:?}")
+    };
     let err = attempt.err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(err.contains(&format!("127.0.0.1:{port}")) && err.contains("no answer"), "{err}");
+    assert!(
+        err.contains(&format!("127.0.0.1:{port}")) && err.contains("no answer"),
+        "{err}"
+    );
     assert!(!err.contains("s3cret"), "the password leaked: {err}");
-    assert!(took >= fleet::amqp::CONNECT_TIMEOUT && took < fleet::amqp::CONNECT_TIMEOUT + Duration::from_secs(5), "gave up after {took:?}");
+    assert!(
+        took >= fleet::amqp::CONNECT_TIMEOUT
+            && took < fleet::amqp::CONNECT_TIMEOUT + Duration::from_secs(5),
+        "gave up after {took:?}"
+    );
 
     let ns = Ns::new().await?;
     let list = format!("{silent},{}", amqp_url());
@@ -84,9 +106,14 @@ async fn a_silent_node_in_the_list_is_given_up_on() -> Result<()> {
     let sched = start_scheduler(&ns, &with_list).await?;
     let w1 = start_worker(&ns, "w1", "pool=silent", 2, &with_list, &h).await?;
     let w2 = start_worker(&ns, "w2", "pool=silent", 2, &with_list, &h).await?;
-    let envs: Vec<_> = (0..20).map(|i| task("record", json!({"i": i}), "pool=silent")).collect();
+    let envs: Vec<_> = (0..20)
+        .map(|i| task("record", json!({"i": i}), "pool=silent"))
+        .collect();
     assert_eq!(ns.submit(&envs).await?, (20, 0));
-    wait_for("20 runs", Duration::from_secs(60), || async { (rec.count() >= 20).then_some(()) }).await?;
+    wait_for("20 runs", Duration::from_secs(60), || async {
+        (rec.count() >= 20).then_some(())
+    })
+    .await?;
     ns.wait_settled(Duration::from_secs(30)).await?;
     assert_eq!(rec.per_task().len(), 20);
     assert_eq!(rec.count(), 20, "no task ran twice");
@@ -115,7 +142,11 @@ async fn a_malformed_node_list_stops_start_up_with_exit_2() -> Result<()> {
             .kill_on_drop(true)
             .spawn()?;
         let out = tokio::time::timeout(Duration::from_secs(20), child.wait_with_output()).await??;
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert_eq!(out.status.code(), Some(2), "{bad}: {text}");
         assert!(text.contains("FLEET_AMQP_URL"), "{bad}: {text}");
         assert!(!text.contains("s3cret"), "the password leaked: {text}");
@@ -139,9 +170,14 @@ async fn queues_older_than_the_leader_locator_are_redeclared_without_it() -> Res
     // Today's defaults (balanced) on the same namespace.
     let sched = start_scheduler(&ns, &[]).await?;
     let w = start_worker(&ns, "new", "pool=locator", 2, &[], &h).await?;
-    let envs: Vec<_> = (0..20).map(|i| task("record", json!({"i": i}), "pool=locator")).collect();
+    let envs: Vec<_> = (0..20)
+        .map(|i| task("record", json!({"i": i}), "pool=locator"))
+        .collect();
     assert_eq!(ns.submit(&envs).await?, (20, 0));
-    wait_for("20 runs", Duration::from_secs(60), || async { (rec.count() >= 20).then_some(()) }).await?;
+    wait_for("20 runs", Duration::from_secs(60), || async {
+        (rec.count() >= 20).then_some(())
+    })
+    .await?;
     assert_eq!(rec.per_task().len(), 20);
     w.stop().await?;
     sched.stop().await?;

@@ -20,11 +20,24 @@ async fn silent_worker_is_evicted_and_comes_back_when_it_wakes() -> anyhow::Resu
     let ns = Ns::new().await?;
     let ep = Endpoint::start(100).await?;
     let sched = start_scheduler(&ns, SCHEDULER).await?;
-    let mut silent = WorkerProcess::start(&ns, &ProcessSpec { id: "w-silent", labels: "pool=ev", capacity: 3, endpoint: &ep.url, extra: &[] }).await?;
+    let mut silent = WorkerProcess::start(
+        &ns,
+        &ProcessSpec {
+            id: "w-silent",
+            labels: "pool=ev",
+            capacity: 3,
+            endpoint: &ep.url,
+            extra: &[],
+        },
+    )
+    .await?;
     let cfg = ep.worker_settings();
     let awake = start_worker(&ns, "w-awake", "pool=ev", 2, &cfg, &[]).await?;
     let gname = "pool=ev,protocol=http";
-    wait_for("group capacity 5", Duration::from_secs(10), || async { group(&ns.store, gname).await.filter(|g| g.capacity == 5) }).await?;
+    wait_for("group capacity 5", Duration::from_secs(10), || async {
+        group(&ns.store, gname).await.filter(|g| g.capacity == 5)
+    })
+    .await?;
     let metrics_url = sched.url("/metrics");
     let evictions_before = metric(&metrics_url, "fleet_worker_evictions_total", &[]).await?;
 
@@ -49,20 +62,35 @@ async fn silent_worker_is_evicted_and_comes_back_when_it_wakes() -> anyhow::Resu
     let silence = evicted_ms - last_hb_ms;
     println!("eviction: {silence} ms after the last heartbeat (timeout {HEARTBEAT_TIMEOUT_MS} ms, tick {HEALTH_MS} ms); {} ms after SIGSTOP", stopped_at.elapsed().as_millis());
     assert!(last_hb_ms > 0, "the worker was seen heartbeating");
-    assert!(silence >= HEARTBEAT_TIMEOUT_MS as i64, "evicted early: {silence} ms");
+    assert!(
+        silence >= HEARTBEAT_TIMEOUT_MS as i64,
+        "evicted early: {silence} ms"
+    );
     // Timeout + one tick, plus slack for a busy test machine.
-    assert!(silence <= (HEARTBEAT_TIMEOUT_MS + HEALTH_MS + 1000) as i64, "evicted late: {silence} ms");
+    assert!(
+        silence <= (HEARTBEAT_TIMEOUT_MS + HEALTH_MS + 1000) as i64,
+        "evicted late: {silence} ms"
+    );
 
     // Its capacity left the group (registry and API agree) and the counter moved by one.
     let g = group(&ns.store, gname).await.context("group still known")?;
     assert_eq!((g.workers, g.capacity), (1, 2));
-    let api: Vec<serde_json::Value> = serde_json::from_value(get_json(&sched.url("/v1/groups")).await?)?;
-    let row = api.iter().find(|r| r["group"] == gname).context("group in /v1/groups")?;
-    assert_eq!((row["workers"].as_u64(), row["capacity"].as_u64()), (Some(1), Some(2)));
+    let api: Vec<serde_json::Value> =
+        serde_json::from_value(get_json(&sched.url("/v1/groups")).await?)?;
+    let row = api
+        .iter()
+        .find(|r| r["group"] == gname)
+        .context("group in /v1/groups")?;
+    assert_eq!(
+        (row["workers"].as_u64(), row["capacity"].as_u64()),
+        (Some(1), Some(2))
+    );
     let ws = get_json(&sched.url("/v1/workers")).await?;
     assert_eq!(ws.as_array().map(Vec::len), Some(1), "{ws}");
     let evictions = wait_for("eviction counted", Duration::from_secs(5), || async {
-        let n = metric(&metrics_url, "fleet_worker_evictions_total", &[]).await.ok()?;
+        let n = metric(&metrics_url, "fleet_worker_evictions_total", &[])
+            .await
+            .ok()?;
         (n > evictions_before).then_some(n)
     })
     .await?;
@@ -76,24 +104,46 @@ async fn silent_worker_is_evicted_and_comes_back_when_it_wakes() -> anyhow::Resu
     // Barrier: the scheduler has taken all eight in (each has a status) while the worker is
     // still frozen.
     wait_for("every task admitted", Duration::from_secs(15), || async {
-        states(&ns, &ids).await.ok()?.values().all(|s| s != "-").then_some(())
+        states(&ns, &ids)
+            .await
+            .ok()?
+            .values()
+            .all(|s| s != "-")
+            .then_some(())
     })
     .await?;
 
     silent.signal("CONT")?;
     let resumed = Instant::now();
-    let w = silent.wait_state(&ns.store, "active", Duration::from_secs(10)).await?;
-    println!("eviction: re-registered {} ms after SIGCONT", resumed.elapsed().as_millis());
+    let w = silent
+        .wait_state(&ns.store, "active", Duration::from_secs(10))
+        .await?;
+    println!(
+        "eviction: re-registered {} ms after SIGCONT",
+        resumed.elapsed().as_millis()
+    );
     assert_eq!(w.capacity, 3);
-    let g = wait_for("capacity back to 5", Duration::from_secs(10), || async { group(&ns.store, gname).await.filter(|g| g.capacity == 5) }).await?;
+    let g = wait_for("capacity back to 5", Duration::from_secs(10), || async {
+        group(&ns.store, gname).await.filter(|g| g.capacity == 5)
+    })
+    .await?;
     assert_eq!(g.workers, 2);
 
     wait_succeeded(&ns, &ids, Duration::from_secs(30)).await?;
     let per = ep.per_task();
     for id in &ids {
-        assert_eq!(per.get(id).map(Vec::len), Some(1), "task {id} ran once: {:?}", per.get(id));
+        assert_eq!(
+            per.get(id).map(Vec::len),
+            Some(1),
+            "task {id} ran once: {:?}",
+            per.get(id)
+        );
     }
-    assert_eq!(metric(&metrics_url, "fleet_worker_evictions_total", &[]).await? - evictions_before, 1.0, "evicted once");
+    assert_eq!(
+        metric(&metrics_url, "fleet_worker_evictions_total", &[]).await? - evictions_before,
+        1.0,
+        "evicted once"
+    );
 
     silent.signal("TERM")?;
     let st = silent.wait_exit(Duration::from_secs(20)).await?;
@@ -121,31 +171,74 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
         executor: "builtin".into(),
         state: WorkerState::Active,
     };
-    ns.store.register(&reg("w-dead", "i-dead"), Duration::from_millis(1500)).await?;
-    ns.store.register(&reg("w-live", "i-live"), Duration::from_millis(1500)).await?;
-    let t = |id: &str, isolated: bool| ClaimRequest { lane: Lane::Normal, id: id.to_string(), base: 1, max_attempts: 3, isolated };
+    ns.store
+        .register(&reg("w-dead", "i-dead"), Duration::from_millis(1500))
+        .await?;
+    ns.store
+        .register(&reg("w-live", "i-live"), Duration::from_millis(1500))
+        .await?;
+    let t = |id: &str, isolated: bool| ClaimRequest {
+        lane: Lane::Normal,
+        id: id.to_string(),
+        base: 1,
+        max_attempts: 3,
+        isolated,
+    };
     let lease = Duration::from_secs(60);
-    let (_, c) = ns.store.claim("w-dead", &g, "i-dead", lease, lease, &[t("t1", false), t("t2", false)]).await?;
+    let (_, c) = ns
+        .store
+        .claim(
+            "w-dead",
+            &g,
+            "i-dead",
+            lease,
+            lease,
+            &[t("t1", false), t("t2", false)],
+        )
+        .await?;
     assert_eq!(c, vec![Claim::Run(1), Claim::Run(1)]);
     // w-dead dies; the broker hands t1 to w-live, whose copy must wait: w-dead still counts.
-    let (_, c) = ns.store.claim("w-live", &g, "i-live", lease, lease, &[t("t1", false)]).await?;
+    let (_, c) = ns
+        .store
+        .claim("w-live", &g, "i-live", lease, lease, &[t("t1", false)])
+        .await?;
     assert_eq!(c, vec![Claim::Wait]);
     let before = group(&ns.store, &g).await.context("group")?;
     assert_eq!((before.capacity, before.load), (4, 2));
 
     // w-dead stays silent past the timeout (1 s here), w-live beats: the first sweep that
     // evicts anyone evicts w-dead alone.
-    let evicted = wait_for("a stale worker evicted", Duration::from_secs(10), || async {
-        ns.store.heartbeat("w-live", "i-live", Duration::from_secs(60), &Beat::default()).await.ok()?;
-        ns.store.evict_stale(Duration::from_secs(1)).await.ok().filter(|v| !v.is_empty())
-    })
+    let evicted = wait_for(
+        "a stale worker evicted",
+        Duration::from_secs(10),
+        || async {
+            ns.store
+                .heartbeat(
+                    "w-live",
+                    "i-live",
+                    Duration::from_secs(60),
+                    &Beat::default(),
+                )
+                .await
+                .ok()?;
+            ns.store
+                .evict_stale(Duration::from_secs(1))
+                .await
+                .ok()
+                .filter(|v| !v.is_empty())
+        },
+    )
     .await?;
     assert_eq!(evicted, vec!["w-dead".to_string()]);
     let after = group(&ns.store, &g).await.context("group")?;
     assert_eq!((after.workers, after.capacity, after.load), (1, 2, 0));
     for id in ["t1", "t2"] {
         let st = ns.store.task_status(id).await?.context("status")?;
-        assert_eq!(st.get("state").map(String::as_str), Some("queued"), "{id}: {st:?}");
+        assert_eq!(
+            st.get("state").map(String::as_str),
+            Some("queued"),
+            "{id}: {st:?}"
+        );
         assert_eq!(st.get("worker"), None, "{id} names no dead worker: {st:?}");
     }
     // The attempt log keeps what the status no longer says: attempt 1 ran on w-dead and was
@@ -154,47 +247,142 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
         let store = ns.store.clone();
         async move {
             let log = store.task_attempts(id).await?;
-            let shape: Vec<_> = log.iter().map(|a| (a["attempt"].clone(), a["worker"].clone(), a["outcome"].clone(), a["reason"].clone(), a["started_at"].is_string())).collect();
+            let shape: Vec<_> = log
+                .iter()
+                .map(|a| {
+                    (
+                        a["attempt"].clone(),
+                        a["worker"].clone(),
+                        a["outcome"].clone(),
+                        a["reason"].clone(),
+                        a["started_at"].is_string(),
+                    )
+                })
+                .collect();
             anyhow::Ok(shape)
         }
     };
-    let one_lost = vec![(serde_json::json!(1), serde_json::json!("w-dead"), serde_json::json!("lost"), serde_json::json!("worker_lost"), true)];
+    let one_lost = vec![(
+        serde_json::json!(1),
+        serde_json::json!("w-dead"),
+        serde_json::json!("lost"),
+        serde_json::json!("worker_lost"),
+        true,
+    )];
     assert_eq!(lost("t1").await?, one_lost);
     assert_eq!(lost("t2").await?, one_lost);
     // The waiting copy now finds its owner gone: the crash counts (attempt 2), run alone.
-    let (_, c) = ns.store.claim("w-live", &g, "i-live", lease, lease, &[t("t1", false)]).await?;
+    let (_, c) = ns
+        .store
+        .claim("w-live", &g, "i-live", lease, lease, &[t("t1", false)])
+        .await?;
     assert_eq!(c, vec![Claim::Isolate(2)]);
-    let (_, c) = ns.store.claim("w-live", &g, "i-live", lease, lease, &[t("t1", true)]).await?;
+    let (_, c) = ns
+        .store
+        .claim("w-live", &g, "i-live", lease, lease, &[t("t1", true)])
+        .await?;
     assert_eq!(c, vec![Claim::Run(2)]);
-    assert_eq!(group(&ns.store, &g).await.map(|g| (g.capacity, g.load)), Some((2, 1)));
+    assert_eq!(
+        group(&ns.store, &g).await.map(|g| (g.capacity, g.load)),
+        Some((2, 1))
+    );
     // w-dead wakes (it was frozen, not dead), its run of attempt 1 fails, and it publishes a
     // retry: a copy with base 2 over run_base 1. Attempt 2 is w-live's, running: the late copy
     // is a duplicate, never a second run of attempt 2 (it was granted Run(2) before).
-    let late = |id: &str| ClaimRequest { lane: Lane::Normal, id: id.to_string(), base: 2, max_attempts: 3, isolated: false };
-    let (_, c) = ns.store.claim("w-live", &g, "i-live", lease, lease, &[late("t1")]).await?;
-    assert_eq!(c, vec![Claim::Duplicate], "a late retry of attempt 1 ran beside attempt 2");
-    assert_eq!(group(&ns.store, &g).await.map(|g| (g.capacity, g.load)), Some((2, 1)));
+    let late = |id: &str| ClaimRequest {
+        lane: Lane::Normal,
+        id: id.to_string(),
+        base: 2,
+        max_attempts: 3,
+        isolated: false,
+    };
+    let (_, c) = ns
+        .store
+        .claim("w-live", &g, "i-live", lease, lease, &[late("t1")])
+        .await?;
+    assert_eq!(
+        c,
+        vec![Claim::Duplicate],
+        "a late retry of attempt 1 ran beside attempt 2"
+    );
+    assert_eq!(
+        group(&ns.store, &g).await.map(|g| (g.capacity, g.load)),
+        Some((2, 1))
+    );
     // A retry nobody overtook still runs: t2 is queued at attempt 1, and its retry is attempt 2.
-    let (_, c) = ns.store.claim("w-live", &g, "i-live", lease, lease, &[late("t2")]).await?;
+    let (_, c) = ns
+        .store
+        .claim("w-live", &g, "i-live", lease, lease, &[late("t2")])
+        .await?;
     assert_eq!(c, vec![Claim::Run(2)]);
-    let t2_done = Finished { lane: Lane::Normal, id: "t2".into(), attempt: 2, state: Some(fleet::status::TaskState::Succeeded), text: "{}".into(), success: true, reason: None };
-    ns.store.finish("w-live", &g, "i-live", lease, &[t2_done], &[]).await?;
-    assert_eq!(group(&ns.store, &g).await.map(|g| (g.capacity, g.load)), Some((2, 1)));
+    let t2_done = Finished {
+        lane: Lane::Normal,
+        id: "t2".into(),
+        attempt: 2,
+        state: Some(fleet::status::TaskState::Succeeded),
+        text: "{}".into(),
+        success: true,
+        reason: None,
+    };
+    ns.store
+        .finish("w-live", &g, "i-live", lease, &[t2_done], &[])
+        .await?;
+    assert_eq!(
+        group(&ns.store, &g).await.map(|g| (g.capacity, g.load)),
+        Some((2, 1))
+    );
     // The claim that counted the crash did not log it a second time.
     assert_eq!(lost("t1").await?, one_lost);
     // Idempotent: a second checker finds nothing to do.
-    assert!(ns.store.evict_stale(Duration::from_secs(1)).await?.is_empty());
-    assert_eq!(group(&ns.store, &g).await.map(|g| (g.capacity, g.load)), Some((2, 1)));
+    assert!(ns
+        .store
+        .evict_stale(Duration::from_secs(1))
+        .await?
+        .is_empty());
+    assert_eq!(
+        group(&ns.store, &g).await.map(|g| (g.capacity, g.load)),
+        Some((2, 1))
+    );
     // Attempt 2's outcome is appended by the finish that records it.
-    let done = Finished { lane: Lane::Normal, id: "t1".into(), attempt: 2, state: Some(fleet::status::TaskState::Succeeded), text: "{}".into(), success: true, reason: None };
-    ns.store.finish("w-live", &g, "i-live", lease, &[done], &[]).await?;
+    let done = Finished {
+        lane: Lane::Normal,
+        id: "t1".into(),
+        attempt: 2,
+        state: Some(fleet::status::TaskState::Succeeded),
+        text: "{}".into(),
+        success: true,
+        reason: None,
+    };
+    ns.store
+        .finish("w-live", &g, "i-live", lease, &[done], &[])
+        .await?;
     // After attempt 2's success, the late copy is still a duplicate (it ran again before).
-    let (_, c) = ns.store.claim("w-live", &g, "i-live", lease, lease, &[late("t1")]).await?;
-    assert_eq!(c, vec![Claim::Duplicate], "a late retry ran a task that had succeeded");
+    let (_, c) = ns
+        .store
+        .claim("w-live", &g, "i-live", lease, lease, &[late("t1")])
+        .await?;
+    assert_eq!(
+        c,
+        vec![Claim::Duplicate],
+        "a late retry ran a task that had succeeded"
+    );
     let log = ns.store.task_attempts("t1").await?;
     assert_eq!(log.len(), 2, "{log:?}");
-    assert_eq!((&log[1]["attempt"], &log[1]["worker"], &log[1]["outcome"]), (&serde_json::json!(2), &serde_json::json!("w-live"), &serde_json::json!("succeeded")), "{log:?}");
-    assert!(log[1].get("error").is_none() && log[1].get("reason").is_none() && log[1]["started_at"].is_string(), "{log:?}");
+    assert_eq!(
+        (&log[1]["attempt"], &log[1]["worker"], &log[1]["outcome"]),
+        (
+            &serde_json::json!(2),
+            &serde_json::json!("w-live"),
+            &serde_json::json!("succeeded")
+        ),
+        "{log:?}"
+    );
+    assert!(
+        log[1].get("error").is_none()
+            && log[1].get("reason").is_none()
+            && log[1]["started_at"].is_string(),
+        "{log:?}"
+    );
     ns.cleanup().await
 }
 
@@ -207,31 +395,90 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
 async fn a_woken_worker_that_registers_again_keeps_its_run() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let g = Labels::parse("pool=woken")?.group_name();
-    let register = |id: &'static str| register_worker_for(&ns.store, id, "pool=woken", 2, Duration::from_millis(1500));
+    let register = |id: &'static str| {
+        register_worker_for(&ns.store, id, "pool=woken", 2, Duration::from_millis(1500))
+    };
     register("w-frozen").await?;
     register("w-peer").await?;
-    let t1 = ClaimRequest { lane: Lane::Normal, id: "t1".into(), base: 1, max_attempts: 3, isolated: false };
+    let t1 = ClaimRequest {
+        lane: Lane::Normal,
+        id: "t1".into(),
+        base: 1,
+        max_attempts: 3,
+        isolated: false,
+    };
     let lease = Duration::from_secs(60);
-    let (_, c) = ns.store.claim("w-frozen", &g, "i-w-frozen", lease, lease, std::slice::from_ref(&t1)).await?;
+    let (_, c) = ns
+        .store
+        .claim(
+            "w-frozen",
+            &g,
+            "i-w-frozen",
+            lease,
+            lease,
+            std::slice::from_ref(&t1),
+        )
+        .await?;
     assert_eq!(c, vec![Claim::Run(1)]);
-    let evicted = wait_for("the frozen worker evicted", Duration::from_secs(10), || async {
-        ns.store.heartbeat("w-peer", "i-w-peer", lease, &Beat::default()).await.ok()?;
-        ns.store.evict_stale(Duration::from_secs(1)).await.ok().filter(|v| !v.is_empty())
-    })
+    let evicted = wait_for(
+        "the frozen worker evicted",
+        Duration::from_secs(10),
+        || async {
+            ns.store
+                .heartbeat("w-peer", "i-w-peer", lease, &Beat::default())
+                .await
+                .ok()?;
+            ns.store
+                .evict_stale(Duration::from_secs(1))
+                .await
+                .ok()
+                .filter(|v| !v.is_empty())
+        },
+    )
     .await?;
     assert_eq!(evicted, vec!["w-frozen".to_string()]);
     let st = ns.store.task_status("t1").await?.context("status")?;
-    assert_eq!((st.get("state").map(String::as_str), st.get("worker")), (Some("queued"), None), "{st:?}");
+    assert_eq!(
+        (st.get("state").map(String::as_str), st.get("worker")),
+        (Some("queued"), None),
+        "{st:?}"
+    );
 
     // It wakes: registers again (same process) and beats with its run.
     register("w-frozen").await?;
-    let beat = Beat { running: vec![(Lane::Normal, "t1".to_string())], ..Beat::default() };
-    ns.store.heartbeat("w-frozen", "i-w-frozen", lease, &beat).await?;
+    let beat = Beat {
+        running: vec![(Lane::Normal, "t1".to_string())],
+        ..Beat::default()
+    };
+    ns.store
+        .heartbeat("w-frozen", "i-w-frozen", lease, &beat)
+        .await?;
     let st = ns.store.task_status("t1").await?.context("status")?;
-    assert_eq!((st.get("state").map(String::as_str), st.get("worker").map(String::as_str)), (Some("running"), Some("w-frozen")), "{st:?}");
+    assert_eq!(
+        (
+            st.get("state").map(String::as_str),
+            st.get("worker").map(String::as_str)
+        ),
+        (Some("running"), Some("w-frozen")),
+        "{st:?}"
+    );
     // A copy reaches the peer: the owner is alive and running it.
-    let (_, c) = ns.store.claim("w-peer", &g, "i-w-peer", lease, lease, std::slice::from_ref(&t1)).await?;
-    assert_eq!(c, vec![Claim::Wait], "a copy ran beside the woken worker's run");
+    let (_, c) = ns
+        .store
+        .claim(
+            "w-peer",
+            &g,
+            "i-w-peer",
+            lease,
+            lease,
+            std::slice::from_ref(&t1),
+        )
+        .await?;
+    assert_eq!(
+        c,
+        vec![Claim::Wait],
+        "a copy ran beside the woken worker's run"
+    );
     ns.cleanup().await
 }
 
@@ -244,15 +491,34 @@ async fn a_retry_after_an_unheard_suspect_claim_still_runs() -> anyhow::Result<(
     let g = Labels::parse("pool=unheard")?.group_name();
     register_worker(&ns.store, "w-b", "pool=unheard", 2).await?;
     let lease = Duration::from_secs(60);
-    let copy = |base: u32| ClaimRequest { lane: Lane::Normal, id: "t9".into(), base, max_attempts: 5, isolated: false };
+    let copy = |base: u32| ClaimRequest {
+        lane: Lane::Normal,
+        id: "t9".into(),
+        base,
+        max_attempts: 5,
+        isolated: false,
+    };
     // A worker that is gone (never registered here) ran attempt 1.
-    let (_, c) = ns.store.claim("w-gone", &g, "i-gone", lease, lease, &[copy(1)]).await?;
+    let (_, c) = ns
+        .store
+        .claim("w-gone", &g, "i-gone", lease, lease, &[copy(1)])
+        .await?;
     assert_eq!(c, vec![Claim::Run(1)]);
     // w-b's claim of the redelivered copy makes it a suspect as attempt 2 — an answer w-b
     // does not hear: it runs the copy as attempt 1, which fails, and publishes the retry.
-    let (_, c) = ns.store.claim("w-b", &g, "i-w-b", lease, lease, &[copy(1)]).await?;
+    let (_, c) = ns
+        .store
+        .claim("w-b", &g, "i-w-b", lease, lease, &[copy(1)])
+        .await?;
     assert_eq!(c, vec![Claim::Isolate(2)]);
-    let (_, c) = ns.store.claim("w-b", &g, "i-w-b", lease, lease, &[copy(2)]).await?;
-    assert_eq!(c, vec![Claim::Run(2)], "the retry of an unheard suspect claim was dropped");
+    let (_, c) = ns
+        .store
+        .claim("w-b", &g, "i-w-b", lease, lease, &[copy(2)])
+        .await?;
+    assert_eq!(
+        c,
+        vec![Claim::Run(2)],
+        "the retry of an unheard suspect claim was dropped"
+    );
     ns.cleanup().await
 }

@@ -15,7 +15,13 @@ use serde_json::{json, Value};
 async fn exec_fleet(case: &str, argv: &[&str]) -> anyhow::Result<Fleet> {
     let labels = format!("case={case}");
     let command = serde_json::to_string(argv)?;
-    let settings = [("executor", "exec"), ("exec_command", command.as_str()), ("retry_base_ms", "50"), ("retry_cap_ms", "200"), NO_EJECT];
+    let settings = [
+        ("executor", "exec"),
+        ("exec_command", command.as_str()),
+        ("retry_base_ms", "50"),
+        ("retry_cap_ms", "200"),
+        NO_EJECT,
+    ];
     Fleet::start(&format!("w-exec-{case}"), &labels, 4, &settings, &[]).await
 }
 
@@ -41,18 +47,32 @@ async fn exit_zero_succeeds_with_stdout_as_result() -> anyhow::Result<()> {
     let f = exec_fleet("ok", &["sh", "-c", SCRIPT]).await?;
     let (text, js) = (job("text", 3), job("json", 3));
     f.ns.submit(&[text.clone(), js.clone()]).await?;
-    let st = f.ns.wait_state(&text.id, "succeeded", Duration::from_secs(20)).await?;
-    assert_eq!(st.get("result").map(String::as_str), Some(r#""done on attempt 1""#), "stdout as a string: {st:?}");
+    let st =
+        f.ns.wait_state(&text.id, "succeeded", Duration::from_secs(20))
+            .await?;
+    assert_eq!(
+        st.get("result").map(String::as_str),
+        Some(r#""done on attempt 1""#),
+        "stdout as a string: {st:?}"
+    );
     let st = get_json(&f.sched.url(&format!("/v1/tasks/{}", js.id))).await;
     let st = match st {
         Ok(v) if v["state"] == "succeeded" => v,
         _ => {
-            f.ns.wait_state(&js.id, "succeeded", Duration::from_secs(20)).await?;
+            f.ns.wait_state(&js.id, "succeeded", Duration::from_secs(20))
+                .await?;
             get_json(&f.sched.url(&format!("/v1/tasks/{}", js.id))).await?
         }
     };
-    assert_eq!(st["result"], serde_json::json!({"sum": 3}), "stdout that parses as JSON is JSON: {st}");
-    assert_eq!(completed_at_least(&f.worker_url(), &f.group, "succeeded", 2).await?, 2);
+    assert_eq!(
+        st["result"],
+        serde_json::json!({"sum": 3}),
+        "stdout that parses as JSON is JSON: {st}"
+    );
+    assert_eq!(
+        completed_at_least(&f.worker_url(), &f.group, "succeeded", 2).await?,
+        2
+    );
     assert_eq!(completed(&f.worker_url(), &f.group, "retried").await?, 0);
     f.stop().await
 }
@@ -63,27 +83,67 @@ async fn nonzero_exits_are_retried_and_the_permanent_code_is_dead_at_once() -> a
     let permanent = job("permanent", 3);
     let flaky = job("flaky", 5);
     let broken = job("broken", 3);
-    f.ns.submit(&[permanent.clone(), flaky.clone(), broken.clone()]).await?;
+    f.ns.submit(&[permanent.clone(), flaky.clone(), broken.clone()])
+        .await?;
 
-    let st = f.ns.wait_state(&flaky.id, "succeeded", Duration::from_secs(20)).await?;
+    let st =
+        f.ns.wait_state(&flaky.id, "succeeded", Duration::from_secs(20))
+            .await?;
     assert_eq!(st.get("attempt").map(String::as_str), Some("3"), "{st:?}");
-    assert_eq!(st.get("result").map(String::as_str), Some(r#""third time lucky\n""#));
+    assert_eq!(
+        st.get("result").map(String::as_str),
+        Some(r#""third time lucky\n""#)
+    );
 
     let dead = wait_dead(&f.ns, 2, Duration::from_secs(20)).await?;
-    let find = |id: &str| dead.iter().find(|d| d.env.id == id).cloned().ok_or_else(|| anyhow::anyhow!("{id} not dead"));
+    let find = |id: &str| {
+        dead.iter()
+            .find(|d| d.env.id == id)
+            .cloned()
+            .ok_or_else(|| anyhow::anyhow!("{id} not dead"))
+    };
     let d = find(&permanent.id)?;
-    assert_eq!(d.header("x-fleet-reason"), Some("permanent_error"), "{:?}", d.headers);
-    assert_eq!(d.header("x-fleet-attempts"), Some("1"), "the permanent exit code is not retried");
-    assert_eq!(d.header("x-fleet-detail"), Some("exec: `sh` exited with 65: bad input"));
+    assert_eq!(
+        d.header("x-fleet-reason"),
+        Some("permanent_error"),
+        "{:?}",
+        d.headers
+    );
+    assert_eq!(
+        d.header("x-fleet-attempts"),
+        Some("1"),
+        "the permanent exit code is not retried"
+    );
+    assert_eq!(
+        d.header("x-fleet-detail"),
+        Some("exec: `sh` exited with 65: bad input")
+    );
     let d = find(&broken.id)?;
-    assert_eq!(d.header("x-fleet-reason"), Some("max_attempts"), "{:?}", d.headers);
+    assert_eq!(
+        d.header("x-fleet-reason"),
+        Some("max_attempts"),
+        "{:?}",
+        d.headers
+    );
     assert_eq!(d.header("x-fleet-attempts"), Some("3"));
-    assert_eq!(d.header("x-fleet-detail"), Some("exec: `sh` exited with 3: always broken"));
-    let st = f.ns.wait_state(&broken.id, "dead", Duration::from_secs(10)).await?;
-    assert_eq!(st.get("error").map(String::as_str), Some("exec: `sh` exited with 3: always broken"));
+    assert_eq!(
+        d.header("x-fleet-detail"),
+        Some("exec: `sh` exited with 3: always broken")
+    );
+    let st =
+        f.ns.wait_state(&broken.id, "dead", Duration::from_secs(10))
+            .await?;
+    assert_eq!(
+        st.get("error").map(String::as_str),
+        Some("exec: `sh` exited with 3: always broken")
+    );
 
     let m = f.worker_url();
-    assert_eq!(completed_at_least(&m, &f.group, "retried", 4).await?, 4, "flaky twice, broken twice");
+    assert_eq!(
+        completed_at_least(&m, &f.group, "retried", 4).await?,
+        4,
+        "flaky twice, broken twice"
+    );
     assert_eq!(completed_at_least(&m, &f.group, "dead", 2).await?, 2);
     assert_eq!(completed_at_least(&m, &f.group, "succeeded", 1).await?, 1);
     f.stop().await
@@ -91,10 +151,15 @@ async fn nonzero_exits_are_retried_and_the_permanent_code_is_dead_at_once() -> a
 
 /// Processes whose command line contains `marker`.
 fn processes_with(marker: &str) -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else { return vec![] };
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return vec![];
+    };
     dir.flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| String::from_utf8_lossy(&c).contains(marker)))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(marker))
+        })
         .collect()
 }
 
@@ -114,16 +179,33 @@ async fn a_run_past_its_deadline_kills_the_program() -> anyhow::Result<()> {
     .await?;
     assert_eq!(pids.len(), 1, "one program for one task: {pids:?}");
 
-    let st = f.ns.wait_state(&t.id, "expired", Duration::from_secs(10)).await?;
+    let st =
+        f.ns.wait_state(&t.id, "expired", Duration::from_secs(10))
+            .await?;
     let took = submitted.elapsed();
-    println!("`sleep {marker}` with a 1 s timeout expired {} ms after submission", took.as_millis());
+    println!(
+        "`sleep {marker}` with a 1 s timeout expired {} ms after submission",
+        took.as_millis()
+    );
     assert!(took < Duration::from_secs(3), "expired after {took:?}");
-    assert_eq!(st.get("error").map(String::as_str), Some("deadline reached during the run"), "{st:?}");
+    assert_eq!(
+        st.get("error").map(String::as_str),
+        Some("deadline reached during the run"),
+        "{st:?}"
+    );
     assert_eq!(st.get("attempt").map(String::as_str), Some("1"));
-    wait_for("the program to be killed", Duration::from_secs(3), || async { processes_with(&marker).is_empty().then_some(()) }).await?;
+    wait_for(
+        "the program to be killed",
+        Duration::from_secs(3),
+        || async { processes_with(&marker).is_empty().then_some(()) },
+    )
+    .await?;
     let dead = wait_dead(&f.ns, 1, Duration::from_secs(10)).await?;
     assert_eq!(dead[0].header("x-fleet-reason"), Some("expired"));
-    assert_eq!(completed_at_least(&f.worker_url(), &f.group, "expired", 1).await?, 1);
+    assert_eq!(
+        completed_at_least(&f.worker_url(), &f.group, "expired", 1).await?,
+        1
+    );
     assert_eq!(completed(&f.worker_url(), &f.group, "retried").await?, 0);
     f.stop().await
 }
@@ -143,7 +225,9 @@ async fn shell_metacharacters_in_a_task_are_inert() -> anyhow::Result<()> {
     t.max_attempts = Some(1);
     f.ns.submit(std::slice::from_ref(&t)).await?;
 
-    let st = f.ns.wait_state(&t.id, "succeeded", Duration::from_secs(20)).await?;
+    let st =
+        f.ns.wait_state(&t.id, "succeeded", Duration::from_secs(20))
+            .await?;
     // `cat` echoes the envelope: the task's text came back byte for byte.
     let echoed: Value = serde_json::from_str(st.get("result").map(String::as_str).unwrap_or(""))?;
     assert_eq!(echoed["payload"], payload);

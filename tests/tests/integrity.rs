@@ -20,7 +20,11 @@ fn goods(n: usize) -> Vec<Envelope> {
 /// Every id ran exactly once (by the recorder), and nothing else ran.
 fn assert_ran_once(rec: &Recorder, ids: &[String]) {
     let per = rec.per_task();
-    let twice: Vec<_> = per.iter().filter(|(_, w)| w.len() > 1).map(|(id, w)| (id.clone(), w.len())).collect();
+    let twice: Vec<_> = per
+        .iter()
+        .filter(|(_, w)| w.len() > 1)
+        .map(|(id, w)| (id.clone(), w.len()))
+        .collect();
     assert!(twice.is_empty(), "tasks ran more than once: {twice:?}");
     let want: HashSet<&str> = ids.iter().map(String::as_str).collect();
     let got: HashSet<&str> = per.keys().map(String::as_str).collect();
@@ -28,19 +32,26 @@ fn assert_ran_once(rec: &Recorder, ids: &[String]) {
 }
 
 async fn wait_runs(rec: &Recorder, n: usize, timeout: Duration) -> anyhow::Result<()> {
-    wait_for(&format!("{n} distinct tasks run"), timeout, || async { (rec.per_task().len() >= n).then_some(()) }).await
+    wait_for(&format!("{n} distinct tasks run"), timeout, || async {
+        (rec.per_task().len() >= n).then_some(())
+    })
+    .await
 }
 
 async fn wait_all_succeeded(ns: &Ns, ids: &[String], timeout: Duration) -> anyhow::Result<()> {
-    wait_for(&format!("{} tasks succeeded", ids.len()), timeout, || async {
-        for id in ids {
-            let st = ns.status(id).await.ok()??;
-            if st.get("state").map(String::as_str) != Some("succeeded") {
-                return None;
+    wait_for(
+        &format!("{} tasks succeeded", ids.len()),
+        timeout,
+        || async {
+            for id in ids {
+                let st = ns.status(id).await.ok()??;
+                if st.get("state").map(String::as_str) != Some("succeeded") {
+                    return None;
+                }
             }
-        }
-        Some(())
-    })
+            Some(())
+        },
+    )
     .await
 }
 
@@ -54,7 +65,10 @@ async fn wait_dead(ns: &Ns) -> anyhow::Result<Vec<(Vec<u8>, Option<String>)>> {
 }
 
 fn dead_id(body: &[u8]) -> String {
-    serde_json::from_slice::<Value>(body).ok().and_then(|v| v.get("id").and_then(Value::as_str).map(str::to_string)).unwrap_or_default()
+    serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| v.get("id").and_then(Value::as_str).map(str::to_string))
+        .unwrap_or_default()
 }
 
 /// Issue 10 §1: 60 good, one envelope with 10,000 label pairs, 60 good, published while no
@@ -71,8 +85,13 @@ async fn hostile_envelope_mid_batch_loses_nothing() -> anyhow::Result<()> {
     let ids: Vec<String> = good.iter().map(|e| e.id.clone()).collect();
     assert_eq!(ns.submit(&good[..60]).await?, (60, 0));
     let hostile_id = format!("hostile-{}", ns.name);
-    let labels: serde_json::Map<String, Value> = (0..10_000).map(|i| (format!("k{i}"), json!("v"))).collect();
-    ns.submit_raw(Lane::Normal, &serde_json::to_vec(&json!({"id": hostile_id, "kind": KIND, "labels": labels}))?).await?;
+    let labels: serde_json::Map<String, Value> =
+        (0..10_000).map(|i| (format!("k{i}"), json!("v"))).collect();
+    ns.submit_raw(
+        Lane::Normal,
+        &serde_json::to_vec(&json!({"id": hostile_id, "kind": KIND, "labels": labels}))?,
+    )
+    .await?;
     assert_eq!(ns.submit(&good[60..]).await?, (60, 0));
 
     let sched = start_scheduler(&ns, &[]).await?;
@@ -86,7 +105,11 @@ async fn hostile_envelope_mid_batch_loses_nothing() -> anyhow::Result<()> {
     assert_eq!(dead.len(), 1, "exactly one dead letter");
     assert_eq!(dead_id(&dead[0].0), hostile_id);
     assert_eq!(dead[0].1.as_deref(), Some("over_limit"));
-    assert_eq!(ns.status(&hostile_id).await?, None, "no state written for a task refused at the door");
+    assert_eq!(
+        ns.status(&hostile_id).await?,
+        None,
+        "no state written for a task refused at the door"
+    );
     println!("hostile: 120 of 120 good ran once, 1 dead over_limit, 0 lost, reserved 0");
 
     w.stop().await?;
@@ -106,8 +129,19 @@ async fn reserve_script_error_mid_batch_loses_nothing() -> anyhow::Result<()> {
 
     let all = goods(101);
     let bad = all[50].id.clone();
-    ns.store.query::<()>(redis::cmd("HSET").arg(ns.names.dedupe(&bad)).arg("x").arg("1")).await?;
-    let ids: Vec<String> = all.iter().map(|e| e.id.clone()).filter(|id| *id != bad).collect();
+    ns.store
+        .query::<()>(
+            redis::cmd("HSET")
+                .arg(ns.names.dedupe(&bad))
+                .arg("x")
+                .arg("1"),
+        )
+        .await?;
+    let ids: Vec<String> = all
+        .iter()
+        .map(|e| e.id.clone())
+        .filter(|id| *id != bad)
+        .collect();
     assert_eq!(ns.submit(&all).await?, (101, 0));
 
     let sched = start_scheduler(&ns, &[]).await?;
@@ -154,11 +188,25 @@ async fn size_limit_counts_the_producers_bytes_only() -> anyhow::Result<()> {
     let http_body = sized(4050);
     let http_id = dead_id(&http_body);
     let client = reqwest::Client::new();
-    let r = client.post(sched.url("/v1/tasks")).header("content-type", "application/json").body(http_body).send().await?;
+    let r = client
+        .post(sched.url("/v1/tasks"))
+        .header("content-type", "application/json")
+        .body(http_body)
+        .send()
+        .await?;
     assert_eq!(r.status().as_u16(), 202, "{:?}", r.text().await);
     let over = sized(4097);
-    let r = client.post(sched.url("/v1/tasks")).header("content-type", "application/json").body(over.clone()).send().await?;
-    assert_eq!(r.status().as_u16(), 400, "one byte over is refused over HTTP");
+    let r = client
+        .post(sched.url("/v1/tasks"))
+        .header("content-type", "application/json")
+        .body(over.clone())
+        .send()
+        .await?;
+    assert_eq!(
+        r.status().as_u16(),
+        400,
+        "one byte over is refused over HTTP"
+    );
 
     let ids = vec![amqp_id.clone(), http_id.clone()];
     wait_all_succeeded(&ns, &ids, Duration::from_secs(30)).await?;
@@ -192,11 +240,21 @@ async fn timeout_runs_from_submission() -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_millis(2500).saturating_sub(published.elapsed())).await;
     let sched = start_scheduler(&ns, &[]).await?;
 
-    let st = ns.wait_state(&late.id, "expired", Duration::from_secs(30)).await?;
-    assert_eq!(st.get("reason").map(String::as_str), Some("expired"), "{st:?}");
-    ns.wait_state(&control.id, "succeeded", Duration::from_secs(30)).await?;
+    let st = ns
+        .wait_state(&late.id, "expired", Duration::from_secs(30))
+        .await?;
+    assert_eq!(
+        st.get("reason").map(String::as_str),
+        Some("expired"),
+        "{st:?}"
+    );
+    ns.wait_state(&control.id, "succeeded", Duration::from_secs(30))
+        .await?;
     assert_ran_once(&rec, std::slice::from_ref(&control.id));
-    println!("timeout from submission: 1500 ms task started {} ms after publication: expired, 0 runs", published.elapsed().as_millis());
+    println!(
+        "timeout from submission: 1500 ms task started {} ms after publication: expired, 0 runs",
+        published.elapsed().as_millis()
+    );
 
     w.stop().await?;
     sched.stop().await?;

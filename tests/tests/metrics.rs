@@ -40,9 +40,24 @@ async fn metrics_match_a_known_workload_exactly() -> anyhow::Result<()> {
         let url = url.clone();
         async move {
             let p = reqwest::get(&url).await.ok()?.text().await.ok()?;
-            let done = metric_sum(&p, "fleet_tasks_completed_total", &[("lane", "normal"), ("outcome", "succeeded")]) as usize == n_ok
-                && metric_sum(&p, "fleet_tasks_completed_total", &[("lane", "normal"), ("outcome", "dead")]) as usize == n_fail
-                && metric_sum(&p, "fleet_tasks_rejected_total", &[("reason", "malformed_json")]) as usize == n_bad;
+            let done = metric_sum(
+                &p,
+                "fleet_tasks_completed_total",
+                &[("lane", "normal"), ("outcome", "succeeded")],
+            ) as usize
+                == n_ok
+                && metric_sum(
+                    &p,
+                    "fleet_tasks_completed_total",
+                    &[("lane", "normal"), ("outcome", "dead")],
+                ) as usize
+                    == n_fail
+                && metric_sum(
+                    &p,
+                    "fleet_tasks_rejected_total",
+                    &[("reason", "malformed_json")],
+                ) as usize
+                    == n_bad;
             done.then_some(p)
         }
     })
@@ -53,49 +68,122 @@ async fn metrics_match_a_known_workload_exactly() -> anyhow::Result<()> {
     ns.wait_settled(Duration::from_secs(30)).await?;
     let dead_queue = ns.names.dead_queue();
     let n_dead = u32::try_from(n_fail + n_bad + n_expired)?;
-    wait_for("every dead letter queued", Duration::from_secs(30), || async { (ns.depth(&dead_queue).await >= n_dead).then_some(()) }).await?;
+    wait_for(
+        "every dead letter queued",
+        Duration::from_secs(30),
+        || async { (ns.depth(&dead_queue).await >= n_dead).then_some(()) },
+    )
+    .await?;
     let page = wait_for("the expired tasks counted", Duration::from_secs(30), || {
         let url = url.clone();
         async move {
             let p = reqwest::get(&url).await.ok()?.text().await.ok()?;
-            let expired = metric_sum(&p, "fleet_tasks_completed_total", &[("lane", "normal"), ("outcome", "expired")]) as usize;
+            let expired = metric_sum(
+                &p,
+                "fleet_tasks_completed_total",
+                &[("lane", "normal"), ("outcome", "expired")],
+            ) as usize;
             (expired >= n_expired).then_some(p)
         }
     })
     .await
     .unwrap_or(page);
-    let c = |outcome: &str| metric_sum(&page, "fleet_tasks_completed_total", &[("lane", "normal"), ("outcome", outcome)]) as usize;
+    let c = |outcome: &str| {
+        metric_sum(
+            &page,
+            "fleet_tasks_completed_total",
+            &[("lane", "normal"), ("outcome", outcome)],
+        ) as usize
+    };
     assert_eq!(c("succeeded"), n_ok);
     assert_eq!(c("retried"), n_fail, "one retry each (max_attempts 2)");
     assert_eq!(c("dead"), n_fail);
-    assert_eq!(c("expired"), n_expired, "expired at the scheduler, never run");
+    assert_eq!(
+        c("expired"),
+        n_expired,
+        "expired at the scheduler, never run"
+    );
     assert_eq!(c("failed"), 0);
     let runs = n_ok + 2 * n_fail;
-    assert_eq!(metric_sum(&page, "fleet_task_run_seconds_count", &[("group", group), ("lane", "normal")]) as usize, runs);
-    assert_eq!(metric_sum(&page, "fleet_task_wait_seconds_count", &[("lane", "normal")]) as usize, runs);
-    assert_eq!(metric_sum(&page, "fleet_tasks_dispatched_total", &[("group", group), ("lane", "normal")]) as usize, runs);
-    assert_eq!(metric_sum(&page, "fleet_tasks_submitted_total", &[("lane", "normal")]) as usize, n_ok + n_fail + n_expired);
-    assert_eq!(metric_sum(&page, "fleet_tasks_rejected_total", &[("reason", "malformed_json")]) as usize, n_bad);
-    assert_eq!(metric_sum(&page, "fleet_worker_info", &[("worker", "w-metrics"), ("group", group)]), 1.0);
+    assert_eq!(
+        metric_sum(
+            &page,
+            "fleet_task_run_seconds_count",
+            &[("group", group), ("lane", "normal")]
+        ) as usize,
+        runs
+    );
+    assert_eq!(
+        metric_sum(
+            &page,
+            "fleet_task_wait_seconds_count",
+            &[("lane", "normal")]
+        ) as usize,
+        runs
+    );
+    assert_eq!(
+        metric_sum(
+            &page,
+            "fleet_tasks_dispatched_total",
+            &[("group", group), ("lane", "normal")]
+        ) as usize,
+        runs
+    );
+    assert_eq!(
+        metric_sum(&page, "fleet_tasks_submitted_total", &[("lane", "normal")]) as usize,
+        n_ok + n_fail + n_expired
+    );
+    assert_eq!(
+        metric_sum(
+            &page,
+            "fleet_tasks_rejected_total",
+            &[("reason", "malformed_json")]
+        ) as usize,
+        n_bad
+    );
+    assert_eq!(
+        metric_sum(
+            &page,
+            "fleet_worker_info",
+            &[("worker", "w-metrics"), ("group", group)]
+        ),
+        1.0
+    );
     // Dead letters: the failed tasks plus the refused envelopes, each with its reason.
     let dead = ns.drain_dead().await?;
     let reasons: Vec<_> = dead.iter().filter_map(|(_, r)| r.clone()).collect();
-    assert_eq!(reasons.iter().filter(|r| *r == "max_attempts").count(), n_fail);
-    assert_eq!(reasons.iter().filter(|r| *r == "malformed_json").count(), n_bad);
-    assert_eq!(reasons.iter().filter(|r| *r == "expired").count(), n_expired);
+    assert_eq!(
+        reasons.iter().filter(|r| *r == "max_attempts").count(),
+        n_fail
+    );
+    assert_eq!(
+        reasons.iter().filter(|r| *r == "malformed_json").count(),
+        n_bad
+    );
+    assert_eq!(
+        reasons.iter().filter(|r| *r == "expired").count(),
+        n_expired
+    );
     // Gauges sampled by the scheduler: its stats loop sets them on its next tick.
     let metrics_url = sched.url("/metrics");
     let sp = wait_for("the group gauges sampled", Duration::from_secs(30), || {
         let url = metrics_url.clone();
         async move {
             let p = reqwest::get(&url).await.ok()?.text().await.ok()?;
-            let sampled = metric_sum(&p, "fleet_group_capacity", &[("group", group)]) > 0.0 && metric_sum(&p, "fleet_workers", &[("state", "active")]) > 0.0;
+            let sampled = metric_sum(&p, "fleet_group_capacity", &[("group", group)]) > 0.0
+                && metric_sum(&p, "fleet_workers", &[("state", "active")]) > 0.0;
             sampled.then_some(p)
         }
     })
     .await?;
-    assert_eq!(metric_sum(&sp, "fleet_group_capacity", &[("group", group)]), 4.0);
-    assert_eq!(metric_sum(&sp, "fleet_workers", &[("state", "active")]), 1.0);
+    assert_eq!(
+        metric_sum(&sp, "fleet_group_capacity", &[("group", group)]),
+        4.0
+    );
+    assert_eq!(
+        metric_sum(&sp, "fleet_workers", &[("state", "active")]),
+        1.0
+    );
     assert_eq!(metric_sum(&sp, "fleet_pressure_state", &[]), 0.0);
     assert!(sp.contains("# HELP fleet_tasks_completed_total"));
     let r = reqwest::get(sched.url("/readyz")).await?;

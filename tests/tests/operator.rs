@@ -17,14 +17,22 @@ use tokio::process::Command;
 const SECRET: &str = "Hunter2-never-printed";
 
 /// Runs a binary with only the given `FLEET_*` variables: (exit code, stdout, stderr).
-async fn run(bin: &str, args: &[&str], env: &[(&str, &str)], timeout: Duration) -> Result<(i32, String, String)> {
+async fn run(
+    bin: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+    timeout: Duration,
+) -> Result<(i32, String, String)> {
     let mut cmd = Command::new(bin_path(bin)?);
     for (k, _) in std::env::vars() {
         if k.starts_with("FLEET_") {
             cmd.env_remove(k);
         }
     }
-    cmd.envs(env.iter().copied()).args(args).stdin(Stdio::null()).kill_on_drop(true);
+    cmd.envs(env.iter().copied())
+        .args(args)
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
     let out = tokio::time::timeout(timeout, cmd.output())
         .await
         .with_context(|| format!("{bin} {args:?} {env:?} did not exit within {timeout:?}"))??;
@@ -40,7 +48,14 @@ async fn wait_ready(client: &reqwest::Client, addr: &str) -> Result<()> {
     let ready = format!("http://{addr}/readyz");
     wait_for(&format!("{addr} ready"), Duration::from_secs(20), || {
         let (c, u) = (client.clone(), ready.clone());
-        async move { c.get(&u).send().await.ok().filter(|r| r.status().is_success()).map(|_| ()) }
+        async move {
+            c.get(&u)
+                .send()
+                .await
+                .ok()
+                .filter(|r| r.status().is_success())
+                .map(|_| ())
+        }
     })
     .await
 }
@@ -53,42 +68,78 @@ fn free_addr() -> Result<String> {
 #[tokio::test]
 async fn help_and_version_list_every_setting_and_start_nothing() -> Result<()> {
     let ns = Ns::new().await?;
-    for (bin, cmd) in [("fleet-scheduler", SchedulerArgs::command()), ("fleet-worker", WorkerArgs::command())] {
+    for (bin, cmd) in [
+        ("fleet-scheduler", SchedulerArgs::command()),
+        ("fleet-worker", WorkerArgs::command()),
+    ] {
         let addr = free_addr()?;
-        let env = [("FLEET_NAMESPACE", ns.name.as_str()), ("FLEET_HTTP_ADDR", addr.as_str()), ("FLEET_QUEUE_TYPE", "classic")];
+        let env = [
+            ("FLEET_NAMESPACE", ns.name.as_str()),
+            ("FLEET_HTTP_ADDR", addr.as_str()),
+            ("FLEET_QUEUE_TYPE", "classic"),
+        ];
         let (code, out, err) = run(bin, &["--help"], &env, Duration::from_secs(10)).await?;
         assert_eq!(code, 0, "{bin} --help: {err}");
         let mut listed = 0;
         for a in cmd.get_arguments() {
-            let (Some(long), Some(var)) = (a.get_long(), a.get_env()) else { continue };
+            let (Some(long), Some(var)) = (a.get_long(), a.get_env()) else {
+                continue;
+            };
             let var = var.to_string_lossy();
-            assert!(out.contains(&format!("--{long}")), "{bin} --help lacks --{long}");
-            assert!(out.contains(&format!("env: {var}")), "{bin} --help lacks {var}");
+            assert!(
+                out.contains(&format!("--{long}")),
+                "{bin} --help lacks --{long}"
+            );
+            assert!(
+                out.contains(&format!("env: {var}")),
+                "{bin} --help lacks {var}"
+            );
             for d in a.get_default_values() {
                 let d = d.to_string_lossy();
                 if !d.is_empty() {
-                    assert!(out.contains(&format!("default: {d}")), "{bin} --help lacks the default {d} of {var}");
+                    assert!(
+                        out.contains(&format!("default: {d}")),
+                        "{bin} --help lacks the default {d} of {var}"
+                    );
                 }
             }
             listed += 1;
         }
         assert!(listed >= 20, "{bin}: only {listed} settings");
         let (code, out, _) = run(bin, &["--version"], &env, Duration::from_secs(10)).await?;
-        assert_eq!((code, out.trim()), (0, format!("{bin} {}", env!("CARGO_PKG_VERSION")).as_str()));
+        assert_eq!(
+            (code, out.trim()),
+            (0, format!("{bin} {}", env!("CARGO_PKG_VERSION")).as_str())
+        );
         // Nothing listened, nothing was declared in the namespace, nothing registered.
-        assert!(std::net::TcpStream::connect(&addr).is_err(), "{bin} --help bound {addr}");
+        assert!(
+            std::net::TcpStream::connect(&addr).is_err(),
+            "{bin} --help bound {addr}"
+        );
     }
-    for q in [ns.names.ingress_queue(fleet::Lane::Normal), ns.names.dead_queue(), ns.names.delayed_queue()] {
-        assert_eq!(fleet::topology::depth(&ns.conn, &q).await, None, "{q} was declared by --help");
+    for q in [
+        ns.names.ingress_queue(fleet::Lane::Normal),
+        ns.names.dead_queue(),
+        ns.names.delayed_queue(),
+    ] {
+        assert_eq!(
+            fleet::topology::depth(&ns.conn, &q).await,
+            None,
+            "{q} was declared by --help"
+        );
     }
-    let keys: Vec<String> = ns.store.query(redis::cmd("KEYS").arg(ns.names.all_keys_pattern())).await?;
+    let keys: Vec<String> = ns
+        .store
+        .query(redis::cmd("KEYS").arg(ns.names.all_keys_pattern()))
+        .await?;
     assert!(keys.is_empty(), "--help wrote Redis keys: {keys:?}");
     ns.cleanup().await
 }
 
 #[tokio::test]
 async fn every_bad_setting_exits_2_naming_it() -> Result<()> {
-    let dir = std::env::temp_dir().join(format!("fleet-operator-{}", uuid::Uuid::new_v4().simple()));
+    let dir =
+        std::env::temp_dir().join(format!("fleet-operator-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir)?;
     let bad_toml = dir.join("bad.toml");
     std::fs::write(&bad_toml, "capacity = [unclosed\n")?;
@@ -99,26 +150,99 @@ async fn every_bad_setting_exits_2_naming_it() -> Result<()> {
     // (binary, environment, the setting its error names, what the error says)
     type Case<'a> = (&'a str, Vec<(&'a str, &'a str)>, &'a str, &'a str);
     let cases: Vec<Case> = vec![
-        ("fleet-worker", vec![("FLEET_CAPACITY", "-1")], "FLEET_CAPACITY", "must be a positive integer"),
-        ("fleet-worker", vec![("FLEET_CAPACITY", "70000")], "FLEET_CAPACITY", "at most 65535"),
-        ("fleet-worker", vec![("FLEET_EXECUTOR", "python")], "FLEET_EXECUTOR", "python"),
-        ("fleet-worker", vec![("FLEET_EXECUTOR", "http")], "FLEET_HTTP_URL", "required"),
-        ("fleet-worker", vec![("FLEET_CONFIG", &missing)], "FLEET_CONFIG", "cannot read"),
-        ("fleet-scheduler", vec![("FLEET_CONFIG", &missing)], "FLEET_CONFIG", "cannot read"),
-        ("fleet-scheduler", vec![("FLEET_CONFIG", &bad_toml)], "FLEET_CONFIG", "invalid TOML"),
-        ("fleet-scheduler", vec![("FLEET_PENDING_RED", "2")], "FLEET_PENDING_RED", "between 0 and 1"),
-        ("fleet-scheduler", vec![("FLEET_RATE", "fast")], "FLEET_RATE", "must be a number"),
-        ("fleet-scheduler", vec![("FLEET_AMQP_URL", &leaky_amqp)], "FLEET_AMQP_URL", "not an amqp"),
-        ("fleet-scheduler", vec![("FLEET_REDIS_URL", &leaky_redis)], "FLEET_REDIS_URL", "not a redis://, rediss://, redis+sentinel:// or redis+cluster:// URL"),
-        ("fleet-scheduler", vec![("FLEET_HTTP_ADDR", "nowhere")], "FLEET_HTTP_ADDR", "host:port"),
+        (
+            "fleet-worker",
+            vec![("FLEET_CAPACITY", "-1")],
+            "FLEET_CAPACITY",
+            "must be a positive integer",
+        ),
+        (
+            "fleet-worker",
+            vec![("FLEET_CAPACITY", "70000")],
+            "FLEET_CAPACITY",
+            "at most 65535",
+        ),
+        (
+            "fleet-worker",
+            vec![("FLEET_EXECUTOR", "python")],
+            "FLEET_EXECUTOR",
+            "python",
+        ),
+        (
+            "fleet-worker",
+            vec![("FLEET_EXECUTOR", "http")],
+            "FLEET_HTTP_URL",
+            "required",
+        ),
+        (
+            "fleet-worker",
+            vec![("FLEET_CONFIG", &missing)],
+            "FLEET_CONFIG",
+            "cannot read",
+        ),
+        (
+            "fleet-scheduler",
+            vec![("FLEET_CONFIG", &missing)],
+            "FLEET_CONFIG",
+            "cannot read",
+        ),
+        (
+            "fleet-scheduler",
+            vec![("FLEET_CONFIG", &bad_toml)],
+            "FLEET_CONFIG",
+            "invalid TOML",
+        ),
+        (
+            "fleet-scheduler",
+            vec![("FLEET_PENDING_RED", "2")],
+            "FLEET_PENDING_RED",
+            "between 0 and 1",
+        ),
+        (
+            "fleet-scheduler",
+            vec![("FLEET_RATE", "fast")],
+            "FLEET_RATE",
+            "must be a number",
+        ),
+        (
+            "fleet-scheduler",
+            vec![("FLEET_AMQP_URL", &leaky_amqp)],
+            "FLEET_AMQP_URL",
+            "not an amqp",
+        ),
+        (
+            "fleet-scheduler",
+            vec![("FLEET_REDIS_URL", &leaky_redis)],
+            "FLEET_REDIS_URL",
+            "not a redis://, rediss://, redis+sentinel:// or redis+cluster:// URL",
+        ),
+        (
+            "fleet-scheduler",
+            vec![("FLEET_HTTP_ADDR", "nowhere")],
+            "FLEET_HTTP_ADDR",
+            "host:port",
+        ),
     ];
     for (bin, env, setting, words) in cases {
         let (code, out, err) = run(bin, &[], &env, Duration::from_secs(20)).await?;
         assert_eq!(code, 2, "{bin} {env:?}: {err}");
-        assert_eq!(err.lines().count(), 1, "{bin} {env:?}: one line expected, got:\n{err}");
-        assert!(err.contains(setting) && err.contains(words), "{bin} {env:?}: {err}");
-        assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
-        assert!(!out.contains(SECRET) && !err.contains(SECRET), "password printed: {err}");
+        assert_eq!(
+            err.lines().count(),
+            1,
+            "{bin} {env:?}: one line expected, got:\n{err}"
+        );
+        assert!(
+            err.contains(setting) && err.contains(words),
+            "{bin} {env:?}: {err}"
+        );
+        assert!(
+            !err.contains("panicked") && !err.contains("backtrace"),
+            "{err}"
+        );
+        assert!(
+            !out.contains(SECRET) && !err.contains(SECRET),
+            "password printed: {err}"
+        );
     }
     std::fs::remove_dir_all(&dir)?;
     Ok(())
@@ -142,10 +266,23 @@ async fn redeclare_with_another_bound_exits_2_with_both_values() -> Result<()> {
     let (code, _, err) = run("fleet-scheduler", &[], &env, Duration::from_secs(30)).await?;
     assert_eq!(code, 2, "{err}");
     let last = err.lines().last().unwrap_or_default();
-    assert!(last.starts_with("fleet-scheduler: FLEET_INGRESS_MAX_NORMAL"), "{err}");
-    assert!(last.contains("x-max-length") && last.contains("'200'") && last.contains("'100'"), "{err}");
-    assert!(last.contains(&ns.names.ingress_queue(fleet::Lane::Normal)), "{err}");
-    assert_eq!(err.matches("PRECONDITION_FAILED").count(), 2, "reported once (log line + exit message):\n{err}");
+    assert!(
+        last.starts_with("fleet-scheduler: FLEET_INGRESS_MAX_NORMAL"),
+        "{err}"
+    );
+    assert!(
+        last.contains("x-max-length") && last.contains("'200'") && last.contains("'100'"),
+        "{err}"
+    );
+    assert!(
+        last.contains(&ns.names.ingress_queue(fleet::Lane::Normal)),
+        "{err}"
+    );
+    assert_eq!(
+        err.matches("PRECONDITION_FAILED").count(),
+        2,
+        "reported once (log line + exit message):\n{err}"
+    );
     ns.cleanup().await
 }
 
@@ -153,7 +290,9 @@ async fn redeclare_with_another_bound_exits_2_with_both_values() -> Result<()> {
 async fn wrong_password_exits_2_once_and_is_never_printed() -> Result<()> {
     let ns = Ns::new().await?;
     let url = amqp_url();
-    let Some(rest) = url.split_once('@').map(|(_, r)| r.to_string()) else { bail!("AMQP_ADDR {url} has no userinfo") };
+    let Some(rest) = url.split_once('@').map(|(_, r)| r.to_string()) else {
+        bail!("AMQP_ADDR {url} has no userinfo")
+    };
     let wrong = format!("AMQP://guest:{SECRET}@{rest}");
     for bin in ["fleet-scheduler", "fleet-worker"] {
         let addr = free_addr()?;
@@ -166,11 +305,23 @@ async fn wrong_password_exits_2_once_and_is_never_printed() -> Result<()> {
         ];
         let (code, out, err) = run(bin, &[], &env, Duration::from_secs(30)).await?;
         assert_eq!(code, 2, "{bin}: {err}");
-        assert!(!out.contains(SECRET) && !err.contains(SECRET), "{bin} printed the password:\n{err}");
+        assert!(
+            !out.contains(SECRET) && !err.contains(SECRET),
+            "{bin} printed the password:\n{err}"
+        );
         let last = err.lines().last().unwrap_or_default();
-        assert!(last.contains("FLEET_AMQP_URL") && last.contains("refused the login") && last.contains("AMQP://***@"), "{bin}: {err}");
+        assert!(
+            last.contains("FLEET_AMQP_URL")
+                && last.contains("refused the login")
+                && last.contains("AMQP://***@"),
+            "{bin}: {err}"
+        );
         assert!(!err.contains("Close {"), "{bin}: raw frame dump:\n{err}");
-        assert_eq!(err.matches("refused the login").count(), 2, "{bin}: reported once (log line + exit message):\n{err}");
+        assert_eq!(
+            err.matches("refused the login").count(),
+            2,
+            "{bin}: reported once (log line + exit message):\n{err}"
+        );
     }
     ns.cleanup().await
 }
@@ -197,13 +348,24 @@ async fn control_characters_never_reach_the_log_raw() -> Result<()> {
     wait_ready(&client, &addr).await?;
     let forged = "echo\nFAKE LOG LINE level=ERROR\u{1b}[31m";
     // Over HTTP: refused at the door, naming the field.
-    let r = client.post(format!("http://{addr}/v1/tasks")).json(&serde_json::json!({"kind": forged, "id": "a\u{0}b"})).send().await?;
+    let r = client
+        .post(format!("http://{addr}/v1/tasks"))
+        .json(&serde_json::json!({"kind": forged, "id": "a\u{0}b"}))
+        .send()
+        .await?;
     assert_eq!(r.status(), 400);
     let body: serde_json::Value = r.json().await?;
     assert_eq!(body["error"], "bad_field", "{body}");
     // Over AMQP: dead-lettered as bad_field.
     let body = serde_json::json!({"kind": forged, "id": "forged-1"}).to_string();
-    fleet::amqp::publish_confirmed(&ns.publisher, &ns.names.submit_exchange(), "normal", body.as_bytes(), fleet::amqp::task_properties("forged-1", None)).await?;
+    fleet::amqp::publish_confirmed(
+        &ns.publisher,
+        &ns.names.submit_exchange(),
+        "normal",
+        body.as_bytes(),
+        fleet::amqp::task_properties("forged-1", None),
+    )
+    .await?;
     let dead = wait_for("the dead letter", Duration::from_secs(20), || {
         let ns = &ns;
         async move { ns.drain_dead().await.ok().filter(|d| !d.is_empty()) }
@@ -215,8 +377,14 @@ async fn control_characters_never_reach_the_log_raw() -> Result<()> {
     let _ = child.wait().await;
     let text = std::fs::read(&log)?;
     let text = String::from_utf8_lossy(&text);
-    assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "raw control characters in the log:\n{text}");
-    assert!(!text.lines().any(|l| l.starts_with("FAKE")), "forged line:\n{text}");
+    assert!(
+        !text.chars().any(|c| c.is_control() && c != '\n'),
+        "raw control characters in the log:\n{text}"
+    );
+    assert!(
+        !text.lines().any(|l| l.starts_with("FAKE")),
+        "forged line:\n{text}"
+    );
     let _ = std::fs::remove_file(&log);
     ns.cleanup().await
 }
@@ -244,13 +412,23 @@ async fn worker_with_stderr_closed_drains_on_sigterm() -> Result<()> {
     drop(child.stderr.take());
     let client = reqwest::Client::new();
     wait_ready(&client, &addr).await?;
-    assert!(worker(&ns.store, "closed-stderr").await.is_some(), "registered");
+    assert!(
+        worker(&ns.store, "closed-stderr").await.is_some(),
+        "registered"
+    );
     let pid = child.id().context("worker pid")?;
-    let status = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()?;
     assert!(status.success());
-    let exit = tokio::time::timeout(Duration::from_secs(20), child.wait()).await.context("worker still alive 20 s after SIGTERM")??;
+    let exit = tokio::time::timeout(Duration::from_secs(20), child.wait())
+        .await
+        .context("worker still alive 20 s after SIGTERM")??;
     assert_eq!(exit.code(), Some(0), "a clean drain");
-    assert!(worker(&ns.store, "closed-stderr").await.is_none(), "deregistered");
+    assert!(
+        worker(&ns.store, "closed-stderr").await.is_none(),
+        "deregistered"
+    );
     ns.cleanup().await
 }
 
@@ -260,19 +438,39 @@ async fn readyz_is_503_while_redis_refuses_writes() -> Result<()> {
     let ns = Ns::on_redis(&redis.url(None)).await?;
     let admin = fleet::Store::new(&redis.url(None), fleet::Names::new("admin"))?;
     let s = start_scheduler(&ns, &[]).await?;
-    let w = start_worker(&ns, "ro-worker", "", 1, &[("heartbeat_interval_ms", "200"), ("heartbeat_timeout_ms", "1000"), ("run_lease_ms", "2000")], &[]).await?;
+    let w = start_worker(
+        &ns,
+        "ro-worker",
+        "",
+        1,
+        &[
+            ("heartbeat_interval_ms", "200"),
+            ("heartbeat_timeout_ms", "1000"),
+            ("run_lease_ms", "2000"),
+        ],
+        &[],
+    )
+    .await?;
     let client = reqwest::Client::new();
     let urls = [s.url("/readyz"), format!("http://{}/readyz", w.addr)];
     let status = |u: String| {
         let c = client.clone();
-        async move { c.get(&u).send().await.map(|r| r.status().as_u16()).unwrap_or(0) }
+        async move {
+            c.get(&u)
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+                .unwrap_or(0)
+        }
     };
     for u in &urls {
         assert_eq!(status(u.clone()).await, 200, "{u}");
     }
     // A replica of a dead primary: answers PING, refuses every write with READONLY.
     let dead_port = free_addr()?.rsplit(':').next().unwrap_or("1").to_string();
-    let _: () = admin.query(redis::cmd("REPLICAOF").arg("127.0.0.1").arg(&dead_port)).await?;
+    let _: () = admin
+        .query(redis::cmd("REPLICAOF").arg("127.0.0.1").arg(&dead_port))
+        .await?;
     for u in &urls {
         wait_for(&format!("{u} 503"), Duration::from_secs(10), || {
             let f = status(u.clone());
@@ -280,7 +478,9 @@ async fn readyz_is_503_while_redis_refuses_writes() -> Result<()> {
         })
         .await?;
     }
-    let _: () = admin.query(redis::cmd("REPLICAOF").arg("NO").arg("ONE")).await?;
+    let _: () = admin
+        .query(redis::cmd("REPLICAOF").arg("NO").arg("ONE"))
+        .await?;
     for u in &urls {
         wait_for(&format!("{u} 200 again"), Duration::from_secs(10), || {
             let f = status(u.clone());
@@ -311,9 +511,17 @@ async fn delete_namespace_deletes_every_shard_and_waiting_queue() -> Result<()> 
     // A task no worker matches: it waits for a worker in the _unmatched park queue.
     let waiting = fleet_tests::task("noop", serde_json::json!({}), "zone=nowhere");
     assert_eq!(ns.submit(std::slice::from_ref(&waiting)).await?, (1, 0));
-    wait_for("the task waiting for a worker", Duration::from_secs(30), || async {
-        ns.status(&waiting.id).await.ok().flatten().filter(|s| s.get("state").map(String::as_str) == Some("waiting_for_worker"))
-    })
+    wait_for(
+        "the task waiting for a worker",
+        Duration::from_secs(30),
+        || async {
+            ns.status(&waiting.id)
+                .await
+                .ok()
+                .flatten()
+                .filter(|s| s.get("state").map(String::as_str) == Some("waiting_for_worker"))
+        },
+    )
     .await?;
     worker.stop().await?;
     sched.stop().await?;
@@ -323,18 +531,41 @@ async fn delete_namespace_deletes_every_shard_and_waiting_queue() -> Result<()> 
     assert_eq!(shard_queues.len(), 4);
     for s in 0..4 {
         let t = fleet_tests::task("noop", serde_json::json!({}), "zone=del");
-        amqp::publish_confirmed(&ns.publisher, &n.tasks_exchange(), &n.group_shard_key(&group, Lane::Normal, s, 4), &t.to_bytes(), amqp::task_properties(&t.id, None)).await?;
+        amqp::publish_confirmed(
+            &ns.publisher,
+            &n.tasks_exchange(),
+            &n.group_shard_key(&group, Lane::Normal, s, 4),
+            &t.to_bytes(),
+            amqp::task_properties(&t.id, None),
+        )
+        .await?;
     }
     let unmatched = n.park_queue("_unmatched", Lane::Normal);
     // Before the delete each holds its task (the waiting one is back as soon as the stopped
     // scheduler's consumer is gone).
     for q in shard_queues.iter().chain([&unmatched]) {
-        wait_for(&format!("{q} holding 1 task"), Duration::from_secs(10), || async { (ns.depth_of(q).await == Some(1)).then_some(()) }).await?;
+        wait_for(
+            &format!("{q} holding 1 task"),
+            Duration::from_secs(10),
+            || async { (ns.depth_of(q).await == Some(1)).then_some(()) },
+        )
+        .await?;
     }
 
     let url = (amqp_url(), redis_url());
-    let env = [("FLEET_AMQP_URL", url.0.as_str()), ("FLEET_REDIS_URL", url.1.as_str()), ("FLEET_NAMESPACE", ns.name.as_str()), ("FLEET_SHARDS", "4")];
-    let (code, out, err) = run("fleetctl", &["delete-namespace", "--yes"], &env, Duration::from_secs(60)).await?;
+    let env = [
+        ("FLEET_AMQP_URL", url.0.as_str()),
+        ("FLEET_REDIS_URL", url.1.as_str()),
+        ("FLEET_NAMESPACE", ns.name.as_str()),
+        ("FLEET_SHARDS", "4"),
+    ];
+    let (code, out, err) = run(
+        "fleetctl",
+        &["delete-namespace", "--yes"],
+        &env,
+        Duration::from_secs(60),
+    )
+    .await?;
     assert_eq!(code, 0, "stdout {out} stderr {err}");
     assert!(out.contains("deleted the queues of 1 group(s)"), "{out}");
 
@@ -345,7 +576,12 @@ async fn delete_namespace_deletes_every_shard_and_waiting_queue() -> Result<()> 
         queues.push(n.park_queue(&group, lane));
         queues.push(n.park_queue("_unmatched", lane));
     }
-    queues.extend([n.dead_queue(), n.broker_dead_queue(), n.delayed_queue(), n.schedules_stream()]);
+    queues.extend([
+        n.dead_queue(),
+        n.broker_dead_queue(),
+        n.delayed_queue(),
+        n.schedules_stream(),
+    ]);
     queues.extend(fleet::delay::tiers().map(|t| n.delay_queue(t)));
     let mut left = Vec::new();
     for q in &queues {
@@ -356,10 +592,23 @@ async fn delete_namespace_deletes_every_shard_and_waiting_queue() -> Result<()> 
     assert!(left.is_empty(), "queues left behind: {left:?}");
     for e in [n.submit_exchange(), n.tasks_exchange(), n.delay_exchange()] {
         let ch = ns.conn.create_channel().await?;
-        let passive = lapin::options::ExchangeDeclareOptions { passive: true, ..Default::default() };
-        let r = ch.exchange_declare(e.as_str().into(), lapin::ExchangeKind::Direct, passive, Default::default()).await;
+        let passive = lapin::options::ExchangeDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let r = ch
+            .exchange_declare(
+                e.as_str().into(),
+                lapin::ExchangeKind::Direct,
+                passive,
+                Default::default(),
+            )
+            .await;
         assert!(r.is_err(), "exchange {e} left behind");
     }
-    assert!(ns.store.group_names().await?.is_empty(), "the Redis keys are gone");
+    assert!(
+        ns.store.group_names().await?.is_empty(),
+        "the Redis keys are gone"
+    );
     ns.cleanup().await
 }

@@ -25,13 +25,23 @@ async fn drained_groups_tasks_are_rerouted_to_a_matching_group() -> anyhow::Resu
     sched_cfg.push(("backlog_factor", "20"));
     let sched = start_scheduler(&ns, &sched_cfg).await?;
     let a = start_worker(&ns, "w-a", "pool=a,tier=x", 2, WORKER, &h).await?;
-    let (ga, gb) = ("pool=a,protocol=builtin,tier=x", "pool=b,protocol=builtin,tier=x");
+    let (ga, gb) = (
+        "pool=a,protocol=builtin,tier=x",
+        "pool=b,protocol=builtin,tier=x",
+    );
 
-    let envs: Vec<_> = (0..16).map(|i| task(JOB, json!({"i": i, "ms": 400}), "tier=x")).collect();
+    let envs: Vec<_> = (0..16)
+        .map(|i| task(JOB, json!({"i": i, "ms": 400}), "tier=x"))
+        .collect();
     let ids: HashSet<String> = envs.iter().map(|e| e.id.clone()).collect();
     assert_eq!(ns.submit(&envs).await?, (16, 0));
     let qa = ns.names.group_queue(ga, Lane::Normal);
-    wait_for("14 tasks queued for group a", Duration::from_secs(20), || async { (ns.depth(&qa).await == 14).then_some(()) }).await?;
+    wait_for(
+        "14 tasks queued for group a",
+        Duration::from_secs(20),
+        || async { (ns.depth(&qa).await == 14).then_some(()) },
+    )
+    .await?;
 
     // Another group that satisfies the selector, then group a's only worker drains.
     let b = start_worker(&ns, "w-b", "pool=b,tier=x", 4, WORKER, &h).await?;
@@ -43,22 +53,40 @@ async fn drained_groups_tasks_are_rerouted_to_a_matching_group() -> anyhow::Resu
     let g = group(&ns.store, ga).await.context("group a")?;
     assert_eq!((g.workers, g.capacity), (0, 0));
 
-    wait_succeeded(&ns, &envs.iter().map(|e| e.id.clone()).collect::<Vec<_>>(), Duration::from_secs(30)).await?;
-    println!("orphans: group a emptied {} ms after its worker started draining", stopped.elapsed().as_millis());
+    wait_succeeded(
+        &ns,
+        &envs.iter().map(|e| e.id.clone()).collect::<Vec<_>>(),
+        Duration::from_secs(30),
+    )
+    .await?;
+    println!(
+        "orphans: group a emptied {} ms after its worker started draining",
+        stopped.elapsed().as_millis()
+    );
     let per = rec.per_task();
     assert_eq!(per.keys().cloned().collect::<HashSet<_>>(), ids);
     assert!(per.values().all(|w| w.len() == 1), "each task once");
     let on_a = per.values().filter(|w| w[0] == "w-a").count();
     let on_b = per.values().filter(|w| w[0] == "w-b").count();
     assert_eq!(on_a + on_b, 16);
-    assert!(on_b >= 10, "most tasks were still queued for group a: on_b = {on_b}");
+    assert!(
+        on_b >= 10,
+        "most tasks were still queued for group a: on_b = {on_b}"
+    );
     let rerouted = metric(&metrics_url, "fleet_tasks_rerouted_total", &[]).await? - rerouted_before;
-    assert_eq!(rerouted as usize, on_b, "every task that ran on b was rerouted there, and only those");
+    assert_eq!(
+        rerouted as usize, on_b,
+        "every task that ran on b was rerouted there, and only those"
+    );
     for (id, w) in &per {
         let st = ns.status(id).await?.unwrap_or_default();
         assert_eq!(st.get("state").map(String::as_str), Some("succeeded"));
         let want_group = if w[0] == "w-b" { gb } else { ga };
-        assert_eq!(st.get("group").map(String::as_str), Some(want_group), "task {id}: {st:?}");
+        assert_eq!(
+            st.get("group").map(String::as_str),
+            Some(want_group),
+            "task {id}: {st:?}"
+        );
     }
     assert_eq!(ns.depth(&qa).await, 0);
     assert!(ns.drain_dead().await?.is_empty(), "none dead-lettered");
@@ -78,9 +106,22 @@ async fn killed_groups_tasks_wait_for_a_worker_of_the_group() -> anyhow::Result<
     let health_ms: u64 = 100;
     let health = health_ms.to_string();
     let mut sched_cfg = SCHEDULER.to_vec();
-    sched_cfg.extend_from_slice(&[("backlog_factor", "20"), ("health_interval_ms", health.as_str())]);
+    sched_cfg.extend_from_slice(&[
+        ("backlog_factor", "20"),
+        ("health_interval_ms", health.as_str()),
+    ]);
     let sched = start_scheduler(&ns, &sched_cfg).await?;
-    let mut solo = WorkerProcess::start(&ns, &ProcessSpec { id: "w-solo", labels: "pool=solo", capacity: 2, endpoint: &ep.url, extra: &[] }).await?;
+    let mut solo = WorkerProcess::start(
+        &ns,
+        &ProcessSpec {
+            id: "w-solo",
+            labels: "pool=solo",
+            capacity: 2,
+            endpoint: &ep.url,
+            extra: &[],
+        },
+    )
+    .await?;
     let cfg = ep.worker_settings();
     let other = start_worker(&ns, "w-other", "pool=other", 2, &cfg, &[]).await?;
     let gname = "pool=solo,protocol=http";
@@ -90,14 +131,23 @@ async fn killed_groups_tasks_wait_for_a_worker_of_the_group() -> anyhow::Result<
     let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
     assert_eq!(ns.submit(&envs).await?, (10, 0));
     wait_for("w-solo mid-flight", Duration::from_secs(30), || async {
-        let done = ep.calls_of("w-solo").iter().filter(|c| c.answered.is_some()).count();
+        let done = ep
+            .calls_of("w-solo")
+            .iter()
+            .filter(|c| c.answered.is_some())
+            .count();
         (done >= 2 && ep.running("w-solo").len() == 2).then_some(())
     })
     .await?;
     let killed_at = Instant::now();
     solo.kill9()?;
     ep.mark_dead("w-solo");
-    let done_before: HashSet<String> = ep.calls().into_iter().filter(|c| c.answered.is_some_and(|a| a <= killed_at)).map(|c| c.id).collect();
+    let done_before: HashSet<String> = ep
+        .calls()
+        .into_iter()
+        .filter(|c| c.answered.is_some_and(|a| a <= killed_at))
+        .map(|c| c.id)
+        .collect();
     wait_gone(&ns.store, "w-solo", Duration::from_secs(15)).await?;
     let g = group(&ns.store, gname).await.context("group")?;
     assert_eq!((g.workers, g.capacity), (0, 0));
@@ -116,28 +166,58 @@ async fn killed_groups_tasks_wait_for_a_worker_of_the_group() -> anyhow::Result<
         assert!(d + 1 >= most, "the orphaned queue went from {most} to {d}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert!(most as usize >= 10 - done_before.len(), "queued {most}, done {}", done_before.len());
-    assert_eq!(ep.calls().len(), calls, "nothing ran without a worker of the group");
+    assert!(
+        most as usize >= 10 - done_before.len(),
+        "queued {most}, done {}",
+        done_before.len()
+    );
+    assert_eq!(
+        ep.calls().len(),
+        calls,
+        "nothing ran without a worker of the group"
+    );
     let dead = ns.drain_dead().await?;
-    assert!(dead.is_empty(), "{} task(s) dead-lettered while waiting for their group", dead.len());
+    assert!(
+        dead.is_empty(),
+        "{} task(s) dead-lettered while waiting for their group",
+        dead.len()
+    );
 
     // A worker of the group returns: everything completes.
     let back = start_worker(&ns, "w-solo-2", "pool=solo", 2, &cfg, &[]).await?;
     wait_settled(&ns, &ep, &ids, &q, Duration::from_secs(30)).await?;
     let per = ep.per_task();
-    let redone: Vec<String> = ids.iter().filter(|id| per[*id].last().is_some_and(|c| c.worker == "w-solo-2")).cloned().collect();
-    assert!(redone.len() >= 10 - done_before.len(), "the returned worker ran what waited");
+    let redone: Vec<String> = ids
+        .iter()
+        .filter(|id| per[*id].last().is_some_and(|c| c.worker == "w-solo-2"))
+        .cloned()
+        .collect();
+    assert!(
+        redone.len() >= 10 - done_before.len(),
+        "the returned worker ran what waited"
+    );
     wait_succeeded(&ns, &redone, Duration::from_secs(10)).await?;
     for id in &ids {
-        let calls = per.get(id).with_context(|| format!("task {id} never ran"))?;
+        let calls = per
+            .get(id)
+            .with_context(|| format!("task {id} never ran"))?;
         assert!(calls.len() <= 2, "task {id} ran {} times", calls.len());
-        assert!(calls.iter().all(|c| c.worker.starts_with("w-solo")), "task {id} ran outside its group: {calls:?}");
+        assert!(
+            calls.iter().all(|c| c.worker.starts_with("w-solo")),
+            "task {id} ran outside its group: {calls:?}"
+        );
         if calls.len() == 2 {
-            assert!(calls[0].worker == "w-solo" && calls[0].at <= killed_at, "only a task in flight at the kill runs twice: {calls:?}");
+            assert!(
+                calls[0].worker == "w-solo" && calls[0].at <= killed_at,
+                "only a task in flight at the kill runs twice: {calls:?}"
+            );
         }
     }
     let twice = per.values().filter(|c| c.len() == 2).count();
-    assert!(twice <= 2, "at most the killed worker's capacity ran twice: {twice}");
+    assert!(
+        twice <= 2,
+        "at most the killed worker's capacity ran twice: {twice}"
+    );
     assert_eq!(ns.depth(&q).await, 0);
     assert!(ns.drain_dead().await?.is_empty(), "none dead-lettered");
 
@@ -157,41 +237,75 @@ async fn queued_and_parked_tasks_wait_then_move_to_a_new_matching_group() -> any
     let h = [(JOB, rec.handler())];
     let sched = start_scheduler(&ns, SCHEDULER).await?;
     let a = start_worker(&ns, "w-a", "pool=a,tier=y", 1, WORKER, &h).await?;
-    let qa = ns.names.group_queue("pool=a,protocol=builtin,tier=y", Lane::Normal);
+    let qa = ns
+        .names
+        .group_queue("pool=a,protocol=builtin,tier=y", Lane::Normal);
 
-    let envs: Vec<_> = (0..10).map(|i| task(JOB, json!({"i": i, "ms": 500}), "tier=y")).collect();
+    let envs: Vec<_> = (0..10)
+        .map(|i| task(JOB, json!({"i": i, "ms": 500}), "tier=y"))
+        .collect();
     let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
     assert_eq!(ns.submit(&envs).await?, (10, 0));
     // Capacity 1: one runs, the other nine wait for it. The group is their only candidate, so
     // they go straight to its queue (direct dispatch, no park hop) — except behind tasks that
     // already park for it, which keep their place in line in the park queue. Either way they
     // wait in the group's own queues.
-    let pa = ns.names.park_queue("pool=a,protocol=builtin,tier=y", Lane::Normal);
-    wait_for("one running, nine waiting in the group's queues", Duration::from_secs(20), || async {
-        (rec.count() == 1 && ns.depth(&qa).await + ns.depth(&pa).await == 9).then_some(())
-    })
+    let pa = ns
+        .names
+        .park_queue("pool=a,protocol=builtin,tier=y", Lane::Normal);
+    wait_for(
+        "one running, nine waiting in the group's queues",
+        Duration::from_secs(20),
+        || async {
+            (rec.count() == 1 && ns.depth(&qa).await + ns.depth(&pa).await == 9).then_some(())
+        },
+    )
     .await?;
-    let last = wait_for("the last task's status", Duration::from_secs(10), || async { ns.status(&ids[9]).await.ok()? }).await?;
-    assert!(matches!(last.get("state").map(String::as_str), Some("queued" | "parked")), "{last:?}");
+    let last = wait_for(
+        "the last task's status",
+        Duration::from_secs(10),
+        || async { ns.status(&ids[9]).await.ok()? },
+    )
+    .await?;
+    assert!(
+        matches!(
+            last.get("state").map(String::as_str),
+            Some("queued" | "parked")
+        ),
+        "{last:?}"
+    );
     a.stop().await?;
     let ran_on_a = rec.count();
 
     // Nowhere to go: everything waits.
     let watch = Instant::now();
     while watch.elapsed() < Duration::from_millis(5 * HEALTH_MS) {
-        assert_eq!(rec.count(), ran_on_a, "nothing runs without a matching worker");
+        assert_eq!(
+            rec.count(),
+            ran_on_a,
+            "nothing runs without a matching worker"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(ns.depth(&qa).await >= 1, "the queued task is still queued");
-    assert!(ns.drain_dead().await?.is_empty(), "nothing dead-lettered while waiting");
+    assert!(
+        ns.drain_dead().await?.is_empty(),
+        "nothing dead-lettered while waiting"
+    );
 
     // A matching group registers: queued and parked tasks all run there, each once.
     let b = start_worker(&ns, "w-b", "pool=b,tier=y", 4, WORKER, &h).await?;
     wait_succeeded(&ns, &ids, Duration::from_secs(30)).await?;
     let per = rec.per_task();
     assert_eq!(per.len(), 10);
-    assert!(per.values().all(|w| w.len() == 1), "each task once: {per:?}");
-    assert_eq!(per.values().filter(|w| w[0] == "w-b").count(), 10 - ran_on_a);
+    assert!(
+        per.values().all(|w| w.len() == 1),
+        "each task once: {per:?}"
+    );
+    assert_eq!(
+        per.values().filter(|w| w[0] == "w-b").count(),
+        10 - ran_on_a
+    );
     assert_eq!(ns.depth(&qa).await, 0);
     assert!(ns.drain_dead().await?.is_empty(), "none dead-lettered");
 

@@ -24,12 +24,20 @@ async fn poison_runs_max_attempts_times_and_spares_the_innocent() -> anyhow::Res
     let argv = serde_json::to_string(&["sh", "-c", script.as_str()])?;
     let sched = start_scheduler(&ns, SCHEDULER).await?;
     let extra: &[(&str, &str)] = &[("executor", "exec"), ("exec_command", argv.as_str())];
-    let spec = ProcessSpec { id: "w-exec", labels: "", capacity: 4, endpoint: "http://127.0.0.1:9/unused", extra };
+    let spec = ProcessSpec {
+        id: "w-exec",
+        labels: "",
+        capacity: 4,
+        endpoint: "http://127.0.0.1:9/unused",
+        extra,
+    };
     let mut w = WorkerProcess::start(&ns, &spec).await?;
 
     let mut poison = task("poison", json!({}), "");
     poison.max_attempts = Some(2);
-    let innocents: Vec<fleet::Envelope> = (0..3).map(|i| task("innocent", json!({"i": i}), "")).collect();
+    let innocents: Vec<fleet::Envelope> = (0..3)
+        .map(|i| task("innocent", json!({"i": i}), ""))
+        .collect();
     let innocent_ids: Vec<String> = innocents.iter().map(|e| e.id.clone()).collect();
     let mut all = innocents.clone();
     all.push(poison.clone());
@@ -42,7 +50,13 @@ async fn poison_runs_max_attempts_times_and_spares_the_innocent() -> anyhow::Res
         let p = ns.status(&poison.id).await?.unwrap_or_default();
         let mut done = p.get("state").map(String::as_str) == Some("dead");
         for id in &innocent_ids {
-            done &= ns.status(id).await?.unwrap_or_default().get("state").map(String::as_str) == Some("succeeded");
+            done &= ns
+                .status(id)
+                .await?
+                .unwrap_or_default()
+                .get("state")
+                .map(String::as_str)
+                == Some("succeeded");
         }
         if done {
             break;
@@ -51,7 +65,11 @@ async fn poison_runs_max_attempts_times_and_spares_the_innocent() -> anyhow::Res
             restarts += 1;
             w = WorkerProcess::spawn(&ns, &spec)?;
         }
-        assert!(start.elapsed() < Duration::from_secs(120), "not settled in 120 s after {restarts} restarts; poison {p:?}; log:\n{}", w.log_tail());
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "not settled in 120 s after {restarts} restarts; poison {p:?}; log:\n{}",
+            w.log_tail()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
@@ -69,29 +87,73 @@ async fn poison_runs_max_attempts_times_and_spares_the_innocent() -> anyhow::Res
         st.get("reason"),
         innocent_ids.iter().map(|i| runs.get(i.as_str()).copied().unwrap_or(0)).collect::<Vec<_>>()
     );
-    assert_eq!(runs.get(poison.id.as_str()).copied(), Some(2), "the poison runs exactly max_attempts times");
-    assert_eq!(restarts, 2, "each run of the poison killed the worker once, nothing else did");
-    assert_eq!(st.get("reason").map(String::as_str), Some("worker_lost"), "{st:?}");
+    assert_eq!(
+        runs.get(poison.id.as_str()).copied(),
+        Some(2),
+        "the poison runs exactly max_attempts times"
+    );
+    assert_eq!(
+        restarts, 2,
+        "each run of the poison killed the worker once, nothing else did"
+    );
+    assert_eq!(
+        st.get("reason").map(String::as_str),
+        Some("worker_lost"),
+        "{st:?}"
+    );
     // The attempt log names both lost attempts of the poison (once each, whichever of the
     // re-registration and the next claim noticed the loss); an innocent's runs that died beside
     // it are lost attempts too, and its last attempt succeeded.
-    let shape = |log: Vec<Value>| log.iter().map(|a| format!("{}:{}:{}:{}", a["attempt"], a["outcome"].as_str().unwrap_or(""), a["reason"].as_str().unwrap_or(""), a["worker"].as_str().unwrap_or(""))).collect::<Vec<_>>();
+    let shape = |log: Vec<Value>| {
+        log.iter()
+            .map(|a| {
+                format!(
+                    "{}:{}:{}:{}",
+                    a["attempt"],
+                    a["outcome"].as_str().unwrap_or(""),
+                    a["reason"].as_str().unwrap_or(""),
+                    a["worker"].as_str().unwrap_or("")
+                )
+            })
+            .collect::<Vec<_>>()
+    };
     let log = shape(ns.store.task_attempts(&poison.id).await?);
-    assert_eq!(log, vec!["1:lost:worker_lost:w-exec", "2:lost:worker_lost:w-exec"], "poison attempt log");
+    assert_eq!(
+        log,
+        vec!["1:lost:worker_lost:w-exec", "2:lost:worker_lost:w-exec"],
+        "poison attempt log"
+    );
     for id in &innocent_ids {
         let n = runs.get(id.as_str()).copied().unwrap_or(0);
         assert!((1..=3).contains(&n), "innocent {id} ran {n} times");
         let log = shape(ns.store.task_attempts(id).await?);
-        let (last, before) = log.split_last().map(|(l, b)| (l.clone(), b.to_vec())).unwrap_or_default();
-        assert!(last.ends_with(":succeeded::w-exec") && before.iter().all(|e| e.ends_with(":lost:worker_lost:w-exec")) && log.len() >= n, "innocent {id} ran {n} times; attempt log {log:?}");
+        let (last, before) = log
+            .split_last()
+            .map(|(l, b)| (l.clone(), b.to_vec()))
+            .unwrap_or_default();
+        assert!(
+            last.ends_with(":succeeded::w-exec")
+                && before
+                    .iter()
+                    .all(|e| e.ends_with(":lost:worker_lost:w-exec"))
+                && log.len() >= n,
+            "innocent {id} ran {n} times; attempt log {log:?}"
+        );
     }
-    let dead = wait_for("the poison dead-lettered", Duration::from_secs(15), || async {
-        let d = ns.drain_dead().await.ok()?;
-        (!d.is_empty()).then_some(d)
-    })
+    let dead = wait_for(
+        "the poison dead-lettered",
+        Duration::from_secs(15),
+        || async {
+            let d = ns.drain_dead().await.ok()?;
+            (!d.is_empty()).then_some(d)
+        },
+    )
     .await?;
     assert_eq!(dead.len(), 1, "only the poison is dead-lettered");
-    let id = serde_json::from_slice::<Value>(&dead[0].0)?.get("id").and_then(Value::as_str).map(str::to_string);
+    let id = serde_json::from_slice::<Value>(&dead[0].0)?
+        .get("id")
+        .and_then(Value::as_str)
+        .map(str::to_string);
     assert_eq!(id.as_deref(), Some(poison.id.as_str()));
     assert_eq!(dead[0].1.as_deref(), Some("worker_lost"));
 

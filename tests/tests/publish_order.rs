@@ -30,25 +30,53 @@ async fn confirms_match_their_messages_under_concurrent_publishers() -> anyhow::
     let setup = conn.create_channel().await?;
     let mut bounded = FieldTable::default();
     bounded.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
-    bounded.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
-    let opts = QueueDeclareOptions { auto_delete: true, ..Default::default() };
-    setup.queue_declare(refusing.as_str().into(), opts, bounded).await?;
-    setup.queue_declare(open.as_str().into(), opts, FieldTable::default()).await?;
+    bounded.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    let opts = QueueDeclareOptions {
+        auto_delete: true,
+        ..Default::default()
+    };
+    setup
+        .queue_declare(refusing.as_str().into(), opts, bounded)
+        .await?;
+    setup
+        .queue_declare(open.as_str().into(), opts, FieldTable::default())
+        .await?;
 
     let publisher = Arc::new(amqp::confirm_channel(&conn).await?);
     let mut tasks = Vec::new();
     for t in 0..PUBLISHERS {
         let refused_here = t % 2 == 0;
-        let queue = if refused_here { refusing.clone() } else { open.clone() };
+        let queue = if refused_here {
+            refusing.clone()
+        } else {
+            open.clone()
+        };
         let publisher = publisher.clone();
         tasks.push(tokio::spawn(async move {
             let mut wrong = 0usize;
             for round in 0..ROUNDS {
                 // Odd rounds one message at a time, even rounds as a batch: both paths.
                 let confirms = if round % 2 == 1 {
-                    vec![amqp::publish(&publisher, "", &queue, b"x", amqp::task_properties("x", None)).await]
+                    vec![
+                        amqp::publish(
+                            &publisher,
+                            "",
+                            &queue,
+                            b"x",
+                            amqp::task_properties("x", None),
+                        )
+                        .await,
+                    ]
                 } else {
-                    let msgs = (0..BATCH).map(|_| amqp::Outgoing { exchange: "", routing_key: &queue, body: b"x", props: amqp::task_properties("x", None) });
+                    let msgs = (0..BATCH).map(|_| amqp::Outgoing {
+                        exchange: "",
+                        routing_key: &queue,
+                        body: b"x",
+                        props: amqp::task_properties("x", None),
+                    });
                     amqp::publish_batch(&publisher, msgs).await
                 };
                 for c in confirms {
@@ -67,11 +95,32 @@ async fn confirms_match_their_messages_under_concurrent_publishers() -> anyhow::
     }
     let sent = PUBLISHERS * ROUNDS * (BATCH + 1) / 2;
     println!("publish order: {sent} messages from {PUBLISHERS} concurrent publishers on one channel; {wrong} confirms named another message");
-    let open_depth = setup.queue_declare(open.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await?.message_count();
-    let _ = setup.queue_delete(refusing.as_str().into(), QueueDeleteOptions::default()).await;
-    let _ = setup.queue_delete(open.as_str().into(), QueueDeleteOptions::default()).await;
+    let open_depth = setup
+        .queue_declare(
+            open.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?
+        .message_count();
+    let _ = setup
+        .queue_delete(refusing.as_str().into(), QueueDeleteOptions::default())
+        .await;
+    let _ = setup
+        .queue_delete(open.as_str().into(), QueueDeleteOptions::default())
+        .await;
     let _ = conn.close(200, "bye".into()).await;
-    assert_eq!(wrong, 0, "a refused message's confirm was taken for another's");
-    assert_eq!(open_depth as usize, sent / 2, "every message to the open queue is there");
+    assert_eq!(
+        wrong, 0,
+        "a refused message's confirm was taken for another's"
+    );
+    assert_eq!(
+        open_depth as usize,
+        sent / 2,
+        "every message to the open queue is there"
+    );
     Ok(())
 }

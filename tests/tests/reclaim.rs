@@ -25,14 +25,20 @@ const GRACE_MS: &str = "2000";
 
 fn scheduler_cfg() -> Vec<(&'static str, &'static str)> {
     let mut c = SCHEDULER.to_vec();
-    c.extend_from_slice(&[("group_reclaim_after_ms", GRACE_MS), ("stats_interval_ms", "500")]);
+    c.extend_from_slice(&[
+        ("group_reclaim_after_ms", GRACE_MS),
+        ("stats_interval_ms", "500"),
+    ]);
     c
 }
 
 /// Keys of the namespace by kind (the part after `{ns}:` up to the next `:`), leaving out the
 /// per-task keys (status `t:`, dedupe mark `dd:`): those belong to tasks, with their own expiry.
 async fn keys(ns: &Ns) -> anyhow::Result<BTreeMap<String, usize>> {
-    let all: Vec<String> = ns.store.query(redis::cmd("KEYS").arg(ns.names.all_keys_pattern())).await?;
+    let all: Vec<String> = ns
+        .store
+        .query(redis::cmd("KEYS").arg(ns.names.all_keys_pattern()))
+        .await?;
     let mut by: BTreeMap<String, usize> = BTreeMap::new();
     for k in all {
         let rest = &k[ns.names.prefix().len()..];
@@ -48,14 +54,26 @@ async fn keys(ns: &Ns) -> anyhow::Result<BTreeMap<String, usize>> {
 /// A queue's (ready messages, consumers), `None` when it does not exist (passive declare).
 async fn queue_info(ns: &Ns, q: &str) -> anyhow::Result<Option<(u32, u32)>> {
     let ch = ns.conn.create_channel().await?;
-    let r = ch.queue_declare(q.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await;
+    let r = ch
+        .queue_declare(
+            q.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
     let _ = ch.close(200, "ok".into()).await;
     Ok(r.ok().map(|q| (q.message_count(), q.consumer_count())))
 }
 
 /// The lane and park queues of a group.
 fn group_queues(ns: &Ns, g: &str) -> Vec<String> {
-    Lane::ALL.iter().flat_map(|l| [ns.names.group_queue(g, *l), ns.names.park_queue(g, *l)]).collect()
+    Lane::ALL
+        .iter()
+        .flat_map(|l| [ns.names.group_queue(g, *l), ns.names.park_queue(g, *l)])
+        .collect()
 }
 
 async fn groups_gauge(sched: &SchedulerHandle) -> anyhow::Result<f64> {
@@ -65,11 +83,23 @@ async fn groups_gauge(sched: &SchedulerHandle) -> anyhow::Result<f64> {
 
 /// The tasks `ids` of a kept group all succeed once a worker returns: every task recorded ran
 /// exactly once, `on_returning` of them on the returning `worker`; nothing dead-lettered.
-async fn each_ran_once(ns: &Ns, rec: &Recorder, ids: &[String], worker: &str, on_returning: usize) -> anyhow::Result<()> {
+async fn each_ran_once(
+    ns: &Ns,
+    rec: &Recorder,
+    ids: &[String],
+    worker: &str,
+    on_returning: usize,
+) -> anyhow::Result<()> {
     wait_succeeded(ns, ids, Duration::from_secs(30)).await?;
     let per = rec.per_task();
-    assert!(per.values().all(|w| w.len() == 1), "each task once: {per:?}");
-    assert_eq!(per.values().filter(|w| w[0] == worker).count(), on_returning);
+    assert!(
+        per.values().all(|w| w.len() == 1),
+        "each task once: {per:?}"
+    );
+    assert_eq!(
+        per.values().filter(|w| w[0] == worker).count(),
+        on_returning
+    );
     assert!(ns.drain_dead().await?.is_empty());
     Ok(())
 }
@@ -94,13 +124,25 @@ async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
         async move { start_worker(ns, &id, &labels, 1, WORKER, &[]).await }
     });
     let workers = futures::future::try_join_all(starts).await?;
-    let names: Vec<String> = (0..pods).map(|i| format!("pod=p{i},protocol=builtin")).collect();
-    let envs: Vec<_> = (0..pods).map(|i| task("noop", json!({}), &format!("pod=p{i}"))).collect();
+    let names: Vec<String> = (0..pods)
+        .map(|i| format!("pod=p{i},protocol=builtin"))
+        .collect();
+    let envs: Vec<_> = (0..pods)
+        .map(|i| task("noop", json!({}), &format!("pod=p{i}")))
+        .collect();
     assert_eq!(ns.submit(&envs).await?, (pods, 0));
-    wait_succeeded(&ns, &envs.iter().map(|e| e.id.clone()).collect::<Vec<_>>(), Duration::from_secs(60)).await?;
+    wait_succeeded(
+        &ns,
+        &envs.iter().map(|e| e.id.clone()).collect::<Vec<_>>(),
+        Duration::from_secs(60),
+    )
+    .await?;
     for e in &envs {
         let st = ns.status(&e.id).await?.unwrap_or_default();
-        assert_eq!(st.get("group").map(String::as_str), Some(format!("pod={},protocol=builtin", e.labels.0["pod"]).as_str()));
+        assert_eq!(
+            st.get("group").map(String::as_str),
+            Some(format!("pod={},protocol=builtin", e.labels.0["pod"]).as_str())
+        );
     }
     // Every group has its 4 queues and the scheduler a consumer on each of its 2 park queues.
     wait_for("80 park consumers", Duration::from_secs(30), || async {
@@ -117,21 +159,37 @@ async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
     .await?;
     for g in &names {
         for q in group_queues(&ns, g) {
-            ensure!(queue_info(&ns, &q).await?.is_some(), "{q} exists while its worker runs");
+            ensure!(
+                queue_info(&ns, &q).await?.is_some(),
+                "{q} exists while its worker runs"
+            );
         }
     }
-    wait_for("fleet_groups 40", Duration::from_secs(10), || async { (groups_gauge(&sched).await.ok()? == 40.0).then_some(()) }).await?;
+    wait_for("fleet_groups 40", Duration::from_secs(10), || async {
+        (groups_gauge(&sched).await.ok()? == 40.0).then_some(())
+    })
+    .await?;
     let during = keys(&ns).await?;
     println!("reclaim: keys with 40 workers {during:?}");
 
-    let reclaimed_before = metric_sum(&reqwest::get(sched.url("/metrics")).await?.text().await?, "fleet_groups_reclaimed_total", &[]);
+    let reclaimed_before = metric_sum(
+        &reqwest::get(sched.url("/metrics")).await?.text().await?,
+        "fleet_groups_reclaimed_total",
+        &[],
+    );
     let drained = Instant::now();
     futures::future::try_join_all(workers.into_iter().map(|w| w.stop())).await?;
     // Right after the drain the groups are still there (the grace).
     assert_eq!(ns.store.group_names().await?.len(), pods);
-    wait_for("0 groups", Duration::from_secs(60), || async { ns.store.group_names().await.ok()?.is_empty().then_some(()) }).await?;
+    wait_for("0 groups", Duration::from_secs(60), || async {
+        ns.store.group_names().await.ok()?.is_empty().then_some(())
+    })
+    .await?;
     let took = drained.elapsed();
-    assert!(took >= Duration::from_millis(2000), "reclaimed before the grace: {took:?}");
+    assert!(
+        took >= Duration::from_millis(2000),
+        "reclaimed before the grace: {took:?}"
+    );
     let gone = wait_for("160 queues gone", Duration::from_secs(30), || async {
         for g in &names {
             for q in group_queues(&ns, g) {
@@ -152,20 +210,45 @@ async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
                 }
             }
         }
-        anyhow::bail!("{} queues left (name, (ready, consumers)): {left:?}", left.len());
+        anyhow::bail!(
+            "{} queues left (name, (ready, consumers)): {left:?}",
+            left.len()
+        );
     }
-    let back = wait_for("keys back to the baseline", Duration::from_secs(30), || async { (keys(&ns).await.ok()? == baseline).then_some(()) }).await;
+    let back = wait_for(
+        "keys back to the baseline",
+        Duration::from_secs(30),
+        || async { (keys(&ns).await.ok()? == baseline).then_some(()) },
+    )
+    .await;
     if back.is_err() {
-        anyhow::bail!("keys not back to the baseline: {:?}, baseline {baseline:?}", keys(&ns).await?);
+        anyhow::bail!(
+            "keys not back to the baseline: {:?}, baseline {baseline:?}",
+            keys(&ns).await?
+        );
     }
-    wait_for("fleet_groups 0", Duration::from_secs(10), || async { (groups_gauge(&sched).await.ok()? == 0.0).then_some(()) }).await?;
+    wait_for("fleet_groups 0", Duration::from_secs(10), || async {
+        (groups_gauge(&sched).await.ok()? == 0.0).then_some(())
+    })
+    .await?;
     let page = reqwest::get(sched.url("/metrics")).await?.text().await?;
-    assert_eq!(metric_sum(&page, "fleet_groups_reclaimed_total", &[]) - reclaimed_before, 40.0);
+    assert_eq!(
+        metric_sum(&page, "fleet_groups_reclaimed_total", &[]) - reclaimed_before,
+        40.0
+    );
     // The waiting-for-worker queues keep their consumers (they belong to no group).
     for l in Lane::ALL {
-        assert_eq!(queue_info(&ns, &ns.names.park_queue("_unmatched", l)).await?.map(|q| q.1), Some(1));
+        assert_eq!(
+            queue_info(&ns, &ns.names.park_queue("_unmatched", l))
+                .await?
+                .map(|q| q.1),
+            Some(1)
+        );
     }
-    println!("reclaim: 40 groups reclaimed {} ms after the drain (grace {GRACE_MS} ms)", took.as_millis());
+    println!(
+        "reclaim: 40 groups reclaimed {} ms after the drain (grace {GRACE_MS} ms)",
+        took.as_millis()
+    );
 
     sched.stop().await?;
     ns.cleanup().await
@@ -186,10 +269,17 @@ async fn a_group_with_queued_tasks_is_kept_and_they_run() -> anyhow::Result<()> 
     let g = "pod=kept,protocol=builtin";
     let q = ns.names.group_queue(g, Lane::Normal);
     let a = start_worker(&ns, "w-kept-1", "pod=kept", 1, WORKER, &h).await?;
-    let envs: Vec<_> = (0..6).map(|i| task(JOB, json!({"i": i, "ms": 300}), "pod=kept")).collect();
+    let envs: Vec<_> = (0..6)
+        .map(|i| task(JOB, json!({"i": i, "ms": 300}), "pod=kept"))
+        .collect();
     let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
     assert_eq!(ns.submit(&envs).await?, (6, 0));
-    wait_for("tasks queued for the group", Duration::from_secs(20), || async { (ns.depth(&q).await >= 4).then_some(()) }).await?;
+    wait_for(
+        "tasks queued for the group",
+        Duration::from_secs(20),
+        || async { (ns.depth(&q).await >= 4).then_some(()) },
+    )
+    .await?;
     a.stop().await?;
     let queued = ns.depth(&q).await;
     assert!(queued >= 3, "tasks left in the queue: {queued}");
@@ -197,7 +287,11 @@ async fn a_group_with_queued_tasks_is_kept_and_they_run() -> anyhow::Result<()> 
 
     // Three graces with no worker: kept, queue and tasks intact, nothing ran.
     tokio::time::sleep(Duration::from_millis(3 * 2000 + 1000)).await;
-    assert_eq!(ns.store.group_names().await?, vec![g.to_string()], "the group is kept");
+    assert_eq!(
+        ns.store.group_names().await?,
+        vec![g.to_string()],
+        "the group is kept"
+    );
     assert_eq!(ns.depth(&q).await, queued, "its tasks are still queued");
     assert_eq!(rec.count(), ran_before);
     assert_eq!(groups_gauge(&sched).await?, 1.0);
@@ -222,7 +316,10 @@ async fn a_worker_returning_to_a_reclaimed_label_set_runs_its_tasks() -> anyhow:
     let g = "pod=back,protocol=builtin";
     let first = start_worker(&ns, "w-back-1", "pod=back", 1, WORKER, &h).await?;
     first.stop().await?;
-    wait_for("group reclaimed", Duration::from_secs(30), || async { ns.store.group_names().await.ok()?.is_empty().then_some(()) }).await?;
+    wait_for("group reclaimed", Duration::from_secs(30), || async {
+        ns.store.group_names().await.ok()?.is_empty().then_some(())
+    })
+    .await?;
     wait_for("its queues gone", Duration::from_secs(30), || async {
         for q in group_queues(&ns, g) {
             if queue_info(&ns, &q).await.ok()?.is_some() {
@@ -235,24 +332,37 @@ async fn a_worker_returning_to_a_reclaimed_label_set_runs_its_tasks() -> anyhow:
 
     let again = start_worker(&ns, "w-back-2", "pod=back", 2, WORKER, &h).await?;
     assert_eq!(ns.store.group_names().await?, vec![g.to_string()]);
-    let envs: Vec<_> = (0..4).map(|i| task(JOB, json!({"i": i, "ms": 50}), "pod=back")).collect();
+    let envs: Vec<_> = (0..4)
+        .map(|i| task(JOB, json!({"i": i, "ms": 50}), "pod=back"))
+        .collect();
     let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
     assert_eq!(ns.submit(&envs).await?, (4, 0));
     wait_succeeded(&ns, &ids, Duration::from_secs(30)).await?;
     let per = rec.per_task();
     assert_eq!(per.len(), 4);
-    assert!(per.values().all(|w| w == &vec!["w-back-2".to_string()]), "{per:?}");
+    assert!(
+        per.values().all(|w| w == &vec!["w-back-2".to_string()]),
+        "{per:?}"
+    );
     // The scheduler consumes the group's park queues again.
     wait_for("park consumers back", Duration::from_secs(30), || async {
         for l in Lane::ALL {
-            if queue_info(&ns, &ns.names.park_queue(g, l)).await.ok()?.map(|q| q.1) != Some(1) {
+            if queue_info(&ns, &ns.names.park_queue(g, l))
+                .await
+                .ok()?
+                .map(|q| q.1)
+                != Some(1)
+            {
                 return None;
             }
         }
         Some(())
     })
     .await?;
-    wait_for("fleet_groups 1", Duration::from_secs(10), || async { (groups_gauge(&sched).await.ok()? == 1.0).then_some(()) }).await?;
+    wait_for("fleet_groups 1", Duration::from_secs(10), || async {
+        (groups_gauge(&sched).await.ok()? == 1.0).then_some(())
+    })
+    .await?;
 
     again.stop().await?;
     sched.stop().await?;
@@ -279,45 +389,112 @@ async fn registration_waits_for_a_reclaim_and_its_deleted_queues() -> anyhow::Re
     let s = &ns.store;
     let now = || s.clock.now_ms();
     s.measure_clock().await?;
-    s.register_declared(&reg("w1"), Duration::from_secs(30), false, now()).await?;
-    assert!(matches!(s.reclaim_claim(&g, Duration::from_millis(0), Duration::from_secs(60)).await?, ReclaimClaim::Busy(_)), "a group with a worker is kept");
+    s.register_declared(&reg("w1"), Duration::from_secs(30), false, now())
+        .await?;
+    assert!(
+        matches!(
+            s.reclaim_claim(&g, Duration::from_millis(0), Duration::from_secs(60))
+                .await?,
+            ReclaimClaim::Busy(_)
+        ),
+        "a group with a worker is kept"
+    );
     assert!(s.deregister("w1", "i-w1").await?);
     // Grace not over.
-    assert!(matches!(s.reclaim_claim(&g, Duration::from_secs(60), Duration::from_secs(60)).await?, ReclaimClaim::Wait(_)));
-    let ReclaimClaim::Reclaimed { labels: json } = s.reclaim_claim(&g, Duration::from_millis(0), Duration::from_secs(60)).await? else { anyhow::bail!("not reclaimed") };
-    assert_eq!(serde_json::from_str::<serde_json::Value>(&json)?, json!({"pod": "race", "protocol": "builtin"}));
+    assert!(matches!(
+        s.reclaim_claim(&g, Duration::from_secs(60), Duration::from_secs(60))
+            .await?,
+        ReclaimClaim::Wait(_)
+    ));
+    let ReclaimClaim::Reclaimed { labels: json } = s
+        .reclaim_claim(&g, Duration::from_millis(0), Duration::from_secs(60))
+        .await?
+    else {
+        anyhow::bail!("not reclaimed")
+    };
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&json)?,
+        json!({"pod": "race", "protocol": "builtin"})
+    );
     assert!(s.group_names().await?.is_empty());
     let declared_before = now();
-    let r = s.register_declared(&reg("w2"), Duration::from_secs(30), false, declared_before).await;
-    assert!(matches!(r, Err(fleet::Error::Reclaiming(_))), "refused while the queues are deleted: {r:?}");
-    assert!(s.group_names().await?.is_empty(), "a refused registration recreates nothing");
+    let r = s
+        .register_declared(&reg("w2"), Duration::from_secs(30), false, declared_before)
+        .await;
+    assert!(
+        matches!(r, Err(fleet::Error::Reclaiming(_))),
+        "refused while the queues are deleted: {r:?}"
+    );
+    assert!(
+        s.group_names().await?.is_empty(),
+        "a refused registration recreates nothing"
+    );
     s.reclaim_done(&g, Duration::from_secs(60)).await?;
-    let r = s.register_declared(&reg("w2"), Duration::from_secs(30), false, declared_before).await;
-    assert!(matches!(r, Err(fleet::Error::Reclaiming(_))), "its queues were deleted after it declared them: {r:?}");
+    let r = s
+        .register_declared(&reg("w2"), Duration::from_secs(30), false, declared_before)
+        .await;
+    assert!(
+        matches!(r, Err(fleet::Error::Reclaiming(_))),
+        "its queues were deleted after it declared them: {r:?}"
+    );
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    s.register_declared(&reg("w2"), Duration::from_secs(30), false, now()).await?;
+    s.register_declared(&reg("w2"), Duration::from_secs(30), false, now())
+        .await?;
     assert_eq!(s.group_names().await?, vec![g.clone()]);
-    assert_eq!(group(s, &g).await.map(|v| (v.workers, v.capacity)), Some((1, 1)));
+    assert_eq!(
+        group(s, &g).await.map(|v| (v.workers, v.capacity)),
+        Some((1, 1))
+    );
     // A claim undone (work arrived): the group is back with its label index.
     assert!(s.deregister("w2", "i-w2").await?);
-    let ReclaimClaim::Reclaimed { labels: json } = s.reclaim_claim(&g, Duration::from_millis(0), Duration::from_secs(60)).await? else { anyhow::bail!("not reclaimed") };
-    s.reclaim_restore(&g, &json, Duration::from_secs(60)).await?;
+    let ReclaimClaim::Reclaimed { labels: json } = s
+        .reclaim_claim(&g, Duration::from_millis(0), Duration::from_secs(60))
+        .await?
+    else {
+        anyhow::bail!("not reclaimed")
+    };
+    s.reclaim_restore(&g, &json, Duration::from_secs(60))
+        .await?;
     assert_eq!(s.group_names().await?, vec![g.clone()]);
-    let idx: Vec<String> = s.query(redis::cmd("SMEMBERS").arg(format!("{}idx:pod=race", ns.names.prefix()))).await?;
+    let idx: Vec<String> = s
+        .query(redis::cmd("SMEMBERS").arg(format!("{}idx:pod=race", ns.names.prefix())))
+        .await?;
     assert_eq!(idx, vec![g.clone()]);
-    assert!(matches!(s.reclaim_claim(&g, Duration::from_secs(60), Duration::from_secs(60)).await?, ReclaimClaim::Wait(_)), "its grace starts again");
+    assert!(
+        matches!(
+            s.reclaim_claim(&g, Duration::from_secs(60), Duration::from_secs(60))
+                .await?,
+            ReclaimClaim::Wait(_)
+        ),
+        "its grace starts again"
+    );
     // A claim undone whose queues could not be declared again: the group is back, and a worker
     // whose queue declaration is older must declare them (and so bind them) again first.
-    let ReclaimClaim::Reclaimed { labels: json } = s.reclaim_claim(&g, Duration::from_millis(0), Duration::from_secs(60)).await? else { anyhow::bail!("not reclaimed") };
+    let ReclaimClaim::Reclaimed { labels: json } = s
+        .reclaim_claim(&g, Duration::from_millis(0), Duration::from_secs(60))
+        .await?
+    else {
+        anyhow::bail!("not reclaimed")
+    };
     let declared_before = now();
     tokio::time::sleep(Duration::from_millis(20)).await;
-    s.reclaim_restore_undeclared(&g, &json, Duration::from_secs(60)).await?;
+    s.reclaim_restore_undeclared(&g, &json, Duration::from_secs(60))
+        .await?;
     assert_eq!(s.group_names().await?, vec![g.clone()]);
-    let r = s.register_declared(&reg("w3"), Duration::from_secs(30), false, declared_before).await;
-    assert!(matches!(r, Err(fleet::Error::Reclaiming(_))), "its queues may be unbound: declare them again: {r:?}");
+    let r = s
+        .register_declared(&reg("w3"), Duration::from_secs(30), false, declared_before)
+        .await;
+    assert!(
+        matches!(r, Err(fleet::Error::Reclaiming(_))),
+        "its queues may be unbound: declare them again: {r:?}"
+    );
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    s.register_declared(&reg("w3"), Duration::from_secs(30), false, now()).await?;
-    assert_eq!(group(s, &g).await.map(|v| (v.workers, v.capacity)), Some((1, 1)));
+    s.register_declared(&reg("w3"), Duration::from_secs(30), false, now())
+        .await?;
+    assert_eq!(
+        group(s, &g).await.map(|v| (v.workers, v.capacity)),
+        Some((1, 1))
+    );
     ns.cleanup().await
 }
 
@@ -336,7 +513,13 @@ async fn quorum_groups_are_reclaimed_without_closing_the_connection() -> anyhow:
     let sched = start_scheduler(&ns, &cfg).await?;
     let rec = Recorder::default();
     let h = [(JOB, rec.handler())];
-    let reconnects = || async { Ok::<f64, anyhow::Error>(metric_sum(&reqwest::get(sched.url("/metrics")).await?.text().await?, "fleet_amqp_reconnects_total", &[])) };
+    let reconnects = || async {
+        Ok::<f64, anyhow::Error>(metric_sum(
+            &reqwest::get(sched.url("/metrics")).await?.text().await?,
+            "fleet_amqp_reconnects_total",
+            &[],
+        ))
+    };
     let before = reconnects().await?;
 
     // A departed group with empty queues: reclaimed, its quorum queues gone.
@@ -350,10 +533,17 @@ async fn quorum_groups_are_reclaimed_without_closing_the_connection() -> anyhow:
     let kept = "pod=qkept,protocol=builtin";
     let q = ns.names.group_queue(kept, Lane::Normal);
     let a = start_worker(&ns, "w-qkept-1", "pod=qkept", 1, WORKER, &h).await?;
-    let envs: Vec<_> = (0..5).map(|i| task(JOB, json!({"i": i, "ms": 300}), "pod=qkept")).collect();
+    let envs: Vec<_> = (0..5)
+        .map(|i| task(JOB, json!({"i": i, "ms": 300}), "pod=qkept"))
+        .collect();
     let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
     assert_eq!(ns.submit(&envs).await?, (5, 0));
-    wait_for("tasks queued for the kept group", Duration::from_secs(20), || async { (ns.depth(&q).await >= 3).then_some(()) }).await?;
+    wait_for(
+        "tasks queued for the kept group",
+        Duration::from_secs(20),
+        || async { (ns.depth(&q).await >= 3).then_some(()) },
+    )
+    .await?;
     w.stop().await?;
     a.stop().await?;
     let queued = ns.depth(&q).await;
@@ -361,7 +551,12 @@ async fn quorum_groups_are_reclaimed_without_closing_the_connection() -> anyhow:
     let ran_before = rec.count();
     let kept_ran = rec.per_task().keys().filter(|id| ids.contains(id)).count();
 
-    wait_for("the empty group reclaimed", Duration::from_secs(30), || async { (ns.store.group_names().await.ok()? == vec![kept.to_string()]).then_some(()) }).await?;
+    wait_for(
+        "the empty group reclaimed",
+        Duration::from_secs(30),
+        || async { (ns.store.group_names().await.ok()? == vec![kept.to_string()]).then_some(()) },
+    )
+    .await?;
     wait_for("its queues gone", Duration::from_secs(30), || async {
         for q in group_queues(&ns, gone) {
             if queue_info(&ns, &q).await.ok()?.is_some() {
@@ -373,10 +568,18 @@ async fn quorum_groups_are_reclaimed_without_closing_the_connection() -> anyhow:
     .await?;
     // Two more graces: the kept group stays with its tasks, nothing ran, no reconnection.
     tokio::time::sleep(Duration::from_millis(2 * 2000 + 1000)).await;
-    assert_eq!(ns.store.group_names().await?, vec![kept.to_string()], "the group with tasks is kept");
+    assert_eq!(
+        ns.store.group_names().await?,
+        vec![kept.to_string()],
+        "the group with tasks is kept"
+    );
     assert_eq!(ns.depth(&q).await, queued, "its tasks are still queued");
     assert_eq!(rec.count(), ran_before);
-    assert_eq!(reconnects().await? - before, 0.0, "the scheduler's connection was never closed");
+    assert_eq!(
+        reconnects().await? - before,
+        0.0,
+        "the scheduler's connection was never closed"
+    );
 
     let b = start_worker(&ns, "w-qkept-2", "pod=qkept", 2, WORKER, &h).await?;
     each_ran_once(&ns, &rec, &ids, "w-qkept-2", 5 - kept_ran).await?;
@@ -402,26 +605,58 @@ async fn a_task_arriving_during_a_reclaim_keeps_the_group_bound() -> anyhow::Res
     let w = start_worker(&ns, "w-race-1", "pod=race", 1, WORKER, &h).await?;
     w.stop().await?;
     // The claim removes the group's keys; its queues are deleted a settle time (≥ 1 s) later.
-    wait_for("the group claimed", Duration::from_secs(30), || async { (!ns.store.group_names().await.ok()?.contains(&g.to_string())).then_some(()) }).await?;
+    wait_for("the group claimed", Duration::from_secs(30), || async {
+        (!ns.store.group_names().await.ok()?.contains(&g.to_string())).then_some(())
+    })
+    .await?;
     let env = task(JOB, json!({"ms": 10}), "pod=race");
-    fleet::amqp::publish_confirmed(&ns.publisher, "", &q, &env.to_bytes(), fleet::amqp::task_properties(&env.id, None))
-        .await
-        .context("the task reaches the group's queue before its deletion")?;
-    wait_for("the group restored", Duration::from_secs(30), || async { ns.store.group_names().await.ok()?.contains(&g.to_string()).then_some(()) }).await?;
+    fleet::amqp::publish_confirmed(
+        &ns.publisher,
+        "",
+        &q,
+        &env.to_bytes(),
+        fleet::amqp::task_properties(&env.id, None),
+    )
+    .await
+    .context("the task reaches the group's queue before its deletion")?;
+    wait_for("the group restored", Duration::from_secs(30), || async {
+        ns.store
+            .group_names()
+            .await
+            .ok()?
+            .contains(&g.to_string())
+            .then_some(())
+    })
+    .await?;
     assert_eq!(ns.depth(&q).await, 1, "the task is still queued");
     // Bound again: a mandatory publish through `<ns>.tasks` with the group's key is routed.
     let probe = task(JOB, json!({"ms": 10}), "pod=race");
-    fleet::amqp::publish_confirmed(&ns.publisher, &ns.names.tasks_exchange(), &ns.names.group_key(g, Lane::Normal), &probe.to_bytes(), fleet::amqp::task_properties(&probe.id, None))
-        .await
-        .context("the group's queue is bound to the tasks exchange again")?;
+    fleet::amqp::publish_confirmed(
+        &ns.publisher,
+        &ns.names.tasks_exchange(),
+        &ns.names.group_key(g, Lane::Normal),
+        &probe.to_bytes(),
+        fleet::amqp::task_properties(&probe.id, None),
+    )
+    .await
+    .context("the group's queue is bound to the tasks exchange again")?;
     assert_eq!(rec.count(), 0);
 
     let back = start_worker(&ns, "w-race-2", "pod=race", 2, WORKER, &h).await?;
-    wait_succeeded(&ns, &[env.id.clone(), probe.id.clone()], Duration::from_secs(30)).await?;
+    wait_succeeded(
+        &ns,
+        &[env.id.clone(), probe.id.clone()],
+        Duration::from_secs(30),
+    )
+    .await?;
     let per = rec.per_task();
     assert_eq!(per.len(), 2);
     for id in [&env.id, &probe.id] {
-        assert_eq!(per.get(id), Some(&vec!["w-race-2".to_string()]), "{id} ran once on the returning worker: {per:?}");
+        assert_eq!(
+            per.get(id),
+            Some(&vec!["w-race-2".to_string()]),
+            "{id} ran once on the returning worker: {per:?}"
+        );
     }
     assert!(ns.drain_dead().await?.is_empty());
     back.stop().await?;

@@ -8,8 +8,13 @@ use fleet_tests::*;
 use serde_json::json;
 
 fn rabbitmqctl(args: &[&str]) -> Option<String> {
-    let out = std::process::Command::new("rabbitmqctl").args(args).output().ok()?;
-    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -25,20 +30,42 @@ async fn scheduler_reconnects_after_losing_rabbitmq() -> anyhow::Result<()> {
     let w = start_worker(&ns, "w1", "", 8, &[], &h).await?;
     let first: Vec<_> = (0..100).map(|_| task("record", json!({}), "")).collect();
     ns.submit(&first).await?;
-    wait_for("first 100", Duration::from_secs(30), || async { (rec.count() >= 100).then_some(()) }).await?;
+    wait_for("first 100", Duration::from_secs(30), || async {
+        (rec.count() >= 100).then_some(())
+    })
+    .await?;
 
     let name = format!("fleet-scheduler {}", ns.name);
-    let list = tokio::task::spawn_blocking(|| rabbitmqctl(&["list_connections", "pid", "client_properties"])).await?.context("list_connections")?;
-    let pids: Vec<String> = list.lines().filter(|l| l.contains(&name)).filter_map(|l| l.split_whitespace().next().map(String::from)).collect();
+    let list = tokio::task::spawn_blocking(|| {
+        rabbitmqctl(&["list_connections", "pid", "client_properties"])
+    })
+    .await?
+    .context("list_connections")?;
+    let pids: Vec<String> = list
+        .lines()
+        .filter(|l| l.contains(&name))
+        .filter_map(|l| l.split_whitespace().next().map(String::from))
+        .collect();
     assert_eq!(pids.len(), 1, "one scheduler connection named {name}");
     let pid = pids[0].clone();
-    tokio::task::spawn_blocking(move || rabbitmqctl(&["close_connection", &pid, "test: simulated connection loss"])).await?.context("close_connection")?;
+    tokio::task::spawn_blocking(move || {
+        rabbitmqctl(&["close_connection", &pid, "test: simulated connection loss"])
+    })
+    .await?
+    .context("close_connection")?;
 
     // It comes back by itself (ready again) and dispatches new work.
     let client = reqwest::Client::new();
     wait_for("scheduler ready again", Duration::from_secs(30), || {
         let (c, u) = (client.clone(), sched.url("/readyz"));
-        async move { c.get(&u).send().await.ok().filter(|r| r.status().is_success()).map(|_| ()) }
+        async move {
+            c.get(&u)
+                .send()
+                .await
+                .ok()
+                .filter(|r| r.status().is_success())
+                .map(|_| ())
+        }
     })
     .await?;
     let second: Vec<_> = (0..100).map(|_| task("record", json!({}), "")).collect();
@@ -49,7 +76,13 @@ async fn scheduler_reconnects_after_losing_rabbitmq() -> anyhow::Result<()> {
     })
     .await?;
     let per = rec.per_task();
-    assert!(first.iter().chain(second.iter()).all(|e| per.contains_key(&e.id)), "every accepted task ran");
+    assert!(
+        first
+            .iter()
+            .chain(second.iter())
+            .all(|e| per.contains_key(&e.id)),
+        "every accepted task ran"
+    );
     let page = reqwest::get(sched.url("/metrics")).await?.text().await?;
     assert!(metric_sum(&page, "fleet_amqp_reconnects_total", &[]) >= 1.0);
     w.stop().await?;

@@ -5,18 +5,35 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
 use fleet::dedupe::Dedupe;
-use fleet::route::{ReserveParams, ReserveRequest};
 use fleet::registry::WorkerState;
 use fleet::route::{Reservation, Strategy};
+use fleet::route::{ReserveParams, ReserveRequest};
 use fleet::{Labels, Lane, Store};
 use fleet_tests::{redis_url, register_worker, Ns};
 
 fn params() -> ReserveParams {
-    ReserveParams { lease_ms: 60_000, backlog_factor: 0.0, strategy: Strategy::LeastLoaded, dedupe_window_ms: 60_000, status_ttl_ms: 60_000, token: rand::random(), direct: false, park_flag_ttl_ms: 3000 }
+    ReserveParams {
+        lease_ms: 60_000,
+        backlog_factor: 0.0,
+        strategy: Strategy::LeastLoaded,
+        dedupe_window_ms: 60_000,
+        status_ttl_ms: 60_000,
+        token: rand::random(),
+        direct: false,
+        park_flag_ttl_ms: 3000,
+    }
 }
 
 fn req(id: String, dedupe: Dedupe) -> ReserveRequest {
-    ReserveRequest { id, lane: Lane::Normal, selector: Labels::parse("gpu=true").unwrap(), strategy: None, dedupe, from_park: false, dedupe_only: false }
+    ReserveRequest {
+        id,
+        lane: Lane::Normal,
+        selector: Labels::parse("gpu=true").unwrap(),
+        strategy: None,
+        dedupe,
+        from_park: false,
+        dedupe_only: false,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -50,7 +67,9 @@ async fn concurrent_reservations_never_exceed_capacity() -> anyhow::Result<()> {
         for k in 0..200 {
             let store = store.clone();
             handles.push(tokio::spawn(async move {
-                store.reserve(&[req(format!("s{s}-t{k}"), Dedupe::Check)], params()).await
+                store
+                    .reserve(&[req(format!("s{s}-t{k}"), Dedupe::Check)], params())
+                    .await
             }));
         }
     }
@@ -70,13 +89,19 @@ async fn concurrent_reservations_never_exceed_capacity() -> anyhow::Result<()> {
     watcher.await?;
     assert_eq!(reserved, 10, "exactly the capacity is reserved");
     assert_eq!(full, 790);
-    assert!(peak.load(Ordering::Relaxed) <= 10, "outstanding peaked at {}", peak.load(Ordering::Relaxed));
+    assert!(
+        peak.load(Ordering::Relaxed) <= 10,
+        "outstanding peaked at {}",
+        peak.load(Ordering::Relaxed)
+    );
     let g = ns.store.groups().await?;
     assert_eq!(g[0].reserved, 10);
     assert_eq!(g[0].capacity, 10);
 
     // A batch call is atomic too: with no room left, nothing more is reserved.
-    let batch: Vec<_> = (0..50).map(|k| req(format!("b{k}"), Dedupe::Skip)).collect();
+    let batch: Vec<_> = (0..50)
+        .map(|k| req(format!("b{k}"), Dedupe::Skip))
+        .collect();
     let answers = ns.store.reserve(&batch, params()).await?;
     assert!(answers.iter().all(|a| matches!(a, Reservation::Full(_))));
     ns.cleanup().await
@@ -86,18 +111,33 @@ async fn concurrent_reservations_never_exceed_capacity() -> anyhow::Result<()> {
 async fn dedupe_and_no_match() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     register_worker(&ns.store, "w1", "gpu=true,protocol=builtin", 5).await?;
-    let a = ns.store.reserve(&[req("same".into(), Dedupe::Check)], params()).await?;
+    let a = ns
+        .store
+        .reserve(&[req("same".into(), Dedupe::Check)], params())
+        .await?;
     assert!(matches!(a[0], Reservation::Reserved(_)));
-    let b = ns.store.reserve(&[req("same".into(), Dedupe::Check)], params()).await?;
+    let b = ns
+        .store
+        .reserve(&[req("same".into(), Dedupe::Check)], params())
+        .await?;
     assert_eq!(b[0], Reservation::Duplicate);
     // A redelivered message whose first handling never finished goes ahead...
-    let r = ns.store.reserve(&[req("same".into(), Dedupe::Mark)], params()).await?;
+    let r = ns
+        .store
+        .reserve(&[req("same".into(), Dedupe::Mark)], params())
+        .await?;
     assert!(matches!(r[0], Reservation::Reserved(_)), "{r:?}");
     // ...but once handed on (confirmed, about to be acked), a redelivery is a duplicate.
     ns.store.mark_handed_on(&["same"]).await?;
-    let r = ns.store.reserve(&[req("same".into(), Dedupe::Mark)], params()).await?;
+    let r = ns
+        .store
+        .reserve(&[req("same".into(), Dedupe::Mark)], params())
+        .await?;
     assert_eq!(r[0], Reservation::Duplicate);
-    let none = ReserveRequest { selector: Labels::parse("gpu=false")?, ..req("x".into(), Dedupe::Skip) };
+    let none = ReserveRequest {
+        selector: Labels::parse("gpu=false")?,
+        ..req("x".into(), Dedupe::Skip)
+    };
     let c = ns.store.reserve(&[none], params()).await?;
     assert_eq!(c[0], Reservation::NoMatch);
     ns.cleanup().await
@@ -109,34 +149,76 @@ async fn strategies_choose_as_documented() -> anyhow::Result<()> {
     register_worker(&ns.store, "a1", "pool=x,zone=a,protocol=builtin", 100).await?;
     register_worker(&ns.store, "b1", "pool=x,zone=b,protocol=builtin", 100).await?;
     let sel = Labels::parse("pool=x")?;
-    let mk = |id: String, s: Strategy| ReserveRequest { id, lane: Lane::Normal, selector: sel.clone(), strategy: Some(s), dedupe: Dedupe::Skip, from_park: false, dedupe_only: false };
+    let mk = |id: String, s: Strategy| ReserveRequest {
+        id,
+        lane: Lane::Normal,
+        selector: sel.clone(),
+        strategy: Some(s),
+        dedupe: Dedupe::Skip,
+        from_park: false,
+        dedupe_only: false,
+    };
 
     // round_robin alternates between the two groups.
-    let batch: Vec<_> = (0..10).map(|k| mk(format!("rr{k}"), Strategy::RoundRobin)).collect();
-    let got: Vec<String> = ns.store.reserve(&batch, params()).await?.into_iter().map(|r| match r {
-        Reservation::Reserved(g) => g,
-        other => format!("{other:?}"),
-    }).collect();
+    let batch: Vec<_> = (0..10)
+        .map(|k| mk(format!("rr{k}"), Strategy::RoundRobin))
+        .collect();
+    let got: Vec<String> = ns
+        .store
+        .reserve(&batch, params())
+        .await?
+        .into_iter()
+        .map(|r| match r {
+            Reservation::Reserved(g) => g,
+            other => format!("{other:?}"),
+        })
+        .collect();
     for w in got.windows(2) {
         assert_ne!(w[0], w[1], "round robin must alternate: {got:?}");
     }
 
     // least_loaded picks the emptier group: load zone=a with 30 more reservations first.
     let zone_a = Labels::parse("pool=x,zone=a")?;
-    let fill: Vec<_> = (0..30).map(|k| ReserveRequest { selector: zone_a.clone(), ..mk(format!("fill{k}"), Strategy::LeastLoaded) }).collect();
+    let fill: Vec<_> = (0..30)
+        .map(|k| ReserveRequest {
+            selector: zone_a.clone(),
+            ..mk(format!("fill{k}"), Strategy::LeastLoaded)
+        })
+        .collect();
     ns.store.reserve(&fill, params()).await?;
-    let r = ns.store.reserve(&[mk("ll".into(), Strategy::LeastLoaded)], params()).await?;
-    assert_eq!(r[0], Reservation::Reserved("pool=x,protocol=builtin,zone=b".into()));
+    let r = ns
+        .store
+        .reserve(&[mk("ll".into(), Strategy::LeastLoaded)], params())
+        .await?;
+    assert_eq!(
+        r[0],
+        Reservation::Reserved("pool=x,protocol=builtin,zone=b".into())
+    );
 
     // weighted: a group with poor health gets measurably less.
     use deadpool_redis::redis;
-    ns.store.query::<()>(redis::cmd("HSET").arg(ns.names.group("pool=x,protocol=builtin,zone=a")).arg("h:a1").arg("0.1")).await?;
-    let batch: Vec<_> = (0..100).map(|k| mk(format!("w{k}"), Strategy::Weighted)).collect();
+    ns.store
+        .query::<()>(
+            redis::cmd("HSET")
+                .arg(ns.names.group("pool=x,protocol=builtin,zone=a"))
+                .arg("h:a1")
+                .arg("0.1"),
+        )
+        .await?;
+    let batch: Vec<_> = (0..100)
+        .map(|k| mk(format!("w{k}"), Strategy::Weighted))
+        .collect();
     let mut wp = params();
     wp.backlog_factor = 10.0;
     let res = ns.store.reserve(&batch, wp).await?;
-    let to_a = res.iter().filter(|r| **r == Reservation::Reserved("pool=x,protocol=builtin,zone=a".into())).count();
-    let to_b = res.iter().filter(|r| **r == Reservation::Reserved("pool=x,protocol=builtin,zone=b".into())).count();
+    let to_a = res
+        .iter()
+        .filter(|r| **r == Reservation::Reserved("pool=x,protocol=builtin,zone=a".into()))
+        .count();
+    let to_b = res
+        .iter()
+        .filter(|r| **r == Reservation::Reserved("pool=x,protocol=builtin,zone=b".into()))
+        .count();
     println!("weighted: unhealthy zone=a got {to_a}, healthy zone=b got {to_b}");
     assert_eq!(to_a + to_b, 100);
     assert!(to_a * 3 < to_b, "unhealthy group got {to_a} vs {to_b}");
@@ -147,12 +229,19 @@ async fn strategies_choose_as_documented() -> anyhow::Result<()> {
 async fn the_last_active_worker_of_a_group_is_never_ejected() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     register_worker(&ns.store, "only", "pool=e,protocol=builtin", 3).await?;
-    assert_eq!(ns.store.try_eject("only").await?, Some(false), "last active worker stays in");
+    assert_eq!(
+        ns.store.try_eject("only").await?,
+        Some(false),
+        "last active worker stays in"
+    );
     assert_eq!(ns.store.groups().await?[0].capacity, 3);
     register_worker(&ns.store, "peer", "pool=e,protocol=builtin", 2).await?;
     assert_eq!(ns.store.try_eject("only").await?, Some(true));
     assert_eq!(ns.store.groups().await?[0].capacity, 2);
-    assert_eq!(ns.store.worker_state("only").await?, Some(WorkerState::Ejected));
+    assert_eq!(
+        ns.store.worker_state("only").await?,
+        Some(WorkerState::Ejected)
+    );
     // With its peer the only active one left, the peer cannot be ejected too.
     assert_eq!(ns.store.try_eject("peer").await?, Some(false));
     assert_eq!(ns.store.try_eject("ghost").await?, None);

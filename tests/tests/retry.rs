@@ -15,18 +15,32 @@ async fn fail_twice_then_succeed_on_attempt_three() -> anyhow::Result<()> {
     let sched = start_scheduler(&ns, &[]).await?;
     let labels = "case=fail-twice";
     let group = group_of(labels, "builtin");
-    let w = start_worker(&ns, "w-retry", labels, 4, &[("retry_base_ms", "200"), ("retry_cap_ms", "2000")], &[]).await?;
+    let w = start_worker(
+        &ns,
+        "w-retry",
+        labels,
+        4,
+        &[("retry_base_ms", "200"), ("retry_cap_ms", "2000")],
+        &[],
+    )
+    .await?;
 
     let mut t = task("fail", json!({"times": 2}), labels);
     t.max_attempts = Some(3);
     ns.submit(std::slice::from_ref(&t)).await?;
 
-    let st = ns.wait_state(&t.id, "succeeded", Duration::from_secs(30)).await?;
+    let st = ns
+        .wait_state(&t.id, "succeeded", Duration::from_secs(30))
+        .await?;
     assert_eq!(st.get("attempt").map(String::as_str), Some("3"), "{st:?}");
     assert_eq!(st.get("worker").map(String::as_str), Some("w-retry"));
-    let result: serde_json::Value = serde_json::from_str(st.get("result").map(String::as_str).unwrap_or("null"))?;
+    let result: serde_json::Value =
+        serde_json::from_str(st.get("result").map(String::as_str).unwrap_or("null"))?;
     assert_eq!(result, json!({"attempt": 3}));
-    assert!(!st.contains_key("error"), "a success clears the earlier attempts' error: {st:?}");
+    assert!(
+        !st.contains_key("error"),
+        "a success clears the earlier attempts' error: {st:?}"
+    );
 
     // Two retried attempts, one success, nothing dead, in this worker's group.
     let b = format!("http://{}", w.addr);
@@ -63,7 +77,10 @@ async fn backoff_gaps_grow_with_the_attempt_number() -> anyhow::Result<()> {
         async move {
             a.record(&ctx.envelope.id, ctx.attempt);
             if ctx.attempt <= 3 {
-                return Err(TaskError::retryable(format!("flaky: attempt {}", ctx.attempt)));
+                return Err(TaskError::retryable(format!(
+                    "flaky: attempt {}",
+                    ctx.attempt
+                )));
             }
             Ok(json!({"attempt": ctx.attempt}))
         }
@@ -75,7 +92,11 @@ async fn backoff_gaps_grow_with_the_attempt_number() -> anyhow::Result<()> {
         "w-gaps",
         labels,
         (TASKS + 2) as u32,
-        &[("retry_base_ms", base_ms.as_str()), ("retry_cap_ms", "60000"), NO_EJECT],
+        &[
+            ("retry_base_ms", base_ms.as_str()),
+            ("retry_cap_ms", "60000"),
+            NO_EJECT,
+        ],
         &[("flaky", flaky)],
     )
     .await?;
@@ -89,7 +110,8 @@ async fn backoff_gaps_grow_with_the_attempt_number() -> anyhow::Result<()> {
         .collect();
     assert_eq!(ns.submit(&envs).await?, (TASKS, 0));
     for e in &envs {
-        ns.wait_state(&e.id, "succeeded", Duration::from_secs(60)).await?;
+        ns.wait_state(&e.id, "succeeded", Duration::from_secs(60))
+            .await?;
     }
 
     // Per task: attempts 1, 2, 3, 4 exactly once each and in order.
@@ -101,7 +123,12 @@ async fn backoff_gaps_grow_with_the_attempt_number() -> anyhow::Result<()> {
     let mut gaps: [Vec<u64>; 3] = Default::default();
     for e in &envs {
         let s = &starts[&e.id];
-        assert_eq!(s.iter().map(|(a, _)| *a).collect::<Vec<_>>(), vec![1, 2, 3, 4], "task {}", e.id);
+        assert_eq!(
+            s.iter().map(|(a, _)| *a).collect::<Vec<_>>(),
+            vec![1, 2, 3, 4],
+            "task {}",
+            e.id
+        );
         for k in 0..3 {
             gaps[k].push(s[k + 1].1.duration_since(s[k].1).as_millis() as u64);
         }
@@ -122,7 +149,12 @@ async fn backoff_gaps_grow_with_the_attempt_number() -> anyhow::Result<()> {
     }
     for (k, g) in gaps.iter().enumerate() {
         let max = *g.iter().max().unwrap_or(&0);
-        assert!(max <= ceiling(k) + SLACK_MS, "gap after attempt {} was {max} ms, ceiling {} ms", k + 1, ceiling(k));
+        assert!(
+            max <= ceiling(k) + SLACK_MS,
+            "gap after attempt {} was {max} ms, ceiling {} ms",
+            k + 1,
+            ceiling(k)
+        );
         if k > 0 {
             assert!(
                 max > ceiling(k - 1),
@@ -133,12 +165,22 @@ async fn backoff_gaps_grow_with_the_attempt_number() -> anyhow::Result<()> {
         }
     }
     let mean = |g: &Vec<u64>| g.iter().sum::<u64>() as f64 / g.len() as f64;
-    assert!(mean(&gaps[2]) > mean(&gaps[0]), "mean gaps must grow: {:?}", gaps.iter().map(mean).collect::<Vec<_>>());
+    assert!(
+        mean(&gaps[2]) > mean(&gaps[0]),
+        "mean gaps must grow: {:?}",
+        gaps.iter().map(mean).collect::<Vec<_>>()
+    );
 
     let b = format!("http://{}", w.addr);
     let group = group_of(labels, "builtin");
-    assert_eq!(completed_at_least(&b, &group, "retried", 3 * TASKS as u64).await?, 3 * TASKS as u64);
-    assert_eq!(completed_at_least(&b, &group, "succeeded", TASKS as u64).await?, TASKS as u64);
+    assert_eq!(
+        completed_at_least(&b, &group, "retried", 3 * TASKS as u64).await?,
+        3 * TASKS as u64
+    );
+    assert_eq!(
+        completed_at_least(&b, &group, "succeeded", TASKS as u64).await?,
+        TASKS as u64
+    );
     w.stop().await?;
     sched.stop().await?;
     ns.cleanup().await
@@ -151,19 +193,40 @@ async fn retries_stop_at_the_deadline() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &[]).await?;
     let labels = "case=retry-deadline";
-    let w = start_worker(&ns, "w-rd", labels, 2, &[("retry_base_ms", "200"), ("retry_cap_ms", "400"), NO_EJECT], &[]).await?;
+    let w = start_worker(
+        &ns,
+        "w-rd",
+        labels,
+        2,
+        &[("retry_base_ms", "200"), ("retry_cap_ms", "400"), NO_EJECT],
+        &[],
+    )
+    .await?;
     let mut t = task("fail", json!({}), labels);
     t.max_attempts = Some(50);
     t.timeout_ms = Some(1500);
     let submitted = std::time::Instant::now();
     ns.submit(std::slice::from_ref(&t)).await?;
-    let st = ns.wait_state(&t.id, "expired", Duration::from_secs(20)).await?;
-    println!("expired after {} ms: {st:?}", submitted.elapsed().as_millis());
+    let st = ns
+        .wait_state(&t.id, "expired", Duration::from_secs(20))
+        .await?;
+    println!(
+        "expired after {} ms: {st:?}",
+        submitted.elapsed().as_millis()
+    );
     let dead = wait_dead(&ns, 1, Duration::from_secs(10)).await?;
     assert_eq!(dead[0].env.id, t.id);
-    assert_eq!(dead[0].header("x-fleet-reason"), Some("expired"), "{:?}", dead[0].headers);
+    assert_eq!(
+        dead[0].header("x-fleet-reason"),
+        Some("expired"),
+        "{:?}",
+        dead[0].headers
+    );
     let attempts = dead[0].env.attempt;
-    assert!((2..50).contains(&attempts), "retried within its 1.5 s, then expired: {attempts} attempts");
+    assert!(
+        (2..50).contains(&attempts),
+        "retried within its 1.5 s, then expired: {attempts} attempts"
+    );
     assert!(submitted.elapsed() < Duration::from_secs(10));
     w.stop().await?;
     sched.stop().await?;

@@ -26,7 +26,10 @@ async fn thousand_tasks_run_once_on_matching_workers() -> anyhow::Result<()> {
     }
     let (ok, refused) = ns.submit(&envs).await?;
     assert_eq!((ok, refused), (1000, 0));
-    wait_for("1000 runs", Duration::from_secs(60), || async { (rec.count() >= 1000).then_some(()) }).await?;
+    wait_for("1000 runs", Duration::from_secs(60), || async {
+        (rec.count() >= 1000).then_some(())
+    })
+    .await?;
     ns.wait_settled(Duration::from_secs(30)).await?;
 
     let per = rec.per_task();
@@ -66,10 +69,14 @@ async fn unmatched_selector_never_runs_on_a_wrong_worker() -> anyhow::Result<()>
     let stray = task("record", json!({}), "gpu=quantum");
     let fine = task("record", json!({}), "gpu=false");
     ns.submit(&[stray.clone(), fine.clone()]).await?;
-    let dead = wait_for("the unmatched task to be dead-lettered", Duration::from_secs(20), || async {
-        let d = ns.drain_dead().await.ok()?;
-        (!d.is_empty()).then_some(d)
-    })
+    let dead = wait_for(
+        "the unmatched task to be dead-lettered",
+        Duration::from_secs(20),
+        || async {
+            let d = ns.drain_dead().await.ok()?;
+            (!d.is_empty()).then_some(d)
+        },
+    )
     .await?;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].1.as_deref(), Some("no_matching_worker"));
@@ -90,11 +97,20 @@ async fn worker_never_exceeds_its_capacity() -> anyhow::Result<()> {
     let h = [("record", rec.handler())];
     let sched = start_scheduler(&ns, &[]).await?;
     let w = start_worker(&ns, "w-two", "", 2, &[], &h).await?;
-    let envs: Vec<_> = (0..30).map(|_| task("record", json!({"ms": 50}), "")).collect();
+    let envs: Vec<_> = (0..30)
+        .map(|_| task("record", json!({"ms": 50}), ""))
+        .collect();
     ns.submit(&envs).await?;
-    wait_for("30 runs", Duration::from_secs(30), || async { (rec.count() >= 30).then_some(()) }).await?;
+    wait_for("30 runs", Duration::from_secs(30), || async {
+        (rec.count() >= 30).then_some(())
+    })
+    .await?;
     assert_eq!(rec.count(), 30);
-    assert_eq!(rec.peak("w-two"), 2, "peak concurrency must be exactly the capacity");
+    assert_eq!(
+        rec.peak("w-two"),
+        2,
+        "peak concurrency must be exactly the capacity"
+    );
     w.stop().await?;
     sched.stop().await?;
     ns.cleanup().await
@@ -109,13 +125,21 @@ async fn two_scheduler_replicas_dispatch_each_task_once() -> anyhow::Result<()> 
     let s2 = start_scheduler(&ns, &[]).await?;
     let a = start_worker(&ns, "w-a", "zone=a", 4, &[], &h).await?;
     let b = start_worker(&ns, "w-b", "zone=b", 4, &[], &h).await?;
-    let envs: Vec<_> = (0..600).map(|i| task("record", json!({"ms": 2}), ["zone=a", "zone=b", ""][i % 3])).collect();
+    let envs: Vec<_> = (0..600)
+        .map(|i| task("record", json!({"ms": 2}), ["zone=a", "zone=b", ""][i % 3]))
+        .collect();
     assert_eq!(ns.submit(&envs).await?, (600, 0));
-    wait_for("600 runs", Duration::from_secs(60), || async { (rec.count() >= 600).then_some(()) }).await?;
+    wait_for("600 runs", Duration::from_secs(60), || async {
+        (rec.count() >= 600).then_some(())
+    })
+    .await?;
     ns.wait_settled(Duration::from_secs(30)).await?;
     assert_eq!(rec.count(), 600, "no task dispatched twice");
     assert_eq!(rec.per_task().len(), 600);
-    assert!(rec.peak("w-a") <= 4 && rec.peak("w-b") <= 4, "capacity never exceeded");
+    assert!(
+        rec.peak("w-a") <= 4 && rec.peak("w-b") <= 4,
+        "capacity never exceeded"
+    );
     a.stop().await?;
     b.stop().await?;
     s1.stop().await?;

@@ -33,7 +33,9 @@ async fn scheduler_killed_mid_batch_runs_every_task_once() -> anyhow::Result<()>
     let mut doomed = SchedulerProcess::spawn(&ns, settings).await?;
     let mut survivor = SchedulerProcess::spawn(&ns, settings).await?;
 
-    let envs: Vec<fleet::Envelope> = (0..TOTAL).map(|i| task(KIND, json!({"i": i, "ms": 20}), "")).collect();
+    let envs: Vec<fleet::Envelope> = (0..TOTAL)
+        .map(|i| task(KIND, json!({"i": i, "ms": 20}), ""))
+        .collect();
     let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
     let per_chunk = TOTAL.div_ceil(CHUNKS);
     let started = Instant::now();
@@ -47,7 +49,16 @@ async fn scheduler_killed_mid_batch_runs_every_task_once() -> anyhow::Result<()>
         tick.tick().await;
         for e in chunk {
             let props = fleet::amqp::task_properties(&e.id, None);
-            confirms.push(fleet::amqp::publish(&ns.publisher, &ns.names.submit_exchange(), e.lane.as_str(), &e.to_bytes(), props).await?);
+            confirms.push(
+                fleet::amqp::publish(
+                    &ns.publisher,
+                    &ns.names.submit_exchange(),
+                    e.lane.as_str(),
+                    &e.to_bytes(),
+                    props,
+                )
+                .await?,
+            );
         }
         if k + 1 == KILL_AFTER {
             ran_before_kill = rec.count();
@@ -64,9 +75,13 @@ async fn scheduler_killed_mid_batch_runs_every_task_once() -> anyhow::Result<()>
     }
     assert_eq!((accepted, refused), (TOTAL, 0), "every task accepted");
 
-    wait_for(&format!("{TOTAL} distinct tasks run"), Duration::from_secs(90), || async { (rec.per_task().len() >= TOTAL).then_some(()) })
-        .await
-        .with_context_log(&survivor)?;
+    wait_for(
+        &format!("{TOTAL} distinct tasks run"),
+        Duration::from_secs(90),
+        || async { (rec.per_task().len() >= TOTAL).then_some(()) },
+    )
+    .await
+    .with_context_log(&survivor)?;
     // Every status succeeded (the outcome is written before the ack).
     let (settled, last) = wait_all_in(&ns, &ids, "succeeded", Duration::from_secs(30)).await?;
     let mut by_state: BTreeMap<&str, usize> = BTreeMap::new();
@@ -84,9 +99,23 @@ async fn scheduler_killed_mid_batch_runs_every_task_once() -> anyhow::Result<()>
     }
     let twice_in_attempt = per_attempt.values().filter(|n| **n > 1).count();
     let ran_twice = per_id.values().filter(|n| **n > 1).count();
-    let lost = ids.iter().filter(|id| !per_id.contains_key(id.as_str())).count();
-    let dup_deliveries = metric(&format!("http://{}/metrics", w1.addr), "fleet_tasks_duplicate_deliveries_total", &[]).await?;
-    let dropped_as_handed_on = metric(&format!("{}/metrics", survivor.base), "fleet_tasks_duplicate_total", &[]).await? + 0.0;
+    let lost = ids
+        .iter()
+        .filter(|id| !per_id.contains_key(id.as_str()))
+        .count();
+    let dup_deliveries = metric(
+        &format!("http://{}/metrics", w1.addr),
+        "fleet_tasks_duplicate_deliveries_total",
+        &[],
+    )
+    .await?;
+    let dropped_as_handed_on = metric(
+        &format!("{}/metrics", survivor.base),
+        "fleet_tasks_duplicate_total",
+        &[],
+    )
+    .await?
+        + 0.0;
     let dead = ns.drain_dead().await?;
     println!(
         "scheduler kill -9 mid-batch: {TOTAL} published in {:.2} s, scheduler killed at {:.2} s with {ran_before_kill} runs done; \
@@ -107,7 +136,10 @@ async fn scheduler_killed_mid_batch_runs_every_task_once() -> anyhow::Result<()>
     assert_eq!(runs.len(), TOTAL);
     assert_eq!(by_state.get("succeeded").copied(), Some(TOTAL));
     assert!(dead.is_empty(), "nothing dead-lettered");
-    assert!(ran_before_kill < TOTAL, "the kill came while work was outstanding");
+    assert!(
+        ran_before_kill < TOTAL,
+        "the kill came while work was outstanding"
+    );
 
     w1.stop().await?;
     w2.stop().await?;
@@ -124,7 +156,10 @@ impl<T> LogContext<T> for anyhow::Result<T> {
         self.map_err(|e| {
             let text = std::fs::read_to_string(&s.log).unwrap_or_default();
             let lines: Vec<&str> = text.lines().collect();
-            anyhow::anyhow!("{e}; survivor log tail:\n{}", lines[lines.len().saturating_sub(30)..].join("\n"))
+            anyhow::anyhow!(
+                "{e}; survivor log tail:\n{}",
+                lines[lines.len().saturating_sub(30)..].join("\n")
+            )
         })
     }
 }

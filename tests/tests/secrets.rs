@@ -29,7 +29,10 @@ impl Proc {
         let out = std::fs::File::create(&log)?;
         let child = fleet_command(bin)?
             .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .env("RUST_LOG", "debug,lapin=info,h2=info,hyper=info,reqwest=info")
+            .env(
+                "RUST_LOG",
+                "debug,lapin=info,h2=info,hyper=info,reqwest=info",
+            )
             .stdout(out.try_clone()?)
             .stderr(out)
             .spawn()?;
@@ -38,7 +41,9 @@ impl Proc {
 
     /// SIGTERM, wait up to 30 s, and the whole log.
     fn stop(mut self) -> Result<String> {
-        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
         let start = std::time::Instant::now();
         while self.child.try_wait()?.is_none() {
             if start.elapsed() > Duration::from_secs(30) {
@@ -81,12 +86,23 @@ async fn no_secret_in_any_output() -> Result<()> {
     };
     let sched = Proc::spawn(&dir, "scheduler", "fleet-scheduler", &common(sp))?;
     let mut wenv = common(wp);
-    wenv.extend([("FLEET_WORKER_ID", "w-secret"), ("FLEET_EXECUTOR", "exec"), ("FLEET_EXEC_COMMAND", "env"), ("FLEET_HEARTBEAT_INTERVAL_MS", "500")].map(|(k, v)| (k.to_string(), v.to_string())));
+    wenv.extend(
+        [
+            ("FLEET_WORKER_ID", "w-secret"),
+            ("FLEET_EXECUTOR", "exec"),
+            ("FLEET_EXEC_COMMAND", "env"),
+            ("FLEET_HEARTBEAT_INTERVAL_MS", "500"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string())),
+    );
     let worker = Proc::spawn(&dir, "worker", "fleet-worker", &wenv)?;
     // A worker with a wrong AMQP password: it retries and logs why.
     let mut benv = common(free_port()?);
     benv.retain(|(k, _)| k != "FLEET_AMQP_URL");
-    benv.push(("FLEET_AMQP_URL".into(), format!("amqp://guest:{AMQP_PW}@127.0.0.1:5672/%2f")));
+    benv.push((
+        "FLEET_AMQP_URL".into(),
+        format!("amqp://guest:{AMQP_PW}@127.0.0.1:5672/%2f"),
+    ));
     benv.push(("FLEET_WORKER_ID".into(), "w-badpw".into()));
     let bad = Proc::spawn(&dir, "worker-badpw", "fleet-worker", &benv)?;
 
@@ -94,13 +110,29 @@ async fn no_secret_in_any_output() -> Result<()> {
     let mut captured = String::new();
     for port in [sp, wp] {
         let url = format!("http://127.0.0.1:{port}/readyz");
-        wait_for("ready", Duration::from_secs(60), || async { c.get(&url).send().await.ok().filter(|r| r.status().is_success()) }).await?;
+        wait_for("ready", Duration::from_secs(60), || async {
+            c.get(&url)
+                .send()
+                .await
+                .ok()
+                .filter(|r| r.status().is_success())
+        })
+        .await?;
     }
     // Submit through the API; the exec executor runs `env`: its output is the task's result.
-    let r = c.post(format!("http://127.0.0.1:{sp}/v1/tasks")).bearer_auth(SUBMIT).json(&json!({"kind": "env", "id": "env-1"})).send().await?;
+    let r = c
+        .post(format!("http://127.0.0.1:{sp}/v1/tasks"))
+        .bearer_auth(SUBMIT)
+        .json(&json!({"kind": "env", "id": "env-1"}))
+        .send()
+        .await?;
     captured += &format!("submit: {} {}\n", r.status(), r.text().await?);
     wait_for("env-1 succeeded", Duration::from_secs(60), || async {
-        ns.status("env-1").await.ok().flatten().filter(|s| s.get("state").map(String::as_str) == Some("succeeded"))
+        ns.status("env-1")
+            .await
+            .ok()
+            .flatten()
+            .filter(|s| s.get("state").map(String::as_str) == Some("succeeded"))
     })
     .await?;
     let mut task_answer = String::new();
@@ -127,17 +159,34 @@ async fn no_secret_in_any_output() -> Result<()> {
         captured += &text;
     }
     for path in ["/status", "/metrics"] {
-        let r = c.get(format!("http://127.0.0.1:{wp}{path}")).bearer_auth(ADMIN).send().await?;
+        let r = c
+            .get(format!("http://127.0.0.1:{wp}{path}"))
+            .bearer_auth(ADMIN)
+            .send()
+            .await?;
         captured += &format!("worker GET {path}: {} {}\n", r.status(), r.text().await?);
     }
     // The exec child's environment really is in the answer, without the worker's settings.
     assert!(task_answer.contains("FLEET_TASK_ID=env-1"), "{task_answer}");
-    assert!(!task_answer.contains("FLEET_API_TOKENS") && !task_answer.contains("FLEET_REDIS_URL"), "{task_answer}");
+    assert!(
+        !task_answer.contains("FLEET_API_TOKENS") && !task_answer.contains("FLEET_REDIS_URL"),
+        "{task_answer}"
+    );
 
     // fleetctl with the token and the Redis password, and with a wrong AMQP password.
     let api = format!("http://127.0.0.1:{sp}");
-    let ctl: Vec<(&str, &str)> = vec![("FLEET_API_URL", &api), ("FLEET_API_TOKEN", ADMIN), ("FLEET_NAMESPACE", &ns.name), ("FLEET_REDIS_URL", &redis_url)];
-    for args in [&["status", "env-1"][..], &["workers"], &["groups"], &["dead", "list"]] {
+    let ctl: Vec<(&str, &str)> = vec![
+        ("FLEET_API_URL", &api),
+        ("FLEET_API_TOKEN", ADMIN),
+        ("FLEET_NAMESPACE", &ns.name),
+        ("FLEET_REDIS_URL", &redis_url),
+    ];
+    for args in [
+        &["status", "env-1"][..],
+        &["workers"],
+        &["groups"],
+        &["dead", "list"],
+    ] {
         captured += &fleetctl(&ctl, args).await?;
     }
     let bad_amqp = format!("amqp://guest:{AMQP_PW}@127.0.0.1:5672/%2f");
@@ -153,7 +202,11 @@ async fn no_secret_in_any_output() -> Result<()> {
     captured += &fleetctl(&ctl, &["drain", "w-secret"]).await?;
 
     // Bad settings holding secrets: the refusal names the setting, not the secret.
-    for (k, v) in [("FLEET_REDIS_URL", format!("http://default:{REDIS_PW}@h")), ("FLEET_AMQP_URL", format!("mqtt://guest:{AMQP_PW}@h")), ("FLEET_API_TOKENS", format!("{ADMIN} root"))] {
+    for (k, v) in [
+        ("FLEET_REDIS_URL", format!("http://default:{REDIS_PW}@h")),
+        ("FLEET_AMQP_URL", format!("mqtt://guest:{AMQP_PW}@h")),
+        ("FLEET_API_TOKENS", format!("{ADMIN} root")),
+    ] {
         let (code, err) = run_to_exit("fleet-scheduler", &[(k, v.as_str())]).await?;
         assert_eq!(code, 2, "{k}: {err}");
         assert!(err.contains(k), "{err}");
@@ -163,20 +216,43 @@ async fn no_secret_in_any_output() -> Result<()> {
     // A refused login is permanent: the bad worker reports it once and exits (status 2).
     // Wait for that report, then stop everything and take the logs.
     let bad_log = &bad.log.clone();
-    wait_for("the bad worker's refused login logged", Duration::from_secs(60), || async {
-        std::fs::read_to_string(bad_log).ok().filter(|l| l.contains("refused the login"))
-    })
+    wait_for(
+        "the bad worker's refused login logged",
+        Duration::from_secs(60),
+        || async {
+            std::fs::read_to_string(bad_log)
+                .ok()
+                .filter(|l| l.contains("refused the login"))
+        },
+    )
     .await?;
-    let logs = [("worker-badpw", bad.stop()?), ("worker", worker.stop()?), ("scheduler", sched.stop()?)];
+    let logs = [
+        ("worker-badpw", bad.stop()?),
+        ("worker", worker.stop()?),
+        ("scheduler", sched.stop()?),
+    ];
     for (name, log) in &logs {
-        assert!(log.lines().count() > 3, "{name} logged almost nothing:\n{log}");
+        assert!(
+            log.lines().count() > 3,
+            "{name} logged almost nothing:\n{log}"
+        );
         captured += &format!("==== {name}\n{log}");
     }
-    assert!(logs[0].1.contains("ACCESS_REFUSED") || logs[0].1.contains("access") || logs[0].1.contains("auth"), "{}", logs[0].1);
+    assert!(
+        logs[0].1.contains("ACCESS_REFUSED")
+            || logs[0].1.contains("access")
+            || logs[0].1.contains("auth"),
+        "{}",
+        logs[0].1
+    );
 
     for secret in SECRETS {
         let hits: Vec<&str> = captured.lines().filter(|l| l.contains(secret)).collect();
-        assert!(hits.is_empty(), "secret {secret} found in output:\n{}", hits.join("\n"));
+        assert!(
+            hits.is_empty(),
+            "secret {secret} found in output:\n{}",
+            hits.join("\n")
+        );
     }
     ns.cleanup().await?;
     drop(redis);

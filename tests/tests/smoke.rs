@@ -41,7 +41,11 @@ struct Smoke {
 
 impl Smoke {
     async fn new(labels: &str) -> Result<Self> {
-        Ok(Smoke { ns: Ns::new().await?, labels: labels.to_string(), group: group_of(labels, "builtin") })
+        Ok(Smoke {
+            ns: Ns::new().await?,
+            labels: labels.to_string(),
+            group: group_of(labels, "builtin"),
+        })
     }
 
     /// Worker `id`'s config: the namespace's settings, [`SMOKE`], then `extra`.
@@ -58,7 +62,9 @@ impl Smoke {
 
     /// Publishes an envelope straight to the group queue.
     async fn publish(&self, env: &Envelope) -> Result<()> {
-        self.ns.publish_to_group(&self.group, env.lane, &env.id, &env.to_bytes()).await
+        self.ns
+            .publish_to_group(&self.group, env.lane, &env.id, &env.to_bytes())
+            .await
     }
 
     async fn status(&self, id: &str) -> Result<BTreeMap<String, String>> {
@@ -76,7 +82,8 @@ impl Smoke {
         Ok(got
             .into_iter()
             .map(|(p, data)| {
-                let body = serde_json::from_slice(&data).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&data).into_owned()));
+                let body = serde_json::from_slice(&data)
+                    .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&data).into_owned()));
                 (p, body)
             })
             .collect())
@@ -84,7 +91,9 @@ impl Smoke {
 
     /// Ready messages in the group's normal queue (`None` when it does not exist).
     async fn depth(&self) -> Option<u32> {
-        self.ns.depth_of(&self.ns.names.group_queue(&self.group, Lane::Normal)).await
+        self.ns
+            .depth_of(&self.ns.names.group_queue(&self.group, Lane::Normal))
+            .await
     }
 
     async fn worker_state(&self, id: &str) -> Option<WorkerState> {
@@ -109,7 +118,9 @@ fn header(p: &BasicProperties, k: &str) -> String {
 #[tokio::test]
 async fn outcomes_reach_redis_and_the_dead_queue() -> Result<()> {
     let f = Smoke::new("smoke=outcomes").await?;
-    let w = f.start("w-outcomes", Worker::builder(f.config("w-outcomes", &[])?)).await?;
+    let w = f
+        .start("w-outcomes", Worker::builder(f.config("w-outcomes", &[])?))
+        .await?;
 
     let ok = env("echo", json!({"hello": "world"}));
     let perm = env("fail", json!({"permanent": true}));
@@ -125,7 +136,8 @@ async fn outcomes_reach_redis_and_the_dead_queue() -> Result<()> {
     for e in [&ok, &perm, &unknown, &expired, &last, &retry, &critical] {
         f.publish(e).await?;
     }
-    f.ns.publish_to_group(&f.group, Lane::Normal, "garbage-1", b"{not json").await?;
+    f.ns.publish_to_group(&f.group, Lane::Normal, "garbage-1", b"{not json")
+        .await?;
 
     let s = f.wait_state(&ok.id, "succeeded").await?;
     assert_eq!(s["result"], r#"{"hello":"world"}"#);
@@ -142,7 +154,11 @@ async fn outcomes_reach_redis_and_the_dead_queue() -> Result<()> {
     let dead = f.take(&f.ns.names.dead_queue(), 5).await?;
     let mut reasons: BTreeMap<String, String> = BTreeMap::new();
     for (p, body) in &dead {
-        let id = body.get("id").and_then(Value::as_str).unwrap_or("garbage-1").to_string();
+        let id = body
+            .get("id")
+            .and_then(Value::as_str)
+            .unwrap_or("garbage-1")
+            .to_string();
         reasons.insert(id, header(p, "x-fleet-reason"));
         if body.get("id").is_some() {
             assert_eq!(header(p, "x-fleet-worker"), "w-outcomes");
@@ -165,32 +181,48 @@ async fn outcomes_reach_redis_and_the_dead_queue() -> Result<()> {
     f.publish(&back).await?;
     let s = f.wait_state(&retry.id, "succeeded").await?;
     assert_eq!(s["attempt"], "2");
-    assert!(!s.contains_key("error"), "the first attempt's error is gone: {s:?}");
+    assert!(
+        !s.contains_key("error"),
+        "the first attempt's error is gone: {s:?}"
+    );
 
     // Registered while running; load released.
     let workers = f.ns.store.workers().await?;
-    assert_eq!(workers.iter().map(|w| w.id.as_str()).collect::<Vec<_>>(), vec!["w-outcomes"]);
+    assert_eq!(
+        workers.iter().map(|w| w.id.as_str()).collect::<Vec<_>>(),
+        vec!["w-outcomes"]
+    );
     assert_eq!(f.depth().await, Some(0));
 
     w.stop().await?;
-    assert!(f.ns.store.workers().await?.is_empty(), "deregistered after the drain");
+    assert!(
+        f.ns.store.workers().await?.is_empty(),
+        "deregistered after the drain"
+    );
     f.cleanup().await
 }
 
 #[tokio::test]
 async fn drain_lets_running_tasks_finish() -> Result<()> {
     let f = Smoke::new("smoke=drain").await?;
-    let w = f.start("w-drain", Worker::builder(f.config("w-drain", &[])?)).await?;
+    let w = f
+        .start("w-drain", Worker::builder(f.config("w-drain", &[])?))
+        .await?;
     let slow = env("sleep", json!({"ms": 1200}));
     f.publish(&slow).await?;
     f.wait_state(&slow.id, "running").await?;
     w.shutdown.cancel();
     // Draining at once, in Redis too.
-    wait_for("state draining", WAIT, || async { (f.worker_state("w-drain").await == Some(WorkerState::Draining)).then_some(()) }).await?;
+    wait_for("state draining", WAIT, || async {
+        (f.worker_state("w-drain").await == Some(WorkerState::Draining)).then_some(())
+    })
+    .await?;
     // Work published now is not taken.
     let late = env("noop", Value::Null);
     f.publish(&late).await?;
-    tokio::time::timeout(WAIT, w.join).await??.context("clean drain")?;
+    tokio::time::timeout(WAIT, w.join)
+        .await??
+        .context("clean drain")?;
     assert_eq!(f.status(&slow.id).await?["state"], "succeeded");
     assert!(f.status(&late.id).await?.is_empty(), "never started");
     assert_eq!(f.depth().await, Some(1));
@@ -201,30 +233,50 @@ async fn drain_lets_running_tasks_finish() -> Result<()> {
 #[tokio::test]
 async fn grace_exceeded_returns_tasks_to_the_broker() -> Result<()> {
     let f = Smoke::new("smoke=grace").await?;
-    let w = f.start("w-grace", Worker::builder(f.config("w-grace", &[("drain_grace_ms", "300")])?)).await?;
+    let w = f
+        .start(
+            "w-grace",
+            Worker::builder(f.config("w-grace", &[("drain_grace_ms", "300")])?),
+        )
+        .await?;
     let slow = env("sleep", json!({"ms": 20000}));
     f.publish(&slow).await?;
     f.wait_state(&slow.id, "running").await?;
     w.shutdown.cancel();
-    let err = tokio::time::timeout(WAIT, w.join).await??.expect_err("grace exceeded is an error");
+    let err = tokio::time::timeout(WAIT, w.join)
+        .await??
+        .expect_err("grace exceeded is an error");
     assert!(err.to_string().contains("grace"), "{err}");
     // The unacked task is back in its queue.
-    wait_for("task requeued", WAIT, || async { (f.depth().await == Some(1)).then_some(()) }).await?;
+    wait_for("task requeued", WAIT, || async {
+        (f.depth().await == Some(1)).then_some(())
+    })
+    .await?;
     f.cleanup().await
 }
 
 #[tokio::test]
 async fn second_signal_forces_the_end() -> Result<()> {
     let f = Smoke::new("smoke=force").await?;
-    let w = f.start("w-force", Worker::builder(f.config("w-force", &[("drain_grace_ms", "60000")])?)).await?;
+    let w = f
+        .start(
+            "w-force",
+            Worker::builder(f.config("w-force", &[("drain_grace_ms", "60000")])?),
+        )
+        .await?;
     let slow = env("sleep", json!({"ms": 20000}));
     f.publish(&slow).await?;
     f.wait_state(&slow.id, "running").await?;
     w.shutdown.cancel();
     // The second signal comes once the first has taken effect: the worker is draining.
-    wait_for("state draining", WAIT, || async { (f.worker_state("w-force").await == Some(WorkerState::Draining)).then_some(()) }).await?;
+    wait_for("state draining", WAIT, || async {
+        (f.worker_state("w-force").await == Some(WorkerState::Draining)).then_some(())
+    })
+    .await?;
     w.force.cancel();
-    let err = tokio::time::timeout(Duration::from_secs(5), w.join).await??.expect_err("forced");
+    let err = tokio::time::timeout(Duration::from_secs(5), w.join)
+        .await??
+        .expect_err("forced");
     assert!(err.to_string().contains("interrupted"), "{err}");
     f.cleanup().await
 }
@@ -232,12 +284,16 @@ async fn second_signal_forces_the_end() -> Result<()> {
 #[tokio::test]
 async fn duplicate_live_id_is_refused() -> Result<()> {
     let f = Smoke::new("smoke=dup").await?;
-    let first = f.start("w-dup", Worker::builder(f.config("w-dup", &[])?)).await?;
+    let first = f
+        .start("w-dup", Worker::builder(f.config("w-dup", &[])?))
+        .await?;
     let second = Worker::builder(f.config("w-dup", &[])?)
         .listener(tokio::net::TcpListener::bind("127.0.0.1:0").await?)
         .build()
         .run(CancellationToken::new());
-    let err = tokio::time::timeout(WAIT, second).await?.expect_err("duplicate refused");
+    let err = tokio::time::timeout(WAIT, second)
+        .await?
+        .expect_err("duplicate refused");
     assert!(err.to_string().contains("already registered"), "{err}");
     first.stop().await?;
     f.cleanup().await
@@ -246,24 +302,49 @@ async fn duplicate_live_id_is_refused() -> Result<()> {
 #[tokio::test]
 async fn drain_asked_in_redis_takes_effect_within_a_second() -> Result<()> {
     let f = Smoke::new("smoke=apidrain").await?;
-    let w = f.start("w-api", Worker::builder(f.config("w-api", &[("heartbeat_interval_ms", "5000"), ("heartbeat_timeout_ms", "15000")])?)).await?;
+    let w = f
+        .start(
+            "w-api",
+            Worker::builder(f.config(
+                "w-api",
+                &[
+                    ("heartbeat_interval_ms", "5000"),
+                    ("heartbeat_timeout_ms", "15000"),
+                ],
+            )?),
+        )
+        .await?;
     let asked = tokio::time::Instant::now();
     f.ns.store.set_state("w-api", WorkerState::Draining).await?;
-    tokio::time::timeout(WAIT, w.join).await??.context("clean drain")?;
-    assert!(asked.elapsed() < Duration::from_secs(3), "{:?}", asked.elapsed());
+    tokio::time::timeout(WAIT, w.join)
+        .await??
+        .context("clean drain")?;
+    assert!(
+        asked.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        asked.elapsed()
+    );
     f.cleanup().await
 }
 
 #[tokio::test]
 async fn lost_registration_is_restored() -> Result<()> {
     let f = Smoke::new("smoke=gone").await?;
-    let w = f.start("w-gone", Worker::builder(f.config("w-gone", &[])?)).await?;
+    let w = f
+        .start("w-gone", Worker::builder(f.config("w-gone", &[])?))
+        .await?;
     let slow = env("sleep", json!({"ms": 1500}));
     f.publish(&slow).await?;
     f.wait_state(&slow.id, "running").await?;
     f.ns.store.delete_namespace().await?; // Redis "restarted empty"
     wait_for("registered again", WAIT, || async {
-        f.ns.store.workers().await.ok()?.iter().any(|w| w.id == "w-gone" && w.running == 1).then_some(())
+        f.ns.store
+            .workers()
+            .await
+            .ok()?
+            .iter()
+            .any(|w| w.id == "w-gone" && w.running == 1)
+            .then_some(())
     })
     .await?;
     f.wait_state(&slow.id, "succeeded").await?;
@@ -287,7 +368,12 @@ async fn failing_worker_ejects_itself_and_comes_back() -> Result<()> {
     f.ns.store.register(&peer, Duration::from_secs(30)).await?;
     let cfg = f.config(
         "w-eject",
-        &[("eject_window", "4"), ("eject_min_samples", "4"), ("eject_error_ratio", "0.5"), ("eject_cooldown_ms", "1500")],
+        &[
+            ("eject_window", "4"),
+            ("eject_min_samples", "4"),
+            ("eject_error_ratio", "0.5"),
+            ("eject_cooldown_ms", "1500"),
+        ],
     )?;
     let calls = Arc::new(AtomicU32::new(0));
     let counter = calls.clone();
@@ -296,7 +382,14 @@ async fn failing_worker_ejects_itself_and_comes_back() -> Result<()> {
         async { Err::<Value, _>(TaskError::retryable("flaky")) }
     });
     let panicky = handler_fn(|_t| async { panic!("handler bug") });
-    let w = f.start("w-eject", Worker::builder(cfg).handler("flaky", flaky).handler("panicky", panicky)).await?;
+    let w = f
+        .start(
+            "w-eject",
+            Worker::builder(cfg)
+                .handler("flaky", flaky)
+                .handler("panicky", panicky),
+        )
+        .await?;
     let mut ids = Vec::new();
     for kind in ["flaky", "flaky", "flaky", "panicky"] {
         let mut e = env(kind, Value::Null);
@@ -308,12 +401,18 @@ async fn failing_worker_ejects_itself_and_comes_back() -> Result<()> {
         f.wait_state(id, "dead").await?;
     }
     assert!(f.status(&ids[3]).await?["error"].contains("panicked"));
-    wait_for("ejected", WAIT, || async { (f.worker_state("w-eject").await == Some(WorkerState::Ejected)).then_some(()) }).await?;
+    wait_for("ejected", WAIT, || async {
+        (f.worker_state("w-eject").await == Some(WorkerState::Ejected)).then_some(())
+    })
+    .await?;
     // While ejected nothing is taken: its consumers are cancelled, so the task lies ready in
     // the queue (not delivered to anyone) and has no status.
     let waiting = env("noop", Value::Null);
     f.publish(&waiting).await?;
-    wait_for("the task ready in the queue", WAIT, || async { (f.depth().await == Some(1)).then_some(()) }).await?;
+    wait_for("the task ready in the queue", WAIT, || async {
+        (f.depth().await == Some(1)).then_some(())
+    })
+    .await?;
     assert!(f.status(&waiting.id).await?.is_empty());
     // After the cool-down it is active and consumes again.
     f.wait_state(&waiting.id, "succeeded").await?;
@@ -327,8 +426,13 @@ async fn failing_worker_ejects_itself_and_comes_back() -> Result<()> {
 async fn rabbitmqctl(args: &[&str]) -> Option<String> {
     let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
     tokio::task::spawn_blocking(move || {
-        let out = std::process::Command::new("rabbitmqctl").args(&args).output().ok()?;
-        out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+        let out = std::process::Command::new("rabbitmqctl")
+            .args(&args)
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
     })
     .await
     .ok()
@@ -351,8 +455,15 @@ async fn connection_loss_is_survived() -> Result<()> {
             Ok(json!("done"))
         }
     });
-    let w = f.start("w-reconnect", Worker::builder(f.config("w-reconnect", &[])?).handler("slow", slow)).await?;
-    let list = rabbitmqctl(&["list_connections", "pid", "client_properties"]).await.context("list_connections")?;
+    let w = f
+        .start(
+            "w-reconnect",
+            Worker::builder(f.config("w-reconnect", &[])?).handler("slow", slow),
+        )
+        .await?;
+    let list = rabbitmqctl(&["list_connections", "pid", "client_properties"])
+        .await
+        .context("list_connections")?;
     let pid = list
         .lines()
         .find(|l| l.contains("fleet-worker w-reconnect"))
@@ -362,7 +473,13 @@ async fn connection_loss_is_survived() -> Result<()> {
     let task = env("slow", Value::Null);
     f.publish(&task).await?;
     f.wait_state(&task.id, "running").await?;
-    rabbitmqctl(&["close_connection", &pid, "smoke test: simulated connection loss"]).await.context("close_connection")?;
+    rabbitmqctl(&[
+        "close_connection",
+        &pid,
+        "smoke test: simulated connection loss",
+    ])
+    .await
+    .context("close_connection")?;
 
     // The running attempt cannot be acked; the broker redelivers it to the reconnected worker,
     // whose copy waits on the attempt's run record while the first run goes on, and is acked
@@ -371,8 +488,15 @@ async fn connection_loss_is_survived() -> Result<()> {
     let after = env("noop", Value::Null);
     f.publish(&after).await?;
     f.wait_state(&after.id, "succeeded").await?;
-    wait_for("the redelivered copy settled", WAIT, || async { (f.depth().await == Some(0)).then_some(()) }).await?;
-    assert_eq!(calls.load(Ordering::SeqCst), 1, "one run: the redelivered copy of the running attempt never ran");
+    wait_for("the redelivered copy settled", WAIT, || async {
+        (f.depth().await == Some(0)).then_some(())
+    })
+    .await?;
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "one run: the redelivered copy of the running attempt never ran"
+    );
     assert_eq!(f.depth().await, Some(0));
     w.stop().await?;
     f.cleanup().await

@@ -31,9 +31,14 @@ impl Watcher {
                 if let Ok(r) = client.get(&url).send().await {
                     if let Ok(v) = r.json::<Value>().await {
                         let state = v["state"].as_str().unwrap_or("").to_string();
-                        let attempt = v["attempt"].as_u64().map(|a| a.to_string()).unwrap_or_default();
+                        let attempt = v["attempt"]
+                            .as_u64()
+                            .map(|a| a.to_string())
+                            .unwrap_or_default();
                         if let Ok(mut seen) = s.lock() {
-                            if !state.is_empty() && seen.last() != Some(&(state.clone(), attempt.clone())) {
+                            if !state.is_empty()
+                                && seen.last() != Some(&(state.clone(), attempt.clone()))
+                            {
                                 seen.push((state, attempt));
                             }
                         }
@@ -48,9 +53,18 @@ impl Watcher {
     /// Waits until the watcher has seen (state, attempt) through the API: a state the test
     /// holds is released only once the API showed it, so no poll can miss it.
     async fn saw(&self, state: &str, attempt: &str) -> anyhow::Result<()> {
-        wait_for(&format!("the API to show {state} (attempt {attempt})"), Duration::from_secs(15), || async {
-            self.seen.lock().ok()?.iter().any(|(s, a)| s == state && a == attempt).then_some(())
-        })
+        wait_for(
+            &format!("the API to show {state} (attempt {attempt})"),
+            Duration::from_secs(15),
+            || async {
+                self.seen
+                    .lock()
+                    .ok()?
+                    .iter()
+                    .any(|(s, a)| s == state && a == attempt)
+                    .then_some(())
+            },
+        )
         .await
     }
 
@@ -81,25 +95,43 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     let h = [("gated", gated)];
     // One slot under test; the idle group keeps the fleet's load, and so the pressure, low.
     // A long backoff keeps `retrying` visible (the wait is at least one 100 ms delay tier).
-    let w = start_worker(&ns, "w-status", "pool=status", 1, &[("retry_base_ms", "2000"), ("retry_cap_ms", "2000")], &h).await?;
+    let w = start_worker(
+        &ns,
+        "w-status",
+        "pool=status",
+        1,
+        &[("retry_base_ms", "2000"), ("retry_cap_ms", "2000")],
+        &h,
+    )
+    .await?;
     let idle = start_worker(&ns, "w-idle", "pool=idle", 8, &[], &h).await?;
     let api = sched.url("");
 
     // A holds the only slot.
     let a = task("gated", json!({}), "pool=status");
     ns.submit(std::slice::from_ref(&a)).await?;
-    ns.wait_state(&a.id, "running", Duration::from_secs(15)).await?;
+    ns.wait_state(&a.id, "running", Duration::from_secs(15))
+        .await?;
 
     // B waits in the group queue behind it: queued.
     let mut b = task("gated", json!({"fail_first": true}), "pool=status");
     b.max_attempts = Some(3);
     let watcher = Watcher::start(sched.url(&format!("/v1/tasks/{}", b.id)));
     ns.submit(std::slice::from_ref(&b)).await?;
-    ns.wait_state(&b.id, "queued", Duration::from_secs(15)).await?;
+    ns.wait_state(&b.id, "queued", Duration::from_secs(15))
+        .await?;
     let st = get_json(&sched.url(&format!("/v1/tasks/{}", b.id))).await?;
-    assert_eq!((st["id"].as_str(), st["state"].as_str(), st["lane"].as_str()), (Some(b.id.as_str()), Some("queued"), Some("normal")), "{st}");
+    assert_eq!(
+        (st["id"].as_str(), st["state"].as_str(), st["lane"].as_str()),
+        (Some(b.id.as_str()), Some("queued"), Some("normal")),
+        "{st}"
+    );
     assert_eq!(st["group"], group_of("pool=status", "builtin"));
-    assert_eq!((st.get("attempt"), st.get("worker"), st.get("result")), (None, None, None), "absent fields absent: {st}");
+    assert_eq!(
+        (st.get("attempt"), st.get("worker"), st.get("result")),
+        (None, None, None),
+        "absent fields absent: {st}"
+    );
     assert_eq!(st["attempts"], json!([]), "no attempt ended yet: {st}");
     assert_valid_status(&st)?;
 
@@ -110,7 +142,8 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     assert_eq!(printed["state"], "queued");
     assert_eq!(printed["id"], b.id.as_str());
     // --wait on a task that does not finish in time: prints the last record, exit 1.
-    let (code, out, err) = fleetctl(&ns, &api, &["status", &b.id, "--wait", "--timeout-s", "1"]).await?;
+    let (code, out, err) =
+        fleetctl(&ns, &api, &["status", &b.id, "--wait", "--timeout-s", "1"]).await?;
     assert_eq!(code, 1, "stdout: {out}");
     assert_eq!(serde_json::from_str::<Value>(&out)?["state"], "queued");
     assert!(err.contains("timed out"), "{err}");
@@ -118,16 +151,26 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     // A finishes; B runs (held), fails its first attempt (retrying), comes back and runs
     // again (held).
     gate.open(&a.id);
-    ns.wait_state(&a.id, "succeeded", Duration::from_secs(15)).await?;
-    ns.wait_state(&b.id, "running", Duration::from_secs(15)).await?;
+    ns.wait_state(&a.id, "succeeded", Duration::from_secs(15))
+        .await?;
+    ns.wait_state(&b.id, "running", Duration::from_secs(15))
+        .await?;
     watcher.saw("running", "1").await?;
     gate.open(&b.id);
-    let st = ns.wait_state(&b.id, "retrying", Duration::from_secs(15)).await?;
-    assert_eq!(st.get("error").map(String::as_str), Some("first attempt fails"), "{st:?}");
+    let st = ns
+        .wait_state(&b.id, "retrying", Duration::from_secs(15))
+        .await?;
+    assert_eq!(
+        st.get("error").map(String::as_str),
+        Some("first attempt fails"),
+        "{st:?}"
+    );
     assert_eq!(st.get("attempt").map(String::as_str), Some("1"));
     wait_for("attempt 2 to run", Duration::from_secs(15), || async {
         let s = ns.status(&b.id).await.ok().flatten()?;
-        (s.get("state").map(String::as_str) == Some("running") && s.get("attempt").map(String::as_str) == Some("2")).then_some(())
+        (s.get("state").map(String::as_str) == Some("running")
+            && s.get("attempt").map(String::as_str) == Some("2"))
+        .then_some(())
     })
     .await?;
 
@@ -139,7 +182,8 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     let args = ["status", b.id.as_str(), "--wait", "--timeout-s", "30"];
     let waiting = fleetctl(&ns, &tap.url, &args);
     let release = async {
-        tap.wait_answered(before + 1, Duration::from_secs(30)).await?;
+        tap.wait_answered(before + 1, Duration::from_secs(30))
+            .await?;
         watcher.saw("running", "2").await?;
         gate.open(&b.id);
         anyhow::Ok(())
@@ -155,41 +199,98 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     assert_eq!(fin["attempt"], 2);
     assert_eq!(fin["worker"], "w-status");
     assert_eq!(fin["result"], json!({"attempt": 2}));
-    assert!(fin.get("error").is_none(), "the first attempt's error is gone: {fin}");
-    assert!(fin.get("reason").is_none() && fin.get("result_truncated").is_none(), "{fin}");
+    assert!(
+        fin.get("error").is_none(),
+        "the first attempt's error is gone: {fin}"
+    );
+    assert!(
+        fin.get("reason").is_none() && fin.get("result_truncated").is_none(),
+        "{fin}"
+    );
     let mut times = Vec::new();
     for k in ["queued_at", "started_at", "finished_at"] {
         let t = fin[k].as_str().unwrap_or_default();
         assert!(t.ends_with('Z'), "{k} is not UTC: {fin}");
-        times.push(chrono::DateTime::parse_from_rfc3339(t).map_err(|e| anyhow::anyhow!("{k}: {t}: {e}"))?);
+        times.push(
+            chrono::DateTime::parse_from_rfc3339(t)
+                .map_err(|e| anyhow::anyhow!("{k}: {t}: {e}"))?,
+        );
     }
-    assert!(times[0] <= times[1] && times[1] <= times[2], "queued ≤ started ≤ finished: {times:?}");
+    assert!(
+        times[0] <= times[1] && times[1] <= times[2],
+        "queued ≤ started ≤ finished: {times:?}"
+    );
     let age = chrono::Utc::now() - times[2].with_timezone(&chrono::Utc);
-    assert!(age >= chrono::Duration::zero() && age < chrono::Duration::seconds(60), "finished_at is now-ish: {fin}");
+    assert!(
+        age >= chrono::Duration::zero() && age < chrono::Duration::seconds(60),
+        "finished_at is now-ish: {fin}"
+    );
     // The attempt log: both attempts, each with its worker, times, outcome and error; the
     // latest entry is the record's own attempt.
     let log = fin["attempts"].as_array().cloned().unwrap_or_default();
-    let shape: Vec<_> = log.iter().map(|a| (a["attempt"].clone(), a["worker"].clone(), a["outcome"].clone(), a.get("error").cloned(), a.get("reason").cloned())).collect();
+    let shape: Vec<_> = log
+        .iter()
+        .map(|a| {
+            (
+                a["attempt"].clone(),
+                a["worker"].clone(),
+                a["outcome"].clone(),
+                a.get("error").cloned(),
+                a.get("reason").cloned(),
+            )
+        })
+        .collect();
     assert_eq!(
         shape,
         vec![
-            (json!(1), json!("w-status"), json!("failed"), Some(json!("first attempt fails")), None),
+            (
+                json!(1),
+                json!("w-status"),
+                json!("failed"),
+                Some(json!("first attempt fails")),
+                None
+            ),
             (json!(2), json!("w-status"), json!("succeeded"), None, None),
         ],
         "{fin}"
     );
-    assert_eq!((&log[1]["started_at"], &log[1]["finished_at"]), (&fin["started_at"], &fin["finished_at"]), "the last entry is the record's attempt: {fin}");
+    assert_eq!(
+        (&log[1]["started_at"], &log[1]["finished_at"]),
+        (&fin["started_at"], &fin["finished_at"]),
+        "the last entry is the record's attempt: {fin}"
+    );
     let t = |v: &Value| chrono::DateTime::parse_from_rfc3339(v.as_str().unwrap_or_default()).ok();
-    assert!(t(&log[0]["started_at"]) <= t(&log[0]["finished_at"]) && t(&log[0]["finished_at"]) <= t(&log[1]["started_at"]), "attempt 1 ends before attempt 2 starts: {fin}");
+    assert!(
+        t(&log[0]["started_at"]) <= t(&log[0]["finished_at"])
+            && t(&log[0]["finished_at"]) <= t(&log[1]["started_at"]),
+        "attempt 1 ends before attempt 2 starts: {fin}"
+    );
     assert!(t(&log[0]["started_at"]).is_some(), "{fin}");
     // Stored: B's log holds its failed attempt only (the record keeps the success); A, which
     // succeeded at once, has no log key at all.
     let len = |id: &str| {
         let (store, key) = (ns.store.clone(), ns.names.attempts(id));
-        async move { store.query::<i64>(deadpool_redis::redis::cmd("LLEN").arg(key)).await }
+        async move {
+            store
+                .query::<i64>(deadpool_redis::redis::cmd("LLEN").arg(key))
+                .await
+        }
     };
-    assert_eq!((len(&b.id).await?, len(&a.id).await?), (1, 0), "log lengths of B and A");
-    assert_eq!(ns.store.task_attempts(&a.id).await?.iter().map(|e| e["outcome"].clone()).collect::<Vec<_>>(), vec![json!("succeeded")], "A's one attempt, from its record");
+    assert_eq!(
+        (len(&b.id).await?, len(&a.id).await?),
+        (1, 0),
+        "log lengths of B and A"
+    );
+    assert_eq!(
+        ns.store
+            .task_attempts(&a.id)
+            .await?
+            .iter()
+            .map(|e| e["outcome"].clone())
+            .collect::<Vec<_>>(),
+        vec![json!("succeeded")],
+        "A's one attempt, from its record"
+    );
     assert_valid_status(&fin)?;
 
     // Every state the API showed for B, in order. The `queued` between the retry's return and
@@ -200,10 +301,16 @@ async fn status_follows_a_task_through_its_life() -> anyhow::Result<()> {
     if states.get(3).is_some_and(|(s, _)| s == "queued") {
         states.remove(3);
     }
-    let want: Vec<(String, String)> = [("queued", ""), ("running", "1"), ("retrying", "1"), ("running", "2"), ("succeeded", "2")]
-        .iter()
-        .map(|(s, a)| (s.to_string(), a.to_string()))
-        .collect();
+    let want: Vec<(String, String)> = [
+        ("queued", ""),
+        ("running", "1"),
+        ("retrying", "1"),
+        ("running", "2"),
+        ("succeeded", "2"),
+    ]
+    .iter()
+    .map(|(s, a)| (s.to_string(), a.to_string()))
+    .collect();
     assert_eq!(states, want, "seen: {seen:?}");
 
     w.stop().await?;
@@ -221,11 +328,17 @@ async fn unknown_tasks_are_404_and_fleetctl_exits_1() -> anyhow::Result<()> {
     let body: Value = r.json().await?;
     assert_eq!(body["error"], "unknown_task");
     let api = sched.url("");
-    for args in [vec!["status", "no-such-task"], vec!["status", "no-such-task", "--wait", "--timeout-s", "1"]] {
+    for args in [
+        vec!["status", "no-such-task"],
+        vec!["status", "no-such-task", "--wait", "--timeout-s", "1"],
+    ] {
         let (code, out, err) = fleetctl(&ns, &api, &args).await?;
         assert_eq!(code, 1, "{args:?}: stdout {out}");
         assert!(out.is_empty(), "{args:?}: {out}");
-        assert!(err.contains("task no-such-task not found"), "{args:?}: {err}");
+        assert!(
+            err.contains("task no-such-task not found"),
+            "{args:?}: {err}"
+        );
     }
     // No scheduler to ask: an error, exit 1.
     let (code, _, err) = fleetctl(&ns, "http://127.0.0.1:9", &["status", "x"]).await?;
@@ -237,13 +350,20 @@ async fn unknown_tasks_are_404_and_fleetctl_exits_1() -> anyhow::Result<()> {
 
 /// Validates a status answer against the published schema (shared/schema/status.schema.json).
 fn assert_valid_status(v: &Value) -> anyhow::Result<()> {
-    let schema: Value = serde_json::from_str(include_str!("../../shared/schema/status.schema.json"))?;
+    let schema: Value =
+        serde_json::from_str(include_str!("../../shared/schema/status.schema.json"))?;
     let validator = jsonschema::options()
         .should_validate_formats(true)
         .build(&schema)
         .map_err(|e| anyhow::anyhow!("status schema: {e}"))?;
-    let errors: Vec<String> = validator.iter_errors(v).map(|e| format!("{}: {e}", e.instance_path())).collect();
-    anyhow::ensure!(errors.is_empty(), "status {v} does not match the schema: {errors:?}");
+    let errors: Vec<String> = validator
+        .iter_errors(v)
+        .map(|e| format!("{}: {e}", e.instance_path()))
+        .collect();
+    anyhow::ensure!(
+        errors.is_empty(),
+        "status {v} does not match the schema: {errors:?}"
+    );
     Ok(())
 }
 
@@ -252,8 +372,13 @@ fn status_schema_refuses_strings_for_numbers_and_epoch_times() -> anyhow::Result
     // The schema must be able to fail: the old all-strings shape is refused.
     let old = json!({"id": "t", "state": "succeeded", "attempt": "1", "queued_at": "1796028370236", "result": "{\"a\":1}"});
     assert!(assert_valid_status(&old).is_err());
-    assert!(assert_valid_status(&json!({"state": "queued"})).is_err(), "id is required");
-    assert_valid_status(&json!({"id": "t", "state": "waiting_for_worker", "attempt": 1, "queued_at": "2026-11-30T08:46:10.236Z", "result": {"a": 1}}))
+    assert!(
+        assert_valid_status(&json!({"state": "queued"})).is_err(),
+        "id is required"
+    );
+    assert_valid_status(
+        &json!({"id": "t", "state": "waiting_for_worker", "attempt": 1, "queued_at": "2026-11-30T08:46:10.236Z", "result": {"a": 1}}),
+    )
 }
 
 /// The attempt log at the Redis level: capped at `ATTEMPT_LOG_MAX` (the oldest dropped) and
@@ -266,18 +391,46 @@ async fn attempt_log_is_capped_and_expires_with_the_status() -> anyhow::Result<(
     let ttl = Duration::from_secs(600);
     let n = ATTEMPT_LOG_MAX as u32 + 5;
     for attempt in 1..=n {
-        let f = Finished { lane: fleet::Lane::Normal, id: "capped".into(), attempt, state: Some(fleet::status::TaskState::Retrying), text: format!("failure {attempt}"), success: false, reason: None };
-        ns.store.finish("w-cap", "g-cap", "i-cap", ttl, &[f], &[]).await?;
+        let f = Finished {
+            lane: fleet::Lane::Normal,
+            id: "capped".into(),
+            attempt,
+            state: Some(fleet::status::TaskState::Retrying),
+            text: format!("failure {attempt}"),
+            success: false,
+            reason: None,
+        };
+        ns.store
+            .finish("w-cap", "g-cap", "i-cap", ttl, &[f], &[])
+            .await?;
     }
     let log = ns.store.task_attempts("capped").await?;
     let attempts: Vec<u64> = log.iter().filter_map(|a| a["attempt"].as_u64()).collect();
-    assert_eq!(attempts, (6..=u64::from(n)).collect::<Vec<_>>(), "the latest {ATTEMPT_LOG_MAX} attempts, oldest first");
-    assert!(log.iter().all(|a| a["outcome"] == "failed" && a["error"] == format!("failure {}", a["attempt"])), "{log:?}");
+    assert_eq!(
+        attempts,
+        (6..=u64::from(n)).collect::<Vec<_>>(),
+        "the latest {ATTEMPT_LOG_MAX} attempts, oldest first"
+    );
+    assert!(
+        log.iter()
+            .all(|a| a["outcome"] == "failed" && a["error"] == format!("failure {}", a["attempt"])),
+        "{log:?}"
+    );
     let pttl = |key: String| {
         let store = ns.store.clone();
-        async move { store.query::<i64>(deadpool_redis::redis::cmd("PTTL").arg(key)).await }
+        async move {
+            store
+                .query::<i64>(deadpool_redis::redis::cmd("PTTL").arg(key))
+                .await
+        }
     };
-    let (log_ttl, status_ttl) = (pttl(ns.names.attempts("capped")).await?, pttl(ns.names.task("capped")).await?);
-    assert!(log_ttl > 590_000 && log_ttl <= 600_000 && (log_ttl - status_ttl).abs() < 5_000, "log TTL {log_ttl} ms, status TTL {status_ttl} ms");
+    let (log_ttl, status_ttl) = (
+        pttl(ns.names.attempts("capped")).await?,
+        pttl(ns.names.task("capped")).await?,
+    );
+    assert!(
+        log_ttl > 590_000 && log_ttl <= 600_000 && (log_ttl - status_ttl).abs() < 5_000,
+        "log TTL {log_ttl} ms, status TTL {status_ttl} ms"
+    );
     ns.cleanup().await
 }

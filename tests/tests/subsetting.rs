@@ -20,7 +20,14 @@ const SHARDS: &[(&str, &str)] = &[("shards", "12"), ("shards_per_worker", "3")];
 async fn consumers(ns: &Ns, queue: &str) -> Result<u32> {
     let ch = ns.conn.create_channel().await?;
     let q = ch
-        .queue_declare(queue.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await
         .with_context(|| format!("queue {queue}"))?;
     let _ = ch.close(200, "ok".into()).await;
@@ -46,21 +53,33 @@ async fn consuming(w: &WorkerHandle) -> Option<Vec<String>> {
 
 /// Queue names of shards, sorted like [`consuming`].
 fn queue_names(ns: &Ns, group: &str, shards: &[u32], of: u32) -> Vec<String> {
-    let mut q: Vec<String> = shards.iter().map(|&s| ns.names.group_shard_queue(group, Lane::Normal, s, of)).collect();
+    let mut q: Vec<String> = shards
+        .iter()
+        .map(|&s| ns.names.group_shard_queue(group, Lane::Normal, s, of))
+        .collect();
     q.sort();
     q
 }
 
 /// Waits until every worker consumes exactly what the algorithm assigns to the live ordinals.
-async fn wait_for_assignment(ns: &Ns, group: &str, s: &Subsetting, workers: &[(&WorkerHandle, u32)]) -> Result<()> {
+async fn wait_for_assignment(
+    ns: &Ns,
+    group: &str,
+    s: &Subsetting,
+    workers: &[(&WorkerHandle, u32)],
+) -> Result<()> {
     let live: Vec<u32> = workers.iter().map(|(_, o)| *o).collect();
     let assigned = s.assign(&live);
     for (w, ord) in workers {
         let want = queue_names(ns, group, &assigned[ord], s.shards());
-        wait_for(&format!("{} (ordinal {ord}) to consume {want:?}", w.id), Duration::from_secs(20), || {
-            let want = want.clone();
-            async move { (consuming(w).await? == want).then_some(()) }
-        })
+        wait_for(
+            &format!("{} (ordinal {ord}) to consume {want:?}", w.id),
+            Duration::from_secs(20),
+            || {
+                let want = want.clone();
+                async move { (consuming(w).await? == want).then_some(()) }
+            },
+        )
         .await?;
     }
     Ok(())
@@ -82,7 +101,10 @@ async fn ten_workers_on_twelve_shards_run_5000_tasks_exactly_once() -> Result<()
     }
     let table = ns.store.group_ordinals(group).await?;
     let want: BTreeMap<u32, String> = (0..10).map(|i| (i, format!("w{i:02}"))).collect();
-    assert_eq!(table, want, "ordinals are the lowest free, in order of registration");
+    assert_eq!(
+        table, want,
+        "ordinals are the lowest free, in order of registration"
+    );
 
     // Each worker consumes exactly its subset (ten workers cover every shard: no extra shards).
     let with_ord: Vec<(&WorkerHandle, u32)> = workers.iter().zip(0..).collect();
@@ -90,7 +112,12 @@ async fn ten_workers_on_twelve_shards_run_5000_tasks_exactly_once() -> Result<()
     for (w, i) in &with_ord {
         let mut sub = s.subset(*i);
         sub.sort_unstable();
-        assert_eq!(consuming(w).await, Some(queue_names(&ns, group, &sub, 12)), "{} consumes its subset", w.id);
+        assert_eq!(
+            consuming(w).await,
+            Some(queue_names(&ns, group, &sub, 12)),
+            "{} consumes its subset",
+            w.id
+        );
     }
     // The broker agrees: consumers per shard are exactly the algorithm's (the book's 2 or 3).
     let mut expected = vec![0u32; 12];
@@ -100,23 +127,39 @@ async fn ten_workers_on_twelve_shards_run_5000_tasks_exactly_once() -> Result<()
         }
     }
     assert!(expected.iter().all(|&c| c == 2 || c == 3), "{expected:?}");
-    assert_eq!(consumers_per_shard(&ns, group, 12).await?, expected, "consumers per shard");
+    assert_eq!(
+        consumers_per_shard(&ns, group, 12).await?,
+        expected,
+        "consumers per shard"
+    );
     // The unsharded queue name is not used by a sharded group.
-    assert_eq!(ns.depth(&ns.names.group_queue(group, Lane::Normal)).await, 0);
+    assert_eq!(
+        ns.depth(&ns.names.group_queue(group, Lane::Normal)).await,
+        0
+    );
 
-    let envs: Vec<_> = (0..5000).map(|i| task("record", json!({"i": i}), labels)).collect();
+    let envs: Vec<_> = (0..5000)
+        .map(|i| task("record", json!({"i": i}), labels))
+        .collect();
     let (ok, refused) = ns.submit(&envs).await?;
     assert_eq!((ok, refused), (5000, 0));
-    wait_for("5000 runs", Duration::from_secs(180), || async { (rec.count() >= 5000).then_some(()) }).await?;
-    // Every shard drained: nothing is stranded on a shard.
-    wait_for("every shard queue empty", Duration::from_secs(20), || async {
-        for q in ns.names.group_shard_queues(group, Lane::Normal, 12) {
-            if ns.depth(&q).await != 0 {
-                return None;
-            }
-        }
-        Some(())
+    wait_for("5000 runs", Duration::from_secs(180), || async {
+        (rec.count() >= 5000).then_some(())
     })
+    .await?;
+    // Every shard drained: nothing is stranded on a shard.
+    wait_for(
+        "every shard queue empty",
+        Duration::from_secs(20),
+        || async {
+            for q in ns.names.group_shard_queues(group, Lane::Normal, 12) {
+                if ns.depth(&q).await != 0 {
+                    return None;
+                }
+            }
+            Some(())
+        },
+    )
     .await?;
     // Barrier: queues empty and nothing reserved or running, so no further run can start.
     ns.wait_settled(Duration::from_secs(30)).await?;
@@ -124,7 +167,10 @@ async fn ten_workers_on_twelve_shards_run_5000_tasks_exactly_once() -> Result<()
     let per = rec.per_task();
     let ids: BTreeSet<&String> = envs.iter().map(|e| &e.id).collect();
     assert_eq!(per.len(), 5000, "every task ran");
-    assert!(per.keys().all(|id| ids.contains(id)), "only submitted tasks ran");
+    assert!(
+        per.keys().all(|id| ids.contains(id)),
+        "only submitted tasks ran"
+    );
     assert_eq!(rec.count(), 5000, "no task ran twice");
     let mut by_worker: BTreeMap<String, usize> = BTreeMap::new();
     for runs in per.values() {
@@ -161,22 +207,44 @@ async fn a_leavers_ordinal_goes_to_the_next_worker_and_no_shard_is_left_unconsum
     // b leaves: its ordinal is freed, a and c cover its shards.
     b.stop().await?;
     let table = ns.store.group_ordinals(group).await?;
-    assert_eq!(table, BTreeMap::from([(0, "a".to_string()), (2, "c".to_string())]));
+    assert_eq!(
+        table,
+        BTreeMap::from([(0, "a".to_string()), (2, "c".to_string())])
+    );
     wait_for_assignment(&ns, group, &s, &[(&a, 0), (&c, 2)]).await?;
     assert_eq!(consumers_per_shard(&ns, group, 12).await?, vec![1; 12]);
 
     // The next to join takes ordinal 1 again, and with it b's subset.
     let d = start_worker(&ns, "d", labels, 4, SHARDS, &h).await?;
-    assert_eq!(ns.store.group_ordinals(group).await?.get(&1).map(String::as_str), Some("d"));
+    assert_eq!(
+        ns.store
+            .group_ordinals(group)
+            .await?
+            .get(&1)
+            .map(String::as_str),
+        Some("d")
+    );
     wait_for_assignment(&ns, group, &s, &[(&a, 0), (&d, 1), (&c, 2)]).await?;
-    let d_has: BTreeSet<String> = consuming(&d).await.unwrap_or_default().into_iter().collect();
+    let d_has: BTreeSet<String> = consuming(&d)
+        .await
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
     for q in queue_names(&ns, group, &s.subset(1), 12) {
-        assert!(d_has.contains(&q), "d consumes b's old subset shard {q}: {d_has:?}");
+        assert!(
+            d_has.contains(&q),
+            "d consumes b's old subset shard {q}: {d_has:?}"
+        );
     }
 
-    let envs: Vec<_> = (0..300).map(|i| task("record", json!({"i": i}), labels)).collect();
+    let envs: Vec<_> = (0..300)
+        .map(|i| task("record", json!({"i": i}), labels))
+        .collect();
     assert_eq!(ns.submit(&envs).await?, (300, 0));
-    wait_for("300 runs", Duration::from_secs(60), || async { (rec.count() >= 300).then_some(()) }).await?;
+    wait_for("300 runs", Duration::from_secs(60), || async {
+        (rec.count() >= 300).then_some(())
+    })
+    .await?;
     // Barrier: queues empty and nothing reserved or running, so no further run can start.
     ns.wait_settled(Duration::from_secs(30)).await?;
     assert_eq!(rec.per_task().len(), 300);
@@ -211,25 +279,56 @@ async fn ordinals_are_lowest_free_and_freed_by_deregistration_and_eviction() -> 
     for id in ["a", "b", "c"] {
         ns.store.register(&reg(id), Duration::from_secs(60)).await?;
     }
-    let ord = |m: BTreeMap<u32, String>| m.into_iter().map(|(o, id)| (id, o)).collect::<BTreeMap<String, u32>>();
-    let want = |p: &[(&str, u32)]| p.iter().map(|(id, o)| (id.to_string(), *o)).collect::<BTreeMap<String, u32>>();
-    assert_eq!(ord(ns.store.group_ordinals(&group).await?), want(&[("a", 0), ("b", 1), ("c", 2)]));
+    let ord = |m: BTreeMap<u32, String>| {
+        m.into_iter()
+            .map(|(o, id)| (id, o))
+            .collect::<BTreeMap<String, u32>>()
+    };
+    let want = |p: &[(&str, u32)]| {
+        p.iter()
+            .map(|(id, o)| (id.to_string(), *o))
+            .collect::<BTreeMap<String, u32>>()
+    };
+    assert_eq!(
+        ord(ns.store.group_ordinals(&group).await?),
+        want(&[("a", 0), ("b", 1), ("c", 2)])
+    );
     // Registering again (e.g. after a lost heartbeat) keeps the ordinal.
-    ns.store.register(&reg("a"), Duration::from_secs(60)).await?;
-    assert_eq!(ord(ns.store.group_ordinals(&group).await?), want(&[("a", 0), ("b", 1), ("c", 2)]));
+    ns.store
+        .register(&reg("a"), Duration::from_secs(60))
+        .await?;
+    assert_eq!(
+        ord(ns.store.group_ordinals(&group).await?),
+        want(&[("a", 0), ("b", 1), ("c", 2)])
+    );
     assert!(ns.store.deregister("b", "inst-b").await?);
-    assert_eq!(ord(ns.store.group_ordinals(&group).await?), want(&[("a", 0), ("c", 2)]));
-    ns.store.register(&reg("d"), Duration::from_secs(60)).await?;
-    ns.store.register(&reg("e"), Duration::from_secs(60)).await?;
-    assert_eq!(ord(ns.store.group_ordinals(&group).await?), want(&[("a", 0), ("c", 2), ("d", 1), ("e", 3)]));
+    assert_eq!(
+        ord(ns.store.group_ordinals(&group).await?),
+        want(&[("a", 0), ("c", 2)])
+    );
+    ns.store
+        .register(&reg("d"), Duration::from_secs(60))
+        .await?;
+    ns.store
+        .register(&reg("e"), Duration::from_secs(60))
+        .await?;
+    assert_eq!(
+        ord(ns.store.group_ordinals(&group).await?),
+        want(&[("a", 0), ("c", 2), ("d", 1), ("e", 3)])
+    );
     // Eviction (every worker silent past a 1 ms timeout) frees every ordinal.
     tokio::time::sleep(Duration::from_millis(5)).await;
     let mut evicted = ns.store.evict_stale(Duration::from_millis(1)).await?;
     evicted.sort();
     assert_eq!(evicted, vec!["a", "c", "d", "e"]);
     assert!(ns.store.group_ordinals(&group).await?.is_empty());
-    ns.store.register(&reg("f"), Duration::from_secs(60)).await?;
-    assert_eq!(ord(ns.store.group_ordinals(&group).await?), want(&[("f", 0)]));
+    ns.store
+        .register(&reg("f"), Duration::from_secs(60))
+        .await?;
+    assert_eq!(
+        ord(ns.store.group_ordinals(&group).await?),
+        want(&[("f", 0)])
+    );
     ns.cleanup().await
 }
 

@@ -14,12 +14,29 @@ async fn evicted_workers_task_is_queued_again() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let ep = Endpoint::start(20_000).await?;
     let sched = start_scheduler(&ns, SCHEDULER).await?;
-    let mut victim = WorkerProcess::start(&ns, &ProcessSpec { id: "w-victim", labels: "", capacity: 1, endpoint: &ep.url, extra: &[] }).await?;
+    let mut victim = WorkerProcess::start(
+        &ns,
+        &ProcessSpec {
+            id: "w-victim",
+            labels: "",
+            capacity: 1,
+            endpoint: &ep.url,
+            extra: &[],
+        },
+    )
+    .await?;
     let envs = jobs(1, "", None);
     let id = envs[0].id.clone();
     assert_eq!(ns.submit(&envs).await?, (1, 0));
-    wait_for("the 20 s task running on the victim", Duration::from_secs(20), || async { (ep.running("w-victim").len() == 1).then_some(()) }).await?;
-    let st = ns.wait_state(&id, "running", Duration::from_secs(10)).await?;
+    wait_for(
+        "the 20 s task running on the victim",
+        Duration::from_secs(20),
+        || async { (ep.running("w-victim").len() == 1).then_some(()) },
+    )
+    .await?;
+    let st = ns
+        .wait_state(&id, "running", Duration::from_secs(10))
+        .await?;
     assert_eq!(st.get("worker").map(String::as_str), Some("w-victim"));
 
     let killed = Instant::now();
@@ -27,8 +44,13 @@ async fn evicted_workers_task_is_queued_again() -> anyhow::Result<()> {
     ep.mark_dead("w-victim");
     let gone = wait_gone(&ns.store, "w-victim", Duration::from_secs(15)).await?;
     // True within one heartbeat window of the eviction.
-    let st = ns.wait_state(&id, "queued", Duration::from_millis(HEARTBEAT_TIMEOUT_MS)).await?;
-    assert!(!st.contains_key("worker"), "a queued task names no worker: {st:?}");
+    let st = ns
+        .wait_state(&id, "queued", Duration::from_millis(HEARTBEAT_TIMEOUT_MS))
+        .await?;
+    assert!(
+        !st.contains_key("worker"),
+        "a queued task names no worker: {st:?}"
+    );
     println!(
         "eviction: evicted {} ms after the kill; status queued (no worker) {} ms after the eviction",
         (gone - killed).as_millis(),
@@ -45,9 +67,19 @@ async fn evicted_workers_task_is_queued_again() -> anyhow::Result<()> {
 async fn restarted_worker_takes_over_within_5_s() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let ep = Endpoint::start(50).await?;
-    let slow: &[(&str, &str)] = &[("heartbeat_timeout_ms", "30000"), ("health_interval_ms", "300"), ("probe_interval_ms", "600000")];
+    let slow: &[(&str, &str)] = &[
+        ("heartbeat_timeout_ms", "30000"),
+        ("health_interval_ms", "300"),
+        ("probe_interval_ms", "600000"),
+    ];
     let sched = start_scheduler(&ns, slow).await?;
-    let spec = ProcessSpec { id: "w-t", labels: "", capacity: 2, endpoint: &ep.url, extra: &[("heartbeat_timeout_ms", "30000")] };
+    let spec = ProcessSpec {
+        id: "w-t",
+        labels: "",
+        capacity: 2,
+        endpoint: &ep.url,
+        extra: &[("heartbeat_timeout_ms", "30000")],
+    };
     let mut first = WorkerProcess::start(&ns, &spec).await?;
     let warm = jobs(2, "", None);
     let warm_ids: Vec<String> = warm.iter().map(|e| e.id.clone()).collect();
@@ -60,15 +92,32 @@ async fn restarted_worker_takes_over_within_5_s() -> anyhow::Result<()> {
     let envs = jobs(5, "", None);
     let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
     assert_eq!(ns.submit(&envs).await?, (5, 0));
-    let first_run = wait_for("a task run by the restarted worker", Duration::from_secs(30), || async {
-        ep.calls().iter().filter(|c| ids.contains(&c.id)).map(|c| c.at).min()
-    })
+    let first_run = wait_for(
+        "a task run by the restarted worker",
+        Duration::from_secs(30),
+        || async {
+            ep.calls()
+                .iter()
+                .filter(|c| ids.contains(&c.id))
+                .map(|c| c.at)
+                .min()
+        },
+    )
     .await?;
     let took = first_run.saturating_duration_since(restarted);
     wait_succeeded(&ns, &ids, Duration::from_secs(30)).await?;
-    second.wait_state(&ns.store, "active", Duration::from_secs(5)).await?;
-    println!("takeover: restarted worker ran its first task {} ms after the restart", took.as_millis());
-    assert!(took <= Duration::from_secs(5), "takeover took {took:?}; log:\n{}", second.log_tail());
+    second
+        .wait_state(&ns.store, "active", Duration::from_secs(5))
+        .await?;
+    println!(
+        "takeover: restarted worker ran its first task {} ms after the restart",
+        took.as_millis()
+    );
+    assert!(
+        took <= Duration::from_secs(5),
+        "takeover took {took:?}; log:\n{}",
+        second.log_tail()
+    );
     let per = ep.per_task();
     for id in &ids {
         assert_eq!(per.get(id).map(Vec::len), Some(1), "task {id} ran once");

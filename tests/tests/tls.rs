@@ -25,7 +25,10 @@ const REDIS_ADMIN_PASSWORD: &str = "redis-admin-pw-0123456789";
 const REDIS_USER_PASSWORD: &str = "fleet-user-pw-0123456789";
 
 fn tls(pairs: Vec<(String, String)>, prefix: &str) -> Result<TlsConfig> {
-    fleet_tests::tls_config(&Settings::from_pairs(pairs.iter().map(|(k, v)| (k.as_str(), v.clone()))), prefix)
+    fleet_tests::tls_config(
+        &Settings::from_pairs(pairs.iter().map(|(k, v)| (k.as_str(), v.clone()))),
+        prefix,
+    )
 }
 
 /// The TLS settings of `prefix` with the CA replaced by `ca`.
@@ -35,37 +38,101 @@ fn with_ca(pki: &Pki, prefix: &str, ca: &str, client: bool) -> Result<TlsConfig>
     tls(s, prefix)
 }
 
-
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fleet_runs_over_mutual_tls_to_rabbitmq_and_redis() -> Result<()> {
     let pki = Pki::new()?;
-    let (rabbit, redis) = tokio::try_join!(PrivateRabbit::start_tls(&pki, true), PrivateRedis::start(Some((&pki, true)), Some(REDIS_ADMIN_PASSWORD)))?;
+    let (rabbit, redis) = tokio::try_join!(
+        PrivateRabbit::start_tls(&pki, true),
+        PrivateRedis::start(Some((&pki, true)), Some(REDIS_ADMIN_PASSWORD))
+    )?;
     let client_redis = tls(pki.settings("redis_tls", true), "redis_tls")?;
     let client_amqp = tls(pki.settings("amqp_tls", true), "amqp_tls")?;
 
     // An ACL user (user + password in the URL) for fleet, made by the default user.
-    let admin = Store::with_tls(&redis.url(Some(REDIS_ADMIN_PASSWORD)), Names::new("admin"), &client_redis)?;
+    let admin = Store::with_tls(
+        &redis.url(Some(REDIS_ADMIN_PASSWORD)),
+        Names::new("admin"),
+        &client_redis,
+    )?;
     let ok: String = admin
-        .query(redis::cmd("ACL").arg("SETUSER").arg("fleet").arg("on").arg(format!(">{REDIS_USER_PASSWORD}")).arg("~*").arg("&*").arg("+@all"))
+        .query(
+            redis::cmd("ACL")
+                .arg("SETUSER")
+                .arg("fleet")
+                .arg("on")
+                .arg(format!(">{REDIS_USER_PASSWORD}"))
+                .arg("~*")
+                .arg("&*")
+                .arg("+@all"),
+        )
         .await?;
     assert_eq!(ok, "OK");
-    let redis_url = format!("rediss://fleet:{REDIS_USER_PASSWORD}@localhost:{}", redis.port);
+    let redis_url = format!(
+        "rediss://fleet:{REDIS_USER_PASSWORD}@localhost:{}",
+        redis.port
+    );
 
     // Wrong CA: the documented error, for both.
-    let e = amqp::connect_with(&rabbit.url(), "wrong-ca", &with_ca(&pki, "amqp_tls", &pki.other_ca, true)?).await.err().context("wrong CA accepted by amqp")?;
-    assert!(e.to_string().contains("invalid peer certificate: UnknownIssuer"), "{e}");
-    let s = Store::with_tls(&redis_url, Names::new("x"), &with_ca(&pki, "redis_tls", &pki.other_ca, true)?)?;
-    let e = s.query::<String>(&redis::cmd("PING")).await.err().context("wrong CA accepted by redis")?;
-    assert!(e.to_string().contains("invalid peer certificate: UnknownIssuer"), "{e}");
+    let e = amqp::connect_with(
+        &rabbit.url(),
+        "wrong-ca",
+        &with_ca(&pki, "amqp_tls", &pki.other_ca, true)?,
+    )
+    .await
+    .err()
+    .context("wrong CA accepted by amqp")?;
+    assert!(
+        e.to_string()
+            .contains("invalid peer certificate: UnknownIssuer"),
+        "{e}"
+    );
+    let s = Store::with_tls(
+        &redis_url,
+        Names::new("x"),
+        &with_ca(&pki, "redis_tls", &pki.other_ca, true)?,
+    )?;
+    let e = s
+        .query::<String>(&redis::cmd("PING"))
+        .await
+        .err()
+        .context("wrong CA accepted by redis")?;
+    assert!(
+        e.to_string()
+            .contains("invalid peer certificate: UnknownIssuer"),
+        "{e}"
+    );
     // No client certificate: refused by both servers.
-    assert!(amqp::connect_with(&rabbit.url(), "no-cert", &with_ca(&pki, "amqp_tls", &pki.ca, false)?).await.is_err(), "amqp without a client certificate");
-    let s = Store::with_tls(&redis_url, Names::new("x"), &with_ca(&pki, "redis_tls", &pki.ca, false)?)?;
-    assert!(s.query::<String>(&redis::cmd("PING")).await.is_err(), "redis without a client certificate");
+    assert!(
+        amqp::connect_with(
+            &rabbit.url(),
+            "no-cert",
+            &with_ca(&pki, "amqp_tls", &pki.ca, false)?
+        )
+        .await
+        .is_err(),
+        "amqp without a client certificate"
+    );
+    let s = Store::with_tls(
+        &redis_url,
+        Names::new("x"),
+        &with_ca(&pki, "redis_tls", &pki.ca, false)?,
+    )?;
+    assert!(
+        s.query::<String>(&redis::cmd("PING")).await.is_err(),
+        "redis without a client certificate"
+    );
     // Plain AMQP on the TLS port gets nowhere either.
-    assert!(amqp::connect(&rabbit.url().replace("amqps://", "amqp://"), "plain").await.is_err());
+    assert!(
+        amqp::connect(&rabbit.url().replace("amqps://", "amqp://"), "plain")
+            .await
+            .is_err()
+    );
     // A wrong password for the ACL user is refused; the right one works.
-    let s = Store::with_tls(&redis_url.replace(REDIS_USER_PASSWORD, "nope"), Names::new("x"), &client_redis)?;
+    let s = Store::with_tls(
+        &redis_url.replace(REDIS_USER_PASSWORD, "nope"),
+        Names::new("x"),
+        &client_redis,
+    )?;
     assert!(s.query::<String>(&redis::cmd("PING")).await.is_err());
     let s = Store::with_tls(&redis_url, Names::new("x"), &client_redis)?;
     assert_eq!(s.query::<String>(&redis::cmd("PING")).await?, "PONG");
@@ -79,32 +146,73 @@ async fn fleet_runs_over_mutual_tls_to_rabbitmq_and_redis() -> Result<()> {
     let sched = start_scheduler(&ns, &[]).await?;
     let worker = start_worker(&ns, "w-tls", "zone=tls", 4, &[], &[]).await?;
     // Through AMQP (the test's own TLS connection) and through the API.
-    let envs: Vec<_> = (0..20).map(|i| task("echo", json!({"n": i}), "zone=tls")).collect();
+    let envs: Vec<_> = (0..20)
+        .map(|i| task("echo", json!({"n": i}), "zone=tls"))
+        .collect();
     assert_eq!(ns.submit(&envs).await?, (20, 0));
-    let r = reqwest::Client::new().post(sched.url("/v1/tasks")).json(&json!({"kind": "noop", "id": "via-api", "labels": {"zone": "tls"}})).send().await?;
+    let r = reqwest::Client::new()
+        .post(sched.url("/v1/tasks"))
+        .json(&json!({"kind": "noop", "id": "via-api", "labels": {"zone": "tls"}}))
+        .send()
+        .await?;
     assert_eq!(r.status(), reqwest::StatusCode::ACCEPTED);
     for e in &envs {
-        let st = ns.wait_state(&e.id, "succeeded", Duration::from_secs(60)).await?;
+        let st = ns
+            .wait_state(&e.id, "succeeded", Duration::from_secs(60))
+            .await?;
         assert_eq!(st.get("worker").map(String::as_str), Some("w-tls"));
     }
-    ns.wait_state("via-api", "succeeded", Duration::from_secs(60)).await?;
+    ns.wait_state("via-api", "succeeded", Duration::from_secs(60))
+        .await?;
 
     // fleetctl submit over the TLS-only broker. Without the FLEET_AMQP_TLS_* files the
     // broker's certificate (private CA) is not trusted: exit 1 with the reason, nothing sent.
     let url = rabbit.url();
-    let base = [("FLEET_AMQP_URL", url.as_str()), ("FLEET_NAMESPACE", ns.name.as_str())];
-    let submit = ["submit", "--kind", "noop", "--labels", "zone=tls", "--count", "3", "--id", "via-fleetctl"];
+    let base = [
+        ("FLEET_AMQP_URL", url.as_str()),
+        ("FLEET_NAMESPACE", ns.name.as_str()),
+    ];
+    let submit = [
+        "submit",
+        "--kind",
+        "noop",
+        "--labels",
+        "zone=tls",
+        "--count",
+        "3",
+        "--id",
+        "via-fleetctl",
+    ];
     let (code, out, err) = run_bin("fleetctl", &base, &submit).await?;
-    assert_eq!(code, 1, "fleetctl without the TLS files: stdout {out} stderr {err}");
-    assert!(err.contains("invalid peer certificate: UnknownIssuer"), "{err}");
+    assert_eq!(
+        code, 1,
+        "fleetctl without the TLS files: stdout {out} stderr {err}"
+    );
+    assert!(
+        err.contains("invalid peer certificate: UnknownIssuer"),
+        "{err}"
+    );
     // With them (CA + client certificate, the broker wants mutual TLS): accepted, and they run.
-    let files = [("FLEET_AMQP_TLS_CA_FILE", pki.ca.as_str()), ("FLEET_AMQP_TLS_CERT_FILE", pki.client_cert.as_str()), ("FLEET_AMQP_TLS_KEY_FILE", pki.client_key.as_str())];
+    let files = [
+        ("FLEET_AMQP_TLS_CA_FILE", pki.ca.as_str()),
+        ("FLEET_AMQP_TLS_CERT_FILE", pki.client_cert.as_str()),
+        ("FLEET_AMQP_TLS_KEY_FILE", pki.client_key.as_str()),
+    ];
     let env: Vec<(&str, &str)> = base.iter().chain(files.iter()).copied().collect();
     let (code, out, err) = run_bin("fleetctl", &env, &submit).await?;
-    assert_eq!(code, 0, "fleetctl submit over TLS: stdout {out} stderr {err}");
+    assert_eq!(
+        code, 0,
+        "fleetctl submit over TLS: stdout {out} stderr {err}"
+    );
     assert_eq!(out.trim(), "accepted=3 refused=0", "{err}");
     for i in 1..=3 {
-        let st = ns.wait_state(&format!("via-fleetctl-{i}"), "succeeded", Duration::from_secs(60)).await?;
+        let st = ns
+            .wait_state(
+                &format!("via-fleetctl-{i}"),
+                "succeeded",
+                Duration::from_secs(60),
+            )
+            .await?;
         assert_eq!(st.get("worker").map(String::as_str), Some("w-tls"));
     }
 
@@ -119,22 +227,48 @@ async fn fleet_runs_over_mutual_tls_to_rabbitmq_and_redis() -> Result<()> {
 #[tokio::test]
 async fn bad_tls_files_stop_start_up_naming_the_setting() -> Result<()> {
     let pki = Pki::new()?;
-    let junk = pki.dir.write("junk.pem", "-----BEGIN CERTIFICATE-----\nnot base64 at all!\n-----END CERTIFICATE-----\n")?;
+    let junk = pki.dir.write(
+        "junk.pem",
+        "-----BEGIN CERTIFICATE-----\nnot base64 at all!\n-----END CERTIFICATE-----\n",
+    )?;
     let empty = pki.dir.write("empty.pem", "just words\n")?;
     for bin in ["fleet-scheduler", "fleet-worker"] {
         for (key, value, says) in [
-            ("FLEET_AMQP_TLS_CA_FILE", "/nonexistent/ca.pem", "cannot read"),
+            (
+                "FLEET_AMQP_TLS_CA_FILE",
+                "/nonexistent/ca.pem",
+                "cannot read",
+            ),
             ("FLEET_REDIS_TLS_CA_FILE", junk.as_str(), "invalid PEM"),
-            ("FLEET_AMQP_TLS_CERT_FILE", pki.client_cert.as_str(), "FLEET_AMQP_TLS_KEY_FILE"),
-            ("FLEET_REDIS_TLS_CA_FILE", empty.as_str(), "no PEM certificate"),
+            (
+                "FLEET_AMQP_TLS_CERT_FILE",
+                pki.client_cert.as_str(),
+                "FLEET_AMQP_TLS_KEY_FILE",
+            ),
+            (
+                "FLEET_REDIS_TLS_CA_FILE",
+                empty.as_str(),
+                "no PEM certificate",
+            ),
         ] {
             let (code, err) = run_to_exit(bin, &[(key, value)]).await?;
             assert_eq!(code, 2, "{bin} {key}: {err}");
-            assert!(err.contains(key) || err.contains(says), "{bin} {key}: {err}");
+            assert!(
+                err.contains(key) || err.contains(says),
+                "{bin} {key}: {err}"
+            );
             assert!(err.contains(says), "{bin} {key}: {err}");
         }
     }
-    let (code, err) = run_to_exit("fleet-worker", &[("FLEET_EXECUTOR", "http"), ("FLEET_HTTP_URL", "https://localhost:1/x"), ("FLEET_HTTP_TLS_CA_FILE", junk.as_str())]).await?;
+    let (code, err) = run_to_exit(
+        "fleet-worker",
+        &[
+            ("FLEET_EXECUTOR", "http"),
+            ("FLEET_HTTP_URL", "https://localhost:1/x"),
+            ("FLEET_HTTP_TLS_CA_FILE", junk.as_str()),
+        ],
+    )
+    .await?;
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("FLEET_HTTP_TLS_CA_FILE"), "{err}");
     Ok(())
@@ -164,9 +298,11 @@ async fn https_endpoint(pki: &Pki, runs: Arc<AtomicU32>) -> Result<u16> {
             tokio::spawn(async move {
                 if let Ok(tls) = acceptor.accept(stream).await {
                     let svc = hyper_util::service::TowerToHyperService::new(app);
-                    let _ = hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new())
-                        .serve_connection(hyper_util::rt::TokioIo::new(tls), svc)
-                        .await;
+                    let _ = hyper_util::server::conn::auto::Builder::new(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .serve_connection(hyper_util::rt::TokioIo::new(tls), svc)
+                    .await;
                 }
             });
         }
@@ -185,9 +321,30 @@ async fn http_executor_calls_https_endpoints_and_follows_no_redirects() -> Resul
     let moved = format!("https://localhost:{port}/moved");
     let no_eject = ("eject_error_ratio", "1");
     let mut workers = Vec::new();
-    for (case, url, ca, follow) in [("ok", &run, &pki.ca, "false"), ("wrongca", &run, &pki.other_ca, "false"), ("moved", &moved, &pki.ca, "false"), ("follow", &moved, &pki.ca, "true")] {
-        let settings = [("executor", "http"), ("http_url", url.as_str()), ("http_tls_ca_file", ca.as_str()), ("http_follow_redirects", follow), no_eject];
-        workers.push(start_worker(&ns, &format!("w-https-{case}"), &format!("case={case}"), 2, &settings, &[]).await?);
+    for (case, url, ca, follow) in [
+        ("ok", &run, &pki.ca, "false"),
+        ("wrongca", &run, &pki.other_ca, "false"),
+        ("moved", &moved, &pki.ca, "false"),
+        ("follow", &moved, &pki.ca, "true"),
+    ] {
+        let settings = [
+            ("executor", "http"),
+            ("http_url", url.as_str()),
+            ("http_tls_ca_file", ca.as_str()),
+            ("http_follow_redirects", follow),
+            no_eject,
+        ];
+        workers.push(
+            start_worker(
+                &ns,
+                &format!("w-https-{case}"),
+                &format!("case={case}"),
+                2,
+                &settings,
+                &[],
+            )
+            .await?,
+        );
     }
     let job = |case: &str| {
         let mut t = task("call", json!({}), &format!("case={case}"));
@@ -197,22 +354,35 @@ async fn http_executor_calls_https_endpoints_and_follows_no_redirects() -> Resul
     let (ok, wrong, moved_t, follow_t) = (job("ok"), job("wrongca"), job("moved"), job("follow"));
 
     ns.submit(std::slice::from_ref(&ok)).await?;
-    ns.wait_state(&ok.id, "succeeded", Duration::from_secs(60)).await?;
+    ns.wait_state(&ok.id, "succeeded", Duration::from_secs(60))
+        .await?;
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 
     ns.submit(std::slice::from_ref(&wrong)).await?;
-    let st = ns.wait_state(&wrong.id, "dead", Duration::from_secs(60)).await?;
+    let st = ns
+        .wait_state(&wrong.id, "dead", Duration::from_secs(60))
+        .await?;
     let err = st.get("error").cloned().unwrap_or_default();
-    assert!(err.contains("invalid peer certificate: UnknownIssuer"), "{err}");
+    assert!(
+        err.contains("invalid peer certificate: UnknownIssuer"),
+        "{err}"
+    );
 
     ns.submit(std::slice::from_ref(&moved_t)).await?;
-    let st = ns.wait_state(&moved_t.id, "dead", Duration::from_secs(60)).await?;
+    let st = ns
+        .wait_state(&moved_t.id, "dead", Duration::from_secs(60))
+        .await?;
     let err = st.get("error").cloned().unwrap_or_default();
     assert!(err.contains("307"), "{err}");
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "a redirect was followed with redirects off");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "a redirect was followed with redirects off"
+    );
 
     ns.submit(std::slice::from_ref(&follow_t)).await?;
-    ns.wait_state(&follow_t.id, "succeeded", Duration::from_secs(60)).await?;
+    ns.wait_state(&follow_t.id, "succeeded", Duration::from_secs(60))
+        .await?;
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 
     for w in workers {
@@ -232,7 +402,8 @@ async fn tls_listener(pki: &Pki) -> Result<u16> {
         while let Ok((stream, _)) = listener.accept().await {
             let acceptor = acceptor.clone();
             tokio::spawn(async move {
-                let _ = tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream)).await;
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream)).await;
             });
         }
     });
@@ -252,25 +423,44 @@ async fn a_certificate_for_another_host_name_is_refused() -> Result<()> {
     let pki = Pki::for_server_names(&["other.example"])?;
     let port = tls_listener(&pki).await?;
     let amqp_tls = tls(pki.settings("amqp_tls", false), "amqp_tls")?;
-    let e = amqp::connect_with(&format!("amqps://guest:guest@localhost:{port}/%2f"), "mismatch", &amqp_tls)
-        .await
-        .err()
-        .context("a certificate for another name accepted by amqp")?;
+    let e = amqp::connect_with(
+        &format!("amqps://guest:guest@localhost:{port}/%2f"),
+        "mismatch",
+        &amqp_tls,
+    )
+    .await
+    .err()
+    .context("a certificate for another name accepted by amqp")?;
     assert!(is_name_mismatch(&e.to_string()), "amqp: {e}");
     eprintln!("amqp, certificate for another name: {e}");
     let redis_tls = tls(pki.settings("redis_tls", false), "redis_tls")?;
-    let s = Store::with_tls(&format!("rediss://localhost:{port}"), Names::new("x"), &redis_tls)?;
-    let e = s.query::<String>(&redis::cmd("PING")).await.err().context("a certificate for another name accepted by redis")?;
+    let s = Store::with_tls(
+        &format!("rediss://localhost:{port}"),
+        Names::new("x"),
+        &redis_tls,
+    )?;
+    let e = s
+        .query::<String>(&redis::cmd("PING"))
+        .await
+        .err()
+        .context("a certificate for another name accepted by redis")?;
     assert!(is_name_mismatch(&e.to_string()), "redis: {e}");
     eprintln!("redis, certificate for another name: {e}");
     // The same CA's certificate for the right name is accepted (the CA is not the problem).
     let good = Pki::for_server_names(&["localhost"])?;
     let good_port = tls_listener(&good).await?;
-    let e = amqp::connect_with(&format!("amqps://guest:guest@localhost:{good_port}/%2f"), "right-name", &tls(good.settings("amqp_tls", false), "amqp_tls")?)
-        .await
-        .err()
-        .context("the listener speaks no AMQP: the connection must fail after the handshake")?;
-    assert!(!is_name_mismatch(&e.to_string()) && !e.to_string().contains("invalid peer certificate"), "right name: {e}");
+    let e = amqp::connect_with(
+        &format!("amqps://guest:guest@localhost:{good_port}/%2f"),
+        "right-name",
+        &tls(good.settings("amqp_tls", false), "amqp_tls")?,
+    )
+    .await
+    .err()
+    .context("the listener speaks no AMQP: the connection must fail after the handshake")?;
+    assert!(
+        !is_name_mismatch(&e.to_string()) && !e.to_string().contains("invalid peer certificate"),
+        "right name: {e}"
+    );
 
     // The http executor: the task dies with the reason.
     let runs = Arc::new(AtomicU32::new(0));
@@ -278,16 +468,27 @@ async fn a_certificate_for_another_host_name_is_refused() -> Result<()> {
     let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &[]).await?;
     let url = format!("https://localhost:{https_port}/run");
-    let settings = [("executor", "http"), ("http_url", url.as_str()), ("http_tls_ca_file", pki.ca.as_str()), ("eject_error_ratio", "1")];
+    let settings = [
+        ("executor", "http"),
+        ("http_url", url.as_str()),
+        ("http_tls_ca_file", pki.ca.as_str()),
+        ("eject_error_ratio", "1"),
+    ];
     let worker = start_worker(&ns, "w-https-mismatch", "case=mismatch", 1, &settings, &[]).await?;
     let mut t = task("call", json!({}), "case=mismatch");
     t.max_attempts = Some(1);
     ns.submit(std::slice::from_ref(&t)).await?;
-    let st = ns.wait_state(&t.id, "dead", Duration::from_secs(60)).await?;
+    let st = ns
+        .wait_state(&t.id, "dead", Duration::from_secs(60))
+        .await?;
     let err = st.get("error").cloned().unwrap_or_default();
     assert!(is_name_mismatch(&err), "http executor: {err}");
     eprintln!("http executor, certificate for another name: {err}");
-    assert_eq!(runs.load(Ordering::SeqCst), 0, "the endpoint must never be called");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "the endpoint must never be called"
+    );
     worker.stop().await?;
     sched.stop().await?;
     ns.cleanup().await

@@ -15,13 +15,16 @@ const KIND: &str = "rec";
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn no_worker_backlog_is_bounded_and_released() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
-    let sched = start_scheduler(&ns, &[("ingress_max_normal", "100"), ("max_pending", "60")]).await?;
+    let sched =
+        start_scheduler(&ns, &[("ingress_max_normal", "100"), ("max_pending", "60")]).await?;
 
     // Offer 2,000 tasks for a worker that does not exist, 100 at a time.
     let mut accepted: Vec<String> = Vec::new();
     let mut refused = 0usize;
     for _ in 0..20 {
-        let envs: Vec<Envelope> = (0..100).map(|i| task(KIND, json!({"i": i}), "zone=x")).collect();
+        let envs: Vec<Envelope> = (0..100)
+            .map(|i| task(KIND, json!({"i": i}), "zone=x"))
+            .collect();
         for (e, ok) in envs.iter().zip(ns.submit_each(&envs).await?) {
             if ok {
                 accepted.push(e.id.clone());
@@ -36,19 +39,31 @@ async fn no_worker_backlog_is_bounded_and_released() -> anyhow::Result<()> {
     let waiting = ns.depth(&waiting_q).await;
     let ingress = ns.depth(&ns.names.ingress_queue(fleet::Lane::Normal)).await;
     println!("no worker: offered 2000, accepted {}, refused {refused}; waiting queue {waiting}, ingress {ingress}", accepted.len());
-    assert!(refused > 0, "producers are refused once the backlog is full");
+    assert!(
+        refused > 0,
+        "producers are refused once the backlog is full"
+    );
     // Pending bound 60 (Red at 90% = 54 waiting) + the ingress bound 100 + what a paused
     // intake returns to it (4 loops × at most 100 prefetched) + what the waiting queue's
     // release loop holds unacked (at most one batch, 256) + one sampling interval's slack.
-    assert!(accepted.len() <= 54 + 100 + 400 + 256 + 100, "backlog bounded: {} accepted", accepted.len());
+    assert!(
+        accepted.len() <= 54 + 100 + 400 + 256 + 100,
+        "backlog bounded: {} accepted",
+        accepted.len()
+    );
     assert!(waiting > 0, "tasks wait in {waiting_q}");
     let mut states: std::collections::BTreeMap<String, usize> = Default::default();
     for id in &accepted {
         let st = ns.status(id).await?.unwrap_or_default();
-        *states.entry(st.get("state").cloned().unwrap_or_else(|| "(none)".into())).or_default() += 1;
+        *states
+            .entry(st.get("state").cloned().unwrap_or_else(|| "(none)".into()))
+            .or_default() += 1;
     }
     println!("no worker: statuses {states:?}");
-    assert!(states.get("waiting_for_worker").copied().unwrap_or(0) >= waiting as usize, "every waiting task says so: {states:?}");
+    assert!(
+        states.get("waiting_for_worker").copied().unwrap_or(0) >= waiting as usize,
+        "every waiting task says so: {states:?}"
+    );
     assert!(!states.contains_key("delayed"), "not `delayed`: {states:?}");
     let p = get_json(&sched.url("/v1/pressure")).await?;
     println!("no worker: pressure {p}");
@@ -57,14 +72,31 @@ async fn no_worker_backlog_is_bounded_and_released() -> anyhow::Result<()> {
     let rec = Recorder::default();
     let w = start_worker(&ns, "w-x", "zone=x", 8, &[], &[(KIND, rec.handler())]).await?;
     let registered = Instant::now();
-    wait_for("a waiting task started", Duration::from_secs(10), || async { (rec.count() > 0).then_some(()) }).await?;
+    wait_for(
+        "a waiting task started",
+        Duration::from_secs(10),
+        || async { (rec.count() > 0).then_some(()) },
+    )
+    .await?;
     let took = registered.elapsed();
     println!("no worker: first waiting task started {} ms after the matching worker was registered and ready", took.as_millis());
-    assert!(took <= Duration::from_secs(1), "released within 1 s, took {took:?}");
+    assert!(
+        took <= Duration::from_secs(1),
+        "released within 1 s, took {took:?}"
+    );
     let n = accepted.len();
-    wait_for("every accepted task ran", Duration::from_secs(120), || async { (rec.per_task().len() >= n).then_some(()) }).await?;
+    wait_for(
+        "every accepted task ran",
+        Duration::from_secs(120),
+        || async { (rec.per_task().len() >= n).then_some(()) },
+    )
+    .await?;
     let ran: HashSet<String> = rec.per_task().into_keys().collect();
-    assert_eq!(ran, accepted.iter().cloned().collect::<HashSet<_>>(), "accepted = ran");
+    assert_eq!(
+        ran,
+        accepted.iter().cloned().collect::<HashSet<_>>(),
+        "accepted = ran"
+    );
     assert_eq!(rec.count(), n, "none ran twice");
     assert!(ns.drain_dead().await?.is_empty());
     w.stop().await?;
@@ -76,26 +108,50 @@ async fn no_worker_backlog_is_bounded_and_released() -> anyhow::Result<()> {
 async fn no_worker_after_the_grace_is_dead_lettered() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &[("no_match_grace_ms", "2000")]).await?;
-    let envs: Vec<Envelope> = (0..5).map(|i| task(KIND, json!({"i": i}), "zone=x")).collect();
+    let envs: Vec<Envelope> = (0..5)
+        .map(|i| task(KIND, json!({"i": i}), "zone=x"))
+        .collect();
     let ids: HashSet<String> = envs.iter().map(|e| e.id.clone()).collect();
     assert_eq!(ns.submit(&envs).await?, (5, 0));
     for id in &ids {
-        ns.wait_state(id, "waiting_for_worker", Duration::from_secs(10)).await?;
+        ns.wait_state(id, "waiting_for_worker", Duration::from_secs(10))
+            .await?;
     }
     let mut dead = Vec::new();
     let until = Instant::now() + Duration::from_secs(30);
     while dead.len() < 5 {
-        assert!(Instant::now() < until, "5 tasks dead-lettered within 30 s: got {}", dead.len());
+        assert!(
+            Instant::now() < until,
+            "5 tasks dead-lettered within 30 s: got {}",
+            dead.len()
+        );
         dead.extend(ns.drain_dead().await?);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(dead.len(), 5);
-    let got: HashSet<String> = dead.iter().filter_map(|(b, _)| serde_json::from_slice::<Value>(b).ok()?.get("id")?.as_str().map(str::to_string)).collect();
+    let got: HashSet<String> = dead
+        .iter()
+        .filter_map(|(b, _)| {
+            serde_json::from_slice::<Value>(b)
+                .ok()?
+                .get("id")?
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
     assert_eq!(got, ids);
-    assert!(dead.iter().all(|(_, r)| r.as_deref() == Some("no_matching_worker")), "{:?}", dead.iter().map(|d| &d.1).collect::<Vec<_>>());
+    assert!(
+        dead.iter()
+            .all(|(_, r)| r.as_deref() == Some("no_matching_worker")),
+        "{:?}",
+        dead.iter().map(|d| &d.1).collect::<Vec<_>>()
+    );
     for id in &ids {
         let st = ns.wait_state(id, "dead", Duration::from_secs(5)).await?;
-        assert_eq!(st.get("reason").map(String::as_str), Some("no_matching_worker"));
+        assert_eq!(
+            st.get("reason").map(String::as_str),
+            Some("no_matching_worker")
+        );
     }
     println!("no worker: 5 of 5 dead-lettered no_matching_worker after a 2 s grace");
     sched.stop().await?;

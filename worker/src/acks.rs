@@ -27,9 +27,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
-use lapin::Acker;
 use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
+use lapin::Acker;
 
 /// The deliveries of one channel: which are in flight, which are ready to be acked.
 #[derive(Clone, Default)]
@@ -56,7 +56,13 @@ struct Window<A> {
 
 impl<A> Default for Window<A> {
     fn default() -> Self {
-        Window { in_flight: BTreeSet::new(), ready: BTreeMap::new(), contiguous: 0, early: BTreeSet::new(), flushing: false }
+        Window {
+            in_flight: BTreeSet::new(),
+            ready: BTreeMap::new(),
+            contiguous: 0,
+            early: BTreeSet::new(),
+            flushing: false,
+        }
     }
 }
 
@@ -89,10 +95,18 @@ impl<A> Window<A> {
     /// handles to ack one by one.
     fn take(&mut self) -> (Option<A>, Vec<A>) {
         self.flushing = false;
-        let low = self.in_flight.first().copied().unwrap_or(u64::MAX).min(self.contiguous + 1);
+        let low = self
+            .in_flight
+            .first()
+            .copied()
+            .unwrap_or(u64::MAX)
+            .min(self.contiguous + 1);
         let above = self.ready.split_off(&low);
         let below = std::mem::take(&mut self.ready);
-        (below.into_iter().next_back().map(|(_, a)| a), above.into_values().collect())
+        (
+            below.into_iter().next_back().map(|(_, a)| a),
+            above.into_values().collect(),
+        )
     }
 }
 
@@ -112,7 +126,12 @@ impl AckWindow {
         if let Ok(mut w) = self.inner.lock() {
             w.register(delivery.delivery_tag);
         }
-        Slot { window: self.clone(), tag: delivery.delivery_tag, acker: delivery.acker.clone(), done: false }
+        Slot {
+            window: self.clone(),
+            tag: delivery.delivery_tag,
+            acker: delivery.acker.clone(),
+            done: false,
+        }
     }
 
     /// Acks what is ready (see the module docs). Errors are logged: the broker redelivers an
@@ -126,8 +145,16 @@ impl AckWindow {
         // All at once: each ack returns when the connection's I/O loop has written it, so acks
         // awaited one by one would cost a hand-off to that thread each (see
         // `fleet::amqp::publish_batch`). The `multiple` one and the single ones cover disjoint tags.
-        let acks = multiple.map(|a| (a, true)).into_iter().chain(single.into_iter().map(|a| (a, false)));
-        for r in futures::future::join_all(acks.map(|(acker, multiple)| async move { acker.ack(BasicAckOptions { multiple }).await })).await {
+        let acks = multiple
+            .map(|a| (a, true))
+            .into_iter()
+            .chain(single.into_iter().map(|a| (a, false)));
+        for r in
+            futures::future::join_all(acks.map(|(acker, multiple)| async move {
+                acker.ack(BasicAckOptions { multiple }).await
+            }))
+            .await
+        {
             report(r);
         }
     }
@@ -194,9 +221,17 @@ mod tests {
         assert!(w.ready(1, 1));
         assert!(!w.ready(2, 2), "a flush is already pending");
         assert!(!w.ready(3, 3));
-        assert_eq!(w.take(), (Some(3), vec![]), "1..=3 in one ack; 4 and 5 still run");
+        assert_eq!(
+            w.take(),
+            (Some(3), vec![]),
+            "1..=3 in one ack; 4 and 5 still run"
+        );
         assert!(w.ready(5, 5));
-        assert_eq!(w.take(), (None, vec![5]), "5 is above 4, which still runs: acked alone, at once");
+        assert_eq!(
+            w.take(),
+            (None, vec![5]),
+            "5 is above 4, which still runs: acked alone, at once"
+        );
         assert!(w.ready(4, 4));
         assert_eq!(w.take(), (Some(4), vec![]));
     }
@@ -216,7 +251,11 @@ mod tests {
         let mut w = window(&[5, 6, 7]);
         w.ready(6, 6);
         w.ready(7, 7);
-        assert_eq!(w.take(), (None, vec![6, 7]), "tags 1-4 were never registered");
+        assert_eq!(
+            w.take(),
+            (None, vec![6, 7]),
+            "tags 1-4 were never registered"
+        );
     }
 
     #[test]
@@ -226,6 +265,10 @@ mod tests {
         w.ready(3, 3);
         assert_eq!(w.take(), (None, vec![3]), "2 still runs");
         w.ready(2, 2);
-        assert_eq!(w.take(), (Some(2), vec![]), "1 was settled on its own path; 3 already acked");
+        assert_eq!(
+            w.take(),
+            (Some(2), vec![]),
+            "1 was settled on its own path; 3 already acked"
+        );
     }
 }

@@ -38,8 +38,19 @@ struct Api {
 
 /// The worker's router: `GET /status` needs role `read`, `POST /drain` role `admin` (see
 /// [`fleet::auth`]); POST bodies must be JSON.
-pub fn router(prom: PrometheusHandle, ready: Readiness, identity: Identity, control: Control, stats: Arc<Stats>, auth: &ApiAuth) -> Router {
-    let api = Api { identity: Arc::new(identity), control, stats };
+pub fn router(
+    prom: PrometheusHandle,
+    ready: Readiness,
+    identity: Identity,
+    control: Control,
+    stats: Arc<Stats>,
+    auth: &ApiAuth,
+) -> Router {
+    let api = Api {
+        identity: Arc::new(identity),
+        control,
+        stats,
+    };
     let read = auth.require(Router::new().route("/status", get(status)), Role::Read);
     let admin = auth.require(Router::new().route("/drain", post(drain)), Role::Admin);
     read.merge(admin)
@@ -76,5 +87,8 @@ async fn status(State(api): State<Api>) -> Json<Value> {
 
 async fn drain(State(api): State<Api>) -> (StatusCode, Json<Value>) {
     api.control.request_drain("POST /drain");
-    (StatusCode::ACCEPTED, Json(json!({ "id": api.identity.worker_id, "state": "draining" })))
+    (
+        StatusCode::ACCEPTED,
+        Json(json!({ "id": api.identity.worker_id, "state": "draining" })),
+    )
 }

@@ -31,7 +31,9 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use fleet::amqp::{headers, task_properties, ATTEMPTS_HEADER, DETAIL_HEADER, REASON_HEADER, WORKER_HEADER};
+use fleet::amqp::{
+    headers, task_properties, ATTEMPTS_HEADER, DETAIL_HEADER, REASON_HEADER, WORKER_HEADER,
+};
 use fleet::lease::{truncate, Claim, ClaimRequest, Finished};
 use fleet::metrics as m;
 use fleet::shutdown::Stage;
@@ -118,7 +120,13 @@ pub enum Outcome {
 
 impl Outcome {
     /// Every outcome, in discriminant order.
-    pub const ALL: [Outcome; 5] = [Outcome::Succeeded, Outcome::Retried, Outcome::Dead, Outcome::Expired, Outcome::Failed];
+    pub const ALL: [Outcome; 5] = [
+        Outcome::Succeeded,
+        Outcome::Retried,
+        Outcome::Dead,
+        Outcome::Expired,
+        Outcome::Failed,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -137,7 +145,14 @@ const WAIT_POLL: Duration = Duration::from_millis(500);
 /// Handles one delivery. `slot` is its place in its channel's ack window (dropped unacked when
 /// it is settled another way); `channel` keeps the delivery's channel open until it is acked;
 /// `permit` is the lane slot, given back when this returns.
-pub async fn handle(shared: Arc<Shared>, lane: Lane, delivery: Delivery, slot: Slot, channel: Arc<Channel>, permit: OwnedSemaphorePermit) {
+pub async fn handle(
+    shared: Arc<Shared>,
+    lane: Lane,
+    delivery: Delivery,
+    slot: Slot,
+    channel: Arc<Channel>,
+    permit: OwnedSemaphorePermit,
+) {
     let _keep = (channel, permit);
     let env = match Envelope::from_slice(&delivery.data, shared.max_task_bytes) {
         Ok(env) => env,
@@ -147,7 +162,9 @@ pub async fn handle(shared: Arc<Shared>, lane: Lane, delivery: Delivery, slot: S
     let span = tracing::info_span!("task", task.id = %fleet::envelope::escape(&env.id), kind = %fleet::envelope::escape(&env.kind), lane = %lane, attempt = base);
     // Only the scheduler publishes with this header (see `amqp::PROBE_HEADER`).
     let probe = fleet::amqp::header_text(&delivery.properties, fleet::amqp::PROBE_HEADER).is_some();
-    attempt_task(shared, lane, delivery, slot, env, base, probe).instrument(span).await
+    attempt_task(shared, lane, delivery, slot, env, base, probe)
+        .instrument(span)
+        .await
 }
 
 /// The run slot an attempt holds: shared with other runs, or alone. Held for its `Drop`.
@@ -174,9 +191,26 @@ struct Task<'a> {
 ///
 /// A scheduler health probe that died with its worker is dropped (acked), never dead-lettered
 /// nor counted as a user's task.
-async fn claim(task: Task<'_>, slot: &mut Slot, base: u32, max_attempts: u32) -> Option<(u32, RunGuard)> {
-    let Task { shared, lane, delivery, env, probe } = task;
-    let mut req = ClaimRequest { lane, id: env.id.clone(), base, max_attempts, isolated: false };
+async fn claim(
+    task: Task<'_>,
+    slot: &mut Slot,
+    base: u32,
+    max_attempts: u32,
+) -> Option<(u32, RunGuard)> {
+    let Task {
+        shared,
+        lane,
+        delivery,
+        env,
+        probe,
+    } = task;
+    let mut req = ClaimRequest {
+        lane,
+        id: env.id.clone(),
+        base,
+        max_attempts,
+        isolated: false,
+    };
     let mut alone: Option<tokio::sync::OwnedRwLockWriteGuard<()>> = None;
     // The attempt number Redis last gave this copy: a crash suspect's is one past its base.
     let mut known = base;
@@ -224,8 +258,12 @@ async fn claim(task: Task<'_>, slot: &mut Slot, base: u32, max_attempts: u32) ->
                 return None;
             }
             Some(Claim::Dead(n)) => {
-                let error = "the worker process died while running this task alone, on its last attempt";
-                tracing::warn!(attempt = n, "task dead: its worker died while running it (worker_lost)");
+                let error =
+                    "the worker process died while running this task alone, on its last attempt";
+                tracing::warn!(
+                    attempt = n,
+                    "task dead: its worker died while running it (worker_lost)"
+                );
                 match Box::pin(dead_letter(shared, env, n, "worker_lost", error)).await {
                     Ok(()) => {
                         slot.ack().await;
@@ -250,10 +288,26 @@ async fn claim(task: Task<'_>, slot: &mut Slot, base: u32, max_attempts: u32) ->
 
 /// `probe`: a scheduler health probe, counted in `fleet_probes_completed_total` and left out
 /// of the worker's task figures (metrics, `/status`, `GET /v1/workers`).
-async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, mut slot: Slot, env: Envelope, base: u32, probe: bool) {
+async fn attempt_task(
+    shared: Arc<Shared>,
+    lane: Lane,
+    delivery: Delivery,
+    mut slot: Slot,
+    env: Envelope,
+    base: u32,
+    probe: bool,
+) {
     let max_attempts = env.max_attempts_or(shared.default_max_attempts);
-    let task = Task { shared: &shared, lane, delivery: &delivery, env: &env, probe };
-    let Some((attempt, _slot)) = claim(task, &mut slot, base, max_attempts).await else { return };
+    let task = Task {
+        shared: &shared,
+        lane,
+        delivery: &delivery,
+        env: &env,
+        probe,
+    };
+    let Some((attempt, _slot)) = claim(task, &mut slot, base, max_attempts).await else {
+        return;
+    };
     shared.stats.started(lane, &env.id);
     let now = shared.clock.now();
     if let Some(submitted) = env.submitted_at {
@@ -263,12 +317,16 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, mut s
     }
 
     let fate = if env.is_expired(now) {
-        Fate::Expired { detail: "deadline passed before the task started".into() }
+        Fate::Expired {
+            detail: "deadline passed before the task started".into(),
+        }
     } else {
         let Some((result, took)) = run(&shared, &env, attempt).await else {
             // Hard stop: no outcome; the broker gets the task back with the connection, and
             // its next copy runs this attempt again.
-            shared.ledger.release(Finished::release(lane, env.id.clone(), attempt));
+            shared
+                .ledger
+                .release(Finished::release(lane, env.id.clone(), attempt));
             shared.stats.ended(lane, &env.id);
             return;
         };
@@ -281,7 +339,9 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, mut s
             Err(TaskError::Permanent(_)) => {}
             Err(_) => shared.ejector.record(true),
         }
-        let time_left = env.deadline.map(|d| (d - shared.clock.now()).to_std().unwrap_or(Duration::ZERO));
+        let time_left = env
+            .deadline
+            .map(|d| (d - shared.clock.now()).to_std().unwrap_or(Duration::ZERO));
         retry::decide(result, attempt, max_attempts, time_left, &shared.backoff)
     };
 
@@ -295,15 +355,24 @@ async fn attempt_task(shared: Arc<Shared>, lane: Lane, delivery: Delivery, mut s
 }
 
 /// Runs the handler in its own task, cut at the run deadline. `None` on a hard stop.
-async fn run(shared: &Shared, env: &Envelope, attempt: u32) -> Option<(Result<Value, TaskError>, Duration)> {
+async fn run(
+    shared: &Shared,
+    env: &Envelope,
+    attempt: u32,
+) -> Option<(Result<Value, TaskError>, Duration)> {
     let started = Instant::now();
-    let to_deadline = env.deadline.map(|d| (d - shared.clock.now()).to_std().unwrap_or(Duration::ZERO));
+    let to_deadline = env
+        .deadline
+        .map(|d| (d - shared.clock.now()).to_std().unwrap_or(Duration::ZERO));
     let (limit, by_deadline) = match to_deadline {
         Some(left) if left <= shared.max_task => (left, true),
         _ => (shared.max_task, false),
     };
     let Some(handler) = shared.handlers.get(&env.kind) else {
-        return Some((Err(TaskError::Permanent(format!("unknown kind `{}`", env.kind))), started.elapsed()));
+        return Some((
+            Err(TaskError::Permanent(format!("unknown kind `{}`", env.kind))),
+            started.elapsed(),
+        ));
     };
     let cancel = shared.work.token().child_token();
     let ctx = TaskContext {
@@ -317,7 +386,9 @@ async fn run(shared: &Shared, env: &Envelope, attempt: u32) -> Option<(Result<Va
     // `call` runs inside the spawned task, so a handler that panics while building its future
     // is caught like one that panics while running it (and never unwinds through this attempt,
     // which would leave the delivery unacked and the slot taken).
-    let mut join = shared.work.spawn_here(async move { handler.call(ctx).await });
+    let mut join = shared
+        .work
+        .spawn_here(async move { handler.call(ctx).await });
     let result = tokio::select! {
         biased;
         r = &mut join => match r {
@@ -368,8 +439,19 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
 /// A delivery whose channel died (consumer timeout, connection loss) is settled all the same:
 /// its copy, redelivered meanwhile, waits on this attempt's run record rather than run, so
 /// this run's outcome is the task's — only the ack is left out (the broker took it back).
-async fn settle(task: Task<'_>, slot: &mut Slot, (attempt, max_attempts): (u32, u32), fate: Fate) -> Outcome {
-    let Task { shared, lane, delivery, env, probe } = task;
+async fn settle(
+    task: Task<'_>,
+    slot: &mut Slot,
+    (attempt, max_attempts): (u32, u32),
+    fate: Fate,
+) -> Outcome {
+    let Task {
+        shared,
+        lane,
+        delivery,
+        env,
+        probe,
+    } = task;
     // A user task's outcome is counted in the worker's figures before its ledger record, so
     // the batch that writes the record also publishes the figures.
     let count = |o: Outcome| {
@@ -381,36 +463,99 @@ async fn settle(task: Task<'_>, slot: &mut Slot, (attempt, max_attempts): (u32, 
     // The scheduler's health probes never reach the dead-letter queue nor retry: a lost probe
     // is the scheduler's to count (fleet_probe_failures_total), not a task of the user's.
     let fate = match fate {
-        Fate::Retry { error, .. } if probe => Fate::Dead { reason: DeadReason::MaxAttempts, error },
+        Fate::Retry { error, .. } if probe => Fate::Dead {
+            reason: DeadReason::MaxAttempts,
+            error,
+        },
         f => f,
     };
     let (outcome, state, text, success, reason, published) = match fate {
-        Fate::Succeeded(v) => (Outcome::Succeeded, TaskState::Succeeded, v.to_string(), true, None, Ok(())),
+        Fate::Succeeded(v) => (
+            Outcome::Succeeded,
+            TaskState::Succeeded,
+            v.to_string(),
+            true,
+            None,
+            Ok(()),
+        ),
         Fate::Retry { error, delay } => {
             tracing::info!(error = %fleet::envelope::escape(&error), delay_ms = delay.as_millis() as u64, "attempt failed; retrying");
-            let r = Box::pin(retry::publish(shared, env, attempt, max_attempts, delay, &error)).await;
+            let r = Box::pin(retry::publish(
+                shared,
+                env,
+                attempt,
+                max_attempts,
+                delay,
+                &error,
+            ))
+            .await;
             (Outcome::Retried, TaskState::Retrying, error, false, None, r)
         }
         Fate::Dead { reason, error } => {
             tracing::warn!(reason = reason.as_str(), error = %fleet::envelope::escape(&error), "task dead");
-            let r = if probe { Ok(()) } else { Box::pin(dead_letter(shared, env, attempt, reason.as_str(), &error)).await };
-            (Outcome::Dead, TaskState::Dead, error, false, Some(reason), r)
+            let r = if probe {
+                Ok(())
+            } else {
+                Box::pin(dead_letter(shared, env, attempt, reason.as_str(), &error)).await
+            };
+            (
+                Outcome::Dead,
+                TaskState::Dead,
+                error,
+                false,
+                Some(reason),
+                r,
+            )
         }
         Fate::Expired { detail } => {
             tracing::info!(detail = %detail, "task expired");
-            let r = if probe { Ok(()) } else { Box::pin(dead_letter(shared, env, attempt, DeadReason::Expired.as_str(), &detail)).await };
-            (Outcome::Expired, TaskState::Expired, detail, false, Some(DeadReason::Expired), r)
+            let r = if probe {
+                Ok(())
+            } else {
+                Box::pin(dead_letter(
+                    shared,
+                    env,
+                    attempt,
+                    DeadReason::Expired.as_str(),
+                    &detail,
+                ))
+                .await
+            };
+            (
+                Outcome::Expired,
+                TaskState::Expired,
+                detail,
+                false,
+                Some(DeadReason::Expired),
+                r,
+            )
         }
     };
     if let Err(e) = published {
         tracing::warn!(error = %e, "cannot record the outcome in the broker; task requeued");
         nack_requeue(delivery).await;
-        shared.ledger.release(Finished::release(lane, env.id.clone(), attempt));
+        shared
+            .ledger
+            .release(Finished::release(lane, env.id.clone(), attempt));
         return count(Outcome::Failed);
     }
     count(outcome);
-    if !shared.ledger.finish(Finished { lane, id: env.id.clone(), attempt, state: Some(state), text, success, reason }).await {
-        tracing::warn!("outcome not yet written to Redis (retried in the background); acking anyway");
+    if !shared
+        .ledger
+        .finish(Finished {
+            lane,
+            id: env.id.clone(),
+            attempt,
+            state: Some(state),
+            text,
+            success,
+            reason,
+        })
+        .await
+    {
+        tracing::warn!(
+            "outcome not yet written to Redis (retried in the background); acking anyway"
+        );
     }
     if slot.usable() {
         slot.ack().await;
@@ -421,7 +566,13 @@ async fn settle(task: Task<'_>, slot: &mut Slot, (attempt, max_attempts): (u32, 
 }
 
 /// Publishes the task to the dead-letter queue with its reason.
-async fn dead_letter(shared: &Shared, env: &Envelope, attempt: u32, reason: &str, detail: &str) -> fleet::Result<()> {
+async fn dead_letter(
+    shared: &Shared,
+    env: &Envelope,
+    attempt: u32,
+    reason: &str,
+    detail: &str,
+) -> fleet::Result<()> {
     let mut dead = env.clone();
     dead.attempt = attempt;
     let h = headers([
@@ -432,7 +583,12 @@ async fn dead_letter(shared: &Shared, env: &Envelope, attempt: u32, reason: &str
     ]);
     shared
         .broker
-        .publish(&shared.names.tasks_exchange(), Names::DEAD_KEY, &dead.to_bytes(), task_properties(&env.id, Some(h)))
+        .publish(
+            &shared.names.tasks_exchange(),
+            Names::DEAD_KEY,
+            &dead.to_bytes(),
+            task_properties(&env.id, Some(h)),
+        )
         .await
 }
 
@@ -440,15 +596,28 @@ async fn dead_letter(shared: &Shared, env: &Envelope, attempt: u32, reason: &str
 async fn refuse(shared: &Shared, lane: Lane, delivery: Delivery, reject: fleet::envelope::Reject) {
     tracing::warn!(lane = %lane, reason = reject.code(), detail = %reject, "unparseable task dead-lettered");
     metrics::counter!(m::TASKS_REJECTED, "reason" => reject.code()).increment(1);
-    let id = delivery.properties.message_id().as_ref().map(|s| s.to_string()).unwrap_or_default();
+    let id = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|s| s.to_string())
+        .unwrap_or_default();
     let h = headers([
         (REASON_HEADER, reject.code().to_string()),
-        (DETAIL_HEADER, truncate(&reject.to_string(), MAX_HEADER_TEXT)),
+        (
+            DETAIL_HEADER,
+            truncate(&reject.to_string(), MAX_HEADER_TEXT),
+        ),
         (WORKER_HEADER, shared.worker_id.to_string()),
     ]);
     let r = shared
         .broker
-        .publish(&shared.names.tasks_exchange(), Names::DEAD_KEY, &delivery.data, task_properties(&id, Some(h)))
+        .publish(
+            &shared.names.tasks_exchange(),
+            Names::DEAD_KEY,
+            &delivery.data,
+            task_properties(&id, Some(h)),
+        )
         .await;
     match r {
         Ok(()) => {
@@ -464,7 +633,14 @@ async fn refuse(shared: &Shared, lane: Lane, delivery: Delivery, reject: fleet::
 }
 
 pub(crate) async fn nack_requeue(delivery: &Delivery) {
-    if let Err(e) = delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await {
+    if let Err(e) = delivery
+        .acker
+        .nack(BasicNackOptions {
+            requeue: true,
+            ..Default::default()
+        })
+        .await
+    {
         tracing::debug!(error = %e, "nack failed (channel gone: the broker requeues anyway)");
     }
 }

@@ -8,8 +8,8 @@
 
 use std::sync::Arc;
 
-use lapin::types::ShortString;
 use fleet::amqp::Publisher;
+use lapin::types::ShortString;
 use lapin::{BasicProperties, Connection};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
@@ -41,7 +41,13 @@ pub struct Broker {
 }
 
 impl Broker {
-    pub fn new(cfg: CommonConfig, group: String, worker_id: &str, readiness: Readiness, stop: CancellationToken) -> Self {
+    pub fn new(
+        cfg: CommonConfig,
+        group: String,
+        worker_id: &str,
+        readiness: Readiness,
+        stop: CancellationToken,
+    ) -> Self {
         Broker {
             cfg,
             group,
@@ -72,7 +78,14 @@ impl Broker {
         self.readiness.set_amqp(false);
         use backon::Retryable;
         let attempt = || async {
-            let Some(c) = fleet::amqp::connect_retrying(&self.cfg.amqp_url, &self.name, &self.cfg.amqp_tls, &self.stop).await? else {
+            let Some(c) = fleet::amqp::connect_retrying(
+                &self.cfg.amqp_url,
+                &self.name,
+                &self.cfg.amqp_tls,
+                &self.stop,
+            )
+            .await?
+            else {
                 return Ok(None);
             };
             match self.declare(&c).await {
@@ -122,7 +135,8 @@ impl Broker {
         fleet::topology::declare_core(&ch, &self.cfg).await?;
         fleet::topology::declare_group(&ch, &self.cfg, &self.group).await?;
         let _ = ch.close(200, ShortString::from("declared")).await;
-        self.declared_at_ms.store(started, std::sync::atomic::Ordering::Relaxed);
+        self.declared_at_ms
+            .store(started, std::sync::atomic::Ordering::Relaxed);
         // Hold the id's lock on every connection (a no-op failure when another process took
         // the id over meanwhile: its registration then answers our heartbeat with `conflict`).
         self.lock_on(conn).await;
@@ -147,10 +161,23 @@ impl Broker {
 
     async fn lock_on(&self, conn: &Connection) -> bool {
         use lapin::options::QueueDeclareOptions;
-        let Ok(ch) = conn.create_channel().await else { return false };
+        let Ok(ch) = conn.create_channel().await else {
+            return false;
+        };
         let q = self.cfg.names().worker_lock_queue(&self.worker_id);
-        let opts = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
-        match ch.queue_declare(ShortString::from(q.as_str()), opts, lapin::types::FieldTable::default()).await {
+        let opts = QueueDeclareOptions {
+            exclusive: true,
+            auto_delete: true,
+            ..Default::default()
+        };
+        match ch
+            .queue_declare(
+                ShortString::from(q.as_str()),
+                opts,
+                lapin::types::FieldTable::default(),
+            )
+            .await
+        {
             Ok(_) => {
                 let _ = ch.close(200, ShortString::from("locked")).await;
                 true
@@ -179,14 +206,22 @@ impl Broker {
                 return Ok(ch.clone());
             }
         }
-        let conn = self.current().ok_or_else(|| fleet::Error::Other("not connected to RabbitMQ".into()))?;
+        let conn = self
+            .current()
+            .ok_or_else(|| fleet::Error::Other("not connected to RabbitMQ".into()))?;
         let ch = fleet::amqp::confirm_channel(&conn).await?;
         *slot = Some(ch.clone());
         Ok(ch)
     }
 
     /// Publishes (mandatory, persistent per `props`) and waits for the broker's confirm.
-    pub async fn publish(&self, exchange: &str, routing_key: &str, body: &[u8], props: BasicProperties) -> fleet::Result<()> {
+    pub async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        props: BasicProperties,
+    ) -> fleet::Result<()> {
         let ch = self.publisher().await?;
         fleet::amqp::publish_confirmed(&ch, exchange, routing_key, body, props).await
     }
@@ -201,10 +236,18 @@ impl Broker {
             if c.status().connected() {
                 // Bounded: a broker that does not answer (paused, partitioned) must not keep
                 // the worker from exiting; the socket closes with the process.
-                match tokio::time::timeout(crate::drain::STEP_LIMIT, c.close(200, ShortString::from(reason))).await {
+                match tokio::time::timeout(
+                    crate::drain::STEP_LIMIT,
+                    c.close(200, ShortString::from(reason)),
+                )
+                .await
+                {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => tracing::debug!(error = %e, "closing the AMQP connection"),
-                    Err(_) => tracing::warn!(limit_ms = crate::drain::STEP_LIMIT.as_millis() as u64, "RabbitMQ did not answer the connection close; going on without it"),
+                    Err(_) => tracing::warn!(
+                        limit_ms = crate::drain::STEP_LIMIT.as_millis() as u64,
+                        "RabbitMQ did not answer the connection close; going on without it"
+                    ),
                 }
             }
         }
@@ -215,11 +258,14 @@ impl Broker {
     /// When the group's queues were last declared: this process's clock, ms since the epoch,
     /// taken before the declaration (0: never).
     pub fn declared_at_ms(&self) -> i64 {
-        self.declared_at_ms.load(std::sync::atomic::Ordering::Relaxed)
+        self.declared_at_ms
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub async fn redeclare(&self) -> fleet::Result<()> {
-        let conn = self.current().ok_or_else(|| fleet::Error::Other("not connected to RabbitMQ".into()))?;
+        let conn = self
+            .current()
+            .ok_or_else(|| fleet::Error::Other("not connected to RabbitMQ".into()))?;
         self.declare(&conn).await
     }
 }

@@ -14,8 +14,8 @@
 use std::time::Duration;
 
 use fleet::config::{CommonConfig, Settings};
-use fleet::settings::WorkerArgs;
 use fleet::selector::PROTOCOL_LABEL;
+use fleet::settings::WorkerArgs;
 use fleet::{Labels, PerLane};
 
 /// The executor a worker runs tasks with; also its implicit `protocol` label.
@@ -115,10 +115,18 @@ impl WorkerConfig {
             fleet::Error::config(setting, message)
         }
         let common = CommonConfig::from_args(&a.common, a.http_addr.trim().to_string())?;
-        let worker_id = match a.worker_id.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+        let worker_id = match a
+            .worker_id
+            .as_deref()
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+        {
             Some(id) => {
                 if !valid_id(id) {
-                    return Err(err("FLEET_WORKER_ID", format!("`{id}`: use 1-128 of [A-Za-z0-9_.:-]")));
+                    return Err(err(
+                        "FLEET_WORKER_ID",
+                        format!("`{id}`: use 1-128 of [A-Za-z0-9_.:-]"),
+                    ));
                 }
                 id.to_string()
             }
@@ -129,12 +137,16 @@ impl WorkerConfig {
             "exec" => ExecutorKind::Exec,
             _ => ExecutorKind::Builtin,
         };
-        let labels = Labels::parse(a.labels.trim()).map_err(|e| err("FLEET_LABELS", e.to_string()))?;
+        let labels =
+            Labels::parse(a.labels.trim()).map_err(|e| err("FLEET_LABELS", e.to_string()))?;
         if let Some(p) = labels.get(PROTOCOL_LABEL) {
             if p != executor.as_str() {
                 return Err(err(
                     "FLEET_LABELS",
-                    format!("label {PROTOCOL_LABEL}={p} contradicts executor {}", executor.as_str()),
+                    format!(
+                        "label {PROTOCOL_LABEL}={p} contradicts executor {}",
+                        executor.as_str()
+                    ),
                 ));
             }
         }
@@ -144,16 +156,27 @@ impl WorkerConfig {
         let heartbeat_interval = ms(a.heartbeat_interval_ms);
         let heartbeat_timeout = ms(a.heartbeat_timeout_ms);
         if heartbeat_timeout <= heartbeat_interval {
-            return Err(err("FLEET_HEARTBEAT_TIMEOUT_MS", "must be longer than FLEET_HEARTBEAT_INTERVAL_MS"));
+            return Err(err(
+                "FLEET_HEARTBEAT_TIMEOUT_MS",
+                "must be longer than FLEET_HEARTBEAT_INTERVAL_MS",
+            ));
         }
-        let run_lease = ms(a.run_lease_ms.unwrap_or(a.heartbeat_interval_ms.saturating_mul(3)));
+        let run_lease = ms(a
+            .run_lease_ms
+            .unwrap_or(a.heartbeat_interval_ms.saturating_mul(3)));
         if run_lease <= heartbeat_interval {
-            return Err(err("FLEET_RUN_LEASE_MS", "must be longer than FLEET_HEARTBEAT_INTERVAL_MS"));
+            return Err(err(
+                "FLEET_RUN_LEASE_MS",
+                "must be longer than FLEET_HEARTBEAT_INTERVAL_MS",
+            ));
         }
         let retry_base = ms(a.retry_base_ms);
         let retry_cap = ms(a.retry_cap_ms);
         if retry_cap < retry_base {
-            return Err(err("FLEET_RETRY_CAP_MS", "must not be shorter than FLEET_RETRY_BASE_MS"));
+            return Err(err(
+                "FLEET_RETRY_CAP_MS",
+                "must not be shorter than FLEET_RETRY_BASE_MS",
+            ));
         }
         let eject = EjectConfig {
             window: a.eject_window,
@@ -162,17 +185,28 @@ impl WorkerConfig {
             cooldown: ms(a.eject_cooldown_ms),
         };
         if eject.min_samples > eject.window {
-            return Err(err("FLEET_EJECT_MIN_SAMPLES", "must not exceed FLEET_EJECT_WINDOW"));
+            return Err(err(
+                "FLEET_EJECT_MIN_SAMPLES",
+                "must not exceed FLEET_EJECT_WINDOW",
+            ));
         }
 
         let http = match executor {
             ExecutorKind::Http => {
-                let Some(url) = a.http_url.as_deref().map(str::trim).filter(|s| !s.is_empty()) else {
+                let Some(url) = a
+                    .http_url
+                    .as_deref()
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                else {
                     return Err(err("FLEET_HTTP_URL", "required when FLEET_EXECUTOR=http"));
                 };
                 let scheme = url.split("://").next().unwrap_or("").to_ascii_lowercase();
                 if !url.contains("://") || !matches!(scheme.as_str(), "http" | "https") {
-                    return Err(err("FLEET_HTTP_URL", format!("`{url}` is not an http:// or https:// URL")));
+                    return Err(err(
+                        "FLEET_HTTP_URL",
+                        format!("`{url}` is not an http:// or https:// URL"),
+                    ));
                 }
                 Some(HttpConfig {
                     url: url.to_string(),
@@ -190,11 +224,23 @@ impl WorkerConfig {
         };
         let exec = match executor {
             ExecutorKind::Exec => {
-                let Some(raw) = a.exec_command.as_deref().map(str::trim).filter(|s| !s.is_empty()) else {
-                    return Err(err("FLEET_EXEC_COMMAND", "required when FLEET_EXECUTOR=exec"));
+                let Some(raw) = a
+                    .exec_command
+                    .as_deref()
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                else {
+                    return Err(err(
+                        "FLEET_EXEC_COMMAND",
+                        "required when FLEET_EXECUTOR=exec",
+                    ));
                 };
                 let argv = parse_argv(raw).map_err(|m| err("FLEET_EXEC_COMMAND", m))?;
-                Some(ExecConfig { argv, max_output: a.exec_max_output, permanent_exit: a.exec_permanent_exit })
+                Some(ExecConfig {
+                    argv,
+                    max_output: a.exec_max_output,
+                    permanent_exit: a.exec_permanent_exit,
+                })
             }
             _ => None,
         };
@@ -203,7 +249,10 @@ impl WorkerConfig {
             common,
             worker_id,
             labels,
-            capacity: PerLane { normal: a.capacity, critical: a.critical_capacity },
+            capacity: PerLane {
+                normal: a.capacity,
+                critical: a.critical_capacity,
+            },
             executor,
             heartbeat_interval,
             heartbeat_timeout,
@@ -227,7 +276,9 @@ impl WorkerConfig {
 fn valid_id(id: &str) -> bool {
     !id.is_empty()
         && id.len() <= 128
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'))
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'))
 }
 
 /// `<hostname>-<6 hex>`: unique per process, recognisable per host.
@@ -238,7 +289,13 @@ fn default_worker_id() -> String {
         .map(|h| {
             h.trim()
                 .chars()
-                .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.') { c } else { '-' })
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.') {
+                        c
+                    } else {
+                        '-'
+                    }
+                })
                 .take(100)
                 .collect::<String>()
         })
@@ -266,7 +323,9 @@ mod tests {
     use super::*;
 
     fn cfg(pairs: &[(&str, &str)]) -> fleet::Result<WorkerConfig> {
-        WorkerConfig::from_settings(&Settings::from_pairs(pairs.iter().map(|(k, v)| (*k, v.to_string()))))
+        WorkerConfig::from_settings(&Settings::from_pairs(
+            pairs.iter().map(|(k, v)| (*k, v.to_string())),
+        ))
     }
 
     #[test]
@@ -284,7 +343,12 @@ mod tests {
 
     #[test]
     fn labels_get_the_protocol() {
-        let c = cfg(&[("labels", "zone=a,gpu=true"), ("executor", "exec"), ("exec_command", "cat")]).unwrap();
+        let c = cfg(&[
+            ("labels", "zone=a,gpu=true"),
+            ("executor", "exec"),
+            ("exec_command", "cat"),
+        ])
+        .unwrap();
         assert_eq!(c.group(), "gpu=true,protocol=exec,zone=a");
         let e = cfg(&[("labels", "protocol=http")]).unwrap_err().to_string();
         assert!(e.contains("FLEET_LABELS"), "{e}");
@@ -298,12 +362,31 @@ mod tests {
             (vec![("critical_capacity", "x")], "FLEET_CRITICAL_CAPACITY"),
             (vec![("executor", "python")], "FLEET_EXECUTOR"),
             (vec![("executor", "http")], "FLEET_HTTP_URL"),
-            (vec![("executor", "http"), ("http_url", "ftp://api.example/run")], "FLEET_HTTP_URL"),
-            (vec![("executor", "http"), ("http_url", "https://api.example/run"), ("http_tls_ca_file", "/nonexistent.pem")], "FLEET_HTTP_TLS_CA_FILE"),
-            (vec![("executor", "http"), ("http_url", "ftp://x")], "FLEET_HTTP_URL"),
+            (
+                vec![("executor", "http"), ("http_url", "ftp://api.example/run")],
+                "FLEET_HTTP_URL",
+            ),
+            (
+                vec![
+                    ("executor", "http"),
+                    ("http_url", "https://api.example/run"),
+                    ("http_tls_ca_file", "/nonexistent.pem"),
+                ],
+                "FLEET_HTTP_TLS_CA_FILE",
+            ),
+            (
+                vec![("executor", "http"), ("http_url", "ftp://x")],
+                "FLEET_HTTP_URL",
+            ),
             (vec![("executor", "exec")], "FLEET_EXEC_COMMAND"),
-            (vec![("executor", "exec"), ("exec_command", "[1]")], "FLEET_EXEC_COMMAND"),
-            (vec![("heartbeat_interval_ms", "40000")], "FLEET_HEARTBEAT_TIMEOUT_MS"),
+            (
+                vec![("executor", "exec"), ("exec_command", "[1]")],
+                "FLEET_EXEC_COMMAND",
+            ),
+            (
+                vec![("heartbeat_interval_ms", "40000")],
+                "FLEET_HEARTBEAT_TIMEOUT_MS",
+            ),
             (vec![("eject_error_ratio", "2")], "FLEET_EJECT_ERROR_RATIO"),
             (vec![("worker_id", "a b")], "FLEET_WORKER_ID"),
             (vec![("max_task_ms", "-1")], "FLEET_MAX_TASK_MS"),
@@ -315,8 +398,14 @@ mod tests {
 
     #[test]
     fn exec_command_forms() {
-        assert_eq!(parse_argv(r#"["sh", "-c", "echo a b"]"#).unwrap(), vec!["sh", "-c", "echo a b"]);
-        assert_eq!(parse_argv("  /bin/cat  -u ").unwrap(), vec!["/bin/cat", "-u"]);
+        assert_eq!(
+            parse_argv(r#"["sh", "-c", "echo a b"]"#).unwrap(),
+            vec!["sh", "-c", "echo a b"]
+        );
+        assert_eq!(
+            parse_argv("  /bin/cat  -u ").unwrap(),
+            vec!["/bin/cat", "-u"]
+        );
         assert!(parse_argv("[]").is_err());
         assert!(parse_argv("   ").is_err());
     }

@@ -201,7 +201,10 @@ pub async fn wait_for_tasks(work: &Stage, grace: Duration, force: &CancellationT
     if work.is_empty() {
         return Finish::Clean;
     }
-    tracing::info!(grace_ms = grace.as_millis() as u64, "waiting for running tasks to finish");
+    tracing::info!(
+        grace_ms = grace.as_millis() as u64,
+        "waiting for running tasks to finish"
+    );
     tokio::select! {
         biased;
         _ = force.cancelled() => Finish::Forced,
@@ -230,7 +233,14 @@ impl Stages {
         let background = all.stage("background");
         let work = all.stage("work");
         let intake = all.stage("intake");
-        Stages { all, serve, ledger, background, work, intake }
+        Stages {
+            all,
+            serve,
+            ledger,
+            background,
+            work,
+            intake,
+        }
     }
 }
 
@@ -256,7 +266,15 @@ impl Drain {
     /// drain; an error when running tasks were returned to the broker (grace exceeded, forced)
     /// or for a fatal conflict.
     pub async fn run(self, grace: Duration) -> anyhow::Result<()> {
-        let Drain { control, stages, store, worker_id, registrar, broker, stats } = self;
+        let Drain {
+            control,
+            stages,
+            store,
+            worker_id,
+            registrar,
+            broker,
+            stats,
+        } = self;
         let fatal = control.fatal();
         if fatal.is_none() {
             set_state_logged(&store, &worker_id, WorkerState::Draining).await;
@@ -267,7 +285,11 @@ impl Drain {
         let (counts, _) = stats.running();
         let left = counts.normal + counts.critical;
         if finish != Finish::Clean {
-            tracing::warn!(?finish, running = left, "drain cut short: closing the connection, unacked tasks go back to the broker");
+            tracing::warn!(
+                ?finish,
+                running = left,
+                "drain cut short: closing the connection, unacked tasks go back to the broker"
+            );
             broker.close("drain cut short").await;
             stages.work.cancel();
             let _ = tokio::time::timeout(ABORT_WAIT, stages.work.wait()).await;
@@ -292,7 +314,9 @@ impl Drain {
                 "drain grace of {} ms exceeded: {left} running task(s) returned to the broker",
                 grace.as_millis()
             )),
-            (None, Finish::Forced) => Err(anyhow!("drain interrupted: {left} running task(s) returned to the broker")),
+            (None, Finish::Forced) => Err(anyhow!(
+                "drain interrupted: {left} running task(s) returned to the broker"
+            )),
         }
     }
 }
@@ -322,11 +346,20 @@ mod tests {
         let work = Stage::new("work");
         let force = CancellationToken::new();
         work.spawn_here(tokio::time::sleep(Duration::from_secs(5)));
-        assert_eq!(wait_for_tasks(&work, Duration::from_secs(1), &force).await, Finish::GraceExceeded);
-        assert_eq!(wait_for_tasks(&work, Duration::from_secs(10), &force).await, Finish::Clean);
+        assert_eq!(
+            wait_for_tasks(&work, Duration::from_secs(1), &force).await,
+            Finish::GraceExceeded
+        );
+        assert_eq!(
+            wait_for_tasks(&work, Duration::from_secs(10), &force).await,
+            Finish::Clean
+        );
         let work = Stage::new("work");
         work.spawn_here(tokio::time::sleep(Duration::from_secs(5)));
         force.cancel();
-        assert_eq!(wait_for_tasks(&work, Duration::from_secs(10), &force).await, Finish::Forced);
+        assert_eq!(
+            wait_for_tasks(&work, Duration::from_secs(10), &force).await,
+            Finish::Forced
+        );
     }
 }

@@ -83,7 +83,10 @@ pub struct Ejector {
 
 impl Ejector {
     pub fn new(cfg: &EjectConfig) -> Self {
-        Ejector { window: Arc::new(Mutex::new(Window::new(cfg))), tripped: Arc::new(Notify::new()) }
+        Ejector {
+            window: Arc::new(Mutex::new(Window::new(cfg))),
+            tripped: Arc::new(Notify::new()),
+        }
     }
 
     /// Records a handler outcome (from the attempt that ran it).
@@ -137,7 +140,13 @@ impl Ejection {
     /// One trip: eject (unless stale, or the last active worker of the group), cool down, come
     /// back. Returns early on shutdown or a drain.
     async fn on_trip(&self, shutdown: &CancellationToken) {
-        let Ejection { ejector, cfg, control, store, worker_id } = self;
+        let Ejection {
+            ejector,
+            cfg,
+            control,
+            store,
+            worker_id,
+        } = self;
         // A trip recorded before a cool-down ended (tasks finishing while ejected) is stale:
         // only the window as it is now counts.
         if control.mode() != Mode::Active || !ejector.is_tripped() {
@@ -148,7 +157,10 @@ impl Ejection {
         // (and end as no_matching_worker) instead of a failing one.
         match store.try_eject(worker_id).await {
             Ok(Some(false)) => {
-                tracing::warn!(error_ratio = ratio, "too many errors, but this is the last active worker of its group: staying in");
+                tracing::warn!(
+                    error_ratio = ratio,
+                    "too many errors, but this is the last active worker of its group: staying in"
+                );
                 ejector.clear();
                 return;
             }
@@ -160,7 +172,9 @@ impl Ejection {
         }
         // Redis first: a drain an operator asked for there (final, see `set_state.lua`) wins
         // over the ejection, even when this worker has not seen it yet.
-        if crate::registry::set_state_logged(store, worker_id, WorkerState::Ejected).await == Some(WorkerState::Draining) {
+        if crate::registry::set_state_logged(store, worker_id, WorkerState::Ejected).await
+            == Some(WorkerState::Draining)
+        {
             control.request_drain("state draining set in Redis (drain requested through the API)");
             return;
         }
@@ -168,7 +182,11 @@ impl Ejection {
             return;
         }
         metrics::counter!(fleet::metrics::WORKER_EJECTIONS).increment(1);
-        tracing::warn!(error_ratio = ratio, cooldown_ms = cfg.cooldown.as_millis() as u64, "too many errors: ejecting this worker");
+        tracing::warn!(
+            error_ratio = ratio,
+            cooldown_ms = cfg.cooldown.as_millis() as u64,
+            "too many errors: ejecting this worker"
+        );
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => return,
@@ -181,7 +199,9 @@ impl Ejection {
         }
         // An operator may have asked for a drain while we were ejected: the previous state
         // tells; honour it instead of overwriting it.
-        if crate::registry::set_state_logged(store, worker_id, WorkerState::Active).await == Some(WorkerState::Draining) {
+        if crate::registry::set_state_logged(store, worker_id, WorkerState::Active).await
+            == Some(WorkerState::Draining)
+        {
             control.request_drain("state draining set while ejected");
             return;
         }
@@ -196,7 +216,12 @@ mod tests {
     use super::*;
 
     fn window(size: usize, min: usize, ratio: f64) -> Window {
-        Window::new(&EjectConfig { window: size, min_samples: min, error_ratio: ratio, cooldown: Duration::from_secs(1) })
+        Window::new(&EjectConfig {
+            window: size,
+            min_samples: min,
+            error_ratio: ratio,
+            cooldown: Duration::from_secs(1),
+        })
     }
 
     #[test]
@@ -216,7 +241,10 @@ mod tests {
         }
         assert_eq!(w.error_ratio(), 0.5);
         assert!(!w.tripped(), "0.5 is not above 0.5");
-        assert!(w.record(true), "6 of 10 after the oldest success slides out");
+        assert!(
+            w.record(true),
+            "6 of 10 after the oldest success slides out"
+        );
     }
 
     #[test]

@@ -67,18 +67,36 @@ impl Heartbeat {
         if let Err(e) = store.measure_clock().await {
             tracing::debug!(error = %e, "cannot measure the clock against Redis");
         }
-        match store.heartbeat(self.registrar.id(), self.registrar.instance(), self.run_lease, &b).await {
+        match store
+            .heartbeat(
+                self.registrar.id(),
+                self.registrar.instance(),
+                self.run_lease,
+                &b,
+            )
+            .await
+        {
             Ok(reply) => {
                 self.readiness.set_redis(true);
                 // For the scheduler's console; kept a little longer than a beat apart.
                 let (waits, skew) = (self.stats.waits.encode(), store.clock.skew_ms());
-                if let Err(e) = store.share_worker_stats(self.registrar.id(), &waits, skew, self.interval * 3).await {
+                if let Err(e) = store
+                    .share_worker_stats(self.registrar.id(), &waits, skew, self.interval * 3)
+                    .await
+                {
                     tracing::debug!(error = %e, "cannot share the wait histogram");
                 }
                 self.on_reply(reply, &b).await;
                 // The figures also go out with every ledger batch; this covers a registration
                 // made again (which starts from an empty record).
-                if let Err(e) = store.set_outcomes(self.registrar.id(), self.registrar.instance(), &self.stats.outcomes()).await {
+                if let Err(e) = store
+                    .set_outcomes(
+                        self.registrar.id(),
+                        self.registrar.instance(),
+                        &self.stats.outcomes(),
+                    )
+                    .await
+                {
                     self.redis_error(&e, "cannot publish the task figures");
                 }
             }
@@ -90,13 +108,23 @@ impl Heartbeat {
         let mode = self.control.mode();
         match reply {
             BeatReply::Gone => {
-                tracing::warn!("registration lost (Redis data loss or eviction); registering again");
+                tracing::warn!(
+                    "registration lost (Redis data loss or eviction); registering again"
+                );
                 match self.registrar.register(mode.state()).await {
                     Ok(()) => {
                         // The fresh registration has no running records: renew them at once
                         // (once: a registration lost again waits for the next beat).
                         let store = self.registrar.store();
-                        if let Err(e) = store.heartbeat(self.registrar.id(), self.registrar.instance(), self.run_lease, b).await {
+                        if let Err(e) = store
+                            .heartbeat(
+                                self.registrar.id(),
+                                self.registrar.instance(),
+                                self.run_lease,
+                                b,
+                            )
+                            .await
+                        {
                             self.redis_error(&e, "heartbeat after registering again failed");
                         }
                     }
@@ -105,7 +133,10 @@ impl Heartbeat {
                 }
             }
             BeatReply::Conflict => {
-                self.control.fail(format!("worker id `{}` is now held by another process", self.registrar.id()));
+                self.control.fail(format!(
+                    "worker id `{}` is now held by another process",
+                    self.registrar.id()
+                ));
             }
             BeatReply::State(s) => self.reconcile(mode, s).await,
         }
@@ -115,12 +146,22 @@ impl Heartbeat {
     /// difference (a lost `set_state`) is corrected from our side.
     async fn reconcile(&self, mode: Mode, stored: WorkerState) {
         if stored == WorkerState::Draining && mode != Mode::Draining {
-            self.control.request_drain("state set to draining in Redis (drain requested through the API)");
+            self.control
+                .request_drain("state set to draining in Redis (drain requested through the API)");
         } else if stored != mode.state() {
-            tracing::info!(stored = stored.as_str(), ours = mode.state().as_str(), "correcting the worker state in Redis");
+            tracing::info!(
+                stored = stored.as_str(),
+                ours = mode.state().as_str(),
+                "correcting the worker state in Redis"
+            );
             // A drain asked since `stored` was read is kept by the script, and obeyed here.
-            if set_state_logged(self.registrar.store(), self.registrar.id(), mode.state()).await == Some(WorkerState::Draining) && mode != Mode::Draining {
-                self.control.request_drain("state set to draining in Redis (drain requested through the API)");
+            if set_state_logged(self.registrar.store(), self.registrar.id(), mode.state()).await
+                == Some(WorkerState::Draining)
+                && mode != Mode::Draining
+            {
+                self.control.request_drain(
+                    "state set to draining in Redis (drain requested through the API)",
+                );
             }
         }
     }
@@ -129,7 +170,9 @@ impl Heartbeat {
         let store = self.registrar.store();
         match store.worker_state(self.registrar.id()).await {
             Ok(Some(WorkerState::Draining)) if self.control.mode() != Mode::Draining => {
-                self.control.request_drain("state set to draining in Redis (drain requested through the API)");
+                self.control.request_drain(
+                    "state set to draining in Redis (drain requested through the API)",
+                );
             }
             // A read proves nothing about writes (a read-only Redis answers it): readiness
             // is set by the heartbeat, a write.
@@ -181,7 +224,9 @@ const USER_HZ: f64 = 100.0;
 
 impl CpuSampler {
     pub fn new() -> Self {
-        let cores = std::thread::available_parallelism().map(|n| n.get() as f64).unwrap_or(1.0);
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get() as f64)
+            .unwrap_or(1.0);
         let mut s = CpuSampler { last: None, cores };
         s.sample();
         s
@@ -190,7 +235,9 @@ impl CpuSampler {
     /// Utilisation since the previous sample, `0..=1` (0 on the first sample, where `/proc`
     /// is unavailable, or when no wall time passed).
     pub fn sample(&mut self) -> f64 {
-        let Some(cpu) = process_cpu_seconds() else { return 0.0 };
+        let Some(cpu) = process_cpu_seconds() else {
+            return 0.0;
+        };
         self.sample_at(Instant::now(), cpu)
     }
 
@@ -250,7 +297,8 @@ mod tests {
 
     #[test]
     fn stat_parsing() {
-        let line = "4242 (my (odd) prog) S 1 4242 4242 0 -1 4194560 500 0 0 0 250 50 0 0 20 0 4 0 100 0 0";
+        let line =
+            "4242 (my (odd) prog) S 1 4242 4242 0 -1 4194560 500 0 0 0 250 50 0 0 20 0 4 0 100 0 0";
         assert_eq!(parse_stat(line), Some(3.0));
         assert_eq!(parse_stat("garbage"), None);
         assert!(process_cpu_seconds().is_some(), "Linux has /proc/self/stat");
@@ -261,15 +309,41 @@ mod tests {
     fn sampler_divides_cpu_time_by_wall_time_and_cores() {
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
-        let mut s = CpuSampler { last: None, cores: 2.0 };
-        assert_eq!(s.sample_at(at(0), 10.0), 0.0, "the first sample has nothing to compare with");
-        assert_eq!(s.sample_at(at(1000), 11.5), 0.75, "1.5 CPU s in 1 s on 2 cores");
-        assert_eq!(s.sample_at(at(3000), 12.5), 0.25, "1 CPU s in 2 s on 2 cores");
+        let mut s = CpuSampler {
+            last: None,
+            cores: 2.0,
+        };
+        assert_eq!(
+            s.sample_at(at(0), 10.0),
+            0.0,
+            "the first sample has nothing to compare with"
+        );
+        assert_eq!(
+            s.sample_at(at(1000), 11.5),
+            0.75,
+            "1.5 CPU s in 1 s on 2 cores"
+        );
+        assert_eq!(
+            s.sample_at(at(3000), 12.5),
+            0.25,
+            "1 CPU s in 2 s on 2 cores"
+        );
         assert_eq!(s.sample_at(at(4000), 12.5), 0.0, "idle");
         assert_eq!(s.sample_at(at(4000), 13.0), 0.0, "no wall time passed");
-        assert_eq!(s.sample_at(at(4500), 16.0), 1.0, "more than every core (a coarse /proc tick) is clamped");
-        assert_eq!(s.sample_at(at(5000), 15.0), 0.0, "a counter going back is clamped");
-        let mut one = CpuSampler { last: None, cores: 1.0 };
+        assert_eq!(
+            s.sample_at(at(4500), 16.0),
+            1.0,
+            "more than every core (a coarse /proc tick) is clamped"
+        );
+        assert_eq!(
+            s.sample_at(at(5000), 15.0),
+            0.0,
+            "a counter going back is clamped"
+        );
+        let mut one = CpuSampler {
+            last: None,
+            cores: 1.0,
+        };
         one.sample_at(at(0), 0.0);
         assert_eq!(one.sample_at(at(500), 0.25), 0.5);
     }
@@ -282,7 +356,9 @@ mod tests {
         let start = process_cpu_seconds().unwrap_or(0.0);
         let give_up = std::time::Instant::now() + Duration::from_secs(30);
         let mut x = 0u64;
-        while process_cpu_seconds().unwrap_or(0.0) < start + 0.05 && std::time::Instant::now() < give_up {
+        while process_cpu_seconds().unwrap_or(0.0) < start + 0.05
+            && std::time::Instant::now() < give_up
+        {
             for i in 0..100_000u64 {
                 x = x.wrapping_mul(31).wrapping_add(i);
             }

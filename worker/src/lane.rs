@@ -94,7 +94,10 @@ impl LaneConsumer {
                 }
             }
             session += 1;
-            match self.session(&conn, session, &permits, &mut mode, &shutdown, &mut delay).await {
+            match self
+                .session(&conn, session, &permits, &mut mode, &shutdown, &mut delay)
+                .await
+            {
                 Ended::Stopped => return,
                 Ended::Paused => {
                     tracing::info!("consumer cancelled while ejected");
@@ -161,7 +164,9 @@ impl LaneConsumer {
             let delivery = match delivery {
                 Some(Ok(d)) => d,
                 Some(Err(e)) => return Ended::Lost(e.to_string()),
-                None => return Ended::Lost("consumer cancelled by the broker (queue deleted?)".into()),
+                None => {
+                    return Ended::Lost("consumer cancelled by the broker (queue deleted?)".into())
+                }
             };
             let slot = acks.slot(&delivery);
             // A free slot first; the prefetch makes waiting rare (only after a reconnect, while
@@ -181,22 +186,45 @@ impl LaneConsumer {
             // claim's Redis call, dead-lettering, a retry's publish — are boxed where they are
             // awaited), and the span and task-tracker wrappers and tokio's task cell would each
             // move it whole.
-            self.work.spawn_here(Box::pin(attempt::handle(shared, self.lane, delivery, slot, channel.clone(), permit)));
+            self.work.spawn_here(Box::pin(attempt::handle(
+                shared,
+                self.lane,
+                delivery,
+                slot,
+                channel.clone(),
+                permit,
+            )));
         }
     }
 
     /// Opens a channel and one consumer per queue (tag `<tag>` for a single queue, else
     /// `<tag>.<i>`), each with its share of the capacity as prefetch.
-    async fn open(&self, conn: &Connection, tag: &str, queues: &[String]) -> lapin::Result<(Channel, Vec<String>, Deliveries)> {
+    async fn open(
+        &self,
+        conn: &Connection,
+        tag: &str,
+        queues: &[String],
+    ) -> lapin::Result<(Channel, Vec<String>, Deliveries)> {
         let channel = conn.create_channel().await?;
         let prefetch = Subsetting::split_prefetch(self.capacity, queues.len());
         let mut tags = Vec::with_capacity(queues.len());
         let mut consumers = Vec::with_capacity(queues.len());
         for (i, (queue, prefetch)) in queues.iter().zip(prefetch).enumerate() {
-            let tag = if queues.len() == 1 { tag.to_string() } else { format!("{tag}.{i}") };
-            channel.basic_qos(prefetch, BasicQosOptions::default()).await?;
+            let tag = if queues.len() == 1 {
+                tag.to_string()
+            } else {
+                format!("{tag}.{i}")
+            };
+            channel
+                .basic_qos(prefetch, BasicQosOptions::default())
+                .await?;
             let consumer = channel
-                .basic_consume(ShortString::from(queue.as_str()), ShortString::from(tag.as_str()), BasicConsumeOptions::default(), FieldTable::default())
+                .basic_consume(
+                    ShortString::from(queue.as_str()),
+                    ShortString::from(tag.as_str()),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
                 .await?;
             tags.push(tag);
             consumers.push(consumer);
@@ -205,11 +233,22 @@ impl LaneConsumer {
     }
 
     /// Cancels the consumers and nacks back whatever was already on its way.
-    async fn stop(&self, channel: &Channel, tags: &[String], consumer: &mut Deliveries, ended: Ended) -> Ended {
+    async fn stop(
+        &self,
+        channel: &Channel,
+        tags: &[String],
+        consumer: &mut Deliveries,
+        ended: Ended,
+    ) -> Ended {
         self.shared.stats.set_consuming(self.lane, Vec::new());
         // All cancels at once, bounded: a broker that does not answer must not hold up a
         // drain (the channel closes with the connection, which returns what it delivered).
-        let cancels = futures::future::join_all(tags.iter().map(|tag| channel.basic_cancel(ShortString::from(tag.as_str()), BasicCancelOptions::default())));
+        let cancels = futures::future::join_all(tags.iter().map(|tag| {
+            channel.basic_cancel(
+                ShortString::from(tag.as_str()),
+                BasicCancelOptions::default(),
+            )
+        }));
         match tokio::time::timeout(CANCEL_FLUSH, cancels).await {
             Ok(results) => {
                 if let Some(e) = results.into_iter().find_map(Result::err) {
@@ -220,7 +259,11 @@ impl LaneConsumer {
             // Go on to the flush: what the consumers deliver meanwhile is nacked back rather
             // than held by a channel nobody reads (an ejection or a shard move keeps the
             // connection open). The cancels were sent; the broker applies them when it answers.
-            Err(_) => tracing::warn!(consumers = tags.len(), limit_ms = CANCEL_FLUSH.as_millis() as u64, "RabbitMQ did not answer basic.cancel; returning what it delivers, then going on"),
+            Err(_) => tracing::warn!(
+                consumers = tags.len(),
+                limit_ms = CANCEL_FLUSH.as_millis() as u64,
+                "RabbitMQ did not answer basic.cancel; returning what it delivers, then going on"
+            ),
         }
         let mut returned = 0u32;
         let flush = async {

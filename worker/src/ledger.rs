@@ -47,10 +47,16 @@ const FINAL_FLUSH: Duration = Duration::from_secs(5);
 #[derive(Debug)]
 pub enum Op {
     /// Claim an attempt before running it.
-    Claim { req: ClaimRequest, reply: oneshot::Sender<Option<Claim>> },
+    Claim {
+        req: ClaimRequest,
+        reply: oneshot::Sender<Option<Claim>>,
+    },
     /// An attempt ended (with an outcome, or released: see [`Finished::release`]); `written`
     /// is told once it is in Redis.
-    Finish { fin: Finished, written: Option<oneshot::Sender<()>> },
+    Finish {
+        fin: Finished,
+        written: Option<oneshot::Sender<()>>,
+    },
 }
 
 /// The sending side, used by task attempts. Cheap to clone; never blocks.
@@ -77,7 +83,18 @@ struct Writer {
 impl Writer {
     /// Writes claims (one `start` call); `None` answers every one "unknown" (Redis failed).
     async fn claim(&self, reqs: &[ClaimRequest]) -> Option<Vec<Claim>> {
-        match self.store.claim(&self.worker_id, &self.group, &self.instance, self.run_lease, self.status_ttl, reqs).await {
+        match self
+            .store
+            .claim(
+                &self.worker_id,
+                &self.group,
+                &self.instance,
+                self.run_lease,
+                self.status_ttl,
+                reqs,
+            )
+            .await
+        {
             Ok((registered, answers)) => {
                 if !registered {
                     self.gone.notify_one();
@@ -104,10 +121,30 @@ impl Drop for Busy<'_> {
 
 impl Ledger {
     /// A ledger and its batching loop (run it with [`Batcher::run`]).
-    pub fn new(store: Store, worker_id: String, instance: String, group: String, run_lease: Duration, status_ttl: Duration) -> (Ledger, Batcher) {
+    pub fn new(
+        store: Store,
+        worker_id: String,
+        instance: String,
+        group: String,
+        run_lease: Duration,
+        status_ttl: Duration,
+    ) -> (Ledger, Batcher) {
         let (tx, rx) = mpsc::channel(BUFFER);
-        let writer = Arc::new(Writer { store, worker_id, instance, group, run_lease, status_ttl, gone: Arc::new(Notify::new()), busy: AtomicUsize::new(0) });
-        let batcher = Batcher { rx, writer: writer.clone(), figures: None };
+        let writer = Arc::new(Writer {
+            store,
+            worker_id,
+            instance,
+            group,
+            run_lease,
+            status_ttl,
+            gone: Arc::new(Notify::new()),
+            busy: AtomicUsize::new(0),
+        });
+        let batcher = Batcher {
+            rx,
+            writer: writer.clone(),
+            figures: None,
+        };
         (Ledger { tx, writer }, batcher)
     }
 
@@ -117,8 +154,12 @@ impl Ledger {
             self.writer.busy.fetch_sub(1, Ordering::AcqRel);
             metrics::counter!(LEDGER_DROPPED).increment(1);
             match e {
-                mpsc::error::TrySendError::Full(_) => tracing::warn!("ledger buffer full (Redis down?): task record dropped"),
-                mpsc::error::TrySendError::Closed(_) => tracing::debug!("ledger closed: task record dropped"),
+                mpsc::error::TrySendError::Full(_) => {
+                    tracing::warn!("ledger buffer full (Redis down?): task record dropped")
+                }
+                mpsc::error::TrySendError::Closed(_) => {
+                    tracing::debug!("ledger closed: task record dropped")
+                }
             }
         }
     }
@@ -127,11 +168,18 @@ impl Ledger {
     /// `None` when Redis could not answer (the caller runs the attempt: at-least-once).
     /// Cancel safe.
     pub async fn claim(&self, req: ClaimRequest) -> Option<Claim> {
-        if self.writer.busy.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+        if self
+            .writer
+            .busy
+            .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
             let _busy = Busy(&self.writer.busy);
             // Boxed: the Redis call's future is most of an attempt's size otherwise, and every
             // attempt would carry (and move) it though only an idle worker's claims take this path.
-            return Box::pin(self.writer.claim(std::slice::from_ref(&req))).await.and_then(|mut a| a.pop());
+            return Box::pin(self.writer.claim(std::slice::from_ref(&req)))
+                .await
+                .and_then(|mut a| a.pop());
         }
         let (reply, rx) = oneshot::channel();
         self.record(Op::Claim { req, reply });
@@ -142,7 +190,10 @@ impl Ledger {
     /// written.
     pub async fn finish(&self, fin: Finished) -> bool {
         let (written, rx) = oneshot::channel();
-        self.record(Op::Finish { fin, written: Some(written) });
+        self.record(Op::Finish {
+            fin,
+            written: Some(written),
+        });
         matches!(tokio::time::timeout(OUTCOME_WAIT, rx).await, Ok(Ok(())))
     }
 
@@ -199,14 +250,21 @@ impl Batcher {
         while let Ok(op) = self.rx.try_recv() {
             batch.push(op);
         }
-        self.flush(&mut batch, &mut finishes, Some(give_up), &never).await;
+        self.flush(&mut batch, &mut finishes, Some(give_up), &never)
+            .await;
     }
 
     /// Writes a batch: claims once (answered "unknown" on failure), outcomes until written,
     /// `give_up` passes or `shutdown` fires (left in `finishes` for the final flush). The
     /// first try sends the claims and the outcomes (with this worker's figures) together: on
     /// the one multiplexed Redis connection they go out as a pipeline and cost one round trip.
-    async fn flush(&mut self, batch: &mut Vec<Op>, finishes: &mut Finishes, give_up: Option<Instant>, shutdown: &CancellationToken) {
+    async fn flush(
+        &mut self,
+        batch: &mut Vec<Op>,
+        finishes: &mut Finishes,
+        give_up: Option<Instant>,
+        shutdown: &CancellationToken,
+    ) {
         let taken = batch.len();
         let more = self.write(batch, finishes, give_up, shutdown).await;
         self.writer.busy.fetch_sub(taken + more, Ordering::AcqRel);
@@ -215,14 +273,33 @@ impl Batcher {
     /// Writes the outcomes in `finishes` with the worker's current task figures (one `finish` call).
     async fn finish(&self, finishes: &Finishes) -> fleet::Result<()> {
         let fins: Vec<Finished> = finishes.iter().map(|(f, _)| f.clone()).collect();
-        let figures = self.figures.as_ref().map(|s| s.outcomes()).unwrap_or_default();
+        let figures = self
+            .figures
+            .as_ref()
+            .map(|s| s.outcomes())
+            .unwrap_or_default();
         let w = &self.writer;
-        w.store.finish(&w.worker_id, &w.group, &w.instance, w.status_ttl, &fins, &figures).await
+        w.store
+            .finish(
+                &w.worker_id,
+                &w.group,
+                &w.instance,
+                w.status_ttl,
+                &fins,
+                &figures,
+            )
+            .await
     }
 
     /// [`Batcher::flush`]'s work; returns how many more records it took from the channel
     /// while retrying.
-    async fn write(&mut self, batch: &mut Vec<Op>, finishes: &mut Finishes, give_up: Option<Instant>, shutdown: &CancellationToken) -> usize {
+    async fn write(
+        &mut self,
+        batch: &mut Vec<Op>,
+        finishes: &mut Finishes,
+        give_up: Option<Instant>,
+        shutdown: &CancellationToken,
+    ) -> usize {
         let mut claims = Vec::new();
         for op in batch.drain(..) {
             match op {
@@ -280,7 +357,10 @@ impl Batcher {
                 }
             }
             if give_up.is_some_and(|g| Instant::now() + delay > g) {
-                tracing::warn!(pending = finishes.len(), "giving up on task outcomes at shutdown");
+                tracing::warn!(
+                    pending = finishes.len(),
+                    "giving up on task outcomes at shutdown"
+                );
                 finishes.clear();
                 return more;
             }

@@ -43,7 +43,11 @@ async fn main() -> ExitCode {
     let force = CancellationToken::new();
     let signals = tokio::spawn(on_signals(shutdown.clone(), force.clone()));
     let grace = cfg.drain_grace;
-    let result = match Worker::builder(cfg).force_shutdown(force).start(shutdown).await {
+    let result = match Worker::builder(cfg)
+        .force_shutdown(force)
+        .start(shutdown)
+        .await
+    {
         Ok(Some(running)) => {
             running.draining().await;
             running.drain(grace).await

@@ -85,7 +85,8 @@ impl Registrar {
 
     /// Says whether this process holds the id's broker lock (see [`crate::broker::Broker::lock_id`]).
     pub fn set_takeover(&self, held: bool) {
-        self.takeover.store(held, std::sync::atomic::Ordering::Relaxed);
+        self.takeover
+            .store(held, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn id(&self) -> &str {
@@ -104,7 +105,10 @@ impl Registrar {
     /// fired first. An id held by another instance is watched (see the module docs): an error
     /// once the holder proves alive by heartbeating, retrying cannot fix that. Cancel safe (a
     /// registration cut short is either done or not; registering again is idempotent).
-    pub async fn register_at_startup(&self, shutdown: &CancellationToken) -> Result<bool, RegisterError> {
+    pub async fn register_at_startup(
+        &self,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, RegisterError> {
         let mut delay = Duration::from_millis(100);
         // The holder of our id as first seen: (instance, last heartbeat).
         let mut holder: Option<(String, i64)> = None;
@@ -119,12 +123,16 @@ impl Registrar {
                                 tracing::warn!(holder = %now.0, "{m}: waiting to see whether it is alive (a crashed predecessor stays silent)");
                                 holder = Some(now);
                             }
-                            Some(first) if *first != now => return Err(RegisterError::Duplicate(m)),
+                            Some(first) if *first != now => {
+                                return Err(RegisterError::Duplicate(m))
+                            }
                             Some(_) => {}
                         },
                         // Gone meanwhile (deregistered or evicted): register at once.
                         Ok(None) => continue,
-                        Err(e) => tracing::warn!(error = %e, "cannot read the holder of this worker id"),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot read the holder of this worker id")
+                        }
                     }
                     pause = DUPLICATE_POLL;
                 }
@@ -160,7 +168,10 @@ impl Registrar {
             0 => 0,
             t => t + (self.store.clock.now_ms() - fleet::store::now_ms()),
         };
-        let result = self.store.register_declared(&r, self.liveness, takeover, declared).await;
+        let result = self
+            .store
+            .register_declared(&r, self.liveness, takeover, declared)
+            .await;
         if let Err(fleet::Error::Reclaiming(why)) = &result {
             // The group was reclaimed (or is being): its queues may be gone. Declare them
             // again, so the next attempt registers with queues that exist.
@@ -176,7 +187,9 @@ impl Registrar {
     pub async fn deregister(&self) {
         match self.store.deregister(self.id(), self.instance()).await {
             Ok(true) => tracing::info!("deregistered"),
-            Ok(false) => tracing::info!("nothing to deregister (registration gone or held by another instance)"),
+            Ok(false) => tracing::info!(
+                "nothing to deregister (registration gone or held by another instance)"
+            ),
             Err(e) => {
                 metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
                 tracing::warn!(error = %e, "cannot deregister; the health checker will evict this worker");

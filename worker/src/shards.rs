@@ -42,7 +42,9 @@ impl ShardWatch {
     /// The normal-lane queues to consume now: `None` when the table cannot be read or does not
     /// name this worker. Cancel safe (one read).
     pub async fn current(&self) -> Option<(u32, Vec<String>)> {
-        let table = match tokio::time::timeout(READ_TIMEOUT, self.store.group_ordinals(&self.group)).await {
+        let table = match tokio::time::timeout(READ_TIMEOUT, self.store.group_ordinals(&self.group))
+            .await
+        {
             Ok(Ok(t)) => t,
             Ok(Err(e)) => {
                 metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
@@ -51,7 +53,10 @@ impl ShardWatch {
             }
             Err(_) => return None,
         };
-        let own = table.iter().find(|(_, id)| **id == self.worker_id).map(|(o, _)| *o)?;
+        let own = table
+            .iter()
+            .find(|(_, id)| **id == self.worker_id)
+            .map(|(o, _)| *o)?;
         let live: Vec<u32> = table.keys().copied().collect();
         let shards = self.subsetting.shards_of(own, &live);
         Some((own, self.queues(&shards)))
@@ -60,12 +65,19 @@ impl ShardWatch {
     /// Queue names of the given shards.
     pub fn queues(&self, shards: &[u32]) -> Vec<String> {
         let n = self.subsetting.shards();
-        shards.iter().map(|&s| self.names.group_shard_queue(&self.group, Lane::Normal, s, n)).collect()
+        shards
+            .iter()
+            .map(|&s| {
+                self.names
+                    .group_shard_queue(&self.group, Lane::Normal, s, n)
+            })
+            .collect()
     }
 
     /// Every shard queue (the fallback before the table is read).
     pub fn all(&self) -> Vec<String> {
-        self.names.group_shard_queues(&self.group, Lane::Normal, self.subsetting.shards())
+        self.names
+            .group_shard_queues(&self.group, Lane::Normal, self.subsetting.shards())
     }
 
     /// Re-reads the table every interval and sends a changed set, until `shutdown`.
@@ -82,7 +94,9 @@ impl ShardWatch {
 
     /// Reads the table once and sends the set if it changed.
     async fn tick(&self, tx: &watch::Sender<Vec<String>>) {
-        let Some((ordinal, queues)) = self.current().await else { return };
+        let Some((ordinal, queues)) = self.current().await else {
+            return;
+        };
         tx.send_if_modified(|now| {
             if *now == queues {
                 return false;

@@ -34,7 +34,10 @@ pub const OUTCOMES: [&str; 5] = ["succeeded", "retried", "dead", "expired", "fai
 
 impl Stats {
     pub fn new() -> Self {
-        Stats { ewma_bits: AtomicU64::new(f64::NAN.to_bits()), ..Default::default() }
+        Stats {
+            ewma_bits: AtomicU64::new(f64::NAN.to_bits()),
+            ..Default::default()
+        }
     }
 
     /// Records the queues a lane consumes now (empty: none, e.g. paused or reconnecting).
@@ -46,7 +49,10 @@ impl Stats {
 
     /// The queues a lane consumes now.
     pub fn consuming(&self, lane: Lane) -> Vec<String> {
-        self.consuming.lock().map(|c| c[lane].clone()).unwrap_or_default()
+        self.consuming
+            .lock()
+            .map(|c| c[lane].clone())
+            .unwrap_or_default()
     }
 
     pub fn started(&self, lane: Lane, id: &str) {
@@ -75,16 +81,24 @@ impl Stats {
             self.failed.fetch_add(1, Ordering::Relaxed);
         }
         let ms = took.as_secs_f64() * 1000.0;
-        let _ = self.ewma_bits.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
-            let old = f64::from_bits(bits);
-            let new = if old.is_nan() { ms } else { old + EWMA_ALPHA * (ms - old) };
-            Some(new.to_bits())
-        });
+        let _ = self
+            .ewma_bits
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                let old = f64::from_bits(bits);
+                let new = if old.is_nan() {
+                    ms
+                } else {
+                    old + EWMA_ALPHA * (ms - old)
+                };
+                Some(new.to_bits())
+            });
     }
 
     /// (how many run in each lane, the running tasks).
     pub fn running(&self) -> (PerLane<u32>, Vec<(Lane, String)>) {
-        let Ok(r) = self.running.lock() else { return (PerLane::default(), vec![]) };
+        let Ok(r) = self.running.lock() else {
+            return (PerLane::default(), vec![]);
+        };
         let mut counts = PerLane::default();
         for ((lane, _), n) in r.iter() {
             counts[*lane] += n;
@@ -101,11 +115,18 @@ impl Stats {
 
     /// User task attempts by outcome, every one of [`OUTCOMES`] in order.
     pub fn outcomes(&self) -> Vec<(&'static str, u64)> {
-        OUTCOMES.iter().zip(&self.outcomes).map(|(o, n)| (*o, n.load(Ordering::Relaxed))).collect()
+        OUTCOMES
+            .iter()
+            .zip(&self.outcomes)
+            .map(|(o, n)| (*o, n.load(Ordering::Relaxed)))
+            .collect()
     }
 
     pub fn totals(&self) -> (u64, u64) {
-        (self.succeeded.load(Ordering::Relaxed), self.failed.load(Ordering::Relaxed))
+        (
+            self.succeeded.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+        )
     }
 
     pub fn latency_ewma_ms(&self) -> f64 {
@@ -128,7 +149,13 @@ mod tests {
         s.started(Lane::Normal, "a");
         s.started(Lane::Normal, "a");
         s.started(Lane::Critical, "p");
-        let (PerLane { normal: n, critical: c }, list) = s.running();
+        let (
+            PerLane {
+                normal: n,
+                critical: c,
+            },
+            list,
+        ) = s.running();
         assert_eq!((n, c, list.len()), (2, 1, 2));
         s.ended(Lane::Normal, "a");
         s.ended(Lane::Normal, "a");
@@ -154,6 +181,15 @@ mod tests {
         s.outcome("succeeded");
         s.outcome("retried");
         s.outcome("bogus");
-        assert_eq!(s.outcomes(), vec![("succeeded", 2), ("retried", 1), ("dead", 0), ("expired", 0), ("failed", 0)]);
+        assert_eq!(
+            s.outcomes(),
+            vec![
+                ("succeeded", 2),
+                ("retried", 1),
+                ("dead", 0),
+                ("expired", 0),
+                ("failed", 0)
+            ]
+        );
     }
 }

@@ -101,7 +101,13 @@ impl WorkerBuilder {
 impl Worker {
     pub fn builder(cfg: WorkerConfig) -> WorkerBuilder {
         WorkerBuilder {
-            worker: Worker { cfg, custom: Handlers::default(), listener: None, ready: None, force: CancellationToken::new() },
+            worker: Worker {
+                cfg,
+                custom: Handlers::default(),
+                listener: None,
+                ready: None,
+                force: CancellationToken::new(),
+            },
         }
     }
 
@@ -111,7 +117,9 @@ impl Worker {
     /// (grace exceeded, forced) or a fatal conflict.
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         let grace = self.cfg.drain_grace;
-        let Some(running) = self.start(shutdown).await? else { return Ok(()) };
+        let Some(running) = self.start(shutdown).await? else {
+            return Ok(());
+        };
         running.draining().await;
         running.drain(grace).await
     }
@@ -128,11 +136,21 @@ impl Worker {
     }
 
     async fn start_inner(self, shutdown: CancellationToken) -> anyhow::Result<Option<Drain>> {
-        let Worker { cfg, custom, listener, ready, force } = self;
+        let Worker {
+            cfg,
+            custom,
+            listener,
+            ready,
+            force,
+        } = self;
         let group = cfg.group();
-        let handlers = Handlers::for_config(&cfg, custom).map_err(|e| anyhow!("executor {}: {e}", cfg.executor.as_str()))?;
+        let handlers = Handlers::for_config(&cfg, custom)
+            .map_err(|e| anyhow!("executor {}: {e}", cfg.executor.as_str()))?;
         let prom = fleet::metrics::install();
-        metrics::describe_counter!(crate::ledger::LEDGER_DROPPED, "Task start/finish records dropped because Redis was unreachable for too long.");
+        metrics::describe_counter!(
+            crate::ledger::LEDGER_DROPPED,
+            "Task start/finish records dropped because Redis was unreachable for too long."
+        );
         metrics::gauge!(fleet::metrics::WORKER_INFO, "worker" => cfg.worker_id.clone(), "group" => group.clone()).set(1.0);
 
         let readiness = Readiness::default();
@@ -154,14 +172,35 @@ impl Worker {
             executor: cfg.executor.as_str(),
             capacity: cfg.capacity,
         };
-        let router = api::router(prom, readiness.clone(), identity, control.clone(), stats.clone(), &cfg.common.auth);
-        stages.serve.spawn(tracing::info_span!("http", addr = %http_addr), fleet::http::serve(listener, router, stages.serve.token()));
+        let router = api::router(
+            prom,
+            readiness.clone(),
+            identity,
+            control.clone(),
+            stats.clone(),
+            &cfg.common.auth,
+        );
+        stages.serve.spawn(
+            tracing::info_span!("http", addr = %http_addr),
+            fleet::http::serve(listener, router, stages.serve.token()),
+        );
         tracing::info!(group = %group, http = %http_addr, capacity = cfg.capacity.normal, critical_capacity = cfg.capacity.critical, executor = cfg.executor.as_str(), "starting");
-        let requests = DrainRequests { shutdown, control: control.clone() };
-        stages.serve.spawn(tracing::Span::current(), requests.run(stages.serve.token()));
+        let requests = DrainRequests {
+            shutdown,
+            control: control.clone(),
+        };
+        stages
+            .serve
+            .spawn(tracing::Span::current(), requests.run(stages.serve.token()));
 
         // RabbitMQ (the force token ends its reconnecting).
-        let broker = Arc::new(Broker::new(cfg.common.clone(), group.clone(), &cfg.worker_id, readiness.clone(), force.child_token()));
+        let broker = Arc::new(Broker::new(
+            cfg.common.clone(),
+            group.clone(),
+            &cfg.worker_id,
+            readiness.clone(),
+            force.child_token(),
+        ));
         let connected = tokio::select! {
             biased;
             _ = control.draining() => false,
@@ -178,7 +217,11 @@ impl Worker {
         }
 
         // Redis registration.
-        let store = Store::with_tls(&cfg.common.redis_url, cfg.common.names(), &cfg.common.redis_tls)?;
+        let store = Store::with_tls(
+            &cfg.common.redis_url,
+            cfg.common.names(),
+            &cfg.common.redis_tls,
+        )?;
         let registrar = Registrar::new(&cfg, store.clone()).with_broker(broker.clone());
         // A predecessor with this id whose connection is closed (crashed) is provably gone:
         // take its place now rather than after its heartbeat window.
@@ -195,7 +238,9 @@ impl Worker {
         let failed = match registered {
             Ok(true) => None,
             Ok(false) => Some(("shutdown during start-up", None)),
-            Err(crate::registry::RegisterError::Permanent(p)) => Some(("start-up failed", Some(anyhow!(p)))),
+            Err(crate::registry::RegisterError::Permanent(p)) => {
+                Some(("start-up failed", Some(anyhow!(p))))
+            }
             Err(e) => Some(("start-up failed", Some(anyhow!(e)))),
         };
         if let Some((why, error)) = failed {
@@ -207,10 +252,20 @@ impl Worker {
         tracing::info!(worker = %cfg.worker_id, instance = registrar.instance(), "registered");
 
         // Ledger.
-        let (ledger, batcher) = Ledger::new(store.clone(), cfg.worker_id.clone(), registrar.instance().to_string(), group.clone(), cfg.run_lease, cfg.common.status_ttl);
+        let (ledger, batcher) = Ledger::new(
+            store.clone(),
+            cfg.worker_id.clone(),
+            registrar.instance().to_string(),
+            group.clone(),
+            cfg.run_lease,
+            cfg.common.status_ttl,
+        );
         let batcher = batcher.with_figures(stats.clone());
         let gone = batcher.gone_signal();
-        stages.ledger.spawn(tracing::info_span!("ledger"), batcher.run(stages.ledger.token()));
+        stages.ledger.spawn(
+            tracing::info_span!("ledger"),
+            batcher.run(stages.ledger.token()),
+        );
 
         // Background: heartbeat, ejection, shard watch.
         let heartbeat = Heartbeat {
@@ -223,9 +278,21 @@ impl Worker {
             gone,
             readiness: readiness.clone(),
         };
-        stages.background.spawn(tracing::info_span!("heartbeat"), heartbeat.run(stages.background.token()));
-        let ejection = Ejection { ejector: ejector.clone(), cfg: cfg.eject, control: control.clone(), store: store.clone(), worker_id: cfg.worker_id.clone() };
-        stages.background.spawn(tracing::info_span!("eject"), ejection.run(stages.background.token()));
+        stages.background.spawn(
+            tracing::info_span!("heartbeat"),
+            heartbeat.run(stages.background.token()),
+        );
+        let ejection = Ejection {
+            ejector: ejector.clone(),
+            cfg: cfg.eject,
+            control: control.clone(),
+            store: store.clone(),
+            worker_id: cfg.worker_id.clone(),
+        };
+        stages.background.spawn(
+            tracing::info_span!("eject"),
+            ejection.run(stages.background.token()),
+        );
         let sharded = shard_watch(&cfg, &store, &group, &stages.background).await;
 
         // Work and intake: the lanes and the attempts they spawn.
@@ -245,7 +312,10 @@ impl Worker {
             clock: store.clock.clone(),
             isolation: Arc::new(tokio::sync::RwLock::new(())),
             work: stages.work.clone(),
-            meters: PerLane { normal: Meters::new(&group, Lane::Normal), critical: Meters::new(&group, Lane::Critical) },
+            meters: PerLane {
+                normal: Meters::new(&group, Lane::Normal),
+                critical: Meters::new(&group, Lane::Critical),
+            },
         });
         let names = cfg.common.names();
         for lane in Lane::ALL {
@@ -262,13 +332,24 @@ impl Worker {
                 control: control.clone(),
                 work: stages.work.clone(),
             };
-            stages.intake.spawn(tracing::info_span!("lane", lane = %lane), consumer.run(stages.intake.token()));
+            stages.intake.spawn(
+                tracing::info_span!("lane", lane = %lane),
+                consumer.run(stages.intake.token()),
+            );
         }
         drop(shared);
         if let Some(tx) = ready {
             let _ = tx.send(http_addr);
         }
-        Ok(Some(Drain { control, stages, store, worker_id: cfg.worker_id.clone(), registrar, broker, stats }))
+        Ok(Some(Drain {
+            control,
+            stages,
+            store,
+            worker_id: cfg.worker_id.clone(),
+            registrar,
+            broker,
+            stats,
+        }))
     }
 }
 
@@ -317,7 +398,12 @@ impl DrainRequests {
 
 /// For a sharded group, this worker's normal-lane shard queues (read once now, then kept up to
 /// date by a [`ShardWatch`] loop on `stage`); `None` when the lane is unsharded.
-async fn shard_watch(cfg: &WorkerConfig, store: &Store, group: &str, stage: &Stage) -> Option<tokio::sync::watch::Receiver<Vec<String>>> {
+async fn shard_watch(
+    cfg: &WorkerConfig,
+    store: &Store,
+    group: &str,
+    stage: &Stage,
+) -> Option<tokio::sync::watch::Receiver<Vec<String>>> {
     if cfg.common.subsetting.is_single() {
         return None;
     }

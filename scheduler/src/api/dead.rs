@@ -31,7 +31,9 @@ const SCAN_MAX: u32 = 5000;
 
 /// The routes that only read (role `read`).
 pub fn read_routes() -> Router<AppState> {
-    Router::new().route("/v1/dead", get(list)).route("/v1/dead/{id}", get(one))
+    Router::new()
+        .route("/v1/dead", get(list))
+        .route("/v1/dead/{id}", get(one))
 }
 
 /// The routes that act (role `admin`).
@@ -56,11 +58,13 @@ struct ReplayBody {
 }
 
 async fn connection(st: &AppState) -> Result<Arc<lapin::Connection>, Response> {
-    st.connection
-        .read()
-        .await
-        .clone()
-        .ok_or_else(|| error(StatusCode::SERVICE_UNAVAILABLE, "not_connected", "the scheduler is reconnecting to RabbitMQ"))
+    st.connection.read().await.clone().ok_or_else(|| {
+        error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_connected",
+            "the scheduler is reconnecting to RabbitMQ",
+        )
+    })
 }
 
 fn broker_error(e: fleet::Error) -> Response {
@@ -78,7 +82,9 @@ async fn list(State(st): State<AppState>, Query(q): Query<ListQuery>) -> Respons
     };
     let scan = q.scan.unwrap_or(SCAN_DEFAULT).clamp(1, SCAN_MAX);
     let listing = {
-        let Ok(_permit) = st.dead_reader.acquire().await else { return error(StatusCode::SERVICE_UNAVAILABLE, "closed", "shutting down") };
+        let Ok(_permit) = st.dead_reader.acquire().await else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "closed", "shutting down");
+        };
         match dead::list(&conn, &st.store.names, scan).await {
             Ok(l) => l,
             Err(e) => return broker_error(e),
@@ -90,9 +96,17 @@ async fn list(State(st): State<AppState>, Query(q): Query<ListQuery>) -> Respons
         *reasons.entry(d.reason.clone()).or_default() += 1;
         *kinds.entry(d.kind.clone()).or_default() += 1;
     }
-    let filter = Selection { ids: None, reason: blank(q.reason), kind: blank(q.kind) };
+    let filter = Selection {
+        ids: None,
+        reason: blank(q.reason),
+        kind: blank(q.kind),
+    };
     let scanned = listing.letters.len();
-    let letters: Vec<_> = listing.letters.into_iter().filter(|d| filter.matches(d)).collect();
+    let letters: Vec<_> = listing
+        .letters
+        .into_iter()
+        .filter(|d| filter.matches(d))
+        .collect();
     Json(json!({"depth": listing.depth, "scanned": scanned, "letters": letters, "reasons": reasons, "kinds": kinds})).into_response()
 }
 
@@ -101,11 +115,17 @@ async fn one(State(st): State<AppState>, Path(id): Path<String>) -> Response {
         Ok(c) => c,
         Err(r) => return r,
     };
-    let Ok(_permit) = st.dead_reader.acquire().await else { return error(StatusCode::SERVICE_UNAVAILABLE, "closed", "shutting down") };
+    let Ok(_permit) = st.dead_reader.acquire().await else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "closed", "shutting down");
+    };
     match dead::list(&conn, &st.store.names, SCAN_MAX).await {
         Ok(l) => match l.letters.into_iter().find(|d| d.id == id) {
             Some(d) => Json(d).into_response(),
-            None => error(StatusCode::NOT_FOUND, "unknown_dead_letter", format!("no dead letter with id {id} among the first {SCAN_MAX}")),
+            None => error(
+                StatusCode::NOT_FOUND,
+                "unknown_dead_letter",
+                format!("no dead letter with id {id} among the first {SCAN_MAX}"),
+            ),
         },
         Err(e) => broker_error(e),
     }
@@ -117,18 +137,39 @@ async fn replay(State(st): State<AppState>, body: axum::body::Bytes) -> Response
         Err(e) => return error(StatusCode::BAD_REQUEST, "malformed_json", e.to_string()),
     };
     let sel = match (b.ids, b.all) {
-        (Some(ids), false) if !ids.is_empty() => Selection { ids: Some(ids.into_iter().collect()), reason: blank(b.reason), kind: blank(b.kind) },
-        (None, true) => Selection { ids: None, reason: blank(b.reason), kind: blank(b.kind) },
-        _ => return error(StatusCode::BAD_REQUEST, "no_selection", "give a non-empty \"ids\" array or \"all\": true (not both)"),
+        (Some(ids), false) if !ids.is_empty() => Selection {
+            ids: Some(ids.into_iter().collect()),
+            reason: blank(b.reason),
+            kind: blank(b.kind),
+        },
+        (None, true) => Selection {
+            ids: None,
+            reason: blank(b.reason),
+            kind: blank(b.kind),
+        },
+        _ => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "no_selection",
+                "give a non-empty \"ids\" array or \"all\": true (not both)",
+            )
+        }
     };
     let conn = match connection(&st).await {
         Ok(c) => c,
         Err(r) => return r,
     };
-    let Ok(_permit) = st.dead_reader.acquire().await else { return error(StatusCode::SERVICE_UNAVAILABLE, "closed", "shutting down") };
+    let Ok(_permit) = st.dead_reader.acquire().await else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "closed", "shutting down");
+    };
     match dead::replay(&conn, Some(&st.store), &st.store.names, &sel).await {
         Ok(report) => {
-            tracing::info!(replayed = report.replayed.len(), failed = report.failed.len(), missing = report.missing.len(), "dead letters replayed through the API");
+            tracing::info!(
+                replayed = report.replayed.len(),
+                failed = report.failed.len(),
+                missing = report.missing.len(),
+                "dead letters replayed through the API"
+            );
             Json(report).into_response()
         }
         Err(e) => broker_error(e),

@@ -29,10 +29,19 @@ const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; conn
 /// The console's routes (no state, no auth: see the module docs).
 pub fn routes() -> Router {
     Router::new()
-        .route("/ui", get(|| async { asset("text/html; charset=utf-8", INDEX) }))
+        .route(
+            "/ui",
+            get(|| async { asset("text/html; charset=utf-8", INDEX) }),
+        )
         .route("/ui/", get(|| async { Redirect::permanent("/ui") }))
-        .route("/ui/style.css", get(|| async { asset("text/css; charset=utf-8", STYLE) }))
-        .route("/ui/app.js", get(|| async { asset("text/javascript; charset=utf-8", APP) }))
+        .route(
+            "/ui/style.css",
+            get(|| async { asset("text/css; charset=utf-8", STYLE) }),
+        )
+        .route(
+            "/ui/app.js",
+            get(|| async { asset("text/javascript; charset=utf-8", APP) }),
+        )
 }
 
 fn asset(content_type: &'static str, body: &'static str) -> Response {

@@ -55,7 +55,10 @@ pub struct ScheduleApi {
 
 /// Reads: role `read`.
 pub fn read_routes(st: ScheduleApi) -> Router {
-    Router::new().route("/v1/schedules", get(list)).route("/v1/schedules/{name}", get(show)).with_state(st)
+    Router::new()
+        .route("/v1/schedules", get(list))
+        .route("/v1/schedules/{name}", get(show))
+        .with_state(st)
 }
 
 /// Changes: role `admin`.
@@ -70,11 +73,19 @@ pub fn admin_routes(st: ScheduleApi) -> Router {
 }
 
 fn loading() -> Response {
-    error(StatusCode::SERVICE_UNAVAILABLE, "schedules_loading", "this scheduler has not read the schedule definitions yet; retry shortly")
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "schedules_loading",
+        "this scheduler has not read the schedule definitions yet; retry shortly",
+    )
 }
 
 fn unknown(name: &str) -> Response {
-    error(StatusCode::NOT_FOUND, "unknown_schedule", format!("no schedule named {name}"))
+    error(
+        StatusCode::NOT_FOUND,
+        "unknown_schedule",
+        format!("no schedule named {name}"),
+    )
 }
 
 async fn view(st: &ScheduleApi, e: &Entry) -> Value {
@@ -87,14 +98,24 @@ async fn view(st: &ScheduleApi, e: &Entry) -> Value {
     let mut outcome: Option<String> = None;
     let mut task = Value::Null;
     if let (Some(ms), Some(tick)) = (last_ms, last) {
-        outcome = st.store.schedule_tick(s.name(), ms).await.ok().flatten().filter(|o| o == "fired" || o == "missed");
+        outcome = st
+            .store
+            .schedule_tick(s.name(), ms)
+            .await
+            .ok()
+            .flatten()
+            .filter(|o| o == "fired" || o == "missed");
         if outcome.as_deref() == Some("fired") {
             let id = format!("{}@{}", s.name(), tick_label(tick));
             let state = st.store.task_state(&id).await.ok().flatten();
             task = json!({"id": id, "state": state});
         }
     }
-    let next = if s.spec.enabled { s.next_after(chrono::Utc::now()).map(tick_label) } else { None };
+    let next = if s.spec.enabled {
+        s.next_after(chrono::Utc::now()).map(tick_label)
+    } else {
+        None
+    };
     if let Value::Object(o) = &mut v {
         o.insert("next_tick".into(), json!(next));
         o.insert("last_tick".into(), json!(last.map(tick_label)));
@@ -129,19 +150,37 @@ async fn show(State(st): State<ScheduleApi>, Path(name): Path<String>) -> Respon
 async fn change(st: &ScheduleApi, change: Change) -> Result<(), Response> {
     let at = match fire::server_now(&st.store).await {
         Ok(t) => t.timestamp_millis(),
-        Err(e) => return Err(error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string())),
+        Err(e) => {
+            return Err(error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "redis",
+                e.to_string(),
+            ))
+        }
     };
     let rec = Record::new(change, at);
     // A clone of the publisher, the lock released at once: a publish the broker holds back
     // (a memory alarm) must not hold the scheduler's stop, which takes the write lock.
     let Some(ch) = st.publisher.read().await.clone() else {
-        return Err(error(StatusCode::SERVICE_UNAVAILABLE, "not_connected", "the scheduler is reconnecting to RabbitMQ"));
+        return Err(error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_connected",
+            "the scheduler is reconnecting to RabbitMQ",
+        ));
     };
     if let Err(e) = log::append(&ch, &st.store.names, &rec).await {
-        return Err(error(StatusCode::SERVICE_UNAVAILABLE, "not_recorded", format!("the broker did not take the change: {e}")));
+        return Err(error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_recorded",
+            format!("the broker did not take the change: {e}"),
+        ));
     }
     if !st.board.wait_applied(&rec.id, APPLY_TIMEOUT).await {
-        return Err(error(StatusCode::GATEWAY_TIMEOUT, "not_applied", "the change is recorded but this scheduler has not applied it yet"));
+        return Err(error(
+            StatusCode::GATEWAY_TIMEOUT,
+            "not_applied",
+            "the change is recorded but this scheduler has not applied it yet",
+        ));
     }
     Ok(())
 }
@@ -162,12 +201,25 @@ async fn add(State(st): State<ScheduleApi>, body: Bytes) -> Response {
     // the ingress will see, with the longest id a fire can have (a fire-now's).
     let now = chrono::Utc::now();
     let longest = now.to_rfc3339_opts(SecondsFormat::Millis, true);
-    if let Err(r) = s.envelope(now, &longest, st.cfg.common.default_max_attempts).and_then(|e| fleet::Envelope::parse(&e.to_bytes(), &st.cfg.common.limits).map_err(|r| r.to_string())) {
-        return error(StatusCode::BAD_REQUEST, "bad_schedule", format!("task: {r}"));
+    if let Err(r) = s
+        .envelope(now, &longest, st.cfg.common.default_max_attempts)
+        .and_then(|e| {
+            fleet::Envelope::parse(&e.to_bytes(), &st.cfg.common.limits).map_err(|r| r.to_string())
+        })
+    {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "bad_schedule",
+            format!("task: {r}"),
+        );
     }
     let name = s.name().to_string();
     if st.board.get(&name).is_some() {
-        return error(StatusCode::CONFLICT, "schedule_exists", format!("a schedule named {name} exists; delete it first"));
+        return error(
+            StatusCode::CONFLICT,
+            "schedule_exists",
+            format!("a schedule named {name} exists; delete it first"),
+        );
     }
     if let Err(r) = change(&st, Change::Put { schedule: s.spec }).await {
         return r;
@@ -208,7 +260,11 @@ async fn set_enabled(st: ScheduleApi, name: String, enabled: bool) -> Response {
     if st.board.get(&name).is_none() {
         return unknown(&name);
     }
-    let c = if enabled { Change::Resume { name: name.clone() } } else { Change::Pause { name: name.clone() } };
+    let c = if enabled {
+        Change::Resume { name: name.clone() }
+    } else {
+        Change::Pause { name: name.clone() }
+    };
     if let Err(r) = change(&st, c).await {
         return r;
     }
@@ -223,18 +279,28 @@ async fn fire_now(State(st): State<ScheduleApi>, Path(name): Path<String>) -> Re
     if !st.board.loaded() {
         return loading();
     }
-    let Some(e) = st.board.get(&name) else { return unknown(&name) };
+    let Some(e) = st.board.get(&name) else {
+        return unknown(&name);
+    };
     let now = match fire::server_now(&st.store).await {
         Ok(t) => t,
         Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
     };
-    let env = match e.schedule.envelope(now, &now.to_rfc3339_opts(SecondsFormat::Millis, true), st.cfg.common.default_max_attempts) {
+    let env = match e.schedule.envelope(
+        now,
+        &now.to_rfc3339_opts(SecondsFormat::Millis, true),
+        st.cfg.common.default_max_attempts,
+    ) {
         Ok(env) => env,
         Err(detail) => return error(StatusCode::INTERNAL_SERVER_ERROR, "bad_template", detail),
     };
     // A clone, the lock released at once (see `change`).
     let Some(ch) = st.publisher.read().await.clone() else {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "not_connected", "the scheduler is reconnecting to RabbitMQ");
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_connected",
+            "the scheduler is reconnecting to RabbitMQ",
+        );
     };
     let r = fire::submit(&ch, &st.store.names, &st.pressure, &env).await;
     let retry = st.cfg.red_recheck.as_secs().max(1).to_string();

@@ -28,7 +28,15 @@ pub const MAX_NAME_LEN: usize = 64;
 /// Largest `catch_up_max`: a restart never floods the fleet with more than this per schedule.
 pub const MAX_CATCH_UP: u32 = 1000;
 /// Envelope fields a template may carry; the id and times are the scheduler's.
-pub const TEMPLATE_FIELDS: &[&str] = &["kind", "payload", "labels", "protocol", "lane", "timeout_ms", "max_attempts"];
+pub const TEMPLATE_FIELDS: &[&str] = &[
+    "kind",
+    "payload",
+    "labels",
+    "protocol",
+    "lane",
+    "timeout_ms",
+    "max_attempts",
+];
 /// Candidate local times examined per `next_after` call: the longest run of skipped candidates
 /// is an every-second schedule inside a repeated hour (3,600 × 2).
 const MAX_CANDIDATES: usize = 10_000;
@@ -112,22 +120,43 @@ impl Schedule {
     /// Validates a spec: name, expression, zone, template (built into an envelope once).
     pub fn new(mut spec: ScheduleSpec) -> Result<Self, Invalid> {
         let n = &spec.name;
-        if n.is_empty() || n.len() > MAX_NAME_LEN || !n.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-')) {
+        if n.is_empty()
+            || n.len() > MAX_NAME_LEN
+            || !n
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+        {
             return Err(Invalid::Name(n.clone()));
         }
         let fields = spec.cron.split_whitespace().count();
-        let expr = if fields == 5 { format!("0 {}", spec.cron.trim()) } else { spec.cron.trim().to_string() };
+        let expr = if fields == 5 {
+            format!("0 {}", spec.cron.trim())
+        } else {
+            spec.cron.trim().to_string()
+        };
         if !(5..=7).contains(&fields) {
-            return Err(Invalid::Cron(spec.cron.clone(), format!("expected 6 or 7 fields (5 for classic cron), got {fields}")));
+            return Err(Invalid::Cron(
+                spec.cron.clone(),
+                format!("expected 6 or 7 fields (5 for classic cron), got {fields}"),
+            ));
         }
-        let cron = cron::Schedule::from_str(&expr).map_err(|e| Invalid::Cron(spec.cron.clone(), e.to_string()))?;
+        let cron = cron::Schedule::from_str(&expr)
+            .map_err(|e| Invalid::Cron(spec.cron.clone(), e.to_string()))?;
         spec.cron = expr;
-        let tz = Tz::from_str(&spec.timezone).map_err(|_| Invalid::Timezone(spec.timezone.clone()))?;
+        let tz =
+            Tz::from_str(&spec.timezone).map_err(|_| Invalid::Timezone(spec.timezone.clone()))?;
         if !(1..=MAX_CATCH_UP).contains(&spec.catch_up_max) {
             return Err(Invalid::CatchUpMax(spec.catch_up_max));
         }
-        if let Some(k) = spec.task.keys().find(|k| !TEMPLATE_FIELDS.contains(&k.as_str())) {
-            return Err(Invalid::Task(format!("field `{k}` cannot be templated (allowed: {})", TEMPLATE_FIELDS.join(", "))));
+        if let Some(k) = spec
+            .task
+            .keys()
+            .find(|k| !TEMPLATE_FIELDS.contains(&k.as_str()))
+        {
+            return Err(Invalid::Task(format!(
+                "field `{k}` cannot be templated (allowed: {})",
+                TEMPLATE_FIELDS.join(", ")
+            )));
         }
         let s = Schedule { spec, cron, tz };
         // The template must make a valid envelope now, not at 3 a.m.
@@ -159,17 +188,28 @@ impl Schedule {
 
     /// The task a fire submits: the template with id `<name>@<suffix>`, normalised at `now`.
     /// `Err` carries the envelope's refusal.
-    pub fn envelope(&self, now: DateTime<Utc>, suffix: &str, default_max_attempts: u32) -> Result<Envelope, String> {
+    pub fn envelope(
+        &self,
+        now: DateTime<Utc>,
+        suffix: &str,
+        default_max_attempts: u32,
+    ) -> Result<Envelope, String> {
         let mut m = self.spec.task.clone();
         m.insert("id".into(), format!("{}@{suffix}", self.spec.name).into());
         let mut env = Envelope::from_value(Value::Object(m)).map_err(|r| r.to_string())?;
-        env.normalize(now, default_max_attempts).map_err(|r| r.to_string())?;
+        env.normalize(now, default_max_attempts)
+            .map_err(|r| r.to_string())?;
         Ok(env)
     }
 
     /// The task of the cron tick `tick`: id `<name>@<tick, RFC 3339 UTC, seconds>`, the same
     /// on every replica, so the scheduler's dedupe drops a second copy.
-    pub fn tick_envelope(&self, tick: DateTime<Utc>, now: DateTime<Utc>, default_max_attempts: u32) -> Result<Envelope, String> {
+    pub fn tick_envelope(
+        &self,
+        tick: DateTime<Utc>,
+        now: DateTime<Utc>,
+        default_max_attempts: u32,
+    ) -> Result<Envelope, String> {
         self.envelope(now, &tick_label(tick), default_max_attempts)
     }
 }
@@ -185,7 +225,10 @@ mod tests {
     use serde_json::json;
 
     fn sched(cron: &str, tz: &str) -> Schedule {
-        let spec: ScheduleSpec = serde_json::from_value(json!({"name": "s", "cron": cron, "timezone": tz, "task": {"kind": "noop"}})).unwrap();
+        let spec: ScheduleSpec = serde_json::from_value(
+            json!({"name": "s", "cron": cron, "timezone": tz, "task": {"kind": "noop"}}),
+        )
+        .unwrap();
         Schedule::new(spec).unwrap()
     }
 
@@ -219,7 +262,12 @@ mod tests {
         let h = sched("0 15 * * * *", "Europe/Berlin");
         assert_eq!(
             ticks(&h, "2026-03-28T23:00:00Z", "2026-03-29T03:00:00Z"),
-            ["2026-03-28T23:15:00Z", "2026-03-29T00:15:00Z", "2026-03-29T01:15:00Z", "2026-03-29T02:15:00Z"]
+            [
+                "2026-03-28T23:15:00Z",
+                "2026-03-29T00:15:00Z",
+                "2026-03-29T01:15:00Z",
+                "2026-03-29T02:15:00Z"
+            ]
         );
     }
 
@@ -229,7 +277,11 @@ mod tests {
         let s = sched("0 30 2 * * *", "Europe/Berlin");
         assert_eq!(
             ticks(&s, "2026-10-23T12:00:00Z", "2026-10-26T12:00:00Z"),
-            ["2026-10-24T00:30:00Z", "2026-10-25T00:30:00Z", "2026-10-26T01:30:00Z"]
+            [
+                "2026-10-24T00:30:00Z",
+                "2026-10-25T00:30:00Z",
+                "2026-10-26T01:30:00Z"
+            ]
         );
         // Every 20 minutes across the repeated hour: each local time once, at its first
         // instant; nothing during the second pass (01:00..02:00 UTC).
@@ -237,7 +289,9 @@ mod tests {
         assert_eq!(
             ticks(&m, "2026-10-24T23:50:00Z", "2026-10-25T02:10:00Z"),
             [
-                "2026-10-25T00:00:00Z", "2026-10-25T00:20:00Z", "2026-10-25T00:40:00Z", // 02:00, 02:20, 02:40 CEST
+                "2026-10-25T00:00:00Z",
+                "2026-10-25T00:20:00Z",
+                "2026-10-25T00:40:00Z", // 02:00, 02:20, 02:40 CEST
                 "2026-10-25T02:00:00Z", // 03:00 CET; 02:xx CET already fired as CEST
             ]
         );
@@ -248,39 +302,97 @@ mod tests {
         // Why `next_after` filters: the crate yields both instants of 02:30 on 2026-10-25.
         let s = sched("0 30 2 * * *", "Europe/Berlin");
         let from = utc("2026-10-24T12:00:00Z").with_timezone(&s.tz);
-        let raw: Vec<String> = s.cron.after(&from).take(3).map(|t| tick_label(t.with_timezone(&Utc))).collect();
-        assert_eq!(raw, ["2026-10-25T00:30:00Z", "2026-10-25T01:30:00Z", "2026-10-26T01:30:00Z"]);
+        let raw: Vec<String> = s
+            .cron
+            .after(&from)
+            .take(3)
+            .map(|t| tick_label(t.with_timezone(&Utc)))
+            .collect();
+        assert_eq!(
+            raw,
+            [
+                "2026-10-25T00:30:00Z",
+                "2026-10-25T01:30:00Z",
+                "2026-10-26T01:30:00Z"
+            ]
+        );
     }
 
     #[test]
     fn asked_from_inside_the_repeated_hour_never_goes_back() {
         let s = sched("* * * * * *", "Europe/Berlin");
         // 01:30:00Z is 02:30 CET, the second pass: the next local time not yet fired is 03:00:00 CET.
-        assert_eq!(s.next_after(utc("2026-10-25T01:30:00Z")).map(tick_label).as_deref(), Some("2026-10-25T02:00:00Z"));
+        assert_eq!(
+            s.next_after(utc("2026-10-25T01:30:00Z"))
+                .map(tick_label)
+                .as_deref(),
+            Some("2026-10-25T02:00:00Z")
+        );
         // Before the change, every second.
-        assert_eq!(s.next_after(utc("2026-10-25T00:59:58Z")).map(tick_label).as_deref(), Some("2026-10-25T00:59:59Z"));
+        assert_eq!(
+            s.next_after(utc("2026-10-25T00:59:58Z"))
+                .map(tick_label)
+                .as_deref(),
+            Some("2026-10-25T00:59:59Z")
+        );
     }
 
     #[test]
     fn utc_every_second_and_five_field_cron() {
         let s = sched("* * * * * *", "UTC");
-        assert_eq!(ticks(&s, "2026-01-01T00:00:00Z", "2026-01-01T00:00:03Z"), ["2026-01-01T00:00:01Z", "2026-01-01T00:00:02Z", "2026-01-01T00:00:03Z"]);
+        assert_eq!(
+            ticks(&s, "2026-01-01T00:00:00Z", "2026-01-01T00:00:03Z"),
+            [
+                "2026-01-01T00:00:01Z",
+                "2026-01-01T00:00:02Z",
+                "2026-01-01T00:00:03Z"
+            ]
+        );
         let five = sched("*/15 * * * *", "UTC");
         assert_eq!(five.spec.cron, "0 */15 * * * *");
-        assert_eq!(five.next_after(utc("2026-01-01T00:07:00Z")).map(tick_label).as_deref(), Some("2026-01-01T00:15:00Z"));
+        assert_eq!(
+            five.next_after(utc("2026-01-01T00:07:00Z"))
+                .map(tick_label)
+                .as_deref(),
+            Some("2026-01-01T00:15:00Z")
+        );
     }
 
     #[test]
     fn bad_definitions_say_what_is_wrong() {
-        let mk = |v: Value| Schedule::new(serde_json::from_value(v).unwrap()).unwrap_err().to_string();
-        assert!(mk(json!({"name": "a b", "cron": "* * * * * *", "task": {"kind": "x"}})).contains("name"));
-        assert!(mk(json!({"name": "a", "cron": "* * *", "task": {"kind": "x"}})).contains("fields"));
-        assert!(mk(json!({"name": "a", "cron": "99 * * * * *", "task": {"kind": "x"}})).contains("cron"));
+        let mk = |v: Value| {
+            Schedule::new(serde_json::from_value(v).unwrap())
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(
+            mk(json!({"name": "a b", "cron": "* * * * * *", "task": {"kind": "x"}}))
+                .contains("name")
+        );
+        assert!(
+            mk(json!({"name": "a", "cron": "* * *", "task": {"kind": "x"}})).contains("fields")
+        );
+        assert!(
+            mk(json!({"name": "a", "cron": "99 * * * * *", "task": {"kind": "x"}}))
+                .contains("cron")
+        );
         assert!(mk(json!({"name": "a", "cron": "* * * * * *", "timezone": "Mars/Base", "task": {"kind": "x"}})).contains("Mars/Base"));
-        assert!(mk(json!({"name": "a", "cron": "* * * * * *", "task": {"payload": 1}})).contains("kind"));
-        assert!(mk(json!({"name": "a", "cron": "* * * * * *", "task": {"kind": "x", "id": "fixed"}})).contains("`id`"));
-        assert!(mk(json!({"name": "a", "cron": "* * * * * *", "task": {"kind": "x", "lane": "fast"}})).contains("lane"));
-        assert!(mk(json!({"name": "a", "cron": "* * * * * *", "task": {"kind": "x"}, "catch_up_max": 0})).contains("catch_up_max"));
+        assert!(
+            mk(json!({"name": "a", "cron": "* * * * * *", "task": {"payload": 1}}))
+                .contains("kind")
+        );
+        assert!(mk(
+            json!({"name": "a", "cron": "* * * * * *", "task": {"kind": "x", "id": "fixed"}})
+        )
+        .contains("`id`"));
+        assert!(mk(
+            json!({"name": "a", "cron": "* * * * * *", "task": {"kind": "x", "lane": "fast"}})
+        )
+        .contains("lane"));
+        assert!(mk(
+            json!({"name": "a", "cron": "* * * * * *", "task": {"kind": "x"}, "catch_up_max": 0})
+        )
+        .contains("catch_up_max"));
     }
 
     #[test]

@@ -97,12 +97,25 @@ impl Refusal {
 /// Submits one fired task through admission: refused while the normal lane is Red, else
 /// published to `<ns>.submit` (routing key = lane) and confirmed. Not cancel safe (a publish
 /// may be in flight).
-pub async fn submit(ch: &fleet::amqp::Publisher, names: &fleet::Names, pressure: &watch::Receiver<Sample>, env: &Envelope) -> Result<(), Refusal> {
+pub async fn submit(
+    ch: &fleet::amqp::Publisher,
+    names: &fleet::Names,
+    pressure: &watch::Receiver<Sample>,
+    env: &Envelope,
+) -> Result<(), Refusal> {
     if env.lane == Lane::Normal && pressure.borrow().state == Pressure::Red {
         return Err(Refusal::PressureRed);
     }
     let props = amqp::task_properties(&env.id, None);
-    match amqp::publish(ch, &names.submit_exchange(), env.lane.as_str(), &env.to_bytes(), props).await {
+    match amqp::publish(
+        ch,
+        &names.submit_exchange(),
+        env.lane.as_str(),
+        &env.to_bytes(),
+        props,
+    )
+    .await
+    {
         Ok(c) => match amqp::confirmed(c).await {
             Ok(()) => Ok(()),
             Err(fleet::Error::Refused(_)) => Err(Refusal::IngressFull),
@@ -164,7 +177,11 @@ impl Firing {
     }
 
     /// One poll: fires what is due. `redis_down` keeps the warning to one per outage.
-    async fn tick(&self, tracks: &mut HashMap<String, Track>, redis_down: &mut bool) -> fleet::Result<()> {
+    async fn tick(
+        &self,
+        tracks: &mut HashMap<String, Track>,
+        redis_down: &mut bool,
+    ) -> fleet::Result<()> {
         if !self.board.loaded() {
             return Ok(());
         }
@@ -191,24 +208,45 @@ impl Firing {
             }
         }
         if !self.publisher.status().connected() {
-            return Err(fleet::Error::Other("schedules: publisher channel closed".into()));
+            return Err(fleet::Error::Other(
+                "schedules: publisher channel closed".into(),
+            ));
         }
         Ok(())
     }
 
-    async fn step(&self, entry: &Entry, now: DateTime<Utc>, tracks: &mut HashMap<String, Track>) -> fleet::Result<()> {
+    async fn step(
+        &self,
+        entry: &Entry,
+        now: DateTime<Utc>,
+        tracks: &mut HashMap<String, Track>,
+    ) -> fleet::Result<()> {
         let s = &entry.schedule;
         let name = s.name();
         let tolerance = chrono::Duration::from_std(self.cfg.schedule_tolerance).unwrap_or_default();
-        if tracks.get(name).is_none_or(|t| t.changed_at_ms != entry.changed_at_ms) {
+        if tracks
+            .get(name)
+            .is_none_or(|t| t.changed_at_ms != entry.changed_at_ms)
+        {
             let last = self.store.schedule_last(name).await?;
             // No mark: a new schedule, or Redis lost the marks (and the dedupe marks with
             // them) — start from now, so nothing already fired is fired again.
-            let start_ms = entry.changed_at_ms.max(last.unwrap_or(now.timestamp_millis()));
+            let start_ms = entry
+                .changed_at_ms
+                .max(last.unwrap_or(now.timestamp_millis()));
             let cursor = Utc.timestamp_millis_opt(start_ms).single().unwrap_or(now);
-            tracks.insert(name.to_string(), Track { changed_at_ms: entry.changed_at_ms, cursor, pending: Vec::new() });
+            tracks.insert(
+                name.to_string(),
+                Track {
+                    changed_at_ms: entry.changed_at_ms,
+                    cursor,
+                    pending: Vec::new(),
+                },
+            );
         }
-        let Some(track) = tracks.get_mut(name) else { return Ok(()) };
+        let Some(track) = tracks.get_mut(name) else {
+            return Ok(());
+        };
         if !entry.enabled() {
             track.cursor = now;
             track.pending.clear();
@@ -217,14 +255,22 @@ impl Firing {
         let mut overdue: VecDeque<DateTime<Utc>> = VecDeque::new();
         let mut listed = 0;
         while listed < MAX_DUE {
-            let Some(t) = s.next_after(track.cursor) else { break };
+            let Some(t) = s.next_after(track.cursor) else {
+                break;
+            };
             if t > now {
                 break;
             }
             track.cursor = t;
             listed += 1;
             if t + tolerance >= now {
-                track.pending.push(Pending { tick: t, deadline: t + tolerance, mine: false, refused: None, submitted: false });
+                track.pending.push(Pending {
+                    tick: t,
+                    deadline: t + tolerance,
+                    mine: false,
+                    refused: None,
+                    submitted: false,
+                });
             } else {
                 overdue.push_back(t);
             }
@@ -232,7 +278,10 @@ impl Firing {
         if !overdue.is_empty() {
             let (fire, miss): (usize, &str) = match s.spec.missed {
                 MissedPolicy::Skip => (0, "skipped"),
-                MissedPolicy::CatchUp => ((s.spec.catch_up_max as usize).min(overdue.len()), "catch_up_limit"),
+                MissedPolicy::CatchUp => (
+                    (s.spec.catch_up_max as usize).min(overdue.len()),
+                    "catch_up_limit",
+                ),
             };
             let keep = overdue.split_off(overdue.len() - fire);
             if fire > 0 {
@@ -240,7 +289,16 @@ impl Firing {
             }
             // The ticks to catch up join the pending ones before any Redis call below: the
             // cursor has passed them, so a failed call must not drop them.
-            let mut caught: Vec<Pending> = keep.into_iter().map(|t| Pending { tick: t, deadline: now + tolerance, mine: false, refused: None, submitted: false }).collect();
+            let mut caught: Vec<Pending> = keep
+                .into_iter()
+                .map(|t| Pending {
+                    tick: t,
+                    deadline: now + tolerance,
+                    mine: false,
+                    refused: None,
+                    submitted: false,
+                })
+                .collect();
             caught.append(&mut track.pending);
             track.pending = caught;
             for t in overdue {
@@ -273,7 +331,12 @@ impl Firing {
     }
 
     /// One attempt at a pending tick; `Ok(true)` to keep it pending.
-    async fn attempt(&self, s: &Schedule, p: &mut Pending, now: DateTime<Utc>) -> fleet::Result<bool> {
+    async fn attempt(
+        &self,
+        s: &Schedule,
+        p: &mut Pending,
+        now: DateTime<Utc>,
+    ) -> fleet::Result<bool> {
         let name = s.name();
         if p.submitted {
             // Its task went out; a Redis error kept it from being recorded `fired`. Whatever
@@ -291,8 +354,19 @@ impl Firing {
             }
             return Ok(false);
         }
-        let key = self.store.names.schedule_tick(name, p.tick.timestamp_millis());
-        let claimed: i64 = self.store.invoke(claim_script().key(&key).arg(&self.replica).arg(CLAIM_LEASE.as_millis() as u64)).await?;
+        let key = self
+            .store
+            .names
+            .schedule_tick(name, p.tick.timestamp_millis());
+        let claimed: i64 = self
+            .store
+            .invoke(
+                claim_script()
+                    .key(&key)
+                    .arg(&self.replica)
+                    .arg(CLAIM_LEASE.as_millis() as u64),
+            )
+            .await?;
         match claimed {
             2 => return Ok(false),
             0 => {
@@ -317,7 +391,8 @@ impl Firing {
                 if self.resolve(name, p.tick, "fired").await? {
                     let lag = (now - p.tick).to_std().unwrap_or_default() + sent.elapsed();
                     metrics::counter!(m::SCHEDULE_FIRES, "schedule" => name.to_string(), "trigger" => "cron").increment(1);
-                    metrics::histogram!(m::SCHEDULE_LAG, "schedule" => name.to_string()).record(lag.as_secs_f64());
+                    metrics::histogram!(m::SCHEDULE_LAG, "schedule" => name.to_string())
+                        .record(lag.as_secs_f64());
                     tracing::debug!(schedule = name, task.id = %env.id, lag_ms = lag.as_millis() as u64, "fired");
                 }
                 Ok(false)

@@ -46,10 +46,18 @@ const RECENT: usize = 1024;
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Change {
     /// Adds or replaces a schedule.
-    Put { schedule: ScheduleSpec },
-    Delete { name: String },
-    Pause { name: String },
-    Resume { name: String },
+    Put {
+        schedule: ScheduleSpec,
+    },
+    Delete {
+        name: String,
+    },
+    Pause {
+        name: String,
+    },
+    Resume {
+        name: String,
+    },
     /// A replica's catch-up marker; changes nothing.
     Sync,
 }
@@ -66,7 +74,11 @@ pub struct Record {
 
 impl Record {
     pub fn new(change: Change, at_ms: i64) -> Self {
-        Record { id: uuid::Uuid::new_v4().simple().to_string(), at_ms, change }
+        Record {
+            id: uuid::Uuid::new_v4().simple().to_string(),
+            at_ms,
+            change,
+        }
     }
 }
 
@@ -90,9 +102,17 @@ fn apply(defs: &mut Defs, rec: &Record) {
     match &rec.change {
         Change::Put { schedule } => match Schedule::new(schedule.clone()) {
             Ok(s) => {
-                defs.insert(s.name().to_string(), Entry { schedule: Arc::new(s), changed_at_ms: rec.at_ms });
+                defs.insert(
+                    s.name().to_string(),
+                    Entry {
+                        schedule: Arc::new(s),
+                        changed_at_ms: rec.at_ms,
+                    },
+                );
             }
-            Err(e) => tracing::warn!(record = %rec.id, error = %e, "ignoring an invalid schedule in the definitions log"),
+            Err(e) => {
+                tracing::warn!(record = %rec.id, error = %e, "ignoring an invalid schedule in the definitions log")
+            }
         },
         Change::Delete { name } => {
             defs.remove(name);
@@ -129,7 +149,10 @@ pub struct Board {
 
 impl Default for Board {
     fn default() -> Self {
-        Board { state: Arc::default(), applied: Arc::new(watch::channel(0).0) }
+        Board {
+            state: Arc::default(),
+            applied: Arc::new(watch::channel(0).0),
+        }
     }
 }
 
@@ -141,7 +164,10 @@ impl Board {
 
     /// Every schedule, by name.
     pub fn entries(&self) -> Vec<Entry> {
-        self.state.read().map(|s| s.defs.values().cloned().collect()).unwrap_or_default()
+        self.state
+            .read()
+            .map(|s| s.defs.values().cloned().collect())
+            .unwrap_or_default()
     }
 
     pub fn get(&self, name: &str) -> Option<Entry> {
@@ -168,7 +194,10 @@ impl Board {
     }
 
     fn has_applied(&self, id: &str) -> bool {
-        self.state.read().map(|s| s.recent.iter().any(|r| r == id)).unwrap_or(false)
+        self.state
+            .read()
+            .map(|s| s.recent.iter().any(|r| r == id))
+            .unwrap_or(false)
     }
 
     /// Waits until this replica has applied record `id`; `false` after `timeout`. Cancel safe.
@@ -199,15 +228,29 @@ fn push_recent(recent: &mut VecDeque<String>, id: String) {
 /// Declares the stream (idempotent).
 pub async fn declare(ch: &Channel, names: &Names) -> fleet::Result<()> {
     let mut args = FieldTable::default();
-    args.insert("x-queue-type".into(), AMQPValue::LongString("stream".into()));
-    ch.queue_declare(ShortString::from(names.schedules_stream()), QueueDeclareOptions { durable: true, ..Default::default() }, args).await?;
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("stream".into()),
+    );
+    ch.queue_declare(
+        ShortString::from(names.schedules_stream()),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await?;
     Ok(())
 }
 
 /// Appends a record with a publisher confirm. `Err(Refused)` when the broker did not take it.
 pub async fn append(ch: &amqp::Publisher, names: &Names, rec: &Record) -> fleet::Result<()> {
     let body = serde_json::to_vec(rec)?;
-    let props = BasicProperties::default().with_content_type("application/json".into()).with_delivery_mode(2).with_message_id(rec.id.as_str().into());
+    let props = BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
+        .with_message_id(rec.id.as_str().into());
     amqp::publish_confirmed(ch, "", &names.schedules_stream(), &body, props).await
 }
 
@@ -226,14 +269,27 @@ pub struct Follower {
 /// The scheduler reports ready only after this, so its API never answers from a partial view.
 /// `Err` when the broker fails or the marker's confirm and the replay take over 30 s (the
 /// session restarts).
-pub async fn open(conn: &Connection, publisher: &amqp::Publisher, names: &Names, board: Board) -> fleet::Result<Follower> {
+pub async fn open(
+    conn: &Connection,
+    publisher: &amqp::Publisher,
+    names: &Names,
+    board: Board,
+) -> fleet::Result<Follower> {
     let ch = conn.create_channel().await?;
     declare(&ch, names).await?;
     ch.basic_qos(PREFETCH, BasicQosOptions::default()).await?;
     let mut args = FieldTable::default();
-    args.insert("x-stream-offset".into(), AMQPValue::LongString("first".into()));
+    args.insert(
+        "x-stream-offset".into(),
+        AMQPValue::LongString("first".into()),
+    );
     let mut consumer = ch
-        .basic_consume(names.schedules_stream().as_str().into(), "".into(), BasicConsumeOptions::default(), args)
+        .basic_consume(
+            names.schedules_stream().as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            args,
+        )
         .await?;
     let marker = Record::new(Change::Sync, 0);
     let (mut defs, mut ids) = (Defs::new(), Vec::new());
@@ -241,7 +297,9 @@ pub async fn open(conn: &Connection, publisher: &amqp::Publisher, names: &Names,
     let replay = async {
         append(publisher, names, &marker).await?;
         loop {
-            let Some(rec) = next(&mut consumer).await? else { continue };
+            let Some(rec) = next(&mut consumer).await? else {
+                continue;
+            };
             ids.push(rec.id.clone());
             if rec.id == marker.id {
                 return Ok::<_, fleet::Error>(());
@@ -251,11 +309,19 @@ pub async fn open(conn: &Connection, publisher: &amqp::Publisher, names: &Names,
     };
     match tokio::time::timeout(LOAD_TIMEOUT, replay).await {
         Ok(r) => r?,
-        Err(_) => return Err(fleet::Error::Other("schedules stream: own sync marker not read back within 30 s".into())),
+        Err(_) => {
+            return Err(fleet::Error::Other(
+                "schedules stream: own sync marker not read back within 30 s".into(),
+            ))
+        }
     }
     tracing::info!(schedules = defs.len(), "schedule definitions loaded");
     board.replace(defs, ids);
-    Ok(Follower { ch, consumer, board })
+    Ok(Follower {
+        ch,
+        consumer,
+        board,
+    })
 }
 
 /// The next record (acked); `Ok(None)` for an unreadable one (logged and skipped). Cancel
@@ -265,7 +331,11 @@ async fn next(consumer: &mut lapin::Consumer) -> fleet::Result<Option<Record>> {
     let delivery = match consumer.next().await {
         Some(Ok(d)) => d,
         Some(Err(e)) => return Err(e.into()),
-        None => return Err(fleet::Error::Other("schedules stream consumer ended".into())),
+        None => {
+            return Err(fleet::Error::Other(
+                "schedules stream consumer ended".into(),
+            ))
+        }
     };
     let rec = serde_json::from_slice::<Record>(&delivery.data);
     delivery.acker.ack(BasicAckOptions::default()).await?;
@@ -304,15 +374,22 @@ mod tests {
     use serde_json::json;
 
     fn spec(name: &str) -> ScheduleSpec {
-        serde_json::from_value(json!({"name": name, "cron": "* * * * * *", "task": {"kind": "noop"}})).unwrap()
+        serde_json::from_value(
+            json!({"name": name, "cron": "* * * * * *", "task": {"kind": "noop"}}),
+        )
+        .unwrap()
     }
 
     #[test]
     fn folding_is_last_write_wins_per_name() {
         let mut defs = Defs::new();
         for (i, c) in [
-            Change::Put { schedule: spec("a") },
-            Change::Put { schedule: spec("b") },
+            Change::Put {
+                schedule: spec("a"),
+            },
+            Change::Put {
+                schedule: spec("b"),
+            },
             Change::Pause { name: "a".into() },
             Change::Delete { name: "b".into() },
             Change::Sync,
@@ -326,7 +403,10 @@ mod tests {
         assert_eq!(defs.keys().collect::<Vec<_>>(), ["a"]);
         assert!(!defs["a"].enabled());
         assert_eq!(defs["a"].changed_at_ms, 2);
-        apply(&mut defs, &Record::new(Change::Resume { name: "a".into() }, 9));
+        apply(
+            &mut defs,
+            &Record::new(Change::Resume { name: "a".into() }, 9),
+        );
         assert!(defs["a"].enabled());
         assert_eq!(defs["a"].changed_at_ms, 9);
     }

@@ -27,13 +27,19 @@ pub struct GroupView {
 impl GroupView {
     /// Each lane's capacity (`capacity`, `critical_capacity`).
     pub fn capacities(&self) -> PerLane<u32> {
-        PerLane { normal: self.capacity, critical: self.critical_capacity }
+        PerLane {
+            normal: self.capacity,
+            critical: self.critical_capacity,
+        }
     }
 
     /// Each lane's tasks running or reserved (`load + reserved`, `critical_load +
     /// critical_reserved`).
     pub fn in_flight(&self) -> PerLane<u32> {
-        PerLane { normal: self.load + self.reserved, critical: self.critical_load + self.critical_reserved }
+        PerLane {
+            normal: self.load + self.reserved,
+            critical: self.critical_load + self.critical_reserved,
+        }
     }
 }
 
@@ -49,10 +55,19 @@ impl Store {
         }
         let mut p = redis::pipe();
         for g in groups {
-            p.cmd("HMGET").arg(self.names.group(g)).arg("done:normal").arg("done:critical");
+            p.cmd("HMGET")
+                .arg(self.names.group(g))
+                .arg("done:normal")
+                .arg("done:critical");
         }
         let raw: Vec<(Option<u64>, Option<u64>)> = self.pipe(&p).await?;
-        Ok(raw.into_iter().map(|(n, c)| PerLane { normal: n.unwrap_or(0), critical: c.unwrap_or(0) }).collect())
+        Ok(raw
+            .into_iter()
+            .map(|(n, c)| PerLane {
+                normal: n.unwrap_or(0),
+                critical: c.unwrap_or(0),
+            })
+            .collect())
     }
 
     /// Sets each group's room ahead of its workers per lane (tasks; see the `reserve` script).
@@ -75,13 +90,20 @@ impl Store {
     /// A group's worker ordinals (deterministic subsetting): ordinal → worker id. Taken by
     /// `register.lua` (lowest free), freed by deregistration and eviction.
     pub async fn group_ordinals(&self, group: &str) -> Result<BTreeMap<u32, String>> {
-        let raw: BTreeMap<String, String> = self.query(redis::cmd("HGETALL").arg(self.names.group_ordinals(group))).await?;
-        Ok(raw.into_iter().filter_map(|(o, id)| Some((o.parse().ok()?, id))).collect())
+        let raw: BTreeMap<String, String> = self
+            .query(redis::cmd("HGETALL").arg(self.names.group_ordinals(group)))
+            .await?;
+        Ok(raw
+            .into_iter()
+            .filter_map(|(o, id)| Some((o.parse().ok()?, id)))
+            .collect())
     }
 
     /// Names of all groups ever registered in this namespace.
     pub async fn group_names(&self) -> Result<Vec<String>> {
-        let mut g: Vec<String> = self.query(redis::cmd("SMEMBERS").arg(self.names.groups())).await?;
+        let mut g: Vec<String> = self
+            .query(redis::cmd("SMEMBERS").arg(self.names.groups()))
+            .await?;
         g.sort();
         Ok(g)
     }
@@ -99,19 +121,36 @@ impl Store {
             p.cmd("HGETALL").arg(self.names.group(g));
             p.cmd("SCARD").arg(self.names.group_workers(g));
             for lane in Lane::ALL {
-                p.cmd("ZCOUNT").arg(self.names.running(g, lane)).arg(now).arg("+inf");
-                p.cmd("ZCOUNT").arg(self.names.reserved(g, lane)).arg(now).arg("+inf");
+                p.cmd("ZCOUNT")
+                    .arg(self.names.running(g, lane))
+                    .arg(now)
+                    .arg("+inf");
+                p.cmd("ZCOUNT")
+                    .arg(self.names.reserved(g, lane))
+                    .arg(now)
+                    .arg("+inf");
             }
         }
         let raw: Vec<redis::Value> = self.pipe(&p).await?;
         let mut out = Vec::with_capacity(names.len());
         for (i, g) in names.into_iter().enumerate() {
             let base = i * 6;
-            let h: BTreeMap<String, String> = redis::from_redis_value(raw[base].clone()).unwrap_or_default();
-            let n = |j: usize| -> u32 { redis::from_redis_value::<u32>(raw[base + j].clone()).unwrap_or(0) };
-            let cap = |k: &str| h.get(k).and_then(|v| v.parse::<i64>().ok()).unwrap_or(0).max(0) as u32;
+            let h: BTreeMap<String, String> =
+                redis::from_redis_value(raw[base].clone()).unwrap_or_default();
+            let n = |j: usize| -> u32 {
+                redis::from_redis_value::<u32>(raw[base + j].clone()).unwrap_or(0)
+            };
+            let cap = |k: &str| {
+                h.get(k)
+                    .and_then(|v| v.parse::<i64>().ok())
+                    .unwrap_or(0)
+                    .max(0) as u32
+            };
             out.push(GroupView {
-                labels: h.get("labels").and_then(|l| serde_json::from_str(l).ok()).unwrap_or_default(),
+                labels: h
+                    .get("labels")
+                    .and_then(|l| serde_json::from_str(l).ok())
+                    .unwrap_or_default(),
                 workers: n(1),
                 capacity: cap("cap:normal"),
                 critical_capacity: cap("cap:critical"),

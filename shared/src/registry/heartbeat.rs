@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-
 use super::WorkerState;
 use crate::envelope::{Lane, PerLane};
 use crate::error::Result;
@@ -39,7 +38,13 @@ impl Store {
     ///
     /// # Errors
     /// Redis unreachable or slow.
-    pub async fn heartbeat(&self, id: &str, instance: &str, lease: Duration, b: &Beat) -> Result<BeatReply> {
+    pub async fn heartbeat(
+        &self,
+        id: &str,
+        instance: &str,
+        lease: Duration,
+        b: &Beat,
+    ) -> Result<BeatReply> {
         let mut inv = self.scripts.heartbeat.prepare_invoke();
         inv.key(self.names.prefix())
             .arg(id)

@@ -30,11 +30,23 @@ impl Store {
     ///
     /// # Errors
     /// Redis unreachable or slow.
-    pub async fn reclaim_claim(&self, group: &str, grace: Duration, hold: Duration) -> Result<ReclaimClaim> {
-        let (step, detail) = self.reclaim_step("claim", group, &millis(grace).to_string(), hold).await?;
+    pub async fn reclaim_claim(
+        &self,
+        group: &str,
+        grace: Duration,
+        hold: Duration,
+    ) -> Result<ReclaimClaim> {
+        let (step, detail) = self
+            .reclaim_step("claim", group, &millis(grace).to_string(), hold)
+            .await?;
         Ok(match step.as_str() {
             "reclaimed" => ReclaimClaim::Reclaimed { labels: detail },
-            "wait" => ReclaimClaim::Wait(detail.parse::<u64>().map(Duration::from_millis).unwrap_or(grace)),
+            "wait" => ReclaimClaim::Wait(
+                detail
+                    .parse::<u64>()
+                    .map(Duration::from_millis)
+                    .unwrap_or(grace),
+            ),
             "absent" => ReclaimClaim::Absent,
             _ => ReclaimClaim::Busy(detail),
         })
@@ -55,7 +67,9 @@ impl Store {
     /// # Errors
     /// Redis unreachable or slow.
     pub async fn reclaim_restore(&self, group: &str, labels: &str, hold: Duration) -> Result<()> {
-        self.reclaim_step("restore", group, labels, hold).await.map(|_| ())
+        self.reclaim_step("restore", group, labels, hold)
+            .await
+            .map(|_| ())
     }
 
     /// [`Store::reclaim_restore`] for a group whose queues the scheduler could not declare
@@ -65,13 +79,30 @@ impl Store {
     ///
     /// # Errors
     /// Redis unreachable or slow.
-    pub async fn reclaim_restore_undeclared(&self, group: &str, labels: &str, hold: Duration) -> Result<()> {
-        self.reclaim_step("restore_undeclared", group, labels, hold).await.map(|_| ())
+    pub async fn reclaim_restore_undeclared(
+        &self,
+        group: &str,
+        labels: &str,
+        hold: Duration,
+    ) -> Result<()> {
+        self.reclaim_step("restore_undeclared", group, labels, hold)
+            .await
+            .map(|_| ())
     }
 
-    async fn reclaim_step(&self, step: &str, group: &str, arg: &str, hold: Duration) -> Result<(String, String)> {
+    async fn reclaim_step(
+        &self,
+        step: &str,
+        group: &str,
+        arg: &str,
+        hold: Duration,
+    ) -> Result<(String, String)> {
         let mut inv = self.scripts.reclaim.prepare_invoke();
-        inv.key(self.names.prefix()).arg(step).arg(group).arg(arg).arg(millis(hold).max(1));
+        inv.key(self.names.prefix())
+            .arg(step)
+            .arg(group)
+            .arg(arg)
+            .arg(millis(hold).max(1));
         let r: Vec<String> = self.invoke(&inv).await?;
         let mut it = r.into_iter();
         Ok((it.next().unwrap_or_default(), it.next().unwrap_or_default()))

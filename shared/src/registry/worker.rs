@@ -98,7 +98,12 @@ impl Store {
     /// Registers a worker; with `takeover` the previous holder of the id is known to be gone
     /// (this process holds the id's broker lock, see `Names::worker_lock_queue`) and its
     /// registration is replaced at once instead of after its heartbeat window.
-    pub async fn register_with(&self, r: &Registration, liveness: Duration, takeover: bool) -> Result<()> {
+    pub async fn register_with(
+        &self,
+        r: &Registration,
+        liveness: Duration,
+        takeover: bool,
+    ) -> Result<()> {
         self.register_declared(r, liveness, takeover, 0).await
     }
 
@@ -109,7 +114,13 @@ impl Store {
     /// [`Error::DuplicateWorker`] (a live process holds the id), [`Error::Reclaiming`] (the
     /// group is being reclaimed, or was reclaimed after `declared_at_ms`: declare the queues
     /// again and retry), Redis errors.
-    pub async fn register_declared(&self, r: &Registration, liveness: Duration, takeover: bool, declared_at_ms: i64) -> Result<()> {
+    pub async fn register_declared(
+        &self,
+        r: &Registration,
+        liveness: Duration,
+        takeover: bool,
+        declared_at_ms: i64,
+    ) -> Result<()> {
         let labels_json = serde_json::to_string(&r.labels)?;
         let mut inv = self.scripts.register.prepare_invoke();
         inv.key(self.names.prefix())
@@ -127,13 +138,19 @@ impl Store {
             .arg(r.labels.pairs());
         match self.invoke::<String>(&inv).await {
             Ok(_) => Ok(()),
-            Err(Error::Redis(e)) if e.to_string().contains("DUPLICATE") => Err(Error::DuplicateWorker(format!(
-                "worker id `{}` is already registered by a live worker ({})",
-                r.id,
-                e.detail().unwrap_or("recent heartbeat")
-            ))),
+            Err(Error::Redis(e)) if e.to_string().contains("DUPLICATE") => {
+                Err(Error::DuplicateWorker(format!(
+                    "worker id `{}` is already registered by a live worker ({})",
+                    r.id,
+                    e.detail().unwrap_or("recent heartbeat")
+                )))
+            }
             Err(Error::Redis(e)) if e.to_string().contains("RECLAIMING") => {
-                Err(Error::Reclaiming(format!("group `{}`: {}", r.group(), e.detail().unwrap_or("being reclaimed"))))
+                Err(Error::Reclaiming(format!(
+                    "group `{}`: {}",
+                    r.group(),
+                    e.detail().unwrap_or("being reclaimed")
+                )))
             }
             Err(e) => Err(e),
         }
@@ -142,8 +159,14 @@ impl Store {
     /// Who holds a worker id: its instance token and last heartbeat (ms); `None` when the id is
     /// not registered.
     pub async fn worker_holder(&self, id: &str) -> Result<Option<(String, i64)>> {
-        let (instance, hb): (Option<String>, Option<i64>) =
-            self.query(redis::cmd("HMGET").arg(self.names.worker(id)).arg("instance").arg("hb")).await?;
+        let (instance, hb): (Option<String>, Option<i64>) = self
+            .query(
+                redis::cmd("HMGET")
+                    .arg(self.names.worker(id))
+                    .arg("instance")
+                    .arg("hb"),
+            )
+            .await?;
         Ok(instance.zip(hb))
     }
 
@@ -157,15 +180,25 @@ impl Store {
 
     /// A worker's current state, `None` when not registered.
     pub async fn worker_state(&self, id: &str) -> Result<Option<WorkerState>> {
-        let s: Option<String> = self.query(redis::cmd("HGET").arg(self.names.worker(id)).arg("state")).await?;
+        let s: Option<String> = self
+            .query(redis::cmd("HGET").arg(self.names.worker(id)).arg("state"))
+            .await?;
         Ok(s.and_then(|s| WorkerState::parse(&s)))
     }
 
     /// Publishes a worker's task figures (user task attempts by outcome, as totals) on its
     /// registration; `false` when this instance does not hold the registration.
-    pub async fn set_outcomes(&self, id: &str, instance: &str, totals: &[(&str, u64)]) -> Result<bool> {
+    pub async fn set_outcomes(
+        &self,
+        id: &str,
+        instance: &str,
+        totals: &[(&str, u64)],
+    ) -> Result<bool> {
         let mut inv = self.scripts.outcomes.prepare_invoke();
-        inv.key(self.names.prefix()).key(self.names.worker(id)).arg(id).arg(instance);
+        inv.key(self.names.prefix())
+            .key(self.names.worker(id))
+            .arg(id)
+            .arg(instance);
         for (outcome, n) in totals {
             inv.arg(*outcome).arg(*n);
         }
@@ -182,7 +215,14 @@ impl Store {
 
     /// All registered workers.
     pub async fn workers(&self) -> Result<Vec<WorkerView>> {
-        let ids: Vec<String> = self.query(redis::cmd("ZRANGE").arg(self.names.workers()).arg(0).arg(-1)).await?;
+        let ids: Vec<String> = self
+            .query(
+                redis::cmd("ZRANGE")
+                    .arg(self.names.workers())
+                    .arg(0)
+                    .arg(-1),
+            )
+            .await?;
         if ids.is_empty() {
             return Ok(vec![]);
         }
@@ -192,14 +232,19 @@ impl Store {
         }
         let rows: Vec<BTreeMap<String, String>> = self.pipe(&p).await?;
         let now = self.clock.now_ms();
-        let num = |m: &BTreeMap<String, String>, k: &str| m.get(k).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        let num = |m: &BTreeMap<String, String>, k: &str| {
+            m.get(k).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
+        };
         Ok(rows
             .into_iter()
             .filter(|m| m.contains_key("id"))
             .map(|m| WorkerView {
                 id: m.get("id").cloned().unwrap_or_default(),
                 group: m.get("group").cloned().unwrap_or_default(),
-                labels: m.get("labels").and_then(|l| serde_json::from_str(l).ok()).unwrap_or_default(),
+                labels: m
+                    .get("labels")
+                    .and_then(|l| serde_json::from_str(l).ok())
+                    .unwrap_or_default(),
                 executor: m.get("executor").cloned().unwrap_or_default(),
                 state: m.get("state").cloned().unwrap_or_default(),
                 capacity: num(&m, "cap") as u32,

@@ -13,7 +13,9 @@ pub mod reserve;
 pub use reserve::{ReserveParams, ReserveRequest};
 
 /// How to choose among the groups with room.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Strategy {
     /// Lowest `(running + reserved) / capacity`.

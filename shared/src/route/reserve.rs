@@ -50,7 +50,11 @@ pub struct ReserveParams {
 
 impl Store {
     /// Routes and reserves a batch in one script call; one answer per request, in order.
-    pub async fn reserve(&self, reqs: &[ReserveRequest], p: ReserveParams) -> Result<Vec<Reservation>> {
+    pub async fn reserve(
+        &self,
+        reqs: &[ReserveRequest],
+        p: ReserveParams,
+    ) -> Result<Vec<Reservation>> {
         if reqs.is_empty() {
             return Ok(vec![]);
         }
@@ -123,8 +127,20 @@ impl Store {
     ///
     /// # Errors
     /// Redis unreachable or slow.
-    pub async fn oldest_reservation(&self, group: &str, lane: Lane) -> Result<Option<(String, i64)>> {
-        let first: Vec<(String, f64)> = self.query(redis::cmd("ZRANGE").arg(self.names.reserved(group, lane)).arg(0).arg(0).arg("WITHSCORES")).await?;
+    pub async fn oldest_reservation(
+        &self,
+        group: &str,
+        lane: Lane,
+    ) -> Result<Option<(String, i64)>> {
+        let first: Vec<(String, f64)> = self
+            .query(
+                redis::cmd("ZRANGE")
+                    .arg(self.names.reserved(group, lane))
+                    .arg(0)
+                    .arg(0)
+                    .arg("WITHSCORES"),
+            )
+            .await?;
         Ok(first.into_iter().next().map(|(id, exp)| (id, exp as i64)))
     }
 
@@ -135,7 +151,10 @@ impl Store {
         }
         let mut p = redis::pipe();
         for (group, lane, id) in items {
-            p.cmd("ZREM").arg(self.names.reserved(group, *lane)).arg(id).ignore();
+            p.cmd("ZREM")
+                .arg(self.names.reserved(group, *lane))
+                .arg(id)
+                .ignore();
         }
         self.pipe::<()>(&p).await
     }

@@ -35,7 +35,11 @@ pub use state::{AttemptOutcome, DeadReason, TaskState, UnknownWord};
 pub use write::Writes;
 
 /// States that end a task, as stored ([`TaskState::TERMINAL`]).
-pub const TERMINAL: &[&str] = &[TaskState::Succeeded.as_str(), TaskState::Dead.as_str(), TaskState::Expired.as_str()];
+pub const TERMINAL: &[&str] = &[
+    TaskState::Succeeded.as_str(),
+    TaskState::Dead.as_str(),
+    TaskState::Expired.as_str(),
+];
 
 /// Most entries a task's attempt log keeps (the oldest are dropped). Mirrors
 /// `ATTEMPT_LOG_MAX` in `lua/keys.lua`, which writes the log (a unit test keeps them equal).
@@ -51,27 +55,46 @@ mod lua_words {
 
     /// The Lua code without comments.
     fn code(src: &str) -> String {
-        src.lines().map(|l| l.find("--").map_or(l, |i| &l[..i])).collect::<Vec<_>>().join("\n")
+        src.lines()
+            .map(|l| l.find("--").map_or(l, |i| &l[..i]))
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     /// `local NAME = { k = 'v', ... }` of keys.lua.
     fn table(name: &str) -> BTreeMap<String, String> {
-        let keys = SOURCES.iter().find(|(f, _)| *f == "lua/keys.lua").map(|(_, s)| *s).unwrap_or_default();
+        let keys = SOURCES
+            .iter()
+            .find(|(f, _)| *f == "lua/keys.lua")
+            .map(|(_, s)| *s)
+            .unwrap_or_default();
         let start = format!("local {name} = {{");
-        let line = keys.lines().find(|l| l.starts_with(&start)).unwrap_or_else(|| panic!("keys.lua has no table {name}"));
+        let line = keys
+            .lines()
+            .find(|l| l.starts_with(&start))
+            .unwrap_or_else(|| panic!("keys.lua has no table {name}"));
         let body = line[start.len()..].trim_end().trim_end_matches('}');
         body.split(',')
             .filter(|e| !e.trim().is_empty())
             .map(|e| {
-                let (k, v) = e.split_once('=').unwrap_or_else(|| panic!("bad entry {e:?} in {name}"));
-                (k.trim().to_string(), v.trim().trim_matches('\'').to_string())
+                let (k, v) = e
+                    .split_once('=')
+                    .unwrap_or_else(|| panic!("bad entry {e:?} in {name}"));
+                (
+                    k.trim().to_string(),
+                    v.trim().trim_matches('\'').to_string(),
+                )
             })
             .collect()
     }
 
     /// Every single-quoted literal of a piece of Lua.
     fn literals(code: &str) -> Vec<String> {
-        code.split('\'').skip(1).step_by(2).map(str::to_string).collect()
+        code.split('\'')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_string)
+            .collect()
     }
 
     /// Every `T.name` use (T one of the table names) in a piece of Lua.
@@ -83,7 +106,10 @@ mod lua_words {
             if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '.') {
                 continue;
             }
-            let name: String = code[i + pat.len()..].chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+            let name: String = code[i + pat.len()..]
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
             out.push(name);
         }
         out
@@ -93,15 +119,24 @@ mod lua_words {
     fn the_tables_are_the_enums_words() {
         for (k, v) in table("S") {
             assert_eq!(k, v);
-            assert!(v.parse::<TaskState>().is_ok(), "S.{k}: `{v}` is not a TaskState");
+            assert!(
+                v.parse::<TaskState>().is_ok(),
+                "S.{k}: `{v}` is not a TaskState"
+            );
         }
         for (k, v) in table("R") {
             assert_eq!(k, v);
-            assert!(v.parse::<DeadReason>().is_ok(), "R.{k}: `{v}` is not a DeadReason");
+            assert!(
+                v.parse::<DeadReason>().is_ok(),
+                "R.{k}: `{v}` is not a DeadReason"
+            );
         }
         for (k, v) in table("O") {
             assert_eq!(k, v);
-            assert!(v.parse::<AttemptOutcome>().is_ok(), "O.{k}: `{v}` is not an AttemptOutcome");
+            assert!(
+                v.parse::<AttemptOutcome>().is_ok(),
+                "O.{k}: `{v}` is not an AttemptOutcome"
+            );
         }
     }
 
@@ -110,25 +145,44 @@ mod lua_words {
         let (s, r, o) = (table("S"), table("R"), table("O"));
         // Answers that happen to spell a state but are not one (reclaim's busy reasons: the
         // group still has running or parked records).
-        let exempt = [("registry/reclaim.lua", "running"), ("registry/reclaim.lua", "parked")];
+        let exempt = [
+            ("registry/reclaim.lua", "running"),
+            ("registry/reclaim.lua", "parked"),
+        ];
         let mut seen = 0;
         for (file, src) in SOURCES {
             let mut code = code(src);
             if *file == "lua/keys.lua" {
-                code = code.lines().filter(|l| !l.starts_with("local S =") && !l.starts_with("local R =") && !l.starts_with("local O =")).collect::<Vec<_>>().join("\n");
+                code = code
+                    .lines()
+                    .filter(|l| {
+                        !l.starts_with("local S =")
+                            && !l.starts_with("local R =")
+                            && !l.starts_with("local O =")
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n");
             }
             for lit in literals(&code) {
-                let word = lit.parse::<TaskState>().is_ok() || lit.parse::<DeadReason>().is_ok() || lit.parse::<AttemptOutcome>().is_ok();
+                let word = lit.parse::<TaskState>().is_ok()
+                    || lit.parse::<DeadReason>().is_ok()
+                    || lit.parse::<AttemptOutcome>().is_ok();
                 assert!(!word || exempt.contains(&(*file, lit.as_str())), "{file} spells out the status word '{lit}': use S.{lit}, R.{lit} or O.{lit} from keys.lua");
             }
             for (t, table) in [("S", &s), ("R", &r), ("O", &o)] {
                 for name in uses(&code, t) {
-                    assert!(table.contains_key(&name), "{file} uses {t}.{name}, which keys.lua's table {t} does not have");
+                    assert!(
+                        table.contains_key(&name),
+                        "{file} uses {t}.{name}, which keys.lua's table {t} does not have"
+                    );
                     seen += 1;
                 }
             }
         }
-        assert!(seen >= 15, "the scripts should write their status words through S, R and O (found {seen})");
+        assert!(
+            seen >= 15,
+            "the scripts should write their status words through S, R and O (found {seen})"
+        );
     }
 
     #[test]
@@ -140,11 +194,17 @@ mod lua_words {
             for call in code(src).split("redis.call(").skip(1) {
                 let args = call.split(')').next().unwrap_or_default();
                 if args.starts_with("'HSET'") && args.contains("'state'") {
-                    assert!(*file == "lua/keys.lua" || file.starts_with("registry/"), "{file} writes a task state outside the status writers: {args}");
+                    assert!(
+                        *file == "lua/keys.lua" || file.starts_with("registry/"),
+                        "{file} writes a task state outside the status writers: {args}"
+                    );
                     writers += usize::from(*file == "lua/keys.lua");
                 }
             }
         }
-        assert!(writers >= 5, "keys.lua's status writers set `state` (found {writers})");
+        assert!(
+            writers >= 5,
+            "keys.lua's status writers set `state` (found {writers})"
+        );
     }
 }

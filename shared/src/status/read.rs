@@ -33,7 +33,9 @@ pub fn typed(id: &str, fields: BTreeMap<String, String>) -> Value {
             continue;
         }
         let typed = if INTEGER_FIELDS.contains(&k.as_str()) {
-            v.parse::<u64>().map(Value::from).unwrap_or(Value::String(v))
+            v.parse::<u64>()
+                .map(Value::from)
+                .unwrap_or(Value::String(v))
         } else if k.ends_with("_at") || k == "not_before" {
             time(&v).map(Value::String).unwrap_or(Value::String(v))
         } else if k == "result" {
@@ -58,16 +60,19 @@ pub fn typed(id: &str, fields: BTreeMap<String, String>) -> Value {
 /// absent. `None` for an entry that is not a JSON object. Bytes that are not UTF-8 (an error
 /// text cut inside a character) are replaced, not refused.
 pub fn typed_attempt(raw: &[u8]) -> Option<Value> {
-    let Value::Object(m) = serde_json::from_str::<Value>(&String::from_utf8_lossy(raw)).ok()? else {
+    let Value::Object(m) = serde_json::from_str::<Value>(&String::from_utf8_lossy(raw)).ok()?
+    else {
         return None;
     };
     let mut out = Map::new();
     for (k, v) in m {
         let typed = match (k.as_str(), &v) {
-            ("started_at" | "finished_at", Value::Number(n)) => match n.as_i64().and_then(|ms| time(&ms.to_string())) {
-                Some(t) => Value::String(t),
-                None => continue,
-            },
+            ("started_at" | "finished_at", Value::Number(n)) => {
+                match n.as_i64().and_then(|ms| time(&ms.to_string())) {
+                    Some(t) => Value::String(t),
+                    None => continue,
+                }
+            }
             ("attempt", Value::Number(n)) => match n.as_f64() {
                 // cjson writes numbers as floats when it must; an attempt is a whole number.
                 Some(f) if f >= 0.0 && f.fract() == 0.0 => Value::from(f as u64),
@@ -89,7 +94,11 @@ pub fn typed_attempt(raw: &[u8]) -> Option<Value> {
 /// so one clock), the latest [`ATTEMPT_LOG_MAX`] kept.
 pub fn attempt_history(record: &BTreeMap<String, String>, raw: &[Vec<u8>]) -> Vec<Value> {
     let mut out: Vec<Value> = raw.iter().filter_map(|r| typed_attempt(r)).collect();
-    if record.get("state").and_then(|s| s.parse::<TaskState>().ok()) == Some(TaskState::Succeeded) {
+    if record
+        .get("state")
+        .and_then(|s| s.parse::<TaskState>().ok())
+        == Some(TaskState::Succeeded)
+    {
         let mut e = Map::new();
         if let Some(a) = record.get("attempt").and_then(|a| a.parse::<u64>().ok()) {
             e.insert("attempt".into(), Value::from(a));
@@ -102,9 +111,16 @@ pub fn attempt_history(record: &BTreeMap<String, String>, raw: &[Vec<u8>]) -> Ve
                 e.insert(k.into(), Value::String(t));
             }
         }
-        e.insert("outcome".into(), Value::String(AttemptOutcome::Succeeded.to_string()));
+        e.insert(
+            "outcome".into(),
+            Value::String(AttemptOutcome::Succeeded.to_string()),
+        );
         let e = Value::Object(e);
-        if !out.iter().any(|x| x["outcome"] == AttemptOutcome::Succeeded.as_str() && x["attempt"] == e["attempt"] && x["finished_at"] == e["finished_at"]) {
+        if !out.iter().any(|x| {
+            x["outcome"] == AttemptOutcome::Succeeded.as_str()
+                && x["attempt"] == e["attempt"]
+                && x["finished_at"] == e["finished_at"]
+        }) {
             out.push(e);
         }
     }
@@ -131,12 +147,15 @@ impl Store {
     /// # Errors
     /// Redis unreachable or slow.
     pub async fn task_state(&self, id: &str) -> Result<Option<String>> {
-        self.query(redis::cmd("HGET").arg(self.names.task(id)).arg("state")).await
+        self.query(redis::cmd("HGET").arg(self.names.task(id)).arg("state"))
+            .await
     }
 
     /// A task's status fields, `None` when unknown (never seen, or expired from Redis).
     pub async fn task_status(&self, id: &str) -> Result<Option<BTreeMap<String, String>>> {
-        let m: BTreeMap<String, String> = self.query(redis::cmd("HGETALL").arg(self.names.task(id))).await?;
+        let m: BTreeMap<String, String> = self
+            .query(redis::cmd("HGETALL").arg(self.names.task(id)))
+            .await?;
         Ok(if m.is_empty() { None } else { Some(m) })
     }
 
@@ -150,7 +169,11 @@ impl Store {
     /// # Errors
     /// Redis unreachable or slow.
     pub async fn task_attempts(&self, id: &str) -> Result<Vec<Value>> {
-        Ok(self.task_status_with_attempts(id).await?.map(|(_, a)| a).unwrap_or_default())
+        Ok(self
+            .task_status_with_attempts(id)
+            .await?
+            .map(|(_, a)| a)
+            .unwrap_or_default())
     }
 
     /// A task's status fields and its attempts ([`Store::task_attempts`]) in one round trip;
@@ -158,9 +181,17 @@ impl Store {
     ///
     /// # Errors
     /// Redis unreachable or slow.
-    pub async fn task_status_with_attempts(&self, id: &str) -> Result<Option<(BTreeMap<String, String>, Vec<Value>)>> {
+    pub async fn task_status_with_attempts(
+        &self,
+        id: &str,
+    ) -> Result<Option<(BTreeMap<String, String>, Vec<Value>)>> {
         let mut p = redis::pipe();
-        p.cmd("HGETALL").arg(self.names.task(id)).cmd("LRANGE").arg(self.names.attempts(id)).arg(0).arg(-1);
+        p.cmd("HGETALL")
+            .arg(self.names.task(id))
+            .cmd("LRANGE")
+            .arg(self.names.attempts(id))
+            .arg(0)
+            .arg(-1);
         let (record, raw): (BTreeMap<String, String>, Vec<Vec<u8>>) = self.pipe(&p).await?;
         if record.is_empty() {
             return Ok(None);
@@ -176,7 +207,10 @@ mod tests {
     use serde_json::json;
 
     fn rec(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -205,8 +239,10 @@ mod tests {
         let e = typed_attempt(br#"{"attempt":2,"worker":"w1","started_at":1796028370236,"finished_at":1796028371000,"outcome":"failed","error":"boom","reason":""}"#);
         assert_eq!(
             e,
-            Some(json!({"attempt": 2, "worker": "w1", "started_at": "2026-11-30T08:46:10.236Z",
-                        "finished_at": "2026-11-30T08:46:11.000Z", "outcome": "failed", "error": "boom"}))
+            Some(
+                json!({"attempt": 2, "worker": "w1", "started_at": "2026-11-30T08:46:10.236Z",
+                        "finished_at": "2026-11-30T08:46:11.000Z", "outcome": "failed", "error": "boom"})
+            )
         );
         assert_eq!(typed_attempt(b"[1]"), None);
         assert_eq!(typed_attempt(b"not json"), None);
@@ -215,7 +251,14 @@ mod tests {
     #[test]
     fn the_records_success_joins_the_log() {
         let raw = vec![br#"{"attempt":1,"worker":"w1","started_at":1796028370000,"finished_at":1796028370100,"outcome":"failed","error":"boom"}"#.to_vec()];
-        let record = rec(&[("state", "succeeded"), ("attempt", "2"), ("worker", "w2"), ("started_at", "1796028371000"), ("finished_at", "1796028371500"), ("result", "{}")]);
+        let record = rec(&[
+            ("state", "succeeded"),
+            ("attempt", "2"),
+            ("worker", "w2"),
+            ("started_at", "1796028371000"),
+            ("finished_at", "1796028371500"),
+            ("result", "{}"),
+        ]);
         let h = attempt_history(&record, &raw);
         assert_eq!(
             h,
@@ -233,15 +276,34 @@ mod tests {
         assert_eq!(attempt_history(&dead, &raw).len(), 1);
         assert!(attempt_history(&BTreeMap::new(), &[]).is_empty());
         // Capped at the latest ATTEMPT_LOG_MAX.
-        let many: Vec<Vec<u8>> = (0..ATTEMPT_LOG_MAX as i64).map(|i| format!(r#"{{"attempt":{},"outcome":"failed","finished_at":{}}}"#, i + 1, 1796028360000 + i).into_bytes()).collect();
+        let many: Vec<Vec<u8>> = (0..ATTEMPT_LOG_MAX as i64)
+            .map(|i| {
+                format!(
+                    r#"{{"attempt":{},"outcome":"failed","finished_at":{}}}"#,
+                    i + 1,
+                    1796028360000 + i
+                )
+                .into_bytes()
+            })
+            .collect();
         let h = attempt_history(&record, &many);
-        assert_eq!((h.len(), &h[0]["attempt"], &h[ATTEMPT_LOG_MAX - 1]["outcome"]), (ATTEMPT_LOG_MAX, &json!(2), &json!("succeeded")));
+        assert_eq!(
+            (
+                h.len(),
+                &h[0]["attempt"],
+                &h[ATTEMPT_LOG_MAX - 1]["outcome"]
+            ),
+            (ATTEMPT_LOG_MAX, &json!(2), &json!("succeeded"))
+        );
     }
 
     #[test]
     fn the_attempt_log_cap_is_the_scripts() {
         let line = format!("local ATTEMPT_LOG_MAX = {ATTEMPT_LOG_MAX}\n");
-        assert!(include_str!("../lua/keys.lua").contains(&line), "keys.lua and fleet::status disagree on the attempt log cap");
+        assert!(
+            include_str!("../lua/keys.lua").contains(&line),
+            "keys.lua and fleet::status disagree on the attempt log cap"
+        );
     }
 
     #[test]

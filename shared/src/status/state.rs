@@ -90,11 +90,15 @@ words! {
 
 impl TaskState {
     /// The states that end a task.
-    pub const TERMINAL: [TaskState; 3] = [TaskState::Succeeded, TaskState::Dead, TaskState::Expired];
+    pub const TERMINAL: [TaskState; 3] =
+        [TaskState::Succeeded, TaskState::Dead, TaskState::Expired];
 
     /// True for a state that ends the task.
     pub const fn is_terminal(self) -> bool {
-        matches!(self, TaskState::Succeeded | TaskState::Dead | TaskState::Expired)
+        matches!(
+            self,
+            TaskState::Succeeded | TaskState::Dead | TaskState::Expired
+        )
     }
 
     /// True when `state` (as stored) is a terminal state; false for an unknown word.
@@ -196,23 +200,40 @@ mod tests {
     fn words_round_trip() {
         for s in TaskState::ALL {
             assert_eq!(s.as_str().parse::<TaskState>(), Ok(*s));
-            assert_eq!(serde_json::to_value(s).ok(), Some(serde_json::Value::String(s.to_string())));
+            assert_eq!(
+                serde_json::to_value(s).ok(),
+                Some(serde_json::Value::String(s.to_string()))
+            );
         }
         for r in DeadReason::ALL {
             assert_eq!(r.as_str().parse::<DeadReason>(), Ok(*r));
-            assert_eq!(serde_json::from_value::<DeadReason>(serde_json::json!(r.as_str())).ok(), Some(*r));
+            assert_eq!(
+                serde_json::from_value::<DeadReason>(serde_json::json!(r.as_str())).ok(),
+                Some(*r)
+            );
         }
         for o in AttemptOutcome::ALL {
             assert_eq!(o.as_str().parse::<AttemptOutcome>(), Ok(*o));
         }
-        assert_eq!("nope".parse::<TaskState>().unwrap_err().to_string(), "unknown task state `nope`");
+        assert_eq!(
+            "nope".parse::<TaskState>().unwrap_err().to_string(),
+            "unknown task state `nope`"
+        );
     }
 
     #[test]
     fn terminal_states() {
-        let t: Vec<_> = TaskState::ALL.iter().copied().filter(|s| s.is_terminal()).collect();
+        let t: Vec<_> = TaskState::ALL
+            .iter()
+            .copied()
+            .filter(|s| s.is_terminal())
+            .collect();
         assert_eq!(t, TaskState::TERMINAL);
-        assert!(TaskState::is_terminal_word("dead") && !TaskState::is_terminal_word("running") && !TaskState::is_terminal_word("x"));
+        assert!(
+            TaskState::is_terminal_word("dead")
+                && !TaskState::is_terminal_word("running")
+                && !TaskState::is_terminal_word("x")
+        );
     }
 
     #[test]
@@ -228,7 +249,11 @@ mod tests {
             Reject::BadSelector(String::new()),
             Reject::UnknownStrategy(String::new()),
             Reject::TooFarAhead(1),
-            Reject::OverLimit { what: "x", got: 2, limit: 1 },
+            Reject::OverLimit {
+                what: "x",
+                got: 2,
+                limit: 1,
+            },
         ];
         for r in &all {
             assert_eq!(DeadReason::from(r).as_str(), r.code());

@@ -40,20 +40,40 @@ impl Writes {
     /// scheduler dead-lettered the task itself (refused, expired before dispatch, no matching
     /// worker), with `reason` and `detail` (the dead letter's `x-fleet-reason` and detail).
     pub fn ended(&mut self, id: &str, lane: Lane, reason: DeadReason, detail: &str) {
-        let state = if reason == DeadReason::Expired { TaskState::Expired } else { TaskState::Dead };
-        self.push(id, state, vec![("reason", reason.to_string()), ("error", detail.to_string()), ("lane", lane.to_string())]);
+        let state = if reason == DeadReason::Expired {
+            TaskState::Expired
+        } else {
+            TaskState::Dead
+        };
+        self.push(
+            id,
+            state,
+            vec![
+                ("reason", reason.to_string()),
+                ("error", detail.to_string()),
+                ("lane", lane.to_string()),
+            ],
+        );
     }
 
     /// → [`TaskState::WaitingForWorker`]: no live group matches the task yet.
     pub fn waiting_for_worker(&mut self, id: &str, lane: Lane) {
-        self.push(id, TaskState::WaitingForWorker, vec![("lane", lane.to_string())]);
+        self.push(
+            id,
+            TaskState::WaitingForWorker,
+            vec![("lane", lane.to_string())],
+        );
     }
 
     /// → [`TaskState::Delayed`]: waits in a delay tier for `not_before` (stored as RFC 3339;
     /// empty when unknown).
     pub fn delayed(&mut self, id: &str, lane: Lane, not_before: Option<DateTime<Utc>>) {
         let at = not_before.map(|t| t.to_rfc3339()).unwrap_or_default();
-        self.push(id, TaskState::Delayed, vec![("not_before", at), ("lane", lane.to_string())]);
+        self.push(
+            id,
+            TaskState::Delayed,
+            vec![("not_before", at), ("lane", lane.to_string())],
+        );
     }
 
     fn push(&mut self, id: &str, state: TaskState, mut fields: Vec<(&'static str, String)>) {
@@ -92,7 +112,13 @@ impl Store {
     /// # Errors
     /// Redis unreachable or slow.
     pub async fn forget_task(&self, id: &str) -> Result<()> {
-        self.query::<i64>(redis::cmd("DEL").arg(self.names.dedupe(id)).arg(self.names.task(id))).await.map(|_| ())
+        self.query::<i64>(
+            redis::cmd("DEL")
+                .arg(self.names.dedupe(id))
+                .arg(self.names.task(id)),
+        )
+        .await
+        .map(|_| ())
     }
 
     /// → [`TaskState::Dead`]: the broker dead-lettered task `id` itself (see
@@ -105,7 +131,15 @@ impl Store {
     ///
     /// # Errors
     /// Redis unreachable or slow.
-    pub async fn record_broker_dead(&self, id: &str, group: Option<&str>, lane: Lane, reason: &str, error: &str, ttl: Duration) -> Result<bool> {
+    pub async fn record_broker_dead(
+        &self,
+        id: &str,
+        group: Option<&str>,
+        lane: Lane,
+        reason: &str,
+        error: &str,
+        ttl: Duration,
+    ) -> Result<bool> {
         let mut inv = self.scripts.broker_dead.prepare_invoke();
         inv.key(self.names.prefix())
             .arg(id)
@@ -130,9 +164,24 @@ mod tests {
         w.ended("b", Lane::Critical, DeadReason::Expired, "late");
         w.waiting_for_worker("c", Lane::Normal);
         w.delayed("d", Lane::Normal, None);
-        let states: Vec<(&str, &str)> = w.records().iter().map(|(id, f)| (id.as_str(), f[0].1.as_str())).collect();
-        assert_eq!(states, [("a", "dead"), ("b", "expired"), ("c", "waiting_for_worker"), ("d", "delayed")]);
-        assert_eq!(w.records()[0].1[1], ("reason", "no_matching_worker".to_string()));
+        let states: Vec<(&str, &str)> = w
+            .records()
+            .iter()
+            .map(|(id, f)| (id.as_str(), f[0].1.as_str()))
+            .collect();
+        assert_eq!(
+            states,
+            [
+                ("a", "dead"),
+                ("b", "expired"),
+                ("c", "waiting_for_worker"),
+                ("d", "delayed")
+            ]
+        );
+        assert_eq!(
+            w.records()[0].1[1],
+            ("reason", "no_matching_worker".to_string())
+        );
         assert!(w.records().iter().all(|(_, f)| f[0].0 == "state"));
     }
 }

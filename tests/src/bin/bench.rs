@@ -22,7 +22,9 @@ use fleet::{amqp, Envelope, Lane};
 use fleet_tests::*;
 use fleet_worker::executor::handler_fn;
 use futures::{FutureExt, StreamExt};
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
 use lapin::types::{AMQPValue, FieldTable};
 use serde_json::json;
 
@@ -39,13 +41,18 @@ async fn main() -> Result<()> {
         "critical" => critical(n.min(1000)).await,
         "stages" => stages(n).await,
         "rss" => rss(n as u64).await,
-        other => anyhow::bail!("unknown benchmark {other} (throughput | critical | stages | rss SECONDS)"),
+        other => anyhow::bail!(
+            "unknown benchmark {other} (throughput | critical | stages | rss SECONDS)"
+        ),
     }
 }
 
 fn quorum() -> FieldTable {
     let mut t = FieldTable::default();
-    t.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    t.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
     t
 }
 
@@ -86,7 +93,9 @@ impl Floor {
     async fn start(ns: &Ns, settings: &[(&str, &str)], n: usize) -> Result<Floor> {
         let sched = fleet_scheduler::SchedulerConfig::from_settings(&ns.settings(settings))?;
         let labels = fleet::Labels::parse("bench=floor")?;
-        let wcfg = fleet_worker::config::WorkerConfig::from_settings(&ns.settings(&[("worker_id", "floor"), ("labels", "bench=floor")]))?;
+        let wcfg = fleet_worker::config::WorkerConfig::from_settings(
+            &ns.settings(&[("worker_id", "floor"), ("labels", "bench=floor")]),
+        )?;
         let reg = fleet::registry::Registration {
             id: "floor".into(),
             instance: uuid::Uuid::new_v4().simple().to_string(),
@@ -128,8 +137,21 @@ impl Floor {
                 dedupe_only: false,
             })
             .collect();
-        let reserved = match self.store.reserve(&reqs, fleet::route::ReserveParams { token: rand::random(), ..self.params }).await {
-            Ok(answers) => answers.iter().filter(|a| matches!(a, fleet::route::Reservation::Reserved(_))).count(),
+        let reserved = match self
+            .store
+            .reserve(
+                &reqs,
+                fleet::route::ReserveParams {
+                    token: rand::random(),
+                    ..self.params
+                },
+            )
+            .await
+        {
+            Ok(answers) => answers
+                .iter()
+                .filter(|a| matches!(a, fleet::route::Reservation::Reserved(_)))
+                .count(),
             Err(_) => 0,
         };
         self.anomalies.fetch_add(k - reserved, Ordering::Relaxed);
@@ -147,10 +169,30 @@ impl Floor {
     async fn claim(&self, batch: &[lapin::message::Delivery]) -> usize {
         let reqs: Vec<fleet::lease::ClaimRequest> = batch
             .iter()
-            .map(|d| fleet::lease::ClaimRequest { lane: Lane::Normal, id: Self::id(d), base: 1, max_attempts: 5, isolated: false })
+            .map(|d| fleet::lease::ClaimRequest {
+                lane: Lane::Normal,
+                id: Self::id(d),
+                base: 1,
+                max_attempts: 5,
+                isolated: false,
+            })
             .collect();
-        match self.store.claim(&self.worker, &self.group, &self.instance, self.run_lease, self.status_ttl, &reqs).await {
-            Ok((true, answers)) => answers.iter().filter(|a| **a == fleet::lease::Claim::Run(1)).count(),
+        match self
+            .store
+            .claim(
+                &self.worker,
+                &self.group,
+                &self.instance,
+                self.run_lease,
+                self.status_ttl,
+                &reqs,
+            )
+            .await
+        {
+            Ok((true, answers)) => answers
+                .iter()
+                .filter(|a| **a == fleet::lease::Claim::Run(1))
+                .count(),
             _ => 0,
         }
     }
@@ -169,12 +211,30 @@ impl Floor {
                 reason: None,
             })
             .collect();
-        let finished = self.store.finish(&self.worker, &self.group, &self.instance, self.status_ttl, &fins, &[]).await.is_ok();
-        self.anomalies.fetch_add(batch.len() - if finished { runs } else { 0 }, Ordering::Relaxed);
+        let finished = self
+            .store
+            .finish(
+                &self.worker,
+                &self.group,
+                &self.instance,
+                self.status_ttl,
+                &fins,
+                &[],
+            )
+            .await
+            .is_ok();
+        self.anomalies.fetch_add(
+            batch.len() - if finished { runs } else { 0 },
+            Ordering::Relaxed,
+        );
     }
 
     fn id(d: &lapin::message::Delivery) -> String {
-        d.properties.message_id().as_ref().map(|m| m.to_string()).unwrap_or_default()
+        d.properties
+            .message_id()
+            .as_ref()
+            .map(|m| m.to_string())
+            .unwrap_or_default()
     }
 }
 
@@ -246,12 +306,25 @@ struct CpuMeter {
 impl CpuMeter {
     fn new() -> Self {
         let listener = |port: u16| -> Option<u32> {
-            let out = std::process::Command::new("ss").args(["-ltnpH", &format!("sport = :{port}")]).output().ok()?;
+            let out = std::process::Command::new("ss")
+                .args(["-ltnpH", &format!("sport = :{port}")])
+                .output()
+                .ok()?;
             let text = String::from_utf8_lossy(&out.stdout);
             let at = text.find("pid=")? + 4;
-            text[at..].split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+            text[at..]
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
         };
-        CpuMeter { pids: [("rabbitmq", listener(5672)), ("redis", listener(6379)), ("fleet+bench", Some(std::process::id()))] }
+        CpuMeter {
+            pids: [
+                ("rabbitmq", listener(5672)),
+                ("redis", listener(6379)),
+                ("fleet+bench", Some(std::process::id())),
+            ],
+        }
     }
 
     /// utime + stime of each process, seconds (`/proc/<pid>/stat` fields 14 and 15, in
@@ -260,11 +333,18 @@ impl CpuMeter {
         let mut out = [f64::NAN; 3];
         for (k, (_, pid)) in self.pids.iter().enumerate() {
             let Some(pid) = pid else { continue };
-            let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+            let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
             // The command name (field 2) may hold spaces: count fields after its ')'.
-            let Some(rest) = s.rfind(')').map(|i| &s[i + 2..]) else { continue };
+            let Some(rest) = s.rfind(')').map(|i| &s[i + 2..]) else {
+                continue;
+            };
             let f: Vec<&str> = rest.split_whitespace().collect();
-            if let (Some(u), Some(st)) = (f.get(11).and_then(|v| v.parse::<f64>().ok()), f.get(12).and_then(|v| v.parse::<f64>().ok())) {
+            if let (Some(u), Some(st)) = (
+                f.get(11).and_then(|v| v.parse::<f64>().ok()),
+                f.get(12).and_then(|v| v.parse::<f64>().ok()),
+            ) {
                 out[k] = (u + st) / 100.0;
             }
         }
@@ -281,9 +361,20 @@ impl CpuMeter {
     /// [`CpuMeter::per_task`] as a line, with the figures.
     fn report_with(&self, label: &str, before: [f64; 3], n: usize) -> (String, [f64; 3]) {
         let per = self.per_task(before, n);
-        let parts: Vec<String> = self.pids.iter().zip(per).map(|((name, _), v)| format!("{name} {v:.0}")).collect();
+        let parts: Vec<String> = self
+            .pids
+            .iter()
+            .zip(per)
+            .map(|((name, _), v)| format!("{name} {v:.0}"))
+            .collect();
         let total: f64 = per.iter().filter(|v| v.is_finite()).sum();
-        (format!("{label:<18}: CPU ms per 1,000 tasks: {} (total {total:.0})", parts.join(", ")), per)
+        (
+            format!(
+                "{label:<18}: CPU ms per 1,000 tasks: {} (total {total:.0})",
+                parts.join(", ")
+            ),
+            per,
+        )
     }
 
     /// CPU ms per 1,000 tasks of each process between `before` and now, as a line.
@@ -299,11 +390,22 @@ struct RedisCalls(std::collections::BTreeMap<String, (u64, u64)>);
 impl RedisCalls {
     fn read() -> Self {
         let mut m = std::collections::BTreeMap::new();
-        let out = std::process::Command::new("redis-cli").args(["INFO", "commandstats"]).output();
+        let out = std::process::Command::new("redis-cli")
+            .args(["INFO", "commandstats"])
+            .output();
         if let Ok(out) = out {
             for line in String::from_utf8_lossy(&out.stdout).lines() {
-                let Some((name, rest)) = line.strip_prefix("cmdstat_").and_then(|l| l.split_once(':')) else { continue };
-                let field = |k: &str| rest.split(',').find_map(|kv| kv.strip_prefix(k)?.strip_prefix('=')?.parse::<u64>().ok()).unwrap_or(0);
+                let Some((name, rest)) = line
+                    .strip_prefix("cmdstat_")
+                    .and_then(|l| l.split_once(':'))
+                else {
+                    continue;
+                };
+                let field = |k: &str| {
+                    rest.split(',')
+                        .find_map(|kv| kv.strip_prefix(k)?.strip_prefix('=')?.parse::<u64>().ok())
+                        .unwrap_or(0)
+                };
                 m.insert(name.to_string(), (field("calls"), field("usec")));
             }
         }
@@ -318,7 +420,11 @@ impl RedisCalls {
             .iter()
             .map(|(k, &(c, u))| {
                 let (c0, u0) = self.0.get(k).copied().unwrap_or((0, 0));
-                (k.clone(), c.saturating_sub(c0) as f64 / n.max(1) as f64, u.saturating_sub(u0) as f64 / n.max(1) as f64)
+                (
+                    k.clone(),
+                    c.saturating_sub(c0) as f64 / n.max(1) as f64,
+                    u.saturating_sub(u0) as f64 / n.max(1) as f64,
+                )
             })
             .filter(|r| r.1 > 0.0)
             .collect();
@@ -328,7 +434,11 @@ impl RedisCalls {
         // scripts and of commands sent on their own, which Redis does not tell apart.
         let script = |k: &str| k.starts_with("eval") || k.starts_with("fcall");
         let calls: f64 = rows.iter().filter(|r| !script(&r.0)).map(|r| r.1).sum();
-        let top: Vec<String> = rows.iter().take(10).map(|(k, c, u)| format!("{k} {c:.2}×{u:.1}µs")).collect();
+        let top: Vec<String> = rows
+            .iter()
+            .take(10)
+            .map(|(k, c, u)| format!("{k} {c:.2}×{u:.1}µs"))
+            .collect();
         format!("{label:<18}: Redis per task: {calls:.2} commands; by command (calls × µs of CPU, a script's µs include its commands): {}", top.join(", "))
     }
 }
@@ -357,7 +467,12 @@ async fn raw_broker(n: usize, hops: usize, conns: Conns) -> Result<f64> {
 
 /// The floor ([`Floor`]) in a namespace of its own, `n` messages offered `how` over a
 /// connection per hop; its figures and how many answers were not reserved / run.
-async fn floor_run(qt: &str, settings: &[(&str, &str)], n: usize, how: Offer) -> Result<(Raw, usize)> {
+async fn floor_run(
+    qt: &str,
+    settings: &[(&str, &str)],
+    n: usize,
+    how: Offer,
+) -> Result<(Raw, usize)> {
     let ns = Ns::with_queue_type(qt).await?;
     let floor = Arc::new(Floor::start(&ns, settings, n).await?);
     let raw = raw_run(n, 2, how, Conns::PerHop, Some(floor.clone())).await?;
@@ -367,20 +482,37 @@ async fn floor_run(qt: &str, settings: &[(&str, &str)], n: usize, how: Offer) ->
 
 /// The raw client; with `floor`, a two-hop client that also does fleet's Redis work per task
 /// (see [`Floor`]).
-async fn raw_run(n: usize, hops: usize, how: Offer, conns: Conns, floor: Option<Arc<Floor>>) -> Result<Raw> {
+async fn raw_run(
+    n: usize,
+    hops: usize,
+    how: Offer,
+    conns: Conns,
+    floor: Option<Arc<Floor>>,
+) -> Result<Raw> {
     let conn = Arc::new(amqp::connect(&amqp_url(), "bench-raw").await?);
     let mut hop_conns = Vec::new();
     for i in 0..hops {
         hop_conns.push(match conns {
             Conns::Shared => conn.clone(),
-            Conns::PerHop => Arc::new(amqp::connect(&amqp_url(), &format!("bench-raw-hop{i}")).await?),
+            Conns::PerHop => {
+                Arc::new(amqp::connect(&amqp_url(), &format!("bench-raw-hop{i}")).await?)
+            }
         });
     }
     let tag = uuid::Uuid::new_v4().simple().to_string();
     let queues: Vec<String> = (0..hops).map(|i| format!("bench.{tag}.{i}")).collect();
     let setup = conn.create_channel().await?;
     for q in &queues {
-        setup.queue_declare(q.as_str().into(), QueueDeclareOptions { durable: true, ..Default::default() }, quorum()).await?;
+        setup
+            .queue_declare(
+                q.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                quorum(),
+            )
+            .await?;
     }
     let done = Arc::new(AtomicUsize::new(0));
     let lat: Arc<Mutex<Vec<f64>>> = Arc::default();
@@ -388,16 +520,28 @@ async fn raw_run(n: usize, hops: usize, how: Offer, conns: Conns, floor: Option<
     for (i, q) in queues.iter().enumerate() {
         let hop = &hop_conns[i];
         let ch = hop.create_channel().await?;
-        ch.basic_qos(RAW_PREFETCH, BasicQosOptions::default()).await?;
+        ch.basic_qos(RAW_PREFETCH, BasicQosOptions::default())
+            .await?;
         let next = queues.get(i + 1).cloned();
         let pubch = amqp::confirm_channel(hop).await?;
-        let mut consumer = ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
+        let mut consumer = ch
+            .basic_consume(
+                q.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
         let (done, lat) = (done.clone(), lat.clone());
         let floor = floor.clone();
         tasks.push(tokio::spawn(async move {
             // Forwarding hop: publish, and let a second task await confirms in order and ack
             // (pipelined, as fleet's scheduler does).
-            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(lapin::PublisherConfirm, lapin::message::Delivery, String)>();
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(
+                lapin::PublisherConfirm,
+                lapin::message::Delivery,
+                String,
+            )>();
             // Confirms come back in order; ack what is confirmed with one `multiple` ack per
             // run of deliveries (whatever has been confirmed when the queue of confirms is
             // momentarily empty, at most RAW_ACK_EVERY at a time). With `floor`, the run's
@@ -423,7 +567,11 @@ async fn raw_run(n: usize, hops: usize, how: Offer, conns: Conns, floor: Option<
                 // pushed too (as fleet's dispatch loops and worker ledger batch their Redis calls).
                 let mut batch = vec![first];
                 if let Some(f) = &floor {
-                    let most = if next.is_some() { f.batch_max } else { RAW_ACK_EVERY };
+                    let most = if next.is_some() {
+                        f.batch_max
+                    } else {
+                        RAW_ACK_EVERY
+                    };
                     while batch.len() < most {
                         match consumer.next().now_or_never() {
                             Some(Some(Ok(d))) => batch.push(d),
@@ -437,7 +585,12 @@ async fn raw_run(n: usize, hops: usize, how: Offer, conns: Conns, floor: Option<
                         None => vec!["x".to_string()],
                     };
                     // Started together, as fleet's dispatch does (`amqp::publish_batch`).
-                    let msgs = batch.iter().zip(&ids).map(|(d, id)| amqp::Outgoing { exchange: "", routing_key: nq, body: &d.data, props: amqp::task_properties(id, None) });
+                    let msgs = batch.iter().zip(&ids).map(|(d, id)| amqp::Outgoing {
+                        exchange: "",
+                        routing_key: nq,
+                        body: &d.data,
+                        props: amqp::task_properties(id, None),
+                    });
                     let sent = amqp::publish_batch(&pubch, msgs).await;
                     for ((d, id), c) in batch.into_iter().zip(ids).zip(sent) {
                         if let Ok(c) = c {
@@ -452,7 +605,11 @@ async fn raw_run(n: usize, hops: usize, how: Offer, conns: Conns, floor: Option<
                     None => 0,
                 };
                 for d in &batch {
-                    if let Some(sent) = std::str::from_utf8(&d.data).ok().and_then(|b| b.split(' ').next()).and_then(|b| b.parse::<i64>().ok()) {
+                    if let Some(sent) = std::str::from_utf8(&d.data)
+                        .ok()
+                        .and_then(|b| b.split(' ').next())
+                        .and_then(|b| b.parse::<i64>().ok())
+                    {
                         if let Ok(mut v) = lat.lock() {
                             v.push((now_us() - sent) as f64 / 1000.0);
                         }
@@ -486,8 +643,21 @@ async fn raw_run(n: usize, hops: usize, how: Offer, conns: Conns, floor: Option<
             // The body: the submission time (µs; the last hop measures submit→delivery), then
             // an envelope, so raw messages weigh what fleet's do. Published together, as
             // fleet's producer does (`amqp::publish_batch`).
-            let bodies: Vec<String> = (0..k).map(|_| format!("{} {}", now_us(), String::from_utf8_lossy(&Envelope::new("noop", json!(null)).to_bytes()))).collect();
-            let msgs = bodies.iter().map(|b| amqp::Outgoing { exchange: "", routing_key: &first, body: b.as_bytes(), props: amqp::task_properties("x", None) });
+            let bodies: Vec<String> = (0..k)
+                .map(|_| {
+                    format!(
+                        "{} {}",
+                        now_us(),
+                        String::from_utf8_lossy(&Envelope::new("noop", json!(null)).to_bytes())
+                    )
+                })
+                .collect();
+            let msgs = bodies.iter().map(|b| amqp::Outgoing {
+                exchange: "",
+                routing_key: &first,
+                body: b.as_bytes(),
+                props: amqp::task_properties("x", None),
+            });
             for c in amqp::publish_batch(&pubch, msgs).await {
                 amqp::confirmed(c?).await?;
             }
@@ -505,7 +675,9 @@ async fn raw_run(n: usize, hops: usize, how: Offer, conns: Conns, floor: Option<
         t.abort();
     }
     for q in &queues {
-        let _ = setup.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
+        let _ = setup
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await;
     }
     if conns == Conns::PerHop {
         for c in &hop_conns {
@@ -530,7 +702,11 @@ struct Rig {
 }
 
 impl Rig {
-    async fn start(qt: &str, settings: &[(&str, &str)], workers: &[(&str, &str, u32)]) -> Result<Rig> {
+    async fn start(
+        qt: &str,
+        settings: &[(&str, &str)],
+        workers: &[(&str, &str, u32)],
+    ) -> Result<Rig> {
         let ns = Ns::with_queue_type(qt).await?;
         let done = Arc::new(AtomicUsize::new(0));
         let ids: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
@@ -564,13 +740,27 @@ impl Rig {
         for (id, labels, cap) in workers {
             ws.push(start_worker(&ns, id, labels, *cap, &[], &h).await?);
         }
-        Ok(Rig { ns, sched, workers: ws, done, ids, lat_ms, by_worker })
+        Ok(Rig {
+            ns,
+            sched,
+            workers: ws,
+            done,
+            ids,
+            lat_ms,
+            by_worker,
+        })
     }
 
     /// Offers `n` envelopes made by `mk(k)` (k = 0..n; `submitted_at` set as each is
     /// published), waits until they have all run (at most `within`); the rate over the whole
     /// run, from the first publish to the last completion, and the elapsed time.
-    async fn run(&self, n: usize, how: Offer, within: Duration, mk: impl Fn(usize) -> Envelope) -> Result<(f64, f64)> {
+    async fn run(
+        &self,
+        n: usize,
+        how: Offer,
+        within: Duration,
+        mk: impl Fn(usize) -> Envelope,
+    ) -> Result<(f64, f64)> {
         let base = self.done.load(Ordering::Relaxed);
         if let Ok(mut v) = self.lat_ms.lock() {
             v.clear();
@@ -604,11 +794,19 @@ impl Rig {
     }
 
     fn once(&self) -> (usize, usize) {
-        (self.done.load(Ordering::Relaxed), self.ids.lock().map(|s| s.len()).unwrap_or(0))
+        (
+            self.done.load(Ordering::Relaxed),
+            self.ids.lock().map(|s| s.len()).unwrap_or(0),
+        )
     }
 
     async fn metrics(&self) -> Result<String> {
-        let page = http().get(self.sched.url("/metrics")).send().await?.text().await?;
+        let page = http()
+            .get(self.sched.url("/metrics"))
+            .send()
+            .await?
+            .text()
+            .await?;
         Ok(format!(
             "dispatched {} parked {} throttled {} rerouted {}",
             metric_sum(&page, "fleet_tasks_dispatched_total", &[]),
@@ -641,20 +839,39 @@ async fn throughput(n: usize) -> Result<()> {
     let bound = n.max(10_000).to_string();
     // BENCH_SCHEDULER="k=v,k=v" adds scheduler settings, for experiments only (printed).
     let extra = std::env::var("BENCH_SCHEDULER").unwrap_or_default();
-    let mut settings: Vec<(&str, &str)> = vec![("ingress_max_normal", bound.as_str()), ("queue_type", qt.as_str())];
+    let mut settings: Vec<(&str, &str)> = vec![
+        ("ingress_max_normal", bound.as_str()),
+        ("queue_type", qt.as_str()),
+    ];
     settings.extend(extra.split(',').filter_map(|kv| kv.split_once('=')));
     let settings = settings.as_slice();
-    println!("scheduler settings: {settings:?}; everything else (admission included) at its default");
-    println!("workers: settings {:?} (+ worker_id, labels, capacity as listed per stage)", fleet_tests::WORKER_DEFAULTS);
-    let steady_n: usize = std::env::var("BENCH_STEADY_N").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000);
+    println!(
+        "scheduler settings: {settings:?}; everything else (admission included) at its default"
+    );
+    println!(
+        "workers: settings {:?} (+ worker_id, labels, capacity as listed per stage)",
+        fleet_tests::WORKER_DEFAULTS
+    );
+    let steady_n: usize = std::env::var("BENCH_STEADY_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
     let idle_n = 200;
 
     // fleet first: deleting the raw stage's full quorum queues keeps the broker's quorum
     // machinery busy for a while, which skews (and can redeliver in) whatever runs next.
     // 1. Burst, one group (2 workers), no-op tasks.
-    let cap: u32 = std::env::var("BENCH_CAPACITY").ok().and_then(|v| v.parse().ok()).unwrap_or(128);
+    let cap: u32 = std::env::var("BENCH_CAPACITY")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(128);
     println!("\n## 1. burst of {n} no-op tasks, 2 workers × capacity {cap} (one group)");
-    let rig = Rig::start(&qt, settings, &[("bench-w1", "", cap), ("bench-w2", "", cap)]).await?;
+    let rig = Rig::start(
+        &qt,
+        settings,
+        &[("bench-w1", "", cap), ("bench-w2", "", cap)],
+    )
+    .await?;
     // Sample the pressure state during the run (how often the fleet throttled itself).
     let purl = rig.sched.url("/v1/pressure");
     let sampling = tokio_util::sync::CancellationToken::new();
@@ -664,7 +881,13 @@ async fn throughput(n: usize) -> Result<()> {
             let mut seen: std::collections::BTreeMap<String, usize> = Default::default();
             while !stop.is_cancelled() {
                 if let Ok(p) = get_json(&purl).await {
-                    *seen.entry(format!("gate={} load={:.2}", p["gate"].as_str().unwrap_or("?"), (p["load"].as_f64().unwrap_or(0.0) * 10.0).floor() / 10.0)).or_default() += 1;
+                    *seen
+                        .entry(format!(
+                            "gate={} load={:.2}",
+                            p["gate"].as_str().unwrap_or("?"),
+                            (p["load"].as_f64().unwrap_or(0.0) * 10.0).floor() / 10.0
+                        ))
+                        .or_default() += 1;
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -674,13 +897,19 @@ async fn throughput(n: usize) -> Result<()> {
     let cpu = CpuMeter::new();
     let cpu0 = cpu.read();
     let calls0 = RedisCalls::read();
-    let (burst, t) = rig.run(n, Offer::Burst, Duration::from_secs(300), |_| Envelope::new("count", json!(null))).await?;
+    let (burst, t) = rig
+        .run(n, Offer::Burst, Duration::from_secs(300), |_| {
+            Envelope::new("count", json!(null))
+        })
+        .await?;
     let (cpu_burst, fleet_cpu) = cpu.report_with("fleet burst", cpu0, n);
     let calls_burst = calls0.report("fleet burst", n);
     sampling.cancel();
     let (runs, distinct) = rig.once();
     println!("fleet burst       : {burst:>8.0} tasks/s ({runs} runs of {n} in {t:.2} s)");
-    println!("runs {runs} distinct tasks {distinct} (runs beyond distinct = at-least-once redeliveries)");
+    println!(
+        "runs {runs} distinct tasks {distinct} (runs beyond distinct = at-least-once redeliveries)"
+    );
     println!("pressure samples (every 100 ms): {:?}", sampler.await?);
     println!("{cpu_burst}");
     println!("{calls_burst}");
@@ -688,35 +917,67 @@ async fn throughput(n: usize) -> Result<()> {
 
     // 2. Steady 1,000 tasks/s offered, same fleet.
     println!("\n## 2. steady: {steady_n} no-op tasks offered at 1,000/s, same fleet");
-    let (steady, t) = rig.run(steady_n, Offer::Steady(1000.0), Duration::from_secs(120), |_| Envelope::new("count", json!(null))).await?;
+    let (steady, t) = rig
+        .run(
+            steady_n,
+            Offer::Steady(1000.0),
+            Duration::from_secs(120),
+            |_| Envelope::new("count", json!(null)),
+        )
+        .await?;
     let (s50, s99) = p50_p99(&rig.latencies());
     println!("fleet steady      : {steady:>8.0} tasks/s ({t:.2} s); submit→start p50 {s50:.2} ms p99 {s99:.2} ms");
 
     // 3. Idle latency, same fleet: one task at a time.
     println!("\n## 3. idle submit→start latency: {idle_n} tasks, one every 10 ms, same fleet");
-    rig.run(idle_n, Offer::OneEvery(Duration::from_millis(10)), Duration::from_secs(30), |_| Envelope::new("count", json!(null))).await?;
+    rig.run(
+        idle_n,
+        Offer::OneEvery(Duration::from_millis(10)),
+        Duration::from_secs(30),
+        |_| Envelope::new("count", json!(null)),
+    )
+    .await?;
     let (f50, f99) = p50_p99(&rig.latencies());
-    println!("fleet idle        : p50 {f50:.2} ms p99 {f99:.2} ms (n={})", rig.latencies().len());
+    println!(
+        "fleet idle        : p50 {f50:.2} ms p99 {f99:.2} ms (n={})",
+        rig.latencies().len()
+    );
     let (runs, distinct) = rig.once();
     println!("runs {runs} distinct tasks {distinct} (stages 1-3)");
     rig.stop().await?;
 
     // 4. Ten groups, mixed selectors.
     println!("\n## 4. burst of {n} no-op tasks over 10 groups (10 workers × capacity 26): a third pinned to one zone (1 candidate), a third to a tier (5 candidates), a third anywhere (10)");
-    let ws: Vec<(String, String)> = (0..10).map(|i| (format!("bench-g{i}"), format!("zone=z{i},tier={}", if i < 5 { "a" } else { "b" }))).collect();
-    let wrefs: Vec<(&str, &str, u32)> = ws.iter().map(|(id, l)| (id.as_str(), l.as_str(), 26)).collect();
+    let ws: Vec<(String, String)> = (0..10)
+        .map(|i| {
+            (
+                format!("bench-g{i}"),
+                format!("zone=z{i},tier={}", if i < 5 { "a" } else { "b" }),
+            )
+        })
+        .collect();
+    let wrefs: Vec<(&str, &str, u32)> = ws
+        .iter()
+        .map(|(id, l)| (id.as_str(), l.as_str(), 26))
+        .collect();
     let rig = Rig::start(&qt, settings, &wrefs).await?;
     let cpu = CpuMeter::new();
     let cpu0 = cpu.read();
     let (groups10, t) = rig
         .run(n, Offer::Burst, Duration::from_secs(300), |k| match k % 3 {
             0 => task("count", json!(null), &format!("zone=z{}", k % 10)),
-            1 => task("count", json!(null), if k % 2 == 0 { "tier=a" } else { "tier=b" }),
+            1 => task(
+                "count",
+                json!(null),
+                if k % 2 == 0 { "tier=a" } else { "tier=b" },
+            ),
             _ => task("count", json!(null), ""),
         })
         .await?;
     let (runs, distinct) = rig.once();
-    println!("fleet 10 groups   : {groups10:>8.0} tasks/s ({runs} runs, {distinct} distinct, {t:.2} s)");
+    println!(
+        "fleet 10 groups   : {groups10:>8.0} tasks/s ({runs} runs, {distinct} distinct, {t:.2} s)"
+    );
     println!("{}", cpu.report("fleet 10 groups", cpu0, n));
     println!("{}", rig.metrics().await?);
     rig.stop().await?;
@@ -724,8 +985,20 @@ async fn throughput(n: usize) -> Result<()> {
     // 5. 200 ms tasks on two groups of different speed (16 vs 4 slots).
     let long_n = 200;
     println!("\n## 5. split: a burst of {long_n} tasks of 200 ms that both groups can take; fast group 16 slots, slow group 4");
-    let rig = Rig::start(&qt, settings, &[("bench-fast", "pool=long,speed=fast", 16), ("bench-slow", "pool=long,speed=slow", 4)]).await?;
-    let (_, t) = rig.run(long_n, Offer::Burst, Duration::from_secs(120), |_| task("count", json!({"ms": 200}), "pool=long")).await?;
+    let rig = Rig::start(
+        &qt,
+        settings,
+        &[
+            ("bench-fast", "pool=long,speed=fast", 16),
+            ("bench-slow", "pool=long,speed=slow", 4),
+        ],
+    )
+    .await?;
+    let (_, t) = rig
+        .run(long_n, Offer::Burst, Duration::from_secs(120), |_| {
+            task("count", json!({"ms": 200}), "pool=long")
+        })
+        .await?;
     let split = rig.by_worker.lock().map(|m| m.clone()).unwrap_or_default();
     let fast = split.get("bench-fast").copied().unwrap_or(0);
     let slow = split.get("bench-slow").copied().unwrap_or(0);
@@ -743,8 +1016,15 @@ async fn throughput(n: usize) -> Result<()> {
     // Raw broker, same run. `budget`: CPU per 1,000 tasks of the raw client (its faster layout)
     // and of the floor, for the summary's budget line.
     let mut budget: Option<([f64; 3], [f64; 3])> = None;
-    let (one, two, floor_rate, raw_steady, raw_idle, raw_idle_shared) = if std::env::var("BENCH_SKIP_RAW").is_ok() {
-        let none = || Raw { rate: f64::NAN, lat_ms: vec![] };
+    let (one, two, floor_rate, raw_steady, raw_idle, raw_idle_shared) = if std::env::var(
+        "BENCH_SKIP_RAW",
+    )
+    .is_ok()
+    {
+        let none = || Raw {
+            rate: f64::NAN,
+            lat_ms: vec![],
+        };
         (f64::NAN, f64::NAN, f64::NAN, none(), none(), none())
     } else {
         println!("\n## raw broker (this process, same run)");
@@ -770,21 +1050,50 @@ async fn throughput(n: usize) -> Result<()> {
         let (line, floor_cpu) = cpu.report_with("raw + fleet Redis", cpu0, n);
         println!("{line}");
         // The budget is taken from the layout the goal is measured against (the faster one).
-        budget = Some((if shared > per_hop { shared_cpu } else { per_hop_cpu }, floor_cpu));
+        budget = Some((
+            if shared > per_hop {
+                shared_cpu
+            } else {
+                per_hop_cpu
+            },
+            floor_cpu,
+        ));
         println!("{}", calls0.report("raw + fleet Redis", n));
         // The broker's ceiling is the better of the two.
         let two = shared.max(per_hop);
         let raw_steady = raw_run(steady_n, 2, Offer::Steady(1000.0), Conns::PerHop, None).await?;
         let (r50, r99) = p50_p99(&raw_steady.lat_ms);
         println!("raw 2 hops steady : {:>8.0} msg/s; submit→delivery p50 {r50:.2} ms p99 {r99:.2} ms (a connection per hop)", raw_steady.rate);
-        let raw_idle_shared = raw_run(idle_n, 2, Offer::OneEvery(Duration::from_millis(10)), Conns::Shared, None).await?;
+        let raw_idle_shared = raw_run(
+            idle_n,
+            2,
+            Offer::OneEvery(Duration::from_millis(10)),
+            Conns::Shared,
+            None,
+        )
+        .await?;
         let (r50, r99) = p50_p99(&raw_idle_shared.lat_ms);
-        println!("raw 2 hops idle   : submit→delivery p50 {r50:.2} ms p99 {r99:.2} ms (one connection)");
-        let raw_idle = raw_run(idle_n, 2, Offer::OneEvery(Duration::from_millis(10)), Conns::PerHop, None).await?;
+        println!(
+            "raw 2 hops idle   : submit→delivery p50 {r50:.2} ms p99 {r99:.2} ms (one connection)"
+        );
+        let raw_idle = raw_run(
+            idle_n,
+            2,
+            Offer::OneEvery(Duration::from_millis(10)),
+            Conns::PerHop,
+            None,
+        )
+        .await?;
         let (r50, r99) = p50_p99(&raw_idle.lat_ms);
         println!("raw 2 hops idle   : submit→delivery p50 {r50:.2} ms p99 {r99:.2} ms (a connection per hop)");
         // The floor at idle: reserve and claim on the path, as fleet has them.
-        let (floor_idle, anomalies) = floor_run(&qt, settings, idle_n, Offer::OneEvery(Duration::from_millis(10))).await?;
+        let (floor_idle, anomalies) = floor_run(
+            &qt,
+            settings,
+            idle_n,
+            Offer::OneEvery(Duration::from_millis(10)),
+        )
+        .await?;
         let (l50, l99) = p50_p99(&floor_idle.lat_ms);
         println!("raw + fleet Redis idle: submit→claimed p50 {l50:.2} ms p99 {l99:.2} ms ({anomalies} anomalies; Δp50 {:+.2} ms over the raw per-hop client)", l50 - r50);
         (one, two, floor_rate, raw_steady, raw_idle, raw_idle_shared)
@@ -795,9 +1104,19 @@ async fn throughput(n: usize) -> Result<()> {
     let (r50, r99) = (p50h.min(p50s), p99h.min(p99s));
     let _ = one;
     println!("\n## summary (fleet / raw 2-hop, same run; goal ≥ 0.85; raw = the better of its two connection layouts)");
-    println!("burst {n}            : fleet {burst:>7.0} / raw {two:>7.0} = {:.2}", burst / two);
-    println!("steady 1,000/s offered: fleet {steady:>7.0} / raw {:>7.0} = {:.2}", raw_steady.rate, steady / raw_steady.rate);
-    println!("10 groups, burst     : fleet {groups10:>7.0} / raw {two:>7.0} = {:.2}", groups10 / two);
+    println!(
+        "burst {n}            : fleet {burst:>7.0} / raw {two:>7.0} = {:.2}",
+        burst / two
+    );
+    println!(
+        "steady 1,000/s offered: fleet {steady:>7.0} / raw {:>7.0} = {:.2}",
+        raw_steady.rate,
+        steady / raw_steady.rate
+    );
+    println!(
+        "10 groups, burst     : fleet {groups10:>7.0} / raw {two:>7.0} = {:.2}",
+        groups10 / two
+    );
     println!("idle submit→start    : fleet p50 {f50:.2} ms p99 {f99:.2} ms | raw 2-hop p50 {r50:.2} ms p99 {r99:.2} ms | Δp50 {:+.2} ms (goal ≤ +0.5) Δp99 {:+.2} ms (goal ≤ +1.5)", f50 - r50, f99 - r99);
     println!("split of 200 × 200 ms: fast {fast} / slow {slow}");
     println!("floor: raw 2-hop + fleet's Redis work {floor_rate:>7.0} / raw {two:>7.0} = {:.2} (a ceiling for fleet on this machine; fleet / floor = {:.2})", floor_rate / two, burst / floor_rate);
@@ -818,7 +1137,10 @@ async fn throughput(n: usize) -> Result<()> {
         );
     }
 
-    let rss_secs: u64 = std::env::var("BENCH_RSS_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
+    let rss_secs: u64 = std::env::var("BENCH_RSS_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(60);
     if rss_secs > 0 {
         rss(rss_secs).await?;
     }
@@ -828,18 +1150,32 @@ async fn throughput(n: usize) -> Result<()> {
 /// Resident set size of a process (kB), from `/proc/<pid>/status`.
 fn rss_kb(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    s.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// The release binaries next to this benchmark's executable.
 fn sibling_bin(name: &str) -> Result<std::path::PathBuf> {
     let exe = std::env::current_exe()?;
-    let p = exe.parent().map(|d| d.join(name)).ok_or_else(|| anyhow::anyhow!("no directory"))?;
-    anyhow::ensure!(p.exists(), "{} not found: cargo build --release --bins", p.display());
+    let p = exe
+        .parent()
+        .map(|d| d.join(name))
+        .ok_or_else(|| anyhow::anyhow!("no directory"))?;
+    anyhow::ensure!(
+        p.exists(),
+        "{} not found: cargo build --release --bins",
+        p.display()
+    );
     Ok(p)
 }
 
@@ -849,23 +1185,50 @@ fn sibling_bin(name: &str) -> Result<std::path::PathBuf> {
 async fn rss(secs: u64) -> Result<()> {
     println!("\n## RSS under a 10x overload for {secs} s (short version of the issue's 10 minutes): scheduler + 2 workers as processes, product defaults, capacity 4 each, `sleep` 200 ms tasks, 400/s offered");
     let ns = Ns::with_queue_type("quorum").await?;
-    let env: Vec<(String, String)> = ns.base.iter().filter(|(k, _)| k != "http_addr").map(|(k, v)| (format!("FLEET_{}", k.to_uppercase()), v.clone())).collect();
+    let env: Vec<(String, String)> = ns
+        .base
+        .iter()
+        .filter(|(k, _)| k != "http_addr")
+        .map(|(k, v)| (format!("FLEET_{}", k.to_uppercase()), v.clone()))
+        .collect();
     let spawn = |bin: &str, extra: Vec<(String, String)>| -> Result<std::process::Child> {
         let mut c = std::process::Command::new(sibling_bin(bin)?);
-        c.envs(env.iter().cloned()).envs(extra).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+        c.envs(env.iter().cloned())
+            .envs(extra)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
         Ok(c.spawn()?)
     };
     let sched_port = free_port()?;
-    let mut procs = vec![("scheduler", spawn("fleet-scheduler", vec![("FLEET_HTTP_ADDR".into(), format!("127.0.0.1:{sched_port}"))])?)];
+    let mut procs = vec![(
+        "scheduler",
+        spawn(
+            "fleet-scheduler",
+            vec![("FLEET_HTTP_ADDR".into(), format!("127.0.0.1:{sched_port}"))],
+        )?,
+    )];
     for i in 0..2 {
         let port = free_port()?;
         procs.push((
             if i == 0 { "worker-1" } else { "worker-2" },
-            spawn("fleet-worker", vec![("FLEET_HTTP_ADDR".into(), format!("127.0.0.1:{port}")), ("FLEET_CAPACITY".into(), "4".into()), ("FLEET_WORKER_ID".into(), format!("rss-w{i}"))])?,
+            spawn(
+                "fleet-worker",
+                vec![
+                    ("FLEET_HTTP_ADDR".into(), format!("127.0.0.1:{port}")),
+                    ("FLEET_CAPACITY".into(), "4".into()),
+                    ("FLEET_WORKER_ID".into(), format!("rss-w{i}")),
+                ],
+            )?,
         ));
     }
     wait_for("scheduler ready", Duration::from_secs(30), || async move {
-        http().get(format!("http://127.0.0.1:{sched_port}/readyz")).send().await.ok().filter(|r| r.status().is_success()).map(|_| ())
+        http()
+            .get(format!("http://127.0.0.1:{sched_port}/readyz"))
+            .send()
+            .await
+            .ok()
+            .filter(|r| r.status().is_success())
+            .map(|_| ())
     })
     .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -879,7 +1242,9 @@ async fn rss(secs: u64) -> Result<()> {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     while start.elapsed() < Duration::from_secs(secs) {
         tick.tick().await;
-        let envs: Vec<Envelope> = (0..40).map(|_| Envelope::new("sleep", json!({"ms": 200}))).collect();
+        let envs: Vec<Envelope> = (0..40)
+            .map(|_| Envelope::new("sleep", json!({"ms": 200})))
+            .collect();
         if let Ok(r) = ns.submit_each(&envs).await {
             ok += r.iter().filter(|b| **b).count();
             refused += r.iter().filter(|b| !**b).count();
@@ -893,18 +1258,35 @@ async fn rss(secs: u64) -> Result<()> {
                 let e = peak.entry(name).or_default();
                 *e = (*e).max(kb);
             }
-            let p = get_json(&format!("http://127.0.0.1:{sched_port}/v1/pressure")).await.unwrap_or_default();
-            line.push_str(&format!("  (pressure {} gate {}, accepted {ok} refused {refused})", p["state"], p["gate"]));
+            let p = get_json(&format!("http://127.0.0.1:{sched_port}/v1/pressure"))
+                .await
+                .unwrap_or_default();
+            line.push_str(&format!(
+                "  (pressure {} gate {}, accepted {ok} refused {refused})",
+                p["state"], p["gate"]
+            ));
             println!("{line}");
             next_sample += Duration::from_secs(5);
         }
     }
-    println!("offered {} in {:.1} s ({:.0}/s; the workers drain 40/s)", ok + refused, start.elapsed().as_secs_f64(), (ok + refused) as f64 / start.elapsed().as_secs_f64());
+    println!(
+        "offered {} in {:.1} s ({:.0}/s; the workers drain 40/s)",
+        ok + refused,
+        start.elapsed().as_secs_f64(),
+        (ok + refused) as f64 / start.elapsed().as_secs_f64()
+    );
     for (name, kb) in &peak {
-        println!("peak RSS {name}: {:.1} MB (first sample {:.1} MB; goal < 64 MB and flat)", *kb as f64 / 1024.0, first.get(name).copied().unwrap_or(0) as f64 / 1024.0);
+        println!(
+            "peak RSS {name}: {:.1} MB (first sample {:.1} MB; goal < 64 MB and flat)",
+            *kb as f64 / 1024.0,
+            first.get(name).copied().unwrap_or(0) as f64 / 1024.0
+        );
     }
     for (_, c) in &mut procs {
-        let _ = std::process::Command::new("kill").arg("-TERM").arg(c.id().to_string()).status();
+        let _ = std::process::Command::new("kill")
+            .arg("-TERM")
+            .arg(c.id().to_string())
+            .status();
     }
     for (name, c) in &mut procs {
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -937,11 +1319,38 @@ async fn stages(n: usize) -> Result<()> {
     fleet::topology::declare_core(&ch, &cfg).await?;
     let labels = fleet::Labels::parse("stage=x,protocol=builtin")?;
     fleet::topology::declare_group(&ch, &cfg, &labels.group_name()).await?;
-    let reg = Registration { id: "placeholder".into(), instance: "p".into(), labels, capacity: n as u32, critical_capacity: 1, executor: "builtin".into(), state: WorkerState::Active };
+    let reg = Registration {
+        id: "placeholder".into(),
+        instance: "p".into(),
+        labels,
+        capacity: n as u32,
+        critical_capacity: 1,
+        executor: "builtin".into(),
+        state: WorkerState::Active,
+    };
     ns.store.register(&reg, Duration::from_millis(1)).await?;
     let consumers = std::env::var("BENCH_INGRESS_CONSUMERS").unwrap_or_else(|_| "4".into());
-    let sched = start_scheduler(&ns, &[("rate", "1000000"), ("burst", "1000000"), ("ingress_max_normal", "1000000"), ("max_pending", "10000000"), ("load_red", "1"), ("load_yellow", "1"), ("heartbeat_timeout_ms", "600000"), ("ingress_consumers", consumers.as_str())]).await?;
-    let envs: Vec<Envelope> = (0..n).map(|_| { let mut e = Envelope::new("count", json!(null)); e.labels = fleet::Labels::parse("stage=x").unwrap_or_default(); e }).collect();
+    let sched = start_scheduler(
+        &ns,
+        &[
+            ("rate", "1000000"),
+            ("burst", "1000000"),
+            ("ingress_max_normal", "1000000"),
+            ("max_pending", "10000000"),
+            ("load_red", "1"),
+            ("load_yellow", "1"),
+            ("heartbeat_timeout_ms", "600000"),
+            ("ingress_consumers", consumers.as_str()),
+        ],
+    )
+    .await?;
+    let envs: Vec<Envelope> = (0..n)
+        .map(|_| {
+            let mut e = Envelope::new("count", json!(null));
+            e.labels = fleet::Labels::parse("stage=x").unwrap_or_default();
+            e
+        })
+        .collect();
     let start = Instant::now();
     for chunk in envs.chunks(1000) {
         ns.submit(chunk).await?;
@@ -952,7 +1361,11 @@ async fn stages(n: usize) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let t = start.elapsed().as_secs_f64();
-    println!("scheduler: ingress → group queue: {:>8.0} tasks/s ({:.2} s)", n as f64 / t, t);
+    println!(
+        "scheduler: ingress → group queue: {:>8.0} tasks/s ({:.2} s)",
+        n as f64 / t,
+        t
+    );
     ns.store.deregister("placeholder", "p").await?;
     let h = [("count", count)];
     let start = Instant::now();
@@ -961,7 +1374,11 @@ async fn stages(n: usize) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let t = start.elapsed().as_secs_f64();
-    println!("worker   : group queue → done    : {:>8.0} tasks/s ({:.2} s, incl. start-up)", done.load(Ordering::Relaxed) as f64 / t, t);
+    println!(
+        "worker   : group queue → done    : {:>8.0} tasks/s ({:.2} s, incl. start-up)",
+        done.load(Ordering::Relaxed) as f64 / t,
+        t
+    );
     w.stop().await?;
     sched.stop().await?;
     ns.cleanup().await
@@ -977,7 +1394,9 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 }
 
 async fn critical(n: usize) -> Result<()> {
-    println!("# critical lane: submit→start wait of {n} critical tasks, idle vs 10× normal overload");
+    println!(
+        "# critical lane: submit→start wait of {n} critical tasks, idle vs 10× normal overload"
+    );
     let ns = Ns::new().await?;
     let waits: Arc<Mutex<Vec<f64>>> = Arc::default();
     let w2 = waits.clone();
@@ -995,7 +1414,11 @@ async fn critical(n: usize) -> Result<()> {
     });
     let rec = Recorder::default();
     let h = [("stamp", stamp), ("record", rec.handler())];
-    let sched = start_scheduler(&ns, &[("ingress_max_normal", "200"), ("max_pending", "100")]).await?;
+    let sched = start_scheduler(
+        &ns,
+        &[("ingress_max_normal", "200"), ("max_pending", "100")],
+    )
+    .await?;
     let w = start_worker(&ns, "bench-crit", "", 4, &[("critical_capacity", "2")], &h).await?;
 
     let run_critical = |label: &'static str| {
@@ -1017,7 +1440,10 @@ async fn critical(n: usize) -> Result<()> {
             }
             let mut v = waits.lock().map(|v| v.clone()).unwrap_or_default();
             let (p50, p99) = (pct(&mut v, 0.5), pct(&mut v, 0.99));
-            println!("{label:<22}: n={:<4} p50 {p50:>7.2} ms   p99 {p99:>7.2} ms", v.len());
+            println!(
+                "{label:<22}: n={:<4} p50 {p50:>7.2} ms   p99 {p99:>7.2} ms",
+                v.len()
+            );
             anyhow::Ok(p99)
         }
     };
@@ -1027,11 +1453,21 @@ async fn critical(n: usize) -> Result<()> {
     let stop = tokio_util::sync::CancellationToken::new();
     let flood = {
         let stop = stop.clone();
-        let ns2 = Ns { name: ns.name.clone(), names: ns.names.clone(), store: ns.store.clone(), conn: amqp::connect(&amqp_url(), "bench-flood").await?, publisher: amqp::confirm_channel(&amqp::connect(&amqp_url(), "bench-flood2").await?).await?, base: ns.base.clone() };
+        let ns2 = Ns {
+            name: ns.name.clone(),
+            names: ns.names.clone(),
+            store: ns.store.clone(),
+            conn: amqp::connect(&amqp_url(), "bench-flood").await?,
+            publisher: amqp::confirm_channel(&amqp::connect(&amqp_url(), "bench-flood2").await?)
+                .await?,
+            base: ns.base.clone(),
+        };
         tokio::spawn(async move {
             let (mut ok, mut refused) = (0usize, 0usize);
             while !stop.is_cancelled() {
-                let envs: Vec<Envelope> = (0..20).map(|_| Envelope::new("record", json!({"ms": 200}))).collect();
+                let envs: Vec<Envelope> = (0..20)
+                    .map(|_| Envelope::new("record", json!({"ms": 200})))
+                    .collect();
                 if let Ok(r) = ns2.submit_each(&envs).await {
                     ok += r.iter().filter(|b| **b).count();
                     refused += r.iter().filter(|b| !**b).count();
@@ -1043,7 +1479,12 @@ async fn critical(n: usize) -> Result<()> {
     };
     tokio::time::sleep(Duration::from_secs(3)).await;
     let p = get_json(&sched.url("/v1/pressure")).await?;
-    println!("under flood: pressure {} (gate {}), normal ingress depth {}", p["state"], p["gate"], ns.depth(&ns.names.ingress_queue(Lane::Normal)).await);
+    println!(
+        "under flood: pressure {} (gate {}), normal ingress depth {}",
+        p["state"],
+        p["gate"],
+        ns.depth(&ns.names.ingress_queue(Lane::Normal)).await
+    );
     let loaded = run_critical("critical, 10x overload").await?;
     stop.cancel();
     let (ok, refused) = flood.await?;

@@ -35,16 +35,19 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use deadpool_redis::redis;
 use fleet::dedupe::Dedupe;
-use fleet::lease::{ClaimRequest, Claim};
-use fleet::route::{ReserveParams, ReserveRequest};
+use fleet::lease::{Claim, ClaimRequest};
 use fleet::registry::{Beat, BeatReply, Registration, WorkerState};
 use fleet::route::{Reservation, Strategy};
+use fleet::route::{ReserveParams, ReserveRequest};
 use fleet::{Envelope, Labels, Lane, Names, PerLane, Store};
 use fleet_tests::servers::PrivateRedis;
 use fleet_tests::*;
 
 #[derive(Parser)]
-#[command(name = "scale", about = "fleet's Redis side at scale: a 1,000-worker simulation and the per-task cost of a real run")]
+#[command(
+    name = "scale",
+    about = "fleet's Redis side at scale: a 1,000-worker simulation and the per-task cost of a real run"
+)]
 struct Cli {
     #[command(subcommand)]
     what: What,
@@ -144,7 +147,11 @@ impl Probe {
         let cfg = redis::AsyncConnectionConfig::new()
             .set_response_timeout(Some(Duration::from_secs(30)))
             .set_connection_timeout(Some(Duration::from_secs(10)));
-        Ok(Probe { conn: client.get_multiplexed_async_connection_with_config(&cfg).await? })
+        Ok(Probe {
+            conn: client
+                .get_multiplexed_async_connection_with_config(&cfg)
+                .await?,
+        })
     }
 
     async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T> {
@@ -167,18 +174,33 @@ struct Counters {
 
 impl Counters {
     async fn read(probe: &Probe) -> Result<Self> {
-        let info = redis::cmd("INFO").arg("cpu").arg("stats").arg("commandstats").to_owned();
+        let info = redis::cmd("INFO")
+            .arg("cpu")
+            .arg("stats")
+            .arg("commandstats")
+            .to_owned();
         let text: String = probe.query(&info).await?;
-        let mut c = Counters { at: Some(Instant::now()), ..Default::default() };
+        let mut c = Counters {
+            at: Some(Instant::now()),
+            ..Default::default()
+        };
         for line in text.lines() {
             let line = line.trim();
             if let Some(rest) = line.strip_prefix("cmdstat_") {
-                let Some((name, fields)) = rest.split_once(':') else { continue };
+                let Some((name, fields)) = rest.split_once(':') else {
+                    continue;
+                };
                 if name == "info" {
                     continue;
                 }
-                let field = |k: &str| fields.split(',').find_map(|f| f.strip_prefix(k)?.strip_prefix('=')?.parse::<u64>().ok()).unwrap_or(0);
-                c.cmds.insert(name.to_string(), (field("calls"), field("usec")));
+                let field = |k: &str| {
+                    fields
+                        .split(',')
+                        .find_map(|f| f.strip_prefix(k)?.strip_prefix('=')?.parse::<u64>().ok())
+                        .unwrap_or(0)
+                };
+                c.cmds
+                    .insert(name.to_string(), (field("calls"), field("usec")));
             } else if let Some((k, v)) = line.split_once(':') {
                 match k {
                     "used_cpu_sys" | "used_cpu_user" => c.cpu += v.parse::<f64>().unwrap_or(0.0),
@@ -204,7 +226,13 @@ impl Counters {
             (Some(a), Some(b)) => a.duration_since(b).as_secs_f64(),
             _ => 0.0,
         };
-        Delta { cmds, cpu: self.cpu - before.cpu, net_in: self.net_in.saturating_sub(before.net_in), net_out: self.net_out.saturating_sub(before.net_out), secs }
+        Delta {
+            cmds,
+            cpu: self.cpu - before.cpu,
+            net_in: self.net_in.saturating_sub(before.net_in),
+            net_out: self.net_out.saturating_sub(before.net_out),
+            secs,
+        }
     }
 }
 
@@ -227,7 +255,21 @@ impl Delta {
     }
     /// Commands that are not scripts (run inside them, or sent on their own).
     fn plain_calls(&self) -> u64 {
-        self.cmds.iter().filter(|(k, _)| !matches!(k.as_str(), "evalsha" | "eval" | "script|load" | "slowlog|get" | "slowlog|reset" | "config|set")).map(|(_, c)| c.0).sum()
+        self.cmds
+            .iter()
+            .filter(|(k, _)| {
+                !matches!(
+                    k.as_str(),
+                    "evalsha"
+                        | "eval"
+                        | "script|load"
+                        | "slowlog|get"
+                        | "slowlog|reset"
+                        | "config|set"
+                )
+            })
+            .map(|(_, c)| c.0)
+            .sum()
     }
 }
 
@@ -273,7 +315,13 @@ async fn delete_keys(store: &Store) -> Result<()> {
     let pattern = store.names.all_keys_pattern();
     let mut cursor = 0u64;
     loop {
-        let scan = redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000).to_owned();
+        let scan = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .to_owned();
         let (next, keys): (u64, Vec<String>) = retrying(|| store.query(&scan)).await?;
         if !keys.is_empty() {
             let unlink = redis::cmd("UNLINK").arg(&keys).to_owned();
@@ -294,7 +342,11 @@ struct Fleet {
 
 fn group_labels(g: usize, groups: usize) -> Labels {
     let zones = (groups / 10).max(1);
-    Labels::parse(&format!("pool=g{g:02},zone=z{},protocol=builtin", g % zones)).unwrap_or_default()
+    Labels::parse(&format!(
+        "pool=g{g:02},zone=z{},protocol=builtin",
+        g % zones
+    ))
+    .unwrap_or_default()
 }
 
 /// The scheduler's reservation parameters at the product defaults (scheduler/src/dispatch.rs
@@ -313,13 +365,32 @@ fn default_params() -> ReserveParams {
 }
 
 async fn sim(a: SimArgs) -> Result<()> {
-    let private = if a.private { Some(PrivateRedis::start(None, None).await?) } else { None };
-    let url = private.as_ref().map(|r| r.url(None)).unwrap_or_else(redis_url);
+    let private = if a.private {
+        Some(PrivateRedis::start(None, None).await?)
+    } else {
+        None
+    };
+    let url = private
+        .as_ref()
+        .map(|r| r.url(None))
+        .unwrap_or_else(redis_url);
     let ns = format!("scale{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
     let store = Store::new(&url, Names::new(&ns))?;
     let info: String = store.query(redis::cmd("INFO").arg("server")).await?;
-    let version = info.lines().find_map(|l| l.strip_prefix("redis_version:")).unwrap_or("?").trim().to_string();
-    println!("scale sim: Redis {version} at {url} ({}), namespace {ns}", if a.private { "private redis-server, no other client" } else { "SHARED server: other clients' calls land in the same counters" });
+    let version = info
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .unwrap_or("?")
+        .trim()
+        .to_string();
+    println!(
+        "scale sim: Redis {version} at {url} ({}), namespace {ns}",
+        if a.private {
+            "private redis-server, no other client"
+        } else {
+            "SHARED server: other clients' calls land in the same counters"
+        }
+    );
     println!(
         "settings: {} workers in {} groups (capacity {} normal + 1 critical each), {} concurrent callers, batches {:?}, {} reservations per measurement (at most {} s), reserve params: lease 30000 ms, backlog factor 1.0, least_loaded, dedupe window 3600000 ms (Check), status TTL 86400000 ms, direct dispatch on; heartbeat interval {} ms for {} s, {} running tasks per worker",
         a.workers, a.groups, a.capacity, a.callers, a.batches, a.reservations, a.max_secs, a.heartbeat_interval_ms, a.beat_secs, a.running
@@ -339,7 +410,9 @@ async fn sim(a: SimArgs) -> Result<()> {
 /// `SET`. The scripts' costs divided by these are machine-independent ratios.
 async fn calibrate(store: &Store, probe: &Probe) -> Result<(f64, f64)> {
     let key = format!("{}calibrate", store.names.prefix());
-    let lua = redis::Script::new("for i = 1, tonumber(ARGV[1]) do redis.call('INCR', KEYS[1]) end return 1");
+    let lua = redis::Script::new(
+        "for i = 1, tonumber(ARGV[1]) do redis.call('INCR', KEYS[1]) end return 1",
+    );
     let before = Counters::read(probe).await?;
     for _ in 0..100 {
         let mut inv = lua.prepare_invoke();
@@ -368,17 +441,32 @@ async fn sim_inner(a: &SimArgs, store: &Store, probe: &Probe) -> Result<()> {
     // Every group has room for everything this benchmark reserves: the steady state of a fleet
     // whose workers keep up (the scheduler writes `room:<lane>` from the completion rate). A
     // group without room would answer `full` (park) for multi-candidate tasks instead.
-    let rooms: Vec<(String, Lane, u64)> = fleet.groups.iter().map(|g| (g.clone(), Lane::Normal, 1_000_000_000)).collect();
+    let rooms: Vec<(String, Lane, u64)> = fleet
+        .groups
+        .iter()
+        .map(|g| (g.clone(), Lane::Normal, 1_000_000_000))
+        .collect();
     store.set_rooms(&rooms).await?;
 
-    println!("\n## Reservations through reserve.lua (EVALSHA), {} callers", a.callers);
+    println!(
+        "\n## Reservations through reserve.lua (EVALSHA), {} callers",
+        a.callers
+    );
     println!("| selector | candidates | batch | reservations | wall s | reservations/s | call p50 / p99 ms | EVALSHA µs/call | Redis µs/reservation (script) | ceiling reservations/s (1e6 / script µs) | inner commands/reservation | Redis CPU µs/reservation | bytes in / out per reservation | foreign EVALSHA |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-    let shapes: [(&str, usize); 3] = [("pool=gK (one group)", 1), ("zone=zK (ten groups)", 10), ("none (all groups)", a.groups)];
+    let shapes: [(&str, usize); 3] = [
+        ("pool=gK (one group)", 1),
+        ("zone=zK (ten groups)", 10),
+        ("none (all groups)", a.groups),
+    ];
     let mut best = 0.0f64;
     for (si, (shape, cands)) in shapes.iter().enumerate() {
         for &batch in &a.batches {
-            let want = if batch < 16 { a.reservations / 4 } else { a.reservations };
+            let want = if batch < 16 {
+                a.reservations / 4
+            } else {
+                a.reservations
+            };
             let m = measure_reserve(a, store, probe, &fleet, si, batch, want).await?;
             let script_us = m.delta.usec("evalsha") as f64 / m.done.max(1) as f64;
             best = best.max(m.done as f64 / m.wall);
@@ -400,11 +488,26 @@ async fn sim_inner(a: &SimArgs, store: &Store, probe: &Probe) -> Result<()> {
                 m.delta.calls("evalsha").saturating_sub(m.calls as u64),
             );
             if si == 0 && batch == 256 {
-                let mut inner: Vec<(String, f64)> =
-                    m.delta.cmds.iter().filter(|(k, _)| k.as_str() != "evalsha").map(|(k, c)| (k.clone(), c.0 as f64 / m.done.max(1) as f64)).collect();
+                let mut inner: Vec<(String, f64)> = m
+                    .delta
+                    .cmds
+                    .iter()
+                    .filter(|(k, _)| k.as_str() != "evalsha")
+                    .map(|(k, c)| (k.clone(), c.0 as f64 / m.done.max(1) as f64))
+                    .collect();
                 inner.sort_by(|x, y| y.1.partial_cmp(&x.1).unwrap_or(std::cmp::Ordering::Equal));
-                let list: Vec<String> = inner.iter().filter(|(_, v)| *v >= 0.01).map(|(k, v)| format!("{k} {v:.2}")).collect();
-                let inner_us: u64 = m.delta.cmds.iter().filter(|(k, _)| k.as_str() != "evalsha").map(|(_, c)| c.1).sum();
+                let list: Vec<String> = inner
+                    .iter()
+                    .filter(|(_, v)| *v >= 0.01)
+                    .map(|(k, v)| format!("{k} {v:.2}"))
+                    .collect();
+                let inner_us: u64 = m
+                    .delta
+                    .cmds
+                    .iter()
+                    .filter(|(k, _)| k.as_str() != "evalsha")
+                    .map(|(_, c)| c.1)
+                    .sum();
                 println!(
                     "<!-- one group, batch 256: commands per reservation: {}; the inner commands' own time is {:.0} % of the scripts' time (the rest: Lua, argument and reply conversion) -->",
                     list.join(", "),
@@ -413,7 +516,10 @@ async fn sim_inner(a: &SimArgs, store: &Store, probe: &Probe) -> Result<()> {
             }
         }
     }
-    println!("\nbest reservations/s: {best:.0} (goal ≥ 50,000); calls retried after an error so far: {}", RETRIES.load(Ordering::Relaxed));
+    println!(
+        "\nbest reservations/s: {best:.0} (goal ≥ 50,000); calls retried after an error so far: {}",
+        RETRIES.load(Ordering::Relaxed)
+    );
     println!("(Redis CPU per reservation ÷ {per_lua_call:.2} µs = its cost in Lua INCR-equivalents, a ratio that holds on any machine)");
     let _ = calibrate(store, probe).await?;
 
@@ -421,11 +527,17 @@ async fn sim_inner(a: &SimArgs, store: &Store, probe: &Probe) -> Result<()> {
 }
 
 async fn register_fleet(a: &SimArgs, store: &Store, probe: &Probe) -> Result<Fleet> {
-    let groups: Vec<String> = (0..a.groups).map(|g| group_labels(g, a.groups).group_name()).collect();
+    let groups: Vec<String> = (0..a.groups)
+        .map(|g| group_labels(g, a.groups).group_name())
+        .collect();
     let mut workers = Vec::with_capacity(a.workers);
     for i in 0..a.workers {
         let g = i % a.groups;
-        workers.push((format!("sim-{g:02}-{:04}", i / a.groups), groups[g].clone(), uuid::Uuid::new_v4().simple().to_string()));
+        workers.push((
+            format!("sim-{g:02}-{:04}", i / a.groups),
+            groups[g].clone(),
+            uuid::Uuid::new_v4().simple().to_string(),
+        ));
     }
     let before = Counters::read(probe).await?;
     let start = Instant::now();
@@ -433,11 +545,19 @@ async fn register_fleet(a: &SimArgs, store: &Store, probe: &Probe) -> Result<Fle
     let ws = Arc::new(workers);
     let mut joins = Vec::new();
     for _ in 0..a.callers {
-        let (store, next, ws, groups_n, cap) = (store.clone(), next.clone(), ws.clone(), a.groups, a.capacity);
+        let (store, next, ws, groups_n, cap) = (
+            store.clone(),
+            next.clone(),
+            ws.clone(),
+            a.groups,
+            a.capacity,
+        );
         joins.push(tokio::spawn(async move {
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some((id, _, inst)) = ws.get(i) else { return Ok::<_, anyhow::Error>(()) };
+                let Some((id, _, inst)) = ws.get(i) else {
+                    return Ok::<_, anyhow::Error>(());
+                };
                 let r = Registration {
                     id: id.clone(),
                     instance: inst.clone(),
@@ -460,7 +580,12 @@ async fn register_fleet(a: &SimArgs, store: &Store, probe: &Probe) -> Result<Fle
     let views = store.groups().await?;
     let cap: u32 = views.iter().map(|g| g.capacity).sum();
     if views.len() != a.groups || cap != a.workers as u32 * a.capacity {
-        bail!("registered {} groups with capacity {cap}; expected {} groups, {}", views.len(), a.groups, a.workers as u32 * a.capacity);
+        bail!(
+            "registered {} groups with capacity {cap}; expected {} groups, {}",
+            views.len(),
+            a.groups,
+            a.workers as u32 * a.capacity
+        );
     }
     println!(
         "\n## Registration (register.lua)\n{} workers in {} groups registered in {:.2} s ({:.0}/s); EVALSHA {:.0} µs/call; groups {} with total capacity {cap}",
@@ -493,7 +618,15 @@ fn selector(shape: usize, i: usize, groups: usize) -> Labels {
     }
 }
 
-async fn measure_reserve(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet, shape: usize, batch: usize, want: usize) -> Result<ReserveRun> {
+async fn measure_reserve(
+    a: &SimArgs,
+    store: &Store,
+    probe: &Probe,
+    fleet: &Fleet,
+    shape: usize,
+    batch: usize,
+    want: usize,
+) -> Result<ReserveRun> {
     let tag = format!("r{shape}b{batch}");
     let next = Arc::new(AtomicUsize::new(0));
     let done = Arc::new(AtomicUsize::new(0));
@@ -503,7 +636,14 @@ async fn measure_reserve(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Flee
     let start = Instant::now();
     let mut joins = Vec::new();
     for _ in 0..a.callers {
-        let (store, next, done, lat, tag, groups) = (store.clone(), next.clone(), done.clone(), lat.clone(), tag.clone(), a.groups);
+        let (store, next, done, lat, tag, groups) = (
+            store.clone(),
+            next.clone(),
+            done.clone(),
+            lat.clone(),
+            tag.clone(),
+            a.groups,
+        );
         joins.push(tokio::spawn(async move {
             let mut calls = 0usize;
             loop {
@@ -529,9 +669,19 @@ async fn measure_reserve(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Flee
                     l.push(t0.elapsed().as_secs_f64() * 1000.0);
                 }
                 calls += 1;
-                let reserved = answers.iter().filter(|r| matches!(r, Reservation::Reserved(_))).count();
+                let reserved = answers
+                    .iter()
+                    .filter(|r| matches!(r, Reservation::Reserved(_)))
+                    .count();
                 if reserved != reqs.len() {
-                    bail!("{} of {} reservations answered {:?}", reqs.len() - reserved, reqs.len(), answers.iter().find(|r| !matches!(r, Reservation::Reserved(_))));
+                    bail!(
+                        "{} of {} reservations answered {:?}",
+                        reqs.len() - reserved,
+                        reqs.len(),
+                        answers
+                            .iter()
+                            .find(|r| !matches!(r, Reservation::Reserved(_)))
+                    );
                 }
                 done.fetch_add(reserved, Ordering::Relaxed);
             }
@@ -558,7 +708,14 @@ async fn measure_reserve(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Flee
     for chunk in keys.chunks(1000) {
         let _: () = store.query(redis::cmd("UNLINK").arg(chunk)).await?;
     }
-    Ok(ReserveRun { done: n, calls, wall, p50, p99, delta })
+    Ok(ReserveRun {
+        done: n,
+        calls,
+        wall,
+        p50,
+        p99,
+        delta,
+    })
 }
 
 async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) -> Result<()> {
@@ -568,18 +725,46 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
     let mut running: Vec<Vec<(Lane, String)>> = Vec::with_capacity(fleet.workers.len());
     for (w, (id, group, inst)) in fleet.workers.iter().enumerate() {
         let ids: Vec<String> = (0..a.running).map(|k| format!("hb{w}-{k}")).collect();
-        let sel = Labels::parse(&format!("pool={}", group.split(',').find_map(|p| p.strip_prefix("pool=")).unwrap_or(""))).unwrap_or_default();
+        let sel = Labels::parse(&format!(
+            "pool={}",
+            group
+                .split(',')
+                .find_map(|p| p.strip_prefix("pool="))
+                .unwrap_or("")
+        ))
+        .unwrap_or_default();
         let reqs: Vec<ReserveRequest> = ids
             .iter()
-            .map(|t| ReserveRequest { id: t.clone(), lane: Lane::Normal, selector: sel.clone(), strategy: None, dedupe: Dedupe::Check, from_park: false, dedupe_only: false })
+            .map(|t| ReserveRequest {
+                id: t.clone(),
+                lane: Lane::Normal,
+                selector: sel.clone(),
+                strategy: None,
+                dedupe: Dedupe::Check,
+                from_park: false,
+                dedupe_only: false,
+            })
             .collect();
         let params = default_params();
         let got = retrying(|| store.reserve(&reqs, params)).await?;
-        if !got.iter().all(|r| r == &Reservation::Reserved(group.clone())) {
+        if !got
+            .iter()
+            .all(|r| r == &Reservation::Reserved(group.clone()))
+        {
             bail!("reserving {id}'s tasks in {group}: {got:?}");
         }
-        let claims: Vec<ClaimRequest> = ids.iter().map(|t| ClaimRequest { lane: Lane::Normal, id: t.clone(), base: 1, max_attempts: 5, isolated: false }).collect();
-        let (registered, c) = retrying(|| store.claim(id, group, inst, run_lease, status_ttl, &claims)).await?;
+        let claims: Vec<ClaimRequest> = ids
+            .iter()
+            .map(|t| ClaimRequest {
+                lane: Lane::Normal,
+                id: t.clone(),
+                base: 1,
+                max_attempts: 5,
+                isolated: false,
+            })
+            .collect();
+        let (registered, c) =
+            retrying(|| store.claim(id, group, inst, run_lease, status_ttl, &claims)).await?;
         if !registered || !c.iter().all(|c| *c == Claim::Run(1)) {
             bail!("claiming {id}'s tasks: registered {registered}, {c:?}");
         }
@@ -588,7 +773,10 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
     let running = Arc::new(running);
     let workers = Arc::new(fleet.workers.clone());
     let beat_of = |w: usize, running: &[Vec<(Lane, String)>], with: bool| Beat {
-        load: PerLane { normal: if with { a.running as u32 } else { 0 }, critical: 0 },
+        load: PerLane {
+            normal: if with { a.running as u32 } else { 0 },
+            critical: 0,
+        },
         succeeded: 1000 + w as u64,
         failed: 3,
         latency_ewma_ms: 12.5,
@@ -605,7 +793,9 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
     let idle_cpu_per_s = idle.cpu / idle.secs.max(1e-9);
 
     // Paced: every worker once per interval, evenly spread (one beat every interval / workers).
-    let per_beat = Duration::from_secs_f64(a.heartbeat_interval_ms as f64 / 1000.0 / fleet.workers.len() as f64);
+    let per_beat = Duration::from_secs_f64(
+        a.heartbeat_interval_ms as f64 / 1000.0 / fleet.workers.len() as f64,
+    );
     let total = (a.beat_secs as f64 / per_beat.as_secs_f64()) as usize;
     let mut tick = tokio::time::interval(per_beat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
@@ -661,7 +851,15 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
         let start = Instant::now();
         let mut joins = Vec::new();
         for _ in 0..a.callers {
-            let (store, next, workers, running, n, with, nrun) = (store.clone(), next.clone(), workers.clone(), running.clone(), a.burst_beats, with, a.running);
+            let (store, next, workers, running, n, with, nrun) = (
+                store.clone(),
+                next.clone(),
+                workers.clone(),
+                running.clone(),
+                a.burst_beats,
+                with,
+                a.running,
+            );
             joins.push(tokio::spawn(async move {
                 loop {
                     let k = next.fetch_add(1, Ordering::Relaxed);
@@ -671,7 +869,10 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
                     let w = k % workers.len();
                     let (id, _, inst) = &workers[w];
                     let b = Beat {
-                        load: PerLane { normal: if with { nrun as u32 } else { 0 }, critical: 0 },
+                        load: PerLane {
+                            normal: if with { nrun as u32 } else { 0 },
+                            critical: 0,
+                        },
                         succeeded: 1000 + w as u64,
                         failed: 3,
                         latency_ewma_ms: 12.5,
@@ -702,7 +903,13 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
             d.plain_calls() as f64 / n
         );
     }
-    println!("calls retried after an error: {}; machine load average at the end: {}", RETRIES.load(Ordering::Relaxed), std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim());
+    println!(
+        "calls retried after an error: {}; machine load average at the end: {}",
+        RETRIES.load(Ordering::Relaxed),
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
+    );
     Ok(())
 }
 
@@ -751,7 +958,12 @@ struct SlowLog {
 
 impl SlowLog {
     fn new(probe: Probe) -> Self {
-        SlowLog { probe, shas: Arc::new(script_names()), acc: Arc::new(Mutex::new((BTreeMap::new(), 0, 0, -1))), on: Arc::default() }
+        SlowLog {
+            probe,
+            shas: Arc::new(script_names()),
+            acc: Arc::new(Mutex::new((BTreeMap::new(), 0, 0, -1))),
+            on: Arc::default(),
+        }
     }
 
     /// Tallies the entries written since the last poll.
@@ -759,7 +971,10 @@ impl SlowLog {
         type Entry = (i64, i64, i64, Vec<Vec<u8>>, redis::Value, redis::Value);
         let get = redis::cmd("SLOWLOG").arg("GET").arg(3000).to_owned();
         let raw: Vec<Entry> = self.probe.query(&get).await?;
-        let mut acc = self.acc.lock().map_err(|_| anyhow::anyhow!("slow-log tally poisoned"))?;
+        let mut acc = self
+            .acc
+            .lock()
+            .map_err(|_| anyhow::anyhow!("slow-log tally poisoned"))?;
         let last = acc.3;
         let fresh: Vec<&Entry> = raw.iter().filter(|e| e.0 > last).collect();
         if let (Some(oldest), true) = (fresh.iter().map(|e| e.0).min(), last >= 0) {
@@ -770,9 +985,15 @@ impl SlowLog {
         }
         acc.1 += fresh.len();
         for (_, _, us, args, _, _) in fresh {
-            let cmd = args.first().map(|a| String::from_utf8_lossy(a).to_ascii_lowercase()).unwrap_or_default();
+            let cmd = args
+                .first()
+                .map(|a| String::from_utf8_lossy(a).to_ascii_lowercase())
+                .unwrap_or_default();
             let name = if cmd == "evalsha" {
-                let sha = args.get(1).map(|a| String::from_utf8_lossy(a).to_string()).unwrap_or_default();
+                let sha = args
+                    .get(1)
+                    .map(|a| String::from_utf8_lossy(a).to_string())
+                    .unwrap_or_default();
                 format!("EVALSHA {}", self.shas.get(&sha).copied().unwrap_or("?"))
             } else if matches!(cmd.as_str(), "slowlog" | "info" | "config") {
                 continue;
@@ -789,7 +1010,10 @@ impl SlowLog {
     /// The tally since the last take (after a last poll): (calls by name, entries read, missed).
     async fn take(&self) -> Result<(BTreeMap<String, (u64, u64)>, usize, i64)> {
         self.poll().await?;
-        let mut acc = self.acc.lock().map_err(|_| anyhow::anyhow!("slow-log tally poisoned"))?;
+        let mut acc = self
+            .acc
+            .lock()
+            .map_err(|_| anyhow::anyhow!("slow-log tally poisoned"))?;
         let out = (std::mem::take(&mut acc.0), acc.1, acc.2);
         acc.1 = 0;
         acc.2 = 0;
@@ -815,7 +1039,12 @@ async fn run(a: RunArgs) -> Result<()> {
     let redis_srv = PrivateRedis::start(None, None).await?;
     let url = redis_srv.url(None);
     let ns = Ns::on(&amqp_url(), &url, &a.queue_type, &[]).await?;
-    println!("scale run: private redis-server at {url}, RabbitMQ {}, namespace {}, queue type {}", fleet::redact::redact(&amqp_url()), ns.name, a.queue_type);
+    println!(
+        "scale run: private redis-server at {url}, RabbitMQ {}, namespace {}, queue type {}",
+        fleet::redact::redact(&amqp_url()),
+        ns.name,
+        a.queue_type
+    );
     let probe = Probe::connect(&url).await?;
     let r = run_inner(&a, &ns, &probe).await;
     let cleaned = ns.cleanup().await;
@@ -825,8 +1054,24 @@ async fn run(a: RunArgs) -> Result<()> {
 }
 
 async fn run_inner(a: &RunArgs, ns: &Ns, probe: &Probe) -> Result<()> {
-    let _: () = ns.store.query(redis::cmd("CONFIG").arg("SET").arg("slowlog-log-slower-than").arg(0)).await?;
-    let _: () = ns.store.query(redis::cmd("CONFIG").arg("SET").arg("slowlog-max-len").arg(1_000_000)).await?;
+    let _: () = ns
+        .store
+        .query(
+            redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("slowlog-log-slower-than")
+                .arg(0),
+        )
+        .await?;
+    let _: () = ns
+        .store
+        .query(
+            redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("slowlog-max-len")
+                .arg(1_000_000),
+        )
+        .await?;
     let slow = SlowLog::new(probe.clone());
     let stop = tokio_util::sync::CancellationToken::new();
     let poller = tokio::spawn(slow.clone().run(stop.clone()));
@@ -835,7 +1080,11 @@ async fn run_inner(a: &RunArgs, ns: &Ns, probe: &Probe) -> Result<()> {
     let sched_settings = [("ingress_max_normal", bound.as_str())];
     let sched = start_scheduler_exactly(ns, &sched_settings).await?;
     // Product heartbeat settings (the test harness's defaults are faster).
-    let wset = [("heartbeat_interval_ms", "10000"), ("heartbeat_timeout_ms", "30000"), ("run_lease_ms", "30000")];
+    let wset = [
+        ("heartbeat_interval_ms", "10000"),
+        ("heartbeat_timeout_ms", "30000"),
+        ("run_lease_ms", "30000"),
+    ];
     let h = [("count", count)];
     let mut ws = Vec::new();
     for id in ["scale-w1", "scale-w2"] {
@@ -856,7 +1105,13 @@ async fn run_inner(a: &RunArgs, ns: &Ns, probe: &Probe) -> Result<()> {
     polled?
 }
 
-async fn run_phases(a: &RunArgs, ns: &Ns, probe: &Probe, slow: &SlowLog, done: &Arc<AtomicUsize>) -> Result<()> {
+async fn run_phases(
+    a: &RunArgs,
+    ns: &Ns,
+    probe: &Probe,
+    slow: &SlowLog,
+    done: &Arc<AtomicUsize>,
+) -> Result<()> {
     // Let start-up settle (declarations, first ticks), then measure the idle fleet: counters
     // without the slow-log poller (its replies are traffic), then the calls with it.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -870,7 +1125,10 @@ async fn run_phases(a: &RunArgs, ns: &Ns, probe: &Probe, slow: &SlowLog, done: &
     let (idle_top, _, idle_missed) = slow.take().await?;
     let idle_top_secs = t0.elapsed().as_secs_f64();
     slow.on.store(false, Ordering::Relaxed);
-    println!("\n## Idle fleet ({} s): what it costs Redis per second with no task", a.idle_secs);
+    println!(
+        "\n## Idle fleet ({} s): what it costs Redis per second with no task",
+        a.idle_secs
+    );
     let s = idle.secs.max(1e-9);
     println!(
         "slow-log entries/s {:.1} ({idle_missed} missed), commands executed/s {:.1}, bytes in/s {:.0}, out/s {:.0}, Redis CPU {:.2} %",
@@ -880,10 +1138,17 @@ async fn run_phases(a: &RunArgs, ns: &Ns, probe: &Probe, slow: &SlowLog, done: &
         idle.net_out as f64 / s,
         idle.cpu / s * 100.0
     );
-    let list: Vec<String> = idle_top.iter().map(|(k, v)| format!("{k} {:.2}/s", v.0 as f64 / idle_top_secs)).collect();
+    let list: Vec<String> = idle_top
+        .iter()
+        .map(|(k, v)| format!("{k} {:.2}/s", v.0 as f64 / idle_top_secs))
+        .collect();
     println!("by call: {}", list.join(", "));
 
-    for (phase, rate, calls) in [("burst", None, false), ("steady", Some(a.rate), false), ("burst-calls", None, true)] {
+    for (phase, rate, calls) in [
+        ("burst", None, false),
+        ("steady", Some(a.rate), false),
+        ("burst-calls", None, true),
+    ] {
         let base = done.load(Ordering::Relaxed);
         slow.on.store(calls, Ordering::Relaxed);
         slow.take().await?;
@@ -926,16 +1191,25 @@ async fn run_phases(a: &RunArgs, ns: &Ns, probe: &Probe, slow: &SlowLog, done: &
                 }
             }
         }
-        wait_for(&format!("{} tasks of the {phase} phase run", a.n), Duration::from_secs(600), || {
-            let d = done.load(Ordering::Relaxed);
-            async move { (d >= base + a.n).then_some(()) }
-        })
+        wait_for(
+            &format!("{} tasks of the {phase} phase run", a.n),
+            Duration::from_secs(600),
+            || {
+                let d = done.load(Ordering::Relaxed);
+                async move { (d >= base + a.n).then_some(()) }
+            },
+        )
         .await?;
         let ran = start.elapsed().as_secs_f64();
         // Outcomes are written with the acks, reservations turned into runs and released:
         // wait until nothing is reserved or running any more, and the last task's status.
         ns.wait_groups_idle(Duration::from_secs(120)).await?;
-        ns.wait_state(&format!("{phase}-{tag}-{}", a.n - 1), "succeeded", Duration::from_secs(60)).await?;
+        ns.wait_state(
+            &format!("{phase}-{tag}-{}", a.n - 1),
+            "succeeded",
+            Duration::from_secs(60),
+        )
+        .await?;
         let d = Counters::read(probe).await?.since(&c0);
         let (top, entries, missed) = slow.take().await?;
         slow.on.store(false, Ordering::Relaxed);
@@ -959,11 +1233,17 @@ async fn run_phases(a: &RunArgs, ns: &Ns, probe: &Probe, slow: &SlowLog, done: &
             println!("|---|---|---|---|---|");
             for (k, (c, us)) in &top {
                 let idle_c = idle_top.get(k).map(|v| v.0 as f64 * fi).unwrap_or(0.0);
-                println!("| {k} | {c} | {:.3} | {idle_c:.0} | {:.1} |", *c as f64 / n, *us as f64 / (*c).max(1) as f64);
+                println!(
+                    "| {k} | {c} | {:.3} | {idle_c:.0} | {:.1} |",
+                    *c as f64 / n,
+                    *us as f64 / (*c).max(1) as f64
+                );
             }
             continue;
         }
-        println!("per task, the idle fleet's cost over the same time subtracted (raw in brackets):");
+        println!(
+            "per task, the idle fleet's cost over the same time subtracted (raw in brackets):"
+        );
         println!(
             "* commands executed (inside scripts and on their own): {:.2} ({:.2}); EVALSHA calls {:.3} ({:.3})\n* bytes into Redis: {:.0} ({:.0}); out of Redis: {:.0} ({:.0})\n* Redis CPU: {:.1} µs ({:.1} µs)",
             (d.plain_calls() as f64 - idle.plain_calls() as f64 * f) / n,
@@ -977,9 +1257,17 @@ async fn run_phases(a: &RunArgs, ns: &Ns, probe: &Probe, slow: &SlowLog, done: &
             (d.cpu - idle.cpu * f) * 1e6 / n,
             d.cpu * 1e6 / n,
         );
-        let mut inner: Vec<(&String, &(u64, u64))> = d.cmds.iter().filter(|(k, _)| k.as_str() != "evalsha").collect();
+        let mut inner: Vec<(&String, &(u64, u64))> = d
+            .cmds
+            .iter()
+            .filter(|(k, _)| k.as_str() != "evalsha")
+            .collect();
         inner.sort_by_key(|x| std::cmp::Reverse(x.1 .0));
-        let list: Vec<String> = inner.iter().take(20).map(|(k, c)| format!("{k} {:.2}", c.0 as f64 / n)).collect();
+        let list: Vec<String> = inner
+            .iter()
+            .take(20)
+            .map(|(k, c)| format!("{k} {:.2}", c.0 as f64 / n))
+            .collect();
         println!("commands per task (raw): {}", list.join(", "));
     }
     Ok(())

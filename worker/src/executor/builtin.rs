@@ -15,7 +15,10 @@ use super::{handler_fn, Handlers, TaskContext, TaskError};
 /// Registers every builtin handler.
 pub fn register(h: &mut Handlers) {
     register_probe(h);
-    h.insert("echo", handler_fn(|t: TaskContext| async move { Ok(t.envelope.payload) }));
+    h.insert(
+        "echo",
+        handler_fn(|t: TaskContext| async move { Ok(t.envelope.payload) }),
+    );
     h.insert("sleep", handler_fn(sleep));
     h.insert("fail", handler_fn(fail));
     h.insert("cpu", handler_fn(cpu));
@@ -23,16 +26,20 @@ pub fn register(h: &mut Handlers) {
 
 /// Registers only `noop`, which answers the scheduler's health probes under every executor.
 pub fn register_probe(h: &mut Handlers) {
-    h.insert("noop", handler_fn(|_t: TaskContext| async { Ok(Value::Null) }));
+    h.insert(
+        "noop",
+        handler_fn(|_t: TaskContext| async { Ok(Value::Null) }),
+    );
 }
 
 fn uint(payload: &Value, field: &str) -> Result<Option<u64>, TaskError> {
     match payload.get(field) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .map(Some)
-            .ok_or_else(|| TaskError::permanent(format!("payload field `{field}` must be a non-negative integer"))),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            TaskError::permanent(format!(
+                "payload field `{field}` must be a non-negative integer"
+            ))
+        }),
     }
 }
 
@@ -44,14 +51,23 @@ async fn sleep(t: TaskContext) -> Result<Value, TaskError> {
 
 async fn fail(t: TaskContext) -> Result<Value, TaskError> {
     let times = uint(&t.envelope.payload, "times")?.unwrap_or(u64::MAX);
-    let permanent = t.envelope.payload.get("permanent").and_then(Value::as_bool).unwrap_or(false);
+    let permanent = t
+        .envelope
+        .payload
+        .get("permanent")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     if u64::from(t.attempt) <= times {
         let msg = if times == u64::MAX {
             format!("fail: attempt {} (every attempt fails)", t.attempt)
         } else {
             format!("fail: attempt {} of the first {times} that fail", t.attempt)
         };
-        return Err(if permanent { TaskError::Permanent(msg) } else { TaskError::Retryable(msg) });
+        return Err(if permanent {
+            TaskError::Permanent(msg)
+        } else {
+            TaskError::Retryable(msg)
+        });
     }
     Ok(json!({ "attempt": t.attempt }))
 }
@@ -95,24 +111,49 @@ mod tests {
 
     async fn run(kind: &str, payload: Value, attempt: u32) -> Result<Value, TaskError> {
         let h = handlers().get(kind).expect("registered");
-        h.call(ctx(kind, payload, attempt, Duration::from_secs(5))).await
+        h.call(ctx(kind, payload, attempt, Duration::from_secs(5)))
+            .await
     }
 
     #[tokio::test]
     async fn noop_echo_sleep() {
         assert_eq!(run("noop", json!({"a": 1}), 1).await, Ok(Value::Null));
-        assert_eq!(run("echo", json!({"a": [1, "x"]}), 1).await, Ok(json!({"a": [1, "x"]})));
-        assert_eq!(run("sleep", json!({"ms": 5}), 1).await, Ok(json!({"slept_ms": 5})));
-        assert!(matches!(run("sleep", json!({"ms": "x"}), 1).await, Err(TaskError::Permanent(_))));
+        assert_eq!(
+            run("echo", json!({"a": [1, "x"]}), 1).await,
+            Ok(json!({"a": [1, "x"]}))
+        );
+        assert_eq!(
+            run("sleep", json!({"ms": 5}), 1).await,
+            Ok(json!({"slept_ms": 5}))
+        );
+        assert!(matches!(
+            run("sleep", json!({"ms": "x"}), 1).await,
+            Err(TaskError::Permanent(_))
+        ));
     }
 
     #[tokio::test]
     async fn fail_fails_the_first_n_attempts() {
-        assert!(matches!(run("fail", json!({"times": 2}), 1).await, Err(TaskError::Retryable(_))));
-        assert!(matches!(run("fail", json!({"times": 2}), 2).await, Err(TaskError::Retryable(_))));
-        assert_eq!(run("fail", json!({"times": 2}), 3).await, Ok(json!({"attempt": 3})));
-        assert!(matches!(run("fail", json!({"times": 1, "permanent": true}), 1).await, Err(TaskError::Permanent(_))));
-        assert!(matches!(run("fail", Value::Null, 99).await, Err(TaskError::Retryable(_))));
+        assert!(matches!(
+            run("fail", json!({"times": 2}), 1).await,
+            Err(TaskError::Retryable(_))
+        ));
+        assert!(matches!(
+            run("fail", json!({"times": 2}), 2).await,
+            Err(TaskError::Retryable(_))
+        ));
+        assert_eq!(
+            run("fail", json!({"times": 2}), 3).await,
+            Ok(json!({"attempt": 3}))
+        );
+        assert!(matches!(
+            run("fail", json!({"times": 1, "permanent": true}), 1).await,
+            Err(TaskError::Permanent(_))
+        ));
+        assert!(matches!(
+            run("fail", Value::Null, 99).await,
+            Err(TaskError::Retryable(_))
+        ));
     }
 
     #[tokio::test]

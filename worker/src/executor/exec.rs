@@ -40,7 +40,10 @@ impl Handler for ExecHandler {
 }
 
 async fn run(cfg: ExecConfig, task: TaskContext) -> Result<Value, TaskError> {
-    let (program, args) = cfg.argv.split_first().ok_or_else(|| TaskError::permanent("exec: empty command"))?;
+    let (program, args) = cfg
+        .argv
+        .split_first()
+        .ok_or_else(|| TaskError::permanent("exec: empty command"))?;
     let mut cmd = Command::new(program);
     // The worker's own settings (broker and Redis URLs with their credentials) are not the
     // task's business: the child gets the environment minus every FLEET_* variable.
@@ -89,12 +92,16 @@ async fn run(cfg: ExecConfig, task: TaskContext) -> Result<Value, TaskError> {
     let stdout = read_capped(child.stdout.take(), cfg.max_output);
     let stderr = read_tail(child.stderr.take(), STDERR_TAIL);
     let ((), out, err, status) = tokio::join!(feed, stdout, stderr, child.wait());
-    let status = status.map_err(|e| TaskError::retryable(format!("exec: waiting for `{program}`: {e}")))?;
+    let status =
+        status.map_err(|e| TaskError::retryable(format!("exec: waiting for `{program}`: {e}")))?;
 
     match status.code() {
         Some(0) => Ok(json_or_string(&out)),
         Some(code) => {
-            let msg = format!("exec: `{program}` exited with {code}: {}", String::from_utf8_lossy(&err).trim());
+            let msg = format!(
+                "exec: `{program}` exited with {code}: {}",
+                String::from_utf8_lossy(&err).trim()
+            );
             if code == cfg.permanent_exit {
                 Err(TaskError::Permanent(msg))
             } else {
@@ -110,7 +117,9 @@ async fn run(cfg: ExecConfig, task: TaskContext) -> Result<Value, TaskError> {
 
 /// Reads a pipe to its end, keeping the first `max` bytes.
 async fn read_capped(pipe: Option<impl AsyncRead + Unpin>, max: usize) -> Vec<u8> {
-    let Some(mut pipe) = pipe else { return Vec::new() };
+    let Some(mut pipe) = pipe else {
+        return Vec::new();
+    };
     let mut kept = Vec::new();
     let mut buf = vec![0u8; 64 * 1024];
     loop {
@@ -127,7 +136,9 @@ async fn read_capped(pipe: Option<impl AsyncRead + Unpin>, max: usize) -> Vec<u8
 
 /// Reads a pipe to its end, keeping the last `max` bytes.
 async fn read_tail(pipe: Option<impl AsyncRead + Unpin>, max: usize) -> Vec<u8> {
-    let Some(mut pipe) = pipe else { return Vec::new() };
+    let Some(mut pipe) = pipe else {
+        return Vec::new();
+    };
     let mut tail = Vec::new();
     let mut buf = vec![0u8; 8 * 1024];
     loop {
@@ -168,7 +179,10 @@ mod tests {
     #[tokio::test]
     async fn cat_returns_the_envelope_verbatim() {
         let nasty = "$(rm -rf /); echo pwned `id` | tee /tmp/x && \"quoted\" 'single' \n; exit 3";
-        let out = handler(&["cat"]).call(t(json!({"cmd": nasty}))).await.unwrap();
+        let out = handler(&["cat"])
+            .call(t(json!({"cmd": nasty})))
+            .await
+            .unwrap();
         assert_eq!(out["payload"]["cmd"], nasty);
         assert_eq!(out["kind"], "job");
         assert_eq!(out["attempt"], 1);
@@ -177,13 +191,28 @@ mod tests {
     #[tokio::test]
     async fn exit_codes_decide_the_fate() {
         let e = handler(&["false"]).call(t(Value::Null)).await.unwrap_err();
-        assert!(matches!(&e, TaskError::Retryable(m) if m.contains("exited with 1")), "{e:?}");
+        assert!(
+            matches!(&e, TaskError::Retryable(m) if m.contains("exited with 1")),
+            "{e:?}"
+        );
         // `sh` here is the program under test, not a shell interpreting the task.
-        let e = handler(&["sh", "-c", "echo broken input >&2; exit 65"]).call(t(Value::Null)).await.unwrap_err();
-        assert!(matches!(&e, TaskError::Permanent(m) if m.contains("broken input")), "{e:?}");
-        let e = handler(&["/nonexistent/program"]).call(t(Value::Null)).await.unwrap_err();
+        let e = handler(&["sh", "-c", "echo broken input >&2; exit 65"])
+            .call(t(Value::Null))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, TaskError::Permanent(m) if m.contains("broken input")),
+            "{e:?}"
+        );
+        let e = handler(&["/nonexistent/program"])
+            .call(t(Value::Null))
+            .await
+            .unwrap_err();
         assert!(matches!(e, TaskError::Retryable(_)), "{e:?}");
-        let out = handler(&["echo", "plain", "text"]).call(t(Value::Null)).await.unwrap();
+        let out = handler(&["echo", "plain", "text"])
+            .call(t(Value::Null))
+            .await
+            .unwrap();
         assert_eq!(out, json!("plain text\n"));
     }
 

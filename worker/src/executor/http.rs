@@ -38,16 +38,28 @@ impl HttpHandler {
     /// when set, and redirects only when `cfg.follow_redirects`.
     pub fn new(cfg: HttpConfig) -> Result<Self, String> {
         fleet::tls::install_crypto_provider();
-        let redirects = if cfg.follow_redirects { reqwest::redirect::Policy::limited(10) } else { reqwest::redirect::Policy::none() };
-        let mut builder = reqwest::Client::builder().use_rustls_tls().timeout(cfg.timeout).redirect(redirects);
+        let redirects = if cfg.follow_redirects {
+            reqwest::redirect::Policy::limited(10)
+        } else {
+            reqwest::redirect::Policy::none()
+        };
+        let mut builder = reqwest::Client::builder()
+            .use_rustls_tls()
+            .timeout(cfg.timeout)
+            .redirect(redirects);
         if let Some(ca) = &cfg.tls.ca_pem {
-            for cert in reqwest::Certificate::from_pem_bundle(ca).map_err(|e| format!("FLEET_HTTP_TLS_CA_FILE: {e}"))? {
+            for cert in reqwest::Certificate::from_pem_bundle(ca)
+                .map_err(|e| format!("FLEET_HTTP_TLS_CA_FILE: {e}"))?
+            {
                 builder = builder.add_root_certificate(cert);
             }
         }
         if let Some(id) = &cfg.tls.identity {
             let pem = [id.cert_pem.as_slice(), b"\n", id.key_pem.as_slice()].concat();
-            builder = builder.identity(reqwest::Identity::from_pem(&pem).map_err(|e| format!("FLEET_HTTP_TLS_CERT_FILE: {e}"))?);
+            builder = builder.identity(
+                reqwest::Identity::from_pem(&pem)
+                    .map_err(|e| format!("FLEET_HTTP_TLS_CERT_FILE: {e}"))?,
+            );
         }
         let client = builder.build().map_err(|e| format!("http client: {e}"))?;
         Ok(HttpHandler { client, cfg })
@@ -75,13 +87,24 @@ impl Handler for HttpHandler {
                 .await
                 .map_err(|e| TaskError::retryable(format!("http: {}", describe(&e))))?;
             let status = resp.status();
-            let keep = if status.is_success() { MAX_BODY } else { ERROR_BODY };
+            let keep = if status.is_success() {
+                MAX_BODY
+            } else {
+                ERROR_BODY
+            };
             let mut body = Vec::new();
             while body.len() < keep {
                 match resp.chunk().await {
-                    Ok(Some(chunk)) => body.extend_from_slice(&chunk[..chunk.len().min(keep - body.len())]),
+                    Ok(Some(chunk)) => {
+                        body.extend_from_slice(&chunk[..chunk.len().min(keep - body.len())])
+                    }
                     Ok(None) => break,
-                    Err(e) => return Err(TaskError::retryable(format!("http: reading the body: {}", describe(&e)))),
+                    Err(e) => {
+                        return Err(TaskError::retryable(format!(
+                            "http: reading the body: {}",
+                            describe(&e)
+                        )))
+                    }
                 }
             }
             // Dropping `resp` here closes the connection on whatever was not read.
@@ -139,23 +162,53 @@ mod tests {
 
     async fn server() -> String {
         let app = Router::new()
-            .route("/ok", post(|body: axum::Json<Value>| async move { axum::Json(json!({"got": body.0["payload"]})) }))
+            .route(
+                "/ok",
+                post(|body: axum::Json<Value>| async move {
+                    axum::Json(json!({"got": body.0["payload"]}))
+                }),
+            )
             .route("/text", post(|| async { "plain words" }))
-            .route("/bad", post(|| async { (StatusCode::UNPROCESSABLE_ENTITY, "no such image") }))
-            .route("/busy", post(|| async { (StatusCode::TOO_MANY_REQUESTS, "later") }))
-            .route("/boom", post(|| async { (StatusCode::BAD_GATEWAY, "upstream") }))
-            .route("/endless", post(|| async {
-                let chunks = futures::stream::repeat_with(|| Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b'x'; 64 * 1024])));
-                axum::body::Body::from_stream(chunks)
-            }))
-            .route("/endless-error", post(|| async {
-                let chunks = futures::stream::repeat_with(|| Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b'e'; 64 * 1024])));
-                (StatusCode::BAD_GATEWAY, axum::body::Body::from_stream(chunks))
-            }))
-            .route("/slow", post(|| async {
-                tokio::time::sleep(Duration::from_secs(5)).await;
-                "late"
-            }));
+            .route(
+                "/bad",
+                post(|| async { (StatusCode::UNPROCESSABLE_ENTITY, "no such image") }),
+            )
+            .route(
+                "/busy",
+                post(|| async { (StatusCode::TOO_MANY_REQUESTS, "later") }),
+            )
+            .route(
+                "/boom",
+                post(|| async { (StatusCode::BAD_GATEWAY, "upstream") }),
+            )
+            .route(
+                "/endless",
+                post(|| async {
+                    let chunks = futures::stream::repeat_with(|| {
+                        Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b'x'; 64 * 1024]))
+                    });
+                    axum::body::Body::from_stream(chunks)
+                }),
+            )
+            .route(
+                "/endless-error",
+                post(|| async {
+                    let chunks = futures::stream::repeat_with(|| {
+                        Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b'e'; 64 * 1024]))
+                    });
+                    (
+                        StatusCode::BAD_GATEWAY,
+                        axum::body::Body::from_stream(chunks),
+                    )
+                }),
+            )
+            .route(
+                "/slow",
+                post(|| async {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    "late"
+                }),
+            );
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(l, app).await });
@@ -163,22 +216,46 @@ mod tests {
     }
 
     fn handler(base: &str, path: &str) -> HttpHandler {
-        HttpHandler::new(HttpConfig { url: format!("{base}{path}"), timeout: Duration::from_secs(10), tls: Default::default(), follow_redirects: false }).unwrap()
+        HttpHandler::new(HttpConfig {
+            url: format!("{base}{path}"),
+            timeout: Duration::from_secs(10),
+            tls: Default::default(),
+            follow_redirects: false,
+        })
+        .unwrap()
     }
 
     #[tokio::test]
     async fn status_decides_the_fate() {
         let base = server().await;
         let t = || ctx("resize", json!({"src": "a.png"}), 1, Duration::from_secs(5));
-        assert_eq!(handler(&base, "/ok").call(t()).await, Ok(json!({"got": {"src": "a.png"}})));
-        assert_eq!(handler(&base, "/text").call(t()).await, Ok(json!("plain words")));
+        assert_eq!(
+            handler(&base, "/ok").call(t()).await,
+            Ok(json!({"got": {"src": "a.png"}}))
+        );
+        assert_eq!(
+            handler(&base, "/text").call(t()).await,
+            Ok(json!("plain words"))
+        );
         let e = handler(&base, "/bad").call(t()).await.unwrap_err();
-        assert!(matches!(&e, TaskError::Permanent(m) if m.contains("422") && m.contains("no such image")), "{e:?}");
-        assert!(matches!(handler(&base, "/busy").call(t()).await, Err(TaskError::Retryable(_))));
-        assert!(matches!(handler(&base, "/boom").call(t()).await, Err(TaskError::Retryable(_))));
+        assert!(
+            matches!(&e, TaskError::Permanent(m) if m.contains("422") && m.contains("no such image")),
+            "{e:?}"
+        );
+        assert!(matches!(
+            handler(&base, "/busy").call(t()).await,
+            Err(TaskError::Retryable(_))
+        ));
+        assert!(matches!(
+            handler(&base, "/boom").call(t()).await,
+            Err(TaskError::Retryable(_))
+        ));
         let short = ctx("resize", json!({}), 1, Duration::from_millis(200));
         let e = handler(&base, "/slow").call(short).await.unwrap_err();
-        assert!(matches!(&e, TaskError::Retryable(m) if m.contains("timed out")), "{e:?}");
+        assert!(
+            matches!(&e, TaskError::Retryable(m) if m.contains("timed out")),
+            "{e:?}"
+        );
     }
 
     #[tokio::test]
@@ -188,9 +265,19 @@ mod tests {
         let started = std::time::Instant::now();
         let out = handler(&base, "/endless").call(t()).await.unwrap();
         assert_eq!(out.as_str().map(str::len), Some(MAX_BODY));
-        let e = handler(&base, "/endless-error").call(t()).await.unwrap_err();
-        assert!(matches!(&e, TaskError::Retryable(m) if m.starts_with("http: 502") && m.len() < 600), "{e:?}");
-        assert!(started.elapsed() < Duration::from_secs(4), "read until the timeout: {:?}", started.elapsed());
+        let e = handler(&base, "/endless-error")
+            .call(t())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, TaskError::Retryable(m) if m.starts_with("http: 502") && m.len() < 600),
+            "{e:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "read until the timeout: {:?}",
+            started.elapsed()
+        );
     }
 
     #[tokio::test]
@@ -199,7 +286,10 @@ mod tests {
         let addr = l.local_addr().unwrap();
         drop(l);
         let h = handler(&format!("http://{addr}"), "/");
-        let e = h.call(ctx("x", Value::Null, 1, Duration::from_secs(2))).await.unwrap_err();
+        let e = h
+            .call(ctx("x", Value::Null, 1, Duration::from_secs(2)))
+            .await
+            .unwrap_err();
         assert!(matches!(e, TaskError::Retryable(_)), "{e:?}");
     }
 }

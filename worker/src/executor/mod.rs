@@ -97,7 +97,10 @@ where
         F: Fn(TaskContext) -> Fut + Send + Sync + 'static,
         Fut: std::future::Future<Output = Result<serde_json::Value, TaskError>> + Send + 'static,
     {
-        fn call(&self, task: TaskContext) -> BoxFuture<'static, Result<serde_json::Value, TaskError>> {
+        fn call(
+            &self,
+            task: TaskContext,
+        ) -> BoxFuture<'static, Result<serde_json::Value, TaskError>> {
             Box::pin((self.0)(task))
         }
     }
@@ -115,7 +118,10 @@ impl std::fmt::Debug for Handlers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut kinds: Vec<&String> = self.by_kind.keys().collect();
         kinds.sort();
-        f.debug_struct("Handlers").field("kinds", &kinds).field("fallback", &self.fallback.is_some()).finish()
+        f.debug_struct("Handlers")
+            .field("kinds", &kinds)
+            .field("fallback", &self.fallback.is_some())
+            .finish()
     }
 }
 
@@ -172,7 +178,10 @@ mod tests {
     use super::*;
 
     fn handlers(pairs: &[(&str, &str)]) -> Handlers {
-        let cfg = WorkerConfig::from_settings(&Settings::from_pairs(pairs.iter().map(|(k, v)| (*k, v.to_string())))).unwrap();
+        let cfg = WorkerConfig::from_settings(&Settings::from_pairs(
+            pairs.iter().map(|(k, v)| (*k, v.to_string())),
+        ))
+        .unwrap();
         Handlers::for_config(&cfg, Handlers::default()).unwrap()
     }
 
@@ -184,8 +193,17 @@ mod tests {
         ] {
             let h = handlers(&pairs);
             let noop = h.get("noop").unwrap();
-            let probe = test_support::ctx("noop", serde_json::json!({"probe": true}), 1, std::time::Duration::from_secs(1));
-            assert_eq!(noop.call(probe).await, Ok(serde_json::Value::Null), "{pairs:?}");
+            let probe = test_support::ctx(
+                "noop",
+                serde_json::json!({"probe": true}),
+                1,
+                std::time::Duration::from_secs(1),
+            );
+            assert_eq!(
+                noop.call(probe).await,
+                Ok(serde_json::Value::Null),
+                "{pairs:?}"
+            );
         }
     }
 }
@@ -194,7 +212,12 @@ mod tests {
 pub(crate) mod test_support {
     use super::*;
 
-    pub fn ctx(kind: &str, payload: serde_json::Value, attempt: u32, run_for: std::time::Duration) -> TaskContext {
+    pub fn ctx(
+        kind: &str,
+        payload: serde_json::Value,
+        attempt: u32,
+        run_for: std::time::Duration,
+    ) -> TaskContext {
         let mut envelope = Envelope::new(kind, payload);
         envelope.attempt = attempt.saturating_sub(1);
         TaskContext {

@@ -70,13 +70,19 @@ mod tests {
             assert!(samples.iter().all(|d| *d <= ceiling), "attempt {attempt}");
             // Full jitter: spread over the whole interval, not clustered at the top.
             let below_half = samples.iter().filter(|d| **d < ceiling / 2).count();
-            assert!((40..=160).contains(&below_half), "attempt {attempt}: {below_half}/200 below half");
+            assert!(
+                (40..=160).contains(&below_half),
+                "attempt {attempt}: {below_half}/200 below half"
+            );
         }
     }
 
     #[test]
     fn huge_bases_do_not_overflow() {
-        let b = Backoff::new(Duration::from_secs(u64::MAX / 1000), Duration::from_secs(3600));
+        let b = Backoff::new(
+            Duration::from_secs(u64::MAX / 1000),
+            Duration::from_secs(3600),
+        );
         assert_eq!(b.ceiling(50), Duration::from_secs(3600));
     }
 }

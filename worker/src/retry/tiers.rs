@@ -25,21 +25,34 @@ pub(crate) async fn publish(
     let mut next = env.clone();
     next.attempt = attempt;
     next.max_attempts = Some(max_attempts);
-    next.not_before = Some(shared.clock.now() + chrono::Duration::from_std(delay).unwrap_or_default());
+    next.not_before =
+        Some(shared.clock.now() + chrono::Duration::from_std(delay).unwrap_or_default());
     let body = next.to_bytes();
     let detail = (DETAIL_HEADER, truncate(error, MAX_HEADER_TEXT));
     match tier_for(delay) {
         Some(tier) => {
             let h = headers([(TIER_HEADER, tier.to_string()), detail]);
-            shared.broker.publish(&shared.names.delay_exchange(), "", &body, task_properties(&env.id, Some(h))).await
+            shared
+                .broker
+                .publish(
+                    &shared.names.delay_exchange(),
+                    "",
+                    &body,
+                    task_properties(&env.id, Some(h)),
+                )
+                .await
         }
         None => {
             let h = headers([detail]);
             shared
                 .broker
-                .publish(&shared.names.tasks_exchange(), Names::DELAYED_KEY, &body, task_properties(&env.id, Some(h)))
+                .publish(
+                    &shared.names.tasks_exchange(),
+                    Names::DELAYED_KEY,
+                    &body,
+                    task_properties(&env.id, Some(h)),
+                )
                 .await
         }
     }
 }
-
