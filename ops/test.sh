@@ -5,6 +5,7 @@
 #                             playwright-core for the console's browser test (--browser)
 #   2. ops/check-config.sh    Prometheus config, alert rules (+ their unit tests), compose
 #                             file, Grafana dashboard, Dockerfile members, shellcheck
+#      habits                 cargo fmt --check, clippy -D warnings, rustdoc -D warnings
 #   3. cargo test --workspace [EXTRA ARGS...]   unit, end-to-end and fault tests (debug build:
 #      it compiles several times faster than release on a 2-core machine; speed is measured by
 #      the benchmarks, not by tests). tests/tests/cluster.rs starts its own private three-node
@@ -49,6 +50,12 @@ step "services"
 bash ops/services.sh --browser
 step "configuration checks"
 bash ops/check-config.sh
+step "habits: cargo fmt --check, clippy -D warnings, rustdoc -D warnings"
+# The habits CI enforces (issue 31): formatting (rustfmt.toml), clippy on every target, and
+# the library docs without a broken or private link. Each fails the run on one warning.
+cargo fmt --all --check
+cargo clippy --workspace --all-targets -- -D warnings
+RUSTDOCFLAGS=-Dwarnings cargo doc --no-deps --workspace
 step "cargo build --workspace --bins"
 # The fault tests run fleet-worker and fleetctl as processes (killed, signalled).
 cargo build --workspace --bins

@@ -9,7 +9,7 @@
 //!   submission rate limit (`FLEET_SUBMIT_RATE`) also answers 429.
 //! * `GET /v1/tasks/{id}`, `GET /v1/workers`, `GET /v1/groups`, `GET /v1/pressure`,
 //!   `POST /v1/workers/{id}/drain` (404 for an unknown worker).
-//! * Dead letters ([`dead`]): `GET /v1/dead`, `GET /v1/dead/{id}`, `POST /v1/dead/replay`.
+//! * Dead letters (`dead`): `GET /v1/dead`, `GET /v1/dead/{id}`, `POST /v1/dead/replay`.
 //! * `GET /v1/series`: the last 15 minutes of throughput and wait time ([`crate::series`]).
 //! * The web console at `/ui` ([`crate::console`]).
 //!

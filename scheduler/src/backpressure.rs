@@ -199,7 +199,7 @@ pub fn room_seeded(
 /// Computes the signals from every new [fleet view](crate::view) (sampled every
 /// `pressure_interval`, or more often when another reader of the view needs it) and publishes
 /// the state on a watch channel. Groups and queue depths come from the view; the completion
-/// counters ([`Rates`]) are read from Redis here, when the view arrives. No new view (Redis
+/// counters (`Rates`) are read from Redis here, when the view arrives. No new view (Redis
 /// unreadable) means no new sample: the last state stands.
 pub struct Controller {
     pub session: Arc<Session>,

@@ -28,7 +28,7 @@
 //!    reads 0 when the leader is slow or lost; a message found is put back as a copy), and —
 //!    a lane queue — for its consumers, and deleted if it has neither, with `if-empty` as well
 //!    when it is a classic queue (other replicas' park consumers are cancelled by the deletion,
-//!    which their park loops expect). Each deletion is bounded ([`DELETE_LIMIT`]). Quorum
+//!    which their park loops expect). Each deletion is bounded (`DELETE_LIMIT`). Quorum
 //!    queues (the default) refuse `if-empty` and `if-unused` with a connection-level error
 //!    (540 NOT_IMPLEMENTED, RabbitMQ 3.10), which would close the scheduler's whole
 //!    connection; unbinding first is what makes the check and the delete one step for them. A

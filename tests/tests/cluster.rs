@@ -75,7 +75,7 @@ impl Cluster {
         if !Path::new("/usr/lib/rabbitmq/bin/rabbitmq-server").exists()
             || which("redis-server").is_none()
         {
-            eprintln!("skipped: rabbitmq-server or redis-server not installed (ops/services.sh installs them)");
+            missing_servers("rabbitmq-server or redis-server not installed")?;
             return Ok(None);
         }
         let dir = std::env::temp_dir().join(format!(

@@ -9,15 +9,15 @@
 //! *not* counters but leased sorted-set members, so they can never drift: an expired lease
 //! simply stops counting.
 //!
-//! **Liveness.** A worker's heartbeat ([`heartbeat`]) stamps it in `workers` (a sorted set
+//! **Liveness.** A worker's heartbeat (`heartbeat`) stamps it in `workers` (a sorted set
 //! scored by Redis time) and renews the leases of what it runs. The scheduler's health checker
-//! evicts every worker silent past the heartbeat timeout ([`evict`]): `remove_worker` takes
+//! evicts every worker silent past the heartbeat timeout (`evict`): `remove_worker` takes
 //! back its capacity, frees its subsetting ordinal, releases its running records and puts the
 //! task it was running back to `queued` (the broker redelivers it; the next claim counts the
 //! crash, see `lua/start.lua`). A registration under a live id is refused (`DUPLICATE`), unless
 //! the new process proves the old one gone (its broker lock queue).
 //!
-//! **Departure.** A group with no worker and no work for a grace is reclaimed ([`reclaim`]).
+//! **Departure.** A group with no worker and no work for a grace is reclaimed (`reclaim`).
 //!
 //! Submodules are private; their public names are re-exported here (`fleet::registry::…`).
 

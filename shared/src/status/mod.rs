@@ -18,13 +18,13 @@
 //! | → succeeded / retrying / dead / expired (an attempt's outcome) | `status_finished` | `finish.lua` |
 //! | → dead (worker lost on the last attempt; broker dead-lettered) | `status_dead` | `start.lua`, `broker_dead.lua` |
 //! | → dead / expired, waiting_for_worker, delayed (decided by the scheduler) | [`Writes`] | `scheduler::dispatch` |
-//! | → forgotten (dead-letter replay) | [`Store::forget_task`] | [`crate::dead::replay`] (`fleetctl`, the API) |
+//! | → forgotten (dead-letter replay) | [`Store::forget_task`](crate::Store::forget_task) | [`crate::dead::replay`] (`fleetctl`, the API) |
 //!
 //! The scripts spell the words through the tables `S`, `R` and `O` of `keys.lua`; a unit test
 //! below checks them (and any such word written out in a script) against the enums, so the
 //! two sides cannot drift.
 //!
-//! Reading: [`typed`] (the API's JSON), [`attempt_history`], [`Store::task_status`].
+//! Reading: [`typed`] (the API's JSON), [`attempt_history`], [`Store::task_status`](crate::Store::task_status).
 
 mod read;
 mod state;
