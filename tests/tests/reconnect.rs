@@ -88,3 +88,76 @@ async fn scheduler_reconnects_after_losing_rabbitmq() -> anyhow::Result<()> {
     sched.stop().await?;
     ns.cleanup().await
 }
+
+/// After its broker restarts, a worker's two lanes consume again together: a lane whose
+/// channel went with the connection adds no backoff of its own (the connection's reconnect
+/// is shared), and a lane pausing after a channel error resumes as soon as the other lane
+/// consumes (issue 37 item 5: the critical lane — health probes and critical work — came back
+/// up to ~10 s after the normal lane). Three restarts of a private node; the gap between the
+/// lanes' first consume after each restart is printed and must stay under 1.5 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_lanes_consume_again_together_after_a_broker_restart() -> anyhow::Result<()> {
+    let rabbit = PrivateRabbit::start("", "[].\n").await?;
+    let ns = Ns::on_broker(&rabbit.url()).await?;
+    let w = start_worker(&ns, "w-lanes", "pool=lanes", 2, &[], &[]).await?;
+    let status = format!("http://{}/status", w.addr);
+    let lanes = |v: &serde_json::Value| {
+        let on = |lane: &str| {
+            v["consuming"][lane]
+                .as_array()
+                .is_some_and(|q| !q.is_empty())
+        };
+        (on("normal"), on("critical"))
+    };
+    let mut gaps = Vec::new();
+    for round in 1..=3 {
+        rabbit.ctl(&["stop_app"]).await?;
+        wait_for("both lanes lost", Duration::from_secs(20), || async {
+            let v = get_json(&status).await.ok()?;
+            (lanes(&v) == (false, false)).then_some(())
+        })
+        .await?;
+        rabbit.ctl(&["start_app"]).await?;
+        // A measurement, not a wait for a state: when each lane first consumes, polled every
+        // 20 ms within a 60 s bound.
+        let (mut normal, mut critical) = (None, None);
+        let t0 = std::time::Instant::now();
+        while normal.is_none() || critical.is_none() {
+            anyhow::ensure!(
+                t0.elapsed() < Duration::from_secs(60),
+                "restart {round}: lanes not consuming after 60 s (normal {normal:?}, critical {critical:?})"
+            );
+            if let Ok(Ok(v)) = tokio::time::timeout(Duration::from_secs(2), get_json(&status)).await
+            {
+                let (n, c) = lanes(&v);
+                if n && normal.is_none() {
+                    normal = Some(t0.elapsed());
+                }
+                if c && critical.is_none() {
+                    critical = Some(t0.elapsed());
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let (n, c) = normal.zip(critical).context("lanes")?;
+        let gap = if n > c { n - c } else { c - n };
+        println!(
+            "restart {round}: normal lane consuming after {} ms, critical after {} ms (gap {} ms)",
+            n.as_millis(),
+            c.as_millis(),
+            gap.as_millis()
+        );
+        gaps.push(gap);
+    }
+    w.stop().await?;
+    // The fixture's own connection went with the restarts; the private node (and its queues)
+    // goes with the test: only the namespace's Redis keys are left to delete.
+    ns.store.delete_namespace().await?;
+    for g in gaps {
+        assert!(
+            g < Duration::from_millis(1500),
+            "lanes came back {g:?} apart"
+        );
+    }
+    Ok(())
+}

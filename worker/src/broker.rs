@@ -38,6 +38,11 @@ pub struct Broker {
     /// taken before the declaration; 0: never). A registration carries it: a group reclaimed
     /// after it has had its queues deleted (see `lua/register.lua`).
     declared_at_ms: std::sync::atomic::AtomicI64,
+    /// How many lane sessions have started consuming (any lane). A lane pausing after a lost
+    /// channel watches it: once another lane consumes again the broker is back, and the pause
+    /// ends at once instead of running out its own backoff (issue 37 item 5: the critical lane
+    /// used to come back up to 10 s after the normal one).
+    consuming: tokio::sync::watch::Sender<u64>,
 }
 
 impl Broker {
@@ -60,7 +65,18 @@ impl Broker {
             publisher: Mutex::new(None),
             permanent: std::sync::Mutex::new(None),
             declared_at_ms: std::sync::atomic::AtomicI64::new(0),
+            consuming: tokio::sync::watch::Sender::new(0),
         }
+    }
+
+    /// Tells the lanes pausing after a loss that a lane consumes again (see `consuming`).
+    pub fn lane_consuming(&self) {
+        self.consuming.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// A receiver that changes each time a lane starts consuming ([`Broker::lane_consuming`]).
+    pub fn consuming_watch(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.consuming.subscribe()
     }
 
     /// A live connection: the current one, or a new one with the topology declared. Retries

@@ -78,6 +78,7 @@ impl LaneConsumer {
         let mut delay = Duration::from_millis(200);
         let mut session = 0u64;
         let mut redeclare = false;
+        let mut revived = self.broker.consuming_watch();
         loop {
             if !wait_active(&mut mode, &shutdown).await {
                 return;
@@ -106,12 +107,22 @@ impl LaneConsumer {
                 Ended::Moved => redeclare = false,
                 Ended::Lost(why) => {
                     self.shared.stats.set_consuming(self.lane, Vec::new());
-                    tracing::warn!(error = %why, retry_in_ms = delay.as_millis() as u64, "consumer lost; consuming again after a pause");
                     redeclare = true;
+                    if !conn.status().connected() {
+                        // The connection went with the channel: `Broker::connection` reconnects
+                        // with one backoff for every lane, so no lane adds a pause of its own
+                        // and both lanes come back together (issue 37 item 5).
+                        tracing::warn!(error = %why, "consumer lost with its connection; reconnecting");
+                        continue;
+                    }
+                    tracing::warn!(error = %why, retry_in_ms = delay.as_millis() as u64, "consumer lost; consuming again after a pause");
+                    // The pause ends early when another lane consumes again: the broker is back.
+                    revived.borrow_and_update();
                     tokio::select! {
                         biased;
                         _ = shutdown.cancelled() => return,
                         _ = self.control.draining() => return,
+                        _ = revived.changed() => {}
                         _ = tokio::time::sleep(jitter(delay)) => {}
                     }
                     delay = (delay * 2).min(Duration::from_secs(10));
@@ -140,6 +151,7 @@ impl LaneConsumer {
         };
         tracing::info!(consumer_tag = %tag, queues = ?queues, prefetch = self.capacity, "consuming");
         self.shared.stats.set_consuming(self.lane, queues.clone());
+        self.broker.lane_consuming();
         *delay = Duration::from_millis(200);
         // Acks of this channel's deliveries, coalesced into `multiple` acks (see crate::acks).
         let acks = AckWindow::default();
