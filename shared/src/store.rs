@@ -18,6 +18,10 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 /// Longest [`Store::invoke_replicated`] waits for a replica to acknowledge a write.
 pub const REPLICA_WAIT: Duration = Duration::from_millis(500);
 
+/// How long [`Store::invoke_replicated`] trusts its last count of online replicas before it
+/// asks the master again (`INFO replication`, on the connection it already holds).
+pub const REPLICA_RECHECK: Duration = Duration::from_secs(1);
+
 /// Handle on the fleet's Redis state. Cheap to clone.
 #[derive(Clone)]
 pub struct Store {
@@ -29,6 +33,18 @@ pub struct Store {
     pub scripts: Arc<Scripts>,
     /// The fleet's one clock (Redis server time), shared by every clone.
     pub clock: Clock,
+    /// Whether the master had an online replica when last asked (see
+    /// [`Store::invoke_replicated`]), shared by every clone.
+    replicas: Arc<ReplicaCheck>,
+}
+
+/// The last answer to "has the master an online replica?" and when it was taken.
+#[derive(Debug, Default)]
+struct ReplicaCheck {
+    /// Process clock (ms since the epoch) of the last check; 0: never asked.
+    checked_ms: std::sync::atomic::AtomicI64,
+    /// The last check found no online replica: `WAIT` would only run out its timeout.
+    none: std::sync::atomic::AtomicBool,
 }
 
 /// Skew of this process's clock against Redis above which a warning is logged.
@@ -90,6 +106,7 @@ impl Store {
             names,
             scripts: Arc::new(Scripts::load()),
             clock: Clock::default(),
+            replicas: Arc::default(),
         })
     }
 
@@ -169,6 +186,12 @@ impl Store {
     /// asynchronous, so without it a write the master answered in the moment before it died
     /// is lost with it; used for task outcomes (a status `succeeded` that reverted to
     /// `queued` after a failover). Direct and Cluster URLs skip the wait (a plain [`Store::invoke`]).
+    ///
+    /// A best-effort wait must not become a rate limit (issue 37 item 2: after a failover with
+    /// no replica left, `WAIT` ran out its 500 ms on every outcome batch and completions fell
+    /// to 16/s): the master's online replicas are counted at most every [`REPLICA_RECHECK`]
+    /// (`INFO replication`, `slaveN:…state=online`), and with none the wait is skipped; a
+    /// `WAIT` that no replica answers marks them absent until the next count.
     pub async fn invoke_replicated<T: FromRedisValue>(
         &self,
         inv: &ScriptInvocation<'_>,
@@ -182,6 +205,22 @@ impl Store {
         if !matches!(r, Ok(Ok(_))) {
             return self.settle(c, r);
         }
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = chrono::Utc::now().timestamp_millis();
+        let checked = self.replicas.checked_ms.load(Relaxed);
+        if now - checked >= REPLICA_RECHECK.as_millis() as i64 {
+            let info = redis::cmd("INFO").arg("replication").to_owned();
+            if let Ok(Ok(text)) =
+                tokio::time::timeout(CALL_TIMEOUT, info.query_async::<String>(&mut c)).await
+            {
+                let online = online_replicas(&text);
+                self.replicas.none.store(online == 0, Relaxed);
+                self.replicas.checked_ms.store(now, Relaxed);
+            }
+        }
+        if self.replicas.none.load(Relaxed) {
+            return self.settle(c, r);
+        }
         let wait = redis::cmd("WAIT")
             .arg(1)
             .arg(REPLICA_WAIT.as_millis() as u64)
@@ -189,6 +228,8 @@ impl Store {
         let acked = tokio::time::timeout(CALL_TIMEOUT, wait.query_async::<i64>(&mut c)).await;
         if !matches!(acked, Ok(Ok(n)) if n >= 1) {
             tracing::debug!(?acked, "no replica acknowledged the write in time");
+            self.replicas.none.store(true, Relaxed);
+            self.replicas.checked_ms.store(now, Relaxed);
         }
         self.settle(c, r)
     }
@@ -312,4 +353,27 @@ pub fn now_ms() -> i64 {
 /// one conversion from the `Duration`s of the Store API.
 pub fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Online replicas in an `INFO replication` answer: the `slaveN:` lines with `state=online`
+/// (a replica still loading its first sync, `wait_bgsave` / `send_bulk`, cannot acknowledge).
+fn online_replicas(info: &str) -> usize {
+    info.lines()
+        .filter(|l| l.starts_with("slave") && l.contains("state=online"))
+        .count()
+}
+
+#[cfg(test)]
+mod replica_tests {
+    use super::online_replicas;
+
+    #[test]
+    fn counts_only_online_replicas() {
+        let info = "# Replication\r\nrole:master\r\nconnected_slaves:2\r\n\
+            slave0:ip=127.0.0.1,port=7001,state=online,offset=42,lag=0\r\n\
+            slave1:ip=127.0.0.1,port=7002,state=wait_bgsave,offset=0,lag=0\r\n\
+            master_failover_state:no-failover\r\n";
+        assert_eq!(online_replicas(info), 1);
+        assert_eq!(online_replicas("role:master\r\nconnected_slaves:0\r\n"), 0);
+    }
 }
