@@ -40,7 +40,10 @@ fn exec_settings<'a>(command: &'a str, kinds: &'a str) -> Vec<(&'a str, &'a str)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_task_goes_to_a_worker_that_handles_its_kind() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
-    let sched = start_scheduler(&ns, &[("no_match_grace_ms", "8000")]).await?;
+    // The grace: long enough for a worker to start under load, short for a test.
+    let grace = Duration::from_secs(15);
+    let grace_ms = grace.as_millis().to_string();
+    let sched = start_scheduler(&ns, &[("no_match_grace_ms", grace_ms.as_str())]).await?;
     let log = std::env::temp_dir().join(format!("fleet-kinds-{}.log", ns.name));
     let log_s = log.to_string_lossy().to_string();
     let command = serde_json::to_string(&["sh", "-c", RUN_LOG_SCRIPT, "sh", log_s.as_str()])?;
@@ -61,10 +64,12 @@ async fn a_task_goes_to_a_worker_that_handles_its_kind() -> anyhow::Result<()> {
     let resize = task("resize", json!({"img": "b.png"}), "");
     let echo = task("echo", json!({"hello": "kinds"}), "");
     let crop = task("crop", json!({}), "");
+    let thumb = task("thumbnail", json!({}), "");
+    let submitted = std::time::Instant::now();
     assert_eq!(
-        ns.submit(&[resize.clone(), echo.clone(), crop.clone()])
+        ns.submit(&[resize.clone(), echo.clone(), crop.clone(), thumb.clone()])
             .await?,
-        (3, 0)
+        (4, 0)
     );
 
     // `resize` (no protocol) runs on the exec worker, once.
@@ -97,9 +102,11 @@ async fn a_task_goes_to_a_worker_that_handles_its_kind() -> anyhow::Result<()> {
     );
     assert!(runs(&log, &echo.id).is_empty());
 
-    // `crop`: nobody handles it yet — waiting for a worker, visible as such.
-    ns.wait_state(&crop.id, "waiting_for_worker", Duration::from_secs(10))
-        .await?;
+    // `crop` and `thumbnail`: nobody handles them yet — waiting for a worker, visible as such.
+    for id in [&crop.id, &thumb.id] {
+        ns.wait_state(id, "waiting_for_worker", Duration::from_secs(10))
+            .await?;
+    }
     // A worker that handles it joins (a group of its own) and picks it up while it waits.
     let cropper = start_worker(
         &ns,
@@ -111,7 +118,7 @@ async fn a_task_goes_to_a_worker_that_handles_its_kind() -> anyhow::Result<()> {
     )
     .await?;
     let st = ns
-        .wait_state(&crop.id, "succeeded", Duration::from_secs(8))
+        .wait_state(&crop.id, "succeeded", Duration::from_secs(20))
         .await?;
     assert_eq!(
         st.get("worker").map(String::as_str),
@@ -120,15 +127,22 @@ async fn a_task_goes_to_a_worker_that_handles_its_kind() -> anyhow::Result<()> {
     );
     assert_eq!(runs(&log, &crop.id), vec!["w-crop"]);
 
-    // `thumbnail`: nobody ever handles it — waiting, then dead `no_matching_worker` after
-    // the grace, never run.
-    let thumb = task("thumbnail", json!({}), "");
-    assert_eq!(ns.submit(std::slice::from_ref(&thumb)).await?, (1, 0));
-    ns.wait_state(&thumb.id, "waiting_for_worker", Duration::from_secs(10))
-        .await?;
+    // `thumbnail`: nobody ever handles it — still waiting (the new worker took only `crop`),
+    // then dead `no_matching_worker` once the grace has passed, never run.
+    let st = ns.status(&thumb.id).await?.unwrap_or_default();
+    assert_eq!(
+        st.get("state").map(String::as_str),
+        Some("waiting_for_worker"),
+        "{st:?}"
+    );
     let st = ns
-        .wait_state(&thumb.id, "dead", Duration::from_secs(30))
+        .wait_state(&thumb.id, "dead", Duration::from_secs(45))
         .await?;
+    let waited = submitted.elapsed();
+    assert!(
+        waited >= grace - Duration::from_secs(1),
+        "dead only after the grace: {waited:?}"
+    );
     assert_eq!(
         st.get("reason").map(String::as_str),
         Some("no_matching_worker"),
