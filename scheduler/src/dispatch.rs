@@ -31,8 +31,9 @@ pub enum Source {
     Delayed,
     /// Released from a group's park queue: tasks that find no room stay held.
     Park,
-    /// Released from the waiting-for-worker queue (no live group matched them yet): held
-    /// until one does, dead-lettered `no_matching_worker` once the grace has passed.
+    /// Released from the waiting-for-worker queue (no live group matched them yet — their
+    /// selector, or their kind: see [`fleet::registry::Kinds`]): held until one does,
+    /// dead-lettered `no_matching_worker` once the grace has passed.
     Unmatched,
 }
 
@@ -252,6 +253,7 @@ impl Dispatcher {
                         id: e.id.clone(),
                         lane: e.lane,
                         selector: e.selector(),
+                        kind: e.kind.clone(),
                         strategy: e.strategy,
                         dedupe,
                         from_park: *source == Source::Park,
@@ -297,7 +299,11 @@ impl Dispatcher {
                     (Reservation::NoMatch, _) if age >= self.session.cfg.no_match_grace => {
                         Fate::Dead(
                             status::DeadReason::NoMatchingWorker,
-                            format!("no live worker satisfies {{{}}}", e.selector()),
+                            format!(
+                                "no live worker satisfies {{{}}} and handles kind `{}`",
+                                e.selector(),
+                                e.kind
+                            ),
                         )
                     }
                     // Waits, counted and bounded, until a matching worker registers.

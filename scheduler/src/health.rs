@@ -153,6 +153,7 @@ async fn move_queue(
             id: env.id.clone(),
             lane,
             selector: env.selector(),
+            kind: env.kind.clone(),
             strategy: env.strategy,
             dedupe: Dedupe::Skip,
             from_park: true,

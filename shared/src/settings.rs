@@ -266,6 +266,9 @@ pub struct WorkerArgs {
     /// Critical-lane concurrency (and AMQP prefetch), 1-65535.
     #[arg(long, env = "FLEET_CRITICAL_CAPACITY", default_value = "1", value_parser = lane_capacity)]
     pub critical_capacity: u32,
+    /// http and exec executors: the task kinds this worker handles, `a,b` or `*` (every kind); the scheduler routes a task only to a group whose every active worker handles its kind (builtin: its own handler names) [default with http or exec: `*`].
+    #[arg(long, env = "FLEET_KINDS")]
+    pub kinds: Option<String>,
     /// How tasks are run.
     #[arg(long, env = "FLEET_EXECUTOR", default_value = "builtin", value_parser = ["builtin", "http", "exec"])]
     pub executor: String,
@@ -317,7 +320,7 @@ pub struct WorkerArgs {
     /// http executor, `https://`: PEM private key of the client certificate.
     #[arg(long, env = "FLEET_HTTP_TLS_KEY_FILE", value_parser = pem_private_key)]
     pub http_tls_key_file: Option<String>,
-    /// http executor: follow redirects (at most 5); off, a 3xx answer is a failed attempt.
+    /// http executor: follow redirects (at most 10); off, a 3xx answer is a failed attempt.
     #[arg(long, env = "FLEET_HTTP_FOLLOW_REDIRECTS", default_value = "false", value_parser = boolean, action = clap::ArgAction::Set)]
     pub http_follow_redirects: bool,
     /// exec executor: program and arguments, a JSON array or words, run without a shell (required with FLEET_EXECUTOR=exec).

@@ -136,6 +136,7 @@ pub async fn register_worker_for(
         critical_capacity: 1,
         executor: "builtin".into(),
         state: fleet::registry::WorkerState::Active,
+        kinds: Default::default(),
     };
     store.register(&r, timeout).await?;
     Ok(())

@@ -30,6 +30,7 @@ fn req(id: String, selector: &str) -> ReserveRequest {
         id,
         lane: Lane::Normal,
         selector: Labels::parse(selector).unwrap_or_default(),
+        kind: "echo".into(),
         strategy: None,
         dedupe: Dedupe::Skip,
         from_park: false,

@@ -170,6 +170,7 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
         critical_capacity: 1,
         executor: "builtin".into(),
         state: WorkerState::Active,
+        kinds: Default::default(),
     };
     ns.store
         .register(&reg("w-dead", "i-dead"), Duration::from_millis(1500))

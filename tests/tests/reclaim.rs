@@ -384,6 +384,7 @@ async fn registration_waits_for_a_reclaim_and_its_deleted_queues() -> anyhow::Re
         critical_capacity: 1,
         executor: "builtin".into(),
         state: WorkerState::Active,
+        kinds: Default::default(),
     };
     let g = labels.group_name();
     let s = &ns.store;

@@ -364,6 +364,7 @@ async fn failing_worker_ejects_itself_and_comes_back() -> Result<()> {
         critical_capacity: 1,
         executor: "builtin".into(),
         state: fleet::registry::WorkerState::Active,
+        kinds: Default::default(),
     };
     f.ns.store.register(&peer, Duration::from_secs(30)).await?;
     let cfg = f.config(

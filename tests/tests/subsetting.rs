@@ -274,6 +274,7 @@ async fn ordinals_are_lowest_free_and_freed_by_deregistration_and_eviction() -> 
         critical_capacity: 1,
         executor: "builtin".into(),
         state: WorkerState::Active,
+        kinds: Default::default(),
     };
     let group = labels.group_name();
     for id in ["a", "b", "c"] {

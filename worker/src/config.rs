@@ -14,6 +14,7 @@
 use std::time::Duration;
 
 use fleet::config::{CommonConfig, Settings};
+use fleet::registry::Kinds;
 use fleet::selector::PROTOCOL_LABEL;
 use fleet::settings::WorkerArgs;
 use fleet::{Labels, PerLane};
@@ -87,6 +88,12 @@ pub struct WorkerConfig {
     /// Each lane's concurrency (and prefetch): `FLEET_CAPACITY`, `FLEET_CRITICAL_CAPACITY`.
     pub capacity: PerLane<u32>,
     pub executor: ExecutorKind,
+    /// `FLEET_KINDS`: the kinds the http or exec executor's endpoint or program handles
+    /// (default `*`, every kind; the builtin executor advertises its handler names and
+    /// refuses the setting). What the worker advertises is this plus the kinds of its own
+    /// handlers (`noop`, and any an embedding program registered): see
+    /// [`crate::executor::Handlers::kinds`].
+    pub kinds: Kinds,
     pub heartbeat_interval: Duration,
     /// Liveness window: a registration of the same id seen within it is a live duplicate.
     pub heartbeat_timeout: Duration,
@@ -151,6 +158,16 @@ impl WorkerConfig {
             }
         }
         let labels = labels.with(PROTOCOL_LABEL, executor.as_str());
+        let kinds = match a.kinds.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+            None => Kinds::Any,
+            Some(_) if executor == ExecutorKind::Builtin => {
+                return Err(err(
+                    "FLEET_KINDS",
+                    "only for FLEET_EXECUTOR=http or exec: the builtin executor advertises its own handler names",
+                ))
+            }
+            Some(k) => Kinds::parse(k).map_err(|e| err("FLEET_KINDS", e.to_string()))?,
+        };
         let ms = Duration::from_millis;
 
         let heartbeat_interval = ms(a.heartbeat_interval_ms);
@@ -254,6 +271,7 @@ impl WorkerConfig {
                 critical: a.critical_capacity,
             },
             executor,
+            kinds,
             heartbeat_interval,
             heartbeat_timeout,
             run_lease,
@@ -390,10 +408,37 @@ mod tests {
             (vec![("eject_error_ratio", "2")], "FLEET_EJECT_ERROR_RATIO"),
             (vec![("worker_id", "a b")], "FLEET_WORKER_ID"),
             (vec![("max_task_ms", "-1")], "FLEET_MAX_TASK_MS"),
+            (vec![("kinds", "resize")], "FLEET_KINDS"),
+            (
+                vec![
+                    ("executor", "exec"),
+                    ("exec_command", "cat"),
+                    ("kinds", "a,,b"),
+                ],
+                "FLEET_KINDS",
+            ),
+            (
+                vec![
+                    ("executor", "exec"),
+                    ("exec_command", "cat"),
+                    ("kinds", "*,a"),
+                ],
+                "FLEET_KINDS",
+            ),
         ] {
             let e = cfg(&pairs).unwrap_err().to_string();
             assert!(e.contains(name), "{pairs:?}: {e}");
         }
+    }
+
+    #[test]
+    fn kinds_default_to_every_kind() {
+        let exec = [("executor", "exec"), ("exec_command", "cat")];
+        assert_eq!(cfg(&exec).unwrap().kinds, Kinds::Any);
+        assert_eq!(cfg(&[]).unwrap().kinds, Kinds::Any);
+        let mut pairs = exec.to_vec();
+        pairs.push(("kinds", "thumbnail,resize"));
+        assert_eq!(cfg(&pairs).unwrap().kinds.wire(), "resize,thumbnail");
     }
 
     #[test]

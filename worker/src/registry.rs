@@ -56,7 +56,9 @@ pub struct Registrar {
 }
 
 impl Registrar {
-    pub fn new(cfg: &WorkerConfig, store: Store) -> Self {
+    /// `kinds`: the task kinds the worker handles, as its handlers advertise them
+    /// ([`crate::executor::Handlers::kinds`]).
+    pub fn new(cfg: &WorkerConfig, store: Store, kinds: fleet::registry::Kinds) -> Self {
         Registrar {
             store,
             redis_url: cfg.common.redis_url.clone(),
@@ -68,6 +70,7 @@ impl Registrar {
                 critical_capacity: cfg.capacity.critical,
                 executor: cfg.executor.as_str().to_string(),
                 state: WorkerState::Active,
+                kinds,
             },
             liveness: cfg.heartbeat_timeout,
             takeover: Default::default(),

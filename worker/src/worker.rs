@@ -222,7 +222,9 @@ impl Worker {
             cfg.common.names(),
             &cfg.common.redis_tls,
         )?;
-        let registrar = Registrar::new(&cfg, store.clone()).with_broker(broker.clone());
+        let kinds = handlers.kinds();
+        tracing::info!(kinds = %kinds, "task kinds advertised (FLEET_KINDS)");
+        let registrar = Registrar::new(&cfg, store.clone(), kinds).with_broker(broker.clone());
         // A predecessor with this id whose connection is closed (crashed) is provably gone:
         // take its place now rather than after its heartbeat window.
         registrar.set_takeover(broker.lock_id().await);

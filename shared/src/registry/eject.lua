@@ -5,10 +5,11 @@
 -- ARGV[1]: worker id
 -- returns: 1 ejected, 0 refused (the last active capacity of its group), -1 unknown or not active
 local wk = K_worker(ARGV[1])
-local w = redis.call('HMGET', wk, 'group', 'state', 'cap', 'ccap')
+local w = redis.call('HMGET', wk, 'group', 'state', 'cap', 'ccap', 'kinds')
 if not w[1] or w[2] ~= 'active' then return -1 end
 local cap = tonumber(redis.call('HGET', K_group(w[1]), 'cap:normal') or '0') or 0
 if cap - (tonumber(w[3]) or 0) <= 0 then return 0 end
 add_capacity(w[1], -contrib('active', w[3]), -contrib('active', w[4]))
 redis.call('HSET', wk, 'state', 'ejected')
+if has_kind_list(w[5]) then refresh_kinds(w[1]) end
 return 1

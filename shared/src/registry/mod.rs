@@ -17,6 +17,10 @@
 //! crash, see `lua/start.lua`). A registration under a live id is refused (`DUPLICATE`), unless
 //! the new process proves the old one gone (its broker lock queue).
 //!
+//! **Kinds.** A worker advertises the task kinds it handles; a group handles a kind when every
+//! active worker of it does (see [`Kinds`]). The reservation script routes a task only to a
+//! group that handles its kind.
+//!
 //! **Departure.** A group with no worker and no work for a grace is reclaimed (`reclaim`).
 //!
 //! Submodules are private; their public names are re-exported here (`fleet::registry::…`).
@@ -24,10 +28,12 @@
 mod evict;
 mod groups;
 mod heartbeat;
+mod kinds;
 mod reclaim;
 mod worker;
 
 pub use groups::GroupView;
 pub use heartbeat::{Beat, BeatReply};
+pub use kinds::{Kinds, KindsError, MAX_KIND_BYTES};
 pub use reclaim::ReclaimClaim;
 pub use worker::{Registration, WorkerState, WorkerView};

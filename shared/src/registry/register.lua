@@ -9,7 +9,9 @@
 -- ARGV[10]: state (active | draining | ejected)
 -- ARGV[11]: when this worker last declared its group's queues (server time, ms; 0: the caller
 --   declares no queues)
--- ARGV[12..]: label pairs `k=v` for the label index
+-- ARGV[12]: the task kinds it handles: `*` or `a,b` sorted (`fleet::registry::Kinds`); the
+--   group's `kinds` becomes the intersection over its active workers (worker.lua refresh_kinds)
+-- ARGV[13..]: label pairs `k=v` for the label index
 -- The worker takes the lowest ordinal free in its group (deterministic subsetting: its ordinal
 -- picks the shard queues it consumes); deregister and evict free it for the next to join.
 -- returns: 'registered', or an error reply `DUPLICATE last heartbeat <n> ms ago` when another
@@ -37,7 +39,7 @@ remove_worker(id)
 local state = ARGV[10]
 redis.call('HSET', wk, 'id', id, 'instance', inst, 'group', g, 'labels', ARGV[4], 'cap', ARGV[5],
   'ccap', ARGV[6], 'executor', ARGV[7], 'state', state, 'hb', now, 'started', now, 'ok', 0, 'err', 0,
-  'load', 0, 'cload', 0, 'ewma_ms', 0, 'cpu', 0)
+  'load', 0, 'cload', 0, 'ewma_ms', 0, 'cpu', 0, 'kinds', ARGV[12])
 local ord = 0
 while redis.call('HSETNX', K_gord(g), ord, id) == 0 do ord = ord + 1 end
 redis.call('HSET', wk, 'ord', ord)
@@ -46,6 +48,7 @@ redis.call('SADD', K_groups(), g)
 redis.call('SADD', K_gw(g), id)
 redis.call('HSET', K_group(g), 'labels', ARGV[4], 'h:' .. id, 1)
 redis.call('HDEL', K_group(g), 'idle')
-for i = 12, #ARGV do redis.call('SADD', K_idx(ARGV[i]), g) end
+for i = 13, #ARGV do redis.call('SADD', K_idx(ARGV[i]), g) end
 add_capacity(g, contrib(state, ARGV[5]), contrib(state, ARGV[6]))
+if has_kind_list(ARGV[12]) then refresh_kinds(g) end
 return 'registered'

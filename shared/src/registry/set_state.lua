@@ -7,12 +7,14 @@
 -- state from an older read); the state stays `draining` and the answer says so, and the
 -- worker drains. A worker leaves `draining` only by leaving the fleet.
 local wk = K_worker(ARGV[1])
-local w = redis.call('HMGET', wk, 'group', 'state', 'cap', 'ccap')
+local w = redis.call('HMGET', wk, 'group', 'state', 'cap', 'ccap', 'kinds')
 if not w[1] then return false end
 local old, new = w[2], ARGV[2]
 if old == 'draining' then return old end
 if old ~= new then
   add_capacity(w[1], contrib(new, w[3]) - contrib(old, w[3]), contrib(new, w[4]) - contrib(old, w[4]))
   redis.call('HSET', wk, 'state', new)
+  -- Only active workers count in the group's kinds (worker.lua refresh_kinds).
+  if has_kind_list(w[5]) then refresh_kinds(w[1]) end
 end
 return old

@@ -13,6 +13,40 @@ local function add_capacity(g, dn, dc)
   if dc ~= 0 then redis.call('HINCRBY', K_group(g), 'cap:critical', dc) end
 end
 
+-- The kinds a group handles (`fleet::registry::Kinds`): those every active worker of it
+-- handles, written to the group hash's `kinds` field (`*`, or kinds joined by `,` in sorted
+-- order; '' when its active workers share none) for the reservation script. A worker whose
+-- kinds are `*` never changes the intersection by joining or leaving, so callers refresh only
+-- for a worker with a kind list: a fleet of `*` workers never pays for the walk over the group.
+local function refresh_kinds(g)
+  local set = nil
+  for _, w in ipairs(redis.call('SMEMBERS', K_gw(g))) do
+    local h = redis.call('HMGET', K_worker(w), 'state', 'kinds')
+    if h[1] == 'active' and h[2] and h[2] ~= '*' then
+      local mine = {}
+      for k in string.gmatch(h[2], '[^,]+') do mine[k] = true end
+      if set == nil then
+        set = mine
+      else
+        for k in pairs(set) do if not mine[k] then set[k] = nil end end
+      end
+    end
+  end
+  if set == nil then
+    redis.call('HSET', K_group(g), 'kinds', '*')
+  else
+    local list = {}
+    for k in pairs(set) do list[#list + 1] = k end
+    table.sort(list)
+    redis.call('HSET', K_group(g), 'kinds', table.concat(list, ','))
+  end
+end
+
+-- Whether a worker's kinds (its hash field; missing = `*`) can change its group's.
+local function has_kind_list(kinds)
+  return kinds ~= nil and kinds ~= false and kinds ~= '*'
+end
+
 -- Removes a worker entirely: its capacity, its running records, its index entries.
 -- A running record is released only while the task is still this worker's: a task the broker
 -- redelivered after this worker died may already run on a peer (its status names the peer),
@@ -22,7 +56,7 @@ end
 -- Idempotent: a second call finds nothing and does nothing.
 local function remove_worker(id)
   local wk = K_worker(id)
-  local w = redis.call('HMGET', wk, 'group', 'state', 'cap', 'ccap', 'instance', 'ord')
+  local w = redis.call('HMGET', wk, 'group', 'state', 'cap', 'ccap', 'instance', 'ord', 'kinds')
   redis.call('ZREM', K_workers(), id)
   if not w[1] then return 0 end
   local g = w[1]
@@ -48,6 +82,7 @@ local function remove_worker(id)
   redis.call('DEL', K_wrun(id), wk)
   redis.call('SREM', K_gw(g), id)
   redis.call('HDEL', K_group(g), 'h:' .. id)
+  if has_kind_list(w[7]) then refresh_kinds(g) end
   -- The group's last worker left: its reclaim grace starts now (reclaim.lua).
   if redis.call('SCARD', K_gw(g)) == 0 then redis.call('HSET', K_group(g), 'idle', NOW_MS) end
   return 1

@@ -48,6 +48,8 @@ pub struct Registration {
     pub critical_capacity: u32,
     pub executor: String,
     pub state: WorkerState,
+    /// The task kinds this worker handles (routing input: see [`super::Kinds`]).
+    pub kinds: super::Kinds,
 }
 
 impl Registration {
@@ -64,6 +66,9 @@ pub struct WorkerView {
     pub labels: serde_json::Value,
     pub executor: String,
     pub state: String,
+    /// The task kinds it handles: `*` (every kind) or `a,b` (see [`super::Kinds`]).
+    #[serde(default = "any_kind")]
+    pub kinds: String,
     pub capacity: u32,
     pub critical_capacity: u32,
     pub running: u32,
@@ -86,6 +91,10 @@ pub struct WorkerView {
     pub latency_ewma_ms: f64,
     pub cpu: f64,
     pub last_heartbeat_ms_ago: i64,
+}
+
+fn any_kind() -> String {
+    "*".to_string()
 }
 
 impl Store {
@@ -135,6 +144,7 @@ impl Store {
             .arg(millis(liveness))
             .arg(r.state.as_str())
             .arg(declared_at_ms)
+            .arg(r.kinds.wire())
             .arg(r.labels.pairs());
         match self.invoke::<String>(&inv).await {
             Ok(_) => Ok(()),
@@ -247,6 +257,7 @@ impl Store {
                     .unwrap_or_default(),
                 executor: m.get("executor").cloned().unwrap_or_default(),
                 state: m.get("state").cloned().unwrap_or_default(),
+                kinds: m.get("kinds").cloned().unwrap_or_else(any_kind),
                 capacity: num(&m, "cap") as u32,
                 critical_capacity: num(&m, "ccap") as u32,
                 running: num(&m, "load") as u32,

@@ -4,7 +4,9 @@
 //! side in [`reserve`]), so that any number
 //! of scheduler replicas can route concurrently without over-reserving. Candidate groups come
 //! from a label index (`idx:<k>=<v>` sets, intersected), so routing cost grows with the number
-//! of *matching groups*, never with the number of workers. A group has room while
+//! of *matching groups*, never with the number of workers. A candidate must also handle the
+//! task's `kind` — every active worker of the group handles it ([`crate::registry::Kinds`]) —
+//! read from the group hash with its capacity (no extra command per task). A group has room while
 //! `running + reserved < capacity × (1 + backlog_factor)`; reservations carry a lease, so a
 //! scheduler that dies after reserving leaks nothing for longer than the lease.
 
@@ -54,7 +56,7 @@ pub enum Reservation {
     Reserved(String),
     /// Groups match but none has room; the best candidate is named (park the task there).
     Full(String),
-    /// No live group matches the selector.
+    /// No live group matches the selector and handles the task's kind.
     NoMatch,
     /// The task id was seen within the dedupe window.
     Duplicate,

@@ -17,14 +17,19 @@
 --   id, lane, strategy ('' = default), dedupe (0 skip | 1 set-if-absent | 2 redelivered:
 --   duplicate only if already handed on),
 --   mode (0: new work, 1: released from a park queue, 2: dedupe only — a delayed submission,
---   routed when it is due), selector index (1-based, into the selectors above)
+--   routed when it is due), selector index (1-based, into the selectors above), kind
+-- A candidate group must match the selector, be live (capacity > 0) and handle the task's
+-- kind: its `kinds` field (`*`, missing = `*`, or `a,b`: the kinds every active worker of it
+-- handles, kept by the registry scripts — `fleet::registry::Kinds`) is read in the HMGET that
+-- reads its capacity, so the kind costs no command per task; a kind no live group handles is
+-- answered 'none', exactly like a selector nothing matches.
 -- A group with parked tasks (flag `pk:<group>:<lane>`, set here when a task is parked and
 -- kept alive by the scheduler's park loop) counts as full for new work, so new tasks queue
 -- behind parked ones instead of overtaking them (a single-candidate task too: it parks
 -- behind them rather than going direct).
 -- returns: per task two entries, answer then group (a flat list: no table per task):
 --          'reserved', g (status queued) | 'full', g (matches, no room: park there; status
---          parked) | 'none', '' (no live group matches) | 'dup', '' (id seen within the
+--          parked) | 'none', '' (no live group matches and handles the kind) | 'dup', '' (id seen within the
 --          window) | 'fresh', '' (mode 2: not a duplicate)
 -- Dedupe marks: 'p:<token>' while a submission is being handled, 'a' once the scheduler has
 -- handed it on (confirmed; set just before it acks the ingress message). A mark written by
@@ -49,11 +54,18 @@ local function gstate(g, lane)
   local key = g .. '|' .. lane
   local s = gcache[key]
   if s then return s end
-  local h = redis.call('HMGET', K_group(g), 'cap:' .. lane, 'room:' .. lane)
+  local h = redis.call('HMGET', K_group(g), 'cap:' .. lane, 'room:' .. lane, 'kinds')
   local cap = tonumber(h[1] or '0') or 0
+  -- The kinds it handles: nil for every kind, else a set.
+  local kinds = nil
+  if h[3] and h[3] ~= '*' then
+    kinds = {}
+    for k in string.gmatch(h[3], '[^,]+') do kinds[k] = true end
+  end
   -- Room ahead of the workers: at least capacity × (1 + backlog factor), more for a group that
   -- drains fast (the scheduler writes `room:<lane>` from its completion rate, Little's law).
-  s = { cap = cap, used = 0, limit = math.max(cap * (1 + bf), tonumber(h[2] or '0') or 0), health = nil }
+  s = { cap = cap, used = 0, limit = math.max(cap * (1 + bf), tonumber(h[2] or '0') or 0), health = nil,
+    kinds = kinds }
   if cap > 0 then
     redis.call('ZREMRANGEBYSCORE', K_resv(g, lane), '-inf', now)
     redis.call('ZREMRANGEBYSCORE', K_run(g, lane), '-inf', now)
@@ -106,12 +118,13 @@ local function candidates(k)
   return c, sel.key
 end
 
--- The live candidates (capacity > 0) of selector k on a lane, as their state tables (each
--- with its group name `g`), resolved once per batch: the per-task loops then touch numbers only.
-local lcache = {}
-local function live_groups(k, lane)
+-- The live candidates (capacity > 0) of selector k on a lane that handle `kind`, as their
+-- state tables (each with its group name `g`), resolved once per batch and kind: the per-task
+-- loops then touch numbers only.
+local lcache, kcache = {}, {}
+local function live_groups(k, lane, kind)
   local per = lcache[k]
-  if not per then per = {}; lcache[k] = per end
+  if not per then per = {}; lcache[k] = per; kcache[k] = {} end
   local cands, selkey = candidates(k)
   local live = per[lane]
   if not live then
@@ -121,8 +134,18 @@ local function live_groups(k, lane)
       if st.cap > 0 then st.g = g; live[#live + 1] = st end
     end
     per[lane] = live
+    kcache[k][lane] = {}
   end
-  return live, selkey
+  local byk = kcache[k][lane]
+  local handling = byk[kind]
+  if not handling then
+    handling = {}
+    for _, st in ipairs(live) do
+      if st.kinds == nil or st.kinds[kind] then handling[#handling + 1] = st end
+    end
+    byk[kind] = handling
+  end
+  return handling, selkey
 end
 
 -- Open for a task: room left, and (new work) no parked tasks to overtake.
@@ -136,8 +159,8 @@ local out = {}
 for t = 1, n do
   local id, lane, strategy, dd = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local from_park, dedupe_only = ARGV[i + 4] == '1', ARGV[i + 4] == '2'
-  local selk = tonumber(ARGV[i + 5])
-  i = i + 6
+  local selk, kind = tonumber(ARGV[i + 5]), ARGV[i + 6]
+  i = i + 7
   if strategy == '' then strategy = default_strategy end
   local o = 2 * t - 1
 
@@ -165,7 +188,7 @@ for t = 1, n do
   elseif dedupe_only then
     out[o], out[o + 1] = 'fresh', ''
   else
-    local live, selkey = live_groups(selk, lane)
+    local live, selkey = live_groups(selk, lane, kind)
     local chosen = nil
     if strategy == 'round_robin' or strategy == 'weighted' then
       local opened = {}

@@ -18,6 +18,9 @@ pub struct ReserveRequest {
     pub id: String,
     pub lane: Lane,
     pub selector: Labels,
+    /// The task's kind: only a group whose every active worker handles it is a candidate
+    /// (see [`crate::registry::Kinds`]).
+    pub kind: String,
     pub strategy: Option<Strategy>,
     pub dedupe: Dedupe,
     /// Released from a park queue: may take room even while the group has parked tasks.
@@ -102,7 +105,8 @@ impl Store {
                 } else {
                     0
                 })
-                .arg(k);
+                .arg(k)
+                .arg(&r.kind);
         }
         // Two entries per task, answer then group (see `reserve.lua`).
         let raw: Vec<String> = self.invoke(&inv).await?;

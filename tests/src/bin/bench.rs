@@ -104,6 +104,7 @@ impl Floor {
             critical_capacity: 1,
             executor: "builtin".into(),
             state: fleet::registry::WorkerState::Active,
+            kinds: Default::default(),
         };
         ns.store.register(&reg, Duration::from_secs(600)).await?;
         Ok(Floor {
@@ -131,6 +132,7 @@ impl Floor {
                 id: id.clone(),
                 lane: Lane::Normal,
                 selector: self.selector.clone(),
+                kind: "echo".into(),
                 strategy: None,
                 dedupe: fleet::dedupe::Dedupe::Check,
                 from_park: false,
@@ -1327,6 +1329,7 @@ async fn stages(n: usize) -> Result<()> {
         critical_capacity: 1,
         executor: "builtin".into(),
         state: WorkerState::Active,
+        kinds: Default::default(),
     };
     ns.store.register(&reg, Duration::from_millis(1)).await?;
     let consumers = std::env::var("BENCH_INGRESS_CONSUMERS").unwrap_or_else(|_| "4".into());

@@ -566,6 +566,7 @@ async fn register_fleet(a: &SimArgs, store: &Store, probe: &Probe) -> Result<Fle
                     critical_capacity: 1,
                     executor: "builtin".into(),
                     state: WorkerState::Active,
+                    kinds: Default::default(),
                 };
                 retrying(|| store.register(&r, std::time::Duration::from_secs(30))).await?;
             }
@@ -656,6 +657,7 @@ async fn measure_reserve(
                         id: format!("{tag}-{i}"),
                         lane: Lane::Normal,
                         selector: selector(shape, i, groups),
+                        kind: "echo".into(),
                         strategy: None,
                         dedupe: Dedupe::Check,
                         from_park: false,
@@ -739,6 +741,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
                 id: t.clone(),
                 lane: Lane::Normal,
                 selector: sel.clone(),
+                kind: "echo".into(),
                 strategy: None,
                 dedupe: Dedupe::Check,
                 from_park: false,

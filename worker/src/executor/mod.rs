@@ -7,8 +7,13 @@
 //!
 //! * `builtin` — the demo/benchmark handlers of [`builtin`] and whatever the embedding program
 //!   registered; an unknown kind is a permanent error.
-//! * `http` — every kind (but `noop`, below) goes to one endpoint ([`http`]).
-//! * `exec` — every kind (but `noop`, below) runs one program ([`exec`]).
+//! * `http` — every kind `FLEET_KINDS` declares (default `*`, every kind; but `noop`, below)
+//!   goes to one endpoint ([`http`]).
+//! * `exec` — every kind `FLEET_KINDS` declares (but `noop`) runs one program ([`exec`]).
+//!
+//! A kind outside these is an unknown kind (a permanent error). The worker advertises the
+//! kinds it handles ([`Handlers::kinds`]) in its registration, and the scheduler routes a task
+//! only to a group whose every active worker handles its kind (`fleet::registry::Kinds`).
 //!
 //! Handlers registered by an embedding program always win over the fallback.
 //!
@@ -29,6 +34,7 @@ use futures::future::BoxFuture;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use fleet::registry::Kinds;
 use fleet::Envelope;
 
 use crate::config::{ExecutorKind, WorkerConfig};
@@ -112,6 +118,9 @@ where
 pub struct Handlers {
     by_kind: HashMap<String, Arc<dyn Handler>>,
     fallback: Option<Arc<dyn Handler>>,
+    /// The kinds the fallback takes (`FLEET_KINDS` for http and exec; every kind for a
+    /// fallback an embedding program set).
+    fallback_kinds: Kinds,
 }
 
 impl std::fmt::Debug for Handlers {
@@ -121,6 +130,7 @@ impl std::fmt::Debug for Handlers {
         f.debug_struct("Handlers")
             .field("kinds", &kinds)
             .field("fallback", &self.fallback.is_some())
+            .field("fallback_kinds", &self.fallback_kinds)
             .finish()
     }
 }
@@ -130,13 +140,29 @@ impl Handlers {
         self.by_kind.insert(kind.into(), h);
     }
 
+    /// Sets the handler of every kind without its own handler.
     pub fn set_fallback(&mut self, h: Arc<dyn Handler>) {
         self.fallback = Some(h);
+        self.fallback_kinds = Kinds::Any;
     }
 
     /// The handler for a kind, `None` when nothing handles it.
     pub fn get(&self, kind: &str) -> Option<Arc<dyn Handler>> {
-        self.by_kind.get(kind).or(self.fallback.as_ref()).cloned()
+        match self.by_kind.get(kind) {
+            Some(h) => Some(h.clone()),
+            None if self.fallback_kinds.handles(kind) => self.fallback.clone(),
+            None => None,
+        }
+    }
+
+    /// The kinds these handlers take, as the worker advertises them in its registration: the
+    /// fallback's kinds (when there is a fallback) and every kind with its own handler.
+    pub fn kinds(&self) -> Kinds {
+        let own = self.by_kind.keys().cloned();
+        match self.fallback {
+            Some(_) => self.fallback_kinds.clone().with(own),
+            None => Kinds::only(own),
+        }
     }
 
     /// The handlers of the configured executor, under the `custom` ones.
@@ -147,17 +173,20 @@ impl Handlers {
             ExecutorKind::Http => {
                 let c = cfg.http.clone().ok_or("executor http without settings")?;
                 h.set_fallback(Arc::new(http::HttpHandler::new(c)?));
+                h.fallback_kinds = cfg.kinds.clone();
                 builtin::register_probe(&mut h);
             }
             ExecutorKind::Exec => {
                 let c = cfg.exec.clone().ok_or("executor exec without settings")?;
                 h.set_fallback(Arc::new(exec::ExecHandler::new(c)));
+                h.fallback_kinds = cfg.kinds.clone();
                 builtin::register_probe(&mut h);
             }
         }
         h.by_kind.extend(custom.by_kind);
         if custom.fallback.is_some() {
             h.fallback = custom.fallback;
+            h.fallback_kinds = custom.fallback_kinds;
         }
         Ok(h)
     }
@@ -183,6 +212,26 @@ mod tests {
         ))
         .unwrap();
         Handlers::for_config(&cfg, Handlers::default()).unwrap()
+    }
+
+    #[test]
+    fn advertised_kinds() {
+        assert_eq!(
+            handlers(&[]).kinds().wire(),
+            "cpu,echo,fail,noop,sleep",
+            "builtin: its handler names"
+        );
+        let exec = [("executor", "exec"), ("exec_command", "cat")];
+        assert_eq!(handlers(&exec).kinds(), Kinds::Any, "exec: `*` by default");
+        let mut pairs = exec.to_vec();
+        pairs.push(("kinds", "resize"));
+        let h = handlers(&pairs);
+        assert_eq!(h.kinds().wire(), "noop,resize");
+        assert!(h.get("resize").is_some() && h.get("noop").is_some());
+        assert!(
+            h.get("thumbnail").is_none(),
+            "an undeclared kind is unknown"
+        );
     }
 
     #[tokio::test]
