@@ -240,24 +240,43 @@ async fn delete_namespace(cli: &Cli, names: &Names, yes: bool) -> Result<ExitCod
         bail!("this deletes every queue (and task), exchange and Redis key of namespace `{}`: add --yes", cli.namespace);
     }
     let store = store(cli, names)?;
-    let groups = store
+    // Redis names the groups its registry still knows; the broker's queue catalog names every
+    // group whose queues were ever declared (after a Redis loss, or declared while Redis was
+    // unreachable, only it does): both are deleted.
+    let redis_groups = store
         .group_names()
         .await
-        .context("reading the namespace's groups from Redis")?;
+        .context("reading the namespace's groups from Redis (FLEET_REDIS_URL)")?;
     let conn = connect(cli).await?;
-    let ch = conn.create_channel().await.context("opening a channel")?;
-    // Every shard queue of every group, and the waiting-for-worker park queues.
-    fleet::topology::delete_all_sharded(&ch, names, &groups, cli.shards).await?;
+    let deleted = fleet::topology::delete_namespace(&conn, names, &redis_groups, cli.shards)
+        .await
+        .with_context(|| format!("deleting the queues of namespace {}", cli.namespace));
+    let _ = conn.close(200, ShortString::from("bye")).await;
+    let deleted = deleted?;
     store
         .delete_namespace()
         .await
         .context("deleting the namespace's Redis keys")?;
-    let _ = conn.close(200, ShortString::from("bye")).await;
+    let only = if deleted.catalog_only > 0 {
+        format!(
+            " ({} known only to the broker's queue catalog, not to Redis)",
+            deleted.catalog_only
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "namespace {}: deleted the queues of {} group(s), the exchanges and the Redis keys",
+        "namespace {}: deleted the queues of {} group(s){only}, the exchanges and the Redis keys",
         cli.namespace,
-        groups.len()
+        deleted.groups.len()
     );
+    if deleted.catalog.unreadable > 0 {
+        eprintln!(
+            "fleetctl: {} unreadable record(s) in {} were skipped",
+            deleted.catalog.unreadable,
+            names.catalog_queue()
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -612,3 +612,82 @@ async fn delete_namespace_deletes_every_shard_and_waiting_queue() -> Result<()> 
     );
     ns.cleanup().await
 }
+
+/// `fleetctl delete-namespace --yes` finds a group's queues when Redis says nothing about
+/// them (a Redis loss, or a worker that declared its queues while Redis was unreachable): a
+/// worker declares its group (its normal queue holding a task), stops, and the namespace's
+/// Redis keys are deleted. The broker's queue catalog (`<ns>.catalog`) still names the
+/// group: the command reports 1 group, known only to the catalog, and every queue of the
+/// group — and the catalog — is gone (passive declare 404 each). Before the catalog it said
+/// "deleted the queues of 0 group(s)" and left both lane queues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_namespace_finds_the_queues_redis_forgot() -> Result<()> {
+    use fleet::{amqp, Lane};
+    let ns = Ns::new().await?;
+    let worker = start_worker(&ns, "w-forgot", "zone=forgot", 1, &[], &[]).await?;
+    let groups = ns.store.group_names().await?;
+    assert_eq!(groups.len(), 1, "{groups:?}");
+    let group = groups[0].clone();
+    worker.stop().await?;
+    let n = &ns.names;
+    let t = fleet_tests::task("noop", serde_json::json!({}), "zone=forgot");
+    amqp::publish_confirmed(
+        &ns.publisher,
+        &n.tasks_exchange(),
+        &n.group_key(&group, Lane::Normal),
+        &t.to_bytes(),
+        amqp::task_properties(&t.id, None),
+    )
+    .await?;
+    let lane_queues: Vec<String> = Lane::ALL
+        .iter()
+        .map(|l| n.group_queue(&group, *l))
+        .collect();
+    assert_eq!(ns.depth_of(&lane_queues[0]).await, Some(1));
+    assert_eq!(ns.depth_of(&lane_queues[1]).await, Some(0));
+    // Redis forgets the namespace.
+    ns.store.delete_namespace().await?;
+    assert!(ns.store.group_names().await?.is_empty());
+
+    let url = (amqp_url(), redis_url());
+    let env = [
+        ("FLEET_AMQP_URL", url.0.as_str()),
+        ("FLEET_REDIS_URL", url.1.as_str()),
+        ("FLEET_NAMESPACE", ns.name.as_str()),
+    ];
+    let (code, out, err) = run(
+        "fleetctl",
+        &["delete-namespace", "--yes"],
+        &env,
+        Duration::from_secs(60),
+    )
+    .await?;
+    assert_eq!(code, 0, "stdout {out} stderr {err}");
+    assert!(
+        out.contains(
+            "deleted the queues of 1 group(s) (1 known only to the broker's queue catalog, not to Redis)"
+        ),
+        "{out}"
+    );
+    let mut left = Vec::new();
+    for q in lane_queues.iter().chain([&n.catalog_queue()]) {
+        let ch = ns.conn.create_channel().await?;
+        let r = ch
+            .queue_declare(
+                q.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                Default::default(),
+            )
+            .await;
+        match r {
+            Err(e) if amqp::reply_code(&e) == Some(404) => {}
+            Err(e) => bail!("passive declare of {q}: {e}"),
+            Ok(d) => left.push(format!("{q} ({} messages)", d.message_count())),
+        }
+    }
+    assert!(left.is_empty(), "queues left behind: {left:?}");
+    ns.cleanup().await
+}
