@@ -141,6 +141,71 @@ sys.exit(1 if missing else 0)
 EOF
 }
 
+readme_python_snippet() {
+    # README's Python producer, run against a stand-in pika whose publish raises what the
+    # broker would answer: accepted -> 0, a nack (full fleet) -> non-zero, the 404 of an
+    # undeclared namespace -> non-zero. A refusal that exits 0 reads as success to a caller.
+    "$PY" - README.md "$TMP" <<'EOF' || return 1
+import os, re, subprocess, sys
+readme, tmp = sys.argv[1], sys.argv[2]
+text = open(readme).read()
+m = re.search(r"From Python.*?```python\n(.*?)```", text, re.S)
+if not m:
+    sys.exit("README: no Python snippet after 'From Python'")
+open(os.path.join(tmp, "snippet.py"), "w").write(m.group(1))
+os.makedirs(os.path.join(tmp, "pika"), exist_ok=True)
+open(os.path.join(tmp, "pika", "__init__.py"), "w").write("""
+import os
+class exceptions:
+    class NackError(Exception): pass
+    class UnroutableError(Exception): pass
+    class ChannelClosedByBroker(Exception):
+        def __init__(self, code, text):
+            self.reply_code, self.reply_text = code, text
+class URLParameters:
+    def __init__(self, url): pass
+class BasicProperties:
+    def __init__(self, **kw): pass
+class _Channel:
+    def confirm_delivery(self): pass
+    def basic_publish(self, **kw):
+        answer = os.environ["FAKE_ANSWER"]
+        if answer == "nack": raise exceptions.NackError()
+        if answer == "404": raise exceptions.ChannelClosedByBroker(404, "NOT_FOUND - no exchange 'fleet.submit'")
+class BlockingConnection:
+    def __init__(self, params): pass
+    def channel(self): return _Channel()
+    def close(self): pass
+""")
+bad = 0
+for answer, want_zero in [("ack", True), ("nack", False), ("404", False)]:
+    env = dict(os.environ, FAKE_ANSWER=answer, PYTHONPATH=tmp)
+    r = subprocess.run([sys.executable, os.path.join(tmp, "snippet.py")], env=env, capture_output=True, text=True)
+    ok = (r.returncode == 0) == want_zero
+    print(f"answer {answer}: exit {r.returncode} {'ok' if ok else 'WRONG'}: {(r.stdout + r.stderr).strip()}")
+    bad |= not ok
+sys.exit(bad)
+EOF
+}
+
+readme_fleetctl_block() {
+    # The fleetctl block of README lists each command line once (comments aside).
+    "$PY" - README.md <<'EOF'
+import re, sys
+text = open(sys.argv[1]).read()
+m = re.search(r"## fleetctl\n\n```sh\n(.*?)```", text, re.S)
+if not m:
+    sys.exit("README: no fleetctl block")
+lines = [l.split("  #")[0].strip() for l in m.group(1).splitlines() if l.strip()]
+dups = sorted({l for l in lines if lines.count(l) > 1})
+for l in dups:
+    print(f"duplicated line: {l}")
+sys.exit(1 if dups else 0)
+EOF
+}
+
+check "README Python producer exits non-zero on a refusal" readme_python_snippet
+check "README fleetctl block has no duplicate line" readme_fleetctl_block
 check "promtool check config" promtool check config ops/prometheus/prometheus.yml
 check "promtool check rules" promtool check rules ops/prometheus/alerts.yml
 check "promtool test rules" promtool test rules ops/prometheus/alerts.test.yml

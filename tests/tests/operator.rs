@@ -691,3 +691,42 @@ async fn delete_namespace_finds_the_queues_redis_forgot() -> Result<()> {
     assert!(left.is_empty(), "queues left behind: {left:?}");
     ns.cleanup().await
 }
+
+/// `fleetctl submit` into a namespace no scheduler has declared says so once, with the fix
+/// (the broker's 404 for `<ns>.submit` was printed three times on one line, with no hint), and
+/// exits non-zero; a namespace with a scheduler's topology takes the task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_into_an_undeclared_namespace_names_the_fix_once() -> Result<()> {
+    let ns = Ns::new().await?;
+    let url = amqp_url();
+    let env = [
+        ("FLEET_AMQP_URL", url.as_str()),
+        ("FLEET_NAMESPACE", ns.name.as_str()),
+    ];
+    let (code, out, err) = run(
+        "fleetctl",
+        &["submit", "--kind", "noop"],
+        &env,
+        Duration::from_secs(60),
+    )
+    .await?;
+    assert_eq!(code, 1, "stdout {out} stderr {err}");
+    let want = format!(
+        "no scheduler has declared namespace {0} (no exchange {0}.submit): start fleet-scheduler with FLEET_NAMESPACE={0}",
+        ns.name
+    );
+    assert_eq!(err.matches(&want).count(), 1, "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(!err.contains("NOT_FOUND"), "{err}");
+    // Declared (as a scheduler does at start-up): accepted.
+    ns.declare_ingress(&[]).await?;
+    let (code, out, err) = run(
+        "fleetctl",
+        &["submit", "--kind", "noop"],
+        &env,
+        Duration::from_secs(60),
+    )
+    .await?;
+    assert_eq!((code, out.trim()), (0, "accepted=1 refused=0"), "{err}");
+    ns.cleanup().await
+}
