@@ -204,6 +204,53 @@ sys.exit(1 if dups else 0)
 EOF
 }
 
+docs_match_code() {
+    # The docs say what the code does (issue 29.11): every dead-letter reason of the code is in
+    # README; the demo's and check-metrics' build and the demo's namespace as ops/lib.sh and
+    # ops/demo.sh have them; the fuzz default of ops/test.sh; no change history in the quick
+    # start; the builtin handlers paragraph outside the scaling section.
+    "$PY" - <<'EOF'
+import re, sys
+readme = open("README.md").read()
+ops = open("ops/README.md").read()
+bad = []
+state = open("shared/src/status/state.rs").read()
+block = state[state.index('DeadReason, "dead-letter reason" {'):]
+block = block[: block.index("\n    }\n")]
+for word in re.findall(r'= "([a-z_]+)"', block):
+    if f"`{word}`" not in readme:
+        bad.append(f"README does not name the dead-letter reason `{word}`")
+lib = open("ops/lib.sh").read()
+if "cargo build --workspace --bins" in lib and "--release" not in lib:
+    for row in ("ops/demo.sh", "ops/check-metrics.sh"):
+        line = next((l for l in ops.splitlines() if l.startswith(f"| `{row}`")), "")
+        if "release" in line:
+            bad.append(f"ops/README.md: {row} is said to make a release build (ops/lib.sh builds the dev profile)")
+    if re.search(r"check-metrics.sh`\*\*[^\n]*builds the release", ops):
+        bad.append("ops/README.md: check-metrics.sh is said to build release binaries")
+demo = open("ops/demo.sh").read()
+if re.search(r"^RANDOM_NS=1$", demo, re.M) and "default `demo`" in ops:
+    bad.append("ops/README.md: the demo's default namespace is a random demo-<hex>, not `demo`")
+test = open("ops/test.sh").read()
+m = re.search(r"FLEET_FUZZ_SECONDS:-(\d+)", test)
+if m and f"(default {m.group(1)};" not in ops:
+    bad.append(f"ops/README.md: the fuzz step runs by default ({m.group(1)} s per target)")
+if "--no-fail-fast" in test and "stops at the first failure" in ops:
+    bad.append("ops/README.md: ops/test.sh runs every test binary (--no-fail-fast)")
+quick = readme[readme.index("## The two commands"): readme.index("## Docker Compose")]
+for phrase in ("used to", "no longer", "previously", "now "):
+    if phrase in quick:
+        bad.append(f"README quick start holds change history ({phrase!r})")
+scale = readme[readme.index("### Past one machine"): readme.index("## Security")]
+if "Builtin handlers" in scale:
+    bad.append("README: the builtin handlers paragraph sits in the scaling section")
+for b in bad:
+    print(b)
+sys.exit(1 if bad else 0)
+EOF
+}
+
+check "docs match the code" docs_match_code
 check "README Python producer exits non-zero on a refusal" readme_python_snippet
 check "README fleetctl block has no duplicate line" readme_fleetctl_block
 check "promtool check config" promtool check config ops/prometheus/prometheus.yml
