@@ -141,6 +141,118 @@ sys.exit(1 if missing else 0)
 EOF
 }
 
+readme_python_snippet() {
+    # README's Python producer, run against a stand-in pika whose publish raises what the
+    # broker would answer: accepted -> 0, a nack (full fleet) -> non-zero, the 404 of an
+    # undeclared namespace -> non-zero. A refusal that exits 0 reads as success to a caller.
+    "$PY" - README.md "$TMP" <<'EOF' || return 1
+import os, re, subprocess, sys
+readme, tmp = sys.argv[1], sys.argv[2]
+text = open(readme).read()
+m = re.search(r"From Python.*?```python\n(.*?)```", text, re.S)
+if not m:
+    sys.exit("README: no Python snippet after 'From Python'")
+open(os.path.join(tmp, "snippet.py"), "w").write(m.group(1))
+os.makedirs(os.path.join(tmp, "pika"), exist_ok=True)
+open(os.path.join(tmp, "pika", "__init__.py"), "w").write("""
+import os
+class exceptions:
+    class NackError(Exception): pass
+    class UnroutableError(Exception): pass
+    class ChannelClosedByBroker(Exception):
+        def __init__(self, code, text):
+            self.reply_code, self.reply_text = code, text
+class URLParameters:
+    def __init__(self, url): pass
+class BasicProperties:
+    def __init__(self, **kw): pass
+class _Channel:
+    def confirm_delivery(self): pass
+    def basic_publish(self, **kw):
+        answer = os.environ["FAKE_ANSWER"]
+        if answer == "nack": raise exceptions.NackError()
+        if answer == "404": raise exceptions.ChannelClosedByBroker(404, "NOT_FOUND - no exchange 'fleet.submit'")
+class BlockingConnection:
+    def __init__(self, params): pass
+    def channel(self): return _Channel()
+    def close(self): pass
+""")
+bad = 0
+for answer, want_zero in [("ack", True), ("nack", False), ("404", False)]:
+    env = dict(os.environ, FAKE_ANSWER=answer, PYTHONPATH=tmp)
+    r = subprocess.run([sys.executable, os.path.join(tmp, "snippet.py")], env=env, capture_output=True, text=True)
+    ok = (r.returncode == 0) == want_zero
+    print(f"answer {answer}: exit {r.returncode} {'ok' if ok else 'WRONG'}: {(r.stdout + r.stderr).strip()}")
+    bad |= not ok
+sys.exit(bad)
+EOF
+}
+
+readme_fleetctl_block() {
+    # The fleetctl block of README lists each command line once (comments aside).
+    "$PY" - README.md <<'EOF'
+import re, sys
+text = open(sys.argv[1]).read()
+m = re.search(r"## fleetctl\n\n```sh\n(.*?)```", text, re.S)
+if not m:
+    sys.exit("README: no fleetctl block")
+lines = [l.split("  #")[0].strip() for l in m.group(1).splitlines() if l.strip()]
+dups = sorted({l for l in lines if lines.count(l) > 1})
+for l in dups:
+    print(f"duplicated line: {l}")
+sys.exit(1 if dups else 0)
+EOF
+}
+
+docs_match_code() {
+    # The docs say what the code does (issue 29.11): every dead-letter reason of the code is in
+    # README; the demo's and check-metrics' build and the demo's namespace as ops/lib.sh and
+    # ops/demo.sh have them; the fuzz default of ops/test.sh; no change history in the quick
+    # start; the builtin handlers paragraph outside the scaling section.
+    "$PY" - <<'EOF'
+import re, sys
+readme = open("README.md").read()
+ops = open("ops/README.md").read()
+bad = []
+state = open("shared/src/status/state.rs").read()
+block = state[state.index('DeadReason, "dead-letter reason" {'):]
+block = block[: block.index("\n    }\n")]
+for word in re.findall(r'= "([a-z_]+)"', block):
+    if f"`{word}`" not in readme:
+        bad.append(f"README does not name the dead-letter reason `{word}`")
+lib = open("ops/lib.sh").read()
+if "cargo build --workspace --bins" in lib and "--release" not in lib:
+    for row in ("ops/demo.sh", "ops/check-metrics.sh"):
+        line = next((l for l in ops.splitlines() if l.startswith(f"| `{row}`")), "")
+        if "release" in line:
+            bad.append(f"ops/README.md: {row} is said to make a release build (ops/lib.sh builds the dev profile)")
+    if re.search(r"check-metrics.sh`\*\*[^\n]*builds the release", ops):
+        bad.append("ops/README.md: check-metrics.sh is said to build release binaries")
+demo = open("ops/demo.sh").read()
+if re.search(r"^RANDOM_NS=1$", demo, re.M) and "default `demo`" in ops:
+    bad.append("ops/README.md: the demo's default namespace is a random demo-<hex>, not `demo`")
+test = open("ops/test.sh").read()
+m = re.search(r"FLEET_FUZZ_SECONDS:-(\d+)", test)
+if m and f"(default {m.group(1)};" not in ops:
+    bad.append(f"ops/README.md: the fuzz step runs by default ({m.group(1)} s per target)")
+if "--no-fail-fast" in test and "stops at the first failure" in ops:
+    bad.append("ops/README.md: ops/test.sh runs every test binary (--no-fail-fast)")
+quick = readme[readme.index("## The two commands"): readme.index("## Docker Compose")]
+for phrase in ("used to", "no longer", "previously", "now "):
+    if phrase in quick:
+        bad.append(f"README quick start holds change history ({phrase!r})")
+scale = readme[readme.index("### Past one machine"): readme.index("## Security")]
+if "Builtin handlers" in scale:
+    bad.append("README: the builtin handlers paragraph sits in the scaling section")
+for b in bad:
+    print(b)
+sys.exit(1 if bad else 0)
+EOF
+}
+
+check "docs match the code" docs_match_code
+check "README Python producer exits non-zero on a refusal" readme_python_snippet
+check "README fleetctl block has no duplicate line" readme_fleetctl_block
 check "promtool check config" promtool check config ops/prometheus/prometheus.yml
 check "promtool check rules" promtool check rules ops/prometheus/alerts.yml
 check "promtool test rules" promtool test rules ops/prometheus/alerts.test.yml

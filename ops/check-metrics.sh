@@ -58,7 +58,7 @@ OPTIONAL_METRICS=(
 
 bash ops/services.sh --tools
 
-locate_binaries   # sets BIN (FLEET_BIN_DIR, or a release build)
+locate_binaries   # sets BIN (FLEET_BIN_DIR, or the dev-profile build)
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/fleet-check-metrics.XXXXXX")
 NS=$(random_namespace fleetcheck)

@@ -10,7 +10,9 @@ deadline; a failed check prints why and exits 1.
       in state `active`. Prints `hostname worker-id` lines.
   tasks       --api URL --prefix P --count N [--hosts H1,...] [--min-share F] [--timeout S]
       Waits until the tasks P-1 ... P-N have all ended (GET /v1/tasks/{id}), then checks that
-      each one succeeded on its first attempt (`attempt` = 1, an integer) on a worker. With --hosts, every
+      each one ran exactly once: it succeeded on its first attempt (`attempt` = 1, an integer)
+      on a worker, and its attempt history (`attempts`) is that one run and nothing else — no
+      failed, lost or retried run beside it. With --hosts, every
       task must have run on one of those containers and each container must have run at
       least F (a fraction, default 0) of the N tasks. Prints the count per container.
   states      --api URL --prefix P --count N
@@ -20,7 +22,8 @@ deadline; a failed check prints why and exits 1.
       Waits until Prometheus has exactly N active scrape targets, every one with health `up`
       and every `up` sample equal to 1, the jobs J1,... among them, and until
       sum(fleet_tasks_completed_total{outcome="succeeded"}) equals C (user tasks only: the
-      scheduler's health probes are counted in fleet_probes_completed_total).
+      scheduler's health probes are counted in fleet_probes_completed_total) and so does the
+      sum over every outcome: the workers ran C attempts in all, one per task.
 
 The API token comes from FLEET_API_TOKEN (sent as `Authorization: Bearer`, when set).
 """
@@ -134,6 +137,15 @@ def cmd_tasks(a):
            if s.get("state") != "succeeded" or s.get("attempt") != 1 or not s.get("worker")]
     if bad:
         raise CheckFailed(f"{len(bad)} task(s) did not succeed once on a worker, e.g. {bad[:5]}")
+    # Runs, counted: the attempt history holds every run a worker ended (failed, lost, retried,
+    # succeeded); exactly once is one entry, the success, on the status's worker.
+    runs = {t: s.get("attempts") for t, s in done.items()}
+    twice = [(t, r) for t, r in runs.items()
+             if not isinstance(r, list) or len(r) != 1
+             or r[0].get("outcome") != "succeeded" or r[0].get("attempt") != 1
+             or r[0].get("worker") != done[t].get("worker")]
+    if twice:
+        raise CheckFailed(f"{len(twice)} task(s) did not run exactly once, e.g. {twice[:3]}")
     per_host = Counter(worker_host(s["worker"]) for s in done.values())
     hosts = [h for h in (a.hosts or "").split(",") if h]
     for h, n in sorted(per_host.items(), key=lambda kv: -kv[1]):
@@ -146,7 +158,7 @@ def cmd_tasks(a):
         short = {h: per_host.get(h, 0) for h in hosts if per_host.get(h, 0) < max(floor, 1)}
         if short:
             raise CheckFailed(f"containers with fewer than {max(floor, 1):.0f} tasks: {short}")
-    print(f"{a.count} tasks {a.prefix}-1..{a.count}: all succeeded on attempt 1 on {len(per_host)} worker(s)")
+    print(f"{a.count} tasks {a.prefix}-1..{a.count}: each ran once (1 attempt, succeeded) on {len(per_host)} worker(s)")
 
 
 def cmd_states(a):
@@ -190,16 +202,28 @@ def cmd_prometheus(a):
 
     completed_expr = 'sum(fleet_tasks_completed_total{outcome="succeeded"})'
 
+    runs_expr = "sum(fleet_tasks_completed_total)"
+
     def completed():
         r = query(completed_expr)
         value = int(float(r[0]["value"][1])) if r else None
         return value == a.completed, f"{completed_expr} = {value}"
+
+    def runs():
+        # Every attempt a worker ended, whatever its outcome: C runs for C tasks.
+        r = query(runs_expr)
+        value = int(float(r[0]["value"][1])) if r else None
+        return value == a.completed, f"{runs_expr} = {value} (runs of every outcome)"
 
     active = wait_until("scrape targets up", a.timeout, targets_up, interval=2)
     for t in sorted(active, key=lambda t: (t["labels"]["job"], t["labels"]["instance"])):
         service = t["labels"].get("service", "")
         print(f"  target {t['labels']['job']:<16} {t['labels']['instance']:<24} {service:<11} up")
     print(wait_until("completed tasks in Prometheus", a.timeout, completed, interval=2))
+    ok, what = runs()
+    if not ok:
+        raise CheckFailed(f"the workers ran other attempts than one per task: {what}")
+    print(what)
 
 
 def main():

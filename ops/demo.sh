@@ -65,7 +65,7 @@ fi
 
 bash ops/services.sh
 
-locate_binaries   # sets BIN (FLEET_BIN_DIR, or a release build)
+locate_binaries   # sets BIN (FLEET_BIN_DIR, or the dev-profile build)
 
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/fleet-demo.XXXXXX")
 export FLEET_NAMESPACE=$NS

@@ -6,7 +6,8 @@
 #   2. ops/check-config.sh    Prometheus config, alert rules (+ their unit tests), compose
 #                             file, Grafana dashboard, Dockerfile members, shellcheck
 #      habits                 cargo fmt --check, clippy -D warnings, rustdoc -D warnings
-#   3. cargo test --workspace [EXTRA ARGS...]   unit, end-to-end and fault tests (debug build:
+#   3. cargo test --workspace --no-fail-fast [EXTRA ARGS...]   unit, end-to-end and fault
+#      tests, every test binary run even when one fails (debug build:
 #      it compiles several times faster than release on a 2-core machine; speed is measured by
 #      the benchmarks, not by tests). tests/tests/cluster.rs starts its own private three-node
 #      RabbitMQ cluster and Redis master + replica + Sentinels with ops/cluster.sh (1-4 min on a
@@ -24,7 +25,10 @@
 #
 #   ops/test.sh [ARGS...]     ARGS go to cargo test, e.g. `ops/test.sh -- --nocapture`
 #
-# Stops at the first failing step and exits non-zero.
+# Stops at once only when the services or the build fail (nothing after them can run).
+# Otherwise every step runs — one failing test binary (a frozen shared broker) must not hide
+# the others' results — and the end lists every failed step and failed test, then exits
+# non-zero.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,21 +52,34 @@ Already-installed packages and running services are left alone.
 EOF_NOTE
 step "services"
 bash ops/services.sh --browser
-step "configuration checks"
-bash ops/check-config.sh
-step "habits: cargo fmt --check, clippy -D warnings, rustdoc -D warnings"
+failed_steps=()
+# Runs a step that may fail without stopping the others.
+checked() {
+    local name=$1
+    shift
+    step "$name"
+    if ! "$@"; then
+        failed_steps+=("$name")
+        printf -- '---- FAILED: %s\n' "$name"
+    fi
+}
+test_log="$(mktemp)"
+cargo_test() {
+    # Every test binary runs (--no-fail-fast); the log keeps each `test ... FAILED` line.
+    cargo test --workspace --no-fail-fast "$@" 2>&1 | tee "$test_log"
+    return "${PIPESTATUS[0]}"
+}
+checked "configuration checks" bash ops/check-config.sh
 # The habits CI enforces (issue 31): formatting (rustfmt.toml), clippy on every target, and
 # the library docs without a broken or private link. Each fails the run on one warning.
-cargo fmt --all --check
-cargo clippy --workspace --all-targets -- -D warnings
-RUSTDOCFLAGS=-Dwarnings cargo doc --no-deps --workspace
+checked "habits: cargo fmt --check" cargo fmt --all --check
+checked "habits: cargo clippy -D warnings" cargo clippy --workspace --all-targets -- -D warnings
+checked "habits: rustdoc -D warnings" env RUSTDOCFLAGS=-Dwarnings cargo doc --no-deps --workspace
 step "cargo build --workspace --bins"
 # The fault tests run fleet-worker and fleetctl as processes (killed, signalled).
 cargo build --workspace --bins
-step "cargo test --workspace $*"
-cargo test --workspace "$@"
-step "live metrics check"
-FLEET_BIN_DIR=target/debug bash ops/check-metrics.sh
+checked "cargo test --workspace --no-fail-fast $*" cargo_test "$@"
+checked "live metrics check" env FLEET_BIN_DIR=target/debug bash ops/check-metrics.sh
 fuzz_seconds="${FLEET_FUZZ_SECONDS:-20}"
 fuzz_build=""
 if [ "$fuzz_seconds" != 0 ]; then
@@ -73,16 +90,27 @@ if [ "$fuzz_seconds" != 0 ]; then
     nice -n 19 bash ops/fuzz.sh 0 >"$fuzz_log" 2>&1 &
     fuzz_build=$!
 fi
-step "compose deployment"
-FLEET_BIN_DIR=target/debug bash ops/compose-test.sh
+checked "compose deployment" env FLEET_BIN_DIR=target/debug bash ops/compose-test.sh
 if [ -n "$fuzz_build" ]; then
     step "fuzz (${fuzz_seconds} s per target)"
     if ! wait "$fuzz_build"; then
         cat "$fuzz_log" >&2
         echo "ops/test.sh: the fuzzers' build failed" >&2
-        exit 1
+        failed_steps+=("fuzz build")
+    else
+        cat "$fuzz_log"
+        checked "fuzz" bash ops/fuzz.sh "$fuzz_seconds"
     fi
-    cat "$fuzz_log"
-    bash ops/fuzz.sh "$fuzz_seconds"
 fi
+if [ "${#failed_steps[@]}" -gt 0 ]; then
+    printf '\n==== %s step(s) failed after %ss:\n' "${#failed_steps[@]}" "$((SECONDS - start))"
+    printf '  %s\n' "${failed_steps[@]}"
+    if grep -qE '^test .* \.\.\. FAILED$|^error: test failed' "$test_log"; then
+        echo "failed tests (every binary ran):"
+        grep -E '^test .* \.\.\. FAILED$|^error: test failed' "$test_log" | sed 's/^/  /'
+    fi
+    rm -f "$test_log"
+    exit 1
+fi
+rm -f "$test_log"
 printf '\n==== all tests passed in %ss\n' "$((SECONDS - start))"

@@ -24,18 +24,27 @@ const MAX_DELAY_MS: u64 = 30 * 24 * 3600 * 1000;
 /// Largest `--timeout-ms`: 365 days.
 const MAX_TIMEOUT_MS: u64 = 365 * 24 * 3600 * 1000;
 
+/// Heading of the options every subcommand takes (connections, namespace, TLS), so that a
+/// subcommand's help lists its own options first.
+const GLOBAL: &str = "Global options (every subcommand; each also from its environment variable)";
+
 #[derive(Parser)]
 #[command(
     name = "fleetctl",
     version,
-    about = "Control a fleet: submit tasks, read status, list workers and groups, drain, dead letters"
+    about = "Control a fleet: submit tasks, read status, list workers and groups, drain, dead letters, schedules",
+    after_help = "Every option has a default: none of the global options is required. The API token is read from FLEET_API_TOKEN only (a flag would show in the process list)."
 )]
 struct Cli {
+    /// RabbitMQ URL, or a cluster's nodes `amqp://u:p@h1,h2:5672/vhost` (submit, dead,
+    /// delete-namespace).
     #[arg(
         long,
         env = "FLEET_AMQP_URL",
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
-        global = true
+        global = true,
+        hide_env_values = true,
+        help_heading = GLOBAL
     )]
     amqp_url: String,
     /// Redis, used by `dead replay` (to clear a replayed task's dedupe mark) and
@@ -45,37 +54,61 @@ struct Cli {
         env = "FLEET_REDIS_URL",
         default_value = "redis://127.0.0.1:6379",
         global = true,
-        hide_env_values = true
+        hide_env_values = true,
+        help_heading = GLOBAL
     )]
     redis_url: String,
     /// Redis Sentinels `host:port,host:port`, asked for the master FLEET_REDIS_MASTER (as the
-    /// daemons do; see `fleet::config::redis_url`).
-    #[arg(long, env = "FLEET_REDIS_SENTINELS", default_value = "", global = true)]
+    /// daemons do); empty = no Sentinel.
+    #[arg(
+        long,
+        env = "FLEET_REDIS_SENTINELS",
+        default_value = "",
+        hide_default_value = true,
+        global = true,
+        hide_env_values = true,
+        help_heading = GLOBAL
+    )]
     redis_sentinels: String,
     /// Name of the Sentinel-monitored master (with FLEET_REDIS_SENTINELS).
     #[arg(
         long,
         env = "FLEET_REDIS_MASTER",
         default_value = "mymaster",
-        global = true
+        global = true,
+        hide_env_values = true,
+        help_heading = GLOBAL
     )]
     redis_master: String,
-    #[arg(long, env = "FLEET_NAMESPACE", default_value = "fleet", global = true)]
+    /// Namespace: the prefix of every AMQP name and Redis key of the fleet, as its scheduler
+    /// and workers have it.
+    #[arg(
+        long,
+        env = "FLEET_NAMESPACE",
+        default_value = "fleet",
+        global = true,
+        hide_env_values = true,
+        help_heading = GLOBAL
+    )]
     namespace: String,
     /// Shard queues of every group's normal lane, as the namespace's scheduler and workers
-    /// have it (their FLEET_SHARDS): `delete-namespace` deletes that many per group.
-    #[arg(long, env = "FLEET_SHARDS", default_value = "1", global = true, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    /// have it (their FLEET_SHARDS): `delete-namespace` deletes that many per group (1..=1024).
+    #[arg(long, env = "FLEET_SHARDS", default_value = "1", global = true, hide_env_values = true, help_heading = GLOBAL, value_parser = clap::value_parser!(u32).range(1..=1024))]
     shards: u32,
-    /// The scheduler's HTTP API.
+    /// The scheduler's HTTP API (status, workers, groups, drain, schedule). Its bearer token
+    /// comes from FLEET_API_TOKEN: role `read` for status, workers and groups, `admin` for
+    /// drain and schedule changes.
     #[arg(
         long,
         env = "FLEET_API_URL",
         default_value = "http://127.0.0.1:8080",
-        global = true
+        global = true,
+        hide_env_values = true,
+        help_heading = GLOBAL
     )]
     api: String,
-    /// Bearer token for the API: role `read` for status, workers and groups, `admin` for drain.
-    /// Set it in the environment (`--api-token` would show in the process list).
+    /// Bearer token for the API (FLEET_API_TOKEN only: `--api-token` would show in the
+    /// process list).
     #[arg(
         long,
         env = "FLEET_API_TOKEN",
@@ -84,34 +117,61 @@ struct Cli {
         global = true
     )]
     api_token: Option<String>,
-    /// TLS for `amqps://` and `rediss://`: PEM CA and client certificate + key files.
-    #[arg(long, env = "FLEET_AMQP_TLS_CA_FILE", global = true)]
+    /// PEM CA file for `amqps://` (default: the system roots).
+    #[arg(long, env = "FLEET_AMQP_TLS_CA_FILE", global = true, hide_env_values = true, help_heading = GLOBAL)]
     amqp_tls_ca_file: Option<String>,
-    #[arg(long, env = "FLEET_AMQP_TLS_CERT_FILE", global = true)]
+    /// PEM client certificate for `amqps://` (mutual TLS, with the key).
+    #[arg(long, env = "FLEET_AMQP_TLS_CERT_FILE", global = true, hide_env_values = true, help_heading = GLOBAL)]
     amqp_tls_cert_file: Option<String>,
-    #[arg(long, env = "FLEET_AMQP_TLS_KEY_FILE", global = true)]
+    /// PEM client key for `amqps://`.
+    #[arg(long, env = "FLEET_AMQP_TLS_KEY_FILE", global = true, hide_env_values = true, help_heading = GLOBAL)]
     amqp_tls_key_file: Option<String>,
-    #[arg(long, env = "FLEET_REDIS_TLS_CA_FILE", global = true)]
+    /// PEM CA file for `rediss://` (default: the system roots).
+    #[arg(long, env = "FLEET_REDIS_TLS_CA_FILE", global = true, hide_env_values = true, help_heading = GLOBAL)]
     redis_tls_ca_file: Option<String>,
-    #[arg(long, env = "FLEET_REDIS_TLS_CERT_FILE", global = true)]
+    /// PEM client certificate for `rediss://` (mutual TLS, with the key).
+    #[arg(long, env = "FLEET_REDIS_TLS_CERT_FILE", global = true, hide_env_values = true, help_heading = GLOBAL)]
     redis_tls_cert_file: Option<String>,
-    #[arg(long, env = "FLEET_REDIS_TLS_KEY_FILE", global = true)]
+    /// PEM client key for `rediss://`.
+    #[arg(long, env = "FLEET_REDIS_TLS_KEY_FILE", global = true, hide_env_values = true, help_heading = GLOBAL)]
     redis_tls_key_file: Option<String>,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// A task's lane.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum LaneArg {
+    /// The default lane; held back while the intake gate is Red.
+    Normal,
+    /// Its own queue and worker capacity, never held back by normal-lane pressure.
+    Critical,
+}
+
+impl LaneArg {
+    fn lane(self) -> Lane {
+        match self {
+            LaneArg::Normal => Lane::Normal,
+            LaneArg::Critical => Lane::Critical,
+        }
+    }
 }
 
 #[derive(Subcommand)]
 enum Cmd {
     /// Publish tasks to `<ns>.submit` with publisher confirms; prints `accepted=N refused=M`
     /// (exit 1 when any was refused). With --paced, waits for room instead of refusing.
+    #[command(override_usage = "fleetctl submit [OPTIONS] <--kind <KIND>|--file <FILE>>")]
     Submit(SubmitArgs),
     /// Show a task's status (GET /v1/tasks/{id}).
+    #[command(override_usage = "fleetctl status [OPTIONS] <ID>")]
     Status {
+        /// The task's id.
         id: String,
         /// Poll until the task is succeeded, dead or expired.
         #[arg(long)]
         wait: bool,
+        /// With --wait: give up after this many seconds (1..=86400).
         #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
         timeout_s: u64,
     },
@@ -120,12 +180,18 @@ enum Cmd {
     /// List groups (GET /v1/groups).
     Groups,
     /// Drain a worker: it finishes its tasks, takes no new ones, and exits.
-    Drain { id: String },
+    #[command(override_usage = "fleetctl drain [OPTIONS] <ID>")]
+    Drain {
+        /// The worker's id (FLEET_WORKER_ID).
+        id: String,
+    },
     /// Inspect or replay dead letters (`<ns>.dead`).
     #[command(subcommand)]
     Dead(DeadCmd),
     /// Delete a namespace: its queues (with their tasks), its exchanges and its Redis keys.
-    /// Stop its scheduler and workers first.
+    /// Stop its scheduler and workers first. Finds every group's queues through the broker's
+    /// queue catalog `<ns>.catalog`, whatever Redis holds.
+    #[command(override_usage = "fleetctl delete-namespace [OPTIONS] --yes")]
     DeleteNamespace {
         /// Required: the queues' tasks are lost.
         #[arg(long)]
@@ -138,8 +204,11 @@ enum Cmd {
 
 #[derive(Args)]
 struct SubmitArgs {
+    /// Handler name: the task goes to a worker whose executor handles it (builtin: noop,
+    /// echo, sleep, fail, cpu).
     #[arg(long, required_unless_present = "file", conflicts_with = "file")]
     kind: Option<String>,
+    /// How many tasks to submit (1..=1000000).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     count: u32,
     /// Selector `k=v,k=v`: every pair must be on the worker.
@@ -148,14 +217,16 @@ struct SubmitArgs {
     /// Payload (JSON).
     #[arg(long)]
     payload: Option<String>,
-    #[arg(long, default_value = "normal")]
-    lane: String,
+    /// The task's lane.
+    #[arg(long, value_enum, default_value_t = LaneArg::Normal)]
+    lane: LaneArg,
     /// Task id (idempotency key); with --count N the ids are ID-1 … ID-N.
     #[arg(long)]
     id: Option<String>,
     /// Executor the task needs (builtin, http, exec).
     #[arg(long)]
     protocol: Option<String>,
+    /// Runs before the task is dead (1..=1000; default: the scheduler's FLEET_MAX_ATTEMPTS).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
     max_attempts: Option<u32>,
     /// Deadline, milliseconds from now (1 ms to 365 days).
@@ -183,10 +254,12 @@ struct SubmitArgs {
 enum DeadCmd {
     /// Show dead letters without removing them.
     List {
+        /// Show at most this many (1..=100000).
         #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
         limit: u32,
     },
     /// Send dead letters back to `<ns>.submit` as new submissions, attempt 0 (removed from the dead queue).
+    #[command(override_usage = "fleetctl dead replay [OPTIONS] <ID|--all>")]
     Replay {
         /// The task to replay.
         #[arg(required_unless_present = "all", conflicts_with = "all")]
@@ -240,24 +313,43 @@ async fn delete_namespace(cli: &Cli, names: &Names, yes: bool) -> Result<ExitCod
         bail!("this deletes every queue (and task), exchange and Redis key of namespace `{}`: add --yes", cli.namespace);
     }
     let store = store(cli, names)?;
-    let groups = store
+    // Redis names the groups its registry still knows; the broker's queue catalog names every
+    // group whose queues were ever declared (after a Redis loss, or declared while Redis was
+    // unreachable, only it does): both are deleted.
+    let redis_groups = store
         .group_names()
         .await
-        .context("reading the namespace's groups from Redis")?;
+        .context("reading the namespace's groups from Redis (FLEET_REDIS_URL)")?;
     let conn = connect(cli).await?;
-    let ch = conn.create_channel().await.context("opening a channel")?;
-    // Every shard queue of every group, and the waiting-for-worker park queues.
-    fleet::topology::delete_all_sharded(&ch, names, &groups, cli.shards).await?;
+    let deleted = fleet::topology::delete_namespace(&conn, names, &redis_groups, cli.shards)
+        .await
+        .with_context(|| format!("deleting the queues of namespace {}", cli.namespace));
+    let _ = conn.close(200, ShortString::from("bye")).await;
+    let deleted = deleted?;
     store
         .delete_namespace()
         .await
         .context("deleting the namespace's Redis keys")?;
-    let _ = conn.close(200, ShortString::from("bye")).await;
+    let only = if deleted.catalog_only > 0 {
+        format!(
+            " ({} known only to the broker's queue catalog, not to Redis)",
+            deleted.catalog_only
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "namespace {}: deleted the queues of {} group(s), the exchanges and the Redis keys",
+        "namespace {}: deleted the queues of {} group(s){only}, the exchanges and the Redis keys",
         cli.namespace,
-        groups.len()
+        deleted.groups.len()
     );
+    if deleted.catalog.unreadable > 0 {
+        eprintln!(
+            "fleetctl: {} unreadable record(s) in {} were skipped",
+            deleted.catalog.unreadable,
+            names.catalog_queue()
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -342,8 +434,7 @@ fn build(a: &SubmitArgs) -> Result<Vec<Envelope>> {
         Some(l) => Labels::parse(l).map_err(|e| anyhow!("--labels: {e}"))?,
         None => Labels::default(),
     };
-    let lane = Lane::parse(&a.lane)
-        .ok_or_else(|| anyhow!("--lane: `{}` is not normal or critical", a.lane))?;
+    let lane = a.lane.lane();
     if a.count == 0 {
         bail!("--count must be at least 1");
     }
@@ -473,13 +564,35 @@ fn store(cli: &Cli, names: &Names) -> Result<Store> {
     )?)
 }
 
+/// A request to the API that got no answer. When the API cannot be reached (connection
+/// refused, no route, timed out) the error names the setting to fix: FLEET_API_URL (`--api`).
+fn api_send_error(e: reqwest::Error, method: &str, url: &str) -> anyhow::Error {
+    if e.is_connect() || e.is_timeout() {
+        // The innermost cause ("Connection refused (os error 111)") says why.
+        let mut cause: &dyn std::error::Error = &e;
+        while let Some(next) = cause.source() {
+            cause = next;
+        }
+        let why = if e.is_timeout() && !e.is_connect() {
+            "no answer within 10 s".to_string()
+        } else {
+            cause.to_string()
+        };
+        anyhow!(
+            "cannot reach the scheduler's API for {method} {url} ({why}): set FLEET_API_URL (or --api) to the scheduler's FLEET_HTTP_ADDR, e.g. http://127.0.0.1:8080"
+        )
+    } else {
+        anyhow::Error::new(e).context(format!("{method} {url}"))
+    }
+}
+
 /// GETs JSON; `Ok(None)` on 404.
 async fn get_json(client: &reqwest::Client, url: &str) -> Result<Option<Value>> {
     let resp = client
         .get(url)
         .send()
         .await
-        .with_context(|| format!("GET {url}"))?;
+        .map_err(|e| api_send_error(e, "GET", url))?;
     let status = resp.status();
     let body: Value = resp.json().await.unwrap_or(Value::Null);
     if status == reqwest::StatusCode::NOT_FOUND {
@@ -636,7 +749,7 @@ async fn drain(cli: &Cli, id: &str) -> Result<ExitCode> {
         .json(&serde_json::json!({}))
         .send()
         .await
-        .with_context(|| format!("POST {url}"))?;
+        .map_err(|e| api_send_error(e, "POST", &url))?;
     let status = resp.status();
     let body: Value = resp.json().await.unwrap_or(Value::Null);
     if status == reqwest::StatusCode::NOT_FOUND {
@@ -778,16 +891,23 @@ async fn dead_replay(cli: &Cli, names: &Names, id: Option<&str>, all: bool) -> R
 #[derive(Subcommand)]
 enum ScheduleCmd {
     /// Add a schedule (POST /v1/schedules).
+    #[command(
+        override_usage = "fleetctl schedule add [OPTIONS] --cron <CRON> --kind <KIND> <NAME>"
+    )]
     Add(Box<ScheduleAddArgs>),
     /// List schedules with their next and last ticks.
     List,
     /// Stop firing (ticks while paused are never caught up).
+    #[command(override_usage = "fleetctl schedule pause [OPTIONS] <NAME>")]
     Pause { name: String },
     /// Fire again from now on.
+    #[command(override_usage = "fleetctl schedule resume [OPTIONS] <NAME>")]
     Resume { name: String },
     /// Delete a schedule.
+    #[command(override_usage = "fleetctl schedule rm [OPTIONS] <NAME>")]
     Rm { name: String },
     /// Submit the schedule's task now, through admission; prints the task id.
+    #[command(override_usage = "fleetctl schedule fire-now [OPTIONS] <NAME>")]
     FireNow { name: String },
 }
 
@@ -800,6 +920,7 @@ struct ScheduleAddArgs {
     /// IANA time zone of the cron fields.
     #[arg(long, default_value = "UTC")]
     timezone: String,
+    /// Handler name of the task each tick submits.
     #[arg(long)]
     kind: String,
     /// Payload (JSON).
@@ -808,12 +929,16 @@ struct ScheduleAddArgs {
     /// Selector `k=v,k=v`.
     #[arg(long)]
     labels: Option<String>,
-    #[arg(long)]
-    lane: Option<String>,
+    /// The task's lane (default normal).
+    #[arg(long, value_enum)]
+    lane: Option<LaneArg>,
+    /// Executor the task needs (builtin, http, exec).
     #[arg(long)]
     protocol: Option<String>,
+    /// The task's deadline, milliseconds after its tick.
     #[arg(long)]
     timeout_ms: Option<u64>,
+    /// Runs before the task is dead (default: the scheduler's FLEET_MAX_ATTEMPTS).
     #[arg(long)]
     max_attempts: Option<u32>,
     /// Missed ticks after an outage: `skip` or `catch_up`.
@@ -845,7 +970,7 @@ async fn schedule_call(
     let resp = req
         .send()
         .await
-        .with_context(|| format!("{method} {url}"))?;
+        .map_err(|e| api_send_error(e, method.as_str(), url))?;
     let status = resp.status();
     let v: Value = resp.json().await.unwrap_or(Value::Null);
     if status.is_success() {
@@ -880,7 +1005,7 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
                 task.insert("labels".into(), serde_json::to_value(&labels)?);
             }
             for (k, v) in [
-                ("lane", a.lane.clone().map(Value::from)),
+                ("lane", a.lane.map(|l| Value::from(l.lane().as_str()))),
                 ("protocol", a.protocol.clone().map(Value::from)),
                 ("timeout_ms", a.timeout_ms.map(Value::from)),
                 ("max_attempts", a.max_attempts.map(Value::from)),

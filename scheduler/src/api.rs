@@ -61,7 +61,8 @@ pub struct AppState {
 
 /// The API routes, each behind its role when tokens are configured ([`fleet::auth`]): submit
 /// needs `submit`; status, workers, groups, pressure, series and dead-letter reads need `read`;
-/// drain and replay need `admin`; every POST must be JSON (415 otherwise). The console's
+/// drain and replay need `admin`; every POST must be JSON (415 otherwise, checked after the
+/// token: [`ApiAuth::require`]). The console's
 /// assets are public (they hold no data).
 pub fn routes(state: AppState) -> Router {
     let auth: ApiAuth = state.cfg.common.auth.clone();
@@ -85,7 +86,6 @@ pub fn routes(state: AppState) -> Router {
     submit_routes
         .merge(read_routes)
         .merge(admin_routes)
-        .layer(axum::middleware::from_fn(fleet::auth::json_only))
         .with_state(state)
         .merge(crate::console::routes())
 }

@@ -522,7 +522,7 @@ impl Dispatcher {
                     keep.insert(i);
                 }
                 (Ok(()), Some(f)) => {
-                    tally.count(f, env);
+                    tally.count(f, env, &batch[i]);
                     acks.push(i);
                 }
                 (Err(e), f) => {
@@ -603,8 +603,24 @@ struct Tally {
     parked: std::collections::HashMap<(String, &'static str), u64>,
 }
 
+/// The task id of a delivery whose envelope was refused: its `message_id` (set by fleet's
+/// producers and the HTTP API), else a string `id` at the top of a JSON body; `None` when it
+/// has neither (logged as `-`).
+fn delivery_task_id(props: &lapin::BasicProperties, data: &[u8]) -> Option<String> {
+    if let Some(id) = props.message_id() {
+        return Some(id.to_string());
+    }
+    serde_json::from_slice::<serde_json::Value>(data)
+        .ok()?
+        .get("id")?
+        .as_str()
+        .map(str::to_string)
+}
+
 impl Tally {
-    fn count(&mut self, fate: &Fate, env: Option<&Envelope>) {
+    /// Counts `fate`; `d` is the delivery, whose task id is logged when no envelope could be
+    /// read from it ([`delivery_task_id`]).
+    fn count(&mut self, fate: &Fate, env: Option<&Envelope>, d: &Delivery) {
         let lane = env.map(|e| e.lane).unwrap_or_default().as_str();
         match fate {
             Fate::Dispatch(g) => {
@@ -619,7 +635,11 @@ impl Tally {
             }
             Fate::Dead(reason, detail) => {
                 metrics::counter!(m::TASKS_REJECTED, "reason" => reason.as_str()).increment(1);
-                tracing::warn!(reason = reason.as_str(), detail = %detail, task.id = env.map(|e| e.id.as_str()).unwrap_or("?"), "task dead-lettered");
+                let id = env.map_or_else(
+                    || delivery_task_id(&d.properties, &d.data),
+                    |e| Some(e.id.clone()),
+                );
+                tracing::warn!(reason = reason.as_str(), detail = %detail, task.id = id.as_deref().unwrap_or("-"), "task dead-lettered");
             }
             Fate::Duplicate => metrics::counter!(m::TASKS_DUPLICATE).increment(1),
             Fate::Delay(_) | Fate::Hold => {}
@@ -670,5 +690,31 @@ impl Dispatcher {
         {
             tracing::debug!(error = %err, "cannot record status");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A dead-lettered delivery is logged with its task id whenever it carries one (it was
+    /// logged `task.id="?"` whenever the envelope could not be read).
+    #[test]
+    fn a_refused_delivery_is_logged_with_its_id() {
+        let none = lapin::BasicProperties::default();
+        let with_id = none.clone().with_message_id("m-1".into());
+        // The message id first (fleet's producers and the API set it).
+        assert_eq!(
+            delivery_task_id(&with_id, br#"{"id":"body-1"}"#).as_deref(),
+            Some("m-1")
+        );
+        // A JSON body's id (a refused envelope: no kind, a bad field).
+        assert_eq!(
+            delivery_task_id(&none, br#"{"id":"body-1","lane":"nope"}"#).as_deref(),
+            Some("body-1")
+        );
+        // Neither: none.
+        assert_eq!(delivery_task_id(&none, b"not json"), None);
+        assert_eq!(delivery_task_id(&none, br#"{"id":7}"#), None);
     }
 }

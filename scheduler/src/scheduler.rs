@@ -90,8 +90,7 @@ pub async fn run(
     let auth = &cfg.common.auth;
     let schedule_routes = auth
         .require(schedule::api::read_routes(sched_api.clone()), Role::Read)
-        .merge(auth.require(schedule::api::admin_routes(sched_api), Role::Admin))
-        .layer(axum::middleware::from_fn(fleet::auth::json_only));
+        .merge(auth.require(schedule::api::admin_routes(sched_api), Role::Admin));
     let router = fleet::http::common_routes(handle.clone(), ready.clone(), auth)
         .merge(api::routes(state))
         .merge(schedule_routes);
@@ -220,7 +219,9 @@ impl RedisWatch {
             match probe {
                 Ok(()) => tracing::info!("Redis takes writes"),
                 Err(e) => {
-                    tracing::warn!(setting = "FLEET_REDIS_URL", error = %e, "Redis refuses writes; not ready, retrying every second")
+                    // What failed decides the words: a refused connection is no refused write.
+                    let what = fleet::store::Failure::of(&e).describe();
+                    tracing::warn!(setting = "FLEET_REDIS_URL", error = %e, "{what}; not ready, retrying every second")
                 }
             }
             *was = Some(ok);

@@ -147,6 +147,8 @@ struct AuthInner {
     tokens: Tokens,
     metrics_need_read: bool,
     allow_unauthenticated: bool,
+    /// The non-loopback FLEET_HTTP_ADDR of an API served without tokens.
+    open_bind: Option<String>,
 }
 
 impl ApiAuth {
@@ -157,6 +159,7 @@ impl ApiAuth {
                 tokens,
                 metrics_need_read,
                 allow_unauthenticated: false,
+                open_bind: None,
             }),
         }
     }
@@ -196,11 +199,13 @@ impl ApiAuth {
                 format!("no API token configured while FLEET_HTTP_ADDR={http_addr} is reachable from other hosts; set FLEET_API_TOKENS or FLEET_API_TOKENS_FILE, or FLEET_ALLOW_UNAUTHENTICATED=true to serve an open API"),
             ));
         }
+        let open_bind = (tokens.is_empty() && !loopback).then(|| http_addr.to_string());
         Ok(ApiAuth {
             inner: Arc::new(AuthInner {
                 tokens,
                 metrics_need_read,
                 allow_unauthenticated,
+                open_bind,
             }),
         })
     }
@@ -256,16 +261,31 @@ impl ApiAuth {
     }
 
     /// `router` with every route admitting only callers whose token grants `needed` (a route
-    /// layer: unmatched paths still answer 404). Build one sub-router per role and merge them.
+    /// layer: unmatched paths still answer 404), and taking only JSON on POST ([`json_only`])
+    /// — checked after the token, so a caller without one learns it needs one (401), not
+    /// what to send (415). Build one sub-router per role and merge them; do not add
+    /// `json_only` outside (it would answer before the guard).
     pub fn require<S: Clone + Send + Sync + 'static>(
         &self,
         router: axum::Router<S>,
         needed: Role,
     ) -> axum::Router<S> {
-        router.route_layer(middleware::from_fn_with_state(
-            (self.clone(), needed),
-            guard,
-        ))
+        // The last route layer added is the outermost: the guard runs first.
+        router
+            .route_layer(middleware::from_fn(json_only))
+            .route_layer(middleware::from_fn_with_state(
+                (self.clone(), needed),
+                guard,
+            ))
+    }
+
+    /// A warning for an open API on an address other hosts reach (FLEET_HTTP_ADDR not
+    /// loopback, no token, FLEET_ALLOW_UNAUTHENTICATED=true): the daemons log it at start-up
+    /// ([`crate::http::common_routes`]). `None` when tokens are set or the bind is loopback.
+    pub fn open_bind_warning(&self) -> Option<String> {
+        self.inner.open_bind.as_ref().map(|addr| {
+            format!("the API on FLEET_HTTP_ADDR={addr} is reachable from other hosts and has no token (FLEET_ALLOW_UNAUTHENTICATED=true): anyone who reaches it may submit, drain and replay; set FLEET_API_TOKENS or FLEET_API_TOKENS_FILE")
+        })
     }
 }
 
@@ -289,8 +309,8 @@ fn unauthorized(detail: &str) -> Response {
         .into_response()
 }
 
-/// Middleware: a `POST` without `Content-Type: application/json` gets 415. Apply with
-/// `Router::layer(axum::middleware::from_fn(json_only))`.
+/// Middleware: a `POST` without `Content-Type: application/json` gets 415. [`ApiAuth::require`]
+/// applies it behind the token check; apply it yourself only to routes with no guard.
 pub async fn json_only(req: Request, next: Next) -> Response {
     if req.method() == Method::POST {
         let json = req
@@ -313,6 +333,37 @@ pub async fn json_only(req: Request, next: Next) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn auth_for(pairs: &[(&str, &str)]) -> Result<ApiAuth> {
+        let s = crate::config::Settings::from_pairs(pairs.iter().map(|(k, v)| (*k, v.to_string())));
+        let a = crate::settings::parse::<crate::settings::SchedulerArgs>(&s)?;
+        ApiAuth::from_args(&a.common, &a.http_addr)
+    }
+
+    /// An open API on a non-loopback address starts only with FLEET_ALLOW_UNAUTHENTICATED,
+    /// and then with a warning naming the setting; loopback or a token: no warning.
+    #[test]
+    fn an_open_non_loopback_api_is_warned_about() {
+        let open = auth_for(&[
+            ("http_addr", "0.0.0.0:8080"),
+            ("allow_unauthenticated", "true"),
+        ])
+        .unwrap();
+        let w = open.open_bind_warning().expect("a warning");
+        assert!(
+            w.contains("FLEET_ALLOW_UNAUTHENTICATED") && w.contains("FLEET_HTTP_ADDR=0.0.0.0:8080"),
+            "{w}"
+        );
+        assert!(auth_for(&[("http_addr", "0.0.0.0:8080")]).is_err());
+        let local = auth_for(&[("http_addr", "127.0.0.1:8080")]).unwrap();
+        assert_eq!(local.open_bind_warning(), None);
+        let guarded = auth_for(&[
+            ("http_addr", "0.0.0.0:8080"),
+            ("api_tokens", "aaaaaaaaaaaaaaaa admin"),
+        ])
+        .unwrap();
+        assert_eq!(guarded.open_bind_warning(), None);
+    }
 
     #[test]
     fn parses_entries_and_roles() {

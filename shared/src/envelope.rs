@@ -467,10 +467,25 @@ impl Envelope {
         let timeout_ms = take("timeout_ms")
             .map(|v| uint_field("timeout_ms", v))
             .transpose()?;
+        // The schema's bounds (`minimum` 1, `maximum` 1000), refused rather than clamped: a
+        // producer that asks for 0 attempts gets told, not silently one.
         let max_attempts = take("max_attempts")
             .map(|v| uint_field("max_attempts", v))
             .transpose()?
-            .map(|n| u32::try_from(n.clamp(1, 1000)).unwrap_or(1000));
+            .map(|n| {
+                u32::try_from(n)
+                    .ok()
+                    .filter(|n| (MAX_ATTEMPTS_MIN..=MAX_ATTEMPTS_MAX).contains(n))
+                    .ok_or_else(|| {
+                        Reject::BadField(
+                            "max_attempts",
+                            format!(
+                                "{n} is outside {MAX_ATTEMPTS_MIN}..={MAX_ATTEMPTS_MAX} (the schema's minimum and maximum)"
+                            ),
+                        )
+                    })
+            })
+            .transpose()?;
         let attempt = take("attempt")
             .map(|v| uint_field("attempt", v))
             .transpose()?
@@ -610,6 +625,10 @@ fn uint_field(name: &'static str, v: Value) -> Result<u64, Reject> {
         .ok_or_else(|| Reject::BadField(name, "expected a non-negative integer".into()))
 }
 
+/// Bounds of `max_attempts`, as `shared/schema/envelope.schema.json` has them.
+pub const MAX_ATTEMPTS_MIN: u32 = 1;
+pub const MAX_ATTEMPTS_MAX: u32 = 1000;
+
 /// A fresh task id.
 pub fn new_id() -> String {
     uuid::Uuid::new_v4().simple().to_string()
@@ -619,6 +638,43 @@ pub fn new_id() -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// Every `minimum` / `maximum` of the JSON Schema is what `from_value` enforces: a value
+    /// one past a bound is refused naming the field, the bound itself is taken.
+    /// (`max_attempts: 0` was accepted as 1.)
+    #[test]
+    fn the_schema_numeric_bounds_are_enforced() {
+        let schema: Value =
+            serde_json::from_str(include_str!("../schema/envelope.schema.json")).unwrap();
+        let props = schema["properties"].as_object().unwrap();
+        let mut checked = 0;
+        for (field, p) in props {
+            if p["type"] != "integer" || field == "v" {
+                continue;
+            }
+            let accept = |n: i64| {
+                let mut e = json!({"kind": "x"});
+                e[field.as_str()] = json!(n);
+                Envelope::from_value(e)
+            };
+            if let Some(min) = p["minimum"].as_i64() {
+                assert!(accept(min).is_ok(), "{field} = {min} refused");
+                let r = accept(min - 1).expect_err(&format!("{field} = {} accepted", min - 1));
+                assert!(r.to_string().contains(field.as_str()), "{r}");
+                checked += 1;
+            }
+            if let Some(max) = p["maximum"].as_i64() {
+                assert!(accept(max).is_ok(), "{field} = {max} refused");
+                let r = accept(max + 1).expect_err(&format!("{field} = {} accepted", max + 1));
+                assert!(r.to_string().contains(field.as_str()), "{r}");
+                checked += 1;
+            }
+        }
+        assert_eq!(
+            checked, 4,
+            "timeout_ms, attempt and max_attempts' two bounds"
+        );
+    }
 
     #[test]
     fn minimal_envelope_gets_defaults() {

@@ -43,6 +43,9 @@ pub fn common_routes(
             async move { ([("content-type", "text/plain; version=0.0.4")], h.render()) }
         }),
     );
+    if let Some(w) = auth.open_bind_warning() {
+        tracing::warn!(setting = "FLEET_ALLOW_UNAUTHENTICATED", "{w}");
+    }
     let metrics = if auth.metrics_need_read() {
         auth.require(metrics, crate::auth::Role::Read)
     } else {

@@ -112,6 +112,14 @@ impl Names {
     pub fn schedules_stream(&self) -> String {
         format!("{}.schedules", self.ns)
     }
+    /// The namespace's queue catalog: a durable queue holding one record per declaration of a
+    /// group's queues (its name and the exact queue names), written before the queues are
+    /// declared and read by `fleetctl delete-namespace`, so the clean-up finds every group
+    /// queue whatever Redis holds (AMQP has no queue listing). See
+    /// [`crate::topology::record_group`].
+    pub fn catalog_queue(&self) -> String {
+        format!("{}.catalog", self.ns)
+    }
     /// One delay tier: every message waits `tier_ms` milliseconds (queue TTL), then is
     /// dead-lettered to [`Names::delayed_queue`].
     pub fn delay_queue(&self, tier_ms: u64) -> String {

@@ -142,7 +142,8 @@ impl Producer {
     /// Publishes every task and awaits its confirm, [`CONFIRM_WINDOW`] at a time; the answer
     /// has one entry per task, in order. Errors only when the channel is lost (then nothing
     /// can be said about the window in flight: treat it as refused and submit it again — ids
-    /// make that idempotent).
+    /// make that idempotent); [`Error::Permanent`] naming FLEET_NAMESPACE when no scheduler has
+    /// declared the namespace (the broker has no `<ns>.submit`).
     pub async fn submit(&self, envs: &[Envelope]) -> Result<Vec<Submitted>> {
         let exchange = self.names.submit_exchange();
         let mut out = Vec::with_capacity(envs.len());
@@ -152,10 +153,10 @@ impl Producer {
                     Ok(confirm) => match amqp::confirmed(confirm).await {
                         Ok(()) => Submitted::Accepted,
                         Err(Error::Refused(why)) => Submitted::Refused(why),
-                        Err(e) => return Err(e),
+                        Err(e) => return Err(self.unknown_namespace(e)),
                     },
                     Err(Error::Amqp(e)) if !self.ch.status().connected() => {
-                        return Err(Error::Amqp(e))
+                        return Err(self.unknown_namespace(Error::Amqp(e)))
                     }
                     Err(e) => Submitted::Refused(e.to_string()),
                 });
@@ -227,6 +228,25 @@ impl Producer {
             }
             tokio::time::sleep(delay.min(deadline - now)).await;
             todo = refused;
+        }
+    }
+
+    /// The broker's 404 for a publish to `<ns>.submit` means no scheduler ever declared the
+    /// namespace (the scheduler declares the submit exchange and the ingress queues; a
+    /// producer never does, so that a typo in FLEET_NAMESPACE cannot create a namespace no one
+    /// serves): one [`Error::Permanent`] naming FLEET_NAMESPACE and the fix, instead of the
+    /// channel-close text lapin repeats for each layer. Any other error is returned as is.
+    fn unknown_namespace(&self, e: Error) -> Error {
+        match &e {
+            Error::Amqp(le) if amqp::reply_code(le) == Some(404) => Error::Permanent {
+                setting: "FLEET_NAMESPACE".into(),
+                message: format!(
+                    "no scheduler has declared namespace {ns} (no exchange {x}): start fleet-scheduler with FLEET_NAMESPACE={ns}, or set FLEET_NAMESPACE to the namespace your scheduler serves",
+                    ns = self.names.namespace(),
+                    x = self.names.submit_exchange()
+                ),
+            },
+            _ => e,
         }
     }
 

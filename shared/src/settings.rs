@@ -426,12 +426,25 @@ fn config_error(cmd: &clap::Command, e: &clap::Error) -> Error {
             }
         });
     let rendered = e.render().to_string();
-    let message = rendered
+    let mut message = rendered
         .lines()
         .next()
         .unwrap_or("")
         .trim_start_matches("error: ")
         .to_string();
+    // What clap says after the first line is what makes the error actionable: the valid
+    // values of an enum setting ("[possible values: a, b]") and the did-you-mean of a
+    // mistyped flag ("tip: a similar argument exists: '--capacity'"). Usage lines are not.
+    for line in rendered.lines().skip(1).map(str::trim) {
+        if let Some(values) = line
+            .strip_prefix("[possible values: ")
+            .and_then(|v| v.strip_suffix(']'))
+        {
+            message.push_str(&format!("; valid values: {values}"));
+        } else if let Some(tip) = line.strip_prefix("tip: ") {
+            message.push_str(&format!(" ({tip})"));
+        }
+    }
     Error::config(setting, crate::redact::redact(&message))
 }
 
@@ -445,12 +458,20 @@ pub fn unknown(settings: &Settings) -> Vec<String> {
         if known.contains(&var) || var.ends_with("_PORT") {
             continue;
         }
+        // Suggest in the form the user wrote: a file key (the variable without `FLEET_`, lower
+        // case) for a key of the FLEET_CONFIG file, a variable otherwise.
         let closest = known
             .iter()
             .map(|k| (strsim::jaro_winkler(k, &var), k))
             .filter(|(score, _)| *score > 0.8)
             .max_by(|a, b| a.0.total_cmp(&b.0))
-            .map(|(_, k)| format!(" (did you mean {k}?)"))
+            .map(|(_, k)| match origin {
+                crate::config::Origin::File => format!(
+                    " (did you mean `{}`?)",
+                    k.trim_start_matches("FLEET_").to_ascii_lowercase()
+                ),
+                _ => format!(" (did you mean {k}?)"),
+            })
             .unwrap_or_default();
         let what = match origin {
             crate::config::Origin::Environment => format!("unknown variable {var} is ignored"),
@@ -670,6 +691,54 @@ mod tests {
         assert!(e.contains("FLEET_STRATEGY") && e.contains("fastest"), "{e}");
     }
 
+    /// Every enum setting's error lists its valid values (clap's "[possible values]" was cut
+    /// with everything after the first line of its error).
+    #[test]
+    fn every_enum_setting_lists_its_values() {
+        for cmd in [SchedulerArgs::command(), WorkerArgs::command()] {
+            for a in cmd.get_arguments() {
+                let values: Vec<String> = a
+                    .get_possible_values()
+                    .iter()
+                    .map(|p| p.get_name().to_string())
+                    .collect();
+                if values.is_empty() || a.get_long().is_none() {
+                    continue;
+                }
+                let key = a.get_long().unwrap_or("").replace('-', "_");
+                let s = Settings::from_pairs([(key.as_str(), "no-such-value".to_string())]);
+                let e = if cmd.get_name() == "fleet-worker" {
+                    parse::<WorkerArgs>(&s).map(|_| ()).unwrap_err()
+                } else {
+                    parse::<SchedulerArgs>(&s).map(|_| ()).unwrap_err()
+                }
+                .to_string();
+                assert!(
+                    e.contains(&format!("valid values: {}", values.join(", "))),
+                    "{key}: {e}"
+                );
+            }
+        }
+        let s = Settings::from_pairs([("strategy", "fastest".to_string())]);
+        let e = parse::<SchedulerArgs>(&s).unwrap_err().to_string();
+        assert!(
+            e.contains("valid values: least_loaded, round_robin, weighted"),
+            "{e}"
+        );
+    }
+
+    /// A mistyped flag gets clap's did-you-mean.
+    #[test]
+    fn a_mistyped_flag_gets_a_suggestion() {
+        let s = Settings::default().with_command_line(vec![
+            "fleet-worker".into(),
+            "--capacty".into(),
+            "7".into(),
+        ]);
+        let e = parse::<WorkerArgs>(&s).unwrap_err().to_string();
+        assert!(e.contains("--capacty") && e.contains("'--capacity'"), "{e}");
+    }
+
     #[test]
     fn command_line_beats_settings() {
         let s = Settings::from_pairs([("capacity", "3".to_string())]).with_command_line(vec![
@@ -690,6 +759,17 @@ mod tests {
         assert!(
             w[0].contains("capacty") && w[0].contains("FLEET_CAPACITY"),
             "{w:?}"
+        );
+    }
+
+    /// A key of the FLEET_CONFIG file gets the closest file key, not a variable name.
+    #[test]
+    fn a_file_key_typo_suggests_the_file_key() {
+        let s = Settings::from_toml("capacty = 8\n").unwrap();
+        let w = unknown(&s);
+        assert_eq!(
+            w,
+            vec!["unknown key `capacty` in the FLEET_CONFIG file is ignored (did you mean `capacity`?)".to_string()]
         );
     }
 

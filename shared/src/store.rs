@@ -344,6 +344,64 @@ pub fn permanent(e: &Error, url: &str) -> Option<Error> {
     })
 }
 
+/// Why a Redis command failed, in the terms an operator acts on: [`Failure::of`] classifies
+/// the error (redis-rs's kinds and the server's error code), [`Failure::describe`] says it.
+/// "Redis refuses writes" is only the server's own refusal (`READONLY` of a replica, `OOM`
+/// past `maxmemory`, `MISCONF` after a failed snapshot, `NOREPLICAS`), never a connection
+/// that was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// No connection: refused, reset, dropped, no route (I/O errors).
+    Unreachable,
+    /// Connected, but no answer in time (command or pool timeout).
+    Timeout,
+    /// The server answered and refused the write.
+    RefusesWrites,
+    /// The server refused the credentials.
+    Auth,
+    /// Anything else (a script error, a wrong type, ...).
+    Other,
+}
+
+impl Failure {
+    pub fn of(e: &Error) -> Self {
+        let r = match e {
+            Error::Redis(r) => r,
+            Error::Pool(deadpool_redis::PoolError::Backend(r)) => r,
+            Error::Pool(deadpool_redis::PoolError::Timeout(_)) => return Failure::Timeout,
+            _ => return Failure::Other,
+        };
+        if r.kind() == redis::ErrorKind::AuthenticationFailed
+            || matches!(r.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"))
+        {
+            Failure::Auth
+        } else if matches!(
+            r.code(),
+            Some("READONLY" | "OOM" | "MISCONF" | "NOREPLICAS")
+        ) {
+            Failure::RefusesWrites
+        } else if r.is_timeout() {
+            Failure::Timeout
+        } else if r.is_connection_refusal() || r.is_io_error() || r.is_connection_dropped() {
+            Failure::Unreachable
+        } else {
+            Failure::Other
+        }
+    }
+
+    /// What to say in a log line: "Redis cannot be reached", "Redis does not answer in time",
+    /// "Redis refuses writes", "Redis refuses the credentials", "a Redis command failed".
+    pub fn describe(self) -> &'static str {
+        match self {
+            Failure::Unreachable => "Redis cannot be reached",
+            Failure::Timeout => "Redis does not answer in time",
+            Failure::RefusesWrites => "Redis refuses writes",
+            Failure::Auth => "Redis refuses the credentials",
+            Failure::Other => "a Redis command failed",
+        }
+    }
+}
+
 /// Milliseconds since the Unix epoch, the clock of every lease and heartbeat.
 pub fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
@@ -375,5 +433,25 @@ mod replica_tests {
             master_failover_state:no-failover\r\n";
         assert_eq!(online_replicas(info), 1);
         assert_eq!(online_replicas("role:master\r\nconnected_slaves:0\r\n"), 0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A refused connection is "cannot be reached", never "refuses writes" (the scheduler's
+    /// readiness log said the latter for both).
+    #[tokio::test]
+    async fn a_refused_connection_is_unreachable_not_a_refused_write() {
+        // Port 1 on loopback: nothing listens there.
+        let store = Store::new("redis://127.0.0.1:1", Names::new("failure-test")).unwrap();
+        let e = store.write_probe().await.unwrap_err();
+        assert_eq!(Failure::of(&e), Failure::Unreachable, "{e}");
+        assert_eq!(Failure::of(&e).describe(), "Redis cannot be reached");
+        assert_eq!(
+            Failure::of(&Error::Other("x".into())).describe(),
+            "a Redis command failed"
+        );
     }
 }

@@ -304,7 +304,8 @@ pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
 }
 
 /// Declares one group's lane queues (both lanes; every shard of a sharded lane, see
-/// [`crate::subset`]). Returns nothing: idempotent.
+/// [`crate::subset`]). Returns nothing: idempotent. Their names are first recorded in the
+/// namespace's catalog ([`record_group`]), so the clean-up finds them whatever Redis holds.
 ///
 /// What the broker dead-letters from them itself (a quorum queue past [`DELIVERY_LIMIT`])
 /// goes to `<ns>.dead.broker`, not straight to `<ns>.dead`: the scheduler's backstop gives it
@@ -312,6 +313,15 @@ pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
 /// letters are published to `<ns>.dead` directly.
 pub async fn declare_group(ch: &Channel, cfg: &CommonConfig, group: &str) -> Result<()> {
     let n = cfg.names();
+    let queues: Vec<String> = Lane::ALL
+        .iter()
+        .flat_map(|&lane| {
+            let shards = cfg.shards(lane);
+            (0..shards).map(move |shard| (lane, shard, shards))
+        })
+        .map(|(lane, shard, shards)| n.group_shard_queue(group, lane, shard, shards))
+        .collect();
+    record_group(ch, cfg, group, &queues).await?;
     for lane in Lane::ALL {
         let shards = cfg.shards(lane);
         for shard in 0..shards {
@@ -345,10 +355,12 @@ pub async fn declare_group(ch: &Channel, cfg: &CommonConfig, group: &str) -> Res
     Ok(())
 }
 
-/// Declares one group's park queue for a lane.
+/// Declares one group's park queue for a lane, recorded first in the catalog like
+/// [`declare_group`]'s queues.
 pub async fn declare_park(ch: &Channel, cfg: &CommonConfig, group: &str, lane: Lane) -> Result<()> {
     let n = cfg.names();
     let q = n.park_queue(group, lane);
+    record_group(ch, cfg, group, std::slice::from_ref(&q)).await?;
     queue(
         ch,
         &q,
@@ -436,6 +448,179 @@ pub async fn ready_count(ch: &Channel, queue_name: &str) -> Option<u32> {
     .map(|q| q.message_count())
 }
 
+// ---- the queue catalog ----
+
+/// One record of the namespace's queue catalog ([`Names::catalog_queue`]): a group and the
+/// exact names of the queues a process was about to declare for it. JSON on the wire:
+/// `{"group": "protocol=builtin", "queues": ["ns.group.protocol=builtin.normal", …]}`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CatalogRecord {
+    pub group: String,
+    pub queues: Vec<String>,
+}
+
+/// What the catalog holds: every group and queue name ever recorded (deduplicated), the
+/// number of records read, and how many could not be read (not a [`CatalogRecord`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Catalog {
+    pub groups: std::collections::BTreeSet<String>,
+    pub queues: std::collections::BTreeSet<String>,
+    pub records: usize,
+    pub unreadable: usize,
+}
+
+/// Records that `group`'s `queues` are about to be declared, in the namespace's catalog
+/// queue ([`Names::catalog_queue`], durable, of FLEET_QUEUE_TYPE), with a publisher confirm
+/// (`ch` is put in confirm mode). Called by [`declare_group`] and [`declare_park`] before
+/// their declares, so no group queue exists that the catalog does not name — whether or not
+/// Redis was reachable when it was declared, or survived since.
+///
+/// # Why a catalog in the broker
+/// AMQP 0-9-1 cannot list queues; the management HTTP API can, but its plugin is optional
+/// (not enabled by `ops/services.sh`, nor on many installs) and needs other credentials.
+/// Redis knows the groups only while its registry lives (a Redis loss, or a worker that
+/// declared its queues while Redis was unreachable, leaves it silent). The broker itself is
+/// the one store that holds the queues, so it holds their record: one message of about
+/// 100 bytes per declaration (a worker connecting, a scheduler parking for a group or
+/// checking a reclaim), read — without removing it — by `fleetctl delete-namespace`
+/// ([`read_catalog`]) and deleted with the namespace. It is not compacted: a namespace whose
+/// workers reconnect 10,000 times holds about 1 MB of records.
+///
+/// # Errors
+/// The broker refused the declare or the publish ([`Error::Refused`] for a nack).
+pub async fn record_group(
+    ch: &Channel,
+    cfg: &CommonConfig,
+    group: &str,
+    queues: &[String],
+) -> Result<()> {
+    use lapin::options::ConfirmSelectOptions;
+    let q = cfg.names().catalog_queue();
+    queue(ch, &q, args(cfg), None).await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let body = serde_json::to_vec(&CatalogRecord {
+        group: group.to_string(),
+        queues: queues.to_vec(),
+    })?;
+    let props = lapin::BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2);
+    crate::amqp::publish_confirmed(
+        &crate::amqp::Publisher::new(ch.clone()),
+        "",
+        &q,
+        &body,
+        props,
+    )
+    .await
+}
+
+/// Reads the namespace's queue catalog without removing anything (the records taken are
+/// handed back when the reading channel closes). An absent catalog (a namespace of an older
+/// fleet, or already deleted) reads as empty.
+///
+/// # Errors
+/// The channel cannot be opened, or a read fails (connection lost).
+pub async fn read_catalog(conn: &lapin::Connection, names: &Names) -> Result<Catalog> {
+    use lapin::options::BasicGetOptions;
+    let ch = conn.create_channel().await?;
+    let q = names.catalog_queue();
+    let result = async {
+        let mut cat = Catalog::default();
+        match ch
+            .queue_declare(
+                ShortString::from(q.as_str()),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+        {
+            Ok(_) => {}
+            Err(e) if crate::amqp::reply_code(&e) == Some(404) => return Ok(cat),
+            Err(e) => return Err(e.into()),
+        }
+        while let Some(m) = ch
+            .basic_get(ShortString::from(q.as_str()), BasicGetOptions::default())
+            .await?
+        {
+            cat.records += 1;
+            match serde_json::from_slice::<CatalogRecord>(&m.delivery.data) {
+                Ok(r) => {
+                    cat.groups.insert(r.group);
+                    cat.queues.extend(r.queues);
+                }
+                Err(_) => cat.unreadable += 1,
+            }
+        }
+        Ok(cat)
+    }
+    .await;
+    if ch.status().connected() {
+        let _ = ch.close(200, ShortString::from("catalog read")).await;
+    }
+    result
+}
+
+/// What [`delete_namespace`] deleted: the groups found (catalog and Redis together, without
+/// the waiting-for-worker pseudo-group [`Names::UNMATCHED_GROUP`]) and what the catalog held.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Deleted {
+    pub groups: std::collections::BTreeSet<String>,
+    /// Groups only the catalog named (Redis had forgotten them).
+    pub catalog_only: usize,
+    pub catalog: Catalog,
+}
+
+/// Deletes every queue and exchange of a namespace: the groups and queue names of the catalog
+/// ([`read_catalog`]) together with `redis_groups` (what the registry still names, for queues
+/// declared before the catalog existed) and their `shards` shard queues, through
+/// [`delete_all_sharded`], then the catalog itself.
+///
+/// # Errors
+/// The catalog cannot be read, or the deleting channel cannot be opened.
+pub async fn delete_namespace(
+    conn: &lapin::Connection,
+    names: &Names,
+    redis_groups: &[String],
+    shards: u32,
+) -> Result<Deleted> {
+    let catalog = read_catalog(conn, names).await?;
+    let mut groups: std::collections::BTreeSet<String> = redis_groups.iter().cloned().collect();
+    // The waiting-for-worker park queues are recorded under their pseudo-group, which is no
+    // group (delete_all_sharded deletes its queues in any case).
+    let recorded: std::collections::BTreeSet<String> = catalog
+        .groups
+        .iter()
+        .filter(|g| g.as_str() != Names::UNMATCHED_GROUP)
+        .cloned()
+        .collect();
+    let catalog_only = recorded.difference(&groups).count();
+    groups.extend(recorded);
+    let list: Vec<String> = groups.iter().cloned().collect();
+    let ch = conn.create_channel().await?;
+    delete_queues(&ch, catalog.queues.iter().map(String::as_str)).await;
+    delete_all_sharded(&ch, names, &list, shards).await?;
+    let _ = ch.close(200, ShortString::from("deleted")).await;
+    Ok(Deleted {
+        groups,
+        catalog_only,
+        catalog,
+    })
+}
+
+/// Deletes queues (best effort: a missing queue is no error, other errors are ignored).
+async fn delete_queues<'a>(ch: &Channel, queues: impl IntoIterator<Item = &'a str>) {
+    use lapin::options::QueueDeleteOptions;
+    for q in queues {
+        let _ = ch
+            .queue_delete(ShortString::from(q), QueueDeleteOptions::default())
+            .await;
+    }
+}
+
 /// Deletes every queue and exchange of an unsharded namespace: [`delete_all_sharded`] with
 /// `shards` = 1.
 pub async fn delete_all(ch: &Channel, names: &Names, groups: &[String]) -> Result<()> {
@@ -444,7 +629,7 @@ pub async fn delete_all(ch: &Channel, names: &Names, groups: &[String]) -> Resul
 
 /// Deletes every queue (with its messages) and exchange of a namespace whose groups have
 /// `shards` normal-lane shard queues (`FLEET_SHARDS`): ingress, dead, broker dead, delayed,
-/// schedules stream, delay tiers (current and legacy), the lane queues (unsharded and every
+/// schedules stream, queue catalog, delay tiers (current and legacy), the lane queues (unsharded and every
 /// shard) and park queues of `groups`, and the park queues of the waiting-for-worker
 /// pseudo-group [`Names::UNMATCHED_GROUP`]. Deleting a queue or exchange that does not exist
 /// is no error (RabbitMQ answers delete-ok), so a `shards` above the real count is harmless;
@@ -478,6 +663,8 @@ pub async fn delete_all_sharded(
             .iter()
             .map(|l| names.park_queue(Names::UNMATCHED_GROUP, *l)),
     );
+    // Last: while any queue it names may still exist, the catalog stays.
+    queues.push(names.catalog_queue());
     for q in queues {
         let _ = ch
             .queue_delete(ShortString::from(q.as_str()), QueueDeleteOptions::default())

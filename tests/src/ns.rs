@@ -254,8 +254,8 @@ impl Ns {
         tokio::time::timeout(Duration::from_secs(60), async {
             let groups = self.store.group_names().await.unwrap_or_default();
             let shards = self.shard_count(&groups).await;
-            let ch = self.conn.create_channel().await?;
-            topology::delete_all_sharded(&ch, &self.names, &groups, shards).await?;
+            // The broker's queue catalog names the groups Redis may have forgotten.
+            topology::delete_namespace(&self.conn, &self.names, &groups, shards).await?;
             self.store.delete_namespace().await?;
             anyhow::Ok(())
         })

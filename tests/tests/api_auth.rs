@@ -107,6 +107,15 @@ async fn every_endpoint_needs_its_role() -> Result<()> {
             StatusCode::UNAUTHORIZED,
             "{what} without a token"
         );
+        if *m == Method::POST {
+            // The token is checked before the content type: a body-less POST without one
+            // is told to authenticate (401), not what to send (415).
+            assert_eq!(
+                call(&c, m.clone(), url, None, false).await?,
+                StatusCode::UNAUTHORIZED,
+                "{what} without a token or a body"
+            );
+        }
         assert_eq!(
             call(
                 &c,
@@ -208,6 +217,9 @@ async fn every_endpoint_needs_its_role() -> Result<()> {
         .send()
         .await?;
     assert_eq!(form.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    // The worker's drain, body-less and without a token: 401 before 415.
+    let bare = c.post(wurl("/drain")).send().await?;
+    assert_eq!(bare.status(), StatusCode::UNAUTHORIZED);
     // A JSON submit goes through and runs; the refused ones never existed.
     let r = c
         .post(sched.url("/v1/tasks"))

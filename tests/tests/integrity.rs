@@ -207,12 +207,30 @@ async fn size_limit_counts_the_producers_bytes_only() -> anyhow::Result<()> {
         400,
         "one byte over is refused over HTTP"
     );
+    // The same 4,097 bytes over AMQP: dead-lettered `oversized`, byte for byte, never run.
+    let over_id = dead_id(&over);
+    ns.submit_raw(Lane::Normal, &over).await?;
 
     let ids = vec![amqp_id.clone(), http_id.clone()];
     wait_all_succeeded(&ns, &ids, Duration::from_secs(30)).await?;
     assert_ran_once(&rec, &ids);
-    assert!(ns.drain_dead().await?.is_empty(), "nothing dead-lettered");
-    println!("size: 4096-byte (AMQP) and 4050-byte (HTTP) envelopes succeeded, 1 run each; 4097 bytes refused 400");
+    let dead = wait_for(
+        "the 4,097-byte AMQP envelope dead-lettered",
+        Duration::from_secs(30),
+        || async {
+            let d = ns.drain_dead().await.ok()?;
+            (!d.is_empty()).then_some(d)
+        },
+    )
+    .await?;
+    assert_eq!(dead.len(), 1, "only the oversized one is dead-lettered");
+    assert_eq!(dead[0].1.as_deref(), Some("oversized"));
+    assert_eq!(dead[0].0, over, "the dead letter is the producer's bytes");
+    assert!(
+        !rec.per_task().contains_key(&over_id),
+        "the oversized task never ran"
+    );
+    println!("size: 4096-byte (AMQP) and 4050-byte (HTTP) envelopes succeeded, 1 run each; 4097 bytes refused 400 (HTTP) and dead oversized (AMQP)");
 
     w.stop().await?;
     sched.stop().await?;

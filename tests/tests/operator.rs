@@ -612,3 +612,246 @@ async fn delete_namespace_deletes_every_shard_and_waiting_queue() -> Result<()> 
     );
     ns.cleanup().await
 }
+
+/// `fleetctl delete-namespace --yes` finds a group's queues when Redis says nothing about
+/// them (a Redis loss, or a worker that declared its queues while Redis was unreachable): a
+/// worker declares its group (its normal queue holding a task), stops, and the namespace's
+/// Redis keys are deleted. The broker's queue catalog (`<ns>.catalog`) still names the
+/// group: the command reports 1 group, known only to the catalog, and every queue of the
+/// group — and the catalog — is gone (passive declare 404 each). Before the catalog it said
+/// "deleted the queues of 0 group(s)" and left both lane queues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_namespace_finds_the_queues_redis_forgot() -> Result<()> {
+    use fleet::{amqp, Lane};
+    let ns = Ns::new().await?;
+    let worker = start_worker(&ns, "w-forgot", "zone=forgot", 1, &[], &[]).await?;
+    let groups = ns.store.group_names().await?;
+    assert_eq!(groups.len(), 1, "{groups:?}");
+    let group = groups[0].clone();
+    worker.stop().await?;
+    let n = &ns.names;
+    let t = fleet_tests::task("noop", serde_json::json!({}), "zone=forgot");
+    amqp::publish_confirmed(
+        &ns.publisher,
+        &n.tasks_exchange(),
+        &n.group_key(&group, Lane::Normal),
+        &t.to_bytes(),
+        amqp::task_properties(&t.id, None),
+    )
+    .await?;
+    let lane_queues: Vec<String> = Lane::ALL
+        .iter()
+        .map(|l| n.group_queue(&group, *l))
+        .collect();
+    assert_eq!(ns.depth_of(&lane_queues[0]).await, Some(1));
+    assert_eq!(ns.depth_of(&lane_queues[1]).await, Some(0));
+    // Redis forgets the namespace.
+    ns.store.delete_namespace().await?;
+    assert!(ns.store.group_names().await?.is_empty());
+
+    let url = (amqp_url(), redis_url());
+    let env = [
+        ("FLEET_AMQP_URL", url.0.as_str()),
+        ("FLEET_REDIS_URL", url.1.as_str()),
+        ("FLEET_NAMESPACE", ns.name.as_str()),
+    ];
+    let (code, out, err) = run(
+        "fleetctl",
+        &["delete-namespace", "--yes"],
+        &env,
+        Duration::from_secs(60),
+    )
+    .await?;
+    assert_eq!(code, 0, "stdout {out} stderr {err}");
+    assert!(
+        out.contains(
+            "deleted the queues of 1 group(s) (1 known only to the broker's queue catalog, not to Redis)"
+        ),
+        "{out}"
+    );
+    let mut left = Vec::new();
+    for q in lane_queues.iter().chain([&n.catalog_queue()]) {
+        let ch = ns.conn.create_channel().await?;
+        let r = ch
+            .queue_declare(
+                q.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                Default::default(),
+            )
+            .await;
+        match r {
+            Err(e) if amqp::reply_code(&e) == Some(404) => {}
+            Err(e) => bail!("passive declare of {q}: {e}"),
+            Ok(d) => left.push(format!("{q} ({} messages)", d.message_count())),
+        }
+    }
+    assert!(left.is_empty(), "queues left behind: {left:?}");
+    ns.cleanup().await
+}
+
+/// `fleetctl submit` into a namespace no scheduler has declared says so once, with the fix
+/// (the broker's 404 for `<ns>.submit` was printed three times on one line, with no hint), and
+/// exits non-zero; a namespace with a scheduler's topology takes the task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_into_an_undeclared_namespace_names_the_fix_once() -> Result<()> {
+    let ns = Ns::new().await?;
+    let url = amqp_url();
+    let env = [
+        ("FLEET_AMQP_URL", url.as_str()),
+        ("FLEET_NAMESPACE", ns.name.as_str()),
+    ];
+    let (code, out, err) = run(
+        "fleetctl",
+        &["submit", "--kind", "noop"],
+        &env,
+        Duration::from_secs(60),
+    )
+    .await?;
+    assert_eq!(code, 1, "stdout {out} stderr {err}");
+    let want = format!(
+        "no scheduler has declared namespace {0} (no exchange {0}.submit): start fleet-scheduler with FLEET_NAMESPACE={0}",
+        ns.name
+    );
+    assert_eq!(err.matches(&want).count(), 1, "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(!err.contains("NOT_FOUND"), "{err}");
+    // Declared (as a scheduler does at start-up): accepted.
+    ns.declare_ingress(&[]).await?;
+    let (code, out, err) = run(
+        "fleetctl",
+        &["submit", "--kind", "noop"],
+        &env,
+        Duration::from_secs(60),
+    )
+    .await?;
+    assert_eq!((code, out.trim()), (0, "accepted=1 refused=0"), "{err}");
+    ns.cleanup().await
+}
+
+/// fleetctl's help, run as a process for every subcommand with FLEET_NAMESPACE set empty and a
+/// password in FLEET_AMQP_URL: every option has a description; a subcommand's own options come
+/// before the global ones, which sit under their own heading; `--lane` lists its values; the
+/// API token's variable is named; no `[env: NAME=value]` (which printed `FLEET_NAMESPACE=` for
+/// an empty variable, and would print a password); a usage line never shows a global option as
+/// if it were required; an unreachable API names FLEET_API_URL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fleetctl_help_documents_every_option_and_separates_the_global_ones() -> Result<()> {
+    let amqp = format!("amqp://guest:{SECRET}@127.0.0.1:5672/%2f");
+    let env = [
+        ("FLEET_NAMESPACE", ""),
+        ("FLEET_AMQP_URL", amqp.as_str()),
+        ("FLEET_API_URL", "http://127.0.0.1:1"),
+    ];
+    let subcommands: &[&[&str]] = &[
+        &[],
+        &["submit"],
+        &["status"],
+        &["workers"],
+        &["groups"],
+        &["drain"],
+        &["dead", "list"],
+        &["dead", "replay"],
+        &["delete-namespace"],
+        &["schedule", "add"],
+        &["schedule", "list"],
+        &["schedule", "pause"],
+        &["schedule", "fire-now"],
+    ];
+    for sub in subcommands {
+        let mut args = sub.to_vec();
+        args.push("--help");
+        let (code, out, err) = run("fleetctl", &args, &env, Duration::from_secs(30)).await?;
+        assert_eq!(code, 0, "{args:?}: {err}");
+        assert!(!out.contains(SECRET), "{args:?} printed the password");
+        assert!(
+            !out.contains("=]"),
+            "{args:?}: an env value is shown:\n{out}"
+        );
+        let lines: Vec<&str> = out.lines().collect();
+        let mut undocumented = Vec::new();
+        for (i, l) in lines.iter().enumerate() {
+            let t = l.trim_start();
+            if l.starts_with("  ")
+                && (t.starts_with("--") || t.starts_with("-h,") || t.starts_with("-V,"))
+            {
+                // Short form: `--x <X>  text`; long form: the text on the next line.
+                let inline = t.split_once("  ").map(|(_, d)| d.trim()).unwrap_or("");
+                let next = lines.get(i + 1).map(|n| n.trim()).unwrap_or("");
+                let text = if inline.is_empty() { next } else { inline };
+                if text.is_empty() || text.starts_with('[') || text.starts_with("--") {
+                    undocumented.push(t.to_string());
+                }
+            }
+        }
+        assert!(
+            undocumented.is_empty(),
+            "{args:?}: undocumented {undocumented:?}"
+        );
+        let global = out
+            .find("Global options")
+            .with_context(|| format!("{args:?}: no global heading:\n{out}"))?;
+        for g in [
+            "--amqp-url",
+            "--namespace",
+            "--api ",
+            "--redis-url",
+            "--shards",
+        ] {
+            let at = out.find(g).with_context(|| format!("{args:?}: no {g}"))?;
+            assert!(at > global, "{args:?}: {g} above the global heading");
+        }
+        if !sub.is_empty() {
+            // A subcommand's own options come first.
+            if let Some(own) = out.find("\nOptions:") {
+                assert!(own < global, "{args:?}");
+            }
+        }
+    }
+    let (_, top, _) = run("fleetctl", &["--help"], &env, Duration::from_secs(30)).await?;
+    assert!(top.contains("FLEET_API_TOKEN"), "{top}");
+    let (_, submit, _) = run(
+        "fleetctl",
+        &["submit", "--help"],
+        &env,
+        Duration::from_secs(30),
+    )
+    .await?;
+    for want in ["--kind", "--max-attempts", "normal", "critical"] {
+        assert!(submit.contains(want), "{want}: {submit}");
+    }
+    let own = &submit[..submit.find("Global options").unwrap_or(0)];
+    for o in ["--kind", "--count", "--lane", "--max-attempts", "--paced"] {
+        assert!(own.contains(o), "{o} not among submit's own options");
+    }
+    // Usage lines with the variables set: no global option shown as required.
+    for args in [
+        &["status"][..],
+        &["drain"],
+        &["schedule", "rm"],
+        &["submit"],
+    ] {
+        let (code, _, err) = run("fleetctl", args, &env, Duration::from_secs(30)).await?;
+        assert_eq!(code, 2, "{args:?}: {err}");
+        let usage = err
+            .lines()
+            .find(|l| l.starts_with("Usage:"))
+            .with_context(|| format!("{args:?}: no usage: {err}"))?;
+        assert!(
+            !usage.contains("--namespace")
+                && !usage.contains("--api")
+                && !usage.contains("--amqp-url"),
+            "{args:?}: {usage}"
+        );
+    }
+    // An unreachable API names the setting.
+    let (code, _, err) = run("fleetctl", &["workers"], &env, Duration::from_secs(30)).await?;
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("cannot reach the scheduler's API") && err.contains("FLEET_API_URL"),
+        "{err}"
+    );
+    Ok(())
+}

@@ -65,8 +65,42 @@ async fn no_worker_backlog_is_bounded_and_released() -> anyhow::Result<()> {
         "every waiting task says so: {states:?}"
     );
     assert!(!states.contains_key("delayed"), "not `delayed`: {states:?}");
+    // Every accepted task is accounted for, exactly: waiting for a worker (in the waiting
+    // queue, or held by its release loop: at most one batch of 256) or still in ingress,
+    // unread and without a status (the intake stopped at Red).
+    let waiting_for_worker = states.get("waiting_for_worker").copied().unwrap_or(0);
+    let unread = states.get("(none)").copied().unwrap_or(0);
+    assert_eq!(
+        states.len(),
+        [waiting_for_worker, unread]
+            .iter()
+            .filter(|n| **n > 0)
+            .count(),
+        "no other state: {states:?}"
+    );
+    assert_eq!(waiting_for_worker + unread, accepted.len(), "{states:?}");
+    assert_eq!(
+        unread, ingress as usize,
+        "the unread ones are the ingress queue's"
+    );
+    assert!(
+        waiting_for_worker <= waiting as usize + 256,
+        "waiting {waiting_for_worker}: {waiting} in {waiting_q} + at most 256 held"
+    );
     let p = get_json(&sched.url("/v1/pressure")).await?;
     println!("no worker: pressure {p}");
+    // The backlog is pending work (60 allowed): Red, and the intake gate shut.
+    assert_eq!(p["state"], "red", "{p}");
+    assert_eq!(p["gate"], "red", "{p}");
+    assert_eq!(
+        p["pending"].as_u64(),
+        Some(p["parked"].as_u64().unwrap_or(0) + p["ingress_backlog"].as_u64().unwrap_or(0)),
+        "{p}"
+    );
+    assert!(
+        p["pending"].as_u64().unwrap_or(0) >= 54,
+        "pending at or past Red (0.9 × 60): {p}"
+    );
 
     // A matching worker registers: the waiting tasks start within 1 s.
     let rec = Recorder::default();

@@ -56,7 +56,6 @@ pub fn router(
     read.merge(admin)
         .with_state(api)
         .merge(fleet::http::common_routes(prom, ready, auth))
-        .layer(axum::middleware::from_fn(fleet::auth::json_only))
 }
 
 async fn status(State(api): State<Api>) -> Json<Value> {

@@ -140,6 +140,8 @@ impl Schedule {
                 format!("expected 6 or 7 fields (5 for classic cron), got {fields}"),
             ));
         }
+        check_field_ranges(spec.cron.trim(), fields)
+            .map_err(|why| Invalid::Cron(spec.cron.clone(), why))?;
         let cron = cron::Schedule::from_str(&expr)
             .map_err(|e| Invalid::Cron(spec.cron.clone(), e.to_string()))?;
         spec.cron = expr;
@@ -214,6 +216,63 @@ impl Schedule {
     }
 }
 
+/// The fields of a 6- or 7-field expression (`sec min hour day-of-month month day-of-week
+/// [year]`) with the ranges of the `cron` crate that evaluates them (day-of-week 1-7 with
+/// 1 = Sunday, as Quartz has it).
+const FIELDS: [(&str, u32, u32); 7] = [
+    ("second", 0, 59),
+    ("minute", 0, 59),
+    ("hour", 0, 23),
+    ("day-of-month", 1, 31),
+    ("month", 1, 12),
+    ("day-of-week", 1, 7),
+    ("year", 1970, 2100),
+];
+
+/// Checks every number of `user` (the expression as the user wrote it: 5 fields = classic
+/// cron, no seconds) against its field's range, naming the field the user wrote and its
+/// inclusive bounds. The `cron` crate's own message is off by one ("Hours must be less than
+/// 23" for an hour of 24: its bound is inclusive) and speaks of the widened 6-field form.
+/// Names (`MON`, `JAN`) and the crate's other syntax are left to it.
+fn check_field_ranges(user: &str, fields: usize) -> Result<(), String> {
+    let names = if fields == 5 {
+        &FIELDS[1..6]
+    } else {
+        &FIELDS[..fields.min(7)]
+    };
+    for (i, (text, &(name, lo, hi))) in user.split_whitespace().zip(names).enumerate() {
+        for part in text.split(',') {
+            let (base, step) = match part.split_once('/') {
+                Some((b, s)) => (b, Some(s)),
+                None => (part, None),
+            };
+            if let Some(step) = step.filter(|s| s.bytes().all(|b| b.is_ascii_digit())) {
+                if step.parse::<u32>().map_or(true, |n| n == 0) {
+                    return Err(format!(
+                        "{name} `{text}` (field {} of {fields}): a step must be at least 1",
+                        i + 1
+                    ));
+                }
+            }
+            for n in base.split('-') {
+                if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+                    continue;
+                }
+                match n.parse::<u32>() {
+                    Ok(v) if (lo..=hi).contains(&v) => {}
+                    _ => {
+                        return Err(format!(
+                            "{name} `{text}` (field {} of {fields}): {n} is outside {lo}-{hi}",
+                            i + 1
+                        ))
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A tick as it appears in task ids: `2026-11-30T10:00:00Z`.
 pub fn tick_label(tick: DateTime<Utc>) -> String {
     tick.to_rfc3339_opts(SecondsFormat::Secs, true)
@@ -234,6 +293,45 @@ mod tests {
 
     fn utc(s: &str) -> DateTime<Utc> {
         DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
+    }
+
+    fn cron_error(cron: &str) -> String {
+        let spec: ScheduleSpec = serde_json::from_value(
+            json!({"name": "s", "cron": cron, "timezone": "UTC", "task": {"kind": "noop"}}),
+        )
+        .unwrap();
+        Schedule::new(spec).unwrap_err().to_string()
+    }
+
+    /// A number out of its field's range is named in the user's own form (5 fields: no
+    /// seconds) with the field's inclusive bounds; each field's bounds themselves are taken.
+    #[test]
+    fn an_out_of_range_cron_field_names_the_users_field_and_its_bounds() {
+        assert_eq!(
+            cron_error("0 24 * * *"),
+            "cron `0 24 * * *`: hour `24` (field 2 of 5): 24 is outside 0-23"
+        );
+        assert_eq!(
+            cron_error("60 * * * *"),
+            "cron `60 * * * *`: minute `60` (field 1 of 5): 60 is outside 0-59"
+        );
+        assert_eq!(
+            cron_error("0 0 12 32 * *"),
+            "cron `0 0 12 32 * *`: day-of-month `32` (field 4 of 6): 32 is outside 1-31"
+        );
+        assert_eq!(
+            cron_error("0 0 1-25 * * *"),
+            "cron `0 0 1-25 * * *`: hour `1-25` (field 3 of 6): 25 is outside 0-23"
+        );
+        assert_eq!(
+            cron_error("0 0 * 13 *"),
+            "cron `0 0 * 13 *`: month `13` (field 4 of 5): 13 is outside 1-12"
+        );
+        assert!(cron_error("*/0 * * * *").contains("a step must be at least 1"));
+        // The bounds are inclusive.
+        sched("59 23 31 12 *", "UTC");
+        sched("0 59 23 31 12 7 2100", "UTC");
+        sched("0 0 0 1 1 1 1970", "UTC");
     }
 
     /// Every tick in `(from, to]`, walking a fake clock forward tick by tick.
