@@ -34,7 +34,7 @@
 //! **Hysteresis** ([`Hold`]), two parts: (1) a band — once Red, the state stays Red until the
 //! count falls below the *yellow* threshold (a thermostat's dead band); (2) a minimum dwell —
 //! a state gives way to a lower one only after it has held for `pressure_hold`
-//! (`FLEET_PRESSURE_HOLD_MS`, 2 s by default), while a higher one is entered at once
+//! (`FLEET_PRESSURE_HOLD_MS`, 1 s by default: four pressure intervals), while a higher one is entered at once
 //! (protection first). This is the asymmetric stabilisation window of Kubernetes' Horizontal
 //! Pod Autoscaler (scale up at once, scale down only after the recommendation held for the
 //! window; `behavior.scaleDown.stabilizationWindowSeconds`), and a thermostat's minimum
