@@ -667,13 +667,14 @@ async fn workers(cli: &Cli) -> Result<ExitCode> {
                 w.retried.to_string(),
                 w.dead.to_string(),
                 w.expired.to_string(),
-                w.failed.to_string(),
+                w.unrecorded.to_string(),
                 format!("{:.1}s ago", w.last_heartbeat_ms_ago as f64 / 1000.0),
             ]
         })
         .collect();
-    // Outcome columns are user task attempts by the outcome of `fleet_tasks_completed_total`
-    // (probes excluded), published by each worker as it records them.
+    // RUNNING is live (the run records a group's LOAD counts too); the outcome columns are
+    // user task attempts by outcome (probes excluded), published by each worker as it records
+    // them: failed = RETRIED + DEAD, UNRECORDED = the outcome could not be recorded.
     print_table(
         &[
             "ID",
@@ -685,7 +686,7 @@ async fn workers(cli: &Cli) -> Result<ExitCode> {
             "RETRIED",
             "DEAD",
             "EXPIRED",
-            "FAILED",
+            "UNRECORDED",
             "LAST HEARTBEAT",
         ],
         rows,
@@ -693,17 +694,16 @@ async fn workers(cli: &Cli) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn groups(cli: &Cli) -> Result<ExitCode> {
-    let v = get_json(&http(cli)?, &api(cli, "/v1/groups"))
-        .await?
-        .unwrap_or(Value::Array(vec![]));
-    let groups = v.as_array().cloned().unwrap_or_default();
-    let with_probe = groups.iter().any(|g| g.get("probe_ok").is_some());
+/// The `fleetctl groups` table: the same columns whatever the API has sampled yet (`-` for a
+/// figure not there yet). LOAD and RESERVED are live (Redis, at the request); BACKLOG
+/// (queued + parked, both lanes) and OLDEST (the oldest task waiting for the group) are the
+/// stats loop's sample, as of AS OF (UTC); PROBE is the latest probe through the group.
+fn groups_table(groups: &[Value]) -> (Vec<&'static str>, Vec<Vec<String>>) {
     let n = |g: &Value, k: &str| g.get(k).and_then(Value::as_u64).unwrap_or(0);
     let rows = groups
         .iter()
         .map(|g| {
-            let mut row = vec![
+            vec![
                 g.get("group")
                     .and_then(Value::as_str)
                     .unwrap_or("")
@@ -713,31 +713,48 @@ async fn groups(cli: &Cli) -> Result<ExitCode> {
                 n(g, "load").to_string(),
                 n(g, "reserved").to_string(),
                 format!("{}/{}", n(g, "critical_capacity"), n(g, "critical_load")),
-            ];
-            if with_probe {
-                row.push(match g.get("probe_ok").and_then(Value::as_bool) {
+                g.get("backlog")
+                    .and_then(Value::as_u64)
+                    .map_or("-".into(), |b| b.to_string()),
+                g.get("oldest_task_age_seconds")
+                    .and_then(Value::as_f64)
+                    .map_or("-".into(), |a| format!("{a:.1}s")),
+                g.get("sampled_at")
+                    .and_then(Value::as_str)
+                    .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+                    .map_or("-".into(), |t| t.format("%H:%M:%S%.3f").to_string()),
+                match g.get("probe_ok").and_then(Value::as_bool) {
                     Some(true) => match g.get("probe_seconds").and_then(Value::as_f64) {
                         Some(s) => format!("ok {:.0}ms", s * 1000.0),
                         None => "ok".into(),
                     },
                     Some(false) => format!("FAIL x{}", n(g, "probe_consecutive_failures")),
                     None => "-".into(),
-                });
-            }
-            row
+                },
+            ]
         })
         .collect();
-    let mut headers = vec![
+    let headers = vec![
         "GROUP",
         "WORKERS",
         "CAPACITY",
         "LOAD",
         "RESERVED",
         "CRITICAL CAP/LOAD",
+        "BACKLOG",
+        "OLDEST",
+        "AS OF",
+        "PROBE",
     ];
-    if with_probe {
-        headers.push("PROBE");
-    }
+    (headers, rows)
+}
+
+async fn groups(cli: &Cli) -> Result<ExitCode> {
+    let v = get_json(&http(cli)?, &api(cli, "/v1/groups"))
+        .await?
+        .unwrap_or(Value::Array(vec![]));
+    let groups = v.as_array().cloned().unwrap_or_default();
+    let (headers, rows) = groups_table(&groups);
     print_table(&headers, rows);
     Ok(ExitCode::SUCCESS)
 }

@@ -422,7 +422,7 @@ async fn pressure(State(st): State<AppState>) -> Response {
         let c = &st.cfg;
         o.insert(
             "thresholds".into(),
-            json!({"max_pending": c.max_pending, "pending_yellow": c.pending_yellow, "pending_red": c.pending_red, "load_yellow": c.load_yellow, "load_red": c.load_red}),
+            json!({"max_pending": c.max_pending, "pending_yellow": c.pending_yellow, "pending_red": c.pending_red, "load_yellow": c.load_yellow, "load_red": c.load_red, "hold_ms": c.pressure_hold.as_millis() as u64}),
         );
         o.insert("age_ms".into(), json!(age_ms));
         o.insert("stale".into(), json!(stale));

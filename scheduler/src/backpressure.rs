@@ -1,37 +1,48 @@
-//! Admission control: Green / Yellow / Red from two live signals.
+//! Admission control: one pressure state, Green / Yellow / Red, that says what intake does.
 //!
-//! * **pending** — normal-lane ingress backlog + parked tasks + reserved-not-started, against
-//!   `max_pending` (yellow at 0.7, red at 0.9 by default): work accepted but not yet running.
-//! * **load** — running tasks over capacity across the fleet (yellow 0.68, red 0.85): how busy
-//!   the workers are.
+//! **What each state means** (one definition; the API, the metric `fleet_pressure_state`, the
+//! console and the alerts all show this one):
 //!
-//! Either signal at red makes Red. Green dispatches freely; Yellow waits the throttle delay
-//! between dispatch batches (so throughput falls smoothly before anything is refused); Red
-//! stops taking normal-lane work from ingress — it stays in the broker, the bounded ingress
-//! fills and producers are refused — and is rechecked every `red_recheck`. The critical lane
-//! is never gated by these signals. (The reference design computed a load signal but never fed
-//! it; here both are computed from every [fleet view](crate::view), sampled every
-//! `pressure_interval` from Redis and the broker.)
+//! * **Green** — intake is open: the work that waits *beyond* what the groups drain is below
+//!   `pending_yellow × max_pending` (0.7 by default).
+//! * **Yellow** — intake is throttled: that work is at or above the yellow threshold; dispatch
+//!   waits part of the throttle delay between batches, in proportion to how far into Yellow it
+//!   is (so throughput falls smoothly before anything is refused).
+//! * **Red** — intake is closed: that work is at or above `pending_red × max_pending` (0.9);
+//!   normal-lane work stays in the broker, the bounded ingress fills and producers are
+//!   refused; it is rechecked every `red_recheck` (watched, not polled). The critical lane is
+//!   never gated.
 //!
-//! **The intake gate answers "workers are behind", not fleet's own bookkeeping.** The published
-//! state (metric, API) counts everything as the design says, but the gate that paces and pauses
-//! intake is computed from the work that waits *beyond* what the groups are draining: tasks
-//! parked (no matching group has room), tasks waiting for a matching worker, and tasks in a
-//! group's queue beyond its room (`behind`: a task only one group can take is dispatched
-//! straight to that group's queue even past its room — see `reserve.lua`'s direct dispatch —
-//! so its excess is counted there, read from the broker's queue depth). A group's room
-//! follows what it drains (Little's law: completion rate × `FLEET_TARGET_QUEUE_MS`, at least
-//! `capacity × (1 + backlog_factor)`; see [`room_for`]; a group with no completion measured
-//! yet starts at [`SEED_FACTOR`] × that floor, and an idle group keeps its last rate), so work
-//! within the room is by construction work the workers will start within the target time — it
-//! never drives the gate, and neither does load alone: a busy worker is the point, a worker
-//! with a queue beyond its room is behind.
-//! The ingress backlog is left out too: a pause cannot shrink it, so a gate that counted it
-//! would hold itself Red forever once producers had queued `0.9 × max_pending` tasks.
-//! Yellow slows dispatch in proportion to how far into Yellow the gate is (up to the throttle
-//! delay per batch); Red pauses normal intake until the gate leaves Red (watched, not polled).
-//! Once Red, the gate stays Red until its count falls below the yellow threshold
-//! (hysteresis: a burst does not flap the intake channel open and shut).
+//! A fleet at 100 % utilisation with nothing waiting beyond its rooms is Green: busy workers
+//! are the point. Utilisation (running / capacity) is reported beside the state as
+//! [`LoadLevel`] (`low` below `load_yellow` 0.68, `high` from it, `full` from `load_red` 0.85)
+//! and never makes the state, and neither does the ingress backlog (a pause cannot shrink it:
+//! a state that counted it would hold itself Red once producers had queued `0.9 ×
+//! max_pending` tasks). `pending` (ingress + parked + reserved) is reported as a figure.
+//!
+//! **The count behind the state** ([`Sample::waiting`]) is the work that waits beyond what
+//! the groups are draining: tasks parked (no matching group has room), tasks waiting for a
+//! matching worker, and tasks in a group's queue beyond its room (`behind`: a task only one
+//! group can take is dispatched straight to that group's queue even past its room — see
+//! `reserve.lua`'s direct dispatch — so its excess is counted there, read from the broker's
+//! queue depth). A group's room follows what it drains (Little's law: completion rate ×
+//! `FLEET_TARGET_QUEUE_MS`, at least `capacity × (1 + backlog_factor)`; see [`room_for`]; a
+//! group with no completion measured yet starts at [`SEED_FACTOR`] × that floor, and an idle
+//! group keeps its last rate), so work within the room is by construction work the workers
+//! will start within the target time.
+//!
+//! **Hysteresis** ([`Hold`]), two parts: (1) a band — once Red, the state stays Red until the
+//! count falls below the *yellow* threshold (a thermostat's dead band); (2) a minimum dwell —
+//! a state gives way to a lower one only after it has held for `pressure_hold`
+//! (`FLEET_PRESSURE_HOLD_MS`, 1 s by default: four pressure intervals), while a higher one is entered at once
+//! (protection first). This is the asymmetric stabilisation window of Kubernetes' Horizontal
+//! Pod Autoscaler (scale up at once, scale down only after the recommendation held for the
+//! window; `behavior.scaleDown.stabilizationWindowSeconds`), and a thermostat's minimum
+//! on/off time: without it a burst flapped the state (and the intake channel, each closing
+//! handing a full prefetch back to the broker) ten times in 3.2 s.
+//!
+//! Every sample comes from a [fleet view](crate::view), taken every `pressure_interval` from
+//! Redis and the broker.
 
 use std::sync::Arc;
 
@@ -52,6 +63,17 @@ pub enum Pressure {
     Green = 0,
     Yellow = 1,
     Red = 2,
+}
+
+/// The fleet's utilisation band (running / capacity against `load_yellow` and `load_red`):
+/// a figure beside the pressure state, never a pressure state (a busy fleet is healthy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadLevel {
+    #[default]
+    Low,
+    High,
+    Full,
 }
 
 /// Thresholds of the controller.
@@ -75,49 +97,67 @@ impl Thresholds {
         }
     }
 
-    /// The state for a pending count and a load ratio (running / capacity).
-    pub fn evaluate(&self, pending: u64, load: f64) -> Pressure {
-        let p = pending as f64 / f64::from(self.max_pending.max(1));
-        let by_pending = if p >= self.pending_red {
+    /// The state for a count of tasks waiting beyond the groups' rooms (before hysteresis):
+    /// Yellow from `pending_yellow × max_pending`, Red from `pending_red × max_pending`.
+    pub fn evaluate(&self, waiting: u64) -> Pressure {
+        let p = waiting as f64 / f64::from(self.max_pending.max(1));
+        if p >= self.pending_red {
             Pressure::Red
         } else if p >= self.pending_yellow {
             Pressure::Yellow
         } else {
             Pressure::Green
-        };
-        let by_load = if load >= self.load_red {
-            Pressure::Red
+        }
+    }
+
+    /// The utilisation band of a load ratio (running / capacity).
+    pub fn load_level(&self, load: f64) -> LoadLevel {
+        if load >= self.load_red {
+            LoadLevel::Full
         } else if load >= self.load_yellow {
-            Pressure::Yellow
+            LoadLevel::High
         } else {
-            Pressure::Green
-        };
-        by_pending.max(by_load)
+            LoadLevel::Low
+        }
     }
 }
 
 /// One sample of the signals, as the API shows it.
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct Sample {
+    /// The pressure state (see the module docs), after hysteresis ([`Hold`]).
     pub state: Pressure,
-    /// The intake gate: the same evaluation without the ingress backlog (see module docs).
+    /// The intake gate: the same value as `state` (kept for clients that read it; there is
+    /// one state).
     pub gate: Pressure,
+    /// When `state` was entered (this process's clock, ms since the Unix epoch).
+    pub since_ms: i64,
+    /// Tasks waiting beyond what the groups drain: `parked + behind` — the count the state
+    /// is computed from.
+    pub waiting: u64,
+    /// Work accepted and not running: ingress backlog + parked + reserved-not-started (a
+    /// figure; it does not make the state).
     pub pending: u64,
     pub ingress_backlog: u64,
+    /// Tasks parked, including those waiting for a matching worker (normal lane).
     pub parked: u64,
     /// Tasks in group queues beyond each group's room (summed over groups; normal lane).
     pub behind: u64,
     pub reserved: u64,
     pub running: u64,
     pub capacity: u64,
+    /// `running / capacity` (0 with no capacity).
     pub load: f64,
+    /// The utilisation band of `load` (a figure, not a state).
+    pub load_level: LoadLevel,
     /// When this sample was taken (this process's clock, ms since the Unix epoch); 0 before
     /// the first. The API shows its age and calls it stale when no sample came for a while.
     pub sampled_at_ms: i64,
 }
 
 /// Computes the signals from group views and queue depths (`parked` includes the tasks
-/// waiting for a matching worker; `behind` is [`behind`] summed over the groups).
+/// waiting for a matching worker; `behind` is [`behind`] summed over the groups). The state
+/// is the raw evaluation; [`Hold::apply`] adds the hysteresis.
 pub fn sample(
     t: &Thresholds,
     groups: &[GroupView],
@@ -133,12 +173,15 @@ pub fn sample(
     } else {
         running as f64 / capacity as f64
     };
-    let pending = ingress_backlog + parked + reserved;
-    let gate = t.evaluate(parked + behind, 0.0);
+    let waiting = parked + behind;
+    let state = t.evaluate(waiting);
+    let now = fleet::store::now_ms();
     Sample {
-        state: t.evaluate(pending, load),
-        gate,
-        pending,
+        state,
+        gate: state,
+        since_ms: now,
+        waiting,
+        pending: ingress_backlog + parked + reserved,
         ingress_backlog,
         parked,
         behind,
@@ -146,7 +189,41 @@ pub fn sample(
         running,
         capacity,
         load,
-        sampled_at_ms: fleet::store::now_ms(),
+        load_level: t.load_level(load),
+        sampled_at_ms: now,
+    }
+}
+
+/// The hysteresis of the state (see the module docs): a dead band (Red holds until the count
+/// is below the yellow threshold) and a minimum dwell (`hold`: a state gives way to a lower
+/// one only after it has held this long; a higher one is entered at once).
+#[derive(Debug, Clone, Copy)]
+pub struct Hold {
+    /// The minimum dwell.
+    pub hold: std::time::Duration,
+}
+
+impl Hold {
+    /// The state to publish: `raw` is the new sample's evaluation, `prev` the last
+    /// published sample (`None` before the first). Sets `state`, `gate` and `since_ms`.
+    pub fn apply(&self, prev: Option<&Sample>, mut raw: Sample) -> Sample {
+        let Some(prev) = prev else { return raw };
+        let mut want = raw.state;
+        if prev.state == Pressure::Red && want == Pressure::Yellow {
+            want = Pressure::Red;
+        }
+        let held_ms = raw.sampled_at_ms - prev.since_ms;
+        if want < prev.state && held_ms < self.hold.as_millis() as i64 {
+            want = prev.state;
+        }
+        raw.state = want;
+        raw.gate = want;
+        raw.since_ms = if want == prev.state {
+            prev.since_ms
+        } else {
+            raw.sampled_at_ms
+        };
+        raw
     }
 }
 
@@ -157,7 +234,7 @@ pub fn behind(queued: u64, running: u64, room: u64) -> u64 {
     (queued + running).saturating_sub(room)
 }
 
-/// How far into Yellow the gate's count (parked + behind) is, in `[0, 1]` (0 at the yellow
+/// How far into Yellow the state's count (parked + behind) is, in `[0, 1]` (0 at the yellow
 /// threshold, 1 at red): Yellow waits this fraction of the throttle delay between batches.
 pub fn yellow_depth(t: &Thresholds, waiting: u64) -> f64 {
     let p = waiting as f64 / f64::from(t.max_pending.max(1));
@@ -213,6 +290,10 @@ impl Controller {
         let t = Thresholds::from_config(&cfg);
         let names = &self.session.names;
         let mut rates = Rates::default();
+        let hold = Hold {
+            hold: cfg.pressure_hold,
+        };
+        let mut first = true;
         let mut last = None;
         loop {
             // The next view (the loop's tick): `None` at shutdown; an error when the view loop
@@ -247,17 +328,13 @@ impl Controller {
                     .sum();
                 behind_total += behind(queued, u64::from(g.load), room);
             }
-            let mut s = sample(&t, groups, u64::from(ingress), parked, behind_total);
-            // Hysteresis (a thermostat's): once Red, the gate stays Red until the count falls
-            // below the yellow threshold — reopening at the first sample under red would flap
-            // intake open and shut under a burst, each closing handing a full prefetch back to
-            // the broker, while the work beyond the rooms still keeps the workers busy.
-            if self.tx.borrow().gate == Pressure::Red && s.gate == Pressure::Yellow {
-                s.gate = Pressure::Red;
-            }
+            let raw = sample(&t, groups, u64::from(ingress), parked, behind_total);
+            let prev = (!first).then(|| *self.tx.borrow());
+            first = false;
+            let s = hold.apply(prev.as_ref(), raw);
             let old = self.tx.borrow().state;
             if old != s.state {
-                tracing::info!(from = ?old, to = ?s.state, pending = s.pending, load = s.load, "pressure changed");
+                tracing::info!(from = ?old, to = ?s.state, waiting = s.waiting, load = s.load, "pressure changed");
             }
             metrics::gauge!(fleet::metrics::PRESSURE_STATE).set(s.state as u8 as f64);
             metrics::gauge!(fleet::metrics::PENDING).set(s.pending as f64);
@@ -349,24 +426,19 @@ mod tests {
     #[test]
     fn pressure_table() {
         let t = t();
-        assert_eq!(t.evaluate(0, 0.0), Pressure::Green);
-        assert_eq!(t.evaluate(699, 0.0), Pressure::Green);
-        assert_eq!(t.evaluate(700, 0.0), Pressure::Yellow);
-        assert_eq!(t.evaluate(899, 0.0), Pressure::Yellow);
-        assert_eq!(t.evaluate(900, 0.0), Pressure::Red);
-        assert_eq!(t.evaluate(0, 0.67), Pressure::Green);
-        assert_eq!(t.evaluate(0, 0.68), Pressure::Yellow);
-        assert_eq!(t.evaluate(0, 0.85), Pressure::Red);
-        // Either signal at red makes Red; the worse of the two wins.
-        assert_eq!(t.evaluate(700, 0.85), Pressure::Red);
-        assert_eq!(t.evaluate(900, 0.1), Pressure::Red);
-        assert_eq!(t.evaluate(700, 0.68), Pressure::Yellow);
-        assert_eq!(t.evaluate(100, 0.68), Pressure::Yellow);
+        assert_eq!(t.evaluate(0), Pressure::Green);
+        assert_eq!(t.evaluate(699), Pressure::Green);
+        assert_eq!(t.evaluate(700), Pressure::Yellow);
+        assert_eq!(t.evaluate(899), Pressure::Yellow);
+        assert_eq!(t.evaluate(900), Pressure::Red);
+        assert_eq!(t.load_level(0.67), LoadLevel::Low);
+        assert_eq!(t.load_level(0.68), LoadLevel::High);
+        assert_eq!(t.load_level(0.85), LoadLevel::Full);
+        assert_eq!(t.load_level(1.0), LoadLevel::Full);
     }
 
-    #[test]
-    fn sample_sums_groups() {
-        let g = |cap, load, resv| GroupView {
+    fn g(cap: u32, load: u32, resv: u32) -> GroupView {
+        GroupView {
             group: "g".into(),
             labels: serde_json::Value::Null,
             workers: 1,
@@ -376,24 +448,63 @@ mod tests {
             reserved: resv,
             critical_load: 0,
             critical_reserved: 0,
-        };
+        }
+    }
+
+    #[test]
+    fn sample_sums_groups() {
         let s = sample(&t(), &[g(10, 9, 5), g(10, 8, 5)], 600, 100, 0);
         assert_eq!(s.pending, 710);
         assert_eq!(s.capacity, 20);
         assert!((s.load - 0.85).abs() < 1e-9);
-        assert_eq!(s.state, Pressure::Red);
-        // A large ingress backlog alone makes the state Red but does not close the gate.
+        // Full utilisation with nothing waiting beyond the rooms is healthy: Green.
+        assert_eq!((s.state, s.load_level), (Pressure::Green, LoadLevel::Full));
+        // A large ingress backlog alone does not make the state.
         let s = sample(&t(), &[g(10, 1, 0)], 950, 0, 0);
-        assert_eq!((s.state, s.gate), (Pressure::Red, Pressure::Green));
-        // Busy workers with their room filled are not behind: only work beyond the room is.
+        assert_eq!((s.state, s.gate), (Pressure::Green, Pressure::Green));
         let s = sample(&t(), &[g(10, 10, 10)], 0, 0, 0);
-        assert_eq!((s.state, s.gate), (Pressure::Red, Pressure::Green));
+        assert_eq!((s.state, s.gate), (Pressure::Green, Pressure::Green));
         let s = sample(&t(), &[g(10, 10, 10)], 0, 900, 0);
-        assert_eq!(s.gate, Pressure::Red);
-        // Tasks dispatched straight to a group's queue beyond its room close it too.
+        assert_eq!(
+            (s.state, s.gate, s.waiting),
+            (Pressure::Red, Pressure::Red, 900)
+        );
+        // Tasks dispatched straight to a group's queue beyond its room count too.
         let s = sample(&t(), &[g(10, 10, 0)], 0, 400, behind(510, 10, 20));
-        assert_eq!((s.behind, s.gate), (500, Pressure::Red));
+        assert_eq!((s.behind, s.state), (500, Pressure::Red));
         assert_eq!(behind(5, 10, 20), 0, "within the room: not behind");
+    }
+
+    #[test]
+    fn a_state_holds_its_minimum_time_before_a_lower_one() {
+        let hold = Hold {
+            hold: std::time::Duration::from_millis(2000),
+        };
+        let at = |waiting: u64, ms: i64| {
+            let mut s = sample(&t(), &[g(10, 10, 0)], 0, waiting, 0);
+            s.sampled_at_ms = ms;
+            s.since_ms = ms;
+            s
+        };
+        let red = hold.apply(None, at(950, 1000));
+        assert_eq!((red.state, red.since_ms), (Pressure::Red, 1000));
+        // Below red but not below yellow: the dead band keeps Red.
+        let s = hold.apply(Some(&red), at(800, 5000));
+        assert_eq!((s.state, s.since_ms), (Pressure::Red, 1000));
+        // Green 500 ms after entering Red: held.
+        let s = hold.apply(Some(&red), at(0, 1500));
+        assert_eq!((s.state, s.since_ms), (Pressure::Red, 1000));
+        // Green once Red held 2 s: released.
+        let green = hold.apply(Some(&s), at(0, 3000));
+        assert_eq!((green.state, green.since_ms), (Pressure::Green, 3000));
+        // A higher state is entered at once.
+        let y = hold.apply(Some(&green), at(750, 3100));
+        assert_eq!((y.state, y.since_ms), (Pressure::Yellow, 3100));
+        let r = hold.apply(Some(&y), at(950, 3200));
+        assert_eq!(
+            (r.state, r.gate, r.since_ms),
+            (Pressure::Red, Pressure::Red, 3200)
+        );
     }
 
     #[test]

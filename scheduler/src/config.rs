@@ -28,6 +28,9 @@ pub struct SchedulerConfig {
     pub throttle: Duration,
     pub red_recheck: Duration,
     pub pressure_interval: Duration,
+    /// Minimum dwell of a pressure state before it gives way to a lower one
+    /// ([`crate::backpressure`]).
+    pub pressure_hold: Duration,
     /// Each lane's cluster-wide dispatch rate limit per second (0 = off, the default: it
     /// protects a downstream quota only the operator knows; 3,000/s burst 6,000 is the
     /// documented example for the normal lane): `FLEET_RATE`, `FLEET_CRITICAL_RATE`.
@@ -108,6 +111,7 @@ impl SchedulerConfig {
             throttle: ms(a.throttle_ms),
             red_recheck: ms(a.red_recheck_ms),
             pressure_interval: ms(a.pressure_interval_ms),
+            pressure_hold: ms(a.pressure_hold_ms),
             rate: PerLane {
                 normal: a.rate,
                 critical: a.critical_rate,

@@ -264,7 +264,18 @@ impl Dispatcher {
                     })
                 })
                 .collect();
-            let answers = match self.reserve_retrying(&reqs, shutdown).await {
+            // What each task is (kind, submitted_at), written with its status by the same call.
+            let descs: Vec<fleet::route::TaskDescription> = asked
+                .iter()
+                .filter_map(|&i| {
+                    let e = envs[i].as_ref()?;
+                    Some(fleet::route::TaskDescription {
+                        kind: e.kind.clone(),
+                        submitted_at_ms: e.submitted_at.map(|t| t.timestamp_millis()),
+                    })
+                })
+                .collect();
+            let answers = match self.reserve_retrying(&reqs, &descs, shutdown).await {
                 Some(a) => a,
                 None => {
                     // Shutting down: leave everything unacked; the broker redelivers.
@@ -324,12 +335,18 @@ impl Dispatcher {
     async fn reserve_retrying(
         &self,
         reqs: &[ReserveRequest],
+        descs: &[fleet::route::TaskDescription],
         shutdown: &CancellationToken,
     ) -> Option<Vec<Reservation>> {
         let mut backoff = Duration::from_millis(50);
         let params = self.params();
         loop {
-            match self.session.store.reserve(reqs, params).await {
+            match self
+                .session
+                .store
+                .reserve_described(reqs, descs, params)
+                .await
+            {
                 Ok(a) if a.len() == reqs.len() => return Some(a),
                 Ok(a) => tracing::error!(
                     got = a.len(),
@@ -340,12 +357,13 @@ impl Dispatcher {
                     metrics::counter!(m::REDIS_ERRORS).increment(1);
                     tracing::error!(error = %e, tasks = reqs.len(), "reserve script failed on a batch; retrying task by task");
                     let mut out = Vec::with_capacity(reqs.len());
-                    for r in reqs {
+                    for (j, r) in reqs.iter().enumerate() {
+                        let d = descs.get(j).map(std::slice::from_ref).unwrap_or(&[]);
                         out.push(
                             match self
                                 .session
                                 .store
-                                .reserve(std::slice::from_ref(r), params)
+                                .reserve_described(std::slice::from_ref(r), d, params)
                                 .await
                             {
                                 Ok(mut a) if a.len() == 1 => a.remove(0),
@@ -680,6 +698,10 @@ impl Dispatcher {
                     writes.delayed(&e.id, e.lane, e.not_before)
                 }
                 _ => continue,
+            }
+            // What the task is, in the same HSET (no command of its own).
+            if let Some(e) = e {
+                writes.describe(&e.id, &e.kind, e.submitted_at);
             }
         }
         if let Err(err) = self

@@ -157,9 +157,9 @@ impl Recorder {
         let prev = last.as_ref().map(|(_, l)| l);
         for w in &workers {
             let before = prev.and_then(|l| l.totals.get(&w.id)).copied();
-            // Failed attempts: retried, dead-lettered or expired, and those whose outcome could
-            // not be recorded (the workers' per-outcome figures).
-            let failed = w.retried + w.dead + w.expired + w.failed;
+            // Failed attempts: those whose handler failed (retried or dead-lettered), the one
+            // definition of `failed` in every view (`WorkerView::failed`).
+            let failed = w.failed;
             if prev.is_some() {
                 p.succeeded += delta(before.map(|b| b.0), w.succeeded);
                 p.failed += delta(before.map(|b| b.1), failed);

@@ -31,6 +31,9 @@ pub struct GroupSample {
     pub parked_critical: u32,
     /// Age of the oldest task dispatched to the group and not yet started, in seconds.
     pub oldest_task_age_seconds: f64,
+    /// When these figures were sampled (Redis time, RFC 3339 UTC): they are as of this
+    /// stats tick (`FLEET_STATS_INTERVAL_MS`), not of the request.
+    pub sampled_at: String,
 }
 
 /// The last sample per group, shared with the API.
@@ -135,6 +138,7 @@ async fn sample(s: &Session, view: &FleetView, board: &GroupBoard) -> fleet::Res
         metrics::gauge!(m::GROUP_OLDEST_AGE, "group" => g.group.clone()).set(age);
         gs.backlog = backlog;
         gs.oldest_task_age_seconds = age;
+        gs.sampled_at = fleet::status::rfc3339_ms(now);
         seen.insert(g.group.clone(), gs);
     }
     *board.write().await = seen;

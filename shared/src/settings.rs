@@ -169,10 +169,10 @@ pub struct SchedulerArgs {
     /// Pending ratio (0-1) from which pressure is Red.
     #[arg(long, env = "FLEET_PENDING_RED", default_value = "0.9", value_parser = ratio)]
     pub pending_red: f64,
-    /// Load ratio (0-1) from which pressure is Yellow.
+    /// Load ratio (0-1) from which the fleet's utilisation is reported `high` (not a pressure state: a busy fleet is healthy).
     #[arg(long, env = "FLEET_LOAD_YELLOW", default_value = "0.68", value_parser = ratio)]
     pub load_yellow: f64,
-    /// Load ratio (0-1) from which pressure is Red.
+    /// Load ratio (0-1) from which the fleet's utilisation is reported `full` (not a pressure state).
     #[arg(long, env = "FLEET_LOAD_RED", default_value = "0.85", value_parser = ratio)]
     pub load_red: f64,
     /// Pause between dispatch batches while Yellow, in milliseconds.
@@ -184,6 +184,9 @@ pub struct SchedulerArgs {
     /// How often pressure is measured, in milliseconds.
     #[arg(long, env = "FLEET_PRESSURE_INTERVAL_MS", default_value = "250", value_parser = positive::<u64>)]
     pub pressure_interval_ms: u64,
+    /// Minimum time a pressure state holds before it gives way to a lower one, in milliseconds (a higher one is entered at once).
+    #[arg(long, env = "FLEET_PRESSURE_HOLD_MS", default_value = "1000")]
+    pub pressure_hold_ms: u64,
     /// Normal-lane dispatch rate limit, tasks per second, shared by every replica (0 = off, the default; 3000 with burst 6000 is the documented example).
     #[arg(long, env = "FLEET_RATE", default_value = "0", value_parser = non_negative_number)]
     pub rate: f64,

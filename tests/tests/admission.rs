@@ -73,29 +73,20 @@ async fn red_pressure_refuses_normal_work_but_not_critical() -> anyhow::Result<(
     let h = [("record", rec.handler())];
     let sched = start_scheduler(&ns, &[("ingress_max_normal", "3"), ("max_pending", "10")]).await?;
     let w = start_worker(&ns, "w1", "", 1, &[("critical_capacity", "1")], &h).await?;
-    // One long task fills the only normal slot: load 1.0 ≥ 0.85 → the published state is Red.
-    // The intake gate closes once work waits beyond the group's room (parked ≥ 0.9 × 10).
+    // One long task fills the only normal slot: load 1.0, a busy fleet — Green, intake open
+    // (issue 29 item 3). The state turns Red once work waits beyond the group's room
+    // (parked or queued past it ≥ 0.9 × 10), which the submissions below make.
     ns.submit(&[task("record", json!({"ms": 4000}), "")])
         .await?;
-    let p = wait_for(
-        "pressure red in the API and the metric",
-        Duration::from_secs(10),
-        || async {
-            let p = get_json(&sched.url("/v1/pressure")).await.ok()?;
-            let page = reqwest::get(sched.url("/metrics"))
-                .await
-                .ok()?
-                .text()
-                .await
-                .ok()?;
-            (p["state"] == "red" && metric_sum(&page, "fleet_pressure_state", &[]) == 2.0)
-                .then_some(p)
-        },
-    )
+    let p = wait_for("the only slot busy", Duration::from_secs(10), || async {
+        let p = get_json(&sched.url("/v1/pressure")).await.ok()?;
+        (p["load"].as_f64() == Some(1.0)).then_some(p)
+    })
     .await?;
-    assert!(
-        p["load"].as_f64().unwrap_or(0.0) >= 0.85 || p["pending"].as_u64().unwrap_or(0) >= 900,
-        "{p}"
+    assert_eq!(
+        (p["state"].as_str(), p["gate"].as_str()),
+        (Some("green"), Some("green")),
+        "a fully busy fleet is Green: {p}"
     );
 
     // Red closes the intake gate; HTTP producers are admitted like AMQP ones — while the
@@ -137,6 +128,25 @@ async fn red_pressure_refuses_normal_work_but_not_critical() -> anyhow::Result<(
     assert!(refusal.headers().get("retry-after").is_some());
     let body: serde_json::Value = refusal.json().await?;
     assert_eq!(body["error"], "pressure_red");
+    // Red in the API and the metric (one state).
+    wait_for(
+        "pressure red in the API and the metric",
+        Duration::from_secs(10),
+        || async {
+            let p = get_json(&sched.url("/v1/pressure")).await.ok()?;
+            let page = reqwest::get(sched.url("/metrics"))
+                .await
+                .ok()?
+                .text()
+                .await
+                .ok()?;
+            (p["state"] == "red"
+                && p["gate"] == "red"
+                && metric_sum(&page, "fleet_pressure_state", &[]) == 2.0)
+                .then_some(())
+        },
+    )
+    .await?;
     // An AMQP producer is refused at the same moment.
     assert_eq!(
         ns.submit_each(&[task("record", json!({}), "")]).await?,

@@ -655,7 +655,9 @@ async fn a_red_fleet_refuses_fires_which_are_counted_missed_then_fire_again() ->
             Ok(json!({}))
         }
     });
-    // One normal slot: a blocking task fills it, load 1.0 >= 0.85 makes the fleet Red.
+    // One normal slot held by blocking tasks, and work beyond the group's room (seeded at
+    // 1 × 2 × 4 = 8): 21 tasks put 13 beyond it, at max_pending 10 the fleet is Red (intake
+    // closed). A full slot alone is a busy fleet, Green (issue 29 item 3).
     let w = start_worker(
         &ns,
         "w1",
@@ -670,11 +672,14 @@ async fn a_red_fleet_refuses_fires_which_are_counted_missed_then_fire_again() ->
         &[
             ("schedule_tolerance_ms", "1000"),
             ("schedule_poll_ms", "100"),
+            ("max_pending", "10"),
         ],
     )
     .await?;
-    ns.submit(&[fleet_tests::task("block", json!({}), LABELS)])
-        .await?;
+    let blocks: Vec<_> = (0..21)
+        .map(|_| fleet_tests::task("block", json!({}), LABELS))
+        .collect();
+    ns.submit(&blocks).await?;
     wait_for("pressure red", Duration::from_secs(10), || async {
         let p = get_json(&s.url("/v1/pressure")).await.ok()?;
         (p["state"] == "red").then_some(())

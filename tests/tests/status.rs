@@ -434,3 +434,76 @@ async fn attempt_log_is_capped_and_expires_with_the_status() -> anyhow::Result<(
     );
     ns.cleanup().await
 }
+
+/// The status record says what the task was: `kind` and `submitted_at` are written with its
+/// first state by the script call that writes it (reserve.lua for queued/parked, the
+/// scheduler's batch write for waiting_for_worker), shown by the API and by `fleetctl status`
+/// from the first lookup to the end — before, a lookup had neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_status_record_says_what_the_task_was() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let sched = start_scheduler(&ns, &[]).await?;
+    let rec = Recorder::default();
+    let w = start_worker(
+        &ns,
+        "w-kind",
+        "zone=a",
+        1,
+        &[],
+        &[("record", rec.handler())],
+    )
+    .await?;
+    let c = reqwest::Client::new();
+    let submitted_at = "2026-12-01T10:00:00.000Z";
+    // One that runs, one no live worker matches (waiting_for_worker).
+    let r = c
+        .post(sched.url("/v1/tasks"))
+        .json(&json!([
+            {"id": format!("{}-runs", ns.name), "kind": "record", "labels": {"zone": "a"}, "submitted_at": submitted_at},
+            {"id": format!("{}-waits", ns.name), "kind": "resize", "labels": {"zone": "b"}},
+        ]))
+        .send()
+        .await?;
+    assert_eq!(r.status().as_u16(), 202, "{:?}", r.text().await?);
+    let runs = format!("{}-runs", ns.name);
+    let waits = format!("{}-waits", ns.name);
+    ns.wait_state(&runs, "succeeded", Duration::from_secs(20))
+        .await?;
+    let v = get_json(&sched.url(&format!("/v1/tasks/{runs}"))).await?;
+    assert_eq!(
+        (v["kind"].as_str(), v["submitted_at"].as_str()),
+        (Some("record"), Some(submitted_at)),
+        "{v}"
+    );
+    let v = wait_for("waiting for a worker", Duration::from_secs(10), || async {
+        let v = get_json(&sched.url(&format!("/v1/tasks/{waits}")))
+            .await
+            .ok()?;
+        (v["state"] == "waiting_for_worker").then_some(v)
+    })
+    .await?;
+    assert_eq!(v["kind"], "resize", "{v}");
+    // Stamped by the API at submission: a time, at most a minute old.
+    let at = v["submitted_at"]
+        .as_str()
+        .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+        .ok_or_else(|| anyhow::anyhow!("no submitted_at: {v}"))?;
+    let age = chrono::Utc::now().signed_duration_since(at);
+    assert!(
+        age >= chrono::Duration::zero() - chrono::Duration::seconds(5)
+            && age < chrono::Duration::seconds(60),
+        "{v}"
+    );
+    let api = format!("http://{}", sched.addr);
+    let (code, out, err) = fleetctl(&ns, &api, &["status", &runs]).await?;
+    assert_eq!(code, 0, "{err}");
+    let shown: Value = serde_json::from_str(&out)?;
+    assert_eq!(
+        (shown["kind"].as_str(), shown["submitted_at"].as_str()),
+        (Some("record"), Some(submitted_at)),
+        "{out}"
+    );
+    w.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}

@@ -123,7 +123,7 @@ async fn workers_and_groups_api_and_fleetctl_tables() -> anyhow::Result<()> {
             "RETRIED",
             "DEAD",
             "EXPIRED",
-            "FAILED"
+            "UNRECORDED"
         ]
     );
     assert!(out

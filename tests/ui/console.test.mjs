@@ -159,9 +159,12 @@ async function run(ctx) {
   await until("pressure figures equal to the API's", async () => {
     const p = (await api("/v1/pressure")).body;
     eq(await text(page, "#pressure-state"), p.state, "pressure state");
-    eq(await text(page, "#p-pending"), `${p.pending.toLocaleString("en-US")} / ${p.thresholds.max_pending.toLocaleString("en-US")}`, "pending");
-    eq(await text(page, "#p-load"), `${p.running} / ${p.capacity} (${(p.load * 100).toFixed(0)}%)`, "load");
-    eq(await text(page, "#p-gate"), p.gate, "gate");
+    eq(await text(page, "#p-waiting"), `${p.waiting.toLocaleString("en-US")} / ${p.thresholds.max_pending.toLocaleString("en-US")}`, "waiting beyond the rooms");
+    eq(await text(page, "#p-pending"), p.pending.toLocaleString("en-US"), "pending");
+    eq(await text(page, "#p-load"), `${p.running} / ${p.capacity} (${(p.load * 100).toFixed(0)}%, ${p.load_level})`, "load");
+    // One state: the badge and the intake line say the same thing (no red badge beside an open gate).
+    eq(await text(page, "#p-intake"), { green: "open", yellow: "throttled", red: "closed" }[p.state], "intake");
+    eq(p.gate, p.state, "the API's gate is the state");
     eq(await text(page, "#p-parked"), String(p.parked), "parked");
     eq(await text(page, "#p-reserved"), String(p.reserved), "reserved");
     eq([p.running, p.capacity], [1, 7], "pressure: beta's one running task, 4+2+1 capacity");
@@ -211,8 +214,10 @@ async function run(ctx) {
       eq(await cell("state"), w.state, `${w.id} state`);
       eq(await cell("running"), lanes(`${w.running}/${w.capacity}`, `${w.running_critical}/${w.critical_capacity}`), `${w.id} running`);
       eq(await cell("succeeded"), w.succeeded.toLocaleString("en-US"), `${w.id} succeeded`);
-      // Every attempt that did not succeed, not only the API's `failed` (outcome not recorded).
-      eq(await cell("failed"), (w.retried + w.dead + w.expired + w.failed).toLocaleString("en-US"), `${w.id} failed`);
+      // One definition of failed everywhere: attempts whose handler failed, retried + dead.
+      eq(w.failed, w.retried + w.dead, `${w.id}: the API's failed is retried + dead`);
+      eq(await cell("failed"), w.failed.toLocaleString("en-US"), `${w.id} failed`);
+      eq(await cell("unrecorded"), w.unrecorded.toLocaleString("en-US"), `${w.id} unrecorded`);
       if (typeof w.clock_skew_ms !== "number") fail(`${w.id}: no clock_skew_ms in the API`);
       if (!/^-?\d+ ms$/.test(await cell("skew"))) fail(`${w.id} skew cell: ${await cell("skew")}`);
     }
@@ -224,6 +229,15 @@ async function run(ctx) {
       failedCells.push(Number((await page.locator(`tr[data-worker="${w.id}"] td[data-k=failed]`).textContent()).trim().replace(/,/g, "")));
     }
     eq(failedCells.reduce((s, n) => s + n, 0), 4, `alpha's Failed cells (${failedCells})`);
+    // One source for running: each group's load (API) is its workers' running (API and page).
+    const groups = (await api("/v1/groups")).body;
+    for (const g of groups) {
+      const mine = workers.filter((w) => w.group === g.group);
+      eq(mine.reduce((s, w) => s + w.running, 0), g.load, `${g.group}: its workers' running = its load`);
+      let shown = 0;
+      for (const w of mine) shown += Number((await page.locator(`tr[data-worker="${w.id}"] td[data-k=running]`).textContent()).trim().split("/")[0]);
+      eq(shown, g.load, `${g.group}: the Running cells add up to its load`);
+    }
     const done = workers.filter((w) => w.group === EXPECT.idle_group).reduce((s, w) => s + w.succeeded, 0);
     eq(done >= 20, true, `alpha's succeeded total (${done}) covers the 20 echo tasks`);
     return true;

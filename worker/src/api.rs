@@ -58,9 +58,25 @@ pub fn router(
         .merge(fleet::http::common_routes(prom, ready, auth))
 }
 
+/// `GET /status`. Figures, one definition each (the same words as `GET /v1/workers`):
+/// `running` — tasks running here now; `succeeded`; `failed` — user task attempts whose
+/// handler failed (`retried + dead`); `unrecorded` — attempts whose outcome could not be
+/// recorded (the `failed` label of `fleet_tasks_completed_total`); `outcomes` — every outcome
+/// by the views' names (`succeeded`, `retried`, `dead`, `expired`, `unrecorded`).
 async fn status(State(api): State<Api>) -> Json<Value> {
     let (running, _) = api.stats.running();
-    let (succeeded, failed) = api.stats.totals();
+    let outcomes: Vec<(&str, u64)> = api
+        .stats
+        .outcomes()
+        .into_iter()
+        .map(|(o, n)| (crate::stats::view_name(o), n))
+        .collect();
+    let of = |name: &str| {
+        outcomes
+            .iter()
+            .find(|(o, _)| *o == name)
+            .map_or(0, |(_, n)| *n)
+    };
     let id = &api.identity;
     Json(json!({
         "id": id.worker_id,
@@ -72,10 +88,11 @@ async fn status(State(api): State<Api>) -> Json<Value> {
         "critical_capacity": id.capacity.critical,
         "running": running.normal,
         "running_critical": running.critical,
-        "succeeded": succeeded,
-        "failed": failed,
+        "succeeded": of("succeeded"),
+        "failed": of("retried") + of("dead"),
+        "unrecorded": of("unrecorded"),
         "latency_ewma_ms": api.stats.latency_ewma_ms(),
-        "outcomes": api.stats.outcomes().into_iter().map(|(o, n)| (o.to_string(), Value::from(n))).collect::<serde_json::Map<_, _>>(),
+        "outcomes": outcomes.iter().map(|(o, n)| (o.to_string(), Value::from(*n))).collect::<serde_json::Map<_, _>>(),
         // The queues each lane consumes now: one, or this worker's shard subset.
         "consuming": {
             "normal": api.stats.consuming(fleet::Lane::Normal),

@@ -32,6 +32,18 @@ pub struct Stats {
 /// `GET /v1/workers` (the same words, so every view of a worker agrees).
 pub const OUTCOMES: [&str; 5] = ["succeeded", "retried", "dead", "expired", "failed"];
 
+/// The name a view (`/status`, `GET /v1/workers`, fleetctl, the console) gives an outcome of
+/// [`OUTCOMES`]: the metric's `failed` (the outcome could not be recorded) is `unrecorded`
+/// there, so that `failed` means one thing everywhere — attempts whose handler failed
+/// (`retried + dead`).
+pub fn view_name(outcome: &'static str) -> &'static str {
+    if outcome == "failed" {
+        "unrecorded"
+    } else {
+        outcome
+    }
+}
+
 impl Stats {
     pub fn new() -> Self {
         Stats {

@@ -58,15 +58,20 @@ end
 -- Dispatched (S.queued, reserved in group g) or waiting for room (S.parked): never over a
 -- claimed attempt — a copy made by a scheduler that took over a crashed one's batch finds the
 -- task running or finished, and the worker acks that copy as a duplicate.
-local function status_waiting(id, state, g, lane, ttl_ms)
+-- `kind` and `sub` (submitted_at, Unix ms): what the task is, written in the same HSET when
+-- the caller knows them (nil or '' otherwise).
+local function status_waiting(id, state, g, lane, ttl_ms, kind, sub)
   local t = K_task(id)
   local cur = redis.call('HGET', t, 'state')
   if cur == S.running or is_final(cur) then return end
-  redis.call('HSET', t, 'state', state, 'group', g, 'lane', lane, 'queued_at', NOW_MS)
+  local set = { 'state', state, 'group', g, 'lane', lane, 'queued_at', NOW_MS }
+  if kind and kind ~= '' then set[#set + 1] = 'kind'; set[#set + 1] = kind end
+  if sub and sub ~= '' then set[#set + 1] = 'submitted_at'; set[#set + 1] = sub end
+  redis.call('HSET', t, unpack(set))
   redis.call('PEXPIRE', t, ttl_ms)
 end
-local function status_queued(id, g, lane, ttl_ms) status_waiting(id, S.queued, g, lane, ttl_ms) end
-local function status_parked(id, g, lane, ttl_ms) status_waiting(id, S.parked, g, lane, ttl_ms) end
+local function status_queued(id, g, lane, ttl_ms, kind, sub) status_waiting(id, S.queued, g, lane, ttl_ms, kind, sub) end
+local function status_parked(id, g, lane, ttl_ms, kind, sub) status_waiting(id, S.parked, g, lane, ttl_ms, kind, sub) end
 
 -- Claimed: attempt `att` runs on worker w (process inst) in group g; the run record (`run_*`,
 -- see start.lua) says which copy of which attempt runs and whether alone (`iso`).

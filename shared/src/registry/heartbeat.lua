@@ -25,7 +25,13 @@ for i = 11, #ARGV do
   local lane, task = string.match(ARGV[i], '^(%a+)|(.*)$')
   if lane then
     local r = redis.call('HMGET', K_task(task), 'run_owner', 'run_st', 'worker')
-    if r[1] == inst and r[2] == 'run' then
+    if not r[1] and not r[2] and not r[3] then
+      -- No run record at all: Redis lost it (restarted empty) while the task runs here.
+      -- Count the run again where a group's load and this worker's running read it (the
+      -- views' one source); finish.lua removes both entries whatever the record says.
+      redis.call('ZADD', K_run(g, lane), now + lease, task)
+      redis.call('SADD', K_wrun(id), ARGV[i])
+    elseif r[1] == inst and r[2] == 'run' then
       redis.call('ZADD', K_run(g, lane), now + lease, task)
       redis.call('SADD', K_wrun(id), ARGV[i])
       if not r[3] then

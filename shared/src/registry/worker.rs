@@ -71,14 +71,22 @@ pub struct WorkerView {
     pub kinds: String,
     pub capacity: u32,
     pub critical_capacity: u32,
+    /// Tasks running on the worker now (normal lane): the runs `start.lua` recorded for it and
+    /// `finish.lua` has not ended — the same records a group's `load` counts, read live (not
+    /// the worker's last heartbeat).
     pub running: u32,
+    /// The same for the critical lane.
     pub running_critical: u32,
     /// User task attempts that succeeded (health probes are not counted).
     pub succeeded: u64,
-    /// User task attempts whose outcome could not be recorded (sent back to the broker) —
-    /// the `failed` outcome of `fleet_tasks_completed_total`, not failed handler runs (those
-    /// are `retried` or `dead`).
+    /// User task attempts whose handler failed: `retried + dead` (one definition in every
+    /// view: the attempt log's `failed` and `dead` outcomes, the worker's `/status` `failed`).
+    #[serde(default)]
     pub failed: u64,
+    /// User task attempts whose outcome could not be recorded (sent back to the broker) —
+    /// the `failed` outcome label of `fleet_tasks_completed_total`.
+    #[serde(default)]
+    pub unrecorded: u64,
     /// Attempts that failed and were sent to a retry delay.
     #[serde(default)]
     pub retried: u64,
@@ -88,9 +96,15 @@ pub struct WorkerView {
     /// Attempts dropped because the deadline had passed.
     #[serde(default)]
     pub expired: u64,
+    /// As of the last heartbeat (`heartbeat_at`).
     pub latency_ewma_ms: f64,
+    /// As of the last heartbeat (`heartbeat_at`).
     pub cpu: f64,
     pub last_heartbeat_ms_ago: i64,
+    /// When the last heartbeat was recorded (Redis time, RFC 3339 UTC): the time the sampled
+    /// figures (`latency_ewma_ms`, `cpu`, clock skew) are as of.
+    #[serde(default)]
+    pub heartbeat_at: String,
 }
 
 fn any_kind() -> String {
@@ -236,19 +250,39 @@ impl Store {
         if ids.is_empty() {
             return Ok(vec![]);
         }
+        // Each worker's hash and its running tasks (`lane|task id`, kept by start.lua and
+        // finish.lua) in one pipeline: `running` is live, from the same records as a group's
+        // load, not the heartbeat's copy.
         let mut p = redis::pipe();
         for id in &ids {
             p.cmd("HGETALL").arg(self.names.worker(id));
+            p.cmd("SMEMBERS").arg(self.names.worker_running(id));
         }
-        let rows: Vec<BTreeMap<String, String>> = self.pipe(&p).await?;
+        let raw: Vec<redis::Value> = self.pipe(&p).await?;
+        let rows: Vec<(BTreeMap<String, String>, Vec<String>)> = raw
+            .chunks(2)
+            .map(|c| {
+                (
+                    redis::from_redis_value(c[0].clone()).unwrap_or_default(),
+                    c.get(1)
+                        .and_then(|v| redis::from_redis_value(v.clone()).ok())
+                        .unwrap_or_default(),
+                )
+            })
+            .collect();
         let now = self.clock.now_ms();
+        let count = |runs: &[String], lane: &str| {
+            runs.iter()
+                .filter(|r| r.split_once('|').is_some_and(|(l, _)| l == lane))
+                .count() as u32
+        };
         let num = |m: &BTreeMap<String, String>, k: &str| {
             m.get(k).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
         };
         Ok(rows
             .into_iter()
-            .filter(|m| m.contains_key("id"))
-            .map(|m| WorkerView {
+            .filter(|(m, _)| m.contains_key("id"))
+            .map(|(m, runs)| WorkerView {
                 id: m.get("id").cloned().unwrap_or_default(),
                 group: m.get("group").cloned().unwrap_or_default(),
                 labels: m
@@ -260,16 +294,18 @@ impl Store {
                 kinds: m.get("kinds").cloned().unwrap_or_else(any_kind),
                 capacity: num(&m, "cap") as u32,
                 critical_capacity: num(&m, "ccap") as u32,
-                running: num(&m, "load") as u32,
-                running_critical: num(&m, "cload") as u32,
+                running: count(&runs, "normal"),
+                running_critical: count(&runs, "critical"),
                 succeeded: num(&m, "n:succeeded") as u64,
-                failed: num(&m, "n:failed") as u64,
+                failed: (num(&m, "n:retried") + num(&m, "n:dead")) as u64,
+                unrecorded: num(&m, "n:failed") as u64,
                 retried: num(&m, "n:retried") as u64,
                 dead: num(&m, "n:dead") as u64,
                 expired: num(&m, "n:expired") as u64,
                 latency_ewma_ms: num(&m, "ewma_ms"),
                 cpu: num(&m, "cpu"),
                 last_heartbeat_ms_ago: now - num(&m, "hb") as i64,
+                heartbeat_at: crate::status::rfc3339_ms(num(&m, "hb") as i64),
             })
             .collect())
     }

@@ -12,7 +12,7 @@
 
 pub mod reserve;
 
-pub use reserve::{ReserveParams, ReserveRequest};
+pub use reserve::{ReserveParams, ReserveRequest, TaskDescription};
 
 /// How to choose among the groups with room.
 #[derive(

@@ -13,6 +13,9 @@
 -- ARGV[9]: random seed of this call (the weighted strategy's draws)
 -- ARGV[10]: number of distinct selectors m, then per selector: number of pairs n, then n pairs
 --   `k=v` (a batch's tasks mostly share a few selectors: each is sent and resolved once)
+-- then: number of task descriptions d (0, or the number of tasks), then d pairs: kind,
+--   submitted_at (Unix ms, '' unknown) — written into each task's status record with its
+--   queued/parked state (keys.lua status_waiting), in the same HSET
 -- then: number of tasks, then per task:
 --   id, lane, strategy ('' = default), dedupe (0 skip | 1 set-if-absent | 2 redelivered:
 --   duplicate only if already handed on),
@@ -153,10 +156,15 @@ local function is_open(st, lane, from_park)
   return st.used < st.limit and (from_park or not parked(st.g, lane, st))
 end
 
+local nd = tonumber(ARGV[i])
+local desc = i + 1
+i = i + 1 + 2 * nd
 local n = tonumber(ARGV[i])
 i = i + 1
 local out = {}
 for t = 1, n do
+  local kind, sub = nil, nil
+  if nd > 0 then kind, sub = ARGV[desc + 2 * (t - 1)], ARGV[desc + 2 * (t - 1) + 1] end
   local id, lane, strategy, dd = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local from_park, dedupe_only = ARGV[i + 4] == '1', ARGV[i + 4] == '2'
   local selk, kind = tonumber(ARGV[i + 5]), ARGV[i + 6]
@@ -232,7 +240,7 @@ for t = 1, n do
       local s = gstate(chosen, lane)
       s.used = s.used + 1
       redis.call('ZADD', K_resv(chosen, lane), now + lease, id)
-      status_queued(id, chosen, lane, st_ttl)
+      status_queued(id, chosen, lane, st_ttl, kind, sub)
       out[o], out[o + 1] = 'reserved', chosen
     elseif #live > 0 then
       local best, bg = nil, live[1].g
@@ -243,7 +251,7 @@ for t = 1, n do
       if not from_park then
         redis.call('SET', K_parked(bg, lane), '1', 'PX', park_ttl)
         gstate(bg, lane).parked = true
-        status_parked(id, bg, lane, st_ttl)
+        status_parked(id, bg, lane, st_ttl, kind, sub)
       end
       out[o], out[o + 1] = 'full', bg
     else

@@ -30,6 +30,16 @@ pub struct ReserveRequest {
     pub dedupe_only: bool,
 }
 
+/// What a task is, written into its status record by the same `reserve.lua` call that
+/// writes its state (queued or parked): no Redis command of its own.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TaskDescription {
+    /// The envelope's `kind`.
+    pub kind: String,
+    /// When the task was submitted (Unix ms; `None`: unknown).
+    pub submitted_at_ms: Option<i64>,
+}
+
 /// Parameters of routing common to a batch.
 #[derive(Debug, Clone, Copy)]
 pub struct ReserveParams {
@@ -56,6 +66,18 @@ impl Store {
     pub async fn reserve(
         &self,
         reqs: &[ReserveRequest],
+        p: ReserveParams,
+    ) -> Result<Vec<Reservation>> {
+        self.reserve_described(reqs, &[], p).await
+    }
+
+    /// [`Store::reserve`] that also writes each task's [`TaskDescription`] (`kind`,
+    /// `submitted_at`) into its status record with its state, in the same script call.
+    /// `descs` is empty (nothing written) or one per request, in order.
+    pub async fn reserve_described(
+        &self,
+        reqs: &[ReserveRequest],
+        descs: &[TaskDescription],
         p: ReserveParams,
     ) -> Result<Vec<Reservation>> {
         if reqs.is_empty() {
@@ -87,6 +109,19 @@ impl Store {
             .arg(selectors.len());
         for pairs in &selectors {
             inv.arg(pairs.len()).arg(pairs);
+        }
+        let descs = if descs.len() == reqs.len() {
+            descs
+        } else {
+            &[]
+        };
+        inv.arg(descs.len());
+        for d in descs {
+            inv.arg(&d.kind).arg(
+                d.submitted_at_ms
+                    .map(|ms| ms.to_string())
+                    .unwrap_or_default(),
+            );
         }
         inv.arg(reqs.len());
         for (r, k) in reqs.iter().zip(which) {

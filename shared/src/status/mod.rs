@@ -30,7 +30,7 @@ mod read;
 mod state;
 mod write;
 
-pub use read::{attempt_history, typed, typed_attempt};
+pub use read::{attempt_history, rfc3339_ms, typed, typed_attempt};
 pub use state::{AttemptOutcome, DeadReason, TaskState, UnknownWord};
 pub use write::Writes;
 

@@ -132,6 +132,15 @@ pub fn attempt_history(record: &BTreeMap<String, String>, raw: &[Vec<u8>]) -> Ve
     out
 }
 
+/// Unix milliseconds → RFC 3339 UTC with milliseconds (`2026-11-30T10:48:01.123Z`); `""` for
+/// 0 or less (never recorded).
+pub fn rfc3339_ms(ms: i64) -> String {
+    if ms <= 0 {
+        return String::new();
+    }
+    time(&ms.to_string()).unwrap_or_default()
+}
+
 /// Unix milliseconds or an RFC 3339 time → RFC 3339 UTC with milliseconds.
 fn time(v: &str) -> Option<String> {
     let t: DateTime<Utc> = match v.parse::<i64>() {

@@ -76,6 +76,19 @@ impl Writes {
         );
     }
 
+    /// Adds what the task is (`kind`, `submitted_at` as Unix ms) to the transition collected
+    /// last for `id` (written in the same HSET); nothing when the last one is another task's.
+    pub fn describe(&mut self, id: &str, kind: &str, submitted_at: Option<DateTime<Utc>>) {
+        if let Some((last, fields)) = self.records.last_mut() {
+            if last == id {
+                fields.push(("kind", kind.to_string()));
+                if let Some(t) = submitted_at {
+                    fields.push(("submitted_at", t.timestamp_millis().to_string()));
+                }
+            }
+        }
+    }
+
     fn push(&mut self, id: &str, state: TaskState, mut fields: Vec<(&'static str, String)>) {
         fields.insert(0, ("state", state.to_string()));
         self.records.push((id.to_string(), fields));

@@ -194,10 +194,12 @@ async function renderOverview() {
   const badge = $("#pressure-state");
   badge.textContent = pr.state;
   badge.className = `badge ${pr.state}`;
+  $("#p-since").textContent = pr.since_ms ? `since ${new Date(pr.since_ms).toISOString().slice(11, 19)} UTC` : "";
+  $("#p-intake").textContent = { green: "open", yellow: "throttled", red: "closed" }[pr.state] ?? pr.state;
   const max = pr.thresholds ? pr.thresholds.max_pending : null;
-  $("#p-pending").textContent = max ? `${fmt.n(pr.pending)} / ${fmt.n(max)}` : fmt.n(pr.pending);
-  $("#p-load").textContent = `${fmt.n(pr.running)} / ${fmt.n(pr.capacity)} (${fmt.pct(pr.load)})`;
-  $("#p-gate").textContent = pr.gate;
+  $("#p-waiting").textContent = max ? `${fmt.n(pr.waiting)} / ${fmt.n(max)}` : fmt.n(pr.waiting);
+  $("#p-pending").textContent = fmt.n(pr.pending);
+  $("#p-load").textContent = `${fmt.n(pr.running)} / ${fmt.n(pr.capacity)} (${fmt.pct(pr.load)}, ${pr.load_level ?? "–"})`;
   $("#p-ingress").textContent = fmt.n(pr.ingress_backlog);
   $("#p-parked").textContent = fmt.n(pr.parked);
   $("#p-reserved").textContent = fmt.n(pr.reserved);
@@ -242,8 +244,9 @@ async function renderGroups() {
     h("td", { dataset: { k: "queued" } }, lanes(g.queued ?? "–", g.queued_critical ?? "–")),
     h("td", { dataset: { k: "parked" } }, lanes(g.parked ?? "–", g.parked_critical ?? "–")),
     h("td", { class: "num", dataset: { k: "oldest" } }, g.oldest_task_age_seconds === undefined ? "–" : fmt.secs(g.oldest_task_age_seconds)),
+    h("td", { dataset: { k: "as-of" } }, g.sampled_at ? timeEl(g.sampled_at) : "–"),
     h("td", { dataset: { k: "probe" } }, probeCell(g))));
-  $("#groups-table tbody").replaceChildren(...(rows.length ? rows : [h("tr", { class: "empty" }, h("td", { colspan: 11 }, "No groups registered."))]));
+  $("#groups-table tbody").replaceChildren(...(rows.length ? rows : [h("tr", { class: "empty" }, h("td", { colspan: 12 }, "No groups registered."))]));
 }
 
 async function drain(id) {
@@ -253,12 +256,6 @@ async function drain(id) {
   if (r.status === 202) notice(`Worker ${id} is draining (was ${r.body.previous_state}).`);
   else notice(`Cannot drain ${id}: ${problem(r)}`, false);
   refreshNow();
-}
-
-/** A worker's attempts that did not succeed: retried, dead, expired, and those whose outcome
- * could not be recorded (the API's `failed` is only the last kind). */
-function notSucceeded(w) {
-  return (w.retried ?? 0) + (w.dead ?? 0) + (w.expired ?? 0) + (w.failed ?? 0);
 }
 
 async function renderWorkers() {
@@ -274,11 +271,12 @@ async function renderWorkers() {
       h("td", { dataset: { k: "running" } }, lanes(`${w.running}/${w.capacity}`, `${w.running_critical}/${w.critical_capacity}`)),
       h("td", { class: "num", dataset: { k: "heartbeat" } }, `${fmt.secs(w.last_heartbeat_ms_ago / 1000)} ago`),
       h("td", { class: "num", dataset: { k: "succeeded" } }, fmt.n(w.succeeded)),
-      h("td", { class: "num", dataset: { k: "failed" } }, fmt.n(notSucceeded(w))),
+      h("td", { class: "num", dataset: { k: "failed" } }, fmt.n(w.failed)),
+      h("td", { class: "num", dataset: { k: "unrecorded" } }, fmt.n(w.unrecorded ?? 0)),
       h("td", { class: "num", dataset: { k: "skew" } }, skew === undefined || skew === null ? "–" : `${skew} ms`),
       h("td", {}, h("button", { class: "small drain", disabled: w.state === "draining", on: { click: () => drain(w.id) } }, "Drain")));
   });
-  $("#workers-table tbody").replaceChildren(...(rows.length ? rows : [h("tr", { class: "empty" }, h("td", { colspan: 10 }, "No workers registered."))]));
+  $("#workers-table tbody").replaceChildren(...(rows.length ? rows : [h("tr", { class: "empty" }, h("td", { colspan: 11 }, "No workers registered."))]));
 }
 
 // Dead letters: the selection survives refreshes.
@@ -398,10 +396,10 @@ async function renderSchedules() {
           : h("button", { class: "small resume", on: { click: () => scheduleAction(s, "resume") } }, "Resume")),
       h("td", { dataset: { k: "next" } }, timeEl(s.next_tick)),
       h("td", { dataset: { k: "last" } }, timeEl(s.last_tick)),
-      h("td", { dataset: { k: "last-run" } }, lastRun(s)),
+      h("td", { class: "wrap", dataset: { k: "last-run" } }, lastRun(s)),
       h("td", { class: "mono", dataset: { k: "cron" } }, s.cron),
       h("td", { dataset: { k: "timezone" } }, s.timezone),
-      h("td", { dataset: { k: "task" } }, `${task.kind ?? "–"}${task.labels ? ` (${fmt.labels(task.labels)})` : ""}`),
+      h("td", { class: "wrap", dataset: { k: "task" } }, `${task.kind ?? "–"}${task.labels ? ` (${fmt.labels(task.labels)})` : ""}`),
       h("td", { dataset: { k: "missed" } }, missed ?? "–"));
   });
   $("#schedules-table tbody").replaceChildren(...(rows.length ? rows : [h("tr", { class: "empty" }, h("td", { colspan: 10 }, "No schedules."))]));
@@ -423,9 +421,11 @@ async function lookupTask(id) {
   if (r.status !== 200) { out.replaceChildren(h("p", { class: "error" }, problem(r))); return; }
   const t = r.body;
   const time = /(_at|_ms)$/;
-  const known = ["id", "state", "attempt", "max_attempts", "group", "lane", "worker", "reason", "error", "result", "attempts"];
+  const known = ["id", "kind", "submitted_at", "state", "attempt", "max_attempts", "group", "lane", "worker", "reason", "error", "result", "attempts"];
   const dl = h("dl", { class: "kv", id: "task-fields" },
     row("id", t.id),
+    row("kind", t.kind ?? "–"),
+    row("submitted_at", t.submitted_at ? timeEl(t.submitted_at) : "–"),
     row("state", h("span", { class: `badge ${t.state}` }, t.state ?? "–")),
     ...["attempt", "max_attempts", "group", "lane", "worker", "reason", "error", "result"].filter((k) => t[k] !== undefined).flatMap((k) => row(k, String(t[k]))),
     ...Object.keys(t).filter((k) => !known.includes(k)).sort().flatMap((k) => row(k, time.test(k) || k === "not_before" ? timeEl(t[k]) : String(t[k]))));
