@@ -26,6 +26,8 @@
 --          'reserved', g (status queued) | 'full', g (matches, no room: park there; status
 --          parked) | 'none', '' (no live group matches) | 'dup', '' (id seen within the
 --          window) | 'fresh', '' (mode 2: not a duplicate)
+-- A fresh submission (dedupe 1) of an id whose mark has expired (the window counts from the
+-- submission) and whose last run has ended is a new run of the id: keys.lua status_resubmitted.
 -- Dedupe marks: 'p:<token>' while a submission is being handled, 'a' once the scheduler has
 -- handed it on (confirmed; set just before it acks the ingress message). A mark written by
 -- this batch's token is its own (a retry of this very batch after a failed call: Redis keeps
@@ -146,7 +148,14 @@ for t = 1, n do
     -- Set-if-absent and read in one command (SET … NX GET, Redis 7.0): the old mark, or
     -- false when this call set it.
     local mark = redis.call('SET', K_dedupe(id), token, 'PX', dd_ttl, 'NX', 'GET')
-    if mark then dup = mark ~= token end
+    if mark then
+      dup = mark ~= token
+    elseif is_final(redis.call('HGET', K_task(id), 'state')) then
+      -- No mark: the id's window has passed. A run that ended (succeeded, dead, expired) makes
+      -- this a new run of the id, not a copy of that one: its record is cleared (an id still
+      -- in flight keeps its record, and the worker takes this copy for a copy of that run).
+      status_resubmitted(id, st_ttl)
+    end
   elseif dd == '2' then
     local mark = redis.call('GET', K_dedupe(id))
     if mark == 'a' then
