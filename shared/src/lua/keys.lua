@@ -60,15 +60,22 @@ end
 -- Dispatched (S.queued, reserved in group g) or waiting for room (S.parked): never over a
 -- claimed attempt — a copy made by a scheduler that took over a crashed one's batch finds the
 -- task running or finished, and the worker acks that copy as a duplicate.
-local function status_waiting(id, state, g, lane, ttl_ms)
+-- `fresh`: this call set the id's dedupe mark (a new submission, its window passed): a final
+-- record is then an ended run's, and this is a new run (status_resubmitted, below).
+local status_resubmitted
+local function status_waiting(id, state, g, lane, ttl_ms, fresh)
   local t = K_task(id)
   local cur = redis.call('HGET', t, 'state')
+  if fresh and is_final(cur) then
+    status_resubmitted(id, ttl_ms)
+    cur = nil
+  end
   if cur == S.running or is_final(cur) then return end
   redis.call('HSET', t, 'state', state, 'group', g, 'lane', lane, 'queued_at', NOW_MS)
   redis.call('PEXPIRE', t, ttl_ms)
 end
-local function status_queued(id, g, lane, ttl_ms) status_waiting(id, S.queued, g, lane, ttl_ms) end
-local function status_parked(id, g, lane, ttl_ms) status_waiting(id, S.parked, g, lane, ttl_ms) end
+local function status_queued(id, g, lane, ttl_ms, fresh) status_waiting(id, S.queued, g, lane, ttl_ms, fresh) end
+local function status_parked(id, g, lane, ttl_ms, fresh) status_waiting(id, S.parked, g, lane, ttl_ms, fresh) end
 
 -- Claimed: attempt `att` runs on worker w (process inst) in group g; the run record (`run_*`,
 -- see start.lua) says which copy of which attempt runs and whether alone (`iso`).
@@ -142,7 +149,7 @@ end
 -- the worker's claim (start.lua) sees no run record and runs it as attempt 1 — and its kept
 -- success (not in the log, see finish.lua) is logged first: the attempt log, which stays, holds
 -- the earlier runs' attempts.
-local function status_resubmitted(id, ttl_ms)
+function status_resubmitted(id, ttl_ms)
   local t = K_task(id)
   local r = redis.call('HMGET', t, 'state', 'attempt', 'worker', 'started_at', 'finished_at', 'run_base')
   if r[1] == S.succeeded and r[6] then
@@ -150,6 +157,11 @@ local function status_resubmitted(id, ttl_ms)
       finished_at = tonumber(r[5]), outcome = O.succeeded }, ttl_ms)
   end
   redis.call('DEL', t)
+end
+-- A fresh submission that writes no waiting status here (no live group matches, or delayed:
+-- the scheduler writes that status): the same check as status_waiting's.
+local function status_renew_if_final(id, ttl_ms)
+  if is_final(redis.call('HGET', K_task(id), 'state')) then status_resubmitted(id, ttl_ms) end
 end
 
 -- Replayed from the dead-letter queue (dead_claim.lua): the old record goes, and the id is held

@@ -143,18 +143,19 @@ for t = 1, n do
   if strategy == '' then strategy = default_strategy end
   local o = 2 * t - 1
 
-  local dup = false
+  local dup, fresh = false, false
   if dd == '1' then
     -- Set-if-absent and read in one command (SET … NX GET, Redis 7.0): the old mark, or
     -- false when this call set it.
     local mark = redis.call('SET', K_dedupe(id), token, 'PX', dd_ttl, 'NX', 'GET')
     if mark then
       dup = mark ~= token
-    elseif is_final(redis.call('HGET', K_task(id), 'state')) then
-      -- No mark: the id's window has passed. A run that ended (succeeded, dead, expired) makes
-      -- this a new run of the id, not a copy of that one: its record is cleared (an id still
-      -- in flight keeps its record, and the worker takes this copy for a copy of that run).
-      status_resubmitted(id, st_ttl)
+    else
+      -- No mark: new, or the id's window has passed. A run that ended (succeeded, dead,
+      -- expired) makes this a new run of the id, not a copy of that one: the status writer
+      -- below clears its record (read there anyway: no command more per task). An id still
+      -- in flight keeps its record, and the worker takes this copy for a copy of that run.
+      fresh = true
     end
   elseif dd == '2' then
     local mark = redis.call('GET', K_dedupe(id))
@@ -172,6 +173,7 @@ for t = 1, n do
   if dup then
     out[o], out[o + 1] = 'dup', ''
   elseif dedupe_only then
+    if fresh then status_renew_if_final(id, st_ttl) end
     out[o], out[o + 1] = 'fresh', ''
   else
     local live, selkey = live_groups(selk, lane)
@@ -218,7 +220,7 @@ for t = 1, n do
       local s = gstate(chosen, lane)
       s.used = s.used + 1
       redis.call('ZADD', K_resv(chosen, lane), now + lease, id)
-      status_queued(id, chosen, lane, st_ttl)
+      status_queued(id, chosen, lane, st_ttl, fresh)
       out[o], out[o + 1] = 'reserved', chosen
     elseif #live > 0 then
       local best, bg = nil, live[1].g
@@ -229,10 +231,11 @@ for t = 1, n do
       if not from_park then
         redis.call('SET', K_parked(bg, lane), '1', 'PX', park_ttl)
         gstate(bg, lane).parked = true
-        status_parked(id, bg, lane, st_ttl)
+        status_parked(id, bg, lane, st_ttl, fresh)
       end
       out[o], out[o + 1] = 'full', bg
     else
+      if fresh then status_renew_if_final(id, st_ttl) end
       out[o], out[o + 1] = 'none', ''
     end
   end
