@@ -47,8 +47,8 @@ struct Cli {
         help_heading = GLOBAL
     )]
     amqp_url: String,
-    /// Redis, used by `dead replay` (to clear a replayed task's dedupe mark) and
-    /// `delete-namespace`. With FLEET_REDIS_SENTINELS it carries only the password and db.
+    /// Redis, used by `dead list` and `dead replay` (the dead queue's reader lease; a replay's
+    /// per-id claim, which clears the dedupe mark) and `delete-namespace`. With FLEET_REDIS_SENTINELS it carries only the password and db.
     #[arg(
         long,
         env = "FLEET_REDIS_URL",
@@ -267,6 +267,13 @@ enum DeadCmd {
         /// Replay every dead letter.
         #[arg(long)]
         all: bool,
+        /// The producer's size limit, as the scheduler has it: a letter still over it without
+        /// fleet's own fields (an `oversized` one) is not replayed — it would die again.
+        #[arg(long, env = "FLEET_MAX_TASK_BYTES", default_value_t = 1_048_576, value_parser = clap::value_parser!(u64).range(1..))]
+        max_task_bytes: u64,
+        /// The status TTL, as the scheduler has it (how long a replay's claim of an id lives).
+        #[arg(long, env = "FLEET_STATUS_TTL_MS", default_value_t = 86_400_000, value_parser = clap::value_parser!(u64).range(1..))]
+        status_ttl_ms: u64,
     },
 }
 
@@ -298,8 +305,17 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Groups => groups(&cli).await,
         Cmd::Drain { id } => drain(&cli, id).await,
         Cmd::Dead(DeadCmd::List { limit }) => dead_list(&cli, &names, *limit).await,
-        Cmd::Dead(DeadCmd::Replay { id, all }) => {
-            dead_replay(&cli, &names, id.as_deref(), *all).await
+        Cmd::Dead(DeadCmd::Replay {
+            id,
+            all,
+            max_task_bytes,
+            status_ttl_ms,
+        }) => {
+            let limits = dead::ReplayLimits {
+                max_bytes: usize::try_from(*max_task_bytes).unwrap_or(usize::MAX),
+                status_ttl: Duration::from_millis(*status_ttl_ms),
+            };
+            dead_replay(&cli, &names, id.as_deref(), *all, &limits).await
         }
         Cmd::DeleteNamespace { yes } => delete_namespace(&cli, &names, *yes).await,
         Cmd::Schedule(c) => schedule(&cli, c).await,
@@ -847,7 +863,10 @@ fn one_line(s: &str, max: usize) -> String {
 
 async fn dead_list(cli: &Cli, names: &Names, limit: u32) -> Result<ExitCode> {
     let conn = connect(cli).await?;
-    let listing = dead::list(&conn, names, limit)
+    // The reader lease keeps this listing from hiding letters from a scheduler's (and the
+    // other way round); without Redis the listing goes ahead unleased.
+    let store = store(cli, names).ok();
+    let listing = dead::list(&conn, store.as_ref(), names, limit)
         .await
         .with_context(|| format!("reading {}", names.dead_queue()));
     let _ = conn.close(200, ShortString::from("done")).await;
@@ -879,14 +898,20 @@ async fn dead_list(cli: &Cli, names: &Names, limit: u32) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn dead_replay(cli: &Cli, names: &Names, id: Option<&str>, all: bool) -> Result<ExitCode> {
+async fn dead_replay(
+    cli: &Cli,
+    names: &Names,
+    id: Option<&str>,
+    all: bool,
+    limits: &dead::ReplayLimits,
+) -> Result<ExitCode> {
     let conn = connect(cli).await?;
     let store = store(cli, names).ok();
     let sel = match (id, all) {
         (Some(id), false) => dead::Selection::ids([id]),
         _ => dead::Selection::all(),
     };
-    let report = dead::replay(&conn, store.as_ref(), names, &sel).await;
+    let report = dead::replay(&conn, store.as_ref(), names, &sel, limits).await;
     let _ = conn.close(200, ShortString::from("done")).await;
     let report = report.with_context(|| format!("replaying from {}", names.dead_queue()))?;
     for (id, why) in &report.failed {

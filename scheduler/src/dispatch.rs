@@ -154,8 +154,24 @@ impl Dispatcher {
                 Source::Ingress(_) => d.properties.message_id().as_ref().map(|m| m.to_string()),
                 _ => None,
             };
-            let parsed = Envelope::parse_with_id(&d.data, &limits, message_id.as_deref()).and_then(
-                |mut e| {
+            // A dead-letter replay (`x-fleet-replay`) carries fleet's own fields from its first
+            // pass: it is measured without them (`Envelope::fleet_fields_len`, bounded), so a
+            // task that was under the producer's limit is under it again (`fleet::dead`).
+            let replay = matches!(source, Source::Ingress(_))
+                && amqp::header_text(&d.properties, fleet::headers::REPLAY).is_some();
+            let parse_limits = if replay { limits.internal() } else { limits };
+            let parsed = Envelope::parse_with_id(&d.data, &parse_limits, message_id.as_deref())
+                .and_then(|e| {
+                    let size = d.data.len().saturating_sub(e.fleet_fields_len());
+                    if replay && size > limits.max_bytes {
+                        return Err(fleet::envelope::Reject::Oversized {
+                            size,
+                            limit: limits.max_bytes,
+                        });
+                    }
+                    Ok(e)
+                })
+                .and_then(|mut e| {
                     if let Source::Ingress(lane) = source {
                         e.lane = *lane;
                         // A deadline runs from submission: the producer's `submitted_at`, else the
@@ -179,8 +195,7 @@ impl Dispatcher {
                     }
                     e.normalize(now, self.session.cfg.common.default_max_attempts)?;
                     Ok(e)
-                },
-            );
+                });
             match parsed {
                 Err(r) => {
                     envs.push(None);

@@ -5,21 +5,46 @@
 //! **Reading without removing.** AMQP 0-9-1 has no "peek": a reader takes messages with
 //! `basic.get` *without acking them* and closes its channel, which hands every unacked message
 //! back to the queue (classic queues put them back in place; quorum queues count it as a
-//! redelivery — the dead queue has no delivery limit, so nothing is dropped). While a listing
-//! holds a message another reader cannot see it, so callers in one process serialise their
-//! reads (the scheduler holds one permit per namespace). A listing is bounded by `scan`: a
-//! queue deeper than that is reported with its depth and the first `scan` letters.
+//! redelivery — the dead queue has no delivery limit, so nothing is dropped). While a reader
+//! holds a message no other reader can see it, so every reader of a namespace's dead queue —
+//! each scheduler replica's API, `fleetctl` — first takes one lease in Redis ([`ReaderLease`],
+//! `deadrd`, renewed while it reads): a listing on one replica is complete whatever the others
+//! do, and a replay considers exactly the letters in the queue when it starts (the queue is
+//! FIFO and nobody else holds any, so its first `depth` gets are those letters; a replayed task
+//! that dies again lands behind them). A lease and not a listing that hides nothing: RabbitMQ
+//! has no way to read a queue's messages without taking them (a stream would, but the dead
+//! queue is a quorum queue that `basic.get`, acks and the broker's dead-lettering need). Waiting
+//! for the lease is bounded ([`LEASE_WAIT`]); a reader that dies frees it when its TTL runs out.
+//! A listing is bounded by `scan`: a queue deeper than that is reported with its depth and the
+//! first `scan` letters.
 //!
 //! **Replay** = the task submitted again, as if new: attempt 0, no `not_before`, a fresh
-//! `submitted_at` (so its wait is measured from the replay and it gets the full no-match grace),
-//! a relative `timeout_ms` restarted (an absolute `deadline` is the producer's and stays), its
-//! dedupe mark and old status cleared in Redis (else the scheduler would drop it as a duplicate).
-//! It is published with confirms to `<ns>.submit` and only then acked off the dead queue: a
-//! failure leaves the letter where it was. Only the letters in the queue when the replay starts
-//! are considered, so a replayed task that dies again is not replayed twice.
+//! `submitted_at` (so its wait is measured from the replay and it gets the full no-match grace;
+//! sent in the `x-fleet-submitted-at` header), a relative `timeout_ms` restarted (an absolute
+//! `deadline` is the producer's and stays). It is published with confirms to `<ns>.submit` with
+//! the `x-fleet-replay` header and only then acked off the dead queue: a failure leaves the
+//! letter where it was. Per letter, before publishing:
+//!
+//! * **Size.** The producer's size limit (`FLEET_MAX_TASK_BYTES`) is for the producer's bytes;
+//!   the scheduler measures a replay without the fields fleet itself fills in
+//!   ([`Envelope::fleet_fields_len`]), and the replay measures it the same way first: a letter
+//!   that would still be over the limit (an `oversized` letter, unless the limit was raised) is
+//!   refused with that reason instead of being sent into a certain re-death.
+//! * **One replay of an id at a time** (`lua/dead_claim.lua`, atomic in Redis): the id is
+//!   claimed only if its status is absent or final; the claim clears its dedupe mark and holds
+//!   the status `queued` until the scheduler dispatches it. Another letter of the same id, in
+//!   this replay or on another replica, finds the id in flight (or its replay succeeded within
+//!   the dedupe window) and is left in the dead queue with that reason — two letters of one id
+//!   never run it twice. A replayed task that died again may be replayed at once. A failed publish gives the
+//!   claim back (`lua/dead_unclaim.lua`).
+//!
+//! Without Redis ([`replay`] given no store: `fleetctl` with Redis unreachable) there is neither
+//! lease nor claim: the replay proceeds as before, with a warning.
 
 use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
 
+use deadpool_redis::redis;
 use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
@@ -27,7 +52,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::amqp;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::headers;
 use crate::status::DeadReason;
 use crate::{Envelope, Names, Store};
@@ -182,14 +207,44 @@ async fn depth(ch: &Channel, queue: &str) -> Result<u32> {
     Ok(q.message_count())
 }
 
-/// Lists up to `scan` dead letters without removing any (see the module docs).
-pub async fn list(conn: &Connection, names: &Names, scan: u32) -> Result<Listing> {
+/// Lists up to `scan` dead letters without removing any (see the module docs), holding the
+/// namespace's [`ReaderLease`] when `store` is given.
+///
+/// # Errors
+/// The broker refused; Redis unreachable; the lease not free within [`LEASE_WAIT`]
+/// ([`Error::Busy`]).
+pub async fn list(
+    conn: &Connection,
+    store: Option<&Store>,
+    names: &Names,
+    scan: u32,
+) -> Result<Listing> {
+    let mut lease = match store {
+        Some(s) => Some(ReaderLease::acquire(s).await?),
+        None => None,
+    };
+    let result = list_on(conn, lease.as_mut(), names, scan).await;
+    if let Some(l) = lease {
+        l.release().await;
+    }
+    result
+}
+
+async fn list_on(
+    conn: &Connection,
+    mut lease: Option<&mut ReaderLease<'_>>,
+    names: &Names,
+    scan: u32,
+) -> Result<Listing> {
     let ch = conn.create_channel().await?;
     let queue = names.dead_queue();
     let result = async {
         let depth = depth(&ch, &queue).await?;
         let mut letters = Vec::new();
         for _ in 0..scan.min(depth) {
+            if let Some(l) = lease.as_deref_mut() {
+                l.keep().await?;
+            }
             let Some(m) = ch
                 .basic_get(
                     ShortString::from(queue.as_str()),
@@ -209,35 +264,185 @@ pub async fn list(conn: &Connection, names: &Names, scan: u32) -> Result<Listing
     result
 }
 
-/// Replays the selected dead letters (see the module docs). `store` clears each replayed
-/// task's dedupe mark and old status; without it (Redis down) the scheduler may drop a replay
-/// whose id it saw within its dedupe window, so callers should pass one.
+/// How long a reader waits for the [`ReaderLease`] before giving up ([`Error::Busy`]).
+pub const LEASE_WAIT: Duration = Duration::from_secs(30);
+/// The lease's TTL: how long a reader that died holds the dead queue up. A live reader renews
+/// it at a third of that ([`ReaderLease::keep`]), so a slow broker never lets it lapse.
+const LEASE_TTL: Duration = Duration::from_secs(15);
+
+/// The namespace's dead-queue reader lease (`deadrd` in Redis: the holder's token with a TTL;
+/// see the module docs). Taken with `SET NX PX`, renewed and released by `lua/dead_lock.lua`
+/// only while held.
+pub struct ReaderLease<'a> {
+    store: &'a Store,
+    token: String,
+    renewed: Instant,
+}
+
+impl<'a> ReaderLease<'a> {
+    /// Waits up to [`LEASE_WAIT`] for the lease (polling every 20 ms).
+    ///
+    /// # Errors
+    /// Redis unreachable; [`Error::Busy`] when another reader held it the whole time.
+    ///
+    /// # Cancel safety
+    /// Dropped after it took the lease, the lease stays taken until its TTL runs out.
+    pub async fn acquire(store: &'a Store) -> Result<Self> {
+        let token = uuid::Uuid::new_v4().simple().to_string();
+        let started = Instant::now();
+        loop {
+            let got: Option<String> = store
+                .query(
+                    redis::cmd("SET")
+                        .arg(store.names.dead_lock())
+                        .arg(&token)
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(crate::store::millis(LEASE_TTL)),
+                )
+                .await?;
+            if got.is_some() {
+                return Ok(ReaderLease {
+                    store,
+                    token,
+                    renewed: Instant::now(),
+                });
+            }
+            if started.elapsed() >= LEASE_WAIT {
+                return Err(Error::Busy(format!(
+                    "another reader (a scheduler replica or fleetctl) has held the dead queue for {} s",
+                    LEASE_WAIT.as_secs()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Renews the lease once a third of its TTL has passed since the last renewal.
+    ///
+    /// # Errors
+    /// Redis unreachable; [`Error::Busy`] if the lease was lost (it ran out: another reader
+    /// may be reading now, so this one stops).
+    pub async fn keep(&mut self) -> Result<()> {
+        if self.renewed.elapsed() < LEASE_TTL / 3 {
+            return Ok(());
+        }
+        if self.call(crate::store::millis(LEASE_TTL)).await? == 0 {
+            return Err(Error::Busy(
+                "the dead-queue reader lease ran out while reading".into(),
+            ));
+        }
+        self.renewed = Instant::now();
+        Ok(())
+    }
+
+    /// Gives the lease back (a failure is logged: the TTL frees it).
+    pub async fn release(self) {
+        if let Err(e) = self.call(0).await {
+            tracing::warn!(error = %e, "cannot release the dead-queue reader lease; it runs out by itself");
+        }
+    }
+
+    async fn call(&self, ttl_ms: i64) -> Result<i64> {
+        let mut inv = self.store.scripts.dead_lock.prepare_invoke();
+        inv.key(self.store.names.prefix())
+            .arg(&self.token)
+            .arg(ttl_ms);
+        self.store.invoke(&inv).await
+    }
+}
+
+/// What a replay checks a letter against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayLimits {
+    /// The producer's size limit (`FLEET_MAX_TASK_BYTES`), in bytes, measured as the scheduler
+    /// measures a replay ([`Envelope::fleet_fields_len`]).
+    pub max_bytes: usize,
+    /// The status TTL (`FLEET_STATUS_TTL_MS`): how long the claim's `queued` record lives.
+    pub status_ttl: Duration,
+}
+
+/// Replays the selected dead letters (see the module docs). `store` takes the reader lease and
+/// claims each id (one replay of an id at a time); without it (Redis down) neither happens and
+/// the scheduler may drop a replay whose id it saw within its dedupe window, so callers should
+/// pass one.
+///
+/// # Errors
+/// The broker refused reading the queue; Redis unreachable when taking the lease;
+/// [`Error::Busy`] (the lease). A letter that cannot be replayed is not an error: it is in
+/// [`ReplayReport::failed`] with why.
 pub async fn replay(
     conn: &Connection,
     store: Option<&Store>,
     names: &Names,
     sel: &Selection,
+    limits: &ReplayLimits,
 ) -> Result<ReplayReport> {
-    let get = conn.create_channel().await?;
-    let result = replay_on(conn, &get, store, names, sel).await;
-    // Everything not replayed goes back to the dead queue.
-    let _ = get.close(200, ShortString::from("replay done")).await;
+    let mut lease = match store {
+        Some(s) => Some(ReaderLease::acquire(s).await?),
+        None => {
+            tracing::warn!("replaying without Redis: no reader lease and no per-id claim; a replay on another replica at the same time may run an id twice");
+            None
+        }
+    };
+    let result = match conn.create_channel().await {
+        Ok(get) => {
+            let r = replay_on(conn, &get, store, lease.as_mut(), names, sel, limits).await;
+            // Everything not replayed goes back to the dead queue.
+            let _ = get.close(200, ShortString::from("replay done")).await;
+            r
+        }
+        Err(e) => Err(e.into()),
+    };
+    if let Some(l) = lease {
+        l.release().await;
+    }
     result
+}
+
+/// Why a letter of `size` producer bytes is not replayed under `limit`.
+fn oversized_reason(size: usize, limit: usize) -> String {
+    format!("oversized: the task is {size} bytes (without fleet's own fields), over the {limit}-byte limit (FLEET_MAX_TASK_BYTES); a replay would be dead-lettered again — raise the limit or submit it smaller")
+}
+
+async fn claim(store: &Store, token: &str, id: &str, ttl: Duration) -> Result<String> {
+    let mut inv = store.scripts.dead_claim.prepare_invoke();
+    inv.key(store.names.prefix())
+        .arg(token)
+        .arg(crate::store::millis(ttl))
+        .arg(id);
+    let answer: Vec<String> = store.invoke(&inv).await?;
+    Ok(answer.into_iter().next().unwrap_or_default())
+}
+
+async fn unclaim(store: &Store, token: &str, id: &str) {
+    let mut inv = store.scripts.dead_unclaim.prepare_invoke();
+    inv.key(store.names.prefix()).arg(token).arg(id);
+    if let Err(e) = store.invoke::<i64>(&inv).await {
+        tracing::warn!(task.id = %crate::envelope::escape(id), error = %e, "cannot give back a replay's claim; the id counts as queued until its status record expires");
+    }
 }
 
 async fn replay_on(
     conn: &Connection,
     get: &Channel,
     store: Option<&Store>,
+    mut lease: Option<&mut ReaderLease<'_>>,
     names: &Names,
     sel: &Selection,
+    limits: &ReplayLimits,
 ) -> Result<ReplayReport> {
     let publish = amqp::confirm_channel(conn).await?;
     let queue = names.dead_queue();
     let total = depth(get, &queue).await?;
+    let token = uuid::Uuid::new_v4().simple().to_string();
     let mut report = ReplayReport::default();
     let mut seen = BTreeSet::new();
+    let mut replayed = BTreeSet::new();
     for _ in 0..total {
+        if let Some(l) = lease.as_deref_mut() {
+            l.keep().await?;
+        }
         let Some(m) = get
             .basic_get(
                 ShortString::from(queue.as_str()),
@@ -262,35 +467,84 @@ async fn replay_on(
                 continue;
             }
         };
+        if replayed.contains(&env.id) {
+            report.failed.push((
+                env.id,
+                "another dead letter of this id was replayed by this call; this one is left in the dead queue".into(),
+            ));
+            continue;
+        }
         reset_for_replay(&mut env);
+        // `submitted_at` travels in the header (the scheduler takes it from there), so the body
+        // is the producer's fields and few of fleet's.
+        let submitted = env.submitted_at.take().unwrap_or_else(chrono::Utc::now);
+        let body = env.to_bytes();
+        let size = body.len().saturating_sub(env.fleet_fields_len());
+        if size > limits.max_bytes {
+            report
+                .failed
+                .push((env.id, oversized_reason(size, limits.max_bytes)));
+            continue;
+        }
         if let Some(store) = store {
-            if let Err(e) = store.forget_task(&env.id).await {
-                tracing::warn!(task.id = %env.id, error = %e, "cannot clear the dedupe mark of a replayed task; the scheduler may drop it as a duplicate");
+            match claim(store, &token, &env.id, limits.status_ttl).await {
+                Ok(a) if a == "ok" => {}
+                Ok(state) => {
+                    let why = if state == crate::status::TaskState::Succeeded.as_str() {
+                        "a replay of this id succeeded within the dedupe window".to_string()
+                    } else {
+                        format!("the task is {state} (replayed already, or submitted again)")
+                    };
+                    report.failed.push((
+                        env.id,
+                        format!("{why}; this letter is left in the dead queue"),
+                    ));
+                    continue;
+                }
+                Err(e) => {
+                    report
+                        .failed
+                        .push((env.id, format!("cannot claim the id in Redis: {e}")));
+                    continue;
+                }
             }
         }
         let props = amqp::task_properties(
             &env.id,
-            Some(amqp::headers([(headers::REPLAY, "1".to_string())])),
+            Some(amqp::headers([
+                (headers::REPLAY, "1".to_string()),
+                (
+                    headers::SUBMITTED_AT,
+                    headers::submitted_at_value(submitted),
+                ),
+            ])),
         );
         match amqp::publish_confirmed(
             &publish,
             &names.submit_exchange(),
             env.lane.as_str(),
-            &env.to_bytes(),
+            &body,
             props,
         )
         .await
         {
             Ok(()) => {
                 // Replayed either way: a failed ack leaves the letter to come back to the dead
-                // queue (where a later replay could send it once more), and the replays before
-                // and after it still count — not an error for the whole call.
+                // queue (a later replay finds the id in flight or, once it ended, replays it
+                // once more), and the replays before and after it still count — not an error
+                // for the whole call.
                 if let Err(e) = d.acker.ack(BasicAckOptions::default()).await {
-                    tracing::warn!(task.id = %env.id, error = %e, "replayed, but its dead letter could not be removed; it goes back to the dead queue");
+                    tracing::warn!(task.id = %crate::envelope::escape(&env.id), error = %e, "replayed, but its dead letter could not be removed; it goes back to the dead queue");
                 }
+                replayed.insert(env.id.clone());
                 report.replayed.push(env.id);
             }
-            Err(e) => report.failed.push((env.id, e.to_string())),
+            Err(e) => {
+                if let Some(store) = store {
+                    unclaim(store, &token, &env.id).await;
+                }
+                report.failed.push((env.id, e.to_string()));
+            }
         }
     }
     let _ = publish.close(200, ShortString::from("replay done")).await;

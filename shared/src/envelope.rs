@@ -599,6 +599,28 @@ impl Envelope {
     pub fn to_bytes(&self) -> Vec<u8> {
         serde_json::to_vec(&self.to_value()).unwrap_or_default()
     }
+
+    /// Bytes of [`Envelope::to_bytes`] taken by the fields fleet itself fills in on an accepted
+    /// task — `v`, `lane`, `attempt`, `max_attempts`, `submitted_at`, and `deadline` when it is
+    /// derived from `timeout_ms` — each as `"key":value` plus its comma. A dead-letter replay is
+    /// measured against the producer's size limit without them (`bytes − this`, see
+    /// [`crate::dead`]): the limit is for the producer's bytes, and a replay of a task near the
+    /// limit must not meet it again through fleet's own additions. Bounded (a few hundred
+    /// bytes: the values are an enum, numbers and times), so a submission that claims to be a
+    /// replay gains no more than that.
+    pub fn fleet_fields_len(&self) -> usize {
+        let Value::Object(m) = self.to_value() else {
+            return 0;
+        };
+        let mut keys = vec!["v", "lane", "attempt", "max_attempts", "submitted_at"];
+        if self.timeout_ms.is_some() {
+            keys.push("deadline");
+        }
+        keys.iter()
+            .filter_map(|k| m.get(*k).map(|v| (k, v)))
+            .map(|(k, v)| k.len() + 4 + serde_json::to_string(v).map_or(0, |s| s.len()))
+            .sum()
+    }
 }
 
 /// An envelope time as RFC 3339 (UTC, `Z`) with microseconds: `submitted_at` is what every

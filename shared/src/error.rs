@@ -24,6 +24,10 @@ pub enum Error {
     /// queues (refused at registration): declare the group's queues again, then retry.
     #[error("group being reclaimed: {0}")]
     Reclaiming(String),
+    /// A shared resource is held by another process past the wait (the dead-queue reader
+    /// lease, `fleet::dead::ReaderLease`).
+    #[error("busy: {0}")]
+    Busy(String),
     #[error("{0}")]
     Other(String),
     /// A broker or Redis error no retry can fix (login refused, unknown vhost, a queue that

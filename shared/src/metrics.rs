@@ -17,6 +17,7 @@ pub const TASKS_REROUTED: &str = "fleet_tasks_rerouted_total";
 pub const TASKS_REFUSED: &str = "fleet_tasks_refused_total";
 pub const TASKS_REPUBLISHED: &str = "fleet_tasks_republished_total";
 pub const REDIS_READ_ONLY: &str = "fleet_redis_read_only_total";
+pub const REDIS_MASTER_SWITCHES: &str = "fleet_redis_master_switches_total";
 pub const TASK_WAIT: &str = "fleet_task_wait_seconds";
 pub const TASK_RUN: &str = "fleet_task_run_seconds";
 pub const QUEUE_DEPTH: &str = "fleet_queue_depth";
@@ -74,6 +75,7 @@ pub fn describe() {
         TASKS_REFUSED,
         "Submissions refused to producers (HTTP 429/503), by reason."
     );
+    describe_counter!(REDIS_MASTER_SWITCHES, "Sentinel `+switch-master` announcements for fleet's master heard by this process; each drops its Redis connections so the next call goes to the new master.");
     describe_counter!(REDIS_READ_ONLY, "Redis calls answered READONLY (a demoted master); each empties the connection pool so the next call reconnects (through Sentinel, to the new master).");
     describe_counter!(TASKS_REPUBLISHED, "HTTP submissions published again because their publisher confirm was lost with the connection (node loss); copies are dropped by the dedupe window.");
     describe_histogram!(

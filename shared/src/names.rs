@@ -214,6 +214,11 @@ impl Names {
     pub fn dedupe(&self, id: &str) -> String {
         format!("{}dd:{}", self.prefix, id)
     }
+    /// The dead-queue reader lease (a string: the holder's token, with a TTL): one reader of
+    /// `<ns>.dead` at a time across every process (see `fleet::dead`).
+    pub fn dead_lock(&self) -> String {
+        format!("{}deadrd", self.prefix)
+    }
     /// Claim / outcome of one tick of a schedule (`tick_ms`: the tick, ms since the epoch).
     pub fn schedule_tick(&self, schedule: &str, tick_ms: i64) -> String {
         format!("{}sk:{}:{}", self.prefix, schedule, tick_ms)
@@ -283,6 +288,7 @@ mod tests {
             ("K_parked('g=1', 'normal')", n.parked("g=1", l)),
             ("K_rr('normal', 'a=b,c=d')", n.round_robin(l, "a=b,c=d")),
             ("K_reclaim('g=1')", n.reclaimed("g=1")),
+            ("K_dead_lock()", n.dead_lock()),
         ];
         let calls: Vec<&str> = pairs.iter().map(|(call, _)| *call).collect();
         let script = format!(

@@ -64,6 +64,9 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("lua/ratelimit.lua", include_str!("lua/ratelimit.lua")),
     ("lua/broker_dead.lua", include_str!("lua/broker_dead.lua")),
     ("lua/rooms.lua", include_str!("lua/rooms.lua")),
+    ("lua/dead_claim.lua", include_str!("lua/dead_claim.lua")),
+    ("lua/dead_unclaim.lua", include_str!("lua/dead_unclaim.lua")),
+    ("lua/dead_lock.lua", include_str!("lua/dead_lock.lua")),
 ];
 
 /// All scripts of the fleet.
@@ -82,6 +85,9 @@ pub struct Scripts {
     pub broker_dead: Script,
     pub reclaim: Script,
     pub rooms: Script,
+    pub dead_claim: Script,
+    pub dead_unclaim: Script,
+    pub dead_lock: Script,
 }
 
 impl Scripts {
@@ -105,6 +111,9 @@ impl Scripts {
             broker_dead: script!("broker_dead.lua"),
             reclaim: script!(registry "reclaim.lua"),
             rooms: script!("rooms.lua"),
+            dead_claim: script!("dead_claim.lua"),
+            dead_unclaim: script!("dead_unclaim.lua"),
+            dead_lock: script!("dead_lock.lua"),
         }
     }
 }

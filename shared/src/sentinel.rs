@@ -12,11 +12,22 @@
 //! `<master name>` and checks its `ROLE` (the `redis` crate's `SentinelClient`), so after a
 //! failover new connections go to the promoted replica.
 //!
-//! Connections already open are dropped when they cannot serve writes any more: a closed
-//! socket fails the pool's `PING` on recycle; a demoted master still answers `PING` but
-//! refuses writes with `READONLY`, and [`crate::Store`] then empties the pool
-//! ([`Pool::drop_idle`]), so the next call connects through the Sentinels to the new master.
-//! Meanwhile `/readyz` is 503 (its write probe fails).
+//! Connections already open are dropped **when Sentinel announces the switch**: each process
+//! subscribes to `+failover-state-send-slaveof-noone` and `+switch-master` on every Sentinel
+//! ([`watch_switches`], started with the store's first call). When the first names its master
+//! (the replica is being promoted) the store holds new calls back (at most
+//! `store::SWITCH_PAUSE`) and drops its connections; at `+switch-master` it lets them go,
+//! connecting through the Sentinels to the new master (pooled connections made before the
+//! switch are dropped too). Waiting for the old connections to break is not enough: in a
+//! planned failover (`SENTINEL FAILOVER`, the old master alive) the old master keeps accepting
+//! writes for seconds after the replica was promoted, until Sentinel reconfigures it as a
+//! replica — and its resync with the new master then throws those writes away (statuses of
+//! tasks published meanwhile vanished, and `/readyz` stayed 503 until the connections broke).
+//! The fallbacks stay: a closed socket fails the pool's `PING` on recycle; a demoted master
+//! still answers `PING` but refuses writes with `READONLY`, and [`crate::Store`] then empties
+//! the pool ([`Pool::drop_idle`]). Holding calls between the two announcements (about a second:
+//! Sentinel confirms the promotion by its next `INFO` of the replica) is what keeps writes off
+//! the old master while the new one already runs; `/readyz` may be 503 for that long.
 //!
 //! **Cluster.** The hosts are seed nodes (any of the cluster's masters or replicas; one is
 //! enough, more survive a seed being down); the `redis` crate's cluster client (`cluster-async`)
@@ -381,6 +392,17 @@ impl Pool {
     }
 
     /// Whether this pool finds its master through Sentinel.
+    /// Drops the idle connections made before `t` (connections in use at a master switch
+    /// come back to the pool afterwards: [`crate::Store`] calls this before taking one while a
+    /// switch is recent).
+    pub fn drop_older(&self, t: std::time::Instant) {
+        match self {
+            Pool::Direct(p) => drop(p.retain(|_, m| m.created > t)),
+            Pool::Sentinel(p) => drop(p.retain(|_, m| m.created > t)),
+            Pool::Cluster(p) => drop(p.retain(|_, m| m.created > t)),
+        }
+    }
+
     pub fn is_sentinel(&self) -> bool {
         matches!(self, Pool::Sentinel(_))
     }
@@ -543,6 +565,118 @@ mod tests {
         assert_eq!(
             Target::from_settings("a:1", "m", "redis://127.0.0.1:6379"),
             "redis+sentinel://a:1/m"
+        );
+    }
+}
+
+/// What a Sentinel announced about a master, as [`watch_switches`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Announcement {
+    /// `+failover-state-send-slaveof-noone`: the replica is being promoted — from now on a
+    /// write to the old master may be thrown away by its resync with the new one.
+    Promoting,
+    /// `+switch-master`: the new master's `ip:port`; Sentinels now name it.
+    Switched(String),
+}
+
+/// The channels [`watch_switches`] subscribes to.
+pub const CHANNELS: [&str; 2] = ["+failover-state-send-slaveof-noone", "+switch-master"];
+
+/// Reads an announcement about `master` from a Sentinel event: `+switch-master` has the payload
+/// `<master> <old ip> <old port> <new ip> <new port>`; an instance event
+/// (`+failover-state-send-slaveof-noone`) `<type> <name> <ip> <port> @ <master> <ip> <port>`
+/// (the formats of Sentinel's `sentinelEvent`, redis `src/sentinel.c`).
+pub fn announcement(channel: &str, payload: &str, master: &str) -> Option<Announcement> {
+    let w: Vec<&str> = payload.split_whitespace().collect();
+    match channel {
+        "+switch-master" if w.len() == 5 && w[0] == master => {
+            Some(Announcement::Switched(format!("{}:{}", w[3], w[4])))
+        }
+        "+failover-state-send-slaveof-noone" if w.len() == 8 && w[4] == "@" && w[5] == master => {
+            Some(Announcement::Promoting)
+        }
+        _ => None,
+    }
+}
+
+/// Listens to [`CHANNELS`] on one Sentinel (`host:port`) and calls `on(announcement)` for each
+/// about `master`, until `alive()` turns false (checked at least every second; the caller's
+/// store is gone). A lost or refused Sentinel connection is tried again every second; every
+/// Sentinel of the set is watched by its own loop, so one Sentinel down loses no announcement
+/// (each Sentinel publishes it).
+///
+/// # Cancel safety
+/// Cancel safe: it holds nothing but its subscription.
+pub async fn watch_switches(
+    sentinel: String,
+    master: String,
+    alive: impl Fn() -> bool,
+    on: impl Fn(Announcement),
+) {
+    use futures::StreamExt;
+    const CHECK: std::time::Duration = std::time::Duration::from_secs(1);
+    while alive() {
+        let sub = async {
+            let client = redis::Client::open(format!("redis://{sentinel}"))?;
+            let mut ps = client.get_async_pubsub().await?;
+            ps.subscribe(&CHANNELS[..]).await?;
+            Ok::<_, redis::RedisError>(ps)
+        };
+        match tokio::time::timeout(crate::store::CALL_TIMEOUT, sub).await {
+            Ok(Ok(mut ps)) => {
+                tracing::debug!(%sentinel, "watching Sentinel for master switches");
+                let mut msgs = ps.on_message();
+                loop {
+                    match tokio::time::timeout(CHECK, msgs.next()).await {
+                        Err(_) if alive() => continue,
+                        Err(_) => return,
+                        Ok(None) => break,
+                        Ok(Some(m)) => {
+                            let payload: String = m.get_payload().unwrap_or_default();
+                            if let Some(a) = announcement(m.get_channel_name(), &payload, &master) {
+                                on(a);
+                            }
+                        }
+                    }
+                }
+            }
+            Ok(Err(e)) => tracing::debug!(%sentinel, error = %e, "cannot subscribe to Sentinel"),
+            Err(_) => tracing::debug!(%sentinel, "subscribing to Sentinel timed out"),
+        }
+        tokio::time::sleep(CHECK).await;
+    }
+}
+
+#[cfg(test)]
+mod switch_tests {
+    use super::{announcement, Announcement};
+
+    #[test]
+    fn reads_the_announcements_about_its_own_master_only() {
+        assert_eq!(
+            announcement("+switch-master", "m 127.0.0.1 6380 127.0.0.1 6381", "m"),
+            Some(Announcement::Switched("127.0.0.1:6381".into()))
+        );
+        assert_eq!(
+            announcement(
+                "+failover-state-send-slaveof-noone",
+                "slave 127.0.0.1:6381 127.0.0.1 6381 @ m 127.0.0.1 6380",
+                "m"
+            ),
+            Some(Announcement::Promoting)
+        );
+        assert_eq!(
+            announcement("+switch-master", "other 1.1.1.1 1 2.2.2.2 2", "m"),
+            None
+        );
+        assert_eq!(announcement("+switch-master", "m 1.1.1.1 1", "m"), None);
+        assert_eq!(
+            announcement(
+                "+failover-state-send-slaveof-noone",
+                "slave a 1.1.1.1 1 @ other 2.2.2.2 2",
+                "m"
+            ),
+            None
         );
     }
 }

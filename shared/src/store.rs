@@ -36,6 +36,8 @@ pub struct Store {
     /// Whether the master had an online replica when last asked (see
     /// [`Store::invoke_replicated`]), shared by every clone.
     replicas: Arc<ReplicaCheck>,
+    /// Behind Sentinel: the master switches this process has heard of ([`Switches`]).
+    switches: Option<Arc<Switches>>,
 }
 
 /// The last answer to "has the master an online replica?" and when it was taken.
@@ -46,6 +48,30 @@ struct ReplicaCheck {
     /// The last check found no online replica: `WAIT` would only run out its timeout.
     none: std::sync::atomic::AtomicBool,
 }
+
+/// What a Sentinel-backed store knows of master switches: the Sentinels and master name to
+/// watch (`crate::sentinel::watch_switches`, started by the first call), a generation bumped
+/// at each switch (a connection made under an older one is not shared), and when the last
+/// switch was heard (older pooled connections are dropped).
+struct Switches {
+    sentinels: Vec<String>,
+    master: String,
+    started: std::sync::atomic::AtomicBool,
+    generation: std::sync::atomic::AtomicU64,
+    last: std::sync::Mutex<Option<std::time::Instant>>,
+    /// Until when new calls wait (a promotion announced, the switch not yet).
+    paused_until: std::sync::Mutex<Option<tokio::time::Instant>>,
+    /// Woken at the switch.
+    resumed: tokio::sync::Notify,
+}
+
+/// Longest new calls are held between a promotion's start and `+switch-master` (a failover
+/// that aborts after the first announcement costs this much; Sentinel's own promotion check
+/// takes about a second).
+pub const SWITCH_PAUSE: Duration = Duration::from_secs(5);
+
+/// How long after a switch pooled connections are checked for their age before use.
+const SWITCH_RECENT: Duration = Duration::from_secs(30);
 
 /// Skew of this process's clock against Redis above which a warning is logged.
 pub const SKEW_WARN: Duration = Duration::from_secs(1);
@@ -100,6 +126,20 @@ impl Store {
         pc.timeouts.create = Some(CALL_TIMEOUT);
         pc.timeouts.recycle = Some(CALL_TIMEOUT);
         let pool = Pool::new(url, pc, tls)?;
+        let switches = match crate::sentinel::Target::parse(url) {
+            Ok(crate::sentinel::Target::Sentinel {
+                sentinels, master, ..
+            }) => Some(Arc::new(Switches {
+                sentinels,
+                master,
+                started: Default::default(),
+                generation: Default::default(),
+                last: Default::default(),
+                paused_until: Default::default(),
+                resumed: Default::default(),
+            })),
+            _ => None,
+        };
         Ok(Store {
             pool,
             shared: Arc::default(),
@@ -107,7 +147,104 @@ impl Store {
             scripts: Arc::new(Scripts::load()),
             clock: Clock::default(),
             replicas: Arc::default(),
+            switches,
         })
+    }
+
+    /// Behind Sentinel, starts watching every Sentinel for `+switch-master` (once per store
+    /// and its clones; see [`crate::sentinel`]): on a switch of its master the shared
+    /// connection and the idle pooled ones are dropped. Each loop ends within a second of the
+    /// last clone of this store being dropped.
+    fn watch_switches(&self) {
+        let Some(sw) = &self.switches else { return };
+        if sw.started.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            sw.started
+                .store(false, std::sync::atomic::Ordering::Release);
+            return;
+        };
+        for sentinel in sw.sentinels.clone() {
+            let shared = Arc::downgrade(&self.shared);
+            let alive_shared = shared.clone();
+            let sw_weak = Arc::downgrade(sw);
+            let pool = self.pool.clone();
+            let master = sw.master.clone();
+            rt.spawn(async move {
+                crate::sentinel::watch_switches(
+                    sentinel,
+                    master,
+                    move || alive_shared.strong_count() > 0,
+                    move |a| {
+                        let Some(sw) = sw_weak.upgrade() else { return };
+                        sw.generation
+                            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                        if let Some(s) = shared.upgrade() {
+                            if let Ok(mut g) = s.lock() {
+                                *g = None;
+                            }
+                        }
+                        pool.drop_idle();
+                        if let Ok(mut g) = sw.last.lock() {
+                            *g = Some(std::time::Instant::now());
+                        }
+                        match a {
+                            crate::sentinel::Announcement::Promoting => {
+                                if let Ok(mut g) = sw.paused_until.lock() {
+                                    *g = Some(tokio::time::Instant::now() + SWITCH_PAUSE);
+                                }
+                                tracing::warn!("Sentinel is promoting a replica of the Redis master; holding Redis calls until the switch");
+                            }
+                            crate::sentinel::Announcement::Switched(to) => {
+                                if let Ok(mut g) = sw.paused_until.lock() {
+                                    *g = None;
+                                }
+                                sw.resumed.notify_waiters();
+                                metrics::counter!(crate::metrics::REDIS_MASTER_SWITCHES)
+                                    .increment(1);
+                                tracing::warn!(new_master = %to, "Sentinel switched the Redis master; reconnecting to the new one");
+                            }
+                        }
+                    },
+                )
+                .await;
+            });
+        }
+    }
+
+    /// Waits while a promotion is announced and the switch is not (at most [`SWITCH_PAUSE`]).
+    async fn hold_during_switch(&self) {
+        let Some(sw) = &self.switches else { return };
+        loop {
+            // Created before the check: a switch announced in between still wakes it.
+            let woken = sw.resumed.notified();
+            let until = sw.paused_until.lock().ok().and_then(|g| *g);
+            let Some(until) = until.filter(|u| *u > tokio::time::Instant::now()) else {
+                return;
+            };
+            let _ = tokio::time::timeout_at(until, woken).await;
+        }
+    }
+
+    /// The switch generation now (0 without Sentinel).
+    fn generation(&self) -> u64 {
+        self.switches.as_ref().map_or(0, |s| {
+            s.generation.load(std::sync::atomic::Ordering::Acquire)
+        })
+    }
+
+    /// A pooled connection, none made before a recent master switch.
+    async fn pooled(&self) -> Result<Conn> {
+        if let Some(last) = self
+            .switches
+            .as_ref()
+            .and_then(|s| s.last.lock().ok().and_then(|g| *g))
+            .filter(|t| t.elapsed() < SWITCH_RECENT)
+        {
+            self.pool.drop_older(last);
+        }
+        self.pool.get().await
     }
 
     /// A clone of the shared connection, connecting it first if there is none.
@@ -115,10 +252,17 @@ impl Store {
     /// # Errors
     /// Redis unreachable (or every Sentinel), or the connect timed out.
     pub async fn conn(&self) -> Result<Conn> {
+        self.watch_switches();
+        self.hold_during_switch().await;
         if let Some(s) = self.shared.lock().ok().and_then(|g| g.clone()) {
             return Ok(Conn::Shared(s));
         }
-        let s = self.pool.get().await?.into_shared();
+        let generation = self.generation();
+        let s = self.pooled().await?.into_shared();
+        if generation != self.generation() {
+            // The master switched while this one connected: use it once, share none of it.
+            return Ok(Conn::Shared(s));
+        }
         if let Ok(mut g) = self.shared.lock() {
             // Another call may have connected meanwhile: keep the first, so every call shares one.
             return Ok(Conn::Shared(g.get_or_insert(s).clone()));
@@ -200,7 +344,9 @@ impl Store {
             return self.invoke(inv).await;
         }
         // `WAIT` blocks its connection: a pooled one of its own, not the shared one.
-        let mut c = self.pool.get().await?;
+        self.watch_switches();
+        self.hold_during_switch().await;
+        let mut c = self.pooled().await?;
         let r = tokio::time::timeout(CALL_TIMEOUT, inv.invoke_async(&mut c)).await;
         if !matches!(r, Ok(Ok(_))) {
             return self.settle(c, r);

@@ -7,9 +7,15 @@
 //! * `GET /v1/dead/{id}` → that letter (404 if not among the first 5000).
 //! * `POST /v1/dead/replay` with `{"ids": [...]}` or `{"all": true}`, either optionally with
 //!   `"reason"` and `"kind"` filters → 200 `{"replayed": [...], "failed": [[id, why]],
-//!   "missing": [...]}`; 400 for a body that selects nothing.
+//!   "missing": [...]}`; 400 for a body that selects nothing. A letter is not replayed (it is
+//!   in `failed`, with why, and stays in the dead queue) when it is still over the size limit
+//!   without fleet's own fields (`oversized`: it would only die again), when its id is in
+//!   flight (another letter of it was replayed, here or on another replica), or when it is no
+//!   envelope.
 //!
-//! 503 while the scheduler has no broker connection.
+//! Every reader takes the namespace's dead-queue lease in Redis (`fleet::dead::ReaderLease`),
+//! so a listing is complete while other replicas list or replay. 503 while the scheduler has
+//! no broker connection, Redis is unreachable, or the lease stays taken (`busy`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -67,8 +73,15 @@ async fn connection(st: &AppState) -> Result<Arc<lapin::Connection>, Response> {
     })
 }
 
+/// 503 with what failed: the broker, Redis (the reader lease and the per-id claims live
+/// there), or the lease held elsewhere past `dead::LEASE_WAIT`.
 fn broker_error(e: fleet::Error) -> Response {
-    error(StatusCode::SERVICE_UNAVAILABLE, "amqp", e.to_string())
+    let code = match &e {
+        fleet::Error::Busy(_) => "busy",
+        fleet::Error::Redis(_) | fleet::Error::Pool(_) => "redis",
+        _ => "amqp",
+    };
+    error(StatusCode::SERVICE_UNAVAILABLE, code, e.to_string())
 }
 
 fn blank(s: Option<String>) -> Option<String> {
@@ -85,7 +98,7 @@ async fn list(State(st): State<AppState>, Query(q): Query<ListQuery>) -> Respons
         let Ok(_permit) = st.dead_reader.acquire().await else {
             return error(StatusCode::SERVICE_UNAVAILABLE, "closed", "shutting down");
         };
-        match dead::list(&conn, &st.store.names, scan).await {
+        match dead::list(&conn, Some(&st.store), &st.store.names, scan).await {
             Ok(l) => l,
             Err(e) => return broker_error(e),
         }
@@ -118,7 +131,7 @@ async fn one(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     let Ok(_permit) = st.dead_reader.acquire().await else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "closed", "shutting down");
     };
-    match dead::list(&conn, &st.store.names, SCAN_MAX).await {
+    match dead::list(&conn, Some(&st.store), &st.store.names, SCAN_MAX).await {
         Ok(l) => match l.letters.into_iter().find(|d| d.id == id) {
             Some(d) => Json(d).into_response(),
             None => error(
@@ -162,7 +175,11 @@ async fn replay(State(st): State<AppState>, body: axum::body::Bytes) -> Response
     let Ok(_permit) = st.dead_reader.acquire().await else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "closed", "shutting down");
     };
-    match dead::replay(&conn, Some(&st.store), &st.store.names, &sel).await {
+    let limits = dead::ReplayLimits {
+        max_bytes: st.cfg.common.limits.max_bytes,
+        status_ttl: st.cfg.common.status_ttl,
+    };
+    match dead::replay(&conn, Some(&st.store), &st.store.names, &sel, &limits).await {
         Ok(report) => {
             tracing::info!(
                 replayed = report.replayed.len(),

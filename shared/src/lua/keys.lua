@@ -23,6 +23,8 @@ local function K_parked(g, lane) return P .. 'pk:' .. g .. ':' .. lane end
 local function K_rr(lane, sel) return P .. 'rr:' .. lane .. ':' .. sel end
 -- Tombstone of a group being (or just) reclaimed; see reclaim.lua.
 local function K_reclaim(g) return P .. 'rc:' .. g end
+-- The namespace's dead-queue reader lease (see dead_lock.lua, `fleet::dead`).
+local function K_dead_lock() return P .. 'deadrd' end
 
 -- The attempt log of a task (`ta:<id>`, a list of JSON objects, oldest first): one entry per
 -- attempt that ended — {attempt, worker, started_at, finished_at (Redis ms), outcome
@@ -60,9 +62,16 @@ end
 -- task running or finished, and the worker acks that copy as a duplicate.
 -- `kind` and `sub` (submitted_at, Unix ms): what the task is, written in the same HSET when
 -- the caller knows them (nil or '' otherwise).
-local function status_waiting(id, state, g, lane, ttl_ms, kind, sub)
+-- `fresh`: this call set the id's dedupe mark (a new submission, its window passed): a final
+-- record is then an ended run's, and this is a new run (status_resubmitted, below).
+local status_resubmitted
+local function status_waiting(id, state, g, lane, ttl_ms, kind, sub, fresh)
   local t = K_task(id)
   local cur = redis.call('HGET', t, 'state')
+  if fresh and is_final(cur) then
+    status_resubmitted(id, ttl_ms)
+    cur = nil
+  end
   if cur == S.running or is_final(cur) then return end
   local set = { 'state', state, 'group', g, 'lane', lane, 'queued_at', NOW_MS }
   if kind and kind ~= '' then set[#set + 1] = 'kind'; set[#set + 1] = kind end
@@ -70,8 +79,8 @@ local function status_waiting(id, state, g, lane, ttl_ms, kind, sub)
   redis.call('HSET', t, unpack(set))
   redis.call('PEXPIRE', t, ttl_ms)
 end
-local function status_queued(id, g, lane, ttl_ms, kind, sub) status_waiting(id, S.queued, g, lane, ttl_ms, kind, sub) end
-local function status_parked(id, g, lane, ttl_ms, kind, sub) status_waiting(id, S.parked, g, lane, ttl_ms, kind, sub) end
+local function status_queued(id, g, lane, ttl_ms, kind, sub, fresh) status_waiting(id, S.queued, g, lane, ttl_ms, kind, sub, fresh) end
+local function status_parked(id, g, lane, ttl_ms, kind, sub, fresh) status_waiting(id, S.parked, g, lane, ttl_ms, kind, sub, fresh) end
 
 -- Claimed: attempt `att` runs on worker w (process inst) in group g; the run record (`run_*`,
 -- see start.lua) says which copy of which attempt runs and whether alone (`iso`).
@@ -137,6 +146,36 @@ local function status_finished(id, state, w, att, field, text, success, reason, 
   end
   redis.call('HSET', t, unpack(set))
   if #del > 0 then redis.call('HDEL', t, unpack(del)) end
+  redis.call('PEXPIRE', t, ttl_ms)
+end
+
+-- Submitted again after its dedupe window, its previous run over (`is_final`): a new run of the
+-- id (reserve.lua, on a fresh mark). The old record goes — the new run starts from no record, so
+-- the worker's claim (start.lua) sees no run record and runs it as attempt 1 — and its kept
+-- success (not in the log, see finish.lua) is logged first: the attempt log, which stays, holds
+-- the earlier runs' attempts.
+function status_resubmitted(id, ttl_ms)
+  local t = K_task(id)
+  local r = redis.call('HMGET', t, 'state', 'attempt', 'worker', 'started_at', 'finished_at', 'run_base')
+  if r[1] == S.succeeded and r[6] then
+    log_attempt(id, { attempt = tonumber(r[2]), worker = r[3], started_at = tonumber(r[4]),
+      finished_at = tonumber(r[5]), outcome = O.succeeded }, ttl_ms)
+  end
+  redis.call('DEL', t)
+end
+-- A fresh submission that writes no waiting status here (no live group matches, or delayed:
+-- the scheduler writes that status): the same check as status_waiting's.
+local function status_renew_if_final(id, ttl_ms)
+  if is_final(redis.call('HGET', K_task(id), 'state')) then status_resubmitted(id, ttl_ms) end
+end
+
+-- Replayed from the dead-letter queue (dead_claim.lua): the old record goes, and the id is held
+-- S.queued under the replay's `token` until the scheduler dispatches the replayed submission —
+-- a second replay of the id (another letter, another replica) finds it in flight and refuses.
+local function status_replayed(id, token, ttl_ms)
+  local t = K_task(id)
+  redis.call('DEL', t)
+  redis.call('HSET', t, 'state', S.queued, 'replay', token, 'queued_at', NOW_MS)
   redis.call('PEXPIRE', t, ttl_ms)
 end
 

@@ -34,6 +34,8 @@
 --          'reserved', g (status queued) | 'full', g (matches, no room: park there; status
 --          parked) | 'none', '' (no live group matches and handles the kind) | 'dup', '' (id seen within the
 --          window) | 'fresh', '' (mode 2: not a duplicate)
+-- A fresh submission (dedupe 1) of an id whose mark has expired (the window counts from the
+-- submission) and whose last run has ended is a new run of the id: keys.lua status_resubmitted.
 -- Dedupe marks: 'p:<token>' while a submission is being handled, 'a' once the scheduler has
 -- handed it on (confirmed; set just before it acks the ingress message). A mark written by
 -- this batch's token is its own (a retry of this very batch after a failed call: Redis keeps
@@ -172,12 +174,20 @@ for t = 1, n do
   if strategy == '' then strategy = default_strategy end
   local o = 2 * t - 1
 
-  local dup = false
+  local dup, fresh = false, false
   if dd == '1' then
     -- Set-if-absent and read in one command (SET … NX GET, Redis 7.0): the old mark, or
     -- false when this call set it.
     local mark = redis.call('SET', K_dedupe(id), token, 'PX', dd_ttl, 'NX', 'GET')
-    if mark then dup = mark ~= token end
+    if mark then
+      dup = mark ~= token
+    else
+      -- No mark: new, or the id's window has passed. A run that ended (succeeded, dead,
+      -- expired) makes this a new run of the id, not a copy of that one: the status writer
+      -- below clears its record (read there anyway: no command more per task). An id still
+      -- in flight keeps its record, and the worker takes this copy for a copy of that run.
+      fresh = true
+    end
   elseif dd == '2' then
     local mark = redis.call('GET', K_dedupe(id))
     if mark == 'a' then
@@ -194,6 +204,7 @@ for t = 1, n do
   if dup then
     out[o], out[o + 1] = 'dup', ''
   elseif dedupe_only then
+    if fresh then status_renew_if_final(id, st_ttl) end
     out[o], out[o + 1] = 'fresh', ''
   else
     local live, selkey = live_groups(selk, lane, kind)
@@ -240,7 +251,7 @@ for t = 1, n do
       local s = gstate(chosen, lane)
       s.used = s.used + 1
       redis.call('ZADD', K_resv(chosen, lane), now + lease, id)
-      status_queued(id, chosen, lane, st_ttl, kind, sub)
+      status_queued(id, chosen, lane, st_ttl, kind, sub, fresh)
       out[o], out[o + 1] = 'reserved', chosen
     elseif #live > 0 then
       local best, bg = nil, live[1].g
@@ -251,10 +262,11 @@ for t = 1, n do
       if not from_park then
         redis.call('SET', K_parked(bg, lane), '1', 'PX', park_ttl)
         gstate(bg, lane).parked = true
-        status_parked(id, bg, lane, st_ttl, kind, sub)
+        status_parked(id, bg, lane, st_ttl, kind, sub, fresh)
       end
       out[o], out[o + 1] = 'full', bg
     else
+      if fresh then status_renew_if_final(id, st_ttl) end
       out[o], out[o + 1] = 'none', ''
     end
   end

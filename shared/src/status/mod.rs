@@ -19,6 +19,8 @@
 //! | → dead (worker lost on the last attempt; broker dead-lettered) | `status_dead` | `start.lua`, `broker_dead.lua` |
 //! | → dead / expired, waiting_for_worker, delayed (decided by the scheduler) | [`Writes`] | `scheduler::dispatch` |
 //! | → forgotten (dead-letter replay) | [`Store::forget_task`](crate::Store::forget_task) | [`crate::dead::replay`] (`fleetctl`, the API) |
+//! | → forgotten: a new run of an id submitted again after its dedupe window, its last run over | `status_resubmitted` | `reserve.lua` |
+//! | → queued, held for a dead-letter replay (one replay of an id at a time) | `status_replayed` | `dead_claim.lua` ([`crate::dead::replay`]) |
 //!
 //! The scripts spell the words through the tables `S`, `R` and `O` of `keys.lua`; a unit test
 //! below checks them (and any such word written out in a script) against the enums, so the

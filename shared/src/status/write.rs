@@ -118,22 +118,6 @@ impl Store {
         self.pipe::<()>(&p).await
     }
 
-    /// → unknown: forgets a task, its dedupe mark and its status record, so the same id may be
-    /// submitted again as new (a dead-letter replay starts again from attempt 1). The attempt
-    /// log stays.
-    ///
-    /// # Errors
-    /// Redis unreachable or slow.
-    pub async fn forget_task(&self, id: &str) -> Result<()> {
-        self.query::<i64>(
-            redis::cmd("DEL")
-                .arg(self.names.dedupe(id))
-                .arg(self.names.task(id)),
-        )
-        .await
-        .map(|_| ())
-    }
-
     /// → [`TaskState::Dead`]: the broker dead-lettered task `id` itself (see
     /// `lua/broker_dead.lua`): releases its reservation and running records in `group` (`None`:
     /// the group its status names) and `lane`, and sets it dead with `reason` (the broker's
