@@ -147,6 +147,8 @@ struct AuthInner {
     tokens: Tokens,
     metrics_need_read: bool,
     allow_unauthenticated: bool,
+    /// The names an open API answers to ([`crate::host`]).
+    hosts: Arc<crate::host::AllowedHosts>,
 }
 
 impl ApiAuth {
@@ -157,6 +159,7 @@ impl ApiAuth {
                 tokens,
                 metrics_need_read,
                 allow_unauthenticated: false,
+                hosts: Arc::default(),
             }),
         }
     }
@@ -201,6 +204,7 @@ impl ApiAuth {
                 tokens,
                 metrics_need_read,
                 allow_unauthenticated,
+                hosts: Arc::new(crate::host::AllowedHosts::parse(&a.api_allowed_hosts)),
             }),
         })
     }
@@ -253,6 +257,19 @@ impl ApiAuth {
             )
                 .into_response()),
         }
+    }
+
+    /// `router` refusing (421) requests whose `Host` an open API does not answer to — the
+    /// DNS-rebinding defence of [`crate::host`], with the names of `FLEET_API_ALLOWED_HOSTS`;
+    /// with tokens configured it lets everything through. A layer: unmatched paths too.
+    pub fn host_check<S: Clone + Send + Sync + 'static>(
+        &self,
+        router: axum::Router<S>,
+    ) -> axum::Router<S> {
+        router.layer(middleware::from_fn_with_state(
+            (self.is_open(), self.inner.hosts.clone()),
+            crate::host::check_host,
+        ))
     }
 
     /// `router` with every route admitting only callers whose token grants `needed` (a route
