@@ -365,8 +365,8 @@ mod tests {
         let file = dir.join("grandchild.pid");
         let script = format!("sleep 30 & echo $! > {}; wait", file.display());
         let h = handler(&["sh", "-c", &script]);
-        let run = h.call(t(Value::Null));
-        tokio::pin!(run);
+        // A boxed future: dropping it below really drops the run.
+        let mut run = h.call(t(Value::Null));
         let mut pid = String::new();
         for _ in 0..250 {
             tokio::select! {
