@@ -98,6 +98,16 @@ up() {
     tag=$(od -An -N4 -tx4 /dev/urandom | tr -d ' ')
     # An env file of our own: the package's /etc/rabbitmq/rabbitmq-env.conf names the shared node.
     printf 'ERL_EPMD_ADDRESS=127.0.0.1\n' >"$DIR/rabbitmq-env.conf"
+    # The nodes inherit this shell's open-file limit: fleet's queue counts need far more than
+    # the usual 1024 (docs/scaling.md; ops/services.sh does the same for the shared broker).
+    local nofile="${RABBITMQ_NOFILE:-65536}" hard
+    hard=$(ulimit -H -n)
+    if [ "$hard" != unlimited ] && [ "$hard" -lt "$nofile" ]; then
+        ulimit -H -n "$nofile" 2>/dev/null || true
+        hard=$(ulimit -H -n)
+        if [ "$hard" != unlimited ] && [ "$hard" -lt "$nofile" ]; then nofile=$hard; fi
+    fi
+    ulimit -S -n "$nofile"
     printf '[].\n' >"$DIR/enabled_plugins"
     : >"$DIR/cluster.env"
     local urls=()

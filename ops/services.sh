@@ -22,6 +22,12 @@
 #   RABBITMQ_NODE_PORT  (5672)  AMQP port checked on 127.0.0.1 (RabbitMQ honours it too)
 #   SERVICES_REDIS_WAIT (30)    seconds to wait for Redis to answer PONG after starting it
 #   SERVICES_RABBITMQ_WAIT (180) seconds to wait for RabbitMQ to finish booting
+#   RABBITMQ_NOFILE     (65536) open-file limit (ulimit -n) RabbitMQ is started with; the hard
+#                               limit when that is lower. Each quorum queue holds files open
+#                               and fleet declares 29 queues per namespace and 4 per group
+#                               (docs/scaling.md): at the default 1024 (a 927-handle cache) a
+#                               broker with ~335 queues wedged every new connection. Below
+#                               RABBITMQ_NOFILE_MIN (4096) the script stops with an error.
 #   SERVICES_APT_LOCK_WAIT (300) seconds apt-get waits for the dpkg lock
 set -euo pipefail
 
@@ -35,8 +41,11 @@ AMQP_PORT="${RABBITMQ_NODE_PORT:-5672}"
 REDIS_WAIT="${SERVICES_REDIS_WAIT:-30}"
 RABBITMQ_WAIT="${SERVICES_RABBITMQ_WAIT:-180}"
 APT_LOCK_WAIT="${SERVICES_APT_LOCK_WAIT:-300}"
+RABBITMQ_NOFILE="${RABBITMQ_NOFILE:-65536}"
+RABBITMQ_NOFILE_MIN="${RABBITMQ_NOFILE_MIN:-4096}"
 
 log() { printf '[services] %s\n' "$*" >&2; }
+warn() { printf '[services] WARNING: %s\n' "$*" >&2; }
 die() {
     printf '[services] ERROR: %s\n' "$*" >&2
     exit 1
@@ -150,13 +159,23 @@ ensure_rabbitmq() {
     ensure_cmd rabbitmqctl rabbitmq-server
     if rabbitmq_up; then
         log "rabbitmq: up (AMQP $AMQP_HOST:$AMQP_PORT)"
+        check_rabbitmq_nofile warn
         return 0
     fi
-    log "rabbitmq: down; starting rabbitmq-server -detached"
+    log "rabbitmq: down; starting rabbitmq-server -detached (open-file limit $RABBITMQ_NOFILE)"
+    # The limit is set in the shell that execs the server (the Debian wrapper's `su rabbitmq`
+    # keeps it): RABBITMQ_NOFILE, or the hard limit if that is lower and cannot be raised.
+    # shellcheck disable=SC2016
+    local start='want=$1; hard=$(ulimit -H -n)
+        if [ "$hard" != unlimited ] && [ "$hard" -lt "$want" ]; then
+            ulimit -H -n "$want" 2>/dev/null || true; hard=$(ulimit -H -n)
+            if [ "$hard" != unlimited ] && [ "$hard" -lt "$want" ]; then want=$hard; fi
+        fi
+        ulimit -S -n "$want" && exec rabbitmq-server -detached'
     if [ "$(id -u)" -eq 0 ] || [ "$(id -un)" = rabbitmq ]; then
-        rabbitmq-server -detached >&2 || die "rabbitmq: rabbitmq-server -detached failed"
+        sh -c "$start" sh "$RABBITMQ_NOFILE" >&2 || die "rabbitmq: rabbitmq-server -detached failed"
     else
-        as_root rabbitmq-server -detached >&2 || die "rabbitmq: rabbitmq-server -detached failed"
+        as_root sh -c "$start" sh "$RABBITMQ_NOFILE" >&2 || die "rabbitmq: rabbitmq-server -detached failed"
     fi
     # -detached returns before the node exists; await_startup fails fast while the node is
     # not reachable yet, so retry it until the deadline.
@@ -183,6 +202,30 @@ ensure_rabbitmq() {
         sleep 1
     done
     log "rabbitmq: up (AMQP $AMQP_HOST:$AMQP_PORT)"
+    check_rabbitmq_nofile die
+}
+
+# The broker's file-descriptor limit as `rabbitmqctl status` reports it ("File Descriptors …
+# Total: N, limit: M": the handle cache, about 97 under ulimit -n).
+rabbitmq_fd_limit() {
+    rmqctl 30 -q status 2>/dev/null | sed -e 's/\x1b\[[0-9;]*m//g' |
+        awk '/^File Descriptors/ { fd = 1 } fd && /^Total: [0-9]+, limit: [0-9]+/ { sub(/.*limit: /, ""); print; exit }'
+}
+
+# A broker started with a small open-file limit wedges once fleet's queues fill its handle
+# cache (new connections hang in the handshake): say so, with the fix. A broker that was
+# already running is never restarted by this script: for it ($1 = warn) this is a warning.
+check_rabbitmq_nofile() {
+    local limit
+    limit=$(rabbitmq_fd_limit)
+    if [ -z "$limit" ]; then
+        log "rabbitmq: could not read the file-descriptor limit from 'rabbitmqctl status'"
+        return 0
+    fi
+    log "rabbitmq: file-descriptor limit $limit (rabbitmqctl status)"
+    if [ "$limit" -lt "$((RABBITMQ_NOFILE_MIN - 100))" ]; then
+        "${1:-die}" "rabbitmq: file-descriptor limit $limit is too small for fleet's queues (29 per namespace, 4 per group; see docs/scaling.md): restart it with ulimit -n $RABBITMQ_NOFILE (stop it, then run ops/services.sh again; systemd: LimitNOFILE=$RABBITMQ_NOFILE)"
+    fi
 }
 
 # ---------------------------------------------------------------------------- tools

@@ -62,8 +62,9 @@ pub struct AppState {
 /// The API routes, each behind its role when tokens are configured ([`fleet::auth`]): submit
 /// needs `submit`; status, workers, groups, pressure, series and dead-letter reads need `read`;
 /// drain and replay need `admin`; every POST must be JSON (415 otherwise, checked after the
-/// token: [`ApiAuth::require`]). The console's
-/// assets are public (they hold no data).
+/// token: [`ApiAuth::require`]). The console's assets are public (they hold no data). Without
+/// tokens, a request whose `Host` is not `localhost`, an IP address or a name of
+/// `FLEET_API_ALLOWED_HOSTS` gets 421, API and console alike ([`fleet::host`]).
 pub fn routes(state: AppState) -> Router {
     let auth: ApiAuth = state.cfg.common.auth.clone();
     let submit_routes = auth.require(Router::new().route("/v1/tasks", post(submit)), Role::Submit);
@@ -83,11 +84,13 @@ pub fn routes(state: AppState) -> Router {
             .merge(dead::admin_routes()),
         Role::Admin,
     );
-    submit_routes
+    let api = submit_routes
         .merge(read_routes)
         .merge(admin_routes)
         .with_state(state)
-        .merge(crate::console::routes())
+        .merge(crate::console::routes());
+    // Outermost: a DNS-rebinding page reaches neither the API nor the console (fleet::host).
+    auth.host_check(api)
 }
 
 /// A JSON error answer `{"error": code, "detail": ...}`.

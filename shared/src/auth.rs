@@ -149,6 +149,8 @@ struct AuthInner {
     allow_unauthenticated: bool,
     /// The non-loopback FLEET_HTTP_ADDR of an API served without tokens.
     open_bind: Option<String>,
+    /// The names an open API answers to ([`crate::host`]).
+    hosts: Arc<crate::host::AllowedHosts>,
 }
 
 impl ApiAuth {
@@ -160,6 +162,7 @@ impl ApiAuth {
                 metrics_need_read,
                 allow_unauthenticated: false,
                 open_bind: None,
+                hosts: Arc::default(),
             }),
         }
     }
@@ -206,6 +209,7 @@ impl ApiAuth {
                 metrics_need_read,
                 allow_unauthenticated,
                 open_bind,
+                hosts: Arc::new(crate::host::AllowedHosts::parse(&a.api_allowed_hosts)),
             }),
         })
     }
@@ -258,6 +262,19 @@ impl ApiAuth {
             )
                 .into_response()),
         }
+    }
+
+    /// `router` refusing (421) requests whose `Host` an open API does not answer to — the
+    /// DNS-rebinding defence of [`crate::host`], with the names of `FLEET_API_ALLOWED_HOSTS`;
+    /// with tokens configured it lets everything through. A layer: unmatched paths too.
+    pub fn host_check<S: Clone + Send + Sync + 'static>(
+        &self,
+        router: axum::Router<S>,
+    ) -> axum::Router<S> {
+        router.layer(middleware::from_fn_with_state(
+            (self.is_open(), self.inner.hosts.clone()),
+            crate::host::check_host,
+        ))
     }
 
     /// `router` with every route admitting only callers whose token grants `needed` (a route

@@ -40,6 +40,7 @@ pub mod endpoints;
 pub mod envelope;
 pub mod error;
 pub mod headers;
+pub mod host;
 pub mod http;
 pub mod lease;
 pub mod metrics;

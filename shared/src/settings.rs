@@ -132,6 +132,9 @@ pub struct CommonArgs {
     /// Serve an API without tokens on a non-loopback FLEET_HTTP_ADDR (refused otherwise).
     #[arg(long, env = "FLEET_ALLOW_UNAUTHENTICATED", default_value = "false", value_parser = boolean, action = clap::ArgAction::Set)]
     pub allow_unauthenticated: bool,
+    /// Host names, comma-separated, under which an API without tokens answers besides `localhost` and IP addresses (DNS-rebinding defence: any other `Host` gets 421); `*` admits every name.
+    #[arg(long, env = "FLEET_API_ALLOWED_HOSTS", default_value = "")]
+    pub api_allowed_hosts: String,
 }
 
 /// `fleet-scheduler`'s settings.

@@ -11,7 +11,11 @@
 //!
 //! * a worker's *ordinal* `i` is its place in its group: the lowest free ordinal, taken
 //!   atomically at registration and freed at deregistration or eviction (`register.lua`), so a
-//!   worker that leaves hands its ordinal, and with it its subset, to the next one to join;
+//!   worker that leaves hands its ordinal, and with it its subset, to the next one to join.
+//!   Only an `active` worker holds one: a worker that stops consuming (draining, ejected) frees
+//!   its ordinal at that moment (`set_state.lua`), so its peers cover its shards while it is
+//!   still finishing its running tasks, and an ejected worker back from its cool-down takes
+//!   the lowest free ordinal again;
 //! * the subset count is `c = S / k` (workers per *round*); the worker's round is `r = i / c`;
 //! * the shard list `0..S` is shuffled with a PRNG seeded with `r` — every worker of a round
 //!   computes the same permutation, each round a different one, so the shards one round leaves

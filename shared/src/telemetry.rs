@@ -6,6 +6,14 @@
 //! `Connection error: invalid channel state: Closing` on every clean shutdown. `RUST_LOG=
 //! info,lapin=debug` brings them back for debugging.
 //!
+//! **The AMQP client's TRACE lines are dropped whatever `RUST_LOG` says** ([`hides`]): lapin
+//! dumps every frame it sends at TRACE, and the `connection.start-ok` frame carries the
+//! PLAIN login as bytes (`response: LongString([0, 117, 115, 101, 114, 0, …])`,
+//! `\0user\0password`), once per connection — no URL redaction can recognise a password
+//! spelled as a byte list, so the lines never reach the formatter. This is a second, global
+//! filter after `RUST_LOG`'s, so no directive (`trace`, `lapin=trace`,
+//! `lapin::io_loop=trace`) can turn them on; `lapin=debug` still shows lapin's DEBUG lines.
+//!
 //! Every line goes through one writer that (1) hides URL passwords ([`crate::redact::redact`]),
 //! (2) escapes control characters ([`crate::redact::escape_controls`]) so a task's `kind`, id
 //! or error cannot forge lines or colour a terminal (colours are therefore off), and (3) never
@@ -16,9 +24,29 @@
 use std::io::Write;
 use std::sync::Mutex;
 
+use tracing::{Level, Metadata};
 use tracing_appender::non_blocking::{NonBlocking, WorkerGuard};
+use tracing_subscriber::filter::filter_fn;
 use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
+
+/// Targets (and their sub-modules) whose TRACE lines dump AMQP frames, login included:
+/// lapin's and its protocol crates'.
+const FRAME_LOGGERS: [&str; 2] = ["lapin", "amq_protocol"];
+
+/// Whether an event or span is dropped whatever `RUST_LOG` says: TRACE from the AMQP client
+/// (see the module docs). Events that come through the `log` crate carry their own target
+/// and are caught the same way.
+pub fn hides(meta: &Metadata<'_>) -> bool {
+    *meta.level() == Level::TRACE
+        && FRAME_LOGGERS.iter().any(|t| {
+            meta.target().strip_prefix(t).is_some_and(|rest| {
+                rest.is_empty() || rest.starts_with("::") || rest.starts_with('_')
+            })
+        })
+}
 
 /// Flushes the background writer when dropped (see [`flush`]).
 static GUARD: Mutex<Option<WorkerGuard>> = Mutex::new(None);
@@ -34,10 +62,11 @@ pub fn init(format: &str) {
         .with_ansi(false)
         .log_internal_errors(false)
         .with_writer(Sanitizing(writer));
+    let frames = filter_fn(|meta| !hides(meta));
     let installed = if format == "json" {
-        builder.json().try_init().is_ok()
+        builder.json().finish().with(frames).try_init().is_ok()
     } else {
-        builder.try_init().is_ok()
+        builder.finish().with(frames).try_init().is_ok()
     };
     if installed {
         if let Ok(mut g) = GUARD.lock() {

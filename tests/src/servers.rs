@@ -12,6 +12,28 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
 
+/// The open-file limit private RabbitMQ nodes start with unless `RABBITMQ_NOFILE` says: the
+/// one ops/services.sh gives the shared broker (docs/scaling.md).
+pub const RABBITMQ_NOFILE: u64 = 65536;
+
+/// `RABBITMQ_NOFILE` from the environment, else [`RABBITMQ_NOFILE`].
+pub fn rabbitmq_nofile() -> u64 {
+    std::env::var("RABBITMQ_NOFILE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(RABBITMQ_NOFILE)
+}
+
+/// `sh -c` script: `$1` is the wanted open-file limit, the rest the command to exec with it.
+const NOFILE_THEN_EXEC: &str = r#"want=$1; shift
+hard=$(ulimit -H -n)
+if [ "$hard" != unlimited ] && [ "$hard" -lt "$want" ]; then
+  ulimit -H -n "$want" 2>/dev/null || true
+  hard=$(ulimit -H -n)
+  if [ "$hard" != unlimited ] && [ "$hard" -lt "$want" ]; then want=$hard; fi
+fi
+ulimit -S -n "$want" && exec "$@""#;
+
 /// A free TCP port on 127.0.0.1 (bound, then released).
 pub fn free_port() -> Result<u16> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
@@ -259,7 +281,14 @@ impl PrivateRabbit {
             &uuid::Uuid::new_v4().simple().to_string()[..8]
         );
         let log = std::fs::File::create(dir.path("node.log"))?;
-        let child = Command::new(bin)
+        // Started through `sh` to set its open-file limit (RABBITMQ_NOFILE, as
+        // ops/services.sh): fleet's queue counts need more than the usual 1024.
+        let child = Command::new("sh")
+            .arg("-c")
+            .arg(NOFILE_THEN_EXEC)
+            .arg("sh")
+            .arg(rabbitmq_nofile().to_string())
+            .arg(bin)
             .env("RABBITMQ_NODENAME", &node)
             .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
             .env(

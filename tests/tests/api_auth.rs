@@ -304,3 +304,111 @@ async fn open_api_on_a_public_address_refuses_to_start() -> Result<()> {
     }
     Ok(())
 }
+
+/// Issue 30 item 10: a DNS-rebinding page. An open API (no tokens, loopback, the default)
+/// answered a drain sent with `Host: rebind.example:PORT` and a same-host `Origin` (what the
+/// browser sends once the attacker's name points at 127.0.0.1) with 202. Now a `Host` that is
+/// not `localhost`, an IP address or a name of `FLEET_API_ALLOWED_HOSTS` gets 421, on the
+/// scheduler's API and console and on the worker's `/status` and `/drain`; health endpoints
+/// stay open; the named hosts are answered as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_api_answers_only_its_own_host_names() -> Result<()> {
+    let ns = Ns::new().await?;
+    let allowed = [("api_allowed_hosts", "fleet.test")];
+    let sched = start_scheduler(&ns, &allowed).await?;
+    let w1 = start_worker(&ns, "w-rebind", "zone=a", 1, &allowed, &[]).await?;
+    let c = reqwest::Client::new();
+    let sched_port = sched.addr.port();
+    let worker_port = w1.addr.port();
+
+    let send = |method: Method, url: String, host: String| {
+        let c = c.clone();
+        async move {
+            let origin = format!("http://{host}");
+            let rq = c
+                .request(method.clone(), url)
+                .header(reqwest::header::HOST, host)
+                .header(reqwest::header::ORIGIN, origin);
+            let rq = if method == Method::POST {
+                rq.json(&json!({}))
+            } else {
+                rq
+            };
+            let r = rq.send().await?;
+            let status = r.status();
+            let body = r.text().await.unwrap_or_default();
+            anyhow::Ok((status, body))
+        }
+    };
+    let wurl = |p: &str| format!("http://{}{p}", w1.addr);
+
+    // The rebinding page: refused everywhere that acts or reads.
+    for (method, url, port) in [
+        (
+            Method::POST,
+            sched.url("/v1/workers/w-rebind/drain"),
+            sched_port,
+        ),
+        (Method::GET, sched.url("/v1/workers"), sched_port),
+        (Method::GET, sched.url("/ui"), sched_port),
+        (Method::POST, wurl("/drain"), worker_port),
+        (Method::GET, wurl("/status"), worker_port),
+    ] {
+        for host in [
+            format!("rebind.example:{port}"),
+            format!("fleet.test.rebind.example:{port}"),
+        ] {
+            let (status, body) = send(method.clone(), url.clone(), host.clone()).await?;
+            assert_eq!(
+                status,
+                StatusCode::MISDIRECTED_REQUEST,
+                "{method} {url} Host {host}: {body}"
+            );
+            ensure!(
+                body.contains("FLEET_API_ALLOWED_HOSTS"),
+                "the refusal names the setting: {body}"
+            );
+        }
+    }
+    let w = worker(&ns.store, "w-rebind").await;
+    assert_eq!(
+        w.map(|w| w.state).as_deref(),
+        Some("active"),
+        "the refused drains drained nothing"
+    );
+    // Health stays open whatever the Host.
+    let (status, _) = send(
+        Method::GET,
+        wurl("/healthz"),
+        format!("rebind.example:{worker_port}"),
+    )
+    .await?;
+    assert_eq!(status, StatusCode::OK);
+
+    // Its own names: localhost, loopback addresses, the configured name.
+    for (url, port) in [
+        (sched.url("/v1/workers"), sched_port),
+        (wurl("/status"), worker_port),
+    ] {
+        for host in [
+            format!("localhost:{port}"),
+            format!("127.0.0.1:{port}"),
+            format!("[::1]:{port}"),
+            format!("fleet.test:{port}"),
+            format!("FLEET.TEST:{port}"),
+        ] {
+            let (status, body) = send(Method::GET, url.clone(), host.clone()).await?;
+            assert_eq!(status, StatusCode::OK, "GET {url} Host {host}: {body}");
+        }
+    }
+    let (status, body) = send(
+        Method::POST,
+        sched.url("/v1/workers/w-rebind/drain"),
+        format!("fleet.test:{sched_port}"),
+    )
+    .await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    w1.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}

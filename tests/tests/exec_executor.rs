@@ -243,3 +243,80 @@ async fn shell_metacharacters_in_a_task_are_inert() -> anyhow::Result<()> {
     assert!(pwned.is_empty(), "a shell ran task text: {pwned:?}");
     f.stop().await
 }
+
+/// Issue 30 item 7: `kill -9` of a worker process ends its exec run at once — the program and
+/// what it forked (a grandchild in the background) — so no copy of the task runs on beside the
+/// retry on a peer. The program writes both pids; after the kill neither process runs within
+/// 2 s (without the run's process group and its watchdog both ran on for 30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_workers_program_and_its_grandchild_die_with_it() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let sched = start_scheduler(&ns, &[("probe_interval_ms", "600000")]).await?;
+    let dir = TempDir::new("exec-kill")?;
+    let (child, grandchild) = (dir.path("child.pid"), dir.path("grandchild.pid"));
+    // The grandchild's pid is written before the child's; each file appears whole (mv).
+    let script = format!(
+        r#"cat >/dev/null
+[ "$FLEET_TASK_KIND" = hold ] || exit 0
+sleep 30 & echo $! > {grandchild}.tmp && mv {grandchild}.tmp {grandchild}
+echo $$ > {child}.tmp && mv {child}.tmp {child}
+wait"#
+    );
+    let command = serde_json::to_string(&["sh", "-c", &script])?;
+    let mut victim = WorkerProcess::start(
+        &ns,
+        &ProcessSpec {
+            id: "w-exec-victim",
+            labels: "case=exec-kill",
+            capacity: 1,
+            endpoint: "http://127.0.0.1:9/unused",
+            extra: &[("executor", "exec"), ("exec_command", &command)],
+        },
+    )
+    .await?;
+    let mut t = task("hold", json!({}), "case=exec-kill");
+    t.max_attempts = Some(3);
+    ns.submit(std::slice::from_ref(&t)).await?;
+    let pids = wait_for(
+        "the program and its grandchild",
+        Duration::from_secs(20),
+        || async {
+            let c = std::fs::read_to_string(&child).ok()?;
+            let g = std::fs::read_to_string(&grandchild).ok()?;
+            Some([c.trim().to_string(), g.trim().to_string()])
+        },
+    )
+    .await?;
+    for pid in &pids {
+        assert!(alive(pid), "{pid} runs before the kill");
+    }
+
+    let killed = Instant::now();
+    victim.kill9()?;
+    let left = wait_for(
+        "the run's processes to die",
+        Duration::from_secs(2),
+        || async { pids.iter().all(|p| !alive(p)).then_some(()) },
+    )
+    .await;
+    let still: Vec<&String> = pids.iter().filter(|p| alive(p)).collect();
+    assert!(
+        left.is_ok(),
+        "{:?} after the worker's kill -9, still running: {still:?} (child, grandchild = {pids:?})",
+        killed.elapsed()
+    );
+    println!(
+        "program and grandchild gone {} ms after kill -9 of their worker",
+        killed.elapsed().as_millis()
+    );
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
+/// Whether process `pid` runs (a zombie has ended: it only waits to be reaped).
+fn alive(pid: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit(')').next().map(|r| r.trim_start().to_string()))
+        .is_some_and(|rest| !rest.starts_with('Z'))
+}

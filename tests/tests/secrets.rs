@@ -258,3 +258,54 @@ async fn no_secret_in_any_output() -> Result<()> {
     drop(redis);
     Ok(())
 }
+
+/// Issue 30 item 11: at `RUST_LOG=trace` the AMQP client dumps every frame it sends, and the
+/// `connection.start-ok` frame holds the PLAIN login as a byte list (`\0user\0password`) that
+/// no URL redaction recognises. Both daemons, started with `RUST_LOG=trace` and with
+/// directives naming lapin's modules, log at TRACE (fleet's own lines are there) and show the
+/// password in no form: plain, as the frame's byte list, or as hex.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_amqp_login_frame_is_never_logged_at_trace() -> Result<()> {
+    const PW: &str = "Trace-Login-Pw-5c81e07d";
+    let ns = Ns::new().await?;
+    let url = format!("amqp://guest:{PW}@127.0.0.1:5672/%2f");
+    let bytes = PW
+        .bytes()
+        .map(|b| b.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let hex: String = PW.bytes().map(|b| format!("{b:02x}")).collect();
+    for bin in ["fleet-worker", "fleet-scheduler"] {
+        for filter in [
+            "trace",
+            "info,lapin=trace,lapin::io_loop=trace,lapin::frames=trace",
+        ] {
+            let port = free_port()?.to_string();
+            let env = [
+                ("FLEET_NAMESPACE", ns.name.as_str()),
+                ("FLEET_AMQP_URL", url.as_str()),
+                ("FLEET_HTTP_ADDR", &format!("127.0.0.1:{port}")),
+                ("FLEET_QUEUE_TYPE", "classic"),
+                ("RUST_LOG", filter),
+            ];
+            let (code, out, err) = run_bin(bin, &env, &[]).await?;
+            let all = format!("{out}{err}");
+            // The login is refused (a wrong password on purpose: the frame is sent all the
+            // same), which the daemon reports once, and exits with 2.
+            assert_eq!(code, 2, "{bin} {filter}: {all}");
+            assert!(all.contains("refused the login"), "{bin} {filter}: {all}");
+            if filter == "trace" {
+                assert!(all.contains("TRACE"), "{bin}: nothing at TRACE:\n{all}");
+            }
+            for form in [PW, bytes.as_str(), hex.as_str()] {
+                let hits: Vec<&str> = all.lines().filter(|l| l.contains(form)).collect();
+                assert!(
+                    hits.is_empty(),
+                    "{bin} with RUST_LOG={filter}: the password as `{form}` in:\n{}",
+                    hits.join("\n")
+                );
+            }
+        }
+    }
+    ns.cleanup().await
+}

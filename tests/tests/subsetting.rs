@@ -339,3 +339,107 @@ async fn delete_shards(ns: &Ns, group: &str) -> Result<()> {
     fleet::topology::delete_all_sharded(&ch, &ns.names, &[group.to_string()], 12).await?;
     Ok(())
 }
+
+/// Issue 30 item 8: a draining worker hands its shards on at once. `FLEET_SHARDS=4`,
+/// `FLEET_SHARDS_PER_WORKER=2`, two workers; one is told to drain (as SIGTERM) while it runs a
+/// long task (held by a gate). Its ordinal is freed when it stops consuming — not when it
+/// deregisters after the task — so its peer takes all four shards and 12 short tasks submitted
+/// then all run on the peer while the long task still runs on the draining worker. (Before: 6
+/// of them sat in the draining worker's two shards until it left.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_draining_worker_hands_its_shards_to_its_peers_at_once() -> Result<()> {
+    const FOUR: &[(&str, &str)] = &[
+        ("shards", "4"),
+        ("shards_per_worker", "2"),
+        ("drain_grace_ms", "60000"),
+    ];
+    let ns = Ns::new().await?;
+    let s = Subsetting::new(4, 2)?;
+    let labels = "pool=drain";
+    let group = "pool=drain,protocol=builtin";
+    let rec = Recorder::default();
+    let gate = Gate::default();
+    let (ran_on_tx, mut ran_on) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let hold = {
+        let gate = gate.clone();
+        fleet_worker::executor::handler_fn(move |ctx| {
+            let (gate, tx) = (gate.clone(), ran_on_tx.clone());
+            async move {
+                let _ = tx.send(ctx.worker_id.to_string());
+                gate.pass(&ctx.envelope.id).await;
+                Ok(json!({}))
+            }
+        })
+    };
+    let h = [("record", rec.handler()), ("hold", hold)];
+    let sched = start_scheduler(&ns, FOUR).await?;
+    let a = start_worker(&ns, "a", labels, 2, FOUR, &h).await?;
+    let b = start_worker(&ns, "b", labels, 2, FOUR, &h).await?;
+    wait_for_assignment(&ns, group, &s, &[(&a, 0), (&b, 1)]).await?;
+
+    let long = task("hold", json!({}), labels);
+    ns.submit(std::slice::from_ref(&long)).await?;
+    let on = tokio::time::timeout(Duration::from_secs(20), ran_on.recv())
+        .await
+        .context("the long task did not start")?
+        .context("handler gone")?;
+    let (draining, peer) = if on == "a" { (a, b) } else { (b, a) };
+    let peer_ord = if peer.id == "a" { 0 } else { 1 };
+    draining.shutdown.cancel();
+    wait_for("the worker draining", Duration::from_secs(10), || async {
+        worker(&ns.store, &draining.id)
+            .await
+            .filter(|w| w.state == "draining")
+    })
+    .await?;
+    let short: Vec<_> = (0..12)
+        .map(|i| task("record", json!({"i": i}), labels))
+        .collect();
+    assert_eq!(ns.submit(&short).await?, (12, 0));
+    let ids: Vec<String> = short.iter().map(|t| t.id.clone()).collect();
+    let (all, last) = wait_all_in(&ns, &ids, "succeeded", Duration::from_secs(15)).await?;
+    let waiting: Vec<_> = last.iter().filter(|(_, s)| *s != "succeeded").collect();
+    assert!(
+        all,
+        "short tasks still waiting while the draining worker finishes: {waiting:?}"
+    );
+    // The long task still runs on the draining worker: nothing waited for it to leave.
+    let st = ns.status(&long.id).await?.unwrap_or_default();
+    assert_eq!(
+        st.get("state").map(String::as_str),
+        Some("running"),
+        "{st:?}"
+    );
+    assert_eq!(
+        st.get("worker").map(String::as_str),
+        Some(draining.id.as_str())
+    );
+    let runs = rec.runs();
+    assert_eq!(runs.len(), 12, "each short task ran once: {runs:?}");
+    assert!(
+        runs.iter().all(|(_, w, _)| *w == peer.id),
+        "every short task ran on the peer: {runs:?}"
+    );
+    // How: its ordinal went when it stopped consuming, and the peer consumes every shard.
+    let table = ns.store.group_ordinals(group).await?;
+    assert_eq!(table, BTreeMap::from([(peer_ord, peer.id.clone())]));
+    wait_for_assignment(&ns, group, &s, &[(&peer, peer_ord)]).await?;
+
+    gate.open(&long.id);
+    tokio::time::timeout(Duration::from_secs(30), draining.join)
+        .await
+        .context("the drain did not end")???;
+    ns.wait_state(&long.id, "succeeded", Duration::from_secs(10))
+        .await?;
+    peer.stop().await?;
+    sched.stop().await?;
+    delete_shards_of(&ns, group, 4).await?;
+    ns.cleanup().await
+}
+
+/// Deletes a sharded group's `shards` shard queues.
+async fn delete_shards_of(ns: &Ns, group: &str, shards: u32) -> Result<()> {
+    let ch = ns.conn.create_channel().await?;
+    fleet::topology::delete_all_sharded(&ch, &ns.names, &[group.to_string()], shards).await?;
+    Ok(())
+}

@@ -53,8 +53,9 @@ pub fn router(
     };
     let read = auth.require(Router::new().route("/status", get(status)), Role::Read);
     let admin = auth.require(Router::new().route("/drain", post(drain)), Role::Admin);
-    read.merge(admin)
-        .with_state(api)
+    // Without tokens `/status` and `/drain` answer only to localhost, IP addresses and the
+    // names of FLEET_API_ALLOWED_HOSTS (DNS-rebinding defence, fleet::host).
+    auth.host_check(read.merge(admin).with_state(api))
         .merge(fleet::http::common_routes(prom, ready, auth))
 }
 

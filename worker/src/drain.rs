@@ -14,7 +14,9 @@
 //! stage       loops                                   drain step
 //! intake      lane consumers                          1 state `draining` in Redis at once (its
 //!                                                       capacity leaves the group: the scheduler
-//!                                                       stops routing to it); 2 consumers
+//!                                                       stops routing to it; its subsetting
+//!                                                       ordinal is freed: its peers take its
+//!                                                       shards within a second); 2 consumers
 //!                                                       cancelled (the broker stops delivering; a
 //!                                                       delivery already on the wire is nacked back)
 //! work        task attempts and handler runs          3 running tasks get `drain_grace_ms`

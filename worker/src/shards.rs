@@ -2,8 +2,11 @@
 //! subsetting, see [`fleet::subset`]).
 //!
 //! The worker's ordinal is taken by `register.lua` (lowest free in its group) and freed when
-//! it deregisters or is evicted. This loop reads the group's ordinal table (one `HGETALL`) at
-//! start and every heartbeat interval, finds its own ordinal, and computes its shards with
+//! it deregisters or is evicted — and as soon as it stops consuming (`set_state.lua`: draining,
+//! ejected; an ejected worker takes the lowest free ordinal again when it is back), so a
+//! draining worker finishing a long task does not keep its shards from its peers. This loop
+//! reads the group's ordinal table (one `HGETALL`) at start and every [`REFRESH`] (or heartbeat
+//! interval, if shorter), finds its own ordinal, and computes its shards with
 //! [`Subsetting::shards_of`]: its `k`-shard subset plus its share of any shard no live
 //! ordinal's subset covers (fewer workers than a round, or a gap left by one that went). Every
 //! worker reads the same table and computes the same assignment, so every shard keeps a
@@ -27,6 +30,11 @@ use fleet::{Lane, Names, Store};
 
 /// How long one read of the ordinal table may take before the loop tries again next tick.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Longest time between two reads of the ordinal table: how long the shards of a peer that
+/// stopped consuming (draining, ejected, gone) may wait for this worker to take them on. One
+/// `HGETALL` a second per worker of a sharded group.
+pub const REFRESH: Duration = Duration::from_secs(1);
 
 /// Computes this worker's shard queues from the group's ordinal table.
 pub struct ShardWatch {
@@ -80,9 +88,10 @@ impl ShardWatch {
             .group_shard_queues(&self.group, Lane::Normal, self.subsetting.shards())
     }
 
-    /// Re-reads the table every interval and sends a changed set, until `shutdown`.
+    /// Re-reads the table every interval (at most [`REFRESH`]) and sends a changed set, until
+    /// `shutdown`.
     pub async fn run(self, tx: watch::Sender<Vec<String>>, shutdown: CancellationToken) {
-        let mut ticker = Ticker::new(self.interval);
+        let mut ticker = Ticker::new(self.interval.min(REFRESH));
         loop {
             tokio::select! {
                 biased;

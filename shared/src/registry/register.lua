@@ -12,8 +12,9 @@
 -- ARGV[12]: the task kinds it handles: `*` or `a,b` sorted (`fleet::registry::Kinds`); the
 --   group's `kinds` becomes the intersection over its active workers (worker.lua refresh_kinds)
 -- ARGV[13..]: label pairs `k=v` for the label index
--- The worker takes the lowest ordinal free in its group (deterministic subsetting: its ordinal
--- picks the shard queues it consumes); deregister and evict free it for the next to join.
+-- An active worker takes the lowest ordinal free in its group (deterministic subsetting: its
+-- ordinal picks the shard queues it consumes); deregister, evict and a move out of `active`
+-- (set_state: draining, ejected) free it for the others (`hold_ordinal`).
 -- returns: 'registered', or an error reply `DUPLICATE last heartbeat <n> ms ago` when another
 --          instance heartbeated within the window, or `RECLAIMING <why>` while the group is being
 --          reclaimed (its queues are being deleted) or when the worker's queues were declared
@@ -40,9 +41,7 @@ local state = ARGV[10]
 redis.call('HSET', wk, 'id', id, 'instance', inst, 'group', g, 'labels', ARGV[4], 'cap', ARGV[5],
   'ccap', ARGV[6], 'executor', ARGV[7], 'state', state, 'hb', now, 'started', now, 'ok', 0, 'err', 0,
   'load', 0, 'cload', 0, 'ewma_ms', 0, 'cpu', 0, 'kinds', ARGV[12])
-local ord = 0
-while redis.call('HSETNX', K_gord(g), ord, id) == 0 do ord = ord + 1 end
-redis.call('HSET', wk, 'ord', ord)
+hold_ordinal(id, g, state)
 redis.call('ZADD', K_workers(), now, id)
 redis.call('SADD', K_groups(), g)
 redis.call('SADD', K_gw(g), id)

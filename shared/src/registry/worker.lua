@@ -47,6 +47,27 @@ local function has_kind_list(kinds)
   return kinds ~= nil and kinds ~= false and kinds ~= '*'
 end
 
+-- Deterministic subsetting: only an `active` worker holds an ordinal in its group (a draining
+-- or ejected worker has cancelled its consumers, so the shards of its subset must go to its
+-- peers now — they re-read the ordinal table every heartbeat interval — not when it leaves).
+-- An active worker without one takes the lowest free; any other state frees its own (never an
+-- ordinal another worker has taken since). Idempotent.
+local function hold_ordinal(id, g, state)
+  local wk = K_worker(id)
+  local ord = redis.call('HGET', wk, 'ord')
+  local held = ord and redis.call('HGET', K_gord(g), ord) == id
+  if state == 'active' then
+    if not held then
+      local o = 0
+      while redis.call('HSETNX', K_gord(g), o, id) == 0 do o = o + 1 end
+      redis.call('HSET', wk, 'ord', o)
+    end
+  else
+    if held then redis.call('HDEL', K_gord(g), ord) end
+    if ord then redis.call('HDEL', wk, 'ord') end
+  end
+end
+
 -- Removes a worker entirely: its capacity, its running records, its index entries.
 -- A running record is released only while the task is still this worker's: a task the broker
 -- redelivered after this worker died may already run on a peer (its status names the peer),

@@ -8,6 +8,32 @@
 //! success with stdout (JSON if it parses, else a string); exit `exec_permanent_exit` →
 //! permanent failure; any other exit or a signal → retryable, with the tail of stderr.
 //! The child is killed when the run is cut (deadline, cap, shutdown): `kill_on_drop`.
+//!
+//! # A run's processes end with the run — and with the worker
+//!
+//! Each run gets its own process group, led by a *watchdog*: a one-line `/bin/sh` ([`WATCHDOG`])
+//! that reads a pipe from this worker until end of file, then SIGKILLs its process group
+//! (`kill -9 0`). The program is started into that group (`process_group(watchdog pid)`), so
+//! everything it forks without leaving the group (its grandchildren) is in it too. The pipe's
+//! write end lives only in the worker (std opens pipes close-on-exec, so no other child
+//! inherits it), and the kernel closes it when the worker dies in any way — `kill -9`, a
+//! panic, the OOM killer — so the group dies with the worker, at once, with no retry of the
+//! same task running beside it on a peer. The worker closes the pipe itself when a run ends
+//! (the program exited: anything it left behind is ended with it, and its output pipes reach
+//! end of file) or is cut (deadline, cap, shutdown: the program is SIGKILLed at once by
+//! `kill_on_drop`, its group by the watchdog).
+//!
+//! Why a watchdog process and not `PR_SET_PDEATHSIG`: the parent-death signal fires when the
+//! *thread* that spawned the child exits (tokio's blocking threads end when idle: a live
+//! worker would kill its own runs), it reaches only the direct child (grandchildren run on),
+//! and setting it needs `unsafe` `pre_exec` (the workspace forbids unsafe code). Why `/bin/sh`
+//! and not a supervisor mode of `fleet-worker` re-executing itself: the exec executor also runs
+//! inside other binaries (the in-process test harness, a user's own worker built on this
+//! library), where the current executable has no such mode; a POSIX shell is on every image
+//! fleet ships (Debian) and needs no input from the task. The watchdog leads the group, so the
+//! group id is its own pid and cannot be reused while it runs: it never signals a stranger.
+//! The group is also what cancel (SIGTERM the group, SIGKILL after a grace) will signal. A
+//! process that leaves the group on purpose (`setsid`, as daemons do) escapes it.
 
 use std::process::Stdio;
 
@@ -21,6 +47,67 @@ use crate::config::ExecConfig;
 
 /// Bytes of stderr kept for the error text.
 const STDERR_TAIL: usize = 2048;
+
+/// The run's watchdog (see the module docs): deaf to the terminal's and a supervisor's
+/// signals, it waits for end of file on its stdin, then SIGKILLs its process group.
+pub const WATCHDOG: [&str; 3] = [
+    "/bin/sh",
+    "-c",
+    "trap '' HUP INT QUIT TERM; while read -r _; do :; done; kill -9 0",
+];
+
+/// A run's process group, led by its watchdog. Ending it (or dropping it) closes the
+/// watchdog's pipe, and the watchdog kills every process left in the group.
+struct Group {
+    watchdog: tokio::process::Child,
+    /// The write end of the watchdog's pipe: the group lives while this is open.
+    pipe: Option<tokio::process::ChildStdin>,
+    /// The group's id (the watchdog's pid).
+    id: i32,
+}
+
+impl Group {
+    /// Starts the watchdog in a new process group of its own.
+    fn start() -> Result<Group, TaskError> {
+        let (sh, args) = (WATCHDOG[0], &WATCHDOG[1..]);
+        let mut watchdog = Command::new(sh)
+            .args(args)
+            .env_clear()
+            .process_group(0)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            // Not killed on drop: killed, it could not end the group; the pipe closing ends it.
+            .kill_on_drop(false)
+            .spawn()
+            .map_err(|e| {
+                TaskError::retryable(format!("exec: cannot start the run's watchdog `{sh}`: {e}"))
+            })?;
+        let pipe = watchdog.stdin.take();
+        let id = watchdog.id().and_then(|p| i32::try_from(p).ok());
+        match (pipe, id) {
+            (Some(pipe), Some(id)) => Ok(Group {
+                watchdog,
+                pipe: Some(pipe),
+                id,
+            }),
+            _ => Err(TaskError::retryable(
+                "exec: the run's watchdog exited at once",
+            )),
+        }
+    }
+
+    /// Kills every process left in the group (the watchdog does, on end of file).
+    fn end(&mut self) {
+        self.pipe = None;
+    }
+
+    /// [`Group::end`], then waits until the watchdog has done it (it dies by its own signal).
+    async fn ended(mut self) {
+        self.end();
+        let _ = self.watchdog.wait().await;
+    }
+}
 
 pub struct ExecHandler {
     cfg: ExecConfig,
@@ -44,6 +131,7 @@ async fn run(cfg: ExecConfig, task: TaskContext) -> Result<Value, TaskError> {
         .argv
         .split_first()
         .ok_or_else(|| TaskError::permanent("exec: empty command"))?;
+    let group = Group::start()?;
     let mut cmd = Command::new(program);
     // The worker's own settings (broker and Redis URLs with their credentials) are not the
     // task's business: the child gets the environment minus every FLEET_* variable.
@@ -52,7 +140,7 @@ async fn run(cfg: ExecConfig, task: TaskContext) -> Result<Value, TaskError> {
             cmd.env_remove(key);
         }
     }
-    let mut child = cmd
+    let child = cmd
         .args(args)
         .env("FLEET_TASK_ID", &task.envelope.id)
         .env("FLEET_TASK_KIND", &task.envelope.kind)
@@ -61,6 +149,7 @@ async fn run(cfg: ExecConfig, task: TaskContext) -> Result<Value, TaskError> {
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .process_group(group.id)
         .kill_on_drop(true)
         .spawn()
         // A missing or non-executable program is a configuration fault of this worker, not of
@@ -74,7 +163,15 @@ async fn run(cfg: ExecConfig, task: TaskContext) -> Result<Value, TaskError> {
             } else {
                 TaskError::Retryable(msg)
             }
-        })?;
+        });
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => {
+            group.ended().await;
+            return Err(e);
+        }
+    };
+    let mut group = group;
 
     let mut input = task.envelope.to_value();
     if let Value::Object(m) = &mut input {
@@ -91,7 +188,15 @@ async fn run(cfg: ExecConfig, task: TaskContext) -> Result<Value, TaskError> {
     };
     let stdout = read_capped(child.stdout.take(), cfg.max_output);
     let stderr = read_tail(child.stderr.take(), STDERR_TAIL);
-    let ((), out, err, status) = tokio::join!(feed, stdout, stderr, child.wait());
+    // When the program exits, whatever it left in its group is killed: a background process
+    // holding stdout open cannot keep the run (and the readers) waiting.
+    let wait = async {
+        let status = child.wait().await;
+        group.end();
+        status
+    };
+    let ((), out, err, status) = tokio::join!(feed, stdout, stderr, wait);
+    group.ended().await;
     let status =
         status.map_err(|e| TaskError::retryable(format!("exec: waiting for `{program}`: {e}")))?;
 
@@ -232,6 +337,72 @@ mod tests {
         let r = tokio::time::timeout(Duration::from_millis(200), h.call(t(Value::Null))).await;
         assert!(r.is_err());
         assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    /// Whether process `pid` runs (a zombie does not: it is dead, waiting to be reaped).
+    fn alive(pid: &str) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit(')').next().map(|r| r.trim_start().to_string()))
+            .is_some_and(|rest| !rest.starts_with('Z'))
+    }
+
+    async fn gone_within(pid: &str, limit: Duration) -> bool {
+        let start = std::time::Instant::now();
+        while alive(pid) {
+            if start.elapsed() > limit {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        true
+    }
+
+    #[tokio::test]
+    async fn a_cut_run_kills_the_grandchildren_too() {
+        let dir = std::env::temp_dir().join(format!("fleet-exec-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("grandchild.pid");
+        let script = format!("sleep 30 & echo $! > {}; wait", file.display());
+        let h = handler(&["sh", "-c", &script]);
+        // A boxed future: dropping it below really drops the run.
+        let mut run = h.call(t(Value::Null));
+        let mut pid = String::new();
+        for _ in 0..250 {
+            tokio::select! {
+                r = &mut run => panic!("the run ended: {r:?}"),
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+            }
+            pid = std::fs::read_to_string(&file).unwrap_or_default();
+            if pid.ends_with('\n') {
+                break;
+            }
+        }
+        let pid = pid.trim().to_string();
+        assert!(alive(&pid), "the grandchild {pid:?} runs");
+        drop(run);
+        assert!(
+            gone_within(&pid, Duration::from_secs(2)).await,
+            "grandchild {pid} outlived the cut run"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn what_a_program_leaves_behind_ends_with_its_run() {
+        // The background `sleep` holds stdout open: the run still ends when `sh` exits.
+        let h = handler(&["sh", "-c", "sleep 30 & echo $!"]);
+        let started = std::time::Instant::now();
+        let out = tokio::time::timeout(Duration::from_secs(10), h.call(t(Value::Null)))
+            .await
+            .expect("the run ends when its program exits")
+            .unwrap();
+        assert!(started.elapsed() < Duration::from_secs(5));
+        let pid = out.to_string();
+        assert!(
+            gone_within(&pid, Duration::from_secs(2)).await,
+            "the left-behind {pid} was killed"
+        );
     }
 
     #[tokio::test]
