@@ -751,10 +751,40 @@ const LIBFAKETIME: &[&str] = &[
     "/usr/lib/faketime/libfaketime.so.1",
 ];
 
+/// Routes `redis-server`'s allocations to glibc's: Debian's redis-server is linked with
+/// jemalloc, which reads the clock while libfaketime initialises ("Unexpected recursive calls
+/// to clock_gettime()" and the server never starts). Built with `cc` into the test's directory.
+const GLIBC_MALLOC_SHIM: &str = r#"#define _GNU_SOURCE
+#include <stddef.h>
+#include <errno.h>
+#include <dlfcn.h>
+extern void *__libc_malloc(size_t);
+extern void __libc_free(void *);
+extern void *__libc_calloc(size_t, size_t);
+extern void *__libc_realloc(void *, size_t);
+extern void *__libc_memalign(size_t, size_t);
+extern void *__libc_valloc(size_t);
+extern void *__libc_pvalloc(size_t);
+void *malloc(size_t n) { return __libc_malloc(n); }
+void free(void *p) { __libc_free(p); }
+void *calloc(size_t a, size_t b) { return __libc_calloc(a, b); }
+void *realloc(void *p, size_t n) { return __libc_realloc(p, n); }
+void *memalign(size_t a, size_t n) { return __libc_memalign(a, n); }
+void *aligned_alloc(size_t a, size_t n) { return __libc_memalign(a, n); }
+void *valloc(size_t n) { return __libc_valloc(n); }
+void *pvalloc(size_t n) { return __libc_pvalloc(n); }
+int posix_memalign(void **r, size_t a, size_t n) { void *p = __libc_memalign(a, n); if (!p) return ENOMEM; *r = p; return 0; }
+size_t malloc_usable_size(void *p) {
+  static size_t (*f)(void *);
+  if (!f) { void *h = dlopen("libc.so.6", RTLD_NOW | RTLD_NOLOAD); if (h) f = (size_t (*)(void *))dlsym(h, "malloc_usable_size"); }
+  return f ? f(p) : 0;
+}
+"#;
+
 /// A private `redis-server` under libfaketime whose clock is this machine's plus an offset
 /// read from a file on every call (`FAKETIME_TIMESTAMP_FILE`, `FAKETIME_NO_CACHE`), so a test
-/// moves Redis `TIME` — fleet's one clock — while everything runs. The monotonic clock is left
-/// alone.
+/// moves Redis `TIME` — fleet's one clock, also inside scripts and for key expiry — while
+/// everything runs. The monotonic clock is left alone.
 struct ShiftedRedis {
     redis: PrivateRedis,
     dir: TempDir,
@@ -768,8 +798,19 @@ impl ShiftedRedis {
             .context("libfaketime not found (apt-get install faketime; ops/services.sh does)")?;
         let dir = TempDir::new("shifted-redis")?;
         let file = dir.write("faketime", &format!("{offset_s:+}"))?;
+        let src = dir.write("shim.c", GLIBC_MALLOC_SHIM)?;
+        let shim = dir.path("shim.so");
+        let built = std::process::Command::new("cc")
+            .args(["-shared", "-fPIC", "-O2", "-o", &shim, &src, "-ldl"])
+            .status()
+            .context("cc (to build the malloc shim for redis-server under libfaketime)")?;
+        ensure!(
+            built.success(),
+            "cc failed to build the malloc shim: {built}"
+        );
+        let preload = format!("{lib} {shim}");
         let env = [
-            ("LD_PRELOAD", *lib),
+            ("LD_PRELOAD", preload.as_str()),
             ("FAKETIME_TIMESTAMP_FILE", file.as_str()),
             ("FAKETIME_NO_CACHE", "1"),
             ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
