@@ -12,8 +12,8 @@
 //! would not see what another already read. A stream is read non-destructively from any
 //! offset by any number of consumers, is durable and replicated like the task queues, and
 //! orders all changes totally: every replica replays the same log from `first` and reaches the
-//! same definitions. Redis keeps only the per-tick claims and the last-fired marks (see
-//! [`super::fire`]).
+//! same definitions. Redis keeps only the per-tick claims, the last-fired marks and the born
+//! marks (see [`super::fire`]).
 //!
 //! # Creation is first-put-wins
 //!
