@@ -444,8 +444,19 @@ pub struct PrivateRedis {
 
 impl PrivateRedis {
     pub async fn start(tls: Option<(&Pki, bool)>, password: Option<&str>) -> Result<Self> {
+        Self::start_with_env(tls, password, &[]).await
+    }
+
+    /// As [`PrivateRedis::start`], with extra environment variables for `redis-server` (e.g.
+    /// libfaketime's `LD_PRELOAD` and `FAKETIME…`, to shift its `TIME`).
+    pub async fn start_with_env(
+        tls: Option<(&Pki, bool)>,
+        password: Option<&str>,
+        env: &[(&str, &str)],
+    ) -> Result<Self> {
         let port = free_port()?;
         let mut cmd = Command::new("redis-server");
+        cmd.envs(env.iter().copied());
         cmd.args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]);
         match tls {
             Some((pki, require_client_cert)) => {

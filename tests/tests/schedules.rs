@@ -1,7 +1,10 @@
 //! Periodic schedules end to end, against the real RabbitMQ and Redis: every tick fired once
 //! across scheduler replicas (one of them a process killed mid-way), `skip` vs `catch_up`
 //! after every scheduler stopped for 5 s, pause/resume and fire-now through `fleetctl`, and
-//! definitions surviving a Redis FLUSHALL (on a private `redis-server`).
+//! definitions surviving a Redis FLUSHALL (on a private `redis-server`); the first tick after
+//! a creation, real-time pace through a DST fall-back and the `catch_up_max` bound after a 6 h
+//! outage (on a private `redis-server` whose `TIME` libfaketime shifts), and creation racing
+//! on two replicas (issue 30 items 1-4).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -743,6 +746,405 @@ async fn a_red_fleet_refuses_fires_which_are_counted_missed_then_fire_again() ->
     );
     assert!(missed(&page) >= 2.0);
 
+    w.stop().await?;
+    ns.cleanup().await
+}
+
+const LIBFAKETIME: &[&str] = &[
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/faketime/libfaketime.so.1",
+];
+
+/// Routes `redis-server`'s allocations to glibc's: Debian's redis-server is linked with
+/// jemalloc, which reads the clock while libfaketime initialises ("Unexpected recursive calls
+/// to clock_gettime()" and the server never starts). Built with `cc` into the test's directory.
+const GLIBC_MALLOC_SHIM: &str = r#"#define _GNU_SOURCE
+#include <stddef.h>
+#include <errno.h>
+#include <dlfcn.h>
+extern void *__libc_malloc(size_t);
+extern void __libc_free(void *);
+extern void *__libc_calloc(size_t, size_t);
+extern void *__libc_realloc(void *, size_t);
+extern void *__libc_memalign(size_t, size_t);
+extern void *__libc_valloc(size_t);
+extern void *__libc_pvalloc(size_t);
+void *malloc(size_t n) { return __libc_malloc(n); }
+void free(void *p) { __libc_free(p); }
+void *calloc(size_t a, size_t b) { return __libc_calloc(a, b); }
+void *realloc(void *p, size_t n) { return __libc_realloc(p, n); }
+void *memalign(size_t a, size_t n) { return __libc_memalign(a, n); }
+void *aligned_alloc(size_t a, size_t n) { return __libc_memalign(a, n); }
+void *valloc(size_t n) { return __libc_valloc(n); }
+void *pvalloc(size_t n) { return __libc_pvalloc(n); }
+int posix_memalign(void **r, size_t a, size_t n) { void *p = __libc_memalign(a, n); if (!p) return ENOMEM; *r = p; return 0; }
+size_t malloc_usable_size(void *p) {
+  static size_t (*f)(void *);
+  if (!f) { void *h = dlopen("libc.so.6", RTLD_NOW | RTLD_NOLOAD); if (h) f = (size_t (*)(void *))dlsym(h, "malloc_usable_size"); }
+  return f ? f(p) : 0;
+}
+"#;
+
+/// A private `redis-server` under libfaketime whose clock is this machine's plus an offset
+/// read from a file on every call (`FAKETIME_TIMESTAMP_FILE`, `FAKETIME_NO_CACHE`), so a test
+/// moves Redis `TIME` — fleet's one clock, also inside scripts and for key expiry — while
+/// everything runs. The monotonic clock is left alone.
+struct ShiftedRedis {
+    redis: PrivateRedis,
+    dir: TempDir,
+}
+
+impl ShiftedRedis {
+    async fn start(offset_s: i64) -> Result<Self> {
+        let lib = LIBFAKETIME
+            .iter()
+            .find(|p| std::path::Path::new(p).exists())
+            .context("libfaketime not found (apt-get install faketime; ops/services.sh does)")?;
+        let dir = TempDir::new("shifted-redis")?;
+        let file = dir.write("faketime", &format!("{offset_s:+}"))?;
+        let src = dir.write("shim.c", GLIBC_MALLOC_SHIM)?;
+        let shim = dir.path("shim.so");
+        let built = std::process::Command::new("cc")
+            .args(["-shared", "-fPIC", "-O2", "-o", &shim, &src, "-ldl"])
+            .status()
+            .context("cc (to build the malloc shim for redis-server under libfaketime)")?;
+        ensure!(
+            built.success(),
+            "cc failed to build the malloc shim: {built}"
+        );
+        let preload = format!("{lib} {shim}");
+        let env = [
+            ("LD_PRELOAD", preload.as_str()),
+            ("FAKETIME_TIMESTAMP_FILE", file.as_str()),
+            ("FAKETIME_NO_CACHE", "1"),
+            ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+        ];
+        let redis = PrivateRedis::start_with_env(None, None, &env).await?;
+        Ok(ShiftedRedis { redis, dir })
+    }
+
+    /// From now on Redis's clock is this machine's plus `offset_s`.
+    fn shift(&self, offset_s: i64) -> Result<()> {
+        self.dir.write("faketime", &format!("{offset_s:+}"))?;
+        Ok(())
+    }
+}
+
+/// Redis server time of `store`.
+async fn redis_time(store: &fleet::Store) -> Result<DateTime<Utc>> {
+    let (secs, micros): (i64, i64) = store.query(&deadpool_redis::redis::cmd("TIME")).await?;
+    DateTime::from_timestamp(secs, (micros * 1000) as u32).context("TIME")
+}
+
+fn utc(s: &str) -> DateTime<Utc> {
+    DateTime::parse_from_rfc3339(s)
+        .map(|t| t.with_timezone(&Utc))
+        .unwrap_or_default()
+}
+
+/// Issue 30.1: a tick between a schedule's creation and the first poll that sees it is due
+/// like any other. The firing loop polls every 10 s; a probe schedule's first fire shows when
+/// a poll ran, and a daily schedule whose one tick lies 5-6 s after that poll is created at
+/// once: the next poll comes after its tick. Before, the first poll started the
+/// schedule from its own time and the tick was lost (neither fired nor counted missed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tick_between_creation_and_the_first_poll_fires() -> Result<()> {
+    let ns = Ns::new().await?;
+    let runs = Runs::default();
+    let w = start_worker(&ns, "w1", LABELS, 8, &[], &[(KIND, runs.handler())]).await?;
+    let s = start_scheduler(
+        &ns,
+        &[
+            ("schedule_tolerance_ms", "30000"),
+            ("schedule_poll_ms", "10000"),
+        ],
+    )
+    .await?;
+    let probe = format!("probe-{}", ns.name);
+    add(&s, &spec(&probe, "* * * * * *", json!({}))).await?;
+    // The probe's first fire was submitted at a poll (its `submitted_at`, Redis time).
+    let polled = wait_for(
+        "the probe's first fire",
+        Duration::from_secs(30),
+        || async { runs.ticks(&probe).values().map(|(_, at)| *at).min() },
+    )
+    .await?;
+    // Created as soon as the fire is seen, before its tick; the next poll is 10 s after the
+    // probe's, after the tick.
+    let tick = (polled + chrono::Duration::seconds(6))
+        .with_nanosecond(0)
+        .unwrap_or(polled);
+    let name = format!("daily-{}", ns.name);
+    let cron = format!("{} {} {} * * *", tick.second(), tick.minute(), tick.hour());
+    let (status, body) = post(
+        &s.url("/v1/schedules"),
+        Some(&spec(&name, &cron, json!({}))),
+    )
+    .await?;
+    let created = redis_time(&ns.store).await?;
+    ensure!(status == 201, "POST: {status} {body}");
+    ensure!(
+        created < tick,
+        "precondition: created at {created}, after its tick {tick}"
+    );
+    assert_eq!(
+        body["next_tick"],
+        json!(tick.to_rfc3339_opts(SecondsFormat::Secs, true))
+    );
+    wait_for(
+        "the daily schedule's first tick ran",
+        Duration::from_secs(25),
+        || async { runs.snapshot().contains_key(&id(&name, tick)).then_some(()) },
+    )
+    .await?;
+    s.stop().await?;
+    assert_eq!(
+        runs.ticks(&name).keys().copied().collect::<Vec<_>>(),
+        [tick],
+        "exactly the one tick, once"
+    );
+    assert_eq!(runs.ticks(&name)[&tick].0, 1);
+    let page = metrics_page_of_process().await;
+    assert_eq!(
+        metric_sum(&page, "fleet_schedule_misses_total", &[("schedule", &name)]),
+        0.0
+    );
+    // The probe, created the same way, lost nothing between its creation and first poll
+    // either: its fires start at the first second after its creation.
+    let first = runs.ticks(&probe).keys().next().copied().context("probe")?;
+    let (fired, gap, _) = account(&runs, &probe, chrono::Duration::seconds(30))?;
+    eprintln!("probe: first tick {first}, {fired} fired, {gap} unfired in between");
+    assert_eq!(gap, 0);
+    w.stop().await?;
+    ns.cleanup().await
+}
+
+/// Issue 30.2: an interval schedule keeps its real-time pace through a DST fall-back (Vixie
+/// cron's rule). Redis's clock is set 40 s before 2026-10-25 03:00 CEST (01:00:00Z), when
+/// Europe/Berlin falls back to 02:00 CET: `*/10 * * * * *` fires every 10 s across the change —
+/// before, it fired once and then nothing until the repeated hour had passed. A fixed local
+/// time (daily at 02:00:05, whose first instant was an hour earlier) does not fire again in
+/// the repeated hour.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_interval_schedule_keeps_its_pace_through_the_fall_back() -> Result<()> {
+    let change = utc("2026-10-25T01:00:00Z");
+    let offset = (change - chrono::Duration::seconds(40) - Utc::now()).num_seconds();
+    let redis = ShiftedRedis::start(offset).await?;
+    let ns = Ns::on_redis(&redis.redis.url(None)).await?;
+    let runs = Runs::default();
+    let w = start_worker(&ns, "w1", LABELS, 8, WORKER, &[(KIND, runs.handler())]).await?;
+    let s = start_scheduler(
+        &ns,
+        &[
+            ("schedule_tolerance_ms", "3000"),
+            ("schedule_poll_ms", "100"),
+        ],
+    )
+    .await?;
+    let every = format!("every10-{}", ns.name);
+    let fixed = format!("fixed-{}", ns.name);
+    let berlin = json!({"timezone": "Europe/Berlin"});
+    add(&s, &spec(&every, "*/10 * * * * *", berlin.clone())).await?;
+    add(&s, &spec(&fixed, "5 0 2 * * *", berlin)).await?;
+    let created = redis_time(&ns.store).await?;
+    ensure!(
+        created < change - chrono::Duration::seconds(10),
+        "precondition: created at {created} (Redis time), less than 10 s before the change"
+    );
+    let last = change + chrono::Duration::seconds(20);
+    wait_for(
+        "the tick 20 s after the fall-back ran",
+        Duration::from_secs(90),
+        || async {
+            runs.snapshot()
+                .contains_key(&id(&every, last))
+                .then_some(())
+        },
+    )
+    .await?;
+    s.stop().await?;
+    let got: Vec<DateTime<Utc>> = runs.ticks(&every).into_keys().collect();
+    let first = *got.first().context("no tick")?;
+    let expected: Vec<DateTime<Utc>> = (0..)
+        .map(|i| first + chrono::Duration::seconds(10 * i))
+        .take_while(|t| *t <= last)
+        .collect();
+    assert_eq!(got, expected, "every 10 s, no gap, across the change");
+    assert!(first < change, "a tick before the change fired: {first}");
+    assert!(
+        expected.len() >= 4,
+        "at least one tick before and three after the change: {expected:?}"
+    );
+    for (t, (n, _)) in runs.ticks(&every) {
+        assert_eq!(n, 1, "{t} ran {n} times");
+    }
+    assert_eq!(
+        runs.count(&fixed),
+        0,
+        "02:00:05 CET repeats 02:00:05 CEST (an hour earlier): a fixed time fires once"
+    );
+    let page = metrics_page_of_process().await;
+    assert_eq!(
+        metric_sum(
+            &page,
+            "fleet_schedule_misses_total",
+            &[("schedule", &every)]
+        ),
+        0.0
+    );
+    w.stop().await?;
+    ns.cleanup().await
+}
+
+/// Issue 30.3: after a 6 h outage of the only scheduler, `catch_up` with `catch_up_max: 3`
+/// fires exactly 3 late ticks, the latest ones (no hole between them and the on-time fires
+/// after), and counts every older tick missed once. Redis's clock jumps 6 h forward while no
+/// scheduler runs. An every-second schedule has 21,600 ticks in the gap: before, each poll
+/// handled at most 10,000 of them and applied the bound to its own batch (9 late fires, 6 of
+/// them hours old).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn catch_up_max_holds_after_a_6_h_outage() -> Result<()> {
+    let redis = ShiftedRedis::start(0).await?;
+    let ns = Ns::on_redis(&redis.redis.url(None)).await?;
+    let runs = Runs::default();
+    let settings = [
+        ("schedule_tolerance_ms", "2000"),
+        ("schedule_poll_ms", "100"),
+    ];
+    let w = start_worker(&ns, "w1", LABELS, 8, WORKER, &[(KIND, runs.handler())]).await?;
+    let s1 = start_scheduler(&ns, &settings).await?;
+    let name = format!("c-{}", ns.name);
+    add(
+        &s1,
+        &spec(
+            &name,
+            "* * * * * *",
+            json!({"missed": "catch_up", "catch_up_max": 3}),
+        ),
+    )
+    .await?;
+    wait_for("3 fires", Duration::from_secs(20), || async {
+        (runs.count(&name) >= 3).then_some(())
+    })
+    .await?;
+    s1.stop().await?;
+    w.stop().await?;
+    let before = runs.count(&name);
+    redis.shift(6 * 3600)?; // the outage: 6 h pass while no scheduler runs
+    let w = start_worker(&ns, "w2", LABELS, 8, WORKER, &[(KIND, runs.handler())]).await?;
+    let s2 = start_scheduler(&ns, &settings).await?;
+    wait_for(
+        "the catch-up and 3 on-time fires",
+        Duration::from_secs(30),
+        || async { (runs.count(&name) >= before + 6).then_some(()) },
+    )
+    .await?;
+    s2.stop().await?;
+    let page = metrics_page_of_process().await;
+    let (fired, gap, late) = account(&runs, &name, chrono::Duration::seconds(2))?;
+    let limited = metric_sum(
+        &page,
+        "fleet_schedule_misses_total",
+        &[("schedule", &name), ("reason", "catch_up_limit")],
+    ) as usize;
+    eprintln!("6 h outage: {fired} fired, {late} late, {gap} unfired, {limited} counted missed");
+    assert_eq!(late, 3, "exactly catch_up_max = 3 ticks fired late");
+    assert!(gap >= 6 * 3600 - 10, "the gap is 6 h of ticks: {gap}");
+    assert_eq!(
+        limited, gap,
+        "every unfired tick counted missed exactly once"
+    );
+    assert_eq!(
+        metric_sum(&page, "fleet_schedule_misses_total", &[("schedule", &name)]) as usize,
+        limited
+    );
+    let ticks: Vec<DateTime<Utc>> = runs.ticks(&name).into_keys().collect();
+    let holes: Vec<_> = ticks
+        .windows(2)
+        .filter(|w| (w[1] - w[0]).num_seconds() > 1)
+        .collect();
+    assert_eq!(
+        holes.len(),
+        1,
+        "one hole, before the caught-up ticks, which are the latest: {holes:?}"
+    );
+    w.stop().await?;
+    ns.cleanup().await
+}
+
+/// Issue 30.4: the same name created on two replicas at once — exactly one 201 and one 409, in
+/// each of 5 rounds, and both replicas hold the winner's definition. Before, both answered 201
+/// and the later record silently replaced the earlier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_same_name_created_on_two_replicas_at_once_gets_one_409() -> Result<()> {
+    let ns = Ns::new().await?;
+    let s1 = start_scheduler(&ns, &[]).await?;
+    let s2 = start_scheduler(&ns, &[]).await?;
+    for round in 0..5 {
+        let name = format!("race{round}-{}", ns.name);
+        let mk = |from: &str| {
+            let mut v = spec(&name, "0 0 0 1 1 * 2099", json!({}));
+            v["task"]["payload"] = json!({"replica": from});
+            v
+        };
+        let (a, b) = (mk("a"), mk("b"));
+        let (ua, ub) = (s1.url("/v1/schedules"), s2.url("/v1/schedules"));
+        let (ra, rb) = tokio::join!(post(&ua, Some(&a)), post(&ub, Some(&b)));
+        let (ra, rb) = (ra?, rb?);
+        let mut codes = [ra.0, rb.0];
+        codes.sort_unstable();
+        assert_eq!(codes, [201, 409], "round {round}: {ra:?} {rb:?}");
+        let winner = if ra.0 == 201 { "a" } else { "b" };
+        let loser = if ra.0 == 201 { &rb.1 } else { &ra.1 };
+        assert_eq!(loser["error"], "schedule_exists", "{loser}");
+        for s in [&s1, &s2] {
+            let v = wait_listed(&s.url(""), &name).await?;
+            assert_eq!(
+                v["task"]["payload"]["replica"], winner,
+                "round {round}: a replica holds the loser's definition"
+            );
+        }
+    }
+    s2.stop().await?;
+    s1.stop().await?;
+    ns.cleanup().await
+}
+
+/// Issue 30.4: a schedule deleted and created again shows none of the deleted one's
+/// `last_tick`, `last_outcome`, `last_task`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_recreated_schedule_shows_nothing_of_the_deleted_one() -> Result<()> {
+    let ns = Ns::new().await?;
+    let runs = Runs::default();
+    let w = start_worker(&ns, "w1", LABELS, 8, &[], &[(KIND, runs.handler())]).await?;
+    let s = start_scheduler(&ns, &[("schedule_poll_ms", "100")]).await?;
+    let name = format!("again-{}", ns.name);
+    add(&s, &spec(&name, "* * * * * *", json!({}))).await?;
+    let url = s.url(&format!("/v1/schedules/{name}"));
+    let old = wait_for("a fired last tick", Duration::from_secs(15), || {
+        let u = url.clone();
+        async move {
+            let v = get_json(&u).await.ok()?;
+            (v["last_outcome"] == "fired").then_some(v)
+        }
+    })
+    .await?;
+    assert!(
+        old["last_tick"].is_string() && old["last_task"].is_object(),
+        "{old}"
+    );
+    let r = reqwest::Client::new().delete(&url).send().await?;
+    assert_eq!(r.status().as_u16(), 200);
+    add(&s, &spec(&name, "0 0 0 1 1 * 2099", json!({}))).await?;
+    let v = get_json(&url).await?;
+    assert_eq!(
+        (&v["last_tick"], &v["last_outcome"], &v["last_task"]),
+        (&Value::Null, &Value::Null, &Value::Null),
+        "{v}"
+    );
+    assert_eq!(v["next_tick"], "2099-01-01T00:00:00Z");
+    s.stop().await?;
     w.stop().await?;
     ns.cleanup().await
 }

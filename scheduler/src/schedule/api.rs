@@ -9,7 +9,12 @@
 //!   (`{"id": "<name>@<last_tick>", "state": <its status state or null>}` when fired, else
 //!   `null`). A fire-now's task is not a tick: it is not in the view.
 //! * `POST /v1/schedules` (a definition, see [`ScheduleSpec`]) → 201 view; 400 with the
-//!   reason; 409 when the name exists.
+//!   reason; 409 when the name exists — also when another replica created the same name at
+//!   the same moment: the definitions log is first-put-wins ([`super::log`]), and a replica
+//!   answers 201 only when the schedule it applied is its own record. A schedule created
+//!   again after a delete starts with `last_tick`, `last_outcome` and `last_task` `null`
+//!   (marks older than its creation are its predecessor's). Its first due tick is the first
+//!   after its creation time (Redis server time), see [`super::fire`].
 //! * `DELETE /v1/schedules/{name}` → 200; `POST /v1/schedules/{name}/pause|resume` → 200 view;
 //!   404 for an unknown name.
 //! * `POST /v1/schedules/{name}/fire` → 202 `{"id": "<name>@<now, ms>"}` through admission:
@@ -91,7 +96,14 @@ fn unknown(name: &str) -> Response {
 async fn view(st: &ScheduleApi, e: &Entry) -> Value {
     let s = &e.schedule;
     let mut v = serde_json::to_value(&s.spec).unwrap_or_default();
-    let last_ms = st.store.schedule_last(s.name()).await.ok().flatten();
+    // A mark from before this schedule was created is a deleted namesake's.
+    let last_ms = st
+        .store
+        .schedule_last(s.name())
+        .await
+        .ok()
+        .flatten()
+        .filter(|ms| *ms > e.created_at_ms);
     let last = last_ms.and_then(chrono::DateTime::from_timestamp_millis);
     // The last tick's run: its outcome (kept for the tolerance + 1 h) and, when fired, its task
     // (id `<name>@<tick>`) with the task's current state from its status record.
@@ -112,7 +124,7 @@ async fn view(st: &ScheduleApi, e: &Entry) -> Value {
         }
     }
     let next = if s.spec.enabled {
-        s.next_after(chrono::Utc::now()).map(tick_label)
+        s.next_after(st.store.clock.now()).map(tick_label)
     } else {
         None
     };
@@ -146,8 +158,10 @@ async fn show(State(st): State<ScheduleApi>, Path(name): Path<String>) -> Respon
     }
 }
 
-/// Appends `change` and waits until this replica applied it.
-async fn change(st: &ScheduleApi, change: Change) -> Result<(), Response> {
+/// Appends `change` and waits until this replica applied it; returns its record's id. A
+/// creation or resume first writes the schedule's born mark ([`fire::born_key`]) at the
+/// change's time, so its first due tick is the first after that time.
+async fn change(st: &ScheduleApi, change: Change) -> Result<String, Response> {
     let at = match fire::server_now(&st.store).await {
         Ok(t) => t.timestamp_millis(),
         Err(e) => {
@@ -158,6 +172,25 @@ async fn change(st: &ScheduleApi, change: Change) -> Result<(), Response> {
             ))
         }
     };
+    let born = match &change {
+        Change::Put { schedule } => Some(schedule.name.as_str()),
+        Change::Resume { name } => Some(name.as_str()),
+        _ => None,
+    };
+    if let Some(name) = born {
+        let key = fire::born_key(&st.store.names, name);
+        if let Err(e) = st
+            .store
+            .query::<()>(deadpool_redis::redis::cmd("SET").arg(&key).arg(at))
+            .await
+        {
+            return Err(error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "redis",
+                e.to_string(),
+            ));
+        }
+    }
     let rec = Record::new(change, at);
     // A clone of the publisher, the lock released at once: a publish the broker holds back
     // (a memory alarm) must not hold the scheduler's stop, which takes the write lock.
@@ -182,7 +215,7 @@ async fn change(st: &ScheduleApi, change: Change) -> Result<(), Response> {
             "the change is recorded but this scheduler has not applied it yet",
         ));
     }
-    Ok(())
+    Ok(rec.id)
 }
 
 async fn add(State(st): State<ScheduleApi>, body: Bytes) -> Response {
@@ -221,12 +254,21 @@ async fn add(State(st): State<ScheduleApi>, body: Bytes) -> Response {
             format!("a schedule named {name} exists; delete it first"),
         );
     }
-    if let Err(r) = change(&st, Change::Put { schedule: s.spec }).await {
-        return r;
-    }
-    tracing::info!(schedule = %name, "schedule added through the API");
+    let id = match change(&st, Change::Put { schedule: s.spec }).await {
+        Ok(id) => id,
+        Err(r) => return r,
+    };
     match st.board.get(&name) {
-        Some(e) => (StatusCode::CREATED, Json(view(&st, &e).await)).into_response(),
+        Some(e) if e.put_id == id => {
+            tracing::info!(schedule = %name, "schedule added through the API");
+            (StatusCode::CREATED, Json(view(&st, &e).await)).into_response()
+        }
+        // Another replica's put of the name came first in the log (first put wins).
+        Some(_) => error(
+            StatusCode::CONFLICT,
+            "schedule_exists",
+            format!("a schedule named {name} was created at the same time elsewhere"),
+        ),
         None => unknown(&name),
     }
 }

@@ -5,19 +5,29 @@
 //! # Ticks across daylight-saving changes
 //!
 //! Cron fields are local wall-clock times in the schedule's zone (`chrono-tz`, the IANA
-//! database). The `cron` crate enumerates local times and maps each to instants with
-//! `TimeZone::with_ymd_and_hms`; its iterator skips a local time that does not exist (spring
-//! forward) but yields *both* instants of a repeated one (fall back), and when started inside
-//! the repeated hour it can yield an instant earlier than the start. [`Schedule::next_after`]
-//! corrects both: a local time fires once, at its first instant, and never at or before the
-//! instant asked about. So a `Europe/Berlin` schedule at `30 2 * * *` does not fire on the
-//! spring-forward day (02:30 does not exist) and fires once, at 02:30 CEST, on the fall-back
-//! day. (The same rule as Vixie cron's and Kubernetes CronJob's documented behaviour for
-//! skipped times; for repeated times cron implementations differ, fleet picks "once".)
+//! database). Vixie cron's rule (also what Sidekiq #5049 and node-schedule #435 asked for)
+//! decides what a change of the zone's offset does, by the expression's minute and hour fields:
+//!
+//! * **Interval schedules** — a wildcard or a step (`*`, `*/10`, `5/15`) in the minute or the
+//!   hour field: ticks keep their real-time pace. Every instant whose wall-clock time in the
+//!   zone matches is a tick, so in the repeated hour of a fall-back `*/10 * * * * *` fires
+//!   every 10 s throughout (each local time twice, once per offset), and `0 15 * * * *` fires
+//!   at 02:15 CEST and again an hour later at 02:15 CET. Spring forward: the missing local
+//!   times are not ticks; the next existing one is.
+//! * **Fixed-time schedules** — minute and hour both plain values or lists/ranges of values
+//!   (`0 30 2 * * *`): a local time fires once, at its first instant, and never at or before
+//!   the instant asked about. So a `Europe/Berlin` schedule at `30 2 * * *` does not fire on
+//!   the spring-forward day (02:30 does not exist; as Vixie cron and Kubernetes CronJob for
+//!   skipped times) and fires once, at 02:30 CEST, on the fall-back day.
+//!
+//! The `cron` crate alone enumerates local times and yields *both* instants of a repeated one
+//! (and, started inside the repeated hour, instants earlier than the start); interval
+//! schedules are therefore enumerated per UTC offset ([`Schedule::next_after`]), fixed-time
+//! ones filtered to the first instant.
 
 use std::str::FromStr;
 
-use chrono::{DateTime, SecondsFormat, TimeZone, Utc};
+use chrono::{DateTime, FixedOffset, Offset, SecondsFormat, TimeZone, Utc};
 use chrono_tz::Tz;
 use fleet::Envelope;
 use serde::{Deserialize, Serialize};
@@ -40,6 +50,9 @@ pub const TEMPLATE_FIELDS: &[&str] = &[
 /// Candidate local times examined per `next_after` call: the longest run of skipped candidates
 /// is an every-second schedule inside a repeated hour (3,600 × 2).
 const MAX_CANDIDATES: usize = 10_000;
+/// Offset changes crossed per `next_after` call of an interval schedule before giving up
+/// (two a year in DST zones: an expression whose next tick is 100 years away still fits).
+const MAX_OFFSET_CHANGES: usize = 512;
 
 /// What to do with ticks whose tolerance passed while no scheduler could fire them (every
 /// replica stopped, Redis or the broker down).
@@ -114,6 +127,9 @@ pub struct Schedule {
     pub spec: ScheduleSpec,
     cron: cron::Schedule,
     tz: Tz,
+    /// A wildcard or step in the minute or hour field: real-time pace across offset changes
+    /// (see the module docs).
+    interval: bool,
 }
 
 impl Schedule {
@@ -144,6 +160,11 @@ impl Schedule {
             .map_err(|why| Invalid::Cron(spec.cron.clone(), why))?;
         let cron = cron::Schedule::from_str(&expr)
             .map_err(|e| Invalid::Cron(spec.cron.clone(), e.to_string()))?;
+        let interval = expr
+            .split_whitespace()
+            .skip(1)
+            .take(2)
+            .any(|f| f.contains('*') || f.contains('/'));
         spec.cron = expr;
         let tz =
             Tz::from_str(&spec.timezone).map_err(|_| Invalid::Timezone(spec.timezone.clone()))?;
@@ -160,7 +181,12 @@ impl Schedule {
                 TEMPLATE_FIELDS.join(", ")
             )));
         }
-        let s = Schedule { spec, cron, tz };
+        let s = Schedule {
+            spec,
+            cron,
+            tz,
+            interval,
+        };
         // The template must make a valid envelope now, not at 3 a.m.
         s.envelope(Utc::now(), "probe", 1).map_err(Invalid::Task)?;
         Ok(s)
@@ -171,8 +197,23 @@ impl Schedule {
     }
 
     /// The first tick strictly after `t`, as an instant; `None` when the expression has no
-    /// more (a past year). See the module docs for the daylight-saving rule.
+    /// more (a past year, or none found within the search bounds). See the module docs for
+    /// the daylight-saving rule.
     pub fn next_after(&self, t: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        if self.interval {
+            self.next_real_time(t)
+        } else {
+            self.next_fixed_time(t)
+        }
+    }
+
+    /// True for an interval schedule (real-time pace through offset changes).
+    pub fn is_interval(&self) -> bool {
+        self.interval
+    }
+
+    /// Fixed-time rule: each local time once, at its first instant.
+    fn next_fixed_time(&self, t: DateTime<Utc>) -> Option<DateTime<Utc>> {
         let local = t.with_timezone(&self.tz);
         for cand in self.cron.after(&local).take(MAX_CANDIDATES) {
             let first = self.tz.from_local_datetime(&cand.naive_local()).earliest();
@@ -184,6 +225,45 @@ impl Schedule {
             if at > t {
                 return Some(at);
             }
+        }
+        None
+    }
+
+    /// The zone's UTC offset at instant `t`.
+    fn offset_at(&self, t: DateTime<Utc>) -> FixedOffset {
+        self.tz.offset_from_utc_datetime(&t.naive_utc()).fix()
+    }
+
+    /// Interval rule: the first instant after `t` whose wall-clock time in the zone matches.
+    /// Enumerated under the offset in force: the crate's next match under offset `o` is the
+    /// answer if `o` is still in force then; else the offset changed first, at an instant
+    /// found by bisection (to the millisecond), and the search goes on from there under the
+    /// new offset.
+    fn next_real_time(&self, t: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        let mut from = t;
+        let mut off = self.offset_at(t);
+        for _ in 0..MAX_OFFSET_CHANGES {
+            let cand = self
+                .cron
+                .after(&from.with_timezone(&off))
+                .next()?
+                .with_timezone(&Utc);
+            if self.offset_at(cand) == off {
+                return Some(cand);
+            }
+            // The offset changed in (from, cand]: find the first instant of the new one.
+            let (mut lo, mut hi) = (from, cand);
+            while hi - lo > chrono::Duration::milliseconds(1) {
+                let mid = lo + (hi - lo) / 2;
+                if self.offset_at(mid) == off {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            off = self.offset_at(hi);
+            // Strictly after `from` = at or after `hi` (ticks are whole seconds).
+            from = (hi - chrono::Duration::milliseconds(1)).max(t);
         }
         None
     }
@@ -381,16 +461,91 @@ mod tests {
                 "2026-10-26T01:30:00Z"
             ]
         );
-        // Every 20 minutes across the repeated hour: each local time once, at its first
-        // instant; nothing during the second pass (01:00..02:00 UTC).
+        // Fixed minute and hour lists/ranges are fixed times too: once each.
+        let l = sched("0 0,30 2-3 * * *", "Europe/Berlin");
+        assert!(!l.is_interval());
+        assert_eq!(
+            ticks(&l, "2026-10-24T23:50:00Z", "2026-10-25T03:10:00Z"),
+            [
+                "2026-10-25T00:00:00Z", // 02:00 CEST
+                "2026-10-25T00:30:00Z", // 02:30 CEST
+                "2026-10-25T02:00:00Z", // 03:00 CET
+                "2026-10-25T02:30:00Z", // 03:30 CET
+            ]
+        );
+    }
+
+    #[test]
+    fn berlin_fall_back_keeps_the_real_time_pace_of_interval_schedules() {
+        // Every 20 minutes across the repeated hour: the real-time pace goes on (Vixie cron),
+        // 02:00, 02:20, 02:40 CEST and then the same local times again in CET.
         let m = sched("0 */20 * * * *", "Europe/Berlin");
+        assert!(m.is_interval());
         assert_eq!(
             ticks(&m, "2026-10-24T23:50:00Z", "2026-10-25T02:10:00Z"),
             [
                 "2026-10-25T00:00:00Z",
                 "2026-10-25T00:20:00Z",
                 "2026-10-25T00:40:00Z", // 02:00, 02:20, 02:40 CEST
-                "2026-10-25T02:00:00Z", // 03:00 CET; 02:xx CET already fired as CEST
+                "2026-10-25T01:00:00Z",
+                "2026-10-25T01:20:00Z",
+                "2026-10-25T01:40:00Z", // 02:00, 02:20, 02:40 CET
+                "2026-10-25T02:00:00Z", // 03:00 CET
+            ]
+        );
+        // The case: every 10 s, 15 s before the change, for a minute: 6 ticks a minute.
+        let s = sched("*/10 * * * * *", "Europe/Berlin");
+        assert_eq!(
+            ticks(&s, "2026-10-25T00:59:45Z", "2026-10-25T01:00:45Z"),
+            [
+                "2026-10-25T00:59:50Z",
+                "2026-10-25T01:00:00Z",
+                "2026-10-25T01:00:10Z",
+                "2026-10-25T01:00:20Z",
+                "2026-10-25T01:00:30Z",
+                "2026-10-25T01:00:40Z",
+            ]
+        );
+        // A wildcard hour with a fixed minute: hourly in real time, 02:15 CEST and 02:15 CET.
+        let h = sched("0 15 * * * *", "Europe/Berlin");
+        assert_eq!(
+            ticks(&h, "2026-10-24T23:00:00Z", "2026-10-25T03:00:00Z"),
+            [
+                "2026-10-24T23:15:00Z",
+                "2026-10-25T00:15:00Z",
+                "2026-10-25T01:15:00Z",
+                "2026-10-25T02:15:00Z"
+            ]
+        );
+        // Every second through the whole change: 3,600 × 3 ticks in three real hours, no gap.
+        let e = sched("* * * * * *", "Europe/Berlin");
+        let all = ticks(&e, "2026-10-24T23:59:59Z", "2026-10-25T02:59:59Z");
+        assert_eq!(all.len(), 3 * 3600);
+        assert_eq!(
+            all.first().map(String::as_str),
+            Some("2026-10-25T00:00:00Z")
+        );
+    }
+
+    #[test]
+    fn spring_forward_of_an_interval_schedule_goes_on_after_the_gap() {
+        let s = sched("*/10 * * * * *", "Europe/Berlin");
+        assert_eq!(
+            ticks(&s, "2026-03-29T00:59:45Z", "2026-03-29T01:00:10Z"),
+            [
+                "2026-03-29T00:59:50Z", // 01:59:50 CET
+                "2026-03-29T01:00:00Z", // 03:00:00 CEST
+                "2026-03-29T01:00:10Z",
+            ]
+        );
+        // A zone without changes is the crate's plain enumeration.
+        let u = sched("*/10 * * * * *", "UTC");
+        assert_eq!(
+            ticks(&u, "2026-03-29T00:59:45Z", "2026-03-29T01:00:10Z"),
+            [
+                "2026-03-29T00:59:50Z",
+                "2026-03-29T01:00:00Z",
+                "2026-03-29T01:00:10Z",
             ]
         );
     }
@@ -418,20 +573,35 @@ mod tests {
 
     #[test]
     fn asked_from_inside_the_repeated_hour_never_goes_back() {
+        // A fixed time (every second of 02:30 local): 01:30:00Z is 02:30:00 CET, the second
+        // pass, whose local times already fired in CEST: the next is the next day's 02:30:00.
+        let f = sched("* 30 2 * * *", "Europe/Berlin");
+        assert!(!f.is_interval());
+        assert_eq!(
+            f.next_after(utc("2026-10-25T01:30:00Z"))
+                .map(tick_label)
+                .as_deref(),
+            Some("2026-10-26T01:30:00Z")
+        );
+        // An interval schedule goes on in real time, never before the instant asked about.
         let s = sched("* * * * * *", "Europe/Berlin");
-        // 01:30:00Z is 02:30 CET, the second pass: the next local time not yet fired is 03:00:00 CET.
         assert_eq!(
             s.next_after(utc("2026-10-25T01:30:00Z"))
                 .map(tick_label)
                 .as_deref(),
-            Some("2026-10-25T02:00:00Z")
+            Some("2026-10-25T01:30:01Z")
         );
-        // Before the change, every second.
         assert_eq!(
             s.next_after(utc("2026-10-25T00:59:58Z"))
                 .map(tick_label)
                 .as_deref(),
             Some("2026-10-25T00:59:59Z")
+        );
+        assert_eq!(
+            s.next_after(utc("2026-10-25T00:59:59.500Z"))
+                .map(tick_label)
+                .as_deref(),
+            Some("2026-10-25T01:00:00Z")
         );
     }
 

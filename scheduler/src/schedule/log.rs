@@ -12,8 +12,16 @@
 //! would not see what another already read. A stream is read non-destructively from any
 //! offset by any number of consumers, is durable and replicated like the task queues, and
 //! orders all changes totally: every replica replays the same log from `first` and reaches the
-//! same definitions (last write wins per name). Redis keeps only the per-tick claims and the
-//! last-fired marks (see [`super::fire`]).
+//! same definitions. Redis keeps only the per-tick claims, the last-fired marks and the born
+//! marks (see [`super::fire`]).
+//!
+//! # Creation is first-put-wins
+//!
+//! A `put` for a name that already has a schedule is ignored by the fold: of two replicas
+//! creating one name at once, the record that comes first in the stream defines it, on every
+//! replica alike (the stream's total order decides, not a Redis claim, so this holds after a
+//! Redis loss too). The API answers `201` only when the schedule it waited for carries its own
+//! record's id ([`Entry::put_id`]), else `409` (see [`super::api`]).
 //!
 //! Changes are rare (operator actions), so the log is small; it is not compacted. A replica
 //! knows it has caught up when it reads back a `sync` record it appended itself after
@@ -45,7 +53,7 @@ const RECENT: usize = 1024;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Change {
-    /// Adds or replaces a schedule.
+    /// Adds a schedule; ignored when the name exists (first put wins).
     Put {
         schedule: ScheduleSpec,
     },
@@ -86,8 +94,14 @@ impl Record {
 #[derive(Debug, Clone)]
 pub struct Entry {
     pub schedule: Arc<Schedule>,
-    /// When it was defined, redefined or resumed (ms): ticks before this are never caught up.
+    /// When it was defined or resumed (ms, Redis server time): its first due tick is the
+    /// first after this; ticks before it are never fired or caught up.
     pub changed_at_ms: i64,
+    /// When it was defined (ms, Redis server time): marks in Redis older than this belong to a
+    /// deleted schedule of the same name.
+    pub created_at_ms: i64,
+    /// Id of the `put` record that defined it.
+    pub put_id: String,
 }
 
 impl Entry {
@@ -100,6 +114,9 @@ type Defs = BTreeMap<String, Entry>;
 
 fn apply(defs: &mut Defs, rec: &Record) {
     match &rec.change {
+        Change::Put { schedule } if defs.contains_key(&schedule.name) => {
+            tracing::debug!(record = %rec.id, schedule = %schedule.name, "ignoring a put for an existing schedule (first put wins)");
+        }
         Change::Put { schedule } => match Schedule::new(schedule.clone()) {
             Ok(s) => {
                 defs.insert(
@@ -107,6 +124,8 @@ fn apply(defs: &mut Defs, rec: &Record) {
                     Entry {
                         schedule: Arc::new(s),
                         changed_at_ms: rec.at_ms,
+                        created_at_ms: rec.at_ms,
+                        put_id: rec.id.clone(),
                     },
                 );
             }
@@ -381,7 +400,7 @@ mod tests {
     }
 
     #[test]
-    fn folding_is_last_write_wins_per_name() {
+    fn folding_applies_changes_in_log_order() {
         let mut defs = Defs::new();
         for (i, c) in [
             Change::Put {
@@ -409,6 +428,32 @@ mod tests {
         );
         assert!(defs["a"].enabled());
         assert_eq!(defs["a"].changed_at_ms, 9);
+    }
+
+    #[test]
+    fn a_second_put_of_a_name_is_ignored_until_it_is_deleted() {
+        let mut defs = Defs::new();
+        let first = Record::new(
+            Change::Put {
+                schedule: spec("a"),
+            },
+            1,
+        );
+        let mut other = spec("a");
+        other.cron = "0 0 * * * *".into();
+        let second = Record::new(Change::Put { schedule: other }, 2);
+        apply(&mut defs, &first);
+        apply(&mut defs, &second);
+        assert_eq!(defs["a"].put_id, first.id);
+        assert_eq!(defs["a"].schedule.spec.cron, "* * * * * *");
+        assert_eq!(defs["a"].created_at_ms, 1);
+        apply(
+            &mut defs,
+            &Record::new(Change::Delete { name: "a".into() }, 3),
+        );
+        apply(&mut defs, &second);
+        assert_eq!(defs["a"].put_id, second.id);
+        assert_eq!(defs["a"].created_at_ms, 2);
     }
 
     #[test]
