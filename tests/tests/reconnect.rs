@@ -140,7 +140,7 @@ async fn both_lanes_consume_again_together_after_a_broker_restart() -> anyhow::R
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let (n, c) = normal.zip(critical).context("lanes")?;
-        let gap = if n > c { n - c } else { c - n };
+        let gap = n.abs_diff(c);
         println!(
             "restart {round}: normal lane consuming after {} ms, critical after {} ms (gap {} ms)",
             n.as_millis(),
