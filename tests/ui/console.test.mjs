@@ -368,6 +368,9 @@ async function run(ctx) {
   eq([active.missed, paused.missed, paused.catch_up_max, active.timezone, paused.timezone], ["skip", "catch_up", 2, "Europe/Berlin", "UTC"], "definitions as added");
   if (!/T03:00:00\+01:00|T02:00:00Z|T01:00:00Z/.test(active.next_tick)) fail(`nightly's next tick is not 03:00 in Berlin: ${active.next_tick}`);
   await shot(page, "15-schedules");
+  // The whole table fits a 1280 px window (it was cut at 1400 px: ten columns that never wrapped).
+  const fit = await page.locator("#schedules-table").evaluate((t) => [t.scrollWidth, t.parentElement.clientWidth]);
+  if (fit[0] > fit[1]) fail(`the schedules table is ${fit[0]} px wide in a ${fit[1]} px frame at 1280 px`);
 
   // Run now: one task at once, id <name>@<now>; it succeeds.
   await page.locator(`tr[data-schedule="${S.active}"] button.run-now`).click();
