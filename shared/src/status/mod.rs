@@ -18,7 +18,6 @@
 //! | → succeeded / retrying / dead / expired (an attempt's outcome) | `status_finished` | `finish.lua` |
 //! | → dead (worker lost on the last attempt; broker dead-lettered) | `status_dead` | `start.lua`, `broker_dead.lua` |
 //! | → dead / expired, waiting_for_worker, delayed (decided by the scheduler) | [`Writes`] | `scheduler::dispatch` |
-//! | → forgotten (dead-letter replay) | [`Store::forget_task`](crate::Store::forget_task) | [`crate::dead::replay`] (`fleetctl`, the API) |
 //! | → forgotten: a new run of an id submitted again after its dedupe window, its last run over | `status_resubmitted` | `reserve.lua` |
 //! | → queued, held for a dead-letter replay (one replay of an id at a time) | `status_replayed` | `dead_claim.lua` ([`crate::dead::replay`]) |
 //!
