@@ -208,11 +208,11 @@ async fn depth(ch: &Channel, queue: &str) -> Result<u32> {
 }
 
 /// Lists up to `scan` dead letters without removing any (see the module docs), holding the
-/// namespace's [`ReaderLease`] when `store` is given.
+/// namespace's [`ReaderLease`] when `store` is given. With Redis unreachable the listing goes
+/// ahead without the lease (logged): a view that a concurrent reader may thin out beats none.
 ///
 /// # Errors
-/// The broker refused; Redis unreachable; the lease not free within [`LEASE_WAIT`]
-/// ([`Error::Busy`]).
+/// The broker refused; the lease not free within [`LEASE_WAIT`] ([`Error::Busy`]).
 pub async fn list(
     conn: &Connection,
     store: Option<&Store>,
@@ -220,7 +220,14 @@ pub async fn list(
     scan: u32,
 ) -> Result<Listing> {
     let mut lease = match store {
-        Some(s) => Some(ReaderLease::acquire(s).await?),
+        Some(s) => match ReaderLease::acquire(s).await {
+            Ok(l) => Some(l),
+            Err(e @ Error::Busy(_)) => return Err(e),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot take the dead-queue reader lease (Redis); listing without it — a reader elsewhere may hide some letters");
+                None
+            }
+        },
         None => None,
     };
     let result = list_on(conn, lease.as_mut(), names, scan).await;
