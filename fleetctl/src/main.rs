@@ -269,10 +269,10 @@ enum DeadCmd {
         all: bool,
         /// The producer's size limit, as the scheduler has it: a letter still over it without
         /// fleet's own fields (an `oversized` one) is not replayed — it would die again.
-        #[arg(long, env = "FLEET_MAX_TASK_BYTES", default_value_t = 1_048_576, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, env = "FLEET_MAX_TASK_BYTES", hide_env_values = true, default_value_t = 1_048_576, value_parser = clap::value_parser!(u64).range(1..))]
         max_task_bytes: u64,
         /// The status TTL, as the scheduler has it (how long a replay's claim of an id lives).
-        #[arg(long, env = "FLEET_STATUS_TTL_MS", default_value_t = 86_400_000, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, env = "FLEET_STATUS_TTL_MS", hide_env_values = true, default_value_t = 86_400_000, value_parser = clap::value_parser!(u64).range(1..))]
         status_ttl_ms: u64,
     },
 }
