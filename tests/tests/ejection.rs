@@ -84,12 +84,15 @@ async fn failing_worker_is_ejected_and_returns_after_the_cooldown() -> anyhow::R
     let first = batch(20, 0);
     assert_eq!(ns.submit(&first).await?, (20, 0));
     let workers_url = sched.url("/v1/workers");
+    // `seen`: when the request that first answered "ejected" was sent (its answer may come
+    // late on a loaded machine; the cool-down is measured from the ejection, not the answer).
     let seen = wait_for(
         "w-bad ejected in /v1/workers",
         Duration::from_secs(20),
         || async {
+            let asked = Instant::now();
             let ws = get_json(&workers_url).await.ok()?;
-            (worker_state(&ws, "w-bad")?["state"] == "ejected").then(Instant::now)
+            (worker_state(&ws, "w-bad")?["state"] == "ejected").then_some(asked)
         },
     )
     .await?;
