@@ -547,7 +547,11 @@ async fn replay_on(
                 report.replayed.push(env.id);
             }
             Err(e) => {
-                if let Some(store) = store {
+                // Only a definite refusal (a nack, unroutable) proves nothing was published:
+                // after a lost channel or a confirm that never came the copy may be in the
+                // broker and run, so the claim stays until its TTL — giving it back would let
+                // a later replay run the id a second time.
+                if let (Some(store), crate::Error::Refused(_)) = (store, &e) {
                     unclaim(store, &token, &env.id).await;
                 }
                 report.failed.push((env.id, e.to_string()));

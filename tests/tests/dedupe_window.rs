@@ -106,3 +106,62 @@ async fn an_id_submitted_again_after_the_window_runs_again() -> anyhow::Result<(
     sched.stop().await?;
     ns.cleanup().await
 }
+
+/// A resubmission after the window that reaches a scheduler as a *redelivery* (its first
+/// scheduler took it and went away before acking: a rolling deploy, a lost channel) is a new
+/// run too, not a copy of the run that ended. Redelivered ingress messages take the mark path
+/// of `reserve.lua` (dedupe mode 2), which used to leave the old record final: the copy was
+/// reserved, the worker acked it as a duplicate, and the id never ran again (review finding).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redelivered_resubmission_after_the_window_runs_again() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let mut cfg = SCHEDULER.to_vec();
+    cfg.push(("dedupe_window_ms", "1500"));
+    let sched = start_scheduler(&ns, &cfg).await?;
+    let rec = Recorder::default();
+    let h = [(JOB, rec.handler())];
+    let labels = "case=redelivered";
+    let w = start_worker(&ns, "w-redelivered", labels, 2, WORKER, &h).await?;
+
+    let x = task(JOB, json!({}), labels);
+    ns.submit(std::slice::from_ref(&x)).await?;
+    ns.wait_state(&x.id, "succeeded", Duration::from_secs(20))
+        .await?;
+    window_passed(&ns, &x.id).await?;
+
+    // No scheduler while the resubmission arrives; the test takes it from ingress without
+    // acking and lets it go (channel closed): the broker requeues it, marked redelivered.
+    sched.stop().await?;
+    ns.submit(std::slice::from_ref(&x)).await?;
+    let ch = ns.conn.create_channel().await?;
+    let got = ch
+        .basic_get(
+            ns.names.ingress_queue(fleet::Lane::Normal).as_str().into(),
+            lapin::options::BasicGetOptions { no_ack: false },
+        )
+        .await?;
+    anyhow::ensure!(got.is_some(), "the resubmission is in ingress");
+    ch.close(200, "let it go".into()).await?;
+
+    let sched = start_scheduler(&ns, &cfg).await?;
+    wait_for(
+        "the redelivered resubmission ran",
+        Duration::from_secs(20),
+        || async { (rec.per_task().get(&x.id).map(Vec::len) == Some(2)).then_some(()) },
+    )
+    .await?;
+    ns.wait_settled(Duration::from_secs(20)).await?;
+    assert_eq!(rec.per_task()[&x.id].len(), 2, "exactly one more run");
+    let st = ns
+        .wait_state(&x.id, "succeeded", Duration::from_secs(20))
+        .await?;
+    assert_eq!(
+        field(&st, "attempt"),
+        "1",
+        "a new run counts from 1: {st:?}"
+    );
+
+    w.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}

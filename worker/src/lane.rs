@@ -117,13 +117,22 @@ impl LaneConsumer {
                     }
                     tracing::warn!(error = %why, retry_in_ms = delay.as_millis() as u64, "consumer lost; consuming again after a pause");
                     // The pause ends early when another lane consumes again: the broker is back.
+                    // Not before a floor of 200 ms, so two lanes whose channels keep closing
+                    // right after `basic.consume` cannot wake each other into a loop.
                     revived.borrow_and_update();
+                    let floor = tokio::time::sleep(Duration::from_millis(200).min(delay));
+                    tokio::select! {
+                        biased;
+                        _ = shutdown.cancelled() => return,
+                        _ = self.control.draining() => return,
+                        _ = floor => {}
+                    }
                     tokio::select! {
                         biased;
                         _ = shutdown.cancelled() => return,
                         _ = self.control.draining() => return,
                         _ = revived.changed() => {}
-                        _ = tokio::time::sleep(jitter(delay)) => {}
+                        _ = tokio::time::sleep(jitter(delay).saturating_sub(Duration::from_millis(200))) => {}
                     }
                     delay = (delay * 2).min(Duration::from_secs(10));
                 }

@@ -12,4 +12,7 @@ if cap - (tonumber(w[3]) or 0) <= 0 then return 0 end
 add_capacity(w[1], -contrib('active', w[3]), -contrib('active', w[4]))
 redis.call('HSET', wk, 'state', 'ejected')
 if has_kind_list(w[5]) then refresh_kinds(w[1]) end
+-- An ejected worker stops consuming: its shards go to its peers now (worker.lua hold_ordinal),
+-- not only at the worker's own set_state call that follows (which a Redis blip may lose).
+hold_ordinal(ARGV[1], w[1], 'ejected')
 return 1

@@ -181,6 +181,9 @@ for t = 1, n do
     local mark = redis.call('SET', K_dedupe(id), token, 'PX', dd_ttl, 'NX', 'GET')
     if mark then
       dup = mark ~= token
+      -- Its own mark (a retry of this very batch after a failed call): nothing of this
+      -- submission has been written beyond the mark, so a final record is an earlier run's.
+      fresh = not dup
     else
       -- No mark: new, or the id's window has passed. A run that ended (succeeded, dead,
       -- expired) makes this a new run of the id, not a copy of that one: the status writer
@@ -198,6 +201,12 @@ for t = 1, n do
       -- copy for the worker to ack, and writing `queued` would hide the task's true state.
       dup = true
     else
+      -- No mark (the window has passed) or this batch's own: as for mode 1, a final record
+      -- is an earlier run's and this is a new run of the id — a resubmission after the window
+      -- redelivered before its first scheduler acked it is not dropped as a copy. Another
+      -- scheduler's mark (it handled this very submission, maybe to a final state it decided
+      -- itself, and crashed before acking) is not fresh.
+      fresh = (not mark) or mark == token
       redis.call('SET', K_dedupe(id), token, 'PX', dd_ttl)
     end
   end
