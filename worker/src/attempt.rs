@@ -12,7 +12,9 @@
 //!                   ├ Retryable at the last attempt ──────► dead (max_attempts), ack
 //!                   ├ Permanent ──────────────────────────► dead (permanent_error), ack
 //!                   └ deadline reached ───────────────────► expired: dead-letter, ack
-//! any publish refused or channel gone ────────────────────► failed: nack + requeue (the broker keeps it)
+//! any publish refused or channel gone ────────────────────► failed: nack + requeue (the broker keeps it);
+//!                                                             the attempt counts as used: its next copy
+//!                                                             runs as a new attempt (`Finished::spent`)
 //! ```
 //!
 //! The ack always comes last: after the handler, and after the broker confirmed any retry or
@@ -249,6 +251,39 @@ async fn claim(
                 tracing::info!("a copy of an attempt that already ran or runs elsewhere: acked without running");
                 metrics::counter!(m::DUPLICATE_DELIVERIES, "lane" => lane.as_str()).increment(1);
                 slot.ack().await;
+                return None;
+            }
+            Some(Claim::Spent(n)) => {
+                tracing::warn!(
+                    attempt = n,
+                    "task dead: its last attempt ran, but the broker did not confirm its outcome"
+                );
+                let error = "its last attempt ran, but the broker did not confirm its outcome";
+                let r = if probe {
+                    Ok(())
+                } else {
+                    Box::pin(dead_letter(
+                        shared,
+                        env,
+                        n,
+                        DeadReason::MaxAttempts.as_str(),
+                        error,
+                    ))
+                    .await
+                };
+                match r {
+                    Ok(()) => {
+                        slot.ack().await;
+                        if !probe {
+                            shared.stats.outcome("dead");
+                            shared.meters[lane].completed(Outcome::Dead).increment(1);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot dead-letter a spent task; requeued");
+                        nack_requeue(delivery).await;
+                    }
+                }
                 return None;
             }
             Some(Claim::Dead(n)) if probe => {
@@ -532,11 +567,14 @@ async fn settle(
         }
     };
     if let Err(e) = published {
-        tracing::warn!(error = %e, "cannot record the outcome in the broker; task requeued");
-        nack_requeue(delivery).await;
+        // The handler ran: the attempt is used whether or not the broker took the copy (an
+        // unconfirmed publish may still have landed). Released as spent, the next copy runs
+        // as a new attempt; released plainly it would run this attempt a second time.
+        tracing::warn!(error = %e, "cannot record the outcome in the broker; task requeued, its next copy runs as a new attempt");
         shared
             .ledger
-            .release(Finished::release(lane, env.id.clone(), attempt));
+            .release(Finished::spent(lane, env.id.clone(), attempt));
+        nack_requeue(delivery).await;
         return count(Outcome::Failed);
     }
     count(outcome);
