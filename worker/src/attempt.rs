@@ -343,7 +343,8 @@ async fn attempt_task(
     let Some((attempt, _slot)) = claim(task, &mut slot, base, max_attempts).await else {
         return;
     };
-    shared.stats.started(lane, &env.id);
+    // Counted as running until this guard drops, on every way out (issue 37 item 4).
+    let _running = shared.stats.running_guard(lane, &env.id);
     let now = shared.clock.now();
     if let Some(submitted) = env.submitted_at {
         let wait = (now - submitted).to_std().unwrap_or(Duration::ZERO);
@@ -362,7 +363,6 @@ async fn attempt_task(
             shared
                 .ledger
                 .release(Finished::release(lane, env.id.clone(), attempt));
-            shared.stats.ended(lane, &env.id);
             return;
         };
         shared.meters[lane].run.record(took.as_secs_f64());
@@ -386,7 +386,6 @@ async fn attempt_task(
     } else {
         shared.meters[lane].completed(outcome).increment(1);
     }
-    shared.stats.ended(lane, &env.id);
 }
 
 /// Runs the handler in its own task, cut at the run deadline. `None` on a hard stop.
@@ -659,8 +658,11 @@ async fn refuse(shared: &Shared, lane: Lane, delivery: Delivery, reject: fleet::
         .await;
     match r {
         Ok(()) => {
-            if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
-                tracing::warn!(error = %e, "cannot ack a refused task");
+            let ack = delivery.acker.ack(BasicAckOptions::default());
+            match tokio::time::timeout(crate::acks::ACK_WAIT, ack).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "cannot ack a refused task"),
+                Err(_) => tracing::warn!("ack of a refused task not written in time"),
             }
         }
         Err(e) => {
@@ -670,15 +672,24 @@ async fn refuse(shared: &Shared, lane: Lane, delivery: Delivery, reject: fleet::
     }
 }
 
+/// Hands a delivery back to the broker (nack with requeue), waiting at most
+/// [`crate::acks::ACK_WAIT`]: a connection the broker blocked (a memory alarm) or one that died
+/// mid-write may never take the frame, and the attempt waiting on it would hold its lane slot
+/// and its `running` count (issue 37 item 4). Either way the broker has the task back once the
+/// channel closes.
 pub(crate) async fn nack_requeue(delivery: &Delivery) {
-    if let Err(e) = delivery
-        .acker
-        .nack(BasicNackOptions {
-            requeue: true,
-            ..Default::default()
-        })
-        .await
-    {
-        tracing::debug!(error = %e, "nack failed (channel gone: the broker requeues anyway)");
+    let nack = delivery.acker.nack(BasicNackOptions {
+        requeue: true,
+        ..Default::default()
+    });
+    match tokio::time::timeout(crate::acks::ACK_WAIT, nack).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "nack failed (channel gone: the broker requeues anyway)")
+        }
+        Err(_) => tracing::warn!(
+            limit_ms = crate::acks::ACK_WAIT.as_millis() as u64,
+            "nack not written in time (connection blocked or lost); the broker gets the task back with the channel"
+        ),
     }
 }
