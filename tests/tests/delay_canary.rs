@@ -1,4 +1,4 @@
-//! A stuck delay path is visible (issue 37 item 1): `fleet_delay_canary_age_seconds` stays near
+//! A stuck delay path is visible (issue 37 item 1): `fleet_delay_canary_age_seconds{tier}` stays near
 //! the canary interval (5 s) while canaries come back from the delay tiers through
 //! `<ns>.delayed`, grows past the stuck threshold (20 s: the scheduler logs a warning, the
 //! `FleetDelayPathStuck` alert of ops/prometheus/failover.yml fires on it) while nothing comes
@@ -18,7 +18,8 @@ async fn the_delay_canary_age_shows_a_stuck_delay_path() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &[]).await?;
     let url = sched.url("/metrics");
-    let age = || async { metric(&url, AGE, &[]).await.ok() };
+    // The shortest tier's; every tier's age moves alike when <ns>.delayed takes nothing.
+    let age = || async { metric(&url, AGE, &[("tier", "100")]).await.ok() };
 
     wait_for("canaries coming back", Duration::from_secs(30), || async {
         age().await.filter(|a| *a > 0.0 && *a <= 7.0)
@@ -55,6 +56,15 @@ async fn the_delay_canary_age_shows_a_stuck_delay_path() -> anyhow::Result<()> {
     )
     .await?;
     println!("delay path back: canary age {back:.1} s");
+    let page = metrics_page(&format!("http://{}", sched.addr)).await?;
+    let tiers = page
+        .lines()
+        .filter(|l| l.starts_with(AGE) && l.contains("tier=\""))
+        .count();
+    assert_eq!(
+        tiers, 8,
+        "one age per canary tier (100 ms … 12.8 s):\n{page}"
+    );
     assert_eq!(
         ns.depth(&ns.names.dead_queue()).await,
         0,
