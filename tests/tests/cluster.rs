@@ -15,7 +15,12 @@
 //! every delayed task and retry runs within 10 s of its due time plus the failover, no attempt
 //! runs twice, every worker ends at `running 0`. It needs the nodes to run with fleet's
 //! `ops/rabbitmq/advanced.config` (ops/cluster.sh gives it to them): without it the test fails
-//! (tasks still not run 240 s after the kill).
+//! (tasks still not run 240 s after the kill). On RabbitMQ 3.10.8 it also fails when a delay
+//! tier's own leader was on the killed node (2 of 3 runs here: `<ns>.wait.400` kept 46-57
+//! messages, none ready, for minutes — its new leader's dead-letter worker never forwarded
+//! them), which no broker setting fleet can ship reaches: the delay canary
+//! (`fleet_delay_canary_age_seconds{tier}`) makes it visible; moving the tiers off
+//! dead-lettering is the follow-up (see the issue 37 report).
 //!
 //! `FLEET_CLUSTER_DIR=DIR` reuses a cluster already started with `ops/cluster.sh up DIR`
 //! (it is left running, less the killed node and Redis master); otherwise the test starts its
