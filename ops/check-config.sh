@@ -256,6 +256,8 @@ check "README fleetctl block has no duplicate line" readme_fleetctl_block
 check "promtool check config" promtool check config ops/prometheus/prometheus.yml
 check "promtool check rules" promtool check rules ops/prometheus/alerts.yml
 check "promtool test rules" promtool test rules ops/prometheus/alerts.test.yml
+check "promtool check rules (failover)" promtool check rules ops/prometheus/failover.yml
+check "promtool test rules (failover)" promtool test rules ops/prometheus/failover.test.yml
 check "docker-compose config" compose_config
 check "grafana dashboard" dashboard
 check "Dockerfile copies the workspace" dockerfile_members

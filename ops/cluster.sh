@@ -37,6 +37,7 @@ case "$cmd" in
 esac
 
 MASTER_NAME=fleetmaster
+HERE=$(cd "$(dirname "$0")" && pwd)
 RMQ=/usr/lib/rabbitmq/bin
 
 free_port() {
@@ -124,6 +125,8 @@ log.console = false
 log.file.level = info
 cluster_partition_handling = pause_minority
 EOF
+        # Fleet's broker settings beyond rabbitmq.conf (dead-letter re-send after 5 s, not 180 s).
+        cp "$HERE/rabbitmq/advanced.config" "$d/advanced.config"
         chown -R rabbitmq:rabbitmq "$d" "$DIR/rabbitmq-env.conf" "$DIR/enabled_plugins"
         as_rabbitmq \
             RABBITMQ_CONF_ENV_FILE="$DIR/rabbitmq-env.conf" \
@@ -134,6 +137,7 @@ EOF
             RABBITMQ_MNESIA_BASE="$d/mnesia" \
             RABBITMQ_LOG_BASE="$d/log" \
             RABBITMQ_CONFIG_FILE="$d/rabbitmq.conf" \
+            RABBITMQ_ADVANCED_CONFIG_FILE="$d/advanced.config" \
             RABBITMQ_ENABLED_PLUGINS_FILE="$DIR/enabled_plugins" \
             RABBITMQ_PID_FILE="$d/pid" \
             RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}" \

@@ -154,6 +154,27 @@ rabbitmq_up() {
     rmqctl 30 -q status >/dev/null 2>&1
 }
 
+# Fleet's broker settings that rabbitmq.conf cannot hold (ops/rabbitmq/advanced.config: the
+# dead-letter re-send after 5 s instead of 180 s, issue 37 item 1), installed before a start
+# when the host has no advanced.config of its own (an existing one is left alone: say so).
+install_rabbitmq_advanced_config() {
+    local src target=/etc/rabbitmq/advanced.config
+    src="$(dirname "$0")/rabbitmq/advanced.config"
+    [ -f "$src" ] || return 0
+    if [ -e "$target" ]; then
+        if ! grep -q dead_letter_worker_publisher_confirm_timeout "$target"; then
+            log "rabbitmq: $target exists without dead_letter_worker_publisher_confirm_timeout; add the setting from $src (delayed work otherwise waits up to 180 s after a node loss)"
+        fi
+        return 0
+    fi
+    log "rabbitmq: installing $target (from $src)"
+    if [ "$(id -u)" -eq 0 ]; then
+        install -m 0644 "$src" "$target"
+    else
+        as_root install -m 0644 "$src" "$target"
+    fi
+}
+
 ensure_rabbitmq() {
     ensure_cmd rabbitmq-server rabbitmq-server
     ensure_cmd rabbitmqctl rabbitmq-server
@@ -162,6 +183,7 @@ ensure_rabbitmq() {
         check_rabbitmq_nofile warn
         return 0
     fi
+    install_rabbitmq_advanced_config
     log "rabbitmq: down; starting rabbitmq-server -detached (open-file limit $RABBITMQ_NOFILE)"
     # The limit is set in the shell that execs the server (the Debian wrapper's `su rabbitmq`
     # keeps it): RABBITMQ_NOFILE, or the hard limit if that is lower and cannot be raised.

@@ -29,7 +29,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use fleet::auth::{ApiAuth, Role};
 use fleet::registry::WorkerState;
-use fleet::{amqp, metrics as m, Envelope, Store};
+use fleet::{amqp, metrics as m, Envelope, Lane, Store};
 use serde_json::{json, Value};
 use tokio::sync::{watch, RwLock};
 
@@ -179,7 +179,25 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
     if refused.is_empty() {
         return (StatusCode::ACCEPTED, Json(json!({"ids": accepted}))).into_response();
     }
-    // The broker refused (its ingress bound): the same rule AMQP producers meet. The status
+    // The broker nacked: a nack carries no reason, and a quorum queue mid-election nacks too
+    // (issue 37 item 3), so the ingress queue's depth says whether it is full. Not full (or
+    // not answering): 503 `broker_unavailable`, retry in a second — never `ingress_full`.
+    let cause = refusal_cause(&st, &envs, &refused).await;
+    if !cause.is_full() {
+        let (depth, bound) = match cause {
+            amqp::NackCause::Unavailable { depth, bound } => (Some(depth), Some(bound)),
+            _ => (None, None),
+        };
+        tracing::warn!(tasks = refused.len(), ?depth, ?bound, "RabbitMQ nacked submissions to an ingress queue below its bound (no queue leader now?); answered 503 broker_unavailable");
+        metrics::counter!(m::TASKS_REFUSED, "reason" => "broker_unavailable")
+            .increment(refused.len() as u64);
+        return refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            1,
+            json!({"error": "broker_unavailable", "detail": "RabbitMQ could not take the tasks now (the ingress queue is not full: a queue without a leader after a node loss?); retry shortly", "depth": depth, "bound": bound, "accepted": accepted, "refused": refused}),
+        );
+    }
+    // The broker refused at its ingress bound: the same rule AMQP producers meet. The status
     // says why the queue is full — the fleet's intake gate is closed (429, retry after the
     // gate's recheck) or producers simply outpace intake (503).
     let (status, code, detail, retry_s) = if st.pressure.borrow().gate == Pressure::Red {
@@ -203,6 +221,35 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
         retry_s,
         json!({"error": code, "detail": detail, "accepted": accepted, "refused": refused}),
     )
+}
+
+/// Why the broker refused `refused` (ids of `envs`): full when the ingress queue of any lane
+/// they went to is at its bound ([`amqp::nack_cause`]); the first other answer otherwise.
+async fn refusal_cause(
+    st: &AppState,
+    envs: &[(&Envelope, &[u8], bool)],
+    refused: &[String],
+) -> amqp::NackCause {
+    let Some(conn) = st.connection.read().await.clone() else {
+        return amqp::NackCause::Unknown;
+    };
+    let lanes: std::collections::BTreeSet<Lane> = envs
+        .iter()
+        .filter(|(e, ..)| refused.contains(&e.id))
+        .map(|(e, ..)| e.lane)
+        .collect();
+    let mut cause = amqp::NackCause::Unknown;
+    for lane in lanes {
+        let q = st.store.names.ingress_queue(lane);
+        let c = amqp::nack_cause(&conn, &q, st.cfg.common.ingress_max[lane]).await;
+        if c.is_full() {
+            return c;
+        }
+        if cause == amqp::NackCause::Unknown {
+            cause = c;
+        }
+    }
+    cause
 }
 
 /// A submission [`publish_all`] could not finish: ids confirmed, refused by the broker, and

@@ -34,6 +34,8 @@ pub struct IngressLoop {
     pub source: Source,
     pub queue: String,
     pub pressure: watch::Receiver<Sample>,
+    /// The delayed loop's: takes the delay canaries out of its batches (see [`crate::canary`]).
+    pub canary: Option<Arc<crate::canary::Canary>>,
 }
 
 impl IngressLoop {
@@ -122,6 +124,7 @@ impl IngressLoop {
             None => usize::from(cfg.batch_max),
         };
         let mut pressure = self.pressure.clone();
+        let mut refused = crate::dispatch::RefusalBackoff::default();
         loop {
             let first = tokio::select! {
                 biased;
@@ -147,8 +150,25 @@ impl IngressLoop {
                     _ => break,
                 }
             }
+            if let Some(c) = &self.canary {
+                batch = c.take(batch).await;
+                if batch.is_empty() {
+                    continue;
+                }
+            }
             let out = self.dispatcher.process(batch, &self.source, shutdown).await;
             out.check_publisher(&self.dispatcher.session)?;
+            // Publishes the broker refused put their sources back at the head of this queue:
+            // taking them again at once is a hot loop against a queue that cannot take them
+            // (a quorum leader being elected nacks every publish for seconds).
+            if let Some(wait) = refused.after(&out) {
+                tracing::warn!(queue = %self.queue, refused = out.failed, retry_in_ms = wait.as_millis() as u64, "publishes refused by RabbitMQ; their tasks went back to the queue, pausing before the next batch");
+                tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => return Ok(None),
+                    _ = tokio::time::sleep(wait) => {}
+                }
+            }
             if out.park_full {
                 tracing::warn!(queue = %self.queue, "a park queue is full: pausing intake");
                 return Ok(Some(Paused::ParkFull));

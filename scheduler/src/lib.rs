@@ -20,6 +20,7 @@
 pub mod api;
 pub mod backpressure;
 pub mod backstop;
+pub mod canary;
 pub mod config;
 pub mod console;
 pub mod dispatch;

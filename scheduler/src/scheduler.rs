@@ -321,17 +321,28 @@ async fn session(
                 source: Source::Ingress(lane),
                 queue: names.ingress_queue(lane),
                 pressure: prx.clone(),
+                canary: None,
             };
             spawn_loop!(format!("ingress.{lane}.{k}"), l);
         }
     }
+    // The delay canary (issue 37 item 1): a stuck delay path shows in a gauge and a warning.
+    let canary = crate::canary::Canary::new();
     let delayed = IngressLoop {
         dispatcher: d.clone(),
         source: Source::Delayed,
         queue: names.delayed_queue(),
         pressure: prx.clone(),
+        canary: Some(canary.clone()),
     };
     spawn_loop!("delayed", delayed);
+    spawn_loop!(
+        "delay-canary",
+        crate::canary::CanaryLoop {
+            session: shared.clone(),
+            canary,
+        }
+    );
     let park_loops = Arc::new(park::ParkLoops::default());
     let discovery = park::Discovery {
         session: shared.clone(),

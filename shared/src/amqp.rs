@@ -295,8 +295,63 @@ pub async fn confirmed(confirm: PublisherConfirm) -> Result<()> {
         Confirmation::Ack(Some(ret)) => {
             Err(Error::Refused(format!("unroutable: {}", ret.reply_text)))
         }
-        Confirmation::Nack(_) => Err(Error::Refused("nack (queue full)".into())),
+        Confirmation::Nack(_) => Err(Error::Refused(NACK_TEXT.into())),
     }
+}
+
+/// The text of a nacked publish ([`Error::Refused`]). A `basic.nack` carries no reason: a
+/// bounded queue at its `x-max-length` (`reject-publish`) nacks, and so does a quorum queue
+/// that cannot take the message now — its leader lost and a new one not yet elected, seen for
+/// ~20 s after a node loss with every queue far below its bound (issue 37 item 3). Who must
+/// tell the two apart asks the queue's depth: [`nack_cause`].
+pub const NACK_TEXT: &str = "nack (the queue is full, or has no leader now)";
+
+/// Why the broker nacked a publish to a bounded queue, as its depth tells (see [`nack_cause`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NackCause {
+    /// The queue holds (about) its bound: `reject-publish` refused it.
+    Full { depth: u32, bound: u32 },
+    /// The queue is well below its bound: the broker could not take the message now (a
+    /// quorum queue mid-election, a node going down); the same publish succeeds shortly.
+    Unavailable { depth: u32, bound: u32 },
+    /// The depth could not be read (no answer within [`DEPTH_WAIT`], the queue missing):
+    /// the broker is not answering, which is not a full queue either.
+    Unknown,
+}
+
+impl NackCause {
+    /// Reads a depth against its bound: full when within `max(1, bound / 10)` of it — the
+    /// depth is read an instant after the nack, and the queue's consumers take a batch from a
+    /// queue at its bound meanwhile. Pure: the table of [`nack_cause`].
+    pub fn from_depth(depth: Option<u32>, bound: u32) -> Self {
+        let Some(depth) = depth else {
+            return NackCause::Unknown;
+        };
+        let margin = (bound / 10).max(1);
+        if depth.saturating_add(margin) >= bound {
+            NackCause::Full { depth, bound }
+        } else {
+            NackCause::Unavailable { depth, bound }
+        }
+    }
+
+    pub fn is_full(self) -> bool {
+        matches!(self, NackCause::Full { .. })
+    }
+}
+
+/// How long [`nack_cause`] waits for the queue's depth.
+pub const DEPTH_WAIT: Duration = Duration::from_secs(1);
+
+/// Why a publish to `queue` (bounded at `bound` messages) was nacked: its depth now (a passive
+/// declare on a channel of its own, at most [`DEPTH_WAIT`]) against the bound
+/// ([`NackCause::from_depth`]). Cancel safe (the channel closes with its drop).
+pub async fn nack_cause(conn: &Connection, queue: &str, bound: u32) -> NackCause {
+    let depth = tokio::time::timeout(DEPTH_WAIT, crate::topology::depth(conn, queue))
+        .await
+        .ok()
+        .flatten();
+    NackCause::from_depth(depth, bound)
 }
 
 /// Publishes and waits for the confirm.
@@ -308,4 +363,60 @@ pub async fn publish_confirmed(
     props: BasicProperties,
 ) -> Result<()> {
     confirmed(publish(ch, exchange, routing_key, body, props).await?).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::NackCause;
+
+    #[test]
+    fn a_nack_is_a_full_queue_only_near_its_bound() {
+        use NackCause::*;
+        let cases = [
+            (
+                Some(10_000),
+                10_000,
+                Full {
+                    depth: 10_000,
+                    bound: 10_000,
+                },
+            ),
+            (
+                Some(9_000),
+                10_000,
+                Full {
+                    depth: 9_000,
+                    bound: 10_000,
+                },
+            ),
+            (
+                Some(8_999),
+                10_000,
+                Unavailable {
+                    depth: 8_999,
+                    bound: 10_000,
+                },
+            ),
+            // The issue's case: 300 held against 10,000 while every publish was nacked.
+            (
+                Some(300),
+                10_000,
+                Unavailable {
+                    depth: 300,
+                    bound: 10_000,
+                },
+            ),
+            (Some(5), 5, Full { depth: 5, bound: 5 }),
+            (Some(4), 5, Full { depth: 4, bound: 5 }),
+            (Some(3), 5, Unavailable { depth: 3, bound: 5 }),
+            (None, 10_000, Unknown),
+        ];
+        for (depth, bound, want) in cases {
+            assert_eq!(
+                NackCause::from_depth(depth, bound),
+                want,
+                "{depth:?} of {bound}"
+            );
+        }
+    }
 }

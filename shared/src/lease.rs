@@ -26,7 +26,8 @@ pub struct Finished {
     /// The attempt that ended: a late write from an older attempt never overwrites the status
     /// of a newer one (ledger batches of different workers may land out of order).
     pub attempt: u32,
-    /// `Succeeded`, `Retrying`, `Dead` or `Expired`; `None` for a release (no outcome).
+    /// `Succeeded`, `Retrying`, `Dead` or `Expired`; `None` for a release (no outcome);
+    /// `Queued` for a spent attempt ([`Finished::spent`]).
     pub state: Option<TaskState>,
     /// The result (success) or the error text, truncated.
     pub text: String,
@@ -38,6 +39,18 @@ pub struct Finished {
 }
 
 impl Finished {
+    /// An attempt whose handler ran to its end but whose outcome the broker did not confirm
+    /// (its retry or dead-letter copy unconfirmed: the channel died mid-publish, or a nack):
+    /// its delivery went back to the broker, and the attempt counts as used — the next copy
+    /// runs as attempt `attempt + 1` (or is dead-lettered, `max_attempts`, past the last),
+    /// never as this attempt again (issue 37 item 1: two runs of one attempt number).
+    pub fn spent(lane: Lane, id: String, attempt: u32) -> Self {
+        Finished {
+            state: Some(TaskState::Queued),
+            ..Finished::release(lane, id, attempt)
+        }
+    }
+
     /// An attempt that ended without an outcome (hard stop): its delivery went back to the
     /// broker and the next copy runs the same attempt again.
     pub fn release(lane: Lane, id: String, attempt: u32) -> Self {
@@ -82,6 +95,10 @@ pub enum Claim {
     /// Its worker died while running it alone on its last attempt: dead-letter it
     /// (`worker_lost`) with this attempt count.
     Dead(u32),
+    /// Its last attempt ran, but the broker never confirmed that attempt's outcome (a retry or
+    /// dead-letter copy published as its channel died, or nacked): dead-letter it
+    /// (`max_attempts`) with this attempt count, without running it again.
+    Spent(u32),
 }
 
 impl Claim {
@@ -92,6 +109,7 @@ impl Claim {
             "run" => Claim::Run(attempt),
             "iso" => Claim::Isolate(attempt),
             "dlq" => Claim::Dead(attempt),
+            "spent" => Claim::Spent(attempt),
             "wait" => Claim::Wait,
             "dup" => Claim::Duplicate,
             _ => return None,

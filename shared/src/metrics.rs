@@ -36,6 +36,9 @@ pub const WORKER_EVICTIONS: &str = "fleet_worker_evictions_total";
 pub const WORKER_EJECTIONS: &str = "fleet_worker_ejections_total";
 pub const WORKER_INFO: &str = "fleet_worker_info";
 pub const DISPATCH_THROTTLED: &str = "fleet_dispatch_throttled_total";
+/// Gauge (seconds): age of the newest delay canary back from the delay tiers (scheduler; see
+/// `fleet_scheduler::canary`): ~5 s while delayed work moves, growing while the path is stuck.
+pub const DELAY_CANARY_AGE: &str = "fleet_delay_canary_age_seconds";
 pub const PROBE: &str = "fleet_probe_seconds";
 pub const PROBE_FAILURES: &str = "fleet_probe_failures_total";
 pub const PROBES_COMPLETED: &str = "fleet_probes_completed_total";
@@ -139,6 +142,10 @@ pub fn describe() {
     describe_counter!(
         DISPATCH_THROTTLED,
         "Dispatches delayed by the rate limit or by Yellow pressure."
+    );
+    describe_gauge!(
+        DELAY_CANARY_AGE,
+        "Age of the newest delay canary back from the delay tiers through <ns>.delayed (seconds): about 5 while delayed tasks and retries move, growing while the delay path is stuck."
     );
     describe_histogram!(
         PROBE,

@@ -1,5 +1,6 @@
 //! Logging: `tracing` with structured fields; human format by default, JSON with
-//! `FLEET_LOG_FORMAT=json`; level from `RUST_LOG` (default `info,lapin=off`).
+//! `FLEET_LOG_FORMAT=json`; level from `RUST_LOG` (default `info,lapin=off`; lapin's targets
+//! that log expected events at ERROR stay off whatever it says: [`LAPIN_EXPECTED_ERRORS`]).
 //!
 //! lapin's own log lines are off by default: it logs at ERROR what fleet handles and reports
 //! itself, once and naming the setting — raw `Close { reply_code: 403 … }` frame dumps, and
@@ -51,10 +52,48 @@ pub fn hides(meta: &Metadata<'_>) -> bool {
 /// Flushes the background writer when dropped (see [`flush`]).
 static GUARD: Mutex<Option<WorkerGuard>> = Mutex::new(None);
 
+/// lapin's targets that log expected events at ERROR: every channel the server closes
+/// (`lapin::channel`: a passive declare's 404 NOT_FOUND, a refused consume), every connection
+/// that ends (`lapin::channels`: `Connection error … invalid channel state: Closing` on each
+/// clean stop; `lapin::io_loop`: `error doing IO` on a node loss), a consumer's channel gone
+/// (`lapin::consumer`) and each mandatory message returned (`lapin::returned_messages`, which
+/// dumps the message). fleet receives each of these as a value and logs it itself, at the level
+/// its meaning has (issue 37 item 6), so they stay off even under `RUST_LOG=info,lapin=warn`;
+/// naming one of them in `RUST_LOG` (`lapin::channel=debug`) brings it back.
+pub const LAPIN_EXPECTED_ERRORS: [&str; 5] = [
+    "lapin::channel",
+    "lapin::channels",
+    "lapin::io_loop",
+    "lapin::consumer",
+    "lapin::returned_messages",
+];
+
+/// The log filter of `spec` (`RUST_LOG`; `None` or invalid: `info,lapin=off`), with each of
+/// [`LAPIN_EXPECTED_ERRORS`] the spec does not name turned off.
+pub fn filter(spec: Option<&str>) -> EnvFilter {
+    let spec = spec.filter(|s| !s.trim().is_empty());
+    let mut filter = spec
+        .and_then(|s| EnvFilter::try_new(s).ok())
+        .unwrap_or_else(|| EnvFilter::new("info,lapin=off"));
+    let named = |target: &str| {
+        spec.is_some_and(|s| {
+            s.split(',')
+                .any(|d| d.trim().split(['=', '[']).next() == Some(target))
+        })
+    };
+    for target in LAPIN_EXPECTED_ERRORS {
+        if !named(target) {
+            if let Ok(d) = format!("{target}=off").parse() {
+                filter = filter.add_directive(d);
+            }
+        }
+    }
+    filter
+}
+
 /// Installs the global subscriber (once; later calls do nothing).
 pub fn init(format: &str) {
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,lapin=off"));
+    let filter = filter(std::env::var("RUST_LOG").ok().as_deref());
     let (writer, guard) = tracing_appender::non_blocking(Stderr);
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -133,6 +172,23 @@ pub fn sanitize(buf: &[u8]) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn lapin_expected_errors_stay_off_unless_named() {
+        let f = super::filter(Some("info,lapin=warn")).to_string();
+        for t in super::LAPIN_EXPECTED_ERRORS {
+            assert!(f.contains(&format!("{t}=off")), "{t} in {f}");
+        }
+        assert!(f.contains("lapin=warn"), "{f}");
+        let f = super::filter(Some("info,lapin::channel=debug")).to_string();
+        assert!(
+            f.contains("lapin::channel=debug") && !f.contains("lapin::channel=off"),
+            "{f}"
+        );
+        assert!(f.contains("lapin::channels=off"), "{f}");
+        let f = super::filter(None).to_string();
+        assert!(f.contains("lapin=off") && f.contains("info"), "{f}");
+    }
+
     #[test]
     fn a_line_is_made_safe() {
         let line =

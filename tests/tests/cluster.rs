@@ -6,7 +6,21 @@
 //! scheduler's dispatch) and the API (its 202 answers) are back at work within 10 s of each
 //! kill (the end of a stall, see `back_at_work`), no two 202 answers across a kill are more
 //! than 10 s apart, every status that was `succeeded` before the Redis failover still is after it, and
-//! every quorum queue still has a leader.
+//! every quorum queue still has a leader; across the node kill `ingress_full` is answered over
+//! no more than 2 s (the ingress queue is never near its bound: a nack from a queue without a
+//! leader is `broker_unavailable`, issue 37 item 3).
+//!
+//! `a_kill_of_the_delayed_leader_strands_no_delayed_work` (issue 37 item 1): the node leading
+//! `<ns>.delayed` killed 1.5 s into a burst of delayed tasks, failing-once tasks and plain ones;
+//! every delayed task and retry runs within 10 s of its due time plus the failover, no attempt
+//! runs twice, every worker ends at `running 0`. It needs the nodes to run with fleet's
+//! `ops/rabbitmq/advanced.config` (ops/cluster.sh gives it to them): without it the test fails
+//! (tasks still not run 240 s after the kill). On RabbitMQ 3.10.8 it also fails when a delay
+//! tier's own leader was on the killed node (2 of 3 runs here: `<ns>.wait.400` kept 46-57
+//! messages, none ready, for minutes — its new leader's dead-letter worker never forwarded
+//! them), which no broker setting fleet can ship reaches: the delay canary
+//! (`fleet_delay_canary_age_seconds{tier}`) makes it visible; moving the tiers off
+//! dead-lettering is the follow-up (see the issue 37 report).
 //!
 //! `FLEET_CLUSTER_DIR=DIR` reuses a cluster already started with `ops/cluster.sh up DIR`
 //! (it is left running, less the killed node and Redis master); otherwise the test starts its
@@ -176,6 +190,24 @@ impl Cluster {
                     || (c.get(2).map(|m| count(m)) == Some(3)
                         && c.get(3).map(|m| count(m)) == Some(3))
             })
+    }
+
+    /// The node (1-3) leading quorum queue `queue` now (`list_queues name leader`).
+    fn leader_of(&self, queue: &str) -> Result<usize> {
+        let out = self.script(&["ctl", &self.dir(), "list_queues", "name", "leader"])?;
+        for line in out.lines() {
+            let mut cols = line.split('\t');
+            if cols.next() == Some(queue) {
+                let leader = cols.next().unwrap_or("").trim();
+                for i in 1..=3 {
+                    if self.get(&format!("NODE{i}_NAME"))? == leader {
+                        return Ok(i);
+                    }
+                }
+                bail!("{queue} is led by {leader:?}, none of the cluster's nodes");
+            }
+        }
+        bail!("no queue {queue}: {out}")
     }
 
     /// The node (1-3) the named AMQP connection is on, by the server port it connected to.
@@ -474,6 +506,25 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
             eprintln!("API answer {} after the node kill / {} after the Redis kill, took {took:?}: {what}", rel(killed_at), rel(killed_redis_at));
         }
     }
+    // Refusals the depths do not explain (issue 37 item 3): `ingress_full` means the ingress
+    // queue is within 10 % of its bound (10,000 here, never near it at 40 tasks a second); a
+    // nack from a queue without a leader is `broker_unavailable`.
+    let refusals = |code: &str| -> (usize, Duration) {
+        let o = stream.others.lock().map(|o| o.clone()).unwrap_or_default();
+        let at: Vec<Instant> = o
+            .iter()
+            .filter(|(_, what, _)| what.contains(code))
+            .map(|(at, ..)| *at)
+            .collect();
+        let span = match (at.iter().min(), at.iter().max()) {
+            (Some(a), Some(b)) => *b - *a,
+            _ => Duration::ZERO,
+        };
+        (at.len(), span)
+    };
+    let (full_n, full_span) = refusals("ingress_full");
+    let (unavail_n, unavail_span) = refusals("broker_unavailable");
+    eprintln!("API refusals: ingress_full {full_n} over {full_span:?}; broker_unavailable {unavail_n} over {unavail_span:?}");
 
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop.cancel();
@@ -592,6 +643,10 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
         "statuses succeeded before the Redis failover and not after it: {reverted:?}"
     );
     assert_eq!(leaderless.trim(), "0", "quorum queues without a leader");
+    assert!(
+        full_span <= Duration::from_secs(2),
+        "ingress_full answered over {full_span:?} ({full_n} times) with the ingress queue far below its bound"
+    );
     for (what, b) in [("node kill", back), ("Redis master kill", back_redis)] {
         let b = b?;
         for (who, d) in &b {
@@ -795,4 +850,220 @@ fn back_at_work_is_the_end_of_a_stall_or_the_first_event() {
             longest_gap: Duration::MAX
         }
     );
+}
+
+/// The node leading `<ns>.delayed` killed mid-burst (issue 37 item 1): 200 tasks with
+/// `not_before` 5 s ahead and 100 that fail their first attempt (retried after at most 1 s)
+/// among 300 plain ones. Every delayed task and every retry runs within 10 s of its due time
+/// plus the failover (the time until `<ns>.delayed` has a leader again), no attempt runs
+/// twice, and every worker is back to `running 0`. With RabbitMQ's default
+/// `dead_letter_worker_publisher_confirm_timeout` (180 s) the due work waited ~3 minutes;
+/// ops/cluster.sh gives its nodes fleet's ops/rabbitmq/advanced.config (5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_kill_of_the_delayed_leader_strands_no_delayed_work() -> Result<()> {
+    const DELAYED: usize = 200;
+    const FAILING: usize = 100;
+    const PLAIN: usize = 300;
+    let Some(cluster) = Cluster::start().await? else {
+        return Ok(());
+    };
+    let amqp = cluster.get("FLEET_CLUSTER_AMQP_URL")?.to_string();
+    let redis = cluster.get("FLEET_CLUSTER_REDIS_URL")?.to_string();
+    let name = format!("c{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
+    let names = Names::new(&name);
+    let store = Store::new(&redis, names.clone())?;
+    let conn = fleet::endpoints::connect_any(
+        &amqp,
+        "fleet-tests cluster-delayed",
+        &fleet::tls::TlsConfig::default(),
+    )
+    .await?;
+    let publisher = fleet::amqp::confirm_channel(&conn).await?;
+    let base = vec![
+        ("namespace".to_string(), name.clone()),
+        ("amqp_url".to_string(), amqp.clone()),
+        ("redis_url".to_string(), redis.clone()),
+        ("queue_type".to_string(), "quorum".to_string()),
+        ("http_addr".to_string(), "127.0.0.1:0".to_string()),
+    ];
+    let ns = Ns {
+        name: name.clone(),
+        names,
+        store,
+        conn,
+        publisher,
+        base,
+    };
+    let sched = start_scheduler(&ns, &[("heartbeat_timeout_ms", "10000")]).await?;
+    // Runs by (id, attempt) with when; `fail_once` tasks fail attempt 1.
+    let runs: Arc<Mutex<Vec<(String, u32, Instant)>>> = Arc::default();
+    let r = runs.clone();
+    let handler = handler_fn(move |ctx| {
+        let r = r.clone();
+        async move {
+            r.lock()
+                .map_err(|_| TaskError::retryable("poisoned"))?
+                .push((ctx.envelope.id.clone(), ctx.attempt, Instant::now()));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if ctx.envelope.payload["fail_once"] == true && ctx.attempt == 1 {
+                return Err(TaskError::retryable("fails once"));
+            }
+            Ok(json!({}))
+        }
+    });
+    let mut workers = Vec::new();
+    for i in 0..3 {
+        workers.push(
+            start_worker(
+                &ns,
+                &format!("dw{i}"),
+                "pool=delayed",
+                8,
+                &[
+                    ("heartbeat_timeout_ms", "10000"),
+                    ("retry_base_ms", "1000"),
+                    ("retry_cap_ms", "1000"),
+                ],
+                &[("work", handler.clone())],
+            )
+            .await?,
+        );
+    }
+    wait_for(
+        "every quorum queue with its three members online",
+        Duration::from_secs(120),
+        || async { cluster.quorum_settled(&name).then_some(()) },
+    )
+    .await?;
+    let delayed_q = ns.names.delayed_queue();
+    let leader = cluster.leader_of(&delayed_q)?;
+    eprintln!("{delayed_q} is led by node {leader}");
+
+    let due = chrono::Utc::now() + chrono::Duration::seconds(5);
+    let due_at = Instant::now() + Duration::from_secs(5);
+    let mut envs = Vec::new();
+    for _ in 0..DELAYED {
+        let mut t = task("work", json!({}), "pool=delayed");
+        t.not_before = Some(due);
+        envs.push(t);
+    }
+    for _ in 0..FAILING {
+        let mut t = task("work", json!({"fail_once": true}), "pool=delayed");
+        t.max_attempts = Some(3);
+        envs.push(t);
+    }
+    for _ in 0..PLAIN {
+        envs.push(task("work", json!({}), "pool=delayed"));
+    }
+    let (ok, refused) = ns.submit(&envs).await?;
+    assert_eq!((ok, refused), (envs.len(), 0));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let killed_at = Instant::now();
+    cluster.script(&["kill-node", &leader.to_string(), &cluster.dir()])?;
+    eprintln!("killed RabbitMQ node {leader} (the leader of {delayed_q})");
+    let failover = wait_for(
+        "a new leader for the delayed queue",
+        Duration::from_secs(60),
+        || async {
+            let l = cluster.leader_of(&delayed_q).ok()?;
+            (l != leader).then(|| killed_at.elapsed())
+        },
+    )
+    .await?;
+    eprintln!("{delayed_q} led again after {failover:?}");
+
+    let delayed_ids: Vec<String> = envs[..DELAYED].iter().map(|e| e.id.clone()).collect();
+    let failing_ids: Vec<String> = envs[DELAYED..DELAYED + FAILING]
+        .iter()
+        .map(|e| e.id.clone())
+        .collect();
+    let all_ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
+    let done = wait_for(
+        "every task's last attempt ran",
+        Duration::from_secs(240),
+        || async {
+            let r = runs.lock().ok()?.clone();
+            let ran: HashSet<&str> = r.iter().map(|(id, ..)| id.as_str()).collect();
+            let retried: HashSet<&str> = r
+                .iter()
+                .filter(|(_, a, _)| *a >= 2)
+                .map(|(id, ..)| id.as_str())
+                .collect();
+            (all_ids.iter().all(|id| ran.contains(id.as_str()))
+                && failing_ids.iter().all(|id| retried.contains(id.as_str())))
+            .then_some(())
+        },
+    )
+    .await;
+    let r = runs.lock().map(|r| r.clone()).unwrap_or_default();
+    let first = |id: &str, attempt: u32| {
+        r.iter()
+            .filter(|(i, a, _)| i == id && *a == attempt)
+            .map(|(.., at)| *at)
+            .min()
+    };
+    // Lateness past due + failover: delayed tasks against their not_before; retries against
+    // their first run + the 1 s backoff cap.
+    let late =
+        |at: Instant, due: Instant| at.saturating_duration_since(due.max(killed_at + failover));
+    let delayed_late: Vec<Duration> = delayed_ids
+        .iter()
+        .filter_map(|id| first(id, 1).map(|at| late(at, due_at)))
+        .collect();
+    let retry_late: Vec<Duration> = failing_ids
+        .iter()
+        .filter_map(|id| {
+            let one = first(id, 1)?;
+            first(id, 2).map(|at| late(at, one + Duration::from_secs(1)))
+        })
+        .collect();
+    let mut per_attempt: BTreeMap<(String, u32), usize> = BTreeMap::new();
+    for (id, a, _) in &r {
+        *per_attempt.entry((id.clone(), *a)).or_default() += 1;
+    }
+    let twice: Vec<_> = per_attempt.iter().filter(|(_, n)| **n > 1).collect();
+    let max = |v: &[Duration]| v.iter().max().copied().unwrap_or_default();
+    eprintln!(
+        "delayed tasks run {}/{DELAYED}, latest {:?} past due + failover; retries run {}/{FAILING}, latest {:?} past due + failover; attempts run twice {}",
+        delayed_late.len(),
+        max(&delayed_late),
+        retry_late.len(),
+        max(&retry_late),
+        twice.len()
+    );
+    let mut running = Vec::new();
+    for w in &workers {
+        let url = format!("http://{}/status", w.addr);
+        let n = wait_for("the worker idle", Duration::from_secs(30), || async {
+            get_json(&url).await.ok()?["running"]
+                .as_u64()
+                .filter(|n| *n == 0)
+        })
+        .await
+        .map(|_| 0)
+        .unwrap_or(1);
+        running.push(n);
+    }
+    eprintln!("workers' running counts at the end: {running:?}");
+    for w in workers {
+        w.stop().await?;
+    }
+    sched.stop().await?;
+    let _ = tokio::time::timeout(Duration::from_secs(30), ns.cleanup()).await;
+    done?;
+    assert!(twice.is_empty(), "attempts run twice: {twice:?}");
+    assert_eq!(delayed_late.len(), DELAYED);
+    assert_eq!(retry_late.len(), FAILING);
+    assert!(
+        max(&delayed_late) <= BACK_WITHIN,
+        "a delayed task ran {:?} past due + failover",
+        max(&delayed_late)
+    );
+    assert!(
+        max(&retry_late) <= BACK_WITHIN,
+        "a retry ran {:?} past due + failover",
+        max(&retry_late)
+    );
+    assert_eq!(running, vec![0, 0, 0], "every worker back to running 0");
+    Ok(())
 }

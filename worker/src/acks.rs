@@ -31,6 +31,9 @@ use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
 use lapin::Acker;
 
+/// Longest wait for a flush's acks to be written (see [`AckWindow::flush`]).
+pub(crate) const ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The deliveries of one channel: which are in flight, which are ready to be acked.
 #[derive(Clone, Default)]
 pub struct AckWindow {
@@ -149,13 +152,18 @@ impl AckWindow {
             .map(|a| (a, true))
             .into_iter()
             .chain(single.into_iter().map(|a| (a, false)));
-        for r in
+        // Bounded: an ack on a channel whose connection died mid-write may never be answered,
+        // and the attempt waiting here holds its lane slot and `running` count meanwhile.
+        let sent =
             futures::future::join_all(acks.map(|(acker, multiple)| async move {
                 acker.ack(BasicAckOptions { multiple }).await
-            }))
-            .await
-        {
-            report(r);
+            }));
+        match tokio::time::timeout(ACK_WAIT, sent).await {
+            Ok(results) => results.into_iter().for_each(report),
+            Err(_) => tracing::warn!(
+                limit_ms = ACK_WAIT.as_millis() as u64,
+                "acks not written in time (connection lost?); the broker redelivers the tasks and their copies are settled by their run records"
+            ),
         }
     }
 }

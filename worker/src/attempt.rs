@@ -12,7 +12,9 @@
 //!                   ├ Retryable at the last attempt ──────► dead (max_attempts), ack
 //!                   ├ Permanent ──────────────────────────► dead (permanent_error), ack
 //!                   └ deadline reached ───────────────────► expired: dead-letter, ack
-//! any publish refused or channel gone ────────────────────► failed: nack + requeue (the broker keeps it)
+//! any publish refused or channel gone ────────────────────► failed: nack + requeue (the broker keeps it);
+//!                                                             the attempt counts as used: its next copy
+//!                                                             runs as a new attempt (`Finished::spent`)
 //! ```
 //!
 //! The ack always comes last: after the handler, and after the broker confirmed any retry or
@@ -251,6 +253,39 @@ async fn claim(
                 slot.ack().await;
                 return None;
             }
+            Some(Claim::Spent(n)) => {
+                tracing::warn!(
+                    attempt = n,
+                    "task dead: its last attempt ran, but the broker did not confirm its outcome"
+                );
+                let error = "its last attempt ran, but the broker did not confirm its outcome";
+                let r = if probe {
+                    Ok(())
+                } else {
+                    Box::pin(dead_letter(
+                        shared,
+                        env,
+                        n,
+                        DeadReason::MaxAttempts.as_str(),
+                        error,
+                    ))
+                    .await
+                };
+                match r {
+                    Ok(()) => {
+                        slot.ack().await;
+                        if !probe {
+                            shared.stats.outcome("dead");
+                            shared.meters[lane].completed(Outcome::Dead).increment(1);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot dead-letter a spent task; requeued");
+                        nack_requeue(delivery).await;
+                    }
+                }
+                return None;
+            }
             Some(Claim::Dead(n)) if probe => {
                 tracing::info!(attempt = n, "a health probe lost with its worker: dropped");
                 slot.ack().await;
@@ -308,7 +343,8 @@ async fn attempt_task(
     let Some((attempt, _slot)) = claim(task, &mut slot, base, max_attempts).await else {
         return;
     };
-    shared.stats.started(lane, &env.id);
+    // Counted as running until this guard drops, on every way out (issue 37 item 4).
+    let _running = shared.stats.running_guard(lane, &env.id);
     let now = shared.clock.now();
     if let Some(submitted) = env.submitted_at {
         let wait = (now - submitted).to_std().unwrap_or(Duration::ZERO);
@@ -327,7 +363,6 @@ async fn attempt_task(
             shared
                 .ledger
                 .release(Finished::release(lane, env.id.clone(), attempt));
-            shared.stats.ended(lane, &env.id);
             return;
         };
         shared.meters[lane].run.record(took.as_secs_f64());
@@ -351,7 +386,6 @@ async fn attempt_task(
     } else {
         shared.meters[lane].completed(outcome).increment(1);
     }
-    shared.stats.ended(lane, &env.id);
 }
 
 /// Runs the handler in its own task, cut at the run deadline. `None` on a hard stop.
@@ -532,11 +566,14 @@ async fn settle(
         }
     };
     if let Err(e) = published {
-        tracing::warn!(error = %e, "cannot record the outcome in the broker; task requeued");
-        nack_requeue(delivery).await;
+        // The handler ran: the attempt is used whether or not the broker took the copy (an
+        // unconfirmed publish may still have landed). Released as spent, the next copy runs
+        // as a new attempt; released plainly it would run this attempt a second time.
+        tracing::warn!(error = %e, "cannot record the outcome in the broker; task requeued, its next copy runs as a new attempt");
         shared
             .ledger
-            .release(Finished::release(lane, env.id.clone(), attempt));
+            .release(Finished::spent(lane, env.id.clone(), attempt));
+        nack_requeue(delivery).await;
         return count(Outcome::Failed);
     }
     count(outcome);
@@ -621,8 +658,11 @@ async fn refuse(shared: &Shared, lane: Lane, delivery: Delivery, reject: fleet::
         .await;
     match r {
         Ok(()) => {
-            if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
-                tracing::warn!(error = %e, "cannot ack a refused task");
+            let ack = delivery.acker.ack(BasicAckOptions::default());
+            match tokio::time::timeout(crate::acks::ACK_WAIT, ack).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "cannot ack a refused task"),
+                Err(_) => tracing::warn!("ack of a refused task not written in time"),
             }
         }
         Err(e) => {
@@ -632,15 +672,24 @@ async fn refuse(shared: &Shared, lane: Lane, delivery: Delivery, reject: fleet::
     }
 }
 
+/// Hands a delivery back to the broker (nack with requeue), waiting at most
+/// [`crate::acks::ACK_WAIT`]: a connection the broker blocked (a memory alarm) or one that died
+/// mid-write may never take the frame, and the attempt waiting on it would hold its lane slot
+/// and its `running` count (issue 37 item 4). Either way the broker has the task back once the
+/// channel closes.
 pub(crate) async fn nack_requeue(delivery: &Delivery) {
-    if let Err(e) = delivery
-        .acker
-        .nack(BasicNackOptions {
-            requeue: true,
-            ..Default::default()
-        })
-        .await
-    {
-        tracing::debug!(error = %e, "nack failed (channel gone: the broker requeues anyway)");
+    let nack = delivery.acker.nack(BasicNackOptions {
+        requeue: true,
+        ..Default::default()
+    });
+    match tokio::time::timeout(crate::acks::ACK_WAIT, nack).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "nack failed (channel gone: the broker requeues anyway)")
+        }
+        Err(_) => tracing::warn!(
+            limit_ms = crate::acks::ACK_WAIT.as_millis() as u64,
+            "nack not written in time (connection blocked or lost); the broker gets the task back with the channel"
+        ),
     }
 }

@@ -7,6 +7,7 @@
 //! (its delivery cannot be acked on a dead connection anyway).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use fleet::amqp::Publisher;
 use lapin::types::ShortString;
@@ -15,6 +16,12 @@ use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
 use fleet::config::CommonConfig;
+
+/// Longest wait for a publish's confirm ([`Broker::publish`]): far above a confirm's normal
+/// milliseconds (a quorum queue commits in its Raft log first) and a leader election's few
+/// seconds, and well inside the default 30 s drain grace, so a run whose outcome cannot be
+/// published still ends — requeued, its attempt spent — before its worker's stop gives up.
+pub const CONFIRM_WAIT: Duration = Duration::from_secs(10);
 use fleet::http::Readiness;
 
 /// The connection and the publishing channel.
@@ -230,7 +237,14 @@ impl Broker {
         Ok(ch)
     }
 
-    /// Publishes (mandatory, persistent per `props`) and waits for the broker's confirm.
+    /// Publishes (mandatory, persistent per `props`) and waits for the broker's confirm, at
+    /// most [`CONFIRM_WAIT`].
+    ///
+    /// # Errors
+    /// The publish refused (nack, unroutable), the channel lost, or no confirm within
+    /// [`CONFIRM_WAIT`] (`Other`): a broker that blocks publishing (a memory or disk alarm) or
+    /// a channel whose connection died without failing its pending confirms would otherwise
+    /// hold the attempt — its delivery, its lane slot and its `running` count — forever.
     pub async fn publish(
         &self,
         exchange: &str,
@@ -238,8 +252,17 @@ impl Broker {
         body: &[u8],
         props: BasicProperties,
     ) -> fleet::Result<()> {
-        let ch = self.publisher().await?;
-        fleet::amqp::publish_confirmed(&ch, exchange, routing_key, body, props).await
+        let publish = async {
+            let ch = self.publisher().await?;
+            fleet::amqp::publish_confirmed(&ch, exchange, routing_key, body, props).await
+        };
+        match tokio::time::timeout(CONFIRM_WAIT, publish).await {
+            Ok(r) => r,
+            Err(_) => Err(fleet::Error::Other(format!(
+                "RabbitMQ did not confirm the publish within {} s",
+                CONFIRM_WAIT.as_secs()
+            ))),
+        }
     }
 
     /// Closes the connection: the broker requeues every unacknowledged delivery. No reconnect

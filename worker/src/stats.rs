@@ -28,6 +28,20 @@ pub struct Stats {
     consuming: Mutex<PerLane<Vec<String>>>,
 }
 
+/// One counted run ([`Stats::running_guard`]); dropping it ends the count.
+#[must_use = "the run is counted only while the guard lives"]
+pub struct RunningGuard {
+    stats: std::sync::Arc<Stats>,
+    lane: Lane,
+    id: String,
+}
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        self.stats.ended(self.lane, &self.id);
+    }
+}
+
 /// The outcomes of `fleet_tasks_completed_total`, as the worker counts them for `/status` and
 /// `GET /v1/workers` (the same words, so every view of a worker agrees).
 pub const OUTCOMES: [&str; 5] = ["succeeded", "retried", "dead", "expired", "failed"];
@@ -65,6 +79,19 @@ impl Stats {
             .lock()
             .map(|c| c[lane].clone())
             .unwrap_or_default()
+    }
+
+    /// Counts a run of `id` in `lane` until the returned guard drops: the slot is given back on
+    /// every way out of an attempt — its end, an early return, a panic, the attempt's future
+    /// dropped (issue 37 item 4: a worker once kept `running=1` after a node loss and waited
+    /// its whole drain grace for a run that had ended).
+    pub fn running_guard(self: &std::sync::Arc<Self>, lane: Lane, id: &str) -> RunningGuard {
+        self.started(lane, id);
+        RunningGuard {
+            stats: self.clone(),
+            lane,
+            id: id.to_string(),
+        }
     }
 
     pub fn started(&self, lane: Lane, id: &str) {
@@ -173,6 +200,26 @@ mod tests {
         s.ended(Lane::Normal, "a");
         s.ended(Lane::Normal, "zzz");
         assert_eq!(s.running().0.normal, 0);
+    }
+
+    #[test]
+    fn a_running_guard_ends_its_run_however_it_drops() {
+        let s = std::sync::Arc::new(Stats::new());
+        let a = s.running_guard(Lane::Normal, "a");
+        let b = s.running_guard(Lane::Normal, "a");
+        assert_eq!(s.running().0.normal, 2);
+        drop(a);
+        assert_eq!(s.running().0.normal, 1);
+        // A panic while the run is counted still gives the slot back.
+        let s2 = s.clone();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _g = s2.running_guard(Lane::Critical, "p");
+            panic!("handler bug");
+        }));
+        assert!(r.is_err());
+        assert_eq!(s.running().0.critical, 0);
+        drop(b);
+        assert_eq!(s.running(), (PerLane::default(), vec![]));
     }
 
     #[test]

@@ -5,7 +5,10 @@
 -- ARGV[1]: worker id   ARGV[2]: group   ARGV[3]: instance token   ARGV[4]: status TTL (ms)
 -- ARGV[5]: number of tasks, then per task:
 --   lane, task id, attempt, state (succeeded | retrying | dead | expired; '' = release: the
---   attempt ended without an outcome and its delivery went back to the broker),
+--   attempt ended without an outcome and its delivery went back to the broker; queued =
+--   spent: the handler ran, but the broker did not confirm the attempt's retry or dead-letter
+--   copy, and its delivery went back — the run record becomes `ran`, so the next copy runs
+--   as a new attempt, never this one again: see start.lua),
 --   field ('result' | 'error'), text (truncated), success (1 | 0),
 --   reason (why dead or expired; '' otherwise)
 -- then the worker's task figures, pairs outcome, total (e.g. 'succeeded', 550), published with
@@ -39,6 +42,12 @@ for k = 0, n - 1 do
     if owned then
       status_requeued(id, 'rel')
     end
+  elseif state == S.queued then
+    if owned then
+      status_requeued(id, 'ran')
+    end
+    log_attempt(id, { attempt = attempt, worker = w, finished_at = now, outcome = O.failed,
+      error = 'the run ended, but the broker did not confirm its outcome; the task runs again as a new attempt' }, st_ttl)
   else
     -- Completions per group and lane: the scheduler turns them into each group's room ahead
     -- of its workers (Little's law; see backpressure.rs).
@@ -56,7 +65,7 @@ for k = 0, n - 1 do
       log_attempt(id, e, st_ttl)
     end
   end
-  if state ~= '' and seen <= attempt then
+  if state ~= '' and state ~= S.queued and seen <= attempt then
     status_finished(id, state, w, attempt, field, text, success == '1', reason, owned or r[2] == false, st_ttl,
       { error = r[6] ~= false, reason = r[7] ~= false })
   end

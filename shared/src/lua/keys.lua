@@ -46,7 +46,7 @@ end
 -- `fleet::status::{TaskState, DeadReason, AttemptOutcome}` (a unit test checks these tables
 -- and every such word in the scripts against the enums, so scripts spell them S.x, R.x, O.x).
 local S = { queued = 'queued', parked = 'parked', running = 'running', retrying = 'retrying', succeeded = 'succeeded', dead = 'dead', expired = 'expired' }
-local R = { worker_lost = 'worker_lost' }
+local R = { worker_lost = 'worker_lost', max_attempts = 'max_attempts' }
 local O = { succeeded = 'succeeded', failed = 'failed', dead = 'dead', expired = 'expired', lost = 'lost' }
 
 -- A state that ends the task (`TaskState::is_terminal`).

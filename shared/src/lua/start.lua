@@ -14,6 +14,11 @@
 --     the task over after this copy's worker was evicted, and the copy is its late retry): 'dup'
 --   a newer base, or this base done ......... a stale or duplicate copy: 'dup' (ack, never run)
 --   this base released (no outcome) ......... run again, same attempt number
+--   this base ran, outcome not confirmed ..... the handler ran, but the broker did not confirm
+--     ('ran')                                 its retry or dead-letter copy (channel lost
+--                                             mid-publish, a nack): that attempt is used, so
+--     this copy runs as attempt n + 1 — the retry copy, if the broker did take it, then finds
+--     attempt n + 1 counted ('dup'); past max_attempts → 'spent' (dead-letter, max_attempts)
 --   this base running, owner alive .......... another copy runs (scheduler crash, consumer
 --                                             timeout, lost ack): 'wait' until it ends
 --   this base running, owner gone ........... its worker died mid-run: a crash is an attempt.
@@ -25,7 +30,8 @@
 -- and a restarted worker's registration both end that).
 -- returns: { 'ok' | 'gone' (the worker's registration is missing: register again), then per
 --   task two entries, the answer and its attempt number: 'run', n | 'iso', n | 'wait', 0 |
---   'dup', 0 | 'dlq', n (dead-letter it) } (`fleet::lease::Claim`)
+--   'dup', 0 | 'dlq', n (dead-letter it: worker_lost) | 'spent', n (dead-letter it:
+--   max_attempts) } (`fleet::lease::Claim`)
 local w, g, inst, lease, st_ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local n = tonumber(ARGV[6])
 local now = NOW_MS
@@ -96,6 +102,16 @@ for k = 0, n - 1 do
       else
         grant(lane, id, t, base, att, isolated, r)
         ans, num = 'run', att
+      end
+    elseif r[3] == 'ran' then
+      -- The attempt ran to its end; only its outcome's copy in the broker is unknown. Running
+      -- it again under the same number would be a second run of one attempt.
+      if att >= max then
+        status_dead(id, R.max_attempts, 'its last attempt ran, but the broker did not confirm its outcome', st_ttl)
+        ans, num = 'spent', att
+      else
+        grant(lane, id, t, base, att + 1, isolated, r)
+        ans, num = 'run', att + 1
       end
     elseif r[2] == inst then
       if isolated == '1' then
