@@ -232,8 +232,10 @@ async fn no_secret_in_any_output() -> Result<()> {
         ("scheduler", sched.stop()?),
     ];
     for (name, log) in &logs {
+        // A capture that holds something (the refused worker logs just its start and its
+        // one error line now that lapin's own ERROR lines of the same failure are off).
         assert!(
-            log.lines().count() > 3,
+            log.lines().count() >= 2,
             "{name} logged almost nothing:\n{log}"
         );
         captured += &format!("==== {name}\n{log}");
