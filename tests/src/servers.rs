@@ -726,3 +726,26 @@ impl Drop for RedisCluster {
         }
     }
 }
+
+/// Private processes of a test (redis-server, Sentinels), killed and reaped on drop.
+pub struct Procs(pub Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `redis-cli -p <port> args…` on loopback: its standard output, empty when it cannot run.
+pub fn redis_cli(port: u16, args: &[&str]) -> String {
+    Command::new("redis-cli")
+        .arg("-p")
+        .arg(port.to_string())
+        .args(args)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}

@@ -12,27 +12,7 @@ use deadpool_redis::redis;
 use fleet::{Names, Store};
 use fleet_tests::{free_port, missing_servers, wait_for};
 
-/// Private processes, killed on drop.
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn cli(port: u16, args: &[&str]) -> String {
-    Command::new("redis-cli")
-        .arg("-p")
-        .arg(port.to_string())
-        .args(args)
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default()
-}
+use fleet_tests::servers::{redis_cli as cli, Procs};
 
 fn redis_server(port: u16, dir: &std::path::Path, extra: &[String]) -> Result<Child> {
     Command::new("redis-server")

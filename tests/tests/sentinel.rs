@@ -3,7 +3,7 @@
 //! pool and the next calls go, through Sentinel, to the promoted replica. Private
 //! `redis-server`s on free ports (the shared Redis is never touched), stopped by pid.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -11,27 +11,7 @@ use fleet::{Names, Store};
 use fleet_tests::*;
 use serde_json::json;
 
-/// Private processes, killed on drop.
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn cli(port: u16, args: &[&str]) -> String {
-    Command::new("redis-cli")
-        .arg("-p")
-        .arg(port.to_string())
-        .args(args)
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default()
-}
+use fleet_tests::servers::{redis_cli as cli, Procs};
 
 /// A private master (A), its replica (B) and one Sentinel (S) watching A as `m`, B in sync
 /// and known to S; `None` when redis-server is not installed.
