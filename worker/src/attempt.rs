@@ -77,6 +77,8 @@ pub struct Shared {
     pub work: Stage,
     /// Per-task metric handles, registered once.
     pub meters: PerLane<Meters>,
+    /// Keeps the deadline timers firing while a handler blocks its thread.
+    pub nudge: Arc<crate::nudge::Nudge>,
 }
 
 /// One lane's per-task metric handles, registered once per worker: a labelled
@@ -420,6 +422,7 @@ async fn run(
     // `call` runs inside the spawned task, so a handler that panics while building its future
     // is caught like one that panics while running it (and never unwinds through this attempt,
     // which would leave the delivery unacked and the slot taken).
+    let _running = shared.nudge.enter();
     let mut join = shared
         .work
         .spawn_here(async move { handler.call(ctx).await });

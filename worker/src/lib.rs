@@ -32,6 +32,7 @@ pub mod executor;
 pub mod heartbeat;
 pub mod lane;
 pub mod ledger;
+pub mod nudge;
 pub mod registry;
 pub mod retry;
 pub mod shards;

@@ -318,6 +318,7 @@ impl Worker {
                 normal: Meters::new(&group, Lane::Normal),
                 critical: Meters::new(&group, Lane::Critical),
             },
+            nudge: crate::nudge::Nudge::start(),
         });
         let names = cfg.common.names();
         for lane in Lane::ALL {
