@@ -1,13 +1,13 @@
 //! The delay canary: notices a delay path that stopped moving (issue 37 item 1).
 //!
-//! Delayed tasks and retries wait in the delay tiers (`<ns>.wait.<ms>`), which dead-letter into
-//! `<ns>.delayed` at least once: a tier keeps each expired message until the target confirmed
-//! it. When the node leading `<ns>.delayed` dies, the dead-letter worker's send to the lost
-//! leader is never confirmed and — with RabbitMQ's default `dead_letter_worker_publisher_confirm_timeout`
-//! of 180 s — nothing is re-sent for three minutes: every due task sits in the tiers, the
-//! workers idle, and the queue depths fleet reads say nothing (the held messages are not
-//! "ready"). fleet ships the setting at 5 s (`ops/rabbitmq/advanced.config`), and this loop
-//! makes a stuck path visible wherever the setting is missing or the path stalls otherwise.
+//! Delayed tasks and retries wait in the delay tiers (`<ns>.hold.<ms>`), which the scheduler's
+//! tier loops hold and forward to `<ns>.delayed` ([`crate::tiers`]). Until issue 37 the tiers
+//! expired messages by TTL into `<ns>.delayed` through RabbitMQ's at-least-once dead-letter
+//! worker, which stalled for minutes when a node leading `<ns>.delayed` or a tier died — every
+//! due task sat in the tiers, the workers idle, and the queue depths fleet reads said nothing.
+//! The tier loops removed that path; this loop stays as the end-to-end check that the delay
+//! path moves, whatever stalls it (a tier without a leader, a stuck forward, a scheduler
+//! without its loops).
 //!
 //! Every [`INTERVAL`] the loop publishes a canary — a message with the [`HEADER`] header (its
 //! send time, ms since the epoch) and no envelope — into each of the short tiers
@@ -18,11 +18,7 @@
 //! started, before the first): about [`INTERVAL`] while the tier moves, growing while it is
 //! stuck. Past [`STUCK_AFTER`] the loop logs a warning naming the tier once (and once more when
 //! it moves again); `FleetDelayPathStuck` alerts on the gauge (ops/prometheus/failover.yml).
-//! Two ways a tier sticks after a node loss, both seen on RabbitMQ 3.10.8: the target
-//! `<ns>.delayed` lost its leader (every tier at once, until the dead-letter worker's re-send:
-//! `dead_letter_worker_publisher_confirm_timeout`), and the tier's own leader was on the lost
-//! node and the new leader's dead-letter worker never forwards what it holds (that tier only,
-//! until an operator restarts the queue's leader; see ops/README.md). With several scheduler
+//! With several scheduler
 //! replicas each one sends its own and counts whichever come back to it: every replica
 //! consuming `<ns>.delayed` sees canaries while the path moves.
 
@@ -132,8 +128,13 @@ impl CanaryLoop {
                 _ = tick.tick() => {}
             }
             let now = fleet::store::now_ms();
+            let hop_now = self.session.store.clock.now_ms();
             for (i, tier) in tiers().enumerate() {
-                let h = amqp::headers([(TIER_HEADER, tier.to_string()), (HEADER, now.to_string())]);
+                let h = amqp::headers(
+                    fleet::delay::hop(tier, hop_now)
+                        .into_iter()
+                        .chain([(HEADER, now.to_string())]),
+                );
                 // Not awaited for its confirm: a stuck path must not stall the loop reporting it.
                 if let Err(e) = amqp::publish(
                     &self.session.publisher,

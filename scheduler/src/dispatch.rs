@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use fleet::amqp::{self, DETAIL_HEADER, REASON_HEADER, TIER_HEADER};
+use fleet::amqp::{self, DETAIL_HEADER, REASON_HEADER};
 use fleet::dedupe::Dedupe;
 use fleet::route::{Reservation, ReserveParams, ReserveRequest};
 use fleet::{delay, metrics as m, status, Envelope, Lane, Names};
@@ -520,7 +520,10 @@ impl Dispatcher {
                 Fate::Delay(tier) => (
                     delay_x.as_str(),
                     String::new(),
-                    Some(amqp::headers([(TIER_HEADER, tier.to_string())])),
+                    Some(amqp::headers(delay::hop(
+                        *tier,
+                        self.session.store.clock.now_ms(),
+                    ))),
                 ),
                 Fate::Dead(reason, detail) => (
                     tasks_x.as_str(),

@@ -4,7 +4,8 @@
 //! Modules: [`config`], [`session`] (what one AMQP session's loops share: connection,
 //! publishing channel, store, names, config), [`view`] (groups and queue depths sampled once
 //! per tick for every loop that reads them), [`backpressure`] (Green/Yellow/Red), [`ingress`]
-//! (consuming loops), [`dispatch`] (route, park, delay, dead-letter a batch), [`park`]
+//! (consuming loops), [`dispatch`] (route, park, delay, dead-letter a batch), [`tiers`] (the delay tiers held
+//! until each hop ends), [`park`]
 //! (waiting for room),
 //! [`health`] (eviction, orphaned groups), [`backstop`] (the broker's own dead letters given a
 //! reason and a status), [`reclaim`] (departed groups removed), [`probe`] (critical-lane probes),
@@ -34,6 +35,7 @@ pub mod scheduler;
 pub mod series;
 pub mod session;
 pub mod stats;
+pub mod tiers;
 pub mod view;
 
 pub use config::SchedulerConfig;

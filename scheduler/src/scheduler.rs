@@ -336,6 +336,15 @@ async fn session(
         canary: Some(canary.clone()),
     };
     spawn_loop!("delayed", delayed);
+    for tier in fleet::delay::tiers() {
+        spawn_loop!(
+            format!("tier.{tier}"),
+            crate::tiers::TierLoop {
+                session: shared.clone(),
+                tier
+            }
+        );
+    }
     spawn_loop!(
         "delay-canary",
         crate::canary::CanaryLoop {

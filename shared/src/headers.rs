@@ -29,6 +29,10 @@ pub const SUBMITTED_AT: &str = "x-fleet-submitted-at";
 /// Selects a delay tier on the delay (headers) exchange. Not `x-` prefixed: RabbitMQ ignores
 /// `x-` headers when matching, which would bind every tier to every message.
 pub const TIER: &str = "fleet-tier";
+/// On a message in a delay tier: when its hop ends (ms since the epoch, the fleet's clock) —
+/// the scheduler's tier loop holds it until then, then forwards it to `<ns>.delayed`
+/// ([`crate::delay`]). `x-` prefixed, so the delay exchange's matching ignores it.
+pub const HOP_DUE: &str = "x-fleet-hop-due";
 /// HTTP executor request header: the task's id.
 pub const TASK_ID: &str = "x-fleet-task-id";
 /// HTTP executor request header: the attempt number, from 1.

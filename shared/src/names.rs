@@ -43,6 +43,11 @@ impl Names {
     /// redeclared as quorum queues, so they are left behind unbound from anything new and drain
     /// into `<ns>.delayed` by their TTL.
     pub fn delay_exchange(&self) -> String {
+        format!("{}.hold", self.ns)
+    }
+    /// The delay exchange of versions whose tiers expired messages into `<ns>.delayed` by TTL
+    /// (clean-up only; its tiers, [`Names::ttl_delay_queue`], still drain on their own).
+    pub fn ttl_delay_exchange(&self) -> String {
         format!("{}.wait", self.ns)
     }
     /// The delay exchange of versions whose tiers were classic queues (clean-up only).
@@ -120,9 +125,14 @@ impl Names {
     pub fn catalog_queue(&self) -> String {
         format!("{}.catalog", self.ns)
     }
-    /// One delay tier: every message waits `tier_ms` milliseconds (queue TTL), then is
-    /// dead-lettered to [`Names::delayed_queue`].
+    /// One delay tier: every message waits `tier_ms` milliseconds, held by the scheduler's
+    /// tier loop, then goes on to [`Names::delayed_queue`] (see [`crate::delay`]).
     pub fn delay_queue(&self, tier_ms: u64) -> String {
+        format!("{}.hold.{}", self.ns, tier_ms)
+    }
+    /// A delay tier of versions whose tiers expired messages by TTL into
+    /// [`Names::delayed_queue`] (clean-up only).
+    pub fn ttl_delay_queue(&self, tier_ms: u64) -> String {
         format!("{}.wait.{}", self.ns, tier_ms)
     }
     /// A delay tier of versions whose tiers were classic queues (clean-up only).

@@ -10,7 +10,8 @@
 //!                                     └─► <ns>.dead.broker                 the broker's own dead
 //!                                         letters (group queues' DLX), given a reason by the
 //!                                         scheduler and moved to <ns>.dead
-//! anyone    ──► <ns>.wait   (headers fleet-tier) ──► <ns>.wait.<ms>  ──(TTL, DLX)──► <ns>.delayed
+//! anyone    ──► <ns>.hold   (headers fleet-tier) ──► <ns>.hold.<ms>  ──(held by the scheduler's
+//!                                                    tier loops until each hop ends)──► <ns>.delayed
 //! ```
 //! Declaring is idempotent, so every process declares what it uses at start-up.
 
@@ -263,35 +264,12 @@ pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
     .await?;
     // Delay tiers are of FLEET_QUEUE_TYPE: with quorum queues (the default) they are
     // replicated like every other queue holding a task, so a task waiting for its retry or
-    // its `not_before` survives the loss of a node. One TTL per queue expires exactly at the
-    // head (quorum queues support message TTL from RabbitMQ 3.10); expired messages are
-    // dead-lettered at least once (`x-dead-letter-strategy`, which needs `x-overflow:
-    // reject-publish`): the quorum queue keeps a message until the delayed queue confirmed its
-    // copy, so the hop loses nothing on a leader change (a copy twice is absorbed by the
-    // dedupe protocol).
+    // its `not_before` survives the loss of a node. No TTL and no dead-lettering: the
+    // scheduler's tier loops hold each message until its hop ends and forward it themselves
+    // (see `crate::delay` for why).
     for tier in delay::tiers() {
         let q = n.delay_queue(tier);
-        let mut a = args(cfg);
-        a.insert("x-message-ttl".into(), AMQPValue::LongLongInt(tier as i64));
-        a.insert(
-            "x-dead-letter-exchange".into(),
-            AMQPValue::LongString(n.tasks_exchange().into()),
-        );
-        a.insert(
-            "x-dead-letter-routing-key".into(),
-            AMQPValue::LongString(Names::DELAYED_KEY.into()),
-        );
-        if cfg.queue_type == QueueType::Quorum {
-            a.insert(
-                "x-dead-letter-strategy".into(),
-                AMQPValue::LongString("at-least-once".into()),
-            );
-            a.insert(
-                "x-overflow".into(),
-                AMQPValue::LongString("reject-publish".into()),
-            );
-        }
-        queue(ch, &q, a, None).await?;
+        queue(ch, &q, args(cfg), None).await?;
         let mut h = FieldTable::default();
         h.insert("x-match".into(), AMQPValue::LongString("all".into()));
         h.insert(
@@ -648,7 +626,8 @@ pub async fn delete_all_sharded(
     queues.push(names.delayed_queue());
     queues.push(names.schedules_stream());
     queues.extend(delay::tiers().map(|t| names.delay_queue(t)));
-    queues.extend(delay::tiers().map(|t| names.legacy_delay_queue(t)));
+    queues.extend(delay::ttl_tiers().map(|t| names.ttl_delay_queue(t)));
+    queues.extend(delay::ttl_tiers().map(|t| names.legacy_delay_queue(t)));
     for g in groups {
         for l in Lane::ALL {
             queues.push(names.group_queue(g, l));
@@ -674,6 +653,7 @@ pub async fn delete_all_sharded(
         names.submit_exchange(),
         names.tasks_exchange(),
         names.delay_exchange(),
+        names.ttl_delay_exchange(),
         names.legacy_delay_exchange(),
     ] {
         let _ = ch

@@ -106,7 +106,7 @@ async fn a_broker_has_room_for_the_queues_a_namespace_declares() -> Result<()> {
     assert_eq!(
         per_ns
             .iter()
-            .filter(|q| q.starts_with(&format!("{prefix}wait.")))
+            .filter(|q| q.starts_with(&format!("{prefix}hold.")))
             .count(),
         fleet::delay::TIERS as usize,
         "one queue per delay tier"

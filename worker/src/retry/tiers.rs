@@ -1,10 +1,10 @@
 //! Where: a task waiting out its backoff waits in the broker, in the largest delay tier not past
-//! its due time ([`fleet::delay`]: powers of two from 100 ms, each dead-lettering back to the
-//! scheduler, which sends it on another hop or routes it again once due).
+//! its due time ([`fleet::delay`]: powers of two from 100 ms, each held by the scheduler until
+//! the hop ends, which then sends it on another hop or routes it again once due).
 
 use std::time::Duration;
 
-use fleet::amqp::{headers, task_properties, DETAIL_HEADER, TIER_HEADER};
+use fleet::amqp::{headers, task_properties, DETAIL_HEADER};
 use fleet::lease::truncate;
 use fleet::{Envelope, Names};
 
@@ -25,13 +25,17 @@ pub(crate) async fn publish(
     let mut next = env.clone();
     next.attempt = attempt;
     next.max_attempts = Some(max_attempts);
-    next.not_before =
-        Some(shared.clock.now() + chrono::Duration::from_std(delay).unwrap_or_default());
+    let now = shared.clock.now();
+    next.not_before = Some(now + chrono::Duration::from_std(delay).unwrap_or_default());
     let body = next.to_bytes();
     let detail = (DETAIL_HEADER, truncate(error, MAX_HEADER_TEXT));
     match tier_for(delay) {
         Some(tier) => {
-            let h = headers([(TIER_HEADER, tier.to_string()), detail]);
+            let h = headers(
+                fleet::delay::hop(tier, now.timestamp_millis())
+                    .into_iter()
+                    .chain([detail]),
+            );
             shared
                 .broker
                 .publish(
