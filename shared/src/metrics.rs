@@ -72,7 +72,7 @@ pub fn describe() {
     );
     describe_counter!(
         TASKS_REROUTED,
-        "Tasks moved from a group without live workers to another matching group."
+        "Tasks routed again: moved from a group without live workers to another matching group (scheduler), or sent back by a worker that does not handle their kind (worker)."
     );
     describe_counter!(
         TASKS_REFUSED,

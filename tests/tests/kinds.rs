@@ -187,6 +187,61 @@ async fn a_task_goes_to_a_worker_that_handles_its_kind() -> anyhow::Result<()> {
     ns.cleanup().await
 }
 
+/// A task already queued for a group whose worker no longer handles its kind (the worker
+/// restarted with fewer `FLEET_KINDS`, or the group's kinds dropped it after the task was
+/// routed) is not that worker's failure: it goes back to the scheduler unclaimed and runs, as
+/// attempt 1, on a worker that handles it. Made here by publishing a `resize` task straight
+/// to the builtin worker's group queue, as a scheduler did before the kinds changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_task_queued_for_a_kind_its_worker_does_not_handle_is_routed_again() -> anyhow::Result<()>
+{
+    let ns = Ns::new().await?;
+    let sched = start_scheduler(&ns, &[]).await?;
+    let log = std::env::temp_dir().join(format!("fleet-kinds-back-{}.log", ns.name));
+    let log_s = log.to_string_lossy().to_string();
+    let command = serde_json::to_string(&["sh", "-c", RUN_LOG_SCRIPT, "sh", log_s.as_str()])?;
+    let builtin = start_worker(&ns, "w-builtin", "", 2, &[], &[]).await?;
+    let exec = start_worker(
+        &ns,
+        "w-exec",
+        "",
+        2,
+        &exec_settings(&command, "resize"),
+        &[],
+    )
+    .await?;
+    let t = task("resize", json!({"img": "c.png"}), "");
+    ns.publish_to_group("protocol=builtin", Lane::Normal, &t.id, &t.to_bytes())
+        .await?;
+    let st = ns
+        .wait_state(&t.id, "succeeded", Duration::from_secs(20))
+        .await?;
+    assert_eq!(
+        st.get("worker").map(String::as_str),
+        Some("w-exec"),
+        "{st:?}"
+    );
+    // Sent back unclaimed: the run on the exec worker is the task's first attempt.
+    assert_eq!(st.get("attempt").map(String::as_str), Some("1"), "{st:?}");
+    assert_eq!(runs(&log, &t.id), vec!["w-exec"]);
+    let attempts = ns.store.task_attempts(&t.id).await?;
+    assert_eq!(attempts.len(), 1, "one attempt logged: {attempts:?}");
+    let rerouted = metric(
+        &format!("http://{}/metrics", builtin.addr),
+        "fleet_tasks_rerouted_total",
+        &[],
+    )
+    .await?;
+    assert_eq!(rerouted, 1.0, "the builtin worker sent it back once");
+    let dead = peek_dead(&ns).await?;
+    assert!(dead.is_empty(), "nothing dead-lettered: {dead:?}");
+    exec.stop().await?;
+    builtin.stop().await?;
+    sched.stop().await?;
+    let _ = std::fs::remove_file(&log);
+    ns.cleanup().await
+}
+
 fn params() -> ReserveParams {
     ReserveParams {
         lease_ms: 60_000,

@@ -342,6 +342,10 @@ async fn attempt_task(
         env: &env,
         probe,
     };
+    if !probe && shared.handlers.get(&env.kind).is_none() {
+        reroute(task, &mut slot, max_attempts).await;
+        return;
+    }
     let Some((attempt, _slot)) = claim(task, &mut slot, base, max_attempts).await else {
         return;
     };
@@ -630,6 +634,52 @@ async fn dead_letter(
             task_properties(&env.id, Some(h)),
         )
         .await
+}
+
+/// How long a task sent back by [`reroute`] waits before the scheduler routes it again: one
+/// delay-tier hop, so a group whose advertised kinds lag behind its workers cannot bounce a
+/// task in a tight loop.
+pub const REROUTE_DELAY: Duration = Duration::from_secs(1);
+
+/// A task of a kind this worker does not handle, delivered all the same: it was queued for
+/// the group before this worker (re)started with fewer `FLEET_KINDS`, or before the group's
+/// kinds (the intersection over its active workers) dropped it. Not the task's failure, and
+/// not an attempt: it goes back to the scheduler unclaimed, through the delay path
+/// ([`REROUTE_DELAY`]), which routes it to a group that handles its kind — or, none live, lets
+/// it wait for a worker like an unmatched selector (dead-lettered `no_matching_worker` after
+/// the grace). Its reservation here lapses with its lease. When the broker refuses the
+/// send-back, the delivery is requeued.
+async fn reroute(task: Task<'_>, slot: &mut Slot, max_attempts: u32) {
+    let Task {
+        shared,
+        delivery,
+        env,
+        ..
+    } = task;
+    let detail = format!(
+        "worker {} does not handle kind `{}`: routed again",
+        shared.worker_id, env.kind
+    );
+    match crate::retry::tiers::publish(
+        shared,
+        env,
+        env.attempt,
+        max_attempts,
+        REROUTE_DELAY,
+        &detail,
+    )
+    .await
+    {
+        Ok(()) => {
+            tracing::info!(kind = %env.kind, "a task of a kind this worker does not handle: sent back to be routed again");
+            metrics::counter!(m::TASKS_REROUTED).increment(1);
+            slot.ack().await;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, kind = %env.kind, "cannot send back a task of a kind this worker does not handle; requeued");
+            nack_requeue(delivery).await;
+        }
+    }
 }
 
 /// An unparseable delivery: dead-lettered as it came, with the refusal's code and detail.
