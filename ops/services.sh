@@ -163,7 +163,7 @@ install_rabbitmq_advanced_config() {
     [ -f "$src" ] || return 0
     if [ -e "$target" ]; then
         if ! grep -q dead_letter_worker_publisher_confirm_timeout "$target"; then
-            log "rabbitmq: $target exists without dead_letter_worker_publisher_confirm_timeout; add the setting from $src (delayed work otherwise waits up to 180 s after a node loss)"
+            log "rabbitmq: $target exists without dead_letter_worker_publisher_confirm_timeout; add the setting from $src (the TTL delay tiers of fleet versions before issue 37 otherwise wait up to 180 s after a node loss)"
         fi
         return 0
     fi

@@ -3,21 +3,26 @@
 //! this itself rather than by queue TTL and dead-lettering; issue 37 item 1).
 //!
 //! One loop per tier per scheduler replica consumes `<ns>.hold.<ms>` with a prefetch of
-//! [`PREFETCH`]. The messages of a tier all wait one length, so they come due in queue order:
-//! the loop waits for the head's [`HOP_DUE`](fleet::headers::HOP_DUE), takes with it every
-//! delivery already here that is due too, publishes them to `<ns>.delayed` together and acks
-//! each tier copy once its forward is confirmed. A forward the broker refuses (the target
-//! mid-election nacks) is handed back to the tier (`nack`, requeue) and the loop pauses
-//! [`REFUSED_PAUSE`] before the next: it comes straight back, being due. A crash between the
-//! confirm and the ack forwards a message twice, which the delayed path absorbs like any
+//! [`PREFETCH`] and keeps what it holds ordered by due time (its
+//! [`HOP_DUE`](fleet::headers::HOP_DUE), capped at one tier length from when it arrived): the
+//! messages of a tier mostly come due in queue order, but not always — a replica that stops
+//! hands its held messages back behind the ones this one holds, and publishers' clocks differ.
+//! When the earliest is due, the loop publishes every due one to `<ns>.delayed` together and
+//! acks each tier copy once its forward is confirmed (within [`CONFIRM_WAIT`]). A forward the
+//! broker refuses or does not confirm (the target mid-election nacks) stays held, due again
+//! [`REFUSED_PAUSE`] later — never requeued, so it keeps its place and spends no delivery
+//! count — unless it has been held [`MAX_HOLD`], when it goes back to the tier (`nack`) before
+//! RabbitMQ's `consumer_timeout` (30 min by default) would close the channel. A crash between
+//! the confirm and the ack forwards a message twice, which the delayed path absorbs like any
 //! redelivery (dedupe protocol, attempt records). Replicas compete for the messages like any
 //! consumers; a replica that stops hands what it held back to the queue.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fleet::{amqp, delay, Names};
-use futures::{FutureExt, StreamExt};
+use futures::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
@@ -31,14 +36,26 @@ use crate::session::Session;
 pub const PREFETCH: u16 = 512;
 /// Most deliveries forwarded in one batch.
 pub const BATCH_MAX: usize = 256;
-/// The pause after a refused forward before the next.
+/// How long a refused forward waits before it is tried again.
 pub const REFUSED_PAUSE: Duration = Duration::from_millis(500);
+/// How long a forward's confirm is awaited before it counts as refused.
+pub const CONFIRM_WAIT: Duration = Duration::from_secs(10);
+/// The longest a delivery is held: past it, a forward still refused hands it back to the tier.
+/// The longest tier (819.2 s) plus room, under RabbitMQ's default `consumer_timeout` (30 min).
+pub const MAX_HOLD: Duration = Duration::from_secs(20 * 60);
 
 /// Holds and forwards one delay tier.
 pub struct TierLoop {
     pub session: Arc<Session>,
     /// The tier's length (ms).
     pub tier: u64,
+}
+
+/// A held delivery.
+struct Held {
+    delivery: Delivery,
+    /// When it came to this loop.
+    since: Instant,
 }
 
 impl TierLoop {
@@ -59,75 +76,86 @@ impl TierLoop {
             .await?;
         tracing::debug!(queue = %queue, "holding a delay tier");
         let (exchange, key) = (s.names.tasks_exchange(), Names::DELAYED_KEY);
-        let mut head: Option<Delivery> = None;
+        // Held deliveries by (due ms, arrival sequence).
+        let mut held: BTreeMap<(i64, u64), Held> = BTreeMap::new();
+        let mut seq = 0u64;
+        let mut refusing = false;
         loop {
-            let first = match head.take() {
-                Some(d) => d,
-                None => tokio::select! {
-                    biased;
-                    _ = shutdown.cancelled() => return Ok(()),
-                    d = consumer.next() => match d {
+            let now = s.store.clock.now_ms();
+            let wait = held
+                .first_key_value()
+                .map(|((due, _), _)| millis_until(*due, now));
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ok(()),
+                d = consumer.next() => {
+                    let d = match d {
                         Some(Ok(d)) => d,
                         Some(Err(e)) => return Err(e.into()),
                         None => return Err(fleet::Error::Other(format!("consumer of {queue} ended"))),
-                    },
-                },
-            };
-            // Hold the head until its hop ends.
-            let wait = wait_for(&first, s.store.clock.now_ms());
-            if !wait.is_zero() {
-                tokio::select! {
-                    biased;
-                    _ = shutdown.cancelled() => return Ok(()),
-                    _ = tokio::time::sleep(wait) => {}
+                    };
+                    let due = due_at(delay::hop_due(&d.properties), now, self.tier);
+                    seq += 1;
+                    held.insert((due, seq), Held { delivery: d, since: Instant::now() });
+                    continue;
                 }
+                _ = tokio::time::sleep(wait.unwrap_or(Duration::ZERO)), if wait.is_some() => {}
             }
-            // With it, every delivery already here whose hop has ended too (queue order: the
-            // first one not due is the next head).
-            let mut batch = vec![first];
+            // Every held delivery whose hop has ended, earliest first.
+            let now = s.store.clock.now_ms();
+            let mut batch = Vec::new();
             while batch.len() < BATCH_MAX {
-                match consumer.next().now_or_never() {
-                    Some(Some(Ok(d))) => {
-                        if wait_for(&d, s.store.clock.now_ms()).is_zero() {
-                            batch.push(d);
-                        } else {
-                            head = Some(d);
-                            break;
-                        }
-                    }
-                    Some(Some(Err(e))) => return Err(e.into()),
+                match held.first_entry() {
+                    Some(e) if e.key().0 <= now => batch.push(e.remove()),
                     _ => break,
                 }
             }
+            if batch.is_empty() {
+                continue;
+            }
             let confirms = amqp::publish_batch(
                 &s.publisher,
-                batch.iter().map(|d| amqp::Outgoing {
+                batch.iter().map(|h| amqp::Outgoing {
                     exchange: &exchange,
                     routing_key: key,
-                    body: &d.data,
-                    props: d.properties.clone(),
+                    body: &h.delivery.data,
+                    props: h.delivery.properties.clone(),
                 }),
             )
             .await;
             let mut refused = 0usize;
-            for (d, c) in batch.iter().zip(confirms) {
+            for (h, c) in batch.into_iter().zip(confirms) {
                 let ok = match c {
-                    Ok(c) => amqp::confirmed(c).await,
+                    Ok(c) => match tokio::time::timeout(CONFIRM_WAIT, amqp::confirmed(c)).await {
+                        Ok(r) => r,
+                        Err(_) => Err(fleet::Error::Other(format!(
+                            "no confirm within {} s",
+                            CONFIRM_WAIT.as_secs()
+                        ))),
+                    },
                     Err(e) => Err(e),
                 };
                 match ok {
                     Ok(()) => {
-                        d.acker.ack(BasicAckOptions::default()).await?;
+                        h.delivery.acker.ack(BasicAckOptions::default()).await?;
                     }
-                    Err(e) => {
+                    Err(e) if h.since.elapsed() >= MAX_HOLD => {
                         refused += 1;
-                        tracing::debug!(error = %e, queue = %queue, "forward refused; back to its tier");
-                        d.acker
+                        tracing::warn!(error = %e, queue = %queue, "a due delayed task refused for {} min: handed back to its tier", MAX_HOLD.as_secs() / 60);
+                        h.delivery
+                            .acker
                             .nack(BasicNackOptions {
                                 requeue: true,
                                 ..Default::default()
                             })
                             .await?;
+                    }
+                    Err(e) => {
+                        refused += 1;
+                        tracing::debug!(error = %e, queue = %queue, "forward refused; held for another try");
+                        seq += 1;
+                        let again = now.saturating_add(millis(REFUSED_PAUSE));
+                        held.insert((again, seq), h);
                     }
                 }
             }
@@ -136,22 +164,60 @@ impl TierLoop {
                     "the dispatch publisher channel is closed".into(),
                 ));
             }
-            if refused > 0 {
-                tracing::warn!(refused, queue = %queue, target = %s.names.delayed_queue(), "RabbitMQ refused forwards of due delayed tasks; they went back to their tier, retrying in {} ms", REFUSED_PAUSE.as_millis());
-                tokio::select! {
-                    biased;
-                    _ = shutdown.cancelled() => return Ok(()),
-                    _ = tokio::time::sleep(REFUSED_PAUSE) => {}
+            // Warned once per spell of refusals, not per try.
+            match (refused > 0, refusing) {
+                (true, false) => {
+                    tracing::warn!(refused, queue = %queue, target = %s.names.delayed_queue(), "RabbitMQ refuses forwards of due delayed tasks; held and tried again every {} ms", REFUSED_PAUSE.as_millis())
                 }
+                (false, true) => {
+                    tracing::info!(queue = %queue, "forwards of due delayed tasks are taken again")
+                }
+                _ => {}
             }
+            refusing = refused > 0;
         }
     }
 }
 
-/// How long a held delivery still waits at `now_ms` (fleet clock): until its hop's end, zero
-/// when that has passed or it carries none ([`delay::hop_due`]).
-fn wait_for(d: &Delivery, now_ms: i64) -> Duration {
-    delay::hop_due(&d.properties)
-        .map(|due| Duration::from_millis(u64::try_from(due - now_ms).unwrap_or(0)))
-        .unwrap_or(Duration::ZERO)
+/// When a delivery arriving at `now_ms` (fleet clock) is due: its hop's end `hop_due`
+/// ([`delay::hop_due`]), but never more than one tier length `tier_ms` away (a skewed or
+/// garbage header must not hold a tier); now when it carries none.
+fn due_at(hop_due: Option<i64>, now_ms: i64, tier_ms: u64) -> i64 {
+    let latest = now_ms.saturating_add(i64::try_from(tier_ms).unwrap_or(i64::MAX));
+    hop_due.map_or(now_ms, |due| due.min(latest))
+}
+
+/// The wait from `now_ms` until `due_ms` (zero when passed).
+fn millis_until(due_ms: i64, now_ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(due_ms.saturating_sub(now_ms)).unwrap_or(0))
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hop_is_held_at_most_one_tier() {
+        assert_eq!(due_at(Some(1_300), 1_000, 800), 1_300);
+        assert_eq!(due_at(Some(900), 1_000, 800), 900);
+        // A clock far ahead, or a garbage header: one tier, no more.
+        assert_eq!(due_at(Some(i64::MAX), 1_000, 800), 1_800);
+        assert_eq!(due_at(None, 1_000, 800), 1_000);
+        assert_eq!(due_at(Some(i64::MIN), 1_000, 800), i64::MIN);
+    }
+
+    #[test]
+    fn a_wait_is_never_negative_nor_overflows() {
+        assert_eq!(millis_until(1_500, 1_000), Duration::from_millis(500));
+        assert_eq!(millis_until(1_000, 1_500), Duration::ZERO);
+        assert_eq!(millis_until(i64::MIN, i64::MAX), Duration::ZERO);
+        assert_eq!(
+            millis_until(i64::MAX, i64::MIN),
+            Duration::from_millis(i64::MAX as u64)
+        );
+    }
 }

@@ -37,11 +37,12 @@ impl Names {
     pub fn tasks_exchange(&self) -> String {
         format!("{}.tasks", self.ns)
     }
-    /// Headers exchange in front of the delay tiers (header `fleet-tier`). Named `.wait`
-    /// since the tiers became replicated (quorum) queues: the classic tiers of older versions
-    /// (`<ns>.delay`, `<ns>.delay.<ms>`, see [`Names::legacy_delay_exchange`]) cannot be
-    /// redeclared as quorum queues, so they are left behind unbound from anything new and drain
-    /// into `<ns>.delayed` by their TTL.
+    /// Headers exchange in front of the delay tiers (header `fleet-tier`). Named `.hold` since
+    /// the scheduler holds the tiers itself (issue 37, [`crate::delay`]): the TTL tiers of
+    /// before (`<ns>.wait`, `<ns>.wait.<ms>`, see [`Names::ttl_delay_exchange`]) and the
+    /// classic ones before those (`<ns>.delay`, [`Names::legacy_delay_exchange`]) cannot be
+    /// redeclared without their TTL and dead-letter arguments, so they are left behind, bound
+    /// to nothing new, and drain into `<ns>.delayed` by their TTL.
     pub fn delay_exchange(&self) -> String {
         format!("{}.hold", self.ns)
     }

@@ -2,9 +2,9 @@
 //! the canary interval (5 s) while canaries come back from the delay tiers through
 //! `<ns>.delayed`, grows past the stuck threshold (20 s: the scheduler logs a warning, the
 //! `FleetDelayPathStuck` alert of ops/prometheus/failover.yml fires on it) while nothing comes
-//! back — made here by unbinding `<ns>.delayed`, so every dead-lettered message finds no queue,
-//! as a target without a leader holds them — and falls back once the path moves again. The
-//! canaries are never taken for tasks (nothing dead-lettered).
+//! back — made here by unbinding `<ns>.delayed`, so every forward of the scheduler's tier loops
+//! is unroutable and held, as a target without a leader refuses them — and falls back once the
+//! path moves again. The canaries are never taken for tasks (nothing dead-lettered).
 
 use std::time::Duration;
 

@@ -343,7 +343,7 @@ async fn attempt_task(
         probe,
     };
     if !probe && shared.handlers.get(&env.kind).is_none() {
-        reroute(task, &mut slot, max_attempts).await;
+        reroute(task, &mut slot).await;
         return;
     }
     let Some((attempt, _slot)) = claim(task, &mut slot, base, max_attempts).await else {
@@ -525,9 +525,10 @@ async fn settle(
                 shared,
                 env,
                 attempt,
-                max_attempts,
+                Some(max_attempts),
                 delay,
                 &error,
+                &[],
             ))
             .await;
             (Outcome::Retried, TaskState::Retrying, error, false, None, r)
@@ -640,43 +641,91 @@ async fn dead_letter(
 /// delay-tier hop, so a group whose advertised kinds lag behind its workers cannot bounce a
 /// task in a tight loop.
 pub const REROUTE_DELAY: Duration = Duration::from_secs(1);
+/// How many times a task may be sent back before it is dead-lettered `no_matching_worker`:
+/// more means the scheduler keeps routing it to groups that do not handle it (a registration
+/// that lies about its kinds), which no number of hops mends.
+pub const MAX_REROUTES: u32 = 10;
+/// The header counting a task's send-backs ([`reroute`]).
+pub const REROUTES_HEADER: &str = "x-fleet-reroutes";
+/// How long a send-back the broker refused waits before its delivery is requeued (it comes
+/// straight back to this consumer: at once, a tier without a leader would spend the group
+/// queue's delivery limit in a second).
+pub const REROUTE_REFUSED_WAIT: Duration = Duration::from_secs(1);
 
 /// A task of a kind this worker does not handle, delivered all the same: it was queued for
 /// the group before this worker (re)started with fewer `FLEET_KINDS`, or before the group's
 /// kinds (the intersection over its active workers) dropped it. Not the task's failure, and
-/// not an attempt: it goes back to the scheduler unclaimed, through the delay path
-/// ([`REROUTE_DELAY`]), which routes it to a group that handles its kind — or, none live, lets
-/// it wait for a worker like an unmatched selector (dead-lettered `no_matching_worker` after
-/// the grace). Its reservation here lapses with its lease. When the broker refuses the
-/// send-back, the delivery is requeued.
-async fn reroute(task: Task<'_>, slot: &mut Slot, max_attempts: u32) {
+/// not an attempt: it goes back to the scheduler unclaimed (its envelope as it came: attempt
+/// and `max_attempts` untouched), through the delay path ([`REROUTE_DELAY`]), which routes it
+/// to a group that handles its kind — or, none live, lets it wait for a worker like an
+/// unmatched selector (dead-lettered `no_matching_worker` after the grace). Its reservation
+/// here is given back. Sent back [`MAX_REROUTES`] times already, it is dead-lettered
+/// `no_matching_worker`. When the broker refuses the send-back, the delivery is requeued
+/// after [`REROUTE_REFUSED_WAIT`].
+async fn reroute(task: Task<'_>, slot: &mut Slot) {
     let Task {
         shared,
+        lane,
         delivery,
         env,
         ..
     } = task;
-    let detail = format!(
-        "worker {} does not handle kind `{}`: routed again",
-        shared.worker_id, env.kind
-    );
-    match crate::retry::tiers::publish(
-        shared,
-        env,
-        env.attempt,
-        max_attempts,
-        REROUTE_DELAY,
-        &detail,
-    )
-    .await
-    {
-        Ok(()) => {
+    let hops: u32 = fleet::amqp::header_str(&delivery.properties, REROUTES_HEADER)
+        .and_then(|h| h.parse().ok())
+        .unwrap_or(0);
+    let sent = if hops >= MAX_REROUTES {
+        let detail = format!(
+            "sent back {hops} times by workers that do not handle kind `{}`; the last: {}",
+            env.kind, shared.worker_id
+        );
+        tracing::warn!(kind = %env.kind, hops, "a task routed again and again to workers that do not handle its kind: dead-lettered");
+        let r = Box::pin(dead_letter(
+            shared,
+            env,
+            env.attempt,
+            DeadReason::NoMatchingWorker.as_str(),
+            &detail,
+        ))
+        .await;
+        if r.is_ok() {
+            shared.stats.outcome("dead");
+            shared.meters[lane].completed(Outcome::Dead).increment(1);
+        }
+        r
+    } else {
+        let detail = format!(
+            "worker {} does not handle kind `{}`: routed again",
+            shared.worker_id, env.kind
+        );
+        let r = Box::pin(crate::retry::tiers::publish(
+            shared,
+            env,
+            env.attempt,
+            None,
+            REROUTE_DELAY,
+            &detail,
+            &[(REROUTES_HEADER, (hops + 1).to_string())],
+        ))
+        .await;
+        if r.is_ok() {
             tracing::info!(kind = %env.kind, "a task of a kind this worker does not handle: sent back to be routed again");
             metrics::counter!(m::TASKS_REROUTED).increment(1);
+        }
+        r
+    };
+    match sent {
+        Ok(()) => {
+            if let Err(e) = shared.ledger.unreserve(lane, &env.id).await {
+                tracing::debug!(error = %e, "cannot give back a sent-back task's reservation; it lapses with its lease");
+            }
             slot.ack().await;
         }
         Err(e) => {
-            tracing::warn!(error = %e, kind = %env.kind, "cannot send back a task of a kind this worker does not handle; requeued");
+            tracing::warn!(error = %e, kind = %env.kind, "cannot send back a task of a kind this worker does not handle; requeued in {} ms", REROUTE_REFUSED_WAIT.as_millis());
+            tokio::select! {
+                _ = shared.work.stopping() => {}
+                _ = tokio::time::sleep(REROUTE_REFUSED_WAIT) => {}
+            }
             nack_requeue(delivery).await;
         }
     }

@@ -120,6 +120,16 @@ impl Drop for Busy<'_> {
 }
 
 impl Ledger {
+    /// Gives back this group's reservation of task `id` on `lane` (a task this worker sends
+    /// back unclaimed: its claim, which would have taken the reservation, never happens).
+    /// Errors: Redis could not answer — the reservation then lapses with its lease.
+    pub async fn unreserve(&self, lane: fleet::Lane, id: &str) -> fleet::Result<()> {
+        let w = &self.writer;
+        w.store
+            .unreserve(&[(w.group.clone(), lane, id.to_string())])
+            .await
+    }
+
     /// A ledger and its batching loop (run it with [`Batcher::run`]).
     pub fn new(
         store: Store,

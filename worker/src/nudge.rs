@@ -12,7 +12,9 @@
 //! task on the runtime every [`PERIOD`]. A task spawned from outside the runtime is pushed on
 //! the shared queue and unparks an idle worker, which runs it, parks again and — the driver
 //! being free — parks on the driver, so the deadline timer fires at most one period late.
-//! With no handler running the thread only sleeps.
+//! With no handler running the thread only sleeps. It needs an idle worker thread to unpark:
+//! on a `current_thread` runtime, or when every worker thread is blocked, a blocking handler
+//! is still cut only when it returns.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};

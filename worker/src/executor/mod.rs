@@ -6,12 +6,13 @@
 //! fallback for kinds nobody registered:
 //!
 //! * `builtin` — the demo/benchmark handlers of [`builtin`] and whatever the embedding program
-//!   registered; an unknown kind is a permanent error.
+//!   registered.
 //! * `http` — every kind `FLEET_KINDS` declares (default `*`, every kind; but `noop`, below)
 //!   goes to one endpoint ([`http`]).
 //! * `exec` — every kind `FLEET_KINDS` declares (but `noop`) runs one program ([`exec`]).
 //!
-//! A kind outside these is an unknown kind (a permanent error). The worker advertises the
+//! A task of a kind outside these is not run: the worker sends it back to the scheduler
+//! unclaimed (`attempt::reroute`), to be routed where its kind is handled. The worker advertises the
 //! kinds it handles ([`Handlers::kinds`]) in its registration, and the scheduler routes a task
 //! only to a group whose every active worker handles its kind (`fleet::registry::Kinds`).
 //!

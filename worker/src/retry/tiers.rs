@@ -13,18 +13,24 @@ pub use fleet::delay::{tier_for, tiers};
 use crate::attempt::{Shared, MAX_HEADER_TEXT};
 
 /// Sends the task to wait out its backoff `delay` in the broker (attempt `attempt` failed with
-/// `error`), then back to the scheduler. Errors: the publish was refused or not confirmed.
+/// `error`), then back to the scheduler. `max_attempts`: written into the envelope (a retry
+/// keeps the bound its attempts ran under); `None` leaves the envelope's own (a task sent back
+/// unclaimed, whose next worker applies its own default). `extra`: more headers. Errors: the
+/// publish was refused or not confirmed.
 pub(crate) async fn publish(
     shared: &Shared,
     env: &Envelope,
     attempt: u32,
-    max_attempts: u32,
+    max_attempts: Option<u32>,
     delay: Duration,
     error: &str,
+    extra: &[(&'static str, String)],
 ) -> fleet::Result<()> {
     let mut next = env.clone();
     next.attempt = attempt;
-    next.max_attempts = Some(max_attempts);
+    if let Some(m) = max_attempts {
+        next.max_attempts = Some(m);
+    }
     let now = shared.clock.now();
     next.not_before = Some(now + chrono::Duration::from_std(delay).unwrap_or_default());
     let body = next.to_bytes();
@@ -47,7 +53,7 @@ pub(crate) async fn publish(
                 .await
         }
         None => {
-            let h = headers([detail]);
+            let h = headers([detail].into_iter().chain(extra.iter().cloned()));
             shared
                 .broker
                 .publish(
