@@ -1,40 +1,39 @@
-//! Park queues: where a group's tasks wait, durably and in order, while no matching group
-//! has room — without blocking tasks bound for other groups (no head-of-line blocking).
+//! The release loop of one park queue ([`Release`]): takes what the queue holds, in order, and
+//! offers it to the reservation again until room frees — holding what still finds none, and
+//! keeping its group's parked flag alive meanwhile.
 //!
 //! One loop per (group, lane) consumes the park queue and offers what it holds to the
 //! reservation script again every `RETRY` until room frees (the reference design's trigger
 //! loop). Held tasks stay unacked, so a scheduler crash returns them to the park queue.
 //! While it holds tasks the loop keeps the group's "parked" flag alive, so new submissions
-//! queue behind parked ones rather than overtaking them.
+//! queue behind parked ones rather than overtaking them; once everything is on its way the
+//! flag is cleared.
 
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use fleet::shutdown::Stage;
-use fleet::ticker::Ticker;
 use fleet::Lane;
 use futures::{FutureExt, StreamExt};
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::dispatch::{Dispatcher, Source, UNMATCHED};
-use crate::session::Session;
-use crate::view::ViewRx;
+use super::UNMATCHED;
+use crate::dispatch::{Dispatcher, Source};
 
 /// How soon held tasks are offered again: from `RETRY_MIN`, doubling while nothing frees up,
 /// up to `RETRY_MAX`. A busy group frees slots every few milliseconds; an idle wait costs
 /// at most 20 reservation calls a second.
 pub const RETRY_MIN: Duration = Duration::from_millis(2);
+/// The longest pause between two offers of held tasks (see [`RETRY_MIN`]).
 pub const RETRY_MAX: Duration = Duration::from_millis(50);
 /// How often tasks waiting for a matching worker are offered again: a new worker's tasks
 /// start within this, at 4 reservation calls a second per lane while any wait.
 pub const UNMATCHED_RETRY: Duration = Duration::from_millis(250);
 /// Most tasks a release loop holds out of its park queue: a batch, but never more than a
 /// quarter of the queue's bound — held tasks are unacked and do not count against the bound,
-/// which must mean what it says (the critical lane's is small on purpose).
+/// which must mean what it says (the critical lane's is small on purpose). `batch_max` in
+/// tasks (`FLEET_BATCH_MAX`), `bound` in messages (the lane's `park_max`); at least 1.
 pub fn hold_max(batch_max: u16, bound: u32) -> u16 {
     let quarter = u16::try_from((bound / 4).max(1)).unwrap_or(u16::MAX);
     batch_max.min(quarter)
@@ -42,14 +41,23 @@ pub fn hold_max(batch_max: u16, bound: u32) -> u16 {
 
 /// The release loop of one park queue.
 pub struct Release {
+    /// The dispatcher its batches go through (as [`Source::Park`], or [`Source::Unmatched`]
+    /// for the waiting-for-worker queue).
     pub d: Arc<Dispatcher>,
+    /// The group whose park queue it consumes ([`UNMATCHED`]: the waiting-for-worker queue).
     pub group: String,
+    /// The lane of the park queue.
     pub lane: Lane,
 }
 
 impl Release {
     /// Consumes the park queue until `shutdown` (the session's end, or the group's reclaim)
     /// fires; then closes its channel, so tasks it held go back to the queue at once.
+    ///
+    /// # Errors
+    /// The channel cannot be opened or the consume fails; the queue's consumer was cancelled
+    /// while its group still exists; a batch failed on a closed publisher
+    /// ([`crate::dispatch::Outcome::check_publisher`]). The caller ends the session.
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
         let Release { d, group, lane } = self;
         let queue = d.session.names.park_queue(&group, lane);
@@ -184,197 +192,5 @@ async fn consume(
                 _ = tokio::time::sleep(retry) => {}
             }
         }
-    }
-}
-
-/// The park loops of one session by (group, lane): discovery starts them, a group's reclaim
-/// stops them (see [`crate::reclaim`]).
-#[derive(Default)]
-pub struct ParkLoops {
-    inner: std::sync::Mutex<LoopsState>,
-}
-
-/// A running loop: its start number, its token and its task.
-type RunningLoop = (u64, CancellationToken, Option<JoinHandle<()>>);
-
-#[derive(Default)]
-struct LoopsState {
-    /// Per loop: its start number (tells a loop from the one that replaced it), its token
-    /// and its task.
-    running: HashMap<(String, Lane), RunningLoop>,
-    starts: u64,
-    /// Groups stopped for a reclaim, with when: a discovery pass that listed the groups
-    /// before that may hold a stale list, and skips them.
-    stopped: HashMap<String, Instant>,
-}
-
-/// How long a reclaimed group is remembered by [`ParkLoops`].
-const STOPPED_MEMORY: Duration = Duration::from_secs(300);
-
-impl ParkLoops {
-    fn state(&self) -> std::sync::MutexGuard<'_, LoopsState> {
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Reserves the start of a loop: its token, or `None` when it runs already or its group was
-    /// stopped after `listed_at` (the list it comes from may be stale).
-    fn claim_start(
-        &self,
-        group: &str,
-        lane: Lane,
-        listed_at: Instant,
-        parent: &CancellationToken,
-    ) -> Option<(u64, CancellationToken)> {
-        let mut st = self.state();
-        let key = (group.to_string(), lane);
-        if st.running.contains_key(&key) || st.stopped.get(group).is_some_and(|at| *at >= listed_at)
-        {
-            return None;
-        }
-        let token = parent.child_token();
-        st.starts += 1;
-        let n = st.starts;
-        st.running.insert(key, (n, token.clone(), None));
-        Some((n, token))
-    }
-
-    fn started(&self, group: &str, lane: Lane, n: u64, handle: JoinHandle<()>) {
-        if let Some((m, _, h)) = self.state().running.get_mut(&(group.to_string(), lane)) {
-            if *m == n {
-                *h = Some(handle);
-            }
-        }
-    }
-
-    /// Forgets a loop that ended by itself (unless another took its place).
-    fn ended(&self, group: &str, lane: Lane, n: u64) {
-        let mut st = self.state();
-        let key = (group.to_string(), lane);
-        if st.running.get(&key).is_some_and(|(m, _, _)| *m == n) {
-            st.running.remove(&key);
-        }
-    }
-
-    /// Stops a group's loops (both lanes) and keeps discovery from starting them again until
-    /// [`ParkLoops::resume`]; waits for them to end (closing their channels), at most `wait`.
-    pub async fn stop_group(&self, group: &str, wait: Duration) {
-        let handles: Vec<JoinHandle<()>> = {
-            let mut st = self.state();
-            let now = Instant::now();
-            st.stopped
-                .retain(|_, at| now.duration_since(*at) < STOPPED_MEMORY);
-            st.stopped.insert(group.to_string(), now);
-            Lane::ALL
-                .iter()
-                .filter_map(|l| st.running.remove(&(group.to_string(), *l)))
-                .filter_map(|(_, t, h)| {
-                    t.cancel();
-                    h
-                })
-                .collect()
-        };
-        let _ = tokio::time::timeout(wait, futures::future::join_all(handles)).await;
-    }
-
-    /// Marks a stopped group's reclaim as ended now (a discovery pass that listed the groups
-    /// before this skips it).
-    pub fn reclaimed(&self, group: &str) {
-        self.state()
-            .stopped
-            .insert(group.to_string(), Instant::now());
-    }
-
-    /// Lets discovery start a stopped group's loops again (its reclaim was undone).
-    pub fn resume(&self, group: &str) {
-        self.state().stopped.remove(group);
-    }
-
-    /// Groups and lanes with a loop.
-    pub fn running(&self) -> Vec<(String, Lane)> {
-        self.state().running.keys().cloned().collect()
-    }
-}
-
-/// How often discovery looks at the groups (of the fleet view).
-pub const DISCOVERY_INTERVAL: Duration = Duration::from_secs(2);
-
-/// Finds groups (in the [fleet view](crate::view), every 2 s) and starts a [`Release`] loop
-/// for each group and lane, on `stage` (the session's). Park queues are declared on channels
-/// of their own ([`Session::declare_park`]); the release loops dispatch through `dispatcher`.
-pub struct Discovery {
-    pub session: Arc<Session>,
-    pub dispatcher: Arc<Dispatcher>,
-    pub loops: Arc<ParkLoops>,
-    pub stage: Stage,
-    pub view: ViewRx,
-}
-
-impl Discovery {
-    pub async fn run(mut self, shutdown: CancellationToken) -> fleet::Result<()> {
-        let mut ticker = Ticker::new(DISCOVERY_INTERVAL);
-        let mut last = None;
-        loop {
-            tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => break,
-                _ = ticker.next() => self.tick(&mut last, &shutdown).await?,
-            }
-        }
-        Ok(())
-    }
-
-    /// One pass over a view newer than the previous pass's (`last`: when that one was
-    /// sampled). The view's `sampled_at` is when its list was read: a group stopped for a
-    /// reclaim after it is skipped (the list may be stale).
-    async fn tick(
-        &mut self,
-        last: &mut Option<Instant>,
-        shutdown: &CancellationToken,
-    ) -> fleet::Result<()> {
-        let Some(view) = self.view.after(*last, shutdown).await? else {
-            return Ok(());
-        };
-        *last = Some(view.sampled_at);
-        let Discovery {
-            session,
-            dispatcher,
-            loops,
-            stage,
-            ..
-        } = &*self;
-        let listed_at = view.sampled_at;
-        let groups = view.group_names().chain(std::iter::once(UNMATCHED));
-        for g in groups {
-            for lane in Lane::ALL {
-                let Some((n, token)) = loops.claim_start(g, lane, listed_at, shutdown) else {
-                    continue;
-                };
-                if let Err(e) = session.declare_park(g, lane).await {
-                    tracing::warn!(error = %e, group = %g, "cannot declare park queue");
-                    return Err(e);
-                }
-                let release = Release {
-                    d: dispatcher.clone(),
-                    group: g.to_string(),
-                    lane,
-                };
-                let (g2, sd, l2) = (g.to_string(), shutdown.clone(), loops.clone());
-                let handle = stage.spawn(
-                    tracing::info_span!("park", group = %g, lane = %lane),
-                    async move {
-                        let r = release.run(token).await;
-                        l2.ended(&g2, lane, n);
-                        if let Err(e) = r {
-                            tracing::warn!(error = %e, "park loop failed; the session restarts");
-                            sd.cancel();
-                        }
-                    },
-                );
-                loops.started(g, lane, n, handle);
-            }
-        }
-        Ok(())
     }
 }
