@@ -10,7 +10,7 @@ use futures::future::join_all;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::{BasicProperties, PublisherConfirm};
 
-use super::{Dispatcher, Fate, Item, Outcome, Source};
+use super::{Dispatcher, Fate, Item, Orphan, Outcome, Source};
 
 /// Where and how one item is published.
 struct Plan<'a> {
@@ -164,12 +164,19 @@ impl Dispatcher {
             )
             .await
         };
-        for r in ack_results {
+        // Acks in the order of `acks` unless one `multiple` ack did it.
+        let each = !whole;
+        for (k, r) in ack_results.into_iter().enumerate() {
             if let Err(e) = r {
                 tracing::warn!(error = %e, "ack failed (the message will be redelivered)");
                 if out.error.is_none() {
                     out.error = Some(e.into());
                 }
+                continue;
+            }
+            // An orphan counts as rerouted once the copy taken from its queue is acked.
+            if let (Some(o), Some(item)) = (source.orphan(), acks.get(k).filter(|_| each)) {
+                rerouted(o, item);
             }
         }
         self.record_status(&items, source).await;
@@ -291,20 +298,15 @@ impl Tally {
         let env = item.envelope.as_ref();
         let lane = env.map(|e| e.lane).unwrap_or_default().as_str();
         match fate {
-            Fate::Dispatch(g) => match source.orphan() {
-                // An orphan moved: rerouted, not dispatched again.
-                Some(o) => {
-                    metrics::counter!(m::TASKS_REROUTED).increment(1);
-                    let id = env.map_or("", |e| e.id.as_str());
-                    tracing::info!(task.id = %id, from = %o.group, to = %g, "orphaned task rerouted");
+            // An orphan moved is rerouted, not dispatched again: counted once acked
+            // ([`rerouted`]).
+            Fate::Dispatch(_) if source.orphan().is_some() => {}
+            Fate::Dispatch(g) => {
+                *self.dispatched.entry((g.clone(), lane)).or_default() += 1;
+                if let Some(e) = env {
+                    tracing::debug!(task.id = %e.id, group = %g, lane, attempt = e.attempt, "dispatched");
                 }
-                None => {
-                    *self.dispatched.entry((g.clone(), lane)).or_default() += 1;
-                    if let Some(e) = env {
-                        tracing::debug!(task.id = %e.id, group = %g, lane, attempt = e.attempt, "dispatched");
-                    }
-                }
-            },
+            }
             Fate::Park(g) => *self.parked.entry((g.clone(), lane)).or_default() += 1,
             Fate::Dead(status::DeadReason::Expired, _) => {
                 metrics::counter!(m::TASKS_COMPLETED, "group" => "none", "lane" => lane, "outcome" => "expired").increment(1)
@@ -331,6 +333,16 @@ impl Tally {
             metrics::counter!(m::TASKS_PARKED, "group" => group, "lane" => lane).increment(n);
         }
     }
+}
+
+/// Counts and logs an orphan moved to another group (`item`'s fate is [`Fate::Dispatch`]).
+fn rerouted(o: &Orphan, item: &Item) {
+    let Some(Fate::Dispatch(to)) = &item.fate else {
+        return;
+    };
+    metrics::counter!(m::TASKS_REROUTED).increment(1);
+    let id = item.envelope.as_ref().map_or("", |e| e.id.as_str());
+    tracing::info!(task.id = %id, from = %o.group, to = %to, "orphaned task rerouted");
 }
 
 /// The task id of a delivery whose envelope was refused: its `message_id` (set by fleet's
