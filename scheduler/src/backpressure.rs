@@ -313,7 +313,7 @@ impl Controller {
             // Tasks waiting for a matching worker count too: they are pending, and once enough
             // wait the gate turns Red and producers are refused. A park queue not declared yet
             // holds nothing.
-            let waiting = std::iter::once(crate::dispatch::UNMATCHED);
+            let waiting = std::iter::once(crate::park::UNMATCHED);
             for g in groups.iter().map(|g| g.group.as_str()).chain(waiting) {
                 parked += u64::from(view.depth(&names.park_queue(g, Lane::Normal)).unwrap_or(0));
             }

@@ -7,6 +7,11 @@ use fleet::route::Strategy;
 use fleet::settings::SchedulerArgs;
 use fleet::{Error, PerLane, Result};
 
+/// How often park discovery looks at the groups of the fleet view
+/// ([`crate::park::Discovery`]): fixed, not a setting. The fleet view takes it into its tick
+/// ([`crate::view::interval`]) and into how long it takes a missing park queue as missing.
+pub const PARK_DISCOVERY_INTERVAL: Duration = Duration::from_secs(2);
+
 /// Everything the scheduler reads at start-up.
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
@@ -75,6 +80,15 @@ impl SchedulerConfig {
             direct: true,
             park_flag_ttl_ms: fleet::park::FLAG_TTL_MS,
         }
+    }
+
+    /// The reclaim loop's tick ([`crate::reclaim`]): `min(FLEET_GROUP_RECLAIM_AFTER_MS,
+    /// FLEET_HEALTH_INTERVAL_MS)`, at least 100 ms (the health interval alone when reclaim is
+    /// off).
+    pub fn reclaim_interval(&self) -> Duration {
+        self.group_reclaim_after
+            .map_or(self.health_interval, |g| g.min(self.health_interval))
+            .max(Duration::from_millis(100))
     }
 
     /// Reads every scheduler setting from `s` (see [`fleet::settings::SchedulerArgs`]).

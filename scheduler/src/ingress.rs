@@ -113,10 +113,7 @@ impl IngressLoop {
         let cfg = &self.dispatcher.session.cfg;
         // Under a rate limit a batch is at most one burst: a batch waits for all its tokens,
         // and several loops sharing one bucket must each get theirs in turn.
-        let lane = match self.source {
-            Source::Ingress(l) => l,
-            _ => Lane::Normal,
-        };
+        let lane = self.source.lane().unwrap_or_default();
         let batch_max = match cfg.rate_for(lane) {
             Some((_, burst)) => usize::try_from(burst)
                 .unwrap_or(usize::MAX)

@@ -4,15 +4,15 @@
 //! Modules: [`config`], [`session`] (what one AMQP session's loops share: connection,
 //! publishing channel, store, names, config), [`view`] (groups and queue depths sampled once
 //! per tick for every loop that reads them), [`backpressure`] (Green/Yellow/Red), [`ingress`]
-//! (consuming loops), [`dispatch`] (route, park, delay, dead-letter a batch), [`tiers`] (the delay tiers held
-//! until each hop ends), [`park`]
-//! (waiting for room),
-//! [`health`] (eviction, orphaned groups), [`backstop`] (the broker's own dead letters given a
-//! reason and a status), [`reclaim`] (departed groups removed), [`probe`] (critical-lane probes),
-//! [`stats`]
-//! (gauges for dashboards and autoscalers), [`schedule`] (periodic cron schedules), [`series`] (the
-//! console's 15-minute history), [`api`] (HTTP), [`console`] (the web console at `/ui`),
-//! [`scheduler`] (the process, its shutdown stages and its loops).
+//! (consuming loops), [`dispatch`] (route, park, delay, dead-letter a batch: read, reserve,
+//! decide, publish; the orphan rescue), [`tiers`] (the delay tiers held until each hop
+//! ends), [`park`] (waiting for room: park queues, release
+//! loops, the parked flag, discovery), [`health`] (eviction), [`backstop`] (the broker's own
+//! dead letters given a reason and a status), [`reclaim`] (departed groups removed),
+//! [`probe`] (critical-lane probes), [`stats`] (gauges for dashboards and autoscalers),
+//! [`schedule`] (periodic cron schedules), [`series`] (the console's 15-minute history),
+//! [`api`] (HTTP), [`console`] (the web console at `/ui`), [`scheduler`] (the process, its
+//! shutdown stages and its loops).
 //!
 //! Every loop has one shape: a struct with `async fn run(self, shutdown: CancellationToken)`
 //! whose `select! { biased; … }` checks shutdown first; periodic ones tick with

@@ -4,7 +4,8 @@
 //! with unique labels (one pod = one group) does not accumulate them. A worker of that label set
 //! registering later recreates the group as any new group.
 //!
-//! One tick (every `min(grace, FLEET_HEALTH_INTERVAL_MS)`, at least 100 ms, see [`interval`]):
+//! One tick (every `min(grace, FLEET_HEALTH_INTERVAL_MS)`, at least 100 ms, see
+//! [`SchedulerConfig::reclaim_interval`](crate::config::SchedulerConfig::reclaim_interval)):
 //!
 //! 1. Candidates: groups of the [fleet view](crate::view) — one sampled after the previous tick
 //!    ended, so a group this loop reclaimed is not seen again — with no worker, no capacity and
@@ -59,8 +60,7 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::SchedulerConfig;
-use crate::park::ParkLoops;
+use crate::park::{ParkLoops, Queues};
 use crate::probe::ProbeBoard;
 use crate::session::Session;
 use crate::view::ViewRx;
@@ -97,27 +97,30 @@ fn departed(g: &GroupView) -> bool {
         && g.critical_reserved == 0
 }
 
-/// The reclaim loop's tick: `min(grace, health_interval)`, at least 100 ms (the health
-/// interval alone when reclaim is off).
-pub fn interval(cfg: &SchedulerConfig) -> Duration {
-    let grace = cfg.group_reclaim_after;
-    grace
-        .map_or(cfg.health_interval, |g| g.min(cfg.health_interval))
-        .max(Duration::from_millis(100))
-}
-
 /// The reclaim loop: sets `fleet_groups` every tick (also with reclaim off,
 /// `FLEET_GROUP_RECLAIM_AFTER_MS=0`) and reclaims departed groups.
 pub struct Reclaimer {
+    /// The session whose groups it reclaims.
     pub session: Arc<Session>,
+    /// The session's park loops: a reclaimed group's are stopped.
     pub loops: Arc<ParkLoops>,
+    /// The session's park queues: a reclaimed group's are forgotten (or declared again when
+    /// the reclaim is undone).
+    pub queues: Arc<Queues>,
+    /// The probe results: a reclaimed group's are dropped.
     pub probes: ProbeBoard,
+    /// The fleet view whose groups are candidates.
     pub view: ViewRx,
 }
 
 impl Reclaimer {
+    /// Ticks every [`SchedulerConfig::reclaim_interval`](crate::config::SchedulerConfig::reclaim_interval)
+    /// until `shutdown`.
+    ///
+    /// # Errors
+    /// The view loop is gone (the session is ending).
     pub async fn run(mut self, shutdown: CancellationToken) -> fleet::Result<()> {
-        let mut ticker = Ticker::new(interval(&self.session.cfg));
+        let mut ticker = Ticker::new(self.session.cfg.reclaim_interval());
         let mut known: HashSet<String> = HashSet::new();
         let mut ended: Option<Instant> = None;
         loop {
@@ -149,6 +152,7 @@ impl Reclaimer {
         let Reclaimer {
             session: s,
             loops,
+            queues,
             probes,
             ..
         } = &*self;
@@ -158,12 +162,12 @@ impl Reclaimer {
         for gone in known.difference(&now) {
             loops.stop_group(gone, STOP_WAIT).await;
             loops.reclaimed(gone);
-            s.forget_parks(gone).await;
+            queues.forget(gone);
             probes.write().await.remove(gone);
         }
         *known = now;
         if let Some(grace) = s.cfg.group_reclaim_after {
-            let n = pass(s, loops, probes, groups, grace, shutdown).await;
+            let n = pass(s, loops, queues, probes, groups, grace, shutdown).await;
             for g in &n {
                 known.remove(g);
             }
@@ -177,6 +181,7 @@ impl Reclaimer {
 async fn pass(
     s: &Session,
     loops: &ParkLoops,
+    queues: &Queues,
     probes: &ProbeBoard,
     groups: &[GroupView],
     grace: Duration,
@@ -206,7 +211,7 @@ async fn pass(
     // 3: this scheduler lets go of the groups.
     for (g, _) in &claimed {
         loops.stop_group(g, STOP_WAIT).await;
-        s.forget_parks(g).await;
+        queues.forget(g);
         probes.write().await.remove(g);
     }
     tokio::select! {
@@ -231,7 +236,7 @@ async fn pass(
             }
             Err(why) => {
                 tracing::info!(group = %g, reason = %why, "group not reclaimed: its queues stay; trying again after another grace");
-                restore(s, loops, &g, &labels, pending, tombstone_life).await;
+                restore(s, loops, queues, &g, &labels, pending, tombstone_life).await;
             }
         }
     }
@@ -507,6 +512,7 @@ async fn queue_exists(s: &Session, q: &str) -> lapin::Result<bool> {
 async fn restore(
     s: &Session,
     loops: &ParkLoops,
+    queues: &Queues,
     group: &str,
     labels: &str,
     hold: Duration,
@@ -515,7 +521,7 @@ async fn restore(
     let mut attempt = 0;
     let declared = loop {
         attempt += 1;
-        match declare_again(s, group).await {
+        match declare_again(s, queues, group).await {
             Ok(()) => break true,
             Err(e) if attempt >= DELETE_ATTEMPTS => {
                 tracing::warn!(error = %e, group = %group, "reclaim: cannot declare the group's queues again; its workers declare them before they register");
@@ -537,16 +543,20 @@ async fn restore(
     loops.resume(group);
 }
 
-async fn declare_again(s: &Session, group: &str) -> fleet::Result<()> {
+/// Declares the group's lane queues (bound to `<ns>.tasks`) and — asked of the park module —
+/// its park queues of both lanes.
+///
+/// # Errors
+/// A channel cannot be opened, or the broker refuses a declare.
+async fn declare_again(s: &Session, queues: &Queues, group: &str) -> fleet::Result<()> {
     let ch = s.conn.create_channel().await?;
-    let mut r = topology::declare_group(&ch, &s.cfg.common, group).await;
-    for lane in Lane::ALL {
-        if r.is_ok() {
-            r = topology::declare_park(&ch, &s.cfg.common, group, lane).await;
-        }
-    }
+    let r = topology::declare_group(&ch, &s.cfg.common, group).await;
     let _ = ch.close(200, "ok".into()).await;
-    r
+    r?;
+    for lane in Lane::ALL {
+        queues.declare(group, lane).await?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

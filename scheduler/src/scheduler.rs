@@ -272,7 +272,10 @@ async fn session(
         conn.clone(),
         publisher,
     ));
-    let d = Arc::new(Dispatcher::new(shared.clone()));
+    // The park queues this session declares (the dispatcher parks tasks in them, the view
+    // reads their depths, discovery and reclaim manage them), and the dispatch logic.
+    let park_queues = Arc::new(park::Queues::new(shared.clone()));
+    let d = Arc::new(Dispatcher::new(shared.clone(), park_queues.clone()));
     // The session's stage: ends with the process, or when any of its loops fails.
     let session = Stage::with_parent("session", shutdown);
 
@@ -297,7 +300,8 @@ async fn session(
         "view",
         view::ViewLoop {
             session: shared.clone(),
-            tx: view_tx
+            tx: view_tx,
+            declared: park_queues.clone(),
         }
     );
     let controller = Controller {
@@ -354,7 +358,7 @@ async fn session(
     );
     let park_loops = Arc::new(park::ParkLoops::default());
     let discovery = park::Discovery {
-        session: shared.clone(),
+        queues: park_queues.clone(),
         dispatcher: d.clone(),
         loops: park_loops.clone(),
         stage: session.clone(),
@@ -366,6 +370,7 @@ async fn session(
         reclaim::Reclaimer {
             session: shared.clone(),
             loops: park_loops,
+            queues: park_queues,
             probes: probes.clone(),
             view: view.clone()
         }

@@ -11,13 +11,13 @@
 //! counts of tasks) and the depths (ready messages, by passive declare) of: both ingress
 //! queues, the dead-letter and delayed queues, every group's park queue and shard queues (one
 //! per lane when unsharded) in both lanes, and the normal-lane park queue of the
-//! waiting-for-worker pseudo-group ([`crate::dispatch::UNMATCHED`]). A queue that does not
+//! waiting-for-worker pseudo-group ([`fleet::Names::UNMATCHED_GROUP`]). A queue that does not
 //! exist (or whose depth the broker did not give) has no depth ([`FleetView::depth`] is
 //! `None`); each reader decides what that means, as it did when it read the broker itself.
 //!
 //! **Tick.** [`interval`]: the smallest interval of the loops that read the view —
 //! `pressure_interval` (250 ms by default, and the smallest by default: stats 1 s, park
-//! discovery 2 s, health and probes 10 s), unless an operator sets another consumer's interval
+//! discovery 2 s, health and probes 10 s, reclaim at most the health interval), unless an operator sets another consumer's interval
 //! below it. Every consumer then finds a view at most one of its own ticks old, and the
 //! pressure controller, which runs once per view, keeps measuring every `pressure_interval`.
 //! One channel serves every passive declare of a tick (reopened after a missing queue's 404
@@ -45,9 +45,16 @@ use fleet::{metrics as m, topology, Lane};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::SchedulerConfig;
-use crate::dispatch::UNMATCHED;
+use crate::config::{SchedulerConfig, PARK_DISCOVERY_INTERVAL};
 use crate::session::Session;
+
+/// Queues a session declared itself, whose depth the view reads on every tick however long
+/// ago the broker last said it had none (see [`ViewLoop`]). Implemented by the session's park
+/// queues ([`crate::park::Queues`]), which the view is given rather than imports.
+pub trait Declared: Send + Sync {
+    /// The names of the queues (as [`fleet::Names`] gives them).
+    fn declared(&self) -> std::collections::HashSet<String>;
+}
 
 /// One sample of the fleet: groups from Redis and queue depths from the broker.
 #[derive(Debug, Clone)]
@@ -73,15 +80,16 @@ impl FleetView {
     }
 }
 
-/// The tick of the view: the smallest interval of its readers (see the module docs).
+/// The tick of the view: the smallest interval of its readers (see the module docs), at
+/// least 1 ms.
 pub fn interval(cfg: &SchedulerConfig) -> Duration {
     [
         cfg.pressure_interval,
         cfg.stats_interval,
         cfg.health_interval,
         cfg.probe_interval,
-        crate::park::DISCOVERY_INTERVAL,
-        crate::reclaim::interval(cfg),
+        PARK_DISCOVERY_INTERVAL,
+        cfg.reclaim_interval(),
     ]
     .into_iter()
     .min()
@@ -146,8 +154,12 @@ impl ViewRx {
 
 /// The sampling loop: one [`FleetView`] every [`interval`].
 pub struct ViewLoop {
+    /// The session whose store and connection it reads.
     pub session: Arc<Session>,
+    /// Where each view is published.
     pub tx: watch::Sender<Option<Arc<FleetView>>>,
+    /// The park queues the session declared: always read (see [`Declared`]).
+    pub declared: Arc<dyn Declared>,
 }
 
 impl ViewLoop {
@@ -206,14 +218,14 @@ impl ViewLoop {
             }
         }
         // Tasks waiting for a matching worker (normal lane: what the pressure counts).
-        parks.push(n.park_queue(UNMATCHED, Lane::Normal));
+        parks.push(n.park_queue(fleet::Names::UNMATCHED_GROUP, Lane::Normal));
         let mut out = HashMap::with_capacity(queues.len() + parks.len());
         for q in queues {
             if let Some(d) = depths.read(&q, true).await {
                 out.insert(q, d);
             }
         }
-        let declared = s.declared_parks().await;
+        let declared = self.declared.declared();
         for q in parks {
             let always = declared.contains(&q);
             if let Some(d) = depths.read(&q, always).await {
@@ -234,7 +246,7 @@ impl ViewLoop {
 /// time — asking every tick opened and closed a channel per such queue four times a second.
 /// A park queue this session declared itself is always read, and so is every other queue
 /// (group queues are declared by their workers, which may register a moment before).
-const MISSING_RECHECK: Duration = crate::park::DISCOVERY_INTERVAL;
+const MISSING_RECHECK: Duration = PARK_DISCOVERY_INTERVAL;
 
 /// Passive declares on one channel, reopened when a missing queue's 404 closed it.
 struct Depths<'a> {

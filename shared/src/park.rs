@@ -1,7 +1,7 @@
 //! Parking: a task whose candidate groups are all full waits in a park queue of the group that
 //! will free room first (`<ns>.park.<group>.<lane>`), not in the group's own queue, so it can
 //! still go to whichever group frees a slot first. The scheduler's release loops
-//! (`scheduler/src/park.rs`) offer parked tasks again as room frees up.
+//! (`scheduler/src/park/`) offer parked tasks again as room frees up.
 //!
 //! While a group has parked tasks its flag (`pk:<group>:<lane>`, [`crate::Names::parked`]) is
 //! set — by `route/reserve.lua` when a task parks, renewed by the release loop while it holds

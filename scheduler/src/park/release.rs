@@ -1,0 +1,196 @@
+//! The release loop of one park queue ([`Release`]): takes what the queue holds, in order, and
+//! offers it to the reservation again until room frees — holding what still finds none, and
+//! keeping its group's parked flag alive meanwhile.
+//!
+//! One loop per (group, lane) consumes the park queue and offers what it holds to the
+//! reservation script again every `RETRY` until room frees (the reference design's trigger
+//! loop). Held tasks stay unacked, so a scheduler crash returns them to the park queue.
+//! While it holds tasks the loop keeps the group's "parked" flag alive, so new submissions
+//! queue behind parked ones rather than overtaking them; once everything is on its way the
+//! flag is cleared.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use fleet::Lane;
+use futures::{FutureExt, StreamExt};
+use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use tokio_util::sync::CancellationToken;
+
+use super::UNMATCHED;
+use crate::dispatch::{Dispatcher, Source};
+
+/// How soon held tasks are offered again: from `RETRY_MIN`, doubling while nothing frees up,
+/// up to `RETRY_MAX`. A busy group frees slots every few milliseconds; an idle wait costs
+/// at most 20 reservation calls a second.
+pub const RETRY_MIN: Duration = Duration::from_millis(2);
+/// The longest pause between two offers of held tasks (see [`RETRY_MIN`]).
+pub const RETRY_MAX: Duration = Duration::from_millis(50);
+/// How often tasks waiting for a matching worker are offered again: a new worker's tasks
+/// start within this, at 4 reservation calls a second per lane while any wait.
+pub const UNMATCHED_RETRY: Duration = Duration::from_millis(250);
+/// Most tasks a release loop holds out of its park queue: a batch, but never more than a
+/// quarter of the queue's bound — held tasks are unacked and do not count against the bound,
+/// which must mean what it says (the critical lane's is small on purpose). `batch_max` in
+/// tasks (`FLEET_BATCH_MAX`), `bound` in messages (the lane's `park_max`); at least 1.
+pub fn hold_max(batch_max: u16, bound: u32) -> u16 {
+    let quarter = u16::try_from((bound / 4).max(1)).unwrap_or(u16::MAX);
+    batch_max.min(quarter)
+}
+
+/// The release loop of one park queue.
+pub struct Release {
+    /// The dispatcher its batches go through (as [`Source::Park`], or [`Source::Unmatched`]
+    /// for the waiting-for-worker queue).
+    pub d: Arc<Dispatcher>,
+    /// The group whose park queue it consumes ([`UNMATCHED`]: the waiting-for-worker queue).
+    pub group: String,
+    /// The lane of the park queue.
+    pub lane: Lane,
+}
+
+impl Release {
+    /// Consumes the park queue until `shutdown` (the session's end, or the group's reclaim)
+    /// fires; then closes its channel, so tasks it held go back to the queue at once.
+    ///
+    /// # Errors
+    /// The channel cannot be opened or the consume fails; the queue's consumer was cancelled
+    /// while its group still exists; a batch failed on a closed publisher
+    /// ([`crate::dispatch::Outcome::check_publisher`]). The caller ends the session.
+    pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
+        let Release { d, group, lane } = self;
+        let queue = d.session.names.park_queue(&group, lane);
+        let ch = d.session.conn.create_channel().await?;
+        let r = consume(&d, &ch, &queue, &group, lane, &shutdown).await;
+        let _ = ch.close(200, "ok".into()).await;
+        match r? {
+            Ended::Shutdown => Ok(()),
+            // The queue was deleted under the consumer: the group was reclaimed (by another
+            // scheduler replica, or while this loop was being stopped). Not a session failure.
+            // (Asked of Redis now, not of the fleet view: the view may predate the reclaim.)
+            Ended::ConsumerCancelled if !d.session.store.group_names().await?.contains(&group) => {
+                tracing::info!(queue = %queue, "park queue deleted: its group was reclaimed");
+                Ok(())
+            }
+            Ended::ConsumerCancelled => {
+                Err(fleet::Error::Other(format!("consumer of {queue} ended")))
+            }
+            // Only this loop ends: discovery starts it again on its next pass (the group is
+            // still in the view), on a fresh channel.
+            Ended::ChannelClosed => {
+                tracing::warn!(queue = %queue, "the broker closed this park loop's channel (its consumer timeout?); the loop starts again");
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Why [`consume`] returned.
+enum Ended {
+    Shutdown,
+    /// The broker ended the consumer (its queue was deleted).
+    ConsumerCancelled,
+    /// The broker closed the loop's channel (e.g. its consumer timeout, while a full group held
+    /// tasks here longer): what the loop held is back in the queue.
+    ChannelClosed,
+}
+
+async fn consume(
+    d: &Dispatcher,
+    ch: &lapin::Channel,
+    queue: &str,
+    group: &str,
+    lane: Lane,
+    shutdown: &CancellationToken,
+) -> fleet::Result<Ended> {
+    let hold_max = hold_max(d.session.cfg.batch_max, d.session.cfg.common.park_max[lane]);
+    ch.basic_qos(hold_max, BasicQosOptions::default()).await?;
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let mut held = Vec::new();
+    let mut retry = RETRY_MIN;
+    // The waiting-for-worker queue is a park queue of no group: its tasks take no group's
+    // room ahead of others, and no group's "parked" flag is kept for them.
+    let unmatched = group == UNMATCHED;
+    let source = if unmatched {
+        Source::Unmatched
+    } else {
+        Source::Park
+    };
+    loop {
+        // With a full hold the consumer is not polled, so its end would go unseen: a channel
+        // the broker closed (its consumer timeout, while a full group held tasks here longer)
+        // has handed them back to the queue, and acking them here can only fail.
+        if !ch.status().connected() {
+            return Ok(Ended::ChannelClosed);
+        }
+        if held.is_empty() {
+            let next = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ok(Ended::Shutdown),
+                n = consumer.next() => n,
+            };
+            match next {
+                Some(Ok(dl)) => held.push(dl),
+                Some(Err(e)) => return Err(e.into()),
+                None => return Ok(Ended::ConsumerCancelled),
+            }
+        }
+        let mut drained = false;
+        while held.len() < usize::from(hold_max) {
+            match consumer.next().now_or_never() {
+                Some(Some(Ok(dl))) => held.push(dl),
+                Some(Some(Err(e))) => return Err(e.into()),
+                _ => {
+                    drained = true;
+                    break;
+                }
+            }
+        }
+        let out = d
+            .process(std::mem::take(&mut held), &source, shutdown)
+            .await;
+        out.check_publisher(&d.session)?;
+        // A publish that failed (e.g. the target park queue at its bound) requeued its source,
+        // which comes straight back: wait as for a held task rather than spin on it.
+        let refused = out.failed > 0;
+        held = out.held;
+        if held.is_empty() && drained && !refused && !unmatched {
+            // Everything parked here is on its way: new work may take room directly again.
+            if let Err(e) = d.session.store.clear_parked(group, lane).await {
+                tracing::debug!(error = %e, "cannot clear parked flag");
+            }
+        }
+        // `dispatched` counts decisions; a refused publish backs off like a held task.
+        retry = if out.dispatched > 0 && !refused {
+            RETRY_MIN
+        } else {
+            (retry * 2).min(RETRY_MAX)
+        };
+        if !held.is_empty() || refused {
+            if unmatched {
+                // Nothing frees room here; a worker registering does. Ask a few times a second.
+                retry = UNMATCHED_RETRY;
+            } else if let Err(e) = d
+                .session
+                .store
+                .mark_parked(group, lane, fleet::park::FLAG_TTL_MS)
+                .await
+            {
+                tracing::debug!(error = %e, "cannot renew parked flag");
+            }
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ok(Ended::Shutdown),
+                _ = tokio::time::sleep(retry) => {}
+            }
+        }
+    }
+}
