@@ -637,7 +637,7 @@ async fn dead_letter(
         .await
 }
 
-/// How long a task sent back by [`reroute`] waits before the scheduler routes it again: one
+/// How long a task sent back by `reroute` waits before the scheduler routes it again: one
 /// delay-tier hop, so a group whose advertised kinds lag behind its workers cannot bounce a
 /// task in a tight loop.
 pub const REROUTE_DELAY: Duration = Duration::from_secs(1);
@@ -645,7 +645,7 @@ pub const REROUTE_DELAY: Duration = Duration::from_secs(1);
 /// more means the scheduler keeps routing it to groups that do not handle it (a registration
 /// that lies about its kinds), which no number of hops mends.
 pub const MAX_REROUTES: u32 = 10;
-/// The header counting a task's send-backs ([`reroute`]).
+/// The header counting a task's send-backs (`reroute`).
 pub const REROUTES_HEADER: &str = "x-fleet-reroutes";
 /// How long a send-back the broker refused waits before its delivery is requeued (it comes
 /// straight back to this consumer: at once, a tier without a leader would spend the group
