@@ -141,7 +141,7 @@ pub fn reply_code(e: &lapin::Error) -> Option<u16> {
 /// order the broker receives them, and lapin takes a publish's number (its delivery tag) and
 /// queues its frames under two different locks: two tasks publishing on one channel from
 /// different threads can interleave between the two, and a confirm — an ack, or the nack of a
-/// full queue — is then handed to the other message (`tests/tests/publish_order.rs` saw 54 of
+/// full queue — is then handed to the other message (`tests/tests/e2e/publish_order.rs` saw 54 of
 /// 5,400 so misnamed with 8 publishers). A `Publisher` holds an order lock from taking a
 /// publish's tag until its frames are written ([`publish`], [`publish_batch`]), so tag order is
 /// wire order; confirms are still awaited without it. It derefs to its [`Channel`] for

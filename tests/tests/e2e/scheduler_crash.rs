@@ -19,6 +19,7 @@ const KILL_AFTER: usize = 30;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn scheduler_killed_mid_batch_runs_every_task_once() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let rec = Recorder::default();
     let h = [(KIND, rec.handler())];

@@ -15,6 +15,7 @@ use serde_json::Value;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn probes_never_reach_the_dead_letter_queue_nor_user_counters() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let ep = Endpoint::start(50).await?;
     let sched = start_scheduler(

@@ -31,6 +31,7 @@ fn batch(n: usize, from: usize) -> Vec<Envelope> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn failing_worker_is_ejected_and_returns_after_the_cooldown() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let rec = Recorder::default();
     let broken = Arc::new(AtomicBool::new(true));

@@ -351,7 +351,7 @@ async fn unknown_tasks_are_404_and_fleetctl_exits_1() -> anyhow::Result<()> {
 /// Validates a status answer against the published schema (shared/schema/status.schema.json).
 fn assert_valid_status(v: &Value) -> anyhow::Result<()> {
     let schema: Value =
-        serde_json::from_str(include_str!("../../shared/schema/status.schema.json"))?;
+        serde_json::from_str(include_str!("../../../shared/schema/status.schema.json"))?;
     let validator = jsonschema::options()
         .should_validate_formats(true)
         .build(&schema)

@@ -110,6 +110,7 @@ async fn each_ran_once(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
     let _turn = TURN.lock().await;
+    own_process!();
     let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &scheduler_cfg()).await?;
     // Baseline: the scheduler alone (its readiness probe key, nothing else of a group).
@@ -259,6 +260,7 @@ async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_group_with_queued_tasks_is_kept_and_they_run() -> anyhow::Result<()> {
     let _turn = TURN.lock().await;
+    own_process!();
     let ns = Ns::new().await?;
     let mut cfg = scheduler_cfg();
     // Every task goes to the group's queue (none parked).
@@ -309,6 +311,7 @@ async fn a_group_with_queued_tasks_is_kept_and_they_run() -> anyhow::Result<()> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_returning_to_a_reclaimed_label_set_runs_its_tasks() -> anyhow::Result<()> {
     let _turn = TURN.lock().await;
+    own_process!();
     let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &scheduler_cfg()).await?;
     let rec = Recorder::default();
@@ -508,6 +511,7 @@ async fn registration_waits_for_a_reclaim_and_its_deleted_queues() -> anyhow::Re
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn quorum_groups_are_reclaimed_without_closing_the_connection() -> anyhow::Result<()> {
     let _turn = TURN.lock().await;
+    own_process!();
     let ns = Ns::with_queue_type("quorum").await?;
     let mut cfg = scheduler_cfg();
     cfg.push(("backlog_factor", "20"));

@@ -15,6 +15,7 @@ const AGE: &str = "fleet_delay_canary_age_seconds";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_delay_canary_age_shows_a_stuck_delay_path() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &[]).await?;
     let url = sched.url("/metrics");

@@ -11,6 +11,7 @@ use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fail_twice_then_succeed_on_attempt_three() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &[]).await?;
     let labels = "case=fail-twice";
@@ -61,6 +62,7 @@ async fn fail_twice_then_succeed_on_attempt_three() -> anyhow::Result<()> {
 /// mean gap grows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn backoff_gaps_grow_with_the_attempt_number() -> anyhow::Result<()> {
+    own_process!();
     const TASKS: usize = 30;
     const BASE_MS: u64 = 300;
     // Delay tiers are 100 ms apart at the bottom and each hop passes the scheduler: on a busy

@@ -203,6 +203,7 @@ async fn workers_and_groups_api_and_fleetctl_tables() -> anyhow::Result<()> {
 /// scheduler's health probes are counted apart (`fleet_probes_completed_total`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn worker_figures_are_current_and_leave_probes_out() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let rec = Recorder::default();
     let h = [(JOB, rec.handler())];

@@ -10,6 +10,7 @@ use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn metrics_match_a_known_workload_exactly() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &[("probe_interval_ms", "600000")]).await?;
     let w = start_worker(&ns, "w-metrics", "zone=m", 4, &[], &[]).await?;

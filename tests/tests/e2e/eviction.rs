@@ -17,6 +17,7 @@ use fleet_tests::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn silent_worker_is_evicted_and_comes_back_when_it_wakes() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let ep = Endpoint::start(100).await?;
     let sched = start_scheduler(&ns, SCHEDULER).await?;

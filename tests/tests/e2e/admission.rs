@@ -68,6 +68,7 @@ async fn overload_is_refused_and_every_accepted_task_completes() -> anyhow::Resu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn red_pressure_refuses_normal_work_but_not_critical() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let rec = Recorder::default();
     let h = [("record", rec.handler())];
@@ -256,6 +257,7 @@ async fn http_submit_answers_202_400_429_503() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rate_limit_holds_across_two_replicas() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let rec = Recorder::default();
     let h = [("record", rec.handler())];
@@ -287,6 +289,7 @@ async fn rate_limit_holds_across_two_replicas() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn delayed_task_never_starts_early_and_duplicates_run_once() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let rec = Recorder::default();
     let starts = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));

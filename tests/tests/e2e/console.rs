@@ -42,6 +42,7 @@ fn screenshots_dir() -> PathBuf {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn console_shows_the_fleet_and_acts_on_it() -> Result<()> {
+    own_process!();
     let ui = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("ui");
     if !ui.join("node_modules/playwright-core").exists() {
         bail!(

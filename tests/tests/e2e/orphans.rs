@@ -17,6 +17,7 @@ static REROUTING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn drained_groups_tasks_are_rerouted_to_a_matching_group() -> anyhow::Result<()> {
     let _turn = REROUTING.lock().await;
+    own_process!();
     let ns = Ns::new().await?;
     let rec = Recorder::default();
     let h = [(JOB, rec.handler())];

@@ -44,6 +44,7 @@ esac"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn exit_zero_succeeds_with_stdout_as_result() -> anyhow::Result<()> {
+    own_process!();
     let f = exec_fleet("ok", &["sh", "-c", SCRIPT]).await?;
     let (text, js) = (job("text", 3), job("json", 3));
     f.ns.submit(&[text.clone(), js.clone()]).await?;
@@ -79,6 +80,7 @@ async fn exit_zero_succeeds_with_stdout_as_result() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn nonzero_exits_are_retried_and_the_permanent_code_is_dead_at_once() -> anyhow::Result<()> {
+    own_process!();
     let f = exec_fleet("codes", &["sh", "-c", SCRIPT]).await?;
     let permanent = job("permanent", 3);
     let flaky = job("flaky", 5);
@@ -165,6 +167,7 @@ fn processes_with(marker: &str) -> Vec<u32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_run_past_its_deadline_kills_the_program() -> anyhow::Result<()> {
+    own_process!();
     // `sleep 30.<random>`: a 30 s sleep whose command line only this test uses.
     let marker = format!("30.{:06}", rand::random::<u32>() % 1_000_000);
     let f = exec_fleet("sleep", &["sleep", &marker]).await?;

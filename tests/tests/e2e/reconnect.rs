@@ -19,6 +19,7 @@ fn rabbitmqctl(args: &[&str]) -> Option<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn scheduler_reconnects_after_losing_rabbitmq() -> anyhow::Result<()> {
+    own_process!();
     if rabbitmqctl(&["status"]).is_none() {
         return missing_servers("rabbitmqctl not available");
     }

@@ -90,6 +90,7 @@ async fn one_candidate_is_reserved_beyond_room_a_choice_is_not() -> anyhow::Resu
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_burst_for_one_group_parks_nothing_and_an_overload_still_closes_the_gate(
 ) -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let rec = Recorder::default();
     let h = [("record", rec.handler())];

@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn expired_tasks_never_run() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let rec = Recorder::default();
     let h = [("record", rec.handler())];
@@ -160,6 +161,7 @@ impl Drop for DropWatch {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_run_past_its_deadline_is_cut_and_expires() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &[]).await?;
     let log: Arc<Mutex<Vec<String>>> = Arc::default();

@@ -10,6 +10,7 @@ use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn bad_envelopes_are_dead_lettered_with_reasons() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let rec = Recorder::default();
     let h = [("record", rec.handler())];

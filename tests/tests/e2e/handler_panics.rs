@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_panicking_handler_fails_its_task_and_the_worker_carries_on() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &[]).await?;
     let attempts = Attempts::default();

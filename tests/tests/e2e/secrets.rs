@@ -65,6 +65,7 @@ async fn fleetctl(env: &[(&str, &str)], args: &[&str]) -> Result<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_secret_in_any_output() -> Result<()> {
+    own_process!();
     let redis = PrivateRedis::start(None, Some(REDIS_PW)).await?;
     let redis_url = redis.url(Some(REDIS_PW));
     let ns = Ns::on(&amqp_url(), &redis_url, "classic", &[]).await?;

@@ -16,6 +16,7 @@ const FAST_RETRY: [(&str, &str); 3] = [("retry_base_ms", "50"), ("retry_cap_ms",
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn exhausted_and_permanent_failures_are_dead_lettered_with_headers() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &[]).await?;
     let labels = "case=dead";

@@ -14,6 +14,7 @@ use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn critical_work_and_probes_flow_while_normal_lane_is_saturated() -> anyhow::Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let starts: Arc<Mutex<HashMap<String, chrono::DateTime<chrono::Utc>>>> = Arc::default();
     let s2 = starts.clone();

@@ -37,6 +37,7 @@ async fn call(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_endpoint_needs_its_role() -> Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let dir = fleet_tests::servers::TempDir::new("tokens")?;
     let file = dir.write("tokens", &format!("# operators\n{FILE_READ} read\n"))?;

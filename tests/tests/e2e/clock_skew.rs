@@ -17,6 +17,7 @@ const LIBFAKETIME: &[&str] = &[
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn workers_60_s_off_keep_registration_and_run_tasks() -> anyhow::Result<()> {
+    own_process!();
     let lib = LIBFAKETIME
         .iter()
         .find(|p| std::path::Path::new(p).exists())

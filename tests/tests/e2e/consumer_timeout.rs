@@ -44,6 +44,7 @@ fn long_handler(runs: Arc<Runs>) -> Arc<dyn Handler> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn task_longer_than_consumer_timeout_runs_once() -> anyhow::Result<()> {
+    own_process!();
     let rabbit = PrivateRabbit::start(
         "consumer_timeout = 3000",
         "[{rabbit, [{channel_tick_interval, 500}]}].\n",

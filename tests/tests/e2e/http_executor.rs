@@ -128,6 +128,7 @@ fn resize(payload: Value, max_attempts: u32) -> fleet::Envelope {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn success_body_is_the_result_in_the_status_api() -> anyhow::Result<()> {
+    own_process!();
     let (f, endpoint) = http_fleet("ok").await?;
     let payload = json!({"mode": "ok", "src": "s3://bucket/a.png", "sizes": [64, 128]});
     let t = resize(payload.clone(), 3);
@@ -213,6 +214,7 @@ async fn success_body_is_the_result_in_the_status_api() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn client_error_is_dead_without_a_retry() -> anyhow::Result<()> {
+    own_process!();
     let (f, endpoint) = http_fleet("bad").await?;
     let t = resize(json!({"mode": "bad"}), 3);
     f.ns.submit(std::slice::from_ref(&t)).await?;
@@ -251,6 +253,7 @@ async fn client_error_is_dead_without_a_retry() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn server_errors_are_retried_up_to_max_attempts() -> anyhow::Result<()> {
+    own_process!();
     let (f, endpoint) = http_fleet("boom").await?;
     let boom = resize(json!({"mode": "boom"}), 3);
     let busy = resize(json!({"mode": "busy"}), 2);
@@ -314,6 +317,7 @@ async fn server_errors_are_retried_up_to_max_attempts() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_slow_endpoint_is_cut_at_the_deadline() -> anyhow::Result<()> {
+    own_process!();
     let (f, endpoint) = http_fleet("slow").await?;
     let mut t = resize(json!({"mode": "slow"}), 3);
     t.timeout_ms = Some(800);

@@ -128,6 +128,7 @@ fn ten_second_window() -> DateTime<Utc> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_replicas_fire_each_of_ten_ticks_once_while_one_is_killed() -> Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let runs = Runs::default();
     let w = start_worker(&ns, "w1", LABELS, 8, &[], &[(KIND, runs.handler())]).await?;
@@ -247,6 +248,7 @@ fn account(runs: &Runs, name: &str, tolerance: chrono::Duration) -> Result<(usiz
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn skip_and_catch_up_after_every_scheduler_stopped_for_5_s() -> Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let runs = Runs::default();
     let w = start_worker(&ns, "w1", LABELS, 8, &[], &[(KIND, runs.handler())]).await?;
@@ -648,6 +650,7 @@ async fn failed_tick_claims_lose_no_tick() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_red_fleet_refuses_fires_which_are_counted_missed_then_fire_again() -> Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let runs = Runs::default();
     let (release, released) = tokio::sync::watch::channel(false);
@@ -850,6 +853,7 @@ fn utc(s: &str) -> DateTime<Utc> {
 /// schedule from its own time and the tick was lost (neither fired nor counted missed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_tick_between_creation_and_the_first_poll_fires() -> Result<()> {
+    own_process!();
     let ns = Ns::new().await?;
     let runs = Runs::default();
     let w = start_worker(&ns, "w1", LABELS, 8, &[], &[(KIND, runs.handler())]).await?;
@@ -928,6 +932,7 @@ async fn a_tick_between_creation_and_the_first_poll_fires() -> Result<()> {
 /// the repeated hour.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_interval_schedule_keeps_its_pace_through_the_fall_back() -> Result<()> {
+    own_process!();
     let change = utc("2026-10-25T01:00:00Z");
     let offset = (change - chrono::Duration::seconds(40) - Utc::now()).num_seconds();
     let redis = ShiftedRedis::start(offset).await?;
@@ -1005,6 +1010,7 @@ async fn an_interval_schedule_keeps_its_pace_through_the_fall_back() -> Result<(
 /// them hours old).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn catch_up_max_holds_after_a_6_h_outage() -> Result<()> {
+    own_process!();
     let redis = ShiftedRedis::start(0).await?;
     let ns = Ns::on_redis(&redis.redis.url(None)).await?;
     let runs = Runs::default();
