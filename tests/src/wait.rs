@@ -1,5 +1,12 @@
-//! The one wait of the harness: poll a condition until it holds, or fail after a timeout.
-//! Tests wait on an event or a counter reached this way, never on a quiet period.
+//! The waits of the harness. A test waits on an event or a counter with [`wait_for`] (poll a
+//! condition until it holds, or fail after a timeout), never on a fixed sleep. Where time
+//! passing is itself the point, the wait says which kind it is:
+//! - [`always_for`]: an invariant checked at every look over a period (the dual of
+//!   [`wait_for`]: it fails at the first look that does not hold);
+//! - [`quiet_for`]: a quiet period — nothing may happen in it, and the test checks after it
+//!   that nothing did (no second fire, no copy started, nothing dead-lettered);
+//! - [`scenario_pause`]: a period the scenario is made of — a measurement window, an outage
+//!   of a given length, the pace of an offered load, a clock passing a margin.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -51,6 +58,56 @@ where
         }
         tokio::time::sleep(every).await;
     }
+}
+
+/// Checks `check` every `every` for `period`: an invariant that must hold at every look
+/// (`what` names it). Returns the number of looks (at least one).
+///
+/// # Errors
+/// The first look whose check fails, with its error and when it came; a look that gets no
+/// answer within `period` (plus [`CHECK_FLOOR`]) fails too.
+pub async fn always_for<F, Fut>(
+    what: &str,
+    period: Duration,
+    every: Duration,
+    mut check: F,
+) -> Result<u32>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<()>>,
+{
+    let start = Instant::now();
+    let mut looks = 0;
+    loop {
+        let left = period.saturating_sub(start.elapsed());
+        match tokio::time::timeout(left.max(CHECK_FLOOR), check()).await {
+            Ok(Ok(())) => looks += 1,
+            Ok(Err(e)) => {
+                return Err(e.context(format!(
+                    "{what}: broken {:?} into its {period:?}, at look {}",
+                    start.elapsed(),
+                    looks + 1
+                )))
+            }
+            Err(_) => bail!("{what}: look {} got no answer", looks + 1),
+        }
+        if start.elapsed() >= period {
+            return Ok(looks);
+        }
+        tokio::time::sleep(every.min(period.saturating_sub(start.elapsed()))).await;
+    }
+}
+
+/// Lets `period` pass as a quiet period: `_why` says what must not happen in it, which the
+/// test checks right after. Not a wait for an event — use [`wait_for`] for those.
+pub async fn quiet_for(period: Duration, _why: &str) {
+    tokio::time::sleep(period).await;
+}
+
+/// Lets `period` pass because the scenario is made of it: `_why` names the measurement window,
+/// outage, pace or clock margin it is. Not a wait for an event — use [`wait_for`] for those.
+pub async fn scenario_pause(period: Duration, _why: &str) {
+    tokio::time::sleep(period).await;
 }
 
 /// The deadline of one test's namespace: `FLEET_TEST_DEADLINE_S` seconds (default 600; the

@@ -34,8 +34,11 @@ async fn overload_is_refused_and_every_accepted_task_completes() -> anyhow::Resu
             }
         }
         max_depth = max_depth.max(ns.depth(&ns.names.ingress_queue(Lane::Normal)).await);
-        // Pacing of the offered load (40 every ~100 ms), part of the scenario, not a wait.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        scenario_pause(
+            Duration::from_millis(100),
+            "the pace of the offered load: 40 every ~100 ms",
+        )
+        .await;
     }
     println!(
         "overload: accepted {} refused {} max ingress depth {max_depth} (bound {bound})",
@@ -267,11 +270,10 @@ async fn rate_limit_holds_across_two_replicas() -> anyhow::Result<()> {
     let w = start_worker(&ns, "w1", "", 64, &[], &h).await?;
     let envs: Vec<_> = (0..3000).map(|_| task("record", json!({}), "")).collect();
     ns.submit(&envs).await?;
-    // Skip the first second (burst), then count 10 s of dispatches: the two sleeps are the
-    // measurement window of the scenario, not waits for an event.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Skip the first second (burst), then count 10 s of dispatches.
+    scenario_pause(Duration::from_secs(1), "past the burst").await;
     let before = rec.count();
-    tokio::time::sleep(Duration::from_secs(10)).await;
+    scenario_pause(Duration::from_secs(10), "the measurement window").await;
     let rate = (rec.count() - before) as f64 / 10.0;
     println!("rate limit 200/s across 2 replicas: measured {rate:.1}/s");
     assert!(

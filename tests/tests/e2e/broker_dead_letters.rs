@@ -203,7 +203,11 @@ async fn a_broker_dead_letter_waits_for_redis_to_get_its_true_status() -> anyhow
     )
     .await?;
     // Redis refuses for 3 s more: the status cannot say `dead` yet, and the letter is held.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    quiet_for(
+        Duration::from_secs(3),
+        "Redis refusing scripts: no `dead` status while the letter is held",
+    )
+    .await;
     let st = ns.status(&id).await?.unwrap_or_default();
     assert_eq!(
         st.get("state").map(String::as_str),

@@ -62,24 +62,29 @@ async fn workers_60_s_off_keep_registration_and_run_tasks() -> anyhow::Result<()
     // Watch the registry over 10 heartbeat intervals: both present and fresh at every look.
     let watch = Duration::from_millis(10 * HEARTBEAT_MS);
     let start = Instant::now();
-    let mut looks = 0;
-    let mut worst_age = 0;
-    while start.elapsed() < watch {
-        let ws = ns.store.workers().await?;
-        for (w, _, _) in &workers {
-            let v = ws.iter().find(|v| v.id == w.id).ok_or_else(|| {
-                anyhow::anyhow!(
-                    "{} missing from the registry after {:?}; log:\n{}",
-                    w.id,
-                    start.elapsed(),
-                    w.log_tail()
-                )
-            })?;
-            worst_age = worst_age.max(v.last_heartbeat_ms_ago);
-        }
-        looks += 1;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let worst = std::sync::atomic::AtomicI64::new(0);
+    let looks = always_for(
+        "both workers in the registry",
+        watch,
+        Duration::from_millis(50),
+        || async {
+            let ws = ns.store.workers().await?;
+            for (w, _, _) in &workers {
+                let v = ws.iter().find(|v| v.id == w.id).ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "{} missing from the registry after {:?}; log:\n{}",
+                        w.id,
+                        start.elapsed(),
+                        w.log_tail()
+                    )
+                })?;
+                worst.fetch_max(v.last_heartbeat_ms_ago, std::sync::atomic::Ordering::Relaxed);
+            }
+            Ok(())
+        },
+    )
+    .await?;
+    let worst_age = worst.into_inner();
 
     // Five tasks for each, 30 s timeout each.
     let mut ids = Vec::new();

@@ -480,7 +480,11 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
     // replica's acknowledgement (`WAIT 1 500`) before they count as written, and the wait
     // below is longer than that.
     let done_before = succeeded_now(&ns, &stream).await?;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    scenario_pause(
+        Duration::from_secs(3),
+        "a margin past the outcomes' replication wait (WAIT 1 500) before the master dies",
+    )
+    .await;
     let killed_redis_at = Instant::now();
     eprintln!(
         "{}",
@@ -531,7 +535,11 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
     let (unavail_n, unavail_span) = refusals("broker_unavailable");
     eprintln!("API refusals: ingress_full {full_n} over {full_span:?}; broker_unavailable {unavail_n} over {unavail_span:?}");
 
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    scenario_pause(
+        Duration::from_secs(3),
+        "the stream goes on 3 s past the failover",
+    )
+    .await;
     stop.cancel();
     producer.await?;
     let accepted: Vec<String> = stream
@@ -553,10 +561,8 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
     .context("confirmed tasks lost")?;
     // Their statuses (Redis's part): a status written to the old master in the moment before
     // it died and not yet replicated is lost with it (Redis replication is asynchronous).
-    let mut states: BTreeMap<String, usize> = BTreeMap::new();
-    let settle = Instant::now();
-    loop {
-        states.clear();
+    let count_states = || async {
+        let mut states: BTreeMap<String, usize> = BTreeMap::new();
         for id in &accepted {
             let s = ns
                 .status(id)
@@ -567,13 +573,20 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
                 .unwrap_or_else(|| "none".into());
             *states.entry(s).or_default() += 1;
         }
-        if states.get("succeeded") == Some(&accepted.len())
-            || settle.elapsed() > Duration::from_secs(30)
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
+        states
+    };
+    // Up to 30 s for every status to say `succeeded`; what they say then is reported below
+    // either way (a status lost with the old master is allowed).
+    let _ = wait_for_every(
+        "every confirmed task's status succeeded",
+        Duration::from_secs(30),
+        Duration::from_secs(1),
+        || async {
+            (count_states().await.get("succeeded") == Some(&accepted.len())).then_some(())
+        },
+    )
+    .await;
+    let states = count_states().await;
     eprintln!("statuses of the confirmed tasks: {states:?}");
     let mut reverted: Vec<(String, String)> = Vec::new();
     for id in &done_before {
@@ -963,7 +976,11 @@ async fn a_kill_of_the_delayed_leader_strands_no_delayed_work() -> Result<()> {
     }
     let (ok, refused) = ns.submit(&envs).await?;
     assert_eq!((ok, refused), (envs.len(), 0));
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    scenario_pause(
+        Duration::from_millis(1500),
+        "the burst in flight (delayed tasks waiting, retries in their tier) when the leader dies",
+    )
+    .await;
     let killed_at = Instant::now();
     cluster.script(&["kill-node", &leader.to_string(), &cluster.dir()])?;
     eprintln!("killed RabbitMQ node {leader} (the leader of {delayed_q})");

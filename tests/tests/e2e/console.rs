@@ -307,7 +307,11 @@ async fn console_shows_the_fleet_and_acts_on_it() -> Result<()> {
                     Some(v)
                 };
                 let a = get().await?;
-                tokio::time::sleep(Duration::from_millis(1500)).await;
+                quiet_for(
+                    Duration::from_millis(1500),
+                    "the disabled schedule's view stays the same: no new fire",
+                )
+                .await;
                 let b = get().await?;
                 (a == b && b["enabled"] == false && b["last_task"]["state"] == "succeeded")
                     .then_some(b)

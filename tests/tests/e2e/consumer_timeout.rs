@@ -66,10 +66,13 @@ async fn task_longer_than_consumer_timeout_runs_once() -> anyhow::Result<()> {
         .wait_state(&id, "succeeded", Duration::from_secs(40))
         .await?;
     let done_after = published.elapsed();
-    // Watch a while longer: no copy may start after the success either. A scenario period,
-    // not a wait for an event: longer than the broker's 3 s consumer timeout, so a timeout
-    // fired by a copy still held would show.
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Watch a while longer: no copy may start after the success either. Longer than the
+    // broker's 3 s consumer timeout, so a timeout fired by a copy still held would show.
+    quiet_for(
+        Duration::from_secs(4),
+        "no copy starts after the success, past one more consumer timeout",
+    )
+    .await;
     let timeouts = rabbit
         .log()
         .matches("delivery acknowledgement on channel")

@@ -187,8 +187,7 @@ async fn critical_flood_beyond_its_bound_is_refused() -> anyhow::Result<()> {
                 refused += 1;
             }
         }
-        // Pacing of the flood, part of the scenario.
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        scenario_pause(Duration::from_millis(50), "the pace of the flood").await;
     }
     println!(
         "critical flood: {} accepted, {refused} refused",

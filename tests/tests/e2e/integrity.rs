@@ -255,7 +255,11 @@ async fn timeout_runs_from_submission() -> anyhow::Result<()> {
     control.submitted_at = Some(now);
     let published = Instant::now();
     assert_eq!(ns.submit(&[late.clone(), control.clone()]).await?, (2, 0));
-    tokio::time::sleep(Duration::from_millis(2500).saturating_sub(published.elapsed())).await;
+    scenario_pause(
+        Duration::from_millis(2500).saturating_sub(published.elapsed()),
+        "the late task's 1.5 s deadline well past before a scheduler reads it",
+    )
+    .await;
     let sched = start_scheduler(&ns, &[]).await?;
 
     let st = ns

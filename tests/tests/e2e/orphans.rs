@@ -156,17 +156,25 @@ async fn killed_groups_tasks_wait_for_a_worker_of_the_group() -> anyhow::Result<
     // No worker and no matching group: the tasks wait in the group queue through more health
     // ticks than the delivery limit, none run, none dead-lettered.
     let calls = ep.calls().len();
-    let watch = Instant::now();
     // A tick takes its interval plus its own work; allow 100 ms for that.
     let ticks = fleet::topology::DELIVERY_LIMIT as u64 + 10;
-    let mut most = 0;
-    while watch.elapsed() < Duration::from_millis(ticks * (health_ms + 100)) {
-        // (one task may be in the health checker's hands for a moment)
-        let d = ns.depth(&q).await;
-        most = most.max(d);
-        assert!(d + 1 >= most, "the orphaned queue went from {most} to {d}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let highest = std::sync::atomic::AtomicU32::new(0);
+    always_for(
+        "the orphaned queue keeps its tasks",
+        Duration::from_millis(ticks * (health_ms + 100)),
+        Duration::from_millis(50),
+        || async {
+            // (one task may be in the health checker's hands for a moment)
+            let d = ns.depth(&q).await;
+            let most = highest
+                .fetch_max(d, std::sync::atomic::Ordering::Relaxed)
+                .max(d);
+            anyhow::ensure!(d + 1 >= most, "the orphaned queue went from {most} to {d}");
+            Ok(())
+        },
+    )
+    .await?;
+    let most = highest.into_inner();
     assert!(
         most as usize >= 10 - done_before.len(),
         "queued {most}, done {}",
@@ -279,15 +287,20 @@ async fn queued_and_parked_tasks_wait_then_move_to_a_new_matching_group() -> any
     let ran_on_a = rec.count();
 
     // Nowhere to go: everything waits.
-    let watch = Instant::now();
-    while watch.elapsed() < Duration::from_millis(5 * HEALTH_MS) {
-        assert_eq!(
-            rec.count(),
-            ran_on_a,
-            "nothing runs without a matching worker"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    always_for(
+        "nothing runs without a matching worker",
+        Duration::from_millis(5 * HEALTH_MS),
+        Duration::from_millis(50),
+        || async {
+            anyhow::ensure!(
+                rec.count() == ran_on_a,
+                "nothing runs without a matching worker: {} ran, {ran_on_a} before",
+                rec.count()
+            );
+            Ok(())
+        },
+    )
+    .await?;
     assert!(ns.depth(&qa).await >= 1, "the queued task is still queued");
     assert!(
         ns.drain_dead().await?.is_empty(),

@@ -288,7 +288,11 @@ async fn a_group_with_queued_tasks_is_kept_and_they_run() -> anyhow::Result<()> 
     let ran_before = rec.count();
 
     // Three graces with no worker: kept, queue and tasks intact, nothing ran.
-    tokio::time::sleep(Duration::from_millis(3 * 2000 + 1000)).await;
+    quiet_for(
+        Duration::from_millis(3 * 2000 + 1000),
+        "three graces: the group with queued tasks is not reclaimed",
+    )
+    .await;
     assert_eq!(
         ns.store.group_names().await?,
         vec![g.to_string()],
@@ -441,7 +445,11 @@ async fn registration_waits_for_a_reclaim_and_its_deleted_queues() -> anyhow::Re
         matches!(r, Err(fleet::Error::Reclaiming(_))),
         "its queues were deleted after it declared them: {r:?}"
     );
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    scenario_pause(
+        Duration::from_millis(1100),
+        "the clock past the deletion + register.lua's RECLAIM_MARGIN_MS (1 s)",
+    )
+    .await;
     s.register_declared(&reg("w2"), Duration::from_secs(30), false, now())
         .await?;
     assert_eq!(s.group_names().await?, vec![g.clone()]);
@@ -481,7 +489,11 @@ async fn registration_waits_for_a_reclaim_and_its_deleted_queues() -> anyhow::Re
         anyhow::bail!("not reclaimed")
     };
     let declared_before = now();
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    scenario_pause(
+        Duration::from_millis(20),
+        "the restore's clock reading after `declared_before`",
+    )
+    .await;
     s.reclaim_restore_undeclared(&g, &json, Duration::from_secs(60))
         .await?;
     assert_eq!(s.group_names().await?, vec![g.clone()]);
@@ -492,7 +504,11 @@ async fn registration_waits_for_a_reclaim_and_its_deleted_queues() -> anyhow::Re
         matches!(r, Err(fleet::Error::Reclaiming(_))),
         "its queues may be unbound: declare them again: {r:?}"
     );
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    scenario_pause(
+        Duration::from_millis(1100),
+        "the clock past the deletion + register.lua's RECLAIM_MARGIN_MS (1 s)",
+    )
+    .await;
     s.register_declared(&reg("w3"), Duration::from_secs(30), false, now())
         .await?;
     assert_eq!(
@@ -572,7 +588,11 @@ async fn quorum_groups_are_reclaimed_without_closing_the_connection() -> anyhow:
     })
     .await?;
     // Two more graces: the kept group stays with its tasks, nothing ran, no reconnection.
-    tokio::time::sleep(Duration::from_millis(2 * 2000 + 1000)).await;
+    quiet_for(
+        Duration::from_millis(2 * 2000 + 1000),
+        "two more graces: the group with tasks is not reclaimed",
+    )
+    .await;
     assert_eq!(
         ns.store.group_names().await?,
         vec![kept.to_string()],

@@ -119,28 +119,33 @@ async fn both_lanes_consume_again_together_after_a_broker_restart() -> anyhow::R
         })
         .await?;
         rabbit.ctl(&["start_app"]).await?;
-        // A measurement, not a wait for a state: when each lane first consumes, polled every
-        // 20 ms within a 60 s bound.
-        let (mut normal, mut critical) = (None, None);
+        // When each lane first consumes, polled every 20 ms within a 60 s bound.
+        let first = std::sync::Mutex::new((None, None));
         let t0 = std::time::Instant::now();
-        while normal.is_none() || critical.is_none() {
-            anyhow::ensure!(
-                t0.elapsed() < Duration::from_secs(60),
-                "restart {round}: lanes not consuming after 60 s (normal {normal:?}, critical {critical:?})"
-            );
-            if let Ok(Ok(v)) = tokio::time::timeout(Duration::from_secs(2), get_json(&status)).await
-            {
+        let both = wait_for_every(
+            &format!("restart {round}: both lanes consuming"),
+            Duration::from_secs(60),
+            Duration::from_millis(20),
+            || async {
+                let v = tokio::time::timeout(Duration::from_secs(2), get_json(&status))
+                    .await
+                    .ok()?
+                    .ok()?;
                 let (n, c) = lanes(&v);
-                if n && normal.is_none() {
-                    normal = Some(t0.elapsed());
+                let mut seen = first.lock().ok()?;
+                if n && seen.0.is_none() {
+                    seen.0 = Some(t0.elapsed());
                 }
-                if c && critical.is_none() {
-                    critical = Some(t0.elapsed());
+                if c && seen.1.is_none() {
+                    seen.1 = Some(t0.elapsed());
                 }
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let (n, c) = normal.zip(critical).context("lanes")?;
+                seen.0.zip(seen.1)
+            },
+        )
+        .await;
+        let (n, c) = both.with_context(|| {
+            format!("lanes first consuming (normal, critical): {:?}", first.lock().map(|s| *s).ok())
+        })?;
         let gap = n.abs_diff(c);
         println!(
             "restart {round}: normal lane consuming after {} ms, critical after {} ms (gap {} ms)",

@@ -184,11 +184,11 @@ async fn two_replicas_fire_each_of_ten_ticks_once_while_one_is_killed() -> Resul
         (runs.count(&name) >= 10).then_some(())
     })
     .await?;
-    // Nothing more may come: wait until the window plus the tolerance has passed.
+    // Nothing more may come: until the window plus the tolerance has passed.
     let quiet = (end + chrono::Duration::seconds(6) - Utc::now())
         .to_std()
         .unwrap_or_default();
-    tokio::time::sleep(quiet).await;
+    quiet_for(quiet, "no 11th fire within the window and its tolerance").await;
 
     let expected: BTreeSet<String> = (0..10)
         .map(|i| id(&name, start + chrono::Duration::seconds(i)))
@@ -278,7 +278,7 @@ async fn skip_and_catch_up_after_every_scheduler_stopped_for_5_s() -> Result<()>
     s1.stop().await?;
     s2.stop().await?;
     let before = (runs.count(&skip), runs.count(&catch));
-    tokio::time::sleep(Duration::from_secs(5)).await; // the outage under test
+    scenario_pause(Duration::from_secs(5), "the outage under test: no scheduler").await;
     let s3 = start_scheduler(&ns, &settings).await?;
     wait_for(
         "3 more fires of each after the restart",
@@ -467,7 +467,7 @@ async fn paused_fires_nothing_and_fleetctl_manages_schedules() -> Result<()> {
     .await?;
     assert_eq!(code, 1);
     assert!(err.contains("exists"), "{err}");
-    tokio::time::sleep(Duration::from_secs(3)).await; // a paused schedule must stay silent this long
+    quiet_for(Duration::from_secs(3), "a paused schedule stays silent").await;
     assert_eq!(runs.count(&name), 0, "a paused schedule fired");
     let (code, out, _) = fleetctl(&ns, &api, &["schedule", "list"]).await?;
     assert_eq!(code, 0);
@@ -499,7 +499,7 @@ async fn paused_fires_nothing_and_fleetctl_manages_schedules() -> Result<()> {
     assert_eq!(code, 0, "{err}");
     let paused_at = Utc::now();
     let n = runs.count(&name);
-    tokio::time::sleep(Duration::from_secs(3)).await; // silence again
+    quiet_for(Duration::from_secs(3), "paused again: silent").await;
     let ticks = runs.ticks(&name);
     assert!(
         ticks.len() <= n + 1,
@@ -628,7 +628,7 @@ async fn failed_tick_claims_lose_no_tick() -> Result<()> {
     })
     .await?;
     redis.deny_scripts(true).await?;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    scenario_pause(Duration::from_secs(3), "the outage under test: Redis refuses scripts").await;
     redis.deny_scripts(false).await?;
     let n = runs.count(&name);
     wait_for(

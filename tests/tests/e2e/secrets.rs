@@ -39,19 +39,19 @@ impl Proc {
         Ok(Proc { child, log })
     }
 
-    /// SIGTERM, wait up to 30 s, and the whole log.
-    fn stop(mut self) -> Result<String> {
+    /// SIGTERM, wait up to 30 s for the exit (then SIGKILL), and the whole log.
+    async fn stop(mut self) -> Result<String> {
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();
-        let start = std::time::Instant::now();
-        while self.child.try_wait()?.is_none() {
-            if start.elapsed() > Duration::from_secs(30) {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
+        let child = &mut self.child;
+        let exited = wait_for("the exit after SIGTERM", Duration::from_secs(30), || {
+            std::future::ready(child.try_wait().ok().flatten())
+        })
+        .await;
+        if exited.is_err() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
         }
         Ok(std::fs::read_to_string(&self.log)?)
     }
@@ -228,9 +228,9 @@ async fn no_secret_in_any_output() -> Result<()> {
     )
     .await?;
     let logs = [
-        ("worker-badpw", bad.stop()?),
-        ("worker", worker.stop()?),
-        ("scheduler", sched.stop()?),
+        ("worker-badpw", bad.stop().await?),
+        ("worker", worker.stop().await?),
+        ("scheduler", sched.stop().await?),
     ];
     for (name, log) in &logs {
         // A capture that holds something (the refused worker logs just its start and its

@@ -110,16 +110,11 @@ async fn a_demoted_master_is_left_for_the_new_one() -> Result<()> {
     // Sentinel moves the master to B and turns A into B's replica; A stays up, so the pool's
     // connections to it are alive and answer READONLY.
     // Sentinel may not judge the replica promotable at once (NOGOODSLAVE): ask until it does.
-    wait_for(
+    wait_for_every(
         "SENTINEL FAILOVER accepted",
         Duration::from_secs(30),
-        || async {
-            let r = cli(s, &["sentinel", "failover", "m"]);
-            if !r.contains("OK") {
-                tokio::time::sleep(Duration::from_millis(300)).await;
-            }
-            r.contains("OK").then_some(())
-        },
+        Duration::from_millis(300),
+        || async { cli(s, &["sentinel", "failover", "m"]).contains("OK").then_some(()) },
     )
     .await?;
     let t = Instant::now();
@@ -153,16 +148,11 @@ async fn a_demoted_master_is_left_for_the_new_one() -> Result<()> {
 /// Asks S for a failover until it accepts (it may not judge the replica promotable at once:
 /// NOGOODSLAVE).
 async fn failover(s: u16) -> Result<()> {
-    wait_for(
+    wait_for_every(
         "SENTINEL FAILOVER accepted",
         Duration::from_secs(30),
-        || async {
-            let r = cli(s, &["sentinel", "failover", "m"]);
-            if !r.contains("OK") {
-                tokio::time::sleep(Duration::from_millis(300)).await;
-            }
-            r.contains("OK").then_some(())
-        },
+        Duration::from_millis(300),
+        || async { cli(s, &["sentinel", "failover", "m"]).contains("OK").then_some(()) },
     )
     .await
 }
@@ -206,7 +196,7 @@ async fn a_planned_failover_keeps_every_status() -> Result<()> {
                     _ => {}
                 }
                 not_ready += u32::from(!ok);
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                scenario_pause(Duration::from_millis(50), "the pace of the readiness probe").await;
             }
             if let Some(t) = since {
                 longest = longest.max(t.elapsed());
@@ -227,7 +217,7 @@ async fn a_planned_failover_keeps_every_status() -> Result<()> {
             failover(s).await?;
             asked = Some(started.elapsed());
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        scenario_pause(Duration::from_millis(100), "the pace of the stream: a task every 100 ms").await;
     }
     let demoted = cli(a, &["role"]).starts_with("slave");
     let settled = wait_for("every task succeeded", Duration::from_secs(60), || async {

@@ -44,7 +44,7 @@ impl Watcher {
                         }
                     }
                 }
-                tokio::time::sleep(Duration::from_millis(5)).await;
+                scenario_pause(Duration::from_millis(5), "the watcher's pace").await;
             }
         });
         Watcher { seen, stop, join }

@@ -318,7 +318,11 @@ async fn ordinals_are_lowest_free_and_freed_by_deregistration_and_eviction() -> 
         want(&[("a", 0), ("c", 2), ("d", 1), ("e", 3)])
     );
     // Eviction (every worker silent past a 1 ms timeout) frees every ordinal.
-    tokio::time::sleep(Duration::from_millis(5)).await;
+    scenario_pause(
+        Duration::from_millis(5),
+        "every worker silent past the 1 ms timeout",
+    )
+    .await;
     let mut evicted = ns.store.evict_stale(Duration::from_millis(1)).await?;
     evicted.sort();
     assert_eq!(evicted, vec!["a", "c", "d", "e"]);

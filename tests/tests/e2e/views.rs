@@ -7,6 +7,8 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
+
 use fleet_tests::*;
 use fleet_worker::executor::{handler_fn, TaskError};
 use serde_json::{json, Value};
@@ -25,27 +27,26 @@ async fn a_fully_busy_fleet_is_green_with_its_intake_open() -> anyhow::Result<()
         .collect();
     ns.submit(&envs).await?;
     let url = sched.url("/v1/pressure");
-    let mut samples = 0usize;
-    let mut full = 0usize;
-    let mut states = HashSet::new();
-    let start = Instant::now();
-    while rec.count() < 60 {
-        anyhow::ensure!(
-            start.elapsed() < Duration::from_secs(60),
-            "60 tasks not done in 60 s ({} ran)",
-            rec.count()
-        );
-        let p = get_json(&url).await?;
-        samples += 1;
+    // A sample every 100 ms until the 60 tasks are done.
+    let seen = std::sync::Mutex::new((0usize, 0usize, HashSet::new()));
+    wait_for_every("60 tasks done", Duration::from_secs(60), Duration::from_millis(100), || async {
+        if rec.count() >= 60 {
+            return Some(());
+        }
+        let p = get_json(&url).await.ok()?;
+        let mut seen = seen.lock().ok()?;
+        seen.0 += 1;
         if p["load"].as_f64() == Some(1.0) {
-            full += 1;
+            seen.1 += 1;
             assert_eq!(p["load_level"], "full", "{p}");
         }
         assert_eq!(p["state"], p["gate"], "one state: {p}");
-        states.insert(p["state"].as_str().unwrap_or("").to_string());
-        // Pacing of the polls, not a wait for an event.
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        seen.2.insert(p["state"].as_str().unwrap_or("").to_string());
+        None
+    })
+    .await
+    .with_context(|| format!("{} ran", rec.count()))?;
+    let (samples, full, states) = seen.into_inner().map_err(|_| anyhow::anyhow!("poisoned"))?;
     println!("busy fleet: {samples} samples, {full} at load 1.0, states {states:?}");
     assert!(
         full >= 10,
@@ -80,27 +81,29 @@ async fn a_pressure_state_holds_its_minimum_time() -> anyhow::Result<()> {
         .collect();
     ns.submit(&envs).await?;
     let url = sched.url("/v1/pressure");
-    let mut changes: Vec<(String, i64)> = Vec::new();
-    let start = Instant::now();
-    loop {
-        anyhow::ensure!(
-            start.elapsed() < Duration::from_secs(60),
-            "no return to green: {changes:?}"
-        );
-        let p = get_json(&url).await?;
-        let state = p["state"].as_str().unwrap_or("").to_string();
-        let since = p["since_ms"]
-            .as_i64()
-            .ok_or_else(|| anyhow::anyhow!("no since_ms: {p}"))?;
-        if changes.last().map(|(s, t)| (s.as_str(), *t)) != Some((state.as_str(), since)) {
-            changes.push((state.clone(), since));
-        }
-        if rec.count() == 30 && state == "green" && changes.iter().any(|(s, _)| s == "red") {
-            break;
-        }
-        // Pacing of the polls.
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // Every state change, sampled every 50 ms, until the work is done and green again.
+    let seen: std::sync::Mutex<Vec<(String, i64)>> = std::sync::Mutex::new(Vec::new());
+    let back = wait_for_every(
+        "a return to green after red",
+        Duration::from_secs(60),
+        Duration::from_millis(50),
+        || async {
+            let p = get_json(&url).await.ok()?;
+            let state = p["state"].as_str().unwrap_or("").to_string();
+            let Some(since) = p["since_ms"].as_i64() else {
+                return Some(Err(anyhow::anyhow!("no since_ms: {p}")));
+            };
+            let mut changes = seen.lock().ok()?;
+            if changes.last().map(|(s, t)| (s.as_str(), *t)) != Some((state.as_str(), since)) {
+                changes.push((state.clone(), since));
+            }
+            (rec.count() == 30 && state == "green" && changes.iter().any(|(s, _)| s == "red"))
+                .then_some(Ok(()))
+        },
+    )
+    .await;
+    let changes = seen.into_inner().map_err(|_| anyhow::anyhow!("poisoned"))?;
+    back.with_context(|| format!("no return to green: {changes:?}"))??;
     println!("pressure changes: {changes:?}");
     let rank = |s: &str| ["green", "yellow", "red"].iter().position(|x| *x == s);
     let mut downs = 0;
@@ -159,8 +162,19 @@ async fn groups_and_workers_show_the_same_running_figure() -> anyhow::Result<()>
         &[("hold", held(&hold))],
     )
     .await?;
-    // Let the first heartbeat pass (it carries running 0).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The first heartbeat (it carries running 0) written: the worker's `hb` is past the
+    // `started` its registration wrote.
+    let key = ns.names.worker("w-run");
+    wait_for("the first heartbeat of w-run", Duration::from_secs(10), || async {
+        let cmd = deadpool_redis::redis::cmd("HMGET")
+            .arg(&key)
+            .arg("hb")
+            .arg("started")
+            .to_owned();
+        let at: Vec<Option<i64>> = ns.store.query(&cmd).await.ok()?;
+        matches!(at.as_slice(), [Some(hb), Some(started)] if hb > started).then_some(())
+    })
+    .await?;
     let envs: Vec<_> = (0..3).map(|_| task("hold", json!({}), "")).collect();
     ns.submit(&envs).await?;
     let groups = wait_for("group load 3", Duration::from_secs(10), || async {

@@ -6,6 +6,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use fleet::Envelope;
 use fleet_tests::*;
 use serde_json::{json, Value};
@@ -32,8 +33,7 @@ async fn no_worker_backlog_is_bounded_and_released() -> anyhow::Result<()> {
                 refused += 1;
             }
         }
-        // Pacing of the offered load, part of the scenario.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        scenario_pause(Duration::from_millis(100), "the pace of the offered load").await;
     }
     let waiting_q = format!("{}.park._unmatched.normal", ns.name);
     let waiting = ns.depth(&waiting_q).await;
@@ -151,17 +151,21 @@ async fn no_worker_after_the_grace_is_dead_lettered() -> anyhow::Result<()> {
         ns.wait_state(id, "waiting_for_worker", Duration::from_secs(10))
             .await?;
     }
-    let mut dead = Vec::new();
-    let until = Instant::now() + Duration::from_secs(30);
-    while dead.len() < 5 {
-        assert!(
-            Instant::now() < until,
-            "5 tasks dead-lettered within 30 s: got {}",
-            dead.len()
-        );
-        dead.extend(ns.drain_dead().await?);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let taken = std::sync::Mutex::new(Vec::new());
+    wait_for_every(
+        "5 tasks dead-lettered",
+        Duration::from_secs(30),
+        Duration::from_millis(50),
+        || async {
+            let more = ns.drain_dead().await.ok()?;
+            let mut taken = taken.lock().ok()?;
+            taken.extend(more);
+            (taken.len() >= 5).then_some(())
+        },
+    )
+    .await
+    .with_context(|| format!("got {}", taken.lock().map(|t| t.len()).unwrap_or(0)))?;
+    let dead = taken.into_inner().map_err(|_| anyhow::anyhow!("poisoned"))?;
     assert_eq!(dead.len(), 5);
     let got: HashSet<String> = dead
         .iter()
