@@ -345,7 +345,10 @@ pub const DEPTH_WAIT: Duration = Duration::from_secs(1);
 
 /// Why a publish to `queue` (bounded at `bound` messages) was nacked: its depth now (a passive
 /// declare on a channel of its own, at most [`DEPTH_WAIT`]) against the bound
-/// ([`NackCause::from_depth`]). Cancel safe (the channel closes with its drop).
+/// ([`NackCause::from_depth`]).
+///
+/// # Cancel safety
+/// Cancel safe: it only reads; dropped, its channel closes with its drop.
 pub async fn nack_cause(conn: &Connection, queue: &str, bound: u32) -> NackCause {
     let depth = tokio::time::timeout(DEPTH_WAIT, crate::topology::depth(conn, queue))
         .await
