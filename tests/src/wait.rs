@@ -65,7 +65,7 @@ where
 ///
 /// # Errors
 /// The first look whose check fails, with its error and when it came; a look that gets no
-/// answer within `period` (plus [`CHECK_FLOOR`]) fails too.
+/// answer within `period` (and at least 1 s) fails too.
 pub async fn always_for<F, Fut>(
     what: &str,
     period: Duration,

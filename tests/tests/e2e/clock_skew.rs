@@ -80,7 +80,7 @@ async fn workers_60_s_off_keep_registration_and_run_tasks() -> anyhow::Result<()
                 })?;
                 worst.fetch_max(v.last_heartbeat_ms_ago, std::sync::atomic::Ordering::Relaxed);
             }
-            Ok(())
+            anyhow::Ok(())
         },
     )
     .await?;

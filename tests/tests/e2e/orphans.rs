@@ -170,7 +170,7 @@ async fn killed_groups_tasks_wait_for_a_worker_of_the_group() -> anyhow::Result<
                 .fetch_max(d, std::sync::atomic::Ordering::Relaxed)
                 .max(d);
             anyhow::ensure!(d + 1 >= most, "the orphaned queue went from {most} to {d}");
-            Ok(())
+            anyhow::Ok(())
         },
     )
     .await?;
@@ -297,7 +297,7 @@ async fn queued_and_parked_tasks_wait_then_move_to_a_new_matching_group() -> any
                 "nothing runs without a matching worker: {} ran, {ran_on_a} before",
                 rec.count()
             );
-            Ok(())
+            anyhow::Ok(())
         },
     )
     .await?;

@@ -5,7 +5,7 @@
 //! task with stable columns.
 
 use std::collections::HashSet;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
 
