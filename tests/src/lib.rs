@@ -17,7 +17,7 @@
 //! | [`ns`] | the namespace fixture: publish, depths, statuses, settled/state waits, clean-up |
 //! | [`wait`] | [`wait_for`] |
 //! | [`inproc`] | scheduler and workers in this process |
-| [`isolate`] | [`own_process!`]: a test that reads process-wide metrics runs in a process of its own |
+//! | [`isolate`] | [`own_process!`]: a test that reads process-wide metrics runs in a process of its own |
 //! | [`handlers`] | recording handlers and the gate |
 //! | [`process`] | `fleet-worker`, `fleet-scheduler` and `fleetctl` as child processes |
 //! | [`endpoint`] | a recording HTTP task endpoint for the `http` executor |
