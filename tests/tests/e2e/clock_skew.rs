@@ -78,7 +78,10 @@ async fn workers_60_s_off_keep_registration_and_run_tasks() -> anyhow::Result<()
                         w.log_tail()
                     )
                 })?;
-                worst.fetch_max(v.last_heartbeat_ms_ago, std::sync::atomic::Ordering::Relaxed);
+                worst.fetch_max(
+                    v.last_heartbeat_ms_ago,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
             }
             anyhow::Ok(())
         },

@@ -581,9 +581,7 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
         "every confirmed task's status succeeded",
         Duration::from_secs(30),
         Duration::from_secs(1),
-        || async {
-            (count_states().await.get("succeeded") == Some(&accepted.len())).then_some(())
-        },
+        || async { (count_states().await.get("succeeded") == Some(&accepted.len())).then_some(()) },
     )
     .await;
     let states = count_states().await;

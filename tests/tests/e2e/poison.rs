@@ -72,7 +72,9 @@ async fn poison_runs_max_attempts_times_and_spares_the_innocent() -> anyhow::Res
         },
     )
     .await;
-    let mut w = w.into_inner().map_err(|_| anyhow::anyhow!("worker lock poisoned"))?;
+    let mut w = w
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("worker lock poisoned"))?;
     let restarts = restarts.into_inner();
     if let Err(e) = settled {
         let p = ns.status(&poison.id).await?.unwrap_or_default();

@@ -144,7 +144,10 @@ async fn both_lanes_consume_again_together_after_a_broker_restart() -> anyhow::R
         )
         .await;
         let (n, c) = both.with_context(|| {
-            format!("lanes first consuming (normal, critical): {:?}", first.lock().map(|s| *s).ok())
+            format!(
+                "lanes first consuming (normal, critical): {:?}",
+                first.lock().map(|s| *s).ok()
+            )
         })?;
         let gap = n.abs_diff(c);
         println!(

@@ -278,7 +278,11 @@ async fn skip_and_catch_up_after_every_scheduler_stopped_for_5_s() -> Result<()>
     s1.stop().await?;
     s2.stop().await?;
     let before = (runs.count(&skip), runs.count(&catch));
-    scenario_pause(Duration::from_secs(5), "the outage under test: no scheduler").await;
+    scenario_pause(
+        Duration::from_secs(5),
+        "the outage under test: no scheduler",
+    )
+    .await;
     let s3 = start_scheduler(&ns, &settings).await?;
     wait_for(
         "3 more fires of each after the restart",
@@ -628,7 +632,11 @@ async fn failed_tick_claims_lose_no_tick() -> Result<()> {
     })
     .await?;
     redis.deny_scripts(true).await?;
-    scenario_pause(Duration::from_secs(3), "the outage under test: Redis refuses scripts").await;
+    scenario_pause(
+        Duration::from_secs(3),
+        "the outage under test: Redis refuses scripts",
+    )
+    .await;
     redis.deny_scripts(false).await?;
     let n = runs.count(&name);
     wait_for(

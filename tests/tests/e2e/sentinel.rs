@@ -114,7 +114,11 @@ async fn a_demoted_master_is_left_for_the_new_one() -> Result<()> {
         "SENTINEL FAILOVER accepted",
         Duration::from_secs(30),
         Duration::from_millis(300),
-        || async { cli(s, &["sentinel", "failover", "m"]).contains("OK").then_some(()) },
+        || async {
+            cli(s, &["sentinel", "failover", "m"])
+                .contains("OK")
+                .then_some(())
+        },
     )
     .await?;
     let t = Instant::now();
@@ -152,7 +156,11 @@ async fn failover(s: u16) -> Result<()> {
         "SENTINEL FAILOVER accepted",
         Duration::from_secs(30),
         Duration::from_millis(300),
-        || async { cli(s, &["sentinel", "failover", "m"]).contains("OK").then_some(()) },
+        || async {
+            cli(s, &["sentinel", "failover", "m"])
+                .contains("OK")
+                .then_some(())
+        },
     )
     .await
 }
@@ -217,7 +225,11 @@ async fn a_planned_failover_keeps_every_status() -> Result<()> {
             failover(s).await?;
             asked = Some(started.elapsed());
         }
-        scenario_pause(Duration::from_millis(100), "the pace of the stream: a task every 100 ms").await;
+        scenario_pause(
+            Duration::from_millis(100),
+            "the pace of the stream: a task every 100 ms",
+        )
+        .await;
     }
     let demoted = cli(a, &["role"]).starts_with("slave");
     let settled = wait_for("every task succeeded", Duration::from_secs(60), || async {

@@ -29,21 +29,26 @@ async fn a_fully_busy_fleet_is_green_with_its_intake_open() -> anyhow::Result<()
     let url = sched.url("/v1/pressure");
     // A sample every 100 ms until the 60 tasks are done.
     let seen = std::sync::Mutex::new((0usize, 0usize, HashSet::new()));
-    wait_for_every("60 tasks done", Duration::from_secs(60), Duration::from_millis(100), || async {
-        if rec.count() >= 60 {
-            return Some(());
-        }
-        let p = get_json(&url).await.ok()?;
-        let mut seen = seen.lock().ok()?;
-        seen.0 += 1;
-        if p["load"].as_f64() == Some(1.0) {
-            seen.1 += 1;
-            assert_eq!(p["load_level"], "full", "{p}");
-        }
-        assert_eq!(p["state"], p["gate"], "one state: {p}");
-        seen.2.insert(p["state"].as_str().unwrap_or("").to_string());
-        None
-    })
+    wait_for_every(
+        "60 tasks done",
+        Duration::from_secs(60),
+        Duration::from_millis(100),
+        || async {
+            if rec.count() >= 60 {
+                return Some(());
+            }
+            let p = get_json(&url).await.ok()?;
+            let mut seen = seen.lock().ok()?;
+            seen.0 += 1;
+            if p["load"].as_f64() == Some(1.0) {
+                seen.1 += 1;
+                assert_eq!(p["load_level"], "full", "{p}");
+            }
+            assert_eq!(p["state"], p["gate"], "one state: {p}");
+            seen.2.insert(p["state"].as_str().unwrap_or("").to_string());
+            None
+        },
+    )
     .await
     .with_context(|| format!("{} ran", rec.count()))?;
     let (samples, full, states) = seen.into_inner().map_err(|_| anyhow::anyhow!("poisoned"))?;
@@ -165,15 +170,19 @@ async fn groups_and_workers_show_the_same_running_figure() -> anyhow::Result<()>
     // The first heartbeat (it carries running 0) written: the worker's `hb` is past the
     // `started` its registration wrote.
     let key = ns.names.worker("w-run");
-    wait_for("the first heartbeat of w-run", Duration::from_secs(10), || async {
-        let cmd = deadpool_redis::redis::cmd("HMGET")
-            .arg(&key)
-            .arg("hb")
-            .arg("started")
-            .to_owned();
-        let at: Vec<Option<i64>> = ns.store.query(&cmd).await.ok()?;
-        matches!(at.as_slice(), [Some(hb), Some(started)] if hb > started).then_some(())
-    })
+    wait_for(
+        "the first heartbeat of w-run",
+        Duration::from_secs(10),
+        || async {
+            let cmd = deadpool_redis::redis::cmd("HMGET")
+                .arg(&key)
+                .arg("hb")
+                .arg("started")
+                .to_owned();
+            let at: Vec<Option<i64>> = ns.store.query(&cmd).await.ok()?;
+            matches!(at.as_slice(), [Some(hb), Some(started)] if hb > started).then_some(())
+        },
+    )
     .await?;
     let envs: Vec<_> = (0..3).map(|_| task("hold", json!({}), "")).collect();
     ns.submit(&envs).await?;

@@ -165,7 +165,9 @@ async fn no_worker_after_the_grace_is_dead_lettered() -> anyhow::Result<()> {
     )
     .await
     .with_context(|| format!("got {}", taken.lock().map(|t| t.len()).unwrap_or(0)))?;
-    let dead = taken.into_inner().map_err(|_| anyhow::anyhow!("poisoned"))?;
+    let dead = taken
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?;
     assert_eq!(dead.len(), 5);
     let got: HashSet<String> = dead
         .iter()
