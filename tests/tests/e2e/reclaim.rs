@@ -114,8 +114,12 @@ async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &scheduler_cfg()).await?;
     // Baseline: the scheduler alone (its readiness probe key, nothing else of a group).
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let baseline = keys(&ns).await?;
+    let baseline = wait_for(
+        "the scheduler's readiness probe key",
+        Duration::from_secs(10),
+        || async { keys(&ns).await.ok().filter(|k| k.contains_key("readyz")) },
+    )
+    .await?;
     println!("reclaim: baseline keys {baseline:?}");
 
     let pods = 40;
