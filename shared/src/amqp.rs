@@ -259,9 +259,13 @@ async fn start_publish(
 
 /// One message for [`publish_batch`].
 pub struct Outgoing<'a> {
+    /// The exchange to publish to.
     pub exchange: &'a str,
+    /// Its routing key.
     pub routing_key: &'a str,
+    /// The message body.
     pub body: &'a [u8],
+    /// Its properties (id, headers, persistence).
     pub props: BasicProperties,
 }
 
@@ -310,10 +314,20 @@ pub const NACK_TEXT: &str = "nack (the queue is full, or has no leader now)";
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NackCause {
     /// The queue holds (about) its bound: `reject-publish` refused it.
-    Full { depth: u32, bound: u32 },
+    Full {
+        /// The queue's depth read after the nack (messages).
+        depth: u32,
+        /// Its bound (messages).
+        bound: u32,
+    },
     /// The queue is well below its bound: the broker could not take the message now (a
     /// quorum queue mid-election, a node going down); the same publish succeeds shortly.
-    Unavailable { depth: u32, bound: u32 },
+    Unavailable {
+        /// The queue's depth read after the nack (messages).
+        depth: u32,
+        /// Its bound (messages).
+        bound: u32,
+    },
     /// The depth could not be read (no answer within [`DEPTH_WAIT`], the queue missing):
     /// the broker is not answering, which is not a full queue either.
     Unknown,
@@ -335,6 +349,7 @@ impl NackCause {
         }
     }
 
+    /// The queue was at its bound ([`NackCause::Full`]).
     pub fn is_full(self) -> bool {
         matches!(self, NackCause::Full { .. })
     }

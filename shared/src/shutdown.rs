@@ -164,6 +164,7 @@ pub struct Shutdown {
 }
 
 impl Shutdown {
+    /// No stages yet.
     pub fn new() -> Self {
         Self::default()
     }
