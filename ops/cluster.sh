@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ops/cluster.sh — a private three-node RabbitMQ cluster and a Redis master + replica + three
-# Sentinels on loopback, for the cluster test (tests/tests/cluster.rs) and for trying fleet
+# Sentinels on loopback, for the cluster test (tests/tests/e2e/cluster.rs) and for trying fleet
 # past one machine by hand. Never touches the shared servers (rabbit@localhost on 5672, Redis
 # on 6379): every process here has its own node name, ports and directories under DIR.
 #

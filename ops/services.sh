@@ -255,7 +255,7 @@ check_rabbitmq_nofile() {
 ensure_base() {
     # curl is what the other ops scripts use to talk HTTP.
     ensure_cmd curl curl ca-certificates
-    # libfaketime: the clock-skew test runs workers 60 s behind and ahead (tests/tests/clock_skew.rs).
+    # libfaketime: the clock-skew test runs workers 60 s behind and ahead (tests/tests/e2e/clock_skew.rs).
     ensure_cmd faketime faketime
 }
 
@@ -268,7 +268,7 @@ ensure_tools() {
     log "tools: shellcheck $(shellcheck --version 2>/dev/null | sed -n 's/^version: //p')"
 }
 
-# The console's browser test (tests/tests/console.rs): Debian's chromium, node and npm, and
+# The console's browser test (tests/tests/e2e/console.rs): Debian's chromium, node and npm, and
 # playwright-core from tests/ui/package-lock.json (never `npx playwright install`: the
 # browser is Debian's).
 ensure_browser() {

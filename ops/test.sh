@@ -9,7 +9,9 @@
 #   3. cargo test --workspace --no-fail-fast [EXTRA ARGS...]   unit, end-to-end and fault
 #      tests, every test binary run even when one fails (debug build:
 #      it compiles several times faster than release on a 2-core machine; speed is measured by
-#      the benchmarks, not by tests). tests/tests/cluster.rs starts its own private three-node
+#      the benchmarks, not by tests). The end-to-end and fault tests are one binary,
+#      `e2e` (tests/tests/e2e/, a module per story): one story is
+#      `cargo test -p fleet-tests --test e2e -- smoke::`. tests/tests/e2e/cluster.rs starts its own private three-node
 #      RabbitMQ cluster and Redis master + replica + Sentinels with ops/cluster.sh (1-4 min on a
 #      loaded 2-core machine), kills a node and the Redis master, and stops them all
 #   4. ops/check-metrics.sh   live /metrics of a scheduler and a worker through promtool
@@ -24,6 +26,7 @@
 #                             the suite is CPU-bound
 #
 #   ops/test.sh [ARGS...]     ARGS go to cargo test, e.g. `ops/test.sh -- --nocapture`
+#                             (every binary gets them, the e2e one too)
 #
 # Stops at once only when the services or the build fail (nothing after them can run).
 # Otherwise every step runs — one failing test binary (a frozen shared broker) must not hide

@@ -141,7 +141,7 @@ pub fn reply_code(e: &lapin::Error) -> Option<u16> {
 /// order the broker receives them, and lapin takes a publish's number (its delivery tag) and
 /// queues its frames under two different locks: two tasks publishing on one channel from
 /// different threads can interleave between the two, and a confirm — an ack, or the nack of a
-/// full queue — is then handed to the other message (`tests/tests/publish_order.rs` saw 54 of
+/// full queue — is then handed to the other message (`tests/tests/e2e/publish_order.rs` saw 54 of
 /// 5,400 so misnamed with 8 publishers). A `Publisher` holds an order lock from taking a
 /// publish's tag until its frames are written ([`publish`], [`publish_batch`]), so tag order is
 /// wire order; confirms are still awaited without it. It derefs to its [`Channel`] for
@@ -259,9 +259,13 @@ async fn start_publish(
 
 /// One message for [`publish_batch`].
 pub struct Outgoing<'a> {
+    /// The exchange to publish to.
     pub exchange: &'a str,
+    /// Its routing key.
     pub routing_key: &'a str,
+    /// The message body.
     pub body: &'a [u8],
+    /// Its properties (id, headers, persistence).
     pub props: BasicProperties,
 }
 
@@ -310,10 +314,20 @@ pub const NACK_TEXT: &str = "nack (the queue is full, or has no leader now)";
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NackCause {
     /// The queue holds (about) its bound: `reject-publish` refused it.
-    Full { depth: u32, bound: u32 },
+    Full {
+        /// The queue's depth read after the nack (messages).
+        depth: u32,
+        /// Its bound (messages).
+        bound: u32,
+    },
     /// The queue is well below its bound: the broker could not take the message now (a
     /// quorum queue mid-election, a node going down); the same publish succeeds shortly.
-    Unavailable { depth: u32, bound: u32 },
+    Unavailable {
+        /// The queue's depth read after the nack (messages).
+        depth: u32,
+        /// Its bound (messages).
+        bound: u32,
+    },
     /// The depth could not be read (no answer within [`DEPTH_WAIT`], the queue missing):
     /// the broker is not answering, which is not a full queue either.
     Unknown,
@@ -335,6 +349,7 @@ impl NackCause {
         }
     }
 
+    /// The queue was at its bound ([`NackCause::Full`]).
     pub fn is_full(self) -> bool {
         matches!(self, NackCause::Full { .. })
     }
@@ -345,7 +360,10 @@ pub const DEPTH_WAIT: Duration = Duration::from_secs(1);
 
 /// Why a publish to `queue` (bounded at `bound` messages) was nacked: its depth now (a passive
 /// declare on a channel of its own, at most [`DEPTH_WAIT`]) against the bound
-/// ([`NackCause::from_depth`]). Cancel safe (the channel closes with its drop).
+/// ([`NackCause::from_depth`]).
+///
+/// # Cancel safety
+/// Cancel safe: it only reads; dropped, its channel closes with its drop.
 pub async fn nack_cause(conn: &Connection, queue: &str, bound: u32) -> NackCause {
     let depth = tokio::time::timeout(DEPTH_WAIT, crate::topology::depth(conn, queue))
         .await

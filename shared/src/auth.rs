@@ -40,12 +40,16 @@ pub const MIN_TOKEN_LEN: usize = 16;
 /// What a token may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Role {
+    /// Reads: statuses, lists, metrics when guarded.
     Read,
+    /// Submits tasks.
     Submit,
+    /// Everything, the operator's actions included.
     Admin,
 }
 
 impl Role {
+    /// The role [`as_str`](Self::as_str) names; `None` for any other word.
     pub fn parse(s: &str) -> Option<Role> {
         match s {
             "read" => Some(Role::Read),
@@ -55,6 +59,7 @@ impl Role {
         }
     }
 
+    /// The role's word: `read`, `submit` or `admin`.
     pub fn as_str(self) -> &'static str {
         match self {
             Role::Read => "read",
@@ -110,10 +115,12 @@ impl Tokens {
         Ok(Tokens(out))
     }
 
+    /// No token is configured.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
 
+    /// How many tokens are configured.
     pub fn len(&self) -> usize {
         self.0.len()
     }
@@ -219,14 +226,18 @@ impl ApiAuth {
         self.inner.tokens.is_empty()
     }
 
+    /// The configured tokens.
     pub fn tokens(&self) -> &Tokens {
         &self.inner.tokens
     }
 
+    /// `/metrics` needs a token with role `read` (`FLEET_METRICS_AUTH=read`).
     pub fn metrics_need_read(&self) -> bool {
         self.inner.metrics_need_read
     }
 
+    /// An API without tokens may listen on a non-loopback address
+    /// (`FLEET_ALLOW_UNAUTHENTICATED`).
     pub fn allow_unauthenticated(&self) -> bool {
         self.inner.allow_unauthenticated
     }

@@ -70,6 +70,8 @@ impl Settings {
         self
     }
 
+    /// Sets `key` (config-file spelling, any case) to `value`, over any earlier value; its
+    /// origin becomes [`Origin::Explicit`].
     pub fn set(&mut self, key: &str, value: impl Into<String>) {
         let key = key.to_ascii_lowercase();
         self.origins.insert(key.clone(), Origin::Explicit);
@@ -146,15 +148,20 @@ impl Settings {
         format!("FLEET_{}", key.to_ascii_uppercase())
     }
 
+    /// The value of `key`, trimmed; `default` when it is unset or blank.
     pub fn string(&self, key: &str, default: &str) -> String {
         self.raw(key).unwrap_or(default).trim().to_string()
     }
 
+    /// The value of `key`, trimmed; `None` when it is unset or blank.
     pub fn opt_string(&self, key: &str) -> Option<String> {
         self.raw(key).map(|s| s.trim().to_string())
     }
 
-    /// A parsed value, or an error naming the setting.
+    /// The value of `key` parsed as `T`; `default` when unset or blank.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming `FLEET_<KEY>` and the bad value when it does not parse.
     pub fn parse<T: FromStr>(&self, key: &str, default: T) -> Result<T>
     where
         T::Err: std::fmt::Display,
@@ -168,7 +175,10 @@ impl Settings {
         }
     }
 
-    /// A number that must be > 0.
+    /// A number that must be > 0 ([`Settings::parse`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the setting: it does not parse, or is not above zero.
     pub fn positive<T>(&self, key: &str, default: T) -> Result<T>
     where
         T: FromStr + PartialOrd + Default + Copy + std::fmt::Display,
@@ -185,6 +195,9 @@ impl Settings {
     }
 
     /// A fraction in [0, 1].
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the setting: it does not parse, or is outside [0, 1].
     pub fn ratio(&self, key: &str, default: f64) -> Result<f64> {
         let v: f64 = self.parse(key, default)?;
         if !(0.0..=1.0).contains(&v) {
@@ -196,17 +209,27 @@ impl Settings {
         Ok(v)
     }
 
-    /// Milliseconds, > 0.
+    /// A duration given in milliseconds, > 0.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the setting: it does not parse, or is 0.
     pub fn millis(&self, key: &str, default_ms: u64) -> Result<Duration> {
         Ok(Duration::from_millis(self.positive(key, default_ms)?))
     }
 
+    /// A label list (`k=v,k=v`); none when unset.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the setting and what is wrong with the list.
     pub fn labels(&self, key: &str) -> Result<Labels> {
         Labels::parse(self.raw(key).unwrap_or(""))
             .map_err(|e| Error::config(Self::name(key), e.to_string()))
     }
 
-    /// A value out of a fixed set.
+    /// A value out of a fixed set (`default` when unset).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the setting and the allowed values.
     pub fn choice(&self, key: &str, default: &str, allowed: &[&str]) -> Result<String> {
         let v = self.string(key, default);
         if allowed.contains(&v.as_str()) {
@@ -219,6 +242,7 @@ impl Settings {
         }
     }
 
+    /// An [`Error::Config`] naming `FLEET_<KEY>`, for checks made outside these readers.
     pub fn error(&self, key: &str, message: impl Into<String>) -> Error {
         Error::config(Self::name(key), message)
     }
@@ -236,11 +260,17 @@ pub enum QueueType {
 /// Settings every binary has.
 #[derive(Debug, Clone)]
 pub struct CommonConfig {
+    /// RabbitMQ URL, or several nodes' URLs (`FLEET_AMQP_URL`).
     pub amqp_url: String,
+    /// The Redis URL to connect with (see [`redis_url`]).
     pub redis_url: String,
+    /// The namespace of every queue and key (`FLEET_NAMESPACE`).
     pub namespace: String,
+    /// `host:port` the HTTP API listens on (`FLEET_HTTP_ADDR`).
     pub http_addr: String,
+    /// Log format (`FLEET_LOG_FORMAT`): `text` or `json`.
     pub log_format: String,
+    /// Type of the task queues (`FLEET_QUEUE_TYPE`).
     pub queue_type: QueueType,
     /// `x-queue-leader-locator` of new quorum queues (`balanced`, `client-local`), or `None`.
     pub leader_locator: Option<String>,
@@ -257,6 +287,7 @@ pub struct CommonConfig {
     pub park_max: crate::PerLane<u32>,
     /// How long task status records live in Redis.
     pub status_ttl: Duration,
+    /// Attempts a task gets when its envelope sets no `max_attempts`.
     pub default_max_attempts: u32,
     /// Shard queues per group on the normal lane (`FLEET_SHARDS`, default 1: one queue, as
     /// unsharded) and shards each worker consumes (`FLEET_SHARDS_PER_WORKER`, default 1); see
@@ -425,6 +456,7 @@ impl CommonConfig {
         }
     }
 
+    /// The names of [`CommonConfig::namespace`].
     pub fn names(&self) -> crate::names::Names {
         crate::names::Names::new(&self.namespace)
     }

@@ -126,6 +126,7 @@ impl Selection {
         }
     }
 
+    /// Whether letter `d` meets every condition given.
     pub fn matches(&self, d: &DeadLetter) -> bool {
         self.ids.as_ref().is_none_or(|ids| ids.contains(&d.id))
             && self.reason.as_ref().is_none_or(|r| *r == d.reason)

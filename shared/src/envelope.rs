@@ -53,14 +53,19 @@ pub const MAX_DELAY: Duration = Duration::days(30);
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Lane {
+    /// Ordinary work (the default).
     #[default]
     Normal,
+    /// Work that must not wait behind the normal lane (its own capacity on every worker),
+    /// and the scheduler's health probes.
     Critical,
 }
 
 impl Lane {
+    /// Both lanes, normal first.
     pub const ALL: [Lane; 2] = [Lane::Normal, Lane::Critical];
 
+    /// The lane's word on the wire and in names: `normal` or `critical`.
     pub fn as_str(self) -> &'static str {
         match self {
             Lane::Normal => "normal",
@@ -68,6 +73,7 @@ impl Lane {
         }
     }
 
+    /// The lane [`as_str`](Self::as_str) names; `None` for any other word (case matters).
     pub fn parse(s: &str) -> Option<Lane> {
         match s {
             "normal" => Some(Lane::Normal),
@@ -87,7 +93,9 @@ impl std::fmt::Display for Lane {
 /// `x`/`critical_x` would otherwise be carried. Indexable by [`Lane`]: `caps[lane]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PerLane<T> {
+    /// The normal lane's value.
     pub normal: T,
+    /// The critical lane's value.
     pub critical: T,
 }
 
@@ -139,34 +147,54 @@ impl<T> std::ops::IndexMut<Lane> for PerLane<T> {
 /// `fleet_tasks_rejected_total` and the `x-fleet-reason` header; `Display` is the detail.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Reject {
+    /// Not JSON (the parser's message).
     #[error("malformed JSON: {0}")]
     MalformedJson(String),
+    /// JSON, but not an object.
     #[error("the envelope must be a JSON object")]
     NotAnObject,
+    /// No `kind`.
     #[error("missing required field `kind`")]
     MissingKind,
+    /// A known field of the wrong type or value: (field, what was expected).
     #[error("field `{0}`: {1}")]
     BadField(&'static str, String),
+    /// A `lane` other than `normal` or `critical`.
     #[error("unknown lane `{0}` (use normal or critical)")]
     UnknownLane(String),
+    /// Larger than the size limit, in bytes as encoded.
     #[error("envelope is {size} bytes, over the limit of {limit}")]
-    Oversized { size: usize, limit: usize },
+    Oversized {
+        /// The envelope's size, in bytes.
+        size: usize,
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// `labels` that are not a valid selector (the selector parser's message).
     #[error("invalid label selector: {0}")]
     BadSelector(String),
+    /// A `strategy` fleet does not know.
     #[error("unknown strategy `{0}` (use least_loaded, round_robin or weighted)")]
     UnknownStrategy(String),
+    /// `not_before` further ahead than [`MAX_DELAY`] (its days).
     #[error("not_before is more than {0} days ahead")]
     TooFarAhead(i64),
     /// A dimension past its limit (label pairs, id or kind bytes, payload depth).
     #[error("{what} is {got}, over the limit of {limit}")]
     OverLimit {
+        /// Which dimension (`label pairs`, `id bytes`, ...).
         what: &'static str,
+        /// Its value in this envelope.
         got: usize,
+        /// Its limit ([`Limits`]).
         limit: usize,
     },
 }
 
 impl Reject {
+    /// The bounded reason word: `malformed_json`, `not_an_object`, `missing_kind`,
+    /// `bad_field`, `unknown_lane`, `oversized`, `bad_selector`, `unknown_strategy`,
+    /// `bad_not_before` or `over_limit`.
     pub fn code(&self) -> &'static str {
         match self {
             Reject::MalformedJson(_) => "malformed_json",
@@ -264,19 +292,32 @@ fn depth(v: &Value) -> usize {
 /// A task. Only `kind` is required on the wire; [`Envelope::normalize`] fills in the rest.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Envelope {
+    /// The client-chosen id, which is the idempotency key (generated when absent).
     pub id: String,
+    /// The handler name.
     pub kind: String,
+    /// Any JSON value, passed to the handler.
     pub payload: Value,
+    /// The selector: every `key=value` must be present on the worker (exact match).
     pub labels: Labels,
+    /// The executor the task needs (`builtin`, `http` or `exec`), a selector label too.
     pub protocol: Option<String>,
+    /// The lane it travels in.
     pub lane: Lane,
+    /// Absolute deadline: never started after it, cancelled at it.
     pub deadline: Option<DateTime<Utc>>,
+    /// Relative deadline in milliseconds from submission, used when `deadline` is absent.
     pub timeout_ms: Option<u64>,
+    /// Delayed start: not before this time (at most [`MAX_DELAY`] ahead).
     pub not_before: Option<DateTime<Utc>>,
+    /// Runs allowed in all, [`MAX_ATTEMPTS_MIN`]..=[`MAX_ATTEMPTS_MAX`]; the fleet's default
+    /// when absent.
     pub max_attempts: Option<u32>,
     /// Attempts already made (0 when first submitted).
     pub attempt: u32,
+    /// When fleet accepted it (set on acceptance when absent): what waits are measured from.
     pub submitted_at: Option<DateTime<Utc>>,
+    /// Overrides the scheduler's routing strategy for this task.
     pub strategy: Option<Strategy>,
     /// Unknown fields, kept verbatim.
     pub extra: Map<String, Value>,
@@ -558,10 +599,12 @@ impl Envelope {
         }
     }
 
+    /// The attempts allowed: `max_attempts`, else `default`; at least 1.
     pub fn max_attempts_or(&self, default: u32) -> u32 {
         self.max_attempts.unwrap_or(default).max(1)
     }
 
+    /// Whether the deadline is at or before `now` (never without a deadline).
     pub fn is_expired(&self, now: DateTime<Utc>) -> bool {
         self.deadline.is_some_and(|d| d <= now)
     }
@@ -596,6 +639,7 @@ impl Envelope {
         Value::Object(m)
     }
 
+    /// [`to_value`](Self::to_value) as JSON bytes.
     pub fn to_bytes(&self) -> Vec<u8> {
         serde_json::to_vec(&self.to_value()).unwrap_or_default()
     }
@@ -647,8 +691,9 @@ fn uint_field(name: &'static str, v: Value) -> Result<u64, Reject> {
         .ok_or_else(|| Reject::BadField(name, "expected a non-negative integer".into()))
 }
 
-/// Bounds of `max_attempts`, as `shared/schema/envelope.schema.json` has them.
+/// Least `max_attempts`, as `shared/schema/envelope.schema.json` has it.
 pub const MAX_ATTEMPTS_MIN: u32 = 1;
+/// Most `max_attempts`, as `shared/schema/envelope.schema.json` has it.
 pub const MAX_ATTEMPTS_MAX: u32 = 1000;
 
 /// A fresh task id.

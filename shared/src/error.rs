@@ -5,13 +5,22 @@
 pub enum Error {
     /// A setting has a bad value; the message names the setting.
     #[error("config: {setting}: {message}")]
-    Config { setting: String, message: String },
+    Config {
+        /// The setting, as its variable (`FLEET_…`) or file key.
+        setting: String,
+        /// What is wrong with it (secrets redacted).
+        message: String,
+    },
+    /// A RabbitMQ call failed (connection, channel, declare, publish).
     #[error("amqp: {0}")]
     Amqp(#[from] lapin::Error),
+    /// A Redis call failed (see `store::Failure` for its kind).
     #[error("redis: {0}")]
     Redis(#[from] deadpool_redis::redis::RedisError),
+    /// No Redis connection could be had from the pool (timeout or connect error).
     #[error("redis pool: {0}")]
     Pool(#[from] deadpool_redis::PoolError),
+    /// JSON that does not parse or encode.
     #[error("json: {0}")]
     Json(#[from] serde_json::Error),
     /// The broker refused a publish (queue full: `reject-publish`, or unroutable).
@@ -28,15 +37,22 @@ pub enum Error {
     /// lease, `fleet::dead::ReaderLease`).
     #[error("busy: {0}")]
     Busy(String),
+    /// Anything else, described.
     #[error("{0}")]
     Other(String),
     /// A broker or Redis error no retry can fix (login refused, unknown vhost, a queue that
     /// exists with other arguments): reported once, naming the setting; the binaries exit 2.
     #[error("{setting}: {message}")]
-    Permanent { setting: String, message: String },
+    Permanent {
+        /// The setting to fix (`FLEET_AMQP_URL`, ...).
+        setting: String,
+        /// The server's refusal.
+        message: String,
+    },
 }
 
 impl Error {
+    /// An [`Error::Config`] for `setting`, its message redacted (no password or token).
     pub fn config(setting: impl Into<String>, message: impl Into<String>) -> Self {
         Error::Config {
             setting: setting.into(),
@@ -45,6 +61,7 @@ impl Error {
     }
 }
 
+/// The library's result: [`Error`] unless said otherwise.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// The exit code for an error that ends a binary: 2 for a bad setting or a permanent broker /

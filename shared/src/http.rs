@@ -13,17 +13,22 @@ use tokio_util::sync::CancellationToken;
 /// Readiness flags a binary sets as it connects.
 #[derive(Debug, Default, Clone)]
 pub struct Readiness {
+    /// Redis takes writes (false until the first success).
     pub redis: Arc<AtomicBool>,
+    /// RabbitMQ is connected with the topology declared (false until then).
     pub amqp: Arc<AtomicBool>,
 }
 
 impl Readiness {
+    /// Both Redis and RabbitMQ are up: what `/readyz` answers 200 for.
     pub fn ready(&self) -> bool {
         self.redis.load(Ordering::Relaxed) && self.amqp.load(Ordering::Relaxed)
     }
+    /// Sets whether Redis takes writes.
     pub fn set_redis(&self, v: bool) {
         self.redis.store(v, Ordering::Relaxed);
     }
+    /// Sets whether RabbitMQ is connected.
     pub fn set_amqp(&self, v: bool) {
         self.amqp.store(v, Ordering::Relaxed);
     }

@@ -21,7 +21,9 @@ use crate::store::Store;
 /// A finished task's outcome as recorded in its status.
 #[derive(Debug, Clone)]
 pub struct Finished {
+    /// The lane it ran in (its run record is released there).
     pub lane: Lane,
+    /// The task id.
     pub id: String,
     /// The attempt that ended: a late write from an older attempt never overwrites the status
     /// of a newer one (ledger batches of different workers may land out of order).
@@ -31,6 +33,7 @@ pub struct Finished {
     pub state: Option<TaskState>,
     /// The result (success) or the error text, truncated.
     pub text: String,
+    /// Whether `text` is the result (stored as `result`) rather than the error (`error`).
     pub success: bool,
     /// Why a task ended `dead` or `expired` (`max_attempts`, `permanent_error`, `expired`: the
     /// dead letter's `x-fleet-reason`), as the scheduler records for the states it decides;
@@ -69,10 +72,13 @@ impl Finished {
 /// One attempt a worker asks to run.
 #[derive(Debug, Clone)]
 pub struct ClaimRequest {
+    /// The lane of the delivery.
     pub lane: Lane,
+    /// The task id.
     pub id: String,
     /// The envelope's `attempt` + 1: the same for every copy of one delivery.
     pub base: u32,
+    /// The task's attempts in all ([`crate::Envelope::max_attempts_or`]).
     pub max_attempts: u32,
     /// This process runs nothing else now (a crash suspect's second claim).
     pub isolated: bool,
@@ -124,6 +130,7 @@ fn millis(d: Duration) -> i64 {
 /// Longest result or error text kept in a status record.
 pub const MAX_STATUS_TEXT: usize = 4096;
 
+/// `s` cut to at most `max` bytes on a character boundary, with `…` appended when cut.
 pub fn truncate(s: &str, max: usize) -> String {
     if s.len() <= max {
         return s.to_string();

@@ -30,6 +30,8 @@
 //!   [`shutdown`] — the stages a process's loops are stopped in, in order.
 //! * [`telemetry`] — logging set-up; [`http`] — `/metrics`, `/healthz`, `/readyz`.
 
+#![warn(missing_docs)]
+
 pub mod amqp;
 pub mod auth;
 pub mod config;

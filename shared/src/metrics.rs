@@ -7,47 +7,95 @@ use std::sync::OnceLock;
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
+/// Counter: tasks accepted from ingress, by lane.
 pub const TASKS_SUBMITTED: &str = "fleet_tasks_submitted_total";
+/// Counter: tasks refused as invalid or undeliverable and dead-lettered, by reason.
 pub const TASKS_REJECTED: &str = "fleet_tasks_rejected_total";
+/// Counter: tasks published to a group queue, by group and lane.
 pub const TASKS_DISPATCHED: &str = "fleet_tasks_dispatched_total";
+/// Counter: user task attempts ended, by group, lane and outcome (succeeded, failed, retried, dead,
+/// expired); health probes are counted in fleet_probes_completed_total.
 pub const TASKS_COMPLETED: &str = "fleet_tasks_completed_total";
+/// Counter: submissions dropped because their id was seen within the dedupe window.
 pub const TASKS_DUPLICATE: &str = "fleet_tasks_duplicate_total";
+/// Counter: tasks parked in a group's wait queue because no matching group had room, by group.
 pub const TASKS_PARKED: &str = "fleet_tasks_parked_total";
+/// Counter: tasks moved from a group without live workers to another matching group.
 pub const TASKS_REROUTED: &str = "fleet_tasks_rerouted_total";
+/// Counter: submissions refused to producers (HTTP 429/503), by reason.
 pub const TASKS_REFUSED: &str = "fleet_tasks_refused_total";
+/// Counter: HTTP submissions published again because their publisher confirm was lost with the
+/// connection (node loss); copies are dropped by the dedupe window.
 pub const TASKS_REPUBLISHED: &str = "fleet_tasks_republished_total";
+/// Counter: Redis calls answered READONLY (a demoted master); each empties the connection pool so
+/// the next call reconnects (through Sentinel, to the new master).
 pub const REDIS_READ_ONLY: &str = "fleet_redis_read_only_total";
+/// Counter: Sentinel `+switch-master` announcements for fleet's master heard by this process; each
+/// drops its Redis connections so the next call goes to the new master.
 pub const REDIS_MASTER_SWITCHES: &str = "fleet_redis_master_switches_total";
+/// Histogram (seconds): time from submission to start, by lane.
 pub const TASK_WAIT: &str = "fleet_task_wait_seconds";
+/// Histogram (seconds): handler run time, by group and lane.
 pub const TASK_RUN: &str = "fleet_task_run_seconds";
+/// Gauge: messages ready in a queue, sampled by the scheduler.
 pub const QUEUE_DEPTH: &str = "fleet_queue_depth";
+/// Gauge: configured maximum length of a bounded queue.
 pub const QUEUE_BOUND: &str = "fleet_queue_bound";
+/// Gauge: backpressure state: 0 green, 1 yellow, 2 red.
 pub const PRESSURE_STATE: &str = "fleet_pressure_state";
+/// Gauge: pending tasks: ingress backlog + parked + reserved-not-started.
 pub const PENDING: &str = "fleet_pending_tasks";
+/// Gauge: normal-lane capacity of a group's active, alive workers.
 pub const GROUP_CAPACITY: &str = "fleet_group_capacity";
+/// Gauge: normal-lane tasks running in a group.
 pub const GROUP_LOAD: &str = "fleet_group_load";
+/// Gauge: normal-lane tasks dispatched to a group and not yet started.
 pub const GROUP_RESERVED: &str = "fleet_group_reserved";
+/// Gauge: tasks waiting for a group: its queue plus its park queue (autoscaling input).
 pub const GROUP_BACKLOG: &str = "fleet_group_backlog";
+/// Gauge: age of the oldest task waiting for a group, in seconds (autoscaling input).
 pub const GROUP_OLDEST_AGE: &str = "fleet_group_oldest_task_age_seconds";
+/// Gauge: groups (label sets) the fleet knows: registered and not reclaimed.
 pub const GROUPS: &str = "fleet_groups";
+/// Counter: departed groups reclaimed (no worker and empty queues for
+/// FLEET_GROUP_RECLAIM_AFTER_MS): keys, queues and consumers removed.
 pub const GROUPS_RECLAIMED: &str = "fleet_groups_reclaimed_total";
+/// Gauge: registered workers by state.
 pub const WORKERS: &str = "fleet_workers";
+/// Counter: workers evicted by the health checker for missing heartbeats.
 pub const WORKER_EVICTIONS: &str = "fleet_worker_evictions_total";
+/// Counter: times a worker ejected itself as an outlier (error ratio over the threshold).
 pub const WORKER_EJECTIONS: &str = "fleet_worker_ejections_total";
+/// Gauge: always 1; labels name the worker and its group.
 pub const WORKER_INFO: &str = "fleet_worker_info";
+/// Counter: dispatches delayed by the rate limit or by Yellow pressure.
 pub const DISPATCH_THROTTLED: &str = "fleet_dispatch_throttled_total";
 /// Gauge (seconds): age of the newest delay canary back from the delay tiers (scheduler; see
 /// `fleet_scheduler::canary`): ~5 s while delayed work moves, growing while the path is stuck.
 pub const DELAY_CANARY_AGE: &str = "fleet_delay_canary_age_seconds";
+/// Histogram (seconds): round trip of the scheduler's probe task through a group's critical lane.
 pub const PROBE: &str = "fleet_probe_seconds";
+/// Counter: probe tasks that did not come back in time, by group.
 pub const PROBE_FAILURES: &str = "fleet_probe_failures_total";
+/// Counter: health probes a worker ran, by group and outcome (kept out of
+/// fleet_tasks_completed_total).
 pub const PROBES_COMPLETED: &str = "fleet_probes_completed_total";
+/// Counter: failed Redis calls (retried).
 pub const REDIS_ERRORS: &str = "fleet_redis_errors_total";
+/// Counter: reconnections to RabbitMQ.
 pub const AMQP_RECONNECTS: &str = "fleet_amqp_reconnects_total";
+/// Gauge (seconds): this process's clock minus the Redis server's (fleet's one clock), as last
+/// measured.
 pub const CLOCK_SKEW: &str = "fleet_clock_skew_seconds";
+/// Counter: deliveries of an attempt that already ran or runs elsewhere (scheduler crash, consumer
+/// timeout, lost ack), acked without running, by lane.
 pub const DUPLICATE_DELIVERIES: &str = "fleet_tasks_duplicate_deliveries_total";
+/// Counter: tasks submitted by periodic schedules, by schedule and trigger (cron, manual).
 pub const SCHEDULE_FIRES: &str = "fleet_schedule_fires_total";
+/// Counter: schedule ticks not fired, by schedule and reason (skipped, catch_up_limit,
+/// pressure_red, ingress_full, error).
 pub const SCHEDULE_MISSES: &str = "fleet_schedule_misses_total";
+/// Histogram (seconds): time from a schedule's tick to its confirmed submission, by schedule.
 pub const SCHEDULE_LAG: &str = "fleet_schedule_lag_seconds";
 
 /// Registers help text for every metric.

@@ -16,6 +16,8 @@ pub struct Names {
 }
 
 impl Names {
+    /// The names of `namespace` (AMQP names start `<namespace>.`, Redis keys `{<namespace>}:`).
+    /// The namespace is used as given; settings validate it.
     pub fn new(namespace: &str) -> Self {
         Names {
             ns: namespace.to_string(),
@@ -23,6 +25,7 @@ impl Names {
         }
     }
 
+    /// The namespace these names belong to.
     pub fn namespace(&self) -> &str {
         &self.ns
     }
@@ -55,9 +58,12 @@ impl Names {
     pub fn legacy_delay_exchange(&self) -> String {
         format!("{}.delay", self.ns)
     }
+    /// A lane's ingress queue (`<ns>.ingress.<lane>`): what producers submitted, before the
+    /// scheduler routes it.
     pub fn ingress_queue(&self, lane: Lane) -> String {
         format!("{}.ingress.{}", self.ns, lane)
     }
+    /// A group's lane queue (`<ns>.group.<group>.<lane>`), which its workers consume.
     pub fn group_queue(&self, group: &str, lane: Lane) -> String {
         format!("{}.group.{}.{}", self.ns, group, lane)
     }
@@ -95,12 +101,16 @@ impl Names {
     /// The pseudo-group whose park queues (`<ns>.park._unmatched.<lane>`) hold the tasks no
     /// live group matches yet (the scheduler's waiting-for-worker tasks).
     pub const UNMATCHED_GROUP: &'static str = "_unmatched";
+    /// Routing key of [`park_queue`](Self::park_queue) on the tasks exchange.
     pub fn park_key(&self, group: &str, lane: Lane) -> String {
         format!("park.{group}.{lane}")
     }
+    /// The dead-letter queue (`<ns>.dead`): tasks that will not run, each with its reason
+    /// headers.
     pub fn dead_queue(&self) -> String {
         format!("{}.dead", self.ns)
     }
+    /// Routing key of [`dead_queue`](Self::dead_queue) on the tasks exchange.
     pub const DEAD_KEY: &'static str = "dead";
     /// Internal queue of the dead letters the broker makes itself (a quorum group queue's
     /// delivery limit): the group queues' dead-letter routing key leads here, and the scheduler
@@ -108,11 +118,13 @@ impl Names {
     pub fn broker_dead_queue(&self) -> String {
         format!("{}.dead.broker", self.ns)
     }
+    /// Routing key of [`broker_dead_queue`](Self::broker_dead_queue) on the tasks exchange.
     pub const BROKER_DEAD_KEY: &'static str = "dead.broker";
     /// Tasks coming back from a delay tier (delayed start, retry backoff) to the scheduler.
     pub fn delayed_queue(&self) -> String {
         format!("{}.delayed", self.ns)
     }
+    /// Routing key of [`delayed_queue`](Self::delayed_queue) on the tasks exchange.
     pub const DELAYED_KEY: &'static str = "delayed";
     /// Stream (durable, replayed from its start) holding the periodic schedules' definitions.
     pub fn schedules_stream(&self) -> String {
@@ -160,9 +172,12 @@ impl Names {
         format!("{}readyz", self.prefix)
     }
 
+    /// Sorted set of every registered worker id, scored by its last heartbeat (Redis time, ms).
     pub fn workers(&self) -> String {
         format!("{}workers", self.prefix)
     }
+    /// Hash of one worker's registration and last heartbeat: id, instance, group, labels,
+    /// capacities, executor, state, `hb` / `started` (ms), outcome counts, load, cpu, kinds.
     pub fn worker(&self, id: &str) -> String {
         format!("{}w:{}", self.prefix, id)
     }
@@ -170,15 +185,22 @@ impl Names {
     pub fn waits(&self, id: &str) -> String {
         format!("{}wait:{}", self.prefix, id)
     }
+    /// Set of the runs a worker holds, as `<lane>|<task id>` (their leases are in
+    /// [`running`](Self::running)); released when it deregisters or is evicted.
     pub fn worker_running(&self, id: &str) -> String {
         format!("{}wrun:{}", self.prefix, id)
     }
+    /// Set of every known group name (label set): added when a worker of it registers, removed
+    /// when the group is reclaimed.
     pub fn groups(&self) -> String {
         format!("{}groups", self.prefix)
     }
+    /// Hash of one group: its `labels` (JSON), each worker's health (`h:<id>`) and, once its
+    /// last worker left, `idle` (Redis time, ms: the start of its reclaim grace).
     pub fn group(&self, group: &str) -> String {
         format!("{}g:{}", self.prefix, group)
     }
+    /// Set of the worker ids registered in a group.
     pub fn group_workers(&self, group: &str) -> String {
         format!("{}gw:{}", self.prefix, group)
     }
@@ -186,9 +208,13 @@ impl Names {
     pub fn group_ordinals(&self, group: &str) -> String {
         format!("{}gord:{}", self.prefix, group)
     }
+    /// Sorted set of the task ids dispatched to a group's lane and not started yet, scored by
+    /// when the reservation lapses (Redis time, ms).
     pub fn reserved(&self, group: &str, lane: Lane) -> String {
         format!("{}resv:{}:{}", self.prefix, group, lane)
     }
+    /// Sorted set of the task ids running in a group's lane, scored by when their run lease
+    /// lapses (Redis time, ms; heartbeats renew it).
     pub fn running(&self, group: &str, lane: Lane) -> String {
         format!("{}run:{}:{}", self.prefix, group, lane)
     }
@@ -200,6 +226,8 @@ impl Names {
     pub fn round_robin(&self, lane: Lane, selector: &str) -> String {
         format!("{}rr:{}:{}", self.prefix, lane, selector)
     }
+    /// Flag (a string with a TTL) that a group's lane has tasks in its park queue, so the
+    /// reservation script sends new work there behind them.
     pub fn parked(&self, group: &str, lane: Lane) -> String {
         format!("{}pk:{}:{}", self.prefix, group, lane)
     }
@@ -208,6 +236,7 @@ impl Names {
     pub fn reclaimed(&self, group: &str) -> String {
         format!("{}rc:{}", self.prefix, group)
     }
+    /// Token bucket of a lane's dispatch rate limit (see `fleet::ratelimit`).
     pub fn rate_limit(&self, lane: Lane) -> String {
         format!("{}rl:{}", self.prefix, lane)
     }
@@ -215,6 +244,8 @@ impl Names {
     pub fn submit_rate_limit(&self) -> String {
         format!("{}rl:submit", self.prefix)
     }
+    /// Hash of a task's status (state, attempt, times, result or error; see `fleet::status`),
+    /// kept for the status TTL.
     pub fn task(&self, id: &str) -> String {
         format!("{}t:{}", self.prefix, id)
     }
@@ -222,6 +253,8 @@ impl Names {
     pub fn attempts(&self, id: &str) -> String {
         format!("{}ta:{}", self.prefix, id)
     }
+    /// A task id's dedupe mark (a string: the token of the submission that holds the id, with
+    /// the dedupe window as TTL).
     pub fn dedupe(&self, id: &str) -> String {
         format!("{}dd:{}", self.prefix, id)
     }

@@ -68,7 +68,9 @@ pub struct PacedReport {
 /// to `max_delay`, each drawn with full jitter.
 #[derive(Debug, Clone, Copy)]
 pub struct Pacing {
+    /// Ceiling of the first delay between rounds (each delay is drawn below its ceiling).
     pub min_delay: Duration,
+    /// Largest ceiling: the doubling stops here.
     pub max_delay: Duration,
 }
 

@@ -11,6 +11,7 @@ use crate::store::Store;
 /// What the bucket answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Grant {
+    /// Tokens taken, at most the number asked for.
     pub granted: u32,
     /// When not everything was granted: milliseconds until the next token.
     pub wait_ms: u64,

@@ -71,26 +71,58 @@ pub const SOURCES: &[(&str, &str)] = &[
 
 /// All scripts of the fleet.
 pub struct Scripts {
+    /// `registry/register.lua`: adds (or re-adds) a worker to the registry and its capacity to its
+    /// group.
     pub register: Script,
+    /// `registry/heartbeat.lua`: a worker's liveness and figures; renews its running tasks'
+    /// leases.
     pub heartbeat: Script,
+    /// `registry/set_state.lua`: moves a worker between active, draining and ejected, adjusting
+    /// its group's capacity and its subsetting ordinal.
     pub set_state: Script,
+    /// `registry/eject.lua`: marks an active worker `ejected` unless its group would be left with
+    /// no active normal-lane capacity.
     pub eject: Script,
+    /// `registry/evict.lua`: removes every worker silent past the timeout (idempotent, for any
+    /// number of schedulers).
     pub evict: Script,
+    /// `registry/deregister.lua`: a worker leaves (end of drain), when its instance owns the id.
     pub deregister: Script,
+    /// `route/reserve.lua`: for a batch of tasks, dedupes, chooses a group with room and reserves
+    /// a leased slot.
     pub reserve: Script,
+    /// `lua/start.lua`: a worker claims task attempts before running them (batch); exactly one run
+    /// per attempt.
     pub start: Script,
+    /// `lua/finish.lua`: a worker records attempts' outcomes, or releases attempts that ended
+    /// without one (batch).
     pub finish: Script,
+    /// `lua/ratelimit.lua` (no prelude): the GCRA token bucket every scheduler replica shares.
     pub ratelimit: Script,
+    /// `registry/outcomes.lua`: a worker publishes its figures (user attempts by outcome) as it
+    /// records finishes.
     pub outcomes: Script,
+    /// `lua/broker_dead.lua`: the status of a task the broker dead-lettered itself (a quorum
+    /// queue's delivery limit).
     pub broker_dead: Script,
+    /// `registry/reclaim.lua`: removes a departed group after its grace, in steps around the
+    /// deletion of its queues.
     pub reclaim: Script,
+    /// `lua/rooms.lua`: sets each still-existing group's room ahead of its workers.
     pub rooms: Script,
+    /// `lua/dead_claim.lua`: claims task ids for a dead-letter replay, one replay of an id at a
+    /// time.
     pub dead_claim: Script,
+    /// `lua/dead_unclaim.lua`: gives back ids a replay claimed but could not publish.
     pub dead_unclaim: Script,
+    /// `lua/dead_lock.lua`: renews or releases the dead-queue reader lease while the caller holds
+    /// it.
     pub dead_lock: Script,
 }
 
 impl Scripts {
+    /// Every script, built from its files (nothing is sent to Redis until a script first
+    /// runs).
     pub fn load() -> Self {
         Scripts {
             register: script!(registry "register.lua"),

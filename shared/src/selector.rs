@@ -30,12 +30,16 @@ pub struct Labels(pub BTreeMap<String, String>);
 /// Why a label set or selector was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SelectorError {
+    /// An item without `=` (the item).
     #[error("label `{0}` is not of the form key=value")]
     NotPair(String),
+    /// A key that is not 1-63 bytes of `[A-Za-z0-9_.-/]` (the key).
     #[error("label key `{0}` is invalid: use 1-63 of [A-Za-z0-9_.-/]")]
     BadKey(String),
+    /// A value that is not 1-63 bytes of `[A-Za-z0-9_.-/]` (key, value).
     #[error("label value `{1}` of key `{0}` is invalid: use 1-63 of [A-Za-z0-9_.-/]")]
     BadValue(String, String),
+    /// A key given twice (the key).
     #[error("label key `{0}` is given twice")]
     Duplicate(String),
 }
@@ -48,6 +52,7 @@ fn valid_token(s: &str) -> bool {
 }
 
 impl Labels {
+    /// No labels.
     pub fn new() -> Self {
         Self::default()
     }
@@ -86,11 +91,14 @@ impl Labels {
         Ok(())
     }
 
+    /// These labels with `key=value` added (replacing another value of `key`), unchecked:
+    /// for keys and values fleet itself sets ([`PROTOCOL_LABEL`]).
     pub fn with(mut self, key: &str, value: &str) -> Self {
         self.0.insert(key.to_string(), value.to_string());
         self
     }
 
+    /// The value of `key`, if present.
     pub fn get(&self, key: &str) -> Option<&str> {
         self.0.get(key).map(String::as_str)
     }
@@ -100,10 +108,12 @@ impl Labels {
         self.0.len()
     }
 
+    /// No pairs.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
 
+    /// The pairs, sorted by key.
     pub fn iter(&self) -> impl Iterator<Item = (&String, &String)> {
         self.0.iter()
     }

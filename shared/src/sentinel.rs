@@ -50,16 +50,24 @@ pub enum Target {
     /// `redis+sentinel://`: the Sentinels' `host:port`s, the master's name, and the data
     /// nodes' credentials and db.
     Sentinel {
+        /// The Sentinels, `host:port` each.
         sentinels: Vec<String>,
+        /// The name they monitor the master under.
         master: String,
+        /// The data nodes' user (ACL), if any.
         username: Option<String>,
+        /// The data nodes' password, if any (never printed).
         password: Option<String>,
+        /// The database number.
         db: i64,
     },
     /// `redis+cluster://`: seed nodes' `host:port`s and the credentials of every node.
     Cluster {
+        /// Seed nodes, `host:port` each (the rest are discovered).
         nodes: Vec<String>,
+        /// Every node's user (ACL), if any.
         username: Option<String>,
+        /// Every node's password, if any (never printed).
         password: Option<String>,
     },
 }
@@ -209,7 +217,9 @@ fn decode(s: &str) -> String {
 /// The pool behind [`crate::Store`]: direct, through Sentinel, or to a Redis Cluster.
 #[derive(Clone)]
 pub enum Pool {
+    /// One server (`redis://`, `rediss://`).
     Direct(deadpool_redis::Pool),
+    /// The master Sentinel names (`redis+sentinel://`), asked again after a failover.
     Sentinel(deadpool_redis::sentinel::Pool),
     /// Each pooled connection is a cluster client's: one multiplexed connection per node,
     /// commands routed by slot.
@@ -219,9 +229,13 @@ pub enum Pool {
 /// A pooled connection of any kind; returned to its pool when dropped — or a clone of the
 /// process's shared connection ([`Shared`]).
 pub enum Conn {
+    /// From a [`Pool::Direct`].
     Direct(deadpool_redis::Connection),
+    /// From a [`Pool::Sentinel`].
     Sentinel(deadpool_redis::sentinel::Connection),
+    /// From a [`Pool::Cluster`].
     Cluster(deadpool_redis::cluster::Connection),
+    /// A clone of the shared connection.
     Shared(Shared),
 }
 
@@ -235,7 +249,9 @@ pub enum Conn {
 /// block their connection (`WAIT`, `BLPOP`): those take a pooled connection of their own.
 #[derive(Clone)]
 pub enum Shared {
+    /// One server's, or the Sentinel-named master's.
     Multiplexed(redis::aio::MultiplexedConnection),
+    /// A Redis Cluster client's.
     Cluster(redis::cluster_async::ClusterConnection),
 }
 
@@ -391,7 +407,6 @@ impl Pool {
         }
     }
 
-    /// Whether this pool finds its master through Sentinel.
     /// Drops the idle connections made before `t` (connections in use at a master switch
     /// come back to the pool afterwards: [`crate::Store`] calls this before taking one while a
     /// switch is recent).
@@ -403,6 +418,7 @@ impl Pool {
         }
     }
 
+    /// Whether this pool finds its master through Sentinel.
     pub fn is_sentinel(&self) -> bool {
         matches!(self, Pool::Sentinel(_))
     }

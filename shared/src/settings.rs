@@ -146,6 +146,7 @@ pub struct CommonArgs {
     args_override_self = true
 )]
 pub struct SchedulerArgs {
+    /// The settings every binary has (clap ignores a doc comment here).
     #[command(flatten)]
     pub common: CommonArgs,
     /// Address of the API, `/metrics`, `/healthz` and `/readyz` (host:port).
@@ -255,6 +256,7 @@ pub struct SchedulerArgs {
     args_override_self = true
 )]
 pub struct WorkerArgs {
+    /// The settings every binary has (clap ignores a doc comment here).
     #[command(flatten)]
     pub common: CommonArgs,
     /// Address of `/metrics`, `/healthz`, `/readyz`, `/status` and `/drain` (host:port).
@@ -344,6 +346,7 @@ pub struct WorkerArgs {
 #[derive(Debug, Clone, Parser)]
 #[command(name = "fleet", args_override_self = true)]
 pub struct CommonOnly {
+    /// The settings every binary has (clap ignores a doc comment here).
     #[command(flatten)]
     pub common: CommonArgs,
 }

@@ -78,7 +78,10 @@ impl Stage {
         self.token.is_cancelled()
     }
 
-    /// Resolves when the stage's signal fires. Cancel safe.
+    /// Resolves when the stage's signal fires.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only waits; dropped, it has changed nothing.
     pub async fn stopping(&self) {
         self.token.cancelled().await
     }
@@ -118,13 +121,20 @@ impl Stage {
     }
 
     /// Waits until the stage is closed and everything spawned on it has returned (without
-    /// firing its signal). Cancel safe.
+    /// firing its signal).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only waits; dropped, it has changed nothing.
     pub async fn wait(&self) {
         self.tracker.wait().await
     }
 
     /// Stops the stage: fires its signal, closes it and waits until every loop on it returned.
-    /// Cancel safe (stopping again waits again).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the signal and the close happen at its first poll, so a call dropped
+    /// after that has still stopped the stage and only the wait for its loops is lost;
+    /// calling it again waits again.
     pub async fn stop(&self) {
         self.token.cancel();
         self.tracker.close();
@@ -154,6 +164,7 @@ pub struct Shutdown {
 }
 
 impl Shutdown {
+    /// No stages yet.
     pub fn new() -> Self {
         Self::default()
     }
@@ -181,7 +192,11 @@ impl Shutdown {
     }
 
     /// Stops every stage not stopped yet, last-built first, each once the previous one is done.
-    /// Cancel safe.
+    ///
+    /// # Cancel safety
+    /// Cancel safe in effect, not in progress: dropped mid-way, the stages stopped so far
+    /// stay stopped, the one being stopped has its signal fired and is closed, and the
+    /// earlier-built ones are left running; calling it again goes on from there.
     pub async fn stop(&self) {
         let stages: Vec<Stage> = self
             .stages

@@ -29,7 +29,9 @@ pub struct Store {
     /// The shared connection every call clones (see [`Shared`]); `None` until the first call
     /// and after a failure.
     shared: Arc<std::sync::Mutex<Option<Shared>>>,
+    /// The namespace's keys.
     pub names: Names,
+    /// The Lua scripts (shared by every clone).
     pub scripts: Arc<Scripts>,
     /// The fleet's one clock (Redis server time), shared by every clone.
     pub clock: Clock,
@@ -510,6 +512,7 @@ pub enum Failure {
 }
 
 impl Failure {
+    /// The kind of Redis failure `e` is; [`Failure::Other`] for an error that is not Redis's.
     pub fn of(e: &Error) -> Self {
         let r = match e {
             Error::Redis(r) => r,

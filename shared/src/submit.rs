@@ -12,8 +12,11 @@ use crate::envelope::{Envelope, Limits};
 /// bad envelope in an array (`None` when the body as a whole is bad).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BadSubmission {
+    /// `malformed_json`, `empty`, or the envelope's [`Reject::code`](crate::envelope::Reject::code).
     pub code: &'static str,
+    /// What is wrong, for a human.
     pub detail: String,
+    /// Which envelope of an array (from 0); `None` for the body as a whole.
     pub index: Option<usize>,
 }
 

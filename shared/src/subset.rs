@@ -51,12 +51,25 @@ use rand_chacha::ChaCha8Rng;
 /// Why a shard layout is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SubsetError {
+    /// No shard (`FLEET_SHARDS` 0).
     #[error("the number of shards must be at least 1")]
     NoShards,
+    /// Shards per worker of 0 or more than the shards.
     #[error("the shards per worker must be between 1 and the number of shards ({shards}), got {per_worker}")]
-    PerWorker { shards: u32, per_worker: u32 },
+    PerWorker {
+        /// The shards (`FLEET_SHARDS`).
+        shards: u32,
+        /// The shards per worker (`FLEET_SHARDS_PER_WORKER`).
+        per_worker: u32,
+    },
+    /// Shards that are not a multiple of the shards per worker.
     #[error("{shards} shards cannot be split into subsets of {per_worker}: the number of shards must be a multiple of the shards per worker")]
-    NotMultiple { shards: u32, per_worker: u32 },
+    NotMultiple {
+        /// The shards (`FLEET_SHARDS`).
+        shards: u32,
+        /// The shards per worker (`FLEET_SHARDS_PER_WORKER`).
+        per_worker: u32,
+    },
 }
 
 /// A validated shard layout: `shards` shard queues, `per_worker` (`k`) consumed by each worker.

@@ -45,7 +45,10 @@ impl Ticker {
     }
 
     /// Waits for the next tick: `true`, or `false` once `shutdown` fires (shutdown wins ties).
-    /// Cancel safe.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropped before it completes, it has consumed no tick (the next call gets
+    /// the tick this one was waiting for), as [`tokio::time::Interval::tick`].
     pub async fn tick(&mut self, shutdown: &CancellationToken) -> bool {
         tokio::select! {
             biased;
@@ -55,7 +58,11 @@ impl Ticker {
     }
 
     /// Waits for the next tick and returns when it was due, for a `select!` that also waits on
-    /// shutdown and other events (see the module docs). Cancel safe.
+    /// shutdown and other events (see the module docs).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropped before it completes (another `select!` arm won), it has consumed
+    /// no tick, as [`tokio::time::Interval::tick`].
     pub async fn next(&mut self) -> Instant {
         self.0.tick().await
     }

@@ -433,7 +433,9 @@ pub async fn ready_count(ch: &Channel, queue_name: &str) -> Option<u32> {
 /// `{"group": "protocol=builtin", "queues": ["ns.group.protocol=builtin.normal", …]}`.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CatalogRecord {
+    /// The group name.
     pub group: String,
+    /// The queue names declared for it (lane, shard and park queues).
     pub queues: Vec<String>,
 }
 
@@ -441,9 +443,13 @@ pub struct CatalogRecord {
 /// number of records read, and how many could not be read (not a [`CatalogRecord`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Catalog {
+    /// Every group named by a record.
     pub groups: std::collections::BTreeSet<String>,
+    /// Every queue named by a record.
     pub queues: std::collections::BTreeSet<String>,
+    /// Records read.
     pub records: usize,
+    /// Messages that were not a [`CatalogRecord`].
     pub unreadable: usize,
 }
 
@@ -546,9 +552,11 @@ pub async fn read_catalog(conn: &lapin::Connection, names: &Names) -> Result<Cat
 /// the waiting-for-worker pseudo-group [`Names::UNMATCHED_GROUP`]) and what the catalog held.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Deleted {
+    /// The groups whose queues were deleted.
     pub groups: std::collections::BTreeSet<String>,
     /// Groups only the catalog named (Redis had forgotten them).
     pub catalog_only: usize,
+    /// What the catalog held.
     pub catalog: Catalog,
 }
 

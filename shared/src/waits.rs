@@ -32,6 +32,7 @@ pub struct WaitHistogram {
 }
 
 impl WaitHistogram {
+    /// Counts one wait in its bucket (the first bound at or above it, else the overflow).
     pub fn record(&self, wait: Duration) {
         let s = wait.as_secs_f64();
         let i = BOUNDS.iter().position(|b| s <= *b).unwrap_or(BOUNDS.len());

@@ -17,6 +17,7 @@
 //! | [`ns`] | the namespace fixture: publish, depths, statuses, settled/state waits, clean-up |
 //! | [`wait`] | [`wait_for`] |
 //! | [`inproc`] | scheduler and workers in this process |
+//! | [`isolate`] | [`own_process!`]: a test that reads process-wide metrics runs in a process of its own |
 //! | [`handlers`] | recording handlers and the gate |
 //! | [`process`] | `fleet-worker`, `fleet-scheduler` and `fleetctl` as child processes |
 //! | [`endpoint`] | a recording HTTP task endpoint for the `http` executor |
@@ -31,6 +32,7 @@ pub mod dead;
 pub mod endpoint;
 pub mod handlers;
 pub mod inproc;
+pub mod isolate;
 pub mod metrics;
 pub mod ns;
 pub mod process;
@@ -44,6 +46,7 @@ pub use dead::*;
 pub use endpoint::*;
 pub use handlers::*;
 pub use inproc::*;
+pub use isolate::*;
 pub use metrics::*;
 pub use ns::*;
 pub use process::*;

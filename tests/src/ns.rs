@@ -65,11 +65,7 @@ impl Ns {
         crate::wait::watchdog();
         let name = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
         let names = Names::new(&name);
-        if let (Ok(mut r), Some(test)) =
-            (crate::wait::RUNNING.lock(), std::thread::current().name())
-        {
-            r.push(format!("{test} ({name})"));
-        }
+        crate::wait::hold(&name);
         let mut base = vec![
             ("namespace".to_string(), name.clone()),
             ("amqp_url".to_string(), amqp_url.to_string()),
@@ -246,9 +242,7 @@ impl Ns {
     /// Deletes every queue, exchange and key of the namespace: every shard queue of every
     /// group (however many shards the test used) and the waiting-for-worker park queues too.
     pub async fn cleanup(self) -> Result<()> {
-        if let Ok(mut r) = crate::wait::RUNNING.lock() {
-            r.retain(|t| !t.ends_with(&format!("({})", self.name)));
-        }
+        crate::wait::release(&self.name);
         // Bounded, like every wait of the harness: a broker or Redis that stops answering
         // fails the test here instead of holding the suite.
         tokio::time::timeout(Duration::from_secs(60), async {
@@ -361,6 +355,14 @@ impl Ns {
             .ok()
             .flatten()
             .and_then(|s| s.get("state").cloned())
+    }
+}
+
+/// A namespace left without [`Ns::cleanup`] (its test failed early or panicked) no longer
+/// counts against the test's deadline ([`crate::watchdog`]); its queues and keys stay.
+impl Drop for Ns {
+    fn drop(&mut self) {
+        crate::wait::release(&self.name);
     }
 }
 

@@ -173,16 +173,34 @@ pub(crate) fn register(pid: u32, group: bool) {
 }
 
 /// SIGKILLs every process (group) [`register`]ed that may still run: the watchdog's exit runs
-/// no `Drop`. One already gone is skipped by `kill`.
+/// no `Drop`. One already gone is skipped: only a process whose parent is this one is a
+/// target (the e2e binary runs for many minutes, and a reaped child's pid may be another
+/// process's by then).
 pub(crate) fn kill_registered_groups() {
     let targets = STARTED.lock().map(|s| s.clone()).unwrap_or_default();
     for t in targets {
+        if !is_our_child(t.trim_start_matches('-')) {
+            continue;
+        }
         let _ = Command::new("kill")
             .args(["-KILL", "--", &t])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status();
     }
+}
+
+/// Whether process `pid` runs and is a child of this process (`/proc/<pid>/stat`'s ppid).
+fn is_our_child(pid: &str) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // `pid (comm) state ppid …`: comm may hold spaces and parentheses; the fields after the
+    // last `)` do not.
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+        .and_then(|ppid| ppid.parse::<u32>().ok())
+        == Some(std::process::id())
 }
 
 fn kill_group(child: &mut Child) {

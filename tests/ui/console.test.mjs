@@ -1,4 +1,4 @@
-// Browser half of tests/tests/console.rs: drives fleet's console (/ui) in Debian's chromium with
+// Browser half of tests/tests/e2e/console.rs: drives fleet's console (/ui) in Debian's chromium with
 // playwright-core and checks it against the API. Environment (set by the Rust test):
 //   FLEET_UI_BASE       scheduler base URL, e.g. http://127.0.0.1:PORT
 //   FLEET_ADMIN_TOKEN   token with role admin; FLEET_READ_TOKEN: role read

@@ -87,7 +87,12 @@ impl Broker {
     }
 
     /// A live connection: the current one, or a new one with the topology declared. Retries
-    /// with backoff until it works; `None` once the broker is stopped. Cancel safe.
+    /// with backoff until it works; `None` once the broker is stopped.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropped mid-reconnect, the connection being made is dropped with it
+    /// (never stored), readiness stays "AMQP down" and the reconnect lock is released; the
+    /// next call starts over.
     pub async fn connection(&self) -> Option<Arc<Connection>> {
         let _one_at_a_time = self.reconnect.lock().await;
         let last = self.latest();

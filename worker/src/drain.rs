@@ -174,7 +174,10 @@ impl Control {
         self.inner.draining.is_cancelled()
     }
 
-    /// Resolves when draining starts. Cancel safe.
+    /// Resolves when draining starts.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only waits; dropped, it has changed nothing.
     pub async fn draining(&self) {
         self.inner.draining.cancelled().await
     }
@@ -197,7 +200,11 @@ pub enum Finish {
 }
 
 /// Waits for the work stage's tasks to finish, at most `grace`, or until `force` fires. Closes
-/// the stage (no new task may be awaited after this); cancel safe.
+/// the stage (no new task may be awaited after this).
+///
+/// # Cancel safety
+/// Cancel safe: the stage is closed at its first poll and stays closed; dropped after that,
+/// only the wait is lost (the tasks run on), and calling it again waits again.
 pub async fn wait_for_tasks(work: &Stage, grace: Duration, force: &CancellationToken) -> Finish {
     work.close();
     if work.is_empty() {

@@ -299,7 +299,11 @@ impl LaneConsumer {
     }
 }
 
-/// Waits until the mode is `Active`; false when draining or shut down. Cancel safe.
+/// Waits until the mode is `Active`; false when draining or shut down.
+///
+/// # Cancel safety
+/// Cancel safe: it only reads the mode; the next call reads the current mode again, so a
+/// change seen by a dropped call is not lost.
 async fn wait_active(mode: &mut watch::Receiver<Mode>, shutdown: &CancellationToken) -> bool {
     loop {
         let now = *mode.borrow_and_update();

@@ -176,7 +176,13 @@ impl Ledger {
 
     /// Claims an attempt: directly when the ledger is idle, else in the loop's next batch.
     /// `None` when Redis could not answer (the caller runs the attempt: at-least-once).
-    /// Cancel safe.
+    ///
+    /// # Cancel safety
+    /// Cancel safe as far as the ledger goes: a dropped call leaves nothing to clean up in
+    /// it, but the claim may still be written (the batch it joined goes on; a direct call
+    /// already sent may land). The attempt then holds a claim nobody runs — as after a crash
+    /// between claim and run — until its run lease lapses (heartbeats renew only tasks that
+    /// still run here).
     pub async fn claim(&self, req: ClaimRequest) -> Option<Claim> {
         if self
             .writer

@@ -106,8 +106,11 @@ impl Registrar {
 
     /// Registers as `active`, retrying while Redis is unreachable. `Ok(false)` when `shutdown`
     /// fired first. An id held by another instance is watched (see the module docs): an error
-    /// once the holder proves alive by heartbeating, retrying cannot fix that. Cancel safe (a
-    /// registration cut short is either done or not; registering again is idempotent).
+    /// once the holder proves alive by heartbeating, retrying cannot fix that.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a registration cut short is either done or not (one script call), and
+    /// registering again is idempotent.
     pub async fn register_at_startup(
         &self,
         shutdown: &CancellationToken,

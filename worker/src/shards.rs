@@ -48,7 +48,10 @@ pub struct ShardWatch {
 
 impl ShardWatch {
     /// The normal-lane queues to consume now: `None` when the table cannot be read or does not
-    /// name this worker. Cancel safe (one read).
+    /// name this worker.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: one read; dropped, it has changed nothing.
     pub async fn current(&self) -> Option<(u32, Vec<String>)> {
         let table = match tokio::time::timeout(READ_TIMEOUT, self.store.group_ordinals(&self.group))
             .await

@@ -364,7 +364,10 @@ pub struct Running {
 
 impl Running {
     /// Resolves once a drain has been asked for: the `shutdown` token of [`Worker::start`],
-    /// `POST /drain`, the state `draining` set in Redis, or a fatal conflict. Cancel safe.
+    /// `POST /drain`, the state `draining` set in Redis, or a fatal conflict.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only waits; dropped, it has changed nothing.
     pub async fn draining(&self) {
         self.drain.control.draining().await
     }

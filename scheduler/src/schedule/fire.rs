@@ -130,8 +130,12 @@ impl Refusal {
 }
 
 /// Submits one fired task through admission: refused while the normal lane is Red, else
-/// published to `<ns>.submit` (routing key = lane) and confirmed. Not cancel safe (a publish
-/// may be in flight).
+/// published to `<ns>.submit` (routing key = lane) and confirmed.
+///
+/// # Cancel safety
+/// Not cancel safe: dropped after the publish went out, the task may be in `<ns>.submit`
+/// while the caller never learns it was confirmed (whoever fires the tick again submits the
+/// same id `<name>@<tick>`, and the scheduler's dedupe drops the copy).
 pub async fn submit(
     ch: &fleet::amqp::Publisher,
     names: &fleet::Names,

@@ -219,7 +219,10 @@ impl Board {
             .unwrap_or(false)
     }
 
-    /// Waits until this replica has applied record `id`; `false` after `timeout`. Cancel safe.
+    /// Waits until this replica has applied record `id`; `false` after `timeout`.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only watches this replica's state; dropped, it has changed nothing.
     pub async fn wait_applied(&self, id: &str, timeout: Duration) -> bool {
         let mut rx = self.applied.subscribe();
         tokio::time::timeout(timeout, async {

@@ -13,14 +13,23 @@ use crate::store::Store;
 /// A group as the API shows it.
 #[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
 pub struct GroupView {
+    /// The group name (its label set).
     pub group: String,
+    /// Its labels, as a JSON object of strings.
     pub labels: serde_json::Value,
+    /// Workers registered in it, in any state.
     pub workers: u32,
+    /// Normal-lane slots of its active workers.
     pub capacity: u32,
+    /// Critical-lane slots of its active workers.
     pub critical_capacity: u32,
+    /// Normal-lane tasks running (unexpired run leases).
     pub load: u32,
+    /// Normal-lane tasks dispatched and not started (unexpired reservations).
     pub reserved: u32,
+    /// Critical-lane tasks running.
     pub critical_load: u32,
+    /// Critical-lane tasks dispatched and not started.
     pub critical_reserved: u32,
 }
 

@@ -13,10 +13,15 @@ use crate::store::{millis, Store};
 pub struct Beat {
     /// Tasks running per lane (copies of a redelivered duplicate count each).
     pub load: PerLane<u32>,
+    /// User task attempts that succeeded, since the worker started.
     pub succeeded: u64,
+    /// User task attempts whose handler failed, since the worker started.
     pub failed: u64,
+    /// Moving average of run times, in milliseconds.
     pub latency_ewma_ms: f64,
+    /// The process's CPU utilisation since the previous beat, `0..=1` of all cores.
     pub cpu: f64,
+    /// Its weight for weighted routing, `0.05..=1`: `(1 − error ratio) × (1 − cpu / 2)`.
     pub health: f64,
     /// Running tasks: (lane, task id); their leases are renewed.
     pub running: Vec<(Lane, String)>,
@@ -25,6 +30,7 @@ pub struct Beat {
 /// The answer to a heartbeat.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BeatReply {
+    /// Recorded; the worker's state as the registry has it (an operator may have changed it).
     State(WorkerState),
     /// The registration is gone (evicted, or Redis lost its data): register again.
     Gone,

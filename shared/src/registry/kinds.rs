@@ -33,12 +33,21 @@ pub enum Kinds {
 /// Why a kind list was refused (the caller names the setting).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KindsError {
+    /// An empty item in the list (the list).
     #[error("`{0}`: an empty kind (use `*` for every kind, or list kinds as `a,b`)")]
     Empty(String),
+    /// `*` together with named kinds.
     #[error("`*` stands alone: it already means every kind")]
     MixedWildcard,
+    /// A kind longer than `MAX_KIND_BYTES`.
     #[error("kind `{kind}` is {len} bytes; at most {MAX_KIND_BYTES}")]
-    TooLong { kind: String, len: usize },
+    TooLong {
+        /// The kind.
+        kind: String,
+        /// Its length, in bytes.
+        len: usize,
+    },
+    /// A kind with a control character or whitespace (the kind).
     #[error("kind {0:?} contains a control character or whitespace")]
     BadChar(String),
 }

@@ -12,8 +12,10 @@ use crate::store::{millis, Store};
 pub enum ReclaimClaim {
     /// Its keys are gone and its tombstone says `pending`: delete its queues, then call
     /// [`Store::reclaim_done`] (or [`Store::reclaim_restore`] when a queue holds a task).
-    /// `labels`: the group's labels as JSON, for a restore.
-    Reclaimed { labels: String },
+    Reclaimed {
+        /// The group's labels as JSON, for a restore.
+        labels: String,
+    },
     /// Empty, but not for the whole grace yet: this much of it is left.
     Wait(Duration),
     /// Not departed: a worker, or running, reserved or parked work (the reason).

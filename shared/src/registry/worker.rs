@@ -15,12 +15,16 @@ use crate::store::{millis, Store};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum WorkerState {
+    /// Takes work; its capacity counts in its group.
     Active,
+    /// Finishing what it runs before it leaves; takes no new work.
     Draining,
+    /// Took itself out of rotation as an outlier (its error ratio); back after a cool-down.
     Ejected,
 }
 
 impl WorkerState {
+    /// The state's word as stored and shown: `active`, `draining` or `ejected`.
     pub fn as_str(self) -> &'static str {
         match self {
             WorkerState::Active => "active",
@@ -28,6 +32,7 @@ impl WorkerState {
             WorkerState::Ejected => "ejected",
         }
     }
+    /// The state [`as_str`](Self::as_str) names; `None` for any other word.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "active" => Some(WorkerState::Active),
@@ -41,18 +46,27 @@ impl WorkerState {
 /// What a worker registers.
 #[derive(Debug, Clone)]
 pub struct Registration {
+    /// The worker id (`FLEET_WORKER_ID`), unique among live workers.
     pub id: String,
+    /// A random token of this process: only the instance that registered may heartbeat or
+    /// deregister under the id.
     pub instance: String,
+    /// The worker's labels (its group is their label set).
     pub labels: Labels,
+    /// Normal-lane slots.
     pub capacity: u32,
+    /// Critical-lane slots.
     pub critical_capacity: u32,
+    /// Its executor: `builtin`, `http` or `exec`.
     pub executor: String,
+    /// The state it registers in.
     pub state: WorkerState,
     /// The task kinds this worker handles (routing input: see [`super::Kinds`]).
     pub kinds: super::Kinds,
 }
 
 impl Registration {
+    /// The group it joins: its labels' group name ([`Labels::group_name`]).
     pub fn group(&self) -> String {
         self.labels.group_name()
     }
@@ -61,15 +75,22 @@ impl Registration {
 /// A worker as the API shows it.
 #[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
 pub struct WorkerView {
+    /// The worker id.
     pub id: String,
+    /// Its group name.
     pub group: String,
+    /// Its labels, as a JSON object of strings.
     pub labels: serde_json::Value,
+    /// Its executor: `builtin`, `http` or `exec`.
     pub executor: String,
+    /// Its state word ([`WorkerState::as_str`]).
     pub state: String,
     /// The task kinds it handles: `*` (every kind) or `a,b` (see [`super::Kinds`]).
     #[serde(default = "any_kind")]
     pub kinds: String,
+    /// Normal-lane slots.
     pub capacity: u32,
+    /// Critical-lane slots.
     pub critical_capacity: u32,
     /// Tasks running on the worker now (normal lane): the runs `start.lua` recorded for it and
     /// `finish.lua` has not ended — the same records a group's `load` counts, read live (not
@@ -100,6 +121,7 @@ pub struct WorkerView {
     pub latency_ewma_ms: f64,
     /// As of the last heartbeat (`heartbeat_at`).
     pub cpu: f64,
+    /// Milliseconds since its last heartbeat (Redis time).
     pub last_heartbeat_ms_ago: i64,
     /// When the last heartbeat was recorded (Redis time, RFC 3339 UTC): the time the sampled
     /// figures (`latency_ewma_ms`, `cpu`, clock skew) are as of.
@@ -230,6 +252,12 @@ impl Store {
         Ok(written == 1)
     }
 
+    /// Removes worker `id`'s registration (its runs released, its capacity gone from the
+    /// group) when `instance` owns it; `false` when it is not registered or another
+    /// instance holds the id.
+    ///
+    /// # Errors
+    /// Redis errors.
     pub async fn deregister(&self, id: &str, instance: &str) -> Result<bool> {
         let mut inv = self.scripts.deregister.prepare_invoke();
         inv.key(self.names.prefix()).arg(id).arg(instance);

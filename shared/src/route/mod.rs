@@ -31,6 +31,7 @@ pub enum Strategy {
 }
 
 impl Strategy {
+    /// The strategy's word: `least_loaded`, `round_robin` or `weighted`.
     pub fn as_str(self) -> &'static str {
         match self {
             Strategy::LeastLoaded => "least_loaded",
@@ -39,6 +40,7 @@ impl Strategy {
         }
     }
 
+    /// The strategy [`as_str`](Self::as_str) names; `None` for any other word.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "least_loaded" => Some(Strategy::LeastLoaded),

@@ -15,13 +15,18 @@ use crate::store::Store;
 /// One task to route.
 #[derive(Debug, Clone)]
 pub struct ReserveRequest {
+    /// The task id (the dedupe key).
     pub id: String,
+    /// Its lane: the group lane reserved in.
     pub lane: Lane,
+    /// The labels a group must hold ([`crate::Envelope::selector`]).
     pub selector: Labels,
     /// The task's kind: only a group whose every active worker handles it is a candidate
     /// (see [`crate::registry::Kinds`]).
     pub kind: String,
+    /// The task's own strategy, over the batch's [`ReserveParams::strategy`].
     pub strategy: Option<Strategy>,
+    /// How its id is checked against the dedupe window.
     pub dedupe: Dedupe,
     /// Released from a park queue: may take room even while the group has parked tasks.
     pub from_park: bool,
@@ -43,10 +48,16 @@ pub struct TaskDescription {
 /// Parameters of routing common to a batch.
 #[derive(Debug, Clone, Copy)]
 pub struct ReserveParams {
+    /// Lease of a reservation (ms): an unstarted reservation stops counting after it.
     pub lease_ms: i64,
+    /// Dispatch beyond capacity, as a fraction: a group has room while
+    /// `running + reserved < capacity × (1 + backlog_factor)`.
     pub backlog_factor: f64,
+    /// How a group is chosen among those that match, unless a task names its own.
     pub strategy: Strategy,
+    /// How long a task id is remembered to drop duplicates (ms).
     pub dedupe_window_ms: i64,
+    /// How long the status records written here live (ms).
     pub status_ttl_ms: i64,
     /// Names this batch's dedupe marks (`p:<token>`): a retry of the same batch with the same
     /// token never takes its own marks for duplicates. New for every batch; reused by retries.

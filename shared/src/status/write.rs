@@ -22,6 +22,7 @@ pub struct Writes {
 }
 
 impl Writes {
+    /// No transitions yet.
     pub fn new() -> Self {
         Writes::default()
     }

@@ -1,0 +1,1112 @@
+//! fleet past one machine: a three-node RabbitMQ cluster and a Redis master + replica + three
+//! Sentinels (`ops/cluster.sh`, private processes on loopback — the shared servers are never
+//! touched). A steady stream of tasks goes in through the scheduler's API while the broker node
+//! the scheduler is connected to is killed, then the Redis master. Asserts: every task the API
+//! confirmed (202) runs (0 lost; their statuses are reported), no attempt runs twice, every worker (and so the
+//! scheduler's dispatch) and the API (its 202 answers) are back at work within 10 s of each
+//! kill (the end of a stall, see `back_at_work`), no two 202 answers across a kill are more
+//! than 10 s apart, every status that was `succeeded` before the Redis failover still is after it, and
+//! every quorum queue still has a leader; across the node kill `ingress_full` and
+//! `broker_unavailable` are each answered over no more than 2 s (the ingress queue is never near
+//! its bound: a nack from a queue without a leader is `broker_unavailable`, issue 37 item 3).
+//!
+//! `a_kill_of_the_delayed_leader_strands_no_delayed_work` (issue 37 item 1): the node leading
+//! `<ns>.delayed` killed 1.5 s into a burst of delayed tasks, failing-once tasks and plain ones;
+//! every delayed task and retry runs within 10 s of its due time plus the failover, no attempt
+//! runs twice, every worker ends at `running 0`. The delay tiers are held and forwarded by the
+//! scheduler's tier loops (`fleet::delay`): with the TTL tiers of before, whose at-least-once
+//! dead-lettering RabbitMQ 3.10.8 did in a dead-letter worker per queue, 2 of 3 runs here
+//! stranded a tier's messages for minutes (`<ns>.wait.400` kept 46-57, none ready) when its
+//! leader or `<ns>.delayed`'s was on the killed node. The test prints which of the delay
+//! path's queues the killed node led.
+//!
+//! `FLEET_CLUSTER_DIR=DIR` reuses a cluster already started with `ops/cluster.sh up DIR`
+//! (it is left running, less the killed node and Redis master); otherwise the test starts its
+//! own and stops it at the end. Skipped (with a message) when rabbitmq-server or redis-server
+//! is not installed.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use fleet::{Names, Store};
+use fleet_tests::*;
+use fleet_worker::executor::{handler_fn, Handler, TaskError};
+use serde_json::json;
+
+/// How soon after a kill every process — each worker and the scheduler's API — must be at
+/// work again (the issue's bound).
+const BACK_WITHIN: Duration = Duration::from_secs(10);
+
+/// One private cluster at a time: each test boots three RabbitMQ nodes and a Redis set of its
+/// own, and two of them at once on a 2-core machine starved each other past their bounds.
+static ONE_CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// Tasks per second offered to the API.
+const RATE: u64 = 40;
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+/// A running cluster: its `cluster.env`, and whether this test owns it (then `down` on drop).
+struct Cluster {
+    dir: PathBuf,
+    env: HashMap<String, String>,
+    owned: bool,
+}
+
+impl Cluster {
+    fn script(&self, args: &[&str]) -> Result<String> {
+        let out = std::process::Command::new("timeout")
+            .args(["120", "bash"])
+            .arg(repo_root().join("ops/cluster.sh"))
+            .args(args)
+            .output()
+            .context("run ops/cluster.sh")?;
+        if !out.status.success() {
+            bail!(
+                "ops/cluster.sh {args:?}: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    async fn start() -> Result<Option<Self>> {
+        if let Ok(d) = std::env::var("FLEET_CLUSTER_DIR") {
+            let dir = PathBuf::from(d);
+            let env = read_env(&dir.join("cluster.env"))?;
+            return Ok(Some(Cluster {
+                dir,
+                env,
+                owned: false,
+            }));
+        }
+        if !Path::new("/usr/lib/rabbitmq/bin/rabbitmq-server").exists()
+            || which("redis-server").is_none()
+        {
+            missing_servers("rabbitmq-server or redis-server not installed")?;
+            return Ok(None);
+        }
+        let dir = std::env::temp_dir().join(format!(
+            "fleet-cluster-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        ));
+        let mut c = Cluster {
+            dir: dir.clone(),
+            env: HashMap::new(),
+            owned: true,
+        };
+        let d = dir.to_string_lossy().into_owned();
+        // Up to a few minutes on a loaded 2-core machine (three Erlang VMs booting).
+        let up = tokio::task::spawn_blocking(move || {
+            std::process::Command::new("timeout")
+                .args(["400", "bash"])
+                .arg(repo_root().join("ops/cluster.sh"))
+                .args(["up", &d])
+                .output()
+        })
+        .await??;
+        if !up.status.success() {
+            bail!(
+                "ops/cluster.sh up: {}{}",
+                String::from_utf8_lossy(&up.stdout),
+                String::from_utf8_lossy(&up.stderr)
+            );
+        }
+        c.env = read_env(&dir.join("cluster.env"))?;
+        Ok(Some(c))
+    }
+
+    fn get(&self, k: &str) -> Result<&str> {
+        self.env
+            .get(k)
+            .map(String::as_str)
+            .with_context(|| format!("{k} missing from cluster.env"))
+    }
+
+    fn dir(&self) -> String {
+        self.dir.to_string_lossy().into_owned()
+    }
+
+    /// The queues of namespace `ns` with their type, leader, members, members online, messages
+    /// and consumers (`rabbitmqctl list_queues`), or why they could not be listed: what a
+    /// failure message shows.
+    fn queues(&self, ns: &str) -> String {
+        match self.script(&[
+            "ctl",
+            &self.dir(),
+            "list_queues",
+            "name",
+            "type",
+            "leader",
+            "members",
+            "online",
+            "messages",
+            "consumers",
+        ]) {
+            Ok(out) => out
+                .lines()
+                .filter(|l| l.starts_with(&format!("{ns}.")))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            Err(e) => format!("(cannot list the queues: {e:#})"),
+        }
+    }
+
+    /// Whether every quorum queue of namespace `ns` has all three members online. A quorum
+    /// queue declared a moment before a node dies may not have started its members on the
+    /// other nodes yet; the test kills a node of a settled cluster, as a real outage finds it.
+    fn quorum_settled(&self, ns: &str) -> bool {
+        let Ok(out) = self.script(&[
+            "ctl",
+            &self.dir(),
+            "list_queues",
+            "name",
+            "type",
+            "members",
+            "online",
+        ]) else {
+            return false;
+        };
+        let count = |list: &str| {
+            list.trim_matches(|c| c == '[' || c == ']')
+                .split(',')
+                .filter(|m| !m.trim().is_empty())
+                .count()
+        };
+        let rows: Vec<Vec<&str>> = out
+            .lines()
+            .filter(|l| l.starts_with(&format!("{ns}.")))
+            .map(|l| l.split('\t').collect())
+            .collect();
+        !rows.is_empty()
+            && rows.iter().all(|c| {
+                c.get(1) != Some(&"quorum")
+                    || (c.get(2).map(|m| count(m)) == Some(3)
+                        && c.get(3).map(|m| count(m)) == Some(3))
+            })
+    }
+
+    /// The node (1-3) leading quorum queue `queue` now (`list_queues name leader`).
+    fn leader_of(&self, queue: &str) -> Result<usize> {
+        let out = self.script(&["ctl", &self.dir(), "list_queues", "name", "leader"])?;
+        for line in out.lines() {
+            let mut cols = line.split('\t');
+            if cols.next() == Some(queue) {
+                let leader = cols.next().unwrap_or("").trim();
+                for i in 1..=3 {
+                    if self.get(&format!("NODE{i}_NAME"))? == leader {
+                        return Ok(i);
+                    }
+                }
+                bail!("{queue} is led by {leader:?}, none of the cluster's nodes");
+            }
+        }
+        bail!("no queue {queue}: {out}")
+    }
+
+    /// The node (1-3) the named AMQP connection is on, by the server port it connected to.
+    fn node_of(&self, connection_name: &str) -> Result<usize> {
+        let out = self.script(&[
+            "ctl",
+            &self.dir(),
+            "list_connections",
+            "port",
+            "client_properties",
+        ])?;
+        for line in out.lines() {
+            if line.contains(connection_name) {
+                let port = line.split_whitespace().next().unwrap_or("");
+                for i in 1..=3 {
+                    if self.get(&format!("NODE{i}_PORT"))? == port {
+                        return Ok(i);
+                    }
+                }
+            }
+        }
+        bail!("no connection named {connection_name}: {out}")
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if self.owned {
+            let _ = self.script(&["down", &self.dir()]);
+        }
+    }
+}
+
+fn which(bin: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join(bin))
+            .find(|f| f.exists())
+    })
+}
+
+fn read_env(path: &Path) -> Result<HashMap<String, String>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
+    Ok(text
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| {
+            (
+                k.trim().to_string(),
+                v.trim().trim_matches('\'').to_string(),
+            )
+        })
+        .collect())
+}
+
+/// One run as the handler saw it.
+#[derive(Clone, Debug)]
+struct Run {
+    id: String,
+    worker: String,
+    attempt: u32,
+    at: Instant,
+}
+
+#[derive(Clone, Default)]
+struct Runs(Arc<Mutex<Vec<Run>>>);
+
+impl Runs {
+    fn handler(&self) -> Arc<dyn Handler> {
+        let runs = self.clone();
+        handler_fn(move |ctx| {
+            let runs = runs.clone();
+            async move {
+                let run = Run {
+                    id: ctx.envelope.id.clone(),
+                    worker: ctx.worker_id.to_string(),
+                    attempt: ctx.attempt,
+                    at: Instant::now(),
+                };
+                runs.0
+                    .lock()
+                    .map_err(|_| TaskError::retryable("poisoned"))?
+                    .push(run);
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                Ok(json!({}))
+            }
+        })
+    }
+
+    fn all(&self) -> Vec<Run> {
+        self.0.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+}
+
+/// The producer: POSTs `RATE` tasks a second to the scheduler's API; a task whose POST was not
+/// answered 202 is offered again (same id) in the next tick, as a producer would. Records the
+/// ids the API confirmed and when the API confirmed anything.
+#[derive(Clone, Default)]
+struct Stream {
+    accepted: Arc<Mutex<Vec<String>>>,
+    accepted_at: Arc<Mutex<Vec<Instant>>>,
+    /// Answers other than 202: (when, status or error, body start, how long the call took).
+    others: Arc<Mutex<Vec<(Instant, String, Duration)>>>,
+}
+
+async fn produce(url: String, stream: Stream, stop: tokio_util::sync::CancellationToken) {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap_or_default();
+    let mut pending: Vec<fleet::Envelope> = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(1000 / RATE * 4));
+    while !stop.is_cancelled() {
+        tick.tick().await;
+        for _ in 0..4 {
+            pending.push(task("work", json!({}), "pool=cluster"));
+        }
+        let body: Vec<serde_json::Value> = pending
+            .iter()
+            .filter_map(|e| serde_json::from_slice(&e.to_bytes()).ok())
+            .collect();
+        let sent = Instant::now();
+        match client.post(&url).json(&body).send().await {
+            Ok(r) if r.status().as_u16() != 202 => {
+                let status = r.status().as_u16();
+                let text: String = r
+                    .text()
+                    .await
+                    .unwrap_or_default()
+                    .chars()
+                    .take(120)
+                    .collect();
+                if let Ok(mut o) = stream.others.lock() {
+                    o.push((sent, format!("{status} {text}"), sent.elapsed()));
+                }
+            }
+            Err(e) => {
+                if let Ok(mut o) = stream.others.lock() {
+                    o.push((sent, e.to_string(), sent.elapsed()));
+                }
+            }
+            Ok(_) => {
+                if sent.elapsed() > Duration::from_secs(1) {
+                    if let Ok(mut o) = stream.others.lock() {
+                        o.push((sent, "202 (slow)".to_string(), sent.elapsed()));
+                    }
+                }
+                let ids: Vec<String> = pending.drain(..).map(|e| e.id).collect();
+                if let (Ok(mut a), Ok(mut t)) = (stream.accepted.lock(), stream.accepted_at.lock())
+                {
+                    a.extend(ids);
+                    t.push(Instant::now());
+                }
+            }
+        }
+        // Not 202 (partly accepted, or not at all): everything is offered again next tick;
+        // the dedupe window drops the copies of what was taken.
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
+    let _one = ONE_CLUSTER.lock().await;
+    let Some(cluster) = Cluster::start().await? else {
+        return Ok(());
+    };
+    let amqp = cluster.get("FLEET_CLUSTER_AMQP_URL")?.to_string();
+    let redis = cluster.get("FLEET_CLUSTER_REDIS_URL")?.to_string();
+
+    let name = format!("c{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
+    let names = Names::new(&name);
+    let store = Store::new(&redis, names.clone())?;
+    let conn = fleet::endpoints::connect_any(
+        &amqp,
+        "fleet-tests cluster",
+        &fleet::tls::TlsConfig::default(),
+    )
+    .await?;
+    let publisher = fleet::amqp::confirm_channel(&conn).await?;
+    let base = vec![
+        ("namespace".to_string(), name.clone()),
+        ("amqp_url".to_string(), amqp.clone()),
+        ("redis_url".to_string(), redis.clone()),
+        ("queue_type".to_string(), "quorum".to_string()),
+        ("http_addr".to_string(), "127.0.0.1:0".to_string()),
+    ];
+    let ns = Ns {
+        name: name.clone(),
+        names,
+        store,
+        conn,
+        publisher,
+        base,
+    };
+
+    // Heartbeat timeouts of 10 s: a Redis failover (Sentinel's 1 s down-after + election)
+    // must not read as every worker gone silent.
+    let sched = start_scheduler(
+        &ns,
+        &[
+            ("dedupe_window_ms", "600000"),
+            ("heartbeat_timeout_ms", "10000"),
+        ],
+    )
+    .await?;
+    let runs = Runs::default();
+    let h = [("work", runs.handler())];
+    let mut workers = Vec::new();
+    for i in 0..3 {
+        workers.push(
+            start_worker(
+                &ns,
+                &format!("cw{i}"),
+                "pool=cluster",
+                4,
+                &[("heartbeat_timeout_ms", "10000")],
+                &h,
+            )
+            .await?,
+        );
+    }
+    let worker_ids: HashSet<String> = workers.iter().map(|w| w.id.clone()).collect();
+
+    let stream = Stream::default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let producer = tokio::spawn(produce(
+        sched.url("/v1/tasks"),
+        stream.clone(),
+        stop.clone(),
+    ));
+    wait_for("every worker at work", Duration::from_secs(60), || async {
+        let now = runs.all();
+        worker_ids
+            .iter()
+            .all(|w| now.iter().any(|r| &r.worker == w))
+            .then_some(())
+    })
+    .await?;
+
+    wait_for(
+        "every quorum queue with its three members online",
+        Duration::from_secs(60),
+        || async { cluster.quorum_settled(&name).then_some(()) },
+    )
+    .await?;
+
+    // 1. Kill the broker node the scheduler is connected to.
+    let node = cluster.node_of(&format!("fleet-scheduler {name}"))?;
+    let killed_at = Instant::now();
+    cluster.script(&["kill-node", &node.to_string(), &cluster.dir()])?;
+    eprintln!("killed RabbitMQ node {node} (the scheduler's)");
+    let back = wait_back(&runs, &stream, &worker_ids, killed_at).await;
+    eprintln!("after the node kill: {back:?}");
+    if back.is_err() {
+        eprintln!("the namespace's queues now:\n{}", cluster.queues(&name));
+    }
+    if let Ok(b) = &back {
+        eprintln!(
+            "across the node kill, the longest time between two 202 answers of the API: {:?}",
+            b.get(API).map(|d| d.longest_gap)
+        );
+    }
+
+    // 2. Kill the Redis master; Sentinel promotes the replica. The statuses already
+    // `succeeded` now must still be after the failover: a worker's outcomes wait for a
+    // replica's acknowledgement (`WAIT 1 500`) before they count as written, and the wait
+    // below is longer than that.
+    let done_before = succeeded_now(&ns, &stream).await?;
+    scenario_pause(
+        Duration::from_secs(3),
+        "a margin past the outcomes' replication wait (WAIT 1 500) before the master dies",
+    )
+    .await;
+    let killed_redis_at = Instant::now();
+    eprintln!(
+        "{}",
+        cluster
+            .script(&["kill-redis-master", &cluster.dir()])?
+            .trim()
+    );
+    let back_redis = wait_back(&runs, &stream, &worker_ids, killed_redis_at).await;
+    eprintln!("after the Redis master kill: {back_redis:?}");
+    if back_redis.is_err() {
+        eprintln!("the namespace's queues now:\n{}", cluster.queues(&name));
+    }
+    if let Ok(b) = &back_redis {
+        eprintln!(
+            "across the Redis failover, the longest time between two 202 answers of the API: {:?}",
+            b.get(API).map(|d| d.longest_gap)
+        );
+    }
+    if let Ok(o) = stream.others.lock() {
+        for (at, what, took) in o.iter() {
+            let rel = |t0: Instant| {
+                if *at >= t0 {
+                    format!("+{:?}", *at - t0)
+                } else {
+                    format!("-{:?}", t0 - *at)
+                }
+            };
+            eprintln!("API answer {} after the node kill / {} after the Redis kill, took {took:?}: {what}", rel(killed_at), rel(killed_redis_at));
+        }
+    }
+    // Refusals the depths do not explain (issue 37 item 3): `ingress_full` means the ingress
+    // queue is within 10 % of its bound (10,000 here, never near it at 40 tasks a second); a
+    // nack from a queue without a leader is `broker_unavailable`.
+    let refusals = |code: &str| -> (usize, Duration) {
+        let o = stream.others.lock().map(|o| o.clone()).unwrap_or_default();
+        let at: Vec<Instant> = o
+            .iter()
+            .filter(|(_, what, _)| what.contains(code))
+            .map(|(at, ..)| *at)
+            .collect();
+        let span = match (at.iter().min(), at.iter().max()) {
+            (Some(a), Some(b)) => *b - *a,
+            _ => Duration::ZERO,
+        };
+        (at.len(), span)
+    };
+    let (full_n, full_span) = refusals("ingress_full");
+    let (unavail_n, unavail_span) = refusals("broker_unavailable");
+    eprintln!("API refusals: ingress_full {full_n} over {full_span:?}; broker_unavailable {unavail_n} over {unavail_span:?}");
+
+    scenario_pause(
+        Duration::from_secs(3),
+        "the stream goes on 3 s past the failover",
+    )
+    .await;
+    stop.cancel();
+    producer.await?;
+    let accepted: Vec<String> = stream
+        .accepted
+        .lock()
+        .map(|a| a.clone())
+        .unwrap_or_default();
+    eprintln!("{} tasks confirmed by the API", accepted.len());
+    // Every confirmed task runs (the broker's part: nothing lost).
+    wait_for(
+        "every confirmed task ran",
+        Duration::from_secs(120),
+        || async {
+            let ran: HashSet<String> = runs.all().into_iter().map(|r| r.id).collect();
+            accepted.iter().all(|id| ran.contains(id)).then_some(())
+        },
+    )
+    .await
+    .context("confirmed tasks lost")?;
+    // Their statuses (Redis's part): a status written to the old master in the moment before
+    // it died and not yet replicated is lost with it (Redis replication is asynchronous).
+    let count_states = || async {
+        let mut states: BTreeMap<String, usize> = BTreeMap::new();
+        for id in &accepted {
+            let s = ns
+                .status(id)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|s| s.get("state").cloned())
+                .unwrap_or_else(|| "none".into());
+            *states.entry(s).or_default() += 1;
+        }
+        states
+    };
+    // Up to 30 s for every status to say `succeeded`; what they say then is reported below
+    // either way (a status lost with the old master is allowed).
+    let _ = wait_for_every(
+        "every confirmed task's status succeeded",
+        Duration::from_secs(30),
+        Duration::from_secs(1),
+        || async { (count_states().await.get("succeeded") == Some(&accepted.len())).then_some(()) },
+    )
+    .await;
+    let states = count_states().await;
+    eprintln!("statuses of the confirmed tasks: {states:?}");
+    let mut reverted: Vec<(String, String)> = Vec::new();
+    for id in &done_before {
+        let s = ns
+            .status(id)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|s| s.get("state").cloned())
+            .unwrap_or_else(|| "none".into());
+        if s != "succeeded" {
+            reverted.push((id.clone(), s));
+        }
+    }
+    eprintln!(
+        "{} statuses were succeeded before the Redis failover; {} of them still are",
+        done_before.len(),
+        done_before.len() - reverted.len()
+    );
+    let all = runs.all();
+    let ran: HashSet<&str> = all.iter().map(|r| r.id.as_str()).collect();
+    let never_ran: Vec<&String> = accepted
+        .iter()
+        .filter(|id| !ran.contains(id.as_str()))
+        .collect();
+    let mut per_attempt: BTreeMap<(String, u32), usize> = BTreeMap::new();
+    for r in &all {
+        *per_attempt.entry((r.id.clone(), r.attempt)).or_default() += 1;
+    }
+    let twice: Vec<_> = per_attempt.iter().filter(|(_, n)| **n > 1).collect();
+    // A quorum queue's record names its current leader ({RaName, Node}); one on a node that is
+    // not running has no leader.
+    let leaderless = cluster.script(&[
+        "ctl",
+        &cluster.dir(),
+        "eval",
+        &format!(
+            "Running = rabbit_nodes:all_running(), \
+         length([Q || Q <- rabbit_amqqueue:list(), amqqueue:get_type(Q) =:= rabbit_quorum_queue, \
+         binary:match(element(4, amqqueue:get_name(Q)), <<\"{name}.\">>) =/= nomatch, \
+         not lists:member(element(2, amqqueue:get_pid(Q)), Running)])."
+        ),
+    ])?;
+
+    eprintln!("stopping the fleet");
+    for w in workers {
+        w.stop().await?;
+    }
+    sched.stop().await?;
+    // Bounded: the test's own connection may have been on the killed node.
+    let _ = tokio::time::timeout(Duration::from_secs(30), ns.cleanup()).await;
+
+    eprintln!(
+        "runs {}, confirmed {}, never ran {}, attempts run twice {}",
+        all.len(),
+        accepted.len(),
+        never_ran.len(),
+        twice.len()
+    );
+    assert!(
+        never_ran.is_empty(),
+        "confirmed tasks that never ran: {never_ran:?}"
+    );
+    assert!(twice.is_empty(), "attempts run twice: {twice:?}");
+    assert!(
+        !done_before.is_empty(),
+        "no status was succeeded before the Redis failover"
+    );
+    assert_eq!(
+        reverted.len(),
+        0,
+        "statuses succeeded before the Redis failover and not after it: {reverted:?}"
+    );
+    assert_eq!(leaderless.trim(), "0", "quorum queues without a leader");
+    assert!(
+        full_span <= Duration::from_secs(2),
+        "ingress_full answered over {full_span:?} ({full_n} times) with the ingress queue far below its bound"
+    );
+    // A nack from a queue mid-election is not the producer's fault either, and the issue's
+    // bound holds for every refusal the depths do not explain.
+    assert!(
+        unavail_span <= Duration::from_secs(2),
+        "broker_unavailable answered over {unavail_span:?} ({unavail_n} times) across the node kill"
+    );
+    for (what, b) in [("node kill", back), ("Redis master kill", back_redis)] {
+        let b = b?;
+        for (who, d) in &b {
+            // Workers start runs only when the scheduler dispatches again, so their bound is
+            // the scheduler's too.
+            assert!(
+                d.at <= BACK_WITHIN,
+                "after the {what}, {who} was back at work only after {:?}: {b:?}",
+                d.at
+            );
+        }
+        // The API answered 202 again within the bound: no two answers across the kill are
+        // further apart.
+        let api = b.get(API).map(|d| d.longest_gap).unwrap_or(Duration::MAX);
+        assert!(
+            api <= BACK_WITHIN,
+            "across the {what}, the API answered no 202 for {api:?}: {b:?}"
+        );
+    }
+    Ok(())
+}
+
+/// The confirmed tasks whose status is `succeeded` now (read through Sentinel, bounded).
+async fn succeeded_now(ns: &Ns, stream: &Stream) -> Result<Vec<String>> {
+    let accepted: Vec<String> = stream
+        .accepted
+        .lock()
+        .map(|a| a.clone())
+        .unwrap_or_default();
+    let read = async {
+        let mut done = Vec::new();
+        for id in accepted {
+            if ns
+                .status(&id)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|s| s.get("state").cloned())
+                .as_deref()
+                == Some("succeeded")
+            {
+                done.push(id);
+            }
+        }
+        done
+    };
+    tokio::time::timeout(Duration::from_secs(30), read)
+        .await
+        .context("reading the statuses before the Redis kill")
+}
+
+/// A gap between two events of one process (run starts, 202 answers) longer than this is a
+/// stall; shorter ones are the stream's own jitter (the API answers about ten times a second,
+/// each worker starts runs several times a second).
+const STALL: Duration = Duration::from_secs(2);
+
+/// How one process came through a kill, from its events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Back {
+    /// When it was at work again, measured from the kill: the end of its longest stall (the
+    /// time from the kill to its first event counts as one), or its first event after the
+    /// kill when nothing stalled it. `Duration::MAX` when it has no event after the kill.
+    at: Duration,
+    /// The longest time between two consecutive events across the kill: from its last event
+    /// before the kill (the kill itself when there is none) to its first event past the
+    /// watch window. `Duration::MAX` when it has no event after the kill.
+    longest_gap: Duration,
+}
+
+/// [`Back`] of the `events` of one process (any order) for a kill at `t`, watched until `end`.
+///
+/// The end of the longest gap is not taken when no gap is a stall: a process the kill did
+/// not stop still has a longest gap — some 100 ms of jitter, anywhere in the window — and its
+/// end would read as "back only after" up to the whole window.
+fn back_at_work(events: &[Instant], t: Instant, end: Instant) -> Back {
+    let mut events = events.to_vec();
+    events.sort();
+    let mut prev_any = events.iter().rev().find(|e| **e < t).copied().unwrap_or(t);
+    let mut prev = t;
+    let (mut first, mut stall, mut longest_gap): (
+        Option<Duration>,
+        Option<(Duration, Duration)>,
+        Option<Duration>,
+    ) = (None, None, None);
+    for e in events.into_iter().filter(|e| *e >= t) {
+        first.get_or_insert(e - t);
+        let gap = e - prev;
+        if gap > STALL && stall.is_none_or(|(longest, _)| gap > longest) {
+            stall = Some((gap, e - t));
+        }
+        longest_gap = Some(longest_gap.unwrap_or_default().max(e - prev_any));
+        (prev, prev_any) = (e, e);
+        if e > end {
+            break;
+        }
+    }
+    Back {
+        at: stall.map(|(_, at)| at).or(first).unwrap_or(Duration::MAX),
+        longest_gap: longest_gap.unwrap_or(Duration::MAX),
+    }
+}
+
+/// How each process came through a kill at `t` ([`Back`]): every worker (its run starts) and
+/// the API (its 202 answers), watched for `WATCH`. Waits until every process has an event
+/// past `t + WATCH`; one that has none within 60 s more is an error.
+async fn wait_back(
+    runs: &Runs,
+    stream: &Stream,
+    workers: &HashSet<String>,
+    t: Instant,
+) -> Result<BTreeMap<String, Back>> {
+    const WATCH: Duration = Duration::from_secs(15);
+    let end = t + WATCH;
+    let missing = || {
+        let all = runs.all();
+        let mut out: Vec<&str> = workers
+            .iter()
+            .filter(|w| !all.iter().any(|r| &r.worker == *w && r.at >= end))
+            .map(String::as_str)
+            .collect();
+        if !stream
+            .accepted_at
+            .lock()
+            .map(|a| a.iter().any(|x| *x >= end))
+            .unwrap_or(false)
+        {
+            out.push(API);
+        }
+        out.sort();
+        out.join(", ")
+    };
+    wait_for(
+        "every process at work past the watch window",
+        WATCH + Duration::from_secs(60),
+        || async { missing().is_empty().then_some(()) },
+    )
+    .await
+    .with_context(|| format!("not at work: {}", missing()))?;
+    let mut out = BTreeMap::new();
+    out.insert(
+        API.to_string(),
+        back_at_work(
+            &stream
+                .accepted_at
+                .lock()
+                .map(|a| a.clone())
+                .unwrap_or_default(),
+            t,
+            end,
+        ),
+    );
+    let all = runs.all();
+    for w in workers {
+        let starts: Vec<Instant> = all
+            .iter()
+            .filter(|r| &r.worker == w)
+            .map(|r| r.at)
+            .collect();
+        out.insert(w.clone(), back_at_work(&starts, t, end));
+    }
+    Ok(out)
+}
+
+/// The name of the scheduler's API among the processes of [`wait_back`].
+const API: &str = "scheduler API";
+
+#[test]
+fn back_at_work_is_the_end_of_a_stall_or_the_first_event() {
+    let t = Instant::now();
+    let end = t + Duration::from_secs(15);
+    let ms = |m: u64| t + Duration::from_millis(m);
+    // A steady stream with its longest gap (150 ms) late in the window: not stalled, back at
+    // its first event; the gap across the kill counts from the last event before it.
+    let mut steady: Vec<Instant> = (0..170).map(|i| ms(100 * i + 50)).collect();
+    steady.push(ms(14_300));
+    steady.retain(|e| *e != ms(14_250));
+    let before = t.checked_sub(Duration::from_millis(60)).unwrap_or(t);
+    steady.push(before);
+    let b = back_at_work(&steady, t, end);
+    assert_eq!(b.at, Duration::from_millis(50));
+    assert_eq!(b.longest_gap, Duration::from_millis(150));
+    // Stalled from the kill to 3.2 s, then 1 s gaps: back at 3.2 s.
+    let mut stalled = vec![before, ms(3_200)];
+    stalled.extend((1..14).map(|i| ms(3_200 + 1_000 * i)));
+    let b = back_at_work(&stalled, t, end);
+    assert_eq!(b.at, Duration::from_millis(3_200));
+    assert_eq!(b.longest_gap, Duration::from_millis(3_260));
+    // A stall in the middle of the window: back at its end.
+    let mid: Vec<Instant> = [100, 200, 5_000, 12_000, 12_100, 15_100]
+        .into_iter()
+        .map(ms)
+        .collect();
+    let b = back_at_work(&mid, t, end);
+    assert_eq!(b.at, Duration::from_millis(12_000));
+    assert_eq!(b.longest_gap, Duration::from_millis(7_000));
+    // Nothing after the kill: never back.
+    assert_eq!(
+        back_at_work(&[before], t, end),
+        Back {
+            at: Duration::MAX,
+            longest_gap: Duration::MAX
+        }
+    );
+}
+
+/// The node leading `<ns>.delayed` killed mid-burst (issue 37 item 1): 200 tasks with
+/// `not_before` 5 s ahead and 100 that fail their first attempt (retried after at most 1 s)
+/// among 300 plain ones. Every delayed task and every retry runs within 10 s of its due time
+/// plus the failover (the time until `<ns>.delayed` has a leader again), no attempt runs
+/// twice, and every worker is back to `running 0`. With the TTL tiers of before (the broker's
+/// dead-letter worker forwarding them) the due work waited ~3 minutes, or stayed stranded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_kill_of_the_delayed_leader_strands_no_delayed_work() -> Result<()> {
+    const DELAYED: usize = 200;
+    const FAILING: usize = 100;
+    const PLAIN: usize = 300;
+    let _one = ONE_CLUSTER.lock().await;
+    let Some(cluster) = Cluster::start().await? else {
+        return Ok(());
+    };
+    let amqp = cluster.get("FLEET_CLUSTER_AMQP_URL")?.to_string();
+    let redis = cluster.get("FLEET_CLUSTER_REDIS_URL")?.to_string();
+    let name = format!("c{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
+    let names = Names::new(&name);
+    let store = Store::new(&redis, names.clone())?;
+    let conn = fleet::endpoints::connect_any(
+        &amqp,
+        "fleet-tests cluster-delayed",
+        &fleet::tls::TlsConfig::default(),
+    )
+    .await?;
+    let publisher = fleet::amqp::confirm_channel(&conn).await?;
+    let base = vec![
+        ("namespace".to_string(), name.clone()),
+        ("amqp_url".to_string(), amqp.clone()),
+        ("redis_url".to_string(), redis.clone()),
+        ("queue_type".to_string(), "quorum".to_string()),
+        ("http_addr".to_string(), "127.0.0.1:0".to_string()),
+    ];
+    let ns = Ns {
+        name: name.clone(),
+        names,
+        store,
+        conn,
+        publisher,
+        base,
+    };
+    let sched = start_scheduler(&ns, &[("heartbeat_timeout_ms", "10000")]).await?;
+    // Runs by (id, attempt) with when; `fail_once` tasks fail attempt 1.
+    let runs: Arc<Mutex<Vec<(String, u32, Instant)>>> = Arc::default();
+    let r = runs.clone();
+    let handler = handler_fn(move |ctx| {
+        let r = r.clone();
+        async move {
+            r.lock()
+                .map_err(|_| TaskError::retryable("poisoned"))?
+                .push((ctx.envelope.id.clone(), ctx.attempt, Instant::now()));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if ctx.envelope.payload["fail_once"] == true && ctx.attempt == 1 {
+                return Err(TaskError::retryable("fails once"));
+            }
+            Ok(json!({}))
+        }
+    });
+    let mut workers = Vec::new();
+    for i in 0..3 {
+        workers.push(
+            start_worker(
+                &ns,
+                &format!("dw{i}"),
+                "pool=delayed",
+                8,
+                &[
+                    ("heartbeat_timeout_ms", "10000"),
+                    ("retry_base_ms", "1000"),
+                    ("retry_cap_ms", "1000"),
+                ],
+                &[("work", handler.clone())],
+            )
+            .await?,
+        );
+    }
+    wait_for(
+        "every quorum queue with its three members online",
+        Duration::from_secs(120),
+        || async { cluster.quorum_settled(&name).then_some(()) },
+    )
+    .await?;
+    let delayed_q = ns.names.delayed_queue();
+    let leader = cluster.leader_of(&delayed_q)?;
+    let tiers_led: Vec<String> = fleet::delay::tiers()
+        .map(|t| ns.names.delay_queue(t))
+        .filter(|q| cluster.leader_of(q).ok() == Some(leader))
+        .collect();
+    eprintln!("{delayed_q} is led by node {leader}, which leads the tiers {tiers_led:?} too");
+
+    let due = chrono::Utc::now() + chrono::Duration::seconds(5);
+    let due_at = Instant::now() + Duration::from_secs(5);
+    let mut envs = Vec::new();
+    for _ in 0..DELAYED {
+        let mut t = task("work", json!({}), "pool=delayed");
+        t.not_before = Some(due);
+        envs.push(t);
+    }
+    for _ in 0..FAILING {
+        let mut t = task("work", json!({"fail_once": true}), "pool=delayed");
+        t.max_attempts = Some(3);
+        envs.push(t);
+    }
+    for _ in 0..PLAIN {
+        envs.push(task("work", json!({}), "pool=delayed"));
+    }
+    let (ok, refused) = ns.submit(&envs).await?;
+    assert_eq!((ok, refused), (envs.len(), 0));
+    scenario_pause(
+        Duration::from_millis(1500),
+        "the burst in flight (delayed tasks waiting, retries in their tier) when the leader dies",
+    )
+    .await;
+    let killed_at = Instant::now();
+    cluster.script(&["kill-node", &leader.to_string(), &cluster.dir()])?;
+    eprintln!("killed RabbitMQ node {leader} (the leader of {delayed_q})");
+    let failover = wait_for(
+        "a new leader for the delayed queue",
+        Duration::from_secs(60),
+        || async {
+            let l = cluster.leader_of(&delayed_q).ok()?;
+            (l != leader).then(|| killed_at.elapsed())
+        },
+    )
+    .await?;
+    eprintln!("{delayed_q} led again after {failover:?}");
+
+    let delayed_ids: Vec<String> = envs[..DELAYED].iter().map(|e| e.id.clone()).collect();
+    let failing_ids: Vec<String> = envs[DELAYED..DELAYED + FAILING]
+        .iter()
+        .map(|e| e.id.clone())
+        .collect();
+    let all_ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
+    let done = wait_for(
+        "every task's last attempt ran",
+        Duration::from_secs(90),
+        || async {
+            let r = runs.lock().ok()?.clone();
+            let ran: HashSet<&str> = r.iter().map(|(id, ..)| id.as_str()).collect();
+            let retried: HashSet<&str> = r
+                .iter()
+                .filter(|(_, a, _)| *a >= 2)
+                .map(|(id, ..)| id.as_str())
+                .collect();
+            (all_ids.iter().all(|id| ran.contains(id.as_str()))
+                && failing_ids.iter().all(|id| retried.contains(id.as_str())))
+            .then_some(())
+        },
+    )
+    .await;
+    let r = runs.lock().map(|r| r.clone()).unwrap_or_default();
+    let first = |id: &str, attempt: u32| {
+        r.iter()
+            .filter(|(i, a, _)| i == id && *a == attempt)
+            .map(|(.., at)| *at)
+            .min()
+    };
+    // Lateness past due + failover: delayed tasks against their not_before; retries against
+    // their first run + the 1 s backoff cap.
+    let late =
+        |at: Instant, due: Instant| at.saturating_duration_since(due.max(killed_at + failover));
+    let delayed_late: Vec<Duration> = delayed_ids
+        .iter()
+        .filter_map(|id| first(id, 1).map(|at| late(at, due_at)))
+        .collect();
+    let retry_late: Vec<Duration> = failing_ids
+        .iter()
+        .filter_map(|id| {
+            let one = first(id, 1)?;
+            first(id, 2).map(|at| late(at, one + Duration::from_secs(1)))
+        })
+        .collect();
+    let mut per_attempt: BTreeMap<(String, u32), usize> = BTreeMap::new();
+    for (id, a, _) in &r {
+        *per_attempt.entry((id.clone(), *a)).or_default() += 1;
+    }
+    let twice: Vec<_> = per_attempt.iter().filter(|(_, n)| **n > 1).collect();
+    let max = |v: &[Duration]| v.iter().max().copied().unwrap_or_default();
+    eprintln!(
+        "delayed tasks run {}/{DELAYED}, latest {:?} past due + failover; retries run {}/{FAILING}, latest {:?} past due + failover; attempts run twice {}",
+        delayed_late.len(),
+        max(&delayed_late),
+        retry_late.len(),
+        max(&retry_late),
+        twice.len()
+    );
+    let mut running = Vec::new();
+    for w in &workers {
+        let url = format!("http://{}/status", w.addr);
+        let n = wait_for("the worker idle", Duration::from_secs(30), || async {
+            get_json(&url).await.ok()?["running"]
+                .as_u64()
+                .filter(|n| *n == 0)
+        })
+        .await
+        .map(|_| 0)
+        .unwrap_or(1);
+        running.push(n);
+    }
+    eprintln!("workers' running counts at the end: {running:?}");
+    // What the delay canaries say (`fleet_delay_canary_age_seconds{tier}`, the oldest age of
+    // any tier's canary): a tier that stopped moving must be visible.
+    let canary_age = metrics_page(&sched.url(""))
+        .await
+        .map(|page| {
+            page.lines()
+                .filter(|l| l.starts_with("fleet_delay_canary_age_seconds{"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .fold(0.0_f64, f64::max)
+        })
+        .unwrap_or(0.0);
+    eprintln!("oldest delay canary: {canary_age:.1} s");
+    for w in workers {
+        w.stop().await?;
+    }
+    sched.stop().await?;
+    let _ = tokio::time::timeout(Duration::from_secs(30), ns.cleanup()).await;
+    // Held whatever the broker does: no attempt twice, every slot released.
+    assert!(twice.is_empty(), "attempts run twice: {twice:?}");
+    assert_eq!(running, vec![0, 0, 0], "every worker back to running 0");
+    // The tier loops hold and forward the tiers themselves (no broker dead-lettering on the
+    // delay path): nothing may stay stranded, whichever queues the killed node led.
+    done.context("delayed work stranded after the kill")?;
+    assert_eq!(delayed_late.len(), DELAYED);
+    assert_eq!(retry_late.len(), FAILING);
+    assert!(
+        max(&delayed_late) <= BACK_WITHIN,
+        "a delayed task ran {:?} past due + failover",
+        max(&delayed_late)
+    );
+    assert!(
+        max(&retry_late) <= BACK_WITHIN,
+        "a retry ran {:?} past due + failover",
+        max(&retry_late)
+    );
+    Ok(())
+}
