@@ -349,7 +349,7 @@ fn group_labels(g: usize, groups: usize) -> Labels {
     .unwrap_or_default()
 }
 
-/// The scheduler's reservation parameters at the product defaults (scheduler/src/dispatch.rs
+/// The scheduler's reservation parameters at the product defaults (scheduler/src/dispatch/
 /// `Dispatcher::params`, defaults of shared/src/settings.rs).
 fn default_params() -> ReserveParams {
     ReserveParams {
