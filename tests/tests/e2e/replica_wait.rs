@@ -53,6 +53,12 @@ async fn outcome_writes_do_not_wait_for_a_replica_that_is_not_there() -> Result<
     std::fs::create_dir_all(&dir)?;
     let (m, r, s) = (free_port()?, free_port()?, free_port()?);
     let mut procs = Procs(vec![redis_server(m, &dir, &[])?]);
+    // The master answers before anything is sent to it (a CI run's first write was refused:
+    // the Sentinel's answer below comes from its configuration file, not from the master).
+    wait_for("the master answers PING", Duration::from_secs(30), || async {
+        (cli(m, &["ping"]).trim() == "PONG").then_some(())
+    })
+    .await?;
     let conf = dir.join("sentinel.conf");
     std::fs::write(
         &conf,
@@ -70,8 +76,9 @@ async fn outcome_writes_do_not_wait_for_a_replica_that_is_not_there() -> Result<
         "Sentinel knows the master",
         Duration::from_secs(30),
         || async {
-            cli(s, &["sentinel", "get-master-addr-by-name", "m"])
-                .contains(&m.to_string())
+            // `flags` says `master` once the Sentinel has reached it (`s_down` while it cannot).
+            let master = cli(s, &["sentinel", "master", "m"]);
+            (master.contains(&m.to_string()) && master.lines().any(|l| l.trim() == "master"))
                 .then_some(())
         },
     )
