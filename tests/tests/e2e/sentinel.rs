@@ -231,7 +231,12 @@ async fn a_planned_failover_keeps_every_status() -> Result<()> {
         )
         .await;
     }
-    let demoted = cli(a, &["role"]).starts_with("slave");
+    // The failover happened: the Sentinel turns A into a replica of the new master.
+    let demoted = wait_for("A demoted to a replica", Duration::from_secs(30), || async {
+        cli(a, &["role"]).starts_with("slave").then_some(())
+    })
+    .await
+    .is_ok();
     let settled = wait_for("every task succeeded", Duration::from_secs(60), || async {
         for id in &ids {
             if ns.state_of(id).await.as_deref() != Some("succeeded") {
@@ -264,7 +269,9 @@ async fn a_planned_failover_keeps_every_status() -> Result<()> {
         other.len()
     );
     settled?;
+    assert!(demoted, "the planned failover never demoted A");
     assert_eq!((missing, other.len()), (0, 0));
+    assert_eq!((never, twice), (0, 0), "every task ran exactly once");
     assert!(
         longest < Duration::from_secs(5),
         "/readyz 503 for {longest:?}"
