@@ -186,18 +186,14 @@ ensure_rabbitmq() {
     install_rabbitmq_advanced_config
     log "rabbitmq: down; starting rabbitmq-server -detached (open-file limit $RABBITMQ_NOFILE)"
     # The limit is set in the shell that execs the server (the Debian wrapper's `su rabbitmq`
-    # keeps it): RABBITMQ_NOFILE, or the hard limit if that is lower and cannot be raised.
-    # shellcheck disable=SC2016
-    local start='want=$1; hard=$(ulimit -H -n)
-        if [ "$hard" != unlimited ] && [ "$hard" -lt "$want" ]; then
-            ulimit -H -n "$want" 2>/dev/null || true; hard=$(ulimit -H -n)
-            if [ "$hard" != unlimited ] && [ "$hard" -lt "$want" ]; then want=$hard; fi
-        fi
-        ulimit -S -n "$want" && exec rabbitmq-server -detached'
+    # keeps it): RABBITMQ_NOFILE, or the hard limit if that is lower and cannot be raised
+    # (ops/nofile-exec.sh, which the test harness starts its private nodes with too).
+    local nofile_exec
+    nofile_exec="$(dirname "$0")/nofile-exec.sh"
     if [ "$(id -u)" -eq 0 ] || [ "$(id -un)" = rabbitmq ]; then
-        sh -c "$start" sh "$RABBITMQ_NOFILE" >&2 || die "rabbitmq: rabbitmq-server -detached failed"
+        sh "$nofile_exec" "$RABBITMQ_NOFILE" rabbitmq-server -detached >&2 || die "rabbitmq: rabbitmq-server -detached failed"
     else
-        as_root sh -c "$start" sh "$RABBITMQ_NOFILE" >&2 || die "rabbitmq: rabbitmq-server -detached failed"
+        as_root sh "$nofile_exec" "$RABBITMQ_NOFILE" rabbitmq-server -detached >&2 || die "rabbitmq: rabbitmq-server -detached failed"
     fi
     # -detached returns before the node exists; await_startup fails fast while the node is
     # not reachable yet, so retry it until the deadline.

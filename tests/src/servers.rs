@@ -24,15 +24,9 @@ pub fn rabbitmq_nofile() -> u64 {
         .unwrap_or(RABBITMQ_NOFILE)
 }
 
-/// `sh -c` script: `$1` is the wanted open-file limit, the rest the command to exec with it.
-const NOFILE_THEN_EXEC: &str = r#"want=$1; shift
-hard=$(ulimit -H -n)
-if [ "$hard" != unlimited ] && [ "$hard" -lt "$want" ]; then
-  ulimit -H -n "$want" 2>/dev/null || true
-  hard=$(ulimit -H -n)
-  if [ "$hard" != unlimited ] && [ "$hard" -lt "$want" ]; then want=$hard; fi
-fi
-ulimit -S -n "$want" && exec "$@""#;
+/// `sh -c` script: `$1` is the wanted open-file limit, the rest the command to exec with it —
+/// `ops/nofile-exec.sh` itself, the script `ops/services.sh` starts the shared node with.
+const NOFILE_THEN_EXEC: &str = include_str!("../../ops/nofile-exec.sh");
 
 /// A free TCP port on 127.0.0.1 (bound, then released).
 pub fn free_port() -> Result<u16> {
