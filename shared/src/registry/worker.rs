@@ -8,8 +8,8 @@ use deadpool_redis::redis;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::selector::Labels;
-use crate::store::{millis, Store};
+use crate::redis::{millis, Store};
+use crate::task::Labels;
 
 /// A worker's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
