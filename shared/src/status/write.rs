@@ -151,6 +151,21 @@ impl Store {
     }
 }
 
+/// Longest result or error text kept in a status record.
+pub const MAX_STATUS_TEXT: usize = 4096;
+
+/// `s` cut to at most `max` bytes on a character boundary, with `…` appended when cut.
+pub fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -182,19 +197,4 @@ mod tests {
         );
         assert!(w.records().iter().all(|(_, f)| f[0].0 == "state"));
     }
-}
-
-/// Longest result or error text kept in a status record.
-pub const MAX_STATUS_TEXT: usize = 4096;
-
-/// `s` cut to at most `max` bytes on a character boundary, with `…` appended when cut.
-pub fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
 }
