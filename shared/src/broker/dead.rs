@@ -353,7 +353,7 @@ impl<'a> ReaderLease<'a> {
 
     async fn call(&self, ttl_ms: i64) -> Result<i64> {
         let mut inv = self.store.scripts.dead_lock.prepare_invoke();
-        inv.key(self.store.names.prefix())
+        inv.key(self.store.names.dead_lock())
             .arg(&self.token)
             .arg(ttl_ms);
         self.store.invoke(&inv).await
@@ -425,7 +425,7 @@ async fn claim(store: &Store, token: &str, id: &str, ttl: Duration) -> Result<St
 
 async fn unclaim(store: &Store, token: &str, id: &str) {
     let mut inv = store.scripts.dead_unclaim.prepare_invoke();
-    inv.key(store.names.prefix()).arg(token).arg(id);
+    inv.key(store.names.task(id)).arg(token);
     if let Err(e) = store.invoke::<i64>(&inv).await {
         tracing::warn!(task.id = %crate::task::escape(id), error = %e, "cannot give back a replay's claim; the id counts as queued until its status record expires");
     }

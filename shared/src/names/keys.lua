@@ -23,7 +23,7 @@ local function K_parked(g, lane) return P .. 'pk:' .. g .. ':' .. lane end
 local function K_rr(lane, sel) return P .. 'rr:' .. lane .. ':' .. sel end
 -- Tombstone of a group being (or just) reclaimed; see reclaim.lua.
 local function K_reclaim(g) return P .. 'rc:' .. g end
--- The namespace's dead-queue reader lease (see dead_lock.lua, `fleet::dead`).
+-- The namespace's dead-queue reader lease (see dead_lock.lua, `fleet::broker::dead`).
 local function K_dead_lock() return P .. 'deadrd' end
 
 -- The attempt log of a task (`ta:<id>`, a list of JSON objects, oldest first): one entry per

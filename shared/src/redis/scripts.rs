@@ -6,7 +6,8 @@
 
 use deadpool_redis::redis::Script;
 
-/// The common prelude of every script but the rate limiter.
+/// The common prelude of every script that builds keys from the namespace prefix (all but
+/// `ratelimit.lua`, `dead_lock.lua` and `dead_unclaim.lua`, which get whole keys).
 pub const PRELUDE: &str = include_str!("../names/keys.lua");
 
 /// The registry's prelude (after [`PRELUDE`]): worker capacity and removal.
@@ -134,9 +135,9 @@ pub struct Scripts {
     /// `broker/dead_claim.lua`: claims task ids for a dead-letter replay, one replay of an id at a
     /// time.
     pub dead_claim: Script,
-    /// `broker/dead_unclaim.lua`: gives back ids a replay claimed but could not publish.
+    /// `broker/dead_unclaim.lua` (no prelude: whole keys): gives back ids a replay claimed but could not publish.
     pub dead_unclaim: Script,
-    /// `broker/dead_lock.lua`: renews or releases the dead-queue reader lease while the caller holds
+    /// `broker/dead_lock.lua` (no prelude: whole key): renews or releases the dead-queue reader lease while the caller holds
     /// it.
     pub dead_lock: Script,
 }
@@ -165,8 +166,8 @@ impl Scripts {
             reclaim: script!(registry "../registry/reclaim.lua"),
             rooms: script!("../registry/rooms.lua"),
             dead_claim: script!("../broker/dead_claim.lua"),
-            dead_unclaim: script!("../broker/dead_unclaim.lua"),
-            dead_lock: script!("../broker/dead_lock.lua"),
+            dead_unclaim: Script::new(include_str!("../broker/dead_unclaim.lua")),
+            dead_lock: Script::new(include_str!("../broker/dead_lock.lua")),
         }
     }
 }

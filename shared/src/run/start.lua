@@ -31,7 +31,7 @@
 -- returns: { 'ok' | 'gone' (the worker's registration is missing: register again), then per
 --   task two entries, the answer and its attempt number: 'run', n | 'iso', n | 'wait', 0 |
 --   'dup', 0 | 'dlq', n (dead-letter it: worker_lost) | 'spent', n (dead-letter it:
---   max_attempts) } (`fleet::lease::Claim`)
+--   max_attempts) } (`fleet::run::Claim`)
 local w, g, inst, lease, st_ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local n = tonumber(ARGV[6])
 local now = NOW_MS
