@@ -9,14 +9,16 @@
 
 mod envelope;
 pub mod headers;
+mod lane;
 mod selector;
 mod strategy;
 mod submit;
 
 pub use envelope::{
-    escape, internal_limit, new_id, Envelope, Lane, Limits, PerLane, Reject, KNOWN_FIELDS,
-    MAX_ATTEMPTS_MAX, MAX_ATTEMPTS_MIN, MAX_DELAY, SCHEMA, VERSION,
+    escape, internal_limit, new_id, Envelope, Limits, Reject, KNOWN_FIELDS, MAX_ATTEMPTS_MAX,
+    MAX_ATTEMPTS_MIN, MAX_DELAY, SCHEMA, VERSION,
 };
+pub use lane::{Lane, PerLane};
 pub use selector::{Labels, SelectorError, PROTOCOL_LABEL};
 pub use strategy::Strategy;
 pub use submit::{parse_body, BadSubmission, Submitted};
