@@ -1,4 +1,4 @@
-//! The cluster-wide dispatch rate limit: a GCRA token bucket in Redis (`ratelimit/ratelimit.lua`),
+//! The cluster-wide dispatch rate limit: a GCRA token bucket in Redis (`ratelimit.lua`, beside this file; whole key through `KEYS`, no prelude),
 //! shared by all scheduler replicas, so N replicas together stay under the configured rate.
 //! Tokens are taken per dispatch batch (one call for many tasks); a batch that gets fewer
 //! tokens than it wants dispatches what it got and waits the returned time for the rest —

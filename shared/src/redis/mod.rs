@@ -18,7 +18,7 @@
 //!   the namespace prefix `{<ns>}:` as `KEYS[1]` and builds them with the `K_*` functions of
 //!   `keys.lua`, never by hand. Discovering means: candidate groups read from the label index
 //!   (`route/reserve.lua`), workers found past their heartbeat and the tasks they ran
-//!   (`registry/*.lua`), and every script that calls the prelude's status writers (`status_*`,
+//!   (the other `registry/*.lua`), and every script that calls the prelude's status writers (`status_*`,
 //!   `remove_worker`: `run/start.lua`, `run/finish.lua`, `status/broker_dead.lua`,
 //!   `broker/dead_claim.lua`), which touch a task's record, attempt log, run sets and dedupe
 //!   mark from its id and what its record says. Such a script's header opens with

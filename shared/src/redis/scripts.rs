@@ -1,13 +1,15 @@
 //! The Lua scripts, each one atomic decision, loaded once and run by SHA (the `redis`
 //! crate falls back to `SCRIPT LOAD` on `NOSCRIPT`, e.g. after a Redis restart).
-//! Every script is the prelude `names/keys.lua` (key layout, the one clock, the status words and
-//! the status writers) followed by its own file; the registry's scripts (in `registry/`, beside
-//! their Rust) have the registry prelude `registry/worker.lua` in between.
+//! A script under the prefix rule (see the key convention in [`crate::redis`]) is the prelude
+//! `names/keys.lua` (key layout, the one clock, the status words and the status writers)
+//! followed by its own file; the registry's scripts (in `registry/`, beside their Rust) have the
+//! registry prelude `registry/worker.lua` in between. A script that gets whole keys is its own
+//! file alone.
 
 use deadpool_redis::redis::Script;
 
-/// The common prelude of every script that builds keys from the namespace prefix (all but
-/// `ratelimit.lua`, `dead_lock.lua` and `dead_unclaim.lua`, which get whole keys).
+/// The common prelude of every script that builds keys from the namespace prefix (the
+/// prefix rule of [`crate::redis`]); the scripts that get whole keys load without it.
 pub const PRELUDE: &str = include_str!("../names/keys.lua");
 
 /// The registry's prelude (after [`PRELUDE`]): worker capacity and removal.
@@ -161,10 +163,10 @@ impl Scripts {
             start: script!("../run/start.lua"),
             finish: script!("../run/finish.lua"),
             ratelimit: Script::new(include_str!("../ratelimit/ratelimit.lua")),
-            outcomes: script!(registry "../registry/outcomes.lua"),
+            outcomes: Script::new(include_str!("../registry/outcomes.lua")),
             broker_dead: script!("../status/broker_dead.lua"),
             reclaim: script!(registry "../registry/reclaim.lua"),
-            rooms: script!("../registry/rooms.lua"),
+            rooms: Script::new(include_str!("../registry/rooms.lua")),
             dead_claim: script!("../broker/dead_claim.lua"),
             dead_unclaim: Script::new(include_str!("../broker/dead_unclaim.lua")),
             dead_lock: Script::new(include_str!("../broker/dead_lock.lua")),

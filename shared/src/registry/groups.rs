@@ -89,7 +89,6 @@ impl Store {
         }
         // Only groups that exist: a reclaimed group's hash must not come back (`registry/rooms.lua`).
         let mut inv = self.scripts.rooms.prepare_invoke();
-        inv.key(self.names.prefix());
         for (g, lane, room) in rooms {
             inv.key(self.names.group(g)).arg(lane.as_str()).arg(*room);
         }

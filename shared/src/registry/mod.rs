@@ -1,6 +1,7 @@
 //! The worker registry in Redis: registration, heartbeats, states, eviction, groups and their
-//! reclaim — the Rust beside the Lua it runs (`*.lua` in this folder; every registry script is
-//! `names/keys.lua` + `worker.lua` + its own file, see [`crate::redis`]).
+//! reclaim — the Rust beside the Lua it runs (`*.lua` in this folder; every registry script
+//! but `outcomes.lua` and `rooms.lua`, which get whole keys, is `names/keys.lua` + `worker.lua`
+//! + its own file; see the key convention in [`crate::redis`]).
 //!
 //! **Capacity as counters, load as leases.** A group's capacity is a counter per lane
 //! (`g:<group>` fields `cap:normal`, `cap:critical`) that every state change adjusts by the

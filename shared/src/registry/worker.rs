@@ -241,10 +241,7 @@ impl Store {
         totals: &[(&str, u64)],
     ) -> Result<bool> {
         let mut inv = self.scripts.outcomes.prepare_invoke();
-        inv.key(self.names.prefix())
-            .key(self.names.worker(id))
-            .arg(id)
-            .arg(instance);
+        inv.key(self.names.worker(id)).arg(id).arg(instance);
         for (outcome, n) in totals {
             inv.arg(*outcome).arg(*n);
         }

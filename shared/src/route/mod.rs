@@ -9,6 +9,10 @@
 //! read from the group hash with its capacity (no extra command per task). A group has room while
 //! `running + reserved < capacity × (1 + backlog_factor)`; reservations carry a lease, so a
 //! scheduler that dies after reserving leaks nothing for longer than the lease.
+//!
+//! The same script call dedupes ([`Dedupe`], one mark per task id) and parks a task whose
+//! candidate groups are all full ([`park`]: the group's "has parked tasks" flag), so both live
+//! here with the reservation. `reserve` and `park` stay public modules (`park::FLAG_TTL_MS`).
 
 mod dedupe;
 pub mod park;

@@ -23,7 +23,8 @@
 //!
 //! The scripts spell the words through the tables `S`, `R` and `O` of `keys.lua`; a unit test
 //! below checks them (and any such word written out in a script) against the enums, so the
-//! two sides cannot drift.
+//! two sides cannot drift. The one writer that is a script of this wing, `broker_dead.lua`
+//! (the status of a task the broker dead-lettered itself), lives beside [`Writes`].
 //!
 //! Reading: [`typed`] (the API's JSON), [`attempt_history`], [`Store::task_status`](crate::Store::task_status).
 
