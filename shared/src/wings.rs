@@ -6,9 +6,9 @@
 //! names through `crate::<wing>` (and the root re-exports, `crate::Store` → `redis`, read from
 //! `lib.rs`), and fails on a circle in the graph of wings, naming a file behind each edge.
 //!
-//! Comment lines are skipped (a doc link is no import), and so is a file's trailing
-//! `#[cfg(test)] mod` (a test may reach up: the key-layout test of `names` runs the prelude in
-//! Redis through a [`Store`](crate::Store)).
+//! Comment lines are skipped (a doc link is no import), and so are `#[cfg(test)] mod` blocks (a
+//! test may reach up: the key-layout test of `names` runs the prelude in Redis through a
+//! [`Store`](crate::Store), `tls`'s tests parse settings).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -29,16 +29,53 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// The code of a file: no comment lines, no trailing test module.
+/// The code of a file: no comment lines, no `#[cfg(test)] mod … { … }` (wherever it stands).
 fn code(text: &str) -> String {
-    let text = match text.find("#[cfg(test)]\nmod ") {
-        Some(i) => &text[..i],
-        None => text,
-    };
-    text.lines()
+    let text: String = text
+        .lines()
         .filter(|l| !l.trim_start().starts_with("//"))
         .collect::<Vec<_>>()
-        .join("\n")
+        .join("\n");
+    let mut out = String::new();
+    let mut rest = text.as_str();
+    while let Some(i) = rest.find("#[cfg(test)]\nmod ") {
+        out.push_str(&rest[..i]);
+        rest = &rest[i..];
+        let Some(open) = rest.find(['{', ';']) else {
+            break;
+        };
+        if rest[open..].starts_with(';') {
+            // `mod x;`: a file of its own (read on its own, as part of this wing).
+            rest = &rest[open + 1..];
+            continue;
+        }
+        rest = &rest[block_end(&rest[open..]).map_or(rest.len(), |e| open + e)..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The length of the `{ … }` block `s` opens with, skipping strings and `'{'` / `'}'`.
+fn block_end(s: &str) -> Option<usize> {
+    let b = s.as_bytes();
+    let (mut depth, mut i, mut in_str) = (0usize, 0usize, false);
+    while i < b.len() {
+        match (in_str, b[i]) {
+            (true, b'\\') => i += 1,
+            (true, b'"') | (false, b'"') => in_str = !in_str,
+            (false, b'\'') if b.get(i + 2) == Some(&b'\'') => i += 2,
+            (false, b'{') => depth += 1,
+            (false, b'}') => {
+                depth = depth.checked_sub(1)?;
+                if depth == 0 {
+                    return Some(i + 1);
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    None
 }
 
 fn ident(s: &str) -> &str {
@@ -132,22 +169,25 @@ fn graph(src: &Path) -> Graph {
     g
 }
 
-/// The wings left on a circle (Kahn's algorithm: whatever cannot be ordered), with their edges.
+/// The edges between wings on a circle (empty when the wings are layered).
 fn circles(g: &Graph) -> Vec<String> {
     let mut left: BTreeMap<&str, BTreeSet<&str>> = g
         .iter()
         .map(|(w, e)| (w.as_str(), e.keys().map(String::as_str).collect()))
         .collect();
+    // Peel off wings that use no wing left (sinks) and wings no wing left uses (sources): what
+    // stays lies on a circle.
     loop {
-        let leaves: Vec<&str> = left
+        let used: BTreeSet<&str> = left.values().flatten().copied().collect();
+        let peel: Vec<&str> = left
             .iter()
-            .filter(|(_, e)| e.iter().all(|t| !left.contains_key(t)))
+            .filter(|(w, e)| e.iter().all(|t| !left.contains_key(t)) || !used.contains(*w))
             .map(|(w, _)| *w)
             .collect();
-        if leaves.is_empty() {
+        if peel.is_empty() {
             break;
         }
-        for w in leaves {
+        for w in peel {
             left.remove(w);
         }
     }
@@ -202,4 +242,7 @@ fn a_circle_is_found() {
         crate_refs("use crate::{a::{B, C}, d as e};\nlet x = crate::f::g();"),
         ["a", "d", "f"]
     );
+    let file = "use crate::a::X;\n#[cfg(test)]\nmod tests {\n    use crate::b::Y;\n    \
+                fn f() { let _ = ('{', \"}}\"); }\n}\n// crate::c\nfn after() { crate::d::z(); }\n";
+    assert_eq!(crate_refs(&code(file)), ["a", "d"]);
 }
