@@ -31,8 +31,7 @@ mod sentinel;
 mod store;
 
 pub use scripts::{Scripts, PRELUDE, REGISTRY_PRELUDE, SOURCES};
-pub use sentinel::{Target, CLUSTER_SCHEME, SCHEME};
+pub use sentinel::Target;
 pub use store::{
-    millis, now_ms, permanent, Clock, Failure, Store, CALL_TIMEOUT, REPLICA_RECHECK, REPLICA_WAIT,
-    SKEW_WARN, SWITCH_PAUSE,
+    millis, now_ms, permanent, Clock, Failure, Store, CALL_TIMEOUT, REPLICA_RECHECK, SKEW_WARN,
 };

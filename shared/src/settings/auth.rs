@@ -284,7 +284,7 @@ impl ApiAuth {
     ) -> axum::Router<S> {
         router.layer(middleware::from_fn_with_state(
             (self.is_open(), self.inner.hosts.clone()),
-            crate::settings::check_host,
+            super::host::check_host,
         ))
     }
 

@@ -12,9 +12,8 @@ mod config;
 mod host;
 
 pub use args::{
-    early, known_variables, markdown_table, parse, unknown, CommonArgs, CommonOnly, Early,
-    SchedulerArgs, WorkerArgs,
+    early, markdown_table, parse, unknown, CommonArgs, CommonOnly, Early, SchedulerArgs, WorkerArgs,
 };
-pub use auth::{json_only, ApiAuth, Role, Tokens, MIN_TOKEN_LEN};
+pub use auth::{json_only, ApiAuth, Role, Tokens};
 pub use config::{redis_url, CommonConfig, Origin, Settings};
-pub use host::{check_host, AllowedHosts};
+pub use host::AllowedHosts;

@@ -16,7 +16,7 @@ mod submit;
 
 pub use envelope::{
     escape, internal_limit, new_id, Envelope, Limits, Reject, KNOWN_FIELDS, MAX_ATTEMPTS_MAX,
-    MAX_ATTEMPTS_MIN, MAX_DELAY, SCHEMA, VERSION,
+    MAX_ATTEMPTS_MIN, MAX_DELAY, SCHEMA,
 };
 pub use lane::{Lane, PerLane};
 pub use selector::{Labels, SelectorError, PROTOCOL_LABEL};
