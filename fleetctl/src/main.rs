@@ -14,8 +14,8 @@ use lapin::types::ShortString;
 use lapin::Connection;
 use serde_json::Value;
 
-use fleet::dead;
-use fleet::producer::{Pacing, Producer, Submitted};
+use fleet::broker::dead;
+use fleet::broker::{Pacing, Producer, Submitted};
 use fleet::registry::WorkerView;
 use fleet::{Envelope, Labels, Lane, Names, Store};
 
@@ -285,7 +285,7 @@ async fn main() -> ExitCode {
         Err(e) => {
             eprintln!(
                 "fleetctl: {}",
-                fleet::redact::escape_controls(&fleet::redact::redact(&format!("{e:#}")))
+                fleet::process::escape_controls(&fleet::process::redact(&format!("{e:#}")))
             );
             ExitCode::FAILURE
         }
@@ -337,9 +337,10 @@ async fn delete_namespace(cli: &Cli, names: &Names, yes: bool) -> Result<ExitCod
         .await
         .context("reading the namespace's groups from Redis (FLEET_REDIS_URL)")?;
     let conn = connect(cli).await?;
-    let deleted = fleet::topology::delete_namespace(&conn, names, &redis_groups, cli.shards)
-        .await
-        .with_context(|| format!("deleting the queues of namespace {}", cli.namespace));
+    let deleted =
+        fleet::broker::topology::delete_namespace(&conn, names, &redis_groups, cli.shards)
+            .await
+            .with_context(|| format!("deleting the queues of namespace {}", cli.namespace));
     let _ = conn.close(200, ShortString::from("bye")).await;
     let deleted = deleted?;
     store
@@ -554,9 +555,9 @@ fn amqp_tls(cli: &Cli) -> Result<fleet::tls::TlsConfig> {
 }
 
 /// The Redis URL, built like the daemons': FLEET_REDIS_URL, or with FLEET_REDIS_SENTINELS the
-/// `redis+sentinel://` form naming FLEET_REDIS_MASTER ([`fleet::config::redis_url`]).
+/// `redis+sentinel://` form naming FLEET_REDIS_MASTER ([`fleet::settings::redis_url`]).
 fn redis_url(cli: &Cli) -> Result<String> {
-    Ok(fleet::config::redis_url(
+    Ok(fleet::settings::redis_url(
         &cli.redis_url,
         &cli.redis_sentinels,
         &cli.redis_master,
@@ -844,9 +845,9 @@ fn table(headers: &[&str], rows: Vec<Vec<String>>) -> comfy_table::Table {
 
 async fn connect(cli: &Cli) -> Result<Connection> {
     let tls = amqp_tls(cli)?;
-    fleet::endpoints::connect_any(&cli.amqp_url, "fleetctl", &tls)
+    fleet::broker::connect_any(&cli.amqp_url, "fleetctl", &tls)
         .await
-        .with_context(|| format!("connecting to {}", fleet::redact::redact(&cli.amqp_url)))
+        .with_context(|| format!("connecting to {}", fleet::process::redact(&cli.amqp_url)))
 }
 
 fn one_line(s: &str, max: usize) -> String {
@@ -1193,7 +1194,7 @@ mod tests {
         );
         assert_eq!(
             url,
-            fleet::sentinel::Target::from_settings(
+            fleet::redis::Target::from_settings(
                 "10.0.0.1:26379, 10.0.0.2:26379",
                 "prod",
                 "redis://:s3cret@127.0.0.1:6379/2"

@@ -6,12 +6,12 @@
 //! feature `binaries` (`ops/fuzz.sh --binaries`), which builds those two crates too.
 #![no_main]
 
-use fleet::config::Settings;
+use fleet::settings::Settings;
 use libfuzzer_sys::fuzz_target;
 
 fn check(s: &Settings) {
     let results = [
-        fleet::config::CommonConfig::from_settings(s, "127.0.0.1:0").map(|_| ()),
+        fleet::settings::CommonConfig::from_settings(s, "127.0.0.1:0").map(|_| ()),
         #[cfg(not(feature = "binaries"))]
         fleet::settings::parse::<fleet::settings::SchedulerArgs>(s).map(|_| ()),
         #[cfg(not(feature = "binaries"))]

@@ -6,7 +6,7 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let now = chrono::Utc::now();
-    if let Ok(mut env) = fleet::Envelope::parse(data, &fleet::envelope::Limits::default()) {
+    if let Ok(mut env) = fleet::Envelope::parse(data, &fleet::task::Limits::default()) {
         if env.normalize(now, 5).is_ok() {
             // What the scheduler forwards must parse again as the same task.
             let again = fleet::Envelope::from_slice(&env.to_bytes(), usize::MAX).expect("a normalised envelope re-parses");

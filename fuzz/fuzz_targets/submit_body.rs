@@ -8,7 +8,7 @@ use libfuzzer_sys::fuzz_target;
 const MAX: usize = 64 * 1024;
 
 fuzz_target!(|data: &[u8]| {
-    match fleet::submit::parse_body(data, &fleet::envelope::Limits { max_bytes: MAX, ..Default::default() }, 5, chrono::Utc::now()) {
+    match fleet::task::parse_body(data, &fleet::task::Limits { max_bytes: MAX, ..Default::default() }, 5, chrono::Utc::now()) {
         Ok(envs) => {
             assert!(!envs.is_empty());
             for e in &envs {

@@ -13,7 +13,7 @@
 //! * `GET /v1/series`: the last 15 minutes of throughput and wait time ([`crate::series`]).
 //! * The web console at `/ui` ([`crate::console`]).
 //!
-//! Roles ([`fleet::auth`], when tokens are configured): see [`routes`]. A POST without
+//! Roles ([`fleet::settings`], when tokens are configured): see [`routes`]. A POST without
 //! `Content-Type: application/json` gets 415.
 
 mod dead;
@@ -27,9 +27,9 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use fleet::auth::{ApiAuth, Role};
 use fleet::registry::WorkerState;
-use fleet::{amqp, metrics as m, Envelope, Lane, Store};
+use fleet::settings::{ApiAuth, Role};
+use fleet::{broker::amqp, metrics as m, Envelope, Lane, Store};
 use serde_json::{json, Value};
 use tokio::sync::{watch, RwLock};
 
@@ -47,7 +47,7 @@ pub struct AppState {
     pub cfg: Arc<SchedulerConfig>,
     pub store: Store,
     /// The current session's confirm channel (None while reconnecting).
-    pub publisher: Arc<RwLock<Option<fleet::amqp::Publisher>>>,
+    pub publisher: Arc<RwLock<Option<fleet::broker::amqp::Publisher>>>,
     pub pressure: watch::Receiver<Sample>,
     pub probes: ProbeBoard,
     /// Backlog, parked and oldest age per group, from the stats loop.
@@ -62,7 +62,7 @@ pub struct AppState {
     pub unavailable_since: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
     /// The last publishing channel the API opened itself ([`RENEW_AFTER`]): closed when the
     /// next replaces it, so a long spell opens one channel at a time, not one per renewal.
-    pub renewed: Arc<tokio::sync::Mutex<Option<fleet::amqp::Publisher>>>,
+    pub renewed: Arc<tokio::sync::Mutex<Option<fleet::broker::amqp::Publisher>>>,
 }
 
 /// How long a spell of `broker_unavailable` nacks (below the ingress bound) lasts before the
@@ -73,12 +73,12 @@ pub struct AppState {
 /// (issue 37 item 3) — the stuck state is the channel's, not the queue's.
 pub const RENEW_AFTER: Duration = Duration::from_secs(2);
 
-/// The API routes, each behind its role when tokens are configured ([`fleet::auth`]): submit
+/// The API routes, each behind its role when tokens are configured ([`fleet::settings`]): submit
 /// needs `submit`; status, workers, groups, pressure, series and dead-letter reads need `read`;
 /// drain and replay need `admin`; every POST must be JSON (415 otherwise, checked after the
 /// token: [`ApiAuth::require`]). The console's assets are public (they hold no data). Without
 /// tokens, a request whose `Host` is not `localhost`, an IP address or a name of
-/// `FLEET_API_ALLOWED_HOSTS` gets 421, API and console alike ([`fleet::host`]).
+/// `FLEET_API_ALLOWED_HOSTS` gets 421, API and console alike ([`fleet::settings`]).
 pub fn routes(state: AppState) -> Router {
     let auth: ApiAuth = state.cfg.common.auth.clone();
     let submit_routes = auth.require(Router::new().route("/v1/tasks", post(submit)), Role::Submit);
@@ -103,7 +103,7 @@ pub fn routes(state: AppState) -> Router {
         .merge(admin_routes)
         .with_state(state)
         .merge(crate::console::routes());
-    // Outermost: a DNS-rebinding page reaches neither the API nor the console (fleet::host).
+    // Outermost: a DNS-rebinding page reaches neither the API nor the console (fleet::settings).
     auth.host_check(api)
 }
 
@@ -130,7 +130,7 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
     // path, and published unchanged: the id (generated when absent) travels as `message_id`
     // and the submission time as a header, so nothing fleet adds can push it over a limit.
     let now = st.store.clock.now();
-    let parsed = match fleet::submit::parse_body(
+    let parsed = match fleet::task::parse_body(
         &body,
         &st.cfg.common.limits,
         st.cfg.common.default_max_attempts,
@@ -367,8 +367,8 @@ async fn publish_all(
             let (e, bytes, stamped) = &envs[i];
             let h = stamped.then(|| {
                 amqp::headers([(
-                    fleet::headers::SUBMITTED_AT,
-                    fleet::headers::submitted_at_value(now),
+                    fleet::task::headers::SUBMITTED_AT,
+                    fleet::task::headers::submitted_at_value(now),
                 )])
             });
             amqp::Outgoing {
@@ -523,7 +523,7 @@ async fn series(State(st): State<AppState>) -> Response {
 /// are the last it knew, not the fleet's now.
 async fn pressure(State(st): State<AppState>) -> Response {
     let s = *st.pressure.borrow();
-    let age_ms = (s.sampled_at_ms > 0).then(|| (fleet::store::now_ms() - s.sampled_at_ms).max(0));
+    let age_ms = (s.sampled_at_ms > 0).then(|| (fleet::redis::now_ms() - s.sampled_at_ms).max(0));
     let stale = age_ms.is_none_or(|a| a > stale_after(&st.cfg).as_millis() as i64);
     let mut v = serde_json::to_value(s).unwrap_or_default();
     if let Value::Object(o) = &mut v {

@@ -177,7 +177,7 @@ pub fn sample(
     };
     let waiting = parked + behind;
     let state = t.evaluate(waiting);
-    let now = fleet::store::now_ms();
+    let now = fleet::redis::now_ms();
     Sample {
         state,
         gate: state,

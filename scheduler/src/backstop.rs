@@ -1,7 +1,7 @@
 //! The backstop for dead letters the broker makes itself.
 //!
 //! A quorum group queue dead-letters a message redelivered more than
-//! [`fleet::topology::DELIVERY_LIMIT`] times (RabbitMQ's `x-delivery-limit`) on its own, with
+//! [`fleet::broker::topology::DELIVERY_LIMIT`] times (RabbitMQ's `x-delivery-limit`) on its own, with
 //! no word from fleet: no `x-fleet-reason`, and a status that still says `queued` or `running`.
 //! The group queues' dead-letter routing key therefore leads to the internal queue
 //! `<ns>.dead.broker`, which this loop consumes. For each letter it
@@ -23,7 +23,7 @@
 
 use std::sync::Arc;
 
-use fleet::amqp::{self, DETAIL_HEADER, PROBE_HEADER, REASON_HEADER};
+use fleet::broker::amqp::{self, DETAIL_HEADER, PROBE_HEADER, REASON_HEADER};
 use fleet::{metrics as m, Envelope, Lane, Names};
 use futures::StreamExt;
 use lapin::message::Delivery;
@@ -169,7 +169,7 @@ async fn handle(
         .unwrap_or_default();
     // Health probes never become a user's dead letter (nor a status anyone reads).
     if amqp::header_text(&props, PROBE_HEADER).is_some() {
-        tracing::info!(task.id = %fleet::envelope::escape(&id), reason = %death.reason, "a health probe dead-lettered by the broker: dropped");
+        tracing::info!(task.id = %fleet::task::escape(&id), reason = %death.reason, "a health probe dead-lettered by the broker: dropped");
         delivery.acker.ack(BasicAckOptions::default()).await?;
         return Ok(());
     }
@@ -183,7 +183,7 @@ async fn handle(
     let detail = match death.reason.as_str() {
         "delivery_limit" => format!(
             "dead-lettered by the broker: delivered more than {} times (the group queue's x-delivery-limit) without an outcome",
-            fleet::topology::DELIVERY_LIMIT
+            fleet::broker::topology::DELIVERY_LIMIT
         ),
         other => format!("dead-lettered by the broker ({other})"),
     };
@@ -196,7 +196,7 @@ async fn handle(
             if st.get("run_st").map(String::as_str) == Some("done")
                 && fleet::status::TERMINAL.contains(&state)
             {
-                tracing::info!(task.id = %fleet::envelope::escape(&id), state, reason = %death.reason, "the broker dead-lettered a copy of a finished task: dropped");
+                tracing::info!(task.id = %fleet::task::escape(&id), state, reason = %death.reason, "the broker dead-lettered a copy of a finished task: dropped");
                 metrics::counter!(m::DUPLICATE_DELIVERIES, "lane" => lane.as_str()).increment(1);
                 delivery.acker.ack(BasicAckOptions::default()).await?;
                 return Ok(());
@@ -223,7 +223,7 @@ async fn handle(
     )
     .await
     {
-        tracing::warn!(task.id = %fleet::envelope::escape(&id), error = %e, "cannot move a broker dead letter to the dead-letter queue; requeued");
+        tracing::warn!(task.id = %fleet::task::escape(&id), error = %e, "cannot move a broker dead letter to the dead-letter queue; requeued");
         delivery
             .acker
             .nack(BasicNackOptions {
@@ -261,7 +261,7 @@ async fn handle(
             // operator's to fix, and a letter acked before would leave its status lying. Said
             // again every minute while it lasts (the other letters wait in their queue).
             if warned_at.is_none_or(|t| t.elapsed() >= STATUS_REWARN) {
-                tracing::warn!(task.id = %fleet::envelope::escape(&id), error = %e, tries, "cannot write the status of a broker dead letter; holding it (and the letters behind it) until Redis takes it");
+                tracing::warn!(task.id = %fleet::task::escape(&id), error = %e, tries, "cannot write the status of a broker dead letter; holding it (and the letters behind it) until Redis takes it");
                 warned_at = Some(std::time::Instant::now());
             }
             tokio::select! {
@@ -273,7 +273,7 @@ async fn handle(
         }
     }
     tracing::warn!(
-        task.id = %fleet::envelope::escape(&id),
+        task.id = %fleet::task::escape(&id),
         reason = %death.reason,
         deaths = death.count.unwrap_or(0),
         group = group.as_deref().unwrap_or("-"),

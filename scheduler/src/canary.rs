@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use fleet::amqp::{self, TIER_HEADER};
+use fleet::broker::amqp::{self, TIER_HEADER};
 use fleet::metrics as m;
 use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
@@ -46,7 +46,7 @@ pub const TIERS: usize = 8;
 
 /// The tiers canaries go through, shortest first.
 pub fn tiers() -> impl Iterator<Item = u64> {
-    fleet::delay::tiers().take(TIERS)
+    fleet::broker::delay::tiers().take(TIERS)
 }
 
 /// What the delayed loop and the canary loop share.
@@ -60,7 +60,7 @@ pub struct Canary {
 
 impl Canary {
     pub fn new() -> Arc<Self> {
-        let now = fleet::store::now_ms();
+        let now = fleet::redis::now_ms();
         Arc::new(Canary {
             newest_ms: std::array::from_fn(|_| AtomicI64::new(now)),
             stuck: std::array::from_fn(|_| AtomicBool::new(false)),
@@ -127,11 +127,11 @@ impl CanaryLoop {
                 _ = shutdown.cancelled() => return Ok(()),
                 _ = tick.tick() => {}
             }
-            let now = fleet::store::now_ms();
+            let now = fleet::redis::now_ms();
             let hop_now = self.session.store.clock.now_ms();
             for (i, tier) in tiers().enumerate() {
                 let h = amqp::headers(
-                    fleet::delay::hop(tier, hop_now)
+                    fleet::broker::delay::hop(tier, hop_now)
                         .into_iter()
                         .chain([(HEADER, now.to_string())]),
                 );

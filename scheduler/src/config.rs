@@ -1,10 +1,10 @@
-//! Scheduler settings (see `fleet::config` for how they are read).
+//! Scheduler settings (see `fleet::settings` for how they are read).
 
 use std::time::Duration;
 
-use fleet::config::{CommonConfig, Settings};
-use fleet::route::Strategy;
 use fleet::settings::SchedulerArgs;
+use fleet::settings::{CommonConfig, Settings};
+use fleet::task::Strategy;
 use fleet::{Error, PerLane, Result};
 
 /// How often park discovery looks at the groups of the fleet view
@@ -78,7 +78,7 @@ impl SchedulerConfig {
             dedupe_window_ms: self.dedupe_window.as_millis() as i64,
             status_ttl_ms: self.common.status_ttl.as_millis() as i64,
             direct: true,
-            park_flag_ttl_ms: fleet::park::FLAG_TTL_MS,
+            park_flag_ttl_ms: fleet::route::park::FLAG_TTL_MS,
         }
     }
 

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use fleet::metrics as m;
-use fleet::ticker::Ticker;
+use fleet::process::Ticker;
 use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::{rescue, Dispatcher};

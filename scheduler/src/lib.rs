@@ -16,7 +16,7 @@
 //!
 //! Every loop has one shape: a struct with `async fn run(self, shutdown: CancellationToken)`
 //! whose `select! { biased; … }` checks shutdown first; periodic ones tick with
-//! [`fleet::ticker::Ticker`].
+//! [`fleet::process::Ticker`].
 
 pub mod api;
 pub mod backpressure;

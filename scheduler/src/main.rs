@@ -7,7 +7,7 @@
 
 use std::process::ExitCode;
 
-use fleet::config::Settings;
+use fleet::settings::Settings;
 use fleet::settings::{Early, SchedulerArgs};
 use tokio_util::sync::CancellationToken;
 
@@ -26,7 +26,7 @@ async fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => return fleet::error::report("fleet-scheduler", &e.into()),
     };
-    fleet::telemetry::init(&cfg.common.log_format);
+    fleet::process::telemetry::init(&cfg.common.log_format);
     for warning in fleet::settings::unknown(&settings) {
         tracing::warn!("{warning}");
     }

@@ -9,8 +9,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use fleet::ticker::Ticker;
-use fleet::{amqp, metrics as m, Envelope, Lane};
+use fleet::process::Ticker;
+use fleet::{broker::amqp, metrics as m, Envelope, Lane};
 use tokio::sync::RwLock;
 use tokio_util::sync::CancellationToken;
 
@@ -84,7 +84,7 @@ impl Prober {
 
 async fn probe_one(s: Arc<Session>, board: ProbeBoard, group: String, shutdown: CancellationToken) {
     let mut env = Envelope::new("noop", serde_json::json!({"probe": true}));
-    env.id = format!("probe-{}", fleet::envelope::new_id());
+    env.id = format!("probe-{}", fleet::task::new_id());
     env.lane = Lane::Critical;
     env.submitted_at = Some(chrono::Utc::now());
     env.deadline = Some(
@@ -99,7 +99,10 @@ async fn probe_one(s: Arc<Session>, board: ProbeBoard, group: String, shutdown: 
         &env.to_bytes(),
         amqp::task_properties(
             &env.id,
-            Some(amqp::headers([(fleet::headers::PROBE, "1".to_string())])),
+            Some(amqp::headers([(
+                fleet::task::headers::PROBE,
+                "1".to_string(),
+            )])),
         ),
     )
     .await;
@@ -132,7 +135,7 @@ async fn probe_one(s: Arc<Session>, board: ProbeBoard, group: String, shutdown: 
         ProbeResult {
             ok,
             seconds: ok.then_some(secs),
-            at_ms: fleet::store::now_ms(),
+            at_ms: fleet::redis::now_ms(),
             consecutive_failures: if ok { 0 } else { prev_fail + 1 },
         },
     );

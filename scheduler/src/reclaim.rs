@@ -12,7 +12,7 @@
 //!    no running or reserved task whose four queues (lane and park, both lanes) hold no ready
 //!    message. The queues are asked now (passive declares), not read from the view: a
 //!    candidate's queues must be empty when it is claimed, not a tick ago.
-//! 2. Claim (`lua/reclaim.lua`, atomic against a worker registering): only a group that still
+//! 2. Claim (`registry/reclaim.lua` in the library, atomic against a worker registering): only a group that still
 //!    has no worker and no running, reserved or parked record, and has been so for the whole
 //!    grace (Redis time), loses its keys; a tombstone `rc:<group>` = `pending` then makes the
 //!    registration of a worker of that group wait (it retries) until the queues are gone.
@@ -48,11 +48,11 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fleet::amqp;
-use fleet::config::QueueType;
+use fleet::broker::amqp;
+use fleet::broker::topology::QueueType;
+use fleet::process::Ticker;
 use fleet::registry::{GroupView, ReclaimClaim};
-use fleet::ticker::Ticker;
-use fleet::{metrics as m, topology, Lane};
+use fleet::{broker::topology, metrics as m, Lane};
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueBindOptions, QueueDeclareOptions,
     QueueDeleteOptions,

@@ -5,7 +5,7 @@
 //! config); those that dispatch share a [`Dispatcher`] over it, and those that look at every
 //! group read the session's [fleet view](crate::view).
 //!
-//! Two shutdown stages ([`fleet::shutdown`]): the process's (HTTP, Redis watch, series), built
+//! Two shutdown stages ([`fleet::process`]): the process's (HTTP, Redis watch, series), built
 //! first and stopped last, and each session's (every AMQP loop), stopped when the session
 //! ends. Every loop is a struct with `async fn run(self, shutdown)`, spawned on its stage in a
 //! span of its name.
@@ -15,9 +15,9 @@ use std::time::Duration;
 
 use backon::BackoffBuilder;
 use fleet::http::Readiness;
-use fleet::shutdown::Stage;
-use fleet::ticker::Ticker;
-use fleet::{amqp, metrics as m, topology, Lane, Store};
+use fleet::process::Stage;
+use fleet::process::Ticker;
+use fleet::{broker::amqp, broker::topology, metrics as m, Lane, Store};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, RwLock};
 use tokio_util::sync::CancellationToken;
@@ -40,7 +40,7 @@ const STOP_WAIT: Duration = Duration::from_secs(10);
 const CLOSE_WAIT: Duration = Duration::from_secs(5);
 /// How often Redis is checked for taking writes.
 const REDIS_WATCH: Duration = Duration::from_secs(1);
-use fleet::auth::Role;
+use fleet::settings::Role;
 
 /// Runs the scheduler until `shutdown` fires. `listener` serves the API and `/metrics`.
 /// A [`fleet::Error::Permanent`] (login refused, a queue declared with other arguments) ends
@@ -63,7 +63,8 @@ pub async fn run(
     )?;
     let ready = Readiness::default();
     let (ptx, prx) = watch::channel(Sample::default());
-    let publisher: Arc<RwLock<Option<fleet::amqp::Publisher>>> = Arc::new(RwLock::new(None));
+    let publisher: Arc<RwLock<Option<fleet::broker::amqp::Publisher>>> =
+        Arc::new(RwLock::new(None));
     let probes: ProbeBoard = Arc::default();
     let group_board: GroupBoard = Arc::default();
     let connection: ConnectionSlot = Arc::default();
@@ -222,7 +223,7 @@ impl RedisWatch {
                 Ok(()) => tracing::info!("Redis takes writes"),
                 Err(e) => {
                     // What failed decides the words: a refused connection is no refused write.
-                    let what = fleet::store::Failure::of(&e).describe();
+                    let what = fleet::redis::Failure::of(&e).describe();
                     tracing::warn!(setting = "FLEET_REDIS_URL", error = %e, "{what}; not ready, retrying every second")
                 }
             }
@@ -238,7 +239,7 @@ async fn session(
     conn: Arc<lapin::Connection>,
     ptx: Arc<watch::Sender<Sample>>,
     prx: watch::Receiver<Sample>,
-    publisher_slot: Arc<RwLock<Option<fleet::amqp::Publisher>>>,
+    publisher_slot: Arc<RwLock<Option<fleet::broker::amqp::Publisher>>>,
     (probes, group_board): (ProbeBoard, GroupBoard),
     board: schedule::Board,
     ready: &Readiness,
@@ -342,7 +343,7 @@ async fn session(
         canary: Some(canary.clone()),
     };
     spawn_loop!("delayed", delayed);
-    for tier in fleet::delay::tiers() {
+    for tier in fleet::broker::delay::tiers() {
         spawn_loop!(
             format!("tier.{tier}"),
             crate::tiers::TierLoop {

@@ -7,7 +7,7 @@
 //! read from its Prometheus registry), how many attempts succeeded and failed (differences of
 //! the workers' totals in the registry, so at heartbeat granularity), and the p50/p99 wait —
 //! submission to start — of the attempts that started in it (differences of the workers' wait
-//! histograms, see `fleet::waits`). Points live in a ring of `15 min / interval` entries in
+//! histograms, see `fleet::run::waits`). Points live in a ring of `15 min / interval` entries in
 //! memory: a console shows the history of the replica it talks to, and a restart starts a new
 //! history (Prometheus and the Grafana dashboard keep the long one).
 
@@ -16,10 +16,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fleet::metrics as m;
+use fleet::process::Ticker;
+use fleet::redis::now_ms;
 use fleet::registry::WorkerView;
-use fleet::store::now_ms;
-use fleet::ticker::Ticker;
-use fleet::waits::{self, Counts};
+use fleet::run::waits::{self, Counts};
 use fleet::Store;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Serialize;

@@ -28,7 +28,7 @@ pub struct Session {
     /// The connection of the session (loops open their own channels on it).
     pub conn: Arc<lapin::Connection>,
     /// The publishing confirm channel: publishes only, never a declare.
-    pub publisher: fleet::amqp::Publisher,
+    pub publisher: fleet::broker::amqp::Publisher,
 }
 
 impl Session {
@@ -38,7 +38,7 @@ impl Session {
         cfg: Arc<SchedulerConfig>,
         store: Store,
         conn: Arc<lapin::Connection>,
-        publisher: fleet::amqp::Publisher,
+        publisher: fleet::broker::amqp::Publisher,
     ) -> Self {
         let names = cfg.common.names();
         Session {

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
-use fleet::ticker::Ticker;
+use fleet::process::Ticker;
 use fleet::{metrics as m, Lane};
 use tokio::sync::RwLock;
 use tokio_util::sync::CancellationToken;

@@ -1,10 +1,10 @@
 //! The tier loops: the scheduler holds every delay tier's messages until their hop ends and
-//! forwards them to `<ns>.delayed` (see [`fleet::delay`] for the layout and why fleet does
+//! forwards them to `<ns>.delayed` (see [`fleet::broker::delay`] for the layout and why fleet does
 //! this itself rather than by queue TTL and dead-lettering; issue 37 item 1).
 //!
 //! One loop per tier per scheduler replica consumes `<ns>.hold.<ms>` with a prefetch of
 //! [`PREFETCH`] and keeps what it holds ordered by due time (its
-//! [`HOP_DUE`](fleet::headers::HOP_DUE), capped at one tier length from when it arrived): the
+//! [`HOP_DUE`](fleet::task::headers::HOP_DUE), capped at one tier length from when it arrived): the
 //! messages of a tier mostly come due in queue order, but not always — a replica that stops
 //! hands its held messages back behind the ones this one holds, and publishers' clocks differ.
 //! When the earliest is due, the loop publishes every due one to `<ns>.delayed` together and
@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fleet::{amqp, delay, Names};
+use fleet::{broker::amqp, broker::delay, Names};
 use futures::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};

@@ -39,9 +39,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use fleet::process::Ticker;
 use fleet::registry::GroupView;
-use fleet::ticker::Ticker;
-use fleet::{metrics as m, topology, Lane};
+use fleet::{broker::topology, metrics as m, Lane};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -330,7 +330,8 @@ mod tests {
 
     #[test]
     fn interval_is_the_smallest_readers_interval() {
-        let mut cfg = SchedulerConfig::from_settings(&fleet::config::Settings::default()).unwrap();
+        let mut cfg =
+            SchedulerConfig::from_settings(&fleet::settings::Settings::default()).unwrap();
         assert_eq!(interval(&cfg), cfg.pressure_interval);
         cfg.stats_interval = Duration::from_millis(100);
         assert_eq!(interval(&cfg), Duration::from_millis(100));

@@ -34,7 +34,7 @@ pub enum Error {
     #[error("group being reclaimed: {0}")]
     Reclaiming(String),
     /// A shared resource is held by another process past the wait (the dead-queue reader
-    /// lease, `fleet::dead::ReaderLease`).
+    /// lease, `fleet::broker::dead::ReaderLease`).
     #[error("busy: {0}")]
     Busy(String),
     /// Anything else, described.
@@ -56,7 +56,7 @@ impl Error {
     pub fn config(setting: impl Into<String>, message: impl Into<String>) -> Self {
         Error::Config {
             setting: setting.into(),
-            message: crate::redact::redact(&message.into()).into_owned(),
+            message: crate::process::redact(&message.into()).into_owned(),
         }
     }
 }
@@ -77,11 +77,11 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
 /// escaped, a closed stderr ignored — and returns its exit code ([`exit_code`]).
 pub fn report(program: &str, e: &anyhow::Error) -> std::process::ExitCode {
     use std::io::Write;
-    let text = crate::redact::redact(&format!("{e:#}")).into_owned();
+    let text = crate::process::redact(&format!("{e:#}")).into_owned();
     let _ = writeln!(
         std::io::stderr(),
         "{program}: {}",
-        crate::redact::escape_controls(&text)
+        crate::process::escape_controls(&text)
     );
     std::process::ExitCode::from(exit_code(e))
 }
@@ -91,12 +91,12 @@ pub fn report(program: &str, e: &anyhow::Error) -> std::process::ExitCode {
 pub fn finish(program: &str, result: anyhow::Result<()>) -> std::process::ExitCode {
     match result {
         Ok(()) => {
-            crate::telemetry::flush();
+            crate::process::telemetry::flush();
             std::process::ExitCode::SUCCESS
         }
         Err(e) => {
             tracing::error!(error = %format!("{e:#}"), "{program} stopped with an error");
-            crate::telemetry::flush();
+            crate::process::telemetry::flush();
             report(program, &e)
         }
     }

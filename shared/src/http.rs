@@ -39,7 +39,7 @@ impl Readiness {
 pub fn common_routes(
     handle: PrometheusHandle,
     ready: Readiness,
-    auth: &crate::auth::ApiAuth,
+    auth: &crate::settings::ApiAuth,
 ) -> Router {
     let metrics = Router::new().route(
         "/metrics",
@@ -52,7 +52,7 @@ pub fn common_routes(
         tracing::warn!(setting = "FLEET_ALLOW_UNAUTHENTICATED", "{w}");
     }
     let metrics = if auth.metrics_need_read() {
-        auth.require(metrics, crate::auth::Role::Read)
+        auth.require(metrics, crate::settings::Role::Read)
     } else {
         metrics
     };

@@ -1,75 +1,54 @@
-//! fleet's library crate: everything the scheduler, the worker and `fleetctl` share.
+//! fleet's library crate: everything the scheduler, the worker and `fleetctl` share, in wings —
+//! one folder per concept, its files private behind the few names its `mod.rs` re-exports.
 //!
-//! * [`envelope`] — the task envelope (versioned JSON), its parsing with reasons that name the
-//!   bad field, and its JSON Schema; the lanes ([`Lane`], one value per lane: [`PerLane`]).
-//! * [`selector`] — label sets, selector parsing and exact matching, group names.
-//! * [`config`] — settings from the environment and an optional file; errors name the setting.
-//! * [`settings`] — every setting declared once (flag, variable, default, range, help).
-//! * [`redact`] — hiding URL passwords, escaping control characters in printed text.
-//! * [`names`] — the one place that builds every AMQP name and Redis key under the namespace.
-//! * [`topology`] — idempotent declaration of exchanges and queues.
-//! * [`endpoints`] — the RabbitMQ node list of `FLEET_AMQP_URL` (cluster failover).
-//! * [`amqp`] / [`store`] — connections with retry and backoff to RabbitMQ and Redis;
-//!   [`sentinel`] — Redis behind Sentinel (`redis+sentinel://`), failover to the new master.
-//! * [`headers`] — every `x-fleet-*` header name (AMQP messages, HTTP executor requests).
-//! * [`amqp`] / [`store`] — connections with retry and backoff to RabbitMQ and Redis.
-//! * [`scripts`] — the Lua scripts (one atomic decision each); typed wrappers live with their
-//!   concept: [`registry`] (workers, heartbeats, eviction, reclaim — a folder with its Lua),
-//!   [`route`] + [`lease`] (choice, reservation, in-flight records), [`ratelimit`] (GCRA
-//!   bucket), [`status`] (task states, dead-letter reasons, one writer per transition).
-//! * [`dead`] — dead letters: listing without removing, replaying as new submissions.
-//! * [`subset`] — deterministic subsetting: which shard queues of a sharded group a worker
-//!   consumes.
-//! * [`delay`] — the broker delay tiers used for `not_before` and retry backoff.
-//! * [`producer`] — submitting tasks: refused at once, or paced until accepted.
+//! The wings, lowest first; a wing uses only wings above it in this list (a unit test,
+//! `wings::no_circle_between_wings`, reads the sources and fails on a circle):
+//!
+//! * [`process`] — what every process is made of: logging ([`process::telemetry`]), redaction
+//!   of printed text, the ordered shutdown stages and the one loop ticker.
+//! * [`error`] — the crate's error type; its classification decides a task's fate.
+//! * [`tls`] — TLS client settings for RabbitMQ and Redis.
 //! * [`metrics`] — metric names, their help text and the Prometheus exporter.
-//! * [`waits`] — wait-time histograms workers share with the scheduler's console.
-//! * [`auth`] — API bearer tokens and roles, the axum guard; [`tls`] — TLS client settings.
-//! * [`submit`] — parsing of an HTTP submission body (one envelope or an array).
-//! * [`ticker`] — the one shape of every periodic loop (an interval that ends with shutdown);
-//!   [`shutdown`] — the stages a process's loops are stopped in, in order.
-//! * [`telemetry`] — logging set-up; [`http`] — `/metrics`, `/healthz`, `/readyz`.
+//! * [`task`] — the task as data: the envelope (versioned JSON), lanes, selectors and labels,
+//!   the routing strategy a task asks for, every `x-fleet-*` header name, HTTP submission bodies.
+//! * [`names`] — the one place that builds every AMQP name and Redis key under the namespace,
+//!   with its Lua half `keys.lua` (every script's prelude).
+//! * [`redis`] — the Redis connection ([`Store`]), Sentinel failover, the script loader and the
+//!   key convention every script follows.
+//! * [`status`] — task status records and words, one writer per transition.
+//! * [`run`] — a task attempt's run: claims (`start.lua`), outcomes (`finish.lua`), the
+//!   wait-time histograms workers share.
+//! * [`broker`] — RabbitMQ: connections and publishing, the node list, topology, delay tiers,
+//!   dead letters, the producer, subsetting of shard queues.
+//! * [`registry`] — workers, heartbeats, eviction, groups and their reclaim (Rust beside Lua).
+//! * [`route`] — which group gets a task: the reservation script, dedupe, park flags.
+//! * [`ratelimit`] — the GCRA bucket every scheduler replica shares.
+//! * [`settings`] — every setting declared once, parsed from the environment and a file; API
+//!   tokens and roles, allowed hosts.
+//! * [`http`] — `/metrics`, `/healthz`, `/readyz`.
 
 #![warn(missing_docs)]
 
-pub mod amqp;
-pub mod auth;
-pub mod config;
-pub mod dead;
-pub mod dedupe;
-pub mod delay;
-pub mod endpoints;
-pub mod envelope;
+pub mod broker;
 pub mod error;
-pub mod headers;
-pub mod host;
 pub mod http;
-pub mod lease;
 pub mod metrics;
 pub mod names;
-pub mod park;
-pub mod producer;
+pub mod process;
 pub mod ratelimit;
-pub mod redact;
+pub mod redis;
 pub mod registry;
 pub mod route;
-pub mod scripts;
-pub mod selector;
-pub mod sentinel;
+pub mod run;
 pub mod settings;
-pub mod shutdown;
 pub mod status;
-pub mod store;
-pub mod submit;
-pub mod subset;
-pub mod telemetry;
-pub mod ticker;
+pub mod task;
 pub mod tls;
-pub mod topology;
-pub mod waits;
 
-pub use envelope::{Envelope, Lane, PerLane};
+#[cfg(test)]
+mod wings;
+
 pub use error::{Error, Result};
 pub use names::Names;
-pub use selector::Labels;
-pub use store::Store;
+pub use redis::Store;
+pub use task::{Envelope, Labels, Lane, PerLane};

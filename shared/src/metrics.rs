@@ -227,12 +227,18 @@ pub fn describe() {
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
+/// Upper bounds of the buckets of every `_seconds` histogram (and of the wait-time histograms
+/// workers share, [`crate::run::waits`]), in seconds (the last bucket, past 300 s, is open).
+pub const SECONDS_BUCKETS: [f64; 15] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+
 /// Installs the Prometheus recorder once per process and returns its handle.
 pub fn install() -> PrometheusHandle {
     HANDLE
         .get_or_init(|| {
             let builder = PrometheusBuilder::new()
-                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &crate::waits::BOUNDS)
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS_BUCKETS)
                 .unwrap_or_else(|_| PrometheusBuilder::new());
             let recorder = builder.build_recorder();
             let handle = recorder.handle();

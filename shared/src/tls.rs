@@ -215,7 +215,7 @@ mod tests {
 
     #[test]
     fn settings_check_the_files_at_parse_time() {
-        let s = crate::config::Settings::from_pairs([(
+        let s = crate::settings::Settings::from_pairs([(
             "amqp_tls_ca_file",
             "/nonexistent/ca.pem".to_string(),
         )]);

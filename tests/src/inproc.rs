@@ -77,7 +77,7 @@ pub async fn start_scheduler_exactly(ns: &Ns, all: &[(&str, &str)]) -> Result<Sc
     };
     let client = reqwest::Client::new();
     let url = h.url("/readyz");
-    // 40 s: a scheduler given a list of nodes may first spend `fleet::amqp::CONNECT_TIMEOUT`
+    // 40 s: a scheduler given a list of nodes may first spend `fleet::broker::amqp::CONNECT_TIMEOUT`
     // on one that never answers.
     wait_for("scheduler ready", Duration::from_secs(40), || {
         let (c, u) = (client.clone(), url.clone());

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use fleet::config::{CommonConfig, Settings};
-use fleet::{amqp, topology, Envelope, Lane, Names, Store};
+use fleet::settings::{CommonConfig, Settings};
+use fleet::{broker::amqp, broker::topology, Envelope, Lane, Names, Store};
 use lapin::options::BasicGetOptions;
 
 use crate::wait_for;
@@ -193,7 +193,7 @@ impl Ns {
                 )
                 .await?
             {
-                let reason = amqp::header_str(&m.delivery.properties, fleet::headers::REASON);
+                let reason = amqp::header_str(&m.delivery.properties, fleet::task::headers::REASON);
                 out.push((m.delivery.data, reason));
             }
             anyhow::Ok(out)
@@ -263,7 +263,7 @@ impl Ns {
     pub async fn submit_each(&self, envs: &[Envelope]) -> Result<Vec<bool>> {
         tokio::time::timeout(Duration::from_secs(60), async {
             let mut out = Vec::with_capacity(envs.len());
-            for c in fleet::producer::publish_envelopes(
+            for c in fleet::broker::publish_envelopes(
                 &self.publisher,
                 &self.names.submit_exchange(),
                 envs,

@@ -242,7 +242,7 @@ impl PrivateRabbit {
         r.wait_up(|| {
             let url = url.clone();
             async move {
-                fleet::amqp::connect(&url, "fleet-tests-probe")
+                fleet::broker::amqp::connect(&url, "fleet-tests-probe")
                     .await
                     .is_ok()
             }

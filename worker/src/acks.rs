@@ -147,7 +147,7 @@ impl AckWindow {
         };
         // All at once: each ack returns when the connection's I/O loop has written it, so acks
         // awaited one by one would cost a hand-off to that thread each (see
-        // `fleet::amqp::publish_batch`). The `multiple` one and the single ones cover disjoint tags.
+        // `fleet::broker::amqp::publish_batch`). The `multiple` one and the single ones cover disjoint tags.
         let acks = multiple
             .map(|a| (a, true))
             .into_iter()

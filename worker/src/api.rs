@@ -1,7 +1,7 @@
 //! The worker's HTTP endpoints: `/metrics`, `/healthz`, `/readyz` (shared with every binary),
 //! `GET /status` (this worker as it sees itself) and `POST /drain` (lame duck now: the same
 //! drain as SIGTERM, and the process exits when it is done). With API tokens configured
-//! `/status` needs `read` and `/drain` needs `admin` ([`fleet::auth`]).
+//! `/status` needs `read` and `/drain` needs `admin` ([`fleet::settings`]).
 
 use std::sync::Arc;
 
@@ -12,8 +12,8 @@ use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::{json, Value};
 
-use fleet::auth::{ApiAuth, Role};
 use fleet::http::Readiness;
+use fleet::settings::{ApiAuth, Role};
 
 use crate::drain::Control;
 use crate::stats::Stats;
@@ -37,7 +37,7 @@ struct Api {
 }
 
 /// The worker's router: `GET /status` needs role `read`, `POST /drain` role `admin` (see
-/// [`fleet::auth`]); POST bodies must be JSON.
+/// [`fleet::settings`]); POST bodies must be JSON.
 pub fn router(
     prom: PrometheusHandle,
     ready: Readiness,
@@ -54,7 +54,7 @@ pub fn router(
     let read = auth.require(Router::new().route("/status", get(status)), Role::Read);
     let admin = auth.require(Router::new().route("/drain", post(drain)), Role::Admin);
     // Without tokens `/status` and `/drain` answer only to localhost, IP addresses and the
-    // names of FLEET_API_ALLOWED_HOSTS (DNS-rebinding defence, fleet::host).
+    // names of FLEET_API_ALLOWED_HOSTS (DNS-rebinding defence, fleet::settings).
     auth.host_check(read.merge(admin).with_state(api))
         .merge(fleet::http::common_routes(prom, ready, auth))
 }

@@ -33,12 +33,13 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use fleet::amqp::{
+use fleet::broker::amqp::{
     headers, task_properties, ATTEMPTS_HEADER, DETAIL_HEADER, REASON_HEADER, WORKER_HEADER,
 };
-use fleet::lease::{truncate, Claim, ClaimRequest, Finished};
 use fleet::metrics as m;
-use fleet::shutdown::Stage;
+use fleet::process::Stage;
+use fleet::run::{Claim, ClaimRequest, Finished};
+use fleet::status::truncate;
 use fleet::status::{DeadReason, TaskState};
 use fleet::{Envelope, Lane, Names, PerLane};
 
@@ -65,11 +66,11 @@ pub struct Shared {
     pub ejector: Ejector,
     pub backoff: Backoff,
     pub max_task: Duration,
-    /// Largest delivery parsed (fleet's own copies: see [`fleet::envelope::internal_limit`]).
+    /// Largest delivery parsed (fleet's own copies: see [`fleet::task::internal_limit`]).
     pub max_task_bytes: usize,
     pub default_max_attempts: u32,
     /// The fleet's clock (Redis time) for deadlines and waits.
-    pub clock: fleet::store::Clock,
+    pub clock: fleet::redis::Clock,
     /// Normal runs hold it shared; a crash suspect holds it alone (runs in isolation).
     pub isolation: Arc<tokio::sync::RwLock<()>>,
     /// The stage attempts and handler runs are spawned on: the drain waits for it within the
@@ -163,9 +164,11 @@ pub async fn handle(
         Err(reject) => return Box::pin(refuse(&shared, lane, delivery, reject)).await,
     };
     let base = env.attempt.saturating_add(1);
-    let span = tracing::info_span!("task", task.id = %fleet::envelope::escape(&env.id), kind = %fleet::envelope::escape(&env.kind), lane = %lane, attempt = base);
+    let span = tracing::info_span!("task", task.id = %fleet::task::escape(&env.id), kind = %fleet::task::escape(&env.kind), lane = %lane, attempt = base);
     // Only the scheduler publishes with this header (see `amqp::PROBE_HEADER`).
-    let probe = fleet::amqp::header_text(&delivery.properties, fleet::amqp::PROBE_HEADER).is_some();
+    let probe =
+        fleet::broker::amqp::header_text(&delivery.properties, fleet::broker::amqp::PROBE_HEADER)
+            .is_some();
     attempt_task(shared, lane, delivery, slot, env, base, probe)
         .instrument(span)
         .await
@@ -189,7 +192,7 @@ struct Task<'a> {
     probe: bool,
 }
 
-/// Claims the attempt (exactly one run per attempt; see `lua/start.lua`) and takes its run
+/// Claims the attempt (exactly one run per attempt; see `run/start.lua`) and takes its run
 /// slot. `None` when this copy must not run; it has then been settled here (a duplicate acked,
 /// a lost task dead-lettered) or left to the broker (its channel is gone).
 ///
@@ -520,7 +523,7 @@ async fn settle(
             Ok(()),
         ),
         Fate::Retry { error, delay } => {
-            tracing::info!(error = %fleet::envelope::escape(&error), delay_ms = delay.as_millis() as u64, "attempt failed; retrying");
+            tracing::info!(error = %fleet::task::escape(&error), delay_ms = delay.as_millis() as u64, "attempt failed; retrying");
             let r = Box::pin(retry::publish(
                 shared,
                 env,
@@ -534,7 +537,7 @@ async fn settle(
             (Outcome::Retried, TaskState::Retrying, error, false, None, r)
         }
         Fate::Dead { reason, error } => {
-            tracing::warn!(reason = reason.as_str(), error = %fleet::envelope::escape(&error), "task dead");
+            tracing::warn!(reason = reason.as_str(), error = %fleet::task::escape(&error), "task dead");
             let r = if probe {
                 Ok(())
             } else {
@@ -670,7 +673,7 @@ async fn reroute(task: Task<'_>, slot: &mut Slot) {
         env,
         ..
     } = task;
-    let hops: u32 = fleet::amqp::header_str(&delivery.properties, REROUTES_HEADER)
+    let hops: u32 = fleet::broker::amqp::header_str(&delivery.properties, REROUTES_HEADER)
         .and_then(|h| h.parse().ok())
         .unwrap_or(0);
     let sent = if hops >= MAX_REROUTES {
@@ -732,7 +735,7 @@ async fn reroute(task: Task<'_>, slot: &mut Slot) {
 }
 
 /// An unparseable delivery: dead-lettered as it came, with the refusal's code and detail.
-async fn refuse(shared: &Shared, lane: Lane, delivery: Delivery, reject: fleet::envelope::Reject) {
+async fn refuse(shared: &Shared, lane: Lane, delivery: Delivery, reject: fleet::task::Reject) {
     tracing::warn!(lane = %lane, reason = reject.code(), detail = %reject, "unparseable task dead-lettered");
     metrics::counter!(m::TASKS_REJECTED, "reason" => reject.code()).increment(1);
     let id = delivery

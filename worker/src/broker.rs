@@ -9,13 +9,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use fleet::amqp::Publisher;
+use fleet::broker::amqp::Publisher;
 use lapin::types::ShortString;
 use lapin::{BasicProperties, Connection};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
-use fleet::config::CommonConfig;
+use fleet::settings::CommonConfig;
 
 /// Longest wait for a publish's confirm ([`Broker::publish`]): far above a confirm's normal
 /// milliseconds (a quorum queue commits in its Raft log first) and a leader election's few
@@ -43,7 +43,7 @@ pub struct Broker {
     permanent: std::sync::Mutex<Option<fleet::Error>>,
     /// When the group's queues were last declared (this process's clock, ms since the epoch,
     /// taken before the declaration; 0: never). A registration carries it: a group reclaimed
-    /// after it has had its queues deleted (see `lua/register.lua`).
+    /// after it has had its queues deleted (see `registry/register.lua` in the library).
     declared_at_ms: std::sync::atomic::AtomicI64,
     /// How many lane sessions have started consuming (any lane). A lane pausing after a lost
     /// channel watches it: once another lane consumes again the broker is back, and the pause
@@ -106,7 +106,7 @@ impl Broker {
         self.readiness.set_amqp(false);
         use backon::Retryable;
         let attempt = || async {
-            let Some(c) = fleet::amqp::connect_retrying(
+            let Some(c) = fleet::broker::amqp::connect_retrying(
                 &self.cfg.amqp_url,
                 &self.name,
                 &self.cfg.amqp_tls,
@@ -125,7 +125,7 @@ impl Broker {
             }
         };
         let connected = attempt
-            .retry(fleet::amqp::reconnect_backoff())
+            .retry(fleet::broker::amqp::reconnect_backoff())
             .sleep(tokio::time::sleep)
             .when(|e: &fleet::Error| !matches!(e, fleet::Error::Permanent { .. }) && !self.stop.is_cancelled())
             .notify(|e, wait| tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "cannot declare the topology; retrying"))
@@ -157,11 +157,11 @@ impl Broker {
     }
 
     async fn declare(&self, conn: &Connection) -> fleet::Result<()> {
-        let started = fleet::store::now_ms();
-        fleet::topology::probe_leader_locator(conn, &self.cfg).await?;
+        let started = fleet::redis::now_ms();
+        fleet::broker::topology::probe_leader_locator(conn, &self.cfg).await?;
         let ch = conn.create_channel().await?;
-        fleet::topology::declare_core(&ch, &self.cfg).await?;
-        fleet::topology::declare_group(&ch, &self.cfg, &self.group).await?;
+        fleet::broker::topology::declare_core(&ch, &self.cfg).await?;
+        fleet::broker::topology::declare_group(&ch, &self.cfg, &self.group).await?;
         let _ = ch.close(200, ShortString::from("declared")).await;
         self.declared_at_ms
             .store(started, std::sync::atomic::Ordering::Relaxed);
@@ -237,7 +237,7 @@ impl Broker {
         let conn = self
             .current()
             .ok_or_else(|| fleet::Error::Other("not connected to RabbitMQ".into()))?;
-        let ch = fleet::amqp::confirm_channel(&conn).await?;
+        let ch = fleet::broker::amqp::confirm_channel(&conn).await?;
         *slot = Some(ch.clone());
         Ok(ch)
     }
@@ -259,7 +259,7 @@ impl Broker {
     ) -> fleet::Result<()> {
         let publish = async {
             let ch = self.publisher().await?;
-            fleet::amqp::publish_confirmed(&ch, exchange, routing_key, body, props).await
+            fleet::broker::amqp::publish_confirmed(&ch, exchange, routing_key, body, props).await
         };
         match tokio::time::timeout(CONFIRM_WAIT, publish).await {
             Ok(r) => r,

@@ -13,10 +13,10 @@
 
 use std::time::Duration;
 
-use fleet::config::{CommonConfig, Settings};
 use fleet::registry::Kinds;
-use fleet::selector::PROTOCOL_LABEL;
 use fleet::settings::WorkerArgs;
+use fleet::settings::{CommonConfig, Settings};
+use fleet::task::PROTOCOL_LABEL;
 use fleet::{Labels, PerLane};
 
 /// The executor a worker runs tasks with; also its implicit `protocol` label.

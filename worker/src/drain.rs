@@ -7,7 +7,7 @@
 //! `draining` in Redis (`POST /v1/workers/{id}/drain` on the scheduler), or on a fatal
 //! conflict ([`Control::fail`]).
 //!
-//! Every loop of the worker runs on one of five [`Stages`] ([`fleet::shutdown`]), built in
+//! Every loop of the worker runs on one of five [`Stages`] ([`fleet::process`]), built in
 //! this order and stopped in the reverse one by [`Drain::run`]:
 //!
 //! ```text
@@ -49,9 +49,9 @@ use anyhow::anyhow;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use fleet::process::{Shutdown, Stage};
+use fleet::redis::Store;
 use fleet::registry::WorkerState;
-use fleet::shutdown::{Shutdown, Stage};
-use fleet::store::Store;
 
 use crate::broker::Broker;
 use crate::registry::{set_state_logged, Registrar};

@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use fleet::redis::Store;
 use fleet::registry::WorkerState;
-use fleet::store::Store;
 
 use crate::config::EjectConfig;
 use crate::drain::{Control, Mode};

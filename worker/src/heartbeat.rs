@@ -21,8 +21,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use fleet::http::Readiness;
+use fleet::process::Ticker;
 use fleet::registry::{Beat, BeatReply, WorkerState};
-use fleet::ticker::Ticker;
 
 use crate::drain::{Control, Mode};
 use crate::eject::Ejector;

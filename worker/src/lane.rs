@@ -6,7 +6,7 @@
 //! given back when it is acked. So the broker never pushes more than the worker runs, and the
 //! rest of the group queue stays in the broker for the worker's peers.
 //!
-//! A sharded lane (`FLEET_SHARDS` > 1, see [`fleet::subset`]) consumes several shard queues on
+//! A sharded lane (`FLEET_SHARDS` > 1, see [`fleet::broker`]) consumes several shard queues on
 //! the one channel, one consumer each, the capacity split over them as per-consumer prefetch
 //! (`basic.qos` with `global = false` before each `basic.consume`; quorum queues do not support
 //! a channel-wide prefetch), and the one semaphore still bounds what runs. When the set of
@@ -30,8 +30,8 @@ use lapin::{Channel, Connection, Consumer};
 use tokio::sync::{watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-use fleet::shutdown::Stage;
-use fleet::subset::Subsetting;
+use fleet::broker::Subsetting;
+use fleet::process::Stage;
 use fleet::Lane;
 
 use crate::acks::AckWindow;

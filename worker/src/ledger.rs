@@ -29,8 +29,8 @@ use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use fleet::lease::{Claim, ClaimRequest, Finished};
-use fleet::store::Store;
+use fleet::redis::Store;
+use fleet::run::{Claim, ClaimRequest, Finished};
 
 use crate::stats::Stats;
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use fleet::config::Settings;
+use fleet::settings::Settings;
 use fleet::settings::{Early, WorkerArgs};
 use fleet_worker::{Worker, WorkerConfig};
 
@@ -32,7 +32,7 @@ async fn main() -> ExitCode {
         Ok(v) => v,
         Err(e) => return fleet::error::report("fleet-worker", &e.into()),
     };
-    fleet::telemetry::init(&cfg.common.log_format);
+    fleet::process::telemetry::init(&cfg.common.log_format);
     for warning in fleet::settings::unknown(&settings) {
         tracing::warn!("{warning}");
     }
@@ -71,7 +71,7 @@ async fn on_signals(shutdown: CancellationToken, force: CancellationToken) {
     force.cancel();
     std::thread::spawn(|| {
         std::thread::sleep(HARD_EXIT);
-        fleet::telemetry::flush();
+        fleet::process::telemetry::flush();
         std::process::exit(1);
     });
 }

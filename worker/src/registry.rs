@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use fleet::redis::Store;
 use fleet::registry::{Registration, WorkerState};
-use fleet::store::Store;
 
 use crate::config::WorkerConfig;
 
@@ -145,7 +145,7 @@ impl Registrar {
                 // Its queues are being deleted (they were declared again): soon.
                 Err(fleet::Error::Reclaiming(_)) => pause = RECLAIM_POLL,
                 Err(e) => {
-                    if let Some(p) = fleet::store::permanent(&e, &self.redis_url) {
+                    if let Some(p) = fleet::redis::permanent(&e, &self.redis_url) {
                         return Err(RegisterError::Permanent(p));
                     }
                     metrics::counter!(fleet::metrics::REDIS_ERRORS).increment(1);
@@ -172,7 +172,7 @@ impl Registrar {
         // The declaration's time on Redis's clock (the fleet's one clock).
         let declared = match broker.declared_at_ms() {
             0 => 0,
-            t => t + (self.store.clock.now_ms() - fleet::store::now_ms()),
+            t => t + (self.store.clock.now_ms() - fleet::redis::now_ms()),
         };
         let result = self
             .store

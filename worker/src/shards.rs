@@ -1,5 +1,5 @@
 //! Which shard queues of its group's normal lane this worker consumes (deterministic
-//! subsetting, see [`fleet::subset`]).
+//! subsetting, see [`fleet::broker`]).
 //!
 //! The worker's ordinal is taken by `register.lua` (lowest free in its group) and freed when
 //! it deregisters or is evicted — and as soon as it stops consuming (`set_state.lua`: draining,
@@ -24,8 +24,8 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use fleet::subset::Subsetting;
-use fleet::ticker::Ticker;
+use fleet::broker::Subsetting;
+use fleet::process::Ticker;
 use fleet::{Lane, Names, Store};
 
 /// How long one read of the ordinal table may take before the loop tries again next tick.

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use fleet::waits::WaitHistogram;
+use fleet::run::waits::WaitHistogram;
 use fleet::{Lane, PerLane};
 
 /// Weight of the newest sample in the latency EWMA: about the last ten runs matter.

@@ -24,8 +24,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use fleet::http::Readiness;
-use fleet::shutdown::Stage;
-use fleet::store::Store;
+use fleet::process::Stage;
+use fleet::redis::Store;
 use fleet::{Lane, PerLane};
 
 use crate::api;
@@ -309,7 +309,7 @@ impl Worker {
             ejector: ejector.clone(),
             backoff: Backoff::new(cfg.retry_base, cfg.retry_cap),
             max_task: cfg.max_task,
-            max_task_bytes: fleet::envelope::internal_limit(cfg.common.max_task_bytes),
+            max_task_bytes: fleet::task::internal_limit(cfg.common.max_task_bytes),
             default_max_attempts: cfg.common.default_max_attempts,
             clock: store.clock.clone(),
             isolation: Arc::new(tokio::sync::RwLock::new(())),

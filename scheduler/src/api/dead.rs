@@ -1,4 +1,4 @@
-//! Dead letters over HTTP, through `fleet::dead` (the same code as `fleetctl dead`):
+//! Dead letters over HTTP, through `fleet::broker::dead` (the same code as `fleetctl dead`):
 //!
 //! * `GET /v1/dead?reason=R&kind=K&scan=N` → `{"depth", "scanned", "letters": [...],
 //!   "reasons": {reason: count}, "kinds": {kind: count}}`: the first `N` letters of the dead
@@ -13,7 +13,7 @@
 //!   flight (another letter of it was replayed, here or on another replica), or when it is no
 //!   envelope.
 //!
-//! Every reader takes the namespace's dead-queue lease in Redis (`fleet::dead::ReaderLease`),
+//! Every reader takes the namespace's dead-queue lease in Redis (`fleet::broker::dead::ReaderLease`),
 //! so a listing is complete while other replicas list or replay. 503 while the scheduler has
 //! no broker connection, Redis is unreachable, or the lease stays taken (`busy`).
 
@@ -25,7 +25,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use fleet::dead::{self, Selection};
+use fleet::broker::dead::{self, Selection};
 use serde::Deserialize;
 use serde_json::json;
 

@@ -223,7 +223,7 @@ mod tests {
     #[test]
     fn a_dead_letter_for_no_match_names_the_selector_and_kind() {
         let mut e = Envelope::new("resize", serde_json::json!({}));
-        e.labels = fleet::selector::Labels::parse("gpu=true").unwrap();
+        e.labels = fleet::task::Labels::parse("gpu=true").unwrap();
         let f = decide(Reservation::NoMatch, &Source::Delayed, &e, true);
         assert_eq!(
             f,

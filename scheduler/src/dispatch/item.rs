@@ -1,7 +1,7 @@
 //! One delivery on its way through a batch ([`Item`]), and its first step: reading the
 //! envelope and screening it ([`Item::read`]).
 
-use fleet::{amqp, delay, metrics as m, status, Envelope};
+use fleet::{broker::amqp, broker::delay, metrics as m, status, Envelope};
 use lapin::message::Delivery;
 
 use super::{Fate, ReserveMode, Source};
@@ -84,7 +84,7 @@ fn parse(
     source: &Source,
     cfg: &SchedulerConfig,
     now: chrono::DateTime<chrono::Utc>,
-) -> Result<Envelope, fleet::envelope::Reject> {
+) -> Result<Envelope, fleet::task::Reject> {
     let limits = source.limits(cfg.common.limits);
     // A body without an id takes the AMQP `message_id` of a submission.
     let message_id = source.default_id(d);
@@ -94,7 +94,7 @@ fn parse(
     let mut e = Envelope::parse_with_id(&d.data, &parse_limits, message_id.as_deref())?;
     let size = d.data.len().saturating_sub(e.fleet_fields_len());
     if replay && size > limits.max_bytes {
-        return Err(fleet::envelope::Reject::Oversized {
+        return Err(fleet::task::Reject::Oversized {
             size,
             limit: limits.max_bytes,
         });
@@ -107,7 +107,7 @@ fn parse(
     // (first seen here).
     if source.starts_clock() && e.submitted_at.is_none() {
         let header = amqp::header_text(&d.properties, amqp::SUBMITTED_AT_HEADER)
-            .and_then(|ms| fleet::headers::parse_submitted_at(&ms));
+            .and_then(|ms| fleet::task::headers::parse_submitted_at(&ms));
         // The AMQP timestamp has whole seconds: it is taken only when the task evidently
         // waited (2 s or more); a fresh one runs from now, so the truncation never takes up
         // to a second off a short timeout.
@@ -132,7 +132,7 @@ mod tests {
     use fleet::Lane;
 
     fn cfg() -> SchedulerConfig {
-        SchedulerConfig::from_settings(&fleet::config::Settings::default()).unwrap()
+        SchedulerConfig::from_settings(&fleet::settings::Settings::default()).unwrap()
     }
 
     fn delivery(body: Vec<u8>) -> Delivery {

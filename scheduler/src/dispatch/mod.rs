@@ -151,7 +151,7 @@ impl Dispatcher {
     /// Routing key of the queue a task for `group`'s `lane` is published to. A sharded lane
     /// (`FLEET_SHARDS` > 1) takes its shards in turn (round robin, from a random start per
     /// process): every shard has a consumer while the group has a registered worker (see
-    /// [`fleet::subset`]), so any shard will do, and turns spread the load evenly without
+    /// [`fleet::broker`]), so any shard will do, and turns spread the load evenly without
     /// reading queue depths on the hot path.
     pub fn group_key(&self, group: &str, lane: Lane) -> String {
         let shards = self.session.cfg.common.shards(lane);

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use fleet::amqp::{self, DETAIL_HEADER, REASON_HEADER};
+use fleet::broker::amqp::{self, DETAIL_HEADER, REASON_HEADER};
 use fleet::{metrics as m, status, Envelope, Names};
 use futures::future::join_all;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
@@ -211,7 +211,7 @@ impl Dispatcher {
             Fate::Delay(tier) => (
                 delay_x,
                 String::new(),
-                Some(amqp::headers(fleet::delay::hop(
+                Some(amqp::headers(fleet::broker::delay::hop(
                     *tier,
                     self.session.store.clock.now_ms(),
                 ))),

@@ -11,7 +11,7 @@
 //! Looking at a task means taking it from its queue. One that cannot move is published again
 //! to the back of its own queue (then the taken copy is acked) rather than returned with a
 //! nack: a nack counts as a redelivery, and a quorum group queue dead-letters a message past
-//! its delivery limit ([`fleet::topology::DELIVERY_LIMIT`]), so a task waiting for its group
+//! its delivery limit ([`fleet::broker::topology::DELIVERY_LIMIT`]), so a task waiting for its group
 //! would die after that many ticks; a nack also puts it back at the head, where it would hide
 //! every task behind it from the next tick. The first task that cannot move ends the queue's
 //! turn (the next tick starts with the task behind it). And when no group at all has capacity

@@ -12,10 +12,10 @@
 //! \* An expired or delayed submission is asked `DedupeOnly`. Only submissions mark their
 //! ids handed on; an orphan writes no status and is published as it came.
 
-use fleet::amqp;
-use fleet::dedupe::Dedupe;
-use fleet::envelope::{Limits, Reject};
+use fleet::broker::amqp;
+use fleet::route::Dedupe;
 use fleet::route::ReserveRequest;
+use fleet::task::{Limits, Reject};
 use fleet::{status, Envelope, Lane, Names};
 use lapin::message::Delivery;
 
@@ -112,10 +112,10 @@ impl Source {
     /// Whether `d` is a dead-letter replay (`x-fleet-replay`, a submission only): it carries
     /// fleet's own fields from its first pass and is measured without them
     /// ([`Envelope::fleet_fields_len`], bounded), so a task that was under the producer's limit
-    /// is under it again (`fleet::dead`).
+    /// is under it again (`fleet::broker::dead`).
     pub fn is_replay(&self, d: &Delivery) -> bool {
         matches!(self, Source::Ingress(_))
-            && amqp::header_text(&d.properties, fleet::headers::REPLAY).is_some()
+            && amqp::header_text(&d.properties, fleet::task::headers::REPLAY).is_some()
     }
 
     /// The lane a task from here is in whatever its body says: a submission's routing key's

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use fleet::shutdown::Stage;
-use fleet::ticker::Ticker;
+use fleet::process::Stage;
+use fleet::process::Ticker;
 use fleet::Lane;
 use tokio_util::sync::CancellationToken;
 

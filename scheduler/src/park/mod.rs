@@ -1,6 +1,6 @@
 //! Parking: where a group's tasks wait, durably and in order, while no matching group has
 //! room — without blocking tasks bound for other groups (no head-of-line blocking). The
-//! scheduler's whole side of it is here; the Redis side (the parked flag) is [`fleet::park`],
+//! scheduler's whole side of it is here; the Redis side (the parked flag) is [`fleet::route::park`],
 //! and the choice to park is `reserve.lua`'s ([`fleet::route`]).
 //!
 //! * **Where** — the reservation answers `full` naming the candidate group that will free room
@@ -12,7 +12,7 @@
 //!   before its first task ([`Queues`]), and by discovery for every group it finds.
 //! * **Flag** — while a group has parked tasks its flag (`pk:<group>:<lane>`) is set: by
 //!   `reserve.lua` when a task parks, renewed by the group's release loop while it holds tasks,
-//!   expiring by itself after [`fleet::park::FLAG_TTL_MS`] if the scheduler dies. The group
+//!   expiring by itself after [`fleet::route::park::FLAG_TTL_MS`] if the scheduler dies. The group
 //!   counts as full for new work meanwhile, so new tasks park behind parked ones instead of
 //!   overtaking them. The release loop clears it once its queue is drained.
 //! * **Release order** — one loop per (group, lane) ([`Release`]) takes tasks from the head of

@@ -7,7 +7,7 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use fleet::{topology, Lane};
+use fleet::{broker::topology, Lane};
 use futures::future::BoxFuture;
 use futures::FutureExt;
 

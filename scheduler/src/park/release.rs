@@ -181,7 +181,7 @@ async fn consume(
             } else if let Err(e) = d
                 .session
                 .store
-                .mark_parked(group, lane, fleet::park::FLAG_TTL_MS)
+                .mark_parked(group, lane, fleet::route::park::FLAG_TTL_MS)
                 .await
             {
                 tracing::debug!(error = %e, "cannot renew parked flag");

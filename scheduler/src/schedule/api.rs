@@ -54,7 +54,7 @@ pub struct ScheduleApi {
     pub store: Store,
     pub board: Board,
     /// The current session's confirm channel (None while reconnecting).
-    pub publisher: Arc<RwLock<Option<fleet::amqp::Publisher>>>,
+    pub publisher: Arc<RwLock<Option<fleet::broker::amqp::Publisher>>>,
     pub pressure: watch::Receiver<Sample>,
 }
 

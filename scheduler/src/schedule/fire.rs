@@ -55,7 +55,7 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, TimeZone, Utc};
 use deadpool_redis::redis::Script;
-use fleet::{amqp, metrics as m, Envelope, Lane, Store};
+use fleet::{broker::amqp, metrics as m, Envelope, Lane, Store};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -63,7 +63,7 @@ use super::definition::{MissedPolicy, Schedule};
 use super::log::{Board, Entry};
 use crate::backpressure::{Pressure, Sample};
 use crate::config::SchedulerConfig;
-use fleet::ticker::Ticker;
+use fleet::process::Ticker;
 
 /// How long a claim holds a tick without being renewed: long enough for a publish and its
 /// confirm, short enough that a crashed claimant's tick is taken over within its tolerance.
@@ -137,7 +137,7 @@ impl Refusal {
 /// while the caller never learns it was confirmed (whoever fires the tick again submits the
 /// same id `<name>@<tick>`, and the scheduler's dedupe drops the copy).
 pub async fn submit(
-    ch: &fleet::amqp::Publisher,
+    ch: &fleet::broker::amqp::Publisher,
     names: &fleet::Names,
     pressure: &watch::Receiver<Sample>,
     env: &Envelope,
@@ -262,7 +262,7 @@ pub struct Firing {
     pub store: Store,
     pub board: Board,
     /// A confirm channel of its own.
-    pub publisher: fleet::amqp::Publisher,
+    pub publisher: fleet::broker::amqp::Publisher,
     pub pressure: watch::Receiver<Sample>,
     /// This process's id in claims.
     pub replica: String,

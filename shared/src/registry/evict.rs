@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use crate::error::Result;
-use crate::store::{millis, Store};
+use crate::redis::{millis, Store};
 
 impl Store {
     /// Ejects an active worker unless it is the last active capacity of its group.

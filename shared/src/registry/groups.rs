@@ -6,9 +6,9 @@ use std::collections::BTreeMap;
 use deadpool_redis::redis;
 use serde::Serialize;
 
-use crate::envelope::{Lane, PerLane};
 use crate::error::Result;
-use crate::store::Store;
+use crate::redis::Store;
+use crate::task::{Lane, PerLane};
 
 /// A group as the API shows it.
 #[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
@@ -87,9 +87,8 @@ impl Store {
         if rooms.is_empty() {
             return Ok(());
         }
-        // Only groups that exist: a reclaimed group's hash must not come back (`lua/rooms.lua`).
+        // Only groups that exist: a reclaimed group's hash must not come back (`registry/rooms.lua`).
         let mut inv = self.scripts.rooms.prepare_invoke();
-        inv.key(self.names.prefix());
         for (g, lane, room) in rooms {
             inv.key(self.names.group(g)).arg(lane.as_str()).arg(*room);
         }

@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use super::WorkerState;
-use crate::envelope::{Lane, PerLane};
 use crate::error::Result;
-use crate::store::{millis, Store};
+use crate::redis::{millis, Store};
+use crate::task::{Lane, PerLane};
 
 /// What a heartbeat carries.
 #[derive(Debug, Clone, Default)]

@@ -1,6 +1,7 @@
 //! The worker registry in Redis: registration, heartbeats, states, eviction, groups and their
-//! reclaim — the Rust beside the Lua it runs (`*.lua` in this folder; every registry script is
-//! `lua/keys.lua` + `worker.lua` + its own file, see [`crate::scripts`]).
+//! reclaim — the Rust beside the Lua it runs (`*.lua` in this folder; every registry script
+//! but `outcomes.lua` and `rooms.lua`, which get whole keys, is `names/keys.lua` + `worker.lua`
+//! + its own file; see the key convention in [`crate::redis`]).
 //!
 //! **Capacity as counters, load as leases.** A group's capacity is a counter per lane
 //! (`g:<group>` fields `cap:normal`, `cap:critical`) that every state change adjusts by the
@@ -14,7 +15,7 @@
 //! evicts every worker silent past the heartbeat timeout (`evict`): `remove_worker` takes
 //! back its capacity, frees its subsetting ordinal, releases its running records and puts the
 //! task it was running back to `queued` (the broker redelivers it; the next claim counts the
-//! crash, see `lua/start.lua`). A registration under a live id is refused (`DUPLICATE`), unless
+//! crash, see `run/start.lua`). A registration under a live id is refused (`DUPLICATE`), unless
 //! the new process proves the old one gone (its broker lock queue).
 //!
 //! **Kinds.** A worker advertises the task kinds it handles; a group handles a kind when every

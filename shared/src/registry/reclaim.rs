@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use crate::error::Result;
-use crate::store::{millis, Store};
+use crate::redis::{millis, Store};
 
 /// What the claim step of the reclaim script answered for a group (see `registry/reclaim.lua`).
 #[derive(Debug, Clone, PartialEq, Eq)]

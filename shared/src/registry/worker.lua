@@ -1,4 +1,4 @@
--- Prelude of the registry's scripts (after lua/keys.lua): a worker's capacity in its group
+-- Prelude of the registry's scripts (after names/keys.lua): a worker's capacity in its group
 -- and the removal of a worker (deregister, eviction, re-registration). See `fleet::registry`.
 
 -- A worker adds its capacity to its group only while `active` (draining and ejected

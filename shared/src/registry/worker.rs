@@ -8,8 +8,8 @@ use deadpool_redis::redis;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::selector::Labels;
-use crate::store::{millis, Store};
+use crate::redis::{millis, Store};
+use crate::task::Labels;
 
 /// A worker's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -241,10 +241,7 @@ impl Store {
         totals: &[(&str, u64)],
     ) -> Result<bool> {
         let mut inv = self.scripts.outcomes.prepare_invoke();
-        inv.key(self.names.prefix())
-            .key(self.names.worker(id))
-            .arg(id)
-            .arg(instance);
+        inv.key(self.names.worker(id)).arg(id).arg(instance);
         for (outcome, n) in totals {
             inv.arg(*outcome).arg(*n);
         }

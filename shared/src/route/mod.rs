@@ -9,47 +9,17 @@
 //! read from the group hash with its capacity (no extra command per task). A group has room while
 //! `running + reserved < capacity × (1 + backlog_factor)`; reservations carry a lease, so a
 //! scheduler that dies after reserving leaks nothing for longer than the lease.
+//!
+//! The same script call dedupes ([`Dedupe`], one mark per task id) and parks a task whose
+//! candidate groups are all full ([`park`]: the group's "has parked tasks" flag), so both live
+//! here with the reservation. `reserve` and `park` stay public modules (`park::FLAG_TTL_MS`).
 
+mod dedupe;
+pub mod park;
 pub mod reserve;
 
+pub use dedupe::Dedupe;
 pub use reserve::{ReserveParams, ReserveRequest, TaskDescription};
-
-/// How to choose among the groups with room.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
-)]
-#[serde(rename_all = "snake_case")]
-pub enum Strategy {
-    /// Lowest `(running + reserved) / capacity`.
-    #[default]
-    LeastLoaded,
-    /// Rotate over the matching groups (a counter per lane and candidate set).
-    RoundRobin,
-    /// Random, weighted by free capacity × health (error ratio and CPU from heartbeats), as in
-    /// the SRE book's weighted round robin.
-    Weighted,
-}
-
-impl Strategy {
-    /// The strategy's word: `least_loaded`, `round_robin` or `weighted`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Strategy::LeastLoaded => "least_loaded",
-            Strategy::RoundRobin => "round_robin",
-            Strategy::Weighted => "weighted",
-        }
-    }
-
-    /// The strategy [`as_str`](Self::as_str) names; `None` for any other word.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "least_loaded" => Some(Strategy::LeastLoaded),
-            "round_robin" => Some(Strategy::RoundRobin),
-            "weighted" => Some(Strategy::Weighted),
-            _ => None,
-        }
-    }
-}
 
 /// The outcome of one reservation attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,16 +1,17 @@
 //! Reserving room for a batch of tasks: the Rust side of `reserve.lua` (beside this file), the
-//! one script that dedupes ([`crate::dedupe`]), chooses a group ([`super`]) and reserves a
-//! leased slot there — or names the group to park behind ([`crate::park`]) — for every task of
+//! one script that dedupes ([`crate::route`]), chooses a group ([`super`]) and reserves a
+//! leased slot there — or names the group to park behind ([`crate::route::park`]) — for every task of
 //! a dispatch batch, atomically.
 
 use deadpool_redis::redis;
 
-use super::{Reservation, Strategy};
-use crate::dedupe::Dedupe;
-use crate::envelope::Lane;
+use super::Reservation;
 use crate::error::Result;
-use crate::selector::Labels;
-use crate::store::Store;
+use crate::redis::Store;
+use crate::route::Dedupe;
+use crate::task::Labels;
+use crate::task::Lane;
+use crate::task::Strategy;
 
 /// One task to route.
 #[derive(Debug, Clone)]

@@ -7,7 +7,7 @@
 //!
 //! **One writer per transition.** The scripts that reserve, start and finish write the status
 //! in the same atomic step (no extra round trip), through the `status_*` functions of
-//! `lua/keys.lua` — the prelude of every script:
+//! `names/keys.lua` — the prelude of every script:
 //!
 //! | transition | writer | called by |
 //! |---|---|---|
@@ -19,11 +19,12 @@
 //! | → dead (worker lost on the last attempt; broker dead-lettered) | `status_dead` | `start.lua`, `broker_dead.lua` |
 //! | → dead / expired, waiting_for_worker, delayed (decided by the scheduler) | [`Writes`] | `scheduler::dispatch` |
 //! | → forgotten: a new run of an id submitted again after its dedupe window, its last run over | `status_resubmitted` | `reserve.lua` |
-//! | → queued, held for a dead-letter replay (one replay of an id at a time) | `status_replayed` | `dead_claim.lua` ([`crate::dead::replay`]) |
+//! | → queued, held for a dead-letter replay (one replay of an id at a time) | `status_replayed` | `dead_claim.lua` ([`crate::broker::dead::replay`]) |
 //!
 //! The scripts spell the words through the tables `S`, `R` and `O` of `keys.lua`; a unit test
 //! below checks them (and any such word written out in a script) against the enums, so the
-//! two sides cannot drift.
+//! two sides cannot drift. The one writer that is a script of this wing, `broker_dead.lua`
+//! (the status of a task the broker dead-lettered itself), lives beside [`Writes`].
 //!
 //! Reading: [`typed`] (the API's JSON), [`attempt_history`], [`Store::task_status`](crate::Store::task_status).
 
@@ -33,7 +34,7 @@ mod write;
 
 pub use read::{attempt_history, rfc3339_ms, typed, typed_attempt};
 pub use state::{AttemptOutcome, DeadReason, TaskState, UnknownWord};
-pub use write::Writes;
+pub use write::{truncate, Writes, MAX_STATUS_TEXT};
 
 /// States that end a task, as stored ([`TaskState::TERMINAL`]).
 pub const TERMINAL: &[&str] = &[
@@ -43,7 +44,7 @@ pub const TERMINAL: &[&str] = &[
 ];
 
 /// Most entries a task's attempt log keeps (the oldest are dropped). Mirrors
-/// `ATTEMPT_LOG_MAX` in `lua/keys.lua`, which writes the log (a unit test keeps them equal).
+/// `ATTEMPT_LOG_MAX` in `names/keys.lua`, which writes the log (a unit test keeps them equal).
 pub const ATTEMPT_LOG_MAX: usize = 20;
 
 #[cfg(test)]
@@ -52,7 +53,7 @@ mod lua_words {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::scripts::SOURCES;
+    use crate::redis::SOURCES;
 
     /// The Lua code without comments.
     fn code(src: &str) -> String {
@@ -66,7 +67,7 @@ mod lua_words {
     fn table(name: &str) -> BTreeMap<String, String> {
         let keys = SOURCES
             .iter()
-            .find(|(f, _)| *f == "lua/keys.lua")
+            .find(|(f, _)| *f == "names/keys.lua")
             .map(|(_, s)| *s)
             .unwrap_or_default();
         let start = format!("local {name} = {{");
@@ -153,7 +154,7 @@ mod lua_words {
         let mut seen = 0;
         for (file, src) in SOURCES {
             let mut code = code(src);
-            if *file == "lua/keys.lua" {
+            if *file == "names/keys.lua" {
                 code = code
                     .lines()
                     .filter(|l| {
@@ -196,10 +197,10 @@ mod lua_words {
                 let args = call.split(')').next().unwrap_or_default();
                 if args.starts_with("'HSET'") && args.contains("'state'") {
                     assert!(
-                        *file == "lua/keys.lua" || file.starts_with("registry/"),
+                        *file == "names/keys.lua" || file.starts_with("registry/"),
                         "{file} writes a task state outside the status writers: {args}"
                     );
-                    writers += usize::from(*file == "lua/keys.lua");
+                    writers += usize::from(*file == "names/keys.lua");
                 }
             }
         }

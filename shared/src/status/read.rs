@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 
 use super::{AttemptOutcome, TaskState, ATTEMPT_LOG_MAX};
 use crate::error::Result;
-use crate::store::Store;
+use crate::redis::Store;
 
 /// Status fields that hold whole numbers.
 const INTEGER_FIELDS: &[&str] = &["attempt", "max_attempts"];
@@ -20,7 +20,7 @@ const INTEGER_FIELDS: &[&str] = &["attempt", "max_attempts"];
 /// * every `*_at` field (stored as Unix milliseconds) and `not_before` become RFC 3339 UTC
 ///   strings with millisecond precision (`2026-11-30T10:48:01.123Z`);
 /// * `result` is the handler's JSON value; a result cut at the status text limit
-///   (`lease::MAX_STATUS_TEXT` bytes, no longer valid JSON) stays a string and
+///   ([`MAX_STATUS_TEXT`](super::MAX_STATUS_TEXT) bytes, no longer valid JSON) stays a string and
 ///   `result_truncated: true` says so;
 /// * a field absent from Redis is absent here (never `null` or `""`); any other field is
 ///   passed through as a string (forward compatibility).
@@ -55,7 +55,7 @@ pub fn typed(id: &str, fields: BTreeMap<String, String>) -> Value {
 }
 
 /// One attempt log entry as the API answers it (`attempts[]` of `GET /v1/tasks/{id}`): the
-/// stored JSON (`lua/keys.lua` `log_attempt`) with `attempt` an integer and `started_at` /
+/// stored JSON (`names/keys.lua` `log_attempt`) with `attempt` an integer and `started_at` /
 /// `finished_at` (Redis-clock Unix milliseconds) as RFC 3339 UTC strings; absent fields stay
 /// absent. `None` for an entry that is not a JSON object. Bytes that are not UTF-8 (an error
 /// text cut inside a character) are replaced, not refused.
@@ -87,7 +87,7 @@ pub fn typed_attempt(raw: &[u8]) -> Option<Value> {
 }
 
 /// A task's attempts from its two sources: the attempt log (`raw`: the `ta:<id>` list, see
-/// `lua/keys.lua`) and the status record (`record`), which keeps the success that ended the task
+/// `names/keys.lua`) and the status record (`record`), which keeps the success that ended the task
 /// (finish.lua logs every other outcome, but not a success it writes into the record: a task
 /// that succeeds at once then costs no log key). The record's success is added unless the log
 /// already has it (same attempt and end); entries are ordered by `finished_at` (Redis time,
@@ -310,7 +310,7 @@ mod tests {
     fn the_attempt_log_cap_is_the_scripts() {
         let line = format!("local ATTEMPT_LOG_MAX = {ATTEMPT_LOG_MAX}\n");
         assert!(
-            include_str!("../lua/keys.lua").contains(&line),
+            include_str!("../names/keys.lua").contains(&line),
             "keys.lua and fleet::status disagree on the attempt log cap"
         );
     }

@@ -1,7 +1,7 @@
 //! The words of a status record: a task's [`TaskState`], why it died ([`DeadReason`]) and how
 //! one attempt ended ([`AttemptOutcome`]). Each is stored as its `as_str` text in Redis (the
 //! `state` and `reason` fields of `t:<id>`, the `outcome` of an attempt log entry), written by
-//! the Lua scripts through the tables `S`, `R` and `O` of `lua/keys.lua`; a unit test in
+//! the Lua scripts through the tables `S`, `R` and `O` of `names/keys.lua`; a unit test in
 //! [`super`] checks those tables, and every such word a script spells out, against these enums.
 
 use std::fmt;
@@ -110,7 +110,7 @@ impl TaskState {
 words! {
     /// Why a task was dead-lettered (or expired): the `x-fleet-reason` header of its dead
     /// letter and the `reason` of its status record. Fleet's own reasons, the refusal codes of
-    /// [`crate::envelope::Reject::code`], and the broker's `x-first-death-reason` values for
+    /// [`crate::task::Reject::code`], and the broker's `x-first-death-reason` values for
     /// letters the broker dead-lettered itself.
     DeadReason, "dead-letter reason" {
         /// A retryable error on the last allowed attempt (worker).
@@ -157,9 +157,9 @@ words! {
     }
 }
 
-impl From<&crate::envelope::Reject> for DeadReason {
-    fn from(r: &crate::envelope::Reject) -> Self {
-        use crate::envelope::Reject;
+impl From<&crate::task::Reject> for DeadReason {
+    fn from(r: &crate::task::Reject) -> Self {
+        use crate::task::Reject;
         match r {
             Reject::MalformedJson(_) => DeadReason::MalformedJson,
             Reject::NotAnObject => DeadReason::NotAnObject,
@@ -176,7 +176,7 @@ impl From<&crate::envelope::Reject> for DeadReason {
 }
 
 words! {
-    /// How one attempt ended (the `outcome` of an attempt log entry, see `lua/keys.lua`
+    /// How one attempt ended (the `outcome` of an attempt log entry, see `names/keys.lua`
     /// `log_attempt`).
     AttemptOutcome, "attempt outcome" {
         /// The handler succeeded.
@@ -238,7 +238,7 @@ mod tests {
 
     #[test]
     fn every_refusal_code_is_a_reason() {
-        use crate::envelope::Reject;
+        use crate::task::Reject;
         let all = [
             Reject::MalformedJson(String::new()),
             Reject::NotAnObject,

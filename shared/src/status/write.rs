@@ -1,5 +1,5 @@
 //! The Rust writers of status records, one function per transition decided outside the
-//! scripts (the scripts' writers are the `status_*` functions of `lua/keys.lua`). Nothing else
+//! scripts (the scripts' writers are the `status_*` functions of `names/keys.lua`). Nothing else
 //! in Rust writes a task's `state`.
 //!
 //! The scheduler decides a batch's fates together, so its transitions are collected in a
@@ -11,9 +11,9 @@ use chrono::{DateTime, Utc};
 use deadpool_redis::redis;
 
 use super::{DeadReason, TaskState};
-use crate::envelope::Lane;
 use crate::error::Result;
-use crate::store::{millis, Store};
+use crate::redis::{millis, Store};
+use crate::task::Lane;
 
 /// Status transitions of a batch, written together by [`Store::write_statuses`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -120,7 +120,7 @@ impl Store {
     }
 
     /// → [`TaskState::Dead`]: the broker dead-lettered task `id` itself (see
-    /// `lua/broker_dead.lua`): releases its reservation and running records in `group` (`None`:
+    /// `status/broker_dead.lua`): releases its reservation and running records in `group` (`None`:
     /// the group its status names) and `lane`, and sets it dead with `reason` (the broker's
     /// word, e.g. [`DeadReason::DeliveryLimit`]; kept as given, the broker's set is open) and
     /// `error` — unless its attempt had already ended with a final state. Returns true when
@@ -144,11 +144,26 @@ impl Store {
             .arg(group.unwrap_or(""))
             .arg(lane.as_str())
             .arg(reason)
-            .arg(crate::lease::truncate(error, crate::lease::MAX_STATUS_TEXT))
+            .arg(truncate(error, MAX_STATUS_TEXT))
             .arg(millis(ttl));
         let answer: String = self.invoke(&inv).await?;
         Ok(answer == TaskState::Dead.as_str())
     }
+}
+
+/// Longest result or error text kept in a status record.
+pub const MAX_STATUS_TEXT: usize = 4096;
+
+/// `s` cut to at most `max` bytes on a character boundary, with `…` appended when cut.
+pub fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use fleet::{amqp, Envelope, Lane};
+use fleet::{broker::amqp, Envelope, Lane};
 use fleet_tests::*;
 use fleet_worker::executor::handler_fn;
 use futures::{FutureExt, StreamExt};
@@ -32,7 +32,7 @@ use serde_json::json;
 async fn main() -> Result<()> {
     // A benchmark runs as long as it is asked to: the test binaries' watchdog is not for it.
     fleet_tests::no_watchdog();
-    fleet::telemetry::init("text");
+    fleet::process::telemetry::init("text");
     let args: Vec<String> = std::env::args().collect();
     let what = args.get(1).map(String::as_str).unwrap_or("throughput");
     let n: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(20_000);
@@ -134,7 +134,7 @@ impl Floor {
                 selector: self.selector.clone(),
                 kind: "echo".into(),
                 strategy: None,
-                dedupe: fleet::dedupe::Dedupe::Check,
+                dedupe: fleet::route::Dedupe::Check,
                 from_park: false,
                 dedupe_only: false,
             })
@@ -169,9 +169,9 @@ impl Floor {
 
     /// Claims a batch (the worker's claim, before a task starts); how many may run.
     async fn claim(&self, batch: &[lapin::message::Delivery]) -> usize {
-        let reqs: Vec<fleet::lease::ClaimRequest> = batch
+        let reqs: Vec<fleet::run::ClaimRequest> = batch
             .iter()
-            .map(|d| fleet::lease::ClaimRequest {
+            .map(|d| fleet::run::ClaimRequest {
                 lane: Lane::Normal,
                 id: Self::id(d),
                 base: 1,
@@ -193,7 +193,7 @@ impl Floor {
         {
             Ok((true, answers)) => answers
                 .iter()
-                .filter(|a| **a == fleet::lease::Claim::Run(1))
+                .filter(|a| **a == fleet::run::Claim::Run(1))
                 .count(),
             _ => 0,
         }
@@ -201,9 +201,9 @@ impl Floor {
 
     /// Records a claimed batch succeeded (`runs`: what its claim granted).
     async fn finish(&self, batch: &[lapin::message::Delivery], runs: usize) {
-        let fins: Vec<fleet::lease::Finished> = batch
+        let fins: Vec<fleet::run::Finished> = batch
             .iter()
-            .map(|d| fleet::lease::Finished {
+            .map(|d| fleet::run::Finished {
                 lane: Lane::Normal,
                 id: Self::id(d),
                 attempt: 1,
@@ -1318,9 +1318,9 @@ async fn stages(n: usize) -> Result<()> {
     // Declare the group's queues and register a placeholder with room for everything.
     let cfg = ns.common(&[])?;
     let ch = ns.conn.create_channel().await?;
-    fleet::topology::declare_core(&ch, &cfg).await?;
+    fleet::broker::topology::declare_core(&ch, &cfg).await?;
     let labels = fleet::Labels::parse("stage=x,protocol=builtin")?;
-    fleet::topology::declare_group(&ch, &cfg, &labels.group_name()).await?;
+    fleet::broker::topology::declare_group(&ch, &cfg, &labels.group_name()).await?;
     let reg = Registration {
         id: "placeholder".into(),
         instance: "p".into(),

@@ -34,11 +34,12 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use deadpool_redis::redis;
-use fleet::dedupe::Dedupe;
-use fleet::lease::{Claim, ClaimRequest};
 use fleet::registry::{Beat, BeatReply, Registration, WorkerState};
-use fleet::route::{Reservation, Strategy};
+use fleet::route::Dedupe;
+use fleet::route::Reservation;
 use fleet::route::{ReserveParams, ReserveRequest};
+use fleet::run::{Claim, ClaimRequest};
+use fleet::task::Strategy;
 use fleet::{Envelope, Labels, Lane, Names, PerLane, Store};
 use fleet_tests::servers::PrivateRedis;
 use fleet_tests::*;
@@ -124,7 +125,7 @@ struct RunArgs {
 async fn main() -> Result<()> {
     // A benchmark runs as long as it is asked to: the test binaries' watchdog is not for it.
     fleet_tests::no_watchdog();
-    fleet::telemetry::init("text");
+    fleet::process::telemetry::init("text");
     match Cli::parse().what {
         What::Sim(a) => sim(a).await,
         What::Run(a) => run(a).await,
@@ -350,7 +351,7 @@ fn group_labels(g: usize, groups: usize) -> Labels {
 }
 
 /// The scheduler's reservation parameters at the product defaults (scheduler/src/dispatch/
-/// `Dispatcher::params`, defaults of shared/src/settings.rs).
+/// `Dispatcher::params`, defaults of shared/src/settings/args.rs).
 fn default_params() -> ReserveParams {
     ReserveParams {
         token: rand::random(),
@@ -920,7 +921,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
 
 /// Names of fleet's scripts by SHA (what `SLOWLOG` shows as EVALSHA's first argument).
 fn script_names() -> BTreeMap<String, &'static str> {
-    let s = fleet::scripts::Scripts::load();
+    let s = fleet::redis::Scripts::load();
     [
         ("register", &s.register),
         ("heartbeat", &s.heartbeat),
@@ -1044,7 +1045,7 @@ async fn run(a: RunArgs) -> Result<()> {
     let ns = Ns::on(&amqp_url(), &url, &a.queue_type, &[]).await?;
     println!(
         "scale run: private redis-server at {url}, RabbitMQ {}, namespace {}, queue type {}",
-        fleet::redact::redact(&amqp_url()),
+        fleet::process::redact(&amqp_url()),
         ns.name,
         a.queue_type
     );

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use fleet::{amqp, topology, Lane};
+use fleet::{broker::amqp, broker::topology, Lane};
 use fleet_tests::*;
 use lapin::options::{BasicGetOptions, BasicNackOptions};
 use serde_json::{json, Value};
@@ -124,7 +124,7 @@ async fn delivery_limit_dead_letters_get_a_reason_and_a_true_status() -> anyhow:
                 .unwrap_or_default()
         })
         .collect();
-    let letter = fleet::dead::describe(&letters[0].properties, &letters[0].data);
+    let letter = fleet::broker::dead::describe(&letters[0].properties, &letters[0].data);
     let has_x_death = letters[0]
         .properties
         .headers()

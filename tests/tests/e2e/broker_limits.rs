@@ -108,7 +108,7 @@ async fn a_broker_has_room_for_the_queues_a_namespace_declares() -> Result<()> {
             .iter()
             .filter(|q| q.starts_with(&format!("{prefix}hold.")))
             .count(),
-        fleet::delay::TIERS as usize,
+        fleet::broker::delay::TIERS as usize,
         "one queue per delay tier"
     );
 

@@ -14,7 +14,7 @@
 //! `<ns>.delayed` killed 1.5 s into a burst of delayed tasks, failing-once tasks and plain ones;
 //! every delayed task and retry runs within 10 s of its due time plus the failover, no attempt
 //! runs twice, every worker ends at `running 0`. The delay tiers are held and forwarded by the
-//! scheduler's tier loops (`fleet::delay`): with the TTL tiers of before, whose at-least-once
+//! scheduler's tier loops (`fleet::broker::delay`): with the TTL tiers of before, whose at-least-once
 //! dead-lettering RabbitMQ 3.10.8 did in a dead-letter worker per queue, 2 of 3 runs here
 //! stranded a tier's messages for minutes (`<ns>.wait.400` kept 46-57, none ready) when its
 //! leader or `<ns>.delayed`'s was on the killed node. The test prints which of the delay
@@ -382,13 +382,13 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
     let name = format!("c{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
     let names = Names::new(&name);
     let store = Store::new(&redis, names.clone())?;
-    let conn = fleet::endpoints::connect_any(
+    let conn = fleet::broker::connect_any(
         &amqp,
         "fleet-tests cluster",
         &fleet::tls::TlsConfig::default(),
     )
     .await?;
-    let publisher = fleet::amqp::confirm_channel(&conn).await?;
+    let publisher = fleet::broker::amqp::confirm_channel(&conn).await?;
     let base = vec![
         ("namespace".to_string(), name.clone()),
         ("amqp_url".to_string(), amqp.clone()),
@@ -892,13 +892,13 @@ async fn a_kill_of_the_delayed_leader_strands_no_delayed_work() -> Result<()> {
     let name = format!("c{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
     let names = Names::new(&name);
     let store = Store::new(&redis, names.clone())?;
-    let conn = fleet::endpoints::connect_any(
+    let conn = fleet::broker::connect_any(
         &amqp,
         "fleet-tests cluster-delayed",
         &fleet::tls::TlsConfig::default(),
     )
     .await?;
-    let publisher = fleet::amqp::confirm_channel(&conn).await?;
+    let publisher = fleet::broker::amqp::confirm_channel(&conn).await?;
     let base = vec![
         ("namespace".to_string(), name.clone()),
         ("amqp_url".to_string(), amqp.clone()),
@@ -957,7 +957,7 @@ async fn a_kill_of_the_delayed_leader_strands_no_delayed_work() -> Result<()> {
     .await?;
     let delayed_q = ns.names.delayed_queue();
     let leader = cluster.leader_of(&delayed_q)?;
-    let tiers_led: Vec<String> = fleet::delay::tiers()
+    let tiers_led: Vec<String> = fleet::broker::delay::tiers()
         .map(|t| ns.names.delay_queue(t))
         .filter(|q| cluster.leader_of(q).ok() == Some(leader))
         .collect();

@@ -5,9 +5,10 @@
 
 use std::time::Duration;
 
-use fleet::dedupe::Dedupe;
-use fleet::route::{Reservation, Strategy};
+use fleet::route::Dedupe;
+use fleet::route::Reservation;
 use fleet::route::{ReserveParams, ReserveRequest};
+use fleet::task::Strategy;
 use fleet::{Labels, Lane};
 use fleet_tests::*;
 use serde_json::json;

@@ -151,7 +151,7 @@ async fn worker_restarted_after_a_crash_takes_over_its_id() -> anyhow::Result<()
         Duration::from_secs(15),
         || async {
             let now = instance(&ns, "w-phoenix").await.ok()??;
-            (now != old).then(fleet::store::now_ms)
+            (now != old).then(fleet::redis::now_ms)
         },
     )
     .await?;

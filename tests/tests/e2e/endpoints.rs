@@ -67,7 +67,7 @@ async fn silent_node() -> Result<(u16, tokio::task::JoinHandle<()>)> {
 }
 
 /// One attempt at a node that accepts the socket but never answers the AMQP handshake ends
-/// after `fleet::amqp::CONNECT_TIMEOUT` with an error naming the node (lapin alone waits
+/// after `fleet::broker::amqp::CONNECT_TIMEOUT` with an error naming the node (lapin alone waits
 /// forever), and a scheduler and a worker given that node beside a live one connect to the
 /// live one and run tasks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -76,8 +76,8 @@ async fn a_silent_node_in_the_list_is_given_up_on() -> Result<()> {
     let silent = format!("amqp://guest:s3cret@127.0.0.1:{port}/%2f");
     let t = std::time::Instant::now();
     let attempt = tokio::time::timeout(
-        fleet::amqp::CONNECT_TIMEOUT + Duration::from_secs(10),
-        fleet::amqp::connect(&silent, "silent-probe"),
+        fleet::broker::amqp::CONNECT_TIMEOUT + Duration::from_secs(10),
+        fleet::broker::amqp::connect(&silent, "silent-probe"),
     )
     .await;
     let took = t.elapsed();
@@ -91,8 +91,8 @@ async fn a_silent_node_in_the_list_is_given_up_on() -> Result<()> {
     );
     assert!(!err.contains("s3cret"), "the password leaked: {err}");
     assert!(
-        took >= fleet::amqp::CONNECT_TIMEOUT
-            && took < fleet::amqp::CONNECT_TIMEOUT + Duration::from_secs(5),
+        took >= fleet::broker::amqp::CONNECT_TIMEOUT
+            && took < fleet::broker::amqp::CONNECT_TIMEOUT + Duration::from_secs(5),
         "gave up after {took:?}"
     );
 

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use fleet::lease::{Claim, ClaimRequest, Finished};
+use fleet::redis::now_ms;
 use fleet::registry::{Beat, Registration, WorkerState};
-use fleet::store::now_ms;
+use fleet::run::{Claim, ClaimRequest, Finished};
 use fleet::{Labels, Lane};
 use fleet_tests::*;
 

@@ -6,9 +6,10 @@
 
 use std::time::Duration;
 
-use fleet::dedupe::Dedupe;
 use fleet::registry::{Kinds, Registration, WorkerState};
-use fleet::route::{Reservation, ReserveParams, ReserveRequest, Strategy};
+use fleet::route::Dedupe;
+use fleet::route::{Reservation, ReserveParams, ReserveRequest};
+use fleet::task::Strategy;
 use fleet::{Labels, Lane, Store};
 use fleet_tests::*;
 use serde_json::json;

@@ -1,11 +1,11 @@
 //! A nack says nothing about why (issue 37 item 3): a queue at its bound nacks, and so does a
-//! quorum queue with no leader. `fleet::amqp::nack_cause` reads the queue's depth against its
+//! quorum queue with no leader. `fleet::broker::amqp::nack_cause` reads the queue's depth against its
 //! bound; here two real nacks on the shared broker — one from a queue at its `x-max-length`,
 //! one from a queue far below it (refused by its `x-max-length-bytes`, the one nack a single
 //! node gives without a full queue, standing in for a quorum queue mid-election) — are told
 //! apart, and only the first is called full.
 
-use fleet::amqp::{self, NackCause};
+use fleet::broker::amqp::{self, NackCause};
 use fleet_tests::*;
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};

@@ -123,7 +123,7 @@ async fn help_and_version_list_every_setting_and_start_nothing() -> Result<()> {
         ns.names.delayed_queue(),
     ] {
         assert_eq!(
-            fleet::topology::depth(&ns.conn, &q).await,
+            fleet::broker::topology::depth(&ns.conn, &q).await,
             None,
             "{q} was declared by --help"
         );
@@ -253,7 +253,8 @@ async fn redeclare_with_another_bound_exits_2_with_both_values() -> Result<()> {
     let ns = Ns::new().await?;
     // A scheduler earlier declared the ingress with a bound of 100.
     let ch = ns.conn.create_channel().await?;
-    fleet::topology::declare_ingress(&ch, &ns.common(&[("ingress_max_normal", "100")])?).await?;
+    fleet::broker::topology::declare_ingress(&ch, &ns.common(&[("ingress_max_normal", "100")])?)
+        .await?;
     let addr = free_addr()?;
     let env = [
         ("FLEET_NAMESPACE", ns.name.as_str()),
@@ -358,12 +359,12 @@ async fn control_characters_never_reach_the_log_raw() -> Result<()> {
     assert_eq!(body["error"], "bad_field", "{body}");
     // Over AMQP: dead-lettered as bad_field.
     let body = serde_json::json!({"kind": forged, "id": "forged-1"}).to_string();
-    fleet::amqp::publish_confirmed(
+    fleet::broker::amqp::publish_confirmed(
         &ns.publisher,
         &ns.names.submit_exchange(),
         "normal",
         body.as_bytes(),
-        fleet::amqp::task_properties("forged-1", None),
+        fleet::broker::amqp::task_properties("forged-1", None),
     )
     .await?;
     let dead = wait_for("the dead letter", Duration::from_secs(20), || {
@@ -500,7 +501,7 @@ async fn readyz_is_503_while_redis_refuses_writes() -> Result<()> {
 /// The names are built here from `Names` and checked one by one with passive declares.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delete_namespace_deletes_every_shard_and_waiting_queue() -> Result<()> {
-    use fleet::{amqp, Lane};
+    use fleet::{broker::amqp, Lane};
     let ns = Ns::new().await?;
     let shards = [("shards", "4")];
     let sched = start_scheduler(&ns, &shards).await?;
@@ -582,7 +583,7 @@ async fn delete_namespace_deletes_every_shard_and_waiting_queue() -> Result<()> 
         n.delayed_queue(),
         n.schedules_stream(),
     ]);
-    queues.extend(fleet::delay::tiers().map(|t| n.delay_queue(t)));
+    queues.extend(fleet::broker::delay::tiers().map(|t| n.delay_queue(t)));
     let mut left = Vec::new();
     for q in &queues {
         if let Some(d) = ns.depth_of(q).await {
@@ -622,7 +623,7 @@ async fn delete_namespace_deletes_every_shard_and_waiting_queue() -> Result<()> 
 /// "deleted the queues of 0 group(s)" and left both lane queues.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delete_namespace_finds_the_queues_redis_forgot() -> Result<()> {
-    use fleet::{amqp, Lane};
+    use fleet::{broker::amqp, Lane};
     let ns = Ns::new().await?;
     let worker = start_worker(&ns, "w-forgot", "zone=forgot", 1, &[], &[]).await?;
     let groups = ns.store.group_names().await?;

@@ -157,7 +157,7 @@ async fn killed_groups_tasks_wait_for_a_worker_of_the_group() -> anyhow::Result<
     // ticks than the delivery limit, none run, none dead-lettered.
     let calls = ep.calls().len();
     // A tick takes its interval plus its own work; allow 100 ms for that.
-    let ticks = fleet::topology::DELIVERY_LIMIT as u64 + 10;
+    let ticks = fleet::broker::topology::DELIVERY_LIMIT as u64 + 10;
     let highest = std::sync::atomic::AtomicU32::new(0);
     always_for(
         "the orphaned queue keeps its tasks",

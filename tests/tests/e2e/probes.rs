@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use fleet::amqp;
+use fleet::broker::amqp;
 use fleet_tests::*;
 use lapin::options::BasicGetOptions;
 use serde_json::Value;

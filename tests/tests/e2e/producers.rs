@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use fleet::producer::{Pacing, Producer, Submitted};
+use fleet::broker::{Pacing, Producer, Submitted};
 use fleet_tests::*;
 use serde_json::json;
 

@@ -6,11 +6,11 @@
 //!
 //! lapin takes a publish's delivery tag and queues its frames under two different locks; two
 //! publishers on different threads can interleave between them, and the broker then numbers
-//! the messages in wire order, not in tag order. `fleet::amqp::Publisher` orders them.
+//! the messages in wire order, not in tag order. `fleet::broker::amqp::Publisher` orders them.
 
 use std::sync::Arc;
 
-use fleet::amqp;
+use fleet::broker::amqp;
 use fleet_tests::amqp_url;
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};

@@ -230,7 +230,7 @@ fn the_readme_limits_are_the_codes() -> anyhow::Result<()> {
     let readme = readme.split_whitespace().collect::<Vec<_>>().join(" ");
     let status_text = format!(
         "keeps the first {} bytes of the result or the error text",
-        fleet::lease::MAX_STATUS_TEXT
+        fleet::status::MAX_STATUS_TEXT
     );
     assert!(readme.contains(&status_text), "README says: {status_text}");
     assert_eq!(fleet_worker::executor::http::MAX_BODY, 1 << 20);

@@ -639,12 +639,12 @@ async fn a_task_arriving_during_a_reclaim_keeps_the_group_bound() -> anyhow::Res
     })
     .await?;
     let env = task(JOB, json!({"ms": 10}), "pod=race");
-    fleet::amqp::publish_confirmed(
+    fleet::broker::amqp::publish_confirmed(
         &ns.publisher,
         "",
         &q,
         &env.to_bytes(),
-        fleet::amqp::task_properties(&env.id, None),
+        fleet::broker::amqp::task_properties(&env.id, None),
     )
     .await
     .context("the task reaches the group's queue before its deletion")?;
@@ -660,12 +660,12 @@ async fn a_task_arriving_during_a_reclaim_keeps_the_group_bound() -> anyhow::Res
     assert_eq!(ns.depth(&q).await, 1, "the task is still queued");
     // Bound again: a mandatory publish through `<ns>.tasks` with the group's key is routed.
     let probe = task(JOB, json!({"ms": 10}), "pod=race");
-    fleet::amqp::publish_confirmed(
+    fleet::broker::amqp::publish_confirmed(
         &ns.publisher,
         &ns.names.tasks_exchange(),
         &ns.names.group_key(g, Lane::Normal),
         &probe.to_bytes(),
-        fleet::amqp::task_properties(&probe.id, None),
+        fleet::broker::amqp::task_properties(&probe.id, None),
     )
     .await
     .context("the group's queue is bound to the tasks exchange again")?;

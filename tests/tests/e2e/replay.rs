@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use fleet::{amqp, headers, Envelope, Lane};
+use fleet::{broker::amqp, task::headers, Envelope, Lane};
 use fleet_tests::*;
 use serde_json::{json, Value};
 
@@ -67,7 +67,7 @@ async fn a_near_limit_task_replays() -> anyhow::Result<()> {
     let w = start_worker(&ns, "w-near", labels, 2, WORKER, &[]).await?;
 
     // 4,076 producer bytes under a 4,096 limit; fails permanently on its first attempt.
-    let near_id = fleet::envelope::new_id();
+    let near_id = fleet::task::new_id();
     let body = producer_bytes(
         &near_id,
         "fail",
@@ -130,7 +130,7 @@ async fn an_oversized_letter_is_refused() -> anyhow::Result<()> {
     let labels = "case=oversized";
     let replay_url = sched.url("/v1/dead/replay");
     // An oversized submission: dead `oversized`; a replay refuses it and leaves it in place.
-    let big_id = fleet::envelope::new_id();
+    let big_id = fleet::task::new_id();
     let big = producer_bytes(&big_id, "noop", labels, json!({}), 5000);
     ns.submit_raw(Lane::Normal, &big).await?;
     let letters = wait_dead(&ns, 1, Duration::from_secs(20)).await?;
@@ -194,7 +194,7 @@ async fn two_replicas_replay_one_id_once() -> anyhow::Result<()> {
     // Two letters of one id, replayed on both replicas at once (three rounds of ids).
     let mut total_replayed = 0;
     for round in 0..3 {
-        let id = format!("twice-{round}-{}", fleet::envelope::new_id());
+        let id = format!("twice-{round}-{}", fleet::task::new_id());
         dead_letter(&ns, &id, labels).await?;
         dead_letter(&ns, &id, labels).await?;
         let body = json!({"ids": [id]});

@@ -4,10 +4,11 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
-use fleet::dedupe::Dedupe;
 use fleet::registry::WorkerState;
-use fleet::route::{Reservation, Strategy};
+use fleet::route::Dedupe;
+use fleet::route::Reservation;
 use fleet::route::{ReserveParams, ReserveRequest};
+use fleet::task::Strategy;
 use fleet::{Labels, Lane, Store};
 use fleet_tests::{redis_url, register_worker, Ns};
 

@@ -49,9 +49,9 @@ async fn scheduler_killed_mid_batch_runs_every_task_once() -> anyhow::Result<()>
     for (k, chunk) in envs.chunks(per_chunk).enumerate() {
         tick.tick().await;
         for e in chunk {
-            let props = fleet::amqp::task_properties(&e.id, None);
+            let props = fleet::broker::amqp::task_properties(&e.id, None);
             confirms.push(
-                fleet::amqp::publish(
+                fleet::broker::amqp::publish(
                     &ns.publisher,
                     &ns.names.submit_exchange(),
                     e.lane.as_str(),
@@ -69,7 +69,7 @@ async fn scheduler_killed_mid_batch_runs_every_task_once() -> anyhow::Result<()>
     }
     let published_in = started.elapsed();
     for c in confirms {
-        match fleet::amqp::confirmed(c).await {
+        match fleet::broker::amqp::confirmed(c).await {
             Ok(()) => accepted += 1,
             Err(_) => refused += 1,
         }

@@ -112,7 +112,7 @@ fn env(kind: &str, payload: Value) -> Envelope {
 }
 
 fn header(p: &BasicProperties, k: &str) -> String {
-    fleet::amqp::header_str(p, k).unwrap_or_default()
+    fleet::broker::amqp::header_str(p, k).unwrap_or_default()
 }
 
 #[tokio::test]
@@ -173,7 +173,7 @@ async fn outcomes_reach_redis_and_the_dead_queue() -> Result<()> {
     // Two went back towards the scheduler, into the delay tiers (which the scheduler holds;
     // none runs here): the retry with attempt 1 and a not_before, and the task of a kind this
     // worker does not handle, unclaimed (attempt 0), to be routed again.
-    let tiers: Vec<String> = fleet::delay::tiers()
+    let tiers: Vec<String> = fleet::broker::delay::tiers()
         .map(|t| f.ns.names.delay_queue(t))
         .collect();
     let held = wait_for("two messages in the delay tiers", WAIT, || async {

@@ -385,7 +385,7 @@ fn status_schema_refuses_strings_for_numbers_and_epoch_times() -> anyhow::Result
 /// living as long as the status record (the same TTL, renewed with each outcome).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attempt_log_is_capped_and_expires_with_the_status() -> anyhow::Result<()> {
-    use fleet::lease::Finished;
+    use fleet::run::Finished;
     use fleet::status::ATTEMPT_LOG_MAX;
     let ns = Ns::new().await?;
     let ttl = Duration::from_secs(600);

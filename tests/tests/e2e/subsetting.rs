@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use fleet::broker::Subsetting;
 use fleet::registry::{Registration, WorkerState};
-use fleet::subset::Subsetting;
 use fleet::{Labels, Lane};
 use fleet_tests::*;
 use lapin::options::QueueDeclareOptions;
@@ -340,7 +340,7 @@ async fn ordinals_are_lowest_free_and_freed_by_deregistration_and_eviction() -> 
 /// Deletes a sharded group's shard queues (`Ns::cleanup` knows only unsharded names).
 async fn delete_shards(ns: &Ns, group: &str) -> Result<()> {
     let ch = ns.conn.create_channel().await?;
-    fleet::topology::delete_all_sharded(&ch, &ns.names, &[group.to_string()], 12).await?;
+    fleet::broker::topology::delete_all_sharded(&ch, &ns.names, &[group.to_string()], 12).await?;
     Ok(())
 }
 
@@ -444,6 +444,7 @@ async fn a_draining_worker_hands_its_shards_to_its_peers_at_once() -> Result<()>
 /// Deletes a sharded group's `shards` shard queues.
 async fn delete_shards_of(ns: &Ns, group: &str, shards: u32) -> Result<()> {
     let ch = ns.conn.create_channel().await?;
-    fleet::topology::delete_all_sharded(&ch, &ns.names, &[group.to_string()], shards).await?;
+    fleet::broker::topology::delete_all_sharded(&ch, &ns.names, &[group.to_string()], shards)
+        .await?;
     Ok(())
 }

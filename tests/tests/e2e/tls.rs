@@ -15,9 +15,9 @@ use axum::response::Redirect;
 use axum::routing::post;
 use axum::{Json, Router};
 use deadpool_redis::redis;
-use fleet::config::Settings;
+use fleet::settings::Settings;
 use fleet::tls::TlsConfig;
-use fleet::{amqp, Names, Store};
+use fleet::{broker::amqp, Names, Store};
 use fleet_tests::*;
 use serde_json::{json, Value};
 

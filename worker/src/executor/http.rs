@@ -79,9 +79,9 @@ impl Handler for HttpHandler {
             let mut resp = client
                 .post(&url)
                 .timeout(timeout)
-                .header(fleet::headers::TASK_ID, task.envelope.id.as_str())
-                .header(fleet::headers::ATTEMPT, task.attempt.to_string())
-                .header(fleet::headers::WORKER, &*task.worker_id)
+                .header(fleet::task::headers::TASK_ID, task.envelope.id.as_str())
+                .header(fleet::task::headers::ATTEMPT, task.attempt.to_string())
+                .header(fleet::task::headers::WORKER, &*task.worker_id)
                 .json(&wire)
                 .send()
                 .await
@@ -143,7 +143,7 @@ fn describe(e: &reqwest::Error) -> String {
         cause = c.source();
     }
     match e.url() {
-        Some(u) => text.replace(u.as_str(), &fleet::redact::redact(u.as_str())),
+        Some(u) => text.replace(u.as_str(), &fleet::process::redact(u.as_str())),
         None => text,
     }
 }

@@ -203,7 +203,7 @@ pub(crate) fn json_or_string(bytes: &[u8]) -> serde_json::Value {
 
 #[cfg(test)]
 mod tests {
-    use fleet::config::Settings;
+    use fleet::settings::Settings;
 
     use super::*;
 

@@ -12,7 +12,7 @@
 //!   the same time again (a retry storm). Spreading each wait over the whole interval
 //!   de-synchronises them, at the price of some retries coming back early; the cap bounds the
 //!   wait for tasks that fail many times.
-//! * **Tiers**: the wait happens in the broker's delay tiers ([`fleet::delay`], shared with
+//! * **Tiers**: the wait happens in the broker's delay tiers ([`fleet::broker::delay`], shared with
 //!   `not_before`), never in this process: a worker that dies while a task waits loses nothing.
 
 mod backoff;

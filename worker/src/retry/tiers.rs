@@ -1,14 +1,14 @@
 //! Where: a task waiting out its backoff waits in the broker, in the largest delay tier not past
-//! its due time ([`fleet::delay`]: powers of two from 100 ms, each held by the scheduler until
+//! its due time ([`fleet::broker::delay`]: powers of two from 100 ms, each held by the scheduler until
 //! the hop ends, which then sends it on another hop or routes it again once due).
 
 use std::time::Duration;
 
-use fleet::amqp::{headers, task_properties, DETAIL_HEADER};
-use fleet::lease::truncate;
+use fleet::broker::amqp::{headers, task_properties, DETAIL_HEADER};
+use fleet::status::truncate;
 use fleet::{Envelope, Names};
 
-pub use fleet::delay::{tier_for, tiers};
+pub use fleet::broker::delay::{tier_for, tiers};
 
 use crate::attempt::{Shared, MAX_HEADER_TEXT};
 
@@ -38,7 +38,7 @@ pub(crate) async fn publish(
     match tier_for(delay) {
         Some(tier) => {
             let h = headers(
-                fleet::delay::hop(tier, now.timestamp_millis())
+                fleet::broker::delay::hop(tier, now.timestamp_millis())
                     .into_iter()
                     .chain([detail]),
             );

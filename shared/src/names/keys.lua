@@ -1,0 +1,190 @@
+-- Prelude of every fleet script: key layout under the namespace prefix KEYS[1]
+-- (`{ns}:`, a Redis Cluster hash tag, so all keys of a fleet share one slot).
+-- Mirrors `Names` in shared/src/names/mod.rs; keep both in step.
+local P = KEYS[1]
+-- One clock for the whole fleet: the Redis server's (leases, heartbeats, eviction, status
+-- times), so a process with a skewed clock neither evicts its peers nor expires their work.
+local T0 = redis.call('TIME')
+local NOW_MS = tonumber(T0[1]) * 1000 + math.floor(tonumber(T0[2]) / 1000)
+local function K_workers() return P .. 'workers' end
+local function K_worker(id) return P .. 'w:' .. id end
+local function K_wrun(id) return P .. 'wrun:' .. id end
+local function K_groups() return P .. 'groups' end
+local function K_group(g) return P .. 'g:' .. g end
+local function K_gw(g) return P .. 'gw:' .. g end
+local function K_gord(g) return P .. 'gord:' .. g end
+local function K_idx(pair) return P .. 'idx:' .. pair end
+local function K_resv(g, lane) return P .. 'resv:' .. g .. ':' .. lane end
+local function K_run(g, lane) return P .. 'run:' .. g .. ':' .. lane end
+local function K_task(id) return P .. 't:' .. id end
+local function K_attempts(id) return P .. 'ta:' .. id end
+local function K_dedupe(id) return P .. 'dd:' .. id end
+local function K_parked(g, lane) return P .. 'pk:' .. g .. ':' .. lane end
+local function K_rr(lane, sel) return P .. 'rr:' .. lane .. ':' .. sel end
+-- Tombstone of a group being (or just) reclaimed; see reclaim.lua.
+local function K_reclaim(g) return P .. 'rc:' .. g end
+-- The namespace's dead-queue reader lease (see dead_lock.lua, `fleet::broker::dead`).
+local function K_dead_lock() return P .. 'deadrd' end
+
+-- The attempt log of a task (`ta:<id>`, a list of JSON objects, oldest first): one entry per
+-- attempt that ended — {attempt, worker, started_at, finished_at (Redis ms), outcome
+-- (succeeded | failed | dead | expired | lost), error, reason} — written by the script that
+-- records the outcome (finish.lua; a lost attempt by remove_worker or start.lua, whichever
+-- notices first), except a success the status record keeps (finish.lua says which). Capped at
+-- ATTEMPT_LOG_MAX entries (the oldest dropped); it lives as long as the status record
+-- (`ttl_ms`: the status TTL). Mirrors `fleet::status::ATTEMPT_LOG_MAX`.
+local ATTEMPT_LOG_MAX = 20
+local function log_attempt(id, entry, ttl_ms)
+  local k = K_attempts(id)
+  if redis.call('RPUSH', k, cjson.encode(entry)) > ATTEMPT_LOG_MAX then
+    redis.call('LTRIM', k, -ATTEMPT_LOG_MAX, -1)
+  end
+  redis.call('PEXPIRE', k, ttl_ms)
+end
+
+-- Task states, dead-letter reasons and attempt outcomes, as stored: the words of
+-- `fleet::status::{TaskState, DeadReason, AttemptOutcome}` (a unit test checks these tables
+-- and every such word in the scripts against the enums, so scripts spell them S.x, R.x, O.x).
+local S = { queued = 'queued', parked = 'parked', running = 'running', retrying = 'retrying', succeeded = 'succeeded', dead = 'dead', expired = 'expired' }
+local R = { worker_lost = 'worker_lost', max_attempts = 'max_attempts' }
+local O = { succeeded = 'succeeded', failed = 'failed', dead = 'dead', expired = 'expired', lost = 'lost' }
+
+-- A state that ends the task (`TaskState::is_terminal`).
+local function is_final(state)
+  return state == S.succeeded or state == S.dead or state == S.expired
+end
+
+-- ---- Status writers: the only code that sets a task's `state` (one function per transition;
+-- the Rust side's are in `fleet::status`). `ttl_ms`: the status TTL. ----
+
+-- Dispatched (S.queued, reserved in group g) or waiting for room (S.parked): never over a
+-- claimed attempt — a copy made by a scheduler that took over a crashed one's batch finds the
+-- task running or finished, and the worker acks that copy as a duplicate.
+-- `kind` and `sub` (submitted_at, Unix ms): what the task is, written in the same HSET when
+-- the caller knows them (nil or '' otherwise).
+-- `fresh`: this call set the id's dedupe mark (a new submission, its window passed): a final
+-- record is then an ended run's, and this is a new run (status_resubmitted, below).
+local status_resubmitted
+local function status_waiting(id, state, g, lane, ttl_ms, kind, sub, fresh)
+  local t = K_task(id)
+  local cur = redis.call('HGET', t, 'state')
+  if fresh and is_final(cur) then
+    status_resubmitted(id, ttl_ms)
+    cur = nil
+  end
+  if cur == S.running or is_final(cur) then return end
+  local set = { 'state', state, 'group', g, 'lane', lane, 'queued_at', NOW_MS }
+  if kind and kind ~= '' then set[#set + 1] = 'kind'; set[#set + 1] = kind end
+  if sub and sub ~= '' then set[#set + 1] = 'submitted_at'; set[#set + 1] = sub end
+  redis.call('HSET', t, unpack(set))
+  redis.call('PEXPIRE', t, ttl_ms)
+end
+local function status_queued(id, g, lane, ttl_ms, kind, sub, fresh) status_waiting(id, S.queued, g, lane, ttl_ms, kind, sub, fresh) end
+local function status_parked(id, g, lane, ttl_ms, kind, sub, fresh) status_waiting(id, S.parked, g, lane, ttl_ms, kind, sub, fresh) end
+
+-- Claimed: attempt `att` runs on worker w (process inst) in group g; the run record (`run_*`,
+-- see start.lua) says which copy of which attempt runs and whether alone (`iso`).
+-- `prior`: what the caller read of the record — `exists` (a `state` field: the record and
+-- its TTL, set at dispatch, are there) and `finished` (a `finished_at` of an earlier attempt)
+-- — so a fresh claim costs one HSET: no HDEL of a field that is not there, and the TTL set
+-- at dispatch stands (a record that expired while its task waited gets a new one).
+local function status_running(id, g, lane, w, att, base, inst, iso, ttl_ms, prior)
+  local t = K_task(id)
+  redis.call('HSET', t, 'state', S.running, 'group', g, 'lane', lane, 'worker', w, 'attempt', att,
+    'started_at', NOW_MS, 'run_base', base, 'run_owner', inst, 'run_st', 'run', 'run_iso', iso)
+  if prior.finished then redis.call('HDEL', t, 'finished_at') end
+  if not prior.exists then redis.call('PEXPIRE', t, ttl_ms) end
+end
+
+-- A crash suspect claimed by process inst of worker w, to run once that process runs nothing
+-- else (start.lua): still S.queued, its run record held.
+local function status_suspect(id, w, inst, att, ttl_ms)
+  local t = K_task(id)
+  redis.call('HSET', t, 'run_owner', inst, 'worker', w, 'run_st', 'run', 'run_iso', 's',
+    'attempt', att, 'state', S.queued)
+  redis.call('PEXPIRE', t, ttl_ms)
+end
+
+-- Back in the broker after an attempt that ended without an outcome: its worker died or left
+-- (remove_worker; `run_st` nil: the record stays the lost owner's, so the next claim counts
+-- the crash) or it was released (finish.lua; `run_st` 'rel': the next copy runs the attempt again).
+local function status_requeued(id, run_st)
+  local t = K_task(id)
+  if run_st then
+    redis.call('HSET', t, 'run_st', run_st, 'state', S.queued)
+  else
+    redis.call('HSET', t, 'state', S.queued)
+  end
+  redis.call('HDEL', t, 'worker', 'started_at')
+end
+
+-- Running again as far as anyone can tell: the run of process `inst` (still its owner) of
+-- worker w went on while an eviction wrote it back to S.queued (heartbeat.lua, after the
+-- worker registered again). Its start time went with the eviction.
+local function status_resumed(id, w)
+  redis.call('HSET', K_task(id), 'state', S.running, 'worker', w)
+end
+
+-- An attempt's outcome (finish.lua): `state` is S.succeeded, S.retrying, S.dead or S.expired,
+-- written by worker w for attempt `att`; `field` ('result' | 'error') holds `text`; `reason`
+-- ('' for none) why dead or expired; `done`: this process owns the run record (or none exists),
+-- which then says the attempt is over. `prior`: which of `error` and `reason` the record holds
+-- now (read by the caller), so only fields that are there are deleted. One HSET, one PEXPIRE
+-- (the TTL runs from the end) and, rarely, one HDEL.
+local function status_finished(id, state, w, att, field, text, success, reason, done, ttl_ms, prior)
+  local t = K_task(id)
+  local set = { 'state', state, 'worker', w, 'finished_at', NOW_MS, 'attempt', att, field, text }
+  if done then set[#set + 1] = 'run_st'; set[#set + 1] = 'done' end
+  local del = {}
+  -- A success after failed attempts: the earlier attempt's error no longer describes the task.
+  if success and prior.error and field ~= 'error' then del[#del + 1] = 'error' end
+  -- The reason describes this outcome only (a replayed task may have died before).
+  if reason ~= '' then
+    set[#set + 1] = 'reason'; set[#set + 1] = reason
+  elseif prior.reason then
+    del[#del + 1] = 'reason'
+  end
+  redis.call('HSET', t, unpack(set))
+  if #del > 0 then redis.call('HDEL', t, unpack(del)) end
+  redis.call('PEXPIRE', t, ttl_ms)
+end
+
+-- Submitted again after its dedupe window, its previous run over (`is_final`): a new run of the
+-- id (reserve.lua, on a fresh mark). The old record goes — the new run starts from no record, so
+-- the worker's claim (start.lua) sees no run record and runs it as attempt 1 — and its kept
+-- success (not in the log, see finish.lua) is logged first: the attempt log, which stays, holds
+-- the earlier runs' attempts.
+function status_resubmitted(id, ttl_ms)
+  local t = K_task(id)
+  local r = redis.call('HMGET', t, 'state', 'attempt', 'worker', 'started_at', 'finished_at', 'run_base')
+  if r[1] == S.succeeded and r[6] then
+    log_attempt(id, { attempt = tonumber(r[2]), worker = r[3], started_at = tonumber(r[4]),
+      finished_at = tonumber(r[5]), outcome = O.succeeded }, ttl_ms)
+  end
+  redis.call('DEL', t)
+end
+-- A fresh submission that writes no waiting status here (no live group matches, or delayed:
+-- the scheduler writes that status): the same check as status_waiting's.
+local function status_renew_if_final(id, ttl_ms)
+  if is_final(redis.call('HGET', K_task(id), 'state')) then status_resubmitted(id, ttl_ms) end
+end
+
+-- Replayed from the dead-letter queue (dead_claim.lua): the old record goes, and the id is held
+-- S.queued under the replay's `token` until the scheduler dispatches the replayed submission —
+-- a second replay of the id (another letter, another replica) finds it in flight and refuses.
+local function status_replayed(id, token, ttl_ms)
+  local t = K_task(id)
+  redis.call('DEL', t)
+  redis.call('HSET', t, 'state', S.queued, 'replay', token, 'queued_at', NOW_MS)
+  redis.call('PEXPIRE', t, ttl_ms)
+end
+
+-- Dead outside a worker's outcome (start.lua: R.worker_lost; broker_dead.lua: the broker's
+-- reason): the attempt is over and no worker holds it. `fields`: more fields to set (or nil).
+local function status_dead(id, reason, err, ttl_ms, fields)
+  local t = K_task(id)
+  redis.call('HSET', t, 'state', S.dead, 'reason', reason, 'error', err, 'finished_at', NOW_MS, 'run_st', 'done')
+  if fields and #fields > 0 then redis.call('HSET', t, unpack(fields)) end
+  redis.call('HDEL', t, 'worker')
+  redis.call('PEXPIRE', t, ttl_ms)
+end

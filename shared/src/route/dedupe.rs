@@ -1,0 +1,54 @@
+//! Dedupe: a task id is dispatched once within the dedupe window (`FLEET_DEDUPE_WINDOW`), even
+//! when a producer publishes it twice or the broker redelivers a submission whose ack was lost.
+//!
+//! The protocol is one mark per id (`dd:<id>`, [`crate::Names::dedupe`]), written in the same
+//! script call that routes the task (`route/reserve.lua`, so the check and the reservation are
+//! atomic) and then advanced by the scheduler:
+//!
+//! * `p:<token>` — being handled by the batch with this token (set if absent; a retry of the same
+//!   batch recognises its own marks and never takes them for duplicates);
+//! * `a` — handed on: every publish the submission became is confirmed by the broker
+//!   ([`Store::mark_handed_on`], just before the ingress message is acked).
+//!
+//! A fresh submission ([`Dedupe::Check`]) is a duplicate when any mark of another batch exists.
+//! A redelivered one ([`Dedupe::Mark`]) is a duplicate only once handed on — or when a worker
+//! has already claimed it under another batch's mark (a scheduler that crashed after
+//! publishing): otherwise it is dispatched again, and the worker's run record (`start.lua`)
+//! makes sure the attempt runs once.
+
+use deadpool_redis::redis;
+
+use crate::error::Result;
+use crate::redis::Store;
+
+/// Dedupe behaviour of one reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dedupe {
+    /// Not checked (tasks coming back from a delay tier or a park queue).
+    Skip,
+    /// Set-if-absent: a seen id is a duplicate.
+    Check,
+    /// A redelivered ingress message: a duplicate only if it was already handed on
+    /// ([`Store::mark_handed_on`]); otherwise its mark may be this scheduler's own.
+    Mark,
+}
+
+impl Store {
+    /// Marks ingress submissions as handed on (their publishes are confirmed), just before
+    /// their ingress messages are acked: a redelivery after a lost ack is then a duplicate.
+    pub async fn mark_handed_on(&self, ids: &[&str]) -> Result<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let mut p = redis::pipe();
+        for id in ids {
+            p.cmd("SET")
+                .arg(self.names.dedupe(id))
+                .arg("a")
+                .arg("XX")
+                .arg("KEEPTTL")
+                .ignore();
+        }
+        self.pipe::<()>(&p).await
+    }
+}

@@ -1,0 +1,103 @@
+//! The outcome after a run: `finish.lua` (beside this file) records it in the task's status, or
+//! releases an attempt that ended without one ([`Finished`]).
+
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::redis::{millis, Store};
+use crate::status::{truncate, DeadReason, TaskState, MAX_STATUS_TEXT};
+use crate::task::Lane;
+
+/// A finished task's outcome as recorded in its status.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    /// The lane it ran in (its run record is released there).
+    pub lane: Lane,
+    /// The task id.
+    pub id: String,
+    /// The attempt that ended: a late write from an older attempt never overwrites the status
+    /// of a newer one (ledger batches of different workers may land out of order).
+    pub attempt: u32,
+    /// `Succeeded`, `Retrying`, `Dead` or `Expired`; `None` for a release (no outcome);
+    /// `Queued` for a spent attempt ([`Finished::spent`]).
+    pub state: Option<TaskState>,
+    /// The result (success) or the error text, truncated.
+    pub text: String,
+    /// Whether `text` is the result (stored as `result`) rather than the error (`error`).
+    pub success: bool,
+    /// Why a task ended `dead` or `expired` (`max_attempts`, `permanent_error`, `expired`: the
+    /// dead letter's `x-fleet-reason`), as the scheduler records for the states it decides;
+    /// `None` otherwise.
+    pub reason: Option<DeadReason>,
+}
+
+impl Finished {
+    /// An attempt whose handler ran to its end but whose outcome the broker did not confirm
+    /// (its retry or dead-letter copy unconfirmed: the channel died mid-publish, or a nack):
+    /// its delivery went back to the broker, and the attempt counts as used — the next copy
+    /// runs as attempt `attempt + 1` (or is dead-lettered, `max_attempts`, past the last),
+    /// never as this attempt again (issue 37 item 1: two runs of one attempt number).
+    pub fn spent(lane: Lane, id: String, attempt: u32) -> Self {
+        Finished {
+            state: Some(TaskState::Queued),
+            ..Finished::release(lane, id, attempt)
+        }
+    }
+
+    /// An attempt that ended without an outcome (hard stop): its delivery went back to the
+    /// broker and the next copy runs the same attempt again.
+    pub fn release(lane: Lane, id: String, attempt: u32) -> Self {
+        Finished {
+            lane,
+            id,
+            attempt,
+            state: None,
+            text: String::new(),
+            success: false,
+            reason: None,
+        }
+    }
+}
+
+impl Store {
+    /// Releases attempts and records their outcomes (a [`Finished`] with an empty `state` only
+    /// releases: the attempt ended without an outcome and went back to the broker), and
+    /// publishes the worker's task `figures` (pairs outcome, total; may be empty) in the same
+    /// call, so `GET /v1/workers` is current without a round trip of its own.
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn finish(
+        &self,
+        worker: &str,
+        group: &str,
+        instance: &str,
+        status_ttl: Duration,
+        tasks: &[Finished],
+        figures: &[(&str, u64)],
+    ) -> Result<()> {
+        let mut inv = self.scripts.finish.prepare_invoke();
+        inv.key(self.names.prefix())
+            .arg(worker)
+            .arg(group)
+            .arg(instance)
+            .arg(millis(status_ttl))
+            .arg(tasks.len());
+        for f in tasks {
+            inv.arg(f.lane.as_str())
+                .arg(&f.id)
+                .arg(f.attempt)
+                .arg(f.state.map(TaskState::as_str).unwrap_or(""))
+                .arg(if f.success { "result" } else { "error" })
+                .arg(truncate(&f.text, MAX_STATUS_TEXT))
+                .arg(if f.success { 1 } else { 0 })
+                .arg(f.reason.map(DeadReason::as_str).unwrap_or(""));
+        }
+        for (outcome, n) in figures {
+            inv.arg(*outcome).arg(*n);
+        }
+        // Outcomes are what a failover must not lose (see `invoke_replicated`).
+        let _: i64 = self.invoke_replicated(&inv).await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,837 @@
+//! The task envelope: what producers publish, in any language.
+//!
+//! Parsing is done field by field from a `serde_json::Value`, not by `#[derive(Deserialize)]`,
+//! so that every refusal names the field at fault (`bad_field: max_attempts: expected a
+//! non-negative integer`) and unknown fields are kept verbatim (forward compatibility). The
+//! schema shipped in `shared/schema/envelope.schema.json` is checked against this code by tests.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Duration, Utc};
+use serde_json::{Map, Value};
+
+use super::{Lane, Strategy};
+use crate::task::{Labels, PROTOCOL_LABEL};
+
+/// Envelope format version written by this code.
+pub const VERSION: u64 = 1;
+/// The JSON Schema of the envelope, as shipped for producers in other languages.
+pub const SCHEMA: &str = include_str!("../../schema/envelope.schema.json");
+/// Fields this version knows; anything else is kept in `extra`.
+pub const KNOWN_FIELDS: &[&str] = &[
+    "v",
+    "id",
+    "kind",
+    "payload",
+    "labels",
+    "protocol",
+    "lane",
+    "deadline",
+    "timeout_ms",
+    "not_before",
+    "max_attempts",
+    "attempt",
+    "submitted_at",
+    "strategy",
+];
+/// `not_before` further ahead than this is refused as absurd.
+pub const MAX_DELAY: Duration = Duration::days(30);
+
+/// Why an envelope was refused. `code()` is the bounded `reason` label of
+/// `fleet_tasks_rejected_total` and the `x-fleet-reason` header; `Display` is the detail.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Reject {
+    /// Not JSON (the parser's message).
+    #[error("malformed JSON: {0}")]
+    MalformedJson(String),
+    /// JSON, but not an object.
+    #[error("the envelope must be a JSON object")]
+    NotAnObject,
+    /// No `kind`.
+    #[error("missing required field `kind`")]
+    MissingKind,
+    /// A known field of the wrong type or value: (field, what was expected).
+    #[error("field `{0}`: {1}")]
+    BadField(&'static str, String),
+    /// A `lane` other than `normal` or `critical`.
+    #[error("unknown lane `{0}` (use normal or critical)")]
+    UnknownLane(String),
+    /// Larger than the size limit, in bytes as encoded.
+    #[error("envelope is {size} bytes, over the limit of {limit}")]
+    Oversized {
+        /// The envelope's size, in bytes.
+        size: usize,
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// `labels` that are not a valid selector (the selector parser's message).
+    #[error("invalid label selector: {0}")]
+    BadSelector(String),
+    /// A `strategy` fleet does not know.
+    #[error("unknown strategy `{0}` (use least_loaded, round_robin or weighted)")]
+    UnknownStrategy(String),
+    /// `not_before` further ahead than [`MAX_DELAY`] (its days).
+    #[error("not_before is more than {0} days ahead")]
+    TooFarAhead(i64),
+    /// A dimension past its limit (label pairs, id or kind bytes, payload depth).
+    #[error("{what} is {got}, over the limit of {limit}")]
+    OverLimit {
+        /// Which dimension (`label pairs`, `id bytes`, ...).
+        what: &'static str,
+        /// Its value in this envelope.
+        got: usize,
+        /// Its limit ([`Limits`]).
+        limit: usize,
+    },
+}
+
+impl Reject {
+    /// The bounded reason word: `malformed_json`, `not_an_object`, `missing_kind`,
+    /// `bad_field`, `unknown_lane`, `oversized`, `bad_selector`, `unknown_strategy`,
+    /// `bad_not_before` or `over_limit`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Reject::MalformedJson(_) => "malformed_json",
+            Reject::NotAnObject => "not_an_object",
+            Reject::MissingKind => "missing_kind",
+            Reject::BadField(..) => "bad_field",
+            Reject::UnknownLane(_) => "unknown_lane",
+            Reject::Oversized { .. } => "oversized",
+            Reject::BadSelector(_) => "bad_selector",
+            Reject::UnknownStrategy(_) => "unknown_strategy",
+            Reject::TooFarAhead(_) => "bad_not_before",
+            Reject::OverLimit { .. } => "over_limit",
+        }
+    }
+}
+
+/// Bounds on every dimension of an envelope, checked at the door (the scheduler's ingress and
+/// `POST /v1/tasks`) before any state is written, so no input can make a Redis script or a log
+/// line misbehave. Each has a setting (`FLEET_MAX_TASK_BYTES`, `FLEET_MAX_LABEL_PAIRS`,
+/// `FLEET_MAX_ID_BYTES`, `FLEET_MAX_KIND_BYTES`, `FLEET_MAX_PAYLOAD_DEPTH`). Label keys and
+/// values are bounded by the selector syntax itself (1-63 bytes of `[A-Za-z0-9_.-/]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest envelope, in bytes as the producer encoded it (checked once, on those bytes:
+    /// what fleet adds later never counts against it).
+    pub max_bytes: usize,
+    /// Most `key=value` pairs in `labels` (the selector).
+    pub max_label_pairs: usize,
+    /// Longest `id`, in bytes (UTF-8).
+    pub max_id_bytes: usize,
+    /// Longest `kind`, in bytes (UTF-8).
+    pub max_kind_bytes: usize,
+    /// Deepest nesting of arrays and objects in `payload` (a scalar payload has depth 0).
+    pub max_payload_depth: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_bytes: 1 << 20,
+            max_label_pairs: 16,
+            max_id_bytes: 200,
+            max_kind_bytes: 128,
+            max_payload_depth: 32,
+        }
+    }
+}
+
+impl Limits {
+    /// The limits for fleet's own copies of an accepted task (group queues, retries, park and
+    /// delay hops): the producer's size limit no longer applies — it was checked once at the
+    /// door, and fleet's fields and JSON re-encoding (`1e2` becomes `100.0`) may add to it —
+    /// only a generous guard against a foreign publish straight to an internal queue.
+    pub fn internal(self) -> Self {
+        Limits {
+            max_bytes: internal_limit(self.max_bytes),
+            ..self
+        }
+    }
+}
+
+/// Largest delivery fleet parses from its own queues: 8 × the producer limit + 64 KiB.
+pub fn internal_limit(max_bytes: usize) -> usize {
+    max_bytes.saturating_mul(8).saturating_add(64 * 1024)
+}
+
+/// Renders text for a log line with control characters escaped (`\n`, `\u{1b}`), so a task's
+/// error or payload cannot forge log lines or colour a terminal.
+pub fn escape(s: &str) -> std::borrow::Cow<'_, str> {
+    if s.chars().any(char::is_control) {
+        std::borrow::Cow::Owned(
+            s.chars()
+                .flat_map(|c| {
+                    if c.is_control() {
+                        c.escape_default().collect::<Vec<_>>()
+                    } else {
+                        vec![c]
+                    }
+                })
+                .collect(),
+        )
+    } else {
+        std::borrow::Cow::Borrowed(s)
+    }
+}
+
+fn depth(v: &Value) -> usize {
+    match v {
+        Value::Array(a) => 1 + a.iter().map(depth).max().unwrap_or(0),
+        Value::Object(o) => 1 + o.values().map(depth).max().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// A task. Only `kind` is required on the wire; [`Envelope::normalize`] fills in the rest.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Envelope {
+    /// The client-chosen id, which is the idempotency key (generated when absent).
+    pub id: String,
+    /// The handler name.
+    pub kind: String,
+    /// Any JSON value, passed to the handler.
+    pub payload: Value,
+    /// The selector: every `key=value` must be present on the worker (exact match).
+    pub labels: Labels,
+    /// The executor the task needs (`builtin`, `http` or `exec`), a selector label too.
+    pub protocol: Option<String>,
+    /// The lane it travels in.
+    pub lane: Lane,
+    /// Absolute deadline: never started after it, cancelled at it.
+    pub deadline: Option<DateTime<Utc>>,
+    /// Relative deadline in milliseconds from submission, used when `deadline` is absent.
+    pub timeout_ms: Option<u64>,
+    /// Delayed start: not before this time (at most [`MAX_DELAY`] ahead).
+    pub not_before: Option<DateTime<Utc>>,
+    /// Runs allowed in all, [`MAX_ATTEMPTS_MIN`]..=[`MAX_ATTEMPTS_MAX`]; the fleet's default
+    /// when absent.
+    pub max_attempts: Option<u32>,
+    /// Attempts already made (0 when first submitted).
+    pub attempt: u32,
+    /// When fleet accepted it (set on acceptance when absent): what waits are measured from.
+    pub submitted_at: Option<DateTime<Utc>>,
+    /// Overrides the scheduler's routing strategy for this task.
+    pub strategy: Option<Strategy>,
+    /// Unknown fields, kept verbatim.
+    pub extra: Map<String, Value>,
+}
+
+impl Envelope {
+    /// A new envelope with a generated id and defaults.
+    pub fn new(kind: impl Into<String>, payload: Value) -> Self {
+        Envelope {
+            id: new_id(),
+            kind: kind.into(),
+            payload,
+            labels: Labels::default(),
+            protocol: None,
+            lane: Lane::Normal,
+            deadline: None,
+            timeout_ms: None,
+            not_before: None,
+            max_attempts: None,
+            attempt: 0,
+            submitted_at: None,
+            strategy: None,
+            extra: Map::new(),
+        }
+    }
+
+    /// Parses raw bytes with the default [`Limits`] but this size limit (bytes).
+    pub fn from_slice(bytes: &[u8], max_bytes: usize) -> Result<Self, Reject> {
+        Self::parse(
+            bytes,
+            &Limits {
+                max_bytes,
+                ..Limits::default()
+            },
+        )
+    }
+
+    /// Parses raw bytes, enforcing every limit: the size first, on these bytes.
+    pub fn parse(bytes: &[u8], limits: &Limits) -> Result<Self, Reject> {
+        Self::parse_with_id(bytes, limits, None)
+    }
+
+    /// [`Envelope::parse`], taking `default_id` (the AMQP `message_id` property) as the id when
+    /// the body has none — and it is a valid id; otherwise one is generated.
+    pub fn parse_with_id(
+        bytes: &[u8],
+        limits: &Limits,
+        default_id: Option<&str>,
+    ) -> Result<Self, Reject> {
+        if bytes.len() > limits.max_bytes {
+            return Err(Reject::Oversized {
+                size: bytes.len(),
+                limit: limits.max_bytes,
+            });
+        }
+        let mut value: Value =
+            serde_json::from_slice(bytes).map_err(|e| Reject::MalformedJson(e.to_string()))?;
+        if let (Value::Object(o), Some(id)) = (&mut value, default_id) {
+            let valid = !id.is_empty()
+                && id.len() <= limits.max_id_bytes
+                && !id.chars().any(char::is_control);
+            if valid && o.get("id").is_none_or(Value::is_null) {
+                o.insert("id".into(), Value::String(id.to_string()));
+            }
+        }
+        Self::from_value_limited(value, limits)
+    }
+
+    /// Parses a JSON value field by field with the default [`Limits`] (size aside); errors name
+    /// the field.
+    pub fn from_value(value: Value) -> Result<Self, Reject> {
+        Self::from_value_limited(value, &Limits::default())
+    }
+
+    /// Parses a JSON value field by field, enforcing every limit but the size (which belongs to
+    /// the bytes); errors name the field.
+    pub fn from_value_limited(value: Value, limits: &Limits) -> Result<Self, Reject> {
+        let Value::Object(mut obj) = value else {
+            return Err(Reject::NotAnObject);
+        };
+        let mut take = |k: &str| obj.remove(k).filter(|v| !v.is_null());
+        let kind = match take("kind") {
+            None => return Err(Reject::MissingKind),
+            Some(Value::String(s)) if !s.trim().is_empty() => s,
+            Some(_) => {
+                return Err(Reject::BadField(
+                    "kind",
+                    "expected a non-empty string".into(),
+                ))
+            }
+        };
+        if kind.len() > limits.max_kind_bytes {
+            return Err(Reject::OverLimit {
+                what: "kind (bytes)",
+                got: kind.len(),
+                limit: limits.max_kind_bytes,
+            });
+        }
+        if kind.chars().any(char::is_control) {
+            return Err(Reject::BadField(
+                "kind",
+                "control characters are not allowed".into(),
+            ));
+        }
+        let id = match take("id") {
+            None => new_id(),
+            Some(Value::String(s)) if !s.is_empty() => s,
+            Some(_) => return Err(Reject::BadField("id", "expected a non-empty string".into())),
+        };
+        if id.len() > limits.max_id_bytes {
+            return Err(Reject::OverLimit {
+                what: "id (bytes)",
+                got: id.len(),
+                limit: limits.max_id_bytes,
+            });
+        }
+        if id.chars().any(char::is_control) {
+            return Err(Reject::BadField(
+                "id",
+                "control characters are not allowed".into(),
+            ));
+        }
+        let payload = take("payload").unwrap_or(Value::Null);
+        let d = depth(&payload);
+        if d > limits.max_payload_depth {
+            return Err(Reject::OverLimit {
+                what: "payload nesting depth",
+                got: d,
+                limit: limits.max_payload_depth,
+            });
+        }
+        let labels = match take("labels") {
+            None => Labels::default(),
+            Some(Value::Object(m)) if m.len() > limits.max_label_pairs => {
+                return Err(Reject::OverLimit {
+                    what: "labels (pairs)",
+                    got: m.len(),
+                    limit: limits.max_label_pairs,
+                })
+            }
+            Some(Value::Object(m)) => {
+                let mut map = BTreeMap::new();
+                for (k, v) in m {
+                    let Value::String(v) = v else {
+                        return Err(Reject::BadSelector(format!(
+                            "value of `{k}` must be a string"
+                        )));
+                    };
+                    map.insert(k, v);
+                }
+                Labels::from_map(map).map_err(|e| Reject::BadSelector(e.to_string()))?
+            }
+            Some(Value::String(s)) => {
+                Labels::parse(&s).map_err(|e| Reject::BadSelector(e.to_string()))?
+            }
+            Some(_) => {
+                return Err(Reject::BadSelector(
+                    "`labels` must be an object of strings".into(),
+                ))
+            }
+        };
+        if labels.len() > limits.max_label_pairs {
+            return Err(Reject::OverLimit {
+                what: "labels (pairs)",
+                got: labels.len(),
+                limit: limits.max_label_pairs,
+            });
+        }
+        let protocol = match take("protocol") {
+            None => None,
+            Some(Value::String(s)) if !s.is_empty() => Some(s),
+            Some(_) => return Err(Reject::BadField("protocol", "expected a string".into())),
+        };
+        let lane = match take("lane") {
+            None => Lane::Normal,
+            Some(Value::String(s)) => Lane::parse(&s).ok_or(Reject::UnknownLane(s))?,
+            Some(other) => return Err(Reject::UnknownLane(other.to_string())),
+        };
+        let deadline = take("deadline")
+            .map(|v| time_field("deadline", v))
+            .transpose()?;
+        let not_before = take("not_before")
+            .map(|v| time_field("not_before", v))
+            .transpose()?;
+        let submitted_at = take("submitted_at")
+            .map(|v| time_field("submitted_at", v))
+            .transpose()?;
+        let timeout_ms = take("timeout_ms")
+            .map(|v| uint_field("timeout_ms", v))
+            .transpose()?;
+        // The schema's bounds (`minimum` 1, `maximum` 1000), refused rather than clamped: a
+        // producer that asks for 0 attempts gets told, not silently one.
+        let max_attempts = take("max_attempts")
+            .map(|v| uint_field("max_attempts", v))
+            .transpose()?
+            .map(|n| {
+                u32::try_from(n)
+                    .ok()
+                    .filter(|n| (MAX_ATTEMPTS_MIN..=MAX_ATTEMPTS_MAX).contains(n))
+                    .ok_or_else(|| {
+                        Reject::BadField(
+                            "max_attempts",
+                            format!(
+                                "{n} is outside {MAX_ATTEMPTS_MIN}..={MAX_ATTEMPTS_MAX} (the schema's minimum and maximum)"
+                            ),
+                        )
+                    })
+            })
+            .transpose()?;
+        let attempt = take("attempt")
+            .map(|v| uint_field("attempt", v))
+            .transpose()?
+            .unwrap_or(0);
+        let attempt =
+            u32::try_from(attempt).map_err(|_| Reject::BadField("attempt", "too large".into()))?;
+        let strategy = match take("strategy") {
+            None => None,
+            Some(Value::String(s)) => Some(Strategy::parse(&s).ok_or(Reject::UnknownStrategy(s))?),
+            Some(_) => return Err(Reject::BadField("strategy", "expected a string".into())),
+        };
+        if let Some(p) = &protocol {
+            if labels.get(PROTOCOL_LABEL).is_some_and(|l| l != p) {
+                return Err(Reject::BadSelector(format!(
+                    "`protocol` {p} contradicts label protocol"
+                )));
+            }
+        }
+        obj.remove("v");
+        Ok(Envelope {
+            id,
+            kind,
+            payload,
+            labels,
+            protocol,
+            lane,
+            deadline,
+            timeout_ms,
+            not_before,
+            max_attempts,
+            attempt,
+            submitted_at,
+            strategy,
+            extra: obj,
+        })
+    }
+
+    /// Fills the defaults an accepted task carries from then on: `submitted_at`, the absolute
+    /// `deadline` from `timeout_ms`, and `max_attempts`. Refuses absurd `not_before`.
+    pub fn normalize(
+        &mut self,
+        now: DateTime<Utc>,
+        default_max_attempts: u32,
+    ) -> Result<(), Reject> {
+        let submitted = *self.submitted_at.get_or_insert(now);
+        if self.deadline.is_none() {
+            if let Some(ms) = self.timeout_ms {
+                let ms = i64::try_from(ms)
+                    .unwrap_or(i64::MAX / 2)
+                    .min(MAX_DELAY.num_milliseconds() * 12);
+                self.deadline = Some(submitted + Duration::milliseconds(ms));
+            }
+        }
+        if self.max_attempts.is_none() {
+            self.max_attempts = Some(default_max_attempts.max(1));
+        }
+        if let Some(nb) = self.not_before {
+            if nb - now > MAX_DELAY {
+                return Err(Reject::TooFarAhead(MAX_DELAY.num_days()));
+            }
+        }
+        Ok(())
+    }
+
+    /// The selector a worker must satisfy: the task's labels plus `protocol`, if any.
+    pub fn selector(&self) -> Labels {
+        match &self.protocol {
+            Some(p) => self.labels.clone().with(PROTOCOL_LABEL, p),
+            None => self.labels.clone(),
+        }
+    }
+
+    /// The attempts allowed: `max_attempts`, else `default`; at least 1.
+    pub fn max_attempts_or(&self, default: u32) -> u32 {
+        self.max_attempts.unwrap_or(default).max(1)
+    }
+
+    /// Whether the deadline is at or before `now` (never without a deadline).
+    pub fn is_expired(&self, now: DateTime<Utc>) -> bool {
+        self.deadline.is_some_and(|d| d <= now)
+    }
+
+    /// The wire form (always includes the version `v`).
+    pub fn to_value(&self) -> Value {
+        let mut m = self.extra.clone();
+        m.insert("v".into(), VERSION.into());
+        m.insert("id".into(), self.id.clone().into());
+        m.insert("kind".into(), self.kind.clone().into());
+        m.insert("payload".into(), self.payload.clone());
+        if !self.labels.is_empty() {
+            m.insert(
+                "labels".into(),
+                serde_json::to_value(&self.labels).unwrap_or(Value::Null),
+            );
+        }
+        let mut opt = |k: &str, v: Option<Value>| {
+            if let Some(v) = v {
+                m.insert(k.into(), v);
+            }
+        };
+        opt("protocol", self.protocol.clone().map(Value::from));
+        opt("lane", Some(self.lane.as_str().into()));
+        opt("deadline", self.deadline.map(fmt_time));
+        opt("timeout_ms", self.timeout_ms.map(Value::from));
+        opt("not_before", self.not_before.map(fmt_time));
+        opt("max_attempts", self.max_attempts.map(Value::from));
+        opt("attempt", Some(self.attempt.into()));
+        opt("submitted_at", self.submitted_at.map(fmt_time));
+        opt("strategy", self.strategy.map(|s| s.as_str().into()));
+        Value::Object(m)
+    }
+
+    /// [`to_value`](Self::to_value) as JSON bytes.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(&self.to_value()).unwrap_or_default()
+    }
+
+    /// Bytes of [`Envelope::to_bytes`] taken by the fields fleet itself fills in on an accepted
+    /// task — `v`, `lane`, `attempt`, `max_attempts`, `submitted_at`, and `deadline` when it is
+    /// derived from `timeout_ms` — each as `"key":value` plus its comma. A dead-letter replay is
+    /// measured against the producer's size limit without them (`bytes − this`, see
+    /// [`crate::broker::dead`]): the limit is for the producer's bytes, and a replay of a task near the
+    /// limit must not meet it again through fleet's own additions. Bounded (a few hundred
+    /// bytes: the values are an enum, numbers and times), so a submission that claims to be a
+    /// replay gains no more than that.
+    pub fn fleet_fields_len(&self) -> usize {
+        let Value::Object(m) = self.to_value() else {
+            return 0;
+        };
+        let mut keys = vec!["v", "lane", "attempt", "max_attempts", "submitted_at"];
+        if self.timeout_ms.is_some() {
+            keys.push("deadline");
+        }
+        keys.iter()
+            .filter_map(|k| m.get(*k).map(|v| (k, v)))
+            .map(|(k, v)| k.len() + 4 + serde_json::to_string(v).map_or(0, |s| s.len()))
+            .sum()
+    }
+}
+
+/// An envelope time as RFC 3339 (UTC, `Z`) with microseconds: `submitted_at` is what every
+/// wait (`fleet_task_wait_seconds`) is measured from, and a millisecond string would add up to
+/// 1 ms (0.5 on average) to waits that are themselves about a millisecond on an idle fleet.
+fn fmt_time(t: DateTime<Utc>) -> Value {
+    Value::String(t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true))
+}
+
+fn time_field(name: &'static str, v: Value) -> Result<DateTime<Utc>, Reject> {
+    match v {
+        Value::String(s) => DateTime::parse_from_rfc3339(&s)
+            .map(|t| t.with_timezone(&Utc))
+            .map_err(|e| Reject::BadField(name, format!("expected an RFC 3339 time: {e}"))),
+        _ => Err(Reject::BadField(
+            name,
+            "expected an RFC 3339 time string".into(),
+        )),
+    }
+}
+
+fn uint_field(name: &'static str, v: Value) -> Result<u64, Reject> {
+    v.as_u64()
+        .ok_or_else(|| Reject::BadField(name, "expected a non-negative integer".into()))
+}
+
+/// Least `max_attempts`, as `shared/schema/envelope.schema.json` has it.
+pub const MAX_ATTEMPTS_MIN: u32 = 1;
+/// Most `max_attempts`, as `shared/schema/envelope.schema.json` has it.
+pub const MAX_ATTEMPTS_MAX: u32 = 1000;
+
+/// A fresh task id.
+pub fn new_id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::task::PerLane;
+    use serde_json::json;
+
+    /// Every `minimum` / `maximum` of the JSON Schema is what `from_value` enforces: a value
+    /// one past a bound is refused naming the field, the bound itself is taken.
+    /// (`max_attempts: 0` was accepted as 1.)
+    #[test]
+    fn the_schema_numeric_bounds_are_enforced() {
+        let schema: Value =
+            serde_json::from_str(include_str!("../../schema/envelope.schema.json")).unwrap();
+        let props = schema["properties"].as_object().unwrap();
+        let mut checked = 0;
+        for (field, p) in props {
+            if p["type"] != "integer" || field == "v" {
+                continue;
+            }
+            let accept = |n: i64| {
+                let mut e = json!({"kind": "x"});
+                e[field.as_str()] = json!(n);
+                Envelope::from_value(e)
+            };
+            if let Some(min) = p["minimum"].as_i64() {
+                assert!(accept(min).is_ok(), "{field} = {min} refused");
+                let r = accept(min - 1).expect_err(&format!("{field} = {} accepted", min - 1));
+                assert!(r.to_string().contains(field.as_str()), "{r}");
+                checked += 1;
+            }
+            if let Some(max) = p["maximum"].as_i64() {
+                assert!(accept(max).is_ok(), "{field} = {max} refused");
+                let r = accept(max + 1).expect_err(&format!("{field} = {} accepted", max + 1));
+                assert!(r.to_string().contains(field.as_str()), "{r}");
+                checked += 1;
+            }
+        }
+        assert_eq!(
+            checked, 4,
+            "timeout_ms, attempt and max_attempts' two bounds"
+        );
+    }
+
+    #[test]
+    fn minimal_envelope_gets_defaults() {
+        let e = Envelope::from_slice(br#"{"kind":"noop"}"#, 1024).unwrap();
+        assert_eq!(e.kind, "noop");
+        assert_eq!(e.lane, Lane::Normal);
+        assert_eq!(e.id.len(), 32);
+        assert_eq!(e.attempt, 0);
+    }
+
+    #[test]
+    fn round_trip_keeps_unknown_fields() {
+        let v = json!({"id":"a","kind":"echo","payload":{"x":1},"labels":{"gpu":"true"},
+            "lane":"critical","deadline":"2026-12-01T10:00:00Z","max_attempts":5,"future_field":[1,2]});
+        let e = Envelope::from_value(v).unwrap();
+        assert_eq!(e.extra.get("future_field"), Some(&json!([1, 2])));
+        let again = Envelope::from_value(e.to_value()).unwrap();
+        assert_eq!(again, e);
+    }
+
+    #[test]
+    fn submitted_at_keeps_microseconds() {
+        // Waits are measured from it: a millisecond string added up to 1 ms to each.
+        let t = DateTime::parse_from_rfc3339("2026-12-01T10:00:00.123456Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let mut e = Envelope::new("noop", json!(null));
+        e.submitted_at = Some(t + chrono::Duration::nanoseconds(789));
+        assert_eq!(
+            e.to_value()["submitted_at"],
+            json!("2026-12-01T10:00:00.123456Z")
+        );
+        let again = Envelope::from_slice(&e.to_bytes(), 1024).unwrap();
+        assert_eq!(again.submitted_at, Some(t));
+    }
+
+    #[test]
+    fn refusals_name_the_field() {
+        let r = |b: &[u8]| Envelope::from_slice(b, 1 << 20).unwrap_err();
+        assert_eq!(r(b"{nope").code(), "malformed_json");
+        assert_eq!(r(b"[1]").code(), "not_an_object");
+        assert_eq!(r(br#"{"payload":1}"#).code(), "missing_kind");
+        assert_eq!(r(br#"{"kind":"x","lane":"bulk"}"#).code(), "unknown_lane");
+        assert_eq!(
+            r(br#"{"kind":"x","labels":{"a b":"1"}}"#).code(),
+            "bad_selector"
+        );
+        let e = r(br#"{"kind":"x","max_attempts":"five"}"#);
+        assert_eq!(e.code(), "bad_field");
+        assert!(e.to_string().contains("max_attempts"), "{e}");
+        let e = r(br#"{"kind":"x","deadline":"tomorrow"}"#);
+        assert!(e.to_string().contains("deadline"), "{e}");
+        let big = format!(r#"{{"kind":"x","payload":"{}"}}"#, "a".repeat(2000));
+        assert_eq!(
+            Envelope::from_slice(big.as_bytes(), 1000)
+                .unwrap_err()
+                .code(),
+            "oversized"
+        );
+    }
+
+    #[test]
+    fn every_dimension_is_bounded() {
+        let l = Limits::default();
+        let r = |v: Value| Envelope::from_value_limited(v, &l).unwrap_err();
+        let labels: serde_json::Map<String, Value> =
+            (0..10_000).map(|i| (format!("k{i}"), json!("v"))).collect();
+        let e = r(json!({"kind":"x","labels":labels}));
+        assert_eq!(e.code(), "over_limit");
+        assert!(e.to_string().contains("labels"), "{e}");
+        assert_eq!(r(json!({"kind":"x","labels":"a=1,b=2,c=3,d=4,e=5,f=6,g=7,h=8,i=9,j=10,k=11,l=12,m=13,n=14,o=15,p=16,q=17"})).code(), "over_limit");
+        assert!(Envelope::from_value_limited(json!({"kind":"x","labels":{"a":"1"}}), &l).is_ok());
+        assert_eq!(
+            r(json!({"kind":"x","id":"é".repeat(101)})).code(),
+            "over_limit",
+            "id is bounded in bytes"
+        );
+        assert!(Envelope::from_value_limited(json!({"kind":"x","id":"é".repeat(100)}), &l).is_ok());
+        assert_eq!(r(json!({"kind":"k".repeat(129)})).code(), "over_limit");
+        assert_eq!(
+            r(json!({"kind":"echo\nFAKE LOG LINE level=ERROR\u{1b}[31m"})).code(),
+            "bad_field"
+        );
+        assert_eq!(r(json!({"kind":"ex\u{0}ec"})).code(), "bad_field");
+        assert_eq!(r(json!({"kind":"x","id":"a\rb"})).code(), "bad_field");
+        let mut deep = json!(1);
+        for _ in 0..33 {
+            deep = json!([deep]);
+        }
+        assert_eq!(r(json!({"kind":"x","payload":deep})).code(), "over_limit");
+        assert!(Envelope::from_value_limited(json!({"kind":"x","payload":deep[0]}), &l).is_ok());
+        // The size is the producer's bytes; fleet's own copies get the internal guard.
+        let body = format!(r#"{{"kind":"x","payload":"{}"}}"#, "a".repeat(4000));
+        let small = Limits {
+            max_bytes: body.len(),
+            ..l
+        };
+        let mut env = Envelope::parse(body.as_bytes(), &small).unwrap();
+        env.normalize(Utc::now(), 5).unwrap();
+        assert!(env.to_bytes().len() > body.len(), "fleet adds fields");
+        assert!(Envelope::parse(&env.to_bytes(), &small.internal()).is_ok());
+    }
+
+    #[test]
+    fn escape_neutralises_control_characters() {
+        assert_eq!(escape("plain"), "plain");
+        assert_eq!(escape("a\nb\u{1b}[31m"), "a\\nb\\u{1b}[31m");
+    }
+
+    #[test]
+    fn schema_matches_the_rust_type() {
+        let schema: Value = serde_json::from_str(SCHEMA).unwrap();
+        let props = schema["properties"].as_object().unwrap();
+        let mut in_schema: Vec<&str> = props.keys().map(String::as_str).collect();
+        let mut in_rust: Vec<&str> = KNOWN_FIELDS.to_vec();
+        in_schema.sort_unstable();
+        in_rust.sort_unstable();
+        assert_eq!(
+            in_schema, in_rust,
+            "schema properties and KNOWN_FIELDS differ"
+        );
+        assert_eq!(schema["required"], json!(["kind"]));
+        assert_eq!(
+            schema["additionalProperties"],
+            json!(true),
+            "unknown fields are kept"
+        );
+        let lanes: Vec<&str> = Lane::ALL.iter().map(|l| l.as_str()).collect();
+        assert_eq!(props["lane"]["enum"], json!(lanes));
+        let strategies: Vec<&str> = [
+            Strategy::LeastLoaded,
+            Strategy::RoundRobin,
+            Strategy::Weighted,
+        ]
+        .iter()
+        .map(|s| s.as_str())
+        .collect();
+        assert_eq!(props["strategy"]["enum"], json!(strategies));
+        // A full envelope written by this code uses only schema fields, with the schema's types.
+        let mut e = Envelope::new("k", json!({"a": 1}));
+        e.labels = Labels::parse("gpu=true").unwrap();
+        e.protocol = Some("http".into());
+        e.deadline = Some(Utc::now());
+        e.timeout_ms = Some(5);
+        e.not_before = Some(Utc::now());
+        e.max_attempts = Some(3);
+        e.submitted_at = Some(Utc::now());
+        e.strategy = Some(Strategy::Weighted);
+        for (k, v) in e.to_value().as_object().unwrap() {
+            let p = &props[k.as_str()];
+            assert!(!p.is_null(), "field {k} is not in the schema");
+            let ok = match p["type"].as_str() {
+                Some("string") => v.is_string(),
+                Some("integer") => v.is_u64(),
+                _ => true,
+            };
+            assert!(
+                ok,
+                "field {k} = {v} does not have the schema's type {}",
+                p["type"]
+            );
+        }
+    }
+
+    #[test]
+    fn per_lane_values() {
+        let mut caps = PerLane {
+            normal: 4u32,
+            critical: 1,
+        };
+        assert_eq!((caps[Lane::Normal], *caps.get(Lane::Critical)), (4, 1));
+        caps[Lane::Critical] += 1;
+        *caps.get_mut(Lane::Normal) = 5;
+        assert_eq!(
+            caps.iter().collect::<Vec<_>>(),
+            vec![(Lane::Normal, &5), (Lane::Critical, &2)]
+        );
+        assert_eq!(
+            caps.map(|c| c * 2),
+            PerLane {
+                normal: 10,
+                critical: 4
+            }
+        );
+    }
+
+    #[test]
+    fn normalize_resolves_timeout_and_refuses_far_future() {
+        let now = Utc::now();
+        let mut e = Envelope::from_value(json!({"kind":"x","timeout_ms":1500})).unwrap();
+        e.normalize(now, 5).unwrap();
+        assert_eq!(e.deadline, Some(now + Duration::milliseconds(1500)));
+        assert_eq!(e.max_attempts, Some(5));
+        let mut far = Envelope::new("x", Value::Null);
+        far.not_before = Some(now + Duration::days(400));
+        assert_eq!(far.normalize(now, 5).unwrap_err().code(), "bad_not_before");
+    }
+}
