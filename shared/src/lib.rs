@@ -17,6 +17,7 @@
 //!   concept: [`registry`] (workers, heartbeats, eviction, reclaim — a folder with its Lua),
 //!   [`route`] + [`lease`] (choice, reservation, in-flight records), [`ratelimit`] (GCRA
 //!   bucket), [`status`] (task states, dead-letter reasons, one writer per transition).
+//! * [`control`] — the durable control stream (cancels), replayed after a Redis loss.
 //! * [`dead`] — dead letters: listing without removing, replaying as new submissions.
 //! * [`subset`] — deterministic subsetting: which shard queues of a sharded group a worker
 //!   consumes.
@@ -35,6 +36,7 @@
 pub mod amqp;
 pub mod auth;
 pub mod config;
+pub mod control;
 pub mod dead;
 pub mod dedupe;
 pub mod delay;

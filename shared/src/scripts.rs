@@ -67,6 +67,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("lua/dead_claim.lua", include_str!("lua/dead_claim.lua")),
     ("lua/dead_unclaim.lua", include_str!("lua/dead_unclaim.lua")),
     ("lua/dead_lock.lua", include_str!("lua/dead_lock.lua")),
+    ("lua/cancel.lua", include_str!("lua/cancel.lua")),
 ];
 
 /// All scripts of the fleet.
@@ -118,6 +119,9 @@ pub struct Scripts {
     /// `lua/dead_lock.lua`: renews or releases the dead-queue reader lease while the caller holds
     /// it.
     pub dead_lock: Script,
+    /// `lua/cancel.lua`: marks tasks cancelled (an operator's cancel, or the control stream
+    /// applied again after a Redis loss; see [`crate::control`]).
+    pub cancel: Script,
 }
 
 impl Scripts {
@@ -146,6 +150,7 @@ impl Scripts {
             dead_claim: script!("dead_claim.lua"),
             dead_unclaim: script!("dead_unclaim.lua"),
             dead_lock: script!("dead_lock.lua"),
+            cancel: script!("cancel.lua"),
         }
     }
 }

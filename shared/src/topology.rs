@@ -253,6 +253,8 @@ pub async fn declare_core(ch: &Channel, cfg: &CommonConfig) -> Result<()> {
         FieldTable::default(),
     )
     .await?;
+    // Operator actions that must outlive Redis (cancels): every process reads it.
+    crate::control::declare(ch, &n).await?;
     queue(ch, &n.delayed_queue(), args(cfg), None).await?;
     bind(
         ch,
@@ -615,7 +617,7 @@ pub async fn delete_all(ch: &Channel, names: &Names, groups: &[String]) -> Resul
 
 /// Deletes every queue (with its messages) and exchange of a namespace whose groups have
 /// `shards` normal-lane shard queues (`FLEET_SHARDS`): ingress, dead, broker dead, delayed,
-/// schedules stream, queue catalog, delay tiers (current and legacy), the lane queues (unsharded and every
+/// schedules and control streams, queue catalog, delay tiers (current and legacy), the lane queues (unsharded and every
 /// shard) and park queues of `groups`, and the park queues of the waiting-for-worker
 /// pseudo-group [`Names::UNMATCHED_GROUP`]. Deleting a queue or exchange that does not exist
 /// is no error (RabbitMQ answers delete-ok), so a `shards` above the real count is harmless;
@@ -633,6 +635,7 @@ pub async fn delete_all_sharded(
     queues.push(names.broker_dead_queue());
     queues.push(names.delayed_queue());
     queues.push(names.schedules_stream());
+    queues.push(names.control_stream());
     queues.extend(delay::tiers().map(|t| names.delay_queue(t)));
     queues.extend(delay::ttl_tiers().map(|t| names.ttl_delay_queue(t)));
     queues.extend(delay::ttl_tiers().map(|t| names.legacy_delay_queue(t)));
