@@ -85,7 +85,7 @@ for k = 0, n - 1 do
   -- retry must then run.
   if r[8] == S.cancelled then
     redis.call('ZREM', K_resv(g, lane), id)
-    ans = 'cancelled'
+    ans = S.cancelled
   elseif rb == nil or (rb < base and ((tonumber(r[5]) or 0) < base or r[4] == 's')) then
     -- A newer attempt over a success the record kept (not logged, see finish.lua): log it now.
     if r[8] == S.succeeded and rb ~= nil then

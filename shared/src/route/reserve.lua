@@ -224,7 +224,7 @@ for t = 1, n do
     -- one too) is cleared by the writer.
     local cur = redis.call('HGET', K_task(id), 'state')
     if cur == S.cancelled and not fresh then
-      out[o], out[o + 1] = 'cancelled', ''
+      out[o], out[o + 1] = S.cancelled, ''
     else
     local live, selkey = live_groups(selk, lane, kind)
     local chosen = nil

@@ -402,6 +402,53 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_stopped_run_gets_sigterm_then_sigkill_after_the_grace() {
+        let dir = std::env::temp_dir().join(format!("fleet-exec-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // One program that ends on SIGTERM, one that ignores it (SIGKILLed after the grace);
+        // each leaves a grandchild.
+        for (deaf, trap) in [(false, ""), (true, "trap '' TERM; ")] {
+            let file = dir.join(format!("gc-{deaf}.pid"));
+            let script = format!(
+                "{trap}sleep 30 & echo $! > {}; while :; do sleep 0.05; done",
+                file.display()
+            );
+            let h = handler(&["sh", "-c", &script]);
+            let mut c = t(Value::Null);
+            c.cancel_grace = Duration::from_millis(700);
+            let stop = c.stop.clone();
+            let run = tokio::spawn(h.call(c));
+            let mut pid = String::new();
+            for _ in 0..250 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                pid = std::fs::read_to_string(&file).unwrap_or_default();
+                if pid.ends_with('\n') {
+                    break;
+                }
+            }
+            let pid = pid.trim().to_string();
+            assert!(alive(&pid), "the grandchild {pid:?} runs");
+            let stopped = std::time::Instant::now();
+            stop.cancel();
+            let r = tokio::time::timeout(Duration::from_secs(5), run)
+                .await
+                .unwrap()
+                .unwrap();
+            let took = stopped.elapsed();
+            assert!(r.is_err(), "{r:?}");
+            assert!(
+                gone_within(&pid, Duration::from_millis(500)).await,
+                "grandchild {pid} outlived the stopped run"
+            );
+            if deaf {
+                assert!(took >= Duration::from_millis(650), "SIGKILL after the grace: {took:?}");
+            } else {
+                assert!(took < Duration::from_millis(600), "ended by SIGTERM: {took:?}");
+            }
+        }
+    }
+
+    #[tokio::test]
     async fn a_cut_run_kills_the_grandchildren_too() {
         let dir = std::env::temp_dir().join(format!("fleet-exec-{}", uuid::Uuid::new_v4()));
         std::fs::create_dir_all(&dir).unwrap();
