@@ -283,8 +283,9 @@ async fn ended_tasks_answer_409_a_second_cancel_200_an_unknown_id_404() -> anyho
     assert_eq!((code, body["state"].as_str()), (409, Some("succeeded")), "{body}");
     assert_eq!(ns.state_of(&done.id).await.as_deref(), Some("succeeded"));
 
-    ns.submit(&[held.clone(), later.clone()]).await?;
+    ns.submit(std::slice::from_ref(&held)).await?;
     ns.wait_state(&held.id, "running", Duration::from_secs(20)).await?;
+    ns.submit(std::slice::from_ref(&later)).await?;
     wait_for("the later task waits", Duration::from_secs(20), || async {
         ns.state_of(&later.id).await.filter(|s| s == "queued" || s == "parked")
     })
@@ -357,7 +358,7 @@ async fn a_cancel_while_its_worker_is_killed_9_never_runs_it_again() -> anyhow::
     scenario_pause(Duration::from_secs(2), "a copy that would run on the peer starts within this").await;
     let calls = ep.per_task().get(&t.id).cloned().unwrap_or_default();
     let st = ns.status(&t.id).await?.unwrap_or_default();
-    println!("cancel while its worker is killed -9: calls {:?}; state {:?}; group {g:?}", calls.iter().map(|c| c.worker.clone()).collect::<Vec<_>>(), st.get("state"));
+    println!("cancel while its worker is killed -9: calls {:?}; status {st:?}; group {g:?}", calls.iter().map(|c| c.worker.clone()).collect::<Vec<_>>());
     assert_eq!(calls.len(), 1, "ran once, on the victim: {calls:?}");
     assert_eq!(st.get("state").map(String::as_str), Some("cancelled"), "{st:?}");
     assert!(ns.drain_dead().await?.is_empty(), "nothing dead-lettered");
