@@ -829,7 +829,12 @@ async fn cancel(cli: &Cli, id: &str, reason: Option<&str>) -> Result<ExitCode> {
         .map_err(|e| api_send_error(e, "POST", &url))?;
     let status = resp.status();
     let body: Value = resp.json().await.unwrap_or(Value::Null);
-    let text = |k: &str| body.get(k).and_then(Value::as_str).unwrap_or("?").to_string();
+    let text = |k: &str| {
+        body.get(k)
+            .and_then(Value::as_str)
+            .unwrap_or("?")
+            .to_string()
+    };
     match status {
         reqwest::StatusCode::ACCEPTED => {
             println!("task {id}: cancelled (was {})", text("previous_state"));
@@ -840,11 +845,16 @@ async fn cancel(cli: &Cli, id: &str, reason: Option<&str>) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         reqwest::StatusCode::CONFLICT => {
-            eprintln!("fleetctl: task {id} has ended ({}): nothing to cancel", text("state"));
+            eprintln!(
+                "fleetctl: task {id} has ended ({}): nothing to cancel",
+                text("state")
+            );
             Ok(ExitCode::FAILURE)
         }
         reqwest::StatusCode::NOT_FOUND => {
-            eprintln!("fleetctl: no status for task {id} (never seen, or older than the status TTL)");
+            eprintln!(
+                "fleetctl: no status for task {id} (never seen, or older than the status TTL)"
+            );
             Ok(ExitCode::FAILURE)
         }
         _ => bail!("POST {url}: {status}: {}", text("detail")),

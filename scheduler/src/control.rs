@@ -75,9 +75,8 @@ impl ControlLoop {
 
     /// Writes every mark again if Redis lost them (or `force`); `false` when Redis failed.
     async fn check(&self, force: bool) -> bool {
-        self.cancels.prune(
-            self.store.clock.now_ms() - fleet::control::MAX_AGE.as_millis() as i64,
-        );
+        self.cancels
+            .prune(self.store.clock.now_ms() - fleet::control::MAX_AGE.as_millis() as i64);
         match self.store.control_applied().await {
             Ok(true) if !force => true,
             Ok(_) => {

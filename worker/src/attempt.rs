@@ -266,7 +266,9 @@ async fn claim(
             Some(Claim::Cancelled) => {
                 tracing::info!("a cancelled task: acked without running");
                 if !probe {
-                    shared.meters[lane].completed(Outcome::Cancelled).increment(1);
+                    shared.meters[lane]
+                        .completed(Outcome::Cancelled)
+                        .increment(1);
                 }
                 slot.ack().await;
                 return None;
@@ -376,7 +378,9 @@ async fn attempt_task(
         if let Err(e) = shared.ledger.unreserve(lane, &env.id).await {
             tracing::debug!(error = %e, "cannot give back a cancelled task's reservation; it lapses with its lease");
         }
-        shared.meters[lane].completed(Outcome::Cancelled).increment(1);
+        shared.meters[lane]
+            .completed(Outcome::Cancelled)
+            .increment(1);
         slot.ack().await;
         return;
     }
@@ -426,13 +430,23 @@ async fn attempt_task(
         .flatten()
     {
         tracing::info!(by = %c.by, reason = %fleet::envelope::escape(&c.reason), "task cancelled: its attempt ended");
-        shared.meters[lane].completed(Outcome::Cancelled).increment(1);
+        shared.meters[lane]
+            .completed(Outcome::Cancelled)
+            .increment(1);
         if !shared
             .ledger
-            .finish(Finished::cancelled(lane, env.id.clone(), attempt, &c.by, &c.reason))
+            .finish(Finished::cancelled(
+                lane,
+                env.id.clone(),
+                attempt,
+                &c.by,
+                &c.reason,
+            ))
             .await
         {
-            tracing::warn!("cancel not yet written to Redis (retried in the background); acking anyway");
+            tracing::warn!(
+                "cancel not yet written to Redis (retried in the background); acking anyway"
+            );
         }
         if slot.usable() {
             slot.ack().await;

@@ -164,7 +164,9 @@ impl Follower {
                         }
                     }
                 },
-                Err(e) => tracing::warn!(error = %e, "cannot open the control stream; trying again"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot open the control stream; trying again")
+                }
             }
             tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -194,6 +196,9 @@ mod tests {
         assert!(again.token.is_cancelled());
         drop((a, later, again));
         assert!(b.running.lock().unwrap().get("a").is_none());
-        assert_eq!(b.cancel_of("a", Some(999)).map(|c| c.by), Some("admin".into()));
+        assert_eq!(
+            b.cancel_of("a", Some(999)).map(|c| c.by),
+            Some("admin".into())
+        );
     }
 }

@@ -66,7 +66,8 @@ async fn cancel(
     };
     let by = who(&st, &headers);
     let answer = |status: StatusCode, previous: Option<&str>, already: bool| {
-        let mut v = json!({"id": id, "state": TaskState::Cancelled, "cancelled_by": by, "reason": reason});
+        let mut v =
+            json!({"id": id, "state": TaskState::Cancelled, "cancelled_by": by, "reason": reason});
         if let Some(p) = previous {
             v["previous_state"] = json!(p);
         }
@@ -114,7 +115,9 @@ async fn cancel(
     }
     // Then the fast copy. A Redis failure here does not undo the promise: every scheduler
     // replica writes the mark from the stream too (crate::control).
-    let control::Op::Cancel { reason: r, by: b, .. } = &rec.op;
+    let control::Op::Cancel {
+        reason: r, by: b, ..
+    } = &rec.op;
     let mark = [(id.clone(), rec.at_ms, b.clone(), r.clone())];
     match st
         .store
@@ -129,7 +132,11 @@ async fn cancel(
         Ok(prev) => {
             tracing::info!(task.id = %fleet::envelope::escape(&id), by = %by, previous = prev.as_deref().unwrap_or(""), "task cancelled");
             metrics::counter!(fleet::metrics::TASKS_CANCELLED).increment(1);
-            answer(StatusCode::ACCEPTED, prev.as_deref().or(Some(&state)), false)
+            answer(
+                StatusCode::ACCEPTED,
+                prev.as_deref().or(Some(&state)),
+                false,
+            )
         }
         Err(e) => {
             tracing::warn!(task.id = %fleet::envelope::escape(&id), error = %e, "cancel recorded in the control stream; its Redis mark follows from there");
@@ -148,7 +155,10 @@ mod tests {
         assert_eq!(reason_of(b"  \n"), Ok(String::new()));
         assert_eq!(reason_of(b"{}"), Ok(String::new()));
         assert_eq!(reason_of(br#"{"reason": null}"#), Ok(String::new()));
-        assert_eq!(reason_of(br#"{"reason": "bad deploy"}"#), Ok("bad deploy".into()));
+        assert_eq!(
+            reason_of(br#"{"reason": "bad deploy"}"#),
+            Ok("bad deploy".into())
+        );
         assert!(reason_of(br#"{"reason": 3}"#).is_err());
         assert!(reason_of(b"[]").is_err());
         assert!(reason_of(b"{").is_err());

@@ -83,7 +83,12 @@ fn recording(runs: &Runs, gate: &Gate) -> Arc<dyn Handler> {
             if ctx.envelope.payload.get("gated").is_some() {
                 gate.pass(&id).await;
             }
-            let ms = ctx.envelope.payload.get("ms").and_then(Value::as_u64).unwrap_or(0);
+            let ms = ctx
+                .envelope
+                .payload
+                .get("ms")
+                .and_then(Value::as_u64)
+                .unwrap_or(0);
             tokio::time::sleep(Duration::from_millis(ms)).await;
             Ok(json!({"ok": true}))
         }
@@ -101,8 +106,15 @@ async fn queued_and_parked_tasks_cancelled_never_run() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let (runs, gate) = (Runs::default(), Gate::default());
     let sched = start_scheduler(&ns, SCHEDULER).await?;
-    let w = start_worker(&ns, "w-c1", "pool=c1", 1, WORKER, &[(JOB, recording(&runs, &gate))])
-        .await?;
+    let w = start_worker(
+        &ns,
+        "w-c1",
+        "pool=c1",
+        1,
+        WORKER,
+        &[(JOB, recording(&runs, &gate))],
+    )
+    .await?;
     // One run holds the worker's only slot; 200 tasks wait behind it (queued, parked).
     let blocker = task(JOB, json!({"gated": true}), "pool=c1");
     ns.submit(std::slice::from_ref(&blocker)).await?;
@@ -110,12 +122,16 @@ async fn queued_and_parked_tasks_cancelled_never_run() -> anyhow::Result<()> {
         (runs.count(&blocker.id) == 1).then_some(())
     })
     .await?;
-    let envs: Vec<_> = (0..200).map(|i| task(JOB, json!({"i": i}), "pool=c1")).collect();
+    let envs: Vec<_> = (0..200)
+        .map(|i| task(JOB, json!({"i": i}), "pool=c1"))
+        .collect();
     assert_eq!(ns.submit(&envs).await?, (200, 0));
     let mut waiting: HashMap<String, usize> = HashMap::new();
     for e in &envs {
         let st = wait_for("a waiting status", Duration::from_secs(30), || async {
-            ns.state_of(&e.id).await.filter(|s| s == "queued" || s == "parked")
+            ns.state_of(&e.id)
+                .await
+                .filter(|s| s == "queued" || s == "parked")
         })
         .await?;
         *waiting.entry(st).or_default() += 1;
@@ -128,17 +144,24 @@ async fn queued_and_parked_tasks_cancelled_never_run() -> anyhow::Result<()> {
         accepted += 1;
     }
     gate.open(&blocker.id);
-    ns.wait_state(&blocker.id, "succeeded", Duration::from_secs(20)).await?;
+    ns.wait_state(&blocker.id, "succeeded", Duration::from_secs(20))
+        .await?;
     ns.wait_settled(Duration::from_secs(60)).await?;
     // Parked tasks are reached by the park release: wait until the park queue is empty too.
-    let park = ns.names.park_queue("pool=c1,protocol=builtin", fleet::Lane::Normal);
-    wait_for("the park queue drained", Duration::from_secs(30), || async {
-        (ns.depth(&park).await == 0).then_some(())
-    })
+    let park = ns
+        .names
+        .park_queue("pool=c1,protocol=builtin", fleet::Lane::Normal);
+    wait_for(
+        "the park queue drained",
+        Duration::from_secs(30),
+        || async { (ns.depth(&park).await == 0).then_some(()) },
+    )
     .await?;
     let mut states: HashMap<String, usize> = HashMap::new();
     for e in &envs {
-        *states.entry(ns.state_of(&e.id).await.unwrap_or_default()).or_default() += 1;
+        *states
+            .entry(ns.state_of(&e.id).await.unwrap_or_default())
+            .or_default() += 1;
     }
     let ran: usize = envs.iter().map(|e| runs.count(&e.id)).sum();
     let dead = ns.drain_dead().await?;
@@ -148,7 +171,11 @@ async fn queued_and_parked_tasks_cancelled_never_run() -> anyhow::Result<()> {
     assert_eq!(states.get("cancelled"), Some(&200), "{states:?}");
     assert!(dead.is_empty(), "nothing dead-lettered");
     let g = group(&ns.store, "pool=c1,protocol=builtin").await;
-    assert_eq!(g.map(|g| (g.reserved, g.load)), Some((0, 0)), "no reservation left");
+    assert_eq!(
+        g.map(|g| (g.reserved, g.load)),
+        Some((0, 0)),
+        "no reservation left"
+    );
     w.stop().await?;
     sched.stop().await?;
     ns.cleanup().await
@@ -160,12 +187,20 @@ async fn a_running_builtin_task_stops_at_once_and_is_never_retried() -> anyhow::
     let (runs, gate) = (Runs::default(), Gate::default());
     let sched = start_scheduler(&ns, SCHEDULER).await?;
     let settings = [WORKER, &[("retry_base_ms", "100"), ("retry_cap_ms", "300")]].concat();
-    let w = start_worker(&ns, "w-c3", "pool=c3", 2, &settings, &[(JOB, recording(&runs, &gate))])
-        .await?;
+    let w = start_worker(
+        &ns,
+        "w-c3",
+        "pool=c3",
+        2,
+        &settings,
+        &[(JOB, recording(&runs, &gate))],
+    )
+    .await?;
     let mut t = task(JOB, json!({"ms": 300_000}), "pool=c3");
     t.max_attempts = Some(5);
     ns.submit(std::slice::from_ref(&t)).await?;
-    ns.wait_state(&t.id, "running", Duration::from_secs(20)).await?;
+    ns.wait_state(&t.id, "running", Duration::from_secs(20))
+        .await?;
     let asked = Instant::now();
     let (code, body) = cancel(&sched, &t.id, Some("stop it")).await?;
     assert_eq!(code, 202, "{body}");
@@ -181,12 +216,24 @@ async fn a_running_builtin_task_stops_at_once_and_is_never_retried() -> anyhow::
     })
     .await?;
     // Past several retry backoffs: nothing runs again.
-    scenario_pause(Duration::from_secs(2), "longer than the retry backoff (cap 300 ms)").await;
+    scenario_pause(
+        Duration::from_secs(2),
+        "longer than the retry backoff (cap 300 ms)",
+    )
+    .await;
     let st = ns.status(&t.id).await?.unwrap_or_default();
-    println!("running builtin task cancelled: stopped {} ms after the request; runs {}; log {log:?}", took.as_millis(), runs.count(&t.id));
+    println!(
+        "running builtin task cancelled: stopped {} ms after the request; runs {}; log {log:?}",
+        took.as_millis(),
+        runs.count(&t.id)
+    );
     assert!(took < Duration::from_secs(1), "stopped in {took:?}");
     assert_eq!(runs.count(&t.id), 1, "never retried");
-    assert_eq!(st.get("state").map(String::as_str), Some("cancelled"), "{st:?}");
+    assert_eq!(
+        st.get("state").map(String::as_str),
+        Some("cancelled"),
+        "{st:?}"
+    );
     assert_eq!(st.get("attempt").map(String::as_str), Some("1"), "{st:?}");
     assert_eq!(log.len(), 1, "{log:?}");
     assert_eq!(log[0]["outcome"], "cancelled");
@@ -230,19 +277,28 @@ async fn a_running_exec_task_and_its_grandchild_die_within_the_grace() -> anyhow
     let mut t = task("long", json!({}), "case=cancel");
     t.max_attempts = Some(5);
     f.ns.submit(std::slice::from_ref(&t)).await?;
-    let read = |ext: &str| std::fs::read_to_string(dir.join(format!("{}.{ext}", t.id))).unwrap_or_default();
-    let (shell, grandchild) = wait_for("both processes started", Duration::from_secs(20), || async {
-        let (p, g) = (read("pid"), read("gc"));
-        (p.ends_with('\n') && g.ends_with('\n')).then(|| (p.trim().to_string(), g.trim().to_string()))
-    })
+    let read = |ext: &str| {
+        std::fs::read_to_string(dir.join(format!("{}.{ext}", t.id))).unwrap_or_default()
+    };
+    let (shell, grandchild) = wait_for(
+        "both processes started",
+        Duration::from_secs(20),
+        || async {
+            let (p, g) = (read("pid"), read("gc"));
+            (p.ends_with('\n') && g.ends_with('\n'))
+                .then(|| (p.trim().to_string(), g.trim().to_string()))
+        },
+    )
     .await?;
     assert!(alive(&shell) && alive(&grandchild));
     let asked = Instant::now();
     let (code, body) = cancel(&f.sched, &t.id, Some("runaway")).await?;
     assert_eq!(code, 202, "{body}");
-    wait_for("shell and grandchild gone", Duration::from_millis(grace_ms), || async {
-        (!alive(&shell) && !alive(&grandchild)).then_some(())
-    })
+    wait_for(
+        "shell and grandchild gone",
+        Duration::from_millis(grace_ms),
+        || async { (!alive(&shell) && !alive(&grandchild)).then_some(()) },
+    )
     .await?;
     let gone = asked.elapsed();
     let log = wait_for("the attempt logged", Duration::from_secs(5), || async {
@@ -250,12 +306,24 @@ async fn a_running_exec_task_and_its_grandchild_die_within_the_grace() -> anyhow
         (!a.is_empty()).then_some(a)
     })
     .await?;
-    scenario_pause(Duration::from_secs(2), "longer than the retry backoff (cap 300 ms)").await;
+    scenario_pause(
+        Duration::from_secs(2),
+        "longer than the retry backoff (cap 300 ms)",
+    )
+    .await;
     let st = f.ns.status(&t.id).await?.unwrap_or_default();
     let log_after = attempts(&f.sched, &t.id).await?;
     println!("running exec task cancelled: shell {shell} and grandchild {grandchild} gone {} ms after the request (grace {grace_ms} ms); log {log:?}", gone.as_millis());
-    assert_eq!(st.get("state").map(String::as_str), Some("cancelled"), "{st:?}");
-    assert_eq!(st.get("attempt").map(String::as_str), Some("1"), "not retried: {st:?}");
+    assert_eq!(
+        st.get("state").map(String::as_str),
+        Some("cancelled"),
+        "{st:?}"
+    );
+    assert_eq!(
+        st.get("attempt").map(String::as_str),
+        Some("1"),
+        "not retried: {st:?}"
+    );
     assert_eq!(log_after.len(), 1, "one attempt: {log_after:?}");
     assert_eq!(log_after[0]["outcome"], "cancelled");
     assert!(
@@ -272,26 +340,46 @@ async fn ended_tasks_answer_409_a_second_cancel_200_an_unknown_id_404() -> anyho
     let ns = Ns::new().await?;
     let (runs, gate) = (Runs::default(), Gate::default());
     let sched = start_scheduler(&ns, SCHEDULER).await?;
-    let w = start_worker(&ns, "w-c4", "pool=c4", 1, WORKER, &[(JOB, recording(&runs, &gate))])
-        .await?;
+    let w = start_worker(
+        &ns,
+        "w-c4",
+        "pool=c4",
+        1,
+        WORKER,
+        &[(JOB, recording(&runs, &gate))],
+    )
+    .await?;
     let done = task(JOB, json!({}), "pool=c4");
     let held = task(JOB, json!({"gated": true}), "pool=c4");
     let later = task(JOB, json!({}), "pool=c4");
     ns.submit(std::slice::from_ref(&done)).await?;
-    ns.wait_state(&done.id, "succeeded", Duration::from_secs(20)).await?;
+    ns.wait_state(&done.id, "succeeded", Duration::from_secs(20))
+        .await?;
     let (code, body) = cancel(&sched, &done.id, None).await?;
-    assert_eq!((code, body["state"].as_str()), (409, Some("succeeded")), "{body}");
+    assert_eq!(
+        (code, body["state"].as_str()),
+        (409, Some("succeeded")),
+        "{body}"
+    );
     assert_eq!(ns.state_of(&done.id).await.as_deref(), Some("succeeded"));
 
     ns.submit(std::slice::from_ref(&held)).await?;
-    ns.wait_state(&held.id, "running", Duration::from_secs(20)).await?;
+    ns.wait_state(&held.id, "running", Duration::from_secs(20))
+        .await?;
     ns.submit(std::slice::from_ref(&later)).await?;
     wait_for("the later task waits", Duration::from_secs(20), || async {
-        ns.state_of(&later.id).await.filter(|s| s == "queued" || s == "parked")
+        ns.state_of(&later.id)
+            .await
+            .filter(|s| s == "queued" || s == "parked")
     })
     .await?;
     // fleetctl first (202, exit 0), then the API again (200, idempotent), then fleetctl again.
-    let (rc, out, err) = fleetctl(&ns, &sched.url(""), &["cancel", &later.id, "--reason", "dup"]).await?;
+    let (rc, out, err) = fleetctl(
+        &ns,
+        &sched.url(""),
+        &["cancel", &later.id, "--reason", "dup"],
+    )
+    .await?;
     assert_eq!(rc, 0, "{out} {err}");
     assert!(out.contains("cancelled (was "), "{out}");
     let (code, body) = cancel(&sched, &later.id, None).await?;
@@ -300,7 +388,11 @@ async fn ended_tasks_answer_409_a_second_cancel_200_an_unknown_id_404() -> anyho
     assert_eq!(rc, 0);
     assert!(out.contains("already cancelled"), "{out}");
     let (code, body) = cancel(&sched, "no-such-task", None).await?;
-    assert_eq!((code, body["error"].as_str()), (404, Some("unknown_task")), "{body}");
+    assert_eq!(
+        (code, body["error"].as_str()),
+        (404, Some("unknown_task")),
+        "{body}"
+    );
     let (code, _) = reqwest::Client::new()
         .post(sched.url(&format!("/v1/tasks/{}/cancel", held.id)))
         .body("{\"reason\": 3}")
@@ -311,12 +403,17 @@ async fn ended_tasks_answer_409_a_second_cancel_200_an_unknown_id_404() -> anyho
     assert_eq!(code, 400);
 
     gate.open(&held.id);
-    ns.wait_state(&held.id, "succeeded", Duration::from_secs(20)).await?;
+    ns.wait_state(&held.id, "succeeded", Duration::from_secs(20))
+        .await?;
     ns.wait_settled(Duration::from_secs(30)).await?;
     assert_eq!(runs.count(&later.id), 0, "the cancelled task never ran");
     assert_eq!(ns.state_of(&later.id).await.as_deref(), Some("cancelled"));
     let st = ns.status(&later.id).await?.unwrap_or_default();
-    assert_eq!(st.get("cancel_reason").map(String::as_str), Some("dup"), "the first cancel's reason stays: {st:?}");
+    assert_eq!(
+        st.get("cancel_reason").map(String::as_str),
+        Some("dup"),
+        "the first cancel's reason stays: {st:?}"
+    );
     w.stop().await?;
     sched.stop().await?;
     ns.cleanup().await
@@ -335,7 +432,9 @@ async fn a_cancel_while_its_worker_is_killed_9_never_runs_it_again() -> anyhow::
         extra: &[],
     };
     let mut victim = WorkerProcess::spawn(&ns, &spec("w-victim"))?;
-    victim.wait_state(&ns.store, "active", Duration::from_secs(30)).await?;
+    victim
+        .wait_state(&ns.store, "active", Duration::from_secs(30))
+        .await?;
     let t = jobs(1, "", Some(120_000)).remove(0);
     ns.submit(std::slice::from_ref(&t)).await?;
     wait_for("the victim runs it", Duration::from_secs(20), || async {
@@ -344,7 +443,8 @@ async fn a_cancel_while_its_worker_is_killed_9_never_runs_it_again() -> anyhow::
     .await?;
     // The peer joins now, so the redelivered copy has a live worker to go to.
     let mut peer = WorkerProcess::spawn(&ns, &spec("w-peer"))?;
-    peer.wait_state(&ns.store, "active", Duration::from_secs(30)).await?;
+    peer.wait_state(&ns.store, "active", Duration::from_secs(30))
+        .await?;
     victim.kill9()?;
     ep.mark_dead("w-victim");
     let (code, body) = cancel(&sched, &t.id, Some("kill -9 meanwhile")).await?;
@@ -352,15 +452,28 @@ async fn a_cancel_while_its_worker_is_killed_9_never_runs_it_again() -> anyhow::
     // The victim is evicted (its run counted lost) and its copy redelivered to the peer.
     ns.wait_settled(Duration::from_secs(60)).await?;
     let g = wait_for("the victim evicted", Duration::from_secs(30), || async {
-        group(&ns.store, "protocol=http").await.filter(|g| g.workers == 1 && g.load == 0)
+        group(&ns.store, "protocol=http")
+            .await
+            .filter(|g| g.workers == 1 && g.load == 0)
     })
     .await?;
-    scenario_pause(Duration::from_secs(2), "a copy that would run on the peer starts within this").await;
+    scenario_pause(
+        Duration::from_secs(2),
+        "a copy that would run on the peer starts within this",
+    )
+    .await;
     let calls = ep.per_task().get(&t.id).cloned().unwrap_or_default();
     let st = ns.status(&t.id).await?.unwrap_or_default();
-    println!("cancel while its worker is killed -9: calls {:?}; status {st:?}; group {g:?}", calls.iter().map(|c| c.worker.clone()).collect::<Vec<_>>());
+    println!(
+        "cancel while its worker is killed -9: calls {:?}; status {st:?}; group {g:?}",
+        calls.iter().map(|c| c.worker.clone()).collect::<Vec<_>>()
+    );
     assert_eq!(calls.len(), 1, "ran once, on the victim: {calls:?}");
-    assert_eq!(st.get("state").map(String::as_str), Some("cancelled"), "{st:?}");
+    assert_eq!(
+        st.get("state").map(String::as_str),
+        Some("cancelled"),
+        "{st:?}"
+    );
     assert!(ns.drain_dead().await?.is_empty(), "nothing dead-lettered");
     peer.signal("TERM")?;
     peer.wait_exit(Duration::from_secs(30)).await?;
@@ -374,15 +487,25 @@ async fn a_cancel_survives_redis_flushall() -> anyhow::Result<()> {
     let ns = Ns::on_redis(&redis.url(None)).await?;
     let (runs, gate) = (Runs::default(), Gate::default());
     let sched = start_scheduler(&ns, SCHEDULER).await?;
-    let w = start_worker(&ns, "w-c6", "pool=c6", 1, WORKER, &[(JOB, recording(&runs, &gate))])
-        .await?;
+    let w = start_worker(
+        &ns,
+        "w-c6",
+        "pool=c6",
+        1,
+        WORKER,
+        &[(JOB, recording(&runs, &gate))],
+    )
+    .await?;
     let blocker = task(JOB, json!({"gated": true}), "pool=c6");
     let target = task(JOB, json!({}), "pool=c6");
     ns.submit(std::slice::from_ref(&blocker)).await?;
-    ns.wait_state(&blocker.id, "running", Duration::from_secs(20)).await?;
+    ns.wait_state(&blocker.id, "running", Duration::from_secs(20))
+        .await?;
     ns.submit(std::slice::from_ref(&target)).await?;
     wait_for("the target waits", Duration::from_secs(20), || async {
-        ns.state_of(&target.id).await.filter(|s| s == "queued" || s == "parked")
+        ns.state_of(&target.id)
+            .await
+            .filter(|s| s == "queued" || s == "parked")
     })
     .await?;
     let (code, body) = cancel(&sched, &target.id, Some("before the flush")).await?;
@@ -400,11 +523,29 @@ async fn a_cancel_survives_redis_flushall() -> anyhow::Result<()> {
     })
     .await?;
     ns.wait_settled(Duration::from_secs(60)).await?;
-    scenario_pause(Duration::from_secs(1), "a run of the target would start within this").await;
-    println!("cancel then FLUSHALL: mark back {} ms after the flush; target runs {}; status {st:?}", back.as_millis(), runs.count(&target.id));
-    assert_eq!(runs.count(&target.id), 0, "the cancelled task ran after the Redis loss");
-    assert_eq!(st.get("cancelled_by").map(String::as_str), Some("anonymous"));
-    assert_eq!(st.get("cancel_reason").map(String::as_str), Some("before the flush"));
+    scenario_pause(
+        Duration::from_secs(1),
+        "a run of the target would start within this",
+    )
+    .await;
+    println!(
+        "cancel then FLUSHALL: mark back {} ms after the flush; target runs {}; status {st:?}",
+        back.as_millis(),
+        runs.count(&target.id)
+    );
+    assert_eq!(
+        runs.count(&target.id),
+        0,
+        "the cancelled task ran after the Redis loss"
+    );
+    assert_eq!(
+        st.get("cancelled_by").map(String::as_str),
+        Some("anonymous")
+    );
+    assert_eq!(
+        st.get("cancel_reason").map(String::as_str),
+        Some("before the flush")
+    );
     assert_eq!(ns.state_of(&target.id).await.as_deref(), Some("cancelled"));
     assert!(ns.drain_dead().await?.is_empty(), "nothing dead-lettered");
     w.stop().await?;

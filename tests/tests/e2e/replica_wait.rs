@@ -55,9 +55,11 @@ async fn outcome_writes_do_not_wait_for_a_replica_that_is_not_there() -> Result<
     let mut procs = Procs(vec![redis_server(m, &dir, &[])?]);
     // The master answers before anything is sent to it (a CI run's first write was refused:
     // the Sentinel's answer below comes from its configuration file, not from the master).
-    wait_for("the master answers PING", Duration::from_secs(30), || async {
-        (cli(m, &["ping"]).trim() == "PONG").then_some(())
-    })
+    wait_for(
+        "the master answers PING",
+        Duration::from_secs(30),
+        || async { (cli(m, &["ping"]).trim() == "PONG").then_some(()) },
+    )
     .await?;
     let conf = dir.join("sentinel.conf");
     std::fs::write(

@@ -232,9 +232,11 @@ async fn a_planned_failover_keeps_every_status() -> Result<()> {
         .await;
     }
     // The failover happened: the Sentinel turns A into a replica of the new master.
-    let demoted = wait_for("A demoted to a replica", Duration::from_secs(30), || async {
-        cli(a, &["role"]).starts_with("slave").then_some(())
-    })
+    let demoted = wait_for(
+        "A demoted to a replica",
+        Duration::from_secs(30),
+        || async { cli(a, &["role"]).starts_with("slave").then_some(()) },
+    )
     .await
     .is_ok();
     let settled = wait_for("every task succeeded", Duration::from_secs(60), || async {

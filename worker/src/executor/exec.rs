@@ -441,9 +441,15 @@ mod tests {
                 "grandchild {pid} outlived the stopped run"
             );
             if deaf {
-                assert!(took >= Duration::from_millis(650), "SIGKILL after the grace: {took:?}");
+                assert!(
+                    took >= Duration::from_millis(650),
+                    "SIGKILL after the grace: {took:?}"
+                );
             } else {
-                assert!(took < Duration::from_millis(600), "ended by SIGTERM: {took:?}");
+                assert!(
+                    took < Duration::from_millis(600),
+                    "ended by SIGTERM: {took:?}"
+                );
             }
         }
     }
