@@ -125,8 +125,11 @@ async fn cancel(
         .await
         .map(|v| v.into_iter().next().flatten())
     {
+        // Already cancelled now, though not when read above: this replica's (or another's)
+        // control loop applied this very record first — the cancel is this request's.
         Ok(Some(prev)) if prev == TaskState::Cancelled.as_str() => {
-            answer(StatusCode::OK, None, true)
+            metrics::counter!(fleet::metrics::TASKS_CANCELLED).increment(1);
+            answer(StatusCode::ACCEPTED, Some(&state), false)
         }
         Ok(Some(prev)) if TaskState::is_terminal_word(&prev) => finished(&prev),
         Ok(prev) => {

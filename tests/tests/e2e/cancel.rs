@@ -106,22 +106,20 @@ async fn queued_and_parked_tasks_cancelled_never_run() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let (runs, gate) = (Runs::default(), Gate::default());
     let sched = start_scheduler(&ns, SCHEDULER).await?;
-    let w = start_worker(
-        &ns,
-        "w-c1",
-        "pool=c1",
-        1,
-        WORKER,
-        &[(JOB, recording(&runs, &gate))],
-    )
-    .await?;
-    // One run holds the worker's only slot; 200 tasks wait behind it (queued, parked).
-    let blocker = task(JOB, json!({"gated": true}), "pool=c1");
-    ns.submit(std::slice::from_ref(&blocker)).await?;
-    wait_for("the blocker runs", Duration::from_secs(20), || async {
-        (runs.count(&blocker.id) == 1).then_some(())
-    })
-    .await?;
+    let h = [(JOB, recording(&runs, &gate))];
+    // Two groups match `pool=c1` (so no direct dispatch: past their room, tasks park), each
+    // with one slot held by a gated run; 200 tasks wait behind them, queued or parked.
+    let wa = start_worker(&ns, "w-c1a", "pool=c1,n=a", 1, WORKER, &h).await?;
+    let wb = start_worker(&ns, "w-c1b", "pool=c1,n=b", 1, WORKER, &h).await?;
+    let blockers = [
+        task(JOB, json!({"gated": true}), "pool=c1,n=a"),
+        task(JOB, json!({"gated": true}), "pool=c1,n=b"),
+    ];
+    ns.submit(&blockers).await?;
+    for b in &blockers {
+        ns.wait_state(&b.id, "running", Duration::from_secs(20))
+            .await?;
+    }
     let envs: Vec<_> = (0..200)
         .map(|i| task(JOB, json!({"i": i}), "pool=c1"))
         .collect();
@@ -136,25 +134,42 @@ async fn queued_and_parked_tasks_cancelled_never_run() -> anyhow::Result<()> {
         .await?;
         *waiting.entry(st).or_default() += 1;
     }
-    let mut accepted = 0;
     for e in &envs {
         let (code, body) = cancel(&sched, &e.id, Some("wrong deploy")).await?;
-        assert_eq!(code, 202, "{body}");
+        let before = ns.status(&e.id).await?;
+        assert_eq!(code, 202, "{body} (status now {before:?})");
         assert_eq!(body["state"], "cancelled");
-        accepted += 1;
     }
-    gate.open(&blocker.id);
-    ns.wait_state(&blocker.id, "succeeded", Duration::from_secs(20))
-        .await?;
+    for b in &blockers {
+        gate.open(&b.id);
+        ns.wait_state(&b.id, "succeeded", Duration::from_secs(20))
+            .await?;
+    }
     ns.wait_settled(Duration::from_secs(60)).await?;
-    // Parked tasks are reached by the park release: wait until the park queue is empty too.
-    let park = ns
-        .names
-        .park_queue("pool=c1,protocol=builtin", fleet::Lane::Normal);
+    // Parked tasks are reached by the park release: wait until the park queues are empty too.
+    let groups: Vec<String> = ns
+        .store
+        .groups()
+        .await?
+        .into_iter()
+        .map(|g| g.group)
+        .collect();
+    assert_eq!(groups.len(), 2, "{groups:?}");
+    let parks: Vec<String> = groups
+        .iter()
+        .map(|g| ns.names.park_queue(g, fleet::Lane::Normal))
+        .collect();
     wait_for(
-        "the park queue drained",
+        "the park queues drained",
         Duration::from_secs(30),
-        || async { (ns.depth(&park).await == 0).then_some(()) },
+        || async {
+            for p in &parks {
+                if ns.depth(p).await > 0 {
+                    return None;
+                }
+            }
+            Some(())
+        },
     )
     .await?;
     let mut states: HashMap<String, usize> = HashMap::new();
@@ -165,18 +180,21 @@ async fn queued_and_parked_tasks_cancelled_never_run() -> anyhow::Result<()> {
     }
     let ran: usize = envs.iter().map(|e| runs.count(&e.id)).sum();
     let dead = ns.drain_dead().await?;
-    println!("cancel 200 waiting tasks: waiting {waiting:?}, accepted {accepted}, ran {ran}, states {states:?}, dead letters {}", dead.len());
+    println!("cancel 200 waiting tasks: groups {groups:?}, waiting {waiting:?}, ran {ran}, states {states:?}, dead letters {}", dead.len());
     assert_eq!(ran, 0, "a cancelled task ran");
-    assert_eq!(runs.total(), 1, "only the blocker ran");
+    assert_eq!(runs.total(), 2, "only the blockers ran");
     assert_eq!(states.get("cancelled"), Some(&200), "{states:?}");
     assert!(dead.is_empty(), "nothing dead-lettered");
-    let g = group(&ns.store, "pool=c1,protocol=builtin").await;
-    assert_eq!(
-        g.map(|g| (g.reserved, g.load)),
-        Some((0, 0)),
-        "no reservation left"
-    );
-    w.stop().await?;
+    for g in &groups {
+        let v = group(&ns.store, g).await;
+        assert_eq!(
+            v.map(|g| (g.reserved, g.load)),
+            Some((0, 0)),
+            "{g}: no reservation left"
+        );
+    }
+    wa.stop().await?;
+    wb.stop().await?;
     sched.stop().await?;
     ns.cleanup().await
 }
