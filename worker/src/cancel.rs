@@ -29,6 +29,8 @@ use crate::broker::Broker;
 
 /// How long the follower waits before reading the stream again after a failure.
 const RETRY: Duration = Duration::from_secs(1);
+/// Records read between two prunes of the cancels older than the stream's retention.
+const PRUNE_EVERY: u64 = 1024;
 
 /// One run being watched: its submission time and the token its cancel fires.
 struct Watched {
@@ -139,6 +141,7 @@ impl Follower {
                 c = self.broker.connection() => c,
             };
             let Some(conn) = conn else { return };
+            let mut read: u64 = 0;
             match Reader::open(&conn, &self.names).await {
                 Ok(mut reader) => loop {
                     let r = tokio::select! {
@@ -151,6 +154,14 @@ impl Follower {
                     };
                     match r {
                         Ok(Some(rec)) => {
+                            read += 1;
+                            if read.is_multiple_of(PRUNE_EVERY) {
+                                // What the stream no longer keeps need not be remembered.
+                                self.board.cancels.prune(
+                                    fleet::store::now_ms()
+                                        - fleet::control::MAX_AGE.as_millis() as i64,
+                                );
+                            }
                             let n = self.board.apply(&rec);
                             if n > 0 {
                                 let Op::Cancel { task, by, .. } = &rec.op;
