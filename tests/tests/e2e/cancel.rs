@@ -6,7 +6,9 @@
 //! grace; either way it ends `cancelled`, is never retried and never dead-lettered. The cancel
 //! holds when the worker running the task is killed -9 (its redelivered copy never runs on a
 //! peer) and when Redis loses everything (the control stream `<ns>.control` brings it back).
-//! An ended task answers 409, a second cancel 200, an unknown id 404.
+//! An ended task answers 409, a second cancel 200, an unknown id 404. A cancel made through
+//! one scheduler replica holds on another (the FLUSHALL test: the replica that took the
+//! cancel stops, the other writes its mark back from the stream).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -500,11 +502,13 @@ async fn a_cancel_while_its_worker_is_killed_9_never_runs_it_again() -> anyhow::
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_cancel_survives_redis_flushall() -> anyhow::Result<()> {
+async fn a_cancel_through_one_replica_survives_flushall_on_another() -> anyhow::Result<()> {
     let redis = PrivateRedis::start(None, None).await?;
     let ns = Ns::on_redis(&redis.url(None)).await?;
     let (runs, gate) = (Runs::default(), Gate::default());
     let sched = start_scheduler(&ns, SCHEDULER).await?;
+    // A second replica: the cancel goes through it, the first must honour it too.
+    let other = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(
         &ns,
         "w-c6",
@@ -526,8 +530,9 @@ async fn a_cancel_survives_redis_flushall() -> anyhow::Result<()> {
             .filter(|s| s == "queued" || s == "parked")
     })
     .await?;
-    let (code, body) = cancel(&sched, &target.id, Some("before the flush")).await?;
+    let (code, body) = cancel(&other, &target.id, Some("before the flush")).await?;
     assert_eq!(code, 202, "{body}");
+    other.stop().await?;
     redis.flushall().await?;
     let flushed = Instant::now();
     // The scheduler writes the mark again from the control stream.
