@@ -85,6 +85,11 @@ fn recording(runs: &Runs, gate: &Gate) -> Arc<dyn Handler> {
             if ctx.envelope.payload.get("gated").is_some() {
                 gate.pass(&id).await;
             }
+            if ctx.envelope.payload.get("fail").is_some() {
+                return Err(fleet_worker::executor::TaskError::retryable(
+                    "fails on purpose",
+                ));
+            }
             let ms = ctx
                 .envelope
                 .payload
@@ -259,6 +264,74 @@ async fn a_running_builtin_task_stops_at_once_and_is_never_retried() -> anyhow::
     assert_eq!(log[0]["outcome"], "cancelled");
     assert_eq!(log[0]["cancelled_by"], "anonymous");
     assert_eq!(log[0]["cancel_reason"], "stop it");
+    assert!(ns.drain_dead().await?.is_empty(), "nothing dead-lettered");
+    w.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn delayed_and_retrying_tasks_cancelled_never_run_again() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let (runs, gate) = (Runs::default(), Gate::default());
+    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    // A retry waits 1.5 s at least (base = cap): time to cancel it while it is `retrying`.
+    let settings = [
+        WORKER,
+        &[
+            ("retry_base_ms", "1500"),
+            ("retry_cap_ms", "1500"),
+            NO_EJECT,
+        ][..],
+    ]
+    .concat();
+    let w = start_worker(
+        &ns,
+        "w-c7",
+        "pool=c7",
+        2,
+        &settings,
+        &[(JOB, recording(&runs, &gate))],
+    )
+    .await?;
+    let mut delayed = task(JOB, json!({}), "pool=c7");
+    delayed.not_before = Some(chrono::Utc::now() + chrono::Duration::seconds(3));
+    let mut retrying = task(JOB, json!({"fail": true}), "pool=c7");
+    retrying.max_attempts = Some(5);
+    ns.submit(&[delayed.clone(), retrying.clone()]).await?;
+    ns.wait_state(&delayed.id, "delayed", Duration::from_secs(10))
+        .await?;
+    ns.wait_state(&retrying.id, "retrying", Duration::from_secs(10))
+        .await?;
+    for (t, was) in [(&delayed, "delayed"), (&retrying, "retrying")] {
+        let (code, body) = cancel(&sched, &t.id, None).await?;
+        assert_eq!(
+            (code, body["previous_state"].as_str()),
+            (202, Some(was)),
+            "{body}"
+        );
+    }
+    // Past the not_before and the backoff: both copies have come back and were dropped.
+    scenario_pause(
+        Duration::from_secs(5),
+        "past the not_before (3 s) and the backoff (1.5 s)",
+    )
+    .await;
+    ns.wait_settled(Duration::from_secs(30)).await?;
+    println!(
+        "delayed and retrying tasks cancelled: runs {} and {}",
+        runs.count(&delayed.id),
+        runs.count(&retrying.id)
+    );
+    assert_eq!(runs.count(&delayed.id), 0, "the delayed task never ran");
+    assert_eq!(
+        runs.count(&retrying.id),
+        1,
+        "the retrying task never ran again"
+    );
+    for t in [&delayed, &retrying] {
+        assert_eq!(ns.state_of(&t.id).await.as_deref(), Some("cancelled"));
+    }
     assert!(ns.drain_dead().await?.is_empty(), "nothing dead-lettered");
     w.stop().await?;
     sched.stop().await?;
