@@ -24,7 +24,7 @@
 #   SERVICES_RABBITMQ_WAIT (180) seconds to wait for RabbitMQ to finish booting
 #   RABBITMQ_NOFILE     (65536) open-file limit (ulimit -n) RabbitMQ is started with; the hard
 #                               limit when that is lower. Each quorum queue holds files open
-#                               and fleet declares 23 queues per namespace and 4 per group
+#                               and fleet declares 24 queues per namespace and 4 per group
 #                               (docs/scaling.md): at the default 1024 (a 927-handle cache) a
 #                               broker with ~335 queues wedged every new connection. Below
 #                               RABBITMQ_NOFILE_MIN (4096) the script stops with an error.
@@ -242,7 +242,7 @@ check_rabbitmq_nofile() {
     fi
     log "rabbitmq: file-descriptor limit $limit (rabbitmqctl status)"
     if [ "$limit" -lt "$((RABBITMQ_NOFILE_MIN - 100))" ]; then
-        "${1:-die}" "rabbitmq: file-descriptor limit $limit is too small for fleet's queues (23 per namespace, 4 per group; see docs/scaling.md): restart it with ulimit -n $RABBITMQ_NOFILE (stop it, then run ops/services.sh again; systemd: LimitNOFILE=$RABBITMQ_NOFILE)"
+        "${1:-die}" "rabbitmq: file-descriptor limit $limit is too small for fleet's queues (24 per namespace, 4 per group; see docs/scaling.md): restart it with ulimit -n $RABBITMQ_NOFILE (stop it, then run ops/services.sh again; systemd: LimitNOFILE=$RABBITMQ_NOFILE)"
     fi
 }
 

@@ -185,6 +185,17 @@ enum Cmd {
         /// The worker's id (FLEET_WORKER_ID).
         id: String,
     },
+    /// Cancel a task (POST /v1/tasks/{id}/cancel, role admin): not yet running, it never
+    /// runs; running, it is stopped on its worker. Never retried, never dead-lettered. Exit 0
+    /// when cancelled (now or before), 1 when it had ended already or is unknown.
+    #[command(override_usage = "fleetctl cancel [OPTIONS] <ID> [--reason R]")]
+    Cancel {
+        /// The task's id.
+        id: String,
+        /// Why (kept in the task's status and attempt log).
+        #[arg(long)]
+        reason: Option<String>,
+    },
     /// Inspect or replay dead letters (`<ns>.dead`).
     #[command(subcommand)]
     Dead(DeadCmd),
@@ -304,6 +315,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Workers => workers(&cli).await,
         Cmd::Groups => groups(&cli).await,
         Cmd::Drain { id } => drain(&cli, id).await,
+        Cmd::Cancel { id, reason } => cancel(&cli, id, reason.as_deref()).await,
         Cmd::Dead(DeadCmd::List { limit }) => dead_list(&cli, &names, *limit).await,
         Cmd::Dead(DeadCmd::Replay {
             id,
@@ -802,6 +814,52 @@ async fn drain(cli: &Cli, id: &str) -> Result<ExitCode> {
         .unwrap_or("?");
     println!("worker {id}: draining (was {prev})");
     Ok(ExitCode::SUCCESS)
+}
+
+async fn cancel(cli: &Cli, id: &str, reason: Option<&str>) -> Result<ExitCode> {
+    let url = api(cli, &format!("/v1/tasks/{id}/cancel"));
+    let body = match reason {
+        Some(r) => serde_json::json!({ "reason": r }),
+        None => serde_json::json!({}),
+    };
+    let resp = http(cli)?
+        .post(&url)
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| api_send_error(e, "POST", &url))?;
+    let status = resp.status();
+    let body: Value = resp.json().await.unwrap_or(Value::Null);
+    let text = |k: &str| {
+        body.get(k)
+            .and_then(Value::as_str)
+            .unwrap_or("?")
+            .to_string()
+    };
+    match status {
+        reqwest::StatusCode::ACCEPTED => {
+            println!("task {id}: cancelled (was {})", text("previous_state"));
+            Ok(ExitCode::SUCCESS)
+        }
+        reqwest::StatusCode::OK => {
+            println!("task {id}: already cancelled");
+            Ok(ExitCode::SUCCESS)
+        }
+        reqwest::StatusCode::CONFLICT => {
+            eprintln!(
+                "fleetctl: task {id} has ended ({}): nothing to cancel",
+                text("state")
+            );
+            Ok(ExitCode::FAILURE)
+        }
+        reqwest::StatusCode::NOT_FOUND => {
+            eprintln!(
+                "fleetctl: no status for task {id} (never seen, or older than the status TTL)"
+            );
+            Ok(ExitCode::FAILURE)
+        }
+        _ => bail!("POST {url}: {status}: {}", text("detail")),
+    }
 }
 
 /// Prints rows under headers as an aligned table (comfy-table; no borders, so the output

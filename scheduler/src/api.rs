@@ -9,6 +9,7 @@
 //!   submission rate limit (`FLEET_SUBMIT_RATE`) also answers 429.
 //! * `GET /v1/tasks/{id}`, `GET /v1/workers`, `GET /v1/groups`, `GET /v1/pressure`,
 //!   `POST /v1/workers/{id}/drain` (404 for an unknown worker).
+//! * `POST /v1/tasks/{id}/cancel` (`cancel`): 202 a promise, 200 again, 409 ended, 404.
 //! * Dead letters (`dead`): `GET /v1/dead`, `GET /v1/dead/{id}`, `POST /v1/dead/replay`.
 //! * `GET /v1/series`: the last 15 minutes of throughput and wait time ([`crate::series`]).
 //! * The web console at `/ui` ([`crate::console`]).
@@ -16,6 +17,7 @@
 //! Roles ([`fleet::settings`], when tokens are configured): see [`routes`]. A POST without
 //! `Content-Type: application/json` gets 415.
 
+mod cancel;
 mod dead;
 
 use std::sync::Arc;
@@ -75,7 +77,7 @@ pub const RENEW_AFTER: Duration = Duration::from_secs(2);
 
 /// The API routes, each behind its role when tokens are configured ([`fleet::settings`]): submit
 /// needs `submit`; status, workers, groups, pressure, series and dead-letter reads need `read`;
-/// drain and replay need `admin`; every POST must be JSON (415 otherwise, checked after the
+/// drain, replay and cancel need `admin`; every POST must be JSON (415 otherwise, checked after the
 /// token: [`ApiAuth::require`]). The console's assets are public (they hold no data). Without
 /// tokens, a request whose `Host` is not `localhost`, an IP address or a name of
 /// `FLEET_API_ALLOWED_HOSTS` gets 421, API and console alike ([`fleet::settings`]).
@@ -95,7 +97,8 @@ pub fn routes(state: AppState) -> Router {
     let admin_routes = auth.require(
         Router::new()
             .route("/v1/workers/{id}/drain", post(drain))
-            .merge(dead::admin_routes()),
+            .merge(dead::admin_routes())
+            .merge(cancel::admin_routes()),
         Role::Admin,
     );
     let api = submit_routes

@@ -193,8 +193,10 @@ async fn handle(
     if !id.is_empty() {
         if let Ok(Some(st)) = s.store.task_status(&id).await {
             let state = st.get("state").map(String::as_str).unwrap_or_default();
-            if st.get("run_st").map(String::as_str) == Some("done")
-                && fleet::status::TERMINAL.contains(&state)
+            // A cancelled task never reaches the dead-letter queue, whatever its run record.
+            if (st.get("run_st").map(String::as_str) == Some("done")
+                && fleet::status::TERMINAL.contains(&state))
+                || state == fleet::status::TaskState::Cancelled.as_str()
             {
                 tracing::info!(task.id = %fleet::task::escape(&id), state, reason = %death.reason, "the broker dead-lettered a copy of a finished task: dropped");
                 metrics::counter!(m::DUPLICATE_DELIVERIES, "lane" => lane.as_str()).increment(1);

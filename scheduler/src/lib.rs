@@ -24,6 +24,7 @@ pub mod backstop;
 pub mod canary;
 pub mod config;
 pub mod console;
+pub mod control;
 pub mod dispatch;
 pub mod health;
 pub mod ingress;

@@ -409,6 +409,15 @@ async fn session(
         }
     );
     spawn_loop!("schedule-log", schedules);
+    spawn_loop!(
+        "control",
+        crate::control::ControlLoop {
+            store: store.clone(),
+            conn: conn.clone(),
+            cancels: fleet::control::Cancels::default(),
+            status_ttl: cfg.common.status_ttl,
+        }
+    );
     let firing = schedule::fire::Firing {
         cfg: cfg.clone(),
         store: store.clone(),

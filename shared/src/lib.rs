@@ -20,6 +20,9 @@
 //!   wait-time histograms workers share.
 //! * [`broker`] — RabbitMQ: connections and publishing, the node list, topology, delay tiers,
 //!   dead letters, the producer, subsetting of shard queues.
+//! * [`control`] — the durable control stream (`<ns>.control`: operators' cancels), what a
+//!   202 promises: each replica and worker reads it, and the marks are written again after a
+//!   Redis loss.
 //! * [`registry`] — workers, heartbeats, eviction, groups and their reclaim (Rust beside Lua).
 //! * [`route`] — which group gets a task: the reservation script, dedupe, park flags.
 //! * [`ratelimit`] — the GCRA bucket every scheduler replica shares.
@@ -30,6 +33,7 @@
 #![warn(missing_docs)]
 
 pub mod broker;
+pub mod control;
 pub mod error;
 pub mod http;
 pub mod metrics;

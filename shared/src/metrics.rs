@@ -18,6 +18,8 @@ pub const TASKS_DISPATCHED: &str = "fleet_tasks_dispatched_total";
 pub const TASKS_COMPLETED: &str = "fleet_tasks_completed_total";
 /// Counter: submissions dropped because their id was seen within the dedupe window.
 pub const TASKS_DUPLICATE: &str = "fleet_tasks_duplicate_total";
+/// Cancels accepted by the API (`POST /v1/tasks/{id}/cancel`, answered 202).
+pub const TASKS_CANCELLED: &str = "fleet_tasks_cancelled_total";
 /// Counter: tasks parked in a group's wait queue because no matching group had room, by group.
 pub const TASKS_PARKED: &str = "fleet_tasks_parked_total";
 /// Counter: tasks moved from a group without live workers to another matching group.
@@ -109,7 +111,11 @@ pub fn describe() {
         TASKS_DISPATCHED,
         "Tasks published to a group queue, by group and lane."
     );
-    describe_counter!(TASKS_COMPLETED, "User task attempts ended, by group, lane and outcome (succeeded, failed, retried, dead, expired); health probes are counted in fleet_probes_completed_total.");
+    describe_counter!(
+        TASKS_CANCELLED,
+        "Cancels accepted by the API (POST /v1/tasks/{id}/cancel answered 202)."
+    );
+    describe_counter!(TASKS_COMPLETED, "User task attempts ended, by group, lane and outcome (succeeded, failed, retried, dead, expired, cancelled: stopped by an operator while running, or — group `none` — dropped by the scheduler before dispatch); health probes are counted in fleet_probes_completed_total.");
     describe_counter!(
         TASKS_DUPLICATE,
         "Submissions dropped because their id was seen within the dedupe window."

@@ -11,7 +11,9 @@
 //!                   │   (the policy, backoff and tiers: [`crate::retry`])
 //!                   ├ Retryable at the last attempt ──────► dead (max_attempts), ack
 //!                   ├ Permanent ──────────────────────────► dead (permanent_error), ack
-//!                   └ deadline reached ───────────────────► expired: dead-letter, ack
+//!                   ├ deadline reached ───────────────────► expired: dead-letter, ack
+//!                   └ cancelled by an operator ────────────► cancelled (stopped: see crate::cancel), ack
+//! a cancelled task's copy (start.lua, or this worker's memory of the control stream) ► acked, never run
 //! any publish refused or channel gone ────────────────────► failed: nack + requeue (the broker keeps it);
 //!                                                             the attempt counts as used: its next copy
 //!                                                             runs as a new attempt (`Finished::spent`)
@@ -31,6 +33,7 @@ use lapin::Channel;
 use serde_json::Value;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use fleet::broker::amqp::{
@@ -80,6 +83,10 @@ pub struct Shared {
     pub meters: PerLane<Meters>,
     /// Keeps the deadline timers firing while a handler blocks its thread.
     pub nudge: Arc<crate::nudge::Nudge>,
+    /// The cancels this worker knows (from the control stream) and the runs they stop.
+    pub cancels: Arc<crate::cancel::CancelBoard>,
+    /// A cancelled exec run's time between SIGTERM and SIGKILL (`FLEET_CANCEL_GRACE_MS`).
+    pub cancel_grace: Duration,
 }
 
 /// One lane's per-task metric handles, registered once per worker: a labelled
@@ -92,7 +99,7 @@ pub struct Meters {
     run: metrics::Histogram,
     /// `fleet_tasks_completed_total{group, lane, outcome}`, one per [`Outcome`] (in
     /// [`Outcome::ALL`] order).
-    completed: [metrics::Counter; 5],
+    completed: [metrics::Counter; 6],
 }
 
 impl Meters {
@@ -121,16 +128,19 @@ pub enum Outcome {
     Expired,
     /// Could not be recorded in the broker: nacked back to it.
     Failed,
+    /// Stopped by an operator's cancel (or, never run, dropped as cancelled).
+    Cancelled,
 }
 
 impl Outcome {
     /// Every outcome, in discriminant order.
-    pub const ALL: [Outcome; 5] = [
+    pub const ALL: [Outcome; 6] = [
         Outcome::Succeeded,
         Outcome::Retried,
         Outcome::Dead,
         Outcome::Expired,
         Outcome::Failed,
+        Outcome::Cancelled,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -140,9 +150,13 @@ impl Outcome {
             Outcome::Dead => "dead",
             Outcome::Expired => "expired",
             Outcome::Failed => "failed",
+            Outcome::Cancelled => "cancelled",
         }
     }
 }
+
+/// How long past the grace a graceful handler's cancelled run is awaited before it is dropped.
+const CANCEL_MARGIN: Duration = Duration::from_secs(2);
 
 /// How often a held copy asks again whether the run of its attempt elsewhere has ended.
 const WAIT_POLL: Duration = Duration::from_millis(500);
@@ -252,6 +266,16 @@ async fn claim(
                 }
                 continue;
             }
+            Some(Claim::Cancelled) => {
+                tracing::info!("a cancelled task: acked without running");
+                if !probe {
+                    shared.meters[lane]
+                        .completed(Outcome::Cancelled)
+                        .increment(1);
+                }
+                slot.ack().await;
+                return None;
+            }
             Some(Claim::Duplicate) => {
                 tracing::info!("a copy of an attempt that already ran or runs elsewhere: acked without running");
                 metrics::counter!(m::DUPLICATE_DELIVERIES, "lane" => lane.as_str()).increment(1);
@@ -349,6 +373,20 @@ async fn attempt_task(
         reroute(task, &mut slot).await;
         return;
     }
+    let submitted_ms = env.submitted_at.map(|t| t.timestamp_millis());
+    // Cancelled (this worker read it in the control stream): never claimed, never run — even
+    // while Redis is without the mark (start.lua refuses it otherwise).
+    if !probe && shared.cancels.cancel_of(&env.id, submitted_ms).is_some() {
+        tracing::info!("a cancelled task: acked without running");
+        if let Err(e) = shared.ledger.unreserve(lane, &env.id).await {
+            tracing::debug!(error = %e, "cannot give back a cancelled task's reservation; it lapses with its lease");
+        }
+        shared.meters[lane]
+            .completed(Outcome::Cancelled)
+            .increment(1);
+        slot.ack().await;
+        return;
+    }
     let Some((attempt, _slot)) = claim(task, &mut slot, base, max_attempts).await else {
         return;
     };
@@ -366,7 +404,7 @@ async fn attempt_task(
             detail: "deadline passed before the task started".into(),
         }
     } else {
-        let Some((result, took)) = run(&shared, &env, attempt).await else {
+        let Some((result, took)) = run(&shared, &env, attempt, probe).await else {
             // Hard stop: no outcome; the broker gets the task back with the connection, and
             // its next copy runs this attempt again.
             shared
@@ -388,6 +426,36 @@ async fn attempt_task(
             .map(|d| (d - shared.clock.now()).to_std().unwrap_or(Duration::ZERO));
         retry::decide(result, attempt, max_attempts, time_left, &shared.backoff)
     };
+    // Cancelled while it ran (its run was stopped), or as it ended: the attempt ends
+    // `cancelled` whatever the handler answered — never retried, never dead-lettered.
+    if let Some(c) = (!probe)
+        .then(|| shared.cancels.cancel_of(&env.id, submitted_ms))
+        .flatten()
+    {
+        tracing::info!(by = %c.by, reason = %fleet::task::escape(&c.reason), "task cancelled: its attempt ended");
+        shared.meters[lane]
+            .completed(Outcome::Cancelled)
+            .increment(1);
+        if !shared
+            .ledger
+            .finish(Finished::cancelled(
+                lane,
+                env.id.clone(),
+                attempt,
+                &c.by,
+                &c.reason,
+            ))
+            .await
+        {
+            tracing::warn!(
+                "cancel not yet written to Redis (retried in the background); acking anyway"
+            );
+        }
+        if slot.usable() {
+            slot.ack().await;
+        }
+        return;
+    }
 
     let outcome = settle(task, &mut slot, (attempt, max_attempts), fate).await;
     if probe {
@@ -397,11 +465,13 @@ async fn attempt_task(
     }
 }
 
-/// Runs the handler in its own task, cut at the run deadline. `None` on a hard stop.
+/// Runs the handler in its own task, cut at the run deadline, stopped by an operator's cancel
+/// (`probe`: a health probe, never cancelled). `None` on a hard stop.
 async fn run(
     shared: &Shared,
     env: &Envelope,
     attempt: u32,
+    probe: bool,
 ) -> Option<(Result<Value, TaskError>, Duration)> {
     let started = Instant::now();
     let to_deadline = env
@@ -418,6 +488,17 @@ async fn run(
         ));
     };
     let cancel = shared.work.token().child_token();
+    let stop = CancellationToken::new();
+    // A probe is never cancelled: its watch is a token nobody fires.
+    let watch = (!probe).then(|| {
+        shared
+            .cancels
+            .watch(&env.id, env.submitted_at.map(|t| t.timestamp_millis()))
+    });
+    let cancelled = watch
+        .as_ref()
+        .map_or_else(CancellationToken::new, |w| w.token.clone());
+    let graceful = handler.stops_gracefully();
     let ctx = TaskContext {
         envelope: env.clone(),
         attempt,
@@ -425,6 +506,8 @@ async fn run(
         deadline: env.deadline,
         run_deadline: started + limit,
         cancel: cancel.clone(),
+        stop: stop.clone(),
+        cancel_grace: shared.cancel_grace,
     };
     // `call` runs inside the spawned task, so a handler that panics while building its future
     // is caught like one that panics while running it (and never unwinds through this attempt,
@@ -457,12 +540,24 @@ async fn run(
                 Err(TaskError::Retryable(format!("run cut at max_task_ms ({} ms)", shared.max_task.as_millis())))
             }
         }
+        // An operator's cancel: a graceful handler (exec) ends its run within the grace
+        // (SIGTERM, then SIGKILL); any other is dropped at once (an http request aborted).
+        _ = cancelled.cancelled() => {
+            stop.cancel();
+            if graceful {
+                let _ = tokio::time::timeout(shared.cancel_grace + CANCEL_MARGIN, &mut join).await;
+            }
+            cancel.cancel();
+            join.abort();
+            Err(TaskError::retryable("cancelled by an operator"))
+        }
         _ = shared.work.stopping() => {
             cancel.cancel();
             join.abort();
             return None;
         }
     };
+    drop(watch);
     Some((result, started.elapsed()))
 }
 

@@ -105,6 +105,8 @@ pub struct WorkerConfig {
     pub retry_cap: Duration,
     /// Cap of one run (see the module docs).
     pub max_task: Duration,
+    /// A cancelled exec run's time between SIGTERM and SIGKILL (`FLEET_CANCEL_GRACE_MS`).
+    pub cancel_grace: Duration,
     pub eject: EjectConfig,
     pub http: Option<HttpConfig>,
     pub exec: Option<ExecConfig>,
@@ -279,6 +281,7 @@ impl WorkerConfig {
             retry_base,
             retry_cap,
             max_task: ms(a.max_task_ms),
+            cancel_grace: ms(a.cancel_grace_ms),
             eject,
             http,
             exec,

@@ -25,6 +25,7 @@ pub mod acks;
 pub mod api;
 pub mod attempt;
 pub mod broker;
+pub mod cancel;
 pub mod config;
 pub mod drain;
 pub mod eject;

@@ -297,6 +297,18 @@ impl Worker {
         );
         let sharded = shard_watch(&cfg, &store, &group, &stages.background).await;
 
+        // Cancels: the control stream, followed for as long as the worker runs anything.
+        let cancels = Arc::new(crate::cancel::CancelBoard::default());
+        let follower = crate::cancel::Follower {
+            broker: broker.clone(),
+            names: cfg.common.names(),
+            board: cancels.clone(),
+        };
+        stages.background.spawn(
+            tracing::info_span!("cancels"),
+            follower.run(stages.background.token()),
+        );
+
         // Work and intake: the lanes and the attempts they spawn.
         let shared = Arc::new(Shared {
             worker_id: Arc::from(cfg.worker_id.as_str()),
@@ -319,6 +331,8 @@ impl Worker {
                 critical: Meters::new(&group, Lane::Critical),
             },
             nudge: crate::nudge::Nudge::start(),
+            cancels: cancels.clone(),
+            cancel_grace: cfg.cancel_grace,
         });
         let names = cfg.common.names();
         for lane in Lane::ALL {

@@ -21,6 +21,8 @@ pub enum Fate {
     Dead(status::DeadReason, String),
     /// Duplicate id: ack and drop.
     Duplicate,
+    /// Cancelled by an operator: ack and drop (never dispatched; nothing reserved).
+    Cancelled,
     /// Stays unacked with the caller (park: no room yet; an orphan that is no readable
     /// envelope).
     Hold,
@@ -51,8 +53,8 @@ impl Fate {
 /// is dead-lettered then). `None` for [`Reservation::Fresh`] (a dedupe-only check that found
 /// no duplicate): the fate decided before the call stands.
 ///
-/// * Any source: reserved → dispatch there; duplicate → drop; the script failed on this task
-///   alone → dead-letter `internal_error`.
+/// * Any source: reserved → dispatch there; duplicate → drop; cancelled → drop (an orphan
+///   too); the script failed on this task alone → dead-letter `internal_error`.
 /// * No room (`Full(g)`): park behind `g` — except a park release, which holds the task.
 /// * No match: wait in the waiting-for-worker queue ([`Names::UNMATCHED_GROUP`]), dead-letter
 ///   `no_matching_worker` once past the grace; a park release holds it, and the
@@ -67,6 +69,7 @@ pub fn decide(
 ) -> Option<Fate> {
     if let Some(o) = source.orphan() {
         return Some(match answer {
+            Reservation::Cancelled => Fate::Cancelled,
             Reservation::Reserved(g) if g != o.group => Fate::Dispatch(g),
             Reservation::Reserved(g) => Fate::Back { reserved: Some(g) },
             _ => Fate::Back { reserved: None },
@@ -77,6 +80,7 @@ pub fn decide(
         (Reservation::Failed(why), _) => Fate::Dead(status::DeadReason::InternalError, why),
         (Reservation::Reserved(g), _) => Fate::Dispatch(g),
         (Reservation::Duplicate, _) => Fate::Duplicate,
+        (Reservation::Cancelled, _) => Fate::Cancelled,
         (Reservation::Full(_) | Reservation::NoMatch, Source::Park) => Fate::Hold,
         (Reservation::NoMatch, Source::Unmatched) if !past_grace => Fate::Hold,
         (Reservation::Full(g), _) => Fate::Park(g),
@@ -108,6 +112,7 @@ mod tests {
             Some(Fate::Delay(ms)) => format!("delay {ms}"),
             Some(Fate::Dead(r, _)) => format!("dead {r}"),
             Some(Fate::Duplicate) => "duplicate".into(),
+            Some(Fate::Cancelled) => "cancelled".into(),
             Some(Fate::Hold) => "hold".into(),
             Some(Fate::Back { reserved: None }) => "back".into(),
             Some(Fate::Back { reserved: Some(g) }) => format!("back {g}"),
@@ -125,6 +130,7 @@ mod tests {
             Reservation::Duplicate,
             Reservation::Fresh,
             Reservation::Failed("boom".into()),
+            Reservation::Cancelled,
         ];
         for a in &all {
             match a {
@@ -133,7 +139,8 @@ mod tests {
                 | Reservation::NoMatch
                 | Reservation::Duplicate
                 | Reservation::Fresh
-                | Reservation::Failed(_) => {}
+                | Reservation::Failed(_)
+                | Reservation::Cancelled => {}
             }
         }
         all
@@ -187,6 +194,8 @@ mod tests {
             ("fresh", true, ["stands", "stands", "stands", "stands", "stands", "back"]),
             ("failed", false, ["dead internal_error", "dead internal_error", "dead internal_error", "dead internal_error", "dead internal_error", "back"]),
             ("failed", true, ["dead internal_error", "dead internal_error", "dead internal_error", "dead internal_error", "dead internal_error", "back"]),
+            ("cancelled", false, ["cancelled", "cancelled", "cancelled", "cancelled", "cancelled", "cancelled"]),
+            ("cancelled", true, ["cancelled", "cancelled", "cancelled", "cancelled", "cancelled", "cancelled"]),
         ];
         let names = [
             "reserved other",
@@ -196,6 +205,7 @@ mod tests {
             "duplicate",
             "fresh",
             "failed",
+            "cancelled",
         ];
         let e = Envelope::new("resize", serde_json::json!({}));
         let mut rows = 0;
@@ -249,6 +259,7 @@ mod tests {
             Fate::Park("g".into()),
             Fate::Delay(1000),
             Fate::Duplicate,
+            Fate::Cancelled,
             Fate::Hold,
             Fate::Dead(status::DeadReason::Expired, String::new()),
         ] {

@@ -232,7 +232,7 @@ impl Dispatcher {
                 ),
                 None,
             ),
-            Fate::Duplicate | Fate::Hold => return None,
+            Fate::Duplicate | Fate::Cancelled | Fate::Hold => return None,
         };
         Some(if source.verbatim() {
             // Properties as they came (message id, headers: a health probe stays one).
@@ -324,6 +324,12 @@ impl Tally {
                 tracing::warn!(reason = reason.as_str(), detail = %detail, task.id = id.as_deref().unwrap_or("-"), "task dead-lettered");
             }
             Fate::Duplicate => metrics::counter!(m::TASKS_DUPLICATE).increment(1),
+            Fate::Cancelled => {
+                metrics::counter!(m::TASKS_COMPLETED, "group" => "none", "lane" => lane, "outcome" => "cancelled").increment(1);
+                if let Some(e) = env {
+                    tracing::info!(task.id = %fleet::task::escape(&e.id), "a cancelled task reached: dropped, never dispatched");
+                }
+            }
             Fate::Delay(_) | Fate::Hold | Fate::Back { .. } => {}
         }
     }

@@ -15,6 +15,8 @@
 //! ```
 //! Declaring is idempotent, so every process declares what it uses at start-up.
 
+use std::time::Duration;
+
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, ExchangeKind};
@@ -283,6 +285,8 @@ pub async fn declare_core(ch: &Channel, cfg: &impl QueueSettings) -> Result<()> 
         FieldTable::default(),
     )
     .await?;
+    // Operator actions that must outlive Redis (cancels): every process reads it.
+    declare_control_stream(ch, &n).await?;
     queue(ch, &n.delayed_queue(), args(cfg), None).await?;
     bind(
         ch,
@@ -655,7 +659,7 @@ pub async fn delete_all(ch: &Channel, names: &Names, groups: &[String]) -> Resul
 
 /// Deletes every queue (with its messages) and exchange of a namespace whose groups have
 /// `shards` normal-lane shard queues (`FLEET_SHARDS`): ingress, dead, broker dead, delayed,
-/// schedules stream, queue catalog, delay tiers (current and legacy), the lane queues (unsharded and every
+/// schedules and control streams, queue catalog, delay tiers (current and legacy), the lane queues (unsharded and every
 /// shard) and park queues of `groups`, and the park queues of the waiting-for-worker
 /// pseudo-group [`Names::UNMATCHED_GROUP`]. Deleting a queue or exchange that does not exist
 /// is no error (RabbitMQ answers delete-ok), so a `shards` above the real count is harmless;
@@ -673,6 +677,7 @@ pub async fn delete_all_sharded(
     queues.push(names.broker_dead_queue());
     queues.push(names.delayed_queue());
     queues.push(names.schedules_stream());
+    queues.push(names.control_stream());
     queues.extend(delay::tiers().map(|t| names.delay_queue(t)));
     queues.extend(delay::ttl_tiers().map(|t| names.ttl_delay_queue(t)));
     queues.extend(delay::ttl_tiers().map(|t| names.legacy_delay_queue(t)));
@@ -711,5 +716,37 @@ pub async fn delete_all_sharded(
             )
             .await;
     }
+    Ok(())
+}
+
+/// How long the control stream (`<ns>.control`, [`crate::control`]) keeps a record (its
+/// `x-max-age`), and so how long a cancel holds beyond Redis: a task message older than this
+/// that was cancelled and lost its mark with Redis could run. Seven days: longer than any
+/// delay or retry backoff fleet allows.
+pub const CONTROL_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+/// The control stream's `x-max-age` argument for [`CONTROL_MAX_AGE`].
+const CONTROL_MAX_AGE_ARG: &str = "7D";
+
+/// Declares the control stream (idempotent; every process does, with the namespace's other
+/// queues in [`declare_core`]).
+pub async fn declare_control_stream(ch: &Channel, names: &Names) -> Result<()> {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("stream".into()),
+    );
+    args.insert(
+        "x-max-age".into(),
+        AMQPValue::LongString(CONTROL_MAX_AGE_ARG.into()),
+    );
+    ch.queue_declare(
+        ShortString::from(names.control_stream()),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await?;
     Ok(())
 }

@@ -45,13 +45,13 @@ end
 -- Task states, dead-letter reasons and attempt outcomes, as stored: the words of
 -- `fleet::status::{TaskState, DeadReason, AttemptOutcome}` (a unit test checks these tables
 -- and every such word in the scripts against the enums, so scripts spell them S.x, R.x, O.x).
-local S = { queued = 'queued', parked = 'parked', running = 'running', retrying = 'retrying', succeeded = 'succeeded', dead = 'dead', expired = 'expired' }
+local S = { queued = 'queued', parked = 'parked', running = 'running', retrying = 'retrying', succeeded = 'succeeded', dead = 'dead', expired = 'expired', cancelled = 'cancelled' }
 local R = { worker_lost = 'worker_lost', max_attempts = 'max_attempts' }
-local O = { succeeded = 'succeeded', failed = 'failed', dead = 'dead', expired = 'expired', lost = 'lost' }
+local O = { succeeded = 'succeeded', failed = 'failed', dead = 'dead', expired = 'expired', lost = 'lost', cancelled = 'cancelled' }
 
 -- A state that ends the task (`TaskState::is_terminal`).
 local function is_final(state)
-  return state == S.succeeded or state == S.dead or state == S.expired
+  return state == S.succeeded or state == S.dead or state == S.expired or state == S.cancelled
 end
 
 -- ---- Status writers: the only code that sets a task's `state` (one function per transition;
@@ -65,9 +65,10 @@ end
 -- `fresh`: this call set the id's dedupe mark (a new submission, its window passed): a final
 -- record is then an ended run's, and this is a new run (status_resubmitted, below).
 local status_resubmitted
-local function status_waiting(id, state, g, lane, ttl_ms, kind, sub, fresh)
+-- `cur`: the record's state as the caller read it (false: none), or nil to read it here.
+local function status_waiting(id, state, g, lane, ttl_ms, kind, sub, fresh, cur)
   local t = K_task(id)
-  local cur = redis.call('HGET', t, 'state')
+  if cur == nil then cur = redis.call('HGET', t, 'state') end
   if fresh and is_final(cur) then
     status_resubmitted(id, ttl_ms)
     cur = nil
@@ -79,8 +80,8 @@ local function status_waiting(id, state, g, lane, ttl_ms, kind, sub, fresh)
   redis.call('HSET', t, unpack(set))
   redis.call('PEXPIRE', t, ttl_ms)
 end
-local function status_queued(id, g, lane, ttl_ms, kind, sub, fresh) status_waiting(id, S.queued, g, lane, ttl_ms, kind, sub, fresh) end
-local function status_parked(id, g, lane, ttl_ms, kind, sub, fresh) status_waiting(id, S.parked, g, lane, ttl_ms, kind, sub, fresh) end
+local function status_queued(id, g, lane, ttl_ms, kind, sub, fresh, cur) status_waiting(id, S.queued, g, lane, ttl_ms, kind, sub, fresh, cur) end
+local function status_parked(id, g, lane, ttl_ms, kind, sub, fresh, cur) status_waiting(id, S.parked, g, lane, ttl_ms, kind, sub, fresh, cur) end
 
 -- Claimed: attempt `att` runs on worker w (process inst) in group g; the run record (`run_*`,
 -- see start.lua) says which copy of which attempt runs and whether alone (`iso`).
@@ -122,6 +123,8 @@ end
 -- worker w went on while an eviction wrote it back to S.queued (heartbeat.lua, after the
 -- worker registered again). Its start time went with the eviction.
 local function status_resumed(id, w)
+  -- A run an operator cancelled meanwhile stays cancelled (its worker is stopping it).
+  if redis.call('HGET', K_task(id), 'state') == S.cancelled then return end
   redis.call('HSET', K_task(id), 'state', S.running, 'worker', w)
 end
 
@@ -186,5 +189,35 @@ local function status_dead(id, reason, err, ttl_ms, fields)
   redis.call('HSET', t, 'state', S.dead, 'reason', reason, 'error', err, 'finished_at', NOW_MS, 'run_st', 'done')
   if fields and #fields > 0 then redis.call('HSET', t, unpack(fields)) end
   redis.call('HDEL', t, 'worker')
+  redis.call('PEXPIRE', t, ttl_ms)
+end
+
+-- Cancelled by an operator (cancel.lua): `by` (the API token's name or role) and `why` (the
+-- request's reason) are kept with the time (`at`, Unix ms: when the cancel was accepted, as
+-- the control stream records it). The run record stays as it is: a copy that reaches a
+-- worker is refused by start.lua on the state alone, and a run going on is the worker's to
+-- stop (it learns of the cancel from the control stream) and to end (status_cancel_ended).
+-- A reservation the task holds in its group is given back now (its message may wait long
+-- before anyone reaches it). `ttl_ms`: the status TTL, from now.
+local function status_cancelled(id, by, why, at, ttl_ms, cur)
+  local t = K_task(id)
+  if cur == S.queued then
+    local r = redis.call('HMGET', t, 'group', 'lane')
+    if r[1] and r[2] then redis.call('ZREM', K_resv(r[1], r[2]), id) end
+  end
+  redis.call('HSET', t, 'state', S.cancelled, 'cancelled_at', at, 'cancelled_by', by, 'cancel_reason', why)
+  redis.call('PEXPIRE', t, ttl_ms)
+end
+
+-- The attempt an operator's cancel stopped has ended on worker w (finish.lua): the task stays
+-- (or, its mark lost with Redis and known to the worker from the control stream, becomes)
+-- cancelled; `done`: this process owns the run record, which then says the attempt is over.
+local function status_cancel_ended(id, w, att, done, by, why, ttl_ms)
+  local t = K_task(id)
+  local set = { 'state', S.cancelled, 'worker', w, 'attempt', att, 'finished_at', NOW_MS }
+  if done then set[#set + 1] = 'run_st'; set[#set + 1] = 'done' end
+  if by ~= '' then set[#set + 1] = 'cancelled_by'; set[#set + 1] = by end
+  if why ~= '' then set[#set + 1] = 'cancel_reason'; set[#set + 1] = why end
+  redis.call('HSET', t, unpack(set))
   redis.call('PEXPIRE', t, ttl_ms)
 end

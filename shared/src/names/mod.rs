@@ -130,6 +130,11 @@ impl Names {
     pub fn schedules_stream(&self) -> String {
         format!("{}.schedules", self.ns)
     }
+    /// Stream (durable, read from its start by every scheduler and worker) of operator
+    /// actions that must outlive Redis: cancels ([`crate::control`]).
+    pub fn control_stream(&self) -> String {
+        format!("{}.control", self.ns)
+    }
     /// The namespace's queue catalog: a durable queue holding one record per declaration of a
     /// group's queues (its name and the exact queue names), written before the queues are
     /// declared and read by `fleetctl delete-namespace`, so the clean-up finds every group
@@ -165,6 +170,11 @@ impl Names {
     /// The key prefix every script receives as `KEYS[1]`.
     pub fn prefix(&self) -> &str {
         &self.prefix
+    }
+    /// Key saying this Redis holds the control stream's cancel marks: a Redis loss takes it,
+    /// and the schedulers then write the marks again ([`crate::control`]).
+    pub fn control_applied(&self) -> String {
+        format!("{}ctl", self.prefix)
     }
     /// Key written by readiness probes: `/readyz` means "Redis takes writes", not only "it
     /// answers PING" (a read-only replica answers PING).

@@ -91,6 +91,7 @@ pub const SOURCES: &[(&str, &str)] = &[
         "broker/dead_lock.lua",
         include_str!("../broker/dead_lock.lua"),
     ),
+    ("control/cancel.lua", include_str!("../control/cancel.lua")),
 ];
 
 /// All scripts of the fleet.
@@ -142,6 +143,9 @@ pub struct Scripts {
     /// `broker/dead_lock.lua` (no prelude: whole key): renews or releases the dead-queue reader lease while the caller holds
     /// it.
     pub dead_lock: Script,
+    /// `control/cancel.lua`: marks tasks cancelled (an operator's cancel, or the control stream
+    /// applied again after a Redis loss; see `fleet::control`).
+    pub cancel: Script,
 }
 
 impl Scripts {
@@ -170,6 +174,7 @@ impl Scripts {
             dead_claim: script!("../broker/dead_claim.lua"),
             dead_unclaim: Script::new(include_str!("../broker/dead_unclaim.lua")),
             dead_lock: Script::new(include_str!("../broker/dead_lock.lua")),
+            cancel: script!("../control/cancel.lua"),
         }
     }
 }

@@ -34,6 +34,8 @@ pub enum Reservation {
     Duplicate,
     /// Dedupe only (no routing asked): not a duplicate.
     Fresh,
+    /// An operator cancelled the task: drop it (ack), never dispatch it; nothing was reserved.
+    Cancelled,
     /// The reservation script failed on this task alone (its detail): dead-letter it.
     Failed(String),
 }

@@ -33,7 +33,10 @@
 -- returns: per task two entries, answer then group (a flat list: no table per task):
 --          'reserved', g (status queued) | 'full', g (matches, no room: park there; status
 --          parked) | 'none', '' (no live group matches and handles the kind) | 'dup', '' (id seen within the
---          window) | 'fresh', '' (mode 2: not a duplicate)
+--          window) | 'fresh', '' (mode 2: not a duplicate) | 'cancelled', '' (an operator
+--          cancelled it, keys.lua status_cancelled: drop it, never dispatch; nothing reserved)
+-- The cancel check costs no command on the way to a reservation: the record's state, which
+-- the status writer reads anyway, is read once before routing and handed to it.
 -- A fresh submission (dedupe 1) of an id whose mark has expired (the window counts from the
 -- submission) and whose last run has ended is a new run of the id: keys.lua status_resubmitted.
 -- Dedupe marks: 'p:<token>' while a submission is being handled, 'a' once the scheduler has
@@ -216,6 +219,13 @@ for t = 1, n do
     if fresh then status_renew_if_final(id, st_ttl) end
     out[o], out[o + 1] = 'fresh', ''
   else
+    -- The record's state (false: none), read once: the cancel check here, the status writer
+    -- below. A fresh submission is a new run of the id: an ended run's record (a cancelled
+    -- one too) is cleared by the writer.
+    local cur = redis.call('HGET', K_task(id), 'state')
+    if cur == S.cancelled and not fresh then
+      out[o], out[o + 1] = S.cancelled, ''
+    else
     local live, selkey = live_groups(selk, lane, kind)
     local chosen = nil
     if strategy == 'round_robin' or strategy == 'weighted' then
@@ -260,7 +270,7 @@ for t = 1, n do
       local s = gstate(chosen, lane)
       s.used = s.used + 1
       redis.call('ZADD', K_resv(chosen, lane), now + lease, id)
-      status_queued(id, chosen, lane, st_ttl, kind, sub, fresh)
+      status_queued(id, chosen, lane, st_ttl, kind, sub, fresh, cur)
       out[o], out[o + 1] = 'reserved', chosen
     elseif #live > 0 then
       local best, bg = nil, live[1].g
@@ -271,12 +281,13 @@ for t = 1, n do
       if not from_park then
         redis.call('SET', K_parked(bg, lane), '1', 'PX', park_ttl)
         gstate(bg, lane).parked = true
-        status_parked(id, bg, lane, st_ttl, kind, sub, fresh)
+        status_parked(id, bg, lane, st_ttl, kind, sub, fresh, cur)
       end
       out[o], out[o + 1] = 'full', bg
     else
       if fresh then status_renew_if_final(id, st_ttl) end
       out[o], out[o + 1] = 'none', ''
+    end
     end
   end
 end

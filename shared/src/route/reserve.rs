@@ -165,6 +165,7 @@ impl Store {
                     "full" => Reservation::Full(group.clone()),
                     "dup" => Reservation::Duplicate,
                     "fresh" => Reservation::Fresh,
+                    "cancelled" => Reservation::Cancelled,
                     "none" => Reservation::NoMatch,
                     other => Reservation::Failed(format!("reserve script answered {other:?}")),
                 },

@@ -4,7 +4,9 @@
 -- KEYS[1]: key prefix
 -- ARGV[1]: worker id   ARGV[2]: group   ARGV[3]: instance token   ARGV[4]: status TTL (ms)
 -- ARGV[5]: number of tasks, then per task:
---   lane, task id, attempt, state (succeeded | retrying | dead | expired; '' = release: the
+--   lane, task id, attempt, state (succeeded | retrying | dead | expired | cancelled: the
+--   run an operator's cancel stopped, `field` then names who cancelled it and `text` why;
+--   '' = release: the
 --   attempt ended without an outcome and its delivery went back to the broker; queued =
 --   spent: the handler ran, but the broker did not confirm the attempt's retry or dead-letter
 --   copy, and its delivery went back — the run record becomes `ran`, so the next copy runs
@@ -35,15 +37,25 @@ for k = 0, n - 1 do
   local t = K_task(id)
   redis.call('ZREM', K_run(g, lane), id)
   redis.call('SREM', K_wrun(w), lane .. '|' .. id)
-  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st', 'worker', 'started_at', 'error', 'reason')
+  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st', 'worker', 'started_at', 'error', 'reason', 'state', 'cancelled_by', 'cancel_reason')
   local seen = tonumber(r[1] or '0') or 0
   local owned = r[2] == inst and r[3] == 'run'
-  if state == '' then
-    if owned then
+  if state == S.cancelled then
+    -- The run an operator's cancel stopped: never retried, never dead-lettered. Who and why
+    -- come from the record (cancel.lua), else from the worker (it read the control stream).
+    local by, why = r[9] or field, r[10] or text
+    local e = { attempt = attempt, worker = w, finished_at = now, outcome = O.cancelled,
+      cancelled_by = by, cancel_reason = why }
+    if seen == attempt and r[4] == w then e.started_at = tonumber(r[5]) end
+    log_attempt(id, e, st_ttl)
+    status_cancel_ended(id, w, attempt, owned or r[2] == false, by, why, st_ttl)
+  elseif state == '' then
+    -- A release leaves a cancelled task cancelled (its next copy is refused by start.lua).
+    if owned and r[8] ~= S.cancelled then
       status_requeued(id, 'rel')
     end
   elseif state == S.queued then
-    if owned then
+    if owned and r[8] ~= S.cancelled then
       status_requeued(id, 'ran')
     end
     log_attempt(id, { attempt = attempt, worker = w, finished_at = now, outcome = O.failed,
@@ -65,7 +77,7 @@ for k = 0, n - 1 do
       log_attempt(id, e, st_ttl)
     end
   end
-  if state ~= '' and state ~= S.queued and seen <= attempt then
+  if state ~= '' and state ~= S.queued and state ~= S.cancelled and seen <= attempt and r[8] ~= S.cancelled then
     status_finished(id, state, w, attempt, field, text, success == '1', reason, owned or r[2] == false, st_ttl,
       { error = r[6] ~= false, reason = r[7] ~= false })
   end

@@ -44,6 +44,17 @@ impl Finished {
         }
     }
 
+    /// The attempt an operator's cancel stopped (state `cancelled`: never retried, never
+    /// dead-lettered), with who cancelled it and why — carried in `text` as `by`, a newline,
+    /// then `reason` (a newline in `by` is replaced by a space); [`crate::Store::finish`] splits it.
+    pub fn cancelled(lane: Lane, id: String, attempt: u32, by: &str, reason: &str) -> Self {
+        Finished {
+            state: Some(TaskState::Cancelled),
+            text: format!("{}\n{reason}", by.replace('\n', " ")),
+            ..Finished::release(lane, id, attempt)
+        }
+    }
+
     /// An attempt that ended without an outcome (hard stop): its delivery went back to the
     /// broker and the next copy runs the same attempt again.
     pub fn release(lane: Lane, id: String, attempt: u32) -> Self {
@@ -84,12 +95,17 @@ impl Store {
             .arg(millis(status_ttl))
             .arg(tasks.len());
         for f in tasks {
+            // A cancelled attempt's `field` names who cancelled it (see Finished::cancelled).
+            let (field, text) = match (f.state, f.text.split_once('\n')) {
+                (Some(TaskState::Cancelled), Some((by, why))) => (by, why),
+                _ => (if f.success { "result" } else { "error" }, f.text.as_str()),
+            };
             inv.arg(f.lane.as_str())
                 .arg(&f.id)
                 .arg(f.attempt)
                 .arg(f.state.map(TaskState::as_str).unwrap_or(""))
-                .arg(if f.success { "result" } else { "error" })
-                .arg(truncate(&f.text, MAX_STATUS_TEXT))
+                .arg(field)
+                .arg(truncate(text, MAX_STATUS_TEXT))
                 .arg(if f.success { 1 } else { 0 })
                 .arg(f.reason.map(DeadReason::as_str).unwrap_or(""));
         }

@@ -31,7 +31,10 @@
 -- returns: { 'ok' | 'gone' (the worker's registration is missing: register again), then per
 --   task two entries, the answer and its attempt number: 'run', n | 'iso', n | 'wait', 0 |
 --   'dup', 0 | 'dlq', n (dead-letter it: worker_lost) | 'spent', n (dead-letter it:
---   max_attempts) } (`fleet::run::Claim`)
+--   max_attempts) | 'cancelled', 0 (an operator cancelled it: ack, never run; its
+--   reservation is released here) } (`fleet::run::Claim`)
+-- A cancelled task (state S.cancelled, see cancel.lua) is refused before anything else: a
+-- copy redelivered after its worker died mid-cancel never runs again elsewhere.
 local w, g, inst, lease, st_ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local n = tonumber(ARGV[6])
 local now = NOW_MS
@@ -80,7 +83,10 @@ for k = 0, n - 1 do
   -- A suspect claimed but never granted (run_iso 's') does not count: its claimer may not have
   -- heard the answer (a Redis timeout) and run the copy unchecked under its old number, whose
   -- retry must then run.
-  if rb == nil or (rb < base and ((tonumber(r[5]) or 0) < base or r[4] == 's')) then
+  if r[8] == S.cancelled then
+    redis.call('ZREM', K_resv(g, lane), id)
+    ans = S.cancelled
+  elseif rb == nil or (rb < base and ((tonumber(r[5]) or 0) < base or r[4] == 's')) then
     -- A newer attempt over a success the record kept (not logged, see finish.lua): log it now.
     if r[8] == S.succeeded and rb ~= nil then
       log_attempt(id, { attempt = tonumber(r[5]), worker = r[6], started_at = tonumber(r[7]),

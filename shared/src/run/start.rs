@@ -45,6 +45,9 @@ pub enum Claim {
     /// dead-letter copy published as its channel died, or nacked): dead-letter it
     /// (`max_attempts`) with this attempt count, without running it again.
     Spent(u32),
+    /// An operator cancelled the task: ack it without running (its reservation was released
+    /// by the claim); never retried, never dead-lettered.
+    Cancelled,
 }
 
 impl Claim {
@@ -58,6 +61,7 @@ impl Claim {
             "spent" => Claim::Spent(attempt),
             "wait" => Claim::Wait,
             "dup" => Claim::Duplicate,
+            "cancelled" => Claim::Cancelled,
             _ => return None,
         })
     }

@@ -301,6 +301,10 @@ pub struct WorkerArgs {
     /// Cap of one run, in milliseconds (keep it under RabbitMQ's consumer_timeout).
     #[arg(long, env = "FLEET_MAX_TASK_MS", default_value = "1500000", value_parser = positive::<u64>)]
     pub max_task_ms: u64,
+    /// How long a cancelled exec run has between SIGTERM to its process group and SIGKILL, in
+    /// milliseconds (builtin and http runs stop at once).
+    #[arg(long, env = "FLEET_CANCEL_GRACE_MS", default_value = "5000", value_parser = positive::<u64>)]
+    pub cancel_grace_ms: u64,
     /// Outcomes remembered for outlier ejection.
     #[arg(long, env = "FLEET_EJECT_WINDOW", default_value = "20", value_parser = positive::<usize>)]
     pub eject_window: usize,

@@ -1,7 +1,7 @@
 //! Task status records (`t:<id>` hashes with a TTL) and the attempt log (`ta:<id>`).
 //!
 //! A record says where a task is ([`TaskState`]: delayed, waiting_for_worker, parked, queued,
-//! running, retrying, succeeded, dead, expired), with its attempt, worker, times, a truncated
+//! running, retrying, succeeded, dead, expired, cancelled), with its attempt, worker, times, a truncated
 //! result or error and — for dead and expired — a [`DeadReason`]. Status is state that may be
 //! lost: the task itself always lives in the broker.
 //!
@@ -19,6 +19,8 @@
 //! | → dead (worker lost on the last attempt; broker dead-lettered) | `status_dead` | `start.lua`, `broker_dead.lua` |
 //! | → dead / expired, waiting_for_worker, delayed (decided by the scheduler) | [`Writes`] | `scheduler::dispatch` |
 //! | → forgotten: a new run of an id submitted again after its dedupe window, its last run over | `status_resubmitted` | `reserve.lua` |
+//! | → cancelled (an operator's cancel; re-applied from the control stream after a Redis loss) | `status_cancelled` | `cancel.lua` ([`crate::control`]) |
+//! | → cancelled (the stopped attempt's end) | `status_cancel_ended` | `finish.lua` |
 //! | → queued, held for a dead-letter replay (one replay of an id at a time) | `status_replayed` | `dead_claim.lua` ([`crate::broker::dead::replay`]) |
 //!
 //! The scripts spell the words through the tables `S`, `R` and `O` of `keys.lua`; a unit test
@@ -41,6 +43,7 @@ pub const TERMINAL: &[&str] = &[
     TaskState::Succeeded.as_str(),
     TaskState::Dead.as_str(),
     TaskState::Expired.as_str(),
+    TaskState::Cancelled.as_str(),
 ];
 
 /// Most entries a task's attempt log keeps (the oldest are dropped). Mirrors

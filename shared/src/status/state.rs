@@ -62,7 +62,7 @@ macro_rules! words {
 words! {
     /// Where a task is (the `state` of its status record; schema `status.schema.json`).
     /// Terminal: [`Succeeded`](TaskState::Succeeded), [`Dead`](TaskState::Dead),
-    /// [`Expired`](TaskState::Expired). Readers treat an unknown word as not terminal (the
+    /// [`Expired`](TaskState::Expired), [`Cancelled`](TaskState::Cancelled). Readers treat an unknown word as not terminal (the
     /// set may grow).
     TaskState, "task state" {
         /// Waits in a delay tier for its `not_before` (the scheduler).
@@ -85,19 +85,27 @@ words! {
         Dead = "dead",
         /// Its deadline passed (in the dead-letter queue with reason `expired`).
         Expired = "expired",
+        /// An operator cancelled it (`POST /v1/tasks/{id}/cancel`, `cancel.lua`): it never
+        /// runs again, is never retried nor dead-lettered; its run, if one was going, was
+        /// stopped on its worker.
+        Cancelled = "cancelled",
     }
 }
 
 impl TaskState {
     /// The states that end a task.
-    pub const TERMINAL: [TaskState; 3] =
-        [TaskState::Succeeded, TaskState::Dead, TaskState::Expired];
+    pub const TERMINAL: [TaskState; 4] = [
+        TaskState::Succeeded,
+        TaskState::Dead,
+        TaskState::Expired,
+        TaskState::Cancelled,
+    ];
 
     /// True for a state that ends the task.
     pub const fn is_terminal(self) -> bool {
         matches!(
             self,
-            TaskState::Succeeded | TaskState::Dead | TaskState::Expired
+            TaskState::Succeeded | TaskState::Dead | TaskState::Expired | TaskState::Cancelled
         )
     }
 
@@ -189,6 +197,9 @@ words! {
         Expired = "expired",
         /// Its worker died or left while running it (reason `worker_lost`).
         Lost = "lost",
+        /// An operator cancelled the task while this attempt ran: the run was stopped (the
+        /// entry names who cancelled it, `cancelled_by`, and why, `cancel_reason`).
+        Cancelled = "cancelled",
     }
 }
 

@@ -25,6 +25,7 @@ mod bad_input;
 mod broker_dead_letters;
 mod broker_limits;
 mod broker_settings;
+mod cancel;
 mod clock_skew;
 mod cluster;
 mod console;

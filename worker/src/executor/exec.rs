@@ -32,7 +32,8 @@
 //! library), where the current executable has no such mode; a POSIX shell is on every image
 //! fleet ships (Debian) and needs no input from the task. The watchdog leads the group, so the
 //! group id is its own pid and cannot be reused while it runs: it never signals a stranger.
-//! The group is also what cancel (SIGTERM the group, SIGKILL after a grace) will signal. A
+//! The group is also what a cancel signals: SIGTERM to the group, then — after
+//! `FLEET_CANCEL_GRACE_MS` — SIGKILL (the pipe closed, the watchdog kills the group). A
 //! process that leaves the group on purpose (`setsid`, as daemons do) escapes it.
 
 use std::process::Stdio;
@@ -124,6 +125,28 @@ impl Handler for ExecHandler {
         let cfg = self.cfg.clone();
         Box::pin(run(cfg, task))
     }
+
+    /// A cancelled run's process group gets SIGTERM, then SIGKILL after the grace.
+    fn stops_gracefully(&self) -> bool {
+        true
+    }
+}
+
+/// Sends SIGTERM to process group `pgid` (through `/bin/sh`'s `kill`: the workspace forbids
+/// the `unsafe` of a direct `kill(2)`). The watchdog, which leads the group, ignores it and
+/// stays to SIGKILL what is left when the run ends.
+async fn terminate_group(pgid: i32) {
+    let r = Command::new(WATCHDOG[0])
+        .args(["-c", &format!("kill -s TERM -- -{pgid}")])
+        .env_clear()
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .await;
+    if let Err(e) = r {
+        tracing::warn!(error = %e, pgid, "exec: cannot signal a cancelled run's process group (it is killed at the end of the grace)");
+    }
 }
 
 async fn run(cfg: ExecConfig, task: TaskContext) -> Result<Value, TaskError> {
@@ -190,13 +213,33 @@ async fn run(cfg: ExecConfig, task: TaskContext) -> Result<Value, TaskError> {
     let stderr = read_tail(child.stderr.take(), STDERR_TAIL);
     // When the program exits, whatever it left in its group is killed: a background process
     // holding stdout open cannot keep the run (and the readers) waiting.
-    let wait = async {
-        let status = child.wait().await;
-        group.end();
-        status
+    let pgid = group.id;
+    let ran = {
+        let wait = async {
+            let status = child.wait().await;
+            group.end();
+            status
+        };
+        let work = async { tokio::join!(feed, stdout, stderr, wait) };
+        tokio::pin!(work);
+        tokio::select! {
+            biased;
+            r = &mut work => Some(r),
+            // Cancelled by an operator: SIGTERM to the whole group (the program and what it
+            // started), SIGKILL to whatever is left after the grace (the watchdog, below).
+            _ = task.stop.cancelled() => {
+                terminate_group(pgid).await;
+                tokio::time::timeout(task.cancel_grace, &mut work).await.ok()
+            }
+        }
     };
-    let ((), out, err, status) = tokio::join!(feed, stdout, stderr, wait);
     group.ended().await;
+    let Some(((), out, err, status)) = ran else {
+        return Err(TaskError::retryable(format!(
+            "exec: `{program}` cancelled; its process group was killed after the {} ms grace",
+            task.cancel_grace.as_millis()
+        )));
+    };
     let status =
         status.map_err(|e| TaskError::retryable(format!("exec: waiting for `{program}`: {e}")))?;
 
@@ -356,6 +399,59 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         true
+    }
+
+    #[tokio::test]
+    async fn a_stopped_run_gets_sigterm_then_sigkill_after_the_grace() {
+        let dir = std::env::temp_dir().join(format!("fleet-exec-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // One program that ends on SIGTERM, one that ignores it (SIGKILLed after the grace);
+        // each leaves a grandchild.
+        for (deaf, trap) in [(false, ""), (true, "trap '' TERM; ")] {
+            let file = dir.join(format!("gc-{deaf}.pid"));
+            let script = format!(
+                "{trap}sleep 30 & echo $! > {}; while :; do sleep 0.05; done",
+                file.display()
+            );
+            let h = handler(&["sh", "-c", &script]);
+            let mut c = t(Value::Null);
+            c.cancel_grace = Duration::from_millis(700);
+            let stop = c.stop.clone();
+            let run = tokio::spawn(h.call(c));
+            let mut pid = String::new();
+            for _ in 0..250 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                pid = std::fs::read_to_string(&file).unwrap_or_default();
+                if pid.ends_with('\n') {
+                    break;
+                }
+            }
+            let pid = pid.trim().to_string();
+            assert!(alive(&pid), "the grandchild {pid:?} runs");
+            let stopped = std::time::Instant::now();
+            stop.cancel();
+            let r = tokio::time::timeout(Duration::from_secs(5), run)
+                .await
+                .unwrap()
+                .unwrap();
+            let took = stopped.elapsed();
+            assert!(r.is_err(), "{r:?}");
+            assert!(
+                gone_within(&pid, Duration::from_millis(500)).await,
+                "grandchild {pid} outlived the stopped run"
+            );
+            if deaf {
+                assert!(
+                    took >= Duration::from_millis(650),
+                    "SIGKILL after the grace: {took:?}"
+                );
+            } else {
+                assert!(
+                    took < Duration::from_millis(600),
+                    "ended by SIGTERM: {took:?}"
+                );
+            }
+        }
     }
 
     #[tokio::test]

@@ -78,6 +78,13 @@ pub struct TaskContext {
     /// Cancelled when the run is cut (deadline, cap, hard shutdown). Blocking work checks it;
     /// async work is simply dropped.
     pub cancel: CancellationToken,
+    /// Cancelled when an operator cancels the task (`POST /v1/tasks/{id}/cancel`). A handler
+    /// that [stops gracefully](Handler::stops_gracefully) ends its work within
+    /// [`cancel_grace`](Self::cancel_grace) of it; any other handler's future is dropped at
+    /// once.
+    pub stop: CancellationToken,
+    /// How long a graceful stop may take (`FLEET_CANCEL_GRACE_MS`).
+    pub cancel_grace: std::time::Duration,
 }
 
 impl TaskContext {
@@ -90,6 +97,13 @@ impl TaskContext {
 /// Runs tasks of some kind. Implemented by closures too (see [`handler_fn`]).
 pub trait Handler: Send + Sync + 'static {
     fn call(&self, task: TaskContext) -> BoxFuture<'static, Result<serde_json::Value, TaskError>>;
+
+    /// Whether a cancelled run is left to end itself on [`TaskContext::stop`] (within
+    /// [`TaskContext::cancel_grace`], then dropped) rather than dropped at once. `false`
+    /// unless overridden: the exec executor signals its process group first.
+    fn stops_gracefully(&self) -> bool {
+        false
+    }
 }
 
 /// A handler from an async closure.
@@ -277,6 +291,8 @@ pub(crate) mod test_support {
             deadline: None,
             run_deadline: Instant::now() + run_for,
             cancel: CancellationToken::new(),
+            stop: CancellationToken::new(),
+            cancel_grace: std::time::Duration::from_secs(5),
         }
     }
 }

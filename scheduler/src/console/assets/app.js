@@ -412,6 +412,17 @@ function openTask(id) {
   else refreshNow();
 }
 
+async function cancelTask(id) {
+  if (!(await confirmAction(`Cancel task ${id}? Not yet running, it never runs; running, its run is stopped. It is never retried.`))) return;
+  const r = await actionApi(`Cancel ${id}`, `/v1/tasks/${encodeURIComponent(id)}/cancel`, { method: "POST", body: { reason: "cancelled from the console" } });
+  if (!r) return;
+  if (r.status === 202) notice(`Task ${id} cancelled (was ${r.body.previous_state}).`);
+  else if (r.status === 200) notice(`Task ${id} was already cancelled.`);
+  else if (r.status === 409) notice(`Task ${id} has ended (${r.body.state}): nothing to cancel.`, false);
+  else notice(`Cannot cancel ${id}: ${problem(r)}`, false);
+  refreshNow();
+}
+
 function row(k, v) { return [h("dt", {}, k), h("dd", { dataset: { k } }, v)]; }
 
 async function lookupTask(id) {
@@ -429,7 +440,10 @@ async function lookupTask(id) {
     row("state", h("span", { class: `badge ${t.state}` }, t.state ?? "–")),
     ...["attempt", "max_attempts", "group", "lane", "worker", "reason", "error", "result"].filter((k) => t[k] !== undefined).flatMap((k) => row(k, String(t[k]))),
     ...Object.keys(t).filter((k) => !known.includes(k)).sort().flatMap((k) => row(k, time.test(k) || k === "not_before" ? timeEl(t[k]) : String(t[k]))));
-  const parts = [h("div", { class: "card" }, h("h2", {}, "Status"), dl)];
+  // A task that has not ended may be cancelled (admin): it never runs, or its run is stopped.
+  const ended = ["succeeded", "dead", "expired", "cancelled"].includes(t.state);
+  const cancelBtn = ended ? null : h("p", {}, h("button", { class: "small cancel", id: "task-cancel", on: { click: () => cancelTask(t.id) } }, "Cancel task"));
+  const parts = [h("div", { class: "card" }, h("h2", {}, "Status"), dl, cancelBtn)];
   const attempts = Array.isArray(t.attempts) ? t.attempts : [];
   const rows = attempts.map((a) => h("tr", { dataset: { attempt: String(a.attempt) } },
     h("td", { class: "num", dataset: { k: "attempt" } }, String(a.attempt)),
@@ -437,7 +451,7 @@ async function lookupTask(id) {
     h("td", { dataset: { k: "started" } }, timeEl(a.started_at)),
     h("td", { dataset: { k: "finished" } }, timeEl(a.finished_at)),
     h("td", { dataset: { k: "outcome" } }, h("span", { class: `badge ${a.outcome}` }, a.outcome)),
-    h("td", { dataset: { k: "reason" } }, a.reason ?? ""),
+    h("td", { dataset: { k: "reason" } }, a.outcome === "cancelled" ? `by ${a.cancelled_by ?? "?"}${a.cancel_reason ? `: ${a.cancel_reason}` : ""}` : (a.reason ?? "")),
     h("td", { class: "detail", dataset: { k: "error" } }, a.error ?? "")));
   const running = t.state === "running" ? h("p", { class: "help" }, `Attempt ${t.attempt} is running on ${t.worker}; it joins the log when it ends.`) : null;
   parts.push(h("div", { class: "card attempts" }, h("h2", {}, "Attempts ", h("small", {}, "oldest first; the latest 20 are kept as long as the status")),
