@@ -4,7 +4,9 @@
 //!
 //! * `publisher` is a confirm channel used only to publish (dispatch, orphan moves, probes,
 //!   the backstop's dead letters). Nothing is ever declared on it: a declare the broker refuses
-//!   closes its channel, which would fail every publish awaiting its confirm.
+//!   closes its channel, which would fail every publish awaiting its confirm. A channel whose
+//!   publishes are all nacked for [`fleet::amqp::RENEW_AFTER`] with their queues far below any
+//!   bound is replaced by a fresh one ([`Session::note_publishes`]).
 //! * Park queues are declared on channels of their own, and the set this session declared is
 //!   kept by the park module ([`crate::park::Queues`]).
 //!
@@ -27,8 +29,10 @@ pub struct Session {
     pub names: Names,
     /// The connection of the session (loops open their own channels on it).
     pub conn: Arc<lapin::Connection>,
-    /// The publishing confirm channel: publishes only, never a declare.
-    pub publisher: fleet::amqp::Publisher,
+    /// The publishing confirm channel: publishes only, never a declare ([`Session::publisher`]).
+    publisher: std::sync::RwLock<fleet::amqp::Publisher>,
+    /// Replaces `publisher` when it is stuck nacking ([`Session::note_publishes`]).
+    renewal: fleet::amqp::Renewal,
 }
 
 impl Session {
@@ -46,7 +50,43 @@ impl Session {
             store,
             names,
             conn,
-            publisher,
+            publisher: std::sync::RwLock::new(publisher),
+            renewal: fleet::amqp::Renewal::default(),
+        }
+    }
+
+    /// The channel to publish on now (a clone: cheap, and it shares the channel's order lock).
+    pub fn publisher(&self) -> fleet::amqp::Publisher {
+        match self.publisher.read() {
+            Ok(p) => p.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// Reports a batch's publishes: `taken` confirmed, `refused` nacked by queues that have no
+    /// bound to be at (group queues, `<ns>.delayed`, the tiers, the dead letters: every target
+    /// of the session's publishes but the park queues). A batch with refusals and none taken
+    /// continues a spell; once a spell has lasted [`fleet::amqp::RENEW_AFTER`] the session
+    /// publishes on a fresh channel ([`fleet::amqp::Renewal`], as the API does for
+    /// submissions): after a node loss a channel can stay stuck nacking every publish to a
+    /// queue whose new leader takes a fresh channel's publishes (issue 37 item 3). Not
+    /// renewing leaves the loops in their refusal backoff for as long as the channel lives.
+    pub async fn note_publishes(&self, taken: usize, refused: usize) {
+        if refused == 0 {
+            if taken > 0 {
+                self.renewal.taken();
+            }
+            return;
+        }
+        if taken > 0 || !self.renewal.refused() {
+            return;
+        }
+        match self.renewal.renew(&self.conn, "dispatch").await {
+            Ok(p) => match self.publisher.write() {
+                Ok(mut slot) => *slot = p,
+                Err(poisoned) => *poisoned.into_inner() = p,
+            },
+            Err(e) => tracing::warn!(error = %e, "cannot open a fresh dispatch publishing channel"),
         }
     }
 }

@@ -60,7 +60,7 @@ impl Dispatcher {
                     props,
                 })
             });
-        let mut written = amqp::publish_batch(&self.session.publisher, msgs)
+        let mut written = amqp::publish_batch(&self.session.publisher(), msgs)
             .await
             .into_iter();
         let sent: Vec<Sent> = plans
@@ -90,10 +90,16 @@ impl Dispatcher {
         let mut unreserve = Vec::new();
         let mut acks: Vec<&Item> = Vec::new();
         let mut tally = Tally::default();
+        // Publishes confirmed, and nacked by a queue with no bound to be at (all but the park
+        // queues): the session renews a channel stuck nacking (`Session::note_publishes`).
+        let (mut taken, mut nacked) = (0usize, 0usize);
         for (item, r) in items.iter().zip(results) {
             match (r, &item.fate) {
                 (_, Some(Fate::Hold)) => {}
                 (Ok(()), Some(f)) => {
+                    if !matches!(f, Fate::Duplicate) {
+                        taken += 1;
+                    }
                     tally.count(f, item, source);
                     if matches!(f, Fate::Dispatch(_)) {
                         out.routed += 1;
@@ -108,6 +114,8 @@ impl Dispatcher {
                     }
                     if matches!(f, Some(Fate::Park(_))) {
                         out.park_full = true;
+                    } else if amqp::is_nack(&e) {
+                        nacked += 1;
                     }
                     out.failed += 1;
                     tracing::warn!(error = %e, "publish not confirmed; requeueing the source message");
@@ -127,6 +135,7 @@ impl Dispatcher {
             }
         }
         tally.flush();
+        self.session.note_publishes(taken, nacked).await;
         if let Err(e) = self.session.store.unreserve(&unreserve).await {
             tracing::warn!(error = %e, "cannot give back reservations (their leases will expire)");
         }
