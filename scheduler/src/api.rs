@@ -180,7 +180,7 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
         }
     };
     if refused.is_empty() {
-        st.renewal.taken();
+        st.renewal.taken(INGRESS);
         return (StatusCode::ACCEPTED, Json(json!({"ids": accepted}))).into_response();
     }
     // The broker nacked: a nack carries no reason, and a quorum queue mid-election nacks too
@@ -228,11 +228,14 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
     )
 }
 
+/// The API's one publishing target for [`amqp::Renewal`]: the ingress queues.
+const INGRESS: &str = "ingress";
+
 /// Opens a fresh publishing channel for the API once submissions have been nacked below the
 /// ingress bound for [`amqp::RENEW_AFTER`] ([`amqp::Renewal`]). A channel that cannot be
 /// opened leaves the old one (logged); the session's next start replaces both.
 async fn renew_if_stuck(st: &AppState) {
-    if !st.renewal.refused() {
+    if !st.renewal.refused(INGRESS) {
         return;
     }
     let Some(conn) = st.connection.read().await.clone() else {

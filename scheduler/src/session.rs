@@ -63,22 +63,28 @@ impl Session {
         }
     }
 
-    /// Reports a batch's publishes: `taken` confirmed, `refused` nacked by queues that have no
-    /// bound to be at (group queues, `<ns>.delayed`, the tiers, the dead letters: every target
-    /// of the session's publishes but the park queues). A batch with refusals and none taken
-    /// continues a spell; once a spell has lasted [`fleet::amqp::RENEW_AFTER`] the session
-    /// publishes on a fresh channel ([`fleet::amqp::Renewal`], as the API does for
-    /// submissions): after a node loss a channel can stay stuck nacking every publish to a
-    /// queue whose new leader takes a fresh channel's publishes (issue 37 item 3). Not
-    /// renewing leaves the loops in their refusal backoff for as long as the channel lives.
-    pub async fn note_publishes(&self, taken: usize, refused: usize) {
-        if refused == 0 {
+    /// Reports a batch's publishes per target (`exchange/key`): `(target, taken, refused)`,
+    /// `taken` confirmed, `refused` nacked by a queue with no bound to be at (group queues,
+    /// `<ns>.delayed`, the tiers, the dead letters: every target of the session's publishes
+    /// but the park queues). A target with refusals and none taken continues its spell; once a
+    /// spell has lasted [`fleet::amqp::RENEW_AFTER`] the session publishes on a fresh channel
+    /// ([`fleet::amqp::Renewal`], as the API does for submissions): after a node loss a
+    /// channel can stay stuck nacking every publish to a queue whose new leader takes a fresh
+    /// channel's publishes (issue 37 item 3). Not renewing leaves the loops in their refusal
+    /// backoff for as long as the channel lives.
+    pub async fn note_publishes<'a>(
+        &self,
+        batch: impl IntoIterator<Item = (&'a str, usize, usize)>,
+    ) {
+        let mut renew = false;
+        for (target, taken, refused) in batch {
             if taken > 0 {
-                self.renewal.taken();
+                self.renewal.taken(target);
+            } else if refused > 0 && self.renewal.refused(target) {
+                renew = true;
             }
-            return;
         }
-        if taken > 0 || !self.renewal.refused() {
+        if !renew {
             return;
         }
         match self.renewal.renew(&self.conn, "dispatch").await {

@@ -164,7 +164,8 @@ impl TierLoop {
                 }
             }
             // `<ns>.delayed` has no bound: a channel stuck nacking it is renewed.
-            s.note_publishes(taken, nacked).await;
+            s.note_publishes([(format!("{exchange}/{key}").as_str(), taken, nacked)])
+                .await;
             if refused > 0 && !s.publisher().status().connected() {
                 return Err(fleet::Error::Other(
                     "the dispatch publisher channel is closed".into(),

@@ -185,17 +185,21 @@ pub async fn confirm_channel(conn: &Connection) -> Result<Publisher> {
 pub const RENEW_AFTER: Duration = Duration::from_secs(2);
 
 /// Replaces a publishing channel stuck nacking (issue 37 item 3): its user reports each
-/// publish (or batch) as taken ([`Renewal::taken`]) or nacked while the queue was nowhere near
-/// its bound ([`Renewal::refused`]); once refusals have lasted [`RENEW_AFTER`] with none taken,
-/// `refused` says so and [`Renewal::renew`] opens the fresh channel the user then publishes
-/// on. A spell that goes on renews once per [`RENEW_AFTER`], and each renewal closes the
-/// channel the previous one opened: one spare channel at a time, not one per renewal. The
-/// channel the user started with is never closed here (others may publish on it; it goes with
-/// its connection). Shared by the scheduler's API (submissions) and its dispatcher.
+/// publish (or batch) to a target queue as taken ([`Renewal::taken`]) or nacked while that
+/// queue was nowhere near its bound ([`Renewal::refused`]); once one target's refusals have
+/// lasted [`RENEW_AFTER`] with none of its publishes taken, `refused` says so and
+/// [`Renewal::renew`] opens the fresh channel the user then publishes on. Spells are kept per
+/// target: a channel can be stuck for one queue (whose leader moved) while it publishes to
+/// others, and their confirms must not hide it. A spell that goes on renews once per
+/// [`RENEW_AFTER`], and each renewal closes the channel the previous one opened: one spare
+/// channel at a time, not one per renewal. The channel the user started with is never closed
+/// here (others may publish on it; it goes with its connection). Shared by the scheduler's API
+/// (submissions) and its dispatcher.
 #[derive(Debug, Default)]
 pub struct Renewal {
-    /// Since when every report has been a refusal (`None`: the last was taken).
-    since: std::sync::Mutex<Option<std::time::Instant>>,
+    /// Since when every report for a target has been a refusal (no entry: its last publish
+    /// was taken, or none was refused).
+    since: std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>,
     /// The last channel [`Renewal::renew`] opened.
     opened: tokio::sync::Mutex<Option<Publisher>>,
 }
@@ -209,33 +213,33 @@ impl std::fmt::Debug for Publisher {
 }
 
 impl Renewal {
-    /// A publish was taken: the spell of refusals (if any) ends.
-    pub fn taken(&self) {
+    /// A publish to `target` was taken: its spell of refusals (if any) ends.
+    pub fn taken(&self, target: &str) {
         if let Ok(mut since) = self.since.lock() {
-            *since = None;
+            since.remove(target);
         }
     }
 
-    /// A publish was nacked with its queue nowhere near its bound. `true` when refusals, none
-    /// taken between, have lasted [`RENEW_AFTER`]: the caller renews its channel (the spell
-    /// starts again from now).
-    pub fn refused(&self) -> bool {
-        self.refused_at(std::time::Instant::now())
+    /// A publish to `target` was nacked with the queue nowhere near its bound. `true` when
+    /// its refusals, none taken between, have lasted [`RENEW_AFTER`]: the caller renews its
+    /// channel (the spell starts again from now).
+    pub fn refused(&self, target: &str) -> bool {
+        self.refused_at(target, std::time::Instant::now())
     }
 
     /// [`Renewal::refused`] at `now`.
-    pub fn refused_at(&self, now: std::time::Instant) -> bool {
+    pub fn refused_at(&self, target: &str, now: std::time::Instant) -> bool {
         let Ok(mut since) = self.since.lock() else {
             return false;
         };
-        match *since {
-            Some(t) if now.saturating_duration_since(t) >= RENEW_AFTER => {
-                *since = Some(now);
+        match since.get_mut(target) {
+            Some(t) if now.saturating_duration_since(*t) >= RENEW_AFTER => {
+                *t = now;
                 true
             }
             Some(_) => false,
             None => {
-                *since = Some(now);
+                since.insert(target.to_string(), now);
                 false
             }
         }
@@ -252,7 +256,7 @@ impl Renewal {
         tracing::warn!(
             user,
             after_s = RENEW_AFTER.as_secs(),
-            "every publish nacked with its queue far below any bound: publishing on a fresh channel"
+            "publishes to a queue far below any bound nacked for 2 s: publishing on a fresh channel"
         );
         metrics::counter!(crate::metrics::PUBLISHER_RENEWALS, "user" => user).increment(1);
         if let Some(old) = self.opened.lock().await.replace(p.clone()) {
@@ -477,6 +481,29 @@ pub async fn publish_confirmed(
 #[cfg(test)]
 mod tests {
     use super::NackCause;
+
+    #[test]
+    fn a_target_refused_for_renew_after_with_none_taken_renews() {
+        use super::{Renewal, RENEW_AFTER};
+        use std::time::{Duration, Instant};
+        let r = Renewal::default();
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        // A spell starts, and renews once it has lasted RENEW_AFTER; then it starts again.
+        assert!(!r.refused_at("q1", at(0)));
+        assert!(!r.refused_at("q1", at(1_999)));
+        assert!(r.refused_at("q1", at(2_000)));
+        assert!(!r.refused_at("q1", at(3_000)));
+        assert!(r.refused_at("q1", at(4_000)));
+        // Another target's confirms do not end q1's spell; q1's own do.
+        r.taken("q2");
+        assert!(r.refused_at("q1", at(6_000)));
+        r.taken("q1");
+        assert!(!r.refused_at("q1", at(6_000) + RENEW_AFTER));
+        // Spells are per target.
+        assert!(!r.refused_at("q2", at(10_000)));
+        assert!(r.refused_at("q1", at(10_000)));
+    }
 
     #[test]
     fn a_nack_is_a_full_queue_only_near_its_bound() {

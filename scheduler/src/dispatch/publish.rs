@@ -76,6 +76,11 @@ impl Dispatcher {
                 Some(None) => Sent::Failed(fleet::Error::Other("publish not sent".into())),
             })
             .collect();
+        // Each item's target (`exchange/key`), for `Session::note_publishes`.
+        let targets: Vec<Option<String>> = plans
+            .iter()
+            .map(|p| p.as_ref().map(|p| format!("{}/{}", p.exchange, p.key)))
+            .collect();
         drop(plans);
         // 2. Wait for all confirms.
         let results = join_all(sent.into_iter().map(|s| async move {
@@ -92,13 +97,14 @@ impl Dispatcher {
         let mut tally = Tally::default();
         // Publishes confirmed, and nacked by a queue with no bound to be at (all but the park
         // queues): the session renews a channel stuck nacking (`Session::note_publishes`).
-        let (mut taken, mut nacked) = (0usize, 0usize);
-        for (item, r) in items.iter().zip(results) {
+        let mut reports: HashMap<&str, (usize, usize)> = HashMap::new();
+        for ((item, r), target) in items.iter().zip(results).zip(&targets) {
+            let report = target.as_deref().map(|t| reports.entry(t).or_default());
             match (r, &item.fate) {
                 (_, Some(Fate::Hold)) => {}
                 (Ok(()), Some(f)) => {
-                    if !matches!(f, Fate::Duplicate) {
-                        taken += 1;
+                    if let Some(rep) = report {
+                        rep.0 += 1;
                     }
                     tally.count(f, item, source);
                     if matches!(f, Fate::Dispatch(_)) {
@@ -114,8 +120,8 @@ impl Dispatcher {
                     }
                     if matches!(f, Some(Fate::Park(_))) {
                         out.park_full = true;
-                    } else if amqp::is_nack(&e) {
-                        nacked += 1;
+                    } else if let Some(rep) = report.filter(|_| amqp::is_nack(&e)) {
+                        rep.1 += 1;
                     }
                     out.failed += 1;
                     tracing::warn!(error = %e, "publish not confirmed; requeueing the source message");
@@ -135,7 +141,9 @@ impl Dispatcher {
             }
         }
         tally.flush();
-        self.session.note_publishes(taken, nacked).await;
+        self.session
+            .note_publishes(reports.iter().map(|(t, (ok, no))| (*t, *ok, *no)))
+            .await;
         if let Err(e) = self.session.store.unreserve(&unreserve).await {
             tracing::warn!(error = %e, "cannot give back reservations (their leases will expire)");
         }

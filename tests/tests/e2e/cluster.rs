@@ -510,7 +510,11 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
         let n = stream
             .accepted_at
             .lock()
-            .map(|a| a.iter().filter(|t| **t >= from && **t < from + WINDOW).count())
+            .map(|a| {
+                a.iter()
+                    .filter(|t| **t >= from && **t < from + WINDOW)
+                    .count()
+            })
             .unwrap_or(0);
         // Each 202 answers one tick's batch (a tenth of a second's rate, more after refusals).
         (n as u64 * HIGH / 10) as f64 / WINDOW.as_secs_f64()
@@ -579,7 +583,12 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
             );
             let replicas = redis_cli(*new_master, &["info", "replication"])
                 .lines()
-                .find_map(|l| l.trim().strip_prefix("connected_slaves:")?.parse::<u32>().ok());
+                .find_map(|l| {
+                    l.trim()
+                        .strip_prefix("connected_slaves:")?
+                        .parse::<u32>()
+                        .ok()
+                });
             eprintln!(
                 "the new master's replicas: {replicas:?}; the old master (port {old_master}) answers PING: {:?}",
                 redis_cli(old_master, &["ping"]).trim()
@@ -591,7 +600,9 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
             (0.0, None)
         }
     };
-    stream.rate.store(RATE, std::sync::atomic::Ordering::Relaxed);
+    stream
+        .rate
+        .store(RATE, std::sync::atomic::Ordering::Relaxed);
     eprintln!("after the Redis master kill: {back_redis:?}");
     if back_redis.is_err() {
         eprintln!("the namespace's queues now:\n{}", cluster.queues(&name));
@@ -1039,10 +1050,11 @@ fn next_victim(
 #[test]
 fn the_next_victim_covers_the_delay_path() {
     let path: Vec<String> = ["d", "h1", "h2", "h3", "h4"].map(String::from).to_vec();
-    let mut leaders: HashMap<String, usize> = [("d", 2), ("h1", 1), ("h2", 3), ("h3", 3), ("h4", 2)]
-        .into_iter()
-        .map(|(q, n)| (q.to_string(), n))
-        .collect();
+    let mut leaders: HashMap<String, usize> =
+        [("d", 2), ("h1", 1), ("h2", 3), ("h3", 3), ("h4", 2)]
+            .into_iter()
+            .map(|(q, n)| (q.to_string(), n))
+            .collect();
     let mut hit = BTreeSet::new();
     // The delayed queue's leader first.
     assert_eq!(next_victim(&path, &leaders, &hit), Some(2));
@@ -1100,8 +1112,7 @@ async fn a_kill_of_the_delayed_leader_strands_no_delayed_work() -> Result<()> {
     let names = Names::new(&name);
     let store = Store::new(&redis, names.clone())?;
     let tls = fleet::tls::TlsConfig::default();
-    let conn =
-        fleet::endpoints::connect_any(&amqp, "fleet-tests cluster-delayed", &tls).await?;
+    let conn = fleet::endpoints::connect_any(&amqp, "fleet-tests cluster-delayed", &tls).await?;
     let publisher = fleet::amqp::confirm_channel(&conn).await?;
     let base = vec![
         ("namespace".to_string(), name.clone()),
@@ -1258,9 +1269,8 @@ async fn a_kill_of_the_delayed_leader_strands_no_delayed_work() -> Result<()> {
         };
         // Lateness past due + failover: delayed tasks against their not_before; retries
         // against their first run + the 1 s backoff cap.
-        let late = |at: Instant, due: Instant| {
-            at.saturating_duration_since(due.max(killed_at + failover))
-        };
+        let late =
+            |at: Instant, due: Instant| at.saturating_duration_since(due.max(killed_at + failover));
         let delayed_late: Vec<Duration> = delayed_ids
             .iter()
             .filter_map(|id| first(id, 1).map(|at| late(at, due_at)))
@@ -1359,7 +1369,10 @@ async fn a_kill_of_the_delayed_leader_strands_no_delayed_work() -> Result<()> {
     // delay path): nothing may stay stranded, whichever queues the killed node led.
     for (k, r) in rounds.iter().enumerate() {
         let k = k + 1;
-        assert!(r.done, "round {k}: delayed work stranded after the kill: {r:?}");
+        assert!(
+            r.done,
+            "round {k}: delayed work stranded after the kill: {r:?}"
+        );
         assert_eq!(r.delayed_run, DELAYED, "round {k}");
         assert_eq!(r.retries_run, FAILING, "round {k}");
         assert!(
