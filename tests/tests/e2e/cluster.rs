@@ -668,7 +668,7 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
         },
     )
     .await
-    .context("confirmed tasks lost")?;
+    .context("confirmed tasks lost, or still queued behind a fleet running below the offered rate (see the rates above)")?;
     // Their statuses (Redis's part): a status written to the old master in the moment before
     // it died and not yet replicated is lost with it (Redis replication is asynchronous).
     let count_states = || async {
