@@ -10,13 +10,15 @@
 #   ops/cluster.sh down [DIR]    stop every process started by `up` (by the pids it recorded)
 #                                and delete DIR
 #   ops/cluster.sh kill-node N [DIR]   kill -9 RabbitMQ node N (1-3)
+#   ops/cluster.sh start-node N [DIR]  start killed node N again (it rejoins the cluster)
 #   ops/cluster.sh kill-redis-master [DIR]   kill -9 the Redis server that is master now
 #   ops/cluster.sh ctl DIR ARGS...     rabbitmqctl ARGS against the first running node
 #
 # DIR defaults to /tmp/fleet-cluster. DIR/cluster.env holds shell assignments:
 #   FLEET_CLUSTER_AMQP_URL   the three nodes as a FLEET_AMQP_URL list
 #   FLEET_CLUSTER_REDIS_URL  redis+sentinel://… for FLEET_REDIS_URL
-#   NODE<i>_NAME, NODE<i>_PORT, NODE<i>_PID    RabbitMQ node i (1-3)
+#   NODE<i>_NAME, NODE<i>_PORT, NODE<i>_DIST, NODE<i>_PID   RabbitMQ node i (1-3; DIST:
+#                                              its Erlang distribution port)
 #   REDIS<i>_PORT, REDIS<i>_PID                Redis 1 (first master) and 2 (first replica)
 #   SENTINEL<i>_PORT, SENTINEL<i>_PID          the Sentinels (1-3)
 #   MASTER_NAME                                the master's name in Sentinel
@@ -30,10 +32,10 @@ set -euo pipefail
 cmd=${1:-}
 case "$cmd" in
     up | down | status) DIR=${2:-/tmp/fleet-cluster} ;;
-    kill-node) N=${2:?node number}; DIR=${3:-/tmp/fleet-cluster} ;;
+    kill-node | start-node) N=${2:?node number}; DIR=${3:-/tmp/fleet-cluster} ;;
     kill-redis-master) DIR=${2:-/tmp/fleet-cluster} ;;
     ctl) DIR=${2:?dir}; shift 2 ;;
-    *) sed -n '2,28p' "$0"; exit 2 ;;
+    *) sed -n '2,30p' "$0"; exit 2 ;;
 esac
 
 MASTER_NAME=fleetmaster
@@ -84,6 +86,60 @@ redis_role() {
     redis-cli -p "$1" role 2>/dev/null | head -1
 }
 
+# The nodes inherit this shell's open-file limit: fleet's queue counts need far more than the
+# usual 1024 (docs/scaling.md; ops/services.sh does the same for the shared broker).
+raise_nofile() {
+    local nofile="${RABBITMQ_NOFILE:-65536}" hard
+    hard=$(ulimit -H -n)
+    if [ "$hard" != unlimited ] && [ "$hard" -lt "$nofile" ]; then
+        ulimit -H -n "$nofile" 2>/dev/null || true
+        hard=$(ulimit -H -n)
+        if [ "$hard" != unlimited ] && [ "$hard" -lt "$nofile" ]; then nofile=$hard; fi
+    fi
+    ulimit -S -n "$nofile"
+}
+
+# Starts RabbitMQ node I (name, AMQP port, distribution port) in the background, its files
+# under $DIR/nI (written by `up`).
+launch_node() {
+    local i=$1 name=$2 port=$3 dist=$4 d="$DIR/n$1"
+    as_rabbitmq \
+        RABBITMQ_CONF_ENV_FILE="$DIR/rabbitmq-env.conf" \
+        RABBITMQ_NODENAME="$name" \
+        RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
+        RABBITMQ_NODE_PORT="$port" \
+        RABBITMQ_DIST_PORT="$dist" \
+        RABBITMQ_MNESIA_BASE="$d/mnesia" \
+        RABBITMQ_LOG_BASE="$d/log" \
+        RABBITMQ_CONFIG_FILE="$d/rabbitmq.conf" \
+        RABBITMQ_ADVANCED_CONFIG_FILE="$d/advanced.config" \
+        RABBITMQ_ENABLED_PLUGINS_FILE="$DIR/enabled_plugins" \
+        RABBITMQ_PID_FILE="$d/pid" \
+        RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}" \
+        setsid "$RMQ/rabbitmq-server" >>"$d/stdout.log" 2>&1 </dev/null &
+}
+
+# Starts killed node N again with its name, ports and data: it rejoins the cluster (its quorum
+# members catch up from the leaders). Waits until it runs; NODE<N>_PID is updated.
+start_node() {
+    load_env
+    local name_var="NODE${N}_NAME" port_var="NODE${N}_PORT" dist_var="NODE${N}_DIST" pid_var="NODE${N}_PID"
+    if kill -0 "${!pid_var}" 2>/dev/null; then
+        echo "ops/cluster.sh: node $N is running (pid ${!pid_var})" >&2
+        exit 1
+    fi
+    # The killed VM's children and its epmd registration go with it; wait (bounded) until
+    # its distribution port is free again.
+    timeout 30 bash -c "while ss -ltn 'sport = :${!dist_var}' | grep -q LISTEN; do sleep 0.2; done" || true
+    raise_nofile
+    rm -f "$DIR/n$N/pid"
+    launch_node "$N" "${!name_var}" "${!port_var}" "${!dist_var}"
+    timeout 120 bash -c "until [ -s '$DIR/n$N/pid' ]; do sleep 0.5; done" || { echo "node $N wrote no pid file; see $DIR/n$N" >&2; exit 1; }
+    ctl "${!name_var}" wait --timeout 120 "$DIR/n$N/pid"
+    sed -i "s/^NODE${N}_PID=.*/NODE${N}_PID=$(cat "$DIR/n$N/pid")/" "$DIR/cluster.env"
+    echo "started RabbitMQ node $N again"
+}
+
 up() {
     if [ -f "$DIR/cluster.env" ]; then
         echo "ops/cluster.sh: $DIR already holds a cluster (run down first)" >&2
@@ -99,16 +155,7 @@ up() {
     tag=$(od -An -N4 -tx4 /dev/urandom | tr -d ' ')
     # An env file of our own: the package's /etc/rabbitmq/rabbitmq-env.conf names the shared node.
     printf 'ERL_EPMD_ADDRESS=127.0.0.1\n' >"$DIR/rabbitmq-env.conf"
-    # The nodes inherit this shell's open-file limit: fleet's queue counts need far more than
-    # the usual 1024 (docs/scaling.md; ops/services.sh does the same for the shared broker).
-    local nofile="${RABBITMQ_NOFILE:-65536}" hard
-    hard=$(ulimit -H -n)
-    if [ "$hard" != unlimited ] && [ "$hard" -lt "$nofile" ]; then
-        ulimit -H -n "$nofile" 2>/dev/null || true
-        hard=$(ulimit -H -n)
-        if [ "$hard" != unlimited ] && [ "$hard" -lt "$nofile" ]; then nofile=$hard; fi
-    fi
-    ulimit -S -n "$nofile"
+    raise_nofile
     printf '[].\n' >"$DIR/enabled_plugins"
     : >"$DIR/cluster.env"
     local urls=()
@@ -128,23 +175,11 @@ EOF
         # Fleet's broker settings beyond rabbitmq.conf (dead-letter re-send after 5 s, not 180 s).
         cp "$HERE/rabbitmq/advanced.config" "$d/advanced.config"
         chown -R rabbitmq:rabbitmq "$d" "$DIR/rabbitmq-env.conf" "$DIR/enabled_plugins"
-        as_rabbitmq \
-            RABBITMQ_CONF_ENV_FILE="$DIR/rabbitmq-env.conf" \
-            RABBITMQ_NODENAME="$name" \
-            RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
-            RABBITMQ_NODE_PORT="$port" \
-            RABBITMQ_DIST_PORT="$dist" \
-            RABBITMQ_MNESIA_BASE="$d/mnesia" \
-            RABBITMQ_LOG_BASE="$d/log" \
-            RABBITMQ_CONFIG_FILE="$d/rabbitmq.conf" \
-            RABBITMQ_ADVANCED_CONFIG_FILE="$d/advanced.config" \
-            RABBITMQ_ENABLED_PLUGINS_FILE="$DIR/enabled_plugins" \
-            RABBITMQ_PID_FILE="$d/pid" \
-            RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}" \
-            setsid "$RMQ/rabbitmq-server" >"$d/stdout.log" 2>&1 </dev/null &
+        launch_node "$i" "$name" "$port" "$dist"
         {
             echo "NODE${i}_NAME=$name"
             echo "NODE${i}_PORT=$port"
+            echo "NODE${i}_DIST=$dist"
         } >>"$DIR/cluster.env"
         urls+=("amqp://guest:guest@127.0.0.1:$port/%2f")
     done
@@ -262,6 +297,7 @@ case "$cmd" in
             echo "redis $i (${!local_port_var}): $(redis_role "${!local_port_var}")"
         done
         ;;
+    start-node) start_node ;;
     kill-node)
         load_env
         pid_var="NODE${N}_PID"

@@ -59,21 +59,10 @@ pub struct AppState {
     /// One dead-queue reader at a time: a listing holds the letters it reads until it ends,
     /// and a replay running beside it would not see them.
     pub dead_reader: Arc<tokio::sync::Semaphore>,
-    /// Since when every submission has been nacked below the ingress bound (`None`: the last
-    /// was taken): see [`RENEW_AFTER`].
-    pub unavailable_since: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
-    /// The last publishing channel the API opened itself ([`RENEW_AFTER`]): closed when the
-    /// next replaces it, so a long spell opens one channel at a time, not one per renewal.
-    pub renewed: Arc<tokio::sync::Mutex<Option<fleet::broker::amqp::Publisher>>>,
+    /// Renews the API's publishing channel after [`amqp::RENEW_AFTER`] of submissions nacked
+    /// below the ingress bound ([`amqp::Renewal`], the dispatcher's mechanism too).
+    pub renewal: Arc<amqp::Renewal>,
 }
-
-/// How long a spell of `broker_unavailable` nacks (below the ingress bound) lasts before the
-/// API opens a fresh publishing channel. Seen after the scheduler's node died: a channel the
-/// scheduler opened on a surviving node while the ingress queue's leader was being elected
-/// had every publish nacked for minutes (150 s and counting in one CI run, 20 s in the issue's
-/// runs), while a connection opened before the kill published to the same queue unhindered
-/// (issue 37 item 3) — the stuck state is the channel's, not the queue's.
-pub const RENEW_AFTER: Duration = Duration::from_secs(2);
 
 /// The API routes, each behind its role when tokens are configured ([`fleet::settings`]): submit
 /// needs `submit`; status, workers, groups, pressure, series and dead-letter reads need `read`;
@@ -194,9 +183,7 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
         }
     };
     if refused.is_empty() {
-        if let Ok(mut since) = st.unavailable_since.lock() {
-            *since = None;
-        }
+        st.renewal.taken(INGRESS);
         return (StatusCode::ACCEPTED, Json(json!({"ids": accepted}))).into_response();
     }
     // The broker nacked: a nack carries no reason, and a quorum queue mid-election nacks too
@@ -244,42 +231,21 @@ async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
     )
 }
 
+/// The API's one publishing target for [`amqp::Renewal`]: the ingress queues.
+const INGRESS: &str = "ingress";
+
 /// Opens a fresh publishing channel for the API once submissions have been nacked below the
-/// ingress bound for [`RENEW_AFTER`] (the spell then starts again). A channel that cannot be
+/// ingress bound for [`amqp::RENEW_AFTER`] ([`amqp::Renewal`]). A channel that cannot be
 /// opened leaves the old one (logged); the session's next start replaces both.
 async fn renew_if_stuck(st: &AppState) {
-    let now = std::time::Instant::now();
-    let stuck = match st.unavailable_since.lock() {
-        Ok(mut since) => match *since {
-            Some(t) if now.duration_since(t) >= RENEW_AFTER => {
-                *since = Some(now);
-                true
-            }
-            Some(_) => false,
-            None => {
-                *since = Some(now);
-                false
-            }
-        },
-        Err(_) => false,
-    };
-    if !stuck {
+    if !st.renewal.refused(INGRESS) {
         return;
     }
     let Some(conn) = st.connection.read().await.clone() else {
         return;
     };
-    match amqp::confirm_channel(&conn).await {
-        Ok(p) => {
-            tracing::warn!(
-                after_s = RENEW_AFTER.as_secs(),
-                "every submission nacked below the ingress bound: publishing on a fresh channel"
-            );
-            *st.publisher.write().await = Some(p.clone());
-            if let Some(old) = st.renewed.lock().await.replace(p) {
-                let _ = old.close(200, "renewed".into()).await;
-            }
-        }
+    match st.renewal.renew(&conn, "api").await {
+        Ok(p) => *st.publisher.write().await = Some(p),
         Err(e) => tracing::warn!(error = %e, "cannot open a fresh publishing channel"),
     }
 }

@@ -217,7 +217,7 @@ async fn handle(
     );
     let out = props.clone().with_headers(headers);
     if let Err(e) = amqp::publish_confirmed(
-        &s.publisher,
+        &s.publisher(),
         &s.names.tasks_exchange(),
         Names::DEAD_KEY,
         &delivery.data,

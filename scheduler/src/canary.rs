@@ -137,7 +137,7 @@ impl CanaryLoop {
                 );
                 // Not awaited for its confirm: a stuck path must not stall the loop reporting it.
                 if let Err(e) = amqp::publish(
-                    &self.session.publisher,
+                    &self.session.publisher(),
                     &exchange,
                     "",
                     b"{}",

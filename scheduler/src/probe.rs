@@ -93,7 +93,7 @@ async fn probe_one(s: Arc<Session>, board: ProbeBoard, group: String, shutdown: 
     env.max_attempts = Some(1);
     let started = Instant::now();
     let sent = amqp::publish_confirmed(
-        &s.publisher,
+        &s.publisher(),
         &s.names.tasks_exchange(),
         &s.names.group_key(&group, Lane::Critical),
         &env.to_bytes(),

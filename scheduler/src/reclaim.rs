@@ -408,7 +408,7 @@ async fn delete_unbound(s: &Session, q: &str, key: &str, park: bool) -> Result<G
             )
             .await?;
             match amqp::publish_confirmed(
-                &s.publisher,
+                &s.publisher(),
                 &tasks,
                 key,
                 &m.delivery.data,

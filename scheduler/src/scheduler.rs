@@ -79,8 +79,7 @@ pub async fn run(
         connection: connection.clone(),
         series: history.clone(),
         dead_reader: Arc::new(tokio::sync::Semaphore::new(1)),
-        unavailable_since: Arc::default(),
-        renewed: Arc::default(),
+        renewal: Arc::default(),
     };
     let board = schedule::Board::default();
     let sched_api = schedule::api::ScheduleApi {

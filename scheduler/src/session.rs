@@ -4,7 +4,9 @@
 //!
 //! * `publisher` is a confirm channel used only to publish (dispatch, orphan moves, probes,
 //!   the backstop's dead letters). Nothing is ever declared on it: a declare the broker refuses
-//!   closes its channel, which would fail every publish awaiting its confirm.
+//!   closes its channel, which would fail every publish awaiting its confirm. A channel whose
+//!   publishes are all nacked for [`fleet::broker::amqp::RENEW_AFTER`] with their queues far below any
+//!   bound is replaced by a fresh one ([`Session::note_publishes`]).
 //! * Park queues are declared on channels of their own, and the set this session declared is
 //!   kept by the park module ([`crate::park::Queues`]).
 //!
@@ -27,8 +29,10 @@ pub struct Session {
     pub names: Names,
     /// The connection of the session (loops open their own channels on it).
     pub conn: Arc<lapin::Connection>,
-    /// The publishing confirm channel: publishes only, never a declare.
-    pub publisher: fleet::broker::amqp::Publisher,
+    /// The publishing confirm channel: publishes only, never a declare ([`Session::publisher`]).
+    publisher: std::sync::RwLock<fleet::broker::amqp::Publisher>,
+    /// Replaces `publisher` when it is stuck nacking ([`Session::note_publishes`]).
+    renewal: fleet::broker::amqp::Renewal,
 }
 
 impl Session {
@@ -46,7 +50,49 @@ impl Session {
             store,
             names,
             conn,
-            publisher,
+            publisher: std::sync::RwLock::new(publisher),
+            renewal: fleet::broker::amqp::Renewal::default(),
+        }
+    }
+
+    /// The channel to publish on now (a clone: cheap, and it shares the channel's order lock).
+    pub fn publisher(&self) -> fleet::broker::amqp::Publisher {
+        match self.publisher.read() {
+            Ok(p) => p.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// Reports a batch's publishes per target (`exchange/key`): `(target, taken, refused)`,
+    /// `taken` confirmed, `refused` nacked by a queue with no bound to be at (group queues,
+    /// `<ns>.delayed`, the tiers, the dead letters: every target of the session's publishes
+    /// but the park queues). A target with refusals and none taken continues its spell; once a
+    /// spell has lasted [`fleet::broker::amqp::RENEW_AFTER`] the session publishes on a fresh channel
+    /// ([`fleet::broker::amqp::Renewal`], as the API does for submissions): after a node loss a
+    /// channel can stay stuck nacking every publish to a queue whose new leader takes a fresh
+    /// channel's publishes (issue 37 item 3). Not renewing leaves the loops in their refusal
+    /// backoff for as long as the channel lives.
+    pub async fn note_publishes<'a>(
+        &self,
+        batch: impl IntoIterator<Item = (&'a str, usize, usize)>,
+    ) {
+        let mut renew = false;
+        for (target, taken, refused) in batch {
+            if taken > 0 {
+                self.renewal.taken(target);
+            } else if refused > 0 && self.renewal.refused(target) {
+                renew = true;
+            }
+        }
+        if !renew {
+            return;
+        }
+        match self.renewal.renew(&self.conn, "dispatch").await {
+            Ok(p) => match self.publisher.write() {
+                Ok(mut slot) => *slot = p,
+                Err(poisoned) => *poisoned.into_inner() = p,
+            },
+            Err(e) => tracing::warn!(error = %e, "cannot open a fresh dispatch publishing channel"),
         }
     }
 }

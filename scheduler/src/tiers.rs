@@ -114,7 +114,7 @@ impl TierLoop {
                 continue;
             }
             let confirms = amqp::publish_batch(
-                &s.publisher,
+                &s.publisher(),
                 batch.iter().map(|h| amqp::Outgoing {
                     exchange: &exchange,
                     routing_key: key,
@@ -123,7 +123,7 @@ impl TierLoop {
                 }),
             )
             .await;
-            let mut refused = 0usize;
+            let (mut refused, mut taken, mut nacked) = (0usize, 0usize, 0usize);
             for (h, c) in batch.into_iter().zip(confirms) {
                 let ok = match c {
                     Ok(c) => match tokio::time::timeout(CONFIRM_WAIT, amqp::confirmed(c)).await {
@@ -135,8 +135,12 @@ impl TierLoop {
                     },
                     Err(e) => Err(e),
                 };
+                if let Err(e) = &ok {
+                    nacked += usize::from(amqp::is_nack(e));
+                }
                 match ok {
                     Ok(()) => {
+                        taken += 1;
                         h.delivery.acker.ack(BasicAckOptions::default()).await?;
                     }
                     Err(e) if h.since.elapsed() >= MAX_HOLD => {
@@ -159,7 +163,10 @@ impl TierLoop {
                     }
                 }
             }
-            if refused > 0 && !s.publisher.status().connected() {
+            // `<ns>.delayed` has no bound: a channel stuck nacking it is renewed.
+            s.note_publishes([(format!("{exchange}/{key}").as_str(), taken, nacked)])
+                .await;
+            if refused > 0 && !s.publisher().status().connected() {
                 return Err(fleet::Error::Other(
                     "the dispatch publisher channel is closed".into(),
                 ));

@@ -29,6 +29,10 @@ pub const TASKS_REFUSED: &str = "fleet_tasks_refused_total";
 /// Counter: HTTP submissions published again because their publisher confirm was lost with the
 /// connection (node loss); copies are dropped by the dedupe window.
 pub const TASKS_REPUBLISHED: &str = "fleet_tasks_republished_total";
+/// Counter: publishing channels opened afresh because every publish on the one before was nacked
+/// for 2 s with its queue far below any bound (a channel stuck after a quorum leader's
+/// election), by user (`api`, `dispatch`).
+pub const PUBLISHER_RENEWALS: &str = "fleet_publisher_renewals_total";
 /// Counter: Redis calls answered READONLY (a demoted master); each empties the connection pool so
 /// the next call reconnects (through Sentinel, to the new master).
 pub const REDIS_READ_ONLY: &str = "fleet_redis_read_only_total";
@@ -133,6 +137,7 @@ pub fn describe() {
         "Submissions refused to producers (HTTP 429/503), by reason."
     );
     describe_counter!(REDIS_MASTER_SWITCHES, "Sentinel `+switch-master` announcements for fleet's master heard by this process; each drops its Redis connections so the next call goes to the new master.");
+    describe_counter!(PUBLISHER_RENEWALS, "Publishing channels opened afresh because every publish on the one before was nacked for 2 s with its queue far below any bound, by user (api, dispatch).");
     describe_counter!(REDIS_READ_ONLY, "Redis calls answered READONLY (a demoted master); each empties the connection pool so the next call reconnects (through Sentinel, to the new master).");
     describe_counter!(TASKS_REPUBLISHED, "HTTP submissions published again because their publisher confirm was lost with the connection (node loss); copies are dropped by the dedupe window.");
     describe_histogram!(

@@ -91,7 +91,7 @@ impl Outcome {
     /// # Errors
     /// `Other` naming the publisher, when `failed > 0` and it is closed.
     pub fn check_publisher(&self, session: &Session) -> fleet::Result<()> {
-        if self.failed > 0 && !session.publisher.status().connected() {
+        if self.failed > 0 && !session.publisher().status().connected() {
             return Err(fleet::Error::Other(
                 "the dispatch publisher channel is closed".into(),
             ));

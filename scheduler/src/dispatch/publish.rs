@@ -60,7 +60,7 @@ impl Dispatcher {
                     props,
                 })
             });
-        let mut written = amqp::publish_batch(&self.session.publisher, msgs)
+        let mut written = amqp::publish_batch(&self.session.publisher(), msgs)
             .await
             .into_iter();
         let sent: Vec<Sent> = plans
@@ -76,6 +76,11 @@ impl Dispatcher {
                 Some(None) => Sent::Failed(fleet::Error::Other("publish not sent".into())),
             })
             .collect();
+        // Each item's target (`exchange/key`), for `Session::note_publishes`.
+        let targets: Vec<Option<String>> = plans
+            .iter()
+            .map(|p| p.as_ref().map(|p| format!("{}/{}", p.exchange, p.key)))
+            .collect();
         drop(plans);
         // 2. Wait for all confirms.
         let results = join_all(sent.into_iter().map(|s| async move {
@@ -90,10 +95,17 @@ impl Dispatcher {
         let mut unreserve = Vec::new();
         let mut acks: Vec<&Item> = Vec::new();
         let mut tally = Tally::default();
-        for (item, r) in items.iter().zip(results) {
+        // Publishes confirmed, and nacked by a queue with no bound to be at (all but the park
+        // queues): the session renews a channel stuck nacking (`Session::note_publishes`).
+        let mut reports: HashMap<&str, (usize, usize)> = HashMap::new();
+        for ((item, r), target) in items.iter().zip(results).zip(&targets) {
+            let report = target.as_deref().map(|t| reports.entry(t).or_default());
             match (r, &item.fate) {
                 (_, Some(Fate::Hold)) => {}
                 (Ok(()), Some(f)) => {
+                    if let Some(rep) = report {
+                        rep.0 += 1;
+                    }
                     tally.count(f, item, source);
                     if matches!(f, Fate::Dispatch(_)) {
                         out.routed += 1;
@@ -108,6 +120,8 @@ impl Dispatcher {
                     }
                     if matches!(f, Some(Fate::Park(_))) {
                         out.park_full = true;
+                    } else if let Some(rep) = report.filter(|_| amqp::is_nack(&e)) {
+                        rep.1 += 1;
                     }
                     out.failed += 1;
                     tracing::warn!(error = %e, "publish not confirmed; requeueing the source message");
@@ -127,6 +141,9 @@ impl Dispatcher {
             }
         }
         tally.flush();
+        self.session
+            .note_publishes(reports.iter().map(|(t, (ok, no))| (*t, *ok, *no)))
+            .await;
         if let Err(e) = self.session.store.unreserve(&unreserve).await {
             tracing::warn!(error = %e, "cannot give back reservations (their leases will expire)");
         }

@@ -176,6 +176,96 @@ pub async fn confirm_channel(conn: &Connection) -> Result<Publisher> {
     Ok(Publisher::new(ch))
 }
 
+/// How long a spell of publishes nacked with their queue nowhere near full lasts before
+/// [`Renewal`] opens a fresh publishing channel. Seen after the scheduler's node died: a
+/// channel opened on a surviving node while a quorum queue's leader was being elected had every
+/// publish nacked for minutes (150 s and counting in one CI run, 20 s in issue 37's runs), while
+/// a connection opened before the kill published to the same queue unhindered — the stuck
+/// state is the channel's, not the queue's.
+pub const RENEW_AFTER: Duration = Duration::from_secs(2);
+
+/// Replaces a publishing channel stuck nacking (issue 37 item 3): its user reports each
+/// publish (or batch) to a target queue as taken ([`Renewal::taken`]) or nacked while that
+/// queue was nowhere near its bound ([`Renewal::refused`]); once one target's refusals have
+/// lasted [`RENEW_AFTER`] with none of its publishes taken, `refused` says so and
+/// [`Renewal::renew`] opens the fresh channel the user then publishes on. Spells are kept per
+/// target: a channel can be stuck for one queue (whose leader moved) while it publishes to
+/// others, and their confirms must not hide it. A spell that goes on renews once per
+/// [`RENEW_AFTER`], and each renewal closes the channel the previous one opened: one spare
+/// channel at a time, not one per renewal. The channel the user started with is never closed
+/// here (others may publish on it; it goes with its connection). Shared by the scheduler's API
+/// (submissions) and its dispatcher.
+#[derive(Debug, Default)]
+pub struct Renewal {
+    /// Since when every report for a target has been a refusal (no entry: its last publish
+    /// was taken, or none was refused).
+    since: std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>,
+    /// The last channel [`Renewal::renew`] opened.
+    opened: tokio::sync::Mutex<Option<Publisher>>,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher")
+            .field("channel", &self.channel.id())
+            .finish()
+    }
+}
+
+impl Renewal {
+    /// A publish to `target` was taken: its spell of refusals (if any) ends.
+    pub fn taken(&self, target: &str) {
+        if let Ok(mut since) = self.since.lock() {
+            since.remove(target);
+        }
+    }
+
+    /// A publish to `target` was nacked with the queue nowhere near its bound. `true` when
+    /// its refusals, none taken between, have lasted [`RENEW_AFTER`]: the caller renews its
+    /// channel (the spell starts again from now).
+    pub fn refused(&self, target: &str) -> bool {
+        self.refused_at(target, std::time::Instant::now())
+    }
+
+    /// [`Renewal::refused`] at `now`.
+    pub fn refused_at(&self, target: &str, now: std::time::Instant) -> bool {
+        let Ok(mut since) = self.since.lock() else {
+            return false;
+        };
+        match since.get_mut(target) {
+            Some(t) if now.saturating_duration_since(*t) >= RENEW_AFTER => {
+                *t = now;
+                true
+            }
+            Some(_) => false,
+            None => {
+                since.insert(target.to_string(), now);
+                false
+            }
+        }
+    }
+
+    /// A fresh confirm channel on `conn`, for the caller to publish on from now; the channel
+    /// the previous renewal opened is closed. Counted in `fleet_publisher_renewals_total{user}`
+    /// and logged.
+    ///
+    /// # Errors
+    /// The channel cannot be opened (the caller keeps its old one).
+    pub async fn renew(&self, conn: &Connection, user: &'static str) -> Result<Publisher> {
+        let p = confirm_channel(conn).await?;
+        tracing::warn!(
+            user,
+            after_s = RENEW_AFTER.as_secs(),
+            "publishes to a queue far below any bound nacked for 2 s: publishing on a fresh channel"
+        );
+        metrics::counter!(crate::metrics::PUBLISHER_RENEWALS, "user" => user).increment(1);
+        if let Some(old) = self.opened.lock().await.replace(p.clone()) {
+            let _ = old.close(200, "renewed".into()).await;
+        }
+        Ok(p)
+    }
+}
+
 /// A header's value as text (long or short string, or an integer).
 pub fn header_text(props: &BasicProperties, name: &str) -> Option<String> {
     let h = props.headers().as_ref()?;
@@ -310,6 +400,11 @@ pub async fn confirmed(confirm: PublisherConfirm) -> Result<()> {
 /// tell the two apart asks the queue's depth: [`nack_cause`].
 pub const NACK_TEXT: &str = "nack (the queue is full, or has no leader now)";
 
+/// Whether `e` is a nacked publish ([`confirmed`]'s answer to a `basic.nack`).
+pub fn is_nack(e: &Error) -> bool {
+    matches!(e, Error::Refused(t) if t == NACK_TEXT)
+}
+
 /// Why the broker nacked a publish to a bounded queue, as its depth tells (see [`nack_cause`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NackCause {
@@ -386,6 +481,29 @@ pub async fn publish_confirmed(
 #[cfg(test)]
 mod tests {
     use super::NackCause;
+
+    #[test]
+    fn a_target_refused_for_renew_after_with_none_taken_renews() {
+        use super::{Renewal, RENEW_AFTER};
+        use std::time::{Duration, Instant};
+        let r = Renewal::default();
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        // A spell starts, and renews once it has lasted RENEW_AFTER; then it starts again.
+        assert!(!r.refused_at("q1", at(0)));
+        assert!(!r.refused_at("q1", at(1_999)));
+        assert!(r.refused_at("q1", at(2_000)));
+        assert!(!r.refused_at("q1", at(3_000)));
+        assert!(r.refused_at("q1", at(4_000)));
+        // Another target's confirms do not end q1's spell; q1's own do.
+        r.taken("q2");
+        assert!(r.refused_at("q1", at(6_000)));
+        r.taken("q1");
+        assert!(!r.refused_at("q1", at(6_000) + RENEW_AFTER));
+        // Spells are per target.
+        assert!(!r.refused_at("q2", at(10_000)));
+        assert!(r.refused_at("q1", at(10_000)));
+    }
 
     #[test]
     fn a_nack_is_a_full_queue_only_near_its_bound() {

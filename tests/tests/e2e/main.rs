@@ -57,6 +57,7 @@ mod poison;
 mod probes;
 mod producers;
 mod publish_order;
+mod publisher_renewal;
 mod readme_handlers;
 mod reclaim;
 mod reconnect;
