@@ -275,12 +275,14 @@ async fn delayed_and_retrying_tasks_cancelled_never_run_again() -> anyhow::Resul
     let ns = Ns::new().await?;
     let (runs, gate) = (Runs::default(), Gate::default());
     let sched = start_scheduler(&ns, SCHEDULER).await?;
-    // A retry waits 1.5 s at least (base = cap): time to cancel it while it is `retrying`.
+    // A retry waits 4 s (base = cap): time to cancel it while it is `retrying`, even on a
+    // loaded machine (with 1.5 s, a run beside a full build once saw the retry start before
+    // the cancel: the attempt's `retrying` record had come late).
     let settings = [
         WORKER,
         &[
-            ("retry_base_ms", "1500"),
-            ("retry_cap_ms", "1500"),
+            ("retry_base_ms", "4000"),
+            ("retry_cap_ms", "4000"),
             NO_EJECT,
         ][..],
     ]
@@ -313,8 +315,8 @@ async fn delayed_and_retrying_tasks_cancelled_never_run_again() -> anyhow::Resul
     }
     // Past the not_before and the backoff: both copies have come back and were dropped.
     scenario_pause(
-        Duration::from_secs(5),
-        "past the not_before (3 s) and the backoff (1.5 s)",
+        Duration::from_secs(6),
+        "past the not_before (3 s) and the backoff (4 s)",
     )
     .await;
     ns.wait_settled(Duration::from_secs(30)).await?;
