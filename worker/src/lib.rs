@@ -18,6 +18,7 @@
 //! * [`broker`] — the RabbitMQ connection (re-established on loss) and confirmed publishing.
 //! * [`stats`] — running tasks, totals and latency for the heartbeat.
 //! * [`api`] — `/status`, `/drain` and the common endpoints.
+//! * [`error`] — the worker's [`Error`]: why it could not start, why its drain was not clean.
 
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
@@ -28,6 +29,7 @@ pub mod broker;
 pub mod config;
 pub mod drain;
 pub mod eject;
+pub mod error;
 pub mod executor;
 pub mod heartbeat;
 pub mod lane;
@@ -40,5 +42,6 @@ pub mod stats;
 pub mod worker;
 
 pub use config::{ExecutorKind, WorkerConfig};
+pub use error::{Error, Result};
 pub use executor::{handler_fn, Handler, Handlers, TaskContext, TaskError};
 pub use worker::{Running, Worker, WorkerBuilder};
