@@ -16,7 +16,7 @@
 -- ordinal picks the shard queues it consumes); deregister, evict and a move out of `active`
 -- (set_state: draining, ejected) free it for the others (`hold_ordinal`).
 -- returns: a status word first (a normal reply, never an error reply read back by its text;
---          `fleet::registry::Registered` parses it): {'registered'}; {'duplicate', <ms>} when
+--          `RegisterAnswer` in worker.rs parses it): {'registered'}; {'duplicate', <ms>} when
 --          another instance heartbeated within the window (<ms> ago); {'reclaiming', <why>}
 --          while the group is being reclaimed (its queues are being deleted) or when the
 --          worker's queues were declared before the reclaim deleted them (within

@@ -13,7 +13,7 @@ use crate::task::Labels;
 
 /// What `register.lua` answers: its status word, then what goes with it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Registered {
+enum RegisterAnswer {
     /// `{'registered'}`: the worker is in the registry.
     Registered,
     /// `{'duplicate', ms}`: another instance holds the id and heartbeated `ms` ago.
@@ -26,7 +26,7 @@ enum Registered {
     Reclaiming(String),
 }
 
-impl Registered {
+impl RegisterAnswer {
     /// The answer in `v`.
     ///
     /// # Errors
@@ -45,12 +45,12 @@ impl Registered {
             .ok_or_else(bad)?;
         let second = items.get(1);
         match (word.as_str(), second) {
-            ("registered", None) => Ok(Registered::Registered),
+            ("registered", None) => Ok(RegisterAnswer::Registered),
             ("duplicate", Some(ms)) => redis::from_redis_value_ref::<i64>(ms)
-                .map(|heartbeat_ms_ago| Registered::Duplicate { heartbeat_ms_ago })
+                .map(|heartbeat_ms_ago| RegisterAnswer::Duplicate { heartbeat_ms_ago })
                 .map_err(|_| bad()),
             ("reclaiming", Some(why)) => redis::from_redis_value_ref::<String>(why)
-                .map(Registered::Reclaiming)
+                .map(RegisterAnswer::Reclaiming)
                 .map_err(|_| bad()),
             _ => Err(bad()),
         }
@@ -229,14 +229,14 @@ impl Store {
             .arg(r.kinds.wire())
             .arg(r.labels.pairs());
         let answer = self.invoke::<redis::Value>(&inv).await?;
-        match Registered::parse(&answer)? {
-            Registered::Registered => Ok(()),
-            Registered::Duplicate { heartbeat_ms_ago } => Err(Error::DuplicateWorker(format!(
+        match RegisterAnswer::parse(&answer)? {
+            RegisterAnswer::Registered => Ok(()),
+            RegisterAnswer::Duplicate { heartbeat_ms_ago } => Err(Error::DuplicateWorker(format!(
                 "worker id `{}` is already registered by a live worker (last heartbeat \
                  {heartbeat_ms_ago} ms ago)",
                 r.id
             ))),
-            Registered::Reclaiming(why) => {
+            RegisterAnswer::Reclaiming(why) => {
                 Err(Error::Reclaiming(format!("group `{}`: {why}", r.group())))
             }
         }
@@ -392,22 +392,22 @@ mod tests {
     #[test]
     fn register_answers_are_status_words() {
         assert_eq!(
-            Registered::parse(&words(vec![text("registered")])).unwrap(),
-            Registered::Registered
+            RegisterAnswer::parse(&words(vec![text("registered")])).unwrap(),
+            RegisterAnswer::Registered
         );
         assert_eq!(
-            Registered::parse(&words(vec![text("duplicate"), Value::Int(1234)])).unwrap(),
-            Registered::Duplicate {
+            RegisterAnswer::parse(&words(vec![text("duplicate"), Value::Int(1234)])).unwrap(),
+            RegisterAnswer::Duplicate {
                 heartbeat_ms_ago: 1234
             }
         );
         assert_eq!(
-            Registered::parse(&words(vec![
+            RegisterAnswer::parse(&words(vec![
                 text("reclaiming"),
                 text("the group is being reclaimed")
             ]))
             .unwrap(),
-            Registered::Reclaiming("the group is being reclaimed".into())
+            RegisterAnswer::Reclaiming("the group is being reclaimed".into())
         );
     }
 
@@ -425,7 +425,7 @@ mod tests {
         ] {
             assert!(
                 matches!(
-                    Registered::parse(&v),
+                    RegisterAnswer::parse(&v),
                     Err(Error::BadAnswer {
                         from: "register.lua",
                         ..
