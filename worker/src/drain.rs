@@ -271,8 +271,10 @@ pub struct Drain {
 
 impl Drain {
     /// The drain sequence (see the module docs), once a drain was requested. `Ok` after a clean
-    /// drain; an error when running tasks were returned to the broker (grace exceeded, forced)
-    /// or for a fatal conflict.
+    /// drain.
+    ///
+    /// # Errors
+    /// As [`crate::Running::drain`]: grace exceeded, forced, or a fatal conflict.
     pub async fn run(self, grace: Duration) -> crate::Result<()> {
         let Drain {
             control,

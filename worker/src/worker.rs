@@ -87,11 +87,17 @@ impl WorkerBuilder {
     }
 
     /// Builds and runs (see [`Worker::run`]).
+    ///
+    /// # Errors
+    /// As [`Worker::run`].
     pub async fn run(self, shutdown: CancellationToken) -> crate::Result<()> {
         self.build().run(shutdown).await
     }
 
     /// Builds and starts (see [`Worker::start`]).
+    ///
+    /// # Errors
+    /// As [`Worker::start`].
     pub async fn start(self, shutdown: CancellationToken) -> crate::Result<Option<Running>> {
         self.build().start(shutdown).await
     }
@@ -111,9 +117,11 @@ impl Worker {
     }
 
     /// Starts, waits for a drain to be requested, and drains with `drain_grace_ms`: cancelling
-    /// `shutdown` drains, like SIGTERM. `Ok` after a clean drain (or a stop during start-up);
-    /// an error for a start-up failure (unreachable config, duplicate id), a drain cut short
-    /// (grace exceeded, forced) or a fatal conflict.
+    /// `shutdown` drains, like SIGTERM. `Ok` after a clean drain (or a stop during start-up).
+    ///
+    /// # Errors
+    /// A start-up failure (as [`Worker::start`]) or a drain that was not clean (as
+    /// [`Running::drain`]).
     pub async fn run(self, shutdown: CancellationToken) -> crate::Result<()> {
         let grace = self.cfg.drain_grace;
         let Some(running) = self.start(shutdown).await? else {
@@ -126,8 +134,14 @@ impl Worker {
     /// Starts the worker: HTTP, RabbitMQ, registration, then every loop spawned on its stage
     /// (see [`crate::drain`]). Returns once it consumes, or `Ok(None)` when a drain was asked
     /// for during start-up (nothing is left running then). Cancelling `shutdown` later asks for
-    /// a drain, like `POST /drain`. Errors: a bad executor setting, an HTTP address that cannot
-    /// be bound, a permanent broker or Redis error, another live process holding the id.
+    /// a drain, like `POST /drain`.
+    ///
+    /// # Errors
+    /// [`Error::Executor`](crate::Error::Executor) for a bad executor setting;
+    /// [`Error::Fleet`](crate::Error::Fleet) for an HTTP address that cannot be bound
+    /// (`fleet::Error::Config`) or a permanent broker or Redis refusal
+    /// (`fleet::Error::Permanent`); [`Error::DuplicateId`](crate::Error::DuplicateId) when
+    /// another live process holds the id.
     pub async fn start(self, shutdown: CancellationToken) -> crate::Result<Option<Running>> {
         let span = tracing::info_span!("worker", worker = %self.cfg.worker_id);
         let drain = self.start_inner(shutdown).instrument(span.clone()).await?;
@@ -382,8 +396,12 @@ impl Running {
     }
 
     /// Drains as a lame duck (asking for it first if nobody did; see [`crate::drain`]), running
-    /// tasks getting `grace` to finish. `Ok` after a clean drain; an error when tasks were
-    /// returned to the broker (grace exceeded, the force token) or for a fatal conflict.
+    /// tasks getting `grace` to finish. `Ok` after a clean drain.
+    ///
+    /// # Errors
+    /// Running tasks returned to the broker: [`Error::GraceExceeded`](crate::Error::GraceExceeded)
+    /// or, for the force token, [`Error::Interrupted`](crate::Error::Interrupted); a fatal
+    /// conflict while it ran: [`Error::Fatal`](crate::Error::Fatal).
     pub async fn drain(self, grace: Duration) -> crate::Result<()> {
         self.drain.control.request_drain("drain requested");
         self.drain.run(grace).instrument(self.span).await
