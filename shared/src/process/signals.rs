@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -20,37 +21,56 @@ pub struct Signals {
     pub drain: CancellationToken,
     /// Cancelled at the second signal: stop now (the [`HARD_EXIT`] timer starts with it).
     pub force: CancellationToken,
-    listener: JoinHandle<()>,
+    tasks: [JoinHandle<()>; 2],
 }
 
 impl Signals {
-    /// Listens for SIGTERM and SIGINT on a spawned task (call it inside the runtime): the first
+    /// Listens for SIGTERM and SIGINT on spawned tasks (call it inside the runtime): the first
     /// cancels [`Signals::drain`], the second [`Signals::force`] and arms the hard exit.
     pub fn listen() -> Self {
         let drain = CancellationToken::new();
         let force = CancellationToken::new();
-        let listener = tokio::spawn(on_signals(drain.clone(), force.clone()));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let forward = tokio::spawn(async move { while signal().await && tx.send(()).is_ok() {} });
+        let answer = tokio::spawn(on_signals(rx, drain.clone(), force.clone(), hard_exit));
         Signals {
             drain,
             force,
-            listener,
+            tasks: [forward, answer],
         }
     }
 
-    /// Stops listening, once the daemon has ended by itself (a later signal then ends the
-    /// process as the runtime's default would, unless it is still handled elsewhere).
+    /// Stops listening, once the daemon has ended by itself.
     pub fn stop(self) {
-        self.listener.abort();
+        for t in self.tasks {
+            t.abort();
+        }
     }
 }
 
-async fn on_signals(drain: CancellationToken, force: CancellationToken) {
-    signal().await;
+/// What the signals arriving on `signals` do: the first cancels `drain`, the second `force`
+/// and calls `arm` (the hard exit; a test passes a probe).
+async fn on_signals(
+    mut signals: mpsc::UnboundedReceiver<()>,
+    drain: CancellationToken,
+    force: CancellationToken,
+    arm: impl FnOnce(),
+) {
+    if signals.recv().await.is_none() {
+        return;
+    }
     tracing::info!("signal received: draining (send another to stop at once)");
     drain.cancel();
-    signal().await;
+    if signals.recv().await.is_none() {
+        return;
+    }
     tracing::warn!("second signal: stopping now");
     force.cancel();
+    arm();
+}
+
+/// Ends the process [`HARD_EXIT`] from now (exit 1, the log flushed), from a plain thread.
+fn hard_exit() {
     std::thread::spawn(|| {
         std::thread::sleep(HARD_EXIT);
         crate::process::telemetry::flush();
@@ -58,18 +78,52 @@ async fn on_signals(drain: CancellationToken, force: CancellationToken) {
     });
 }
 
-/// The next SIGTERM or SIGINT (SIGINT alone where SIGTERM cannot be listened to).
-async fn signal() {
+/// The next SIGTERM or SIGINT (SIGINT alone where SIGTERM cannot be listened to); `false` when
+/// neither can be listened to.
+async fn signal() -> bool {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
         if let Ok(mut term) = signal(SignalKind::terminate()) {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-            return;
+            return tokio::select! {
+                r = term.recv() => r.is_some(),
+                r = tokio::signal::ctrl_c() => r.is_ok(),
+            };
         }
     }
-    let _ = tokio::signal::ctrl_c().await;
+    tokio::signal::ctrl_c().await.is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_first_signal_drains_the_second_forces() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (drain, force) = (CancellationToken::new(), CancellationToken::new());
+        let armed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let probe = armed.clone();
+        let task = tokio::spawn(on_signals(rx, drain.clone(), force.clone(), move || {
+            probe.store(true, std::sync::atomic::Ordering::SeqCst)
+        }));
+        tx.send(()).unwrap();
+        drain.cancelled().await;
+        tokio::task::yield_now().await;
+        assert!(!force.is_cancelled());
+        assert!(!armed.load(std::sync::atomic::Ordering::SeqCst));
+        tx.send(()).unwrap();
+        task.await.unwrap();
+        assert!(force.is_cancelled());
+        assert!(armed.load(std::sync::atomic::Ordering::SeqCst));
+    }
+
+    #[tokio::test]
+    async fn no_signal_no_drain() {
+        let (tx, rx) = mpsc::unbounded_channel::<()>();
+        let (drain, force) = (CancellationToken::new(), CancellationToken::new());
+        drop(tx);
+        on_signals(rx, drain.clone(), force.clone(), || {}).await;
+        assert!(!drain.is_cancelled() && !force.is_cancelled());
+    }
 }
