@@ -74,7 +74,7 @@ impl Backstop {
                         }
                     }
                     Some(Err(e)) => break Err(e.into()),
-                    None => break Err(fleet::Error::Other(format!("consumer of {queue} ended"))),
+                    None => break Err(fleet::Error::ConsumerEnded { queue: queue.to_string() }),
                 },
             }
         };

@@ -133,10 +133,9 @@ impl IngressLoop {
                 Some(Ok(d)) => d,
                 Some(Err(e)) => return Err(e.into()),
                 None => {
-                    return Err(fleet::Error::Other(format!(
-                        "consumer of {} ended",
-                        self.queue
-                    )))
+                    return Err(fleet::Error::ConsumerEnded {
+                        queue: self.queue.to_string(),
+                    })
                 }
             };
             let mut batch = vec![first];

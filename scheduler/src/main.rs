@@ -1,4 +1,7 @@
-//! `fleet-scheduler`: read the config once, serve, run until SIGTERM/SIGINT.
+//! `fleet-scheduler`: read the config once, serve, run until SIGTERM/SIGINT; a second signal
+//! ends the stop at once, and the process exits within [`fleet::process::HARD_EXIT`] of it
+//! whatever state RabbitMQ and Redis are in (the signals as the worker's:
+//! [`fleet::process::Signals`]).
 //!
 //! Exit codes: 0 after a clean stop (and for `--help` / `--version`, which start nothing);
 //! 2 for a bad setting (including an unreadable `FLEET_CONFIG` file) or a permanent broker
@@ -7,9 +10,9 @@
 
 use std::process::ExitCode;
 
+use fleet::process::Signals;
 use fleet::settings::Settings;
 use fleet::settings::{Early, SchedulerArgs};
-use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -35,31 +38,11 @@ async fn main() -> ExitCode {
         Err(e) => return fleet::error::report("fleet-scheduler", &e.into()),
     };
     tracing::info!(addr = %cfg.common.http_addr, namespace = %cfg.common.namespace, "fleet-scheduler starting");
-    let shutdown = CancellationToken::new();
-    let sd = shutdown.clone();
-    let signals = tokio::spawn(async move {
-        wait_for_signal().await;
-        tracing::info!("signal received; shutting down");
-        sd.cancel();
-    });
-    let result = fleet_scheduler::run(cfg, listener, shutdown).await;
-    signals.abort();
+    let signals = Signals::listen();
+    let result = tokio::select! {
+        r = fleet_scheduler::run(cfg, listener, signals.drain.clone()) => r,
+        _ = signals.force.cancelled() => Err(anyhow::anyhow!("stop interrupted by a second signal")),
+    };
+    signals.stop();
     fleet::error::finish("fleet-scheduler", result)
-}
-
-async fn wait_for_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        if let Ok(mut term) =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        {
-            tokio::select! {
-                _ = ctrl_c => {}
-                _ = term.recv() => {}
-            }
-            return;
-        }
-    }
-    let _ = ctrl_c.await;
 }

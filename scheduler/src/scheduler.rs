@@ -432,6 +432,6 @@ async fn session(
     if shutdown.is_cancelled() {
         Ok(())
     } else {
-        Err(fleet::Error::Other("session ended".into()))
+        Err(fleet::Error::SessionEnded)
     }
 }

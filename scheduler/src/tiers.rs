@@ -92,7 +92,7 @@ impl TierLoop {
                     let d = match d {
                         Some(Ok(d)) => d,
                         Some(Err(e)) => return Err(e.into()),
-                        None => return Err(fleet::Error::Other(format!("consumer of {queue} ended"))),
+                        None => return Err(fleet::Error::ConsumerEnded { queue: queue.to_string() }),
                     };
                     let due = due_at(delay::hop_due(&d.properties), now, self.tier);
                     seq += 1;
@@ -128,10 +128,10 @@ impl TierLoop {
                 let ok = match c {
                     Ok(c) => match tokio::time::timeout(CONFIRM_WAIT, amqp::confirmed(c)).await {
                         Ok(r) => r,
-                        Err(_) => Err(fleet::Error::Other(format!(
-                            "no confirm within {} s",
-                            CONFIRM_WAIT.as_secs()
-                        ))),
+                        Err(_) => Err(fleet::Error::Timeout {
+                            what: "RabbitMQ's confirm of a forward".into(),
+                            after: CONFIRM_WAIT,
+                        }),
                     },
                     Err(e) => Err(e),
                 };
@@ -167,9 +167,7 @@ impl TierLoop {
             s.note_publishes([(format!("{exchange}/{key}").as_str(), taken, nacked)])
                 .await;
             if refused > 0 && !s.publisher().status().connected() {
-                return Err(fleet::Error::Other(
-                    "the dispatch publisher channel is closed".into(),
-                ));
+                return Err(fleet::Error::ChannelClosed { what: "dispatch" });
             }
             // Warned once per spell of refusals, not per try.
             match (refused > 0, refusing) {

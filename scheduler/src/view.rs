@@ -146,7 +146,7 @@ impl ViewRx {
             _ = shutdown.cancelled() => Ok(None),
             r = self.0.wait_for(|v| v.as_deref().is_some_and(&fresh)) => match r {
                 Ok(v) => Ok(v.clone()),
-                Err(_) => Err(fleet::Error::Other("the fleet view loop ended".into())),
+                Err(_) => Err(fleet::Error::LoopEnded { name: "fleet view" }),
             },
         }
     }

@@ -37,9 +37,52 @@ pub enum Error {
     /// lease, `fleet::broker::dead::ReaderLease`).
     #[error("busy: {0}")]
     Busy(String),
-    /// Anything else, described.
-    #[error("{0}")]
-    Other(String),
+    /// Something did not answer within its limit: a Redis call ([`CALL_TIMEOUT`]), a RabbitMQ
+    /// connection attempt or publisher confirm, a stream replay. Transient: retried.
+    ///
+    /// [`CALL_TIMEOUT`]: crate::redis::CALL_TIMEOUT
+    #[error("{what}: no answer within {after:?}")]
+    Timeout {
+        /// What was waited for ("a Redis call", "RabbitMQ at amqp://host (…)"; secrets hidden).
+        what: String,
+        /// The limit that ran out.
+        after: std::time::Duration,
+    },
+    /// No RabbitMQ connection at the moment (it is being re-established).
+    #[error("not connected to RabbitMQ")]
+    NotConnected,
+    /// A publishing channel is closed while its connection may stay up (the broker closed it
+    /// alone, e.g. a 404 on a deleted exchange): every later publish on it would fail too.
+    #[error("{what}: the publishing channel is closed")]
+    ChannelClosed {
+        /// Whose channel ("dispatch", "schedules").
+        what: &'static str,
+    },
+    /// A consumer's stream of deliveries ended (its channel or connection closed).
+    #[error("consumer of {queue} ended")]
+    ConsumerEnded {
+        /// The queue (or stream) it consumed.
+        queue: String,
+    },
+    /// A long-lived loop another one depends on has ended (the session is ending).
+    #[error("the {name} loop ended")]
+    LoopEnded {
+        /// The loop ("fleet view").
+        name: &'static str,
+    },
+    /// A broker session ended without a shutdown being asked for (its connection was lost or
+    /// a loop failed): the caller opens a new one.
+    #[error("session ended")]
+    SessionEnded,
+    /// A script or call answered in a shape it never should (a bug or a version mismatch
+    /// between the Rust and the Lua).
+    #[error("{from} answered unexpectedly: {detail}")]
+    BadAnswer {
+        /// The script or call ("start.lua").
+        from: &'static str,
+        /// What it answered, or what was missing.
+        detail: String,
+    },
     /// A broker or Redis error no retry can fix (login refused, unknown vhost, a queue that
     /// exists with other arguments): reported once, naming the setting; the binaries exit 2.
     #[error("{setting}: {message}")]

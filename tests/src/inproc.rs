@@ -165,7 +165,7 @@ pub async fn spawn_worker(id: &str, builder: fleet_worker::WorkerBuilder) -> Res
         .force_shutdown(force.clone());
     let shutdown = CancellationToken::new();
     let sd = shutdown.clone();
-    let join = tokio::spawn(async move { b.run(sd).await });
+    let join = tokio::spawn(async move { Ok(b.run(sd).await?) });
     // 40 s, as for a scheduler (a node that never answers may cost CONNECT_TIMEOUT first).
     match tokio::time::timeout(Duration::from_secs(40), rx).await {
         Ok(Ok(_)) => {}

@@ -234,9 +234,7 @@ impl Broker {
                 return Ok(ch.clone());
             }
         }
-        let conn = self
-            .current()
-            .ok_or_else(|| fleet::Error::Other("not connected to RabbitMQ".into()))?;
+        let conn = self.current().ok_or(fleet::Error::NotConnected)?;
         let ch = fleet::broker::amqp::confirm_channel(&conn).await?;
         *slot = Some(ch.clone());
         Ok(ch)
@@ -247,7 +245,7 @@ impl Broker {
     ///
     /// # Errors
     /// The publish refused (nack, unroutable), the channel lost, or no confirm within
-    /// [`CONFIRM_WAIT`] (`Other`): a broker that blocks publishing (a memory or disk alarm) or
+    /// [`CONFIRM_WAIT`] ([`fleet::Error::Timeout`]): a broker that blocks publishing (a memory or disk alarm) or
     /// a channel whose connection died without failing its pending confirms would otherwise
     /// hold the attempt — its delivery, its lane slot and its `running` count — forever.
     pub async fn publish(
@@ -263,10 +261,10 @@ impl Broker {
         };
         match tokio::time::timeout(CONFIRM_WAIT, publish).await {
             Ok(r) => r,
-            Err(_) => Err(fleet::Error::Other(format!(
-                "RabbitMQ did not confirm the publish within {} s",
-                CONFIRM_WAIT.as_secs()
-            ))),
+            Err(_) => Err(fleet::Error::Timeout {
+                what: "RabbitMQ's confirm of a publish".into(),
+                after: CONFIRM_WAIT,
+            }),
         }
     }
 
@@ -307,9 +305,7 @@ impl Broker {
     }
 
     pub async fn redeclare(&self) -> fleet::Result<()> {
-        let conn = self
-            .current()
-            .ok_or_else(|| fleet::Error::Other("not connected to RabbitMQ".into()))?;
+        let conn = self.current().ok_or(fleet::Error::NotConnected)?;
         self.declare(&conn).await
     }
 }

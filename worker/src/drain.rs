@@ -45,7 +45,6 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::anyhow;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -272,9 +271,11 @@ pub struct Drain {
 
 impl Drain {
     /// The drain sequence (see the module docs), once a drain was requested. `Ok` after a clean
-    /// drain; an error when running tasks were returned to the broker (grace exceeded, forced)
-    /// or for a fatal conflict.
-    pub async fn run(self, grace: Duration) -> anyhow::Result<()> {
+    /// drain.
+    ///
+    /// # Errors
+    /// As [`crate::Running::drain`]: grace exceeded, forced, or a fatal conflict.
+    pub async fn run(self, grace: Duration) -> crate::Result<()> {
         let Drain {
             control,
             stages,
@@ -314,18 +315,13 @@ impl Drain {
         stages.serve.stop_within(STEP_LIMIT).await;
 
         match (fatal, finish) {
-            (Some(f), _) => Err(anyhow!(f)),
+            (Some(f), _) => Err(crate::Error::Fatal(f)),
             (None, Finish::Clean) => {
                 tracing::info!("drained");
                 Ok(())
             }
-            (None, Finish::GraceExceeded) => Err(anyhow!(
-                "drain grace of {} ms exceeded: {left} running task(s) returned to the broker",
-                grace.as_millis()
-            )),
-            (None, Finish::Forced) => Err(anyhow!(
-                "drain interrupted: {left} running task(s) returned to the broker"
-            )),
+            (None, Finish::GraceExceeded) => Err(crate::Error::GraceExceeded { grace, left }),
+            (None, Finish::Forced) => Err(crate::Error::Interrupted { left }),
         }
     }
 }

@@ -18,6 +18,7 @@
 //! * [`broker`] — the RabbitMQ connection (re-established on loss) and confirmed publishing.
 //! * [`stats`] — running tasks, totals and latency for the heartbeat.
 //! * [`api`] — `/status`, `/drain` and the common endpoints.
+//! * [`error`] — the worker's [`Error`]: why it could not start, why its drain was not clean.
 
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
@@ -29,6 +30,7 @@ pub mod cancel;
 pub mod config;
 pub mod drain;
 pub mod eject;
+pub mod error;
 pub mod executor;
 pub mod heartbeat;
 pub mod lane;
@@ -41,5 +43,6 @@ pub mod stats;
 pub mod worker;
 
 pub use config::{ExecutorKind, WorkerConfig};
+pub use error::{Error, Result};
 pub use executor::{handler_fn, Handler, Handlers, TaskContext, TaskError};
 pub use worker::{Running, Worker, WorkerBuilder};

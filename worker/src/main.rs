@@ -1,22 +1,18 @@
 //! `fleet-worker`: read the settings once, run the worker, drain on SIGTERM/SIGINT; a second
-//! signal ends the drain at once, and the process exits within [`HARD_EXIT`] of it whatever
-//! state RabbitMQ and Redis are in.
+//! signal ends the drain at once, and the process exits within [`fleet::process::HARD_EXIT`]
+//! of it whatever state RabbitMQ and Redis are in (the signals as the scheduler's:
+//! [`fleet::process::Signals`]).
 //!
 //! Exit codes: 0 after a clean drain (and for `--help` / `--version`, which start nothing);
 //! 2 for a bad setting or a permanent broker / Redis error (login refused, unknown vhost, a
 //! queue that exists with other arguments); 1 for anything else (a drain cut short).
 
 use std::process::ExitCode;
-use std::time::Duration;
 
-use tokio_util::sync::CancellationToken;
-
+use fleet::process::Signals;
 use fleet::settings::Settings;
 use fleet::settings::{Early, WorkerArgs};
 use fleet_worker::{Worker, WorkerConfig};
-
-/// After a second signal the process ends within this time even if something is stuck.
-const HARD_EXIT: Duration = Duration::from_secs(10);
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -39,13 +35,11 @@ async fn main() -> ExitCode {
 
     // Build → start → drain (linkerd2-proxy's `main.rs`): the first signal asks for the drain
     // (as `POST /drain` or the scheduler's drain request do), the second one forces it.
-    let shutdown = CancellationToken::new();
-    let force = CancellationToken::new();
-    let signals = tokio::spawn(on_signals(shutdown.clone(), force.clone()));
+    let signals = Signals::listen();
     let grace = cfg.drain_grace;
     let result = match Worker::builder(cfg)
-        .force_shutdown(force)
-        .start(shutdown)
+        .force_shutdown(signals.force.clone())
+        .start(signals.drain.clone())
         .await
     {
         Ok(Some(running)) => {
@@ -55,45 +49,15 @@ async fn main() -> ExitCode {
         Ok(None) => Ok(()),
         Err(e) => Err(e),
     };
-    signals.abort();
-    fleet::error::finish("fleet-worker", result)
+    signals.stop();
+    fleet::error::finish("fleet-worker", result.map_err(edge))
 }
 
-/// First signal: drain. Second: stop now — and if the worker has not returned within
-/// [`HARD_EXIT`] (a call stuck on a dead server), end the process from a plain thread, which
-/// needs nothing from the async runtime.
-async fn on_signals(shutdown: CancellationToken, force: CancellationToken) {
-    signal().await;
-    tracing::info!("signal received: draining (send another to stop at once)");
-    shutdown.cancel();
-    signal().await;
-    tracing::warn!("second signal: stopping now");
-    force.cancel();
-    std::thread::spawn(|| {
-        std::thread::sleep(HARD_EXIT);
-        fleet::process::telemetry::flush();
-        std::process::exit(1);
-    });
-}
-
-async fn signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+/// A worker's error at the binary's edge: a library error stays itself, so its exit code
+/// (2 for a bad setting or a permanent refusal) is read from it ([`fleet::error::exit_code`]).
+fn edge(e: fleet_worker::Error) -> anyhow::Error {
+    match e {
+        fleet_worker::Error::Fleet(e) => e.into(),
+        e => e.into(),
     }
 }

@@ -17,7 +17,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{anyhow, Context as _};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
@@ -88,12 +87,18 @@ impl WorkerBuilder {
     }
 
     /// Builds and runs (see [`Worker::run`]).
-    pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+    ///
+    /// # Errors
+    /// As [`Worker::run`].
+    pub async fn run(self, shutdown: CancellationToken) -> crate::Result<()> {
         self.build().run(shutdown).await
     }
 
     /// Builds and starts (see [`Worker::start`]).
-    pub async fn start(self, shutdown: CancellationToken) -> anyhow::Result<Option<Running>> {
+    ///
+    /// # Errors
+    /// As [`Worker::start`].
+    pub async fn start(self, shutdown: CancellationToken) -> crate::Result<Option<Running>> {
         self.build().start(shutdown).await
     }
 }
@@ -112,10 +117,12 @@ impl Worker {
     }
 
     /// Starts, waits for a drain to be requested, and drains with `drain_grace_ms`: cancelling
-    /// `shutdown` drains, like SIGTERM. `Ok` after a clean drain (or a stop during start-up);
-    /// an error for a start-up failure (unreachable config, duplicate id), a drain cut short
-    /// (grace exceeded, forced) or a fatal conflict.
-    pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+    /// `shutdown` drains, like SIGTERM. `Ok` after a clean drain (or a stop during start-up).
+    ///
+    /// # Errors
+    /// A start-up failure (as [`Worker::start`]) or a drain that was not clean (as
+    /// [`Running::drain`]).
+    pub async fn run(self, shutdown: CancellationToken) -> crate::Result<()> {
         let grace = self.cfg.drain_grace;
         let Some(running) = self.start(shutdown).await? else {
             return Ok(());
@@ -127,15 +134,21 @@ impl Worker {
     /// Starts the worker: HTTP, RabbitMQ, registration, then every loop spawned on its stage
     /// (see [`crate::drain`]). Returns once it consumes, or `Ok(None)` when a drain was asked
     /// for during start-up (nothing is left running then). Cancelling `shutdown` later asks for
-    /// a drain, like `POST /drain`. Errors: a bad executor setting, an HTTP address that cannot
-    /// be bound, a permanent broker or Redis error, another live process holding the id.
-    pub async fn start(self, shutdown: CancellationToken) -> anyhow::Result<Option<Running>> {
+    /// a drain, like `POST /drain`.
+    ///
+    /// # Errors
+    /// [`Error::Executor`](crate::Error::Executor) for a bad executor setting;
+    /// [`Error::Fleet`](crate::Error::Fleet) for an HTTP address that cannot be bound
+    /// (`fleet::Error::Config`) or a permanent broker or Redis refusal
+    /// (`fleet::Error::Permanent`); [`Error::DuplicateId`](crate::Error::DuplicateId) when
+    /// another live process holds the id.
+    pub async fn start(self, shutdown: CancellationToken) -> crate::Result<Option<Running>> {
         let span = tracing::info_span!("worker", worker = %self.cfg.worker_id);
         let drain = self.start_inner(shutdown).instrument(span.clone()).await?;
         Ok(drain.map(|drain| Running { span, drain }))
     }
 
-    async fn start_inner(self, shutdown: CancellationToken) -> anyhow::Result<Option<Drain>> {
+    async fn start_inner(self, shutdown: CancellationToken) -> crate::Result<Option<Drain>> {
         let Worker {
             cfg,
             custom,
@@ -144,8 +157,11 @@ impl Worker {
             force,
         } = self;
         let group = cfg.group();
-        let handlers = Handlers::for_config(&cfg, custom)
-            .map_err(|e| anyhow!("executor {}: {e}", cfg.executor.as_str()))?;
+        let handlers =
+            Handlers::for_config(&cfg, custom).map_err(|message| crate::Error::Executor {
+                executor: cfg.executor.as_str(),
+                message,
+            })?;
         let prom = fleet::metrics::install();
         metrics::describe_counter!(
             crate::ledger::LEDGER_DROPPED,
@@ -164,7 +180,7 @@ impl Worker {
             Some(l) => l,
             None => fleet::http::bind(&cfg.common.http_addr).await?,
         };
-        let http_addr = listener.local_addr().context("http listener address")?;
+        let http_addr = listener.local_addr().map_err(crate::Error::Listener)?;
         let identity = api::Identity {
             worker_id: cfg.worker_id.clone(),
             group: group.clone(),
@@ -210,7 +226,7 @@ impl Worker {
             broker.close("shutdown during start-up").await;
             stages.all.stop().await;
             if let Some(e) = broker.take_permanent() {
-                return Err(anyhow!(e));
+                return Err(e.into());
             }
             tracing::info!("stopped before start-up completed");
             return Ok(None);
@@ -241,9 +257,11 @@ impl Worker {
             Ok(true) => None,
             Ok(false) => Some(("shutdown during start-up", None)),
             Err(crate::registry::RegisterError::Permanent(p)) => {
-                Some(("start-up failed", Some(anyhow!(p))))
+                Some(("start-up failed", Some(crate::Error::Fleet(p))))
             }
-            Err(e) => Some(("start-up failed", Some(anyhow!(e)))),
+            Err(crate::registry::RegisterError::Duplicate(m)) => {
+                Some(("start-up failed", Some(crate::Error::DuplicateId(m))))
+            }
         };
         if let Some((why, error)) = failed {
             broker.close(why).await;
@@ -392,9 +410,13 @@ impl Running {
     }
 
     /// Drains as a lame duck (asking for it first if nobody did; see [`crate::drain`]), running
-    /// tasks getting `grace` to finish. `Ok` after a clean drain; an error when tasks were
-    /// returned to the broker (grace exceeded, the force token) or for a fatal conflict.
-    pub async fn drain(self, grace: Duration) -> anyhow::Result<()> {
+    /// tasks getting `grace` to finish. `Ok` after a clean drain.
+    ///
+    /// # Errors
+    /// Running tasks returned to the broker: [`Error::GraceExceeded`](crate::Error::GraceExceeded)
+    /// or, for the force token, [`Error::Interrupted`](crate::Error::Interrupted); a fatal
+    /// conflict while it ran: [`Error::Fatal`](crate::Error::Fatal).
+    pub async fn drain(self, grace: Duration) -> crate::Result<()> {
         self.drain.control.request_drain("drain requested");
         self.drain.run(grace).instrument(self.span).await
     }

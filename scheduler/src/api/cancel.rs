@@ -104,7 +104,7 @@ async fn cancel(
     let rec = Record::cancel(&id, &reason, &by, st.store.clock.now_ms());
     let appended = match st.publisher.read().await.as_ref() {
         Some(p) => control::append(p, &st.store.names, &rec).await,
-        None => Err(fleet::Error::Other("no broker connection".into())),
+        None => Err(fleet::Error::NotConnected),
     };
     if let Err(e) = appended {
         return error(

@@ -89,12 +89,10 @@ impl Outcome {
     /// session, which opens a new publisher.
     ///
     /// # Errors
-    /// `Other` naming the publisher, when `failed > 0` and it is closed.
+    /// [`fleet::Error::ChannelClosed`] naming the publisher, when `failed > 0` and it is closed.
     pub fn check_publisher(&self, session: &Session) -> fleet::Result<()> {
         if self.failed > 0 && !session.publisher().status().connected() {
-            return Err(fleet::Error::Other(
-                "the dispatch publisher channel is closed".into(),
-            ));
+            return Err(fleet::Error::ChannelClosed { what: "dispatch" });
         }
         Ok(())
     }

@@ -73,7 +73,10 @@ impl Dispatcher {
                     tracing::warn!(error = %e, "publish failed");
                     Sent::Failed(e)
                 }
-                Some(None) => Sent::Failed(fleet::Error::Other("publish not sent".into())),
+                Some(None) => Sent::Failed(fleet::Error::BadAnswer {
+                    from: "publish_batch",
+                    detail: "no result for this publish".into(),
+                }),
             })
             .collect();
         // Each item's target (`exchange/key`), for `Session::note_publishes`.

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use fleet::redis::Failure;
 use fleet::route::{Reservation, ReserveRequest, TaskDescription};
 use fleet::{metrics as m, Lane};
 use tokio_util::sync::CancellationToken;
@@ -119,7 +120,8 @@ impl Dispatcher {
     }
 
     /// One reservation call for the batch, retried (same token) while Redis is unreachable.
-    /// A script that fails on the batch (not a connection problem) is retried task by task, so
+    /// A script that fails on the batch ([`Failure::Script`]: not a connection problem, a
+    /// read-only replica or a refused write, which are retried whole) is retried task by task, so
     /// one bad task never decides the fate of the others: the one that still fails alone is
     /// answered [`Reservation::Failed`] (dead-lettered `internal_error`). The batch token
     /// keeps the marks a failed call left behind from reading as duplicates. `None` once
@@ -145,7 +147,7 @@ impl Dispatcher {
                     want = reqs.len(),
                     "reserve returned a wrong count"
                 ),
-                Err(fleet::Error::Redis(e)) if is_script_error(&e) => {
+                Err(fleet::Error::Redis(e)) if Failure::of_redis(&e) == Failure::Script => {
                     metrics::counter!(m::REDIS_ERRORS).increment(1);
                     tracing::error!(error = %e, tasks = reqs.len(), "reserve script failed on a batch; retrying task by task");
                     let mut out = Vec::with_capacity(reqs.len());
@@ -159,7 +161,9 @@ impl Dispatcher {
                                 .await
                             {
                                 Ok(mut a) if a.len() == 1 => a.remove(0),
-                                Err(fleet::Error::Redis(e)) if is_script_error(&e) => {
+                                Err(fleet::Error::Redis(e))
+                                    if Failure::of_redis(&e) == Failure::Script =>
+                                {
                                     Reservation::Failed(e.to_string())
                                 }
                                 // Redis went away meanwhile: the whole batch again, later.
@@ -226,14 +230,4 @@ impl Dispatcher {
             }
         }
     }
-}
-
-/// A script that ran and failed (as opposed to a connection that failed): retrying the same
-/// input would fail the same way.
-fn is_script_error(e: &deadpool_redis::redis::RedisError) -> bool {
-    !(e.is_io_error()
-        || e.is_connection_dropped()
-        || e.is_connection_refusal()
-        || e.is_timeout()
-        || e.is_unrecoverable_error())
 }

@@ -73,9 +73,9 @@ impl Release {
                 tracing::info!(queue = %queue, "park queue deleted: its group was reclaimed");
                 Ok(())
             }
-            Ended::ConsumerCancelled => {
-                Err(fleet::Error::Other(format!("consumer of {queue} ended")))
-            }
+            Ended::ConsumerCancelled => Err(fleet::Error::ConsumerEnded {
+                queue: queue.to_string(),
+            }),
             // Only this loop ends: discovery starts it again on its next pass (the group is
             // still in the view), on a fresh channel.
             Ended::ChannelClosed => {

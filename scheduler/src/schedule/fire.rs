@@ -318,9 +318,7 @@ impl Firing {
             }
         }
         if !self.publisher.status().connected() {
-            return Err(fleet::Error::Other(
-                "schedules: publisher channel closed".into(),
-            ));
+            return Err(fleet::Error::ChannelClosed { what: "schedules" });
         }
         Ok(())
     }

@@ -332,9 +332,10 @@ pub async fn open(
     match tokio::time::timeout(LOAD_TIMEOUT, replay).await {
         Ok(r) => r?,
         Err(_) => {
-            return Err(fleet::Error::Other(
-                "schedules stream: own sync marker not read back within 30 s".into(),
-            ))
+            return Err(fleet::Error::Timeout {
+                what: "the schedules stream: this replica's own sync marker, read back".into(),
+                after: LOAD_TIMEOUT,
+            })
         }
     }
     tracing::info!(schedules = defs.len(), "schedule definitions loaded");
@@ -354,9 +355,9 @@ async fn next(consumer: &mut lapin::Consumer) -> fleet::Result<Option<Record>> {
         Some(Ok(d)) => d,
         Some(Err(e)) => return Err(e.into()),
         None => {
-            return Err(fleet::Error::Other(
-                "schedules stream consumer ended".into(),
-            ))
+            return Err(fleet::Error::ConsumerEnded {
+                queue: "the schedules stream".into(),
+            })
         }
     };
     let rec = serde_json::from_slice::<Record>(&delivery.data);

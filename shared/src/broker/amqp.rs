@@ -36,7 +36,7 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 /// says why (for example `invalid peer certificate: UnknownIssuer` for a wrong CA).
 ///
 /// # Errors
-/// [`Error::Other`] (transient: retried by [`connect_retrying`]) when the attempt takes longer
+/// [`Error::Timeout`] (transient: retried by [`connect_retrying`]) when the attempt takes longer
 /// than [`CONNECT_TIMEOUT`]. The abandoned attempt's socket and lapin I/O thread stay until
 /// the peer closes the socket or the TCP connection fails: at once for a node that comes back
 /// (it finishes the handshake, then closes), after the node's own handshake timeout for a
@@ -57,11 +57,13 @@ pub async fn connect_with(url: &str, name: &str, tls: &TlsConfig) -> Result<Conn
     };
     match tokio::time::timeout(CONNECT_TIMEOUT, attempt).await {
         Ok(conn) => conn.map_err(|e| classify(e, "FLEET_AMQP_URL", url)),
-        Err(_) => Err(Error::Other(format!(
-            "no answer from RabbitMQ at {} within {} s (TCP, TLS and the AMQP handshake)",
-            crate::process::redact(url),
-            CONNECT_TIMEOUT.as_secs()
-        ))),
+        Err(_) => Err(Error::Timeout {
+            what: format!(
+                "RabbitMQ at {} (TCP, TLS and the AMQP handshake)",
+                crate::process::redact(url)
+            ),
+            after: CONNECT_TIMEOUT,
+        }),
     }
 }
 
@@ -133,6 +135,25 @@ pub fn reply_code(e: &lapin::Error) -> Option<u16> {
         lapin::ErrorKind::ProtocolError(a) => Some(a.get_id()),
         _ => None,
     }
+}
+
+/// The argument a broker's 406 PRECONDITION_FAILED names when a queue exists with other
+/// arguments (`inequivalent arg 'x-max-length' for queue …`): `Some("x-max-length")`; `None`
+/// for any other error. The one place that reads the refusal's text (its code says only
+/// "precondition failed").
+pub fn inequivalent_arg(e: &lapin::Error) -> Option<&str> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(a) if a.get_id() == 406 => {
+            inequivalent_arg_in(a.get_message().as_str())
+        }
+        _ => None,
+    }
+}
+
+/// [`inequivalent_arg`] of a reply text.
+fn inequivalent_arg_in(text: &str) -> Option<&str> {
+    let rest = text.split_once("inequivalent arg '")?.1;
+    rest.split_once('\'').map(|(arg, _)| arg)
 }
 
 /// A channel in confirm mode, for publishing from any number of tasks at once.
@@ -503,6 +524,21 @@ mod tests {
         // Spells are per target.
         assert!(!r.refused_at("q2", at(10_000)));
         assert!(r.refused_at("q1", at(10_000)));
+    }
+
+    #[test]
+    fn the_inequivalent_argument_is_read_from_the_refusal() {
+        let text = "PRECONDITION_FAILED - inequivalent arg 'x-queue-leader-locator' for queue \
+                    'ns.g.normal' in vhost '/': received the value 'balanced' of type \
+                    'longstr' but current is none";
+        assert_eq!(
+            super::inequivalent_arg_in(text),
+            Some("x-queue-leader-locator")
+        );
+        assert_eq!(
+            super::inequivalent_arg_in("PRECONDITION_FAILED - unknown delivery tag 1"),
+            None
+        );
     }
 
     #[test]

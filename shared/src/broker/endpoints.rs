@@ -101,7 +101,7 @@ pub async fn connect_any(
 ) -> Result<lapin::Connection> {
     let nodes = Endpoints::parse(list).map_err(|e| Error::config("FLEET_AMQP_URL", e))?;
     let many = nodes.nodes().len() > 1;
-    let mut last = Error::Other("no RabbitMQ node given".into());
+    let mut last = Error::config("FLEET_AMQP_URL", "no RabbitMQ node given");
     for node in nodes.rotation() {
         let shown = redact(node);
         match crate::broker::amqp::connect_with(node, name, tls).await {

@@ -114,7 +114,7 @@ impl Producer {
     /// [`crate::broker`]) without client TLS settings (an `amqps://` URL then trusts the
     /// system roots only) and opens a confirm channel: [`Producer::connect_with`] with
     /// [`TlsConfig::default`](crate::tls::TlsConfig). Errors: the connection or channel failed
-    /// ([`Error::Amqp`]), no node answered within [`amqp::CONNECT_TIMEOUT`] ([`Error::Other`]),
+    /// ([`Error::Amqp`]), no node answered within [`amqp::CONNECT_TIMEOUT`] ([`Error::Timeout`]),
     /// the login or vhost was refused ([`Error::Permanent`]).
     pub async fn connect(amqp_url: &str, names: Names, connection_name: &str) -> Result<Self> {
         Self::connect_with(

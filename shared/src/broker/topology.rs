@@ -111,7 +111,7 @@ pub async fn probe_leader_locator(
         Ok(_) => {
             let _ = ch.close(200, "ok".into()).await;
         }
-        Err(e) if e.to_string().contains("x-queue-leader-locator") => {
+        Err(e) if crate::broker::amqp::inequivalent_arg(&e) == Some("x-queue-leader-locator") => {
             tracing::info!(namespace = %cfg.namespace(), "this namespace's quorum queues predate x-queue-leader-locator; declaring them without it");
             if let Ok(mut v) = LOCATOR_PREDATES.lock() {
                 v.push(cfg.namespace().to_string());
@@ -183,24 +183,27 @@ async fn queue(
     arguments: FieldTable,
     bound_setting: Option<&str>,
 ) -> Result<u32> {
-    match ch.queue_declare(ShortString::from(name), durable(), arguments).await {
+    match ch
+        .queue_declare(ShortString::from(name), durable(), arguments)
+        .await
+    {
         Ok(q) => Ok(q.message_count()),
-        Err(e) => Err(match crate::broker::amqp::classify(e, "FLEET_QUEUE_TYPE", "") {
-            Error::Permanent { message, .. } if message.contains("inequivalent arg") && message.contains("'x-dead-letter-routing-key'") => Error::Permanent {
+        Err(e) => {
+            let arg = crate::broker::amqp::inequivalent_arg(&e).map(str::to_owned);
+            Err(match (crate::broker::amqp::classify(e, "FLEET_QUEUE_TYPE", ""), arg.as_deref()) {
+            (Error::Permanent { message, .. }, Some("x-dead-letter-routing-key")) => Error::Permanent {
                 setting: "FLEET_NAMESPACE".to_string(),
                 message: format!(
                     "queue `{name}` was declared by an older fleet ({message}): group queues now send the broker's own dead letters to `<ns>.dead.broker`. \
                      Let the queue drain, then delete it (`rabbitmqctl delete_queue {name}`; add `--if-empty` for a classic queue — quorum queues refuse it) so it is declared again, or use another FLEET_NAMESPACE"
                 ),
             },
-            Error::Permanent { message, .. } if message.contains("inequivalent arg") => {
-                let setting = if message.contains("'x-max-length'") {
-                    bound_setting.unwrap_or("FLEET_NAMESPACE")
-                } else if message.contains("'x-queue-leader-locator'") {
+            (Error::Permanent { message, .. }, Some(arg)) => {
+                let setting = match arg {
+                    "x-max-length" => bound_setting.unwrap_or("FLEET_NAMESPACE"),
                     // A quorum queue created before fleet spread queue leaders.
-                    "FLEET_QUEUE_LEADER_LOCATOR"
-                } else {
-                    "FLEET_QUEUE_TYPE"
+                    "x-queue-leader-locator" => "FLEET_QUEUE_LEADER_LOCATOR",
+                    _ => "FLEET_QUEUE_TYPE",
                 };
                 Error::Permanent {
                     setting: setting.to_string(),
@@ -210,8 +213,9 @@ async fn queue(
                     ),
                 }
             }
-            other => other,
-        }),
+            (other, _) => other,
+        })
+        }
     }
 }
 

@@ -220,7 +220,11 @@ impl Reader {
         let delivery = match self.consumer.next().await {
             Some(Ok(d)) => d,
             Some(Err(e)) => return Err(e.into()),
-            None => return Err(Error::Other("control stream consumer ended".into())),
+            None => {
+                return Err(Error::ConsumerEnded {
+                    queue: "control stream".into(),
+                })
+            }
         };
         let rec = serde_json::from_slice::<Record>(&delivery.data);
         delivery.acker.ack(BasicAckOptions::default()).await?;

@@ -487,15 +487,6 @@ impl ConnectionLike for Conn {
     }
 }
 
-/// Whether a Redis error says the server is a replica (`READONLY You can't write against a
-/// read only replica`): the master it was was demoted.
-pub fn is_read_only(e: &redis::RedisError) -> bool {
-    // Inside a script the refusal may come wrapped ("ERR … READONLY You can't write …").
-    e.code() == Some("READONLY")
-        || e.to_string().contains("READONLY")
-        || e.to_string().contains("read only replica")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

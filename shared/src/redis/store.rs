@@ -290,7 +290,7 @@ impl Store {
         match r {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => {
-                if sentinel::is_read_only(&e) {
+                if Failure::of_redis(&e) == Failure::ReadOnly {
                     c.discard();
                     self.reset();
                     self.pool.drop_idle();
@@ -314,7 +314,10 @@ impl Store {
                 // A connection that stopped answering (a half-open socket) would time out
                 // every later call too.
                 self.reset();
-                Err(Error::Other("redis call timed out".into()))
+                Err(Error::Timeout {
+                    what: "a Redis call".into(),
+                    after: CALL_TIMEOUT,
+                })
             }
         }
     }
@@ -492,8 +495,12 @@ pub fn permanent(e: &Error, url: &str) -> Option<Error> {
     })
 }
 
-/// Why a Redis command failed, in the terms an operator acts on: [`Failure::of`] classifies
-/// the error (redis-rs's kinds and the server's error code), [`Failure::describe`] says it.
+/// Why a Redis command failed, in the terms an operator and a caller act on: [`Failure::of`]
+/// classifies the error (redis-rs's kinds and the server's error code), [`Failure::describe`]
+/// says it. The one place a Redis error is read: dispatch retries a batch task by task only on
+/// [`Failure::Script`], the store reconnects on [`Failure::ReadOnly`] (a demoted master,
+/// behind Sentinel), the scheduler's readiness log says what failed.
+///
 /// "Redis refuses writes" is only the server's own refusal (`READONLY` of a replica, `OOM`
 /// past `maxmemory`, `MISCONF` after a failed snapshot, `NOREPLICAS`), never a connection
 /// that was refused.
@@ -501,54 +508,97 @@ pub fn permanent(e: &Error, url: &str) -> Option<Error> {
 pub enum Failure {
     /// No connection: refused, reset, dropped, no route (I/O errors).
     Unreachable,
-    /// Connected, but no answer in time (command or pool timeout).
+    /// Connected, but no answer in time (the call timeout, [`Error::Timeout`], or the pool's).
     Timeout,
-    /// The server answered and refused the write.
+    /// The server is a replica (`READONLY`, also when a script's write met it): the master it
+    /// was has been demoted; the next call reconnects (through Sentinel: to the new master).
+    ReadOnly,
+    /// The server answered and refused the write for a reason of its own (`OOM`, `MISCONF`,
+    /// `NOREPLICAS`).
     RefusesWrites,
     /// The server refused the credentials.
     Auth,
-    /// Anything else (a script error, a wrong type, ...).
+    /// The server ran the command and answered an error of the command itself: a script that
+    /// failed (`ERR … user_script…`, an error reply of its own), a wrong type, a script not
+    /// loaded. Retrying the same call gives the same answer.
+    Script,
+    /// Anything else: a reply that does not parse, a server that cannot serve yet (`LOADING`,
+    /// `TRYAGAIN`, `CLUSTERDOWN`, a redirect), an error that is not Redis's.
     Other,
 }
 
 impl Failure {
-    /// The kind of Redis failure `e` is; [`Failure::Other`] for an error that is not Redis's.
+    /// The kind of Redis failure `e` is; [`Failure::Other`] for an error that is not Redis's
+    /// ([`Error::Timeout`] reads as [`Failure::Timeout`]: a store's call timeout).
     pub fn of(e: &Error) -> Self {
-        let r = match e {
-            Error::Redis(r) => r,
-            Error::Pool(deadpool_redis::PoolError::Backend(r)) => r,
-            Error::Pool(deadpool_redis::PoolError::Timeout(_)) => return Failure::Timeout,
-            _ => return Failure::Other,
-        };
-        if r.kind() == redis::ErrorKind::AuthenticationFailed
+        match e {
+            Error::Redis(r) | Error::Pool(deadpool_redis::PoolError::Backend(r)) => {
+                Failure::of_redis(r)
+            }
+            Error::Pool(deadpool_redis::PoolError::Timeout(_)) | Error::Timeout { .. } => {
+                Failure::Timeout
+            }
+            _ => Failure::Other,
+        }
+    }
+
+    /// The kind of failure a Redis error is (see [`Failure`]).
+    pub fn of_redis(r: &redis::RedisError) -> Self {
+        use redis::{ErrorKind, ServerErrorKind};
+        if r.kind() == ErrorKind::AuthenticationFailed
             || matches!(r.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"))
         {
             Failure::Auth
-        } else if matches!(
-            r.code(),
-            Some("READONLY" | "OOM" | "MISCONF" | "NOREPLICAS")
-        ) {
+        } else if read_only(r) {
+            Failure::ReadOnly
+        } else if matches!(r.code(), Some("OOM" | "MISCONF" | "NOREPLICAS")) {
             Failure::RefusesWrites
         } else if r.is_timeout() {
             Failure::Timeout
         } else if r.is_connection_refusal() || r.is_io_error() || r.is_connection_dropped() {
             Failure::Unreachable
+        } else if matches!(
+            r.kind(),
+            ErrorKind::Extension
+                | ErrorKind::UnexpectedReturnType
+                | ErrorKind::Server(
+                    ServerErrorKind::ResponseError
+                        | ServerErrorKind::ExecAbort
+                        | ServerErrorKind::NoScript
+                        | ServerErrorKind::CrossSlot
+                        | ServerErrorKind::NotBusy
+                        | ServerErrorKind::NoSub
+                )
+        ) {
+            Failure::Script
         } else {
             Failure::Other
         }
     }
 
     /// What to say in a log line: "Redis cannot be reached", "Redis does not answer in time",
-    /// "Redis refuses writes", "Redis refuses the credentials", "a Redis command failed".
+    /// "Redis refuses writes" (also for [`Failure::ReadOnly`]), "Redis refuses the
+    /// credentials", "a Redis command failed" (also for [`Failure::Script`]).
     pub fn describe(self) -> &'static str {
         match self {
             Failure::Unreachable => "Redis cannot be reached",
             Failure::Timeout => "Redis does not answer in time",
-            Failure::RefusesWrites => "Redis refuses writes",
+            Failure::ReadOnly | Failure::RefusesWrites => "Redis refuses writes",
             Failure::Auth => "Redis refuses the credentials",
-            Failure::Other => "a Redis command failed",
+            Failure::Script | Failure::Other => "a Redis command failed",
         }
     }
+}
+
+/// Whether a Redis error says the server is a replica (`READONLY You can't write against a
+/// read only replica`). Inside a script the refusal may come wrapped in the script's error
+/// (Redis 6: `ERR Error running script … -READONLY You can't write …`), so the detail is read
+/// too — here and nowhere else.
+fn read_only(r: &redis::RedisError) -> bool {
+    r.code() == Some("READONLY")
+        || r.detail().is_some_and(|d| {
+            d.contains("-READONLY") || d.contains("READONLY You") || d.contains("read only replica")
+        })
 }
 
 /// Milliseconds since the Unix epoch, the clock of every lease and heartbeat.
@@ -599,8 +649,141 @@ mod tests {
         assert_eq!(Failure::of(&e), Failure::Unreachable, "{e}");
         assert_eq!(Failure::of(&e).describe(), "Redis cannot be reached");
         assert_eq!(
-            Failure::of(&Error::Other("x".into())).describe(),
+            Failure::of(&Error::NotConnected).describe(),
             "a Redis command failed"
         );
+    }
+
+    fn server(code: &str, detail: &str) -> redis::RedisError {
+        redis::make_extension_error(code.into(), Some(detail.into()))
+    }
+
+    /// Every kind a caller acts on, from errors built as redis-rs builds them.
+    #[test]
+    fn redis_errors_are_classified() {
+        use redis::{ErrorKind, RedisError, ServerErrorKind};
+        let cases: Vec<(RedisError, Failure)> = vec![
+            (
+                (ErrorKind::Server(ServerErrorKind::ReadOnly), "readonly").into(),
+                Failure::ReadOnly,
+            ),
+            (
+                server("READONLY", "You can't write against a read only replica."),
+                Failure::ReadOnly,
+            ),
+            // Redis 6 wraps a write refused inside a script in the script's error.
+            (
+                (
+                    ErrorKind::Server(ServerErrorKind::ResponseError),
+                    "script",
+                    "Error running script (call to f_1): @user_script:1: -READONLY You can't \
+                     write against a read only replica."
+                        .to_string(),
+                )
+                    .into(),
+                Failure::ReadOnly,
+            ),
+            (
+                server("OOM", "command not allowed when used memory > 'maxmemory'."),
+                Failure::RefusesWrites,
+            ),
+            (
+                server("MISCONF", "Redis is configured to save"),
+                Failure::RefusesWrites,
+            ),
+            (
+                server("NOREPLICAS", "Not enough good replicas"),
+                Failure::RefusesWrites,
+            ),
+            (
+                server("WRONGPASS", "invalid username-password pair"),
+                Failure::Auth,
+            ),
+            (
+                (ErrorKind::AuthenticationFailed, "auth").into(),
+                Failure::Auth,
+            ),
+            (
+                (
+                    ErrorKind::Server(ServerErrorKind::ResponseError),
+                    "script",
+                    "user_script:1: attempt to compare nil with number".to_string(),
+                )
+                    .into(),
+                Failure::Script,
+            ),
+            (
+                server(
+                    "WRONGTYPE",
+                    "Operation against a key holding the wrong kind",
+                ),
+                Failure::Script,
+            ),
+            (
+                server("DUPLICATE", "an error reply of a script's own"),
+                Failure::Script,
+            ),
+            (
+                (ErrorKind::Server(ServerErrorKind::NoScript), "noscript").into(),
+                Failure::Script,
+            ),
+            (
+                std::io::Error::from(std::io::ErrorKind::TimedOut).into(),
+                Failure::Timeout,
+            ),
+            (
+                std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into(),
+                Failure::Unreachable,
+            ),
+            (
+                std::io::Error::from(std::io::ErrorKind::ConnectionReset).into(),
+                Failure::Unreachable,
+            ),
+            (
+                (ErrorKind::Server(ServerErrorKind::BusyLoading), "loading").into(),
+                Failure::Other,
+            ),
+            (
+                (ErrorKind::Server(ServerErrorKind::TryAgain), "tryagain").into(),
+                Failure::Other,
+            ),
+        ];
+        for (e, want) in cases {
+            assert_eq!(Failure::of_redis(&e), want, "{e}");
+            assert_eq!(Failure::of(&Error::Redis(e)), want);
+        }
+        let timeout = Error::Timeout {
+            what: "a Redis call".into(),
+            after: CALL_TIMEOUT,
+        };
+        assert_eq!(Failure::of(&timeout), Failure::Timeout);
+        assert_eq!(Failure::of(&Error::SessionEnded), Failure::Other);
+    }
+
+    /// The same kinds from the real Redis (127.0.0.1:6379): a script that fails, a script's
+    /// own error reply, a wrong type. A key under a random name, deleted at the end.
+    #[tokio::test]
+    async fn real_script_errors_are_script_failures() {
+        let ns = format!("failure-test-{}", uuid::Uuid::new_v4().simple());
+        let store = Store::new("redis://127.0.0.1:6379", Names::new(&ns)).unwrap();
+        let key = format!("{}s", store.names.prefix());
+        let failing = [
+            redis::cmd("EVAL").arg("return nil < 1").arg(0).to_owned(),
+            redis::cmd("EVAL")
+                .arg("return redis.error_reply('REFUSED no')")
+                .arg(0)
+                .to_owned(),
+            redis::cmd("EVAL")
+                .arg("redis.call('SET', KEYS[1], 'x'); return redis.call('LPUSH', KEYS[1], 'y')")
+                .arg(1)
+                .arg(&key)
+                .to_owned(),
+            redis::cmd("LPUSH").arg(&key).arg("y").to_owned(),
+        ];
+        for cmd in &failing {
+            let e = store.query::<redis::Value>(cmd).await.unwrap_err();
+            assert_eq!(Failure::of(&e), Failure::Script, "{e}");
+        }
+        let _: i64 = store.query(redis::cmd("DEL").arg(&key)).await.unwrap();
     }
 }

@@ -15,7 +15,7 @@
 //! evicts every worker silent past the heartbeat timeout (`evict`): `remove_worker` takes
 //! back its capacity, frees its subsetting ordinal, releases its running records and puts the
 //! task it was running back to `queued` (the broker redelivers it; the next claim counts the
-//! crash, see `run/start.lua`). A registration under a live id is refused (`DUPLICATE`), unless
+//! crash, see `run/start.lua`). A registration under a live id is refused (the status word `duplicate`), unless
 //! the new process proves the old one gone (its broker lock queue).
 //!
 //! **Kinds.** A worker advertises the task kinds it handles; a group handles a kind when every

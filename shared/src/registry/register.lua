@@ -15,26 +15,28 @@
 -- An active worker takes the lowest ordinal free in its group (deterministic subsetting: its
 -- ordinal picks the shard queues it consumes); deregister, evict and a move out of `active`
 -- (set_state: draining, ejected) free it for the others (`hold_ordinal`).
--- returns: 'registered', or an error reply `DUPLICATE last heartbeat <n> ms ago` when another
---          instance heartbeated within the window, or `RECLAIMING <why>` while the group is being
---          reclaimed (its queues are being deleted) or when the worker's queues were declared
---          before the reclaim deleted them (within `RECLAIM_MARGIN_MS` of it, for clock error):
---          declare them again and retry (see reclaim.lua)
+-- returns: a status word first (a normal reply, never an error reply read back by its text;
+--          `RegisterAnswer` in worker.rs parses it): {'registered'}; {'duplicate', <ms>} when
+--          another instance heartbeated within the window (<ms> ago); {'reclaiming', <why>}
+--          while the group is being reclaimed (its queues are being deleted) or when the
+--          worker's queues were declared before the reclaim deleted them (within
+--          `RECLAIM_MARGIN_MS` of it, for clock error): declare them again and retry (see
+--          reclaim.lua)
 local RECLAIM_MARGIN_MS = 1000
 local id, inst, g = ARGV[1], ARGV[2], ARGV[3]
 local now, window, takeover = NOW_MS, tonumber(ARGV[9]), ARGV[8] == '1'
 local rc = redis.call('GET', K_reclaim(g))
 if rc == 'pending' then
-  return redis.error_reply('RECLAIMING the group is being reclaimed')
+  return {'reclaiming', 'the group is being reclaimed'}
 end
 local declared = tonumber(ARGV[11]) or 0
 if rc and declared > 0 and declared <= tonumber(rc) + RECLAIM_MARGIN_MS then
-  return redis.error_reply('RECLAIMING the group queues were deleted after this worker declared them')
+  return {'reclaiming', 'the group queues were deleted after this worker declared them'}
 end
 local wk = K_worker(id)
 local old = redis.call('HMGET', wk, 'instance', 'hb')
 if not takeover and old[1] and old[1] ~= inst and tonumber(old[2]) and tonumber(old[2]) > now - window then
-  return redis.error_reply('DUPLICATE last heartbeat ' .. (now - tonumber(old[2])) .. ' ms ago')
+  return {'duplicate', now - tonumber(old[2])}
 end
 remove_worker(id)
 local state = ARGV[10]
@@ -50,4 +52,4 @@ redis.call('HDEL', K_group(g), 'idle')
 for i = 13, #ARGV do redis.call('SADD', K_idx(ARGV[i]), g) end
 add_capacity(g, contrib(state, ARGV[5]), contrib(state, ARGV[6]))
 if has_kind_list(ARGV[12]) then refresh_kinds(g) end
-return 'registered'
+return {'registered'}

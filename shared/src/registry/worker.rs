@@ -11,6 +11,52 @@ use crate::error::{Error, Result};
 use crate::redis::{millis, Store};
 use crate::task::Labels;
 
+/// What `register.lua` answers: its status word, then what goes with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum RegisterAnswer {
+    /// `{'registered'}`: the worker is in the registry.
+    Registered,
+    /// `{'duplicate', ms}`: another instance holds the id and heartbeated `ms` ago.
+    Duplicate {
+        /// How long ago the holder's last heartbeat was (Redis time, ms).
+        heartbeat_ms_ago: i64,
+    },
+    /// `{'reclaiming', why}`: the group is being reclaimed, or was after the worker declared
+    /// its queues.
+    Reclaiming(String),
+}
+
+impl RegisterAnswer {
+    /// The answer in `v`.
+    ///
+    /// # Errors
+    /// [`Error::BadAnswer`] for any other shape (a script of another version).
+    fn parse(v: &redis::Value) -> Result<Self> {
+        let bad = || Error::BadAnswer {
+            from: "register.lua",
+            detail: format!("{v:?}"),
+        };
+        let redis::Value::Array(items) = v else {
+            return Err(bad());
+        };
+        let word = items
+            .first()
+            .and_then(|w| redis::from_redis_value_ref::<String>(w).ok())
+            .ok_or_else(bad)?;
+        let second = items.get(1);
+        match (word.as_str(), second) {
+            ("registered", None) => Ok(RegisterAnswer::Registered),
+            ("duplicate", Some(ms)) => redis::from_redis_value_ref::<i64>(ms)
+                .map(|heartbeat_ms_ago| RegisterAnswer::Duplicate { heartbeat_ms_ago })
+                .map_err(|_| bad()),
+            ("reclaiming", Some(why)) => redis::from_redis_value_ref::<String>(why)
+                .map(RegisterAnswer::Reclaiming)
+                .map_err(|_| bad()),
+            _ => Err(bad()),
+        }
+    }
+}
+
 /// A worker's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -182,23 +228,17 @@ impl Store {
             .arg(declared_at_ms)
             .arg(r.kinds.wire())
             .arg(r.labels.pairs());
-        match self.invoke::<String>(&inv).await {
-            Ok(_) => Ok(()),
-            Err(Error::Redis(e)) if e.to_string().contains("DUPLICATE") => {
-                Err(Error::DuplicateWorker(format!(
-                    "worker id `{}` is already registered by a live worker ({})",
-                    r.id,
-                    e.detail().unwrap_or("recent heartbeat")
-                )))
+        let answer = self.invoke::<redis::Value>(&inv).await?;
+        match RegisterAnswer::parse(&answer)? {
+            RegisterAnswer::Registered => Ok(()),
+            RegisterAnswer::Duplicate { heartbeat_ms_ago } => Err(Error::DuplicateWorker(format!(
+                "worker id `{}` is already registered by a live worker (last heartbeat \
+                 {heartbeat_ms_ago} ms ago)",
+                r.id
+            ))),
+            RegisterAnswer::Reclaiming(why) => {
+                Err(Error::Reclaiming(format!("group `{}`: {why}", r.group())))
             }
-            Err(Error::Redis(e)) if e.to_string().contains("RECLAIMING") => {
-                Err(Error::Reclaiming(format!(
-                    "group `{}`: {}",
-                    r.group(),
-                    e.detail().unwrap_or("being reclaimed")
-                )))
-            }
-            Err(e) => Err(e),
         }
     }
 
@@ -333,5 +373,118 @@ impl Store {
                 heartbeat_at: crate::status::rfc3339_ms(num(&m, "hb") as i64),
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redis::Value;
+
+    fn words(items: Vec<Value>) -> Value {
+        Value::Array(items)
+    }
+
+    fn text(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn register_answers_are_status_words() {
+        assert_eq!(
+            RegisterAnswer::parse(&words(vec![text("registered")])).unwrap(),
+            RegisterAnswer::Registered
+        );
+        assert_eq!(
+            RegisterAnswer::parse(&words(vec![text("duplicate"), Value::Int(1234)])).unwrap(),
+            RegisterAnswer::Duplicate {
+                heartbeat_ms_ago: 1234
+            }
+        );
+        assert_eq!(
+            RegisterAnswer::parse(&words(vec![
+                text("reclaiming"),
+                text("the group is being reclaimed")
+            ]))
+            .unwrap(),
+            RegisterAnswer::Reclaiming("the group is being reclaimed".into())
+        );
+    }
+
+    #[test]
+    fn any_other_register_answer_is_a_bad_answer() {
+        for v in [
+            text("registered"),
+            words(vec![]),
+            words(vec![text("registered"), Value::Int(1)]),
+            words(vec![text("duplicate")]),
+            words(vec![text("duplicate"), text("soon")]),
+            words(vec![text("reclaiming")]),
+            words(vec![text("DUPLICATE"), Value::Int(1)]),
+            Value::Nil,
+        ] {
+            assert!(
+                matches!(
+                    RegisterAnswer::parse(&v),
+                    Err(Error::BadAnswer {
+                        from: "register.lua",
+                        ..
+                    })
+                ),
+                "{v:?}"
+            );
+        }
+    }
+
+    /// The script's own answers, from the real Redis (127.0.0.1:6379, a random namespace):
+    /// a second instance under a live id is `duplicate`, a group being reclaimed `reclaiming`.
+    #[tokio::test]
+    async fn register_lua_answers_in_words() {
+        let ns = format!("register-words-{}", uuid::Uuid::new_v4().simple());
+        let store = Store::new("redis://127.0.0.1:6379", crate::Names::new(&ns)).unwrap();
+        let mut reg = Registration {
+            id: "w1".into(),
+            instance: "a".into(),
+            labels: Labels::default(),
+            capacity: 1,
+            critical_capacity: 0,
+            executor: "builtin".into(),
+            state: WorkerState::Active,
+            kinds: crate::registry::Kinds::default(),
+        };
+        let window = Duration::from_secs(30);
+        store.register(&reg, window).await.unwrap();
+        reg.instance = "b".into();
+        let e = store.register(&reg, window).await.unwrap_err();
+        assert!(
+            matches!(&e, Error::DuplicateWorker(m) if m.contains("already registered") && m.contains("ms ago")),
+            "{e}"
+        );
+        let mut c = store.conn().await.unwrap();
+        let _: () = redis::cmd("SET")
+            .arg(store.names.reclaimed(&reg.group()))
+            .arg("pending")
+            .arg("PX")
+            .arg(60_000)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        let e = store.register_with(&reg, window, true).await.unwrap_err();
+        assert!(
+            matches!(&e, Error::Reclaiming(m) if m.contains("being reclaimed")),
+            "{e}"
+        );
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{ns}*"))
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        if !keys.is_empty() {
+            let _: () = redis::cmd("DEL")
+                .arg(keys)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+        }
     }
 }

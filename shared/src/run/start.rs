@@ -115,18 +115,18 @@ impl Store {
             match answer {
                 Some(c) => claims.push(c),
                 None => {
-                    return Err(crate::Error::Other(format!(
-                        "start answered {pair:?}, not a claim"
-                    )))
+                    return Err(crate::Error::BadAnswer {
+                        from: "start.lua",
+                        detail: format!("{pair:?}, not a claim"),
+                    })
                 }
             }
         }
         if claims.len() != tasks.len() {
-            return Err(crate::Error::Other(format!(
-                "start returned {} answers for {} tasks",
-                claims.len(),
-                tasks.len()
-            )));
+            return Err(crate::Error::BadAnswer {
+                from: "start.lua",
+                detail: format!("{} answers for {} tasks", claims.len(), tasks.len()),
+            });
         }
         Ok((registered, claims))
     }
