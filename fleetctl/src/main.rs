@@ -5,6 +5,21 @@
 //! persistent, publisher confirms pipelined in windows), exactly as any producer would; the
 //! read and drain commands use the scheduler's HTTP API.
 
+/// `println!` that ends the process quietly (exit 0) when the reader went away (`fleetctl
+/// submit --print-ids | head -1`: a closed pipe is the reader's choice, not an error) instead
+/// of panicking on `EPIPE` as `println!` does; other write errors (a full disk behind a
+/// redirect) are ignored.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout().lock(), $($arg)*) {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                std::process::exit(0);
+            }
+        }
+    }};
+}
+
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -367,7 +382,7 @@ async fn delete_namespace(cli: &Cli, names: &Names, yes: bool) -> Result<ExitCod
     } else {
         String::new()
     };
-    println!(
+    out!(
         "namespace {}: deleted the queues of {} group(s){only}, the exchanges and the Redis keys",
         cli.namespace,
         deleted.groups.len()
@@ -438,10 +453,10 @@ async fn submit(cli: &Cli, names: &Names, a: &SubmitArgs) -> Result<ExitCode> {
     producer.close().await;
     if a.print_ids {
         for id in &ids {
-            println!("{id}");
+            out!("{id}");
         }
     }
-    println!("accepted={} refused={refused}", ids.len());
+    out!("accepted={} refused={refused}", ids.len());
     Ok(if refused > 0 {
         ExitCode::FAILURE
     } else {
@@ -660,7 +675,7 @@ async fn status(cli: &Cli, id: &str, wait: bool, timeout: Duration) -> Result<Ex
                     ExitCode::FAILURE
                 }
                 Some(v) => {
-                    println!("{}", serde_json::to_string_pretty(&v)?);
+                    out!("{}", serde_json::to_string_pretty(&v)?);
                     if wait && !terminal {
                         eprintln!(
                             "fleetctl: timed out after {} s waiting for task {id} to finish",
@@ -812,7 +827,7 @@ async fn drain(cli: &Cli, id: &str) -> Result<ExitCode> {
         .get("previous_state")
         .and_then(Value::as_str)
         .unwrap_or("?");
-    println!("worker {id}: draining (was {prev})");
+    out!("worker {id}: draining (was {prev})");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -838,11 +853,11 @@ async fn cancel(cli: &Cli, id: &str, reason: Option<&str>) -> Result<ExitCode> {
     };
     match status {
         reqwest::StatusCode::ACCEPTED => {
-            println!("task {id}: cancelled (was {})", text("previous_state"));
+            out!("task {id}: cancelled (was {})", text("previous_state"));
             Ok(ExitCode::SUCCESS)
         }
         reqwest::StatusCode::OK => {
-            println!("task {id}: already cancelled");
+            out!("task {id}: already cancelled");
             Ok(ExitCode::SUCCESS)
         }
         reqwest::StatusCode::CONFLICT => {
@@ -865,7 +880,7 @@ async fn cancel(cli: &Cli, id: &str, reason: Option<&str>) -> Result<ExitCode> {
 /// Prints rows under headers as an aligned table (comfy-table; no borders, so the output
 /// stays easy to read in a terminal and to cut with `awk`). Numeric columns are right-aligned.
 fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
-    println!("{}", table(headers, rows).trim_fmt());
+    out!("{}", table(headers, rows).trim_fmt());
 }
 
 fn table(headers: &[&str], rows: Vec<Vec<String>>) -> comfy_table::Table {
@@ -979,7 +994,7 @@ async fn dead_replay(
     for id in &report.missing {
         eprintln!("fleetctl: no dead letter with id {id}");
     }
-    println!("replayed={}", report.replayed.len());
+    out!("replayed={}", report.replayed.len());
     Ok(if report.failed.is_empty() && report.missing.is_empty() {
         ExitCode::SUCCESS
     } else {
@@ -1122,7 +1137,7 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
             let r =
                 schedule_call(cli, Method::POST, &api(cli, "/v1/schedules"), Some(&body)).await?;
             done(r, &|v| {
-                println!(
+                out!(
                     "schedule {}: added, next tick {}",
                     a.name,
                     v.get("next_tick").and_then(Value::as_str).unwrap_or("-")
@@ -1185,7 +1200,7 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
                 None,
             )
             .await?;
-            done(r, &|_| println!("schedule {name}: paused"))
+            done(r, &|_| out!("schedule {name}: paused"))
         }
         ScheduleCmd::Resume { name } => {
             let r = schedule_call(
@@ -1195,7 +1210,7 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
                 None,
             )
             .await?;
-            done(r, &|_| println!("schedule {name}: resumed"))
+            done(r, &|_| out!("schedule {name}: resumed"))
         }
         ScheduleCmd::Rm { name } => {
             let r = schedule_call(
@@ -1205,7 +1220,7 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
                 None,
             )
             .await?;
-            done(r, &|_| println!("schedule {name}: deleted"))
+            done(r, &|_| out!("schedule {name}: deleted"))
         }
         ScheduleCmd::FireNow { name } => {
             let r = schedule_call(
@@ -1216,7 +1231,7 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
             )
             .await?;
             done(r, &|v| {
-                println!("{}", v.get("id").and_then(Value::as_str).unwrap_or(""))
+                out!("{}", v.get("id").and_then(Value::as_str).unwrap_or(""))
             })
         }
     })
