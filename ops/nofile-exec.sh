@@ -5,6 +5,8 @@
 # 1024 (docs/scaling.md). The one copy of this logic: ops/services.sh starts the shared node
 # with it, and the test harness (tests/src/servers.rs) starts its private nodes with it, so
 # the broker_limits test checks this very script.
+# ulimit's -H and -S are not POSIX, but dash (Debian's sh) and bash both have them.
+# shellcheck disable=SC3045
 want=$1
 shift
 hard=$(ulimit -H -n)
