@@ -53,7 +53,21 @@ async fn keys(ns: &Ns) -> anyhow::Result<BTreeMap<String, usize>> {
 
 /// A queue's (ready messages, consumers), `None` when it does not exist (passive declare).
 async fn queue_info(ns: &Ns, q: &str) -> anyhow::Result<Option<(u32, u32)>> {
-    let ch = ns.conn.create_channel().await?;
+    // A passive declare of a queue not made yet closes its channel (404), and lapin has been
+    // seen to hand that close's error to the next `create_channel` (two CI runs failed with
+    // `NOT_FOUND - no queue …` from create_channel itself, for a queue that existed). A
+    // channel is asked for again; the declare's own answer is what this function reports.
+    let mut tries = 0;
+    let ch = loop {
+        match ns.conn.create_channel().await {
+            Ok(ch) => break ch,
+            Err(e) if tries < 3 => {
+                tries += 1;
+                eprintln!("queue_info({q}): create_channel failed ({e}); asking again");
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
     let r = ch
         .queue_declare(
             q.into(),
@@ -113,11 +127,18 @@ async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
     own_process!();
     let ns = Ns::new().await?;
     let sched = start_scheduler(&ns, &scheduler_cfg()).await?;
-    // Baseline: the scheduler alone (its readiness probe key, nothing else of a group).
+    // Baseline: the scheduler alone — the keys it writes by itself, nothing of a group: its
+    // readiness probe key and the control stream's marker (`ctl`, whose loss tells the
+    // replicas that Redis lost the cancel marks).
     let baseline = wait_for(
-        "the scheduler's readiness probe key",
+        "the scheduler's readiness probe key and control marker",
         Duration::from_secs(10),
-        || async { keys(&ns).await.ok().filter(|k| k.contains_key("readyz")) },
+        || async {
+            keys(&ns)
+                .await
+                .ok()
+                .filter(|k| k.contains_key("readyz") && k.contains_key("ctl"))
+        },
     )
     .await?;
     println!("reclaim: baseline keys {baseline:?}");
