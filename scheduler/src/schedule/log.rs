@@ -35,8 +35,8 @@ use std::time::Duration;
 
 use fleet::{broker::amqp, Names};
 use futures::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
@@ -247,23 +247,9 @@ fn push_recent(recent: &mut VecDeque<String>, id: String) {
     recent.push_back(id);
 }
 
-/// Declares the stream (idempotent).
+/// Declares the stream (idempotent; no `x-max-age`: a definition is kept until deleted).
 pub async fn declare(ch: &Channel, names: &Names) -> fleet::Result<()> {
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString("stream".into()),
-    );
-    ch.queue_declare(
-        ShortString::from(names.schedules_stream()),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        args,
-    )
-    .await?;
-    Ok(())
+    fleet::broker::topology::declare_stream(ch, &names.schedules_stream(), None).await
 }
 
 /// Appends a record with a publisher confirm. `Err(Refused)` when the broker did not take it.

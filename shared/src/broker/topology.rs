@@ -734,17 +734,27 @@ const CONTROL_MAX_AGE_ARG: &str = "7D";
 /// Declares the control stream (idempotent; every process does, with the namespace's other
 /// queues in [`declare_core`]).
 pub async fn declare_control_stream(ch: &Channel, names: &Names) -> Result<()> {
+    declare_stream(ch, &names.control_stream(), Some(CONTROL_MAX_AGE_ARG)).await
+}
+
+/// Declares a durable RabbitMQ stream `name` (idempotent), keeping records for `max_age`
+/// (the `x-max-age` argument, e.g. `"7D"`; `None`: kept until deleted) — the control stream
+/// and the schedules stream.
+///
+/// # Errors
+/// The broker refused the declare (a queue of that name with other arguments) or the channel
+/// failed.
+pub async fn declare_stream(ch: &Channel, name: &str, max_age: Option<&str>) -> Result<()> {
     let mut args = FieldTable::default();
     args.insert(
         "x-queue-type".into(),
         AMQPValue::LongString("stream".into()),
     );
-    args.insert(
-        "x-max-age".into(),
-        AMQPValue::LongString(CONTROL_MAX_AGE_ARG.into()),
-    );
+    if let Some(age) = max_age {
+        args.insert("x-max-age".into(), AMQPValue::LongString(age.into()));
+    }
     ch.queue_declare(
-        ShortString::from(names.control_stream()),
+        ShortString::from(name),
         QueueDeclareOptions {
             durable: true,
             ..Default::default()
