@@ -237,6 +237,10 @@ async fn every_operator_action_is_in_the_audit_log_with_its_token_name() -> Resu
         got.iter().map(|g| &g.0).collect::<Vec<_>>()
     );
 
+    // The console's Audit view shows the same entries (a real Chromium).
+    let actions: Vec<&str> = got.iter().map(|g| g.0.as_str()).collect();
+    browser_check(&sched, &json!({"actions": actions, "by": "ops-alice"})).await?;
+
     // The log is the control stream's: the same after a Redis loss and a new scheduler.
     let ids = |v: &Value| -> Vec<String> {
         v["entries"]
@@ -268,4 +272,40 @@ async fn every_operator_action_is_in_the_audit_log_with_its_token_name() -> Resu
     w.stop().await?;
     again.stop().await?;
     ns.cleanup().await
+}
+
+/// Runs `tests/ui/audit.test.mjs` against `sched` (read token), screenshots in
+/// `target/ui-screenshots/`.
+async fn browser_check(sched: &SchedulerHandle, expect: &Value) -> Result<()> {
+    let ui = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("ui");
+    ensure!(
+        ui.join("node_modules/playwright-core").exists(),
+        "playwright-core is not installed in {}: run `bash ops/services.sh --browser`",
+        ui.display()
+    );
+    let shots = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"))
+        .join("ui-screenshots");
+    std::fs::create_dir_all(&shots)?;
+    let run = tokio::process::Command::new("node")
+        .arg(ui.join("audit.test.mjs"))
+        .current_dir(&ui)
+        .env("FLEET_UI_BASE", format!("http://{}", sched.addr))
+        .env("FLEET_READ_TOKEN", VIEWER)
+        .env("FLEET_EXPECT", expect.to_string())
+        .env("FLEET_SCREENSHOTS", &shots)
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .map_err(|_| anyhow::anyhow!("the browser script did not finish within 120 s"))??;
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    ensure!(
+        out.status.success(),
+        "the browser script failed: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
 }
