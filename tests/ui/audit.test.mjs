@@ -1,7 +1,9 @@
 // Browser half of tests/tests/e2e/audit.rs: the console's Audit view in Debian's chromium
 // (playwright-core), checked against GET /v1/audit. Environment (set by the Rust test):
 //   FLEET_UI_BASE      scheduler base URL      FLEET_READ_TOKEN   a token with role read
-//   FLEET_EXPECT       JSON: {"actions": [newest first], "by": token name of the drain}
+//   FLEET_ADMIN_TOKEN  a token with role admin (named FLEET_EXPECT.by)
+//   FLEET_EXPECT       JSON: {"actions": [newest first], "by": token name of the drain,
+//                      "cancel": id of a running task the page cancels with its button}
 //   FLEET_SCREENSHOTS  directory for the screenshots
 //   CHROMIUM           browser binary (default /usr/bin/chromium)
 // Exits non-zero on the first failed check.
@@ -13,6 +15,7 @@ import { chromium } from "playwright-core";
 
 const BASE = process.env.FLEET_UI_BASE;
 const READ = process.env.FLEET_READ_TOKEN;
+const ADMIN = process.env.FLEET_ADMIN_TOKEN;
 const EXPECT = JSON.parse(process.env.FLEET_EXPECT || "{}");
 const SHOTS = process.env.FLEET_SCREENSHOTS;
 const WAIT_MS = 20000;
@@ -68,6 +71,32 @@ async function run(ctx) {
   await page.screenshot({ path: join(SHOTS, "audit-2-drain.png"), fullPage: true });
   console.log("ok: filtered by action");
   if (errors.length) fail(`errors in the page: ${errors.join("; ")}`);
+  await cancelWithTheButton(page);
+}
+
+// An admin cancels a running task with the task page's button: the confirm dialog, then the
+// task is cancelled (API) and the audit log's newest entry is that cancel, by the admin's name.
+async function cancelWithTheButton(page) {
+  await page.click("#signout");
+  await page.locator("#login").waitFor({ state: "visible", timeout: WAIT_MS });
+  await page.fill("#token", ADMIN);
+  await page.click("#login-form button[type=submit]");
+  await page.locator("#main").waitFor({ state: "visible", timeout: WAIT_MS });
+  await page.evaluate(() => { location.hash = "#task"; });
+  await page.locator("#view-task").waitFor({ state: "visible", timeout: WAIT_MS });
+  await page.fill("#task-id", EXPECT.cancel);
+  await page.click("#task-form button[type=submit]");
+  await page.locator("#task-cancel").waitFor({ state: "visible", timeout: WAIT_MS });
+  await page.click("#task-cancel");
+  await page.locator("#confirm").waitFor({ state: "visible", timeout: WAIT_MS });
+  await page.screenshot({ path: join(SHOTS, "audit-3-cancel-confirm.png"), fullPage: true });
+  await page.click("#confirm-ok");
+  await until("the task cancelled", async () => (await api(`/v1/tasks/${EXPECT.cancel}`)).body.state === "cancelled");
+  await until("the page says cancelled", async () => (await page.locator('#task-fields dd[data-k="state"]').textContent()).trim() === "cancelled");
+  const newest = (await api("/v1/audit?limit=1")).body.entries[0];
+  eq([newest.action, newest.by, newest.target.task, newest.reason], ["cancel", EXPECT.by, EXPECT.cancel, "cancelled from the console"], "the audit entry of the button's cancel");
+  await page.screenshot({ path: join(SHOTS, "audit-4-cancelled.png"), fullPage: true });
+  console.log("ok: the task page's Cancel button cancelled a running task, and the audit log says who");
 }
 
 async function main() {
