@@ -464,28 +464,62 @@ async fn groups(State(st): State<AppState>) -> Response {
     Json(out).into_response()
 }
 
+/// `POST /v1/workers/{id}/drain` (role admin): 202 `{"id", "previous_state", "state"}`, 404 for
+/// an unknown worker, 503 when Redis or the broker cannot be reached (nothing promised).
+///
+/// The drain is a promise like a cancel: its record goes into the control stream (the audit
+/// log) before the `draining` state is written, and the worker follows the stream too, so a
+/// drain answered 202 reaches the worker even when Redis loses the state before its heartbeat
+/// reads it ([`fleet::control`]).
 async fn drain(
     State(st): State<AppState>,
     headers: axum::http::HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
+    match st.store.worker_state(&id).await {
+        Ok(Some(_)) => {}
+        Ok(None) => {
+            return error(
+                StatusCode::NOT_FOUND,
+                "unknown_worker",
+                format!("no registered worker with id {id}"),
+            )
+        }
+        Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
+    }
+    let who = caller(&st, &headers);
+    if let Err(e) = audit(&st, &who, "drain", json!({"worker": id}), 1).await {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "broker_unavailable",
+            format!("the drain was not recorded (nothing promised; try again): {e}"),
+        );
+    }
     match st.store.set_state(&id, WorkerState::Draining).await {
         Ok(Some(prev)) => {
-            let who = caller(&st, &headers);
             tracing::info!(worker = %id, previous = prev.as_str(), by = %who.name, "drain requested through the API");
-            let _ = audit(&st, &who, "drain", json!({"worker": id}), 1).await;
             (
                 StatusCode::ACCEPTED,
                 Json(json!({"id": id, "previous_state": prev, "state": WorkerState::Draining})),
             )
                 .into_response()
         }
+        // Gone between the read and the write: the recorded drain reaches it from the stream
+        // if it comes back in this process.
         Ok(None) => error(
             StatusCode::NOT_FOUND,
             "unknown_worker",
             format!("no registered worker with id {id}"),
         ),
-        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
+        // Recorded: the worker drains from the stream.
+        Err(e) => {
+            tracing::warn!(worker = %id, error = %e, "drain recorded in the control stream; the worker reads it there (Redis failed)");
+            (
+                StatusCode::ACCEPTED,
+                Json(json!({"id": id, "state": WorkerState::Draining})),
+            )
+                .into_response()
+        }
     }
 }
 

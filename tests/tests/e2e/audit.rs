@@ -331,3 +331,37 @@ async fn browser_check(sched: &SchedulerHandle, expect: &Value) -> Result<()> {
     );
     Ok(())
 }
+
+/// A drain answered 202 holds when Redis loses everything before the worker's heartbeat read
+/// the `draining` state: the worker reads the drain in the control stream and drains. Before
+/// (the drain only in Redis): the worker registered again as active and never drained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_drain_survives_a_redis_loss_before_the_worker_reads_it() -> Result<()> {
+    let redis = PrivateRedis::start(None, None).await?;
+    let ns = Ns::on_redis(&redis.url(None)).await?;
+    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    // A slow heartbeat: it would read `draining` only seconds after the answer.
+    let slow = [
+        ("heartbeat_interval_ms", "5000"),
+        ("heartbeat_timeout_ms", "30000"),
+    ];
+    let w = start_worker(&ns, "w-drain-durable", "pool=dd", 1, &slow, &[]).await?;
+    let (code, body) = reqwest::Client::new()
+        .post(sched.url("/v1/workers/w-drain-durable/drain"))
+        .json(&json!({}))
+        .send()
+        .await
+        .map(|r| (r.status().as_u16(), r))?;
+    assert_eq!(code, 202, "{:?}", body.text().await);
+    redis.flushall().await?;
+    let ended = tokio::time::timeout(Duration::from_secs(20), w.join).await;
+    assert!(
+        matches!(ended, Ok(Ok(Ok(())))),
+        "the worker did not drain and exit after the Redis loss: {ended:?}"
+    );
+    let (_, v) = get(&sched.url("/v1/audit"), "").await?;
+    assert_eq!(v["entries"][0]["action"], "drain", "{v}");
+    assert_eq!(v["entries"][0]["by"], "anonymous", "{v}");
+    sched.stop().await?;
+    ns.cleanup().await
+}
