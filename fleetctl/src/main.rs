@@ -744,13 +744,15 @@ async fn workers(cli: &Cli) -> Result<ExitCode> {
                 w.dead.to_string(),
                 w.expired.to_string(),
                 w.unrecorded.to_string(),
+                w.kinds.clone(),
                 format!("{:.1}s ago", w.last_heartbeat_ms_ago as f64 / 1000.0),
             ]
         })
         .collect();
     // RUNNING is live (the run records a group's LOAD counts too); the outcome columns are
     // user task attempts by outcome (probes excluded), published by each worker as it records
-    // them: failed = RETRIED + DEAD, UNRECORDED = the outcome could not be recorded.
+    // them: failed = RETRIED + DEAD, UNRECORDED = the outcome could not be recorded. KINDS: the
+    // task kinds it handles (`*`: any), the routing input of issue 29.
     print_table(
         &[
             "ID",
@@ -763,6 +765,7 @@ async fn workers(cli: &Cli) -> Result<ExitCode> {
             "DEAD",
             "EXPIRED",
             "UNRECORDED",
+            "KINDS",
             "LAST HEARTBEAT",
         ],
         rows,
