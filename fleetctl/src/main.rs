@@ -1077,6 +1077,13 @@ async fn dead_replay(
         _ => dead::Selection::all(),
     };
     let report = dead::replay(&conn, store.as_ref(), names, &sel, limits).await;
+    if let Ok(r) = &report {
+        let target = serde_json::json!({"ids": id.map(|i| vec![i]), "all": id.is_none()});
+        if let Err(e) = audit_direct(&conn, names, "replay", target, r.replayed.len() as u64).await
+        {
+            eprintln!("fleetctl: the replay is done, but its audit record was not written: {e}");
+        }
+    }
     let _ = conn.close(200, ShortString::from("done")).await;
     let report = report.with_context(|| format!("replaying from {}", names.dead_queue()))?;
     for (id, why) in &report.failed {
@@ -1091,6 +1098,33 @@ async fn dead_replay(
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// Appends the audit record of an action fleetctl did on the broker directly (not through the
+/// API, so with no token): by `fleetctl:<login user>`, role `broker` — whoever holds the
+/// broker's credentials ([`fleet::control`]).
+async fn audit_direct(
+    conn: &Connection,
+    names: &Names,
+    action: &str,
+    target: Value,
+    count: u64,
+) -> Result<()> {
+    let user = std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .unwrap_or_else(|_| "unknown".into());
+    let who = fleet::settings::Caller {
+        name: format!("fleetctl:{user}"),
+        role: None,
+    };
+    let at = chrono::Utc::now().timestamp_millis();
+    let mut rec = fleet::control::Record::audit(action, target, count, &who, "", at);
+    if let fleet::control::Op::Audit { role, .. } = &mut rec.op {
+        *role = "broker".into();
+    }
+    let publisher = fleet::broker::amqp::confirm_channel(conn).await?;
+    fleet::control::append(&publisher, names, &rec).await?;
+    Ok(())
 }
 
 // ---- schedules ----

@@ -160,6 +160,21 @@ async fn every_operator_action_is_in_the_audit_log_with_its_token_name() -> Resu
     .await?;
     assert_eq!(code, 200, "{body}");
 
+    // 3b. a replay by fleetctl straight on the broker (no token): by the login user, role broker.
+    let dead2 = task(JOB, json!({"die": true}), "pool=audit");
+    ns.submit(std::slice::from_ref(&dead2)).await?;
+    ns.wait_state(&dead2.id, "dead", Duration::from_secs(20))
+        .await?;
+    let api = format!("http://{}", sched.addr);
+    let (code, out, err) = fleetctl_with(
+        &ns,
+        &api,
+        &[("USER", "tester")],
+        &["dead", "replay", &dead2.id],
+    )
+    .await?;
+    assert_eq!((code, out.trim()), (0, "replayed=1"), "{err}");
+
     // 4. schedules: add, pause, resume, fire, remove (ops-alice).
     let name = format!("audit-{}", ns.name);
     let spec = json!({"name": name, "cron": "0 0 1 1 *", "task": {"kind": JOB, "labels": {"pool": "audit"}, "payload": {}}});
@@ -204,6 +219,13 @@ async fn every_operator_action_is_in_the_audit_log_with_its_token_name() -> Resu
         alice("schedule_add", json!({"schedule": name})),
         (
             "replay".to_string(),
+            "fleetctl:tester".to_string(),
+            "broker".to_string(),
+            1,
+            json!({"ids": [dead2.id], "all": false}),
+        ),
+        (
+            "replay".to_string(),
             "admin-3".to_string(),
             "admin".to_string(),
             1,
@@ -236,7 +258,24 @@ async fn every_operator_action_is_in_the_audit_log_with_its_token_name() -> Resu
     for secret in [ALICE, VIEWER, FILE_ADMIN] {
         assert!(!text.contains(secret), "a token is in the audit log");
     }
-    assert_eq!(raw["entries"][7]["reason"], "wrong deploy");
+    assert_eq!(raw["entries"][8]["reason"], "wrong deploy");
+    // fleetctl audit shows the same (read token).
+    let (code, out, err) =
+        fleetctl_with(&ns, &api, &[("FLEET_API_TOKEN", VIEWER)], &["audit"]).await?;
+    assert_eq!(code, 0, "{err}");
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 10, "9 entries and the count line:\n{out}");
+    assert_eq!(rows[0][1..5], ["drain", "ops-alice", "admin", "1"], "{out}");
+    assert_eq!(
+        rows[6][1..5],
+        ["replay", "fleetctl:tester", "broker", "1"],
+        "{out}"
+    );
+    assert!(out.contains("9 of 9 entries"), "{out}");
     println!(
         "audit log: {} entries, newest first: {:?}",
         got.len(),
@@ -259,7 +298,7 @@ async fn every_operator_action_is_in_the_audit_log_with_its_token_name() -> Resu
         Some("ops-alice")
     );
     let (got, raw) = entries(&sched).await?;
-    assert_eq!(got.len(), 9, "the button's cancel is the ninth entry");
+    assert_eq!(got.len(), 10, "the button's cancel is the tenth entry");
 
     // The log is the control stream's: the same after a Redis loss and a new scheduler.
     let ids = |v: &Value| -> Vec<String> {
