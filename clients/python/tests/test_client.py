@@ -6,7 +6,9 @@ worker processes on a fresh namespace each. Exact counts; every wait has a timeo
 
 from __future__ import annotations
 
+import os
 import secrets
+import subprocess
 import sys
 import time
 import unittest
@@ -26,7 +28,7 @@ from fleet_client import (  # noqa: E402
     UnknownTask,
     WaitTimeout,
 )
-from fleet_harness import AMQP_URL, Fleet, metric_sum  # noqa: E402
+from fleet_harness import AMQP_URL, REPO, Fleet, Proc, metric_sum  # noqa: E402
 
 WAIT = 30.0  # seconds any one task may take to end here
 
@@ -49,7 +51,7 @@ class ClientTest(unittest.TestCase):
     admin: str
     reader: str
     client: Client
-    worker_url: str
+    worker: Proc
 
     @classmethod
     def setUpClass(cls) -> None:
@@ -64,7 +66,6 @@ class ClientTest(unittest.TestCase):
         except BaseException:
             cls.fleet.close()
             raise
-        cls.worker_url = worker.url
         cls.worker = worker
         cls.client = Client(AMQP_URL, sched.url, cls.admin, namespace=cls.fleet.namespace)
 
@@ -170,6 +171,31 @@ class ClientTest(unittest.TestCase):
             return str(self.client.status(tid)["state"])
         except UnknownTask:
             return ""
+
+    def test_readme_example_runs_as_written(self) -> None:
+        readme = (REPO / "README.md").read_text()
+        marker = "<!-- python-client-example"
+        self.assertIn(marker, readme)
+        block = readme.split(marker, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+        api = self.fleet.scheduler.url if self.fleet.scheduler else ""
+        env = {
+            **os.environ,
+            "FLEET_AMQP_URL": AMQP_URL,
+            "FLEET_API_URL": api,
+            "FLEET_API_TOKEN": self.admin,
+            "FLEET_NAMESPACE": self.fleet.namespace,
+            "PYTHONPATH": str(REPO / "clients" / "python"),
+        }
+        before = self.succeeded_runs()
+        out = subprocess.run(
+            [sys.executable, "-c", block], env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(out.stdout, "{'n': 1}\n100 accepted\n")
+        # Its echo and its 100 sleeps run, once each, before the other tests count runs.
+        poll("the example's 101 runs", WAIT, lambda: self.succeeded_runs() - before >= 101)
+        time.sleep(0.3)
+        self.assertEqual(self.succeeded_runs() - before, 101)
 
     def test_status_of_an_unknown_id(self) -> None:
         with self.assertRaises(UnknownTask) as c:
