@@ -264,7 +264,7 @@ class Client:
         if conn is not None and conn.is_open:
             try:
                 conn.close()
-            except pika.exceptions.AMQPError:
+            except (pika.exceptions.AMQPError, OSError):
                 pass
 
     # ------------------------------------------------------------------------ submitting
@@ -450,7 +450,7 @@ class Client:
                 # connection before publishing on it.
                 self._conn.process_data_events(time_limit=0)
             except (pika.exceptions.AMQPError, OSError):
-                self._drop_channel()
+                self.close()
         if self._conn is None or not self._conn.is_open:
             self._drop_channel()
             self._conn = pika.BlockingConnection(pika.URLParameters(self.amqp_url))

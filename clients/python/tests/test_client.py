@@ -89,6 +89,10 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(self.client.submit("echo", [1, 2], id=mine, lane="critical"), mine)
         self.assertEqual(self.client.wait(mine, timeout=WAIT), [1, 2])
         self.assertEqual(self.client.status(mine)["lane"], "critical")
+        # After close() the next submit opens a new connection.
+        self.client.close()
+        again = self.client.submit("echo", "again")
+        self.assertEqual(self.client.wait(again, timeout=WAIT), "again")
 
     def test_submit_many_200_in_one_confirm_window_each_runs_once(self) -> None:
         before = self.succeeded_runs()
