@@ -11,6 +11,8 @@
 //!   `POST /v1/workers/{id}/drain` (404 for an unknown worker).
 //! * `POST /v1/tasks/{id}/cancel` (`cancel`): 202 a promise, 200 again, 409 ended, 404.
 //! * Dead letters (`dead`): `GET /v1/dead`, `GET /v1/dead/{id}`, `POST /v1/dead/replay`.
+//! * The task list and bulk actions (`tasks`): `GET /v1/tasks?state=&group=&kind=&label=&since=&until=&cursor=&limit=`,
+//!   `POST /v1/tasks/bulk` (cancel, retry, delete by ids or query, with a dry run).
 //! * `GET /v1/series`: the last 15 minutes of throughput and wait time ([`crate::series`]).
 //! * The web console at `/ui` ([`crate::console`]).
 //!
@@ -19,6 +21,7 @@
 
 mod cancel;
 mod dead;
+mod tasks;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -80,14 +83,16 @@ pub fn routes(state: AppState) -> Router {
             .route("/v1/groups", get(groups))
             .route("/v1/pressure", get(pressure))
             .route("/v1/series", get(series))
-            .merge(dead::read_routes()),
+            .merge(dead::read_routes())
+            .merge(tasks::read_routes()),
         Role::Read,
     );
     let admin_routes = auth.require(
         Router::new()
             .route("/v1/workers/{id}/drain", post(drain))
             .merge(dead::admin_routes())
-            .merge(cancel::admin_routes()),
+            .merge(cancel::admin_routes())
+            .merge(tasks::admin_routes()),
         Role::Admin,
     );
     let api = submit_routes

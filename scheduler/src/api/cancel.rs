@@ -47,7 +47,7 @@ fn reason_of(body: &[u8]) -> Result<String, String> {
 }
 
 /// Who acts: the token's role (tokens have no names yet), or `anonymous` on an open API.
-fn who(st: &AppState, headers: &HeaderMap) -> String {
+pub(super) fn who(st: &AppState, headers: &HeaderMap) -> String {
     match st.cfg.common.auth.check(headers, Role::Admin) {
         Ok(Some(role)) => role.as_str().to_string(),
         _ => "anonymous".to_string(),
