@@ -157,7 +157,7 @@ async fn a_thousand_queued_tasks_cancelled_by_query_run_zero_times() -> anyhow::
     })
     .await?;
     for e in &elsewhere {
-        ns.wait_state(&e.id, "waiting_for_worker", Duration::from_secs(20))
+        ns.wait_state(&e.id, "waiting_for_worker", Duration::from_secs(60))
             .await?;
     }
     let query = json!({"kind": JOB, "group": g});
