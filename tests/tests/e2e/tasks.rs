@@ -475,6 +475,39 @@ async fn pages_are_newest_first_without_duplicates_or_gaps() -> anyhow::Result<(
     let (win, _, total) =
         list_all(&sched, &format!("since={}&until={until}", base + 2000), 40).await?;
     assert_eq!((win.len(), total), (50, 50));
+    // fleetctl: the list with its counts, then a bulk cancel — dry run, refused without
+    // --yes, done with it.
+    let api = sched.url("");
+    let (code, out, err) = fleetctl(&ns, &api, &["tasks", "--kind", JOB, "--limit", "5"]).await?;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("total=250 waiting_for_worker=250"), "{out}");
+    assert!(out.contains("next: "), "{out}");
+    assert_eq!(
+        out.lines()
+            .filter(|l| l.contains("waiting_for_worker") && l.contains(JOB))
+            .count(),
+        5,
+        "{out}"
+    );
+    let since = (base + 4000).to_string();
+    let args = ["bulk", "cancel", "--kind", JOB, "--since", since.as_str()];
+    let (code, out, _) = fleetctl(&ns, &api, &[&args[..], &["--dry-run"]].concat()).await?;
+    assert_eq!(code, 0);
+    assert!(out.contains("cancel: 50 task(s) selected"), "{out}");
+    let (code, _, err) = fleetctl(&ns, &api, &args).await?;
+    assert_eq!(code, 1, "acting needs --yes");
+    assert!(err.contains("--yes"), "{err}");
+    let (code, out, err) = fleetctl(&ns, &api, &[&args[..], &["--yes"]].concat()).await?;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("cancel: applied=50 skipped=0 failed=0"),
+        "{out}"
+    );
+    let (_, out, _) = fleetctl(&ns, &api, &["tasks", "--state", "cancelled"]).await?;
+    assert!(
+        out.starts_with("total=50 cancelled=50 waiting_for_worker=200"),
+        "{out}"
+    );
     sched.stop().await?;
     ns.cleanup().await
 }
