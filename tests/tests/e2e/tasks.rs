@@ -759,3 +759,108 @@ async fn a_cancelled_task_stays_cancelled_when_its_deadline_passes_while_parked(
     sched.stop().await?;
     ns.cleanup().await
 }
+
+/// The console's Tasks page in a real browser (`tests/ui/tasks.test.mjs`, Debian's chromium
+/// and playwright-core from `ops/services.sh --browser`): filters (from the nav, from a
+/// group's name, typed), per-state counts equal to the API's, pages, a selection of two
+/// cancelled with the dry run shown in the confirm dialog, then everything matching.
+/// Screenshots go to `target/ui-screenshots/tasks-*.png`. Afterwards: on the servers, the
+/// cancelled tasks never ran and the others did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn console_tasks_page_filters_counts_and_bulk_cancel() -> anyhow::Result<()> {
+    use std::path::PathBuf;
+    use std::process::Stdio;
+    use tokio::io::{AsyncBufReadExt, BufReader};
+
+    const ADMIN: &str = "tasks-admin-0123456789abcdef";
+    let ui = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("ui");
+    anyhow::ensure!(
+        ui.join("node_modules/playwright-core").exists(),
+        "playwright-core is not installed in {}: run `bash ops/services.sh --browser`",
+        ui.display()
+    );
+    let ns = Ns::new().await?;
+    let tokens = format!("{ADMIN} admin");
+    let sched = start_scheduler(
+        &ns,
+        &[
+            ("api_tokens", tokens.as_str()),
+            ("health_interval_ms", "300"),
+            ("heartbeat_timeout_ms", "1500"),
+            ("probe_interval_ms", "600000"),
+        ],
+    )
+    .await?;
+    let (runs, gate) = (Runs::default(), Gate::default());
+    let rec = recording(&runs, &gate);
+    let h = [(JOB, rec.clone()), ("blocker", rec.clone()), ("other", rec)];
+    let w = start_worker(&ns, "w-ui", "pool=ui", 1, WORKER, &h).await?;
+    let blocker = task("blocker", json!({"gated": true}), "pool=ui");
+    ns.submit(std::slice::from_ref(&blocker)).await?;
+    ns.wait_state(&blocker.id, "running", Duration::from_secs(20))
+        .await?;
+    let g = group_of_task(&ns, &blocker.id).await?;
+    let waiting: Vec<_> = (0..120)
+        .map(|i| task(JOB, json!({"i": i}), "pool=ui"))
+        .collect();
+    let others: Vec<_> = (0..7)
+        .map(|_| task("other", json!({}), "pool=ui"))
+        .collect();
+    ns.submit(&waiting).await?;
+    ns.submit(&others).await?;
+    let wids: Vec<String> = waiting.iter().map(|e| e.id.clone()).collect();
+    let (all, last) = wait_all_in(&ns, &wids, "queued", Duration::from_secs(30)).await?;
+    assert!(all, "{last:?}");
+    for o in &others {
+        ns.wait_state(&o.id, "queued", Duration::from_secs(20))
+            .await?;
+    }
+    let shots = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/ui-screenshots");
+    std::fs::create_dir_all(&shots)?;
+    let expect = json!({"group": g, "kind": JOB, "waiting": 120});
+    let mut child = tokio::process::Command::new("node")
+        .arg(ui.join("tasks.test.mjs"))
+        .current_dir(&ui)
+        .env("FLEET_UI_BASE", format!("http://{}", sched.addr))
+        .env("FLEET_ADMIN_TOKEN", ADMIN)
+        .env("FLEET_EXPECT", expect.to_string())
+        .env("FLEET_SCREENSHOTS", &shots)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut lines = BufReader::new(
+        child
+            .stdout
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("node stdout"))?,
+    )
+    .lines();
+    let mut picked: Vec<String> = Vec::new();
+    let script = async {
+        while let Some(line) = lines.next_line().await? {
+            println!("[browser] {line}");
+            if let Some(ids) = line.strip_prefix("picked ") {
+                picked = ids.split_whitespace().map(str::to_string).collect();
+            }
+        }
+        anyhow::Ok(child.wait().await?)
+    };
+    let status = tokio::time::timeout(Duration::from_secs(180), script).await??;
+    assert!(status.success(), "the browser script failed: {status}");
+    assert_eq!(picked.len(), 2);
+    assert!(picked.iter().all(|p| wids.contains(p)));
+    // On the servers: every waiting task cancelled and never run; the others run once.
+    gate.open(&blocker.id);
+    let rest: Vec<String> = others.iter().map(|e| e.id.clone()).collect();
+    wait_succeeded(&ns, &rest, Duration::from_secs(30)).await?;
+    ns.wait_settled(Duration::from_secs(30)).await?;
+    let st = count_states(&states(&ns, &wids).await?);
+    assert_eq!(st.get("cancelled"), Some(&120), "{st:?}");
+    assert_eq!(wids.iter().map(|id| runs.count(id)).sum::<usize>(), 0);
+    assert!(rest.iter().all(|id| runs.count(id) == 1));
+    assert!(ns.drain_dead().await?.is_empty());
+    w.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
