@@ -86,8 +86,7 @@ impl Filter {
 
     /// Whether `e` meets every condition.
     pub fn matches(&self, e: &Entry) -> bool {
-        self.matches_but_state(e)
-            && (self.states.is_empty() || self.states.iter().any(|s| *s == e.state))
+        self.matches_but_state(e) && (self.states.is_empty() || self.states.contains(&e.state))
     }
 
     /// Checks the states are words of [`TaskState`]; `Err` names the first unknown one.
@@ -223,7 +222,7 @@ impl Store {
             .arg(to)
             .arg(max.clamp(1, STEP));
         let flat: Vec<String> = self.invoke(&inv).await?;
-        if flat.len() < 2 || (flat.len() - 2) % 7 != 0 {
+        if flat.len() < 2 || !(flat.len() - 2).is_multiple_of(7) {
             return Err(crate::Error::BadAnswer {
                 from: "status/walk.lua",
                 detail: format!("{} items", flat.len()),
