@@ -864,3 +864,58 @@ async fn console_tasks_page_filters_counts_and_bulk_cancel() -> anyhow::Result<(
     sched.stop().await?;
     ns.cleanup().await
 }
+
+/// The index never outgrows the records: ids whose status record is gone leave it — by the
+/// trim step (old entries) and by the walk that meets them (any entry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_index_forgets_ids_whose_records_are_gone() -> anyhow::Result<()> {
+    use deadpool_redis::redis;
+    let ns = Ns::new().await?;
+    let tix = ns.names.task_index();
+    let now = chrono::Utc::now().timestamp_millis();
+    let mut p = redis::pipe();
+    // Old: 3 without a record, 2 with one (a run still alive); recent: 4 without.
+    for i in 0..5 {
+        p.cmd("ZADD")
+            .arg(&tix)
+            .arg(1000 + i)
+            .arg(format!("old-{i}"))
+            .ignore();
+    }
+    for i in 3..5 {
+        p.cmd("HSET")
+            .arg(ns.names.task(&format!("old-{i}")))
+            .arg("state")
+            .arg("running")
+            .ignore();
+    }
+    for i in 0..4 {
+        p.cmd("ZADD")
+            .arg(&tix)
+            .arg(now - i)
+            .arg(format!("new-{i}"))
+            .ignore();
+    }
+    ns.store.pipe::<()>(&p).await?;
+    let (removed, checked) = ns.store.trim_task_index(now - 60_000, 100).await?;
+    assert_eq!((removed, checked), (3, 5));
+    let card = |ns: &Ns| {
+        let tix = tix.clone();
+        let store = ns.store.clone();
+        async move { store.query::<u64>(redis::cmd("ZCARD").arg(&tix)).await }
+    };
+    assert_eq!(card(&ns).await?, 6);
+    let page = ns
+        .store
+        .list_tasks(&fleet::status::index::Filter::default(), None, 50)
+        .await?;
+    let ids: Vec<&str> = page.tasks.iter().map(|e| e.id.as_str()).collect();
+    assert_eq!(ids, ["old-4", "old-3"], "only live records listed");
+    assert_eq!(page.counts.get("running"), Some(&2));
+    assert_eq!(
+        card(&ns).await?,
+        2,
+        "the walk removed the 4 recent ids without a record"
+    );
+    ns.cleanup().await
+}
