@@ -16,8 +16,9 @@
 //!
 //! `tasks`: newest first (the run's submission time, then id), after the cursor. `counts`: every
 //! task matching the other filters, per state, over the whole time range (exact unless
-//! `complete` is false: see the index's bound); `total`: the counts of the states asked for (all
-//! when no state is given). 400 for an unknown state, a bad time, label or cursor; 503 Redis.
+//! `complete` is false: see the index's bound), computed at most every [`COUNTS_FOR`] per
+//! filter on each replica (a bulk run drops them) — between, a page walks only until it is
+//! full; `total`: the counts of the states asked for (all when no state is given). 400 for an unknown state, a bad time, label or cursor; 503 Redis.
 //!
 //! # `POST /v1/tasks/bulk` (role `admin`)
 //!
@@ -191,13 +192,37 @@ async fn list(State(st): State<AppState>, Query(pairs): Query<Vec<(String, Strin
         Err(e) => return error(StatusCode::BAD_REQUEST, "bad_query", e),
     };
     let limit = limit.unwrap_or(PAGE_DEFAULT).clamp(1, PAGE_MAX);
-    let page = match st.store.list_tasks(&f, cursor.as_ref(), limit).await {
+    let key = counts_key(&st, &f);
+    let cached = counts_cache(|c| c.get(&key).filter(|e| e.0.elapsed() < COUNTS_FOR).cloned());
+    let page = match st
+        .store
+        .list_tasks(&f, cursor.as_ref(), limit, cached.is_none())
+        .await
+    {
         Ok(p) => p,
         Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
     };
+    let (walked, complete, scanned) = match cached {
+        Some((_, c, complete, scanned)) => (c, complete, scanned),
+        None => {
+            let e = (
+                Instant::now(),
+                page.counts.clone(),
+                page.complete,
+                page.scanned,
+            );
+            counts_cache(|c| {
+                if c.len() >= COUNTS_KEPT {
+                    c.clear();
+                }
+                c.insert(key, e);
+            });
+            (page.counts, page.complete, page.scanned)
+        }
+    };
     let mut counts: BTreeMap<String, u64> =
         TaskState::ALL.iter().map(|s| (s.to_string(), 0)).collect();
-    counts.extend(page.counts.clone());
+    counts.extend(walked);
     let total: u64 = counts
         .iter()
         .filter(|(s, _)| f.states.is_empty() || f.states.contains(s))
@@ -208,10 +233,34 @@ async fn list(State(st): State<AppState>, Query(pairs): Query<Vec<(String, Strin
         "counts": counts,
         "total": total,
         "next": page.next,
-        "scanned": page.scanned,
-        "complete": page.complete,
+        "scanned": scanned,
+        "complete": complete,
     }))
     .into_response()
+}
+
+/// How long a listing's counts are reused for the same filter (on this replica).
+const COUNTS_FOR: Duration = Duration::from_secs(5);
+/// Most filters whose counts are kept (all are dropped past it).
+const COUNTS_KEPT: usize = 64;
+
+/// Counts per filter: (when, counts, complete, scanned).
+type CountsCache = std::collections::HashMap<String, (Instant, BTreeMap<String, u64>, bool, u64)>;
+
+/// Runs `f` on this process's counts cache (a poisoned lock is recovered: it holds only a
+/// cache).
+fn counts_cache<T>(f: impl FnOnce(&mut CountsCache) -> T) -> T {
+    static CACHE: std::sync::OnceLock<std::sync::Mutex<CountsCache>> = std::sync::OnceLock::new();
+    let m = CACHE.get_or_init(Default::default);
+    let mut g = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    f(&mut g)
+}
+
+/// The cache key of a listing's counts: its namespace and every filter but the states.
+fn counts_key(st: &AppState, f: &Filter) -> String {
+    let mut k = f.clone();
+    k.states.clear();
+    format!("{}|{}", st.store.names.prefix(), json!(k))
 }
 
 /// A bulk action.
@@ -469,6 +518,8 @@ async fn bulk(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Re
         Err(r) => return r,
     };
     let by = super::cancel::who(&st, &headers);
+    // The counts change: listings count again.
+    counts_cache(|c| c.clear());
     let tally = match b.action {
         Action::Cancel => cancel_all(&st, &chosen.ids, &by, &b.reason).await,
         Action::Retry | Action::Delete => match dead_letters(&st, b.action, &chosen.ids).await {

@@ -907,7 +907,7 @@ async fn the_index_forgets_ids_whose_records_are_gone() -> anyhow::Result<()> {
     assert_eq!(card(&ns).await?, 6);
     let page = ns
         .store
-        .list_tasks(&fleet::status::index::Filter::default(), None, 50)
+        .list_tasks(&fleet::status::index::Filter::default(), None, 50, true)
         .await?;
     let ids: Vec<&str> = page.tasks.iter().map(|e| e.id.as_str()).collect();
     assert_eq!(ids, ["old-4", "old-3"], "only live records listed");
