@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use fleet::control::{Cancels, Mode, Reader, Record};
+use fleet::control::{AuditLog, Cancels, Mode, Reader, Record};
 use fleet::Store;
 use tokio_util::sync::CancellationToken;
 
@@ -29,6 +29,8 @@ pub struct ControlLoop {
     pub store: Store,
     pub conn: Arc<lapin::Connection>,
     pub cancels: Cancels,
+    /// The audit log `GET /v1/audit` reads (kept across sessions: records are added once per id).
+    pub audit: AuditLog,
     /// The status TTL: how long a mark lives in Redis.
     pub status_ttl: Duration,
 }
@@ -61,8 +63,10 @@ impl ControlLoop {
                             Err(_) => break,
                         }
                     }
+                    reader.ack().await?;
                     for rec in &recs {
                         self.cancels.apply(rec);
+                        self.audit.apply(rec);
                     }
                     if !self.write(&recs.iter().filter_map(mark).collect::<Vec<_>>()).await {
                         dirty = true;
@@ -75,8 +79,9 @@ impl ControlLoop {
 
     /// Writes every mark again if Redis lost them (or `force`); `false` when Redis failed.
     async fn check(&self, force: bool) -> bool {
-        self.cancels
-            .prune(self.store.clock.now_ms() - fleet::control::MAX_AGE.as_millis() as i64);
+        let horizon = self.store.clock.now_ms() - fleet::control::MAX_AGE.as_millis() as i64;
+        self.cancels.prune(horizon);
+        self.audit.prune(horizon);
         match self.store.control_applied().await {
             Ok(true) if !force => true,
             Ok(_) => {
@@ -123,8 +128,12 @@ impl ControlLoop {
     }
 }
 
-/// A record's cancel mark, `(id, at_ms, by, reason)`.
+/// A record's cancel mark, `(id, at_ms, by, reason)`; `None` for other records.
 fn mark(rec: &Record) -> Option<(String, i64, String, String)> {
-    let fleet::control::Op::Cancel { task, reason, by } = &rec.op;
-    Some((task.clone(), rec.at_ms, by.clone(), reason.clone()))
+    match &rec.op {
+        fleet::control::Op::Cancel {
+            task, reason, by, ..
+        } => Some((task.clone(), rec.at_ms, by.clone(), reason.clone())),
+        _ => None,
+    }
 }

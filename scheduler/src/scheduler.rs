@@ -69,6 +69,7 @@ pub async fn run(
     let group_board: GroupBoard = Arc::default();
     let connection: ConnectionSlot = Arc::default();
     let history = Series::default();
+    let audit = fleet::control::AuditLog::default();
     let state = AppState {
         cfg: cfg.clone(),
         store: store.clone(),
@@ -80,6 +81,7 @@ pub async fn run(
         series: history.clone(),
         dead_reader: Arc::new(tokio::sync::Semaphore::new(1)),
         renewal: Arc::default(),
+        audit: audit.clone(),
     };
     let board = schedule::Board::default();
     let sched_api = schedule::api::ScheduleApi {
@@ -145,6 +147,7 @@ pub async fn run(
             publisher.clone(),
             boards,
             board.clone(),
+            audit.clone(),
             &ready,
             &shutdown,
         )
@@ -241,6 +244,7 @@ async fn session(
     publisher_slot: Arc<RwLock<Option<fleet::broker::amqp::Publisher>>>,
     (probes, group_board): (ProbeBoard, GroupBoard),
     board: schedule::Board,
+    audit: fleet::control::AuditLog,
     ready: &Readiness,
     shutdown: &CancellationToken,
 ) -> fleet::Result<()> {
@@ -420,6 +424,7 @@ async fn session(
             store: store.clone(),
             conn: conn.clone(),
             cancels: fleet::control::Cancels::default(),
+            audit,
             status_ttl: cfg.common.status_ttl,
         }
     );

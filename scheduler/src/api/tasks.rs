@@ -517,11 +517,30 @@ async fn bulk(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Re
         Ok(c) => c,
         Err(r) => return r,
     };
-    let by = super::cancel::who(&st, &headers);
+    let who = super::caller(&st, &headers);
     // The counts change: listings count again.
     counts_cache(|c| c.clear());
+    // The audit target: the query, or the ids (the first ones, and how many).
+    let target = match (&b.filter, &b.ids) {
+        (Some(_), _) => json!({"query": query}),
+        (None, Some(ids)) => {
+            json!({"ids": ids.iter().take(SAMPLE).collect::<Vec<_>>(), "ids_given": ids.len()})
+        }
+        (None, None) => Value::Null,
+    };
+    let action = format!("bulk_{}", b.action.as_str());
+    // The bulk action's own audit record: its cancels name it (one audit entry for the whole
+    // action, `fleet::control::Op::Cancel::bulk`); written once applied, with the count.
+    let mut audit = Record::audit(
+        &action,
+        target.clone(),
+        0,
+        &who,
+        &b.reason,
+        st.store.clock.now_ms(),
+    );
     let tally = match b.action {
-        Action::Cancel => cancel_all(&st, &chosen.ids, &by, &b.reason).await,
+        Action::Cancel => cancel_all(&st, &chosen.ids, &who, &b.reason, &audit.id).await,
         Action::Retry | Action::Delete => match dead_letters(&st, b.action, &chosen.ids).await {
             Ok(t) => t,
             Err(r) => return r,
@@ -529,14 +548,17 @@ async fn bulk(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Re
     };
     tracing::info!(
         action = b.action.as_str(),
-        by = %by,
+        by = %who.name,
         count = chosen.ids.len(),
         applied = tally.applied,
         skipped = tally.skipped,
         failed = tally.failed,
         "bulk action"
     );
-    // AUDIT: audit(&st, &caller, &format!("tasks.bulk.{}", b.action.as_str()), json!({"query": query, "ids": b.ids}), tally.applied)
+    if let control::Op::Audit { count, .. } = &mut audit.op {
+        *count = tally.applied;
+    }
+    append_audit(&st, &audit).await;
     Json(json!({
         "action": b.action.as_str(),
         "count": chosen.ids.len(),
@@ -553,7 +575,13 @@ async fn bulk(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Re
 /// Cancels `ids` in paced batches: per batch, the states read again (a task that ended or was
 /// cancelled meanwhile is skipped), one control-stream record per task appended together
 /// (confirms awaited: the promise), then the marks (`cancel.lua`, as the single cancel).
-async fn cancel_all(st: &AppState, ids: &[String], by: &str, reason: &str) -> Tally {
+async fn cancel_all(
+    st: &AppState,
+    ids: &[String],
+    who: &fleet::settings::Caller,
+    reason: &str,
+    bulk: &str,
+) -> Tally {
     let mut t = Tally::default();
     let start = Instant::now();
     let mut done = 0;
@@ -582,7 +610,7 @@ async fn cancel_all(st: &AppState, ids: &[String], by: &str, reason: &str) -> Ta
         let now = st.store.clock.now_ms();
         let recs: Vec<Record> = live
             .iter()
-            .map(|id| Record::cancel(id, reason, by, now))
+            .map(|id| Record::cancel(id, reason, who, now).in_bulk(bulk))
             .collect();
         let appended = match st.publisher.read().await.as_ref() {
             Some(p) => control::append_batch(p, &st.store.names, &recs).await,
@@ -593,7 +621,12 @@ async fn cancel_all(st: &AppState, ids: &[String], by: &str, reason: &str) -> Ta
         };
         let mut marks = Vec::new();
         for (rec, r) in recs.iter().zip(appended) {
-            let control::Op::Cancel { task, reason, by } = &rec.op;
+            let control::Op::Cancel {
+                task, reason, by, ..
+            } = &rec.op
+            else {
+                continue;
+            };
             match r {
                 Ok(()) => marks.push((task.clone(), rec.at_ms, by.clone(), reason.clone())),
                 Err(e) => t.fail(
@@ -610,9 +643,10 @@ async fn cancel_all(st: &AppState, ids: &[String], by: &str, reason: &str) -> Ta
             Ok(prev) => {
                 for p in prev {
                     match p {
-                        // Cancelled by this very record through this replica's control loop
-                        // first, or an attempt that ended meanwhile: see cancel.rs.
-                        Some(p) if p == TaskState::Cancelled.as_str() => t.applied += 1,
+                        // This very record, applied first by a control loop (or the worker
+                        // that ran the task ended it from the stream): see cancel.lua.
+                        Some(p) if p.starts_with("same:") => t.applied += 1,
+                        // Cancelled by someone else, or ended meanwhile.
                         Some(p) if TaskState::is_terminal_word(&p) => t.skipped += 1,
                         Some(_) => t.applied += 1,
                         None => t.skipped += 1,
@@ -628,6 +662,26 @@ async fn cancel_all(st: &AppState, ids: &[String], by: &str, reason: &str) -> Ta
     }
     metrics::counter!(fleet::metrics::TASKS_CANCELLED).increment(t.applied);
     t
+}
+
+/// Appends a bulk action's audit record once it was applied (a few tries, as
+/// `audit_log::audit_to`; the action stands either way — a failure is logged).
+async fn append_audit(st: &AppState, rec: &Record) {
+    let mut last = fleet::Error::NotConnected;
+    for n in 0..3 {
+        if n > 0 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        let r = match st.publisher.read().await.as_ref() {
+            Some(p) => control::append(p, &st.store.names, rec).await,
+            None => Err(fleet::Error::NotConnected),
+        };
+        match r {
+            Ok(()) => return,
+            Err(e) => last = e,
+        }
+    }
+    tracing::error!(error = %last, "a bulk action was applied but its audit record was not written");
 }
 
 /// Replays (retry) or deletes the dead letters of `ids`, in one read of the dead queue.
