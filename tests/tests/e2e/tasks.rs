@@ -142,11 +142,18 @@ async fn a_thousand_queued_tasks_cancelled_by_query_run_zero_times() -> anyhow::
         .map(|_| task("other", json!({}), "pool=b"))
         .collect();
     let elsewhere: Vec<_> = (0..20).map(|_| task(JOB, json!({}), "pool=o")).collect();
+    // The ones waiting for a worker first: 1,000 tasks queued beyond the group's room close
+    // the intake gate (pressure Red) until they drain, and what comes after them waits in
+    // ingress, with no status yet.
+    ns.submit(&elsewhere).await?;
+    for e in &elsewhere {
+        ns.wait_state(&e.id, "waiting_for_worker", Duration::from_secs(60))
+            .await?;
+    }
     for chunk in envs.chunks(250) {
         assert_eq!(ns.submit(chunk).await?, (chunk.len(), 0));
     }
     ns.submit(&others).await?;
-    ns.submit(&elsewhere).await?;
     let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
     wait_for("1,000 tasks waiting", Duration::from_secs(60), || async {
         let s = states(&ns, &ids).await.ok()?;
@@ -156,10 +163,6 @@ async fn a_thousand_queued_tasks_cancelled_by_query_run_zero_times() -> anyhow::
             .filter(|_| s.len() == ids.len())
     })
     .await?;
-    for e in &elsewhere {
-        ns.wait_state(&e.id, "waiting_for_worker", Duration::from_secs(60))
-            .await?;
-    }
     let query = json!({"kind": JOB, "group": g});
     let t0 = Instant::now();
     let (code, dry) = bulk(
@@ -199,6 +202,25 @@ async fn a_thousand_queued_tasks_cancelled_by_query_run_zero_times() -> anyhow::
         (&json!(1000), &json!(1000), &json!(0), &json!(0)),
         "{run}"
     );
+    // The audit log: one entry for the whole action, with its count and query (the 1,000
+    // cancel records name it and add no entry of their own).
+    let audit = wait_for(
+        "the bulk action's audit entry",
+        Duration::from_secs(20),
+        || async {
+            let v = get_json(&sched.url("/v1/audit")).await.ok()?;
+            let e = v["entries"].as_array()?.clone();
+            e.iter().any(|x| x["action"] == "bulk_cancel").then_some(e)
+        },
+    )
+    .await?;
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert_eq!(
+        (&audit[0]["count"], &audit[0]["by"], &audit[0]["reason"]),
+        (&json!(1000), &json!("anonymous"), &json!("bulk test")),
+        "{audit:?}"
+    );
+    assert_eq!(audit[0]["target"]["query"]["group"], json!(g));
     // The other group gets its worker; the blocker ends; everything left runs.
     let wo = start_worker(&ns, "w-o", "pool=o", 4, WORKER, &h).await?;
     gate.open(&blocker.id);
