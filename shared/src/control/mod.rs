@@ -566,7 +566,7 @@ impl Reader {
     }
 
     /// Acks every record returned so far (the stream's credit: the broker sends at most
-    /// [`PREFETCH`] unacked records). Errors: the channel failed (open a new reader).
+    /// `PREFETCH` unacked records). Errors: the channel failed (open a new reader).
     pub async fn ack(&mut self) -> Result<()> {
         if let Some(tag) = self.unacked.take() {
             self.ch
