@@ -11,6 +11,8 @@
 //!   `POST /v1/workers/{id}/drain` (404 for an unknown worker).
 //! * `POST /v1/tasks/{id}/cancel` (`cancel`): 202 a promise, 200 again, 409 ended, 404.
 //! * Dead letters (`dead`): `GET /v1/dead`, `GET /v1/dead/{id}`, `POST /v1/dead/replay`.
+//! * The task list and bulk actions (`tasks`): `GET /v1/tasks?state=&group=&kind=&label=&since=&until=&cursor=&limit=`,
+//!   `POST /v1/tasks/bulk` (cancel, retry, delete by ids or query, with a dry run).
 //! * `GET /v1/series`: the last 15 minutes of throughput and wait time ([`crate::series`]).
 //! * The web console at `/ui` ([`crate::console`]).
 //!
@@ -20,6 +22,7 @@
 mod audit_log;
 mod cancel;
 mod dead;
+mod tasks;
 
 pub(crate) use audit_log::{audit, audit_to, caller, caller_of};
 
@@ -86,6 +89,7 @@ pub fn routes(state: AppState) -> Router {
             .route("/v1/pressure", get(pressure))
             .route("/v1/series", get(series))
             .merge(dead::read_routes())
+            .merge(tasks::read_routes())
             .merge(audit_log::read_routes()),
         Role::Read,
     );
@@ -93,7 +97,8 @@ pub fn routes(state: AppState) -> Router {
         Router::new()
             .route("/v1/workers/{id}/drain", post(drain))
             .merge(dead::admin_routes())
-            .merge(cancel::admin_routes()),
+            .merge(cancel::admin_routes())
+            .merge(tasks::admin_routes()),
         Role::Admin,
     );
     let api = submit_routes
