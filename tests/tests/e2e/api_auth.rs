@@ -263,10 +263,16 @@ async fn every_endpoint_needs_its_role() -> Result<()> {
     assert_ne!(code, 0);
     assert!(err.contains("403") && !err.contains(READ), "{err}");
 
-    // Drain with admin: through the scheduler (fleetctl), then the worker's own endpoint.
-    let (code, out, err) = fleetctl(Some(ADMIN), &["drain", "w-auth"]).await?;
+    // Drain with admin: through the scheduler (fleetctl; a second worker — the drain reaches a
+    // worker through the control stream at once, and an idle worker then exits), then the
+    // worker's own endpoint.
+    let other = start_worker(&ns, "w-auth2", "zone=b", 1, &auth, &[]).await?;
+    let (code, out, err) = fleetctl(Some(ADMIN), &["drain", "w-auth2"]).await?;
     assert_eq!(code, 0, "stderr: {err}");
     assert!(out.contains("draining"), "{out}");
+    tokio::time::timeout(Duration::from_secs(20), other.join)
+        .await
+        .map_err(|_| anyhow::anyhow!("w-auth2 did not drain and exit"))???;
     assert_eq!(
         call(&c, Method::POST, &wurl("/drain"), None, true).await?,
         StatusCode::UNAUTHORIZED
