@@ -51,8 +51,9 @@ async fn cancel(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Response {
+    // Cut once, here: the stream's record, the Redis mark and the answer say the same.
     let reason = match reason_of(&body) {
-        Ok(r) => r,
+        Ok(r) => fleet::status::truncate(&r, control::MAX_TEXT),
         Err(e) => return error(StatusCode::BAD_REQUEST, "bad_body", e),
     };
     let who = super::caller(&st, &headers);

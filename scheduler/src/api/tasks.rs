@@ -530,15 +530,25 @@ async fn bulk(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Re
     };
     let action = format!("bulk_{}", b.action.as_str());
     // The bulk action's own audit record: its cancels name it (one audit entry for the whole
-    // action, `fleet::control::Op::Cancel::bulk`); written once applied, with the count.
-    let mut audit = Record::audit(
+    // action, `fleet::control::Op::Cancel::bulk`). Written before the first task is touched,
+    // with the count selected — a run cut short (a crash mid-way) is still in the log — and
+    // nothing is done when the broker does not take it (the answer says applied / skipped /
+    // failed).
+    let audit = Record::audit(
         &action,
         target.clone(),
-        0,
+        chosen.ids.len() as u64,
         &who,
         &b.reason,
         st.store.clock.now_ms(),
     );
+    if let Err(e) = append_audit(&st, &audit).await {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "broker_unavailable",
+            format!("the bulk action was not recorded (nothing done; try again): {e}"),
+        );
+    }
     let tally = match b.action {
         Action::Cancel => cancel_all(&st, &chosen.ids, &who, &b.reason, &audit.id).await,
         Action::Retry | Action::Delete => match dead_letters(&st, b.action, &chosen.ids).await {
@@ -555,10 +565,6 @@ async fn bulk(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Re
         failed = tally.failed,
         "bulk action"
     );
-    if let control::Op::Audit { count, .. } = &mut audit.op {
-        *count = tally.applied;
-    }
-    append_audit(&st, &audit).await;
     Json(json!({
         "action": b.action.as_str(),
         "count": chosen.ids.len(),
@@ -664,9 +670,9 @@ async fn cancel_all(
     t
 }
 
-/// Appends a bulk action's audit record once it was applied (a few tries, as
-/// `audit_log::audit_to`; the action stands either way — a failure is logged).
-async fn append_audit(st: &AppState, rec: &Record) {
+/// Appends a bulk action's audit record (a few tries, as `audit_log::audit_to`). Errors: the
+/// broker did not take it.
+async fn append_audit(st: &AppState, rec: &Record) -> fleet::Result<()> {
     let mut last = fleet::Error::NotConnected;
     for n in 0..3 {
         if n > 0 {
@@ -677,11 +683,12 @@ async fn append_audit(st: &AppState, rec: &Record) {
             None => Err(fleet::Error::NotConnected),
         };
         match r {
-            Ok(()) => return,
+            Ok(()) => return Ok(()),
             Err(e) => last = e,
         }
     }
-    tracing::error!(error = %last, "a bulk action was applied but its audit record was not written");
+    tracing::warn!(error = %last, "a bulk action's audit record was not written: nothing done");
+    Err(last)
 }
 
 /// Replays (retry) or deletes the dead letters of `ids`, in one read of the dead queue.

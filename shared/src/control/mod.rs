@@ -4,10 +4,11 @@
 //! # The audit log
 //!
 //! Every operator action — cancel, drain, dead-letter replay, bulk action, pause and resume,
-//! schedule add/remove/pause/resume/fire, limit change — appends a record naming who acted (the
-//! token's name and role, [`crate::settings::Caller`]; never the secret), when, on what (the
-//! target or query) and how many it touched. A cancel is its own record ([`Op::Cancel`]); any
-//! other action is an [`Op::Audit`] appended after the action was applied. Every scheduler
+//! schedule add/remove/pause/resume/fire — appends a record naming who acted (the token's name
+//! and role, [`crate::settings::Caller`]; never the secret), when, on what (the target or query)
+//! and how many it touched. A cancel is its own record ([`Op::Cancel`]), as are pauses; any other
+//! action is an [`Op::Audit`] — a drain's and a bulk action's appended before they are applied
+//! (their promise), a replay's and a schedule change's right after. Every scheduler
 //! replica folds the stream into an [`AuditLog`] in memory (`GET /v1/audit` answers from it), so
 //! the log survives Redis loss and is the same through every replica; it holds what the
 //! stream holds: [`MAX_AGE`] of records (at most [`AUDIT_MAX`] entries in memory).
@@ -88,7 +89,7 @@ pub enum Op {
     Audit {
         /// What was done: `drain`, `replay`, `bulk_cancel`, `bulk_retry`, `bulk_delete`,
         /// `pause`, `resume`, `schedule_add`, `schedule_remove`, `schedule_pause`,
-        /// `schedule_resume`, `schedule_fire`, `limit_set`, ...
+        /// `schedule_resume`, `schedule_fire`
         action: String,
         /// On what: the target (`{"worker": id}`, `{"schedule": name}`) or the query.
         #[serde(default)]
@@ -358,6 +359,11 @@ impl AuditLog {
         let Some(e) = AuditEntry::of(rec) else {
             return;
         };
+        // The stream drops whole segments: a reader may still see records past the retention
+        // (a replica that reads them after a reconnect must not show what others pruned).
+        if e.at_ms < crate::redis::now_ms() - MAX_AGE.as_millis() as i64 {
+            return;
+        }
         let Ok(mut g) = self.inner.write() else {
             return;
         };
@@ -655,6 +661,21 @@ mod tests {
     }
 
     #[test]
+    fn records_past_the_retention_are_not_kept() {
+        let log = AuditLog::default();
+        let old = crate::redis::now_ms() - MAX_AGE.as_millis() as i64 - 1000;
+        log.apply(&Record::audit(
+            "drain",
+            serde_json::json!({}),
+            1,
+            &alice(),
+            "",
+            old,
+        ));
+        assert!(log.is_empty());
+    }
+
+    #[test]
     fn a_cancel_record_of_an_older_fleet_still_reads() {
         let old = r#"{"id":"x","at_ms":5,"op":"cancel","task":"t","reason":"","by":"admin"}"#;
         let r: Record = serde_json::from_str(old).unwrap();
@@ -664,13 +685,14 @@ mod tests {
     #[test]
     fn the_audit_log_lists_newest_first_once_per_record_without_bulk_members() {
         let log = AuditLog::default();
+        let t0 = crate::redis::now_ms();
         let drain = Record::audit(
             "drain",
             serde_json::json!({"worker": "w1"}),
             1,
             &alice(),
             "",
-            10,
+            t0 + 10,
         );
         let bulk = Record::audit(
             "bulk_cancel",
@@ -678,10 +700,10 @@ mod tests {
             2,
             &alice(),
             "oops",
-            20,
+            t0 + 20,
         );
-        let c1 = Record::cancel("t1", "oops", &alice(), 21).in_bulk(&bulk.id);
-        let single = Record::cancel("t9", "", &Caller::anonymous(), 30);
+        let c1 = Record::cancel("t1", "oops", &alice(), t0 + 21).in_bulk(&bulk.id);
+        let single = Record::cancel("t9", "", &Caller::anonymous(), t0 + 30);
         for r in [&drain, &bulk, &c1, &single, &drain] {
             log.apply(r);
         }
@@ -706,8 +728,8 @@ mod tests {
         });
         assert_eq!(p.len(), 1);
         let (p, t) = all(AuditQuery {
-            since_ms: Some(15),
-            until_ms: Some(25),
+            since_ms: Some(t0 + 15),
+            until_ms: Some(t0 + 25),
             ..Default::default()
         });
         assert_eq!((p.len(), t), (1, 1));
@@ -717,7 +739,7 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(p[0].action, "bulk_cancel", "the page after the first");
-        log.prune(15);
+        log.prune(t0 + 15);
         assert_eq!(log.len(), 2);
     }
 
