@@ -10,6 +10,7 @@
 //! * `GET /v1/tasks/{id}`, `GET /v1/workers`, `GET /v1/groups`, `GET /v1/pressure`,
 //!   `POST /v1/workers/{id}/drain` (404 for an unknown worker).
 //! * `POST /v1/tasks/{id}/cancel` (`cancel`): 202 a promise, 200 again, 409 ended, 404.
+//! * Pauses (`pause`): `GET /v1/pauses`, `POST /v1/pauses`, `POST /v1/pauses/resume`.
 //! * Dead letters (`dead`): `GET /v1/dead`, `GET /v1/dead/{id}`, `POST /v1/dead/replay`.
 //! * `GET /v1/series`: the last 15 minutes of throughput and wait time ([`crate::series`]).
 //! * The web console at `/ui` ([`crate::console`]).
@@ -19,6 +20,7 @@
 
 mod cancel;
 mod dead;
+mod pause;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,6 +64,8 @@ pub struct AppState {
     /// Renews the API's publishing channel after [`amqp::RENEW_AFTER`] of submissions nacked
     /// below the ingress bound ([`amqp::Renewal`], the dispatcher's mechanism too).
     pub renewal: Arc<amqp::Renewal>,
+    /// The pauses in force in this process ([`crate::pause`]).
+    pub pauses: crate::pause::Pauses,
 }
 
 /// The API routes, each behind its role when tokens are configured ([`fleet::settings`]): submit
@@ -80,14 +84,16 @@ pub fn routes(state: AppState) -> Router {
             .route("/v1/groups", get(groups))
             .route("/v1/pressure", get(pressure))
             .route("/v1/series", get(series))
-            .merge(dead::read_routes()),
+            .merge(dead::read_routes())
+            .merge(pause::read_routes()),
         Role::Read,
     );
     let admin_routes = auth.require(
         Router::new()
             .route("/v1/workers/{id}/drain", post(drain))
             .merge(dead::admin_routes())
-            .merge(cancel::admin_routes()),
+            .merge(cancel::admin_routes())
+            .merge(pause::admin_routes()),
         Role::Admin,
     );
     let api = submit_routes

@@ -163,8 +163,7 @@ impl Follower {
                                 );
                             }
                             let n = self.board.apply(&rec);
-                            if n > 0 {
-                                let Op::Cancel { task, by, .. } = &rec.op;
+                            if let (true, Op::Cancel { task, by, .. }) = (n > 0, &rec.op) {
                                 tracing::info!(task.id = %fleet::task::escape(task), by = %by, runs = n, "task cancelled: stopping its run");
                             }
                         }

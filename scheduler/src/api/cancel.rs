@@ -115,10 +115,11 @@ async fn cancel(
     }
     // Then the fast copy. A Redis failure here does not undo the promise: every scheduler
     // replica writes the mark from the stream too (crate::control).
-    let control::Op::Cancel {
-        reason: r, by: b, ..
-    } = &rec.op;
-    let mark = [(id.clone(), rec.at_ms, b.clone(), r.clone())];
+    let (r, b) = match &rec.op {
+        control::Op::Cancel { reason, by, .. } => (reason.clone(), by.clone()),
+        _ => (reason.clone(), by.clone()),
+    };
+    let mark = [(id.clone(), rec.at_ms, b, r)];
     match st
         .store
         .cancel(Mode::Api, &mark, st.cfg.common.status_ttl)

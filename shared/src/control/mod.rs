@@ -1,5 +1,5 @@
 //! Operator control that must outlive Redis: the durable **control stream** `<ns>.control`
-//! and the cancels it carries.
+//! and what it carries — cancels (below) and pauses ([`PauseSet`], see `pause.rs`).
 //!
 //! # The promise of a cancel
 //!
@@ -41,6 +41,9 @@ use crate::error::{Error, Result};
 use crate::names::Names;
 use crate::redis::{millis, Store};
 
+mod pause;
+pub use pause::{Pause, PauseSet, Target, RENEW_AFTER};
+
 /// How long the control stream keeps a record (its `x-max-age`): declared with the namespace's
 /// other queues by [`crate::broker::topology`], which owns it.
 pub use crate::broker::topology::CONTROL_MAX_AGE as MAX_AGE;
@@ -64,6 +67,35 @@ pub enum Op {
         #[serde(default)]
         by: String,
     },
+    /// `target` is paused: it takes no new work ([`PauseSet`]).
+    Pause {
+        /// What is paused.
+        target: Target,
+        /// Why (may be empty).
+        #[serde(default)]
+        reason: String,
+        /// Who.
+        #[serde(default)]
+        by: String,
+        /// When the target was first paused (Unix ms), on a renewal ([`Record::renewal`]);
+        /// absent: the record's own time.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        since_ms: Option<i64>,
+    },
+    /// `target` is resumed: its pause ends (a group's resume ends its lanes' pauses too).
+    Resume {
+        /// What is resumed.
+        target: Target,
+        /// Who.
+        #[serde(default)]
+        by: String,
+    },
+    /// A reader's barrier: appended by a scheduler that follows the stream, which has read
+    /// everything before it once it reads this record (its caught-up point).
+    Barrier {
+        /// The reader that appended it (a random id per reader).
+        reader: String,
+    },
 }
 
 /// A record of the control stream: an action, its id and when it was accepted (Unix ms,
@@ -80,6 +112,17 @@ pub struct Record {
 }
 
 impl Record {
+    /// A barrier of reader `reader` at `at_ms` ([`Op::Barrier`]).
+    pub fn barrier(reader: &str, at_ms: i64) -> Self {
+        Record {
+            id: uuid::Uuid::new_v4().simple().to_string(),
+            at_ms,
+            op: Op::Barrier {
+                reader: reader.to_string(),
+            },
+        }
+    }
+
     /// A cancel of `task` by `by` for `reason` (both cut at [`MAX_TEXT`] bytes) at `at_ms`.
     pub fn cancel(task: &str, reason: &str, by: &str, at_ms: i64) -> Self {
         Record {
@@ -116,7 +159,9 @@ impl Cancels {
     /// Adds the cancel of `rec` (other records change nothing); returns the task id it
     /// cancels, if any. The first cancel of an id is kept (a second changes nothing).
     pub fn apply(&self, rec: &Record) -> Option<String> {
-        let Op::Cancel { task, reason, by } = &rec.op;
+        let Op::Cancel { task, reason, by } = &rec.op else {
+            return None;
+        };
         if let Ok(mut m) = self.inner.write() {
             m.entry(task.clone()).or_insert_with(|| Cancel {
                 at_ms: rec.at_ms,
@@ -322,7 +367,9 @@ mod tests {
     #[test]
     fn long_texts_are_cut() {
         let r = Record::cancel("t", &"x".repeat(5000), "a", 1);
-        let Op::Cancel { reason, .. } = r.op;
+        let Op::Cancel { reason, .. } = r.op else {
+            panic!("a cancel")
+        };
         assert!(reason.len() <= MAX_TEXT + 8, "{}", reason.len());
     }
 
