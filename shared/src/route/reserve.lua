@@ -108,8 +108,9 @@ end
 
 -- The selectors of the batch, each resolved to its sorted candidate groups once.
 local sels = {}
-local i = 11 + npaused
-for k = 1, tonumber(ARGV[10]) do
+local nsel = tonumber(ARGV[11 + npaused])
+local i = 12 + npaused
+for k = 1, nsel do
   local np = tonumber(ARGV[i])
   local pairs_ = {}
   for j = 1, np do pairs_[j] = ARGV[i + j] end
