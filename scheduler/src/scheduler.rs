@@ -266,7 +266,6 @@ async fn session(
         _ = shutdown.cancelled() => return Ok(()),
     };
     *publisher_slot.write().await = Some(api_publisher);
-    ready.set_amqp(true);
     tracing::info!(namespace = %cfg.common.namespace, "connected to RabbitMQ; topology declared");
 
     // What the session's loops share, and the dispatch logic over it.
@@ -337,6 +336,8 @@ async fn session(
         r = caught_rx.wait_for(|c| *c) => r.is_ok(),
         _ = stop.cancelled() => false,
     };
+    // Ready once the pauses in force are known: the API answers them, and dispatch starts.
+    ready.set_amqp(caught_up);
     if !caught_up {
         session.stop_within(STOP_WAIT).await;
         return if shutdown.is_cancelled() {

@@ -314,3 +314,248 @@ async fn a_paused_group_runs_nothing_while_another_keeps_its_throughput() -> any
         Err(_) => bail!("the feeder still holds the namespace"),
     }
 }
+
+/// Another kind, for the kind pause (the builtin worker handles any kind it has a handler of).
+const OTHER: &str = "other_job";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_kind_waits_while_other_kinds_of_its_group_run() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let starts = Starts::default();
+    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    let h = [(JOB, starts.handler()), (OTHER, starts.handler())];
+    let w = start_worker(&ns, "w-pk", "pool=pk", 2, WORKER, &h).await?;
+    let (code, body) = post(
+        &sched,
+        "/v1/pauses",
+        json!({"scope": "kind", "kind": OTHER}),
+    )
+    .await?;
+    ensure!(code == 202, "pause answered {code}: {body}");
+    // Interleaved: 60 of the paused kind, 60 of another, one group.
+    let mut held = Vec::new();
+    let mut free = Vec::new();
+    let mut envs = Vec::new();
+    for i in 0..60 {
+        let p = task(OTHER, json!({"ms": 20, "i": i}), "pool=pk");
+        let f = task(JOB, json!({"ms": 20, "i": i}), "pool=pk");
+        held.push(p.id.clone());
+        free.push(f.id.clone());
+        envs.extend([p, f]);
+    }
+    assert_eq!(ns.submit(&envs).await?, (120, 0));
+    // The other kind runs, all of it, behind no held task.
+    wait_ran(&starts, &free, Duration::from_secs(30)).await?;
+    let pauses = wait_for(
+        "the held tasks reported",
+        Duration::from_secs(10),
+        || async {
+            let v = get_json(&sched.url("/v1/pauses")).await.ok()?;
+            (v["pauses"][0]["held"].as_u64() == Some(60)).then_some(v)
+        },
+    )
+    .await?;
+    quiet_for(
+        Duration::from_secs(3),
+        "a held task would start within this",
+    )
+    .await;
+    let ran_held = held
+        .iter()
+        .filter(|id| starts.per_task().contains_key(*id))
+        .count();
+    println!(
+        "kind paused: {} of {} other-kind tasks ran, {ran_held} of {} held ran; pauses {pauses}",
+        free.len(),
+        free.len(),
+        held.len()
+    );
+    ensure!(ran_held == 0, "{ran_held} tasks of the paused kind ran");
+    let (code, body) = post(
+        &sched,
+        "/v1/pauses/resume",
+        json!({"scope": "kind", "kind": OTHER}),
+    )
+    .await?;
+    ensure!(code == 202, "resume answered {code}: {body}");
+    wait_ran(&starts, &held, Duration::from_secs(30)).await?;
+    ns.wait_settled(Duration::from_secs(30)).await?;
+    each_once(&starts, &held, "held kind")?;
+    each_once(&starts, &free, "other kind")?;
+    for id in held.iter().chain(&free) {
+        ensure!(
+            ns.state_of(id).await.as_deref() == Some("succeeded"),
+            "{id}"
+        );
+    }
+    ensure!(ns.drain_dead().await?.is_empty(), "nothing dead-lettered");
+    w.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_lane_stops_that_lane_only() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let starts = Starts::default();
+    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    let h = [(JOB, starts.handler())];
+    let w = start_worker(
+        &ns,
+        "w-pl",
+        "pool=pl",
+        2,
+        &[WORKER, &[("critical_capacity", "2")]].concat(),
+        &h,
+    )
+    .await?;
+    let group = wait_for("the group", Duration::from_secs(10), || async {
+        group_row(&sched, "pool=pl").await.ok()?["group"]
+            .as_str()
+            .map(str::to_string)
+    })
+    .await?;
+    let (code, body) = post(
+        &sched,
+        "/v1/pauses",
+        json!({"scope": "lane", "group": group, "lane": "critical"}),
+    )
+    .await?;
+    ensure!(code == 202, "pause answered {code}: {body}");
+    let mut critical = Vec::new();
+    let mut normal = Vec::new();
+    let mut envs = Vec::new();
+    for i in 0..20 {
+        let mut c = task(JOB, json!({"ms": 20, "i": i}), "pool=pl");
+        c.lane = fleet::Lane::Critical;
+        let n = task(JOB, json!({"ms": 20, "i": i}), "pool=pl");
+        critical.push(c.id.clone());
+        normal.push(n.id.clone());
+        envs.extend([c, n]);
+    }
+    assert_eq!(ns.submit(&envs).await?, (40, 0));
+    wait_ran(&starts, &normal, Duration::from_secs(30)).await?;
+    let row = wait_for(
+        "the critical lane reported paused",
+        Duration::from_secs(10),
+        || async {
+            let row = group_row(&sched, "pool=pl").await.ok()?;
+            (row["backlog_paused"].as_u64() == Some(20)).then_some(row)
+        },
+    )
+    .await?;
+    quiet_for(
+        Duration::from_secs(3),
+        "a critical task would start within this",
+    )
+    .await;
+    let ran = critical
+        .iter()
+        .filter(|id| starts.per_task().contains_key(*id))
+        .count();
+    println!(
+        "critical lane paused: normal {} ran, critical {ran} ran; row {row}",
+        normal.len()
+    );
+    ensure!(ran == 0, "{ran} critical tasks ran");
+    ensure!(row["paused_lanes"] == json!(["critical"]), "{row}");
+    // Resuming the whole group resumes the lane.
+    let (code, body) = post(
+        &sched,
+        "/v1/pauses/resume",
+        json!({"scope": "group", "group": group}),
+    )
+    .await?;
+    ensure!(code == 202, "resume answered {code}: {body}");
+    wait_ran(&starts, &critical, Duration::from_secs(30)).await?;
+    ns.wait_settled(Duration::from_secs(30)).await?;
+    each_once(&starts, &critical, "critical")?;
+    each_once(&starts, &normal, "normal")?;
+    w.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pause_survives_a_scheduler_restart_and_flushall() -> anyhow::Result<()> {
+    let redis = PrivateRedis::start(None, None).await?;
+    let ns = Ns::on_redis(&redis.url(None)).await?;
+    let starts = Starts::default();
+    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    let h = [(JOB, starts.handler())];
+    let w = start_worker(&ns, "w-pd", "pool=pd", 2, WORKER, &h).await?;
+    let group = wait_for("the group", Duration::from_secs(10), || async {
+        group_row(&sched, "pool=pd").await.ok()?["group"]
+            .as_str()
+            .map(str::to_string)
+    })
+    .await?;
+    let (code, body) = post(
+        &sched,
+        "/v1/pauses",
+        json!({"scope": "group", "group": group}),
+    )
+    .await?;
+    ensure!(code == 202, "pause answered {code}: {body}");
+    let before: Vec<_> = (0..20)
+        .map(|i| task(JOB, json!({"i": i}), "pool=pd"))
+        .collect();
+    assert_eq!(ns.submit(&before).await?, (20, 0));
+    wait_for("the tasks parked", Duration::from_secs(20), || async {
+        let row = group_row(&sched, "pool=pd").await.ok()?;
+        (row["backlog_paused"].as_u64() == Some(20)).then_some(())
+    })
+    .await?;
+    // The scheduler stops, Redis loses everything, a new scheduler starts.
+    sched.stop().await?;
+    redis.flushall().await?;
+    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    let after: Vec<_> = (0..20)
+        .map(|i| task(JOB, json!({"j": i}), "pool=pd"))
+        .collect();
+    assert_eq!(ns.submit(&after).await?, (20, 0));
+    let pauses = get_json(&sched.url("/v1/pauses")).await?;
+    ensure!(
+        pauses["pauses"][0]["group"] == group.as_str(),
+        "the restarted scheduler knows the pause: {pauses}"
+    );
+    // The worker registers again (Redis lost it); its group is still paused.
+    wait_for(
+        "the group back and its 40 tasks paused",
+        Duration::from_secs(30),
+        || async {
+            let row = group_row(&sched, "pool=pd").await.ok()?;
+            (row["backlog_paused"].as_u64() == Some(40)).then_some(())
+        },
+    )
+    .await?;
+    let looks = always_for(
+        "nothing runs while paused",
+        Duration::from_secs(8),
+        Duration::from_millis(500),
+        || async {
+            ensure!(
+                starts.on(None, None) == 0,
+                "{} tasks ran",
+                starts.on(None, None)
+            );
+            Ok(())
+        },
+    )
+    .await?;
+    let (code, body) = post(
+        &sched,
+        "/v1/pauses/resume",
+        json!({"scope": "group", "group": group}),
+    )
+    .await?;
+    ensure!(code == 202, "resume answered {code}: {body}");
+    let ids: Vec<String> = before.iter().chain(&after).map(|e| e.id.clone()).collect();
+    wait_ran(&starts, &ids, Duration::from_secs(30)).await?;
+    ns.wait_settled(Duration::from_secs(30)).await?;
+    each_once(&starts, &ids, "paused across a restart and FLUSHALL")?;
+    println!("pause across a scheduler restart and FLUSHALL: 0 ran in 8 s ({looks} looks), then {} ran once each", ids.len());
+    w.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
