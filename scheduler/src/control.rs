@@ -34,6 +34,9 @@ use crate::pause::Pauses;
 
 /// How often the loop checks whether Redis lost the marks.
 pub const CHECK: Duration = Duration::from_secs(1);
+/// How long a reader may take to reach its barrier before it is opened again (with a new
+/// barrier): a reading of the whole stream (7 days of operator actions) takes well under it.
+pub const CATCH_UP: Duration = Duration::from_secs(5);
 /// Records written per script call.
 const BATCH: usize = 256;
 
@@ -57,65 +60,80 @@ impl ControlLoop {
     /// logged and tried again at the next record or check.
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
         let names = self.store.names.clone();
-        let opened = async {
-            let reader = Reader::open(&self.conn, &names).await?;
-            let publisher = fleet::broker::amqp::confirm_channel(&self.conn).await?;
-            let me = uuid::Uuid::new_v4().simple().to_string();
-            let barrier = Record::barrier(&me, self.store.clock.now_ms());
-            fleet::control::append(&publisher, &names, &barrier).await?;
-            Ok::<_, fleet::Error>((reader, publisher, barrier.id))
-        };
-        let (mut reader, publisher, barrier) = tokio::select! {
-            r = opened => r?,
+        let publisher = tokio::select! {
+            p = fleet::broker::amqp::confirm_channel(&self.conn) => p?,
             _ = shutdown.cancelled() => return Ok(()),
         };
-        // The fold of this session's reading, until its barrier: then it replaces the set in
-        // force (a set half rebuilt could resume what a later record paused again).
-        let mut building: Option<(PauseSet, Vec<String>)> = Some(Default::default());
-        let mut tick = fleet::process::Ticker::new(CHECK);
+        let me = uuid::Uuid::new_v4().simple().to_string();
         // A batch not written (Redis failed): every mark is written again at the next check.
         let mut dirty = false;
-        loop {
-            tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => {
-                    reader.close().await;
-                    return Ok(());
-                }
-                r = reader.next() => {
-                    let mut recs: Vec<Record> = r?.into_iter().collect();
-                    // What else has arrived already, in the same call.
-                    while recs.len() < BATCH {
-                        match tokio::time::timeout(Duration::from_millis(2), reader.next()).await {
-                            Ok(r) => recs.extend(r?),
-                            Err(_) => break,
-                        }
+        let mut tick = fleet::process::Ticker::new(CHECK);
+        'read: loop {
+            // The barrier first, then the reader from the first record: the reader never
+            // attaches to an empty stream (a consumer attached to a fresh, empty stream was
+            // seen to miss the records appended after it, its barrier included).
+            let opened = async {
+                let barrier = Record::barrier(&me, self.store.clock.now_ms());
+                fleet::control::append(&publisher, &names, &barrier).await?;
+                let reader = Reader::open(&self.conn, &names).await?;
+                Ok::<_, fleet::Error>((reader, barrier.id))
+            };
+            let (mut reader, barrier) = tokio::select! {
+                r = opened => r?,
+                _ = shutdown.cancelled() => return Ok(()),
+            };
+            // The fold of this reading, until its barrier: then it replaces the set in force (a
+            // set half rebuilt could resume what a later record paused again).
+            let mut building: Option<(PauseSet, Vec<String>)> = Some(Default::default());
+            let catch_up = tokio::time::sleep(CATCH_UP);
+            tokio::pin!(catch_up);
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => {
+                        reader.close().await;
+                        return Ok(());
                     }
-                    for rec in &recs {
-                        self.cancels.apply(rec);
-                        match building.as_mut() {
-                            Some((set, ids)) => {
-                                set.apply(rec);
-                                ids.push(rec.id.clone());
-                                if rec.id == barrier {
-                                    if let Some((set, ids)) = building.take() {
-                                        tracing::info!(records = ids.len(), paused = set.all().count(), "control stream read up to this session's barrier");
-                                        self.pauses.replace(set, ids.iter().map(String::as_str));
-                                    }
-                                    self.caught_up.send_replace(true);
-                                }
+                    r = reader.next() => {
+                        let mut recs: Vec<Record> = r?.into_iter().collect();
+                        // What else has arrived already, in the same call.
+                        while recs.len() < BATCH {
+                            match tokio::time::timeout(Duration::from_millis(2), reader.next()).await {
+                                Ok(r) => recs.extend(r?),
+                                Err(_) => break,
                             }
-                            None => self.apply_live(rec).await,
+                        }
+                        for rec in &recs {
+                            self.cancels.apply(rec);
+                            match building.as_mut() {
+                                Some((set, ids)) => {
+                                    set.apply(rec);
+                                    ids.push(rec.id.clone());
+                                    if rec.id == barrier {
+                                        if let Some((set, ids)) = building.take() {
+                                            tracing::info!(records = ids.len(), paused = set.all().count(), "control stream read up to this session's barrier");
+                                            self.pauses.replace(set, ids.iter().map(String::as_str));
+                                        }
+                                        self.caught_up.send_replace(true);
+                                    }
+                                }
+                                None => self.apply_live(rec).await,
+                            }
+                        }
+                        if !self.write(&recs.iter().filter_map(mark).collect::<Vec<_>>()).await {
+                            dirty = true;
                         }
                     }
-                    if !self.write(&recs.iter().filter_map(mark).collect::<Vec<_>>()).await {
-                        dirty = true;
+                    _ = &mut catch_up, if building.is_some() => {
+                        tracing::warn!(limit_ms = CATCH_UP.as_millis() as u64, "the control stream's reader did not reach its barrier in time; reading it again from the first record");
+                        reader.close().await;
+                        continue 'read;
                     }
-                }
-                _ = tick.next() => {
-                    dirty = !self.check(dirty).await;
-                    if building.is_none() {
-                        self.renew(&publisher).await;
+                    _ = tick.next() => {
+                        dirty = !self.check(dirty).await;
+                        if building.is_none() {
+                            self.renew(&publisher).await;
+                        }
                     }
                 }
             }
