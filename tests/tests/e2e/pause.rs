@@ -415,13 +415,26 @@ async fn a_paused_lane_stops_that_lane_only() -> anyhow::Result<()> {
             .map(str::to_string)
     })
     .await?;
-    let (code, body) = post(
-        &sched,
-        "/v1/pauses",
-        json!({"scope": "lane", "group": group, "lane": "critical"}),
+    // Through fleetctl this time.
+    let api = format!("http://{}", sched.addr);
+    let (code, out, err) = fleetctl(
+        &ns,
+        &api,
+        &[
+            "pause",
+            "group",
+            &group,
+            "--lane",
+            "critical",
+            "--reason",
+            "probe maint",
+        ],
     )
     .await?;
-    ensure!(code == 202, "pause answered {code}: {body}");
+    ensure!(
+        code == 0 && out.contains("paused"),
+        "fleetctl pause: {code} {out} {err}"
+    );
     let mut critical = Vec::new();
     let mut normal = Vec::new();
     let mut envs = Vec::new();
@@ -459,14 +472,20 @@ async fn a_paused_lane_stops_that_lane_only() -> anyhow::Result<()> {
     );
     ensure!(ran == 0, "{ran} critical tasks ran");
     ensure!(row["paused_lanes"] == json!(["critical"]), "{row}");
+    let (_, groups_out, _) = fleetctl(&ns, &api, &["groups"]).await?;
+    let (_, pauses_out, _) = fleetctl(&ns, &api, &["pauses"]).await?;
+    println!("fleetctl groups:\n{groups_out}\nfleetctl pauses:\n{pauses_out}");
+    ensure!(groups_out.contains("critical:20"), "{groups_out}");
+    ensure!(
+        pauses_out.contains("lane") && pauses_out.contains("probe maint"),
+        "{pauses_out}"
+    );
     // Resuming the whole group resumes the lane.
-    let (code, body) = post(
-        &sched,
-        "/v1/pauses/resume",
-        json!({"scope": "group", "group": group}),
-    )
-    .await?;
-    ensure!(code == 202, "resume answered {code}: {body}");
+    let (code, out, err) = fleetctl(&ns, &api, &["resume", "group", &group]).await?;
+    ensure!(
+        code == 0 && out.contains("resumed"),
+        "fleetctl resume: {code} {out} {err}"
+    );
     wait_ran(&starts, &critical, Duration::from_secs(30)).await?;
     ns.wait_settled(Duration::from_secs(30)).await?;
     each_once(&starts, &critical, "critical")?;
