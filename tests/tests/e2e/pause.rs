@@ -578,3 +578,96 @@ async fn a_pause_survives_a_scheduler_restart_and_flushall() -> anyhow::Result<(
     sched.stop().await?;
     ns.cleanup().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_console_pauses_and_resumes_a_group_and_a_kind_with_its_buttons() -> anyhow::Result<()>
+{
+    let ui = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("ui");
+    if !ui.join("node_modules/playwright-core").exists() {
+        bail!(
+            "playwright-core is not installed in {}: run `bash ops/services.sh --browser`",
+            ui.display()
+        );
+    }
+    const ADMIN: &str = "pause-admin-token";
+    let ns = Ns::new().await?;
+    let tokens = format!("{ADMIN} admin");
+    let sched = start_scheduler(
+        &ns,
+        &[
+            ("api_tokens", tokens.as_str()),
+            ("probe_interval_ms", "600000"),
+        ],
+    )
+    .await?;
+    let starts = Starts::default();
+    let w = start_worker(
+        &ns,
+        "w-pc",
+        "pool=pc",
+        1,
+        WORKER,
+        &[(JOB, starts.handler())],
+    )
+    .await?;
+    let group = wait_for("the group", Duration::from_secs(10), || async {
+        let gs = ns.store.groups().await.ok()?;
+        gs.into_iter()
+            .find(|g| g.group.contains("pool=pc"))
+            .map(|g| g.group)
+    })
+    .await?;
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let shots = target.join("ui-screenshots");
+    std::fs::create_dir_all(&shots)?;
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::process::Command::new("node")
+            .arg(ui.join("pause.test.mjs"))
+            .current_dir(&ui)
+            .env("FLEET_UI_BASE", format!("http://{}", sched.addr))
+            .env("FLEET_ADMIN_TOKEN", ADMIN)
+            .env(
+                "FLEET_EXPECT",
+                json!({"group": group, "kind": "resize"}).to_string(),
+            )
+            .env("FLEET_SCREENSHOTS", &shots)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await??;
+    println!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        out.status.success(),
+        "the browser script failed: {}",
+        out.status
+    );
+    for n in [
+        "1-running",
+        "2-confirm",
+        "3-paused",
+        "4-kind-paused",
+        "5-resumed",
+    ] {
+        let p = shots.join(format!("pause-{n}.png"));
+        ensure!(
+            std::fs::metadata(&p).map(|m| m.len() > 0).unwrap_or(false),
+            "no screenshot {}",
+            p.display()
+        );
+    }
+    // The servers agree: nothing paused, and a task of the group runs.
+    let t = task(JOB, json!({}), "pool=pc");
+    ns.submit(std::slice::from_ref(&t)).await?;
+    ns.wait_state(&t.id, "succeeded", Duration::from_secs(20))
+        .await?;
+    w.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
