@@ -227,6 +227,23 @@ enum Cmd {
     /// Inspect or replay dead letters (`<ns>.dead`).
     #[command(subcommand)]
     Dead(DeadCmd),
+    /// The audit log (GET /v1/audit, role read): every operator action, newest first, with
+    /// the token's name and role, the time, the target or query and the count. Kept as long as
+    /// the control stream keeps records (7 days).
+    Audit {
+        /// Only this action (cancel, drain, replay, pause, resume, bulk_cancel, schedule_add, ...).
+        #[arg(long)]
+        action: Option<String>,
+        /// Only this token name.
+        #[arg(long)]
+        by: Option<String>,
+        /// Not before this time (RFC 3339, e.g. 2026-12-03T10:00:00Z).
+        #[arg(long)]
+        since: Option<String>,
+        /// Show at most this many (1..=1000).
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        limit: u32,
+    },
     /// Delete a namespace: its queues (with their tasks), its exchanges and its Redis keys.
     /// Stop its scheduler and workers first. Finds every group's queues through the broker's
     /// queue catalog `<ns>.catalog`, whatever Redis holds.
@@ -375,6 +392,21 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Pause(what) => pause(&cli, what, true).await,
         Cmd::Resume(what) => pause(&cli, what, false).await,
         Cmd::Pauses => pauses(&cli).await,
+        Cmd::Audit {
+            action,
+            by,
+            since,
+            limit,
+        } => {
+            audit(
+                &cli,
+                action.as_deref(),
+                by.as_deref(),
+                since.as_deref(),
+                *limit,
+            )
+            .await
+        }
         Cmd::Dead(DeadCmd::List { limit }) => dead_list(&cli, &names, *limit).await,
         Cmd::Dead(DeadCmd::Replay {
             id,
@@ -1024,6 +1056,62 @@ async fn pauses(cli: &Cli) -> Result<ExitCode> {
         })
         .collect();
     print_table(&["SCOPE", "TARGET", "HELD", "SINCE", "BY", "REASON"], rows);
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn audit(
+    cli: &Cli,
+    action: Option<&str>,
+    by: Option<&str>,
+    since: Option<&str>,
+    limit: u32,
+) -> Result<ExitCode> {
+    let mut url = reqwest::Url::parse(&api(cli, "/v1/audit")).context("FLEET_API_URL")?;
+    {
+        let mut q = url.query_pairs_mut();
+        q.append_pair("limit", &limit.to_string());
+        for (k, v) in [("action", action), ("by", by), ("since", since)] {
+            if let Some(v) = v {
+                q.append_pair(k, v);
+            }
+        }
+    }
+    let v = get_json(&http(cli)?, url.as_str())
+        .await?
+        .unwrap_or(Value::Null);
+    let entries = v
+        .get("entries")
+        .and_then(Value::as_array)
+        .context("unexpected /v1/audit answer")?;
+    let s = |e: &Value, k: &str| e.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+    let rows = entries
+        .iter()
+        .map(|e| {
+            let target = e.get("target").map(|t| t.to_string()).unwrap_or_default();
+            vec![
+                s(e, "at"),
+                s(e, "action"),
+                s(e, "by"),
+                s(e, "role"),
+                e.get("count")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(0)
+                    .to_string(),
+                one_line(&target, 80),
+                one_line(&s(e, "reason"), 40),
+            ]
+        })
+        .collect();
+    print_table(
+        &["AT", "ACTION", "BY", "ROLE", "COUNT", "TARGET", "REASON"],
+        rows,
+    );
+    let total = v.get("total").and_then(Value::as_u64).unwrap_or(0);
+    out!(
+        "{} of {total} entries, as of {}",
+        entries.len(),
+        s(&v, "as_of")
+    );
     Ok(ExitCode::SUCCESS)
 }
 

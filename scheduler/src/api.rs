@@ -18,9 +18,12 @@
 //! Roles ([`fleet::settings`], when tokens are configured): see [`routes`]. A POST without
 //! `Content-Type: application/json` gets 415.
 
+mod audit_log;
 mod cancel;
 mod dead;
 mod pause;
+
+pub(crate) use audit_log::{audit, audit_to, caller, caller_of};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -66,6 +69,8 @@ pub struct AppState {
     pub renewal: Arc<amqp::Renewal>,
     /// The pauses in force in this process ([`crate::pause`]).
     pub pauses: crate::pause::Pauses,
+    /// The audit log as this replica read it from the control stream ([`fleet::control`]).
+    pub audit: fleet::control::AuditLog,
 }
 
 /// The API routes, each behind its role when tokens are configured ([`fleet::settings`]): submit
@@ -85,7 +90,8 @@ pub fn routes(state: AppState) -> Router {
             .route("/v1/pressure", get(pressure))
             .route("/v1/series", get(series))
             .merge(dead::read_routes())
-            .merge(pause::read_routes()),
+            .merge(pause::read_routes())
+            .merge(audit_log::read_routes()),
         Role::Read,
     );
     let admin_routes = auth.require(
@@ -464,10 +470,16 @@ async fn groups(State(st): State<AppState>) -> Response {
     Json(out).into_response()
 }
 
-async fn drain(State(st): State<AppState>, Path(id): Path<String>) -> Response {
+async fn drain(
+    State(st): State<AppState>,
+    headers: axum::http::HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
     match st.store.set_state(&id, WorkerState::Draining).await {
         Ok(Some(prev)) => {
-            tracing::info!(worker = %id, previous = prev.as_str(), "drain requested through the API");
+            let who = caller(&st, &headers);
+            tracing::info!(worker = %id, previous = prev.as_str(), by = %who.name, "drain requested through the API");
+            let _ = audit(&st, &who, "drain", json!({"worker": id}), 1).await;
             (
                 StatusCode::ACCEPTED,
                 Json(json!({"id": id, "previous_state": prev, "state": WorkerState::Draining})),

@@ -25,7 +25,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use fleet::control::{Cancels, Mode, Op, PauseSet, Reader, Record, Target};
+use fleet::control::{AuditLog, Cancels, Mode, Op, PauseSet, Reader, Record, Target};
 use fleet::{Lane, Store};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -45,6 +45,8 @@ pub struct ControlLoop {
     pub store: Store,
     pub conn: Arc<lapin::Connection>,
     pub cancels: Cancels,
+    /// The audit log `GET /v1/audit` reads (kept across sessions: records are added once per id).
+    pub audit: AuditLog,
     /// The status TTL: how long a mark lives in Redis.
     pub status_ttl: Duration,
     /// The process's pauses: replaced when the stream is read up to this session's barrier,
@@ -103,8 +105,10 @@ impl ControlLoop {
                                 Err(_) => break,
                             }
                         }
+                        reader.ack().await?;
                         for rec in &recs {
                             self.cancels.apply(rec);
+                            self.audit.apply(rec);
                             match building.as_mut() {
                                 Some((set, ids)) => {
                                     set.apply(rec);
@@ -167,7 +171,7 @@ impl ControlLoop {
                 tracing::info!(target = ?target, by = %by, "resumed");
             }
         } else if let Op::Pause { target, by, .. } = &rec.op {
-            if !self.pauses.current().get(target).is_some() {
+            if self.pauses.current().get(target).is_none() {
                 tracing::info!(target = ?target, by = %by, "paused");
             }
         }
@@ -197,8 +201,9 @@ impl ControlLoop {
 
     /// Writes every mark again if Redis lost them (or `force`); `false` when Redis failed.
     async fn check(&self, force: bool) -> bool {
-        self.cancels
-            .prune(self.store.clock.now_ms() - fleet::control::MAX_AGE.as_millis() as i64);
+        let horizon = self.store.clock.now_ms() - fleet::control::MAX_AGE.as_millis() as i64;
+        self.cancels.prune(horizon);
+        self.audit.prune(horizon);
         match self.store.control_applied().await {
             Ok(true) if !force => true,
             Ok(_) => {
@@ -245,10 +250,12 @@ impl ControlLoop {
     }
 }
 
-/// A record's cancel mark, `(id, at_ms, by, reason)`.
+/// A record's cancel mark, `(id, at_ms, by, reason)`; `None` for other records.
 fn mark(rec: &Record) -> Option<(String, i64, String, String)> {
-    let fleet::control::Op::Cancel { task, reason, by } = &rec.op else {
-        return None;
-    };
-    Some((task.clone(), rec.at_ms, by.clone(), reason.clone()))
+    match &rec.op {
+        fleet::control::Op::Cancel {
+            task, reason, by, ..
+        } => Some((task.clone(), rec.at_ms, by.clone(), reason.clone())),
+        _ => None,
+    }
 }

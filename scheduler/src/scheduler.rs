@@ -70,6 +70,7 @@ pub async fn run(
     let connection: ConnectionSlot = Arc::default();
     let history = Series::default();
     let pauses = crate::pause::Pauses::default();
+    let audit = fleet::control::AuditLog::default();
     let state = AppState {
         pauses: pauses.clone(),
         cfg: cfg.clone(),
@@ -82,6 +83,7 @@ pub async fn run(
         series: history.clone(),
         dead_reader: Arc::new(tokio::sync::Semaphore::new(1)),
         renewal: Arc::default(),
+        audit: audit.clone(),
     };
     let board = schedule::Board::default();
     let sched_api = schedule::api::ScheduleApi {
@@ -147,6 +149,7 @@ pub async fn run(
             publisher.clone(),
             boards,
             board.clone(),
+            audit.clone(),
             &ready,
             &shutdown,
         )
@@ -243,6 +246,7 @@ async fn session(
     publisher_slot: Arc<RwLock<Option<fleet::broker::amqp::Publisher>>>,
     (probes, group_board, pauses): (ProbeBoard, GroupBoard, crate::pause::Pauses),
     board: schedule::Board,
+    audit: fleet::control::AuditLog,
     ready: &Readiness,
     shutdown: &CancellationToken,
 ) -> fleet::Result<()> {
@@ -326,6 +330,7 @@ async fn session(
             store: store.clone(),
             conn: conn.clone(),
             cancels: fleet::control::Cancels::default(),
+            audit,
             status_ttl: cfg.common.status_ttl,
             pauses,
             caught_up: caught_tx,

@@ -369,10 +369,6 @@ async fn attempt_task(
         env: &env,
         probe,
     };
-    if !probe && shared.handlers.get(&env.kind).is_none() {
-        reroute(task, &mut slot).await;
-        return;
-    }
     let submitted_ms = env.submitted_at.map(|t| t.timestamp_millis());
     // Cancelled (this worker read it in the control stream): never claimed, never run — even
     // while Redis is without the mark (start.lua refuses it otherwise).
@@ -385,6 +381,11 @@ async fn attempt_task(
             .completed(Outcome::Cancelled)
             .increment(1);
         slot.ack().await;
+        return;
+    }
+    // After the cancel check: a cancelled task is dropped here, not sent on to another group.
+    if !probe && shared.handlers.get(&env.kind).is_none() {
+        reroute(task, &mut slot).await;
         return;
     }
     let Some((attempt, _slot)) = claim(task, &mut slot, base, max_attempts).await else {
@@ -413,10 +414,14 @@ async fn attempt_task(
             return;
         };
         shared.meters[lane].run.record(took.as_secs_f64());
-        if !probe {
+        // A run an operator stopped says nothing of this worker's health: it counts neither
+        // as a run nor as an error towards outlier ejection.
+        let stopped = !probe && shared.cancels.cancel_of(&env.id, submitted_ms).is_some();
+        if !probe && !stopped {
             shared.stats.ran(result.is_ok(), took);
         }
         match &result {
+            _ if stopped => {}
             Ok(_) => shared.ejector.record(false),
             Err(TaskError::Permanent(_)) => {}
             Err(_) => shared.ejector.record(true),
@@ -498,6 +503,14 @@ async fn run(
     let cancelled = watch
         .as_ref()
         .map_or_else(CancellationToken::new, |w| w.token.clone());
+    // Cancelled between the check before the claim and now (the stream's record came while the
+    // claim was written): the handler is not started at all.
+    if cancelled.is_cancelled() {
+        return Some((
+            Err(TaskError::retryable("cancelled by an operator")),
+            Duration::ZERO,
+        ));
+    }
     let graceful = handler.stops_gracefully();
     let ctx = TaskContext {
         envelope: env.clone(),

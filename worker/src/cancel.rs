@@ -152,6 +152,11 @@ impl Follower {
                         }
                         r = reader.next() => r,
                     };
+                    // Each record is acted on in memory at once: ack as it comes.
+                    let r = match r {
+                        Ok(rec) => reader.ack().await.map(|()| rec),
+                        Err(e) => Err(e),
+                    };
                     match r {
                         Ok(Some(rec)) => {
                             read += 1;
@@ -197,7 +202,11 @@ mod tests {
         let a = b.watch("a", Some(10));
         let later = b.watch("a", Some(5000));
         let other = b.watch("o", None);
-        assert_eq!(b.apply(&Record::cancel("a", "why", "admin", 1000)), 1);
+        let admin = fleet::settings::Caller {
+            name: "admin".into(),
+            role: Some(fleet::settings::Role::Admin),
+        };
+        assert_eq!(b.apply(&Record::cancel("a", "why", &admin, 1000)), 1);
         assert!(a.token.is_cancelled());
         assert!(!later.token.is_cancelled(), "a later run of the id");
         assert!(!other.token.is_cancelled());

@@ -362,14 +362,31 @@ impl Batcher {
         let mut more = 0;
         let mut delay = Duration::from_millis(50);
         loop {
-            // Claims arriving meanwhile are not held up by the retry: Redis is failing.
+            // Claims arriving meanwhile are not held up by the retry: each batch of them gets
+            // its own `start` call at once, and is answered "unknown" only when that call
+            // fails (answering without trying would run the attempt past start.lua's checks —
+            // a cancel, a run elsewhere — whenever only the outcome write is failing).
+            let mut claims = Vec::new();
             while let Ok(op) = self.rx.try_recv() {
                 more += 1;
                 match op {
-                    Op::Claim { reply, .. } => {
-                        let _ = reply.send(None);
-                    }
+                    Op::Claim { req, reply } => claims.push((req, reply)),
                     Op::Finish { fin, written } => finishes.push((fin, written)),
+                }
+            }
+            if !claims.is_empty() {
+                let reqs: Vec<ClaimRequest> = claims.iter().map(|(r, _)| r.clone()).collect();
+                match self.writer.claim(&reqs).await {
+                    Some(answers) => {
+                        for ((_, reply), a) in claims.into_iter().zip(answers) {
+                            let _ = reply.send(Some(a));
+                        }
+                    }
+                    None => {
+                        for (_, reply) in claims {
+                            let _ = reply.send(None);
+                        }
+                    }
                 }
             }
             if give_up.is_some_and(|g| Instant::now() + delay > g) {

@@ -18,7 +18,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use fleet::control::{self, Mode, Record};
-use fleet::settings::Role;
 use fleet::status::TaskState;
 use serde_json::{json, Value};
 
@@ -46,14 +45,6 @@ fn reason_of(body: &[u8]) -> Result<String, String> {
     }
 }
 
-/// Who acts: the token's role (tokens have no names yet), or `anonymous` on an open API.
-fn who(st: &AppState, headers: &HeaderMap) -> String {
-    match st.cfg.common.auth.check(headers, Role::Admin) {
-        Ok(Some(role)) => role.as_str().to_string(),
-        _ => "anonymous".to_string(),
-    }
-}
-
 async fn cancel(
     State(st): State<AppState>,
     headers: HeaderMap,
@@ -64,7 +55,8 @@ async fn cancel(
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, "bad_body", e),
     };
-    let by = who(&st, &headers);
+    let who = super::caller(&st, &headers);
+    let by = who.name.clone();
     let answer = |status: StatusCode, previous: Option<&str>, already: bool| {
         let mut v =
             json!({"id": id, "state": TaskState::Cancelled, "cancelled_by": by, "reason": reason});
@@ -101,7 +93,7 @@ async fn cancel(
         return finished(&state);
     }
     // The promise first: the record in the durable stream, confirmed by the broker.
-    let rec = Record::cancel(&id, &reason, &by, st.store.clock.now_ms());
+    let rec = Record::cancel(&id, &reason, &who, st.store.clock.now_ms());
     let appended = match st.publisher.read().await.as_ref() {
         Some(p) => control::append(p, &st.store.names, &rec).await,
         None => Err(fleet::Error::NotConnected),
@@ -115,22 +107,31 @@ async fn cancel(
     }
     // Then the fast copy. A Redis failure here does not undo the promise: every scheduler
     // replica writes the mark from the stream too (crate::control).
-    let (r, b) = match &rec.op {
-        control::Op::Cancel { reason, by, .. } => (reason.clone(), by.clone()),
-        _ => (reason.clone(), by.clone()),
-    };
-    let mark = [(id.clone(), rec.at_ms, b, r)];
+    let mark = [(id.clone(), rec.at_ms, by.clone(), reason.clone())];
     match st
         .store
         .cancel(Mode::Api, &mark, st.cfg.common.status_ttl)
         .await
         .map(|v| v.into_iter().next().flatten())
     {
-        // Already cancelled now, though not when read above: this replica's (or another's)
-        // control loop applied this very record first — the cancel is this request's.
-        Ok(Some(prev)) if prev == TaskState::Cancelled.as_str() => {
+        // This replica's (or another's) control loop applied this very record first: the
+        // cancel is this request's, and the script kept the state it replaced.
+        Ok(Some(prev)) if prev.starts_with("same:") => {
             metrics::counter!(fleet::metrics::TASKS_CANCELLED).increment(1);
-            answer(StatusCode::ACCEPTED, Some(&state), false)
+            let replaced = prev.trim_start_matches("same:");
+            answer(
+                StatusCode::ACCEPTED,
+                Some(if replaced.is_empty() {
+                    &state
+                } else {
+                    replaced
+                }),
+                false,
+            )
+        }
+        // Cancelled by another request between the read above and this one.
+        Ok(Some(prev)) if prev == TaskState::Cancelled.as_str() => {
+            answer(StatusCode::OK, None, true)
         }
         Ok(Some(prev)) if TaskState::is_terminal_word(&prev) => finished(&prev),
         Ok(prev) => {

@@ -144,7 +144,11 @@ async fn one(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     }
 }
 
-async fn replay(State(st): State<AppState>, body: axum::body::Bytes) -> Response {
+async fn replay(
+    State(st): State<AppState>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
     let b: ReplayBody = match serde_json::from_slice(&body) {
         Ok(b) => b,
         Err(e) => return error(StatusCode::BAD_REQUEST, "malformed_json", e.to_string()),
@@ -187,6 +191,15 @@ async fn replay(State(st): State<AppState>, body: axum::body::Bytes) -> Response
                 missing = report.missing.len(),
                 "dead letters replayed through the API"
             );
+            let target = json!({
+                "ids": sel.ids.as_ref().map(|ids| ids.iter().take(100).collect::<Vec<_>>()),
+                "all": sel.ids.is_none(),
+                "reason": sel.reason,
+                "kind": sel.kind,
+            });
+            let who = super::caller(&st, &headers);
+            let n = report.replayed.len() as u64;
+            let _ = super::audit(&st, &who, "replay", target, n).await;
             Json(report).into_response()
         }
         Err(e) => broker_error(e),

@@ -18,6 +18,9 @@
 //!   (`since`: RFC 3339 UTC; `held`: for a kind, the tasks in its hold queues at the last
 //!   stats sample).
 //!
+//! Each pause and resume applied is also an entry of the audit log (`pause`, `resume`, with the
+//! target and the token's name: [`super::audit`]).
+//!
 //! Errors: **400** a body that is not such an object (empty names, an unknown scope or lane);
 //! **503** `broker_unavailable` (the broker did not take the record: nothing promised) or
 //! `not_applied` (recorded — it will hold — but this replica had not applied it within
@@ -32,7 +35,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use fleet::control::{self, Pause, Record, Target};
-use fleet::settings::Role;
 use serde_json::{json, Value};
 
 use super::{error, AppState};
@@ -91,14 +93,6 @@ pub fn show(p: &Pause, held: Option<u64>) -> Value {
     v
 }
 
-/// Who acts: the token's role, or `anonymous` on an open API.
-fn who(st: &AppState, headers: &HeaderMap) -> String {
-    match st.cfg.common.auth.check(headers, Role::Admin) {
-        Ok(Some(role)) => role.as_str().to_string(),
-        _ => "anonymous".to_string(),
-    }
-}
-
 /// Appends `rec` and waits until this replica applied it: `Ok` then, `Err` with the answer
 /// otherwise.
 async fn record(st: &AppState, rec: &Record) -> Result<(), Response> {
@@ -140,13 +134,23 @@ async fn pause(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> R
         )
             .into_response();
     }
-    let by = who(&st, &headers);
-    let rec = Record::pause(target.clone(), &reason, &by, st.store.clock.now_ms());
+    let who = super::caller(&st, &headers);
+    let rec = Record::pause(target.clone(), &reason, &who.name, st.store.clock.now_ms());
     if let Err(answer) = record(&st, &rec).await {
         return answer;
     }
-    // AUDIT: audit(&st, &caller, "pause", json!(target), 0) once the lead's audit lands.
-    tracing::info!(target = ?target, by = %by, "pause recorded");
+    // The audit log's entry (the pause holds whether or not it is written: logged there).
+    let _ = super::audit_to(
+        &st.publisher,
+        &st.store,
+        &who,
+        "pause",
+        json!(target),
+        0,
+        &reason,
+    )
+    .await;
+    tracing::info!(target = ?target, by = %who.name, "pause recorded");
     let now = st.pauses.current();
     let shown = now
         .get(&target)
@@ -188,13 +192,13 @@ async fn resume(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
         )
             .into_response();
     }
-    let by = who(&st, &headers);
-    let rec = Record::resume(target.clone(), &by, st.store.clock.now_ms());
+    let who = super::caller(&st, &headers);
+    let rec = Record::resume(target.clone(), &who.name, st.store.clock.now_ms());
     if let Err(answer) = record(&st, &rec).await {
         return answer;
     }
-    // AUDIT: audit(&st, &caller, "resume", json!(target), 0) once the lead's audit lands.
-    tracing::info!(target = ?target, by = %by, "resume recorded");
+    let _ = super::audit(&st, &who, "resume", json!(target), 0).await;
+    tracing::info!(target = ?target, by = %who.name, "resume recorded");
     (StatusCode::ACCEPTED, Json(json!({"resumed": target}))).into_response()
 }
 

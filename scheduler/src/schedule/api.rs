@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -218,7 +218,17 @@ async fn change(st: &ScheduleApi, change: Change) -> Result<String, Response> {
     Ok(rec.id)
 }
 
-async fn add(State(st): State<ScheduleApi>, body: Bytes) -> Response {
+/// Appends the audit record of a schedule action `who` applied to `name`.
+async fn audit(st: &ScheduleApi, who: &HeaderMap, action: &str, name: &str, extra: Value) {
+    let who = crate::api::caller_of(&st.cfg.common.auth, who);
+    let mut target = json!({ "schedule": name });
+    if let (Value::Object(t), Value::Object(x)) = (&mut target, extra) {
+        t.extend(x);
+    }
+    let _ = crate::api::audit_to(&st.publisher, &st.store, &who, action, target, 1, "").await;
+}
+
+async fn add(State(st): State<ScheduleApi>, headers: HeaderMap, body: Bytes) -> Response {
     if !st.board.loaded() {
         return loading();
     }
@@ -261,6 +271,7 @@ async fn add(State(st): State<ScheduleApi>, body: Bytes) -> Response {
     match st.board.get(&name) {
         Some(e) if e.put_id == id => {
             tracing::info!(schedule = %name, "schedule added through the API");
+            audit(&st, &headers, "schedule_add", &name, json!({})).await;
             (StatusCode::CREATED, Json(view(&st, &e).await)).into_response()
         }
         // Another replica's put of the name came first in the log (first put wins).
@@ -273,7 +284,11 @@ async fn add(State(st): State<ScheduleApi>, body: Bytes) -> Response {
     }
 }
 
-async fn remove(State(st): State<ScheduleApi>, Path(name): Path<String>) -> Response {
+async fn remove(
+    State(st): State<ScheduleApi>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Response {
     if !st.board.loaded() {
         return loading();
     }
@@ -284,18 +299,27 @@ async fn remove(State(st): State<ScheduleApi>, Path(name): Path<String>) -> Resp
         return r;
     }
     tracing::info!(schedule = %name, "schedule deleted through the API");
+    audit(&st, &headers, "schedule_remove", &name, json!({})).await;
     Json(json!({"deleted": name})).into_response()
 }
 
-async fn pause(State(st): State<ScheduleApi>, Path(name): Path<String>) -> Response {
-    set_enabled(st, name, false).await
+async fn pause(
+    State(st): State<ScheduleApi>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Response {
+    set_enabled(st, headers, name, false).await
 }
 
-async fn resume(State(st): State<ScheduleApi>, Path(name): Path<String>) -> Response {
-    set_enabled(st, name, true).await
+async fn resume(
+    State(st): State<ScheduleApi>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Response {
+    set_enabled(st, headers, name, true).await
 }
 
-async fn set_enabled(st: ScheduleApi, name: String, enabled: bool) -> Response {
+async fn set_enabled(st: ScheduleApi, headers: HeaderMap, name: String, enabled: bool) -> Response {
     if !st.board.loaded() {
         return loading();
     }
@@ -311,13 +335,23 @@ async fn set_enabled(st: ScheduleApi, name: String, enabled: bool) -> Response {
         return r;
     }
     tracing::info!(schedule = %name, enabled, "schedule paused or resumed through the API");
+    let action = if enabled {
+        "schedule_resume"
+    } else {
+        "schedule_pause"
+    };
+    audit(&st, &headers, action, &name, json!({})).await;
     match st.board.get(&name) {
         Some(e) => Json(view(&st, &e).await).into_response(),
         None => unknown(&name),
     }
 }
 
-async fn fire_now(State(st): State<ScheduleApi>, Path(name): Path<String>) -> Response {
+async fn fire_now(
+    State(st): State<ScheduleApi>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Response {
     if !st.board.loaded() {
         return loading();
     }
@@ -350,6 +384,7 @@ async fn fire_now(State(st): State<ScheduleApi>, Path(name): Path<String>) -> Re
         Ok(()) => {
             metrics::counter!(m::SCHEDULE_FIRES, "schedule" => name.clone(), "trigger" => "manual").increment(1);
             tracing::info!(schedule = %name, task.id = %env.id, "schedule fired by hand");
+            audit(&st, &headers, "schedule_fire", &name, json!({ "task": env.id })).await;
             (StatusCode::ACCEPTED, Json(json!({"id": env.id}))).into_response()
         }
         Err(Refusal::PressureRed) => (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, retry)], Json(json!({"error": "pressure_red", "detail": "the fleet is overloaded (pressure Red); retry later"}))).into_response(),

@@ -1,5 +1,16 @@
-//! Operator control that must outlive Redis: the durable **control stream** `<ns>.control`
-//! and what it carries — cancels (below) and pauses ([`PauseSet`], see `pause.rs`).
+//! Operator control that must outlive Redis: the durable **control stream** `<ns>.control`,
+//! the cancels it carries, the pauses ([`PauseSet`], `pause.rs`) and the **audit log** it is.
+//!
+//! # The audit log
+//!
+//! Every operator action — cancel, drain, dead-letter replay, bulk action, pause and resume,
+//! schedule add/remove/pause/resume/fire, limit change — appends a record naming who acted (the
+//! token's name and role, [`crate::settings::Caller`]; never the secret), when, on what (the
+//! target or query) and how many it touched. A cancel is its own record ([`Op::Cancel`]); any
+//! other action is an [`Op::Audit`] appended after the action was applied. Every scheduler
+//! replica folds the stream into an [`AuditLog`] in memory (`GET /v1/audit` answers from it), so
+//! the log survives Redis loss and is the same through every replica; it holds what the
+//! stream holds: [`MAX_AGE`] of records (at most [`AUDIT_MAX`] entries in memory).
 //!
 //! # The promise of a cancel
 //!
@@ -40,6 +51,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::names::Names;
 use crate::redis::{millis, Store};
+use crate::settings::Caller;
 
 mod pause;
 pub use pause::{Pause, PauseSet, Target, RENEW_AFTER};
@@ -63,9 +75,39 @@ pub enum Op {
         /// Why (the request's `reason`; may be empty).
         #[serde(default)]
         reason: String,
-        /// Who: the API token's name, else its role (`admin`), or `anonymous` on an open API.
+        /// Who: the API token's name, or `anonymous` on an open API.
         #[serde(default)]
         by: String,
+        /// The token's role (`admin`), or `open` on an open API; empty in records written
+        /// before tokens had names.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        role: String,
+        /// The id of the bulk action's audit record this cancel is part of (its audit entry is
+        /// the bulk action's, not one per task).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        bulk: Option<String>,
+    },
+    /// Any other operator action, recorded for the audit log once it was applied.
+    Audit {
+        /// What was done: `drain`, `replay`, `bulk_cancel`, `bulk_retry`, `bulk_delete`,
+        /// `pause`, `resume`, `schedule_add`, `schedule_remove`, `schedule_pause`,
+        /// `schedule_resume`, `schedule_fire`, `limit_set`, ...
+        action: String,
+        /// On what: the target (`{"worker": id}`, `{"schedule": name}`) or the query.
+        #[serde(default)]
+        target: serde_json::Value,
+        /// How many tasks, letters or workers it touched.
+        #[serde(default)]
+        count: u64,
+        /// Who: the token's name, or `anonymous`.
+        #[serde(default)]
+        by: String,
+        /// The token's role, or `open`.
+        #[serde(default)]
+        role: String,
+        /// The operator's reason, if given.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        reason: String,
     },
     /// `target` is paused: it takes no new work ([`PauseSet`]).
     Pause {
@@ -123,18 +165,57 @@ impl Record {
         }
     }
 
-    /// A cancel of `task` by `by` for `reason` (both cut at [`MAX_TEXT`] bytes) at `at_ms`.
-    pub fn cancel(task: &str, reason: &str, by: &str, at_ms: i64) -> Self {
+    /// A cancel of `task` by `who` for `reason` (cut at [`MAX_TEXT`] bytes) at `at_ms`.
+    pub fn cancel(task: &str, reason: &str, who: &Caller, at_ms: i64) -> Self {
         Record {
-            id: uuid::Uuid::new_v4().simple().to_string(),
+            id: new_id(),
             at_ms,
             op: Op::Cancel {
                 task: task.to_string(),
                 reason: crate::status::truncate(reason, MAX_TEXT),
-                by: crate::status::truncate(by, MAX_TEXT),
+                by: crate::status::truncate(&who.name, MAX_TEXT),
+                role: who.role_str().to_string(),
+                bulk: None,
             },
         }
     }
+
+    /// This cancel as part of the bulk action whose audit record is `bulk` (other records
+    /// are returned unchanged).
+    pub fn in_bulk(mut self, bulk: &str) -> Self {
+        if let Op::Cancel { bulk: b, .. } = &mut self.op {
+            *b = Some(bulk.to_string());
+        }
+        self
+    }
+
+    /// An audit record: `who` did `action` on `target`, touching `count`, for `reason`.
+    pub fn audit(
+        action: &str,
+        target: serde_json::Value,
+        count: u64,
+        who: &Caller,
+        reason: &str,
+        at_ms: i64,
+    ) -> Self {
+        Record {
+            id: new_id(),
+            at_ms,
+            op: Op::Audit {
+                action: action.to_string(),
+                target,
+                count,
+                by: crate::status::truncate(&who.name, MAX_TEXT),
+                role: who.role_str().to_string(),
+                reason: crate::status::truncate(reason, MAX_TEXT),
+            },
+        }
+    }
+}
+
+/// A new record id (a UUID, 32 hex digits).
+pub fn new_id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
 }
 
 /// What is known of one cancelled task.
@@ -159,7 +240,10 @@ impl Cancels {
     /// Adds the cancel of `rec` (other records change nothing); returns the task id it
     /// cancels, if any. The first cancel of an id is kept (a second changes nothing).
     pub fn apply(&self, rec: &Record) -> Option<String> {
-        let Op::Cancel { task, reason, by } = &rec.op else {
+        let Op::Cancel {
+            task, reason, by, ..
+        } = &rec.op
+        else {
             return None;
         };
         if let Ok(mut m) = self.inner.write() {
@@ -210,6 +294,177 @@ impl Cancels {
     }
 }
 
+/// Most audit entries one process keeps in memory (the oldest are dropped first).
+pub const AUDIT_MAX: usize = 100_000;
+
+/// One entry of the audit log: an operator action as `GET /v1/audit` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AuditEntry {
+    /// The control record's id.
+    pub id: String,
+    /// When it was accepted: Unix ms.
+    pub at_ms: i64,
+    /// What was done (`cancel`, `drain`, `pause`, ... — see [`Op::Audit`]).
+    pub action: String,
+    /// On what: the target or the query.
+    pub target: serde_json::Value,
+    /// How many it touched.
+    pub count: u64,
+    /// Who: the token's name, or `anonymous`.
+    pub by: String,
+    /// The token's role, or `open`.
+    pub role: String,
+    /// The operator's reason (may be empty).
+    pub reason: String,
+}
+
+impl AuditEntry {
+    /// The entry a record makes: every [`Op::Audit`], and each [`Op::Cancel`] not part of a
+    /// bulk action (the bulk action has one entry of its own); `None` for other records.
+    pub fn of(rec: &Record) -> Option<AuditEntry> {
+        let (action, target, count, by, role, reason) = match &rec.op {
+            Op::Cancel { bulk: Some(_), .. } => return None,
+            Op::Cancel {
+                task,
+                reason,
+                by,
+                role,
+                ..
+            } => (
+                "cancel".to_string(),
+                serde_json::json!({ "task": task }),
+                1,
+                by,
+                role,
+                reason,
+            ),
+            Op::Audit {
+                action,
+                target,
+                count,
+                by,
+                role,
+                reason,
+            } => (action.clone(), target.clone(), *count, by, role, reason),
+            #[allow(unreachable_patterns)]
+            _ => return None,
+        };
+        Some(AuditEntry {
+            id: rec.id.clone(),
+            at_ms: rec.at_ms,
+            action,
+            target,
+            count,
+            by: by.clone(),
+            role: role.clone(),
+            reason: reason.clone(),
+        })
+    }
+}
+
+/// What [`AuditLog::list`] selects: newest first, entries older than `before` (a cursor: the
+/// last entry's `(at_ms, id)` of the previous page), within `[since_ms, until_ms]`, of one
+/// action or one token name, at most `limit`.
+#[derive(Debug, Clone, Default)]
+pub struct AuditQuery {
+    /// Only this action.
+    pub action: Option<String>,
+    /// Only this token name.
+    pub by: Option<String>,
+    /// Not before (Unix ms).
+    pub since_ms: Option<i64>,
+    /// Not after (Unix ms).
+    pub until_ms: Option<i64>,
+    /// Strictly older than this `(at_ms, id)`.
+    pub before: Option<(i64, String)>,
+    /// Page size.
+    pub limit: usize,
+}
+
+/// The audit log as one process read it from the control stream, in stream order (cheap to
+/// clone; shared by the control loop, which fills it, and the API, which reads it).
+#[derive(Clone, Default)]
+pub struct AuditLog {
+    inner: Arc<RwLock<AuditInner>>,
+}
+
+#[derive(Default)]
+struct AuditInner {
+    entries: std::collections::VecDeque<AuditEntry>,
+    ids: std::collections::HashSet<String>,
+}
+
+impl AuditLog {
+    /// Adds the entry `rec` makes, once per record id (a reader that starts again from the
+    /// stream's first record adds nothing twice); keeps at most [`AUDIT_MAX`].
+    pub fn apply(&self, rec: &Record) {
+        let Some(e) = AuditEntry::of(rec) else {
+            return;
+        };
+        let Ok(mut g) = self.inner.write() else {
+            return;
+        };
+        if !g.ids.insert(e.id.clone()) {
+            return;
+        }
+        g.entries.push_back(e);
+        while g.entries.len() > AUDIT_MAX {
+            if let Some(old) = g.entries.pop_front() {
+                g.ids.remove(&old.id);
+            }
+        }
+    }
+
+    /// Entries matching `q`, newest first (by time, then id), and how many match in all.
+    pub fn list(&self, q: &AuditQuery) -> (Vec<AuditEntry>, usize) {
+        let Ok(g) = self.inner.read() else {
+            return (Vec::new(), 0);
+        };
+        let mut hits: Vec<&AuditEntry> = g
+            .entries
+            .iter()
+            .filter(|e| q.action.as_deref().is_none_or(|a| e.action == a))
+            .filter(|e| q.by.as_deref().is_none_or(|b| e.by == b))
+            .filter(|e| q.since_ms.is_none_or(|s| e.at_ms >= s))
+            .filter(|e| q.until_ms.is_none_or(|u| e.at_ms <= u))
+            .collect();
+        let total = hits.len();
+        hits.sort_by(|a, b| (b.at_ms, &b.id).cmp(&(a.at_ms, &a.id)));
+        let page = hits
+            .into_iter()
+            .filter(|e| {
+                q.before
+                    .as_ref()
+                    .is_none_or(|(at, id)| (e.at_ms, &e.id) < (*at, id))
+            })
+            .take(q.limit)
+            .cloned()
+            .collect();
+        (page, total)
+    }
+
+    /// How many entries are kept.
+    pub fn len(&self) -> usize {
+        self.inner.read().map(|g| g.entries.len()).unwrap_or(0)
+    }
+
+    /// Whether none is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Forgets entries accepted before `before_ms` (the stream no longer holds them).
+    pub fn prune(&self, before_ms: i64) {
+        if let Ok(mut g) = self.inner.write() {
+            while g.entries.front().is_some_and(|e| e.at_ms < before_ms) {
+                if let Some(old) = g.entries.pop_front() {
+                    g.ids.remove(&old.id);
+                }
+            }
+        }
+    }
+}
+
 /// Appends a record with a publisher confirm: `Ok` once the broker holds it (the promise is
 /// made), `Err` when it refused it or the channel failed (nothing promised).
 pub async fn append(
@@ -230,6 +485,8 @@ pub async fn append(
 pub struct Reader {
     ch: Channel,
     consumer: lapin::Consumer,
+    /// The delivery tag of the last record returned and not yet acked.
+    unacked: Option<u64>,
 }
 
 impl Reader {
@@ -252,15 +509,21 @@ impl Reader {
                 args,
             )
             .await?;
-        Ok(Reader { ch, consumer })
+        Ok(Reader {
+            ch,
+            consumer,
+            unacked: None,
+        })
     }
 
-    /// The next record (acked); `Ok(None)` for an unreadable one (logged and skipped).
-    /// `Err` when the consumer or its channel failed (open a new reader).
+    /// The next record; `Ok(None)` for an unreadable one (logged and skipped). `Err` when the
+    /// consumer or its channel failed (open a new reader). Records are not acked here: call
+    /// [`ack`](Self::ack) after acting on them (one ack covers every record before it).
     ///
     /// # Cancel safety
-    /// Cancel safe between records: a record received and not yet acked is read again by the
-    /// next reader (every reader starts from the first record anyway).
+    /// Cancel safe: it awaits nothing after a record arrives, so a `next` dropped in a
+    /// `select!` or a timeout loses no record (an earlier version acked inside and lost the
+    /// record whose ack outlived a 2 ms batching timeout).
     pub async fn next(&mut self) -> Result<Option<Record>> {
         let delivery = match self.consumer.next().await {
             Some(Ok(d)) => d,
@@ -271,15 +534,25 @@ impl Reader {
                 })
             }
         };
-        let rec = serde_json::from_slice::<Record>(&delivery.data);
-        delivery.acker.ack(BasicAckOptions::default()).await?;
-        match rec {
+        self.unacked = Some(delivery.delivery_tag);
+        match serde_json::from_slice::<Record>(&delivery.data) {
             Ok(r) => Ok(Some(r)),
             Err(e) => {
                 tracing::warn!(error = %e, "ignoring an unreadable record in the control stream");
                 Ok(None)
             }
         }
+    }
+
+    /// Acks every record returned so far (the stream's credit: the broker sends at most
+    /// [`PREFETCH`] unacked records). Errors: the channel failed (open a new reader).
+    pub async fn ack(&mut self) -> Result<()> {
+        if let Some(tag) = self.unacked.take() {
+            self.ch
+                .basic_ack(tag, BasicAckOptions { multiple: true })
+                .await?;
+        }
+        Ok(())
     }
 
     /// Closes the reader's channel.
@@ -351,22 +624,99 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::settings::Role;
+
+    fn alice() -> Caller {
+        Caller {
+            name: "alice".into(),
+            role: Some(Role::Admin),
+        }
+    }
+
+    #[test]
+    fn a_cancel_record_of_an_older_fleet_still_reads() {
+        let old = r#"{"id":"x","at_ms":5,"op":"cancel","task":"t","reason":"","by":"admin"}"#;
+        let r: Record = serde_json::from_str(old).unwrap();
+        assert_eq!(AuditEntry::of(&r).unwrap().role, "");
+    }
+
+    #[test]
+    fn the_audit_log_lists_newest_first_once_per_record_without_bulk_members() {
+        let log = AuditLog::default();
+        let drain = Record::audit(
+            "drain",
+            serde_json::json!({"worker": "w1"}),
+            1,
+            &alice(),
+            "",
+            10,
+        );
+        let bulk = Record::audit(
+            "bulk_cancel",
+            serde_json::json!({"state": "queued"}),
+            2,
+            &alice(),
+            "oops",
+            20,
+        );
+        let c1 = Record::cancel("t1", "oops", &alice(), 21).in_bulk(&bulk.id);
+        let single = Record::cancel("t9", "", &Caller::anonymous(), 30);
+        for r in [&drain, &bulk, &c1, &single, &drain] {
+            log.apply(r);
+        }
+        assert_eq!(
+            log.len(),
+            3,
+            "bulk members and a record read twice add nothing"
+        );
+        let all = |q: AuditQuery| log.list(&AuditQuery { limit: 10, ..q });
+        let (page, total) = all(AuditQuery::default());
+        assert_eq!(total, 3);
+        let actions: Vec<_> = page.iter().map(|e| e.action.as_str()).collect();
+        assert_eq!(actions, ["cancel", "bulk_cancel", "drain"]);
+        assert_eq!(
+            (page[0].by.as_str(), page[0].role.as_str()),
+            ("anonymous", "open")
+        );
+        assert_eq!((page[1].count, page[1].reason.as_str()), (2, "oops"));
+        let (p, _) = all(AuditQuery {
+            action: Some("drain".into()),
+            ..Default::default()
+        });
+        assert_eq!(p.len(), 1);
+        let (p, t) = all(AuditQuery {
+            since_ms: Some(15),
+            until_ms: Some(25),
+            ..Default::default()
+        });
+        assert_eq!((p.len(), t), (1, 1));
+        let (p, _) = log.list(&AuditQuery {
+            limit: 1,
+            before: Some((page[0].at_ms, page[0].id.clone())),
+            ..Default::default()
+        });
+        assert_eq!(p[0].action, "bulk_cancel", "the page after the first");
+        log.prune(15);
+        assert_eq!(log.len(), 2);
+    }
 
     #[test]
     fn records_round_trip_as_tagged_json() {
-        let r = Record::cancel("t1", "wrong deploy", "admin", 42);
+        let r = Record::cancel("t1", "wrong deploy", &alice(), 42);
         let v = serde_json::to_value(&r).unwrap();
         assert_eq!(v["op"], "cancel");
         assert_eq!(v["task"], "t1");
         assert_eq!(v["reason"], "wrong deploy");
-        assert_eq!(v["by"], "admin");
+        assert_eq!(v["by"], "alice");
+        assert_eq!(v["role"], "admin");
+        assert!(v.get("bulk").is_none());
         assert_eq!(v["at_ms"], 42);
         assert_eq!(serde_json::from_value::<Record>(v).unwrap(), r);
     }
 
     #[test]
     fn long_texts_are_cut() {
-        let r = Record::cancel("t", &"x".repeat(5000), "a", 1);
+        let r = Record::cancel("t", &"x".repeat(5000), &alice(), 1);
         let Op::Cancel { reason, .. } = r.op else {
             panic!("a cancel")
         };
@@ -377,13 +727,13 @@ mod tests {
     fn a_cancel_applies_to_copies_submitted_before_it_only() {
         let c = Cancels::default();
         assert_eq!(
-            c.apply(&Record::cancel("t", "why", "admin", 1000)),
+            c.apply(&Record::cancel("t", "why", &alice(), 1000)),
             Some("t".into())
         );
         // The first cancel of an id is the one kept.
-        c.apply(&Record::cancel("t", "again", "read", 2000));
+        c.apply(&Record::cancel("t", "again", &Caller::anonymous(), 2000));
         let got = c.get("t", Some(999)).unwrap();
-        assert_eq!((got.at_ms, got.by.as_str()), (1000, "admin"));
+        assert_eq!((got.at_ms, got.by.as_str()), (1000, "alice"));
         assert!(c.get("t", None).is_some(), "an unknown submission time");
         assert!(c.get("t", Some(1000)).is_some());
         assert!(c.get("t", Some(1001)).is_none(), "a later run of the id");

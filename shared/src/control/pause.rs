@@ -348,7 +348,7 @@ mod tests {
         assert!(s.apply(&Record::pause(group("a"), "", "ops", 40)));
         assert_eq!(s.get(&group("a")).unwrap().since_ms, 40, "a new pause");
         // Other records change nothing.
-        assert!(!s.apply(&Record::cancel("t", "", "ops", 50)));
+        assert!(!s.apply(&Record::barrier("r", 50)));
     }
 
     #[test]

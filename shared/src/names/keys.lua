@@ -205,7 +205,8 @@ local function status_cancelled(id, by, why, at, ttl_ms, cur)
     local r = redis.call('HMGET', t, 'group', 'lane')
     if r[1] and r[2] then redis.call('ZREM', K_resv(r[1], r[2]), id) end
   end
-  redis.call('HSET', t, 'state', S.cancelled, 'cancelled_at', at, 'cancelled_by', by, 'cancel_reason', why)
+  redis.call('HSET', t, 'state', S.cancelled, 'cancelled_at', at, 'cancelled_by', by, 'cancel_reason', why,
+    'cancelled_from', cur or '')
   redis.call('PEXPIRE', t, ttl_ms)
 end
 

@@ -77,7 +77,10 @@ for k = 0, n - 1 do
       log_attempt(id, e, st_ttl)
     end
   end
-  if state ~= '' and state ~= S.queued and state ~= S.cancelled and seen <= attempt and r[8] ~= S.cancelled then
+  -- `retrying` only over this attempt's `running` (or a record Redis lost): a late outcome
+  -- must not turn the retry copy's own state (queued, parked, delayed) back to `retrying`.
+  local retry_ok = state ~= S.retrying or r[8] == S.running or r[8] == false
+  if state ~= '' and state ~= S.queued and state ~= S.cancelled and seen <= attempt and r[8] ~= S.cancelled and retry_ok then
     status_finished(id, state, w, attempt, field, text, success == '1', reason, owned or r[2] == false, st_ttl,
       { error = r[6] ~= false, reason = r[7] ~= false })
   end

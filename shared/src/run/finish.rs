@@ -117,3 +117,104 @@ impl Store {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use deadpool_redis::redis;
+
+    use super::*;
+    use crate::names::Names;
+
+    /// The real Redis (127.0.0.1:6379), keys under a random namespace, deleted at the end.
+    async fn store() -> Store {
+        let ns = format!("finish-test-{}", uuid::Uuid::new_v4().simple());
+        Store::new("redis://127.0.0.1:6379", Names::new(&ns)).unwrap()
+    }
+
+    async fn set(store: &Store, id: &str, state: &str) {
+        let t = store.names.task(id);
+        store
+            .query::<()>(
+                redis::cmd("HSET")
+                    .arg(&t)
+                    .arg("state")
+                    .arg(state)
+                    .arg("attempt")
+                    .arg(1),
+            )
+            .await
+            .unwrap();
+    }
+
+    async fn state(store: &Store, id: &str) -> Option<String> {
+        store
+            .query(redis::cmd("HGET").arg(store.names.task(id)).arg("state"))
+            .await
+            .unwrap()
+    }
+
+    async fn clean(store: &Store) {
+        let keys: Vec<String> = store
+            .query(redis::cmd("KEYS").arg(store.names.all_keys_pattern()))
+            .await
+            .unwrap();
+        if !keys.is_empty() {
+            store
+                .query::<()>(redis::cmd("DEL").arg(keys))
+                .await
+                .unwrap();
+        }
+    }
+
+    /// A late `retrying` of attempt 1 (a ledger batch that landed after the retry copy was
+    /// dispatched) leaves the copy's `queued`; over this attempt's `running` it is written.
+    /// Before: `retrying` over `queued` (review of the cancel change, finding 2).
+    #[tokio::test]
+    async fn a_late_retrying_never_overwrites_the_retry_copys_state() {
+        let store = store().await;
+        let retrying = |id: &str| Finished {
+            lane: Lane::Normal,
+            id: id.into(),
+            attempt: 1,
+            state: Some(TaskState::Retrying),
+            text: "boom".into(),
+            success: false,
+            reason: None,
+        };
+        set(&store, "copied", "queued").await;
+        set(&store, "running", "running").await;
+        let ttl = Duration::from_secs(60);
+        store
+            .finish(
+                "w",
+                "g",
+                "i",
+                ttl,
+                &[retrying("copied"), retrying("running")],
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(state(&store, "copied").await.as_deref(), Some("queued"));
+        assert_eq!(state(&store, "running").await.as_deref(), Some("retrying"));
+        // The broker's own dead-lettering leaves a cancelled task cancelled (finding 6).
+        set(&store, "cancelled", "cancelled").await;
+        let dead = store
+            .record_broker_dead(
+                "cancelled",
+                Some("g"),
+                Lane::Normal,
+                "delivery_limit",
+                "x",
+                ttl,
+            )
+            .await
+            .unwrap();
+        assert!(!dead);
+        assert_eq!(
+            state(&store, "cancelled").await.as_deref(),
+            Some("cancelled")
+        );
+        clean(&store).await;
+    }
+}

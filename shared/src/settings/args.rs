@@ -115,7 +115,7 @@ pub struct CommonArgs {
     /// `rediss://`: PEM private key of the client certificate (PKCS#8, PKCS#1 or SEC1).
     #[arg(long, env = "FLEET_REDIS_TLS_KEY_FILE", value_parser = pem_private_key)]
     pub redis_tls_key_file: Option<String>,
-    /// API bearer tokens with their roles, `TOKEN ROLE` entries separated by commas or newlines (roles read, submit, admin; admin may do all; tokens of 16+ characters); none: the API is open.
+    /// API bearer tokens with their names and roles, `NAME:TOKEN ROLE` (or `TOKEN ROLE`) entries separated by commas or newlines (roles read, submit, admin; admin may do all; tokens of 16+ characters); none: the API is open.
     #[arg(
         long,
         env = "FLEET_API_TOKENS",
@@ -123,7 +123,7 @@ pub struct CommonArgs {
         hide_env_values = true
     )]
     pub api_tokens: String,
-    /// File of API tokens, one `TOKEN ROLE` per line (`#` comments); adds to FLEET_API_TOKENS.
+    /// File of API tokens, one `NAME:TOKEN ROLE` (or `TOKEN ROLE`) per line (`#` comments); adds to FLEET_API_TOKENS.
     #[arg(long, env = "FLEET_API_TOKENS_FILE")]
     pub api_tokens_file: Option<String>,
     /// Who may read `/metrics`: anyone, or a token with role `read`.

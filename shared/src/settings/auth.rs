@@ -1,8 +1,12 @@
 //! API authentication: bearer tokens with a role, checked by an axum layer.
 //!
 //! A caller sends `Authorization: Bearer <token>`. Tokens come from `FLEET_API_TOKENS`
-//! (entries `TOKEN ROLE` separated by commas or newlines) and `FLEET_API_TOKENS_FILE` (one
-//! `TOKEN ROLE` per line, `#` starts a comment); both may be set and add up. Roles:
+//! (entries `NAME:TOKEN ROLE` separated by commas or newlines) and `FLEET_API_TOKENS_FILE` (one
+//! `NAME:TOKEN ROLE` per line, `#` starts a comment); both may be set and add up. The **name**
+//! (`[A-Za-z0-9._-]`, at most 64 bytes, unique) is who the audit log says acted
+//! ([`Caller`]); it may be left out (`TOKEN ROLE`), and the token is then named
+//! `<role>-<n>` after its entry's position (`admin-1`). The secret itself never appears in any
+//! record, log or answer. Roles:
 //!
 //! * `read` — task status, workers, groups, pressure, the console's views;
 //! * `submit` — `POST /v1/tasks`;
@@ -74,9 +78,47 @@ impl Role {
     }
 }
 
+/// Longest token name, in bytes.
+pub const MAX_NAME_LEN: usize = 64;
+
+/// Who made a request: the token's name and role (for the audit log and `cancelled_by`), or
+/// `anonymous` with no role on an open API. Never holds the secret.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// The token's name (`FLEET_API_TOKENS`), or `anonymous` on an open API.
+    pub name: String,
+    /// The token's role; `None` on an open API.
+    pub role: Option<Role>,
+}
+
+impl Caller {
+    /// The caller of an open API (no token configured).
+    pub fn anonymous() -> Self {
+        Caller {
+            name: "anonymous".into(),
+            role: None,
+        }
+    }
+
+    /// The role's word, or `open` on an open API.
+    pub fn role_str(&self) -> &'static str {
+        self.role.map(Role::as_str).unwrap_or("open")
+    }
+}
+
+/// One configured token.
+#[derive(Clone)]
+struct Entry {
+    name: String,
+    /// The entry gave its name (else it is `<role>-<n>`).
+    named: bool,
+    secret: Vec<u8>,
+    role: Role,
+}
+
 /// The configured tokens. `Debug` shows only how many there are.
 #[derive(Clone, Default)]
-pub struct Tokens(Vec<(Vec<u8>, Role)>);
+pub struct Tokens(Vec<Entry>);
 
 impl fmt::Debug for Tokens {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -85,8 +127,9 @@ impl fmt::Debug for Tokens {
 }
 
 impl Tokens {
-    /// Parses `TOKEN ROLE` entries separated by newlines or commas; blank entries and `#`
-    /// comments are skipped. Errors give the entry's number, never its text.
+    /// Parses `NAME:TOKEN ROLE` (or `TOKEN ROLE`, named `<role>-<n>`) entries separated by
+    /// newlines or commas; blank entries and `#` comments are skipped. Errors give the entry's
+    /// number and, for a bad or repeated name, the name — never the token.
     pub fn parse(text: &str) -> std::result::Result<Tokens, String> {
         let mut out = Vec::new();
         let entries = text
@@ -95,8 +138,12 @@ impl Tokens {
             .flat_map(|l| l.split(','));
         for (n, entry) in entries.map(str::trim).filter(|e| !e.is_empty()).enumerate() {
             let mut parts = entry.split_whitespace();
-            let (Some(token), Some(role), None) = (parts.next(), parts.next(), parts.next()) else {
-                return Err(format!("entry {}: expected `TOKEN ROLE`", n + 1));
+            let (Some(named), Some(role), None) = (parts.next(), parts.next(), parts.next()) else {
+                return Err(format!("entry {}: expected `NAME:TOKEN ROLE`", n + 1));
+            };
+            let (name, token) = match named.split_once(':') {
+                Some((name, token)) => (Some(name), token),
+                None => (None, named),
             };
             let Some(role) = Role::parse(role) else {
                 return Err(format!(
@@ -110,9 +157,56 @@ impl Tokens {
                     n + 1
                 ));
             }
-            out.push((token.as_bytes().to_vec(), role));
+            let named = name.is_some();
+            let name = match name {
+                Some(name) => {
+                    let ok = !name.is_empty()
+                        && name.len() <= MAX_NAME_LEN
+                        && name
+                            .bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+                    if !ok {
+                        return Err(format!(
+                            "entry {}: a token's name is 1-{MAX_NAME_LEN} characters of A-Z a-z 0-9 . _ -",
+                            n + 1
+                        ));
+                    }
+                    name.to_string()
+                }
+                None => format!("{}-{}", role.as_str(), n + 1),
+            };
+            out.push(Entry {
+                name,
+                named,
+                secret: token.as_bytes().to_vec(),
+                role,
+            });
         }
         Ok(Tokens(out))
+    }
+
+    /// Adds `more` after these entries (the file's after the variable's); an unnamed entry
+    /// of `more` is numbered after them. Errors: a name used twice (named in the message).
+    fn extend(&mut self, more: Tokens) -> std::result::Result<(), String> {
+        let base = self.0.len();
+        for (i, mut e) in more.0.into_iter().enumerate() {
+            if !e.named {
+                e.name = format!("{}-{}", e.role.as_str(), base + i + 1);
+            }
+            self.0.push(e);
+        }
+        self.unique()
+    }
+
+    /// Errors when two entries share a name.
+    fn unique(&self) -> std::result::Result<(), String> {
+        let mut seen = std::collections::HashSet::new();
+        for e in &self.0 {
+            if !seen.insert(e.name.as_str()) {
+                return Err(format!("the token name `{}` is used twice", e.name));
+            }
+        }
+        Ok(())
     }
 
     /// No token is configured.
@@ -128,18 +222,26 @@ impl Tokens {
     /// The role of a presented token: compares against every entry, in constant time per
     /// entry, without stopping at the first match.
     pub fn role_of(&self, presented: &[u8]) -> Option<Role> {
+        self.caller_of(presented).and_then(|c| c.role)
+    }
+
+    /// The name and role of a presented token, compared like [`role_of`](Self::role_of).
+    pub fn caller_of(&self, presented: &[u8]) -> Option<Caller> {
         let mut found = None;
-        for (token, role) in &self.0 {
-            if bool::from(token.as_slice().ct_eq(presented)) {
-                found = found.or(Some(*role));
+        for e in &self.0 {
+            if bool::from(e.secret.as_slice().ct_eq(presented)) {
+                found = found.or(Some(e));
             }
         }
-        found
+        found.map(|e| Caller {
+            name: e.name.clone(),
+            role: Some(e.role),
+        })
     }
 
     /// Every token (for the secret scrubbing of tests and diagnostics).
     pub fn secrets(&self) -> impl Iterator<Item = &[u8]> {
-        self.0.iter().map(|(t, _)| t.as_slice())
+        self.0.iter().map(|e| e.secret.as_slice())
     }
 }
 
@@ -182,8 +284,9 @@ impl ApiAuth {
     /// [`crate::Error::Config`] naming the setting (never a token): a malformed entry, an
     /// unreadable file, a non-loopback bind without tokens.
     pub fn from_args(a: &crate::settings::CommonArgs, http_addr: &str) -> Result<Self> {
-        let mut tokens =
-            Tokens::parse(&a.api_tokens).map_err(|e| Error::config("FLEET_API_TOKENS", e))?;
+        let mut tokens = Tokens::parse(&a.api_tokens)
+            .and_then(|t| t.unique().map(|()| t))
+            .map_err(|e| Error::config("FLEET_API_TOKENS", e))?;
         if let Some(path) = a
             .api_tokens_file
             .as_deref()
@@ -195,7 +298,9 @@ impl ApiAuth {
             })?;
             let more = Tokens::parse(&text)
                 .map_err(|e| Error::config("FLEET_API_TOKENS_FILE", format!("{path}: {e}")))?;
-            tokens.0.extend(more.0);
+            tokens
+                .extend(more)
+                .map_err(|e| Error::config("FLEET_API_TOKENS_FILE", format!("{path}: {e}")))?;
         }
         let metrics_need_read = a.metrics_auth == "read";
         let allow_unauthenticated = a.allow_unauthenticated;
@@ -250,8 +355,32 @@ impl ApiAuth {
         headers: &HeaderMap,
         needed: Role,
     ) -> std::result::Result<Option<Role>, Response> {
+        self.caller(headers, needed).map(|c| c.role)
+    }
+
+    /// Who presents these headers, whatever the route needs: the token's [`Caller`],
+    /// [`Caller::anonymous`] on an open API or for a missing or unknown token (a guarded route
+    /// never lets those through).
+    pub fn identify(&self, headers: &HeaderMap) -> Caller {
+        headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .and_then(|(_, t)| self.inner.tokens.caller_of(t.trim().as_bytes()))
+            .unwrap_or_else(Caller::anonymous)
+    }
+
+    /// Like [`check`](Self::check), answering who the caller is: the token's [`Caller`], or
+    /// [`Caller::anonymous`] on an open API.
+    #[allow(clippy::result_large_err)]
+    pub fn caller(
+        &self,
+        headers: &HeaderMap,
+        needed: Role,
+    ) -> std::result::Result<Caller, Response> {
         if self.is_open() {
-            return Ok(None);
+            return Ok(Caller::anonymous());
         }
         let presented = headers
             .get(header::AUTHORIZATION)
@@ -264,10 +393,10 @@ impl ApiAuth {
                 "missing bearer token (Authorization: Bearer <token>)",
             ));
         };
-        match self.inner.tokens.role_of(token.as_bytes()) {
-            None => Err(unauthorized("unknown token")),
-            Some(role) if role.grants(needed) => Ok(Some(role)),
-            Some(role) => Err((
+        match self.inner.tokens.caller_of(token.as_bytes()) {
+            None | Some(Caller { role: None, .. }) => Err(unauthorized("unknown token")),
+            Some(c @ Caller { role: Some(role), .. }) if role.grants(needed) => Ok(c),
+            Some(Caller { role: Some(role), .. }) => Err((
                 StatusCode::FORBIDDEN,
                 Json(serde_json::json!({"error": "forbidden", "detail": format!("this token has role {}; this needs {}", role.as_str(), needed.as_str())})),
             )
@@ -404,6 +533,48 @@ mod tests {
         assert_eq!(t.role_of(b"cccccccccccccccd"), None);
         assert_eq!(t.role_of(b""), None);
         assert!(!format!("{t:?}").contains("aaaa"));
+    }
+
+    #[test]
+    fn tokens_have_names_given_or_numbered() {
+        let mut t = Tokens::parse(
+            "ops-alice:aaaaaaaaaaaaaaaa admin, bbbbbbbbbbbbbbbb read\nci.bot_1:cc:cccccccccccccc submit",
+        )
+        .unwrap();
+        let who = |t: &Tokens, s: &[u8]| t.caller_of(s).map(|c| (c.name, c.role));
+        assert_eq!(
+            who(&t, b"aaaaaaaaaaaaaaaa"),
+            Some(("ops-alice".into(), Some(Role::Admin)))
+        );
+        assert_eq!(
+            who(&t, b"bbbbbbbbbbbbbbbb"),
+            Some(("read-2".into(), Some(Role::Read)))
+        );
+        // The name ends at the first colon: the token may hold more.
+        assert_eq!(
+            who(&t, b"cc:cccccccccccccc"),
+            Some(("ci.bot_1".into(), Some(Role::Submit)))
+        );
+        assert_eq!(who(&t, b"ops-alice:aaaaaaaaaaaaaaaa"), None);
+        // A file's unnamed entries are numbered after the variable's.
+        t.extend(Tokens::parse("dddddddddddddddd read").unwrap())
+            .unwrap();
+        assert_eq!(
+            who(&t, b"dddddddddddddddd"),
+            Some(("read-4".into(), Some(Role::Read)))
+        );
+        let e = t
+            .extend(Tokens::parse("ops-alice:eeeeeeeeeeeeeeee read").unwrap())
+            .unwrap_err();
+        assert!(e.contains("ops-alice") && !e.contains("eeee"), "{e}");
+        for bad in [
+            "bad name:ffffffffffffffff read",
+            ":ffffffffffffffff read",
+            "a/b:ffffffffffffffff read",
+        ] {
+            let e = Tokens::parse(bad).unwrap_err();
+            assert!(!e.contains("ffff"), "{e}");
+        }
     }
 
     #[test]

@@ -14,6 +14,6 @@ mod host;
 pub use args::{
     early, markdown_table, parse, unknown, CommonArgs, CommonOnly, Early, SchedulerArgs, WorkerArgs,
 };
-pub use auth::{json_only, ApiAuth, Role, Tokens};
+pub use auth::{json_only, ApiAuth, Caller, Role, Tokens};
 pub use config::{redis_url, CommonConfig, Origin, Settings};
 pub use host::AllowedHosts;

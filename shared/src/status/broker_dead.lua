@@ -8,11 +8,23 @@
 -- worker gave it a fate of its own) keeps its status: the broker's copy was a stale duplicate.
 -- Otherwise the task's reservation and running records are released (nobody runs it any more:
 -- the broker dead-letters a message only when it comes back) and it is `dead` with the reason.
--- returns: 'dead' (S.dead, the state written) | 'done' (the status was already final; nothing written)
+-- returns: 'dead' (S.dead, the state written) | 'done' (the status was already final, or
+--   cancelled: nothing written)
 local id, g, lane, reason, err, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local t = K_task(id)
 local r = redis.call('HMGET', t, 'state', 'run_st', 'group', 'worker', 'attempt', 'started_at')
 if r[2] == 'done' and is_final(r[1]) then return 'done' end
+-- A cancelled task stays cancelled (a cancel does not end the run record): its reservation and
+-- running records are released, nothing else is written.
+if r[1] == S.cancelled then
+  if g == '' then g = r[3] or '' end
+  if g ~= '' then
+    redis.call('ZREM', K_resv(g, lane), id)
+    redis.call('ZREM', K_run(g, lane), id)
+  end
+  if r[4] then redis.call('SREM', K_wrun(r[4]), lane .. '|' .. id) end
+  return 'done'
+end
 if g == '' then g = r[3] or '' end
 if g ~= '' then
   redis.call('ZREM', K_resv(g, lane), id)

@@ -21,6 +21,7 @@
 mod admission;
 mod api_auth;
 mod attempt_once;
+mod audit;
 mod bad_input;
 mod broker_dead_letters;
 mod broker_limits;

@@ -3,7 +3,7 @@
 
 const REFRESH_MS = 2000;
 const TOKEN_KEY = "fleet.console.token";
-const VIEWS = ["overview", "groups", "workers", "dead", "schedules", "task"];
+const VIEWS = ["overview", "groups", "workers", "dead", "schedules", "task", "audit"];
 
 const $ = (sel) => document.querySelector(sel);
 
@@ -464,7 +464,7 @@ async function lookupTask(id) {
 
 // ---------------------------------------------------------------- shell
 
-const RENDER = { overview: renderOverview, groups: renderGroups, workers: renderWorkers, dead: renderDead, schedules: renderSchedules, task: async () => {
+const RENDER = { overview: renderOverview, groups: renderGroups, workers: renderWorkers, dead: renderDead, schedules: renderSchedules, audit: (...a) => renderAudit(...a), task: async () => {
   const id = $("#task-id").value.trim();
   if (id) await lookupTask(id);
 } };
@@ -668,3 +668,38 @@ async function renderKindPauses() {
   };
   if (currentView() === "groups") refreshNow();
 }
+// ==== audit log ====
+// GET /v1/audit: the operator actions newest first, filtered by action and token name; the
+// figures are the API's (total = entries matching, as of the answer's time).
+function auditTarget(t) {
+  if (t === null || t === undefined) return "–";
+  if (typeof t !== "object") return String(t);
+  return Object.entries(t)
+    .filter(([, v]) => v !== null && v !== undefined && !(Array.isArray(v) && v.length === 0))
+    .map(([k, v]) => `${k}=${Array.isArray(v) ? v.join(",") : typeof v === "object" ? JSON.stringify(v) : v}`)
+    .join(" ") || "–";
+}
+
+async function renderAudit() {
+  const q = new URLSearchParams({ limit: "200" });
+  const action = $("#audit-action").value.trim();
+  const by = $("#audit-by").value.trim();
+  if (action) q.set("action", action);
+  if (by) q.set("by", by);
+  const r = await api(`/v1/audit?${q}`);
+  if (r.status !== 200) throw new Error(problem(r));
+  const days = Math.round((r.body.retention_seconds || 0) / 86400);
+  if (days) $("#audit-retention").textContent = `${days} days`;
+  $("#audit-count").textContent = `${r.body.entries.length} of ${r.body.total} shown, as of ${r.body.as_of}`;
+  const rows = r.body.entries.map((e) => h("tr", { dataset: { id: e.id, action: e.action } },
+    h("td", { dataset: { k: "at" } }, timeEl(e.at)),
+    h("td", { dataset: { k: "action" } }, e.action),
+    h("td", { class: "mono", dataset: { k: "by" } }, e.by),
+    h("td", { dataset: { k: "role" } }, e.role || "–"),
+    h("td", { class: "num", dataset: { k: "count" } }, String(e.count)),
+    h("td", { class: "wrap mono", dataset: { k: "target" } }, auditTarget(e.target)),
+    h("td", { class: "wrap", dataset: { k: "reason" } }, e.reason || "")));
+  $("#audit-table tbody").replaceChildren(...(rows.length ? rows : [h("tr", { class: "empty" }, h("td", { colspan: 7 }, "No action recorded."))]));
+}
+
+$("#audit-form").addEventListener("submit", (ev) => { ev.preventDefault(); refreshNow(); });
