@@ -75,7 +75,7 @@ pub struct AppState {
 
 /// The API routes, each behind its role when tokens are configured ([`fleet::settings`]): submit
 /// needs `submit`; status, workers, groups, pressure, series and dead-letter reads need `read`;
-/// drain, replay and cancel need `admin`; every POST must be JSON (415 otherwise, checked after the
+/// drain, replay, cancel, pause and resume need `admin` (`GET /v1/pauses`: `read`); every POST must be JSON (415 otherwise, checked after the
 /// token: [`ApiAuth::require`]). The console's assets are public (they hold no data). Without
 /// tokens, a request whose `Host` is not `localhost`, an IP address or a name of
 /// `FLEET_API_ALLOWED_HOSTS` gets 421, API and console alike ([`fleet::settings`]).

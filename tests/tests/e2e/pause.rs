@@ -333,7 +333,7 @@ async fn a_paused_kind_waits_while_other_kinds_of_its_group_run() -> anyhow::Res
     .await?;
     ensure!(code == 202, "pause answered {code}: {body}");
     // Interleaved: 60 of the paused kind, 60 of another, one group.
-    let mut held = Vec::new();
+    let mut held: Vec<String> = Vec::new();
     let mut free = Vec::new();
     let mut envs = Vec::new();
     for i in 0..60 {
@@ -371,6 +371,16 @@ async fn a_paused_kind_waits_while_other_kinds_of_its_group_run() -> anyhow::Res
         held.len()
     );
     ensure!(ran_held == 0, "{ran_held} tasks of the paused kind ran");
+    // A held task has a status (parked behind the kind's hold queue) and can be cancelled.
+    let st = ns.status(&held[0]).await?.unwrap_or_default();
+    ensure!(
+        st.get("state").map(String::as_str) == Some("parked")
+            && st.get("group").map(String::as_str) == Some("_kind.other_job"),
+        "a held task's status: {st:?}"
+    );
+    let (code, body) = post(&sched, &format!("/v1/tasks/{}/cancel", held[0]), json!({})).await?;
+    ensure!(code == 202, "cancel of a held task: {code} {body}");
+    let cancelled = held.remove(0);
     let (code, body) = post(
         &sched,
         "/v1/pauses/resume",
@@ -381,6 +391,11 @@ async fn a_paused_kind_waits_while_other_kinds_of_its_group_run() -> anyhow::Res
     wait_ran(&starts, &held, Duration::from_secs(30)).await?;
     ns.wait_settled(Duration::from_secs(30)).await?;
     each_once(&starts, &held, "held kind")?;
+    ensure!(
+        !starts.per_task().contains_key(&cancelled),
+        "the cancelled held task ran"
+    );
+    ensure!(ns.state_of(&cancelled).await.as_deref() == Some("cancelled"));
     each_once(&starts, &free, "other kind")?;
     for id in held.iter().chain(&free) {
         ensure!(
