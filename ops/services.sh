@@ -6,7 +6,8 @@
 # clock-skew test). Every wait is bounded; a service that cannot be
 # brought up ends the script with a non-zero status and a message that says why.
 #
-#   ops/services.sh                 Redis + RabbitMQ installed and running (default)
+#   ops/services.sh                 Redis + RabbitMQ installed and running (default), and
+#                                   python3-pika + python3-mypy for the Python client's tests
 #   ops/services.sh --tools         the same, plus the check tools: promtool (package
 #                                   prometheus), docker-compose and shellcheck
 #   ops/services.sh --tools-only    only the check tools; leaves the services alone
@@ -246,6 +247,26 @@ check_rabbitmq_nofile() {
     fi
 }
 
+# ---------------------------------------------------------------------------- Python client
+
+# The Python client's tests (clients/python, ops/python-client-test.sh): Debian's python3 with
+# pika, and mypy for its type check. Debian's packages serve /usr/bin/python3 (another python3
+# earlier on PATH, e.g. pyenv's, does not see them; the test script falls back to it).
+ensure_python_client() {
+    local py=/usr/bin/python3
+    if ! { [ -x "$py" ] && "$py" -c 'import pika' >/dev/null 2>&1; }; then
+        log "python3 with pika not found: installing python3 python3-pika"
+        apt_install python3 python3-pika
+        "$py" -c 'import pika' >/dev/null 2>&1 || die "$py still cannot import pika after installing python3-pika"
+    fi
+    if ! "$py" -m mypy --version >/dev/null 2>&1; then
+        log "mypy not found for $py: installing python3-mypy"
+        apt_install python3-mypy
+        "$py" -m mypy --version >/dev/null 2>&1 || die "$py -m mypy still fails after installing python3-mypy"
+    fi
+    log "python client: $("$py" --version 2>&1), pika $("$py" -c 'import pika; print(pika.__version__)'), $("$py" -m mypy --version 2>&1)"
+}
+
 # ---------------------------------------------------------------------------- tools
 
 ensure_base() {
@@ -322,6 +343,7 @@ main() {
         ensure_docker
     fi
     if [ "$services" -eq 1 ]; then
+        ensure_python_client
         ensure_redis
         ensure_rabbitmq
     fi

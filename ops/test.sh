@@ -14,7 +14,9 @@
 #      `cargo test -p fleet-tests --test e2e -- smoke::`. tests/tests/e2e/cluster.rs starts its own private three-node
 #      RabbitMQ cluster and Redis master + replica + Sentinels with ops/cluster.sh (1-4 min on a
 #      loaded 2-core machine), kills a node and the Redis master, and stops them all
-#   4. ops/check-metrics.sh   live /metrics of a scheduler and a worker through promtool
+#   4. ops/python-client-test.sh   the Python client (clients/python): mypy --strict and its
+#                             tests against scheduler and worker processes of the debug build
+#      ops/check-metrics.sh   live /metrics of a scheduler and a worker through promtool
 #   5. ops/compose-test.sh    the compose deployment: images built without a registry (the
 #                             fleet image from the debug binaries of step 3), started, scaled,
 #                             checked end to end, removed
@@ -45,6 +47,7 @@ ops/test.sh may install Debian packages with apt (root or sudo), once, when they
   redis-server, rabbitmq-server   the tests run against real servers on 127.0.0.1 (some start
                                   private nodes of their own on free ports)
   faketime                        libfaketime: the clock-skew test runs workers 60 s off
+  python3-pika, python3-mypy      the Python client's tests and type check (clients/python)
   prometheus (promtool), docker-compose, shellcheck
                                   the configuration checks (alert rules and their unit tests,
                                   the compose file, the shell scripts)
@@ -82,6 +85,9 @@ step "cargo build --workspace --bins"
 # The fault tests run fleet-worker and fleetctl as processes (killed, signalled).
 cargo build --workspace --bins
 checked "cargo test --workspace --no-fail-fast $*" cargo_test "$@"
+# The Python client (clients/python) against a live fleet of the debug binaries: mypy --strict,
+# then its tests (about 10 s).
+checked "python client (clients/python)" env FLEET_BIN_DIR=target/debug bash ops/python-client-test.sh
 checked "live metrics check" env FLEET_BIN_DIR=target/debug bash ops/check-metrics.sh
 fuzz_seconds="${FLEET_FUZZ_SECONDS:-20}"
 fuzz_build=""

@@ -224,6 +224,27 @@ enum Cmd {
     /// List the pauses in force (GET /v1/pauses): scope, target, since, by, reason, and for a
     /// kind the tasks held.
     Pauses,
+    /// List tasks by state (GET /v1/tasks): the counts per state of every task matching the
+    /// filters, then the newest matching tasks (newest first). Exit 0.
+    #[command(
+        override_usage = "fleetctl tasks [--state S] [--group G] [--kind K] [--label k=v] [--since T] [--until T] [--limit N] [--cursor C]"
+    )]
+    Tasks {
+        #[command(flatten)]
+        filter: TaskFilter,
+        /// Show at most this many tasks (1..=1000).
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        limit: u32,
+        /// Start after this place (the `next:` a previous listing printed).
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Cancel, retry (dead or expired: replayed as a new run) or delete (dead letters) many
+    /// tasks by ids or by filters (POST /v1/tasks/bulk). Always asks a dry run first and prints
+    /// its count and a sample; acts only with --yes, then prints applied / skipped / failed
+    /// (exit 1 when any failed).
+    #[command(subcommand)]
+    Bulk(BulkCmd),
     /// Inspect or replay dead letters (`<ns>.dead`).
     #[command(subcommand)]
     Dead(DeadCmd),
@@ -335,6 +356,114 @@ struct SubmitArgs {
 }
 
 #[derive(Subcommand)]
+enum BulkCmd {
+    /// Cancel tasks not yet ended (they never run, or are stopped).
+    #[command(
+        override_usage = "fleetctl bulk cancel [filters | --ids ID,...] [--dry-run] [--yes] [--reason R]"
+    )]
+    Cancel(BulkArgs),
+    /// Retry dead or expired tasks: their dead letters replayed as new runs (a cancelled task
+    /// cannot be retried: 409).
+    #[command(override_usage = "fleetctl bulk retry [filters | --ids ID,...] [--dry-run] [--yes]")]
+    Retry(BulkArgs),
+    /// Delete dead letters of dead or expired tasks for good (their status records go too).
+    #[command(
+        override_usage = "fleetctl bulk delete [filters | --ids ID,...] [--dry-run] [--yes]"
+    )]
+    Delete(BulkArgs),
+}
+
+/// The filters of `fleetctl tasks` and `fleetctl bulk` (those of GET /v1/tasks).
+#[derive(Debug, clap::Args)]
+struct TaskFilter {
+    /// Only tasks in this state (repeat or comma-separate for several).
+    #[arg(long, value_delimiter = ',')]
+    state: Vec<String>,
+    /// Only tasks of this group.
+    #[arg(long)]
+    group: Option<String>,
+    /// Only tasks of this kind.
+    #[arg(long)]
+    kind: Option<String>,
+    /// Only tasks whose selector holds this key=value (repeat for several).
+    #[arg(long, value_delimiter = ',')]
+    label: Vec<String>,
+    /// Only runs submitted at or after this time (RFC 3339 or Unix ms).
+    #[arg(long)]
+    since: Option<String>,
+    /// Only runs submitted at or before this time (RFC 3339 or Unix ms).
+    #[arg(long)]
+    until: Option<String>,
+}
+
+impl TaskFilter {
+    /// As query pairs.
+    fn pairs(&self) -> Vec<(&'static str, String)> {
+        let mut p: Vec<(&'static str, String)> = Vec::new();
+        if !self.state.is_empty() {
+            p.push(("state", self.state.join(",")));
+        }
+        for l in &self.label {
+            p.push(("label", l.clone()));
+        }
+        for (k, v) in [
+            ("group", &self.group),
+            ("kind", &self.kind),
+            ("since", &self.since),
+            ("until", &self.until),
+        ] {
+            if let Some(v) = v {
+                p.push((k, v.clone()));
+            }
+        }
+        p
+    }
+
+    /// As a bulk body's `query` object.
+    fn query(&self) -> Value {
+        let mut m = serde_json::Map::new();
+        if !self.state.is_empty() {
+            m.insert("state".into(), serde_json::json!(self.state));
+        }
+        if !self.label.is_empty() {
+            m.insert("label".into(), serde_json::json!(self.label));
+        }
+        for (k, v) in [
+            ("group", &self.group),
+            ("kind", &self.kind),
+            ("since", &self.since),
+            ("until", &self.until),
+        ] {
+            if let Some(v) = v {
+                m.insert(k.into(), Value::String(v.clone()));
+            }
+        }
+        Value::Object(m)
+    }
+}
+
+#[derive(Debug, clap::Args)]
+struct BulkArgs {
+    #[command(flatten)]
+    filter: TaskFilter,
+    /// These task ids instead of filters (comma-separated or repeated).
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["state", "group", "kind", "label", "since", "until"])]
+    ids: Vec<String>,
+    /// Only show what would be done (count and a sample).
+    #[arg(long, conflicts_with = "yes")]
+    dry_run: bool,
+    /// Act without asking (required to act: fleetctl does not prompt).
+    #[arg(long)]
+    yes: bool,
+    /// Act on at most this many tasks (1..=100000).
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    limit: u32,
+    /// Why (a cancel's reason, kept in each task's status).
+    #[arg(long)]
+    reason: Option<String>,
+}
+
+#[derive(Subcommand)]
 enum DeadCmd {
     /// Show dead letters without removing them.
     List {
@@ -392,6 +521,14 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Pause(what) => pause(&cli, what, true).await,
         Cmd::Resume(what) => pause(&cli, what, false).await,
         Cmd::Pauses => pauses(&cli).await,
+        Cmd::Tasks {
+            filter,
+            limit,
+            cursor,
+        } => tasks(&cli, filter, *limit, cursor.as_deref()).await,
+        Cmd::Bulk(BulkCmd::Cancel(a)) => bulk(&cli, "cancel", a).await,
+        Cmd::Bulk(BulkCmd::Retry(a)) => bulk(&cli, "retry", a).await,
+        Cmd::Bulk(BulkCmd::Delete(a)) => bulk(&cli, "delete", a).await,
         Cmd::Audit {
             action,
             by,
@@ -788,13 +925,15 @@ async fn workers(cli: &Cli) -> Result<ExitCode> {
                 w.dead.to_string(),
                 w.expired.to_string(),
                 w.unrecorded.to_string(),
+                w.kinds.clone(),
                 format!("{:.1}s ago", w.last_heartbeat_ms_ago as f64 / 1000.0),
             ]
         })
         .collect();
     // RUNNING is live (the run records a group's LOAD counts too); the outcome columns are
     // user task attempts by outcome (probes excluded), published by each worker as it records
-    // them: failed = RETRIED + DEAD, UNRECORDED = the outcome could not be recorded.
+    // them: failed = RETRIED + DEAD, UNRECORDED = the outcome could not be recorded. KINDS: the
+    // task kinds it handles (`*`: any), the routing input of issue 29.
     print_table(
         &[
             "ID",
@@ -807,6 +946,7 @@ async fn workers(cli: &Cli) -> Result<ExitCode> {
             "DEAD",
             "EXPIRED",
             "UNRECORDED",
+            "KINDS",
             "LAST HEARTBEAT",
         ],
         rows,
@@ -1059,6 +1199,136 @@ async fn pauses(cli: &Cli) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+// ---- tasks, bulk ----
+
+async fn tasks(cli: &Cli, f: &TaskFilter, limit: u32, cursor: Option<&str>) -> Result<ExitCode> {
+    let mut pairs = f.pairs();
+    pairs.push(("limit", limit.to_string()));
+    if let Some(c) = cursor {
+        pairs.push(("cursor", c.to_string()));
+    }
+    let url = reqwest::Url::parse_with_params(&api(cli, "/v1/tasks"), &pairs)
+        .map_err(|e| anyhow!("bad API URL: {e}"))?;
+    let v = get_json(&http(cli)?, url.as_str())
+        .await?
+        .unwrap_or(Value::Null);
+    out!("{}", tasks_counts_line(&v));
+    let rows: Vec<Vec<String>> = v["tasks"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|t| {
+            ["id", "state", "kind", "group", "submitted_at"]
+                .iter()
+                .map(|k| t[*k].as_str().unwrap_or("").to_string())
+                .collect()
+        })
+        .collect();
+    print_table(&["ID", "STATE", "KIND", "GROUP", "SUBMITTED"], rows);
+    if let Some(n) = v["next"].as_str() {
+        out!("next: {n}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `total=N  queued=.. parked=..` (states with none left out), `(incomplete)` when the walk
+/// stopped at its bound.
+fn tasks_counts_line(v: &Value) -> String {
+    let mut line = format!("total={}", v["total"].as_u64().unwrap_or(0));
+    if let Some(m) = v["counts"].as_object() {
+        for (s, n) in m {
+            if n.as_u64().unwrap_or(0) > 0 {
+                line.push_str(&format!(" {s}={n}"));
+            }
+        }
+    }
+    if v["complete"] == false {
+        line.push_str(" (incomplete: the walk stopped at its bound)");
+    }
+    line
+}
+
+async fn bulk_post(cli: &Cli, body: &Value) -> Result<(reqwest::StatusCode, Value)> {
+    let url = api(cli, "/v1/tasks/bulk");
+    let resp = http(cli)?
+        .post(&url)
+        .json(body)
+        .send()
+        .await
+        .map_err(|e| api_send_error(e, "POST", &url))?;
+    let status = resp.status();
+    Ok((status, resp.json().await.unwrap_or(Value::Null)))
+}
+
+async fn bulk(cli: &Cli, action: &str, a: &BulkArgs) -> Result<ExitCode> {
+    let mut body = serde_json::json!({"action": action, "limit": a.limit});
+    if a.ids.is_empty() {
+        body["query"] = a.filter.query();
+    } else {
+        body["ids"] = serde_json::json!(a.ids);
+    }
+    if let Some(r) = &a.reason {
+        body["reason"] = Value::String(r.clone());
+    }
+    let fail = |status: reqwest::StatusCode, v: &Value| {
+        anyhow!(
+            "POST /v1/tasks/bulk: {status}: {}",
+            v.get("detail").and_then(Value::as_str).unwrap_or("")
+        )
+    };
+    body["dry_run"] = Value::Bool(true);
+    let (status, dry) = bulk_post(cli, &body).await?;
+    if !status.is_success() {
+        return Err(fail(status, &dry));
+    }
+    let count = dry["count"].as_u64().unwrap_or(0);
+    let sample: Vec<&str> = dry["sample"]
+        .as_array()
+        .map(|s| s.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    out!("{action}: {count} task(s) selected");
+    if !sample.is_empty() {
+        out!("sample: {}", sample.join(" "));
+    }
+    if let Some(m) = dry["ineligible"].as_object().filter(|m| !m.is_empty()) {
+        out!("not taken (their state): {}", Value::Object(m.clone()));
+    }
+    if a.dry_run || count == 0 {
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !a.yes {
+        eprintln!(
+            "fleetctl: add --yes to {action} these {count} task(s) (or --dry-run to only look)"
+        );
+        return Ok(ExitCode::FAILURE);
+    }
+    body["dry_run"] = Value::Bool(false);
+    let (status, run) = bulk_post(cli, &body).await?;
+    if !status.is_success() {
+        return Err(fail(status, &run));
+    }
+    let n = |k: &str| run[k].as_u64().unwrap_or(0);
+    out!(
+        "{action}: applied={} skipped={} failed={}",
+        n("applied"),
+        n("skipped"),
+        n("failed")
+    );
+    for f in run["failures"].as_array().cloned().unwrap_or_default() {
+        out!(
+            "  failed {}: {}",
+            f[0].as_str().unwrap_or("?"),
+            f[1].as_str().unwrap_or("?")
+        );
+    }
+    Ok(if n("failed") > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
 async fn audit(
     cli: &Cli,
     action: Option<&str>,
@@ -1224,6 +1494,13 @@ async fn dead_replay(
         _ => dead::Selection::all(),
     };
     let report = dead::replay(&conn, store.as_ref(), names, &sel, limits).await;
+    if let Ok(r) = &report {
+        let target = serde_json::json!({"ids": id.map(|i| vec![i]), "all": id.is_none()});
+        if let Err(e) = audit_direct(&conn, names, "replay", target, r.replayed.len() as u64).await
+        {
+            eprintln!("fleetctl: the replay is done, but its audit record was not written: {e}");
+        }
+    }
     let _ = conn.close(200, ShortString::from("done")).await;
     let report = report.with_context(|| format!("replaying from {}", names.dead_queue()))?;
     for (id, why) in &report.failed {
@@ -1238,6 +1515,33 @@ async fn dead_replay(
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// Appends the audit record of an action fleetctl did on the broker directly (not through the
+/// API, so with no token): by `fleetctl:<login user>`, role `broker` — whoever holds the
+/// broker's credentials ([`fleet::control`]).
+async fn audit_direct(
+    conn: &Connection,
+    names: &Names,
+    action: &str,
+    target: Value,
+    count: u64,
+) -> Result<()> {
+    let user = std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .unwrap_or_else(|_| "unknown".into());
+    let who = fleet::settings::Caller {
+        name: format!("fleetctl:{user}"),
+        role: None,
+    };
+    let at = chrono::Utc::now().timestamp_millis();
+    let mut rec = fleet::control::Record::audit(action, target, count, &who, "", at);
+    if let fleet::control::Op::Audit { role, .. } = &mut rec.op {
+        *role = "broker".into();
+    }
+    let publisher = fleet::broker::amqp::confirm_channel(conn).await?;
+    fleet::control::append(&publisher, names, &rec).await?;
+    Ok(())
 }
 
 // ---- schedules ----

@@ -12,6 +12,8 @@
 //! * `POST /v1/tasks/{id}/cancel` (`cancel`): 202 a promise, 200 again, 409 ended, 404.
 //! * Pauses (`pause`): `GET /v1/pauses`, `POST /v1/pauses`, `POST /v1/pauses/resume`.
 //! * Dead letters (`dead`): `GET /v1/dead`, `GET /v1/dead/{id}`, `POST /v1/dead/replay`.
+//! * The task list and bulk actions (`tasks`): `GET /v1/tasks?state=&group=&kind=&label=&since=&until=&cursor=&limit=`,
+//!   `POST /v1/tasks/bulk` (cancel, retry, delete by ids or query, with a dry run).
 //! * `GET /v1/series`: the last 15 minutes of throughput and wait time ([`crate::series`]).
 //! * The web console at `/ui` ([`crate::console`]).
 //!
@@ -22,6 +24,7 @@ mod audit_log;
 mod cancel;
 mod dead;
 mod pause;
+mod tasks;
 
 pub(crate) use audit_log::{audit, audit_to, caller, caller_of};
 
@@ -91,6 +94,7 @@ pub fn routes(state: AppState) -> Router {
             .route("/v1/series", get(series))
             .merge(dead::read_routes())
             .merge(pause::read_routes())
+            .merge(tasks::read_routes())
             .merge(audit_log::read_routes()),
         Role::Read,
     );
@@ -99,7 +103,8 @@ pub fn routes(state: AppState) -> Router {
             .route("/v1/workers/{id}/drain", post(drain))
             .merge(dead::admin_routes())
             .merge(cancel::admin_routes())
-            .merge(pause::admin_routes()),
+            .merge(pause::admin_routes())
+            .merge(tasks::admin_routes()),
         Role::Admin,
     );
     let api = submit_routes
@@ -470,28 +475,62 @@ async fn groups(State(st): State<AppState>) -> Response {
     Json(out).into_response()
 }
 
+/// `POST /v1/workers/{id}/drain` (role admin): 202 `{"id", "previous_state", "state"}`, 404 for
+/// an unknown worker, 503 when Redis or the broker cannot be reached (nothing promised).
+///
+/// The drain is a promise like a cancel: its record goes into the control stream (the audit
+/// log) before the `draining` state is written, and the worker follows the stream too, so a
+/// drain answered 202 reaches the worker even when Redis loses the state before its heartbeat
+/// reads it ([`fleet::control`]).
 async fn drain(
     State(st): State<AppState>,
     headers: axum::http::HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
+    match st.store.worker_state(&id).await {
+        Ok(Some(_)) => {}
+        Ok(None) => {
+            return error(
+                StatusCode::NOT_FOUND,
+                "unknown_worker",
+                format!("no registered worker with id {id}"),
+            )
+        }
+        Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
+    }
+    let who = caller(&st, &headers);
+    if let Err(e) = audit(&st, &who, "drain", json!({"worker": id}), 1).await {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "broker_unavailable",
+            format!("the drain was not recorded (nothing promised; try again): {e}"),
+        );
+    }
     match st.store.set_state(&id, WorkerState::Draining).await {
         Ok(Some(prev)) => {
-            let who = caller(&st, &headers);
             tracing::info!(worker = %id, previous = prev.as_str(), by = %who.name, "drain requested through the API");
-            let _ = audit(&st, &who, "drain", json!({"worker": id}), 1).await;
             (
                 StatusCode::ACCEPTED,
                 Json(json!({"id": id, "previous_state": prev, "state": WorkerState::Draining})),
             )
                 .into_response()
         }
+        // Gone between the read and the write: the recorded drain reaches it from the stream
+        // if it comes back in this process.
         Ok(None) => error(
             StatusCode::NOT_FOUND,
             "unknown_worker",
             format!("no registered worker with id {id}"),
         ),
-        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
+        // Recorded: the worker drains from the stream.
+        Err(e) => {
+            tracing::warn!(worker = %id, error = %e, "drain recorded in the control stream; the worker reads it there (Redis failed)");
+            (
+                StatusCode::ACCEPTED,
+                Json(json!({"id": id, "state": WorkerState::Draining})),
+            )
+                .into_response()
+        }
     }
 }
 

@@ -28,6 +28,7 @@ pub mod console;
 pub mod control;
 pub mod dispatch;
 pub mod health;
+pub mod index_trim;
 pub mod ingress;
 pub mod park;
 pub mod pause;

@@ -422,6 +422,12 @@ async fn session(
         }
     );
     spawn_loop!(
+        "index-trim",
+        crate::index_trim::IndexTrim {
+            session: shared.clone()
+        }
+    );
+    spawn_loop!(
         "backstop",
         backstop::Backstop {
             session: shared.clone()

@@ -123,11 +123,27 @@ impl Drop for RunWatch {
     }
 }
 
-/// The loop that follows the control stream into a [`CancelBoard`].
+/// The loop that follows the control stream into a [`CancelBoard`], and drains this worker
+/// when the stream records a drain of it.
 pub struct Follower {
     pub broker: Arc<Broker>,
     pub names: Names,
     pub board: Arc<CancelBoard>,
+    /// This worker: its id, when this process started (Unix ms: a drain recorded before it
+    /// was another process's), and its drain switch.
+    pub drain: Option<(String, i64, crate::drain::Control)>,
+}
+
+/// Whether `rec` is a drain of worker `id` recorded at or after `since_ms` (Unix ms).
+pub fn drains(rec: &fleet::control::Record, id: &str, since_ms: i64) -> bool {
+    match &rec.op {
+        Op::Audit { action, target, .. } => {
+            action == "drain"
+                && target.get("worker").and_then(|w| w.as_str()) == Some(id)
+                && rec.at_ms >= since_ms
+        }
+        _ => false,
+    }
 }
 
 impl Follower {
@@ -167,6 +183,13 @@ impl Follower {
                                         - fleet::control::MAX_AGE.as_millis() as i64,
                                 );
                             }
+                            // A drain of this worker: the stream keeps it through a Redis loss
+                            // that took the `draining` state before the heartbeat read it.
+                            if let Some((id, since, control)) = &self.drain {
+                                if drains(&rec, id, *since) {
+                                    control.request_drain("drain recorded in the control stream");
+                                }
+                            }
                             let n = self.board.apply(&rec);
                             if let (true, Op::Cancel { task, by, .. }) = (n > 0, &rec.op) {
                                 tracing::info!(task.id = %fleet::task::escape(task), by = %by, runs = n, "task cancelled: stopping its run");
@@ -195,6 +218,34 @@ impl Follower {
 mod tests {
     use super::*;
     use fleet::control::Record;
+
+    #[test]
+    fn a_drain_record_drains_only_its_worker_and_only_a_later_process() {
+        let who = fleet::settings::Caller::anonymous();
+        let d = Record::audit(
+            "drain",
+            serde_json::json!({"worker": "w1"}),
+            1,
+            &who,
+            "",
+            1000,
+        );
+        assert!(drains(&d, "w1", 1000));
+        assert!(
+            !drains(&d, "w1", 1001),
+            "recorded before this process started"
+        );
+        assert!(!drains(&d, "w2", 0));
+        let other = Record::audit(
+            "replay",
+            serde_json::json!({"worker": "w1"}),
+            1,
+            &who,
+            "",
+            1000,
+        );
+        assert!(!drains(&other, "w1", 0));
+    }
 
     #[test]
     fn a_cancel_stops_the_watched_runs_of_its_task_only() {

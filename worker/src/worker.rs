@@ -321,6 +321,7 @@ impl Worker {
             broker: broker.clone(),
             names: cfg.common.names(),
             board: cancels.clone(),
+            drain: Some((cfg.worker_id.clone(), store.clock.now_ms(), control.clone())),
         };
         stages.background.spawn(
             tracing::info_span!("cancels"),

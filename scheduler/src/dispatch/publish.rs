@@ -36,8 +36,13 @@ enum Sent {
 impl Dispatcher {
     /// Publishes and settles a decided batch (see the module docs). Each item's fate is
     /// published to its queue; a fate without a publish (duplicate, hold) settles at once.
-    pub(super) async fn publish_and_settle(&self, items: Vec<Item>, source: &Source) -> Outcome {
+    pub(super) async fn publish_and_settle(
+        &self,
+        mut items: Vec<Item>,
+        source: &Source,
+    ) -> Outcome {
         let mut out = Outcome::default();
+        self.drop_cancelled_dead(&mut items, source).await;
         // 1. Start every publish, all together (one hand-off to the connection's I/O loop per
         // batch, not per task: see `amqp::publish_batch`). A park queue is declared first.
         let names = &self.session.names;
@@ -296,15 +301,64 @@ impl Dispatcher {
                 _ => continue,
             }
             // What the task is, in the same HSET (no command of its own).
-            writes.describe(&e.id, &e.kind, e.submitted_at);
+            writes.describe(
+                &e.id,
+                &e.kind,
+                &e.selector().pairs().join(","),
+                e.submitted_at,
+            );
         }
-        if let Err(err) = self
+        match self
             .session
             .store
             .write_statuses(&writes, self.session.cfg.common.status_ttl)
             .await
         {
-            tracing::debug!(error = %err, "cannot record status");
+            Ok(left) => {
+                for (id, state) in left {
+                    tracing::debug!(task.id = %fleet::task::escape(&id), state, "status left final");
+                }
+            }
+            Err(err) => tracing::debug!(error = %err, "cannot record status"),
+        }
+    }
+
+    /// A task an operator cancelled while it waited in a park, delay or waiting-for-worker
+    /// queue, and which this batch would dead-letter (its deadline passed there, checked
+    /// without a reservation call that reads the cancel), is dropped instead: a cancelled
+    /// task is never dead-lettered. One pipelined read of the dead fates' states, only in a
+    /// batch that has some (dead fates are rare; nothing on the dispatch path). A submission
+    /// (ingress) is left alone: a cancel needs a record, and a new run of a cancelled id is not
+    /// the cancelled one. Redis unreachable: the fates stand (the status writer still keeps
+    /// the record `cancelled`).
+    async fn drop_cancelled_dead(&self, items: &mut [Item], source: &Source) {
+        if matches!(source, Source::Ingress(_)) {
+            return;
+        }
+        let dead: Vec<usize> = items
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| matches!(i.fate, Some(Fate::Dead(..))) && i.envelope.is_some())
+            .map(|(k, _)| k)
+            .collect();
+        if dead.is_empty() {
+            return;
+        }
+        let ids: Vec<&str> = dead
+            .iter()
+            .filter_map(|k| items[*k].envelope.as_ref().map(|e| e.id.as_str()))
+            .collect();
+        let states = match self.session.store.task_states(&ids).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read the states of dead fates");
+                return;
+            }
+        };
+        for (k, state) in dead.into_iter().zip(states) {
+            if state.as_deref() == Some(status::TaskState::Cancelled.as_str()) {
+                items[k].fate = Some(Fate::Cancelled);
+            }
         }
     }
 }

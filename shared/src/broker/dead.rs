@@ -570,6 +570,102 @@ async fn replay_on(
     Ok(report)
 }
 
+/// What a deletion did.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct DeleteReport {
+    /// Task ids whose dead letters were removed (acked off the dead queue) — every letter of
+    /// the id in the queue.
+    pub deleted: Vec<String>,
+    /// Asked-for ids that were not in the dead queue.
+    pub missing: Vec<String>,
+}
+
+/// Deletes the selected dead letters: each is taken off the dead queue for good (acked), and
+/// its task's status record — when it still says dead or expired — goes with its attempt log
+/// and its task-index entry (`status/forget.lua`), so the task leaves the task list. Reads the
+/// queue as [`replay`] does (the reader lease, the letters in the queue when it starts; every
+/// letter not selected goes back in place when the channel closes).
+///
+/// # Errors
+/// The broker refused reading the queue; Redis unreachable when taking the lease;
+/// [`Error::Busy`] (the lease).
+pub async fn delete(
+    conn: &Connection,
+    store: &Store,
+    names: &Names,
+    sel: &Selection,
+) -> Result<DeleteReport> {
+    let mut lease = ReaderLease::acquire(store).await?;
+    let result = match conn.create_channel().await {
+        Ok(get) => {
+            let r = delete_on(&get, &mut lease, names, sel).await;
+            let _ = get.close(200, ShortString::from("delete done")).await;
+            r
+        }
+        Err(e) => Err(e.into()),
+    };
+    lease.release().await;
+    let report = result?;
+    if !report.deleted.is_empty() {
+        let mut inv = store.scripts.forget.prepare_invoke();
+        inv.key(store.names.prefix());
+        for id in &report.deleted {
+            inv.arg(id);
+        }
+        if let Err(e) = store.invoke::<i64>(&inv).await {
+            tracing::warn!(error = %e, "dead letters deleted; their status records stay until their TTL");
+        }
+    }
+    Ok(report)
+}
+
+async fn delete_on(
+    get: &Channel,
+    lease: &mut ReaderLease<'_>,
+    names: &Names,
+    sel: &Selection,
+) -> Result<DeleteReport> {
+    let queue = names.dead_queue();
+    let total = depth(get, &queue).await?;
+    let mut report = DeleteReport::default();
+    let mut deleted = BTreeSet::new();
+    for _ in 0..total {
+        lease.keep().await?;
+        let Some(m) = get
+            .basic_get(
+                ShortString::from(queue.as_str()),
+                BasicGetOptions::default(),
+            )
+            .await?
+        else {
+            break;
+        };
+        let d = m.delivery;
+        let letter = describe(&d.properties, &d.data);
+        if !sel.matches(&letter) {
+            continue;
+        }
+        match d.acker.ack(BasicAckOptions::default()).await {
+            Ok(_) => {
+                if deleted.insert(letter.id.clone()) {
+                    report.deleted.push(letter.id);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(task.id = %crate::task::escape(&letter.id), error = %e, "cannot delete a dead letter; it goes back to the dead queue")
+            }
+        }
+    }
+    if let Some(ids) = &sel.ids {
+        report.missing = ids
+            .iter()
+            .filter(|id| !deleted.contains(*id))
+            .cloned()
+            .collect();
+    }
+    Ok(report)
+}
+
 /// Turns a dead envelope into a new submission (see the module docs).
 pub fn reset_for_replay(env: &mut Envelope) {
     env.attempt = 0;

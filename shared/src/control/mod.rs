@@ -472,12 +472,76 @@ pub async fn append(
     names: &Names,
     rec: &Record,
 ) -> Result<()> {
-    let body = serde_json::to_vec(rec)?;
-    let props = BasicProperties::default()
-        .with_content_type("application/json".into())
-        .with_delivery_mode(2)
-        .with_message_id(rec.id.as_str().into());
-    crate::broker::amqp::publish_confirmed(ch, "", &names.control_stream(), &body, props).await
+    append_batch(ch, names, std::slice::from_ref(rec))
+        .await
+        .into_iter()
+        .next()
+        .unwrap_or(Err(Error::BadAnswer {
+            from: "control::append",
+            detail: "no confirm".into(),
+        }))
+}
+
+/// Appends many records to the control stream together (one batch of publishes, then every
+/// confirm awaited: a bulk cancel's records); per record, in order, `Ok` once the broker
+/// confirmed it — only those are promises.
+pub async fn append_batch(
+    ch: &crate::broker::amqp::Publisher,
+    names: &Names,
+    recs: &[Record],
+) -> Vec<Result<()>> {
+    let stream = names.control_stream();
+    let mut bodies = Vec::with_capacity(recs.len());
+    for r in recs {
+        bodies.push(serde_json::to_vec(r).map_err(Error::from));
+    }
+    let msgs: Vec<crate::broker::amqp::Outgoing<'_>> = recs
+        .iter()
+        .zip(&bodies)
+        .filter_map(|(r, b)| {
+            Some(crate::broker::amqp::Outgoing {
+                exchange: "",
+                routing_key: &stream,
+                body: b.as_ref().ok()?,
+                props: BasicProperties::default()
+                    .with_content_type("application/json".into())
+                    .with_delivery_mode(2)
+                    .with_message_id(r.id.as_str().into()),
+            })
+        })
+        .collect();
+    let mut sent = crate::broker::amqp::publish_batch(ch, msgs)
+        .await
+        .into_iter();
+    let mut out = Vec::with_capacity(recs.len());
+    let mut waits = Vec::new();
+    for b in bodies {
+        match b {
+            Err(e) => out.push(Some(Err(e))),
+            Ok(_) => match sent.next() {
+                Some(Ok(c)) => {
+                    out.push(None);
+                    waits.push(crate::broker::amqp::confirmed(c));
+                }
+                Some(Err(e)) => out.push(Some(Err(e))),
+                None => out.push(Some(Err(Error::BadAnswer {
+                    from: "control::append_batch",
+                    detail: "no publish result".into(),
+                }))),
+            },
+        }
+    }
+    let mut confirms = futures::future::join_all(waits).await.into_iter();
+    out.into_iter()
+        .map(|o| {
+            o.unwrap_or_else(|| {
+                confirms.next().unwrap_or(Err(Error::BadAnswer {
+                    from: "control::append_batch",
+                    detail: "no confirm".into(),
+                }))
+            })
+        })
+        .collect()
 }
 
 /// A reader of the control stream from its first record (what [`MAX_AGE`] kept), on a
@@ -545,7 +609,7 @@ impl Reader {
     }
 
     /// Acks every record returned so far (the stream's credit: the broker sends at most
-    /// [`PREFETCH`] unacked records). Errors: the channel failed (open a new reader).
+    /// 512 unacked records). Errors: the channel failed (open a new reader).
     pub async fn ack(&mut self) -> Result<()> {
         if let Some(tag) = self.unacked.take() {
             self.ch

@@ -25,6 +25,10 @@ local function K_rr(lane, sel) return P .. 'rr:' .. lane .. ':' .. sel end
 local function K_reclaim(g) return P .. 'rc:' .. g end
 -- The namespace's dead-queue reader lease (see dead_lock.lua, `fleet::broker::dead`).
 local function K_dead_lock() return P .. 'deadrd' end
+-- The task index (`fleet::status::index`): a sorted set, member = task id, score = the run's
+-- submitted_at (Unix ms; the Redis clock when unknown). Written once per run, by the status
+-- writer that creates the run's record (index_run below): no command on any later transition.
+local function K_tix() return P .. 'tix' end
 
 -- The attempt log of a task (`ta:<id>`, a list of JSON objects, oldest first): one entry per
 -- attempt that ended — {attempt, worker, started_at, finished_at (Redis ms), outcome
@@ -54,6 +58,15 @@ local function is_final(state)
   return state == S.succeeded or state == S.dead or state == S.expired or state == S.cancelled
 end
 
+-- Indexes a run in K_tix: called by the writer that creates a run's record (no record before),
+-- so a task costs one ZADD for its whole life. `score`: submitted_at (Unix ms) or '' / nil
+-- for the Redis clock.
+local function index_run(id, score)
+  local s = tonumber(score)
+  if not s or s <= 0 then s = NOW_MS end
+  redis.call('ZADD', K_tix(), s, id)
+end
+
 -- ---- Status writers: the only code that sets a task's `state` (one function per transition;
 -- the Rust side's are in `fleet::status`). `ttl_ms`: the status TTL. ----
 
@@ -66,22 +79,45 @@ end
 -- record is then an ended run's, and this is a new run (status_resubmitted, below).
 local status_resubmitted
 -- `cur`: the record's state as the caller read it (false: none), or nil to read it here.
-local function status_waiting(id, state, g, lane, ttl_ms, kind, sub, fresh, cur)
+-- `sel`: the task's selector (`k=v,k2=v2`, '' for none), written with `kind` (the task
+-- list's label filter reads it). A record created here (none before) indexes the run.
+local function status_waiting(id, state, g, lane, ttl_ms, kind, sub, fresh, cur, sel)
   local t = K_task(id)
   if cur == nil then cur = redis.call('HGET', t, 'state') end
   if fresh and is_final(cur) then
     status_resubmitted(id, ttl_ms)
-    cur = nil
+    cur = false
   end
   if cur == S.running or is_final(cur) then return end
   local set = { 'state', state, 'group', g, 'lane', lane, 'queued_at', NOW_MS }
-  if kind and kind ~= '' then set[#set + 1] = 'kind'; set[#set + 1] = kind end
+  if kind and kind ~= '' then
+    set[#set + 1] = 'kind'; set[#set + 1] = kind
+    if sel then set[#set + 1] = 'selector'; set[#set + 1] = sel end
+  end
   if sub and sub ~= '' then set[#set + 1] = 'submitted_at'; set[#set + 1] = sub end
   redis.call('HSET', t, unpack(set))
   redis.call('PEXPIRE', t, ttl_ms)
+  if not cur then index_run(id, sub) end
 end
-local function status_queued(id, g, lane, ttl_ms, kind, sub, fresh, cur) status_waiting(id, S.queued, g, lane, ttl_ms, kind, sub, fresh, cur) end
-local function status_parked(id, g, lane, ttl_ms, kind, sub, fresh, cur) status_waiting(id, S.parked, g, lane, ttl_ms, kind, sub, fresh, cur) end
+local function status_queued(id, g, lane, ttl_ms, kind, sub, fresh, cur, sel) status_waiting(id, S.queued, g, lane, ttl_ms, kind, sub, fresh, cur, sel) end
+local function status_parked(id, g, lane, ttl_ms, kind, sub, fresh, cur, sel) status_waiting(id, S.parked, g, lane, ttl_ms, kind, sub, fresh, cur, sel) end
+
+-- A state the scheduler decided (`fleet::status::Writes`, through status/decided.lua): dead or
+-- expired before dispatch, waiting_for_worker, delayed. `set`: the fields to write, `state`
+-- first. Never over a final state (succeeded, dead, expired, cancelled) of the same run: a
+-- cancelled task whose deadline passes while it waits stays cancelled, and a delayed
+-- submission a crashed scheduler handles again does not revive a cancel. (A new run of an id
+-- whose last run ended has no record by now: reserve.lua's dedupe cleared it.) Returns the
+-- final state it left, or false when it wrote. `score`: the run's submitted_at (the index).
+local function status_decided(id, set, ttl_ms, score)
+  local t = K_task(id)
+  local cur = redis.call('HGET', t, 'state')
+  if is_final(cur) then return cur end
+  redis.call('HSET', t, unpack(set))
+  redis.call('PEXPIRE', t, ttl_ms)
+  if not cur then index_run(id, score) end
+  return false
+end
 
 -- Claimed: attempt `att` runs on worker w (process inst) in group g; the run record (`run_*`,
 -- see start.lua) says which copy of which attempt runs and whether alone (`iso`).
@@ -180,6 +216,8 @@ local function status_replayed(id, token, ttl_ms)
   redis.call('DEL', t)
   redis.call('HSET', t, 'state', S.queued, 'replay', token, 'queued_at', NOW_MS)
   redis.call('PEXPIRE', t, ttl_ms)
+  -- A new run: indexed now (the newest first in the task list).
+  index_run(id, nil)
 end
 
 -- Dead outside a worker's outcome (start.lua: R.worker_lost; broker_dead.lua: the broker's
@@ -208,6 +246,8 @@ local function status_cancelled(id, by, why, at, ttl_ms, cur)
   redis.call('HSET', t, 'state', S.cancelled, 'cancelled_at', at, 'cancelled_by', by, 'cancel_reason', why,
     'cancelled_from', cur or '')
   redis.call('PEXPIRE', t, ttl_ms)
+  -- A mark written back from the control stream after a Redis loss creates the record.
+  if not cur then index_run(id, at) end
 end
 
 -- The attempt an operator's cancel stopped has ended on worker w (finish.lua): the task stays

@@ -259,6 +259,12 @@ impl Names {
     pub fn task(&self, id: &str) -> String {
         format!("{}t:{}", self.prefix, id)
     }
+    /// The task index (a sorted set: member = task id, score = the run's submitted_at, Unix
+    /// ms), written by the status writer that creates a run's record; see
+    /// [`crate::status::index`].
+    pub fn task_index(&self) -> String {
+        format!("{}tix", self.prefix)
+    }
     /// A task's attempt log: a capped list of JSON entries (see `status::ATTEMPT_LOG_MAX`).
     pub fn attempts(&self, id: &str) -> String {
         format!("{}ta:{}", self.prefix, id)
@@ -343,6 +349,7 @@ mod tests {
             ("K_rr('normal', 'a=b,c=d')", n.round_robin(l, "a=b,c=d")),
             ("K_reclaim('g=1')", n.reclaimed("g=1")),
             ("K_dead_lock()", n.dead_lock()),
+            ("K_tix()", n.task_index()),
         ];
         let calls: Vec<&str> = pairs.iter().map(|(call, _)| *call).collect();
         let script = format!(

@@ -92,6 +92,10 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../broker/dead_lock.lua"),
     ),
     ("control/cancel.lua", include_str!("../control/cancel.lua")),
+    ("status/decided.lua", include_str!("../status/decided.lua")),
+    ("status/walk.lua", include_str!("../status/walk.lua")),
+    ("status/trim.lua", include_str!("../status/trim.lua")),
+    ("status/forget.lua", include_str!("../status/forget.lua")),
 ];
 
 /// All scripts of the fleet.
@@ -146,6 +150,16 @@ pub struct Scripts {
     /// `control/cancel.lua`: marks tasks cancelled (an operator's cancel, or the control stream
     /// applied again after a Redis loss; see `fleet::control`).
     pub cancel: Script,
+    /// `status/decided.lua`: the status transitions the scheduler decided for a batch
+    /// ([`crate::status::Writes`]), never over a final state.
+    pub decided: Script,
+    /// `status/walk.lua`: one step of a walk of the task index, newest first
+    /// ([`crate::status::index`]).
+    pub walk: Script,
+    /// `status/trim.lua`: removes the oldest index entries whose status record is gone.
+    pub trim: Script,
+    /// `status/forget.lua`: removes the dead or expired records of deleted dead letters.
+    pub forget: Script,
 }
 
 impl Scripts {
@@ -175,6 +189,10 @@ impl Scripts {
             dead_unclaim: Script::new(include_str!("../broker/dead_unclaim.lua")),
             dead_lock: Script::new(include_str!("../broker/dead_lock.lua")),
             cancel: script!("../control/cancel.lua"),
+            decided: script!("../status/decided.lua"),
+            walk: script!("../status/walk.lua"),
+            trim: script!("../status/trim.lua"),
+            forget: script!("../status/forget.lua"),
         }
     }
 }

@@ -19,7 +19,8 @@
 --   `k=v` (a batch's tasks mostly share a few selectors: each is sent and resolved once)
 -- then: number of task descriptions d (0, or the number of tasks), then d pairs: kind,
 --   submitted_at (Unix ms, '' unknown) — written into each task's status record with its
---   queued/parked state (keys.lua status_waiting), in the same HSET
+--   queued/parked state (keys.lua status_waiting), in the same HSET, with its selector (the
+--   selector's pairs joined by ','); the record's first write also indexes the run (K_tix)
 -- then: number of tasks, then per task:
 --   id, lane, strategy ('' = default), dedupe (0 skip | 1 set-if-absent | 2 redelivered:
 --   duplicate only if already handed on),
@@ -278,7 +279,7 @@ for t = 1, n do
       local s = gstate(chosen, lane)
       s.used = s.used + 1
       redis.call('ZADD', K_resv(chosen, lane), now + lease, id)
-      status_queued(id, chosen, lane, st_ttl, kind, sub, fresh, cur)
+      status_queued(id, chosen, lane, st_ttl, kind, sub, fresh, cur, sels[selk].key)
       out[o], out[o + 1] = 'reserved', chosen
     elseif #live > 0 then
       -- The least loaded unpaused candidate frees room first; only when every candidate is
@@ -291,7 +292,7 @@ for t = 1, n do
       if not from_park then
         redis.call('SET', K_parked(bg, lane), '1', 'PX', park_ttl)
         gstate(bg, lane).parked = true
-        status_parked(id, bg, lane, st_ttl, kind, sub, fresh, cur)
+        status_parked(id, bg, lane, st_ttl, kind, sub, fresh, cur, sels[selk].key)
       end
       out[o], out[o + 1] = 'full', bg
     else

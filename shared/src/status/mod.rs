@@ -17,7 +17,7 @@
 //! | → queued (attempt lost with its worker, or released) | `status_requeued` | `remove_worker`, `finish.lua` |
 //! | → succeeded / retrying / dead / expired (an attempt's outcome) | `status_finished` | `finish.lua` |
 //! | → dead (worker lost on the last attempt; broker dead-lettered) | `status_dead` | `start.lua`, `broker_dead.lua` |
-//! | → dead / expired, waiting_for_worker, delayed (decided by the scheduler) | [`Writes`] | `scheduler::dispatch` |
+//! | → dead / expired, waiting_for_worker, delayed (decided by the scheduler; never over a final state) | `status_decided` ([`Writes`], `status/decided.lua`) | `scheduler::dispatch` |
 //! | → parked behind `_kind.<kind>` (held for a paused kind) | [`Writes::held`] | `scheduler::dispatch` |
 //! | → forgotten: a new run of an id submitted again after its dedupe window, its last run over | `status_resubmitted` | `reserve.lua` |
 //! | → cancelled (an operator's cancel; re-applied from the control stream after a Redis loss) | `status_cancelled` | `cancel.lua` ([`crate::control`]) |
@@ -29,8 +29,14 @@
 //! two sides cannot drift. The one writer that is a script of this wing, `broker_dead.lua`
 //! (the status of a task the broker dead-lettered itself), lives beside [`Writes`].
 //!
+//! **The task index.** The writer that creates a run's record also adds the id to the task
+//! index (`index_run` in keys.lua: one `ZADD` per task, in a script that runs anyway), which
+//! the task list and the bulk actions walk: see [`index`]. A dead letter deleted by an
+//! operator takes its record with it (`status/forget.lua`).
+//!
 //! Reading: [`typed`] (the API's JSON), [`attempt_history`], [`Store::task_status`](crate::Store::task_status).
 
+pub mod index;
 mod read;
 mod state;
 mod write;

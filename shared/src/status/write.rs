@@ -8,7 +8,6 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use deadpool_redis::redis;
 
 use super::{DeadReason, TaskState};
 use crate::error::Result;
@@ -87,12 +86,20 @@ impl Writes {
         );
     }
 
-    /// Adds what the task is (`kind`, `submitted_at` as Unix ms) to the transition collected
-    /// last for `id` (written in the same HSET); nothing when the last one is another task's.
-    pub fn describe(&mut self, id: &str, kind: &str, submitted_at: Option<DateTime<Utc>>) {
+    /// Adds what the task is (`kind`, `selector` as `k=v,k2=v2`, `submitted_at` as Unix ms) to
+    /// the transition collected last for `id` (written in the same HSET); nothing when the
+    /// last one is another task's.
+    pub fn describe(
+        &mut self,
+        id: &str,
+        kind: &str,
+        selector: &str,
+        submitted_at: Option<DateTime<Utc>>,
+    ) {
         if let Some((last, fields)) = self.records.last_mut() {
             if last == id {
                 fields.push(("kind", kind.to_string()));
+                fields.push(("selector", selector.to_string()));
                 if let Some(t) = submitted_at {
                     fields.push(("submitted_at", t.timestamp_millis().to_string()));
                 }
@@ -107,26 +114,44 @@ impl Writes {
 }
 
 impl Store {
-    /// Writes a batch's status transitions ([`Writes`]) in one round trip; each record then
-    /// lives `ttl` (the status TTL).
+    /// Writes a batch's status transitions ([`Writes`]) in one round trip (`status/decided.lua`,
+    /// through keys.lua's `status_decided`); each record then lives `ttl` (the status TTL). A
+    /// record whose state is final (succeeded, dead, expired, cancelled) is left as it is —
+    /// a cancelled task whose deadline passes while it waits stays cancelled, a delayed
+    /// submission handled again after a scheduler crash does not revive a cancel — and
+    /// returned as `(id, its state)`. A record created here indexes its run (the task list,
+    /// [`crate::status::index`]) under its `submitted_at`.
     ///
     /// # Errors
     /// Redis unreachable or slow.
-    pub async fn write_statuses(&self, writes: &Writes, ttl: Duration) -> Result<()> {
+    pub async fn write_statuses(
+        &self,
+        writes: &Writes,
+        ttl: Duration,
+    ) -> Result<Vec<(String, String)>> {
         if writes.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
-        let mut p = redis::pipe();
+        let mut inv = self.scripts.decided.prepare_invoke();
+        inv.key(self.names.prefix())
+            .arg(millis(ttl))
+            .arg(writes.records.len());
         for (id, fields) in &writes.records {
-            let key = self.names.task(id);
-            p.cmd("HSET").arg(&key);
+            let score = fields
+                .iter()
+                .find(|(k, _)| *k == "submitted_at")
+                .map(|(_, v)| v.as_str())
+                .unwrap_or("");
+            inv.arg(id).arg(score).arg(fields.len());
             for (k, v) in fields {
-                p.arg(*k).arg(v);
+                inv.arg(*k).arg(v);
             }
-            p.ignore();
-            p.cmd("PEXPIRE").arg(&key).arg(millis(ttl)).ignore();
         }
-        self.pipe::<()>(&p).await
+        let flat: Vec<String> = self.invoke(&inv).await?;
+        Ok(flat
+            .chunks_exact(2)
+            .map(|p| (p[0].clone(), p[1].clone()))
+            .collect())
     }
 
     /// → [`TaskState::Dead`]: the broker dead-lettered task `id` itself (see

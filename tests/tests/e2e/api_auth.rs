@@ -93,6 +93,9 @@ async fn every_endpoint_needs_its_role() -> Result<()> {
             true,
         ),
         (Method::GET, sched.url("/v1/schedules"), READ, SUBMIT, false),
+        // The task list (same path as submit, another method and role) and bulk actions.
+        (Method::GET, sched.url("/v1/tasks"), READ, SUBMIT, false),
+        (Method::POST, sched.url("/v1/tasks/bulk"), ADMIN, READ, true),
         (
             Method::POST,
             sched.url("/v1/schedules/no-such-schedule/pause"),
@@ -138,7 +141,7 @@ async fn every_endpoint_needs_its_role() -> Result<()> {
         // Authorised: the handler answers (an unknown task or worker is its 404, not ours).
         if url.contains("whatever") || url.contains("no-such-") {
             assert_eq!(ok, StatusCode::NOT_FOUND, "{what} right role");
-        } else if url.ends_with("/replay") {
+        } else if url.ends_with("/replay") || url.ends_with("/bulk") {
             // A noop envelope is no replay request: the handler's own 400, past the guard.
             assert!(
                 ok != StatusCode::UNAUTHORIZED

@@ -160,6 +160,21 @@ async fn every_operator_action_is_in_the_audit_log_with_its_token_name() -> Resu
     .await?;
     assert_eq!(code, 200, "{body}");
 
+    // 3b. a replay by fleetctl straight on the broker (no token): by the login user, role broker.
+    let dead2 = task(JOB, json!({"die": true}), "pool=audit");
+    ns.submit(std::slice::from_ref(&dead2)).await?;
+    ns.wait_state(&dead2.id, "dead", Duration::from_secs(20))
+        .await?;
+    let api = format!("http://{}", sched.addr);
+    let (code, out, err) = fleetctl_with(
+        &ns,
+        &api,
+        &[("USER", "tester")],
+        &["dead", "replay", &dead2.id],
+    )
+    .await?;
+    assert_eq!((code, out.trim()), (0, "replayed=1"), "{err}");
+
     // 4. schedules: add, pause, resume, fire, remove (ops-alice).
     let name = format!("audit-{}", ns.name);
     let spec = json!({"name": name, "cron": "0 0 1 1 *", "task": {"kind": JOB, "labels": {"pool": "audit"}, "payload": {}}});
@@ -204,6 +219,13 @@ async fn every_operator_action_is_in_the_audit_log_with_its_token_name() -> Resu
         alice("schedule_add", json!({"schedule": name})),
         (
             "replay".to_string(),
+            "fleetctl:tester".to_string(),
+            "broker".to_string(),
+            1,
+            json!({"ids": [dead2.id], "all": false}),
+        ),
+        (
+            "replay".to_string(),
             "admin-3".to_string(),
             "admin".to_string(),
             1,
@@ -236,7 +258,24 @@ async fn every_operator_action_is_in_the_audit_log_with_its_token_name() -> Resu
     for secret in [ALICE, VIEWER, FILE_ADMIN] {
         assert!(!text.contains(secret), "a token is in the audit log");
     }
-    assert_eq!(raw["entries"][7]["reason"], "wrong deploy");
+    assert_eq!(raw["entries"][8]["reason"], "wrong deploy");
+    // fleetctl audit shows the same (read token).
+    let (code, out, err) =
+        fleetctl_with(&ns, &api, &[("FLEET_API_TOKEN", VIEWER)], &["audit"]).await?;
+    assert_eq!(code, 0, "{err}");
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 10, "9 entries and the count line:\n{out}");
+    assert_eq!(rows[0][1..5], ["drain", "ops-alice", "admin", "1"], "{out}");
+    assert_eq!(
+        rows[6][1..5],
+        ["replay", "fleetctl:tester", "broker", "1"],
+        "{out}"
+    );
+    assert!(out.contains("9 of 9 entries"), "{out}");
     println!(
         "audit log: {} entries, newest first: {:?}",
         got.len(),
@@ -259,7 +298,7 @@ async fn every_operator_action_is_in_the_audit_log_with_its_token_name() -> Resu
         Some("ops-alice")
     );
     let (got, raw) = entries(&sched).await?;
-    assert_eq!(got.len(), 9, "the button's cancel is the ninth entry");
+    assert_eq!(got.len(), 10, "the button's cancel is the tenth entry");
 
     // The log is the control stream's: the same after a Redis loss and a new scheduler.
     let ids = |v: &Value| -> Vec<String> {
@@ -330,4 +369,38 @@ async fn browser_check(sched: &SchedulerHandle, expect: &Value) -> Result<()> {
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(())
+}
+
+/// A drain answered 202 holds when Redis loses everything before the worker's heartbeat read
+/// the `draining` state: the worker reads the drain in the control stream and drains. Before
+/// (the drain only in Redis): the worker registered again as active and never drained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_drain_survives_a_redis_loss_before_the_worker_reads_it() -> Result<()> {
+    let redis = PrivateRedis::start(None, None).await?;
+    let ns = Ns::on_redis(&redis.url(None)).await?;
+    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    // A slow heartbeat: it would read `draining` only seconds after the answer.
+    let slow = [
+        ("heartbeat_interval_ms", "5000"),
+        ("heartbeat_timeout_ms", "30000"),
+    ];
+    let w = start_worker(&ns, "w-drain-durable", "pool=dd", 1, &slow, &[]).await?;
+    let (code, body) = reqwest::Client::new()
+        .post(sched.url("/v1/workers/w-drain-durable/drain"))
+        .json(&json!({}))
+        .send()
+        .await
+        .map(|r| (r.status().as_u16(), r))?;
+    assert_eq!(code, 202, "{:?}", body.text().await);
+    redis.flushall().await?;
+    let ended = tokio::time::timeout(Duration::from_secs(20), w.join).await;
+    assert!(
+        matches!(ended, Ok(Ok(Ok(())))),
+        "the worker did not drain and exit after the Redis loss: {ended:?}"
+    );
+    let (_, v) = get(&sched.url("/v1/audit"), "").await?;
+    assert_eq!(v["entries"][0]["action"], "drain", "{v}");
+    assert_eq!(v["entries"][0]["by"], "anonymous", "{v}");
+    sched.stop().await?;
+    ns.cleanup().await
 }

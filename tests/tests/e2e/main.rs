@@ -79,6 +79,7 @@ mod smoke;
 mod status;
 mod subsetting;
 mod takeover;
+mod tasks;
 mod tls;
 mod views;
 mod waiting_for_worker;

@@ -43,7 +43,9 @@ async fn keys(ns: &Ns) -> anyhow::Result<BTreeMap<String, usize>> {
     for k in all {
         let rest = &k[ns.names.prefix().len()..];
         let kind = rest.split(':').next().unwrap_or("").to_string();
-        if kind == "t" || kind == "dd" {
+        // Task state outlives its group: status records, dedupe marks and the task index
+        // (`tix`: the ids of those records, fleet::status::index).
+        if kind == "t" || kind == "dd" || kind == "tix" {
             continue;
         }
         *by.entry(kind).or_default() += 1;

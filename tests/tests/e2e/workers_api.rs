@@ -135,7 +135,11 @@ async fn workers_and_groups_api_and_fleetctl_tables() -> anyhow::Result<()> {
         row_a[..10],
         ["w-a", ga, "active", "2+1", "2+0", "0", "0", "0", "0", "0"]
     );
-    assert!(row_a[10].ends_with("s") && row_a[11] == "ago", "{row_a:?}");
+    // KINDS: what the API says the worker handles.
+    let kinds_a = wa["kinds"].as_str().unwrap_or("?");
+    assert!(!kinds_a.is_empty() && kinds_a != "?", "{wa}");
+    assert_eq!(row_a[10], kinds_a, "{row_a:?}");
+    assert!(row_a[11].ends_with("s") && row_a[12] == "ago", "{row_a:?}");
     let row_b = lines.iter().find(|l| l[0] == "w-b").context("w-b row")?;
     assert_eq!(
         row_b[..10],

@@ -3,7 +3,7 @@
 
 const REFRESH_MS = 2000;
 const TOKEN_KEY = "fleet.console.token";
-const VIEWS = ["overview", "groups", "workers", "dead", "schedules", "task", "audit"];
+const VIEWS = ["overview", "groups", "workers", "dead", "schedules", "task", "tasks", "audit"];
 
 const $ = (sel) => document.querySelector(sel);
 
@@ -234,7 +234,7 @@ async function renderGroups() {
   if (r.status !== 200) throw new Error(problem(r));
   const groups = [...r.body].sort((a, b) => (b.backlog ?? 0) - (a.backlog ?? 0) || a.group.localeCompare(b.group));
   const rows = groups.map((g) => h("tr", { dataset: { group: g.group } },
-    h("td", { class: "mono" }, g.group),
+    h("td", { class: "mono" }, tasksLink(g.group, { group: g.group })),
     h("td", { dataset: { k: "labels" } }, fmt.labels(g.labels)),
     h("td", { class: "num", dataset: { k: "workers" } }, String(g.workers)),
     h("td", { dataset: { k: "capacity" } }, lanes(g.capacity, g.critical_capacity)),
@@ -267,7 +267,7 @@ async function renderWorkers() {
     return h("tr", { dataset: { worker: w.id } },
       h("td", { class: "mono" }, w.id),
       h("td", { dataset: { k: "state" } }, h("span", { class: `badge ${w.state}` }, w.state)),
-      h("td", { class: "mono" }, w.group),
+      h("td", { class: "mono" }, tasksLink(w.group, { group: w.group })),
       h("td", {}, fmt.labels(w.labels)),
       h("td", { dataset: { k: "running" } }, lanes(`${w.running}/${w.capacity}`, `${w.running_critical}/${w.critical_capacity}`)),
       h("td", { class: "num", dataset: { k: "heartbeat" } }, `${fmt.secs(w.last_heartbeat_ms_ago / 1000)} ago`),
@@ -464,7 +464,7 @@ async function lookupTask(id) {
 
 // ---------------------------------------------------------------- shell
 
-const RENDER = { overview: renderOverview, groups: renderGroups, workers: renderWorkers, dead: renderDead, schedules: renderSchedules, audit: (...a) => renderAudit(...a), task: async () => {
+const RENDER = { overview: renderOverview, groups: renderGroups, workers: renderWorkers, dead: renderDead, schedules: renderSchedules, tasks: renderTasks, audit: (...a) => renderAudit(...a), task: async () => {
   const id = $("#task-id").value.trim();
   if (id) await lookupTask(id);
 } };
@@ -668,6 +668,148 @@ async function renderKindPauses() {
   };
   if (currentView() === "groups") refreshNow();
 }
+// ==== tasks: browse tasks by state, bulk actions by query with a dry run (issue 32) ====
+// GET /v1/tasks (filters, per-state counts, pages newest first) and POST /v1/tasks/bulk
+// (cancel / retry / delete of a selection or of everything matching, each confirmed with the
+// dry run's count and sample). State lives on a hoisted function (boot() runs before this
+// block is evaluated, and may call renderTasks).
+
+/** The states, in the order shown (a function: see the note above on boot order). */
+function taskStates() { return ["queued", "parked", "delayed", "waiting_for_worker", "retrying", "running", "succeeded", "dead", "expired", "cancelled"]; }
+
+/** The view's state: filters as applied, the cursor stack (pages), the selection. */
+function tasksState() {
+  if (!tasksState.s) tasksState.s = { cursors: [null], page: 0, selected: new Set(), all: false, total: 0, shown: [], wired: false };
+  return tasksState.s;
+}
+
+/** A link to the Tasks view with `filter` ({state, group, kind, label}) applied. */
+function tasksLink(text, filter) {
+  return h("a", { href: "#tasks", class: "tasks-link", on: { click: (e) => { e.preventDefault(); tasksOpen(filter); } } }, text);
+}
+
+function tasksOpen(filter) {
+  for (const k of ["state", "group", "kind", "label", "since", "until"]) {
+    const el = $(`#tasks-${k}`);
+    if (el) el.value = filter[k] || "";
+  }
+  tasksReset();
+  if (location.hash !== "#tasks") location.hash = "#tasks"; else refreshNow();
+}
+
+/** The filters from the form, as query pairs (blank ones left out). */
+function tasksFilter() {
+  const f = {};
+  for (const k of ["state", "group", "kind", "label", "since", "until"]) {
+    const v = ($(`#tasks-${k}`)?.value || "").trim();
+    if (v) f[k] = v;
+  }
+  return f;
+}
+
+function tasksReset() {
+  const s = tasksState();
+  s.cursors = [null]; s.page = 0; s.selected.clear(); s.all = false;
+}
+
+async function renderTasks() {
+  const s = tasksState();
+  tasksWire();
+  const f = tasksFilter();
+  const q = new URLSearchParams({ ...f, limit: "50" });
+  const cur = s.cursors[s.page];
+  if (cur) q.set("cursor", cur);
+  const r = await api(`/v1/tasks?${q}`);
+  if (r.status === 400) { notice(`Tasks: ${problem(r)}`, false); return; }
+  if (r.status !== 200) throw new Error(problem(r));
+  const b = r.body;
+  s.total = b.total; s.shown = b.tasks;
+  s.cursors[s.page + 1] = b.next || undefined;
+  // Per-state counts: each a button that filters by its state.
+  const chips = taskStates().map((st) => h("button", {
+    class: `chip${f.state === st ? " active" : ""}`, dataset: { state: st, count: String(b.counts[st] ?? 0) },
+    on: { click: () => { $("#tasks-state").value = f.state === st ? "" : st; tasksReset(); refreshNow(); } },
+  }, `${st.replaceAll("_", " ")} `, h("b", {}, fmt.n(b.counts[st] ?? 0))));
+  $("#tasks-counts").replaceChildren(h("span", { class: "muted" }, `${fmt.n(b.total)} matching${b.complete ? "" : " (counted over the first 200,000 only)"}`), ...chips);
+  const rows = b.tasks.map((t) => h("tr", { dataset: { task: t.id, state: t.state } },
+    h("td", {}, h("input", { type: "checkbox", class: "pick", checked: s.all || s.selected.has(t.id), disabled: s.all, "aria-label": `select ${t.id}`,
+      on: { change: (e) => { if (e.target.checked) s.selected.add(t.id); else s.selected.delete(t.id); tasksButtons(); } } })),
+    h("td", { class: "mono" }, h("a", { href: "#task", on: { click: (e) => { e.preventDefault(); $("#task-id").value = t.id; location.hash = "#task"; } } }, t.id)),
+    h("td", { dataset: { k: "state" } }, h("span", { class: `badge ${t.state}` }, t.state)),
+    h("td", { dataset: { k: "kind" } }, t.kind ? tasksLink(t.kind, { ...f, kind: t.kind }) : "–"),
+    h("td", { class: "mono", dataset: { k: "group" } }, t.group ? tasksLink(t.group, { ...f, group: t.group }) : "–"),
+    h("td", { class: "mono" }, t.selector || "–"),
+    h("td", {}, t.lane || "–"),
+    h("td", {}, timeEl(t.submitted_at))));
+  $("#tasks-table tbody").replaceChildren(...(rows.length ? rows : [h("tr", { class: "empty" }, h("td", { colspan: 8 }, "No task matches."))]));
+  $("#tasks-page-info").textContent = `page ${s.page + 1}`;
+  $("#tasks-newer").disabled = s.page === 0;
+  $("#tasks-older").disabled = !b.next;
+  $("#tasks-all").checked = s.all || (b.tasks.length > 0 && b.tasks.every((t) => s.selected.has(t.id)));
+  tasksButtons();
+}
+
+function tasksButtons() {
+  const s = tasksState();
+  const n = s.all ? s.total : s.selected.size;
+  $("#tasks-selection").textContent = s.all ? `all ${fmt.n(s.total)} matching selected` : `${fmt.n(n)} selected`;
+  $("#tasks-select-matching").textContent = s.all ? "Clear selection" : `Select all ${fmt.n(s.total)} matching`;
+  for (const b of ["cancel", "retry", "delete"]) $(`#tasks-${b}`).disabled = n === 0;
+}
+
+/** Dry run, confirm with its count and sample, then run; the notice says what happened. */
+async function tasksBulk(action) {
+  const s = tasksState();
+  const body = { action };
+  if (s.all) {
+    const f = tasksFilter();
+    body.query = { ...f, state: f.state ? [f.state] : undefined };
+  } else body.ids = [...s.selected];
+  const dry = await actionApi(`${action} (dry run)`, "/v1/tasks/bulk", { method: "POST", body: { ...body, dry_run: true } });
+  if (!dry) return;
+  if (dry.status !== 200) { notice(`Cannot ${action}: ${problem(dry)}`, false); return; }
+  const d = dry.body;
+  if (d.count === 0) { notice(`Nothing to ${action}: none of the selected tasks is in a state ${action} takes.`, false); return; }
+  const what = { cancel: "Cancel", retry: "Retry (replay as a new run)", delete: "Delete the dead letters of" }[action];
+  const skipped = Object.entries(d.ineligible || {}).map(([st, n]) => `${n} ${st}`).join(", ");
+  const text = `${what} ${d.count} task(s)?${skipped ? ` Not taken (their state): ${skipped}.` : ""} Sample: ${d.sample.join(", ")}${d.count > d.sample.length ? ", …" : ""}`;
+  if (!(await confirmAction(text))) return;
+  const r = await actionApi(action, "/v1/tasks/bulk", { method: "POST", body });
+  if (!r) return;
+  if (r.status !== 200) { notice(`${action} failed: ${problem(r)}`, false); return; }
+  const o = r.body;
+  notice(`${action}: ${o.applied} applied, ${o.skipped} skipped, ${o.failed} failed (of ${o.count}).`, o.failed === 0);
+  tasksReset();
+  refreshNow();
+}
+
+/** Wires the view's controls once. */
+function tasksWire() {
+  const s = tasksState();
+  if (s.wired) return;
+  s.wired = true;
+  const sel = $("#tasks-state");
+  if (sel.options.length <= 1) for (const st of taskStates()) sel.append(h("option", { value: st }, st));
+  $("#tasks-form").addEventListener("submit", (e) => { e.preventDefault(); tasksReset(); refreshNow(); });
+  sel.addEventListener("change", () => { tasksReset(); refreshNow(); });
+  $("#tasks-clear").addEventListener("click", () => tasksOpen({}));
+  $("#tasks-newer").addEventListener("click", () => { if (s.page > 0) { s.page--; refreshNow(); } });
+  $("#tasks-older").addEventListener("click", () => { if (s.cursors[s.page + 1]) { s.page++; refreshNow(); } });
+  $("#tasks-all").addEventListener("change", (e) => {
+    s.all = false;
+    for (const t of s.shown) { if (e.target.checked) s.selected.add(t.id); else s.selected.delete(t.id); }
+    for (const c of document.querySelectorAll("#tasks-table .pick")) { c.checked = e.target.checked; c.disabled = false; }
+    tasksButtons();
+  });
+  $("#tasks-select-matching").addEventListener("click", () => {
+    s.all = !s.all; s.selected.clear();
+    for (const c of document.querySelectorAll("#tasks-table .pick")) { c.checked = s.all; c.disabled = s.all; }
+    $("#tasks-all").checked = s.all;
+    tasksButtons();
+  });
+  for (const a of ["cancel", "retry", "delete"]) $(`#tasks-${a}`).addEventListener("click", () => tasksBulk(a));
+}
+
 // ==== audit log ====
 // GET /v1/audit: the operator actions newest first, filtered by action and token name; the
 // figures are the API's (total = entries matching, as of the answer's time).
