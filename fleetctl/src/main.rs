@@ -211,6 +211,19 @@ enum Cmd {
         #[arg(long)]
         reason: Option<String>,
     },
+    /// Pause a group (both lanes), one lane of a group (--lane), or a kind on every group
+    /// (POST /v1/pauses, role admin). Durable: it holds across scheduler restarts and Redis
+    /// loss. Its tasks stay in the broker, reported as paused; tasks already in the group's
+    /// queue still run. Exit 0 when paused (now or before).
+    #[command(subcommand)]
+    Pause(PauseCmd),
+    /// Resume what `fleetctl pause` paused (POST /v1/pauses/resume, role admin); resuming a
+    /// group resumes its lanes too. Exit 0 when resumed (or not paused).
+    #[command(subcommand)]
+    Resume(PauseCmd),
+    /// List the pauses in force (GET /v1/pauses): scope, target, since, by, reason, and for a
+    /// kind the tasks held.
+    Pauses,
     /// List tasks by state (GET /v1/tasks): the counts per state of every task matching the
     /// filters, then the newest matching tasks (newest first). Exit 0.
     #[command(
@@ -264,6 +277,34 @@ enum Cmd {
     /// Periodic schedules (the scheduler's /v1/schedules).
     #[command(subcommand)]
     Schedule(ScheduleCmd),
+}
+
+/// What `fleetctl pause` and `fleetctl resume` act on.
+#[derive(Subcommand)]
+enum PauseCmd {
+    /// A group (its name as `fleetctl groups` shows it), or one lane of it with --lane.
+    #[command(
+        override_usage = "fleetctl pause|resume group [OPTIONS] <GROUP> [--lane L] [--reason R]"
+    )]
+    Group {
+        /// The group's name (its label set, e.g. `gpu=true,protocol=builtin`).
+        group: String,
+        /// Only this lane of the group.
+        #[arg(long, value_parser = ["normal", "critical"])]
+        lane: Option<String>,
+        /// Why (kept with the pause; ignored by resume).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// A task kind, on every group.
+    #[command(override_usage = "fleetctl pause|resume kind [OPTIONS] <KIND> [--reason R]")]
+    Kind {
+        /// The kind.
+        kind: String,
+        /// Why (kept with the pause; ignored by resume).
+        #[arg(long)]
+        reason: Option<String>,
+    },
 }
 
 #[derive(Args)]
@@ -477,6 +518,9 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Groups => groups(&cli).await,
         Cmd::Drain { id } => drain(&cli, id).await,
         Cmd::Cancel { id, reason } => cancel(&cli, id, reason.as_deref()).await,
+        Cmd::Pause(what) => pause(&cli, what, true).await,
+        Cmd::Resume(what) => pause(&cli, what, false).await,
+        Cmd::Pauses => pauses(&cli).await,
         Cmd::Tasks {
             filter,
             limit,
@@ -947,6 +991,16 @@ fn groups_table(groups: &[Value]) -> (Vec<&'static str>, Vec<Vec<String>>) {
                     Some(false) => format!("FAIL x{}", n(g, "probe_consecutive_failures")),
                     None => "-".into(),
                 },
+                // Paused lanes and the tasks waiting behind them: `all:600`, `critical:20`.
+                match g.get("paused_lanes").and_then(Value::as_array) {
+                    Some(l) if l.len() == 2 => format!("all:{}", n(g, "backlog_paused")),
+                    Some(l) if !l.is_empty() => format!(
+                        "{}:{}",
+                        l[0].as_str().unwrap_or("?"),
+                        n(g, "backlog_paused")
+                    ),
+                    _ => "-".into(),
+                },
             ]
         })
         .collect();
@@ -961,6 +1015,7 @@ fn groups_table(groups: &[Value]) -> (Vec<&'static str>, Vec<Vec<String>>) {
         "OLDEST",
         "AS OF",
         "PROBE",
+        "PAUSED",
     ];
     (headers, rows)
 }
@@ -1047,6 +1102,101 @@ async fn cancel(cli: &Cli, id: &str, reason: Option<&str>) -> Result<ExitCode> {
         }
         _ => bail!("POST {url}: {status}: {}", text("detail")),
     }
+}
+
+// ---- pause, resume, pauses ----
+
+/// The request body of a pause or resume, and its target in words.
+fn pause_body(what: &PauseCmd) -> (Value, String) {
+    match what {
+        PauseCmd::Group {
+            group,
+            lane: Some(lane),
+            reason,
+        } => (
+            serde_json::json!({"scope": "lane", "group": group, "lane": lane, "reason": reason}),
+            format!("lane {lane} of group {group}"),
+        ),
+        PauseCmd::Group {
+            group,
+            lane: None,
+            reason,
+        } => (
+            serde_json::json!({"scope": "group", "group": group, "reason": reason}),
+            format!("group {group}"),
+        ),
+        PauseCmd::Kind { kind, reason } => (
+            serde_json::json!({"scope": "kind", "kind": kind, "reason": reason}),
+            format!("kind {kind}"),
+        ),
+    }
+}
+
+async fn pause(cli: &Cli, what: &PauseCmd, pausing: bool) -> Result<ExitCode> {
+    let path = if pausing {
+        "/v1/pauses"
+    } else {
+        "/v1/pauses/resume"
+    };
+    let url = api(cli, path);
+    let (body, target) = pause_body(what);
+    let resp = http(cli)?
+        .post(&url)
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| api_send_error(e, "POST", &url))?;
+    let status = resp.status();
+    let body: Value = resp.json().await.unwrap_or(Value::Null);
+    let detail = body.get("detail").and_then(Value::as_str).unwrap_or("");
+    match (status, pausing) {
+        (reqwest::StatusCode::ACCEPTED, true) => out!("{target}: paused"),
+        (reqwest::StatusCode::OK, true) => out!("{target}: already paused"),
+        (reqwest::StatusCode::ACCEPTED, false) => out!("{target}: resumed"),
+        (reqwest::StatusCode::OK, false) => out!("{target}: not paused"),
+        (reqwest::StatusCode::CONFLICT, _) => {
+            eprintln!("fleetctl: {detail}");
+            return Ok(ExitCode::FAILURE);
+        }
+        _ => bail!("POST {url}: {status}: {detail}"),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn pauses(cli: &Cli) -> Result<ExitCode> {
+    let v = get_json(&http(cli)?, &api(cli, "/v1/pauses"))
+        .await?
+        .unwrap_or(Value::Null);
+    let text = |p: &Value, k: &str| p.get(k).and_then(Value::as_str).unwrap_or("-").to_string();
+    let rows = v
+        .get("pauses")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|p| {
+            let target = match text(p, "scope").as_str() {
+                "kind" => text(p, "kind"),
+                "lane" => format!("{} {}", text(p, "group"), text(p, "lane")),
+                _ => text(p, "group"),
+            };
+            vec![
+                text(p, "scope"),
+                target,
+                p.get("held")
+                    .and_then(Value::as_u64)
+                    .map_or("-".into(), |h| h.to_string()),
+                text(p, "since"),
+                text(p, "by"),
+                match text(p, "reason") {
+                    r if r.is_empty() => "-".into(),
+                    r => r,
+                },
+            ]
+        })
+        .collect();
+    print_table(&["SCOPE", "TARGET", "HELD", "SINCE", "BY", "REASON"], rows);
+    Ok(ExitCode::SUCCESS)
 }
 
 // ---- tasks, bulk ----

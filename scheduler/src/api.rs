@@ -10,6 +10,7 @@
 //! * `GET /v1/tasks/{id}`, `GET /v1/workers`, `GET /v1/groups`, `GET /v1/pressure`,
 //!   `POST /v1/workers/{id}/drain` (404 for an unknown worker).
 //! * `POST /v1/tasks/{id}/cancel` (`cancel`): 202 a promise, 200 again, 409 ended, 404.
+//! * Pauses (`pause`): `GET /v1/pauses`, `POST /v1/pauses`, `POST /v1/pauses/resume`.
 //! * Dead letters (`dead`): `GET /v1/dead`, `GET /v1/dead/{id}`, `POST /v1/dead/replay`.
 //! * The task list and bulk actions (`tasks`): `GET /v1/tasks?state=&group=&kind=&label=&since=&until=&cursor=&limit=`,
 //!   `POST /v1/tasks/bulk` (cancel, retry, delete by ids or query, with a dry run).
@@ -22,6 +23,7 @@
 mod audit_log;
 mod cancel;
 mod dead;
+mod pause;
 mod tasks;
 
 pub(crate) use audit_log::{audit, audit_to, caller, caller_of};
@@ -68,13 +70,15 @@ pub struct AppState {
     /// Renews the API's publishing channel after [`amqp::RENEW_AFTER`] of submissions nacked
     /// below the ingress bound ([`amqp::Renewal`], the dispatcher's mechanism too).
     pub renewal: Arc<amqp::Renewal>,
+    /// The pauses in force in this process ([`crate::pause`]).
+    pub pauses: crate::pause::Pauses,
     /// The audit log as this replica read it from the control stream ([`fleet::control`]).
     pub audit: fleet::control::AuditLog,
 }
 
 /// The API routes, each behind its role when tokens are configured ([`fleet::settings`]): submit
 /// needs `submit`; status, workers, groups, pressure, series and dead-letter reads need `read`;
-/// drain, replay and cancel need `admin`; every POST must be JSON (415 otherwise, checked after the
+/// drain, replay, cancel, pause and resume need `admin` (`GET /v1/pauses`: `read`); every POST must be JSON (415 otherwise, checked after the
 /// token: [`ApiAuth::require`]). The console's assets are public (they hold no data). Without
 /// tokens, a request whose `Host` is not `localhost`, an IP address or a name of
 /// `FLEET_API_ALLOWED_HOSTS` gets 421, API and console alike ([`fleet::settings`]).
@@ -89,6 +93,7 @@ pub fn routes(state: AppState) -> Router {
             .route("/v1/pressure", get(pressure))
             .route("/v1/series", get(series))
             .merge(dead::read_routes())
+            .merge(pause::read_routes())
             .merge(tasks::read_routes())
             .merge(audit_log::read_routes()),
         Role::Read,
@@ -98,6 +103,7 @@ pub fn routes(state: AppState) -> Router {
             .route("/v1/workers/{id}/drain", post(drain))
             .merge(dead::admin_routes())
             .merge(cancel::admin_routes())
+            .merge(pause::admin_routes())
             .merge(tasks::admin_routes()),
         Role::Admin,
     );

@@ -314,7 +314,14 @@ impl Controller {
             // wait the gate turns Red and producers are refused. A park queue not declared yet
             // holds nothing.
             let waiting = std::iter::once(crate::park::UNMATCHED);
+            // A paused lane's parked tasks are not "workers behind" (nor are the tasks held for a
+            // paused kind, in no group's park queue): they must not close the intake for
+            // everyone else.
+            let pauses = self.session.pauses.current();
             for g in groups.iter().map(|g| g.group.as_str()).chain(waiting) {
+                if pauses.lane_paused(g, Lane::Normal) {
+                    continue;
+                }
                 parked += u64::from(view.depth(&names.park_queue(g, Lane::Normal)).unwrap_or(0));
             }
             for g in groups {

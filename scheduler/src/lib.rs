@@ -7,7 +7,8 @@
 //! (consuming loops), [`dispatch`] (route, park, delay, dead-letter a batch: read, reserve,
 //! decide, publish; the orphan rescue), [`tiers`] (the delay tiers held until each hop
 //! ends), [`park`] (waiting for room: park queues, release
-//! loops, the parked flag, discovery), [`health`] (eviction), [`backstop`] (the broker's own
+//! loops, the parked flag, discovery), [`pause`] (pauses in force: groups, lanes, kinds),
+//! [`health`] (eviction), [`backstop`] (the broker's own
 //! dead letters given a reason and a status), [`reclaim`] (departed groups removed),
 //! [`probe`] (critical-lane probes), [`stats`] (gauges for dashboards and autoscalers),
 //! [`schedule`] (periodic cron schedules), [`series`] (the console's 15-minute history),
@@ -30,6 +31,7 @@ pub mod health;
 pub mod index_trim;
 pub mod ingress;
 pub mod park;
+pub mod pause;
 pub mod probe;
 pub mod reclaim;
 pub mod schedule;

@@ -69,8 +69,10 @@ pub async fn run(
     let group_board: GroupBoard = Arc::default();
     let connection: ConnectionSlot = Arc::default();
     let history = Series::default();
+    let pauses = crate::pause::Pauses::default();
     let audit = fleet::control::AuditLog::default();
     let state = AppState {
+        pauses: pauses.clone(),
         cfg: cfg.clone(),
         store: store.clone(),
         publisher: publisher.clone(),
@@ -137,7 +139,7 @@ pub async fn run(
             }
         };
         *connection.write().await = Some(conn.clone());
-        let boards = (probes.clone(), group_board.clone());
+        let boards = (probes.clone(), group_board.clone(), pauses.clone());
         match session(
             cfg.clone(),
             store.clone(),
@@ -242,7 +244,7 @@ async fn session(
     ptx: Arc<watch::Sender<Sample>>,
     prx: watch::Receiver<Sample>,
     publisher_slot: Arc<RwLock<Option<fleet::broker::amqp::Publisher>>>,
-    (probes, group_board): (ProbeBoard, GroupBoard),
+    (probes, group_board, pauses): (ProbeBoard, GroupBoard, crate::pause::Pauses),
     board: schedule::Board,
     audit: fleet::control::AuditLog,
     ready: &Readiness,
@@ -268,7 +270,6 @@ async fn session(
         _ = shutdown.cancelled() => return Ok(()),
     };
     *publisher_slot.write().await = Some(api_publisher);
-    ready.set_amqp(true);
     tracing::info!(namespace = %cfg.common.namespace, "connected to RabbitMQ; topology declared");
 
     // What the session's loops share, and the dispatch logic over it.
@@ -277,6 +278,7 @@ async fn session(
         store.clone(),
         conn.clone(),
         publisher,
+        pauses.clone(),
     ));
     // The park queues this session declares (the dispatcher parks tasks in them, the view
     // reads their depths, discovery and reclaim manage them), and the dispatch logic.
@@ -319,6 +321,36 @@ async fn session(
         tracing::info_span!("pressure"),
         controller.run(session.token()),
     );
+    // The control stream first: nothing dispatches before this session has read it up to its
+    // own barrier (the pauses in force: a restart must not dispatch paused work).
+    let (caught_tx, mut caught_rx) = watch::channel(false);
+    spawn_loop!(
+        "control",
+        crate::control::ControlLoop {
+            store: store.clone(),
+            conn: conn.clone(),
+            cancels: fleet::control::Cancels::default(),
+            audit,
+            status_ttl: cfg.common.status_ttl,
+            pauses,
+            caught_up: caught_tx,
+        }
+    );
+    let stop = session.token();
+    let caught_up = tokio::select! {
+        r = caught_rx.wait_for(|c| *c) => r.is_ok(),
+        _ = stop.cancelled() => false,
+    };
+    // Ready once the pauses in force are known: the API answers them, and dispatch starts.
+    ready.set_amqp(caught_up);
+    if !caught_up {
+        session.stop_within(STOP_WAIT).await;
+        return if shutdown.is_cancelled() {
+            Ok(())
+        } else {
+            Err(fleet::Error::SessionEnded)
+        };
+    }
     for lane in Lane::ALL {
         let loops = if lane == Lane::Normal {
             cfg.ingress_consumers
@@ -418,16 +450,6 @@ async fn session(
         }
     );
     spawn_loop!("schedule-log", schedules);
-    spawn_loop!(
-        "control",
-        crate::control::ControlLoop {
-            store: store.clone(),
-            conn: conn.clone(),
-            cancels: fleet::control::Cancels::default(),
-            audit,
-            status_ttl: cfg.common.status_ttl,
-        }
-    );
     let firing = schedule::fire::Firing {
         cfg: cfg.clone(),
         store: store.clone(),

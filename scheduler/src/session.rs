@@ -29,6 +29,8 @@ pub struct Session {
     pub names: Names,
     /// The connection of the session (loops open their own channels on it).
     pub conn: Arc<lapin::Connection>,
+    /// The pauses in force (the process's, kept by the control loop: [`crate::pause`]).
+    pub pauses: crate::pause::Pauses,
     /// The publishing confirm channel: publishes only, never a declare ([`Session::publisher`]).
     publisher: std::sync::RwLock<fleet::broker::amqp::Publisher>,
     /// Replaces `publisher` when it is stuck nacking ([`Session::note_publishes`]).
@@ -37,12 +39,13 @@ pub struct Session {
 
 impl Session {
     /// The context of a session on `conn`, publishing on `publisher` (a confirm channel of
-    /// `conn`); the names are `cfg`'s namespace's.
+    /// `conn`); the names are `cfg`'s namespace's; `pauses` the process's.
     pub fn new(
         cfg: Arc<SchedulerConfig>,
         store: Store,
         conn: Arc<lapin::Connection>,
         publisher: fleet::broker::amqp::Publisher,
+        pauses: crate::pause::Pauses,
     ) -> Self {
         let names = cfg.common.names();
         Session {
@@ -50,6 +53,7 @@ impl Session {
             store,
             names,
             conn,
+            pauses,
             publisher: std::sync::RwLock::new(publisher),
             renewal: fleet::broker::amqp::Renewal::default(),
         }

@@ -21,8 +21,15 @@ use crate::view::{FleetView, ViewRx};
 /// What the last sample found per group, for `GET /v1/groups` (and the console).
 #[derive(Debug, Clone, Default, serde::Serialize, PartialEq)]
 pub struct GroupSample {
-    /// Tasks waiting for the group: its lane queues plus its park queues.
+    /// Tasks waiting for the group and ready to run: its lane queues plus the park queues of
+    /// its lanes not paused (what an autoscaler scales for).
     pub backlog: u32,
+    /// Tasks parked for a paused lane of the group ([`crate::pause`]): not ready.
+    pub backlog_paused: u32,
+    /// Whether an operator paused a lane of the group (or the whole group).
+    pub paused: bool,
+    /// The paused lanes, normal first (empty when none is).
+    pub paused_lanes: Vec<fleet::Lane>,
     /// Ready messages in the group's normal and critical lane queues.
     pub queued: u32,
     pub queued_critical: u32,
@@ -87,8 +94,30 @@ async fn sample(s: &Session, view: &FleetView, board: &GroupBoard) -> fleet::Res
     let now = s.store.clock.now_ms();
     let lease = s.cfg.reservation_lease.as_millis() as i64;
     let mut seen = HashMap::with_capacity(groups.len());
+    let pauses = s.pauses.current();
+    // Tasks held for paused kinds, per kind (both lanes), for `GET /v1/pauses`.
+    let mut held = HashMap::new();
+    for kind in pauses.kinds() {
+        let mut count = 0u64;
+        for lane in Lane::ALL {
+            let q = n.park_queue(&crate::pause::held_group(kind), lane);
+            if let Some(depth) = view.depth(&q) {
+                metrics::gauge!(m::QUEUE_DEPTH, "queue" => q).set(f64::from(depth));
+                count += u64::from(depth);
+            }
+        }
+        held.insert(kind.to_string(), count);
+    }
+    s.pauses.set_held(held);
     for g in groups {
         let mut gs = GroupSample::default();
+        gs.paused_lanes = pauses.paused_lanes(&g.group);
+        gs.paused = !gs.paused_lanes.is_empty();
+        metrics::gauge!(m::GROUP_PAUSED, "group" => g.group.clone()).set(if gs.paused {
+            1.0
+        } else {
+            0.0
+        });
         metrics::gauge!(m::GROUP_CAPACITY, "group" => g.group.clone()).set(f64::from(g.capacity));
         metrics::gauge!(m::GROUP_LOAD, "group" => g.group.clone()).set(f64::from(g.load));
         metrics::gauge!(m::GROUP_RESERVED, "group" => g.group.clone()).set(f64::from(g.reserved));
@@ -115,7 +144,11 @@ async fn sample(s: &Session, view: &FleetView, board: &GroupBoard) -> fleet::Res
             let park = n.park_queue(&g.group, lane);
             let depth = view.depth(&park).unwrap_or(0);
             metrics::gauge!(m::QUEUE_DEPTH, "queue" => park).set(f64::from(depth));
-            backlog += depth;
+            if gs.paused_lanes.contains(&lane) {
+                gs.backlog_paused += depth;
+            } else {
+                backlog += depth;
+            }
             *(if lane == Lane::Normal {
                 &mut gs.parked
             } else {
@@ -123,6 +156,8 @@ async fn sample(s: &Session, view: &FleetView, board: &GroupBoard) -> fleet::Res
             }) = depth;
         }
         metrics::gauge!(m::GROUP_BACKLOG, "group" => g.group.clone()).set(f64::from(backlog));
+        metrics::gauge!(m::GROUP_BACKLOG_PAUSED, "group" => g.group.clone())
+            .set(f64::from(gs.backlog_paused));
         // Oldest reservation not yet started: its lease expiry minus the lease is when it was
         // dispatched. Parked tasks are older still; their age is bounded below by this.
         let oldest = s

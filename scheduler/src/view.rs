@@ -219,6 +219,12 @@ impl ViewLoop {
         }
         // Tasks waiting for a matching worker (normal lane: what the pressure counts).
         parks.push(n.park_queue(fleet::Names::UNMATCHED_GROUP, Lane::Normal));
+        // The hold queues of paused kinds (and of kinds resumed, while they drain).
+        for kind in s.pauses.current().kinds() {
+            for lane in Lane::ALL {
+                parks.push(n.park_queue(&crate::pause::held_group(kind), lane));
+            }
+        }
         let mut out = HashMap::with_capacity(queues.len() + parks.len());
         for q in queues {
             if let Some(d) = depths.read(&q, true).await {

@@ -57,8 +57,15 @@ pub const GROUP_CAPACITY: &str = "fleet_group_capacity";
 pub const GROUP_LOAD: &str = "fleet_group_load";
 /// Gauge: normal-lane tasks dispatched to a group and not yet started.
 pub const GROUP_RESERVED: &str = "fleet_group_reserved";
-/// Gauge: tasks waiting for a group: its queue plus its park queue (autoscaling input).
+/// Gauge: tasks waiting for a group and ready to run: its queue plus the park queue of each
+/// lane not paused (autoscaling input; a paused lane's parked tasks are in
+/// [`GROUP_BACKLOG_PAUSED`]).
 pub const GROUP_BACKLOG: &str = "fleet_group_backlog";
+/// Gauge: tasks waiting for a group in the park queue of a paused lane (an operator's pause:
+/// no worker would run them, so no autoscaler should scale up for them).
+pub const GROUP_BACKLOG_PAUSED: &str = "fleet_group_backlog_paused";
+/// Gauge: whether a group has a paused lane (1) or not (0).
+pub const GROUP_PAUSED: &str = "fleet_group_paused";
 /// Gauge: age of the oldest task waiting for a group, in seconds (autoscaling input).
 pub const GROUP_OLDEST_AGE: &str = "fleet_group_oldest_task_age_seconds";
 /// Gauge: groups (label sets) the fleet knows: registered and not reclaimed.
@@ -174,7 +181,15 @@ pub fn describe() {
     );
     describe_gauge!(
         GROUP_BACKLOG,
-        "Tasks waiting for a group: its queue plus its park queue (autoscaling input)."
+        "Tasks waiting for a group and ready to run: its queue plus the park queues of its lanes not paused (autoscaling input)."
+    );
+    describe_gauge!(
+        GROUP_BACKLOG_PAUSED,
+        "Tasks waiting for a group in the park queue of a paused lane (not ready: do not scale up for them)."
+    );
+    describe_gauge!(
+        GROUP_PAUSED,
+        "Whether a group has a lane paused by an operator (1) or not (0)."
     );
     describe_gauge!(
         GROUP_OLDEST_AGE,

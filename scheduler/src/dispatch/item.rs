@@ -25,12 +25,15 @@ impl Item {
     /// Reads `delivery` from `source` at `now` (the store's clock): parses the envelope under
     /// the source's limits and, for a source that screens ([`Source::screens`]), normalises it
     /// and decides the fate of an expired task (dead-lettered `expired`) or one not due yet (a
-    /// delay tier). What is left is asked of the reservation.
+    /// delay tier) and, when `pauses` holds its kind, its hold queue ([`crate::pause`]: parked
+    /// behind the pseudo-group [`crate::pause::held_group`]). What is left is asked of the
+    /// reservation.
     pub fn read(
         delivery: Delivery,
         source: &Source,
         cfg: &SchedulerConfig,
         now: chrono::DateTime<chrono::Utc>,
+        pauses: Option<&fleet::control::PauseSet>,
     ) -> Item {
         let mut item = Item {
             delivery,
@@ -65,6 +68,13 @@ impl Item {
             .and_then(delay::tier_for)
         {
             (Some(Fate::Delay(tier)), unrouted)
+        } else if pauses.is_some_and(|p| p.kind_paused(&e.kind)) {
+            // Its kind is paused fleet-wide: it waits in the kind's hold queue, not behind a
+            // group (where it would block other kinds).
+            (
+                Some(Fate::Park(crate::pause::held_group(&e.kind))),
+                unrouted,
+            )
         } else {
             (None, Some(source.mode()))
         };
@@ -162,7 +172,7 @@ mod tests {
         let expired = task(&|e| e.deadline = Some(now - chrono::Duration::seconds(1)));
         let later = task(&|e| e.not_before = Some(now + chrono::Duration::seconds(60)));
         let read = |body: &[u8], s: &Source| {
-            let i = Item::read(delivery(body.to_vec()), s, &cfg, now);
+            let i = Item::read(delivery(body.to_vec()), s, &cfg, now, None);
             (i.fate.map(|f| format!("{f:?}")), i.ask)
         };
         let ingress = Source::Ingress(Lane::Critical);
@@ -209,11 +219,12 @@ mod tests {
             &Source::Ingress(Lane::Critical),
             &cfg,
             now,
+            None,
         );
         let e = i.envelope.unwrap();
         assert_eq!((e.lane, e.submitted_at), (Lane::Critical, Some(now)));
         assert!(e.max_attempts.is_some(), "normalised");
-        let i = Item::read(delivery(body), &orphan(), &cfg, now);
+        let i = Item::read(delivery(body), &orphan(), &cfg, now, None);
         let e = i.envelope.unwrap();
         assert_eq!(
             (e.lane, e.submitted_at, e.max_attempts),
@@ -233,7 +244,7 @@ mod tests {
             (Source::Unmatched, "Dead(MalformedJson"),
             (orphan(), "Hold"),
         ] {
-            let i = Item::read(delivery(b"not json".to_vec()), &source, &cfg, now);
+            let i = Item::read(delivery(b"not json".to_vec()), &source, &cfg, now, None);
             let fate = format!("{:?}", i.fate);
             assert!(
                 fate.starts_with(&format!("Some({want}")),

@@ -183,9 +183,11 @@ impl Dispatcher {
     ) -> Outcome {
         let now = self.session.store.clock.now();
         let cfg = &self.session.cfg;
+        // The pauses in force (`None`: nothing paused, no check at all).
+        let pauses = self.session.pauses.snapshot();
         let mut items: Vec<Item> = batch
             .into_iter()
-            .map(|d| Item::read(d, source, cfg, now))
+            .map(|d| Item::read(d, source, cfg, now, pauses.as_deref()))
             .collect();
         if source.rate_limited() {
             self.take_tokens_for(&items, shutdown).await;

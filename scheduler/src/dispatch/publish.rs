@@ -293,6 +293,9 @@ impl Dispatcher {
             }
             match f {
                 Fate::Dead(reason, detail) => writes.ended(&e.id, e.lane, *reason, detail),
+                Fate::Park(g) if crate::pause::held_kind(g).is_some() => {
+                    writes.held(&e.id, e.lane, g)
+                }
                 Fate::Park(_) => writes.waiting_for_worker(&e.id, e.lane),
                 Fate::Delay(_) => writes.delayed(&e.id, e.lane, e.not_before),
                 _ => continue,

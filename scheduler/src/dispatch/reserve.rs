@@ -67,10 +67,21 @@ impl Dispatcher {
         if reqs.is_empty() {
             return Some(None);
         }
+        // Paused group lanes, told to the script with the batch (nothing when none is paused).
+        let paused = self
+            .session
+            .pauses
+            .snapshot()
+            .map(|s| s.group_lanes())
+            .unwrap_or_default();
         let (answers, error) = if source.retries_reserve() {
-            (self.reserve_retrying(&reqs, &descs, shutdown).await?, None)
+            (
+                self.reserve_retrying(&reqs, &descs, &paused, shutdown)
+                    .await?,
+                None,
+            )
         } else {
-            self.reserve_once(&reqs, &descs).await
+            self.reserve_once(&reqs, &descs, &paused).await
         };
         let grace = self.session.cfg.no_match_grace;
         let mut answers = answers.into_iter();
@@ -102,12 +113,13 @@ impl Dispatcher {
         &self,
         reqs: &[ReserveRequest],
         descs: &[TaskDescription],
+        paused: &[(String, Lane)],
     ) -> (Vec<Reservation>, Option<fleet::Error>) {
         let failed = |why: String| vec![Reservation::Failed(why); reqs.len()];
         match self
             .session
             .store
-            .reserve_described(reqs, descs, self.params())
+            .reserve_paused(reqs, descs, self.params(), paused)
             .await
         {
             Ok(a) if a.len() == reqs.len() => (a, None),
@@ -130,6 +142,7 @@ impl Dispatcher {
         &self,
         reqs: &[ReserveRequest],
         descs: &[TaskDescription],
+        paused: &[(String, Lane)],
         shutdown: &CancellationToken,
     ) -> Option<Vec<Reservation>> {
         let mut backoff = Duration::from_millis(50);
@@ -138,7 +151,7 @@ impl Dispatcher {
             match self
                 .session
                 .store
-                .reserve_described(reqs, descs, params)
+                .reserve_paused(reqs, descs, params, paused)
                 .await
             {
                 Ok(a) if a.len() == reqs.len() => return Some(a),
@@ -157,7 +170,7 @@ impl Dispatcher {
                             match self
                                 .session
                                 .store
-                                .reserve_described(std::slice::from_ref(r), d, params)
+                                .reserve_paused(std::slice::from_ref(r), d, params, paused)
                                 .await
                             {
                                 Ok(mut a) if a.len() == 1 => a.remove(0),

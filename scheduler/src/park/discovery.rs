@@ -70,7 +70,19 @@ impl Discovery {
             ..
         } = &*self;
         let listed_at = view.sampled_at;
-        let groups = view.group_names().chain(std::iter::once(UNMATCHED));
+        // Every group, the waiting-for-worker queue, and the hold queue of every kind a pause
+        // named (paused: its loop waits; resumed: it drains what is left).
+        let held: Vec<String> = dispatcher
+            .session
+            .pauses
+            .current()
+            .kinds()
+            .map(crate::pause::held_group)
+            .collect();
+        let groups = view
+            .group_names()
+            .chain(std::iter::once(UNMATCHED))
+            .chain(held.iter().map(String::as_str));
         for g in groups {
             for lane in Lane::ALL {
                 let Some((n, token)) = loops.claim_start(g, lane, listed_at, shutdown) else {

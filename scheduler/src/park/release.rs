@@ -61,34 +61,68 @@ impl Release {
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
         let Release { d, group, lane } = self;
         let queue = d.session.names.park_queue(&group, lane);
-        let ch = d.session.conn.create_channel().await?;
-        let r = consume(&d, &ch, &queue, &group, lane, &shutdown).await;
-        let _ = ch.close(200, "ok".into()).await;
-        match r? {
-            Ended::Shutdown => Ok(()),
-            // The queue was deleted under the consumer: the group was reclaimed (by another
-            // scheduler replica, or while this loop was being stopped). Not a session failure.
-            // (Asked of Redis now, not of the fleet view: the view may predate the reclaim.)
-            Ended::ConsumerCancelled if !d.session.store.group_names().await?.contains(&group) => {
-                tracing::info!(queue = %queue, "park queue deleted: its group was reclaimed");
-                Ok(())
+        let mut changes = d.session.pauses.subscribe();
+        loop {
+            // A paused lane (or kind, for a hold queue) consumes nothing: its tasks stay in the
+            // broker, in order, until the resume.
+            changes.borrow_and_update();
+            while paused(&d, &group, lane) {
+                tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => return Ok(()),
+                    r = changes.changed() => if r.is_err() { return Ok(()) },
+                }
             }
-            Ended::ConsumerCancelled => Err(fleet::Error::ConsumerEnded {
-                queue: queue.to_string(),
-            }),
-            // Only this loop ends: discovery starts it again on its next pass (the group is
-            // still in the view), on a fresh channel.
-            Ended::ChannelClosed => {
-                tracing::warn!(queue = %queue, "the broker closed this park loop's channel (its consumer timeout?); the loop starts again");
-                Ok(())
-            }
+            let ch = d.session.conn.create_channel().await?;
+            let r = consume(&d, &ch, &queue, &group, lane, &shutdown, &mut changes).await;
+            let _ = ch.close(200, "ok".into()).await;
+            return match r? {
+                Ended::Shutdown => Ok(()),
+                // What it held went back to the queue with the channel.
+                Ended::Paused => {
+                    tracing::info!(queue = %queue, "paused: releasing nothing until the resume");
+                    continue;
+                }
+                // The queue was deleted under the consumer: the group was reclaimed (by
+                // another scheduler replica, or while this loop was being stopped). Not a
+                // session failure. (Asked of Redis now, not of the fleet view: the view may
+                // predate the reclaim.) A hold queue has no group in Redis.
+                Ended::ConsumerCancelled
+                    if crate::pause::held_kind(&group).is_some()
+                        || !d.session.store.group_names().await?.contains(&group) =>
+                {
+                    tracing::info!(queue = %queue, "park queue deleted: its group was reclaimed");
+                    Ok(())
+                }
+                Ended::ConsumerCancelled => Err(fleet::Error::ConsumerEnded {
+                    queue: queue.to_string(),
+                }),
+                // Only this loop ends: discovery starts it again on its next pass (the group is
+                // still in the view), on a fresh channel.
+                Ended::ChannelClosed => {
+                    tracing::warn!(queue = %queue, "the broker closed this park loop's channel (its consumer timeout?); the loop starts again");
+                    Ok(())
+                }
+            };
         }
+    }
+}
+
+/// Whether the park queue of `group`'s `lane` is paused: the lane of a group, or the kind of a
+/// hold queue ([`crate::pause::held_kind`]). The waiting-for-worker queue never is.
+fn paused(d: &Dispatcher, group: &str, lane: Lane) -> bool {
+    let pauses = &d.session.pauses;
+    match crate::pause::held_kind(group) {
+        Some(kind) => pauses.current().kind_paused(kind),
+        None => pauses.lane_paused(group, lane),
     }
 }
 
 /// Why [`consume`] returned.
 enum Ended {
     Shutdown,
+    /// Its lane (or kind) was paused: the loop closes its channel and waits for the resume.
+    Paused,
     /// The broker ended the consumer (its queue was deleted).
     ConsumerCancelled,
     /// The broker closed the loop's channel (e.g. its consumer timeout, while a full group held
@@ -103,6 +137,7 @@ async fn consume(
     group: &str,
     lane: Lane,
     shutdown: &CancellationToken,
+    changes: &mut tokio::sync::watch::Receiver<u64>,
 ) -> fleet::Result<Ended> {
     let hold_max = hold_max(d.session.cfg.batch_max, d.session.cfg.common.park_max[lane]);
     ch.basic_qos(hold_max, BasicQosOptions::default()).await?;
@@ -119,11 +154,17 @@ async fn consume(
     // The waiting-for-worker queue is a park queue of no group: its tasks take no group's
     // room ahead of others, and no group's "parked" flag is kept for them.
     let unmatched = group == UNMATCHED;
+    // A kind's hold queue ([`crate::pause`]) is offered as the delayed queue is: routed, and
+    // parked behind its group when that is full. It keeps no group's flag either.
+    let hold_queue = crate::pause::held_kind(group).is_some();
     let source = if unmatched {
         Source::Unmatched
+    } else if hold_queue {
+        Source::Delayed
     } else {
         Source::Park
     };
+    let unmatched = unmatched || hold_queue;
     loop {
         // With a full hold the consumer is not polled, so its end would go unseen: a channel
         // the broker closed (its consumer timeout, while a full group held tasks here longer)
@@ -131,10 +172,20 @@ async fn consume(
         if !ch.status().connected() {
             return Ok(Ended::ChannelClosed);
         }
+        if paused(d, group, lane) {
+            return Ok(Ended::Paused);
+        }
         if held.is_empty() {
             let next = tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(Ended::Shutdown),
+                // A pause (or any change of the pauses) is looked at from the top.
+                r = changes.changed() => {
+                    if r.is_err() {
+                        return Ok(Ended::Shutdown);
+                    }
+                    continue;
+                }
                 n = consumer.next() => n,
             };
             match next {

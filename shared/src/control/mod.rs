@@ -1,5 +1,5 @@
 //! Operator control that must outlive Redis: the durable **control stream** `<ns>.control`,
-//! the cancels it carries and the **audit log** it is.
+//! the cancels it carries, the pauses ([`PauseSet`], `pause.rs`) and the **audit log** it is.
 //!
 //! # The audit log
 //!
@@ -54,6 +54,9 @@ use crate::names::Names;
 use crate::redis::{millis, Store};
 use crate::settings::Caller;
 
+mod pause;
+pub use pause::{Pause, PauseSet, Target, RENEW_AFTER};
+
 /// How long the control stream keeps a record (its `x-max-age`): declared with the namespace's
 /// other queues by [`crate::broker::topology`], which owns it.
 pub use crate::broker::topology::CONTROL_MAX_AGE as MAX_AGE;
@@ -107,6 +110,35 @@ pub enum Op {
         #[serde(default, skip_serializing_if = "String::is_empty")]
         reason: String,
     },
+    /// `target` is paused: it takes no new work ([`PauseSet`]).
+    Pause {
+        /// What is paused.
+        target: Target,
+        /// Why (may be empty).
+        #[serde(default)]
+        reason: String,
+        /// Who.
+        #[serde(default)]
+        by: String,
+        /// When the target was first paused (Unix ms), on a renewal ([`Record::renewal`]);
+        /// absent: the record's own time.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        since_ms: Option<i64>,
+    },
+    /// `target` is resumed: its pause ends (a group's resume ends its lanes' pauses too).
+    Resume {
+        /// What is resumed.
+        target: Target,
+        /// Who.
+        #[serde(default)]
+        by: String,
+    },
+    /// A reader's barrier: appended by a scheduler that follows the stream, which has read
+    /// everything before it once it reads this record (its caught-up point).
+    Barrier {
+        /// The reader that appended it (a random id per reader).
+        reader: String,
+    },
 }
 
 /// A record of the control stream: an action, its id and when it was accepted (Unix ms,
@@ -123,6 +155,17 @@ pub struct Record {
 }
 
 impl Record {
+    /// A barrier of reader `reader` at `at_ms` ([`Op::Barrier`]).
+    pub fn barrier(reader: &str, at_ms: i64) -> Self {
+        Record {
+            id: uuid::Uuid::new_v4().simple().to_string(),
+            at_ms,
+            op: Op::Barrier {
+                reader: reader.to_string(),
+            },
+        }
+    }
+
     /// A cancel of `task` by `who` for `reason` (cut at [`MAX_TEXT`] bytes) at `at_ms`.
     pub fn cancel(task: &str, reason: &str, who: &Caller, at_ms: i64) -> Self {
         Record {

@@ -11,7 +11,11 @@
 -- ARGV[8]: how long a group's "has parked tasks" flag lives (ms) unless the scheduler's park
 --          loop renews it (`park::FLAG_TTL_MS`)
 -- ARGV[9]: random seed of this call (the weighted strategy's draws)
--- ARGV[10]: number of distinct selectors m, then per selector: number of pairs n, then n pairs
+-- ARGV[10]: number of paused group lanes p (operator pauses, `fleet::control::PauseSet`), then p
+--   entries `<group>|<lane>`: a paused lane is never chosen (nor dispatched to directly); a task
+--   only paused lanes could take is answered 'full' naming one of them (it parks there, and its
+--   park queue is not released while paused). 0 when nothing is paused.
+-- then: number of distinct selectors m, then per selector: number of pairs n, then n pairs
 --   `k=v` (a batch's tasks mostly share a few selectors: each is sent and resolved once)
 -- then: number of task descriptions d (0, or the number of tasks), then d pairs: kind,
 --   submitted_at (Unix ms, '' unknown) — written into each task's status record with its
@@ -56,6 +60,9 @@ local park_ttl = ARGV[8]
 math.randomseed(tonumber(ARGV[9]))
 
 local gcache, ccache = {}, {}
+local paused = {}
+local npaused = tonumber(ARGV[10])
+for j = 1, npaused do paused[ARGV[10 + j]] = true end
 
 -- The status a dispatch writes (queued, parked: keys.lua status_queued / status_parked) never
 -- hides a claimed attempt.
@@ -74,7 +81,7 @@ local function gstate(g, lane)
   -- Room ahead of the workers: at least capacity × (1 + backlog factor), more for a group that
   -- drains fast (the scheduler writes `room:<lane>` from its completion rate, Little's law).
   s = { cap = cap, used = 0, limit = math.max(cap * (1 + bf), tonumber(h[2] or '0') or 0), health = nil,
-    kinds = kinds }
+    kinds = kinds, paused = paused[key] == true }
   if cap > 0 then
     redis.call('ZREMRANGEBYSCORE', K_resv(g, lane), '-inf', now)
     redis.call('ZREMRANGEBYSCORE', K_run(g, lane), '-inf', now)
@@ -102,8 +109,9 @@ end
 
 -- The selectors of the batch, each resolved to its sorted candidate groups once.
 local sels = {}
-local i = 11
-for k = 1, tonumber(ARGV[10]) do
+local nsel = tonumber(ARGV[11 + npaused])
+local i = 12 + npaused
+for k = 1, nsel do
   local np = tonumber(ARGV[i])
   local pairs_ = {}
   for j = 1, np do pairs_[j] = ARGV[i + j] end
@@ -157,9 +165,9 @@ local function live_groups(k, lane, kind)
   return handling, selkey
 end
 
--- Open for a task: room left, and (new work) no parked tasks to overtake.
+-- Open for a task: not paused, room left, and (new work) no parked tasks to overtake.
 local function is_open(st, lane, from_park)
-  return st.used < st.limit and (from_park or not parked(st.g, lane, st))
+  return not st.paused and st.used < st.limit and (from_park or not parked(st.g, lane, st))
 end
 
 local nd = tonumber(ARGV[i])
@@ -265,7 +273,7 @@ for t = 1, n do
       -- One candidate: no routing choice to protect, so no park hop — unless tasks already
       -- park for it (they keep their place in line).
       local st = live[1]
-      if from_park or not parked(st.g, lane, st) then chosen = st.g end
+      if not st.paused and (from_park or not parked(st.g, lane, st)) then chosen = st.g end
     end
     if chosen then
       local s = gstate(chosen, lane)
@@ -274,10 +282,12 @@ for t = 1, n do
       status_queued(id, chosen, lane, st_ttl, kind, sub, fresh, cur, sels[selk].key)
       out[o], out[o + 1] = 'reserved', chosen
     elseif #live > 0 then
+      -- The least loaded unpaused candidate frees room first; only when every candidate is
+      -- paused does the task park behind a paused one (the first).
       local best, bg = nil, live[1].g
       for _, st in ipairs(live) do
         local r = st.used / st.cap
-        if best == nil or r < best then best = r; bg = st.g end
+        if not st.paused and (best == nil or r < best) then best = r; bg = st.g end
       end
       if not from_park then
         redis.call('SET', K_parked(bg, lane), '1', 'PX', park_ttl)

@@ -92,6 +92,20 @@ impl Store {
         descs: &[TaskDescription],
         p: ReserveParams,
     ) -> Result<Vec<Reservation>> {
+        self.reserve_paused(reqs, descs, p, &[]).await
+    }
+
+    /// [`Store::reserve_described`] with the paused group lanes `paused` (operator pauses,
+    /// [`crate::control::PauseSet::group_lanes`]): a paused lane is never chosen; a task only
+    /// paused lanes could take is answered [`Reservation::Full`] naming one of them. Passed
+    /// as arguments of the same call: no command more.
+    pub async fn reserve_paused(
+        &self,
+        reqs: &[ReserveRequest],
+        descs: &[TaskDescription],
+        p: ReserveParams,
+        paused: &[(String, Lane)],
+    ) -> Result<Vec<Reservation>> {
         if reqs.is_empty() {
             return Ok(vec![]);
         }
@@ -118,7 +132,11 @@ impl Store {
             .arg(u8::from(p.direct))
             .arg(p.park_flag_ttl_ms)
             .arg(rand::random::<u32>())
-            .arg(selectors.len());
+            .arg(paused.len());
+        for (g, lane) in paused {
+            inv.arg(format!("{g}|{}", lane.as_str()));
+        }
+        inv.arg(selectors.len());
         for pairs in &selectors {
             inv.arg(pairs.len()).arg(pairs);
         }

@@ -18,6 +18,7 @@
 //! | → succeeded / retrying / dead / expired (an attempt's outcome) | `status_finished` | `finish.lua` |
 //! | → dead (worker lost on the last attempt; broker dead-lettered) | `status_dead` | `start.lua`, `broker_dead.lua` |
 //! | → dead / expired, waiting_for_worker, delayed (decided by the scheduler; never over a final state) | `status_decided` ([`Writes`], `status/decided.lua`) | `scheduler::dispatch` |
+//! | → parked behind `_kind.<kind>` (held for a paused kind) | [`Writes::held`] | `scheduler::dispatch` |
 //! | → forgotten: a new run of an id submitted again after its dedupe window, its last run over | `status_resubmitted` | `reserve.lua` |
 //! | → cancelled (an operator's cancel; re-applied from the control stream after a Redis loss) | `status_cancelled` | `cancel.lua` ([`crate::control`]) |
 //! | → cancelled (the stopped attempt's end) | `status_cancel_ended` | `finish.lua` |

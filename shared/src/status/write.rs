@@ -65,6 +65,16 @@ impl Writes {
         );
     }
 
+    /// → [`TaskState::Parked`] behind `group`: held for a paused kind, in that kind's hold
+    /// queue (`group` is its pseudo-group, `_kind.<kind>`: the scheduler's `pause` module).
+    pub fn held(&mut self, id: &str, lane: Lane, group: &str) {
+        self.push(
+            id,
+            TaskState::Parked,
+            vec![("group", group.to_string()), ("lane", lane.to_string())],
+        );
+    }
+
     /// → [`TaskState::Delayed`]: waits in a delay tier for `not_before` (stored as RFC 3339;
     /// empty when unknown).
     pub fn delayed(&mut self, id: &str, lane: Lane, not_before: Option<DateTime<Utc>>) {

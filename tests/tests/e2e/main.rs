@@ -54,6 +54,7 @@ mod metrics;
 mod nack_cause;
 mod operator;
 mod orphans;
+mod pause;
 mod poison;
 mod probes;
 mod producers;

@@ -324,15 +324,16 @@ async fn fleetctl_groups_shows_the_backlog_with_stable_columns() -> anyhow::Resu
         t[0],
         [
             "GROUP", "WORKERS", "CAPACITY", "LOAD", "RESERVED", "CRITICAL", "CAP/LOAD", "BACKLOG",
-            "OLDEST", "AS", "OF", "PROBE"
+            "OLDEST", "AS", "OF", "PROBE", "PAUSED"
         ],
         "{out}"
     );
     let row = &t[1];
-    assert_eq!(row.len(), 10, "{out}");
+    assert_eq!(row.len(), 11, "{out}");
     assert_eq!(row[6], "2", "backlog: {out}");
     assert!(row[7].ends_with('s') && row[7] != "-", "oldest: {out}");
     assert_eq!(row[9], "-", "no probe yet: {out}");
+    assert_eq!(row[10], "-", "not paused: {out}");
     for e in &envs {
         hold.open(&e.id);
     }

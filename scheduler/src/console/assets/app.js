@@ -245,8 +245,9 @@ async function renderGroups() {
     h("td", { dataset: { k: "parked" } }, lanes(g.parked ?? "–", g.parked_critical ?? "–")),
     h("td", { class: "num", dataset: { k: "oldest" } }, g.oldest_task_age_seconds === undefined ? "–" : fmt.secs(g.oldest_task_age_seconds)),
     h("td", { dataset: { k: "as-of" } }, g.sampled_at ? timeEl(g.sampled_at) : "–"),
-    h("td", { dataset: { k: "probe" } }, probeCell(g))));
-  $("#groups-table tbody").replaceChildren(...(rows.length ? rows : [h("tr", { class: "empty" }, h("td", { colspan: 12 }, "No groups registered."))]));
+    h("td", { dataset: { k: "probe" } }, probeCell(g)),
+    h("td", { dataset: { k: "pause" } }, pauseCell(g))));
+  $("#groups-table tbody").replaceChildren(...(rows.length ? rows : [h("tr", { class: "empty" }, h("td", { colspan: 13 }, "No groups registered."))]));
 }
 
 async function drain(id) {
@@ -595,6 +596,78 @@ function boot() {
 
 boot();
 
+// ==== pause and resume (issue 32 item 2) ====
+// A group row's pause cell (a paused badge and Resume, or Pause), and the kinds panel under the
+// groups table (#kind-pauses: paused kinds with their held tasks and Resume, a form to pause a
+// kind). Pauses are durable operator actions: POST /v1/pauses and /v1/pauses/resume (admin).
+
+/** The pause cell of a group row of GET /v1/groups. */
+function pauseCell(g) {
+  const lanes = g.paused_lanes || [];
+  const target = { scope: "group", group: g.group };
+  if (!lanes.length) return h("button", { class: "pause", on: { click: () => setPause(target, true, `group ${g.group}`) } }, "Pause");
+  const which = lanes.length === 2 ? "paused" : `paused: ${lanes[0]}`;
+  return h("span", {},
+    h("span", { class: "badge paused", title: `${g.backlog_paused ?? 0} task(s) wait, not counted as ready backlog` }, `${which} · ${g.backlog_paused ?? 0} waiting`), " ",
+    h("button", { class: "resume", on: { click: () => setPause(target, false, `group ${g.group}`) } }, "Resume"));
+}
+
+/** Pauses (or resumes) `target` after the operator confirms. */
+async function setPause(target, pausing, what) {
+  const text = pausing
+    ? `Pause ${what}? It takes no new work until resumed (durable: it holds across restarts). Tasks already in its queue still run; the rest wait in the broker.`
+    : `Resume ${what}? Its waiting tasks are dispatched again.`;
+  if (!(await confirmAction(text))) return;
+  const r = await actionApi(`${pausing ? "Pause" : "Resume"} ${what}`, pausing ? "/v1/pauses" : "/v1/pauses/resume", { method: "POST", body: target });
+  if (!r) return;
+  if (r.status === 202) notice(`${what}: ${pausing ? "paused" : "resumed"}.`);
+  else if (r.status === 200) notice(`${what}: ${pausing ? "already paused" : "not paused"}.`);
+  else notice(`Cannot ${pausing ? "pause" : "resume"} ${what}: ${problem(r)}`, false);
+  refreshNow();
+}
+
+/** The kinds panel: paused kinds (GET /v1/pauses) and the form that pauses one. */
+async function renderKindPauses() {
+  const box = $("#kind-pauses");
+  if (!box) return;
+  const r = await api("/v1/pauses");
+  if (r.status !== 200) throw new Error(problem(r));
+  const kinds = (r.body.pauses || []).filter((p) => p.scope === "kind");
+  const rows = kinds.map((p) => h("tr", { dataset: { kind: p.kind } },
+    h("td", { class: "mono" }, p.kind),
+    h("td", {}, h("span", { class: "badge paused" }, "paused")),
+    h("td", { class: "num", dataset: { k: "held" } }, String(p.held ?? 0)),
+    h("td", {}, timeEl(p.since)),
+    h("td", {}, p.by || "–"),
+    h("td", {}, p.reason || "–"),
+    h("td", {}, h("button", { class: "resume", on: { click: () => setPause({ scope: "kind", kind: p.kind }, false, `kind ${p.kind}`) } }, "Resume"))));
+  box.replaceChildren(
+    h("h3", {}, "Paused kinds"),
+    h("p", { class: "help" }, "A paused kind is dispatched to no group; its tasks wait in its hold queue (not behind a group, so other kinds run)."),
+    h("table", { id: "kind-pauses-table" },
+      h("thead", {}, h("tr", {}, ["Kind", "State", "Held", "Since", "By", "Reason", ""].map((t) => h("th", {}, t)))),
+      h("tbody", {}, rows.length ? rows : h("tr", { class: "empty" }, h("td", { colspan: 7 }, "No kind is paused.")))),
+    h("form", { id: "kind-pause-form", on: { submit: (e) => {
+      e.preventDefault();
+      const kind = $("#kind-pause-name").value.trim();
+      if (kind) setPause({ scope: "kind", kind, reason: $("#kind-pause-reason").value.trim() || undefined }, true, `kind ${kind}`);
+    } } },
+      h("input", { id: "kind-pause-name", placeholder: "kind", "aria-label": "kind to pause" }), " ",
+      h("input", { id: "kind-pause-reason", placeholder: "reason (optional)", "aria-label": "reason" }), " ",
+      h("button", { type: "submit" }, "Pause kind")));
+}
+
+// The groups view renders the kinds panel too (without losing what the operator is typing).
+{
+  const groupsView = RENDER.groups;
+  RENDER.groups = async () => {
+    await groupsView();
+    const a = document.activeElement;
+    const typing = a && a.tagName === "INPUT" && a.closest("#kind-pause-form") && a.value !== "";
+    if (!typing) await renderKindPauses();
+  };
+  if (currentView() === "groups") refreshNow();
+}
 // ==== tasks: browse tasks by state, bulk actions by query with a dry run (issue 32) ====
 // GET /v1/tasks (filters, per-state counts, pages newest first) and POST /v1/tasks/bulk
 // (cancel / retry / delete of a selection or of everything matching, each confirmed with the
