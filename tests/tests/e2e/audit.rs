@@ -81,6 +81,9 @@ async fn every_operator_action_is_in_the_audit_log_with_its_token_name() -> Resu
     let sched = start_scheduler(&ns, &settings).await?;
     let mut wsettings: Vec<(&str, &str)> = WORKER.to_vec();
     wsettings.push(("api_tokens", tokens.as_str()));
+    // The drain (action 5) waits for the gated task the browser cancels later: however slow
+    // the machine, the grace must outlast the browser's part.
+    wsettings.push(("drain_grace_ms", "300000"));
     let gate = Gate::default();
     let g = gate.clone();
     let h = handler_fn(move |ctx| {
@@ -378,7 +381,12 @@ async fn browser_check(sched: &SchedulerHandle, expect: &Value) -> Result<()> {
 async fn a_drain_survives_a_redis_loss_before_the_worker_reads_it() -> Result<()> {
     let redis = PrivateRedis::start(None, None).await?;
     let ns = Ns::on_redis(&redis.url(None)).await?;
-    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    // The worker's slow heartbeat must not get it evicted meanwhile.
+    let sched = start_scheduler(
+        &ns,
+        &[("health_interval_ms", "300"), ("heartbeat_timeout_ms", "30000")],
+    )
+    .await?;
     // A slow heartbeat: it would read `draining` only seconds after the answer.
     let slow = [
         ("heartbeat_interval_ms", "5000"),
