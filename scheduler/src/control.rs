@@ -119,6 +119,7 @@ impl ControlLoop {
                                             self.pauses.replace(set, ids.iter().map(String::as_str));
                                         }
                                         self.caught_up.send_replace(true);
+                                        self.audit.set_loaded();
                                     }
                                 }
                                 None => self.apply_live(rec).await,

@@ -10,7 +10,8 @@
 //! "total", "cursor", "as_of", "retention_seconds"}` — `total` counts every entry matching the
 //! filters, `cursor` (absent on the last page) is passed back for the next page, `since` and
 //! `until` are RFC 3339 times or Unix ms, `limit` is 1-1000 (default 100). 400 names a bad
-//! parameter.
+//! parameter; 503 `audit_loading` until this replica has read the stream up to its own barrier
+//! record (its log is complete from then on).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -138,6 +139,14 @@ async fn list(State(st): State<AppState>, Query(p): Query<HashMap<String, String
         Ok(q) => q,
         Err(e) => return error(StatusCode::BAD_REQUEST, "bad_query", e),
     };
+    // A replica that has not read the stream up to its barrier yet would show part of the log.
+    if !st.audit.loaded() {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "audit_loading",
+            "this scheduler has not read the control stream yet; ask again in a moment",
+        );
+    }
     let (page, total) = st.audit.list(&q);
     let cursor = (page.len() == q.limit)
         .then(|| page.last().map(|e| format!("{}_{}", e.at_ms, e.id)))

@@ -393,6 +393,8 @@ pub struct AuditLog {
 struct AuditInner {
     entries: std::collections::VecDeque<AuditEntry>,
     ids: std::collections::HashSet<String>,
+    /// The stream was read up to a point this process appended (a barrier) at least once.
+    loaded: bool,
 }
 
 impl AuditLog {
@@ -452,6 +454,20 @@ impl AuditLog {
     /// How many entries are kept.
     pub fn len(&self) -> usize {
         self.inner.read().map(|g| g.entries.len()).unwrap_or(0)
+    }
+
+    /// Marks the log complete: its reader has read the stream up to a record appended after
+    /// this process started (its barrier), so every earlier action is in it.
+    pub fn set_loaded(&self) {
+        if let Ok(mut g) = self.inner.write() {
+            g.loaded = true;
+        }
+    }
+
+    /// Whether the log is complete ([`set_loaded`](Self::set_loaded)); until then a listing
+    /// would show only part of the actions.
+    pub fn loaded(&self) -> bool {
+        self.inner.read().map(|g| g.loaded).unwrap_or(false)
     }
 
     /// Whether none is kept.

@@ -316,15 +316,30 @@ async fn every_operator_action_is_in_the_audit_log_with_its_token_name() -> Resu
     sched.stop().await?;
     redis.flushall().await?;
     let again = start_scheduler(&ns, &settings).await?;
+    // Until it has read the stream it answers 503 audit_loading — never a partial log.
+    let partial = std::sync::Mutex::new(Vec::new());
     let waited = wait_for(
         "the new scheduler read the log",
         Duration::from_secs(20),
         || async {
-            let (_, raw) = entries(&again).await.ok()?;
-            (ids(&raw) == before).then_some(raw)
+            let (status, raw) = get(&again.url("/v1/audit?limit=1000"), VIEWER).await.ok()?;
+            if status == 503 {
+                return (raw["error"] == "audit_loading").then_some(()).and(None);
+            }
+            if status == 200 && ids(&raw) != before {
+                if let Ok(mut p) = partial.lock() {
+                    p.push(ids(&raw).len());
+                }
+            }
+            (status == 200 && ids(&raw) == before).then_some(raw)
         },
     )
     .await;
+    let partial = partial.into_inner().unwrap_or_default();
+    assert!(
+        partial.is_empty(),
+        "partial logs answered 200: {partial:?} entries"
+    );
     let after = match waited {
         Ok(v) => v,
         Err(e) => anyhow::bail!("{e}; the log holds {:?}", entries(&again).await?.0),
@@ -384,7 +399,10 @@ async fn a_drain_survives_a_redis_loss_before_the_worker_reads_it() -> Result<()
     // The worker's slow heartbeat must not get it evicted meanwhile.
     let sched = start_scheduler(
         &ns,
-        &[("health_interval_ms", "300"), ("heartbeat_timeout_ms", "30000")],
+        &[
+            ("health_interval_ms", "300"),
+            ("heartbeat_timeout_ms", "30000"),
+        ],
     )
     .await?;
     // A slow heartbeat: it would read `draining` only seconds after the answer.
