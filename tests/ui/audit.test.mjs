@@ -8,10 +8,8 @@
 //   CHROMIUM           browser binary (default /usr/bin/chromium)
 // Exits non-zero on the first failed check.
 
-import { mkdtempSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { chromium } from "playwright-core";
+import { eq, fail, launch, until } from "./lib.mjs";
 
 const BASE = process.env.FLEET_UI_BASE;
 const READ = process.env.FLEET_READ_TOKEN;
@@ -20,22 +18,6 @@ const EXPECT = JSON.parse(process.env.FLEET_EXPECT || "{}");
 const SHOTS = process.env.FLEET_SCREENSHOTS;
 const WAIT_MS = 20000;
 
-function fail(msg) { throw new Error(msg); }
-function eq(actual, expected, what) {
-  if (JSON.stringify(actual) !== JSON.stringify(expected)) fail(`${what}: got ${JSON.stringify(actual)}, expected ${JSON.stringify(expected)}`);
-}
-async function until(what, check, ms = WAIT_MS) {
-  const end = Date.now() + ms;
-  let last;
-  for (;;) {
-    try {
-      const v = await check();
-      if (v !== undefined && v !== false) return v;
-    } catch (e) { last = e; }
-    if (Date.now() > end) fail(`timed out after ${ms} ms waiting for ${what}${last ? `: ${last.message}` : ""}`);
-    await new Promise((r) => setTimeout(r, 100));
-  }
-}
 async function api(path) {
   const r = await fetch(`${BASE}${path}`, { headers: { Authorization: `Bearer ${READ}` } });
   return { status: r.status, body: await r.json() };
@@ -100,18 +82,11 @@ async function cancelWithTheButton(page) {
 }
 
 async function main() {
-  const profile = mkdtempSync(join(tmpdir(), "fleet-audit-chromium-"));
-  const ctx = await chromium.launchPersistentContext(profile, {
-    executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
-    headless: true,
-    args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-    viewport: { width: 1280, height: 800 },
-  });
+  const { ctx, close } = await launch("fleet-audit-chromium", { width: 1280, height: 800 });
   try {
     await run(ctx);
   } finally {
-    await ctx.close();
-    rmSync(profile, { recursive: true, force: true });
+    await close();
   }
 }
 

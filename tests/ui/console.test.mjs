@@ -11,11 +11,9 @@
 // tokens) before checking the banner shown when the scheduler is unreachable, then the page of
 // the open scheduler. Exits non-zero on the first failed check.
 
-import { mkdtempSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { createInterface } from "node:readline";
-import { chromium } from "playwright-core";
+import { eq, fail, launch, until } from "./lib.mjs";
 
 const BASE = process.env.FLEET_UI_BASE;
 const ADMIN = process.env.FLEET_ADMIN_TOKEN;
@@ -25,24 +23,7 @@ const SHOTS = process.env.FLEET_SCREENSHOTS;
 const WAIT_MS = 20000;
 
 const log = (...a) => console.log(...a);
-function fail(msg) { throw new Error(msg); }
-function eq(actual, expected, what) {
-  if (JSON.stringify(actual) !== JSON.stringify(expected)) fail(`${what}: got ${JSON.stringify(actual)}, expected ${JSON.stringify(expected)}`);
-}
 
-/** Polls `check` (returns a value or throws/returns undefined) until it passes or `ms` runs out. */
-async function until(what, check, ms = WAIT_MS) {
-  const end = Date.now() + ms;
-  let last;
-  for (;;) {
-    try {
-      const v = await check();
-      if (v !== undefined && v !== false) return v;
-    } catch (e) { last = e; }
-    if (Date.now() > end) fail(`timed out after ${ms} ms waiting for ${what}${last ? `: ${last.message}` : ""}`);
-    await new Promise((r) => setTimeout(r, 100));
-  }
-}
 
 async function api(path, token = ADMIN, init = {}) {
   const headers = token ? { Authorization: `Bearer ${token}` } : {};
@@ -104,19 +85,11 @@ async function checkAttempts(page, st) {
 }
 
 async function main() {
-  const profile = mkdtempSync(join(tmpdir(), "fleet-console-chromium-"));
-  const ctx = await chromium.launchPersistentContext(profile, {
-    executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
-    headless: true,
-    args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-    viewport: { width: 1280, height: 800 },
-    colorScheme: "light",
-  });
+  const { ctx, close } = await launch("fleet-console-chromium", { width: 1280, height: 800 });
   try {
     await run(ctx);
   } finally {
-    await ctx.close();
-    rmSync(profile, { recursive: true, force: true });
+    await close();
   }
 }
 

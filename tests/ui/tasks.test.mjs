@@ -10,10 +10,8 @@
 // Prints "picked ID1 ID2" (the two tasks it cancelled by selection) and "done"; exits
 // non-zero on the first failed check.
 
-import { mkdtempSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { chromium } from "playwright-core";
+import { eq, fail, launch, until } from "./lib.mjs";
 
 const BASE = process.env.FLEET_UI_BASE;
 const ADMIN = process.env.FLEET_ADMIN_TOKEN;
@@ -23,23 +21,7 @@ const WAIT_MS = 20000;
 const STATES = ["queued", "parked", "delayed", "waiting_for_worker", "retrying", "running", "succeeded", "dead", "expired", "cancelled"];
 
 const log = (...a) => console.log(...a);
-function fail(msg) { throw new Error(msg); }
-function eq(actual, expected, what) {
-  if (JSON.stringify(actual) !== JSON.stringify(expected)) fail(`${what}: got ${JSON.stringify(actual)}, expected ${JSON.stringify(expected)}`);
-}
 
-async function until(what, check, ms = WAIT_MS) {
-  const end = Date.now() + ms;
-  let last;
-  for (;;) {
-    try {
-      const v = await check();
-      if (v !== undefined && v !== false) return v;
-    } catch (e) { last = e; }
-    if (Date.now() > end) fail(`timed out after ${ms} ms waiting for ${what}${last ? `: ${last.message}` : ""}`);
-    await new Promise((r) => setTimeout(r, 100));
-  }
-}
 
 async function api(path, init = {}) {
   const r = await fetch(`${BASE}${path}`, { ...init, headers: { Authorization: `Bearer ${ADMIN}`, "Content-Type": "application/json", ...(init.headers || {}) } });
@@ -75,14 +57,7 @@ async function rowIds(page) {
 }
 
 async function main() {
-  const dir = mkdtempSync(join(tmpdir(), "fleet-tasks-chromium-"));
-  const browser = await chromium.launchPersistentContext(dir, {
-    executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
-    headless: true,
-    args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-    viewport: { width: 1400, height: 900 },
-    colorScheme: "light",
-  });
+  const { ctx: browser, close } = await launch("fleet-tasks-chromium", { width: 1400, height: 900 });
   const errors = [];
   try {
     const page = await browser.newPage();
@@ -159,8 +134,7 @@ async function main() {
     eq(errors, [], "page errors");
     log("done");
   } finally {
-    await browser.close();
-    rmSync(dir, { recursive: true, force: true });
+    await close();
   }
 }
 
