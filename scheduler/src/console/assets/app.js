@@ -829,6 +829,11 @@ async function renderAudit() {
   if (action) q.set("action", action);
   if (by) q.set("by", by);
   const r = await api(`/v1/audit?${q}`);
+  if (r.status === 503 && r.body && r.body.error === "audit_loading") {
+    $("#audit-count").textContent = "";
+    $("#audit-table tbody").replaceChildren(h("tr", { class: "empty" }, h("td", { colspan: 7 }, "This scheduler has not read the control stream yet.")));
+    return;
+  }
   if (r.status !== 200) throw new Error(problem(r));
   const days = Math.round((r.body.retention_seconds || 0) / 86400);
   if (days) $("#audit-retention").textContent = `${days} days`;
