@@ -193,10 +193,41 @@ async fn handle(
     if !id.is_empty() {
         if let Ok(Some(st)) = s.store.task_status(&id).await {
             let state = st.get("state").map(String::as_str).unwrap_or_default();
-            // A cancelled task never reaches the dead-letter queue, whatever its run record.
-            if (st.get("run_st").map(String::as_str) == Some("done")
-                && fleet::status::TERMINAL.contains(&state))
-                || state == fleet::status::TaskState::Cancelled.as_str()
+            // A cancelled task never reaches the dead-letter queue, whatever its run record:
+            // its message is kept in `<ns>.cancelled` (for a bulk retry), then acked.
+            if state == fleet::status::TaskState::Cancelled.as_str() {
+                let mut headers = props.headers().clone().unwrap_or_default();
+                headers.insert(
+                    REASON_HEADER.into(),
+                    AMQPValue::LongString(state.to_string().into()),
+                );
+                let out = props.clone().with_headers(headers);
+                if let Err(e) = amqp::publish_confirmed(
+                    &s.publisher(),
+                    &s.names.tasks_exchange(),
+                    Names::CANCELLED_KEY,
+                    &delivery.data,
+                    out,
+                )
+                .await
+                {
+                    tracing::warn!(task.id = %fleet::task::escape(&id), error = %e, "cannot keep a cancelled task's broker dead letter in the cancelled queue; requeued");
+                    delivery
+                        .acker
+                        .nack(BasicNackOptions {
+                            requeue: true,
+                            ..Default::default()
+                        })
+                        .await?;
+                    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                    return Ok(());
+                }
+                tracing::info!(task.id = %fleet::task::escape(&id), reason = %death.reason, "the broker dead-lettered a cancelled task: kept in the cancelled queue");
+                delivery.acker.ack(BasicAckOptions::default()).await?;
+                return Ok(());
+            }
+            if st.get("run_st").map(String::as_str) == Some("done")
+                && fleet::status::TERMINAL.contains(&state)
             {
                 tracing::info!(task.id = %fleet::task::escape(&id), state, reason = %death.reason, "the broker dead-lettered a copy of a finished task: dropped");
                 metrics::counter!(m::DUPLICATE_DELIVERIES, "lane" => lane.as_str()).increment(1);

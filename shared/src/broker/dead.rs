@@ -386,6 +386,26 @@ pub async fn replay(
     sel: &Selection,
     limits: &ReplayLimits,
 ) -> Result<ReplayReport> {
+    replay_from(conn, store, names, &names.dead_queue(), sel, limits).await
+}
+
+/// [`replay`] from any queue of task messages kept as dead letters are: `<ns>.dead`, or
+/// `<ns>.cancelled` ([`Names::cancelled_queue`]: the messages of cancelled tasks, which a bulk
+/// retry runs again as new runs). The same reader lease (one reader of either queue at a
+/// time in the namespace), the same per-id claim (`dead_claim.lua`: a cancelled task's
+/// status is final, so it is claimed as a dead one is), the same reset and confirms; what is
+/// not replayed goes back to `queue`.
+///
+/// # Errors
+/// As [`replay`]; a missing `queue` is an error of the broker (404).
+pub async fn replay_from(
+    conn: &Connection,
+    store: Option<&Store>,
+    names: &Names,
+    queue: &str,
+    sel: &Selection,
+    limits: &ReplayLimits,
+) -> Result<ReplayReport> {
     let mut lease = match store {
         Some(s) => Some(ReaderLease::acquire(s).await?),
         None => {
@@ -395,8 +415,8 @@ pub async fn replay(
     };
     let result = match conn.create_channel().await {
         Ok(get) => {
-            let r = replay_on(conn, &get, store, lease.as_mut(), names, sel, limits).await;
-            // Everything not replayed goes back to the dead queue.
+            let r = replay_on(conn, &get, store, lease.as_mut(), names, queue, sel, limits).await;
+            // Everything not replayed goes back to its queue.
             let _ = get.close(200, ShortString::from("replay done")).await;
             r
         }
@@ -431,18 +451,19 @@ async fn unclaim(store: &Store, token: &str, id: &str) {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn replay_on(
     conn: &Connection,
     get: &Channel,
     store: Option<&Store>,
     mut lease: Option<&mut ReaderLease<'_>>,
     names: &Names,
+    queue: &str,
     sel: &Selection,
     limits: &ReplayLimits,
 ) -> Result<ReplayReport> {
     let publish = amqp::confirm_channel(conn).await?;
-    let queue = names.dead_queue();
-    let total = depth(get, &queue).await?;
+    let total = depth(get, queue).await?;
     let token = uuid::Uuid::new_v4().simple().to_string();
     let mut report = ReplayReport::default();
     let mut seen = BTreeSet::new();
@@ -452,10 +473,7 @@ async fn replay_on(
             l.keep().await?;
         }
         let Some(m) = get
-            .basic_get(
-                ShortString::from(queue.as_str()),
-                BasicGetOptions::default(),
-            )
+            .basic_get(ShortString::from(queue), BasicGetOptions::default())
             .await?
         else {
             break;
