@@ -881,6 +881,16 @@ async fn a_cancelled_task_stays_cancelled_when_its_deadline_passes_while_parked(
     );
     assert_eq!(st.get("cancelled"), Some(&5), "{st:?}");
     assert!(dead.is_empty(), "a cancelled task was dead-lettered");
+    // Dropped by the scheduler (expired in a park), each kept in `<ns>.cancelled` instead.
+    let kept: BTreeSet<String> = peek_ids(&ns, &ns.names.cancelled_queue())
+        .await?
+        .into_iter()
+        .collect();
+    assert_eq!(
+        kept,
+        ids.iter().cloned().collect::<BTreeSet<_>>(),
+        "the 5 expired cancelled tasks are kept in <ns>.cancelled"
+    );
     assert!(ids.iter().all(|id| runs.count(id) == 0));
     // The scheduler's writer itself: no final state is overwritten (a crash replaying a
     // delayed submission, a letter decided while a cancel lands).
