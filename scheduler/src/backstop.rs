@@ -6,7 +6,9 @@
 //! The group queues' dead-letter routing key therefore leads to the internal queue
 //! `<ns>.dead.broker`, which this loop consumes. For each letter it
 //!
-//! 1. drops a scheduler health probe (acked, never a user's dead letter);
+//! 1. drops a scheduler health probe (acked, never a user's dead letter); keeps a cancelled
+//!    task's letter in `<ns>.cancelled` instead of the dead-letter queue (confirmed, then
+//!    acked: a bulk retry can run it again);
 //! 2. republishes the message, body and properties unchanged (the broker's `x-death` history
 //!    included), to the dead-letter queue `<ns>.dead` with `x-fleet-reason` = the broker's
 //!    reason (`x-first-death-reason`, e.g. `delivery_limit`) and an `x-fleet-detail`, waiting

@@ -38,6 +38,10 @@
 //!   never run it twice. A replayed task that died again may be replayed at once. A failed publish gives the
 //!   claim back (`broker/dead_unclaim.lua`).
 //!
+//! **Cancelled tasks** are never dead letters, but their messages are kept the same way in
+//! `<ns>.cancelled` ([`Names::cancelled_queue`]) by whoever dropped them; [`replay_from`] replays
+//! from either queue with everything above (the bulk retry of `POST /v1/tasks/bulk`).
+//!
 //! Without Redis ([`replay`] given no store: `fleetctl` with Redis unreachable) there is neither
 //! lease nor claim: the replay proceeds as before, with a warning.
 

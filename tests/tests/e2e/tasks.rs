@@ -733,7 +733,7 @@ async fn cancelled_tasks_retried_by_query_run_once_as_new_runs() -> anyhow::Resu
     wait_for(
         "N + 1 messages in <ns>.cancelled",
         Duration::from_secs(60),
-        || async { (ns.depth(&cancelled_q).await as usize >= N + 1).then_some(()) },
+        || async { (ns.depth(&cancelled_q).await as usize > N).then_some(()) },
     )
     .await?;
     ns.wait_settled(Duration::from_secs(30)).await?;
