@@ -336,8 +336,8 @@ impl Dispatcher {
     /// A task an operator cancelled while it waited in a park, delay or waiting-for-worker
     /// queue, and which this batch would dead-letter (its deadline passed there, checked
     /// without a reservation call that reads the cancel), is dropped instead: a cancelled
-    /// task is never dead-lettered (its message goes to `<ns>.cancelled`). One pipelined read of the dead fates' states, only in a
-    /// batch that has some (dead fates are rare; nothing on the dispatch path). A submission
+    /// task is never dead-lettered (its message goes to `<ns>.cancelled`). One pipelined read
+    /// of the dead fates' states, only in a batch that has some (dead fates are rare; nothing on the dispatch path). A submission
     /// (ingress) is left alone: a cancel needs a record, and a new run of a cancelled id is not
     /// the cancelled one. Redis unreachable: the fates stand (the status writer still keeps
     /// the record `cancelled`).
