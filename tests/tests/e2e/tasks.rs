@@ -12,7 +12,8 @@
 //! * Bulk retry of dead letters by query (each retried task runs exactly once more) and bulk
 //!   delete (the letters and the records gone); dry-run count = applied.
 //! * Cancelled tasks (N queued, 1 running) kept in `<ns>.cancelled`, never `<ns>.dead`, and
-//!   retried by query as new runs: dry-run count = applied = N + 1, each runs once more.
+//!   retried by query as new runs: dry-run count = applied = N + 1, each runs once more; the
+//!   broker's dead letter of a cancelled task is kept there too, not dead-lettered.
 //! * A cancelled task whose deadline passes while it is parked stays `cancelled` and is never
 //!   dead-lettered; the scheduler's writer leaves every final state as it is.
 
@@ -800,6 +801,43 @@ async fn cancelled_tasks_retried_by_query_run_once_as_new_runs() -> anyhow::Resu
     assert_eq!(listed.len(), N + 1, "{listed:?}");
     assert_eq!(counts["succeeded"], N + 1, "{counts}");
     w.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
+/// The broker's own dead letter of a cancelled task (a group queue's delivery limit, here
+/// published as the broker would, to `<ns>.dead.broker`) is kept by the scheduler's backstop
+/// in `<ns>.cancelled`, never moved to `<ns>.dead`; the task stays `cancelled`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cancelled_tasks_broker_dead_letter_is_kept_not_dead_lettered() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    let mut t = task(JOB, json!({}), "pool=nobody");
+    t.not_before = Some(chrono::Utc::now() + chrono::Duration::seconds(300));
+    ns.submit(std::slice::from_ref(&t)).await?;
+    ns.wait_state(&t.id, "delayed", Duration::from_secs(20))
+        .await?;
+    let (code, c) = bulk(&sched, json!({"action": "cancel", "ids": [t.id]})).await?;
+    assert_eq!((code, &c["applied"]), (200, &json!(1)), "{c}");
+    fleet::broker::amqp::publish_confirmed(
+        &ns.publisher,
+        &ns.names.tasks_exchange(),
+        fleet::Names::BROKER_DEAD_KEY,
+        &t.to_bytes(),
+        fleet::broker::amqp::task_properties(&t.id, None),
+    )
+    .await?;
+    let cancelled_q = ns.names.cancelled_queue();
+    wait_for(
+        "the letter kept in <ns>.cancelled",
+        Duration::from_secs(30),
+        || async { (ns.depth(&cancelled_q).await == 1).then_some(()) },
+    )
+    .await?;
+    assert_eq!(peek_ids(&ns, &cancelled_q).await?, vec![t.id.clone()]);
+    assert_eq!(ns.depth(&ns.names.broker_dead_queue()).await, 0);
+    assert!(ns.drain_dead().await?.is_empty(), "dead-lettered");
+    assert_eq!(ns.state_of(&t.id).await.as_deref(), Some("cancelled"));
     sched.stop().await?;
     ns.cleanup().await
 }
