@@ -726,10 +726,23 @@ async fn dead_letters(st: &AppState, action: Action, chosen: &Chosen) -> Result<
                 if part.is_empty() {
                     continue;
                 }
-                let sel = Selection::ids(part.into_iter().map(|(id, _)| id.clone()));
-                let r = dead::replay_from(&conn, Some(&st.store), names, &queue, &sel, &limits)
-                    .await
-                    .map_err(busy)?;
+                let part: Vec<String> = part.into_iter().map(|(id, _)| id.clone()).collect();
+                let sel = Selection::ids(part.iter().cloned());
+                let r =
+                    match dead::replay_from(&conn, Some(&st.store), names, &queue, &sel, &limits)
+                        .await
+                    {
+                        Ok(r) => r,
+                        // Nothing done yet: the whole run is refused.
+                        Err(e) if t.applied + t.skipped + t.failed == 0 => return Err(busy(e)),
+                        // The dead letters were replayed: the answer says so, these failed.
+                        Err(e) => {
+                            for id in &part {
+                                t.fail(id, format!("cannot read {queue}: {e}"));
+                            }
+                            continue;
+                        }
+                    };
                 t.applied += r.replayed.len() as u64;
                 t.skipped += r.missing.len() as u64;
                 for (id, why) in r.failed {

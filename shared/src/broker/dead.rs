@@ -500,7 +500,7 @@ async fn replay_on(
         if replayed.contains(&env.id) {
             report.failed.push((
                 env.id,
-                "another dead letter of this id was replayed by this call; this one is left in the dead queue".into(),
+                "another dead letter of this id was replayed by this call; this one is left in its queue".into(),
             ));
             continue;
         }
@@ -525,10 +525,9 @@ async fn replay_on(
                     } else {
                         format!("the task is {state} (replayed already, or submitted again)")
                     };
-                    report.failed.push((
-                        env.id,
-                        format!("{why}; this letter is left in the dead queue"),
-                    ));
+                    report
+                        .failed
+                        .push((env.id, format!("{why}; this letter is left in its queue")));
                     continue;
                 }
                 Err(e) => {
@@ -564,7 +563,7 @@ async fn replay_on(
                 // once more), and the replays before and after it still count — not an error
                 // for the whole call.
                 if let Err(e) = d.acker.ack(BasicAckOptions::default()).await {
-                    tracing::warn!(task.id = %crate::task::escape(&env.id), error = %e, "replayed, but its dead letter could not be removed; it goes back to the dead queue");
+                    tracing::warn!(task.id = %crate::task::escape(&env.id), error = %e, "replayed, but its dead letter could not be removed; it goes back to its queue");
                 }
                 replayed.insert(env.id.clone());
                 report.replayed.push(env.id);
