@@ -239,7 +239,7 @@ enum Cmd {
         #[arg(long)]
         cursor: Option<String>,
     },
-    /// Cancel, retry (dead or expired: replayed as a new run) or delete (dead letters) many
+    /// Cancel, retry (dead, expired or cancelled: replayed as a new run) or delete (dead letters) many
     /// tasks by ids or by filters (POST /v1/tasks/bulk). Always asks a dry run first and prints
     /// its count and a sample; acts only with --yes, then prints applied / skipped / failed
     /// (exit 1 when any failed).
@@ -362,8 +362,8 @@ enum BulkCmd {
         override_usage = "fleetctl bulk cancel [filters | --ids ID,...] [--dry-run] [--yes] [--reason R]"
     )]
     Cancel(BulkArgs),
-    /// Retry dead or expired tasks: their dead letters replayed as new runs (a cancelled task
-    /// cannot be retried: 409).
+    /// Retry dead, expired or cancelled tasks: replayed as new runs — a dead or expired one from
+    /// its dead letter (`<ns>.dead`), a cancelled one from the copy kept in `<ns>.cancelled`.
     #[command(override_usage = "fleetctl bulk retry [filters | --ids ID,...] [--dry-run] [--yes]")]
     Retry(BulkArgs),
     /// Delete dead letters of dead or expired tasks for good (their status records go too).

@@ -6,7 +6,9 @@
 //! The group queues' dead-letter routing key therefore leads to the internal queue
 //! `<ns>.dead.broker`, which this loop consumes. For each letter it
 //!
-//! 1. drops a scheduler health probe (acked, never a user's dead letter);
+//! 1. drops a scheduler health probe (acked, never a user's dead letter); keeps a cancelled
+//!    task's letter in `<ns>.cancelled` instead of the dead-letter queue (confirmed, then
+//!    acked: a bulk retry can run it again);
 //! 2. republishes the message, body and properties unchanged (the broker's `x-death` history
 //!    included), to the dead-letter queue `<ns>.dead` with `x-fleet-reason` = the broker's
 //!    reason (`x-first-death-reason`, e.g. `delivery_limit`) and an `x-fleet-detail`, waiting
@@ -193,10 +195,41 @@ async fn handle(
     if !id.is_empty() {
         if let Ok(Some(st)) = s.store.task_status(&id).await {
             let state = st.get("state").map(String::as_str).unwrap_or_default();
-            // A cancelled task never reaches the dead-letter queue, whatever its run record.
-            if (st.get("run_st").map(String::as_str) == Some("done")
-                && fleet::status::TERMINAL.contains(&state))
-                || state == fleet::status::TaskState::Cancelled.as_str()
+            // A cancelled task never reaches the dead-letter queue, whatever its run record:
+            // its message is kept in `<ns>.cancelled` (for a bulk retry), then acked.
+            if state == fleet::status::TaskState::Cancelled.as_str() {
+                let mut headers = props.headers().clone().unwrap_or_default();
+                headers.insert(
+                    REASON_HEADER.into(),
+                    AMQPValue::LongString(state.to_string().into()),
+                );
+                let out = props.clone().with_headers(headers);
+                if let Err(e) = amqp::publish_confirmed(
+                    &s.publisher(),
+                    &s.names.tasks_exchange(),
+                    Names::CANCELLED_KEY,
+                    &delivery.data,
+                    out,
+                )
+                .await
+                {
+                    tracing::warn!(task.id = %fleet::task::escape(&id), error = %e, "cannot keep a cancelled task's broker dead letter in the cancelled queue; requeued");
+                    delivery
+                        .acker
+                        .nack(BasicNackOptions {
+                            requeue: true,
+                            ..Default::default()
+                        })
+                        .await?;
+                    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                    return Ok(());
+                }
+                tracing::info!(task.id = %fleet::task::escape(&id), reason = %death.reason, "the broker dead-lettered a cancelled task: kept in the cancelled queue");
+                delivery.acker.ack(BasicAckOptions::default()).await?;
+                return Ok(());
+            }
+            if st.get("run_st").map(String::as_str) == Some("done")
+                && fleet::status::TERMINAL.contains(&state)
             {
                 tracing::info!(task.id = %fleet::task::escape(&id), state, reason = %death.reason, "the broker dead-lettered a copy of a finished task: dropped");
                 metrics::counter!(m::DUPLICATE_DELIVERIES, "lane" => lane.as_str()).increment(1);

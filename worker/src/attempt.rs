@@ -12,8 +12,10 @@
 //!                   ├ Retryable at the last attempt ──────► dead (max_attempts), ack
 //!                   ├ Permanent ──────────────────────────► dead (permanent_error), ack
 //!                   ├ deadline reached ───────────────────► expired: dead-letter, ack
-//!                   └ cancelled by an operator ────────────► cancelled (stopped: see crate::cancel), ack
-//! a cancelled task's copy (start.lua, or this worker's memory of the control stream) ► acked, never run
+//!                   └ cancelled by an operator ────────────► cancelled (stopped: see crate::cancel),
+//!                                                             kept in <ns>.cancelled, ack
+//! a cancelled task's copy (start.lua, or this worker's memory of the control stream) ► kept in
+//!                                                             <ns>.cancelled (confirmed), acked, never run
 //! any publish refused or channel gone ────────────────────► failed: nack + requeue (the broker keeps it);
 //!                                                             the attempt counts as used: its next copy
 //!                                                             runs as a new attempt (`Finished::spent`)
@@ -267,7 +269,14 @@ async fn claim(
                 continue;
             }
             Some(Claim::Cancelled) => {
-                tracing::info!("a cancelled task: acked without running");
+                // Kept in `<ns>.cancelled` first (a bulk retry runs it again from there); not
+                // kept, the copy goes back to the broker and is handled again.
+                if !probe && !keep_cancelled(shared, delivery, env, env.attempt).await {
+                    return None;
+                }
+                tracing::info!(
+                    "a cancelled task: kept in the cancelled queue, acked without running"
+                );
                 if !probe {
                     shared.meters[lane]
                         .completed(Outcome::Cancelled)
@@ -373,7 +382,11 @@ async fn attempt_task(
     // Cancelled (this worker read it in the control stream): never claimed, never run — even
     // while Redis is without the mark (start.lua refuses it otherwise).
     if !probe && shared.cancels.cancel_of(&env.id, submitted_ms).is_some() {
-        tracing::info!("a cancelled task: acked without running");
+        // Kept in `<ns>.cancelled` before the ack (see `keep_cancelled`).
+        if !keep_cancelled(&shared, &delivery, &env, env.attempt).await {
+            return;
+        }
+        tracing::info!("a cancelled task: kept in the cancelled queue, acked without running");
         if let Err(e) = shared.ledger.unreserve(lane, &env.id).await {
             tracing::debug!(error = %e, "cannot give back a cancelled task's reservation; it lapses with its lease");
         }
@@ -455,6 +468,11 @@ async fn attempt_task(
             tracing::warn!(
                 "cancel not yet written to Redis (retried in the background); acking anyway"
             );
+        }
+        // Kept in `<ns>.cancelled` before the ack; not kept, the copy goes back to the broker
+        // and its next reading (this worker's memory, or start.lua) keeps it.
+        if !keep_cancelled(&shared, &delivery, &env, attempt).await {
+            return;
         }
         if slot.usable() {
             slot.ack().await;
@@ -746,6 +764,50 @@ async fn dead_letter(
             task_properties(&env.id, Some(h)),
         )
         .await
+}
+
+/// Publishes a cancelled task's message to `<ns>.cancelled` ([`Names::cancelled_queue`]) as a
+/// dead letter is published (the envelope with `attempt`, `x-fleet-reason: cancelled`, the
+/// attempts and this worker), with a publisher confirm, so that a bulk retry can run it again
+/// as a new run. `true` once confirmed: the caller acks the delivery. `false` when the broker
+/// did not take it: the delivery has been handed back (nack + requeue after
+/// [`REROUTE_REFUSED_WAIT`], so a refusing queue is not spun on), and its next copy is handled
+/// again — the one copy of the task is never lost before the ack. A second keep of the same id
+/// (a redelivered copy) may publish again: the retry takes one per id.
+async fn keep_cancelled(
+    shared: &Shared,
+    delivery: &Delivery,
+    env: &Envelope,
+    attempt: u32,
+) -> bool {
+    let mut kept = env.clone();
+    kept.attempt = attempt;
+    let h = headers([
+        (REASON_HEADER, TaskState::Cancelled.as_str().to_string()),
+        (ATTEMPTS_HEADER, attempt.to_string()),
+        (WORKER_HEADER, shared.worker_id.to_string()),
+    ]);
+    match shared
+        .broker
+        .publish(
+            &shared.names.tasks_exchange(),
+            Names::CANCELLED_KEY,
+            &kept.to_bytes(),
+            task_properties(&env.id, Some(h)),
+        )
+        .await
+    {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot keep a cancelled task in the cancelled queue; requeued in {} ms", REROUTE_REFUSED_WAIT.as_millis());
+            tokio::select! {
+                _ = shared.work.stopping() => {}
+                _ = tokio::time::sleep(REROUTE_REFUSED_WAIT) => {}
+            }
+            nack_requeue(delivery).await;
+            false
+        }
+    }
 }
 
 /// How long a task sent back by `reroute` waits before the scheduler routes it again: one

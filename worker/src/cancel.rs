@@ -6,9 +6,10 @@
 //!   the follower cancels): `crate::attempt` drops a builtin handler's future (an http
 //!   request with it) at once, and gives an exec run's process group SIGTERM, then SIGKILL
 //!   after `FLEET_CANCEL_GRACE_MS` (`crate::executor::exec`). The attempt ends `cancelled`:
-//!   never retried, never dead-lettered.
-//! * A **copy** of a cancelled task reaching this worker is acked without a claim
-//!   ([`CancelBoard::cancel_of`]), its reservation given back — the backstop of `start.lua`'s
+//!   never retried, never dead-lettered; its message is kept in `<ns>.cancelled` (confirmed)
+//!   before the ack, for a bulk retry.
+//! * A **copy** of a cancelled task reaching this worker is kept in `<ns>.cancelled` and
+//!   acked without a claim ([`CancelBoard::cancel_of`]), its reservation given back — the backstop of `start.lua`'s
 //!   own check while Redis is without the mark (after a loss, until a scheduler wrote it again).
 //!
 //! The follower reads the stream from its first record on every (re)connection, so a record

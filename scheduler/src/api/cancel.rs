@@ -3,8 +3,11 @@
 //! * **202** `{"id", "state": "cancelled", "previous_state", "cancelled_by", "reason"}`: the
 //!   cancel is a promise — its record is in the durable control stream (`<ns>.control`, see
 //!   [`fleet::control`]) before this answer, and the task's status is marked `cancelled`. A
-//!   task not yet running never runs (its message is dropped where it is next reached); a
-//!   running one is stopped on its worker at once; neither is retried nor dead-lettered.
+//!   task not yet running never runs (where its message is next reached it is moved to
+//!   `<ns>.cancelled`, confirmed, then acked); a running one is stopped on its worker at once
+//!   (its message moved the same way when the run ends); neither is retried nor
+//!   dead-lettered. A bulk retry (`POST /v1/tasks/bulk`) runs it again from `<ns>.cancelled`
+//!   as a new run.
 //! * **200** the same body with `"already": true`: it was cancelled before (idempotent).
 //! * **409** `{"error": "finished", "state"}`: it ended already (succeeded, dead, expired).
 //! * **404** `unknown_task`: no status record (never seen, or older than the status TTL).

@@ -27,11 +27,13 @@
 //! one of `ids` and `query`; `limit` 1-100,000, default 10,000; `reason` for a cancel).
 //!
 //! The action's own states narrow the selection: **cancel** takes tasks not yet ended (delayed,
-//! waiting_for_worker, parked, queued, running, retrying); **retry** (a dead-letter replay: the
-//! task submitted again as a new run) and **delete** (its dead letter removed for good, and its
-//! status record with it) take dead and expired tasks. Retrying a **cancelled** task is refused
-//! with 409 `cancelled_not_retryable`: its message was dropped where it was next reached and
-//! is kept nowhere (it must never be in the dead-letter queue), so there is no envelope to run.
+//! waiting_for_worker, parked, queued, running, retrying); **retry** (a replay: the task
+//! submitted again as a new run) takes dead, expired and cancelled tasks; **delete** (its dead
+//! letter removed for good, and its status record with it) takes dead and expired tasks. A
+//! dead or expired task is replayed from its dead letter (`<ns>.dead`); a **cancelled** one —
+//! never in the dead-letter queue — from `<ns>.cancelled`, where the scheduler or worker that
+//! next reached its message kept it (confirmed) before acking it. A cancelled task whose
+//! message has not been reached yet (it still waits in its queue) is not there: `skipped`.
 //!
 //! * `"dry_run": true` → 200 `{"action", "dry_run": true, "count", "sample": [first 20 ids],
 //!   "query", "complete", "ineligible": {state: n}}` (`ineligible`: given ids the action does
@@ -50,7 +52,8 @@
 //! record per task (one batch of publishes per batch, every confirm awaited — the promise of
 //! `POST /v1/tasks/{id}/cancel`) before marking Redis (`cancel.lua`), exactly as the single
 //! cancel does. Retry and delete read the dead queue once per run (holding its reader lease)
-//! and replay or delete letter by letter with confirms, below the bound.
+//! and replay or delete letter by letter with confirms, below the bound (a retry that takes
+//! cancelled tasks reads `<ns>.cancelled` once more).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -300,7 +303,8 @@ impl Action {
                 TaskState::Running,
                 TaskState::Retrying,
             ],
-            Action::Retry | Action::Delete => &[TaskState::Dead, TaskState::Expired],
+            Action::Retry => &[TaskState::Dead, TaskState::Expired, TaskState::Cancelled],
+            Action::Delete => &[TaskState::Dead, TaskState::Expired],
         }
     }
 
@@ -386,36 +390,25 @@ fn parse_bulk(body: &[u8]) -> Result<Bulk, String> {
 /// What a bulk request selects now.
 struct Chosen {
     ids: Vec<String>,
+    /// Each selected id's state then (`ids`' order): a retry replays a cancelled task from
+    /// `<ns>.cancelled`, any other from `<ns>.dead`.
+    states: Vec<String>,
     complete: bool,
     ineligible: BTreeMap<String, u64>,
-}
-
-/// 409 for a retry that names cancelled tasks.
-fn cancelled_not_retryable(ids: &[String]) -> Response {
-    (
-        StatusCode::CONFLICT,
-        Json(json!({
-            "error": "cancelled_not_retryable",
-            "detail": "a cancelled task cannot be retried: its message was dropped where it was next reached and is kept nowhere (a cancelled task is never in the dead-letter queue); submit it again instead",
-            "ids": ids.iter().take(SAMPLE).collect::<Vec<_>>(),
-        })),
-    )
-        .into_response()
 }
 
 /// Evaluates the request's selection (see the module docs); `Err` is the answer to give.
 async fn choose(st: &AppState, b: &Bulk) -> Result<Chosen, Response> {
     let redis = |e: fleet::Error| error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string());
-    let cancelled = TaskState::Cancelled.as_str();
     if let Some(ids) = &b.ids {
         let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
         let states = st.store.task_states(&refs).await.map_err(redis)?;
         let mut out = Chosen {
             ids: Vec::new(),
+            states: Vec::new(),
             complete: true,
             ineligible: BTreeMap::new(),
         };
-        let mut refused = Vec::new();
         let mut seen = std::collections::HashSet::new();
         for (id, s) in ids.iter().zip(states) {
             if !seen.insert(id.as_str()) {
@@ -425,22 +418,16 @@ async fn choose(st: &AppState, b: &Bulk) -> Result<Chosen, Response> {
                 Some(s) if b.action.takes_word(&s) => {
                     if out.ids.len() < b.limit {
                         out.ids.push(id.clone());
+                        out.states.push(s);
                     }
                 }
-                Some(s) if b.action == Action::Retry && s == cancelled => refused.push(id.clone()),
                 Some(s) => *out.ineligible.entry(s).or_default() += 1,
                 None => *out.ineligible.entry("unknown".into()).or_default() += 1,
             }
         }
-        if !refused.is_empty() {
-            return Err(cancelled_not_retryable(&refused));
-        }
         return Ok(out);
     }
     let mut f = b.filter.clone().unwrap_or_default();
-    if b.action == Action::Retry && f.states.iter().any(|s| s == cancelled) {
-        return Err(cancelled_not_retryable(&[]));
-    }
     f.states = if f.states.is_empty() {
         b.action.takes().iter().map(|s| s.to_string()).collect()
     } else {
@@ -452,13 +439,16 @@ async fn choose(st: &AppState, b: &Bulk) -> Result<Chosen, Response> {
     if f.states.is_empty() {
         return Ok(Chosen {
             ids: Vec::new(),
+            states: Vec::new(),
             complete: true,
             ineligible: BTreeMap::new(),
         });
     }
     let sel = st.store.select_tasks(&f, b.limit).await.map_err(redis)?;
+    let (ids, states) = sel.entries.into_iter().map(|e| (e.id, e.state)).unzip();
     Ok(Chosen {
-        ids: sel.entries.into_iter().map(|e| e.id).collect(),
+        ids,
+        states,
         complete: sel.complete,
         ineligible: BTreeMap::new(),
     })
@@ -551,7 +541,7 @@ async fn bulk(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Re
     }
     let tally = match b.action {
         Action::Cancel => cancel_all(&st, &chosen.ids, &who, &b.reason, &audit.id).await,
-        Action::Retry | Action::Delete => match dead_letters(&st, b.action, &chosen.ids).await {
+        Action::Retry | Action::Delete => match dead_letters(&st, b.action, &chosen).await {
             Ok(t) => t,
             Err(r) => return r,
         },
@@ -691,9 +681,12 @@ async fn append_audit(st: &AppState, rec: &Record) -> fleet::Result<()> {
     Err(last)
 }
 
-/// Replays (retry) or deletes the dead letters of `ids`, in one read of the dead queue.
-async fn dead_letters(st: &AppState, action: Action, ids: &[String]) -> Result<Tally, Response> {
+/// Replays (retry) or deletes the dead letters of the chosen ids, in one read of the dead
+/// queue; a retry replays the cancelled ones from `<ns>.cancelled` the same way, in one read
+/// of that queue.
+async fn dead_letters(st: &AppState, action: Action, chosen: &Chosen) -> Result<Tally, Response> {
     let mut t = Tally::default();
+    let ids = &chosen.ids;
     if ids.is_empty() {
         return Ok(t);
     }
@@ -711,7 +704,6 @@ async fn dead_letters(st: &AppState, action: Action, ids: &[String]) -> Result<T
             "shutting down",
         ));
     };
-    let sel = Selection::ids(ids.iter().cloned());
     let busy =
         |e: fleet::Error| error(StatusCode::SERVICE_UNAVAILABLE, "dead_queue", e.to_string());
     match action {
@@ -720,16 +712,46 @@ async fn dead_letters(st: &AppState, action: Action, ids: &[String]) -> Result<T
                 max_bytes: st.cfg.common.limits.max_bytes,
                 status_ttl: st.cfg.common.status_ttl,
             };
-            let r = dead::replay(&conn, Some(&st.store), &st.store.names, &sel, &limits)
-                .await
-                .map_err(busy)?;
-            t.applied = r.replayed.len() as u64;
-            t.skipped = r.missing.len() as u64;
-            for (id, why) in r.failed {
-                t.fail(&id, why);
+            // The cancelled ones from `<ns>.cancelled`, the others from `<ns>.dead`.
+            let cancelled = TaskState::Cancelled.as_str();
+            let (kept, dead_ids): (Vec<_>, Vec<_>) = ids
+                .iter()
+                .zip(&chosen.states)
+                .partition(|(_, s)| s.as_str() == cancelled);
+            let names = &st.store.names;
+            for (queue, part) in [
+                (names.dead_queue(), dead_ids),
+                (names.cancelled_queue(), kept),
+            ] {
+                if part.is_empty() {
+                    continue;
+                }
+                let part: Vec<String> = part.into_iter().map(|(id, _)| id.clone()).collect();
+                let sel = Selection::ids(part.iter().cloned());
+                let r =
+                    match dead::replay_from(&conn, Some(&st.store), names, &queue, &sel, &limits)
+                        .await
+                    {
+                        Ok(r) => r,
+                        // Nothing done yet: the whole run is refused.
+                        Err(e) if t.applied + t.skipped + t.failed == 0 => return Err(busy(e)),
+                        // The dead letters were replayed: the answer says so, these failed.
+                        Err(e) => {
+                            for id in &part {
+                                t.fail(id, format!("cannot read {queue}: {e}"));
+                            }
+                            continue;
+                        }
+                    };
+                t.applied += r.replayed.len() as u64;
+                t.skipped += r.missing.len() as u64;
+                for (id, why) in r.failed {
+                    t.fail(&id, why);
+                }
             }
         }
         _ => {
+            let sel = Selection::ids(ids.iter().cloned());
             let r = dead::delete(&conn, &st.store, &st.store.names, &sel)
                 .await
                 .map_err(busy)?;
@@ -799,7 +821,8 @@ mod tests {
         ] {
             assert!(parse_bulk(bad).is_err(), "{}", String::from_utf8_lossy(bad));
         }
-        assert!(Action::Retry.takes_word("expired") && !Action::Retry.takes_word("cancelled"));
+        assert!(Action::Retry.takes_word("expired") && Action::Retry.takes_word("cancelled"));
+        assert!(!Action::Delete.takes_word("cancelled"));
         assert!(Action::Cancel.takes_word("running") && !Action::Cancel.takes_word("succeeded"));
     }
 }

@@ -21,7 +21,8 @@ pub enum Fate {
     Dead(status::DeadReason, String),
     /// Duplicate id: ack and drop.
     Duplicate,
-    /// Cancelled by an operator: ack and drop (never dispatched; nothing reserved).
+    /// Cancelled by an operator: never dispatched, nothing reserved; its message is published
+    /// to `<ns>.cancelled` (kept for a bulk retry) and then acked.
     Cancelled,
     /// Stays unacked with the caller (park: no room yet; an orphan that is no readable
     /// envelope).

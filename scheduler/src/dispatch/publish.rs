@@ -1,5 +1,5 @@
-//! The batch's last step: publish every fate, wait for all the confirms, then settle each
-//! delivery — acked once what it became is confirmed, requeued (its reservation given back)
+//! The batch's last step: publish every fate (a cancelled task's to `<ns>.cancelled`), wait
+//! for all the confirms, then settle each delivery — acked once what it became is confirmed, requeued (its reservation given back)
 //! when not, handed back to the caller when held — and write the statuses decided here.
 
 use std::collections::HashMap;
@@ -257,7 +257,17 @@ impl Dispatcher {
                 ),
                 None,
             ),
-            Fate::Duplicate | Fate::Cancelled | Fate::Hold => return None,
+            // Kept in `<ns>.cancelled` for a bulk retry (never dead-lettered); the delivery is
+            // acked once the broker confirmed the copy, requeued when not.
+            Fate::Cancelled => (
+                tasks_x,
+                Names::CANCELLED_KEY.to_string(),
+                Some(amqp::headers([(
+                    REASON_HEADER,
+                    status::TaskState::Cancelled.as_str().to_string(),
+                )])),
+            ),
+            Fate::Duplicate | Fate::Hold => return None,
         };
         Some(if source.verbatim() {
             // Properties as they came (message id, headers: a health probe stays one).
@@ -326,8 +336,8 @@ impl Dispatcher {
     /// A task an operator cancelled while it waited in a park, delay or waiting-for-worker
     /// queue, and which this batch would dead-letter (its deadline passed there, checked
     /// without a reservation call that reads the cancel), is dropped instead: a cancelled
-    /// task is never dead-lettered. One pipelined read of the dead fates' states, only in a
-    /// batch that has some (dead fates are rare; nothing on the dispatch path). A submission
+    /// task is never dead-lettered (its message goes to `<ns>.cancelled`). One pipelined read
+    /// of the dead fates' states, only in a batch that has some (dead fates are rare; nothing on the dispatch path). A submission
     /// (ingress) is left alone: a cancel needs a record, and a new run of a cancelled id is not
     /// the cancelled one. Redis unreachable: the fates stand (the status writer still keeps
     /// the record `cancelled`).

@@ -38,6 +38,10 @@
 //!   never run it twice. A replayed task that died again may be replayed at once. A failed publish gives the
 //!   claim back (`broker/dead_unclaim.lua`).
 //!
+//! **Cancelled tasks** are never dead letters, but their messages are kept the same way in
+//! `<ns>.cancelled` ([`Names::cancelled_queue`]) by whoever dropped them; [`replay_from`] replays
+//! from either queue with everything above (the bulk retry of `POST /v1/tasks/bulk`).
+//!
 //! Without Redis ([`replay`] given no store: `fleetctl` with Redis unreachable) there is neither
 //! lease nor claim: the replay proceeds as before, with a warning.
 
@@ -386,6 +390,26 @@ pub async fn replay(
     sel: &Selection,
     limits: &ReplayLimits,
 ) -> Result<ReplayReport> {
+    replay_from(conn, store, names, &names.dead_queue(), sel, limits).await
+}
+
+/// [`replay`] from any queue of task messages kept as dead letters are: `<ns>.dead`, or
+/// `<ns>.cancelled` ([`Names::cancelled_queue`]: the messages of cancelled tasks, which a bulk
+/// retry runs again as new runs). The same reader lease (one reader of either queue at a
+/// time in the namespace), the same per-id claim (`dead_claim.lua`: a cancelled task's
+/// status is final, so it is claimed as a dead one is), the same reset and confirms; what is
+/// not replayed goes back to `queue`.
+///
+/// # Errors
+/// As [`replay`]; a missing `queue` is an error of the broker (404).
+pub async fn replay_from(
+    conn: &Connection,
+    store: Option<&Store>,
+    names: &Names,
+    queue: &str,
+    sel: &Selection,
+    limits: &ReplayLimits,
+) -> Result<ReplayReport> {
     let mut lease = match store {
         Some(s) => Some(ReaderLease::acquire(s).await?),
         None => {
@@ -395,8 +419,8 @@ pub async fn replay(
     };
     let result = match conn.create_channel().await {
         Ok(get) => {
-            let r = replay_on(conn, &get, store, lease.as_mut(), names, sel, limits).await;
-            // Everything not replayed goes back to the dead queue.
+            let r = replay_on(conn, &get, store, lease.as_mut(), names, queue, sel, limits).await;
+            // Everything not replayed goes back to its queue.
             let _ = get.close(200, ShortString::from("replay done")).await;
             r
         }
@@ -431,18 +455,19 @@ async fn unclaim(store: &Store, token: &str, id: &str) {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn replay_on(
     conn: &Connection,
     get: &Channel,
     store: Option<&Store>,
     mut lease: Option<&mut ReaderLease<'_>>,
     names: &Names,
+    queue: &str,
     sel: &Selection,
     limits: &ReplayLimits,
 ) -> Result<ReplayReport> {
     let publish = amqp::confirm_channel(conn).await?;
-    let queue = names.dead_queue();
-    let total = depth(get, &queue).await?;
+    let total = depth(get, queue).await?;
     let token = uuid::Uuid::new_v4().simple().to_string();
     let mut report = ReplayReport::default();
     let mut seen = BTreeSet::new();
@@ -452,10 +477,7 @@ async fn replay_on(
             l.keep().await?;
         }
         let Some(m) = get
-            .basic_get(
-                ShortString::from(queue.as_str()),
-                BasicGetOptions::default(),
-            )
+            .basic_get(ShortString::from(queue), BasicGetOptions::default())
             .await?
         else {
             break;
@@ -478,7 +500,7 @@ async fn replay_on(
         if replayed.contains(&env.id) {
             report.failed.push((
                 env.id,
-                "another dead letter of this id was replayed by this call; this one is left in the dead queue".into(),
+                "another dead letter of this id was replayed by this call; this one is left in its queue".into(),
             ));
             continue;
         }
@@ -503,10 +525,9 @@ async fn replay_on(
                     } else {
                         format!("the task is {state} (replayed already, or submitted again)")
                     };
-                    report.failed.push((
-                        env.id,
-                        format!("{why}; this letter is left in the dead queue"),
-                    ));
+                    report
+                        .failed
+                        .push((env.id, format!("{why}; this letter is left in its queue")));
                     continue;
                 }
                 Err(e) => {
@@ -542,7 +563,7 @@ async fn replay_on(
                 // once more), and the replays before and after it still count — not an error
                 // for the whole call.
                 if let Err(e) = d.acker.ack(BasicAckOptions::default()).await {
-                    tracing::warn!(task.id = %crate::task::escape(&env.id), error = %e, "replayed, but its dead letter could not be removed; it goes back to the dead queue");
+                    tracing::warn!(task.id = %crate::task::escape(&env.id), error = %e, "replayed, but its dead letter could not be removed; it goes back to its queue");
                 }
                 replayed.insert(env.id.clone());
                 report.replayed.push(env.id);

@@ -7,6 +7,8 @@
 //!                                     ├─► <ns>.park.<group>.<lane>         bounded wait for room
 //!                                     ├─► <ns>.delayed                     back from a delay tier
 //!                                     ├─► <ns>.dead                        dead letters
+//!                                     ├─► <ns>.cancelled                   cancelled tasks'
+//!                                     │   messages (bounded, 7 days), for a bulk retry
 //!                                     └─► <ns>.dead.broker                 the broker's own dead
 //!                                         letters (group queues' DLX), given a reason by the
 //!                                         scheduler and moved to <ns>.dead
@@ -147,6 +149,37 @@ fn args(cfg: &impl QueueSettings) -> FieldTable {
     t
 }
 
+/// Most messages `<ns>.cancelled` holds ([`Names::cancelled_queue`]); past it the oldest is
+/// dropped (`x-overflow: drop-head`: a cancel is never refused for want of room — the newest
+/// cancels are the ones an operator is likeliest to take back). About 1 KiB a message: ~100 MB
+/// at the bound.
+pub const CANCELLED_MAX: i64 = 100_000;
+/// How long `<ns>.cancelled` keeps a message (`x-message-ttl`): the control stream's retention
+/// ([`CONTROL_MAX_AGE`], 7 days), not the status TTL. A retry selects cancelled tasks by their
+/// status record, so a message that outlives its record (24 h by default) can no longer be
+/// selected and only waits to age out; but the status TTL is each process's own setting
+/// (`FLEET_STATUS_TTL_MS`), and a queue argument taken from it would make any two processes
+/// configured differently refuse each other's declare (406 `inequivalent arg`). A constant
+/// never does, and 7 days outlives any status TTL in use while bounding what is kept to what
+/// the cancel itself is remembered for.
+pub const CANCELLED_TTL: Duration = CONTROL_MAX_AGE;
+
+/// The arguments of `<ns>.cancelled`: the namespace's queue type, [`CANCELLED_MAX`] with
+/// `drop-head`, [`CANCELLED_TTL`].
+fn cancelled_args(cfg: &impl QueueSettings) -> FieldTable {
+    let mut t = args(cfg);
+    t.insert("x-max-length".into(), AMQPValue::LongLongInt(CANCELLED_MAX));
+    t.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("drop-head".into()),
+    );
+    t.insert(
+        "x-message-ttl".into(),
+        AMQPValue::LongLongInt(i64::try_from(CANCELLED_TTL.as_millis()).unwrap_or(i64::MAX)),
+    );
+    t
+}
+
 fn bounded(cfg: &impl QueueSettings, max: u32) -> FieldTable {
     let mut t = args(cfg);
     t.insert(
@@ -275,6 +308,17 @@ pub async fn declare_core(ch: &Channel, cfg: &impl QueueSettings) -> Result<()> 
         &n.dead_queue(),
         &n.tasks_exchange(),
         Names::DEAD_KEY,
+        FieldTable::default(),
+    )
+    .await?;
+    // Cancelled tasks' messages, kept for a bulk retry (never in `<ns>.dead`): bounded and
+    // aged, since nobody need ever read them.
+    queue(ch, &n.cancelled_queue(), cancelled_args(cfg), None).await?;
+    bind(
+        ch,
+        &n.cancelled_queue(),
+        &n.tasks_exchange(),
+        Names::CANCELLED_KEY,
         FieldTable::default(),
     )
     .await?;
@@ -662,7 +706,7 @@ pub async fn delete_all(ch: &Channel, names: &Names, groups: &[String]) -> Resul
 }
 
 /// Deletes every queue (with its messages) and exchange of a namespace whose groups have
-/// `shards` normal-lane shard queues (`FLEET_SHARDS`): ingress, dead, broker dead, delayed,
+/// `shards` normal-lane shard queues (`FLEET_SHARDS`): ingress, dead, broker dead, cancelled, delayed,
 /// schedules and control streams, queue catalog, delay tiers (current and legacy), the lane queues (unsharded and every
 /// shard) and park queues of `groups`, and the park queues of the waiting-for-worker
 /// pseudo-group [`Names::UNMATCHED_GROUP`]. Deleting a queue or exchange that does not exist
@@ -679,6 +723,7 @@ pub async fn delete_all_sharded(
     let mut queues: Vec<String> = Lane::ALL.iter().map(|l| names.ingress_queue(*l)).collect();
     queues.push(names.dead_queue());
     queues.push(names.broker_dead_queue());
+    queues.push(names.cancelled_queue());
     queues.push(names.delayed_queue());
     queues.push(names.schedules_stream());
     queues.push(names.control_stream());

@@ -120,6 +120,15 @@ impl Names {
     }
     /// Routing key of [`broker_dead_queue`](Self::broker_dead_queue) on the tasks exchange.
     pub const BROKER_DEAD_KEY: &'static str = "dead.broker";
+    /// The cancelled-task queue (`<ns>.cancelled`): the message of each task an operator
+    /// cancelled, kept where its copy was dropped so that `POST /v1/tasks/bulk` can retry it
+    /// as a new run (never in [`dead_queue`](Self::dead_queue)). Bounded and aged: see
+    /// `broker::topology::declare_core`.
+    pub fn cancelled_queue(&self) -> String {
+        format!("{}.cancelled", self.ns)
+    }
+    /// Routing key of [`cancelled_queue`](Self::cancelled_queue) on the tasks exchange.
+    pub const CANCELLED_KEY: &'static str = "cancelled";
     /// Tasks coming back from a delay tier (delayed start, retry backoff) to the scheduler.
     pub fn delayed_queue(&self) -> String {
         format!("{}.delayed", self.ns)

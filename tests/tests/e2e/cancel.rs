@@ -1,7 +1,7 @@
 //! Cancel (issue 32 item 1): `POST /v1/tasks/{id}/cancel` and `fleetctl cancel`.
 //!
-//! A task not yet running never runs (queued or parked: its message is dropped where it is
-//! next reached); a running one is stopped on its worker at once — a builtin future dropped, an
+//! A task not yet running never runs (queued or parked: its message is moved to
+//! `<ns>.cancelled` where it is next reached); a running one is stopped on its worker at once — a builtin future dropped, an
 //! exec run's whole process group (grandchildren too) SIGTERMed, then SIGKILLed after the
 //! grace; either way it ends `cancelled`, is never retried and never dead-lettered. The cancel
 //! holds when the worker running the task is killed -9 (its redelivered copy never runs on a

@@ -11,6 +11,9 @@
 //! * Pagination: 250 tasks in pages of 40, newest first, no duplicate, no gap.
 //! * Bulk retry of dead letters by query (each retried task runs exactly once more) and bulk
 //!   delete (the letters and the records gone); dry-run count = applied.
+//! * Cancelled tasks (N queued, 1 running) kept in `<ns>.cancelled`, never `<ns>.dead`, and
+//!   retried by query as new runs: dry-run count = applied = N + 1, each runs once more; the
+//!   broker's dead letter of a cancelled task is kept there too, not dead-lettered.
 //! * A cancelled task whose deadline passes while it is parked stays `cancelled` and is never
 //!   dead-lettered; the scheduler's writer leaves every final state as it is.
 
@@ -644,7 +647,8 @@ async fn dead_letters_retried_and_deleted_by_query() -> anyhow::Result<()> {
     }
     let (listed, _, _) = list_all(&sched, "kind=gone", 100).await?;
     assert!(listed.is_empty(), "{listed:?}");
-    // A cancelled task is not retried: 409.
+    // A cancelled task whose message was not reached yet (it waits 300 s in a delay tier) is
+    // selected but not in `<ns>.cancelled`: skipped, nothing run, nothing dead-lettered.
     let mut c = task(JOB, json!({}), "pool=nobody");
     c.not_before = Some(chrono::Utc::now() + chrono::Duration::seconds(300));
     ns.submit(std::slice::from_ref(&c)).await?;
@@ -653,12 +657,187 @@ async fn dead_letters_retried_and_deleted_by_query() -> anyhow::Result<()> {
     let (code, _) = bulk(&sched, json!({"action": "cancel", "ids": [c.id]})).await?;
     assert_eq!(code, 200);
     let (code, body) = bulk(&sched, json!({"action": "retry", "ids": [c.id]})).await?;
+    assert_eq!(code, 200, "{body}");
     assert_eq!(
-        (code, &body["error"]),
-        (409, &json!("cancelled_not_retryable")),
+        (&body["count"], &body["applied"], &body["skipped"]),
+        (&json!(1), &json!(0), &json!(1)),
         "{body}"
     );
+    assert_eq!(ns.state_of(&c.id).await.as_deref(), Some("cancelled"));
     w.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
+/// The ids of the messages in `queue`, read without removing them (taken unacked, handed
+/// back when the channel closes).
+async fn peek_ids(ns: &Ns, queue: &str) -> anyhow::Result<Vec<String>> {
+    let ch = ns.conn.create_channel().await?;
+    let mut out = Vec::new();
+    while let Some(m) = ch
+        .basic_get(queue.into(), lapin::options::BasicGetOptions::default())
+        .await?
+    {
+        let env = fleet::Envelope::from_slice(&m.delivery.data, usize::MAX)
+            .map_err(|e| anyhow::anyhow!("not an envelope in {queue}: {e}"))?;
+        out.push(env.id);
+    }
+    let _ = ch.close(200, "peeked".into()).await;
+    Ok(out)
+}
+
+/// Retry a cancelled task as a new run (issue 32 item 4): N queued tasks and 1 running task
+/// cancelled by query; each one's message is kept in `<ns>.cancelled` (never `<ns>.dead`)
+/// where it was next reached — the running one by its worker when its stopped run ended, the
+/// queued ones by the worker's memory of the control stream. A bulk retry of `state=cancelled`
+/// by query: dry-run count = applied = N + 1; each runs exactly once as a new run and
+/// succeeds; nothing is ever dead-lettered, and both queues end empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancelled_tasks_retried_by_query_run_once_as_new_runs() -> anyhow::Result<()> {
+    const N: usize = 20;
+    let ns = Ns::new().await?;
+    let (runs, gate) = (Runs::default(), Gate::default());
+    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    let w = start_worker(
+        &ns,
+        "w-cr",
+        "pool=cr",
+        1,
+        WORKER,
+        &[(JOB, recording(&runs, &gate))],
+    )
+    .await?;
+    // One slot, held by a gated run: the N others wait behind it.
+    let running = task(JOB, json!({"gated": true}), "pool=cr");
+    ns.submit(std::slice::from_ref(&running)).await?;
+    ns.wait_state(&running.id, "running", Duration::from_secs(20))
+        .await?;
+    let queued: Vec<_> = (0..N)
+        .map(|i| task(JOB, json!({"i": i}), "pool=cr"))
+        .collect();
+    ns.submit(&queued).await?;
+    let qids: Vec<String> = queued.iter().map(|e| e.id.clone()).collect();
+    wait_for("N tasks waiting", Duration::from_secs(30), || async {
+        let s = states(&ns, &qids).await.ok()?;
+        (s.len() == N && s.values().all(|v| v == "queued" || v == "parked")).then_some(())
+    })
+    .await?;
+    let all: Vec<String> = qids.iter().cloned().chain([running.id.clone()]).collect();
+    let (code, c) = bulk(
+        &sched,
+        json!({"action": "cancel", "query": {"kind": JOB}, "reason": "to retry"}),
+    )
+    .await?;
+    assert_eq!((code, &c["applied"]), (200, &json!(N + 1)), "{c}");
+    let (cancelled_q, dead_q) = (ns.names.cancelled_queue(), ns.names.dead_queue());
+    // Every copy reached: the running one stopped, the queued ones refused by the worker.
+    wait_for(
+        "N + 1 messages in <ns>.cancelled",
+        Duration::from_secs(60),
+        || async { (ns.depth(&cancelled_q).await as usize > N).then_some(()) },
+    )
+    .await?;
+    ns.wait_settled(Duration::from_secs(30)).await?;
+    let kept: BTreeSet<String> = peek_ids(&ns, &cancelled_q).await?.into_iter().collect();
+    assert_eq!(
+        kept,
+        all.iter().cloned().collect::<BTreeSet<_>>(),
+        "every cancelled task is in <ns>.cancelled"
+    );
+    assert_eq!(ns.depth(&dead_q).await, 0, "no cancelled task in <ns>.dead");
+    let st = count_states(&states(&ns, &all).await?);
+    assert_eq!(st.get("cancelled"), Some(&(N + 1)), "{st:?}");
+    assert_eq!(runs.count(&running.id), 1, "the running one ran once");
+    assert!(
+        qids.iter().all(|id| runs.count(id) == 0),
+        "a cancelled task ran"
+    );
+    // Retry by query: dry run, then the run.
+    let query = json!({"kind": JOB, "state": "cancelled"});
+    let (code, dry) = bulk(
+        &sched,
+        json!({"action": "retry", "query": query, "dry_run": true}),
+    )
+    .await?;
+    assert_eq!((code, &dry["count"]), (200, &json!(N + 1)), "{dry}");
+    // The retried run of the gated task may pass.
+    gate.open(&running.id);
+    let (code, run) = bulk(&sched, json!({"action": "retry", "query": query})).await?;
+    assert_eq!(code, 200, "{run}");
+    assert_eq!(
+        (
+            &run["count"],
+            &run["applied"],
+            &run["skipped"],
+            &run["failed"]
+        ),
+        (&dry["count"], &dry["count"], &json!(0), &json!(0)),
+        "dry-run count = applied: {run}"
+    );
+    wait_succeeded(&ns, &all, Duration::from_secs(60)).await?;
+    ns.wait_settled(Duration::from_secs(30)).await?;
+    for id in &qids {
+        assert_eq!(runs.count(id), 1, "{id} ran exactly once, as its new run");
+    }
+    assert_eq!(
+        runs.count(&running.id),
+        2,
+        "the stopped run, then its new run"
+    );
+    let dead = ns.drain_dead().await?;
+    let left = ns.depth(&cancelled_q).await;
+    println!(
+        "{} cancelled tasks retried as new runs: dead letters {}, left in <ns>.cancelled {left}",
+        N + 1,
+        dead.len()
+    );
+    assert!(
+        dead.is_empty(),
+        "a cancelled or retried task was dead-lettered"
+    );
+    assert_eq!(left, 0, "every kept message replayed and removed");
+    // The list says succeeded, each once.
+    let (listed, counts, _) = list_all(&sched, &format!("kind={JOB}"), 100).await?;
+    assert_eq!(listed.len(), N + 1, "{listed:?}");
+    assert_eq!(counts["succeeded"], N + 1, "{counts}");
+    w.stop().await?;
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
+/// The broker's own dead letter of a cancelled task (a group queue's delivery limit, here
+/// published as the broker would, to `<ns>.dead.broker`) is kept by the scheduler's backstop
+/// in `<ns>.cancelled`, never moved to `<ns>.dead`; the task stays `cancelled`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cancelled_tasks_broker_dead_letter_is_kept_not_dead_lettered() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    let mut t = task(JOB, json!({}), "pool=nobody");
+    t.not_before = Some(chrono::Utc::now() + chrono::Duration::seconds(300));
+    ns.submit(std::slice::from_ref(&t)).await?;
+    ns.wait_state(&t.id, "delayed", Duration::from_secs(20))
+        .await?;
+    let (code, c) = bulk(&sched, json!({"action": "cancel", "ids": [t.id]})).await?;
+    assert_eq!((code, &c["applied"]), (200, &json!(1)), "{c}");
+    fleet::broker::amqp::publish_confirmed(
+        &ns.publisher,
+        &ns.names.tasks_exchange(),
+        fleet::Names::BROKER_DEAD_KEY,
+        &t.to_bytes(),
+        fleet::broker::amqp::task_properties(&t.id, None),
+    )
+    .await?;
+    let cancelled_q = ns.names.cancelled_queue();
+    wait_for(
+        "the letter kept in <ns>.cancelled",
+        Duration::from_secs(30),
+        || async { (ns.depth(&cancelled_q).await == 1).then_some(()) },
+    )
+    .await?;
+    assert_eq!(peek_ids(&ns, &cancelled_q).await?, vec![t.id.clone()]);
+    assert_eq!(ns.depth(&ns.names.broker_dead_queue()).await, 0);
+    assert!(ns.drain_dead().await?.is_empty(), "dead-lettered");
+    assert_eq!(ns.state_of(&t.id).await.as_deref(), Some("cancelled"));
     sched.stop().await?;
     ns.cleanup().await
 }
@@ -740,6 +919,16 @@ async fn a_cancelled_task_stays_cancelled_when_its_deadline_passes_while_parked(
     );
     assert_eq!(st.get("cancelled"), Some(&5), "{st:?}");
     assert!(dead.is_empty(), "a cancelled task was dead-lettered");
+    // Dropped by the scheduler (expired in a park), each kept in `<ns>.cancelled` instead.
+    let kept: BTreeSet<String> = peek_ids(&ns, &ns.names.cancelled_queue())
+        .await?
+        .into_iter()
+        .collect();
+    assert_eq!(
+        kept,
+        ids.iter().cloned().collect::<BTreeSet<_>>(),
+        "the 5 expired cancelled tasks are kept in <ns>.cancelled"
+    );
     assert!(ids.iter().all(|id| runs.count(id) == 0));
     // The scheduler's writer itself: no final state is overwritten (a crash replaying a
     // delayed submission, a letter decided while a cancel lands).
