@@ -154,6 +154,46 @@ fn group_of(names: &Names, queue: &str) -> Option<(String, Lane)> {
     (!group.is_empty()).then(|| (group.to_string(), lane))
 }
 
+/// Publishes `delivery`'s body, with its properties and `headers` added, to the tasks exchange
+/// under `key` (the dead-letter or the cancelled queue), confirmed. `Ok(false)`: not confirmed —
+/// logged with `what` failed, the delivery nacked back to its queue and the loop paused 500 ms
+/// (no spinning on a refusing queue). Errors: the nack itself failed.
+async fn move_letter(
+    s: &Session,
+    delivery: &Delivery,
+    headers: &[(&str, String)],
+    key: &str,
+    id: &str,
+    what: &str,
+) -> fleet::Result<bool> {
+    let mut table = delivery.properties.headers().clone().unwrap_or_default();
+    for (k, v) in headers {
+        table.insert((*k).into(), AMQPValue::LongString(v.clone().into()));
+    }
+    let out = delivery.properties.clone().with_headers(table);
+    let published = amqp::publish_confirmed(
+        &s.publisher(),
+        &s.names.tasks_exchange(),
+        key,
+        &delivery.data,
+        out,
+    )
+    .await;
+    if let Err(e) = published {
+        tracing::warn!(task.id = %fleet::task::escape(id), error = %e, "cannot {what}; requeued");
+        delivery
+            .acker
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..Default::default()
+            })
+            .await?;
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        return Ok(false);
+    }
+    Ok(true)
+}
+
 /// One letter, steps 1-4 of the module's account. Returns without acking when `shutdown`
 /// fires while Redis refuses its status (the letter goes back to its queue with the channel).
 async fn handle(
@@ -198,30 +238,9 @@ async fn handle(
             // A cancelled task never reaches the dead-letter queue, whatever its run record:
             // its message is kept in `<ns>.cancelled` (for a bulk retry), then acked.
             if state == fleet::status::TaskState::Cancelled.as_str() {
-                let mut headers = props.headers().clone().unwrap_or_default();
-                headers.insert(
-                    REASON_HEADER.into(),
-                    AMQPValue::LongString(state.to_string().into()),
-                );
-                let out = props.clone().with_headers(headers);
-                if let Err(e) = amqp::publish_confirmed(
-                    &s.publisher(),
-                    &s.names.tasks_exchange(),
-                    Names::CANCELLED_KEY,
-                    &delivery.data,
-                    out,
-                )
-                .await
-                {
-                    tracing::warn!(task.id = %fleet::task::escape(&id), error = %e, "cannot keep a cancelled task's broker dead letter in the cancelled queue; requeued");
-                    delivery
-                        .acker
-                        .nack(BasicNackOptions {
-                            requeue: true,
-                            ..Default::default()
-                        })
-                        .await?;
-                    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                let headers = [(REASON_HEADER, state.to_string())];
+                let what = "keep a cancelled task's broker dead letter in the cancelled queue";
+                if !move_letter(s, &delivery, &headers, Names::CANCELLED_KEY, &id, what).await? {
                     return Ok(());
                 }
                 tracing::info!(task.id = %fleet::task::escape(&id), reason = %death.reason, "the broker dead-lettered a cancelled task: kept in the cancelled queue");
@@ -239,35 +258,12 @@ async fn handle(
         }
     }
 
-    let mut headers = props.headers().clone().unwrap_or_default();
-    headers.insert(
-        REASON_HEADER.into(),
-        AMQPValue::LongString(death.reason.clone().into()),
-    );
-    headers.insert(
-        DETAIL_HEADER.into(),
-        AMQPValue::LongString(detail.clone().into()),
-    );
-    let out = props.clone().with_headers(headers);
-    if let Err(e) = amqp::publish_confirmed(
-        &s.publisher(),
-        &s.names.tasks_exchange(),
-        Names::DEAD_KEY,
-        &delivery.data,
-        out,
-    )
-    .await
-    {
-        tracing::warn!(task.id = %fleet::task::escape(&id), error = %e, "cannot move a broker dead letter to the dead-letter queue; requeued");
-        delivery
-            .acker
-            .nack(BasicNackOptions {
-                requeue: true,
-                ..Default::default()
-            })
-            .await?;
-        // Do not spin on a refusing dead-letter queue.
-        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let headers = [
+        (REASON_HEADER, death.reason.clone()),
+        (DETAIL_HEADER, detail.clone()),
+    ];
+    let what = "move a broker dead letter to the dead-letter queue";
+    if !move_letter(s, &delivery, &headers, Names::DEAD_KEY, &id, what).await? {
         return Ok(());
     }
     // The letter is acked only once its status says `dead`: acked before, a Redis outage
