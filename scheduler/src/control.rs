@@ -155,7 +155,7 @@ impl ControlLoop {
             if changed {
                 let group = match target {
                     Target::Group { group } | Target::Lane { group, .. } => Some(group),
-                    Target::Kind { .. } => None,
+                    Target::Kind { .. } | Target::Key { .. } => None,
                 };
                 for lane in Lane::ALL {
                     let Some(g) = group else { break };

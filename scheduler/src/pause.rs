@@ -63,6 +63,8 @@ pub struct Pauses {
 
 struct Inner {
     set: RwLock<Arc<PauseSet>>,
+    /// The per-key limits in force (settings, then the control stream's `key_limit` records).
+    limits: RwLock<Arc<fleet::control::KeyLimits>>,
     /// Bumped on every change of the set: release loops wait on it.
     version: watch::Sender<u64>,
     /// API requests waiting for their record to be applied here, by record id.
@@ -76,6 +78,7 @@ impl Default for Pauses {
         Pauses {
             inner: Arc::new(Inner {
                 set: RwLock::new(Arc::new(PauseSet::default())),
+                limits: RwLock::new(Arc::new(fleet::control::KeyLimits::default())),
                 version: watch::channel(0).0,
                 waiters: Mutex::new(HashMap::new()),
                 held: Mutex::new(HashMap::new()),
@@ -90,6 +93,31 @@ impl Pauses {
         match self.inner.set.read() {
             Ok(s) => s.clone(),
             Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    /// The per-key limits in force (tenants: `max_running`, `min_running`, rate, weight).
+    pub fn key_limits(&self) -> Arc<fleet::control::KeyLimits> {
+        match self.inner.limits.read() {
+            Ok(s) => s.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    /// Replaces the per-key limits in force; subscribers see the change (a release loop holding
+    /// tasks of a key whose limit was raised offers them at once).
+    pub fn set_key_limits(&self, limits: fleet::control::KeyLimits) {
+        let changed = {
+            let mut slot = match self.inner.limits.write() {
+                Ok(s) => s,
+                Err(p) => p.into_inner(),
+            };
+            let changed = **slot != limits;
+            *slot = Arc::new(limits);
+            changed
+        };
+        if changed {
+            self.inner.version.send_modify(|v| *v += 1);
         }
     }
 

@@ -66,14 +66,17 @@ fn parse(body: &[u8]) -> Result<(Target, String), String> {
         Some(_) => return Err("`reason` must be a string".into()),
     };
     let target: Target = serde_json::from_value(v.clone()).map_err(|e| {
-        format!("expected {{\"scope\": \"group\"|\"lane\"|\"kind\", \"group\", \"lane\", \"kind\"}}: {e}")
+        format!("expected {{\"scope\": \"group\"|\"lane\"|\"kind\"|\"key\", \"group\", \"lane\", \"kind\", \"key\"}}: {e}")
     })?;
     let empty = match &target {
         Target::Group { group } | Target::Lane { group, .. } => group.is_empty(),
         Target::Kind { kind } => kind.is_empty(),
+        Target::Key { key } => fleet::task::check_key(key).is_err(),
     };
     if empty {
-        return Err("the group or kind must not be empty".into());
+        return Err(
+            "the group or kind must not be empty, and a key 1-64 bytes of [A-Za-z0-9_.:@/-]".into(),
+        );
     }
     Ok((target.bounded(), reason))
 }

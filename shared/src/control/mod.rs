@@ -54,7 +54,9 @@ use crate::names::Names;
 use crate::redis::{millis, Store};
 use crate::settings::Caller;
 
+mod keys;
 mod pause;
+pub use keys::{KeyLimit, KeyLimitSpec, KeyLimits, DEFAULT_KEY};
 pub use pause::{Pause, PauseSet, Target, RENEW_AFTER};
 
 /// How long the control stream keeps a record (its `x-max-age`): declared with the namespace's

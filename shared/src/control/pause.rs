@@ -59,6 +59,11 @@ pub enum Target {
         /// The kind.
         kind: String,
     },
+    /// A fairness key (tenant), on every group: its tasks wait as if over their limit.
+    Key {
+        /// The key.
+        key: String,
+    },
 }
 
 impl Target {
@@ -72,6 +77,7 @@ impl Target {
                 lane,
             },
             Target::Kind { kind } => Target::Kind { kind: cut(kind) },
+            Target::Key { key } => Target::Key { key: cut(key) },
         }
     }
 
@@ -81,6 +87,7 @@ impl Target {
             Target::Group { .. } => "group",
             Target::Lane { .. } => "lane",
             Target::Kind { .. } => "kind",
+            Target::Key { .. } => "key",
         }
     }
 }
@@ -247,6 +254,14 @@ impl PauseSet {
             })
     }
 
+    /// Whether fairness key `key` is paused.
+    pub fn key_paused(&self, key: &str) -> bool {
+        !self.paused.is_empty()
+            && self.paused.contains_key(&Target::Key {
+                key: key.to_string(),
+            })
+    }
+
     /// Every paused (group, lane), a group's pause as both its lanes: what the reservation
     /// script is told, in order.
     pub fn group_lanes(&self) -> Vec<(String, Lane)> {
@@ -261,7 +276,7 @@ impl PauseSet {
                 Target::Lane { group, lane } => {
                     out.insert((group.clone(), *lane));
                 }
-                Target::Kind { .. } => {}
+                Target::Kind { .. } | Target::Key { .. } => {}
             }
         }
         out.into_iter().collect()

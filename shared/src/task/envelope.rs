@@ -33,6 +33,7 @@ pub const KNOWN_FIELDS: &[&str] = &[
     "attempt",
     "submitted_at",
     "strategy",
+    "key",
 ];
 /// `not_before` further ahead than this is refused as absurd.
 pub const MAX_DELAY: Duration = Duration::days(30);
@@ -183,6 +184,33 @@ fn depth(v: &Value) -> usize {
     }
 }
 
+/// Longest fairness `key`, in bytes.
+pub const MAX_KEY_BYTES: usize = 64;
+
+/// Checks a fairness key: 1-[`MAX_KEY_BYTES`] bytes of `[A-Za-z0-9_.:@/-]` (safe inside Redis
+/// key names, metric labels and the `lane|id` lists of the scripts).
+///
+/// # Errors
+/// [`Reject::BadField`] (`key`) saying what is wrong.
+pub fn check_key(key: &str) -> Result<(), Reject> {
+    if key.is_empty() || key.len() > MAX_KEY_BYTES {
+        return Err(Reject::BadField(
+            "key",
+            format!("must be 1-{MAX_KEY_BYTES} bytes, got {}", key.len()),
+        ));
+    }
+    if !key
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"_.:@/-".contains(&b))
+    {
+        return Err(Reject::BadField(
+            "key",
+            "only letters, digits and _ . : @ / - are allowed".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// A task. Only `kind` is required on the wire; [`Envelope::normalize`] fills in the rest.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Envelope {
@@ -213,6 +241,10 @@ pub struct Envelope {
     pub submitted_at: Option<DateTime<Utc>>,
     /// Overrides the scheduler's routing strategy for this task.
     pub strategy: Option<Strategy>,
+    /// The fairness and concurrency key (a tenant, a customer, a pipeline): 1-64 bytes of
+    /// `[A-Za-z0-9_.:@/-]` ([`MAX_KEY_BYTES`]). Its limits and weight are the operator's
+    /// ([`crate::control::KeyLimits`]); `None`: the shared default key.
+    pub key: Option<String>,
     /// Unknown fields, kept verbatim.
     pub extra: Map<String, Value>,
 }
@@ -234,6 +266,7 @@ impl Envelope {
             attempt: 0,
             submitted_at: None,
             strategy: None,
+            key: None,
             extra: Map::new(),
         }
     }
@@ -432,6 +465,11 @@ impl Envelope {
             Some(Value::String(s)) => Some(Strategy::parse(&s).ok_or(Reject::UnknownStrategy(s))?),
             Some(_) => return Err(Reject::BadField("strategy", "expected a string".into())),
         };
+        let key = match take("key") {
+            None => None,
+            Some(Value::String(s)) => Some(check_key(&s).map(|()| s)?),
+            Some(_) => return Err(Reject::BadField("key", "expected a string".into())),
+        };
         if let Some(p) = &protocol {
             if labels.get(PROTOCOL_LABEL).is_some_and(|l| l != p) {
                 return Err(Reject::BadSelector(format!(
@@ -454,6 +492,7 @@ impl Envelope {
             attempt,
             submitted_at,
             strategy,
+            key,
             extra: obj,
         })
     }
@@ -530,6 +569,7 @@ impl Envelope {
         opt("attempt", Some(self.attempt.into()));
         opt("submitted_at", self.submitted_at.map(fmt_time));
         opt("strategy", self.strategy.map(|s| s.as_str().into()));
+        opt("key", self.key.clone().map(Value::from));
         Value::Object(m)
     }
 

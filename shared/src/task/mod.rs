@@ -15,8 +15,8 @@ mod strategy;
 mod submit;
 
 pub use envelope::{
-    escape, internal_limit, new_id, Envelope, Limits, Reject, KNOWN_FIELDS, MAX_ATTEMPTS_MAX,
-    MAX_ATTEMPTS_MIN, MAX_DELAY, SCHEMA,
+    check_key, escape, internal_limit, new_id, Envelope, Limits, Reject, KNOWN_FIELDS,
+    MAX_ATTEMPTS_MAX, MAX_ATTEMPTS_MIN, MAX_DELAY, MAX_KEY_BYTES, SCHEMA,
 };
 pub use lane::{Lane, PerLane};
 pub use selector::{Labels, SelectorError, PROTOCOL_LABEL};
