@@ -21,6 +21,15 @@ local function K_attempts(id) return P .. 'ta:' .. id end
 local function K_dedupe(id) return P .. 'dd:' .. id end
 local function K_parked(g, lane) return P .. 'pk:' .. g .. ':' .. lane end
 local function K_rr(lane, sel) return P .. 'rr:' .. lane .. ':' .. sel end
+-- Fairness keys (tenants, `fleet::control::KeyLimits`): per key the task ids reserved for it
+-- (`kq:`) and running (`kr:`), each a sorted set scored by when its lease lapses (Redis ms),
+-- exactly like a group's resv/run sets — running + reserved is what `max_running` bounds;
+-- its token bucket (`kb:`, a hash {tokens, ts}); and one hash of every key's figures (`kf`:
+-- `d:<key>` tasks dispatched, `w:<key>` tasks parked waiting, `t:<key>` last activity ms).
+local function K_kq(key) return P .. 'kq:' .. key end
+local function K_kr(key) return P .. 'kr:' .. key end
+local function K_kb(key) return P .. 'kb:' .. key end
+local function K_kf() return P .. 'kf' end
 -- Tombstone of a group being (or just) reclaimed; see reclaim.lua.
 local function K_reclaim(g) return P .. 'rc:' .. g end
 -- The namespace's dead-queue reader lease (see dead_lock.lua, `fleet::broker::dead`).

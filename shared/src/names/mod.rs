@@ -237,6 +237,25 @@ impl Names {
     pub fn running(&self, group: &str, lane: Lane) -> String {
         format!("{}run:{}:{}", self.prefix, group, lane)
     }
+    /// Sorted set of the task ids of fairness key `key` reserved (dispatched, not started),
+    /// scored by when the reservation lapses (Redis ms). See `names/keys.lua` (`K_kq`).
+    pub fn key_reserved(&self, key: &str) -> String {
+        format!("{}kq:{}", self.prefix, key)
+    }
+    /// Sorted set of the task ids of fairness key `key` running, scored by when their run
+    /// lease lapses (Redis ms; heartbeats renew it).
+    pub fn key_running(&self, key: &str) -> String {
+        format!("{}kr:{}", self.prefix, key)
+    }
+    /// Token bucket of fairness key `key`'s rate limit (hash {tokens, ts}).
+    pub fn key_bucket(&self, key: &str) -> String {
+        format!("{}kb:{}", self.prefix, key)
+    }
+    /// Hash of every fairness key's figures: `d:<key>` tasks dispatched (total), `w:<key>`
+    /// tasks parked waiting now, `t:<key>` its last activity (Redis ms).
+    pub fn key_figures(&self) -> String {
+        format!("{}kf", self.prefix)
+    }
     /// The label index: the set of groups whose labels hold the pair `k=v`.
     pub fn label_index(&self, pair: &str) -> String {
         format!("{}idx:{}", self.prefix, pair)
