@@ -142,8 +142,18 @@ async fn sample(s: &Session, view: &FleetView, board: &GroupBoard) -> fleet::Res
             }) = queued;
             // A park queue not declared yet (or deleted with its reclaimed group) holds nothing.
             let park = n.park_queue(&g.group, lane);
-            let depth = view.depth(&park).unwrap_or(0);
+            let mut depth = view.depth(&park).unwrap_or(0);
             metrics::gauge!(m::QUEUE_DEPTH, "queue" => park).set(f64::from(depth));
+            // Keyed tasks waiting in the group's fair park queues (normal lane).
+            if lane == Lane::Normal {
+                for q in 0..s.cfg.common.fair_queues {
+                    let fq = n.park_queue(&fleet::Names::fair_group(&g.group, q), lane);
+                    if let Some(fd) = view.depth(&fq) {
+                        metrics::gauge!(m::QUEUE_DEPTH, "queue" => fq).set(f64::from(fd));
+                        depth += fd;
+                    }
+                }
+            }
             if gs.paused_lanes.contains(&lane) {
                 gs.backlog_paused += depth;
             } else {

@@ -217,6 +217,16 @@ impl ViewLoop {
                 queues.extend(n.group_shard_queues(&g.group, lane, s.cfg.common.shards(lane)));
             }
         }
+        // The fair park queues of keyed tasks that this session consumes (declared here).
+        let declared_now = self.declared.declared();
+        for g in &groups {
+            for q in 0..s.cfg.common.fair_queues {
+                let name = n.park_queue(&fleet::Names::fair_group(&g.group, q), Lane::Normal);
+                if declared_now.contains(&name) {
+                    parks.push(name);
+                }
+            }
+        }
         // Tasks waiting for a matching worker (normal lane: what the pressure counts).
         parks.push(n.park_queue(fleet::Names::UNMATCHED_GROUP, Lane::Normal));
         // The hold queues of paused kinds (and of kinds resumed, while they drain).

@@ -83,6 +83,9 @@ pub const WORKER_EJECTIONS: &str = "fleet_worker_ejections_total";
 pub const WORKER_INFO: &str = "fleet_worker_info";
 /// Counter: dispatches delayed by the rate limit or by Yellow pressure.
 pub const DISPATCH_THROTTLED: &str = "fleet_dispatch_throttled_total";
+/// Counter: fairness-key slots (reserved or running) whose lease lapsed without their task
+/// giving them back — leaked by a crash or a lost Redis write — dropped by the reservation.
+pub const KEY_SLOTS_RECLAIMED: &str = "fleet_key_slots_reclaimed_total";
 /// Gauge (seconds): age of the newest delay canary back from the delay tiers (scheduler; see
 /// `fleet_scheduler::canary`): ~5 s while delayed work moves, growing while the path is stuck.
 pub const DELAY_CANARY_AGE: &str = "fleet_delay_canary_age_seconds";

@@ -233,6 +233,7 @@ async fn claim(
         base,
         max_attempts,
         isolated: false,
+        key: env.key.clone(),
     };
     let mut alone: Option<tokio::sync::OwnedRwLockWriteGuard<()>> = None;
     // The attempt number Redis last gave this copy: a crash suspect's is one past its base.
@@ -406,6 +407,9 @@ async fn attempt_task(
     };
     // Counted as running until this guard drops, on every way out (issue 37 item 4).
     let _running = shared.stats.running_guard(lane, &env.id);
+    if let Some(k) = &env.key {
+        shared.stats.set_key(&env.id, k);
+    }
     let now = shared.clock.now();
     if let Some(submitted) = env.submitted_at {
         let wait = (now - submitted).to_std().unwrap_or(Duration::ZERO);

@@ -195,6 +195,7 @@ impl Heartbeat {
             cpu,
             health: health(self.ejector.error_ratio(), cpu),
             running,
+            keys: self.stats.keys(),
         }
     }
 

@@ -16,6 +16,9 @@ const EWMA_ALPHA: f64 = 0.2;
 pub struct Stats {
     /// Running tasks: (lane, id) → how many copies (a redelivered duplicate may overlap).
     running: Mutex<HashMap<(Lane, String), u32>>,
+    /// The fairness key of each running task that has one (id → key): the heartbeat renews
+    /// the key's running entry with the group's.
+    keys: Mutex<HashMap<String, String>>,
     succeeded: AtomicU64,
     failed: AtomicU64,
     /// f64 bits of the EWMA in milliseconds; NaN bits while there is no sample.
@@ -101,15 +104,34 @@ impl Stats {
     }
 
     pub fn ended(&self, lane: Lane, id: &str) {
+        let mut gone = false;
         if let Ok(mut r) = self.running.lock() {
             let key = (lane, id.to_string());
             if let Some(n) = r.get_mut(&key) {
                 *n -= 1;
                 if *n == 0 {
                     r.remove(&key);
+                    gone = !r.keys().any(|(_, i)| i == id);
                 }
             }
         }
+        if gone {
+            if let Ok(mut k) = self.keys.lock() {
+                k.remove(id);
+            }
+        }
+    }
+
+    /// Records the fairness key of running task `id` (see [`Stats::keys`]).
+    pub fn set_key(&self, id: &str, key: &str) {
+        if let Ok(mut k) = self.keys.lock() {
+            k.insert(id.to_string(), key.to_string());
+        }
+    }
+
+    /// The fairness keys of the running tasks that have one (id → key).
+    pub fn keys(&self) -> HashMap<String, String> {
+        self.keys.lock().map(|k| k.clone()).unwrap_or_default()
     }
 
     /// Records a handler's result and run time.

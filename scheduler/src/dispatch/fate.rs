@@ -60,6 +60,8 @@ impl Fate {
 /// * No match: wait in the waiting-for-worker queue ([`Names::UNMATCHED_GROUP`]), dead-letter
 ///   `no_matching_worker` once past the grace; a park release holds it, and the
 ///   waiting-for-worker release holds it until the grace has passed.
+/// * A keyed task that must wait (`KeyPark`: no room, or its key over its limit): park in its
+///   group's fair park queue ([`Names::fair_group`]) — a park release holds it.
 /// * An orphan moves only when reserved in another group; anything else puts it back at the
 ///   end of its own queue (keeping the reservation of its own group, if that was the answer).
 pub fn decide(
@@ -82,7 +84,15 @@ pub fn decide(
         (Reservation::Reserved(g), _) => Fate::Dispatch(g),
         (Reservation::Duplicate, _) => Fate::Duplicate,
         (Reservation::Cancelled, _) => Fate::Cancelled,
-        (Reservation::Full(_) | Reservation::NoMatch, Source::Park) => Fate::Hold,
+        (Reservation::Full(_) | Reservation::NoMatch | Reservation::KeyPark { .. }, Source::Park) => {
+            Fate::Hold
+        }
+        // A keyed task waits in its group's fair park queue (its key over its limit, or no
+        // room): see `crate::park::fair`.
+        (Reservation::KeyPark { group, queue, .. }, _) => Fate::Park(match queue {
+            Some(q) => Names::fair_group(&group, q),
+            None => group,
+        }),
         (Reservation::NoMatch, Source::Unmatched) if !past_grace => Fate::Hold,
         (Reservation::Full(g), _) => Fate::Park(g),
         (Reservation::NoMatch, _) if past_grace => Fate::Dead(
@@ -132,6 +142,16 @@ mod tests {
             Reservation::Fresh,
             Reservation::Failed("boom".into()),
             Reservation::Cancelled,
+            Reservation::KeyPark {
+                group: "other".into(),
+                queue: Some(3),
+                blocked: true,
+            },
+            Reservation::KeyPark {
+                group: "other".into(),
+                queue: None,
+                blocked: false,
+            },
         ];
         for a in &all {
             match a {
@@ -141,7 +161,8 @@ mod tests {
                 | Reservation::Duplicate
                 | Reservation::Fresh
                 | Reservation::Failed(_)
-                | Reservation::Cancelled => {}
+                | Reservation::Cancelled
+                | Reservation::KeyPark { .. } => {}
             }
         }
         all
@@ -197,6 +218,10 @@ mod tests {
             ("failed", true, ["dead internal_error", "dead internal_error", "dead internal_error", "dead internal_error", "dead internal_error", "back"]),
             ("cancelled", false, ["cancelled", "cancelled", "cancelled", "cancelled", "cancelled", "cancelled"]),
             ("cancelled", true, ["cancelled", "cancelled", "cancelled", "cancelled", "cancelled", "cancelled"]),
+            ("key wait", false, ["park other~k3", "park other~k3", "park other~k3", "hold", "park other~k3", "back"]),
+            ("key wait", true, ["park other~k3", "park other~k3", "park other~k3", "hold", "park other~k3", "back"]),
+            ("key full", false, ["park other", "park other", "park other", "hold", "park other", "back"]),
+            ("key full", true, ["park other", "park other", "park other", "hold", "park other", "back"]),
         ];
         let names = [
             "reserved other",
@@ -207,6 +232,8 @@ mod tests {
             "fresh",
             "failed",
             "cancelled",
+            "key wait",
+            "key full",
         ];
         let e = Envelope::new("resize", serde_json::json!({}));
         let mut rows = 0;

@@ -79,6 +79,9 @@ pub struct Outcome {
     /// whose reservation is tried once, [`Source::retries_reserve`]) the reservation call —
     /// for a caller that stops at one (the orphan rescue). Consuming loops read `failed`.
     pub error: Option<fleet::Error>,
+    /// Per fairness key of the batch: its running + reserved after the reservation call
+    /// (cluster-wide, from Redis), for the fair release's `min_running`.
+    pub key_used: Vec<(String, Option<u32>)>,
 }
 
 impl Outcome {
@@ -163,6 +166,11 @@ impl Dispatcher {
             .group_shard_key(group, lane, shard, shards)
     }
 
+    /// The park queues it declares (a release loop declares a group's fair queues here too).
+    pub fn parks(&self) -> &dyn ParkQueues {
+        self.parks.as_ref()
+    }
+
     /// The reservation parameters of one batch (a fresh batch token each call).
     pub fn params(&self) -> ReserveParams {
         self.session.cfg.reserve_params()
@@ -193,7 +201,7 @@ impl Dispatcher {
             self.take_tokens_for(&items, shutdown).await;
         }
         // Shutting down while Redis is unreachable: leave everything unacked.
-        let Some(reserve_error) = self
+        let Some((reserve_error, key_used)) = self
             .reserve_and_decide(&mut items, source, now, shutdown)
             .await
         else {
@@ -203,6 +211,7 @@ impl Dispatcher {
         if out.error.is_none() {
             out.error = reserve_error;
         }
+        out.key_used = key_used;
         out
     }
 }

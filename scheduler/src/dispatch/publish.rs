@@ -124,7 +124,7 @@ impl Dispatcher {
                     if let (Some(g), Some(env)) =
                         (f.as_ref().and_then(Fate::reserved), &item.envelope)
                     {
-                        unreserve.push((g.to_string(), env.lane, env.id.clone()));
+                        unreserve.push((g.to_string(), env.lane, env.id.clone(), env.key.clone()));
                     }
                     if matches!(f, Some(Fate::Park(_))) {
                         out.park_full = true;
@@ -152,7 +152,7 @@ impl Dispatcher {
         self.session
             .note_publishes(reports.iter().map(|(t, (ok, no))| (*t, *ok, *no)))
             .await;
-        if let Err(e) = self.session.store.unreserve(&unreserve).await {
+        if let Err(e) = self.session.store.unreserve_keyed(&unreserve).await {
             tracing::warn!(error = %e, "cannot give back reservations (their leases will expire)");
         }
         out.dispatched = items

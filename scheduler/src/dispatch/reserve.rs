@@ -5,11 +5,15 @@
 use std::time::Duration;
 
 use fleet::redis::Failure;
-use fleet::route::{Reservation, ReserveRequest, TaskDescription};
+use fleet::route::{KeyArg, Reservation, Reserved, ReserveRequest, TaskDescription};
 use fleet::{metrics as m, Lane};
 use tokio_util::sync::CancellationToken;
 
 use super::{decide, Dispatcher, Item, ReserveMode, Source};
+
+/// What [`Dispatcher::reserve_and_decide`] returns: the one-try call's error, and each fairness
+/// key's running + reserved after the call.
+pub(super) type KeyedAnswer = (Option<fleet::Error>, Vec<(String, Option<u32>)>);
 
 impl Dispatcher {
     /// Rate limit (opt-in): tokens first, one per task to route, per lane — before any slot
@@ -34,14 +38,15 @@ impl Dispatcher {
     /// [`Reservation::Failed`] and its error is returned.
     ///
     /// `None` once `shutdown` fires while retrying (nothing decided: the caller leaves the
-    /// batch unacked); `Some(error)` otherwise, `error` being a one-try call's failure.
+    /// batch unacked); `Some((error, key_used))` otherwise, `error` being a one-try call's
+    /// failure and `key_used` each fairness key's running + reserved after the call.
     pub(super) async fn reserve_and_decide(
         &self,
         items: &mut [Item],
         source: &Source,
         now: chrono::DateTime<chrono::Utc>,
         shutdown: &CancellationToken,
-    ) -> Option<Option<fleet::Error>> {
+    ) -> Option<KeyedAnswer> {
         // Dedupe (every submission, delayed and expired ones included: a delayed one is routed
         // without a check when due), route and reserve.
         let dedupe_only = |i: &&Item| i.ask == Some(ReserveMode::DedupeOnly);
@@ -65,7 +70,7 @@ impl Dispatcher {
             }
         }
         if reqs.is_empty() {
-            return Some(None);
+            return Some((None, Vec::new()));
         }
         // Paused group lanes, told to the script with the batch (nothing when none is paused).
         let paused = self
@@ -74,7 +79,7 @@ impl Dispatcher {
             .snapshot()
             .map(|s| s.group_lanes())
             .unwrap_or_default();
-        let (answers, error) = if source.retries_reserve() {
+        let (reserved, error) = if source.retries_reserve() {
             (
                 self.reserve_retrying(&reqs, &descs, &paused, shutdown)
                     .await?,
@@ -83,6 +88,10 @@ impl Dispatcher {
         } else {
             self.reserve_once(&reqs, &descs, &paused).await
         };
+        if reserved.reclaimed > 0 {
+            metrics::counter!(m::KEY_SLOTS_RECLAIMED).increment(reserved.reclaimed);
+        }
+        let answers = reserved.answers;
         let grace = self.session.cfg.no_match_grace;
         let mut answers = answers.into_iter();
         // The answers come in the order asked: the dedupe-only items, then those to route.
@@ -104,7 +113,39 @@ impl Dispatcher {
                 }
             }
         }
-        Some(error)
+        Some((error, reserved.used))
+    }
+
+    /// One reservation call for `reqs`: the paused lanes, each key's limits in force and the
+    /// fair queue count go with it (arguments: no command more).
+    async fn reserve_call(
+        &self,
+        reqs: &[ReserveRequest],
+        descs: &[TaskDescription],
+        params: fleet::route::ReserveParams,
+        paused: &[(String, Lane)],
+    ) -> fleet::Result<Reserved> {
+        let limits = self.session.pauses.key_limits();
+        let pauses = self.session.pauses.snapshot();
+        let keys = |k: &str| {
+            let l = limits.for_key(k);
+            KeyArg {
+                max_running: l.max_running,
+                rate: l.rate,
+                paused: pauses.as_ref().is_some_and(|p| p.key_paused(k)),
+            }
+        };
+        self.session
+            .store
+            .reserve_keyed(
+                reqs,
+                descs,
+                params,
+                paused,
+                &keys,
+                self.session.cfg.common.fair_queues,
+            )
+            .await
     }
 
     /// One reservation call, not retried: on failure (or a wrong count of answers) every
@@ -114,17 +155,19 @@ impl Dispatcher {
         reqs: &[ReserveRequest],
         descs: &[TaskDescription],
         paused: &[(String, Lane)],
-    ) -> (Vec<Reservation>, Option<fleet::Error>) {
-        let failed = |why: String| vec![Reservation::Failed(why); reqs.len()];
-        match self
-            .session
-            .store
-            .reserve_paused(reqs, descs, self.params(), paused)
-            .await
-        {
-            Ok(a) if a.len() == reqs.len() => (a, None),
+    ) -> (Reserved, Option<fleet::Error>) {
+        let failed = |why: String| Reserved {
+            answers: vec![Reservation::Failed(why); reqs.len()],
+            ..Reserved::default()
+        };
+        match self.reserve_call(reqs, descs, self.params(), paused).await {
+            Ok(a) if a.answers.len() == reqs.len() => (a, None),
             Ok(a) => (
-                failed(format!("reserve answered {} of {}", a.len(), reqs.len())),
+                failed(format!(
+                    "reserve answered {} of {}",
+                    a.answers.len(),
+                    reqs.len()
+                )),
                 None,
             ),
             Err(e) => (failed(e.to_string()), Some(e)),
@@ -144,19 +187,14 @@ impl Dispatcher {
         descs: &[TaskDescription],
         paused: &[(String, Lane)],
         shutdown: &CancellationToken,
-    ) -> Option<Vec<Reservation>> {
+    ) -> Option<Reserved> {
         let mut backoff = Duration::from_millis(50);
         let params = self.params();
         loop {
-            match self
-                .session
-                .store
-                .reserve_paused(reqs, descs, params, paused)
-                .await
-            {
-                Ok(a) if a.len() == reqs.len() => return Some(a),
+            match self.reserve_call(reqs, descs, params, paused).await {
+                Ok(a) if a.answers.len() == reqs.len() => return Some(a),
                 Ok(a) => tracing::error!(
-                    got = a.len(),
+                    got = a.answers.len(),
                     want = reqs.len(),
                     "reserve returned a wrong count"
                 ),
@@ -168,12 +206,10 @@ impl Dispatcher {
                         let d = descs.get(j).map(std::slice::from_ref).unwrap_or(&[]);
                         out.push(
                             match self
-                                .session
-                                .store
-                                .reserve_paused(std::slice::from_ref(r), d, params, paused)
+                                .reserve_call(std::slice::from_ref(r), d, params, paused)
                                 .await
                             {
-                                Ok(mut a) if a.len() == 1 => a.remove(0),
+                                Ok(mut a) if a.answers.len() == 1 => a.answers.remove(0),
                                 Err(fleet::Error::Redis(e))
                                     if Failure::of_redis(&e) == Failure::Script =>
                                 {
@@ -185,7 +221,10 @@ impl Dispatcher {
                         );
                     }
                     if out.len() == reqs.len() {
-                        return Some(out);
+                        return Some(Reserved {
+                            answers: out,
+                            ..Reserved::default()
+                        });
                     }
                 }
                 Err(e) => {

@@ -79,6 +79,7 @@ impl ReserveMode {
             dedupe,
             from_park: self == ReserveMode::Release,
             dedupe_only: self == ReserveMode::DedupeOnly,
+            key: e.key.clone(),
         }
     }
 }

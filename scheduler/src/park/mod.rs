@@ -29,6 +29,7 @@
 //!   again when the reclaim is undone ([`Queues::declare`]).
 
 pub mod discovery;
+pub mod fair;
 pub mod loops;
 pub mod queues;
 pub mod release;

@@ -18,7 +18,9 @@ use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
+use super::fair::FairHold;
 use super::UNMATCHED;
+use std::collections::HashMap;
 use crate::dispatch::{Dispatcher, Source};
 
 /// How soon held tasks are offered again: from `RETRY_MIN`, doubling while nothing frees up,
@@ -140,8 +142,9 @@ async fn consume(
     changes: &mut tokio::sync::watch::Receiver<u64>,
 ) -> fleet::Result<Ended> {
     let hold_max = hold_max(d.session.cfg.batch_max, d.session.cfg.common.park_max[lane]);
+    // Per consumer (`global` false): each park queue of the loop has its own window.
     ch.basic_qos(hold_max, BasicQosOptions::default()).await?;
-    let mut consumer = ch
+    let first = ch
         .basic_consume(
             queue.into(),
             "".into(),
@@ -149,7 +152,9 @@ async fn consume(
             FieldTable::default(),
         )
         .await?;
-    let mut held = Vec::new();
+    let mut consumers = futures::stream::select_all([first]);
+    let mut held = FairHold::default();
+    let mut used: HashMap<String, u32> = HashMap::new();
     let mut retry = RETRY_MIN;
     // The waiting-for-worker queue is a park queue of no group: its tasks take no group's
     // room ahead of others, and no group's "parked" flag is kept for them.
@@ -165,6 +170,16 @@ async fn consume(
         Source::Park
     };
     let unmatched = unmatched || hold_queue;
+    // A group's normal lane also releases its fair park queues ([`super::fair`]): consumed
+    // from when `reserve.lua` first assigns one to a waiting key (looked up every
+    // `FAIR_LOOKUP` while the loop runs).
+    let max_fair = if lane == Lane::Normal && !unmatched {
+        d.session.cfg.common.fair_queues
+    } else {
+        0
+    };
+    let mut fair = 0u16;
+    let mut looked = tokio::time::Instant::now() - FAIR_LOOKUP;
     loop {
         // With a full hold the consumer is not polled, so its end would go unseen: a channel
         // the broker closed (its consumer timeout, while a full group held tasks here longer)
@@ -174,6 +189,10 @@ async fn consume(
         }
         if paused(d, group, lane) {
             return Ok(Ended::Paused);
+        }
+        if fair < max_fair && looked.elapsed() >= FAIR_LOOKUP {
+            looked = tokio::time::Instant::now();
+            fair = add_fair_queues(d, ch, group, fair, max_fair, &mut consumers).await?;
         }
         if held.is_empty() {
             let next = tokio::select! {
@@ -186,7 +205,9 @@ async fn consume(
                     }
                     continue;
                 }
-                n = consumer.next() => n,
+                n = consumers.next() => n,
+                // New fair queues are looked up while nothing is held, too.
+                _ = tokio::time::sleep(FAIR_LOOKUP), if fair < max_fair => continue,
             };
             match next {
                 Some(Ok(dl)) => held.push(dl),
@@ -195,8 +216,9 @@ async fn consume(
             }
         }
         let mut drained = false;
-        while held.len() < usize::from(hold_max) {
-            match consumer.next().now_or_never() {
+        let window = usize::from(hold_max) * (1 + usize::from(fair));
+        while held.len() < window {
+            match consumers.next().now_or_never() {
                 Some(Some(Ok(dl))) => held.push(dl),
                 Some(Some(Err(e))) => return Err(e.into()),
                 _ => {
@@ -205,14 +227,19 @@ async fn consume(
                 }
             }
         }
-        let out = d
-            .process(std::mem::take(&mut held), &source, shutdown)
-            .await;
+        let limits = d.session.pauses.key_limits();
+        let batch = held.batch(usize::from(hold_max), &limits, &used);
+        let out = d.process(batch, &source, shutdown).await;
         out.check_publisher(&d.session)?;
+        for (k, u) in &out.key_used {
+            if let Some(u) = u {
+                used.insert(k.clone(), *u);
+            }
+        }
         // A publish that failed (e.g. the target park queue at its bound) requeued its source,
         // which comes straight back: wait as for a held task rather than spin on it.
         let refused = out.failed > 0;
-        held = out.held;
+        held.put_back(out.held, &limits);
         if held.is_empty() && drained && !refused && !unmatched {
             // Everything parked here is on its way: new work may take room directly again.
             if let Err(e) = d.session.store.clear_parked(group, lane).await {
@@ -240,8 +267,50 @@ async fn consume(
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(Ended::Shutdown),
+                // A raised key limit (or a resume) is tried at once.
+                r = changes.changed() => if r.is_err() { return Ok(Ended::Shutdown) },
                 _ = tokio::time::sleep(retry) => {}
             }
         }
     }
+}
+
+/// How often a group's release loop looks up how many fair park queues its keys use.
+const FAIR_LOOKUP: Duration = Duration::from_millis(500);
+
+/// Starts consuming the fair park queues of `group` that `reserve.lua` has assigned beyond
+/// the first `have` (at most `max`); returns how many are consumed now.
+///
+/// # Errors
+/// The declare or the consume failed (the loop's channel is gone: the loop starts again).
+async fn add_fair_queues(
+    d: &Dispatcher,
+    ch: &lapin::Channel,
+    group: &str,
+    have: u16,
+    max: u16,
+    consumers: &mut futures::stream::SelectAll<lapin::Consumer>,
+) -> fleet::Result<u16> {
+    let assigned = match d.session.store.fair_queues_assigned(group, Lane::Normal).await {
+        Ok(n) => n.min(max),
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot read the fair queues assigned");
+            return Ok(have);
+        }
+    };
+    let names = &d.session.names;
+    for q in have..assigned {
+        let pseudo = fleet::Names::fair_group(group, q);
+        d.parks().ensure(&pseudo, Lane::Normal).await?;
+        let c = ch
+            .basic_consume(
+                names.park_queue(&pseudo, Lane::Normal).as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        consumers.push(c);
+    }
+    Ok(assigned.max(have))
 }

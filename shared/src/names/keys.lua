@@ -30,6 +30,8 @@ local function K_kq(key) return P .. 'kq:' .. key end
 local function K_kr(key) return P .. 'kr:' .. key end
 local function K_kb(key) return P .. 'kb:' .. key end
 local function K_kf() return P .. 'kf' end
+-- A group lane's fair park queues: which queue each fairness key parks in (reserve.lua).
+local function K_fsh(g, lane) return P .. 'fsh:' .. g .. ':' .. lane end
 -- Tombstone of a group being (or just) reclaimed; see reclaim.lua.
 local function K_reclaim(g) return P .. 'rc:' .. g end
 -- The namespace's dead-queue reader lease (see dead_lock.lua, `fleet::broker::dead`).
@@ -90,7 +92,9 @@ local status_resubmitted
 -- `cur`: the record's state as the caller read it (false: none), or nil to read it here.
 -- `sel`: the task's selector (`k=v,k2=v2`, '' for none), written with `kind` (the task
 -- list's label filter reads it). A record created here (none before) indexes the run.
-local function status_waiting(id, state, g, lane, ttl_ms, kind, sub, fresh, cur, sel)
+-- `key`: the task's fairness key (nil or '' for none), written with `kind`: a cancel and an
+-- eviction read it to give back the key's slot.
+local function status_waiting(id, state, g, lane, ttl_ms, kind, sub, fresh, cur, sel, key)
   local t = K_task(id)
   if cur == nil then cur = redis.call('HGET', t, 'state') end
   if fresh and is_final(cur) then
@@ -102,14 +106,15 @@ local function status_waiting(id, state, g, lane, ttl_ms, kind, sub, fresh, cur,
   if kind and kind ~= '' then
     set[#set + 1] = 'kind'; set[#set + 1] = kind
     if sel then set[#set + 1] = 'selector'; set[#set + 1] = sel end
+    if key and key ~= '' then set[#set + 1] = 'key'; set[#set + 1] = key end
   end
   if sub and sub ~= '' then set[#set + 1] = 'submitted_at'; set[#set + 1] = sub end
   redis.call('HSET', t, unpack(set))
   redis.call('PEXPIRE', t, ttl_ms)
   if not cur then index_run(id, sub) end
 end
-local function status_queued(id, g, lane, ttl_ms, kind, sub, fresh, cur, sel) status_waiting(id, S.queued, g, lane, ttl_ms, kind, sub, fresh, cur, sel) end
-local function status_parked(id, g, lane, ttl_ms, kind, sub, fresh, cur, sel) status_waiting(id, S.parked, g, lane, ttl_ms, kind, sub, fresh, cur, sel) end
+local function status_queued(id, g, lane, ttl_ms, kind, sub, fresh, cur, sel, key) status_waiting(id, S.queued, g, lane, ttl_ms, kind, sub, fresh, cur, sel, key) end
+local function status_parked(id, g, lane, ttl_ms, kind, sub, fresh, cur, sel, key) status_waiting(id, S.parked, g, lane, ttl_ms, kind, sub, fresh, cur, sel, key) end
 
 -- A state the scheduler decided (`fleet::status::Writes`, through status/decided.lua): dead or
 -- expired before dispatch, waiting_for_worker, delayed. `set`: the fields to write, `state`
@@ -249,8 +254,9 @@ end
 local function status_cancelled(id, by, why, at, ttl_ms, cur)
   local t = K_task(id)
   if cur == S.queued then
-    local r = redis.call('HMGET', t, 'group', 'lane')
+    local r = redis.call('HMGET', t, 'group', 'lane', 'key')
     if r[1] and r[2] then redis.call('ZREM', K_resv(r[1], r[2]), id) end
+    if r[3] then redis.call('ZREM', K_kq(r[3]), id) end
   end
   redis.call('HSET', t, 'state', S.cancelled, 'cancelled_at', at, 'cancelled_by', by, 'cancel_reason', why,
     'cancelled_from', cur or '')

@@ -98,6 +98,21 @@ impl Names {
     pub fn park_queue(&self, group: &str, lane: Lane) -> String {
         format!("{}.park.{}.{}", self.ns, group, lane)
     }
+    /// The pseudo-group whose park queue is fair park queue `queue` of `group`:
+    /// `<group>~k<queue>` (its queue `<ns>.park.<group>~k<queue>.<lane>`). Keyed tasks that wait
+    /// for a group park in one of its fair queues (`FLEET_FAIR_QUEUES`), one per waiting key
+    /// while there are no more keys than queues, so the group's release loop sees every
+    /// key's head at once (see `scheduler::park::fair`). `~` is in no label.
+    pub fn fair_group(group: &str, queue: u16) -> String {
+        format!("{group}{}{queue}", Self::FAIR_SEP)
+    }
+    /// What separates a group from its fair queue's index in [`Names::fair_group`].
+    pub const FAIR_SEP: &'static str = "~k";
+    /// The group and queue index of a [`Names::fair_group`] pseudo-group name.
+    pub fn fair_of(pseudo: &str) -> Option<(&str, u16)> {
+        let (g, q) = pseudo.rsplit_once(Self::FAIR_SEP)?;
+        Some((g, q.parse().ok()?))
+    }
     /// The pseudo-group whose park queues (`<ns>.park._unmatched.<lane>`) hold the tasks no
     /// live group matches yet (the scheduler's waiting-for-worker tasks).
     pub const UNMATCHED_GROUP: &'static str = "_unmatched";
@@ -250,6 +265,11 @@ impl Names {
     /// Token bucket of fairness key `key`'s rate limit (hash {tokens, ts}).
     pub fn key_bucket(&self, key: &str) -> String {
         format!("{}kb:{}", self.prefix, key)
+    }
+    /// Hash of a group lane's fair park queue assignments (key → queue index, `#` → keys
+    /// assigned so far), written by `reserve.lua`.
+    pub fn fair_assignments(&self, group: &str, lane: Lane) -> String {
+        format!("{}fsh:{}:{}", self.prefix, group, lane)
     }
     /// Hash of every fairness key's figures: `d:<key>` tasks dispatched (total), `w:<key>`
     /// tasks parked waiting now, `t:<key>` its last activity (Redis ms).

@@ -4,7 +4,9 @@
 -- ARGV[4]: running normal   ARGV[5]: running critical   ARGV[6]: succeeded total
 -- ARGV[7]: failed total     ARGV[8]: latency EWMA (ms)  ARGV[9]: CPU utilisation 0..1
 -- ARGV[10]: health 0..1 (for weighted routing)
--- ARGV[11..]: running tasks as `lane|task id`
+-- ARGV[11..]: running tasks as `lane|task id`, or `lane:key|task id` for a task with a
+--   fairness key (its entry in the key's running set is renewed too: after a Redis loss
+--   the key's count is rebuilt from the beats within one heartbeat)
 -- The clock is Redis's (NOW_MS, from TIME), never the client's.
 -- returns: the worker's state ('active' | 'draining' | 'ejected'), 'gone' when the
 --          registration is missing (Redis lost it: register again), 'conflict' when another
@@ -22,7 +24,8 @@ redis.call('HSET', K_group(g), 'h:' .. id, ARGV[10])
 -- Renew only what still runs here: a task listed when the beat was collected may have
 -- finished (finish.lua) before this script runs; re-adding it would leak a slot for a lease.
 for i = 11, #ARGV do
-  local lane, task = string.match(ARGV[i], '^(%a+)|(.*)$')
+  local lane, key, task = string.match(ARGV[i], '^(%a+):?([^|]*)|(.*)$')
+  local entry = lane and (lane .. '|' .. task)
   if lane then
     local r = redis.call('HMGET', K_task(task), 'run_owner', 'run_st', 'worker')
     if not r[1] and not r[2] and not r[3] then
@@ -30,10 +33,12 @@ for i = 11, #ARGV do
       -- Count the run again where a group's load and this worker's running read it (the
       -- views' one source); finish.lua removes both entries whatever the record says.
       redis.call('ZADD', K_run(g, lane), now + lease, task)
-      redis.call('SADD', K_wrun(id), ARGV[i])
+      redis.call('SADD', K_wrun(id), entry)
+      if key ~= '' then redis.call('ZADD', K_kr(key), now + lease, task) end
     elseif r[1] == inst and r[2] == 'run' then
       redis.call('ZADD', K_run(g, lane), now + lease, task)
-      redis.call('SADD', K_wrun(id), ARGV[i])
+      redis.call('SADD', K_wrun(id), entry)
+      if key ~= '' then redis.call('ZADD', K_kr(key), now + lease, task) end
       if not r[3] then
         -- Still running here after this process was evicted (frozen past the heartbeat
         -- timeout) and registered again: the eviction wrote it back to queued and dropped its

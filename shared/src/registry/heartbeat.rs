@@ -25,6 +25,9 @@ pub struct Beat {
     pub health: f64,
     /// Running tasks: (lane, task id); their leases are renewed.
     pub running: Vec<(Lane, String)>,
+    /// The fairness key of each running task that has one (task id → key): the key's
+    /// running entry is renewed too (and rebuilt after a Redis loss).
+    pub keys: std::collections::HashMap<String, String>,
 }
 
 /// The answer to a heartbeat.
@@ -64,7 +67,10 @@ impl Store {
             .arg(format!("{:.3}", b.cpu))
             .arg(format!("{:.3}", b.health));
         for (lane, task) in &b.running {
-            inv.arg(format!("{lane}|{task}"));
+            match b.keys.get(task) {
+                Some(key) => inv.arg(format!("{lane}:{key}|{task}")),
+                None => inv.arg(format!("{lane}|{task}")),
+            };
         }
         let reply: String = self.invoke(&inv).await?;
         Ok(match reply.as_str() {

@@ -19,7 +19,7 @@ pub mod park;
 pub mod reserve;
 
 pub use dedupe::Dedupe;
-pub use reserve::{ReserveParams, ReserveRequest, TaskDescription};
+pub use reserve::{KeyArg, ReserveParams, ReserveRequest, Reserved, TaskDescription};
 
 /// The outcome of one reservation attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,6 +28,18 @@ pub enum Reservation {
     Reserved(String),
     /// Groups match but none has room; the best candidate is named (park the task there).
     Full(String),
+    /// A task with a fairness key parks behind `group`: in its fair park queue `queue` (see
+    /// [`crate::Names::fair_group`]; `None`: the group's own park queue). `blocked`: its key
+    /// is paused, at its `max_running` or out of rate tokens (nothing was taken); otherwise
+    /// the group had no room.
+    KeyPark {
+        /// The group it waits for.
+        group: String,
+        /// Its fair park queue's index, if it has one.
+        queue: Option<u16>,
+        /// Its key may take nothing now (rather than: no room).
+        blocked: bool,
+    },
     /// No live group matches the selector and handles the task's kind.
     NoMatch,
     /// The task id was seen within the dedupe window.

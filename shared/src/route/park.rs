@@ -31,6 +31,19 @@ impl Store {
         .await
     }
 
+    /// How many fair park queues of `group`'s `lane` `reserve.lua` has assigned to waiting
+    /// keys so far (keys assigned, counted; the caller bounds it by `FLEET_FAIR_QUEUES`).
+    pub async fn fair_queues_assigned(&self, group: &str, lane: Lane) -> Result<u16> {
+        let n: Option<u64> = self
+            .query(
+                redis::cmd("HGET")
+                    .arg(self.names.fair_assignments(group, lane))
+                    .arg("#"),
+            )
+            .await?;
+        Ok(u16::try_from(n.unwrap_or(0)).unwrap_or(u16::MAX))
+    }
+
     /// Clears a group's "has parked tasks" flag (its park loop released everything).
     pub async fn clear_parked(&self, group: &str, lane: Lane) -> Result<()> {
         self.query::<()>(redis::cmd("DEL").arg(self.names.parked(group, lane)))

@@ -15,6 +15,10 @@
 --   entries `<group>|<lane>`: a paused lane is never chosen (nor dispatched to directly); a task
 --   only paused lanes could take is answered 'full' naming one of them (it parks there, and its
 --   park queue is not released while paused). 0 when nothing is paused.
+-- then: fairness keys (tenants, `fleet::control::KeyLimits`): number of keys q, the number of
+--   fair park queues per group normal lane F (0: keyed tasks park in the group's one park
+--   queue), then per key 5 entries: name, max_running ('' none), rate (tasks/s, '' none),
+--   burst, paused ('1' | '0')
 -- then: number of distinct selectors m, then per selector: number of pairs n, then n pairs
 --   `k=v` (a batch's tasks mostly share a few selectors: each is sent and resolved once)
 -- then: number of task descriptions d (0, or the number of tasks), then d pairs: kind,
@@ -25,7 +29,19 @@
 --   id, lane, strategy ('' = default), dedupe (0 skip | 1 set-if-absent | 2 redelivered:
 --   duplicate only if already handed on),
 --   mode (0: new work, 1: released from a park queue, 2: dedupe only — a delayed submission,
---   routed when it is due), selector index (1-based, into the selectors above), kind
+--   routed when it is due), selector index (1-based, into the selectors above), kind,
+--   key index (1-based, into the keys above; 0: no key)
+-- A keyed task is counted against its key, cluster-wide: `kq:<key>` (reserved) and
+-- `kr:<key>` (running, start.lua) are leased sets like a group's, so a key's running +
+-- reserved is exact across scheduler replicas and no slot outlives its lease (entries whose
+-- lease lapsed are dropped here and counted: the trailing `reclaimed` figure). A task whose
+-- key is paused, at `max_running` or out of rate tokens is answered 'kwait' (it waits without
+-- taking any room or token and without setting its group's parked flag: it blocks nobody). A
+-- keyed task never goes direct beyond a group's room: it parks, so the release loop can
+-- share the room between keys (weighted fair dispatch, `scheduler::park::fair`). A keyed
+-- task that parks on the normal lane goes to one of the group's F fair park queues: the
+-- key's queue is assigned on first use round robin over the F (hash `fsh:<g>:<lane>`, kept an
+-- hour from its last use), so up to F keys waiting in a group never share a queue.
 -- A candidate group must match the selector, be live (capacity > 0) and handle the task's
 -- kind: its `kinds` field (`*`, missing = `*`, or `a,b`: the kinds every active worker of it
 -- handles, kept by the registry scripts — `fleet::registry::Kinds`) is read in the HMGET that
@@ -37,9 +53,13 @@
 -- behind them rather than going direct).
 -- returns: per task two entries, answer then group (a flat list: no table per task):
 --          'reserved', g (status queued) | 'full', g (matches, no room: park there; status
---          parked) | 'none', '' (no live group matches and handles the kind) | 'dup', '' (id seen within the
+--          parked) | 'kfull', '<q>|<g>' (a keyed task, no room: park in g's fair queue q, ''
+--          for the group's park queue) | 'kwait', '<q>|<g>' (its key is paused, at its limit
+--          or out of tokens: park likewise, nothing taken) | 'none', '' (no live group matches and handles the kind) | 'dup', '' (id seen within the
 --          window) | 'fresh', '' (mode 2: not a duplicate) | 'cancelled', '' (an operator
 --          cancelled it, keys.lua status_cancelled: drop it, never dispatch; nothing reserved)
+-- then, after the 2n entries: the number of key slots whose lease lapsed (dropped here),
+--   then per key of the batch: name, running + reserved after the batch.
 -- The cancel check costs no command on the way to a reservation: the record's state, which
 -- the status writer reads anyway, is read once before routing and handed to it.
 -- A fresh submission (dedupe 1) of an id whose mark has expired (the window counts from the
@@ -109,8 +129,68 @@ end
 
 -- The selectors of the batch, each resolved to its sorted candidate groups once.
 local sels = {}
-local nsel = tonumber(ARGV[11 + npaused])
-local i = 12 + npaused
+-- Fairness keys of the batch: limits, and (read once per key, lazily) the slots it holds
+-- and its token bucket.
+local nkeys = tonumber(ARGV[11 + npaused])
+local fairq = tonumber(ARGV[12 + npaused])
+local keys = {}
+local reclaimed = 0
+do
+  local b = 13 + npaused
+  for j = 1, nkeys do
+    keys[j] = { name = ARGV[b], max = tonumber(ARGV[b + 1]), rate = tonumber(ARGV[b + 2]),
+      burst = tonumber(ARGV[b + 3]) or 1, paused = ARGV[b + 4] == '1', dispatched = 0, waiting = 0 }
+    b = b + 5
+  end
+end
+local function kused(ks)
+  if ks.used == nil then
+    local q, r = K_kq(ks.name), K_kr(ks.name)
+    reclaimed = reclaimed + redis.call('ZREMRANGEBYSCORE', q, '-inf', now)
+      + redis.call('ZREMRANGEBYSCORE', r, '-inf', now)
+    ks.used = redis.call('ZCARD', q) + redis.call('ZCARD', r)
+  end
+  return ks.used
+end
+local function ktokens(ks)
+  if ks.tokens == nil then
+    local b = redis.call('HMGET', K_kb(ks.name), 'tokens', 'ts')
+    local tok, ts = tonumber(b[1]), tonumber(b[2])
+    if tok == nil or ts == nil then tok = ks.burst
+    else tok = math.min(ks.burst, tok + math.max(0, now - ts) * ks.rate / 1000) end
+    ks.tokens = tok
+  end
+  return ks.tokens
+end
+-- Why key ks may not take a slot now (nil: it may).
+local function kblocked(ks)
+  if ks.paused then return 'paused' end
+  if ks.max and kused(ks) >= ks.max then return 'limit' end
+  if ks.rate and ktokens(ks) < 1 then return 'rate' end
+  return nil
+end
+local fshcache = {}
+-- The fair park queue of key ks in group g's lane ('' for the group's park queue).
+local function fair_queue(g, lane, ks)
+  if fairq <= 0 or lane ~= 'normal' then return '' end
+  local hk = K_fsh(g, lane)
+  local c = fshcache[hk]
+  if not c then c = {}; fshcache[hk] = c end
+  local q = c[ks.name]
+  if q == nil then
+    q = redis.call('HGET', hk, ks.name)
+    if not q then
+      q = tostring((redis.call('HINCRBY', hk, '#', 1) - 1) % fairq)
+      redis.call('HSET', hk, ks.name, q)
+    end
+    redis.call('PEXPIRE', hk, 3600000)
+    c[ks.name] = q
+  end
+  return q
+end
+
+local nsel = tonumber(ARGV[13 + npaused + 5 * nkeys])
+local i = 14 + npaused + 5 * nkeys
 for k = 1, nsel do
   local np = tonumber(ARGV[i])
   local pairs_ = {}
@@ -182,7 +262,8 @@ for t = 1, n do
   local id, lane, strategy, dd = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local from_park, dedupe_only = ARGV[i + 4] == '1', ARGV[i + 4] == '2'
   local selk, kind = tonumber(ARGV[i + 5]), ARGV[i + 6]
-  i = i + 7
+  local ks = keys[tonumber(ARGV[i + 7])]
+  i = i + 8
   if strategy == '' then strategy = default_strategy end
   local o = 2 * t - 1
 
@@ -237,6 +318,21 @@ for t = 1, n do
     else
     local live, selkey = live_groups(selk, lane, kind)
     local chosen = nil
+    local why = ks and #live > 0 and kblocked(ks)
+    if why then
+      -- Its key may take nothing now: it waits (parked, or held by its release loop) behind
+      -- the least loaded unpaused candidate, taking no room.
+      local best, bg = nil, live[1].g
+      for _, st in ipairs(live) do
+        local r = st.used / st.cap
+        if not st.paused and (best == nil or r < best) then best = r; bg = st.g end
+      end
+      if not from_park then
+        ks.waiting = ks.waiting + 1
+        status_parked(id, bg, lane, st_ttl, kind, sub, fresh, cur, sels[selk].key, ks.name)
+      end
+      out[o], out[o + 1] = 'kwait', fair_queue(bg, lane, ks) .. '|' .. bg
+    else
     if strategy == 'round_robin' or strategy == 'weighted' then
       local opened = {}
       for _, st in ipairs(live) do
@@ -269,7 +365,7 @@ for t = 1, n do
         end
       end
     end
-    if not chosen and direct and #live == 1 and lane == 'normal' then
+    if not chosen and direct and #live == 1 and lane == 'normal' and not ks then
       -- One candidate: no routing choice to protect, so no park hop — unless tasks already
       -- park for it (they keep their place in line).
       local st = live[1]
@@ -279,7 +375,14 @@ for t = 1, n do
       local s = gstate(chosen, lane)
       s.used = s.used + 1
       redis.call('ZADD', K_resv(chosen, lane), now + lease, id)
-      status_queued(id, chosen, lane, st_ttl, kind, sub, fresh, cur, sels[selk].key)
+      if ks then
+        redis.call('ZADD', K_kq(ks.name), now + lease, id)
+        ks.used = kused(ks) + 1
+        if ks.rate then ks.tokens = ktokens(ks) - 1 end
+        ks.dispatched = ks.dispatched + 1
+        if from_park then ks.waiting = ks.waiting - 1 end
+      end
+      status_queued(id, chosen, lane, st_ttl, kind, sub, fresh, cur, sels[selk].key, ks and ks.name)
       out[o], out[o + 1] = 'reserved', chosen
     elseif #live > 0 then
       -- The least loaded unpaused candidate frees room first; only when every candidate is
@@ -292,14 +395,37 @@ for t = 1, n do
       if not from_park then
         redis.call('SET', K_parked(bg, lane), '1', 'PX', park_ttl)
         gstate(bg, lane).parked = true
-        status_parked(id, bg, lane, st_ttl, kind, sub, fresh, cur, sels[selk].key)
+        status_parked(id, bg, lane, st_ttl, kind, sub, fresh, cur, sels[selk].key, ks and ks.name)
+        if ks then ks.waiting = ks.waiting + 1 end
       end
-      out[o], out[o + 1] = 'full', bg
+      if ks then
+        out[o], out[o + 1] = 'kfull', fair_queue(bg, lane, ks) .. '|' .. bg
+      else
+        out[o], out[o + 1] = 'full', bg
+      end
     else
       if fresh then status_renew_if_final(id, st_ttl) end
       out[o], out[o + 1] = 'none', ''
     end
     end
+    end
   end
+end
+-- Per key: its bucket, its figures (one hash for every key), and what it holds now.
+out[#out + 1] = reclaimed
+for _, ks in ipairs(keys) do
+  if ks.tokens ~= nil then
+    redis.call('HSET', K_kb(ks.name), 'tokens', tostring(ks.tokens), 'ts', now)
+    redis.call('PEXPIRE', K_kb(ks.name), 3600000)
+  end
+  if ks.dispatched > 0 then redis.call('HINCRBY', K_kf(), 'd:' .. ks.name, ks.dispatched) end
+  if ks.waiting ~= 0 then
+    if redis.call('HINCRBY', K_kf(), 'w:' .. ks.name, ks.waiting) < 0 then
+      redis.call('HSET', K_kf(), 'w:' .. ks.name, 0)
+    end
+  end
+  redis.call('HSET', K_kf(), 't:' .. ks.name, now)
+  out[#out + 1] = ks.name
+  out[#out + 1] = ks.used or -1
 end
 return out

@@ -34,6 +34,32 @@ pub struct ReserveRequest {
     /// Dedupe only, no routing (a delayed submission, routed when it is due): the answer is
     /// [`Reservation::Fresh`] or [`Reservation::Duplicate`].
     pub dedupe_only: bool,
+    /// The task's fairness key (`None`: the shared default, never limited): counted against
+    /// its limits ([`KeyArg`]), parked in a fair queue when it waits.
+    pub key: Option<String>,
+}
+
+/// What the reservation is told of one fairness key of a batch.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KeyArg {
+    /// Running + reserved never above it (`None`: no limit).
+    pub max_running: Option<u32>,
+    /// Token bucket (tasks per second, burst), `None`: no rate limit.
+    pub rate: Option<(f64, u32)>,
+    /// Paused: its tasks wait.
+    pub paused: bool,
+}
+
+/// The answers of a keyed reservation call ([`Store::reserve_keyed`]).
+#[derive(Debug, Clone, Default)]
+pub struct Reserved {
+    /// One answer per request, in order.
+    pub answers: Vec<Reservation>,
+    /// Key slots whose lease had lapsed, dropped by this call (leaked by a crash: counted in
+    /// `fleet_key_slots_reclaimed_total`).
+    pub reclaimed: u64,
+    /// Per key of the batch: its running + reserved after the call (`None`: not read).
+    pub used: Vec<(String, Option<u32>)>,
 }
 
 /// What a task is, written into its status record by the same `reserve.lua` call that
@@ -95,10 +121,7 @@ impl Store {
         self.reserve_paused(reqs, descs, p, &[]).await
     }
 
-    /// [`Store::reserve_described`] with the paused group lanes `paused` (operator pauses,
-    /// [`crate::control::PauseSet::group_lanes`]): a paused lane is never chosen; a task only
-    /// paused lanes could take is answered [`Reservation::Full`] naming one of them. Passed
-    /// as arguments of the same call: no command more.
+    /// [`Store::reserve_keyed`] with no key limits and no fair queues (every key unlimited).
     pub async fn reserve_paused(
         &self,
         reqs: &[ReserveRequest],
@@ -106,9 +129,45 @@ impl Store {
         p: ReserveParams,
         paused: &[(String, Lane)],
     ) -> Result<Vec<Reservation>> {
+        Ok(self
+            .reserve_keyed(reqs, descs, p, paused, &|_| KeyArg::default(), 0)
+            .await?
+            .answers)
+    }
+
+    /// [`Store::reserve_described`] with the paused group lanes `paused` (operator pauses,
+    /// [`crate::control::PauseSet::group_lanes`]): a paused lane is never chosen; a task only
+    /// paused lanes could take is answered [`Reservation::Full`] naming one of them. Passed
+    /// as arguments of the same call: no command more. Each fairness key of the batch is told
+    /// its limits (`keys`, asked once per key) and counted (see `reserve.lua`); a keyed task
+    /// that waits parks in one of `fair_queues` fair park queues of its group's normal lane
+    /// (0: in the group's park queue).
+    pub async fn reserve_keyed(
+        &self,
+        reqs: &[ReserveRequest],
+        descs: &[TaskDescription],
+        p: ReserveParams,
+        paused: &[(String, Lane)],
+        keys: &(dyn Fn(&str) -> KeyArg + Sync),
+        fair_queues: u16,
+    ) -> Result<Reserved> {
         if reqs.is_empty() {
-            return Ok(vec![]);
+            return Ok(Reserved::default());
         }
+        // The batch's distinct keys, sent once each with their limits.
+        let mut key_names: Vec<&str> = Vec::new();
+        let mut key_index: std::collections::HashMap<&str, usize> =
+            std::collections::HashMap::new();
+        let key_of: Vec<usize> = reqs
+            .iter()
+            .map(|r| match r.key.as_deref() {
+                None => 0,
+                Some(k) => *key_index.entry(k).or_insert_with(|| {
+                    key_names.push(k);
+                    key_names.len()
+                }),
+            })
+            .collect();
         // The batch's distinct selectors, sent once each; every task names its own by index.
         let mut selectors: Vec<Vec<String>> = Vec::new();
         let mut index: std::collections::HashMap<&Labels, usize> = std::collections::HashMap::new();
@@ -136,6 +195,15 @@ impl Store {
         for (g, lane) in paused {
             inv.arg(format!("{g}|{}", lane.as_str()));
         }
+        inv.arg(key_names.len()).arg(fair_queues);
+        for k in &key_names {
+            let a = keys(k);
+            inv.arg(*k)
+                .arg(a.max_running.map(|m| m.to_string()).unwrap_or_default())
+                .arg(a.rate.map(|(r, _)| r.to_string()).unwrap_or_default())
+                .arg(a.rate.map_or(1, |(_, b)| b))
+                .arg(if a.paused { "1" } else { "0" });
+        }
         inv.arg(selectors.len());
         for pairs in &selectors {
             inv.arg(pairs.len()).arg(pairs);
@@ -154,7 +222,7 @@ impl Store {
             );
         }
         inv.arg(reqs.len());
-        for (r, k) in reqs.iter().zip(which) {
+        for ((r, k), key) in reqs.iter().zip(which).zip(key_of) {
             inv.arg(&r.id)
                 .arg(r.lane.as_str())
                 .arg(r.strategy.map(Strategy::as_str).unwrap_or(""))
@@ -171,16 +239,39 @@ impl Store {
                     0
                 })
                 .arg(k)
-                .arg(&r.kind);
+                .arg(&r.kind)
+                .arg(key);
         }
-        // Two entries per task, answer then group (see `reserve.lua`).
+        // Two entries per task, answer then group (see `reserve.lua`), then the key figures.
         let raw: Vec<String> = self.invoke(&inv).await?;
-        Ok(raw
+        let n = 2 * reqs.len();
+        let (tasks, tail) = raw.split_at(n.min(raw.len()));
+        let reclaimed = tail.first().and_then(|s| s.parse().ok()).unwrap_or(0);
+        let used = tail
+            .get(1..)
+            .unwrap_or_default()
+            .chunks(2)
+            .filter_map(|kv| match kv {
+                [k, u] => Some((k.clone(), u.parse::<u32>().ok())),
+                _ => None,
+            })
+            .collect();
+        let key_park = |place: &str, blocked: bool| match place.split_once('|') {
+            Some((q, g)) => Reservation::KeyPark {
+                group: g.to_string(),
+                queue: q.parse().ok(),
+                blocked,
+            },
+            None => Reservation::Failed(format!("reserve script answered a park at {place:?}")),
+        };
+        let answers = tasks
             .chunks(2)
             .map(|pair| match pair {
                 [answer, group] => match answer.as_str() {
                     "reserved" => Reservation::Reserved(group.clone()),
                     "full" => Reservation::Full(group.clone()),
+                    "kfull" => key_park(group, false),
+                    "kwait" => key_park(group, true),
                     "dup" => Reservation::Duplicate,
                     "fresh" => Reservation::Fresh,
                     "cancelled" => Reservation::Cancelled,
@@ -189,7 +280,12 @@ impl Store {
                 },
                 _ => Reservation::Failed("reserve script answered an odd number of entries".into()),
             })
-            .collect())
+            .collect();
+        Ok(Reserved {
+            answers,
+            reclaimed,
+            used,
+        })
     }
 
     /// The oldest reservation of a group's lane not started yet: its task id and lease expiry
@@ -216,15 +312,30 @@ impl Store {
 
     /// Gives back reservations whose publish failed.
     pub async fn unreserve(&self, items: &[(String, Lane, String)]) -> Result<()> {
+        let keyed: Vec<_> = items
+            .iter()
+            .map(|(g, l, id)| (g.clone(), *l, id.clone(), None))
+            .collect();
+        self.unreserve_keyed(&keyed).await
+    }
+
+    /// Gives back reservations whose publish failed: (group, lane, task id, fairness key).
+    pub async fn unreserve_keyed(
+        &self,
+        items: &[(String, Lane, String, Option<String>)],
+    ) -> Result<()> {
         if items.is_empty() {
             return Ok(());
         }
         let mut p = redis::pipe();
-        for (group, lane, id) in items {
+        for (group, lane, id, key) in items {
             p.cmd("ZREM")
                 .arg(self.names.reserved(group, *lane))
                 .arg(id)
                 .ignore();
+            if let Some(k) = key {
+                p.cmd("ZREM").arg(self.names.key_reserved(k)).arg(id).ignore();
+            }
         }
         self.pipe::<()>(&p).await
     }

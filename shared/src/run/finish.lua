@@ -37,7 +37,10 @@ for k = 0, n - 1 do
   local t = K_task(id)
   redis.call('ZREM', K_run(g, lane), id)
   redis.call('SREM', K_wrun(w), lane .. '|' .. id)
-  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st', 'worker', 'started_at', 'error', 'reason', 'state', 'cancelled_by', 'cancel_reason')
+  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st', 'worker', 'started_at', 'error', 'reason', 'state', 'cancelled_by', 'cancel_reason', 'key')
+  -- Its fairness key's running entry (a record Redis lost names no key: the entry lapses
+  -- with its lease, which no heartbeat renews once the task ended).
+  if r[11] then redis.call('ZREM', K_kr(r[11]), id) end
   local seen = tonumber(r[1] or '0') or 0
   local owned = r[2] == inst and r[3] == 'run'
   if state == S.cancelled then

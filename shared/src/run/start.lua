@@ -6,7 +6,8 @@
 -- ARGV[4]: run lease (ms)   ARGV[5]: status TTL (ms)
 -- ARGV[6]: number of tasks, then per task: lane, task id, base attempt (the envelope's
 --   `attempt` + 1: the same for every copy of one delivery), max attempts, isolated (1: this
---   process now runs nothing else; 0 otherwise)
+--   process now runs nothing else; 0 otherwise), fairness key ('' none: a granted run moves
+--   the task from the key's reserved set to its running set, leased like the group's)
 --
 -- A claim of (task, base) against the record:
 --   no record, or an older base ............ a new attempt: run it as attempt `base` — unless
@@ -42,9 +43,14 @@ local out = { 'ok' }
 if redis.call('HGET', K_worker(w), 'instance') ~= inst then out[1] = 'gone' end
 
 -- `r`: the record as read below (its `state` and `finished_at` tell status_running what to do).
+local key = ''
 local function grant(lane, id, t, base, att, iso, r)
   redis.call('ZREM', K_resv(g, lane), id)
   redis.call('ZADD', K_run(g, lane), now + lease, id)
+  if key ~= '' then
+    redis.call('ZREM', K_kq(key), id)
+    redis.call('ZADD', K_kr(key), now + lease, id)
+  end
   redis.call('SADD', K_wrun(w), lane .. '|' .. id)
   status_running(id, g, lane, w, att, base, inst, iso, st_ttl, { exists = r[8] ~= false, finished = r[9] ~= false })
 end
@@ -68,8 +74,9 @@ local function suspect(lane, id, t, att)
 end
 
 for k = 0, n - 1 do
-  local b = 7 + 5 * k
+  local b = 7 + 6 * k
   local lane, id, base, max, isolated = ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), ARGV[b + 4]
+  key = ARGV[b + 5]
   local t = K_task(id)
   local r = redis.call('HMGET', t, 'run_base', 'run_owner', 'run_st', 'run_iso', 'attempt', 'worker', 'started_at', 'state', 'finished_at')
   local rb = tonumber(r[1])
@@ -85,6 +92,7 @@ for k = 0, n - 1 do
   -- retry must then run.
   if r[8] == S.cancelled then
     redis.call('ZREM', K_resv(g, lane), id)
+    if key ~= '' then redis.call('ZREM', K_kq(key), id) end
     ans = S.cancelled
   elseif rb == nil or (rb < base and ((tonumber(r[5]) or 0) < base or r[4] == 's')) then
     -- A newer attempt over a success the record kept (not logged, see finish.lua): log it now.
@@ -98,6 +106,7 @@ for k = 0, n - 1 do
     -- A copy (e.g. dispatched again by a scheduler that took over a crashed one's batch, or
     -- the late retry above): the reservation it holds in this group is released with it.
     redis.call('ZREM', K_resv(g, lane), id)
+    if key ~= '' then redis.call('ZREM', K_kq(key), id) end
     ans = 'dup'
   else
     local att = tonumber(r[5]) or base

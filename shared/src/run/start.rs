@@ -22,6 +22,9 @@ pub struct ClaimRequest {
     pub max_attempts: u32,
     /// This process runs nothing else now (a crash suspect's second claim).
     pub isolated: bool,
+    /// The task's fairness key: a granted run moves it from the key's reserved set to its
+    /// running set.
+    pub key: Option<String>,
 }
 
 /// The answer to a claim (see `run/start.lua`).
@@ -96,7 +99,8 @@ impl Store {
                 .arg(&t.id)
                 .arg(t.base)
                 .arg(t.max_attempts)
-                .arg(if t.isolated { 1 } else { 0 });
+                .arg(if t.isolated { 1 } else { 0 })
+                .arg(t.key.as_deref().unwrap_or(""));
         }
         // 'ok' | 'gone', then (word, attempt) per task.
         let raw: Vec<redis::Value> = self.invoke(&inv).await?;

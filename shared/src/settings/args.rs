@@ -85,6 +85,11 @@ pub struct CommonArgs {
     /// Bound of each group's critical-lane park queue (small: the critical lane is no second bulk lane).
     #[arg(long, env = "FLEET_PARK_MAX_CRITICAL", default_value = "100", value_parser = positive::<u32>)]
     pub park_max_critical: u32,
+    /// Fair park queues per group (normal lane) where tasks with a fairness `key` wait for room
+    /// or for their key's limit: up to this many waiting keys of a group never share one
+    /// (0: keyed tasks wait in the group's park queue, first in first out). At most 64.
+    #[arg(long, env = "FLEET_FAIR_QUEUES", default_value = "8", value_parser = clap::value_parser!(u16).range(0..=64))]
+    pub fair_queues: u16,
     /// How long task status records live in Redis, in milliseconds.
     #[arg(long, env = "FLEET_STATUS_TTL_MS", default_value = "86400000", value_parser = positive::<u64>)]
     pub status_ttl_ms: u64,

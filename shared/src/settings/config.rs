@@ -278,6 +278,8 @@ pub struct CommonConfig {
     /// `FLEET_PARK_MAX_CRITICAL`. The critical one is small, so the critical lane cannot be
     /// used as a second bulk lane — once it is full the critical ingress fills and refuses.
     pub park_max: crate::PerLane<u32>,
+    /// Fair park queues per group's normal lane for keyed tasks (`FLEET_FAIR_QUEUES`).
+    pub fair_queues: u16,
     /// How long task status records live in Redis.
     pub status_ttl: Duration,
     /// Attempts a task gets when its envelope sets no `max_attempts`.
@@ -433,6 +435,7 @@ impl CommonConfig {
                 normal: a.park_max,
                 critical: a.park_max_critical,
             },
+            fair_queues: a.fair_queues,
             status_ttl: Duration::from_millis(a.status_ttl_ms),
             default_max_attempts: a.max_attempts,
             subsetting: subsetting(a.shards, a.shards_per_worker)?,

@@ -663,6 +663,7 @@ async fn measure_reserve(
                         dedupe: Dedupe::Check,
                         from_park: false,
                         dedupe_only: false,
+            key: None,
                     })
                     .collect();
                 let t0 = Instant::now();
@@ -747,6 +748,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
                 dedupe: Dedupe::Check,
                 from_park: false,
                 dedupe_only: false,
+            key: None,
             })
             .collect();
         let params = default_params();
@@ -765,6 +767,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
                 base: 1,
                 max_attempts: 5,
                 isolated: false,
+            key: None,
             })
             .collect();
         let (registered, c) =
@@ -787,6 +790,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
         cpu: 0.42,
         health: 0.99,
         running: if with { running[w].clone() } else { vec![] },
+        keys: Default::default(),
     };
 
     // The server's own cost with none of this benchmark's calls, to subtract.
@@ -883,6 +887,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
                         cpu: 0.42,
                         health: 0.99,
                         running: if with { running[w].clone() } else { vec![] },
+                        keys: Default::default(),
                     };
                     let reply = retrying(|| store.heartbeat(id, inst, lease_ms, &b)).await?;
                     if reply != BeatReply::State(WorkerState::Active) {
