@@ -80,6 +80,7 @@ mod status;
 mod subsetting;
 mod takeover;
 mod tasks;
+mod tenants;
 mod tls;
 mod views;
 mod waiting_for_worker;

@@ -1,0 +1,406 @@
+//! Tenants (issue 33): fairness keys on real RabbitMQ and Redis — weighted fair dispatch inside a
+//! full group, per-key `max_running` exact across scheduler replicas and groups, `min_running`,
+//! a per-key rate, and the key's slots after a Redis FLUSHALL. Every figure is measured from the
+//! workers' own start and finish times (never from Redis) and printed.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::ensure;
+use fleet::Envelope;
+use fleet_tests::*;
+use fleet_worker::executor::{handler_fn, Handler};
+use serde_json::{json, Value};
+
+/// One run as its worker saw it: task id, key, start and end.
+#[derive(Clone)]
+struct Run {
+    id: String,
+    key: String,
+    start: Instant,
+    end: Option<Instant>,
+}
+
+/// Every run of the test's handler.
+#[derive(Clone, Default)]
+struct Runs {
+    all: Arc<Mutex<Vec<Run>>>,
+}
+
+impl Runs {
+    /// A handler that records its run and sleeps `payload.ms`.
+    fn handler(&self) -> Arc<dyn Handler> {
+        let s = self.clone();
+        handler_fn(move |ctx| {
+            let s = s.clone();
+            async move {
+                let i = s
+                    .all
+                    .lock()
+                    .map(|mut a| {
+                        a.push(Run {
+                            id: ctx.envelope.id.clone(),
+                            key: ctx.envelope.key.clone().unwrap_or_default(),
+                            start: Instant::now(),
+                            end: None,
+                        });
+                        a.len() - 1
+                    })
+                    .unwrap_or(0);
+                let ms = ctx.envelope.payload.get("ms").and_then(Value::as_u64);
+                tokio::time::sleep(Duration::from_millis(ms.unwrap_or(0))).await;
+                if let Ok(mut a) = s.all.lock() {
+                    if let Some(r) = a.get_mut(i) {
+                        r.end = Some(Instant::now());
+                    }
+                }
+                Ok(json!({"ok": true}))
+            }
+        })
+    }
+
+    fn snapshot(&self) -> Vec<Run> {
+        self.all.lock().map(|a| a.clone()).unwrap_or_default()
+    }
+
+    /// Finished runs of `key`.
+    fn done(&self, key: &str) -> usize {
+        self.snapshot()
+            .iter()
+            .filter(|r| r.key == key && r.end.is_some())
+            .count()
+    }
+
+    /// Runs of each id.
+    fn per_id(&self) -> HashMap<String, usize> {
+        let mut m = HashMap::new();
+        for r in self.snapshot() {
+            *m.entry(r.id).or_default() += 1;
+        }
+        m
+    }
+
+    /// Most runs of `key` at once (from start and end times; a run not ended counts to now).
+    fn peak(&self, key: &str, since: Option<Instant>) -> usize {
+        let mut ev: Vec<(Instant, i32)> = Vec::new();
+        for r in self.snapshot().into_iter().filter(|r| r.key == key) {
+            let end = r.end.unwrap_or_else(Instant::now);
+            if since.is_some_and(|s| end < s) {
+                continue;
+            }
+            ev.push((r.start, 1));
+            ev.push((end, -1));
+        }
+        // Ends before starts at the same instant.
+        ev.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)));
+        let (mut cur, mut max) = (0i32, 0i32);
+        for (_, d) in ev {
+            cur += d;
+            max = max.max(cur);
+        }
+        max as usize
+    }
+}
+
+fn keyed(key: &str, ms: u64, labels: &str) -> Envelope {
+    let mut e = task(JOB, json!({ "ms": ms }), labels);
+    e.key = Some(key.to_string());
+    e
+}
+
+/// Submits `envs` in chunks of 500, each confirmed; what the full ingress refuses ("not now")
+/// is submitted again after 50 ms, for at most 60 s.
+async fn submit_all(ns: &Ns, envs: &[Envelope]) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for c in envs.chunks(500) {
+        let mut left: Vec<Envelope> = c.to_vec();
+        while !left.is_empty() {
+            ensure!(Instant::now() < deadline, "{} still refused after 60 s", left.len());
+            let took = ns.submit_each(&left).await?;
+            left = left
+                .into_iter()
+                .zip(took)
+                .filter(|(_, ok)| !ok)
+                .map(|(e, _)| e)
+                .collect();
+            if !left.is_empty() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The per-key limits setting (`FLEET_KEY_LIMITS`, config key `key_limits`).
+fn limits(spec: &str) -> (&'static str, &str) {
+    ("key_limits", spec)
+}
+
+/// Key A floods a group of 8 slots with 20,000 tasks of 20 ms; 2 s later key B submits 100.
+/// B's tasks finish within twice the time they take with half the group to themselves
+/// (measured first, on a group of 4 slots), and A keeps ≥ 90 % of what the group runs
+/// beside B's share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flooding_key_does_not_delay_another_beyond_its_share() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let runs = Runs::default();
+    let h = [(JOB, runs.handler())];
+    let _sched = start_scheduler(&ns, SCHEDULER).await?;
+    // The baseline: B's 100 tasks alone on half the group (4 slots).
+    let _half = start_worker(&ns, "w-half", "pool=half", 4, WORKER, &h).await?;
+    let b0: Vec<_> = (0..100).map(|_| keyed("b0", 20, "pool=half")).collect();
+    let t0 = Instant::now();
+    submit_all(&ns, &b0).await?;
+    wait_for("the baseline ran", Duration::from_secs(60), || async {
+        (runs.done("b0") == 100).then_some(())
+    })
+    .await?;
+    let alone = t0.elapsed();
+
+    let _w1 = start_worker(&ns, "w-f1", "pool=flood", 4, WORKER, &h).await?;
+    let _w2 = start_worker(&ns, "w-f2", "pool=flood", 4, WORKER, &h).await?;
+    let a: Vec<_> = (0..20_000).map(|_| keyed("a", 20, "pool=flood")).collect();
+    let flood_at = Instant::now();
+    submit_all(&ns, &a).await?;
+    scenario_pause(
+        (flood_at + Duration::from_secs(2)).saturating_duration_since(Instant::now()),
+        "A floods alone",
+    )
+    .await;
+    let a_before = runs.done("a");
+    let before_secs = flood_at.elapsed().as_secs_f64();
+    let b: Vec<_> = (0..100).map(|_| keyed("b", 20, "pool=flood")).collect();
+    let t1 = Instant::now();
+    let a_at_b = runs.done("a");
+    submit_all(&ns, &b).await?;
+    wait_for("B ran", Duration::from_secs(120), || async {
+        (runs.done("b") == 100).then_some(())
+    })
+    .await?;
+    let b_took = t1.elapsed();
+    let a_during = runs.done("a") - a_at_b;
+    let cap_rate = a_before as f64 / before_secs;
+    let a_rate = a_during as f64 / b_took.as_secs_f64();
+    let b_rate = 100.0 / b_took.as_secs_f64();
+    println!(
+        "tenants flood: B alone on half the group {:.0} ms; B beside A's flood {:.0} ms (bound {:.0} ms); group alone {cap_rate:.0}/s, during B: A {a_rate:.0}/s + B {b_rate:.0}/s",
+        alone.as_secs_f64() * 1e3,
+        b_took.as_secs_f64() * 1e3,
+        2.0 * alone.as_secs_f64() * 1e3
+    );
+    ensure!(
+        b_took <= alone * 2,
+        "B took {b_took:?} beside the flood, {alone:?} alone on half the group"
+    );
+    ensure!(
+        a_rate + b_rate >= 0.9 * cap_rate,
+        "the group ran {a_rate:.0}/s of A and {b_rate:.0}/s of B, {cap_rate:.0}/s before B"
+    );
+    // Nothing of B ran twice; nothing of A ran twice so far.
+    let per = runs.per_id();
+    ensure!(per.values().all(|n| *n == 1), "a task ran twice");
+    Ok(())
+}
+
+/// Keys with weights 3:2:1, each with a backlog far beyond what the group runs in 60 s, get
+/// completed-task shares within ±10 % of 3:2:1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn weights_share_a_full_group_three_two_one() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let runs = Runs::default();
+    let h = [(JOB, runs.handler())];
+    let mut cfg = SCHEDULER.to_vec();
+    cfg.push(limits("x:weight=3;y:weight=2;z:weight=1"));
+    let _sched = start_scheduler(&ns, &cfg).await?;
+    let _w = start_worker(&ns, "w-wt", "pool=wt", 4, WORKER, &h).await?;
+    // 4 slots × 50 ms = 80/s: 4,800 in 60 s, x's share 2,400. 3,000 each, interleaved.
+    let mut envs = Vec::new();
+    for _ in 0..3000 {
+        for k in ["x", "y", "z"] {
+            envs.push(keyed(k, 50, "pool=wt"));
+        }
+    }
+    submit_all(&ns, &envs).await?;
+    scenario_pause(Duration::from_secs(3), "every key waits in the group").await;
+    let from: HashMap<&str, usize> = ["x", "y", "z"].iter().map(|k| (*k, runs.done(k))).collect();
+    scenario_pause(Duration::from_secs(60), "the weights measured").await;
+    let got: Vec<usize> = ["x", "y", "z"].iter().map(|k| runs.done(k) - from[k]).collect();
+    let total: usize = got.iter().sum();
+    println!("tenants weights 3:2:1 over 60 s: x {} y {} z {} of {total}", got[0], got[1], got[2]);
+    ensure!(total > 1000, "only {total} tasks ran in 60 s");
+    for (n, want) in got.iter().zip([3.0, 2.0, 1.0]) {
+        let share = *n as f64 / total as f64;
+        let target = want / 6.0;
+        ensure!(
+            (share - target).abs() <= 0.1 * target,
+            "share {share:.3} against {target:.3} (x {} y {} z {})",
+            got[0],
+            got[1],
+            got[2]
+        );
+    }
+    Ok(())
+}
+
+/// A key with `max_running` 5, spread over 2 scheduler replicas and 3 groups of 4 workers,
+/// never has more than 5 running at once and reaches 5; a key with `min_running` 2 keeps 2
+/// running while another floods; every task runs exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn max_running_holds_across_replicas_and_groups_and_min_running_is_served(
+) -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let runs = Runs::default();
+    let h = [(JOB, runs.handler())];
+    let mut cfg = SCHEDULER.to_vec();
+    cfg.push(limits("lim:max_running=5;guar:min_running=2"));
+    let _s1 = start_scheduler(&ns, &cfg).await?;
+    let _s2 = start_scheduler(&ns, &cfg).await?;
+    let mut workers = Vec::new();
+    for g in 0..3 {
+        for w in 0..4 {
+            workers.push(start_worker(&ns, &format!("w-{g}-{w}"), &format!("pool=m,zone=z{g}"), 1, WORKER, &h).await?);
+        }
+    }
+    // 120 tasks of key `lim`, 100 ms each, any zone.
+    let lim: Vec<_> = (0..120).map(|_| keyed("lim", 100, "pool=m")).collect();
+    submit_all(&ns, &lim).await?;
+    wait_for("lim ran", Duration::from_secs(90), || async {
+        (runs.done("lim") == 120).then_some(())
+    })
+    .await?;
+    let peak = runs.peak("lim", None);
+    println!("tenants max_running 5 over 2 replicas × 3 groups of 4: peak {peak} running at once");
+    ensure!(peak == 5, "peak {peak}, want exactly 5");
+
+    // `guar` (min_running 2) beside a flood of `big` on the same 12 slots.
+    let big: Vec<_> = (0..3000).map(|_| keyed("big", 30, "pool=m")).collect();
+    submit_all(&ns, &big).await?;
+    scenario_pause(Duration::from_secs(2), "the flood fills the slots").await;
+    let guar: Vec<_> = (0..20).map(|_| keyed("guar", 400, "pool=m")).collect();
+    let g_at = Instant::now();
+    submit_all(&ns, &guar).await?;
+    wait_for("guar ran", Duration::from_secs(90), || async {
+        (runs.done("guar") == 20).then_some(())
+    })
+    .await?;
+    // While it had work (20 × 400 ms at 2 at a time ≈ 4 s), at least 2 ran from its first
+    // second on: sampled every 50 ms.
+    let all = runs.snapshot();
+    let g_runs: Vec<&Run> = all.iter().filter(|r| r.key == "guar").collect();
+    let first_start = g_runs.iter().map(|r| r.start).min().unwrap_or(g_at);
+    let last_start = g_runs.iter().map(|r| r.start).max().unwrap_or(g_at);
+    let mut t = first_start + Duration::from_millis(500);
+    let mut low = Vec::new();
+    while t < last_start {
+        let n = g_runs
+            .iter()
+            .filter(|r| r.start <= t && r.end.is_none_or(|e| e > t))
+            .count();
+        if n < 2 {
+            low.push(n);
+        }
+        t += Duration::from_millis(50);
+    }
+    println!(
+        "tenants min_running 2 beside a flood: first start {} ms after submit, {} samples below 2",
+        (first_start - g_at).as_millis(),
+        low.len()
+    );
+    ensure!(low.is_empty(), "guar ran fewer than 2 at {} samples", low.len());
+    let per = runs.per_id();
+    for e in lim.iter().chain(&guar) {
+        ensure!(per.get(&e.id) == Some(&1), "{} ran {:?} times", e.id, per.get(&e.id));
+    }
+    Ok(())
+}
+
+/// A key with a rate of 20/s runs 200 ± 4 tasks in 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_rate_paces_its_tasks() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let runs = Runs::default();
+    let h = [(JOB, runs.handler())];
+    let mut cfg = SCHEDULER.to_vec();
+    cfg.push(limits("paced:rate=20"));
+    let _sched = start_scheduler(&ns, &cfg).await?;
+    let _w = start_worker(&ns, "w-rate", "pool=rate", 8, WORKER, &h).await?;
+    let envs: Vec<_> = (0..400).map(|_| keyed("paced", 1, "pool=rate")).collect();
+    submit_all(&ns, &envs).await?;
+    wait_for("the first started", Duration::from_secs(20), || async {
+        runs.snapshot().iter().map(|r| r.start).min()
+    })
+    .await?;
+    let first = runs
+        .snapshot()
+        .iter()
+        .map(|r| r.start)
+        .min()
+        .unwrap_or_else(Instant::now);
+    scenario_pause(
+        (first + Duration::from_secs(11)).saturating_duration_since(Instant::now()),
+        "10 s of the rate",
+    )
+    .await;
+    let n = runs
+        .snapshot()
+        .iter()
+        .filter(|r| r.start < first + Duration::from_secs(10))
+        .count();
+    println!("tenants rate 20/s: {n} started in the first 10 s (want 200 ± 4)");
+    ensure!((196..=204).contains(&n), "{n} started in 10 s");
+    Ok(())
+}
+
+/// A FLUSHALL in the middle of a keyed flood (private Redis): the key's running count is back
+/// under its limit within a lease (the workers' heartbeats rebuild its running set), no slot
+/// stays leaked, and every task runs exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redis_loss_leaves_no_key_over_its_limit_for_longer_than_a_lease() -> anyhow::Result<()>
+{
+    let redis = PrivateRedis::start(None, None).await?;
+    let ns = Ns::on_redis(&redis.url(None)).await?;
+    let runs = Runs::default();
+    let h = [(JOB, runs.handler())];
+    let mut cfg = SCHEDULER.to_vec();
+    cfg.push(limits("k:max_running=3"));
+    let _sched = start_scheduler(&ns, &cfg).await?;
+    let _w1 = start_worker(&ns, "w-r1", "pool=rl", 4, WORKER, &h).await?;
+    let _w2 = start_worker(&ns, "w-r2", "pool=rl", 4, WORKER, &h).await?;
+    let envs: Vec<_> = (0..150).map(|_| keyed("k", 100, "pool=rl")).collect();
+    submit_all(&ns, &envs).await?;
+    wait_for("a third ran", Duration::from_secs(60), || async {
+        (runs.done("k") >= 50).then_some(())
+    })
+    .await?;
+    let before = runs.peak("k", None);
+    redis.flushall().await?;
+    let flushed = Instant::now();
+    wait_for("every task ran", Duration::from_secs(120), || async {
+        (runs.done("k") == 150).then_some(())
+    })
+    .await?;
+    // The worker's heartbeat (300 ms) puts its running tasks back in the key's set: after a
+    // heartbeat window the limit holds again.
+    let after = runs.peak("k", Some(flushed + Duration::from_millis(1500)));
+    println!("tenants FLUSHALL: peak {before} before, {after} from 1.5 s after the FLUSHALL (limit 3)");
+    ensure!(before <= 3 && after <= 3, "peak {before} before, {after} after");
+    let per = runs.per_id();
+    for e in &envs {
+        ensure!(per.get(&e.id) == Some(&1), "{} ran {:?} times", e.id, per.get(&e.id));
+    }
+    // No slot leaked: the key holds nothing once everything ran.
+    let used = wait_for("the key's slots given back", Duration::from_secs(10), || async {
+        let card = |k: String| {
+            let mut c = deadpool_redis::redis::cmd("ZCARD");
+            c.arg(k);
+            c
+        };
+        let q: i64 = ns.store.query(&card(ns.names.key_reserved("k"))).await.ok()?;
+        let r: i64 = ns.store.query(&card(ns.names.key_running("k"))).await.ok()?;
+        (q + r == 0).then_some(())
+    })
+    .await;
+    ensure!(used.is_ok(), "the key still holds slots");
+    Ok(())
+}
