@@ -503,3 +503,71 @@ async fn a_token_bound_to_a_key_sets_its_tasks_key() -> Result<()> {
     sched.stop().await?;
     ns.cleanup().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_console_sets_a_key_limit_with_its_form() -> Result<()> {
+    let ui = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("ui");
+    ensure!(
+        ui.join("node_modules/playwright-core").exists(),
+        "playwright-core is not installed in {}: run `bash ops/services.sh --browser`",
+        ui.display()
+    );
+    let ns = Ns::new().await?;
+    let tokens = format!("ops:{OPS} admin");
+    let mut settings: Vec<(&str, &str)> = SCHEDULER.to_vec();
+    settings.extend([
+        ("api_tokens", tokens.as_str()),
+        ("key_default", "max_running=10"),
+        ("key_limits", "acme:max_running=5,weight=3"),
+    ]);
+    let sched = start_scheduler(&ns, &settings).await?;
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let shots = target.join("ui-screenshots");
+    std::fs::create_dir_all(&shots)?;
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::process::Command::new("node")
+            .arg(ui.join("keys.test.mjs"))
+            .current_dir(&ui)
+            .env("FLEET_UI_BASE", format!("http://{}", sched.addr))
+            .env("FLEET_ADMIN_TOKEN", OPS)
+            .env("FLEET_SCREENSHOTS", &shots)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await??;
+    println!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        out.status.success(),
+        "the browser script failed: {}",
+        out.status
+    );
+    // The servers agree: beta's runtime spec is in force, and the change is audited.
+    let beta = get_with(&sched, "/v1/keys/beta", OPS).await?;
+    assert_eq!(
+        (&beta["max_running"], &beta["weight"], &beta["paused"]),
+        (&json!(4), &json!(2.5), &json!(true))
+    );
+    let audit = get_with(&sched, "/v1/audit?action=key_limit", OPS).await?;
+    assert_eq!(
+        (&audit["total"], &audit["entries"][0]["target"]),
+        (
+            &json!(1),
+            &json!({"key": "beta", "spec": {"max_running": 4, "weight": 2.5}})
+        )
+    );
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
+async fn get_with(sched: &SchedulerHandle, path: &str, token: &str) -> Result<Value> {
+    let (status, v) = send(reqwest::Method::GET, &sched.url(path), token, None).await?;
+    ensure!(status == 200, "GET {path}: {status} {v}");
+    Ok(v)
+}
