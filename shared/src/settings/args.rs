@@ -115,7 +115,7 @@ pub struct CommonArgs {
     /// `rediss://`: PEM private key of the client certificate (PKCS#8, PKCS#1 or SEC1).
     #[arg(long, env = "FLEET_REDIS_TLS_KEY_FILE", value_parser = pem_private_key)]
     pub redis_tls_key_file: Option<String>,
-    /// API bearer tokens with their names and roles, `NAME:TOKEN ROLE` (or `TOKEN ROLE`) entries separated by commas or newlines (roles read, submit, admin; admin may do all; tokens of 16+ characters); none: the API is open.
+    /// API bearer tokens with their names and roles, `NAME:TOKEN ROLE` (or `TOKEN ROLE`) entries separated by commas or newlines (roles read, submit, admin; admin may do all; tokens of 16+ characters), each optionally followed by `key=KEY`: every task the token submits gets that fairness key; none: the API is open.
     #[arg(
         long,
         env = "FLEET_API_TOKENS",
