@@ -224,6 +224,17 @@ enum Cmd {
     /// List the pauses in force (GET /v1/pauses): scope, target, since, by, reason, and for a
     /// kind the tasks held.
     Pauses,
+    /// List the fairness keys (GET /v1/keys, role read): per key its tasks running, reserved,
+    /// waiting and dispatched, and its limits in force; most waiting first.
+    Keys,
+    /// Set a fairness key's limits, or the default spec with --default (PUT
+    /// /v1/keys/{key}/limits, role admin). Durable and audited; the spec given replaces the
+    /// key's settings spec (fields left out fall back to the default spec); --clear gives the
+    /// key its settings spec again. Exit 0 when in force (now or before).
+    #[command(
+        override_usage = "fleetctl key-limit <KEY|--default> [--max-running N] [--min-running N] [--rate R] [--burst B] [--weight W] [--clear] [--reason R]"
+    )]
+    KeyLimit(KeyLimitArgs),
     /// List tasks by state (GET /v1/tasks): the counts per state of every task matching the
     /// filters, then the newest matching tasks (newest first). Exit 0.
     #[command(
@@ -305,6 +316,47 @@ enum PauseCmd {
         #[arg(long)]
         reason: Option<String>,
     },
+    /// A fairness key (tenant), on every group: its tasks wait.
+    #[command(override_usage = "fleetctl pause|resume key [OPTIONS] <KEY> [--reason R]")]
+    Key {
+        /// The key (1-64 of A-Z a-z 0-9 _ . : @ / -).
+        key: String,
+        /// Why (kept with the pause; ignored by resume).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+}
+
+/// What `fleetctl key-limit` sets.
+#[derive(Args)]
+#[command(group(clap::ArgGroup::new("which").required(true).args(["key", "default"])))]
+struct KeyLimitArgs {
+    /// The key whose limits are set.
+    key: Option<String>,
+    /// Set the default spec (every key's fields its own spec leaves unset) instead of a key's.
+    #[arg(long)]
+    default: bool,
+    /// Most tasks of the key running or reserved at once, cluster-wide (0 holds them all).
+    #[arg(long)]
+    max_running: Option<u32>,
+    /// Tasks of the key served first while it has work (a guaranteed share).
+    #[arg(long)]
+    min_running: Option<u32>,
+    /// Dispatches per second (token bucket).
+    #[arg(long)]
+    rate: Option<f64>,
+    /// The rate's bucket size, tasks [default: max(1, ceil(rate / 10))].
+    #[arg(long)]
+    burst: Option<u32>,
+    /// Share of a full group's room relative to other keys (default 1).
+    #[arg(long)]
+    weight: Option<f64>,
+    /// Clear the runtime spec: the key gets its settings' spec (FLEET_KEY_LIMITS) again.
+    #[arg(long, conflicts_with_all = ["max_running", "min_running", "rate", "burst", "weight"])]
+    clear: bool,
+    /// Why (kept in the audit log).
+    #[arg(long)]
+    reason: Option<String>,
 }
 
 #[derive(Args)]
@@ -521,6 +573,8 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Pause(what) => pause(&cli, what, true).await,
         Cmd::Resume(what) => pause(&cli, what, false).await,
         Cmd::Pauses => pauses(&cli).await,
+        Cmd::Keys => keys(&cli).await,
+        Cmd::KeyLimit(a) => key_limit(&cli, a).await,
         Cmd::Tasks {
             filter,
             limit,
@@ -1129,6 +1183,10 @@ fn pause_body(what: &PauseCmd) -> (Value, String) {
             serde_json::json!({"scope": "kind", "kind": kind, "reason": reason}),
             format!("kind {kind}"),
         ),
+        PauseCmd::Key { key, reason } => (
+            serde_json::json!({"scope": "key", "key": key, "reason": reason}),
+            format!("key {key}"),
+        ),
     }
 }
 
@@ -1177,6 +1235,7 @@ async fn pauses(cli: &Cli) -> Result<ExitCode> {
         .map(|p| {
             let target = match text(p, "scope").as_str() {
                 "kind" => text(p, "kind"),
+                "key" => text(p, "key"),
                 "lane" => format!("{} {}", text(p, "group"), text(p, "lane")),
                 _ => text(p, "group"),
             };
@@ -1196,6 +1255,174 @@ async fn pauses(cli: &Cli) -> Result<ExitCode> {
         })
         .collect();
     print_table(&["SCOPE", "TARGET", "HELD", "SINCE", "BY", "REASON"], rows);
+    Ok(ExitCode::SUCCESS)
+}
+
+// ---- keys, key-limit ----
+
+/// The table of `GET /v1/keys`' rows.
+fn keys_table(keys: &[Value]) -> (Vec<&'static str>, Vec<Vec<String>>) {
+    let num = |k: &Value, f: &str| match k.get(f) {
+        Some(Value::Number(n)) => n.to_string(),
+        _ => "-".into(),
+    };
+    let rows = keys
+        .iter()
+        .map(|k| {
+            vec![
+                k.get("key")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string(),
+                num(k, "running"),
+                num(k, "reserved"),
+                num(k, "waiting"),
+                num(k, "dispatched"),
+                num(k, "max_running"),
+                num(k, "min_running"),
+                num(k, "rate"),
+                num(k, "weight"),
+                if k.get("paused").and_then(Value::as_bool) == Some(true) {
+                    "yes".into()
+                } else {
+                    "no".into()
+                },
+            ]
+        })
+        .collect();
+    (
+        vec![
+            "KEY",
+            "RUNNING",
+            "RESERVED",
+            "WAITING",
+            "DISPATCHED",
+            "MAX",
+            "MIN",
+            "RATE",
+            "WEIGHT",
+            "PAUSED",
+        ],
+        rows,
+    )
+}
+
+async fn keys(cli: &Cli) -> Result<ExitCode> {
+    let v = get_json(&http(cli)?, &api(cli, "/v1/keys"))
+        .await?
+        .unwrap_or(Value::Null);
+    let keys = v
+        .get("keys")
+        .and_then(Value::as_array)
+        .context("unexpected /v1/keys answer")?;
+    let (headers, rows) = keys_table(keys);
+    print_table(&headers, rows);
+    let default = v
+        .get("default")
+        .and_then(Value::as_object)
+        .map(|d| {
+            fleet::control::SPEC_FIELDS
+                .iter()
+                .filter_map(|f| d.get(*f).map(|v| format!("{f}={v}")))
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .unwrap_or_default();
+    out!(
+        "{} keys, default spec: {}, as of {}",
+        keys.len(),
+        if default.is_empty() { "-" } else { &default },
+        v.get("as_of").and_then(Value::as_str).unwrap_or("-")
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The URL of `PUT /v1/keys/{key}/limits`, the key percent-encoded (`*`: the default).
+fn key_limits_url(cli: &Cli, key: &str) -> Result<reqwest::Url> {
+    let mut url = reqwest::Url::parse(&api(cli, "/v1/keys")).context("FLEET_API_URL")?;
+    url.path_segments_mut()
+        .map_err(|()| anyhow!("FLEET_API_URL cannot hold a path"))?
+        .push(key)
+        .push("limits");
+    Ok(url)
+}
+
+/// The body of a key-limit request.
+fn key_limit_body(a: &KeyLimitArgs) -> Value {
+    let mut body = serde_json::Map::new();
+    if !a.clear {
+        let fields: [(&str, Option<Value>); 5] = [
+            ("max_running", a.max_running.map(Value::from)),
+            ("min_running", a.min_running.map(Value::from)),
+            ("rate", a.rate.map(Value::from)),
+            ("burst", a.burst.map(Value::from)),
+            ("weight", a.weight.map(Value::from)),
+        ];
+        for (k, v) in fields {
+            if let Some(v) = v {
+                body.insert(k.into(), v);
+            }
+        }
+    }
+    if let Some(r) = &a.reason {
+        body.insert("reason".into(), Value::from(r.as_str()));
+    }
+    Value::Object(body)
+}
+
+async fn key_limit(cli: &Cli, a: &KeyLimitArgs) -> Result<ExitCode> {
+    let key = match (&a.key, a.default) {
+        (Some(k), false) => k.as_str(),
+        (None, true) => "*",
+        _ => bail!("give a KEY or --default, not both"),
+    };
+    let body = key_limit_body(a);
+    if !a.clear
+        && body
+            .as_object()
+            .is_some_and(|b| b.keys().all(|k| k == "reason"))
+    {
+        bail!("give at least one of --max-running, --min-running, --rate, --burst, --weight, or --clear");
+    }
+    let url = key_limits_url(cli, key)?;
+    let resp = http(cli)?
+        .put(url.clone())
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| api_send_error(e, "PUT", url.as_str()))?;
+    let status = resp.status();
+    let v: Value = resp.json().await.unwrap_or(Value::Null);
+    let detail = v.get("detail").and_then(Value::as_str).unwrap_or("");
+    let target = if a.default {
+        "the default spec".to_string()
+    } else {
+        format!("key {key}")
+    };
+    let what = if a.clear { "cleared" } else { "set" };
+    match status {
+        reqwest::StatusCode::ACCEPTED => out!("{target}: {what}"),
+        reqwest::StatusCode::OK => out!("{target}: already {what}"),
+        _ => bail!("PUT {url}: {status}: {detail}"),
+    }
+    if let Some(l) = v.get("limits").and_then(Value::as_object) {
+        let in_force: Vec<String> = fleet::control::SPEC_FIELDS
+            .iter()
+            .filter_map(|f| {
+                l.get(*f)
+                    .filter(|v| !v.is_null())
+                    .map(|v| format!("{f}={v}"))
+            })
+            .collect();
+        out!(
+            "in force: {}",
+            if in_force.is_empty() {
+                "-".into()
+            } else {
+                in_force.join(",")
+            }
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 

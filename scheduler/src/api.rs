@@ -11,6 +11,9 @@
 //!   `POST /v1/workers/{id}/drain` (404 for an unknown worker).
 //! * `POST /v1/tasks/{id}/cancel` (`cancel`): 202 a promise, 200 again, 409 ended, 404.
 //! * Pauses (`pause`): `GET /v1/pauses`, `POST /v1/pauses`, `POST /v1/pauses/resume`.
+//! * Fairness keys (`keys`): `GET /v1/keys`, `GET /v1/keys/{key}`, `PUT /v1/keys/{key}/limits`
+//!   (`*` for the default spec). A submit token bound to a key (`key=K` in
+//!   `FLEET_API_TOKENS`) sets every task's `key` it submits.
 //! * Dead letters (`dead`): `GET /v1/dead`, `GET /v1/dead/{id}`, `POST /v1/dead/replay`.
 //! * The task list and bulk actions (`tasks`): `GET /v1/tasks?state=&group=&kind=&label=&since=&until=&cursor=&limit=`,
 //!   `POST /v1/tasks/bulk` (cancel, retry, delete by ids or query, with a dry run).
@@ -23,6 +26,7 @@
 mod audit_log;
 mod cancel;
 mod dead;
+mod keys;
 mod pause;
 mod tasks;
 
@@ -94,6 +98,7 @@ pub fn routes(state: AppState) -> Router {
             .route("/v1/series", get(series))
             .merge(dead::read_routes())
             .merge(pause::read_routes())
+            .merge(keys::read_routes())
             .merge(tasks::read_routes())
             .merge(audit_log::read_routes()),
         Role::Read,
@@ -104,6 +109,7 @@ pub fn routes(state: AppState) -> Router {
             .merge(dead::admin_routes())
             .merge(cancel::admin_routes())
             .merge(pause::admin_routes())
+            .merge(keys::admin_routes())
             .merge(tasks::admin_routes()),
         Role::Admin,
     );
@@ -134,17 +140,29 @@ fn refuse(status: StatusCode, retry_after_s: u64, body: Value) -> Response {
         .into_response()
 }
 
-async fn submit(State(st): State<AppState>, body: Bytes) -> Response {
+async fn submit(
+    State(st): State<AppState>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
     // Each envelope is checked on the producer's bytes, with the same limits as the AMQP
     // path, and published unchanged: the id (generated when absent) travels as `message_id`
     // and the submission time as a header, so nothing fleet adds can push it over a limit.
     let now = st.store.clock.now();
-    let parsed = match fleet::task::parse_body(
+    // A token bound to a fairness key sets every task's key (the envelopes are rewritten
+    // with it; AMQP producers, holding broker credentials, are trusted with their keys).
+    let bound = st.cfg.common.auth.bound_key(&headers);
+    let parsed = fleet::task::parse_body(
         &body,
         &st.cfg.common.limits,
         st.cfg.common.default_max_attempts,
         now,
-    ) {
+    )
+    .and_then(|mut p| match &bound {
+        Some(k) => fleet::task::bind_key(&mut p, k, &st.cfg.common.limits).map(|()| p),
+        None => Ok(p),
+    });
+    let parsed = match parsed {
         Ok(p) => p,
         Err(b) => match b.index {
             Some(i) => return bad(i, b.code, b.detail),

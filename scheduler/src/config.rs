@@ -59,6 +59,11 @@ pub struct SchedulerConfig {
     /// Concurrent dispatch loops on the normal ingress queue: while one batch waits for its
     /// publisher confirms the next is already being routed.
     pub ingress_consumers: u16,
+    /// Fairness keys' limits from the settings (`FLEET_KEY_DEFAULT`, `FLEET_KEY_LIMITS`): the
+    /// base the control stream's `key_limit` records override ([`fleet::control::KeyOverrides`]).
+    pub key_limits: fleet::control::KeyLimits,
+    /// Keys shown one by one in the `fleet_key_*` metrics (`FLEET_KEY_METRICS_TOP`).
+    pub key_metrics_top: usize,
     /// How often the schedule firing loop looks for due ticks.
     pub schedule_poll: Duration,
     /// How late a schedule's tick may still be submitted; later it is missed (and handled by
@@ -111,8 +116,12 @@ impl SchedulerConfig {
                 "must not be above FLEET_LOAD_RED",
             ));
         }
+        let key_limits = fleet::control::KeyLimits::from_settings(&a.key_default, &a.key_limits)
+            .map_err(|(name, e)| Error::config(name, e))?;
         let ms = Duration::from_millis;
         Ok(SchedulerConfig {
+            key_limits,
+            key_metrics_top: a.key_metrics_top,
             strategy: Strategy::parse(&a.strategy).unwrap_or_default(),
             backlog_factor: a.backlog_factor,
             target_queue: ms(a.target_queue_ms),
@@ -172,6 +181,9 @@ mod tests {
             ("strategy", "fastest", "FLEET_STRATEGY"),
             ("pending_red", "2", "FLEET_PENDING_RED"),
             ("load_yellow", "0.9", "FLEET_LOAD_YELLOW"),
+            ("key_default", "rate=fast", "FLEET_KEY_DEFAULT"),
+            ("key_limits", "acme:weight=0", "FLEET_KEY_LIMITS"),
+            ("key_metrics_top", "0", "FLEET_KEY_METRICS_TOP"),
         ] {
             let s = Settings::from_pairs([(k, v.to_string())]);
             let e = SchedulerConfig::from_settings(&s).unwrap_err().to_string();

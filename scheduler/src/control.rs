@@ -11,6 +11,11 @@
 //! [`CHECK`] the loop appends again the record of a pause older than
 //! [`fleet::control::RENEW_AFTER`] (half the stream's retention): a pause never ages out.
 //!
+//! **Key limits.** The `key_limit` records are folded the same way (a fresh
+//! [`KeyOverrides`] per reading, swapped in at the barrier, then record by record) into the
+//! limits in force over the settings' ([`Pauses::set_key_limits`], which dispatch reads); an
+//! override in force is renewed like a pause.
+//!
 //! * Each record read is written as a cancel mark (`cancel.lua`, replay mode: idempotent; a
 //!   mark the API already wrote is left as it is), so a cancel accepted while Redis failed
 //!   still reaches it, through any replica.
@@ -25,7 +30,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use fleet::control::{AuditLog, Cancels, Mode, Op, PauseSet, Reader, Record, Target};
+use fleet::control::{AuditLog, Cancels, KeyOverrides, Mode, Op, PauseSet, Reader, Record, Target};
 use fleet::{Lane, Store};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -86,7 +91,8 @@ impl ControlLoop {
             };
             // The fold of this reading, until its barrier: then it replaces the set in force (a
             // set half rebuilt could resume what a later record paused again).
-            let mut building: Option<(PauseSet, Vec<String>)> = Some(Default::default());
+            let mut building: Option<(PauseSet, KeyOverrides, Vec<String>)> =
+                Some(Default::default());
             let catch_up = tokio::time::sleep(CATCH_UP);
             tokio::pin!(catch_up);
             loop {
@@ -110,12 +116,14 @@ impl ControlLoop {
                             self.cancels.apply(rec);
                             self.audit.apply(rec);
                             match building.as_mut() {
-                                Some((set, ids)) => {
+                                Some((set, keys, ids)) => {
                                     set.apply(rec);
+                                    keys.apply(rec);
                                     ids.push(rec.id.clone());
                                     if rec.id == barrier {
-                                        if let Some((set, ids)) = building.take() {
-                                            tracing::info!(records = ids.len(), paused = set.all().count(), "control stream read up to this session's barrier");
+                                        if let Some((set, keys, ids)) = building.take() {
+                                            tracing::info!(records = ids.len(), paused = set.all().count(), key_limits = keys.all().count(), "control stream read up to this session's barrier");
+                                            self.pauses.replace_key_overrides(keys);
                                             self.pauses.replace(set, ids.iter().map(String::as_str));
                                         }
                                         self.caught_up.send_replace(true);
@@ -175,7 +183,12 @@ impl ControlLoop {
             if self.pauses.current().get(target).is_none() {
                 tracing::info!(target = ?target, by = %by, "paused");
             }
+        } else if let Op::KeyLimit { key, spec, by, .. } = &rec.op {
+            if self.pauses.apply_key_record(rec) {
+                tracing::info!(key = key.as_deref().unwrap_or("*"), spec = ?spec, by = %by, "key limits changed");
+            }
         }
+        // Last: it answers the record's waiter (an API request), once everything is applied.
         self.pauses.apply(rec);
     }
 
@@ -195,6 +208,25 @@ impl ControlLoop {
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, target = ?p.target, "cannot renew a pause record (tried again in a second)")
+                }
+            }
+        }
+        for o in self
+            .pauses
+            .key_overrides()
+            .due_for_renewal(now, fleet::control::RENEW_AFTER)
+        {
+            let rec = Record::key_limit_renewal(&o, now);
+            let key = o.key.as_deref().unwrap_or("*");
+            match fleet::control::append(publisher, &self.store.names, &rec).await {
+                Ok(()) => {
+                    tracing::info!(
+                        key,
+                        "key limit record renewed before the stream's retention drops it"
+                    )
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, key, "cannot renew a key limit record (tried again in a second)")
                 }
             }
         }

@@ -35,7 +35,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 
-use fleet::control::{PauseSet, Record};
+use fleet::control::{KeyOverrides, PauseSet, Record};
 use fleet::Lane;
 use tokio::sync::{oneshot, watch};
 
@@ -65,6 +65,8 @@ struct Inner {
     set: RwLock<Arc<PauseSet>>,
     /// The per-key limits in force (settings, then the control stream's `key_limit` records).
     limits: RwLock<Arc<fleet::control::KeyLimits>>,
+    /// The settings' limits and the stream's overrides the limits in force are made of.
+    keys: Mutex<(fleet::control::KeyLimits, Arc<KeyOverrides>)>,
     /// Bumped on every change of the set: release loops wait on it.
     version: watch::Sender<u64>,
     /// API requests waiting for their record to be applied here, by record id.
@@ -79,6 +81,7 @@ impl Default for Pauses {
             inner: Arc::new(Inner {
                 set: RwLock::new(Arc::new(PauseSet::default())),
                 limits: RwLock::new(Arc::new(fleet::control::KeyLimits::default())),
+                keys: Mutex::new(Default::default()),
                 version: watch::channel(0).0,
                 waiters: Mutex::new(HashMap::new()),
                 held: Mutex::new(HashMap::new()),
@@ -119,6 +122,66 @@ impl Pauses {
         if changed {
             self.inner.version.send_modify(|v| *v += 1);
         }
+    }
+
+    /// Sets the settings' key limits (at start): the base the stream's overrides replace
+    /// per key; the limits in force are recomputed.
+    pub fn set_key_settings(&self, settings: fleet::control::KeyLimits) {
+        let merged = {
+            let mut k = match self.inner.keys.lock() {
+                Ok(k) => k,
+                Err(p) => p.into_inner(),
+            };
+            k.0 = settings;
+            k.1.over(&k.0)
+        };
+        self.set_key_limits(merged);
+    }
+
+    /// The settings' key limits ([`Pauses::set_key_settings`]).
+    pub fn key_settings(&self) -> fleet::control::KeyLimits {
+        match self.inner.keys.lock() {
+            Ok(k) => k.0.clone(),
+            Err(p) => p.into_inner().0.clone(),
+        }
+    }
+
+    /// The control stream's key-limit overrides in force.
+    pub fn key_overrides(&self) -> Arc<KeyOverrides> {
+        match self.inner.keys.lock() {
+            Ok(k) => k.1.clone(),
+            Err(p) => p.into_inner().1.clone(),
+        }
+    }
+
+    /// Replaces the overrides (a fold of the stream from its first record, caught up, or one
+    /// record applied live) and recomputes the limits in force. Call it before the pause
+    /// set's [`Pauses::replace`] / [`Pauses::apply`] of the same records: those answer the
+    /// records' waiters.
+    pub fn replace_key_overrides(&self, overrides: KeyOverrides) {
+        let merged = {
+            let mut k = match self.inner.keys.lock() {
+                Ok(k) => k,
+                Err(p) => p.into_inner(),
+            };
+            k.1 = Arc::new(overrides);
+            k.1.over(&k.0)
+        };
+        self.set_key_limits(merged);
+    }
+
+    /// Applies one `key_limit` record read live (other records change nothing); `true` when
+    /// an override changed.
+    pub fn apply_key_record(&self, rec: &Record) -> bool {
+        if !matches!(rec.op, fleet::control::Op::KeyLimit { .. }) {
+            return false;
+        }
+        let mut next = (*self.key_overrides()).clone();
+        let changed = next.apply(rec);
+        if changed {
+            self.replace_key_overrides(next);
+        }
+        changed
     }
 
     /// The set in force, `None` when nothing is paused (the hot path's one check).

@@ -70,6 +70,7 @@ pub async fn run(
     let connection: ConnectionSlot = Arc::default();
     let history = Series::default();
     let pauses = crate::pause::Pauses::default();
+    pauses.set_key_settings(cfg.key_limits.clone());
     let audit = fleet::control::AuditLog::default();
     let state = AppState {
         pauses: pauses.clone(),

@@ -6,7 +6,7 @@
 //! of the previous tick); the oldest reservation of each group and the workers by state are
 //! read from Redis here (only this loop needs them).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -62,6 +62,8 @@ impl Sampler {
                 .set(f64::from(s.cfg.common.ingress_max[lane]));
         }
         let mut last: Option<Instant> = None;
+        // The key label values shown at the last sample (set to 0 once they leave the top).
+        let mut shown_keys = BTreeSet::new();
         loop {
             tokio::select! {
                 biased;
@@ -72,11 +74,74 @@ impl Sampler {
                     if let Err(e) = sample(&s, &view, &self.board).await {
                         tracing::debug!(error = %e, "stats sample failed");
                     }
+                    if let Err(e) = key_gauges(&s, &mut shown_keys).await {
+                        tracing::debug!(error = %e, "key stats sample failed");
+                    }
                 }
             }
         }
         Ok(())
     }
+}
+
+/// The `fleet_key_*` gauges: the `FLEET_KEY_METRICS_TOP` keys with the most tasks waiting
+/// (then by name) one by one, the rest summed under `key="other"` — label values stay bounded
+/// however many tenants there are. A key that leaves the top is set to 0 (the exporter keeps a
+/// series once written). `shown` is what the previous sample wrote.
+async fn key_gauges(s: &Session, shown: &mut BTreeSet<String>) -> fleet::Result<()> {
+    let limits = s.pauses.key_limits();
+    let now = s.store.clock.now_ms();
+    let figures = s
+        .store
+        .key_figures(limits.keys.keys().cloned(), now)
+        .await?;
+    let (top, other) = top_keys(&figures, s.cfg.key_metrics_top);
+    let mut now_shown = BTreeSet::new();
+    for (key, f) in &top {
+        metrics::gauge!(m::KEY_RUNNING, "key" => key.clone()).set(f.running as f64);
+        metrics::gauge!(m::KEY_WAITING, "key" => key.clone()).set(f.waiting as f64);
+        if let Some(max) = limits.for_key(key).max_running {
+            metrics::gauge!(m::KEY_MAX_RUNNING, "key" => key.clone()).set(f64::from(max));
+        }
+        now_shown.insert(key.clone());
+    }
+    if let Some((running, waiting)) = other {
+        metrics::gauge!(m::KEY_RUNNING, "key" => OTHER_KEY).set(running as f64);
+        metrics::gauge!(m::KEY_WAITING, "key" => OTHER_KEY).set(waiting as f64);
+        now_shown.insert(OTHER_KEY.to_string());
+    }
+    for gone in shown.difference(&now_shown) {
+        metrics::gauge!(m::KEY_RUNNING, "key" => gone.clone()).set(0.0);
+        metrics::gauge!(m::KEY_WAITING, "key" => gone.clone()).set(0.0);
+    }
+    *shown = now_shown;
+    Ok(())
+}
+
+/// The label value of the keys summed together beyond the top N.
+pub const OTHER_KEY: &str = "other";
+
+/// The `n` keys with the most tasks waiting (then by name), and the (running, waiting) sums
+/// of the rest when there is a rest.
+fn top_keys(
+    figures: &BTreeMap<String, fleet::control::KeyFigures>,
+    n: usize,
+) -> (
+    Vec<(String, fleet::control::KeyFigures)>,
+    Option<(u64, u64)>,
+) {
+    let mut all: Vec<_> = figures.iter().collect();
+    all.sort_by(|a, b| b.1.waiting.cmp(&a.1.waiting).then_with(|| a.0.cmp(b.0)));
+    let rest = all.split_off(n.min(all.len()));
+    let top = all
+        .into_iter()
+        .map(|(k, f)| (k.clone(), f.clone()))
+        .collect();
+    let other = (!rest.is_empty()).then(|| {
+        rest.iter()
+            .fold((0, 0), |(r, w), (_, f)| (r + f.running, w + f.waiting))
+    });
+    (top, other)
 }
 
 async fn sample(s: &Session, view: &FleetView, board: &GroupBoard) -> fleet::Result<()> {
@@ -200,4 +265,35 @@ async fn sample(s: &Session, view: &FleetView, board: &GroupBoard) -> fleet::Res
         metrics::gauge!(m::WORKERS, "state" => state).set(f64::from(count));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fleet::control::KeyFigures;
+
+    #[test]
+    fn the_top_keys_by_waiting_and_the_rest_summed() {
+        let f = |running, waiting| KeyFigures {
+            running,
+            waiting,
+            ..Default::default()
+        };
+        let figures: BTreeMap<String, KeyFigures> = [
+            ("a", f(1, 5)),
+            ("b", f(2, 9)),
+            ("c", f(3, 5)),
+            ("d", f(4, 0)),
+            ("e", f(5, 1)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let (top, other) = top_keys(&figures, 2);
+        let names: Vec<_> = top.iter().map(|t| t.0.as_str()).collect();
+        assert_eq!(names, ["b", "a"], "by waiting, then by name");
+        assert_eq!(other, Some((3 + 4 + 5, 5 + 1)));
+        let (top, other) = top_keys(&figures, 20);
+        assert_eq!((top.len(), other), (5, None));
+    }
 }

@@ -68,6 +68,13 @@ pub const GROUP_BACKLOG_PAUSED: &str = "fleet_group_backlog_paused";
 pub const GROUP_PAUSED: &str = "fleet_group_paused";
 /// Gauge: age of the oldest task waiting for a group, in seconds (autoscaling input).
 pub const GROUP_OLDEST_AGE: &str = "fleet_group_oldest_task_age_seconds";
+/// Gauge: tasks of a fairness key running now, by key: the `FLEET_KEY_METRICS_TOP` keys with
+/// the most tasks waiting, the rest summed under `key="other"` (bounded label values).
+pub const KEY_RUNNING: &str = "fleet_key_running";
+/// Gauge: tasks of a fairness key parked waiting for room now, by key (top N and `other`).
+pub const KEY_WAITING: &str = "fleet_key_waiting";
+/// Gauge: a fairness key's `max_running` in force, by key (top N keys that have one).
+pub const KEY_MAX_RUNNING: &str = "fleet_key_max_running";
 /// Gauge: groups (label sets) the fleet knows: registered and not reclaimed.
 pub const GROUPS: &str = "fleet_groups";
 /// Counter: departed groups reclaimed (no worker and empty queues for
@@ -197,6 +204,18 @@ pub fn describe() {
     describe_gauge!(
         GROUP_OLDEST_AGE,
         "Age of the oldest task waiting for a group, in seconds (autoscaling input)."
+    );
+    describe_gauge!(
+        KEY_RUNNING,
+        "Tasks of a fairness key running now: the FLEET_KEY_METRICS_TOP keys with the most tasks waiting, the rest summed under key=\"other\"."
+    );
+    describe_gauge!(
+        KEY_WAITING,
+        "Tasks of a fairness key parked waiting for room now (top keys by waiting, the rest under key=\"other\")."
+    );
+    describe_gauge!(
+        KEY_MAX_RUNNING,
+        "A fairness key's max_running in force (top keys by waiting that have one)."
     );
     describe_gauge!(
         GROUPS,

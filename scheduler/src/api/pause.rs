@@ -98,7 +98,7 @@ pub fn show(p: &Pause, held: Option<u64>) -> Value {
 
 /// Appends `rec` and waits until this replica applied it: `Ok` then, `Err` with the answer
 /// otherwise.
-async fn record(st: &AppState, rec: &Record) -> Result<(), Response> {
+pub(super) async fn record(st: &AppState, rec: &Record) -> Result<(), Response> {
     let applied = st.pauses.wait_for(&rec.id);
     let appended = match st.publisher.read().await.as_ref() {
         Some(p) => control::append(p, &st.store.names, rec).await,

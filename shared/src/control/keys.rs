@@ -9,10 +9,28 @@
 //! dispatch, see `scheduler::park::fair`). A spec names only what it sets; [`KeyLimits::for_key`]
 //! merges a key's own spec over the default spec over the built-in defaults (no limit, no
 //! guaranteed share, weight 1).
+//!
+//! # Settings and the control stream
+//!
+//! The limits in force are the settings' ([`KeyLimits::from_settings`]: `FLEET_KEY_DEFAULT`,
+//! `FLEET_KEY_LIMITS`) with the control stream's `key_limit` records over them
+//! ([`KeyOverrides`]): per key (and for the default spec) the last record wins and *replaces*
+//! the settings' spec of that key; a record that clears ([`Op::KeyLimit`] with no spec) gives
+//! the key back to its settings. Like a pause, an override in force is appended again once its
+//! record is older than [`super::RENEW_AFTER`], so it never ages out of the stream; a cleared
+//! override needs no renewal (its aging out changes nothing).
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
+use deadpool_redis::redis;
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::{Op, Record, MAX_TEXT};
+use crate::error::Result;
+use crate::redis::Store;
+use crate::settings::Caller;
 
 /// The key of tasks that carry none: they share it (one flow of the fair dispatch). No
 /// limit applies to it unless set for this name.
@@ -42,7 +60,128 @@ pub struct KeyLimitSpec {
     pub weight: Option<f64>,
 }
 
+/// Specs are validated ([`KeyLimitSpec::validate`]) before they are used or recorded: no NaN,
+/// so equality is reflexive (records holding a spec compare as `Eq`).
+impl Eq for KeyLimitSpec {}
+
+/// The fields of a spec, in the order they are shown.
+pub const SPEC_FIELDS: [&str; 5] = ["max_running", "min_running", "rate", "burst", "weight"];
+
 impl KeyLimitSpec {
+    /// Parses the settings form `field=value,field=value` (fields of [`SPEC_FIELDS`]; an empty
+    /// text is the empty spec), validated.
+    ///
+    /// # Errors
+    /// A message naming the field: unknown, repeated, not a number, out of range.
+    pub fn parse_pairs(text: &str) -> std::result::Result<KeyLimitSpec, String> {
+        let mut spec = KeyLimitSpec::default();
+        let mut seen = Vec::new();
+        for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let Some((name, value)) = pair.split_once('=') else {
+                return Err(format!("expected `field=value`, got `{pair}`"));
+            };
+            let (name, value) = (name.trim(), value.trim());
+            if seen.contains(&name) {
+                return Err(format!("{name} is given twice"));
+            }
+            seen.push(name);
+            let count = || {
+                value
+                    .parse::<u32>()
+                    .map_err(|_| format!("{name} must be a whole number ≥ 0, got `{value}`"))
+            };
+            let number = || {
+                value
+                    .parse::<f64>()
+                    .map_err(|_| format!("{name} must be a number, got `{value}`"))
+            };
+            match name {
+                "max_running" => spec.max_running = Some(count()?),
+                "min_running" => spec.min_running = Some(count()?),
+                "burst" => spec.burst = Some(count()?),
+                "rate" => spec.rate = Some(number()?),
+                "weight" => spec.weight = Some(number()?),
+                other => {
+                    return Err(format!(
+                        "unknown field `{other}` (expected one of {})",
+                        SPEC_FIELDS.join(", ")
+                    ))
+                }
+            }
+        }
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// Parses the API's JSON form: an object of [`SPEC_FIELDS`] (a `null` member is unset;
+    /// `{}` is the empty spec), validated.
+    ///
+    /// # Errors
+    /// A message naming the field: unknown, of the wrong type, out of range.
+    pub fn from_json(v: &Value) -> std::result::Result<KeyLimitSpec, String> {
+        let Value::Object(m) = v else {
+            return Err(
+                "the body must be a JSON object of max_running, min_running, rate, burst, weight"
+                    .into(),
+            );
+        };
+        let mut spec = KeyLimitSpec::default();
+        for (name, value) in m {
+            if value.is_null() {
+                continue;
+            }
+            let count = || {
+                value
+                    .as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| {
+                        format!("{name} must be a whole number 0-{}, got {value}", u32::MAX)
+                    })
+            };
+            let number = || {
+                value
+                    .as_f64()
+                    .ok_or_else(|| format!("{name} must be a number, got {value}"))
+            };
+            match name.as_str() {
+                "max_running" => spec.max_running = Some(count()?),
+                "min_running" => spec.min_running = Some(count()?),
+                "burst" => spec.burst = Some(count()?),
+                "rate" => spec.rate = Some(number()?),
+                "weight" => spec.weight = Some(number()?),
+                other => {
+                    return Err(format!(
+                        "unknown field `{other}` (expected one of {})",
+                        SPEC_FIELDS.join(", ")
+                    ))
+                }
+            }
+        }
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// The settings form of the spec ([`parse_pairs`](Self::parse_pairs) reads it back).
+    pub fn to_pairs(&self) -> String {
+        let mut out = Vec::new();
+        if let Some(v) = self.max_running {
+            out.push(format!("max_running={v}"));
+        }
+        if let Some(v) = self.min_running {
+            out.push(format!("min_running={v}"));
+        }
+        if let Some(v) = self.rate {
+            out.push(format!("rate={v}"));
+        }
+        if let Some(v) = self.burst {
+            out.push(format!("burst={v}"));
+        }
+        if let Some(v) = self.weight {
+            out.push(format!("weight={v}"));
+        }
+        out.join(",")
+    }
+
     /// `self` with every field it leaves unset taken from `under`.
     pub fn over(&self, under: &KeyLimitSpec) -> KeyLimitSpec {
         KeyLimitSpec {
@@ -148,6 +287,268 @@ impl KeyLimits {
     pub fn is_empty(&self) -> bool {
         self.default.is_empty() && self.keys.values().all(KeyLimitSpec::is_empty)
     }
+
+    /// The limits the settings give: `default` in the form `field=value,...`
+    /// (`FLEET_KEY_DEFAULT`, e.g. `max_running=10,rate=20,weight=1`) and `keys` as entries
+    /// `KEY:field=value,...` separated by `;` or newlines (`FLEET_KEY_LIMITS`, e.g.
+    /// `acme:max_running=5,weight=3;beta:min_running=2`). A key may hold `:` itself: the key
+    /// ends at the last `:` before the first `=`.
+    ///
+    /// # Errors
+    /// `(setting, message)`: the setting's variable name and what is wrong (the entry's key
+    /// and the field).
+    pub fn from_settings(
+        default: &str,
+        keys: &str,
+    ) -> std::result::Result<KeyLimits, (&'static str, String)> {
+        let default = KeyLimitSpec::parse_pairs(default).map_err(|e| ("FLEET_KEY_DEFAULT", e))?;
+        let mut out = KeyLimits {
+            default,
+            keys: BTreeMap::new(),
+        };
+        let bad = |e: String| ("FLEET_KEY_LIMITS", e);
+        for entry in keys
+            .split(['\n', ';'])
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+        {
+            let head = entry.split('=').next().unwrap_or(entry);
+            let Some(colon) = head.rfind(':') else {
+                return Err(bad(format!(
+                    "expected `KEY:field=value,...`, got `{entry}`"
+                )));
+            };
+            let (key, pairs) = (&entry[..colon], &entry[colon + 1..]);
+            crate::task::check_key(key).map_err(|e| bad(format!("key `{key}`: {e}")))?;
+            let spec =
+                KeyLimitSpec::parse_pairs(pairs).map_err(|e| bad(format!("key `{key}`: {e}")))?;
+            if out.keys.insert(key.to_string(), spec).is_some() {
+                return Err(bad(format!("key `{key}` is given twice")));
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// An operator's runtime spec in force: the latest `key_limit` record of a key (or of the
+/// default spec) that set one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct KeyOverride {
+    /// The key; `None`: the default spec.
+    pub key: Option<String>,
+    /// The spec in force for it (replacing the settings' spec).
+    pub spec: KeyLimitSpec,
+    /// When it was first set so (Unix ms): a renewal keeps it.
+    pub since_ms: i64,
+    /// When its latest record was accepted (Unix ms).
+    pub record_ms: i64,
+    /// Who set it.
+    pub by: String,
+    /// The token's role.
+    pub role: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// The fold of the control stream's `key_limit` records ([`KeyOverrides::apply`]), in stream
+/// order: per key the last record wins.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyOverrides {
+    /// By key (`None`: the default spec); a cleared key is absent.
+    set: BTreeMap<Option<String>, KeyOverride>,
+}
+
+impl KeyOverrides {
+    /// Applies `rec` (other records change nothing); `true` when an override changed.
+    pub fn apply(&mut self, rec: &Record) -> bool {
+        let Op::KeyLimit {
+            key,
+            spec,
+            by,
+            role,
+            reason,
+            since_ms,
+        } = &rec.op
+        else {
+            return false;
+        };
+        match spec {
+            None => self.set.remove(key).is_some(),
+            Some(spec) => match self.set.get_mut(key) {
+                Some(o) if o.spec == *spec => {
+                    o.record_ms = o.record_ms.max(rec.at_ms);
+                    false
+                }
+                _ => {
+                    self.set.insert(
+                        key.clone(),
+                        KeyOverride {
+                            key: key.clone(),
+                            spec: spec.clone(),
+                            since_ms: since_ms.unwrap_or(rec.at_ms),
+                            record_ms: rec.at_ms,
+                            by: by.clone(),
+                            role: role.clone(),
+                            reason: reason.clone(),
+                        },
+                    );
+                    true
+                }
+            },
+        }
+    }
+
+    /// The limits in force: `settings` with every override replacing its key's spec (the
+    /// default's override replacing the default spec).
+    pub fn over(&self, settings: &KeyLimits) -> KeyLimits {
+        let mut out = settings.clone();
+        for (key, o) in &self.set {
+            match key {
+                None => out.default = o.spec.clone(),
+                Some(k) => {
+                    out.keys.insert(k.clone(), o.spec.clone());
+                }
+            }
+        }
+        out
+    }
+
+    /// The override of `key` (`None`: of the default spec), if one is in force.
+    pub fn get(&self, key: Option<&str>) -> Option<&KeyOverride> {
+        self.set.get(&key.map(str::to_string))
+    }
+
+    /// Every override in force.
+    pub fn all(&self) -> impl Iterator<Item = &KeyOverride> {
+        self.set.values()
+    }
+
+    /// Overrides whose latest record is older than `after` at `now_ms`: to be appended again
+    /// before the stream's retention drops them.
+    pub fn due_for_renewal(&self, now_ms: i64, after: Duration) -> Vec<KeyOverride> {
+        let limit = now_ms - after.as_millis() as i64;
+        self.set
+            .values()
+            .filter(|o| o.record_ms < limit)
+            .cloned()
+            .collect()
+    }
+}
+
+impl Record {
+    /// A `key_limit` record: `who` sets `spec` for `key` (`None`: the default spec; a `None`
+    /// or empty spec clears the override) for `reason` at `at_ms`.
+    pub fn key_limit(
+        key: Option<&str>,
+        spec: Option<KeyLimitSpec>,
+        who: &Caller,
+        reason: &str,
+        at_ms: i64,
+    ) -> Self {
+        Record {
+            id: super::new_id(),
+            at_ms,
+            op: Op::KeyLimit {
+                key: key.map(str::to_string),
+                spec: spec.filter(|s| !s.is_empty()),
+                by: crate::status::truncate(&who.name, MAX_TEXT),
+                role: who.role_str().to_string(),
+                reason: crate::status::truncate(reason, MAX_TEXT),
+                since_ms: None,
+            },
+        }
+    }
+
+    /// The record of `o` appended again at `at_ms` (its renewal: same spec, who, why, since).
+    pub fn key_limit_renewal(o: &KeyOverride, at_ms: i64) -> Self {
+        Record {
+            id: super::new_id(),
+            at_ms,
+            op: Op::KeyLimit {
+                key: o.key.clone(),
+                spec: Some(o.spec.clone()),
+                by: o.by.clone(),
+                role: o.role.clone(),
+                reason: o.reason.clone(),
+                since_ms: Some(o.since_ms),
+            },
+        }
+    }
+}
+
+/// One key's figures in Redis ([`Store::key_figures`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct KeyFigures {
+    /// Tasks running now (run leases not lapsed).
+    pub running: u64,
+    /// Tasks reserved now, dispatched and not started (leases not lapsed).
+    pub reserved: u64,
+    /// Tasks parked waiting for room now.
+    pub waiting: u64,
+    /// Tasks dispatched in all (since Redis last lost it).
+    pub dispatched: u64,
+    /// Last activity (Redis ms); 0: none recorded.
+    pub last_ms: i64,
+}
+
+impl Store {
+    /// The figures of every key Redis knows (a `t:` field in the `kf` hash) and of `also`, by
+    /// key, as of `now_ms` (Redis ms: leases lapsed before it are not counted). Two round
+    /// trips: the hash, then two `ZCOUNT`s per key in one pipeline.
+    ///
+    /// # Errors
+    /// Redis failed.
+    pub async fn key_figures(
+        &self,
+        also: impl IntoIterator<Item = String>,
+        now_ms: i64,
+    ) -> Result<BTreeMap<String, KeyFigures>> {
+        let hash: Vec<(String, String)> = self
+            .query(redis::cmd("HGETALL").arg(self.names.key_figures()))
+            .await?;
+        let mut out: BTreeMap<String, KeyFigures> = BTreeMap::new();
+        for k in also {
+            out.entry(k).or_default();
+        }
+        for (field, value) in &hash {
+            if let Some(k) = field.strip_prefix("t:") {
+                out.entry(k.to_string()).or_default().last_ms = value.parse().unwrap_or(0);
+            }
+        }
+        for (field, value) in &hash {
+            let Some((kind, k)) = field.split_once(':') else {
+                continue;
+            };
+            let Some(f) = out.get_mut(k) else { continue };
+            let n = value.parse::<i64>().unwrap_or(0).max(0) as u64;
+            match kind {
+                "d" => f.dispatched = n,
+                "w" => f.waiting = n,
+                _ => {}
+            }
+        }
+        if out.is_empty() {
+            return Ok(out);
+        }
+        let mut p = redis::pipe();
+        let from = now_ms;
+        for k in out.keys() {
+            p.cmd("ZCOUNT")
+                .arg(self.names.key_running(k))
+                .arg(from)
+                .arg("+inf");
+            p.cmd("ZCOUNT")
+                .arg(self.names.key_reserved(k))
+                .arg(from)
+                .arg("+inf");
+        }
+        let counts: Vec<u64> = self.pipe(&p).await?;
+        for (f, c) in out.values_mut().zip(counts.chunks(2)) {
+            f.running = c.first().copied().unwrap_or(0);
+            f.reserved = c.get(1).copied().unwrap_or(0);
+        }
+        Ok(out)
+    }
 }
 
 #[cfg(test)]
@@ -216,5 +617,130 @@ mod tests {
             ..Default::default()
         })
         .contains("min_running"));
+    }
+
+    #[test]
+    fn settings_parse_and_errors_name_the_setting_and_field() {
+        let l = KeyLimits::from_settings(
+            "max_running=10,rate=20,weight=1",
+            "acme:max_running=5,weight=3; beta:min_running=2\nteam:x@y/z:burst=4",
+        )
+        .unwrap();
+        assert_eq!(
+            l.default,
+            KeyLimitSpec {
+                max_running: Some(10),
+                rate: Some(20.0),
+                weight: Some(1.0),
+                ..Default::default()
+            }
+        );
+        assert_eq!(l.keys.len(), 3);
+        assert_eq!(l.keys["acme"].to_pairs(), "max_running=5,weight=3");
+        assert_eq!(l.keys["beta"].min_running, Some(2));
+        assert_eq!(l.keys["team:x@y/z"].burst, Some(4), "a key holding `:`");
+        assert_eq!(
+            KeyLimits::from_settings("", "").unwrap(),
+            KeyLimits::default()
+        );
+        for (d, k, setting, word) in [
+            ("max_running=x", "", "FLEET_KEY_DEFAULT", "max_running"),
+            ("speed=3", "", "FLEET_KEY_DEFAULT", "speed"),
+            ("rate=0", "", "FLEET_KEY_DEFAULT", "rate"),
+            ("", "acme:weight=-1", "FLEET_KEY_LIMITS", "weight"),
+            ("", "acme", "FLEET_KEY_LIMITS", "acme"),
+            ("", "bad key!:max_running=1", "FLEET_KEY_LIMITS", "bad key!"),
+            ("", "a:burst=1;a:burst=2", "FLEET_KEY_LIMITS", "twice"),
+            (
+                "",
+                "a:min_running=3,max_running=2",
+                "FLEET_KEY_LIMITS",
+                "min_running",
+            ),
+        ] {
+            let (name, msg) = KeyLimits::from_settings(d, k).unwrap_err();
+            assert_eq!(name, setting, "{d} {k}");
+            assert!(msg.contains(word), "{msg}");
+        }
+    }
+
+    #[test]
+    fn the_json_form_names_the_field() {
+        let j = |t: &str| KeyLimitSpec::from_json(&serde_json::from_str(t).unwrap());
+        assert_eq!(j("{}").unwrap(), KeyLimitSpec::default());
+        assert_eq!(
+            j(r#"{"max_running":5,"rate":2.5,"weight":null}"#).unwrap(),
+            KeyLimitSpec {
+                max_running: Some(5),
+                rate: Some(2.5),
+                ..Default::default()
+            }
+        );
+        assert!(j(r#"{"max_running":-1}"#)
+            .unwrap_err()
+            .contains("max_running"));
+        assert!(j(r#"{"rate":"fast"}"#).unwrap_err().contains("rate"));
+        assert!(j(r#"{"colour":1}"#).unwrap_err().contains("colour"));
+        assert!(j(r#"{"burst":0}"#).unwrap_err().contains("burst"));
+        assert!(j("[]").is_err());
+    }
+
+    #[test]
+    fn stream_records_replace_the_settings_spec_last_one_wins() {
+        let who = Caller::anonymous();
+        let settings = KeyLimits::from_settings("max_running=10", "acme:max_running=5").unwrap();
+        let mut o = KeyOverrides::default();
+        let spec = |s: &str| Some(KeyLimitSpec::parse_pairs(s).unwrap());
+        assert!(o.apply(&Record::key_limit(
+            Some("acme"),
+            spec("weight=3"),
+            &who,
+            "vip",
+            10
+        )));
+        assert!(o.apply(&Record::key_limit(
+            None,
+            spec("max_running=20"),
+            &who,
+            "",
+            11
+        )));
+        assert!(o.apply(&Record::key_limit(
+            Some("beta"),
+            spec("rate=1"),
+            &who,
+            "",
+            12
+        )));
+        assert!(!o.apply(&Record::barrier("r", 13)));
+        let l = o.over(&settings);
+        assert_eq!(l.default.max_running, Some(20));
+        // The record replaces acme's settings spec: its max comes from the default now.
+        assert_eq!(l.for_key("acme").max_running, Some(20));
+        assert_eq!(l.for_key("acme").weight, 3.0);
+        assert_eq!(l.for_key("beta").rate, Some((1.0, 1)));
+        // Cleared: acme has its settings spec again.
+        assert!(o.apply(&Record::key_limit(Some("acme"), None, &who, "", 14)));
+        assert!(!o.apply(&Record::key_limit(Some("acme"), spec(""), &who, "", 15)));
+        assert_eq!(o.over(&settings).for_key("acme").max_running, Some(5));
+        // Renewal keeps since and is no audit entry.
+        let day = 86_400_000i64;
+        let due = o.due_for_renewal(4 * day, super::super::RENEW_AFTER);
+        assert_eq!(due.len(), 2);
+        let r = Record::key_limit_renewal(&due[0], 4 * day);
+        assert!(super::super::AuditEntry::of(&r).is_none());
+        let mut fresh = KeyOverrides::default();
+        fresh.apply(&r);
+        assert_eq!(fresh.all().next().unwrap().since_ms, due[0].since_ms);
+        let rec = Record::key_limit(Some("acme"), spec("max_running=2"), &who, "why", 5);
+        let e = super::super::AuditEntry::of(&rec).unwrap();
+        assert_eq!(e.action, "key_limit");
+        assert_eq!(
+            e.target,
+            serde_json::json!({"key": "acme", "spec": {"max_running": 2}})
+        );
+        let v = serde_json::to_value(&rec).unwrap();
+        assert_eq!(v["op"], "key_limit");
+        assert_eq!(serde_json::from_value::<Record>(v).unwrap(), rec);
     }
 }

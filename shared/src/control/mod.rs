@@ -56,7 +56,10 @@ use crate::settings::Caller;
 
 mod keys;
 mod pause;
-pub use keys::{KeyLimit, KeyLimitSpec, KeyLimits, DEFAULT_KEY};
+pub use keys::{
+    KeyFigures, KeyLimit, KeyLimitSpec, KeyLimits, KeyOverride, KeyOverrides, DEFAULT_KEY,
+    SPEC_FIELDS,
+};
 pub use pause::{Pause, PauseSet, Target, RENEW_AFTER};
 
 /// How long the control stream keeps a record (its `x-max-age`): declared with the namespace's
@@ -134,6 +137,30 @@ pub enum Op {
         /// Who.
         #[serde(default)]
         by: String,
+    },
+    /// The limits of a fairness key (or the default spec) set or cleared at runtime
+    /// ([`KeyOverrides`]): the spec replaces the settings' spec of the key; no spec gives the
+    /// key back to its settings. Its own audit entry (`key_limit`), renewals excepted.
+    KeyLimit {
+        /// The key; absent: the default spec (every key).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        key: Option<String>,
+        /// The spec; absent: the override is cleared.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        spec: Option<KeyLimitSpec>,
+        /// Who: the token's name, or `anonymous`.
+        #[serde(default)]
+        by: String,
+        /// The token's role, or `open`.
+        #[serde(default)]
+        role: String,
+        /// Why (may be empty).
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        reason: String,
+        /// When the spec was first set (Unix ms), on a renewal ([`Record::key_limit_renewal`]);
+        /// absent: the record's own time.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        since_ms: Option<i64>,
     },
     /// A reader's barrier: appended by a scheduler that follows the stream, which has read
     /// everything before it once it reads this record (its caught-up point).
@@ -322,8 +349,10 @@ pub struct AuditEntry {
 }
 
 impl AuditEntry {
-    /// The entry a record makes: every [`Op::Audit`], and each [`Op::Cancel`] not part of a
-    /// bulk action (the bulk action has one entry of its own); `None` for other records.
+    /// The entry a record makes: every [`Op::Audit`], each [`Op::Cancel`] not part of a
+    /// bulk action (the bulk action has one entry of its own) and each [`Op::KeyLimit`] but
+    /// renewals (action `key_limit`, target `{"key": K or "*" for the default, "spec": S or
+    /// null when cleared}`); `None` for other records.
     pub fn of(rec: &Record) -> Option<AuditEntry> {
         let (action, target, count, by, role, reason) = match &rec.op {
             Op::Cancel { bulk: Some(_), .. } => return None,
@@ -349,6 +378,24 @@ impl AuditEntry {
                 role,
                 reason,
             } => (action.clone(), target.clone(), *count, by, role, reason),
+            Op::KeyLimit {
+                since_ms: Some(_), ..
+            } => return None,
+            Op::KeyLimit {
+                key,
+                spec,
+                by,
+                role,
+                reason,
+                ..
+            } => (
+                "key_limit".to_string(),
+                serde_json::json!({ "key": key.as_deref().unwrap_or("*"), "spec": spec }),
+                1,
+                by,
+                role,
+                reason,
+            ),
             #[allow(unreachable_patterns)]
             _ => return None,
         };

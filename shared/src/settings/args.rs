@@ -120,7 +120,7 @@ pub struct CommonArgs {
     /// `rediss://`: PEM private key of the client certificate (PKCS#8, PKCS#1 or SEC1).
     #[arg(long, env = "FLEET_REDIS_TLS_KEY_FILE", value_parser = pem_private_key)]
     pub redis_tls_key_file: Option<String>,
-    /// API bearer tokens with their names and roles, `NAME:TOKEN ROLE` (or `TOKEN ROLE`) entries separated by commas or newlines (roles read, submit, admin; admin may do all; tokens of 16+ characters); none: the API is open.
+    /// API bearer tokens with their names and roles, `NAME:TOKEN ROLE` (or `TOKEN ROLE`) entries separated by commas or newlines (roles read, submit, admin; admin may do all; tokens of 16+ characters), each optionally followed by `key=KEY`: every task the token submits gets that fairness key; none: the API is open.
     #[arg(
         long,
         env = "FLEET_API_TOKENS",
@@ -250,6 +250,15 @@ pub struct SchedulerArgs {
     /// Concurrent dispatch loops on the normal ingress queue.
     #[arg(long, env = "FLEET_INGRESS_CONSUMERS", default_value = "4", value_parser = positive::<u16>)]
     pub ingress_consumers: u16,
+    /// Fairness keys (tenants): the limits of every key, `field=value,...` of max_running, min_running, rate, burst, weight (e.g. `max_running=10,rate=20,weight=1`); a key's own spec and runtime changes (`PUT /v1/keys/*/limits`) override it. See README "Tenants (fairness keys)".
+    #[arg(long, env = "FLEET_KEY_DEFAULT", default_value = "")]
+    pub key_default: String,
+    /// Fairness keys: each key's own limits, `KEY:field=value,...` entries separated by `;` (e.g. `acme:max_running=5,weight=3;beta:min_running=2`); a runtime change of a key (`PUT /v1/keys/{key}/limits`) replaces its entry.
+    #[arg(long, env = "FLEET_KEY_LIMITS", default_value = "")]
+    pub key_limits: String,
+    /// Fairness keys shown one by one in the `fleet_key_*` metrics: the N with the most tasks waiting; the rest are summed under `key="other"` (bounded label values).
+    #[arg(long, env = "FLEET_KEY_METRICS_TOP", default_value = "20", value_parser = positive::<usize>)]
+    pub key_metrics_top: usize,
 }
 
 /// `fleet-worker`'s settings.

@@ -1,7 +1,10 @@
 //! API authentication: bearer tokens with a role, checked by an axum layer.
 //!
 //! A caller sends `Authorization: Bearer <token>`. Tokens come from `FLEET_API_TOKENS`
-//! (entries `NAME:TOKEN ROLE` separated by commas or newlines) and `FLEET_API_TOKENS_FILE` (one
+//! (entries `NAME:TOKEN ROLE` separated by commas or newlines, each optionally followed by
+//! `key=KEY`: a submit or admin token **bound to a fairness key** — every task it submits
+//! through `POST /v1/tasks` gets that key, whatever its envelope says; AMQP producers hold
+//! broker credentials and are trusted with their envelopes' keys as before) and `FLEET_API_TOKENS_FILE` (one
 //! `NAME:TOKEN ROLE` per line, `#` starts a comment); both may be set and add up. The **name**
 //! (`[A-Za-z0-9._-]`, at most 64 bytes, unique) is who the audit log says acted
 //! ([`Caller`]); it may be left out (`TOKEN ROLE`), and the token is then named
@@ -114,6 +117,8 @@ struct Entry {
     named: bool,
     secret: Vec<u8>,
     role: Role,
+    /// The fairness key every task this token submits gets (`key=K`).
+    key: Option<String>,
 }
 
 /// The configured tokens. `Debug` shows only how many there are.
@@ -138,8 +143,33 @@ impl Tokens {
             .flat_map(|l| l.split(','));
         for (n, entry) in entries.map(str::trim).filter(|e| !e.is_empty()).enumerate() {
             let mut parts = entry.split_whitespace();
-            let (Some(named), Some(role), None) = (parts.next(), parts.next(), parts.next()) else {
-                return Err(format!("entry {}: expected `NAME:TOKEN ROLE`", n + 1));
+            let (Some(named), Some(role), bound, None) =
+                (parts.next(), parts.next(), parts.next(), parts.next())
+            else {
+                return Err(format!(
+                    "entry {}: expected `NAME:TOKEN ROLE` or `NAME:TOKEN ROLE key=KEY`",
+                    n + 1
+                ));
+            };
+            let key = match bound.map(|b| b.strip_prefix("key=")) {
+                None => None,
+                Some(None) => {
+                    return Err(format!(
+                        "entry {}: expected `key=KEY` after the role",
+                        n + 1
+                    ))
+                }
+                Some(Some(k)) => {
+                    crate::task::check_key(k)
+                        .map_err(|e| format!("entry {}: the bound key: {e}", n + 1))?;
+                    if role == "read" {
+                        return Err(format!(
+                            "entry {}: a key binds the tasks a token submits: role submit or admin",
+                            n + 1
+                        ));
+                    }
+                    Some(k.to_string())
+                }
             };
             let (name, token) = match named.split_once(':') {
                 Some((name, token)) => (Some(name), token),
@@ -180,6 +210,7 @@ impl Tokens {
                 named,
                 secret: token.as_bytes().to_vec(),
                 role,
+                key,
             });
         }
         Ok(Tokens(out))
@@ -237,6 +268,18 @@ impl Tokens {
             name: e.name.clone(),
             role: Some(e.role),
         })
+    }
+
+    /// The fairness key a presented token is bound to (`key=K` in its entry), compared like
+    /// [`role_of`](Self::role_of).
+    pub fn key_of(&self, presented: &[u8]) -> Option<String> {
+        let mut found: Option<&Entry> = None;
+        for e in &self.0 {
+            if bool::from(e.secret.as_slice().ct_eq(presented)) {
+                found = found.or(Some(e));
+            }
+        }
+        found.and_then(|e| e.key.clone())
     }
 
     /// Every token (for the secret scrubbing of tests and diagnostics).
@@ -371,6 +414,17 @@ impl ApiAuth {
             .unwrap_or_else(Caller::anonymous)
     }
 
+    /// The fairness key the presented token is bound to (`FLEET_API_TOKENS` entry
+    /// `NAME:TOKEN ROLE key=K`): `POST /v1/tasks` sets every task's `key` to it.
+    pub fn bound_key(&self, headers: &HeaderMap) -> Option<String> {
+        headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .and_then(|(_, t)| self.inner.tokens.key_of(t.trim().as_bytes()))
+    }
+
     /// Like [`check`](Self::check), answering who the caller is: the token's [`Caller`], or
     /// [`Caller::anonymous`] on an open API.
     #[allow(clippy::result_large_err)]
@@ -466,10 +520,10 @@ fn unauthorized(detail: &str) -> Response {
         .into_response()
 }
 
-/// Middleware: a `POST` without `Content-Type: application/json` gets 415. [`ApiAuth::require`]
+/// Middleware: a `POST` or `PUT` without `Content-Type: application/json` gets 415. [`ApiAuth::require`]
 /// applies it behind the token check; apply it yourself only to routes with no guard.
 pub async fn json_only(req: Request, next: Next) -> Response {
-    if req.method() == Method::POST {
+    if req.method() == Method::POST || req.method() == Method::PUT {
         let json = req
             .headers()
             .get(header::CONTENT_TYPE)
@@ -479,7 +533,7 @@ pub async fn json_only(req: Request, next: Next) -> Response {
         if !json {
             return (
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                Json(serde_json::json!({"error": "unsupported_media_type", "detail": "POST bodies must be Content-Type: application/json"})),
+                Json(serde_json::json!({"error": "unsupported_media_type", "detail": "POST and PUT bodies must be Content-Type: application/json"})),
             )
                 .into_response();
         }
@@ -533,6 +587,28 @@ mod tests {
         assert_eq!(t.role_of(b"cccccccccccccccd"), None);
         assert_eq!(t.role_of(b""), None);
         assert!(!format!("{t:?}").contains("aaaa"));
+    }
+
+    #[test]
+    fn a_token_may_be_bound_to_a_key() {
+        let t = Tokens::parse(
+            "acme:aaaaaaaaaaaaaaaa submit key=acme, ops:bbbbbbbbbbbbbbbb admin key=t:x/y, cccccccccccccccc submit",
+        )
+        .unwrap();
+        assert_eq!(t.key_of(b"aaaaaaaaaaaaaaaa").as_deref(), Some("acme"));
+        assert_eq!(t.key_of(b"bbbbbbbbbbbbbbbb").as_deref(), Some("t:x/y"));
+        assert_eq!(t.key_of(b"cccccccccccccccc"), None);
+        assert_eq!(t.role_of(b"aaaaaaaaaaaaaaaa"), Some(Role::Submit));
+        for bad in [
+            "aaaaaaaaaaaaaaaa submit acme",
+            "aaaaaaaaaaaaaaaa submit key=",
+            "aaaaaaaaaaaaaaaa submit key=a b",
+            "aaaaaaaaaaaaaaaa submit key=bad!",
+            "aaaaaaaaaaaaaaaa read key=acme",
+        ] {
+            let e = Tokens::parse(bad).err().unwrap_or_default();
+            assert!(e.contains("entry 1") && !e.contains("aaaa"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -21,4 +21,4 @@ pub use envelope::{
 pub use lane::{Lane, PerLane};
 pub use selector::{Labels, SelectorError, PROTOCOL_LABEL};
 pub use strategy::Strategy;
-pub use submit::{parse_body, BadSubmission, Submitted};
+pub use submit::{bind_key, parse_body, BadSubmission, Submitted};

@@ -79,6 +79,40 @@ pub fn parse_body(
     Ok(out)
 }
 
+/// Sets every envelope's fairness `key` to `key` whatever it said (a submit token bound to a
+/// key, `FLEET_API_TOKENS` entry `... key=K`): the envelope's bytes are rewritten with the key
+/// and checked again against `limits` (an envelope the key pushes over `max_bytes` is refused).
+/// Envelopes that carry `key` already are left byte for byte.
+///
+/// # Errors
+/// [`BadSubmission`] of the first envelope that cannot carry the key (its index given).
+pub fn bind_key(items: &mut [Submitted], key: &str, limits: &Limits) -> Result<(), BadSubmission> {
+    for (i, item) in items.iter_mut().enumerate() {
+        if item.envelope.key.as_deref() == Some(key) {
+            continue;
+        }
+        let bad = |code: &'static str, detail: String| BadSubmission {
+            code,
+            detail,
+            index: Some(i),
+        };
+        let mut map: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(item.raw.get())
+                .map_err(|e| bad("malformed_json", e.to_string()))?;
+        map.insert("key".into(), serde_json::Value::String(key.to_string()));
+        let text = serde_json::to_string(&map).map_err(|e| bad("malformed_json", e.to_string()))?;
+        Envelope::parse(text.as_bytes(), limits).map_err(|r| {
+            bad(
+                r.code(),
+                format!("with the key `{key}` its token is bound to: {r}"),
+            )
+        })?;
+        item.raw = RawValue::from_string(text).map_err(|e| bad("malformed_json", e.to_string()))?;
+        item.envelope.key = Some(key.to_string());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,6 +141,34 @@ mod tests {
                 .unwrap_err()
                 .code,
             "oversized"
+        );
+    }
+
+    #[test]
+    fn a_bound_key_replaces_the_envelopes_key() {
+        let l = Limits::default();
+        let mut items = parse_body(
+            br#"[{"kind":"a","key":"U"},{"kind":"b"},{"kind":"c","key":"T"}]"#,
+            &l,
+            5,
+            Utc::now(),
+        )
+        .unwrap();
+        bind_key(&mut items, "T", &l).unwrap();
+        for it in &items {
+            assert_eq!(it.envelope.key.as_deref(), Some("T"));
+            let v: serde_json::Value = serde_json::from_str(it.raw.get()).unwrap();
+            assert_eq!(v["key"], "T");
+        }
+        assert_eq!(items[2].raw.get(), r#"{"kind":"c","key":"T"}"#, "unchanged");
+        let small = Limits {
+            max_bytes: 20,
+            ..Limits::default()
+        };
+        let mut items = parse_body(br#"{"kind":"abcdefgh"}"#, &small, 5, Utc::now()).unwrap();
+        assert_eq!(
+            bind_key(&mut items, "tenant", &small).unwrap_err().index,
+            Some(0)
         );
     }
 }

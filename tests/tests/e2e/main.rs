@@ -47,6 +47,7 @@ mod exec_executor;
 mod handler_panics;
 mod http_executor;
 mod integrity;
+mod keys_api;
 mod kinds;
 mod log_hygiene;
 mod memory_alarm;

@@ -3,7 +3,7 @@
 
 const REFRESH_MS = 2000;
 const TOKEN_KEY = "fleet.console.token";
-const VIEWS = ["overview", "groups", "workers", "dead", "schedules", "task", "tasks", "audit"];
+const VIEWS = ["overview", "groups", "workers", "dead", "schedules", "task", "tasks", "keys", "audit"];
 
 const $ = (sel) => document.querySelector(sel);
 
@@ -464,7 +464,7 @@ async function lookupTask(id) {
 
 // ---------------------------------------------------------------- shell
 
-const RENDER = { overview: renderOverview, groups: renderGroups, workers: renderWorkers, dead: renderDead, schedules: renderSchedules, tasks: renderTasks, audit: (...a) => renderAudit(...a), task: async () => {
+const RENDER = { overview: renderOverview, groups: renderGroups, workers: renderWorkers, dead: renderDead, schedules: renderSchedules, tasks: renderTasks, keys: (...a) => renderKeys(...a), audit: (...a) => renderAudit(...a), task: async () => {
   const id = $("#task-id").value.trim();
   if (id) await lookupTask(id);
 } };
@@ -850,3 +850,81 @@ async function renderAudit() {
 }
 
 $("#audit-form").addEventListener("submit", (ev) => { ev.preventDefault(); refreshNow(); });
+
+// ==== fairness keys (issue 33) ====
+// GET /v1/keys: per key its figures and the limits in force, most waiting first; the form sets
+// a key's spec (or the default's, key `*`) with PUT /v1/keys/{key}/limits (admin), `{}` clears.
+
+const SPEC_FIELDS = [["max_running", "#keys-max", "int"], ["min_running", "#keys-min", "int"], ["rate", "#keys-rate", "num"], ["burst", "#keys-burst", "int"], ["weight", "#keys-weight", "num"]];
+
+function specText(s) {
+  const parts = SPEC_FIELDS.map(([f]) => f).filter((f) => s && s[f] !== undefined && s[f] !== null).map((f) => `${f}=${s[f]}`);
+  return parts.length ? parts.join(", ") : "nothing set";
+}
+
+async function renderKeys() {
+  const r = await api("/v1/keys");
+  if (r.status !== 200) throw new Error(problem(r));
+  const d = r.body.default || {};
+  $("#keys-default").textContent = `Default spec (${d.source || "settings"}): ${specText(d)}`;
+  $("#keys-asof").textContent = `${r.body.keys.length} key(s), as of ${fmt.iso(r.body.as_of)}`;
+  const num = (v) => (v === null || v === undefined ? "–" : String(v));
+  const rows = r.body.keys.map((k) => h("tr", { dataset: { key: k.key } },
+    h("td", { class: "mono", dataset: { k: "key" } }, k.key),
+    h("td", { class: "num", dataset: { k: "running" } }, num(k.running)),
+    h("td", { class: "num", dataset: { k: "reserved" } }, num(k.reserved)),
+    h("td", { class: "num", dataset: { k: "waiting" } }, num(k.waiting)),
+    h("td", { class: "num", dataset: { k: "dispatched" } }, num(k.dispatched)),
+    h("td", { class: "num", dataset: { k: "max_running" } }, num(k.max_running)),
+    h("td", { class: "num", dataset: { k: "min_running" } }, num(k.min_running)),
+    h("td", { class: "num", dataset: { k: "rate" } }, num(k.rate)),
+    h("td", { class: "num", dataset: { k: "burst" } }, num(k.burst)),
+    h("td", { class: "num", dataset: { k: "weight" } }, num(k.weight)),
+    h("td", { dataset: { k: "source" }, title: k.set_by ? `set by ${k.set_by} at ${fmt.iso(k.set_at)}${k.reason ? ` — ${k.reason}` : ""}` : undefined }, k.source),
+    h("td", { dataset: { k: "paused" } }, k.paused ? h("span", { class: "badge paused" }, "paused") : "–"),
+    h("td", {},
+      h("button", { class: "edit", on: { click: () => keysEdit(k) } }, "Edit"), " ",
+      k.paused
+        ? h("button", { class: "resume", on: { click: () => setPause({ scope: "key", key: k.key }, false, `key ${k.key}`) } }, "Resume")
+        : h("button", { class: "pause", on: { click: () => setPause({ scope: "key", key: k.key }, true, `key ${k.key}`) } }, "Pause"))));
+  $("#keys-table tbody").replaceChildren(...(rows.length ? rows : [h("tr", { class: "empty" }, h("td", { colspan: 13 }, "No key is known yet: none has limits or recent tasks."))]));
+}
+
+/** Fills the form with a row's key (its own limits are typed anew: the row shows them merged). */
+function keysEdit(k) {
+  $("#keys-key").value = k.key;
+  for (const [f, sel] of SPEC_FIELDS) $(sel).value = k.source === "default" || k[f] === null || k[f] === undefined ? "" : String(k[f]);
+  $("#keys-key").focus();
+}
+
+/** The spec the form holds; throws naming a bad field. */
+function keysSpec() {
+  const spec = {};
+  for (const [f, sel, kind] of SPEC_FIELDS) {
+    const v = $(sel).value.trim();
+    if (v === "") continue;
+    const n = Number(v);
+    if (!Number.isFinite(n) || (kind === "int" && !Number.isInteger(n))) throw new Error(`${f} must be ${kind === "int" ? "a whole number" : "a number"}`);
+    spec[f] = n;
+  }
+  return spec;
+}
+
+async function keysSubmit(clear) {
+  const key = $("#keys-key").value.trim();
+  if (!key) return;
+  let spec;
+  try { spec = clear ? {} : keysSpec(); } catch (e) { notice(e.message, false); return; }
+  if (!clear && !Object.keys(spec).length) { notice("Give at least one limit, or Clear.", false); return; }
+  const reason = $("#keys-reason").value.trim();
+  const what = key === "*" ? "the default spec" : `key ${key}`;
+  const r = await actionApi(`Set limits of ${what}`, `/v1/keys/${encodeURIComponent(key)}/limits`, { method: "PUT", body: reason ? { ...spec, reason } : spec });
+  if (!r) return;
+  if (r.status === 202) notice(`${what}: ${clear ? "cleared" : `set (${specText(spec)})`}.`);
+  else if (r.status === 200) notice(`${what}: already ${clear ? "cleared" : "set so"}.`);
+  else notice(`Cannot set the limits of ${what}: ${problem(r)}`, false);
+  refreshNow();
+}
+
+$("#keys-form").addEventListener("submit", (ev) => { ev.preventDefault(); keysSubmit(false); });
+$("#keys-clear").addEventListener("click", () => keysSubmit(true));
