@@ -84,9 +84,10 @@ pub fn decide(
         (Reservation::Reserved(g), _) => Fate::Dispatch(g),
         (Reservation::Duplicate, _) => Fate::Duplicate,
         (Reservation::Cancelled, _) => Fate::Cancelled,
-        (Reservation::Full(_) | Reservation::NoMatch | Reservation::KeyPark { .. }, Source::Park) => {
-            Fate::Hold
-        }
+        (
+            Reservation::Full(_) | Reservation::NoMatch | Reservation::KeyPark { .. },
+            Source::Park,
+        ) => Fate::Hold,
         // A keyed task waits in its group's fair park queue (its key over its limit, or no
         // room): see `crate::park::fair`.
         (Reservation::KeyPark { group, queue, .. }, _) => Fate::Park(match queue {

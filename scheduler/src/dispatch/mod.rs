@@ -56,6 +56,11 @@ pub trait ParkQueues: Send + Sync {
     /// is named) or no channel can be opened. The dispatcher logs it and publishes anyway: a
     /// queue that does not exist makes the publish unroutable, and its source is requeued.
     fn ensure<'a>(&'a self, group: &'a str, lane: Lane) -> BoxFuture<'a, fleet::Result<()>>;
+
+    /// A receiver that sees every first declare of a fair park queue by this session
+    /// ([`fleet::Names::fair_group`]): its group's release loop starts consuming it at once
+    /// instead of at its next look-up.
+    fn fair_declared(&self) -> tokio::sync::watch::Receiver<u64>;
 }
 
 /// The result of a batch: deliveries the caller keeps (park source), whether a park queue
@@ -80,8 +85,9 @@ pub struct Outcome {
     /// for a caller that stops at one (the orphan rescue). Consuming loops read `failed`.
     pub error: Option<fleet::Error>,
     /// Per fairness key of the batch: its running + reserved after the reservation call
-    /// (cluster-wide, from Redis), for the fair release's `min_running`.
-    pub key_used: Vec<(String, Option<u32>)>,
+    /// (cluster-wide, from Redis), for the fair release's `min_running`, and whether the key
+    /// itself held a task back (paused, at its limit, out of tokens).
+    pub key_used: Vec<(String, Option<u32>, bool)>,
 }
 
 impl Outcome {

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use fleet::redis::Failure;
-use fleet::route::{KeyArg, Reservation, Reserved, ReserveRequest, TaskDescription};
+use fleet::route::{KeyArg, Reservation, ReserveRequest, Reserved, TaskDescription};
 use fleet::{metrics as m, Lane};
 use tokio_util::sync::CancellationToken;
 
@@ -13,7 +13,7 @@ use super::{decide, Dispatcher, Item, ReserveMode, Source};
 
 /// What [`Dispatcher::reserve_and_decide`] returns: the one-try call's error, and each fairness
 /// key's running + reserved after the call.
-pub(super) type KeyedAnswer = (Option<fleet::Error>, Vec<(String, Option<u32>)>);
+pub(super) type KeyedAnswer = (Option<fleet::Error>, Vec<(String, Option<u32>, bool)>);
 
 impl Dispatcher {
     /// Rate limit (opt-in): tokens first, one per task to route, per lane — before any slot

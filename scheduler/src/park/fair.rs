@@ -87,23 +87,37 @@ impl FairHold {
         self.len += 1;
     }
 
+    /// The keys with tasks held.
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.flows
+            .iter()
+            .filter(|(_, f)| !f.tasks.is_empty())
+            .map(|(k, _)| k.as_str())
+    }
+
     /// Takes up to `max` held tasks in the order they are to be offered: keys below their
     /// `min_running` first (`used`: each key's running + reserved as last counted), then
-    /// start-time fair order by the keys' weights in `limits`.
+    /// start-time fair order by the keys' weights in `limits`. A key in `blocked` (it held
+    /// its own tasks back last time: paused, at its limit, out of tokens) is offered only a
+    /// probe — its head, or as many tasks as its token bucket holds at most (a rate-limited
+    /// key must be able to spend what its bucket gathered during one cycle): a batch is not
+    /// spent on tasks that cannot go.
     pub fn batch(
         &mut self,
         max: usize,
         limits: &KeyLimits,
         used: &HashMap<String, u32>,
+        blocked: &std::collections::HashSet<String>,
     ) -> Vec<Delivery> {
         self.offered.clear();
+        let mut probed: HashMap<&str, u32> = HashMap::new();
         let mut out = Vec::with_capacity(max.min(self.len));
         let weight = |k: &str| limits.for_key(k).weight;
         // Guaranteed shares first.
         let mut below: Vec<(String, usize)> = self
             .flows
             .iter()
-            .filter(|(_, f)| !f.tasks.is_empty())
+            .filter(|(k, f)| !f.tasks.is_empty() && !blocked.contains(*k))
             .filter_map(|(k, _)| {
                 let min = limits.for_key(k).min_running;
                 let have = used.get(k).copied().unwrap_or(0);
@@ -124,12 +138,20 @@ impl FairHold {
                 .flows
                 .iter()
                 .filter(|(_, f)| !f.tasks.is_empty())
+                .filter(|(k, _)| {
+                    probed.get(k.as_str()).is_none_or(|n| {
+                        *n < limits.for_key(k).rate.map_or(1, |(_, burst)| burst.max(1))
+                    })
+                })
                 .map(|(k, f)| (self.vnow.max(f.finish), k))
                 .min_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(b.1)))
                 .map(|(_, k)| k.clone());
             let Some(k) = next else { break };
             let w = weight(&k);
             self.take(&k, w, &mut out);
+            if let Some(bk) = blocked.get(&k) {
+                *probed.entry(bk.as_str()).or_default() += 1;
+            }
         }
         out
     }
@@ -145,8 +167,7 @@ impl FairHold {
         };
         let start = vnow.max(f.finish);
         f.finish = start + 1.0 / w;
-        self.offered
-            .insert(d.delivery_tag, (k.to_string(), start));
+        self.offered.insert(d.delivery_tag, (k.to_string(), start));
         out.push(d);
         self.len -= 1;
         true
@@ -180,7 +201,8 @@ impl FairHold {
             }
         }
         // A flow with nothing held keeps no credit: its next task starts at the virtual time.
-        self.flows.retain(|_, f| !f.tasks.is_empty() || f.finish > self.vnow);
+        self.flows
+            .retain(|_, f| !f.tasks.is_empty() || f.finish > self.vnow);
     }
 }
 
@@ -204,17 +226,25 @@ mod tests {
             l.keys.entry(k.to_string()).or_default().weight = Some(*w);
         }
         for (k, m) in min {
-            l.keys.entry(k.to_string()).or_insert_with(KeyLimitSpec::default).min_running = Some(*m);
+            l.keys
+                .entry(k.to_string())
+                .or_insert_with(KeyLimitSpec::default)
+                .min_running = Some(*m);
         }
         l
     }
 
     /// Serves `slots` tasks per round from a backlog of every key, as a full group would,
     /// and counts what each key got.
-    fn serve(h: &mut FairHold, l: &KeyLimits, rounds: usize, slots: usize) -> HashMap<String, usize> {
+    fn serve(
+        h: &mut FairHold,
+        l: &KeyLimits,
+        rounds: usize,
+        slots: usize,
+    ) -> HashMap<String, usize> {
         let mut got: HashMap<String, usize> = HashMap::new();
         for _ in 0..rounds {
-            let mut b = h.batch(64, l, &HashMap::new());
+            let mut b = h.batch(64, l, &HashMap::new(), &Default::default());
             let rest = b.split_off(slots.min(b.len()));
             for d in &b {
                 *got.entry(key_of(d)).or_default() += 1;
@@ -248,14 +278,17 @@ mod tests {
             h.push(task(t, "flood"));
         }
         let alone = serve(&mut h, &l, 100, 4);
-        assert_eq!(alone["flood"], 400, "work conserving: alone it takes all the room");
+        assert_eq!(
+            alone["flood"], 400,
+            "work conserving: alone it takes all the room"
+        );
         for t in 1000..1100 {
             h.push(task(t, "late"));
         }
         let got = serve(&mut h, &l, 50, 4);
         assert_eq!((got["flood"], got["late"]), (100, 100));
         // The tasks not served went back in order: the flood's next is the 501st.
-        let b = h.batch(1, &l, &HashMap::new());
+        let b = h.batch(1, &l, &HashMap::new(), &Default::default());
         assert_eq!(b.len(), 1);
     }
 
@@ -270,7 +303,7 @@ mod tests {
             h.push(task(t, "small"));
         }
         let used: HashMap<String, u32> = [("small".to_string(), 0)].into();
-        let b = h.batch(3, &l, &used);
+        let b = h.batch(3, &l, &used, &Default::default());
         let keys: Vec<String> = b.iter().map(key_of).collect();
         assert_eq!(keys[..2], ["small".to_string(), "small".to_string()]);
     }
@@ -282,11 +315,11 @@ mod tests {
         for t in 0..6 {
             h.push(task(t, if t % 2 == 0 { "a" } else { "b" }));
         }
-        let b = h.batch(6, &l, &HashMap::new());
+        let b = h.batch(6, &l, &HashMap::new(), &Default::default());
         h.put_back(b, &l);
         assert_eq!(h.len(), 6);
         let again: Vec<u64> = h
-            .batch(6, &l, &HashMap::new())
+            .batch(6, &l, &HashMap::new(), &Default::default())
             .iter()
             .map(|d| d.delivery_tag)
             .collect();

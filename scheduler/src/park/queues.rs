@@ -19,6 +19,8 @@ use crate::view::Declared;
 pub struct Queues {
     session: Arc<Session>,
     declared: Mutex<HashSet<(String, Lane)>>,
+    /// Bumped when a fair park queue is first declared ([`ParkQueues::fair_declared`]).
+    fair: tokio::sync::watch::Sender<u64>,
 }
 
 impl Queues {
@@ -27,6 +29,7 @@ impl Queues {
         Queues {
             session,
             declared: Mutex::new(HashSet::new()),
+            fair: tokio::sync::watch::channel(0).0,
         }
     }
 
@@ -63,6 +66,9 @@ impl Queues {
         }
         self.declare(group, lane).await?;
         self.declared_set().insert(key);
+        if fleet::Names::fair_of(group).is_some() {
+            self.fair.send_modify(|n| *n += 1);
+        }
         Ok(())
     }
 
@@ -86,6 +92,10 @@ impl Queues {
 impl ParkQueues for Queues {
     fn ensure<'a>(&'a self, group: &'a str, lane: Lane) -> BoxFuture<'a, fleet::Result<()>> {
         Queues::ensure(self, group, lane).boxed()
+    }
+
+    fn fair_declared(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.fair.subscribe()
     }
 }
 

@@ -20,8 +20,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::fair::FairHold;
 use super::UNMATCHED;
-use std::collections::HashMap;
 use crate::dispatch::{Dispatcher, Source};
+use std::collections::{HashMap, HashSet};
 
 /// How soon held tasks are offered again: from `RETRY_MIN`, doubling while nothing frees up,
 /// up to `RETRY_MAX`. A busy group frees slots every few milliseconds; an idle wait costs
@@ -155,6 +155,9 @@ async fn consume(
     let mut consumers = futures::stream::select_all([first]);
     let mut held = FairHold::default();
     let mut used: HashMap<String, u32> = HashMap::new();
+    // Keys that held their own tasks back in the last batch: offered one task (a probe) each.
+    let mut blocked: HashSet<String> = HashSet::new();
+    let mut last_dispatched = usize::from(hold_max);
     let mut retry = RETRY_MIN;
     // The waiting-for-worker queue is a park queue of no group: its tasks take no group's
     // room ahead of others, and no group's "parked" flag is kept for them.
@@ -180,6 +183,9 @@ async fn consume(
     };
     let mut fair = 0u16;
     let mut looked = tokio::time::Instant::now() - FAIR_LOOKUP;
+    // This session's first declare of a fair queue (a key just parked in one) is looked up
+    // at once.
+    let mut fair_news = d.parks().fair_declared();
     loop {
         // With a full hold the consumer is not polled, so its end would go unseen: a channel
         // the broker closed (its consumer timeout, while a full group held tasks here longer)
@@ -189,6 +195,10 @@ async fn consume(
         }
         if paused(d, group, lane) {
             return Ok(Ended::Paused);
+        }
+        if fair < max_fair && fair_news.has_changed().unwrap_or(false) {
+            fair_news.borrow_and_update();
+            looked = tokio::time::Instant::now() - FAIR_LOOKUP;
         }
         if fair < max_fair && looked.elapsed() >= FAIR_LOOKUP {
             looked = tokio::time::Instant::now();
@@ -208,6 +218,7 @@ async fn consume(
                 n = consumers.next() => n,
                 // New fair queues are looked up while nothing is held, too.
                 _ = tokio::time::sleep(FAIR_LOOKUP), if fair < max_fair => continue,
+                _ = fair_news.changed(), if fair < max_fair => continue,
             };
             match next {
                 Some(Ok(dl)) => held.push(dl),
@@ -228,14 +239,49 @@ async fn consume(
             }
         }
         let limits = d.session.pauses.key_limits();
-        let batch = held.batch(usize::from(hold_max), &limits, &used);
+        // Keys with a guaranteed share and tasks held: their running + reserved read fresh
+        // (a finished run gives its slot back without this loop seeing it).
+        let floors: Vec<String> = held
+            .keys()
+            .filter(|k| limits.for_key(k).min_running > 0)
+            .map(str::to_string)
+            .collect();
+        if !floors.is_empty() {
+            let ks: Vec<&str> = floors.iter().map(String::as_str).collect();
+            let now = d.session.store.clock.now_ms();
+            if let Ok(counts) = d.session.store.key_used(&ks, now).await {
+                for (k, n) in floors.iter().zip(counts) {
+                    used.insert(k.clone(), n);
+                }
+            }
+        }
+        // Offered: about what the group took last time, doubled (at least 16): the fair order's
+        // head, not the whole window — a batch costs a parse and a script pass per task, and a
+        // short batch is a short cycle, so freed slots are handed out sooner.
+        let want = (2 * last_dispatched + 16).min(usize::from(hold_max));
+        let batch = held.batch(want, &limits, &used, &blocked);
+        let offered = batch.len();
         let out = d.process(batch, &source, shutdown).await;
+        last_dispatched = out.dispatched;
         out.check_publisher(&d.session)?;
-        for (k, u) in &out.key_used {
+        for (k, u, b) in &out.key_used {
             if let Some(u) = u {
                 used.insert(k.clone(), *u);
             }
+            if *b {
+                blocked.insert(k.clone());
+            } else {
+                blocked.remove(k);
+            }
         }
+        tracing::debug!(
+            group,
+            offered,
+            dispatched = out.dispatched,
+            held = held.len() + out.held.len(),
+            blocked = blocked.len(),
+            "fair release batch"
+        );
         // A publish that failed (e.g. the target park queue at its bound) requeued its source,
         // which comes straight back: wait as for a held task rather than spin on it.
         let refused = out.failed > 0;
@@ -253,6 +299,16 @@ async fn consume(
             (retry * 2).min(RETRY_MAX)
         };
         if !held.is_empty() || refused {
+            // A key held back by its rate gets its next token within half its interval: a
+            // longer pause would waste tokens past the bucket's size.
+            if let Some(pace) = held
+                .keys()
+                .filter_map(|k| limits.for_key(k).rate.map(|(r, _)| r))
+                .map(|r| Duration::from_secs_f64(0.5 / r.max(0.001)))
+                .min()
+            {
+                retry = retry.min(pace.max(RETRY_MIN));
+            }
             if unmatched {
                 // Nothing frees room here; a worker registering does. Ask a few times a second.
                 retry = UNMATCHED_RETRY;
@@ -291,7 +347,12 @@ async fn add_fair_queues(
     max: u16,
     consumers: &mut futures::stream::SelectAll<lapin::Consumer>,
 ) -> fleet::Result<u16> {
-    let assigned = match d.session.store.fair_queues_assigned(group, Lane::Normal).await {
+    let assigned = match d
+        .session
+        .store
+        .fair_queues_assigned(group, Lane::Normal)
+        .await
+    {
         Ok(n) => n.min(max),
         Err(e) => {
             tracing::debug!(error = %e, "cannot read the fair queues assigned");

@@ -52,7 +52,9 @@ pub struct KeyLimitSpec {
     /// Dispatches per second (a token bucket in Redis, on Redis's clock).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rate: Option<f64>,
-    /// The bucket's size (tasks); default `max(1, ceil(rate / 10))`.
+    /// The bucket's size (tasks); default `max(1, ceil(rate))` (one second of the rate).
+    /// A key's first bucket starts with one token, so a burst is only ever what idle time
+    /// gathered.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub burst: Option<u32>,
     /// Share of a full group's room relative to other keys (default 1; > 0).
@@ -270,9 +272,7 @@ impl KeyLimits {
             None => self.default.clone(),
         };
         let rate = spec.rate.map(|r| {
-            let burst = spec
-                .burst
-                .unwrap_or_else(|| ((r / 10.0).ceil() as u32).max(1));
+            let burst = spec.burst.unwrap_or_else(|| (r.ceil() as u32).max(1));
             (r, burst)
         });
         KeyLimit {
@@ -492,6 +492,33 @@ pub struct KeyFigures {
 }
 
 impl Store {
+    /// Running + reserved of each of `keys` as of `now_ms` (Redis ms: lapsed leases are not
+    /// counted), in order: one pipeline of two `ZCOUNT`s per key.
+    ///
+    /// # Errors
+    /// Redis failed.
+    pub async fn key_used(&self, keys: &[&str], now_ms: i64) -> Result<Vec<u32>> {
+        if keys.is_empty() {
+            return Ok(vec![]);
+        }
+        let mut p = redis::pipe();
+        for k in keys {
+            p.cmd("ZCOUNT")
+                .arg(self.names.key_running(k))
+                .arg(now_ms)
+                .arg("+inf");
+            p.cmd("ZCOUNT")
+                .arg(self.names.key_reserved(k))
+                .arg(now_ms)
+                .arg("+inf");
+        }
+        let counts: Vec<u64> = self.pipe(&p).await?;
+        Ok(counts
+            .chunks(2)
+            .map(|c| u32::try_from(c.iter().sum::<u64>()).unwrap_or(u32::MAX))
+            .collect())
+    }
+
     /// The figures of every key Redis knows (a `t:` field in the `kf` hash) and of `also`, by
     /// key, as of `now_ms` (Redis ms: leases lapsed before it are not counted). Two round
     /// trips: the hash, then two `ZCOUNT`s per key in one pipeline.
@@ -575,7 +602,7 @@ mod tests {
         );
         let acme = l.for_key("acme");
         assert_eq!(acme.max_running, Some(5));
-        assert_eq!(acme.rate, Some((20.0, 2)));
+        assert_eq!(acme.rate, Some((20.0, 20)));
         assert_eq!(acme.weight, 3.0);
         let other = l.for_key("beta");
         assert_eq!(

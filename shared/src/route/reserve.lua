@@ -59,7 +59,8 @@
 --          window) | 'fresh', '' (mode 2: not a duplicate) | 'cancelled', '' (an operator
 --          cancelled it, keys.lua status_cancelled: drop it, never dispatch; nothing reserved)
 -- then, after the 2n entries: the number of key slots whose lease lapsed (dropped here),
---   then per key of the batch: name, running + reserved after the batch.
+--   then per key of the batch: name, running + reserved after the batch (-1: not read),
+--   blocked (1: a task of it was answered 'kwait').
 -- The cancel check costs no command on the way to a reservation: the record's state, which
 -- the status writer reads anyway, is read once before routing and handed to it.
 -- A fresh submission (dedupe 1) of an id whose mark has expired (the window counts from the
@@ -156,7 +157,8 @@ local function ktokens(ks)
   if ks.tokens == nil then
     local b = redis.call('HMGET', K_kb(ks.name), 'tokens', 'ts')
     local tok, ts = tonumber(b[1]), tonumber(b[2])
-    if tok == nil or ts == nil then tok = ks.burst
+    -- A key's first bucket holds one token: a burst is only what idle time gathered.
+    if tok == nil or ts == nil then tok = math.min(1, ks.burst)
     else tok = math.min(ks.burst, tok + math.max(0, now - ts) * ks.rate / 1000) end
     ks.tokens = tok
   end
@@ -331,6 +333,7 @@ for t = 1, n do
         ks.waiting = ks.waiting + 1
         status_parked(id, bg, lane, st_ttl, kind, sub, fresh, cur, sels[selk].key, ks.name)
       end
+      ks.blocked = true
       out[o], out[o + 1] = 'kwait', fair_queue(bg, lane, ks) .. '|' .. bg
     else
     if strategy == 'round_robin' or strategy == 'weighted' then
@@ -427,5 +430,6 @@ for _, ks in ipairs(keys) do
   redis.call('HSET', K_kf(), 't:' .. ks.name, now)
   out[#out + 1] = ks.name
   out[#out + 1] = ks.used or -1
+  out[#out + 1] = ks.blocked and 1 or 0
 end
 return out

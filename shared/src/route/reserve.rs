@@ -58,8 +58,9 @@ pub struct Reserved {
     /// Key slots whose lease had lapsed, dropped by this call (leaked by a crash: counted in
     /// `fleet_key_slots_reclaimed_total`).
     pub reclaimed: u64,
-    /// Per key of the batch: its running + reserved after the call (`None`: not read).
-    pub used: Vec<(String, Option<u32>)>,
+    /// Per key of the batch: its running + reserved after the call (`None`: not read), and
+    /// whether a task of it was held back by the key itself (paused, at its limit, no token).
+    pub used: Vec<(String, Option<u32>, bool)>,
 }
 
 /// What a task is, written into its status record by the same `reserve.lua` call that
@@ -250,9 +251,9 @@ impl Store {
         let used = tail
             .get(1..)
             .unwrap_or_default()
-            .chunks(2)
+            .chunks(3)
             .filter_map(|kv| match kv {
-                [k, u] => Some((k.clone(), u.parse::<u32>().ok())),
+                [k, u, b] => Some((k.clone(), u.parse::<u32>().ok(), b == "1")),
                 _ => None,
             })
             .collect();
@@ -334,7 +335,10 @@ impl Store {
                 .arg(id)
                 .ignore();
             if let Some(k) = key {
-                p.cmd("ZREM").arg(self.names.key_reserved(k)).arg(id).ignore();
+                p.cmd("ZREM")
+                    .arg(self.names.key_reserved(k))
+                    .arg(id)
+                    .ignore();
             }
         }
         self.pipe::<()>(&p).await

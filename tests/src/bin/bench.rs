@@ -137,7 +137,7 @@ impl Floor {
                 dedupe: fleet::route::Dedupe::Check,
                 from_park: false,
                 dedupe_only: false,
-            key: None,
+                key: None,
             })
             .collect();
         let reserved = match self
@@ -178,7 +178,7 @@ impl Floor {
                 base: 1,
                 max_attempts: 5,
                 isolated: false,
-            key: None,
+                key: None,
             })
             .collect();
         match self

@@ -663,7 +663,7 @@ async fn measure_reserve(
                         dedupe: Dedupe::Check,
                         from_park: false,
                         dedupe_only: false,
-            key: None,
+                        key: None,
                     })
                     .collect();
                 let t0 = Instant::now();
@@ -748,7 +748,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
                 dedupe: Dedupe::Check,
                 from_park: false,
                 dedupe_only: false,
-            key: None,
+                key: None,
             })
             .collect();
         let params = default_params();
@@ -767,7 +767,7 @@ async fn heartbeats(a: &SimArgs, store: &Store, probe: &Probe, fleet: &Fleet) ->
                 base: 1,
                 max_attempts: 5,
                 isolated: false,
-            key: None,
+                key: None,
             })
             .collect();
         let (registered, c) =

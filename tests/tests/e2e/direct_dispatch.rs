@@ -36,7 +36,7 @@ fn req(id: String, selector: &str) -> ReserveRequest {
         dedupe: Dedupe::Skip,
         from_park: false,
         dedupe_only: false,
-            key: None,
+        key: None,
     }
 }
 

@@ -185,7 +185,7 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
         base: 1,
         max_attempts: 3,
         isolated,
-            key: None,
+        key: None,
     };
     let lease = Duration::from_secs(60);
     let (_, c) = ns
@@ -298,7 +298,7 @@ async fn eviction_releases_only_the_evicted_workers_records() -> anyhow::Result<
         base: 2,
         max_attempts: 3,
         isolated: false,
-            key: None,
+        key: None,
     };
     let (_, c) = ns
         .store
@@ -410,7 +410,7 @@ async fn a_woken_worker_that_registers_again_keeps_its_run() -> anyhow::Result<(
         base: 1,
         max_attempts: 3,
         isolated: false,
-            key: None,
+        key: None,
     };
     let lease = Duration::from_secs(60);
     let (_, c) = ns
@@ -502,7 +502,7 @@ async fn a_retry_after_an_unheard_suspect_claim_still_runs() -> anyhow::Result<(
         base,
         max_attempts: 5,
         isolated: false,
-            key: None,
+        key: None,
     };
     // A worker that is gone (never registered here) ran attempt 1.
     let (_, c) = ns

@@ -267,7 +267,7 @@ async fn reserve(store: &Store, kind: &str) -> anyhow::Result<Reservation> {
         dedupe: Dedupe::Skip,
         from_park: false,
         dedupe_only: false,
-            key: None,
+        key: None,
     };
     let mut r = store.reserve(&[req], params()).await?;
     anyhow::ensure!(r.len() == 1, "one answer per task: {r:?}");

@@ -35,7 +35,7 @@ fn req(id: String, dedupe: Dedupe) -> ReserveRequest {
         dedupe,
         from_park: false,
         dedupe_only: false,
-            key: None,
+        key: None,
     }
 }
 
@@ -161,7 +161,7 @@ async fn strategies_choose_as_documented() -> anyhow::Result<()> {
         dedupe: Dedupe::Skip,
         from_park: false,
         dedupe_only: false,
-            key: None,
+        key: None,
     };
 
     // round_robin alternates between the two groups.
