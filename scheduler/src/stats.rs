@@ -121,15 +121,15 @@ async fn key_gauges(s: &Session, shown: &mut BTreeSet<String>) -> fleet::Result<
 /// The label value of the keys summed together beyond the top N.
 pub const OTHER_KEY: &str = "other";
 
-/// The `n` keys with the most tasks waiting (then by name), and the (running, waiting) sums
-/// of the rest when there is a rest.
-fn top_keys(
-    figures: &BTreeMap<String, fleet::control::KeyFigures>,
-    n: usize,
-) -> (
+/// The keys shown one by one with their figures, and the (running, waiting) sums of the rest.
+type TopKeys = (
     Vec<(String, fleet::control::KeyFigures)>,
     Option<(u64, u64)>,
-) {
+);
+
+/// The `n` keys with the most tasks waiting (then by name), and the (running, waiting) sums
+/// of the rest when there is a rest.
+fn top_keys(figures: &BTreeMap<String, fleet::control::KeyFigures>, n: usize) -> TopKeys {
     let mut all: Vec<_> = figures.iter().collect();
     all.sort_by(|a, b| b.1.waiting.cmp(&a.1.waiting).then_with(|| a.0.cmp(b.0)));
     let rest = all.split_off(n.min(all.len()));

@@ -446,6 +446,9 @@ async fn bad_key_settings_stop_start_up_naming_the_setting() -> Result<()> {
     Ok(())
 }
 
+/// Every run a handler saw: (task id, the envelope's key).
+type Seen = Arc<Mutex<Vec<(String, Option<String>)>>>;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_token_bound_to_a_key_sets_its_tasks_key() -> Result<()> {
     let ns = Ns::new().await?;
@@ -453,7 +456,7 @@ async fn a_token_bound_to_a_key_sets_its_tasks_key() -> Result<()> {
     let mut settings: Vec<(&str, &str)> = SCHEDULER.to_vec();
     settings.push(("api_tokens", tokens.as_str()));
     let sched = start_scheduler(&ns, &settings).await?;
-    let seen: Arc<Mutex<Vec<(String, Option<String>)>>> = Arc::default();
+    let seen: Seen = Arc::default();
     let s = seen.clone();
     let h = handler_fn(move |ctx| {
         let s = s.clone();
