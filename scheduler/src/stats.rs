@@ -86,8 +86,9 @@ impl Sampler {
 
 /// The `fleet_key_*` gauges: the `FLEET_KEY_METRICS_TOP` keys with the most tasks waiting
 /// (then by name) one by one, the rest summed under `key="other"` — label values stay bounded
-/// however many tenants there are. A key that leaves the top is set to 0 (the exporter keeps a
-/// series once written). `shown` is what the previous sample wrote.
+/// however many tenants there are. A key that leaves the top reads 0 in running and waiting
+/// (the exporter keeps a series once written; its max keeps the limit). `shown` is what the
+/// previous sample wrote.
 async fn key_gauges(s: &Session, shown: &mut BTreeSet<String>) -> fleet::Result<()> {
     let limits = s.pauses.key_limits();
     let now = s.store.clock.now_ms();
