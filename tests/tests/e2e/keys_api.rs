@@ -418,6 +418,26 @@ async fn runtime_limits_are_audited_and_survive_a_restart_and_flushall() -> Resu
             "quota"
         )
     );
+    // fleetctl audit lists them like any operator action.
+    let (code, out, err) =
+        fleetctl_with(&ns, &api, &tok, &["audit", "--action", "key_limit"]).await?;
+    ensure!(code == 0, "fleetctl audit: {code} {out} {err}");
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect())
+        .filter(|r: &Vec<&str>| r.get(1) == Some(&"key_limit"))
+        .collect();
+    assert_eq!(rows.len(), 4, "{out}");
+    assert_eq!(
+        (rows[1][2], rows[1][3], rows[1][4]),
+        ("ops", "admin", "1"),
+        "{out}"
+    );
+    ensure!(
+        out.lines().any(|l| l.starts_with("4 of 4 entries")),
+        "{out}"
+    );
     sched.stop().await?;
     ns.cleanup().await
 }
