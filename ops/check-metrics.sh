@@ -54,6 +54,9 @@ OPTIONAL_METRICS=(
     fleet_probe_seconds_bucket
     fleet_probe_failures_total
     fleet_probes_completed_total
+    fleet_key_running
+    fleet_key_waiting
+    fleet_key_max_running
 )
 
 bash ops/services.sh --tools

@@ -2094,4 +2094,44 @@ mod tests {
         assert_eq!(cli(&["--shards", "4"]).shards, 4);
         assert!(Cli::try_parse_from(["fleetctl", "--shards", "0", "workers"]).is_err());
     }
+
+    fn key_limit_args(args: &[&str]) -> Result<KeyLimitArgs, clap::Error> {
+        let mut argv = vec!["fleetctl", "key-limit"];
+        argv.extend_from_slice(args);
+        match Cli::try_parse_from(argv)?.cmd {
+            Cmd::KeyLimit(a) => Ok(a),
+            _ => unreachable!("key-limit parses as KeyLimit"),
+        }
+    }
+
+    #[test]
+    fn key_limit_sends_the_fields_given_and_clear_sends_none() {
+        let a = key_limit_args(&[
+            "acme",
+            "--max-running",
+            "5",
+            "--weight",
+            "2.5",
+            "--reason",
+            "vip",
+        ])
+        .unwrap();
+        assert_eq!(
+            key_limit_body(&a),
+            serde_json::json!({"max_running": 5, "weight": 2.5, "reason": "vip"})
+        );
+        let d = key_limit_args(&["--default", "--rate", "3"]).unwrap();
+        assert!(d.default && d.key.is_none());
+        assert_eq!(key_limit_body(&d), serde_json::json!({"rate": 3.0}));
+        let c = key_limit_args(&["acme", "--clear"]).unwrap();
+        assert_eq!(key_limit_body(&c), serde_json::json!({}));
+        assert!(key_limit_args(&["acme", "--clear", "--max-running", "3"]).is_err());
+        assert!(
+            key_limit_args(&["--max-running", "3"]).is_err(),
+            "a key or --default"
+        );
+        assert!(key_limit_args(&["acme", "--default", "--rate", "1"]).is_err());
+        let url = key_limits_url(&cli(&["--api", "http://h:1/"]), "team/a b").unwrap();
+        assert_eq!(url.as_str(), "http://h:1/v1/keys/team%2Fa%20b/limits");
+    }
 }

@@ -86,8 +86,9 @@ impl Sampler {
 
 /// The `fleet_key_*` gauges: the `FLEET_KEY_METRICS_TOP` keys with the most tasks waiting
 /// (then by name) one by one, the rest summed under `key="other"` — label values stay bounded
-/// however many tenants there are. A key that leaves the top is set to 0 (the exporter keeps a
-/// series once written). `shown` is what the previous sample wrote.
+/// however many tenants there are. A key that leaves the top reads 0 in running and waiting
+/// (the exporter keeps a series once written; its max keeps the limit). `shown` is what the
+/// previous sample wrote.
 async fn key_gauges(s: &Session, shown: &mut BTreeSet<String>) -> fleet::Result<()> {
     let limits = s.pauses.key_limits();
     let now = s.store.clock.now_ms();
@@ -121,15 +122,15 @@ async fn key_gauges(s: &Session, shown: &mut BTreeSet<String>) -> fleet::Result<
 /// The label value of the keys summed together beyond the top N.
 pub const OTHER_KEY: &str = "other";
 
-/// The `n` keys with the most tasks waiting (then by name), and the (running, waiting) sums
-/// of the rest when there is a rest.
-fn top_keys(
-    figures: &BTreeMap<String, fleet::control::KeyFigures>,
-    n: usize,
-) -> (
+/// The keys shown one by one with their figures, and the (running, waiting) sums of the rest.
+type TopKeys = (
     Vec<(String, fleet::control::KeyFigures)>,
     Option<(u64, u64)>,
-) {
+);
+
+/// The `n` keys with the most tasks waiting (then by name), and the (running, waiting) sums
+/// of the rest when there is a rest.
+fn top_keys(figures: &BTreeMap<String, fleet::control::KeyFigures>, n: usize) -> TopKeys {
     let mut all: Vec<_> = figures.iter().collect();
     all.sort_by(|a, b| b.1.waiting.cmp(&a.1.waiting).then_with(|| a.0.cmp(b.0)));
     let rest = all.split_off(n.min(all.len()));

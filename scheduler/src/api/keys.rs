@@ -115,25 +115,22 @@ async fn rows(st: &AppState, want: Option<&str>) -> Result<(Vec<Value>, Value, i
     let settings = st.pauses.key_settings();
     let overrides = st.pauses.key_overrides();
     let paused = st.pauses.current();
-    let mut also: Vec<String> = match want {
-        Some(k) => vec![k.to_string()],
-        None => limits.keys.keys().cloned().collect(),
-    };
-    if want.is_none() {
-        also.extend(paused.all().filter_map(|p| match &p.target {
-            fleet::control::Target::Key { key } => Some(key.clone()),
-            _ => None,
-        }));
-    }
+    let mut also: Vec<String> = limits.keys.keys().cloned().collect();
+    also.extend(paused.all().filter_map(|p| match &p.target {
+        fleet::control::Target::Key { key } => Some(key.clone()),
+        _ => None,
+    }));
     let now = st.store.clock.now_ms();
-    let mut figures = st
-        .store
-        .key_figures(also, now)
-        .await
-        .map_err(|e| error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()))?;
-    if let Some(k) = want {
-        figures.retain(|key, _| key == k);
-    }
+    let redis = |e: fleet::Error| error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string());
+    let figures: std::collections::BTreeMap<String, KeyFigures> = match want {
+        Some(k) => [(
+            k.to_string(),
+            st.store.key_figure(k, now).await.map_err(redis)?,
+        )]
+        .into_iter()
+        .collect(),
+        None => st.store.key_figures(also, now).await.map_err(redis)?,
+    };
     let l = Limits {
         limits: &limits,
         settings: &settings,

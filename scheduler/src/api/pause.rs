@@ -2,7 +2,8 @@
 //!
 //! * `POST /v1/pauses` (role `admin`), body
 //!   `{"scope": "group", "group": G}` | `{"scope": "lane", "group": G, "lane": "normal"|"critical"}`
-//!   | `{"scope": "kind", "kind": K}`, with an optional `"reason"`:
+//!   | `{"scope": "kind", "kind": K}` | `{"scope": "key", "key": K}` (a fairness key, see
+//!   [`super::keys`]), with an optional `"reason"`:
 //!   * **202** `{"pause": P}` — a promise: the record is in the durable control stream
 //!     (confirmed by the broker) **and** this replica applied it before answering, so this
 //!     replica dispatches nothing paused from now on; other replicas follow within
@@ -14,7 +15,7 @@
 //!   * **200** `{"resumed": T, "already": true}` — it was not paused.
 //!   * **409** `paused_by_group` — a lane whose whole group is paused (resume the group).
 //! * `GET /v1/pauses` (role `read`): `{"pauses": [P...]}`, each
-//!   `P = {"scope", "group"?, "lane"?, "kind"?, "since", "since_ms", "by", "reason", "held"?}`
+//!   `P = {"scope", "group"?, "lane"?, "kind"?, "key"?, "since", "since_ms", "by", "reason", "held"?}`
 //!   (`since`: RFC 3339 UTC; `held`: for a kind, the tasks in its hold queues at the last
 //!   stats sample).
 //!

@@ -519,6 +519,37 @@ impl Store {
             .collect())
     }
 
+    /// The figures of one key as of `now_ms` (Redis ms): one pipeline (`HMGET` of its three
+    /// fields, two `ZCOUNT`s).
+    ///
+    /// # Errors
+    /// Redis failed.
+    pub async fn key_figure(&self, key: &str, now_ms: i64) -> Result<KeyFigures> {
+        let mut p = redis::pipe();
+        p.cmd("HMGET")
+            .arg(self.names.key_figures())
+            .arg(format!("d:{key}"))
+            .arg(format!("w:{key}"))
+            .arg(format!("t:{key}"));
+        p.cmd("ZCOUNT")
+            .arg(self.names.key_running(key))
+            .arg(now_ms)
+            .arg("+inf");
+        p.cmd("ZCOUNT")
+            .arg(self.names.key_reserved(key))
+            .arg(now_ms)
+            .arg("+inf");
+        let (fields, running, reserved): ([Option<i64>; 3], u64, u64) = self.pipe(&p).await?;
+        let [d, w, t] = fields;
+        Ok(KeyFigures {
+            running,
+            reserved,
+            waiting: w.unwrap_or(0).max(0) as u64,
+            dispatched: d.unwrap_or(0).max(0) as u64,
+            last_ms: t.unwrap_or(0),
+        })
+    }
+
     /// The figures of every key Redis knows (a `t:` field in the `kf` hash) and of `also`, by
     /// key, as of `now_ms` (Redis ms: leases lapsed before it are not counted). Two round
     /// trips: the hash, then two `ZCOUNT`s per key in one pipeline.

@@ -398,6 +398,10 @@ mod tests {
             ("K_reclaim('g=1')", n.reclaimed("g=1")),
             ("K_dead_lock()", n.dead_lock()),
             ("K_tix()", n.task_index()),
+            ("K_kq('acme')", n.key_reserved("acme")),
+            ("K_kr('acme')", n.key_running("acme")),
+            ("K_kb('acme')", n.key_bucket("acme")),
+            ("K_kf()", n.key_figures()),
         ];
         let calls: Vec<&str> = pairs.iter().map(|(call, _)| *call).collect();
         let script = format!(
