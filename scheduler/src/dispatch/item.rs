@@ -129,10 +129,26 @@ fn parse(
             .filter(|t| now - *t >= chrono::Duration::seconds(2));
         e.submitted_at = header.or(stamp);
     }
+    if source.starts_clock() && e.trace.is_none() {
+        e.trace = trace_context(d);
+    }
     if source.screens() {
         e.normalize(now, cfg.common.default_max_attempts)?;
     }
     Ok(e)
+}
+
+/// The trace context of a submission without one in its body: the producer's `traceparent`
+/// (and `tracestate`) AMQP headers when valid, else a new trace while spans are exported, else
+/// none (W3C Trace Context: an invalid one is ignored, never refused). Costs one header lookup
+/// when the producer sent none and spans are not exported.
+fn trace_context(d: &Delivery) -> Option<fleet::task::TraceContext> {
+    use fleet::task::trace::{TraceContext, TRACEPARENT, TRACESTATE};
+    let given = amqp::header_text(&d.properties, TRACEPARENT).and_then(|tp| {
+        let ts = amqp::header_text(&d.properties, TRACESTATE);
+        TraceContext::parse(&tp, ts.as_deref())
+    });
+    given.or_else(|| fleet::trace::enabled().then(TraceContext::generate))
 }
 
 #[cfg(test)]
