@@ -81,6 +81,7 @@ mod subsetting;
 mod takeover;
 mod tasks;
 mod tls;
+mod trace;
 mod views;
 mod waiting_for_worker;
 mod worker_kill;
