@@ -200,7 +200,19 @@ async fn submit(
             Err(e) => tracing::warn!(error = %e, "submission limiter unavailable; admitting"),
         }
     }
-    let (accepted, refused) = match publish_all(&st, &envs, now).await {
+    // The W3C Trace Context request headers go on as AMQP headers, read at ingress like an
+    // AMQP producer's (checked there: an invalid one is ignored).
+    let trace: Vec<(&str, String)> = [
+        fleet::task::trace::TRACEPARENT,
+        fleet::task::trace::TRACESTATE,
+    ]
+    .into_iter()
+    .filter_map(|name| {
+        let v = headers.get(name)?.to_str().ok()?;
+        Some((name, v.to_string()))
+    })
+    .collect();
+    let (accepted, refused) = match publish_all(&st, &envs, now, &trace).await {
         Ok(r) => r,
         Err(Unfinished {
             accepted,
@@ -336,6 +348,7 @@ async fn publish_all(
     st: &AppState,
     envs: &[(&Envelope, &[u8], bool)],
     now: chrono::DateTime<chrono::Utc>,
+    trace: &[(&str, String)],
 ) -> Result<(Vec<String>, Vec<String>), Unfinished> {
     let names = st.store.names.clone();
     let deadline = tokio::time::Instant::now() + REPUBLISH_WITHIN;
@@ -369,12 +382,14 @@ async fn publish_all(
         let exchange = names.submit_exchange();
         let msgs = todo.iter().map(|&i| {
             let (e, bytes, stamped) = &envs[i];
-            let h = stamped.then(|| {
-                amqp::headers([(
+            let stamp = stamped.then(|| {
+                (
                     fleet::task::headers::SUBMITTED_AT,
                     fleet::task::headers::submitted_at_value(now),
-                )])
+                )
             });
+            let h = (stamp.is_some() || !trace.is_empty())
+                .then(|| amqp::headers(stamp.into_iter().chain(trace.iter().cloned())));
             amqp::Outgoing {
                 exchange: &exchange,
                 routing_key: e.lane.as_str(),

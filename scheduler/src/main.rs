@@ -30,6 +30,10 @@ async fn main() -> ExitCode {
         Err(e) => return fleet::error::report("fleet-scheduler", &e.into()),
     };
     fleet::process::telemetry::init(&cfg.common.log_format);
+    let spans = match fleet::trace::init(cfg.common.otlp_endpoint.as_deref(), "fleet-scheduler") {
+        Ok(s) => s,
+        Err(e) => return fleet::error::report("fleet-scheduler", &e.into()),
+    };
     for warning in fleet::settings::unknown(&settings) {
         tracing::warn!("{warning}");
     }
@@ -43,6 +47,9 @@ async fn main() -> ExitCode {
         r = fleet_scheduler::run(cfg, listener, signals.drain.clone()) => r,
         _ = signals.force.cancelled() => Err(anyhow::anyhow!("stop interrupted by a second signal")),
     };
+    if let Some(spans) = spans {
+        spans.shutdown().await;
+    }
     signals.stop();
     fleet::error::finish("fleet-scheduler", result)
 }

@@ -11,6 +11,8 @@
 //! * [`metrics`] — metric names, their help text and the Prometheus exporter.
 //! * [`task`] — the task as data: the envelope (versioned JSON), lanes, selectors and labels,
 //!   the routing strategy a task asks for, every `x-fleet-*` header name, HTTP submission bodies.
+//! * [`trace`] — span export over OTLP: a task's admit, reserve, queue wait, run and ack in its
+//!   producer's W3C trace (off unless `FLEET_OTLP_ENDPOINT` is set).
 //! * [`names`] — the one place that builds every AMQP name and Redis key under the namespace,
 //!   with its Lua half `keys.lua` (every script's prelude).
 //! * [`redis`] — the Redis connection ([`Store`]), Sentinel failover, the script loader and the
@@ -48,6 +50,7 @@ pub mod settings;
 pub mod status;
 pub mod task;
 pub mod tls;
+pub mod trace;
 
 #[cfg(test)]
 mod wings;

@@ -415,6 +415,10 @@ async fn attempt_task(
         let wait = (now - submitted).to_std().unwrap_or(Duration::ZERO);
         shared.meters[lane].wait.record(wait.as_secs_f64());
         shared.stats.waits.record(wait);
+        if attempt == 1 && !probe {
+            let span = (submitted.into(), now.into());
+            fleet::trace::record("queue wait", &env, Some(&shared.group), 1, span, None);
+        }
     }
 
     let fate = if env.is_expired(now) {
@@ -484,7 +488,13 @@ async fn attempt_task(
         return;
     }
 
+    let settling = fleet::trace::enabled().then(std::time::SystemTime::now);
     let outcome = settle(task, &mut slot, (attempt, max_attempts), fate).await;
+    if let Some(start) = settling.filter(|_| !probe) {
+        let span = (start, std::time::SystemTime::now());
+        let (group, word) = (Some(&*shared.group), Some(outcome.as_str()));
+        fleet::trace::record("ack", &env, group, attempt, span, word);
+    }
     if probe {
         metrics::counter!(m::PROBES_COMPLETED, "group" => shared.group.clone(), "outcome" => outcome.as_str()).increment(1);
     } else {
@@ -534,7 +544,11 @@ async fn run(
         ));
     }
     let graceful = handler.stops_gracefully();
+    let span = (!probe)
+        .then(|| fleet::trace::Live::start("run", env, Some(&shared.group), attempt))
+        .flatten();
     let ctx = TaskContext {
+        trace: fleet::trace::for_handler(env, span.as_ref()).cloned(),
         envelope: env.clone(),
         attempt,
         worker_id: shared.worker_id.clone(),
@@ -593,6 +607,12 @@ async fn run(
         }
     };
     drop(watch);
+    if let Some(span) = span {
+        match &result {
+            Ok(_) => span.end("ok", None),
+            Err(e) => span.end("error", Some(&e.to_string())),
+        }
+    }
     Some((result, started.elapsed()))
 }
 

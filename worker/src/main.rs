@@ -29,6 +29,10 @@ async fn main() -> ExitCode {
         Err(e) => return fleet::error::report("fleet-worker", &e.into()),
     };
     fleet::process::telemetry::init(&cfg.common.log_format);
+    let spans = match fleet::trace::init(cfg.common.otlp_endpoint.as_deref(), "fleet-worker") {
+        Ok(s) => s,
+        Err(e) => return fleet::error::report("fleet-worker", &e.into()),
+    };
     for warning in fleet::settings::unknown(&settings) {
         tracing::warn!("{warning}");
     }
@@ -49,6 +53,9 @@ async fn main() -> ExitCode {
         Ok(None) => Ok(()),
         Err(e) => Err(e),
     };
+    if let Some(spans) = spans {
+        spans.shutdown().await;
+    }
     signals.stop();
     fleet::error::finish("fleet-worker", result.map_err(edge))
 }

@@ -129,10 +129,26 @@ fn parse(
             .filter(|t| now - *t >= chrono::Duration::seconds(2));
         e.submitted_at = header.or(stamp);
     }
+    if source.starts_clock() && e.trace.is_none() {
+        e.trace = trace_context(d, fleet::trace::enabled());
+    }
     if source.screens() {
         e.normalize(now, cfg.common.default_max_attempts)?;
     }
     Ok(e)
+}
+
+/// The trace context of a submission without one in its body: the producer's `traceparent`
+/// (and `tracestate`) AMQP headers when valid, else a new trace when spans are exported
+/// (`export`), else none (W3C Trace Context: an invalid one is ignored, never refused). Costs
+/// one header lookup when the producer sent none and spans are not exported.
+fn trace_context(d: &Delivery, export: bool) -> Option<fleet::task::TraceContext> {
+    use fleet::task::trace::{TraceContext, TRACEPARENT, TRACESTATE};
+    let given = amqp::header_text(&d.properties, TRACEPARENT).and_then(|tp| {
+        let ts = amqp::header_text(&d.properties, TRACESTATE);
+        TraceContext::parse(&tp, ts.as_deref())
+    });
+    given.or_else(|| export.then(TraceContext::generate))
 }
 
 #[cfg(test)]
@@ -147,6 +163,35 @@ mod tests {
 
     fn delivery(body: Vec<u8>) -> Delivery {
         Delivery::mock(1, "".into(), "".into(), false, body)
+    }
+
+    /// A producer's valid `traceparent` header is taken; an invalid one is ignored: a fresh
+    /// trace when spans are exported, none when not — never a refusal.
+    #[test]
+    fn an_invalid_traceparent_starts_a_fresh_trace() {
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let with = |v: &str| {
+            let mut d = delivery(b"{}".to_vec());
+            d.properties =
+                amqp::task_properties("x", Some(amqp::headers([("traceparent", v.to_string())])));
+            d
+        };
+        let given = trace_context(&with(tp), false).unwrap();
+        assert_eq!(given.traceparent(), tp);
+        let bad = with("00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01");
+        assert_eq!(trace_context(&bad, false), None);
+        let fresh = trace_context(&bad, true).unwrap();
+        assert_ne!(fresh.trace_id, given.trace_id);
+        assert_ne!(fresh.trace_id, [0; 16]);
+        assert_eq!(trace_context(&delivery(b"{}".to_vec()), false), None);
+        // Read through a whole submission: the task is admitted, with its fresh trace or none.
+        let (cfg, now) = (cfg(), chrono::Utc::now());
+        let body = Envelope::new("resize", serde_json::json!({})).to_bytes();
+        let mut d = with("garbage");
+        d.data = body;
+        let i = Item::read(d, &Source::Ingress(Lane::Normal), &cfg, now, None);
+        assert_eq!(i.ask, Some(ReserveMode::Route));
+        assert_eq!(i.envelope.and_then(|e| e.trace), None);
     }
 
     fn orphan() -> Source {

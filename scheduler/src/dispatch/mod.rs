@@ -40,6 +40,7 @@ pub mod publish;
 pub mod rescue;
 pub mod reserve;
 pub mod source;
+pub mod spans;
 
 pub use fate::{decide, Fate};
 pub use item::Item;
@@ -196,6 +197,8 @@ impl Dispatcher {
         shutdown: &CancellationToken,
     ) -> Outcome {
         let now = self.session.store.clock.now();
+        // Span times are read only when spans are exported (one atomic load otherwise).
+        let traced = fleet::trace::enabled().then(std::time::SystemTime::now);
         let cfg = &self.session.cfg;
         // The pauses in force (`None`: nothing paused, no check at all).
         let pauses = self.session.pauses.snapshot();
@@ -203,6 +206,7 @@ impl Dispatcher {
             .into_iter()
             .map(|d| Item::read(d, source, cfg, now, pauses.as_deref()))
             .collect();
+        let admitted = traced.map(|_| std::time::SystemTime::now());
         if source.rate_limited() {
             self.take_tokens_for(&items, shutdown).await;
         }
@@ -213,6 +217,15 @@ impl Dispatcher {
         else {
             return Outcome::default();
         };
+        if let (Some(read), Some(admitted)) = (traced, admitted) {
+            let reserved = std::time::SystemTime::now();
+            let times = spans::Times {
+                read,
+                admitted,
+                reserved,
+            };
+            spans::record(&items, source, &times);
+        }
         let mut out = self.publish_and_settle(items, source).await;
         if out.error.is_none() {
             out.error = reserve_error;

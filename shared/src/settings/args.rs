@@ -131,6 +131,9 @@ pub struct CommonArgs {
     /// File of API tokens, one `NAME:TOKEN ROLE` (or `TOKEN ROLE`) per line (`#` comments); adds to FLEET_API_TOKENS.
     #[arg(long, env = "FLEET_API_TOKENS_FILE")]
     pub api_tokens_file: Option<String>,
+    /// OTLP/HTTP endpoint to export task spans to, `http(s)://host:port` (spans go to `<endpoint>/v1/traces` as protobuf, batched); unset: no spans, the default. See README "Tracing".
+    #[arg(long, env = "FLEET_OTLP_ENDPOINT", value_parser = otlp_endpoint)]
+    pub otlp_endpoint: Option<String>,
     /// Who may read `/metrics`: anyone, or a token with role `read`.
     #[arg(long, env = "FLEET_METRICS_AUTH", default_value = "open", value_parser = ["open", "read"])]
     pub metrics_auth: String,
@@ -653,6 +656,20 @@ fn boolean(s: &str) -> Result<bool, String> {
         "false" | "0" | "no" | "off" => Ok(false),
         _ => Err(format!("`{s}` must be true or false")),
     }
+}
+
+/// An OTLP/HTTP base URL: `http://` or `https://`, a host, no query or fragment.
+fn otlp_endpoint(v: &str) -> Result<String, String> {
+    let bad = || format!("`{v}` is not an http:// or https:// URL of an OTLP/HTTP collector");
+    let url = reqwest::Url::parse(v.trim()).map_err(|_| bad())?;
+    if !matches!(url.scheme(), "http" | "https")
+        || url.host_str().is_none_or(str::is_empty)
+        || url.query().is_some()
+        || url.fragment().is_some()
+    {
+        return Err(bad());
+    }
+    Ok(v.trim().to_string())
 }
 
 /// A readable PEM file holding at least one certificate (the path is kept; the file is read

@@ -294,6 +294,9 @@ pub struct CommonConfig {
     pub redis_tls: crate::tls::TlsConfig,
     /// Who may call the HTTP API (`FLEET_API_TOKENS`, ...).
     pub auth: crate::settings::ApiAuth,
+    /// Where task spans are exported (`FLEET_OTLP_ENDPOINT`, an OTLP/HTTP base URL); `None`:
+    /// nowhere, no span is made ([`crate::trace`]).
+    pub otlp_endpoint: Option<String>,
 }
 
 /// The Redis URL a process connects with, from `FLEET_REDIS_URL`, `FLEET_REDIS_SENTINELS` and
@@ -423,6 +426,7 @@ impl CommonConfig {
             namespace,
             http_addr,
             log_format: a.log_format.clone(),
+            otlp_endpoint: a.otlp_endpoint.clone(),
             queue_type,
             leader_locator: (a.queue_leader_locator != "none")
                 .then(|| a.queue_leader_locator.clone()),

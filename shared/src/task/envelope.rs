@@ -34,6 +34,8 @@ pub const KNOWN_FIELDS: &[&str] = &[
     "submitted_at",
     "strategy",
     "key",
+    "traceparent",
+    "tracestate",
 ];
 /// `not_before` further ahead than this is refused as absurd.
 pub const MAX_DELAY: Duration = Duration::days(30);
@@ -245,6 +247,10 @@ pub struct Envelope {
     /// `[A-Za-z0-9_.:@/-]` ([`MAX_KEY_BYTES`]). Its limits and weight are the operator's
     /// ([`crate::control::KeyLimits`]); `None`: the shared default key.
     pub key: Option<String>,
+    /// The producer's W3C trace context (fields `traceparent`, `tracestate`: see
+    /// [`crate::task::trace`] for why it travels in the envelope). An invalid `traceparent` is
+    /// dropped, never refused.
+    pub trace: Option<super::TraceContext>,
     /// Unknown fields, kept verbatim.
     pub extra: Map<String, Value>,
 }
@@ -267,6 +273,7 @@ impl Envelope {
             submitted_at: None,
             strategy: None,
             key: None,
+            trace: None,
             extra: Map::new(),
         }
     }
@@ -470,6 +477,18 @@ impl Envelope {
             Some(Value::String(s)) => Some(check_key(&s).map(|()| s)?),
             Some(_) => return Err(Reject::BadField("key", "expected a string".into())),
         };
+        // Never refused: an invalid context is ignored (a new trace), W3C Trace Context § 4.3.
+        let tracestate = take("tracestate");
+        let trace = match take("traceparent") {
+            Some(Value::String(tp)) => super::TraceContext::parse(
+                &tp,
+                match &tracestate {
+                    Some(Value::String(ts)) => Some(ts.as_str()),
+                    _ => None,
+                },
+            ),
+            _ => None,
+        };
         if let Some(p) = &protocol {
             if labels.get(PROTOCOL_LABEL).is_some_and(|l| l != p) {
                 return Err(Reject::BadSelector(format!(
@@ -493,6 +512,7 @@ impl Envelope {
             submitted_at,
             strategy,
             key,
+            trace,
             extra: obj,
         })
     }
@@ -570,6 +590,10 @@ impl Envelope {
         opt("submitted_at", self.submitted_at.map(fmt_time));
         opt("strategy", self.strategy.map(|s| s.as_str().into()));
         opt("key", self.key.clone().map(Value::from));
+        if let Some(t) = &self.trace {
+            opt("traceparent", Some(t.traceparent().into()));
+            opt("tracestate", t.state.clone().map(Value::from));
+        }
         Value::Object(m)
     }
 
@@ -590,7 +614,17 @@ impl Envelope {
         let Value::Object(m) = self.to_value() else {
             return 0;
         };
-        let mut keys = vec!["v", "lane", "attempt", "max_attempts", "submitted_at"];
+        // The trace context too: fleet moves it from the producer's headers into the body
+        // (bounded: 55 + 512 bytes).
+        let mut keys = vec![
+            "v",
+            "lane",
+            "attempt",
+            "max_attempts",
+            "submitted_at",
+            "traceparent",
+            "tracestate",
+        ];
         if self.timeout_ms.is_some() {
             keys.push("deadline");
         }

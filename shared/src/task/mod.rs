@@ -13,6 +13,7 @@ mod lane;
 mod selector;
 mod strategy;
 mod submit;
+pub mod trace;
 
 pub use envelope::{
     check_key, escape, internal_limit, new_id, Envelope, Limits, Reject, KNOWN_FIELDS,
@@ -22,3 +23,4 @@ pub use lane::{Lane, PerLane};
 pub use selector::{Labels, SelectorError, PROTOCOL_LABEL};
 pub use strategy::Strategy;
 pub use submit::{bind_key, parse_body, BadSubmission, Submitted};
+pub use trace::TraceContext;

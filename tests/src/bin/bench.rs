@@ -33,6 +33,23 @@ async fn main() -> Result<()> {
     // A benchmark runs as long as it is asked to: the test binaries' watchdog is not for it.
     fleet_tests::no_watchdog();
     fleet::process::telemetry::init("text");
+    // `BENCH_OTLP=1`: span export on (issue 35), to an OTLP sink in this process that reads
+    // and drops every request; the in-process scheduler and workers share the exporter.
+    let _spans = if std::env::var("BENCH_OTLP").is_ok_and(|v| v == "1") {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let sink = axum::Router::new().route(
+            "/v1/traces",
+            axum::routing::post(|_body: axum::body::Bytes| async { "" }),
+        );
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, sink).await;
+        });
+        println!("span export on, to an OTLP sink at {url}");
+        fleet::trace::init(Some(&url), "fleet-bench")?
+    } else {
+        None
+    };
     let args: Vec<String> = std::env::args().collect();
     let what = args.get(1).map(String::as_str).unwrap_or("throughput");
     let n: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(20_000);

@@ -83,6 +83,7 @@ mod takeover;
 mod tasks;
 mod tenants;
 mod tls;
+mod trace;
 mod views;
 mod waiting_for_worker;
 mod worker_kill;

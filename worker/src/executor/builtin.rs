@@ -17,11 +17,33 @@ pub fn register(h: &mut Handlers) {
     register_probe(h);
     h.insert(
         "echo",
-        handler_fn(|t: TaskContext| async move { Ok(t.envelope.payload) }),
+        handler_fn(|t: TaskContext| traced(t, |t| async move { Ok(t.envelope.payload) })),
     );
-    h.insert("sleep", handler_fn(sleep));
-    h.insert("fail", handler_fn(fail));
-    h.insert("cpu", handler_fn(cpu));
+    h.insert("sleep", handler_fn(|t| traced(t, sleep)));
+    h.insert("fail", handler_fn(|t| traced(t, fail)));
+    h.insert("cpu", handler_fn(|t| traced(t, cpu)));
+}
+
+/// Runs builtin handler `f` inside a span `builtin <kind>`, a child of the run's span, when
+/// spans are exported ([`fleet::trace::child`]); as it is otherwise.
+async fn traced<F, Fut>(t: TaskContext, f: F) -> Result<Value, TaskError>
+where
+    F: FnOnce(TaskContext) -> Fut,
+    Fut: std::future::Future<Output = Result<Value, TaskError>>,
+{
+    use opentelemetry::trace::Span as _;
+    let span = t
+        .trace
+        .as_ref()
+        .and_then(|c| fleet::trace::child(format!("builtin {}", t.envelope.kind), c));
+    let r = f(t).await;
+    if let Some(mut span) = span {
+        if let Err(e) = &r {
+            span.set_status(opentelemetry::trace::Status::error(e.to_string()));
+        }
+        span.end();
+    }
+    r
 }
 
 /// Registers only `noop`, which answers the scheduler's health probes under every executor.

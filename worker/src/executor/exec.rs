@@ -163,12 +163,21 @@ async fn run(cfg: ExecConfig, task: TaskContext) -> Result<Value, TaskError> {
             cmd.env_remove(key);
         }
     }
-    let child = cmd
-        .args(args)
+    cmd.args(args)
         .env("FLEET_TASK_ID", &task.envelope.id)
         .env("FLEET_TASK_KIND", &task.envelope.kind)
         .env("FLEET_TASK_ATTEMPT", task.attempt.to_string())
-        .env("FLEET_WORKER_ID", &*task.worker_id)
+        .env("FLEET_WORKER_ID", &*task.worker_id);
+    // W3C Trace Context for the program (the OpenTelemetry environment-carrier convention);
+    // never inherited from the worker's own environment.
+    cmd.env_remove("TRACEPARENT").env_remove("TRACESTATE");
+    if let Some(t) = &task.trace {
+        cmd.env("TRACEPARENT", t.traceparent());
+        if let Some(state) = &t.state {
+            cmd.env("TRACESTATE", state);
+        }
+    }
+    let child = cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

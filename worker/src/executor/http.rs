@@ -76,12 +76,20 @@ impl Handler for HttpHandler {
             if let Value::Object(m) = &mut wire {
                 m.insert("attempt".into(), task.attempt.into());
             }
-            let mut resp = client
+            let mut req = client
                 .post(&url)
                 .timeout(timeout)
                 .header(fleet::task::headers::TASK_ID, task.envelope.id.as_str())
                 .header(fleet::task::headers::ATTEMPT, task.attempt.to_string())
-                .header(fleet::task::headers::WORKER, &*task.worker_id)
+                .header(fleet::task::headers::WORKER, &*task.worker_id);
+            // W3C Trace Context: the handler's request is a child of the run.
+            if let Some(t) = &task.trace {
+                req = req.header(fleet::task::trace::TRACEPARENT, t.traceparent());
+                if let Some(state) = &t.state {
+                    req = req.header(fleet::task::trace::TRACESTATE, state.as_str());
+                }
+            }
+            let mut resp = req
                 .json(&wire)
                 .send()
                 .await

@@ -85,6 +85,11 @@ pub struct TaskContext {
     pub stop: CancellationToken,
     /// How long a graceful stop may take (`FLEET_CANCEL_GRACE_MS`).
     pub cancel_grace: std::time::Duration,
+    /// The W3C trace context the handler runs under ([`fleet::trace::for_handler`]): the
+    /// worker's `run` span as parent when spans are exported, else the producer's as it came;
+    /// `None` when the task has none. The http executor sends it as the `traceparent` /
+    /// `tracestate` headers, the exec executor as `TRACEPARENT` / `TRACESTATE`.
+    pub trace: Option<fleet::task::TraceContext>,
 }
 
 impl TaskContext {
@@ -293,6 +298,7 @@ pub(crate) mod test_support {
             cancel: CancellationToken::new(),
             stop: CancellationToken::new(),
             cancel_grace: std::time::Duration::from_secs(5),
+            trace: None,
         }
     }
 }
