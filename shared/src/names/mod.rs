@@ -402,6 +402,7 @@ mod tests {
             ("K_kr('acme')", n.key_running("acme")),
             ("K_kb('acme')", n.key_bucket("acme")),
             ("K_kf()", n.key_figures()),
+            ("K_fsh('g=1', 'normal')", n.fair_assignments("g=1", l)),
         ];
         let calls: Vec<&str> = pairs.iter().map(|(call, _)| *call).collect();
         let script = format!(
