@@ -209,7 +209,6 @@ impl FairHold {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fleet::control::KeyLimitSpec;
 
     fn task(tag: u64, key: &str) -> Delivery {
         let body = if key == DEFAULT_KEY {
@@ -226,10 +225,7 @@ mod tests {
             l.keys.entry(k.to_string()).or_default().weight = Some(*w);
         }
         for (k, m) in min {
-            l.keys
-                .entry(k.to_string())
-                .or_insert_with(KeyLimitSpec::default)
-                .min_running = Some(*m);
+            l.keys.entry(k.to_string()).or_default().min_running = Some(*m);
         }
         l
     }
