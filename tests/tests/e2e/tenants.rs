@@ -521,3 +521,122 @@ async fn a_redis_loss_leaves_no_key_over_its_limit_for_longer_than_a_lease() -> 
     ensure!(used.is_ok(), "the key still holds slots");
     Ok(())
 }
+
+/// Kill -9 of a worker process and of a scheduler replica's process in the middle of a keyed
+/// flood (key `f`, `max_running` 3, over an in-process replica and a process replica, an
+/// in-process worker and a process worker, http executor): the key never has more than 3
+/// running (from the endpoint's own call times; a killed worker's calls end at its kill), every
+/// slot is given back, every task succeeds, and only a task in flight on the killed worker
+/// runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killed_workers_and_replicas_leave_no_key_over_its_limit() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let ep = Endpoint::start(150).await?;
+    let lim = [limits("f:max_running=3")];
+    let mut cfg = SCHEDULER.to_vec();
+    cfg.extend_from_slice(&lim);
+    let _s1 = start_scheduler(&ns, &cfg).await?;
+    let mut s2 = SchedulerProcess::spawn(&ns, &lim).await?;
+    let mut victim = WorkerProcess::start(
+        &ns,
+        &ProcessSpec {
+            id: "w-kv",
+            labels: "",
+            capacity: 4,
+            endpoint: &ep.url,
+            extra: &[],
+        },
+    )
+    .await?;
+    let peer_cfg = ep.worker_settings();
+    let _peer = start_worker(&ns, "w-kp", "", 4, &peer_cfg, &[]).await?;
+    wait_for("group capacity 8", Duration::from_secs(15), || async {
+        group(&ns.store, "protocol=http")
+            .await
+            .filter(|g| g.capacity == 8)
+    })
+    .await?;
+    let mut envs = jobs(150, "", Some(150));
+    for e in &mut envs {
+        e.key = Some("f".into());
+    }
+    submit_all(&ns, &envs).await?;
+    wait_for("the victim mid-flight", Duration::from_secs(60), || async {
+        let calls = ep.calls_of("w-kv");
+        let done = calls.iter().filter(|c| c.answered.is_some()).count();
+        let running = calls.iter().filter(|c| c.answered.is_none()).count();
+        (done >= 3 && running >= 1).then_some(())
+    })
+    .await?;
+    let killed_at = Instant::now();
+    victim.kill9()?;
+    ep.mark_dead("w-kv");
+    s2.kill9()?;
+    let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
+    for id in &ids {
+        ns.wait_state(id, "succeeded", Duration::from_secs(120))
+            .await?;
+    }
+    // Concurrency of the key from the endpoint's call times.
+    let mut ev: Vec<(Instant, i32)> = Vec::new();
+    for c in ep.calls() {
+        let end = match c.answered {
+            Some(a) => a,
+            None if c.worker == "w-kv" => killed_at,
+            None => Instant::now(),
+        };
+        ev.push((c.at, 1));
+        ev.push((end, -1));
+    }
+    ev.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)));
+    let (mut cur, mut peak) = (0i32, 0i32);
+    for (_, d) in ev {
+        cur += d;
+        peak = peak.max(cur);
+    }
+    let mut per: HashMap<String, usize> = HashMap::new();
+    for c in ep.calls() {
+        *per.entry(c.id).or_default() += 1;
+    }
+    let in_flight: std::collections::HashSet<String> = ep
+        .calls_of("w-kv")
+        .into_iter()
+        .filter(|c| {
+            c.at <= killed_at
+                && c.answered
+                    .is_none_or(|a| a > killed_at - Duration::from_millis(100))
+        })
+        .map(|c| c.id)
+        .collect();
+    let twice: Vec<&String> = per
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(id, _)| id)
+        .collect();
+    println!(
+        "tenants kill -9 (worker + replica) mid-flood: peak {peak} running of key f (limit 3); {} ran twice, {} in flight on the killed worker",
+        twice.len(),
+        in_flight.len()
+    );
+    ensure!(peak <= 3, "key f had {peak} running at once");
+    ensure!(
+        ids.iter().all(|id| per.contains_key(id)),
+        "a task never ran"
+    );
+    ensure!(
+        twice.iter().all(|id| in_flight.contains(*id)),
+        "a task ran twice that was not in flight on the killed worker"
+    );
+    let used = wait_for(
+        "the key's slots given back",
+        Duration::from_secs(15),
+        || async {
+            let now = ns.store.clock.now_ms();
+            let u = ns.store.key_used(&["f"], now).await.ok()?;
+            (u == vec![0]).then_some(())
+        },
+    )
+    .await;
+    ensure!(used.is_ok(), "key f still holds slots");
+    Ok(())
+}
