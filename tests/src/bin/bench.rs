@@ -936,6 +936,25 @@ async fn throughput(n: usize) -> Result<()> {
     println!("{calls_burst}");
     println!("{}", rig.metrics().await?);
 
+    // 1b. The same burst with 1,000 distinct fairness keys (issue 33): each task counted
+    // against its key in the reservation, waiting ones parked in the group's fair queues.
+    println!("\n## 1b. burst of {n} no-op tasks over 1,000 distinct keys (no limits), same fleet");
+    let cpu0 = cpu.read();
+    let calls0 = RedisCalls::read();
+    let (burst_keys, t) = rig
+        .run(n, Offer::Burst, Duration::from_secs(300), |k| {
+            let mut e = Envelope::new("count", json!(null));
+            e.key = Some(format!("k{}", k % 1000));
+            e
+        })
+        .await?;
+    println!(
+        "fleet burst keyed : {burst_keys:>8.0} tasks/s ({t:.2} s) = {:.2} of the no-key burst",
+        burst_keys / burst
+    );
+    println!("{}", cpu.report("fleet burst keyed", cpu0, n));
+    println!("{}", calls0.report("fleet burst keyed", n));
+
     // 2. Steady 1,000 tasks/s offered, same fleet.
     println!("\n## 2. steady: {steady_n} no-op tasks offered at 1,000/s, same fleet");
     let (steady, t) = rig

@@ -640,3 +640,52 @@ async fn killed_workers_and_replicas_leave_no_key_over_its_limit() -> anyhow::Re
     ensure!(used.is_ok(), "key f still holds slots");
     Ok(())
 }
+
+/// A paused key dispatches nothing while another key of the same group runs (no head-of-line
+/// blocking); after the resume each of its tasks runs exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_key_waits_without_blocking_another() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let runs = Runs::default();
+    let h = [(JOB, runs.handler())];
+    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    let _w = start_worker(&ns, "w-pk", "pool=pk", 4, WORKER, &h).await?;
+    let post = |path: &'static str, body: Value| {
+        let url = sched.url(path);
+        async move {
+            let r = reqwest::Client::new().post(url).json(&body).send().await?;
+            anyhow::Ok(r.status().as_u16())
+        }
+    };
+    ensure!(post("/v1/pauses", json!({"scope": "key", "key": "held"})).await? == 202);
+    let held: Vec<_> = (0..30).map(|_| keyed("held", 10, "pool=pk")).collect();
+    let free: Vec<_> = (0..30).map(|_| keyed("free", 10, "pool=pk")).collect();
+    submit_all(&ns, &held).await?;
+    submit_all(&ns, &free).await?;
+    wait_for("the other key ran", Duration::from_secs(30), || async {
+        (runs.done("free") == 30).then_some(())
+    })
+    .await?;
+    scenario_pause(Duration::from_secs(2), "the paused key stays held").await;
+    let while_paused = runs.done("held");
+    println!("tenants key pause: {while_paused} of 30 ran while paused; the other key's 30 ran");
+    ensure!(
+        while_paused == 0,
+        "{while_paused} tasks of the paused key ran"
+    );
+    ensure!(post("/v1/pauses/resume", json!({"scope": "key", "key": "held"})).await? == 202);
+    wait_for("the held key ran", Duration::from_secs(30), || async {
+        (runs.done("held") == 30).then_some(())
+    })
+    .await?;
+    let per = runs.per_id();
+    for e in held.iter().chain(&free) {
+        ensure!(
+            per.get(&e.id) == Some(&1),
+            "{} ran {:?} times",
+            e.id,
+            per.get(&e.id)
+        );
+    }
+    Ok(())
+}
