@@ -316,6 +316,8 @@ for t = 1, n do
     -- one too) is cleared by the writer.
     local cur = redis.call('HGET', K_task(id), 'state')
     if cur == S.cancelled and not fresh then
+      -- A keyed task cancelled while it waited leaves its key's waiting count.
+      if ks and from_park then ks.waiting = ks.waiting - 1 end
       out[o], out[o + 1] = S.cancelled, ''
     else
     local live, selkey = live_groups(selk, lane, kind)
