@@ -113,7 +113,7 @@ async fn runtime_limits_are_audited_and_survive_a_restart_and_flushall() -> Resu
             json!(5),
             json!(0),
             json!(20.0),
-            json!(2),
+            json!(20),
             json!(3.0),
             json!("settings")
         )
@@ -135,7 +135,7 @@ async fn runtime_limits_are_audited_and_survive_a_restart_and_flushall() -> Resu
             json!(10),
             json!(2),
             json!(20.0),
-            json!(2),
+            json!(20),
             json!(1.0),
             json!("settings")
         )
@@ -353,7 +353,7 @@ async fn runtime_limits_are_audited_and_survive_a_restart_and_flushall() -> Resu
         out.lines().collect::<Vec<_>>(),
         [
             "key beta: set",
-            "in force: max_running=3,min_running=0,rate=5.0,burst=1,weight=2.0"
+            "in force: max_running=3,min_running=0,rate=5.0,burst=5,weight=2.0"
         ],
         "{out}"
     );
