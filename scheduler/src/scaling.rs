@@ -38,9 +38,10 @@
 //! lane and not started (its reservation), 0 when nothing is ready: parked tasks are older
 //! still, so it is a lower bound of the oldest ready task's age.
 //!
-//! **Not yet due** is the ready count of the delay tier queues (`<ns>.hold.<ms>`); the
-//! deliveries a tier loop holds (up to its prefetch per tier per replica) are unacked and not
-//! counted: a lower bound.
+//! **Not yet due** is the ready count of the delay tier queues (`<ns>.hold.<ms>`) plus the
+//! deliveries this replica's tier loops hold (unacked, up to their prefetch per tier:
+//! [`crate::tiers::HeldCount`]); what other replicas hold is not counted: a lower bound with
+//! several replicas, exact with one.
 //!
 //! [fleet view]: crate::view
 
@@ -203,7 +204,8 @@ pub struct KeyScaling {
 /// What no group holds yet.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Unrouted {
-    /// Tasks in delay tiers (a lower bound, see the module docs).
+    /// Tasks in delay tiers (exact with one replica, a lower bound with several: see the
+    /// module docs).
     pub not_yet_due: u64,
     /// Tasks held for a paused kind.
     pub paused: u64,
@@ -542,7 +544,7 @@ pub async fn sample(
             .unwrap_or(0),
     );
     out.unrouted.paused = s.pauses.held().values().sum();
-    out.unrouted.not_yet_due = tier_depths(s, board).await;
+    out.unrouted.not_yet_due = tier_depths(s, board).await + s.tiers_held.get();
 
     // Put the window back (taken out so no lock is held across an await).
     if let Ok(mut w) = board.inner.window.lock() {

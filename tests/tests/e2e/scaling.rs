@@ -232,3 +232,65 @@ async fn flat_group(sched: &SchedulerHandle, group: &str) -> anyhow::Result<Valu
     let url = reqwest::Url::parse_with_params(&sched.url("/v1/scaling"), &[("group", group)])?;
     get_json(url.as_str()).await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn delayed_tasks_are_not_yet_due_and_a_rate_limited_keys_backlog_is_blocked(
+) -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let mut cfg = SCHEDULER.to_vec();
+    // One task per 100 s for key r: its first token goes to the first task, the rest wait.
+    cfg.push(("key_limits", "r:rate=0.01,burst=1"));
+    let sched = start_scheduler(&ns, &cfg).await?;
+    let _w = start_worker(&ns, "w-sd", "pool=sd", 4, WORKER, &[]).await?;
+    let group = group_name(&sched, "pool=sd").await?;
+    // 7 tasks due in 10 minutes wait in the delay tiers (one scheduler: exact).
+    let due = chrono::Utc::now() + chrono::Duration::minutes(10);
+    let delayed: Vec<_> = (0..7)
+        .map(|_| {
+            let mut e = task("noop", json!({}), "pool=sd");
+            e.not_before = Some(due);
+            e
+        })
+        .collect();
+    // 6 tasks of the rate-limited key: one runs (60 s), five wait for tokens.
+    let keyed: Vec<_> = (0..6)
+        .map(|_| {
+            let mut e = task("sleep", json!({ "ms": 60_000 }), "pool=sd");
+            e.key = Some("r".into());
+            e
+        })
+        .collect();
+    let (ok, _) = ns.submit(&delayed).await?;
+    ensure!(ok == 7, "submitted {ok} delayed");
+    let (ok, _) = ns.submit(&keyed).await?;
+    ensure!(ok == 6, "submitted {ok} keyed");
+    let seen = std::sync::Mutex::new(Value::Null);
+    let all = wait_for("7 not yet due", Duration::from_secs(30), || async {
+        let v = get_json(&sched.url("/v1/scaling")).await.ok()?;
+        if let Ok(mut s) = seen.lock() {
+            *s = v["unrouted"].clone();
+        }
+        (v["unrouted"]["not_yet_due"] == 7).then_some(v)
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}: last {:?}", seen.lock().map(|s| s.clone())))?;
+    println!("scaling, delayed: {}", all["unrouted"]);
+    let v = wait_flat(&sched, &group, "normal", "five rate limited", |v| {
+        v["blocked_by"]["rate_limited"] == 5 && v["running"] == 1 && v["ready"] == 0
+    })
+    .await?;
+    println!("scaling, rate-limited key: {v}");
+    ensure!(v["blocked"] == 5, "{v}");
+    let k = get_json(&format!("{}?key=r", sched.url("/v1/scaling"))).await?;
+    ensure!(
+        k["known"] == true && k["cause"] == "rate_limited" && k["blocked"] == 5,
+        "{k}"
+    );
+    let page = metrics_page(&sched.url("")).await?;
+    let labels = [("group", "_unrouted"), ("cause", "not_yet_due")];
+    ensure!(
+        metric_sum(&page, "fleet_scaling_blocked", &labels) == 7.0,
+        "fleet_scaling_blocked not_yet_due"
+    );
+    Ok(())
+}
