@@ -14,7 +14,7 @@
 //! **One definition, one source.** Every figure is computed by the stats loop
 //! ([`crate::stats`]) from what it already read on the same tick: the [fleet view]
 //! (group queues, park queues, fair park queues, capacity, load, reservations), its
-//! [`GroupSample`](crate::stats::GroupSample) (oldest reservation, paused lanes) and its key
+//! [`crate::stats::GroupSample`] (oldest reservation, paused lanes) and its key
 //! figures ([`fleet::Store::key_figures`]). `ready + blocked` of a group lane is what
 //! `fleet_group_backlog` + `fleet_group_backlog_paused` count for it.
 //!

@@ -5,6 +5,9 @@
 //! Groups and queue depths come from the [fleet view](crate::view) (a view newer than the one
 //! of the previous tick); the oldest reservation of each group and the workers by state are
 //! read from Redis here (only this loop needs them).
+//!
+//! Each tick ends with the autoscaling figures ([`crate::scaling`]: `GET /v1/scaling`, the
+//! `fleet_scaling_*` gauges), computed from this tick's group sample and key figures.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
