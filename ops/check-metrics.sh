@@ -42,6 +42,9 @@ REQUIRED_METRICS=(
     fleet_workers
     fleet_groups
     fleet_worker_info
+    fleet_scaling_ready
+    fleet_scaling_blocked
+    fleet_scaling_oldest_ready_age_seconds
 )
 OPTIONAL_METRICS=(
     fleet_groups_reclaimed_total

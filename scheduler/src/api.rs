@@ -18,6 +18,8 @@
 //! * The task list and bulk actions (`tasks`): `GET /v1/tasks?state=&group=&kind=&label=&since=&until=&cursor=&limit=`,
 //!   `POST /v1/tasks/bulk` (cancel, retry, delete by ids or query, with a dry run).
 //! * `GET /v1/series`: the last 15 minutes of throughput and wait time ([`crate::series`]).
+//! * `GET /v1/scaling`: the autoscaling figures, mounted beside these routes with their own
+//!   state ([`crate::scaling::routes`]).
 //! * The web console at `/ui` ([`crate::console`]).
 //!
 //! Roles ([`fleet::settings`], when tokens are configured): see [`routes`]. A POST without

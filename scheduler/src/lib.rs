@@ -34,6 +34,7 @@ pub mod park;
 pub mod pause;
 pub mod probe;
 pub mod reclaim;
+pub mod scaling;
 pub mod schedule;
 pub mod scheduler;
 pub mod series;

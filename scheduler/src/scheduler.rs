@@ -67,6 +67,7 @@ pub async fn run(
         Arc::new(RwLock::new(None));
     let probes: ProbeBoard = Arc::default();
     let group_board: GroupBoard = Arc::default();
+    let scaling_board = crate::scaling::Board::new(Some(handle.clone()));
     let connection: ConnectionSlot = Arc::default();
     let history = Series::default();
     let pauses = crate::pause::Pauses::default();
@@ -98,8 +99,12 @@ pub async fn run(
     let schedule_routes = auth
         .require(schedule::api::read_routes(sched_api.clone()), Role::Read)
         .merge(auth.require(schedule::api::admin_routes(sched_api), Role::Admin));
+    // `GET /v1/scaling` keeps its own state (the stats loop's autoscaling figures).
+    let scaling_routes =
+        auth.host_check(auth.require(crate::scaling::routes(scaling_board.clone()), Role::Read));
     let router = fleet::http::common_routes(handle.clone(), ready.clone(), auth)
         .merge(api::routes(state))
+        .merge(scaling_routes)
         .merge(schedule_routes);
     process.spawn(
         tracing::info_span!("http"),
@@ -140,7 +145,12 @@ pub async fn run(
             }
         };
         *connection.write().await = Some(conn.clone());
-        let boards = (probes.clone(), group_board.clone(), pauses.clone());
+        let boards = (
+            probes.clone(),
+            group_board.clone(),
+            pauses.clone(),
+            scaling_board.clone(),
+        );
         match session(
             cfg.clone(),
             store.clone(),
@@ -245,7 +255,12 @@ async fn session(
     ptx: Arc<watch::Sender<Sample>>,
     prx: watch::Receiver<Sample>,
     publisher_slot: Arc<RwLock<Option<fleet::broker::amqp::Publisher>>>,
-    (probes, group_board, pauses): (ProbeBoard, GroupBoard, crate::pause::Pauses),
+    (probes, group_board, pauses, scaling): (
+        ProbeBoard,
+        GroupBoard,
+        crate::pause::Pauses,
+        crate::scaling::Board,
+    ),
     board: schedule::Board,
     audit: fleet::control::AuditLog,
     ready: &Readiness,
@@ -439,7 +454,8 @@ async fn session(
         stats::Sampler {
             session: shared.clone(),
             board: group_board,
-            view: view.clone()
+            view: view.clone(),
+            scaling
         }
     );
     spawn_loop!(

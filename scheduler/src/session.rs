@@ -35,6 +35,9 @@ pub struct Session {
     publisher: std::sync::RwLock<fleet::broker::amqp::Publisher>,
     /// Replaces `publisher` when it is stuck nacking ([`Session::note_publishes`]).
     renewal: fleet::broker::amqp::Renewal,
+    /// Deliveries this session's tier loops hold (unacked: not in the tiers' ready counts),
+    /// for the autoscaling figures' `not_yet_due` ([`crate::scaling`]).
+    pub tiers_held: crate::tiers::HeldCount,
 }
 
 impl Session {
@@ -56,6 +59,7 @@ impl Session {
             pauses,
             publisher: std::sync::RwLock::new(publisher),
             renewal: fleet::broker::amqp::Renewal::default(),
+            tiers_held: crate::tiers::HeldCount::default(),
         }
     }
 

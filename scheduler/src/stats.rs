@@ -5,6 +5,9 @@
 //! Groups and queue depths come from the [fleet view](crate::view) (a view newer than the one
 //! of the previous tick); the oldest reservation of each group and the workers by state are
 //! read from Redis here (only this loop needs them).
+//!
+//! Each tick ends with the autoscaling figures ([`crate::scaling`]: `GET /v1/scaling`, the
+//! `fleet_scaling_*` gauges), computed from this tick's group sample and key figures.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -51,6 +54,8 @@ pub struct Sampler {
     pub session: Arc<Session>,
     pub board: GroupBoard,
     pub view: ViewRx,
+    /// Where the autoscaling figures of each sample go ([`crate::scaling`]).
+    pub scaling: crate::scaling::Board,
 }
 
 impl Sampler {
@@ -74,8 +79,18 @@ impl Sampler {
                     if let Err(e) = sample(&s, &view, &self.board).await {
                         tracing::debug!(error = %e, "stats sample failed");
                     }
-                    if let Err(e) = key_gauges(&s, &mut shown_keys).await {
-                        tracing::debug!(error = %e, "key stats sample failed");
+                    let now = s.store.clock.now_ms();
+                    let figures = match key_gauges(&s, &mut shown_keys, now).await {
+                        Ok(f) => f,
+                        Err(e) => {
+                            tracing::debug!(error = %e, "key stats sample failed");
+                            continue;
+                        }
+                    };
+                    // The autoscaling figures: this tick's group sample and key figures.
+                    let groups = self.board.read().await.clone();
+                    if let Err(e) = crate::scaling::sample(&s, &view, &groups, &figures, now, &self.scaling).await {
+                        tracing::debug!(error = %e, "scaling sample failed");
                     }
                 }
             }
@@ -88,10 +103,14 @@ impl Sampler {
 /// (then by name) one by one, the rest summed under `key="other"` — label values stay bounded
 /// however many tenants there are. A key that leaves the top reads 0 in running and waiting
 /// (the exporter keeps a series once written; its max keeps the limit). `shown` is what the
-/// previous sample wrote.
-async fn key_gauges(s: &Session, shown: &mut BTreeSet<String>) -> fleet::Result<()> {
+/// previous sample wrote. Returns the figures (as of `now`, Redis ms) for the autoscaling
+/// figures ([`crate::scaling`]).
+async fn key_gauges(
+    s: &Session,
+    shown: &mut BTreeSet<String>,
+    now: i64,
+) -> fleet::Result<BTreeMap<String, fleet::control::KeyFigures>> {
     let limits = s.pauses.key_limits();
-    let now = s.store.clock.now_ms();
     let figures = s
         .store
         .key_figures(limits.keys.keys().cloned(), now)
@@ -116,7 +135,7 @@ async fn key_gauges(s: &Session, shown: &mut BTreeSet<String>) -> fleet::Result<
         metrics::gauge!(m::KEY_WAITING, "key" => gone.clone()).set(0.0);
     }
     *shown = now_shown;
-    Ok(())
+    Ok(figures)
 }
 
 /// The label value of the keys summed together beyond the top N.

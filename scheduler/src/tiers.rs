@@ -51,8 +51,47 @@ pub struct TierLoop {
     pub tier: u64,
 }
 
+/// How many tasks the session's tier loops hold, all tiers together (delay canaries not
+/// counted).
+#[derive(Debug, Default)]
+pub struct HeldCount(std::sync::atomic::AtomicI64);
+
+impl HeldCount {
+    /// The deliveries held now.
+    pub fn get(&self) -> u64 {
+        u64::try_from(self.0.load(std::sync::atomic::Ordering::Relaxed)).unwrap_or(0)
+    }
+
+    fn add(&self, n: i64) {
+        self.0.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// One tier loop's share of a [`HeldCount`]: kept in step with its held map, and taken
+/// back when the loop ends (its deliveries go back to the tier with its channel).
+struct HeldShare<'a> {
+    count: &'a HeldCount,
+    mine: i64,
+}
+
+impl HeldShare<'_> {
+    fn set(&mut self, n: usize) {
+        let n = i64::try_from(n).unwrap_or(i64::MAX);
+        self.count.add(n - self.mine);
+        self.mine = n;
+    }
+}
+
+impl Drop for HeldShare<'_> {
+    fn drop(&mut self) {
+        self.count.add(-self.mine);
+    }
+}
+
 /// A held delivery.
 struct Held {
+    /// A delay canary, not a task.
+    canary: bool,
     delivery: Delivery,
     /// When it came to this loop.
     since: Instant,
@@ -78,9 +117,15 @@ impl TierLoop {
         let (exchange, key) = (s.names.tasks_exchange(), Names::DELAYED_KEY);
         // Held deliveries by (due ms, arrival sequence).
         let mut held: BTreeMap<(i64, u64), Held> = BTreeMap::new();
+        let mut share = HeldShare {
+            count: &s.tiers_held,
+            mine: 0,
+        };
         let mut seq = 0u64;
         let mut refusing = false;
         loop {
+            // Tasks only: the delay canaries ([`crate::canary`]) pass through too.
+            share.set(held.values().filter(|h| !h.canary).count());
             let now = s.store.clock.now_ms();
             let wait = held
                 .first_key_value()
@@ -96,7 +141,8 @@ impl TierLoop {
                     };
                     let due = due_at(delay::hop_due(&d.properties), now, self.tier);
                     seq += 1;
-                    held.insert((due, seq), Held { delivery: d, since: Instant::now() });
+                    let canary = amqp::header_text(&d.properties, crate::canary::HEADER).is_some();
+                    held.insert((due, seq), Held { delivery: d, since: Instant::now(), canary });
                     continue;
                 }
                 _ = tokio::time::sleep(wait.unwrap_or(Duration::ZERO)), if wait.is_some() => {}

@@ -68,6 +68,14 @@ pub const GROUP_BACKLOG_PAUSED: &str = "fleet_group_backlog_paused";
 pub const GROUP_PAUSED: &str = "fleet_group_paused";
 /// Gauge: age of the oldest task waiting for a group, in seconds (autoscaling input).
 pub const GROUP_OLDEST_AGE: &str = "fleet_group_oldest_task_age_seconds";
+/// Gauge: tasks waiting for a group lane that could run now if there were room (autoscaling
+/// input: `GET /v1/scaling`, see the scheduler's `scaling` module).
+pub const SCALING_READY: &str = "fleet_scaling_ready";
+/// Gauge: tasks waiting for a group lane that more workers would not run, by `cause`
+/// (`paused`, `over_key_limit`, `not_yet_due`, `rate_limited`).
+pub const SCALING_BLOCKED: &str = "fleet_scaling_blocked";
+/// Gauge: age of a group lane's oldest ready task, in seconds (0 when none is ready).
+pub const SCALING_OLDEST_READY_AGE: &str = "fleet_scaling_oldest_ready_age_seconds";
 /// Gauge: tasks of a fairness key running now, by key: the `FLEET_KEY_METRICS_TOP` keys with
 /// the most tasks waiting, the rest summed under `key="other"` (bounded label values).
 pub const KEY_RUNNING: &str = "fleet_key_running";
@@ -204,6 +212,18 @@ pub fn describe() {
     describe_gauge!(
         GROUP_OLDEST_AGE,
         "Age of the oldest task waiting for a group, in seconds (autoscaling input)."
+    );
+    describe_gauge!(
+        SCALING_READY,
+        "Tasks waiting for a group lane that could run now if there were room (autoscaling input)."
+    );
+    describe_gauge!(
+        SCALING_BLOCKED,
+        "Tasks waiting for a group lane that more workers would not run, by cause (paused, over_key_limit, not_yet_due, rate_limited)."
+    );
+    describe_gauge!(
+        SCALING_OLDEST_READY_AGE,
+        "Age of the oldest ready task of a group lane, in seconds (0 when none is ready)."
     );
     describe_gauge!(
         KEY_RUNNING,

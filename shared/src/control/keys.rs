@@ -519,6 +519,26 @@ impl Store {
             .collect())
     }
 
+    /// The stored token bucket (tokens, Redis ms of the last take) of each of `keys`, in
+    /// order (`None`: no bucket yet): one pipeline of `HMGET`s.
+    ///
+    /// # Errors
+    /// Redis failed.
+    pub async fn key_buckets(&self, keys: &[&str]) -> Result<Vec<Option<(f64, i64)>>> {
+        if keys.is_empty() {
+            return Ok(vec![]);
+        }
+        let mut p = redis::pipe();
+        for k in keys {
+            p.cmd("HMGET")
+                .arg(self.names.key_bucket(k))
+                .arg("tokens")
+                .arg("ts");
+        }
+        let got: Vec<(Option<f64>, Option<i64>)> = self.pipe(&p).await?;
+        Ok(got.into_iter().map(|(t, ts)| t.zip(ts)).collect())
+    }
+
     /// The figures of one key as of `now_ms` (Redis ms): one pipeline (`HMGET` of its three
     /// fields, two `ZCOUNT`s).
     ///

@@ -71,6 +71,7 @@ mod replica_wait;
 mod reservation;
 mod retry;
 mod routing;
+mod scaling;
 mod scheduler_crash;
 mod schedules;
 mod secrets;
