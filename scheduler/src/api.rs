@@ -18,12 +18,14 @@
 //! * The task list and bulk actions (`tasks`): `GET /v1/tasks?state=&group=&kind=&label=&since=&until=&cursor=&limit=`,
 //!   `POST /v1/tasks/bulk` (cancel, retry, delete by ids or query, with a dry run).
 //! * `GET /v1/series`: the last 15 minutes of throughput and wait time ([`crate::series`]).
+//! * Batches (`batches`): `POST /v1/batches`, `GET /v1/batches/{id}` ([`fleet::batch`]).
 //! * The web console at `/ui` ([`crate::console`]).
 //!
 //! Roles ([`fleet::settings`], when tokens are configured): see [`routes`]. A POST without
 //! `Content-Type: application/json` gets 415.
 
 mod audit_log;
+mod batches;
 mod cancel;
 mod dead;
 mod keys;
@@ -78,6 +80,8 @@ pub struct AppState {
     pub pauses: crate::pause::Pauses,
     /// The audit log as this replica read it from the control stream ([`fleet::control`]).
     pub audit: fleet::control::AuditLog,
+    /// The batches as this replica read them from the control stream ([`fleet::batch`]).
+    pub batches: fleet::batch::Batches,
 }
 
 /// The API routes, each behind its role when tokens are configured ([`fleet::settings`]): submit
@@ -88,7 +92,12 @@ pub struct AppState {
 /// `FLEET_API_ALLOWED_HOSTS` gets 421, API and console alike ([`fleet::settings`]).
 pub fn routes(state: AppState) -> Router {
     let auth: ApiAuth = state.cfg.common.auth.clone();
-    let submit_routes = auth.require(Router::new().route("/v1/tasks", post(submit)), Role::Submit);
+    let submit_routes = auth.require(
+        Router::new()
+            .route("/v1/tasks", post(submit))
+            .merge(batches::submit_routes()),
+        Role::Submit,
+    );
     let read_routes = auth.require(
         Router::new()
             .route("/v1/tasks/{id}", get(task_status))
@@ -100,7 +109,8 @@ pub fn routes(state: AppState) -> Router {
             .merge(pause::read_routes())
             .merge(keys::read_routes())
             .merge(tasks::read_routes())
-            .merge(audit_log::read_routes()),
+            .merge(audit_log::read_routes())
+            .merge(batches::read_routes()),
         Role::Read,
     );
     let admin_routes = auth.require(
@@ -140,7 +150,7 @@ fn refuse(status: StatusCode, retry_after_s: u64, body: Value) -> Response {
         .into_response()
 }
 
-async fn submit(
+pub(crate) async fn submit(
     State(st): State<AppState>,
     headers: axum::http::HeaderMap,
     body: Bytes,
