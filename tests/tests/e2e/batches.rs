@@ -44,6 +44,15 @@ async fn post(url: String, body: &Value) -> anyhow::Result<(u16, Value)> {
     Ok((status, r.json().await.unwrap_or(Value::Null)))
 }
 
+/// Waits until the scheduler answers `/readyz` 200 (its publisher and control stream ready).
+async fn ready(s: &SchedulerHandle) -> anyhow::Result<()> {
+    wait_for("scheduler ready", Duration::from_secs(30), || async {
+        let r = reqwest::get(s.url("/readyz")).await.ok()?;
+        r.status().is_success().then_some(())
+    })
+    .await
+}
+
 async fn get(url: String) -> anyhow::Result<(u16, Value)> {
     let r = reqwest::get(url).await?;
     let status = r.status().as_u16();
@@ -63,6 +72,8 @@ async fn a_batch_of_5000_with_3_failing_fires_on_complete_once_across_replicas_a
     let s2 = start_scheduler(&ns, SCHEDULER).await?;
     let w1 = start_worker(&ns, "w-1", "", 16, WORKER, &h).await?;
     let w2 = start_worker(&ns, "w-2", "", 16, WORKER, &h).await?;
+    ready(&s1).await?;
+    ready(&s2).await?;
 
     let failing = [7usize, 2_500, 4_990];
     let tasks: Vec<Value> = (0..TOTAL)
@@ -154,6 +165,7 @@ async fn a_batch_that_all_succeeds_fires_both_callbacks_once_and_a_restarted_rep
     let h = [(JOB, rec.handler()), (CALLBACK, cb)];
     let s1 = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 8, WORKER, &h).await?;
+    ready(&s1).await?;
     let body = json!({
         "tasks": (0..20).map(|i| json!({"kind": JOB, "payload": {"i": i}})).collect::<Vec<_>>(),
         "on_success": {"kind": CALLBACK, "payload": 42},
@@ -186,6 +198,7 @@ async fn a_batch_that_all_succeeds_fires_both_callbacks_once_and_a_restarted_rep
 
     // A replica started later reads the stream: it knows the batch, and fires nothing again.
     let s2 = start_scheduler(&ns, SCHEDULER).await?;
+    ready(&s2).await?;
     let (code, p) = get(s2.url(&format!("/v1/batches/{batch}"))).await?;
     assert_eq!(code, 200, "{p}");
     assert_eq!(p["succeeded"], 20);
