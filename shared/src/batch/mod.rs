@@ -388,14 +388,6 @@ pub fn batch_of(env: &crate::Envelope) -> Option<&str> {
 mod tests {
     use super::*;
 
-    fn rec(op: Op, at_ms: i64) -> Record {
-        Record {
-            id: new_id(),
-            at_ms,
-            op,
-        }
-    }
-
     #[test]
     fn counts_each_member_once_and_fires_on_complete_only_with_failures() {
         let b = Batches::default();

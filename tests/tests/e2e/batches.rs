@@ -1,5 +1,6 @@
 //! Batches (issue 36, [`fleet::batch`]): a batch's callbacks fire exactly once with the
-//! batch's figures — across two scheduler replicas and a Redis FLUSHALL in the middle — and
+//! batch's figures — across two scheduler replicas, a worker killed and a Redis FLUSHALL in
+//! the middle — and
 //! `on_success` never fires when a member failed.
 
 use std::sync::{Arc, Mutex};
@@ -14,8 +15,11 @@ const BOOM: &str = "boom";
 /// Kind of the callbacks.
 const CALLBACK: &str = "callback";
 
-/// A handler that records every callback run: (task id, payload).
-fn callbacks() -> (Arc<Mutex<Vec<(String, Value)>>>, Arc<dyn Handler>) {
+/// Every callback run: (task id, payload).
+type Seen = Arc<Mutex<Vec<(String, Value)>>>;
+
+/// A handler that records every callback run.
+fn callbacks() -> (Seen, Arc<dyn Handler>) {
     let seen: Arc<Mutex<Vec<(String, Value)>>> = Arc::default();
     let s = seen.clone();
     let h = handler_fn(move |ctx| {
@@ -34,7 +38,7 @@ fn boom() -> Arc<dyn Handler> {
     handler_fn(|_ctx| async move { Err::<Value, _>(TaskError::permanent("boom")) })
 }
 
-fn seen_of(seen: &Arc<Mutex<Vec<(String, Value)>>>) -> Vec<(String, Value)> {
+fn seen_of(seen: &Seen) -> Vec<(String, Value)> {
     seen.lock().map(|v| v.clone()).unwrap_or_default()
 }
 
@@ -72,6 +76,8 @@ async fn a_batch_of_5000_with_3_failing_fires_on_complete_once_across_replicas_a
     let s2 = start_scheduler(&ns, SCHEDULER).await?;
     let w1 = start_worker(&ns, "w-1", "", 16, WORKER, &h).await?;
     let w2 = start_worker(&ns, "w-2", "", 16, WORKER, &h).await?;
+    // Killed in the middle: a hard stop (runs cut, no outcome, no ack, its connection gone).
+    let victim = start_worker(&ns, "w-victim", "", 16, WORKER, &h).await?;
     ready(&s1).await?;
     ready(&s2).await?;
 
@@ -102,6 +108,14 @@ async fn a_batch_of_5000_with_3_failing_fires_on_complete_once_across_replicas_a
         Duration::from_secs(60),
         || async { (rec.count() >= TOTAL / 3).then_some(()) },
     )
+    .await?;
+    victim.force.cancel();
+    victim.shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(30), victim.join).await;
+    println!("worker killed after {} runs", rec.count());
+    wait_for("half of the batch run", Duration::from_secs(60), || async {
+        (rec.count() >= TOTAL / 2).then_some(())
+    })
     .await?;
     redis.flushall().await?;
     println!("FLUSHALL after {} runs", rec.count());
