@@ -111,8 +111,12 @@ async fn a_batch_of_5000_with_3_failing_fires_on_complete_once_across_replicas_a
     .await?;
     victim.force.cancel();
     victim.shutdown.cancel();
-    let _ = tokio::time::timeout(Duration::from_secs(30), victim.join).await;
-    println!("worker killed after {} runs", rec.count());
+    let joined = tokio::time::timeout(Duration::from_secs(30), victim.join).await;
+    println!(
+        "worker killed after {} runs (joined: {})",
+        rec.count(),
+        joined.is_ok()
+    );
     wait_for("half of the batch run", Duration::from_secs(60), || async {
         (rec.count() >= TOTAL / 2).then_some(())
     })
