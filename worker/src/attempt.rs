@@ -740,6 +740,12 @@ async fn settle(
         return count(Outcome::Failed);
     }
     count(outcome);
+    // Before the outcome reaches Redis: a crash between the two leaves the attempt not done,
+    // so its redelivered copy runs and appends again (counted once). The other order lost the
+    // end record when a worker died after its outcome and Redis was lost before a sweep.
+    if state.is_terminal() && !probe {
+        batch_end(shared, env, state.as_str()).await;
+    }
     if !shared
         .ledger
         .finish(Finished {
@@ -756,9 +762,6 @@ async fn settle(
         tracing::warn!(
             "outcome not yet written to Redis (retried in the background); acking anyway"
         );
-    }
-    if state.is_terminal() && !probe {
-        batch_end(shared, env, state.as_str()).await;
     }
     if slot.usable() {
         slot.ack().await;

@@ -12,8 +12,11 @@
 //! * [`Op::BatchDef`] — appended (publisher confirm) by `POST /v1/batches` *before* any
 //!   member is published: a member can never end in a batch nobody knows.
 //! * [`Op::BatchEnd`] — appended by the worker that gives a member its final state
-//!   (`succeeded`, `dead`, `expired`, `cancelled`), after the outcome is written and before
-//!   the delivery is acked. A redelivered copy may append it again: progress is a *set* of
+//!   (`succeeded`, `dead`, `expired`, `cancelled`), *before* the outcome is written to Redis
+//!   and the delivery acked: a worker killed in between leaves the attempt not done, so its
+//!   redelivered copy runs and appends again (the other order lost the record when a worker
+//!   died after its outcome and Redis was then flushed — found by the e2e test). A cancelled
+//!   task's record follows its keep in `<ns>.cancelled`. A repeat: progress is a *set* of
 //!   ended ids per batch, so a repeat counts once. Tasks without a `batch` field append
 //!   nothing: the hot path gains no command and no publish.
 //! * [`Op::BatchFired`] — appended by the scheduler replica that published a callback.
