@@ -288,6 +288,22 @@ enum Cmd {
     /// Periodic schedules (the scheduler's /v1/schedules).
     #[command(subcommand)]
     Schedule(ScheduleCmd),
+    /// Batches (POST /v1/batches submits one; see README "Batches").
+    #[command(subcommand)]
+    Batch(BatchCmd),
+}
+
+/// What `fleetctl batch` does.
+#[derive(Subcommand)]
+enum BatchCmd {
+    /// A batch's progress (GET /v1/batches/{id}, role read): total, succeeded, dead, expired,
+    /// cancelled, pending, the failed ids and the callbacks fired. Exit 0 when known, 1 when
+    /// unknown.
+    #[command(override_usage = "fleetctl batch status <ID>")]
+    Status {
+        /// The batch id.
+        id: String,
+    },
 }
 
 /// What `fleetctl pause` and `fleetctl resume` act on.
@@ -574,6 +590,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Resume(what) => pause(&cli, what, false).await,
         Cmd::Pauses => pauses(&cli).await,
         Cmd::Keys => keys(&cli).await,
+        Cmd::Batch(BatchCmd::Status { id }) => batch_status(&cli, id).await,
         Cmd::KeyLimit(a) => key_limit(&cli, a).await,
         Cmd::Tasks {
             filter,
@@ -1334,6 +1351,56 @@ async fn keys(cli: &Cli) -> Result<ExitCode> {
         if default.is_empty() { "-" } else { &default },
         v.get("as_of").and_then(Value::as_str).unwrap_or("-")
     );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `fleetctl batch status <id>`: one line of figures, then the failed ids (at most 50).
+async fn batch_status(cli: &Cli, id: &str) -> Result<ExitCode> {
+    let mut url = reqwest::Url::parse(&api(cli, "/v1/batches")).context("FLEET_API_URL")?;
+    url.path_segments_mut()
+        .map_err(|()| anyhow!("FLEET_API_URL cannot hold a path"))?
+        .push(id);
+    let Some(v) = get_json(&http(cli)?, url.as_str()).await? else {
+        eprintln!("fleetctl: unknown batch {id}");
+        return Ok(ExitCode::FAILURE);
+    };
+    let n = |k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
+    let list = |k: &str| -> Vec<String> {
+        v.get(k)
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x.as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let fired = list("fired");
+    out!(
+        "batch {id}: total={} succeeded={} dead={} expired={} cancelled={} pending={} complete={} fired={}",
+        n("total"),
+        n("succeeded"),
+        n("dead"),
+        n("expired"),
+        n("cancelled"),
+        n("pending"),
+        v.get("complete").and_then(Value::as_bool).unwrap_or(false),
+        if fired.is_empty() { "-".to_string() } else { fired.join(",") }
+    );
+    let failed = list("failed");
+    if !failed.is_empty() {
+        let shown: Vec<&str> = failed.iter().take(50).map(String::as_str).collect();
+        let more = failed.len().saturating_sub(shown.len());
+        out!(
+            "failed: {}{}",
+            shown.join(" "),
+            if more > 0 {
+                format!(" (+{more} more)")
+            } else {
+                String::new()
+            }
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -20,12 +20,14 @@
 //! * `GET /v1/series`: the last 15 minutes of throughput and wait time ([`crate::series`]).
 //! * `GET /v1/scaling`: the autoscaling figures, mounted beside these routes with their own
 //!   state ([`crate::scaling::routes`]).
+//! * Batches (`batches`): `POST /v1/batches`, `GET /v1/batches/{id}` ([`fleet::batch`]).
 //! * The web console at `/ui` ([`crate::console`]).
 //!
 //! Roles ([`fleet::settings`], when tokens are configured): see [`routes`]. A POST without
 //! `Content-Type: application/json` gets 415.
 
 mod audit_log;
+mod batches;
 mod cancel;
 mod dead;
 mod keys;
@@ -80,6 +82,8 @@ pub struct AppState {
     pub pauses: crate::pause::Pauses,
     /// The audit log as this replica read it from the control stream ([`fleet::control`]).
     pub audit: fleet::control::AuditLog,
+    /// The batches as this replica read them from the control stream ([`fleet::batch`]).
+    pub batches: fleet::batch::Batches,
 }
 
 /// The API routes, each behind its role when tokens are configured ([`fleet::settings`]): submit
@@ -90,7 +94,12 @@ pub struct AppState {
 /// `FLEET_API_ALLOWED_HOSTS` gets 421, API and console alike ([`fleet::settings`]).
 pub fn routes(state: AppState) -> Router {
     let auth: ApiAuth = state.cfg.common.auth.clone();
-    let submit_routes = auth.require(Router::new().route("/v1/tasks", post(submit)), Role::Submit);
+    let submit_routes = auth.require(
+        Router::new()
+            .route("/v1/tasks", post(submit))
+            .merge(batches::submit_routes()),
+        Role::Submit,
+    );
     let read_routes = auth.require(
         Router::new()
             .route("/v1/tasks/{id}", get(task_status))
@@ -102,7 +111,8 @@ pub fn routes(state: AppState) -> Router {
             .merge(pause::read_routes())
             .merge(keys::read_routes())
             .merge(tasks::read_routes())
-            .merge(audit_log::read_routes()),
+            .merge(audit_log::read_routes())
+            .merge(batches::read_routes()),
         Role::Read,
     );
     let admin_routes = auth.require(
@@ -142,7 +152,7 @@ fn refuse(status: StatusCode, retry_after_s: u64, body: Value) -> Response {
         .into_response()
 }
 
-async fn submit(
+pub(crate) async fn submit(
     State(st): State<AppState>,
     headers: axum::http::HeaderMap,
     body: Bytes,

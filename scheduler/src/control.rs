@@ -59,6 +59,8 @@ pub struct ControlLoop {
     pub pauses: Pauses,
     /// Set to `true` once the stream is read up to this session's barrier.
     pub caught_up: watch::Sender<bool>,
+    /// The batches folded from the stream ([`fleet::batch`]; kept across sessions).
+    pub batches: fleet::batch::Batches,
 }
 
 impl ControlLoop {
@@ -115,6 +117,7 @@ impl ControlLoop {
                         for rec in &recs {
                             self.cancels.apply(rec);
                             self.audit.apply(rec);
+                            self.batches.apply(rec);
                             match building.as_mut() {
                                 Some((set, keys, ids)) => {
                                     set.apply(rec);
@@ -237,6 +240,7 @@ impl ControlLoop {
         let horizon = self.store.clock.now_ms() - fleet::control::MAX_AGE.as_millis() as i64;
         self.cancels.prune(horizon);
         self.audit.prune(horizon);
+        self.batches.prune(horizon);
         match self.store.control_applied().await {
             Ok(true) if !force => true,
             Ok(_) => {

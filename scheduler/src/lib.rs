@@ -22,6 +22,7 @@
 pub mod api;
 pub mod backpressure;
 pub mod backstop;
+pub mod batch;
 pub mod canary;
 pub mod config;
 pub mod console;

@@ -73,6 +73,7 @@ pub async fn run(
     let pauses = crate::pause::Pauses::default();
     pauses.set_key_settings(cfg.key_limits.clone());
     let audit = fleet::control::AuditLog::default();
+    let batches = fleet::batch::Batches::default();
     let state = AppState {
         pauses: pauses.clone(),
         cfg: cfg.clone(),
@@ -86,6 +87,7 @@ pub async fn run(
         dead_reader: Arc::new(tokio::sync::Semaphore::new(1)),
         renewal: Arc::default(),
         audit: audit.clone(),
+        batches: batches.clone(),
     };
     let board = schedule::Board::default();
     let sched_api = schedule::api::ScheduleApi {
@@ -160,7 +162,7 @@ pub async fn run(
             publisher.clone(),
             boards,
             board.clone(),
-            audit.clone(),
+            (audit.clone(), batches.clone()),
             &ready,
             &shutdown,
         )
@@ -262,7 +264,7 @@ async fn session(
         crate::scaling::Board,
     ),
     board: schedule::Board,
-    audit: fleet::control::AuditLog,
+    (audit, batches): (fleet::control::AuditLog, fleet::batch::Batches),
     ready: &Readiness,
     shutdown: &CancellationToken,
 ) -> fleet::Result<()> {
@@ -350,6 +352,7 @@ async fn session(
             status_ttl: cfg.common.status_ttl,
             pauses,
             caught_up: caught_tx,
+            batches: batches.clone(),
         }
     );
     let stop = session.token();
@@ -476,6 +479,16 @@ async fn session(
         replica: uuid::Uuid::new_v4().simple().to_string(),
     };
     spawn_loop!("schedule-fire", firing);
+    // After the control stream's barrier (above): it knows every callback fired before.
+    spawn_loop!(
+        "batch",
+        crate::batch::BatchLoop {
+            store: store.clone(),
+            conn: conn.clone(),
+            batches,
+            pressure: prx.clone(),
+        }
+    );
 
     session.stopping().await;
     session.stop_within(STOP_WAIT).await;

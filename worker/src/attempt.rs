@@ -387,6 +387,7 @@ async fn attempt_task(
         if !keep_cancelled(&shared, &delivery, &env, env.attempt).await {
             return;
         }
+        batch_end(&shared, &env, TaskState::Cancelled.as_str()).await;
         tracing::info!("a cancelled task: kept in the cancelled queue, acked without running");
         if let Err(e) = shared.ledger.unreserve(lane, &env.id).await {
             tracing::debug!(error = %e, "cannot give back a cancelled task's reservation; it lapses with its lease");
@@ -482,6 +483,7 @@ async fn attempt_task(
         if !keep_cancelled(&shared, &delivery, &env, attempt).await {
             return;
         }
+        batch_end(&shared, &env, TaskState::Cancelled.as_str()).await;
         if slot.usable() {
             slot.ack().await;
         }
@@ -738,6 +740,12 @@ async fn settle(
         return count(Outcome::Failed);
     }
     count(outcome);
+    // Before the outcome reaches Redis: a crash between the two leaves the attempt not done,
+    // so its redelivered copy runs and appends again (counted once). The other order lost the
+    // end record when a worker died after its outcome and Redis was lost before a sweep.
+    if state.is_terminal() && !probe {
+        batch_end(shared, env, state.as_str()).await;
+    }
     if !shared
         .ledger
         .finish(Finished {
@@ -761,6 +769,34 @@ async fn settle(
         tracing::info!("channel closed before the task finished; outcome recorded, its redelivered copy will be acked as a duplicate");
     }
     outcome
+}
+
+/// A batch member's final state, appended to the control stream ([`fleet::batch`]) before its
+/// ack; a task without `batch` costs nothing. A refused append is logged, not retried here: a
+/// scheduler's sweep reads the state from Redis when the batch stalls.
+async fn batch_end(shared: &Shared, env: &Envelope, state: &str) {
+    let Some(batch) = fleet::batch::batch_of(env) else {
+        return;
+    };
+    let rec = fleet::batch::end_record(batch, &env.id, state, shared.clock.now_ms());
+    let body = match serde_json::to_vec(&rec) {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot encode a batch end record");
+            return;
+        }
+    };
+    let props = lapin::BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
+        .with_message_id(rec.id.as_str().into());
+    if let Err(e) = shared
+        .broker
+        .publish("", &shared.names.control_stream(), &body, props)
+        .await
+    {
+        tracing::warn!(error = %e, batch, "cannot append a batch end record; a scheduler's sweep will find the state in Redis");
+    }
 }
 
 /// Publishes the task to the dead-letter queue with its reason.

@@ -570,6 +570,53 @@ class Client:
         _, doc = self._request("POST", path, {"reason": reason})
         return doc
 
+    def submit_batch(
+        self,
+        tasks: Iterable[Task],
+        *,
+        on_success: Optional[Task] = None,
+        on_complete: Optional[Task] = None,
+        batch_id: Optional[str] = None,
+    ) -> Tuple[str, List[str]]:
+        """``POST /v1/batches`` (role submit when tokens are set): submits `tasks` as one batch
+        and returns ``(batch_id, task_ids)``. ``on_success`` runs once when every task
+        succeeded, ``on_complete`` once when every task ended (whatever the outcome); each
+        gets the batch's figures in its payload under ``batch`` (``total``, ``succeeded``,
+        ``dead``, ``expired``, ``cancelled``, ``failed``: the ids that did not succeed).
+
+        Goes through the HTTP API (the batch's definition is recorded before any task is
+        published). Raises `ApiError` on 400 (``index`` in ``body`` names the bad task, -1 a
+        callback) and `Refused` on 429/503: submitting the same batch again with the same
+        ``batch_id`` and task ids is safe (copies already taken are duplicates)."""
+        now = datetime.now(timezone.utc)
+        body: Dict[str, Any] = {"tasks": [t.envelope(now) for t in tasks]}
+        if batch_id is not None:
+            body["id"] = batch_id
+        for name, cb in (("on_success", on_success), ("on_complete", on_complete)):
+            if cb is not None:
+                env = cb.envelope(now)
+                env.pop("id", None)  # the callback's id is `<batch>:<name>`
+                body[name] = env
+        try:
+            _, doc = self._request("POST", "/v1/batches", body)
+        except ApiError as e:
+            if e.status in (429, 503):
+                raise Refused(
+                    e.code,
+                    e.detail,
+                    accepted=[str(i) for i in e.body.get("accepted", [])],
+                    refused=[str(i) for i in e.body.get("refused", [])],
+                ) from None
+            raise
+        return str(doc.get("batch", "")), [str(i) for i in doc.get("ids", [])]
+
+    def batch_status(self, batch_id: str) -> Dict[str, Any]:
+        """``GET /v1/batches/{id}``: ``total``, ``succeeded``, ``dead``, ``expired``,
+        ``cancelled``, ``pending``, ``failed`` (ids), ``fired`` (callbacks published),
+        ``complete``. Raises `ApiError` ``unknown_batch`` (404)."""
+        _, doc = self._request("GET", "/v1/batches/" + urllib.parse.quote(batch_id, safe=""))
+        return doc
+
 
 def _json_object(raw: bytes) -> Dict[str, Any]:
     try:

@@ -163,6 +163,38 @@ pub enum Op {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         since_ms: Option<i64>,
     },
+    /// A batch was accepted ([`crate::batch`]): its member task ids and its callback templates
+    /// (envelopes as JSON, `None`: no such callback). Appended before any member is published.
+    BatchDef {
+        /// The batch id.
+        batch: String,
+        /// Its member task ids, in submission order.
+        tasks: Vec<String>,
+        /// Submitted when every member succeeded.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        on_success: Option<serde_json::Value>,
+        /// Submitted when every member ended, whatever the outcome.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        on_complete: Option<serde_json::Value>,
+    },
+    /// A member of a batch ended in final state `state` (`succeeded`, `dead`, `expired`,
+    /// `cancelled`): appended by the worker that ended it before its ack, or by a scheduler's
+    /// sweep that found the final state in Redis. A repeat is harmless (counted once per task).
+    BatchEnd {
+        /// The batch id.
+        batch: String,
+        /// The member task id.
+        task: String,
+        /// Its final state word.
+        state: String,
+    },
+    /// A batch callback (`on_success` or `on_complete`) was published and confirmed.
+    BatchFired {
+        /// The batch id.
+        batch: String,
+        /// `on_success` or `on_complete`.
+        callback: String,
+    },
     /// A reader's barrier: appended by a scheduler that follows the stream, which has read
     /// everything before it once it reads this record (its caught-up point).
     Barrier {
