@@ -211,8 +211,11 @@ impl Dispatcher {
             self.take_tokens_for(&items, shutdown).await;
         }
         // Shutting down while Redis is unreachable: leave everything unacked.
+        // One token names the batch's dedupe marks and, once every publish is confirmed, its
+        // handed-on flag (`fleet::route::dedupe`).
+        let params = self.params();
         let Some((reserve_error, key_used)) = self
-            .reserve_and_decide(&mut items, source, now, shutdown)
+            .reserve_and_decide(&mut items, source, now, params, shutdown)
             .await
         else {
             return Outcome::default();
@@ -226,7 +229,7 @@ impl Dispatcher {
             };
             spans::record(&items, source, &times);
         }
-        let mut out = self.publish_and_settle(items, source).await;
+        let mut out = self.publish_and_settle(items, source, params.token).await;
         if out.error.is_none() {
             out.error = reserve_error;
         }

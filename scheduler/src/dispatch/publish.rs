@@ -40,6 +40,7 @@ impl Dispatcher {
         &self,
         mut items: Vec<Item>,
         source: &Source,
+        token: u64,
     ) -> Outcome {
         let mut out = Outcome::default();
         self.drop_cancelled_dead(&mut items, source).await;
@@ -160,11 +161,26 @@ impl Dispatcher {
             .filter(|i| matches!(i.fate, Some(Fate::Dispatch(_))))
             .count();
         if source.marks_handed_on() {
-            let handed: Vec<&str> = acks
-                .iter()
-                .filter_map(|i| i.envelope.as_ref().map(|e| e.id.as_str()))
-                .collect();
-            if let Err(e) = self.session.store.mark_handed_on(&handed).await {
+            // Every delivery of the batch acked: one flag for the batch's marks; else the
+            // handed-on ids one by one (a nacked one must not read as handed on).
+            let handed: Vec<&str> = if acks.len() == items.len() {
+                Vec::new()
+            } else {
+                acks.iter()
+                    .filter_map(|i| i.envelope.as_ref().map(|e| e.id.as_str()))
+                    .collect()
+            };
+            let whole = (acks.len() == items.len()).then_some(token);
+            if let Err(e) = self
+                .session
+                .store
+                .mark_handed_on(
+                    whole,
+                    &handed,
+                    self.session.cfg.dedupe_window.as_millis() as u64,
+                )
+                .await
+            {
                 tracing::warn!(error = %e, "cannot mark submissions handed on (a redelivery could run them twice)");
             }
         }

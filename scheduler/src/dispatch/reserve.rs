@@ -45,6 +45,7 @@ impl Dispatcher {
         items: &mut [Item],
         source: &Source,
         now: chrono::DateTime<chrono::Utc>,
+        params: fleet::route::ReserveParams,
         shutdown: &CancellationToken,
     ) -> Option<KeyedAnswer> {
         // Dedupe (every submission, delayed and expired ones included: a delayed one is routed
@@ -81,12 +82,12 @@ impl Dispatcher {
             .unwrap_or_default();
         let (reserved, error) = if source.retries_reserve() {
             (
-                self.reserve_retrying(&reqs, &descs, &paused, shutdown)
+                self.reserve_retrying(&reqs, &descs, params, &paused, shutdown)
                     .await?,
                 None,
             )
         } else {
-            self.reserve_once(&reqs, &descs, &paused).await
+            self.reserve_once(&reqs, &descs, params, &paused).await
         };
         if reserved.reclaimed > 0 {
             metrics::counter!(m::KEY_SLOTS_RECLAIMED).increment(reserved.reclaimed);
@@ -154,13 +155,14 @@ impl Dispatcher {
         &self,
         reqs: &[ReserveRequest],
         descs: &[TaskDescription],
+        params: fleet::route::ReserveParams,
         paused: &[(String, Lane)],
     ) -> (Reserved, Option<fleet::Error>) {
         let failed = |why: String| Reserved {
             answers: vec![Reservation::Failed(why); reqs.len()],
             ..Reserved::default()
         };
-        match self.reserve_call(reqs, descs, self.params(), paused).await {
+        match self.reserve_call(reqs, descs, params, paused).await {
             Ok(a) if a.answers.len() == reqs.len() => (a, None),
             Ok(a) => (
                 failed(format!(
@@ -185,11 +187,11 @@ impl Dispatcher {
         &self,
         reqs: &[ReserveRequest],
         descs: &[TaskDescription],
+        params: fleet::route::ReserveParams,
         paused: &[(String, Lane)],
         shutdown: &CancellationToken,
     ) -> Option<Reserved> {
         let mut backoff = Duration::from_millis(50);
-        let params = self.params();
         loop {
             match self.reserve_call(reqs, descs, params, paused).await {
                 Ok(a) if a.answers.len() == reqs.len() => return Some(a),

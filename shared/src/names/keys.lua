@@ -19,6 +19,8 @@ local function K_run(g, lane) return P .. 'run:' .. g .. ':' .. lane end
 local function K_task(id) return P .. 't:' .. id end
 local function K_attempts(id) return P .. 'ta:' .. id end
 local function K_dedupe(id) return P .. 'dd:' .. id end
+-- A dispatch batch's handed-on flag (`fleet::route::dedupe`): marks `p:<token>` are handed on.
+local function K_handed(token) return P .. 'ho:' .. token end
 local function K_parked(g, lane) return P .. 'pk:' .. g .. ':' .. lane end
 local function K_rr(lane, sel) return P .. 'rr:' .. lane .. ':' .. sel end
 -- Fairness keys (tenants, `fleet::control::KeyLimits`): per key the task ids reserved for it
@@ -40,6 +42,38 @@ local function K_dead_lock() return P .. 'deadrd' end
 -- submitted_at (Unix ms; the Redis clock when unknown). Written once per run, by the status
 -- writer that creates the run's record (index_run below): no command on any later transition.
 local function K_tix() return P .. 'tix' end
+
+-- Deferred set writes: a script that touches many tasks collects the members of each sorted
+-- set or set (`defer('ZADD', key, score, member)`, `defer('ZREM', key, member)`, SADD, SREM)
+-- and sends every key's once, variadic (`flush_deferred()`, before it returns): Redis's cost
+-- is per command far more than per member (`INFO commandstats`, BENCHMARKS.md round 17), so a
+-- batch of 100 claims costs one ZADD, not 100. Only for writes that nothing later in the same
+-- script reads back. Members of one key go in the order deferred (a ZADD after a ZREM of the
+-- same member in one script would be reordered: callers never do both).
+local DEFERRED, DEFERRED_KEYS = {}, {}
+local function defer(op, key, a, b)
+  local k = op .. ' ' .. key
+  local d = DEFERRED[k]
+  if not d then
+    d = { op = op, key = key, n = 0 }
+    DEFERRED[k] = d
+    DEFERRED_KEYS[#DEFERRED_KEYS + 1] = d
+  end
+  d.n = d.n + 1; d[d.n] = a
+  if b ~= nil then d.n = d.n + 1; d[d.n] = b end
+end
+local function flush_deferred()
+  for _, d in ipairs(DEFERRED_KEYS) do
+    -- At most 4,000 arguments per call (an even number: ZADD's pairs stay whole), well under
+    -- Lua's unpack limit.
+    for s = 1, d.n, 4000 do
+      redis.call(d.op, d.key, unpack(d, s, math.min(s + 3999, d.n)))
+    end
+  end
+  DEFERRED, DEFERRED_KEYS = {}, {}
+end
+-- Whether index_run defers its ZADD (a script that sets it calls flush_deferred).
+local DEFER_INDEX = false
 
 -- The attempt log of a task (`ta:<id>`, a list of JSON objects, oldest first): one entry per
 -- attempt that ended — {attempt, worker, started_at, finished_at (Redis ms), outcome
@@ -75,7 +109,7 @@ end
 local function index_run(id, score)
   local s = tonumber(score)
   if not s or s <= 0 then s = NOW_MS end
-  redis.call('ZADD', K_tix(), s, id)
+  if DEFER_INDEX then defer('ZADD', K_tix(), s, id) else redis.call('ZADD', K_tix(), s, id) end
 end
 
 -- ---- Status writers: the only code that sets a task's `state` (one function per transition;
@@ -182,8 +216,11 @@ end
 -- written by worker w for attempt `att`; `field` ('result' | 'error') holds `text`; `reason`
 -- ('' for none) why dead or expired; `done`: this process owns the run record (or none exists),
 -- which then says the attempt is over. `prior`: which of `error` and `reason` the record holds
--- now (read by the caller), so only fields that are there are deleted. One HSET, one PEXPIRE
--- (the TTL runs from the end) and, rarely, one HDEL.
+-- now (read by the caller), so only fields that are there are deleted, and `ttl_fresh`: the
+-- record's TTL was set less than a tenth of the TTL ago (`queued_at`: every writer of that
+-- field sets the TTL in the same script). One HSET and, rarely, one HDEL; the PEXPIRE only when
+-- the TTL is not fresh — so a record lives at least 0.9 × the status TTL after its task ended
+-- (exactly the TTL from the end for a task that waited or ran longer than a tenth of it).
 local function status_finished(id, state, w, att, field, text, success, reason, done, ttl_ms, prior)
   local t = K_task(id)
   local set = { 'state', state, 'worker', w, 'finished_at', NOW_MS, 'attempt', att, field, text }
@@ -199,7 +236,7 @@ local function status_finished(id, state, w, att, field, text, success, reason, 
   end
   redis.call('HSET', t, unpack(set))
   if #del > 0 then redis.call('HDEL', t, unpack(del)) end
-  redis.call('PEXPIRE', t, ttl_ms)
+  if not prior.ttl_fresh then redis.call('PEXPIRE', t, ttl_ms) end
 end
 
 -- Submitted again after its dedupe window, its previous run over (`is_final`): a new run of the

@@ -322,6 +322,13 @@ impl Names {
     pub fn dedupe(&self, id: &str) -> String {
         format!("{}dd:{}", self.prefix, id)
     }
+    /// A dispatch batch's "handed on" flag (a string `1` with the dedupe window as TTL): every
+    /// submission whose dedupe mark is `p:<token>` was handed on — its publishes confirmed and
+    /// its ingress message about to be acked — so a redelivery of it is a duplicate. One write
+    /// per batch instead of one mark per task (`fleet::route::dedupe`).
+    pub fn handed_on(&self, token: &str) -> String {
+        format!("{}ho:{}", self.prefix, token)
+    }
     /// The dead-queue reader lease (a string: the holder's token, with a TTL): one reader of
     /// `<ns>.dead` at a time across every process (see `fleet::broker::dead`).
     pub fn dead_lock(&self) -> String {
@@ -393,6 +400,7 @@ mod tests {
             ("K_task('t-1')", n.task("t-1")),
             ("K_attempts('t-1')", n.attempts("t-1")),
             ("K_dedupe('t-1')", n.dedupe("t-1")),
+            ("K_handed('17')", n.handed_on("17")),
             ("K_parked('g=1', 'normal')", n.parked("g=1", l)),
             ("K_rr('normal', 'a=b,c=d')", n.round_robin(l, "a=b,c=d")),
             ("K_reclaim('g=1')", n.reclaimed("g=1")),

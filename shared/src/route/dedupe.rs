@@ -7,8 +7,10 @@
 //!
 //! * `p:<token>` — being handled by the batch with this token (set if absent; a retry of the same
 //!   batch recognises its own marks and never takes them for duplicates);
-//! * `a` — handed on: every publish the submission became is confirmed by the broker
-//!   ([`Store::mark_handed_on`], just before the ingress message is acked).
+//! * handed on: every publish the submission became is confirmed by the broker
+//!   ([`Store::mark_handed_on`], just before the ingress message is acked) — said for a whole
+//!   batch by one flag `ho:<token>` ([`crate::Names::handed_on`]) when every submission of the
+//!   batch was handed on, else by the mark becoming `a`, id by id.
 //!
 //! A fresh submission ([`Dedupe::Check`]) is a duplicate when any mark of another batch exists.
 //! A redelivered one ([`Dedupe::Mark`]) is a duplicate only once handed on — or when a worker
@@ -36,11 +38,30 @@ pub enum Dedupe {
 impl Store {
     /// Marks ingress submissions as handed on (their publishes are confirmed), just before
     /// their ingress messages are acked: a redelivery after a lost ack is then a duplicate.
-    pub async fn mark_handed_on(&self, ids: &[&str]) -> Result<()> {
-        if ids.is_empty() {
+    /// `batch`: the token of a batch every submission of which is handed on — one flag
+    /// (`ho:<token>`, the dedupe window as TTL) says it for all their `p:<token>` marks, one
+    /// command per batch; `ids`: submissions handed on one by one (their marks become `a`).
+    ///
+    /// # Errors
+    /// Redis unreachable or refusing the writes.
+    pub async fn mark_handed_on(
+        &self,
+        batch: Option<u64>,
+        ids: &[&str],
+        window_ms: u64,
+    ) -> Result<()> {
+        if ids.is_empty() && batch.is_none() {
             return Ok(());
         }
         let mut p = redis::pipe();
+        if let Some(token) = batch {
+            p.cmd("SET")
+                .arg(self.names.handed_on(&token.to_string()))
+                .arg("1")
+                .arg("PX")
+                .arg(window_ms.max(1))
+                .ignore();
+        }
         for id in ids {
             p.cmd("SET")
                 .arg(self.names.dedupe(id))

@@ -65,8 +65,10 @@
 -- the status writer reads anyway, is read once before routing and handed to it.
 -- A fresh submission (dedupe 1) of an id whose mark has expired (the window counts from the
 -- submission) and whose last run has ended is a new run of the id: keys.lua status_resubmitted.
--- Dedupe marks: 'p:<token>' while a submission is being handled, 'a' once the scheduler has
--- handed it on (confirmed; set just before it acks the ingress message). A mark written by
+-- Dedupe marks: 'p:<token>' while a submission is being handled, and handed on (confirmed;
+-- written just before the scheduler acks the ingress message) either by the batch's flag
+-- `ho:<token>` (every submission of the batch handed on: one write per batch) or by the mark
+-- becoming 'a' (a batch some of whose publishes failed: its handed-on ids one by one). A mark written by
 -- this batch's token is its own (a retry of this very batch after a failed call: Redis keeps
 -- what a script wrote before it failed), never a duplicate. A redelivered message (its ack
 -- was lost: connection, queue or scheduler failure) is a duplicate only if it was handed on;
@@ -79,6 +81,9 @@ local default_strategy, dd_ttl, st_ttl = ARGV[4], ARGV[5], ARGV[6]
 local direct = ARGV[7] == '1'
 local park_ttl = ARGV[8]
 math.randomseed(tonumber(ARGV[9]))
+-- Reservations and index entries are deferred and sent once per set (keys.lua `defer`); the
+-- batch reads each set (ZCARD) before it adds to it, and counts what it adds itself.
+DEFER_INDEX = true
 
 local gcache, ccache = {}, {}
 local paused = {}
@@ -288,7 +293,9 @@ for t = 1, n do
     end
   elseif dd == '2' then
     local mark = redis.call('GET', K_dedupe(id))
-    if mark == 'a' then
+    if mark == 'a' or (mark and mark ~= token and string.sub(mark, 1, 2) == 'p:'
+        and redis.call('EXISTS', K_handed(string.sub(mark, 3))) == 1) then
+      -- Handed on: by its own mark, or by its batch's flag (every submission of that batch).
       dup = true
     elseif mark and mark ~= token and redis.call('HEXISTS', K_task(id), 'run_base') == 1 then
       -- Being handled by another (crashed) scheduler, which handed it on before its mark
@@ -379,10 +386,11 @@ for t = 1, n do
     if chosen then
       local s = gstate(chosen, lane)
       s.used = s.used + 1
-      redis.call('ZADD', K_resv(chosen, lane), now + lease, id)
+      defer('ZADD', K_resv(chosen, lane), now + lease, id)
       if ks then
-        redis.call('ZADD', K_kq(ks.name), now + lease, id)
+        -- Counted before the deferred ZADD: kused reads the set as the batch found it.
         ks.used = kused(ks) + 1
+        defer('ZADD', K_kq(ks.name), now + lease, id)
         if ks.rate then ks.tokens = ktokens(ks) - 1 end
         ks.dispatched = ks.dispatched + 1
         if from_park then ks.waiting = ks.waiting - 1 end
@@ -416,22 +424,36 @@ for t = 1, n do
     end
   end
 end
--- Per key: its bucket, its figures (one hash for every key), and what it holds now.
+flush_deferred()
+-- Per key: its bucket, its figures (one hash for every key, read once and written once per
+-- batch whatever the number of keys: HMGET of the counters that change, one HSET), and what
+-- it holds now.
 out[#out + 1] = reclaimed
+local fget, fset = {}, {}
 for _, ks in ipairs(keys) do
   if ks.tokens ~= nil then
     redis.call('HSET', K_kb(ks.name), 'tokens', tostring(ks.tokens), 'ts', now)
     redis.call('PEXPIRE', K_kb(ks.name), 3600000)
   end
-  if ks.dispatched > 0 then redis.call('HINCRBY', K_kf(), 'd:' .. ks.name, ks.dispatched) end
-  if ks.waiting ~= 0 then
-    if redis.call('HINCRBY', K_kf(), 'w:' .. ks.name, ks.waiting) < 0 then
-      redis.call('HSET', K_kf(), 'w:' .. ks.name, 0)
-    end
-  end
-  redis.call('HSET', K_kf(), 't:' .. ks.name, now)
+  if ks.dispatched > 0 then fget[#fget + 1] = 'd:' .. ks.name end
+  if ks.waiting ~= 0 then fget[#fget + 1] = 'w:' .. ks.name end
+  fset[#fset + 1] = 't:' .. ks.name; fset[#fset + 1] = now
   out[#out + 1] = ks.name
   out[#out + 1] = ks.used or -1
   out[#out + 1] = ks.blocked and 1 or 0
 end
+if #fget > 0 then
+  local cur = redis.call('HMGET', K_kf(), unpack(fget))
+  local j = 1
+  for _, ks in ipairs(keys) do
+    if ks.dispatched > 0 then
+      fset[#fset + 1] = fget[j]; fset[#fset + 1] = (tonumber(cur[j]) or 0) + ks.dispatched; j = j + 1
+    end
+    if ks.waiting ~= 0 then
+      -- The waiting count never goes below 0 (a task it counted may have been lost with Redis).
+      fset[#fset + 1] = fget[j]; fset[#fset + 1] = math.max(0, (tonumber(cur[j]) or 0) + ks.waiting); j = j + 1
+    end
+  end
+end
+for c = 1, #fset, 4000 do redis.call('HSET', K_kf(), unpack(fset, c, math.min(c + 3999, #fset))) end
 return out

@@ -26,7 +26,7 @@
 -- readers add it from the record, see `fleet::status::attempt_history`), so a task that
 -- succeeds at once costs no log key.
 -- returns: number of tasks handled
-local w, g, inst, st_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local w, g, inst, st_ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local now = NOW_MS
 local n = tonumber(ARGV[5])
 local done = {}
@@ -35,12 +35,12 @@ for k = 0, n - 1 do
   local lane, id, attempt, state = ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 2]), ARGV[b + 3]
   local field, text, success, reason = ARGV[b + 4], ARGV[b + 5], ARGV[b + 6], ARGV[b + 7]
   local t = K_task(id)
-  redis.call('ZREM', K_run(g, lane), id)
-  redis.call('SREM', K_wrun(w), lane .. '|' .. id)
-  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st', 'worker', 'started_at', 'error', 'reason', 'state', 'cancelled_by', 'cancel_reason', 'key')
+  defer('ZREM', K_run(g, lane), id)
+  defer('SREM', K_wrun(w), lane .. '|' .. id)
+  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st', 'worker', 'started_at', 'error', 'reason', 'state', 'cancelled_by', 'cancel_reason', 'key', 'queued_at')
   -- Its fairness key's running entry (a record Redis lost names no key: the entry lapses
   -- with its lease, which no heartbeat renews once the task ended).
-  if r[11] then redis.call('ZREM', K_kr(r[11]), id) end
+  if r[11] then defer('ZREM', K_kr(r[11]), id) end
   local seen = tonumber(r[1] or '0') or 0
   local owned = r[2] == inst and r[3] == 'run'
   if state == S.cancelled then
@@ -85,9 +85,11 @@ for k = 0, n - 1 do
   local retry_ok = state ~= S.retrying or r[8] == S.running or r[8] == false
   if state ~= '' and state ~= S.queued and state ~= S.cancelled and seen <= attempt and r[8] ~= S.cancelled and retry_ok then
     status_finished(id, state, w, attempt, field, text, success == '1', reason, owned or r[2] == false, st_ttl,
-      { error = r[6] ~= false, reason = r[7] ~= false })
+      { error = r[6] ~= false, reason = r[7] ~= false,
+        ttl_fresh = r[12] and now - (tonumber(r[12]) or 0) < st_ttl / 10 })
   end
 end
+flush_deferred()
 -- Completion counts feed the group's room (Little's law); a group reclaimed meanwhile is not
 -- brought back by a late finish.
 if redis.call('EXISTS', K_group(g)) == 1 then

@@ -218,7 +218,7 @@ async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
         took >= Duration::from_millis(2000),
         "reclaimed before the grace: {took:?}"
     );
-    let gone = wait_for("160 queues gone", Duration::from_secs(30), || async {
+    let gone = wait_for("160 queues gone", Duration::from_secs(60), || async {
         for g in &names {
             for q in group_queues(&ns, g) {
                 if queue_info(&ns, &q).await.ok()?.is_some() {
@@ -233,7 +233,8 @@ async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
         let mut left = Vec::new();
         for g in &names {
             for q in group_queues(&ns, g) {
-                if let Some(info) = queue_info(&ns, &q).await? {
+                // A diagnosis: a channel error here must not hide the queues left.
+                if let Ok(Some(info)) = queue_info(&ns, &q).await {
                     left.push((q, info));
                 }
             }

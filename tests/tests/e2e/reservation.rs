@@ -131,12 +131,50 @@ async fn dedupe_and_no_match() -> anyhow::Result<()> {
         .await?;
     assert!(matches!(r[0], Reservation::Reserved(_)), "{r:?}");
     // ...but once handed on (confirmed, about to be acked), a redelivery is a duplicate.
-    ns.store.mark_handed_on(&["same"]).await?;
+    ns.store.mark_handed_on(None, &["same"], 3_600_000).await?;
     let r = ns
         .store
         .reserve(&[req("same".into(), Dedupe::Mark)], params())
         .await?;
     assert_eq!(r[0], Reservation::Duplicate);
+    // A batch whose every submission was handed on says so with one flag for all its marks:
+    // a redelivery of any of them is a duplicate; a batch without the flag goes ahead.
+    let (flagged, unflagged) = (params(), params());
+    let ids = ["b1", "b2", "b3"];
+    let first = |p| {
+        let reqs: Vec<_> = ids
+            .iter()
+            .map(|i| req((*i).into(), Dedupe::Check))
+            .collect();
+        let store = ns.store.clone();
+        async move { store.reserve(&reqs, p).await }
+    };
+    first(flagged).await?;
+    ns.store
+        .mark_handed_on(Some(flagged.token), &[], 3_600_000)
+        .await?;
+    let again: Vec<_> = ids.iter().map(|i| req((*i).into(), Dedupe::Mark)).collect();
+    let r = ns.store.reserve(&again, params()).await?;
+    assert_eq!(
+        r,
+        vec![Reservation::Duplicate; 3],
+        "the flagged batch's redeliveries"
+    );
+    let others: Vec<_> = ["c1", "c2"]
+        .iter()
+        .map(|i| req((*i).into(), Dedupe::Check))
+        .collect();
+    ns.store.reserve(&others, unflagged).await?;
+    let again: Vec<_> = ["c1", "c2"]
+        .iter()
+        .map(|i| req((*i).into(), Dedupe::Mark))
+        .collect();
+    let r = ns.store.reserve(&again, params()).await?;
+    assert!(
+        r.iter()
+            .all(|a| matches!(a, Reservation::Reserved(_) | Reservation::Full(_))),
+        "a batch never handed on is dispatched again: {r:?}"
+    );
     let none = ReserveRequest {
         selector: Labels::parse("gpu=false")?,
         ..req("x".into(), Dedupe::Skip)
