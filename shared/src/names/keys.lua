@@ -18,7 +18,6 @@ local function K_resv(g, lane) return P .. 'resv:' .. g .. ':' .. lane end
 local function K_run(g, lane) return P .. 'run:' .. g .. ':' .. lane end
 local function K_task(id) return P .. 't:' .. id end
 local function K_attempts(id) return P .. 'ta:' .. id end
-local function K_dedupe(id) return P .. 'dd:' .. id end
 -- A dispatch batch's handed-on flag (`fleet::route::dedupe`): marks `p:<token>` are handed on.
 local function K_handed(token) return P .. 'ho:' .. token end
 local function K_parked(g, lane) return P .. 'pk:' .. g .. ':' .. lane end
@@ -123,6 +122,32 @@ end
 -- `fresh`: this call set the id's dedupe mark (a new submission, its window passed): a final
 -- record is then an ended run's, and this is a new run (status_resubmitted, below).
 local status_resubmitted
+-- The dedupe mark of the task reserve.lua is handling, to be written into its status record
+-- (`dd` = the mark, `ddx` = when it lapses, Redis ms) by the status write of the same call —
+-- no command of its own — or by write_mark when no status is written. nil: none to write.
+-- { value = 'p:<token>', until_ms = <Redis ms>, window = <ms> }
+local MARK = nil
+-- Appends the pending mark's fields to an HSET's `set` and clears it; returns the window (ms)
+-- the record must live at least (0: no mark).
+local function take_mark(set)
+  local m = MARK
+  if not m then return 0 end
+  MARK = nil
+  set[#set + 1] = 'dd'; set[#set + 1] = m.value
+  set[#set + 1] = 'ddx'; set[#set + 1] = m.until_ms
+  return m.window
+end
+-- Writes the pending mark, if any, into task id's record on its own: the record then lives at
+-- least the window (the TTL is only ever raised here: PEXPIRE GT, or set on a new record).
+local function write_mark(id, ttl_ms)
+  if not MARK then return end
+  local set = {}
+  local win = take_mark(set)
+  local t = K_task(id)
+  redis.call('HSET', t, unpack(set))
+  local keep = math.max(tonumber(ttl_ms) or 0, win)
+  if redis.call('PEXPIRE', t, keep, 'GT') == 0 then redis.call('PEXPIRE', t, keep, 'NX') end
+end
 -- `cur`: the record's state as the caller read it (false: none), or nil to read it here.
 -- `sel`: the task's selector (`k=v,k2=v2`, '' for none), written with `kind` (the task
 -- list's label filter reads it). A record created here (none before) indexes the run.
@@ -143,8 +168,10 @@ local function status_waiting(id, state, g, lane, ttl_ms, kind, sub, fresh, cur,
     if key and key ~= '' then set[#set + 1] = 'key'; set[#set + 1] = key end
   end
   if sub and sub ~= '' then set[#set + 1] = 'submitted_at'; set[#set + 1] = sub end
+  -- The dedupe mark of a fresh submission rides in the same HSET (reserve.lua).
+  local win = take_mark(set)
   redis.call('HSET', t, unpack(set))
-  redis.call('PEXPIRE', t, ttl_ms)
+  redis.call('PEXPIRE', t, math.max(tonumber(ttl_ms) or 0, win))
   if not cur then index_run(id, sub) end
 end
 local function status_queued(id, g, lane, ttl_ms, kind, sub, fresh, cur, sel, key) status_waiting(id, S.queued, g, lane, ttl_ms, kind, sub, fresh, cur, sel, key) end
@@ -236,7 +263,9 @@ local function status_finished(id, state, w, att, field, text, success, reason, 
   end
   redis.call('HSET', t, unpack(set))
   if #del > 0 then redis.call('HDEL', t, unpack(del)) end
-  if not prior.ttl_fresh then redis.call('PEXPIRE', t, ttl_ms) end
+  -- `keep_ms`: the TTL from now, the dedupe mark's lapse included (`ddx`, a window longer than
+  -- the status TTL).
+  if not prior.ttl_fresh then redis.call('PEXPIRE', t, prior.keep_ms or ttl_ms) end
 end
 
 -- Submitted again after its dedupe window, its previous run over (`is_final`): a new run of the
@@ -255,8 +284,10 @@ function status_resubmitted(id, ttl_ms)
 end
 -- A fresh submission that writes no waiting status here (no live group matches, or delayed:
 -- the scheduler writes that status): the same check as status_waiting's.
-local function status_renew_if_final(id, ttl_ms)
-  if is_final(redis.call('HGET', K_task(id), 'state')) then status_resubmitted(id, ttl_ms) end
+-- `cur`: the record's state as the caller read it (nil: read it here).
+local function status_renew_if_final(id, ttl_ms, cur)
+  if cur == nil then cur = redis.call('HGET', K_task(id), 'state') end
+  if is_final(cur) then status_resubmitted(id, ttl_ms) end
 end
 
 -- Replayed from the dead-letter queue (dead_claim.lua): the old record goes, and the id is held

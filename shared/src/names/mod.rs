@@ -317,11 +317,6 @@ impl Names {
     pub fn attempts(&self, id: &str) -> String {
         format!("{}ta:{}", self.prefix, id)
     }
-    /// A task id's dedupe mark (a string: the token of the submission that holds the id, with
-    /// the dedupe window as TTL).
-    pub fn dedupe(&self, id: &str) -> String {
-        format!("{}dd:{}", self.prefix, id)
-    }
     /// A dispatch batch's "handed on" flag (a string `1` with the dedupe window as TTL): every
     /// submission whose dedupe mark is `p:<token>` was handed on — its publishes confirmed and
     /// its ingress message about to be acked — so a redelivery of it is a duplicate. One write
@@ -399,7 +394,6 @@ mod tests {
             ("K_run('g=1', 'critical')", n.running("g=1", c)),
             ("K_task('t-1')", n.task("t-1")),
             ("K_attempts('t-1')", n.attempts("t-1")),
-            ("K_dedupe('t-1')", n.dedupe("t-1")),
             ("K_handed('17')", n.handed_on("17")),
             ("K_parked('g=1', 'normal')", n.parked("g=1", l)),
             ("K_rr('normal', 'a=b,c=d')", n.round_robin(l, "a=b,c=d")),

@@ -1,9 +1,11 @@
 //! Dedupe: a task id is dispatched once within the dedupe window (`FLEET_DEDUPE_WINDOW`), even
 //! when a producer publishes it twice or the broker redelivers a submission whose ack was lost.
 //!
-//! The protocol is one mark per id (`dd:<id>`, [`crate::Names::dedupe`]), written in the same
+//! The protocol is one mark per id, a field of its status record (`dd`, lapsing at `ddx`, Redis
+//! ms: the record, [`crate::Names::task`], lives at least that long), written in the same
 //! script call that routes the task (`route/reserve.lua`, so the check and the reservation are
-//! atomic) and then advanced by the scheduler:
+//! atomic — and in the same `HSET` as its first status: the mark costs no command of its own)
+//! and then advanced by the scheduler:
 //!
 //! * `p:<token>` — being handled by the batch with this token (set if absent; a retry of the same
 //!   batch recognises its own marks and never takes them for duplicates);
@@ -63,11 +65,14 @@ impl Store {
                 .ignore();
         }
         for id in ids {
-            p.cmd("SET")
-                .arg(self.names.dedupe(id))
-                .arg("a")
-                .arg("XX")
-                .arg("KEEPTTL")
+            // The mark is a field of the status record; a record Redis lost meanwhile is not
+            // brought back without a TTL (NX: only a key that has none gets the window).
+            let t = self.names.task(id);
+            p.cmd("HSET").arg(&t).arg("dd").arg("a").ignore();
+            p.cmd("PEXPIRE")
+                .arg(&t)
+                .arg(window_ms.max(1))
+                .arg("NX")
                 .ignore();
         }
         self.pipe::<()>(&p).await

@@ -65,6 +65,10 @@
 -- the status writer reads anyway, is read once before routing and handed to it.
 -- A fresh submission (dedupe 1) of an id whose mark has expired (the window counts from the
 -- submission) and whose last run has ended is a new run of the id: keys.lua status_resubmitted.
+-- Dedupe marks are fields of the task's status record (`dd`: the mark, `ddx`: when it lapses,
+-- Redis ms; the record lives at least as long, keys.lua `write_mark`): no key and no command
+-- of their own — the record's one HMGET reads the mark with the state, and the status write
+-- that follows carries the new mark in its HSET.
 -- Dedupe marks: 'p:<token>' while a submission is being handled, and handed on (confirmed;
 -- written just before the scheduler acks the ingress message) either by the batch's flag
 -- `ho:<token>` (every submission of the batch handed on: one write per batch) or by the mark
@@ -77,7 +81,7 @@
 -- already exists under another batch's mark (a worker claimed the crashed scheduler's copy):
 -- then it is a duplicate too, and its status (running, succeeded...) is left as it is.
 local now, token, lease, bf = NOW_MS, 'p:' .. ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local default_strategy, dd_ttl, st_ttl = ARGV[4], ARGV[5], ARGV[6]
+local default_strategy, dd_ttl, st_ttl = ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local direct = ARGV[7] == '1'
 local park_ttl = ARGV[8]
 math.randomseed(tonumber(ARGV[9]))
@@ -275,10 +279,14 @@ for t = 1, n do
   local o = 2 * t - 1
 
   local dup, fresh = false, false
+  -- The record, read once: its state (false: none; the cancel check and the status writer),
+  -- its dedupe mark (`dd`, live until `ddx`, Redis ms: the mark is a field of the record, so
+  -- the check costs no command of its own) and whether a worker claimed it (`run_base`).
+  local rec = redis.call('HMGET', K_task(id), 'state', 'dd', 'ddx', 'run_base')
+  local cur = rec[1]
+  local mark = rec[2]
+  if mark and (tonumber(rec[3]) or 0) <= now then mark = false end
   if dd == '1' then
-    -- Set-if-absent and read in one command (SET … NX GET, Redis 7.0): the old mark, or
-    -- false when this call set it.
-    local mark = redis.call('SET', K_dedupe(id), token, 'PX', dd_ttl, 'NX', 'GET')
     if mark then
       dup = mark ~= token
       -- Its own mark (a retry of this very batch after a failed call): nothing of this
@@ -287,17 +295,17 @@ for t = 1, n do
     else
       -- No mark: new, or the id's window has passed. A run that ended (succeeded, dead,
       -- expired) makes this a new run of the id, not a copy of that one: the status writer
-      -- below clears its record (read there anyway: no command more per task). An id still
-      -- in flight keeps its record, and the worker takes this copy for a copy of that run.
+      -- below clears its record. An id still in flight keeps its record, and the worker
+      -- takes this copy for a copy of that run. The mark goes with the status write below.
       fresh = true
+      MARK = { value = token, until_ms = now + dd_ttl, window = dd_ttl }
     end
   elseif dd == '2' then
-    local mark = redis.call('GET', K_dedupe(id))
     if mark == 'a' or (mark and mark ~= token and string.sub(mark, 1, 2) == 'p:'
         and redis.call('EXISTS', K_handed(string.sub(mark, 3))) == 1) then
       -- Handed on: by its own mark, or by its batch's flag (every submission of that batch).
       dup = true
-    elseif mark and mark ~= token and redis.call('HEXISTS', K_task(id), 'run_base') == 1 then
+    elseif mark and mark ~= token and rec[4] then
       -- Being handled by another (crashed) scheduler, which handed it on before its mark
       -- said so: a worker has already claimed it. Dispatching it again would only make a
       -- copy for the worker to ack, and writing `queued` would hide the task's true state.
@@ -309,19 +317,15 @@ for t = 1, n do
       -- scheduler's mark (it handled this very submission, maybe to a final state it decided
       -- itself, and crashed before acking) is not fresh.
       fresh = (not mark) or mark == token
-      redis.call('SET', K_dedupe(id), token, 'PX', dd_ttl)
+      MARK = { value = token, until_ms = now + dd_ttl, window = dd_ttl }
     end
   end
   if dup then
     out[o], out[o + 1] = 'dup', ''
   elseif dedupe_only then
-    if fresh then status_renew_if_final(id, st_ttl) end
+    if fresh then status_renew_if_final(id, st_ttl, cur) end
     out[o], out[o + 1] = 'fresh', ''
   else
-    -- The record's state (false: none), read once: the cancel check here, the status writer
-    -- below. A fresh submission is a new run of the id: an ended run's record (a cancelled
-    -- one too) is cleared by the writer.
-    local cur = redis.call('HGET', K_task(id), 'state')
     if cur == S.cancelled and not fresh then
       -- A keyed task cancelled while it waited leaves its key's waiting count.
       if ks and from_park then ks.waiting = ks.waiting - 1 end
@@ -417,12 +421,15 @@ for t = 1, n do
         out[o], out[o + 1] = 'full', bg
       end
     else
-      if fresh then status_renew_if_final(id, st_ttl) end
+      if fresh then status_renew_if_final(id, st_ttl, cur) end
       out[o], out[o + 1] = 'none', ''
     end
     end
     end
   end
+  -- A mark no status write took (a duplicate-free answer without a waiting status: no match,
+  -- a delayed submission, a cancelled id, a task already running) is written on its own.
+  write_mark(id, st_ttl)
 end
 flush_deferred()
 -- Per key: its bucket, its figures (one hash for every key, read once and written once per

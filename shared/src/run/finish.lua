@@ -37,7 +37,7 @@ for k = 0, n - 1 do
   local t = K_task(id)
   defer('ZREM', K_run(g, lane), id)
   defer('SREM', K_wrun(w), lane .. '|' .. id)
-  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st', 'worker', 'started_at', 'error', 'reason', 'state', 'cancelled_by', 'cancel_reason', 'key', 'queued_at')
+  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st', 'worker', 'started_at', 'error', 'reason', 'state', 'cancelled_by', 'cancel_reason', 'key', 'queued_at', 'ddx')
   -- Its fairness key's running entry (a record Redis lost names no key: the entry lapses
   -- with its lease, which no heartbeat renews once the task ended).
   if r[11] then defer('ZREM', K_kr(r[11]), id) end
@@ -86,7 +86,8 @@ for k = 0, n - 1 do
   if state ~= '' and state ~= S.queued and state ~= S.cancelled and seen <= attempt and r[8] ~= S.cancelled and retry_ok then
     status_finished(id, state, w, attempt, field, text, success == '1', reason, owned or r[2] == false, st_ttl,
       { error = r[6] ~= false, reason = r[7] ~= false,
-        ttl_fresh = r[12] and now - (tonumber(r[12]) or 0) < st_ttl / 10 })
+        ttl_fresh = r[12] and now - (tonumber(r[12]) or 0) < st_ttl / 10,
+        keep_ms = math.max(st_ttl, (tonumber(r[13]) or 0) - now) })
   end
 end
 flush_deferred()

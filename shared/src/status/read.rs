@@ -28,8 +28,9 @@ pub fn typed(id: &str, fields: BTreeMap<String, String>) -> Value {
     let mut out = Map::new();
     out.insert("id".into(), Value::String(id.to_string()));
     for (k, v) in fields {
-        // The run record (run_base, run_owner, …) is fleet's own claim bookkeeping.
-        if v.is_empty() || k.starts_with("run_") {
+        // The run record (run_base, run_owner, …) and the dedupe mark (dd, ddx) are fleet's
+        // own bookkeeping.
+        if v.is_empty() || k.starts_with("run_") || k == "dd" || k == "ddx" {
             continue;
         }
         let typed = if INTEGER_FIELDS.contains(&k.as_str()) {
@@ -176,12 +177,18 @@ impl Store {
         self.pipe(&p).await
     }
 
-    /// A task's status fields, `None` when unknown (never seen, or expired from Redis).
+    /// A task's status fields, `None` when unknown (never seen, or expired from Redis; a record
+    /// that holds only a dedupe mark, for the moment between a submission's routing and its
+    /// first state, is no status yet).
     pub async fn task_status(&self, id: &str) -> Result<Option<BTreeMap<String, String>>> {
         let m: BTreeMap<String, String> = self
             .query(redis::cmd("HGETALL").arg(self.names.task(id)))
             .await?;
-        Ok(if m.is_empty() { None } else { Some(m) })
+        Ok(if m.contains_key("state") {
+            Some(m)
+        } else {
+            None
+        })
     }
 
     /// A task's attempts, oldest first ([`attempt_history`] of its status record and attempt

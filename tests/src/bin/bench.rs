@@ -1144,6 +1144,19 @@ async fn throughput(n: usize) -> Result<()> {
         println!("raw + fleet Redis idle: submit→claimed p50 {l50:.2} ms p99 {l99:.2} ms ({anomalies} anomalies; Δp50 {:+.2} ms over the raw per-hop client)", l50 - r50);
         (one, two, floor_rate, raw_steady, raw_idle, raw_idle_shared)
     };
+    // 5. The peer: Celery on the same broker, the same count, settings of the same guarantee.
+    let celery = if std::env::var("BENCH_CELERY").as_deref() == Ok("0") {
+        None
+    } else {
+        println!("\n## 5. peer: Celery (prefork, quorum queue, acks_late, prefetch 1 × concurrency, publisher confirms), {n} no-op tasks + {idle_n} idle");
+        match celery_run(n, idle_n) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                println!("celery: not measured: {e:#}");
+                None
+            }
+        }
+    };
     // The goal is measured against the raw client's better figure of its two layouts.
     let (p50h, p99h) = p50_p99(&raw_idle.lat_ms);
     let (p50s, p99s) = p50_p99(&raw_idle_shared.lat_ms);
@@ -1164,6 +1177,12 @@ async fn throughput(n: usize) -> Result<()> {
         groups10 / two
     );
     println!("idle submit→start    : fleet p50 {f50:.2} ms p99 {f99:.2} ms | raw 2-hop p50 {r50:.2} ms p99 {r99:.2} ms | Δp50 {:+.2} ms (goal ≤ +0.5) Δp99 {:+.2} ms (goal ≤ +1.5)", f50 - r50, f99 - r99);
+    if let Some(c) = &celery {
+        println!(
+            "Celery {} (c={}) : {:>7.0} tasks/s, fleet / Celery = {:.1} (goal ≥ 5); idle p50 {:.2} ms p99 {:.2} ms against fleet's {f50:.2} / {f99:.2}",
+            c.version, c.concurrency, c.rate, burst / c.rate, c.p50, c.p99
+        );
+    }
     println!("split of 200 × 200 ms: fast {fast} / slow {slow}");
     println!("floor: raw 2-hop + fleet's Redis work {floor_rate:>7.0} / raw {two:>7.0} = {:.2} (a ceiling for fleet on this machine; fleet / floor = {:.2})", floor_rate / two, burst / floor_rate);
     if let Some((raw_cpu, floor_cpu)) = budget {
@@ -1191,6 +1210,54 @@ async fn throughput(n: usize) -> Result<()> {
         rss(rss_secs).await?;
     }
     Ok(())
+}
+
+/// Celery's figures in the same run (`ops/bench/celery_bench.sh`).
+struct Celery {
+    version: String,
+    concurrency: u64,
+    /// Burst tasks/s.
+    rate: f64,
+    /// Idle submit→start, ms.
+    p50: f64,
+    p99: f64,
+}
+
+/// Runs the Celery peer benchmark (`ops/bench/celery_bench.sh`: a virtualenv with Celery 5.x,
+/// one prefork worker of `BENCH_CELERY_CONCURRENCY` (default 8) processes) over `n` burst and
+/// `idle` idle tasks, and reads its `CELERY_JSON` line.
+///
+/// # Errors
+/// The script failed (no Python venv, broker unreachable) or printed no figures.
+fn celery_run(n: usize, idle: usize) -> Result<Celery> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .ok_or_else(|| anyhow::anyhow!("no repository root"))?;
+    let conc = std::env::var("BENCH_CELERY_CONCURRENCY").unwrap_or_else(|_| "8".into());
+    let out = std::process::Command::new("bash")
+        .arg(root.join("ops/bench/celery_bench.sh"))
+        .args(["--n", &n.to_string(), "--idle", &idle.to_string()])
+        .args(["--concurrency", &conc])
+        .stderr(std::process::Stdio::inherit())
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    for line in text.lines().filter(|l| !l.starts_with("CELERY_JSON")) {
+        println!("celery: {line}");
+    }
+    anyhow::ensure!(out.status.success(), "celery_bench.sh: {}", out.status);
+    let json = text
+        .lines()
+        .find_map(|l| l.strip_prefix("CELERY_JSON "))
+        .ok_or_else(|| anyhow::anyhow!("no CELERY_JSON line"))?;
+    let v: serde_json::Value = serde_json::from_str(json)?;
+    let f = |k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    Ok(Celery {
+        version: v["celery_version"].as_str().unwrap_or("?").to_string(),
+        concurrency: v["concurrency"].as_u64().unwrap_or(0),
+        rate: f("tasks_per_s"),
+        p50: f("idle_p50_ms"),
+        p99: f("idle_p99_ms"),
+    })
 }
 
 /// Resident set size of a process (kB), from `/proc/<pid>/status`.

@@ -700,10 +700,10 @@ async fn measure_reserve(
     let n = done.load(Ordering::Relaxed);
     let mut l = lat.lock().map(|v| v.clone()).unwrap_or_default();
     let (p50, p99) = (pct(&mut l, 0.5), pct(&mut l, 0.99));
-    // Clean up what this measurement wrote: dedupe marks, statuses, reservations.
-    let mut keys: Vec<String> = Vec::with_capacity(2 * n);
+    // Clean up what this measurement wrote: statuses (their dedupe marks with them),
+    // reservations.
+    let mut keys: Vec<String> = Vec::with_capacity(n);
     for i in 0..n {
-        keys.push(store.names.dedupe(&format!("{tag}-{i}")));
         keys.push(store.names.task(&format!("{tag}-{i}")));
     }
     for g in &fleet.groups {

@@ -8,15 +8,22 @@ use deadpool_redis::redis;
 use fleet_tests::*;
 use serde_json::json;
 
-/// Waits until `id`'s dedupe mark has expired (the window has passed).
+/// Waits until `id`'s dedupe mark has lapsed (the window has passed): its `ddx` field, on the
+/// Redis clock (the record that holds it lives on).
 async fn window_passed(ns: &Ns, id: &str) -> anyhow::Result<()> {
-    let key = ns.names.dedupe(id);
+    let key = ns.names.task(id);
     wait_for(
-        "the dedupe mark expired",
+        "the dedupe mark lapsed",
         Duration::from_secs(20),
         || async {
-            let n: i64 = ns.store.query(redis::cmd("EXISTS").arg(&key)).await.ok()?;
-            (n == 0).then_some(())
+            let until: Option<i64> = ns
+                .store
+                .query(redis::cmd("HGET").arg(&key).arg("ddx"))
+                .await
+                .ok()?;
+            let (secs, micros): (i64, i64) = ns.store.query(&redis::cmd("TIME")).await.ok()?;
+            let now = secs * 1000 + micros / 1000;
+            until.is_none_or(|u| u <= now).then_some(())
         },
     )
     .await

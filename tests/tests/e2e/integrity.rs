@@ -118,7 +118,8 @@ async fn hostile_envelope_mid_batch_loses_nothing() -> anyhow::Result<()> {
 }
 
 /// Issue 10 "script error": the reserve script fails on one task in the middle of a batch (its
-/// dedupe key is pre-created as a Redis hash, so `GET` raises WRONGTYPE). That task alone is
+/// status record, which holds its dedupe mark, is pre-created as a Redis string, so `HMGET`
+/// raises WRONGTYPE). That task alone is
 /// dead-lettered `internal_error`; the others run exactly once; nothing leaks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn reserve_script_error_mid_batch_loses_nothing() -> anyhow::Result<()> {
@@ -130,12 +131,7 @@ async fn reserve_script_error_mid_batch_loses_nothing() -> anyhow::Result<()> {
     let all = goods(101);
     let bad = all[50].id.clone();
     ns.store
-        .query::<()>(
-            redis::cmd("HSET")
-                .arg(ns.names.dedupe(&bad))
-                .arg("x")
-                .arg("1"),
-        )
+        .query::<()>(redis::cmd("SET").arg(ns.names.task(&bad)).arg("x"))
         .await?;
     let ids: Vec<String> = all
         .iter()
