@@ -1098,7 +1098,34 @@ async fn groups(cli: &Cli) -> Result<ExitCode> {
     let groups = v.as_array().cloned().unwrap_or_default();
     let (headers, rows) = groups_table(&groups);
     print_table(&headers, rows);
+    // What waits under no group's BACKLOG (`GET /v1/scaling`'s `unrouted`, the same sample
+    // the autoscaling API gives): tasks no live worker matches or handles, tasks held by a
+    // kind pause, delayed tasks not yet due. A scheduler too old to have the figure: no line.
+    if let Ok(Some(sc)) = get_json(&http(cli)?, &api(cli, "/v1/scaling")).await {
+        if let Some(line) = unrouted_line(&sc) {
+            out!("{line}");
+        }
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The line under `fleetctl groups` for the tasks no group holds, from `GET /v1/scaling`:
+/// `not in any group: 2 waiting for a worker, 0 held by a kind pause, 0 not yet due (as of
+/// 12:00:01.250)`. `None` when the answer has no `unrouted` figures.
+fn unrouted_line(scaling: &Value) -> Option<String> {
+    let u = scaling.get("unrouted")?;
+    let n = |k: &str| u.get(k).and_then(Value::as_u64).unwrap_or(0);
+    let as_of = scaling
+        .get("as_of")
+        .and_then(Value::as_str)
+        .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+        .map_or("-".into(), |t| t.format("%H:%M:%S%.3f").to_string());
+    Some(format!(
+        "not in any group: {} waiting for a worker, {} held by a kind pause, {} not yet due (as of {as_of})",
+        n("unmatched"),
+        n("paused"),
+        n("not_yet_due")
+    ))
 }
 
 async fn drain(cli: &Cli, id: &str) -> Result<ExitCode> {

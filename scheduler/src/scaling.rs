@@ -210,7 +210,8 @@ pub struct Unrouted {
     /// Tasks held for a paused kind.
     pub paused: u64,
     /// Tasks waiting for a worker that matches them: no live group does (e.g. a Deployment
-    /// scaled to zero). Ready for a Deployment whose workers would match.
+    /// scaled to zero). Ready for a Deployment whose workers would match. The queue's ready
+    /// tasks and those its release loop holds on this replica (a lower bound with several).
     pub unmatched: u64,
 }
 
@@ -539,10 +540,11 @@ pub async fn sample(
     out.dispatch_rate = out.groups.values().map(|g| g.total.dispatch_rate).sum();
 
     // What no group holds.
+    // Ready in the waiting-for-worker queue, and held by this replica's loop (unacked).
     out.unrouted.unmatched = u64::from(
         view.depth(&n.park_queue(Names::UNMATCHED_GROUP, Lane::Normal))
             .unwrap_or(0),
-    );
+    ) + u64::from(s.parks_held.get(Names::UNMATCHED_GROUP, Lane::Normal));
     out.unrouted.paused = s.pauses.held().values().sum();
     out.unrouted.not_yet_due = tier_depths(s, board).await + s.tiers_held.get();
 

@@ -38,6 +38,10 @@ pub struct Session {
     /// Deliveries this session's tier loops hold (unacked: not in the tiers' ready counts),
     /// for the autoscaling figures' `not_yet_due` ([`crate::scaling`]).
     pub tiers_held: crate::tiers::HeldCount,
+    /// Deliveries this session's park release loops hold, per group and lane (unacked: not
+    /// in the park queues' ready counts), for the backlog figures ([`crate::stats`],
+    /// [`crate::scaling`]).
+    pub parks_held: crate::park::HeldByQueue,
 }
 
 impl Session {
@@ -60,6 +64,7 @@ impl Session {
             publisher: std::sync::RwLock::new(publisher),
             renewal: fleet::broker::amqp::Renewal::default(),
             tiers_held: crate::tiers::HeldCount::default(),
+            parks_held: crate::park::HeldByQueue::default(),
         }
     }
 

@@ -229,6 +229,8 @@ async fn sample(s: &Session, view: &FleetView, board: &GroupBoard) -> fleet::Res
             let park = n.park_queue(&g.group, lane);
             let mut depth = view.depth(&park).unwrap_or(0);
             metrics::gauge!(m::QUEUE_DEPTH, "queue" => park).set(f64::from(depth));
+            // What this replica's release loop holds (unacked: in no ready count) waits too.
+            depth += s.parks_held.get(&g.group, lane);
             // Keyed tasks waiting in the group's fair park queues (normal lane).
             if lane == Lane::Normal {
                 for q in 0..s.cfg.common.fair_queues {

@@ -28,6 +28,59 @@
 //!   ([`ParkLoops::stop_group`]) and forgets its queues ([`Queues::forget`]), or declares them
 //!   again when the reclaim is undone ([`Queues::declare`]).
 
+/// How many tasks this session's release loops hold per (group, lane) — unacked, so in no
+/// queue's ready count: the backlog figures add them (`fleetctl groups`, `GET /v1/groups`,
+/// `GET /v1/scaling`'s `unmatched`). Each replica knows its own loops' only: with several
+/// replicas a figure that adds them is a lower bound, like the delay tiers' (`crate::scaling`).
+#[derive(Debug, Default)]
+pub struct HeldByQueue(std::sync::Mutex<std::collections::HashMap<(String, fleet::Lane), u32>>);
+
+impl HeldByQueue {
+    /// The tasks held for `group`'s `lane` now (its park queue and, on the normal lane, its
+    /// fair park queues).
+    pub fn get(&self, group: &str, lane: fleet::Lane) -> u32 {
+        self.0
+            .lock()
+            .map(|m| m.get(&(group.to_string(), lane)).copied().unwrap_or(0))
+            .unwrap_or(0)
+    }
+
+    fn set(&self, group: &str, lane: fleet::Lane, n: usize) {
+        if let Ok(mut m) = self.0.lock() {
+            let n = u32::try_from(n).unwrap_or(u32::MAX);
+            if n == 0 {
+                m.remove(&(group.to_string(), lane));
+            } else {
+                m.insert((group.to_string(), lane), n);
+            }
+        }
+    }
+}
+
+/// One release loop's entry in a [`HeldByQueue`]: set as its hold changes, removed when the
+/// loop ends (its deliveries go back to the queue with its channel).
+pub(crate) struct HeldShare<'a> {
+    board: &'a HeldByQueue,
+    group: &'a str,
+    lane: fleet::Lane,
+}
+
+impl<'a> HeldShare<'a> {
+    pub(crate) fn new(board: &'a HeldByQueue, group: &'a str, lane: fleet::Lane) -> Self {
+        HeldShare { board, group, lane }
+    }
+
+    pub(crate) fn set(&self, n: usize) {
+        self.board.set(self.group, self.lane, n);
+    }
+}
+
+impl Drop for HeldShare<'_> {
+    fn drop(&mut self) {
+        self.board.set(self.group, self.lane, 0);
+    }
+}
+
 pub mod discovery;
 pub mod fair;
 pub mod loops;

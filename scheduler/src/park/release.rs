@@ -186,7 +186,9 @@ async fn consume(
     // This session's first declare of a fair queue (a key just parked in one) is looked up
     // at once.
     let mut fair_news = d.parks().fair_declared();
+    let share = super::HeldShare::new(&d.session.parks_held, group, lane);
     loop {
+        share.set(held.len());
         // With a full hold the consumer is not polled, so its end would go unseen: a channel
         // the broker closed (its consumer timeout, while a full group held tasks here longer)
         // has handed them back to the queue, and acking them here can only fail.
@@ -286,6 +288,7 @@ async fn consume(
         // which comes straight back: wait as for a held task rather than spin on it.
         let refused = out.failed > 0;
         held.put_back(out.held, &limits);
+        share.set(held.len());
         if held.is_empty() && drained && !refused && !unmatched {
             // Everything parked here is on its way: new work may take room directly again.
             if let Err(e) = d.session.store.clear_parked(group, lane).await {

@@ -289,6 +289,42 @@ async fn failed_means_retried_plus_dead_in_every_view() -> anyhow::Result<()> {
     ns.cleanup().await
 }
 
+/// Tasks no group holds (no live worker matches their selector) are not under any group's
+/// BACKLOG: `fleetctl groups` names them on a line of their own, the figure `GET /v1/scaling`
+/// has (`unrouted.unmatched`) for the same sample.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fleetctl_groups_names_the_tasks_waiting_for_a_worker() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let sched = start_scheduler(&ns, &[("stats_interval_ms", "200")]).await?;
+    let envs: Vec<_> = (0..2)
+        .map(|_| task("echo", json!({}), "zone=nowhere"))
+        .collect();
+    ns.submit(&envs).await?;
+    let sc = wait_for(
+        "2 waiting for a worker",
+        Duration::from_secs(15),
+        || async {
+            let sc = get_json(&sched.url("/v1/scaling")).await.ok()?;
+            (sc["unrouted"]["unmatched"] == 2).then_some(sc)
+        },
+    )
+    .await?;
+    let api = format!("http://{}", sched.addr);
+    let (code, out, err) = fleetctl(&ns, &api, &["groups"]).await?;
+    assert_eq!(code, 0, "{err}");
+    println!("fleetctl groups:\n{out}\nscaling: {}", sc["unrouted"]);
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("not in any group:"))
+        .unwrap_or_default();
+    assert!(
+        line.starts_with("not in any group: 2 waiting for a worker, 0 held by a kind pause, 0 not yet due (as of "),
+        "{out}"
+    );
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
 /// `fleetctl groups` has the same columns before and after the first probe, and shows the
 /// backlog and the oldest waiting task's age as the API has them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
