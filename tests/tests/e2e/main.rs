@@ -23,6 +23,7 @@ mod api_auth;
 mod attempt_once;
 mod audit;
 mod bad_input;
+mod batch_console;
 mod batches;
 mod broker_dead_letters;
 mod broker_limits;

@@ -3,7 +3,7 @@
 
 const REFRESH_MS = 2000;
 const TOKEN_KEY = "fleet.console.token";
-const VIEWS = ["overview", "groups", "workers", "dead", "schedules", "task", "tasks", "keys", "audit"];
+const VIEWS = ["overview", "groups", "workers", "dead", "schedules", "task", "batch", "tasks", "keys", "audit"];
 
 const $ = (sel) => document.querySelector(sel);
 
@@ -462,11 +462,42 @@ async function lookupTask(id) {
   out.replaceChildren(...parts);
 }
 
+/** A batch's progress (GET /v1/batches/{id}): a bar of ended / total, the counts per final
+ * state, the members that did not succeed (each opens its task), the callbacks and which fired. */
+async function lookupBatch(id) {
+  const out = $("#batch-result");
+  const r = await api(`/v1/batches/${encodeURIComponent(id)}`);
+  if (r.status === 404) { out.replaceChildren(h("p", { class: "muted", id: "batch-missing" }, `No batch ${id}: never submitted, or older than the control stream's retention.`)); return; }
+  if (r.status !== 200) { out.replaceChildren(h("p", { class: "error" }, problem(r))); return; }
+  const b = r.body;
+  const ended = b.total - b.pending;
+  const pct = b.total ? Math.floor((100 * ended) / b.total) : 100;
+  const bar = h("div", { class: "progress", id: "batch-bar", role: "progressbar", "aria-valuemin": "0", "aria-valuemax": String(b.total), "aria-valuenow": String(ended) },
+    h("div", { class: "progress-fill", vars: { "--pct": `${pct}%` } }));
+  const dl = h("dl", { class: "kv", id: "batch-fields" },
+    row("id", b.id),
+    row("state", h("span", { class: `badge ${b.complete ? "succeeded" : "running"}` }, b.complete ? "complete" : "running")),
+    row("accepted", timeEl(new Date(b.at_ms).toISOString())),
+    row("total", String(b.total)),
+    row("ended", `${ended} (${pct} %)`),
+    ...["succeeded", "dead", "expired", "cancelled", "pending"].flatMap((k) => row(k, String(b[k]))),
+    row("callbacks", b.callbacks.length ? b.callbacks.map((c) => `${c}${b.fired.includes(c) ? " (fired)" : ""}`).join(", ") : "none"));
+  const failed = b.failed.map((t) => h("li", {}, h("a", { href: "#task", dataset: { id: t }, on: { click: (e) => { e.preventDefault(); openTask(t); } } }, t)));
+  out.replaceChildren(h("div", { class: "card" }, h("h2", {}, "Progress"), bar, dl),
+    h("div", { class: "card" }, h("h2", {}, "Did not succeed ", h("small", {}, "in submission order")),
+      failed.length ? h("ul", { id: "batch-failed" }, ...failed) : h("p", { class: "muted", id: "batch-failed" }, "None.")));
+}
+
 // ---------------------------------------------------------------- shell
 
 const RENDER = { overview: renderOverview, groups: renderGroups, workers: renderWorkers, dead: renderDead, schedules: renderSchedules, tasks: renderTasks, keys: (...a) => renderKeys(...a), audit: (...a) => renderAudit(...a), task: async () => {
   const id = $("#task-id").value.trim();
-  if (id) await lookupTask(id);
+  // With nothing to look up yet, one cheap read still checks the token (a console opened on
+  // this view with none or a stale one shows the prompt, not an empty page).
+  if (id) await lookupTask(id); else await api("/v1/pressure");
+}, batch: async () => {
+  const id = $("#batch-id").value.trim();
+  if (id) await lookupBatch(id); else await api("/v1/pressure");
 } };
 
 let lastOk = 0;
@@ -575,6 +606,11 @@ function boot() {
   $("#task-form").addEventListener("submit", (e) => {
     e.preventDefault();
     if (location.hash !== "#task") location.hash = "#task";
+    refreshNow();
+  });
+  $("#batch-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    if (location.hash !== "#batch") location.hash = "#batch";
     refreshNow();
   });
   $("#dead-reason").addEventListener("change", refreshNow);
