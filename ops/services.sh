@@ -23,6 +23,9 @@
 #   RABBITMQ_NODE_PORT  (5672)  AMQP port checked on 127.0.0.1 (RabbitMQ honours it too)
 #   SERVICES_REDIS_WAIT (30)    seconds to wait for Redis to answer PONG after starting it
 #   SERVICES_RABBITMQ_WAIT (180) seconds to wait for RabbitMQ to finish booting
+#   RABBITMQ_RESTART    (unset) 1: a running broker whose open-file limit is too small (or
+#                               whose status cannot be read) is stopped and started again
+#                               with RABBITMQ_NOFILE; also under CI=true. ops/test.sh sets it.
 #   RABBITMQ_NOFILE     (65536) open-file limit (ulimit -n) RabbitMQ is started with; the hard
 #                               limit when that is lower. Each quorum queue holds files open
 #                               and fleet declares 24 queues per namespace and 4 per group
@@ -181,28 +184,41 @@ ensure_rabbitmq() {
     ensure_cmd rabbitmqctl rabbitmq-server
     if rabbitmq_up; then
         log "rabbitmq: up (AMQP $AMQP_HOST:$AMQP_PORT)"
-        if check_rabbitmq_nofile warn || [ "${CI:-}" != true ]; then
+        if [ "${RABBITMQ_RESTART:-}" != 1 ] && [ "${CI:-}" != true ]; then
+            check_rabbitmq_nofile warn || true
+            return 0
+        fi
+        # With RABBITMQ_RESTART=1 (ops/test.sh sets it: the suite wedges a broker left with
+        # the usual 1,024) or CI=true, a broker whose status cannot be read (a node that lost
+        # its database) is restarted too.
+        if [ -n "$(rabbitmq_fd_limit)" ] && check_rabbitmq_nofile warn; then
             return 0
         fi
         # CI owns its machine's broker: one started with a small open-file limit wedges
         # mid-suite (new connections hang once the handle cache is full), so it is stopped
         # cleanly here and started again below with the limit.
-        log "rabbitmq: CI: stopping the broker to start it again with open-file limit $RABBITMQ_NOFILE"
-        rmqctl 120 -q stop >/dev/null 2>&1 || die "rabbitmq: 'rabbitmqctl stop' failed"
+        log "rabbitmq: stopping the broker to start it again with open-file limit $RABBITMQ_NOFILE (RABBITMQ_RESTART=1 or CI=true)"
+        rmqctl 120 -q stop >/dev/null 2>&1 || log "rabbitmq: 'rabbitmqctl stop' failed; waiting for the node to go"
         local until=$((SECONDS + 60))
-        while rabbitmq_up; do
-            [ "$SECONDS" -lt "$until" ] || die "rabbitmq: still up 60 s after 'rabbitmqctl stop'"
+        while tcp_open "$AMQP_HOST" "$AMQP_PORT"; do
+            [ "$SECONDS" -lt "$until" ] || die "rabbitmq: still listening 60 s after 'rabbitmqctl stop'"
             sleep 1
         done
     fi
     install_rabbitmq_advanced_config
     log "rabbitmq: down; starting rabbitmq-server -detached (open-file limit $RABBITMQ_NOFILE)"
-    # The limit is set in the shell that execs the server (the Debian wrapper's `su rabbitmq`
-    # keeps it): RABBITMQ_NOFILE, or the hard limit if that is lower and cannot be raised
-    # (ops/nofile-exec.sh, which the test harness starts its private nodes with too).
+    # The limit is set in the shell that execs the server: RABBITMQ_NOFILE, or the hard limit
+    # if that is lower and cannot be raised (ops/nofile-exec.sh, which the test harness starts
+    # its private nodes with too). As root, the server is started as the rabbitmq user with
+    # setpriv, not through the Debian wrapper's `su rabbitmq`: su's PAM session sets the soft
+    # limit back to 1,024 (seen on the CI machine: the broker ran out of file handles mid-suite
+    # and Mnesia died with emfile), while setpriv keeps the limits it is given.
     local nofile_exec
-    nofile_exec="$(dirname "$0")/nofile-exec.sh"
-    if [ "$(id -u)" -eq 0 ] || [ "$(id -un)" = rabbitmq ]; then
+    nofile_exec="$(cd "$(dirname "$0")" && pwd)/nofile-exec.sh"
+    if [ "$(id -u)" -eq 0 ] && command -v setpriv >/dev/null 2>&1 && id -u rabbitmq >/dev/null 2>&1; then
+        (cd /var/lib/rabbitmq && sh "$nofile_exec" "$RABBITMQ_NOFILE" setpriv --reuid=rabbitmq --regid=rabbitmq --init-groups \
+            env HOME=/var/lib/rabbitmq rabbitmq-server -detached) >&2 || die "rabbitmq: rabbitmq-server -detached failed"
+    elif [ "$(id -u)" -eq 0 ] || [ "$(id -un)" = rabbitmq ]; then
         sh "$nofile_exec" "$RABBITMQ_NOFILE" rabbitmq-server -detached >&2 || die "rabbitmq: rabbitmq-server -detached failed"
     else
         as_root sh "$nofile_exec" "$RABBITMQ_NOFILE" rabbitmq-server -detached >&2 || die "rabbitmq: rabbitmq-server -detached failed"
