@@ -116,6 +116,14 @@ impl SchedulerConfig {
                 "must not be above FLEET_LOAD_RED",
             ));
         }
+        // The dedupe mark is a field of the task's status record (`fleet::route::dedupe`):
+        // the record must live at least the window for the mark to.
+        if a.common.status_ttl_ms < a.dedupe_window_ms {
+            return Err(Error::config(
+                "FLEET_STATUS_TTL_MS",
+                "must not be below FLEET_DEDUPE_WINDOW_MS (a task id's dedupe mark lives in its status record)",
+            ));
+        }
         let key_limits = fleet::control::KeyLimits::from_settings(&a.key_default, &a.key_limits)
             .map_err(|(name, e)| Error::config(name, e))?;
         let ms = Duration::from_millis;

@@ -166,7 +166,10 @@ impl Dispatcher {
             let handed: Vec<&str> = if acks.len() == items.len() {
                 Vec::new()
             } else {
+                // A duplicate's mark is another submission's (maybe still in flight with a
+                // crashed scheduler): marking it here would drop that one's redelivery.
                 acks.iter()
+                    .filter(|i| !matches!(i.fate, Some(Fate::Duplicate)))
                     .filter_map(|i| i.envelope.as_ref().map(|e| e.id.as_str()))
                     .collect()
             };

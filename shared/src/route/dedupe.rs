@@ -55,7 +55,10 @@ impl Store {
         if ids.is_empty() && batch.is_none() {
             return Ok(());
         }
+        // MULTI/EXEC: a mark's HSET never lands without its PEXPIRE (a record Redis lost would
+        // otherwise stay, mark only, with no TTL).
         let mut p = redis::pipe();
+        p.atomic();
         if let Some(token) = batch {
             p.cmd("SET")
                 .arg(self.names.handed_on(&token.to_string()))

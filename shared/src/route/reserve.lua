@@ -279,6 +279,9 @@ for t = 1, n do
   local o = 2 * t - 1
 
   local dup, fresh = false, false
+  -- This batch's own mark: a retry of this very call (its first try failed after writing
+  -- some statuses, whose deferred index entries went with the error): index again below.
+  local own = false
   -- The record, read once: its state (false: none; the cancel check and the status writer),
   -- its dedupe mark (`dd`, live until `ddx`, Redis ms: the mark is a field of the record, so
   -- the check costs no command of its own) and whether a worker claimed it (`run_base`).
@@ -286,6 +289,7 @@ for t = 1, n do
   local cur = rec[1]
   local mark = rec[2]
   if mark and (tonumber(rec[3]) or 0) <= now then mark = false end
+  own = mark == token
   if dd == '1' then
     if mark then
       dup = mark ~= token
@@ -433,6 +437,9 @@ for t = 1, n do
   -- A mark no status write took (a duplicate-free answer without a waiting status: no match,
   -- a delayed submission, a cancelled id, a task already running) is written on its own.
   write_mark(id, st_ttl)
+  if own and (out[o] == 'reserved' or out[o] == 'full' or out[o] == 'kfull' or out[o] == 'kwait') then
+    index_run(id, sub)
+  end
 end
 flush_deferred()
 -- Per key: its bucket, its figures (one hash for every key, read once and written once per
@@ -453,7 +460,12 @@ for _, ks in ipairs(keys) do
   out[#out + 1] = ks.blocked and 1 or 0
 end
 if #fget > 0 then
-  local cur = redis.call('HMGET', K_kf(), unpack(fget))
+  local cur = {}
+  for c = 1, #fget, 4000 do
+    for _, v in ipairs(redis.call('HMGET', K_kf(), unpack(fget, c, math.min(c + 3999, #fget)))) do
+      cur[#cur + 1] = v
+    end
+  end
   local j = 1
   for _, ks in ipairs(keys) do
     if ks.dispatched > 0 then

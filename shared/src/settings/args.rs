@@ -90,7 +90,7 @@ pub struct CommonArgs {
     /// (0: keyed tasks wait in the group's park queue, first in first out). At most 64.
     #[arg(long, env = "FLEET_FAIR_QUEUES", default_value = "8", value_parser = clap::value_parser!(u16).range(0..=64))]
     pub fair_queues: u16,
-    /// How long task status records live in Redis, in milliseconds.
+    /// How long task status records live in Redis, in milliseconds: from a task's end (at least 0.9 × this; a record is renewed at the end only when its TTL was set longer ago than a tenth of it); at least FLEET_DEDUPE_WINDOW_MS (the dedupe mark is a field of the record).
     #[arg(long, env = "FLEET_STATUS_TTL_MS", default_value = "86400000", value_parser = positive::<u64>)]
     pub status_ttl_ms: u64,
     /// Attempts of a task that does not say (`max_attempts` in the envelope wins).

@@ -225,7 +225,9 @@ impl Store {
             .arg(0)
             .arg(-1);
         let (record, raw): (BTreeMap<String, String>, Vec<Vec<u8>>) = self.pipe(&p).await?;
-        if record.is_empty() {
+        // A record holding only a dedupe mark (between a submission's routing and its first
+        // state) is no status yet.
+        if !record.contains_key("state") {
             return Ok(None);
         }
         let attempts = attempt_history(&record, &raw);
