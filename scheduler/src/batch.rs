@@ -12,14 +12,24 @@
 //!   ones are appended as end records (a worker's own record was lost, or the final state was
 //!   written elsewhere, e.g. a cancel before dispatch).
 //!
+//! * Chains and DAGs ([`fleet::batch::dag`]): whenever an end record or a cancel reaches a
+//!   batch with waiting members (woken by the fold, [`Batches::moved`], and at every tick),
+//!   each waiting member whose parents all succeeded is published to `<ns>.submit` with its
+//!   own id (confirmed), then its `BatchReleased` record appended; one a parent of which
+//!   ended otherwise gets its status `dead` / `dependency_failed` (one round trip for all of
+//!   them) and its end record appended, and the steps are computed again at once so a failure
+//!   cascades down a whole chain in one pass. Two replicas releasing the same member publish
+//!   the same id (the ingress dedupe drops the copy); two failing it write the same status
+//!   and append the same end state (counted once).
+//!
 //! Costs nothing while no batch is pending: no Redis command, no publish.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use fleet::batch::Batches;
+use fleet::batch::{Batches, Step};
 use fleet::broker::amqp;
-use fleet::status::TaskState;
+use fleet::status::{DeadReason, TaskState};
 use fleet::Store;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -32,6 +42,8 @@ pub const TICK: Duration = Duration::from_millis(200);
 pub const SWEEP: Duration = Duration::from_secs(1);
 /// Most pending ids read per sweep.
 pub const SWEEP_MAX: usize = 5_000;
+/// Most rounds of steps in one pass (a failure cascades one level per round).
+const CASCADE_MAX: usize = 10_000;
 
 /// The loop (one per session).
 pub struct BatchLoop {
@@ -39,6 +51,8 @@ pub struct BatchLoop {
     pub conn: Arc<lapin::Connection>,
     pub batches: Batches,
     pub pressure: watch::Receiver<Sample>,
+    /// How long a status record lives (a dependency_failed member's).
+    pub status_ttl: Duration,
 }
 
 impl BatchLoop {
@@ -57,7 +71,11 @@ impl BatchLoop {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(()),
-                _ = tick.tick() => self.fire(&publisher).await,
+                _ = self.batches.moved() => self.step(&publisher).await,
+                _ = tick.tick() => {
+                    self.step(&publisher).await;
+                    self.fire(&publisher).await;
+                }
                 _ = sweep.tick() => self.sweep(&publisher).await,
             }
         }
@@ -116,6 +134,152 @@ impl BatchLoop {
             self.batches.apply(&rec);
             tracing::info!(batch = %due.progress.id, callback = due.callback, total = due.progress.total, succeeded = due.progress.succeeded, failed = due.progress.failed.len(), "batch callback fired");
         }
+    }
+
+    /// Releases or fails the waiting members whose parents have ended, until none is left to
+    /// decide (a cascade of failures in one pass, at most [`CASCADE_MAX`] rounds).
+    ///
+    /// # Cancel safety
+    /// Not cancel safe, like [`Self::fire`]: a member published without its released record
+    /// is published again (a duplicate, dropped by the ingress dedupe).
+    async fn step(&self, publisher: &amqp::Publisher) {
+        if self.batches.is_empty() {
+            return;
+        }
+        for _ in 0..CASCADE_MAX {
+            let steps = self.batches.steps();
+            if steps.is_empty() {
+                return;
+            }
+            let mut fails = Vec::new();
+            let mut progressed = false;
+            for s in steps {
+                match s {
+                    Step::Release {
+                        batch,
+                        task,
+                        envelope,
+                    } => progressed |= self.release(publisher, &batch, &task, &envelope).await,
+                    Step::Fail {
+                        batch,
+                        task,
+                        lane,
+                        detail,
+                    } => fails.push((batch, task, lane, detail)),
+                }
+            }
+            if !fails.is_empty() {
+                progressed |= self.fail(publisher, &fails).await;
+            }
+            if !progressed {
+                // Refused (pressure, the broker away): tried again at the next tick.
+                return;
+            }
+        }
+    }
+
+    /// Publishes a released member and records it; `true` when recorded.
+    async fn release(
+        &self,
+        publisher: &amqp::Publisher,
+        batch: &str,
+        task: &str,
+        envelope: &serde_json::Value,
+    ) -> bool {
+        let critical = envelope.get("lane").and_then(|l| l.as_str()) == Some("critical");
+        if !critical && self.pressure.borrow().state == Pressure::Red {
+            return false;
+        }
+        let lane = envelope
+            .get("lane")
+            .and_then(|l| l.as_str())
+            .unwrap_or("normal");
+        let body = match serde_json::to_vec(envelope) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %e, batch, task, "cannot encode a released batch member");
+                return false;
+            }
+        };
+        let names = &self.store.names;
+        let sent = match amqp::publish(
+            publisher,
+            &names.submit_exchange(),
+            lane,
+            &body,
+            amqp::task_properties(task, None),
+        )
+        .await
+        {
+            Ok(c) => amqp::confirmed(c).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = sent {
+            tracing::warn!(error = %e, batch, task, "released batch member not taken by the broker; tried again shortly");
+            return false;
+        }
+        let rec = fleet::batch::released_record(batch, task, self.store.clock.now_ms());
+        if let Err(e) = fleet::control::append(publisher, names, &rec).await {
+            // Published but not recorded: the next step publishes the same id again.
+            tracing::warn!(error = %e, batch, task, "cannot record a released batch member");
+            return false;
+        }
+        self.batches.apply(&rec);
+        tracing::info!(
+            batch,
+            task,
+            "batch member released: every task it waits for succeeded"
+        );
+        true
+    }
+
+    /// Ends `fails` (batch, task, lane, why) `dead` with reason `dependency_failed`: their
+    /// statuses first (one round trip; a member already final — cancelled meanwhile — keeps
+    /// its state, which its end record then says), then their end records. `true` when any
+    /// was recorded.
+    async fn fail(
+        &self,
+        publisher: &amqp::Publisher,
+        fails: &[(String, String, String, String)],
+    ) -> bool {
+        let mut writes = fleet::status::Writes::new();
+        for (_, task, lane, detail) in fails {
+            let lane = fleet::Lane::parse(lane).unwrap_or(fleet::Lane::Normal);
+            writes.ended(task, lane, DeadReason::DependencyFailed, detail);
+        }
+        let kept = match self.store.write_statuses(&writes, self.status_ttl).await {
+            Ok(k) => k,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot write dependency_failed statuses; tried again shortly");
+                return false;
+            }
+        };
+        let now = self.store.clock.now_ms();
+        let recs: Vec<_> = fails
+            .iter()
+            .map(|(batch, task, _, _)| {
+                let state = kept
+                    .iter()
+                    .find(|(id, _)| id == task)
+                    .map_or(TaskState::Dead.as_str(), |(_, s)| s.as_str());
+                fleet::batch::end_record(batch, task, state, now)
+            })
+            .collect();
+        let results = fleet::control::append_batch(publisher, &self.store.names, &recs).await;
+        let mut any = false;
+        for ((rec, r), (batch, task, _, detail)) in recs.iter().zip(results).zip(fails) {
+            match r {
+                Ok(()) => {
+                    self.batches.apply(rec);
+                    any = true;
+                    tracing::info!(batch = %batch, task = %task, detail = %detail, "batch member dead: dependency_failed");
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, batch = %batch, task = %task, "cannot record a dependency_failed member; tried again shortly")
+                }
+            }
+        }
+        any
     }
 
     /// Reads the states of stalled batches' pending members and appends the final ones.

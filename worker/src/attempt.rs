@@ -387,7 +387,7 @@ async fn attempt_task(
         if !keep_cancelled(&shared, &delivery, &env, env.attempt).await {
             return;
         }
-        batch_end(&shared, &env, TaskState::Cancelled.as_str()).await;
+        batch_end(&shared, &env, TaskState::Cancelled.as_str(), None).await;
         tracing::info!("a cancelled task: kept in the cancelled queue, acked without running");
         if let Err(e) = shared.ledger.unreserve(lane, &env.id).await {
             tracing::debug!(error = %e, "cannot give back a cancelled task's reservation; it lapses with its lease");
@@ -483,7 +483,7 @@ async fn attempt_task(
         if !keep_cancelled(&shared, &delivery, &env, attempt).await {
             return;
         }
-        batch_end(&shared, &env, TaskState::Cancelled.as_str()).await;
+        batch_end(&shared, &env, TaskState::Cancelled.as_str(), None).await;
         if slot.usable() {
             slot.ack().await;
         }
@@ -744,7 +744,11 @@ async fn settle(
     // so its redelivered copy runs and appends again (counted once). The other order lost the
     // end record when a worker died after its outcome and Redis was lost before a sweep.
     if state.is_terminal() && !probe {
-        batch_end(shared, env, state.as_str()).await;
+        // A parent named in another member's `payload_from` carries its result.
+        let result = success
+            .then(|| fleet::batch::dag::passed_result(env, &text))
+            .flatten();
+        batch_end(shared, env, state.as_str(), result).await;
     }
     if !shared
         .ledger
@@ -772,13 +776,19 @@ async fn settle(
 }
 
 /// A batch member's final state, appended to the control stream ([`fleet::batch`]) before its
-/// ack; a task without `batch` costs nothing. A refused append is logged, not retried here: a
+/// ack, with its `result` when another member takes it (`payload_from`,
+/// [`fleet::batch::dag::passed_result`]); a task without `batch` costs nothing. A refused append is logged, not retried here: a
 /// scheduler's sweep reads the state from Redis when the batch stalls.
-async fn batch_end(shared: &Shared, env: &Envelope, state: &str) {
+async fn batch_end(
+    shared: &Shared,
+    env: &Envelope,
+    state: &str,
+    result: Option<serde_json::Value>,
+) {
     let Some(batch) = fleet::batch::batch_of(env) else {
         return;
     };
-    let rec = fleet::batch::end_record(batch, &env.id, state, shared.clock.now_ms());
+    let rec = fleet::batch::end_record_with(batch, &env.id, state, result, shared.clock.now_ms());
     let body = match serde_json::to_vec(&rec) {
         Ok(b) => b,
         Err(e) => {

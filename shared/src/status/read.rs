@@ -38,6 +38,9 @@ pub fn typed(id: &str, fields: BTreeMap<String, String>) -> Value {
                 .unwrap_or(Value::String(v))
         } else if k.ends_with("_at") || k == "not_before" {
             time(&v).map(Value::String).unwrap_or(Value::String(v))
+        } else if k == "after" {
+            // A waiting batch member's parents: stored as a JSON array of ids.
+            serde_json::from_str::<Value>(&v).unwrap_or(Value::String(v))
         } else if k == "result" {
             match serde_json::from_str::<Value>(&v) {
                 Ok(j) => j,
