@@ -83,9 +83,12 @@ fn refuse(code: &'static str, index: Option<usize>, detail: String) -> DagError 
     }
 }
 
+/// A member's links: its `after` ids and its `payload_from`.
+type Links = (Vec<String>, Option<String>);
+
 /// A member's `after` ids and `payload_from` as written in its envelope; `Ok(None)` when it
 /// has no (or an empty) `after`.
-fn links(env: &Value) -> Result<Option<(Vec<String>, Option<String>)>, String> {
+fn links(env: &Value) -> Result<Option<Links>, String> {
     let after = match env.get(AFTER) {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(a)) => a
@@ -258,8 +261,11 @@ fn find_cycle(parents: &[Vec<usize>]) -> Option<Vec<usize>> {
     loop {
         let next = *parents[cur].iter().find(|&&p| indegree[p] > 0)?;
         if let Some(&k) = at.get(&next) {
+            // Walked child → parent: reversed, each runs before the next; rotated so the
+            // member first met on the loop comes first.
             let mut cycle: Vec<usize> = walk[k..].to_vec();
             cycle.reverse();
+            cycle.rotate_right(1);
             cycle.push(cycle[0]);
             return Some(cycle);
         }
@@ -384,11 +390,13 @@ mod tests {
         assert_eq!(e.code, "cycle");
         assert_eq!(e.cycle.len(), 4);
         assert_eq!(e.cycle.first(), e.cycle.last());
-        let mut around: Vec<&str> = e.cycle[..3].iter().map(String::as_str).collect();
-        // Each runs before the next: a → b → c → a.
-        let k = around.iter().position(|&s| s == "a").unwrap();
-        around.rotate_left(k);
-        assert_eq!(around, vec!["a", "b", "c"]);
+        // Each runs before the next, from the first member met: a → b → c → a.
+        assert_eq!(e.cycle, vec!["a", "b", "c", "a"]);
+        assert_eq!(e.index, Some(1));
+        assert_eq!(
+            e.detail,
+            "the `after` links make a cycle: a → b → c → a (each would have to run before the next)"
+        );
         assert!(e.detail.contains("→"), "{}", e.detail);
     }
 

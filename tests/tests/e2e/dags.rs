@@ -123,8 +123,8 @@ async fn complete(s: &SchedulerHandle, id: &str, within: Duration) -> anyhow::Re
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_diamond_runs_its_join_once_after_both_branches_across_two_replicas() -> anyhow::Result<()>
-{
+async fn a_diamond_runs_its_join_once_after_both_branches_across_two_replicas_and_fleetctl_shows_the_waiting(
+) -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let (runs, h) = steps();
     let h = [(STEP, h)];
@@ -138,7 +138,7 @@ async fn a_diamond_runs_its_join_once_after_both_branches_across_two_replicas() 
         "id": "diamond",
         "tasks": [
             {"id": "D", "kind": STEP, "after": ["B", "C"]},
-            {"id": "A", "kind": STEP, "payload": {"ms": 600}},
+            {"id": "A", "kind": STEP, "payload": {"ms": 1500}},
             {"id": "B", "kind": STEP, "after": ["A"], "payload": {"ms": 400}},
             {"id": "C", "kind": STEP, "after": ["A"], "payload": {"ms": 50}},
         ],
@@ -162,6 +162,15 @@ async fn a_diamond_runs_its_join_once_after_both_branches_across_two_replicas() 
     )
     .await?;
     assert_eq!(p["waiting"], json!(["D", "B", "C"]), "{p}");
+    let (code, out, err) = fleetctl(
+        &ns,
+        &format!("http://{}", s1.addr),
+        &["batch", "status", "diamond"],
+    )
+    .await?;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("pending=4"), "{out}");
+    assert!(out.contains("waiting: D B C"), "{out}");
 
     let p = complete(&s1, "diamond", Duration::from_secs(30)).await?;
     assert_eq!(p["succeeded"], 4, "{p}");
