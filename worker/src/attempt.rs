@@ -288,6 +288,9 @@ async fn claim(
             }
             Some(Claim::Duplicate) => {
                 tracing::info!("a copy of an attempt that already ran or runs elsewhere: acked without running");
+                if !probe {
+                    batch_end_again(&shared, env).await;
+                }
                 metrics::counter!(m::DUPLICATE_DELIVERIES, "lane" => lane.as_str()).increment(1);
                 slot.ack().await;
                 return None;
@@ -807,6 +810,34 @@ async fn batch_end(
     {
         tracing::warn!(error = %e, batch, "cannot append a batch end record; a scheduler's sweep will find the state in Redis");
     }
+}
+
+/// A duplicate copy of a batch member: when its status says it ended, its end record is
+/// appended again (counted once). The worker that ended it may have failed to append it — its
+/// channel died with a hard stop, the case that leaves the delivery to be redelivered as this
+/// copy — and a Redis loss before a scheduler's sweep would then leave the member pending
+/// for good. Costs one read per duplicate copy of a batch member only.
+async fn batch_end_again(shared: &Shared, env: &Envelope) {
+    if fleet::batch::batch_of(env).is_none() {
+        return;
+    }
+    let Ok(Some(status)) = shared.ledger.store().task_status(&env.id).await else {
+        return;
+    };
+    let Some(state) = status
+        .get("state")
+        .filter(|s| TaskState::is_terminal_word(s))
+    else {
+        return;
+    };
+    let result = (state == TaskState::Succeeded.as_str())
+        .then(|| {
+            status
+                .get("result")
+                .and_then(|t| fleet::batch::dag::passed_result(env, t))
+        })
+        .flatten();
+    batch_end(shared, env, state, result).await;
 }
 
 /// Publishes the task to the dead-letter queue with its reason.

@@ -32,8 +32,12 @@
 //! moment) it logs and acks anyway (its outcome is in Redis). A replica's sweep covers it:
 //! a batch that has not moved for [`STALL`] has its pending members' states read from Redis
 //! (one pipelined read) and the final ones appended as end records. This also covers finals
-//! written outside a worker (a cancel that reached a task before dispatch). Only both at once
-//! — a failed append *and* a Redis loss before the sweep — would leave a member pending.
+//! written outside a worker (a cancel that reached a task before dispatch). A worker whose
+//! channel died (a hard stop) fails its append *and* its ack: the redelivered copy is then a
+//! duplicate, and the worker that acks it appends the end record again from the status it
+//! reads (the e2e worker-kill + FLUSHALL test failed about half its runs without this). Only
+//! both at once — a failed append *and* a Redis loss before the sweep or a duplicate copy —
+//! would leave a member pending.
 //!
 //! # Exactly once
 //!
