@@ -289,7 +289,7 @@ async fn claim(
             Some(Claim::Duplicate) => {
                 tracing::info!("a copy of an attempt that already ran or runs elsewhere: acked without running");
                 if !probe {
-                    batch_end_again(&shared, env).await;
+                    batch_end_again(shared, env).await;
                 }
                 metrics::counter!(m::DUPLICATE_DELIVERIES, "lane" => lane.as_str()).increment(1);
                 slot.ack().await;

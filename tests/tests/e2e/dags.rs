@@ -430,3 +430,73 @@ async fn payload_from_passes_the_parents_result_into_the_childs_payload() -> any
     ns.cleanup().await?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_parents_result_and_a_waiting_member_survive_a_redis_flushall_and_a_cancel_fails_its_dependents(
+) -> anyhow::Result<()> {
+    let redis = PrivateRedis::start(None, None).await?;
+    let ns = Ns::on_redis(&redis.url(None)).await?;
+    let (runs, h) = steps();
+    let h = [(STEP, h)];
+    let s = start_scheduler(&ns, SCHEDULER).await?;
+    let w = start_worker(&ns, "w-1", "", 4, WORKER, &h).await?;
+    ready(&s).await?;
+    // A ends at once; W runs 2 s. J waits for both and takes A's result, which must come from
+    // A's end record: Redis is flushed after A ended, before J is released. X waits for W and
+    // is cancelled while it waits: it never runs, and Y (after X) ends dependency_failed.
+    let body = json!({
+        "id": "flush",
+        "tasks": [
+            {"id": "A", "kind": STEP, "payload": {"n": 6}},
+            {"id": "W", "kind": STEP, "payload": {"ms": 2000}},
+            {"id": "J", "kind": STEP, "after": ["A", "W"], "payload_from": "A"},
+            {"id": "X", "kind": STEP, "after": ["W"]},
+            {"id": "Y", "kind": STEP, "after": ["X"]},
+        ],
+    });
+    let (code, answer) = post(s.url("/v1/batches"), &body).await?;
+    assert_eq!(code, 202, "{answer}");
+    wait_for("A ran", Duration::from_secs(10), || async {
+        runs_of(&runs).iter().any(|r| r.id == "A").then_some(())
+    })
+    .await?;
+    let r = reqwest::Client::new()
+        .post(s.url("/v1/tasks/X/cancel"))
+        .json(&json!({"reason": "not needed"}))
+        .send()
+        .await?;
+    assert_eq!(r.status().as_u16(), 202, "{}", r.text().await?);
+    // The cancel ends X in the fold at once, and Y with it (its status written).
+    let y = wait_for("Y dependency_failed", Duration::from_secs(10), || async {
+        let (_, y) = get(s.url("/v1/tasks/Y")).await.ok()?;
+        (y["state"] == "dead").then_some(y)
+    })
+    .await?;
+    assert_eq!(y["reason"], "dependency_failed", "{y}");
+    assert!(
+        y["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("`X` ended cancelled"),
+        "{y}"
+    );
+    // A's end record is in the stream (appended before its outcome and ack): Redis may go.
+    redis.flushall().await?;
+
+    let p = complete(&s, "flush", Duration::from_secs(60)).await?;
+    assert_eq!(p["succeeded"], 3, "{p}");
+    assert_eq!(p["cancelled"], 1, "{p}");
+    assert_eq!(p["dead"], 1, "{p}");
+    assert_eq!(p["failed"], json!(["X", "Y"]), "{p}");
+    let all = runs_of(&runs);
+    let j = once(&all, "J")?;
+    assert_eq!(j.payload, json!({"parent_result": {"id": "A", "out": 7}}));
+    assert!(j.start >= once(&all, "W")?.end, "J before W ended");
+    assert!(all.iter().all(|r| r.id != "X" && r.id != "Y"), "{all:?}");
+    assert_eq!(all.len(), 3, "{all:?}");
+
+    w.stop().await?;
+    s.stop().await?;
+    ns.cleanup().await?;
+    Ok(())
+}
