@@ -269,7 +269,13 @@ impl Batches {
             return Vec::new();
         };
         let mut out = Vec::new();
-        for (id, b) in board.batches.iter().filter(|(_, b)| b.defined) {
+        // Only batches with a member still waiting: a tick costs nothing for the others.
+        let open = |b: &Batch| {
+            b.waiting
+                .keys()
+                .any(|t| !b.released.contains(t) && !b.ended.contains_key(t))
+        };
+        for (id, b) in board.batches.iter().filter(|(_, b)| b.defined && open(b)) {
             // Submission order: a chain's links come out in order.
             for task in b.tasks.iter() {
                 let Some(dep) = b.waiting.get(task) else {
