@@ -71,12 +71,14 @@ impl BatchLoop {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(()),
-                _ = self.batches.moved() => self.step(&publisher).await,
+                // The timers first: a DAG whose end records never stop coming must not starve
+                // the callbacks and the sweep (a wake-up not taken now waits for the next turn).
                 _ = tick.tick() => {
                     self.step(&publisher).await;
                     self.fire(&publisher).await;
                 }
                 _ = sweep.tick() => self.sweep(&publisher).await,
+                _ = self.batches.moved() => self.step(&publisher).await,
             }
         }
     }
