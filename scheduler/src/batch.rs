@@ -10,7 +10,8 @@
 //! * Every [`SWEEP`]: batches that have not moved for [`fleet::batch::STALL`] have their
 //!   pending members' states read from Redis (one pipelined read per [`SWEEP_MAX`] ids); final
 //!   ones are appended as end records (a worker's own record was lost, or the final state was
-//!   written elsewhere, e.g. a cancel before dispatch).
+//!   written elsewhere, e.g. a cancel before dispatch), with the result of a succeeded member
+//!   another member takes in `payload_from` (read in one more round trip, for those only).
 //!
 //! * Chains and DAGs ([`fleet::batch::dag`]): whenever an end record or a cancel reaches a
 //!   batch with waiting members (woken by the fold, [`Batches::moved`], and at every tick),
@@ -300,20 +301,42 @@ impl BatchLoop {
                     return;
                 }
             };
-            let recs: Vec<_> = pending
+            let ended: Vec<(&String, String)> = pending
                 .iter()
                 .zip(states)
                 .filter_map(|(id, s)| {
                     let s = s?;
-                    let terminal = [
-                        TaskState::Succeeded,
-                        TaskState::Dead,
-                        TaskState::Expired,
-                        TaskState::Cancelled,
-                    ]
-                    .iter()
-                    .any(|t| t.as_str() == s);
-                    terminal.then(|| fleet::batch::end_record(&batch, id, &s, now))
+                    TaskState::is_terminal_word(&s).then_some((id, s))
+                })
+                .collect();
+            // A succeeded parent another member takes the result of (`payload_from`): its
+            // result is read too (one more round trip, for those only), so the child gets it.
+            let wanted = self.batches.results_wanted(&batch);
+            let want: Vec<&str> = ended
+                .iter()
+                .filter(|(id, s)| s == TaskState::Succeeded.as_str() && wanted.contains(*id))
+                .map(|(id, _)| id.as_str())
+                .collect();
+            let texts = match self.store.task_results(&want).await {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot read a stalled batch's results");
+                    return;
+                }
+            };
+            let found: std::collections::HashMap<&str, serde_json::Value> = want
+                .iter()
+                .zip(texts)
+                .filter_map(|(id, t)| {
+                    let t = t.filter(|t| t.len() <= fleet::status::MAX_STATUS_TEXT)?;
+                    Some((*id, serde_json::from_str(&t).ok()?))
+                })
+                .collect();
+            let recs: Vec<_> = ended
+                .iter()
+                .map(|(id, s)| {
+                    let result = found.get(id.as_str()).cloned();
+                    fleet::batch::end_record_with(&batch, id, s, result, now)
                 })
                 .collect();
             if recs.is_empty() {

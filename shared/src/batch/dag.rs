@@ -40,9 +40,10 @@
 //! survive a Redis loss, so it travels in the parent's end record: [`check`] marks each parent
 //! named in a `payload_from` with `pass_result: true`, and the worker that ends such a parent
 //! `succeeded` puts its result in the end record when it is at most
-//! [`crate::status::MAX_STATUS_TEXT`] bytes of JSON. A child whose parent's result is not
-//! known (larger than that, or the end record written by a sweep from a Redis status that had
-//! lost it) ends `dead` with `dependency_failed` and says why, rather than run without it.
+//! [`crate::status::MAX_STATUS_TEXT`] bytes of JSON (a parent's end record written by a
+//! scheduler's sweep reads the result from its Redis status). A child whose parent's result is
+//! not known (larger than that, or lost with Redis before a sweep wrote the end record) ends
+//! `dead` with `dependency_failed` and says why, rather than run without it.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 

@@ -314,7 +314,7 @@ impl Batches {
                         Some(r) => dag::with_parent_result(&dep.envelope, r),
                         None => {
                             out.push(fail(format!(
-                                "the result of `{p}` (payload_from) is not known: larger than {} bytes, or its end record came from a sweep",
+                                "the result of `{p}` (payload_from) is not known: larger than {} bytes of JSON, or lost with Redis",
                                 crate::status::MAX_STATUS_TEXT
                             )));
                             continue;
@@ -396,6 +396,23 @@ impl Batches {
             }
         }
         out
+    }
+
+    /// The members of batch `id` whose result another member takes (`payload_from`, [`dag`]):
+    /// an end record the sweep writes for one of them carries its result too.
+    pub fn results_wanted(&self, id: &str) -> HashSet<String> {
+        let Ok(m) = self.inner.read() else {
+            return HashSet::new();
+        };
+        m.batches
+            .get(id)
+            .map(|b| {
+                b.waiting
+                    .values()
+                    .filter_map(|d| d.payload_from.clone())
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Marks batch `id` as moved at `now_ms` (a sweep found nothing: it waits another

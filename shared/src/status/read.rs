@@ -179,6 +179,22 @@ impl Store {
         self.pipe(&p).await
     }
 
+    /// The `result` field of many tasks in one round trip (pipelined HGETs), in the order
+    /// asked; `None` for a task without one.
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn task_results(&self, ids: &[&str]) -> Result<Vec<Option<String>>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut p = redis::pipe();
+        for id in ids {
+            p.cmd("HGET").arg(self.names.task(id)).arg("result");
+        }
+        self.pipe(&p).await
+    }
+
     /// A task's status fields, `None` when unknown (never seen, or expired from Redis).
     pub async fn task_status(&self, id: &str) -> Result<Option<BTreeMap<String, String>>> {
         let m: BTreeMap<String, String> = self
