@@ -162,6 +162,14 @@ async fn a_diamond_runs_its_join_once_after_both_branches_across_two_replicas_an
     )
     .await?;
     assert_eq!(p["waiting"], json!(["D", "B", "C"]), "{p}");
+    let (code, list) = get(s1.url("/v1/tasks?state=waiting")).await?;
+    assert_eq!(code, 200, "{list}");
+    let mut listed: Vec<&str> = list["tasks"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|t| t["id"].as_str()).collect())
+        .unwrap_or_default();
+    listed.sort();
+    assert_eq!(listed, vec!["B", "C", "D"], "{list}");
     let (code, out, err) = fleetctl(
         &ns,
         &format!("http://{}", s1.addr),
