@@ -45,6 +45,8 @@ pub const SWEEP: Duration = Duration::from_secs(1);
 pub const SWEEP_MAX: usize = 5_000;
 /// Most rounds of steps in one pass (a failure cascades one level per round).
 const CASCADE_MAX: usize = 10_000;
+/// Most members released per publish batch (confirms awaited together).
+const RELEASE_BATCH: usize = 500;
 
 /// The loop (one per session).
 pub struct BatchLoop {
@@ -154,15 +156,15 @@ impl BatchLoop {
             if steps.is_empty() {
                 return;
             }
+            let mut releases = Vec::new();
             let mut fails = Vec::new();
-            let mut progressed = false;
             for s in steps {
                 match s {
                     Step::Release {
                         batch,
                         task,
                         envelope,
-                    } => progressed |= self.release(publisher, &batch, &task, &envelope).await,
+                    } => releases.push((batch, task, envelope)),
                     Step::Fail {
                         batch,
                         task,
@@ -170,6 +172,10 @@ impl BatchLoop {
                         detail,
                     } => fails.push((batch, task, lane, detail)),
                 }
+            }
+            let mut progressed = false;
+            for chunk in releases.chunks(RELEASE_BATCH) {
+                progressed |= self.release(publisher, chunk).await;
             }
             if !fails.is_empty() {
                 progressed |= self.fail(publisher, &fails).await;
@@ -181,59 +187,76 @@ impl BatchLoop {
         }
     }
 
-    /// Publishes a released member and records it; `true` when recorded.
+    /// Publishes released members (batch, task, envelope) together (their confirms awaited
+    /// together), then appends the released records of those confirmed; `true` when any was
+    /// recorded. A member on the normal lane waits while the normal lane is Red.
     async fn release(
         &self,
         publisher: &amqp::Publisher,
-        batch: &str,
-        task: &str,
-        envelope: &serde_json::Value,
+        releases: &[(String, String, serde_json::Value)],
     ) -> bool {
-        let critical = envelope.get("lane").and_then(|l| l.as_str()) == Some("critical");
-        if !critical && self.pressure.borrow().state == Pressure::Red {
-            return false;
-        }
-        let lane = envelope
-            .get("lane")
-            .and_then(|l| l.as_str())
-            .unwrap_or("normal");
-        let body = match serde_json::to_vec(envelope) {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::warn!(error = %e, batch, task, "cannot encode a released batch member");
-                return false;
+        let red = self.pressure.borrow().state == Pressure::Red;
+        let mut go = Vec::with_capacity(releases.len());
+        for (batch, task, envelope) in releases {
+            let lane = envelope
+                .get("lane")
+                .and_then(|l| l.as_str())
+                .unwrap_or("normal");
+            if lane != "critical" && red {
+                continue;
             }
-        };
+            match serde_json::to_vec(envelope) {
+                Ok(body) => go.push((batch, task, lane, body)),
+                Err(e) => {
+                    tracing::warn!(error = %e, batch = %batch, task = %task, "cannot encode a released batch member")
+                }
+            }
+        }
+        if go.is_empty() {
+            return false;
+        }
         let names = &self.store.names;
-        let sent = match amqp::publish(
+        let exchange = names.submit_exchange();
+        let confirms = amqp::publish_batch(
             publisher,
-            &names.submit_exchange(),
-            lane,
-            &body,
-            amqp::task_properties(task, None),
+            go.iter().map(|(_, task, lane, body)| amqp::Outgoing {
+                exchange: &exchange,
+                routing_key: lane,
+                body,
+                props: amqp::task_properties(task, None),
+            }),
         )
-        .await
-        {
-            Ok(c) => amqp::confirmed(c).await,
-            Err(e) => Err(e),
-        };
-        if let Err(e) = sent {
-            tracing::warn!(error = %e, batch, task, "released batch member not taken by the broker; tried again shortly");
-            return false;
+        .await;
+        let now = self.store.clock.now_ms();
+        let mut recs = Vec::with_capacity(go.len());
+        for ((batch, task, _, _), c) in go.iter().zip(confirms) {
+            let sent = match c {
+                Ok(c) => amqp::confirmed(c).await,
+                Err(e) => Err(e),
+            };
+            match sent {
+                Ok(()) => recs.push(fleet::batch::released_record(batch, task, now)),
+                Err(e) => {
+                    tracing::warn!(error = %e, batch = %batch, task = %task, "released batch member not taken by the broker; tried again shortly")
+                }
+            }
         }
-        let rec = fleet::batch::released_record(batch, task, self.store.clock.now_ms());
-        if let Err(e) = fleet::control::append(publisher, names, &rec).await {
-            // Published but not recorded: the next step publishes the same id again.
-            tracing::warn!(error = %e, batch, task, "cannot record a released batch member");
-            return false;
+        let results = fleet::control::append_batch(publisher, names, &recs).await;
+        let mut any = false;
+        for (rec, r) in recs.iter().zip(results) {
+            match r {
+                Ok(()) => {
+                    self.batches.apply(rec);
+                    any = true;
+                    if let fleet::control::Op::BatchReleased { batch, task } = &rec.op {
+                        tracing::info!(batch = %batch, task = %task, "batch member released: every task it waits for succeeded");
+                    }
+                }
+                // Published but not recorded: the next step publishes the same id again.
+                Err(e) => tracing::warn!(error = %e, "cannot record a released batch member"),
+            }
         }
-        self.batches.apply(&rec);
-        tracing::info!(
-            batch,
-            task,
-            "batch member released: every task it waits for succeeded"
-        );
-        true
+        any
     }
 
     /// Ends `fails` (batch, task, lane, why) `dead` with reason `dependency_failed`: their

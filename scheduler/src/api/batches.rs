@@ -264,11 +264,15 @@ async fn submit_batch(State(st): State<AppState>, headers: HeaderMap, body: Byte
     let body = if waiting.is_empty() {
         tasks_body
     } else {
+        let mut held = vec![false; tasks.len()];
+        for &i in &waiting {
+            held[i] = true;
+        }
         let now_tasks: Vec<&Value> = tasks
             .iter()
-            .enumerate()
-            .filter(|(i, _)| !waiting.contains(i))
-            .map(|(_, t)| t)
+            .zip(&held)
+            .filter(|(_, held)| !**held)
+            .map(|(t, _)| t)
             .collect();
         match serde_json::to_vec(&now_tasks) {
             Ok(b) => b,

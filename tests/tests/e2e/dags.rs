@@ -508,3 +508,39 @@ async fn a_parents_result_and_a_waiting_member_survive_a_redis_flushall_and_a_ca
     ns.cleanup().await?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fan_out_of_200_and_its_fan_in_run_once_each() -> anyhow::Result<()> {
+    const N: usize = 200;
+    let ns = Ns::new().await?;
+    let (runs, h) = steps();
+    let h = [(STEP, h)];
+    let s = start_scheduler(&ns, SCHEDULER).await?;
+    let w = start_worker(&ns, "w-1", "", 16, WORKER, &h).await?;
+    ready(&s).await?;
+    let mut tasks = vec![json!({"id": "root", "kind": STEP})];
+    let kids: Vec<String> = (0..N).map(|i| format!("k{i}")).collect();
+    tasks.extend(
+        kids.iter()
+            .map(|k| json!({"id": k, "kind": STEP, "after": ["root"]})),
+    );
+    tasks.push(json!({"id": "join", "kind": STEP, "after": kids}));
+    let (code, answer) = post(s.url("/v1/batches"), &json!({"id": "fan", "tasks": tasks})).await?;
+    assert_eq!(code, 202, "{answer}");
+    let p = complete(&s, "fan", Duration::from_secs(60)).await?;
+    assert_eq!(p["succeeded"], N + 2, "{p}");
+    quiet_for(Duration::from_secs(1), "a repeated run would come now").await;
+    let all = runs_of(&runs);
+    assert_eq!(all.len(), N + 2);
+    let root = once(&all, "root")?;
+    let join = once(&all, "join")?;
+    for k in &kids {
+        let r = once(&all, k)?;
+        assert!(r.start >= root.end, "{k} before root ended");
+        assert!(join.start >= r.end, "join before {k} ended");
+    }
+    w.stop().await?;
+    s.stop().await?;
+    ns.cleanup().await?;
+    Ok(())
+}
