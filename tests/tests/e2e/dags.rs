@@ -544,3 +544,87 @@ async fn a_fan_out_of_200_and_its_fan_in_run_once_each() -> anyhow::Result<()> {
     ns.cleanup().await?;
     Ok(())
 }
+
+/// The README's JSON examples ("Chains and DAGs"), as written, with `echo` (returns its
+/// payload) and `sleep` handlers like the built-in ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_readme_json_examples_answer_as_documented() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let (runs, _) = steps();
+    let r = runs.clone();
+    let echo = handler_fn(move |ctx| {
+        let r = r.clone();
+        async move {
+            let now = Instant::now();
+            if let Ok(mut v) = r.lock() {
+                v.push(Run {
+                    id: ctx.envelope.id.clone(),
+                    start: now,
+                    end: now,
+                    payload: ctx.envelope.payload.clone(),
+                });
+            }
+            Ok(ctx.envelope.payload.clone())
+        }
+    });
+    let sleep = handler_fn(|ctx| async move {
+        let ms = ctx.envelope.payload["ms"].as_u64().unwrap_or(0);
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        Ok(Value::Null)
+    });
+    let h = [("echo", echo), ("sleep", sleep)];
+    let s = start_scheduler(&ns, SCHEDULER).await?;
+    let w = start_worker(&ns, "w-1", "", 8, WORKER, &h).await?;
+    ready(&s).await?;
+    let body = json!({"id": "etl-7",
+     "tasks": [
+       {"id": "extract", "kind": "echo", "payload": {"rows": 3}},
+       {"id": "clean",   "kind": "echo", "after": ["extract"], "payload_from": "extract"},
+       {"id": "stats",   "kind": "sleep", "payload": {"ms": 200}, "after": ["extract"]},
+       {"id": "load",    "kind": "echo", "after": ["clean", "stats"], "payload_from": "clean"}],
+     "on_complete": {"kind": "echo"}});
+    let (code, answer) = post(s.url("/v1/batches"), &body).await?;
+    assert_eq!(code, 202, "{answer}");
+    assert_eq!(
+        answer,
+        json!({"batch": "etl-7", "ids": ["extract", "clean", "stats", "load"],
+               "waiting": ["clean", "stats", "load"]})
+    );
+    let (_, load) = get(s.url("/v1/tasks/load")).await?;
+    assert_eq!(load["state"], "waiting", "{load}");
+    assert_eq!(load["after"], json!(["clean", "stats"]));
+    wait_for("on_complete ran", Duration::from_secs(30), || async {
+        runs_of(&runs)
+            .iter()
+            .any(|r| r.id == "etl-7:on_complete")
+            .then_some(())
+    })
+    .await?;
+    let all = runs_of(&runs);
+    assert_eq!(
+        once(&all, "clean")?.payload,
+        json!({"parent_result": {"rows": 3}})
+    );
+    assert_eq!(
+        once(&all, "load")?.payload,
+        json!({"parent_result": {"parent_result": {"rows": 3}}})
+    );
+    assert_eq!(
+        once(&all, "etl-7:on_complete")?.payload["batch"]["succeeded"],
+        4
+    );
+
+    let cycle = json!({"tasks": [{"id": "a", "kind": "echo", "after": ["c"]}, {"id": "b", "kind": "echo", "after": ["a"]},
+               {"id": "c", "kind": "echo", "after": ["b"]}]});
+    let (code, e) = post(s.url("/v1/batches"), &cycle).await?;
+    assert_eq!(code, 400);
+    assert_eq!(
+        e,
+        json!({"error": "cycle", "cycle": ["a", "b", "c", "a"], "index": 0,
+               "detail": "the `after` links make a cycle: a → b → c → a (each would have to run before the next)"})
+    );
+    w.stop().await?;
+    s.stop().await?;
+    ns.cleanup().await?;
+    Ok(())
+}
