@@ -297,8 +297,8 @@ enum Cmd {
 #[derive(Subcommand)]
 enum BatchCmd {
     /// A batch's progress (GET /v1/batches/{id}, role read): total, succeeded, dead, expired,
-    /// cancelled, pending, the failed ids and the callbacks fired. Exit 0 when known, 1 when
-    /// unknown.
+    /// cancelled, pending, the ids waiting for their `after`, the failed ids and the callbacks
+    /// fired. Exit 0 when known, 1 when unknown.
     #[command(override_usage = "fleetctl batch status <ID>")]
     Status {
         /// The batch id.
@@ -1381,7 +1381,8 @@ async fn keys(cli: &Cli) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `fleetctl batch status <id>`: one line of figures, then the failed ids (at most 50).
+/// `fleetctl batch status <id>`: one line of figures, then the ids waiting for their `after`
+/// and the failed ids (at most 50 each).
 async fn batch_status(cli: &Cli, id: &str) -> Result<ExitCode> {
     let mut url = reqwest::Url::parse(&api(cli, "/v1/batches")).context("FLEET_API_URL")?;
     url.path_segments_mut()
@@ -1414,12 +1415,15 @@ async fn batch_status(cli: &Cli, id: &str) -> Result<ExitCode> {
         v.get("complete").and_then(Value::as_bool).unwrap_or(false),
         if fired.is_empty() { "-".to_string() } else { fired.join(",") }
     );
-    let failed = list("failed");
-    if !failed.is_empty() {
-        let shown: Vec<&str> = failed.iter().take(50).map(String::as_str).collect();
-        let more = failed.len().saturating_sub(shown.len());
+    for (key, label) in [("waiting", "waiting"), ("failed", "failed")] {
+        let ids = list(key);
+        if ids.is_empty() {
+            continue;
+        }
+        let shown: Vec<&str> = ids.iter().take(50).map(String::as_str).collect();
+        let more = ids.len().saturating_sub(shown.len());
         out!(
-            "failed: {}{}",
+            "{label}: {}{}",
             shown.join(" "),
             if more > 0 {
                 format!(" (+{more} more)")

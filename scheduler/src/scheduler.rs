@@ -487,6 +487,7 @@ async fn session(
             conn: conn.clone(),
             batches,
             pressure: prx.clone(),
+            status_ttl: cfg.common.status_ttl,
         }
     );
 

@@ -18,7 +18,7 @@ const ADMIN = process.env.FLEET_ADMIN_TOKEN;
 const EXPECT = JSON.parse(process.env.FLEET_EXPECT || "{}");
 const SHOTS = process.env.FLEET_SCREENSHOTS;
 const WAIT_MS = 20000;
-const STATES = ["queued", "parked", "delayed", "waiting_for_worker", "retrying", "running", "succeeded", "dead", "expired", "cancelled"];
+const STATES = ["queued", "parked", "delayed", "waiting_for_worker", "waiting", "retrying", "running", "succeeded", "dead", "expired", "cancelled"];
 
 const log = (...a) => console.log(...a);
 
@@ -117,7 +117,7 @@ async function main() {
     // 5. Select all matching, bulk cancel: the dialog's count is the API's dry run and the
     //    page's count of tasks not yet ended.
     const before = await countsAgree(page, { group: EXPECT.group, kind: EXPECT.kind }, "after the 2");
-    const open = ["queued", "parked", "delayed", "waiting_for_worker", "retrying", "running"].reduce((n, s) => n + before[s], 0);
+    const open = ["queued", "parked", "delayed", "waiting_for_worker", "waiting", "retrying", "running"].reduce((n, s) => n + before[s], 0);
     const dry = await api("/v1/tasks/bulk", { method: "POST", body: JSON.stringify({ action: "cancel", query: { group: EXPECT.group, kind: EXPECT.kind }, dry_run: true }) });
     eq(dry.body.count, open, "API dry-run count = the page's open tasks");
     await page.click("#tasks-select-matching");

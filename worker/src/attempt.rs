@@ -288,6 +288,9 @@ async fn claim(
             }
             Some(Claim::Duplicate) => {
                 tracing::info!("a copy of an attempt that already ran or runs elsewhere: acked without running");
+                if !probe {
+                    batch_end_again(shared, env).await;
+                }
                 metrics::counter!(m::DUPLICATE_DELIVERIES, "lane" => lane.as_str()).increment(1);
                 slot.ack().await;
                 return None;
@@ -387,7 +390,7 @@ async fn attempt_task(
         if !keep_cancelled(&shared, &delivery, &env, env.attempt).await {
             return;
         }
-        batch_end(&shared, &env, TaskState::Cancelled.as_str()).await;
+        batch_end(&shared, &env, TaskState::Cancelled.as_str(), None).await;
         tracing::info!("a cancelled task: kept in the cancelled queue, acked without running");
         if let Err(e) = shared.ledger.unreserve(lane, &env.id).await {
             tracing::debug!(error = %e, "cannot give back a cancelled task's reservation; it lapses with its lease");
@@ -483,7 +486,7 @@ async fn attempt_task(
         if !keep_cancelled(&shared, &delivery, &env, attempt).await {
             return;
         }
-        batch_end(&shared, &env, TaskState::Cancelled.as_str()).await;
+        batch_end(&shared, &env, TaskState::Cancelled.as_str(), None).await;
         if slot.usable() {
             slot.ack().await;
         }
@@ -744,7 +747,11 @@ async fn settle(
     // so its redelivered copy runs and appends again (counted once). The other order lost the
     // end record when a worker died after its outcome and Redis was lost before a sweep.
     if state.is_terminal() && !probe {
-        batch_end(shared, env, state.as_str()).await;
+        // A parent named in another member's `payload_from` carries its result.
+        let result = success
+            .then(|| fleet::batch::dag::passed_result(env, &text))
+            .flatten();
+        batch_end(shared, env, state.as_str(), result).await;
     }
     if !shared
         .ledger
@@ -772,13 +779,19 @@ async fn settle(
 }
 
 /// A batch member's final state, appended to the control stream ([`fleet::batch`]) before its
-/// ack; a task without `batch` costs nothing. A refused append is logged, not retried here: a
+/// ack, with its `result` when another member takes it (`payload_from`,
+/// [`fleet::batch::dag::passed_result`]); a task without `batch` costs nothing. A refused append is logged, not retried here: a
 /// scheduler's sweep reads the state from Redis when the batch stalls.
-async fn batch_end(shared: &Shared, env: &Envelope, state: &str) {
+async fn batch_end(
+    shared: &Shared,
+    env: &Envelope,
+    state: &str,
+    result: Option<serde_json::Value>,
+) {
     let Some(batch) = fleet::batch::batch_of(env) else {
         return;
     };
-    let rec = fleet::batch::end_record(batch, &env.id, state, shared.clock.now_ms());
+    let rec = fleet::batch::end_record_with(batch, &env.id, state, result, shared.clock.now_ms());
     let body = match serde_json::to_vec(&rec) {
         Ok(b) => b,
         Err(e) => {
@@ -797,6 +810,34 @@ async fn batch_end(shared: &Shared, env: &Envelope, state: &str) {
     {
         tracing::warn!(error = %e, batch, "cannot append a batch end record; a scheduler's sweep will find the state in Redis");
     }
+}
+
+/// A duplicate copy of a batch member: when its status says it ended, its end record is
+/// appended again (counted once). The worker that ended it may have failed to append it — its
+/// channel died with a hard stop, the case that leaves the delivery to be redelivered as this
+/// copy — and a Redis loss before a scheduler's sweep would then leave the member pending
+/// for good. Costs one read per duplicate copy of a batch member only.
+async fn batch_end_again(shared: &Shared, env: &Envelope) {
+    if fleet::batch::batch_of(env).is_none() {
+        return;
+    }
+    let Ok(Some(status)) = shared.ledger.store().task_status(&env.id).await else {
+        return;
+    };
+    let Some(state) = status
+        .get("state")
+        .filter(|s| TaskState::is_terminal_word(s))
+    else {
+        return;
+    };
+    let result = (state == TaskState::Succeeded.as_str())
+        .then(|| {
+            status
+                .get("result")
+                .and_then(|t| fleet::batch::dag::passed_result(env, t))
+        })
+        .flatten();
+    batch_end(shared, env, state, result).await;
 }
 
 /// Publishes the task to the dead-letter queue with its reason.

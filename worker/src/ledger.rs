@@ -120,6 +120,11 @@ impl Drop for Busy<'_> {
 }
 
 impl Ledger {
+    /// The store the ledger writes to (for a read outside the ledger's batches).
+    pub fn store(&self) -> &Store {
+        &self.writer.store
+    }
+
     /// Gives back this group's reservation of task `id` on `lane` (a task this worker sends
     /// back unclaimed: its claim, which would have taken the reservation, never happens).
     /// Errors: Redis could not answer — the reservation then lapses with its lease.

@@ -154,7 +154,11 @@ def _rfc3339(t: datetime) -> str:
 
 @dataclass(frozen=True)
 class Task:
-    """One task for `Client.submit_many`; the fields are `Client.submit`'s arguments."""
+    """One task for `Client.submit_many` or `Client.submit_batch`; the fields are
+    `Client.submit`'s arguments, and for `submit_batch` only: `after`, the ids of other tasks
+    of the same batch that must all succeed before this one runs (it ends dead with reason
+    ``dependency_failed`` when one of them does not), and `payload_from`, one of those ids
+    whose result this task's payload gets under ``parent_result``."""
 
     kind: str
     payload: Any = None
@@ -166,6 +170,8 @@ class Task:
     id: Optional[str] = None
     max_attempts: Optional[int] = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    after: Sequence[str] = ()
+    payload_from: Optional[str] = None
 
     def envelope(self, now: Optional[datetime] = None) -> Dict[str, Any]:
         """The JSON envelope (README "Publishing a task"), with an id generated when absent."""
@@ -202,6 +208,14 @@ class Task:
                 env["timeout_ms"] = max(1, int(round(secs * 1000)))
         if self.max_attempts is not None:
             env["max_attempts"] = self.max_attempts
+        if isinstance(self.after, str):
+            raise ValueError("after must be a list of task ids, not a string")
+        if self.after:
+            env["after"] = [str(a) for a in self.after]
+        if self.payload_from is not None:
+            if self.payload_from not in self.after:
+                raise ValueError("payload_from must be one of the after ids")
+            env["payload_from"] = self.payload_from
         return env
 
 
@@ -318,6 +332,11 @@ class Client:
         """
         now = datetime.now(timezone.utc)
         envs = [t.envelope(now) for t in tasks]
+        if any("after" in e for e in envs):
+            raise ValueError(
+                "after and payload_from work only in submit_batch (a task's parents are"
+                " members of its batch)"
+            )
         if not envs:
             return []
         self._ensure_channel()
@@ -584,10 +603,19 @@ class Client:
         gets the batch's figures in its payload under ``batch`` (``total``, ``succeeded``,
         ``dead``, ``expired``, ``cancelled``, ``failed``: the ids that did not succeed).
 
+        Chains and DAGs: a task with ``after=[ids]`` (give its parents explicit ids) waits,
+        holding no worker and no queue, until every one of them succeeded, then runs; it ends
+        dead with reason ``dependency_failed`` when one of them ends otherwise. With
+        ``payload_from=id`` (one of its ``after``) its payload gets that parent's result under
+        ``parent_result`` (merged into a dict payload; any other payload is kept under
+        ``value``). A waiting task's `status` is ``waiting`` (with ``after``).
+
         Goes through the HTTP API (the batch's definition is recorded before any task is
         published). Raises `ApiError` on 400 (``index`` in ``body`` names the bad task, -1 a
-        callback) and `Refused` on 429/503: submitting the same batch again with the same
-        ``batch_id`` and task ids is safe (copies already taken are duplicates)."""
+        callback; ``code`` ``cycle`` with ``body["cycle"]`` naming the ids around a cycle,
+        ``unknown_dependency``, ``self_dependency``...) and `Refused` on 429/503: submitting
+        the same batch again with the same ``batch_id`` and task ids is safe (copies already
+        taken are duplicates)."""
         now = datetime.now(timezone.utc)
         body: Dict[str, Any] = {"tasks": [t.envelope(now) for t in tasks]}
         if batch_id is not None:
@@ -612,8 +640,9 @@ class Client:
 
     def batch_status(self, batch_id: str) -> Dict[str, Any]:
         """``GET /v1/batches/{id}``: ``total``, ``succeeded``, ``dead``, ``expired``,
-        ``cancelled``, ``pending``, ``failed`` (ids), ``fired`` (callbacks published),
-        ``complete``. Raises `ApiError` ``unknown_batch`` (404)."""
+        ``cancelled``, ``pending``, ``waiting`` (ids waiting for their ``after``),
+        ``failed`` (ids), ``fired`` (callbacks published), ``complete``. Raises `ApiError`
+        ``unknown_batch`` (404)."""
         _, doc = self._request("GET", "/v1/batches/" + urllib.parse.quote(batch_id, safe=""))
         return doc
 

@@ -6,6 +6,7 @@ worker processes on a fresh namespace each. Exact counts; every wait has a timeo
 
 from __future__ import annotations
 
+import ast
 import os
 import secrets
 import subprocess
@@ -200,6 +201,53 @@ class ClientTest(unittest.TestCase):
         poll("the example's 101 runs", WAIT, lambda: self.succeeded_runs() - before >= 101)
         time.sleep(0.3)
         self.assertEqual(self.succeeded_runs() - before, 101)
+
+    def test_readme_dag_example_runs_as_written(self) -> None:
+        readme = (REPO / "README.md").read_text()
+        marker = "<!-- python-dag-example"
+        self.assertIn(marker, readme)
+        block = readme.split(marker, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+        api = self.fleet.scheduler.url if self.fleet.scheduler else ""
+        env = {
+            **os.environ,
+            "FLEET_AMQP_URL": AMQP_URL,
+            "FLEET_API_URL": api,
+            "FLEET_API_TOKEN": self.admin,
+            "FLEET_NAMESPACE": self.fleet.namespace,
+            "PYTHONPATH": str(REPO / "clients" / "python"),
+        }
+        before = self.succeeded_runs()
+        out = subprocess.run(
+            [sys.executable, "-c", block], env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        lines = out.stdout.splitlines()
+        self.assertEqual(lines[0], "waiting")
+        self.assertEqual(
+            ast.literal_eval(lines[1]),  # the printed dict
+            {"step": "d", "parent_result": {"step": "b", "parent_result": {"rows": 3}}},
+        )
+        # Its four tasks ran, once each, before the other tests count runs.
+        poll("the example's 4 runs", WAIT, lambda: self.succeeded_runs() - before >= 4)
+        time.sleep(0.3)
+        self.assertEqual(self.succeeded_runs() - before, 4)
+
+    def test_a_batch_with_a_cycle_is_refused_and_after_needs_a_batch(self) -> None:
+        run = secrets.token_hex(4)
+        a, b = f"{run}-a", f"{run}-b"
+        with self.assertRaises(ApiError) as c:
+            self.client.submit_batch(
+                [Task("echo", id=a, after=[b]), Task("echo", id=b, after=[a])], batch_id=run
+            )
+        self.assertEqual((c.exception.status, c.exception.code), (400, "cycle"))
+        self.assertEqual(c.exception.body["cycle"], [a, b, a])
+        with self.assertRaises(ApiError) as c:
+            self.client.batch_status(run)
+        self.assertEqual(c.exception.status, 404)
+        with self.assertRaises(ValueError):
+            self.client.submit_many([Task("echo", after=[a])])
+        with self.assertRaises(ValueError):
+            Task("echo", after=[a], payload_from=b).envelope()
 
     def test_status_of_an_unknown_id(self) -> None:
         with self.assertRaises(UnknownTask) as c:

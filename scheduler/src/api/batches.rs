@@ -10,9 +10,17 @@
 //!   definition could not be recorded (nothing submitted); a 429/503 from the task submission
 //!   passes through with its `accepted`/`refused` ids: submit the same body again (same batch
 //!   id and task ids — the definition and the copies already taken are duplicates).
+//! * Chains and DAGs ([`fleet::batch::dag`]): a task may carry `after: [ids]` (members of the
+//!   same batch) and `payload_from: id` (one of them). Such a task is not published: its
+//!   envelope (with `submitted_at` stamped) goes into the definition record, its status is
+//!   written `waiting` (with `after`), and a batch loop releases it when every one of them
+//!   succeeded. The answer then has `waiting: [ids]` too. **400** before anything is recorded
+//!   for an `after` naming a task not in the batch, itself or one id twice, a `payload_from`
+//!   not among its `after`, duplicate task ids, or a cycle (`error: cycle`, `cycle: [ids]`
+//!   around it, the detail spelling it `a → b → c → a`).
 //! * `GET /v1/batches/{id}` (role `read`) → **200** [`fleet::batch::Progress`] (total,
-//!   succeeded, dead, expired, cancelled, pending, failed ids, callbacks fired); **404** for a
-//!   batch this replica has not read.
+//!   succeeded, dead, expired, cancelled, pending, waiting ids, failed ids, callbacks fired);
+//!   **404** for a batch this replica has not read.
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -138,6 +146,16 @@ async fn submit_batch(State(st): State<AppState>, headers: HeaderMap, body: Byte
         o.insert("batch".into(), Value::String(batch.clone()));
         ids.push(id);
     }
+    let waiting = match fleet::batch::dag::check(&mut tasks) {
+        Ok(w) => w,
+        Err(e) => {
+            let mut body = json!({"error": e.code, "detail": e.detail, "index": e.index.map_or(-1, |i| i as i64)});
+            if !e.cycle.is_empty() {
+                body["cycle"] = json!(e.cycle);
+            }
+            return (StatusCode::BAD_REQUEST, Json(body)).into_response();
+        }
+    };
     let tasks_body = match serde_json::to_vec(&tasks) {
         Ok(b) => b,
         Err(e) => return error(StatusCode::BAD_REQUEST, "bad_body", e.to_string()),
@@ -146,8 +164,44 @@ async fn submit_batch(State(st): State<AppState>, headers: HeaderMap, body: Byte
     let now = st.store.clock.now();
     let limits = &st.cfg.common.limits;
     let max_attempts = st.cfg.common.default_max_attempts;
-    if let Err(b) = fleet::task::parse_body(&tasks_body, limits, max_attempts, now) {
-        return bad(b.index.map(|i| i as i64).unwrap_or(-1), b.code, b.detail);
+    let mut parsed = match fleet::task::parse_body(&tasks_body, limits, max_attempts, now) {
+        Ok(p) => p,
+        Err(b) => return bad(b.index.map(|i| i as i64).unwrap_or(-1), b.code, b.detail),
+    };
+    // The waiting members are published later by a batch loop, not by `submit`: they get what
+    // `submit` would give them now — the token's fairness key and `submitted_at` (their
+    // deadline counts from the batch's submission).
+    if let Some(k) = st.cfg.common.auth.bound_key(&headers) {
+        if let Err(b) = fleet::task::bind_key(&mut parsed, &k, limits) {
+            return bad(b.index.map(|i| i as i64).unwrap_or(-1), b.code, b.detail);
+        }
+    }
+    let mut held = Vec::with_capacity(waiting.len());
+    let mut statuses = fleet::status::Writes::new();
+    for &i in &waiting {
+        let p = &parsed[i];
+        let Ok(Value::Object(mut env)) = serde_json::from_str::<Value>(p.raw.get()) else {
+            return bad(i as i64, "bad_envelope", "a task must be a JSON object");
+        };
+        if p.stamped {
+            env.insert(
+                "submitted_at".into(),
+                Value::String(now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)),
+            );
+        }
+        let after: Vec<String> = env
+            .get(fleet::batch::dag::AFTER)
+            .and_then(|a| serde_json::from_value(a.clone()).ok())
+            .unwrap_or_default();
+        let e = &p.envelope;
+        statuses.waiting(&e.id, e.lane, &after, &batch);
+        statuses.describe(
+            &e.id,
+            &e.kind,
+            &e.selector().pairs().join(","),
+            e.submitted_at,
+        );
+        held.push(Value::Object(env));
     }
     for (name, cb) in fleet::batch::CALLBACKS.iter().zip(&callbacks) {
         let Some(cb) = cb else { continue };
@@ -162,6 +216,7 @@ async fn submit_batch(State(st): State<AppState>, headers: HeaderMap, body: Byte
             failed: Vec::new(),
             fired: Vec::new(),
             callbacks: Vec::new(),
+            waiting: Vec::new(),
             complete: false,
             at_ms: 0,
         };
@@ -172,11 +227,12 @@ async fn submit_batch(State(st): State<AppState>, headers: HeaderMap, body: Byte
         }
     }
     let [on_success, on_complete] = callbacks;
+    let known = st.batches.progress(&batch).is_some();
     let rec = fleet::batch::def_record(
         &batch,
         ids.clone(),
-        on_success,
-        on_complete,
+        (on_success, on_complete),
+        held,
         st.store.clock.now_ms(),
     );
     let appended = match st.publisher.read().await.as_ref() {
@@ -192,13 +248,44 @@ async fn submit_batch(State(st): State<AppState>, headers: HeaderMap, body: Byte
     }
     // This replica knows it at once (its control loop reads the record too: idempotent).
     st.batches.apply(&rec);
-    let answer = super::submit(State(st), headers, Bytes::from(tasks_body)).await;
+    // The waiting members' statuses, before any parent is published (so never written over a
+    // released member's); not again for a batch submitted again after a refusal. Only a
+    // cache of the definition: a failure is logged, not refused.
+    if !known && !statuses.is_empty() {
+        if let Err(e) = st
+            .store
+            .write_statuses(&statuses, st.cfg.common.status_ttl)
+            .await
+        {
+            tracing::warn!(error = %e, batch = %batch, "cannot write the waiting members' statuses");
+        }
+    }
+    let waiting_ids: Vec<String> = waiting.iter().map(|&i| ids[i].clone()).collect();
+    let body = if waiting.is_empty() {
+        tasks_body
+    } else {
+        let mut held = vec![false; tasks.len()];
+        for &i in &waiting {
+            held[i] = true;
+        }
+        let now_tasks: Vec<&Value> = tasks
+            .iter()
+            .zip(&held)
+            .filter(|(_, held)| !**held)
+            .map(|(t, _)| t)
+            .collect();
+        match serde_json::to_vec(&now_tasks) {
+            Ok(b) => b,
+            Err(e) => return error(StatusCode::BAD_REQUEST, "bad_body", e.to_string()),
+        }
+    };
+    let answer = super::submit(State(st), headers, Bytes::from(body)).await;
     if answer.status() != StatusCode::ACCEPTED {
         return answer;
     }
-    (
-        StatusCode::ACCEPTED,
-        Json(json!({"batch": batch, "ids": ids})),
-    )
-        .into_response()
+    let mut out = json!({"batch": batch, "ids": ids});
+    if !waiting_ids.is_empty() {
+        out["waiting"] = json!(waiting_ids);
+    }
+    (StatusCode::ACCEPTED, Json(out)).into_response()
 }

@@ -26,7 +26,7 @@
 //! "kind", "label", "since", "until"}, "dry_run": bool, "limit": n, "reason": "..."}` (exactly
 //! one of `ids` and `query`; `limit` 1-100,000, default 10,000; `reason` for a cancel).
 //!
-//! The action's own states narrow the selection: **cancel** takes tasks not yet ended (delayed,
+//! The action's own states narrow the selection: **cancel** takes tasks not yet ended (waiting, delayed,
 //! waiting_for_worker, parked, queued, running, retrying); **retry** (a replay: the task
 //! submitted again as a new run) takes dead, expired and cancelled tasks; **delete** (its dead
 //! letter removed for good, and its status record with it) takes dead and expired tasks. A
@@ -296,6 +296,7 @@ impl Action {
     fn takes(self) -> &'static [TaskState] {
         match self {
             Action::Cancel => &[
+                TaskState::Waiting,
                 TaskState::Delayed,
                 TaskState::WaitingForWorker,
                 TaskState::Parked,

@@ -32,8 +32,12 @@
 //! moment) it logs and acks anyway (its outcome is in Redis). A replica's sweep covers it:
 //! a batch that has not moved for [`STALL`] has its pending members' states read from Redis
 //! (one pipelined read) and the final ones appended as end records. This also covers finals
-//! written outside a worker (a cancel that reached a task before dispatch). Only both at once
-//! — a failed append *and* a Redis loss before the sweep — would leave a member pending.
+//! written outside a worker (a cancel that reached a task before dispatch). A worker whose
+//! channel died (a hard stop) fails its append *and* its ack: the redelivered copy is then a
+//! duplicate, and the worker that acks it appends the end record again from the status it
+//! reads (the e2e worker-kill + FLUSHALL test failed about half its runs without this). Only
+//! both at once — a failed append *and* a Redis loss before the sweep or a duplicate copy —
+//! would leave a member pending.
 //!
 //! # Exactly once
 //!
@@ -47,6 +51,11 @@
 //! crash *plus* a Redis loss (the dedupe mark) before another replica republishes.
 //!
 //! The stream's retention ([`crate::control::MAX_AGE`], 7 days) bounds a batch's life.
+//!
+//! # Chains and DAGs
+//!
+//! A member may wait for others of its batch (`after`): see [`dag`] — the waiting members
+//! travel in the definition record and are released by the same loop that fires callbacks.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, RwLock};
@@ -56,6 +65,10 @@ use serde::Serialize;
 use serde_json::{json, Map, Value};
 
 use crate::control::{new_id, Op, Record};
+
+pub mod dag;
+use dag::Dep;
+pub use dag::Step;
 
 /// How long a batch with pending members must not move before a sweep reads their states
 /// from Redis (long enough that a worker's own end record normally arrives first).
@@ -80,6 +93,19 @@ struct Batch {
     fired: BTreeSet<String>,
     /// When the fold last changed (Unix ms, record time): the stall sweep's clock.
     moved_ms: i64,
+    /// The members that wait for others ([`dag`]), by id.
+    waiting: HashMap<String, Dep>,
+    /// Waiting members published (their `BatchReleased` read).
+    released: HashSet<String>,
+    /// Results carried by end records (members named in a `payload_from`).
+    results: HashMap<String, Value>,
+}
+
+/// Every batch, and which batch each waiting member is in (a cancel names only the task).
+#[derive(Debug, Default)]
+struct Board {
+    batches: HashMap<String, Batch>,
+    waiting_in: HashMap<String, String>,
 }
 
 /// A batch's figures: `GET /v1/batches/{id}` and the `batch` object of a callback's payload.
@@ -105,6 +131,9 @@ pub struct Progress {
     pub fired: Vec<String>,
     /// Callbacks the batch has.
     pub callbacks: Vec<String>,
+    /// Members waiting for others ([`dag`]: `after`), neither released nor ended, in
+    /// submission order.
+    pub waiting: Vec<String>,
     /// Every member ended.
     pub complete: bool,
     /// When the batch was accepted (Unix ms).
@@ -125,22 +154,27 @@ pub struct Due {
 /// Every batch this process read in the control stream (cheap to clone: shared).
 #[derive(Debug, Clone, Default)]
 pub struct Batches {
-    inner: Arc<RwLock<HashMap<String, Batch>>>,
+    inner: Arc<RwLock<Board>>,
+    /// Woken when an end record or a cancel reaches a batch with waiting members.
+    moved: Arc<tokio::sync::Notify>,
 }
 
 impl Batches {
     /// Folds one record in; `true` when it was a batch record. Idempotent: a record read
     /// twice (a replay, a repeated end) changes nothing the second time.
     pub fn apply(&self, rec: &Record) -> bool {
-        let Ok(mut m) = self.inner.write() else {
+        let Ok(mut guard) = self.inner.write() else {
             return false;
         };
+        let board = &mut *guard;
+        let m = &mut board.batches;
         match &rec.op {
             Op::BatchDef {
                 batch,
                 tasks,
                 on_success,
                 on_complete,
+                waiting,
             } => {
                 let b = m.entry(batch.clone()).or_default();
                 if !b.defined {
@@ -151,15 +185,40 @@ impl Batches {
                     b.on_success = on_success.clone();
                     b.on_complete = on_complete.clone();
                     b.moved_ms = rec.at_ms;
+                    for (id, dep) in waiting.iter().filter_map(Dep::of) {
+                        board.waiting_in.insert(id.clone(), batch.clone());
+                        b.waiting.insert(id, dep);
+                    }
+                    if !b.waiting.is_empty() {
+                        self.moved.notify_one();
+                    }
                 }
                 true
             }
-            Op::BatchEnd { batch, task, state } => {
+            Op::BatchEnd {
+                batch,
+                task,
+                state,
+                result,
+            } => {
                 let b = m.entry(batch.clone()).or_default();
                 if !b.ended.contains_key(task) {
                     b.ended.insert(task.clone(), state.clone());
                     b.moved_ms = b.moved_ms.max(rec.at_ms);
+                    if let Some(r) = result {
+                        b.results.insert(task.clone(), r.clone());
+                    }
+                    if !b.waiting.is_empty() {
+                        self.moved.notify_one();
+                    }
                 }
+                true
+            }
+            Op::BatchReleased { batch, task } => {
+                m.entry(batch.clone())
+                    .or_default()
+                    .released
+                    .insert(task.clone());
                 true
             }
             Op::BatchFired { batch, callback } => {
@@ -169,14 +228,113 @@ impl Batches {
                     .insert(callback.clone());
                 true
             }
+            // A waiting member cancelled before its release never runs: it ends here (a
+            // released one ends through its worker, like any member).
+            Op::Cancel { task, .. } => {
+                let Some(b) = board
+                    .waiting_in
+                    .get(task)
+                    .and_then(|batch| m.get_mut(batch))
+                else {
+                    return false;
+                };
+                if !b.released.contains(task) && !b.ended.contains_key(task) {
+                    b.ended.insert(
+                        task.clone(),
+                        crate::status::TaskState::Cancelled.to_string(),
+                    );
+                    b.moved_ms = b.moved_ms.max(rec.at_ms);
+                    self.moved.notify_one();
+                }
+                false
+            }
             _ => false,
         }
+    }
+
+    /// Waits until an end record or a cancel reaches a batch with waiting members (at once if
+    /// one did since the last wait).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a wake-up not taken stays for the next call.
+    pub async fn moved(&self) {
+        self.moved.notified().await;
+    }
+
+    /// What to do next for the waiting members of every batch ([`dag`]): release those whose
+    /// parents all succeeded, fail those one of whose parents ended otherwise. A member
+    /// released or ended is never named again.
+    pub fn steps(&self) -> Vec<Step> {
+        let Ok(board) = self.inner.read() else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        // Only batches with a member still waiting: a tick costs nothing for the others.
+        let open = |b: &Batch| {
+            b.waiting
+                .keys()
+                .any(|t| !b.released.contains(t) && !b.ended.contains_key(t))
+        };
+        for (id, b) in board.batches.iter().filter(|(_, b)| b.defined && open(b)) {
+            // Submission order: a chain's links come out in order.
+            for task in b.tasks.iter() {
+                let Some(dep) = b.waiting.get(task) else {
+                    continue;
+                };
+                if b.released.contains(task) || b.ended.contains_key(task) {
+                    continue;
+                }
+                let failed = dep.after.iter().find_map(|p| {
+                    b.ended
+                        .get(p)
+                        .filter(|s| s.as_str() != "succeeded")
+                        .map(|s| (p, s))
+                });
+                let fail = |detail: String| Step::Fail {
+                    batch: id.clone(),
+                    task: task.clone(),
+                    lane: dep
+                        .envelope
+                        .get("lane")
+                        .and_then(Value::as_str)
+                        .unwrap_or("normal")
+                        .to_string(),
+                    detail,
+                };
+                if let Some((p, s)) = failed {
+                    out.push(fail(format!("dependency `{p}` ended {s}")));
+                    continue;
+                }
+                if !dep.after.iter().all(|p| b.ended.contains_key(p)) {
+                    continue;
+                }
+                let envelope = match &dep.payload_from {
+                    None => dep.envelope.clone(),
+                    Some(p) => match b.results.get(p) {
+                        Some(r) => dag::with_parent_result(&dep.envelope, r),
+                        None => {
+                            out.push(fail(format!(
+                                "the result of `{p}` (payload_from) is not known: larger than {} bytes of JSON, or lost with Redis",
+                                crate::status::MAX_STATUS_TEXT
+                            )));
+                            continue;
+                        }
+                    },
+                };
+                out.push(Step::Release {
+                    batch: id.clone(),
+                    task: task.clone(),
+                    envelope,
+                });
+            }
+        }
+        out
     }
 
     /// The figures of batch `id`; `None` when no definition of it was read.
     pub fn progress(&self, id: &str) -> Option<Progress> {
         let m = self.inner.read().ok()?;
-        let b = m.get(id).filter(|b| b.defined)?;
+        let b = m.batches.get(id).filter(|b| b.defined)?;
         Some(figures(id, b))
     }
 
@@ -186,7 +344,7 @@ impl Batches {
             return Vec::new();
         };
         let mut out = Vec::new();
-        for (id, b) in m.iter().filter(|(_, b)| b.defined) {
+        for (id, b) in m.batches.iter().filter(|(_, b)| b.defined) {
             if b.members.iter().any(|t| !b.ended.contains_key(t)) {
                 continue;
             }
@@ -218,6 +376,7 @@ impl Batches {
         let mut out = Vec::new();
         let mut n = 0;
         for (id, b) in m
+            .batches
             .iter()
             .filter(|(_, b)| b.defined && b.moved_ms < before_ms)
         {
@@ -239,11 +398,28 @@ impl Batches {
         out
     }
 
+    /// The members of batch `id` whose result another member takes (`payload_from`, [`dag`]):
+    /// an end record the sweep writes for one of them carries its result too.
+    pub fn results_wanted(&self, id: &str) -> HashSet<String> {
+        let Ok(m) = self.inner.read() else {
+            return HashSet::new();
+        };
+        m.batches
+            .get(id)
+            .map(|b| {
+                b.waiting
+                    .values()
+                    .filter_map(|d| d.payload_from.clone())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Marks batch `id` as moved at `now_ms` (a sweep found nothing: it waits another
     /// [`STALL`] before reading again).
     pub fn touch(&self, id: &str, now_ms: i64) {
         if let Ok(mut m) = self.inner.write() {
-            if let Some(b) = m.get_mut(id) {
+            if let Some(b) = m.batches.get_mut(id) {
                 b.moved_ms = b.moved_ms.max(now_ms);
             }
         }
@@ -252,13 +428,18 @@ impl Batches {
     /// Drops batches accepted before `before_ms` (the stream no longer holds their records).
     pub fn prune(&self, before_ms: i64) {
         if let Ok(mut m) = self.inner.write() {
-            m.retain(|_, b| !b.defined || b.at_ms >= before_ms);
+            m.batches.retain(|_, b| !b.defined || b.at_ms >= before_ms);
+            let Board {
+                batches,
+                waiting_in,
+            } = &mut *m;
+            waiting_in.retain(|_, batch| batches.contains_key(batch));
         }
     }
 
     /// How many batches are known.
     pub fn len(&self) -> usize {
-        self.inner.read().map(|m| m.len()).unwrap_or(0)
+        self.inner.read().map(|m| m.batches.len()).unwrap_or(0)
     }
 
     /// No batch known.
@@ -286,12 +467,18 @@ fn figures(id: &str, b: &Batch) -> Progress {
         .filter(|(_, t)| t.is_some())
         .map(|(n, _)| n.to_string())
         .collect(),
+        waiting: Vec::new(),
         complete: false,
         at_ms: b.at_ms,
     };
     for t in &b.tasks {
         match b.ended.get(t).map(String::as_str) {
-            None => p.pending += 1,
+            None => {
+                p.pending += 1;
+                if b.waiting.contains_key(t) && !b.released.contains(t) {
+                    p.waiting.push(t.clone());
+                }
+            }
             Some("succeeded") => p.succeeded += 1,
             Some(s) => {
                 match s {
@@ -335,6 +522,17 @@ pub fn callback_envelope(template: &Value, callback: &str, p: &Progress) -> Valu
 
 /// A member's end record ([`Op::BatchEnd`]) at `at_ms`.
 pub fn end_record(batch: &str, task: &str, state: &str, at_ms: i64) -> Record {
+    end_record_with(batch, task, state, None, at_ms)
+}
+
+/// A member's end record carrying its result (for a `payload_from` child, [`dag`]).
+pub fn end_record_with(
+    batch: &str,
+    task: &str,
+    state: &str,
+    result: Option<Value>,
+    at_ms: i64,
+) -> Record {
     Record {
         id: new_id(),
         at_ms,
@@ -342,16 +540,30 @@ pub fn end_record(batch: &str, task: &str, state: &str, at_ms: i64) -> Record {
             batch: batch.to_string(),
             task: task.to_string(),
             state: state.to_string(),
+            result,
         },
     }
 }
 
-/// A batch's definition record ([`Op::BatchDef`]) at `at_ms`.
+/// A waiting member's released record ([`Op::BatchReleased`]) at `at_ms`.
+pub fn released_record(batch: &str, task: &str, at_ms: i64) -> Record {
+    Record {
+        id: new_id(),
+        at_ms,
+        op: Op::BatchReleased {
+            batch: batch.to_string(),
+            task: task.to_string(),
+        },
+    }
+}
+
+/// A batch's definition record ([`Op::BatchDef`]) at `at_ms`; `waiting`: the envelopes of
+/// the members that wait for others ([`dag`]).
 pub fn def_record(
     batch: &str,
     tasks: Vec<String>,
-    on_success: Option<Value>,
-    on_complete: Option<Value>,
+    (on_success, on_complete): (Option<Value>, Option<Value>),
+    waiting: Vec<Value>,
     at_ms: i64,
 ) -> Record {
     Record {
@@ -362,6 +574,7 @@ pub fn def_record(
             tasks,
             on_success,
             on_complete,
+            waiting,
         },
     }
 }
@@ -399,8 +612,8 @@ mod tests {
         b.apply(&def_record(
             "b1",
             ids.clone(),
-            Some(cb.clone()),
-            Some(cb),
+            (Some(cb.clone()), Some(cb)),
+            Vec::new(),
             1,
         ));
         for (t, s) in [
@@ -437,8 +650,8 @@ mod tests {
         b.apply(&def_record(
             "b2",
             vec!["a".into()],
-            Some(json!({"kind": "noop", "payload": 7})),
-            None,
+            (Some(json!({"kind": "noop", "payload": 7})), None),
+            Vec::new(),
             2,
         ));
         let due = b.due();
@@ -446,6 +659,87 @@ mod tests {
         assert_eq!(due[0].callback, "on_success");
         assert_eq!(due[0].envelope["payload"]["value"], 7);
         assert_eq!(due[0].envelope["payload"]["batch"]["succeeded"], 1);
+    }
+
+    fn ids(steps: &[Step]) -> Vec<(&'static str, String)> {
+        steps
+            .iter()
+            .map(|s| match s {
+                Step::Release { task, .. } => ("release", task.clone()),
+                Step::Fail { task, .. } => ("fail", task.clone()),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_diamond_releases_d_once_after_b_and_c() {
+        let b = Batches::default();
+        let waiting = vec![
+            json!({"id": "b", "kind": "k", "after": ["a"]}),
+            json!({"id": "c", "kind": "k", "after": ["a"]}),
+            json!({"id": "d", "kind": "k", "after": ["b", "c"], "payload_from": "c"}),
+        ];
+        let all = ["a", "b", "c", "d"].map(String::from).to_vec();
+        b.apply(&def_record("g", all, (None, None), waiting, 1));
+        assert!(b.steps().is_empty());
+        assert_eq!(b.progress("g").unwrap().waiting, vec!["b", "c", "d"]);
+        b.apply(&end_record("g", "a", "succeeded", 2));
+        assert_eq!(
+            ids(&b.steps()),
+            vec![("release", "b".into()), ("release", "c".into())]
+        );
+        b.apply(&released_record("g", "b", 3));
+        b.apply(&released_record("g", "c", 3));
+        assert!(b.steps().is_empty());
+        b.apply(&end_record("g", "b", "succeeded", 4));
+        assert!(b.steps().is_empty());
+        b.apply(&end_record_with(
+            "g",
+            "c",
+            "succeeded",
+            Some(json!({"n": 2})),
+            5,
+        ));
+        let steps = b.steps();
+        let [Step::Release { task, envelope, .. }] = steps.as_slice() else {
+            panic!("{steps:?}");
+        };
+        assert_eq!(task, "d");
+        assert_eq!(envelope["payload"]["parent_result"], json!({"n": 2}));
+        b.apply(&released_record("g", "d", 6));
+        assert!(b.steps().is_empty());
+        assert!(b.progress("g").unwrap().waiting.is_empty());
+    }
+
+    #[test]
+    fn a_failure_cascades_and_a_cancel_ends_a_waiting_member() {
+        let b = Batches::default();
+        let waiting = vec![
+            json!({"id": "c", "kind": "k", "after": ["p"]}),
+            json!({"id": "g", "kind": "k", "after": ["c"]}),
+            json!({"id": "x", "kind": "k", "after": ["p"]}),
+        ];
+        let all = ["p", "c", "g", "x"].map(String::from).to_vec();
+        b.apply(&def_record("f", all, (None, None), waiting, 1));
+        b.apply(&Record {
+            id: new_id(),
+            at_ms: 2,
+            op: Op::Cancel {
+                task: "x".into(),
+                reason: String::new(),
+                by: String::new(),
+                role: String::new(),
+                bulk: None,
+            },
+        });
+        b.apply(&end_record("f", "p", "dead", 3));
+        assert_eq!(ids(&b.steps()), vec![("fail", "c".into())]);
+        b.apply(&end_record("f", "c", "dead", 4));
+        assert_eq!(ids(&b.steps()), vec![("fail", "g".into())]);
+        b.apply(&end_record("f", "g", "dead", 5));
+        assert!(b.steps().is_empty());
+        let p = b.progress("f").unwrap();
+        assert_eq!((p.dead, p.cancelled, p.pending), (3, 1, 0));
     }
 
     #[test]

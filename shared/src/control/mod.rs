@@ -176,6 +176,11 @@ pub enum Op {
         /// Submitted when every member ended, whatever the outcome.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         on_complete: Option<serde_json::Value>,
+        /// The envelopes (JSON, `submitted_at` stamped) of the members that wait for others
+        /// (`after`, [`crate::batch::dag`]): they are published only when released, so they
+        /// live here until then. Empty for a batch without dependencies.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        waiting: Vec<serde_json::Value>,
     },
     /// A member of a batch ended in final state `state` (`succeeded`, `dead`, `expired`,
     /// `cancelled`): appended by the worker that ended it before its ack, or by a scheduler's
@@ -187,6 +192,20 @@ pub enum Op {
         task: String,
         /// Its final state word.
         state: String,
+        /// Its result (the handler's JSON value), for a `succeeded` member another member names
+        /// in `payload_from` ([`crate::batch::dag`]); at most
+        /// [`crate::status::MAX_STATUS_TEXT`] bytes as JSON, absent otherwise.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        result: Option<serde_json::Value>,
+    },
+    /// A waiting member of a batch (one with `after`) was published to the ingress: every
+    /// member it waits for succeeded ([`crate::batch::dag`]). A replica that reads it does not
+    /// publish the member again.
+    BatchReleased {
+        /// The batch id.
+        batch: String,
+        /// The member task id.
+        task: String,
     },
     /// A batch callback (`on_success` or `on_complete`) was published and confirmed.
     BatchFired {

@@ -39,6 +39,9 @@ pub fn typed(id: &str, fields: BTreeMap<String, String>) -> Value {
                 .unwrap_or(Value::String(v))
         } else if k.ends_with("_at") || k == "not_before" {
             time(&v).map(Value::String).unwrap_or(Value::String(v))
+        } else if k == "after" {
+            // A waiting batch member's parents: stored as a JSON array of ids.
+            serde_json::from_str::<Value>(&v).unwrap_or(Value::String(v))
         } else if k == "result" {
             match serde_json::from_str::<Value>(&v) {
                 Ok(j) => j,
@@ -173,6 +176,22 @@ impl Store {
         let mut p = redis::pipe();
         for id in ids {
             p.cmd("HGET").arg(self.names.task(id)).arg("state");
+        }
+        self.pipe(&p).await
+    }
+
+    /// The `result` field of many tasks in one round trip (pipelined HGETs), in the order
+    /// asked; `None` for a task without one.
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn task_results(&self, ids: &[&str]) -> Result<Vec<Option<String>>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut p = redis::pipe();
+        for id in ids {
+            p.cmd("HGET").arg(self.names.task(id)).arg("result");
         }
         self.pipe(&p).await
     }

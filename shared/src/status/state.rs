@@ -67,6 +67,11 @@ words! {
     TaskState, "task state" {
         /// Waits in a delay tier for its `not_before` (the scheduler).
         Delayed = "delayed",
+        /// A batch member that waits for other members (`after`, [`crate::batch::dag`]): held
+        /// in the batch's definition in the control stream (no queue, no worker) until every
+        /// one of them succeeded; its `after` field names them (the scheduler's `POST
+        /// /v1/batches`).
+        Waiting = "waiting",
         /// No live group matches its selector yet; it waits in the unmatched park queue (the
         /// scheduler).
         WaitingForWorker = "waiting_for_worker",
@@ -160,6 +165,9 @@ words! {
         UnknownStrategy = "unknown_strategy",
         /// Refusal: `not_before` too far ahead.
         BadNotBefore = "bad_not_before",
+        /// A batch member one of whose `after` members ended other than `succeeded` (or whose
+        /// `payload_from` result is not known): it never ran ([`crate::batch::dag`]).
+        DependencyFailed = "dependency_failed",
         /// Refusal: a dimension over its limit.
         OverLimit = "over_limit",
     }

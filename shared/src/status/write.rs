@@ -56,6 +56,21 @@ impl Writes {
         );
     }
 
+    /// → [`TaskState::Waiting`]: a batch member held until the members `after` (ids) succeed
+    /// (stored as a JSON array), in batch `batch`.
+    pub fn waiting(&mut self, id: &str, lane: Lane, after: &[String], batch: &str) {
+        let after = serde_json::to_string(after).unwrap_or_default();
+        self.push(
+            id,
+            TaskState::Waiting,
+            vec![
+                ("after", after),
+                ("batch", batch.to_string()),
+                ("lane", lane.to_string()),
+            ],
+        );
+    }
+
     /// → [`TaskState::WaitingForWorker`]: no live group matches the task yet.
     pub fn waiting_for_worker(&mut self, id: &str, lane: Lane) {
         self.push(

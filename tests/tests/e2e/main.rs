@@ -35,6 +35,7 @@ mod console;
 mod consumer_timeout;
 mod crash;
 mod critical;
+mod dags;
 mod dead_letters;
 mod deadlines;
 mod dedupe_window;

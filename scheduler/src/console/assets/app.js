@@ -711,7 +711,7 @@ async function renderKindPauses() {
 // block is evaluated, and may call renderTasks).
 
 /** The states, in the order shown (a function: see the note above on boot order). */
-function taskStates() { return ["queued", "parked", "delayed", "waiting_for_worker", "retrying", "running", "succeeded", "dead", "expired", "cancelled"]; }
+function taskStates() { return ["queued", "parked", "delayed", "waiting_for_worker", "waiting", "retrying", "running", "succeeded", "dead", "expired", "cancelled"]; }
 
 /** The view's state: filters as applied, the cursor stack (pages), the selection. */
 function tasksState() {
