@@ -14,12 +14,6 @@ use fleet::settings::Settings;
 use fleet::settings::{Early, WorkerArgs};
 use fleet_worker::{Worker, WorkerConfig};
 
-/// mimalloc (Microsoft's allocator, Leijen, Zorn and de Moura, "Mimalloc: Free List Sharding
-/// in Action", 2019) instead of glibc's malloc, whose arenas and consolidation were about 14 %
-/// of a burst's CPU in this process (BENCHMARKS.md round 17).
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[tokio::main]
 async fn main() -> ExitCode {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();

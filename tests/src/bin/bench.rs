@@ -28,12 +28,6 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use serde_json::json;
 
-/// mimalloc (Microsoft's allocator, Leijen, Zorn and de Moura, "Mimalloc: Free List Sharding
-/// in Action", 2019) instead of glibc's malloc, whose arenas and consolidation were about 14 %
-/// of a burst's CPU in this benchmark's process (the raw client's figures run on it too) (BENCHMARKS.md round 17).
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[tokio::main]
 async fn main() -> Result<()> {
     // A benchmark runs as long as it is asked to: the test binaries' watchdog is not for it.
