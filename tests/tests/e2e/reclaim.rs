@@ -33,7 +33,8 @@ fn scheduler_cfg() -> Vec<(&'static str, &'static str)> {
 }
 
 /// Keys of the namespace by kind (the part after `{ns}:` up to the next `:`), leaving out the
-/// per-task keys (status `t:`, dedupe mark `dd:`): those belong to tasks, with their own expiry.
+/// per-task keys (status `t:`, dedupe mark `dd:` of earlier versions, a dispatch batch's
+/// handed-on flag `ho:`): those belong to tasks, with their own expiry (the dedupe window).
 async fn keys(ns: &Ns) -> anyhow::Result<BTreeMap<String, usize>> {
     let all: Vec<String> = ns
         .store
@@ -45,7 +46,7 @@ async fn keys(ns: &Ns) -> anyhow::Result<BTreeMap<String, usize>> {
         let kind = rest.split(':').next().unwrap_or("").to_string();
         // Task state outlives its group: status records, dedupe marks and the task index
         // (`tix`: the ids of those records, fleet::status::index).
-        if kind == "t" || kind == "dd" || kind == "tix" {
+        if kind == "t" || kind == "dd" || kind == "ho" || kind == "tix" {
             continue;
         }
         *by.entry(kind).or_default() += 1;
