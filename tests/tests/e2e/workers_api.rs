@@ -153,7 +153,17 @@ async fn workers_and_groups_api_and_fleetctl_tables() -> anyhow::Result<()> {
         .lines()
         .map(|l| l.split_whitespace().collect())
         .collect();
-    assert_eq!(lines.len(), 3, "header + 2 rows:\n{out}");
+    // The table, then the line for what no group holds.
+    assert_eq!(
+        lines.len(),
+        4,
+        "header + 2 rows + the unrouted line:\n{out}"
+    );
+    assert_eq!(
+        lines[3][..6],
+        ["not", "in", "any", "group:", "0", "waiting"],
+        "{out}"
+    );
     assert_eq!(
         lines[0][..5],
         ["GROUP", "WORKERS", "CAPACITY", "LOAD", "RESERVED"]
