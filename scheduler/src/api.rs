@@ -234,10 +234,24 @@ pub(crate) async fn submit(
             // What was confirmed before the connection went is said too: those tasks run. The
             // `unknown` ones may or may not have reached the broker; submitting them again with
             // these ids is safe (a copy is dropped as a duplicate), with new ids it is not.
+            // With the connection still up, only the publishing channel went (a renewal of a
+            // channel stuck nacking closed it mid-publish): the broker is unavailable for the
+            // moment, the scheduler is not reconnecting.
+            let connected = st
+                .connection
+                .read()
+                .await
+                .as_ref()
+                .is_some_and(|c| c.status().connected());
+            let (code, detail) = if connected {
+                ("broker_unavailable", "RabbitMQ did not take the tasks (the publishing channel was replaced mid-publish); retry shortly")
+            } else {
+                ("not_connected", "the scheduler is reconnecting to RabbitMQ")
+            };
             return refuse(
                 StatusCode::SERVICE_UNAVAILABLE,
                 1,
-                json!({"error": "not_connected", "detail": "the scheduler is reconnecting to RabbitMQ", "accepted": accepted, "refused": refused, "unknown": unknown}),
+                json!({"error": code, "detail": detail, "accepted": accepted, "refused": refused, "unknown": unknown}),
             );
         }
     };
@@ -350,6 +364,11 @@ struct Unfinished {
 /// session's publisher before it gives up (503): covers a failover to another cluster node.
 const REPUBLISH_WITHIN: Duration = Duration::from_secs(15);
 
+/// How long a submission waits for the successor of a publishing channel that closed (a
+/// renewal replaces it within milliseconds; a lost connection takes longer and is answered
+/// `not_connected`).
+const RENEWAL_WAIT: Duration = Duration::from_secs(2);
+
 /// Publishes `envs` to the ingress with confirms and sorts their ids into (accepted, refused
 /// by the broker). A publish whose confirm was lost with the connection (node loss: neither
 /// ack nor nack) is published again on the next session's channel, until confirmed or
@@ -373,12 +392,22 @@ async fn publish_all(
         // A clone of the session's publisher, the lock released at once: a publish the broker
         // holds back (a memory alarm) must not hold the scheduler's stop, which takes the
         // write lock.
+        // The first round waits at most RENEWAL_WAIT for a replaced channel's successor (a
+        // submission during an outage is answered quickly); a republish round, the deadline.
+        let give_up = if round == 1 {
+            (tokio::time::Instant::now() + RENEWAL_WAIT).min(deadline)
+        } else {
+            deadline
+        };
         let publisher = loop {
             let p = st.publisher.read().await.clone();
             if p.as_ref().is_some_and(|ch| ch.status().connected()) {
                 break p;
             }
-            if round == 1 || tokio::time::Instant::now() >= deadline {
+            // No channel at all in the first round: not connected, answered at once. A channel
+            // that is there but closed is being replaced (a reconnect, or the renewal of a
+            // channel stuck nacking): its successor is waited for, up to the deadline.
+            if (round == 1 && p.is_none()) || tokio::time::Instant::now() >= give_up {
                 break None;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
