@@ -454,6 +454,10 @@ async fn a_key_rate_paces_its_tasks() -> anyhow::Result<()> {
 /// stays leaked, and every task runs exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_redis_loss_leaves_no_key_over_its_limit_for_longer_than_a_lease() -> anyhow::Result<()> {
+    // Alone in a process of its own: in the suite's shared process it timed out in two CI
+    // runs of three (passing alone every time) — its scheduler and workers then share one
+    // runtime with the other tests' under the suite's load.
+    own_process!();
     let redis = PrivateRedis::start(None, None).await?;
     let ns = Ns::on_redis(&redis.url(None)).await?;
     let runs = Runs::default();
@@ -495,14 +499,17 @@ async fn a_redis_loss_leaves_no_key_over_its_limit_for_longer_than_a_lease() -> 
             per.get(&e.id)
         );
     }
-    // No slot leaked: the key holds nothing once everything ran.
+    // No slot leaked: the key holds no live lease once everything ran (an entry a heartbeat
+    // put back for a run whose record the FLUSHALL took lapses with its lease and is dropped
+    // at the key's next use, as the API's figures count: live leases only).
     let used = wait_for(
         "the key's slots given back",
-        Duration::from_secs(10),
+        Duration::from_secs(25),
         || async {
+            let now = ns.store.clock.now_ms();
             let card = |k: String| {
-                let mut c = deadpool_redis::redis::cmd("ZCARD");
-                c.arg(k);
+                let mut c = deadpool_redis::redis::cmd("ZCOUNT");
+                c.arg(k).arg(now).arg("+inf");
                 c
             };
             let q: i64 = ns
@@ -604,8 +611,10 @@ async fn killed_workers_and_replicas_leave_no_key_over_its_limit() -> anyhow::Re
         .into_iter()
         .filter(|c| {
             c.at <= killed_at
+                // Answered but not yet recorded and acked by the worker when it was killed
+                // (its outcome batch, under the suite's load, can take longer than 100 ms).
                 && c.answered
-                    .is_none_or(|a| a > killed_at - Duration::from_millis(100))
+                    .is_none_or(|a| a > killed_at - Duration::from_millis(1000))
         })
         .map(|c| c.id)
         .collect();
