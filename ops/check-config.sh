@@ -204,6 +204,41 @@ sys.exit(1 if dups else 0)
 EOF
 }
 
+one_build_features() {
+    # One build (issue 29 item 9): the demo builds the three binaries alone, the tests the whole
+    # workspace; both must resolve every dependency with the same features, or the test build
+    # compiles tokio and everything above it a second time (60 s more on 2 cores). Compares
+    # `cargo tree`'s feature lists of the two selections, crate by crate.
+    cargo tree -p fleet-scheduler -p fleet-worker -p fleetctl -e normal,build -f '{p} [{f}]' \
+        --prefix none >"$TMP/tree-demo.txt" || return 1
+    cargo tree --workspace -e normal,build,dev -f '{p} [{f}]' --prefix none >"$TMP/tree-all.txt" ||
+        return 1
+    "$PY" - "$TMP/tree-demo.txt" "$TMP/tree-all.txt" <<'EOF'
+import sys
+def load(path):
+    out = {}
+    for line in open(path):
+        line = line.strip()
+        if not line or "[" not in line:
+            continue
+        name = line.split(" [")[0].replace(" (*)", "")
+        feats = line[line.find("[") + 1 : line.rfind("]")]
+        out.setdefault(name, set()).update(f for f in feats.split(",") if f)
+    return out
+demo, tests = load(sys.argv[1]), load(sys.argv[2])
+bad = [
+    f"{name}: the test build adds features {sorted(tests[name] - feats)}, the demo build {sorted(feats - tests[name])} (switch them on in shared/Cargo.toml)"
+    for name, feats in sorted(demo.items())
+    if name in tests and tests[name] != feats
+]
+for b in bad:
+    print(b)
+if not bad:
+    print(f"{len(demo)} crates of the demo build resolve alike in the test build")
+sys.exit(1 if bad else 0)
+EOF
+}
+
 docs_match_code() {
     # The docs say what the code does (issue 29.11): every dead-letter reason of the code is in
     # README; the demo's and check-metrics' build and the demo's namespace as ops/lib.sh and
@@ -221,7 +256,7 @@ for word in re.findall(r'= "([a-z_]+)"', block):
     if f"`{word}`" not in readme:
         bad.append(f"README does not name the dead-letter reason `{word}`")
 lib = open("ops/lib.sh").read()
-if "cargo build --workspace --bins" in lib and "--release" not in lib:
+if "cargo build \"${FLEET_BUILD_PACKAGES[@]}\" --bins" in lib and "--release" not in lib:
     for row in ("ops/demo.sh", "ops/check-metrics.sh"):
         line = next((l for l in ops.splitlines() if l.startswith(f"| `{row}`")), "")
         if "release" in line:
@@ -251,6 +286,7 @@ EOF
 }
 
 check "docs match the code" docs_match_code
+check "one build: the demo's crates resolve alike in the test build" one_build_features
 check "README Python producer exits non-zero on a refusal" readme_python_snippet
 check "README fleetctl block has no duplicate line" readme_fleetctl_block
 check "promtool check config" promtool check config ops/prometheus/prometheus.yml

@@ -317,17 +317,23 @@ delete_namespace() {
     log "namespace $ns: deleted $keys Redis keys, $n queues and its exchanges"
 }
 
+# The three binaries the demo and the compose images run. Their dev-profile build is the start
+# of the one `cargo test` (ops/test.sh) makes: every dependency resolves with the same features
+# in both (shared/Cargo.toml; ops/check-config.sh checks it), so the test build reuses all of it
+# and compiles only the test crates on top — a new user compiles each crate once, and the
+# first task does not wait for the test crates (issue 29 item 9).
+FLEET_BUILD_PACKAGES=(-p fleet-scheduler -p fleet-worker -p fleetctl)
+
 # locate_binaries: sets BIN to the folder holding fleet-scheduler, fleet-worker and fleetctl.
-# FLEET_BIN_DIR names binaries built elsewhere (no cargo build); otherwise the dev profile
-# build — the one `cargo test` (ops/test.sh) makes too, so the demo and the tests share one
-# build and a new user compiles the workspace once.
+# FLEET_BIN_DIR names binaries built elsewhere (no cargo build); otherwise the dev-profile
+# build of FLEET_BUILD_PACKAGES.
 locate_binaries() {
     if [ -n "${FLEET_BIN_DIR:-}" ]; then
         BIN=$FLEET_BIN_DIR
         log "using the binaries in $BIN (FLEET_BIN_DIR)"
     else
         log "building the binaries (dev profile, shared with ops/test.sh; the first build takes a few minutes, later ones seconds)"
-        cargo build --workspace --bins
+        cargo build "${FLEET_BUILD_PACKAGES[@]}" --bins
         BIN="$(cargo_target_dir)/debug"
     fi
     local b

@@ -7,9 +7,9 @@
 //! a file with no certificate / no key stops start-up with an error naming the setting
 //! (exit 2) instead of failing at the first connection. TLS itself is chosen by the URL
 //! (`amqps://`, `rediss://`, `https://`); server names are always verified against the URL's
-//! host. lapin uses aws-lc-rs and reqwest ring, each chosen explicitly; the `redis` crate takes
-//! the process default, which [`install_crypto_provider`] sets (two providers are compiled in,
-//! so rustls cannot pick one by itself).
+//! host. Every client uses ring (lapin and reqwest choose it by their features); the `redis`
+//! crate takes the process default, which [`install_crypto_provider`] sets. One provider is
+//! compiled in (aws-lc-rs left out: its CMake build was a fifth of a fresh build, issue 29).
 
 use std::fmt;
 
@@ -151,12 +151,12 @@ pub fn read_private_key(path: &str) -> std::result::Result<Vec<u8>, String> {
     }
 }
 
-/// Installs aws-lc-rs as the process's rustls crypto provider; a no-op when one is installed.
+/// Installs ring as the process's rustls crypto provider; a no-op when one is installed.
 /// Called before building any TLS client.
 pub fn install_crypto_provider() {
     if rustls::crypto::CryptoProvider::get_default().is_none() {
         // Losing a race with another thread installing the same provider is fine.
-        let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+        let _ = rustls::crypto::ring::default_provider().install_default();
     }
 }
 

@@ -122,7 +122,7 @@ impl Pki {
             CertificateDer::pem_file_iter(&self.server_cert)?.collect::<Result<Vec<_>, _>>()?;
         let key = PrivateKeyDer::from_pem_file(&self.server_key)?;
         let cfg = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
-            rustls::crypto::aws_lc_rs::default_provider(),
+            rustls::crypto::ring::default_provider(),
         ))
         .with_safe_default_protocol_versions()?
         .with_no_client_auth()
