@@ -8,7 +8,9 @@
 #
 #   ops/services.sh                 Redis + RabbitMQ installed and running (default), and
 #                                   python3-pika + python3-mypy for the Python client's tests
-#   ops/services.sh --tools         the same, plus the check tools: promtool (package
+#   ops/services.sh --demo          only what ops/demo.sh needs: Redis + RabbitMQ (and curl),
+#                                   none of the tests' extras (faketime, pika, mypy)
+#   ops/services.sh --tools         the same as the default, plus the check tools: promtool (package
 #                                   prometheus), docker-compose and shellcheck
 #   ops/services.sh --tools-only    only the check tools; leaves the services alone
 #   ops/services.sh --browser       the same as the default, plus what the console's browser test
@@ -301,6 +303,10 @@ ensure_python_client() {
 ensure_base() {
     # curl is what the other ops scripts use to talk HTTP.
     ensure_cmd curl curl ca-certificates
+}
+
+# What the tests need beyond the services.
+ensure_test_extras() {
     # libfaketime: the clock-skew test runs workers 60 s behind and ahead (tests/tests/e2e/clock_skew.rs).
     ensure_cmd faketime faketime
 }
@@ -340,9 +346,10 @@ ensure_docker() {
 }
 
 main() {
-    local services=1 tools=0 browser=0 docker=0
+    local services=1 tools=0 browser=0 docker=0 extras=1
     while [ $# -gt 0 ]; do
         case "$1" in
+        --demo) extras=0 ;;
         --tools) tools=1 ;;
         --browser) browser=1 ;;
         --tools-only)
@@ -371,8 +378,11 @@ main() {
     if [ "$docker" -eq 1 ]; then
         ensure_docker
     fi
-    if [ "$services" -eq 1 ]; then
+    if [ "$services" -eq 1 ] && [ "$extras" -eq 1 ]; then
+        ensure_test_extras
         ensure_python_client
+    fi
+    if [ "$services" -eq 1 ]; then
         ensure_redis
         ensure_rabbitmq
     fi
