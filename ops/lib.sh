@@ -301,19 +301,29 @@ delete_namespace() {
         log "namespace $ns: deleted $keys Redis keys; AMQP queues left (broker not local or no rabbitmqctl)"
         return 0
     fi
-    local deadline=$((SECONDS + budget))
+    # fleetctl first: it finds every queue of the namespace (the broker's queue catalog and the
+    # name rules) and deletes them over a few channels in one process; rabbitmqctl (a VM start
+    # per call, ~0.7 s) then only for what it left.
+    if [ -n "${BIN:-}" ] && [ -x "$BIN/fleetctl" ]; then
+        local before
+        before=$(timeout 30 rabbitmqctl -q list_queues --no-table-headers name 2>/dev/null | grep -c "^$ns\." || true)
+        if timeout 60 "$BIN/fleetctl" --namespace "$ns" --redis-url "$redis_url" delete-namespace --yes >/dev/null 2>&1; then
+            n=${before:-0}
+        else
+            warn "namespace $ns: fleetctl delete-namespace failed; deleting its queues one by one"
+        fi
+    fi
+    local deadline=$((SECONDS + budget)) left=0
     while IFS= read -r q; do
         case "$q" in "$ns".*) ;; *) continue ;; esac
         if [ "$SECONDS" -ge "$deadline" ]; then
             warn "namespace $ns: queue clean-up stopped after ${budget}s; delete the rest of $ns.* by hand"
             break
         fi
-        if timeout 30 rabbitmqctl -q delete_queue "$q" </dev/null >/dev/null 2>&1; then n=$((n + 1)); fi
+        if timeout 30 rabbitmqctl -q delete_queue "$q" </dev/null >/dev/null 2>&1; then left=$((left + 1)); fi
     done < <(timeout 30 rabbitmqctl -q list_queues --no-table-headers name 2>/dev/null || true)
-    if [ -n "${BIN:-}" ] && [ -x "$BIN/fleetctl" ]; then
-        timeout 60 "$BIN/fleetctl" --namespace "$ns" --redis-url "$redis_url" delete-namespace --yes >/dev/null 2>&1 ||
-            warn "namespace $ns: fleetctl delete-namespace failed; its exchanges may remain"
-    fi
+    # Queues fleetctl left are among those counted before it ran; without fleetctl, count these.
+    [ "$n" -gt 0 ] || n=$left
     log "namespace $ns: deleted $keys Redis keys, $n queues and its exchanges"
 }
 
