@@ -23,6 +23,8 @@ pub mod api;
 pub mod backpressure;
 pub mod backstop;
 pub mod batch;
+pub mod batch_close;
+pub mod batch_def;
 pub mod canary;
 pub mod config;
 pub mod console;
