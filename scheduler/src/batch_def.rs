@@ -398,8 +398,8 @@ fn check_callbacks(
 }
 
 /// Records `def`: appends its `BatchDef` record to the control stream on `publisher`
-/// (publisher-confirmed), folds it into `batches` and writes the waiting members' statuses
-/// (a cache of the definition: a failure is logged, not returned). A batch `batches` already
+/// (publisher-confirmed), writes the waiting members' statuses (a cache of the definition: a
+/// failure is logged, not returned) and folds the record into `batches`. A batch `batches` already
 /// holds is not appended again (its definition is durable already; the fold keeps the first
 /// one). Returns `true` when the batch was new to this replica.
 ///
@@ -417,15 +417,17 @@ pub async fn commit(
     }
     let p = publisher.ok_or(fleet::Error::NotConnected)?;
     fleet::control::append(p, &store.names, &def.record).await?;
-    // This replica knows it at once (its control loop reads the record too: idempotent).
-    batches.apply(&def.record);
-    // The waiting members' statuses, before any parent is published (so never written over a
-    // released member's).
+    // The waiting members' statuses, before this replica's batch loop can release one: through
+    // the API before any parent is published; from a close, whose members may all have ended
+    // already, before the fold below wakes the loop (so `waiting` is not written over a
+    // released member's state — only the control loop reading the record back first could).
     if !def.statuses.is_empty() {
         if let Err(e) = store.write_statuses(&def.statuses, status_ttl).await {
             tracing::warn!(error = %e, batch = %def.batch, "cannot write the waiting members' statuses");
         }
     }
+    // This replica knows it at once (its control loop reads the record too: idempotent).
+    batches.apply(&def.record);
     Ok(true)
 }
 

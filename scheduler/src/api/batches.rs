@@ -5,7 +5,8 @@
 //!   ids]}`. Each task gets the field `batch` (and an `id` when it has none); the batch's
 //!   definition is appended to the durable control stream (confirmed) *before* any task is
 //!   published, then the tasks go through the same path as `POST /v1/tasks`. **400** for an
-//!   invalid envelope (`index` names it; `-1` for a callback), an empty batch, more than
+//!   invalid envelope (`index` names it; `-1` for a callback or the body as a whole), an
+//!   empty batch, more than
 //!   [`fleet::batch::MAX_TASKS`] tasks, or a callback without `kind`. **503** when the
 //!   definition could not be recorded (nothing submitted); a 429/503 from the task submission
 //!   passes through with its `accepted`/`refused` ids: submit the same body again (same batch
@@ -18,6 +19,8 @@
 //!   for an `after` naming a task not in the batch, itself or one id twice, a `payload_from`
 //!   not among its `after`, duplicate task ids, or a cycle (`error: cycle`, `cycle: [ids]`
 //!   around it, the detail spelling it `a → b → c → a`).
+//! * The checks and the recording are [`crate::batch_def`]'s, shared with the AMQP form: a
+//!   batch's closing message read by the ingress ([`crate::batch_close`]).
 //! * `GET /v1/batches/{id}` (role `read`) → **200** [`fleet::batch::Progress`] (total,
 //!   succeeded, dead, expired, cancelled, pending, waiting ids, failed ids, callbacks fired);
 //!   **404** for a batch this replica has not read.
