@@ -4,7 +4,8 @@
 //! `on_complete` fires exactly once with the exact figures, `on_success` never; a waiting
 //! member listed in the close runs after its parents (with its parent's result); a bad close
 //! is dead-lettered `bad_batch` with a detail naming the fault; a repeated close and a member
-//! published after the close change nothing.
+//! published after the close change nothing; a close whose definition the broker does not
+//! confirm goes back to its queue and defines the batch when it comes again.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -421,6 +422,105 @@ async fn a_bad_close_is_dead_lettered_with_its_reason_and_defines_nothing() -> a
 
     w.stop().await?;
     s.stop().await?;
+    ns.cleanup().await?;
+    Ok(())
+}
+
+/// Takes the next `n` messages of the normal ingress queue (unacked, on `ch`).
+async fn get_ingress(
+    ns: &Ns,
+    ch: &lapin::Channel,
+    n: usize,
+) -> anyhow::Result<Vec<lapin::message::Delivery>> {
+    let queue = ns.names.ingress_queue(Lane::Normal);
+    let mut out = Vec::new();
+    wait_for(
+        &format!("{n} message(s) in the ingress"),
+        Duration::from_secs(10),
+        || {
+            let queue = queue.clone();
+            async move { (ns.depth(&queue).await as usize >= n).then_some(()) }
+        },
+    )
+    .await?;
+    while out.len() < n {
+        match ch
+            .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
+            .await?
+        {
+            Some(m) => out.push(m.delivery),
+            None => anyhow::bail!("the ingress emptied after {} of {n}", out.len()),
+        }
+    }
+    Ok(out)
+}
+
+/// The ingress's close handling on its own (no scheduler running, the namespace declared):
+/// while the control stream cannot take the definition (deleted: the append is unroutable)
+/// the close goes back to its queue, defining nothing, and the task beside it goes on; once
+/// the stream is back the same close defines the batch and is acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_close_whose_record_is_not_confirmed_goes_back_and_defines_the_batch_later(
+) -> anyhow::Result<()> {
+    use fleet_scheduler::batch_close::Closes;
+    use lapin::options::{BasicAckOptions, QueueDeleteOptions};
+    const BATCH: &str = "amqp-unconfirmed-1";
+    let ns = Ns::new().await?;
+    ns.declare_ingress(&[]).await?;
+    let ch = ns.conn.create_channel().await?;
+    let stream = ns.names.control_stream();
+    ch.queue_delete(stream.as_str().into(), QueueDeleteOptions::default())
+        .await?;
+
+    let cfg = Arc::new(fleet_scheduler::SchedulerConfig::from_settings(
+        &ns.settings(&[]),
+    )?);
+    let conn = Arc::new(amqp::connect(&amqp_url(), "amqp-batches-test").await?);
+    let publisher = amqp::confirm_channel(&conn).await?;
+    let session = fleet_scheduler::session::Session::new(
+        cfg,
+        ns.store.clone(),
+        conn.clone(),
+        publisher,
+        fleet_scheduler::pause::Pauses::default(),
+    );
+    let batches = fleet::batch::Batches::default();
+    let closes = Closes {
+        session: Arc::new(session),
+        batches: batches.clone(),
+    };
+    let stop = tokio_util::sync::CancellationToken::new();
+
+    let close = json!({"id": BATCH, "tasks": ["a", "b"], "on_complete": {"kind": CALLBACK}});
+    publish_close(&ns, &serde_json::to_vec(&close)?).await?;
+    assert_eq!(
+        ns.submit(&[member(BATCH, "a", JOB, json!({}))]).await?,
+        (1, 0)
+    );
+    let got = get_ingress(&ns, &ch, 2).await?;
+    let rest = closes.take(got, &stop).await?;
+    assert_eq!(rest.len(), 1, "the task goes on to dispatch");
+    let task: Value = serde_json::from_slice(&rest[0].data)?;
+    assert_eq!(task["id"], "a");
+    rest[0].acker.ack(BasicAckOptions::default()).await?;
+    assert!(batches.progress(BATCH).is_none(), "nothing defined");
+
+    // The close came back; with the stream declared again it defines the batch.
+    fleet::broker::topology::declare_control_stream(&ch, &ns.names).await?;
+    let again = get_ingress(&ns, &ch, 1).await?;
+    assert!(again[0].redelivered, "the same close, requeued");
+    let rest = closes.take(again, &stop).await?;
+    assert!(rest.is_empty());
+    let p = batches
+        .progress(BATCH)
+        .ok_or_else(|| anyhow::anyhow!("the batch is not defined"))?;
+    assert_eq!((p.total, p.pending), (2, 2));
+    assert_eq!(p.callbacks, ["on_complete"]);
+    // Acked: closing the channel puts back nothing.
+    ch.close(200, "done".into()).await?;
+    assert_eq!(ns.depth(&ns.names.ingress_queue(Lane::Normal)).await, 0);
+    assert!(take_dead_letters(&ns).await?.is_empty());
+    let _ = conn.close(200, "done".into()).await;
     ns.cleanup().await?;
     Ok(())
 }
