@@ -6,6 +6,9 @@
 //! watch shows the gate leaving Red), Yellow sleeps part of the throttle delay between batches (in
 //! proportion to how far into Yellow the gate is). The critical lane and the
 //! delayed queue are never gated by normal-lane pressure.
+//!
+//! An ingress lane's loop settles the batches' closing messages of its batch first
+//! ([`crate::batch_close`]), then dispatches the rest.
 
 use std::sync::Arc;
 
@@ -36,6 +39,8 @@ pub struct IngressLoop {
     pub pressure: watch::Receiver<Sample>,
     /// The delayed loop's: takes the delay canaries out of its batches (see [`crate::canary`]).
     pub canary: Option<Arc<crate::canary::Canary>>,
+    /// An ingress lane's: settles batches' closing messages ([`crate::batch_close`]).
+    pub closes: Option<Arc<crate::batch_close::Closes>>,
 }
 
 impl IngressLoop {
@@ -148,6 +153,12 @@ impl IngressLoop {
             }
             if let Some(c) = &self.canary {
                 batch = c.take(batch).await;
+                if batch.is_empty() {
+                    continue;
+                }
+            }
+            if let Some(c) = &self.closes {
+                batch = c.take(batch, shutdown).await?;
                 if batch.is_empty() {
                     continue;
                 }

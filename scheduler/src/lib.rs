@@ -8,7 +8,9 @@
 //! decide, publish; the orphan rescue), [`tiers`] (the delay tiers held until each hop
 //! ends), [`park`] (waiting for room: park queues, release
 //! loops, the parked flag, discovery), [`pause`] (pauses in force: groups, lanes, kinds),
-//! [`health`] (eviction), [`backstop`] (the broker's own
+//! [`batch`] (batches' callbacks, DAG releases and stall sweeps), [`batch_def`] (a batch's
+//! definition, checked and recorded: `POST /v1/batches` and the AMQP closing message),
+//! [`batch_close`] (the ingress's closing messages), [`health`] (eviction), [`backstop`] (the broker's own
 //! dead letters given a reason and a status), [`reclaim`] (departed groups removed),
 //! [`probe`] (critical-lane probes), [`stats`] (gauges for dashboards and autoscalers),
 //! [`schedule`] (periodic cron schedules), [`series`] (the console's 15-minute history),
@@ -23,6 +25,8 @@ pub mod api;
 pub mod backpressure;
 pub mod backstop;
 pub mod batch;
+pub mod batch_close;
+pub mod batch_def;
 pub mod canary;
 pub mod config;
 pub mod console;

@@ -355,6 +355,10 @@ async fn session(
             batches: batches.clone(),
         }
     );
+    let closes = Arc::new(crate::batch_close::Closes {
+        session: shared.clone(),
+        batches: batches.clone(),
+    });
     let stop = session.token();
     let caught_up = tokio::select! {
         r = caught_rx.wait_for(|c| *c) => r.is_ok(),
@@ -383,6 +387,7 @@ async fn session(
                 queue: names.ingress_queue(lane),
                 pressure: prx.clone(),
                 canary: None,
+                closes: Some(closes.clone()),
             };
             spawn_loop!(format!("ingress.{lane}.{k}"), l);
         }
@@ -395,6 +400,7 @@ async fn session(
         queue: names.delayed_queue(),
         pressure: prx.clone(),
         canary: Some(canary.clone()),
+        closes: None,
     };
     spawn_loop!("delayed", delayed);
     for tier in fleet::broker::delay::tiers() {

@@ -2,7 +2,9 @@
 the scheduler's HTTP API. See clients/python/README.md."""
 
 from .client import (
+    BATCH_CLOSE_TYPE,
     FAILED_STATES,
+    MAX_BATCH_TASKS,
     TERMINAL_STATES,
     ApiError,
     Client,
@@ -27,5 +29,7 @@ __all__ = [
     "WaitTimeout",
     "TERMINAL_STATES",
     "FAILED_STATES",
+    "BATCH_CLOSE_TYPE",
+    "MAX_BATCH_TASKS",
 ]
 __version__ = "0.1.0"

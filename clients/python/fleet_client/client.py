@@ -30,6 +30,8 @@ __all__ = [
     "WaitTimeout",
     "TERMINAL_STATES",
     "FAILED_STATES",
+    "BATCH_CLOSE_TYPE",
+    "MAX_BATCH_TASKS",
 ]
 
 #: States after which a task never changes again (GET /v1/tasks/{id}).
@@ -37,6 +39,10 @@ TERMINAL_STATES = frozenset({"succeeded", "dead", "expired", "cancelled"})
 #: Terminal states that are not a success: `wait` raises `TaskFailed` on them.
 FAILED_STATES = frozenset({"dead", "expired", "cancelled"})
 LANES = ("normal", "critical")
+#: The AMQP ``type`` of a batch's closing message (`Client.publish_batch`).
+BATCH_CLOSE_TYPE = "fleet.batch.close"
+#: Most tasks in one batch.
+MAX_BATCH_TASKS = 20_000
 
 Labels = Union[Mapping[str, str], str, None]
 When = Union[datetime, timedelta, None]
@@ -154,8 +160,8 @@ def _rfc3339(t: datetime) -> str:
 
 @dataclass(frozen=True)
 class Task:
-    """One task for `Client.submit_many` or `Client.submit_batch`; the fields are
-    `Client.submit`'s arguments, and for `submit_batch` only: `after`, the ids of other tasks
+    """One task for `Client.submit_many`, `Client.submit_batch` or `Client.publish_batch`; the
+    fields are `Client.submit`'s arguments, and for the batches only: `after`, the ids of other tasks
     of the same batch that must all succeed before this one runs (it ends dead with reason
     ``dependency_failed`` when one of them does not), and `payload_from`, one of those ids
     whose result this task's payload gets under ``parent_result``."""
@@ -334,10 +340,16 @@ class Client:
         envs = [t.envelope(now) for t in tasks]
         if any("after" in e for e in envs):
             raise ValueError(
-                "after and payload_from work only in submit_batch (a task's parents are"
-                " members of its batch)"
+                "after and payload_from work only in submit_batch and publish_batch (a task's"
+                " parents are members of its batch)"
             )
-        if not envs:
+        return self._publish([(e["id"], e["lane"], e, None) for e in envs])
+
+    def _publish(self, msgs: Sequence[Tuple[str, str, Dict[str, Any], Optional[str]]]) -> List[str]:
+        """Publishes `msgs` — (message id, lane, JSON body, AMQP `type` or None) — to
+        ``<namespace>.submit`` in one confirm window; the ids, in order, when all were taken.
+        Raises `Refused` / `Unconfirmed` as `submit_many` does."""
+        if not msgs:
             return []
         self._ensure_channel()
         exchange = f"{self.namespace}.submit"
@@ -345,16 +357,17 @@ class Client:
         pending: Dict[int, _Pending] = {}
         ts = int(time.time())
         try:
-            for env in envs:
+            for mid, lane, doc, kind in msgs:
                 props = pika.BasicProperties(
                     content_type="application/json",
                     delivery_mode=2,
-                    message_id=env["id"],
+                    message_id=mid,
                     timestamp=ts,
+                    type=kind,
                 )
-                body = json.dumps(env, separators=(",", ":")).encode()
-                self._ch.basic_publish(exchange, env["lane"], body, props, mandatory=True)
-                pending[self._next_tag] = _Pending(env["id"], env["lane"])
+                body = json.dumps(doc, separators=(",", ":")).encode()
+                self._ch.basic_publish(exchange, lane, body, props, mandatory=True)
+                pending[self._next_tag] = _Pending(mid, lane)
                 self._outstanding.add(self._next_tag)
                 self._next_tag += 1
             deadline = time.monotonic() + self.confirm_timeout
@@ -368,9 +381,9 @@ class Client:
                 self._conn.process_data_events(time_limit=min(left, 0.2))
         except (pika.exceptions.AMQPError, OSError) as e:
             self._closed_reason = self._closed_reason or e
-        return self._settle(envs, pending, first)
+        return self._settle([m[0] for m in msgs], pending, first)
 
-    def _settle(self, envs: List[Dict[str, Any]], pending: Dict[int, _Pending], first: int) -> List[str]:
+    def _settle(self, ids: List[str], pending: Dict[int, _Pending], first: int) -> List[str]:
         # Returns arrive before the ack of the same message: mark them on the oldest pending
         # message with that id.
         for mid in self._returned:
@@ -384,10 +397,10 @@ class Client:
         nacked: List[_Pending] = []
         unroutable: List[str] = []
         unknown: List[str] = []
-        for tag in range(first, first + len(envs)):
+        for tag in range(first, first + len(ids)):
             p = pending.get(tag)
             if p is None:  # never published (the channel went first)
-                unknown.append(envs[tag - first]["id"])
+                unknown.append(ids[tag - first])
                 continue
             ok = self._acks.pop(tag, None)
             self._outstanding.discard(tag)
@@ -638,6 +651,84 @@ class Client:
             raise
         return str(doc.get("batch", "")), [str(i) for i in doc.get("ids", [])]
 
+    def publish_batch(
+        self,
+        tasks: Iterable[Task],
+        *,
+        on_success: Optional[Task] = None,
+        on_complete: Optional[Task] = None,
+        batch_id: Optional[str] = None,
+    ) -> Tuple[str, List[str]]:
+        """Submits `tasks` as one batch over AMQP alone (no HTTP API needed) and returns
+        ``(batch_id, task_ids)``; the callbacks, ``after`` and ``payload_from`` work as in
+        `submit_batch`.
+
+        The members without ``after`` are published like `submit_many` (one confirm window),
+        each with ``"batch": batch_id``; then, once every one was confirmed, the batch's
+        closing message (AMQP ``type`` ``fleet.batch.close``, message id ``<batch_id>:close``)
+        listing their ids and carrying the envelopes of the members with ``after`` (they wait
+        in the batch's definition, not in a queue). The scheduler records the definition
+        before it takes the close. A parent named in a ``payload_from`` is published with
+        ``pass_result`` set (the worker keeps its result for the child).
+
+        The batch is checked here first (``ValueError``: no task, more than 20,000, an
+        ``after`` naming a task not in the batch or itself, a cycle), since a close the
+        scheduler refuses goes to the dead-letter queue (reason ``bad_batch``) where this call
+        cannot see it.
+
+        Raises `Refused` when members were refused — no close was sent; its ``refused`` names
+        them — or when the close itself was (``refused`` is ``["<batch_id>:close"]``, every
+        member in ``accepted``), and `Unconfirmed` when answers were lost. Calling it again
+        with the same ``batch_id`` and task ids is safe: members already taken are dropped as
+        duplicates, and a repeated close changes nothing.
+        """
+        now = datetime.now(timezone.utc)
+        batch = batch_id if batch_id is not None else str(uuid.uuid4())
+        if not batch or len(batch.encode()) > 128:
+            raise ValueError("batch_id must be 1 to 128 bytes")
+        envs = [t.envelope(now) for t in tasks]
+        if not envs:
+            raise ValueError("a batch needs at least one task")
+        if len(envs) > MAX_BATCH_TASKS:
+            raise ValueError(f"a batch holds at most {MAX_BATCH_TASKS} tasks")
+        _check_dag(envs)
+        parents = {e["payload_from"] for e in envs if "payload_from" in e}
+        for e in envs:
+            e["batch"] = batch
+            if e["id"] in parents:
+                e["pass_result"] = True
+        members = [e for e in envs if "after" not in e]
+        self._publish([(e["id"], e["lane"], e, None) for e in members])
+        close: Dict[str, Any] = {
+            "id": batch,
+            "tasks": [e if "after" in e else e["id"] for e in envs],
+        }
+        for name, cb in (("on_success", on_success), ("on_complete", on_complete)):
+            if cb is not None:
+                env = cb.envelope(now)
+                env.pop("id", None)  # the callback's id is `<batch>:<name>`
+                close[name] = env
+        close_id = f"{batch}:close"
+        try:
+            self._publish([(close_id, "normal", close, BATCH_CLOSE_TYPE)])
+        except Refused as r:
+            raise Refused(
+                r.reason,
+                f"the members were taken but the batch's close was not: {r.detail}; publish the "
+                "batch again with the same batch_id and ids",
+                accepted=[e["id"] for e in members],
+                refused=[close_id],
+                retry_after=r.retry_after,
+                depth=r.depth,
+            ) from None
+        except Unconfirmed as u:
+            raise Unconfirmed(
+                f"the batch's close was not confirmed: {u.detail}",
+                accepted=[e["id"] for e in members],
+                unknown=[close_id],
+            ) from None
+        return batch, [str(e["id"]) for e in envs]
+
     def batch_status(self, batch_id: str) -> Dict[str, Any]:
         """``GET /v1/batches/{id}``: ``total``, ``succeeded``, ``dead``, ``expired``,
         ``cancelled``, ``pending``, ``waiting`` (ids waiting for their ``after``),
@@ -645,6 +736,46 @@ class Client:
         ``unknown_batch`` (404)."""
         _, doc = self._request("GET", "/v1/batches/" + urllib.parse.quote(batch_id, safe=""))
         return doc
+
+
+def _check_dag(envs: List[Dict[str, Any]]) -> None:
+    """Raises ValueError when the ``after`` links of a batch's envelopes are not a DAG over its
+    members (an unknown id, itself, a duplicate task id among linked ones, a cycle)."""
+    ids = [str(e["id"]) for e in envs]
+    linked = [e for e in envs if "after" in e]
+    if not linked:
+        return
+    if len(set(ids)) != len(ids):
+        raise ValueError("task ids must be unique in a batch with after links")
+    known = set(ids)
+    parents: Dict[str, List[str]] = {}
+    for e in linked:
+        for a in e["after"]:
+            if a not in known:
+                raise ValueError(f"task {e['id']}: after names {a}, which is not a task of this batch")
+            if a == e["id"]:
+                raise ValueError(f"task {e['id']} names itself in after")
+        parents[str(e["id"])] = [str(a) for a in e["after"]]
+    # Depth-first: a task met again while still on the path closes a cycle.
+    state: Dict[str, int] = {}  # 1: on the path, 2: done
+    for start in parents:
+        stack: List[Tuple[str, int]] = [(start, 0)]
+        while stack:
+            node, k = stack.pop()
+            if k == 0:
+                if state.get(node) == 2:
+                    continue
+                state[node] = 1
+            ps = parents.get(node, [])
+            if k < len(ps):
+                stack.append((node, k + 1))
+                nxt = ps[k]
+                if state.get(nxt) == 1:
+                    raise ValueError(f"the after links make a cycle through {nxt}")
+                if state.get(nxt) != 2:
+                    stack.append((nxt, 0))
+            else:
+                state[node] = 2
 
 
 def _json_object(raw: bytes) -> Dict[str, Any]:

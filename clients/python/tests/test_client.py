@@ -249,6 +249,59 @@ class ClientTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             Task("echo", after=[a], payload_from=b).envelope()
 
+    def test_publish_batch_over_amqp_counts_and_fires_on_complete_once(self) -> None:
+        run = secrets.token_hex(4)
+        before = self.succeeded_runs()
+        ok = [Task("echo", {"i": i}, id=f"{run}-ok-{i}") for i in range(30)]
+        bad = [Task("fail", {"times": 1, "permanent": True}, id=f"{run}-bad-{i}", max_attempts=3) for i in range(2)]
+        # A waiting member (in the close, not published) taking the first member's result.
+        child = Task("echo", {"child": True}, id=f"{run}-child", after=[ok[0].id or ""], payload_from=ok[0].id)
+        done = Task("echo", {"which": "complete"})
+        success = Task("echo", {"which": "success"})
+        batch, ids = self.client.publish_batch(ok + bad + [child], on_success=success, on_complete=done, batch_id=run)
+        self.assertEqual(batch, run)
+        self.assertEqual(len(ids), 33)
+        self.assertEqual(ids[-1], f"{run}-child")
+        progress = poll(
+            "the batch complete with on_complete fired",
+            WAIT,
+            lambda: (lambda p: p if p.get("complete") and p.get("fired") == ["on_complete"] else None)(
+                self.client.batch_status(run)
+            ),
+        )
+        self.assertEqual(progress["total"], 33)
+        self.assertEqual(progress["succeeded"], 31)
+        self.assertEqual(progress["dead"], 2)
+        self.assertEqual(progress["failed"], [f"{run}-bad-0", f"{run}-bad-1"])
+        result = self.client.wait(f"{run}:on_complete", timeout=WAIT)
+        self.assertEqual(result["which"], "complete")
+        self.assertEqual(result["batch"]["total"], 33)
+        self.assertEqual(result["batch"]["succeeded"], 31)
+        self.assertEqual(result["batch"]["failed"], [f"{run}-bad-0", f"{run}-bad-1"])
+        child_result = self.client.wait(f"{run}-child", timeout=WAIT)
+        self.assertEqual(child_result["parent_result"], {"i": 0})
+        # Published again (a producer's retry): nothing runs twice, nothing fires again.
+        self.client.publish_batch(ok + bad + [child], on_success=success, on_complete=done, batch_id=run)
+        time.sleep(1.5)
+        again = self.client.batch_status(run)
+        self.assertEqual((again["total"], again["succeeded"], again["dead"]), (33, 31, 2))
+        self.assertEqual(again["fired"], ["on_complete"])
+        with self.assertRaises(UnknownTask):
+            self.client.status(f"{run}:on_success")
+        # The callback ran once (its attempts: one), and every member once: 30 + the child +
+        # the callback succeeded.
+        self.assertEqual(len(self.client.status(f"{run}:on_complete")["attempts"]), 1)
+        poll("the batch's 32 successful runs", WAIT, lambda: self.succeeded_runs() - before >= 32)
+        time.sleep(0.3)
+        self.assertEqual(self.succeeded_runs() - before, 32)
+        # Checked before anything is published.
+        with self.assertRaises(ValueError):
+            self.client.publish_batch([Task("echo", id=f"{run}-x", after=[f"{run}-y"])])
+        with self.assertRaises(ValueError):
+            self.client.publish_batch(
+                [Task("echo", id=f"{run}-x", after=[f"{run}-y"]), Task("echo", id=f"{run}-y", after=[f"{run}-x"])]
+            )
+
     def test_status_of_an_unknown_id(self) -> None:
         with self.assertRaises(UnknownTask) as c:
             self.client.status("never-submitted-" + secrets.token_hex(4))

@@ -10,7 +10,9 @@
 //! durable control stream** `<ns>.control` ([`crate::control`]), never only Redis state:
 //!
 //! * [`Op::BatchDef`] — appended (publisher confirm) by `POST /v1/batches` *before* any
-//!   member is published: a member can never end in a batch nobody knows.
+//!   member is published: a member can never end in a batch nobody knows; or by the ingress
+//!   that reads a batch's closing message (AMQP, *after* its members: their end records may
+//!   come first, and the fold keeps them).
 //! * [`Op::BatchEnd`] — appended by the worker that gives a member its final state
 //!   (`succeeded`, `dead`, `expired`, `cancelled`), *before* the outcome is written to Redis
 //!   and the delivery acked: a worker killed in between leaves the attempt not done, so its
@@ -52,6 +54,28 @@
 //!
 //! The stream's retention ([`crate::control::MAX_AGE`], 7 days) bounds a batch's life.
 //!
+//! # Over AMQP: the closing message
+//!
+//! A producer without the HTTP API publishes the members as ordinary tasks to `<ns>.submit`,
+//! each with `"batch": "<id>"`, then one **closing message** with the AMQP property
+//! `type` = [`CLOSE_TYPE`] (the ingress tells it from a task without reading its body) and
+//! the body `{"id": "<id>", "tasks": [...], "on_success"?: envelope, "on_complete"?:
+//! envelope}`: `tasks` lists the member ids (strings) and, for members that wait for others,
+//! their whole envelopes with `after` (not published by the producer: they travel in the
+//! definition, as through the API). The scheduler's ingress checks it as `POST /v1/batches`
+//! checks its body, appends the `BatchDef` record (publisher confirm) and only then acks the
+//! close: unconfirmed, the close goes back to its queue and comes again. A close that defines
+//! nothing (not JSON, no `id`, empty, over [`MAX_TASKS`], a bad callback, a cycle...) is
+//! dead-lettered with reason `bad_batch` and a detail naming the fault. A repeated close (a
+//! redelivery, a producer's retry) changes nothing: the fold keeps the first definition.
+//!
+//! Members may end before their close arrives (the fold keeps end records of a batch not yet
+//! defined), so the batch completes as soon as it is defined if they all ended. A task
+//! published with `batch` but **not listed** in the close is not a member: it runs, its end
+//! record is ignored by the figures, and no callback waits for it. A member named in a
+//! waiting envelope's `payload_from` must carry `"pass_result": true` itself (it was published
+//! before the close, so the scheduler cannot mark it).
+//!
 //! # Chains and DAGs
 //!
 //! A member may wait for others of its batch (`after`): see [`dag`] — the waiting members
@@ -77,6 +101,11 @@ pub const STALL: Duration = Duration::from_secs(3);
 pub const CALLBACKS: [&str; 2] = ["on_success", "on_complete"];
 /// Most members in one batch (one `BatchDef` record holds all their ids).
 pub const MAX_TASKS: usize = 20_000;
+/// The AMQP `type` property of a batch's **closing message**: published to `<ns>.submit`
+/// like a task (after the members, each carrying `"batch": "<id>"`), with the body
+/// `{"id": batch, "tasks": [member ids | waiting envelopes], "on_success"?, "on_complete"?}`,
+/// it defines the batch over AMQP alone (see "# Over AMQP: the closing message").
+pub const CLOSE_TYPE: &str = "fleet.batch.close";
 
 /// One batch as folded from the stream.
 #[derive(Debug, Default, Clone)]

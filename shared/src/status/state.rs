@@ -170,6 +170,10 @@ words! {
         DependencyFailed = "dependency_failed",
         /// Refusal: a dimension over its limit.
         OverLimit = "over_limit",
+        /// A batch's closing message (AMQP `type` [`crate::batch::CLOSE_TYPE`]) that defines
+        /// no batch: not JSON, no `id`, no tasks, too many, a bad callback or member, a cycle
+        /// in its `after` links... (the detail says which).
+        BadBatch = "bad_batch",
     }
 }
 

@@ -19,6 +19,7 @@
 //! components as values (`Ns::settings`) and child processes through their own environment.
 
 mod admission;
+mod amqp_batches;
 mod api_auth;
 mod attempt_once;
 mod audit;
