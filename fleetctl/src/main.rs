@@ -304,6 +304,18 @@ enum BatchCmd {
         /// The batch id.
         id: String,
     },
+    /// Cancel a batch as a whole (POST /v1/batches/{id}/cancel, role admin): its callbacks
+    /// never fire, its waiting members are never released, and every member not yet ended is
+    /// cancelled (not yet running: it never runs; running: it is stopped). Durable and audited.
+    /// Exit 0 when cancelled (now or before), 1 when every member had ended or it is unknown.
+    #[command(override_usage = "fleetctl batch cancel <ID> [--reason R]")]
+    Cancel {
+        /// The batch id.
+        id: String,
+        /// Why (kept with the batch's cancel and each member's).
+        #[arg(long)]
+        reason: Option<String>,
+    },
 }
 
 /// What `fleetctl pause` and `fleetctl resume` act on.
@@ -591,6 +603,9 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Pauses => pauses(&cli).await,
         Cmd::Keys => keys(&cli).await,
         Cmd::Batch(BatchCmd::Status { id }) => batch_status(&cli, id).await,
+        Cmd::Batch(BatchCmd::Cancel { id, reason }) => {
+            batch_cancel(&cli, id, reason.as_deref()).await
+        }
         Cmd::KeyLimit(a) => key_limit(&cli, a).await,
         Cmd::Tasks {
             filter,
@@ -1433,6 +1448,54 @@ async fn batch_status(cli: &Cli, id: &str) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `fleetctl batch cancel <id>`: one line with what the cancel did.
+async fn batch_cancel(cli: &Cli, id: &str, reason: Option<&str>) -> Result<ExitCode> {
+    let mut url = reqwest::Url::parse(&api(cli, "/v1/batches")).context("FLEET_API_URL")?;
+    url.path_segments_mut()
+        .map_err(|()| anyhow!("FLEET_API_URL cannot hold a path"))?
+        .push(id)
+        .push("cancel");
+    let body = match reason {
+        Some(r) => serde_json::json!({ "reason": r }),
+        None => serde_json::json!({}),
+    };
+    let resp = http(cli)?
+        .post(url.as_str())
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| api_send_error(e, "POST", url.as_str()))?;
+    let status = resp.status();
+    let v: Value = resp.json().await.unwrap_or(Value::Null);
+    let n = |k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
+    match status {
+        reqwest::StatusCode::ACCEPTED => {
+            let already = v.get("already").and_then(Value::as_bool).unwrap_or(false);
+            out!(
+                "batch {id}: {} (members: cancelled={} already_ended={} failed={} total={})",
+                if already { "already cancelled" } else { "cancelled" },
+                n("cancelled"),
+                n("already_ended"),
+                n("failed"),
+                n("total")
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        reqwest::StatusCode::CONFLICT => {
+            eprintln!("fleetctl: every member of batch {id} has ended: nothing to cancel");
+            Ok(ExitCode::FAILURE)
+        }
+        reqwest::StatusCode::NOT_FOUND => {
+            eprintln!("fleetctl: unknown batch {id}");
+            Ok(ExitCode::FAILURE)
+        }
+        _ => bail!(
+            "POST {url}: {status}: {}",
+            v.get("detail").and_then(Value::as_str).unwrap_or("?")
+        ),
+    }
 }
 
 /// The URL of `PUT /v1/keys/{key}/limits`, the key percent-encoded (`*`: the default).

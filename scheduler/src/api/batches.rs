@@ -219,6 +219,7 @@ async fn submit_batch(State(st): State<AppState>, headers: HeaderMap, body: Byte
             waiting: Vec::new(),
             complete: false,
             at_ms: 0,
+            cancel: None,
         };
         let env = fleet::batch::callback_envelope(cb, name, &probe);
         let bytes = serde_json::to_vec(&env).unwrap_or_default();

@@ -99,6 +99,8 @@ struct Batch {
     released: HashSet<String>,
     /// Results carried by end records (members named in a `payload_from`).
     results: HashMap<String, Value>,
+    /// Cancelled as a whole ([`Op::BatchCancel`]): no callback fires, nothing is released.
+    cancel: Option<Cancelled>,
 }
 
 /// Every batch, and which batch each waiting member is in (a cancel names only the task).
@@ -138,6 +140,25 @@ pub struct Progress {
     pub complete: bool,
     /// When the batch was accepted (Unix ms).
     pub at_ms: i64,
+    /// The batch's cancel (`POST /v1/batches/{id}/cancel`), when it was cancelled as a whole:
+    /// its callbacks never fire. Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cancel: Option<Cancelled>,
+}
+
+/// A batch's cancel as a whole ([`Op::BatchCancel`]), as `GET /v1/batches/{id}` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Cancelled {
+    /// The id of its control record (the audit entry; every member's cancel names it).
+    pub record: String,
+    /// When it was accepted (Unix ms).
+    pub at_ms: i64,
+    /// Who: the token's name, or `anonymous`.
+    pub by: String,
+    /// The token's role, or `open`.
+    pub role: String,
+    /// Why (may be empty).
+    pub reason: String,
 }
 
 /// A callback due: the batch is complete and its callback not yet recorded as fired.
@@ -228,6 +249,40 @@ impl Batches {
                     .insert(callback.clone());
                 true
             }
+            Op::BatchCancel {
+                batch,
+                reason,
+                by,
+                role,
+                ..
+            } => {
+                let b = m.entry(batch.clone()).or_default();
+                if b.cancel.is_none() {
+                    b.cancel = Some(Cancelled {
+                        record: rec.id.clone(),
+                        at_ms: rec.at_ms,
+                        by: by.clone(),
+                        role: role.clone(),
+                        reason: reason.clone(),
+                    });
+                    b.moved_ms = b.moved_ms.max(rec.at_ms);
+                    // Its waiting members are never released: they end here, as a waiting
+                    // member's own cancel does (their cancel records follow).
+                    let cancelled = crate::status::TaskState::Cancelled.to_string();
+                    let Batch {
+                        waiting,
+                        released,
+                        ended,
+                        ..
+                    } = b;
+                    for t in waiting.keys() {
+                        if !released.contains(t) && !ended.contains_key(t) {
+                            ended.insert(t.clone(), cancelled.clone());
+                        }
+                    }
+                }
+                true
+            }
             // A waiting member cancelled before its release never runs: it ends here (a
             // released one ends through its worker, like any member).
             Op::Cancel { task, .. } => {
@@ -275,7 +330,11 @@ impl Batches {
                 .keys()
                 .any(|t| !b.released.contains(t) && !b.ended.contains_key(t))
         };
-        for (id, b) in board.batches.iter().filter(|(_, b)| b.defined && open(b)) {
+        for (id, b) in board
+            .batches
+            .iter()
+            .filter(|(_, b)| b.defined && b.cancel.is_none() && open(b))
+        {
             // Submission order: a chain's links come out in order.
             for task in b.tasks.iter() {
                 let Some(dep) = b.waiting.get(task) else {
@@ -338,13 +397,40 @@ impl Batches {
         Some(figures(id, b))
     }
 
+    /// The members of batch `id` a cancel of it acts on ([`Op::BatchCancel`]), in submission
+    /// order: those not ended, and the waiting ones the batch's cancel ended in this fold
+    /// (never released: their cancel record marks their status). `None`: no definition read.
+    pub fn to_cancel(&self, id: &str) -> Option<Vec<String>> {
+        let m = self.inner.read().ok()?;
+        let b = m.batches.get(id).filter(|b| b.defined)?;
+        let cancelled = crate::status::TaskState::Cancelled.as_str();
+        Some(
+            b.tasks
+                .iter()
+                .filter(|t| match b.ended.get(*t) {
+                    None => true,
+                    Some(s) => {
+                        s == cancelled && b.waiting.contains_key(*t) && !b.released.contains(*t)
+                    }
+                })
+                .cloned()
+                .collect(),
+        )
+    }
+
     /// Every complete batch's callbacks not yet fired, with their envelopes.
     pub fn due(&self) -> Vec<Due> {
         let Ok(m) = self.inner.read() else {
             return Vec::new();
         };
         let mut out = Vec::new();
-        for (id, b) in m.batches.iter().filter(|(_, b)| b.defined) {
+        // A batch cancelled as a whole fires nothing (its cancel record precedes every
+        // member's, so no reader sees it complete before it sees it cancelled).
+        for (id, b) in m
+            .batches
+            .iter()
+            .filter(|(_, b)| b.defined && b.cancel.is_none())
+        {
             if b.members.iter().any(|t| !b.ended.contains_key(t)) {
                 continue;
             }
@@ -470,6 +556,7 @@ fn figures(id: &str, b: &Batch) -> Progress {
         waiting: Vec::new(),
         complete: false,
         at_ms: b.at_ms,
+        cancel: b.cancel.clone(),
     };
     for t in &b.tasks {
         match b.ended.get(t).map(String::as_str) {
@@ -575,6 +662,29 @@ pub fn def_record(
             on_success,
             on_complete,
             waiting,
+        },
+    }
+}
+
+/// A batch's cancel record ([`Op::BatchCancel`]) by `who` for `reason` (cut at
+/// [`crate::control::MAX_TEXT`] bytes), `count` members not yet ended, at `at_ms`.
+pub fn cancel_record(
+    batch: &str,
+    reason: &str,
+    who: &crate::settings::Caller,
+    count: u64,
+    at_ms: i64,
+) -> Record {
+    let cut = |s: &str| crate::status::truncate(s, crate::control::MAX_TEXT);
+    Record {
+        id: new_id(),
+        at_ms,
+        op: Op::BatchCancel {
+            batch: batch.to_string(),
+            reason: cut(reason),
+            by: cut(&who.name),
+            role: who.role_str().to_string(),
+            count,
         },
     }
 }
