@@ -1475,7 +1475,11 @@ async fn batch_cancel(cli: &Cli, id: &str, reason: Option<&str>) -> Result<ExitC
             let already = v.get("already").and_then(Value::as_bool).unwrap_or(false);
             out!(
                 "batch {id}: {} (members: cancelled={} already_ended={} failed={} total={})",
-                if already { "already cancelled" } else { "cancelled" },
+                if already {
+                    "already cancelled"
+                } else {
+                    "cancelled"
+                },
                 n("cancelled"),
                 n("already_ended"),
                 n("failed"),

@@ -114,7 +114,9 @@ async fn cancel_batch(
                 return error(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "broker_unavailable",
-                    format!("the batch's cancel was not recorded (nothing promised; try again): {e}"),
+                    format!(
+                        "the batch's cancel was not recorded (nothing promised; try again): {e}"
+                    ),
                 );
             }
             // This replica fires nothing from now on (its control loop reads it too).

@@ -853,6 +853,40 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_cancelled_as_a_whole_fires_nothing_and_releases_nothing() {
+        let b = Batches::default();
+        let waiting = vec![json!({"id": "w", "kind": "k", "after": ["a"]})];
+        let all = ["a", "z", "w"].map(String::from).to_vec();
+        let cb = json!({"kind": "noop"});
+        b.apply(&def_record(
+            "c",
+            all,
+            (Some(cb.clone()), Some(cb)),
+            waiting,
+            1,
+        ));
+        b.apply(&end_record("c", "z", "succeeded", 2));
+        let who = crate::settings::Caller::anonymous();
+        let rec = cancel_record("c", "oops", &who, 2, 3);
+        b.apply(&rec);
+        b.apply(&cancel_record("c", "again", &who, 0, 4));
+        // `a` is still to cancel; `w` too (ended in the fold, its status not yet marked).
+        assert_eq!(b.to_cancel("c"), Some(vec!["a".into(), "w".into()]));
+        b.apply(&end_record("c", "a", "succeeded", 5));
+        assert!(b.steps().is_empty(), "nothing released");
+        assert!(b.due().is_empty(), "nothing fired");
+        let p = b.progress("c").unwrap();
+        assert_eq!((p.succeeded, p.cancelled, p.pending), (2, 1, 0));
+        let c = p.cancel.unwrap();
+        assert_eq!(
+            (c.record.as_str(), c.reason.as_str(), c.at_ms),
+            (rec.id.as_str(), "oops", 3)
+        );
+        assert_eq!(b.to_cancel("c"), Some(vec!["w".into()]));
+        assert_eq!(b.to_cancel("nope"), None);
+    }
+
+    #[test]
     fn records_round_trip_through_json() {
         let r = end_record("b", "t", "dead", 5);
         let back: Record = serde_json::from_slice(&serde_json::to_vec(&r).unwrap()).unwrap();

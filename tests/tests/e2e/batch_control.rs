@@ -1,0 +1,396 @@
+//! A batch as a whole (issue 36, `scheduler::api::batch_control`): cancelled, its members
+//! not yet started never run, the running ones are stopped, its waiting DAG members are never
+//! released, its callbacks never fire, one audit entry — and the cancel holds across a Redis
+//! FLUSHALL and a scheduler restart.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fleet_tests::*;
+use fleet_worker::executor::{handler_fn, Handler};
+use serde_json::{json, Value};
+
+/// Kind of the callbacks.
+const CALLBACK: &str = "callback";
+
+/// What ran: every start per task id (with when), and the runs that ran to their end.
+#[derive(Clone, Default)]
+struct Runs {
+    starts: Arc<Mutex<Vec<(String, Instant)>>>,
+    done: Arc<Mutex<Vec<String>>>,
+}
+
+impl Runs {
+    fn starts(&self) -> Vec<(String, Instant)> {
+        self.starts.lock().map(|v| v.clone()).unwrap_or_default()
+    }
+    fn done(&self) -> Vec<String> {
+        self.done.lock().map(|v| v.clone()).unwrap_or_default()
+    }
+    fn per_id(&self) -> HashMap<String, usize> {
+        let mut m = HashMap::new();
+        for (id, _) in self.starts() {
+            *m.entry(id).or_default() += 1;
+        }
+        m
+    }
+}
+
+/// A handler that records its start, sleeps `payload.ms`, waits for its gate when
+/// `payload.gated`, and records that it ran to its end (a run stopped by a cancel is dropped
+/// before).
+fn recording(runs: &Runs, gate: &Gate) -> Arc<dyn Handler> {
+    let (runs, gate) = (runs.clone(), gate.clone());
+    handler_fn(move |ctx| {
+        let (runs, gate) = (runs.clone(), gate.clone());
+        async move {
+            let id = ctx.envelope.id.clone();
+            if let Ok(mut v) = runs.starts.lock() {
+                v.push((id.clone(), Instant::now()));
+            }
+            let p = &ctx.envelope.payload;
+            if let Some(ms) = p.get("ms").and_then(Value::as_u64) {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            if p.get("gated").and_then(Value::as_bool) == Some(true) {
+                gate.pass(&id).await;
+            }
+            if let Ok(mut v) = runs.done.lock() {
+                v.push(id);
+            }
+            Ok(json!({}))
+        }
+    })
+}
+
+/// Every callback run (task id).
+type Seen = Arc<Mutex<Vec<String>>>;
+
+fn callbacks() -> (Seen, Arc<dyn Handler>) {
+    let seen: Seen = Arc::default();
+    let s = seen.clone();
+    let h = handler_fn(move |ctx| {
+        let s = s.clone();
+        async move {
+            if let Ok(mut v) = s.lock() {
+                v.push(ctx.envelope.id.clone());
+            }
+            Ok(json!({}))
+        }
+    });
+    (seen, h)
+}
+
+fn seen_of(seen: &Seen) -> Vec<String> {
+    seen.lock().map(|v| v.clone()).unwrap_or_default()
+}
+
+async fn post(url: String, body: &Value) -> anyhow::Result<(u16, Value)> {
+    let r = reqwest::Client::new().post(url).json(body).send().await?;
+    let status = r.status().as_u16();
+    Ok((status, r.json().await.unwrap_or(Value::Null)))
+}
+
+async fn get(url: String) -> anyhow::Result<(u16, Value)> {
+    let r = reqwest::get(url).await?;
+    let status = r.status().as_u16();
+    Ok((status, r.json().await.unwrap_or(Value::Null)))
+}
+
+async fn ready(s: &SchedulerHandle) -> anyhow::Result<()> {
+    wait_for("scheduler ready", Duration::from_secs(30), || async {
+        let r = reqwest::get(s.url("/readyz")).await.ok()?;
+        r.status().is_success().then_some(())
+    })
+    .await
+}
+
+/// Waits until batch `id` has no member pending; its figures then.
+async fn settled(s: &SchedulerHandle, id: &str, timeout: Duration) -> anyhow::Result<Value> {
+    wait_for("every member ended", timeout, || async {
+        let (code, p) = get(s.url(&format!("/v1/batches/{id}"))).await.ok()?;
+        (code == 200 && p["pending"] == 0).then_some(p)
+    })
+    .await
+}
+
+/// The `batch_cancel` entries of the audit log.
+async fn batch_cancels(s: &SchedulerHandle) -> anyhow::Result<Vec<Value>> {
+    let (code, v) = get(s.url("/v1/audit?action=batch_cancel&limit=1000")).await?;
+    anyhow::ensure!(code == 200, "GET /v1/audit: {code} {v}");
+    Ok(v["entries"].as_array().cloned().unwrap_or_default())
+}
+
+/// The `cancel` entries of the audit log (a batch's member cancels must add none).
+async fn single_cancels(s: &SchedulerHandle) -> anyhow::Result<usize> {
+    let (_, v) = get(s.url("/v1/audit?action=cancel&limit=1000")).await?;
+    Ok(v["entries"].as_array().map(Vec::len).unwrap_or(0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_cancelled_midway_runs_no_more_members_and_fires_no_callback() -> anyhow::Result<()>
+{
+    const TOTAL: usize = 300;
+    const CAPACITY: u32 = 4;
+    let ns = Ns::new().await?;
+    let (runs, gate) = (Runs::default(), Gate::default());
+    let (seen, cb) = callbacks();
+    let h = [(JOB, recording(&runs, &gate)), (CALLBACK, cb)];
+    let s = start_scheduler(&ns, SCHEDULER).await?;
+    let w = start_worker(&ns, "w-1", "", CAPACITY, WORKER, &h).await?;
+    ready(&s).await?;
+
+    let ids: Vec<String> = (0..TOTAL).map(|i| format!("m-{i}")).collect();
+    let body = json!({
+        "id": "nightly",
+        "tasks": ids.iter().map(|id| json!({"id": id, "kind": JOB, "payload": {"ms": 60}})).collect::<Vec<_>>(),
+        "on_success": {"kind": CALLBACK},
+        "on_complete": {"kind": CALLBACK},
+    });
+    let (code, answer) = post(s.url("/v1/batches"), &body).await?;
+    assert_eq!(code, 202, "{answer}");
+    wait_for("some members ran", Duration::from_secs(60), || async {
+        (runs.done().len() >= 20).then_some(())
+    })
+    .await?;
+
+    let (code, c) = post(
+        s.url("/v1/batches/nightly/cancel"),
+        &json!({"reason": "bad input file"}),
+    )
+    .await?;
+    let answered = Instant::now();
+    assert_eq!(code, 202, "{c}");
+    assert_eq!(c["batch"], "nightly");
+    assert_eq!(c["total"], TOTAL);
+    assert_eq!(c["failed"], 0);
+    assert!(c.get("already").is_none(), "{c}");
+    let cancelled = c["cancelled"].as_u64().unwrap_or(0) as usize;
+    let already_ended = c["already_ended"].as_u64().unwrap_or(0) as usize;
+    assert_eq!(cancelled + already_ended, TOTAL, "{c}");
+    assert!(cancelled > 0 && already_ended >= 20, "{c}");
+
+    let p = settled(&s, "nightly", Duration::from_secs(60)).await?;
+    // Quiet period that is the point: a callback would be published within a few ticks.
+    quiet_for(Duration::from_secs(3), "a callback would fire now").await;
+    let starts = runs.starts();
+    let done: BTreeSet<String> = runs.done().into_iter().collect();
+    let failed: BTreeSet<String> = p["failed"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    let succeeded: BTreeSet<String> = ids
+        .iter()
+        .filter(|i| !failed.contains(*i))
+        .cloned()
+        .collect();
+    let late: Vec<&String> = starts
+        .iter()
+        .filter(|(_, at)| *at > answered)
+        .map(|(id, _)| id)
+        .collect();
+    println!(
+        "batch of {TOTAL} cancelled: answer {c}; figures succeeded {} cancelled {}; started {}, ran to the end {}, started after the answer {late:?}",
+        p["succeeded"], p["cancelled"], starts.len(), done.len()
+    );
+    // Figures: exact, and the same as the answer's.
+    assert_eq!(p["total"], TOTAL);
+    assert_eq!(p["succeeded"], already_ended, "{p}");
+    assert_eq!(p["cancelled"], cancelled, "{p}");
+    assert_eq!(
+        (p["dead"].as_u64(), p["expired"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert_eq!(p["complete"], true);
+    assert_eq!(p["fired"], json!([]));
+    assert_eq!(p["cancel"]["by"], "anonymous");
+    assert_eq!(p["cancel"]["reason"], "bad input file");
+    assert!(p["cancel"]["at_ms"].as_i64().unwrap_or(0) > 0, "{p}");
+    // Runs: at most one per id; no member started once the cancel was answered; every
+    // succeeded member ran to its end, and a member that ran to its end without succeeding
+    // is one that was running as the cancel came (its outcome came after the mark).
+    let per = runs.per_id();
+    assert!(per.values().all(|n| *n == 1), "a member ran twice: {per:?}");
+    assert!(
+        late.is_empty(),
+        "members started after the cancel: {late:?}"
+    );
+    assert!(
+        succeeded.is_subset(&done),
+        "a succeeded member never ran to its end"
+    );
+    let stopped_late: Vec<&String> = done.difference(&succeeded).collect();
+    assert!(
+        stopped_late.len() <= CAPACITY as usize,
+        "ran to the end yet cancelled: {stopped_late:?}"
+    );
+    let started: BTreeSet<String> = per.keys().cloned().collect();
+    assert!(
+        started.len() <= succeeded.len() + CAPACITY as usize,
+        "started {} for {} succeeded",
+        started.len(),
+        succeeded.len()
+    );
+    // No callback.
+    assert_eq!(seen_of(&seen), Vec::<String>::new());
+    // One audit entry, for the batch; none per member.
+    let audit = batch_cancels(&s).await?;
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert_eq!(audit[0]["target"], json!({"batch": "nightly"}));
+    assert_eq!(audit[0]["reason"], "bad input file");
+    assert_eq!(single_cancels(&s).await?, 0);
+
+    // Again: 202, already; no second audit entry. Unknown: 404.
+    let (code, again) = post(s.url("/v1/batches/nightly/cancel"), &json!({})).await?;
+    assert_eq!(code, 202, "{again}");
+    assert_eq!(again["already"], true);
+    assert_eq!(again["cancelled"], 0, "{again}");
+    assert_eq!(again["already_ended"], TOTAL);
+    assert_eq!(batch_cancels(&s).await?.len(), 1);
+    let (code, _) = post(s.url("/v1/batches/nope/cancel"), &json!({})).await?;
+    assert_eq!(code, 404);
+    assert_eq!(seen_of(&seen), Vec::<String>::new());
+
+    w.stop().await?;
+    s.stop().await?;
+    ns.cleanup().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dag_batch_cancelled_while_members_wait_never_releases_them() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let (runs, gate) = (Runs::default(), Gate::default());
+    let (seen, cb) = callbacks();
+    let h = [(JOB, recording(&runs, &gate)), (CALLBACK, cb)];
+    let s = start_scheduler(&ns, SCHEDULER).await?;
+    let w = start_worker(&ns, "w-1", "", 4, WORKER, &h).await?;
+    ready(&s).await?;
+    let body = json!({
+        "id": "chain",
+        "tasks": [
+            {"id": "A", "kind": JOB, "payload": {"gated": true}},
+            {"id": "B", "kind": JOB, "after": ["A"]},
+            {"id": "C", "kind": JOB, "after": ["B"]},
+            {"id": "D", "kind": JOB, "after": ["A"]},
+            {"id": "E", "kind": JOB},
+        ],
+        "on_complete": {"kind": CALLBACK},
+    });
+    let (code, answer) = post(s.url("/v1/batches"), &body).await?;
+    assert_eq!(code, 202, "{answer}");
+    wait_for("A running and E done", Duration::from_secs(30), || async {
+        let per = runs.per_id();
+        (per.contains_key("A") && runs.done().contains(&"E".to_string())).then_some(())
+    })
+    .await?;
+    let (code, c) = post(s.url("/v1/batches/chain/cancel"), &json!({})).await?;
+    assert_eq!(code, 202, "{c}");
+    // A (running) and B, C, D (waiting) cancelled; E had succeeded.
+    assert_eq!(
+        (c["cancelled"].as_u64(), c["already_ended"].as_u64()),
+        (Some(4), Some(1)),
+        "{c}"
+    );
+    // A's gate opens now: a run the cancel did not stop would succeed and release B and D.
+    gate.open("A");
+    let p = settled(&s, "chain", Duration::from_secs(30)).await?;
+    for id in ["A", "B", "C", "D"] {
+        ns.wait_state(id, "cancelled", Duration::from_secs(15))
+            .await?;
+    }
+    quiet_for(
+        Duration::from_secs(2),
+        "a released member or a callback would run now",
+    )
+    .await;
+    println!("DAG batch cancelled: {p}; runs {:?}", runs.per_id());
+    assert_eq!(
+        (p["succeeded"].as_u64(), p["cancelled"].as_u64()),
+        (Some(1), Some(4)),
+        "{p}"
+    );
+    assert_eq!(p["waiting"], json!([]));
+    assert_eq!(p["failed"], json!(["A", "B", "C", "D"]));
+    assert_eq!(p["fired"], json!([]));
+    let per = runs.per_id();
+    assert_eq!(per.get("A"), Some(&1));
+    assert_eq!(per.get("E"), Some(&1));
+    assert_eq!(per.len(), 2, "a waiting member ran: {per:?}");
+    assert!(
+        !runs.done().contains(&"A".to_string()),
+        "A's run was not stopped"
+    );
+    assert_eq!(seen_of(&seen), Vec::<String>::new());
+    w.stop().await?;
+    s.stop().await?;
+    ns.cleanup().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_cancel_holds_across_a_flushall_and_a_scheduler_restart() -> anyhow::Result<()> {
+    const TOTAL: usize = 40;
+    let redis = PrivateRedis::start(None, None).await?;
+    let ns = Ns::on_redis(&redis.url(None)).await?;
+    let (runs, gate) = (Runs::default(), Gate::default());
+    let (seen, cb) = callbacks();
+    let h = [(JOB, recording(&runs, &gate)), (CALLBACK, cb)];
+    let s1 = start_scheduler(&ns, SCHEDULER).await?;
+    let w1 = start_worker(&ns, "w-1", "", 2, WORKER, &h).await?;
+    ready(&s1).await?;
+    let ids: Vec<String> = (0..TOTAL).map(|i| format!("q-{i}")).collect();
+    let body = json!({
+        "id": "held",
+        "tasks": ids.iter().map(|id| json!({"id": id, "kind": JOB, "payload": {"gated": true}})).collect::<Vec<_>>(),
+        "on_complete": {"kind": CALLBACK},
+    });
+    let (code, answer) = post(s1.url("/v1/batches"), &body).await?;
+    assert_eq!(code, 202, "{answer}");
+    wait_for("two members running", Duration::from_secs(30), || async {
+        (runs.starts().len() == 2).then_some(())
+    })
+    .await?;
+    // The worker stops hard: its two runs cut, every member back in (or still in) the queue.
+    w1.force.cancel();
+    w1.shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(30), w1.join).await;
+    let (code, c) = post(s1.url("/v1/batches/held/cancel"), &json!({"reason": "r"})).await?;
+    assert_eq!(code, 202, "{c}");
+    assert_eq!(c["cancelled"], TOTAL, "{c}");
+    // Redis loses every mark, and the scheduler that took the cancel goes away.
+    redis.flushall().await?;
+    s1.stop().await?;
+    let s2 = start_scheduler(&ns, SCHEDULER).await?;
+    ready(&s2).await?;
+    for id in &ids {
+        gate.open(id);
+    }
+    let w2 = start_worker(&ns, "w-2", "", 2, WORKER, &h).await?;
+    let p = settled(&s2, "held", Duration::from_secs(60)).await?;
+    quiet_for(
+        Duration::from_secs(2),
+        "a member or a callback would run now",
+    )
+    .await;
+    println!(
+        "cancel across FLUSHALL and restart: {p}; starts {}",
+        runs.starts().len()
+    );
+    assert_eq!(p["cancelled"], TOTAL, "{p}");
+    assert_eq!(p["succeeded"], 0);
+    assert_eq!(p["cancel"]["reason"], "r");
+    assert_eq!(runs.starts().len(), 2, "a member started after the cancel");
+    assert!(runs.done().is_empty(), "a member ran to its end");
+    assert_eq!(seen_of(&seen), Vec::<String>::new());
+    assert_eq!(batch_cancels(&s2).await?.len(), 1);
+    w2.stop().await?;
+    s2.stop().await?;
+    ns.cleanup().await?;
+    Ok(())
+}
