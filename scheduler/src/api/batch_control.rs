@@ -7,7 +7,9 @@
 //! * **202** `{"batch", "total", "cancelled", "already_ended", "failed", "cancel": {"record",
 //!   "at_ms", "by", "role", "reason"}}` — `cancelled`: members this request cancelled (not yet
 //!   ended, waiting DAG members included); `already_ended`: members that had ended (any final
-//!   state, an earlier cancel included); `failed`: members whose own cancel record the broker
+//!   state, an earlier cancel included) — a member running as the cancel comes may still end
+//!   `succeeded` when its handler returned before its worker read the cancel, so the batch's
+//!   figures may then count it succeeded; `failed`: members whose own cancel record the broker
 //!   refused — the batch's cancel still covers them (see below); `cancelled + already_ended +
 //!   failed = total`. With `"already": true` when the batch was cancelled before: the members
 //!   not yet ended are cancelled again (idempotent; it finishes a cancel a crash cut short), no

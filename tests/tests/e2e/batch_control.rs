@@ -198,10 +198,20 @@ async fn a_batch_cancelled_midway_runs_no_more_members_and_fires_no_callback() -
         "batch of {TOTAL} cancelled: answer {c}; figures succeeded {} cancelled {}; started {}, ran to the end {}, started after the answer {late:?}",
         p["succeeded"], p["cancelled"], starts.len(), done.len()
     );
-    // Figures: exact, and the same as the answer's.
+    // Figures: exact. The answer's `already_ended` succeeded; a member running as the cancel
+    // came may still have ended `succeeded` (its handler returned before its worker read the
+    // cancel): at most one per slot.
+    let (ok, gone) = (
+        p["succeeded"].as_u64().unwrap_or(0) as usize,
+        p["cancelled"].as_u64().unwrap_or(0) as usize,
+    );
     assert_eq!(p["total"], TOTAL);
-    assert_eq!(p["succeeded"], already_ended, "{p}");
-    assert_eq!(p["cancelled"], cancelled, "{p}");
+    assert_eq!(ok + gone, TOTAL, "{p}");
+    assert!(
+        ok >= already_ended && ok - already_ended <= CAPACITY as usize,
+        "succeeded {ok}, already ended at the cancel {already_ended}"
+    );
+    assert_eq!(ok, succeeded.len());
     assert_eq!(
         (p["dead"].as_u64(), p["expired"].as_u64()),
         (Some(0), Some(0))
