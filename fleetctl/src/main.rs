@@ -211,8 +211,8 @@ enum Cmd {
         #[arg(long)]
         reason: Option<String>,
     },
-    /// Pause a group (both lanes), one lane of a group (--lane), or a kind on every group
-    /// (POST /v1/pauses, role admin). Durable: it holds across scheduler restarts and Redis
+    /// Pause a group (both lanes), one lane of a group (--lane), a kind, a key or a batch on
+    /// every group (POST /v1/pauses, role admin). Durable: it holds across scheduler restarts and Redis
     /// loss. Its tasks stay in the broker, reported as paused; tasks already in the group's
     /// queue still run. Exit 0 when paused (now or before).
     #[command(subcommand)]
@@ -222,7 +222,7 @@ enum Cmd {
     #[command(subcommand)]
     Resume(PauseCmd),
     /// List the pauses in force (GET /v1/pauses): scope, target, since, by, reason, and for a
-    /// kind the tasks held.
+    /// kind or a batch the tasks held.
     Pauses,
     /// List the fairness keys (GET /v1/keys, role read): per key its tasks running, reserved,
     /// waiting and dispatched, and its limits in force; most waiting first.
@@ -349,6 +349,16 @@ enum PauseCmd {
     Key {
         /// The key (1-64 of A-Z a-z 0-9 _ . : @ / -).
         key: String,
+        /// Why (kept with the pause; ignored by resume).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// A batch: its members wait in its hold queue, its waiting members are not released and
+    /// its callbacks wait until the resume.
+    #[command(override_usage = "fleetctl pause|resume batch [OPTIONS] <BATCH> [--reason R]")]
+    Batch {
+        /// The batch id.
+        batch: String,
         /// Why (kept with the pause; ignored by resume).
         #[arg(long)]
         reason: Option<String>,
@@ -1246,6 +1256,10 @@ fn pause_body(what: &PauseCmd) -> (Value, String) {
             serde_json::json!({"scope": "key", "key": key, "reason": reason}),
             format!("key {key}"),
         ),
+        PauseCmd::Batch { batch, reason } => (
+            serde_json::json!({"scope": "batch", "batch": batch, "reason": reason}),
+            format!("batch {batch}"),
+        ),
     }
 }
 
@@ -1295,6 +1309,7 @@ async fn pauses(cli: &Cli) -> Result<ExitCode> {
             let target = match text(p, "scope").as_str() {
                 "kind" => text(p, "kind"),
                 "key" => text(p, "key"),
+                "batch" => text(p, "batch"),
                 "lane" => format!("{} {}", text(p, "group"), text(p, "lane")),
                 _ => text(p, "group"),
             };

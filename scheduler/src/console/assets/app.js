@@ -495,8 +495,18 @@ async function lookupBatch(id) {
     ...["succeeded", "dead", "expired", "cancelled", "pending"].flatMap((k) => row(k, String(b[k]))),
     row("callbacks", b.callbacks.length ? b.callbacks.map((c) => `${c}${b.fired.includes(c) ? " (fired)" : ""}`).join(", ") : "none"));
   const failed = b.failed.map((t) => h("li", {}, h("a", { href: "#task", dataset: { id: t }, on: { click: (e) => { e.preventDefault(); openTask(t); } } }, t)));
-  // A batch not cancelled with members not yet ended may be cancelled as a whole (admin).
-  const cancelBtn = b.cancel || b.complete ? null : h("p", {}, h("button", { class: "small cancel", id: "batch-cancel", on: { click: () => cancelBatch(b.id) } }, "Cancel batch"));
+  // A batch not cancelled with members not yet ended may be cancelled as a whole, or paused
+  // and resumed (admin).
+  const pr = await api("/v1/pauses");
+  const pause = pr.status === 200 ? (pr.body.pauses || []).find((p) => p.scope === "batch" && p.batch === b.id) : null;
+  const target = { scope: "batch", batch: b.id };
+  const open = !(b.cancel || b.complete);
+  const cancelBtn = !open && !pause ? null : h("p", {},
+    open ? h("button", { class: "small cancel", id: "batch-cancel", on: { click: () => cancelBatch(b.id) } }, "Cancel batch") : null, " ",
+    pause
+      ? h("span", {}, h("span", { class: "badge paused", id: "batch-paused" }, `paused · ${pause.held ?? 0} held`), " ",
+        h("button", { class: "small resume", id: "batch-resume", on: { click: () => setPause(target, false, `batch ${b.id}`) } }, "Resume"))
+      : (open ? h("button", { class: "small pause", id: "batch-pause", on: { click: () => setPause(target, true, `batch ${b.id}`) } }, "Pause") : null));
   out.replaceChildren(h("div", { class: "card" }, h("h2", {}, "Progress"), bar, dl, cancelBtn),
     h("div", { class: "card" }, h("h2", {}, "Did not succeed ", h("small", {}, "in submission order")),
       failed.length ? h("ul", { id: "batch-failed" }, ...failed) : h("p", { class: "muted", id: "batch-failed" }, "None.")));
