@@ -294,9 +294,11 @@ impl PauseSet {
                 kind: kind.to_string(),
             });
         }
-        batch.filter(|b| self.batch_paused(b)).map(|b| Target::Batch {
-            batch: b.to_string(),
-        })
+        batch
+            .filter(|b| self.batch_paused(b))
+            .map(|b| Target::Batch {
+                batch: b.to_string(),
+            })
     }
 
     /// Whether fairness key `key` is paused.
@@ -461,7 +463,11 @@ mod tests {
         assert_eq!(s.held("k", Some("b2")), None);
         assert_eq!(s.held("k", None), None);
         s.apply(&Record::pause(kind("k"), "", "ops", 2));
-        assert_eq!(s.held("k", Some("b1")), Some(kind("k")), "the kind's hold first");
+        assert_eq!(
+            s.held("k", Some("b1")),
+            Some(kind("k")),
+            "the kind's hold first"
+        );
         s.apply(&Record::resume(b.clone(), "ops", 3));
         assert_eq!(s.held("j", Some("b1")), None);
         assert_eq!(s.holds().cloned().collect::<Vec<_>>(), vec![kind("k"), b]);

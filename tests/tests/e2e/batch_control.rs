@@ -404,3 +404,160 @@ async fn a_batch_cancel_holds_across_a_flushall_and_a_scheduler_restart() -> any
     ns.cleanup().await?;
     Ok(())
 }
+
+/// The pause of batch `batch` as `GET /v1/pauses` lists it.
+async fn batch_pause(s: &SchedulerHandle, batch: &str) -> anyhow::Result<Option<Value>> {
+    let (code, v) = get(s.url("/v1/pauses")).await?;
+    anyhow::ensure!(code == 200, "GET /v1/pauses: {code} {v}");
+    Ok(v["pauses"].as_array().and_then(|a| {
+        a.iter()
+            .find(|p| p["scope"] == "batch" && p["batch"] == batch)
+            .cloned()
+    }))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_batch_holds_its_members_while_other_work_runs_and_runs_each_once_after_resume(
+) -> anyhow::Result<()> {
+    const HELD: usize = 200;
+    const OTHERS: usize = 25;
+    let ns = Ns::new().await?;
+    let (runs, gate) = (Runs::default(), Gate::default());
+    let (seen, cb) = callbacks();
+    let h = [(JOB, recording(&runs, &gate)), (CALLBACK, cb)];
+    let s = start_scheduler(&ns, SCHEDULER).await?;
+    let w = start_worker(&ns, "w-1", "", 8, WORKER, &h).await?;
+    ready(&s).await?;
+
+    let (code, p) = post(
+        s.url("/v1/pauses"),
+        &json!({"scope": "batch", "batch": "B", "reason": "hold"}),
+    )
+    .await?;
+    assert_eq!(code, 202, "{p}");
+    let (code, _) = post(
+        s.url("/v1/pauses"),
+        &json!({"scope": "batch", "batch": "B"}),
+    )
+    .await?;
+    assert_eq!(code, 200, "paused already");
+    let (code, e) = post(s.url("/v1/pauses"), &json!({"scope": "batch", "batch": ""})).await?;
+    assert_eq!(code, 400, "{e}");
+
+    // Batch B (paused, with a chain: `tail` waits for `b-0`), batch O and lone tasks.
+    let mut b_tasks: Vec<Value> = (0..HELD)
+        .map(|i| json!({"id": format!("b-{i}"), "kind": JOB}))
+        .collect();
+    b_tasks.push(json!({"id": "tail", "kind": JOB, "after": ["b-0"]}));
+    let b_body = json!({
+        "id": "B",
+        "tasks": b_tasks,
+        "on_success": {"kind": CALLBACK},
+        "on_complete": {"kind": CALLBACK},
+    });
+    let (code, a) = post(s.url("/v1/batches"), &b_body).await?;
+    assert_eq!(code, 202, "{a}");
+    let o_body = json!({
+        "id": "O",
+        "tasks": (0..OTHERS).map(|i| json!({"id": format!("o-{i}"), "kind": JOB})).collect::<Vec<_>>(),
+        "on_complete": {"kind": CALLBACK},
+    });
+    let (code, a) = post(s.url("/v1/batches"), &o_body).await?;
+    assert_eq!(code, 202, "{a}");
+    let lone: Vec<Value> = (0..OTHERS)
+        .map(|i| json!({"id": format!("l-{i}"), "kind": JOB}))
+        .collect();
+    let (code, a) = post(s.url("/v1/tasks"), &json!(lone)).await?;
+    assert_eq!(code, 202, "{a}");
+
+    let is_b = |id: &str| id.starts_with("b-") || id == "tail";
+    wait_for("the other work ran", Duration::from_secs(60), || async {
+        let n = runs.done().iter().filter(|id| !is_b(id)).count();
+        (n == 2 * OTHERS).then_some(())
+    })
+    .await?;
+    wait_for("O's callback", Duration::from_secs(30), || async {
+        seen_of(&seen)
+            .contains(&"O:on_complete".to_string())
+            .then_some(())
+    })
+    .await?;
+    let held = wait_for("B's members held", Duration::from_secs(30), || async {
+        let p = batch_pause(&s, "B").await.ok()??;
+        (p["held"] == HELD).then_some(p)
+    })
+    .await?;
+    assert_eq!(held["reason"], "hold");
+    // B: nothing runs, nothing is released, no callback, for a while; its count stays exact.
+    always_for(
+        "B held",
+        Duration::from_secs(3),
+        Duration::from_millis(250),
+        || async {
+            let ran: Vec<String> = runs
+                .starts()
+                .into_iter()
+                .map(|(id, _)| id)
+                .filter(|id| is_b(id))
+                .collect();
+            anyhow::ensure!(ran.is_empty(), "B's members ran: {ran:?}");
+            let p = batch_pause(&s, "B").await?.unwrap_or_default();
+            anyhow::ensure!(p["held"] == HELD, "held {}", p["held"]);
+            Ok(())
+        },
+    )
+    .await?;
+    let (_, prog) = get(s.url("/v1/batches/B")).await?;
+    assert_eq!(prog["pending"], HELD + 1, "{prog}");
+    assert_eq!(prog["waiting"], json!(["tail"]));
+    assert_eq!(seen_of(&seen), vec!["O:on_complete".to_string()]);
+
+    let (code, r) = post(
+        s.url("/v1/pauses/resume"),
+        &json!({"scope": "batch", "batch": "B"}),
+    )
+    .await?;
+    assert_eq!(code, 202, "{r}");
+    wait_for(
+        "B ran and its callbacks fired",
+        Duration::from_secs(60),
+        || async { (seen_of(&seen).len() == 3).then_some(()) },
+    )
+    .await?;
+    quiet_for(
+        Duration::from_secs(2),
+        "a second run or callback would come now",
+    )
+    .await;
+    let per = runs.per_id();
+    let b_runs: usize = per.iter().filter(|(id, _)| is_b(id)).map(|(_, n)| n).sum();
+    println!(
+        "paused batch: held {held}; after resume B ran {b_runs}; callbacks {:?}",
+        seen_of(&seen)
+    );
+    assert!(per.values().all(|n| *n == 1), "a task ran twice: {per:?}");
+    assert_eq!(per.len(), HELD + 1 + 2 * OTHERS);
+    let mut cbs = seen_of(&seen);
+    cbs.sort();
+    assert_eq!(cbs, vec!["B:on_complete", "B:on_success", "O:on_complete"]);
+    let (_, prog) = get(s.url("/v1/batches/B")).await?;
+    assert_eq!(prog["succeeded"], HELD + 1, "{prog}");
+    assert!(batch_pause(&s, "B").await?.is_none());
+    // Each pause and resume is audited.
+    let (_, audit) = get(s.url("/v1/audit?limit=1000")).await?;
+    let of = |action: &str| {
+        audit["entries"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter(|e| e["action"] == action && e["target"]["batch"] == "B")
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    assert_eq!((of("pause"), of("resume")), (1, 1));
+    w.stop().await?;
+    s.stop().await?;
+    ns.cleanup().await?;
+    Ok(())
+}
