@@ -52,6 +52,19 @@
 //!
 //! The stream's retention ([`crate::control::MAX_AGE`], 7 days) bounds a batch's life.
 //!
+//! # Cancelled or paused as a whole
+//!
+//! * [`Op::BatchCancel`] (`POST /v1/batches/{id}/cancel`): the fold marks the batch cancelled
+//!   ([`Progress::cancel`]) and ends its waiting members `cancelled`; a cancelled batch is never
+//!   [`due`](Batches::due) and has no [`steps`](Batches::steps). The record is appended
+//!   *before* any member's own cancel record, so every reader folds the batch's cancel before
+//!   it can see the last member end — no replica fires `on_complete` in between. The members
+//!   then end through their cancel records as any cancelled task does
+//!   (`scheduler::api::batch_control` explains the promise).
+//! * A pause of the batch ([`crate::control::Target::Batch`]) lives in the pause set, not
+//!   here: the scheduler holds its members in a hold queue, and its batch loop releases no
+//!   waiting member and fires no callback while it is in force.
+//!
 //! # Chains and DAGs
 //!
 //! A member may wait for others of its batch (`after`): see [`dag`] — the waiting members

@@ -4,10 +4,11 @@
 //! # The audit log
 //!
 //! Every operator action — cancel, drain, dead-letter replay, bulk action, pause and resume,
-//! schedule add/remove/pause/resume/fire, key limits — appends a record naming who acted (the
-//! token's name and role, [`crate::settings::Caller`]; never the secret), when, on what (the
-//! target or query) and how many it touched. A cancel is its own record ([`Op::Cancel`]), as
-//! are pauses and key limits ([`Op::KeyLimit`], its own audit entry `key_limit`); any other
+//! schedule add/remove/pause/resume/fire, key limits, a batch's cancel — appends a record
+//! naming who acted (the token's name and role, [`crate::settings::Caller`]; never the
+//! secret), when, on what (the target or query) and how many it touched. A cancel is its own record ([`Op::Cancel`]), as
+//! are pauses, key limits ([`Op::KeyLimit`], its own audit entry `key_limit`) and a batch's
+//! cancel ([`Op::BatchCancel`], entry `batch_cancel`, its members' cancels naming it); any other
 //! action is an [`Op::Audit`] — a drain's and a bulk action's appended before they are applied
 //! (their promise), a replay's and a schedule change's right after. Every scheduler
 //! replica folds the stream into an [`AuditLog`] in memory (`GET /v1/audit` answers from it), so
