@@ -561,3 +561,92 @@ async fn a_paused_batch_holds_its_members_while_other_work_runs_and_runs_each_on
     ns.cleanup().await?;
     Ok(())
 }
+
+const OPS: &str = "ops-admin-batch-control-0123456789";
+
+/// The console's Batches view pauses, resumes and cancels a batch with its buttons (each
+/// after its confirm dialog) in headless Chromium (`tests/ui/batch_control.test.mjs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_console_pauses_resumes_and_cancels_a_batch_with_its_buttons() -> anyhow::Result<()> {
+    let ui = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("ui");
+    anyhow::ensure!(
+        ui.join("node_modules/playwright-core").exists(),
+        "playwright-core is not installed in {}: run `bash ops/services.sh --browser`",
+        ui.display()
+    );
+    let ns = Ns::new().await?;
+    let tokens = format!("ops:{OPS} admin");
+    let mut settings: Vec<(&str, &str)> = SCHEDULER.to_vec();
+    settings.push(("api_tokens", tokens.as_str()));
+    let s = start_scheduler(&ns, &settings).await?;
+    let (runs, gate) = (Runs::default(), Gate::default());
+    let w = start_worker(&ns, "w-1", "", 1, WORKER, &[(JOB, recording(&runs, &gate))]).await?;
+    ready(&s).await?;
+    let batch = format!("ui-{}", ns.name);
+    let body = json!({
+        "id": batch,
+        "tasks": (0..3).map(|i| json!({"id": format!("{batch}-{i}"), "kind": JOB, "payload": {"gated": true}})).collect::<Vec<_>>(),
+    });
+    let r = reqwest::Client::new()
+        .post(s.url("/v1/batches"))
+        .bearer_auth(OPS)
+        .json(&body)
+        .send()
+        .await?;
+    anyhow::ensure!(r.status().as_u16() == 202, "submit: {}", r.status());
+    wait_for("one member running", Duration::from_secs(30), || async {
+        (runs.starts().len() == 1).then_some(())
+    })
+    .await?;
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let shots = target.join("ui-screenshots");
+    std::fs::create_dir_all(&shots)?;
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::process::Command::new("node")
+            .arg(ui.join("batch_control.test.mjs"))
+            .current_dir(&ui)
+            .env("FLEET_UI_BASE", format!("http://{}", s.addr))
+            .env("FLEET_ADMIN_TOKEN", OPS)
+            .env("FLEET_BATCH", &batch)
+            .env("FLEET_SCREENSHOTS", &shots)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await??;
+    println!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    anyhow::ensure!(
+        out.status.success(),
+        "the browser script failed: {}",
+        out.status
+    );
+    // The servers agree: every member ends cancelled, the running one stopped; one entry.
+    for i in 0..3 {
+        ns.wait_state(
+            &format!("{batch}-{i}"),
+            "cancelled",
+            Duration::from_secs(20),
+        )
+        .await?;
+    }
+    assert_eq!(runs.starts().len(), 1, "a member started after the cancel");
+    assert!(runs.done().is_empty());
+    let r = reqwest::Client::new()
+        .get(s.url("/v1/audit?action=batch_cancel"))
+        .bearer_auth(OPS)
+        .send()
+        .await?;
+    let v: Value = r.json().await?;
+    assert_eq!(v["entries"].as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(v["entries"][0]["by"], "ops");
+    w.stop().await?;
+    s.stop().await?;
+    ns.cleanup().await?;
+    Ok(())
+}

@@ -488,7 +488,7 @@ async function lookupBatch(id) {
   const dl = h("dl", { class: "kv", id: "batch-fields" },
     row("id", b.id),
     row("state", h("span", { class: `badge ${b.cancel ? "cancelled" : b.complete ? "succeeded" : "running"}` }, b.cancel ? "cancelled" : b.complete ? "complete" : "running")),
-    ...(b.cancel ? row("cancelled", `${new Date(b.cancel.at_ms).toISOString()} by ${b.cancel.by}${b.cancel.reason ? `: ${b.cancel.reason}` : ""}`) : []),
+    ...(b.cancel ? row("cancel", `${new Date(b.cancel.at_ms).toISOString()} by ${b.cancel.by}${b.cancel.reason ? `: ${b.cancel.reason}` : ""}`) : []),
     row("accepted", timeEl(new Date(b.at_ms).toISOString())),
     row("total", String(b.total)),
     row("ended", `${ended} (${pct} %)`),
