@@ -1,7 +1,13 @@
-//! A batch as a whole (issue 36, `scheduler::api::batch_control`): cancelled, its members
-//! not yet started never run, the running ones are stopped, its waiting DAG members are never
-//! released, its callbacks never fire, one audit entry — and the cancel holds across a Redis
-//! FLUSHALL and a scheduler restart.
+//! A batch as a whole (issue 36, `scheduler::api::batch_control`, pause scope `batch`).
+//!
+//! * Cancelled: its members not yet started never run, the running ones are stopped, its
+//!   waiting DAG members are never released, its callbacks never fire, one audit entry — and
+//!   the cancel holds across a Redis FLUSHALL and a scheduler restart.
+//! * Paused: its members wait in its hold queue (the held count exact) while other work runs,
+//!   no DAG member is released and no callback fires — across a FLUSHALL and a restart too —
+//!   and after the resume each member runs exactly once, each callback fires once.
+//! * The console's Batches view does both with its buttons (headless Chromium,
+//!   `tests/ui/batch_control.test.mjs`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
@@ -647,6 +653,112 @@ async fn the_console_pauses_resumes_and_cancels_a_batch_with_its_buttons() -> an
     assert_eq!(v["entries"][0]["by"], "ops");
     w.stop().await?;
     s.stop().await?;
+    ns.cleanup().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_pause_holds_across_a_flushall_and_a_restart_and_releases_no_dag_member(
+) -> anyhow::Result<()> {
+    const HELD: usize = 30;
+    let redis = PrivateRedis::start(None, None).await?;
+    let ns = Ns::on_redis(&redis.url(None)).await?;
+    let (runs, gate) = (Runs::default(), Gate::default());
+    let (seen, cb) = callbacks();
+    let h = [(JOB, recording(&runs, &gate)), (CALLBACK, cb)];
+    let s1 = start_scheduler(&ns, SCHEDULER).await?;
+    let w = start_worker(&ns, "w-1", "", 4, WORKER, &h).await?;
+    ready(&s1).await?;
+    // The parent runs (held by its gate) before the pause; its child waits for it.
+    let mut tasks = vec![
+        json!({"id": "p", "kind": JOB, "payload": {"gated": true}}),
+        json!({"id": "c", "kind": JOB, "after": ["p"]}),
+    ];
+    tasks.extend((0..HELD).map(|i| json!({"id": format!("h-{i}"), "kind": JOB})));
+    // The others (`h-*`) make batch D2, paused before it is submitted.
+    let first = json!({"id": "D", "tasks": tasks[..2], "on_complete": {"kind": CALLBACK}});
+    let (code, a) = post(s1.url("/v1/batches"), &first).await?;
+    assert_eq!(code, 202, "{a}");
+    wait_for("p running", Duration::from_secs(30), || async {
+        runs.per_id().contains_key("p").then_some(())
+    })
+    .await?;
+    let (code, p) = post(
+        s1.url("/v1/pauses"),
+        &json!({"scope": "batch", "batch": "D"}),
+    )
+    .await?;
+    assert_eq!(code, 202, "{p}");
+    gate.open("p");
+    wait_for("p succeeded", Duration::from_secs(30), || async {
+        let (_, b) = get(s1.url("/v1/batches/D")).await.ok()?;
+        (b["succeeded"] == 1).then_some(())
+    })
+    .await?;
+    // A batch paused before its submission (D2): its members wait in its hold.
+    let second = json!({"id": "D2", "tasks": tasks[2..]});
+    let (code, p) = post(
+        s1.url("/v1/pauses"),
+        &json!({"scope": "batch", "batch": "D2"}),
+    )
+    .await?;
+    assert_eq!(code, 202, "{p}");
+    let (code, a) = post(s1.url("/v1/batches"), &second).await?;
+    assert_eq!(code, 202, "{a}");
+    wait_for("D2 held", Duration::from_secs(30), || async {
+        let p = batch_pause(&s1, "D2").await.ok()??;
+        (p["held"] == HELD).then_some(())
+    })
+    .await?;
+    // Redis loses everything and the scheduler restarts: both pauses still hold.
+    redis.flushall().await?;
+    s1.stop().await?;
+    let s2 = start_scheduler(&ns, SCHEDULER).await?;
+    ready(&s2).await?;
+    always_for(
+        "D and D2 paused",
+        Duration::from_secs(3),
+        Duration::from_millis(250),
+        || async {
+            let per = runs.per_id();
+            anyhow::ensure!(!per.contains_key("c"), "c was released while D was paused");
+            let h = per.keys().filter(|id| id.starts_with("h-")).count();
+            anyhow::ensure!(h == 0, "{h} of D2 ran while paused");
+            let (_, b) = get(s2.url("/v1/batches/D")).await?;
+            anyhow::ensure!(b["waiting"] == json!(["c"]), "D: {b}");
+            anyhow::ensure!(b["fired"] == json!([]), "D fired while paused: {b}");
+            Ok(())
+        },
+    )
+    .await?;
+    let p = batch_pause(&s2, "D2").await?.unwrap_or_default();
+    assert_eq!(p["held"], HELD, "{p}");
+    for b in ["D", "D2"] {
+        let (code, r) = post(
+            s2.url("/v1/pauses/resume"),
+            &json!({"scope": "batch", "batch": b}),
+        )
+        .await?;
+        assert_eq!(code, 202, "{r}");
+    }
+    wait_for("everything ran", Duration::from_secs(60), || async {
+        let (_, d) = get(s2.url("/v1/batches/D")).await.ok()?;
+        let (_, d2) = get(s2.url("/v1/batches/D2")).await.ok()?;
+        (d["succeeded"] == 2 && d2["succeeded"] == HELD && d["fired"] == json!(["on_complete"]))
+            .then_some(())
+    })
+    .await?;
+    quiet_for(Duration::from_secs(2), "a second run would come now").await;
+    let per = runs.per_id();
+    println!(
+        "batch pause across FLUSHALL and restart: runs {}",
+        per.len()
+    );
+    assert_eq!(per.len(), HELD + 2);
+    assert!(per.values().all(|n| *n == 1), "a task ran twice: {per:?}");
+    assert_eq!(seen_of(&seen), vec!["D:on_complete".to_string()]);
+    w.stop().await?;
+    s2.stop().await?;
     ns.cleanup().await?;
     Ok(())
 }
