@@ -568,6 +568,72 @@ async fn a_paused_batch_holds_its_members_while_other_work_runs_and_runs_each_on
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_batch_cancelled_counts_its_held_members_cancelled_and_its_resume_drops_them(
+) -> anyhow::Result<()> {
+    const N: usize = 10;
+    let ns = Ns::new().await?;
+    let (runs, gate) = (Runs::default(), Gate::default());
+    let (seen, cb) = callbacks();
+    let h = [(JOB, recording(&runs, &gate)), (CALLBACK, cb)];
+    let s = start_scheduler(&ns, SCHEDULER).await?;
+    let w = start_worker(&ns, "w-1", "", 4, WORKER, &h).await?;
+    ready(&s).await?;
+    let (code, p) = post(
+        s.url("/v1/pauses"),
+        &json!({"scope": "batch", "batch": "X"}),
+    )
+    .await?;
+    assert_eq!(code, 202, "{p}");
+    let body = json!({
+        "id": "X",
+        "tasks": (0..N).map(|i| json!({"id": format!("x-{i}"), "kind": JOB})).collect::<Vec<_>>(),
+        "on_complete": {"kind": CALLBACK},
+    });
+    let (code, a) = post(s.url("/v1/batches"), &body).await?;
+    assert_eq!(code, 202, "{a}");
+    wait_for("X held", Duration::from_secs(30), || async {
+        let p = batch_pause(&s, "X").await.ok()??;
+        (p["held"] == N).then_some(())
+    })
+    .await?;
+    let (code, c) = post(s.url("/v1/batches/X/cancel"), &json!({})).await?;
+    assert_eq!(code, 202, "{c}");
+    assert_eq!(c["cancelled"], N, "{c}");
+    let p = settled(&s, "X", Duration::from_secs(30)).await?;
+    assert_eq!(p["cancelled"], N, "{p}");
+    // Still in its hold queue (the batch is paused), counted cancelled.
+    let hold = ns.names.park_queue("_batch.X", fleet::Lane::Normal);
+    assert_eq!(ns.depth_of(&hold).await, Some(N as u32));
+    let (code, r) = post(
+        s.url("/v1/pauses/resume"),
+        &json!({"scope": "batch", "batch": "X"}),
+    )
+    .await?;
+    assert_eq!(code, 202, "{r}");
+    let depth = wait_for(
+        "X's hold queue drained",
+        Duration::from_secs(30),
+        || async {
+            let n = ns.depth_of(&hold).await?;
+            (n == 0).then_some(n)
+        },
+    )
+    .await?;
+    ns.wait_settled(Duration::from_secs(30)).await?;
+    quiet_for(Duration::from_secs(2), "a dropped member would run now").await;
+    println!(
+        "paused batch cancelled, then resumed: hold depth {depth}, runs {:?}",
+        runs.per_id()
+    );
+    assert!(runs.starts().is_empty(), "a cancelled member ran");
+    assert_eq!(seen_of(&seen), Vec::<String>::new());
+    w.stop().await?;
+    s.stop().await?;
+    ns.cleanup().await?;
+    Ok(())
+}
+
 const OPS: &str = "ops-admin-batch-control-0123456789";
 
 /// The console's Batches view pauses, resumes and cancels a batch with its buttons (each
