@@ -305,14 +305,24 @@ async fn a_dag_batch_cancelled_while_members_wait_never_releases_them() -> anyho
         (per.contains_key("A") && runs.done().contains(&"E".to_string())).then_some(())
     })
     .await?;
-    let (code, c) = post(s.url("/v1/batches/chain/cancel"), &json!({})).await?;
-    assert_eq!(code, 202, "{c}");
+    // Through fleetctl: cancelled, then already; an unknown batch exits 1.
+    let api = format!("http://{}", s.addr);
+    let (code, out, err) =
+        fleetctl(&ns, &api, &["batch", "cancel", "chain", "--reason", "dag"]).await?;
+    assert_eq!(code, 0, "{err}");
     // A (running) and B, C, D (waiting) cancelled; E had succeeded.
-    assert_eq!(
-        (c["cancelled"].as_u64(), c["already_ended"].as_u64()),
-        (Some(4), Some(1)),
-        "{c}"
+    assert!(
+        out.contains(
+            "batch chain: cancelled (members: cancelled=4 already_ended=1 failed=0 total=5)"
+        ),
+        "{out}"
     );
+    let (code, out, err) = fleetctl(&ns, &api, &["batch", "cancel", "chain"]).await?;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("batch chain: already cancelled"), "{out}");
+    let (code, _, err) = fleetctl(&ns, &api, &["batch", "cancel", "nope"]).await?;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("unknown batch nope"), "{err}");
     // A's gate opens now: a run the cancel did not stop would succeed and release B and D.
     gate.open("A");
     let p = settled(&s, "chain", Duration::from_secs(30)).await?;
@@ -579,12 +589,10 @@ async fn a_paused_batch_cancelled_counts_its_held_members_cancelled_and_its_resu
     let s = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 4, WORKER, &h).await?;
     ready(&s).await?;
-    let (code, p) = post(
-        s.url("/v1/pauses"),
-        &json!({"scope": "batch", "batch": "X"}),
-    )
-    .await?;
-    assert_eq!(code, 202, "{p}");
+    let api = format!("http://{}", s.addr);
+    let (code, out, err) = fleetctl(&ns, &api, &["pause", "batch", "X", "--reason", "r"]).await?;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("batch X"), "{out}");
     let body = json!({
         "id": "X",
         "tasks": (0..N).map(|i| json!({"id": format!("x-{i}"), "kind": JOB})).collect::<Vec<_>>(),
@@ -602,15 +610,20 @@ async fn a_paused_batch_cancelled_counts_its_held_members_cancelled_and_its_resu
     assert_eq!(c["cancelled"], N, "{c}");
     let p = settled(&s, "X", Duration::from_secs(30)).await?;
     assert_eq!(p["cancelled"], N, "{p}");
+    let (code, out, err) = fleetctl(&ns, &api, &["pauses"]).await?;
+    assert_eq!(code, 0, "{err}");
+    let row = out
+        .lines()
+        .find(|l| l.starts_with("batch"))
+        .unwrap_or_default()
+        .to_string();
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(cols.get(..3), Some(&["batch", "X", "10"][..]), "{out}");
     // Still in its hold queue (the batch is paused), counted cancelled.
     let hold = ns.names.park_queue("_batch.X", fleet::Lane::Normal);
     assert_eq!(ns.depth_of(&hold).await, Some(N as u32));
-    let (code, r) = post(
-        s.url("/v1/pauses/resume"),
-        &json!({"scope": "batch", "batch": "X"}),
-    )
-    .await?;
-    assert_eq!(code, 202, "{r}");
+    let (code, _, err) = fleetctl(&ns, &api, &["resume", "batch", "X"]).await?;
+    assert_eq!(code, 0, "{err}");
     let depth = wait_for(
         "X's hold queue drained",
         Duration::from_secs(30),
