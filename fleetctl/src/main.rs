@@ -211,8 +211,8 @@ enum Cmd {
         #[arg(long)]
         reason: Option<String>,
     },
-    /// Pause a group (both lanes), one lane of a group (--lane), or a kind on every group
-    /// (POST /v1/pauses, role admin). Durable: it holds across scheduler restarts and Redis
+    /// Pause a group (both lanes), one lane of a group (--lane), a kind, a key or a batch on
+    /// every group (POST /v1/pauses, role admin). Durable: it holds across scheduler restarts and Redis
     /// loss. Its tasks stay in the broker, reported as paused; tasks already in the group's
     /// queue still run. Exit 0 when paused (now or before).
     #[command(subcommand)]
@@ -222,7 +222,7 @@ enum Cmd {
     #[command(subcommand)]
     Resume(PauseCmd),
     /// List the pauses in force (GET /v1/pauses): scope, target, since, by, reason, and for a
-    /// kind the tasks held.
+    /// kind or a batch the tasks held.
     Pauses,
     /// List the fairness keys (GET /v1/keys, role read): per key its tasks running, reserved,
     /// waiting and dispatched, and its limits in force; most waiting first.
@@ -304,6 +304,18 @@ enum BatchCmd {
         /// The batch id.
         id: String,
     },
+    /// Cancel a batch as a whole (POST /v1/batches/{id}/cancel, role admin): its callbacks
+    /// never fire, its waiting members are never released, and every member not yet ended is
+    /// cancelled (not yet running: it never runs; running: it is stopped). Durable and audited.
+    /// Exit 0 when cancelled (now or before), 1 when every member had ended or it is unknown.
+    #[command(override_usage = "fleetctl batch cancel <ID> [--reason R]")]
+    Cancel {
+        /// The batch id.
+        id: String,
+        /// Why (kept with the batch's cancel and each member's).
+        #[arg(long)]
+        reason: Option<String>,
+    },
 }
 
 /// What `fleetctl pause` and `fleetctl resume` act on.
@@ -337,6 +349,16 @@ enum PauseCmd {
     Key {
         /// The key (1-64 of A-Z a-z 0-9 _ . : @ / -).
         key: String,
+        /// Why (kept with the pause; ignored by resume).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// A batch: its members wait in its hold queue, its waiting members are not released and
+    /// its callbacks wait until the resume.
+    #[command(override_usage = "fleetctl pause|resume batch [OPTIONS] <BATCH> [--reason R]")]
+    Batch {
+        /// The batch id.
+        batch: String,
         /// Why (kept with the pause; ignored by resume).
         #[arg(long)]
         reason: Option<String>,
@@ -591,6 +613,9 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Pauses => pauses(&cli).await,
         Cmd::Keys => keys(&cli).await,
         Cmd::Batch(BatchCmd::Status { id }) => batch_status(&cli, id).await,
+        Cmd::Batch(BatchCmd::Cancel { id, reason }) => {
+            batch_cancel(&cli, id, reason.as_deref()).await
+        }
         Cmd::KeyLimit(a) => key_limit(&cli, a).await,
         Cmd::Tasks {
             filter,
@@ -1231,6 +1256,10 @@ fn pause_body(what: &PauseCmd) -> (Value, String) {
             serde_json::json!({"scope": "key", "key": key, "reason": reason}),
             format!("key {key}"),
         ),
+        PauseCmd::Batch { batch, reason } => (
+            serde_json::json!({"scope": "batch", "batch": batch, "reason": reason}),
+            format!("batch {batch}"),
+        ),
     }
 }
 
@@ -1280,6 +1309,7 @@ async fn pauses(cli: &Cli) -> Result<ExitCode> {
             let target = match text(p, "scope").as_str() {
                 "kind" => text(p, "kind"),
                 "key" => text(p, "key"),
+                "batch" => text(p, "batch"),
                 "lane" => format!("{} {}", text(p, "group"), text(p, "lane")),
                 _ => text(p, "group"),
             };
@@ -1433,6 +1463,58 @@ async fn batch_status(cli: &Cli, id: &str) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `fleetctl batch cancel <id>`: one line with what the cancel did.
+async fn batch_cancel(cli: &Cli, id: &str, reason: Option<&str>) -> Result<ExitCode> {
+    let mut url = reqwest::Url::parse(&api(cli, "/v1/batches")).context("FLEET_API_URL")?;
+    url.path_segments_mut()
+        .map_err(|()| anyhow!("FLEET_API_URL cannot hold a path"))?
+        .push(id)
+        .push("cancel");
+    let body = match reason {
+        Some(r) => serde_json::json!({ "reason": r }),
+        None => serde_json::json!({}),
+    };
+    let resp = http(cli)?
+        .post(url.as_str())
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| api_send_error(e, "POST", url.as_str()))?;
+    let status = resp.status();
+    let v: Value = resp.json().await.unwrap_or(Value::Null);
+    let n = |k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
+    match status {
+        reqwest::StatusCode::ACCEPTED => {
+            let already = v.get("already").and_then(Value::as_bool).unwrap_or(false);
+            out!(
+                "batch {id}: {} (members: cancelled={} already_ended={} failed={} total={})",
+                if already {
+                    "already cancelled"
+                } else {
+                    "cancelled"
+                },
+                n("cancelled"),
+                n("already_ended"),
+                n("failed"),
+                n("total")
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        reqwest::StatusCode::CONFLICT => {
+            eprintln!("fleetctl: every member of batch {id} has ended: nothing to cancel");
+            Ok(ExitCode::FAILURE)
+        }
+        reqwest::StatusCode::NOT_FOUND => {
+            eprintln!("fleetctl: unknown batch {id}");
+            Ok(ExitCode::FAILURE)
+        }
+        _ => bail!(
+            "POST {url}: {status}: {}",
+            v.get("detail").and_then(Value::as_str).unwrap_or("?")
+        ),
+    }
 }
 
 /// The URL of `PUT /v1/keys/{key}/limits`, the key percent-encoded (`*`: the default).

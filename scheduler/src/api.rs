@@ -20,13 +20,15 @@
 //! * `GET /v1/series`: the last 15 minutes of throughput and wait time ([`crate::series`]).
 //! * `GET /v1/scaling`: the autoscaling figures, mounted beside these routes with their own
 //!   state ([`crate::scaling::routes`]).
-//! * Batches (`batches`): `POST /v1/batches`, `GET /v1/batches/{id}` ([`fleet::batch`]).
+//! * Batches (`batches`): `POST /v1/batches`, `GET /v1/batches/{id}` ([`fleet::batch`]);
+//!   a batch as a whole (`batch_control`): `POST /v1/batches/{id}/cancel`.
 //! * The web console at `/ui` ([`crate::console`]).
 //!
 //! Roles ([`fleet::settings`], when tokens are configured): see [`routes`]. A POST without
 //! `Content-Type: application/json` gets 415.
 
 mod audit_log;
+mod batch_control;
 mod batches;
 mod cancel;
 mod dead;
@@ -120,6 +122,7 @@ pub fn routes(state: AppState) -> Router {
             .route("/v1/workers/{id}/drain", post(drain))
             .merge(dead::admin_routes())
             .merge(cancel::admin_routes())
+            .merge(batch_control::admin_routes())
             .merge(pause::admin_routes())
             .merge(keys::admin_routes())
             .merge(tasks::admin_routes()),

@@ -23,6 +23,12 @@
 //!   the same id (the ingress dedupe drops the copy); two failing it write the same status
 //!   and append the same end state (counted once).
 //!
+//! * A paused batch ([`fleet::control::Target::Batch`]) releases no waiting member and fires
+//!   no callback until its resume; its published members wait in its hold queue
+//!   ([`crate::pause`]).
+//! * A batch cancelled as a whole ([`fleet::control::Op::BatchCancel`]) releases and fires
+//!   nothing, ever ([`Batches::due`], [`Batches::steps`]).
+//!
 //! Costs nothing while no batch is pending: no Redis command, no publish.
 
 use std::sync::Arc;
@@ -56,6 +62,9 @@ pub struct BatchLoop {
     pub pressure: watch::Receiver<Sample>,
     /// How long a status record lives (a dependency_failed member's).
     pub status_ttl: Duration,
+    /// The pauses in force ([`crate::pause`]): a paused batch releases no waiting member and
+    /// fires no callback until its resume.
+    pub pauses: crate::pause::Pauses,
 }
 
 impl BatchLoop {
@@ -96,6 +105,10 @@ impl BatchLoop {
             return;
         }
         for due in self.batches.due() {
+            // A paused batch's callbacks wait for its resume.
+            if self.pauses.current().batch_paused(&due.progress.id) {
+                continue;
+            }
             let critical = due.envelope.get("lane").and_then(|l| l.as_str()) == Some("critical");
             if !critical && self.pressure.borrow().state == Pressure::Red {
                 continue;
@@ -158,8 +171,11 @@ impl BatchLoop {
             }
             let mut releases = Vec::new();
             let mut fails = Vec::new();
+            let pauses = self.pauses.current();
             for s in steps {
                 match s {
+                    // A paused batch releases nothing until its resume (the next tick after it).
+                    Step::Release { batch, .. } if pauses.batch_paused(&batch) => {}
                     Step::Release {
                         batch,
                         task,

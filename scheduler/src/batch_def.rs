@@ -385,6 +385,7 @@ fn check_callbacks(
             waiting: Vec::new(),
             complete: false,
             at_ms: 0,
+            cancel: None,
         };
         let env = fleet::batch::callback_envelope(cb, name, &probe);
         let bytes = serde_json::to_vec(&env).unwrap_or_default();

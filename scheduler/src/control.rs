@@ -166,7 +166,7 @@ impl ControlLoop {
             if changed {
                 let group = match target {
                     Target::Group { group } | Target::Lane { group, .. } => Some(group),
-                    Target::Kind { .. } | Target::Key { .. } => None,
+                    Target::Kind { .. } | Target::Key { .. } | Target::Batch { .. } => None,
                 };
                 for lane in Lane::ALL {
                     let Some(g) = group else { break };

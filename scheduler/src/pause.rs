@@ -19,12 +19,16 @@
 //!   paused ([`crate::park::Release`]), so the tasks stay in the broker. A task that another,
 //!   unpaused group can take goes there. A resume sets the lane's parked flag before the
 //!   lane opens, so new work queues behind what waited.
-//! * **Kind** — a task of a paused kind is published, before any reservation, to the kind's
-//!   hold queue (`<ns>.park._kind.<kind>.<lane>`, [`held_group`]) instead of a group's park
-//!   queue, so it blocks no other kind (no head-of-line blocking). The hold queue's release
-//!   loop consumes nothing while the kind is paused; after the resume it offers each task to
-//!   the reservation again. Extra broker hops per held task: two (into the hold queue, out
-//!   of it), plus one more if its group is full then (it parks there as any task would).
+//! * **Kind or batch** (a *hold*: [`hold_group`]) — a task of a paused kind, or a member of
+//!   a paused batch, is published, before any reservation, to the hold's queue
+//!   (`<ns>.park._kind.<kind>.<lane>`, `<ns>.park._batch.<batch>.<lane>`) instead of a
+//!   group's park queue, so it blocks no other kind or batch (no head-of-line blocking); the
+//!   kind's hold comes first when both are paused ([`PauseSet::held`]). The hold queue's
+//!   release loop consumes nothing while its hold is paused; after the resume it offers each
+//!   task to the reservation again (once: the queue's ack follows its dispatch). Extra broker
+//!   hops per held task: two (into the hold queue, out of it), plus one more if its group is
+//!   full then (it parks there as any task would). A paused batch also releases none of its
+//!   waiting members and fires no callback until the resume ([`crate::batch`]).
 //! * **Already dispatched** — tasks in a group's queue before the pause (at most the room the
 //!   group holds ahead of its workers) still run, as in a drain, and so do their retries
 //!   (a retry goes back to its group queue through a delay tier, not through dispatch).
@@ -39,18 +43,35 @@ use fleet::control::{KeyOverrides, PauseSet, Record};
 use fleet::Lane;
 use tokio::sync::{oneshot, watch};
 
-/// The prefix of the pseudo-groups whose park queues hold the tasks of paused kinds.
-pub const HELD_PREFIX: &str = "_kind.";
+use fleet::control::Target;
 
-/// The pseudo-group whose park queues hold tasks of `kind` while it is paused:
-/// `_kind.<kind>` (queues `<ns>.park._kind.<kind>.<lane>`).
-pub fn held_group(kind: &str) -> String {
-    format!("{HELD_PREFIX}{kind}")
+/// The prefix of the pseudo-groups whose park queues hold the tasks of paused kinds.
+pub const HELD_KIND: &str = "_kind.";
+/// The prefix of the pseudo-groups whose park queues hold the members of paused batches.
+pub const HELD_BATCH: &str = "_batch.";
+
+/// The pseudo-group whose park queues hold the tasks of hold `t` while it is paused — a kind:
+/// `_kind.<kind>`, a batch: `_batch.<batch>` (queues `<ns>.park.<pseudo-group>.<lane>`); `None`
+/// for a target that holds nothing of its own ([`Target::holds`]). Group names are label sets
+/// (`k=v,...`): none starts with `_kind.` or `_batch.`.
+pub fn hold_group(t: &Target) -> Option<String> {
+    match t {
+        Target::Kind { kind } => Some(format!("{HELD_KIND}{kind}")),
+        Target::Batch { batch } => Some(format!("{HELD_BATCH}{batch}")),
+        _ => None,
+    }
 }
 
-/// The kind whose hold queue `group` is, if it is one ([`held_group`]).
-pub fn held_kind(group: &str) -> Option<&str> {
-    group.strip_prefix(HELD_PREFIX)
+/// The hold whose queue `group` is, if it is one ([`hold_group`]).
+pub fn hold_target(group: &str) -> Option<Target> {
+    if let Some(kind) = group.strip_prefix(HELD_KIND) {
+        return Some(Target::Kind {
+            kind: kind.to_string(),
+        });
+    }
+    group.strip_prefix(HELD_BATCH).map(|b| Target::Batch {
+        batch: b.to_string(),
+    })
 }
 
 /// The pauses in force in this process: shared by the control loop (which writes them), the
@@ -71,8 +92,8 @@ struct Inner {
     version: watch::Sender<u64>,
     /// API requests waiting for their record to be applied here, by record id.
     waiters: Mutex<HashMap<String, oneshot::Sender<()>>>,
-    /// Tasks in each kind's hold queues at the last stats sample.
-    held: Mutex<HashMap<String, u64>>,
+    /// Tasks in each hold's queues (kind or batch) at the last stats sample.
+    held: Mutex<HashMap<Target, u64>>,
 }
 
 impl Default for Pauses {
@@ -247,8 +268,9 @@ impl Pauses {
         rx
     }
 
-    /// Tasks in each kind's hold queues (both lanes) at the last stats sample, by kind.
-    pub fn held(&self) -> HashMap<String, u64> {
+    /// Tasks in each hold's queues (both lanes) at the last stats sample, by hold (a kind or
+    /// a batch target).
+    pub fn held(&self) -> HashMap<Target, u64> {
         self.inner
             .held
             .lock()
@@ -257,7 +279,7 @@ impl Pauses {
     }
 
     /// Sets what [`Pauses::held`] answers (the stats loop, every sample).
-    pub fn set_held(&self, held: HashMap<String, u64>) {
+    pub fn set_held(&self, held: HashMap<Target, u64>) {
         if let Ok(mut h) = self.inner.held.lock() {
             *h = held;
         }
@@ -286,14 +308,22 @@ impl Pauses {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fleet::control::Target;
 
     #[test]
-    fn a_held_group_names_its_kind() {
-        assert_eq!(held_group("resize"), "_kind.resize");
-        assert_eq!(held_kind("_kind.resize"), Some("resize"));
-        assert_eq!(held_kind("pool=a"), None);
-        assert_eq!(held_kind(fleet::Names::UNMATCHED_GROUP), None);
+    fn a_hold_group_names_its_kind_or_batch() {
+        let kind = Target::Kind {
+            kind: "resize".into(),
+        };
+        let batch = Target::Batch {
+            batch: "nightly".into(),
+        };
+        assert_eq!(hold_group(&kind).as_deref(), Some("_kind.resize"));
+        assert_eq!(hold_group(&batch).as_deref(), Some("_batch.nightly"));
+        assert_eq!(hold_group(&Target::Key { key: "k".into() }), None);
+        assert_eq!(hold_target("_kind.resize"), Some(kind));
+        assert_eq!(hold_target("_batch.nightly"), Some(batch));
+        assert_eq!(hold_target("pool=a"), None);
+        assert_eq!(hold_target(fleet::Names::UNMATCHED_GROUP), None);
     }
 
     #[tokio::test]

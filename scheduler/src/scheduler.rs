@@ -350,7 +350,7 @@ async fn session(
             cancels: fleet::control::Cancels::default(),
             audit,
             status_ttl: cfg.common.status_ttl,
-            pauses,
+            pauses: pauses.clone(),
             caught_up: caught_tx,
             batches: batches.clone(),
         }
@@ -494,6 +494,7 @@ async fn session(
             batches,
             pressure: prx.clone(),
             status_ttl: cfg.common.status_ttl,
+            pauses,
         }
     );
 

@@ -180,18 +180,21 @@ async fn sample(s: &Session, view: &FleetView, board: &GroupBoard) -> fleet::Res
     let lease = s.cfg.reservation_lease.as_millis() as i64;
     let mut seen = HashMap::with_capacity(groups.len());
     let pauses = s.pauses.current();
-    // Tasks held for paused kinds, per kind (both lanes), for `GET /v1/pauses`.
+    // Tasks held for paused kinds and batches, per hold (both lanes), for `GET /v1/pauses`.
     let mut held = HashMap::new();
-    for kind in pauses.kinds() {
+    for hold in pauses.holds() {
+        let Some(g) = crate::pause::hold_group(hold) else {
+            continue;
+        };
         let mut count = 0u64;
         for lane in Lane::ALL {
-            let q = n.park_queue(&crate::pause::held_group(kind), lane);
+            let q = n.park_queue(&g, lane);
             if let Some(depth) = view.depth(&q) {
                 metrics::gauge!(m::QUEUE_DEPTH, "queue" => q).set(f64::from(depth));
                 count += u64::from(depth);
             }
         }
-        held.insert(kind.to_string(), count);
+        held.insert(hold.clone(), count);
     }
     s.pauses.set_held(held);
     for g in groups {

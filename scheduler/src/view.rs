@@ -229,10 +229,15 @@ impl ViewLoop {
         }
         // Tasks waiting for a matching worker (normal lane: what the pressure counts).
         parks.push(n.park_queue(fleet::Names::UNMATCHED_GROUP, Lane::Normal));
-        // The hold queues of paused kinds (and of kinds resumed, while they drain).
-        for kind in s.pauses.current().kinds() {
+        // The hold queues of paused kinds and batches (and of those resumed, while they drain).
+        for g in s
+            .pauses
+            .current()
+            .holds()
+            .filter_map(crate::pause::hold_group)
+        {
             for lane in Lane::ALL {
-                parks.push(n.park_queue(&crate::pause::held_group(kind), lane));
+                parks.push(n.park_queue(&g, lane));
             }
         }
         let mut out = HashMap::with_capacity(queues.len() + parks.len());

@@ -385,7 +385,7 @@ async fn attempt_task(
     let submitted_ms = env.submitted_at.map(|t| t.timestamp_millis());
     // Cancelled (this worker read it in the control stream): never claimed, never run — even
     // while Redis is without the mark (start.lua refuses it otherwise).
-    if !probe && shared.cancels.cancel_of(&env.id, submitted_ms).is_some() {
+    if !probe && shared.cancels.cancel_of_env(&env).is_some() {
         // Kept in `<ns>.cancelled` before the ack (see `keep_cancelled`).
         if !keep_cancelled(&shared, &delivery, &env, env.attempt).await {
             return;

@@ -55,6 +55,16 @@ impl CancelBoard {
         self.cancels.get(id, submitted_ms)
     }
 
+    /// The cancel that applies to a copy of `env`: its own, or its batch's as a whole
+    /// ([`Cancels::get_batch`]: the backstop for a member whose own cancel record the
+    /// accepting scheduler never appended).
+    pub fn cancel_of_env(&self, env: &fleet::Envelope) -> Option<Cancel> {
+        let submitted_ms = env.submitted_at.map(|t| t.timestamp_millis());
+        self.cancels.get(&env.id, submitted_ms).or_else(|| {
+            fleet::batch::batch_of(env).and_then(|b| self.cancels.get_batch(b, submitted_ms))
+        })
+    }
+
     /// Watches a run of task `id`: the returned guard's [`RunWatch::token`] is cancelled
     /// when a cancel of it arrives (at once if one is known). Dropping the guard ends the watch.
     pub fn watch(self: &Arc<Self>, id: &str, submitted_ms: Option<i64>) -> RunWatch {

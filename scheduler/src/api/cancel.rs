@@ -33,7 +33,7 @@ pub fn admin_routes() -> Router<AppState> {
 
 /// The request's `reason` (empty when absent); `Err` for a body that is not an object with an
 /// optional string `reason`.
-fn reason_of(body: &[u8]) -> Result<String, String> {
+pub(super) fn reason_of(body: &[u8]) -> Result<String, String> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(String::new());
     }

@@ -3,7 +3,10 @@
 //! * `POST /v1/pauses` (role `admin`), body
 //!   `{"scope": "group", "group": G}` | `{"scope": "lane", "group": G, "lane": "normal"|"critical"}`
 //!   | `{"scope": "kind", "kind": K}` | `{"scope": "key", "key": K}` (a fairness key, see
-//!   [`super::keys`]), with an optional `"reason"`:
+//!   [`super::keys`]) | `{"scope": "batch", "batch": B}` (a batch, [`fleet::batch`]: its
+//!   members wait in its hold queue, its waiting members are not released and its callbacks
+//!   wait until the resume; members already in a group's queue still run), with an optional
+//!   `"reason"`:
 //!   * **202** `{"pause": P}` — a promise: the record is in the durable control stream
 //!     (confirmed by the broker) **and** this replica applied it before answering, so this
 //!     replica dispatches nothing paused from now on; other replicas follow within
@@ -15,9 +18,9 @@
 //!   * **200** `{"resumed": T, "already": true}` — it was not paused.
 //!   * **409** `paused_by_group` — a lane whose whole group is paused (resume the group).
 //! * `GET /v1/pauses` (role `read`): `{"pauses": [P...]}`, each
-//!   `P = {"scope", "group"?, "lane"?, "kind"?, "key"?, "since", "since_ms", "by", "reason", "held"?}`
-//!   (`since`: RFC 3339 UTC; `held`: for a kind, the tasks in its hold queues at the last
-//!   stats sample).
+//!   `P = {"scope", "group"?, "lane"?, "kind"?, "key"?, "batch"?, "since", "since_ms", "by",
+//!   "reason", "held"?}` (`since`: RFC 3339 UTC; `held`: for a kind or a batch, the tasks in
+//!   its hold queues at the last stats sample, taken every second or so).
 //!
 //! Each pause and resume applied is also an entry of the audit log (`pause`, `resume`, with the
 //! target and the token's name: [`super::audit`]).
@@ -67,16 +70,19 @@ fn parse(body: &[u8]) -> Result<(Target, String), String> {
         Some(_) => return Err("`reason` must be a string".into()),
     };
     let target: Target = serde_json::from_value(v.clone()).map_err(|e| {
-        format!("expected {{\"scope\": \"group\"|\"lane\"|\"kind\"|\"key\", \"group\", \"lane\", \"kind\", \"key\"}}: {e}")
+        format!("expected {{\"scope\": \"group\"|\"lane\"|\"kind\"|\"key\"|\"batch\", \"group\", \"lane\", \"kind\", \"key\", \"batch\"}}: {e}")
     })?;
     let empty = match &target {
         Target::Group { group } | Target::Lane { group, .. } => group.is_empty(),
         Target::Kind { kind } => kind.is_empty(),
         Target::Key { key } => fleet::task::check_key(key).is_err(),
+        Target::Batch { batch } => {
+            batch.is_empty() || batch.len() > 128 || batch.chars().any(char::is_control)
+        }
     };
     if empty {
         return Err(
-            "the group or kind must not be empty, and a key 1-64 bytes of [A-Za-z0-9_.:@/-]".into(),
+            "the group or kind must not be empty, a key 1-64 bytes of [A-Za-z0-9_.:@/-], a batch 1-128 bytes without control characters".into(),
         );
     }
     Ok((target.bounded(), reason))
@@ -212,10 +218,10 @@ async fn list(State(st): State<AppState>) -> Response {
     let out: Vec<Value> = set
         .all()
         .map(|p| {
-            let h = match &p.target {
-                Target::Kind { kind } => Some(held.get(kind).copied().unwrap_or(0)),
-                _ => None,
-            };
+            let h = p
+                .target
+                .holds()
+                .then(|| held.get(&p.target).copied().unwrap_or(0));
             show(p, h)
         })
         .collect();

@@ -474,7 +474,7 @@ impl Tally {
 }
 
 /// Sleeps so that `done` actions since `start` keep to [`RATE`] per second.
-async fn pace(start: Instant, done: usize) {
+pub(super) async fn pace(start: Instant, done: usize) {
     let due = start + Duration::from_secs_f64(done as f64 / f64::from(RATE));
     tokio::time::sleep_until(due.into()).await;
 }

@@ -25,9 +25,9 @@ impl Item {
     /// Reads `delivery` from `source` at `now` (the store's clock): parses the envelope under
     /// the source's limits and, for a source that screens ([`Source::screens`]), normalises it
     /// and decides the fate of an expired task (dead-lettered `expired`) or one not due yet (a
-    /// delay tier) and, when `pauses` holds its kind, its hold queue ([`crate::pause`]: parked
-    /// behind the pseudo-group [`crate::pause::held_group`]). What is left is asked of the
-    /// reservation.
+    /// delay tier) and, when `pauses` holds its kind or its batch, its hold queue
+    /// ([`crate::pause`]: parked behind the pseudo-group [`crate::pause::hold_group`]). What is
+    /// left is asked of the reservation.
     pub fn read(
         delivery: Delivery,
         source: &Source,
@@ -68,13 +68,14 @@ impl Item {
             .and_then(delay::tier_for)
         {
             (Some(Fate::Delay(tier)), unrouted)
-        } else if pauses.is_some_and(|p| p.kind_paused(&e.kind)) {
-            // Its kind is paused fleet-wide: it waits in the kind's hold queue, not behind a
-            // group (where it would block other kinds).
-            (
-                Some(Fate::Park(crate::pause::held_group(&e.kind))),
-                unrouted,
-            )
+        } else if let Some(g) = pauses
+            .and_then(|p| p.held(&e.kind, fleet::batch::batch_of(&e)))
+            .as_ref()
+            .and_then(crate::pause::hold_group)
+        {
+            // Its kind or its batch is paused fleet-wide: it waits in the hold's queue, not
+            // behind a group (where it would block other kinds and batches).
+            (Some(Fate::Park(g)), unrouted)
         } else {
             (None, Some(source.mode()))
         };

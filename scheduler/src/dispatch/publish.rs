@@ -322,7 +322,7 @@ impl Dispatcher {
             }
             match f {
                 Fate::Dead(reason, detail) => writes.ended(&e.id, e.lane, *reason, detail),
-                Fate::Park(g) if crate::pause::held_kind(g).is_some() => {
+                Fate::Park(g) if crate::pause::hold_target(g).is_some() => {
                     writes.held(&e.id, e.lane, g)
                 }
                 Fate::Park(_) => writes.waiting_for_worker(&e.id, e.lane),

@@ -237,11 +237,11 @@ impl Source {
     /// dispatcher (the states decided here; `reserve.lua` writes queued and parked): dead or
     /// expired at the scheduler; waiting for a worker, when it starts waiting (not on every
     /// offer of the waiting-for-worker queue); delayed, a submission's; parked behind a paused
-    /// kind's hold queue ([`crate::pause`]).
+    /// kind's or batch's hold queue ([`crate::pause`]).
     pub fn writes_status(&self, fate: &Fate) -> bool {
         match fate {
             Fate::Dead(..) => true,
-            Fate::Park(g) if crate::pause::held_kind(g).is_some() => true,
+            Fate::Park(g) if crate::pause::hold_target(g).is_some() => true,
             Fate::Park(g) => g == Names::UNMATCHED_GROUP && *self != Source::Unmatched,
             Fate::Delay(_) => matches!(self, Source::Ingress(_)),
             _ => false,

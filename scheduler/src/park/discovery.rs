@@ -70,14 +70,14 @@ impl Discovery {
             ..
         } = &*self;
         let listed_at = view.sampled_at;
-        // Every group, the waiting-for-worker queue, and the hold queue of every kind a pause
-        // named (paused: its loop waits; resumed: it drains what is left).
+        // Every group, the waiting-for-worker queue, and the hold queue of every kind and batch
+        // a pause named (paused: its loop waits; resumed: it drains what is left).
         let held: Vec<String> = dispatcher
             .session
             .pauses
             .current()
-            .kinds()
-            .map(crate::pause::held_group)
+            .holds()
+            .filter_map(crate::pause::hold_group)
             .collect();
         let groups = view
             .group_names()

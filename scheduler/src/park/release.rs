@@ -90,7 +90,7 @@ impl Release {
                 // session failure. (Asked of Redis now, not of the fleet view: the view may
                 // predate the reclaim.) A hold queue has no group in Redis.
                 Ended::ConsumerCancelled
-                    if crate::pause::held_kind(&group).is_some()
+                    if crate::pause::hold_target(&group).is_some()
                         || !d.session.store.group_names().await?.contains(&group) =>
                 {
                     tracing::info!(queue = %queue, "park queue deleted: its group was reclaimed");
@@ -110,12 +110,12 @@ impl Release {
     }
 }
 
-/// Whether the park queue of `group`'s `lane` is paused: the lane of a group, or the kind of a
-/// hold queue ([`crate::pause::held_kind`]). The waiting-for-worker queue never is.
+/// Whether the park queue of `group`'s `lane` is paused: the lane of a group, or the kind or
+/// batch of a hold queue ([`crate::pause::hold_target`]). The waiting-for-worker queue never is.
 fn paused(d: &Dispatcher, group: &str, lane: Lane) -> bool {
     let pauses = &d.session.pauses;
-    match crate::pause::held_kind(group) {
-        Some(kind) => pauses.current().kind_paused(kind),
+    match crate::pause::hold_target(group) {
+        Some(hold) => pauses.current().get(&hold).is_some(),
         None => pauses.lane_paused(group, lane),
     }
 }
@@ -162,9 +162,9 @@ async fn consume(
     // The waiting-for-worker queue is a park queue of no group: its tasks take no group's
     // room ahead of others, and no group's "parked" flag is kept for them.
     let unmatched = group == UNMATCHED;
-    // A kind's hold queue ([`crate::pause`]) is offered as the delayed queue is: routed, and
-    // parked behind its group when that is full. It keeps no group's flag either.
-    let hold_queue = crate::pause::held_kind(group).is_some();
+    // A kind's or batch's hold queue ([`crate::pause`]) is offered as the delayed queue is:
+    // routed, and parked behind its group when that is full. It keeps no group's flag either.
+    let hold_queue = crate::pause::hold_target(group).is_some();
     let source = if unmatched {
         Source::Unmatched
     } else if hold_queue {

@@ -76,6 +76,19 @@
 //! waiting envelope's `payload_from` must carry `"pass_result": true` itself (it was published
 //! before the close, so the scheduler cannot mark it).
 //!
+//! # Cancelled or paused as a whole
+//!
+//! * [`Op::BatchCancel`] (`POST /v1/batches/{id}/cancel`): the fold marks the batch cancelled
+//!   ([`Progress::cancel`]) and ends its waiting members `cancelled`; a cancelled batch is never
+//!   [`due`](Batches::due) and has no [`steps`](Batches::steps). The record is appended
+//!   *before* any member's own cancel record, so every reader folds the batch's cancel before
+//!   it can see the last member end — no replica fires `on_complete` in between. The members
+//!   then end through their cancel records as any cancelled task does
+//!   (`scheduler::api::batch_control` explains the promise).
+//! * A pause of the batch ([`crate::control::Target::Batch`]) lives in the pause set, not
+//!   here: the scheduler holds its members in a hold queue, and its batch loop releases no
+//!   waiting member and fires no callback while it is in force.
+//!
 //! # Chains and DAGs
 //!
 //! A member may wait for others of its batch (`after`): see [`dag`] — the waiting members
@@ -128,6 +141,8 @@ struct Batch {
     released: HashSet<String>,
     /// Results carried by end records (members named in a `payload_from`).
     results: HashMap<String, Value>,
+    /// Cancelled as a whole ([`Op::BatchCancel`]): no callback fires, nothing is released.
+    cancel: Option<Cancelled>,
 }
 
 /// Every batch, and which batch each waiting member is in (a cancel names only the task).
@@ -167,6 +182,25 @@ pub struct Progress {
     pub complete: bool,
     /// When the batch was accepted (Unix ms).
     pub at_ms: i64,
+    /// The batch's cancel (`POST /v1/batches/{id}/cancel`), when it was cancelled as a whole:
+    /// its callbacks never fire. Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cancel: Option<Cancelled>,
+}
+
+/// A batch's cancel as a whole ([`Op::BatchCancel`]), as `GET /v1/batches/{id}` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Cancelled {
+    /// The id of its control record (the audit entry; every member's cancel names it).
+    pub record: String,
+    /// When it was accepted (Unix ms).
+    pub at_ms: i64,
+    /// Who: the token's name, or `anonymous`.
+    pub by: String,
+    /// The token's role, or `open`.
+    pub role: String,
+    /// Why (may be empty).
+    pub reason: String,
 }
 
 /// A callback due: the batch is complete and its callback not yet recorded as fired.
@@ -257,6 +291,40 @@ impl Batches {
                     .insert(callback.clone());
                 true
             }
+            Op::BatchCancel {
+                batch,
+                reason,
+                by,
+                role,
+                ..
+            } => {
+                let b = m.entry(batch.clone()).or_default();
+                if b.cancel.is_none() {
+                    b.cancel = Some(Cancelled {
+                        record: rec.id.clone(),
+                        at_ms: rec.at_ms,
+                        by: by.clone(),
+                        role: role.clone(),
+                        reason: reason.clone(),
+                    });
+                    b.moved_ms = b.moved_ms.max(rec.at_ms);
+                    // Its waiting members are never released: they end here, as a waiting
+                    // member's own cancel does (their cancel records follow).
+                    let cancelled = crate::status::TaskState::Cancelled.to_string();
+                    let Batch {
+                        waiting,
+                        released,
+                        ended,
+                        ..
+                    } = b;
+                    for t in waiting.keys() {
+                        if !released.contains(t) && !ended.contains_key(t) {
+                            ended.insert(t.clone(), cancelled.clone());
+                        }
+                    }
+                }
+                true
+            }
             // A waiting member cancelled before its release never runs: it ends here (a
             // released one ends through its worker, like any member).
             Op::Cancel { task, .. } => {
@@ -304,7 +372,11 @@ impl Batches {
                 .keys()
                 .any(|t| !b.released.contains(t) && !b.ended.contains_key(t))
         };
-        for (id, b) in board.batches.iter().filter(|(_, b)| b.defined && open(b)) {
+        for (id, b) in board
+            .batches
+            .iter()
+            .filter(|(_, b)| b.defined && b.cancel.is_none() && open(b))
+        {
             // Submission order: a chain's links come out in order.
             for task in b.tasks.iter() {
                 let Some(dep) = b.waiting.get(task) else {
@@ -367,13 +439,40 @@ impl Batches {
         Some(figures(id, b))
     }
 
+    /// The members of batch `id` a cancel of it acts on ([`Op::BatchCancel`]), in submission
+    /// order: those not ended, and the waiting ones the batch's cancel ended in this fold
+    /// (never released: their cancel record marks their status). `None`: no definition read.
+    pub fn to_cancel(&self, id: &str) -> Option<Vec<String>> {
+        let m = self.inner.read().ok()?;
+        let b = m.batches.get(id).filter(|b| b.defined)?;
+        let cancelled = crate::status::TaskState::Cancelled.as_str();
+        Some(
+            b.tasks
+                .iter()
+                .filter(|t| match b.ended.get(*t) {
+                    None => true,
+                    Some(s) => {
+                        s == cancelled && b.waiting.contains_key(*t) && !b.released.contains(*t)
+                    }
+                })
+                .cloned()
+                .collect(),
+        )
+    }
+
     /// Every complete batch's callbacks not yet fired, with their envelopes.
     pub fn due(&self) -> Vec<Due> {
         let Ok(m) = self.inner.read() else {
             return Vec::new();
         };
         let mut out = Vec::new();
-        for (id, b) in m.batches.iter().filter(|(_, b)| b.defined) {
+        // A batch cancelled as a whole fires nothing (its cancel record precedes every
+        // member's, so no reader sees it complete before it sees it cancelled).
+        for (id, b) in m
+            .batches
+            .iter()
+            .filter(|(_, b)| b.defined && b.cancel.is_none())
+        {
             if b.members.iter().any(|t| !b.ended.contains_key(t)) {
                 continue;
             }
@@ -499,6 +598,7 @@ fn figures(id: &str, b: &Batch) -> Progress {
         waiting: Vec::new(),
         complete: false,
         at_ms: b.at_ms,
+        cancel: b.cancel.clone(),
     };
     for t in &b.tasks {
         match b.ended.get(t).map(String::as_str) {
@@ -604,6 +704,29 @@ pub fn def_record(
             on_success,
             on_complete,
             waiting,
+        },
+    }
+}
+
+/// A batch's cancel record ([`Op::BatchCancel`]) by `who` for `reason` (cut at
+/// [`crate::control::MAX_TEXT`] bytes), `count` members not yet ended, at `at_ms`.
+pub fn cancel_record(
+    batch: &str,
+    reason: &str,
+    who: &crate::settings::Caller,
+    count: u64,
+    at_ms: i64,
+) -> Record {
+    let cut = |s: &str| crate::status::truncate(s, crate::control::MAX_TEXT);
+    Record {
+        id: new_id(),
+        at_ms,
+        op: Op::BatchCancel {
+            batch: batch.to_string(),
+            reason: cut(reason),
+            by: cut(&who.name),
+            role: who.role_str().to_string(),
+            count,
         },
     }
 }
@@ -769,6 +892,40 @@ mod tests {
         assert!(b.steps().is_empty());
         let p = b.progress("f").unwrap();
         assert_eq!((p.dead, p.cancelled, p.pending), (3, 1, 0));
+    }
+
+    #[test]
+    fn a_batch_cancelled_as_a_whole_fires_nothing_and_releases_nothing() {
+        let b = Batches::default();
+        let waiting = vec![json!({"id": "w", "kind": "k", "after": ["a"]})];
+        let all = ["a", "z", "w"].map(String::from).to_vec();
+        let cb = json!({"kind": "noop"});
+        b.apply(&def_record(
+            "c",
+            all,
+            (Some(cb.clone()), Some(cb)),
+            waiting,
+            1,
+        ));
+        b.apply(&end_record("c", "z", "succeeded", 2));
+        let who = crate::settings::Caller::anonymous();
+        let rec = cancel_record("c", "oops", &who, 2, 3);
+        b.apply(&rec);
+        b.apply(&cancel_record("c", "again", &who, 0, 4));
+        // `a` is still to cancel; `w` too (ended in the fold, its status not yet marked).
+        assert_eq!(b.to_cancel("c"), Some(vec!["a".into(), "w".into()]));
+        b.apply(&end_record("c", "a", "succeeded", 5));
+        assert!(b.steps().is_empty(), "nothing released");
+        assert!(b.due().is_empty(), "nothing fired");
+        let p = b.progress("c").unwrap();
+        assert_eq!((p.succeeded, p.cancelled, p.pending), (2, 1, 0));
+        let c = p.cancel.unwrap();
+        assert_eq!(
+            (c.record.as_str(), c.reason.as_str(), c.at_ms),
+            (rec.id.as_str(), "oops", 3)
+        );
+        assert_eq!(b.to_cancel("c"), Some(vec!["w".into()]));
+        assert_eq!(b.to_cancel("nope"), None);
     }
 
     #[test]

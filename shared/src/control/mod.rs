@@ -4,10 +4,11 @@
 //! # The audit log
 //!
 //! Every operator action — cancel, drain, dead-letter replay, bulk action, pause and resume,
-//! schedule add/remove/pause/resume/fire, key limits — appends a record naming who acted (the
-//! token's name and role, [`crate::settings::Caller`]; never the secret), when, on what (the
-//! target or query) and how many it touched. A cancel is its own record ([`Op::Cancel`]), as
-//! are pauses and key limits ([`Op::KeyLimit`], its own audit entry `key_limit`); any other
+//! schedule add/remove/pause/resume/fire, key limits, a batch's cancel — appends a record
+//! naming who acted (the token's name and role, [`crate::settings::Caller`]; never the
+//! secret), when, on what (the target or query) and how many it touched. A cancel is its own record ([`Op::Cancel`]), as
+//! are pauses, key limits ([`Op::KeyLimit`], its own audit entry `key_limit`) and a batch's
+//! cancel ([`Op::BatchCancel`], entry `batch_cancel`, its members' cancels naming it); any other
 //! action is an [`Op::Audit`] — a drain's and a bulk action's appended before they are applied
 //! (their promise), a replay's and a schedule change's right after. Every scheduler
 //! replica folds the stream into an [`AuditLog`] in memory (`GET /v1/audit` answers from it), so
@@ -214,6 +215,27 @@ pub enum Op {
         /// `on_success` or `on_complete`.
         callback: String,
     },
+    /// A batch was cancelled as a whole ([`crate::batch`]): its callbacks never fire, its
+    /// waiting members are never released, and every member not yet ended is cancelled —
+    /// each through its own [`Op::Cancel`] (with `bulk` naming this record), appended *after*
+    /// this one, so every reader folds the batch's cancel before any member ends by it. Its
+    /// own audit entry (`batch_cancel`).
+    BatchCancel {
+        /// The batch id.
+        batch: String,
+        /// Why (may be empty).
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        reason: String,
+        /// Who: the token's name, or `anonymous`.
+        #[serde(default)]
+        by: String,
+        /// The token's role, or `open`.
+        #[serde(default)]
+        role: String,
+        /// Members not yet ended when it was accepted (as the replica that accepted it knew).
+        #[serde(default)]
+        count: u64,
+    },
     /// A reader's barrier: appended by a scheduler that follows the stream, which has read
     /// everything before it once it reads this record (its caught-up point).
     Barrier {
@@ -316,12 +338,27 @@ pub struct Cancel {
 #[derive(Clone, Default)]
 pub struct Cancels {
     inner: Arc<RwLock<HashMap<String, Cancel>>>,
+    /// Batches cancelled as a whole ([`Op::BatchCancel`]), by batch id.
+    batches: Arc<RwLock<HashMap<String, Cancel>>>,
 }
 
 impl Cancels {
     /// Adds the cancel of `rec` (other records change nothing); returns the task id it
     /// cancels, if any. The first cancel of an id is kept (a second changes nothing).
     pub fn apply(&self, rec: &Record) -> Option<String> {
+        if let Op::BatchCancel {
+            batch, reason, by, ..
+        } = &rec.op
+        {
+            if let Ok(mut m) = self.batches.write() {
+                m.entry(batch.clone()).or_insert_with(|| Cancel {
+                    at_ms: rec.at_ms,
+                    by: by.clone(),
+                    reason: reason.clone(),
+                });
+            }
+            return None;
+        }
         let Op::Cancel {
             task, reason, by, ..
         } = &rec.op
@@ -350,6 +387,19 @@ impl Cancels {
         }
     }
 
+    /// The cancel of batch `batch` ([`Op::BatchCancel`]) that applies to a member copy
+    /// submitted at `submitted_ms` (as [`get`](Self::get)): the backstop for a member whose
+    /// own cancel record was never appended (the replica that accepted the batch's cancel
+    /// stopped before it).
+    pub fn get_batch(&self, batch: &str, submitted_ms: Option<i64>) -> Option<Cancel> {
+        let m = self.batches.read().ok()?;
+        let c = m.get(batch)?;
+        match submitted_ms {
+            Some(s) if s > c.at_ms => None,
+            _ => Some(c.clone()),
+        }
+    }
+
     /// Every cancel known, as `(task id, cancel)`.
     pub fn all(&self) -> Vec<(String, Cancel)> {
         self.inner
@@ -371,6 +421,9 @@ impl Cancels {
     /// Forgets cancels accepted before `before_ms` (Unix ms): the stream no longer holds them.
     pub fn prune(&self, before_ms: i64) {
         if let Ok(mut m) = self.inner.write() {
+            m.retain(|_, c| c.at_ms >= before_ms);
+        }
+        if let Ok(mut m) = self.batches.write() {
             m.retain(|_, c| c.at_ms >= before_ms);
         }
     }
@@ -433,6 +486,20 @@ impl AuditEntry {
             Op::KeyLimit {
                 since_ms: Some(_), ..
             } => return None,
+            Op::BatchCancel {
+                batch,
+                reason,
+                by,
+                role,
+                count,
+            } => (
+                "batch_cancel".to_string(),
+                serde_json::json!({ "batch": batch }),
+                *count,
+                by,
+                role,
+                reason,
+            ),
             Op::KeyLimit {
                 key,
                 spec,

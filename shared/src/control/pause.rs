@@ -15,7 +15,14 @@
 //!   ([`PauseSet::lane_paused`]);
 //! * a **lane** of a group ([`Target::Lane`]): that lane only;
 //! * a **kind** ([`Target::Kind`]): no task of the kind is dispatched to any group
-//!   ([`PauseSet::kind_paused`]).
+//!   ([`PauseSet::kind_paused`]);
+//! * a **batch** ([`Target::Batch`], [`crate::batch`]): no member of the batch is dispatched
+//!   to any group, none of its waiting members is released and its callbacks wait
+//!   ([`PauseSet::batch_paused`]).
+//!
+//! A kind's and a batch's tasks wait in a hold queue of their own (the scheduler's
+//! `pause::hold_group`): [`PauseSet::held`] names the hold a task goes to, and
+//! [`PauseSet::holds`] every hold a record named (their queues are drained after a resume).
 //!
 //! # Retention
 //!
@@ -38,7 +45,7 @@ pub const RENEW_AFTER: Duration = Duration::from_secs(super::MAX_AGE.as_secs() /
 
 /// What is paused. On the wire (inside a record's `target`):
 /// `{"scope": "group", "group": G}`, `{"scope": "lane", "group": G, "lane": "normal"}`,
-/// `{"scope": "kind", "kind": K}`. (A fairness `key` scope comes with the tenants.)
+/// `{"scope": "kind", "kind": K}`, `{"scope": "key", "key": K}`, `{"scope": "batch", "batch": B}`.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(tag = "scope", rename_all = "snake_case")]
 pub enum Target {
@@ -64,6 +71,12 @@ pub enum Target {
         /// The key.
         key: String,
     },
+    /// A batch ([`crate::batch`]): its members wait in its hold queue, its waiting members
+    /// are not released, its callbacks wait.
+    Batch {
+        /// The batch id.
+        batch: String,
+    },
 }
 
 impl Target {
@@ -78,16 +91,24 @@ impl Target {
             },
             Target::Kind { kind } => Target::Kind { kind: cut(kind) },
             Target::Key { key } => Target::Key { key: cut(key) },
+            Target::Batch { batch } => Target::Batch { batch: cut(batch) },
         }
     }
 
-    /// The scope's word: `group`, `lane` or `kind`.
+    /// Whether the target's tasks wait in a hold queue of their own when paused (a kind, a
+    /// batch) rather than behind their group or key.
+    pub fn holds(&self) -> bool {
+        matches!(self, Target::Kind { .. } | Target::Batch { .. })
+    }
+
+    /// The scope's word: `group`, `lane`, `kind`, `key` or `batch`.
     pub fn scope(&self) -> &'static str {
         match self {
             Target::Group { .. } => "group",
             Target::Lane { .. } => "lane",
             Target::Kind { .. } => "kind",
             Target::Key { .. } => "key",
+            Target::Batch { .. } => "batch",
         }
     }
 }
@@ -157,9 +178,9 @@ impl Record {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PauseSet {
     paused: BTreeMap<Target, Pause>,
-    /// Every kind named by a pause or resume record read: the kinds whose hold queue may hold
-    /// tasks (drained after a resume).
-    kinds: BTreeSet<String>,
+    /// Every kind and batch named by a pause or resume record read: the holds whose queues
+    /// may hold tasks (drained after a resume).
+    holds: BTreeSet<Target>,
 }
 
 impl PauseSet {
@@ -173,8 +194,8 @@ impl PauseSet {
                 by,
                 since_ms,
             } => {
-                if let Target::Kind { kind } = target {
-                    self.kinds.insert(kind.clone());
+                if target.holds() {
+                    self.holds.insert(target.clone());
                 }
                 match self.paused.get_mut(target) {
                     // Paused already: the first record's who, why and since stand; a renewal
@@ -199,8 +220,8 @@ impl PauseSet {
                 }
             }
             Op::Resume { target, .. } => {
-                if let Target::Kind { kind } = target {
-                    self.kinds.insert(kind.clone());
+                if target.holds() {
+                    self.holds.insert(target.clone());
                 }
                 let mut changed = self.paused.remove(target).is_some();
                 if let Target::Group { group } = target {
@@ -254,6 +275,32 @@ impl PauseSet {
             })
     }
 
+    /// Whether batch `batch` is paused.
+    pub fn batch_paused(&self, batch: &str) -> bool {
+        !self.paused.is_empty()
+            && self.paused.contains_key(&Target::Batch {
+                batch: batch.to_string(),
+            })
+    }
+
+    /// The hold a task of `kind` in `batch` (if any) waits in now: its kind's when the kind
+    /// is paused, else its batch's when the batch is; `None` when neither is.
+    pub fn held(&self, kind: &str, batch: Option<&str>) -> Option<Target> {
+        if self.paused.is_empty() {
+            return None;
+        }
+        if self.kind_paused(kind) {
+            return Some(Target::Kind {
+                kind: kind.to_string(),
+            });
+        }
+        batch
+            .filter(|b| self.batch_paused(b))
+            .map(|b| Target::Batch {
+                batch: b.to_string(),
+            })
+    }
+
     /// Whether fairness key `key` is paused.
     pub fn key_paused(&self, key: &str) -> bool {
         !self.paused.is_empty()
@@ -276,16 +323,16 @@ impl PauseSet {
                 Target::Lane { group, lane } => {
                     out.insert((group.clone(), *lane));
                 }
-                Target::Kind { .. } | Target::Key { .. } => {}
+                Target::Kind { .. } | Target::Key { .. } | Target::Batch { .. } => {}
             }
         }
         out.into_iter().collect()
     }
 
-    /// Every kind a pause or resume record named (paused now or not): the kinds whose hold
-    /// queues a scheduler drains.
-    pub fn kinds(&self) -> impl Iterator<Item = &str> {
-        self.kinds.iter().map(String::as_str)
+    /// Every hold (kind or batch) a pause or resume record named, paused now or not: the
+    /// holds whose queues a scheduler drains.
+    pub fn holds(&self) -> impl Iterator<Item = &Target> {
+        self.holds.iter()
     }
 
     /// Every pause in force, by target.
@@ -400,10 +447,30 @@ mod tests {
         s.apply(&Record::resume(kind("resize"), "ops", 2));
         assert!(!s.kind_paused("resize"));
         assert_eq!(
-            s.kinds().collect::<Vec<_>>(),
-            vec!["resize"],
+            s.holds().collect::<Vec<_>>(),
+            vec![&kind("resize")],
             "its hold queue is drained"
         );
+    }
+
+    #[test]
+    fn a_batch_pause_holds_its_members_behind_a_kind_pause() {
+        let mut s = PauseSet::default();
+        let b = Target::Batch { batch: "b1".into() };
+        s.apply(&Record::pause(b.clone(), "", "ops", 1));
+        assert!(s.batch_paused("b1") && !s.batch_paused("b2"));
+        assert_eq!(s.held("k", Some("b1")), Some(b.clone()));
+        assert_eq!(s.held("k", Some("b2")), None);
+        assert_eq!(s.held("k", None), None);
+        s.apply(&Record::pause(kind("k"), "", "ops", 2));
+        assert_eq!(
+            s.held("k", Some("b1")),
+            Some(kind("k")),
+            "the kind's hold first"
+        );
+        s.apply(&Record::resume(b.clone(), "ops", 3));
+        assert_eq!(s.held("j", Some("b1")), None);
+        assert_eq!(s.holds().cloned().collect::<Vec<_>>(), vec![kind("k"), b]);
     }
 
     #[test]

@@ -25,6 +25,7 @@ mod attempt_once;
 mod audit;
 mod bad_input;
 mod batch_console;
+mod batch_control;
 mod batches;
 mod broker_dead_letters;
 mod broker_limits;

@@ -424,6 +424,17 @@ async function cancelTask(id) {
   refreshNow();
 }
 
+/** Cancels batch `id` as a whole after the operator confirms (POST /v1/batches/{id}/cancel). */
+async function cancelBatch(id) {
+  if (!(await confirmAction(`Cancel batch ${id}? Its callbacks never fire; members not yet running never run, running ones are stopped, waiting ones are never released.`))) return;
+  const r = await actionApi(`Cancel batch ${id}`, `/v1/batches/${encodeURIComponent(id)}/cancel`, { method: "POST", body: { reason: "cancelled from the console" } });
+  if (!r) return;
+  if (r.status === 202) notice(`Batch ${id} ${r.body.already ? "was already cancelled" : "cancelled"}: ${r.body.cancelled} member(s) cancelled, ${r.body.already_ended} had ended.`);
+  else if (r.status === 409) notice(`Every member of batch ${id} has ended: nothing to cancel.`, false);
+  else notice(`Cannot cancel batch ${id}: ${problem(r)}`, false);
+  refreshNow();
+}
+
 function row(k, v) { return [h("dt", {}, k), h("dd", { dataset: { k } }, v)]; }
 
 async function lookupTask(id) {
@@ -476,14 +487,27 @@ async function lookupBatch(id) {
     h("div", { class: "progress-fill", vars: { "--pct": `${pct}%` } }));
   const dl = h("dl", { class: "kv", id: "batch-fields" },
     row("id", b.id),
-    row("state", h("span", { class: `badge ${b.complete ? "succeeded" : "running"}` }, b.complete ? "complete" : "running")),
+    row("state", h("span", { class: `badge ${b.cancel ? "cancelled" : b.complete ? "succeeded" : "running"}` }, b.cancel ? "cancelled" : b.complete ? "complete" : "running")),
+    ...(b.cancel ? row("cancel", `${new Date(b.cancel.at_ms).toISOString()} by ${b.cancel.by}${b.cancel.reason ? `: ${b.cancel.reason}` : ""}`) : []),
     row("accepted", timeEl(new Date(b.at_ms).toISOString())),
     row("total", String(b.total)),
     row("ended", `${ended} (${pct} %)`),
     ...["succeeded", "dead", "expired", "cancelled", "pending"].flatMap((k) => row(k, String(b[k]))),
     row("callbacks", b.callbacks.length ? b.callbacks.map((c) => `${c}${b.fired.includes(c) ? " (fired)" : ""}`).join(", ") : "none"));
   const failed = b.failed.map((t) => h("li", {}, h("a", { href: "#task", dataset: { id: t }, on: { click: (e) => { e.preventDefault(); openTask(t); } } }, t)));
-  out.replaceChildren(h("div", { class: "card" }, h("h2", {}, "Progress"), bar, dl),
+  // A batch not cancelled with members not yet ended may be cancelled as a whole, or paused
+  // and resumed (admin).
+  const pr = await api("/v1/pauses");
+  const pause = pr.status === 200 ? (pr.body.pauses || []).find((p) => p.scope === "batch" && p.batch === b.id) : null;
+  const target = { scope: "batch", batch: b.id };
+  const open = !(b.cancel || b.complete);
+  const cancelBtn = !open && !pause ? null : h("p", {},
+    open ? h("button", { class: "small cancel", id: "batch-cancel", on: { click: () => cancelBatch(b.id) } }, "Cancel batch") : null, " ",
+    pause
+      ? h("span", {}, h("span", { class: "badge paused", id: "batch-paused" }, `paused · ${pause.held ?? 0} held`), " ",
+        h("button", { class: "small resume", id: "batch-resume", on: { click: () => setPause(target, false, `batch ${b.id}`) } }, "Resume"))
+      : (open ? h("button", { class: "small pause", id: "batch-pause", on: { click: () => setPause(target, true, `batch ${b.id}`) } }, "Pause") : null));
+  out.replaceChildren(h("div", { class: "card" }, h("h2", {}, "Progress"), bar, dl, cancelBtn),
     h("div", { class: "card" }, h("h2", {}, "Did not succeed ", h("small", {}, "in submission order")),
       failed.length ? h("ul", { id: "batch-failed" }, ...failed) : h("p", { class: "muted", id: "batch-failed" }, "None.")));
 }
