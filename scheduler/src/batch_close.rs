@@ -7,12 +7,16 @@
 //!
 //! * a close that defines a batch ([`crate::batch_def::define`], [`Form::Close`]): its
 //!   `BatchDef` record is appended to the control stream (publisher confirm), then the close
-//!   is acked. Not confirmed: the close is requeued (it comes again) and the loop pauses
-//!   ([`RETRY`]) so a broker that cannot take the record is not asked in a hot loop. A batch
-//!   this replica already knows (a repeated close) is acked without a record.
-//! * a close that defines nothing: published to the dead-letter queue with reason
-//!   `bad_batch` and the refusal as detail (`<code>: <detail> (task <index>)`), the close's
-//!   own bytes and properties kept; acked once the dead letter is confirmed, requeued when not.
+//!   is acked. Not confirmed: the close stays unacked in this loop's hands and is tried again
+//!   after [`RETRY`], doubling to [`RETRY_MAX`] — never nacked back to its queue, where a
+//!   quorum queue's delivery limit (20 by default on RabbitMQ 4) would drop it after a few
+//!   seconds of broker trouble. A batch this replica already knows with the same members (a
+//!   repeated close) is acked without a record.
+//! * a close that defines nothing, or whose id is defined already with other members
+//!   (`duplicate_batch_id`: a reused id; the first definition stands): published to the
+//!   dead-letter queue with reason `bad_batch` and the refusal as detail (`<code>: <detail>
+//!   (task <index>)`), the close's own bytes and properties kept; acked once the dead letter
+//!   is confirmed, tried again like a record when not.
 //!
 //! A close costs the hot path one property comparison per delivery.
 
@@ -22,16 +26,18 @@ use std::time::Duration;
 use fleet::broker::amqp::{self, DETAIL_HEADER, REASON_HEADER};
 use fleet::{metrics as m, status::DeadReason, Names};
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::options::BasicAckOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use tokio_util::sync::CancellationToken;
 
 use crate::batch_def::{Ctx, Form};
 use crate::session::Session;
 
-/// The pause after a close that could not be settled (its record or dead letter not
-/// confirmed), before the loop takes its next batch.
+/// The first pause after a close that could not be settled (its record or dead letter not
+/// confirmed) before it is tried again; doubled per failure up to [`RETRY_MAX`].
 pub const RETRY: Duration = Duration::from_millis(500);
+/// The longest pause between two tries of one close.
+pub const RETRY_MAX: Duration = Duration::from_secs(8);
 
 /// What an ingress loop needs to settle closes.
 pub struct Closes {
@@ -51,7 +57,9 @@ pub fn is_close(d: &Delivery) -> bool {
 
 impl Closes {
     /// Settles the closes of `batch` (see the module docs) and returns the other deliveries,
-    /// in order. Pauses [`RETRY`] (or until shutdown) when a close went back to its queue.
+    /// in order. A close not settled is tried again (backoff [`RETRY`] to [`RETRY_MAX`]) until
+    /// it is, or until shutdown (then nothing is returned: every delivery of the batch stays
+    /// unacked and comes again).
     ///
     /// # Errors
     /// A close was not settled and the session's publisher is closed: every later publish
@@ -66,30 +74,49 @@ impl Closes {
             return Ok(batch);
         }
         let (closes, rest): (Vec<Delivery>, Vec<Delivery>) = batch.into_iter().partition(is_close);
-        let mut requeued = false;
         for d in closes {
-            if !self.settle(d).await {
-                requeued = true;
-            }
-        }
-        if requeued {
-            if !self.session.publisher().status().connected() {
-                return Err(fleet::Error::ChannelClosed {
-                    what: "batch close",
-                });
-            }
-            tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => {}
-                _ = tokio::time::sleep(RETRY) => {}
+            // Held (unacked) and tried again until settled: never nacked back to its queue, where
+            // a quorum queue's delivery limit (20 by default on RabbitMQ 4) would drop it after a
+            // few seconds of broker trouble. Backoff 0.5 s doubling to 8 s; the rest of the batch
+            // waits behind it (its broker is in trouble too). A shutdown leaves it unacked: the
+            // broker gives it to the next consumer.
+            let mut wait = RETRY;
+            loop {
+                let settled = tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => return Ok(Vec::new()),
+                    settled = self.settle(&d) => settled,
+                };
+                match settled {
+                    Ok(()) => {
+                        if let Err(e) = d.acker.ack(BasicAckOptions::default()).await {
+                            tracing::warn!(error = %e, "ack of a batch close failed (it will come again: a repeat changes nothing)");
+                        }
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "a batch close was not settled (nothing confirmed); trying again");
+                        if !self.session.publisher().status().connected() {
+                            return Err(fleet::Error::ChannelClosed {
+                                what: "batch close",
+                            });
+                        }
+                        tokio::select! {
+                            biased;
+                            _ = shutdown.cancelled() => return Ok(Vec::new()),
+                            _ = tokio::time::sleep(wait) => {}
+                        }
+                        wait = (wait * 2).min(RETRY_MAX);
+                    }
+                }
             }
         }
         Ok(rest)
     }
 
-    /// Defines (or dead-letters) the batch of close `d` and acks it; `false` when it went back
-    /// to its queue (nothing confirmed).
-    async fn settle(&self, d: Delivery) -> bool {
+    /// Defines (or dead-letters) the batch of close `d`; `Err` when nothing was confirmed (the
+    /// caller tries again).
+    async fn settle(&self, d: &Delivery) -> fleet::Result<()> {
         let s = &self.session;
         let cfg = &s.cfg.common;
         let ctx = Ctx {
@@ -99,58 +126,33 @@ impl Closes {
             now_ms: s.store.clock.now_ms(),
             key: None,
         };
-        let done = match crate::batch_def::define(&d.data, Form::Close, &ctx) {
-            Ok(def) => {
-                let publisher = s.publisher();
-                match crate::batch_def::commit(
-                    &def,
-                    Some(&publisher),
-                    &s.store,
-                    &self.batches,
-                    cfg.status_ttl,
-                )
-                .await
-                {
-                    Ok(new) => {
-                        tracing::info!(batch = %def.batch, members = def.ids.len(), waiting = def.waiting.len(), new, "batch closed over AMQP");
-                        Ok(())
-                    }
-                    Err(e) => Err(e),
+        let refused = match crate::batch_def::define(&d.data, Form::Close, &ctx) {
+            Ok(def) => match crate::batch_def::conflict(&def, &self.batches) {
+                Some(detail) => format!("duplicate_batch_id: {detail}"),
+                None => {
+                    let publisher = s.publisher();
+                    let new = crate::batch_def::commit(
+                        &def,
+                        Some(&publisher),
+                        &s.store,
+                        &self.batches,
+                        cfg.status_ttl,
+                    )
+                    .await?;
+                    tracing::info!(batch = %def.batch, members = def.ids.len(), waiting = def.waiting.len(), new, "batch closed over AMQP");
+                    return Ok(());
                 }
-            }
-            Err(r) => {
-                let detail = r.line();
-                let res = self.dead_letter(&d, &detail).await;
-                if res.is_ok() {
-                    metrics::counter!(m::TASKS_REJECTED, "reason" => DeadReason::BadBatch.as_str())
-                        .increment(1);
-                    let batch = serde_json::from_slice::<serde_json::Value>(&d.data)
-                        .ok()
-                        .and_then(|v| v.get("id").and_then(|i| i.as_str()).map(str::to_string));
-                    tracing::warn!(reason = DeadReason::BadBatch.as_str(), detail = %detail, batch = batch.as_deref().unwrap_or("-"), "batch close dead-lettered");
-                }
-                res
-            }
+            },
+            Err(r) => r.line(),
         };
-        match done {
-            Ok(()) => {
-                if let Err(e) = d.acker.ack(BasicAckOptions::default()).await {
-                    tracing::warn!(error = %e, "ack of a batch close failed (it will come again: a repeat changes nothing)");
-                }
-                true
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "a batch close was not settled (nothing confirmed); requeueing it");
-                let _ = d
-                    .acker
-                    .nack(BasicNackOptions {
-                        requeue: true,
-                        ..Default::default()
-                    })
-                    .await;
-                false
-            }
-        }
+        self.dead_letter(d, &refused).await?;
+        metrics::counter!(m::TASKS_REJECTED, "reason" => DeadReason::BadBatch.as_str())
+            .increment(1);
+        let batch = serde_json::from_slice::<serde_json::Value>(&d.data)
+            .ok()
+            .and_then(|v| v.get("id").and_then(|i| i.as_str()).map(str::to_string));
+        tracing::warn!(reason = DeadReason::BadBatch.as_str(), detail = %refused, batch = batch.as_deref().unwrap_or("-"), "batch close dead-lettered");
+        Ok(())
     }
 
     /// Publishes close `d` to the dead-letter queue with reason `bad_batch` and `detail`

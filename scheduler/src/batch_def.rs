@@ -398,6 +398,20 @@ fn check_callbacks(
     Ok(())
 }
 
+/// Why `def` cannot be recorded although it is valid: its batch id is defined already with
+/// other members (a reused id — the first definition stands, and the new members would never
+/// count); `None` when the id is new or defined with the same members (a repeat: nothing to do).
+pub fn conflict(def: &Definition, batches: &fleet::batch::Batches) -> Option<String> {
+    let known = batches.members(&def.batch)?;
+    (known != def.ids).then(|| {
+        format!(
+            "batch `{}` is defined already with {} other members (a batch id names one batch for the control stream's retention: pick a new id)",
+            def.batch,
+            known.len()
+        )
+    })
+}
+
 /// Records `def`: appends its `BatchDef` record to the control stream on `publisher`
 /// (publisher-confirmed), writes the waiting members' statuses (a cache of the definition: a
 /// failure is logged, not returned) and folds the record into `batches`. A batch `batches` already

@@ -72,6 +72,9 @@ async fn submit_batch(State(st): State<AppState>, headers: HeaderMap, body: Byte
         Ok(d) => d,
         Err(r) => return (StatusCode::BAD_REQUEST, Json(r.to_json())).into_response(),
     };
+    if let Some(detail) = crate::batch_def::conflict(&def, &st.batches) {
+        return error(StatusCode::CONFLICT, "batch_exists", detail);
+    }
     let committed = {
         let publisher = st.publisher.read().await;
         crate::batch_def::commit(

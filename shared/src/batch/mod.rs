@@ -553,16 +553,34 @@ impl Batches {
         }
     }
 
-    /// Drops batches accepted before `before_ms` (the stream no longer holds their records).
+    /// Drops batches accepted before `before_ms` (the stream no longer holds their records),
+    /// and batches never defined (end records of members whose close never came: a producer
+    /// that stopped, a refused member) whose last record is older than that — so ids chosen
+    /// by producers cannot grow the board without bound.
     pub fn prune(&self, before_ms: i64) {
         if let Ok(mut m) = self.inner.write() {
-            m.batches.retain(|_, b| !b.defined || b.at_ms >= before_ms);
+            m.batches.retain(|_, b| {
+                if b.defined {
+                    b.at_ms >= before_ms
+                } else {
+                    b.moved_ms >= before_ms
+                }
+            });
             let Board {
                 batches,
                 waiting_in,
             } = &mut *m;
             waiting_in.retain(|_, batch| batches.contains_key(batch));
         }
+    }
+
+    /// The member ids of batch `id` in definition order, `None` when it is not defined.
+    pub fn members(&self, id: &str) -> Option<Vec<String>> {
+        let m = self.inner.read().ok()?;
+        m.batches
+            .get(id)
+            .filter(|b| b.defined)
+            .map(|b| b.tasks.clone())
     }
 
     /// How many batches are known.

@@ -251,6 +251,26 @@ async fn a_batch_of_1000_closed_over_amqp_after_some_members_ended_fires_on_comp
     let reasons: Vec<&str> = dead.iter().map(|d| d.1.as_str()).collect();
     assert_eq!(reasons, ["permanent_error"; 3], "{dead:?}");
 
+    // The id reused for other members: that close is a dead letter naming the reuse, and the
+    // batch keeps its first definition.
+    let reused = json!({"id": BATCH, "tasks": ["other-1", "other-2"]});
+    publish_close(&ns, &serde_json::to_vec(&reused)?).await?;
+    let dead = wait_for(
+        "the reused id's close dead-lettered",
+        Duration::from_secs(30),
+        || async { take_dead_letters(&ns).await.ok().filter(|d| !d.is_empty()) },
+    )
+    .await?;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].1, "bad_batch");
+    assert!(
+        dead[0].2.starts_with("duplicate_batch_id: "),
+        "{}",
+        dead[0].2
+    );
+    let (_, p) = get(s.url(&format!("/v1/batches/{BATCH}"))).await?;
+    assert_eq!(p["total"], TOTAL);
+
     w1.stop().await?;
     w2.stop().await?;
     s.stop().await?;
@@ -460,7 +480,7 @@ async fn get_ingress(
 /// the close goes back to its queue, defining nothing, and the task beside it goes on; once
 /// the stream is back the same close defines the batch and is acked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_close_whose_record_is_not_confirmed_goes_back_and_defines_the_batch_later(
+async fn a_close_whose_record_is_not_confirmed_is_held_and_defines_the_batch_once_taken(
 ) -> anyhow::Result<()> {
     use fleet_scheduler::batch_close::Closes;
     use lapin::options::{BasicAckOptions, QueueDeleteOptions};
@@ -498,19 +518,27 @@ async fn a_close_whose_record_is_not_confirmed_goes_back_and_defines_the_batch_l
         (1, 0)
     );
     let got = get_ingress(&ns, &ch, 2).await?;
-    let rest = closes.take(got, &stop).await?;
+    let closes = Arc::new(closes);
+    let (held, stop2) = (closes.clone(), stop.clone());
+    let taking = tokio::spawn(async move { held.take(got, &stop2).await });
+    // Two tries (0.5 s apart) fail while the stream is gone: the close is held, not nacked back
+    // to its queue (a quorum queue's delivery limit would drop it), and nothing is defined.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert!(!taking.is_finished(), "the close is held and tried again");
+    assert!(batches.progress(BATCH).is_none(), "nothing defined");
+    assert_eq!(
+        ns.depth(&ns.names.ingress_queue(Lane::Normal)).await,
+        0,
+        "nothing went back to the queue"
+    );
+
+    // With the stream declared again the next try defines the batch, and the task goes on.
+    fleet::broker::topology::declare_control_stream(&ch, &ns.names).await?;
+    let rest = tokio::time::timeout(Duration::from_secs(30), taking).await???;
     assert_eq!(rest.len(), 1, "the task goes on to dispatch");
     let task: Value = serde_json::from_slice(&rest[0].data)?;
     assert_eq!(task["id"], "a");
     rest[0].acker.ack(BasicAckOptions::default()).await?;
-    assert!(batches.progress(BATCH).is_none(), "nothing defined");
-
-    // The close came back; with the stream declared again it defines the batch.
-    fleet::broker::topology::declare_control_stream(&ch, &ns.names).await?;
-    let again = get_ingress(&ns, &ch, 1).await?;
-    assert!(again[0].redelivered, "the same close, requeued");
-    let rest = closes.take(again, &stop).await?;
-    assert!(rest.is_empty());
     let p = batches
         .progress(BATCH)
         .ok_or_else(|| anyhow::anyhow!("the batch is not defined"))?;
