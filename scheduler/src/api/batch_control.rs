@@ -55,6 +55,9 @@ use serde_json::json;
 
 use super::{error, AppState};
 
+/// How long a batch-cancel request waits for this replica's control loop to fold its record.
+const FOLD_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The routes that act on a batch (role `admin`).
 pub fn admin_routes() -> Router<AppState> {
     Router::new().route("/v1/batches/{id}/cancel", post(cancel_batch))
@@ -121,8 +124,32 @@ async fn cancel_batch(
                     ),
                 );
             }
-            // This replica fires nothing from now on (its control loop reads it too).
-            st.batches.apply(&rec);
+            // Stream order decides whether it came before the last member's end: wait for this
+            // replica's control loop to fold it (as every replica will), then answer by what
+            // it did there. Not folded within FOLD_WAIT (the control loop behind): it is
+            // applied here, as every reader will apply it.
+            let waited = tokio::time::timeout(FOLD_WAIT, async {
+                loop {
+                    if let Some(o) = st.batches.cancel_outcome(&id, &rec.id) {
+                        return o;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+            })
+            .await;
+            match waited {
+                Ok(fleet::batch::CancelOutcome::Late) => {
+                    return (
+                        StatusCode::CONFLICT,
+                        Json(json!({"error": "finished", "batch": id, "detail": format!("every member of batch {id} had ended before the cancel was recorded: it completed, its callbacks fire, nothing was cancelled")})),
+                    )
+                        .into_response();
+                }
+                Ok(fleet::batch::CancelOutcome::Held) => {}
+                Err(_) => {
+                    st.batches.apply(&rec);
+                }
+            }
             rec.id
         }
     };

@@ -82,7 +82,10 @@
 //!   ([`Progress::cancel`]) and ends its waiting members `cancelled`; a cancelled batch is never
 //!   [`due`](Batches::due) and has no [`steps`](Batches::steps). The record is appended
 //!   *before* any member's own cancel record, so every reader folds the batch's cancel before
-//!   it can see the last member end — no replica fires `on_complete` in between. The members
+//!   it can see the last member end — no replica fires `on_complete` in between. Stream order
+//!   decides the race with the last member's end record: a batch-cancel record folded after
+//!   every member ended changes nothing ([`CancelOutcome::Late`]: the callbacks fire, the API
+//!   answers 409 `finished`), the same on every replica. The members
 //!   then end through their cancel records as any cancelled task does
 //!   (`scheduler::api::batch_control` explains the promise).
 //! * A pause of the batch ([`crate::control::Target::Batch`]) lives in the pause set, not
@@ -143,6 +146,18 @@ struct Batch {
     results: HashMap<String, Value>,
     /// Cancelled as a whole ([`Op::BatchCancel`]): no callback fires, nothing is released.
     cancel: Option<Cancelled>,
+    /// Batch-cancel records folded after every member had ended (by stream order the batch
+    /// was complete first: its callbacks fire, the cancel changes nothing).
+    late_cancels: HashSet<String>,
+}
+
+/// What a batch-cancel record did once folded ([`Batches::cancel_outcome`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelOutcome {
+    /// The batch is cancelled by it (or by an earlier one).
+    Held,
+    /// Every member had ended before it in the stream: the batch completed, it changed nothing.
+    Late,
 }
 
 /// Every batch, and which batch each waiting member is in (a cancel names only the task).
@@ -299,7 +314,12 @@ impl Batches {
                 ..
             } => {
                 let b = m.entry(batch.clone()).or_default();
-                if b.cancel.is_none() {
+                // Stream order decides: a batch whose every member ended before this record is
+                // complete, and stays so on every replica (its callbacks fire).
+                let complete = b.defined && b.tasks.iter().all(|t| b.ended.contains_key(t));
+                if b.cancel.is_none() && complete {
+                    b.late_cancels.insert(rec.id.clone());
+                } else if b.cancel.is_none() {
                     b.cancel = Some(Cancelled {
                         record: rec.id.clone(),
                         at_ms: rec.at_ms,
@@ -571,6 +591,20 @@ impl Batches {
                 waiting_in,
             } = &mut *m;
             waiting_in.retain(|_, batch| batches.contains_key(batch));
+        }
+    }
+
+    /// What batch-cancel record `record` of batch `id` did, once this process folded it; `None`
+    /// before.
+    pub fn cancel_outcome(&self, id: &str, record: &str) -> Option<CancelOutcome> {
+        let m = self.inner.read().ok()?;
+        let b = m.batches.get(id)?;
+        if b.late_cancels.contains(record) {
+            Some(CancelOutcome::Late)
+        } else if b.cancel.as_ref().is_some_and(|c| c.record == record) {
+            Some(CancelOutcome::Held)
+        } else {
+            None
         }
     }
 
@@ -944,6 +978,42 @@ mod tests {
         );
         assert_eq!(b.to_cancel("c"), Some(vec!["w".into()]));
         assert_eq!(b.to_cancel("nope"), None);
+    }
+
+    /// Stream order decides the race of a batch cancel with the last member's end: folded after
+    /// it, the cancel changes nothing and the callbacks fire; folded before, it holds.
+    #[test]
+    fn a_batch_cancel_after_the_last_end_record_is_late_and_the_callbacks_fire() {
+        let b = Batches::default();
+        let cb = json!({"kind": "noop"});
+        let two = ["a", "z"].map(String::from).to_vec();
+        b.apply(&def_record(
+            "c",
+            two.clone(),
+            (None, Some(cb.clone())),
+            vec![],
+            1,
+        ));
+        b.apply(&end_record("c", "a", "succeeded", 2));
+        b.apply(&end_record("c", "z", "dead", 3));
+        let who = crate::settings::Caller::anonymous();
+        let late = cancel_record("c", "too late", &who, 0, 4);
+        assert_eq!(b.cancel_outcome("c", &late.id), None, "not folded yet");
+        b.apply(&late);
+        assert_eq!(b.cancel_outcome("c", &late.id), Some(CancelOutcome::Late));
+        assert!(b.progress("c").unwrap().cancel.is_none());
+        assert_eq!(b.due().len(), 1, "on_complete fires");
+
+        b.apply(&def_record("d", two, (None, Some(cb)), vec![], 1));
+        b.apply(&end_record("d", "a", "succeeded", 2));
+        let held = cancel_record("d", "in time", &who, 1, 3);
+        b.apply(&held);
+        b.apply(&end_record("d", "z", "cancelled", 4));
+        assert_eq!(b.cancel_outcome("d", &held.id), Some(CancelOutcome::Held));
+        assert!(
+            b.due().iter().all(|d| d.progress.id != "d"),
+            "nothing fires for d"
+        );
     }
 
     #[test]
