@@ -655,7 +655,7 @@ pub struct Deleted {
 /// Deletes every queue and exchange of a namespace: the groups and queue names of the catalog
 /// ([`read_catalog`]) together with `redis_groups` (what the registry still names, for queues
 /// declared before the catalog existed) and their `shards` shard queues (the queues
-/// [`delete_all_sharded`] deletes), over [`DELETE_CHANNELS`] channels at once, then the
+/// [`delete_all_sharded`] deletes), over four channels at once, then the
 /// catalog itself and the exchanges.
 ///
 /// # Errors
