@@ -49,7 +49,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use fleet::control::{self, Mode};
+use fleet::control::{self, Mode, Record};
 use fleet::status::TaskState;
 use serde_json::json;
 
@@ -188,11 +188,33 @@ async fn cancel_members(
     for chunk in ids.chunks(super::tasks::BATCH) {
         super::tasks::pace(start, done).await;
         done += chunk.len();
-        let chunk: Vec<&str> = chunk.iter().map(String::as_str).collect();
-        let (marks, unrecorded) = super::tasks::append_cancels(st, &chunk, who, reason, bulk).await;
-        for (task, e) in unrecorded {
-            tracing::warn!(task.id = %fleet::task::escape(&task), error = %e, "a batch member's cancel was not recorded (the batch's cancel still covers it)");
-            n.failed += 1;
+        let now = st.store.clock.now_ms();
+        let recs: Vec<Record> = chunk
+            .iter()
+            .map(|id| Record::cancel(id, reason, who, now).in_bulk(bulk))
+            .collect();
+        let appended = match st.publisher.read().await.as_ref() {
+            Some(p) => control::append_batch(p, &st.store.names, &recs).await,
+            None => recs
+                .iter()
+                .map(|_| Err(fleet::Error::NotConnected))
+                .collect(),
+        };
+        let mut marks = Vec::with_capacity(recs.len());
+        for (rec, r) in recs.iter().zip(appended) {
+            let control::Op::Cancel {
+                task, reason, by, ..
+            } = &rec.op
+            else {
+                continue;
+            };
+            match r {
+                Ok(()) => marks.push((task.clone(), rec.at_ms, by.clone(), reason.clone())),
+                Err(e) => {
+                    tracing::warn!(task.id = %fleet::task::escape(task), error = %e, "a batch member's cancel was not recorded (the batch's cancel still covers it)");
+                    n.failed += 1;
+                }
+            }
         }
         match st
             .store

@@ -604,13 +604,33 @@ async fn cancel_all(
             })
             .collect();
         t.skipped += (batch.len() - live.len()) as u64;
-        let live: Vec<&str> = live.into_iter().map(String::as_str).collect();
-        let (marks, unrecorded) = append_cancels(st, &live, who, reason, bulk).await;
-        for (task, e) in unrecorded {
-            t.fail(
-                &task,
-                format!("the cancel was not recorded (nothing promised): {e}"),
-            );
+        let now = st.store.clock.now_ms();
+        let recs: Vec<Record> = live
+            .iter()
+            .map(|id| Record::cancel(id, reason, who, now).in_bulk(bulk))
+            .collect();
+        let appended = match st.publisher.read().await.as_ref() {
+            Some(p) => control::append_batch(p, &st.store.names, &recs).await,
+            None => recs
+                .iter()
+                .map(|_| Err(fleet::Error::NotConnected))
+                .collect(),
+        };
+        let mut marks = Vec::new();
+        for (rec, r) in recs.iter().zip(appended) {
+            let control::Op::Cancel {
+                task, reason, by, ..
+            } = &rec.op
+            else {
+                continue;
+            };
+            match r {
+                Ok(()) => marks.push((task.clone(), rec.at_ms, by.clone(), reason.clone())),
+                Err(e) => t.fail(
+                    task,
+                    format!("the cancel was not recorded (nothing promised): {e}"),
+                ),
+            }
         }
         match st
             .store
@@ -639,47 +659,6 @@ async fn cancel_all(
     }
     metrics::counter!(fleet::metrics::TASKS_CANCELLED).increment(t.applied);
     t
-}
-
-/// A cancel mark for `cancel.lua`: (task id, record time in Unix ms, who, why).
-pub(super) type CancelMark = (String, i64, String, String);
-
-/// Appends one control-stream cancel record per id of `ids` (each naming `bulk`, the bulk
-/// action's or the batch's record) together, confirms awaited — the promise. Returns the marks
-/// of those the broker took (for `cancel.lua`) and the ids it did not take, with why.
-pub(super) async fn append_cancels(
-    st: &AppState,
-    ids: &[&str],
-    who: &fleet::settings::Caller,
-    reason: &str,
-    bulk: &str,
-) -> (Vec<CancelMark>, Vec<(String, fleet::Error)>) {
-    let now = st.store.clock.now_ms();
-    let recs: Vec<Record> = ids
-        .iter()
-        .map(|id| Record::cancel(id, reason, who, now).in_bulk(bulk))
-        .collect();
-    let appended = match st.publisher.read().await.as_ref() {
-        Some(p) => control::append_batch(p, &st.store.names, &recs).await,
-        None => recs
-            .iter()
-            .map(|_| Err(fleet::Error::NotConnected))
-            .collect(),
-    };
-    let (mut marks, mut unrecorded) = (Vec::with_capacity(recs.len()), Vec::new());
-    for (rec, r) in recs.iter().zip(appended) {
-        let control::Op::Cancel {
-            task, reason, by, ..
-        } = &rec.op
-        else {
-            continue;
-        };
-        match r {
-            Ok(()) => marks.push((task.clone(), rec.at_ms, by.clone(), reason.clone())),
-            Err(e) => unrecorded.push((task.clone(), e)),
-        }
-    }
-    (marks, unrecorded)
 }
 
 /// Appends a bulk action's audit record (a few tries, as `audit_log::audit_to`). Errors: the
