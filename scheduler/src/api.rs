@@ -564,8 +564,11 @@ async fn drain(
     headers: axum::http::HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
-    match st.store.worker_state(&id).await {
-        Ok(Some(_)) => {}
+    // The state before this request, read before its record goes out: the worker follows the
+    // control stream and may mark itself draining before this replica's own write below, which
+    // would then read back `draining` (a loaded CI run saw "was draining" for an active worker).
+    let before = match st.store.worker_state(&id).await {
+        Ok(Some(s)) => s,
         Ok(None) => {
             return error(
                 StatusCode::NOT_FOUND,
@@ -574,7 +577,7 @@ async fn drain(
             )
         }
         Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, "redis", e.to_string()),
-    }
+    };
     let who = caller(&st, &headers);
     if let Err(e) = audit(&st, &who, "drain", json!({"worker": id}), 1).await {
         return error(
@@ -584,7 +587,8 @@ async fn drain(
         );
     }
     match st.store.set_state(&id, WorkerState::Draining).await {
-        Ok(Some(prev)) => {
+        Ok(Some(_)) => {
+            let prev = before;
             tracing::info!(worker = %id, previous = prev.as_str(), by = %who.name, "drain requested through the API");
             (
                 StatusCode::ACCEPTED,

@@ -477,17 +477,25 @@ async fn get_ingress(
 
 /// The ingress's close handling on its own (no scheduler running, the namespace declared):
 /// while the control stream cannot take the definition (deleted: the append is unroutable)
-/// the close goes back to its queue, defining nothing, and the task beside it goes on; once
-/// the stream is back the same close defines the batch and is acked.
+/// the close is held (not nacked back to its queue), defining nothing, and the task beside it
+/// waits; once the stream is back the same close defines the batch and is acked.
+///
+/// A stream declared a moment ago may not have started yet: RabbitMQ then answers a publish
+/// to it by closing the publishing *connection* (506 `Stream not found`, seen under load).
+/// `take` reports its publisher closed and drops nothing: the close is still unacked on the
+/// consuming channel. The test then does what the scheduler's session restart does — a new
+/// connection and publisher, the held messages given back and taken again — and asserts
+/// the same end: the batch defined once, the task on its way, the close acked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_close_whose_record_is_not_confirmed_is_held_and_defines_the_batch_once_taken(
 ) -> anyhow::Result<()> {
     use fleet_scheduler::batch_close::Closes;
     use lapin::options::{BasicAckOptions, QueueDeleteOptions};
     const BATCH: &str = "amqp-unconfirmed-1";
+    fleet_tests::inproc::test_log();
     let ns = Ns::new().await?;
     ns.declare_ingress(&[]).await?;
-    let ch = ns.conn.create_channel().await?;
+    let mut ch = ns.conn.create_channel().await?;
     let stream = ns.names.control_stream();
     ch.queue_delete(stream.as_str().into(), QueueDeleteOptions::default())
         .await?;
@@ -495,19 +503,30 @@ async fn a_close_whose_record_is_not_confirmed_is_held_and_defines_the_batch_onc
     let cfg = Arc::new(fleet_scheduler::SchedulerConfig::from_settings(
         &ns.settings(&[]),
     )?);
-    let conn = Arc::new(amqp::connect(&amqp_url(), "amqp-batches-test").await?);
-    let publisher = amqp::confirm_channel(&conn).await?;
-    let session = fleet_scheduler::session::Session::new(
-        cfg,
-        ns.store.clone(),
-        conn.clone(),
-        publisher,
-        fleet_scheduler::pause::Pauses::default(),
-    );
     let batches = fleet::batch::Batches::default();
-    let closes = Closes {
-        session: Arc::new(session),
-        batches: batches.clone(),
+    // A session of its own (what a scheduler's ingress session holds): connection, confirm
+    // channel, and the close handler over them.
+    let session = |n: u32| {
+        let (cfg, store, batches) = (cfg.clone(), ns.store.clone(), batches.clone());
+        async move {
+            let conn =
+                Arc::new(amqp::connect(&amqp_url(), &format!("amqp-batches-test-{n}")).await?);
+            let publisher = amqp::confirm_channel(&conn).await?;
+            let session = fleet_scheduler::session::Session::new(
+                cfg,
+                store,
+                conn.clone(),
+                publisher,
+                fleet_scheduler::pause::Pauses::default(),
+            );
+            anyhow::Ok((
+                conn,
+                Arc::new(Closes {
+                    session: Arc::new(session),
+                    batches,
+                }),
+            ))
+        }
     };
     let stop = tokio_util::sync::CancellationToken::new();
 
@@ -518,7 +537,7 @@ async fn a_close_whose_record_is_not_confirmed_is_held_and_defines_the_batch_onc
         (1, 0)
     );
     let got = get_ingress(&ns, &ch, 2).await?;
-    let closes = Arc::new(closes);
+    let (mut conn, closes) = session(0).await?;
     let (held, stop2) = (closes.clone(), stop.clone());
     let taking = tokio::spawn(async move { held.take(got, &stop2).await });
     // Two tries (0.5 s apart) fail while the stream is gone: the close is held, not nacked back
@@ -532,9 +551,32 @@ async fn a_close_whose_record_is_not_confirmed_is_held_and_defines_the_batch_onc
         "nothing went back to the queue"
     );
 
-    // With the stream declared again the next try defines the batch, and the task goes on.
+    // With the stream declared again a later try defines the batch, and the task goes on.
     fleet::broker::topology::declare_control_stream(&ch, &ns.names).await?;
-    let rest = tokio::time::timeout(Duration::from_secs(30), taking).await???;
+    let mut outcome = tokio::time::timeout(Duration::from_secs(30), taking).await??;
+    let mut restarts = 0;
+    while let Err(e) = &outcome {
+        // The publishing connection was closed under it (the stream not started yet).
+        anyhow::ensure!(
+            matches!(e, fleet::Error::ChannelClosed { .. }) && restarts < 5,
+            "take failed: {e} (after {restarts} session restart(s))"
+        );
+        assert!(batches.progress(BATCH).is_none(), "nothing defined");
+        restarts += 1;
+        println!(
+            "amqp_batches: the publishing connection was closed ({e}); session restart {restarts}"
+        );
+        let _ = conn.close(200, "done".into()).await;
+        // The held messages go back to the queue with the consuming channel.
+        ch.close(200, "restart".into()).await?;
+        ch = ns.conn.create_channel().await?;
+        let got = get_ingress(&ns, &ch, 2).await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (c, closes) = session(restarts).await?;
+        conn = c;
+        outcome = tokio::time::timeout(Duration::from_secs(30), closes.take(got, &stop)).await?;
+    }
+    let rest = outcome?;
     assert_eq!(rest.len(), 1, "the task goes on to dispatch");
     let task: Value = serde_json::from_slice(&rest[0].data)?;
     assert_eq!(task["id"], "a");

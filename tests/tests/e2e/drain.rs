@@ -216,8 +216,11 @@ async fn fleetctl_drain() -> anyhow::Result<()> {
         "stderr: {err}"
     );
 
+    // Runs of 5 s: the drain (a fleetctl process, an API call, the worker noticing) must take
+    // effect before w-ctl's first two runs end, or it would rightly start more. At 1.5 s a
+    // loaded CI machine once took longer than that and the test failed.
     let envs: Vec<_> = (0..8)
-        .map(|i| task(JOB, json!({"i": i, "ms": 1500}), "pool=ctl"))
+        .map(|i| task(JOB, json!({"i": i, "ms": 5000}), "pool=ctl"))
         .collect();
     let ids: HashSet<String> = envs.iter().map(|e| e.id.clone()).collect();
     assert_eq!(ns.submit(&envs).await?, (8, 0));
