@@ -28,6 +28,7 @@
 //! | [`servers`] | private servers and a test PKI |
 //! | [`skip`] | a test whose servers are missing fails (opt-out for laptops) |
 
+pub mod api;
 pub mod dead;
 pub mod endpoint;
 pub mod handlers;
@@ -42,6 +43,7 @@ pub mod skip;
 pub mod timing;
 pub mod wait;
 
+pub use api::*;
 pub use dead::*;
 pub use endpoint::*;
 pub use handlers::*;

@@ -390,6 +390,15 @@ async fn attempt_task(
         if !keep_cancelled(&shared, &delivery, &env, env.attempt).await {
             return;
         }
+        // Refused for its batch's cancel alone (no cancel record of its own was appended):
+        // its status is written here, or it would stay `queued`.
+        if shared.cancels.cancel_of(&env.id, submitted_ms).is_none() {
+            if let Some(c) = shared.cancels.cancel_of_env(&env) {
+                if let Err(e) = shared.ledger.mark_cancelled(&env.id, &c).await {
+                    tracing::warn!(error = %e, "cannot mark a member of a cancelled batch cancelled; a second cancel of the batch writes it");
+                }
+            }
+        }
         batch_end(&shared, &env, TaskState::Cancelled.as_str(), None).await;
         tracing::info!("a cancelled task: kept in the cancelled queue, acked without running");
         if let Err(e) = shared.ledger.unreserve(lane, &env.id).await {

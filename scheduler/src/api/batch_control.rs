@@ -49,7 +49,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use fleet::control::{self, Mode, Record};
+use fleet::control;
 use fleet::status::TaskState;
 use serde_json::json;
 
@@ -100,8 +100,11 @@ async fn cancel_batch(
             .into_response();
     }
     let who = super::caller(&st, &headers);
-    let record = match &progress.cancel {
-        Some(c) => c.record.clone(),
+    // The batch's cancel record and its time: every member's own record carries that time, so
+    // a member a worker already marked from the batch's record alone (refused, `cancelled_at`
+    // the batch's) counts as cancelled by this request (`cancel.lua`'s `same:`).
+    let (record, at_ms) = match &progress.cancel {
+        Some(c) => (c.record.clone(), c.at_ms),
         None => {
             // The promise first: the batch's record, confirmed, before any member's.
             let rec = fleet::batch::cancel_record(
@@ -150,10 +153,10 @@ async fn cancel_batch(
                     st.batches.apply(&rec);
                 }
             }
-            rec.id
+            (rec.id, rec.at_ms)
         }
     };
-    let mut n = cancel_members(&st, &members, &who, &reason, &record).await;
+    let mut n = cancel_members(&st, &members, &who, &reason, (&record, at_ms)).await;
     n.already_ended += (progress.total as u64).saturating_sub(members.len() as u64);
     let cancel = st.batches.progress(&id).and_then(|p| p.cancel);
     tracing::info!(batch = %fleet::task::escape(&id), by = %who.name, cancelled = n.cancelled, already_ended = n.already_ended, failed = n.failed, already, "batch cancelled");
@@ -172,7 +175,8 @@ async fn cancel_batch(
 }
 
 /// Cancels `ids` as the bulk cancel does (paced batches: records appended together, confirms
-/// awaited, then `cancel.lua`), each record naming `bulk` (the batch's cancel record). A member
+/// awaited, then `cancel.lua`), each record naming `bulk` (the batch's cancel record) and
+/// carrying its time `at_ms`. A member
 /// without a status record in Redis (lost with it) counts as cancelled: its record is in the
 /// stream, which the workers and the replicas' mark replay follow.
 async fn cancel_members(
@@ -180,7 +184,7 @@ async fn cancel_members(
     ids: &[String],
     who: &fleet::settings::Caller,
     reason: &str,
-    bulk: &str,
+    (bulk, at_ms): (&str, i64),
 ) -> Count {
     let mut n = Count::default();
     let start = Instant::now();
@@ -188,39 +192,13 @@ async fn cancel_members(
     for chunk in ids.chunks(super::tasks::BATCH) {
         super::tasks::pace(start, done).await;
         done += chunk.len();
-        let now = st.store.clock.now_ms();
-        let recs: Vec<Record> = chunk
-            .iter()
-            .map(|id| Record::cancel(id, reason, who, now).in_bulk(bulk))
-            .collect();
-        let appended = match st.publisher.read().await.as_ref() {
-            Some(p) => control::append_batch(p, &st.store.names, &recs).await,
-            None => recs
-                .iter()
-                .map(|_| Err(fleet::Error::NotConnected))
-                .collect(),
-        };
-        let mut marks = Vec::with_capacity(recs.len());
-        for (rec, r) in recs.iter().zip(appended) {
-            let control::Op::Cancel {
-                task, reason, by, ..
-            } = &rec.op
-            else {
-                continue;
-            };
-            match r {
-                Ok(()) => marks.push((task.clone(), rec.at_ms, by.clone(), reason.clone())),
-                Err(e) => {
-                    tracing::warn!(task.id = %fleet::task::escape(task), error = %e, "a batch member's cancel was not recorded (the batch's cancel still covers it)");
-                    n.failed += 1;
-                }
-            }
+        let chunk: Vec<&String> = chunk.iter().collect();
+        let a = super::tasks::append_cancels(st, &chunk, who, reason, bulk, at_ms).await;
+        for (task, e) in a.refused {
+            tracing::warn!(task.id = %fleet::task::escape(&task), error = %e, "a batch member's cancel was not recorded (the batch's cancel still covers it)");
+            n.failed += 1;
         }
-        match st
-            .store
-            .cancel(Mode::Api, &marks, st.cfg.common.status_ttl)
-            .await
-        {
+        match a.marks {
             Ok(prev) => {
                 for p in prev {
                     match p {
@@ -230,9 +208,9 @@ async fn cancel_members(
                     }
                 }
             }
-            Err(e) => {
-                tracing::warn!(error = %e, n = marks.len(), "batch members' cancels recorded in the control stream; their Redis marks follow from there");
-                n.cancelled += marks.len() as u64;
+            Err((k, e)) => {
+                tracing::warn!(error = %e, n = k, "batch members' cancels recorded in the control stream; their Redis marks follow from there");
+                n.cancelled += k;
             }
         }
     }

@@ -569,6 +569,63 @@ async fn bulk(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Re
     .into_response()
 }
 
+/// What [`append_cancels`] did with one chunk of ids.
+pub(super) struct Appended {
+    /// Ids whose cancel record the broker did not confirm (nothing promised for them), with
+    /// the error.
+    pub refused: Vec<(String, fleet::Error)>,
+    /// The Redis marks of the ids recorded (`cancel.lua`, [`Mode::Api`]): per id, in order,
+    /// its state before ([`fleet::Store::cancel`]); `Err((n, e))` when Redis failed for those
+    /// `n` — the promise still holds: every replica writes the marks from the stream.
+    pub marks: Result<Vec<Option<String>>, (u64, fleet::Error)>,
+}
+
+/// The cancel of a bulk action or of a batch's members, one chunk (≤ [`BATCH`] ids): one
+/// control-stream record per id naming `bulk` (the action's own record, so the audit log has
+/// one entry for it), appended together with every confirm awaited — the promise — then the
+/// marks of those confirmed, in one `cancel.lua` call. `at_ms`: the records' time (when the
+/// cancel was accepted, Unix ms).
+pub(super) async fn append_cancels(
+    st: &AppState,
+    ids: &[&String],
+    who: &fleet::settings::Caller,
+    reason: &str,
+    bulk: &str,
+    now: i64,
+) -> Appended {
+    let recs: Vec<Record> = ids
+        .iter()
+        .map(|id| Record::cancel(id, reason, who, now).in_bulk(bulk))
+        .collect();
+    let appended = match st.publisher.read().await.as_ref() {
+        Some(p) => control::append_batch(p, &st.store.names, &recs).await,
+        None => recs
+            .iter()
+            .map(|_| Err(fleet::Error::NotConnected))
+            .collect(),
+    };
+    let mut marks = Vec::with_capacity(recs.len());
+    let mut refused = Vec::new();
+    for (rec, r) in recs.iter().zip(appended) {
+        let control::Op::Cancel {
+            task, reason, by, ..
+        } = &rec.op
+        else {
+            continue;
+        };
+        match r {
+            Ok(()) => marks.push((task.clone(), rec.at_ms, by.clone(), reason.clone())),
+            Err(e) => refused.push((task.clone(), e)),
+        }
+    }
+    let marks = st
+        .store
+        .cancel(Mode::Api, &marks, st.cfg.common.status_ttl)
+        .await
+        .map_err(|e| (marks.len() as u64, e));
+    Appended { refused, marks }
+}
+
 /// Cancels `ids` in paced batches: per batch, the states read again (a task that ended or was
 /// cancelled meanwhile is skipped), one control-stream record per task appended together
 /// (confirms awaited: the promise), then the marks (`cancel.lua`, as the single cancel).
@@ -605,38 +662,14 @@ async fn cancel_all(
             .collect();
         t.skipped += (batch.len() - live.len()) as u64;
         let now = st.store.clock.now_ms();
-        let recs: Vec<Record> = live
-            .iter()
-            .map(|id| Record::cancel(id, reason, who, now).in_bulk(bulk))
-            .collect();
-        let appended = match st.publisher.read().await.as_ref() {
-            Some(p) => control::append_batch(p, &st.store.names, &recs).await,
-            None => recs
-                .iter()
-                .map(|_| Err(fleet::Error::NotConnected))
-                .collect(),
-        };
-        let mut marks = Vec::new();
-        for (rec, r) in recs.iter().zip(appended) {
-            let control::Op::Cancel {
-                task, reason, by, ..
-            } = &rec.op
-            else {
-                continue;
-            };
-            match r {
-                Ok(()) => marks.push((task.clone(), rec.at_ms, by.clone(), reason.clone())),
-                Err(e) => t.fail(
-                    task,
-                    format!("the cancel was not recorded (nothing promised): {e}"),
-                ),
-            }
+        let a = append_cancels(st, &live, who, reason, bulk, now).await;
+        for (task, e) in a.refused {
+            t.fail(
+                &task,
+                format!("the cancel was not recorded (nothing promised): {e}"),
+            );
         }
-        match st
-            .store
-            .cancel(Mode::Api, &marks, st.cfg.common.status_ttl)
-            .await
-        {
+        match a.marks {
             Ok(prev) => {
                 for p in prev {
                     match p {
@@ -650,10 +683,10 @@ async fn cancel_all(
                     }
                 }
             }
-            Err(e) => {
+            Err((n, e)) => {
                 // The promise holds: every replica writes the marks from the stream.
-                tracing::warn!(error = %e, n = marks.len(), "bulk cancel recorded in the control stream; its Redis marks follow from there");
-                t.applied += marks.len() as u64;
+                tracing::warn!(error = %e, n, "bulk cancel recorded in the control stream; its Redis marks follow from there");
+                t.applied += n;
             }
         }
     }

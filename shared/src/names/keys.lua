@@ -188,6 +188,10 @@ local function status_decided(id, set, ttl_ms, score)
   local t = K_task(id)
   local cur = redis.call('HGET', t, 'state')
   if is_final(cur) then return cur end
+  -- `waiting` (a DAG member held by its batch) only before its release: a batch's close read
+  -- again (redelivered, or by a replica that has not folded it yet) must not put a member
+  -- that was released since (queued, running, ...) back to `waiting`.
+  if set[2] == 'waiting' and cur and cur ~= 'waiting' then return cur end
   redis.call('HSET', t, unpack(set))
   redis.call('PEXPIRE', t, ttl_ms)
   if not cur then index_run(id, score) end

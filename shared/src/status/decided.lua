@@ -1,6 +1,7 @@
 -- decided: the status transitions the scheduler decided for a batch (`fleet::status::Writes`:
 -- dead or expired before dispatch, waiting_for_worker, delayed), each through keys.lua's
--- status_decided — never over a final state of the same run — in one call.
+-- status_decided — never over a final state of the same run, `waiting` only over no record or
+-- `waiting` — in one call.
 -- KEYS[1]: key prefix
 -- ARGV[1]: status TTL (ms)   ARGV[2]: number of records, then per record:
 --   id, score (the run's submitted_at, Unix ms; '' unknown), number of fields f, then f pairs

@@ -133,8 +133,10 @@ impl Store {
     /// through keys.lua's `status_decided`); each record then lives `ttl` (the status TTL). A
     /// record whose state is final (succeeded, dead, expired, cancelled) is left as it is —
     /// a cancelled task whose deadline passes while it waits stays cancelled, a delayed
-    /// submission handled again after a scheduler crash does not revive a cancel — and
-    /// returned as `(id, its state)`. A record created here indexes its run (the task list,
+    /// submission handled again after a scheduler crash does not revive a cancel — and so is
+    /// a [`Writes::waiting`] over any other state than `waiting` (a batch's close read again
+    /// never puts a member released since back to waiting); each is returned as
+    /// `(id, its state)`. A record created here indexes its run (the task list,
     /// [`crate::status::index`]) under its `submitted_at`.
     ///
     /// # Errors

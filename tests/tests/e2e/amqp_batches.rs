@@ -94,20 +94,6 @@ async fn publish_close(ns: &Ns, body: &[u8]) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn get(url: String) -> anyhow::Result<(u16, Value)> {
-    let r = reqwest::get(url).await?;
-    let status = r.status().as_u16();
-    Ok((status, r.json().await.unwrap_or(Value::Null)))
-}
-
-async fn ready(s: &SchedulerHandle) -> anyhow::Result<()> {
-    wait_for("scheduler ready", Duration::from_secs(30), || async {
-        let r = reqwest::get(s.url("/readyz")).await.ok()?;
-        r.status().is_success().then_some(())
-    })
-    .await
-}
-
 /// Every dead letter, taken out of the queue: (body, reason, detail, AMQP type).
 async fn take_dead_letters(
     ns: &Ns,
@@ -146,7 +132,7 @@ async fn a_batch_of_1000_closed_over_amqp_after_some_members_ended_fires_on_comp
     let s = start_scheduler(&ns, SCHEDULER).await?;
     let w1 = start_worker(&ns, "w-1", "", 16, WORKER, &h).await?;
     let w2 = start_worker(&ns, "w-2", "", 16, WORKER, &h).await?;
-    ready(&s).await?;
+    scheduler_ready(&s).await?;
 
     let failing = [3usize, 500, 997];
     let ids: Vec<String> = (0..TOTAL).map(|i| format!("m-{i}")).collect();
@@ -177,7 +163,7 @@ async fn a_batch_of_1000_closed_over_amqp_after_some_members_ended_fires_on_comp
     )
     .await?;
     let before = runs_of(&jobs).len() + runs_of(&booms).len();
-    let (code, _) = get(s.url(&format!("/v1/batches/{BATCH}"))).await?;
+    let (code, _) = api_get(s.url(&format!("/v1/batches/{BATCH}"))).await?;
     assert_eq!(code, 404, "no batch before its close");
     let close = json!({
         "id": BATCH,
@@ -238,7 +224,7 @@ async fn a_batch_of_1000_closed_over_amqp_after_some_members_ended_fires_on_comp
     .await?;
     quiet_for(Duration::from_secs(2), "a callback would arrive now").await;
     assert_eq!(runs_of(&seen).len(), 1, "callbacks: {:?}", runs_of(&seen));
-    let (code, p) = get(s.url(&format!("/v1/batches/{BATCH}"))).await?;
+    let (code, p) = api_get(s.url(&format!("/v1/batches/{BATCH}"))).await?;
     assert_eq!(code, 200, "{p}");
     assert_eq!(p["total"], TOTAL);
     assert_eq!(p["succeeded"], TOTAL - 3);
@@ -268,7 +254,7 @@ async fn a_batch_of_1000_closed_over_amqp_after_some_members_ended_fires_on_comp
         "{}",
         dead[0].2
     );
-    let (_, p) = get(s.url(&format!("/v1/batches/{BATCH}"))).await?;
+    let (_, p) = api_get(s.url(&format!("/v1/batches/{BATCH}"))).await?;
     assert_eq!(p["total"], TOTAL);
 
     w1.stop().await?;
@@ -287,7 +273,7 @@ async fn a_waiting_member_listed_in_a_close_runs_after_its_parents() -> anyhow::
     let h = [(STEP, step_h), (CALLBACK, cb_h)];
     let s = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 8, WORKER, &h).await?;
-    ready(&s).await?;
+    scheduler_ready(&s).await?;
 
     // Two parents (a slow one whose result the child takes: it carries `pass_result` itself,
     // published before the close), then the close holding the child.
@@ -304,7 +290,7 @@ async fn a_waiting_member_listed_in_a_close_runs_after_its_parents() -> anyhow::
     publish_close(&ns, &serde_json::to_vec(&close)?).await?;
     // Defined while p1 still runs: the child waits.
     let p = wait_for("the batch defined", Duration::from_secs(10), || async {
-        let (code, p) = get(s.url(&format!("/v1/batches/{BATCH}"))).await.ok()?;
+        let (code, p) = api_get(s.url(&format!("/v1/batches/{BATCH}"))).await.ok()?;
         (code == 200).then_some(p)
     })
     .await?;
@@ -352,7 +338,7 @@ async fn a_bad_close_is_dead_lettered_with_its_reason_and_defines_nothing() -> a
     let h = [(JOB, job_h)];
     let s = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 4, WORKER, &h).await?;
-    ready(&s).await?;
+    scheduler_ready(&s).await?;
 
     let too_many: Vec<String> = (0..=fleet::batch::MAX_TASKS)
         .map(|i| i.to_string())
@@ -426,7 +412,7 @@ async fn a_bad_close_is_dead_lettered_with_its_reason_and_defines_nothing() -> a
         }
     }
     for b in ["bad-2", "bad-3", "bad-4", "bad-5"] {
-        let (code, p) = get(s.url(&format!("/v1/batches/{b}"))).await?;
+        let (code, p) = api_get(s.url(&format!("/v1/batches/{b}"))).await?;
         assert_eq!(code, 404, "{b}: {p}");
     }
     let page = reqwest::get(s.url("/metrics")).await?.text().await?;
@@ -593,4 +579,49 @@ async fn a_close_whose_record_is_not_confirmed_is_held_and_defines_the_batch_onc
     let _ = conn.close(200, "done".into()).await;
     ns.cleanup().await?;
     Ok(())
+}
+
+/// A batch's waiting statuses written again (its close redelivered, or read by a replica that
+/// has not folded the batch yet) never put a member released since back to `waiting`: a
+/// `queued` record stays queued (and is reported left as it was); a member with no record, or
+/// still waiting, is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_is_never_written_over_a_released_member() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let mut first = fleet::status::Writes::new();
+    for id in ["released", "still"] {
+        first.waiting(id, Lane::Normal, &["p".to_string()], "b-again");
+    }
+    assert!(ns
+        .store
+        .write_statuses(&first, Duration::from_secs(60))
+        .await?
+        .is_empty());
+    // "released" was released: its record now says queued.
+    let mut hset = deadpool_redis::redis::cmd("HSET");
+    hset.arg(ns.names.task("released"))
+        .arg("state")
+        .arg("queued");
+    ns.store.query::<i64>(&hset).await?;
+    let mut again = fleet::status::Writes::new();
+    for id in ["released", "still", "fresh"] {
+        again.waiting(id, Lane::Normal, &["p".to_string()], "b-again");
+    }
+    let left = ns
+        .store
+        .write_statuses(&again, Duration::from_secs(60))
+        .await?;
+    assert_eq!(left, [("released".to_string(), "queued".to_string())]);
+    let state = |id: &'static str| {
+        let ns = &ns;
+        async move {
+            ns.status(id)
+                .await
+                .map(|s| s.and_then(|s| s.get("state").cloned()))
+        }
+    };
+    assert_eq!(state("released").await?.as_deref(), Some("queued"));
+    assert_eq!(state("still").await?.as_deref(), Some("waiting"));
+    assert_eq!(state("fresh").await?.as_deref(), Some("waiting"));
+    ns.cleanup().await
 }

@@ -92,30 +92,10 @@ fn seen_of(seen: &Seen) -> Vec<String> {
     seen.lock().map(|v| v.clone()).unwrap_or_default()
 }
 
-async fn post(url: String, body: &Value) -> anyhow::Result<(u16, Value)> {
-    let r = reqwest::Client::new().post(url).json(body).send().await?;
-    let status = r.status().as_u16();
-    Ok((status, r.json().await.unwrap_or(Value::Null)))
-}
-
-async fn get(url: String) -> anyhow::Result<(u16, Value)> {
-    let r = reqwest::get(url).await?;
-    let status = r.status().as_u16();
-    Ok((status, r.json().await.unwrap_or(Value::Null)))
-}
-
-async fn ready(s: &SchedulerHandle) -> anyhow::Result<()> {
-    wait_for("scheduler ready", Duration::from_secs(30), || async {
-        let r = reqwest::get(s.url("/readyz")).await.ok()?;
-        r.status().is_success().then_some(())
-    })
-    .await
-}
-
 /// Waits until batch `id` has no member pending; its figures then.
 async fn settled(s: &SchedulerHandle, id: &str, timeout: Duration) -> anyhow::Result<Value> {
     wait_for("every member ended", timeout, || async {
-        let (code, p) = get(s.url(&format!("/v1/batches/{id}"))).await.ok()?;
+        let (code, p) = api_get(s.url(&format!("/v1/batches/{id}"))).await.ok()?;
         (code == 200 && p["pending"] == 0).then_some(p)
     })
     .await
@@ -123,14 +103,14 @@ async fn settled(s: &SchedulerHandle, id: &str, timeout: Duration) -> anyhow::Re
 
 /// The `batch_cancel` entries of the audit log.
 async fn batch_cancels(s: &SchedulerHandle) -> anyhow::Result<Vec<Value>> {
-    let (code, v) = get(s.url("/v1/audit?action=batch_cancel&limit=1000")).await?;
+    let (code, v) = api_get(s.url("/v1/audit?action=batch_cancel&limit=1000")).await?;
     anyhow::ensure!(code == 200, "GET /v1/audit: {code} {v}");
     Ok(v["entries"].as_array().cloned().unwrap_or_default())
 }
 
 /// The `cancel` entries of the audit log (a batch's member cancels must add none).
 async fn single_cancels(s: &SchedulerHandle) -> anyhow::Result<usize> {
-    let (_, v) = get(s.url("/v1/audit?action=cancel&limit=1000")).await?;
+    let (_, v) = api_get(s.url("/v1/audit?action=cancel&limit=1000")).await?;
     Ok(v["entries"].as_array().map(Vec::len).unwrap_or(0))
 }
 
@@ -145,7 +125,7 @@ async fn a_batch_cancelled_midway_runs_no_more_members_and_fires_no_callback() -
     let h = [(JOB, recording(&runs, &gate)), (CALLBACK, cb)];
     let s = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", CAPACITY, WORKER, &h).await?;
-    ready(&s).await?;
+    scheduler_ready(&s).await?;
 
     let ids: Vec<String> = (0..TOTAL).map(|i| format!("m-{i}")).collect();
     let body = json!({
@@ -154,14 +134,14 @@ async fn a_batch_cancelled_midway_runs_no_more_members_and_fires_no_callback() -
         "on_success": {"kind": CALLBACK},
         "on_complete": {"kind": CALLBACK},
     });
-    let (code, answer) = post(s.url("/v1/batches"), &body).await?;
+    let (code, answer) = api_post(s.url("/v1/batches"), &body).await?;
     assert_eq!(code, 202, "{answer}");
     wait_for("some members ran", Duration::from_secs(60), || async {
         (runs.done().len() >= 20).then_some(())
     })
     .await?;
 
-    let (code, c) = post(
+    let (code, c) = api_post(
         s.url("/v1/batches/nightly/cancel"),
         &json!({"reason": "bad input file"}),
     )
@@ -262,13 +242,13 @@ async fn a_batch_cancelled_midway_runs_no_more_members_and_fires_no_callback() -
     assert_eq!(single_cancels(&s).await?, 0);
 
     // Again: 202, already; no second audit entry. Unknown: 404.
-    let (code, again) = post(s.url("/v1/batches/nightly/cancel"), &json!({})).await?;
+    let (code, again) = api_post(s.url("/v1/batches/nightly/cancel"), &json!({})).await?;
     assert_eq!(code, 202, "{again}");
     assert_eq!(again["already"], true);
     assert_eq!(again["cancelled"], 0, "{again}");
     assert_eq!(again["already_ended"], TOTAL);
     assert_eq!(batch_cancels(&s).await?.len(), 1);
-    let (code, _) = post(s.url("/v1/batches/nope/cancel"), &json!({})).await?;
+    let (code, _) = api_post(s.url("/v1/batches/nope/cancel"), &json!({})).await?;
     assert_eq!(code, 404);
     assert_eq!(seen_of(&seen), Vec::<String>::new());
 
@@ -286,7 +266,7 @@ async fn a_dag_batch_cancelled_while_members_wait_never_releases_them() -> anyho
     let h = [(JOB, recording(&runs, &gate)), (CALLBACK, cb)];
     let s = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 4, WORKER, &h).await?;
-    ready(&s).await?;
+    scheduler_ready(&s).await?;
     let body = json!({
         "id": "chain",
         "tasks": [
@@ -298,7 +278,7 @@ async fn a_dag_batch_cancelled_while_members_wait_never_releases_them() -> anyho
         ],
         "on_complete": {"kind": CALLBACK},
     });
-    let (code, answer) = post(s.url("/v1/batches"), &body).await?;
+    let (code, answer) = api_post(s.url("/v1/batches"), &body).await?;
     assert_eq!(code, 202, "{answer}");
     wait_for("A running and E done", Duration::from_secs(30), || async {
         let per = runs.per_id();
@@ -369,14 +349,14 @@ async fn a_batch_cancel_holds_across_a_flushall_and_a_scheduler_restart() -> any
     let h = [(JOB, recording(&runs, &gate)), (CALLBACK, cb)];
     let s1 = start_scheduler(&ns, SCHEDULER).await?;
     let w1 = start_worker(&ns, "w-1", "", 2, WORKER, &h).await?;
-    ready(&s1).await?;
+    scheduler_ready(&s1).await?;
     let ids: Vec<String> = (0..TOTAL).map(|i| format!("q-{i}")).collect();
     let body = json!({
         "id": "held",
         "tasks": ids.iter().map(|id| json!({"id": id, "kind": JOB, "payload": {"gated": true}})).collect::<Vec<_>>(),
         "on_complete": {"kind": CALLBACK},
     });
-    let (code, answer) = post(s1.url("/v1/batches"), &body).await?;
+    let (code, answer) = api_post(s1.url("/v1/batches"), &body).await?;
     assert_eq!(code, 202, "{answer}");
     wait_for("two members running", Duration::from_secs(30), || async {
         (runs.starts().len() == 2).then_some(())
@@ -386,14 +366,14 @@ async fn a_batch_cancel_holds_across_a_flushall_and_a_scheduler_restart() -> any
     w1.force.cancel();
     w1.shutdown.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(30), w1.join).await;
-    let (code, c) = post(s1.url("/v1/batches/held/cancel"), &json!({"reason": "r"})).await?;
+    let (code, c) = api_post(s1.url("/v1/batches/held/cancel"), &json!({"reason": "r"})).await?;
     assert_eq!(code, 202, "{c}");
     assert_eq!(c["cancelled"], TOTAL, "{c}");
     // Redis loses every mark, and the scheduler that took the cancel goes away.
     redis.flushall().await?;
     s1.stop().await?;
     let s2 = start_scheduler(&ns, SCHEDULER).await?;
-    ready(&s2).await?;
+    scheduler_ready(&s2).await?;
     for id in &ids {
         gate.open(id);
     }
@@ -423,7 +403,7 @@ async fn a_batch_cancel_holds_across_a_flushall_and_a_scheduler_restart() -> any
 
 /// The pause of batch `batch` as `GET /v1/pauses` lists it.
 async fn batch_pause(s: &SchedulerHandle, batch: &str) -> anyhow::Result<Option<Value>> {
-    let (code, v) = get(s.url("/v1/pauses")).await?;
+    let (code, v) = api_get(s.url("/v1/pauses")).await?;
     anyhow::ensure!(code == 200, "GET /v1/pauses: {code} {v}");
     Ok(v["pauses"].as_array().and_then(|a| {
         a.iter()
@@ -443,21 +423,21 @@ async fn a_paused_batch_holds_its_members_while_other_work_runs_and_runs_each_on
     let h = [(JOB, recording(&runs, &gate)), (CALLBACK, cb)];
     let s = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 8, WORKER, &h).await?;
-    ready(&s).await?;
+    scheduler_ready(&s).await?;
 
-    let (code, p) = post(
+    let (code, p) = api_post(
         s.url("/v1/pauses"),
         &json!({"scope": "batch", "batch": "B", "reason": "hold"}),
     )
     .await?;
     assert_eq!(code, 202, "{p}");
-    let (code, _) = post(
+    let (code, _) = api_post(
         s.url("/v1/pauses"),
         &json!({"scope": "batch", "batch": "B"}),
     )
     .await?;
     assert_eq!(code, 200, "paused already");
-    let (code, e) = post(s.url("/v1/pauses"), &json!({"scope": "batch", "batch": ""})).await?;
+    let (code, e) = api_post(s.url("/v1/pauses"), &json!({"scope": "batch", "batch": ""})).await?;
     assert_eq!(code, 400, "{e}");
 
     // Batch B (paused, with a chain: `tail` waits for `b-0`), batch O and lone tasks.
@@ -471,19 +451,19 @@ async fn a_paused_batch_holds_its_members_while_other_work_runs_and_runs_each_on
         "on_success": {"kind": CALLBACK},
         "on_complete": {"kind": CALLBACK},
     });
-    let (code, a) = post(s.url("/v1/batches"), &b_body).await?;
+    let (code, a) = api_post(s.url("/v1/batches"), &b_body).await?;
     assert_eq!(code, 202, "{a}");
     let o_body = json!({
         "id": "O",
         "tasks": (0..OTHERS).map(|i| json!({"id": format!("o-{i}"), "kind": JOB})).collect::<Vec<_>>(),
         "on_complete": {"kind": CALLBACK},
     });
-    let (code, a) = post(s.url("/v1/batches"), &o_body).await?;
+    let (code, a) = api_post(s.url("/v1/batches"), &o_body).await?;
     assert_eq!(code, 202, "{a}");
     let lone: Vec<Value> = (0..OTHERS)
         .map(|i| json!({"id": format!("l-{i}"), "kind": JOB}))
         .collect();
-    let (code, a) = post(s.url("/v1/tasks"), &json!(lone)).await?;
+    let (code, a) = api_post(s.url("/v1/tasks"), &json!(lone)).await?;
     assert_eq!(code, 202, "{a}");
 
     let is_b = |id: &str| id.starts_with("b-") || id == "tail";
@@ -523,12 +503,12 @@ async fn a_paused_batch_holds_its_members_while_other_work_runs_and_runs_each_on
         },
     )
     .await?;
-    let (_, prog) = get(s.url("/v1/batches/B")).await?;
+    let (_, prog) = api_get(s.url("/v1/batches/B")).await?;
     assert_eq!(prog["pending"], HELD + 1, "{prog}");
     assert_eq!(prog["waiting"], json!(["tail"]));
     assert_eq!(seen_of(&seen), vec!["O:on_complete".to_string()]);
 
-    let (code, r) = post(
+    let (code, r) = api_post(
         s.url("/v1/pauses/resume"),
         &json!({"scope": "batch", "batch": "B"}),
     )
@@ -556,11 +536,11 @@ async fn a_paused_batch_holds_its_members_while_other_work_runs_and_runs_each_on
     let mut cbs = seen_of(&seen);
     cbs.sort();
     assert_eq!(cbs, vec!["B:on_complete", "B:on_success", "O:on_complete"]);
-    let (_, prog) = get(s.url("/v1/batches/B")).await?;
+    let (_, prog) = api_get(s.url("/v1/batches/B")).await?;
     assert_eq!(prog["succeeded"], HELD + 1, "{prog}");
     assert!(batch_pause(&s, "B").await?.is_none());
     // Each pause and resume is audited.
-    let (_, audit) = get(s.url("/v1/audit?limit=1000")).await?;
+    let (_, audit) = api_get(s.url("/v1/audit?limit=1000")).await?;
     let of = |action: &str| {
         audit["entries"]
             .as_array()
@@ -588,7 +568,7 @@ async fn a_paused_batch_cancelled_counts_its_held_members_cancelled_and_its_resu
     let h = [(JOB, recording(&runs, &gate)), (CALLBACK, cb)];
     let s = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 4, WORKER, &h).await?;
-    ready(&s).await?;
+    scheduler_ready(&s).await?;
     let api = format!("http://{}", s.addr);
     let (code, out, err) = fleetctl(&ns, &api, &["pause", "batch", "X", "--reason", "r"]).await?;
     assert_eq!(code, 0, "{err}");
@@ -598,14 +578,14 @@ async fn a_paused_batch_cancelled_counts_its_held_members_cancelled_and_its_resu
         "tasks": (0..N).map(|i| json!({"id": format!("x-{i}"), "kind": JOB})).collect::<Vec<_>>(),
         "on_complete": {"kind": CALLBACK},
     });
-    let (code, a) = post(s.url("/v1/batches"), &body).await?;
+    let (code, a) = api_post(s.url("/v1/batches"), &body).await?;
     assert_eq!(code, 202, "{a}");
     wait_for("X held", Duration::from_secs(30), || async {
         let p = batch_pause(&s, "X").await.ok()??;
         (p["held"] == N).then_some(())
     })
     .await?;
-    let (code, c) = post(s.url("/v1/batches/X/cancel"), &json!({})).await?;
+    let (code, c) = api_post(s.url("/v1/batches/X/cancel"), &json!({})).await?;
     assert_eq!(code, 202, "{c}");
     assert_eq!(c["cancelled"], N, "{c}");
     let p = settled(&s, "X", Duration::from_secs(30)).await?;
@@ -666,7 +646,7 @@ async fn the_console_pauses_resumes_and_cancels_a_batch_with_its_buttons() -> an
     let s = start_scheduler(&ns, &settings).await?;
     let (runs, gate) = (Runs::default(), Gate::default());
     let w = start_worker(&ns, "w-1", "", 1, WORKER, &[(JOB, recording(&runs, &gate))]).await?;
-    ready(&s).await?;
+    scheduler_ready(&s).await?;
     let batch = format!("ui-{}", ns.name);
     let body = json!({
         "id": batch,
@@ -747,7 +727,7 @@ async fn a_batch_pause_holds_across_a_flushall_and_a_restart_and_releases_no_dag
     let h = [(JOB, recording(&runs, &gate)), (CALLBACK, cb)];
     let s1 = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 4, WORKER, &h).await?;
-    ready(&s1).await?;
+    scheduler_ready(&s1).await?;
     // The parent runs (held by its gate) before the pause; its child waits for it.
     let mut tasks = vec![
         json!({"id": "p", "kind": JOB, "payload": {"gated": true}}),
@@ -756,13 +736,13 @@ async fn a_batch_pause_holds_across_a_flushall_and_a_restart_and_releases_no_dag
     tasks.extend((0..HELD).map(|i| json!({"id": format!("h-{i}"), "kind": JOB})));
     // The others (`h-*`) make batch D2, paused before it is submitted.
     let first = json!({"id": "D", "tasks": tasks[..2], "on_complete": {"kind": CALLBACK}});
-    let (code, a) = post(s1.url("/v1/batches"), &first).await?;
+    let (code, a) = api_post(s1.url("/v1/batches"), &first).await?;
     assert_eq!(code, 202, "{a}");
     wait_for("p running", Duration::from_secs(30), || async {
         runs.per_id().contains_key("p").then_some(())
     })
     .await?;
-    let (code, p) = post(
+    let (code, p) = api_post(
         s1.url("/v1/pauses"),
         &json!({"scope": "batch", "batch": "D"}),
     )
@@ -770,19 +750,19 @@ async fn a_batch_pause_holds_across_a_flushall_and_a_restart_and_releases_no_dag
     assert_eq!(code, 202, "{p}");
     gate.open("p");
     wait_for("p succeeded", Duration::from_secs(30), || async {
-        let (_, b) = get(s1.url("/v1/batches/D")).await.ok()?;
+        let (_, b) = api_get(s1.url("/v1/batches/D")).await.ok()?;
         (b["succeeded"] == 1).then_some(())
     })
     .await?;
     // A batch paused before its submission (D2): its members wait in its hold.
     let second = json!({"id": "D2", "tasks": tasks[2..]});
-    let (code, p) = post(
+    let (code, p) = api_post(
         s1.url("/v1/pauses"),
         &json!({"scope": "batch", "batch": "D2"}),
     )
     .await?;
     assert_eq!(code, 202, "{p}");
-    let (code, a) = post(s1.url("/v1/batches"), &second).await?;
+    let (code, a) = api_post(s1.url("/v1/batches"), &second).await?;
     assert_eq!(code, 202, "{a}");
     wait_for("D2 held", Duration::from_secs(30), || async {
         let p = batch_pause(&s1, "D2").await.ok()??;
@@ -793,7 +773,7 @@ async fn a_batch_pause_holds_across_a_flushall_and_a_restart_and_releases_no_dag
     redis.flushall().await?;
     s1.stop().await?;
     let s2 = start_scheduler(&ns, SCHEDULER).await?;
-    ready(&s2).await?;
+    scheduler_ready(&s2).await?;
     always_for(
         "D and D2 paused",
         Duration::from_secs(3),
@@ -803,7 +783,7 @@ async fn a_batch_pause_holds_across_a_flushall_and_a_restart_and_releases_no_dag
             anyhow::ensure!(!per.contains_key("c"), "c was released while D was paused");
             let h = per.keys().filter(|id| id.starts_with("h-")).count();
             anyhow::ensure!(h == 0, "{h} of D2 ran while paused");
-            let (_, b) = get(s2.url("/v1/batches/D")).await?;
+            let (_, b) = api_get(s2.url("/v1/batches/D")).await?;
             anyhow::ensure!(b["waiting"] == json!(["c"]), "D: {b}");
             anyhow::ensure!(b["fired"] == json!([]), "D fired while paused: {b}");
             Ok(())
@@ -813,7 +793,7 @@ async fn a_batch_pause_holds_across_a_flushall_and_a_restart_and_releases_no_dag
     let p = batch_pause(&s2, "D2").await?.unwrap_or_default();
     assert_eq!(p["held"], HELD, "{p}");
     for b in ["D", "D2"] {
-        let (code, r) = post(
+        let (code, r) = api_post(
             s2.url("/v1/pauses/resume"),
             &json!({"scope": "batch", "batch": b}),
         )
@@ -821,8 +801,8 @@ async fn a_batch_pause_holds_across_a_flushall_and_a_restart_and_releases_no_dag
         assert_eq!(code, 202, "{r}");
     }
     wait_for("everything ran", Duration::from_secs(60), || async {
-        let (_, d) = get(s2.url("/v1/batches/D")).await.ok()?;
-        let (_, d2) = get(s2.url("/v1/batches/D2")).await.ok()?;
+        let (_, d) = api_get(s2.url("/v1/batches/D")).await.ok()?;
+        let (_, d2) = api_get(s2.url("/v1/batches/D2")).await.ok()?;
         (d["succeeded"] == 2 && d2["succeeded"] == HELD && d["fired"] == json!(["on_complete"]))
             .then_some(())
     })
@@ -840,4 +820,88 @@ async fn a_batch_pause_holds_across_a_flushall_and_a_restart_and_releases_no_dag
     s2.stop().await?;
     ns.cleanup().await?;
     Ok(())
+}
+
+/// A replica that stops right after appending a batch's cancel record, before any member's
+/// own cancel record (modelled by appending the batch's record alone): the workers refuse
+/// the members from their memory of the stream — and each refused member's status says
+/// `cancelled` (it said `queued` until a second cancel of the batch), it never runs, the
+/// batch counts it cancelled and no callback fires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn members_refused_for_their_batch_s_cancel_alone_are_marked_cancelled() -> anyhow::Result<()>
+{
+    use fleet::broker::amqp;
+    const TOTAL: usize = 12;
+    const BATCH: &str = "lone-record";
+    let ns = Ns::new().await?;
+    let (runs, gate) = (Runs::default(), Gate::default());
+    let (seen, cb) = callbacks();
+    let h = [(JOB, recording(&runs, &gate)), (CALLBACK, cb)];
+    let s = start_scheduler(&ns, SCHEDULER).await?;
+    let w = start_worker(&ns, "w-lone", "", 1, WORKER, &h).await?;
+    scheduler_ready(&s).await?;
+    let ids: Vec<String> = (0..TOTAL).map(|i| format!("m-{i}")).collect();
+    let body = json!({
+        "id": BATCH,
+        "tasks": ids.iter().map(|id| json!({"id": id, "kind": JOB, "payload": {"gated": true}})).collect::<Vec<_>>(),
+        "on_complete": {"kind": CALLBACK},
+    });
+    let (code, answer) = api_post(s.url("/v1/batches"), &body).await?;
+    assert_eq!(code, 202, "{answer}");
+    wait_for("one member running", Duration::from_secs(30), || async {
+        (runs.starts().len() == 1).then_some(())
+    })
+    .await?;
+
+    // The batch's record alone, confirmed.
+    let conn = amqp::connect(&amqp_url(), "batch-control-lone-record").await?;
+    let publisher = amqp::confirm_channel(&conn).await?;
+    let rec = fleet::batch::cancel_record(
+        BATCH,
+        "replica stopped",
+        &fleet::settings::Caller::anonymous(),
+        TOTAL as u64,
+        ns.store.clock.now_ms(),
+    );
+    fleet::control::append(&publisher, &ns.names, &rec).await?;
+    let _ = conn.close(200, "done".into()).await;
+    wait_for(
+        "the scheduler folded the cancel",
+        Duration::from_secs(15),
+        || async {
+            let (code, p) = api_get(s.url(&format!("/v1/batches/{BATCH}"))).await.ok()?;
+            (code == 200 && p["cancel"].is_object()).then_some(())
+        },
+    )
+    .await?;
+    for id in &ids {
+        gate.open(id);
+    }
+    let p = settled(&s, BATCH, Duration::from_secs(60)).await?;
+    quiet_for(
+        Duration::from_secs(1),
+        "a member or a callback would run now",
+    )
+    .await;
+    let per = runs.per_id();
+    let mut refused = 0;
+    for id in &ids {
+        let st = ns.status(id).await?.unwrap_or_default();
+        let state = st.get("state").map(String::as_str).unwrap_or("-");
+        match per.get(id) {
+            Some(1) => assert_eq!(state, "succeeded", "{id} ran once: {st:?}"),
+            None => {
+                assert_eq!(state, "cancelled", "{id} was refused: {st:?}");
+                refused += 1;
+            }
+            Some(n) => panic!("{id} ran {n} times"),
+        }
+    }
+    println!("a batch's record alone: {refused} of {TOTAL} refused and marked cancelled; {p}");
+    assert!(refused >= 1, "no member was refused: {per:?}");
+    assert_eq!(p["cancelled"], refused, "{p}");
+    assert_eq!(seen_of(&seen), Vec::<String>::new(), "no callback fires");
+    w.stop().await?;
+    s.stop().await?;
+    ns.cleanup().await
 }

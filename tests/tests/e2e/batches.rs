@@ -42,27 +42,6 @@ fn seen_of(seen: &Seen) -> Vec<(String, Value)> {
     seen.lock().map(|v| v.clone()).unwrap_or_default()
 }
 
-async fn post(url: String, body: &Value) -> anyhow::Result<(u16, Value)> {
-    let r = reqwest::Client::new().post(url).json(body).send().await?;
-    let status = r.status().as_u16();
-    Ok((status, r.json().await.unwrap_or(Value::Null)))
-}
-
-/// Waits until the scheduler answers `/readyz` 200 (its publisher and control stream ready).
-async fn ready(s: &SchedulerHandle) -> anyhow::Result<()> {
-    wait_for("scheduler ready", Duration::from_secs(30), || async {
-        let r = reqwest::get(s.url("/readyz")).await.ok()?;
-        r.status().is_success().then_some(())
-    })
-    .await
-}
-
-async fn get(url: String) -> anyhow::Result<(u16, Value)> {
-    let r = reqwest::get(url).await?;
-    let status = r.status().as_u16();
-    Ok((status, r.json().await.unwrap_or(Value::Null)))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_of_5000_with_3_failing_fires_on_complete_once_across_replicas_and_redis_loss(
 ) -> anyhow::Result<()> {
@@ -78,8 +57,8 @@ async fn a_batch_of_5000_with_3_failing_fires_on_complete_once_across_replicas_a
     let w2 = start_worker(&ns, "w-2", "", 16, WORKER, &h).await?;
     // Killed in the middle: a hard stop (runs cut, no outcome, no ack, its connection gone).
     let victim = start_worker(&ns, "w-victim", "", 16, WORKER, &h).await?;
-    ready(&s1).await?;
-    ready(&s2).await?;
+    scheduler_ready(&s1).await?;
+    scheduler_ready(&s2).await?;
 
     let failing = [7usize, 2_500, 4_990];
     let tasks: Vec<Value> = (0..TOTAL)
@@ -98,7 +77,7 @@ async fn a_batch_of_5000_with_3_failing_fires_on_complete_once_across_replicas_a
         "on_success": {"kind": CALLBACK, "payload": {"which": "success"}},
         "on_complete": {"kind": CALLBACK, "payload": {"which": "complete"}},
     });
-    let (code, answer) = post(s1.url("/v1/batches"), &body).await?;
+    let (code, answer) = api_post(s1.url("/v1/batches"), &body).await?;
     assert_eq!(code, 202, "{answer}");
     assert_eq!(answer["batch"], "import-1");
     assert_eq!(answer["ids"].as_array().map(Vec::len), Some(TOTAL));
@@ -153,7 +132,7 @@ async fn a_batch_of_5000_with_3_failing_fires_on_complete_once_across_replicas_a
 
     // Both replicas give the same progress.
     for s in [&s1, &s2] {
-        let (code, p) = get(s.url("/v1/batches/import-1")).await?;
+        let (code, p) = api_get(s.url("/v1/batches/import-1")).await?;
         assert_eq!(code, 200, "{p}");
         assert_eq!(p["total"], TOTAL);
         assert_eq!(p["succeeded"], TOTAL - 3);
@@ -163,7 +142,7 @@ async fn a_batch_of_5000_with_3_failing_fires_on_complete_once_across_replicas_a
         assert_eq!(p["fired"], json!(["on_complete"]));
         assert_eq!(p["failed"], json!(["m-7", "m-2500", "m-4990"]));
     }
-    let (code, _) = get(s1.url("/v1/batches/nope")).await?;
+    let (code, _) = api_get(s1.url("/v1/batches/nope")).await?;
     assert_eq!(code, 404);
 
     w1.stop().await?;
@@ -183,13 +162,13 @@ async fn a_batch_that_all_succeeds_fires_both_callbacks_once_and_a_restarted_rep
     let h = [(JOB, rec.handler()), (CALLBACK, cb)];
     let s1 = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 8, WORKER, &h).await?;
-    ready(&s1).await?;
+    scheduler_ready(&s1).await?;
     let body = json!({
         "tasks": (0..20).map(|i| json!({"kind": JOB, "payload": {"i": i}})).collect::<Vec<_>>(),
         "on_success": {"kind": CALLBACK, "payload": 42},
         "on_complete": {"kind": CALLBACK},
     });
-    let (code, answer) = post(s1.url("/v1/batches"), &body).await?;
+    let (code, answer) = api_post(s1.url("/v1/batches"), &body).await?;
     assert_eq!(code, 202, "{answer}");
     let batch = answer["batch"].as_str().unwrap_or_default().to_string();
     wait_for("both callbacks", Duration::from_secs(30), || async {
@@ -216,8 +195,8 @@ async fn a_batch_that_all_succeeds_fires_both_callbacks_once_and_a_restarted_rep
 
     // A replica started later reads the stream: it knows the batch, and fires nothing again.
     let s2 = start_scheduler(&ns, SCHEDULER).await?;
-    ready(&s2).await?;
-    let (code, p) = get(s2.url(&format!("/v1/batches/{batch}"))).await?;
+    scheduler_ready(&s2).await?;
+    let (code, p) = api_get(s2.url(&format!("/v1/batches/{batch}"))).await?;
     assert_eq!(code, 200, "{p}");
     assert_eq!(p["succeeded"], 20);
     assert_eq!(p["fired"], json!(["on_complete", "on_success"]));
@@ -226,15 +205,15 @@ async fn a_batch_that_all_succeeds_fires_both_callbacks_once_and_a_restarted_rep
     assert_eq!(rec.count(), 20);
 
     // Refusals: an empty batch, an invalid member (its index), a callback without kind.
-    let (code, e) = post(s1.url("/v1/batches"), &json!({"tasks": []})).await?;
+    let (code, e) = api_post(s1.url("/v1/batches"), &json!({"tasks": []})).await?;
     assert_eq!((code, e["error"].as_str()), (400, Some("no_tasks")));
-    let (code, e) = post(
+    let (code, e) = api_post(
         s1.url("/v1/batches"),
         &json!({"tasks": [{"kind": JOB}, {"payload": 1}]}),
     )
     .await?;
     assert_eq!((code, e["index"].as_i64()), (400, Some(1)), "{e}");
-    let (code, e) = post(
+    let (code, e) = api_post(
         s1.url("/v1/batches"),
         &json!({"tasks": [{"kind": JOB}], "on_complete": {"payload": 1}}),
     )

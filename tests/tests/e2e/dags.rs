@@ -93,30 +93,10 @@ fn callbacks() -> (Seen, Arc<dyn Handler>) {
     (seen, h)
 }
 
-async fn post(url: String, body: &Value) -> anyhow::Result<(u16, Value)> {
-    let r = reqwest::Client::new().post(url).json(body).send().await?;
-    let status = r.status().as_u16();
-    Ok((status, r.json().await.unwrap_or(Value::Null)))
-}
-
-async fn get(url: String) -> anyhow::Result<(u16, Value)> {
-    let r = reqwest::get(url).await?;
-    let status = r.status().as_u16();
-    Ok((status, r.json().await.unwrap_or(Value::Null)))
-}
-
-async fn ready(s: &SchedulerHandle) -> anyhow::Result<()> {
-    wait_for("scheduler ready", Duration::from_secs(30), || async {
-        let r = reqwest::get(s.url("/readyz")).await.ok()?;
-        r.status().is_success().then_some(())
-    })
-    .await
-}
-
 /// Waits until batch `id` is complete on `s`; its progress.
 async fn complete(s: &SchedulerHandle, id: &str, within: Duration) -> anyhow::Result<Value> {
     wait_for(&format!("batch {id} complete"), within, || async {
-        let (code, p) = get(s.url(&format!("/v1/batches/{id}"))).await.ok()?;
+        let (code, p) = api_get(s.url(&format!("/v1/batches/{id}"))).await.ok()?;
         (code == 200 && p["complete"] == true).then_some(p)
     })
     .await
@@ -131,8 +111,8 @@ async fn a_diamond_runs_its_join_once_after_both_branches_across_two_replicas_an
     let s1 = start_scheduler(&ns, SCHEDULER).await?;
     let s2 = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 8, WORKER, &h).await?;
-    ready(&s1).await?;
-    ready(&s2).await?;
+    scheduler_ready(&s1).await?;
+    scheduler_ready(&s2).await?;
     // B is slower than C: D must wait for the slower branch, not the first one to end.
     let body = json!({
         "id": "diamond",
@@ -143,12 +123,12 @@ async fn a_diamond_runs_its_join_once_after_both_branches_across_two_replicas_an
             {"id": "C", "kind": STEP, "after": ["A"], "payload": {"ms": 50}},
         ],
     });
-    let (code, answer) = post(s1.url("/v1/batches"), &body).await?;
+    let (code, answer) = api_post(s1.url("/v1/batches"), &body).await?;
     assert_eq!(code, 202, "{answer}");
     assert_eq!(answer["waiting"], json!(["D", "B", "C"]));
 
     // While A runs, D waits: its own status and the batch (through the other replica) say so.
-    let (code, d) = get(s1.url("/v1/tasks/D")).await?;
+    let (code, d) = api_get(s1.url("/v1/tasks/D")).await?;
     assert_eq!(code, 200, "{d}");
     assert_eq!(d["state"], "waiting", "{d}");
     assert_eq!(d["after"], json!(["B", "C"]));
@@ -156,13 +136,13 @@ async fn a_diamond_runs_its_join_once_after_both_branches_across_two_replicas_an
         "the other replica read the batch",
         Duration::from_secs(5),
         || async {
-            let (code, p) = get(s2.url("/v1/batches/diamond")).await.ok()?;
+            let (code, p) = api_get(s2.url("/v1/batches/diamond")).await.ok()?;
             (code == 200).then_some(p)
         },
     )
     .await?;
     assert_eq!(p["waiting"], json!(["D", "B", "C"]), "{p}");
-    let (code, list) = get(s1.url("/v1/tasks?state=waiting")).await?;
+    let (code, list) = api_get(s1.url("/v1/tasks?state=waiting")).await?;
     assert_eq!(code, 200, "{list}");
     let mut listed: Vec<&str> = list["tasks"]
         .as_array()
@@ -194,7 +174,7 @@ async fn a_diamond_runs_its_join_once_after_both_branches_across_two_replicas_an
     assert!(b.start >= a.end && c.start >= a.end, "B and C after A");
     assert!(d.start >= b.end, "D started before B ended");
     assert!(d.start >= c.end, "D started before C ended");
-    let (_, d) = get(s2.url("/v1/tasks/D")).await?;
+    let (_, d) = api_get(s2.url("/v1/tasks/D")).await?;
     assert_eq!(d["state"], "succeeded", "{d}");
 
     w.stop().await?;
@@ -211,7 +191,7 @@ async fn a_cycle_is_refused_at_submission_and_nothing_of_it_exists() -> anyhow::
     let h = [(STEP, h)];
     let s = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 4, WORKER, &h).await?;
-    ready(&s).await?;
+    scheduler_ready(&s).await?;
     let body = json!({
         "id": "loop",
         "tasks": [
@@ -222,7 +202,7 @@ async fn a_cycle_is_refused_at_submission_and_nothing_of_it_exists() -> anyhow::
         ],
         "on_complete": {"kind": STEP},
     });
-    let (code, e) = post(s.url("/v1/batches"), &body).await?;
+    let (code, e) = api_post(s.url("/v1/batches"), &body).await?;
     assert_eq!(code, 400, "{e}");
     assert_eq!(e["error"], "cycle", "{e}");
     let detail = e["detail"].as_str().unwrap_or_default();
@@ -241,7 +221,7 @@ async fn a_cycle_is_refused_at_submission_and_nothing_of_it_exists() -> anyhow::
     assert_eq!(around, vec!["A", "B", "C"]);
 
     // An unknown id and a self-reference are refused too.
-    let (code, e) = post(
+    let (code, e) = api_post(
         s.url("/v1/batches"),
         &json!({"tasks": [{"id": "P", "kind": STEP, "after": ["nope"]}]}),
     )
@@ -250,7 +230,7 @@ async fn a_cycle_is_refused_at_submission_and_nothing_of_it_exists() -> anyhow::
         (code, e["error"].as_str()),
         (400, Some("unknown_dependency"))
     );
-    let (code, e) = post(
+    let (code, e) = api_post(
         s.url("/v1/batches"),
         &json!({"tasks": [{"id": "P", "kind": STEP, "after": ["P"]}]}),
     )
@@ -264,10 +244,10 @@ async fn a_cycle_is_refused_at_submission_and_nothing_of_it_exists() -> anyhow::
     )
     .await;
     assert!(runs_of(&runs).is_empty());
-    let (code, _) = get(s.url("/v1/batches/loop")).await?;
+    let (code, _) = api_get(s.url("/v1/batches/loop")).await?;
     assert_eq!(code, 404);
     for id in ["X", "A", "B", "C", "P"] {
-        let (code, t) = get(s.url(&format!("/v1/tasks/{id}"))).await?;
+        let (code, t) = api_get(s.url(&format!("/v1/tasks/{id}"))).await?;
         assert_eq!(code, 404, "{id}: {t}");
     }
 
@@ -285,7 +265,7 @@ async fn a_chain_of_100_runs_in_order_each_once() -> anyhow::Result<()> {
     let h = [(STEP, h)];
     let s = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 8, WORKER, &h).await?;
-    ready(&s).await?;
+    scheduler_ready(&s).await?;
     // Submitted last link first: the order comes from `after`, not from the array.
     let tasks: Vec<Value> = (1..=N)
         .rev()
@@ -298,7 +278,7 @@ async fn a_chain_of_100_runs_in_order_each_once() -> anyhow::Result<()> {
         })
         .collect();
     let started = Instant::now();
-    let (code, answer) = post(
+    let (code, answer) = api_post(
         s.url("/v1/batches"),
         &json!({"id": "chain", "tasks": tasks}),
     )
@@ -339,7 +319,7 @@ async fn a_failing_parent_ends_its_descendants_dependency_failed_and_on_complete
     let h = [(STEP, h), (BOOM, boom()), (CALLBACK, cb)];
     let s = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 4, WORKER, &h).await?;
-    ready(&s).await?;
+    scheduler_ready(&s).await?;
     // P fails for good: its child C and grandchild G never run; S (no link) and T (after S)
     // succeed.
     let body = json!({
@@ -354,7 +334,7 @@ async fn a_failing_parent_ends_its_descendants_dependency_failed_and_on_complete
         "on_success": {"kind": CALLBACK, "payload": {"which": "success"}},
         "on_complete": {"kind": CALLBACK, "payload": {"which": "complete"}},
     });
-    let (code, answer) = post(s.url("/v1/batches"), &body).await?;
+    let (code, answer) = api_post(s.url("/v1/batches"), &body).await?;
     assert_eq!(code, 202, "{answer}");
     let fired = wait_for("on_complete fired", Duration::from_secs(30), || async {
         let v = seen.lock().map(|v| v.clone()).unwrap_or_default();
@@ -378,17 +358,17 @@ async fn a_failing_parent_ends_its_descendants_dependency_failed_and_on_complete
     });
     assert_eq!(ran, HashMap::from([("S".into(), 1), ("T".into(), 1)]));
     for id in ["C", "G"] {
-        let (code, t) = get(s.url(&format!("/v1/tasks/{id}"))).await?;
+        let (code, t) = api_get(s.url(&format!("/v1/tasks/{id}"))).await?;
         assert_eq!(code, 200, "{t}");
         assert_eq!(t["state"], "dead", "{t}");
         assert_eq!(t["reason"], "dependency_failed", "{t}");
     }
-    let (_, c) = get(s.url("/v1/tasks/C")).await?;
+    let (_, c) = api_get(s.url("/v1/tasks/C")).await?;
     assert!(
         c["error"].as_str().unwrap_or_default().contains("`P`"),
         "{c}"
     );
-    let (_, p) = get(s.url("/v1/tasks/P")).await?;
+    let (_, p) = api_get(s.url("/v1/tasks/P")).await?;
     assert_eq!(p["reason"], "permanent_error", "{p}");
 
     w.stop().await?;
@@ -404,7 +384,7 @@ async fn payload_from_passes_the_parents_result_into_the_childs_payload() -> any
     let h = [(STEP, h)];
     let s = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 4, WORKER, &h).await?;
-    ready(&s).await?;
+    scheduler_ready(&s).await?;
     // A → B → C, each handing its result on: out = 41 + 1, then 42 + 1, then 43 + 1. D waits
     // for A without taking its result.
     let body = json!({
@@ -416,7 +396,7 @@ async fn payload_from_passes_the_parents_result_into_the_childs_payload() -> any
             {"id": "D", "kind": STEP, "after": ["A"], "payload": {"tag": "d"}},
         ],
     });
-    let (code, answer) = post(s.url("/v1/batches"), &body).await?;
+    let (code, answer) = api_post(s.url("/v1/batches"), &body).await?;
     assert_eq!(code, 202, "{answer}");
     complete(&s, "pipe", Duration::from_secs(30)).await?;
     let all = runs_of(&runs);
@@ -430,7 +410,7 @@ async fn payload_from_passes_the_parents_result_into_the_childs_payload() -> any
     assert_eq!(c.payload, json!({"parent_result": {"id": "B", "out": 43}}));
     let d = once(&all, "D")?;
     assert_eq!(d.payload, json!({"tag": "d"}));
-    let (_, t) = get(s.url("/v1/tasks/C")).await?;
+    let (_, t) = api_get(s.url("/v1/tasks/C")).await?;
     assert_eq!(t["result"], json!({"id": "C", "out": 44}), "{t}");
 
     w.stop().await?;
@@ -448,7 +428,7 @@ async fn a_parents_result_and_a_waiting_member_survive_a_redis_flushall_and_a_ca
     let h = [(STEP, h)];
     let s = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 4, WORKER, &h).await?;
-    ready(&s).await?;
+    scheduler_ready(&s).await?;
     // A ends at once; W runs 2 s. J waits for both and takes A's result, which must come from
     // A's end record: Redis is flushed after A ended, before J is released. X waits for W and
     // is cancelled while it waits: it never runs, and Y (after X) ends dependency_failed.
@@ -462,7 +442,7 @@ async fn a_parents_result_and_a_waiting_member_survive_a_redis_flushall_and_a_ca
             {"id": "Y", "kind": STEP, "after": ["X"]},
         ],
     });
-    let (code, answer) = post(s.url("/v1/batches"), &body).await?;
+    let (code, answer) = api_post(s.url("/v1/batches"), &body).await?;
     assert_eq!(code, 202, "{answer}");
     wait_for("A ran", Duration::from_secs(10), || async {
         runs_of(&runs).iter().any(|r| r.id == "A").then_some(())
@@ -476,7 +456,7 @@ async fn a_parents_result_and_a_waiting_member_survive_a_redis_flushall_and_a_ca
     assert_eq!(r.status().as_u16(), 202, "{}", r.text().await?);
     // The cancel ends X in the fold at once, and Y with it (its status written).
     let y = wait_for("Y dependency_failed", Duration::from_secs(10), || async {
-        let (_, y) = get(s.url("/v1/tasks/Y")).await.ok()?;
+        let (_, y) = api_get(s.url("/v1/tasks/Y")).await.ok()?;
         (y["state"] == "dead").then_some(y)
     })
     .await?;
@@ -517,7 +497,7 @@ async fn a_fan_out_of_200_and_its_fan_in_run_once_each() -> anyhow::Result<()> {
     let h = [(STEP, h)];
     let s = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 16, WORKER, &h).await?;
-    ready(&s).await?;
+    scheduler_ready(&s).await?;
     let mut tasks = vec![json!({"id": "root", "kind": STEP})];
     let kids: Vec<String> = (0..N).map(|i| format!("k{i}")).collect();
     tasks.extend(
@@ -525,7 +505,8 @@ async fn a_fan_out_of_200_and_its_fan_in_run_once_each() -> anyhow::Result<()> {
             .map(|k| json!({"id": k, "kind": STEP, "after": ["root"]})),
     );
     tasks.push(json!({"id": "join", "kind": STEP, "after": kids}));
-    let (code, answer) = post(s.url("/v1/batches"), &json!({"id": "fan", "tasks": tasks})).await?;
+    let (code, answer) =
+        api_post(s.url("/v1/batches"), &json!({"id": "fan", "tasks": tasks})).await?;
     assert_eq!(code, 202, "{answer}");
     let p = complete(&s, "fan", Duration::from_secs(60)).await?;
     assert_eq!(p["succeeded"], N + 2, "{p}");
@@ -575,7 +556,7 @@ async fn the_readme_json_examples_answer_as_documented() -> anyhow::Result<()> {
     let h = [("echo", echo), ("sleep", sleep)];
     let s = start_scheduler(&ns, SCHEDULER).await?;
     let w = start_worker(&ns, "w-1", "", 8, WORKER, &h).await?;
-    ready(&s).await?;
+    scheduler_ready(&s).await?;
     let body = json!({"id": "etl-7",
      "tasks": [
        {"id": "extract", "kind": "echo", "payload": {"rows": 3}},
@@ -583,14 +564,14 @@ async fn the_readme_json_examples_answer_as_documented() -> anyhow::Result<()> {
        {"id": "stats",   "kind": "sleep", "payload": {"ms": 200}, "after": ["extract"]},
        {"id": "load",    "kind": "echo", "after": ["clean", "stats"], "payload_from": "clean"}],
      "on_complete": {"kind": "echo"}});
-    let (code, answer) = post(s.url("/v1/batches"), &body).await?;
+    let (code, answer) = api_post(s.url("/v1/batches"), &body).await?;
     assert_eq!(code, 202, "{answer}");
     assert_eq!(
         answer,
         json!({"batch": "etl-7", "ids": ["extract", "clean", "stats", "load"],
                "waiting": ["clean", "stats", "load"]})
     );
-    let (_, load) = get(s.url("/v1/tasks/load")).await?;
+    let (_, load) = api_get(s.url("/v1/tasks/load")).await?;
     assert_eq!(load["state"], "waiting", "{load}");
     assert_eq!(load["after"], json!(["clean", "stats"]));
     wait_for("on_complete ran", Duration::from_secs(30), || async {
@@ -616,7 +597,7 @@ async fn the_readme_json_examples_answer_as_documented() -> anyhow::Result<()> {
 
     let cycle = json!({"tasks": [{"id": "a", "kind": "echo", "after": ["c"]}, {"id": "b", "kind": "echo", "after": ["a"]},
                {"id": "c", "kind": "echo", "after": ["b"]}]});
-    let (code, e) = post(s.url("/v1/batches"), &cycle).await?;
+    let (code, e) = api_post(s.url("/v1/batches"), &cycle).await?;
     assert_eq!(code, 400);
     assert_eq!(
         e,
