@@ -183,6 +183,9 @@ async fn consume(
     };
     let mut fair = 0u16;
     let mut looked = tokio::time::Instant::now() - FAIR_LOOKUP;
+    // When the broker was last asked which fair queues exist (`None`: not yet; the first
+    // lookup asks).
+    let mut probed: Option<tokio::time::Instant> = None;
     // This session's first declare of a fair queue (a key just parked in one) is looked up
     // at once.
     let mut fair_news = d.parks().fair_declared();
@@ -204,7 +207,11 @@ async fn consume(
         }
         if fair < max_fair && looked.elapsed() >= FAIR_LOOKUP {
             looked = tokio::time::Instant::now();
-            fair = add_fair_queues(d, ch, group, fair, max_fair, &mut consumers).await?;
+            let probe = probed.is_none_or(|t| t.elapsed() >= FAIR_PROBE);
+            if probe {
+                probed = Some(looked);
+            }
+            fair = add_fair_queues(d, ch, group, (fair, max_fair), probe, &mut consumers).await?;
         }
         if held.is_empty() {
             let next = tokio::select! {
@@ -334,6 +341,10 @@ async fn consume(
     }
 }
 
+/// How often a group's release loop asks the broker which of its fair park queues exist
+/// (besides its first lookup): Redis's count of them is state that may be lost.
+const FAIR_PROBE: Duration = Duration::from_secs(30);
+
 /// How often a group's release loop looks up how many fair park queues its keys use.
 const FAIR_LOOKUP: Duration = Duration::from_millis(500);
 
@@ -346,11 +357,12 @@ async fn add_fair_queues(
     d: &Dispatcher,
     ch: &lapin::Channel,
     group: &str,
-    have: u16,
-    max: u16,
+    (have, max): (u16, u16),
+    probe: bool,
     consumers: &mut futures::stream::SelectAll<lapin::Consumer>,
 ) -> fleet::Result<u16> {
-    let assigned = match d
+    let names = &d.session.names;
+    let mut assigned = match d
         .session
         .store
         .fair_queues_assigned(group, Lane::Normal)
@@ -359,10 +371,38 @@ async fn add_fair_queues(
         Ok(n) => n.min(max),
         Err(e) => {
             tracing::debug!(error = %e, "cannot read the fair queues assigned");
-            return Ok(have);
+            if !probe {
+                return Ok(have);
+            }
+            have
         }
     };
-    let names = &d.session.names;
+    if probe {
+        // Redis's count may be gone (a FLUSHALL, a failover) while tasks still wait in fair
+        // queues it assigned: a loop started after that would never consume them. The queues
+        // are assigned in order from 0, so those that exist are a prefix: asked of the broker
+        // one by one (a passive declare each) past what Redis says.
+        let mut q = assigned.max(have);
+        while q < max
+            && fleet::broker::topology::depth(
+                &d.session.conn,
+                &names.park_queue(&fleet::Names::fair_group(group, q), Lane::Normal),
+            )
+            .await
+            .is_some()
+        {
+            q += 1;
+        }
+        if q > assigned {
+            tracing::info!(
+                group,
+                redis = assigned,
+                broker = q,
+                "fair park queues found in the broker beyond Redis's count (Redis lost it?): consuming them"
+            );
+            assigned = q;
+        }
+    }
     for q in have..assigned {
         let pseudo = fleet::Names::fair_group(group, q);
         d.parks().ensure(&pseudo, Lane::Normal).await?;

@@ -699,3 +699,53 @@ async fn a_paused_key_waits_without_blocking_another() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Keyed tasks waiting in a fair park queue when Redis loses everything and the scheduler
+/// restarts (private Redis): Redis's count of the group's fair queues is gone, and the new
+/// release loop finds the queue in the broker (it asks the broker which exist at its start) —
+/// every task runs exactly once. Before that it read the count from Redis only, and the
+/// tasks stayed in the queue for good (seen as a 1-in-5 timeout of the FLUSHALL test above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn keyed_tasks_parked_in_a_fair_queue_survive_a_flushall_and_a_restart() -> anyhow::Result<()>
+{
+    const N: usize = 12;
+    let redis = PrivateRedis::start(None, None).await?;
+    let ns = Ns::on_redis(&redis.url(None)).await?;
+    let runs = Runs::default();
+    let h = [(JOB, runs.handler())];
+    let mut cfg = SCHEDULER.to_vec();
+    cfg.push(limits("kf:max_running=1"));
+    let s1 = start_scheduler(&ns, &cfg).await?;
+    let w = start_worker(&ns, "w-f", "pool=fq", 2, WORKER, &h).await?;
+    let envs: Vec<_> = (0..N).map(|_| keyed("kf", 200, "pool=fq")).collect();
+    submit_all(&ns, &envs).await?;
+    let fair = ns.names.park_queue(
+        &fleet::Names::fair_group("pool=fq,protocol=builtin", 0),
+        fleet::Lane::Normal,
+    );
+    wait_for(
+        "a run, and the rest in the fair queue",
+        Duration::from_secs(30),
+        || async { (runs.done("kf") >= 1 && ns.depth_of(&fair).await.is_some()).then_some(()) },
+    )
+    .await?;
+    redis.flushall().await?;
+    s1.stop().await?;
+    let s2 = start_scheduler(&ns, &cfg).await?;
+    wait_for("every task ran", Duration::from_secs(60), || async {
+        (runs.done("kf") == N).then_some(())
+    })
+    .await?;
+    let per = runs.per_id();
+    for e in &envs {
+        ensure!(
+            per.get(&e.id) == Some(&1),
+            "{} ran {:?} times",
+            e.id,
+            per.get(&e.id)
+        );
+    }
+    w.stop().await?;
+    s2.stop().await?;
+    ns.cleanup().await
+}
