@@ -11,7 +11,9 @@
 //! tasks wait in the group's own park queue, as one more flow (the default key).
 //!
 //! The release loop consumes every one of those queues (each with a prefetch window of
-//! `hold_max` tasks), so the head of every waiting key is in memory at once, and offers held
+//! `hold_max` tasks) — found through Redis's count of them, and through the broker at the
+//! loop's start and every 30 s, since that count is lost with Redis while the queues and
+//! their tasks are not — so the head of every waiting key is in memory at once, and offers held
 //! tasks to the reservation in **start-time fair queueing** order (P. Goyal, H. Vin, H. Cheng,
 //! "Start-time Fair Queueing: A Scheduling Algorithm for Integrated Services Packet Switching
 //! Networks", SIGCOMM 1996): each key `k` of weight `w_k` keeps a finish tag `F_k`; its next
