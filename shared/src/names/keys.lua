@@ -93,7 +93,7 @@ end
 -- Task states, dead-letter reasons and attempt outcomes, as stored: the words of
 -- `fleet::status::{TaskState, DeadReason, AttemptOutcome}` (a unit test checks these tables
 -- and every such word in the scripts against the enums, so scripts spell them S.x, R.x, O.x).
-local S = { queued = 'queued', parked = 'parked', running = 'running', retrying = 'retrying', succeeded = 'succeeded', dead = 'dead', expired = 'expired', cancelled = 'cancelled' }
+local S = { queued = 'queued', parked = 'parked', running = 'running', retrying = 'retrying', succeeded = 'succeeded', dead = 'dead', expired = 'expired', cancelled = 'cancelled', waiting = 'waiting' }
 local R = { worker_lost = 'worker_lost', max_attempts = 'max_attempts' }
 local O = { succeeded = 'succeeded', failed = 'failed', dead = 'dead', expired = 'expired', lost = 'lost', cancelled = 'cancelled' }
 
@@ -191,7 +191,7 @@ local function status_decided(id, set, ttl_ms, score)
   -- `waiting` (a DAG member held by its batch) only before its release: a batch's close read
   -- again (redelivered, or by a replica that has not folded it yet) must not put a member
   -- that was released since (queued, running, ...) back to `waiting`.
-  if set[2] == 'waiting' and cur and cur ~= 'waiting' then return cur end
+  if set[2] == S.waiting and cur and cur ~= S.waiting then return cur end
   redis.call('HSET', t, unpack(set))
   redis.call('PEXPIRE', t, ttl_ms)
   if not cur then index_run(id, score) end
