@@ -73,6 +73,9 @@ checked() {
     fi
 }
 test_log="$(mktemp)"
+# Every namespace a test makes is written here (tests/src/ns.rs), for the clean-up after.
+FLEET_TEST_NS_FILE="$(mktemp)"
+export FLEET_TEST_NS_FILE
 cargo_test() {
     # Every test binary runs (--no-fail-fast); the log keeps each `test ... FAILED` line.
     cargo test --workspace --no-fail-fast "$@" 2>&1 | tee "$test_log"
@@ -90,19 +93,24 @@ cargo build --workspace --bins
 checked "cargo test --workspace --no-fail-fast $*" cargo_test "$@"
 # A test that fails (or panics) skips its own clean-up: its namespace's queues stay on the
 # shared broker (hundreds after a bad run, and many quorum queues slow the node for the steps
-# after). Test namespaces are `t` + 10 hex digits (tests/src/ns.rs); each one left is deleted
-# with fleetctl, whatever Redis holds of it. Never fails the run.
+# after). Every namespace this run's tests made that still has queues is deleted with
+# fleetctl (from the broker's list, whatever Redis holds of it); other runs' are left alone.
+# Each call is bounded (a frozen broker must not hold the run). Never fails the run.
 step "leftover test namespaces"
-leftover=$(rabbitmqctl -q list_queues name 2>/dev/null | grep -oE '^t[0-9a-f]{10}\.' | sort -u | tr -d . || true)
-if [ -n "$leftover" ]; then
-    echo "deleting the queues of $(wc -w <<<"$leftover") test namespace(s) left on the shared broker"
-    for ns in $leftover; do
-        target/debug/fleetctl --namespace "$ns" delete-namespace --yes >/dev/null 2>&1 ||
-            echo "  could not delete namespace $ns"
-    done
+queues=$(timeout 60 rabbitmqctl -q list_queues --no-table-headers name 2>/dev/null || echo "?")
+if [ "$queues" = "?" ]; then
+    echo "could not list the broker's queues (rabbitmqctl); nothing deleted"
 else
-    echo "none"
+    left=0
+    while read -r ns; do
+        grep -q "^$ns\." <<<"$queues" || continue
+        left=$((left + 1))
+        timeout 60 target/debug/fleetctl --namespace "$ns" delete-namespace --yes </dev/null >/dev/null 2>&1 ||
+            echo "  could not delete namespace $ns"
+    done < <(sort -u "$FLEET_TEST_NS_FILE")
+    echo "$left of $(sort -u "$FLEET_TEST_NS_FILE" | wc -l) test namespaces had queues left; deleted"
 fi
+rm -f "$FLEET_TEST_NS_FILE"
 # The Python client (clients/python) against a live fleet of the debug binaries: mypy --strict,
 # then its tests (about 10 s).
 checked "python client (clients/python)" env FLEET_BIN_DIR=target/debug bash ops/python-client-test.sh

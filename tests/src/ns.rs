@@ -64,6 +64,7 @@ impl Ns {
     ) -> Result<Self> {
         crate::wait::watchdog();
         let name = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
+        record_namespace(&name);
         let names = Names::new(&name);
         crate::wait::hold(&name);
         let mut base = vec![
@@ -385,4 +386,21 @@ pub fn tls_config(s: &Settings, prefix: &str) -> Result<fleet::tls::TlsConfig> {
         cert.as_deref(),
         key.as_deref(),
     )?)
+}
+
+/// Appends namespace `name` to the file `FLEET_TEST_NS_FILE` names, when set (ops/test.sh
+/// sets it): after the tests, the script deletes what this run's namespaces left on the
+/// shared broker — a test that fails skips its own clean-up — and nobody else's.
+fn record_namespace(name: &str) {
+    let Some(path) = std::env::var_os("FLEET_TEST_NS_FILE") else {
+        return;
+    };
+    let line = format!("{name}\n");
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        let _ = std::io::Write::write_all(&mut f, line.as_bytes());
+    }
 }

@@ -390,8 +390,10 @@ async fn attempt_task(
         if !keep_cancelled(&shared, &delivery, &env, env.attempt).await {
             return;
         }
-        // Refused for its batch's cancel alone (no cancel record of its own was appended):
-        // its status is written here, or it would stay `queued`.
+        // Refused for its batch's cancel alone (this worker has read no cancel record of its
+        // own: not appended yet — the API appends members' records in paced chunks after the
+        // batch's — or never, when the replica that took the cancel stopped): its status is
+        // written here (idempotent with the API's mark), or it could stay `queued`.
         if shared.cancels.cancel_of(&env.id, submitted_ms).is_none() {
             if let Some(c) = shared.cancels.cancel_of_env(&env) {
                 if let Err(e) = shared.ledger.mark_cancelled(&env.id, &c).await {

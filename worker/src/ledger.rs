@@ -137,9 +137,9 @@ impl Ledger {
 
     /// Marks task `id` cancelled by `c` (`cancel.lua` in its replay mode: not over a final
     /// state nor over a later run's record) — for a copy this worker refuses because its
-    /// batch was cancelled as a whole while its own cancel record was never appended (the
-    /// replica that took the batch's cancel stopped before it): without this its status
-    /// would say `queued` until a second cancel of the batch.
+    /// batch was cancelled as a whole while it has read no cancel record of the task's own
+    /// (not yet appended, or never: the replica that took the batch's cancel stopped before
+    /// it): without this its status could say `queued` until a second cancel of the batch.
     /// Errors: Redis could not answer (the status is then written by that second cancel).
     pub async fn mark_cancelled(&self, id: &str, c: &fleet::control::Cancel) -> fleet::Result<()> {
         let w = &self.writer;

@@ -100,11 +100,13 @@ async fn cancel_batch(
             .into_response();
     }
     let who = super::caller(&st, &headers);
-    // The batch's cancel record and its time: every member's own record carries that time, so
-    // a member a worker already marked from the batch's record alone (refused, `cancelled_at`
-    // the batch's) counts as cancelled by this request (`cancel.lua`'s `same:`).
+    // The batch's cancel record, and the time every member's own record carries: the batch
+    // record's on the first request, so that a member a worker already marked from the batch's
+    // record alone (refused, `cancelled_at` the batch's) counts as cancelled by this request
+    // (`cancel.lua`'s `same:`); this request's own on a repeat (`already`), so that what an
+    // earlier request (or a worker) marked counts as already ended, not again.
     let (record, at_ms) = match &progress.cancel {
-        Some(c) => (c.record.clone(), c.at_ms),
+        Some(c) => (c.record.clone(), st.store.clock.now_ms()),
         None => {
             // The promise first: the batch's record, confirmed, before any member's.
             let rec = fleet::batch::cancel_record(

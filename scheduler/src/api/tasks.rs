@@ -583,8 +583,8 @@ pub(super) struct Appended {
 /// The cancel of a bulk action or of a batch's members, one chunk (≤ [`BATCH`] ids): one
 /// control-stream record per id naming `bulk` (the action's own record, so the audit log has
 /// one entry for it), appended together with every confirm awaited — the promise — then the
-/// marks of those confirmed, in one `cancel.lua` call. `at_ms`: the records' time (when the
-/// cancel was accepted, Unix ms).
+/// marks of those confirmed, in one `cancel.lua` call. `now`: the records' time (when the
+/// cancel was accepted, Unix ms; a batch's first cancel passes its batch record's).
 pub(super) async fn append_cancels(
     st: &AppState,
     ids: &[&String],

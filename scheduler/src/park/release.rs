@@ -184,8 +184,10 @@ async fn consume(
     let mut fair = 0u16;
     let mut looked = tokio::time::Instant::now() - FAIR_LOOKUP;
     // When the broker was last asked which fair queues exist (`None`: not yet; the first
-    // lookup asks).
+    // lookup asks), and Redis's count at the last lookup (a count that falls — Redis lost it,
+    // or it lapsed unused — makes the next lookup ask the broker too).
     let mut probed: Option<tokio::time::Instant> = None;
+    let mut last_count = 0u16;
     // This session's first declare of a fair queue (a key just parked in one) is looked up
     // at once.
     let mut fair_news = d.parks().fair_declared();
@@ -207,11 +209,20 @@ async fn consume(
         }
         if fair < max_fair && looked.elapsed() >= FAIR_LOOKUP {
             looked = tokio::time::Instant::now();
-            let probe = probed.is_none_or(|t| t.elapsed() >= FAIR_PROBE);
-            if probe {
+            let due = probed.is_none_or(|t| t.elapsed() >= FAIR_PROBE);
+            let (have, count) = add_fair_queues(
+                d,
+                ch,
+                group,
+                (fair, max_fair),
+                (due, last_count),
+                &mut consumers,
+            )
+            .await?;
+            if due || count < last_count {
                 probed = Some(looked);
             }
-            fair = add_fair_queues(d, ch, group, (fair, max_fair), probe, &mut consumers).await?;
+            (fair, last_count) = (have, count);
         }
         if held.is_empty() {
             let next = tokio::select! {
@@ -341,15 +352,21 @@ async fn consume(
     }
 }
 
-/// How often a group's release loop asks the broker which of its fair park queues exist
-/// (besides its first lookup): Redis's count of them is state that may be lost.
-const FAIR_PROBE: Duration = Duration::from_secs(30);
+/// How often a group's release loop asks the broker which of its fair park queues exist,
+/// besides at its first lookup and after Redis's count of them fell: that count is state
+/// that may be lost. Each ask is a passive declare of the next queue, which the broker
+/// answers 404 (closing the channel, a line in its log) while no further queue exists: rare
+/// on purpose.
+const FAIR_PROBE: Duration = Duration::from_secs(300);
 
 /// How often a group's release loop looks up how many fair park queues its keys use.
 const FAIR_LOOKUP: Duration = Duration::from_millis(500);
 
 /// Starts consuming the fair park queues of `group` that `reserve.lua` has assigned beyond
-/// the first `have` (at most `max`); returns how many are consumed now.
+/// the first `have` (at most `max`) — as Redis counts them, and, when `due` or when Redis's
+/// count fell below `last_count` (the count at the previous lookup), as the broker has them
+/// (the queues that exist: a prefix `~k0..`, found by passive declares). Returns how many
+/// are consumed now and Redis's count read (`last_count` when Redis did not answer).
 ///
 /// # Errors
 /// The declare or the consume failed (the loop's channel is gone: the loop starts again).
@@ -358,26 +375,26 @@ async fn add_fair_queues(
     ch: &lapin::Channel,
     group: &str,
     (have, max): (u16, u16),
-    probe: bool,
+    (due, last_count): (bool, u16),
     consumers: &mut futures::stream::SelectAll<lapin::Consumer>,
-) -> fleet::Result<u16> {
+) -> fleet::Result<(u16, u16)> {
     let names = &d.session.names;
-    let mut assigned = match d
+    let (mut assigned, count) = match d
         .session
         .store
         .fair_queues_assigned(group, Lane::Normal)
         .await
     {
-        Ok(n) => n.min(max),
+        Ok(n) => (n.min(max), n.min(max)),
         Err(e) => {
             tracing::debug!(error = %e, "cannot read the fair queues assigned");
-            if !probe {
-                return Ok(have);
+            if !due {
+                return Ok((have, last_count));
             }
-            have
+            (have, last_count)
         }
     };
-    if probe {
+    if due || count < last_count {
         // Redis's count may be gone (a FLUSHALL, a failover) while tasks still wait in fair
         // queues it assigned: a loop started after that would never consume them. The queues
         // are assigned in order from 0, so those that exist are a prefix: asked of the broker
@@ -393,15 +410,15 @@ async fn add_fair_queues(
         {
             q += 1;
         }
-        if q > assigned {
+        if q > assigned.max(have) {
             tracing::info!(
                 group,
                 redis = assigned,
                 broker = q,
                 "fair park queues found in the broker beyond Redis's count (Redis lost it?): consuming them"
             );
-            assigned = q;
         }
+        assigned = q;
     }
     for q in have..assigned {
         let pseudo = fleet::Names::fair_group(group, q);
@@ -416,5 +433,5 @@ async fn add_fair_queues(
             .await?;
         consumers.push(c);
     }
-    Ok(assigned.max(have))
+    Ok((assigned.max(have), count))
 }

@@ -182,8 +182,9 @@ local function status_parked(id, g, lane, ttl_ms, kind, sub, fresh, cur, sel, ke
 -- first. Never over a final state (succeeded, dead, expired, cancelled) of the same run: a
 -- cancelled task whose deadline passes while it waits stays cancelled, and a delayed
 -- submission a crashed scheduler handles again does not revive a cancel. (A new run of an id
--- whose last run ended has no record by now: reserve.lua's dedupe cleared it.) Returns the
--- final state it left, or false when it wrote. `score`: the run's submitted_at (the index).
+-- whose last run ended has no record by now: reserve.lua's dedupe cleared it.) `waiting` is
+-- written only over no record or `waiting`. Returns the state it left (final, or the one a
+-- `waiting` met), or false when it wrote. `score`: the run's submitted_at (the index).
 local function status_decided(id, set, ttl_ms, score)
   local t = K_task(id)
   local cur = redis.call('HGET', t, 'state')

@@ -6,7 +6,8 @@
 -- ARGV[1]: status TTL (ms)   ARGV[2]: number of records, then per record:
 --   id, score (the run's submitted_at, Unix ms; '' unknown), number of fields f, then f pairs
 --   field, value (`state` first)
--- returns: a flat list of id, state for every record left as it was (its state was final)
+-- returns: a flat list of id, state for every record left as it was (its state was final, or
+--   a `waiting` write met another state)
 local ttl, n = ARGV[1], tonumber(ARGV[2])
 local out = {}
 local i = 3
