@@ -12,9 +12,10 @@
 //!
 //! The release loop consumes every one of those queues (each with a prefetch window of
 //! `hold_max` tasks) — found through Redis's count of them, and through the broker at the
-//! loop's start and every 30 s, since that count is lost with Redis while the queues and
-//! their tasks are not — so the head of every waiting key is in memory at once, and offers held
-//! tasks to the reservation in **start-time fair queueing** order (P. Goyal, H. Vin, H. Cheng,
+//! loop's start, when Redis's count falls and every 5 minutes, since that count is lost with
+//! Redis while the queues and their tasks are not — so the head of every waiting key is in
+//! memory at once, and offers held tasks to the reservation in **start-time fair queueing**
+//! order (P. Goyal, H. Vin, H. Cheng,
 //! "Start-time Fair Queueing: A Scheduling Algorithm for Integrated Services Packet Switching
 //! Networks", SIGCOMM 1996): each key `k` of weight `w_k` keeps a finish tag `F_k`; its next
 //! task starts at `S = max(v, F_k)` and moves `F_k` to `S + 1/w_k`; tasks go out in order of
