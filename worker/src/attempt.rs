@@ -385,7 +385,10 @@ async fn attempt_task(
     let submitted_ms = env.submitted_at.map(|t| t.timestamp_millis());
     // Cancelled (this worker read it in the control stream): never claimed, never run — even
     // while Redis is without the mark (start.lua refuses it otherwise).
-    if !probe && shared.cancels.cancel_of_env(&env).is_some() {
+    if let Some(cancel) = (!probe)
+        .then(|| shared.cancels.cancel_of_env(&env))
+        .flatten()
+    {
         // Kept in `<ns>.cancelled` before the ack (see `keep_cancelled`).
         if !keep_cancelled(&shared, &delivery, &env, env.attempt).await {
             return;
@@ -395,10 +398,8 @@ async fn attempt_task(
         // batch's — or never, when the replica that took the cancel stopped): its status is
         // written here (idempotent with the API's mark), or it could stay `queued`.
         if shared.cancels.cancel_of(&env.id, submitted_ms).is_none() {
-            if let Some(c) = shared.cancels.cancel_of_env(&env) {
-                if let Err(e) = shared.ledger.mark_cancelled(&env.id, &c).await {
-                    tracing::warn!(error = %e, "cannot mark a member of a cancelled batch cancelled; a second cancel of the batch writes it");
-                }
+            if let Err(e) = shared.ledger.mark_cancelled(&env.id, &cancel).await {
+                tracing::warn!(error = %e, "cannot mark a member of a cancelled batch cancelled; a second cancel of the batch writes it");
             }
         }
         batch_end(&shared, &env, TaskState::Cancelled.as_str(), None).await;

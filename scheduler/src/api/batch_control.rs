@@ -178,9 +178,9 @@ async fn cancel_batch(
 
 /// Cancels `ids` as the bulk cancel does (paced batches: records appended together, confirms
 /// awaited, then `cancel.lua`), each record naming `bulk` (the batch's cancel record) and
-/// carrying its time `at_ms`. A member
-/// without a status record in Redis (lost with it) counts as cancelled: its record is in the
-/// stream, which the workers and the replicas' mark replay follow.
+/// carrying the time `at_ms`. A member without a status record in Redis (lost with it) counts
+/// as cancelled: its record is in the stream, which the workers and the replicas' mark replay
+/// follow.
 async fn cancel_members(
     st: &AppState,
     ids: &[String],
@@ -194,8 +194,7 @@ async fn cancel_members(
     for chunk in ids.chunks(super::tasks::BATCH) {
         super::tasks::pace(start, done).await;
         done += chunk.len();
-        let chunk: Vec<&String> = chunk.iter().collect();
-        let a = super::tasks::append_cancels(st, &chunk, who, reason, bulk, at_ms).await;
+        let a = super::tasks::append_cancels(st, chunk, who, reason, bulk, at_ms).await;
         for (task, e) in a.refused {
             tracing::warn!(task.id = %fleet::task::escape(&task), error = %e, "a batch member's cancel was not recorded (the batch's cancel still covers it)");
             n.failed += 1;

@@ -587,7 +587,7 @@ pub(super) struct Appended {
 /// cancel was accepted, Unix ms; a batch's first cancel passes its batch record's).
 pub(super) async fn append_cancels(
     st: &AppState,
-    ids: &[&String],
+    ids: &[impl AsRef<str>],
     who: &fleet::settings::Caller,
     reason: &str,
     bulk: &str,
@@ -595,7 +595,7 @@ pub(super) async fn append_cancels(
 ) -> Appended {
     let recs: Vec<Record> = ids
         .iter()
-        .map(|id| Record::cancel(id, reason, who, now).in_bulk(bulk))
+        .map(|id| Record::cancel(id.as_ref(), reason, who, now).in_bulk(bulk))
         .collect();
     let appended = match st.publisher.read().await.as_ref() {
         Some(p) => control::append_batch(p, &st.store.names, &recs).await,
