@@ -133,24 +133,15 @@ mod tests {
 
     async fn set(store: &Store, id: &str, state: &str) {
         let t = store.names.task(id);
+        let rec = crate::status::record::encode([("state", state), ("attempt", "1")]);
         store
-            .query::<()>(
-                redis::cmd("HSET")
-                    .arg(&t)
-                    .arg("state")
-                    .arg(state)
-                    .arg("attempt")
-                    .arg(1),
-            )
+            .query::<()>(redis::cmd("SET").arg(&t).arg(rec))
             .await
             .unwrap();
     }
 
     async fn state(store: &Store, id: &str) -> Option<String> {
-        store
-            .query(redis::cmd("HGET").arg(store.names.task(id)).arg("state"))
-            .await
-            .unwrap()
+        store.task_state(id).await.unwrap()
     }
 
     async fn clean(store: &Store) {

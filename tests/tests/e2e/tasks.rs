@@ -1094,10 +1094,9 @@ async fn the_index_forgets_ids_whose_records_are_gone() -> anyhow::Result<()> {
             .ignore();
     }
     for i in 3..5 {
-        p.cmd("HSET")
+        p.cmd("SET")
             .arg(ns.names.task(&format!("old-{i}")))
-            .arg("state")
-            .arg("running")
+            .arg(fleet::status::record::encode([("state", "running")]))
             .ignore();
     }
     for i in 0..4 {
