@@ -703,6 +703,48 @@ pub fn reset_for_replay(env: &mut Envelope) {
 mod tests {
     use super::*;
 
+    /// A replay's claim given back (`dead_unclaim.lua`, reading the packed record): the record
+    /// the claim wrote goes; one dispatched since (it names a group), or another replay's,
+    /// stays.
+    #[tokio::test]
+    async fn an_unclaim_deletes_only_its_own_undispatched_claim() {
+        use deadpool_redis::redis;
+        let ns = format!("unclaim-test-{}", uuid::Uuid::new_v4().simple());
+        let store = Store::new("redis://127.0.0.1:6379", crate::Names::new(&ns)).unwrap();
+        let ttl = Duration::from_secs(60);
+        for id in ["a", "b", "c"] {
+            assert_eq!(claim(&store, "tok", id, ttl).await.unwrap(), "ok");
+        }
+        // "b" was dispatched since (its record names a group); "c" is another replay's.
+        for (id, f, v) in [("b", "group", "g1"), ("c", "replay", "other")] {
+            let key = store.names.task(id);
+            let raw: Vec<u8> = store.query(redis::cmd("GET").arg(&key)).await.unwrap();
+            let mut m = crate::status::record::decode(&raw).unwrap();
+            m.insert(f.into(), v.into());
+            let rec =
+                crate::status::record::encode(m.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+            store
+                .query::<()>(redis::cmd("SET").arg(&key).arg(rec).arg("KEEPTTL"))
+                .await
+                .unwrap();
+        }
+        for id in ["a", "b", "c"] {
+            unclaim(&store, "tok", id).await;
+        }
+        let states: Vec<Option<String>> = store.task_states(&["a", "b", "c"]).await.unwrap();
+        assert_eq!(states, [None, Some("queued".into()), Some("queued".into())]);
+        let keys: Vec<String> = store
+            .query(redis::cmd("KEYS").arg(store.names.all_keys_pattern()))
+            .await
+            .unwrap();
+        if !keys.is_empty() {
+            store
+                .query::<()>(redis::cmd("DEL").arg(keys))
+                .await
+                .unwrap();
+        }
+    }
+
     fn props(h: &[(&str, &str)]) -> BasicProperties {
         amqp::task_properties(
             "m-1",

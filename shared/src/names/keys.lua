@@ -6,6 +6,15 @@ local P = KEYS[1]
 -- times), so a process with a skewed clock neither evicts its peers nor expires their work.
 local T0 = redis.call('TIME')
 local NOW_MS = tonumber(T0[1]) * 1000 + math.floor(tonumber(T0[2]) / 1000)
+-- The same instant as a string, built from TIME's strings: what the scripts store and send.
+-- A Lua number becomes a string through C's "%.14g" (`tostring`; Redis's own conversion of a
+-- number argument is "%.17g"), which glibc formats with multi-precision arithmetic: 1.3 µs a
+-- time on this machine (BENCHMARKS.md round 20) — more than a SET. The hot paths store and
+-- send strings: NOW_STR, and `numstr()` once per script for a batch's shared figures.
+local NOW_STR = T0[1] .. string.format('%03d', math.floor(tonumber(T0[2]) / 1000))
+-- An integral number as a string without "%.14g" (see NOW_STR): the scripts' figures (times,
+-- leases, scores) are whole numbers well inside 2^53.
+local function numstr(x) return string.format('%d', x) end
 local function K_workers() return P .. 'workers' end
 local function K_worker(id) return P .. 'w:' .. id end
 local function K_wrun(id) return P .. 'wrun:' .. id end
@@ -16,7 +25,9 @@ local function K_gord(g) return P .. 'gord:' .. g end
 local function K_idx(pair) return P .. 'idx:' .. pair end
 local function K_resv(g, lane) return P .. 'resv:' .. g .. ':' .. lane end
 local function K_run(g, lane) return P .. 'run:' .. g .. ':' .. lane end
-local function K_task(id) return P .. 't:' .. id end
+-- The status record: `ts:` (a packed string; before it, `t:` was a hash — a record of the old
+-- form is simply not seen, as after a Redis loss, and lapses with its TTL).
+local function K_task(id) return P .. 'ts:' .. id end
 local function K_attempts(id) return P .. 'ta:' .. id end
 -- A dispatch batch's handed-on flag (`fleet::route::dedupe`): marks `p:<token>` are handed on.
 local function K_handed(token) return P .. 'ho:' .. token end
@@ -90,7 +101,7 @@ local function log_attempt(id, entry, ttl_ms)
   redis.call('PEXPIRE', k, ttl_ms)
 end
 
--- ---- The status record (`t:<id>`): one string key per task holding its fields as one JSON
+-- ---- The status record (`ts:<id>`): one string key per task holding its fields as one JSON
 -- object of strings (cjson; `fleet::status::record` is the Rust side), so that a transition
 -- costs one GET and one SET — the TTL in the same command (PX, or KEEPTTL) — where a hash
 -- cost HMGET + HSET (+ HDEL) + PEXPIRE (`INFO commandstats`: Redis's cost is per command far
@@ -153,8 +164,13 @@ end
 local function rec_put(id, set, del, ttl_ms)
   local f = rec_fields(id)
   if not f then f = {}; REC[id] = f end
-  for j = 1, #set, 2 do f[set[j]] = tostring(set[j + 1]) end
+  for j = 1, #set, 2 do
+    local v = set[j + 1]
+    if type(v) == 'number' and v == math.floor(v) then v = numstr(v) else v = tostring(v) end
+    f[set[j]] = v
+  end
   if del then for _, name in ipairs(del) do f[name] = nil end end
+  if type(ttl_ms) == 'number' then ttl_ms = numstr(ttl_ms) end
   if ttl_ms then
     redis.call('SET', K_task(id), cjson.encode(f), 'PX', ttl_ms)
   else
@@ -184,7 +200,13 @@ end
 -- for the Redis clock.
 local function index_run(id, score)
   local s = tonumber(score)
-  if not s or s <= 0 then s = NOW_MS end
+  if not s or s <= 0 then
+    s = NOW_STR
+  elseif type(score) == 'string' and string.find(score, '^%d+$') then
+    s = score
+  else
+    s = numstr(s)
+  end
   if DEFER_INDEX then defer('ZADD', K_tix(), s, id) else redis.call('ZADD', K_tix(), s, id) end
 end
 
@@ -245,7 +267,7 @@ local function status_waiting(id, state, g, lane, ttl_ms, kind, sub, fresh, cur,
     cur = false
   end
   if cur == S.running or is_final(cur) then return end
-  local set = { 'state', state, 'group', g, 'lane', lane, 'queued_at', NOW_MS }
+  local set = { 'state', state, 'group', g, 'lane', lane, 'queued_at', NOW_STR }
   if kind and kind ~= '' then
     set[#set + 1] = 'kind'; set[#set + 1] = kind
     if sel then set[#set + 1] = 'selector'; set[#set + 1] = sel end
@@ -288,7 +310,7 @@ end
 -- task waited gets a new one).
 local function status_running(id, g, lane, w, att, base, inst, iso, ttl_ms, prior)
   rec_put(id, { 'state', S.running, 'group', g, 'lane', lane, 'worker', w, 'attempt', att,
-    'started_at', NOW_MS, 'run_base', base, 'run_owner', inst, 'run_st', 'run', 'run_iso', iso },
+    'started_at', NOW_STR, 'run_base', base, 'run_owner', inst, 'run_st', 'run', 'run_iso', iso },
     prior.finished and { 'finished_at' } or nil, (not prior.exists) and ttl_ms or nil)
 end
 
@@ -327,7 +349,7 @@ end
 -- fresh — so a record lives at least 0.9 × the status TTL after its task ended
 -- (exactly the TTL from the end for a task that waited or ran longer than a tenth of it).
 local function status_finished(id, state, w, att, field, text, success, reason, done, ttl_ms, prior)
-  local set = { 'state', state, 'worker', w, 'finished_at', NOW_MS, 'attempt', att, field, text }
+  local set = { 'state', state, 'worker', w, 'finished_at', NOW_STR, 'attempt', att, field, text }
   if done then set[#set + 1] = 'run_st'; set[#set + 1] = 'done' end
   local del = {}
   -- A success after failed attempts: the earlier attempt's error no longer describes the task.
@@ -369,7 +391,7 @@ end
 -- a second replay of the id (another letter, another replica) finds it in flight and refuses.
 local function status_replayed(id, token, ttl_ms)
   REC[id] = false
-  rec_put(id, { 'state', S.queued, 'replay', token, 'queued_at', NOW_MS }, nil, ttl_ms)
+  rec_put(id, { 'state', S.queued, 'replay', token, 'queued_at', NOW_STR }, nil, ttl_ms)
   -- A new run: indexed now (the newest first in the task list).
   index_run(id, nil)
 end
@@ -386,7 +408,7 @@ end
 -- Dead outside a worker's outcome (start.lua: R.worker_lost; broker_dead.lua: the broker's
 -- reason): the attempt is over and no worker holds it. `fields`: more fields to set (or nil).
 local function status_dead(id, reason, err, ttl_ms, fields)
-  local set = { 'state', S.dead, 'reason', reason, 'error', err, 'finished_at', NOW_MS, 'run_st', 'done' }
+  local set = { 'state', S.dead, 'reason', reason, 'error', err, 'finished_at', NOW_STR, 'run_st', 'done' }
   if fields then for j = 1, #fields do set[#set + 1] = fields[j] end end
   rec_put(id, set, { 'worker' }, ttl_ms)
 end
@@ -414,7 +436,7 @@ end
 -- (or, its mark lost with Redis and known to the worker from the control stream, becomes)
 -- cancelled; `done`: this process owns the run record, which then says the attempt is over.
 local function status_cancel_ended(id, w, att, done, by, why, ttl_ms)
-  local set = { 'state', S.cancelled, 'worker', w, 'attempt', att, 'finished_at', NOW_MS }
+  local set = { 'state', S.cancelled, 'worker', w, 'attempt', att, 'finished_at', NOW_STR }
   if done then set[#set + 1] = 'run_st'; set[#set + 1] = 'done' end
   if by ~= '' then set[#set + 1] = 'cancelled_by'; set[#set + 1] = by end
   if why ~= '' then set[#set + 1] = 'cancel_reason'; set[#set + 1] = why end

@@ -302,10 +302,11 @@ impl Names {
     pub fn submit_rate_limit(&self) -> String {
         format!("{}rl:submit", self.prefix)
     }
-    /// Hash of a task's status (state, attempt, times, result or error; see `fleet::status`),
-    /// kept for the status TTL.
+    /// A task's status record (state, attempt, times, result or error; see `fleet::status`):
+    /// one string, its fields packed ([`crate::status::record`]), kept for the status TTL.
+    /// `ts:` since the record is packed (it was a hash at `t:`: an old record is not read).
     pub fn task(&self, id: &str) -> String {
-        format!("{}t:{}", self.prefix, id)
+        format!("{}ts:{}", self.prefix, id)
     }
     /// The task index (a sorted set: member = task id, score = the run's submitted_at, Unix
     /// ms), written by the status writer that creates a run's record; see

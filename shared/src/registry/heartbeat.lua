@@ -12,6 +12,8 @@
 --          registration is missing (Redis lost it: register again), 'conflict' when another
 --          instance holds the id
 local id, inst, now, lease = ARGV[1], ARGV[2], NOW_MS, tonumber(ARGV[3])
+-- The renewed leases' score, once (keys.lua numstr).
+local lease_until = numstr(now + lease)
 local wk = K_worker(id)
 local w = redis.call('HMGET', wk, 'instance', 'group', 'state')
 if not w[1] then return 'gone' end
@@ -42,13 +44,13 @@ for i = 11, #ARGV do
       -- No run record at all: Redis lost it (restarted empty) while the task runs here.
       -- Count the run again where a group's load and this worker's running read it (the
       -- views' one source); finish.lua removes both entries whatever the record says.
-      defer('ZADD', K_run(g, lane), now + lease, task)
+      defer('ZADD', K_run(g, lane), lease_until, task)
       defer('SADD', K_wrun(id), entry)
-      if key ~= '' then defer('ZADD', K_kr(key), now + lease, task) end
+      if key ~= '' then defer('ZADD', K_kr(key), lease_until, task) end
     elseif r[1] == inst and r[2] == 'run' then
-      defer('ZADD', K_run(g, lane), now + lease, task)
+      defer('ZADD', K_run(g, lane), lease_until, task)
       defer('SADD', K_wrun(id), entry)
-      if key ~= '' then defer('ZADD', K_kr(key), now + lease, task) end
+      if key ~= '' then defer('ZADD', K_kr(key), lease_until, task) end
       if not r[3] then
         -- Still running here after this process was evicted (frozen past the heartbeat
         -- timeout) and registered again: the eviction wrote it back to queued and dropped its

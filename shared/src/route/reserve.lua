@@ -83,6 +83,8 @@
 local now, token, lease, bf = NOW_MS, 'p:' .. ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local default_strategy, dd_ttl, st_ttl = ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local direct = ARGV[7] == '1'
+-- A batch's shared figures as strings, once (keys.lua NOW_STR: no "%.17g" per task).
+local lease_until, mark_until = numstr(now + lease), numstr(now + tonumber(ARGV[5]))
 local park_ttl = ARGV[8]
 math.randomseed(tonumber(ARGV[9]))
 -- Reservations and index entries are deferred and sent once per set (keys.lua `defer`); the
@@ -309,7 +311,7 @@ for t = 1, n do
       -- below clears its record. An id still in flight keeps its record, and the worker
       -- takes this copy for a copy of that run. The mark goes with the status write below.
       fresh = true
-      MARK = { value = token, until_ms = now + dd_ttl, window = dd_ttl }
+      MARK = { value = token, until_ms = mark_until, window = dd_ttl }
     end
   elseif dd == '2' then
     if mark == 'a' or (mark and mark ~= token and string.sub(mark, 1, 2) == 'p:'
@@ -328,7 +330,7 @@ for t = 1, n do
       -- scheduler's mark (it handled this very submission, maybe to a final state it decided
       -- itself, and crashed before acking) is not fresh.
       fresh = (not mark) or mark == token
-      MARK = { value = token, until_ms = now + dd_ttl, window = dd_ttl }
+      MARK = { value = token, until_ms = mark_until, window = dd_ttl }
     end
   end
   if dup then
@@ -401,14 +403,14 @@ for t = 1, n do
     if chosen then
       local s = gstate(chosen, lane)
       s.used = s.used + 1
-      defer('ZADD', K_resv(chosen, lane), now + lease, id)
+      defer('ZADD', K_resv(chosen, lane), lease_until, id)
       if ks then
         -- Counted before the deferred ZADD: kused reads the set as the batch found it. A key
         -- without max_running needs no count: its sets are read (and their lapsed leases
         -- dropped and counted) in one batch of 32 at random, so a crash's leftovers go, while
         -- the common case costs no command (the API counts live leases only: ZCOUNT).
         if ks.max or ks.used ~= nil or math.random() < 1 / 32 then ks.used = kused(ks) + 1 end
-        defer('ZADD', K_kq(ks.name), now + lease, id)
+        defer('ZADD', K_kq(ks.name), lease_until, id)
         if ks.rate then ks.tokens = ktokens(ks) - 1 end
         ks.dispatched = ks.dispatched + 1
         if from_park then ks.waiting = ks.waiting - 1 end

@@ -43,16 +43,18 @@ local w, g, inst, lease, st_ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), 
 local n = tonumber(ARGV[6])
 local now = NOW_MS
 local out = { 'ok' }
+-- The running leases' score, once (keys.lua numstr).
+local lease_until = numstr(now + lease)
 if redis.call('HGET', K_worker(w), 'instance') ~= inst then out[1] = 'gone' end
 
 -- `r`: the record as read below (its `state` and `finished_at` tell status_running what to do).
 local key = ''
 local function grant(lane, id, base, att, iso, r)
   defer('ZREM', K_resv(g, lane), id)
-  defer('ZADD', K_run(g, lane), now + lease, id)
+  defer('ZADD', K_run(g, lane), lease_until, id)
   if key ~= '' then
     defer('ZREM', K_kq(key), id)
-    defer('ZADD', K_kr(key), now + lease, id)
+    defer('ZADD', K_kr(key), lease_until, id)
   end
   defer('SADD', K_wrun(w), lane .. '|' .. id)
   status_running(id, g, lane, w, att, base, inst, iso, st_ttl, { exists = r[8] ~= false, finished = r[9] ~= false })

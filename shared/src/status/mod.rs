@@ -1,4 +1,4 @@
-//! Task status records (`t:<id>`: one packed string per task with a TTL, [`record`]) and the
+//! Task status records (`ts:<id>`: one packed string per task with a TTL, [`record`]) and the
 //! attempt log (`ta:<id>`).
 //!
 //! A record says where a task is ([`TaskState`]: delayed, waiting_for_worker, parked, queued,

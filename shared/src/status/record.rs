@@ -1,4 +1,4 @@
-//! The status record as stored: one Redis string per task (`t:<id>`, [`crate::Names::task`])
+//! The status record as stored: one Redis string per task (`ts:<id>`, [`crate::Names::task`])
 //! holding the record's fields as one JSON object of strings — `{"state":"queued","group":…}`
 //! — with the status TTL. The scripts read and write it through `names/keys.lua`'s `rec_get`
 //! and `rec_put` (one `GET` and one `SET … PX|KEEPTTL` per transition, the TTL in the same
@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use crate::error::Result;
 
-/// A record's fields from its stored bytes (`GET t:<id>`). Every value the scripts write is a
+/// A record's fields from its stored bytes (`GET ts:<id>`). Every value the scripts write is a
 /// string; a number or boolean (a record written by hand) is kept as its JSON text.
 ///
 /// # Errors
