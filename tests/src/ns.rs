@@ -218,23 +218,6 @@ impl Ns {
         Ok(self.store.task_status(id).await?)
     }
 
-    /// Sets fields of `id`'s status record by hand (created when it has none; its TTL kept),
-    /// as a script's status writer would (`fleet::status::record`): a test's seed.
-    pub async fn set_record(&self, id: &str, fields: &[(&str, &str)]) -> Result<()> {
-        use deadpool_redis::redis;
-        let key = self.names.task(id);
-        let raw: Option<Vec<u8>> = self.store.query(redis::cmd("GET").arg(&key)).await?;
-        let mut m = fleet::status::record::decode_opt(raw.as_deref())?.unwrap_or_default();
-        for (k, v) in fields {
-            m.insert((*k).to_string(), (*v).to_string());
-        }
-        let rec = fleet::status::record::encode(m.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-        self.store
-            .query::<()>(redis::cmd("SET").arg(&key).arg(rec).arg("KEEPTTL"))
-            .await?;
-        Ok(())
-    }
-
     /// Normal-lane shard queues of the namespace's most sharded group: shard queues
     /// `<ns>.group.<g>.normal.<i>` are numbered from 0, so the first `i` of any group whose
     /// queue does not exist (passive declare) is its count; 1 when no group is sharded.

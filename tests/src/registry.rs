@@ -4,6 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
+use deadpool_redis::redis;
 use fleet::registry::{GroupView, WorkerView};
 use fleet::Store;
 
@@ -62,8 +63,11 @@ pub async fn wait_succeeded(ns: &Ns, ids: &[String], timeout: Duration) -> Resul
 pub async fn states(ns: &Ns, ids: &[String]) -> Result<HashMap<String, String>> {
     let mut out = HashMap::with_capacity(ids.len());
     for chunk in ids.chunks(500) {
-        let refs: Vec<&str> = chunk.iter().map(String::as_str).collect();
-        let got = ns.store.task_states(&refs).await?;
+        let mut p = redis::pipe();
+        for id in chunk {
+            p.cmd("HGET").arg(ns.names.task(id)).arg("state");
+        }
+        let got: Vec<Option<String>> = ns.store.pipe(&p).await?;
         for (id, st) in chunk.iter().zip(got) {
             out.insert(id.clone(), st.unwrap_or_else(|| "-".into()));
         }

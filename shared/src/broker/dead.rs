@@ -703,7 +703,7 @@ pub fn reset_for_replay(env: &mut Envelope) {
 mod tests {
     use super::*;
 
-    /// A replay's claim given back (`dead_unclaim.lua`, reading the packed record): the record
+    /// A replay's claim given back (`dead_unclaim.lua`): the record
     /// the claim wrote goes; one dispatched since (it names a group), or another replay's,
     /// stays.
     #[tokio::test]
@@ -717,14 +717,8 @@ mod tests {
         }
         // "b" was dispatched since (its record names a group); "c" is another replay's.
         for (id, f, v) in [("b", "group", "g1"), ("c", "replay", "other")] {
-            let key = store.names.task(id);
-            let raw: Vec<u8> = store.query(redis::cmd("GET").arg(&key)).await.unwrap();
-            let mut m = crate::status::record::decode(&raw).unwrap();
-            m.insert(f.into(), v.into());
-            let rec =
-                crate::status::record::encode(m.iter().map(|(k, v)| (k.as_str(), v.as_str())));
             store
-                .query::<()>(redis::cmd("SET").arg(&key).arg(rec).arg("KEEPTTL"))
+                .query::<()>(redis::cmd("HSET").arg(store.names.task(id)).arg(f).arg(v))
                 .await
                 .unwrap();
         }

@@ -13,7 +13,7 @@ local token, ttl = ARGV[1], ARGV[2]
 local out = {}
 for i = 3, #ARGV do
   local id = ARGV[i]
-  local r = rec_get(id, 'state', 'replay', 'ddx')
+  local r = redis.call('HMGET', K_task(id), 'state', 'replay', 'ddx')
   local st = r[1]
   if st and not is_final(st) then
     out[#out + 1] = st

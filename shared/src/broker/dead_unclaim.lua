@@ -1,7 +1,7 @@
 -- dead_unclaim: gives back ids a replay claimed (dead_claim.lua) but could not publish: a
 -- record still held by this replay's token (nothing has dispatched the id since) is deleted,
 -- so the letter, left in the dead queue, can be replayed later.
--- KEYS: the status records `ts:<id>` of the ids (`Names::task`; known up front, so whole — no
+-- KEYS: the status records `t:<id>` of the ids (`Names::task`; known up front, so whole — no
 --   prelude)
 -- ARGV[1]: replay token
 -- returns: number of records deleted
@@ -9,10 +9,7 @@ local token = ARGV[1]
 local n = 0
 for i = 1, #KEYS do
   local t = KEYS[i]
-  -- The packed record (`fleet::status::record`): a JSON object of strings.
-  local raw = redis.call('GET', t)
-  local f = raw and cjson.decode(raw)
-  if type(f) == 'table' and f.replay == token and f.group == nil then
+  if redis.call('HGET', t, 'replay') == token and redis.call('HEXISTS', t, 'group') == 0 then
     n = n + redis.call('DEL', t)
   end
 end

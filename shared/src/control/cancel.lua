@@ -21,7 +21,7 @@ local out = {}
 for k = 0, n - 1 do
   local b = 4 + 4 * k
   local id, at, by, why = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
-  local r = rec_get(id, 'state', 'submitted_at', 'cancelled_at', 'cancelled_from')
+  local r = redis.call('HMGET', K_task(id), 'state', 'submitted_at', 'cancelled_at', 'cancelled_from')
   local cur = r[1]
   local later_run = mode == 'replay' and r[2] and (tonumber(r[2]) or 0) > (tonumber(at) or 0)
   if mode == 'api' and cur == S.cancelled and (r[3] == at or not r[3]) then

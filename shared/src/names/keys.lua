@@ -7,10 +7,11 @@ local P = KEYS[1]
 local T0 = redis.call('TIME')
 local NOW_MS = tonumber(T0[1]) * 1000 + math.floor(tonumber(T0[2]) / 1000)
 -- The same instant as a string, built from TIME's strings: what the scripts store and send.
--- A Lua number becomes a string through C's "%.14g" (`tostring`; Redis's own conversion of a
--- number argument is "%.17g"), which glibc formats with multi-precision arithmetic: 1.3 µs a
--- time on this machine (BENCHMARKS.md round 20) — more than a SET. The hot paths store and
--- send strings: NOW_STR, and `numstr()` once per script for a batch's shared figures.
+-- A Lua number passed to redis.call becomes a string through "%.17g" (and `tostring` through
+-- "%.14g"), which glibc formats with multi-precision arithmetic — 0.3-1.3 µs a time on this
+-- machine, against 1-1.5 µs for a whole HSET (BENCHMARKS.md round 20) — and the command then
+-- parses it back. The hot paths send strings: NOW_STR, and `numstr()` once per script for a
+-- batch's shared figures (lease scores, the dedupe mark's lapse).
 local NOW_STR = T0[1] .. string.format('%03d', math.floor(tonumber(T0[2]) / 1000))
 -- An integral number as a string without "%.14g" (see NOW_STR): the scripts' figures (times,
 -- leases, scores) are whole numbers well inside 2^53.
@@ -25,9 +26,7 @@ local function K_gord(g) return P .. 'gord:' .. g end
 local function K_idx(pair) return P .. 'idx:' .. pair end
 local function K_resv(g, lane) return P .. 'resv:' .. g .. ':' .. lane end
 local function K_run(g, lane) return P .. 'run:' .. g .. ':' .. lane end
--- The status record: `ts:` (a packed string; before it, `t:` was a hash — a record of the old
--- form is simply not seen, as after a Redis loss, and lapses with its TTL).
-local function K_task(id) return P .. 'ts:' .. id end
+local function K_task(id) return P .. 't:' .. id end
 local function K_attempts(id) return P .. 'ta:' .. id end
 -- A dispatch batch's handed-on flag (`fleet::route::dedupe`): marks `p:<token>` are handed on.
 local function K_handed(token) return P .. 'ho:' .. token end
@@ -101,88 +100,6 @@ local function log_attempt(id, entry, ttl_ms)
   redis.call('PEXPIRE', k, ttl_ms)
 end
 
--- ---- The status record (`ts:<id>`): one string key per task holding its fields as one JSON
--- object of strings (cjson; `fleet::status::record` is the Rust side), so that a transition
--- costs one GET and one SET — the TTL in the same command (PX, or KEEPTTL) — where a hash
--- cost HMGET + HSET (+ HDEL) + PEXPIRE (`INFO commandstats`: Redis's cost is per command far
--- more than per field; BENCHMARKS.md round 20). Every script reads and writes records through
--- these functions only (the status writers below; a unit test checks that no script touches
--- `K_task` otherwise but for EXISTS and PTTL). Within one script call a record is read once
--- (a batch's records in one MGET: rec_prefetch): REC caches its fields (false: no record),
--- and the writes keep the cache true. A
--- record that is not a JSON object (not written by fleet) fails the script, as a hash of the
--- wrong type did (WRONGTYPE): the caller's error path handles it. ----
-local REC = {}
--- Records read ahead by rec_prefetch, not yet decoded (false: no record).
-local REC_RAW = {}
-local function rec_fields(id)
-  local f = REC[id]
-  if f == nil then
-    local raw = REC_RAW[id]
-    if raw == nil then raw = redis.call('GET', K_task(id)) else REC_RAW[id] = nil end
-    if raw then
-      f = cjson.decode(raw)
-      if type(f) ~= 'table' then error('status record of ' .. id .. ' is not a JSON object') end
-    else
-      f = false
-    end
-    REC[id] = f
-  end
-  return f
-end
--- Reads the records of many tasks (`ids`, a list) in one MGET per 1,000 — a batch script's
--- first step — so that the per-task reads that follow cost no command: Redis's cost is per
--- command (a batch of 100 claims reads its records in one call, not 100).
-local function rec_prefetch(ids)
-  for s = 1, #ids, 1000 do
-    local e = math.min(s + 999, #ids)
-    local keys = {}
-    for j = s, e do keys[#keys + 1] = K_task(ids[j]) end
-    local raw = redis.call('MGET', unpack(keys))
-    for j = s, e do
-      if REC[ids[j]] == nil then REC_RAW[ids[j]] = raw[j - s + 1] end
-    end
-  end
-end
--- Fields of task id's record, like HMGET: a list of each value, or false (missing field, or no
--- record).
-local function rec_get(id, ...)
-  local f = rec_fields(id)
-  local names = { ... }
-  local out = {}
-  for j = 1, #names do out[j] = (f and f[names[j]]) or false end
-  return out
-end
--- One field of task id's record (false: missing, or no record), like HGET.
-local function rec_get1(id, name)
-  local f = rec_fields(id)
-  return (f and f[name]) or false
-end
--- Writes task id's record in one SET: `set` (name, value pairs; values stored as strings)
--- over its fields, `del` (names, or nil) removed. `ttl_ms`: the record's TTL from now (ms,
--- > 0), or nil to keep the one it has (KEEPTTL: a record created here then has none).
-local function rec_put(id, set, del, ttl_ms)
-  local f = rec_fields(id)
-  if not f then f = {}; REC[id] = f end
-  for j = 1, #set, 2 do
-    local v = set[j + 1]
-    if type(v) == 'number' and v == math.floor(v) then v = numstr(v) else v = tostring(v) end
-    f[set[j]] = v
-  end
-  if del then for _, name in ipairs(del) do f[name] = nil end end
-  if type(ttl_ms) == 'number' then ttl_ms = numstr(ttl_ms) end
-  if ttl_ms then
-    redis.call('SET', K_task(id), cjson.encode(f), 'PX', ttl_ms)
-  else
-    redis.call('SET', K_task(id), cjson.encode(f), 'KEEPTTL')
-  end
-end
--- Deletes task id's record (and `more` keys with it, if given).
-local function rec_drop(id, more)
-  if more then redis.call('DEL', K_task(id), more) else redis.call('DEL', K_task(id)) end
-  REC[id] = false
-end
-
 -- Task states, dead-letter reasons and attempt outcomes, as stored: the words of
 -- `fleet::status::{TaskState, DeadReason, AttemptOutcome}` (a unit test checks these tables
 -- and every such word in the scripts against the enums, so scripts spell them S.x, R.x, O.x).
@@ -216,7 +133,7 @@ end
 -- Dispatched (S.queued, reserved in group g) or waiting for room (S.parked): never over a
 -- claimed attempt — a copy made by a scheduler that took over a crashed one's batch finds the
 -- task running or finished, and the worker acks that copy as a duplicate.
--- `kind` and `sub` (submitted_at, Unix ms): what the task is, written in the same SET when
+-- `kind` and `sub` (submitted_at, Unix ms): what the task is, written in the same HSET when
 -- the caller knows them (nil or '' otherwise).
 -- `fresh`: this call set the id's dedupe mark (a new submission, its window passed): a final
 -- record is then an ended run's, and this is a new run (status_resubmitted, below).
@@ -226,7 +143,7 @@ local status_resubmitted
 -- no command of its own — or by write_mark when no status is written. nil: none to write.
 -- { value = 'p:<token>', until_ms = <Redis ms>, window = <ms> }
 local MARK = nil
--- Appends the pending mark's fields to a status write's `set` and clears it; returns the window (ms)
+-- Appends the pending mark's fields to an HSET's `set` and clears it; returns the window (ms)
 -- the record must live at least (0: no mark).
 local function take_mark(set)
   local m = MARK
@@ -237,23 +154,15 @@ local function take_mark(set)
   return m.window
 end
 -- Writes the pending mark, if any, into task id's record on its own: the record then lives at
--- least the window (the TTL is only ever raised here, or set on a record that has none).
+-- least the window (the TTL is only ever raised here: PEXPIRE GT, or set on a new record).
 local function write_mark(id, ttl_ms)
   if not MARK then return end
   local set = {}
   local win = take_mark(set)
+  local t = K_task(id)
+  redis.call('HSET', t, unpack(set))
   local keep = math.max(tonumber(ttl_ms) or 0, win)
-  -- Only ever raised: a longer TTL the record has already (PTTL) stays.
-  local left = redis.call('PTTL', K_task(id))
-  if left > keep then keep = left end
-  rec_put(id, set, nil, keep)
-end
--- A submission handed on by itself (route/handed.lua): its mark becomes 'a'. A record Redis
--- lost meanwhile is not brought back without a TTL: one that has none gets the window `win`.
-local function mark_handed(id, win)
-  local keep = nil
-  if redis.call('PTTL', K_task(id)) < 0 then keep = win end
-  rec_put(id, { 'dd', 'a' }, nil, keep)
+  if redis.call('PEXPIRE', t, keep, 'GT') == 0 then redis.call('PEXPIRE', t, keep, 'NX') end
 end
 -- `cur`: the record's state as the caller read it (false: none), or nil to read it here.
 -- `sel`: the task's selector (`k=v,k2=v2`, '' for none), written with `kind` (the task
@@ -261,7 +170,8 @@ end
 -- `key`: the task's fairness key (nil or '' for none), written with `kind`: a cancel and an
 -- eviction read it to give back the key's slot.
 local function status_waiting(id, state, g, lane, ttl_ms, kind, sub, fresh, cur, sel, key)
-  if cur == nil then cur = rec_get1(id, 'state') end
+  local t = K_task(id)
+  if cur == nil then cur = redis.call('HGET', t, 'state') end
   if fresh and is_final(cur) then
     status_resubmitted(id, ttl_ms)
     cur = false
@@ -274,9 +184,10 @@ local function status_waiting(id, state, g, lane, ttl_ms, kind, sub, fresh, cur,
     if key and key ~= '' then set[#set + 1] = 'key'; set[#set + 1] = key end
   end
   if sub and sub ~= '' then set[#set + 1] = 'submitted_at'; set[#set + 1] = sub end
-  -- The dedupe mark of a fresh submission rides in the same SET (reserve.lua).
+  -- The dedupe mark of a fresh submission rides in the same HSET (reserve.lua).
   local win = take_mark(set)
-  rec_put(id, set, nil, math.max(tonumber(ttl_ms) or 0, win))
+  redis.call('HSET', t, unpack(set))
+  redis.call('PEXPIRE', t, numstr(math.max(tonumber(ttl_ms) or 0, win)))
   if not cur then index_run(id, sub) end
 end
 local function status_queued(id, g, lane, ttl_ms, kind, sub, fresh, cur, sel, key) status_waiting(id, S.queued, g, lane, ttl_ms, kind, sub, fresh, cur, sel, key) end
@@ -291,13 +202,15 @@ local function status_parked(id, g, lane, ttl_ms, kind, sub, fresh, cur, sel, ke
 -- written only over no record or `waiting`. Returns the state it left (final, or the one a
 -- `waiting` met), or false when it wrote. `score`: the run's submitted_at (the index).
 local function status_decided(id, set, ttl_ms, score)
-  local cur = rec_get1(id, 'state')
+  local t = K_task(id)
+  local cur = redis.call('HGET', t, 'state')
   if is_final(cur) then return cur end
   -- `waiting` (a DAG member held by its batch) only before its release: a batch's close read
   -- again (redelivered, or by a replica that has not folded it yet) must not put a member
   -- that was released since (queued, running, ...) back to `waiting`.
   if set[2] == S.waiting and cur and cur ~= S.waiting then return cur end
-  rec_put(id, set, nil, ttl_ms)
+  redis.call('HSET', t, unpack(set))
+  redis.call('PEXPIRE', t, ttl_ms)
   if not cur then index_run(id, score) end
   return false
 end
@@ -306,28 +219,36 @@ end
 -- see start.lua) says which copy of which attempt runs and whether alone (`iso`).
 -- `prior`: what the caller read of the record — `exists` (a `state` field: the record and
 -- its TTL, set at dispatch, are there) and `finished` (a `finished_at` of an earlier attempt)
--- — so the TTL set at dispatch stands (one SET, KEEPTTL; a record that expired while its
--- task waited gets a new one).
+-- — so a fresh claim costs one HSET: no HDEL of a field that is not there, and the TTL set
+-- at dispatch stands (a record that expired while its task waited gets a new one).
 local function status_running(id, g, lane, w, att, base, inst, iso, ttl_ms, prior)
-  rec_put(id, { 'state', S.running, 'group', g, 'lane', lane, 'worker', w, 'attempt', att,
-    'started_at', NOW_STR, 'run_base', base, 'run_owner', inst, 'run_st', 'run', 'run_iso', iso },
-    prior.finished and { 'finished_at' } or nil, (not prior.exists) and ttl_ms or nil)
+  local t = K_task(id)
+  redis.call('HSET', t, 'state', S.running, 'group', g, 'lane', lane, 'worker', w, 'attempt', att,
+    'started_at', NOW_STR, 'run_base', base, 'run_owner', inst, 'run_st', 'run', 'run_iso', iso)
+  if prior.finished then redis.call('HDEL', t, 'finished_at') end
+  if not prior.exists then redis.call('PEXPIRE', t, ttl_ms) end
 end
 
 -- A crash suspect claimed by process inst of worker w, to run once that process runs nothing
 -- else (start.lua): still S.queued, its run record held.
 local function status_suspect(id, w, inst, att, ttl_ms)
-  rec_put(id, { 'run_owner', inst, 'worker', w, 'run_st', 'run', 'run_iso', 's',
-    'attempt', att, 'state', S.queued }, nil, ttl_ms)
+  local t = K_task(id)
+  redis.call('HSET', t, 'run_owner', inst, 'worker', w, 'run_st', 'run', 'run_iso', 's',
+    'attempt', att, 'state', S.queued)
+  redis.call('PEXPIRE', t, ttl_ms)
 end
 
 -- Back in the broker after an attempt that ended without an outcome: its worker died or left
 -- (remove_worker; `run_st` nil: the record stays the lost owner's, so the next claim counts
 -- the crash) or it was released (finish.lua; `run_st` 'rel': the next copy runs the attempt again).
 local function status_requeued(id, run_st)
-  local set = { 'state', S.queued }
-  if run_st then set[3] = 'run_st'; set[4] = run_st end
-  rec_put(id, set, { 'worker', 'started_at' }, nil)
+  local t = K_task(id)
+  if run_st then
+    redis.call('HSET', t, 'run_st', run_st, 'state', S.queued)
+  else
+    redis.call('HSET', t, 'state', S.queued)
+  end
+  redis.call('HDEL', t, 'worker', 'started_at')
 end
 
 -- Running again as far as anyone can tell: the run of process `inst` (still its owner) of
@@ -335,8 +256,8 @@ end
 -- worker registered again). Its start time went with the eviction.
 local function status_resumed(id, w)
   -- A run an operator cancelled meanwhile stays cancelled (its worker is stopping it).
-  if rec_get1(id, 'state') == S.cancelled then return end
-  rec_put(id, { 'state', S.running, 'worker', w }, nil, nil)
+  if redis.call('HGET', K_task(id), 'state') == S.cancelled then return end
+  redis.call('HSET', K_task(id), 'state', S.running, 'worker', w)
 end
 
 -- An attempt's outcome (finish.lua): `state` is S.succeeded, S.retrying, S.dead or S.expired,
@@ -345,10 +266,11 @@ end
 -- which then says the attempt is over. `prior`: which of `error` and `reason` the record holds
 -- now (read by the caller), so only fields that are there are deleted, and `ttl_fresh`: the
 -- record's TTL was set less than a tenth of the TTL ago (`queued_at`: every writer of that
--- field sets the TTL in the same script). One SET, which sets the TTL only when it is not
--- fresh — so a record lives at least 0.9 × the status TTL after its task ended
+-- field sets the TTL in the same script). One HSET and, rarely, one HDEL; the PEXPIRE only when
+-- the TTL is not fresh — so a record lives at least 0.9 × the status TTL after its task ended
 -- (exactly the TTL from the end for a task that waited or ran longer than a tenth of it).
 local function status_finished(id, state, w, att, field, text, success, reason, done, ttl_ms, prior)
+  local t = K_task(id)
   local set = { 'state', state, 'worker', w, 'finished_at', NOW_STR, 'attempt', att, field, text }
   if done then set[#set + 1] = 'run_st'; set[#set + 1] = 'done' end
   local del = {}
@@ -360,9 +282,11 @@ local function status_finished(id, state, w, att, field, text, success, reason, 
   elseif prior.reason then
     del[#del + 1] = 'reason'
   end
+  redis.call('HSET', t, unpack(set))
+  if #del > 0 then redis.call('HDEL', t, unpack(del)) end
   -- `keep_ms`: the TTL from now, the dedupe mark's lapse included (`ddx`, a window longer than
   -- the status TTL).
-  rec_put(id, set, #del > 0 and del or nil, (not prior.ttl_fresh) and (prior.keep_ms or ttl_ms) or nil)
+  if not prior.ttl_fresh then redis.call('PEXPIRE', t, numstr(prior.keep_ms or ttl_ms)) end
 end
 
 -- Submitted again after its dedupe window, its previous run over (`is_final`): a new run of the
@@ -371,18 +295,19 @@ end
 -- success (not in the log, see finish.lua) is logged first: the attempt log, which stays, holds
 -- the earlier runs' attempts.
 function status_resubmitted(id, ttl_ms)
-  local r = rec_get(id, 'state', 'attempt', 'worker', 'started_at', 'finished_at', 'run_base')
+  local t = K_task(id)
+  local r = redis.call('HMGET', t, 'state', 'attempt', 'worker', 'started_at', 'finished_at', 'run_base')
   if r[1] == S.succeeded and r[6] then
     log_attempt(id, { attempt = tonumber(r[2]), worker = r[3], started_at = tonumber(r[4]),
       finished_at = tonumber(r[5]), outcome = O.succeeded }, ttl_ms)
   end
-  rec_drop(id)
+  redis.call('DEL', t)
 end
 -- A fresh submission that writes no waiting status here (no live group matches, or delayed:
 -- the scheduler writes that status): the same check as status_waiting's.
 -- `cur`: the record's state as the caller read it (nil: read it here).
 local function status_renew_if_final(id, ttl_ms, cur)
-  if cur == nil then cur = rec_get1(id, 'state') end
+  if cur == nil then cur = redis.call('HGET', K_task(id), 'state') end
   if is_final(cur) then status_resubmitted(id, ttl_ms) end
 end
 
@@ -390,27 +315,22 @@ end
 -- S.queued under the replay's `token` until the scheduler dispatches the replayed submission —
 -- a second replay of the id (another letter, another replica) finds it in flight and refuses.
 local function status_replayed(id, token, ttl_ms)
-  REC[id] = false
-  rec_put(id, { 'state', S.queued, 'replay', token, 'queued_at', NOW_STR }, nil, ttl_ms)
+  local t = K_task(id)
+  redis.call('DEL', t)
+  redis.call('HSET', t, 'state', S.queued, 'replay', token, 'queued_at', NOW_STR)
+  redis.call('PEXPIRE', t, ttl_ms)
   -- A new run: indexed now (the newest first in the task list).
   index_run(id, nil)
-end
-
--- Forgotten (forget.lua: its dead letter deleted by an operator): the record goes with its
--- attempt log; a dedupe mark still live (`mark`, lapsing at `until_ms`, Redis ms) stays, alone
--- in the record until it lapses: a producer's duplicate within the window is still dropped.
-local function status_forgotten(id, mark, until_ms)
-  rec_drop(id, K_attempts(id))
-  local left = (tonumber(until_ms) or 0) - NOW_MS
-  if mark and left > 0 then rec_put(id, { 'dd', mark, 'ddx', until_ms }, nil, left) end
 end
 
 -- Dead outside a worker's outcome (start.lua: R.worker_lost; broker_dead.lua: the broker's
 -- reason): the attempt is over and no worker holds it. `fields`: more fields to set (or nil).
 local function status_dead(id, reason, err, ttl_ms, fields)
-  local set = { 'state', S.dead, 'reason', reason, 'error', err, 'finished_at', NOW_STR, 'run_st', 'done' }
-  if fields then for j = 1, #fields do set[#set + 1] = fields[j] end end
-  rec_put(id, set, { 'worker' }, ttl_ms)
+  local t = K_task(id)
+  redis.call('HSET', t, 'state', S.dead, 'reason', reason, 'error', err, 'finished_at', NOW_STR, 'run_st', 'done')
+  if fields and #fields > 0 then redis.call('HSET', t, unpack(fields)) end
+  redis.call('HDEL', t, 'worker')
+  redis.call('PEXPIRE', t, ttl_ms)
 end
 
 -- Cancelled by an operator (cancel.lua): `by` (the API token's name or role) and `why` (the
@@ -421,13 +341,15 @@ end
 -- A reservation the task holds in its group is given back now (its message may wait long
 -- before anyone reaches it). `ttl_ms`: the status TTL, from now.
 local function status_cancelled(id, by, why, at, ttl_ms, cur)
+  local t = K_task(id)
   if cur == S.queued then
-    local r = rec_get(id, 'group', 'lane', 'key')
+    local r = redis.call('HMGET', t, 'group', 'lane', 'key')
     if r[1] and r[2] then redis.call('ZREM', K_resv(r[1], r[2]), id) end
     if r[3] then redis.call('ZREM', K_kq(r[3]), id) end
   end
-  rec_put(id, { 'state', S.cancelled, 'cancelled_at', at, 'cancelled_by', by, 'cancel_reason', why,
-    'cancelled_from', cur or '' }, nil, ttl_ms)
+  redis.call('HSET', t, 'state', S.cancelled, 'cancelled_at', at, 'cancelled_by', by, 'cancel_reason', why,
+    'cancelled_from', cur or '')
+  redis.call('PEXPIRE', t, ttl_ms)
   -- A mark written back from the control stream after a Redis loss creates the record.
   if not cur then index_run(id, at) end
 end
@@ -436,9 +358,11 @@ end
 -- (or, its mark lost with Redis and known to the worker from the control stream, becomes)
 -- cancelled; `done`: this process owns the run record, which then says the attempt is over.
 local function status_cancel_ended(id, w, att, done, by, why, ttl_ms)
+  local t = K_task(id)
   local set = { 'state', S.cancelled, 'worker', w, 'attempt', att, 'finished_at', NOW_STR }
   if done then set[#set + 1] = 'run_st'; set[#set + 1] = 'done' end
   if by ~= '' then set[#set + 1] = 'cancelled_by'; set[#set + 1] = by end
   if why ~= '' then set[#set + 1] = 'cancel_reason'; set[#set + 1] = why end
-  rec_put(id, set, nil, ttl_ms)
+  redis.call('HSET', t, unpack(set))
+  redis.call('PEXPIRE', t, ttl_ms)
 end

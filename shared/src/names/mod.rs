@@ -302,11 +302,10 @@ impl Names {
     pub fn submit_rate_limit(&self) -> String {
         format!("{}rl:submit", self.prefix)
     }
-    /// A task's status record (state, attempt, times, result or error; see `fleet::status`):
-    /// one string, its fields packed ([`crate::status::record`]), kept for the status TTL.
-    /// `ts:` since the record is packed (it was a hash at `t:`: an old record is not read).
+    /// Hash of a task's status (state, attempt, times, result or error; see `fleet::status`),
+    /// kept for the status TTL.
     pub fn task(&self, id: &str) -> String {
-        format!("{}ts:{}", self.prefix, id)
+        format!("{}t:{}", self.prefix, id)
     }
     /// The task index (a sorted set: member = task id, score = the run's submitted_at, Unix
     /// ms), written by the status writer that creates a run's record; see

@@ -68,7 +68,6 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../registry/reclaim.lua"),
     ),
     ("route/reserve.lua", include_str!("../route/reserve.lua")),
-    ("route/handed.lua", include_str!("../route/handed.lua")),
     ("run/start.lua", include_str!("../run/start.lua")),
     ("run/finish.lua", include_str!("../run/finish.lua")),
     (
@@ -121,9 +120,6 @@ pub struct Scripts {
     /// `route/reserve.lua`: for a batch of tasks, dedupes, chooses a group with room and reserves
     /// a leased slot.
     pub reserve: Script,
-    /// `route/handed.lua`: marks ingress submissions handed on id by id (a batch some of whose
-    /// publishes failed; [`crate::route::Dedupe`]).
-    pub handed: Script,
     /// `run/start.lua`: a worker claims task attempts before running them (batch); exactly one run
     /// per attempt.
     pub start: Script,
@@ -182,7 +178,6 @@ impl Scripts {
                 "\n",
                 include_str!("../route/reserve.lua")
             )),
-            handed: script!("../route/handed.lua"),
             start: script!("../run/start.lua"),
             finish: script!("../run/finish.lua"),
             ratelimit: Script::new(include_str!("../ratelimit/ratelimit.lua")),

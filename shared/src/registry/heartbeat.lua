@@ -25,21 +25,13 @@ redis.call('ZADD', K_workers(), now, id)
 redis.call('HSET', K_group(g), 'h:' .. id, ARGV[10])
 -- Renew only what still runs here: a task listed when the beat was collected may have
 -- finished (finish.lua) before this script runs; re-adding it would leak a slot for a lease.
--- The tasks' records in one MGET, their leases' writes one per set (keys.lua rec_prefetch,
--- defer): a beat costs a few commands whatever the number of running tasks.
-do
-  local ids = {}
-  for i = 11, #ARGV do
-    local task = string.match(ARGV[i], '|(.*)$')
-    if task then ids[#ids + 1] = task end
-  end
-  rec_prefetch(ids)
-end
+-- The renewals are deferred: one ZADD/SADD per set per beat (keys.lua defer), whatever the
+-- number of running tasks.
 for i = 11, #ARGV do
   local lane, key, task = string.match(ARGV[i], '^(%a+):?([^|]*)|(.*)$')
   local entry = lane and (lane .. '|' .. task)
   if lane then
-    local r = rec_get(task, 'run_owner', 'run_st', 'worker')
+    local r = redis.call('HMGET', K_task(task), 'run_owner', 'run_st', 'worker')
     if not r[1] and not r[2] and not r[3] then
       -- No run record at all: Redis lost it (restarted empty) while the task runs here.
       -- Count the run again where a group's load and this worker's running read it (the

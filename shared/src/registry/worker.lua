@@ -87,7 +87,7 @@ local function remove_worker(id)
   for _, m in ipairs(redis.call('SMEMBERS', K_wrun(id))) do
     local lane, task = string.match(m, '^(%a+)|(.*)$')
     if lane then
-      local t = rec_get(task, 'worker', 'state', 'run_owner', 'run_st', 'attempt', 'started_at', 'key')
+      local t = redis.call('HMGET', K_task(task), 'worker', 'state', 'run_owner', 'run_st', 'attempt', 'started_at', 'key')
       if not t[1] or t[1] == id then
         redis.call('ZREM', K_run(g, lane), task)
         if t[7] then redis.call('ZREM', K_kr(t[7]), task) end

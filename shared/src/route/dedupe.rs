@@ -4,7 +4,7 @@
 //! The protocol is one mark per id, a field of its status record (`dd`, lapsing at `ddx`, Redis
 //! ms: the record, [`crate::Names::task`], lives at least that long), written in the same
 //! script call that routes the task (`route/reserve.lua`, so the check and the reservation are
-//! atomic — and in the same `SET` as its first status: the mark costs no command of its own)
+//! atomic — and in the same `HSET` as its first status: the mark costs no command of its own)
 //! and then advanced by the scheduler:
 //!
 //! * `p:<token>` — being handled by the batch with this token (set if absent; a retry of the same
@@ -55,27 +55,29 @@ impl Store {
         if ids.is_empty() && batch.is_none() {
             return Ok(());
         }
-        if ids.is_empty() {
-            // The common case: one command for the whole batch.
-            if let Some(token) = batch {
-                let mut c = redis::cmd("SET");
-                c.arg(self.names.handed_on(&token.to_string()))
-                    .arg("1")
-                    .arg("PX")
-                    .arg(window_ms.max(1));
-                self.query::<()>(&c).await?;
-            }
-            return Ok(());
+        // MULTI/EXEC: a mark's HSET never lands without its PEXPIRE (a record Redis lost would
+        // otherwise stay, mark only, with no TTL).
+        let mut p = redis::pipe();
+        p.atomic();
+        if let Some(token) = batch {
+            p.cmd("SET")
+                .arg(self.names.handed_on(&token.to_string()))
+                .arg("1")
+                .arg("PX")
+                .arg(window_ms.max(1))
+                .ignore();
         }
-        // Ids one by one: the marks are fields of the packed status records, rewritten by a
-        // script (`route/handed.lua`) — atomic, so a mark never lands without its TTL.
-        let mut inv = self.scripts.handed.prepare_invoke();
-        inv.key(self.names.prefix())
-            .arg(window_ms.max(1))
-            .arg(batch.map(|t| t.to_string()).unwrap_or_default());
         for id in ids {
-            inv.arg(*id);
+            // The mark is a field of the status record; a record Redis lost meanwhile is not
+            // brought back without a TTL (NX: only a key that has none gets the window).
+            let t = self.names.task(id);
+            p.cmd("HSET").arg(&t).arg("dd").arg("a").ignore();
+            p.cmd("PEXPIRE")
+                .arg(&t)
+                .arg(window_ms.max(1))
+                .arg("NX")
+                .ignore();
         }
-        self.invoke::<i64>(&inv).await.map(|_| ())
+        self.pipe::<()>(&p).await
     }
 }

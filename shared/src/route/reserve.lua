@@ -67,8 +67,8 @@
 -- submission) and whose last run has ended is a new run of the id: keys.lua status_resubmitted.
 -- Dedupe marks are fields of the task's status record (`dd`: the mark, `ddx`: when it lapses,
 -- Redis ms; the record lives at least as long, keys.lua `write_mark`): no key and no command
--- of their own — the record's one GET reads the mark with the state, and the status write
--- that follows carries the new mark in its SET.
+-- of their own — the record's one HMGET reads the mark with the state, and the status write
+-- that follows carries the new mark in its HSET.
 -- Dedupe marks: 'p:<token>' while a submission is being handled, and handed on (confirmed;
 -- written just before the scheduler acks the ingress message) either by the batch's flag
 -- `ho:<token>` (every submission of the batch handed on: one write per batch) or by the mark
@@ -84,7 +84,7 @@ local now, token, lease, bf = NOW_MS, 'p:' .. ARGV[1], tonumber(ARGV[2]), tonumb
 local default_strategy, dd_ttl, st_ttl = ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local direct = ARGV[7] == '1'
 -- A batch's shared figures as strings, once (keys.lua NOW_STR: no "%.17g" per task).
-local lease_until, mark_until = numstr(now + lease), numstr(now + tonumber(ARGV[5]))
+local lease_until, mark_until = numstr(now + lease), numstr(now + dd_ttl)
 local park_ttl = ARGV[8]
 math.randomseed(tonumber(ARGV[9]))
 -- Reservations and index entries are deferred and sent once per set (keys.lua `defer`); the
@@ -268,13 +268,6 @@ local desc = i + 1
 i = i + 1 + 2 * nd
 local n = tonumber(ARGV[i])
 i = i + 1
--- Every task's record in one MGET (keys.lua rec_prefetch): the record read below costs no
--- command of its own.
-do
-  local ids = {}
-  for t = 1, n do ids[t] = ARGV[i + 8 * (t - 1)] end
-  rec_prefetch(ids)
-end
 local out = {}
 for t = 1, n do
   local kind, sub = nil, nil
@@ -294,7 +287,7 @@ for t = 1, n do
   -- The record, read once: its state (false: none; the cancel check and the status writer),
   -- its dedupe mark (`dd`, live until `ddx`, Redis ms: the mark is a field of the record, so
   -- the check costs no command of its own) and whether a worker claimed it (`run_base`).
-  local rec = rec_get(id, 'state', 'dd', 'ddx', 'run_base')
+  local rec = redis.call('HMGET', K_task(id), 'state', 'dd', 'ddx', 'run_base')
   local cur = rec[1]
   local mark = rec[2]
   if mark and (tonumber(rec[3]) or 0) <= now then mark = false end

@@ -30,19 +30,14 @@ local w, g, inst, st_ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local now = NOW_MS
 local n = tonumber(ARGV[5])
 local done = {}
--- The batch's records in one MGET (keys.lua rec_prefetch).
-do
-  local ids = {}
-  for k = 0, n - 1 do ids[k + 1] = ARGV[7 + 8 * k] end
-  rec_prefetch(ids)
-end
 for k = 0, n - 1 do
   local b = 6 + 8 * k
   local lane, id, attempt, state = ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 2]), ARGV[b + 3]
   local field, text, success, reason = ARGV[b + 4], ARGV[b + 5], ARGV[b + 6], ARGV[b + 7]
+  local t = K_task(id)
   defer('ZREM', K_run(g, lane), id)
   defer('SREM', K_wrun(w), lane .. '|' .. id)
-  local r = rec_get(id, 'attempt', 'run_owner', 'run_st', 'worker', 'started_at', 'error', 'reason', 'state', 'cancelled_by', 'cancel_reason', 'key', 'queued_at', 'ddx')
+  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st', 'worker', 'started_at', 'error', 'reason', 'state', 'cancelled_by', 'cancel_reason', 'key', 'queued_at', 'ddx')
   -- Its fairness key's running entry (a record Redis lost names no key: the entry lapses
   -- with its lease, which no heartbeat renews once the task ended).
   if r[11] then defer('ZREM', K_kr(r[11]), id) end

@@ -133,15 +133,24 @@ mod tests {
 
     async fn set(store: &Store, id: &str, state: &str) {
         let t = store.names.task(id);
-        let rec = crate::status::record::encode([("state", state), ("attempt", "1")]);
         store
-            .query::<()>(redis::cmd("SET").arg(&t).arg(rec))
+            .query::<()>(
+                redis::cmd("HSET")
+                    .arg(&t)
+                    .arg("state")
+                    .arg(state)
+                    .arg("attempt")
+                    .arg(1),
+            )
             .await
             .unwrap();
     }
 
     async fn state(store: &Store, id: &str) -> Option<String> {
-        store.task_state(id).await.unwrap()
+        store
+            .query(redis::cmd("HGET").arg(store.names.task(id)).arg("state"))
+            .await
+            .unwrap()
     }
 
     async fn clean(store: &Store) {

@@ -1,5 +1,5 @@
 -- start: a worker claims task attempts before running them (batch). Exactly one run per
--- attempt: the claim is a run record in the task's status record (`run_base`, `run_owner`,
+-- attempt: the claim is a run record in the task's status hash (`run_base`, `run_owner`,
 -- `run_st`, `run_iso`, `attempt`), set only if no live run of that attempt exists.
 -- KEYS[1]: key prefix
 -- ARGV[1]: worker id   ARGV[2]: group   ARGV[3]: instance token of this worker process
@@ -49,7 +49,7 @@ if redis.call('HGET', K_worker(w), 'instance') ~= inst then out[1] = 'gone' end
 
 -- `r`: the record as read below (its `state` and `finished_at` tell status_running what to do).
 local key = ''
-local function grant(lane, id, base, att, iso, r)
+local function grant(lane, id, t, base, att, iso, r)
   defer('ZREM', K_resv(g, lane), id)
   defer('ZADD', K_run(g, lane), lease_until, id)
   if key ~= '' then
@@ -72,23 +72,18 @@ end
 
 -- Claims a suspect for this process without running it yet: it runs once the process runs
 -- nothing else (re-claimed with isolated = 1).
-local function suspect(lane, id, att)
+local function suspect(lane, id, t, att)
   status_suspect(id, w, inst, att, st_ttl)
   defer('SADD', K_wrun(w), lane .. '|' .. id)
   return 'iso', att
 end
 
--- The batch's records in one MGET (keys.lua rec_prefetch).
-do
-  local ids = {}
-  for k = 0, n - 1 do ids[k + 1] = ARGV[8 + 6 * k] end
-  rec_prefetch(ids)
-end
 for k = 0, n - 1 do
   local b = 7 + 6 * k
   local lane, id, base, max, isolated = ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), ARGV[b + 4]
   key = ARGV[b + 5]
-  local r = rec_get(id, 'run_base', 'run_owner', 'run_st', 'run_iso', 'attempt', 'worker', 'started_at', 'state', 'finished_at')
+  local t = K_task(id)
+  local r = redis.call('HMGET', t, 'run_base', 'run_owner', 'run_st', 'run_iso', 'attempt', 'worker', 'started_at', 'state', 'finished_at')
   local rb = tonumber(r[1])
   local was_suspect = r[4] == 's' or r[4] == '1'
   local ans, num = nil, 0
@@ -110,7 +105,7 @@ for k = 0, n - 1 do
       log_attempt(id, { attempt = tonumber(r[5]), worker = r[6], started_at = tonumber(r[7]),
         finished_at = tonumber(r[9]), outcome = O.succeeded }, st_ttl)
     end
-    grant(lane, id, base, base, isolated, r)
+    grant(lane, id, t, base, base, isolated, r)
     ans, num = 'run', base
   elseif rb ~= base or r[3] == 'done' then
     -- A copy (e.g. dispatched again by a scheduler that took over a crashed one's batch, or
@@ -123,9 +118,9 @@ for k = 0, n - 1 do
     if r[3] == 'rel' then
       -- Released without an outcome (hard stop): the same attempt again, still a suspect if it was.
       if was_suspect and isolated ~= '1' then
-        ans, num = suspect(lane, id, att)
+        ans, num = suspect(lane, id, t, att)
       else
-        grant(lane, id, base, att, isolated, r)
+        grant(lane, id, t, base, att, isolated, r)
         ans, num = 'run', att
       end
     elseif r[3] == 'ran' then
@@ -135,13 +130,13 @@ for k = 0, n - 1 do
         status_dead(id, R.max_attempts, 'its last attempt ran, but the broker did not confirm its outcome', st_ttl)
         ans, num = 'spent', att
       else
-        grant(lane, id, base, att + 1, isolated, r)
+        grant(lane, id, t, base, att + 1, isolated, r)
         ans, num = 'run', att + 1
       end
     elseif r[2] == inst then
       if isolated == '1' then
         -- This process claimed it as a suspect and now runs it alone.
-        grant(lane, id, base, att, '1', r)
+        grant(lane, id, t, base, att, '1', r)
         ans, num = 'run', att
       else
         ans = 'wait'
@@ -150,14 +145,14 @@ for k = 0, n - 1 do
       ans = 'wait'
     elseif r[4] == 's' then
       -- Claimed as a suspect by a process that died before running it: no charge.
-      ans, num = suspect(lane, id, att)
+      ans, num = suspect(lane, id, t, att)
     elseif r[4] == '1' and att >= max then
       log_lost(id, att, r)
       status_dead(id, R.worker_lost, 'the worker process died while running this task alone, on its last attempt', st_ttl)
       ans, num = 'dlq', att
     else
       log_lost(id, att, r)
-      ans, num = suspect(lane, id, att + 1)
+      ans, num = suspect(lane, id, t, att + 1)
     end
   end
   out[#out + 1] = ans

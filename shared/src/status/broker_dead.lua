@@ -11,7 +11,8 @@
 -- returns: 'dead' (S.dead, the state written) | 'done' (the status was already final, or
 --   cancelled: nothing written)
 local id, g, lane, reason, err, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local r = rec_get(id, 'state', 'run_st', 'group', 'worker', 'attempt', 'started_at')
+local t = K_task(id)
+local r = redis.call('HMGET', t, 'state', 'run_st', 'group', 'worker', 'attempt', 'started_at')
 if r[2] == 'done' and is_final(r[1]) then return 'done' end
 -- A cancelled task stays cancelled (a cancel does not end the run record): its reservation and
 -- running records are released, nothing else is written.

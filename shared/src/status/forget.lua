@@ -9,11 +9,17 @@ local n = 0
 -- A dedupe mark still live (`dd`, lapsing at `ddx`: a field of the record) stays, alone in the
 -- record until it lapses: a producer's duplicate within the window is still dropped.
 for _, id in ipairs(ARGV) do
-  local r = rec_get(id, 'state', 'dd', 'ddx')
+  local t = K_task(id)
+  local r = redis.call('HMGET', t, 'state', 'dd', 'ddx')
   local s = r[1]
   if s == S.dead or s == S.expired then
-    status_forgotten(id, r[2], r[3])
+    redis.call('DEL', t, K_attempts(id))
     redis.call('ZREM', K_tix(), id)
+    local left = (tonumber(r[3]) or 0) - NOW_MS
+    if r[2] and left > 0 then
+      redis.call('HSET', t, 'dd', r[2], 'ddx', r[3])
+      redis.call('PEXPIRE', t, left)
+    end
     n = n + 1
   end
 end

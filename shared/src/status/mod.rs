@@ -1,5 +1,4 @@
-//! Task status records (`ts:<id>`: one packed string per task with a TTL, [`record`]) and the
-//! attempt log (`ta:<id>`).
+//! Task status records (`t:<id>` hashes with a TTL) and the attempt log (`ta:<id>`).
 //!
 //! A record says where a task is ([`TaskState`]: delayed, waiting_for_worker, parked, queued,
 //! running, retrying, succeeded, dead, expired, cancelled), with its attempt, worker, times, a truncated
@@ -23,7 +22,6 @@
 //! | → forgotten: a new run of an id submitted again after its dedupe window, its last run over | `status_resubmitted` | `reserve.lua` |
 //! | → cancelled (an operator's cancel; re-applied from the control stream after a Redis loss) | `status_cancelled` | `cancel.lua` ([`crate::control`]) |
 //! | → cancelled (the stopped attempt's end) | `status_cancel_ended` | `finish.lua` |
-//! | → forgotten: its dead letter deleted by an operator (a live dedupe mark stays) | `status_forgotten` | `status/forget.lua` |
 //! | → queued, held for a dead-letter replay (one replay of an id at a time) | `status_replayed` | `dead_claim.lua` ([`crate::broker::dead::replay`]) |
 //!
 //! The scripts spell the words through the tables `S`, `R` and `O` of `keys.lua`; a unit test
@@ -40,7 +38,6 @@
 
 pub mod index;
 mod read;
-pub mod record;
 mod state;
 mod write;
 
@@ -201,34 +198,25 @@ mod lua_words {
     }
 
     #[test]
-    fn the_status_writers_are_the_only_record_writes() {
-        // The packed record (`fleet::status::record`) is written by keys.lua alone (its status
-        // writers, through `rec_put`), and read through `rec_get`: a script outside keys.lua
-        // may only ask whether a record exists or how long it lives.
+    fn the_status_writers_are_the_only_state_writes() {
+        // An HSET of a `state` field outside keys.lua's status writers may only be a worker's
+        // state (the registry's scripts write `w:<id>` hashes).
         let mut writers = 0;
         for (file, src) in SOURCES {
-            let code = code(src);
-            if *file == "names/keys.lua" {
-                writers += code.matches("rec_put(id,").count();
-                continue;
-            }
-            assert!(
-                !code.contains("rec_put(") && !code.contains("REC["),
-                "{file} writes a status record outside keys.lua's status writers"
-            );
-            for call in code.split("redis.call(").skip(1) {
+            for call in code(src).split("redis.call(").skip(1) {
                 let args = call.split(')').next().unwrap_or_default();
-                if args.contains("K_task(") {
+                if args.starts_with("'HSET'") && args.contains("'state'") {
                     assert!(
-                        args.starts_with("'EXISTS'") || args.starts_with("'PTTL'"),
-                        "{file} touches a status record directly: {args}"
+                        *file == "names/keys.lua" || file.starts_with("registry/"),
+                        "{file} writes a task state outside the status writers: {args}"
                     );
+                    writers += usize::from(*file == "names/keys.lua");
                 }
             }
         }
         assert!(
-            writers >= 10,
-            "keys.lua's status writers write the record (found {writers})"
+            writers >= 5,
+            "keys.lua's status writers set `state` (found {writers})"
         );
     }
 }

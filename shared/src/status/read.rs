@@ -160,55 +160,54 @@ impl Store {
     /// # Errors
     /// Redis unreachable or slow.
     pub async fn task_state(&self, id: &str) -> Result<Option<String>> {
-        Ok(self.task_field(&[id], "state").await?.pop().flatten())
+        self.query(redis::cmd("HGET").arg(self.names.task(id)).arg("state"))
+            .await
     }
 
-    /// One field of many tasks' records in one round trip (pipelined `GET`s of the packed
-    /// records, [`super::record`]), in the order asked; `None` for an unknown task or a missing
-    /// field.
-    async fn task_field(&self, ids: &[&str], field: &str) -> Result<Vec<Option<String>>> {
+    /// The states of many tasks in one round trip (pipelined HGETs), in the order asked;
+    /// `None` for an unknown one.
+    ///
+    /// # Errors
+    /// Redis unreachable or slow.
+    pub async fn task_states(&self, ids: &[&str]) -> Result<Vec<Option<String>>> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
         let mut p = redis::pipe();
         for id in ids {
-            p.cmd("GET").arg(self.names.task(id));
+            p.cmd("HGET").arg(self.names.task(id)).arg("state");
         }
-        let raw: Vec<Option<Vec<u8>>> = self.pipe(&p).await?;
-        raw.into_iter()
-            .map(|r| Ok(super::record::decode_opt(r.as_deref())?.and_then(|mut m| m.remove(field))))
-            .collect()
+        self.pipe(&p).await
     }
 
-    /// The states of many tasks in one round trip (pipelined `GET`s), in the order asked;
-    /// `None` for an unknown one.
-    ///
-    /// # Errors
-    /// Redis unreachable or slow; a record that is not one fleet wrote.
-    pub async fn task_states(&self, ids: &[&str]) -> Result<Vec<Option<String>>> {
-        self.task_field(ids, "state").await
-    }
-
-    /// The `result` field of many tasks in one round trip (pipelined `GET`s), in the order
+    /// The `result` field of many tasks in one round trip (pipelined HGETs), in the order
     /// asked; `None` for a task without one.
     ///
     /// # Errors
-    /// Redis unreachable or slow; a record that is not one fleet wrote.
+    /// Redis unreachable or slow.
     pub async fn task_results(&self, ids: &[&str]) -> Result<Vec<Option<String>>> {
-        self.task_field(ids, "result").await
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut p = redis::pipe();
+        for id in ids {
+            p.cmd("HGET").arg(self.names.task(id)).arg("result");
+        }
+        self.pipe(&p).await
     }
 
     /// A task's status fields, `None` when unknown (never seen, or expired from Redis; a record
     /// that holds only a dedupe mark, for the moment between a submission's routing and its
     /// first state, is no status yet).
-    ///
-    /// # Errors
-    /// Redis unreachable or slow; a record that is not one fleet wrote.
     pub async fn task_status(&self, id: &str) -> Result<Option<BTreeMap<String, String>>> {
-        let raw: Option<Vec<u8>> = self
-            .query(redis::cmd("GET").arg(self.names.task(id)))
+        let m: BTreeMap<String, String> = self
+            .query(redis::cmd("HGETALL").arg(self.names.task(id)))
             .await?;
-        Ok(super::record::decode_opt(raw.as_deref())?.filter(|m| m.contains_key("state")))
+        Ok(if m.contains_key("state") {
+            Some(m)
+        } else {
+            None
+        })
     }
 
     /// A task's attempts, oldest first ([`attempt_history`] of its status record and attempt
@@ -238,20 +237,18 @@ impl Store {
         id: &str,
     ) -> Result<Option<(BTreeMap<String, String>, Vec<Value>)>> {
         let mut p = redis::pipe();
-        p.cmd("GET")
+        p.cmd("HGETALL")
             .arg(self.names.task(id))
             .cmd("LRANGE")
             .arg(self.names.attempts(id))
             .arg(0)
             .arg(-1);
-        let (stored, raw): (Option<Vec<u8>>, Vec<Vec<u8>>) = self.pipe(&p).await?;
+        let (record, raw): (BTreeMap<String, String>, Vec<Vec<u8>>) = self.pipe(&p).await?;
         // A record holding only a dedupe mark (between a submission's routing and its first
         // state) is no status yet.
-        let Some(record) =
-            super::record::decode_opt(stored.as_deref())?.filter(|m| m.contains_key("state"))
-        else {
+        if !record.contains_key("state") {
             return Ok(None);
-        };
+        }
         let attempts = attempt_history(&record, &raw);
         Ok(Some((record, attempts)))
     }

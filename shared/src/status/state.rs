@@ -1,6 +1,6 @@
 //! The words of a status record: a task's [`TaskState`], why it died ([`DeadReason`]) and how
 //! one attempt ended ([`AttemptOutcome`]). Each is stored as its `as_str` text in Redis (the
-//! `state` and `reason` fields of `ts:<id>`, the `outcome` of an attempt log entry), written by
+//! `state` and `reason` fields of `t:<id>`, the `outcome` of an attempt log entry), written by
 //! the Lua scripts through the tables `S`, `R` and `O` of `names/keys.lua`; a unit test in
 //! [`super`] checks those tables, and every such word a script spells out, against these enums.
 

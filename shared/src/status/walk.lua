@@ -18,15 +18,11 @@ while read < max and not done do
   local r = redis.call('ZRANGE', K_tix(), from, to, 'BYSCORE', 'REV', 'LIMIT', off, want, 'WITHSCORES')
   if #r == 0 then done = true; break end
   off = off + #r / 2
-  -- The step's records in one MGET (keys.lua rec_prefetch).
-  local ids = {}
-  for k = 1, #r, 2 do ids[#ids + 1] = r[k] end
-  rec_prefetch(ids)
   for k = 1, #r, 2 do
     local id, sc = r[k], r[k + 1]
     if not (cid ~= '' and sc == from and id >= cid) then
       read = read + 1
-      local h = rec_get(id, 'state', 'group', 'kind', 'selector', 'lane')
+      local h = redis.call('HMGET', K_task(id), 'state', 'group', 'kind', 'selector', 'lane')
       if h[1] then
         out[#out + 1] = id; out[#out + 1] = sc
         for j = 1, 5 do out[#out + 1] = h[j] or '' end

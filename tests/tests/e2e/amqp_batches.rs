@@ -598,7 +598,11 @@ async fn waiting_is_never_written_over_a_released_member() -> anyhow::Result<()>
         .await?
         .is_empty());
     // "released" was released: its record now says queued.
-    ns.set_record("released", &[("state", "queued")]).await?;
+    let mut hset = deadpool_redis::redis::cmd("HSET");
+    hset.arg(ns.names.task("released"))
+        .arg("state")
+        .arg("queued");
+    ns.store.query::<i64>(&hset).await?;
     let mut again = fleet::status::Writes::new();
     for id in ["released", "still", "fresh"] {
         again.waiting(id, Lane::Normal, &["p".to_string()], "b-again");

@@ -48,16 +48,17 @@ async fn hand_to_group(
     let setup = ns.conn.create_channel().await?;
     topology::declare_group(&setup, &ns.common(&[])?, group).await?;
     let env = task("job", json!({"x": 1}), selector);
-    ns.set_record(
-        &env.id,
-        &[
-            ("state", "queued"),
-            ("group", group),
-            ("lane", "normal"),
-            ("attempt", "0"),
-        ],
-    )
-    .await?;
+    let mut seed = deadpool_redis::redis::cmd("HSET");
+    seed.arg(ns.names.task(&env.id))
+        .arg("state")
+        .arg("queued")
+        .arg("group")
+        .arg(group)
+        .arg("lane")
+        .arg("normal")
+        .arg("attempt")
+        .arg(0);
+    ns.store.query::<i64>(&seed).await?;
     amqp::publish_confirmed(
         &ns.publisher,
         &ns.names.tasks_exchange(),

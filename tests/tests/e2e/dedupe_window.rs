@@ -16,10 +16,11 @@ async fn window_passed(ns: &Ns, id: &str) -> anyhow::Result<()> {
         "the dedupe mark lapsed",
         Duration::from_secs(20),
         || async {
-            let raw: Option<Vec<u8>> = ns.store.query(redis::cmd("GET").arg(&key)).await.ok()?;
-            let until: Option<i64> = fleet::status::record::decode_opt(raw.as_deref())
-                .ok()?
-                .and_then(|m| m.get("ddx").and_then(|v| v.parse().ok()));
+            let until: Option<i64> = ns
+                .store
+                .query(redis::cmd("HGET").arg(&key).arg("ddx"))
+                .await
+                .ok()?;
             let (secs, micros): (i64, i64) = ns.store.query(&redis::cmd("TIME")).await.ok()?;
             let now = secs * 1000 + micros / 1000;
             until.is_none_or(|u| u <= now).then_some(())

@@ -118,8 +118,8 @@ async fn hostile_envelope_mid_batch_loses_nothing() -> anyhow::Result<()> {
 }
 
 /// Issue 10 "script error": the reserve script fails on one task in the middle of a batch (its
-/// status record, which holds its dedupe mark, is pre-created as a string that is not a packed
-/// record, so decoding it raises a script error). That task alone is
+/// status record, which holds its dedupe mark, is pre-created as a Redis string, so `HMGET`
+/// raises WRONGTYPE). That task alone is
 /// dead-lettered `internal_error`; the others run exactly once; nothing leaks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn reserve_script_error_mid_batch_loses_nothing() -> anyhow::Result<()> {

@@ -1094,9 +1094,10 @@ async fn the_index_forgets_ids_whose_records_are_gone() -> anyhow::Result<()> {
             .ignore();
     }
     for i in 3..5 {
-        p.cmd("SET")
+        p.cmd("HSET")
             .arg(ns.names.task(&format!("old-{i}")))
-            .arg(fleet::status::record::encode([("state", "running")]))
+            .arg("state")
+            .arg("running")
             .ignore();
     }
     for i in 0..4 {
