@@ -10,6 +10,8 @@
 //! * `bench rss [SECONDS]` — the RSS stage alone (needs `cargo build --release --bins`).
 //! * `bench critical [N]` — critical-lane submit→start wait, p50/p99, idle and under a 10×
 //!   normal-lane overload, side by side.
+//! * `bench scripts [N]` — each hot-path script (reserve, start, finish) alone against Redis:
+//!   commands and Redis CPU per task, per script.
 //!
 //! Run: `cargo run --release -p fleet-tests --bin bench -- throughput 20000`
 
@@ -58,8 +60,9 @@ async fn main() -> Result<()> {
         "critical" => critical(n.min(1000)).await,
         "stages" => stages(n).await,
         "rss" => rss(n as u64).await,
+        "scripts" => scripts(n).await,
         other => anyhow::bail!(
-            "unknown benchmark {other} (throughput | critical | stages | rss SECONDS)"
+            "unknown benchmark {other} (throughput | critical | stages | scripts | rss SECONDS)"
         ),
     }
 }
@@ -193,11 +196,17 @@ impl Floor {
 
     /// Claims a batch (the worker's claim, before a task starts); how many may run.
     async fn claim(&self, batch: &[lapin::message::Delivery]) -> usize {
-        let reqs: Vec<fleet::run::ClaimRequest> = batch
+        let ids: Vec<String> = batch.iter().map(Self::id).collect();
+        self.claim_ids(&ids).await
+    }
+
+    /// Claims tasks by id; how many may run.
+    async fn claim_ids(&self, ids: &[String]) -> usize {
+        let reqs: Vec<fleet::run::ClaimRequest> = ids
             .iter()
-            .map(|d| fleet::run::ClaimRequest {
+            .map(|id| fleet::run::ClaimRequest {
                 lane: Lane::Normal,
-                id: Self::id(d),
+                id: id.clone(),
                 base: 1,
                 max_attempts: 5,
                 isolated: false,
@@ -226,11 +235,17 @@ impl Floor {
 
     /// Records a claimed batch succeeded (`runs`: what its claim granted).
     async fn finish(&self, batch: &[lapin::message::Delivery], runs: usize) {
-        let fins: Vec<fleet::run::Finished> = batch
+        let ids: Vec<String> = batch.iter().map(Self::id).collect();
+        self.finish_ids(&ids, runs).await;
+    }
+
+    /// Records tasks succeeded by id (`runs`: what their claim granted).
+    async fn finish_ids(&self, ids: &[String], runs: usize) {
+        let fins: Vec<fleet::run::Finished> = ids
             .iter()
-            .map(|d| fleet::run::Finished {
+            .map(|id| fleet::run::Finished {
                 lane: Lane::Normal,
-                id: Self::id(d),
+                id: id.clone(),
                 attempt: 1,
                 state: Some(fleet::status::TaskState::Succeeded),
                 text: "null".into(),
@@ -251,7 +266,7 @@ impl Floor {
             .await
             .is_ok();
         self.anomalies.fetch_add(
-            batch.len() - if finished { runs } else { 0 },
+            ids.len() - if finished { runs } else { 0 },
             Ordering::Relaxed,
         );
     }
@@ -1417,6 +1432,71 @@ async fn rss(secs: u64) -> Result<()> {
         }
     }
     ns.cleanup().await
+}
+
+/// Each hot-path script alone, against Redis only (no broker traffic, nothing else of fleet):
+/// `reserve.lua` (dispatch: dedupe mark, leased reservation, status `queued`), `start.lua`
+/// (claim: run record, status `running`) and `finish.lua` (outcome: `succeeded`) over `n` new
+/// tasks in batches of [`SCRIPTS_BATCH`], one phase after the other, through the same `Store`
+/// calls fleet makes (the floor's), and per phase Redis's own account: commands per task (`INFO
+/// commandstats`) and Redis CPU per task (`/proc` of redis-server, µs: ms per 1,000). Redis is
+/// the only busy process, so the figures say what each script costs with little of the noise
+/// of a shared machine (the issue 34 way in: "commands per task per script").
+async fn scripts(n: usize) -> Result<()> {
+    println!("# scripts: {n} tasks, batches of {SCRIPTS_BATCH}, Redis only (one phase per script)");
+    let ns = Ns::new().await?;
+    let floor = Floor::start(&ns, &[], n).await?;
+    let cpu = CpuMeter::new();
+    let ids: Vec<String> = {
+        let (calls, c0, t0) = (RedisCalls::read(), cpu.read(), Instant::now());
+        let mut ids = Vec::with_capacity(n);
+        while ids.len() < n {
+            let k = SCRIPTS_BATCH.min(n - ids.len());
+            ids.extend(floor.reserve(k).await);
+        }
+        scripts_phase("reserve (dispatch)", &calls, &cpu, c0, t0, n);
+        ids
+    };
+    let mut granted = Vec::with_capacity(ids.len() / SCRIPTS_BATCH + 1);
+    let (calls, c0, t0) = (RedisCalls::read(), cpu.read(), Instant::now());
+    for chunk in ids.chunks(SCRIPTS_BATCH) {
+        granted.push(floor.claim_ids(chunk).await);
+    }
+    scripts_phase("start (claim)", &calls, &cpu, c0, t0, n);
+    let (calls, c0, t0) = (RedisCalls::read(), cpu.read(), Instant::now());
+    for (chunk, runs) in ids.chunks(SCRIPTS_BATCH).zip(granted) {
+        floor.finish_ids(chunk, runs).await;
+    }
+    scripts_phase("finish (outcome)", &calls, &cpu, c0, t0, n);
+    let anomalies = floor.anomalies.load(Ordering::Relaxed);
+    println!("answers other than reserved / run / finished: {anomalies} (0 expected)");
+    ns.cleanup().await?;
+    if anomalies > 0 {
+        anyhow::bail!("{anomalies} tasks were not reserved, run and finished");
+    }
+    Ok(())
+}
+
+/// The batch size of `bench scripts`: about the burst's (its `EVALSHA`s cover ~40 tasks each).
+const SCRIPTS_BATCH: usize = 40;
+
+/// One phase of `bench scripts`: commands and Redis CPU per task since `calls` / `c0`.
+fn scripts_phase(
+    label: &str,
+    calls: &RedisCalls,
+    cpu: &CpuMeter,
+    c0: [f64; 3],
+    t0: Instant,
+    n: usize,
+) {
+    let per = cpu.per_task(c0, n);
+    println!("{}", calls.report(label, n));
+    println!(
+        "{label:<18}: Redis CPU {:.1} µs per task, this process {:.1} µs ({:.2} s)",
+        per[1],
+        per[2],
+        t0.elapsed().as_secs_f64()
+    );
 }
 
 /// Each half on its own: the scheduler draining ingress into a group queue (no consumer),
