@@ -50,7 +50,8 @@ local function K_dead_lock() return P .. 'deadrd' end
 -- The task index (`fleet::status::index`): a sorted set, member = task id, score = the run's
 -- submitted_at (Unix ms; the Redis clock when unknown). Written once per run, by the status
 -- writer that creates the run's record (index_run below): no command on any later transition.
-local function K_tix() return P .. 'tix' end
+local TIX = P .. 'tix'
+local function K_tix() return TIX end
 
 -- Deferred set writes: a script that touches many tasks collects the members of each sorted
 -- set or set (`defer('ZADD', key, score, member)`, `defer('ZREM', key, member)`, SADD, SREM)
@@ -59,13 +60,15 @@ local function K_tix() return P .. 'tix' end
 -- batch of 100 claims costs one ZADD, not 100. Only for writes that nothing later in the same
 -- script reads back. Members of one key go in the order deferred (a ZADD after a ZREM of the
 -- same member in one script would be reordered: callers never do both).
+-- (DEFERRED is by op, then by key: no string is built per call.)
 local DEFERRED, DEFERRED_KEYS = {}, {}
 local function defer(op, key, a, b)
-  local k = op .. ' ' .. key
-  local d = DEFERRED[k]
+  local byop = DEFERRED[op]
+  if not byop then byop = {}; DEFERRED[op] = byop end
+  local d = byop[key]
   if not d then
     d = { op = op, key = key, n = 0 }
-    DEFERRED[k] = d
+    byop[key] = d
     DEFERRED_KEYS[#DEFERRED_KEYS + 1] = d
   end
   d.n = d.n + 1; d[d.n] = a
@@ -223,8 +226,8 @@ end
 -- at dispatch stands (a record that expired while its task waited gets a new one).
 local function status_running(id, g, lane, w, att, base, inst, iso, ttl_ms, prior)
   local t = K_task(id)
-  redis.call('HSET', t, 'state', S.running, 'group', g, 'lane', lane, 'worker', w, 'attempt', att,
-    'started_at', NOW_STR, 'run_base', base, 'run_owner', inst, 'run_st', 'run', 'run_iso', iso)
+  redis.call('HSET', t, 'state', S.running, 'group', g, 'lane', lane, 'worker', w, 'attempt', numstr(att),
+    'started_at', NOW_STR, 'run_base', numstr(base), 'run_owner', inst, 'run_st', 'run', 'run_iso', iso)
   if prior.finished then redis.call('HDEL', t, 'finished_at') end
   if not prior.exists then redis.call('PEXPIRE', t, ttl_ms) end
 end
@@ -271,7 +274,7 @@ end
 -- (exactly the TTL from the end for a task that waited or ran longer than a tenth of it).
 local function status_finished(id, state, w, att, field, text, success, reason, done, ttl_ms, prior)
   local t = K_task(id)
-  local set = { 'state', state, 'worker', w, 'finished_at', NOW_STR, 'attempt', att, field, text }
+  local set = { 'state', state, 'worker', w, 'finished_at', NOW_STR, 'attempt', numstr(att), field, text }
   if done then set[#set + 1] = 'run_st'; set[#set + 1] = 'done' end
   local del = {}
   -- A success after failed attempts: the earlier attempt's error no longer describes the task.

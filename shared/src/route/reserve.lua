@@ -338,7 +338,8 @@ for t = 1, n do
       out[o], out[o + 1] = S.cancelled, ''
     else
     local live, selkey = live_groups(selk, lane, kind)
-    local chosen = nil
+    -- The chosen group and its state table (the tables in `live` are gstate's own).
+    local chosen, chosen_st = nil, nil
     local why = ks and #live > 0 and kblocked(ks)
     if why then
       -- Its key may take nothing now: it waits (parked, or held by its release loop) behind
@@ -362,7 +363,8 @@ for t = 1, n do
       end
       if #opened > 0 and strategy == 'round_robin' then
         local ctr = redis.call('INCR', K_rr(lane, selkey))
-        chosen = opened[(ctr % #opened) + 1].g
+        chosen_st = opened[(ctr % #opened) + 1]
+        chosen = chosen_st.g
       elseif #opened > 0 then
         local total, w = 0, {}
         for k, st in ipairs(opened) do
@@ -370,11 +372,12 @@ for t = 1, n do
           total = total + w[k]
         end
         local x = math.random() * total
-        chosen = opened[#opened].g
+        chosen_st = opened[#opened]
         for k, st in ipairs(opened) do
           x = x - w[k]
-          if x < 0 then chosen = st.g; break end
+          if x < 0 then chosen_st = st; break end
         end
+        chosen = chosen_st.g
       end
     else
       -- least_loaded: the open group with the lowest share of its capacity in use (no table
@@ -383,7 +386,7 @@ for t = 1, n do
       for _, st in ipairs(live) do
         if is_open(st, lane, from_park) then
           local r = st.used / st.cap
-          if best == nil or r < best then best = r; chosen = st.g end
+          if best == nil or r < best then best = r; chosen = st.g; chosen_st = st end
         end
       end
     end
@@ -391,12 +394,13 @@ for t = 1, n do
       -- One candidate: no routing choice to protect, so no park hop — unless tasks already
       -- park for it (they keep their place in line).
       local st = live[1]
-      if not st.paused and (from_park or not parked(st.g, lane, st)) then chosen = st.g end
+      if not st.paused and (from_park or not parked(st.g, lane, st)) then chosen = st.g; chosen_st = st end
     end
     if chosen then
-      local s = gstate(chosen, lane)
+      local s = chosen_st or gstate(chosen, lane)
       s.used = s.used + 1
-      defer('ZADD', K_resv(chosen, lane), lease_until, id)
+      if not s.resv then s.resv = K_resv(chosen, lane) end
+      defer('ZADD', s.resv, lease_until, id)
       if ks then
         -- Counted before the deferred ZADD: kused reads the set as the batch found it. A key
         -- without max_running needs no count: its sets are read (and their lapsed leases

@@ -30,23 +30,28 @@ local w, g, inst, st_ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local now = NOW_MS
 local n = tonumber(ARGV[5])
 local done = {}
+-- The batch's key names, built once (not per task).
+local RUN, WRUN = { normal = K_run(g, 'normal'), critical = K_run(g, 'critical') }, K_wrun(w)
 for k = 0, n - 1 do
   local b = 6 + 8 * k
   local lane, id, attempt, state = ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 2]), ARGV[b + 3]
   local field, text, success, reason = ARGV[b + 4], ARGV[b + 5], ARGV[b + 6], ARGV[b + 7]
   local t = K_task(id)
-  defer('ZREM', K_run(g, lane), id)
-  defer('SREM', K_wrun(w), lane .. '|' .. id)
-  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st', 'worker', 'started_at', 'error', 'reason', 'state', 'cancelled_by', 'cancel_reason', 'key', 'queued_at', 'ddx')
+  defer('ZREM', RUN[lane] or K_run(g, lane), id)
+  defer('SREM', WRUN, lane .. '|' .. id)
+  -- Who cancelled and why are read only for a cancelled run (a field that is not there costs
+  -- a scan of the whole record).
+  local r = redis.call('HMGET', t, 'attempt', 'run_owner', 'run_st', 'worker', 'started_at', 'error', 'reason', 'state', 'key', 'queued_at', 'ddx')
   -- Its fairness key's running entry (a record Redis lost names no key: the entry lapses
   -- with its lease, which no heartbeat renews once the task ended).
-  if r[11] then defer('ZREM', K_kr(r[11]), id) end
+  if r[9] then defer('ZREM', K_kr(r[9]), id) end
   local seen = tonumber(r[1] or '0') or 0
   local owned = r[2] == inst and r[3] == 'run'
   if state == S.cancelled then
     -- The run an operator's cancel stopped: never retried, never dead-lettered. Who and why
     -- come from the record (cancel.lua), else from the worker (it read the control stream).
-    local by, why = r[9] or field, r[10] or text
+    local c = redis.call('HMGET', t, 'cancelled_by', 'cancel_reason')
+    local by, why = c[1] or field, c[2] or text
     local e = { attempt = attempt, worker = w, finished_at = now, outcome = O.cancelled,
       cancelled_by = by, cancel_reason = why }
     if seen == attempt and r[4] == w then e.started_at = tonumber(r[5]) end
@@ -86,8 +91,8 @@ for k = 0, n - 1 do
   if state ~= '' and state ~= S.queued and state ~= S.cancelled and seen <= attempt and r[8] ~= S.cancelled and retry_ok then
     status_finished(id, state, w, attempt, field, text, success == '1', reason, owned or r[2] == false, st_ttl,
       { error = r[6] ~= false, reason = r[7] ~= false,
-        ttl_fresh = r[12] and now - (tonumber(r[12]) or 0) < st_ttl / 10,
-        keep_ms = math.max(st_ttl, (tonumber(r[13]) or 0) - now) })
+        ttl_fresh = r[10] and now - (tonumber(r[10]) or 0) < st_ttl / 10,
+        keep_ms = math.max(st_ttl, (tonumber(r[11]) or 0) - now) })
   end
 end
 flush_deferred()
