@@ -399,7 +399,7 @@ async fn min_running_is_served_beside_a_flood() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A key with a rate of 20/s runs 200 ± 4 tasks in 10 s (of steady state).
+/// A key with a rate of 20/s dispatches 200 ± 4 tasks in 10 s (of steady state).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_key_rate_paces_its_tasks() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
@@ -444,8 +444,30 @@ async fn a_key_rate_paces_its_tasks() -> anyhow::Result<()> {
             }
         }
     }
-    println!("tenants rate 20/s: {n} started in 10 s (want 200 ± 4); per second from the first start {per_sec:?}");
-    ensure!((196..=204).contains(&n), "{n} started in 10 s");
+    // The rate paces dispatch: counted by each dispatched task's `queued_at` (the Redis clock,
+    // ms, written by the reservation that took its token), ten seconds from 2 s after the
+    // first dispatch. Worker start times (printed) follow it, but a loaded machine can clump
+    // starts across the window's edges: CI once saw 205 started with starts per second
+    // [2, 16, 25, 20, …] — a slow first second caught up in the window's first.
+    let mut dispatched: Vec<i64> = Vec::new();
+    for e in &envs {
+        let Some(st) = ns.status(&e.id).await? else {
+            continue;
+        };
+        if st.get("state").map(String::as_str) == Some("parked") {
+            continue;
+        }
+        if let Some(q) = st.get("queued_at").and_then(|v| v.parse::<i64>().ok()) {
+            dispatched.push(q);
+        }
+    }
+    let d0 = dispatched.iter().copied().min().unwrap_or(0);
+    let nd = dispatched
+        .iter()
+        .filter(|q| **q >= d0 + 2_000 && **q < d0 + 12_000)
+        .count();
+    println!("tenants rate 20/s: {nd} dispatched in 10 s (want 200 ± 4); {n} started in the 10 s from 2 s after the first start, per second from it {per_sec:?}");
+    ensure!((196..=204).contains(&nd), "{nd} dispatched in 10 s");
     Ok(())
 }
 
