@@ -727,16 +727,7 @@ mod tests {
         }
         let states: Vec<Option<String>> = store.task_states(&["a", "b", "c"]).await.unwrap();
         assert_eq!(states, [None, Some("queued".into()), Some("queued".into())]);
-        let keys: Vec<String> = store
-            .query(redis::cmd("KEYS").arg(store.names.all_keys_pattern()))
-            .await
-            .unwrap();
-        if !keys.is_empty() {
-            store
-                .query::<()>(redis::cmd("DEL").arg(keys))
-                .await
-                .unwrap();
-        }
+        store.delete_namespace().await.unwrap();
     }
 
     fn props(h: &[(&str, &str)]) -> BasicProperties {

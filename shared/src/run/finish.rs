@@ -154,16 +154,7 @@ mod tests {
     }
 
     async fn clean(store: &Store) {
-        let keys: Vec<String> = store
-            .query(redis::cmd("KEYS").arg(store.names.all_keys_pattern()))
-            .await
-            .unwrap();
-        if !keys.is_empty() {
-            store
-                .query::<()>(redis::cmd("DEL").arg(keys))
-                .await
-                .unwrap();
-        }
+        store.delete_namespace().await.unwrap();
     }
 
     /// A late `retrying` of attempt 1 (a ledger batch that landed after the retry copy was
