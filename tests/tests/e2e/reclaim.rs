@@ -60,7 +60,11 @@ async fn queue_info(ns: &Ns, q: &str) -> anyhow::Result<Option<(u32, u32)>> {
     // seen to hand that close's error to the next `create_channel` (two CI runs failed with
     // `NOT_FOUND - no queue …` from create_channel itself, for a queue that existed). A
     // channel is asked for again; the declare's own answer is what this function reports.
+    // After three refusals the shared connection is left alone: the declare goes over a
+    // connection of its own, which no earlier close can have poisoned (CI saw every retry on
+    // the shared one refused with an earlier declare's 404).
     let mut tries = 0;
+    let mut own = None;
     let ch = loop {
         match ns.conn.create_channel().await {
             Ok(ch) => break ch,
@@ -68,7 +72,17 @@ async fn queue_info(ns: &Ns, q: &str) -> anyhow::Result<Option<(u32, u32)>> {
                 tries += 1;
                 eprintln!("queue_info({q}): create_channel failed ({e}); asking again");
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => {
+                eprintln!(
+                    "queue_info({q}): create_channel failed ({e}); on a connection of its own"
+                );
+                let conn =
+                    lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+                        .await?;
+                let ch = conn.create_channel().await?;
+                own = Some(conn);
+                break ch;
+            }
         }
     };
     let r = ch
@@ -82,6 +96,9 @@ async fn queue_info(ns: &Ns, q: &str) -> anyhow::Result<Option<(u32, u32)>> {
         )
         .await;
     let _ = ch.close(200, "ok".into()).await;
+    if let Some(conn) = own {
+        let _ = conn.close(200, "ok".into()).await;
+    }
     Ok(r.ok().map(|q| (q.message_count(), q.consumer_count())))
 }
 
