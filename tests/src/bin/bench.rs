@@ -456,6 +456,11 @@ impl RedisCalls {
 
     /// Commands and Redis CPU per task since `self`, the busiest commands first.
     fn report(&self, label: &str, n: usize) -> String {
+        self.report_with(label, n).0
+    }
+
+    /// [`RedisCalls::report`] with its commands per task.
+    fn report_with(&self, label: &str, n: usize) -> (String, f64) {
         let now = RedisCalls::read();
         let mut rows: Vec<(String, f64, f64)> = now
             .0
@@ -481,7 +486,7 @@ impl RedisCalls {
             .take(10)
             .map(|(k, c, u)| format!("{k} {c:.2}×{u:.1}µs"))
             .collect();
-        format!("{label:<18}: Redis per task: {calls:.2} commands; by command (calls × µs of CPU, a script's µs include its commands): {}", top.join(", "))
+        (format!("{label:<18}: Redis per task: {calls:.2} commands; by command (calls × µs of CPU, a script's µs include its commands): {}", top.join(", ")), calls)
     }
 }
 
@@ -997,7 +1002,7 @@ async fn throughput(n: usize) -> Result<()> {
         })
         .await?;
     let (cpu_burst, fleet_cpu) = cpu.report_with("fleet burst", cpu0, n);
-    let calls_burst = calls0.report("fleet burst", n);
+    let (calls_burst, commands_burst) = calls0.report_with("fleet burst", n);
     sampling.cancel();
     let (runs, distinct) = rig.once();
     println!("fleet burst       : {burst:>8.0} tasks/s ({runs} runs of {n} in {t:.2} s)");
@@ -1315,6 +1320,19 @@ async fn throughput(n: usize) -> Result<()> {
             total(fleet_cpu) - total(raw_cpu),
         );
     }
+    goal_table(&Goals {
+        commands: commands_burst,
+        fleet_cpu,
+        raw_cpu: budget.map(|b| b.0),
+        burst,
+        two,
+        groups10,
+        fan10,
+        keyed: burst_keys / burst,
+        idle: (f50 - r50, f99 - r99),
+        celery: celery.as_ref().map(|c| (c.rate, c.p50, c.p99)),
+        fleet_idle: (f50, f99),
+    });
 
     let rss_secs: u64 = std::env::var("BENCH_RSS_SECS")
         .ok()
@@ -1324,6 +1342,126 @@ async fn throughput(n: usize) -> Result<()> {
         rss(rss_secs).await?;
     }
     Ok(())
+}
+
+/// The figures of one `throughput` run that issue 34's goal table is judged on.
+struct Goals {
+    /// Redis commands per task in the burst (`INFO commandstats`).
+    commands: f64,
+    /// CPU ms per 1,000 tasks in the burst: RabbitMQ, Redis, this process (scheduler, workers
+    /// and the producer).
+    fleet_cpu: [f64; 3],
+    /// The raw two-hop client's, same layout as the goal's raw rate (`None`: not measured).
+    raw_cpu: Option<[f64; 3]>,
+    burst: f64,
+    two: f64,
+    groups10: f64,
+    /// The raw client in the 10-group topology (10 queues, prefetch 26).
+    fan10: f64,
+    /// Burst with 1,000 keys / burst without.
+    keyed: f64,
+    /// Idle submit→start Δp50 / Δp99 against raw two-hop (ms).
+    idle: (f64, f64),
+    /// Celery's tasks/s and idle p50 / p99 (ms), when measured.
+    celery: Option<(f64, f64, f64)>,
+    fleet_idle: (f64, f64),
+}
+
+/// Prints issue 34's goal table from one run: each line's figure, its goal, and whether it is
+/// met (`-` where the run did not measure it). RSS is the `rss` stage's (below, or
+/// `bench rss 600`).
+fn goal_table(g: &Goals) {
+    let yes = |ok: bool| if ok { "met" } else { "NOT met" };
+    let mut rows: Vec<(String, String, String, &str)> = Vec::new();
+    rows.push((
+        "Redis commands per task (burst)".into(),
+        format!("{:.2}", g.commands),
+        "≤ 6".into(),
+        yes(g.commands <= 6.0),
+    ));
+    rows.push((
+        "Redis CPU ms per 1,000 tasks (burst)".into(),
+        format!("{:.0}", g.fleet_cpu[1]),
+        "≤ 15".into(),
+        yes(g.fleet_cpu[1] <= 15.0),
+    ));
+    match g.raw_cpu {
+        Some(raw) => {
+            let rabbit = g.fleet_cpu[0] / raw[0];
+            let procs = g.fleet_cpu[2] / raw[2];
+            rows.push((
+                "RabbitMQ CPU, fleet / raw two-hop".into(),
+                format!("{:.0} / {:.0} = {rabbit:.2}", g.fleet_cpu[0], raw[0]),
+                "≤ 1.10".into(),
+                yes(rabbit <= 1.10),
+            ));
+            rows.push((
+                "fleet's processes / raw client (this process: + the producer)".into(),
+                format!("{:.0} / {:.0} = {procs:.2}", g.fleet_cpu[2], raw[2]),
+                "≤ 1.0".into(),
+                yes(procs <= 1.0),
+            ));
+        }
+        None => rows.push((
+            "RabbitMQ and process CPU against raw".into(),
+            "-".into(),
+            "≤ 1.10, ≤ 1.0".into(),
+            "-",
+        )),
+    }
+    let burst = g.burst / g.two;
+    rows.push((
+        "burst / raw two-hop".into(),
+        format!("{burst:.2}"),
+        "≥ 0.85".into(),
+        yes(burst >= 0.85),
+    ));
+    let groups = g.groups10 / g.two;
+    rows.push((
+        "10 groups / raw two-hop".into(),
+        format!(
+            "{groups:.2} (raw in the same topology {:.2}; fleet / it {:.2})",
+            g.fan10 / g.two,
+            g.groups10 / g.fan10
+        ),
+        "≥ 0.75".into(),
+        yes(groups >= 0.75),
+    ));
+    rows.push((
+        "burst with 1,000 keys / without".into(),
+        format!("{:.2}", g.keyed),
+        "≥ 0.90".into(),
+        yes(g.keyed >= 0.90),
+    ));
+    rows.push((
+        "idle submit→start Δp50 / Δp99 vs raw".into(),
+        format!("{:+.2} / {:+.2} ms", g.idle.0, g.idle.1),
+        "≤ +0.5 / ≤ +1.5 ms".into(),
+        yes(g.idle.0 <= 0.5 && g.idle.1 <= 1.5),
+    ));
+    match g.celery {
+        Some((rate, p50, p99)) => rows.push((
+            "Celery in the same run".into(),
+            format!(
+                "fleet / Celery {:.1}; idle p50/p99 fleet {:.2}/{:.2} vs Celery {p50:.2}/{p99:.2} ms",
+                g.burst / rate,
+                g.fleet_idle.0,
+                g.fleet_idle.1
+            ),
+            "≥ 5×, below its latency".into(),
+            yes(g.burst / rate >= 5.0 && g.fleet_idle.0 < p50 && g.fleet_idle.1 < p99),
+        )),
+        None => rows.push((
+            "Celery in the same run".into(),
+            "-".into(),
+            "≥ 5×".into(),
+            "-",
+        )),
+    }
+    println!("\n## goal table (issue 34), this run");
+    for (line, now, goal, met) in rows {
+        println!("{line:<62} | {now:<58} | {goal:<24} | {met}");
+    }
 }
 
 /// Celery's figures in the same run (`ops/bench/celery_bench.sh`).
