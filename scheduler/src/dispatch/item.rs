@@ -103,12 +103,15 @@ fn parse(
     let replay = source.is_replay(d);
     let parse_limits = if replay { limits.internal() } else { limits };
     let mut e = Envelope::parse_with_id(&d.data, &parse_limits, message_id.as_deref())?;
-    let size = d.data.len().saturating_sub(e.fleet_fields_len());
-    if replay && size > limits.max_bytes {
-        return Err(fleet::task::Reject::Oversized {
-            size,
-            limit: limits.max_bytes,
-        });
+    // Measured only for a replay (the measure writes the envelope out: not per task).
+    if replay {
+        let size = d.data.len().saturating_sub(e.fleet_fields_len());
+        if size > limits.max_bytes {
+            return Err(fleet::task::Reject::Oversized {
+                size,
+                limit: limits.max_bytes,
+            });
+        }
     }
     if let Some(lane) = source.lane() {
         e.lane = lane;

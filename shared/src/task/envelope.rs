@@ -597,9 +597,68 @@ impl Envelope {
         Value::Object(m)
     }
 
-    /// [`to_value`](Self::to_value) as JSON bytes.
+    /// [`to_value`](Self::to_value) as JSON bytes — the same bytes, written from borrowed
+    /// fields: no copy of the payload, the extra fields or the strings (the scheduler writes
+    /// every task it routes; building the `Value` first cloned all of it). The keys come out
+    /// sorted, as serde_json's `Map` (a `BTreeMap` without `preserve_order`) writes them.
     pub fn to_bytes(&self) -> Vec<u8> {
-        serde_json::to_vec(&self.to_value()).unwrap_or_default()
+        /// One field's value, borrowed where the envelope holds it.
+        #[derive(serde::Serialize)]
+        #[serde(untagged)]
+        enum Field<'a> {
+            Json(&'a Value),
+            Text(&'a str),
+            Owned(Value),
+            Number(u64),
+        }
+        let mut m: BTreeMap<&str, Field<'_>> = self
+            .extra
+            .iter()
+            .map(|(k, v)| (k.as_str(), Field::Json(v)))
+            .collect();
+        m.insert("v", Field::Number(VERSION));
+        m.insert("id", Field::Text(&self.id));
+        m.insert("kind", Field::Text(&self.kind));
+        m.insert("payload", Field::Json(&self.payload));
+        if !self.labels.is_empty() {
+            m.insert(
+                "labels",
+                Field::Owned(serde_json::to_value(&self.labels).unwrap_or(Value::Null)),
+            );
+        }
+        if let Some(p) = &self.protocol {
+            m.insert("protocol", Field::Text(p));
+        }
+        m.insert("lane", Field::Text(self.lane.as_str()));
+        if let Some(t) = self.deadline {
+            m.insert("deadline", Field::Owned(fmt_time(t)));
+        }
+        if let Some(t) = self.timeout_ms {
+            m.insert("timeout_ms", Field::Number(t));
+        }
+        if let Some(t) = self.not_before {
+            m.insert("not_before", Field::Owned(fmt_time(t)));
+        }
+        if let Some(n) = self.max_attempts {
+            m.insert("max_attempts", Field::Number(u64::from(n)));
+        }
+        m.insert("attempt", Field::Number(u64::from(self.attempt)));
+        if let Some(t) = self.submitted_at {
+            m.insert("submitted_at", Field::Owned(fmt_time(t)));
+        }
+        if let Some(st) = self.strategy {
+            m.insert("strategy", Field::Text(st.as_str()));
+        }
+        if let Some(k) = &self.key {
+            m.insert("key", Field::Text(k));
+        }
+        if let Some(t) = &self.trace {
+            m.insert("traceparent", Field::Owned(Value::String(t.traceparent())));
+            if let Some(st) = &t.state {
+                m.insert("tracestate", Field::Text(st));
+            }
+        }
+        serde_json::to_vec(&m).unwrap_or_default()
     }
 
     /// Bytes of [`Envelope::to_bytes`] taken by the fields fleet itself fills in on an accepted
@@ -674,6 +733,40 @@ mod tests {
     use super::*;
     use crate::task::PerLane;
     use serde_json::json;
+
+    /// `to_bytes` writes from borrowed fields: byte for byte what serialising `to_value` gives,
+    /// for an envelope with every field set, extra fields (one sorting between fleet's), and a
+    /// bare one.
+    #[test]
+    fn to_bytes_is_to_value_serialised() {
+        let bare = Envelope::new("resize", json!(null));
+        let full = Envelope::parse(
+            json!({
+                "id": "t-1", "kind": "resize", "payload": {"b": [1, 2.5, "x"], "a": null},
+                "labels": {"zone": "z1", "gpu": "a100"}, "protocol": "http", "lane": "critical",
+                "deadline": "2026-12-05T10:00:00.123456Z", "timeout_ms": 5000,
+                "not_before": "2026-12-05T09:00:00Z", "max_attempts": 7, "attempt": 2,
+                "submitted_at": "2026-12-05T08:00:00.5Z", "strategy": "round_robin",
+                "key": "tenant-a", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+                "tracestate": "congo=t61rcWkgMzE", "custom": {"z": 1}, "kindly": "yes", "aaa": 1
+            })
+            .to_string()
+            .as_bytes(),
+            &Limits::default(),
+        );
+        let full = match full {
+            Ok(e) => e,
+            Err(e) => panic!("the test envelope parses: {e}"),
+        };
+        assert!(full.trace.is_some() && full.extra.len() == 3, "{full:?}");
+        for e in [bare, full] {
+            let want = serde_json::to_vec(&e.to_value()).unwrap_or_default();
+            assert_eq!(
+                String::from_utf8_lossy(&e.to_bytes()),
+                String::from_utf8_lossy(&want)
+            );
+        }
+    }
 
     /// Every `minimum` / `maximum` of the JSON Schema is what `from_value` enforces: a value
     /// one past a bound is refused naming the field, the bound itself is taken.
