@@ -1680,7 +1680,13 @@ async fn rss(secs: u64) -> Result<()> {
 /// the only busy process, so the figures say what each script costs with little of the noise
 /// of a shared machine (the issue 34 way in: "commands per task per script").
 async fn scripts(n: usize) -> Result<()> {
-    println!("# scripts: {n} tasks, batches of {SCRIPTS_BATCH}, Redis only (one phase per script)");
+    // BENCH_SCRIPTS_BATCH: tasks per call (1: an idle fleet's calls, one task each).
+    let batch: usize = std::env::var("BENCH_SCRIPTS_BATCH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|b| *b > 0)
+        .unwrap_or(SCRIPTS_BATCH);
+    println!("# scripts: {n} tasks, batches of {batch}, Redis only (one phase per script)");
     let ns = Ns::new().await?;
     let floor = Floor::start(&ns, &[], n).await?;
     let cpu = CpuMeter::new();
@@ -1688,20 +1694,20 @@ async fn scripts(n: usize) -> Result<()> {
         let (calls, c0, t0) = (RedisCalls::read(), cpu.read(), Instant::now());
         let mut ids = Vec::with_capacity(n);
         while ids.len() < n {
-            let k = SCRIPTS_BATCH.min(n - ids.len());
+            let k = batch.min(n - ids.len());
             ids.extend(floor.reserve(k).await);
         }
         scripts_phase("reserve (dispatch)", &calls, &cpu, c0, t0, n);
         ids
     };
-    let mut granted = Vec::with_capacity(ids.len() / SCRIPTS_BATCH + 1);
+    let mut granted = Vec::with_capacity(ids.len() / batch + 1);
     let (calls, c0, t0) = (RedisCalls::read(), cpu.read(), Instant::now());
-    for chunk in ids.chunks(SCRIPTS_BATCH) {
+    for chunk in ids.chunks(batch) {
         granted.push(floor.claim_ids(chunk).await);
     }
     scripts_phase("start (claim)", &calls, &cpu, c0, t0, n);
     let (calls, c0, t0) = (RedisCalls::read(), cpu.read(), Instant::now());
-    for (chunk, runs) in ids.chunks(SCRIPTS_BATCH).zip(granted) {
+    for (chunk, runs) in ids.chunks(batch).zip(granted) {
         floor.finish_ids(chunk, runs).await;
     }
     scripts_phase("finish (outcome)", &calls, &cpu, c0, t0, n);
@@ -1714,7 +1720,8 @@ async fn scripts(n: usize) -> Result<()> {
     Ok(())
 }
 
-/// The batch size of `bench scripts`: about the burst's (its `EVALSHA`s cover ~40 tasks each).
+/// The batch size of `bench scripts` unless `BENCH_SCRIPTS_BATCH` says: about the burst's (its
+/// `EVALSHA`s cover ~40 tasks each).
 const SCRIPTS_BATCH: usize = 40;
 
 /// One phase of `bench scripts`: commands and Redis CPU per task since `calls` / `c0`.
