@@ -96,6 +96,14 @@ local paused = {}
 local npaused = tonumber(ARGV[10])
 for j = 1, npaused do paused[ARGV[10 + j]] = true end
 
+-- Drops the lapsed leases of a group lane's reserved and running sets and takes them off its
+-- count (once per batch).
+local function purge(s)
+  s.used = s.used - redis.call('ZREMRANGEBYSCORE', s.resv, '-inf', NOW_STR)
+    - redis.call('ZREMRANGEBYSCORE', s.run, '-inf', NOW_STR)
+  s.purged = true
+end
+
 -- The status a dispatch writes (queued, parked: keys.lua status_queued / status_parked) never
 -- hides a claimed attempt.
 local function gstate(g, lane)
@@ -113,11 +121,16 @@ local function gstate(g, lane)
   -- Room ahead of the workers: at least capacity × (1 + backlog factor), more for a group that
   -- drains fast (the scheduler writes `room:<lane>` from its completion rate, Little's law).
   s = { cap = cap, used = 0, limit = math.max(cap * (1 + bf), tonumber(h[2] or '0') or 0), health = nil,
-    kinds = kinds, paused = paused[key] == true }
+    kinds = kinds, paused = paused[key] == true, purged = true }
   if cap > 0 then
-    redis.call('ZREMRANGEBYSCORE', K_resv(g, lane), '-inf', now)
-    redis.call('ZREMRANGEBYSCORE', K_run(g, lane), '-inf', now)
-    s.used = redis.call('ZCARD', K_resv(g, lane)) + redis.call('ZCARD', K_run(g, lane))
+    s.resv, s.run = K_resv(g, lane), K_run(g, lane)
+    s.used = redis.call('ZCARD', s.resv) + redis.call('ZCARD', s.run)
+    s.purged = false
+    -- Leases that lapsed (a crash's leftovers) only ever make a group look fuller than it is:
+    -- they are dropped when the count says "no room" (is_open), and otherwise in one batch of
+    -- 32 at random, so a group that always has room pays no purge per batch and still sheds
+    -- its leftovers. Readers of the sets count live leases only (ZCOUNT, oldest_reservation).
+    if s.used >= s.limit or math.random() < 1 / 32 then purge(s) end
   end
   gcache[key] = s
   return s
@@ -260,6 +273,7 @@ end
 
 -- Open for a task: not paused, room left, and (new work) no parked tasks to overtake.
 local function is_open(st, lane, from_park)
+  if st.used >= st.limit and not st.purged then purge(st) end
   return not st.paused and st.used < st.limit and (from_park or not parked(st.g, lane, st))
 end
 

@@ -289,8 +289,10 @@ impl Store {
         })
     }
 
-    /// The oldest reservation of a group's lane not started yet: its task id and lease expiry
-    /// (Redis-clock ms); `None` when there is none.
+    /// The oldest reservation of a group's lane not started yet whose lease is still live: its
+    /// task id and lease expiry (Redis-clock ms); `None` when there is none. A lapsed lease
+    /// still in the set (`reserve.lua` drops them when a group runs out of room, or in one
+    /// batch of 32) is not a task waiting.
     ///
     /// # Errors
     /// Redis unreachable or slow.
@@ -303,8 +305,12 @@ impl Store {
             .query(
                 redis::cmd("ZRANGE")
                     .arg(self.names.reserved(group, lane))
+                    .arg(format!("({}", self.clock.now_ms()))
+                    .arg("+inf")
+                    .arg("BYSCORE")
+                    .arg("LIMIT")
                     .arg(0)
-                    .arg(0)
+                    .arg(1)
                     .arg("WITHSCORES"),
             )
             .await?;
