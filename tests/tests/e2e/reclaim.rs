@@ -73,7 +73,9 @@ async fn queue_info(_ns: &Ns, q: &str) -> anyhow::Result<Option<(u32, u32)>> {
     let mut probe = PROBE.lock().await;
     let mut tries = 0;
     let ch = loop {
-        let stale = probe.as_ref().is_none_or(|(_, closes)| *closes >= PROBE_CLOSES);
+        let stale = probe
+            .as_ref()
+            .is_none_or(|(_, closes)| *closes >= PROBE_CLOSES);
         if stale {
             if let Some((old, _)) = probe.take() {
                 let _ = old.close(200, "replaced".into()).await;
