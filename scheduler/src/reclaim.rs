@@ -251,7 +251,14 @@ async fn pass(
 async fn queues_empty(s: &Session, group: &str) -> bool {
     for lane in Lane::ALL {
         for (q, _, _) in group_bindings(s, group, lane) {
-            if topology::depth(&s.conn, &q).await.unwrap_or(0) > 0 {
+            let ready = s
+                .probe
+                .queue(&q)
+                .await
+                .ok()
+                .flatten()
+                .map_or(0, |q| q.ready);
+            if ready > 0 {
                 return false;
             }
         }
@@ -480,25 +487,9 @@ async fn delete_unbound(s: &Session, q: &str, key: &str, park: bool) -> Result<G
     }
 }
 
-/// Whether `q` exists (passive declare on a fresh channel): only a 404 says no.
-async fn queue_exists(s: &Session, q: &str) -> lapin::Result<bool> {
-    let ch = s.conn.create_channel().await?;
-    let r = ch
-        .queue_declare(
-            q.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await;
-    let _ = ch.close(200, "ok".into()).await;
-    match r {
-        Ok(_) => Ok(true),
-        Err(e) if amqp::reply_code(&e) == Some(404) => Ok(false),
-        Err(e) => Err(e),
-    }
+/// Whether `q` exists (passive declare on the session's prober): only a 404 says no.
+async fn queue_exists(s: &Session, q: &str) -> fleet::Result<bool> {
+    Ok(s.probe.queue(q).await?.is_some())
 }
 
 /// Undoes a claim: the group's queues are declared — and so bound — again first (those

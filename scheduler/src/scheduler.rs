@@ -368,6 +368,7 @@ async fn session(
     ready.set_amqp(caught_up);
     if !caught_up {
         session.stop_within(STOP_WAIT).await;
+        shared.probe.close().await;
         return if shutdown.is_cancelled() {
             Ok(())
         } else {
@@ -500,6 +501,8 @@ async fn session(
 
     session.stopping().await;
     session.stop_within(STOP_WAIT).await;
+    // After every loop: one that asked the prober again would have reopened its connection.
+    shared.probe.close().await;
     if shutdown.is_cancelled() {
         Ok(())
     } else {

@@ -29,6 +29,9 @@ pub struct Session {
     pub names: Names,
     /// The connection of the session (loops open their own channels on it).
     pub conn: Arc<lapin::Connection>,
+    /// Passive declares of queues that may be missing, on a connection of their own (a 404
+    /// costs lapin a channel id for good: [`fleet::broker::probe`]). Closed with the session.
+    pub probe: fleet::broker::probe::Prober,
     /// The pauses in force (the process's, kept by the control loop: [`crate::pause`]).
     pub pauses: crate::pause::Pauses,
     /// The publishing confirm channel: publishes only, never a declare ([`Session::publisher`]).
@@ -55,11 +58,17 @@ impl Session {
         pauses: crate::pause::Pauses,
     ) -> Self {
         let names = cfg.common.names();
+        let probe = fleet::broker::probe::Prober::new(
+            &cfg.common.amqp_url,
+            &format!("fleet-scheduler {}", cfg.common.namespace),
+            &cfg.common.amqp_tls,
+        );
         Session {
             cfg,
             store,
             names,
             conn,
+            probe,
             pauses,
             publisher: std::sync::RwLock::new(publisher),
             renewal: fleet::broker::amqp::Renewal::default(),

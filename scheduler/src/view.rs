@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use fleet::process::Ticker;
 use fleet::registry::GroupView;
-use fleet::{broker::topology, metrics as m, Lane};
+use fleet::{metrics as m, Lane};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -167,8 +167,7 @@ impl ViewLoop {
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
         let mut ticker = Ticker::new(interval(&self.session.cfg));
         let mut depths = Depths {
-            conn: &self.session.conn,
-            ch: None,
+            probe: &self.session.probe,
             missing: HashMap::new(),
         };
         let mut failing = false;
@@ -194,11 +193,9 @@ impl ViewLoop {
                 },
             }
         }
-        if let Some(ch) = depths.ch.take() {
-            if ch.status().connected() {
-                let _ = ch.close(200, "ok".into()).await;
-            }
-        }
+        // The view loop ends with its session: so does the prober's connection (a question
+        // asked after this opens another).
+        depths.probe.close().await;
         Ok(())
     }
 
@@ -269,10 +266,10 @@ impl ViewLoop {
 /// (group queues are declared by their workers, which may register a moment before).
 const MISSING_RECHECK: Duration = PARK_DISCOVERY_INTERVAL;
 
-/// Passive declares on one channel, reopened when a missing queue's 404 closed it.
+/// Passive declares through the session's prober (a connection of its own: a missing
+/// queue's 404 closes the channel and costs lapin a channel id, `fleet::broker::probe`).
 struct Depths<'a> {
-    conn: &'a lapin::Connection,
-    ch: Option<lapin::Channel>,
+    probe: &'a fleet::broker::probe::Prober,
     /// Queues found missing, and when.
     missing: HashMap<String, Instant>,
 }
@@ -289,10 +286,13 @@ impl Depths<'_> {
         {
             return None;
         }
-        if self.ch.as_ref().is_none_or(|c| !c.status().connected()) {
-            self.ch = self.conn.create_channel().await.ok();
-        }
-        let depth = topology::ready_count(self.ch.as_ref()?, queue).await;
+        let depth = self
+            .probe
+            .queue(queue)
+            .await
+            .ok()
+            .flatten()
+            .map(|q| q.ready);
         match depth {
             Some(_) => self.missing.remove(queue),
             None => self.missing.insert(queue.to_string(), Instant::now()),

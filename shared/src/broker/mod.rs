@@ -14,6 +14,7 @@ pub mod amqp;
 pub mod dead;
 pub mod delay;
 mod endpoints;
+pub mod probe;
 mod producer;
 mod subset;
 pub mod topology;

@@ -54,71 +54,17 @@ async fn keys(ns: &Ns) -> anyhow::Result<BTreeMap<String, usize>> {
     Ok(by)
 }
 
-/// The connection [`queue_info`] probes on, and how many of its channels the broker closed.
-static PROBE: tokio::sync::Mutex<Option<(lapin::Connection, u32)>> =
-    tokio::sync::Mutex::const_new(None);
+/// The prober [`queue_info`] asks through (the scheduler's own kind: a connection of its own,
+/// replaced before lapin runs it out of channel ids — the waits below probe 160 deleted
+/// queues a pass, and CI ran a shared connection out that way).
+static PROBE: std::sync::OnceLock<fleet::broker::probe::Prober> = std::sync::OnceLock::new();
 
-/// Channels the broker may close on one probe connection before it is replaced. lapin (4.12)
-/// never frees the id of a channel the broker closed — a passive declare's 404 — so a
-/// connection runs out of channel ids after 2,047 such closes (measured: every
-/// `create_channel` then fails, first with the last 404, then "the maximum number of channels
-/// for this connection has been reached"). The waits below probe 160 deleted queues a pass;
-/// CI ran the shared connection out that way.
-const PROBE_CLOSES: u32 = 1000;
-
-/// A queue's (ready messages, consumers), `None` when it does not exist (passive declare), on
-/// a probe connection of its own, replaced after [`PROBE_CLOSES`] closed channels or when it
-/// cannot open one (lapin may hand an earlier declare's 404 to the next `create_channel`).
+/// A queue's (ready messages, consumers), `None` when it does not exist (passive declare).
 async fn queue_info(_ns: &Ns, q: &str) -> anyhow::Result<Option<(u32, u32)>> {
-    let mut probe = PROBE.lock().await;
-    let mut tries = 0;
-    let ch = loop {
-        let stale = probe
-            .as_ref()
-            .is_none_or(|(_, closes)| *closes >= PROBE_CLOSES);
-        if stale {
-            if let Some((old, _)) = probe.take() {
-                let _ = old.close(200, "replaced".into()).await;
-            }
-            let conn =
-                lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
-                    .await?;
-            *probe = Some((conn, 0));
-        }
-        let Some((conn, closes)) = probe.as_mut() else {
-            anyhow::bail!("no probe connection");
-        };
-        match conn.create_channel().await {
-            Ok(ch) => break ch,
-            Err(e) if tries < 3 => {
-                tries += 1;
-                eprintln!("queue_info({q}): create_channel failed ({e}); on a new connection");
-                *closes = PROBE_CLOSES;
-            }
-            Err(e) => return Err(e.into()),
-        }
-    };
-    let r = ch
-        .queue_declare(
-            q.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await;
-    match &r {
-        Ok(_) => {
-            let _ = ch.close(200, "ok".into()).await;
-        }
-        Err(_) => {
-            if let Some((_, closes)) = probe.as_mut() {
-                *closes += 1;
-            }
-        }
-    }
-    Ok(r.ok().map(|q| (q.message_count(), q.consumer_count())))
+    let probe = PROBE.get_or_init(|| {
+        fleet::broker::probe::Prober::new(&amqp_url(), "reclaim test", &Default::default())
+    });
+    Ok(probe.queue(q).await?.map(|s| (s.ready, s.consumers)))
 }
 
 /// The lane and park queues of a group.
@@ -755,4 +701,61 @@ async fn a_task_arriving_during_a_reclaim_keeps_the_group_bound() -> anyhow::Res
     back.stop().await?;
     sched.stop().await?;
     ns.cleanup().await
+}
+
+/// A prober keeps answering past the 2,047 channel ids lapin has per connection: 2,100
+/// questions about a missing queue (each a 404 that costs its connection a channel id for
+/// good, `fleet::broker::probe`), then an existing queue is still read — its depth exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prober_outlives_the_channel_ids_its_404s_cost() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let probe = fleet::broker::probe::Prober::new(&amqp_url(), "prober test", &Default::default());
+    let missing = format!("{}.no-such-queue", ns.names.tasks_exchange());
+    for k in 0..2100 {
+        ensure!(
+            probe.queue(&missing).await?.is_none(),
+            "question {k}: a missing queue reads as missing"
+        );
+    }
+    let q = format!("{}.probe-test", ns.names.tasks_exchange());
+    let ch = ns.conn.create_channel().await?;
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
+    for _ in 0..3 {
+        ch.basic_publish(
+            "".into(),
+            q.as_str().into(),
+            lapin::options::BasicPublishOptions::default(),
+            b"x",
+            lapin::BasicProperties::default(),
+        )
+        .await?
+        .await?;
+    }
+    let state = wait_for(
+        "the probe queue's 3 messages",
+        Duration::from_secs(10),
+        || async {
+            probe
+                .queue(&q)
+                .await
+                .ok()
+                .flatten()
+                .filter(|s| s.ready == 3)
+        },
+    )
+    .await?;
+    assert_eq!((state.ready, state.consumers), (3, 0));
+    ch.queue_delete(
+        q.as_str().into(),
+        lapin::options::QueueDeleteOptions::default(),
+    )
+    .await?;
+    probe.close().await;
+    ns.cleanup().await?;
+    Ok(())
 }
