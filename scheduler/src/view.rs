@@ -193,9 +193,8 @@ impl ViewLoop {
                 },
             }
         }
-        // The view loop ends with its session: so does the prober's connection (a question
-        // asked after this opens another).
-        depths.probe.close().await;
+        // The prober's connection is the session's to close (scheduler::session), bounded.
+        let _ = depths;
         Ok(())
     }
 

@@ -131,10 +131,18 @@ impl Prober {
         }
     }
 
-    /// Closes the connection, if one is open (the next question opens another).
+    /// How long [`Prober::close`] waits for the broker to answer (a frozen broker never does).
+    pub const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+    /// Closes the connection, if one is open (the next question opens another), waiting at
+    /// most [`Prober::CLOSE_WAIT`] for the lock and for the broker's answer: a stop never
+    /// hangs on a frozen broker (its socket goes with the connection).
     pub async fn close(&self) {
-        if let Some(p) = self.state.lock().await.take() {
-            let _ = p.conn.close(200, "bye".into()).await;
-        }
+        let _ = tokio::time::timeout(Self::CLOSE_WAIT, async {
+            if let Some(p) = self.state.lock().await.take() {
+                let _ = p.conn.close(200, "bye".into()).await;
+            }
+        })
+        .await;
     }
 }
