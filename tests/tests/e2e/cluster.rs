@@ -242,8 +242,11 @@ impl Cluster {
             "port",
             "client_properties",
         ])?;
+        // The exact name (followed by its closing quote in client_properties): a scheduler's
+        // prober connection is named "<name> probe".
+        let exact = format!("{connection_name}\"");
         for line in out.lines() {
-            if line.contains(connection_name) {
+            if line.contains(&exact) {
                 let port = line.split_whitespace().next().unwrap_or("");
                 for i in 1..=3 {
                     if self.get(&format!("NODE{i}_PORT"))? == port {

@@ -37,7 +37,8 @@ async fn scheduler_channels(rabbit: &PrivateRabbit, ns: &str) -> Option<u64> {
         .await
         .ok()?;
     out.lines()
-        .find(|l| l.contains(&format!("fleet-scheduler {ns}")))
+        // The exact name, closing quote included: the prober's is "fleet-scheduler <ns> probe".
+        .find(|l| l.contains(&format!("fleet-scheduler {ns}\"")))
         .and_then(|l| l.split_whitespace().next()?.parse().ok())
 }
 

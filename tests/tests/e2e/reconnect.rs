@@ -41,9 +41,12 @@ async fn scheduler_reconnects_after_losing_rabbitmq() -> anyhow::Result<()> {
     })
     .await?
     .context("list_connections")?;
+    // The exact name (followed by its closing quote in client_properties): the scheduler's
+    // prober connection is named "<name> probe".
+    let exact = format!("{name}\"");
     let pids: Vec<String> = list
         .lines()
-        .filter(|l| l.contains(&name))
+        .filter(|l| l.contains(&exact))
         .filter_map(|l| l.split_whitespace().next().map(String::from))
         .collect();
     assert_eq!(pids.len(), 1, "one scheduler connection named {name}");
