@@ -10,21 +10,28 @@ use fleet::broker::Subsetting;
 use fleet::registry::{Registration, WorkerState};
 use fleet::{Labels, Lane};
 use fleet_tests::*;
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
 use serde_json::json;
 
 const SHARDS: &[(&str, &str)] = &[("shards", "12"), ("shards_per_worker", "3")];
 
-/// Consumers of a queue right now (a passive declare through a prober, `fleet::broker::probe`).
-async fn consumers(_ns: &Ns, queue: &str) -> Result<u32> {
-    static PROBE: std::sync::OnceLock<fleet::broker::probe::Prober> = std::sync::OnceLock::new();
-    let probe = PROBE.get_or_init(|| {
-        fleet::broker::probe::Prober::new(&amqp_url(), "subsetting test", &Default::default())
-    });
-    let q = probe
-        .queue(queue)
-        .await?
-        .with_context(|| format!("queue {queue} does not exist"))?;
-    Ok(q.consumers)
+/// Consumers of a queue right now (passive declare on a channel of its own).
+async fn consumers(ns: &Ns, queue: &str) -> Result<u32> {
+    let ch = ns.conn.create_channel().await?;
+    let q = ch
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .with_context(|| format!("queue {queue}"))?;
+    let _ = ch.close(200, "ok".into()).await;
+    Ok(q.consumer_count())
 }
 
 /// Consumers per shard queue, in shard order.
