@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context};
 use deadpool_redis::redis;
+use fleet::broker::probe::Prober;
 use fleet::registry::{ReclaimClaim, Registration, WorkerState};
 use fleet::{Labels, Lane};
 use fleet_tests::*;
@@ -54,16 +55,17 @@ async fn keys(ns: &Ns) -> anyhow::Result<BTreeMap<String, usize>> {
     Ok(by)
 }
 
-/// The prober [`queue_info`] asks through (the scheduler's own kind: a connection of its own,
+/// The prober [`queue_info`] asks through: the scheduler's own kind (a connection of its own,
 /// replaced before lapin runs it out of channel ids — the waits below probe 160 deleted
-/// queues a pass, and CI ran a shared connection out that way).
-static PROBE: std::sync::OnceLock<fleet::broker::probe::Prober> = std::sync::OnceLock::new();
+/// queues a pass, and CI ran a shared connection out that way), one per test: its connection
+/// is driven by the test's own runtime (a static one shared by tests outlived the runtime
+/// that drove it and hung a probe in CI of 91c9422).
+fn test_prober() -> Prober {
+    Prober::new(&amqp_url(), "reclaim test", &Default::default())
+}
 
 /// A queue's (ready messages, consumers), `None` when it does not exist (passive declare).
-async fn queue_info(_ns: &Ns, q: &str) -> anyhow::Result<Option<(u32, u32)>> {
-    let probe = PROBE.get_or_init(|| {
-        fleet::broker::probe::Prober::new(&amqp_url(), "reclaim test", &Default::default())
-    });
+async fn queue_info(probe: &Prober, q: &str) -> anyhow::Result<Option<(u32, u32)>> {
     Ok(probe.queue(q).await?.map(|s| (s.ready, s.consumers)))
 }
 
@@ -108,6 +110,7 @@ async fn each_ran_once(
 /// namespace's keys back to the count before the first worker, `fleet_groups` 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
+    let probe = test_prober();
     let _turn = TURN.lock().await;
     own_process!();
     let ns = Ns::new().await?;
@@ -160,7 +163,7 @@ async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
         let mut n = 0;
         for g in &names {
             for l in Lane::ALL {
-                if let Ok(Some((_, c))) = queue_info(&ns, &ns.names.park_queue(g, l)).await {
+                if let Ok(Some((_, c))) = queue_info(&probe, &ns.names.park_queue(g, l)).await {
                     n += c;
                 }
             }
@@ -171,7 +174,7 @@ async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
     for g in &names {
         for q in group_queues(&ns, g) {
             ensure!(
-                queue_info(&ns, &q).await?.is_some(),
+                queue_info(&probe, &q).await?.is_some(),
                 "{q} exists while its worker runs"
             );
         }
@@ -207,7 +210,7 @@ async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
     let gone = wait_for("160 queues gone", Duration::from_secs(180), || async {
         for g in &names {
             for q in group_queues(&ns, g) {
-                if queue_info(&ns, &q).await.ok()?.is_some() {
+                if queue_info(&probe, &q).await.ok()?.is_some() {
                     return None;
                 }
             }
@@ -220,7 +223,7 @@ async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
         for g in &names {
             for q in group_queues(&ns, g) {
                 // A diagnosis: a channel error here must not hide the queues left.
-                if let Ok(Some(info)) = queue_info(&ns, &q).await {
+                if let Ok(Some(info)) = queue_info(&probe, &q).await {
                     left.push((q, info));
                 }
             }
@@ -254,7 +257,7 @@ async fn forty_departed_pods_are_reclaimed() -> anyhow::Result<()> {
     // The waiting-for-worker queues keep their consumers (they belong to no group).
     for l in Lane::ALL {
         assert_eq!(
-            queue_info(&ns, &ns.names.park_queue("_unmatched", l))
+            queue_info(&probe, &ns.names.park_queue("_unmatched", l))
                 .await?
                 .map(|q| q.1),
             Some(1)
@@ -328,6 +331,7 @@ async fn a_group_with_queued_tasks_is_kept_and_they_run() -> anyhow::Result<()> 
 /// A worker registering with the label set of a reclaimed group recreates it and runs its tasks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_returning_to_a_reclaimed_label_set_runs_its_tasks() -> anyhow::Result<()> {
+    let probe = test_prober();
     let _turn = TURN.lock().await;
     own_process!();
     let ns = Ns::new().await?;
@@ -343,7 +347,7 @@ async fn a_worker_returning_to_a_reclaimed_label_set_runs_its_tasks() -> anyhow:
     .await?;
     wait_for("its queues gone", Duration::from_secs(30), || async {
         for q in group_queues(&ns, g) {
-            if queue_info(&ns, &q).await.ok()?.is_some() {
+            if queue_info(&probe, &q).await.ok()?.is_some() {
                 return None;
             }
         }
@@ -368,7 +372,7 @@ async fn a_worker_returning_to_a_reclaimed_label_set_runs_its_tasks() -> anyhow:
     // The scheduler consumes the group's park queues again.
     wait_for("park consumers back", Duration::from_secs(30), || async {
         for l in Lane::ALL {
-            if queue_info(&ns, &ns.names.park_queue(g, l))
+            if queue_info(&probe, &ns.names.park_queue(g, l))
                 .await
                 .ok()?
                 .map(|q| q.1)
@@ -540,6 +544,7 @@ async fn registration_waits_for_a_reclaim_and_its_deleted_queues() -> anyhow::Re
 /// kept, and the task runs once when a worker returns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn quorum_groups_are_reclaimed_without_closing_the_connection() -> anyhow::Result<()> {
+    let probe = test_prober();
     let _turn = TURN.lock().await;
     own_process!();
     let ns = Ns::with_queue_type("quorum").await?;
@@ -594,7 +599,7 @@ async fn quorum_groups_are_reclaimed_without_closing_the_connection() -> anyhow:
     .await?;
     wait_for("its queues gone", Duration::from_secs(30), || async {
         for q in group_queues(&ns, gone) {
-            if queue_info(&ns, &q).await.ok()?.is_some() {
+            if queue_info(&probe, &q).await.ok()?.is_some() {
                 return None;
             }
         }
@@ -709,7 +714,7 @@ async fn a_task_arriving_during_a_reclaim_keeps_the_group_bound() -> anyhow::Res
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prober_outlives_the_channel_ids_its_404s_cost() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
-    let probe = fleet::broker::probe::Prober::new(&amqp_url(), "prober test", &Default::default());
+    let probe = Prober::new(&amqp_url(), "prober test", &Default::default());
     let missing = format!("{}.no-such-queue", ns.names.tasks_exchange());
     for k in 0..2100 {
         ensure!(
