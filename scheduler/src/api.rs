@@ -86,6 +86,9 @@ pub struct AppState {
     pub audit: fleet::control::AuditLog,
     /// The batches as this replica read them from the control stream ([`fleet::batch`]).
     pub batches: fleet::batch::Batches,
+    /// Passive declares of the API (a nacked submission's queue depth): on a connection of
+    /// their own, made at the first question ([`fleet::broker::probe`]).
+    pub probe: Arc<fleet::broker::probe::Prober>,
 }
 
 /// The API routes, each behind its role when tokens are configured ([`fleet::settings`]): submit
@@ -333,9 +336,6 @@ async fn refusal_cause(
     envs: &[(&Envelope, &[u8], bool)],
     refused: &[String],
 ) -> amqp::NackCause {
-    let Some(conn) = st.connection.read().await.clone() else {
-        return amqp::NackCause::Unknown;
-    };
     let lanes: std::collections::BTreeSet<Lane> = envs
         .iter()
         .filter(|(e, ..)| refused.contains(&e.id))
@@ -344,7 +344,7 @@ async fn refusal_cause(
     let mut cause = amqp::NackCause::Unknown;
     for lane in lanes {
         let q = st.store.names.ingress_queue(lane);
-        let c = amqp::nack_cause(&conn, &q, st.cfg.common.ingress_max[lane]).await;
+        let c = amqp::nack_cause(&st.probe, &q, st.cfg.common.ingress_max[lane]).await;
         if c.is_full() {
             return c;
         }

@@ -54,8 +54,7 @@ use fleet::process::Ticker;
 use fleet::registry::{GroupView, ReclaimClaim};
 use fleet::{broker::topology, metrics as m, Lane};
 use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
+    BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueBindOptions, QueueDeleteOptions,
 };
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
@@ -389,6 +388,15 @@ enum Step {
 /// [`Step`]. A 404 (the queue is gone) is `Ok(Deleted)` once a passive declare on a fresh
 /// channel confirms it.
 async fn delete_unbound(s: &Session, q: &str, key: &str, park: bool) -> Result<Gone, Step> {
+    // A queue already gone (another replica's reclaim, a retry after a slow delete) is found
+    // on the session's prober: an unbind of it on `ch` would be answered 404, which costs the
+    // session connection a channel id for good (fleet::broker::probe).
+    if !queue_exists(s, q)
+        .await
+        .map_err(|e| Step::Retry(e.to_string()))?
+    {
+        return Ok(Gone::Deleted);
+    }
     let ch = match tokio::time::timeout(DELETE_LIMIT, s.conn.create_channel()).await {
         Ok(ch) => ch.map_err(|e| Step::Retry(e.to_string()))?,
         Err(_) => return Err(Step::Slow),
@@ -437,19 +445,17 @@ async fn delete_unbound(s: &Session, q: &str, key: &str, park: bool) -> Result<G
             };
             return Ok(Gone::InUse);
         }
+        // Its consumers, asked of the prober (a queue that went meanwhile is deleted below:
+        // the 404 path confirms a missing one). Unanswered, it is kept as if in use: a worker
+        // may hold tasks from it.
         if !park {
-            let state = ch
-                .queue_declare(
-                    q.into(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await?;
-            if state.consumer_count() > 0 {
-                return Ok(Gone::InUse);
+            match s.probe.queue(q).await {
+                Ok(Some(state)) if state.consumers > 0 => return Ok(Gone::InUse),
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!(queue = %q, error = %e, "reclaim: cannot ask for the queue's consumers; keeping it");
+                    return Ok(Gone::InUse);
+                }
             }
         }
         let if_empty = s.cfg.common.queue_type == QueueType::Classic;

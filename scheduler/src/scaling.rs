@@ -55,7 +55,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use fleet::control::{KeyFigures, KeyLimits};
-use fleet::{broker::delay, broker::topology, metrics as m, Lane, Names};
+use fleet::{broker::delay, metrics as m, Lane, Names};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
 
@@ -337,8 +337,6 @@ struct Inner {
     /// The group labels the gauges were last written for (set to 0 when a group is gone).
     shown: Mutex<BTreeSet<String>>,
     handle: Option<PrometheusHandle>,
-    /// The channel of the tier queues' passive declares.
-    tiers: tokio::sync::Mutex<Option<lapin::Channel>>,
 }
 
 impl Board {
@@ -351,7 +349,6 @@ impl Board {
                 window: Mutex::default(),
                 shown: Mutex::default(),
                 handle,
-                tiers: tokio::sync::Mutex::new(None),
             }),
         }
     }
@@ -546,7 +543,7 @@ pub async fn sample(
             .unwrap_or(0),
     ) + u64::from(s.parks_held.get(Names::UNMATCHED_GROUP, Lane::Normal));
     out.unrouted.paused = s.pauses.held().values().sum();
-    out.unrouted.not_yet_due = tier_depths(s, board).await + s.tiers_held.get();
+    out.unrouted.not_yet_due = tier_depths(s).await + s.tiers_held.get();
 
     // Put the window back (taken out so no lock is held across an await).
     if let Ok(mut w) = board.inner.window.lock() {
@@ -557,17 +554,14 @@ pub async fn sample(
     Ok(())
 }
 
-/// Ready messages in the delay tier queues (passive declares on the board's channel).
-async fn tier_depths(s: &Session, board: &Board) -> u64 {
-    let mut ch = board.inner.tiers.lock().await;
-    if ch.as_ref().is_none_or(|c| !c.status().connected()) {
-        *ch = s.conn.create_channel().await.ok();
-    }
-    let Some(c) = ch.as_ref() else { return 0 };
+/// Ready messages in the delay tier queues (passive declares on the session's prober: a tier
+/// queue that is missing answers 404, which on the session connection would cost it a channel
+/// id every refresh — `fleet::broker::probe`).
+async fn tier_depths(s: &Session) -> u64 {
     let mut sum = 0u64;
     for t in delay::tiers() {
-        if let Some(d) = topology::ready_count(c, &s.names.delay_queue(t)).await {
-            sum += u64::from(d);
+        if let Ok(Some(q)) = s.probe.queue(&s.names.delay_queue(t)).await {
+            sum += u64::from(q.ready);
         }
     }
     sum

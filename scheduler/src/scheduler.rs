@@ -74,6 +74,11 @@ pub async fn run(
     pauses.set_key_settings(cfg.key_limits.clone());
     let audit = fleet::control::AuditLog::default();
     let batches = fleet::batch::Batches::default();
+    let api_probe = Arc::new(fleet::broker::probe::Prober::new(
+        &cfg.common.amqp_url,
+        &format!("fleet-scheduler {} api", cfg.common.namespace),
+        &cfg.common.amqp_tls,
+    ));
     let state = AppState {
         pauses: pauses.clone(),
         cfg: cfg.clone(),
@@ -88,6 +93,7 @@ pub async fn run(
         renewal: Arc::default(),
         audit: audit.clone(),
         batches: batches.clone(),
+        probe: api_probe.clone(),
     };
     let board = schedule::Board::default();
     let sched_api = schedule::api::ScheduleApi {
@@ -201,6 +207,8 @@ pub async fn run(
     }
     // A permanent error ends the process: stop the HTTP server and the Redis watch too.
     process.stop_within(STOP_WAIT).await;
+    // After the HTTP server: a request that asked the API's prober again would reopen it.
+    api_probe.close().await;
     match result {
         Ok(()) => {
             tracing::info!("scheduler stopped");

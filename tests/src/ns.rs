@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use fleet::broker::probe::Prober;
 use fleet::settings::{CommonConfig, Settings};
 use fleet::{broker::amqp, broker::topology, Envelope, Lane, Names, Store};
 use lapin::options::BasicGetOptions;
@@ -31,6 +32,10 @@ pub struct Ns {
     pub publisher: amqp::Publisher,
     /// Settings every component of this test starts from.
     pub base: Vec<(String, String)>,
+    /// Passive declares of queues that may be missing ([`Ns::depth_of`]): on a connection of
+    /// their own, as the scheduler's (a 404 costs a lapin connection a channel id for good,
+    /// `fleet::broker::probe`; a test that waits for a queue to go asks hundreds of times).
+    pub probe: Prober,
 }
 
 impl Ns {
@@ -91,6 +96,7 @@ impl Ns {
             conn,
             publisher,
             base,
+            probe: Prober::new(amqp_url, "fleet-tests", &amqp_tls),
         })
     }
 
@@ -203,14 +209,20 @@ impl Ns {
         .context("draining the dead-letter queue took over 60 s")?
     }
 
-    /// Depth of a queue (0 if missing).
+    /// Depth of a queue (ready messages; 0 if missing or the broker did not answer).
     pub async fn depth(&self, queue: &str) -> u32 {
-        topology::depth(&self.conn, queue).await.unwrap_or(0)
+        self.depth_of(queue).await.unwrap_or(0)
     }
 
-    /// Depth of a queue by passive declare, `None` when it does not exist.
+    /// Depth of a queue (ready messages) by passive declare, `None` when it does not exist
+    /// (or the broker did not answer).
     pub async fn depth_of(&self, queue: &str) -> Option<u32> {
-        topology::depth(&self.conn, queue).await
+        self.probe
+            .queue(queue)
+            .await
+            .ok()
+            .flatten()
+            .map(|q| q.ready)
     }
 
     /// Status fields of a task.
@@ -226,12 +238,10 @@ impl Ns {
         for g in groups {
             let mut n = 0;
             while n < 1024
-                && topology::depth(
-                    &self.conn,
-                    &self.names.group_shard_queue(g, Lane::Normal, n, 2),
-                )
-                .await
-                .is_some()
+                && self
+                    .depth_of(&self.names.group_shard_queue(g, Lane::Normal, n, 2))
+                    .await
+                    .is_some()
             {
                 n += 1;
             }

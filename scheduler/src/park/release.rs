@@ -354,9 +354,9 @@ async fn consume(
 
 /// How often a group's release loop asks the broker which of its fair park queues exist,
 /// besides at its first lookup and after Redis's count of them fell: that count is state
-/// that may be lost. Each ask is a passive declare of the next queue, which the broker
-/// answers 404 (closing the channel, a line in its log) while no further queue exists: rare
-/// on purpose.
+/// that may be lost. Each ask is a passive declare of the next queue (on the session's
+/// prober), which the broker answers 404 (closing the channel, a line in its log) while no
+/// further queue exists: rare on purpose.
 const FAIR_PROBE: Duration = Duration::from_secs(300);
 
 /// How often a group's release loop looks up how many fair park queues its keys use.
@@ -399,14 +399,19 @@ async fn add_fair_queues(
         // queues it assigned: a loop started after that would never consume them. The queues
         // are assigned in order from 0, so those that exist are a prefix: asked of the broker
         // one by one (a passive declare each) past what Redis says.
+        // On the session's prober, not the session connection: the ask past the last queue
+        // is answered 404, which would cost the session connection a channel id for good
+        // (fleet::broker::probe) — one per group every FAIR_PROBE, a session restart after
+        // some hours for a fleet of a few dozen groups.
         let mut q = assigned.max(have);
         while q < max
-            && fleet::broker::topology::depth(
-                &d.session.conn,
-                &names.park_queue(&fleet::Names::fair_group(group, q), Lane::Normal),
+            && matches!(
+                d.session
+                    .probe
+                    .queue(&names.park_queue(&fleet::Names::fair_group(group, q), Lane::Normal))
+                    .await,
+                Ok(Some(_))
             )
-            .await
-            .is_some()
         {
             q += 1;
         }

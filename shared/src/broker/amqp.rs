@@ -475,16 +475,22 @@ impl NackCause {
 pub const DEPTH_WAIT: Duration = Duration::from_secs(1);
 
 /// Why a publish to `queue` (bounded at `bound` messages) was nacked: its depth now (a passive
-/// declare on a channel of its own, at most [`DEPTH_WAIT`]) against the bound
+/// declare through `probe`, at most [`DEPTH_WAIT`]) against the bound
 /// ([`NackCause::from_depth`]).
 ///
 /// # Cancel safety
-/// Cancel safe: it only reads; dropped, its channel closes with its drop.
-pub async fn nack_cause(conn: &Connection, queue: &str, bound: u32) -> NackCause {
-    let depth = tokio::time::timeout(DEPTH_WAIT, crate::broker::topology::depth(conn, queue))
+/// Cancel safe: it only reads.
+pub async fn nack_cause(
+    probe: &crate::broker::probe::Prober,
+    queue: &str,
+    bound: u32,
+) -> NackCause {
+    let depth = tokio::time::timeout(DEPTH_WAIT, probe.queue(queue))
         .await
         .ok()
-        .flatten();
+        .and_then(|r| r.ok())
+        .flatten()
+        .map(|q| q.ready);
     NackCause::from_depth(depth, bound)
 }
 

@@ -76,8 +76,7 @@ impl Prober {
                 if let Some(old) = state.take() {
                     let _ = old.conn.close(200, "replaced".into()).await;
                 }
-                let conn =
-                    crate::broker::amqp::connect_with(&self.url, &self.name, &self.tls).await?;
+                let conn = crate::broker::connect_any(&self.url, &self.name, &self.tls).await?;
                 *state = Some(Probe {
                     conn: Arc::new(conn),
                     ch: None,
@@ -144,5 +143,71 @@ impl Prober {
             }
         })
         .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    /// Every `.rs` file under `dir`.
+    fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                sources(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+
+    /// The kind, not one instance: a passive declare in product code goes through a
+    /// [`super::Prober`]. The exceptions ask queues that exist by construction, on channels
+    /// of their own: `fleetctl delete-namespace`'s catalog read (a short-lived connection of
+    /// the CLI) and the dead-letter listing's depth (the dead-letter queue is declared with
+    /// the namespace's core topology before any listing can run).
+    #[test]
+    fn passive_declares_go_through_the_prober() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let allowed = [
+            "shared/src/broker/probe.rs",
+            "shared/src/broker/topology.rs",
+            "shared/src/broker/dead.rs",
+        ];
+        let mut files = Vec::new();
+        for crate_dir in ["shared/src", "scheduler/src", "worker/src"] {
+            sources(&root.join(crate_dir), &mut files);
+        }
+        assert!(
+            files.len() > 50,
+            "sources not found under {}",
+            root.display()
+        );
+        let mut found = Vec::new();
+        for f in files {
+            let rel = f
+                .strip_prefix(&root)
+                .map(|p| p.to_string_lossy().replace('\\', "/"))
+                .unwrap_or_default();
+            let Ok(text) = std::fs::read_to_string(&f) else {
+                continue;
+            };
+            // Spelt in two pieces so this test's own file counts only the prober's declare.
+            let n = text.matches(concat!("passive", ": true")).count();
+            match allowed.iter().position(|a| *a == rel) {
+                // Each allowed file has exactly its one known declare.
+                Some(_) if n <= 1 => {}
+                _ if n == 0 => {}
+                _ => found.push(format!("{rel}: {n}")),
+            }
+        }
+        assert!(
+            found.is_empty(),
+            "passive declares outside fleet::broker::probe::Prober (a 404 costs a lapin connection a channel id for good): {found:?}"
+        );
     }
 }

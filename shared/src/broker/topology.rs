@@ -443,34 +443,6 @@ pub async fn declare_park(
     .await
 }
 
-/// Depth of a group's park queue (passive declare); 0 when it does not exist — not yet
-/// declared, or deleted with its reclaimed group. Sampling never creates one: a sampler whose
-/// group list predates a reclaim would bring the deleted queue back. A missing queue closes
-/// `ch` (AMQP 404): callers open another channel when theirs is closed.
-pub async fn park_depth(
-    ch: &Channel,
-    cfg: &impl QueueSettings,
-    group: &str,
-    lane: Lane,
-) -> Result<u32> {
-    let q = cfg.names().park_queue(group, lane);
-    match ch
-        .queue_declare(
-            ShortString::from(q.as_str()),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-    {
-        Ok(q) => Ok(q.message_count()),
-        Err(e) if crate::broker::amqp::reply_code(&e) == Some(404) => Ok(0),
-        Err(e) => Err(e.into()),
-    }
-}
-
 /// The settings the bounds come from ([`QueueSettings::ingress_max`], [`QueueSettings::park_max`]).
 const INGRESS_MAX_SETTING: PerLane<&str> = PerLane {
     normal: "FLEET_INGRESS_MAX_NORMAL",
@@ -481,44 +453,8 @@ const PARK_MAX_SETTING: PerLane<&str> = PerLane {
     critical: "FLEET_PARK_MAX_CRITICAL",
 };
 
-/// Depth of a queue (passive declare), `None` when it does not exist. Uses its own channel
-/// because a passive declare of a missing queue closes the channel.
-pub async fn depth(conn: &lapin::Connection, queue_name: &str) -> Option<u32> {
-    let ch = conn.create_channel().await.ok()?;
-    let r = ch
-        .queue_declare(
-            ShortString::from(queue_name),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .ok()
-        .map(|q| q.message_count());
-    let _ = ch.close(200, "ok".into()).await;
-    r
-}
-
-/// A queue's ready messages (those no consumer holds) on an open channel, by passive
-/// declare; `None` when the queue does not exist — the broker then closes `ch`, so callers
-/// open another for their next question.
-pub async fn ready_count(ch: &Channel, queue_name: &str) -> Option<u32> {
-    ch.queue_declare(
-        ShortString::from(queue_name),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .ok()
-    .map(|q| q.message_count())
-}
-
-// ---- the queue catalog ----
+// A queue's depth is asked of a `crate::broker::probe::Prober`, never by a passive declare on a
+// long-lived connection: a 404 there costs that connection a channel id for good (lapin 4.12).
 
 /// One record of the namespace's queue catalog ([`Names::catalog_queue`]): a group and the
 /// exact names of the queues a process was about to declare for it. JSON on the wire:

@@ -1081,6 +1081,7 @@ async fn throughput(n: usize) -> Result<()> {
     let rig = Rig::start(&qt, settings, &wrefs).await?;
     let cpu = CpuMeter::new();
     let cpu0 = cpu.read();
+    let calls0 = RedisCalls::read();
     let (groups10, t) = rig
         .run(n, Offer::Burst, Duration::from_secs(300), |k| match k % 3 {
             0 => task("count", json!(null), &format!("zone=z{}", k % 10)),
@@ -1097,6 +1098,7 @@ async fn throughput(n: usize) -> Result<()> {
         "fleet 10 groups   : {groups10:>8.0} tasks/s ({runs} runs, {distinct} distinct, {t:.2} s)"
     );
     println!("{}", cpu.report("fleet 10 groups", cpu0, n));
+    println!("{}", calls0.report("fleet 10 groups", n));
     println!("{}", rig.metrics().await?);
     rig.stop().await?;
 
@@ -1899,6 +1901,11 @@ async fn critical(n: usize) -> Result<()> {
             publisher: amqp::confirm_channel(&amqp::connect(&amqp_url(), "bench-flood2").await?)
                 .await?,
             base: ns.base.clone(),
+            probe: fleet::broker::probe::Prober::new(
+                &amqp_url(),
+                "bench-flood",
+                &Default::default(),
+            ),
         };
         tokio::spawn(async move {
             let (mut ok, mut refused) = (0usize, 0usize);

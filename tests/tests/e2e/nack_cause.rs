@@ -67,7 +67,7 @@ async fn a_nack_is_called_full_only_at_the_bound() -> anyhow::Result<()> {
         matches!(&nacked, Err(fleet::Error::Refused(t)) if t == amqp::NACK_TEXT),
         "{nacked:?}"
     );
-    let cause = amqp::nack_cause(&ns.conn, &full, 2).await;
+    let cause = amqp::nack_cause(&ns.probe, &full, 2).await;
     println!("queue at its bound: {cause:?}");
     assert_eq!(cause, NackCause::Full { depth: 2, bound: 2 });
 
@@ -76,7 +76,7 @@ async fn a_nack_is_called_full_only_at_the_bound() -> anyhow::Result<()> {
         matches!(&nacked, Err(fleet::Error::Refused(t)) if t == amqp::NACK_TEXT),
         "{nacked:?}"
     );
-    let cause = amqp::nack_cause(&ns.conn, &below, 100).await;
+    let cause = amqp::nack_cause(&ns.probe, &below, 100).await;
     println!("queue far below its bound: {cause:?}");
     assert_eq!(
         cause,
@@ -89,7 +89,7 @@ async fn a_nack_is_called_full_only_at_the_bound() -> anyhow::Result<()> {
     // A queue that does not answer (here: missing) is not full either.
     let missing = format!("{}.nack-missing", ns.name);
     assert_eq!(
-        amqp::nack_cause(&ns.conn, &missing, 100).await,
+        amqp::nack_cause(&ns.probe, &missing, 100).await,
         NackCause::Unknown
     );
 

@@ -122,11 +122,7 @@ async fn help_and_version_list_every_setting_and_start_nothing() -> Result<()> {
         ns.names.dead_queue(),
         ns.names.delayed_queue(),
     ] {
-        assert_eq!(
-            fleet::broker::topology::depth(&ns.conn, &q).await,
-            None,
-            "{q} was declared by --help"
-        );
+        assert_eq!(ns.depth_of(&q).await, None, "{q} was declared by --help");
     }
     let keys: Vec<String> = ns
         .store

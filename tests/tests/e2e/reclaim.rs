@@ -710,7 +710,8 @@ async fn a_task_arriving_during_a_reclaim_keeps_the_group_bound() -> anyhow::Res
 
 /// A prober keeps answering past the 2,047 channel ids lapin has per connection: 2,100
 /// questions about a missing queue (each a 404 that costs its connection a channel id for
-/// good, `fleet::broker::probe`), then an existing queue is still read — its depth exact.
+/// good, `fleet::broker::probe`), then an existing queue is still read — its depth exact, also
+/// through a node list whose other node refuses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prober_outlives_the_channel_ids_its_404s_cost() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
@@ -755,6 +756,21 @@ async fn a_prober_outlives_the_channel_ids_its_404s_cost() -> anyhow::Result<()>
     )
     .await?;
     assert_eq!((state.ready, state.consumers), (3, 0));
+    // A cluster's node list (`FLEET_AMQP_URL=amqp://…,amqp://…`) with a node that refuses:
+    // the prober connects to the other (it once took the whole list for one URL, and every
+    // question of a clustered scheduler's prober failed).
+    let dead = free_port()?;
+    let list = format!("amqp://guest:guest@127.0.0.1:{dead}/%2f,{}", amqp_url());
+    // A prober each: each connects from a random node of the list.
+    for k in 0..6 {
+        let listed = Prober::new(&list, "prober list test", &Default::default());
+        let s = listed.queue(&q).await?;
+        ensure!(
+            s.map(|s| s.ready) == Some(3),
+            "prober {k} through a node list: {s:?}"
+        );
+        listed.close().await;
+    }
     ch.queue_delete(
         q.as_str().into(),
         lapin::options::QueueDeleteOptions::default(),
