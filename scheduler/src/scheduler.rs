@@ -310,6 +310,9 @@ async fn session(
     // reads their depths, discovery and reclaim manage them), and the dispatch logic.
     let park_queues = Arc::new(park::Queues::new(shared.clone()));
     let d = Arc::new(Dispatcher::new(shared.clone(), park_queues.clone()));
+    // Channels opened before any loop is spawned: a failure here returns with nothing running.
+    let tier_ch = crate::tiers::channel(&shared).await?;
+    let fire_publisher = amqp::confirm_channel(&conn).await?;
     // The session's stage: ends with the process, or when any of its loops fails.
     let session = Stage::with_parent("session", shutdown);
 
@@ -417,7 +420,8 @@ async fn session(
             format!("tier.{tier}"),
             crate::tiers::TierLoop {
                 session: shared.clone(),
-                tier
+                tier,
+                ch: tier_ch.clone(),
             }
         );
     }
@@ -489,7 +493,7 @@ async fn session(
         cfg: cfg.clone(),
         store: store.clone(),
         board,
-        publisher: amqp::confirm_channel(&conn).await?,
+        publisher: fire_publisher,
         pressure: prx.clone(),
         replica: uuid::Uuid::new_v4().simple().to_string(),
     };

@@ -49,6 +49,24 @@ pub struct TierLoop {
     pub session: Arc<Session>,
     /// The tier's length (ms).
     pub tier: u64,
+    /// The channel every tier loop of the session consumes on ([`channel`]).
+    pub ch: lapin::Channel,
+}
+
+/// The one channel of a session's tier loops, each consumer on it held to [`PREFETCH`]
+/// (`basic.qos` without `global` applies to each consumer). One channel for the fourteen
+/// tiers rather than one each: lapin walks every channel of a connection for every frame it
+/// writes (`Channels::flow`), and the session connection carries the hot path (BENCHMARKS.md
+/// round 22). Each delivery is acked or nacked on its own (no `multiple`), so the loops
+/// never settle one another's; a channel error ends every tier loop, and with them the
+/// session, as one loop's did.
+///
+/// # Errors
+/// The channel could not be opened or its prefetch set.
+pub async fn channel(session: &Session) -> fleet::Result<lapin::Channel> {
+    let ch = session.conn.create_channel().await?;
+    ch.basic_qos(PREFETCH, BasicQosOptions::default()).await?;
+    Ok(ch)
 }
 
 /// How many tasks the session's tier loops hold, all tiers together (delay canaries not
@@ -103,9 +121,8 @@ impl TierLoop {
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
         let s = &self.session;
         let queue = s.names.delay_queue(self.tier);
-        let ch = s.conn.create_channel().await?;
-        ch.basic_qos(PREFETCH, BasicQosOptions::default()).await?;
-        let mut consumer = ch
+        let mut consumer = self
+            .ch
             .basic_consume(
                 queue.as_str().into(),
                 "".into(),
