@@ -288,8 +288,8 @@ impl std::fmt::Display for NotDeleted {
 /// close of a channel whose id it reuses, e.g. a passive declare's 404, on the next one).
 const DELETE_ATTEMPTS: u32 = 5;
 
-/// Longest each step of one queue's deletion (opening its channel; unbind, look, delete;
-/// closing) may take before the deletion counts as failed, not retried: a pass must end well
+/// Longest each step of one queue's deletion (asking the prober whether it exists; opening its
+/// channel; unbind, look, delete; closing) may take before the deletion counts as failed, not retried: a pass must end well
 /// within the `pending` tombstone's life ([`PENDING_HOLD`]).
 const DELETE_LIMIT: Duration = Duration::from_secs(5);
 
@@ -391,11 +391,11 @@ async fn delete_unbound(s: &Session, q: &str, key: &str, park: bool) -> Result<G
     // A queue already gone (another replica's reclaim, a retry after a slow delete) is found
     // on the session's prober: an unbind of it on `ch` would be answered 404, which costs the
     // session connection a channel id for good (fleet::broker::probe).
-    if !queue_exists(s, q)
-        .await
-        .map_err(|e| Step::Retry(e.to_string()))?
-    {
-        return Ok(Gone::Deleted);
+    match tokio::time::timeout(DELETE_LIMIT, queue_exists(s, q)).await {
+        Err(_) => return Err(Step::Slow),
+        Ok(Err(e)) => return Err(Step::Retry(e.to_string())),
+        Ok(Ok(false)) => return Ok(Gone::Deleted),
+        Ok(Ok(true)) => {}
     }
     let ch = match tokio::time::timeout(DELETE_LIMIT, s.conn.create_channel()).await {
         Ok(ch) => ch.map_err(|e| Step::Retry(e.to_string()))?,
@@ -484,11 +484,14 @@ async fn delete_unbound(s: &Session, q: &str, key: &str, park: bool) -> Result<G
     };
     let _ = tokio::time::timeout(DELETE_LIMIT, ch.close(200, "ok".into())).await;
     match r {
-        Err(e) if amqp::reply_code(&e) == Some(404) => match queue_exists(s, q).await {
-            Ok(false) => Ok(Gone::Deleted),
-            Ok(true) => Err(Step::Retry(format!("{e} (the queue exists)"))),
-            Err(e2) => Err(Step::Retry(format!("{e}; and then {e2}"))),
-        },
+        Err(e) if amqp::reply_code(&e) == Some(404) => {
+            match tokio::time::timeout(DELETE_LIMIT, queue_exists(s, q)).await {
+                Err(_) => Err(Step::Slow),
+                Ok(Ok(false)) => Ok(Gone::Deleted),
+                Ok(Ok(true)) => Err(Step::Retry(format!("{e} (the queue exists)"))),
+                Ok(Err(e2)) => Err(Step::Retry(format!("{e}; and then {e2}"))),
+            }
+        }
         r => r.map_err(Step::Broker),
     }
 }

@@ -289,9 +289,12 @@ async fn session(
         let publisher = amqp::confirm_channel(&conn).await?;
         let api_publisher = amqp::confirm_channel(&conn).await?;
         let schedules = schedule::log::open(&conn, &api_publisher, &names, board.clone()).await?;
-        Ok::<_, fleet::Error>((publisher, api_publisher, schedules))
+        // Opened before any loop is spawned: a failure here returns with nothing running.
+        let tier_ch = crate::tiers::channel(&conn).await?;
+        let fire_publisher = amqp::confirm_channel(&conn).await?;
+        Ok::<_, fleet::Error>((publisher, api_publisher, schedules, tier_ch, fire_publisher))
     };
-    let (publisher, api_publisher, schedules) = tokio::select! {
+    let (publisher, api_publisher, schedules, tier_ch, fire_publisher) = tokio::select! {
         r = setup => r?,
         _ = shutdown.cancelled() => return Ok(()),
     };
@@ -310,9 +313,6 @@ async fn session(
     // reads their depths, discovery and reclaim manage them), and the dispatch logic.
     let park_queues = Arc::new(park::Queues::new(shared.clone()));
     let d = Arc::new(Dispatcher::new(shared.clone(), park_queues.clone()));
-    // Channels opened before any loop is spawned: a failure here returns with nothing running.
-    let tier_ch = crate::tiers::channel(&shared).await?;
-    let fire_publisher = amqp::confirm_channel(&conn).await?;
     // The session's stage: ends with the process, or when any of its loops fails.
     let session = Stage::with_parent("session", shutdown);
 

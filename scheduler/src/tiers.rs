@@ -63,8 +63,8 @@ pub struct TierLoop {
 ///
 /// # Errors
 /// The channel could not be opened or its prefetch set.
-pub async fn channel(session: &Session) -> fleet::Result<lapin::Channel> {
-    let ch = session.conn.create_channel().await?;
+pub async fn channel(conn: &lapin::Connection) -> fleet::Result<lapin::Channel> {
+    let ch = conn.create_channel().await?;
     ch.basic_qos(PREFETCH, BasicQosOptions::default()).await?;
     Ok(ch)
 }
@@ -86,7 +86,8 @@ impl HeldCount {
 }
 
 /// One tier loop's share of a [`HeldCount`]: kept in step with its held map, and taken
-/// back when the loop ends (its deliveries go back to the tier with its channel).
+/// back when the loop ends (its deliveries go back to the tier when the tier loops' channel
+/// closes, with the session).
 struct HeldShare<'a> {
     count: &'a HeldCount,
     mine: i64,
@@ -116,8 +117,9 @@ struct Held {
 }
 
 impl TierLoop {
-    /// Runs until `shutdown` (`Ok`; what the loop held goes back to the tier with its channel)
-    /// or until the channel or the publisher fails (`Err`: the session restarts).
+    /// Runs until `shutdown` (`Ok`; what the loop held goes back to the tier when the tier
+    /// loops' channel closes, with the session) or until the channel or the publisher fails
+    /// (`Err`: the session restarts).
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
         let s = &self.session;
         let queue = s.names.delay_queue(self.tier);

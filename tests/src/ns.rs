@@ -35,7 +35,7 @@ pub struct Ns {
     /// Passive declares of queues that may be missing ([`Ns::depth_of`]): on a connection of
     /// their own, as the scheduler's (a 404 costs a lapin connection a channel id for good,
     /// `fleet::broker::probe`; a test that waits for a queue to go asks hundreds of times).
-    pub probe: Prober,
+    pub probe: std::sync::Arc<Prober>,
 }
 
 impl Ns {
@@ -96,7 +96,7 @@ impl Ns {
             conn,
             publisher,
             base,
-            probe: Prober::new(amqp_url, "fleet-tests", &amqp_tls),
+            probe: std::sync::Arc::new(Prober::new(amqp_url, "fleet-tests", &amqp_tls)),
         })
     }
 

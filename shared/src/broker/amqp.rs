@@ -475,19 +475,24 @@ impl NackCause {
 pub const DEPTH_WAIT: Duration = Duration::from_secs(1);
 
 /// Why a publish to `queue` (bounded at `bound` messages) was nacked: its depth now (a passive
-/// declare through `probe`, at most [`DEPTH_WAIT`]) against the bound
-/// ([`NackCause::from_depth`]).
+/// declare through `probe`, awaited at most [`DEPTH_WAIT`]) against the bound
+/// ([`NackCause::from_depth`]). The question runs in a task of its own, bounded by the
+/// prober's limits: one that outlasts the wait — the prober's first connect, say — still
+/// finishes, and its connection serves the next nack.
 ///
 /// # Cancel safety
 /// Cancel safe: it only reads.
 pub async fn nack_cause(
-    probe: &crate::broker::probe::Prober,
+    probe: &std::sync::Arc<crate::broker::probe::Prober>,
     queue: &str,
     bound: u32,
 ) -> NackCause {
-    let depth = tokio::time::timeout(DEPTH_WAIT, probe.queue(queue))
+    let (probe, q) = (probe.clone(), queue.to_string());
+    let asked = tokio::spawn(async move { probe.queue(&q).await });
+    let depth = tokio::time::timeout(DEPTH_WAIT, asked)
         .await
         .ok()
+        .and_then(|joined| joined.ok())
         .and_then(|r| r.ok())
         .flatten()
         .map(|q| q.ready);

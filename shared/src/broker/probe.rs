@@ -60,13 +60,42 @@ impl Prober {
         }
     }
 
+    /// How long a question may take once connected (the channel and the declare): a broker
+    /// that accepts and never answers (frozen, wedged) must not hold the prober — and every
+    /// loop that asks it — for good. The connect has its own bound
+    /// ([`crate::broker::amqp::CONNECT_TIMEOUT`] per node).
+    pub const QUESTION_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+
     /// The state of `queue`, `None` when it does not exist (404).
     ///
     /// # Errors
-    /// No connection or channel could be had, or the broker answered the declare with another
-    /// error than 404.
+    /// No connection or channel could be had, the broker answered the declare with another
+    /// error than 404, or did not answer within [`Prober::QUESTION_LIMIT`] (the connection is
+    /// then replaced at the next question).
     pub async fn queue(&self, queue: &str) -> Result<Option<QueueState>> {
         let mut state = self.state.lock().await;
+        let asked = tokio::time::timeout(Self::QUESTION_LIMIT, Self::ask(&mut state, self, queue));
+        match asked.await {
+            Ok(r) => r,
+            Err(_) => {
+                if let Some(p) = state.as_mut() {
+                    p.closes = Self::CLOSES;
+                    p.ch = None;
+                }
+                Err(crate::error::Error::Timeout {
+                    what: format!("RabbitMQ's answer to a passive declare of {queue}"),
+                    after: Self::QUESTION_LIMIT,
+                })
+            }
+        }
+    }
+
+    /// [`Prober::queue`]'s work under the lock.
+    async fn ask(
+        state: &mut Option<Probe>,
+        prober: &Prober,
+        queue: &str,
+    ) -> Result<Option<QueueState>> {
         let mut fresh = false;
         let ch = loop {
             let stale = state
@@ -74,9 +103,14 @@ impl Prober {
                 .is_none_or(|p| p.closes >= Self::CLOSES || !p.conn.status().connected());
             if stale {
                 if let Some(old) = state.take() {
-                    let _ = old.conn.close(200, "replaced".into()).await;
+                    let _ = tokio::time::timeout(
+                        Self::CLOSE_WAIT,
+                        old.conn.close(200, "replaced".into()),
+                    )
+                    .await;
                 }
-                let conn = crate::broker::connect_any(&self.url, &self.name, &self.tls).await?;
+                let conn =
+                    crate::broker::connect_any(&prober.url, &prober.name, &prober.tls).await?;
                 *state = Some(Probe {
                     conn: Arc::new(conn),
                     ch: None,
@@ -166,10 +200,13 @@ mod tests {
     }
 
     /// The kind, not one instance: a passive declare in product code goes through a
-    /// [`super::Prober`]. The exceptions ask queues that exist by construction, on channels
-    /// of their own: `fleetctl delete-namespace`'s catalog read (a short-lived connection of
-    /// the CLI) and the dead-letter listing's depth (the dead-letter queue is declared with
-    /// the namespace's core topology before any listing can run).
+    /// [`super::Prober`]. Two exceptions, each a 404 at most once per operator action, never
+    /// in a loop: `fleetctl delete-namespace`'s catalog read (`topology::read_catalog`, on the
+    /// CLI's short-lived connection; a missing catalog is a namespace never declared) and the
+    /// dead-letter listing's depth (`dead::list`, on the connection it is given — the
+    /// scheduler's session connection for `/v1/dead`; the dead-letter queue is declared with
+    /// the namespace's core topology at every session start, so a 404 there needs an
+    /// operator deleting it under a running scheduler).
     #[test]
     fn passive_declares_go_through_the_prober() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -179,7 +216,7 @@ mod tests {
             "shared/src/broker/dead.rs",
         ];
         let mut files = Vec::new();
-        for crate_dir in ["shared/src", "scheduler/src", "worker/src"] {
+        for crate_dir in ["shared/src", "scheduler/src", "worker/src", "fleetctl/src"] {
             sources(&root.join(crate_dir), &mut files);
         }
         assert!(

@@ -1901,11 +1901,11 @@ async fn critical(n: usize) -> Result<()> {
             publisher: amqp::confirm_channel(&amqp::connect(&amqp_url(), "bench-flood2").await?)
                 .await?,
             base: ns.base.clone(),
-            probe: fleet::broker::probe::Prober::new(
+            probe: Arc::new(fleet::broker::probe::Prober::new(
                 &amqp_url(),
                 "bench-flood",
                 &Default::default(),
-            ),
+            )),
         };
         tokio::spawn(async move {
             let (mut ok, mut refused) = (0usize, 0usize);

@@ -434,7 +434,11 @@ async fn a_node_kill_and_a_redis_failover_lose_nothing() -> Result<()> {
         conn,
         publisher,
         base,
-        probe: fleet::broker::probe::Prober::new(&amqp, "fleet-tests cluster", &Default::default()),
+        probe: std::sync::Arc::new(fleet::broker::probe::Prober::new(
+            &amqp,
+            "fleet-tests cluster",
+            &Default::default(),
+        )),
     };
 
     // Heartbeat timeouts of 10 s: a Redis failover (Sentinel's 1 s down-after + election)
@@ -1147,7 +1151,11 @@ async fn a_kill_of_the_delayed_leader_strands_no_delayed_work() -> Result<()> {
         conn,
         publisher,
         base,
-        probe: fleet::broker::probe::Prober::new(&amqp, "fleet-tests cluster-delayed", &tls),
+        probe: std::sync::Arc::new(fleet::broker::probe::Prober::new(
+            &amqp,
+            "fleet-tests cluster-delayed",
+            &tls,
+        )),
     };
     let sched = start_scheduler(&ns, &[("heartbeat_timeout_ms", "10000")]).await?;
     // Runs by (id, attempt) with when; `fail_once` tasks fail attempt 1.
