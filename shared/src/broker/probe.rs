@@ -74,19 +74,19 @@ impl Prober {
     /// then replaced at the next question).
     pub async fn queue(&self, queue: &str) -> Result<Option<QueueState>> {
         let mut state = self.state.lock().await;
-        let asked = tokio::time::timeout(Self::QUESTION_LIMIT, Self::ask(&mut state, self, queue));
-        match asked.await {
-            Ok(r) => r,
-            Err(_) => {
-                if let Some(p) = state.as_mut() {
-                    p.closes = Self::CLOSES;
-                    p.ch = None;
-                }
-                Err(crate::error::Error::Timeout {
-                    what: format!("RabbitMQ's answer to a passive declare of {queue}"),
-                    after: Self::QUESTION_LIMIT,
-                })
-            }
+        Self::ask(&mut state, self, queue).await
+    }
+
+    /// The error of a channel open or declare that did not answer within
+    /// [`Prober::QUESTION_LIMIT`]; the connection is marked for replacement.
+    fn unanswered(state: &mut Option<Probe>, queue: &str) -> crate::error::Error {
+        if let Some(p) = state.as_mut() {
+            p.closes = Self::CLOSES;
+            p.ch = None;
+        }
+        crate::error::Error::Timeout {
+            what: format!("RabbitMQ's answer to a passive declare of {queue}"),
+            after: Self::QUESTION_LIMIT,
         }
     }
 
@@ -124,7 +124,11 @@ impl Prober {
             if let Some(ch) = p.ch.as_ref().filter(|c| c.status().connected()) {
                 break ch.clone();
             }
-            match p.conn.create_channel().await {
+            let opened = tokio::time::timeout(Self::QUESTION_LIMIT, p.conn.create_channel()).await;
+            let Ok(opened) = opened else {
+                return Err(Self::unanswered(state, queue));
+            };
+            match opened {
                 Ok(ch) => {
                     p.ch = Some(ch.clone());
                     break ch;
@@ -134,16 +138,17 @@ impl Prober {
                 Err(e) => return Err(e.into()),
             }
         };
-        let r = ch
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await;
+        let declared = ch.queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        );
+        let Ok(r) = tokio::time::timeout(Self::QUESTION_LIMIT, declared).await else {
+            return Err(Self::unanswered(state, queue));
+        };
         match r {
             Ok(q) => Ok(Some(QueueState {
                 ready: q.message_count(),
