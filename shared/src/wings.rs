@@ -15,7 +15,8 @@ use std::path::{Path, PathBuf};
 
 type Graph = BTreeMap<String, BTreeMap<String, String>>;
 
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+/// Every `.rs` file under `dir` (also the probe module's source scan).
+pub(crate) fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };

@@ -187,22 +187,9 @@ impl Prober {
 
 #[cfg(test)]
 mod tests {
-    use std::path::{Path, PathBuf};
+    use std::path::Path;
 
-    /// Every `.rs` file under `dir`.
-    fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            return;
-        };
-        for e in entries.flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                sources(&p, out);
-            } else if p.extension().is_some_and(|x| x == "rs") {
-                out.push(p);
-            }
-        }
-    }
+    use crate::wings::rust_files as sources;
 
     /// The kind, not one instance: a passive declare in product code goes through a
     /// [`super::Prober`]. Two exceptions, each a 404 at most once per operator action, never
