@@ -86,8 +86,8 @@ pub struct AppState {
     pub audit: fleet::control::AuditLog,
     /// The batches as this replica read them from the control stream ([`fleet::batch`]).
     pub batches: fleet::batch::Batches,
-    /// Passive declares of the API (a nacked submission's queue depth): on a connection of
-    /// their own, made at the first question ([`fleet::broker::probe`]).
+    /// The process's prober, which the sessions share: the API asks it a nacked submission's
+    /// queue depth ([`fleet::broker::probe`]).
     pub probe: Arc<fleet::broker::probe::Prober>,
 }
 

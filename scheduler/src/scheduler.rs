@@ -74,9 +74,11 @@ pub async fn run(
     pauses.set_key_settings(cfg.key_limits.clone());
     let audit = fleet::control::AuditLog::default();
     let batches = fleet::batch::Batches::default();
-    let api_probe = Arc::new(fleet::broker::probe::Prober::new(
+    // The process's one prober (passive declares of queues that may be missing: the API's
+    // and every session's), closed with the process.
+    let prober = Arc::new(fleet::broker::probe::Prober::new(
         &cfg.common.amqp_url,
-        &format!("fleet-scheduler {} api", cfg.common.namespace),
+        &format!("fleet-scheduler {}", cfg.common.namespace),
         &cfg.common.amqp_tls,
     ));
     let state = AppState {
@@ -93,7 +95,7 @@ pub async fn run(
         renewal: Arc::default(),
         audit: audit.clone(),
         batches: batches.clone(),
-        probe: api_probe.clone(),
+        probe: prober.clone(),
     };
     let board = schedule::Board::default();
     let sched_api = schedule::api::ScheduleApi {
@@ -169,6 +171,7 @@ pub async fn run(
             boards,
             board.clone(),
             (audit.clone(), batches.clone()),
+            prober.clone(),
             &ready,
             &shutdown,
         )
@@ -207,8 +210,9 @@ pub async fn run(
     }
     // A permanent error ends the process: stop the HTTP server and the Redis watch too.
     process.stop_within(STOP_WAIT).await;
-    // After the HTTP server: a request that asked the API's prober again would reopen it.
-    api_probe.close().await;
+    // After the HTTP server and every session: one that asked the prober again would have
+    // reopened its connection.
+    prober.close().await;
     match result {
         Ok(()) => {
             tracing::info!("scheduler stopped");
@@ -273,6 +277,7 @@ async fn session(
     ),
     board: schedule::Board,
     (audit, batches): (fleet::control::AuditLog, fleet::batch::Batches),
+    prober: Arc<fleet::broker::probe::Prober>,
     ready: &Readiness,
     shutdown: &CancellationToken,
 ) -> fleet::Result<()> {
@@ -308,6 +313,7 @@ async fn session(
         conn.clone(),
         publisher,
         pauses.clone(),
+        prober,
     ));
     // The park queues this session declares (the dispatcher parks tasks in them, the view
     // reads their depths, discovery and reclaim manage them), and the dispatch logic.
@@ -379,7 +385,6 @@ async fn session(
     ready.set_amqp(caught_up);
     if !caught_up {
         session.stop_within(STOP_WAIT).await;
-        shared.probe.close().await;
         return if shutdown.is_cancelled() {
             Ok(())
         } else {
@@ -513,8 +518,6 @@ async fn session(
 
     session.stopping().await;
     session.stop_within(STOP_WAIT).await;
-    // After every loop: one that asked the prober again would have reopened its connection.
-    shared.probe.close().await;
     if shutdown.is_cancelled() {
         Ok(())
     } else {

@@ -30,8 +30,10 @@ pub struct Session {
     /// The connection of the session (loops open their own channels on it).
     pub conn: Arc<lapin::Connection>,
     /// Passive declares of queues that may be missing, on a connection of their own (a 404
-    /// costs lapin a channel id for good: [`fleet::broker::probe`]). Closed with the session.
-    pub probe: fleet::broker::probe::Prober,
+    /// costs lapin a channel id for good: [`fleet::broker::probe`]): the process's one
+    /// prober, shared with the API, which replaces its connection when it is lost and is
+    /// closed with the process.
+    pub probe: Arc<fleet::broker::probe::Prober>,
     /// The pauses in force (the process's, kept by the control loop: [`crate::pause`]).
     pub pauses: crate::pause::Pauses,
     /// The publishing confirm channel: publishes only, never a declare ([`Session::publisher`]).
@@ -56,13 +58,9 @@ impl Session {
         conn: Arc<lapin::Connection>,
         publisher: fleet::broker::amqp::Publisher,
         pauses: crate::pause::Pauses,
+        probe: Arc<fleet::broker::probe::Prober>,
     ) -> Self {
         let names = cfg.common.names();
-        let probe = fleet::broker::probe::Prober::new(
-            &cfg.common.amqp_url,
-            &format!("fleet-scheduler {}", cfg.common.namespace),
-            &cfg.common.amqp_tls,
-        );
         Session {
             cfg,
             store,

@@ -193,7 +193,7 @@ impl ViewLoop {
                 },
             }
         }
-        // The prober's connection is the session's to close (scheduler::session), bounded.
+        // The prober's connection is the process's to close (scheduler::run), bounded.
         let _ = depths;
         Ok(())
     }

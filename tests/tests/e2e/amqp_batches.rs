@@ -504,6 +504,11 @@ async fn a_close_whose_record_is_not_confirmed_is_held_and_defines_the_batch_onc
                 conn.clone(),
                 publisher,
                 fleet_scheduler::pause::Pauses::default(),
+                Arc::new(fleet::broker::probe::Prober::new(
+                    &amqp_url(),
+                    &format!("amqp-batches-test-{n}"),
+                    &Default::default(),
+                )),
             );
             anyhow::Ok((
                 conn,
