@@ -123,7 +123,16 @@ async fn group_of_task(ns: &Ns, id: &str) -> anyhow::Result<String> {
 async fn a_thousand_queued_tasks_cancelled_by_query_run_zero_times() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let (runs, gate) = (Runs::default(), Gate::default());
-    let sched = start_scheduler(&ns, SCHEDULER).await?;
+    // The intake gate stays open for the whole 1,040: the query acts on tasks with a status
+    // (queued or parked), and a gate that closed part-way through the 1,000 would hold the
+    // rest in ingress, unindexed, for as long as the blocker runs (how the CI run of 81c45a6
+    // timed out: the pressure sample fell between two of the 1,000 on a loaded machine).
+    let settings: Vec<(&str, &str)> = SCHEDULER
+        .iter()
+        .copied()
+        .chain([("max_pending", "100000")])
+        .collect();
+    let sched = start_scheduler(&ns, &settings).await?;
     let rec = recording(&runs, &gate);
     let h = [
         (JOB, rec.clone()),
@@ -145,9 +154,8 @@ async fn a_thousand_queued_tasks_cancelled_by_query_run_zero_times() -> anyhow::
         .map(|_| task("other", json!({}), "pool=b"))
         .collect();
     let elsewhere: Vec<_> = (0..20).map(|_| task(JOB, json!({}), "pool=o")).collect();
-    // The ones waiting for a worker first: 1,000 tasks queued beyond the group's room close
-    // the intake gate (pressure Red) until they drain, and what comes after them waits in
-    // ingress, with no status yet.
+    // The ones waiting for a worker first, then the 1,000, then the other kind behind them
+    // in the same group queue: the query must pick the 1,000 out of it.
     ns.submit(&elsewhere).await?;
     for e in &elsewhere {
         ns.wait_state(&e.id, "waiting_for_worker", Duration::from_secs(60))
@@ -158,14 +166,23 @@ async fn a_thousand_queued_tasks_cancelled_by_query_run_zero_times() -> anyhow::
     }
     ns.submit(&others).await?;
     let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
-    wait_for("1,000 tasks waiting", Duration::from_secs(60), || async {
+    let seen = Mutex::new(BTreeMap::new());
+    let waited = wait_for("1,000 tasks waiting", Duration::from_secs(60), || async {
         let s = states(&ns, &ids).await.ok()?;
+        if let Ok(mut m) = seen.lock() {
+            *m = count_states(&s);
+        }
         s.values()
             .all(|v| v == "queued" || v == "parked")
             .then_some(())
             .filter(|_| s.len() == ids.len())
     })
-    .await?;
+    .await;
+    if let Err(e) = waited {
+        let pressure = get_json(&sched.url("/v1/pressure")).await.ok();
+        let seen = seen.lock().map(|m| m.clone()).unwrap_or_default();
+        anyhow::bail!("{e}: states {seen:?}; pressure {pressure:?}");
+    }
     let query = json!({"kind": JOB, "group": g});
     let t0 = Instant::now();
     let (code, dry) = bulk(
