@@ -25,9 +25,10 @@
 //! matching worker, and tasks in a group's queue beyond its room (`behind`: a task only one
 //! group can take is dispatched straight to that group's queue even past its room — see
 //! `reserve.lua`'s direct dispatch — so its excess is counted there, read from the broker's
-//! queue depth) — counted only for a group whose workers are all busy (load ≥ capacity, or no
-//! worker at all): a queue ahead of free slots is being drained as fast as the broker
-//! delivers, not waiting on workers. A group's room follows what it drains (Little's law: completion rate ×
+//! queue depth). A group's parked and behind tasks count only while its workers are all busy
+//! (load ≥ capacity, or no worker at all): a queue or a park ahead of free slots is being
+//! drained as fast as the broker delivers and the park release loop moves it, not waiting on
+//! workers. Tasks waiting for a matching worker always count. A group's room follows what it drains (Little's law: completion rate ×
 //! `FLEET_TARGET_QUEUE_MS`, at least `capacity × (1 + backlog_factor)`; see [`room_for`]; a
 //! group with no completion measured yet starts at [`SEED_FACTOR`] × that floor, and an idle
 //! group keeps its last rate), so work within the room is by construction work the workers
@@ -134,8 +135,9 @@ pub struct Sample {
     pub gate: Pressure,
     /// When `state` was entered (this process's clock, ms since the Unix epoch).
     pub since_ms: i64,
-    /// Tasks waiting beyond what the groups drain: `parked + behind` — the count the state
-    /// is computed from.
+    /// Tasks waiting beyond what the groups drain — the count the state is computed from:
+    /// those parked in groups whose workers are all busy (or that have none), those waiting
+    /// for a matching worker, and `behind`.
     pub waiting: u64,
     /// Work accepted and not running: ingress backlog + parked + reserved-not-started (a
     /// figure; it does not make the state).
@@ -157,14 +159,17 @@ pub struct Sample {
     pub sampled_at_ms: i64,
 }
 
-/// Computes the signals from group views and queue depths (`parked` includes the tasks
-/// waiting for a matching worker; `behind` is [`behind`] summed over the groups). The state
-/// is the raw evaluation; [`Hold::apply`] adds the hysteresis.
+/// Computes the signals from group views and queue depths (`parked`: every parked task,
+/// including those waiting for a matching worker, a figure; `parked_waiting`: the part of it
+/// that counts — parked in groups whose workers are all busy, or waiting for a matching
+/// worker; `behind` is [`behind`] summed over the busy groups). The state is the raw
+/// evaluation of `parked_waiting + behind`; [`Hold::apply`] adds the hysteresis.
 pub fn sample(
     t: &Thresholds,
     groups: &[GroupView],
     ingress_backlog: u64,
     parked: u64,
+    parked_waiting: u64,
     behind: u64,
 ) -> Sample {
     let reserved: u64 = groups.iter().map(|g| u64::from(g.reserved)).sum();
@@ -175,7 +180,7 @@ pub fn sample(
     } else {
         running as f64 / capacity as f64
     };
-    let waiting = parked + behind;
+    let waiting = parked_waiting + behind;
     let state = t.evaluate(waiting);
     let now = fleet::redis::now_ms();
     Sample {
@@ -229,6 +234,14 @@ impl Hold {
     }
 }
 
+/// Whether a group's waiting work (parked, or queued beyond its room) waits on its workers:
+/// only while they are all busy (normal-lane load ≥ capacity), or when it has none (capacity
+/// 0). Work ahead of free slots is being drained as fast as the broker delivers and the park
+/// release loop moves it.
+pub fn all_busy(g: &GroupView) -> bool {
+    g.load >= g.capacity
+}
+
 /// Tasks of one group beyond its room: what waits in its queue (`queued`, the broker's ready
 /// count) plus what runs, less the room (tasks). Broker depth, not the reservation count: a
 /// reservation's lease may lapse while its task still waits.
@@ -236,7 +249,7 @@ pub fn behind(queued: u64, running: u64, room: u64) -> u64 {
     (queued + running).saturating_sub(room)
 }
 
-/// How far into Yellow the state's count (parked + behind) is, in `[0, 1]` (0 at the yellow
+/// How far into Yellow the state's count ([`Sample::waiting`]) is, in `[0, 1]` (0 at the yellow
 /// threshold, 1 at red): Yellow waits this fraction of the throttle delay between batches.
 pub fn yellow_depth(t: &Thresholds, waiting: u64) -> f64 {
     let p = waiting as f64 / f64::from(t.max_pending.max(1));
@@ -308,21 +321,30 @@ impl Controller {
             let groups = &view.groups;
             let rooms = rates.update(&cfg, &self.session.store, groups).await;
             let ingress = view.depth(&names.ingress_queue(Lane::Normal)).unwrap_or(0);
-            let mut parked = 0u64;
+            let (mut parked, mut parked_waiting) = (0u64, 0u64);
             let mut behind_total = 0u64;
-            // Tasks waiting for a matching worker count too: they are pending, and once enough
-            // wait the gate turns Red and producers are refused. A park queue not declared yet
-            // holds nothing.
-            let waiting = std::iter::once(crate::park::UNMATCHED);
+            // Tasks waiting for a matching worker always count: they are pending, and once
+            // enough wait the gate turns Red and producers are refused. A group's parked tasks
+            // count while its workers are all busy (or it has none), as its `behind` does
+            // below: a park ahead of free slots is being released as they free up — counting
+            // it closed the intake of the benchmark's 10-group burst at load 0.41 for 1.2 s of
+            // its 3.2 s, until the fleet stood idle. A park queue not declared yet holds
+            // nothing.
+            let unmatched = std::iter::once((crate::park::UNMATCHED, true));
             // A paused lane's parked tasks are not "workers behind" (nor are the tasks held for a
             // paused kind, in no group's park queue): they must not close the intake for
             // everyone else.
             let pauses = self.session.pauses.current();
-            for g in groups.iter().map(|g| g.group.as_str()).chain(waiting) {
+            let busy = groups.iter().map(|g| (g.group.as_str(), all_busy(g)));
+            for (g, busy) in busy.chain(unmatched) {
                 if pauses.lane_paused(g, Lane::Normal) {
                     continue;
                 }
-                parked += u64::from(view.depth(&names.park_queue(g, Lane::Normal)).unwrap_or(0));
+                let n = u64::from(view.depth(&names.park_queue(g, Lane::Normal)).unwrap_or(0));
+                parked += n;
+                if busy {
+                    parked_waiting += n;
+                }
             }
             for g in groups {
                 let room = rooms.get(&g.group).copied().unwrap_or_else(|| {
@@ -340,11 +362,18 @@ impl Controller {
                 // broker delivers, and counting it would make fleet close its own intake on a
                 // burst that direct dispatch put in the group queue — the benchmark's 20k
                 // burst read Red at load 0.00 and ran at 0.37 of the broker instead of 0.65.
-                if g.load >= g.capacity {
+                if all_busy(g) {
                     behind_total += behind(queued, u64::from(g.load), room);
                 }
             }
-            let raw = sample(&t, groups, u64::from(ingress), parked, behind_total);
+            let raw = sample(
+                &t,
+                groups,
+                u64::from(ingress),
+                parked,
+                parked_waiting,
+                behind_total,
+            );
             let prev = (!first).then(|| *self.tx.borrow());
             first = false;
             let s = hold.apply(prev.as_ref(), raw);
@@ -469,24 +498,33 @@ mod tests {
 
     #[test]
     fn sample_sums_groups() {
-        let s = sample(&t(), &[g(10, 9, 5), g(10, 8, 5)], 600, 100, 0);
+        let s = sample(&t(), &[g(10, 9, 5), g(10, 8, 5)], 600, 100, 100, 0);
         assert_eq!(s.pending, 710);
         assert_eq!(s.capacity, 20);
         assert!((s.load - 0.85).abs() < 1e-9);
         // Full utilisation with nothing waiting beyond the rooms is healthy: Green.
         assert_eq!((s.state, s.load_level), (Pressure::Green, LoadLevel::Full));
         // A large ingress backlog alone does not make the state.
-        let s = sample(&t(), &[g(10, 1, 0)], 950, 0, 0);
+        let s = sample(&t(), &[g(10, 1, 0)], 950, 0, 0, 0);
         assert_eq!((s.state, s.gate), (Pressure::Green, Pressure::Green));
-        let s = sample(&t(), &[g(10, 10, 10)], 0, 0, 0);
+        let s = sample(&t(), &[g(10, 10, 10)], 0, 0, 0, 0);
         assert_eq!((s.state, s.gate), (Pressure::Green, Pressure::Green));
-        let s = sample(&t(), &[g(10, 10, 10)], 0, 900, 0);
+        let s = sample(&t(), &[g(10, 10, 10)], 0, 900, 900, 0);
         assert_eq!(
             (s.state, s.gate, s.waiting),
             (Pressure::Red, Pressure::Red, 900)
         );
+        // Parked ahead of free slots (the park release loop is moving them): a figure, not
+        // waiting.
+        let s = sample(&t(), &[g(10, 4, 10)], 0, 900, 0, 0);
+        assert_eq!((s.state, s.parked, s.waiting), (Pressure::Green, 900, 0));
+        assert!(!all_busy(&g(10, 4, 10)) && !all_busy(&g(10, 9, 1)));
+        assert!(
+            all_busy(&g(10, 10, 0)) && all_busy(&g(0, 0, 0)),
+            "busy, or no worker"
+        );
         // Tasks dispatched straight to a group's queue beyond its room count too.
-        let s = sample(&t(), &[g(10, 10, 0)], 0, 400, behind(510, 10, 20));
+        let s = sample(&t(), &[g(10, 10, 0)], 0, 400, 400, behind(510, 10, 20));
         assert_eq!((s.behind, s.state), (500, Pressure::Red));
         assert_eq!(behind(5, 10, 20), 0, "within the room: not behind");
     }
@@ -497,7 +535,7 @@ mod tests {
             hold: std::time::Duration::from_millis(2000),
         };
         let at = |waiting: u64, ms: i64| {
-            let mut s = sample(&t(), &[g(10, 10, 0)], 0, waiting, 0);
+            let mut s = sample(&t(), &[g(10, 10, 0)], 0, waiting, waiting, 0);
             s.sampled_at_ms = ms;
             s.since_ms = ms;
             s
