@@ -25,8 +25,9 @@
 //! matching worker, and tasks in a group's queue beyond its room (`behind`: a task only one
 //! group can take is dispatched straight to that group's queue even past its room — see
 //! `reserve.lua`'s direct dispatch — so its excess is counted there, read from the broker's
-//! queue depth). A group's parked and behind tasks count only while its workers are all busy
-//! (load ≥ capacity, or no worker at all): a queue or a park ahead of free slots is being
+//! queue depth). A group's `behind` and its parked tasks count only while its workers are all
+//! busy (load ≥ capacity, or no worker at all), or when it has not drained for
+//! [`DRAIN_STALL`] ([`waiting_on_workers`]): a queue or a park ahead of free slots is being
 //! drained as fast as the broker delivers and the park release loop moves it, not waiting on
 //! workers. Tasks waiting for a matching worker always count. A group's room follows what it drains (Little's law: completion rate ×
 //! `FLEET_TARGET_QUEUE_MS`, at least `capacity × (1 + backlog_factor)`; see [`room_for`]; a
@@ -136,8 +137,8 @@ pub struct Sample {
     /// When `state` was entered (this process's clock, ms since the Unix epoch).
     pub since_ms: i64,
     /// Tasks waiting beyond what the groups drain — the count the state is computed from:
-    /// those parked in groups whose workers are all busy (or that have none), those waiting
-    /// for a matching worker, and `behind`.
+    /// those waiting for a matching worker, and each group's parked tasks and `behind` as far
+    /// as they wait on its workers ([`waiting_on_workers`]).
     pub waiting: u64,
     /// Work accepted and not running: ingress backlog + parked + reserved-not-started (a
     /// figure; it does not make the state).
@@ -145,7 +146,8 @@ pub struct Sample {
     pub ingress_backlog: u64,
     /// Tasks parked, including those waiting for a matching worker (normal lane).
     pub parked: u64,
-    /// Tasks in group queues beyond each group's room (summed over groups; normal lane).
+    /// Tasks in group queues beyond each group's room, in the groups where they wait on the
+    /// workers ([`waiting_on_workers`]; summed over groups; normal lane).
     pub behind: u64,
     pub reserved: u64,
     pub running: u64,
@@ -161,8 +163,8 @@ pub struct Sample {
 
 /// Computes the signals from group views and queue depths (`parked`: every parked task,
 /// including those waiting for a matching worker, a figure; `parked_waiting`: the part of it
-/// that counts — parked in groups whose workers are all busy, or waiting for a matching
-/// worker; `behind` is [`behind`] summed over the busy groups). The state is the raw
+/// that counts — waiting for a matching worker, plus each group's [`waiting_on_workers`] of its
+/// park; `behind`: each group's [`waiting_on_workers`] of its [`behind`]). The state is the raw
 /// evaluation of `parked_waiting + behind`; [`Hold::apply`] adds the hysteresis.
 pub fn sample(
     t: &Thresholds,
@@ -242,6 +244,24 @@ pub fn all_busy(g: &GroupView) -> bool {
     g.load >= g.capacity
 }
 
+/// The part of a group's waiting work — its parked tasks, or its tasks queued beyond its room
+/// ([`behind`]), normal lane — that waits on its workers, the count the state is computed
+/// from: all of it while its workers are all busy ([`all_busy`]) or it has none, or while it
+/// does not drain (`draining` false: for [`DRAIN_STALL`] work waited, its workers had free
+/// slots and it completed nothing — consumers that take nothing, a frozen worker not evicted
+/// yet, reservations a crashed replica holds until their lease lapses); none while it drains
+/// ahead of free slots. Such work is being drained as fast as the broker delivers and the park
+/// release loop moves it: counting a burst's park closed the benchmark's 10-group burst's
+/// intake at load 0.41 for 1.2 s of its 3.2 s, until the fleet stood idle (and counting only
+/// its part beyond the group's room still did: a burst's overflow is what parks are for).
+pub fn waiting_on_workers(g: &GroupView, waiting: u64, draining: bool) -> u64 {
+    if all_busy(g) || !draining {
+        waiting
+    } else {
+        0
+    }
+}
+
 /// Tasks of one group beyond its room: what waits in its queue (`queued`, the broker's ready
 /// count) plus what runs, less the room (tasks). Broker depth, not the reservation count: a
 /// reservation's lease may lapse while its task still waits.
@@ -310,6 +330,10 @@ impl Controller {
         };
         let mut first = true;
         let mut last = None;
+        // Per group: the last sample at which it drained (nothing waiting, its workers all busy,
+        // or work completed) — [`DRAIN_STALL`] after it, its waiting work counts.
+        let mut drained_at: std::collections::HashMap<String, std::time::Instant> =
+            std::collections::HashMap::new();
         loop {
             // The next view (the loop's tick): `None` at shutdown; an error when the view loop
             // is gone, which ends the session.
@@ -319,37 +343,40 @@ impl Controller {
             };
             last = Some(view.sampled_at);
             let groups = &view.groups;
-            let rooms = rates.update(&cfg, &self.session.store, groups).await;
+            let drain = rates.update(&cfg, &self.session.store, groups).await;
+            let rooms = &drain.rooms;
             let ingress = view.depth(&names.ingress_queue(Lane::Normal)).unwrap_or(0);
-            let (mut parked, mut parked_waiting) = (0u64, 0u64);
+            let (mut parked, mut parked_counted) = (0u64, 0u64);
             let mut behind_total = 0u64;
-            // Tasks waiting for a matching worker always count: they are pending, and once
-            // enough wait the gate turns Red and producers are refused. A group's parked tasks
-            // count while its workers are all busy (or it has none), as its `behind` does
-            // below: a park ahead of free slots is being released as they free up — counting
-            // it closed the intake of the benchmark's 10-group burst at load 0.41 for 1.2 s of
-            // its 3.2 s, until the fleet stood idle. A park queue not declared yet holds
-            // nothing.
-            let unmatched = std::iter::once((crate::park::UNMATCHED, true));
+            let room_of = |g: &GroupView| {
+                rooms.get(&g.group).copied().unwrap_or_else(|| {
+                    room_seeded(g.capacity, cfg.backlog_factor, None, cfg.target_queue)
+                })
+            };
+            // A park queue not declared yet holds nothing.
+            let park_depth =
+                |g: &str| u64::from(view.depth(&names.park_queue(g, Lane::Normal)).unwrap_or(0));
             // A paused lane's parked tasks are not "workers behind" (nor are the tasks held for a
             // paused kind, in no group's park queue): they must not close the intake for
             // everyone else.
             let pauses = self.session.pauses.current();
-            let busy = groups.iter().map(|g| (g.group.as_str(), all_busy(g)));
-            for (g, busy) in busy.chain(unmatched) {
-                if pauses.lane_paused(g, Lane::Normal) {
-                    continue;
-                }
-                let n = u64::from(view.depth(&names.park_queue(g, Lane::Normal)).unwrap_or(0));
+            // Tasks waiting for a matching worker always count: they are pending, and once
+            // enough wait the gate turns Red and producers are refused.
+            if !pauses.lane_paused(crate::park::UNMATCHED, Lane::Normal) {
+                let n = park_depth(crate::park::UNMATCHED);
                 parked += n;
-                if busy {
-                    parked_waiting += n;
-                }
+                parked_counted += n;
             }
+            let now = std::time::Instant::now();
+            drained_at.retain(|g, _| groups.iter().any(|v| v.group == *g));
             for g in groups {
-                let room = rooms.get(&g.group).copied().unwrap_or_else(|| {
-                    room_seeded(g.capacity, cfg.backlog_factor, None, cfg.target_queue)
-                });
+                let room = room_of(g);
+                let park = if pauses.lane_paused(&g.group, Lane::Normal) {
+                    0
+                } else {
+                    park_depth(&g.group)
+                };
+                parked += park;
                 // Every shard of the group's normal lane (one queue when unsharded). A queue
                 // that is not declared yet holds nothing.
                 let queued: u64 = names
@@ -357,21 +384,30 @@ impl Controller {
                     .iter()
                     .map(|q| u64::from(view.depth(q).unwrap_or(0)))
                     .sum();
-                // Only a group whose workers are all busy (or that has none) is behind: a
-                // queue ahead of workers with free slots is being drained as fast as the
-                // broker delivers, and counting it would make fleet close its own intake on a
-                // burst that direct dispatch put in the group queue — the benchmark's 20k
-                // burst read Red at load 0.00 and ran at 0.37 of the broker instead of 0.65.
-                if all_busy(g) {
-                    behind_total += behind(queued, u64::from(g.load), room);
+                let beyond = behind(queued, u64::from(g.load), room);
+                // Drained at this sample: nothing waits, its workers are all busy, or it
+                // completed work since the last one.
+                if (park == 0 && beyond == 0) || all_busy(g) || drain.completed.contains(&g.group) {
+                    drained_at.insert(g.group.clone(), now);
                 }
+                let at = *drained_at.entry(g.group.clone()).or_insert(now);
+                let draining = now.duration_since(at) < DRAIN_STALL;
+                // A group's park and its queue beyond its room count only while its workers are
+                // all busy (or it has none), or when it does not drain: ahead of free slots they
+                // are being drained as fast as the broker delivers and the park release loop
+                // moves them — counting them made fleet close its own intake on a burst (the
+                // benchmark's 20k burst read Red at load 0.00 and ran at 0.37 of the broker
+                // instead of 0.65; its 10-group burst, Red at load 0.41, stood idle for 1.2 s
+                // of its 3.2 s).
+                parked_counted += waiting_on_workers(g, park, draining);
+                behind_total += waiting_on_workers(g, beyond, draining);
             }
             let raw = sample(
                 &t,
                 groups,
                 u64::from(ingress),
                 parked,
-                parked_waiting,
+                parked_counted,
                 behind_total,
             );
             let prev = (!first).then(|| *self.tx.borrow());
@@ -403,14 +439,16 @@ impl Rates {
     /// Weight of the newest interval in the rate average.
     const ALPHA: f64 = 0.5;
 
-    /// Measures, writes every group's rooms to Redis, and returns the normal-lane rooms.
+    /// Measures, writes every group's rooms to Redis, and returns the normal-lane rooms and
+    /// which groups drain ([`Drain`]).
     async fn update(
         &mut self,
         cfg: &SchedulerConfig,
         store: &Store,
         groups: &[GroupView],
-    ) -> std::collections::HashMap<String, u64> {
+    ) -> Drain {
         let mut normal = std::collections::HashMap::new();
+        let mut completed = std::collections::HashSet::new();
         let names: Vec<String> = groups.iter().map(|g| g.group.clone()).collect();
         // Groups that are gone (reclaimed, see crate::reclaim) are forgotten: memory stays
         // bounded by the live groups, and a group that comes back starts from a seeded room.
@@ -418,7 +456,10 @@ impl Rates {
         self.rate.retain(|g, _| live.contains(g.as_str()));
         self.last.retain(|g, _| live.contains(g.as_str()));
         let Ok(done) = store.group_completions(&names).await else {
-            return normal;
+            return Drain {
+                rooms: normal,
+                completed,
+            };
         };
         let now = std::time::Instant::now();
         let mut rooms = Vec::with_capacity(groups.len() * 2);
@@ -429,6 +470,9 @@ impl Rates {
                 let busy = g.in_flight().map(|n| n > 0);
                 for lane in Lane::ALL {
                     let n = counts[lane].saturating_sub(before[lane]);
+                    if lane == Lane::Normal && n > 0 {
+                        completed.insert(g.group.clone());
+                    }
                     let r = n as f64 / secs;
                     rate[lane] = match rate[lane] {
                         None if n > 0 => Some(r),
@@ -439,6 +483,7 @@ impl Rates {
                 }
             }
             self.last.insert(g.group.clone(), (counts, now));
+
             for (lane, cap) in g.capacities().iter() {
                 let room = room_seeded(*cap, cfg.backlog_factor, rate[lane], cfg.target_queue);
                 if lane == Lane::Normal {
@@ -450,9 +495,26 @@ impl Rates {
         if let Err(e) = store.set_rooms(&rooms).await {
             tracing::debug!(error = %e, "cannot set group rooms");
         }
-        normal
+        Drain {
+            rooms: normal,
+            completed,
+        }
     }
 }
+
+/// What [`Rates::update`] measured: each group's normal-lane room (tasks), and the groups
+/// that completed normal-lane work in the interval.
+struct Drain {
+    rooms: std::collections::HashMap<String, u64>,
+    completed: std::collections::HashSet<String>,
+}
+
+/// How long a group may hold waiting work (parked, or queued beyond its room) while its
+/// workers have free slots and it completes nothing before that work counts (see
+/// [`waiting_on_workers`]): free slots are filled within a dispatch round trip, so a group
+/// whose slots stay free this long with work waiting for it and nothing completing takes
+/// nothing.
+pub const DRAIN_STALL: std::time::Duration = std::time::Duration::from_secs(2);
 
 #[cfg(test)]
 mod tests {
@@ -523,6 +585,13 @@ mod tests {
             all_busy(&g(10, 10, 0)) && all_busy(&g(0, 0, 0)),
             "busy, or no worker"
         );
+        // A group's park or backlog: all of it behind busy workers, none while it drains ahead
+        // of free slots, all of it when nothing drains (free slots that take nothing) or with
+        // no worker.
+        assert_eq!(waiting_on_workers(&g(10, 10, 0), 300, true), 300);
+        assert_eq!(waiting_on_workers(&g(10, 4, 10), 3000, true), 0);
+        assert_eq!(waiting_on_workers(&g(10, 4, 10), 300, false), 300);
+        assert_eq!(waiting_on_workers(&g(0, 0, 0), 300, false), 300);
         // Tasks dispatched straight to a group's queue beyond its room count too.
         let s = sample(&t(), &[g(10, 10, 0)], 0, 400, 400, behind(510, 10, 20));
         assert_eq!((s.behind, s.state), (500, Pressure::Red));

@@ -4,7 +4,7 @@
 //! `failed` means one thing in every view; `fleetctl groups` shows the backlog and the oldest
 //! task with stable columns.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -377,4 +377,138 @@ async fn fleetctl_groups_shows_the_backlog_with_stable_columns() -> anyhow::Resu
     w.stop().await?;
     sched.stop().await?;
     ns.cleanup().await
+}
+
+/// Groups whose slots are free but take nothing — their one worker each frozen with SIGSTOP,
+/// not evicted yet (heartbeat timeout 60 s) — do not drain: the choice tasks beyond their
+/// rooms park, and once nothing has drained for `DRAIN_STALL` (2 s) the park counts and the
+/// intake gate closes (Red). A park ahead of free slots that drains does not count (the
+/// benchmark's 10-group burst: no pressure change); this is the other side. Resumed with
+/// SIGCONT, every task runs exactly once and the state is Green again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_park_ahead_of_free_slots_that_does_not_drain_closes_the_intake() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let ep = Endpoint::start(5).await?;
+    let sched = start_scheduler(
+        &ns,
+        &[
+            ("max_pending", "20"),
+            ("heartbeat_timeout_ms", "60000"),
+            ("pressure_hold_ms", "500"),
+            // The release loop holds at most a batch out of a park (unacked, not in its depth).
+            ("batch_max", "16"),
+        ],
+    )
+    .await?;
+    let mut frozen = Vec::new();
+    for zone in ["a", "b"] {
+        let labels = format!("pool=fz,zone={zone}");
+        frozen.push(
+            WorkerProcess::start(
+                &ns,
+                &ProcessSpec {
+                    id: &format!("w-fz-{zone}"),
+                    labels: &labels,
+                    capacity: 2,
+                    endpoint: &ep.url,
+                    extra: &[],
+                },
+            )
+            .await?,
+        );
+    }
+    let url = sched.url("/v1/pressure");
+    let p = get_json(&url).await?;
+    assert_eq!(p["state"], "green", "{p}");
+    for w in &frozen {
+        w.signal("STOP")?;
+    }
+    let stopped = std::time::Instant::now();
+    // Two candidates each: rooms of 2 × (1 + 1) × 4 (seeded) = 16 per group fill, the rest
+    // parks: 100 − 32 − the release loop's hold (16) wait in the park queues.
+    let envs = jobs(100, "pool=fz", None);
+    let ids: Vec<String> = envs.iter().map(|e| e.id.clone()).collect();
+    assert_eq!(ns.submit(&envs).await?, (100, 0));
+    let last = std::sync::Mutex::new(Value::Null);
+    let red = wait_for(
+        "the intake gate closed",
+        Duration::from_secs(30),
+        || async {
+            let p = get_json(&url).await.ok()?;
+            if let Ok(mut l) = last.lock() {
+                *l = p.clone();
+            }
+            (p["state"] == "red").then_some(p)
+        },
+    )
+    .await;
+    let red = match red {
+        Ok(r) => r,
+        Err(e) => {
+            let st = count_states(&states(&ns, &ids).await?);
+            let depths = sched_depths(&ns).await;
+            anyhow::bail!(
+                "{e}: last sample {:?}; states {st:?}; {depths}",
+                last.lock().map(|l| l.clone())
+            )
+        }
+    };
+    let after = stopped.elapsed();
+    println!(
+        "undrained park: Red {} ms after SIGSTOP: {red}",
+        after.as_millis()
+    );
+    assert_eq!(red["gate"], "red", "{red}");
+    assert!(
+        red["parked"].as_u64() >= Some(18) && red["waiting"].as_u64() >= Some(18),
+        "the park is what closed it: {red}"
+    );
+    assert!(
+        after >= Duration::from_secs(2),
+        "not before the stall: {} ms",
+        after.as_millis()
+    );
+    assert_eq!(ep.calls().len(), 0, "nothing ran while frozen");
+    for w in &frozen {
+        w.signal("CONT")?;
+    }
+    wait_succeeded(&ns, &ids, Duration::from_secs(60)).await?;
+    let calls = ep.calls();
+    let mut per: HashMap<String, usize> = HashMap::new();
+    for c in &calls {
+        *per.entry(c.id.clone()).or_default() += 1;
+    }
+    assert_eq!(
+        (per.len(), calls.len()),
+        (100, 100),
+        "every task ran exactly once"
+    );
+    wait_for("Green again", Duration::from_secs(20), || async {
+        let p = get_json(&url).await.ok()?;
+        (p["state"] == "green").then_some(())
+    })
+    .await?;
+    for mut w in frozen {
+        w.signal("TERM")?;
+        w.wait_exit(Duration::from_secs(20)).await?;
+    }
+    sched.stop().await?;
+    ns.cleanup().await
+}
+
+async fn sched_depths(ns: &Ns) -> String {
+    let mut out = String::new();
+    if let Ok(gs) = ns.store.groups().await {
+        for g in gs {
+            let park = ns.names.park_queue(&g.group, fleet::Lane::Normal);
+            let q = ns.names.group_queue(&g.group, fleet::Lane::Normal);
+            out += &format!(
+                "{}: queue {} park {}; ",
+                g.group,
+                ns.depth(&q).await,
+                ns.depth(&park).await
+            );
+        }
+    }
+    out
 }
