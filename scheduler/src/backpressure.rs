@@ -25,9 +25,10 @@
 //! matching worker, and tasks in a group's queue beyond its room (`behind`: a task only one
 //! group can take is dispatched straight to that group's queue even past its room — see
 //! `reserve.lua`'s direct dispatch — so its excess is counted there, read from the broker's
-//! queue depth). A group's `behind` and its parked tasks count only while its workers are all
-//! busy (load ≥ capacity, or no worker at all), or when it has not drained for
-//! [`DRAIN_STALL`] ([`waiting_on_workers`]): a queue or a park ahead of free slots is being
+//! queue depth). A group's `behind` and its parked tasks count in full while its workers are
+//! all busy (load ≥ capacity, or no active worker at all), or when it has not drained for the
+//! [`stall_window`]; ahead of free slots that drain, only beyond [`AHEAD_ROOMS`] rooms
+//! ([`waiting_on_workers`]): up to there a queue or a park ahead of free slots is being
 //! drained as fast as the broker delivers and the park release loop moves it, not waiting on
 //! workers. Tasks waiting for a matching worker always count. A group's room follows what it drains (Little's law: completion rate ×
 //! `FLEET_TARGET_QUEUE_MS`, at least `capacity × (1 + backlog_factor)`; see [`room_for`]; a
@@ -246,21 +247,30 @@ pub fn all_busy(g: &GroupView) -> bool {
 
 /// The part of a group's waiting work — its parked tasks, or its tasks queued beyond its room
 /// ([`behind`]), normal lane — that waits on its workers, the count the state is computed
-/// from: all of it while its workers are all busy ([`all_busy`]) or it has none, or while it
-/// does not drain (`draining` false: for [`DRAIN_STALL`] work waited, its workers had free
-/// slots and it completed nothing — consumers that take nothing, a frozen worker not evicted
-/// yet, reservations a crashed replica holds until their lease lapses); none while it drains
-/// ahead of free slots. Such work is being drained as fast as the broker delivers and the park
-/// release loop moves it: counting a burst's park closed the benchmark's 10-group burst's
-/// intake at load 0.41 for 1.2 s of its 3.2 s, until the fleet stood idle (and counting only
-/// its part beyond the group's room still did: a burst's overflow is what parks are for).
-pub fn waiting_on_workers(g: &GroupView, waiting: u64, draining: bool) -> u64 {
+/// from (`waiting` and `room` in tasks):
+/// - all of it while its workers are all busy ([`all_busy`]) or it has none, or while it does
+///   not drain (`draining` false: for the stall window, see [`stall_window`], work waited, its
+///   workers had free slots and it completed nothing — its only workers frozen and not
+///   evicted yet, reservations a crashed replica holds until their lease lapses);
+/// - ahead of free slots that drain, the part beyond [`AHEAD_ROOMS`] rooms: a burst's overflow
+///   is what parks are for and is being released as slots free up (counting it closed the
+///   benchmark's 10-group burst's intake at load 0.41 for 1.2 s of its 3.2 s, until the fleet
+///   stood idle; counting it beyond one room still did), but a park that keeps growing is
+///   overload whatever a snapshot of the load says (with tasks of a few ms a saturated
+///   group's slots are rarely all leased at one instant: each waits a round trip between two
+///   tasks).
+pub fn waiting_on_workers(g: &GroupView, waiting: u64, room: u64, draining: bool) -> u64 {
     if all_busy(g) || !draining {
         waiting
     } else {
-        0
+        waiting.saturating_sub(room.saturating_mul(AHEAD_ROOMS))
     }
 }
+
+/// How many rooms of waiting work a group whose slots are free and draining may hold before
+/// the rest counts (see [`waiting_on_workers`]): at the default `FLEET_TARGET_QUEUE_MS`, four
+/// seconds of what it completes.
+pub const AHEAD_ROOMS: u64 = 4;
 
 /// Tasks of one group beyond its room: what waits in its queue (`queued`, the broker's ready
 /// count) plus what runs, less the room (tasks). Broker depth, not the reservation count: a
@@ -328,10 +338,11 @@ impl Controller {
         let hold = Hold {
             hold: cfg.pressure_hold,
         };
+        let stall = stall_window(cfg.pressure_interval);
         let mut first = true;
         let mut last = None;
         // Per group: the last sample at which it drained (nothing waiting, its workers all busy,
-        // or work completed) — [`DRAIN_STALL`] after it, its waiting work counts.
+        // or work completed) — a stall window after it, all of its waiting work counts.
         let mut drained_at: std::collections::HashMap<String, std::time::Instant> =
             std::collections::HashMap::new();
         loop {
@@ -368,7 +379,9 @@ impl Controller {
                 parked_counted += n;
             }
             let now = std::time::Instant::now();
-            drained_at.retain(|g, _| groups.iter().any(|v| v.group == *g));
+            let live: std::collections::HashSet<&str> =
+                groups.iter().map(|g| g.group.as_str()).collect();
+            drained_at.retain(|g, _| live.contains(g.as_str()));
             for g in groups {
                 let room = room_of(g);
                 let park = if pauses.lane_paused(&g.group, Lane::Normal) {
@@ -391,16 +404,16 @@ impl Controller {
                     drained_at.insert(g.group.clone(), now);
                 }
                 let at = *drained_at.entry(g.group.clone()).or_insert(now);
-                let draining = now.duration_since(at) < DRAIN_STALL;
-                // A group's park and its queue beyond its room count only while its workers are
-                // all busy (or it has none), or when it does not drain: ahead of free slots they
-                // are being drained as fast as the broker delivers and the park release loop
-                // moves them — counting them made fleet close its own intake on a burst (the
-                // benchmark's 20k burst read Red at load 0.00 and ran at 0.37 of the broker
-                // instead of 0.65; its 10-group burst, Red at load 0.41, stood idle for 1.2 s
-                // of its 3.2 s).
-                parked_counted += waiting_on_workers(g, park, draining);
-                behind_total += waiting_on_workers(g, beyond, draining);
+                let draining = now.duration_since(at) < stall;
+                // A group's park and its queue beyond its room count in full while its workers
+                // are all busy (or it has none), or when it does not drain; ahead of free slots
+                // that drain, only beyond AHEAD_ROOMS rooms: up to there they are being drained
+                // as fast as the broker delivers and the park release loop moves them —
+                // counting them made fleet close its own intake on a burst (the benchmark's 20k
+                // burst read Red at load 0.00 and ran at 0.37 of the broker instead of 0.65; its
+                // 10-group burst, Red at load 0.41, stood idle for 1.2 s of its 3.2 s).
+                parked_counted += waiting_on_workers(g, park, room, draining);
+                behind_total += waiting_on_workers(g, beyond, room, draining);
             }
             let raw = sample(
                 &t,
@@ -510,10 +523,16 @@ struct Drain {
 }
 
 /// How long a group may hold waiting work (parked, or queued beyond its room) while its
-/// workers have free slots and it completes nothing before that work counts (see
-/// [`waiting_on_workers`]): free slots are filled within a dispatch round trip, so a group
-/// whose slots stay free this long with work waiting for it and nothing completing takes
-/// nothing.
+/// workers have free slots and it completes nothing before all of that work counts (see
+/// [`waiting_on_workers`]): 2 s, and at least four pressure intervals (`pressure_interval`),
+/// so a burst's first samples, taken before any of its tasks completed, do not count it.
+/// Free slots are filled within a dispatch round trip, so a group whose slots stay free this
+/// long with work waiting for it and nothing completing takes nothing.
+pub fn stall_window(pressure_interval: std::time::Duration) -> std::time::Duration {
+    DRAIN_STALL.max(pressure_interval * 4)
+}
+
+/// The least [`stall_window`].
 pub const DRAIN_STALL: std::time::Duration = std::time::Duration::from_secs(2);
 
 #[cfg(test)]
@@ -585,13 +604,21 @@ mod tests {
             all_busy(&g(10, 10, 0)) && all_busy(&g(0, 0, 0)),
             "busy, or no worker"
         );
-        // A group's park or backlog: all of it behind busy workers, none while it drains ahead
-        // of free slots, all of it when nothing drains (free slots that take nothing) or with
-        // no worker.
-        assert_eq!(waiting_on_workers(&g(10, 10, 0), 300, true), 300);
-        assert_eq!(waiting_on_workers(&g(10, 4, 10), 3000, true), 0);
-        assert_eq!(waiting_on_workers(&g(10, 4, 10), 300, false), 300);
-        assert_eq!(waiting_on_workers(&g(0, 0, 0), 300, false), 300);
+        // A group's park or backlog: all of it behind busy workers, only beyond four rooms
+        // while it drains ahead of free slots, all of it when nothing drains (free slots that
+        // take nothing) or with no worker.
+        assert_eq!(waiting_on_workers(&g(10, 10, 0), 300, 80, true), 300);
+        assert_eq!(waiting_on_workers(&g(10, 4, 10), 300, 80, true), 0);
+        assert_eq!(
+            waiting_on_workers(&g(10, 4, 10), 3000, 80, true),
+            3000 - 80 * AHEAD_ROOMS,
+            "a park that keeps growing ahead of free slots counts beyond AHEAD_ROOMS rooms"
+        );
+        assert_eq!(waiting_on_workers(&g(10, 4, 10), 300, 80, false), 300);
+        assert_eq!(waiting_on_workers(&g(0, 0, 0), 300, 80, true), 300);
+        let ms = std::time::Duration::from_millis;
+        assert_eq!(stall_window(ms(100)), DRAIN_STALL);
+        assert_eq!(stall_window(ms(2000)), ms(8000));
         // Tasks dispatched straight to a group's queue beyond its room count too.
         let s = sample(&t(), &[g(10, 10, 0)], 0, 400, 400, behind(510, 10, 20));
         assert_eq!((s.behind, s.state), (500, Pressure::Red));

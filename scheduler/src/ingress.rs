@@ -188,10 +188,7 @@ impl IngressLoop {
                         // In proportion to how far into Yellow the fleet is: nothing at the
                         // yellow threshold, the whole throttle delay at red.
                         let t = crate::backpressure::Thresholds::from_config(cfg);
-                        let waiting = {
-                            let p = self.pressure.borrow();
-                            p.parked + p.behind
-                        };
+                        let waiting = self.pressure.borrow().waiting;
                         let depth = crate::backpressure::yellow_depth(&t, waiting);
                         metrics::counter!(m::DISPATCH_THROTTLED).increment(out.dispatched as u64);
                         tokio::select! {

@@ -172,7 +172,7 @@ pub struct SchedulerArgs {
     /// Lease of a capacity reservation, in milliseconds.
     #[arg(long, env = "FLEET_RESERVATION_LEASE_MS", default_value = "30000", value_parser = positive::<u64>)]
     pub reservation_lease_ms: u64,
-    /// Pending work at which pressure is full: the published `pending` figure counts ingress + parked + waiting + reserved; the state (the intake gate) counts tasks waiting for a matching worker, plus parked and queued beyond a group's room in the groups whose workers are all busy or that have not drained for 2 s (work beyond what the groups drain).
+    /// Pending work at which pressure is full: the published `pending` figure counts ingress + parked + waiting + reserved; the state (the intake gate) counts tasks waiting for a matching worker, plus parked and queued beyond a group's room in the groups whose workers are all busy or that have not drained for 2 s, and beyond four rooms in the others (work beyond what the groups drain).
     #[arg(long, env = "FLEET_MAX_PENDING", default_value = "1000", value_parser = positive::<u32>)]
     pub max_pending: u32,
     /// Pending ratio (0-1) from which pressure is Yellow.
