@@ -359,11 +359,6 @@ impl Controller {
             let ingress = view.depth(&names.ingress_queue(Lane::Normal)).unwrap_or(0);
             let (mut parked, mut parked_counted) = (0u64, 0u64);
             let mut behind_total = 0u64;
-            let room_of = |g: &GroupView| {
-                rooms.get(&g.group).copied().unwrap_or_else(|| {
-                    room_seeded(g.capacity, cfg.backlog_factor, None, cfg.target_queue)
-                })
-            };
             // A park queue not declared yet holds nothing.
             let park_depth =
                 |g: &str| u64::from(view.depth(&names.park_queue(g, Lane::Normal)).unwrap_or(0));
@@ -383,7 +378,9 @@ impl Controller {
                 groups.iter().map(|g| g.group.as_str()).collect();
             drained_at.retain(|g, _| live.contains(g.as_str()));
             for g in groups {
-                let room = room_of(g);
+                let room = rooms.get(&g.group).copied().unwrap_or_else(|| {
+                    room_seeded(g.capacity, cfg.backlog_factor, None, cfg.target_queue)
+                });
                 let park = if pauses.lane_paused(&g.group, Lane::Normal) {
                     0
                 } else {
@@ -405,13 +402,9 @@ impl Controller {
                 }
                 let at = *drained_at.entry(g.group.clone()).or_insert(now);
                 let draining = now.duration_since(at) < stall;
-                // A group's park and its queue beyond its room count in full while its workers
-                // are all busy (or it has none), or when it does not drain; ahead of free slots
-                // that drain, only beyond AHEAD_ROOMS rooms: up to there they are being drained
-                // as fast as the broker delivers and the park release loop moves them —
-                // counting them made fleet close its own intake on a burst (the benchmark's 20k
-                // burst read Red at load 0.00 and ran at 0.37 of the broker instead of 0.65; its
-                // 10-group burst, Red at load 0.41, stood idle for 1.2 s of its 3.2 s).
+                // Ahead of free slots that drain, a park or a backlog is being drained as fast as
+                // the broker delivers: counting it closed the intake on bursts (the 20k burst
+                // read Red at load 0.00; the 10-group burst stood idle for 1.2 s of 3.2 s).
                 parked_counted += waiting_on_workers(g, park, room, draining);
                 behind_total += waiting_on_workers(g, beyond, room, draining);
             }
@@ -496,7 +489,6 @@ impl Rates {
                 }
             }
             self.last.insert(g.group.clone(), (counts, now));
-
             for (lane, cap) in g.capacities().iter() {
                 let room = room_seeded(*cap, cfg.backlog_factor, rate[lane], cfg.target_queue);
                 if lane == Lane::Normal {
