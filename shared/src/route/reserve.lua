@@ -195,13 +195,18 @@ local function kblocked(ks)
   if ks.rate and ktokens(ks) < 1 then return 'rate' end
   return nil
 end
-local fshcache = {}
+-- The fair-queue hashes this batch read (each kept an hour from its last use: renewed once
+-- per hash per batch, after the loop, not once per key).
+local fshcache, fshkeys = {}, {}
 -- The fair park queue of key ks in group g's lane ('' for the group's park queue).
 local function fair_queue(g, lane, ks)
   if fairq <= 0 or lane ~= 'normal' then return '' end
   local hk = K_fsh(g, lane)
   local c = fshcache[hk]
-  if not c then c = {}; fshcache[hk] = c end
+  if not c then
+    c = {}; fshcache[hk] = c
+    fshkeys[#fshkeys + 1] = hk
+  end
   local q = c[ks.name]
   if q == nil then
     q = redis.call('HGET', hk, ks.name)
@@ -209,7 +214,6 @@ local function fair_queue(g, lane, ks)
       q = tostring((redis.call('HINCRBY', hk, '#', 1) - 1) % fairq)
       redis.call('HSET', hk, ks.name, q)
     end
-    redis.call('PEXPIRE', hk, 3600000)
     c[ks.name] = q
   end
   return q
@@ -437,8 +441,14 @@ for t = 1, n do
         if not st.paused and (best == nil or r < best) then best = r; bg = st.g end
       end
       if not from_park then
-        redis.call('SET', K_parked(bg, lane), '1', 'PX', park_ttl)
-        gstate(bg, lane).parked = true
+        -- The flag once per group lane per batch (the same instant, the same TTL): a burst
+        -- that parks n tasks in one group costs one SET, not n.
+        local pst = gstate(bg, lane)
+        if not pst.flagged then
+          redis.call('SET', K_parked(bg, lane), '1', 'PX', park_ttl)
+          pst.flagged = true
+        end
+        pst.parked = true
         status_parked(id, bg, lane, st_ttl, kind, sub, fresh, cur, sels[selk].key, ks and ks.name)
         if ks then ks.waiting = ks.waiting + 1 end
       end
@@ -462,6 +472,7 @@ for t = 1, n do
   end
 end
 flush_deferred()
+for _, hk in ipairs(fshkeys) do redis.call('PEXPIRE', hk, 3600000) end
 -- Per key: its bucket, its figures (one hash for every key, read once and written once per
 -- batch whatever the number of keys: HMGET of the counters that change, one HSET), and what
 -- it holds now.

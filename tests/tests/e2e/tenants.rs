@@ -215,6 +215,28 @@ async fn a_flooding_key_does_not_delay_another_beyond_its_share() -> anyhow::Res
     // Nothing of B ran twice; nothing of A ran twice so far.
     let per = runs.per_id();
     ensure!(per.values().all(|n| *n == 1), "a task ran twice");
+    // The group's fair queue assignments (A's queue and B's) live an hour from their last use:
+    // renewed once per hash per reservation batch, after the keys of the batch were assigned.
+    let hashes: Vec<String> = ns
+        .store
+        .query(
+            deadpool_redis::redis::cmd("KEYS").arg(
+                ns.names
+                    .fair_assignments("*pool=flood*", fleet::Lane::Normal),
+            ),
+        )
+        .await?;
+    ensure!(hashes.len() == 1, "fair assignment hashes {hashes:?}");
+    for h in hashes {
+        let ttl: i64 = ns
+            .store
+            .query(deadpool_redis::redis::cmd("PTTL").arg(&h))
+            .await?;
+        ensure!(
+            (3_000_000..=3_600_000).contains(&ttl),
+            "{h}: TTL {ttl} ms, want an hour from the last batch"
+        );
+    }
     Ok(())
 }
 
