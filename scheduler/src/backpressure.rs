@@ -44,7 +44,13 @@
 //! Pod Autoscaler (scale up at once, scale down only after the recommendation held for the
 //! window; `behavior.scaleDown.stabilizationWindowSeconds`), and a thermostat's minimum
 //! on/off time: without it a burst flapped the state (and the intake channel, each closing
-//! handing a full prefetch back to the broker) ten times in 3.2 s.
+//! handing a full prefetch back to the broker) ten times in 3.2 s. The dwell gives way early
+//! in one case: the fleet has **run dry** — nothing waits (the count is 0) and the workers
+//! have headroom (load below `load_yellow`). A closed intake then only idles the workers while
+//! the ingress holds work: the benchmark's 10-group burst dropped from 1,826 waiting to 0 in
+//! one interval, and its fleet sat idle for 0.5 s of the 1 s dwell with 3,823 tasks in the
+//! ingress (BENCHMARKS.md round 24). A flood that follows the reopening closes it again at
+//! once; the dwell still keeps a busy fleet from flapping.
 //!
 //! Every sample comes from a [fleet view](crate::view), taken every `pressure_interval` from
 //! Redis and the broker.
@@ -206,11 +212,14 @@ pub fn sample(
 
 /// The hysteresis of the state (see the module docs): a dead band (Red holds until the count
 /// is below the yellow threshold) and a minimum dwell (`hold`: a state gives way to a lower
-/// one only after it has held this long; a higher one is entered at once).
+/// one only after it has held this long, unless the fleet has run dry — nothing waiting and
+/// load below `load_yellow`; a higher one is entered at once).
 #[derive(Debug, Clone, Copy)]
 pub struct Hold {
     /// The minimum dwell.
     pub hold: std::time::Duration,
+    /// The load (running / capacity) below which a fleet with nothing waiting has run dry.
+    pub load_yellow: f64,
 }
 
 impl Hold {
@@ -223,7 +232,8 @@ impl Hold {
             want = Pressure::Red;
         }
         let held_ms = raw.sampled_at_ms - prev.since_ms;
-        if want < prev.state && held_ms < self.hold.as_millis() as i64 {
+        let dry = raw.waiting == 0 && raw.load < self.load_yellow;
+        if want < prev.state && held_ms < self.hold.as_millis() as i64 && !dry {
             want = prev.state;
         }
         raw.state = want;
@@ -337,6 +347,7 @@ impl Controller {
         let mut rates = Rates::default();
         let hold = Hold {
             hold: cfg.pressure_hold,
+            load_yellow: cfg.load_yellow,
         };
         let stall = stall_window(cfg.pressure_interval);
         let mut first = true;
@@ -621,6 +632,7 @@ mod tests {
     fn a_state_holds_its_minimum_time_before_a_lower_one() {
         let hold = Hold {
             hold: std::time::Duration::from_millis(2000),
+            load_yellow: 0.68,
         };
         let at = |waiting: u64, ms: i64| {
             let mut s = sample(&t(), &[g(10, 10, 0)], 0, waiting, waiting, 0);
@@ -636,6 +648,25 @@ mod tests {
         // Green 500 ms after entering Red: held.
         let s = hold.apply(Some(&red), at(0, 1500));
         assert_eq!((s.state, s.since_ms), (Pressure::Red, 1000));
+        // Nothing waiting, but the workers busy (load 1.0): still held.
+        let s = hold.apply(Some(&s), at(0, 2900));
+        assert_eq!((s.state, s.since_ms), (Pressure::Red, 1000));
+        // Run dry (nothing waiting, load 0.5 < 0.68) 500 ms after entering Red: released at
+        // once — a closed intake would only idle the workers.
+        let mut dry = sample(&t(), &[g(10, 5, 0)], 0, 0, 0, 0);
+        (dry.sampled_at_ms, dry.since_ms) = (1500, 1500);
+        let d = hold.apply(Some(&red), dry);
+        assert_eq!(
+            (d.state, d.gate, d.since_ms),
+            (Pressure::Green, Pressure::Green, 1500)
+        );
+        // ... but not with one task still waiting, nor at load_yellow.
+        let mut one = sample(&t(), &[g(10, 5, 0)], 0, 1, 1, 0);
+        (one.sampled_at_ms, one.since_ms) = (1500, 1500);
+        assert_eq!(hold.apply(Some(&red), one).state, Pressure::Red);
+        let mut busy = sample(&t(), &[g(100, 68, 0)], 0, 0, 0, 0);
+        (busy.sampled_at_ms, busy.since_ms) = (1500, 1500);
+        assert_eq!(hold.apply(Some(&red), busy).state, Pressure::Red);
         // Green once Red held 2 s: released.
         let green = hold.apply(Some(&s), at(0, 3000));
         assert_eq!((green.state, green.since_ms), (Pressure::Green, 3000));

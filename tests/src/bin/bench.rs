@@ -1101,6 +1101,7 @@ async fn throughput(n: usize) -> Result<()> {
     let cpu = CpuMeter::new();
     let cpu0 = cpu.read();
     let calls0 = RedisCalls::read();
+    let timeline = pressure_timeline(rig.sched.url("/v1/pressure"));
     let (groups10, t) = rig
         .run(n, Offer::Burst, Duration::from_secs(300), |k| match k % 3 {
             0 => task("count", json!(null), &format!("zone=z{}", k % 10)),
@@ -1119,6 +1120,11 @@ async fn throughput(n: usize) -> Result<()> {
     println!("{}", cpu.report("fleet 10 groups", cpu0, n));
     println!("{}", calls0.report("fleet 10 groups", n));
     println!("{}", rig.metrics().await?);
+    timeline.0.cancel();
+    println!("pressure samples of the stage (ms from its start: state waiting load ingress parked behind):");
+    for l in timeline.1.await? {
+        println!("  {l}");
+    }
     rig.stop().await?;
 
     // 5. 200 ms tasks on two groups of different speed (16 vs 4 slots).
@@ -1958,4 +1964,42 @@ async fn critical(n: usize) -> Result<()> {
     let _ = w.stop().await;
     sched.stop().await?;
     ns.cleanup().await
+}
+
+/// Every distinct pressure sample (`GET /v1/pressure`, polled every 20 ms) until cancelled, as
+/// lines: ms since the start, state, waiting, load, ingress backlog, parked, behind.
+fn pressure_timeline(
+    url: String,
+) -> (
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<Vec<String>>,
+) {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let s = stop.clone();
+    let h = tokio::spawn(async move {
+        let t0 = Instant::now();
+        let mut out = Vec::new();
+        let mut last = 0;
+        while !s.is_cancelled() {
+            if let Ok(p) = get_json(&url).await {
+                let at = p["sampled_at_ms"].as_i64().unwrap_or(0);
+                if at != last {
+                    last = at;
+                    out.push(format!(
+                        "{:>5} {} {} {:.2} {} {} {}",
+                        t0.elapsed().as_millis(),
+                        p["state"].as_str().unwrap_or("?"),
+                        p["waiting"],
+                        p["load"].as_f64().unwrap_or(0.0),
+                        p["ingress_backlog"],
+                        p["parked"],
+                        p["behind"]
+                    ));
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        out
+    });
+    (stop, h)
 }

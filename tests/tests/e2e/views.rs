@@ -67,9 +67,11 @@ async fn a_fully_busy_fleet_is_green_with_its_intake_open() -> anyhow::Result<()
     ns.cleanup().await
 }
 
-/// Work beyond the room turns the state Red at once; once the work drains it gives way to a
-/// lower state only after it has held `pressure_hold_ms`, and every state change the API
-/// reports (`since_ms`) is at least that far from the one before when it goes down.
+/// Work beyond the room turns the state Red at once; while the worker is busy it gives way to
+/// a lower state only after it has held `pressure_hold_ms`, and every state change the API
+/// reports (`since_ms`) is at least that far from the one before when it goes down. (A fleet
+/// that has run dry — nothing waiting, load below `load_yellow` — reopens at once:
+/// `backpressure::tests`; here the one slot is busy until the last task, 3 s after the Red.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_pressure_state_holds_its_minimum_time() -> anyhow::Result<()> {
     const HOLD_MS: i64 = 1500;
@@ -80,8 +82,9 @@ async fn a_pressure_state_holds_its_minimum_time() -> anyhow::Result<()> {
     let p = get_json(&sched.url("/v1/pressure")).await?;
     assert_eq!(p["thresholds"]["hold_ms"], HOLD_MS, "{p}");
     let w = start_worker(&ns, "w1", "", 1, &[], &[("record", rec.handler())]).await?;
-    // One slot; room seeded at 4 × 1 × (1 + 1) = 8: 30 tasks of 50 ms put 22 beyond it.
-    let envs: Vec<_> = (0..30)
+    // One slot; room seeded at 4 × 1 × (1 + 1) = 8: 60 tasks of 50 ms put 52 beyond it, and
+    // keep the slot busy for 3 s, twice the hold.
+    let envs: Vec<_> = (0..60)
         .map(|_| task("record", json!({"ms": 50}), ""))
         .collect();
     ns.submit(&envs).await?;
@@ -102,7 +105,7 @@ async fn a_pressure_state_holds_its_minimum_time() -> anyhow::Result<()> {
             if changes.last().map(|(s, t)| (s.as_str(), *t)) != Some((state.as_str(), since)) {
                 changes.push((state.clone(), since));
             }
-            (rec.count() == 30 && state == "green" && changes.iter().any(|(s, _)| s == "red"))
+            (rec.count() == 60 && state == "green" && changes.iter().any(|(s, _)| s == "red"))
                 .then_some(Ok(()))
         },
     )
