@@ -902,22 +902,22 @@ impl Rig {
     /// Tasks parked since the scheduler started (`fleet_tasks_parked_total`): a stage's share
     /// is the difference across it.
     async fn parked(&self) -> Result<f64> {
-        let page = http()
-            .get(self.sched.url("/metrics"))
-            .send()
-            .await?
-            .text()
-            .await?;
+        let page = self.metrics_page().await?;
         Ok(metric_sum(&page, "fleet_tasks_parked_total", &[]))
     }
 
-    async fn metrics(&self) -> Result<String> {
-        let page = http()
+    /// The scheduler's `/metrics` page.
+    async fn metrics_page(&self) -> Result<String> {
+        Ok(http()
             .get(self.sched.url("/metrics"))
             .send()
             .await?
             .text()
-            .await?;
+            .await?)
+    }
+
+    async fn metrics(&self) -> Result<String> {
+        let page = self.metrics_page().await?;
         Ok(format!(
             "dispatched {} parked {} throttled {} rerouted {}",
             metric_sum(&page, "fleet_tasks_dispatched_total", &[]),
