@@ -16,7 +16,8 @@
 //! A fleet at 100 % utilisation with nothing waiting beyond its rooms is Green: busy workers
 //! are the point. Utilisation (running / capacity) is reported beside the state as
 //! [`LoadLevel`] (`low` below `load_yellow` 0.68, `high` from it, `full` from `load_red` 0.85)
-//! and never makes the state, and neither does the ingress backlog (a pause cannot shrink it:
+//! and never makes the state (it only lets the dwell give way early on a fleet that has run
+//! dry, below), and neither does the ingress backlog (a pause cannot shrink it:
 //! a state that counted it would hold itself Red once producers had queued `0.9 ×
 //! max_pending` tasks). `pending` (ingress + parked + reserved) is reported as a figure.
 //!
@@ -45,12 +46,15 @@
 //! window; `behavior.scaleDown.stabilizationWindowSeconds`), and a thermostat's minimum
 //! on/off time: without it a burst flapped the state (and the intake channel, each closing
 //! handing a full prefetch back to the broker) ten times in 3.2 s. The dwell gives way early
-//! in one case: the fleet has **run dry** — nothing waits (the count is 0) and the workers
-//! have headroom (load below `load_yellow`). A closed intake then only idles the workers while
-//! the ingress holds work: the benchmark's 10-group burst dropped from 1,826 waiting to 0 in
-//! one interval, and its fleet sat idle for 0.5 s of the 1 s dwell with 3,823 tasks in the
-//! ingress (BENCHMARKS.md round 24). A flood that follows the reopening closes it again at
-//! once; the dwell still keeps a busy fleet from flapping.
+//! in one case: the fleet has **run dry** ([`Sample::dry`]) — nothing counted as waiting,
+//! nothing parked (paused lanes aside), no group queue holding more than its room, and the
+//! workers with headroom (load below `load_yellow`). A closed intake then only idles the
+//! workers while the ingress holds work: the benchmark's 10-group burst dropped from 1,826
+//! waiting to 0 in one interval, and its fleet drained its parks and sat idle for the rest of
+//! the 1 s dwell with 3,823 tasks in the ingress (BENCHMARKS.md round 24). Parks and queues
+//! beyond a room do not flicker the way a snapshot of a few-ms task's slots does, so a fleet
+//! still working through them keeps the dwell; a flood after the reopening closes the intake
+//! again at once.
 //!
 //! Every sample comes from a [fleet view](crate::view), taken every `pressure_interval` from
 //! Redis and the broker.
@@ -156,6 +160,10 @@ pub struct Sample {
     /// Tasks in group queues beyond each group's room, in the groups where they wait on the
     /// workers ([`waiting_on_workers`]; summed over groups; normal lane).
     pub behind: u64,
+    /// Tasks in the groups' queues beyond their rooms, every group, whether or not they count
+    /// in `waiting` (normal lane; a figure of the controller, not shown by the API).
+    #[serde(skip)]
+    pub beyond_rooms: u64,
     pub reserved: u64,
     pub running: u64,
     pub capacity: u64,
@@ -168,18 +176,28 @@ pub struct Sample {
     pub sampled_at_ms: i64,
 }
 
+/// Tasks queued beyond the groups' rooms ([`behind`]), summed over groups.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Beyond {
+    /// Every group's, counted or not.
+    pub all: u64,
+    /// The part that counts: each group's [`waiting_on_workers`] of it.
+    pub counted: u64,
+}
+
 /// Computes the signals from group views and queue depths (`parked`: every parked task,
-/// including those waiting for a matching worker, a figure; `parked_waiting`: the part of it
-/// that counts — waiting for a matching worker, plus each group's [`waiting_on_workers`] of its
-/// park; `behind`: each group's [`waiting_on_workers`] of its [`behind`]). The state is the raw
-/// evaluation of `parked_waiting + behind`; [`Hold::apply`] adds the hysteresis.
+/// including those waiting for a matching worker, paused lanes left out, a figure;
+/// `parked_waiting`: the part of it that counts — waiting for a matching worker, plus each
+/// group's [`waiting_on_workers`] of its park; `behind`: the tasks queued beyond the rooms).
+/// The state is the raw evaluation of `parked_waiting + behind.counted`; [`Hold::apply`] adds
+/// the hysteresis.
 pub fn sample(
     t: &Thresholds,
     groups: &[GroupView],
     ingress_backlog: u64,
     parked: u64,
     parked_waiting: u64,
-    behind: u64,
+    behind: Beyond,
 ) -> Sample {
     let reserved: u64 = groups.iter().map(|g| u64::from(g.reserved)).sum();
     let running: u64 = groups.iter().map(|g| u64::from(g.load)).sum();
@@ -189,7 +207,7 @@ pub fn sample(
     } else {
         running as f64 / capacity as f64
     };
-    let waiting = parked_waiting + behind;
+    let waiting = parked_waiting + behind.counted;
     let state = t.evaluate(waiting);
     let now = fleet::redis::now_ms();
     Sample {
@@ -200,7 +218,8 @@ pub fn sample(
         pending: ingress_backlog + parked + reserved,
         ingress_backlog,
         parked,
-        behind,
+        behind: behind.counted,
+        beyond_rooms: behind.all,
         reserved,
         running,
         capacity,
@@ -210,10 +229,19 @@ pub fn sample(
     }
 }
 
+impl Sample {
+    /// Whether the fleet has run dry: nothing counted as waiting, nothing parked (paused lanes
+    /// aside), no group queue beyond its room, and the workers below `load_yellow` (running /
+    /// capacity). Holding the intake closed then only idles the workers ([`Hold`]).
+    pub fn dry(&self, load_yellow: f64) -> bool {
+        self.waiting == 0 && self.parked == 0 && self.beyond_rooms == 0 && self.load < load_yellow
+    }
+}
+
 /// The hysteresis of the state (see the module docs): a dead band (Red holds until the count
 /// is below the yellow threshold) and a minimum dwell (`hold`: a state gives way to a lower
-/// one only after it has held this long, unless the fleet has run dry — nothing waiting and
-/// load below `load_yellow`; a higher one is entered at once).
+/// one only after it has held this long, unless the fleet has run dry, [`Sample::dry`]; a
+/// higher one is entered at once).
 #[derive(Debug, Clone, Copy)]
 pub struct Hold {
     /// The minimum dwell.
@@ -232,8 +260,8 @@ impl Hold {
             want = Pressure::Red;
         }
         let held_ms = raw.sampled_at_ms - prev.since_ms;
-        let dry = raw.waiting == 0 && raw.load < self.load_yellow;
-        if want < prev.state && held_ms < self.hold.as_millis() as i64 && !dry {
+        if want < prev.state && held_ms < self.hold.as_millis() as i64 && !raw.dry(self.load_yellow)
+        {
             want = prev.state;
         }
         raw.state = want;
@@ -369,7 +397,7 @@ impl Controller {
             let rooms = &drain.rooms;
             let ingress = view.depth(&names.ingress_queue(Lane::Normal)).unwrap_or(0);
             let (mut parked, mut parked_counted) = (0u64, 0u64);
-            let mut behind_total = 0u64;
+            let mut beyond_rooms = Beyond::default();
             // A park queue not declared yet holds nothing.
             let park_depth =
                 |g: &str| u64::from(view.depth(&names.park_queue(g, Lane::Normal)).unwrap_or(0));
@@ -417,7 +445,8 @@ impl Controller {
                 // the broker delivers: counting it closed the intake on bursts (the 20k burst
                 // read Red at load 0.00; the 10-group burst stood idle for 1.2 s of 3.2 s).
                 parked_counted += waiting_on_workers(g, park, room, draining);
-                behind_total += waiting_on_workers(g, beyond, room, draining);
+                beyond_rooms.all += beyond;
+                beyond_rooms.counted += waiting_on_workers(g, beyond, room, draining);
             }
             let raw = sample(
                 &t,
@@ -425,7 +454,7 @@ impl Controller {
                 u64::from(ingress),
                 parked,
                 parked_counted,
-                behind_total,
+                beyond_rooms,
             );
             let prev = (!first).then(|| *self.tx.borrow());
             first = false;
@@ -566,6 +595,11 @@ mod tests {
         assert_eq!(t.load_level(1.0), LoadLevel::Full);
     }
 
+    /// Tasks beyond the rooms, all of them counted.
+    fn counted(n: u64) -> Beyond {
+        Beyond { all: n, counted: n }
+    }
+
     fn g(cap: u32, load: u32, resv: u32) -> GroupView {
         GroupView {
             group: "g".into(),
@@ -582,25 +616,32 @@ mod tests {
 
     #[test]
     fn sample_sums_groups() {
-        let s = sample(&t(), &[g(10, 9, 5), g(10, 8, 5)], 600, 100, 100, 0);
+        let s = sample(
+            &t(),
+            &[g(10, 9, 5), g(10, 8, 5)],
+            600,
+            100,
+            100,
+            Beyond::default(),
+        );
         assert_eq!(s.pending, 710);
         assert_eq!(s.capacity, 20);
         assert!((s.load - 0.85).abs() < 1e-9);
         // Full utilisation with nothing waiting beyond the rooms is healthy: Green.
         assert_eq!((s.state, s.load_level), (Pressure::Green, LoadLevel::Full));
         // A large ingress backlog alone does not make the state.
-        let s = sample(&t(), &[g(10, 1, 0)], 950, 0, 0, 0);
+        let s = sample(&t(), &[g(10, 1, 0)], 950, 0, 0, Beyond::default());
         assert_eq!((s.state, s.gate), (Pressure::Green, Pressure::Green));
-        let s = sample(&t(), &[g(10, 10, 10)], 0, 0, 0, 0);
+        let s = sample(&t(), &[g(10, 10, 10)], 0, 0, 0, Beyond::default());
         assert_eq!((s.state, s.gate), (Pressure::Green, Pressure::Green));
-        let s = sample(&t(), &[g(10, 10, 10)], 0, 900, 900, 0);
+        let s = sample(&t(), &[g(10, 10, 10)], 0, 900, 900, Beyond::default());
         assert_eq!(
             (s.state, s.gate, s.waiting),
             (Pressure::Red, Pressure::Red, 900)
         );
         // Parked ahead of free slots (the park release loop is moving them): a figure, not
         // waiting.
-        let s = sample(&t(), &[g(10, 4, 10)], 0, 900, 0, 0);
+        let s = sample(&t(), &[g(10, 4, 10)], 0, 900, 0, Beyond::default());
         assert_eq!((s.state, s.parked, s.waiting), (Pressure::Green, 900, 0));
         assert!(!all_busy(&g(10, 4, 10)) && !all_busy(&g(10, 9, 1)));
         assert!(
@@ -623,7 +664,14 @@ mod tests {
         assert_eq!(stall_window(ms(100)), DRAIN_STALL);
         assert_eq!(stall_window(ms(2000)), ms(8000));
         // Tasks dispatched straight to a group's queue beyond its room count too.
-        let s = sample(&t(), &[g(10, 10, 0)], 0, 400, 400, behind(510, 10, 20));
+        let s = sample(
+            &t(),
+            &[g(10, 10, 0)],
+            0,
+            400,
+            400,
+            counted(behind(510, 10, 20)),
+        );
         assert_eq!((s.behind, s.state), (500, Pressure::Red));
         assert_eq!(behind(5, 10, 20), 0, "within the room: not behind");
     }
@@ -635,7 +683,14 @@ mod tests {
             load_yellow: 0.68,
         };
         let at = |waiting: u64, ms: i64| {
-            let mut s = sample(&t(), &[g(10, 10, 0)], 0, waiting, waiting, 0);
+            let mut s = sample(
+                &t(),
+                &[g(10, 10, 0)],
+                0,
+                waiting,
+                waiting,
+                Beyond::default(),
+            );
             s.sampled_at_ms = ms;
             s.since_ms = ms;
             s
@@ -653,18 +708,35 @@ mod tests {
         assert_eq!((s.state, s.since_ms), (Pressure::Red, 1000));
         // Run dry (nothing waiting, load 0.5 < 0.68) 500 ms after entering Red: released at
         // once — a closed intake would only idle the workers.
-        let mut dry = sample(&t(), &[g(10, 5, 0)], 0, 0, 0, 0);
+        let mut dry = sample(&t(), &[g(10, 5, 0)], 0, 0, 0, Beyond::default());
         (dry.sampled_at_ms, dry.since_ms) = (1500, 1500);
         let d = hold.apply(Some(&red), dry);
         assert_eq!(
             (d.state, d.gate, d.since_ms),
             (Pressure::Green, Pressure::Green, 1500)
         );
-        // ... but not with one task still waiting, nor at load_yellow.
-        let mut one = sample(&t(), &[g(10, 5, 0)], 0, 1, 1, 0);
+        // ... but not with one task still waiting, nor at load_yellow, nor while a park or a
+        // queue beyond a room is still being worked through (none of it counted as waiting).
+        let mut one = sample(&t(), &[g(10, 5, 0)], 0, 1, 1, Beyond::default());
         (one.sampled_at_ms, one.since_ms) = (1500, 1500);
         assert_eq!(hold.apply(Some(&red), one).state, Pressure::Red);
-        let mut busy = sample(&t(), &[g(100, 68, 0)], 0, 0, 0, 0);
+        let mut parks = sample(&t(), &[g(10, 5, 0)], 0, 1307, 0, Beyond::default());
+        (parks.sampled_at_ms, parks.since_ms) = (1500, 1500);
+        assert_eq!(
+            (parks.waiting, hold.apply(Some(&red), parks).state),
+            (0, Pressure::Red)
+        );
+        let queued = Beyond {
+            all: 40,
+            counted: 0,
+        };
+        let mut q = sample(&t(), &[g(10, 5, 0)], 0, 0, 0, queued);
+        (q.sampled_at_ms, q.since_ms) = (1500, 1500);
+        assert_eq!(
+            (q.waiting, hold.apply(Some(&red), q).state),
+            (0, Pressure::Red)
+        );
+        let mut busy = sample(&t(), &[g(100, 68, 0)], 0, 0, 0, Beyond::default());
         (busy.sampled_at_ms, busy.since_ms) = (1500, 1500);
         assert_eq!(hold.apply(Some(&red), busy).state, Pressure::Red);
         // Green once Red held 2 s: released.

@@ -49,7 +49,8 @@ impl IngressLoop {
     /// When the gate turns Red the loop closes its channel, which hands every delivery it
     /// had prefetched back to the queue: waiting work waits *in the broker*, counted against
     /// the ingress bound, so refusals reach producers. It consumes again once the gate leaves
-    /// Red (which the gate holds down to the yellow threshold: no flapping under a burst).
+    /// Red (which the gate holds down to the yellow threshold and for the minimum dwell, unless
+    /// the fleet has run dry: `backpressure::Sample::dry`).
     pub async fn run(self, shutdown: CancellationToken) -> fleet::Result<()> {
         let cfg = self.dispatcher.session.cfg.clone();
         let gated = self.source == Source::Ingress(Lane::Normal);

@@ -211,7 +211,11 @@ local function fair_queue(g, lane, ks)
   if q == nil then
     q = redis.call('HGET', hk, ks.name)
     if not q then
-      q = tostring((redis.call('HINCRBY', hk, '#', 1) - 1) % fairq)
+      local nth = redis.call('HINCRBY', hk, '#', 1)
+      -- A hash this call created gets its TTL at once (a call that fails later must not
+      -- leave it without one); every hash touched is renewed after the loop.
+      if nth == 1 then redis.call('PEXPIRE', hk, 3600000) end
+      q = tostring((nth - 1) % fairq)
       redis.call('HSET', hk, ks.name, q)
     end
     c[ks.name] = q

@@ -181,7 +181,7 @@ pub struct SchedulerArgs {
     /// Pending ratio (0-1) from which pressure is Red.
     #[arg(long, env = "FLEET_PENDING_RED", default_value = "0.9", value_parser = ratio)]
     pub pending_red: f64,
-    /// Load ratio (0-1) from which the fleet's utilisation is reported `high` (not a pressure state: a busy fleet is healthy).
+    /// Load ratio (0-1) from which the fleet's utilisation is reported `high` (not a pressure state: a busy fleet is healthy; below it, a fleet with nothing waiting, parked or queued beyond its rooms has run dry and its intake reopens without waiting out FLEET_PRESSURE_HOLD_MS).
     #[arg(long, env = "FLEET_LOAD_YELLOW", default_value = "0.68", value_parser = ratio)]
     pub load_yellow: f64,
     /// Load ratio (0-1) from which the fleet's utilisation is reported `full` (not a pressure state).
@@ -196,7 +196,7 @@ pub struct SchedulerArgs {
     /// How often pressure is measured, in milliseconds.
     #[arg(long, env = "FLEET_PRESSURE_INTERVAL_MS", default_value = "250", value_parser = positive::<u64>)]
     pub pressure_interval_ms: u64,
-    /// Minimum time a pressure state holds before it gives way to a lower one, in milliseconds (a higher one is entered at once; a fleet that has run dry — nothing waiting, load below FLEET_LOAD_YELLOW — reopens at once).
+    /// Minimum time a pressure state holds before it gives way to a lower one, in milliseconds (a higher one is entered at once; a fleet that has run dry — nothing waiting, parked or queued beyond its rooms, load below FLEET_LOAD_YELLOW — reopens at once).
     #[arg(long, env = "FLEET_PRESSURE_HOLD_MS", default_value = "1000")]
     pub pressure_hold_ms: u64,
     /// Normal-lane dispatch rate limit, tasks per second, shared by every replica (0 = off, the default; 3000 with burst 6000 is the documented example).
