@@ -230,11 +230,12 @@ pub fn sample(
 }
 
 impl Sample {
-    /// Whether the fleet has run dry: nothing counted as waiting, nothing parked (paused lanes
-    /// aside), no group queue beyond its room, and the workers below `load_yellow` (running /
-    /// capacity). Holding the intake closed then only idles the workers ([`Hold`]).
+    /// Whether the fleet has run dry: nothing parked (paused lanes aside) and no group queue
+    /// beyond its room — so nothing counts as waiting either, `waiting` being a part of those
+    /// two — and the workers below `load_yellow` (running / capacity). Holding the intake
+    /// closed then only idles the workers ([`Hold`]).
     pub fn dry(&self, load_yellow: f64) -> bool {
-        self.waiting == 0 && self.parked == 0 && self.beyond_rooms == 0 && self.load < load_yellow
+        self.parked == 0 && self.beyond_rooms == 0 && self.load < load_yellow
     }
 }
 
