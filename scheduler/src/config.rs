@@ -64,6 +64,9 @@ pub struct SchedulerConfig {
     pub key_limits: fleet::control::KeyLimits,
     /// Keys shown one by one in the `fleet_key_*` metrics (`FLEET_KEY_METRICS_TOP`).
     pub key_metrics_top: usize,
+    /// A key idle this long (no dispatch, nothing waiting, no live lease) is forgotten
+    /// (`FLEET_KEY_FORGET_MS`; [`fleet::Store::forget_idle_keys`]).
+    pub key_forget: Duration,
     /// How often the schedule firing loop looks for due ticks.
     pub schedule_poll: Duration,
     /// How late a schedule's tick may still be submitted; later it is missed (and handled by
@@ -130,6 +133,7 @@ impl SchedulerConfig {
         Ok(SchedulerConfig {
             key_limits,
             key_metrics_top: a.key_metrics_top,
+            key_forget: ms(a.key_forget_ms),
             strategy: Strategy::parse(&a.strategy).unwrap_or_default(),
             backlog_factor: a.backlog_factor,
             target_queue: ms(a.target_queue_ms),
@@ -192,6 +196,7 @@ mod tests {
             ("key_default", "rate=fast", "FLEET_KEY_DEFAULT"),
             ("key_limits", "acme:weight=0", "FLEET_KEY_LIMITS"),
             ("key_metrics_top", "0", "FLEET_KEY_METRICS_TOP"),
+            ("key_forget_ms", "0", "FLEET_KEY_FORGET_MS"),
         ] {
             let s = Settings::from_pairs([(k, v.to_string())]);
             let e = SchedulerConfig::from_settings(&s).unwrap_err().to_string();

@@ -135,8 +135,23 @@ async fn key_gauges(
         metrics::gauge!(m::KEY_WAITING, "key" => gone.clone()).set(0.0);
     }
     *shown = now_shown;
+    // Keys idle past FLEET_KEY_FORGET_MS leave the hash this loop reads every second.
+    let idle_since =
+        now.saturating_sub(i64::try_from(s.cfg.key_forget.as_millis()).unwrap_or(i64::MAX));
+    match s
+        .store
+        .forget_idle_keys(&figures, idle_since, FORGET_PER_TICK)
+        .await
+    {
+        Ok(0) => {}
+        Ok(n) => tracing::debug!(keys = n, "forgot idle fairness keys"),
+        Err(e) => tracing::debug!(error = %e, "forgetting idle keys failed"),
+    }
     Ok(figures)
 }
+
+/// Most idle keys forgotten per stats tick (one script call; the rest go at the next ticks).
+const FORGET_PER_TICK: usize = 500;
 
 /// The label value of the keys summed together beyond the top N.
 pub const OTHER_KEY: &str = "other";

@@ -485,7 +485,8 @@ pub struct KeyFigures {
     pub reserved: u64,
     /// Tasks parked waiting for room now.
     pub waiting: u64,
-    /// Tasks dispatched in all (since Redis last lost it).
+    /// Tasks dispatched in all (since Redis last lost it, or the key was last forgotten:
+    /// idle for `FLEET_KEY_FORGET_MS`).
     pub dispatched: u64,
     /// Last activity (Redis ms); 0: none recorded.
     pub last_ms: i64,
@@ -572,7 +573,11 @@ impl Store {
 
     /// The figures of every key Redis knows (a `t:` field in the `kf` hash) and of `also`, by
     /// key, as of `now_ms` (Redis ms: leases lapsed before it are not counted). Two round
-    /// trips: the hash, then two `ZCOUNT`s per key in one pipeline.
+    /// trips: the hash with the keys that may hold a live lease (the `ka` sorted set scored at
+    /// or above `now_ms`), then two `ZCOUNT`s per such key in one pipeline — a key `ka` scores
+    /// below `now_ms` holds no live lease (every lease's expiry is also written there, `ZADD
+    /// GT`), so its running and reserved are 0 without a command. The cost is the active
+    /// keys', not every key ever seen ([`Store::forget_idle_keys`] trims the hash).
     ///
     /// # Errors
     /// Redis failed.
@@ -581,9 +586,14 @@ impl Store {
         also: impl IntoIterator<Item = String>,
         now_ms: i64,
     ) -> Result<BTreeMap<String, KeyFigures>> {
-        let hash: Vec<(String, String)> = self
-            .query(redis::cmd("HGETALL").arg(self.names.key_figures()))
-            .await?;
+        let mut p = redis::pipe();
+        p.cmd("HGETALL").arg(self.names.key_figures());
+        p.cmd("ZRANGE")
+            .arg(self.names.key_active())
+            .arg(now_ms)
+            .arg("+inf")
+            .arg("BYSCORE");
+        let (hash, live): (Vec<(String, String)>, Vec<String>) = self.pipe(&p).await?;
         let mut out: BTreeMap<String, KeyFigures> = BTreeMap::new();
         for k in also {
             out.entry(k).or_default();
@@ -605,27 +615,67 @@ impl Store {
                 _ => {}
             }
         }
-        if out.is_empty() {
+        // A key with a live lease and no figures (Redis lost the hash, not the sets) is shown.
+        for k in &live {
+            out.entry(k.clone()).or_default();
+        }
+        if live.is_empty() {
             return Ok(out);
         }
         let mut p = redis::pipe();
-        let from = now_ms;
-        for k in out.keys() {
+        for k in &live {
             p.cmd("ZCOUNT")
                 .arg(self.names.key_running(k))
-                .arg(from)
+                .arg(now_ms)
                 .arg("+inf");
             p.cmd("ZCOUNT")
                 .arg(self.names.key_reserved(k))
-                .arg(from)
+                .arg(now_ms)
                 .arg("+inf");
         }
         let counts: Vec<u64> = self.pipe(&p).await?;
-        for (f, c) in out.values_mut().zip(counts.chunks(2)) {
-            f.running = c.first().copied().unwrap_or(0);
-            f.reserved = c.get(1).copied().unwrap_or(0);
+        for (k, c) in live.iter().zip(counts.chunks(2)) {
+            if let Some(f) = out.get_mut(k) {
+                f.running = c.first().copied().unwrap_or(0);
+                f.reserved = c.get(1).copied().unwrap_or(0);
+            }
         }
         Ok(out)
+    }
+
+    /// Forgets the keys of `figures` (as [`Store::key_figures`] read them) that went idle: no
+    /// dispatch since `idle_since_ms` (Redis ms), nothing parked waiting, no live lease. Their
+    /// figures (`d:`, `w:`, `t:` in the `kf` hash) and lapsed leases go, and the `ka` set drops
+    /// every key without a live lease (`control/forget_keys.lua`, which checks each key again
+    /// atomically: one dispatched to meanwhile stays). At most `max` keys per call, the
+    /// longest idle first. Returns how many were forgotten.
+    ///
+    /// # Errors
+    /// Redis failed.
+    pub async fn forget_idle_keys(
+        &self,
+        figures: &BTreeMap<String, KeyFigures>,
+        idle_since_ms: i64,
+        max: usize,
+    ) -> Result<u64> {
+        let mut idle: Vec<(&i64, &String)> = figures
+            .iter()
+            .filter(|(_, f)| {
+                f.last_ms > 0
+                    && f.last_ms < idle_since_ms
+                    && f.waiting == 0
+                    && f.running == 0
+                    && f.reserved == 0
+            })
+            .map(|(k, f)| (&f.last_ms, k))
+            .collect();
+        idle.sort_unstable();
+        let mut inv = self.scripts.forget_keys.prepare_invoke();
+        inv.key(self.names.prefix()).arg(idle_since_ms);
+        for (_, k) in idle.into_iter().take(max) {
+            inv.arg(k);
+        }
+        self.invoke(&inv).await
     }
 }
 

@@ -51,6 +51,20 @@ local function K_kq(key) return P .. 'kq:' .. key end
 local function K_kr(key) return P .. 'kr:' .. key end
 local function K_kb(key) return P .. 'kb:' .. key end
 local function K_kf() return P .. 'kf' end
+-- The keys that may hold a live lease (a sorted set: member = key, score = the latest lease
+-- expiry written to its kq:/kr: sets, Redis ms, kept by `ZADD GT` beside every such write):
+-- a key scored below now holds no live lease, so the figures count only the keys at or above
+-- it (`fleet::Store::key_figures`) however many keys were ever seen.
+local function K_ka() return P .. 'ka' end
+-- Scores each of `names` (fairness keys, each once) in K_ka at `until_` unless it is scored
+-- higher already: one variadic `ZADD GT` (Redis ≥ 6.2) per call, whatever the number of keys.
+local function keys_leased(names, until_)
+  local a = {}
+  for i, k in ipairs(names) do a[2 * i - 1] = until_; a[2 * i] = k end
+  for c = 1, #a, 4000 do
+    redis.call('ZADD', K_ka(), 'GT', unpack(a, c, math.min(c + 3999, #a)))
+  end
+end
 -- A group lane's fair park queues: which queue each fairness key parks in (reserve.lua).
 local function K_fsh(g, lane) return P .. 'fsh:' .. g .. ':' .. lane end
 -- Tombstone of a group being (or just) reclaimed; see reclaim.lua.

@@ -276,6 +276,12 @@ impl Names {
     pub fn key_figures(&self) -> String {
         format!("{}kf", self.prefix)
     }
+    /// The keys that may hold a live lease: a sorted set, member = fairness key, score = the
+    /// latest lease expiry (Redis ms) written to its reserved or running set (`ZADD GT`, by
+    /// the reservation, the claim and the heartbeat). A key scored below now holds none.
+    pub fn key_active(&self) -> String {
+        format!("{}ka", self.prefix)
+    }
     /// The label index: the set of groups whose labels hold the pair `k=v`.
     pub fn label_index(&self, pair: &str) -> String {
         format!("{}idx:{}", self.prefix, pair)
@@ -404,6 +410,7 @@ mod tests {
             ("K_kr('acme')", n.key_running("acme")),
             ("K_kb('acme')", n.key_bucket("acme")),
             ("K_kf()", n.key_figures()),
+            ("K_ka()", n.key_active()),
             ("K_fsh('g=1', 'normal')", n.fair_assignments("g=1", l)),
         ];
         let calls: Vec<&str> = pairs.iter().map(|(call, _)| *call).collect();

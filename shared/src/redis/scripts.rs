@@ -92,6 +92,10 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../broker/dead_lock.lua"),
     ),
     ("control/cancel.lua", include_str!("../control/cancel.lua")),
+    (
+        "control/forget_keys.lua",
+        include_str!("../control/forget_keys.lua"),
+    ),
     ("status/decided.lua", include_str!("../status/decided.lua")),
     ("status/walk.lua", include_str!("../status/walk.lua")),
     ("status/trim.lua", include_str!("../status/trim.lua")),
@@ -150,6 +154,9 @@ pub struct Scripts {
     /// `control/cancel.lua`: marks tasks cancelled (an operator's cancel, or the control stream
     /// applied again after a Redis loss; see `fleet::control`).
     pub cancel: Script,
+    /// `control/forget_keys.lua`: forgets the fairness keys that went idle (their figures,
+    /// lapsed leases and K_ka entry).
+    pub forget_keys: Script,
     /// `status/decided.lua`: the status transitions the scheduler decided for a batch
     /// ([`crate::status::Writes`]), never over a final state.
     pub decided: Script,
@@ -189,6 +196,7 @@ impl Scripts {
             dead_unclaim: Script::new(include_str!("../broker/dead_unclaim.lua")),
             dead_lock: Script::new(include_str!("../broker/dead_lock.lua")),
             cancel: script!("../control/cancel.lua"),
+            forget_keys: script!("../control/forget_keys.lua"),
             decided: script!("../status/decided.lua"),
             walk: script!("../status/walk.lua"),
             trim: script!("../status/trim.lua"),

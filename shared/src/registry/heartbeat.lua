@@ -27,6 +27,11 @@ redis.call('HSET', K_group(g), 'h:' .. id, ARGV[10])
 -- finished (finish.lua) before this script runs; re-adding it would leak a slot for a lease.
 -- The renewals are deferred: one ZADD/SADD per set per beat (keys.lua defer), whatever the
 -- number of running tasks.
+-- The fairness keys whose run leases this beat renews, each once (K_ka, after the loop).
+local leased, leased_seen = {}, {}
+local function lease_of(key)
+  if not leased_seen[key] then leased_seen[key] = true; leased[#leased + 1] = key end
+end
 for i = 11, #ARGV do
   local lane, key, task = string.match(ARGV[i], '^(%a+):?([^|]*)|(.*)$')
   local entry = lane and (lane .. '|' .. task)
@@ -38,11 +43,11 @@ for i = 11, #ARGV do
       -- views' one source); finish.lua removes both entries whatever the record says.
       defer('ZADD', K_run(g, lane), lease_until, task)
       defer('SADD', K_wrun(id), entry)
-      if key ~= '' then defer('ZADD', K_kr(key), lease_until, task) end
+      if key ~= '' then defer('ZADD', K_kr(key), lease_until, task); lease_of(key) end
     elseif r[1] == inst and r[2] == 'run' then
       defer('ZADD', K_run(g, lane), lease_until, task)
       defer('SADD', K_wrun(id), entry)
-      if key ~= '' then defer('ZADD', K_kr(key), lease_until, task) end
+      if key ~= '' then defer('ZADD', K_kr(key), lease_until, task); lease_of(key) end
       if not r[3] then
         -- Still running here after this process was evicted (frozen past the heartbeat
         -- timeout) and registered again: the eviction wrote it back to queued and dropped its
@@ -54,4 +59,5 @@ for i = 11, #ARGV do
   end
 end
 flush_deferred()
+keys_leased(leased, lease_until)
 return w[3]

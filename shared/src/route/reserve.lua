@@ -430,6 +430,7 @@ for t = 1, n do
         -- the common case costs no command (the API counts live leases only: ZCOUNT).
         if ks.max or ks.used ~= nil or math.random() < 1 / 32 then ks.used = kused(ks) + 1 end
         defer('ZADD', K_kq(ks.name), lease_until, id)
+        ks.leased = true
         if ks.rate then ks.tokens = ktokens(ks) - 1 end
         ks.dispatched = ks.dispatched + 1
         if from_park then ks.waiting = ks.waiting - 1 end
@@ -477,6 +478,13 @@ for t = 1, n do
 end
 flush_deferred()
 for _, hk in ipairs(fshkeys) do redis.call('PEXPIRE', hk, 3600000) end
+do
+  local leased = {}
+  for _, ks in ipairs(keys) do
+    if ks.leased then leased[#leased + 1] = ks.name end
+  end
+  keys_leased(leased, lease_until)
+end
 -- Per key: its bucket, its figures (one hash for every key, read once and written once per
 -- batch whatever the number of keys: HMGET of the counters that change, one HSET), and what
 -- it holds now.

@@ -49,6 +49,8 @@ if redis.call('HGET', K_worker(w), 'instance') ~= inst then out[1] = 'gone' end
 
 -- `r`: the record as read below (its `state` and `finished_at` tell status_running what to do).
 local key = ''
+-- The fairness keys this batch leased a run for, each once (K_ka, after the loop).
+local leased, leased_seen = {}, {}
 -- The batch's key names, built once per lane (not per task).
 local RESV, RUN, WRUN = { normal = K_resv(g, 'normal'), critical = K_resv(g, 'critical') },
   { normal = K_run(g, 'normal'), critical = K_run(g, 'critical') }, K_wrun(w)
@@ -58,6 +60,7 @@ local function grant(lane, id, t, base, att, iso, r)
   if key ~= '' then
     defer('ZREM', K_kq(key), id)
     defer('ZADD', K_kr(key), lease_until, id)
+    if not leased_seen[key] then leased_seen[key] = true; leased[#leased + 1] = key end
   end
   defer('SADD', WRUN, lane .. '|' .. id)
   status_running(id, g, lane, w, att, base, inst, iso, st_ttl, { exists = r[8] ~= false, finished = r[9] ~= false })
@@ -170,4 +173,5 @@ for k = 0, n - 1 do
   out[#out + 1] = num
 end
 flush_deferred()
+keys_leased(leased, lease_until)
 return out

@@ -172,6 +172,12 @@ async fn runtime_limits_are_audited_and_survive_a_restart_and_flushall() -> Resu
         .arg(now - 1_000)
         .arg("t3")
         .ignore();
+    // ... and, beside every lease, its latest expiry in the keys that may hold one.
+    p.cmd("ZADD")
+        .arg(n.key_active())
+        .arg(now + 60_000)
+        .arg("zeta")
+        .ignore();
     ns.store.pipe::<()>(&p).await?;
     let list = get(&sched, "/v1/keys").await?;
     let zeta = &list["keys"][0];
@@ -625,6 +631,11 @@ async fn key_gauges_show_the_top_keys_and_sum_the_rest() -> Result<()> {
                 .arg(n.key_running(k))
                 .arg(now + 60_000)
                 .arg(format!("{k}-{i}"))
+                .ignore();
+            p.cmd("ZADD")
+                .arg(n.key_active())
+                .arg(now + 60_000)
+                .arg(k)
                 .ignore();
         }
     }

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::ensure;
+use deadpool_redis::redis;
 use fleet::Envelope;
 use fleet_tests::*;
 use fleet_worker::executor::{handler_fn, Handler};
@@ -897,5 +898,133 @@ async fn keyed_tasks_parked_in_a_fair_queue_survive_a_flushall_and_a_restart() -
     }
     w.stop().await?;
     s2.stop().await?;
+    ns.cleanup().await
+}
+
+/// The row of `key` in `GET /v1/keys`, if listed.
+async fn key_row(sched: &SchedulerHandle, key: &str) -> anyhow::Result<Option<Value>> {
+    let list = get_json(&sched.url("/v1/keys")).await?;
+    Ok(list["keys"]
+        .as_array()
+        .and_then(|a| a.iter().find(|r| r["key"] == key))
+        .cloned())
+}
+
+/// Keys that went idle are forgotten (`FLEET_KEY_FORGET_MS`): the stats loop reads the key
+/// figures every second, and reads what the active keys hold, not every key ever seen. 2,000
+/// keys seen an hour ago leave Redis (figures and lapsed leases); a key whose task runs past
+/// the window, with run leases of 1 s that only heartbeats renew, is shown running at every
+/// look and kept; a forgotten key that comes back starts from zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn idle_keys_are_forgotten_and_a_long_running_one_is_not() -> anyhow::Result<()> {
+    let ns = Ns::new().await?;
+    let runs = Runs::default();
+    let h = [(JOB, runs.handler())];
+    let mut cfg = SCHEDULER.to_vec();
+    cfg.push(("key_forget_ms", "1500"));
+    // Reservations and runs leased for 1 s: past its first second the long task's leases
+    // live by its worker's heartbeats (every 300 ms) only.
+    cfg.push(("reservation_lease_ms", "1000"));
+    let sched = start_scheduler(&ns, &cfg).await?;
+    let mut wcfg = WORKER.to_vec();
+    wcfg.push(("run_lease_ms", "1000"));
+    let _w = start_worker(&ns, "w-fg", "pool=fg", 4, &wcfg, &h).await?;
+    // 2,000 keys last dispatched an hour ago, as the dispatcher leaves them: figures, and a
+    // lapsed run lease each.
+    const OLD: usize = 2000;
+    let n = &ns.store.names;
+    let now = ns.store.clock.now_ms();
+    let mut p = redis::pipe();
+    for i in 0..OLD {
+        let k = format!("old-{i}");
+        p.cmd("HSET")
+            .arg(n.key_figures())
+            .arg(format!("t:{k}"))
+            .arg(now - 3_600_000)
+            .arg(format!("d:{k}"))
+            .arg(1)
+            .ignore();
+        p.cmd("ZADD")
+            .arg(n.key_running(&k))
+            .arg(now - 3_599_000)
+            .arg(format!("x-{i}"))
+            .ignore();
+    }
+    ns.store.pipe::<()>(&p).await?;
+    let short = keyed("short", 10, "pool=fg");
+    let long = keyed("long", 5000, "pool=fg");
+    submit_all(&ns, &[short.clone(), long.clone()]).await?;
+    wait_for("the long task started", Duration::from_secs(20), || async {
+        runs.snapshot()
+            .iter()
+            .any(|r| r.key == "long")
+            .then_some(())
+    })
+    .await?;
+    // While it runs (no end recorded before and after the look), it is shown running.
+    let mut looks = 0;
+    while runs.done("long") == 0 {
+        let row = key_row(&sched, "long").await?;
+        if runs.done("long") > 0 {
+            break;
+        }
+        let running = row.as_ref().map(|r| r["running"].clone());
+        ensure!(
+            running == Some(json!(1)),
+            "look {looks}: the running key shows {row:?}"
+        );
+        looks += 1;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    ensure!(looks >= 10, "only {looks} looks while the long task ran");
+    // The short key and the old ones were forgotten meanwhile: no figures, no lease sets.
+    ensure!(
+        key_row(&sched, "short").await?.is_none(),
+        "the short key is still listed after 4 s idle"
+    );
+    let mut p = redis::pipe();
+    p.cmd("HLEN").arg(n.key_figures());
+    for i in 0..OLD {
+        p.cmd("EXISTS").arg(n.key_running(&format!("old-{i}")));
+    }
+    let left: Vec<u64> = ns.store.pipe(&p).await?;
+    let (fields, sets) = (left[0], left[1..].iter().sum::<u64>());
+    // What is left of the hash: the long key's t: and d: (its w: is not written: it never parked).
+    ensure!(
+        (fields, sets) <= (3, 0),
+        "{fields} fields in the figures hash, {sets} lease sets of old keys left"
+    );
+    // Once the long task ended, it is forgotten too, and the set of keys with live leases empties.
+    wait_for(
+        "the long key forgotten",
+        Duration::from_secs(20),
+        || async {
+            let gone = key_row(&sched, "long").await.ok()?.is_none();
+            let active: u64 = ns
+                .store
+                .query(redis::cmd("ZCARD").arg(n.key_active()))
+                .await
+                .ok()?;
+            (gone && active == 0).then_some(())
+        },
+    )
+    .await?;
+    // A forgotten key that comes back starts from zero.
+    submit_all(&ns, &[keyed("short", 10, "pool=fg")]).await?;
+    wait_for("the short key again", Duration::from_secs(20), || async {
+        (runs.done("short") == 2).then_some(())
+    })
+    .await?;
+    let row = key_row(&sched, "short").await?;
+    ensure!(
+        row.as_ref().map(|r| r["dispatched"].clone()) == Some(json!(1)),
+        "{row:?}"
+    );
+    let per = runs.per_id();
+    ensure!(
+        per.get(&short.id) == Some(&1) && per.get(&long.id) == Some(&1),
+        "{per:?}"
+    );
+    println!("tenants forget: {OLD} old keys and the short key forgotten while the long one ran ({looks} looks, running 1 at each)");
     ns.cleanup().await
 }
