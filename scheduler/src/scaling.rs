@@ -308,8 +308,33 @@ impl Window {
         }
     }
 
-    /// Change per second of `id` between the oldest sample in the window and the newest (a
-    /// series missing from the oldest starts at 0); 0 with fewer than two samples.
+    /// Increase per second of the counter `id` over the window, reset-aware as Prometheus's
+    /// `rate()`: between two samples a fall is a reset to 0, so the increase is the new value
+    /// (a key's `dispatched` restarts from 0 when Redis loses it or the key is forgotten,
+    /// `FLEET_KEY_FORGET_MS`; a series missing from a sample reads 0). 0 with fewer than two
+    /// samples.
+    pub fn counter_rate(&self, id: &str) -> f64 {
+        let (Some((t0, _)), Some((t1, _))) = (self.samples.front(), self.samples.back()) else {
+            return 0.0;
+        };
+        let dt = t1.duration_since(*t0).as_secs_f64();
+        if dt <= 0.0 {
+            return 0.0;
+        }
+        let mut up = 0.0;
+        let mut prev: Option<f64> = None;
+        for (_, values) in &self.samples {
+            let v = values.get(id).copied().unwrap_or(0.0);
+            if let Some(p) = prev {
+                up += if v >= p { v - p } else { v };
+            }
+            prev = Some(v);
+        }
+        up / dt
+    }
+
+    /// Change per second of the level `id` between the oldest sample in the window and the
+    /// newest (a series missing from the oldest starts at 0); 0 with fewer than two samples.
     pub fn rate(&self, id: &str) -> f64 {
         let (Some((t0, first)), Some((t1, last))) = (self.samples.front(), self.samples.back())
         else {
@@ -458,7 +483,7 @@ pub async fn sample(
             running: f.running,
             reserved: f.reserved,
             max_running: limits.for_key(k).max_running,
-            dispatch_rate: window.rate(&rate_id("k", k, "")).max(0.0),
+            dispatch_rate: window.counter_rate(&rate_id("k", k, "")),
             ..Default::default()
         };
         match cause {
@@ -522,7 +547,7 @@ pub async fn sample(
             } else {
                 oldest.unwrap_or(0.0)
             };
-            f.dispatch_rate = window.rate(&rate_id("d", &g.group, lane.as_str())).max(0.0);
+            f.dispatch_rate = window.counter_rate(&rate_id("d", &g.group, lane.as_str()));
             f.submit_rate =
                 (f.dispatch_rate + window.rate(&rate_id("p", &g.group, lane.as_str()))).max(0.0);
             gsc.total.add(&f);
@@ -532,7 +557,7 @@ pub async fn sample(
     }
     out.submit_rate = Lane::ALL
         .iter()
-        .map(|l| window.rate(&rate_id("s", l.as_str(), "")).max(0.0))
+        .map(|l| window.counter_rate(&rate_id("s", l.as_str(), "")))
         .sum();
     out.dispatch_rate = out.groups.values().map(|g| g.total.dispatch_rate).sum();
 
@@ -856,7 +881,25 @@ mod tests {
             );
         }
         assert_eq!(w.rate("x"), 2.0);
+        assert_eq!(w.counter_rate("x"), 2.0);
         assert!(w.samples.len() <= 8, "{} samples kept", w.samples.len());
+    }
+
+    #[test]
+    fn a_counter_that_restarts_from_zero_is_not_a_negative_rate() {
+        let mut w = Window::default();
+        let t0 = Instant::now();
+        // 500 → 520, then forgotten (missing), then back from 0: 3, then 9.
+        for (i, v) in [Some(500.0), Some(520.0), None, Some(3.0), Some(9.0)]
+            .into_iter()
+            .enumerate()
+        {
+            let values = v.map(|v| [("k".to_string(), v)].into()).unwrap_or_default();
+            w.push(t0 + Duration::from_secs(10 * i as u64), values);
+        }
+        // 20 + 3 + 6 over 40 s; the level's reading would be (9 - 500) / 40.
+        assert_eq!(w.counter_rate("k"), 29.0 / 40.0);
+        assert!(w.rate("k") < 0.0);
     }
 
     #[test]

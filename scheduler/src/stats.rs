@@ -143,8 +143,12 @@ async fn key_gauges(
         .forget_idle_keys(&figures, idle_since, FORGET_PER_TICK)
         .await
     {
-        Ok(0) => {}
-        Ok(n) => tracing::debug!(keys = n, "forgot idle fairness keys"),
+        Ok((0, _)) => {}
+        Ok((keys, lapsed)) => {
+            // Leases that lapsed unseen (a crash's leftovers) count where reserve.lua's do.
+            metrics::counter!(m::KEY_SLOTS_RECLAIMED).increment(lapsed);
+            tracing::debug!(keys, lapsed, "forgot idle fairness keys");
+        }
         Err(e) => tracing::debug!(error = %e, "forgetting idle keys failed"),
     }
     Ok(figures)

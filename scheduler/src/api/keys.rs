@@ -1,7 +1,8 @@
 //! Fairness keys (tenants, [`fleet::control::KeyLimits`]): their limits and figures.
 //!
 //! * `GET /v1/keys` (role `read`): every key known — with a recent activity in Redis (the
-//!   `kf` hash), with limits of its own (settings or runtime) or paused — sorted by tasks
+//!   `kf` hash; a key idle for `FLEET_KEY_FORGET_MS` is forgotten), a lease not lapsed (the
+//!   `ka` set), limits of its own (settings or runtime) or paused — sorted by tasks
 //!   waiting (most first), then name:
 //!   `{"keys": [K...], "default": D, "as_of", "as_of_ms"}`, each
 //!   `K = {"key", "running", "reserved", "waiting", "dispatched", "max_running", "min_running",

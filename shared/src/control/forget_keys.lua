@@ -9,10 +9,10 @@
 -- A key dispatched to meanwhile is kept: the checks run here, atomically.
 -- KEYS[1]: key prefix
 -- ARGV[1]: idle since (Redis ms)   ARGV[2..]: keys
--- returns: the number of keys forgotten
+-- returns: {keys forgotten, lapsed leases dropped (`fleet_key_slots_reclaimed_total`)}
 local since, now = tonumber(ARGV[1]), NOW_MS
 local below_now = '(' .. numstr(now)
-local gone = 0
+local gone, dropped = 0, 0
 for i = 2, #ARGV do
   local k = ARGV[i]
   local f = redis.call('HMGET', K_kf(), 't:' .. k, 'w:' .. k)
@@ -25,12 +25,12 @@ for i = 2, #ARGV do
       or redis.call('ZCOUNT', K_kr(k), now, '+inf') > 0)
     if not live then
       redis.call('HDEL', K_kf(), 't:' .. k, 'd:' .. k, 'w:' .. k)
-      redis.call('ZREMRANGEBYSCORE', K_kq(k), '-inf', below_now)
-      redis.call('ZREMRANGEBYSCORE', K_kr(k), '-inf', below_now)
+      dropped = dropped + redis.call('ZREMRANGEBYSCORE', K_kq(k), '-inf', below_now)
+        + redis.call('ZREMRANGEBYSCORE', K_kr(k), '-inf', below_now)
       if sc then redis.call('ZREM', K_ka(), k) end
       gone = gone + 1
     end
   end
 end
 redis.call('ZREMRANGEBYSCORE', K_ka(), '-inf', below_now)
-return gone
+return { gone, dropped }

@@ -648,7 +648,7 @@ impl Store {
     /// figures (`d:`, `w:`, `t:` in the `kf` hash) and lapsed leases go, and the `ka` set drops
     /// every key without a live lease (`control/forget_keys.lua`, which checks each key again
     /// atomically: one dispatched to meanwhile stays). At most `max` keys per call, the
-    /// longest idle first. Returns how many were forgotten.
+    /// longest idle first. Returns (keys forgotten, lapsed leases dropped with them).
     ///
     /// # Errors
     /// Redis failed.
@@ -657,7 +657,7 @@ impl Store {
         figures: &BTreeMap<String, KeyFigures>,
         idle_since_ms: i64,
         max: usize,
-    ) -> Result<u64> {
+    ) -> Result<(u64, u64)> {
         let mut idle: Vec<(&i64, &String)> = figures
             .iter()
             .filter(|(_, f)| {
@@ -675,7 +675,11 @@ impl Store {
         for (_, k) in idle.into_iter().take(max) {
             inv.arg(k);
         }
-        self.invoke(&inv).await
+        let r: Vec<u64> = self.invoke(&inv).await?;
+        Ok((
+            r.first().copied().unwrap_or(0),
+            r.get(1).copied().unwrap_or(0),
+        ))
     }
 }
 

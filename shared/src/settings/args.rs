@@ -262,7 +262,7 @@ pub struct SchedulerArgs {
     /// Fairness keys shown one by one in the `fleet_key_*` metrics: the N with the most tasks waiting; the rest are summed under `key="other"` (bounded label values).
     #[arg(long, env = "FLEET_KEY_METRICS_TOP", default_value = "20", value_parser = positive::<usize>)]
     pub key_metrics_top: usize,
-    /// Fairness keys: a key with no dispatch for this long, nothing parked waiting and no task reserved or running is forgotten — its figures (dispatched, last activity) and lapsed leases leave Redis, as its token bucket and fair-queue place expire after an hour — so the per-second key figures cost what the active keys cost, not every key ever seen; a key that comes back starts from zero. In milliseconds.
+    /// Fairness keys: a key not routed for this long, with nothing parked waiting and no task reserved or running, is forgotten — its figures (dispatched, last activity) and lapsed leases leave Redis, as its token bucket expires after an hour — so the per-second key figures cost what the active keys cost, not every key ever seen; a key that comes back starts from zero (its dispatch rate reads the restart as a counter reset), in milliseconds.
     #[arg(long, env = "FLEET_KEY_FORGET_MS", default_value = "3600000", value_parser = positive::<u64>)]
     pub key_forget_ms: u64,
 }

@@ -912,25 +912,35 @@ async fn key_row(sched: &SchedulerHandle, key: &str) -> anyhow::Result<Option<Va
 
 /// Keys that went idle are forgotten (`FLEET_KEY_FORGET_MS`): the stats loop reads the key
 /// figures every second, and reads what the active keys hold, not every key ever seen. 2,000
-/// keys seen an hour ago leave Redis (figures and lapsed leases); a key whose task runs past
-/// the window, with run leases of 1 s that only heartbeats renew, is shown running at every
-/// look and kept; a forgotten key that comes back starts from zero.
+/// keys routed an hour ago leave Redis (figures and lapsed leases), and so does a key idle for
+/// the window, while a key whose task runs four times the window is kept and shown running at
+/// every look where its lease lives. Its leases are 1 s (reservation) and 3 s (run): the
+/// reservation's lapses before the first heartbeat and the run's before the task ends, so the
+/// claim's and the heartbeats' writes of the key's lease expiry (the `ka` set, which the
+/// figures trust) are what keeps it counted — checked directly too: at every look `ka` scores
+/// the key at or above every lease it holds. A forgotten key that comes back starts from zero.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn idle_keys_are_forgotten_and_a_long_running_one_is_not() -> anyhow::Result<()> {
     let ns = Ns::new().await?;
     let runs = Runs::default();
     let h = [(JOB, runs.handler())];
     let mut cfg = SCHEDULER.to_vec();
-    cfg.push(("key_forget_ms", "1500"));
-    // Reservations and runs leased for 1 s: past its first second the long task's leases
-    // live by its worker's heartbeats (every 300 ms) only.
-    cfg.push(("reservation_lease_ms", "1000"));
+    cfg.extend([
+        ("key_forget_ms", "2000"),
+        ("reservation_lease_ms", "1000"),
+        ("stats_interval_ms", "200"),
+        ("heartbeat_timeout_ms", "8000"),
+    ]);
     let sched = start_scheduler(&ns, &cfg).await?;
     let mut wcfg = WORKER.to_vec();
-    wcfg.push(("run_lease_ms", "1000"));
+    wcfg.extend([
+        ("heartbeat_interval_ms", "1000"),
+        ("run_lease_ms", "3000"),
+        ("heartbeat_timeout_ms", "8000"),
+    ]);
     let _w = start_worker(&ns, "w-fg", "pool=fg", 4, &wcfg, &h).await?;
-    // 2,000 keys last dispatched an hour ago, as the dispatcher leaves them: figures, and a
-    // lapsed run lease each.
+    // 2,000 keys routed an hour ago, as the dispatcher leaves them: figures, and a lapsed run
+    // lease each.
     const OLD: usize = 2000;
     let n = &ns.store.names;
     let now = ns.store.clock.now_ms();
@@ -952,7 +962,7 @@ async fn idle_keys_are_forgotten_and_a_long_running_one_is_not() -> anyhow::Resu
     }
     ns.store.pipe::<()>(&p).await?;
     let short = keyed("short", 10, "pool=fg");
-    let long = keyed("long", 5000, "pool=fg");
+    let long = keyed("long", 8000, "pool=fg");
     submit_all(&ns, &[short.clone(), long.clone()]).await?;
     wait_for("the long task started", Duration::from_secs(20), || async {
         runs.snapshot()
@@ -961,40 +971,90 @@ async fn idle_keys_are_forgotten_and_a_long_running_one_is_not() -> anyhow::Resu
             .then_some(())
     })
     .await?;
-    // While it runs (no end recorded before and after the look), it is shown running.
-    let mut looks = 0;
+    let live_leases = || async {
+        let q: u64 = ns
+            .store
+            .query(
+                redis::cmd("ZCOUNT")
+                    .arg(n.key_running("long"))
+                    .arg(ns.store.clock.now_ms())
+                    .arg("+inf"),
+            )
+            .await?;
+        anyhow::Ok(q)
+    };
+    let (mut looks, mut counted, mut forgot_at) = (0, 0, None);
     while runs.done("long") == 0 {
+        // The invariant the figures rest on, read atomically: ka's score of the key is at or
+        // above each of its leases.
+        let mut p = redis::pipe();
+        p.atomic()
+            .cmd("ZSCORE")
+            .arg(n.key_active())
+            .arg("long")
+            .cmd("ZRANGE")
+            .arg(n.key_running("long"))
+            .arg(-1)
+            .arg(-1)
+            .arg("WITHSCORES")
+            .cmd("ZRANGE")
+            .arg(n.key_reserved("long"))
+            .arg(-1)
+            .arg(-1)
+            .arg("WITHSCORES");
+        type Leases = Vec<(String, f64)>;
+        let (ka, run, resv): (Option<f64>, Leases, Leases) = ns.store.pipe(&p).await?;
+        for (id, lease) in run.iter().chain(&resv) {
+            ensure!(
+                ka.is_some_and(|k| k >= *lease),
+                "look {looks}: {id}'s lease runs to {lease}, ka scores the key {ka:?}"
+            );
+        }
+        // The figures against the leases themselves, when the lease lived through the look.
+        let before = live_leases().await?;
         let row = key_row(&sched, "long").await?;
+        let after = live_leases().await?;
         if runs.done("long") > 0 {
             break;
         }
-        let running = row.as_ref().map(|r| r["running"].clone());
-        ensure!(
-            running == Some(json!(1)),
-            "look {looks}: the running key shows {row:?}"
-        );
+        if (before, after) == (1, 1) {
+            let got = row
+                .as_ref()
+                .map(|r| (r["running"].clone(), r["dispatched"].clone()));
+            ensure!(
+                got == Some((json!(1), json!(1))),
+                "look {looks}: the running key shows {row:?}"
+            );
+            counted += 1;
+        }
+        // The short key's and the old keys' figures gone: only the long key's t: and d: left.
+        if forgot_at.is_none() {
+            let fields: u64 = ns
+                .store
+                .query(redis::cmd("HLEN").arg(n.key_figures()))
+                .await?;
+            if fields == 2 {
+                forgot_at = Some(looks);
+            }
+        }
         looks += 1;
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    ensure!(looks >= 10, "only {looks} looks while the long task ran");
-    // The short key and the old ones were forgotten meanwhile: no figures, no lease sets.
     ensure!(
-        key_row(&sched, "short").await?.is_none(),
-        "the short key is still listed after 4 s idle"
+        counted >= 20,
+        "only {counted} of {looks} looks saw a live lease"
     );
+    let forgot_at = forgot_at.ok_or_else(|| {
+        anyhow::anyhow!("the short and old keys were not forgotten while the long key ran")
+    })?;
     let mut p = redis::pipe();
-    p.cmd("HLEN").arg(n.key_figures());
     for i in 0..OLD {
         p.cmd("EXISTS").arg(n.key_running(&format!("old-{i}")));
     }
-    let left: Vec<u64> = ns.store.pipe(&p).await?;
-    let (fields, sets) = (left[0], left[1..].iter().sum::<u64>());
-    // What is left of the hash: the long key's t: and d: (its w: is not written: it never parked).
-    ensure!(
-        (fields, sets) <= (3, 0),
-        "{fields} fields in the figures hash, {sets} lease sets of old keys left"
-    );
-    // Once the long task ended, it is forgotten too, and the set of keys with live leases empties.
+    let sets: u64 = ns.store.pipe::<Vec<u64>>(&p).await?.iter().sum();
+    ensure!(sets == 0, "{sets} lease sets of old keys left");
+    // Once the long task ended, it is forgotten too, and the set of keys with live leases
+    // empties.
     wait_for(
         "the long key forgotten",
         Duration::from_secs(20),
@@ -1009,22 +1069,29 @@ async fn idle_keys_are_forgotten_and_a_long_running_one_is_not() -> anyhow::Resu
         },
     )
     .await?;
-    // A forgotten key that comes back starts from zero.
+    // A forgotten key that comes back starts from zero: listed again with 1 dispatched.
     submit_all(&ns, &[keyed("short", 10, "pool=fg")]).await?;
-    wait_for("the short key again", Duration::from_secs(20), || async {
-        (runs.done("short") == 2).then_some(())
-    })
+    let row = wait_for(
+        "the short key listed again",
+        Duration::from_secs(20),
+        || async { key_row(&sched, "short").await.ok()? },
+    )
     .await?;
-    let row = key_row(&sched, "short").await?;
-    ensure!(
-        row.as_ref().map(|r| r["dispatched"].clone()) == Some(json!(1)),
-        "{row:?}"
-    );
+    ensure!(row["dispatched"] == json!(1), "{row}");
+    wait_for(
+        "the short key's second task",
+        Duration::from_secs(20),
+        || async { (runs.done("short") == 2).then_some(()) },
+    )
+    .await?;
     let per = runs.per_id();
     ensure!(
         per.get(&short.id) == Some(&1) && per.get(&long.id) == Some(&1),
         "{per:?}"
     );
-    println!("tenants forget: {OLD} old keys and the short key forgotten while the long one ran ({looks} looks, running 1 at each)");
+    println!(
+        "tenants forget: {OLD} old keys and the short key forgotten by look {forgot_at} of \
+         {looks} while the long key ran, shown running at {counted} looks with a live lease"
+    );
     ns.cleanup().await
 }
