@@ -168,14 +168,27 @@ do
     b = b + 5
   end
 end
+-- The slots key ks holds (reserved + running, leases not lapsed), read once per batch: two
+-- ZCOUNTs; lapsed entries are not counted and stay until a sweep (ksweep).
+local live_from = '(' .. numstr(now)
 local function kused(ks)
   if ks.used == nil then
-    local q, r = K_kq(ks.name), K_kr(ks.name)
-    reclaimed = reclaimed + redis.call('ZREMRANGEBYSCORE', q, '-inf', now)
-      + redis.call('ZREMRANGEBYSCORE', r, '-inf', now)
-    ks.used = redis.call('ZCARD', q) + redis.call('ZCARD', r)
+    ks.used = redis.call('ZCOUNT', K_kq(ks.name), live_from, '+inf')
+      + redis.call('ZCOUNT', K_kr(ks.name), live_from, '+inf')
   end
   return ks.used
+end
+-- Drops key ks's lapsed leases (a crash's leftovers), counted in `reclaimed`
+-- (`fleet_key_slots_reclaimed_total`): in one batch in 32 per key at random, and when the key
+-- is forgotten (control/forget_keys.lua), so the common case costs no command for it.
+local function ksweep(ks)
+  if ks.swept == nil then
+    ks.swept = math.random() < 1 / 32
+    if ks.swept then
+      reclaimed = reclaimed + redis.call('ZREMRANGEBYSCORE', K_kq(ks.name), '-inf', now)
+        + redis.call('ZREMRANGEBYSCORE', K_kr(ks.name), '-inf', now)
+    end
+  end
 end
 local function ktokens(ks)
   if ks.tokens == nil then
@@ -425,10 +438,10 @@ for t = 1, n do
       defer('ZADD', s.resv, lease_until, id)
       if ks then
         -- Counted before the deferred ZADD: kused reads the set as the batch found it. A key
-        -- without max_running needs no count: its sets are read (and their lapsed leases
-        -- dropped and counted) in one batch of 32 at random, so a crash's leftovers go, while
-        -- the common case costs no command (the API counts live leases only: ZCOUNT).
-        if ks.max or ks.used ~= nil or math.random() < 1 / 32 then ks.used = kused(ks) + 1 end
+        -- without max_running needs no count (the API counts live leases itself: ZCOUNT)
+        -- but in a batch that sweeps it.
+        ksweep(ks)
+        if ks.max or ks.used ~= nil or ks.swept then ks.used = kused(ks) + 1 end
         defer('ZADD', K_kq(ks.name), lease_until, id)
         ks.leased = true
         if ks.rate then ks.tokens = ktokens(ks) - 1 end
