@@ -217,20 +217,27 @@ local function fair_queue(g, lane, ks)
   local hk = K_fsh(g, lane)
   local c = fshcache[hk]
   if not c then
+    -- Read once per hash per batch, for every key of the batch (one HMGET, not one HGET per
+    -- key that parks): false = no queue assigned yet.
     c = {}; fshcache[hk] = c
     fshkeys[#fshkeys + 1] = hk
+    for from = 1, #keys, 4000 do
+      local names = {}
+      for j = from, math.min(from + 3999, #keys) do names[#names + 1] = keys[j].name end
+      local got = redis.call('HMGET', hk, unpack(names))
+      for j, name in ipairs(names) do c[name] = got[j] end
+    end
   end
   local q = c[ks.name]
-  if q == nil then
-    q = redis.call('HGET', hk, ks.name)
-    if not q then
-      local nth = redis.call('HINCRBY', hk, '#', 1)
-      -- A hash this call created gets its TTL at once (a call that fails later must not
-      -- leave it without one); every hash touched is renewed after the loop.
-      if nth == 1 then redis.call('PEXPIRE', hk, 3600000) end
-      q = tostring((nth - 1) % fairq)
-      redis.call('HSET', hk, ks.name, q)
-    end
+  if not q then
+    -- Assigned when the key first waits in this group lane (round robin: up to fairq
+    -- waiting keys never share a queue).
+    local nth = redis.call('HINCRBY', hk, '#', 1)
+    -- A hash this call created gets its TTL at once (a call that fails later must not
+    -- leave it without one); every hash touched is renewed after the loop.
+    if nth == 1 then redis.call('PEXPIRE', hk, 3600000) end
+    q = tostring((nth - 1) % fairq)
+    redis.call('HSET', hk, ks.name, q)
     c[ks.name] = q
   end
   return q

@@ -237,6 +237,20 @@ async fn a_flooding_key_does_not_delay_another_beyond_its_share() -> anyhow::Res
             (3_000_000..=3_600_000).contains(&ttl),
             "{h}: TTL {ttl} ms, want an hour from the last batch"
         );
+        // Both keys waited, each in a queue of its own, assigned round robin as it first
+        // waited (a key only read with the batch's others is not assigned).
+        let assigned: HashMap<String, String> = ns
+            .store
+            .query(deadpool_redis::redis::cmd("HGETALL").arg(&h))
+            .await?;
+        ensure!(
+            assigned.get("#").map(String::as_str) == Some("2")
+                && assigned.len() == 3
+                && assigned.get("a") != assigned.get("b")
+                && assigned.get("a").is_some_and(|q| q == "0" || q == "1")
+                && assigned.get("b").is_some_and(|q| q == "0" || q == "1"),
+            "{h}: {assigned:?}"
+        );
     }
     Ok(())
 }
