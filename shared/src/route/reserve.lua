@@ -33,8 +33,9 @@
 --   key index (1-based, into the keys above; 0: no key)
 -- A keyed task is counted against its key, cluster-wide: `kq:<key>` (reserved) and
 -- `kr:<key>` (running, start.lua) are leased sets like a group's, so a key's running +
--- reserved is exact across scheduler replicas and no slot outlives its lease (entries whose
--- lease lapsed are dropped here and counted: the trailing `reclaimed` figure). A task whose
+-- reserved is exact across scheduler replicas and no slot outlives its lease (a lapsed lease
+-- is not counted; it is dropped here, in one batch in 32 per key at random, and counted: the
+-- trailing `reclaimed` figure). A task whose
 -- key is paused, at `max_running` or out of rate tokens is answered 'kwait' (it waits without
 -- taking any room or token and without setting its group's parked flag: it blocks nobody). A
 -- keyed task never goes direct beyond a group's room: it parks, so the release loop can
@@ -58,7 +59,7 @@
 --          or out of tokens: park likewise, nothing taken) | 'none', '' (no live group matches and handles the kind) | 'dup', '' (id seen within the
 --          window) | 'fresh', '' (mode 2: not a duplicate) | 'cancelled', '' (an operator
 --          cancelled it, keys.lua status_cancelled: drop it, never dispatch; nothing reserved)
--- then, after the 2n entries: the number of key slots whose lease lapsed (dropped here),
+-- then, after the 2n entries: the number of key slots whose lease lapsed dropped here,
 --   then per key of the batch: name, running + reserved after the batch (-1: not read),
 --   blocked (1: a task of it was answered 'kwait').
 -- The cancel check costs no command on the way to a reservation: the record's state, which
@@ -164,7 +165,8 @@ do
   local b = 13 + npaused
   for j = 1, nkeys do
     keys[j] = { name = ARGV[b], max = tonumber(ARGV[b + 1]), rate = tonumber(ARGV[b + 2]),
-      burst = tonumber(ARGV[b + 3]) or 1, paused = ARGV[b + 4] == '1', dispatched = 0, waiting = 0 }
+      burst = tonumber(ARGV[b + 3]) or 1, paused = ARGV[b + 4] == '1', dispatched = 0, waiting = 0,
+      idx = j }
     b = b + 5
   end
 end
@@ -185,8 +187,8 @@ local function ksweep(ks)
   if ks.swept == nil then
     ks.swept = math.random() < 1 / 32
     if ks.swept then
-      reclaimed = reclaimed + redis.call('ZREMRANGEBYSCORE', K_kq(ks.name), '-inf', now)
-        + redis.call('ZREMRANGEBYSCORE', K_kr(ks.name), '-inf', now)
+      reclaimed = reclaimed + redis.call('ZREMRANGEBYSCORE', K_kq(ks.name), '-inf', NOW_STR)
+        + redis.call('ZREMRANGEBYSCORE', K_kr(ks.name), '-inf', NOW_STR)
     end
   end
 end
@@ -211,24 +213,34 @@ end
 -- The fair-queue hashes this batch read (each kept an hour from its last use: renewed once
 -- per hash per batch, after the loop, not once per key).
 local fshcache, fshkeys = {}, {}
+local FSH_AHEAD = 32
 -- The fair park queue of key ks in group g's lane ('' for the group's park queue).
 local function fair_queue(g, lane, ks)
   if fairq <= 0 or lane ~= 'normal' then return '' end
   local hk = K_fsh(g, lane)
   local c = fshcache[hk]
   if not c then
-    -- Read once per hash per batch, for every key of the batch (one HMGET, not one HGET per
-    -- key that parks): false = no queue assigned yet.
     c = {}; fshcache[hk] = c
     fshkeys[#fshkeys + 1] = hk
-    for from = 1, #keys, 4000 do
-      local names = {}
-      for j = from, math.min(from + 3999, #keys) do names[#names + 1] = keys[j].name end
-      local got = redis.call('HMGET', hk, unpack(names))
-      for j, name in ipairs(names) do c[name] = got[j] end
-    end
   end
   local q = c[ks.name]
+  if q == nil then
+    -- Read ahead: this key and up to FSH_AHEAD - 1 keys after it in the batch (the keys are
+    -- in order of first task) not read yet in this hash, in one HMGET (false: no queue
+    -- assigned yet) — about one command per FSH_AHEAD keys that park here instead of one per
+    -- key, and a read never more than FSH_AHEAD fields, whatever the batch's keys.
+    local names = {}
+    for j = ks.idx, #keys do
+      local name = keys[j].name
+      if c[name] == nil then
+        names[#names + 1] = name
+        if #names == FSH_AHEAD then break end
+      end
+    end
+    local got = redis.call('HMGET', hk, unpack(names))
+    for j, name in ipairs(names) do c[name] = got[j] end
+    q = c[ks.name]
+  end
   if not q then
     -- Assigned when the key first waits in this group lane (round robin: up to fairq
     -- waiting keys never share a queue).
