@@ -64,7 +64,7 @@ pub struct SchedulerConfig {
     pub key_limits: fleet::control::KeyLimits,
     /// Keys shown one by one in the `fleet_key_*` metrics (`FLEET_KEY_METRICS_TOP`).
     pub key_metrics_top: usize,
-    /// A key idle this long (no dispatch, nothing waiting, no live lease) is forgotten
+    /// A key idle this long (not routed, nothing waiting, no live lease) is forgotten
     /// (`FLEET_KEY_FORGET_MS`; [`fleet::Store::forget_idle_keys`]).
     pub key_forget: Duration,
     /// How often the schedule firing loop looks for due ticks.

@@ -1,5 +1,5 @@
 -- forget_keys: forgets the fairness keys that went idle (`fleet::Store::forget_idle_keys`).
--- Of the keys named, each with no dispatch since ARGV[1] (its `t:` field in K_kf older, or
+-- Of the keys named, each not routed since ARGV[1] (its `t:` field in K_kf older, or
 -- none), nothing parked waiting (`w:` ≤ 0) and no live lease (none in its kq:/kr: sets,
 -- counted only when K_ka scores it at or above now) loses its figures (`t:`, `d:`, `w:` in
 -- K_kf), its lapsed leases (its kq:/kr: entries scored below now: the sets vanish when

@@ -643,8 +643,8 @@ impl Store {
         Ok(out)
     }
 
-    /// Forgets the keys of `figures` (as [`Store::key_figures`] read them) that went idle: no
-    /// dispatch since `idle_since_ms` (Redis ms), nothing parked waiting, no live lease. Their
+    /// Forgets the keys of `figures` (as [`Store::key_figures`] read them) that went idle: not
+    /// routed since `idle_since_ms` (Redis ms), nothing parked waiting, no live lease. Their
     /// figures (`d:`, `w:`, `t:` in the `kf` hash) and lapsed leases go, and the `ka` set drops
     /// every key without a live lease (`control/forget_keys.lua`, which checks each key again
     /// atomically: one dispatched to meanwhile stays). At most `max` keys per call, the
