@@ -10,7 +10,7 @@
 //! process of the same binary, and passes or fails with it, so the figures it reads are its
 //! own — as when every story was a binary of its own, but per test.
 //!
-//! A lock the test must hold against the other tests of this process (`ONE_CLUSTER`, ...) is
+//! A lock the test must hold against the other tests of this process (`reclaim::TURN`, ...) is
 //! taken before `own_process!()`: the parent holds it while the child runs.
 
 use std::process::Stdio;

@@ -11,9 +11,11 @@
 //!   `own_process!()` and runs alone in a child process of this binary (`fleet_tests::isolate`);
 //! - the tracing subscriber (`FLEET_TEST_LOG`): installed once by the first component;
 //! - the watchdog (`FLEET_TEST_DEADLINE_S`): it bounds each test's namespace, not the binary;
-//! - tests that must not overlap take a lock of their module (`cluster::ONE_CLUSTER`: one
-//!   private cluster at a time; `reclaim::TURN`, `orphans::REROUTING`), before `own_process!`
-//!   when they have both, so the lock is held in this process while the child runs.
+//! - tests that must not overlap take a lock of their module (`reclaim::TURN`,
+//!   `orphans::REROUTING`), before `own_process!` when they have both, so the lock is held in
+//!   this process while the child runs. A test waiting for a lock holds a test thread idle, so
+//!   long scenarios that must not overlap are one test run in turn (the private clusters of
+//!   `cluster::`), not several behind a lock.
 //!
 //! No test sets an environment variable of this process: settings reach in-process
 //! components as values (`Ns::settings`) and child processes through their own environment.
