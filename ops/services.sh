@@ -30,7 +30,7 @@
 #                               with RABBITMQ_NOFILE; also under CI=true. ops/test.sh sets it.
 #   RABBITMQ_NOFILE     (65536) open-file limit (ulimit -n) RabbitMQ is started with; the hard
 #                               limit when that is lower. Each quorum queue holds files open
-#                               and fleet declares 24 queues per namespace and 4 per group
+#                               and fleet declares 25 queues per namespace and 4 per group
 #                               (docs/scaling.md): at the default 1024 (a 927-handle cache) a
 #                               broker with ~335 queues wedged every new connection. Below
 #                               RABBITMQ_NOFILE_MIN (4096) the script stops with an error.
@@ -273,7 +273,7 @@ check_rabbitmq_nofile() {
     fi
     log "rabbitmq: file-descriptor limit $limit (rabbitmqctl status)"
     if [ "$limit" -lt "$((RABBITMQ_NOFILE_MIN - 100))" ]; then
-        "${1:-die}" "rabbitmq: file-descriptor limit $limit is too small for fleet's queues (24 per namespace, 4 per group; see docs/scaling.md): restart it with ulimit -n $RABBITMQ_NOFILE (stop it, then run ops/services.sh again; systemd: LimitNOFILE=$RABBITMQ_NOFILE)"
+        "${1:-die}" "rabbitmq: file-descriptor limit $limit is too small for fleet's queues (25 per namespace, 4 per group; see docs/scaling.md): restart it with ulimit -n $RABBITMQ_NOFILE (stop it, then run ops/services.sh again; systemd: LimitNOFILE=$RABBITMQ_NOFILE)"
         return 1
     fi
 }

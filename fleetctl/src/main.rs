@@ -122,16 +122,6 @@ struct Cli {
         help_heading = GLOBAL
     )]
     api: String,
-    /// Bearer token for the API (FLEET_API_TOKEN only: `--api-token` would show in the
-    /// process list).
-    #[arg(
-        long,
-        env = "FLEET_API_TOKEN",
-        hide = true,
-        hide_env_values = true,
-        global = true
-    )]
-    api_token: Option<String>,
     /// PEM CA file for `amqps://` (default: the system roots).
     #[arg(long, env = "FLEET_AMQP_TLS_CA_FILE", global = true, hide_env_values = true, help_heading = GLOBAL)]
     amqp_tls_ca_file: Option<String>,
@@ -183,7 +173,7 @@ enum Cmd {
     Status {
         /// The task's id.
         id: String,
-        /// Poll until the task is succeeded, dead or expired.
+        /// Poll until the task ends: succeeded, dead, expired or cancelled.
         #[arg(long)]
         wait: bool,
         /// With --wait: give up after this many seconds (1..=86400).
@@ -383,7 +373,7 @@ struct KeyLimitArgs {
     /// Dispatches per second (token bucket).
     #[arg(long)]
     rate: Option<f64>,
-    /// The rate's bucket size, tasks [default: max(1, ceil(rate / 10))].
+    /// The rate's bucket size, tasks [default: max(1, ceil(rate))].
     #[arg(long)]
     burst: Option<u32>,
     /// Share of a full group's room relative to other keys (default 1).
@@ -846,15 +836,12 @@ fn read_file(path: &std::path::Path) -> Result<Vec<Envelope>> {
 
 // ---- API reads ----
 
-/// The API client, sending `FLEET_API_TOKEN` as a bearer token when set.
-fn http(cli: &Cli) -> Result<reqwest::Client> {
+/// The API client, sending `FLEET_API_TOKEN` as a bearer token when set. The token is read
+/// from the environment only, never from a flag: a flag would show in the process list.
+fn http() -> Result<reqwest::Client> {
     let mut headers = reqwest::header::HeaderMap::new();
-    if let Some(token) = cli
-        .api_token
-        .as_deref()
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
-    {
+    let token = std::env::var("FLEET_API_TOKEN").unwrap_or_default();
+    if let Some(token) = Some(token.trim()).filter(|t| !t.is_empty()) {
         let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}"))
             .map_err(|_| anyhow!("FLEET_API_TOKEN: not a valid header value"))?;
         value.set_sensitive(true);
@@ -965,7 +952,7 @@ fn api(cli: &Cli, path: &str) -> String {
 }
 
 async fn status(cli: &Cli, id: &str, wait: bool, timeout: Duration) -> Result<ExitCode> {
-    let client = http(cli)?;
+    let client = http()?;
     let url = api(cli, &format!("/v1/tasks/{id}"));
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
@@ -1002,7 +989,7 @@ async fn status(cli: &Cli, id: &str, wait: bool, timeout: Duration) -> Result<Ex
 }
 
 async fn workers(cli: &Cli) -> Result<ExitCode> {
-    let v = get_json(&http(cli)?, &api(cli, "/v1/workers"))
+    let v = get_json(&http()?, &api(cli, "/v1/workers"))
         .await?
         .unwrap_or(Value::Array(vec![]));
     let workers: Vec<WorkerView> =
@@ -1117,7 +1104,7 @@ fn groups_table(groups: &[Value]) -> (Vec<&'static str>, Vec<Vec<String>>) {
 }
 
 async fn groups(cli: &Cli) -> Result<ExitCode> {
-    let v = get_json(&http(cli)?, &api(cli, "/v1/groups"))
+    let v = get_json(&http()?, &api(cli, "/v1/groups"))
         .await?
         .unwrap_or(Value::Array(vec![]));
     let groups = v.as_array().cloned().unwrap_or_default();
@@ -1126,7 +1113,7 @@ async fn groups(cli: &Cli) -> Result<ExitCode> {
     // What waits under no group's BACKLOG (`GET /v1/scaling`'s `unrouted`, the same sample
     // the autoscaling API gives): tasks no live worker matches or handles, tasks held by a
     // kind pause, delayed tasks not yet due. A scheduler too old to have the figure: no line.
-    if let Ok(Some(sc)) = get_json(&http(cli)?, &api(cli, "/v1/scaling")).await {
+    if let Ok(Some(sc)) = get_json(&http()?, &api(cli, "/v1/scaling")).await {
         if let Some(line) = unrouted_line(&sc) {
             out!("{line}");
         }
@@ -1155,7 +1142,7 @@ fn unrouted_line(scaling: &Value) -> Option<String> {
 
 async fn drain(cli: &Cli, id: &str) -> Result<ExitCode> {
     let url = api(cli, &format!("/v1/workers/{id}/drain"));
-    let resp = http(cli)?
+    let resp = http()?
         .post(&url)
         .json(&serde_json::json!({}))
         .send()
@@ -1187,7 +1174,7 @@ async fn cancel(cli: &Cli, id: &str, reason: Option<&str>) -> Result<ExitCode> {
         Some(r) => serde_json::json!({ "reason": r }),
         None => serde_json::json!({}),
     };
-    let resp = http(cli)?
+    let resp = http()?
         .post(&url)
         .json(&body)
         .send()
@@ -1271,7 +1258,7 @@ async fn pause(cli: &Cli, what: &PauseCmd, pausing: bool) -> Result<ExitCode> {
     };
     let url = api(cli, path);
     let (body, target) = pause_body(what);
-    let resp = http(cli)?
+    let resp = http()?
         .post(&url)
         .json(&body)
         .send()
@@ -1295,7 +1282,7 @@ async fn pause(cli: &Cli, what: &PauseCmd, pausing: bool) -> Result<ExitCode> {
 }
 
 async fn pauses(cli: &Cli) -> Result<ExitCode> {
-    let v = get_json(&http(cli)?, &api(cli, "/v1/pauses"))
+    let v = get_json(&http()?, &api(cli, "/v1/pauses"))
         .await?
         .unwrap_or(Value::Null);
     let text = |p: &Value, k: &str| p.get(k).and_then(Value::as_str).unwrap_or("-").to_string();
@@ -1382,7 +1369,7 @@ fn keys_table(keys: &[Value]) -> (Vec<&'static str>, Vec<Vec<String>>) {
 }
 
 async fn keys(cli: &Cli) -> Result<ExitCode> {
-    let v = get_json(&http(cli)?, &api(cli, "/v1/keys"))
+    let v = get_json(&http()?, &api(cli, "/v1/keys"))
         .await?
         .unwrap_or(Value::Null);
     let keys = v
@@ -1418,7 +1405,7 @@ async fn batch_status(cli: &Cli, id: &str) -> Result<ExitCode> {
     url.path_segments_mut()
         .map_err(|()| anyhow!("FLEET_API_URL cannot hold a path"))?
         .push(id);
-    let Some(v) = get_json(&http(cli)?, url.as_str()).await? else {
+    let Some(v) = get_json(&http()?, url.as_str()).await? else {
         eprintln!("fleetctl: unknown batch {id}");
         return Ok(ExitCode::FAILURE);
     };
@@ -1476,7 +1463,7 @@ async fn batch_cancel(cli: &Cli, id: &str, reason: Option<&str>) -> Result<ExitC
         Some(r) => serde_json::json!({ "reason": r }),
         None => serde_json::json!({}),
     };
-    let resp = http(cli)?
+    let resp = http()?
         .post(url.as_str())
         .json(&body)
         .send()
@@ -1565,7 +1552,7 @@ async fn key_limit(cli: &Cli, a: &KeyLimitArgs) -> Result<ExitCode> {
         bail!("give at least one of --max-running, --min-running, --rate, --burst, --weight, or --clear");
     }
     let url = key_limits_url(cli, key)?;
-    let resp = http(cli)?
+    let resp = http()?
         .put(url.clone())
         .json(&body)
         .send()
@@ -1616,7 +1603,7 @@ async fn tasks(cli: &Cli, f: &TaskFilter, limit: u32, cursor: Option<&str>) -> R
     }
     let url = reqwest::Url::parse_with_params(&api(cli, "/v1/tasks"), &pairs)
         .map_err(|e| anyhow!("bad API URL: {e}"))?;
-    let v = get_json(&http(cli)?, url.as_str())
+    let v = get_json(&http()?, url.as_str())
         .await?
         .unwrap_or(Value::Null);
     out!("{}", tasks_counts_line(&v));
@@ -1658,7 +1645,7 @@ fn tasks_counts_line(v: &Value) -> String {
 
 async fn bulk_post(cli: &Cli, body: &Value) -> Result<(reqwest::StatusCode, Value)> {
     let url = api(cli, "/v1/tasks/bulk");
-    let resp = http(cli)?
+    let resp = http()?
         .post(&url)
         .json(body)
         .send()
@@ -1753,7 +1740,7 @@ async fn audit(
             }
         }
     }
-    let v = get_json(&http(cli)?, url.as_str())
+    let v = get_json(&http()?, url.as_str())
         .await?
         .unwrap_or(Value::Null);
     let entries = v
@@ -2021,12 +2008,11 @@ struct ScheduleAddArgs {
 /// A POST always carries a JSON body (`{}` when there is nothing to say): the API takes no
 /// other content type.
 async fn schedule_call(
-    cli: &Cli,
     method: reqwest::Method,
     url: &str,
     body: Option<&Value>,
 ) -> Result<Option<Value>> {
-    let mut req = http(cli)?.request(method.clone(), url);
+    let mut req = http()?.request(method.clone(), url);
     match body {
         Some(b) => req = req.json(b),
         None if method == reqwest::Method::POST => req = req.json(&serde_json::json!({})),
@@ -2083,8 +2069,7 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
                 "name": a.name, "cron": a.cron, "timezone": a.timezone, "task": task,
                 "missed": a.missed, "catch_up_max": a.catch_up_max, "enabled": !a.paused,
             });
-            let r =
-                schedule_call(cli, Method::POST, &api(cli, "/v1/schedules"), Some(&body)).await?;
+            let r = schedule_call(Method::POST, &api(cli, "/v1/schedules"), Some(&body)).await?;
             done(r, &|v| {
                 out!(
                     "schedule {}: added, next tick {}",
@@ -2094,7 +2079,7 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
             })
         }
         ScheduleCmd::List => {
-            let r = schedule_call(cli, Method::GET, &api(cli, "/v1/schedules"), None).await?;
+            let r = schedule_call(Method::GET, &api(cli, "/v1/schedules"), None).await?;
             done(r, &|v| {
                 let s = |x: &Value, k: &str| {
                     x.get(k).and_then(Value::as_str).unwrap_or("-").to_string()
@@ -2143,7 +2128,6 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
         }
         ScheduleCmd::Pause { name } => {
             let r = schedule_call(
-                cli,
                 Method::POST,
                 &api(cli, &format!("/v1/schedules/{name}/pause")),
                 None,
@@ -2153,7 +2137,6 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
         }
         ScheduleCmd::Resume { name } => {
             let r = schedule_call(
-                cli,
                 Method::POST,
                 &api(cli, &format!("/v1/schedules/{name}/resume")),
                 None,
@@ -2163,7 +2146,6 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
         }
         ScheduleCmd::Rm { name } => {
             let r = schedule_call(
-                cli,
                 Method::DELETE,
                 &api(cli, &format!("/v1/schedules/{name}")),
                 None,
@@ -2173,7 +2155,6 @@ async fn schedule(cli: &Cli, cmd: &ScheduleCmd) -> Result<ExitCode> {
         }
         ScheduleCmd::FireNow { name } => {
             let r = schedule_call(
-                cli,
                 Method::POST,
                 &api(cli, &format!("/v1/schedules/{name}/fire")),
                 None,

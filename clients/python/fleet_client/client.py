@@ -194,8 +194,8 @@ class Task:
             env["labels"] = self.labels if isinstance(self.labels, str) else dict(self.labels)
         env["lane"] = self.lane
         if self.key is not None:
-            # The fairness key (tenants). Schedulers that do not know it yet keep it verbatim
-            # and ignore it (unknown envelope fields are kept, never refused).
+            # The fairness key (README "Tenants"): the scheduler shares capacity between keys
+            # and holds each to its limits; at most 64 bytes.
             env["key"] = self.key
         if self.not_before is not None:
             nb = now + self.not_before if isinstance(self.not_before, timedelta) else self.not_before
