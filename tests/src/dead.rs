@@ -42,20 +42,34 @@ fn to_dead_letter(d: &lapin::message::Delivery) -> Result<DeadLetter> {
 }
 
 /// Every dead letter, left in the queue (read unacked, then the channel is closed so the
-/// broker puts them back).
+/// broker puts them back). Returns once they are all ready in the queue again: the close is
+/// answered before a quorum queue has taken them back, and a replay or a take right after
+/// the peek found a letter missing (a CI run, three tests at a time).
+///
+/// # Errors
+/// The broker failed, a letter is not an envelope, or the letters were not ready again
+/// within 10 s.
 pub async fn peek_dead(ns: &Ns) -> Result<Vec<DeadLetter>> {
+    let queue = ns.names.dead_queue();
     let ch = ns.conn.create_channel().await?;
     let mut out = Vec::new();
     while let Some(m) = ch
-        .basic_get(
-            ns.names.dead_queue().as_str().into(),
-            BasicGetOptions { no_ack: false },
-        )
+        .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
         .await?
     {
         out.push(to_dead_letter(&m.delivery)?);
     }
     ch.close(200, "peeked".into()).await?;
+    let n = out.len();
+    wait_for(
+        &format!("the {n} peeked dead letter(s) ready again"),
+        Duration::from_secs(10),
+        || {
+            let queue = queue.clone();
+            async move { (ns.depth(&queue).await as usize >= n).then_some(()) }
+        },
+    )
+    .await?;
     Ok(out)
 }
 
