@@ -840,7 +840,11 @@ fn read_file(path: &std::path::Path) -> Result<Vec<Envelope>> {
 /// from the environment only, never from a flag: a flag would show in the process list.
 fn http() -> Result<reqwest::Client> {
     let mut headers = reqwest::header::HeaderMap::new();
-    let token = std::env::var("FLEET_API_TOKEN").unwrap_or_default();
+    let token = match std::env::var("FLEET_API_TOKEN") {
+        Ok(t) => t,
+        Err(std::env::VarError::NotPresent) => String::new(),
+        Err(std::env::VarError::NotUnicode(_)) => bail!("FLEET_API_TOKEN: not valid UTF-8"),
+    };
     if let Some(token) = Some(token.trim()).filter(|t| !t.is_empty()) {
         let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}"))
             .map_err(|_| anyhow!("FLEET_API_TOKEN: not a valid header value"))?;

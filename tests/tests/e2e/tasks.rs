@@ -321,8 +321,8 @@ async fn the_list_agrees_with_the_status_api_in_every_state() -> anyhow::Result<
     let settings = [
         WORKER,
         &[
-            ("retry_base_ms", "60000"),
-            ("retry_cap_ms", "60000"),
+            ("retry_base_ms", "600000"),
+            ("retry_cap_ms", "600000"),
             NO_EJECT,
         ],
     ]
