@@ -773,11 +773,20 @@ async fn raw_run(
     for t in tasks {
         t.abort();
     }
+    // The queues go on a connection of their own: deleted on the one its consumers share
+    // (Conns::Shared), the broker's cancel of the consumer just dropped made lapin close that
+    // connection ("unexpected basic cancel-ok"), and the queue after the first was left behind.
+    let cleanup = amqp::connect(&amqp_url(), "bench-raw-cleanup").await?;
+    let deleter = cleanup.create_channel().await?;
     for q in &queues {
-        let _ = setup
+        if let Err(e) = deleter
             .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-            .await;
+            .await
+        {
+            eprintln!("raw client: deleting {q}: {e}");
+        }
     }
+    let _ = cleanup.close(200, "bye".into()).await;
     if conns == Conns::PerHop {
         for c in hop_conns.iter().flatten() {
             let _ = c.close(200, "bye".into()).await;
