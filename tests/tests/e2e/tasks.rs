@@ -453,10 +453,9 @@ async fn the_list_agrees_with_the_status_api_in_every_state() -> anyhow::Result<
         let count = counts[state.as_str()].as_u64().unwrap_or(u64::MAX);
         listed.insert(state.clone(), (set, count, total));
     }
-    // The status API once more. The reads above took a while, and one move goes on meanwhile
-    // however still the scene stands: the park release sends a parked task of pool=p to its
-    // group's queue when room frees or grows (two CI runs saw a task read parked and listed
-    // queued). Each task is held to both reads: read the same twice, it is listed in that state
+    // The status API once more. The reads above take a while, and even in this still scene one
+    // move can happen meanwhile: the park release sends a parked task of pool=p to its group's
+    // queue when room frees or grows (two CI runs saw a task read parked and listed queued). Each task is held to both reads: read the same twice, it is listed in that state
     // and no other; read parked then queued, it is listed in one or both of them (the parked
     // list is read first). A state's count and total lie between its two reads' counts (parked
     // only falls, queued only grows).
