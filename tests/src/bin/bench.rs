@@ -3,7 +3,8 @@
 //!
 //! * `bench throughput [N]` — fleet at the product defaults, then the raw RabbitMQ ceiling
 //!   (one and two durable, confirmed hops; two hops both on one connection and with a
-//!   connection per hop, the better of the two is the ceiling), all in one run: a burst of N no-op tasks, 1,000
+//!   connection per hop, the better of the two is the ceiling; the two-hop bursts run between
+//!   rounds of fleet's, `BENCH_BURST_ROUNDS`, 3), all in one run: a burst of N no-op tasks, 1,000
 //!   tasks/s offered steadily, idle submit→start latency (fleet vs raw two-hop), a burst over
 //!   10 groups with mixed selectors, the split of 200 ms tasks over two groups of different
 //!   speed, and RSS samples under a 10x overload (`BENCH_RSS_SECS`, 60; 0 skips it).
@@ -403,6 +404,24 @@ impl CpuMeter {
     /// [`CpuMeter::per_task`] as a line, with the figures.
     fn report_with(&self, label: &str, before: [f64; 3], n: usize) -> (String, [f64; 3]) {
         let per = self.per_task(before, n);
+        (self.line(label, per), per)
+    }
+
+    /// CPU seconds of each process spent since `before` (see [`CpuMeter::read`]).
+    fn spent(&self, before: [f64; 3]) -> [f64; 3] {
+        let after = self.read();
+        std::array::from_fn(|k| after[k] - before[k])
+    }
+
+    /// CPU ms per 1,000 tasks of `secs` (CPU seconds per process, summed over runs of `n`
+    /// tasks in all), as a line, with the figures.
+    fn report_spent(&self, label: &str, secs: [f64; 3], n: usize) -> (String, [f64; 3]) {
+        let per = secs.map(|s| s * 1000.0 * 1000.0 / n.max(1) as f64);
+        (self.line(label, per), per)
+    }
+
+    /// A line of CPU ms per 1,000 tasks per process.
+    fn line(&self, label: &str, per: [f64; 3]) -> String {
         let parts: Vec<String> = self
             .pids
             .iter()
@@ -410,12 +429,9 @@ impl CpuMeter {
             .map(|((name, _), v)| format!("{name} {v:.0}"))
             .collect();
         let total: f64 = per.iter().filter(|v| v.is_finite()).sum();
-        (
-            format!(
-                "{label:<18}: CPU ms per 1,000 tasks: {} (total {total:.0})",
-                parts.join(", ")
-            ),
-            per,
+        format!(
+            "{label:<18}: CPU ms per 1,000 tasks: {} (total {total:.0})",
+            parts.join(", ")
         )
     }
 
@@ -461,16 +477,43 @@ impl RedisCalls {
 
     /// [`RedisCalls::report`] with its commands per task.
     fn report_with(&self, label: &str, n: usize) -> (String, f64) {
+        self.since().lines(label, n)
+    }
+
+    /// The calls and µs per command since `self` (a snapshot), as a map of the differences.
+    fn since(&self) -> RedisCalls {
         let now = RedisCalls::read();
-        let mut rows: Vec<(String, f64, f64)> = now
+        RedisCalls(
+            now.0
+                .into_iter()
+                .map(|(k, (c, u))| {
+                    let (c0, u0) = self.0.get(&k).copied().unwrap_or((0, 0));
+                    (k, (c.saturating_sub(c0), u.saturating_sub(u0)))
+                })
+                .collect(),
+        )
+    }
+
+    /// Adds the differences `d` (from [`RedisCalls::since`]) to these.
+    fn add(&mut self, d: &RedisCalls) {
+        for (k, &(c, u)) in &d.0 {
+            let e = self.0.entry(k.clone()).or_default();
+            e.0 += c;
+            e.1 += u;
+        }
+    }
+
+    /// Differences (from [`RedisCalls::since`], summed over runs of `n` tasks in all) as a
+    /// line, with the commands per task.
+    fn lines(&self, label: &str, n: usize) -> (String, f64) {
+        let mut rows: Vec<(String, f64, f64)> = self
             .0
             .iter()
             .map(|(k, &(c, u))| {
-                let (c0, u0) = self.0.get(k).copied().unwrap_or((0, 0));
                 (
                     k.clone(),
-                    c.saturating_sub(c0) as f64 / n.max(1) as f64,
-                    u.saturating_sub(u0) as f64 / n.max(1) as f64,
+                    c as f64 / n.max(1) as f64,
+                    u as f64 / n.max(1) as f64,
                 )
             })
             .filter(|r| r.1 > 0.0)
@@ -945,6 +988,22 @@ impl Rig {
     }
 }
 
+/// The median of `v` (the mean of the middle two for an even count; NaN when empty or when any
+/// value is NaN).
+fn median(v: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = v.collect();
+    if v.is_empty() || v.iter().any(|x| x.is_nan()) {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
 fn p50_p99(v: &[f64]) -> (f64, f64) {
     let mut v = v.to_vec();
     (pct(&mut v, 0.5), pct(&mut v, 0.99))
@@ -980,9 +1039,11 @@ async fn throughput(n: usize) -> Result<()> {
     /// Blocks the idle stage alternates between fleet and the raw client (stage 3).
     const IDLE_BLOCKS: usize = 10;
 
-    // fleet first: deleting the raw stage's full quorum queues keeps the broker's quorum
-    // machinery busy for a while, which skews (and can redeliver in) whatever runs next.
-    // 1. Burst, one group (2 workers), no-op tasks.
+    // 1. Burst, one group (2 workers), no-op tasks, in rounds with the raw two-hop client's
+    //    bursts between them (below). The raw client's queues are empty when it deletes them
+    //    (it consumes every message it publishes), so its rounds leave the broker nothing to
+    //    clean up behind fleet's (deleting *full* quorum queues keeps the quorum machinery busy
+    //    for a while).
     let cap: u32 = std::env::var("BENCH_CAPACITY")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -1016,23 +1077,69 @@ async fn throughput(n: usize) -> Result<()> {
             seen
         })
     };
+    // The burst runs in rounds, each followed (not with BENCH_SKIP_RAW) by the raw two-hop
+    // client's burst in each of its connection layouts: a slow spell of the machine then
+    // weighs on both sides of the ratio, not on one (run a minute apart, the same binary's CPU
+    // per 1,000 tasks swung 68-107 ms, BENCHMARKS.md round 27). The ratio is the median of the
+    // rounds'; CPU and Redis figures are summed over all rounds of a side.
+    let skip_raw = std::env::var("BENCH_SKIP_RAW").is_ok();
+    let rounds: usize = std::env::var("BENCH_BURST_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if skip_raw { 1 } else { 3 })
+        .max(1);
     let cpu = CpuMeter::new();
-    let cpu0 = cpu.read();
-    let calls0 = RedisCalls::read();
-    let (burst, t) = rig
-        .run(n, Offer::Burst, Duration::from_secs(300), |_| {
-            Envelope::new("count", json!(null))
-        })
-        .await?;
-    let (cpu_burst, fleet_cpu) = cpu.report_with("fleet burst", cpu0, n);
-    let (calls_burst, commands_burst) = calls0.report_with("fleet burst", n);
-    sampling.cancel();
+    let mut fleet_secs = [0.0; 3];
+    let mut fleet_calls = RedisCalls(Default::default());
+    let (mut shared_secs, mut per_hop_secs) = ([0.0; 3], [0.0; 3]);
+    // Per round: fleet's rate, the raw client's with one connection and with one per hop.
+    let mut round_rates: Vec<(f64, f64, f64)> = Vec::new();
+    for round in 1..=rounds {
+        let (cpu0, calls0) = (cpu.read(), RedisCalls::read());
+        let (rate, t) = rig
+            .run(n, Offer::Burst, Duration::from_secs(300), |_| {
+                Envelope::new("count", json!(null))
+            })
+            .await?;
+        let spent = cpu.spent(cpu0);
+        fleet_secs = std::array::from_fn(|k| fleet_secs[k] + spent[k]);
+        fleet_calls.add(&calls0.since());
+        if round == 1 {
+            sampling.cancel();
+        }
+        println!(
+            "fleet burst       : {rate:>8.0} tasks/s ({n} in {t:.2} s; round {round} of {rounds})"
+        );
+        let (mut shared, mut per_hop) = (f64::NAN, f64::NAN);
+        if !skip_raw {
+            for (conns, rate, secs) in [
+                (Conns::Shared, &mut shared, &mut shared_secs),
+                (Conns::PerHop, &mut per_hop, &mut per_hop_secs),
+            ] {
+                let cpu0 = cpu.read();
+                *rate = raw_broker(n, 2, conns).await?;
+                let spent = cpu.spent(cpu0);
+                *secs = std::array::from_fn(|k| secs[k] + spent[k]);
+            }
+            println!(
+                "raw broker, 2 hops: {shared:>8.0} msg/s (one connection), {per_hop:>8.0} (a connection per hop); fleet / the better = {:.2}",
+                rate / shared.max(per_hop)
+            );
+        }
+        round_rates.push((rate, shared, per_hop));
+    }
+    let burst = median(round_rates.iter().map(|r| r.0));
     let (runs, distinct) = rig.once();
-    println!("fleet burst       : {burst:>8.0} tasks/s ({runs} runs of {n} in {t:.2} s)");
+    println!("fleet burst       : {burst:>8.0} tasks/s (median of {rounds} rounds; {runs} runs of {} tasks)", n * rounds);
     println!(
         "runs {runs} distinct tasks {distinct} (runs beyond distinct = at-least-once redeliveries)"
     );
-    println!("pressure samples (every 100 ms): {:?}", sampler.await?);
+    println!(
+        "pressure samples (every 100 ms, round 1): {:?}",
+        sampler.await?
+    );
+    let (cpu_burst, fleet_cpu) = cpu.report_spent("fleet burst", fleet_secs, n * rounds);
+    let (calls_burst, commands_burst) = fleet_calls.lines("fleet burst", n * rounds);
     println!("{cpu_burst}");
     println!("{calls_burst}");
     println!("{}", rig.metrics().await?);
@@ -1082,7 +1189,6 @@ async fn throughput(n: usize) -> Result<()> {
     //    sides' p99 once read 8.4 ms against 64.7 ms). Each raw block declares its queues and
     //    deletes them at its end (empty quorum queues), so fleet's blocks follow a deletion
     //    and the raw ones half the time: if anything, that weighs on fleet's side.
-    let skip_raw = std::env::var("BENCH_SKIP_RAW").is_ok();
     let per_block = idle_n.div_ceil(IDLE_BLOCKS);
     println!(
         "\n## 3. idle submit→start latency: {idle_n} tasks, one every 10 ms, same fleet, in {IDLE_BLOCKS} blocks of {per_block}{}",
@@ -1217,7 +1323,7 @@ async fn throughput(n: usize) -> Result<()> {
     // Raw broker, same run. `budget`: CPU per 1,000 tasks of the raw client (its faster layout)
     // and of the floor, for the summary's budget line.
     let mut budget: Option<([f64; 3], [f64; 3])> = None;
-    let (one, two, fan10, floor_rate, raw_steady) = if std::env::var("BENCH_SKIP_RAW").is_ok() {
+    let (one, two, fan10, floor_rate, raw_steady) = if skip_raw {
         let none = || Raw {
             rate: f64::NAN,
             lat_ms: vec![],
@@ -1227,16 +1333,14 @@ async fn throughput(n: usize) -> Result<()> {
         println!("\n## raw broker (this process, same run)");
         let one = raw_broker(n, 1, Conns::Shared).await?;
         println!("raw broker, 1 hop : {one:>8.0} msg/s");
-        let cpu = CpuMeter::new();
-        let cpu0 = cpu.read();
-        let shared = raw_broker(n, 2, Conns::Shared).await?;
-        println!("raw broker, 2 hops: {shared:>8.0} msg/s (one connection)");
-        let (line, shared_cpu) = cpu.report_with("raw 2 hops", cpu0, n);
+        // The two-hop bursts ran beside fleet's (stage 1): medians of the rounds.
+        let shared = median(round_rates.iter().map(|r| r.1));
+        let per_hop = median(round_rates.iter().map(|r| r.2));
+        println!("raw broker, 2 hops: {shared:>8.0} msg/s (one connection, median of {rounds} rounds beside fleet's burst)");
+        let (line, shared_cpu) = cpu.report_spent("raw 2 hops", shared_secs, n * rounds);
         println!("{line}");
-        let cpu0 = cpu.read();
-        let per_hop = raw_broker(n, 2, Conns::PerHop).await?;
-        println!("raw broker, 2 hops: {per_hop:>8.0} msg/s (a connection per hop)");
-        let (line, per_hop_cpu) = cpu.report_with("raw 2 hops, per hop", cpu0, n);
+        println!("raw broker, 2 hops: {per_hop:>8.0} msg/s (a connection per hop, median of {rounds} rounds)");
+        let (line, per_hop_cpu) = cpu.report_spent("raw 2 hops, per hop", per_hop_secs, n * rounds);
         println!("{line}");
         // The 10-group stage's topology without fleet: the second hop spread over ten queues,
         // each with one consumer on a connection of its own at prefetch 26 (ten workers of
@@ -1275,8 +1379,8 @@ async fn throughput(n: usize) -> Result<()> {
             floor_cpu,
         ));
         println!("{}", calls0.report("raw + fleet Redis", n));
-        // The broker's ceiling is the better of the two.
-        let two = shared.max(per_hop);
+        // The broker's ceiling is the better of the two, round by round.
+        let two = median(round_rates.iter().map(|r| r.1.max(r.2)));
         let raw_steady = raw_run(
             steady_n,
             2,
@@ -1332,9 +1436,16 @@ async fn throughput(n: usize) -> Result<()> {
     let (r50, r99) = (p50h.min(p50s), p99h.min(p99s));
     let _ = one;
     println!("\n## summary (fleet / raw 2-hop, same run; goal ≥ 0.85; raw = the better of its two connection layouts)");
+    // The median of the rounds' ratios (each against the raw client's better layout of its
+    // own round).
+    let burst_ratio = median(round_rates.iter().map(|r| r.0 / r.1.max(r.2)));
     println!(
-        "burst {n}            : fleet {burst:>7.0} / raw {two:>7.0} = {:.2}",
-        burst / two
+        "burst {n}            : fleet {burst:>7.0} / raw {two:>7.0} = {burst_ratio:.2} (medians of {rounds} interleaved rounds; the rounds' ratios {})",
+        round_rates
+            .iter()
+            .map(|r| format!("{:.2}", r.0 / r.1.max(r.2)))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     println!(
         "steady 1,000/s offered: fleet {steady:>7.0} / raw {:>7.0} = {:.2}",
@@ -1377,6 +1488,7 @@ async fn throughput(n: usize) -> Result<()> {
         fleet_cpu,
         raw_cpu: budget.map(|b| b.0),
         burst,
+        burst_ratio,
         two,
         groups10,
         fan10,
@@ -1405,7 +1517,11 @@ struct Goals {
     fleet_cpu: [f64; 3],
     /// The raw two-hop client's, same layout as the goal's raw rate (`None`: not measured).
     raw_cpu: Option<[f64; 3]>,
+    /// Median fleet burst rate (tasks/s) of the interleaved rounds.
     burst: f64,
+    /// Median of the rounds' fleet / raw two-hop ratios.
+    burst_ratio: f64,
+    /// Median raw two-hop rate (its better layout per round), msg/s.
     two: f64,
     groups10: f64,
     /// The raw client in the 10-group topology (10 queues, prefetch 26).
@@ -1461,7 +1577,7 @@ fn goal_table(g: &Goals) {
             "-",
         )),
     }
-    let burst = g.burst / g.two;
+    let burst = g.burst_ratio;
     rows.push((
         "burst / raw two-hop".into(),
         format!("{burst:.2}"),
