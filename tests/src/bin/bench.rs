@@ -1647,43 +1647,34 @@ fn goal_table(g: &Goals) {
             "-",
         )),
     }
-    // Lines against the raw client read `-` when it was not run (BENCH_SKIP_RAW).
+    // A line against the raw client reads `-` when it was not run (BENCH_SKIP_RAW).
+    let against_raw = |line: &str, v: f64, now: String, goal: &str, ok: bool| {
+        if v.is_nan() {
+            (line.to_string(), "-".to_string(), goal.to_string(), "-")
+        } else {
+            (line.to_string(), now, goal.to_string(), yes(ok))
+        }
+    };
     let burst = g.burst_ratio;
-    rows.push(if burst.is_nan() {
-        (
-            "burst / raw two-hop".into(),
-            "-".into(),
-            "≥ 0.85".into(),
-            "-",
-        )
-    } else {
-        (
-            "burst / raw two-hop".into(),
-            format!("{burst:.2}"),
-            "≥ 0.85".into(),
-            yes(burst >= 0.85),
-        )
-    });
+    rows.push(against_raw(
+        "burst / raw two-hop",
+        burst,
+        format!("{burst:.2}"),
+        "≥ 0.85",
+        burst >= 0.85,
+    ));
     let groups = g.groups10 / g.two_here;
-    rows.push(if groups.is_nan() {
-        (
-            "10 groups / raw two-hop".into(),
-            "-".into(),
-            "≥ 0.75".into(),
-            "-",
-        )
-    } else {
-        (
-            "10 groups / raw two-hop".into(),
-            format!(
-                "{groups:.2} (raw in the same topology {:.2}; fleet / it {:.2})",
-                g.fan10 / g.two_here,
-                g.groups10 / g.fan10
-            ),
-            "≥ 0.75".into(),
-            yes(groups >= 0.75),
-        )
-    });
+    rows.push(against_raw(
+        "10 groups / raw two-hop",
+        groups,
+        format!(
+            "{groups:.2} (raw in the same topology {:.2}; fleet / it {:.2})",
+            g.fan10 / g.two_here,
+            g.groups10 / g.fan10
+        ),
+        "≥ 0.75",
+        groups >= 0.75,
+    ));
     rows.push((
         "burst with 1,000 keys / without".into(),
         format!("{:.2}", g.keyed),
