@@ -845,7 +845,8 @@ fn http() -> Result<reqwest::Client> {
         Err(std::env::VarError::NotPresent) => String::new(),
         Err(std::env::VarError::NotUnicode(_)) => bail!("FLEET_API_TOKEN: not valid UTF-8"),
     };
-    if let Some(token) = Some(token.trim()).filter(|t| !t.is_empty()) {
+    let token = token.trim();
+    if !token.is_empty() {
         let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}"))
             .map_err(|_| anyhow!("FLEET_API_TOKEN: not a valid header value"))?;
         value.set_sensitive(true);

@@ -455,7 +455,8 @@ async fn the_list_agrees_with_the_status_api_in_every_state() -> anyhow::Result<
     }
     // The status API once more. The reads above take a while, and even in this still scene one
     // move can happen meanwhile: the park release sends a parked task of pool=p to its group's
-    // queue when room frees or grows (two CI runs saw a task read parked and listed queued). Each task is held to both reads: read the same twice, it is listed in that state
+    // queue when room frees or grows (two CI runs saw a task read parked and listed queued).
+    // Each task is held to both reads: read the same twice, it is listed in that state
     // and no other; read parked then queued, it is listed in one or both of them (the parked
     // list is read first). A state's count and total lie between its two reads' counts (parked
     // only falls, queued only grows).
