@@ -272,7 +272,7 @@ async fn claim(
             Some(Claim::Cancelled) => {
                 // Kept in `<ns>.cancelled` first (a bulk retry runs it again from there); not
                 // kept, the copy goes back to the broker and is handled again.
-                if !probe && !keep_cancelled(shared, delivery, env, env.attempt).await {
+                if !probe && !Box::pin(keep_cancelled(shared, delivery, env, env.attempt)).await {
                     return None;
                 }
                 tracing::info!(
@@ -390,7 +390,7 @@ async fn attempt_task(
         .flatten()
     {
         // Kept in `<ns>.cancelled` before the ack (see `keep_cancelled`).
-        if !keep_cancelled(&shared, &delivery, &env, env.attempt).await {
+        if !Box::pin(keep_cancelled(&shared, &delivery, &env, env.attempt)).await {
             return;
         }
         // Refused for its batch's cancel alone (this worker has read no cancel record of its
@@ -495,7 +495,7 @@ async fn attempt_task(
         }
         // Kept in `<ns>.cancelled` before the ack; not kept, the copy goes back to the broker
         // and its next reading (this worker's memory, or start.lua) keeps it.
-        if !keep_cancelled(&shared, &delivery, &env, attempt).await {
+        if !Box::pin(keep_cancelled(&shared, &delivery, &env, attempt)).await {
             return;
         }
         batch_end(&shared, &env, TaskState::Cancelled.as_str(), None).await;
@@ -800,9 +800,21 @@ async fn batch_end(
     state: &str,
     result: Option<serde_json::Value>,
 ) {
-    let Some(batch) = fleet::batch::batch_of(env) else {
-        return;
-    };
+    // Boxed, so the publish's state (kilobytes) is allocated only for a batch member, not
+    // carried by every attempt's future.
+    if let Some(batch) = fleet::batch::batch_of(env) {
+        Box::pin(append_batch_end(shared, env, batch, state, result)).await;
+    }
+}
+
+/// [`batch_end`] for a member of `batch`.
+async fn append_batch_end(
+    shared: &Shared,
+    env: &Envelope,
+    batch: &str,
+    state: &str,
+    result: Option<serde_json::Value>,
+) {
     let rec = fleet::batch::end_record_with(batch, &env.id, state, result, shared.clock.now_ms());
     let body = match serde_json::to_vec(&rec) {
         Ok(b) => b,
@@ -830,9 +842,13 @@ async fn batch_end(
 /// copy — and a Redis loss before a scheduler's sweep would then leave the member pending
 /// for good. Costs one read per duplicate copy of a batch member only.
 async fn batch_end_again(shared: &Shared, env: &Envelope) {
-    if fleet::batch::batch_of(env).is_none() {
-        return;
+    if fleet::batch::batch_of(env).is_some() {
+        Box::pin(batch_end_again_read(shared, env)).await;
     }
+}
+
+/// [`batch_end_again`] for a batch member.
+async fn batch_end_again_read(shared: &Shared, env: &Envelope) {
     let Ok(Some(status)) = shared.ledger.store().task_status(&env.id).await else {
         return;
     };
@@ -1079,5 +1095,24 @@ pub(crate) async fn nack_requeue(delivery: &Delivery) {
             limit_ms = crate::acks::ACK_WAIT.as_millis() as u64,
             "nack not written in time (connection blocked or lost); the broker gets the task back with the channel"
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The size of the future an `async fn` of six owned arguments returns.
+    fn future_size<A, B, C, D, E, G, F>(_: fn(A, B, C, D, E, G) -> F) -> usize {
+        std::mem::size_of::<F>()
+    }
+
+    /// Every delivery is one spawned [`super::handle`]: its future is allocated and moved per
+    /// task, so the rare paths (a Redis call that may connect, a batch member's end record,
+    /// keeping a cancelled copy) are boxed where they are taken and not carried by every
+    /// attempt. It was 14.8 KB (debug build) before they were; this bound is for the same
+    /// (debug) build.
+    #[test]
+    fn an_attempts_future_stays_small() {
+        let n = future_size(super::handle as fn(_, _, _, _, _, _) -> _);
+        assert!(n <= 6 * 1024, "attempt::handle's future is {n} bytes");
     }
 }

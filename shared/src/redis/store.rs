@@ -246,7 +246,11 @@ impl Store {
         {
             self.pool.drop_older(last);
         }
-        self.pool.get().await
+        // Boxed: the pool's future carries the whole connect (Sentinel discovery included,
+        // ≈ 10 KB), and without the box every future that awaits a Redis call would be that
+        // large — copied and allocated once per call and per task attempt that embeds one,
+        // though a call almost always takes the shared connection and never gets here.
+        Box::pin(self.pool.get()).await
     }
 
     /// A clone of the shared connection, connecting it first if there is none.
@@ -651,6 +655,29 @@ mod tests {
         assert_eq!(
             Failure::of(&Error::NotConnected).describe(),
             "a Redis command failed"
+        );
+    }
+
+    /// A call's future does not carry the pool's connect (Sentinel discovery included): the
+    /// shared connection is almost always there, and every future that awaits a call — a
+    /// worker's per-task attempt among them — was ≈ 11 KB for it, copied and allocated per
+    /// task (issue 34: a tenth of the process's memmove and malloc). The bound is for this
+    /// test's (debug) build; the connect alone is > 6 KB.
+    #[test]
+    fn a_calls_future_does_not_carry_the_connect() {
+        let store = Store::new("redis://127.0.0.1:1", Names::new("size-test")).unwrap();
+        let cmd = redis::cmd("PING");
+        let query = store.query::<String>(&cmd);
+        assert!(
+            std::mem::size_of_val(&query) <= 2048,
+            "Store::query's future is {} bytes",
+            std::mem::size_of_val(&query)
+        );
+        let conn = store.conn();
+        assert!(
+            std::mem::size_of_val(&conn) <= 1024,
+            "Store::conn's future is {} bytes",
+            std::mem::size_of_val(&conn)
         );
     }
 
