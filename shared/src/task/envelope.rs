@@ -1,9 +1,13 @@
 //! The task envelope: what producers publish, in any language.
 //!
-//! Parsing is done field by field from a `serde_json::Value`, not by `#[derive(Deserialize)]`,
+//! Parsing is done field by field from `serde_json::Value`s, not by `#[derive(Deserialize)]`,
 //! so that every refusal names the field at fault (`bad_field: max_attempts: expected a
-//! non-negative integer`) and unknown fields are kept verbatim (forward compatibility). The
-//! schema shipped in `shared/schema/envelope.schema.json` is checked against this code by tests.
+//! non-negative integer`) and unknown fields are kept verbatim (forward compatibility). Bytes
+//! are read in one pass ([`Fields`]): each known field's value straight into its slot, only
+//! unknown ones into a map — the same result as parsing the whole object into a `Value` and
+//! taking the fields out of it ([`Envelope::from_value_limited`]), without building and
+//! emptying that map once per task. The schema shipped in
+//! `shared/schema/envelope.schema.json` is checked against this code by tests.
 
 use std::collections::BTreeMap;
 
@@ -307,17 +311,20 @@ impl Envelope {
                 limit: limits.max_bytes,
             });
         }
-        let mut value: Value =
-            serde_json::from_slice(bytes).map_err(|e| Reject::MalformedJson(e.to_string()))?;
-        if let (Value::Object(o), Some(id)) = (&mut value, default_id) {
+        let TopLevel(Some(mut fields)) =
+            serde_json::from_slice(bytes).map_err(|e| Reject::MalformedJson(e.to_string()))?
+        else {
+            return Err(Reject::NotAnObject);
+        };
+        if let Some(id) = default_id {
             let valid = !id.is_empty()
                 && id.len() <= limits.max_id_bytes
                 && !id.chars().any(char::is_control);
-            if valid && o.get("id").is_none_or(Value::is_null) {
-                o.insert("id".into(), Value::String(id.to_string()));
+            if valid && fields.id.as_ref().is_none_or(Value::is_null) {
+                fields.id = Some(Value::String(id.to_string()));
             }
         }
-        Self::from_value_limited(value, limits)
+        Self::from_fields(fields, limits)
     }
 
     /// Parses a JSON value field by field with the default [`Limits`] (size aside); errors name
@@ -329,11 +336,21 @@ impl Envelope {
     /// Parses a JSON value field by field, enforcing every limit but the size (which belongs to
     /// the bytes); errors name the field.
     pub fn from_value_limited(value: Value, limits: &Limits) -> Result<Self, Reject> {
-        let Value::Object(mut obj) = value else {
+        let Value::Object(obj) = value else {
             return Err(Reject::NotAnObject);
         };
-        let mut take = |k: &str| obj.remove(k).filter(|v| !v.is_null());
-        let kind = match take("kind") {
+        let mut fields = Fields::default();
+        for (k, v) in obj {
+            fields.put(k, v);
+        }
+        Self::from_fields(fields, limits)
+    }
+
+    /// Checks the fields one by one, in a fixed order (the first refusal is the one reported);
+    /// a `null` field is an absent one.
+    fn from_fields(f: Fields, limits: &Limits) -> Result<Self, Reject> {
+        let present = |v: Option<Value>| v.filter(|v| !v.is_null());
+        let kind = match present(f.kind) {
             None => return Err(Reject::MissingKind),
             Some(Value::String(s)) if !s.trim().is_empty() => s,
             Some(_) => {
@@ -356,7 +373,7 @@ impl Envelope {
                 "control characters are not allowed".into(),
             ));
         }
-        let id = match take("id") {
+        let id = match present(f.id) {
             None => new_id(),
             Some(Value::String(s)) if !s.is_empty() => s,
             Some(_) => return Err(Reject::BadField("id", "expected a non-empty string".into())),
@@ -374,7 +391,7 @@ impl Envelope {
                 "control characters are not allowed".into(),
             ));
         }
-        let payload = take("payload").unwrap_or(Value::Null);
+        let payload = present(f.payload).unwrap_or(Value::Null);
         let d = depth(&payload);
         if d > limits.max_payload_depth {
             return Err(Reject::OverLimit {
@@ -383,7 +400,7 @@ impl Envelope {
                 limit: limits.max_payload_depth,
             });
         }
-        let labels = match take("labels") {
+        let labels = match present(f.labels) {
             None => Labels::default(),
             Some(Value::Object(m)) if m.len() > limits.max_label_pairs => {
                 return Err(Reject::OverLimit {
@@ -420,31 +437,31 @@ impl Envelope {
                 limit: limits.max_label_pairs,
             });
         }
-        let protocol = match take("protocol") {
+        let protocol = match present(f.protocol) {
             None => None,
             Some(Value::String(s)) if !s.is_empty() => Some(s),
             Some(_) => return Err(Reject::BadField("protocol", "expected a string".into())),
         };
-        let lane = match take("lane") {
+        let lane = match present(f.lane) {
             None => Lane::Normal,
             Some(Value::String(s)) => Lane::parse(&s).ok_or(Reject::UnknownLane(s))?,
             Some(other) => return Err(Reject::UnknownLane(other.to_string())),
         };
-        let deadline = take("deadline")
+        let deadline = present(f.deadline)
             .map(|v| time_field("deadline", v))
             .transpose()?;
-        let not_before = take("not_before")
+        let not_before = present(f.not_before)
             .map(|v| time_field("not_before", v))
             .transpose()?;
-        let submitted_at = take("submitted_at")
+        let submitted_at = present(f.submitted_at)
             .map(|v| time_field("submitted_at", v))
             .transpose()?;
-        let timeout_ms = take("timeout_ms")
+        let timeout_ms = present(f.timeout_ms)
             .map(|v| uint_field("timeout_ms", v))
             .transpose()?;
         // The schema's bounds (`minimum` 1, `maximum` 1000), refused rather than clamped: a
         // producer that asks for 0 attempts gets told, not silently one.
-        let max_attempts = take("max_attempts")
+        let max_attempts = present(f.max_attempts)
             .map(|v| uint_field("max_attempts", v))
             .transpose()?
             .map(|n| {
@@ -461,25 +478,25 @@ impl Envelope {
                     })
             })
             .transpose()?;
-        let attempt = take("attempt")
+        let attempt = present(f.attempt)
             .map(|v| uint_field("attempt", v))
             .transpose()?
             .unwrap_or(0);
         let attempt =
             u32::try_from(attempt).map_err(|_| Reject::BadField("attempt", "too large".into()))?;
-        let strategy = match take("strategy") {
+        let strategy = match present(f.strategy) {
             None => None,
             Some(Value::String(s)) => Some(Strategy::parse(&s).ok_or(Reject::UnknownStrategy(s))?),
             Some(_) => return Err(Reject::BadField("strategy", "expected a string".into())),
         };
-        let key = match take("key") {
+        let key = match present(f.key) {
             None => None,
             Some(Value::String(s)) => Some(check_key(&s).map(|()| s)?),
             Some(_) => return Err(Reject::BadField("key", "expected a string".into())),
         };
         // Never refused: an invalid context is ignored (a new trace), W3C Trace Context § 4.3.
-        let tracestate = take("tracestate");
-        let trace = match take("traceparent") {
+        let tracestate = present(f.tracestate);
+        let trace = match present(f.traceparent) {
             Some(Value::String(tp)) => super::TraceContext::parse(
                 &tp,
                 match &tracestate {
@@ -496,7 +513,6 @@ impl Envelope {
                 )));
             }
         }
-        obj.remove("v");
         Ok(Envelope {
             id,
             kind,
@@ -513,7 +529,7 @@ impl Envelope {
             strategy,
             key,
             trace,
-            extra: obj,
+            extra: f.extra,
         })
     }
 
@@ -697,6 +713,148 @@ impl Envelope {
 /// An envelope time as RFC 3339 (UTC, `Z`) with microseconds: `submitted_at` is what every
 /// wait (`fleet_task_wait_seconds`) is measured from, and a millisecond string would add up to
 /// 1 ms (0.5 on average) to waits that are themselves about a millisecond on an idle fleet.
+/// An envelope object's fields as read: each of [`KNOWN_FIELDS`] in its own slot (the last one
+/// wins when a key repeats, as in a `serde_json::Map`), every other field in `extra`.
+#[derive(Default)]
+struct Fields {
+    v: Option<Value>,
+    id: Option<Value>,
+    kind: Option<Value>,
+    payload: Option<Value>,
+    labels: Option<Value>,
+    protocol: Option<Value>,
+    lane: Option<Value>,
+    deadline: Option<Value>,
+    timeout_ms: Option<Value>,
+    not_before: Option<Value>,
+    max_attempts: Option<Value>,
+    attempt: Option<Value>,
+    submitted_at: Option<Value>,
+    strategy: Option<Value>,
+    key: Option<Value>,
+    traceparent: Option<Value>,
+    tracestate: Option<Value>,
+    extra: Map<String, Value>,
+}
+
+impl Fields {
+    /// The slot of known field `name`; `None` for an unknown one.
+    fn slot(&mut self, name: &str) -> Option<&mut Option<Value>> {
+        Some(match name {
+            "v" => &mut self.v,
+            "id" => &mut self.id,
+            "kind" => &mut self.kind,
+            "payload" => &mut self.payload,
+            "labels" => &mut self.labels,
+            "protocol" => &mut self.protocol,
+            "lane" => &mut self.lane,
+            "deadline" => &mut self.deadline,
+            "timeout_ms" => &mut self.timeout_ms,
+            "not_before" => &mut self.not_before,
+            "max_attempts" => &mut self.max_attempts,
+            "attempt" => &mut self.attempt,
+            "submitted_at" => &mut self.submitted_at,
+            "strategy" => &mut self.strategy,
+            "key" => &mut self.key,
+            "traceparent" => &mut self.traceparent,
+            "tracestate" => &mut self.tracestate,
+            _ => return None,
+        })
+    }
+
+    /// Puts one field.
+    fn put(&mut self, name: String, value: Value) {
+        match self.slot(&name) {
+            Some(slot) => *slot = Some(value),
+            None => {
+                self.extra.insert(name, value);
+            }
+        }
+    }
+}
+
+/// A JSON document read for an envelope: an object's [`Fields`], or `None` for anything else
+/// (refused as [`Reject::NotAnObject`]; read to its end, so a malformed one is still
+/// `MalformedJson`).
+struct TopLevel(Option<Fields>);
+
+impl<'de> serde::Deserialize<'de> for TopLevel {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{MapAccess, SeqAccess, Visitor};
+        use std::borrow::Cow;
+
+        /// An object's key, borrowed from the input unless it holds an escape.
+        struct Key<'de>(Cow<'de, str>);
+        impl<'de> serde::Deserialize<'de> for Key<'de> {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                struct KeyVisitor;
+                impl<'de> Visitor<'de> for KeyVisitor {
+                    type Value = Key<'de>;
+                    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                        f.write_str("a string key")
+                    }
+                    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Key<'de>, E> {
+                        Ok(Key(Cow::Borrowed(v)))
+                    }
+                    fn visit_str<E>(self, v: &str) -> Result<Key<'de>, E> {
+                        Ok(Key(Cow::Owned(v.to_string())))
+                    }
+                    fn visit_string<E>(self, v: String) -> Result<Key<'de>, E> {
+                        Ok(Key(Cow::Owned(v)))
+                    }
+                }
+                d.deserialize_str(KeyVisitor)
+            }
+        }
+
+        struct TopVisitor;
+        impl<'de> Visitor<'de> for TopVisitor {
+            type Value = TopLevel;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON document")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<TopLevel, A::Error> {
+                let mut fields = Fields::default();
+                while let Some(Key(name)) = map.next_key()? {
+                    match fields.slot(&name) {
+                        Some(slot) => *slot = Some(map.next_value()?),
+                        None => {
+                            let value = map.next_value()?;
+                            fields.extra.insert(name.into_owned(), value);
+                        }
+                    }
+                }
+                Ok(TopLevel(Some(fields)))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<TopLevel, A::Error> {
+                // Read as values, not skipped: skipping does not check a string's UTF-8, and
+                // the error must be the one a `Value` parse gives.
+                while seq.next_element::<Value>()?.is_some() {}
+                Ok(TopLevel(None))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<TopLevel, E> {
+                Ok(TopLevel(None))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<TopLevel, E> {
+                Ok(TopLevel(None))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<TopLevel, E> {
+                Ok(TopLevel(None))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<TopLevel, E> {
+                Ok(TopLevel(None))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<TopLevel, E> {
+                Ok(TopLevel(None))
+            }
+            fn visit_unit<E>(self) -> Result<TopLevel, E> {
+                Ok(TopLevel(None))
+            }
+        }
+        d.deserialize_any(TopVisitor)
+    }
+}
+
 fn fmt_time(t: DateTime<Utc>) -> Value {
     Value::String(t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true))
 }
@@ -733,6 +891,89 @@ mod tests {
     use super::*;
     use crate::task::PerLane;
     use serde_json::json;
+
+    /// The one-pass read of bytes gives what parsing a `Value` and taking its fields out gave:
+    /// the same envelope or the same refusal, for duplicate keys (the last wins), escaped
+    /// keys, `null`s, unknown fields, a message id, non-objects and malformed documents.
+    #[test]
+    fn bytes_and_value_paths_agree() {
+        let limits = Limits::default();
+        let cases: &[&[u8]] = &[
+            br#"{"kind":"noop"}"#,
+            br#"{"id":"a","kind":"resize","payload":{"w":[1,2.5,"x"]},"lane":"critical","x":1,"v":1}"#,
+            br#"{"kind":"a","kind":"b","id":"1","id":"2","zz":1,"zz":2}"#,
+            br#"{"ki\u006ed":"escaped","\u0069d":"e1","extra\u0020key":true}"#,
+            br#"{"kind":"k","id":null,"lane":null,"payload":null,"labels":null,"key":null}"#,
+            br#"{"kind":"k","labels":{"gpu":"a100"},"protocol":"builtin","strategy":"round_robin"}"#,
+            br#"{"kind":"k","labels":"gpu=a100,zone=eu","max_attempts":3,"attempt":2,"timeout_ms":5}"#,
+            br#"{"kind":"k","deadline":"2030-01-01T00:00:00Z","not_before":"2029-12-31T00:00:00.5Z"}"#,
+            br#"{"kind":"k","submitted_at":"2029-12-31T00:00:00.123456Z","key":"tenant-1"}"#,
+            br#"{"kind":"k","traceparent":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01","tracestate":"a=b"}"#,
+            br#"{"kind":"k","max_attempts":0}"#,
+            br#"{"kind":"k","attempt":-1}"#,
+            br#"{"kind":"k","lane":"fast"}"#,
+            br#"{"kind":"k","lane":7}"#,
+            br#"{"kind":"k","strategy":"best"}"#,
+            br#"{"kind":"k","key":"a b"}"#,
+            br#"{"kind":"k","deadline":"tomorrow"}"#,
+            br#"{"kind":"k","labels":{"a":1}}"#,
+            br#"{"kind":"k","protocol":"http","labels":{"protocol":"exec"}}"#,
+            br#"{"kind":""}"#,
+            br#"{"kind":5}"#,
+            br#"{"id":"x"}"#,
+            br#"{}"#,
+            br#"[{"kind":"k"}]"#,
+            br#""kind""#,
+            br#"null"#,
+            br#"7"#,
+            br#"true"#,
+            br#"{"kind":"k","#,
+            br#"{"kind":"k"} x"#,
+            br#"[1,2"#,
+            // Found by the fuzzer: an array's string that is not UTF-8 (a skip missed it).
+            b"[\"\x90\xdb\"",
+            br#"{"kind":"k","payload":[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}"#,
+        ];
+        for (i, case) in cases.iter().enumerate() {
+            let text = String::from_utf8_lossy(case);
+            for default_id in [None, Some("m-1")] {
+                let by_bytes = Envelope::parse_with_id(case, &limits, default_id);
+                let by_value = match serde_json::from_slice::<Value>(case) {
+                    Err(e) => Err(Reject::MalformedJson(e.to_string())),
+                    Ok(mut v) => {
+                        if let (Value::Object(o), Some(id)) = (&mut v, default_id) {
+                            if o.get("id").is_none_or(Value::is_null) {
+                                o.insert("id".into(), json!(id));
+                            }
+                        }
+                        Envelope::from_value_limited(v, &limits)
+                    }
+                };
+                match (by_bytes, by_value) {
+                    (Ok(mut a), Ok(b)) => {
+                        // A generated id differs by construction.
+                        if a.id.len() == 32 && b.id.len() == 32 && a.id != b.id {
+                            a.id = b.id.clone();
+                        }
+                        assert_eq!(a, b, "case {i}: {text}");
+                    }
+                    (a, b) => assert_eq!(a, b, "case {i}: {text}"),
+                }
+            }
+        }
+    }
+
+    /// Every known field has its slot in [`Fields`], and no other name does.
+    #[test]
+    fn every_known_field_has_a_slot() {
+        let mut f = Fields::default();
+        for name in KNOWN_FIELDS {
+            assert!(f.slot(name).is_some(), "{name}");
+        }
+        for name in ["batch", "Kind", "ids", "", "payload_from"] {
+            assert!(f.slot(name).is_none(), "{name}");
+        }
+    }
 
     /// `to_bytes` writes from borrowed fields: byte for byte what serialising `to_value` gives,
     /// for an envelope with every field set, extra fields (one sorting between fleet's), and a
