@@ -28,8 +28,31 @@ pub fn rabbitmq_nofile() -> u64 {
 /// `ops/nofile-exec.sh` itself, the script `ops/services.sh` starts the shared node with.
 const NOFILE_THEN_EXEC: &str = include_str!("../../ops/nofile-exec.sh");
 
-/// A free TCP port on 127.0.0.1 (bound, then released).
+/// A free TCP port on 127.0.0.1 (bound, then released) for a private server to listen on,
+/// chosen at random *below* the kernel's ephemeral range (`net.ipv4.ip_local_port_range`).
+/// A port the kernel hands out (`bind` to port 0) is one any outgoing connection may take as
+/// its local port in the seconds before the server binds it — the suite makes thousands —
+/// and a node that then fails with `eaddrinuse` fails its test (CI, round 3 session 15: a
+/// private RabbitMQ's listener). Ports below the range are never taken that way; each is
+/// handed out once per process. Falls back to a kernel-chosen port when none is free.
 pub fn free_port() -> Result<u16> {
+    use std::sync::{Mutex, OnceLock};
+    static GIVEN: OnceLock<Mutex<std::collections::HashSet<u16>>> = OnceLock::new();
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| t.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (from, to) = (10_000u16, low.saturating_sub(1));
+    if to > from {
+        let given = GIVEN.get_or_init(Default::default);
+        for _ in 0..200 {
+            let port = from + (rand::random::<u16>() % (to - from));
+            let fresh = given.lock().map(|mut g| g.insert(port)).unwrap_or(false);
+            if fresh && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?.port())
 }

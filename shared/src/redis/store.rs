@@ -249,7 +249,8 @@ impl Store {
         // Boxed: the pool's future carries the whole connect (Sentinel discovery included,
         // ≈ 10 KB), and without the box every future that awaits a Redis call would be that
         // large — copied and allocated once per call and per task attempt that embeds one,
-        // though a call almost always takes the shared connection and never gets here.
+        // though a call almost always takes the shared connection and never gets here (only
+        // a replicated call behind Sentinel takes a pooled connection every time).
         Box::pin(self.pool.get()).await
     }
 
@@ -661,8 +662,8 @@ mod tests {
     /// A call's future does not carry the pool's connect (Sentinel discovery included): the
     /// shared connection is almost always there, and every future that awaits a call — a
     /// worker's per-task attempt among them — was ≈ 11 KB for it, copied and allocated per
-    /// task (issue 34: a tenth of the process's memmove and malloc). The bound is for this
-    /// test's (debug) build; the connect alone is > 6 KB.
+    /// task (issue 34, BENCHMARKS.md round 28). The bound is for this test's (debug) build;
+    /// the connect alone is > 6 KB.
     #[test]
     fn a_calls_future_does_not_carry_the_connect() {
         let store = Store::new("redis://127.0.0.1:1", Names::new("size-test")).unwrap();

@@ -6,7 +6,10 @@
 //! are read in one pass ([`Fields`]): each known field's value straight into its slot, only
 //! unknown ones into a map — the same result as parsing the whole object into a `Value` and
 //! taking the fields out of it ([`Envelope::from_value_limited`]), without building and
-//! emptying that map once per task. The schema shipped in
+//! emptying that map once per task. One difference, on purpose: serde_json (its `raw_value`
+//! feature) reads an object whose first key is `$serde_json::private::RawValue` as the JSON
+//! text in that key's string, when it builds a `Value`; the one-pass read takes it as an
+//! ordinary unknown field, as it takes every other key. The schema shipped in
 //! `shared/schema/envelope.schema.json` is checked against this code by tests.
 
 use std::collections::BTreeMap;
@@ -21,26 +24,6 @@ use crate::task::{Labels, PROTOCOL_LABEL};
 pub const VERSION: u64 = 1;
 /// The JSON Schema of the envelope, as shipped for producers in other languages.
 pub const SCHEMA: &str = include_str!("../../schema/envelope.schema.json");
-/// Fields this version knows; anything else is kept in `extra`.
-pub const KNOWN_FIELDS: &[&str] = &[
-    "v",
-    "id",
-    "kind",
-    "payload",
-    "labels",
-    "protocol",
-    "lane",
-    "deadline",
-    "timeout_ms",
-    "not_before",
-    "max_attempts",
-    "attempt",
-    "submitted_at",
-    "strategy",
-    "key",
-    "traceparent",
-    "tracestate",
-];
 /// `not_before` further ahead than this is refused as absurd.
 pub const MAX_DELAY: Duration = Duration::days(30);
 
@@ -710,68 +693,60 @@ impl Envelope {
     }
 }
 
-/// An envelope time as RFC 3339 (UTC, `Z`) with microseconds: `submitted_at` is what every
-/// wait (`fleet_task_wait_seconds`) is measured from, and a millisecond string would add up to
-/// 1 ms (0.5 on average) to waits that are themselves about a millisecond on an idle fleet.
 /// An envelope object's fields as read: each of [`KNOWN_FIELDS`] in its own slot (the last one
 /// wins when a key repeats, as in a `serde_json::Map`), every other field in `extra`.
-#[derive(Default)]
-struct Fields {
-    v: Option<Value>,
-    id: Option<Value>,
-    kind: Option<Value>,
-    payload: Option<Value>,
-    labels: Option<Value>,
-    protocol: Option<Value>,
-    lane: Option<Value>,
-    deadline: Option<Value>,
-    timeout_ms: Option<Value>,
-    not_before: Option<Value>,
-    max_attempts: Option<Value>,
-    attempt: Option<Value>,
-    submitted_at: Option<Value>,
-    strategy: Option<Value>,
-    key: Option<Value>,
-    traceparent: Option<Value>,
-    tracestate: Option<Value>,
-    extra: Map<String, Value>,
-}
+/// `KNOWN_FIELDS`, this type and its `slot` are made from one list.
+macro_rules! known_fields {
+    ($($name:ident),* $(,)?) => {
+        /// Fields this version knows; anything else is kept in `extra`.
+        pub const KNOWN_FIELDS: &[&str] = &[$(stringify!($name)),*];
 
-impl Fields {
-    /// The slot of known field `name`; `None` for an unknown one.
-    fn slot(&mut self, name: &str) -> Option<&mut Option<Value>> {
-        Some(match name {
-            "v" => &mut self.v,
-            "id" => &mut self.id,
-            "kind" => &mut self.kind,
-            "payload" => &mut self.payload,
-            "labels" => &mut self.labels,
-            "protocol" => &mut self.protocol,
-            "lane" => &mut self.lane,
-            "deadline" => &mut self.deadline,
-            "timeout_ms" => &mut self.timeout_ms,
-            "not_before" => &mut self.not_before,
-            "max_attempts" => &mut self.max_attempts,
-            "attempt" => &mut self.attempt,
-            "submitted_at" => &mut self.submitted_at,
-            "strategy" => &mut self.strategy,
-            "key" => &mut self.key,
-            "traceparent" => &mut self.traceparent,
-            "tracestate" => &mut self.tracestate,
-            _ => return None,
-        })
-    }
+        #[derive(Default)]
+        struct Fields {
+            $($name: Option<Value>,)*
+            extra: Map<String, Value>,
+        }
 
-    /// Puts one field.
-    fn put(&mut self, name: String, value: Value) {
-        match self.slot(&name) {
-            Some(slot) => *slot = Some(value),
-            None => {
-                self.extra.insert(name, value);
+        impl Fields {
+            /// The slot of known field `name`; `None` for an unknown one.
+            fn slot(&mut self, name: &str) -> Option<&mut Option<Value>> {
+                Some(match name {
+                    $(stringify!($name) => &mut self.$name,)*
+                    _ => return None,
+                })
+            }
+            /// Puts one field.
+            fn put(&mut self, name: String, value: Value) {
+                match self.slot(&name) {
+                    Some(slot) => *slot = Some(value),
+                    None => {
+                        self.extra.insert(name, value);
+                    }
+                }
             }
         }
-    }
+    };
 }
+
+known_fields!(
+    v,
+    id,
+    kind,
+    payload,
+    labels,
+    protocol,
+    lane,
+    deadline,
+    timeout_ms,
+    not_before,
+    max_attempts,
+    attempt,
+    submitted_at,
+    strategy,
+    key,
+    traceparent,
+    tracestate,
+);
 
 /// A JSON document read for an envelope: an object's [`Fields`], or `None` for anything else
 /// (refused as [`Reject::NotAnObject`]; read to its end, so a malformed one is still
@@ -855,6 +830,9 @@ impl<'de> serde::Deserialize<'de> for TopLevel {
     }
 }
 
+/// An envelope time as RFC 3339 (UTC, `Z`) with microseconds: `submitted_at` is what every
+/// wait (`fleet_task_wait_seconds`) is measured from, and a millisecond string would add up to
+/// 1 ms (0.5 on average) to waits that are themselves about a millisecond on an idle fleet.
 fn fmt_time(t: DateTime<Utc>) -> Value {
     Value::String(t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true))
 }
@@ -934,14 +912,27 @@ mod tests {
             b"[\"\x90\xdb\"",
             br#"{"kind":"k","payload":[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}"#,
         ];
+        let long_id = "m".repeat(limits.max_id_bytes + 1);
         for (i, case) in cases.iter().enumerate() {
             let text = String::from_utf8_lossy(case);
-            for default_id in [None, Some("m-1")] {
+            for default_id in [
+                None,
+                Some("m-1"),
+                Some(""),
+                Some("m\n1"),
+                Some(long_id.as_str()),
+            ] {
                 let by_bytes = Envelope::parse_with_id(case, &limits, default_id);
                 let by_value = match serde_json::from_slice::<Value>(case) {
                     Err(e) => Err(Reject::MalformedJson(e.to_string())),
                     Ok(mut v) => {
-                        if let (Value::Object(o), Some(id)) = (&mut v, default_id) {
+                        // The message id rule of e2e2b6f's `parse_with_id`, on the `Value`.
+                        let valid = default_id.is_some_and(|id| {
+                            !id.is_empty()
+                                && id.len() <= limits.max_id_bytes
+                                && !id.chars().any(char::is_control)
+                        });
+                        if let (Value::Object(o), Some(id), true) = (&mut v, default_id, valid) {
                             if o.get("id").is_none_or(Value::is_null) {
                                 o.insert("id".into(), json!(id));
                             }
@@ -963,16 +954,40 @@ mod tests {
         }
     }
 
-    /// Every known field has its slot in [`Fields`], and no other name does.
+    /// Every known field has a slot of its own in [`Fields`] (a value put under one name is
+    /// read back under that name only), and other names go to `extra`.
     #[test]
-    fn every_known_field_has_a_slot() {
+    fn every_known_field_has_a_slot_of_its_own() {
         let mut f = Fields::default();
-        for name in KNOWN_FIELDS {
-            assert!(f.slot(name).is_some(), "{name}");
+        for (i, name) in KNOWN_FIELDS.iter().enumerate() {
+            f.put(name.to_string(), json!(i));
+        }
+        assert!(f.extra.is_empty());
+        for (i, name) in KNOWN_FIELDS.iter().enumerate() {
+            assert_eq!(f.slot(name).cloned(), Some(Some(json!(i))), "{name}");
         }
         for name in ["batch", "Kind", "ids", "", "payload_from"] {
             assert!(f.slot(name).is_none(), "{name}");
+            f.put(name.to_string(), json!(true));
         }
+        assert_eq!(f.extra.len(), 5);
+    }
+
+    /// The one difference from a `Value` parse (see the module's doc): serde_json's private
+    /// `RawValue` key is an ordinary unknown field here, not JSON text to read in its place.
+    #[test]
+    fn serde_jsons_raw_value_key_is_an_ordinary_field() {
+        let doc = br#"{"$serde_json::private::RawValue":"{\"kind\":\"k\"}"}"#;
+        assert_eq!(
+            Envelope::parse(doc, &Limits::default()),
+            Err(Reject::MissingKind)
+        );
+        let doc = br#"{"$serde_json::private::RawValue":"{}","kind":"k"}"#;
+        let e = Envelope::parse(doc, &Limits::default()).unwrap();
+        assert_eq!(
+            e.extra.get("$serde_json::private::RawValue"),
+            Some(&json!("{}"))
+        );
     }
 
     /// `to_bytes` writes from borrowed fields: byte for byte what serialising `to_value` gives,
