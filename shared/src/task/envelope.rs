@@ -728,25 +728,10 @@ macro_rules! known_fields {
     };
 }
 
-known_fields!(
-    v,
-    id,
-    kind,
-    payload,
-    labels,
-    protocol,
-    lane,
-    deadline,
-    timeout_ms,
-    not_before,
-    max_attempts,
-    attempt,
-    submitted_at,
-    strategy,
-    key,
-    traceparent,
-    tracestate,
-);
+known_fields! {
+    v, id, kind, payload, labels, protocol, lane, deadline, timeout_ms, not_before, max_attempts,
+    attempt, submitted_at, strategy, key, traceparent, tracestate,
+}
 
 /// A JSON document read for an envelope: an object's [`Fields`], or `None` for anything else
 /// (refused as [`Reject::NotAnObject`]; read to its end, so a malformed one is still
