@@ -272,7 +272,7 @@ async fn claim(
             Some(Claim::Cancelled) => {
                 // Kept in `<ns>.cancelled` first (a bulk retry runs it again from there); not
                 // kept, the copy goes back to the broker and is handled again.
-                if !probe && !Box::pin(keep_cancelled(shared, delivery, env, env.attempt)).await {
+                if !probe && !keep_cancelled(shared, delivery, env, env.attempt).await {
                     return None;
                 }
                 tracing::info!(
@@ -390,7 +390,7 @@ async fn attempt_task(
         .flatten()
     {
         // Kept in `<ns>.cancelled` before the ack (see `keep_cancelled`).
-        if !Box::pin(keep_cancelled(&shared, &delivery, &env, env.attempt)).await {
+        if !keep_cancelled(&shared, &delivery, &env, env.attempt).await {
             return;
         }
         // Refused for its batch's cancel alone (this worker has read no cancel record of its
@@ -495,7 +495,7 @@ async fn attempt_task(
         }
         // Kept in `<ns>.cancelled` before the ack; not kept, the copy goes back to the broker
         // and its next reading (this worker's memory, or start.lua) keeps it.
-        if !Box::pin(keep_cancelled(&shared, &delivery, &env, attempt)).await {
+        if !keep_cancelled(&shared, &delivery, &env, attempt).await {
             return;
         }
         batch_end(&shared, &env, TaskState::Cancelled.as_str(), None).await;
@@ -904,6 +904,18 @@ async fn dead_letter(
 /// again — the one copy of the task is never lost before the ack. A second keep of the same id
 /// (a redelivered copy) may publish again: the retry takes one per id.
 async fn keep_cancelled(
+    shared: &Shared,
+    delivery: &Delivery,
+    env: &Envelope,
+    attempt: u32,
+) -> bool {
+    // Boxed, so the publish's state (kilobytes) is allocated only for a cancelled copy, not
+    // carried by every attempt's future.
+    Box::pin(publish_cancelled(shared, delivery, env, attempt)).await
+}
+
+/// [`keep_cancelled`]'s publish.
+async fn publish_cancelled(
     shared: &Shared,
     delivery: &Delivery,
     env: &Envelope,
